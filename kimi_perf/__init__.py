@@ -1,0 +1,19 @@
+"""kimi-perf: per-layer kernel counts and µs from nsys and PyTorch-profiler traces.
+
+Library entry points (the CLI is a thin layer over these)::
+
+    from kimi_perf import read_trace, breakdown, compare, range_kernel_summary
+    trace = read_trace("decode.sqlite")          # or .nsys-rep, Kineto .json(.gz), .kptrace
+    b = breakdown(trace)                          # steps, layers, per-type medians
+"""
+
+from kimi_perf.attribution import range_kernel_summary
+from kimi_perf.breakdown import Breakdown, breakdown
+from kimi_perf.compare import compare
+from kimi_perf.errors import TraceError
+from kimi_perf.readers import read_trace
+from kimi_perf.trace import Trace
+
+__all__ = ["Breakdown", "Trace", "TraceError", "breakdown", "compare", "range_kernel_summary",
+           "read_trace"]
+__version__ = "0.1.0"

@@ -1,0 +1,3 @@
+from kimi_perf.cli import main
+
+main()

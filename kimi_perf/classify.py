@@ -1,0 +1,82 @@
+"""Kernel classes (gemm, attention, moe, norm, ...) from an ordered table of regex rules."""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+import numpy as np
+
+from kimi_perf.errors import TraceError
+
+OTHER = "other"
+
+
+@dataclass(frozen=True)
+class Rule:
+    cls: str
+    pattern: re.Pattern
+
+
+def _parse_rules(text: str, source: str | Path) -> list[Rule]:
+    try:
+        doc = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise TraceError(source, f"invalid TOML ({exc})") from None
+    entries = doc.get("rule")
+    if not isinstance(entries, list) or not entries:
+        raise TraceError(source, "no [[rule]] entries (each needs 'class' and 'pattern')")
+    rules = []
+    for i, entry in enumerate(entries):
+        if not isinstance(entry, dict) or not isinstance(entry.get("class"), str) \
+                or not isinstance(entry.get("pattern"), str):
+            raise TraceError(source, f"rule {i + 1} needs string 'class' and 'pattern'")
+        try:
+            rules.append(Rule(entry["class"], re.compile(entry["pattern"], re.IGNORECASE)))
+        except re.error as exc:
+            raise TraceError(source, f"rule {i + 1} has a bad regex ({exc})") from None
+    return rules
+
+
+def default_rules() -> list[Rule]:
+    text = resources.files("kimi_perf").joinpath("kernel_classes.toml").read_text()
+    return _parse_rules(text, "kernel_classes.toml")
+
+
+def load_rules(extra: str | Path | None = None) -> list[Rule]:
+    """The default rules, preceded by the rules of a user's TOML file when given."""
+    rules = default_rules()
+    if extra is None:
+        return rules
+    path = Path(extra)
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise TraceError(path, f"cannot read rules ({exc})") from None
+    return _parse_rules(text, path) + rules
+
+
+def classify_name(name: str, rules: list[Rule]) -> str:
+    for rule in rules:
+        if rule.pattern.search(name):
+            return rule.cls
+    return OTHER
+
+
+def classify(names: np.ndarray, strings: list[str], rules: list[Rule]) -> tuple[np.ndarray,
+                                                                               list[str]]:
+    """Class code per name code, and the class labels the codes index (one regex pass per
+    distinct name, not per kernel)."""
+    labels: list[str] = []
+    index: dict[str, int] = {}
+    uniq, inverse = np.unique(names, return_inverse=True)
+    codes = np.empty(len(uniq), np.int32)
+    for i, code in enumerate(uniq.tolist()):
+        label = classify_name(strings[code], rules)
+        codes[i] = index.setdefault(label, len(labels))
+        if codes[i] == len(labels):
+            labels.append(label)
+    return codes[inverse].astype(np.int32) if len(names) else np.empty(0, np.int32), labels

@@ -1,0 +1,164 @@
+"""``kimi-perf``: thin click commands over the library API."""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+from pathlib import Path
+
+import click
+from rich.console import Console
+
+from kimi_perf import render
+from kimi_perf.attribution import range_kernel_summary
+from kimi_perf.breakdown import Breakdown, breakdown
+from kimi_perf.classify import load_rules
+from kimi_perf.compare import compare
+from kimi_perf.errors import TraceError
+from kimi_perf.readers import read_trace
+from kimi_perf.trace import atomic_write_text
+
+LAYERS_HELP = ("auto: per-layer ranges when the trace has them, else the repeating kernel "
+               "pattern; repeat: the pattern only; nvtx or nvtx:REGEX: ranges only (REGEX may "
+               "name groups 'index' and 'type')")
+
+
+def _fail_cleanly(fn):
+    """Bad input ends in one line on stderr and exit code 2, never a traceback."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except TraceError as exc:
+            click.echo(f"kimi-perf: error: {exc}", err=True)
+            sys.exit(2)
+    return wrapper
+
+
+def _emit(text: str, output: Path | None) -> None:
+    if output is None:
+        click.echo(text, nl=False)
+    else:
+        atomic_write_text(output, text)
+
+
+def _layers_option(fn):
+    return click.option("--layers", default="auto", show_default=True, help=LAYERS_HELP)(fn)
+
+
+def _check_layers(value: str) -> str:
+    if value in ("auto", "repeat", "nvtx") or value.startswith("nvtx:"):
+        if value.startswith("nvtx:"):
+            import re
+            try:
+                re.compile(value[5:])
+            except re.error as exc:
+                raise TraceError(None, f"--layers: bad regex ({exc})") from None
+        return value
+    raise TraceError(None, f"--layers must be auto, repeat, nvtx or nvtx:REGEX, not {value!r}")
+
+
+@click.group()
+@click.version_option(package_name="kimi-perf")
+def main() -> None:
+    """Per-layer kernel counts and µs from nsys and PyTorch-profiler traces."""
+
+
+@main.command()
+@click.argument("trace", type=click.Path(path_type=Path))
+@click.option("--format", "fmt", type=click.Choice(["csv", "table", "json"]), default="table",
+              show_default=True)
+@click.option("-o", "--output", type=click.Path(path_type=Path), help="write here, not stdout")
+@_fail_cleanly
+def ranges(trace: Path, fmt: str, output: Path | None) -> None:
+    """Kernels per range, as `nsys stats --report nvtx_kern_sum` attributes them."""
+    rows = range_kernel_summary(read_trace(trace))
+    if fmt == "table":
+        Console().print(render.ranges_table(rows))
+    else:
+        _emit(render.ranges_csv(rows) if fmt == "csv" else render.ranges_json(rows), output)
+
+
+def _breakdown_of(path: Path, layers: str, rules: Path | None, steps: str | None) -> Breakdown:
+    """A trace's breakdown, or a saved breakdown JSON as it is."""
+    if path.suffix == ".json" and path.exists():
+        try:
+            doc = json.loads(path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError, OSError):
+            doc = None
+        if isinstance(doc, dict) and "schema" in doc and "layer_types" in doc:
+            return Breakdown.from_json(doc, path)
+    return breakdown(read_trace(path), layers=_check_layers(layers), rules=load_rules(rules),
+                     step_regex=steps)
+
+
+@main.command(name="breakdown")
+@click.argument("trace", type=click.Path(path_type=Path))
+@click.option("--format", "fmt", type=click.Choice(["table", "json", "csv"]), default="table",
+              show_default=True)
+@_layers_option
+@click.option("--steps", "step_regex", help="regex for step ranges (default: decode_step[i], "
+              "ProfilerStep#N, vLLM's execute_... annotation)")
+@click.option("--rules", type=click.Path(path_type=Path), help="TOML file of extra kernel-class "
+              "rules, tried before the defaults")
+@click.option("-o", "--output", type=click.Path(path_type=Path), help="write here, not stdout")
+@_fail_cleanly
+def breakdown_cmd(trace: Path, fmt: str, layers: str, step_regex: str | None,
+                  rules: Path | None, output: Path | None) -> None:
+    """Per step and layer: kernels, kernel µs, span µs, gap µs, per class; medians per type."""
+    b = _breakdown_of(trace, layers, rules, step_regex)
+    if fmt == "table":
+        render.print_tables(render.breakdown_tables(b))
+    else:
+        _emit(render.breakdown_json(b) if fmt == "json" else render.breakdown_csv(b), output)
+
+
+@main.command(name="compare")
+@click.argument("a", type=click.Path(path_type=Path))
+@click.argument("b", type=click.Path(path_type=Path))
+@click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table",
+              show_default=True)
+@_layers_option
+@click.option("--steps", "step_regex", help="regex for step ranges")
+@click.option("--rules", type=click.Path(path_type=Path), help="extra kernel-class rules")
+@click.option("--labels", default="A,B", show_default=True, help="names for A and B")
+@click.option("-o", "--output", type=click.Path(path_type=Path), help="write here, not stdout")
+@_fail_cleanly
+def compare_cmd(a: Path, b: Path, fmt: str, layers: str, step_regex: str | None,
+                rules: Path | None, labels: str, output: Path | None) -> None:
+    """A and B side by side per layer type (traces or breakdown JSON files)."""
+    label_a, _, label_b = labels.partition(",")
+    rows = compare(_breakdown_of(a, layers, rules, step_regex),
+                   _breakdown_of(b, layers, rules, step_regex))
+    if fmt == "json":
+        _emit(render.comparison_json(rows, label_a, label_b or "B"), output)
+        return
+    console = Console()
+    console.print(render.comparison_table(rows, label_a, label_b or "B"))
+    console.print(render.comparison_headline(rows, label_a, label_b or "B"))
+
+
+@main.command()
+@click.argument("trace", type=click.Path(path_type=Path))
+@click.argument("output", type=click.Path(path_type=Path))
+@_fail_cleanly
+def convert(trace: Path, output: Path) -> None:
+    """Save any trace in kimi-perf's own format (.kptrace: one Arrow file, fast to reload)."""
+    read_trace(trace).save(output)
+
+
+@main.command()
+@click.argument("trace", type=click.Path(path_type=Path))
+@_fail_cleanly
+def info(trace: Path) -> None:
+    """What a trace holds: format, tool, GPUs, and how many events of each kind."""
+    t = read_trace(trace)
+    m = t.meta
+    click.echo(f"{trace}: {m.get('format')} from {m.get('tool')}"
+               + (f", schema {m['schema']}" if m.get("schema") else ""))
+    click.echo(f"  kernels {len(t.kernels)}, memcpy/memset {len(t.memops)}, ranges "
+               f"{len(t.ranges)}, API calls {len(t.api)}")
+    for gpu in m.get("gpus", []):
+        click.echo(f"  GPU {gpu.get('device')}: {gpu.get('name') or '(unnamed)'}"
+                   + (f", {gpu['sm_count']} SMs" if gpu.get("sm_count") else ""))

@@ -1,0 +1,72 @@
+"""Two breakdowns side by side per layer type: kernels, µs and their ratio."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kimi_perf.breakdown import Breakdown
+
+ALL_LAYERS = "all layers (mean)"
+
+
+@dataclass
+class ComparisonRow:
+    type: str
+    layers_a: int
+    kernels_a: float | None
+    kernel_us_a: float | None
+    span_us_a: float | None
+    layers_b: int
+    kernels_b: float | None
+    kernel_us_b: float | None
+    span_us_b: float | None
+
+    @property
+    def span_ratio(self) -> float | None:
+        """A's layer time over B's: above 1 means B is faster."""
+        if self.span_us_a is None or not self.span_us_b:
+            return None
+        return round(self.span_us_a / self.span_us_b, 3)
+
+    @property
+    def kernel_ratio(self) -> float | None:
+        if self.kernels_a is None or not self.kernels_b:
+            return None
+        return round(self.kernels_a / self.kernels_b, 3)
+
+    def to_json(self) -> dict:
+        return {"type": self.type,
+                "a": {"layers": self.layers_a, "kernels": self.kernels_a,
+                      "kernel_us": self.kernel_us_a, "span_us": self.span_us_a},
+                "b": {"layers": self.layers_b, "kernels": self.kernels_b,
+                      "kernel_us": self.kernel_us_b, "span_us": self.span_us_b},
+                "span_ratio": self.span_ratio, "kernel_ratio": self.kernel_ratio}
+
+
+def compare(a: Breakdown, b: Breakdown) -> list[ComparisonRow]:
+    """Rows for each layer type (matched by name, A's order first), then all layers' mean."""
+    types_a = {t["type"]: t for t in a.layer_types}
+    types_b = {t["type"]: t for t in b.layer_types}
+    order = list(types_a) + [t for t in types_b if t not in types_a]
+    rows = [_row(name, types_a.get(name), types_b.get(name)) for name in order]
+    if a.layers or b.layers:
+        rows.append(_row(ALL_LAYERS, _mean(a), _mean(b)))
+    return rows
+
+
+def _row(name: str, ta: dict | None, tb: dict | None) -> ComparisonRow:
+    def pick(t, key):
+        return t[key] if t else None
+    return ComparisonRow(name, ta["layers"] if ta else 0, pick(ta, "kernels"),
+                         pick(ta, "kernel_us"), pick(ta, "span_us"),
+                         tb["layers"] if tb else 0, pick(tb, "kernels"), pick(tb, "kernel_us"),
+                         pick(tb, "span_us"))
+
+
+def _mean(b: Breakdown) -> dict | None:
+    if not b.layers:
+        return None
+    n = len(b.layers)
+    return {"layers": n,
+            **{k: round(sum(layer[k] for layer in b.layers) / n, 3)
+               for k in ("kernels", "kernel_us", "span_us")}}

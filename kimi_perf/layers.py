@@ -1,0 +1,400 @@
+"""Split a trace into steps, and each step into a prologue, N layers and an epilogue.
+
+Steps come from step ranges (``decode_step[i]``, ``ProfilerStep#N``, vLLM's ``execute_...``
+annotation), else from CUDA/HIP graph launches when graphs carry the GPU work, else one step per
+process and device. Layers come from per-layer ranges (``layer[3]``, ``layers.3``,
+``DecoderLayer_3``...) or, when none exist (graph replay, unannotated traces), from the repeating
+kernel pattern of each step (``find_repeats``).
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kimi_perf.nesting import containing, range_groups, thread_keys
+from kimi_perf.trace import GPU_RANGE, Trace
+
+# Tried in order; the first pattern that matches a range holding GPU work defines the steps.
+STEP_PATTERNS = [
+    r"^decode_step\[(?P<index>\d+)\]",
+    r"^(?:decode_)?step[\[_ #]?(?P<index>\d+)\]?$",
+    r"^execute_\d+_context_\d+",        # vLLM's per-step annotation
+    r"^execute_model",
+    r"^ProfilerStep#(?P<index>\d+)$",
+]
+
+# One regex for the common per-layer spellings: layer[3], layer_3, layers.3, model.layers.3,
+# DecoderLayer_3, with an optional type: "layer[3](kda)", "layer[3] mla", "layer[3]:kda".
+DEFAULT_LAYER_PATTERN = (
+    r"^(?:[\w.]*\.)?(?:\w*DecoderLayer|layers?)(?:\[(?P<index>\d+)\]|[._ ](?P<index2>\d+))"
+    r"(?:\s*[(:]\s*(?P<type>[A-Za-z][\w-]*)\)?|\s+(?P<type2>[A-Za-z][\w-]*))?$"
+)
+
+GRAPH_LAUNCH = re.compile(r"^(cuda|hip|cu)GraphLaunch")
+
+
+@dataclass
+class GpuOps:
+    """Kernels and memcpy/memset in one table (memory ops after the kernels)."""
+
+    name: np.ndarray
+    start: np.ndarray
+    end: np.ndarray
+    device: np.ndarray
+    pid: np.ndarray
+    tid: np.ndarray
+    api: np.ndarray
+    is_kernel: np.ndarray
+
+    @classmethod
+    def of(cls, trace: Trace) -> GpuOps:
+        k, m = trace.kernels, trace.memops
+        cat = np.concatenate
+        return cls(name=cat([k.name, m.name]), start=cat([k.start, m.start]),
+                   end=cat([k.end, m.end]), device=cat([k.device, m.device]),
+                   pid=cat([k.pid, m.pid]), tid=cat([k.tid, m.tid]), api=cat([k.api, m.api]),
+                   is_kernel=np.r_[np.ones(len(k), bool), np.zeros(len(m), bool)])
+
+    def __len__(self) -> int:
+        return len(self.name)
+
+    def launch_interval(self, trace: Trace) -> tuple[np.ndarray, np.ndarray]:
+        ok = self.api >= 0
+        row = np.where(ok, self.api, 0)
+        if len(trace.api) == 0:
+            return np.zeros(len(self), np.int64), np.zeros(len(self), np.int64)
+        return (np.where(ok, trace.api.start[row], 0), np.where(ok, trace.api.end[row], 0))
+
+
+@dataclass
+class Layer:
+    index: int
+    ops: np.ndarray           # rows of GpuOps, in GPU start order
+    type: str = ""
+
+
+@dataclass
+class Step:
+    index: int
+    device: int
+    pid: int
+    name: str
+    ops: np.ndarray
+    prologue: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))
+    epilogue: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))
+    layers: list[Layer] = field(default_factory=list)
+    layer_source: str = "none"   # "nvtx", "repeat" or "none"
+
+
+# -- steps -------------------------------------------------------------------------------------
+
+def find_steps(trace: Trace, ops: GpuOps, step_regex: str | None = None) -> list[Step]:
+    patterns = [step_regex] if step_regex else STEP_PATTERNS
+    launch_start, launch_end = ops.launch_interval(trace)
+    keys = thread_keys(ops.pid, np.where(ops.api >= 0, ops.tid, -1))
+    range_keys = range_groups(trace.ranges)
+    range_keys[trace.ranges.style == GPU_RANGE] = -1
+    for pattern in patterns:
+        regex = re.compile(pattern)
+        matching = trace.names_matching(regex)[trace.ranges.name] if len(trace.ranges) else \
+            np.zeros(0, bool)
+        if not matching.any():
+            continue
+        rkeys = np.where(matching, range_keys, -1)
+        rows, op_rows = containing(trace.ranges, rkeys, keys, launch_start, launch_end)
+        if len(rows) == 0:
+            continue
+        # A nested step range of the same pattern: keep the innermost (latest start).
+        order = np.lexsort((-trace.ranges.start[rows], op_rows))
+        op_sorted, rows_sorted = op_rows[order], rows[order]
+        first = np.r_[True, op_sorted[1:] != op_sorted[:-1]]
+        return _steps_from_groups(trace, ops, rows_sorted[first], op_sorted[first])
+    graph_steps = _graph_launch_steps(trace, ops)
+    if graph_steps:
+        return graph_steps
+    return _whole_trace_steps(ops)
+
+
+def _steps_from_groups(trace: Trace, ops: GpuOps, group: np.ndarray, op_rows: np.ndarray,
+                       names: dict[int, str] | None = None) -> list[Step]:
+    """Steps from (group id, op row) pairs, split by device, ordered by first GPU start."""
+    steps = []
+    order = np.lexsort((ops.start[op_rows], ops.device[op_rows], group))
+    g, rows = group[order], op_rows[order]
+    dev = ops.device[rows]
+    cut = np.flatnonzero(np.r_[True, (g[1:] != g[:-1]) | (dev[1:] != dev[:-1])])
+    bounds = np.r_[cut, len(rows)]
+    for lo, hi in zip(bounds[:-1].tolist(), bounds[1:].tolist(), strict=True):
+        members = rows[lo:hi]
+        gid = int(g[lo])
+        if names is not None:
+            label = names.get(gid, "")
+        else:
+            label = trace.strings[trace.ranges.name[gid]]
+        steps.append(Step(index=0, device=int(dev[lo]), pid=int(ops.pid[members[0]]),
+                          name=label, ops=members))
+    steps.sort(key=lambda s: (s.device, int(ops.start[s.ops[0]])))
+    per_device: Counter = Counter()
+    for s in steps:
+        s.index = per_device[s.device]
+        per_device[s.device] += 1
+    return steps
+
+
+def _graph_launch_steps(trace: Trace, ops: GpuOps) -> list[Step]:
+    """One step per graph launch, where graph launches carry (nearly) all the GPU work."""
+    if len(trace.api) == 0 or len(ops) == 0:
+        return []
+    is_graph = trace.names_matching(GRAPH_LAUNCH)[trace.api.name]
+    launched = ops.api >= 0
+    in_graph = np.zeros(len(ops), bool)
+    in_graph[launched] = is_graph[ops.api[launched]]
+    if in_graph.sum() < 0.9 * len(ops):
+        return []
+    rows = np.flatnonzero(in_graph)
+    names = {int(a): trace.strings[trace.api.name[a]] for a in np.unique(ops.api[rows])}
+    return _steps_from_groups(trace, ops, ops.api[rows], rows, names)
+
+
+def _whole_trace_steps(ops: GpuOps) -> list[Step]:
+    if len(ops) == 0:
+        return []
+    steps = []
+    for dev in np.unique(ops.device).tolist():
+        rows = np.flatnonzero(ops.device == dev)
+        rows = rows[np.argsort(ops.start[rows], kind="stable")]
+        steps.append(Step(index=0, device=dev, pid=int(ops.pid[rows[0]]),
+                          name=f"device {dev}", ops=rows))
+    return steps
+
+
+# -- layers from ranges -------------------------------------------------------------------------
+
+def layers_from_ranges(trace: Trace, ops: GpuOps, steps: list[Step], layer_regex: str) -> bool:
+    """Assign each op to its innermost matching layer range; fill ``steps[*].layers``.
+
+    Returns False when no layer range holds any GPU work.
+    """
+    regex = re.compile(layer_regex)
+    r = trace.ranges
+    if len(r) == 0:
+        return False
+    matching = trace.names_matching(regex)[r.name]
+    rkeys = np.where(matching & (r.style != GPU_RANGE), range_groups(r), -1)
+    launch_start, launch_end = ops.launch_interval(trace)
+    keys = thread_keys(ops.pid, np.where(ops.api >= 0, ops.tid, -1))
+    rows, op_rows = containing(r, rkeys, keys, launch_start, launch_end)
+    if len(rows) == 0:
+        return False
+    order = np.lexsort((-r.depth[rows], op_rows))
+    op_sorted, rows_sorted = op_rows[order], rows[order]
+    first = np.r_[True, op_sorted[1:] != op_sorted[:-1]]
+    layer_of_op = np.full(len(ops), -1, np.int64)
+    layer_of_op[op_sorted[first]] = rows_sorted[first]
+
+    parsed: dict[int, tuple[int | None, str]] = {}
+    for code in np.unique(r.name[np.unique(rows)]).tolist():
+        m = regex.search(trace.strings[code])
+        groups = m.groupdict() if m else {}
+        idx = groups.get("index") or groups.get("index2")
+        if idx is None and m and m.groups():
+            idx = next((g for g in m.groups() if g and g.isdigit()), None)
+        kind = groups.get("type") or groups.get("type2") or ""
+        parsed[code] = (int(idx) if idx is not None else None, kind)
+
+    for step in steps:
+        owner = layer_of_op[step.ops]
+        inside = owner >= 0
+        if not inside.any():
+            continue
+        step.layer_source = "nvtx"
+        positions = np.flatnonzero(inside)
+        step.prologue = step.ops[: positions[0]]
+        step.epilogue = step.ops[positions[-1] + 1:]
+        layer_rows = np.unique(owner[inside])
+        layer_rows = layer_rows[np.argsort(r.start[layer_rows], kind="stable")]
+        for seq, row in enumerate(layer_rows.tolist()):
+            idx, kind = parsed.get(int(r.name[row]), (None, ""))
+            step.layers.append(Layer(index=idx if idx is not None else seq,
+                                     ops=step.ops[owner == row], type=kind))
+    return any(s.layers for s in steps)
+
+
+# -- layers from the repeating kernel pattern -------------------------------------------------
+
+@dataclass
+class RepeatSplit:
+    """Half-open [start, end) positions of N layers within a step's op sequence."""
+
+    starts: np.ndarray
+    ends: np.ndarray
+
+
+def find_repeats(seq: np.ndarray, min_coverage: float = 0.5) -> RepeatSplit | None:
+    """Find N consecutive layers in a sequence of kernel-name codes.
+
+    Names that occur exactly N times, once in each layer, anchor the layers: for the right N,
+    their i-th occurrences all fall between their (i-1)-th and (i+1)-th. The N with the most
+    such occurrences wins. Between two anchored *cores* lies the tail of one layer and the head
+    of the next; the head is what all those gaps end with. The first layer's head and the last
+    layer's tail are matched by name against the other layers', since the first and last
+    layers often differ slightly (a plain norm instead of a fused residual-add norm).
+    """
+    n = len(seq)
+    if n < 4:
+        return None
+    uniq, inverse, counts = np.unique(seq, return_inverse=True, return_counts=True)
+    positions_of = _positions_by_name(inverse, len(uniq))
+    best: tuple[int, int, np.ndarray, np.ndarray] | None = None
+    for count in np.unique(counts).tolist():
+        if count < 2 or count > n // 2:
+            continue
+        names = np.flatnonzero(counts == count)
+        lo, hi, support = _consistent_cores(names, positions_of, count)
+        if support < 2:  # one recurring kernel is no pattern
+            continue
+        score = support * count
+        if best is None or score > best[0] or (score == best[0] and count > best[1]):
+            best = (score, count, lo, hi)
+    if best is None:
+        return None
+    _, count, lo, hi = best
+    gaps = [seq[hi[i - 1] + 1: lo[i]] for i in range(1, count)]
+    head = _common_suffix(gaps)
+    starts = np.array([lo[i] - len(head) for i in range(count)], np.int64)
+    starts[0] = lo[0] - _match_backward(seq, lo[0], head)
+    ends = np.r_[starts[1:], 0].astype(np.int64)
+    tails = {tuple(seq[hi[i] + 1: starts[i + 1]].tolist()) for i in range(count - 1)}
+    ends[-1] = hi[-1] + 1 + max(_match_forward(seq, hi[-1] + 1, np.array(t)) for t in tails)
+    if (ends - starts).sum() < min_coverage * n:
+        return None
+    return RepeatSplit(starts=starts, ends=ends)
+
+
+def _positions_by_name(inverse: np.ndarray, n_names: int) -> list[np.ndarray]:
+    order = np.argsort(inverse, kind="stable")
+    bounds = np.searchsorted(inverse[order], np.arange(n_names + 1))
+    return [order[bounds[i]: bounds[i + 1]] for i in range(n_names)]
+
+
+def _consistent_cores(names: np.ndarray, positions_of: list[np.ndarray], count: int
+                      ) -> tuple[np.ndarray, np.ndarray, int]:
+    """Greedily keep names whose i-th occurrences stay inside layer i for every i."""
+    matrix = np.stack([positions_of[k] for k in names.tolist()])  # [names, count]
+    spacing = np.diff(matrix, axis=1)
+    regularity = spacing.std(axis=1) / np.maximum(spacing.mean(axis=1), 1)
+    reference = matrix[np.argmin(regularity)]
+    offsets = matrix - reference
+    order = np.argsort(offsets.std(axis=1), kind="stable")
+    lo = hi = reference.copy()
+    support = 0
+    for row in order.tolist():
+        new_lo = np.minimum(lo, matrix[row])
+        new_hi = np.maximum(hi, matrix[row])
+        if (new_hi[:-1] < new_lo[1:]).all():
+            lo, hi = new_lo, new_hi
+            support += 1
+    return lo, hi, support
+
+
+def _common_suffix(gaps: list[np.ndarray]) -> np.ndarray:
+    shortest = min(len(g) for g in gaps)
+    length = 0
+    while length < shortest and all(g[len(g) - 1 - length] == gaps[0][len(gaps[0]) - 1 - length]
+                                    for g in gaps):
+        length += 1
+    return gaps[0][len(gaps[0]) - length:] if length else gaps[0][:0]
+
+
+def _match_backward(seq: np.ndarray, before: int, pattern: np.ndarray) -> int:
+    """How many ops just before ``before`` match ``pattern`` read backwards, skipping pattern
+    entries the sequence lacks."""
+    j = before - 1
+    for name in pattern[::-1].tolist():
+        if j >= 0 and seq[j] == name:
+            j -= 1
+    return before - 1 - j
+
+
+def _match_forward(seq: np.ndarray, start: int, pattern: np.ndarray) -> int:
+    j = start
+    for name in pattern.tolist():
+        if j < len(seq) and seq[j] == name:
+            j += 1
+    return j - start
+
+
+def layers_from_repeats(ops: GpuOps, steps: list[Step]) -> bool:
+    found = False
+    for step in steps:
+        split = find_repeats(ops.name[step.ops])
+        if split is None:
+            continue
+        found = True
+        step.layer_source = "repeat"
+        step.prologue = step.ops[: split.starts[0]]
+        step.epilogue = step.ops[split.ends[-1]:]
+        step.layers = [Layer(index=i, ops=step.ops[s:e])
+                       for i, (s, e) in enumerate(zip(split.starts.tolist(),
+                                                      split.ends.tolist(), strict=True))]
+    return found
+
+
+# -- layer types ------------------------------------------------------------------------------
+
+def assign_types(ops: GpuOps, steps: list[Step], similarity: float = 0.8) -> None:
+    """Name layer types: keep types the ranges gave; otherwise group layers by their kernel
+    sequence, folding one-off variants (first/last layer) into the closest common type."""
+    layers = [layer for s in steps for layer in s.layers if not layer.type]
+    if not layers:
+        return
+    signatures = [tuple(ops.name[layer.ops].tolist()) for layer in layers]
+    frequency = Counter(signatures)
+    common = [sig for sig, c in frequency.items() if c > 1] or list(frequency)
+    group: dict[tuple, tuple] = {sig: sig for sig in common}
+    for sig in frequency:
+        if sig not in group:
+            closest = max(common, key=lambda c: _overlap(sig, c))
+            group[sig] = closest if _overlap(sig, closest) >= similarity else sig
+    # Letters in order of first appearance.
+    labels: dict[tuple, str] = {}
+    for layer, sig in zip(layers, signatures, strict=True):
+        representative = group[sig]
+        if representative not in labels:
+            labels[representative] = _type_label(len(labels))
+        layer.type = labels[representative]
+
+
+def _type_label(i: int) -> str:
+    letters = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
+    return letters[i] if i < len(letters) else f"T{i}"
+
+
+def _overlap(a: tuple, b: tuple) -> float:
+    shared = sum((Counter(a) & Counter(b)).values())
+    return shared / max(len(a), len(b), 1)
+
+
+# -- entry point ------------------------------------------------------------------------------
+
+def segment(trace: Trace, layers: str = "auto", step_regex: str | None = None
+            ) -> tuple[GpuOps, list[Step]]:
+    """Steps with their layers. ``layers``: ``auto`` (per-layer ranges when the trace has them,
+    else the repeating pattern), ``nvtx`` / ``nvtx:REGEX`` (ranges only), ``repeat``."""
+    ops = GpuOps.of(trace)
+    steps = find_steps(trace, ops, step_regex)
+    if layers == "auto":
+        if not layers_from_ranges(trace, ops, steps, DEFAULT_LAYER_PATTERN):
+            layers_from_repeats(ops, steps)
+    elif layers == "repeat":
+        layers_from_repeats(ops, steps)
+    elif layers == "nvtx" or layers.startswith("nvtx:"):
+        layers_from_ranges(trace, ops, steps, layers[5:] or DEFAULT_LAYER_PATTERN)
+    else:
+        raise ValueError(f"unknown layer mode {layers!r}: use auto, repeat, nvtx or nvtx:REGEX")
+    assign_types(ops, steps)
+    return ops, steps

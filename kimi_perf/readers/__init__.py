@@ -1,0 +1,47 @@
+"""``read_trace(path)``: any supported trace file -> ``Trace``, chosen by content, not name."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from kimi_perf.errors import TraceError
+from kimi_perf.nesting import nest_ranges
+from kimi_perf.readers.kineto import GZIP_MAGIC, read_kineto_json
+from kimi_perf.readers.nsys import SQLITE_MAGIC, read_nsys_rep, read_nsys_sqlite
+from kimi_perf.trace import Trace
+
+ARROW_MAGIC = b"ARROW1"
+
+__all__ = ["read_trace"]
+
+
+def read_trace(path: str | Path) -> Trace:
+    """Read an nsys SQLite export, an ``.nsys-rep``, a Kineto JSON(.gz) or a saved ``.kptrace``.
+
+    Raises ``TraceError`` (one line: file and problem) for anything it cannot read.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise TraceError(path, "no such file")
+    if path.is_dir():
+        raise TraceError(path, "is a directory, not a trace file")
+    try:
+        with open(path, "rb") as f:
+            head = f.read(64)
+    except OSError as exc:
+        raise TraceError(path, f"cannot read ({exc.strerror or exc})") from None
+    if not head:
+        raise TraceError(path, "empty file")
+    if head.startswith(SQLITE_MAGIC):
+        trace = read_nsys_sqlite(path)
+    elif head.startswith(ARROW_MAGIC):
+        return Trace.load(path)
+    elif path.suffix == ".nsys-rep" or path.suffix == ".qdrep":
+        trace = read_nsys_rep(path)
+    elif head.startswith(GZIP_MAGIC) or head.lstrip()[:1] in (b"{", b"["):
+        trace = read_kineto_json(path)
+    else:
+        raise TraceError(path, "unknown format: expected an nsys SQLite export, an .nsys-rep, "
+                               "a Kineto JSON trace (.json/.json.gz) or a .kptrace")
+    nest_ranges(trace.ranges)
+    return trace

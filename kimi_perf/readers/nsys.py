@@ -1,0 +1,425 @@
+"""Nsight Systems SQLite exports (``nsys export --type sqlite``), schemas 2.9 to 3.25.
+
+Columns are selected by name, so added columns in newer exports are ignored; any table may be
+missing (a lazy export, a run without CUDA or NVTX) and then reads as empty. Rows are fetched
+in blocks straight into numpy arrays: no Python object per event survives the read.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sqlite3
+import subprocess
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from kimi_perf.errors import TraceError
+from kimi_perf.launches import find_launches
+from kimi_perf.strings import StringTable
+from kimi_perf.trace import (
+    DRIVER,
+    OTHER_API,
+    PUSHPOP,
+    RUNTIME,
+    STARTEND,
+    ApiCalls,
+    Kernels,
+    MemOps,
+    Ranges,
+    Trace,
+)
+
+SQLITE_MAGIC = b"SQLite format 3\x00"
+KNOWN_SCHEMA_MAJORS = (2, 3)
+
+# NVTX event types (ENUM_NSYS_EVENT_TYPE): push/pop and start/end ranges, their NVTXT variants,
+# and domain creation.
+NVTX_PUSHPOP, NVTX_STARTEND, NVTXT_PUSHPOP, NVTXT_STARTEND, NVTX_DOMAIN_CREATE = 59, 60, 70, 71, 75
+# CUPTI_ACTIVITY_KIND_RUNTIME.eventClass of the "CUDA backtrace" rows that old exports add
+# beside the real API call, with the same correlation id.
+BACKTRACE_EVENT_CLASS = 67
+
+MEMCPY_KINDS = {
+    0: "Unknown", 1: "Host-to-Device", 2: "Device-to-Host", 3: "Host-to-Array",
+    4: "Array-to-Host", 5: "Array-to-Array", 6: "Array-to-Device", 7: "Device-to-Array",
+    8: "Device-to-Device", 9: "Host-to-Host", 10: "Peer-to-Peer",
+    11: "Unified Host-to-Device", 12: "Unified Device-to-Host", 13: "Unified Device-to-Device",
+}
+
+_FETCH_BLOCK = 1 << 16
+
+
+def read_nsys_sqlite(path: str | Path) -> Trace:
+    path = Path(path)
+    with open(path, "rb") as f:
+        if f.read(16) != SQLITE_MAGIC:
+            raise TraceError(path, "not an SQLite file")
+    try:
+        conn = sqlite3.connect(f"file:{path}?mode=ro&immutable=1", uri=True)
+    except sqlite3.Error as exc:
+        raise TraceError(path, f"cannot open SQLite file ({exc})") from None
+    # nsys copies environment and paths verbatim; they need not be UTF-8.
+    conn.text_factory = lambda b: b.decode("utf-8", "replace")
+    try:
+        return _NsysReader(conn, path).read()
+    except sqlite3.DatabaseError as exc:
+        raise TraceError(path, f"corrupt or truncated SQLite file ({exc})") from None
+    finally:
+        conn.close()
+
+
+def export_nsys_rep(path: str | Path, out_dir: str | Path) -> Path:
+    """Export an ``.nsys-rep`` to SQLite with the ``nsys`` CLI on PATH."""
+    path = Path(path)
+    nsys = shutil.which("nsys")
+    if nsys is None:
+        raise TraceError(path, "reading .nsys-rep needs the Nsight Systems CLI ('nsys') on PATH; "
+                               "install it, or run 'nsys export --type sqlite' where it is "
+                               "installed and pass the .sqlite file")
+    out = Path(out_dir) / (path.stem + ".sqlite")
+    cmd = [nsys, "export", "--type", "sqlite", "--force-overwrite", "true",
+           "--output", str(out), str(path)]
+    result = subprocess.run(cmd, capture_output=True, text=True, errors="replace")
+    if result.returncode != 0 or not out.exists():
+        detail = (result.stderr or result.stdout).strip().splitlines()
+        raise TraceError(path, "nsys export failed: " + (detail[-1] if detail else
+                                                          f"exit code {result.returncode}"))
+    return out
+
+
+def read_nsys_rep(path: str | Path) -> Trace:
+    with tempfile.TemporaryDirectory(prefix="kimi-perf-") as tmp:
+        trace = read_nsys_sqlite(export_nsys_rep(path, tmp))
+    trace.meta["file"] = str(path)
+    return trace
+
+
+class _NsysReader:
+    def __init__(self, conn: sqlite3.Connection, path: Path):
+        self.conn = conn
+        self.path = path
+        rows = conn.execute("SELECT name FROM sqlite_master WHERE type='table'").fetchall()
+        self.tables = {r[0] for r in rows}
+        self.columns: dict[str, set[str]] = {}
+
+    def read(self) -> Trace:
+        meta = self._export_meta()
+        if "StringIds" not in self.tables:
+            raise TraceError(self.path, "not an Nsight Systems export (no StringIds table)")
+        self.strings = StringTable()
+        self._load_string_ids()
+        api = self._api_calls()
+        kernels = self._kernels()
+        memops = self._memops()
+        ranges = self._ranges()
+        for gpu_work in (kernels, memops):
+            gpu_work.api = find_launches(api, gpu_work.pid, gpu_work.correlation)
+            hit = gpu_work.api >= 0
+            gpu_work.tid[hit] = api.tid[gpu_work.api[hit]]
+        meta.update(gpus=self._gpus(), processes=self._processes(), file=str(self.path))
+        return Trace(strings=self.strings.values, kernels=kernels, memops=memops,
+                     ranges=ranges, api=api, meta=meta)
+
+    # -- helpers -------------------------------------------------------------------------
+
+    def _cols(self, table: str) -> set[str]:
+        if table not in self.columns:
+            info = self.conn.execute(f"PRAGMA table_info('{table}')").fetchall()
+            self.columns[table] = {r[1] for r in info}
+        return self.columns[table]
+
+    def _require(self, table: str, needed: list[str]) -> None:
+        missing = [c for c in needed if c not in self._cols(table)]
+        if missing:
+            raise TraceError(self.path, f"table {table} lacks column(s) {', '.join(missing)} "
+                                        f"(export schema {self.schema or 'unknown'})")
+
+    def _int_columns(self, table: str, exprs: dict[str, str], where: str = "") -> dict:
+        """Fetch integer expressions as int64 numpy columns (NULL -> -1)."""
+        select = ", ".join(f"coalesce({e}, -1)" for e in exprs.values())
+        cursor = self.conn.execute(f"SELECT {select} FROM {table} {where}")
+        blocks = []
+        while rows := cursor.fetchmany(_FETCH_BLOCK):
+            try:
+                blocks.append(np.array(rows, dtype=np.int64))
+            except (TypeError, ValueError, OverflowError):
+                raise TraceError(self.path, f"table {table} holds non-integer values where "
+                                            "integers are expected") from None
+        data = np.concatenate(blocks) if blocks else np.empty((0, len(exprs)), np.int64)
+        return {name: data[:, i] for i, name in enumerate(exprs)}
+
+    def _load_string_ids(self) -> None:
+        ids, values = [], []
+        for sid, value in self.conn.execute("SELECT id, value FROM StringIds"):
+            ids.append(sid)
+            values.append(value if isinstance(value, str) else str(value))
+        ids_arr = np.array(ids, dtype=np.int64)
+        if len(ids_arr) and ids_arr.min() < 0:
+            raise TraceError(self.path, "StringIds holds negative ids")
+        self.id_to_code = np.full(int(ids_arr.max()) + 2 if len(ids_arr) else 1, -1, np.int32)
+        self.id_to_code[ids_arr] = self.strings.extend(values)
+
+    def _name_codes(self, table: str, column: str, ids: np.ndarray) -> np.ndarray:
+        """String-id column -> our codes (an id missing from StringIds reads as '<unknown>')."""
+        codes = np.full(len(ids), self.strings.code("<unknown>"), np.int32)
+        ok = (ids >= 0) & (ids < len(self.id_to_code))
+        mapped = self.id_to_code[ids[ok]]
+        good = mapped >= 0
+        sub = codes[ok]
+        sub[good] = mapped[good]
+        codes[ok] = sub
+        return codes
+
+    def _text_or_id_column(self, table: str, column: str, where: str = "") -> np.ndarray:
+        """A name column that holds either StringIds ids or plain text, row by row."""
+        codes = []
+        for (value,) in self.conn.execute(f"SELECT {column} FROM {table} {where}"):
+            if isinstance(value, int):
+                codes.append(self.id_to_code[value] if 0 <= value < len(self.id_to_code) else -1)
+            elif value is None:
+                codes.append(-1)
+            else:
+                codes.append(self.strings.code(str(value)))
+        return np.array(codes, dtype=np.int32)
+
+    # -- metadata ------------------------------------------------------------------------
+
+    def _export_meta(self) -> dict:
+        meta_table = next((t for t in ("META_DATA_EXPORT", "EXPORT_META_DATA")
+                           if t in self.tables), None)
+        values = {}
+        if meta_table:
+            values = dict(self.conn.execute(f"SELECT name, value FROM {meta_table}").fetchall())
+        self.schema = values.get("EXPORT_SCHEMA_VERSION")
+        if meta_table is None and not any(t.startswith("CUPTI_ACTIVITY") for t in self.tables):
+            raise TraceError(self.path, "not an Nsight Systems export (no export metadata "
+                                        "and no CUPTI tables)")
+        if self.schema:
+            try:
+                major = int(str(self.schema).split(".")[0])
+            except ValueError:
+                raise TraceError(self.path, f"unreadable export schema version "
+                                            f"{self.schema!r}") from None
+            if major not in KNOWN_SCHEMA_MAJORS:
+                raise TraceError(self.path, f"nsys export schema {self.schema} is not supported "
+                                            "(kimi-perf reads schemas 2.x and 3.x)")
+        product = values.get("EXPORT_PRODUCT_NAME", "NVIDIA Nsight Systems")
+        version = values.get("EXPORT_PRODUCT_VERSION", "unknown")
+        return {"format": "nsys-sqlite", "tool": f"{product} {version}", "schema": self.schema}
+
+    def _gpus(self) -> list[dict]:
+        gpus: dict[int, dict] = {}
+        if "TARGET_INFO_GPU" in self.tables:
+            cols = self._cols("TARGET_INFO_GPU")
+            sm = "smCount" if "smCount" in cols else "NULL"
+            for gid, name, sms in self.conn.execute(
+                    f"SELECT id, name, {sm} FROM TARGET_INFO_GPU"):
+                gpus[gid] = {"device": gid, "name": name or "", "sm_count": sms}
+        if "TARGET_INFO_CUDA_DEVICE" in self.tables and {
+                "cudaId", "numMultiprocessors"} <= self._cols("TARGET_INFO_CUDA_DEVICE"):
+            for cid, sms in self.conn.execute(
+                    "SELECT cudaId, numMultiprocessors FROM TARGET_INFO_CUDA_DEVICE"):
+                gpus.setdefault(cid, {"device": cid, "name": "", "sm_count": sms})
+                gpus[cid]["sm_count"] = gpus[cid]["sm_count"] or sms
+        return [gpus[k] for k in sorted(gpus)]
+
+    def _processes(self) -> list[dict]:
+        if "PROCESSES" in self.tables and {"pid", "name"} <= self._cols("PROCESSES"):
+            rows = self.conn.execute("SELECT pid, name FROM PROCESSES ORDER BY pid").fetchall()
+            return [{"pid": pid, "name": name or ""} for pid, name in rows]
+        return []
+
+    # -- event tables --------------------------------------------------------------------
+
+    def _api_calls(self) -> ApiCalls:
+        table = "CUPTI_ACTIVITY_KIND_RUNTIME"
+        if table not in self.tables:
+            return ApiCalls.empty()
+        self._require(table, ["start", "end", "globalTid", "correlationId", "nameId"])
+        has_class = "eventClass" in self._cols(table)
+        c = self._int_columns(table, {
+            "start": "start", "end": "end", "gtid": "globalTid", "corr": "correlationId",
+            "name": "nameId", "cls": "eventClass" if has_class else "0"})
+        pid, tid = _split_global_tid(c["gtid"])
+        # Old exports repeat an API call as a "backtrace" row with the same correlation id:
+        # keep one row per (process, correlation), the real call when there is one.
+        keep = _first_per_key(pid, c["corr"], prefer=c["cls"] != BACKTRACE_EVENT_CLASS)
+        names = self._name_codes(table, "nameId", c["name"][keep])
+        api = ApiCalls.from_columns({
+            "name": names, "start": c["start"][keep], "end": c["end"][keep], "pid": pid[keep],
+            "tid": tid[keep], "correlation": c["corr"][keep],
+            "kind": self._api_kinds(names)}, len(names))
+        return api
+
+    def _api_kinds(self, names: np.ndarray) -> np.ndarray:
+        uniq, inverse = np.unique(names, return_inverse=True)
+        kinds = np.array([_api_kind(self.strings.values[u]) for u in uniq], dtype=np.int8)
+        return kinds[inverse] if len(uniq) else np.empty(0, np.int8)
+
+    def _kernels(self) -> Kernels:
+        table = "CUPTI_ACTIVITY_KIND_KERNEL"
+        if table not in self.tables:
+            return Kernels.empty()
+        cols = self._cols(table)
+        self._require(table, ["start", "end", "deviceId", "streamId", "correlationId",
+                              "globalPid"])
+        name_col = next((n for n in ("demangledName", "shortName", "name") if n in cols), None)
+        if name_col is None:
+            raise TraceError(self.path, f"table {table} has no kernel name column")
+        exprs = {"start": "start", "end": "end", "device": "deviceId", "stream": "streamId",
+                 "corr": "correlationId", "gpid": "globalPid",
+                 "graph_id": "graphId" if "graphId" in cols else "NULL",
+                 "graph_node_id": "graphNodeId" if "graphNodeId" in cols else "NULL"}
+        if self._column_is_text(table, name_col):
+            c = self._int_columns(table, exprs)
+            names = self._text_or_id_column(table, name_col)
+        else:
+            c = self._int_columns(table, {**exprs, "name": name_col})
+            names = self._name_codes(table, name_col, c["name"])
+        pid, _ = _split_global_tid(c["gpid"])
+        n = len(names)
+        return Kernels.from_columns({
+            "name": names, "start": c["start"], "end": c["end"], "device": c["device"],
+            "stream": c["stream"], "pid": pid, "correlation": c["corr"],
+            "graph_id": c["graph_id"], "graph_node_id": c["graph_node_id"]}, n)
+
+    def _column_is_text(self, table: str, column: str) -> bool:
+        row = self.conn.execute(
+            f"SELECT typeof({column}) FROM {table} WHERE {column} IS NOT NULL LIMIT 1").fetchone()
+        return row is not None and row[0] == "text"
+
+    def _memops(self) -> MemOps:
+        parts = []
+        for table, is_copy in (("CUPTI_ACTIVITY_KIND_MEMCPY", True),
+                               ("CUPTI_ACTIVITY_KIND_MEMSET", False)):
+            if table not in self.tables:
+                continue
+            self._require(table, ["start", "end", "deviceId", "streamId", "correlationId",
+                                  "globalPid", "bytes"])
+            c = self._int_columns(table, {
+                "start": "start", "end": "end", "device": "deviceId", "stream": "streamId",
+                "corr": "correlationId", "gpid": "globalPid", "bytes": "bytes",
+                "kind": "copyKind" if is_copy and "copyKind" in self._cols(table) else "0"})
+            if is_copy:
+                labels = {k: f"[CUDA memcpy {v}]" for k, v in MEMCPY_KINDS.items()}
+                names = np.array([self.strings.code(labels.get(int(k), "[CUDA memcpy Unknown]"))
+                                  for k in np.unique(c["kind"])], np.int32)
+                names = names[np.searchsorted(np.unique(c["kind"]), c["kind"])]
+            else:
+                names = np.full(len(c["start"]), self.strings.code("[CUDA memset]"), np.int32)
+            pid, _ = _split_global_tid(c["gpid"])
+            parts.append(MemOps.from_columns({
+                "name": names, "start": c["start"], "end": c["end"], "device": c["device"],
+                "stream": c["stream"], "pid": pid, "correlation": c["corr"],
+                "bytes": c["bytes"]}, len(names)))
+        if not parts:
+            return MemOps.empty()
+        merged = {k: np.concatenate([getattr(p, k) for p in parts]) for k in MemOps.dtypes}
+        return MemOps(**merged)
+
+    def _ranges(self) -> Ranges:
+        table = "NVTX_EVENTS"
+        if table not in self.tables:
+            return Ranges.empty()
+        cols = self._cols(table)
+        self._require(table, ["start", "end", "eventType", "globalTid"])
+        range_types = (NVTX_PUSHPOP, NVTX_STARTEND, NVTXT_PUSHPOP, NVTXT_STARTEND)
+        where = f"WHERE eventType IN {range_types}"
+        c = self._int_columns(table, {
+            "start": "start", "end": "end", "type": "eventType", "gtid": "globalTid",
+            "end_gtid": "endGlobalTid" if "endGlobalTid" in cols else "NULL",
+            "domain": "domainId" if "domainId" in cols else "0"}, where)
+        n = len(c["start"])
+        texts = self._nvtx_texts(table, cols, where)
+        # An unterminated range runs to the last NVTX timestamp (as nsys stats does).
+        if n:
+            bounds = self.conn.execute(
+                f"SELECT min(min(start), min(end)), max(max(start), max(end)) FROM {table} "
+                f"{where}").fetchone()
+            c["end"] = np.where(c["end"] < 0, bounds[1], c["end"])
+        pid, tid = _split_global_tid(c["gtid"])
+        # A start/end range that ends on another thread cannot hold that thread's launches.
+        tid = np.where(c["end_gtid"] >= 0, -1, tid)
+        domain_names = self._nvtx_domains(table, cols)
+        empty = self.strings.code("")
+        domain_codes = np.full(n, empty, np.int32)
+        names = texts.copy()
+        for (domain_id, process_bits), label in domain_names.items():
+            sel = (c["domain"] == domain_id) & ((c["gtid"] & 0x0000FFFFFF000000) == process_bits)
+            if not sel.any():
+                continue
+            domain_codes[sel] = self.strings.code(label)
+            uniq, inv = np.unique(texts[sel], return_inverse=True)
+            qualified = np.array([self.strings.code(f"{label}:{self.strings.values[u]}"
+                                                    if u >= 0 else f"{label}:")
+                                  for u in uniq], np.int32)
+            names[sel] = qualified[inv]
+        names[names < 0] = empty
+        style = np.where(np.isin(c["type"], (NVTX_PUSHPOP, NVTXT_PUSHPOP)), PUSHPOP, STARTEND)
+        return Ranges.from_columns({
+            "name": names, "domain": domain_codes, "start": c["start"], "end": c["end"],
+            "pid": pid, "tid": tid, "device": np.full(n, -1), "stream": np.full(n, -1),
+            "style": style}, n)
+
+    def _nvtx_texts(self, table: str, cols: set[str], where: str) -> np.ndarray:
+        """Range names: the registered string (textId) when set, else the plain text."""
+        text = "text" if "text" in cols else "NULL"
+        text_id = "textId" if "textId" in cols else "NULL"
+        codes = []
+        for tid_value, value in self.conn.execute(f"SELECT {text_id}, {text} FROM {table} "
+                                                  f"{where}"):
+            if isinstance(tid_value, int) and 0 <= tid_value < len(self.id_to_code) \
+                    and self.id_to_code[tid_value] >= 0:
+                codes.append(self.id_to_code[tid_value])
+            elif value is not None:
+                codes.append(self.strings.code(str(value)))
+            else:
+                codes.append(-1)
+        return np.array(codes, dtype=np.int32)
+
+    def _nvtx_domains(self, table: str, cols: set[str]) -> dict[tuple[int, int], str]:
+        if "domainId" not in cols:
+            return {}
+        text = "text" if "text" in cols else "NULL"
+        text_id = "textId" if "textId" in cols else "NULL"
+        rows = self.conn.execute(
+            f"SELECT domainId, globalTid, {text}, {text_id}, min(start) FROM {table} "
+            f"WHERE eventType = {NVTX_DOMAIN_CREATE} GROUP BY domainId, globalTid").fetchall()
+        domains = {}
+        for domain_id, gtid, value, text_id_value in (r[:4] for r in rows):
+            if value is None and isinstance(text_id_value, int) \
+                    and 0 <= text_id_value < len(self.id_to_code):
+                code = self.id_to_code[text_id_value]
+                value = self.strings.values[code] if code >= 0 else None
+            if value is None or domain_id is None or gtid is None:
+                continue
+            domains[(domain_id, gtid & 0x0000FFFFFF000000)] = str(value)
+        return domains
+
+
+def _split_global_tid(gtid: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """nsys globalTid/globalPid -> (pid, tid) as nsys stats prints them."""
+    pid = np.where(gtid >= 0, (gtid >> 24) & 0xFFFFFF, -1)
+    tid = np.where(gtid >= 0, gtid & 0xFFFFFF, -1)
+    return pid, tid
+
+
+def _first_per_key(pid: np.ndarray, corr: np.ndarray, prefer: np.ndarray) -> np.ndarray:
+    """Indices (in original order) keeping one row per (pid, corr), preferred rows first."""
+    if len(pid) == 0:
+        return np.empty(0, np.int64)
+    order = np.lexsort((~prefer, corr, pid))
+    p, c = pid[order], corr[order]
+    first = np.ones(len(order), bool)
+    first[1:] = (p[1:] != p[:-1]) | (c[1:] != c[:-1])
+    return np.sort(order[first])
+
+
+def _api_kind(name: str) -> int:
+    if name.startswith(("cuda", "hip")):
+        return RUNTIME
+    if name.startswith("cu"):
+        return DRIVER
+    return OTHER_API

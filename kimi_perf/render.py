@@ -1,0 +1,140 @@
+"""Terminal tables (rich), CSV and JSON text for the analyses."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from kimi_perf.attribution import RangeKernelRow
+from kimi_perf.breakdown import Breakdown
+from kimi_perf.compare import ComparisonRow
+
+RANGES_HEADER = ["range", "pid", "tid", "range_instances", "kernel_instances", "total_ns",
+                 "kernel"]
+
+
+def _csv(header: list[str], rows: list[list[Any]]) -> str:
+    buf = io.StringIO()
+    writer = csv.writer(buf, lineterminator="\n")
+    writer.writerow(header)
+    writer.writerows(rows)
+    return buf.getvalue()
+
+
+def _blank(value) -> Any:
+    return "" if value is None else value
+
+
+def ranges_csv(rows: list[RangeKernelRow]) -> str:
+    return _csv(RANGES_HEADER, [[_blank(r.range), _blank(r.pid), _blank(r.tid),
+                                 r.range_instances, r.kernel_instances, r.total_ns, r.kernel]
+                                for r in rows])
+
+
+def ranges_json(rows: list[RangeKernelRow]) -> str:
+    return json.dumps({"schema": 1, "rows": [r.__dict__ for r in rows]}, indent=1) + "\n"
+
+
+def ranges_table(rows: list[RangeKernelRow]) -> Table:
+    table = Table(title="Kernels by range (nsys nvtx_kern_sum projection)")
+    for col in ("range", "pid", "tid", "ranges", "kernels", "total µs", "kernel"):
+        table.add_column(col, justify="right" if col in ("ranges", "kernels", "total µs")
+                         else "left", overflow="fold")
+    for r in rows:
+        table.add_row(_blank(r.range) or "(none)", str(_blank(r.pid)), str(_blank(r.tid)),
+                      str(r.range_instances), str(r.kernel_instances),
+                      f"{r.total_ns / 1000:.1f}", r.kernel)
+    return table
+
+
+def breakdown_json(b: Breakdown) -> str:
+    return json.dumps(b.to_json(), indent=1) + "\n"
+
+
+BREAKDOWN_HEADER = ["step", "device", "layer", "type", "kernels", "kernel_us", "span_us",
+                    "gap_us", "classes"]
+
+
+def breakdown_csv(b: Breakdown) -> str:
+    rows = []
+    for layer in b.layers:
+        classes = ";".join(f"{c}={v['kernels']}/{v['us']}" for c, v in layer["classes"].items())
+        rows.append([layer["step"], layer["device"], layer["index"], layer["type"],
+                     layer["kernels"], layer["kernel_us"], layer["span_us"], layer["gap_us"],
+                     classes])
+    return _csv(BREAKDOWN_HEADER, rows)
+
+
+def breakdown_tables(b: Breakdown) -> list[Table]:
+    src = b.source
+    steps = Table(title=f"Steps: {src.get('file')} ({src.get('tool')})")
+    for col in ("step", "device", "layers", "kernels", "kernel µs", "span µs", "gap µs",
+                "prologue", "epilogue"):
+        steps.add_column(col, justify="right")
+    for s in b.steps:
+        steps.add_row(str(s["index"]), str(s["device"]), f"{s['layers']} ({s['layer_source']})",
+                      str(s["kernels"]), f"{s['kernel_us']:.1f}", f"{s['span_us']:.1f}",
+                      f"{s['gap_us']:.1f}",
+                      f"{s['prologue']['kernels']} / {s['prologue']['span_us']:.1f} µs",
+                      f"{s['epilogue']['kernels']} / {s['epilogue']['span_us']:.1f} µs")
+    tables = [steps]
+    if not b.layer_types:
+        return tables
+    types = Table(title="Per layer type: median over layers and steps")
+    for col in ("type", "layers", "kernels", "kernel µs", "span µs", "gap µs"):
+        types.add_column(col, justify="left" if col == "type" else "right")
+    for t in b.layer_types:
+        types.add_row(t["type"] or "-", str(t["layers"]), f"{t['kernels']:g}",
+                      f"{t['kernel_us']:.1f}", f"{t['span_us']:.1f}", f"{t['gap_us']:.1f}")
+    tables.append(types)
+    classes = Table(title="Per layer type and kernel class: median kernels / µs")
+    classes.add_column("class")
+    for t in b.layer_types:
+        classes.add_column(t["type"] or "-", justify="right")
+    for c in sorted({c for t in b.layer_types for c in t["classes"]}):
+        classes.add_row(c, *(f"{t['classes'][c]['kernels']:g} / {t['classes'][c]['us']:.1f}"
+                             if c in t["classes"] else "" for t in b.layer_types))
+    tables.append(classes)
+    return tables
+
+
+def comparison_table(rows: list[ComparisonRow], label_a: str, label_b: str) -> Table:
+    table = Table(title=f"Per layer: {label_a} (A) vs {label_b} (B)")
+    for col in ("layer type", "A layers", "A kernels", "A µs", "B layers", "B kernels", "B µs",
+                "A/B µs", "A/B kernels"):
+        table.add_column(col, justify="left" if col == "layer type" else "right")
+
+    def fmt(v, spec=".1f"):
+        return "-" if v is None else format(v, spec)
+    for r in rows:
+        table.add_row(r.type or "-", str(r.layers_a), fmt(r.kernels_a, "g"), fmt(r.span_us_a),
+                      str(r.layers_b), fmt(r.kernels_b, "g"), fmt(r.span_us_b),
+                      fmt(r.span_ratio, ".2f"), fmt(r.kernel_ratio, ".2f"))
+    return table
+
+
+def comparison_headline(rows: list[ComparisonRow], label_a: str, label_b: str) -> str:
+    """The one-line summary: '13 kernels / 69 µs vs 23 / 130 µs' per layer type."""
+    parts = []
+    for r in rows:
+        if r.kernels_a is None or r.kernels_b is None:
+            continue
+        parts.append(f"{r.type}: {r.kernels_a:g} kernels / {r.span_us_a:.1f} µs ({label_a}) vs "
+                     f"{r.kernels_b:g} / {r.span_us_b:.1f} µs ({label_b})")
+    return "\n".join(parts)
+
+
+def comparison_json(rows: list[ComparisonRow], label_a: str, label_b: str) -> str:
+    return json.dumps({"schema": 1, "a": label_a, "b": label_b,
+                       "rows": [r.to_json() for r in rows]}, indent=1) + "\n"
+
+
+def print_tables(tables: list[Table], console: Console | None = None) -> None:
+    console = console or Console()
+    for t in tables:
+        console.print(t)
