@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from kimi_perf.classify import Rule, classify, load_rules
+from kimi_perf.classify import Rule
 from kimi_perf.layers import GpuOps, Step, segment
 from kimi_perf.trace import Trace
 
@@ -82,9 +82,8 @@ def _us(ns) -> float:
 
 def breakdown(trace: Trace, layers: str = "auto", rules: list[Rule] | None = None,
               step_regex: str | None = None) -> Breakdown:
-    rules = rules if rules is not None else load_rules()
-    ops, steps = segment(trace, layers=layers, step_regex=step_regex)
-    classes, labels = classify(ops.name, trace.strings, rules)
+    ops, steps = segment(trace, layers=layers, step_regex=step_regex, rules=rules)
+    classes, labels = ops.kernel_class, ops.class_labels
     step_rows, layer_rows = [], []
     for step in steps:
         step_rows.append(_step_json(ops, step, classes, labels))

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from kimi_perf.classify import Rule, classify, load_rules
 from kimi_perf.nesting import containing, range_groups, thread_keys
 from kimi_perf.trace import GPU_RANGE, Trace
 
@@ -49,15 +50,21 @@ class GpuOps:
     tid: np.ndarray
     api: np.ndarray
     is_kernel: np.ndarray
+    kernel_class: np.ndarray     # codes into class_labels
+    class_labels: list[str]
 
     @classmethod
-    def of(cls, trace: Trace) -> GpuOps:
+    def of(cls, trace: Trace, rules: list[Rule] | None = None) -> GpuOps:
         k, m = trace.kernels, trace.memops
         cat = np.concatenate
-        return cls(name=cat([k.name, m.name]), start=cat([k.start, m.start]),
+        names = cat([k.name, m.name])
+        kernel_class, labels = classify(names, trace.strings,
+                                        rules if rules is not None else load_rules())
+        return cls(name=names, start=cat([k.start, m.start]),
                    end=cat([k.end, m.end]), device=cat([k.device, m.device]),
                    pid=cat([k.pid, m.pid]), tid=cat([k.tid, m.tid]), api=cat([k.api, m.api]),
-                   is_kernel=np.r_[np.ones(len(k), bool), np.zeros(len(m), bool)])
+                   is_kernel=np.r_[np.ones(len(k), bool), np.zeros(len(m), bool)],
+                   kernel_class=kernel_class, class_labels=labels)
 
     def __len__(self) -> int:
         return len(self.name)
@@ -131,10 +138,7 @@ def _steps_from_groups(trace: Trace, ops: GpuOps, group: np.ndarray, op_rows: np
     for lo, hi in zip(bounds[:-1].tolist(), bounds[1:].tolist(), strict=True):
         members = rows[lo:hi]
         gid = int(g[lo])
-        if names is not None:
-            label = names.get(gid, "")
-        else:
-            label = trace.strings[trace.ranges.name[gid]]
+        label = names.get(gid, "") if names else trace.strings[trace.ranges.name[gid]]
         steps.append(Step(index=0, device=int(dev[lo]), pid=int(ops.pid[members[0]]),
                           name=label, ops=members))
     steps.sort(key=lambda s: (s.device, int(ops.start[s.ops[0]])))
@@ -234,15 +238,18 @@ class RepeatSplit:
     ends: np.ndarray
 
 
-def find_repeats(seq: np.ndarray, min_coverage: float = 0.5) -> RepeatSplit | None:
+def find_repeats(seq: np.ndarray, classes: np.ndarray | None = None,
+                 min_coverage: float = 0.5) -> RepeatSplit | None:
     """Find N consecutive layers in a sequence of kernel-name codes.
 
     Names that occur exactly N times, once in each layer, anchor the layers: for the right N,
     their i-th occurrences all fall between their (i-1)-th and (i+1)-th. The N with the most
-    such occurrences wins. Between two anchored *cores* lies the tail of one layer and the head
-    of the next; the head is what all those gaps end with. The first layer's head and the last
-    layer's tail are matched by name against the other layers', since the first and last
-    layers often differ slightly (a plain norm instead of a fused residual-add norm).
+    such occurrences wins. Between two anchored *cores* lies the tail of one layer and then the
+    head of the next. The first layer's head is the one part of that gap that must also appear
+    just before the first core (a layer's tail cannot precede layer 0), so each gap is split
+    where its longest suffix that the prologue ends with begins. Matching uses kernel classes
+    (``classes``, same length as ``seq``) where given, because the first layer often runs a
+    variant kernel (a plain norm where later layers fuse the residual add).
     """
     n = len(seq)
     if n < 4:
@@ -263,16 +270,40 @@ def find_repeats(seq: np.ndarray, min_coverage: float = 0.5) -> RepeatSplit | No
     if best is None:
         return None
     _, count, lo, hi = best
-    gaps = [seq[hi[i - 1] + 1: lo[i]] for i in range(1, count)]
-    head = _common_suffix(gaps)
-    starts = np.array([lo[i] - len(head) for i in range(count)], np.int64)
-    starts[0] = lo[0] - _match_backward(seq, lo[0], head)
+    kinds = seq if classes is None else classes
+    prologue = kinds[: lo[0]]
+    gaps = [kinds[hi[i - 1] + 1: lo[i]] for i in range(1, count)]
+    splits = [_head_split(gap, prologue) for gap in gaps]
+    # A gap whose head the prologue lacks (a layer type unlike layer 0) keeps the tail length
+    # the other gaps have: tails end a layer the same way whatever its type.
+    matched_tails = [split for split, matched in splits if matched]
+    typical_tail = Counter(matched_tails).most_common(1)[0][0] if matched_tails else 0
+    starts = np.empty(count, np.int64)
+    tails = []
+    first_head = 0
+    for i, (gap, (split, matched)) in enumerate(zip(gaps, splits, strict=True), start=1):
+        if not matched:
+            split = min(typical_tail, len(gap))
+        starts[i] = hi[i - 1] + 1 + split
+        tails.append(gap[:split])
+        first_head = max(first_head, matched)
+    starts[0] = lo[0] - first_head
     ends = np.r_[starts[1:], 0].astype(np.int64)
-    tails = {tuple(seq[hi[i] + 1: starts[i + 1]].tolist()) for i in range(count - 1)}
-    ends[-1] = hi[-1] + 1 + max(_match_forward(seq, hi[-1] + 1, np.array(t)) for t in tails)
+    epilogue = kinds[hi[-1] + 1:]
+    ends[-1] = hi[-1] + 1 + max(_match_forward(epilogue, 0, t) for t in tails)
     if (ends - starts).sum() < min_coverage * n:
         return None
     return RepeatSplit(starts=starts, ends=ends)
+
+
+def _head_split(gap: np.ndarray, prologue: np.ndarray) -> tuple[int, int]:
+    """Where the next layer's head begins in ``gap``, and how many prologue ops it matched:
+    the longest suffix of the gap whose first op the prologue's end also holds."""
+    for k in range(len(gap)):
+        matched, first_used = _match_backward(prologue, len(prologue), gap[k:])
+        if first_used:
+            return k, matched
+    return len(gap), 0
 
 
 def _positions_by_name(inverse: np.ndarray, n_names: int) -> list[np.ndarray]:
@@ -301,23 +332,16 @@ def _consistent_cores(names: np.ndarray, positions_of: list[np.ndarray], count: 
     return lo, hi, support
 
 
-def _common_suffix(gaps: list[np.ndarray]) -> np.ndarray:
-    shortest = min(len(g) for g in gaps)
-    length = 0
-    while length < shortest and all(g[len(g) - 1 - length] == gaps[0][len(gaps[0]) - 1 - length]
-                                    for g in gaps):
-        length += 1
-    return gaps[0][len(gaps[0]) - length:] if length else gaps[0][:0]
-
-
-def _match_backward(seq: np.ndarray, before: int, pattern: np.ndarray) -> int:
-    """How many ops just before ``before`` match ``pattern`` read backwards, skipping pattern
-    entries the sequence lacks."""
+def _match_backward(seq: np.ndarray, before: int, pattern: np.ndarray) -> tuple[int, bool]:
+    """Align ``pattern`` backwards with the ops just before ``before``, skipping pattern
+    entries the sequence lacks: (ops matched, whether the pattern's first entry matched)."""
     j = before - 1
-    for name in pattern[::-1].tolist():
+    first_used = False
+    for i, name in enumerate(pattern[::-1].tolist()):
         if j >= 0 and seq[j] == name:
             j -= 1
-    return before - 1 - j
+            first_used = i == len(pattern) - 1
+    return before - 1 - j, first_used
 
 
 def _match_forward(seq: np.ndarray, start: int, pattern: np.ndarray) -> int:
@@ -331,7 +355,7 @@ def _match_forward(seq: np.ndarray, start: int, pattern: np.ndarray) -> int:
 def layers_from_repeats(ops: GpuOps, steps: list[Step]) -> bool:
     found = False
     for step in steps:
-        split = find_repeats(ops.name[step.ops])
+        split = find_repeats(ops.name[step.ops], ops.kernel_class[step.ops])
         if split is None:
             continue
         found = True
@@ -381,11 +405,11 @@ def _overlap(a: tuple, b: tuple) -> float:
 
 # -- entry point ------------------------------------------------------------------------------
 
-def segment(trace: Trace, layers: str = "auto", step_regex: str | None = None
-            ) -> tuple[GpuOps, list[Step]]:
+def segment(trace: Trace, layers: str = "auto", step_regex: str | None = None,
+            rules: list[Rule] | None = None) -> tuple[GpuOps, list[Step]]:
     """Steps with their layers. ``layers``: ``auto`` (per-layer ranges when the trace has them,
     else the repeating pattern), ``nvtx`` / ``nvtx:REGEX`` (ranges only), ``repeat``."""
-    ops = GpuOps.of(trace)
+    ops = GpuOps.of(trace, rules)
     steps = find_steps(trace, ops, step_regex)
     if layers == "auto":
         if not layers_from_ranges(trace, ops, steps, DEFAULT_LAYER_PATTERN):

@@ -33,15 +33,26 @@ def read_trace(path: str | Path) -> Trace:
     if not head:
         raise TraceError(path, "empty file")
     if head.startswith(SQLITE_MAGIC):
-        trace = read_nsys_sqlite(path)
+        reader = read_nsys_sqlite
     elif head.startswith(ARROW_MAGIC):
-        return Trace.load(path)
-    elif path.suffix == ".nsys-rep" or path.suffix == ".qdrep":
-        trace = read_nsys_rep(path)
+        reader = Trace.load
+    elif path.suffix in (".nsys-rep", ".qdrep"):
+        reader = read_nsys_rep
     elif head.startswith(GZIP_MAGIC) or head.lstrip()[:1] in (b"{", b"["):
-        trace = read_kineto_json(path)
+        reader = read_kineto_json
     else:
         raise TraceError(path, "unknown format: expected an nsys SQLite export, an .nsys-rep, "
                                "a Kineto JSON trace (.json/.json.gz) or a .kptrace")
-    nest_ranges(trace.ranges)
+    try:
+        trace = reader(path)
+        if reader is not Trace.load:
+            nest_ranges(trace.ranges)
+    except TraceError:
+        raise
+    except (ValueError, TypeError, KeyError, IndexError, OverflowError, AttributeError,
+            UnicodeError, RecursionError) as exc:
+        # Malformed content that no specific check caught still gets the one-line contract.
+        raise TraceError(path, f"malformed trace ({type(exc).__name__}: "
+                               f"{str(exc).splitlines()[0] if str(exc) else 'no detail'})"
+                         ) from None
     return trace

@@ -164,21 +164,25 @@ class _Builder:
         cols["corr"].append(int(args.get("correlation", -1)))
 
     def finish(self) -> Trace:
-        base = self._time_base()
+        times = {name: self._floats(cols) for name, cols in
+                 (("a", self.a), ("k", self.k), ("m", self.m), ("r", self.r))}
+        firsts = [ts[0] for ts, _ in times.values() if len(ts)]
+        base = int(min(firsts)) if firsts else 0
+        ns = {name: _to_ns(ts, dur, base) for name, (ts, dur) in times.items()}
         api = ApiCalls.from_columns({
-            "name": self.a["name"], **self._times(self.a, base), "pid": self.a["pid"],
+            "name": self.a["name"], **ns["a"], "pid": self.a["pid"],
             "tid": self.a["tid"], "correlation": self.a["corr"], "kind": self.a["kind"]},
             len(self.a["name"]))
         kernels = Kernels.from_columns({
-            "name": self.k["name"], **self._times(self.k, base), "device": self.k["device"],
+            "name": self.k["name"], **ns["k"], "device": self.k["device"],
             "stream": self.k["stream"], "pid": self.k["pid"], "correlation": self.k["corr"]},
             len(self.k["name"]))
         memops = MemOps.from_columns({
-            "name": self.m["name"], **self._times(self.m, base), "device": self.m["device"],
+            "name": self.m["name"], **ns["m"], "device": self.m["device"],
             "stream": self.m["stream"], "pid": self.m["pid"], "correlation": self.m["corr"],
             "bytes": self.m["bytes"]}, len(self.m["name"]))
         ranges = Ranges.from_columns({
-            "name": self.r["name"], "domain": self.r["domain"], **self._times(self.r, base),
+            "name": self.r["name"], "domain": self.r["domain"], **ns["r"],
             "pid": self.r["pid"], "tid": self.r["tid"], "device": self.r["device"],
             "stream": self.r["stream"], "style": self.r["style"]}, len(self.r["name"]))
         for gpu_work in (kernels, memops):
@@ -186,12 +190,7 @@ class _Builder:
         return Trace(strings=self.strings.values, kernels=kernels, memops=memops,
                      ranges=ranges, api=api, meta={"format": "kineto-json"})
 
-    def _time_base(self) -> int:
-        firsts = [cols["ts"][0] for cols in (self.k, self.m, self.a, self.r) if cols["ts"]]
-        return int(min(firsts)) if firsts else 0
-
-    def _times(self, cols: dict, base: int) -> dict[str, np.ndarray]:
-        """µs (int or float) -> int64 ns, exact for integers and to the ns for floats."""
+    def _floats(self, cols: dict) -> tuple[np.ndarray, np.ndarray]:
         try:
             ts = np.asarray(cols["ts"], dtype=np.float64)
             dur = np.asarray(cols["dur"], dtype=np.float64)
@@ -199,10 +198,18 @@ class _Builder:
             raise TraceError(self.path, "non-numeric 'ts' or 'dur' in events") from None
         if not (np.isfinite(ts).all() and np.isfinite(dur).all()):
             raise TraceError(self.path, "non-finite 'ts' or 'dur' in events")
-        # Offsets from a common integer base keep float64 exact enough for ns resolution.
-        start = np.rint((ts - base) * 1000.0).astype(np.int64) + base * 1000
-        end = start + np.rint(np.maximum(dur, 0) * 1000.0).astype(np.int64)
-        return {"start": start, "end": end}
+        # Keep every ns value (and differences of them) well inside int64.
+        if len(ts) and max(np.abs(ts).max(), np.abs(dur).max()) > 2**61 / 1000:
+            raise TraceError(self.path, "'ts' or 'dur' out of range")
+        return ts, dur
+
+
+def _to_ns(ts: np.ndarray, dur: np.ndarray, base: int) -> dict[str, np.ndarray]:
+    """µs (int or float) -> int64 ns, exact for integers and to the ns for floats: offsets
+    from a common integer base keep float64 precise at epoch-sized timestamps."""
+    start = np.rint((ts - base) * 1000.0).astype(np.int64) + base * 1000
+    end = start + np.rint(np.maximum(dur, 0) * 1000.0).astype(np.int64)
+    return {"start": start, "end": end}
 
 
 def _link_by_correlation(api: ApiCalls, gpu_work) -> None:

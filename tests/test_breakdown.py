@@ -1,0 +1,115 @@
+"""Breakdown figures, JSON shape, comparison, and kernel classes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kimi_perf import breakdown, compare, read_trace
+from kimi_perf.breakdown import _union_length
+from kimi_perf.classify import classify, classify_name, default_rules, load_rules
+from kimi_perf.errors import TraceError
+from tests.conftest import KINETO
+from tests.test_layers import KDA, MLA, nvtx_decode_trace
+
+
+def test_union_length_counts_overlap_once():
+    start = np.array([0, 5, 20, 21, 40])
+    end = np.array([10, 8, 30, 25, 41])
+    assert _union_length(start, end) == 10 + 10 + 1
+
+
+def test_breakdown_json_shape_and_figures():
+    trace = nvtx_decode_trace("layer[{i}]({kind})", steps=2, n_layers=8).build()
+    doc = breakdown(trace).to_json()
+    assert doc["schema"] == 1
+    assert set(doc) == {"schema", "source", "steps", "layers", "layer_types"}
+    assert len(doc["steps"]) == 2 and len(doc["layers"]) == 16
+    layer = doc["layers"][0]
+    assert set(layer) >= {"step", "index", "type", "kernels", "kernel_us", "span_us", "gap_us",
+                          "classes"}
+    # The synthetic kernels run 1000 ns each with 100 ns between them.
+    assert layer["kernels"] == len(KDA)
+    assert layer["kernel_us"] == pytest.approx(len(KDA) * 1.0)
+    assert layer["span_us"] == pytest.approx(len(KDA) * 1.1 - 0.1)
+    assert layer["gap_us"] == pytest.approx((len(KDA) - 1) * 0.1)
+    assert sum(c["kernels"] for c in layer["classes"].values()) == layer["kernels"]
+    types = {t["type"]: t for t in doc["layer_types"]}
+    assert types["kda"]["layers"] == 12 and types["mla"]["layers"] == 4
+    assert types["kda"]["kernels"] == len(KDA) and types["mla"]["kernels"] == len(MLA)
+    # Two attention-residual mixes and mla_decode.
+    assert types["mla"]["classes"]["attention"]["kernels"] == 3
+    step = doc["steps"][0]
+    assert step["layers"] == 8 and step["prologue"]["kernels"] == 1
+    assert step["kernels"] == 8 * len(KDA) - 2 * len(KDA) + 2 * len(MLA) + 2
+
+
+def test_compare_matches_types_and_computes_ratios():
+    a = breakdown(nvtx_decode_trace("layer[{i}]({kind})", steps=1).build())
+    b = breakdown(nvtx_decode_trace("layer[{i}]({kind})", steps=1).build())
+    for layer in b.layers:  # pretend B halves every layer's time
+        layer["span_us"] /= 2
+    b.layer_types[0]["span_us"] /= 2
+    rows = {r.type: r for r in compare(a, b)}
+    assert rows["kda"].span_ratio == pytest.approx(2.0, rel=1e-3)
+    assert rows["kda"].kernel_ratio == 1.0
+    assert rows["mla"].span_ratio == pytest.approx(1.0)
+    assert rows["all layers (mean)"].layers_a == 8
+
+
+def test_vllm_decode_breakdown():
+    b = breakdown(read_trace(KINETO / "tracelens_vllm_gptoss20b_decode_fullgraph_mi300x.json.gz"))
+    (step,) = b.steps
+    assert step["layers"] == 24 and step["layer_source"] == "repeat"
+    types = {t["type"]: t for t in b.layer_types}
+    assert set(types) == {"A", "B"} and types["A"]["layers"] == types["B"]["layers"] == 12
+    assert types["B"]["kernels"] == types["A"]["kernels"] + 1  # 3d attention + reduce_segments
+    for t in types.values():
+        assert t["classes"]["moe"]["kernels"] == 4 and t["classes"]["router"]["kernels"] == 4
+        assert t["classes"]["norm"]["kernels"] == 2
+    total = step["prologue"]["kernels"] + step["epilogue"]["kernels"] + sum(
+        layer["kernels"] for layer in b.layers)
+    assert total == step["kernels"]
+
+
+@pytest.mark.parametrize(("name", "cls"), [
+    ("ncclDevKernel_AllReduce_Sum_bf16_RING_LL(ncclDevKernelArgsStorage<4096ul>)",
+     "communication"),
+    ("void vllm::cross_device_reduce_1stage<__nv_bfloat16, 8>", "communication"),
+    ("[CUDA memcpy Host-to-Device]", "memcpy"),
+    ("Memcpy DtoD (Device -> Device)", "memcpy"),
+    ("_topk_forward", "router"),
+    ("fused_moe_kernel", "moe"),
+    ("_matmul_ogs_NNT_bf16xbf16xmxfp4_16x128x256x1_swiglu", "moe"),
+    ("kernel_unified_attention_3d", "attention"),
+    ("void flash::flash_fwd_splitkv_kernel<Flash_fwd_kernel_traits<128>>", "attention"),
+    ("fused_recurrent_kda_fwd_kernel", "attention"),
+    ("void vllm::fused_add_rms_norm_kernel<c10::BFloat16, 8>", "norm"),
+    ("void vllm::rotary_embedding_kernel<c10::BFloat16, true>", "rope"),
+    ("nvjet_tst_192x192_64x4_2x1_v_bz_coopB_TNN", "gemm"),
+    ("Cijk_Alik_Bljk_BBS_BH_Bias_HA_S_SAV_UserArgs_MT32x32x256_MI16x16x1", "gemm"),
+    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize64x64x64", "gemm"),
+    ("void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>",
+     "elementwise"),
+    ("my_custom_thing", "other"),
+])
+def test_default_kernel_classes(name, cls):
+    assert classify_name(name, default_rules()) == cls
+
+
+def test_user_rules_come_first(tmp_path):
+    rules = tmp_path / "rules.toml"
+    rules.write_text('[[rule]]\nclass = "kda"\npattern = "kda"\n')
+    loaded = load_rules(rules)
+    assert classify_name("fused_recurrent_kda_fwd_kernel", loaded) == "kda"
+    codes, labels = classify(np.array([0, 1, 0]), ["kda_decode", "nccl_allreduce"], loaded)
+    assert [labels[c] for c in codes] == ["kda", "communication", "kda"]
+
+
+@pytest.mark.parametrize("text", ["not toml [", "[[rule]]\nclass = 'x'\n",
+                                  "[[rule]]\nclass = 'x'\npattern = '('\n", "x = 1\n"])
+def test_bad_rules_files_are_named(tmp_path, text):
+    rules = tmp_path / "rules.toml"
+    rules.write_text(text)
+    with pytest.raises(TraceError, match="rules.toml"):
+        load_rules(rules)

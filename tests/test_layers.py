@@ -1,0 +1,142 @@
+"""Steps and layers: from per-layer ranges, and from the repeating kernel pattern."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+
+from kimi_perf import read_trace
+from kimi_perf.classify import classify, load_rules
+from kimi_perf.layers import DEFAULT_LAYER_PATTERN, find_repeats, segment
+from tests.conftest import KINETO
+from tests.synth import TraceBuilder
+
+KDA = ["attn_res_mix", "rmsnorm", "gemm_in_proj", "gemm_fb", "kda_conv_recurrent_norm",
+       "gemm_o_proj", "nccl_allreduce", "attn_res_mix", "rmsnorm", "gemm_router",
+       "moe_latent_down", "topk", "moe_experts", "moe_shared", "moe_latent_up"]
+MLA = ["attn_res_mix", "rmsnorm", "gemm_qkv_a", "rmsnorm_q", "gemm_q_b", "mla_decode",
+       "gemm_o_proj", "nccl_allreduce", "attn_res_mix", "rmsnorm", "gemm_router",
+       "moe_latent_down", "topk", "moe_experts", "moe_shared", "moe_latent_up"]
+
+
+def k3_like(layers: int) -> list[list[str]]:
+    """3 KDA layers per MLA layer, and the last layer MLA; layer 0 runs a variant norm."""
+    out = []
+    for i in range(layers):
+        kinds = MLA if (i % 4 == 3 or i == layers - 1) else KDA
+        out.append(list(kinds))
+    out[0][1] = "rms_norm_plain"
+    return out
+
+
+def test_vllm_full_graph_decode_step_is_24_layers():
+    trace = read_trace(KINETO / "tracelens_vllm_gptoss20b_decode_fullgraph_mi300x.json.gz")
+    ops, steps = segment(trace)
+    (step,) = steps
+    assert step.layer_source == "repeat" and len(step.layers) == 24
+    names = np.array(trace.strings, dtype=object)
+    # GPT-OSS alternates two attention variants: two layer types, 12 layers each.
+    types = [layer.type for layer in step.layers]
+    assert types == ["A", "B"] * 12
+    for layer in step.layers:
+        assert "Rmsnorm2dFwd" in names[ops.name[layer.ops[0]]]  # each layer opens with its norm
+        assert "finalize_matmul_scatter" in names[ops.name[layer.ops[-1]]]
+    assert any("unified_attention_2d" in names[ops.name[i]] for i in step.layers[0].ops)
+    assert any("unified_attention_3d" in names[ops.name[i]] for i in step.layers[1].ops)
+    prologue = names[ops.name[step.prologue]].tolist()
+    assert prologue[-1] == "triton_poi_fused_0"
+    assert "Rmsnorm2dFwd" in names[ops.name[step.epilogue[0]]]  # the final norm
+    covered = len(step.prologue) + len(step.epilogue) + sum(len(x.ops) for x in step.layers)
+    assert covered == len(step.ops)
+
+
+@pytest.mark.parametrize("n_layers", [4, 8, 13, 93])
+def test_repeats_find_k3_layers_exactly(n_layers):
+    layers = k3_like(n_layers)
+    prologue = ["embedding", "copy_block_states"]
+    epilogue = ["attn_res_mix", "rmsnorm", "gemm_lm_head", "argmax"]
+    sequence = prologue + [k for layer in layers for k in layer] + epilogue
+    strings = sorted(set(sequence))
+    seq = np.array([strings.index(n) for n in sequence])
+    classes, _ = classify(seq, strings, load_rules())
+    split = find_repeats(seq, classes)
+    assert split is not None
+    lengths = [len(x) for x in layers]
+    expected_starts = len(prologue) + np.r_[0, np.cumsum(lengths)[:-1]]
+    np.testing.assert_array_equal(split.starts, expected_starts)
+    np.testing.assert_array_equal(split.ends, expected_starts + lengths)
+
+
+def test_repeats_need_a_pattern():
+    assert find_repeats(np.arange(50)) is None
+    assert find_repeats(np.array([1, 2, 3])) is None
+
+
+def nvtx_decode_trace(layer_name: str, steps: int = 2, n_layers: int = 8) -> TraceBuilder:
+    b = TraceBuilder()
+    for s in range(steps):
+        step_start = b.clock
+        b.sequence(["embedding"])
+        for i, kernels in enumerate(k3_like(n_layers)):
+            kind = "mla" if "mla_decode" in kernels else "kda"
+            start, end = b.sequence(kernels)
+            b.range(layer_name.format(i=i, kind=kind), start - 10, end)
+        b.sequence(["gemm_lm_head"])
+        b.range(f"decode_step[{s}]", step_start - 20, b.clock)
+        b.clock += 5000
+    return b
+
+
+@pytest.mark.parametrize("spelling", ["layer[{i}]({kind})", "layer[{i}] {kind}",
+                                      "layer[{i}]:{kind}"])
+def test_layers_from_nvtx_ranges_with_types(spelling):
+    trace = nvtx_decode_trace(spelling).build()
+    _, steps = segment(trace)
+    assert [s.name for s in steps] == ["decode_step[0]", "decode_step[1]"]
+    for step in steps:
+        assert step.layer_source == "nvtx"
+        assert [x.index for x in step.layers] == list(range(8))
+        assert [x.type for x in step.layers] == ["kda", "kda", "kda", "mla"] * 2
+        assert [len(x.ops) for x in step.layers] == [len(k) for k in k3_like(8)]
+        assert len(step.prologue) == 1 and len(step.epilogue) == 1
+
+
+@pytest.mark.parametrize("spelling", ["layers.{i}", "model.layers.{i}", "layer_{i}",
+                                      "DecoderLayer_{i}", "LlamaDecoderLayer_{i}"])
+def test_default_layer_pattern_spellings_get_types_from_kernels(spelling):
+    trace = nvtx_decode_trace(spelling, steps=1).build()
+    _, (step,) = segment(trace)
+    assert step.layer_source == "nvtx"
+    types = [x.type for x in step.layers]
+    assert types[:4] == ["A", "A", "A", "B"] and types[7] == "B"
+
+
+@pytest.mark.parametrize("name", ["layers.3.mlp", "layer[3].attn", "player_3", "layer",
+                                  "model.layers.3.self_attn.o_proj"])
+def test_default_layer_pattern_rejects_sub_ranges(name):
+    assert re.search(DEFAULT_LAYER_PATTERN, name) is None
+
+
+def test_nvtx_regex_option_and_repeat_fallback():
+    trace = nvtx_decode_trace("blk{i}-{kind}", steps=1).build()
+    _, (step,) = segment(trace, layers=r"nvtx:^blk(?P<index>\d+)-(?P<type>\w+)$")
+    assert [x.type for x in step.layers][:4] == ["kda", "kda", "kda", "mla"]
+    # Unknown spelling under auto: no layer ranges match, the kernel pattern still finds 8.
+    _, (step,) = segment(trace, layers="auto")
+    assert step.layer_source == "repeat" and len(step.layers) == 8
+
+
+def test_graph_launches_become_steps():
+    b = TraceBuilder()
+    seq = [k for layer in k3_like(4) for k in layer]
+    for step in range(3):
+        t = b.clock
+        for j, name in enumerate(seq):
+            b.launch(name, t, t + 40, t + 100 + j * 1000, t + 100 + j * 1000 + 900,
+                     correlation=1000 + step, api_name="cudaGraphLaunch")
+        b.clock += len(seq) * 1000 + 5000
+    _, steps = segment(b.build())
+    assert [s.name for s in steps] == ["cudaGraphLaunch"] * 3
+    assert [len(s.layers) for s in steps] == [4, 4, 4]

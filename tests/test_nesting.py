@@ -1,0 +1,115 @@
+"""Range nesting and containment against a brute-force reference on random traces."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kimi_perf.nesting import containing, nest_ranges, range_groups, thread_keys
+from kimi_perf.trace import PUSHPOP, STARTEND, Ranges
+
+
+def make_ranges(rows: list[tuple[int, int, int, int]]) -> Ranges:
+    """rows: (tid, start, end, style)."""
+    n = len(rows)
+    tid = np.array([r[0] for r in rows], np.int64)
+    ranges = Ranges.from_columns({
+        "name": np.zeros(n), "domain": np.zeros(n),
+        "start": np.array([r[1] for r in rows], np.int64),
+        "end": np.array([r[2] for r in rows], np.int64), "pid": np.ones(n), "tid": tid,
+        "device": np.full(n, -1), "stream": np.full(n, -1),
+        "style": np.array([r[3] for r in rows])}, n)
+    nest_ranges(ranges)
+    return ranges
+
+
+def brute_force(ranges: Ranges, tids, starts, ends) -> set[tuple[int, int]]:
+    return {(r, p) for r in range(len(ranges)) for p in range(len(tids))
+            if ranges.tid[r] == tids[p] and ranges.start[r] <= starts[p]
+            and ends[p] <= ranges.end[r]}
+
+
+def nested_ranges(draw, tid: int, lo: int, hi: int, depth: int) -> list:
+    """Push/pop ranges: properly nested by construction."""
+    out = []
+    t = lo
+    while t < hi and len(out) < 6:
+        s = draw(st.integers(t, hi))
+        e = draw(st.integers(s, hi))
+        out.append((tid, s, e, PUSHPOP))
+        if depth < 3 and e > s:
+            out += nested_ranges(draw, tid, s, e, depth + 1)
+        t = e + draw(st.integers(0, 3))
+        if draw(st.booleans()):
+            break
+    return out
+
+
+@st.composite
+def traces(draw):
+    rows = []
+    for tid in (1, 2):
+        rows += nested_ranges(draw, tid, 0, 60, 0)
+        # Start/end ranges overlap anything, nesting or not.
+        for _ in range(draw(st.integers(0, 4))):
+            s = draw(st.integers(0, 60))
+            rows.append((tid, s, draw(st.integers(s, 60)), STARTEND))
+    n_points = draw(st.integers(1, 25))
+    tids = [draw(st.sampled_from([1, 2])) for _ in range(n_points)]
+    starts = [draw(st.integers(0, 60)) for _ in range(n_points)]
+    ends = [s + draw(st.integers(0, 8)) for s in starts]
+    return rows, tids, starts, ends
+
+
+@settings(max_examples=300, deadline=None)
+@given(traces())
+def test_containing_equals_brute_force(case):
+    rows, tids, starts, ends = case
+    if not rows:
+        return
+    ranges = make_ranges(rows)
+    tids_a = np.array(tids, np.int64)
+    got_r, got_p = containing(ranges, range_groups(ranges), thread_keys(np.ones_like(tids_a),
+                              tids_a), np.array(starts, np.int64), np.array(ends, np.int64))
+    got = set(zip(got_r.tolist(), got_p.tolist(), strict=True))
+    assert len(got) == len(got_r), "a pair came out twice"
+    assert got == brute_force(ranges, tids, starts, ends)
+
+
+@settings(max_examples=200, deadline=None)
+@given(traces())
+def test_lanes_nest_properly(case):
+    rows, *_ = case
+    if not rows:
+        return
+    ranges = make_ranges(rows)
+    for i in range(len(ranges)):
+        p = ranges.parent[i]
+        if p < 0:
+            assert ranges.depth[i] == 0
+            continue
+        assert ranges.lane[p] == ranges.lane[i] and ranges.tid[p] == ranges.tid[i]
+        assert ranges.start[p] <= ranges.start[i] and ranges.end[i] <= ranges.end[p]
+        assert ranges.depth[i] == ranges.depth[p] + 1
+    # Within a lane and thread, any two ranges are nested or disjoint.
+    for i in range(len(ranges)):
+        for j in range(len(ranges)):
+            if i == j or ranges.lane[i] != ranges.lane[j] or ranges.tid[i] != ranges.tid[j]:
+                continue
+            a, b = (ranges.start[i], ranges.end[i]), (ranges.start[j], ranges.end[j])
+            nested = (a[0] <= b[0] and b[1] <= a[1]) or (b[0] <= a[0] and a[1] <= b[1])
+            assert nested or a[1] <= b[0] or b[1] <= a[0]
+
+
+def test_push_pop_ranges_use_one_lane():
+    ranges = make_ranges([(1, 0, 100, PUSHPOP), (1, 10, 50, PUSHPOP), (1, 20, 30, PUSHPOP),
+                          (1, 60, 90, PUSHPOP)])
+    assert ranges.lane.tolist() == [0, 0, 0, 0]
+    assert ranges.depth.tolist() == [0, 1, 2, 1]
+    assert ranges.parent.tolist() == [-1, 0, 1, 0]
+
+
+def test_overlapping_start_end_ranges_get_their_own_lane():
+    ranges = make_ranges([(1, 0, 50, STARTEND), (1, 40, 90, STARTEND)])
+    assert sorted(ranges.lane.tolist()) == [0, 1]

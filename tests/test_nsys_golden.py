@@ -1,0 +1,74 @@
+"""`kimi-perf ranges` against NVIDIA's own `nsys stats --report nvtx_kern_sum` output."""
+
+from __future__ import annotations
+
+import csv
+import gzip
+import io
+
+import pytest
+from click.testing import CliRunner
+
+from kimi_perf.cli import main
+from tests.conftest import DATA, NSYS, nsys_fixtures
+
+SAXPY = "hpcgroup-pipit__saxpy-mpi-cuda_nsys_perlmutter0__nsys2022.2.1"
+
+
+def golden_for(stem: str) -> tuple[str, str] | None:
+    shipped = NSYS / "golden" / stem / "nvtx_kern_sum.csv"
+    if shipped.exists():
+        return shipped.read_text(), str(shipped)
+    ours = DATA / "nsys_stats_2023.4.4" / f"{stem}_nvtx_kern_sum.csv.gz"
+    if ours.exists():
+        return gzip.decompress(ours.read_bytes()).decode(), str(ours)
+    return None
+
+
+def golden_rows(text: str) -> list[tuple[str, ...]]:
+    return [(r["NVTX Range"], r["PID"], r["TID"], r["NVTX Inst"], r["Kern Inst"],
+             r["Total Time (ns)"], r["Kernel Name"]) for r in csv.DictReader(io.StringIO(text))]
+
+
+def our_rows(path) -> tuple[list[str], list[tuple[str, ...]]]:
+    result = CliRunner().invoke(main, ["ranges", str(path), "--format", "csv"])
+    assert result.exit_code == 0, result.output
+    reader = csv.reader(io.StringIO(result.output))
+    header = next(reader)
+    return header, [tuple(r) for r in reader]
+
+
+WITH_GOLDEN = [p for p in nsys_fixtures() if golden_for(p.stem) and p.stem != SAXPY]
+
+
+def test_fixtures_present():
+    assert len(nsys_fixtures()) >= 10, f"nsys fixtures missing under {NSYS}"
+    assert len(WITH_GOLDEN) >= 7
+
+
+@pytest.mark.parametrize("fixture_file", WITH_GOLDEN, ids=lambda p: p.stem[:40])
+def test_ranges_match_nsys_stats_exactly(fixture_file):
+    text, _ = golden_for(fixture_file.stem)
+    expected = golden_rows(text)
+    header, rows = our_rows(fixture_file)
+    assert header == ["range", "pid", "tid", "range_instances", "kernel_instances", "total_ns",
+                      "kernel"]
+    assert len(rows) == len(expected)
+    assert sorted(rows) == sorted(expected)
+    # Same order as nsys where nsys's order is total: by range name, pid, tid, total desc.
+    key = [(r[0], int(r[1] or -1), int(r[2] or -1)) for r in rows]
+    assert key == sorted(key)
+
+
+def test_saxpy_reports_the_correct_total_where_nsys_double_counts():
+    """The reference double-counts (duplicate backtrace rows in the runtime table)."""
+    path = NSYS / f"{SAXPY}.sqlite"
+    (expected,) = golden_rows(golden_for(SAXPY)[0])
+    _, rows = our_rows(path)
+    (ours,) = rows
+    kern_sum = next(csv.DictReader(io.StringIO(
+        (NSYS / "golden" / SAXPY / "cuda_gpu_kern_sum.csv").read_text())))
+    true_total = int(kern_sum["Total Time (ns)"])
+    assert ours[:5] == expected[:5] and ours[6] == expected[6]
+    assert int(ours[5]) == true_total == 88573480
+    assert int(expected[5]) == 2 * true_total

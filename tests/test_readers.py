@@ -1,0 +1,142 @@
+"""Both readers on every real fixture, checked against independent figures."""
+
+from __future__ import annotations
+
+import csv
+import gzip
+import json
+import sqlite3
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from kimi_perf import read_trace
+from kimi_perf.trace import DRIVER, GPU_RANGE, Trace
+from tests.conftest import KINETO, NSYS, kineto_fixtures, nsys_fixtures
+
+
+def test_kineto_fixtures_present():
+    assert len(kineto_fixtures()) >= 12, f"Kineto fixtures missing under {KINETO}"
+
+
+@pytest.mark.parametrize("fixture_file", nsys_fixtures(), ids=lambda p: p.stem[:40])
+def test_nsys_kernels_match_cuda_gpu_kern_sum(fixture_file):
+    """Instances and total ns per kernel name equal nsys's own cuda_gpu_kern_sum."""
+    trace = read_trace(fixture_file)
+    assert trace.meta["format"] == "nsys-sqlite"
+    assert trace.meta["tool"].startswith("NVIDIA Nsight Systems 20")
+    assert trace.meta["schema"].split(".")[0] in ("2", "3")
+    golden = NSYS / "golden" / fixture_file.stem / "cuda_gpu_kern_sum.csv"
+    with sqlite3.connect(fixture_file) as db:
+        has_kernels = db.execute("SELECT count(*) FROM sqlite_master WHERE "
+                                 "name='CUPTI_ACTIVITY_KIND_KERNEL'").fetchone()[0]
+        n_kernels = db.execute("SELECT count(*) FROM CUPTI_ACTIVITY_KIND_KERNEL").fetchone()[0] \
+            if has_kernels else 0
+    assert len(trace.kernels) == n_kernels
+    if not golden.exists():
+        return
+    ours: dict[str, list[int]] = {}
+    names = np.array(trace.strings, dtype=object)[trace.kernels.name]
+    for name, dur in zip(names, (trace.kernels.end - trace.kernels.start).tolist(), strict=True):
+        ours.setdefault(name, []).append(dur)
+    for row in csv.DictReader(golden.read_text().splitlines()):
+        durations = ours[row["Name"]]
+        assert len(durations) == int(row["Instances"])
+        assert sum(durations) == int(row["Total Time (ns)"])
+
+
+def test_nsys_oldest_schema_drops_backtrace_duplicates():
+    trace = read_trace(NSYS / "hpcgroup-pipit__saxpy-mpi-cuda_nsys_perlmutter0__nsys2022.2.1"
+                              ".sqlite")
+    assert trace.meta["schema"] == "2.9.1"
+    key = list(zip(trace.api.pid.tolist(), trace.api.correlation.tolist(), strict=True))
+    assert len(key) == len(set(key)) == 57
+    launches = np.array(trace.strings, dtype=object)[trace.api.name[trace.kernels.api]]
+    assert all(n.startswith("cudaLaunchKernel") for n in launches)
+    # Domain-qualified range names as nsys prints them.
+    names = set(np.array(trace.strings, dtype=object)[trace.ranges.name])
+    assert "MPI:MPI_Send" in names and "saxpy" in names
+
+
+def test_nsys_without_cuda_or_nvtx_and_with_non_utf8_metadata():
+    trace = read_trace(NSYS / "IhorAtlanov-assignment2-systems__result__nsys2025.6.1_NO_CUDA"
+                              ".sqlite")
+    assert len(trace.kernels) == len(trace.ranges) == len(trace.api) == 0
+    assert trace.meta["tool"] == "NVIDIA Nsight Systems 2025.6.1.190"
+
+
+def test_nsys_two_processes_two_gpus():
+    trace = read_trace(NSYS / "nsysai_fastvideo_wan2.1_train_2xh100_before.sqlite")
+    pids = set(trace.kernels.pid.tolist())
+    assert len(pids) == 2 and set(trace.kernels.device.tolist()) == {0, 1}
+    # The capture window cuts a few launches off at its start; the rest all link.
+    linked = trace.kernels.api >= 0
+    assert linked.mean() > 0.95
+    # Each kernel's launch belongs to the kernel's own process.
+    assert (trace.api.pid[trace.kernels.api[linked]] == trace.kernels.pid[linked]).all()
+
+
+def test_nsys_gpu_metadata():
+    trace = read_trace(NSYS / "NVIDIA-Fuser__report1__nsys2025.1.1.sqlite")
+    assert trace.meta["gpus"] == [{"device": 0, "name": "NVIDIA H200", "sm_count": 132}]
+    newest = read_trace(NSYS / "Athrun0109-CS336_assignment2__result__nsys2026.2.1.sqlite")
+    assert newest.meta["schema"] == "3.25.0" and newest.meta["processes"] == []
+    assert (newest.kernels.graph_id == -1).all() or (newest.kernels.graph_id >= 0).any()
+
+
+def _kineto_events(path):
+    doc = json.loads(gzip.decompress(path.read_bytes()))
+    return doc, doc["traceEvents"]
+
+
+@pytest.mark.parametrize("fixture_file", kineto_fixtures(), ids=lambda p: p.stem[:40])
+def test_kineto_counts_and_times(fixture_file):
+    _, events = _kineto_events(fixture_file)
+    trace = read_trace(fixture_file)
+    kernels = [e for e in events if e.get("ph") == "X" and e.get("cat") == "kernel"]
+    assert len(trace.kernels) == len(kernels)
+    assert trace.meta["format"] == "kineto-json"
+    # Durations survive to the ns, whether the trace wrote integer or fractional µs.
+    expected = Counter(round(e["dur"] * 1000) for e in kernels)
+    assert Counter((trace.kernels.end - trace.kernels.start).tolist()) == expected
+    # Every kernel whose correlation has an API event is linked to it.
+    api_corr = {e["args"]["correlation"] for e in events if e.get("cat") in
+                ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
+    linked = sum(e["args"].get("correlation") in api_corr for e in kernels)
+    assert int((trace.kernels.api >= 0).sum()) == linked
+
+
+def test_kineto_full_graph_launch_fans_out():
+    trace = read_trace(KINETO / "tracelens_vllm_gptoss20b_decode_fullgraph_mi300x.json.gz")
+    api_rows, counts = np.unique(trace.kernels.api[trace.kernels.api >= 0], return_counts=True)
+    graph = api_rows[counts.argmax()]
+    assert counts.max() == 421
+    assert trace.strings[trace.api.name[graph]] == "hipGraphLaunch"
+    assert "ROCm" in trace.meta["tool"]
+
+
+def test_kineto_driver_launch():
+    trace = read_trace(KINETO / "hta_a100_triton_example.json.gz")
+    (row,) = trace.kernels.api
+    assert trace.api.kind[row] == DRIVER
+    assert trace.strings[trace.api.name[row]] == "cuLaunchKernel"
+
+
+def test_kineto_fractional_ns_and_gpu_annotations():
+    trace = read_trace(KINETO / "hta_v100_ns_resolution_gpu_user_annotation.json.gz")
+    assert (trace.kernels.start % 1000 != 0).any()
+    assert (trace.ranges.style == GPU_RANGE).sum() == 15
+
+
+def test_kptrace_round_trip(tmp_path):
+    trace = read_trace(NSYS / "jsun-012-assignment2-systems__result__nsys2025.1.3.sqlite")
+    out = tmp_path / "t.kptrace"
+    trace.save(out)
+    again = read_trace(out)
+    assert isinstance(again, Trace)
+    assert again.strings == trace.strings and again.meta == trace.meta
+    for table in ("kernels", "memops", "ranges", "api"):
+        for col, values in getattr(trace, table).columns().items():
+            np.testing.assert_array_equal(getattr(getattr(again, table), col), values)
+    assert list(tmp_path.iterdir()) == [out]
