@@ -111,5 +111,5 @@ def test_user_rules_come_first(tmp_path):
 def test_bad_rules_files_are_named(tmp_path, text):
     rules = tmp_path / "rules.toml"
     rules.write_text(text)
-    with pytest.raises(TraceError, match="rules.toml"):
+    with pytest.raises(TraceError, match=r"rules\.toml"):
         load_rules(rules)
