@@ -570,7 +570,9 @@ def _fill_nsys(conn: sqlite3.Connection, run: DecodeRun) -> None:
 
 # -- Kineto (PyTorch profiler) Chrome-trace JSON -------------------------------------------------
 
-KINETO_BASE_NS = 4_458_676_000_000_000   # Kineto's ts are µs from baseTimeNanoseconds
+# Kineto's "ts" are µs on the profiler's clock (large, with fractional ns); the run's ns are
+# shifted onto such a clock.
+KINETO_CLOCK_NS = 4_458_671_000_000_000
 KINETO_HEADER = """{
   "schemaVersion": 1,
   "deviceProperties": [
@@ -665,17 +667,22 @@ def _kernel_args_tail(spec: KernelSpec) -> str:
     threads = spec.block[0] * spec.block[1] * spec.block[2]
     blocks = spec.grid[0] * spec.grid[1] * spec.grid[2]
     occupancy = min(100, round(100 * threads * max(1, blocks // 132) / 2048))
-    return ('      "registers per thread": %d,      "shared memory": %d,      '
-            '"blocks per SM": %.6f,      "warps per SM": %.6f,      "grid": [%d, %d, %d],      '
-            '"block": [%d, %d, %d],      "est. achieved occupancy %%": %d') % (
-        spec.regs, spec.smem, blocks / 132, blocks * threads / 32 / 132, *spec.grid,
-        *spec.block, occupancy)
+    return (f'      "registers per thread": {spec.regs},      "shared memory": {spec.smem},'
+            f'      "blocks per SM": {blocks / 132:.6f},      '
+            f'"warps per SM": {blocks * threads / 32 / 132:.6f},      '
+            f'"grid": [{", ".join(map(str, spec.grid))}],      '
+            f'"block": [{", ".join(map(str, spec.block))}],      '
+            f'"est. achieved occupancy %": {occupancy}')
 
 
 def _us(ns: np.ndarray) -> tuple[list[int], list[int]]:
-    """ns from the Kineto base -> (whole µs, ns remainder) for "%d.%03d"."""
-    rel = ns - KINETO_BASE_NS
-    return (rel // 1000).tolist(), (rel % 1000).tolist()
+    """ns -> (whole µs, ns remainder) for "%d.%03d"."""
+    return (ns // 1000).tolist(), (ns % 1000).tolist()
+
+
+def _times(start: np.ndarray, end: np.ndarray) -> tuple[list[int], ...]:
+    """Kineto "ts" and "dur" fields of events (run ns), split for "%d.%03d"."""
+    return (*_us(start + KINETO_CLOCK_NS), *_us(end - start))
 
 
 def _cpu_ops(run: DecodeRun) -> tuple[np.ndarray, ...]:
@@ -707,81 +714,78 @@ def kineto_event_count(run: DecodeRun) -> dict[str, int]:
 
 
 def _kineto_chunks(run: DecodeRun, steps_per_chunk: int) -> Iterator[str]:
-    """The events, a few steps at a time (CPU events in time order, then the GPU's)."""
+    """The events, a few steps at a time: CPU events in time order (parents first), then the
+    GPU's kernels each followed by its flow end."""
     specs = run.specs
-    jnames = [json.dumps(s.name)[1:-1] for s in specs]
-    tails = [_kernel_args_tail(s) for s in specs]
-    kname = np.array(jnames, dtype=object)
-    ktail = np.array(tails, dtype=object)
+    kname = np.array([json.dumps(s.name)[1:-1] for s in specs], dtype=object)
+    ktail = np.array([_kernel_args_tail(s) for s in specs], dtype=object)
     is_driver = np.array([s.driver for s in specs])[run.kernel_spec]
-    op_kernel, op_level, op_name, op_start, op_end, op_names = _cpu_ops(run)
-    # External ids: each op takes one; the launch and the kernel take their innermost op's.
+    op_kernel, _, op_name, op_start, op_end, op_names = _cpu_ops(run)
+    # External ids: each annotation and op takes one; a launch and its kernel take their
+    # innermost op's (Kineto links them that way).
     first_op = np.searchsorted(op_kernel, np.arange(run.kernels))
     op_count = np.bincount(op_kernel, minlength=run.kernels)
     range_names = np.array([json.dumps(s)[1:-1] for s in run.range_names], dtype=object)
     for s0 in range(0, run.steps, steps_per_chunk):
         s1 = min(run.steps, s0 + steps_per_chunk)
         k0, k1 = s0 * run.per_step, s1 * run.per_step
-        r0, r1 = np.searchsorted(run.r_step, [s0, s1])
-        o0, o1 = np.searchsorted(op_kernel, [k0, k1])
-        ext_base = 1_000_000 + o0 + r0   # ids unique across chunks
-        parts: list[str] = []
+        r0, r1 = (int(x) for x in np.searchsorted(run.r_step, [s0, s1]))
+        o0, o1 = (int(x) for x in np.searchsorted(op_kernel, [k0, k1]))
+        ext_ann = 1_000_000 + o0 + r0     # unique across chunks
+        ext_op = ext_ann + (r1 - r0)
+        cpu: list[list[str]] = []
         keys: list[np.ndarray] = []
 
-        def add(strings: list[str], ts: np.ndarray, dur: np.ndarray, rank: int) -> None:
-            parts.extend(strings)
-            # Sort key: start, then longer first (parents before children), then kind.
-            keys.append(np.stack([ts, -dur, np.full(len(ts), rank)]))
-
         rs, re_ = run.r_start[r0:r1], run.r_end[r0:r1]
-        ts_i, ts_f = _us(rs)
-        du_i, du_f = _us(re_ - rs + KINETO_BASE_NS)
-        ext = range(ext_base, ext_base + (r1 - r0))
-        add([CPU_EVENT % t for t in zip(repeat("user_annotation"),
-                                         range_names[run.r_name[r0:r1]].tolist(), ts_i, ts_f,
-                                         du_i, du_f, ext, ext, strict=False)], rs, re_ - rs, 0)
+        ids = range(ext_ann, ext_op)
+        cpu.append([CPU_EVENT % t for t in zip(
+            repeat("user_annotation"), range_names[run.r_name[r0:r1]].tolist(),
+            *_times(rs, re_), ids, ids, strict=False)])
+        keys.append(_sort_key(rs, re_, 0))
+
         os_, oe = op_start[o0:o1], op_end[o0:o1]
-        ts_i, ts_f = _us(os_)
-        du_i, du_f = _us(oe - os_ + KINETO_BASE_NS)
-        ext0 = ext_base + (r1 - r0)
-        ext = range(ext0, ext0 + (o1 - o0))
-        add([CPU_EVENT % t for t in zip(repeat("cpu_op"), op_names[op_name[o0:o1]].tolist(),
-                                         ts_i, ts_f, du_i, du_f, ext, ext, strict=False)],
-            os_, oe - os_, 1)
-        kext = (ext0 + first_op[k0:k1] - o0 + op_count[k0:k1] - 1).tolist()
+        ids = range(ext_op, ext_op + (o1 - o0))
+        cpu.append([CPU_EVENT % t for t in zip(
+            repeat("cpu_op"), op_names[op_name[o0:o1]].tolist(), *_times(os_, oe), ids, ids,
+            strict=False)])
+        keys.append(_sort_key(os_, oe, 1))
+
+        kext = (ext_op + first_op[k0:k1] - o0 + op_count[k0:k1] - 1).tolist()
         corr = run.corr[k0:k1].tolist()
         drv = is_driver[k0:k1]
-        cat = np.where(drv, "cuda_driver", "cuda_runtime").tolist()
-        api_name = np.where(drv, "cuLaunchKernel", "cudaLaunchKernel").tolist()
-        cbid = np.where(drv, 307, 211).tolist()
         a0, a1 = run.api_start[k0:k1], run.api_end[k0:k1]
-        ts_i, ts_f = _us(a0)
-        du_i, du_f = _us(a1 - a0 + KINETO_BASE_NS)
-        add([RUNTIME_EVENT % t for t in zip(cat, api_name, ts_i, ts_f, du_i, du_f, kext, cbid,
-                                             corr, strict=False)], a0, a1 - a0, 2)
-        add([FLOW_START % t for t in zip(corr, ts_i, ts_f, strict=False)], a0, a1 - a0, 3)
+        api_times = _times(a0, a1)
+        cpu.append([RUNTIME_EVENT % t for t in zip(
+            np.where(drv, "cuda_driver", "cuda_runtime").tolist(),
+            np.where(drv, "cuLaunchKernel", "cudaLaunchKernel").tolist(), *api_times, kext,
+            np.where(drv, 307, 211).tolist(), corr, strict=False)])
+        keys.append(_sort_key(a0, a1, 2))
+        cpu.append([FLOW_START % t for t in zip(corr, *api_times[:2], strict=False)])
+        keys.append(_sort_key(a0, a1, 3))
+
         ss, se = run.sync_start[s0:s1], run.sync_end[s0:s1]
-        ts_i, ts_f = _us(ss)
-        du_i, du_f = _us(se - ss + KINETO_BASE_NS)
-        sc = run.sync_corr[s0:s1].tolist()
-        add([RUNTIME_EVENT % t for t in zip(repeat("cuda_runtime"),
-                                             repeat("cudaStreamSynchronize"), ts_i, ts_f, du_i,
-                                             du_f, sc, repeat(226), sc, strict=False)],
-            ss, se - ss, 2)
-        n_cpu = len(parts)
+        cpu.append([RUNTIME_EVENT % t for t in zip(
+            repeat("cuda_runtime"), repeat("cudaStreamSynchronize"), *_times(ss, se),
+            repeat(0), repeat(226), run.sync_corr[s0:s1].tolist(), strict=False)])
+        keys.append(_sort_key(ss, se, 2))
+
+        flat = [s for part in cpu for s in part]
+        key = np.concatenate(keys, axis=1)
+        yield "".join([flat[i] for i in np.lexsort(key[::-1]).tolist()])
+        del flat, cpu
+
         ks, ke = run.k_start[k0:k1], run.k_end[k0:k1]
         spec = run.kernel_spec[k0:k1]
-        ts_i, ts_f = _us(ks)
-        du_i, du_f = _us(ke - ks + KINETO_BASE_NS)
-        kernels = [KERNEL_EVENT % t for t in zip(kname[spec].tolist(), ts_i, ts_f, du_i, du_f,
-                                                  kext, corr, ktail[spec].tolist(),
-                                                  strict=False)]
-        flows = [FLOW_END % t for t in zip(corr, ts_i, ts_f, strict=False)]
-        key = np.concatenate(keys, axis=1)
-        order = np.lexsort(key[::-1]).tolist()
-        yield "".join([parts[i] for i in order])
-        del parts[:n_cpu]
+        k_times = _times(ks, ke)
+        kernels = [KERNEL_EVENT % t for t in zip(kname[spec].tolist(), *k_times, kext, corr,
+                                                  ktail[spec].tolist(), strict=False)]
+        flows = [FLOW_END % t for t in zip(corr, *k_times[:2], strict=False)]
         yield "".join([x for pair in zip(kernels, flows, strict=True) for x in pair])
+
+
+def _sort_key(start: np.ndarray, end: np.ndarray, rank: int) -> np.ndarray:
+    """Rows (start, -duration, kind rank): a parent sorts before what it contains."""
+    return np.stack([start, start - end, np.full(len(start), rank, np.int64)])
 
 
 def write_kineto_json(run: DecodeRun, path: Path, compresslevel: int = 1,
@@ -791,11 +795,10 @@ def write_kineto_json(run: DecodeRun, path: Path, compresslevel: int = 1,
     Level-1 gzip keeps generation fast; readers pay about the same to inflate any level.
     """
     def fmt(ns: int) -> str:
-        rel = ns - KINETO_BASE_NS
-        return f"{rel // 1000}.{rel % 1000:03d}"
+        return f"{ns // 1000}.{ns % 1000:03d}"
 
-    t0 = int(min(run.r_start.min(), run.api_start.min())) - 10_000
-    t1 = int(max(run.k_end.max(), run.sync_end.max())) + 10_000
+    t0 = int(min(run.r_start.min(), run.api_start.min())) - 10_000 + KINETO_CLOCK_NS
+    t1 = int(max(run.k_end.max(), run.sync_end.max())) + 10_000 + KINETO_CLOCK_NS
     raw = 0
 
     def write(tmp: Path) -> None:
@@ -804,7 +807,7 @@ def write_kineto_json(run: DecodeRun, path: Path, compresslevel: int = 1,
             for text in (KINETO_HEADER % {"t0": fmt(t0), "pid": PID, "tid": TID},
                          *_kineto_chunks(run, steps_per_chunk),
                          KINETO_FOOTER % {"t0": fmt(t0), "t1": fmt(t1),
-                                          "span": fmt(t1 - t0 + KINETO_BASE_NS)}):
+                                          "span": fmt(t1 - t0)}):
                 data = text.encode()
                 raw += len(data)
                 f.write(data)

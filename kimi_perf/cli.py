@@ -93,8 +93,12 @@ def _breakdown_of(path: Path, layers: str, rules: Path | None, steps: str | None
                      step_regex=steps)
 
 
+EXAMPLE_TRACE = (Path(__file__).parent / "examples"
+                 / "vllm_gptoss20b_decode_fullgraph_mi300x.json.gz")
+
+
 @main.command(name="breakdown")
-@click.argument("trace", type=click.Path(path_type=Path))
+@click.argument("trace", type=click.Path(path_type=Path), required=False)
 @click.option("--format", "fmt", type=click.Choice(["table", "json", "csv"]), default="table",
               show_default=True)
 @_layers_option
@@ -104,10 +108,14 @@ def _breakdown_of(path: Path, layers: str, rules: Path | None, steps: str | None
               "rules, tried before the defaults")
 @click.option("-o", "--output", type=click.Path(path_type=Path), help="write here, not stdout")
 @_fail_cleanly
-def breakdown_cmd(trace: Path, fmt: str, layers: str, step_regex: str | None,
+def breakdown_cmd(trace: Path | None, fmt: str, layers: str, step_regex: str | None,
                   rules: Path | None, output: Path | None) -> None:
-    """Per step and layer: kernels, kernel µs, span µs, gap µs, per class; medians per type."""
-    b = _breakdown_of(trace, layers, rules, step_regex)
+    """Per step and layer: kernels, kernel µs, span µs, gap µs, per class; medians per type.
+
+    Without TRACE, analyses the embedded example: one vLLM GPT-OSS-20B decode step under a
+    full HIP graph (see kimi_perf/examples/README.md).
+    """
+    b = _breakdown_of(trace or EXAMPLE_TRACE, layers, rules, step_regex)
     if fmt == "table":
         render.print_tables(render.breakdown_tables(b))
     else:

@@ -146,3 +146,38 @@ def test_gzipped_json_that_is_not_kineto(tmp_path):
     result = run("breakdown", p, "--format", "json")
     # An event list with no events is a valid, empty trace.
     assert result.exit_code == 0 and json.loads(result.output)["steps"] == []
+
+
+def test_nsys_rep_without_nsys_says_how_to_get_it(tmp_path, monkeypatch):
+    rep = tmp_path / "run.nsys-rep"
+    rep.write_bytes(b"binary report")
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    result = run("info", rep)
+    assert result.exit_code == 2
+    assert "needs the Nsight Systems CLI ('nsys') on PATH" in result.output
+
+
+def test_nsys_rep_is_exported_with_the_nsys_on_path(tmp_path, monkeypatch):
+    """A stand-in `nsys` that answers `nsys export` the way the real one does."""
+    source = NSYS / "zx3xyy-assignment2-systems__result_2_7B_nvtx__nsys2024.6.2.sqlite"
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    fake = bindir / "nsys"
+    fake.write_text(f"""#!{sys.executable}
+import shutil, sys
+args = sys.argv[1:]
+assert args[:3] == ["export", "--type", "sqlite"], args
+out = args[args.index("--output") + 1]
+shutil.copy({str(source)!r}, out)
+""")
+    fake.chmod(0o755)
+    rep = tmp_path / "run.nsys-rep"
+    rep.write_bytes(b"binary report")
+    monkeypatch.setenv("PATH", f"{bindir}:/usr/bin:/bin")
+    result = run("info", rep)
+    assert result.exit_code == 0, result.output
+    assert "kernels 7328" in result.output
+    failing = bindir / "nsys"
+    failing.write_text("#!/bin/sh\necho 'cannot open report' >&2\nexit 3\n")
+    result = run("info", rep)
+    assert result.exit_code == 2 and "nsys export failed: cannot open report" in result.output
