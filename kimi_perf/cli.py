@@ -170,3 +170,54 @@ def info(trace: Path) -> None:
     for gpu in m.get("gpus", []):
         click.echo(f"  GPU {gpu.get('device')}: {gpu.get('name') or '(unnamed)'}"
                    + (f", {gpu['sm_count']} SMs" if gpu.get("sm_count") else ""))
+
+
+@main.command()
+@click.option("--preset", "preset_name", default="tiny", show_default=True,
+              help="model preset: tiny, k3, k3-tp8, k3-tp16")
+@click.option("--layers", "n_layers", type=int, help="override the preset's layer count")
+@click.option("--paths", default="standard", show_default=True,
+              help="comma-separated decode paths to check")
+@click.option("--steps", default=8, show_default=True, type=click.IntRange(1))
+@click.option("--batch", default=2, show_default=True, type=click.IntRange(1))
+@click.option("--prompt", default=4, show_default=True, type=click.IntRange(1),
+              help="prompt tokens prefilled before the decode steps")
+@click.option("--dtype", type=click.Choice(["bfloat16", "float32"]), default="bfloat16",
+              show_default=True, help="activation and weight dtype of the paths")
+@click.option("--kv-cache", type=click.Choice(["bf16", "fp8"]), default="bf16",
+              show_default=True, help="latent KV cache storage")
+@click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table",
+              show_default=True)
+@_fail_cleanly
+def validate(preset_name: str, n_layers: int | None, paths: str, steps: int, batch: int,
+             prompt: int, dtype: str, kv_cache: str, seed: int, fmt: str) -> None:
+    """Check decode paths against a float64 reference of the same weights (CPU is enough).
+
+    Exit code 1 when an error exceeds its bound for the dtype.
+    """
+    try:
+        from kimi_perf.decode import validate as v
+    except ImportError as exc:
+        raise TraceError(None, f"validate needs torch ({exc}); pip install "
+                               "'kimi-perf[model]'") from None
+    from kimi_perf.decode.config import PRESETS
+
+    if preset_name not in PRESETS:
+        raise TraceError(None, f"unknown preset {preset_name!r} (choose from "
+                               f"{', '.join(PRESETS)})")
+    chosen = tuple(p for p in paths.split(",") if p)
+    unknown = [p for p in chosen if p not in v.PATHS]
+    if unknown:
+        raise TraceError(None, f"unknown path(s) {', '.join(unknown)} (available: "
+                               f"{', '.join(v.PATHS)})")
+    result = v.validate(preset_name, chosen, steps=steps, batch=batch, prompt=prompt,
+                        dtype=dtype, kv_cache=kv_cache, seed=seed, n_layers=n_layers)
+    if fmt == "json":
+        click.echo(json.dumps(result, indent=1))
+    else:
+        render.print_tables([render.validation_table(result)])
+        for failure in result["failures"]:
+            click.echo(f"FAIL {failure}")
+    if not result["ok"]:
+        sys.exit(1)

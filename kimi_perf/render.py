@@ -138,3 +138,21 @@ def print_tables(tables: list[Table], console: Console | None = None) -> None:
     console = console or Console()
     for t in tables:
         console.print(t)
+
+
+def validation_table(result: dict) -> Table:
+    bounds = result["bounds"]
+    table = Table(title=f"Decode paths vs float64 reference: preset {result['preset']}, "
+                        f"{result['dtype']}, {result['kv_cache']} KV cache, batch "
+                        f"{result['batch']}, {result['steps']} steps")
+    for col in ("path", "layer type", "max rel err", "bound", "launches/layer"):
+        table.add_column(col, justify="left" if col in ("path", "layer type") else "right")
+    for path, r in result["paths"].items():
+        for kind, v in r["layer_types"].items():
+            table.add_row(path, kind, f"{v['max_rel_err']:.3g}", f"{bounds['layer']:.3g}",
+                          str(v["launches"]))
+        table.add_row(path, "logits", f"{r['logits_max_rel_err']:.3g}",
+                      f"{bounds['logits']:.3g}", "")
+        table.add_row(path, "routing gap", f"{r['routing_max_gap']:.3g}",
+                      f"{bounds['routing_gap']:.3g}", "")
+    return table

@@ -1,0 +1,124 @@
+"""Kimi-K3-style model configuration and presets (no torch import: the CLI lists presets)."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class K3Config:
+    """Model dimensions; ``tp`` > 1 describes one tensor-parallel rank's shard of them."""
+
+    hidden: int = 7168
+    n_layers: int = 93
+    vocab: int = 163840
+    rms_eps: float = 1e-5
+    # Gated MLA at every 4th layer (1-indexed 4, 8, ..., 92) and at the last layer.
+    full_attn_every: int = 4
+    # KDA
+    kda_heads: int = 96
+    kda_head_dim: int = 128
+    conv_size: int = 4
+    gate_lower_bound: float = -5.0
+    f_rank: int = 128                 # f_a / f_b low-rank gate projection
+    # Gated MLA
+    mla_heads: int = 96
+    q_lora: int = 1536
+    kv_lora: int = 512
+    qk_nope: int = 128
+    qk_rope: int = 64
+    v_head: int = 128
+    # Latent MoE
+    n_experts: int = 896
+    top_k: int = 16
+    moe_intermediate: int = 3072
+    latent: int = 3584
+    shared_intermediate: int = 6144   # the 2 shared experts, fused
+    routed_scale: float = 1.0
+    dense_intermediate: int = 33792   # layer 0
+    situ_beta: float = 4.0
+    situ_beta_linear: float = 25.0
+    # Attention residuals
+    attn_res_block: int = 12
+    tp: int = 1
+
+    def is_mla(self, layer: int) -> bool:
+        return (layer + 1) % self.full_attn_every == 0 or layer == self.n_layers - 1
+
+    def layer_type(self, layer: int) -> str:
+        return "mla" if self.is_mla(layer) else "kda"
+
+    # Per-rank shapes: attention heads and MLP intermediates are sharded; the router, the
+    # latent down/up projections and the MLA down projections are replicated (as in vLLM).
+    @property
+    def kda_heads_local(self) -> int:
+        return self.kda_heads // self.tp
+
+    @property
+    def mla_heads_local(self) -> int:
+        return self.mla_heads // self.tp
+
+    @property
+    def moe_intermediate_local(self) -> int:
+        return self.moe_intermediate // self.tp
+
+    @property
+    def shared_intermediate_local(self) -> int:
+        return self.shared_intermediate // self.tp
+
+    @property
+    def dense_intermediate_local(self) -> int:
+        return self.dense_intermediate // self.tp
+
+    @property
+    def in_proj_rows(self) -> int:
+        """Rows of one rank's packed KDA projection: q, k, v, g (sharded), f_a (replicated),
+        b (sharded), padded to a multiple of 16 as vLLM pads it (6288 at TP8)."""
+        rows = 4 * self.kda_heads_local * self.kda_head_dim + self.f_rank + self.kda_heads_local
+        return rows + (-rows) % 16
+
+    @property
+    def kv_cache_dim(self) -> int:
+        return self.kv_lora + self.qk_rope
+
+    def shard(self, tp: int) -> K3Config:
+        for name, size in (("kda_heads", self.kda_heads), ("mla_heads", self.mla_heads),
+                           ("moe_intermediate", self.moe_intermediate),
+                           ("shared_intermediate", self.shared_intermediate),
+                           ("dense_intermediate", self.dense_intermediate)):
+            if size % tp:
+                raise ValueError(f"{name}={size} does not split over tp={tp}")
+        return dataclasses.replace(self, tp=tp)
+
+    def fingerprint(self) -> str:
+        text = json.dumps(dataclasses.asdict(self), sort_keys=True)
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+TINY = K3Config(
+    hidden=256, n_layers=8, vocab=512, kda_heads=4, kda_head_dim=32, f_rank=16,
+    mla_heads=4, q_lora=64, kv_lora=32, qk_nope=16, qk_rope=8, v_head=16,
+    n_experts=16, top_k=4, moe_intermediate=64, latent=128, shared_intermediate=128,
+    dense_intermediate=512, attn_res_block=3,
+)
+
+PRESETS: dict[str, K3Config] = {
+    "k3": K3Config(),
+    "k3-tp8": K3Config().shard(8),
+    "k3-tp16": K3Config().shard(16),
+    "tiny": TINY,
+}
+
+
+def preset(name: str, n_layers: int | None = None, tp: int | None = None) -> K3Config:
+    if name not in PRESETS:
+        raise KeyError(f"unknown preset {name!r}: choose from {', '.join(PRESETS)}")
+    config = PRESETS[name]
+    if n_layers is not None:
+        config = dataclasses.replace(config, n_layers=n_layers)
+    if tp is not None and tp != config.tp:
+        config = dataclasses.replace(config, tp=1).shard(tp)
+    return config

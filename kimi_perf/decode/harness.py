@@ -1,0 +1,87 @@
+"""Decode harness: a prompt (prefill, standard path), then N decode steps, annotated per step
+and per layer so that traces attribute kernels to ``decode_step[i]`` and ``layer[j](type)``.
+
+Annotations go to the PyTorch profiler (``record_function``: Kineto ``user_annotation``) and,
+on a GPU, to NVTX (``torch.cuda.nvtx``) for Nsight Systems.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from kimi_perf.decode.model import DecodeState, K3Model
+
+
+@contextlib.contextmanager
+def annotate(name: str):
+    """A range visible to the PyTorch profiler and, with CUDA, to Nsight Systems."""
+    nvtx = torch.cuda.is_available()
+    if nvtx:
+        torch.cuda.nvtx.range_push(name)
+    try:
+        with torch.profiler.record_function(name):
+            yield
+    finally:
+        if nvtx:
+            torch.cuda.nvtx.range_pop()
+
+
+def layer_range_name(layer: int, kind: str) -> str:
+    return f"layer[{layer}]({kind})"
+
+
+@dataclass
+class DecodeRun:
+    """What one harness run measured. Times are wall-clock seconds on the host, synchronised
+    with the device after each step; prefill is kept apart from decode throughout."""
+
+    tokens: torch.Tensor                    # [B, steps] generated (greedy)
+    prefill_s: float
+    step_s: list[float] = field(default_factory=list)
+
+    @property
+    def time_to_first_token_s(self) -> float:
+        return self.prefill_s
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        total = sum(self.step_s)
+        return self.tokens.numel() / total if total > 0 else float("nan")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_decode(model: K3Model, prompt: torch.Tensor, steps: int,
+               state: DecodeState | None = None, kv_dtype: torch.dtype | None = None,
+               annotate_layers: bool = True) -> DecodeRun:
+    """Greedy decode: prefill ``prompt`` [B, P], then ``steps`` single-token steps."""
+    batch, prompt_len = prompt.shape
+    state = state or model.new_state(batch, prompt_len + steps, kv_dtype=kv_dtype)
+    c = model.c
+
+    def hook(i: int):
+        return annotate(layer_range_name(i, c.layer_type(i))) if annotate_layers else None
+
+    start = time.perf_counter()
+    with annotate("prefill"):
+        logits = model.forward(prompt.to(model.device), state)
+    next_token = logits[:, -1].argmax(-1, keepdim=True)
+    _sync(model.device)
+    run = DecodeRun(tokens=torch.empty(batch, steps, dtype=torch.long),
+                    prefill_s=time.perf_counter() - start)
+    for step in range(steps):
+        start = time.perf_counter()
+        with annotate(f"decode_step[{step}]"):
+            logits = model.forward(next_token, state, layer_hook=hook)
+            next_token = logits[:, -1].argmax(-1, keepdim=True)
+        _sync(model.device)
+        run.step_s.append(time.perf_counter() - start)
+        run.tokens[:, step] = next_token[:, 0].cpu()
+    return run

@@ -1,0 +1,441 @@
+"""Kimi-K3-style decoder, standard decode path: vLLM's kernel sequence, built from PyTorch ops.
+
+One forward handles T new tokens per sequence: a prompt (prefill), one token (decode), or 1+k
+tokens (speculative verify). Activations are bf16 (or the weights' dtype), the KDA state is
+fp32, the latent KV cache bf16 or fp8 e4m3 with a per-tensor scale, as in vLLM.
+
+Each step of vLLM's standard sequence is one ``self.launch(name)`` below; on a GPU each is one
+kernel launch (a GEMM, a collective, or one of vLLM's fused Triton/CUDA ops, here written as the
+equivalent PyTorch). The sequence, per layer (``*`` only when TP > 1):
+
+KDA layer (vLLM ``kda.py`` / ``model.py``)::
+
+    attn_res_pre        fold the previous MLP output into the prefix, write the block buffer
+                        on block boundaries, depth-softmax mix, input RMSNorm
+    in_proj_qkvgfab     one GEMM for q, k, v, g, f_a, b
+    f_b_proj            GEMM 128 -> heads*128
+    fused_kda_decode    conv4 + SiLU, L2 norm, gate, beta, delta-rule recurrence (fp32 state),
+                        gated RMSNorm
+    o_proj, all_reduce*
+    attn_res_post       prefix update, mix, post-attention RMSNorm
+    MoE (below)
+
+Gated-MLA layer (vLLM ``mla.py``)::
+
+    attn_res_pre, fused_qkv_a_proj, g_proj, fused_q_kv_rmsnorm, q_b_proj, bmm_w_uk,
+    q_concat_kv_cache_insert, mla_decode (attention over the latent cache), bmm_w_uv,
+    gate_sigmoid_mul, o_proj, all_reduce*, attn_res_post, MoE
+
+Latent MoE (vLLM ``latent_moe_runner.py``, the portable tail of tier 1)::
+
+    router_gemm (fp32 out), latent_down_proj, topk (sigmoid + bias + top-k + renormalise),
+    moe_fc1_situ, moe_fc2, moe_finalize, shared_gate_up, shared_situ_and_mul, shared_down,
+    latent_all_reduce_rmsnorm (the norm alone at TP 1), latent_up_proj, shared_all_reduce*,
+    moe_add
+
+Layer 0 runs a dense MLP instead of the MoE: ``dense_gate_up, dense_situ_and_mul,
+dense_down, all_reduce*``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from kimi_perf.decode.config import K3Config
+from kimi_perf.decode.reference import Observer
+from kimi_perf.decode.weights import Weights, layer_prefix
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+
+
+@dataclass
+class DecodeState:
+    """Per-sequence caches of one rank: KDA recurrent and conv state, latent KV cache."""
+
+    kda: dict[int, torch.Tensor]          # [B, H, V, K] fp32
+    conv: dict[int, torch.Tensor]         # [B, 3*H*d, conv-1] raw pre-conv inputs
+    kv: dict[int, torch.Tensor]           # [B, max_len, kv_lora + rope] bf16 or fp8
+    kv_scale: float
+    lengths: torch.Tensor                 # [B] tokens in the cache
+    # Speculative verify keeps every position's KDA state to roll back to the accepted one.
+    checkpoints: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+    @classmethod
+    def empty(cls, c: K3Config, batch: int, max_len: int, kv_dtype: torch.dtype,
+              dtype: torch.dtype, device: torch.device | str = "cpu",
+              kv_scale: float = 1.0) -> DecodeState:
+        h, d = c.kda_heads_local, c.kda_head_dim
+        kda_layers = [i for i in range(c.n_layers) if not c.is_mla(i)]
+        return cls(
+            kda={i: torch.zeros(batch, h, d, d, dtype=torch.float32, device=device)
+                 for i in kda_layers},
+            conv={i: torch.zeros(batch, 3 * h * d, c.conv_size - 1, dtype=dtype, device=device)
+                  for i in kda_layers},
+            kv={i: torch.zeros(batch, max_len, c.kv_cache_dim, dtype=kv_dtype, device=device)
+                for i in range(c.n_layers) if c.is_mla(i)},
+            kv_scale=kv_scale,
+            lengths=torch.zeros(batch, dtype=torch.long, device=device),
+        )
+
+    def accept(self, accepted: torch.Tensor) -> None:
+        """After a verify step of T tokens: keep ``accepted[b]`` (1..T) of them per sequence.
+
+        The KDA and conv states roll back to the last accepted position; the KV cache keeps
+        its entries and only its length shrinks (later tokens overwrite the rejected ones).
+        """
+        batch = torch.arange(len(accepted), device=accepted.device)
+        last = accepted - 1
+        for i, (states, convs) in self.checkpoints.items():
+            self.kda[i] = states[last, batch]
+            self.conv[i] = convs[last, batch]
+        T = next(iter(self.checkpoints.values()))[0].shape[0] if self.checkpoints else 1
+        self.lengths = self.lengths - T + accepted
+        self.checkpoints = {}
+
+
+class K3Model:
+    """The standard decode path for one tensor-parallel rank."""
+
+    def __init__(self, c: K3Config, weights: Weights, dtype: torch.dtype = torch.bfloat16,
+                 device: torch.device | str = "cpu", all_reduce: Callable | None = None):
+        self.c = c
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.all_reduce = all_reduce
+        self.launches: list[tuple[int, str]] | None = None
+        self.layer = -1
+        w = {k: v.to(self.device) for k, v in weights.items()}
+        self.w = {k: (v.to(dtype) if v.dim() == 2 else v) for k, v in w.items()}
+        self._pack()
+
+    # -- weights as the kernels want them --------------------------------------------------
+
+    def _pack(self) -> None:
+        c = self.c
+        self.packed: dict[int, dict[str, torch.Tensor]] = {}
+        for i in range(c.n_layers):
+            a = layer_prefix(i) + "self_attn."
+            p: dict[str, torch.Tensor] = {}
+            if c.is_mla(i):
+                p["qkv_a"] = torch.cat([self.w[a + "q_a_proj.weight"],
+                                        self.w[a + "kv_a_proj_with_mqa.weight"]])
+                h = c.mla_heads_local
+                kv_b = self.w[a + "kv_b_proj.weight"].reshape(h, c.qk_nope + c.v_head, c.kv_lora)
+                p["w_uk"] = kv_b[:, : c.qk_nope].contiguous()         # [H, nope, kv_lora]
+                p["w_uv"] = kv_b[:, c.qk_nope:].transpose(1, 2).contiguous()  # [H, kv_lora, v]
+            else:
+                parts = [self.w[a + f"{n}_proj.weight"] for n in "qkvg"]
+                parts += [self.w[a + "f_a_proj.weight"], self.w[a + "b_proj.weight"]]
+                pad = c.in_proj_rows - sum(t.shape[0] for t in parts)
+                parts.append(parts[0].new_zeros(pad, c.hidden))
+                p["in_proj"] = torch.cat(parts)
+                p["conv"] = torch.cat([self.w[a + f"{n}_conv1d.weight"][:, 0, :]
+                                       for n in "qkv"]).float()
+            m = layer_prefix(i) + "mlp."
+            if i == 0:
+                p["gate_up"] = torch.cat([self.w[m + "gate_proj.weight"],
+                                          self.w[m + "up_proj.weight"]])
+            else:
+                s = m + "shared_experts."
+                p["shared_gate_up"] = torch.cat([self.w[s + "gate_proj.weight"],
+                                                 self.w[s + "up_proj.weight"]])
+                p["w13"] = torch.stack([torch.cat([self.w[m + f"experts.{e}.w1.weight"],
+                                                   self.w[m + f"experts.{e}.w3.weight"]])
+                                        for e in range(c.n_experts)])
+                p["w2"] = torch.stack([self.w[m + f"experts.{e}.w2.weight"]
+                                       for e in range(c.n_experts)])
+                for e in range(c.n_experts):  # keep one copy of the expert weights
+                    for n in ("w1", "w2", "w3"):
+                        del self.w[m + f"experts.{e}.{n}.weight"]
+            self.packed[i] = p
+
+    # -- bookkeeping ----------------------------------------------------------------------
+
+    def launch(self, name: str) -> None:
+        if self.launches is not None:
+            self.launches.append((self.layer, name))
+
+    def _all_reduce(self, x: torch.Tensor, name: str = "all_reduce") -> torch.Tensor:
+        if self.all_reduce is None:
+            return x
+        self.launch(name)
+        return self.all_reduce(x)
+
+    def new_state(self, batch: int, max_len: int, kv_dtype: torch.dtype | None = None,
+                  kv_scale: float = 1.0) -> DecodeState:
+        return DecodeState.empty(self.c, batch, max_len, kv_dtype or self.dtype, self.dtype,
+                                 self.device, kv_scale)
+
+    # -- forward --------------------------------------------------------------------------
+
+    def forward(self, tokens: torch.Tensor, state: DecodeState, observer: Observer | None = None,
+                keep_checkpoints: bool = False,
+                layer_hook: Callable[[int], object] | None = None) -> torch.Tensor:
+        """Logits [B, T, vocab] (fp32) for tokens [B, T]; advances ``state`` by T positions.
+
+        ``keep_checkpoints`` stores every position's KDA state for ``state.accept``.
+        ``layer_hook(i)`` returns a context manager entered around layer i (NVTX ranges).
+        """
+        c = self.c
+        B, T = tokens.shape
+        capacity = min((kv.shape[1] for kv in state.kv.values()), default=None)
+        if capacity is not None and int(state.lengths.max()) + T > capacity:
+            raise ValueError(f"KV cache holds {capacity} tokens; this step needs "
+                             f"{int(state.lengths.max()) + T}")
+        positions = state.lengths[:, None] + torch.arange(T, device=self.device)   # [B, T]
+        self.layer = -1
+        prefix = self.w["model.embed_tokens.weight"][tokens]                       # [B, T, h]
+        blocks = prefix.new_empty(B, T, math.ceil(c.n_layers / c.attn_res_block), c.hidden)
+        delta = None
+        for i in range(c.n_layers):
+            self.layer = i
+            hook = layer_hook(i) if layer_hook else None
+            if hook is not None:
+                hook.__enter__()
+            p = layer_prefix(i)
+            boundary = i % c.attn_res_block == 0
+            self.launch("attn_res_pre")
+            if delta is not None:
+                prefix = (prefix.float() + delta.float()).to(self.dtype)
+            if boundary:
+                blocks[:, :, i // c.attn_res_block] = prefix
+            n_done = math.ceil(i / c.attn_res_block)
+            x = self._attn_res(blocks[:, :, :n_done], prefix, p + "self_attention_res",
+                               p + "input_layernorm.weight")
+            if c.is_mla(i):
+                a = self._mla(i, x, state, positions)
+            else:
+                a = self._kda(i, x, state, keep_checkpoints)
+            self.launch("attn_res_post")
+            prefix = a if boundary else (prefix.float() + a.float()).to(self.dtype)
+            h = self._attn_res(blocks[:, :, : n_done + int(boundary)], prefix,
+                               p + "mlp_res", p + "post_attention_layernorm.weight")
+            m, chosen = self._dense(h) if i == 0 else self._moe(i, h)
+            if observer is not None:
+                observer.attn_out[i] = a.float()
+                observer.mlp_out[i] = m.float()
+                if chosen is not None:
+                    observer.experts[i] = chosen
+            delta = m
+            if hook is not None:
+                hook.__exit__(None, None, None)
+        self.layer = c.n_layers
+        self.launch("attn_res_final")
+        prefix = (prefix.float() + delta.float()).to(self.dtype)
+        out = self._attn_res(blocks, prefix, "model.output_attn_res", None)
+        self.launch("final_norm")
+        out = _rms_norm(out, self.w["model.norm.weight"], c.rms_eps)
+        self.launch("lm_head")
+        logits = out.float() @ self.w["lm_head.weight"].float().T
+        state.lengths = state.lengths + T
+        return logits
+
+    # -- attention residuals ----------------------------------------------------------------
+
+    def _attn_res(self, blocks: torch.Tensor, prefix: torch.Tensor, name: str,
+                  norm: str | None) -> torch.Tensor:
+        """One fused kernel in vLLM: depth-softmax over [blocks..., prefix], then RMSNorm."""
+        eps = self.c.rms_eps
+        v = torch.cat([blocks, prefix[:, :, None]], dim=2).float()             # [B, T, S, h]
+        qk = self.w[name + "_norm.weight"] * self.w[name + "_proj.weight"].float().reshape(-1)
+        logits = (v * qk).sum(-1) * torch.rsqrt(v.pow(2).mean(-1) + eps)       # [B, T, S]
+        mix = (torch.softmax(logits, dim=-1)[..., None] * v).sum(2)
+        if norm is not None:
+            mix = mix * torch.rsqrt(mix.pow(2).mean(-1, keepdim=True) + eps) * self.w[norm]
+        return mix.to(self.dtype)
+
+    # -- KDA ------------------------------------------------------------------------------
+
+    def _kda(self, i: int, x: torch.Tensor, state: DecodeState, keep: bool) -> torch.Tensor:
+        c = self.c
+        a = layer_prefix(i) + "self_attn."
+        _B, _T, _ = x.shape
+        H, d = c.kda_heads_local, c.kda_head_dim
+        proj = H * d
+        self.launch("in_proj_qkvgfab")
+        z = x @ self.packed[i]["in_proj"].T
+        pad = z.shape[-1] - (4 * proj + c.f_rank + H)
+        qkv, g, f_a, b, _ = z.split([3 * proj, proj, c.f_rank, H, pad], dim=-1)
+        self.launch("f_b_proj")
+        f = f_a @ self.w[a + "f_b_proj.weight"].T
+        self.launch("fused_kda_decode")
+        o = self._fused_kda(i, qkv, g, f, b, state, keep)
+        self.launch("o_proj")
+        out = o @ self.w[a + "o_proj.weight"].T
+        return self._all_reduce(out)
+
+    def _fused_kda(self, i: int, qkv: torch.Tensor, g: torch.Tensor, f: torch.Tensor,
+                   b: torch.Tensor, state: DecodeState, keep: bool) -> torch.Tensor:
+        """vLLM's ``fused_kda_decode`` as one function: conv, gates, recurrence, o_norm."""
+        c = self.c
+        a = layer_prefix(i) + "self_attn."
+        B, T, _ = qkv.shape
+        H, d = c.kda_heads_local, c.kda_head_dim
+        # Causal depthwise conv over [history, new tokens]; the state keeps raw inputs.
+        window = torch.cat([state.conv[i], qkv.transpose(1, 2)], dim=-1)        # [B, C, 3+T]
+        taps = window.float().unfold(-1, c.conv_size, 1)                       # [B, C, T, 4]
+        mixed = F.silu((taps * self.packed[i]["conv"][:, None, :]).sum(-1))    # [B, C, T]
+        mixed = mixed.transpose(1, 2).reshape(B, T, 3, H, d)
+        q, k, v = mixed.unbind(2)
+        q = q * torch.rsqrt(q.pow(2).sum(-1, keepdim=True) + 1e-6) * d ** -0.5
+        k = k * torch.rsqrt(k.pow(2).sum(-1, keepdim=True) + 1e-6)
+        A = torch.exp(self.w[a + "A_log"].float())[:, None]
+        gate = c.gate_lower_bound * torch.sigmoid(
+            A * (f.float() + self.w[a + "dt_bias"]).reshape(B, T, H, d))
+        decay = torch.exp(gate)
+        beta = torch.sigmoid(b.float())                                        # [B, T, H]
+        S = state.kda[i]
+        outs, states, convs = [], [], []
+        for t in range(T):
+            S = S * decay[:, t, :, None, :]
+            u = beta[:, t, :, None] * (v[:, t] - torch.einsum("bhvk,bhk->bhv", S, k[:, t]))
+            S = S + u[..., None] * k[:, t, :, None, :]
+            outs.append(torch.einsum("bhvk,bhk->bhv", S, q[:, t]))
+            if keep:
+                states.append(S)
+                convs.append(window[..., t + 1: t + c.conv_size])
+        state.kda[i] = S
+        state.conv[i] = window[..., -(c.conv_size - 1):]
+        if keep:
+            state.checkpoints[i] = (torch.stack(states), torch.stack(convs))
+        o = torch.stack(outs, dim=1)                                           # [B, T, H, V]
+        o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + c.rms_eps)
+        o = o * self.w[a + "o_norm.weight"] * torch.sigmoid(g.float().reshape(B, T, H, d))
+        return o.reshape(B, T, H * d).to(self.dtype)
+
+    # -- gated MLA, absorbed over the latent cache -----------------------------------------
+
+    def _mla(self, i: int, x: torch.Tensor, state: DecodeState, positions: torch.Tensor
+             ) -> torch.Tensor:
+        c = self.c
+        a = layer_prefix(i) + "self_attn."
+        p = self.packed[i]
+        B, T, _ = x.shape
+        H = c.mla_heads_local
+        self.launch("fused_qkv_a_proj")
+        qkv_a = x @ p["qkv_a"].T
+        self.launch("g_proj")  # on vLLM's aux stream
+        gate = x @ self.w[a + "g_proj.weight"].T
+        self.launch("fused_q_kv_rmsnorm")
+        q_c = _rms_norm(qkv_a[..., : c.q_lora], self.w[a + "q_a_layernorm.weight"], c.rms_eps)
+        kv_c = _rms_norm(qkv_a[..., c.q_lora: c.q_lora + c.kv_lora],
+                         self.w[a + "kv_a_layernorm.weight"], c.rms_eps)
+        k_pe = qkv_a[..., c.q_lora + c.kv_lora:]
+        self.launch("q_b_proj")
+        q = (q_c @ self.w[a + "q_b_proj.weight"].T).reshape(B, T, H, c.qk_nope + c.qk_rope)
+        q_nope, q_pe = q.split([c.qk_nope, c.qk_rope], dim=-1)
+        self.launch("bmm_w_uk")
+        ql = torch.einsum("bthn,hnl->bthl", q_nope, p["w_uk"])                 # [B,T,H,512]
+        self.launch("q_concat_kv_cache_insert")
+        q_hat = torch.cat([ql, q_pe], dim=-1)
+        entry = torch.cat([kv_c, k_pe], dim=-1)
+        cache = state.kv[i]
+        if cache.dtype == FP8:
+            entry = (entry.float() / state.kv_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+        cache[torch.arange(B, device=self.device)[:, None], positions] = entry.to(cache.dtype)
+        self.launch("mla_decode")
+        o_lat = self._mqa(q_hat, cache, state.kv_scale, positions)             # [B,T,H,512]
+        self.launch("bmm_w_uv")
+        o = torch.einsum("bthl,hlv->bthv", o_lat, p["w_uv"]).reshape(B, T, H * c.v_head)
+        self.launch("gate_sigmoid_mul")
+        o = (o.float() * torch.sigmoid(gate.float())).to(self.dtype)
+        self.launch("o_proj")
+        out = o @ self.w[a + "o_proj.weight"].T
+        return self._all_reduce(out)
+
+    def _mqa(self, q_hat: torch.Tensor, cache: torch.Tensor, scale: float,
+             positions: torch.Tensor) -> torch.Tensor:
+        """Attention of every head over one latent head: keys are the 576-wide cache
+        entries, values their first kv_lora entries; token t sees positions <= its own."""
+        c = self.c
+        length = int(positions.max()) + 1
+        kv = cache[:, :length].float()
+        if cache.dtype == FP8:
+            kv = kv * scale
+        scores = torch.einsum("bthd,bsd->bths", q_hat.float(), kv)
+        scores = scores * (c.qk_nope + c.qk_rope) ** -0.5
+        visible = torch.arange(length, device=self.device) <= positions[:, :, None]  # [B,T,S]
+        scores = scores.masked_fill(~visible[:, :, None, :], float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        return torch.einsum("bths,bsl->bthl", probs, kv[..., : c.kv_lora]).to(self.dtype)
+
+    # -- MLPs -----------------------------------------------------------------------------
+
+    def _situ(self, gate_up: torch.Tensor) -> torch.Tensor:
+        c = self.c
+        gate, up = gate_up.float().chunk(2, dim=-1)
+        act = (c.situ_beta * torch.tanh(gate / c.situ_beta) * torch.sigmoid(gate)) * (
+            c.situ_beta_linear * torch.tanh(up / c.situ_beta_linear))
+        return act.to(self.dtype)
+
+    def _dense(self, h: torch.Tensor) -> tuple[torch.Tensor, None]:
+        m = layer_prefix(0) + "mlp."
+        self.launch("dense_gate_up")
+        gu = h @ self.packed[0]["gate_up"].T
+        self.launch("dense_situ_and_mul")
+        act = self._situ(gu)
+        self.launch("dense_down")
+        out = act @ self.w[m + "down_proj.weight"].T
+        return self._all_reduce(out), None
+
+    def _moe(self, i: int, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        c = self.c
+        m = layer_prefix(i) + "mlp."
+        p = self.packed[i]
+        B, T, hidden = h.shape
+        tokens = h.reshape(B * T, hidden)
+        self.launch("router_gemm")
+        logits = tokens.float() @ self.w[m + "gate.weight"].float().T
+        self.launch("latent_down_proj")  # on vLLM's aux stream, beside the router
+        latent = tokens @ self.w[m + "routed_expert_down_proj.weight"].T
+        self.launch("topk")
+        scores = torch.sigmoid(logits)
+        chosen = torch.topk(scores + self.w[m + "gate.e_score_correction_bias"], c.top_k,
+                            dim=-1).indices
+        weights = scores.gather(-1, chosen)
+        weights = weights / weights.sum(-1, keepdim=True) * c.routed_scale
+        # Routed experts, grouped by expert as a grouped GEMM would run them.
+        flat = chosen.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        token_of = order // c.top_k
+        experts, counts = torch.unique_consecutive(flat[order], return_counts=True)
+        self.launch("moe_fc1_situ")
+        acts = []
+        for e, rows in zip(experts.tolist(), token_of.split(counts.tolist()), strict=True):
+            acts.append(self._situ(latent[rows] @ p["w13"][e].T))
+        self.launch("moe_fc2")
+        outs = [act @ p["w2"][e].T for e, act in zip(experts.tolist(), acts, strict=True)]
+        self.launch("moe_finalize")
+        per_slot = torch.empty(B * T * c.top_k, c.latent, dtype=torch.float32,
+                               device=self.device)
+        per_slot[order] = torch.cat(outs).float()
+        routed = (per_slot.reshape(B * T, c.top_k, c.latent) * weights[..., None]).sum(1)
+        self.launch("shared_gate_up")
+        gu = tokens @ p["shared_gate_up"].T
+        self.launch("shared_situ_and_mul")
+        act = self._situ(gu)
+        self.launch("shared_down")
+        shared = act @ self.w[m + "shared_experts.down_proj.weight"].T
+        routed = routed.to(self.dtype)
+        if self.all_reduce is not None:
+            routed = self._all_reduce(routed, "latent_all_reduce_rmsnorm")
+        else:
+            self.launch("latent_rmsnorm")
+        routed = _rms_norm(routed, self.w[m + "routed_expert_norm.weight"], c.rms_eps)
+        self.launch("latent_up_proj")
+        up = routed @ self.w[m + "routed_expert_up_proj.weight"].T
+        shared = self._all_reduce(shared, "shared_all_reduce")
+        self.launch("moe_add")
+        out = (up.float() + shared.float()).to(self.dtype)
+        return out.reshape(B, T, hidden), chosen.reshape(B, T, c.top_k)
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight).to(x.dtype)

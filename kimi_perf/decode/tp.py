@@ -1,0 +1,58 @@
+"""Tensor parallelism with torch.distributed: each rank holds its shard and all-reduces the
+row-parallel outputs (gloo on the CPU, NCCL on GPUs)."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from kimi_perf.decode.config import K3Config
+from kimi_perf.decode.model import K3Model
+from kimi_perf.decode.weights import Weights, shard
+
+
+def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
+    """Sum over the ranks; gloo lacks bf16 reductions, so it reduces in fp32."""
+    if dist.get_backend() == "gloo" and x.dtype != torch.float32:
+        y = x.float()
+        dist.all_reduce(y)
+        return y.to(x.dtype)
+    y = x.clone()
+    dist.all_reduce(y)
+    return y
+
+
+def rank_model(full: Weights, c: K3Config, rank: int, dtype: torch.dtype,
+               device: str = "cpu") -> K3Model:
+    """This rank's standard-path model (``c`` is the full config; it is sharded here)."""
+    tp = dist.get_world_size()
+    sharded = c.shard(tp)
+    return K3Model(sharded, shard(full, sharded, rank), dtype=dtype, device=device,
+                   all_reduce=all_reduce_sum if tp > 1 else None)
+
+
+def _worker(rank: int, world: int, init_file: str, fn: Callable, args: tuple,
+            out_dir: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world)
+    try:
+        torch.save(fn(rank, *args), Path(out_dir) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def run_on_cpu_ranks(world: int, fn: Callable, *args) -> list:
+    """Run ``fn(rank, *args)`` in ``world`` gloo processes; return each rank's result.
+
+    ``fn`` must be importable (a module-level function) since the ranks are spawned.
+    """
+    with tempfile.TemporaryDirectory(prefix="kimi-perf-tp-") as tmp:
+        init_file = os.path.join(tmp, "init")
+        mp.spawn(_worker, args=(world, init_file, fn, args, tmp), nprocs=world, join=True)
+        return [torch.load(Path(tmp) / f"rank{r}.pt") for r in range(world)]

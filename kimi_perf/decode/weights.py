@@ -1,0 +1,231 @@
+"""Weights of the Kimi-K3-style model under K3's checkpoint tensor names.
+
+``random_weights`` draws a full (unsharded) checkpoint from a seed; ``load_safetensors`` reads a
+local directory of ``*.safetensors`` files with the same names (routed experts may be MXFP4:
+``weight_packed`` uint8 pairs of E2M1 values plus ``weight_scale`` uint8 E8M0 exponents per
+group of 32, as compressed-tensors stores them). ``shard`` cuts a full checkpoint into one
+tensor-parallel rank's weights, laid out as vLLM lays them out.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+
+from kimi_perf.decode.config import K3Config
+
+Weights = dict[str, torch.Tensor]
+
+MXFP4_GROUP = 32
+# E2M1 code -> value (sign bit 3).
+_E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
+                      -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+
+
+def layer_prefix(i: int) -> str:
+    return f"model.layers.{i}."
+
+
+def weight_shapes(c: K3Config) -> dict[str, tuple[int, ...]]:
+    """Every tensor of the full (unsharded) checkpoint and its shape, [out, in] for matrices."""
+    h, d = c.hidden, c.kda_head_dim
+    kda = c.kda_heads * d
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (c.vocab, h)}
+    for i in range(c.n_layers):
+        p = layer_prefix(i)
+        for name in ("self_attention_res_norm", "mlp_res_norm", "input_layernorm",
+                     "post_attention_layernorm"):
+            shapes[p + name + ".weight"] = (h,)
+        shapes[p + "self_attention_res_proj.weight"] = (1, h)
+        shapes[p + "mlp_res_proj.weight"] = (1, h)
+        a = p + "self_attn."
+        if c.is_mla(i):
+            shapes |= {
+                a + "q_a_proj.weight": (c.q_lora, h),
+                a + "kv_a_proj_with_mqa.weight": (c.kv_lora + c.qk_rope, h),
+                a + "q_a_layernorm.weight": (c.q_lora,),
+                a + "kv_a_layernorm.weight": (c.kv_lora,),
+                a + "q_b_proj.weight": (c.mla_heads * (c.qk_nope + c.qk_rope), c.q_lora),
+                a + "kv_b_proj.weight": (c.mla_heads * (c.qk_nope + c.v_head), c.kv_lora),
+                a + "g_proj.weight": (c.mla_heads * c.v_head, h),
+                a + "o_proj.weight": (h, c.mla_heads * c.v_head),
+            }
+        else:
+            shapes |= {a + f"{n}_proj.weight": (kda, h) for n in "qkvg"}
+            shapes |= {a + f"{n}_conv1d.weight": (kda, 1, c.conv_size) for n in "qkv"}
+            shapes |= {
+                a + "f_a_proj.weight": (c.f_rank, h),
+                a + "f_b_proj.weight": (kda, c.f_rank),
+                a + "b_proj.weight": (c.kda_heads, h),
+                a + "A_log": (c.kda_heads,),
+                a + "dt_bias": (kda,),
+                a + "o_norm.weight": (d,),
+                a + "o_proj.weight": (h, kda),
+            }
+        m = p + "mlp."
+        if i == 0:
+            shapes |= {m + "gate_proj.weight": (c.dense_intermediate, h),
+                       m + "up_proj.weight": (c.dense_intermediate, h),
+                       m + "down_proj.weight": (h, c.dense_intermediate)}
+            continue
+        shapes |= {
+            m + "gate.weight": (c.n_experts, h),
+            m + "gate.e_score_correction_bias": (c.n_experts,),
+            m + "routed_expert_down_proj.weight": (c.latent, h),
+            m + "routed_expert_norm.weight": (c.latent,),
+            m + "routed_expert_up_proj.weight": (h, c.latent),
+            m + "shared_experts.gate_proj.weight": (c.shared_intermediate, h),
+            m + "shared_experts.up_proj.weight": (c.shared_intermediate, h),
+            m + "shared_experts.down_proj.weight": (h, c.shared_intermediate),
+        }
+        for e in range(c.n_experts):
+            shapes |= {m + f"experts.{e}.w1.weight": (c.moe_intermediate, c.latent),
+                       m + f"experts.{e}.w3.weight": (c.moe_intermediate, c.latent),
+                       m + f"experts.{e}.w2.weight": (c.latent, c.moe_intermediate)}
+    shapes |= {"model.output_attn_res_norm.weight": (h,),
+               "model.output_attn_res_proj.weight": (1, h),
+               "model.norm.weight": (h,), "lm_head.weight": (c.vocab, h)}
+    return shapes
+
+
+def random_weights(c: K3Config, seed: int = 0, dtype: torch.dtype = torch.bfloat16) -> Weights:
+    """A full checkpoint drawn from ``seed``: scaled so activations stay O(1) through depth."""
+    if c.tp != 1:
+        raise ValueError("random_weights draws the full checkpoint; shard() it for a rank")
+    gen = torch.Generator().manual_seed(seed)
+    out: Weights = {}
+    for name, shape in weight_shapes(c).items():
+        out[name] = _init(name, shape, gen, c).to(_storage_dtype(shape, dtype))
+    return out
+
+
+def _storage_dtype(shape: tuple[int, ...], dtype: torch.dtype) -> torch.dtype:
+    """Matrices in the model dtype; vectors (norms, biases, gates) and conv taps in fp32."""
+    return dtype if len(shape) == 2 else torch.float32
+
+
+def _init(name: str, shape: tuple[int, ...], gen: torch.Generator, c: K3Config
+          ) -> torch.Tensor:
+    def normal(std: float) -> torch.Tensor:
+        return torch.randn(shape, generator=gen) * std
+
+    def uniform(lo: float, hi: float) -> torch.Tensor:
+        return lo + (hi - lo) * torch.rand(shape, generator=gen)
+
+    if name.endswith("A_log"):
+        return uniform(-1.0, 1.0)
+    if name.endswith("dt_bias"):
+        return normal(0.5)
+    if name.endswith("conv1d.weight"):
+        return normal(1.0 / math.sqrt(c.conv_size))
+    if name.endswith("e_score_correction_bias"):
+        return normal(0.02)
+    if name.endswith("res_proj.weight"):
+        return normal(1.0 / math.sqrt(c.hidden))
+    if len(shape) == 1:  # norm weights
+        return 1.0 + normal(0.1)
+    if name.endswith("embed_tokens.weight"):
+        return normal(1.0)
+    fan_in = shape[-1]
+    # Sub-layer outputs write into the residual stream: keep them smaller than its O(1) scale.
+    out_scale = 0.5 if name.endswith(("o_proj.weight", "down_proj.weight", "w2.weight",
+                                      "up_proj.weight")) and "shared" not in name else 1.0
+    return normal(out_scale / math.sqrt(fan_in))
+
+
+def shard(full: Weights, c: K3Config, rank: int) -> Weights:
+    """One rank's weights for ``c.tp`` ranks (``c`` is the sharded config)."""
+    tp = c.tp
+    if tp == 1:
+        return dict(full)
+
+    def rows(t: torch.Tensor, parts: int = 1) -> torch.Tensor:
+        """Split dim 0 into ``parts`` equal blocks and take this rank's slice of each."""
+        blocks = t.chunk(parts, dim=0)
+        return torch.cat([b.chunk(tp, dim=0)[rank] for b in blocks])
+
+    def cols(t: torch.Tensor) -> torch.Tensor:
+        return t.chunk(tp, dim=1)[rank].contiguous()
+
+    out: Weights = {}
+    for name, t in full.items():
+        leaf = name.rsplit(".", 2)[-2] if name.endswith(".weight") else name.rsplit(".", 1)[-1]
+        if ".self_attn." in name:
+            if leaf in ("q_proj", "k_proj", "v_proj", "g_proj", "f_b_proj", "b_proj",
+                        "q_b_proj", "kv_b_proj", "q_conv1d", "k_conv1d", "v_conv1d",
+                        "A_log", "dt_bias"):
+                out[name] = rows(t).contiguous()
+            elif leaf == "o_proj":
+                out[name] = cols(t)
+            else:  # f_a_proj, q_a_proj, kv_a_proj_with_mqa, norms: replicated
+                out[name] = t
+        elif ".experts." in name or "shared_experts" in name or (
+                ".mlp." in name and leaf in ("gate_proj", "up_proj", "down_proj")):
+            out[name] = cols(t) if leaf in ("w2", "down_proj") else rows(t).contiguous()
+        else:  # embeddings, norms, AttnRes, router, latent projections: replicated
+            out[name] = t
+    return out
+
+
+def dequantize_mxfp4(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """compressed-tensors MXFP4: two E2M1 codes per byte (low nibble first), one E8M0 scale
+    (2^(s-127)) per group of 32 values along the input dimension."""
+    low = (packed & 0x0F).long()
+    high = (packed >> 4).long()
+    codes = torch.stack([low, high], dim=-1).reshape(packed.shape[0], -1)
+    values = _E2M1[codes]
+    exponent = scale.to(torch.float32) - 127.0
+    factors = torch.pow(2.0, exponent).repeat_interleave(MXFP4_GROUP, dim=1)
+    return values * factors[:, : values.shape[1]]
+
+
+def quantize_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inverse of ``dequantize_mxfp4`` (round to nearest E2M1 after a power-of-2 scale);
+    used to write test checkpoints."""
+    w = weight.to(torch.float32)
+    groups = w.reshape(w.shape[0], -1, MXFP4_GROUP)
+    amax = groups.abs().amax(dim=-1).clamp_min(2.0**-126)
+    exponent = torch.ceil(torch.log2(amax / 6.0)).clamp(-127, 127)
+    scaled = groups / torch.pow(2.0, exponent)[..., None]
+    magnitudes = _E2M1[:8]
+    code = (scaled.abs()[..., None] - magnitudes).abs().argmin(dim=-1)
+    code = code + 8 * (scaled < 0).long()
+    code = code.reshape(w.shape[0], -1)
+    packed = (code[:, 0::2] | (code[:, 1::2] << 4)).to(torch.uint8)
+    return packed, (exponent + 127).to(torch.uint8)
+
+
+def load_safetensors(directory: str | Path, c: K3Config,
+                     dtype: torch.dtype = torch.bfloat16) -> Weights:
+    """Read a full checkpoint from ``directory/*.safetensors`` under K3's names."""
+    from safetensors.torch import load_file
+
+    from kimi_perf.errors import TraceError
+
+    directory = Path(directory)
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise TraceError(directory, "no *.safetensors files")
+    raw: Weights = {}
+    for f in files:
+        try:
+            raw |= load_file(str(f))
+        except Exception as exc:  # safetensors raises its own error types
+            raise TraceError(f, f"unreadable safetensors file ({exc})") from None
+    out: Weights = {}
+    for name, shape in weight_shapes(c).items():
+        if name in raw:
+            t = raw[name]
+        elif name.endswith(".weight") and name[:-7] + ".weight_packed" in raw:
+            base = name[:-7]
+            t = dequantize_mxfp4(raw[base + ".weight_packed"], raw[base + ".weight_scale"])
+        else:
+            raise TraceError(directory, f"checkpoint lacks {name}")
+        if name.endswith("A_log") and t.numel() > shape[0]:
+            t = t.reshape(-1)[: shape[0]]  # K3 pads A_log to 128 entries
+        if tuple(t.shape) != shape:
+            raise TraceError(directory, f"{name} has shape {tuple(t.shape)}, expected {shape}")
+        out[name] = t.to(_storage_dtype(shape, dtype))
+    return out

@@ -1,0 +1,250 @@
+"""The Kimi-K3-style model and its standard decode path against the float64 reference."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from click.testing import CliRunner  # noqa: E402
+
+from kimi_perf.cli import main  # noqa: E402
+from kimi_perf.decode.config import PRESETS, preset  # noqa: E402
+from kimi_perf.decode.model import FP8, K3Model  # noqa: E402
+from kimi_perf.decode.reference import Observer, ReferenceModel  # noqa: E402
+from kimi_perf.decode.validate import rel_err, validate  # noqa: E402
+from kimi_perf.decode.weights import random_weights  # noqa: E402
+
+TINY = preset("tiny")
+
+
+@pytest.fixture(scope="module")
+def weights():
+    return random_weights(TINY, seed=3)
+
+
+def test_presets_have_k3_structure():
+    k3 = PRESETS["k3"]
+    mla = [i for i in range(k3.n_layers) if k3.is_mla(i)]
+    assert len(mla) == 24 and k3.n_layers - len(mla) == 69
+    assert mla[:3] == [3, 7, 11] and mla[-2:] == [91, 92]
+    tp8, tp16 = PRESETS["k3-tp8"], PRESETS["k3-tp16"]
+    assert (tp8.kda_heads_local, tp8.mla_heads_local, tp8.moe_intermediate_local) == (12, 12, 384)
+    assert (tp16.kda_heads_local, tp16.shared_intermediate_local) == (6, 384)
+    # The packed KDA projection per rank, as vLLM's low-latency GEMM table lists it.
+    assert (tp8.in_proj_rows, tp16.in_proj_rows) == (6288, 3216)
+    assert preset("k3", n_layers=8).n_layers == 8
+    tiny_mla = [i for i in range(TINY.n_layers) if TINY.is_mla(i)]
+    assert tiny_mla == [3, 7]
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_every_layer_matches_float64_reference_in_float32(batch):
+    """In float32 the standard path (packed projections, absorbed MLA, fused KDA) and the
+    reference (separate projections, decompressed MLA, plain loops) agree to rounding."""
+    result = validate(dtype="float32", steps=6, batch=batch, prompt=5, seed=batch)
+    r = result["paths"]["standard"]
+    assert result["ok"], result["failures"]
+    for kind in ("kda", "mla"):
+        assert r["layer_types"][kind]["max_rel_err"] < 1e-4
+    assert r["logits_max_rel_err"] < 1e-4 and r["routing_max_gap"] == 0.0
+
+
+def test_bf16_path_within_its_bounds_and_launch_counts():
+    result = validate(dtype="bfloat16", steps=8, batch=4, seed=5)
+    assert result["ok"], result["failures"]
+    r = result["paths"]["standard"]
+    assert 1e-3 < r["layer_types"]["kda"]["max_rel_err"] < 0.15  # bf16 rounding is there
+    assert r["layer_types"]["kda"]["launches"] == 18
+    assert r["layer_types"]["mla"]["launches"] == 24
+
+
+def test_fp8_cache_within_expected_error():
+    """e4m3 keeps 3 mantissa bits: a few % on attention outputs, not more, not zero."""
+    result = validate(dtype="float32", kv_cache="fp8", steps=6, batch=2, seed=7)
+    r = result["paths"]["standard"]
+    assert result["ok"], result["failures"]
+    assert 1e-3 < r["layer_types"]["mla"]["max_rel_err"] < 0.15
+
+
+def test_many_decode_steps_without_drift(weights):
+    """The fp32 KDA state and the caches do not drift from the reference over 120 steps."""
+    batch, steps = 2, 120
+    model = K3Model(TINY, weights, dtype=torch.float32)
+    state = model.new_state(batch, steps)
+    ref = ReferenceModel(TINY, weights, batch)
+    tokens = torch.randint(0, TINY.vocab, (batch, steps), generator=torch.Generator()
+                           .manual_seed(0))
+    errors = []
+    for t in range(steps):
+        seen = Observer()
+        logits = model.forward(tokens[:, t: t + 1], state, seen)[:, -1]
+        want = ref.step(tokens[:, t], routing={i: e[:, -1] for i, e in seen.experts.items()})
+        errors.append(rel_err(logits, want))
+    assert max(errors) < 1e-4
+    assert max(errors[-20:]) < 5 * max(errors[:20]) + 1e-6
+
+
+def test_speculative_verify_rolls_back_to_the_accepted_prefix(weights):
+    """Verify 1+k tokens in one step, accept a prefix per sequence: the state equals decoding
+    just the accepted tokens, and so does the next step's output."""
+    batch, k = 3, 4
+    gen = torch.Generator().manual_seed(11)
+    prompt = torch.randint(0, TINY.vocab, (batch, 5), generator=gen)
+    draft = torch.randint(0, TINY.vocab, (batch, 1 + k), generator=gen)
+    accepted = torch.tensor([1, 3, 5])
+    following = torch.randint(0, TINY.vocab, (batch, 1), generator=gen)
+
+    model = K3Model(TINY, weights, dtype=torch.float32)
+    spec = model.new_state(batch, 16)
+    model.forward(prompt, spec)
+    verify_logits = model.forward(draft, spec, keep_checkpoints=True)
+    spec.accept(accepted)
+    spec_next = model.forward(following, spec)
+
+    for b in range(batch):
+        plain = model.new_state(1, 16)
+        model.forward(prompt[b: b + 1], plain)
+        for t in range(int(accepted[b])):
+            step_logits = model.forward(draft[b: b + 1, t: t + 1], plain)
+            torch.testing.assert_close(step_logits[0, 0], verify_logits[b, t], rtol=1e-4,
+                                       atol=1e-4)
+        # Tokens after the accepted prefix: the next input is the following token.
+        plain_next = model.forward(following[b: b + 1], plain)
+        torch.testing.assert_close(plain_next[0, 0], spec_next[b, 0], rtol=1e-4, atol=1e-4)
+        for i in spec.kda:
+            torch.testing.assert_close(spec.kda[i][b], plain.kda[i][0], rtol=1e-4, atol=1e-5)
+        assert int(spec.lengths[b]) == int(plain.lengths[0]) == 5 + int(accepted[b]) + 1
+
+
+def _tp_logits(rank: int, weights, dtype_name: str):
+    from kimi_perf.decode.tp import rank_model
+
+    model = rank_model(weights, TINY, rank, getattr(torch, dtype_name))
+    model.launches = []
+    state = model.new_state(2, 12)
+    tokens = torch.randint(0, TINY.vocab, (2, 8), generator=torch.Generator().manual_seed(4))
+    out = [model.forward(tokens[:, :5], state)[:, -1]]
+    model.launches = []
+    for t in range(5, 8):
+        out.append(model.forward(tokens[:, t: t + 1], state)[:, -1])
+        if t == 5:
+            launches = list(model.launches)
+    return torch.stack(out), launches
+
+
+def test_tp2_on_gloo_matches_tp1(weights):
+    from kimi_perf.decode.tp import run_on_cpu_ranks
+
+    results = run_on_cpu_ranks(2, _tp_logits, weights, "float32")
+    single = K3Model(TINY, weights, dtype=torch.float32)
+    state = single.new_state(2, 12)
+    tokens = torch.randint(0, TINY.vocab, (2, 8), generator=torch.Generator().manual_seed(4))
+    expected = [single.forward(tokens[:, :5], state)[:, -1]]
+    expected += [single.forward(tokens[:, t: t + 1], state)[:, -1] for t in range(5, 8)]
+    expected = torch.stack(expected)
+    for logits, _ in results:
+        torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
+    # Under TP the row-parallel outputs are all-reduced: two more launches per layer.
+    launches = results[0][1]
+    per_layer = {i: sum(1 for layer, _ in launches if layer == i) for i in range(TINY.n_layers)}
+    assert per_layer[1] == 20 and per_layer[3] == 26
+    assert sum(1 for layer, n in launches if n == "all_reduce" and layer == 1) == 1
+
+
+def test_fp8_cache_stores_fp8(weights):
+    model = K3Model(TINY, weights, dtype=torch.float32)
+    state = model.new_state(1, 8, kv_dtype=FP8)
+    model.forward(torch.tensor([[1, 2, 3]]), state)
+    cache = state.kv[3]
+    assert cache.dtype == FP8 and cache[:, :3].float().abs().sum() > 0
+    assert cache[:, 3:].float().abs().sum() == 0
+
+
+def test_validate_cli(tmp_path):
+    result = CliRunner().invoke(main, ["validate", "--preset", "tiny", "--steps", "3",
+                                       "--format", "json", "--dtype", "float32"])
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.output)
+    assert doc["schema"] == 1 and doc["ok"]
+    std = doc["paths"]["standard"]
+    assert set(std["layer_types"]) == {"kda", "mla"}
+    assert {"max_rel_err", "launches"} <= set(std["layer_types"]["kda"])
+    assert "logits_max_rel_err" in std
+    bad = CliRunner().invoke(main, ["validate", "--paths", "nope"])
+    assert bad.exit_code == 2 and "unknown path" in bad.output
+
+
+def test_safetensors_checkpoint_with_k3_names(tmp_path, weights):
+    """A tiny checkpoint the way K3 ships: bf16 tensors, MXFP4-packed routed experts, A_log
+    padded; it loads back to the same model."""
+    from safetensors.torch import save_file
+
+    from kimi_perf.decode.weights import (
+        dequantize_mxfp4,
+        load_safetensors,
+        quantize_mxfp4,
+        weight_shapes,
+    )
+    from kimi_perf.errors import TraceError
+
+    tensors, expected = {}, {}
+    for name, t in weights.items():
+        if ".experts." in name:
+            packed, scale = quantize_mxfp4(t)
+            tensors[name[:-7] + ".weight_packed"] = packed
+            tensors[name[:-7] + ".weight_scale"] = scale
+            expected[name] = dequantize_mxfp4(packed, scale)
+        elif name.endswith("A_log"):
+            tensors[name] = torch.cat([t, torch.zeros(4)])
+            expected[name] = t
+        else:
+            tensors[name] = t.contiguous()
+            expected[name] = t
+    half = len(tensors) // 2
+    names = sorted(tensors)
+    save_file({n: tensors[n] for n in names[:half]}, str(tmp_path / "model-00001.safetensors"))
+    save_file({n: tensors[n] for n in names[half:]}, str(tmp_path / "model-00002.safetensors"))
+    loaded = load_safetensors(tmp_path, TINY)
+    assert set(loaded) == set(weight_shapes(TINY))
+    for name, t in expected.items():
+        torch.testing.assert_close(loaded[name].float(), t.float(), rtol=0, atol=1e-2)
+    # MXFP4 round trip is exact on values that are already representable.
+    packed, scale = quantize_mxfp4(loaded["model.layers.1.mlp.experts.0.w1.weight"])
+    torch.testing.assert_close(dequantize_mxfp4(packed, scale),
+                               loaded["model.layers.1.mlp.experts.0.w1.weight"].float())
+    K3Model(TINY, loaded).forward(torch.tensor([[1, 2]]), K3Model(TINY, loaded).new_state(1, 4))
+
+    (tmp_path / "model-00002.safetensors").unlink()
+    with pytest.raises(TraceError, match="checkpoint lacks"):
+        load_safetensors(tmp_path, TINY)
+    with pytest.raises(TraceError, match=r"no \*\.safetensors"):
+        load_safetensors(tmp_path / "nowhere", TINY)
+
+
+def test_harness_annotates_steps_and_layers_for_the_trace_core(tmp_path, weights):
+    """A profiled CPU decode run: the trace core reads the harness's ranges back."""
+    from kimi_perf import read_trace
+    from kimi_perf.decode.harness import run_decode
+    from kimi_perf.layers import DEFAULT_LAYER_PATTERN
+
+    model = K3Model(TINY, weights)
+    prompt = torch.randint(0, TINY.vocab, (2, 3), generator=torch.Generator().manual_seed(2))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        run = run_decode(model, prompt, steps=3)
+    assert run.tokens.shape == (2, 3) and len(run.step_s) == 3
+    assert run.decode_tokens_per_s > 0 and run.time_to_first_token_s > 0
+    path = tmp_path / "decode.json"
+    prof.export_chrome_trace(str(path))
+    trace = read_trace(path)
+    names = [trace.strings[n] for n in trace.ranges.name]
+    assert [n for n in names if n.startswith("decode_step")] == [
+        f"decode_step[{i}]" for i in range(3)]
+    layers = [n for n in names if n.startswith("layer[")]
+    assert len(layers) == 3 * TINY.n_layers
+    assert "layer[3](mla)" in layers and "layer[0](kda)" in layers
+    import re
+
+    assert all(re.search(DEFAULT_LAYER_PATTERN, n) for n in layers)
