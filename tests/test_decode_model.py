@@ -248,3 +248,16 @@ def test_harness_annotates_steps_and_layers_for_the_trace_core(tmp_path, weights
     import re
 
     assert all(re.search(DEFAULT_LAYER_PATTERN, n) for n in layers)
+
+
+def test_spec_decode_harness(weights):
+    from kimi_perf.decode.harness import run_spec_decode
+
+    model = K3Model(TINY, weights)
+    prompt = torch.randint(0, TINY.vocab, (3, 4), generator=torch.Generator().manual_seed(8))
+    run = run_spec_decode(model, prompt, steps=4, k=3, seed=1)
+    assert run.tokens.shape == (3, 4)
+    assert int(run.tokens.min()) >= 1 and int(run.tokens.max()) <= 4
+    assert run.decode_tokens_per_s > 0
+    with pytest.raises(ValueError):
+        run_spec_decode(model, prompt, steps=1, k=9)

@@ -39,9 +39,10 @@ class DecodeRun:
     """What one harness run measured. Times are wall-clock seconds on the host, synchronised
     with the device after each step; prefill is kept apart from decode throughout."""
 
-    tokens: torch.Tensor                    # [B, steps] generated (greedy)
+    tokens: torch.Tensor                    # [B, steps]: generated ids, or accepted counts
     prefill_s: float
     step_s: list[float] = field(default_factory=list)
+    accepted_counts: bool = False
 
     @property
     def time_to_first_token_s(self) -> float:
@@ -50,7 +51,8 @@ class DecodeRun:
     @property
     def decode_tokens_per_s(self) -> float:
         total = sum(self.step_s)
-        return self.tokens.numel() / total if total > 0 else float("nan")
+        produced = int(self.tokens.sum()) if self.accepted_counts else self.tokens.numel()
+        return produced / total if total > 0 else float("nan")
 
 
 def _sync(device: torch.device) -> None:
@@ -84,4 +86,45 @@ def run_decode(model: K3Model, prompt: torch.Tensor, steps: int,
         _sync(model.device)
         run.step_s.append(time.perf_counter() - start)
         run.tokens[:, step] = next_token[:, 0].cpu()
+    return run
+
+
+def run_spec_decode(model: K3Model, prompt: torch.Tensor, steps: int, k: int,
+                    seed: int = 0, kv_dtype: torch.dtype | None = None) -> DecodeRun:
+    """Speculative decoding with synthetic drafts: each step verifies 1+k tokens per sequence
+    (the last accepted token and k random drafts) in one forward, accepts a random prefix of
+    1..1+k of them per sequence, and rolls the KDA state back to it.
+
+    ``DecodeRun.tokens`` holds, per step, how many tokens each sequence accepted.
+    """
+    if not 1 <= k <= 7:
+        raise ValueError("k must be between 1 and 7")
+    batch, prompt_len = prompt.shape
+    state = model.new_state(batch, prompt_len + steps * (1 + k), kv_dtype=kv_dtype)
+    gen = torch.Generator().manual_seed(seed)
+    c = model.c
+
+    def hook(i: int):
+        return annotate(layer_range_name(i, c.layer_type(i)))
+
+    start = time.perf_counter()
+    with annotate("prefill"):
+        logits = model.forward(prompt.to(model.device), state)
+    last = logits[:, -1].argmax(-1, keepdim=True)
+    _sync(model.device)
+    run = DecodeRun(tokens=torch.empty(batch, steps, dtype=torch.long),
+                    prefill_s=time.perf_counter() - start, accepted_counts=True)
+    rows = torch.arange(batch, device=model.device)
+    for step in range(steps):
+        drafts = torch.randint(0, c.vocab, (batch, k), generator=gen).to(model.device)
+        accepted = torch.randint(1, k + 2, (batch,), generator=gen).to(model.device)
+        start = time.perf_counter()
+        with annotate(f"decode_step[{step}]"):
+            logits = model.forward(torch.cat([last, drafts], dim=1), state,
+                                   keep_checkpoints=True, layer_hook=hook)
+            state.accept(accepted)
+            last = logits[rows, accepted - 1].argmax(-1, keepdim=True)
+        _sync(model.device)
+        run.step_s.append(time.perf_counter() - start)
+        run.tokens[:, step] = accepted.cpu()
     return run
