@@ -1,0 +1,129 @@
+"""Compile every kernel ahead of time for Hopper (sm_90a) without a GPU; report registers and
+spills from ``ptxas -v``.
+
+    python -m kimi_perf_kernels.aot [--json FILE]
+
+Each kernel is compiled at the configurations the specialized path launches for the K3 TP8
+rank shapes. Exit code 1 if a kernel fails to compile or spills registers. Must run without
+``TRITON_INTERPRET`` (the interpreter replaces the JIT that compiles).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+TARGET = GPUTarget("cuda", 90, 32)
+
+
+@dataclass
+class Build:
+    label: str
+    fn: object
+    signature: dict[str, str]
+    constexprs: dict[str, object]
+    num_warps: int = 4
+
+
+def builds() -> list[Build]:
+    from kimi_perf_kernels import attn_res, skinny_linear
+
+    out = [
+        Build("attn_res h7168", attn_res.attn_res_kernel,
+              {"prefix_ptr": "*bf16", "delta_ptr": "*bf16", "blocks_ptr": "*bf16",
+               "qk_ptr": "*fp32", "norm_ptr": "*fp32", "out_ptr": "*bf16", "hidden": "i32",
+               "n_blocks": "i32", "write_idx": "i32", "stride_prefix": "i32",
+               "stride_delta": "i32", "stride_blocks_m": "i32", "stride_blocks_s": "i32",
+               "stride_out": "i32", "eps": "fp32", "HAS_DELTA": "constexpr",
+               "RESET": "constexpr", "HAS_NORM": "constexpr", "BLOCK_H": "constexpr"},
+              {"HAS_DELTA": True, "RESET": False, "HAS_NORM": True, "BLOCK_H": 8192}, 8),
+    ]
+    linear_sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "norm_ptr": "*fp32", "res_ptr": "*bf16",
+                  "out_ptr": "*bf16", "M": "i32", "N_OUT": "i32", "K": "i32",
+                  "stride_xm": "i32", "stride_wn": "i32", "stride_rm": "i32",
+                  "stride_om": "i32", "eps": "fp32"}
+    flags = ["NORM", "SITU", "RESIDUAL", "USE_DOT", "DOT_FP32", "BETA", "BETA_LINEAR",
+             "BLOCK_M", "BLOCK_N", "BLOCK_K"]
+    sig = {**linear_sig, **{f: "constexpr" for f in flags}}
+    for label, m, situ, norm, residual in (
+            ("gemv M=4", 4, False, False, False),
+            ("gemv M=4 rmsnorm+residual", 4, False, True, True),
+            ("gemv M=4 situ", 4, True, False, False),
+            ("gemm M=16", 16, False, False, False),
+            ("gemm M=64", 64, False, True, True),
+            ("gemm M=64 situ", 64, True, False, False)):
+        block_m, block_n, block_k, warps = skinny_linear.launch_config(m)
+        out.append(Build(f"skinny_linear {label}", skinny_linear.skinny_linear_kernel, sig, {
+            "NORM": norm, "SITU": situ, "RESIDUAL": residual,
+            "USE_DOT": m > skinny_linear.GEMV_MAX_M, "DOT_FP32": False, "BETA": 4.0,
+            "BETA_LINEAR": 25.0, "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k},
+            warps))
+    return out
+
+
+def _ptxas() -> str:
+    bundled = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    return str(bundled) if bundled.exists() else "ptxas"
+
+
+def compile_one(build: Build) -> dict:
+    src = ASTSource(fn=build.fn, signature=build.signature, constexprs=build.constexprs)
+    kernel = triton.compile(src, target=TARGET, options={"num_warps": build.num_warps})
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx = Path(tmp) / "k.ptx"
+        ptx.write_text(kernel.asm["ptx"])
+        result = subprocess.run([_ptxas(), "-arch=sm_90a", "-v", str(ptx), "-o",
+                                 str(Path(tmp) / "k.cubin")], capture_output=True, text=True)
+    info = result.stderr + result.stdout
+    if result.returncode != 0:
+        raise RuntimeError(f"ptxas failed for {build.label}: {info.strip()[-500:]}")
+    regs = re.search(r"Used (\d+) registers", info)
+    spill_st = re.search(r"(\d+) bytes spill stores", info)
+    spill_ld = re.search(r"(\d+) bytes spill loads", info)
+    smem = re.search(r"(\d+) bytes smem", info)
+    return {"kernel": build.label, "num_warps": build.num_warps,
+            "registers": int(regs.group(1)) if regs else None,
+            "spill_stores": int(spill_st.group(1)) if spill_st else 0,
+            "spill_loads": int(spill_ld.group(1)) if spill_ld else 0,
+            "smem_bytes": int(smem.group(1)) if smem else 0,
+            "cubin_bytes": len(kernel.asm["cubin"])}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", type=Path, help="write the table as JSON here")
+    args = parser.parse_args(argv)
+    rows, failed = [], []
+    for build in builds():
+        try:
+            rows.append(compile_one(build))
+        except Exception as exc:  # report every kernel, then fail
+            failed.append(f"{build.label}: {type(exc).__name__}: {str(exc)[:300]}")
+    print(f"{'kernel':44s} {'warps':>5s} {'regs':>5s} {'spill st/ld':>12s} {'smem':>7s}")
+    for r in rows:
+        print(f"{r['kernel']:44s} {r['num_warps']:5d} {r['registers']:5d} "
+              f"{r['spill_stores']:>5d}/{r['spill_loads']:<6d} {r['smem_bytes']:7d}")
+    spills = [r["kernel"] for r in rows if r["spill_stores"] or r["spill_loads"]]
+    for f in failed:
+        print(f"FAILED {f}")
+    for s in spills:
+        print(f"SPILLS {s}")
+    if args.json:
+        args.json.write_text(json.dumps({"target": "sm_90a", "triton": triton.__version__,
+                                         "kernels": rows}, indent=1) + "\n")
+    print(f"{len(rows)} compiled, {len(failed)} failed, {len(spills)} spilling")
+    return 1 if failed or spills else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,148 @@
+"""Skinny linear layers for decode: y[M, N] = x[M, K] · W[N, K]ᵀ with M (tokens) small.
+
+Decode GEMMs are memory-bound: the kernel's job is to stream W once at full bandwidth. Each
+program owns BLOCK_N output columns for all M rows and walks K in BLOCK_K steps, so every
+weight byte is read exactly once. Two variants with one contract:
+
+- ``gemv`` (M ≤ 4): broadcast-multiply-reduce on CUDA cores; no tensor-core tile to waste on
+  three empty rows.
+- ``gemm`` (M > 4): ``tl.dot`` tiles with M padded to a 16-row tensor-core tile.
+
+Fusions, chosen by constexpr flags:
+
+- RMSNorm prologue: x is RMS-normalised (times a weight) on the fly; each program first
+  reduces its rows' sums of squares (x is tiny next to W).
+- SiTU gate/up epilogue: W stacks gate rows over up rows; a program accumulates both halves
+  of its column block and writes ``SiTU(gate, up)`` (N/2 columns), as a fused MLP up-proj.
+- residual-add epilogue: y + r.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+GEMV_MAX_M = 4
+# Under the interpreter bf16 tl.dot is wrong: products are taken in fp32 there.
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@triton.jit
+def _situ(gate, up, BETA: tl.constexpr, BETA_LINEAR: tl.constexpr):
+    # tanh(x) = 2σ(2x) - 1 (no libdevice in the interpreter)
+    t_gate = 2.0 * tl.sigmoid(2.0 * gate / BETA) - 1.0
+    t_up = 2.0 * tl.sigmoid(2.0 * up / BETA_LINEAR) - 1.0
+    return (BETA * t_gate * tl.sigmoid(gate)) * (BETA_LINEAR * t_up)
+
+
+@triton.jit
+def skinny_linear_kernel(x_ptr, w_ptr, norm_ptr, res_ptr, out_ptr, M, N_OUT, K,
+                         stride_xm, stride_wn, stride_rm, stride_om, eps,
+                         NORM: tl.constexpr, SITU: tl.constexpr, RESIDUAL: tl.constexpr,
+                         USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr,
+                         BETA: tl.constexpr, BETA_LINEAR: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid = tl.program_id(0)
+    rows = tl.arange(0, BLOCK_M)
+    cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < M
+    col_ok = cols < N_OUT
+    ks = tl.arange(0, BLOCK_K)
+    inv_rms = tl.full([BLOCK_M], 1.0, tl.float32)
+    if NORM:
+        sq = tl.zeros([BLOCK_M], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + ks
+            x = tl.load(x_ptr + rows[:, None] * stride_xm + kk[None, :],
+                        mask=row_ok[:, None] & (kk[None, :] < K), other=0.0).to(tl.float32)
+            sq += tl.sum(x * x, axis=1)
+        inv_rms = 1.0 / tl.sqrt(sq / K + eps)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + ks
+        k_ok = kk < K
+        x = tl.load(x_ptr + rows[:, None] * stride_xm + kk[None, :],
+                    mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        if NORM:
+            nw = tl.load(norm_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
+            x = x * inv_rms[:, None] * nw[None, :]
+        w = tl.load(w_ptr + cols[:, None] * stride_wn + kk[None, :],
+                    mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+        if SITU:
+            w_up = tl.load(w_ptr + (cols[:, None] + N_OUT) * stride_wn + kk[None, :],
+                           mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+        if USE_DOT:
+            if DOT_FP32:
+                acc += tl.dot(x, tl.trans(w.to(tl.float32)), input_precision="ieee")
+                if SITU:
+                    acc_up += tl.dot(x, tl.trans(w_up.to(tl.float32)), input_precision="ieee")
+            else:
+                xb = x.to(w.dtype)
+                acc += tl.dot(xb, tl.trans(w))
+                if SITU:
+                    acc_up += tl.dot(xb, tl.trans(w_up))
+        else:
+            acc += tl.sum(x[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+            if SITU:
+                acc_up += tl.sum(x[:, None, :] * w_up.to(tl.float32)[None, :, :], axis=2)
+    if SITU:
+        acc = _situ(acc, acc_up, BETA, BETA_LINEAR)
+    if RESIDUAL:
+        acc += tl.load(res_ptr + rows[:, None] * stride_rm + cols[None, :],
+                       mask=row_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
+    tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :],
+             acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+def skinny_linear(x: torch.Tensor, w: torch.Tensor, norm: torch.Tensor | None = None,
+                  residual: torch.Tensor | None = None, situ: tuple[float, float] | None = None,
+                  out: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
+                  eps: float = 1e-5) -> torch.Tensor:
+    """x [M, K], w [N, K] -> [M, N] (or [M, N/2] with ``situ=(beta, beta_linear)``)."""
+    M, K = x.shape
+    n_out = w.shape[0] // 2 if situ else w.shape[0]
+    if out is None:
+        out = torch.empty(M, n_out, dtype=out_dtype or x.dtype, device=x.device)
+    use_dot = M > GEMV_MAX_M
+    block_m, block_n, block_k, warps = launch_config(M)
+    beta, beta_linear = situ or (1.0, 1.0)
+    grid = (triton.cdiv(n_out, block_n),)
+    skinny_linear_kernel[grid](
+        x, w, norm if norm is not None else x, residual if residual is not None else out, out,
+        M, n_out, K, x.stride(0), w.stride(0),
+        residual.stride(0) if residual is not None else 0, out.stride(0), eps,
+        NORM=norm is not None, SITU=situ is not None, RESIDUAL=residual is not None,
+        USE_DOT=use_dot, DOT_FP32=_INTERPRETED, BETA=beta, BETA_LINEAR=beta_linear,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps)
+    return out
+
+
+def launch_config(m: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps): the largest tiles that stay near 128 registers
+    without spilling on sm_90a (``python -m kimi_perf_kernels.aot`` checks them)."""
+    if m <= GEMV_MAX_M:
+        return triton.next_power_of_2(m), 32, 64, 8
+    return max(16, triton.next_power_of_2(m)), 64, 32, 8
+
+
+def skinny_linear_reference(x: torch.Tensor, w: torch.Tensor, norm: torch.Tensor | None = None,
+                            residual: torch.Tensor | None = None,
+                            situ: tuple[float, float] | None = None,
+                            out_dtype: torch.dtype | None = None, eps: float = 1e-5
+                            ) -> torch.Tensor:
+    xf = x.float()
+    if norm is not None:
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * norm.float()
+    y = xf @ w.float().T
+    if situ is not None:
+        beta, beta_linear = situ
+        gate, up = y.chunk(2, dim=-1)
+        y = (beta * torch.tanh(gate / beta) * torch.sigmoid(gate)) * (
+            beta_linear * torch.tanh(up / beta_linear))
+    if residual is not None:
+        y = y + residual.float()
+    return y.to(out_dtype or x.dtype)

@@ -1,0 +1,30 @@
+"""Helpers for kernel tests: poisoned outputs and bf16-aware tolerances.
+
+Triton's interpreter converts fp32 to bf16 by truncation, where a GPU (and PyTorch) round to
+nearest even: a bf16 value a kernel writes may be one ulp off under the interpreter, and an
+intermediate it rounds (a prefix it re-reads) perturbs what follows by about an ulp of the
+row's scale. Tolerances are therefore counted in bf16 ulps of max(|element|, row RMS).
+"""
+
+from __future__ import annotations
+
+import torch
+
+BF16_EPS = 2.0**-7  # spacing of bf16 just above 1.0 (8 significant bits)
+
+
+def poison(*tensors: torch.Tensor) -> None:
+    """Fill buffers a kernel should overwrite with NaN, so a missed store cannot pass."""
+    for t in tensors:
+        t.fill_(float("nan"))
+
+
+def assert_close_bf16(actual: torch.Tensor, expected: torch.Tensor, ulps: float = 2.0) -> None:
+    a, e = actual.float(), expected.float()
+    assert a.shape == e.shape, (a.shape, e.shape)
+    assert not torch.isnan(a).any(), "NaN in kernel output (an element was never written)"
+    row_rms = e.pow(2).mean(-1, keepdim=True).sqrt() if e.dim() else e.abs()
+    tol = ulps * BF16_EPS * torch.maximum(e.abs(), row_rms).clamp_min(1e-6)
+    bad = (a - e).abs() > tol
+    assert not bad.any(), (f"{int(bad.sum())} of {bad.numel()} elements differ; worst "
+                           f"{float(((a - e).abs() / tol)[bad].max()):.2f}× the tolerance")
