@@ -23,10 +23,12 @@ import math
 import os
 import sqlite3
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from itertools import repeat
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -63,7 +65,8 @@ class KernelSpec:
     sigma: float = 0.10        # lognormal spread of the duration
 
 
-def _triton(name: str, mean_us: float, op: str, grid=(64, 1, 1), sigma=0.10) -> KernelSpec:
+def _triton(name: str, mean_us: float, op: str, grid: tuple[int, int, int] = (64, 1, 1),
+            sigma: float = 0.10) -> KernelSpec:
     return KernelSpec(name, name, mean_us, (op,), driver=True, grid=grid, block=(128, 1, 1),
                       regs=40, smem=16_384, sigma=sigma)
 
@@ -254,7 +257,7 @@ class DecodeRun:
 
 
 def _step_template(layers_per_step: int) -> tuple[list[str], list[tuple[int, int, str]]]:
-    """Kernel keys of one step, and (first slot, layer count offset, type) of each layer."""
+    """Kernel keys of one step, and (first slot, index, type) of each of its layers."""
     keys = list(PROLOGUE)
     layers = []
     for j in range(layers_per_step):
@@ -406,10 +409,11 @@ def _write_atomically(path: Path, write: Callable[[Path], None]) -> None:
 
 
 def sidecar(path: Path) -> Path:
-    return path.with_name(path.name + ".meta.json")
+    # Not ".json": HTA takes every *.json / *.gz in a trace directory for a trace.
+    return path.with_name(path.name + ".meta")
 
 
-def read_sidecar(path: Path) -> dict | None:
+def read_sidecar(path: Path) -> dict[str, Any] | None:
     """Counts recorded when ``path`` was generated, or None when it must be (re)generated."""
     meta = sidecar(path)
     if not (path.exists() and meta.exists()):
@@ -421,7 +425,49 @@ def read_sidecar(path: Path) -> dict | None:
     return info if info.get("generator") == GENERATOR_VERSION else None
 
 
-def _summary(run: DecodeRun, **extra) -> dict:
+@dataclass(frozen=True)
+class Generated:
+    path: Path
+    info: dict[str, Any]      # counts and sizes (the sidecar)
+    seconds: float | None     # generation time; None when an existing file was reused
+
+
+def _tag(kernels: int, ranges: int, layers_per_step: int, seed: int) -> str:
+    """File-name part that changes whenever the content would."""
+    return f"k{kernels}_r{ranges}_L{layers_per_step}_s{seed}_g{GENERATOR_VERSION}"
+
+
+def ensure_nsys(out: Path, kernels: int, ranges: int, layers_per_step: int = LAYERS_PER_STEP,
+                seed: int = 0) -> Generated:
+    """The synthetic nsys export for these sizes, generated unless already in ``out``."""
+    path = out / f"decode_{_tag(kernels, ranges, layers_per_step, seed)}.sqlite"
+    return _ensure(path, lambda: write_nsys_sqlite(
+        build_run(kernels, ranges, layers_per_step, seed), path))
+
+
+def ensure_kineto(out: Path, kernels: int, ranges: int, layers_per_step: int = LAYERS_PER_STEP,
+                  seed: int = 1) -> Generated:
+    """The synthetic Kineto trace for these sizes, alone in its own directory (HTA loads a
+    directory)."""
+    folder = out / f"kineto_{_tag(kernels, ranges, layers_per_step, seed)}"
+    path = folder / "decode_rank0.pt.trace.json.gz"
+    return _ensure(path, lambda: write_kineto_json(
+        build_run(kernels, ranges, layers_per_step, seed), path))
+
+
+def _ensure(path: Path, generate: Callable[[], None]) -> Generated:
+    info = read_sidecar(path)
+    if info is not None:
+        return Generated(path, info, None)
+    started = time.perf_counter()
+    generate()
+    seconds = time.perf_counter() - started
+    info = read_sidecar(path)
+    assert info is not None, f"generation of {path} left no sidecar"
+    return Generated(path, info, seconds)
+
+
+def _summary(run: DecodeRun, **extra: Any) -> dict[str, Any]:
     return {"generator": GENERATOR_VERSION, "kernels": run.kernels, "ranges": run.ranges,
             "steps": run.steps, "layers": run.steps * run.layers_per_step,
             "kernels_per_step": run.per_step, "layers_per_step": run.layers_per_step,

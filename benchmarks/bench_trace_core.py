@@ -1,0 +1,325 @@
+"""Time kimi-perf's trace core on large synthetic decode traces, and HTA on the same Kineto file.
+
+    python benchmarks/bench_trace_core.py                 # 1M-kernel nsys + 2.7M-event Kineto
+    python benchmarks/bench_trace_core.py --quick --skip-hta
+
+Phases per tool, each tool in a fresh subprocess (so peak RSS is that tool's alone):
+kimi-perf ``read_trace`` -> ``range_kernel_summary`` -> ``breakdown`` on the nsys SQLite export
+and on the Kineto JSON; HTA ``TraceAnalysis(trace_dir=...)`` -> ``get_gpu_kernel_breakdown`` on
+the same Kineto JSON. Generated traces are kept in ``--out`` and reused. See benchmarks/README.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import synth_traces
+from rich.console import Console
+from rich.table import Table
+
+HERE = Path(__file__).resolve().parent
+DEFAULT_OUT = HERE.parent / "bench-out"
+SPEED_TARGET = 10.0     # HTA time / kimi-perf time on the same Kineto trace
+MEMORY_TARGET = 3.0     # kimi-perf peak RSS / trace file size
+
+# (tool, trace label, trace, worker result)
+Run = tuple[str, str, synth_traces.Generated, dict[str, Any]]
+
+
+def _peak_rss() -> int:
+    """This process's RSS high-water mark in bytes.
+
+    VmHWM, not ru_maxrss: Linux carries ru_maxrss across execve, so a worker would inherit the
+    high-water mark of the parent that spawned it (e.g. after generating a trace). VmHWM
+    belongs to the worker's own address space.
+    """
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+
+
+# -- workers: run in a fresh interpreter, write one JSON result -----------------------------------
+
+def work_kimi(path: Path) -> dict[str, Any]:
+    from kimi_perf.attribution import range_kernel_summary
+    from kimi_perf.breakdown import breakdown
+    from kimi_perf.readers import read_trace
+
+    base = _peak_rss()
+    t0 = time.perf_counter()
+    trace = read_trace(path)
+    t1 = time.perf_counter()
+    rss_read = _peak_rss()
+    rows = range_kernel_summary(trace)
+    t2 = time.perf_counter()
+    result = breakdown(trace)
+    t3 = time.perf_counter()
+    return {
+        "phases": {"read": t1 - t0, "attribute": t2 - t1, "breakdown": t3 - t2},
+        "rss_base": base, "rss_read": rss_read, "rss_peak": _peak_rss(),
+        "kernels": len(trace.kernels), "ranges": len(trace.ranges),
+        "summary_rows": len(rows),
+        "outside_ranges": sum(r.kernel_instances for r in rows if r.range is None),
+        "steps": len(result.steps), "layers": len(result.layers),
+        "layer_types": sorted({row["type"] for row in result.layers}),
+        "kernel_ns": int((trace.kernels.end - trace.kernels.start).sum()),
+    }
+
+
+def work_hta(path: Path) -> dict[str, Any]:
+    import logging
+    import warnings
+
+    from hta.trace_analysis import TraceAnalysis
+
+    # HTA logs each parse step and pandas warns about its dtype handling: not what we time.
+    logging.getLogger("hta").setLevel(logging.ERROR)
+    warnings.simplefilter("ignore")
+    base = _peak_rss()
+    t0 = time.perf_counter()
+    analyzer = TraceAnalysis(trace_dir=str(path.parent))
+    t1 = time.perf_counter()
+    rss_read = _peak_rss()
+    kernel_types, _ = analyzer.get_gpu_kernel_breakdown(visualize=False)
+    t2 = time.perf_counter()
+    df = analyzer.t.get_trace(0)
+    return {
+        "phases": {"read": t1 - t0, "breakdown": t2 - t1},
+        "rss_base": base, "rss_read": rss_read, "rss_peak": _peak_rss(),
+        "kernels": int((df["stream"] >= 0).sum()), "events": len(df),
+        "kernel_types": kernel_types["kernel_type"].tolist(),
+    }
+
+
+WORKERS = {"kimi": work_kimi, "hta": work_hta}
+
+
+def run_worker(kind: str, path: Path) -> dict[str, Any]:
+    """Run one measurement in a fresh interpreter; its result comes back through a file."""
+    with tempfile.TemporaryDirectory(prefix="kimi-bench-") as tmp:
+        result = Path(tmp) / "result.json"
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", kind,
+               "--file", str(path), "--result", str(result)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=HERE)
+        if proc.returncode != 0 or not result.exists():
+            tail = (proc.stderr or proc.stdout).strip().splitlines()[-15:]
+            return {"error": f"exit {proc.returncode}: " + "\n".join(tail)}
+        return json.loads(result.read_text())
+
+
+# -- main ------------------------------------------------------------------------------------------
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--kernels", type=int, default=None,
+                   help="kernels in the nsys trace, rounded up to whole decode steps "
+                        "(default 1,000,000; --quick: 20,000)")
+    p.add_argument("--ranges", type=int, default=None,
+                   help="NVTX ranges in the nsys trace: steps + layers + sub-ranges "
+                        "(default 150,000; --quick: 3,000)")
+    p.add_argument("--kineto-kernels", type=int, default=None,
+                   help="kernels in the Kineto trace (default: half of --kernels, which gives "
+                        "about 5.4 events per kernel)")
+    p.add_argument("--layers", type=int, default=synth_traces.LAYERS_PER_STEP,
+                   help="layers per decode step")
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT,
+                   help="work dir for generated traces (reused when sizes match)")
+    p.add_argument("--skip-hta", action="store_true", help="do not run HTA")
+    p.add_argument("--quick", action="store_true",
+                   help="small default sizes that run in seconds: a smoke test")
+    p.add_argument("--worker", choices=sorted(WORKERS), help=argparse.SUPPRESS)
+    p.add_argument("--file", type=Path, help=argparse.SUPPRESS)
+    p.add_argument("--result", type=Path, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    # Explicit sizes win over --quick's.
+    if args.kernels is None:
+        args.kernels = 20_000 if args.quick else 1_000_000
+    if args.ranges is None:
+        args.ranges = 3_000 if args.quick else 150_000
+    if args.kineto_kernels is None:
+        args.kineto_kernels = args.kernels // 2
+    return args
+
+
+def _version(dist: str) -> str:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.worker:
+        result = WORKERS[args.worker](args.file)
+        args.result.write_text(json.dumps(result))
+        return 0
+
+    console = Console(width=None if sys.stdout.isatty() else 132)
+    stamp = datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
+    console.print(f"[bold]kimi-perf trace-core benchmark[/] {stamp} — {platform.system()} "
+                  f"{platform.machine()}, {os.cpu_count()} CPUs, Python "
+                  f"{platform.python_version()}, kimi-perf {_version('kimi-perf')}, "
+                  f"HTA {_version('HolisticTraceAnalysis')}, pandas {_version('pandas')}")
+
+    # Generation runs here, before any measurement, never beside one.
+    out = args.out.resolve()
+    kineto_ranges = max(1, args.ranges * args.kineto_kernels // max(1, args.kernels))
+    with console.status("generating / reusing synthetic traces..."):
+        nsys = synth_traces.ensure_nsys(out, args.kernels, args.ranges, args.layers)
+        kineto = synth_traces.ensure_kineto(out, args.kineto_kernels, kineto_ranges,
+                                            args.layers)
+    show_traces(console, out, nsys, kineto)
+
+    runs: list[Run] = []
+    for tool, label, gen in (("kimi", "nsys SQLite", nsys), ("kimi", "Kineto JSON.gz", kineto),
+                             ("hta", "Kineto JSON.gz", kineto)):
+        if tool == "hta" and args.skip_hta:
+            continue
+        name = "kimi-perf" if tool == "kimi" else "HTA"
+        with console.status(f"{name} on {label}..."):
+            runs.append((name, label, gen, run_worker(tool, gen.path)))
+    show_timings(console, runs)
+    failed = [r for r in runs if "error" in r[3]]
+    for name, label, _, result in failed:
+        console.print(f"[red]{name} on {label} failed[/] {result['error']}")
+    show_ratios(console, runs, nsys, kineto, skip_hta=args.skip_hta)
+    return 1 if failed else 0
+
+
+def _mb(n: float) -> str:
+    return f"{n / 1e6:,.1f} MB"
+
+
+def show_traces(console: Console, out: Path, nsys: synth_traces.Generated,
+                kineto: synth_traces.Generated) -> None:
+    table = Table(title=f"Synthetic decode traces (in {out})", title_justify="left")
+    for col in ("trace", "kernels", "ranges", "events", "steps × layers", "file size",
+                "uncompressed", "generated in"):
+        table.add_column(col, justify="left" if col == "trace" else "right")
+    traces = (("nsys SQLite", nsys), ("Kineto JSON.gz", kineto))
+    for label, gen in traces:
+        info = gen.info
+        events = info.get("events", {}).get("total")
+        table.add_row(
+            label, f"{info['kernels']:,}", f"{info['ranges']:,}",
+            f"{events:,}" if events else "—",
+            f"{info['steps']:,} × {info['layers_per_step']}", _mb(info["file_bytes"]),
+            _mb(info["raw_bytes"]) if "raw_bytes" in info else "—",
+            f"{gen.seconds:.1f} s" if gen.seconds is not None else "reused")
+    console.print(table)
+    for label, gen in traces:
+        console.print(f"[dim]  {label}: {gen.path.relative_to(out)}[/]")
+    console.print("[dim]ranges: NVTX push/pop ranges (nsys) or user_annotation events (Kineto): "
+                  r"decode_step\[i] > layer\[j](kda|mla) > attention/moe > ...; events: all "
+                  "traceEvents (kernel, cuda_runtime/cuda_driver, ac2g flows, cpu_op, "
+                  "user_annotation).[/]")
+
+
+def show_timings(console, runs) -> None:
+    table = Table(title="Timings (s; each tool in a fresh subprocess)", title_justify="left")
+    for col in ("tool", "trace", "read", "attribute", "breakdown", "total", "kernels/s",
+                "RSS after read", "peak RSS", "peak / file"):
+        table.add_column(col, justify="left" if col in ("tool", "trace") else "right")
+    for name, label, gen, result in runs:
+        if "error" in result:
+            table.add_row(name, label, "[red]failed[/]", *[""] * 7)
+            continue
+        phases = result["phases"]
+        total = sum(phases.values())
+        size = gen.info["file_bytes"]
+        ratio = f"{result['rss_peak'] / size:.1f}×"
+        table.add_row(
+            name, label, f"{phases['read']:.2f}",
+            f"{phases['attribute']:.2f}" if "attribute" in phases else "—",
+            f"{phases['breakdown']:.2f}", f"[bold]{total:.2f}[/]",
+            f"{result['kernels'] / total:,.0f}", _mb(result["rss_read"]),
+            _mb(result["rss_peak"]), ratio)
+    console.print(table)
+    console.print("[dim]read: read_trace (kimi-perf) or TraceAnalysis(trace_dir) (HTA); "
+                  "attribute: range_kernel_summary (nsys-exact kernel→range projection); "
+                  "breakdown: breakdown() (steps, layers, classes) or "
+                  "get_gpu_kernel_breakdown(visualize=False). kernels/s = kernels / total. "
+                  "RSS = high-water mark (VmHWM) of the worker, interpreter and imports included "
+                  "(after read: before attribute).[/]")
+
+
+def show_ratios(console: Console, runs: list[Run], nsys: synth_traces.Generated,
+                kineto: synth_traces.Generated, skip_hta: bool) -> None:
+    by = {(name, label): result for name, label, _, result in runs if "error" not in result}
+    kimi_nsys = by.get(("kimi-perf", "nsys SQLite"))
+    kimi_kineto = by.get(("kimi-perf", "Kineto JSON.gz"))
+    hta = by.get(("HTA", "Kineto JSON.gz"))
+
+    def verdict(ok: bool) -> str:
+        return "[green]meets target[/]" if ok else "[red]misses target[/]"
+
+    console.print("[bold]Ratios[/]")
+    if hta and kimi_kineto:
+        kimi_total = sum(kimi_kineto["phases"].values())
+        hta_total = sum(hta["phases"].values())
+        speed = hta_total / kimi_total
+        console.print(f"  HTA / kimi-perf, Kineto trace, total time: [bold]{speed:.1f}×[/] "
+                      f"({hta_total:.1f} s / {kimi_total:.1f} s; target ≥ {SPEED_TARGET:.0f}×) "
+                      f"{verdict(speed >= SPEED_TARGET)}")
+        read = hta["phases"]["read"] / kimi_kineto["phases"]["read"]
+        console.print(f"  HTA load / kimi-perf read, Kineto trace: {read:.1f}×")
+        console.print(f"  HTA / kimi-perf peak RSS, Kineto trace: "
+                      f"{hta['rss_peak'] / kimi_kineto['rss_peak']:.1f}×")
+    elif skip_hta:
+        console.print("  HTA / kimi-perf: [dim]not measured (--skip-hta)[/]")
+    else:
+        console.print("  HTA / kimi-perf: [red]not measured (HTA failed or is not installed: "
+                      "pip install HolisticTraceAnalysis 'pandas<3')[/]")
+    for label, result, gen in (("nsys SQLite", kimi_nsys, nsys),
+                               ("Kineto JSON.gz", kimi_kineto, kineto)):
+        if result is None:
+            continue
+        size = gen.info["file_bytes"]
+        mem = result["rss_peak"] / size
+        line = (f"  kimi-perf peak RSS / file size, {label}: [bold]{mem:.1f}×[/] "
+                f"({_mb(result['rss_peak'])} / {_mb(size)}; target < {MEMORY_TARGET:.0f}×) "
+                f"{verdict(mem < MEMORY_TARGET)}")
+        if "raw_bytes" in gen.info:
+            line += f"; {result['rss_peak'] / gen.info['raw_bytes']:.1f}× the uncompressed JSON"
+        console.print(line)
+    console.print("[bold]Sanity[/]")
+    for label, result, gen in (("nsys SQLite", kimi_nsys, nsys),
+                               ("Kineto JSON.gz", kimi_kineto, kineto)):
+        if result is None:
+            continue
+        info = gen.info
+        ok = (result["kernels"] == info["kernels"] and result["steps"] == info["steps"]
+              and result["layers"] == info["layers"] and result["outside_ranges"] == 0
+              and result["kernel_ns"] == info["kernel_ns"])
+        console.print(
+            f"  kimi-perf, {label}: {result['kernels']:,} kernels, {result['steps']:,} steps, "
+            f"{result['layers']:,} layers ({'/'.join(result['layer_types'])}), "
+            f"{result['outside_ranges']} kernels outside every range — "
+            + ("[green]as generated[/]" if ok else
+               f"[red]expected {info['kernels']:,} kernels, {info['steps']:,} steps, "
+               f"{info['layers']:,} layers, 0 outside[/]"))
+    if hta:
+        console.print(f"  HTA, Kineto JSON.gz: {hta['kernels']:,} GPU events of "
+                      f"{hta['events']:,} rows; kernel types {', '.join(hta['kernel_types'])}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,283 @@
+"""Save/reload formats for a kimi-perf ``Trace``: Arrow IPC (``Trace.save``) vs Parquet vs .npz.
+
+    python benchmarks/bench_trace_io.py             # the 1M-kernel synthetic nsys trace
+    python benchmarks/bench_trace_io.py --quick
+
+The trace is the synthetic nsys export of bench_trace_core.py (same sizes, same work dir, reused),
+read once with ``read_trace``. Every format stores the same columns (four tables, the string
+table, the metadata) and must load back equal. Times are the best of ``--repeat`` runs on a
+file that is in the page cache; "load + scan" also touches every value, which a memory-mapped
+load otherwise defers. See benchmarks/README.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shutil
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from itertools import pairwise
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import synth_traces
+from rich.console import Console
+from rich.table import Table
+
+from kimi_perf.readers import read_trace
+from kimi_perf.trace import TABLES, Trace
+
+HERE = Path(__file__).resolve().parent
+DEFAULT_OUT = HERE.parent / "bench-out"
+
+Columns = dict[str, np.ndarray]   # "kernels.start" -> values, ...
+
+
+def trace_columns(trace: Trace) -> Columns:
+    return {f"{name}.{col}": values for name in TABLES
+            for col, values in getattr(trace, name).columns().items()}
+
+
+def _strings_blob(strings: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """The string table as UTF-8 bytes + offsets: storable without pickle."""
+    encoded = [s.encode() for s in strings]
+    offsets = np.zeros(len(encoded) + 1, np.int64)
+    offsets[1:] = np.cumsum([len(b) for b in encoded])
+    return np.frombuffer(b"".join(encoded), np.uint8), offsets
+
+
+def _strings_from_blob(blob: np.ndarray, offsets: np.ndarray) -> list[str]:
+    data = blob.tobytes()
+    bounds = offsets.tolist()
+    return [data[a:b].decode() for a, b in pairwise(bounds)]
+
+
+# -- formats: write(trace, path) and load(path) -> (columns, strings, meta) -----------------------
+
+Loaded = tuple[Columns, list[str], dict[str, Any]]
+
+
+def arrow_write(trace: Trace, path: Path) -> None:
+    trace.save(path)
+
+
+def arrow_load(path: Path) -> Loaded:
+    trace = Trace.load(path)
+    return trace_columns(trace), trace.strings, trace.meta
+
+
+def arrow_zstd_write(trace: Trace, path: Path) -> None:
+    """Trace.save's layout with zstd-compressed buffers (IPC supports it; loads need a copy)."""
+    arrays, names = [], []
+    for name, values in trace_columns(trace).items():
+        names.append(name)
+        arrays.append(pa.LargeListArray.from_arrays(pa.array([0, len(values)], pa.int64()),
+                                                    pa.array(values)))
+    names.append("strings")
+    strings = pa.array(trace.strings, type=pa.large_string())
+    arrays.append(pa.LargeListArray.from_arrays(pa.array([0, len(strings)], pa.int64()),
+                                                strings))
+    table = pa.Table.from_arrays(arrays, names=names).replace_schema_metadata(
+        {"meta": json.dumps(trace.meta)})
+    options = pa.ipc.IpcWriteOptions(compression="zstd")
+    with pa.OSFile(str(path), "wb") as sink, \
+            pa.ipc.new_file(sink, table.schema, options=options) as writer:
+        writer.write_table(table)
+
+
+def arrow_zstd_load(path: Path) -> Loaded:
+    with pa.memory_map(str(path), "r") as source:
+        table = pa.ipc.open_file(source).read_all()
+    columns = {name: table.column(name).chunk(0).values.to_numpy(zero_copy_only=False)
+               for name in table.column_names if name != "strings"}
+    strings = table.column("strings").chunk(0).values.to_pylist()
+    return columns, strings, json.loads(table.schema.metadata[b"meta"])
+
+
+def parquet_write(trace: Trace, path: Path) -> None:
+    """One Parquet file per table (Parquet has no tables of different lengths in one file)."""
+    path.mkdir(parents=True, exist_ok=True)
+    for name in TABLES:
+        columns = getattr(trace, name).columns()
+        pq.write_table(pa.table({c: pa.array(v) for c, v in columns.items()}),
+                       path / f"{name}.parquet", compression="zstd")
+    table = pa.table({"value": pa.array(trace.strings, pa.large_string())})
+    table = table.replace_schema_metadata({"meta": json.dumps(trace.meta)})
+    pq.write_table(table, path / "strings.parquet", compression="zstd")
+
+
+def parquet_load(path: Path) -> Loaded:
+    columns = {}
+    for name in TABLES:
+        table = pq.read_table(path / f"{name}.parquet")
+        for col in table.column_names:
+            columns[f"{name}.{col}"] = table.column(col).to_numpy()
+    table = pq.read_table(path / "strings.parquet")
+    return (columns, table.column("value").to_pylist(),
+            json.loads(table.schema.metadata[b"meta"]))
+
+
+def _npz_arrays(trace: Trace) -> dict[str, np.ndarray]:
+    blob, offsets = _strings_blob(trace.strings)
+    meta = np.frombuffer(json.dumps(trace.meta).encode(), np.uint8)
+    return {**trace_columns(trace), "strings.blob": blob, "strings.offsets": offsets,
+            "meta": meta}
+
+
+def npz_write(trace: Trace, path: Path) -> None:
+    np.savez(path, **_npz_arrays(trace))
+
+
+def npz_compressed_write(trace: Trace, path: Path) -> None:
+    np.savez_compressed(path, **_npz_arrays(trace))
+
+
+def npz_load(path: Path) -> Loaded:
+    with np.load(path, allow_pickle=False) as data:
+        arrays = {key: data[key] for key in data.files}   # np.load is lazy: read them all
+    strings = _strings_from_blob(arrays.pop("strings.blob"), arrays.pop("strings.offsets"))
+    meta = json.loads(arrays.pop("meta").tobytes())
+    return arrays, strings, meta
+
+
+@dataclass(frozen=True)
+class Format:
+    label: str
+    suffix: str
+    write: Callable[[Trace, Path], None]
+    load: Callable[[Path], Loaded]
+    note: str = ""
+
+
+FORMATS = [
+    Format("Arrow IPC (project)", ".kptrace", arrow_write, arrow_load,
+           "Trace.save; mmap, zero-copy"),
+    Format("Arrow IPC + zstd", ".zstd.arrow", arrow_zstd_write, arrow_zstd_load,
+           "zstd buffers"),
+    Format("Parquet (zstd)", ".parquet.d", parquet_write, parquet_load, "a file per table"),
+    Format("numpy .npz", ".npz", npz_write, npz_load, "np.savez"),
+    Format("numpy .npz (deflate)", ".z.npz", npz_compressed_write, npz_load,
+           "np.savez_compressed"),
+]
+
+
+def _size(path: Path) -> int:
+    if path.is_dir():
+        return sum(p.stat().st_size for p in path.iterdir())
+    return path.stat().st_size
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def _scan(columns: Columns) -> int:
+    """Touch every value (sums wrap around harmlessly)."""
+    return sum(int(v.sum(dtype=np.int64)) for v in columns.values())
+
+
+def _check(trace: Trace, loaded: Loaded, label: str) -> None:
+    columns, strings, meta = loaded
+    expected = trace_columns(trace)
+    bad = [k for k, v in expected.items()
+           if k not in columns or columns[k].dtype != v.dtype or not np.array_equal(columns[k], v)]
+    if bad or strings != trace.strings or meta != trace.meta:
+        raise SystemExit(f"{label}: reloaded trace differs ({', '.join(bad) or 'strings/meta'})")
+
+
+def _best(fn: Callable[[], Any], repeat: int) -> tuple[float, Any]:
+    best, result = float("inf"), None
+    for _ in range(repeat):
+        started = time.perf_counter()
+        result = fn()
+        best = min(best, time.perf_counter() - started)
+    return best, result
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--kernels", type=int, default=None,
+                   help="kernels in the synthetic nsys trace (default 1,000,000; --quick: 20,000)")
+    p.add_argument("--ranges", type=int, default=None,
+                   help="NVTX ranges in it (default 150,000; --quick: 3,000)")
+    p.add_argument("--layers", type=int, default=synth_traces.LAYERS_PER_STEP,
+                   help="layers per decode step")
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="work dir (traces are reused)")
+    p.add_argument("--repeat", type=int, default=None,
+                   help="runs per measurement, the best is kept (default 3; --quick: 1)")
+    p.add_argument("--quick", action="store_true",
+                   help="small default sizes, one run each: a smoke test")
+    p.add_argument("--skip-hta", action="store_true",
+                   help="accepted for symmetry with bench_trace_core.py (no HTA here)")
+    args = p.parse_args(argv)
+    # Explicit values win over --quick's.
+    if args.kernels is None:
+        args.kernels = 20_000 if args.quick else 1_000_000
+    if args.ranges is None:
+        args.ranges = 3_000 if args.quick else 150_000
+    if args.repeat is None:
+        args.repeat = 1 if args.quick else 3
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    console = Console(width=None if sys.stdout.isatty() else 132)
+    stamp = datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
+    console.print(f"[bold]kimi-perf trace save/reload benchmark[/] {stamp} — "
+                  f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPUs, Python "
+                  f"{platform.python_version()}, numpy {np.__version__}, "
+                  f"pyarrow {pa.__version__}")
+    out = args.out.resolve()
+    with console.status("generating / reusing the synthetic nsys trace..."):
+        source = synth_traces.ensure_nsys(out, args.kernels, args.ranges, args.layers)
+    read_s, trace = _best(lambda: read_trace(source.path), 1)
+    n = len(trace.kernels)
+    rows = sum(len(getattr(trace, name)) for name in TABLES)
+    console.print(f"source: {source.path.name} ({source.info['file_bytes'] / 1e6:,.1f} MB), "
+                  f"{n:,} kernels, {len(trace.api):,} API calls, {len(trace.ranges):,} ranges, "
+                  f"{len(trace.strings):,} strings; read_trace {read_s:.2f} s "
+                  f"({n / read_s:,.0f} kernels/s)")
+
+    io_dir = out / "trace-io"
+    io_dir.mkdir(parents=True, exist_ok=True)
+    table = Table(title=f"Trace save / reload ({rows:,} rows in 4 tables; best of "
+                        f"{args.repeat}; s)", title_justify="left")
+    for col in ("format", "size", "vs Arrow", "write", "load", "load + scan", "kernels/s",
+                "vs read_trace", "note"):
+        table.add_column(col, justify="left" if col in ("format", "note") else "right")
+    arrow_size = None
+    for fmt in FORMATS:
+        path = io_dir / f"trace{fmt.suffix}"
+        _remove(path)
+        write_s, _ = _best(lambda fmt=fmt, path=path: fmt.write(trace, path), args.repeat)
+        size = _size(path)
+        arrow_size = arrow_size or size
+        load_s, loaded = _best(lambda fmt=fmt, path=path: fmt.load(path), args.repeat)
+        _check(trace, loaded, fmt.label)
+        del loaded
+        scan_s, _ = _best(lambda fmt=fmt, path=path: _scan(fmt.load(path)[0]), args.repeat)
+        table.add_row(fmt.label, f"{size / 1e6:,.1f} MB", f"{size / arrow_size:.2f}×",
+                      f"{write_s:.3f}", f"{load_s:.3f}", f"{scan_s:.3f}",
+                      f"{n / scan_s:,.0f}", f"{read_s / scan_s:,.0f}× faster", fmt.note)
+        _remove(path)
+    console.print(table)
+    console.print("[dim]kernels/s = kernels / (load + scan); vs read_trace = reading the nsys "
+                  "SQLite export again instead. Every format reloads equal to the original.[/]")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,41 @@
+"""Smoke test for the benchmarks: both scripts run end to end on tiny traces (--quick, a few
+seconds in all) and print their tables. HTA is never run here (--skip-hta)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+def _run(script: str, out: Path) -> str:
+    proc = subprocess.run(
+        [sys.executable, str(BENCHMARKS / script), "--quick", "--skip-hta", "--out", str(out)],
+        capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    return proc.stdout
+
+
+@pytest.fixture(scope="module")
+def out(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    # One work dir for both scripts: the second reuses the nsys trace the first generated.
+    return tmp_path_factory.mktemp("bench-out")
+
+
+def test_bench_trace_core_quick(out: Path) -> None:
+    text = _run("bench_trace_core.py", out)
+    assert "kernels/s" in text
+    # The synthetic traces read back as generated: steps, layers, no kernel outside a range.
+    assert text.count("as generated") == 2, text
+    assert "not measured (--skip-hta)" in text
+
+
+def test_bench_trace_io_quick(out: Path) -> None:
+    text = _run("bench_trace_io.py", out)
+    assert "kernels/s" in text
+    for label in ("Arrow IPC (project)", "Parquet (zstd)", "numpy .npz"):
+        assert label in text
