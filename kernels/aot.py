@@ -36,7 +36,7 @@ class Build:
 
 
 def builds() -> list[Build]:
-    from kimi_perf_kernels import attn_res, skinny_linear
+    from kimi_perf_kernels import attn_res, kda_decode, skinny_linear
 
     out = [
         Build("attn_res h7168", attn_res.attn_res_kernel,
@@ -68,7 +68,24 @@ def builds() -> list[Build]:
             "USE_DOT": m > skinny_linear.GEMV_MAX_M, "DOT_FP32": False, "BETA": 4.0,
             "BETA_LINEAR": 25.0, "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k},
             warps))
+    kda_types = {"z_ptr": "*bf16", "wfb_ptr": "*bf16", "conv_ptr": "*bf16",
+                 "out_ptr": "*bf16", "ckpt_conv_ptr": "*bf16", "eps": "fp32",
+                 "lower_bound": "fp32"}
+    for checkpoint in (False, True):
+        consts = {"D": 128, "F_RANK": 128, "BV": 16, "F_BLOCK": 16, "CHECKPOINT": checkpoint}
+        out.append(Build(f"kda_decode d128{' verify' if checkpoint else ''}",
+                         kda_decode.kda_decode_kernel,
+                         _signature(kda_decode.kda_decode_kernel, kda_types, consts), consts,
+                         4))
     return out
+
+
+def _signature(kernel, types: dict[str, str], constexprs: dict[str, object]
+               ) -> dict[str, str]:
+    """Kernel arguments in order: constexprs, the given types, else fp32 pointers and i32."""
+    return {name: "constexpr" if name in constexprs else
+            types.get(name, "*fp32" if name.endswith("_ptr") else "i32")
+            for name in kernel.arg_names}
 
 
 def _ptxas() -> str:
