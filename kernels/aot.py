@@ -36,7 +36,7 @@ class Build:
 
 
 def builds() -> list[Build]:
-    from kimi_perf_kernels import attn_res, kda_decode, skinny_linear
+    from kimi_perf_kernels import attn_res, kda_decode, moe_experts, router_topk, skinny_linear
 
     out = [
         Build("attn_res h7168", attn_res.attn_res_kernel,
@@ -77,6 +77,20 @@ def builds() -> list[Build]:
                          kda_decode.kda_decode_kernel,
                          _signature(kda_decode.kda_decode_kernel, kda_types, consts), consts,
                          4))
+    consts = {"K": 16, "BLOCK_E": 1024}
+    out.append(Build("router_topk E896 k16", router_topk.router_topk_kernel,
+                     _signature(router_topk.router_topk_kernel,
+                                {"ids_ptr": "*i32", "scale": "fp32"}, consts), consts))
+    consts = {"TOP_K": 16, "BETA": 4.0, "BETA_LINEAR": 25.0, "BLOCK_N": 32, "BLOCK_K": 64}
+    out.append(Build("moe_fc1_situ I384 K3584", moe_experts.moe_fc1_situ_kernel,
+                     _signature(moe_experts.moe_fc1_situ_kernel,
+                                {"w13_ptr": "*bf16", "ids_ptr": "*i32", "act_ptr": "*bf16"},
+                                consts), consts))
+    consts = {"TOP_K": 16, "BLOCK_N": 32, "BLOCK_K": 64}
+    out.append(Build("moe_fc2_combine N3584 I384", moe_experts.moe_fc2_combine_kernel,
+                     _signature(moe_experts.moe_fc2_combine_kernel,
+                                {"act_ptr": "*bf16", "w2_ptr": "*bf16", "ids_ptr": "*i32"},
+                                consts), consts))
     return out
 
 

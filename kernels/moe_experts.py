@@ -1,0 +1,120 @@
+"""S7 + S8: the routed experts of the latent MoE, for decode-sized batches.
+
+- ``moe_fc1_situ``: for every (token, slot), act = SiTU(W1[e] · x, W3[e] · x) with e the slot's
+  expert; W13 stacks W1 over W3 per expert. Grid: (slots, intermediate blocks); each program
+  reads the matching gate and up rows of one expert once.
+- ``moe_fc2_combine``: latent[m] = Σ_slot weight · W2[e] · act[m, slot]; grid (tokens,
+  latent blocks), each program loops over the token's k slots, so the weighted sum never
+  leaves registers (no per-slot output, no separate finalize kernel).
+
+Both stream expert weights once per (token, slot): right for decode where batch × top-k is
+small next to the expert count. A grouped variant that reads each touched expert once for all
+its tokens pays off at larger batches.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kimi_perf_kernels.skinny_linear import _situ
+
+
+@triton.jit
+def moe_fc1_situ_kernel(x_ptr, w13_ptr, ids_ptr, act_ptr, INTER, KDIM, stride_x, stride_we,
+                        stride_wn, TOP_K: tl.constexpr, BETA: tl.constexpr,
+                        BETA_LINEAR: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr):
+    slot = tl.program_id(0)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < INTER
+    token = slot // TOP_K
+    expert = tl.load(ids_ptr + slot).to(tl.int64)
+    w = w13_ptr + expert * stride_we
+    ks = tl.arange(0, BLOCK_K)
+    gate = tl.zeros([BLOCK_N], tl.float32)
+    up = tl.zeros([BLOCK_N], tl.float32)
+    for k0 in range(0, KDIM, BLOCK_K):
+        kk = k0 + ks
+        k_ok = kk < KDIM
+        x = tl.load(x_ptr + token * stride_x + kk, mask=k_ok, other=0.0).to(tl.float32)
+        m = n_ok[:, None] & k_ok[None, :]
+        wg = tl.load(w + n[:, None] * stride_wn + kk[None, :], mask=m, other=0.0)
+        wu = tl.load(w + (n[:, None] + INTER) * stride_wn + kk[None, :], mask=m, other=0.0)
+        gate += tl.sum(wg.to(tl.float32) * x[None, :], axis=1)
+        up += tl.sum(wu.to(tl.float32) * x[None, :], axis=1)
+    act = _situ(gate, up, BETA, BETA_LINEAR)
+    tl.store(act_ptr + slot * INTER + n, act.to(act_ptr.dtype.element_ty), mask=n_ok)
+
+
+@triton.jit
+def moe_fc2_combine_kernel(act_ptr, w2_ptr, ids_ptr, weights_ptr, out_ptr, INTER, N, stride_we,
+                           stride_wn, stride_out, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr,
+                           BLOCK_K: tl.constexpr):
+    token = tl.program_id(0)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < N
+    ks = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_N], tl.float32)
+    for j in range(0, TOP_K):
+        slot = token * TOP_K + j
+        expert = tl.load(ids_ptr + slot).to(tl.int64)
+        weight = tl.load(weights_ptr + slot)
+        w = w2_ptr + expert * stride_we
+        part = tl.zeros([BLOCK_N], tl.float32)
+        for k0 in range(0, INTER, BLOCK_K):
+            kk = k0 + ks
+            k_ok = kk < INTER
+            a = tl.load(act_ptr + slot * INTER + kk, mask=k_ok, other=0.0).to(tl.float32)
+            wt = tl.load(w + n[:, None] * stride_wn + kk[None, :],
+                         mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            part += tl.sum(wt.to(tl.float32) * a[None, :], axis=1)
+        acc += weight * part
+    tl.store(out_ptr + token * stride_out + n, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
+
+
+def moe_fc1_situ(x: torch.Tensor, w13: torch.Tensor, ids: torch.Tensor,
+                 situ: tuple[float, float], out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] (latent), w13 [E, 2I, K], ids [M, top_k] -> act [M, top_k, I]."""
+    M, top_k = ids.shape
+    _, two_i, kdim = w13.shape
+    inter = two_i // 2
+    if out is None:
+        out = torch.empty(M, top_k, inter, dtype=w13.dtype, device=x.device)
+    block_n, block_k = 32, 64
+    moe_fc1_situ_kernel[(M * top_k, triton.cdiv(inter, block_n))](
+        x, w13, ids, out, inter, kdim, x.stride(0), w13.stride(0), w13.stride(1),
+        TOP_K=top_k, BETA=situ[0], BETA_LINEAR=situ[1], BLOCK_N=block_n, BLOCK_K=block_k,
+        num_warps=4)
+    return out
+
+
+def moe_fc2_combine(act: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor,
+                    weights: torch.Tensor, out: torch.Tensor | None = None,
+                    out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """act [M, top_k, I], w2 [E, N, I] -> [M, N] = Σ_slot weight · W2[e] act."""
+    M, top_k, inter = act.shape
+    n = w2.shape[1]
+    if out is None:
+        out = torch.empty(M, n, dtype=out_dtype, device=act.device)
+    block_n, block_k = 32, 64
+    moe_fc2_combine_kernel[(M, triton.cdiv(n, block_n))](
+        act, w2, ids, weights, out, inter, n, w2.stride(0), w2.stride(1), out.stride(0),
+        TOP_K=top_k, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
+    return out
+
+
+def moe_experts_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                          ids: torch.Tensor, weights: torch.Tensor,
+                          situ: tuple[float, float]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(act [M, top_k, I] in w13's dtype, combined [M, N] fp32)."""
+    beta, beta_linear = situ
+    w = w13[ids.long()].float()                                   # [M, k, 2I, K]
+    gu = torch.einsum("mkni,mi->mkn", w, x.float())
+    gate, up = gu.chunk(2, dim=-1)
+    act = (beta * torch.tanh(gate / beta) * torch.sigmoid(gate)) * (
+        beta_linear * torch.tanh(up / beta_linear))
+    act = act.to(w13.dtype)
+    per_slot = torch.einsum("mkni,mki->mkn", w2[ids.long()].float(), act.float())
+    return act, (per_slot * weights[..., None]).sum(1)
