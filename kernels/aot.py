@@ -46,13 +46,14 @@ def builds() -> list[Build]:
                "stride_delta": "i32", "stride_blocks_m": "i32", "stride_blocks_s": "i32",
                "stride_out": "i32", "eps": "fp32", "HAS_DELTA": "constexpr",
                "RESET": "constexpr", "HAS_NORM": "constexpr", "BLOCK_H": "constexpr"},
-              {"HAS_DELTA": True, "RESET": False, "HAS_NORM": True, "BLOCK_H": 8192}, 8),
+              {"HAS_DELTA": True, "RESET": False, "HAS_NORM": True, "BLOCK_H": 8192,
+               "RNE": False}, 8),
     ]
     linear_sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "norm_ptr": "*fp32", "res_ptr": "*bf16",
                   "out_ptr": "*bf16", "M": "i32", "N_OUT": "i32", "K": "i32",
                   "stride_xm": "i32", "stride_wn": "i32", "stride_rm": "i32",
                   "stride_om": "i32", "eps": "fp32"}
-    flags = ["NORM", "SITU", "RESIDUAL", "USE_DOT", "DOT_FP32", "BETA", "BETA_LINEAR",
+    flags = ["NORM", "SITU", "RESIDUAL", "USE_DOT", "DOT_FP32", "RNE", "BETA", "BETA_LINEAR",
              "BLOCK_M", "BLOCK_N", "BLOCK_K"]
     sig = {**linear_sig, **{f: "constexpr" for f in flags}}
     for label, m, situ, norm, residual in (
@@ -65,14 +66,16 @@ def builds() -> list[Build]:
         block_m, block_n, block_k, warps = skinny_linear.launch_config(m)
         out.append(Build(f"skinny_linear {label}", skinny_linear.skinny_linear_kernel, sig, {
             "NORM": norm, "SITU": situ, "RESIDUAL": residual,
-            "USE_DOT": m > skinny_linear.GEMV_MAX_M, "DOT_FP32": False, "BETA": 4.0,
+            "USE_DOT": m > skinny_linear.GEMV_MAX_M, "DOT_FP32": False, "RNE": False,
+            "BETA": 4.0,
             "BETA_LINEAR": 25.0, "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k},
             warps))
     kda_types = {"z_ptr": "*bf16", "wfb_ptr": "*bf16", "conv_ptr": "*bf16",
                  "out_ptr": "*bf16", "ckpt_conv_ptr": "*bf16", "eps": "fp32",
                  "lower_bound": "fp32"}
     for checkpoint in (False, True):
-        consts = {"D": 128, "F_RANK": 128, "BV": 16, "F_BLOCK": 16, "CHECKPOINT": checkpoint}
+        consts = {"D": 128, "F_RANK": 128, "BV": 16, "F_BLOCK": 16, "CHECKPOINT": checkpoint,
+                  "RNE": False}
         out.append(Build(f"kda_decode d128{' verify' if checkpoint else ''}",
                          kda_decode.kda_decode_kernel,
                          _signature(kda_decode.kda_decode_kernel, kda_types, consts), consts,
@@ -81,12 +84,13 @@ def builds() -> list[Build]:
     out.append(Build("router_topk E896 k16", router_topk.router_topk_kernel,
                      _signature(router_topk.router_topk_kernel,
                                 {"ids_ptr": "*i32", "scale": "fp32"}, consts), consts))
-    consts = {"TOP_K": 16, "BETA": 4.0, "BETA_LINEAR": 25.0, "BLOCK_N": 32, "BLOCK_K": 64}
+    consts = {"TOP_K": 16, "BETA": 4.0, "BETA_LINEAR": 25.0, "BLOCK_N": 32, "BLOCK_K": 64,
+              "RNE": False}
     out.append(Build("moe_fc1_situ I384 K3584", moe_experts.moe_fc1_situ_kernel,
                      _signature(moe_experts.moe_fc1_situ_kernel,
                                 {"w13_ptr": "*bf16", "ids_ptr": "*i32", "act_ptr": "*bf16"},
                                 consts), consts))
-    consts = {"TOP_K": 16, "BLOCK_N": 32, "BLOCK_K": 64}
+    consts = {"TOP_K": 16, "BLOCK_N": 32, "BLOCK_K": 64, "RNE": False}
     out.append(Build("moe_fc2_combine N3584 I384", moe_experts.moe_fc2_combine_kernel,
                      _signature(moe_experts.moe_fc2_combine_kernel,
                                 {"act_ptr": "*bf16", "w2_ptr": "*bf16", "ids_ptr": "*i32"},

@@ -15,13 +15,15 @@ import torch
 import triton
 import triton.language as tl
 
+from kimi_perf_kernels.common import INTERPRETED, cast
+
 
 @triton.jit
 def attn_res_kernel(prefix_ptr, delta_ptr, blocks_ptr, qk_ptr, norm_ptr, out_ptr,
                     hidden, n_blocks, write_idx, stride_prefix, stride_delta, stride_blocks_m,
                     stride_blocks_s, stride_out, eps,
                     HAS_DELTA: tl.constexpr, RESET: tl.constexpr, HAS_NORM: tl.constexpr,
-                    BLOCK_H: tl.constexpr):
+                    BLOCK_H: tl.constexpr, RNE: tl.constexpr):
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK_H)
     mask = offs < hidden
@@ -29,12 +31,12 @@ def attn_res_kernel(prefix_ptr, delta_ptr, blocks_ptr, qk_ptr, norm_ptr, out_ptr
     if HAS_DELTA:
         d = tl.load(delta_ptr + row * stride_delta + offs, mask=mask, other=0.0).to(tl.float32)
         p = d if RESET else p + d
-        p = p.to(prefix_ptr.dtype.element_ty)
+        p = cast(p, prefix_ptr.dtype.element_ty, RNE)
         tl.store(prefix_ptr + row * stride_prefix + offs, p, mask=mask)
         p = p.to(tl.float32)
     if write_idx >= 0:
         tl.store(blocks_ptr + row * stride_blocks_m + write_idx * stride_blocks_s + offs,
-                 p.to(blocks_ptr.dtype.element_ty), mask=mask)
+                 cast(p, blocks_ptr.dtype.element_ty, RNE), mask=mask)
     qk = tl.load(qk_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     # Online softmax over the sources: blocks 0..n_blocks-1, then the prefix.
     running_max = -float("inf")
@@ -58,7 +60,8 @@ def attn_res_kernel(prefix_ptr, delta_ptr, blocks_ptr, qk_ptr, norm_ptr, out_ptr
     if HAS_NORM:
         w = tl.load(norm_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         mix = mix / tl.sqrt(tl.sum(mix * mix, axis=0) / hidden + eps) * w
-    tl.store(out_ptr + row * stride_out + offs, mix.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + row * stride_out + offs, cast(mix, out_ptr.dtype.element_ty, RNE),
+             mask=mask)
 
 
 def attn_res(prefix: torch.Tensor, delta: torch.Tensor | None, blocks: torch.Tensor,
@@ -73,7 +76,7 @@ def attn_res(prefix: torch.Tensor, delta: torch.Tensor | None, blocks: torch.Ten
         prefix, delta_arg, blocks, qk, norm if norm is not None else qk, out, hidden, n_blocks,
         write_idx, prefix.stride(0), delta_arg.stride(0), blocks.stride(0), blocks.stride(1),
         out.stride(0), eps, HAS_DELTA=delta is not None, RESET=reset,
-        HAS_NORM=norm is not None, BLOCK_H=triton.next_power_of_2(hidden),
+        HAS_NORM=norm is not None, BLOCK_H=triton.next_power_of_2(hidden), RNE=INTERPRETED,
         num_warps=8 if hidden > 2048 else 4)
     return out
 

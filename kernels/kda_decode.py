@@ -16,13 +16,16 @@ import torch
 import triton
 import triton.language as tl
 
+from kimi_perf_kernels.common import INTERPRETED, cast
+
 
 @triton.jit
 def kda_decode_kernel(z_ptr, wfb_ptr, dt_bias_ptr, a_log_ptr, conv_w_ptr, onorm_ptr,
                       conv_ptr, state_ptr, out_ptr, scratch_ptr, ckpt_state_ptr, ckpt_conv_ptr,
                       B, T, H, stride_zb, stride_zt, stride_ob, stride_ot, g_col, fa_col,
                       b_col, eps, lower_bound, D: tl.constexpr, F_RANK: tl.constexpr,
-                      BV: tl.constexpr, F_BLOCK: tl.constexpr, CHECKPOINT: tl.constexpr):
+                      BV: tl.constexpr, F_BLOCK: tl.constexpr, CHECKPOINT: tl.constexpr,
+                      RNE: tl.constexpr):
     pid = tl.program_id(0)
     b = pid // H
     h = pid % H
@@ -70,7 +73,7 @@ def kda_decode_kernel(z_ptr, wfb_ptr, dt_bias_ptr, a_log_ptr, conv_w_ptr, onorm_
             o = tl.load(scratch + rows) * inv_rms * tl.load(onorm_ptr + rows)
             gate = tl.load(z + g_col + h * D + rows).to(tl.float32)
             tl.store(out_ptr + b * stride_ob + t * stride_ot + h * D + rows,
-                     (o * tl.sigmoid(gate)).to(out_ptr.dtype.element_ty))
+                     cast(o * tl.sigmoid(gate), out_ptr.dtype.element_ty, RNE))
 
 
 @triton.jit
@@ -116,14 +119,16 @@ def kda_decode(z: torch.Tensor, heads: int, head_dim: int, f_rank: int, w_fb: to
         ckpt_conv = torch.empty(T, *conv_state.shape, dtype=conv_state.dtype, device=z.device)
     else:
         ckpt_state, ckpt_conv = state, conv_state
-    if z.stride(-1) != 1 or conv_state.stride(-1) != 1 or not state.is_contiguous():
+    if z.stride(-1) != 1 or not conv_state.is_contiguous() or not state.is_contiguous():
         raise ValueError("kda_decode needs row-major z, conv_state and state")
     scratch = torch.empty(B * heads, head_dim, dtype=torch.float32, device=z.device)
     kda_decode_kernel[(B * heads,)](
         z, w_fb, dt_bias, a_log, conv_w, o_norm, conv_state, state, out, scratch, ckpt_state,
         ckpt_conv, B, T, heads, z.stride(0), z.stride(1), out.stride(0), out.stride(1),
         3 * proj, 4 * proj, 4 * proj + f_rank, eps, lower_bound, D=head_dim, F_RANK=f_rank,
-        BV=min(16, head_dim), F_BLOCK=min(16, f_rank), CHECKPOINT=checkpoint, num_warps=4)
+        BV=head_dim if INTERPRETED else min(16, head_dim),
+        F_BLOCK=f_rank if INTERPRETED else min(16, f_rank), CHECKPOINT=checkpoint,
+        RNE=INTERPRETED, num_warps=4)
     return (out, ckpt_state, ckpt_conv) if checkpoint else out
 
 

@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kimi_perf_kernels.common import INTERPRETED, cast
 from kimi_perf_kernels.skinny_linear import _situ
 
 
@@ -25,7 +26,7 @@ from kimi_perf_kernels.skinny_linear import _situ
 def moe_fc1_situ_kernel(x_ptr, w13_ptr, ids_ptr, act_ptr, INTER, KDIM, stride_x, stride_we,
                         stride_wn, TOP_K: tl.constexpr, BETA: tl.constexpr,
                         BETA_LINEAR: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr):
+                        BLOCK_K: tl.constexpr, RNE: tl.constexpr):
     slot = tl.program_id(0)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < INTER
@@ -45,13 +46,13 @@ def moe_fc1_situ_kernel(x_ptr, w13_ptr, ids_ptr, act_ptr, INTER, KDIM, stride_x,
         gate += tl.sum(wg.to(tl.float32) * x[None, :], axis=1)
         up += tl.sum(wu.to(tl.float32) * x[None, :], axis=1)
     act = _situ(gate, up, BETA, BETA_LINEAR)
-    tl.store(act_ptr + slot * INTER + n, act.to(act_ptr.dtype.element_ty), mask=n_ok)
+    tl.store(act_ptr + slot * INTER + n, cast(act, act_ptr.dtype.element_ty, RNE), mask=n_ok)
 
 
 @triton.jit
 def moe_fc2_combine_kernel(act_ptr, w2_ptr, ids_ptr, weights_ptr, out_ptr, INTER, N, stride_we,
                            stride_wn, stride_out, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr,
-                           BLOCK_K: tl.constexpr):
+                           BLOCK_K: tl.constexpr, RNE: tl.constexpr):
     token = tl.program_id(0)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
@@ -71,7 +72,8 @@ def moe_fc2_combine_kernel(act_ptr, w2_ptr, ids_ptr, weights_ptr, out_ptr, INTER
                          mask=n_ok[:, None] & k_ok[None, :], other=0.0)
             part += tl.sum(wt.to(tl.float32) * a[None, :], axis=1)
         acc += weight * part
-    tl.store(out_ptr + token * stride_out + n, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
+    tl.store(out_ptr + token * stride_out + n, cast(acc, out_ptr.dtype.element_ty, RNE),
+             mask=n_ok)
 
 
 def moe_fc1_situ(x: torch.Tensor, w13: torch.Tensor, ids: torch.Tensor,
@@ -82,11 +84,11 @@ def moe_fc1_situ(x: torch.Tensor, w13: torch.Tensor, ids: torch.Tensor,
     inter = two_i // 2
     if out is None:
         out = torch.empty(M, top_k, inter, dtype=w13.dtype, device=x.device)
-    block_n, block_k = 32, 64
+    block_n, block_k = (256, 256) if INTERPRETED else (32, 64)
     moe_fc1_situ_kernel[(M * top_k, triton.cdiv(inter, block_n))](
         x, w13, ids, out, inter, kdim, x.stride(0), w13.stride(0), w13.stride(1),
         TOP_K=top_k, BETA=situ[0], BETA_LINEAR=situ[1], BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=4)
+        RNE=INTERPRETED, num_warps=4)
     return out
 
 
@@ -98,10 +100,10 @@ def moe_fc2_combine(act: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor,
     n = w2.shape[1]
     if out is None:
         out = torch.empty(M, n, dtype=out_dtype, device=act.device)
-    block_n, block_k = 32, 64
+    block_n, block_k = (256, 256) if INTERPRETED else (32, 64)
     moe_fc2_combine_kernel[(M, triton.cdiv(n, block_n))](
         act, w2, ids, weights, out, inter, n, w2.stride(0), w2.stride(1), out.stride(0),
-        TOP_K=top_k, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
+        TOP_K=top_k, BLOCK_N=block_n, BLOCK_K=block_k, RNE=INTERPRETED, num_warps=4)
     return out
 
 

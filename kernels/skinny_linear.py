@@ -19,15 +19,13 @@ Fusions, chosen by constexpr flags:
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from kimi_perf_kernels.common import INTERPRETED, cast
+
 GEMV_MAX_M = 4
-# Under the interpreter bf16 tl.dot is wrong: products are taken in fp32 there.
-_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
@@ -42,7 +40,7 @@ def _situ(gate, up, BETA: tl.constexpr, BETA_LINEAR: tl.constexpr):
 def skinny_linear_kernel(x_ptr, w_ptr, norm_ptr, res_ptr, out_ptr, M, N_OUT, K,
                          stride_xm, stride_wn, stride_rm, stride_om, eps,
                          NORM: tl.constexpr, SITU: tl.constexpr, RESIDUAL: tl.constexpr,
-                         USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr,
+                         USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr, RNE: tl.constexpr,
                          BETA: tl.constexpr, BETA_LINEAR: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid = tl.program_id(0)
@@ -95,7 +93,7 @@ def skinny_linear_kernel(x_ptr, w_ptr, norm_ptr, res_ptr, out_ptr, M, N_OUT, K,
         acc += tl.load(res_ptr + rows[:, None] * stride_rm + cols[None, :],
                        mask=row_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
     tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :],
-             acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+             cast(acc, out_ptr.dtype.element_ty, RNE), mask=row_ok[:, None] & col_ok[None, :])
 
 
 def skinny_linear(x: torch.Tensor, w: torch.Tensor, norm: torch.Tensor | None = None,
@@ -108,7 +106,7 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor, norm: torch.Tensor | None = 
     if out is None:
         out = torch.empty(M, n_out, dtype=out_dtype or x.dtype, device=x.device)
     use_dot = M > GEMV_MAX_M
-    block_m, block_n, block_k, warps = launch_config(M)
+    block_m, block_n, block_k, warps = launch_config(M, INTERPRETED)
     beta, beta_linear = situ or (1.0, 1.0)
     grid = (triton.cdiv(n_out, block_n),)
     skinny_linear_kernel[grid](
@@ -116,14 +114,19 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor, norm: torch.Tensor | None = 
         M, n_out, K, x.stride(0), w.stride(0),
         residual.stride(0) if residual is not None else 0, out.stride(0), eps,
         NORM=norm is not None, SITU=situ is not None, RESIDUAL=residual is not None,
-        USE_DOT=use_dot, DOT_FP32=_INTERPRETED, BETA=beta, BETA_LINEAR=beta_linear,
+        USE_DOT=use_dot, DOT_FP32=INTERPRETED, RNE=INTERPRETED, BETA=beta,
+        BETA_LINEAR=beta_linear,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps)
     return out
 
 
-def launch_config(m: int) -> tuple[int, int, int, int]:
+def launch_config(m: int, interpreted: bool = False) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps): the largest tiles that stay near 128 registers
-    without spilling on sm_90a (``python -m kimi_perf_kernels.aot`` checks them)."""
+    without spilling on sm_90a (``python -m kimi_perf_kernels.aot`` checks them). The
+    interpreter pays per program and per op, not per element: it gets big tiles."""
+    if interpreted:
+        return max(16, triton.next_power_of_2(m)) if m > GEMV_MAX_M else \
+            triton.next_power_of_2(m), 256, 256, 4
     if m <= GEMV_MAX_M:
         return triton.next_power_of_2(m), 32, 64, 8
     return max(16, triton.next_power_of_2(m)), 64, 32, 8

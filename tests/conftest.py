@@ -1,6 +1,10 @@
 from __future__ import annotations
 
 import os
+
+# Triton kernels run in Triton's interpreter on this CPU; it must be chosen before triton
+# is imported (kernel tests, the specialized path).
+os.environ.setdefault("TRITON_INTERPRET", "1")
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent

@@ -301,7 +301,8 @@ class K3Model:
                 states.append(S)
                 convs.append(window[..., t + 1: t + c.conv_size])
         state.kda[i] = S
-        state.conv[i] = window[..., -(c.conv_size - 1):]
+        # Kernels of the specialized path take over these buffers: keep them row-major.
+        state.conv[i] = window[..., -(c.conv_size - 1):].contiguous()
         if keep:
             state.checkpoints[i] = (torch.stack(states), torch.stack(convs))
         o = torch.stack(outs, dim=1)                                           # [B, T, H, V]

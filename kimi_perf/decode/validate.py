@@ -13,7 +13,7 @@ from kimi_perf.decode.model import FP8, K3Model
 from kimi_perf.decode.reference import Observer, ReferenceModel
 from kimi_perf.decode.weights import random_weights
 
-PATHS = ("standard",)
+PATHS = ("standard", "specialized")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 # Relative-error bounds per compute dtype (and for an fp8 latent cache). float32 checks the
@@ -46,6 +46,10 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 def make_path(name: str, c: K3Config, weights, dtype: torch.dtype) -> K3Model:
     if name == "standard":
         return K3Model(c, weights, dtype=dtype)
+    if name == "specialized":
+        from kimi_perf.decode.specialized import SpecializedModel
+
+        return SpecializedModel(c, weights, dtype=dtype)
     raise ValueError(f"unknown decode path {name!r} (available: {', '.join(PATHS)})")
 
 
@@ -94,12 +98,15 @@ def validate_path(path: str, run: ValidationRun) -> dict:
             errors[kind] = max(errors.get(kind, 0.0), err)
         logits_err = max(logits_err, rel_err(logits, want))
         gap = max([gap, *expected.routing_gap.values()])
-    return {
+    result = {
         "layer_types": {kind: {"max_rel_err": round(err, 6), "launches": launches.get(kind, 0)}
                         for kind, err in sorted(errors.items())},
         "logits_max_rel_err": round(logits_err, 6),
         "routing_max_gap": round(gap, 6),
     }
+    if hasattr(model, "fallbacks"):
+        result["fallbacks"] = list(model.fallbacks)
+    return result
 
 
 def validate(preset_name: str = "tiny", paths: tuple[str, ...] = PATHS, steps: int = 8,

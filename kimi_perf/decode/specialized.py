@@ -1,0 +1,212 @@
+"""The latency-specialized decode path (``decode_backend: latency_specialized``).
+
+Same math and weights as the standard path, fewer and fused kernels (``kernels/``, installed
+as ``kimi_perf_kernels``). Per KDA layer, at TP 1 (TP > 1 adds the all-reduces)::
+
+    S1  attn_res_pre          fold + block write + depth mix + input RMSNorm
+    S2  in_proj               skinny GEMV (M <= 4) or GEMM (larger M)
+    S3  fused_kda_decode      f_b projection, gates, conv4, L2 norm, recurrence, gated norm
+    S4  o_proj
+    S1' attn_res_post         prefix update + mix + post-attention RMSNorm
+    S5  router_latent_down    one pass over h for [W_gate; W_down] (fp32 out)
+    S6  topk                  sigmoid + bias + top-k + renormalise
+    S7  moe_fc1_situ          routed experts, gate/up + SiTU
+    S8  moe_fc2_combine       routed experts, down + weighted sum over the k slots
+    S9  shared_gate_up_situ
+    S10 shared_down
+    S12 latent_norm_up_add    routed RMSNorm (prologue) + up-projection + shared add
+
+12 launches where the standard path makes 18. Gated-MLA layers run the attention part of the
+standard path (its kernels are not fused yet) with the fused residual mixes and MoE.
+
+It applies to pure decode steps (batch 1-64, one token each) and to speculative verify steps
+(1+k tokens, k <= 7). Anything else, prefill included, falls back to the standard path, and
+``fallbacks`` says which steps did and why.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+
+import torch
+
+# The kernels run under Triton's interpreter where there is no GPU; it must be chosen before
+# triton is imported.
+if "triton" not in sys.modules and not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from kimi_perf.decode.config import K3Config
+from kimi_perf.decode.model import DecodeState, K3Model
+from kimi_perf.decode.reference import Observer
+from kimi_perf.decode.weights import Weights, layer_prefix
+from kimi_perf_kernels.attn_res import attn_res
+from kimi_perf_kernels.kda_decode import kda_decode
+from kimi_perf_kernels.moe_experts import moe_fc1_situ, moe_fc2_combine
+from kimi_perf_kernels.router_topk import router_topk
+from kimi_perf_kernels.skinny_linear import skinny_linear
+
+MAX_BATCH = 64
+MAX_VERIFY_TOKENS = 8
+
+
+class SpecializedModel(K3Model):
+    def __init__(self, c: K3Config, weights: Weights, dtype: torch.dtype = torch.bfloat16,
+                 device: torch.device | str = "cpu", all_reduce=None):
+        super().__init__(c, weights, dtype=dtype, device=device, all_reduce=all_reduce)
+        self.fallbacks: list[str] = []
+        self.steps = 0
+        for i in range(c.n_layers):
+            p = layer_prefix(i)
+            packed = self.packed[i]
+            for name in ("self_attention_res", "mlp_res"):
+                packed[name + "_qk"] = (self.w[p + name + "_norm.weight"]
+                                        * self.w[p + name + "_proj.weight"].float().reshape(-1))
+            if i > 0:
+                m = p + "mlp."
+                packed["router_down"] = torch.cat([self.w[m + "gate.weight"],
+                                                   self.w[m + "routed_expert_down_proj.weight"]])
+        self.final_qk = (self.w["model.output_attn_res_norm.weight"]
+                         * self.w["model.output_attn_res_proj.weight"].float().reshape(-1))
+
+    def unsupported(self, tokens: torch.Tensor, keep_checkpoints: bool) -> str | None:
+        """Why a step must take the standard path, or None when it need not."""
+        B, T = tokens.shape
+        if B > MAX_BATCH:
+            return f"batch {B} > {MAX_BATCH}"
+        if T > 1 and not keep_checkpoints:
+            return f"prefill of {T} tokens"
+        if T > MAX_VERIFY_TOKENS:
+            return f"verify of {T} tokens > {MAX_VERIFY_TOKENS}"
+        return None
+
+    def forward(self, tokens: torch.Tensor, state: DecodeState, observer: Observer | None = None,
+                keep_checkpoints: bool = False, layer_hook=None) -> torch.Tensor:
+        step = self.steps
+        self.steps += 1
+        reason = self.unsupported(tokens, keep_checkpoints)
+        if reason is not None:
+            self.fallbacks.append(f"step {step}: {reason}")
+            return super().forward(tokens, state, observer, keep_checkpoints, layer_hook)
+        c = self.c
+        B, T = tokens.shape
+        M = B * T
+        capacity = min((kv.shape[1] for kv in state.kv.values()), default=None)
+        if capacity is not None and int(state.lengths.max()) + T > capacity:
+            raise ValueError(f"KV cache holds {capacity} tokens; this step needs "
+                             f"{int(state.lengths.max()) + T}")
+        positions = state.lengths[:, None] + torch.arange(T, device=self.device)
+        eps = c.rms_eps
+        self.layer = -1
+        prefix = self.w["model.embed_tokens.weight"][tokens.reshape(M)].contiguous()
+        blocks = prefix.new_empty(M, math.ceil(c.n_layers / c.attn_res_block), c.hidden)
+        delta = None
+        for i in range(c.n_layers):
+            self.layer = i
+            hook = layer_hook(i) if layer_hook else None
+            if hook is not None:
+                hook.__enter__()
+            p = layer_prefix(i)
+            packed = self.packed[i]
+            boundary = i % c.attn_res_block == 0
+            n_done = math.ceil(i / c.attn_res_block)
+            self.launch("attn_res_pre")
+            x = attn_res(prefix, delta, blocks, n_done,
+                         i // c.attn_res_block if boundary else -1,
+                         packed["self_attention_res_qk"], self.w[p + "input_layernorm.weight"],
+                         eps)
+            if c.is_mla(i):
+                a = self._mla(i, x.view(B, T, -1), state, positions).reshape(M, -1)
+            else:
+                a = self._fast_kda(i, x, state, B, T, keep_checkpoints)
+            self.launch("attn_res_post")
+            h = attn_res(prefix, a, blocks, n_done + int(boundary), -1, packed["mlp_res_qk"],
+                         self.w[p + "post_attention_layernorm.weight"], eps, reset=boundary)
+            m, chosen = self._fast_dense(h) if i == 0 else self._fast_moe(i, h)
+            if observer is not None:
+                observer.attn_out[i] = a.float().view(B, T, -1)
+                observer.mlp_out[i] = m.float().view(B, T, -1)
+                if chosen is not None:
+                    observer.experts[i] = chosen.view(B, T, -1).long()
+            delta = m
+            if hook is not None:
+                hook.__exit__(None, None, None)
+        self.layer = c.n_layers
+        self.launch("attn_res_final")
+        out = attn_res(prefix, delta, blocks, blocks.shape[1], -1, self.final_qk, None, eps)
+        self.launch("lm_head")  # the final RMSNorm rides in the GEMV's prologue
+        logits = skinny_linear(out, self.w["lm_head.weight"], norm=self.w["model.norm.weight"],
+                               out_dtype=torch.float32, eps=eps)
+        state.lengths = state.lengths + T
+        return logits.view(B, T, -1)
+
+    def _fast_kda(self, i: int, x: torch.Tensor, state: DecodeState, B: int, T: int,
+                  keep: bool) -> torch.Tensor:
+        c = self.c
+        a = layer_prefix(i) + "self_attn."
+        self.launch("in_proj")
+        z = skinny_linear(x, self.packed[i]["in_proj"]).view(B, T, -1)
+        self.launch("fused_kda_decode")
+        result = kda_decode(
+            z, c.kda_heads_local, c.kda_head_dim, c.f_rank, self.w[a + "f_b_proj.weight"],
+            self.w[a + "dt_bias"], self.w[a + "A_log"], self.packed[i]["conv"],
+            self.w[a + "o_norm.weight"], state.conv[i], state.kda[i], c.rms_eps,
+            c.gate_lower_bound, checkpoint=keep)
+        if keep:
+            o, states, convs = result
+            state.checkpoints[i] = (states, convs)
+        else:
+            o = result
+        self.launch("o_proj")
+        out = skinny_linear(o.view(B * T, -1), self.w[a + "o_proj.weight"])
+        return self._all_reduce(out)
+
+    def _fast_dense(self, h: torch.Tensor) -> tuple[torch.Tensor, None]:
+        c = self.c
+        m = layer_prefix(0) + "mlp."
+        self.launch("dense_gate_up_situ")
+        act = skinny_linear(h, self.packed[0]["gate_up"],
+                            situ=(c.situ_beta, c.situ_beta_linear))
+        self.launch("dense_down")
+        out = skinny_linear(act, self.w[m + "down_proj.weight"])
+        return self._all_reduce(out), None
+
+    def _fast_moe(self, i: int, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        c = self.c
+        m = layer_prefix(i) + "mlp."
+        p = self.packed[i]
+        situ = (c.situ_beta, c.situ_beta_linear)
+        self.launch("router_latent_down")
+        both = skinny_linear(h, p["router_down"], out_dtype=torch.float32)
+        logits, latent = both[:, : c.n_experts], both[:, c.n_experts:]
+        self.launch("topk")
+        ids, weights = router_topk(logits, self.w[m + "gate.e_score_correction_bias"],
+                                   c.top_k, c.routed_scale)
+        self.launch("moe_fc1_situ")
+        act = moe_fc1_situ(latent, p["w13"], ids, situ)
+        self.launch("moe_fc2_combine")
+        routed = moe_fc2_combine(act, p["w2"], ids, weights)
+        self.launch("shared_gate_up_situ")
+        shared_act = skinny_linear(h, p["shared_gate_up"], situ=situ)
+        self.launch("shared_down")
+        shared = skinny_linear(shared_act, self.w[m + "shared_experts.down_proj.weight"])
+        routed = self._all_reduce(routed, "latent_all_reduce")
+        shared = self._all_reduce(shared, "shared_all_reduce")
+        self.launch("latent_norm_up_add")
+        out = skinny_linear(routed, self.w[m + "routed_expert_up_proj.weight"],
+                            norm=self.w[m + "routed_expert_norm.weight"], residual=shared,
+                            out_dtype=self.dtype, eps=c.rms_eps)
+        return out, ids
+
+
+def build_model(c: K3Config, weights: Weights, decode_backend: str = "auto",
+                dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu",
+                all_reduce=None) -> K3Model:
+    """``auto`` keeps the standard path; ``latency_specialized`` selects the fused one."""
+    if decode_backend == "auto":
+        return K3Model(c, weights, dtype=dtype, device=device, all_reduce=all_reduce)
+    if decode_backend == "latency_specialized":
+        return SpecializedModel(c, weights, dtype=dtype, device=device, all_reduce=all_reduce)
+    raise ValueError(f"decode_backend must be auto or latency_specialized, not "
+                     f"{decode_backend!r}")

@@ -1,0 +1,135 @@
+"""The latency-specialized decode path against the standard path and the reference."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from kimi_perf.decode.config import preset  # noqa: E402
+from kimi_perf.decode.model import K3Model  # noqa: E402
+from kimi_perf.decode.specialized import SpecializedModel, build_model  # noqa: E402
+from kimi_perf.decode.validate import rel_err, validate  # noqa: E402
+from kimi_perf.decode.weights import random_weights  # noqa: E402
+
+# Four layers keep the structure (dense layer 0, KDA layers, MLA last, a residual block
+# boundary at 3) at a quarter of the interpreter time.
+SMALL = preset("tiny", n_layers=4)
+
+
+@pytest.fixture(scope="module")
+def weights():
+    return random_weights(SMALL, seed=5)
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+def test_specialized_equals_standard_in_float32(weights, batch):
+    std = K3Model(SMALL, weights, dtype=torch.float32)
+    fast = SpecializedModel(SMALL, weights, dtype=torch.float32)
+    s_std, s_fast = std.new_state(batch, 16), fast.new_state(batch, 16)
+    tokens = torch.randint(0, SMALL.vocab, (batch, 9), generator=torch.Generator()
+                           .manual_seed(batch))
+    std.forward(tokens[:, :3], s_std)
+    fast.forward(tokens[:, :3], s_fast)        # prefill: falls back to the standard path
+    assert fast.fallbacks == ["step 0: prefill of 3 tokens"]
+    for t in range(3, 9):
+        want = std.forward(tokens[:, t: t + 1], s_std)
+        got = fast.forward(tokens[:, t: t + 1], s_fast)
+        assert rel_err(got, want.double()) < 1e-4
+    for i in s_std.kda:
+        torch.testing.assert_close(s_fast.kda[i], s_std.kda[i], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(s_fast.conv[i], s_std.conv[i])
+    assert len(fast.fallbacks) == 1
+
+
+def test_specialized_verify_step_and_rollback(weights):
+    batch, k = 3, 3
+    gen = torch.Generator().manual_seed(21)
+    prompt = torch.randint(0, SMALL.vocab, (batch, 4), generator=gen)
+    draft = torch.randint(0, SMALL.vocab, (batch, 1 + k), generator=gen)
+    nxt = torch.randint(0, SMALL.vocab, (batch, 1), generator=gen)
+    accepted = torch.tensor([1, 2, 4])
+    outs = []
+    for model in (K3Model(SMALL, weights, dtype=torch.float32),
+                  SpecializedModel(SMALL, weights, dtype=torch.float32)):
+        state = model.new_state(batch, 16)
+        model.forward(prompt, state)
+        verify = model.forward(draft, state, keep_checkpoints=True)
+        state.accept(accepted)
+        outs.append((verify, model.forward(nxt, state), state))
+    (v_std, n_std, st_std), (v_fast, n_fast, st_fast) = outs
+    assert rel_err(v_fast, v_std.double()) < 1e-4
+    assert rel_err(n_fast, n_std.double()) < 1e-4
+    assert torch.equal(st_std.lengths, st_fast.lengths)
+
+
+def _tp_specialized(rank: int, weights):
+    import torch.distributed as dist
+
+    from kimi_perf.decode.specialized import SpecializedModel
+    from kimi_perf.decode.tp import all_reduce_sum
+    from kimi_perf.decode.weights import shard
+
+    sharded = SMALL.shard(dist.get_world_size())
+    model = SpecializedModel(sharded, shard(weights, sharded, rank), dtype=torch.float32,
+                             all_reduce=all_reduce_sum)
+    state = model.new_state(2, 8)
+    tokens = torch.randint(0, SMALL.vocab, (2, 5), generator=torch.Generator().manual_seed(6))
+    model.forward(tokens[:, :3], state)
+    return torch.stack([model.forward(tokens[:, t: t + 1], state)[:, -1] for t in (3, 4)])
+
+
+def test_specialized_tp2_matches_tp1(weights):
+    from kimi_perf.decode.tp import run_on_cpu_ranks
+
+    results = run_on_cpu_ranks(2, _tp_specialized, weights)
+    single = K3Model(SMALL, weights, dtype=torch.float32)
+    state = single.new_state(2, 8)
+    tokens = torch.randint(0, SMALL.vocab, (2, 5), generator=torch.Generator().manual_seed(6))
+    single.forward(tokens[:, :3], state)
+    want = torch.stack([single.forward(tokens[:, t: t + 1], state)[:, -1] for t in (3, 4)])
+    for got in results:
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_validate_both_paths_in_bf16():
+    result = validate("tiny", ("standard", "specialized"), steps=4, batch=2, n_layers=4)
+    assert result["ok"], result["failures"]
+    fast = result["paths"]["specialized"]
+    assert fast["layer_types"]["kda"]["launches"] <= 13
+    assert fast["layer_types"]["kda"]["launches"] < (
+        result["paths"]["standard"]["layer_types"]["kda"]["launches"])
+    assert fast["fallbacks"] == ["step 0: prefill of 4 tokens"]
+
+
+def test_fallbacks_and_backend_selection(weights):
+    assert type(build_model(SMALL, weights)) is K3Model
+    fast = build_model(SMALL, weights, "latency_specialized", dtype=torch.float32)
+    assert isinstance(fast, SpecializedModel)
+    assert fast.unsupported(torch.zeros(65, 1, dtype=torch.long), False) == "batch 65 > 64"
+    assert fast.unsupported(torch.zeros(2, 9, dtype=torch.long), True) == (
+        "verify of 9 tokens > 8")
+    assert fast.unsupported(torch.zeros(2, 1, dtype=torch.long), False) is None
+    with pytest.raises(ValueError, match="decode_backend"):
+        build_model(SMALL, weights, "fast")
+
+
+def test_every_kernel_compiles_for_sm90a_without_spills(tmp_path):
+    """The CI compile check: Triton -> PTX -> ptxas for sm_90a, registers and spills."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = tmp_path / "sm90a.json"
+    proc = subprocess.run([sys.executable, "-m", "kimi_perf_kernels.aot", "--json", str(out)],
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    import json
+
+    doc = json.loads(out.read_text())
+    names = {k["kernel"].split()[0] for k in doc["kernels"]}
+    assert names >= {"attn_res", "skinny_linear", "kda_decode", "router_topk", "moe_fc1_situ",
+                     "moe_fc2_combine"}
+    for k in doc["kernels"]:
+        assert k["spill_stores"] == 0 and k["registers"] <= 255 and k["cubin_bytes"] > 0
