@@ -36,7 +36,16 @@ class Build:
 
 
 def builds() -> list[Build]:
-    from kimi_perf_kernels import attn_res, kda_decode, moe_experts, router_topk, skinny_linear
+    from kimi_perf_kernels import (
+        attn_res,
+        kda_decode,
+        mla_absorb_insert,
+        mla_attention,
+        mla_uv_gate,
+        moe_experts,
+        router_topk,
+        skinny_linear,
+    )
 
     out = [
         Build("attn_res h7168", attn_res.attn_res_kernel,
@@ -95,6 +104,24 @@ def builds() -> list[Build]:
                      _signature(moe_experts.moe_fc2_combine_kernel,
                                 {"act_ptr": "*bf16", "w2_ptr": "*bf16", "ids_ptr": "*i32"},
                                 consts), consts))
+    bf16 = {"q_ptr": "*bf16", "wuk_ptr": "*bf16", "qhat_ptr": "*bf16", "kv_ptr": "*bf16",
+            "olat_ptr": "*bf16", "wuv_ptr": "*bf16", "g_ptr": "*bf16", "out_ptr": "*bf16",
+            "pos_ptr": "*i64", "kv_scale": "fp32", "eps": "fp32", "sm_scale": "fp32"}
+    for cache in ("bf16", "fp8e4nv"):
+        consts = {"NOPE": 128, "ROPE": 64, "LORA": 512, "BLOCK_L": 128, "BLOCK_ROPE": 64,
+                  "FP8": cache != "bf16", "RNE": False}
+        out.append(Build(f"mla_absorb_insert {cache} cache",
+                         mla_absorb_insert.mla_absorb_insert_kernel,
+                         _signature(mla_absorb_insert.mla_absorb_insert_kernel,
+                                    {**bf16, "cache_ptr": f"*{cache}"}, consts), consts))
+        consts = {"LORA": 512, "ROPE": 64, "BLOCK_ROPE": 64, "HB": 16, "BLOCK_S": 32,
+                  "FP8": cache != "bf16", "DOT_FP32": False, "RNE": False}
+        out.append(Build(f"mla_attention {cache} cache", mla_attention.mla_attention_kernel,
+                         _signature(mla_attention.mla_attention_kernel,
+                                    {**bf16, "cache_ptr": f"*{cache}"}, consts), consts, 8))
+    consts = {"LORA": 512, "V": 128, "BLOCK_L": 64, "RNE": False}
+    out.append(Build("mla_uv_gate", mla_uv_gate.mla_uv_gate_kernel,
+                     _signature(mla_uv_gate.mla_uv_gate_kernel, bf16, consts), consts))
     return out
 
 

@@ -101,6 +101,7 @@ def test_validate_both_paths_in_bf16():
     assert result["ok"], result["failures"]
     fast = result["paths"]["specialized"]
     assert fast["layer_types"]["kda"]["launches"] <= 13
+    assert fast["layer_types"]["mla"]["launches"] <= 15
     assert fast["layer_types"]["kda"]["launches"] < (
         result["paths"]["standard"]["layer_types"]["kda"]["launches"])
     assert fast["fallbacks"] == ["step 0: prefill of 4 tokens"]
@@ -130,6 +131,6 @@ def test_every_kernel_compiles_for_sm90a_without_spills(tmp_path):
     doc = json.loads(out.read_text())
     names = {k["kernel"].split()[0] for k in doc["kernels"]}
     assert names >= {"attn_res", "skinny_linear", "kda_decode", "router_topk", "moe_fc1_situ",
-                     "moe_fc2_combine"}
+                     "moe_fc2_combine", "mla_absorb_insert", "mla_attention", "mla_uv_gate"}
     for k in doc["kernels"]:
         assert k["spill_stores"] == 0 and k["registers"] <= 255 and k["cubin_bytes"] > 0

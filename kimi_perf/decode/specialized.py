@@ -16,8 +16,16 @@ as ``kimi_perf_kernels``). Per KDA layer, at TP 1 (TP > 1 adds the all-reduces):
     S10 shared_down
     S12 latent_norm_up_add    routed RMSNorm (prologue) + up-projection + shared add
 
-12 launches where the standard path makes 18. Gated-MLA layers run the attention part of the
-standard path (its kernels are not fused yet) with the fused residual mixes and MoE.
+12 launches where the standard path makes 18. Per gated-MLA layer (15 against 24)::
+
+    S1  attn_res_pre
+    M2  qkv_a_g_proj          one pass over x for [W_q_a; W_kv_a; W_g]
+    M3  q_b_proj              q_a RMSNorm in the GEMV prologue
+    M4  q_absorb_cache_insert q_nope · W_UK per head; kv RMSNorm (+ fp8) into the cache
+    M5  mla_decode            all heads of a token over the latent cache, online softmax
+    M6  uv_gate               o_lat · W_UV per head, times σ(g)
+    M7  o_proj
+    S1' attn_res_post, then the MoE launches above (S5-S12)
 
 It applies to pure decode steps (batch 1-64, one token each) and to speculative verify steps
 (1+k tokens, k <= 7). Anything else, prefill included, falls back to the standard path, and
@@ -43,6 +51,9 @@ from kimi_perf.decode.reference import Observer
 from kimi_perf.decode.weights import Weights, layer_prefix
 from kimi_perf_kernels.attn_res import attn_res
 from kimi_perf_kernels.kda_decode import kda_decode
+from kimi_perf_kernels.mla_absorb_insert import mla_absorb_insert
+from kimi_perf_kernels.mla_attention import mla_attention
+from kimi_perf_kernels.mla_uv_gate import mla_uv_gate
 from kimi_perf_kernels.moe_experts import moe_fc1_situ, moe_fc2_combine
 from kimi_perf_kernels.router_topk import router_topk
 from kimi_perf_kernels.skinny_linear import skinny_linear
@@ -63,6 +74,9 @@ class SpecializedModel(K3Model):
             for name in ("self_attention_res", "mlp_res"):
                 packed[name + "_qk"] = (self.w[p + name + "_norm.weight"]
                                         * self.w[p + name + "_proj.weight"].float().reshape(-1))
+            if c.is_mla(i):
+                a = p + "self_attn."
+                packed["qkv_a_g"] = torch.cat([packed["qkv_a"], self.w[a + "g_proj.weight"]])
             if i > 0:
                 m = p + "mlp."
                 packed["router_down"] = torch.cat([self.w[m + "gate.weight"],
@@ -117,7 +131,7 @@ class SpecializedModel(K3Model):
                          packed["self_attention_res_qk"], self.w[p + "input_layernorm.weight"],
                          eps)
             if c.is_mla(i):
-                a = self._mla(i, x.view(B, T, -1), state, positions).reshape(M, -1)
+                a = self._fast_mla(i, x, state, positions.reshape(M), T)
             else:
                 a = self._fast_kda(i, x, state, B, T, keep_checkpoints)
             self.launch("attn_res_post")
@@ -160,6 +174,31 @@ class SpecializedModel(K3Model):
             o = result
         self.launch("o_proj")
         out = skinny_linear(o.view(B * T, -1), self.w[a + "o_proj.weight"])
+        return self._all_reduce(out)
+
+    def _fast_mla(self, i: int, x: torch.Tensor, state: DecodeState, positions: torch.Tensor,
+                  T: int) -> torch.Tensor:
+        c = self.c
+        a = layer_prefix(i) + "self_attn."
+        p = self.packed[i]
+        kv_end = c.q_lora + c.kv_cache_dim
+        self.launch("qkv_a_g_proj")
+        z = skinny_linear(x, p["qkv_a_g"])
+        q_c, kv, gate = z[:, : c.q_lora], z[:, c.q_lora: kv_end], z[:, kv_end:]
+        self.launch("q_b_proj")
+        q = skinny_linear(q_c, self.w[a + "q_b_proj.weight"],
+                          norm=self.w[a + "q_a_layernorm.weight"], eps=c.rms_eps)
+        self.launch("q_absorb_cache_insert")
+        cache = state.kv[i]
+        qhat = mla_absorb_insert(q, p["w_uk"], kv, self.w[a + "kv_a_layernorm.weight"], cache,
+                                 positions, T, state.kv_scale, c.rms_eps)
+        self.launch("mla_decode")
+        o_lat = mla_attention(qhat, cache, positions, T, c.kv_lora, state.kv_scale,
+                              (c.qk_nope + c.qk_rope) ** -0.5)
+        self.launch("uv_gate")
+        o = mla_uv_gate(o_lat, p["w_uv"], gate)
+        self.launch("o_proj")
+        out = skinny_linear(o, self.w[a + "o_proj.weight"])
         return self._all_reduce(out)
 
     def _fast_dense(self, h: torch.Tensor) -> tuple[torch.Tensor, None]:

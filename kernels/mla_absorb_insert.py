@@ -1,0 +1,91 @@
+"""M4: MLA query absorption and latent-cache insert in one launch.
+
+Grid (tokens, heads + 1). Program (m, h < H) absorbs head h's no-position query into the
+latent space, ``ql = q_nope · W_UK[h]`` ([nope] × [nope, kv_lora], tiled over kv_lora), and
+writes ``q̂ = [ql | q_pe]``. Program (m, H) normalises this token's latent KV (RMSNorm of the
+kv_lora part, the rope part as is), quantises it to fp8 with the per-tensor scale when the
+cache is fp8, and stores it at the token's position.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kimi_perf_kernels.common import INTERPRETED, cast
+
+
+@triton.jit
+def mla_absorb_insert_kernel(q_ptr, wuk_ptr, qhat_ptr, kv_ptr, kv_norm_ptr, cache_ptr, pos_ptr,
+                             H, T, stride_q, stride_kv, stride_cache_b, stride_cache_s,
+                             kv_scale, eps, NOPE: tl.constexpr, ROPE: tl.constexpr,
+                             LORA: tl.constexpr, BLOCK_L: tl.constexpr,
+                             BLOCK_ROPE: tl.constexpr, FP8: tl.constexpr, RNE: tl.constexpr):
+    m = tl.program_id(0)
+    h = tl.program_id(1)
+    r = tl.arange(0, BLOCK_ROPE)
+    r_ok = r < ROPE
+    qhat = qhat_ptr + (m * H + h) * (LORA + ROPE)
+    if h < H:
+        n = tl.arange(0, NOPE)
+        q_row = q_ptr + m * stride_q + h * (NOPE + ROPE)
+        q_nope = tl.load(q_row + n).to(tl.float32)
+        for l0 in range(0, LORA, BLOCK_L):
+            ls = l0 + tl.arange(0, BLOCK_L)
+            w = tl.load(wuk_ptr + (h * NOPE + n[:, None]) * LORA + ls[None, :]).to(tl.float32)
+            ql = tl.sum(q_nope[:, None] * w, axis=0)
+            tl.store(qhat + ls, cast(ql, qhat_ptr.dtype.element_ty, RNE))
+        q_pe = tl.load(q_row + NOPE + r, mask=r_ok, other=0.0)
+        tl.store(qhat + LORA + r, q_pe, mask=r_ok)
+    else:
+        lo = tl.arange(0, LORA)
+        kv_row = kv_ptr + m * stride_kv
+        kv = tl.load(kv_row + lo).to(tl.float32)
+        kv = kv / tl.sqrt(tl.sum(kv * kv, axis=0) / LORA + eps) * tl.load(kv_norm_ptr + lo)
+        kv = cast(kv, kv_ptr.dtype.element_ty, RNE).to(tl.float32)   # the path's bf16 latent
+        k_pe = tl.load(kv_row + LORA + r, mask=r_ok, other=0.0).to(tl.float32)
+        slot = cache_ptr + (m // T) * stride_cache_b + tl.load(pos_ptr + m) * stride_cache_s
+        if FP8:
+            kv = tl.minimum(tl.maximum(kv / kv_scale, -448.0), 448.0)
+            k_pe = tl.minimum(tl.maximum(k_pe / kv_scale, -448.0), 448.0)
+        tl.store(slot + lo, cast(kv, cache_ptr.dtype.element_ty, RNE))
+        tl.store(slot + LORA + r, cast(k_pe, cache_ptr.dtype.element_ty, RNE), mask=r_ok)
+
+
+def mla_absorb_insert(q: torch.Tensor, w_uk: torch.Tensor, kv: torch.Tensor,
+                      kv_norm: torch.Tensor, cache: torch.Tensor, positions: torch.Tensor,
+                      tokens_per_seq: int, kv_scale: float, eps: float,
+                      qhat: torch.Tensor | None = None) -> torch.Tensor:
+    """q [M, H*(nope+rope)], w_uk [H, nope, kv_lora], kv [M, kv_lora+rope] (un-normed),
+    cache [B, S, kv_lora+rope] (written at ``positions`` [M]) -> q̂ [M, H, kv_lora+rope]."""
+    M = q.shape[0]
+    H, nope, lora = w_uk.shape
+    rope = cache.shape[-1] - lora
+    if qhat is None:
+        qhat = torch.empty(M, H, lora + rope, dtype=q.dtype, device=q.device)
+    mla_absorb_insert_kernel[(M, H + 1)](
+        q, w_uk, qhat, kv, kv_norm, cache, positions, H, tokens_per_seq, q.stride(0),
+        kv.stride(0), cache.stride(0), cache.stride(1), kv_scale, eps, NOPE=nope, ROPE=rope,
+        LORA=lora, BLOCK_L=lora if INTERPRETED else min(128, lora),
+        BLOCK_ROPE=triton.next_power_of_2(rope), FP8=cache.dtype == torch.float8_e4m3fn,
+        RNE=INTERPRETED, num_warps=4)
+    return qhat
+
+
+def mla_absorb_insert_reference(q, w_uk, kv, kv_norm, cache, positions, tokens_per_seq,
+                                kv_scale, eps):
+    M = q.shape[0]
+    H, nope, lora = w_uk.shape
+    rope = cache.shape[-1] - lora
+    qh = q.view(M, H, nope + rope)
+    ql = torch.einsum("mhn,hnl->mhl", qh[..., :nope].float(), w_uk.float()).to(q.dtype)
+    qhat = torch.cat([ql, qh[..., nope:]], dim=-1)
+    kv_c = kv[:, :lora].float()
+    kv_c = (kv_c * torch.rsqrt(kv_c.pow(2).mean(-1, keepdim=True) + eps) * kv_norm).to(kv.dtype)
+    entry = torch.cat([kv_c, kv[:, lora:]], dim=-1).float()
+    if cache.dtype == torch.float8_e4m3fn:
+        entry = (entry / kv_scale).clamp(-448, 448)
+    batch = torch.arange(M, device=q.device) // tokens_per_seq
+    cache[batch, positions] = entry.to(cache.dtype)
+    return qhat
