@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import sys
@@ -221,3 +222,96 @@ def validate(preset_name: str, n_layers: int | None, paths: str, steps: int, bat
             click.echo(f"FAIL {failure}")
     if not result["ok"]:
         sys.exit(1)
+
+
+@main.command(name="trace")
+@click.option("--from", "from_files", multiple=True, type=click.Path(path_type=Path),
+              help="analyse these existing traces instead of capturing (repeatable)")
+@click.option("--preset", "preset_name", help="tiny, k3, k3-tp8, k3-tp16 (default: tiny on a "
+              "CPU, k3-tp8 on a GPU)")
+@click.option("--layers", "n_layers", type=int, help="layer count (default: the preset's; "
+              "4 on a GPU)")
+@click.option("--batch", type=click.IntRange(1), help="sequences per decode step")
+@click.option("--context", type=click.IntRange(1), help="prompt tokens before decoding")
+@click.option("--steps", type=click.IntRange(1), help="profiled decode steps")
+@click.option("--warmup", type=click.IntRange(0), help="decode steps before profiling")
+@click.option("--tp", default=1, show_default=True, type=click.IntRange(1))
+@click.option("--paths", default="standard,specialized", show_default=True)
+@click.option("--graphs/--no-graphs", default=False, show_default=True,
+              help="CUDA graphs (GPU only; not supported yet)")
+@click.option("--backend", type=click.Choice(["torch", "nsys"]), default="torch",
+              show_default=True, help="profiler")
+@click.option("--kv-cache", type=click.Choice(["bf16", "fp8"]), default="bf16",
+              show_default=True)
+@click.option("--out", "out_dir", type=click.Path(path_type=Path), default=Path("traces/runs"),
+              show_default=True, help="parent of the run directory")
+@click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table",
+              show_default=True)
+@_fail_cleanly
+def trace_cmd(from_files: tuple[Path, ...], preset_name: str | None, n_layers: int | None,
+              batch: int | None, context: int | None, steps: int | None,
+              warmup: int | None, tp: int, paths: str, graphs: bool, backend: str,
+              kv_cache: str, out_dir: Path, fmt: str) -> None:
+    """Capture both decode paths per layer and compare them (the main job).
+
+    With no arguments: the tiny preset on a CPU (or four k3-tp8 layers on a GPU), both paths,
+    a short prompt and a few decode steps. Writes a run directory under traces/runs/ and ends
+    with the per-layer table: kernels (on a CPU: the launches the paths annotate) and µs per
+    layer type, standard vs specialized.
+    """
+    from kimi_perf import capture as cap
+    from kimi_perf.compare import compare as compare_breakdowns
+
+    console = Console(stderr=fmt == "json")
+    if from_files:
+        run_dir, results, run_info = cap.analyse(list(from_files), out_dir)
+    else:
+        try:
+            import torch
+        except ImportError as exc:
+            raise TraceError(None, f"capture needs torch ({exc}); pip install "
+                                   "'kimi-perf[model]', or analyse traces with --from") from None
+        req = cap.default_request(torch.cuda.is_available())
+        overrides = {"preset": preset_name, "n_layers": n_layers, "batch": batch,
+                     "context": context, "steps": steps, "warmup": warmup}
+        if preset_name and n_layers is None:
+            overrides["n_layers"] = None
+        req = dataclasses.replace(req, **{k: v for k, v in overrides.items()
+                                          if v is not None or (k == "n_layers" and preset_name)},
+                                  tp=tp, paths=tuple(p for p in paths.split(",") if p),
+                                  graphs=graphs, backend=backend, kv_cache=kv_cache,
+                                  out_dir=out_dir)
+        from kimi_perf.decode.config import PRESETS
+
+        if req.preset not in PRESETS:
+            raise TraceError(None, f"unknown preset {req.preset!r} (choose from "
+                                   f"{', '.join(PRESETS)})")
+        with console.status("capturing") as status:
+            run_dir, results, run_info = cap.capture(req, progress=status.update)
+    if fmt == "json":
+        click.echo(json.dumps({"run_dir": str(run_dir), "run": run_info,
+                               "paths": {k: b.to_json() for k, b in results.items()}},
+                              indent=1))
+        return
+    labels = list(results)
+    cpu = any(m.get("ops", "").startswith("cpu") for m in run_info.get("paths", {}).values())
+    unit = "ops" if cpu else "kernels"
+    if len(labels) >= 2:
+        a, b = labels[0], labels[1]
+        rows = compare_breakdowns(results[a], results[b])
+        console.print(render.comparison_table(rows, a, b, unit))
+        console.print(render.comparison_headline(rows, a, b, unit))
+    else:
+        for b in results.values():
+            render.print_tables(render.breakdown_tables(b), console)
+    if cpu:
+        console.print("On this CPU there are no GPU kernels: 'ops' are the launches each path "
+                      "annotates (one per kernel it would run on a GPU), timed on the CPU.")
+    for path, metrics in run_info.get("paths", {}).items():
+        console.print(f"{path}: {metrics['decode_tokens_per_s']:.1f} decode tokens/s, "
+                      f"time to first token {metrics['time_to_first_token_s'] * 1e3:.1f} ms, "
+                      f"step {metrics['step_latency_s']['median'] * 1e3:.1f} ms median "
+                      f"({metrics['timed']}); ops: {metrics['ops']}"
+                      + (f"; fell back: {'; '.join(metrics['fallbacks'])}"
+                         if metrics["fallbacks"] else ""))
+    console.print(f"run directory: {run_dir}  (breakdown.json, run.json, traces)")

@@ -40,7 +40,13 @@ GRAPH_LAUNCH = re.compile(r"^(cuda|hip|cu)GraphLaunch")
 
 @dataclass
 class GpuOps:
-    """Kernels and memcpy/memset in one table (memory ops after the kernels)."""
+    """The operations a breakdown counts, in one table.
+
+    Normally the GPU work: kernels, then memcpy/memset (``kind == "gpu"``). A trace with no GPU
+    work at all (a decode run on a CPU) counts its ``op:<name>`` ranges instead, the launches
+    the decode paths annotate (``kind == "cpu-ops"``): the same sequence the GPU would run,
+    timed on the CPU.
+    """
 
     name: np.ndarray
     start: np.ndarray
@@ -49,32 +55,67 @@ class GpuOps:
     pid: np.ndarray
     tid: np.ndarray
     api: np.ndarray
-    is_kernel: np.ndarray
+    launch_start: np.ndarray     # the launching call's span (the op itself for CPU ops)
+    launch_end: np.ndarray
     kernel_class: np.ndarray     # codes into class_labels
     class_labels: list[str]
+    kind: str = "gpu"
 
     @classmethod
     def of(cls, trace: Trace, rules: list[Rule] | None = None) -> GpuOps:
+        rules = rules if rules is not None else load_rules()
         k, m = trace.kernels, trace.memops
+        if len(k) + len(m) == 0:
+            cpu = cls._cpu_ops(trace, rules)
+            if cpu is not None:
+                return cpu
         cat = np.concatenate
         names = cat([k.name, m.name])
-        kernel_class, labels = classify(names, trace.strings,
-                                        rules if rules is not None else load_rules())
-        return cls(name=names, start=cat([k.start, m.start]),
-                   end=cat([k.end, m.end]), device=cat([k.device, m.device]),
-                   pid=cat([k.pid, m.pid]), tid=cat([k.tid, m.tid]), api=cat([k.api, m.api]),
-                   is_kernel=np.r_[np.ones(len(k), bool), np.zeros(len(m), bool)],
-                   kernel_class=kernel_class, class_labels=labels)
+        api = cat([k.api, m.api])
+        kernel_class, labels = classify(names, trace.strings, rules)
+        ok = api >= 0
+        row = np.where(ok, api, 0)
+        if len(trace.api):
+            launch_start = np.where(ok, trace.api.start[row], 0)
+            launch_end = np.where(ok, trace.api.end[row], 0)
+        else:
+            launch_start = launch_end = np.zeros(len(names), np.int64)
+        return cls(name=names, start=cat([k.start, m.start]), end=cat([k.end, m.end]),
+                   device=cat([k.device, m.device]), pid=cat([k.pid, m.pid]),
+                   tid=cat([k.tid, m.tid]), api=api, launch_start=launch_start,
+                   launch_end=launch_end, kernel_class=kernel_class, class_labels=labels)
+
+    @classmethod
+    def _cpu_ops(cls, trace: Trace, rules: list[Rule]) -> GpuOps | None:
+        r = trace.ranges
+        if len(r) == 0:
+            return None
+        is_op = trace.names_matching(re.compile(r"^op:"))[r.name] & (r.tid >= 0)
+        rows = np.flatnonzero(is_op)
+        if len(rows) == 0:
+            return None
+        # Op names without their "op:" prefix, appended to the trace's string table.
+        index = {v: i for i, v in enumerate(trace.strings)}
+        codes = {}
+        for code in np.unique(r.name[rows]).tolist():
+            bare = trace.strings[code][3:]
+            if bare not in index:
+                index[bare] = len(trace.strings)
+                trace.strings.append(bare)
+            codes[code] = index[bare]
+        stripped = np.array([codes[c] for c in r.name[rows].tolist()], np.int32)
+        kernel_class, labels = classify(stripped, trace.strings, rules)
+        return cls(name=stripped, start=r.start[rows], end=r.end[rows],
+                   device=np.full(len(rows), -1, np.int32), pid=r.pid[rows], tid=r.tid[rows],
+                   api=rows.astype(np.int64), launch_start=r.start[rows],
+                   launch_end=r.end[rows], kernel_class=kernel_class, class_labels=labels,
+                   kind="cpu-ops")
 
     def __len__(self) -> int:
         return len(self.name)
 
     def launch_interval(self, trace: Trace) -> tuple[np.ndarray, np.ndarray]:
-        ok = self.api >= 0
-        row = np.where(ok, self.api, 0)
-        if len(trace.api) == 0:
-            return np.zeros(len(self), np.int64), np.zeros(len(self), np.int64)
-        return (np.where(ok, trace.api.start[row], 0), np.where(ok, trace.api.end[row], 0))
+        return self.launch_start, self.launch_end
 
 
 @dataclass
@@ -151,7 +192,7 @@ def _steps_from_groups(trace: Trace, ops: GpuOps, group: np.ndarray, op_rows: np
 
 def _graph_launch_steps(trace: Trace, ops: GpuOps) -> list[Step]:
     """One step per graph launch, where graph launches carry (nearly) all the GPU work."""
-    if len(trace.api) == 0 or len(ops) == 0:
+    if len(trace.api) == 0 or len(ops) == 0 or ops.kind != "gpu":
         return []
     is_graph = trace.names_matching(GRAPH_LAUNCH)[trace.api.name]
     launched = ops.api >= 0

@@ -103,29 +103,32 @@ def breakdown_tables(b: Breakdown) -> list[Table]:
     return tables
 
 
-def comparison_table(rows: list[ComparisonRow], label_a: str, label_b: str) -> Table:
-    table = Table(title=f"Per layer: {label_a} (A) vs {label_b} (B)")
-    for col in ("layer type", "A layers", "A kernels", "A µs", "B layers", "B kernels", "B µs",
-                "A/B µs", "A/B kernels"):
+def comparison_table(rows: list[ComparisonRow], label_a: str, label_b: str,
+                     unit: str = "kernels") -> Table:
+    table = Table(title=f"Per layer type: {label_a} vs {label_b} (medians; µs = layer span)")
+    for col in ("layer type", f"{label_a} layers", f"{label_a} {unit}", f"{label_a} µs",
+                f"{label_b} layers", f"{label_b} {unit}", f"{label_b} µs", "µs ratio",
+                f"{unit} ratio"):
         table.add_column(col, justify="left" if col == "layer type" else "right")
 
     def fmt(v, spec=".1f"):
         return "-" if v is None else format(v, spec)
     for r in rows:
-        table.add_row(r.type or "-", str(r.layers_a), fmt(r.kernels_a, "g"), fmt(r.span_us_a),
-                      str(r.layers_b), fmt(r.kernels_b, "g"), fmt(r.span_us_b),
+        table.add_row(r.type or "-", str(r.layers_a), fmt(r.kernels_a, ".3g"), fmt(r.span_us_a),
+                      str(r.layers_b), fmt(r.kernels_b, ".3g"), fmt(r.span_us_b),
                       fmt(r.span_ratio, ".2f"), fmt(r.kernel_ratio, ".2f"))
     return table
 
 
-def comparison_headline(rows: list[ComparisonRow], label_a: str, label_b: str) -> str:
-    """The one-line summary: '13 kernels / 69 µs vs 23 / 130 µs' per layer type."""
+def comparison_headline(rows: list[ComparisonRow], label_a: str, label_b: str,
+                        unit: str = "kernels") -> str:
+    """The one-line summary: '23 kernels / 130 µs vs 13 / 69 µs' per layer type."""
     parts = []
     for r in rows:
         if r.kernels_a is None or r.kernels_b is None:
             continue
-        parts.append(f"{r.type}: {r.kernels_a:g} kernels / {r.span_us_a:.1f} µs ({label_a}) vs "
-                     f"{r.kernels_b:g} / {r.span_us_b:.1f} µs ({label_b})")
+        parts.append(f"{r.type}: {r.kernels_a:.3g} {unit} / {r.span_us_a:.1f} µs ({label_a}) "
+                     f"vs {r.kernels_b:.3g} / {r.span_us_b:.1f} µs ({label_b})")
     return "\n".join(parts)
 
 

@@ -37,8 +37,9 @@ def test_breakdown_json_shape_and_figures():
     types = {t["type"]: t for t in doc["layer_types"]}
     assert types["kda"]["layers"] == 12 and types["mla"]["layers"] == 4
     assert types["kda"]["kernels"] == len(KDA) and types["mla"]["kernels"] == len(MLA)
-    # Two attention-residual mixes and mla_decode.
-    assert types["mla"]["classes"]["attention"]["kernels"] == 3
+    assert types["mla"]["classes"]["attention"]["kernels"] == 1  # mla_decode
+    # Two attention-residual mixes (they end in an RMSNorm) and three RMSNorms.
+    assert types["mla"]["classes"]["norm"]["kernels"] == 5
     step = doc["steps"][0]
     assert step["layers"] == 8 and step["prologue"]["kernels"] == 1
     assert step["kernels"] == 8 * len(KDA) - 2 * len(KDA) + 2 * len(MLA) + 2

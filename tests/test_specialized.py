@@ -134,3 +134,41 @@ def test_every_kernel_compiles_for_sm90a_without_spills(tmp_path):
                      "moe_fc2_combine", "mla_absorb_insert", "mla_attention", "mla_uv_gate"}
     for k in doc["kernels"]:
         assert k["spill_stores"] == 0 and k["registers"] <= 255 and k["cubin_bytes"] > 0
+
+
+def test_trace_command_captures_both_paths(tmp_path):
+    """The main job end to end on this CPU: both paths profiled, per-layer launches from the
+    traces themselves, one run directory with everything in it."""
+    import json
+
+    from click.testing import CliRunner
+
+    from kimi_perf.cli import main
+
+    result = CliRunner().invoke(main, ["trace", "--layers", "4", "--steps", "2", "--warmup",
+                                       "1", "--context", "3", "--out", str(tmp_path),
+                                       "--format", "json"])
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.output)
+    run_dir = tmp_path / doc["run_dir"].split("/")[-1]
+    names = sorted(p.name for p in run_dir.iterdir())
+    assert names == ["breakdown.json", "run.json", "specialized.kptrace",
+                     "specialized.trace.json.gz", "standard.kptrace", "standard.trace.json.gz"]
+    saved = json.loads((run_dir / "breakdown.json").read_text())
+    assert saved["schema"] == 1 and set(saved["paths"]) == {"standard", "specialized"}
+    run = json.loads((run_dir / "run.json").read_text())
+    assert run["preset"] == "tiny" and run["n_layers"] == 4 and run["environment"]["torch"]
+    for path, launches in (("standard", {"kda": 18, "mla": 24}),
+                           ("specialized", {"kda": 12, "mla": 15})):
+        types = {t["type"]: t for t in saved["paths"][path]["layer_types"]}
+        assert {k: types[k]["kernels"] for k in launches} == launches
+        steps = saved["paths"][path]["steps"]
+        assert [s["name"] for s in steps] == ["decode_step[1]", "decode_step[2]"]
+        assert all(s["layers"] == 4 and s["layer_source"] == "nvtx" for s in steps)
+    assert run["paths"]["specialized"]["fallbacks"] == ["step 0: prefill of 3 tokens"]
+    # --from reads the traces back into the same report.
+    again = CliRunner().invoke(main, ["trace", "--from", str(run_dir / "standard.kptrace"),
+                                      "--from", str(run_dir / "specialized.trace.json.gz"),
+                                      "--out", str(tmp_path)])
+    assert again.exit_code == 0, again.output
+    assert "standard" in again.output and "specialized" in again.output

@@ -1,7 +1,22 @@
 """The Kimi-K3-style decode model (needs torch: ``pip install 'kimi-perf[model]'``).
 
 ``config`` (no torch) holds the presets; ``weights`` draws or loads a checkpoint; ``model`` is
-the standard decode path; ``reference`` the float64 math it is checked against; ``harness``
-runs prompt + decode steps with per-step and per-layer ranges; ``tp`` runs ranks with
-torch.distributed; ``validate`` drives ``kimi-perf validate``.
+the standard decode path; ``specialized`` the latency-specialized one; ``reference`` the
+float64 math both are checked against; ``harness`` runs prompt + decode steps with per-step and
+per-layer ranges; ``tp`` runs ranks with torch.distributed; ``validate`` drives
+``kimi-perf validate``.
 """
+
+import os
+import sys
+
+# Without a GPU, the Triton kernels of the specialized path run in Triton's interpreter, which
+# must be chosen before anything (torch.profiler included) imports triton.
+if "triton" not in sys.modules and "TRITON_INTERPRET" not in os.environ:
+    try:
+        import torch
+    except ImportError:  # config.py works without torch
+        pass
+    else:
+        if not torch.cuda.is_available():
+            os.environ["TRITON_INTERPRET"] = "1"

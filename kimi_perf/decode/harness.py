@@ -62,8 +62,12 @@ def _sync(device: torch.device) -> None:
 
 def run_decode(model: K3Model, prompt: torch.Tensor, steps: int,
                state: DecodeState | None = None, kv_dtype: torch.dtype | None = None,
-               annotate_layers: bool = True) -> DecodeRun:
-    """Greedy decode: prefill ``prompt`` [B, P], then ``steps`` single-token steps."""
+               annotate_layers: bool = True, after_step=None) -> DecodeRun:
+    """Greedy decode: prefill ``prompt`` [B, P], then ``steps`` single-token steps.
+
+    ``after_step()`` runs after the prefill and after every decode step (a profiler's
+    ``step``, so that its schedule can skip the prefill and warm-up steps).
+    """
     batch, prompt_len = prompt.shape
     state = state or model.new_state(batch, prompt_len + steps, kv_dtype=kv_dtype)
     c = model.c
@@ -78,6 +82,8 @@ def run_decode(model: K3Model, prompt: torch.Tensor, steps: int,
     _sync(model.device)
     run = DecodeRun(tokens=torch.empty(batch, steps, dtype=torch.long),
                     prefill_s=time.perf_counter() - start)
+    if after_step:
+        after_step()
     for step in range(steps):
         start = time.perf_counter()
         with annotate(f"decode_step[{step}]"):
@@ -86,6 +92,8 @@ def run_decode(model: K3Model, prompt: torch.Tensor, steps: int,
         _sync(model.device)
         run.step_s.append(time.perf_counter() - start)
         run.tokens[:, step] = next_token[:, 0].cpu()
+        if after_step:
+            after_step()
     return run
 
 

@@ -109,6 +109,11 @@ class K3Model:
         self.device = torch.device(device)
         self.all_reduce = all_reduce
         self.launches: list[tuple[int, str]] | None = None
+        # With annotate_ops, each launch is also a profiler range "op:<name>" that lasts
+        # until the next launch or the end of the layer: CPU traces, which have no GPU
+        # kernels, count these instead.
+        self.annotate_ops = False
+        self._open_op: torch.profiler.record_function | None = None
         self.layer = -1
         w = {k: v.to(self.device) for k, v in weights.items()}
         self.w = {k: (v.to(dtype) if v.dim() == 2 else v) for k, v in w.items()}
@@ -160,6 +165,16 @@ class K3Model:
     def launch(self, name: str) -> None:
         if self.launches is not None:
             self.launches.append((self.layer, name))
+        if self.annotate_ops:
+            self.end_op()
+            self._open_op = torch.profiler.record_function(f"op:{name}")
+            self._open_op.__enter__()
+
+    def end_op(self) -> None:
+        """Close the open op range (before a layer's range closes)."""
+        if self._open_op is not None:
+            self._open_op.__exit__(None, None, None)
+            self._open_op = None
 
     def _all_reduce(self, x: torch.Tensor, name: str = "all_reduce") -> torch.Tensor:
         if self.all_reduce is None:
@@ -223,6 +238,7 @@ class K3Model:
                 if chosen is not None:
                     observer.experts[i] = chosen
             delta = m
+            self.end_op()
             if hook is not None:
                 hook.__exit__(None, None, None)
         self.layer = c.n_layers
@@ -233,6 +249,7 @@ class K3Model:
         out = _rms_norm(out, self.w["model.norm.weight"], c.rms_eps)
         self.launch("lm_head")
         logits = out.float() @ self.w["lm_head.weight"].float().T
+        self.end_op()
         state.lengths = state.lengths + T
         return logits
 

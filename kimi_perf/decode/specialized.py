@@ -14,16 +14,16 @@ as ``kimi_perf_kernels``). Per KDA layer, at TP 1 (TP > 1 adds the all-reduces):
     S8  moe_fc2_combine       routed experts, down + weighted sum over the k slots
     S9  shared_gate_up_situ
     S10 shared_down
-    S12 latent_norm_up_add    routed RMSNorm (prologue) + up-projection + shared add
+    S12 latent_up_proj        routed RMSNorm (prologue) + up-projection + shared add
 
 12 launches where the standard path makes 18. Per gated-MLA layer (15 against 24)::
 
     S1  attn_res_pre
     M2  qkv_a_g_proj          one pass over x for [W_q_a; W_kv_a; W_g]
     M3  q_b_proj              q_a RMSNorm in the GEMV prologue
-    M4  q_absorb_cache_insert q_nope · W_UK per head; kv RMSNorm (+ fp8) into the cache
+    M4  bmm_w_uk_cache_insert q_nope · W_UK per head; kv RMSNorm (+ fp8) into the cache
     M5  mla_decode            all heads of a token over the latent cache, online softmax
-    M6  uv_gate               o_lat · W_UV per head, times σ(g)
+    M6  bmm_w_uv_gate         o_lat · W_UV per head, times σ(g)
     M7  o_proj
     S1' attn_res_post, then the MoE launches above (S5-S12)
 
@@ -36,14 +36,14 @@ from __future__ import annotations
 
 import math
 import os
-import sys
 
 import torch
 
-# The kernels run under Triton's interpreter where there is no GPU; it must be chosen before
-# triton is imported.
-if "triton" not in sys.modules and not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+# Without a GPU the kernels need Triton's interpreter (kimi_perf.decode chooses it when it is
+# imported before triton).
+if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+    raise ImportError("the specialized path needs a GPU, or TRITON_INTERPRET=1 set before "
+                      "triton is imported")
 
 from kimi_perf.decode.config import K3Config
 from kimi_perf.decode.model import DecodeState, K3Model
@@ -144,6 +144,7 @@ class SpecializedModel(K3Model):
                 if chosen is not None:
                     observer.experts[i] = chosen.view(B, T, -1).long()
             delta = m
+            self.end_op()
             if hook is not None:
                 hook.__exit__(None, None, None)
         self.layer = c.n_layers
@@ -152,6 +153,7 @@ class SpecializedModel(K3Model):
         self.launch("lm_head")  # the final RMSNorm rides in the GEMV's prologue
         logits = skinny_linear(out, self.w["lm_head.weight"], norm=self.w["model.norm.weight"],
                                out_dtype=torch.float32, eps=eps)
+        self.end_op()
         state.lengths = state.lengths + T
         return logits.view(B, T, -1)
 
@@ -188,14 +190,14 @@ class SpecializedModel(K3Model):
         self.launch("q_b_proj")
         q = skinny_linear(q_c, self.w[a + "q_b_proj.weight"],
                           norm=self.w[a + "q_a_layernorm.weight"], eps=c.rms_eps)
-        self.launch("q_absorb_cache_insert")
+        self.launch("bmm_w_uk_cache_insert")
         cache = state.kv[i]
         qhat = mla_absorb_insert(q, p["w_uk"], kv, self.w[a + "kv_a_layernorm.weight"], cache,
                                  positions, T, state.kv_scale, c.rms_eps)
         self.launch("mla_decode")
         o_lat = mla_attention(qhat, cache, positions, T, c.kv_lora, state.kv_scale,
                               (c.qk_nope + c.qk_rope) ** -0.5)
-        self.launch("uv_gate")
+        self.launch("bmm_w_uv_gate")
         o = mla_uv_gate(o_lat, p["w_uv"], gate)
         self.launch("o_proj")
         out = skinny_linear(o, self.w[a + "o_proj.weight"])
@@ -232,7 +234,7 @@ class SpecializedModel(K3Model):
         shared = skinny_linear(shared_act, self.w[m + "shared_experts.down_proj.weight"])
         routed = self._all_reduce(routed, "latent_all_reduce")
         shared = self._all_reduce(shared, "shared_all_reduce")
-        self.launch("latent_norm_up_add")
+        self.launch("latent_up_proj")
         out = skinny_linear(routed, self.w[m + "routed_expert_up_proj.weight"],
                             norm=self.w[m + "routed_expert_norm.weight"], residual=shared,
                             out_dtype=self.dtype, eps=c.rms_eps)

@@ -9,6 +9,7 @@ tensor-parallel rank's weights, laid out as vLLM lays them out.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 
@@ -90,15 +91,30 @@ def weight_shapes(c: K3Config) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def random_weights(c: K3Config, seed: int = 0, dtype: torch.dtype = torch.bfloat16) -> Weights:
-    """A full checkpoint drawn from ``seed``: scaled so activations stay O(1) through depth."""
-    if c.tp != 1:
-        raise ValueError("random_weights draws the full checkpoint; shard() it for a rank")
-    gen = torch.Generator().manual_seed(seed)
+def random_weights(c: K3Config, seed: int = 0, dtype: torch.dtype = torch.bfloat16,
+                   device: torch.device | str = "cpu") -> Weights:
+    """Weights drawn from ``seed``, scaled so activations stay O(1) through depth.
+
+    For ``c.tp == 1`` this is the full checkpoint (``shard`` cuts ranks from it, so all ranks
+    share one model). For a sharded config it draws one rank's shapes directly, on
+    ``device``: a K3 rank's experts are too large to draw whole and then cut.
+    """
+    gen = torch.Generator(device=device).manual_seed(seed)
+    shapes = weight_shapes(c) if c.tp == 1 else local_weight_shapes(c)
     out: Weights = {}
-    for name, shape in weight_shapes(c).items():
-        out[name] = _init(name, shape, gen, c).to(_storage_dtype(shape, dtype))
+    for name, shape in shapes.items():
+        out[name] = _init(name, shape, gen, c, device).to(_storage_dtype(shape, dtype))
     return out
+
+
+def local_weight_shapes(c: K3Config) -> dict[str, tuple[int, ...]]:
+    """One rank's tensor shapes, as ``shard`` produces them."""
+    full = dataclasses.replace(c, tp=1)
+    shapes = {}
+    for name, shape in weight_shapes(full).items():
+        probe = torch.empty(shape, device="meta")
+        shapes[name] = tuple(shard({name: probe}, c, 0)[name].shape)
+    return shapes
 
 
 def _storage_dtype(shape: tuple[int, ...], dtype: torch.dtype) -> torch.dtype:
@@ -106,13 +122,13 @@ def _storage_dtype(shape: tuple[int, ...], dtype: torch.dtype) -> torch.dtype:
     return dtype if len(shape) == 2 else torch.float32
 
 
-def _init(name: str, shape: tuple[int, ...], gen: torch.Generator, c: K3Config
-          ) -> torch.Tensor:
+def _init(name: str, shape: tuple[int, ...], gen: torch.Generator, c: K3Config,
+          device: torch.device | str = "cpu") -> torch.Tensor:
     def normal(std: float) -> torch.Tensor:
-        return torch.randn(shape, generator=gen) * std
+        return torch.randn(shape, generator=gen, device=device) * std
 
     def uniform(lo: float, hi: float) -> torch.Tensor:
-        return lo + (hi - lo) * torch.rand(shape, generator=gen)
+        return lo + (hi - lo) * torch.rand(shape, generator=gen, device=device)
 
     if name.endswith("A_log"):
         return uniform(-1.0, 1.0)

@@ -1,0 +1,224 @@
+"""``kimi-perf trace``: run both decode paths under a profiler and break each down per layer.
+
+One run writes one directory: per path the raw trace (Kineto ``.json.gz``), the normalised
+trace (``.kptrace``), and for the run ``run.json`` (what ran, where, with which versions) and
+``breakdown.json`` (``{"schema": 1, "run": ..., "paths": {path: <breakdown JSON>}}``).
+
+``--from`` skips the capture and analyses existing traces (nsys or Kineto, ours or vLLM's)
+into the same files and table.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import gzip
+import json
+import platform
+import shutil
+import statistics
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kimi_perf import __version__
+from kimi_perf.breakdown import Breakdown, breakdown
+from kimi_perf.errors import TraceError
+from kimi_perf.readers import read_trace
+from kimi_perf.trace import atomic_write, atomic_write_text
+
+PATH_BACKENDS = {"standard": "auto", "specialized": "latency_specialized"}
+
+
+@dataclass
+class TraceRequest:
+    preset: str
+    n_layers: int | None
+    batch: int
+    context: int
+    steps: int
+    warmup: int
+    tp: int = 1
+    paths: tuple[str, ...] = ("standard", "specialized")
+    graphs: bool = False
+    backend: str = "torch"
+    kv_cache: str = "bf16"
+    seed: int = 0
+    out_dir: Path = Path("traces/runs")
+
+
+def default_request(on_gpu: bool) -> TraceRequest:
+    """The embedded default: the tiny preset on a CPU, four k3-tp8 layers on a GPU."""
+    if on_gpu:
+        return TraceRequest(preset="k3-tp8", n_layers=4, batch=1, context=512, steps=10,
+                            warmup=3)
+    return TraceRequest(preset="tiny", n_layers=None, batch=2, context=8, steps=3, warmup=1)
+
+
+def environment(device: str) -> dict[str, Any]:
+    import torch
+
+    env: dict[str, Any] = {"device": device, "python": platform.python_version(),
+                           "torch": torch.__version__, "kimi_perf": __version__,
+                           "platform": platform.platform()}
+    try:
+        import triton
+
+        env["triton"] = triton.__version__
+    except ImportError:
+        env["triton"] = None
+    if device == "cuda":
+        env["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+        env["cuda"] = torch.version.cuda
+        env["driver"] = _driver_version()
+    else:
+        env["gpus"] = []
+    env["git_commit"] = _git_commit()
+    return env
+
+
+def _driver_version() -> str | None:
+    smi = shutil.which("nvidia-smi")
+    if not smi:
+        return None
+    out = subprocess.run([smi, "--query-gpu=driver_version", "--format=csv,noheader"],
+                         capture_output=True, text=True)
+    return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout else None
+
+
+def _git_commit() -> str | None:
+    here = Path(__file__).resolve().parent
+    out = subprocess.run(["git", "-C", str(here), "rev-parse", "HEAD"], capture_output=True,
+                         text=True)
+    return (out.stdout.strip() or None) if out.returncode == 0 else None
+
+
+def run_directory(out_dir: Path, label: str) -> Path:
+    stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
+    run = out_dir / f"{stamp}-{label}"
+    run.mkdir(parents=True, exist_ok=False)
+    return run
+
+
+def capture(req: TraceRequest, progress=None) -> tuple[Path, dict[str, Breakdown], dict]:
+    """Capture every requested path; returns the run directory, breakdowns and run.json."""
+    import torch
+
+    from kimi_perf.decode.config import preset
+    from kimi_perf.decode.weights import random_weights
+
+    if req.tp != 1:
+        raise TraceError(None, "capture with --tp > 1 is not supported yet (validate and the "
+                               "TP tests run TP; capture runs one rank)")
+    if req.backend != "torch":
+        raise TraceError(None, "only the PyTorch-profiler backend captures so far; use "
+                               "'nsys profile' around your own run and pass the export "
+                               "with --from")
+    on_gpu = torch.cuda.is_available()
+    device = "cuda" if on_gpu else "cpu"
+    if req.graphs:
+        raise TraceError(None, "CUDA graph capture of the decode paths is not supported yet")
+    config = preset(req.preset, n_layers=req.n_layers)
+    run_dir = run_directory(req.out_dir, f"{req.preset}-b{req.batch}")
+    run_info: dict[str, Any] = {
+        "command": "kimi-perf trace", "request": _jsonable(dataclasses.asdict(req)),
+        "preset": req.preset, "n_layers": config.n_layers, "config_hash": config.fingerprint(),
+        "batch": req.batch, "tp": req.tp, "context": req.context, "decode_steps": req.steps,
+        "warmup_steps": req.warmup, "date": dt.datetime.now(dt.UTC).isoformat(),
+        "environment": environment(device), "paths": {},
+    }
+    weights = random_weights(config, seed=req.seed, device=device)
+    results: dict[str, Breakdown] = {}
+    for path in req.paths:
+        if progress:
+            progress(f"{path}: decoding {req.warmup} + {req.steps} steps")
+        metrics, trace_file = _capture_path(path, config, weights, req, device, run_dir)
+        trace = read_trace(trace_file)
+        trace.save(run_dir / f"{path}.kptrace")
+        results[path] = breakdown(trace)
+        run_info["paths"][path] = metrics
+    _write_outputs(run_dir, run_info, results)
+    return run_dir, results, run_info
+
+
+def _capture_path(path: str, config, weights, req: TraceRequest, device: str,
+                  run_dir: Path) -> tuple[dict, Path]:
+    import torch
+
+    from kimi_perf.decode.harness import run_decode
+    from kimi_perf.decode.model import FP8
+
+    if path not in PATH_BACKENDS:
+        raise TraceError(None, f"unknown path {path!r} (choose from {', '.join(PATH_BACKENDS)})")
+    from kimi_perf.decode.specialized import build_model
+
+    model = build_model(config, weights, PATH_BACKENDS[path], device=device)
+    # Without GPU kernels, the CPU trace counts the launches the paths annotate.
+    model.annotate_ops = device == "cpu"
+    gen = torch.Generator().manual_seed(req.seed + 1)
+    prompt = torch.randint(0, config.vocab, (req.batch, req.context), generator=gen)
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    # Step 0 of the schedule is the prefill, then the warm-up steps; only the last
+    # req.steps decode steps are recorded.
+    schedule = torch.profiler.schedule(wait=1, warmup=req.warmup, active=req.steps, repeat=1)
+    with torch.profiler.profile(activities=activities, schedule=schedule) as prof:
+        run = run_decode(model, prompt, steps=req.warmup + req.steps,
+                         kv_dtype=FP8 if req.kv_cache == "fp8" else None,
+                         after_step=prof.step)
+    with tempfile.TemporaryDirectory() as tmp:
+        raw = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(raw))
+        out = run_dir / f"{path}.trace.json.gz"
+        atomic_write(out, lambda f: f.write(gzip.compress(raw.read_bytes(), 6)))
+    steps = run.step_s[req.warmup:]
+    metrics = {
+        "decode_tokens_per_s": req.batch * len(steps) / sum(steps),
+        "time_to_first_token_s": run.time_to_first_token_s,
+        "step_latency_s": {"median": statistics.median(steps), "min": min(steps),
+                           "max": max(steps)},
+        "timed": "under the profiler" + (" (CPU, Triton interpreter for the specialized "
+                                         "path: not a speed figure)" if device == "cpu"
+                                         else ""),
+        "fallbacks": list(getattr(model, "fallbacks", [])),
+        "ops": "gpu kernels" if device == "cuda" else "cpu: annotated launches",
+    }
+    return metrics, out
+
+
+def analyse(files: list[Path], out_dir: Path, layers: str = "auto"
+            ) -> tuple[Path, dict[str, Breakdown], dict]:
+    """``--from``: breakdowns of existing traces, labelled by file name."""
+    results: dict[str, Breakdown] = {}
+    for f in files:
+        label = f.name.split(".")[0]
+        while label in results:
+            label += "'"
+        results[label] = breakdown(read_trace(f), layers=layers)
+    run_dir = run_directory(out_dir, "from")
+    run_info = {"command": "kimi-perf trace --from", "files": [str(f) for f in files],
+                "date": dt.datetime.now(dt.UTC).isoformat(), "kimi_perf": __version__,
+                "git_commit": _git_commit()}
+    _write_outputs(run_dir, run_info, results)
+    return run_dir, results, run_info
+
+
+def _write_outputs(run_dir: Path, run_info: dict, results: dict[str, Breakdown]) -> None:
+    atomic_write_text(run_dir / "run.json", json.dumps(run_info, indent=1) + "\n")
+    doc = {"schema": 1, "run": run_info, "paths": {k: b.to_json() for k, b in results.items()}}
+    atomic_write_text(run_dir / "breakdown.json", json.dumps(doc, indent=1) + "\n")
+
+
+def _jsonable(value):
+    if isinstance(value, Path):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    return value
+
+
