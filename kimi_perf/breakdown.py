@@ -6,6 +6,7 @@ README; new keys may be added within a schema version, existing ones keep their 
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -13,10 +14,11 @@ from typing import Any
 import numpy as np
 
 from kimi_perf.classify import Rule
-from kimi_perf.layers import GpuOps, Step, segment
+from kimi_perf.layers import GpuOps, segment
 from kimi_perf.trace import Trace
 
 SCHEMA = 1
+_BATCH_ROWS = 1 << 18
 
 
 @dataclass
@@ -47,66 +49,196 @@ def segment_stats(ops: GpuOps, rows: np.ndarray, classes: np.ndarray, labels: li
                   ) -> dict[str, Any]:
     """Counts and µs for a set of GPU ops: summed op time, span (first start to last end),
     and gap (span minus the time at least one op runs)."""
-    if len(rows) == 0:
-        return {"kernels": 0, "kernel_us": 0.0, "span_us": 0.0, "gap_us": 0.0, "classes": {}}
-    start, end = ops.start[rows], ops.end[rows]
-    span = int(end.max() - start.min())
-    busy = _union_length(start, end)
-    cls = classes[rows]
-    dur = end - start
-    per_class = {}
-    for c in np.unique(cls).tolist():
-        sel = cls == c
-        per_class[labels[c]] = {"kernels": int(sel.sum()), "us": _us(dur[sel].sum())}
-    return {"kernels": len(rows), "kernel_us": _us(dur.sum()), "span_us": _us(span),
-            "gap_us": _us(span - busy), "classes": dict(sorted(per_class.items()))}
+    return SegmentFigures.of(ops, [rows], classes, labels).stats(labels)[0]
+
+
+@dataclass
+class SegmentFigures:
+    """``segment_stats`` for many segments (sets of GPU ops) at once, in ns and per class.
+
+    Figures are numpy arrays with one entry (row) per segment, int64 but for ``class_us``;
+    ``class_*`` are [segment, class code] matrices.
+    """
+
+    kernels: np.ndarray
+    kernel_ns: np.ndarray
+    span_ns: np.ndarray
+    busy_ns: np.ndarray
+    class_kernels: np.ndarray
+    class_ns: np.ndarray
+    class_us: np.ndarray     # class_ns as segment_stats rounds it; 0.0 where a class has no op
+
+    @classmethod
+    def of(cls, ops: GpuOps, segments: list[np.ndarray], classes: np.ndarray,
+           labels: list[str]) -> SegmentFigures:
+        n_cls = max(len(labels), int(classes.max()) + 1 if len(classes) else 0)
+        lengths = np.fromiter((len(rows) for rows in segments), np.int64, len(segments))
+        # Consecutive segments in batches of about _BATCH_ROWS rows (a longer one alone):
+        # bounded temporaries whatever the trace size.
+        batch = np.cumsum(lengths) // _BATCH_ROWS
+        cuts = [0, *(np.flatnonzero(batch[1:] != batch[:-1]) + 1).tolist(), len(segments)]
+        parts = [cls._batch(ops, segments[a:b], lengths[a:b], classes, n_cls)
+                 for a, b in itertools.pairwise(cuts)]
+        return cls(*(np.concatenate(columns) for columns in zip(*(
+            (p.kernels, p.kernel_ns, p.span_ns, p.busy_ns, p.class_kernels, p.class_ns,
+             p.class_us) for p in parts), strict=True)))
+
+    @classmethod
+    def _batch(cls, ops: GpuOps, segments: list[np.ndarray], lengths: np.ndarray,
+               classes: np.ndarray, n_cls: int) -> SegmentFigures:
+        n_seg = len(segments)
+        rows = (np.concatenate(segments).astype(np.int64, copy=False) if n_seg
+                else np.empty(0, np.int64))
+        seg = np.repeat(np.arange(n_seg, dtype=np.int64), lengths)
+        start, end = ops.start[rows], ops.end[rows]
+        dur = end - start
+        # Row offset of each non-empty segment: ``reduceat`` over these is per segment.
+        nonempty = np.flatnonzero(lengths)
+        first = (np.cumsum(lengths) - lengths)[nonempty]
+        kernel_ns = np.zeros(n_seg, np.int64)
+        span_ns = np.zeros(n_seg, np.int64)
+        if len(first):
+            kernel_ns[nonempty] = np.add.reduceat(dur, first)
+            span_ns[nonempty] = np.maximum.reduceat(end, first) - np.minimum.reduceat(start, first)
+        busy_ns = np.zeros(n_seg, np.int64)
+        busy_ns[nonempty] = _segmented_union_length(start, end, seg, first)
+        key = seg * n_cls + classes[rows]
+        class_kernels = np.bincount(key, minlength=n_seg * n_cls).reshape(n_seg, n_cls)
+        class_ns = _bincount_int(key, dur, n_seg * n_cls).reshape(n_seg, n_cls)
+        class_us = np.zeros(class_ns.shape, np.float64)
+        present = class_kernels > 0
+        class_us[present] = _us_array(class_ns[present])
+        return cls(kernels=lengths, kernel_ns=kernel_ns, span_ns=span_ns, busy_ns=busy_ns,
+                   class_kernels=class_kernels, class_ns=class_ns, class_us=class_us)
+
+    def stats(self, labels: list[str], heads: list[dict[str, Any]] | None = None
+              ) -> list[dict[str, Any]]:
+        """``segment_stats`` dicts (classes sorted by label) for the first segments: one per
+        head, each added to its head's keys (all segments without heads)."""
+        n = len(self.kernels) if heads is None else len(heads)
+        rows = heads if heads is not None else [{} for _ in range(n)]
+        by_label = sorted(range(len(labels)), key=labels.__getitem__)
+        counts = self.class_kernels[:n, by_label]
+        us = self.class_us[:n, by_label]
+        seg_idx, col = np.nonzero(counts)
+        per_class: list[dict[str, Any]] = [{} for _ in range(n)]
+        sorted_labels = [labels[c] for c in by_label]
+        for s, c, k, u in zip(seg_idx.tolist(), col.tolist(), counts[seg_idx, col].tolist(),
+                              us[seg_idx, col].tolist(), strict=True):
+            per_class[s][sorted_labels[c]] = {"kernels": k, "us": u}
+        for row, k, ku, su, gu, pc in zip(
+                rows, self.kernels[:n].tolist(), _us_array(self.kernel_ns[:n]).tolist(),
+                _us_array(self.span_ns[:n]).tolist(),
+                _us_array(self.span_ns[:n] - self.busy_ns[:n]).tolist(), per_class,
+                strict=True):
+            row.update(kernels=k, kernel_us=ku, span_us=su, gap_us=gu, classes=pc)
+        return rows
+
+    def briefs(self, first: int) -> list[dict[str, Any]]:
+        """``kernels``, ``kernel_us`` and ``span_us`` of the segments from ``first`` on."""
+        return [{"kernels": k, "kernel_us": ku, "span_us": su} for k, ku, su in zip(
+            self.kernels[first:].tolist(), _us_array(self.kernel_ns[first:]).tolist(),
+            _us_array(self.span_ns[first:]).tolist(), strict=True)]
+
+
+def _bincount_int(key: np.ndarray, values: np.ndarray, n: int) -> np.ndarray:
+    """Exact int64 sums of ``values`` per ``key`` in [0, n)."""
+    if len(values) == 0 or float(np.abs(values.astype(np.float64)).sum()) < 2.0 ** 52:
+        # Every partial sum is an integer below 2**53: float64 adds them exactly.
+        return np.bincount(key, weights=values, minlength=n).astype(np.int64)
+    order = np.argsort(key, kind="stable")
+    k = key[order]
+    cut = np.flatnonzero(np.r_[True, k[1:] != k[:-1]])
+    out = np.zeros(n, np.int64)
+    out[k[cut]] = np.add.reduceat(values[order], cut)
+    return out
+
+
+def _segmented_union_length(start: np.ndarray, end: np.ndarray, seg: np.ndarray,
+                            first: np.ndarray) -> np.ndarray:
+    """``_union_length`` of each run of rows with one ``seg`` value (runs start at ``first``,
+    segment numbers ascend): one pass for all segments."""
+    if len(first) == 0:
+        return np.empty(0, np.int64)
+    if ((start[1:] < start[:-1]) & (seg[1:] == seg[:-1])).any():
+        order = np.lexsort((start, seg))     # stable: ties keep their order, as argsort did
+        start, end = start[order], end[order]
+    # Shift each segment into its own band of values, above every earlier segment's, so that
+    # one running maximum over all rows restarts at each segment.
+    lo = np.minimum.reduceat(np.minimum(start, end), first)
+    hi = np.maximum.reduceat(np.maximum(start, end), first)
+    width = hi.astype(np.float64) - lo.astype(np.float64) + 1
+    bounds = np.r_[first, len(start)]
+    if width.sum() >= 2.0 ** 61:      # bands would overflow int64: one segment at a time
+        return np.array([_union_length(start[a:b], end[a:b])
+                         for a, b in itertools.pairwise(bounds.tolist())], np.int64)
+    width = hi - lo + 1
+    run = np.repeat(np.arange(len(first)), np.diff(bounds))
+    base, lo = (np.cumsum(width) - width)[run], lo[run]
+    running_end = np.maximum.accumulate((end - lo) + base)
+    new_block = np.r_[True, ((start - lo) + base)[1:] > running_end[:-1]]
+    block = np.flatnonzero(new_block)
+    block_len = np.maximum.reduceat(end, block) - start[block]
+    # Every segment's first row starts a block.
+    return np.add.reduceat(block_len, np.searchsorted(block, first))
 
 
 def _union_length(start: np.ndarray, end: np.ndarray) -> int:
     """Total length of the union of intervals (overlapping streams count once)."""
+    if len(start) == 0:
+        return 0
     order = np.argsort(start, kind="stable")
     s, e = start[order], end[order]
     running_end = np.maximum.accumulate(e)
     # A new busy block starts where an op starts after everything before it has ended.
-    new_block = np.r_[True, s[1:] > running_end[:-1]]
-    block_id = np.cumsum(new_block) - 1
-    block_start = s[new_block]
-    block_end = np.zeros(len(block_start), np.int64)
-    np.maximum.at(block_end, block_id, e)
-    return int((block_end - block_start).sum())
+    new_block = np.flatnonzero(np.r_[True, s[1:] > running_end[:-1]])
+    block_end = np.maximum.reduceat(e, new_block)
+    return int((block_end - s[new_block]).sum())
 
 
 def _us(ns) -> float:
     return round(float(ns) / 1000.0, 3)
 
 
+def _us_array(ns: np.ndarray) -> np.ndarray:
+    """``_us`` of every element of an int64 array, as a float64 array.
+
+    ``round(x, 3)`` is the double nearest to x rounded to 3 decimals. For x = ns / 1000 with
+    |x| < 2**42 (half an ulp < 0.0005) that decimal is ns / 1000 exactly, whose nearest double
+    is x itself: rounding changes nothing. Larger values take Python's ``round``.
+    """
+    us = np.asarray(ns, np.int64) / 1000.0
+    big = np.flatnonzero(np.abs(us) >= 2.0 ** 41)
+    if len(big):
+        flat = us.reshape(-1)
+        flat[big] = [round(x, 3) for x in flat[big].tolist()]
+    return us
+
+
 def breakdown(trace: Trace, layers: str = "auto", rules: list[Rule] | None = None,
               step_regex: str | None = None) -> Breakdown:
     ops, steps = segment(trace, layers=layers, step_regex=step_regex, rules=rules)
     classes, labels = ops.kernel_class, ops.class_labels
-    step_rows, layer_rows = [], []
-    for step in steps:
-        step_rows.append(_step_json(ops, step, classes, labels))
-        for layer in step.layers:
-            stats = segment_stats(ops, layer.ops, classes, labels)
-            layer_rows.append({"step": step.index, "device": step.device, "index": layer.index,
-                               "type": layer.type, **stats})
+    all_layers = [(step, layer) for step in steps for layer in step.layers]
+    # Segments: every step, every layer, then the steps' prologues and epilogues.
+    segments = [step.ops for step in steps] + [layer.ops for _, layer in all_layers]
+    segments += [step.prologue for step in steps] + [step.epilogue for step in steps]
+    figures = SegmentFigures.of(ops, segments, classes, labels)
+    n_steps, n_layers = len(steps), len(all_layers)
+    step_heads = [{"index": step.index, "device": step.device, "pid": step.pid,
+                   "name": step.name, "layer_source": step.layer_source,
+                   "layers": len(step.layers)} for step in steps]
+    layer_rows = [{"step": step.index, "device": step.device, "index": layer.index,
+                   "type": layer.type} for step, layer in all_layers]
+    rows = figures.stats(labels, step_heads + layer_rows)
+    briefs = figures.briefs(n_steps + n_layers)
+    step_rows = rows[:n_steps]
+    for row, prologue, epilogue in zip(step_rows, briefs[:n_steps], briefs[n_steps:],
+                                       strict=True):
+        row.update(prologue=prologue, epilogue=epilogue)
+    medians = _layer_type_medians(layer_rows, figures, n_steps, labels)
     return Breakdown(source=_source(trace), steps=step_rows, layers=layer_rows,
-                     layer_types=layer_type_medians(layer_rows))
-
-
-def _step_json(ops: GpuOps, step: Step, classes: np.ndarray, labels: list[str]) -> dict:
-    stats = segment_stats(ops, step.ops, classes, labels)
-    return {
-        "index": step.index, "device": step.device, "pid": step.pid, "name": step.name,
-        "layer_source": step.layer_source, "layers": len(step.layers), **stats,
-        "prologue": _brief(segment_stats(ops, step.prologue, classes, labels)),
-        "epilogue": _brief(segment_stats(ops, step.epilogue, classes, labels)),
-    }
-
-
-def _brief(stats: dict) -> dict:
-    return {k: stats[k] for k in ("kernels", "kernel_us", "span_us")}
+                     layer_types=medians)
 
 
 def layer_type_medians(layer_rows: list[dict]) -> list[dict]:
@@ -131,8 +263,35 @@ def layer_type_medians(layer_rows: list[dict]) -> list[dict]:
     return out
 
 
-def _median(values: list[float]) -> float:
-    return round(float(np.median(values)), 3) if values else 0.0
+def _layer_type_medians(layer_rows: list[dict], figures: SegmentFigures, first: int,
+                        labels: list[str]) -> list[dict]:
+    """``layer_type_medians`` from the figures of the layer segments (from ``first`` on):
+    the same medians of the same rounded values, with one numpy median per column."""
+    if not layer_rows:
+        return []
+    types: dict[str, int] = {}
+    type_of = np.array([types.setdefault(row["type"], len(types)) for row in layer_rows])
+    columns = {key: np.array([row[key] for row in layer_rows])
+               for key in ("kernels", "kernel_us", "span_us", "gap_us")}
+    by_label = sorted(range(len(labels)), key=labels.__getitem__)
+    last = first + len(layer_rows)
+    counts = figures.class_kernels[first:last, by_label]
+    us = figures.class_us[first:last, by_label]
+    out = []
+    for kind, t in types.items():
+        sel = type_of == t
+        present = np.flatnonzero(counts[sel].any(axis=0)).tolist()
+        out.append({
+            "type": kind, "layers": int(sel.sum()),
+            **{key: _median(col[sel]) for key, col in columns.items()},
+            "classes": {labels[by_label[c]]: {"kernels": _median(counts[sel, c]),
+                                              "us": _median(us[sel, c])} for c in present},
+        })
+    return out
+
+
+def _median(values) -> float:
+    return round(float(np.median(values)), 3) if len(values) else 0.0
 
 
 def _source(trace: Trace) -> dict:

@@ -5,10 +5,14 @@ ranges always do. Start/end ranges may overlap without nesting; those go to extr
 of which is a proper forest. Within a lane, the ranges that contain an interval [s, e] are the
 ancestors-or-self of the last range starting at or before s, from the innermost one that ends
 at or after e: so one ``searchsorted`` and a short walk up the parents find them all, with no
-per-event Python.
+per-event Python. (Siblings may touch: where one ends at s and the next starts there, a
+zero-length [s, s] lies in both, so the ranges starting before s come from a second walk, up
+from the last range starting before s.)
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator
 
 import numpy as np
 
@@ -47,7 +51,13 @@ def stream_keys(device: np.ndarray, stream: np.ndarray) -> np.ndarray:
 
 
 def nest_ranges(ranges: Ranges) -> None:
-    """Fill ``depth``, ``parent`` and ``lane`` in place."""
+    """Fill ``depth``, ``parent`` and ``lane`` in place.
+
+    Per group (thread or stream), in (start, -end) order, each range goes on top of the first
+    lane whose open ranges, once those that ended before it started are closed, leave one that
+    holds it on top (or none): a stack per lane. Groups whose ranges all nest (push/pop ranges
+    always do) take a vectorized route to the same result; the others run that loop.
+    """
     n = len(ranges)
     ranges.depth = np.zeros(n, np.int32)
     ranges.parent = np.full(n, -1, np.int64)
@@ -56,6 +66,77 @@ def nest_ranges(ranges: Ranges) -> None:
         return
     groups = range_groups(ranges)
     order = np.lexsort((-ranges.end, ranges.start, groups))
+    order = order[groups[order] >= 0]
+    slow = _nest_nested_groups(ranges, order, groups[order])
+    if len(slow):
+        _nest_in_lanes(ranges, slow, groups)
+
+
+# Pointer-jumping rounds before a group is left to the lane loop. A round costs little once few
+# ranges are left; a range closing a chain of n open ranges needs up to about n rounds.
+_MAX_ROUNDS = 1024
+
+
+def _nest_nested_groups(ranges: Ranges, order: np.ndarray, groups: np.ndarray) -> np.ndarray:
+    """Nest the groups where every range fits one lane; return the rows (in ``order``) of the
+    other groups, untouched.
+
+    In one lane, sorted by (start, -end), a range's parent is the nearest earlier range that
+    ends no earlier than it (its previous greater-or-equal end). The lane loop agrees exactly
+    when every range starts no earlier than its previous sibling ends: then placing it closes
+    just the ranges above that parent. A group where that fails (partial overlaps) or where a
+    range ends before it starts goes back to the loop.
+    """
+    m = len(order)
+    if m == 0:
+        return order
+    start, end = ranges.start[order], ranges.end[order]
+    group_id = np.cumsum(np.r_[True, groups[1:] != groups[:-1]]) - 1
+    first = np.r_[True, group_id[1:] != group_id[:-1]]
+    # Previous greater-or-equal end within the group, by pointer jumping: every range strictly
+    # between ``cand[i]`` and i ends before i does, so a candidate that does too hands over its
+    # own candidate.
+    cand = np.arange(-1, m - 1, dtype=np.int64)
+    cand[first] = -1
+    pge = np.full(m, -1, np.int64)
+    todo = np.flatnonzero(cand >= 0)
+    for _ in range(_MAX_ROUNDS):
+        if len(todo) == 0:
+            break
+        c = cand[todo]
+        found = end[c] >= end[todo]
+        pge[todo[found]] = c[found]
+        todo, c = todo[~found], c[~found]
+        cand[todo] = cand[c]
+        todo = todo[cand[todo] >= 0]
+    bad = np.zeros(m, bool)
+    bad[todo] = True               # still unresolved (very deep nesting): leave it to the loop
+    bad |= end < start
+    # Siblings (same parent, or roots of one group) in order: each starts after the last ends.
+    sibling_key = np.where(pge >= 0, pge, -1 - group_id)
+    by_parent = np.argsort(sibling_key, kind="stable")
+    k = sibling_key[by_parent]
+    overlap = (k[1:] == k[:-1]) & (end[by_parent[:-1]] > start[by_parent[1:]])
+    bad[by_parent[1:][overlap]] = True
+    bad_group = np.zeros(int(group_id[-1]) + 1, bool)
+    bad_group[group_id[bad]] = True
+    fast = ~bad_group[group_id]
+    # Depth by pointer doubling: ``up`` is an ancestor ``dist`` levels above.
+    up = np.where(fast, pge, -1)
+    dist = (up >= 0).astype(np.int64)
+    while (climb := np.flatnonzero(up >= 0)).size:
+        above = up[climb]
+        dist[climb] += dist[above]
+        up[climb] = up[above]
+    rows = order[fast]
+    parent = pge[fast]
+    ranges.parent[rows] = np.where(parent >= 0, order[np.maximum(parent, 0)], -1)
+    ranges.depth[rows] = dist[fast]
+    return order[~fast]
+
+
+def _nest_in_lanes(ranges: Ranges, order: np.ndarray, groups: np.ndarray) -> None:
+    """The lane loop over ``order`` (rows sorted by group, start, -end)."""
     starts = ranges.start.tolist()
     ends = ranges.end.tolist()
     group_list = groups.tolist()
@@ -88,30 +169,71 @@ def nest_ranges(ranges: Ranges) -> None:
             lanes.append([i])
 
 
+def nearest_valid_ancestor(parent: np.ndarray, valid: np.ndarray) -> np.ndarray:
+    """Each range's nearest proper ancestor with ``valid`` set (-1 for none).
+
+    Pointer jumping: ``up[i]`` is always an ancestor of ``i`` with only invalid ranges strictly
+    between them, so where ``up[i]`` is invalid, ``up[up[i]]`` is one too; the longest run of
+    invalid ancestors halves each round.
+    """
+    up = np.asarray(parent, np.int64).copy()
+    while True:
+        jump = np.flatnonzero(up >= 0)
+        jump = jump[~valid[up[jump]]]
+        if len(jump) == 0:
+            return up
+        up[jump] = up[up[jump]]
+
+
+def _same_start_or_none(pos: np.ndarray, starts: np.ndarray, start: np.ndarray) -> np.ndarray:
+    """``pos`` where that range starts at ``start``, else -1 (``pos`` -1 stays -1)."""
+    ok = pos >= 0
+    ok[ok] = starts[pos[ok]] == start[ok]
+    return np.where(ok, pos, -1)
+
+
 def containing(ranges: Ranges, range_keys: np.ndarray, point_keys: np.ndarray,
                point_start: np.ndarray, point_end: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """All (range row, point row) pairs where the range contains the point's [start, end].
 
     Ranges and points match on their group keys (``range_groups`` / ``thread_keys`` /
-    ``stream_keys``). Containment is closed: ``range.start <= start`` and ``end <= range.end``.
+    ``stream_keys``); a range with key -1 is left out. Containment is closed:
+    ``range.start <= start`` and ``end <= range.end``. Within a lane, a point's pair with a
+    range comes after its pairs with the ranges inside that one.
     """
-    out_r: list[np.ndarray] = []
-    out_p: list[np.ndarray] = []
+    chunks = list(containing_chunks(ranges, range_keys, point_keys, point_start, point_end))
+    if not chunks:
+        return np.empty(0, np.int64), np.empty(0, np.int64)
+    range_rows = np.concatenate([r for r, _ in chunks])
+    point_rows = np.concatenate([p for _, p in chunks])
+    return range_rows, point_rows
+
+
+# Points handled at once: bounds the temporaries (a dozen arrays of this length).
+_POINT_CHUNK = 1 << 17
+
+
+def containing_chunks(ranges: Ranges, range_keys: np.ndarray, point_keys: np.ndarray,
+                      point_start: np.ndarray, point_end: np.ndarray
+                      ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """``containing``'s pairs as a stream of (range rows, point rows) chunks, for consumers
+    that reduce them as they come instead of holding all pairs."""
     valid = range_keys >= 0
     if not valid.any() or len(point_keys) == 0:
-        return np.empty(0, np.int64), np.empty(0, np.int64)
+        return
     # Sort ranges by (group, lane, start, -end); each (group, lane) block is one proper forest.
-    lane_key = range_keys * 0 + ranges.lane
-    order = np.lexsort((-ranges.end, ranges.start, lane_key, range_keys))
+    order = np.lexsort((-ranges.end, ranges.start, ranges.lane, range_keys))
     order = order[valid[order]]
     rk = range_keys[order]
     rl = ranges.lane[order]
     block_start = np.flatnonzero(np.r_[True, (rk[1:] != rk[:-1]) | (rl[1:] != rl[:-1])])
     block_end = np.r_[block_start[1:], len(order)]
-    # Local position of every range in the sorted order, to follow parents within it.
+    # Local position of every range in the sorted order, to follow parents within it. An
+    # excluded range (key -1) is not in that order: skip it to its nearest included ancestor.
     position = np.full(len(ranges), -1, np.int64)
     position[order] = np.arange(len(order))
-    parent_pos = np.where(ranges.parent[order] >= 0, position[ranges.parent[order]], -1)
+    parent = nearest_valid_ancestor(ranges.parent, valid)[order]
+    parent_pos = np.where(parent >= 0, position[np.maximum(parent, 0)], -1)
     starts = ranges.start[order]
     ends = ranges.end[order]
 
@@ -119,25 +241,44 @@ def containing(ranges: Ranges, range_keys: np.ndarray, point_keys: np.ndarray,
     sorted_point_keys = point_keys[point_order]
     for lo, hi in zip(block_start.tolist(), block_end.tolist(), strict=True):
         key = rk[lo]
-        p_lo, p_hi = np.searchsorted(sorted_point_keys, [key, key + 1])
-        if p_lo == p_hi:
-            continue
-        points = point_order[p_lo:p_hi]
-        ps, pe = point_start[points], point_end[points]
-        cur = np.searchsorted(starts[lo:hi], ps, side="right") - 1
-        cur = np.where(cur >= 0, cur + lo, -1)
-        # Walk up from the last range that started before the point to the innermost container.
-        while True:
-            open_ = cur >= 0
-            outside = open_ & (ends[np.maximum(cur, 0)] < pe)
-            if not outside.any():
-                break
-            cur[outside] = parent_pos[cur[outside]]
+        p_lo, p_hi = np.searchsorted(sorted_point_keys, [key, key + 1]).tolist()
+        for c_lo in range(p_lo, p_hi, _POINT_CHUNK):
+            points = point_order[c_lo:min(c_lo + _POINT_CHUNK, p_hi)]
+            yield from _block_pairs(points, point_start[points], point_end[points], lo, hi,
+                                    order, starts, ends, parent_pos)
+
+
+def _block_pairs(points: np.ndarray, ps: np.ndarray, pe: np.ndarray, lo: int, hi: int,
+                 order: np.ndarray, starts: np.ndarray, ends: np.ndarray,
+                 parent_pos: np.ndarray) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """The pairs of some points with the ranges of one block (sorted positions lo..hi)."""
+    # The containers that start before a point are the ancestors (from the innermost one that
+    # ends late enough) of the last range starting before it; those that start with it, of the
+    # last range starting at or before it. The two differ only for a point where a range
+    # begins: for a zero-length one, a range ending there holds it too.
+    last_before = np.searchsorted(starts[lo:hi], ps, side="left") - 1 + lo
+    last_at = np.searchsorted(starts[lo:hi], ps, side="right") - 1 + lo
+    same = np.flatnonzero(last_at > last_before)
+    for first, members, same_start in ((last_at[same], same, True),
+                                       (last_before, np.arange(len(points)), False)):
+        cur, p_start, p_end = first.copy(), ps[members], pe[members]
+        # Up to the innermost container, moving only the points still outside their range.
+        walk = np.flatnonzero(cur >= lo)
+        while len(walk):
+            c = cur[walk]
+            outside = ends[c] < p_end[walk]
+            walk, c = walk[outside], parent_pos[c[outside]]
+            if same_start:      # ranges that start before the point: the other pass's
+                c = _same_start_or_none(c, starts, p_start[walk])
+            cur[walk] = c
+            walk = walk[c >= 0]
         # Every ancestor of the innermost container contains the point too.
-        while (alive := cur >= 0).any():
-            out_r.append(order[cur[alive]])
-            out_p.append(points[alive])
-            cur = np.where(alive, parent_pos[np.maximum(cur, 0)], -1)
-    if not out_r:
-        return np.empty(0, np.int64), np.empty(0, np.int64)
-    return np.concatenate(out_r), np.concatenate(out_p)
+        keep = cur >= lo
+        cur, members, p_start = cur[keep], members[keep], p_start[keep]
+        while len(cur):
+            yield order[cur], points[members]
+            cur = parent_pos[cur]
+            if same_start:
+                cur = _same_start_or_none(cur, starts, p_start)
+            keep = cur >= 0
+            cur, members, p_start = cur[keep], members[keep], p_start[keep]

@@ -1,16 +1,21 @@
 """Nsight Systems SQLite exports (``nsys export --type sqlite``), schemas 2.9 to 3.25.
 
 Columns are selected by name, so added columns in newer exports are ignored; any table may be
-missing (a lazy export, a run without CUDA or NVTX) and then reads as empty. Rows are fetched
-in blocks straight into numpy arrays: no Python object per event survives the read.
+missing (a lazy export, a run without CUDA or NVTX) and then reads as empty. Integer columns
+come back from SQLite as one comma-separated text per column (``group_concat``), which numpy
+parses in C: no Python object per event is ever made. Where that text cannot carry the values
+exactly (a non-integer value, a table too big for one SQLite string) the rows are fetched in
+blocks into numpy arrays instead, as before.
 """
 
 from __future__ import annotations
 
+import re
 import shutil
 import sqlite3
 import subprocess
 import tempfile
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -49,6 +54,9 @@ MEMCPY_KINDS = {
 }
 
 _FETCH_BLOCK = 1 << 16
+_TEXT_SEPARATOR = 0x1F    # ASCII unit separator: joins a text column's values
+_INT_LITERAL = re.compile(r"-?\d{1,18}")
+_INT64_MIN, _INT64_MAX = np.iinfo(np.int64).min, np.iinfo(np.int64).max
 
 
 def read_nsys_sqlite(path: str | Path) -> Trace:
@@ -61,7 +69,7 @@ def read_nsys_sqlite(path: str | Path) -> Trace:
     except sqlite3.Error as exc:
         raise TraceError(path, f"cannot open SQLite file ({exc})") from None
     # nsys copies environment and paths verbatim; they need not be UTF-8.
-    conn.text_factory = lambda b: b.decode("utf-8", "replace")
+    conn.text_factory = _decode_text
     try:
         return _NsysReader(conn, path).read()
     except sqlite3.DatabaseError as exc:
@@ -138,6 +146,38 @@ class _NsysReader:
 
     def _int_columns(self, table: str, exprs: dict[str, str], where: str = "") -> dict:
         """Fetch integer expressions as int64 numpy columns (NULL -> -1)."""
+        columns = self._int_columns_as_text(table, exprs, where)
+        if columns is None:
+            columns = self._int_columns_by_rows(table, exprs, where)
+        return columns
+
+    def _int_columns_as_text(self, table: str, exprs: dict[str, str], where: str
+                             ) -> dict | None:
+        """``_int_columns`` through one ``group_concat`` text per column, parsed by numpy;
+        None where that cannot give the exact answer (then read the rows)."""
+        constants = {name: -1 if e == "NULL" else int(e) for name, e in exprs.items()
+                     if e == "NULL" or _INT_LITERAL.fullmatch(e)}
+        queried = [name for name in exprs if name not in constants]
+        select = "".join(f", group_concat(coalesce({exprs[name]}, -1))" for name in queried)
+        try:
+            # Text results skip the connection's decoding: they are ASCII digits or go unused.
+            self.conn.text_factory = bytes
+            row = list(self.conn.execute(f"SELECT count(*){select} FROM {table} {where}")
+                       .fetchone())
+        except sqlite3.DataError:    # a text over SQLite's length limit (about 50M rows)
+            return None
+        finally:
+            self.conn.text_factory = _decode_text
+        n = row.pop(0)
+        columns = {name: np.full(n, value, np.int64) for name, value in constants.items()}
+        for name in queried:
+            values = _parse_int_list(row.pop(0), n)
+            if values is None:
+                return None
+            columns[name] = values
+        return {name: columns[name] for name in exprs}
+
+    def _int_columns_by_rows(self, table: str, exprs: dict[str, str], where: str) -> dict:
         select = ", ".join(f"coalesce({e}, -1)" for e in exprs.values())
         cursor = self.conn.execute(f"SELECT {select} FROM {table} {where}")
         blocks = []
@@ -254,9 +294,12 @@ class _NsysReader:
         return api
 
     def _api_kinds(self, names: np.ndarray) -> np.ndarray:
-        uniq, inverse = np.unique(names, return_inverse=True)
-        kinds = np.array([_api_kind(self.strings.values[u]) for u in uniq], dtype=np.int8)
-        return kinds[inverse] if len(uniq) else np.empty(0, np.int8)
+        if len(names) == 0:
+            return np.empty(0, np.int8)
+        kinds = np.zeros(len(self.strings.values), np.int8)
+        for u in np.flatnonzero(np.bincount(names, minlength=len(kinds))).tolist():
+            kinds[u] = _api_kind(self.strings.values[u])
+        return kinds[names]
 
     def _kernels(self) -> Kernels:
         table = "CUPTI_ACTIVITY_KIND_KERNEL"
@@ -365,6 +408,57 @@ class _NsysReader:
 
     def _nvtx_texts(self, table: str, cols: set[str], where: str) -> np.ndarray:
         """Range names: the registered string (textId) when set, else the plain text."""
+        if "textId" in cols:
+            ids = self._int_columns_as_text(table, {"id": "textId"}, where)
+            if ids is None:     # textIds that are not all integers: row by row
+                return self._nvtx_texts_by_rows(table, cols, where)
+            ids = ids["id"]
+        else:
+            (n,) = self.conn.execute(f"SELECT count(*) FROM {table} {where}").fetchone()
+            ids = np.full(n, -1, np.int64)
+        known = (ids >= 0) & (ids < len(self.id_to_code))
+        codes = np.full(len(ids), -1, np.int32)
+        codes[known] = self.id_to_code[ids[known]]
+        plain = np.flatnonzero(codes < 0)
+        if len(plain) == 0 or "text" not in cols:
+            return codes
+        # The plain texts of the rows without a registered string; intern each distinct text
+        # once, in order of first appearance (the codes row-by-row interning would give).
+        texts = self._texts_joined(table, "text", where, len(codes))
+        if texts is not None:
+            texts = [texts[i] for i in plain.tolist()] if len(plain) < len(codes) else texts
+        else:
+            values = self.conn.execute(f"SELECT text FROM {table} {where}").fetchall()
+            texts = [None if values[i][0] is None else str(values[i][0]) for i in plain.tolist()]
+        code_of = {value: -1 if value is None else self.strings.code(value)
+                   for value in dict.fromkeys(texts)}
+        codes[plain] = [code_of[value] for value in texts]
+        return codes
+
+    def _texts_joined(self, table: str, column: str, where: str, n: int) -> list[str] | None:
+        """A text column's ``n`` values through one ``group_concat``, split on a control
+        character; None where that cannot be exact (NULLs, a value holding that character,
+        a value that is not text)."""
+        try:
+            self.conn.text_factory = bytes
+            count, non_text, joined = self.conn.execute(
+                f"SELECT count({column}), sum(typeof({column}) != 'text'), "
+                f"group_concat({column}, char({_TEXT_SEPARATOR})) FROM {table} {where}"
+            ).fetchone()
+        except sqlite3.DataError:    # over SQLite's length limit
+            return None
+        finally:
+            self.conn.text_factory = _decode_text
+        if n == 0 or count != n or non_text:
+            return None
+        try:
+            # Valid UTF-8 splits at an ASCII byte into valid UTF-8: decode once, then split.
+            parts = joined.decode("utf-8").split(chr(_TEXT_SEPARATOR))
+        except UnicodeDecodeError:
+            parts = [_decode_text(p) for p in joined.split(bytes([_TEXT_SEPARATOR]))]
+        return parts if len(parts) == n else None
+
+    def _nvtx_texts_by_rows(self, table: str, cols: set[str], where: str) -> np.ndarray:
         text = "text" if "text" in cols else "NULL"
         text_id = "textId" if "textId" in cols else "NULL"
         codes = []
@@ -399,6 +493,39 @@ class _NsysReader:
         return domains
 
 
+def _decode_text(value: bytes) -> str:
+    return value.decode("utf-8", "replace")
+
+
+def _parse_int_list(text: bytes | None, n: int) -> np.ndarray | None:
+    """``n`` comma-separated integers (as SQLite writes them) -> int64 array.
+
+    None unless that is certainly what the text holds, each value as ``int()`` reads it: only
+    digits, commas and minus signs (no other text, reals or blanks, which numpy reads as 0),
+    all of it parsed, ``n`` numbers (a text value with a comma), one minus per negative number
+    (a lone "-" reads as 0), and neither int64 extreme (numpy saturates longer numbers).
+    """
+    if n == 0:
+        return np.empty(0, np.int64)
+    if text is None:
+        return None
+    minus = text.translate(None, b"0123456789,")    # what is left: minus signs, or worse
+    if minus.strip(b"-"):
+        return None
+    try:
+        with warnings.catch_warnings():
+            # numpy < 2.3 warns (and stops) where newer ones raise.
+            warnings.simplefilter("error", DeprecationWarning)
+            values = np.fromstring(text, dtype=np.int64, sep=",")
+    except (ValueError, DeprecationWarning):
+        return None
+    if len(values) != n or values.min() == _INT64_MIN or values.max() == _INT64_MAX:
+        return None
+    if len(minus) != np.count_nonzero(values < 0):
+        return None
+    return values
+
+
 def _split_global_tid(gtid: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """nsys globalTid/globalPid -> (pid, tid) as nsys stats prints them."""
     pid = np.where(gtid >= 0, (gtid >> 24) & 0xFFFFFF, -1)
@@ -410,6 +537,12 @@ def _first_per_key(pid: np.ndarray, corr: np.ndarray, prefer: np.ndarray) -> np.
     """Indices (in original order) keeping one row per (pid, corr), preferred rows first."""
     if len(pid) == 0:
         return np.empty(0, np.int64)
+    # Usually no two rows share a (pid, corr): then every row stays. One sort of a packed key
+    # tells (pids are 24-bit, correlation ids rarely pass 32).
+    if pid.min() >= 0 and pid.max() < 1 << 24 and corr.min() >= 0 and corr.max() < 1 << 38:
+        key = np.sort(pid << 38 | corr)
+        if (key[1:] != key[:-1]).all():
+            return np.arange(len(pid), dtype=np.int64)
     order = np.lexsort((~prefer, corr, pid))
     p, c = pid[order], corr[order]
     first = np.ones(len(order), bool)

@@ -1,0 +1,436 @@
+"""Regressions and fast-route equivalence for the trace core: containment with excluded ranges,
+vectorized nesting, busy time, per-segment figures, the kernel-range summary, the nsys reader's
+integer columns and NVTX texts."""
+
+from __future__ import annotations
+
+import dataclasses
+import sqlite3
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kimi_perf import breakdown, read_trace
+from kimi_perf.attribution import _summary_by_lexsort, kernel_launch_pairs, range_kernel_summary
+from kimi_perf.breakdown import (
+    SegmentFigures,
+    _union_length,
+    _us,
+    _us_array,
+    layer_type_medians,
+    segment_stats,
+)
+from kimi_perf.errors import TraceError
+from kimi_perf.nesting import (
+    _nest_in_lanes,
+    containing,
+    nearest_valid_ancestor,
+    range_groups,
+    thread_keys,
+)
+from kimi_perf.readers.nsys import _decode_text, _first_per_key, _NsysReader
+from kimi_perf.strings import StringTable
+from kimi_perf.trace import PUSHPOP, STARTEND
+from tests.conftest import kineto_fixtures, nsys_fixtures
+from tests.synth import TraceBuilder
+from tests.test_layers import nvtx_decode_trace
+from tests.test_nesting import brute_force, make_ranges, traces
+
+# -- containing with excluded ranges -------------------------------------------------------------
+
+
+def _points(tids, starts, ends):
+    t = np.array(tids, np.int64)
+    return thread_keys(np.ones_like(t), t), np.array(starts, np.int64), np.array(ends, np.int64)
+
+
+def test_excluded_parent_does_not_hide_outer_range():
+    # A ⊃ B ⊃ C on one thread; B excluded (as find_steps / layers_from_ranges filter ranges).
+    ranges = make_ranges([(1, 0, 100, PUSHPOP), (1, 10, 90, PUSHPOP), (1, 20, 30, PUSHPOP)])
+    keys = range_groups(ranges)
+    keys[1] = -1
+    got_r, got_p = containing(ranges, keys, *_points([1], [40], [41]))
+    assert got_r.tolist() == [0] and got_p.tolist() == [0]
+    # Inside C too: C and A, never B.
+    got_r, _ = containing(ranges, keys, *_points([1], [21], [22]))
+    assert sorted(got_r.tolist()) == [0, 2]
+
+
+def test_nearest_valid_ancestor_skips_runs_of_excluded_ranges():
+    parent = np.array([-1, 0, 1, 2, 3, 4, 0])
+    valid = np.array([True, False, False, True, False, False, False])
+    assert nearest_valid_ancestor(parent, valid).tolist() == [-1, 0, 0, 0, 3, 3, 0]
+
+
+def test_zero_length_point_where_one_range_ends_and_the_next_begins():
+    # [0,1] and [1,2] touch inside [0,60]: the point [1,1] lies in all three.
+    ranges = make_ranges([(1, 0, 60, PUSHPOP), (1, 1, 2, PUSHPOP), (1, 2, 2, PUSHPOP),
+                          (1, 0, 1, STARTEND)])
+    got_r, _ = containing(ranges, range_groups(ranges), *_points([1], [1], [1]))
+    assert sorted(got_r.tolist()) == [0, 1, 3]
+
+
+@settings(max_examples=300, deadline=None)
+@given(traces(), st.randoms(use_true_random=False))
+def test_containing_with_exclusions_equals_brute_force(case, rnd):
+    rows, tids, starts, ends = case
+    if not rows:
+        return
+    ranges = make_ranges(rows)
+    keep = np.array([rnd.random() < 0.6 for _ in rows])
+    keys = np.where(keep, range_groups(ranges), -1)
+    got_r, got_p = containing(ranges, keys, *_points(tids, starts, ends))
+    got = set(zip(got_r.tolist(), got_p.tolist(), strict=True))
+    assert len(got) == len(got_r), "a pair came out twice"
+    assert got == {(r, p) for r, p in brute_force(ranges, tids, starts, ends) if keep[r]}
+
+
+# -- nest_ranges: vectorized route vs the lane loop ----------------------------------------------
+
+
+def _nest_by_loop(ranges):
+    groups = range_groups(ranges)
+    order = np.lexsort((-ranges.end, ranges.start, groups))
+    ranges.depth = np.zeros(len(ranges), np.int32)
+    ranges.parent = np.full(len(ranges), -1, np.int64)
+    ranges.lane = np.zeros(len(ranges), np.int32)
+    _nest_in_lanes(ranges, order, groups)
+    return ranges.depth.tolist(), ranges.parent.tolist(), ranges.lane.tolist()
+
+
+def _nest_both(rows):
+    ranges = make_ranges(rows)
+    fast = ranges.depth.tolist(), ranges.parent.tolist(), ranges.lane.tolist()
+    return fast, _nest_by_loop(ranges)
+
+
+@settings(max_examples=300, deadline=None)
+@given(traces())
+def test_nest_ranges_equals_lane_loop(case):
+    rows, *_ = case
+    if rows:
+        fast, loop = _nest_both(rows)
+        assert fast == loop
+
+
+@pytest.mark.parametrize("rows", [
+    # Touching siblings, zero-length ranges at edges, duplicates.
+    [(1, 0, 10, PUSHPOP), (1, 10, 20, PUSHPOP), (1, 20, 20, PUSHPOP), (1, 20, 20, PUSHPOP),
+     (1, 10, 10, PUSHPOP), (1, 0, 10, PUSHPOP), (1, 5, 10, PUSHPOP)],
+    # A deep chain and a long flat run.
+    [(1, i, 1000 - i, PUSHPOP) for i in range(300)] + [(2, 2 * i, 2 * i + 1, PUSHPOP)
+                                                        for i in range(500)],
+    # Deep chains closed by one range: within the pointer-jumping rounds, and past them.
+    [(1, i, 1000 - i, PUSHPOP) for i in range(300)] + [(1, 1000, 1001, PUSHPOP)],
+    [(1, i, 5000 - i, PUSHPOP) for i in range(1500)] + [(1, 5000, 5001, PUSHPOP),
+                                                         (1, 5001, 5002, PUSHPOP)],
+    # Thread 1 nests; thread 2 overlaps (lanes); thread 3 ends before it starts.
+    [(1, 0, 100, PUSHPOP), (1, 10, 20, PUSHPOP), (2, 0, 50, STARTEND), (2, 40, 90, STARTEND),
+     (2, 45, 60, STARTEND), (3, 10, 5, STARTEND), (3, 0, 20, PUSHPOP)],
+])
+def test_nest_ranges_edge_cases(rows):
+    fast, loop = _nest_both(rows)
+    assert fast == loop
+
+
+def test_nest_ranges_on_fixtures_equals_lane_loop():
+    for path in nsys_fixtures() + kineto_fixtures():
+        ranges = read_trace(path).ranges
+        fast = ranges.depth.tolist(), ranges.parent.tolist(), ranges.lane.tolist()
+        assert fast == _nest_by_loop(ranges), path.name
+
+
+# -- busy time and per-segment figures -----------------------------------------------------------
+
+
+def _union_reference(start, end):
+    order = np.argsort(start, kind="stable")
+    total, cur_s, cur_e = 0, None, None
+    for s, e in zip(start[order].tolist(), end[order].tolist(), strict=True):
+        if cur_s is None or s > cur_e:
+            if cur_s is not None:
+                total += cur_e - cur_s
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    return total + (cur_e - cur_s if cur_s is not None else 0)
+
+
+def test_union_length_with_negative_times():
+    start = np.array([-100, -95, -80, -79, -60])
+    end = np.array([-90, -92, -70, -75, -59])
+    assert _union_length(start, end) == 10 + 10 + 1
+    # Far below zero, as clocks with an arbitrary origin give.
+    big = -(10 ** 14)
+    assert _union_length(start + big, end + big) == 21
+    assert _union_length(np.array([-5]), np.array([-2])) == 3
+
+
+def _segment_stats_reference(start, end, rows, classes, labels):
+    """The per-segment implementation ``breakdown`` used before it was vectorized."""
+    if len(rows) == 0:
+        return {"kernels": 0, "kernel_us": 0.0, "span_us": 0.0, "gap_us": 0.0, "classes": {}}
+    s, e = start[rows], end[rows]
+    span = int(e.max() - s.min())
+    busy = _union_reference(s, e)
+    cls = classes[rows]
+    dur = e - s
+    per_class = {}
+    for c in np.unique(cls).tolist():
+        sel = cls == c
+        per_class[labels[c]] = {"kernels": int(sel.sum()), "us": _us(dur[sel].sum())}
+    return {"kernels": len(rows), "kernel_us": _us(dur.sum()), "span_us": _us(span),
+            "gap_us": _us(span - busy), "classes": dict(sorted(per_class.items()))}
+
+
+def _ops(start, end, classes, labels):
+    """What the segment figures read of ``GpuOps``."""
+    return SimpleNamespace(start=start, end=end, kernel_class=classes, class_labels=labels)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(0, 2 ** 32), st.sampled_from([0, -(10 ** 14), 10 ** 15, 2 ** 62]))
+def test_segment_figures_equal_per_segment_reference(seed, origin):
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(0, 60))
+    start = origin + rng.integers(-50, 500, n)
+    end = start + rng.integers(0, 80, n)
+    labels = ["zeta", "alpha", "moe", "gemm"]
+    classes = rng.integers(0, len(labels), n).astype(np.int32)
+    segments = []
+    for _ in range(int(rng.integers(0, 8))):
+        rows = rng.choice(n, int(rng.integers(0, n + 1)), replace=False) if n else \
+            np.empty(0, np.int64)
+        if rng.random() < 0.5:
+            rows = rows[np.argsort(start[rows], kind="stable")]
+        segments.append(rows.astype(np.int64))
+    ops = _ops(start, end, classes, labels)
+    got = SegmentFigures.of(ops, segments, classes, labels).stats(labels)
+    assert got == [_segment_stats_reference(start, end, rows, classes, labels)
+                   for rows in segments]
+    for rows in segments:
+        assert segment_stats(ops, rows, classes, labels) == \
+            _segment_stats_reference(start, end, rows, classes, labels)
+
+
+def test_segment_figures_fall_back_for_huge_spans():
+    start = np.array([-(2 ** 62), 0, 2 ** 61, 5, 6])
+    end = np.array([-(2 ** 62) + 10, 10, 2 ** 61 + 3, 7, 8])
+    labels = ["a"]
+    classes = np.zeros(5, np.int32)
+    segments = [np.arange(3), np.array([3, 4]), np.array([4])]
+    got = SegmentFigures.of(_ops(start, end, classes, labels), segments, classes,
+                            labels).busy_ns.tolist()
+    assert got == [_union_reference(start[s], end[s]) for s in segments]
+
+
+def test_us_array_rounds_like_us():
+    rng = np.random.default_rng(0)
+    for scale in (10, 10 ** 9, 10 ** 15, 2 ** 62):
+        ns = rng.integers(-scale, scale, 5000)
+        assert _us_array(ns).tolist() == [_us(v) for v in ns.tolist()]
+
+
+def test_breakdown_layer_type_medians_match_the_dict_version():
+    traces_ = [nvtx_decode_trace("layer[{i}]({kind})", steps=3, n_layers=8).build()]
+    traces_ += [read_trace(p) for p in kineto_fixtures()[:4]]
+    for trace in traces_:
+        b = breakdown(trace)
+        assert b.layer_types == layer_type_medians(b.layers)
+
+
+# -- range_kernel_summary: grouped sort vs the reference lexsort ---------------------------------
+
+
+def _rows(rows):
+    return [dataclasses.astuple(r) for r in rows]
+
+
+def test_range_kernel_summary_equals_reference_on_fixtures():
+    for path in nsys_fixtures() + kineto_fixtures():
+        trace = read_trace(path)
+        got = range_kernel_summary(trace)
+        assert _rows(got) == _rows(_summary_by_lexsort(trace, *kernel_launch_pairs(trace)))
+        assert all(type(v) in (int, str, type(None)) for r in _rows(got) for v in r)
+
+
+@st.composite
+def launch_traces(draw):
+    b = TraceBuilder()
+    names = ["fwd", "layer", "attn", "moe"]
+    for tid in (1, 2):
+        t = 0
+        for _ in range(draw(st.integers(0, 6))):
+            s = t + draw(st.integers(0, 30))
+            e = s + draw(st.integers(0, 200))
+            style = draw(st.sampled_from([PUSHPOP, STARTEND]))
+            b.range(draw(st.sampled_from(names)), s, e, tid=tid, style=style)
+            if draw(st.booleans()):        # a nested range, maybe with the same name
+                b.range(draw(st.sampled_from(names)), s + draw(st.integers(0, 5)),
+                        e - draw(st.integers(0, 5)), tid=tid)
+            t = s + draw(st.integers(0, 100))
+    for _ in range(draw(st.integers(0, 30))):
+        s = draw(st.integers(0, 400))
+        tid = draw(st.sampled_from([1, 2, 3]))
+        b.launch(draw(st.sampled_from(["gemm", "norm", "topk"])), s, s + draw(st.integers(0, 9)),
+                 1000 + s, 1000 + s + draw(st.integers(0, 50)), tid=tid)
+    trace = b.build()
+    # Some kernels lose their launch (no API row): empty range, no pid/tid.
+    lost = np.array([draw(st.booleans()) and draw(st.booleans())
+                     for _ in range(len(trace.kernels))], bool)
+    trace.kernels.api[lost] = -1
+    trace.kernels.tid[lost] = -1
+    return trace
+
+
+@settings(max_examples=200, deadline=None)
+@given(launch_traces())
+def test_range_kernel_summary_equals_reference(trace):
+    got = range_kernel_summary(trace)
+    assert _rows(got) == _rows(_summary_by_lexsort(trace, *kernel_launch_pairs(trace)))
+
+
+def test_range_kernel_summary_counts_nested_same_name_ranges():
+    b = TraceBuilder()
+    b.range("fwd", 0, 100)
+    b.range("fwd", 10, 90)      # nested, same name: 2 range instances, 1 kernel instance each
+    b.range("fwd", 200, 300)
+    b.launch("gemm", 20, 30, 1000, 1010)
+    b.launch("gemm", 210, 220, 2000, 2030)
+    b.launch("gemm", 400, 410, 3000, 3005)  # outside every range
+    rows = {(r.range, r.kernel): r for r in range_kernel_summary(b.build())}
+    fwd = rows[("fwd", "gemm")]
+    assert (fwd.range_instances, fwd.kernel_instances, fwd.total_ns) == (3, 2, 10 + 10 + 30)
+    lone = rows[(None, "gemm")]
+    assert (lone.range_instances, lone.kernel_instances, lone.total_ns) == (0, 1, 5)
+
+
+# -- nsys reader: integer columns as text, NVTX texts --------------------------------------------
+
+WEIRD_VALUES = [" ", "\t", "-", "--5", "5-3", "\t5", "5\n", "", "1e3", "0x1f", "١٢", " 12",
+                "+7", "-0", "007", "99999999999999999999", "9223372036854775807", 1.5, 5.0,
+                1e30, b"ab", b"12", "1,2", None, -1, 2 ** 63 - 1, -(2 ** 63), "nan", "5 5",
+                "1_000", 12345678901234]
+
+
+def _reader(rows, affinity="INTEGER"):
+    conn = sqlite3.connect(":memory:")
+    conn.text_factory = _decode_text
+    conn.execute(f"CREATE TABLE t (a {affinity}, b {affinity})")
+    conn.executemany("INSERT INTO t VALUES (?, ?)", rows)
+    reader = _NsysReader(conn, Path("test.sqlite"))
+    reader.schema = None
+    return reader
+
+
+def _read(fetch):
+    try:
+        cols = fetch("t", {"a": "a", "b": "b", "none": "NULL", "zero": "0", "neg": "-3"}, "")
+    except TraceError:
+        return "TraceError"
+    return {k: v.tolist() for k, v in cols.items()}
+
+
+@pytest.mark.parametrize("affinity", ["INTEGER", ""])
+@pytest.mark.parametrize("value", WEIRD_VALUES)
+def test_int_columns_equal_row_by_row_read(value, affinity):
+    reader = _reader([(1, 2), (value, 3), (-4, None)], affinity)
+    assert _read(reader._int_columns) == _read(reader._int_columns_by_rows)
+
+
+def test_int_columns_text_route_is_taken_and_handles_empty_tables():
+    reader = _reader([(i, None if i % 3 else -i) for i in range(1000)])
+    fast = reader._int_columns_as_text("t", {"a": "a", "b": "b"}, "")
+    assert fast is not None and fast["a"].tolist() == list(range(1000))
+    assert fast["b"].tolist() == [-i if i % 3 == 0 else -1 for i in range(1000)]
+    empty = reader._int_columns("t", {"a": "a", "k": "NULL"}, "WHERE a < 0")
+    assert empty["a"].dtype == np.int64 and len(empty["a"]) == 0 and len(empty["k"]) == 0
+    with pytest.raises(TraceError, match="non-integer"):
+        _reader([(1, 2), ("x", 3)])._int_columns("t", {"a": "a"}, "")
+
+
+def test_int_columns_fall_back_past_sqlite_length_limit():
+    reader = _reader([(123456789, 1)] * 1000)
+    reader.conn.setlimit(sqlite3.SQLITE_LIMIT_LENGTH, 1000)
+    assert reader._int_columns_as_text("t", {"a": "a"}, "") is None
+    assert reader._int_columns("t", {"a": "a"}, "")["a"].tolist() == [123456789] * 1000
+
+
+def _nvtx_reader(rows, columns=("textId", "text")):
+    conn = sqlite3.connect(":memory:")
+    conn.text_factory = _decode_text
+    conn.execute(f"CREATE TABLE NVTX_EVENTS (eventType INTEGER, {', '.join(columns)})")
+    conn.executemany(f"INSERT INTO NVTX_EVENTS VALUES ({', '.join('?' * (len(columns) + 1))})",
+                     rows)
+    reader = _NsysReader(conn, Path("test.sqlite"))
+    reader.strings = StringTable()
+    reader.strings.extend(["x", "registered a", "registered b"])
+    reader.id_to_code = np.array([-1, 1, 2, -1, 0], np.int32)
+    return reader
+
+
+@pytest.mark.parametrize("columns", [("textId", "text"), ("text",), ("textId",)])
+def test_nvtx_texts_equal_row_by_row_read(columns):
+    rng = np.random.default_rng(3)
+    rows = []
+    for _ in range(400):
+        text_id = rng.choice([None, 1, 2, 0, 3, 4, 99, -5])
+        text = rng.choice([None, "alpha", "beta", "", "x", "alpha"]) if rng.random() < 0.9 \
+            else int(rng.integers(0, 3))
+        row = {"textId": None if text_id is None else int(text_id), "text": text}
+        rows.append((int(rng.choice([59, 60, 75])), *(row[c] for c in columns)))
+    where = "WHERE eventType IN (59, 60)"
+    fast, slow = _nvtx_reader(rows, columns), _nvtx_reader(rows, columns)
+    cols = set(columns)
+    assert fast._nvtx_texts("NVTX_EVENTS", cols, where).tolist() == \
+        slow._nvtx_texts_by_rows("NVTX_EVENTS", cols, where).tolist()
+    assert fast.strings.values == slow.strings.values    # same codes, interned in one order
+
+
+@pytest.mark.parametrize("texts", [
+    ["alpha", "beta", "alpha", "", "ünïcode ✓"],        # all text: one group_concat
+    ["a\x1fb", "c", "a"],                               # holds the separator
+    ["x", None, "y"],                                   # a NULL
+    ["ok", b"bad \xe2\x82 bytes", "ok", b"\xff"],       # invalid UTF-8 stored as TEXT
+])
+def test_nvtx_plain_texts_equal_row_by_row_read(texts):
+    rows = [(59, None, t) for t in texts]
+    fast, slow = _nvtx_reader(rows), _nvtx_reader(rows)
+    for reader in (fast, slow):    # the bytes become TEXT that is not UTF-8
+        reader.conn.execute("UPDATE NVTX_EVENTS SET text = CAST(text AS TEXT)")
+    where = "WHERE eventType = 59"
+    got = fast._nvtx_texts("NVTX_EVENTS", {"textId", "text"}, where)
+    assert got.tolist() == slow._nvtx_texts_by_rows("NVTX_EVENTS", {"textId", "text"},
+                                                     where).tolist()
+    assert fast.strings.values == slow.strings.values
+
+
+def test_nvtx_texts_fall_back_for_text_ids():
+    rows = [(59, "1", "a"), (59, "zz", "b"), (59, None, "c")]
+    fast, slow = _nvtx_reader(rows), _nvtx_reader(rows)
+    where = "WHERE eventType = 59"
+    assert fast._nvtx_texts("NVTX_EVENTS", {"textId", "text"}, where).tolist() == \
+        slow._nvtx_texts_by_rows("NVTX_EVENTS", {"textId", "text"}, where).tolist()
+
+
+def _first_per_key_reference(pid, corr, prefer):
+    order = np.lexsort((~prefer, corr, pid))
+    p, c = pid[order], corr[order]
+    first = np.ones(len(order), bool)
+    first[1:] = (p[1:] != p[:-1]) | (c[1:] != c[:-1])
+    return np.sort(order[first])
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_first_per_key_equals_reference(seed):
+    rng = np.random.default_rng(seed)
+    n = 500
+    pid = rng.integers(0, 3, n) if seed != 5 else rng.integers(-1, 2 ** 30, n)
+    corr = rng.permutation(n) if seed % 2 else rng.integers(0, 200, n)
+    prefer = rng.random(n) < 0.7
+    assert _first_per_key(pid, corr, prefer).tolist() == \
+        _first_per_key_reference(pid, corr, prefer).tolist()
