@@ -237,8 +237,8 @@ def breakdown(trace: Trace, layers: str = "auto", rules: list[Rule] | None = Non
                                        strict=True):
         row.update(prologue=prologue, epilogue=epilogue)
     medians = _layer_type_medians(layer_rows, figures, n_steps, labels)
-    return Breakdown(source=_source(trace), steps=step_rows, layers=layer_rows,
-                     layer_types=medians)
+    return Breakdown(source={**_source(trace), "ops": ops.kind}, steps=step_rows,
+                     layers=layer_rows, layer_types=medians)
 
 
 def layer_type_medians(layer_rows: list[dict]) -> list[dict]:
