@@ -39,3 +39,21 @@ def test_bench_trace_io_quick(out: Path) -> None:
     assert "kernels/s" in text
     for label in ("Arrow IPC (project)", "Parquet (zstd)", "numpy .npz"):
         assert label in text
+
+
+def test_gpu_decode_check_plumbing_on_the_cpu(tmp_path):
+    """The one-call GPU check, run with tiny shapes on this CPU: it must get to its summary."""
+    import json
+
+    proc = subprocess.run([sys.executable, str(BENCHMARKS / "gpu_decode_check.py"), "--smoke",
+                           "--out", str(tmp_path)], capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["errors"] == []
+    assert all(r["ok"] for r in results["correctness"].values())
+    speed = results["speed"]
+    assert set(speed) == {"standard b1", "specialized b1", "standard b2", "specialized b2"}
+    kernels = {t["type"]: t["kernels"] for t in speed["specialized b1"]["layer_types"]}
+    assert kernels == {"kda": 12, "mla": 15}
+    assert "| run | layer type |" in proc.stdout

@@ -1,0 +1,244 @@
+"""The whole GPU check of the two decode paths, in one call (for the lent H200).
+
+    python benchmarks/gpu_decode_check.py --out "$OUT"      # on the GPU machine
+    python benchmarks/gpu_decode_check.py --smoke --out DIR   # the same plumbing on a CPU
+
+1. Environment: GPU, driver, CUDA, torch, triton, date.
+2. Ceilings: device-to-device copy bandwidth (bytes read + written, median of repeats).
+3. Correctness on the GPU: both paths on the tiny preset in float32 against the standard path
+   on the CPU (Triton's float32 dots use tf32 on the GPU: bound 3e-3), logits every step.
+4. Speed: both paths on k3-tp8 shapes (5 layers: dense, 2 KDA + MoE, 2 gated MLA) at batch 1
+   and 64, eager (no CUDA graphs yet), profiled after warm-up. Per layer type: kernels, kernel
+   µs, span µs; per launch of the specialized path: its kernels' µs against the bytes it must
+   move over the measured bandwidth (its memory floor).
+
+Writes ``results.json``, ``summary.md`` and the Kineto traces under ``--out``; prints the
+summary last. Every number is measured in this one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import gzip
+import json
+import math
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+from kimi_perf.attribution import range_kernel_summary
+from kimi_perf.breakdown import breakdown
+from kimi_perf.capture import environment
+from kimi_perf.decode.config import K3Config, preset
+from kimi_perf.decode.harness import run_decode
+from kimi_perf.decode.model import K3Model
+from kimi_perf.decode.specialized import SpecializedModel, build_model
+from kimi_perf.decode.validate import rel_err
+from kimi_perf.decode.weights import random_weights
+from kimi_perf.readers import read_trace
+
+PATHS = {"standard": "auto", "specialized": "latency_specialized"}
+
+
+def copy_bandwidth(device: str, mib: int, repeats: int = 10) -> float:
+    """Bytes read + written per second by a device-to-device copy (median)."""
+    src = torch.randn(mib * 1024 * 1024 // 4, device=device)
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(repeats + 2):
+        if device == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            dst.copy_(src)
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            dst.copy_(src)
+            times.append(time.perf_counter() - t0)
+    return 2 * src.numel() * 4 / statistics.median(times[2:])
+
+
+def correctness(device: str, steps: int) -> dict:
+    """Both paths on the GPU against the standard path on the CPU, tiny preset, float32."""
+    c = preset("tiny", n_layers=4)
+    weights = random_weights(c, seed=11)
+    ref = K3Model(c, weights, dtype=torch.float32)
+    tokens = torch.randint(0, c.vocab, (2, 4 + steps), generator=torch.Generator()
+                           .manual_seed(12))
+    ref_state = ref.new_state(2, 4 + steps)
+    want = [ref.forward(tokens[:, :4], ref_state)[:, -1]]
+    want += [ref.forward(tokens[:, t: t + 1], ref_state)[:, -1] for t in range(4, 4 + steps)]
+    out = {}
+    for name, backend in PATHS.items():
+        model = build_model(c, weights, backend, dtype=torch.float32, device=device)
+        state = model.new_state(2, 4 + steps)
+        got = [model.forward(tokens[:, :4].to(device), state)[:, -1]]
+        got += [model.forward(tokens[:, t: t + 1].to(device), state)[:, -1]
+                for t in range(4, 4 + steps)]
+        errors = [rel_err(g.cpu(), w.double()) for g, w in zip(got, want, strict=True)]
+        out[name] = {"max_rel_err": max(errors), "ok": max(errors) < 3e-3 and all(
+            math.isfinite(e) for e in errors)}
+    return out
+
+
+def expected_experts(c: K3Config, batch: int) -> float:
+    """Distinct routed experts a step touches under uniform top-k: E(1 - (1 - k/E)^B)."""
+    return c.n_experts * (1 - (1 - c.top_k / c.n_experts) ** batch)
+
+
+def launch_bytes(c: K3Config, batch: int, context: int) -> dict[str, float]:
+    """Bytes each specialized launch must move at least (weights once, state read + written;
+    experts stored in bf16 as this model stores them)."""
+    h, bf16, fp32 = c.hidden, 2, 4
+    H, d = c.kda_heads_local, c.kda_head_dim
+    Hm = c.mla_heads_local
+    inter, shared = c.moe_intermediate_local, c.shared_intermediate_local
+    experts = expected_experts(c, batch)
+    return {
+        "in_proj": c.in_proj_rows * h * bf16,
+        "fused_kda_decode": H * d * c.f_rank * bf16 + 2 * batch * H * d * d * fp32
+        + 2 * batch * 3 * H * d * 3 * bf16,
+        "o_proj": h * max(H * d, Hm * c.v_head) * bf16,
+        "router_latent_down": (c.n_experts + c.latent) * h * bf16,
+        "moe_fc1_situ": experts * 2 * inter * c.latent * bf16,
+        "moe_fc2_combine": experts * c.latent * inter * bf16,
+        "shared_gate_up_situ": 2 * shared * h * bf16,
+        "shared_down": h * shared * bf16,
+        "latent_up_proj": h * c.latent * bf16,
+        "qkv_a_g_proj": (c.q_lora + c.kv_cache_dim + Hm * c.v_head) * h * bf16,
+        "q_b_proj": Hm * (c.qk_nope + c.qk_rope) * c.q_lora * bf16,
+        "bmm_w_uk_cache_insert": Hm * c.qk_nope * c.kv_lora * bf16,
+        "mla_decode": batch * context * c.kv_cache_dim * bf16,
+        "bmm_w_uv_gate": Hm * c.kv_lora * c.v_head * bf16,
+    }
+
+
+def speed(path: str, c: K3Config, weights, batch: int, context: int, warmup: int, steps: int,
+          device: str, out: Path, bandwidth: float) -> dict:
+    model = build_model(c, weights, PATHS[path], device=device)
+    model.annotate_ops = True  # per-launch ranges: kernels are attributed to the launch
+    prompt = torch.randint(0, c.vocab, (batch, context), generator=torch.Generator()
+                           .manual_seed(batch))
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    schedule = torch.profiler.schedule(wait=1, warmup=warmup, active=steps, repeat=1)
+    with torch.profiler.profile(activities=activities, schedule=schedule) as prof:
+        run = run_decode(model, prompt, steps=warmup + steps, after_step=prof.step)
+    with tempfile.TemporaryDirectory() as tmp:
+        raw = Path(tmp) / "t.json"
+        prof.export_chrome_trace(str(raw))
+        trace_file = out / f"{path}_b{batch}.trace.json.gz"
+        trace_file.write_bytes(gzip.compress(raw.read_bytes(), 6))
+    trace = read_trace(trace_file)
+    b = breakdown(trace)
+    result = {"layer_types": b.layer_types, "step_s": run.step_s[warmup:],
+              "fallbacks": list(getattr(model, "fallbacks", []))}
+    if isinstance(model, SpecializedModel):
+        floors = launch_bytes(c, batch, context)
+        per_launch: dict[str, dict] = {}
+        for row in range_kernel_summary(trace):
+            if not row.range or not row.range.startswith("op:"):
+                continue
+            name = row.range[3:]
+            entry = per_launch.setdefault(name, {"kernel_ns": 0, "ranges": row.range_instances})
+            entry["kernel_ns"] += row.total_ns
+        for name, entry in per_launch.items():
+            per_call = entry["kernel_ns"] / max(entry["ranges"], 1) / 1e3
+            floor = floors.get(name, 0.0) / bandwidth * 1e6
+            entry.update(us_per_launch=per_call, floor_us=floor,
+                         floor_fraction=floor / per_call if per_call else None)
+        result["launches"] = per_launch
+    del model
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return result
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU")
+    parser.add_argument("--layers", type=int, default=5)
+    parser.add_argument("--context", type=int, default=1024)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=3)
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
+    if not args.smoke and device != "cuda":
+        print("no GPU: run with --smoke for the CPU plumbing check", file=sys.stderr)
+        return 2
+    results: dict = {"date": dt.datetime.now(dt.UTC).isoformat(),
+                     "environment": environment(device), "errors": []}
+    results["copy_bandwidth_Bps"] = bandwidth = copy_bandwidth(device, 16 if args.smoke
+                                                               else 2048)
+    try:
+        results["correctness"] = correctness(device, 2 if args.smoke else 6)
+    except Exception:  # keep going: the speed runs are evidence of their own
+        results["errors"].append(traceback.format_exc())
+    if args.smoke:
+        c, batches, context, steps, warmup = preset("tiny", n_layers=4), (1, 2), 4, 1, 1
+    else:
+        c = preset("k3-tp8", n_layers=args.layers)
+        batches, context, steps, warmup = (1, 64), args.context, args.steps, args.warmup
+    weights = random_weights(c, seed=0, device=device)
+    results["config"] = {"preset": "tiny" if args.smoke else "k3-tp8",
+                         "n_layers": c.n_layers, "hash": c.fingerprint(), "context": context,
+                         "steps": steps, "warmup": warmup}
+    results["speed"] = {}
+    for batch in batches:
+        for path in PATHS:
+            key = f"{path} b{batch}"
+            try:
+                results["speed"][key] = speed(path, c, weights, batch, context, warmup, steps,
+                                              device, args.out, bandwidth)
+            except Exception:
+                results["errors"].append(f"{key}: {traceback.format_exc()}")
+    (args.out / "results.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
+    summary = render_summary(results)
+    (args.out / "summary.md").write_text(summary)
+    print(summary)
+    return 1 if results["errors"] else 0
+
+
+def render_summary(results: dict) -> str:
+    env = results["environment"]
+    lines = [f"# Decode paths on {', '.join(env.get('gpus') or ['CPU'])}",
+             f"{results['date']}; torch {env['torch']}, triton {env.get('triton')}, CUDA "
+             f"{env.get('cuda')}, driver {env.get('driver')}; commit {env.get('git_commit')}",
+             f"copy bandwidth (read + write): {results['copy_bandwidth_Bps'] / 1e12:.2f} TB/s",
+             ""]
+    for name, r in (results.get("correctness") or {}).items():
+        lines.append(f"correctness {name}: max rel err {r['max_rel_err']:.2e} "
+                     f"{'ok' if r['ok'] else 'FAIL'}")
+    lines += ["", "| run | layer type | layers | kernels | kernel µs | span µs |",
+              "|---|---|---:|---:|---:|---:|"]
+    for key, r in results.get("speed", {}).items():
+        for t in r["layer_types"]:
+            lines.append(f"| {key} | {t['type']} | {t['layers']} | {t['kernels']:g} | "
+                         f"{t['kernel_us']:.1f} | {t['span_us']:.1f} |")
+    for key, r in results.get("speed", {}).items():
+        if "launches" not in r:
+            continue
+        lines += ["", f"{key}: per launch", "| launch | µs | floor µs | floor / µs |",
+                  "|---|---:|---:|---:|"]
+        for name, e in sorted(r["launches"].items()):
+            frac = e["floor_fraction"]
+            lines.append(f"| {name} | {e['us_per_launch']:.2f} | {e['floor_us']:.2f} | "
+                         f"{'-' if frac is None else f'{frac:.2f}'} |")
+    if results["errors"]:
+        lines += ["", f"{len(results['errors'])} error(s): see results.json"]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
