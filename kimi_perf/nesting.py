@@ -45,11 +45,6 @@ def thread_keys(pid: np.ndarray, tid: np.ndarray) -> np.ndarray:
     return keys
 
 
-def stream_keys(device: np.ndarray, stream: np.ndarray) -> np.ndarray:
-    """Group keys for points on GPU streams (matches GPU ranges in ``range_groups``)."""
-    return _stream_key(device, stream)
-
-
 def nest_ranges(ranges: Ranges) -> None:
     """Fill ``depth``, ``parent`` and ``lane`` in place.
 
@@ -197,7 +192,7 @@ def containing(ranges: Ranges, range_keys: np.ndarray, point_keys: np.ndarray,
     """All (range row, point row) pairs where the range contains the point's [start, end].
 
     Ranges and points match on their group keys (``range_groups`` / ``thread_keys`` /
-    ``stream_keys``); a range with key -1 is left out. Containment is closed:
+    GPU-range keys); a range with key -1 is left out. Containment is closed:
     ``range.start <= start`` and ``end <= range.end``. Within a lane, a point's pair with a
     range comes after its pairs with the ranges inside that one.
     """

@@ -67,9 +67,6 @@ class Table:
                 rows = len(getattr(self, name))
                 raise ValueError(f"{type(self).__name__}.{name} has {rows} rows, not {n}")
 
-    def take(self, index: np.ndarray) -> Self:
-        return type(self)(**{name: getattr(self, name)[index] for name in self.dtypes})
-
     def columns(self) -> dict[str, np.ndarray]:
         return {name: getattr(self, name) for name in self.dtypes}
 
@@ -184,10 +181,6 @@ class Trace:
     ranges: Ranges = field(default_factory=Ranges.empty)
     api: ApiCalls = field(default_factory=ApiCalls.empty)
     meta: dict[str, Any] = field(default_factory=dict)
-
-    def string_array(self) -> np.ndarray:
-        """The string table as a numpy object array (for vectorized name lookups)."""
-        return np.array(self.strings, dtype=object)
 
     def names_matching(self, pattern) -> np.ndarray:
         """Boolean mask over string codes: which strings match a compiled regex (search)."""
