@@ -140,3 +140,118 @@ def test_kptrace_round_trip(tmp_path):
         for col, values in getattr(trace, table).columns().items():
             np.testing.assert_array_equal(getattr(getattr(again, table), col), values)
     assert list(tmp_path.iterdir()) == [out]
+
+
+# -- Kineto reader: the block reader (at any block size), the one-shot path and the per-event
+# replay all give the same trace.
+
+def _raise(exc):
+    raise exc
+
+
+def _kineto_paths(path, monkeypatch) -> dict[str, Trace]:
+    from kimi_perf.readers import kineto
+
+    traces = {"blocks": kineto.read_kineto_json(path)}
+    with monkeypatch.context() as m:
+        m.setattr(kineto, "_BLOCK", 997)  # many pieces, cuts everywhere
+        traces["small blocks"] = kineto.read_kineto_json(path)
+    with monkeypatch.context() as m:
+        m.setattr(kineto, "_read_in_blocks", lambda p: _raise(kineto._Fallback()))
+        traces["one shot"] = kineto.read_kineto_json(path)
+    with monkeypatch.context() as m:
+        m.setattr(kineto._Builder, "add_fast", lambda self, items: _raise(kineto._Slow()))
+        traces["replay"] = kineto.read_kineto_json(path)
+    return traces
+
+
+def _assert_same_trace(a: Trace, b: Trace, label: str) -> None:
+    assert a.strings == b.strings, label
+    assert a.meta == b.meta, label
+    for table in ("kernels", "memops", "ranges", "api"):
+        for col, values in getattr(a, table).columns().items():
+            other = getattr(getattr(b, table), col)
+            assert values.dtype == other.dtype, (label, table, col)
+            np.testing.assert_array_equal(values, other, err_msg=f"{label}: {table}.{col}")
+
+
+@pytest.mark.parametrize("name", ["hta_amd_mi250_rocm62_minitoy.json.gz",
+                                  "hta_a100_alexnet_cuda_sync.json.gz",
+                                  "tracelens_vllm_gptoss20b_decode_fullgraph_mi300x.json.gz"])
+def test_kineto_reader_paths_agree(name, monkeypatch):
+    traces = _kineto_paths(KINETO / name, monkeypatch)
+    for label, trace in traces.items():
+        _assert_same_trace(traces["blocks"], trace, label)
+
+
+def _tricky_kineto_doc() -> dict:
+    """Text that looks like event boundaries inside strings and nested values, non-ASCII
+    names, a label for a thread id, a gpu_user_annotation and "]" in the fields after the
+    events."""
+    launch = {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "pid": 5,
+              "tid": 6, "ts": 100.5, "dur": 2.25, "args": {"correlation": 9, "cbid": 211}}
+    kernel = {"ph": "X", "cat": "kernel", "name": 'void k<{lambda()#1}, 2>("µ}, {]")',
+              "pid": 0, "tid": 7, "ts": 103.125, "dur": 4,
+              "args": {"device": 0, "stream": 7, "correlation": 9, "grid": [1, 2, 3],
+                       "nested": [{"a": "}, {"}, {"b": "],"}]}}
+    events = [
+        {"ph": "M", "name": "thread_name", "pid": "Spans", "tid": "", "args": {"name": "x"}},
+        {"ph": "X", "cat": "user_annotation", "name": "step‹0›", "pid": 5, "tid": 6,
+         "ts": 99, "dur": 20},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "pid": 5, "tid": 6, "ts": 100,
+         "dur": 3, "args": {"Input Dims": [[2, 3], [3, 4]]}},
+        launch,
+        {"ph": "s", "id": 9, "pid": 5, "tid": 6, "ts": 100.5, "cat": "ac2g", "name": "ac2g"},
+        kernel,
+        {"ph": "f", "id": 9, "pid": 0, "tid": 7, "ts": 103.125, "cat": "ac2g", "name": "ac2g",
+         "bp": "e"},
+        {"ph": "X", "cat": "gpu_user_annotation", "name": "step‹0›", "pid": 0, "tid": 7,
+         "ts": 103, "dur": 5, "args": {"device": 0}},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "pid": 5, "tid": "main thread",
+         "ts": 110, "dur": 1},
+    ]
+    return {"schemaVersion": 1, "deviceProperties": [{"id": 0, "name": "G", "numSms": 2}],
+            "traceEvents": events, "traceName": "a]b}, {c", "INFO": [["]"], "x]"]}
+
+
+@pytest.mark.parametrize("layout", ["pretty", "compact", "gzip"])
+def test_kineto_reader_tricky_text(layout, tmp_path, monkeypatch):
+    doc = _tricky_kineto_doc()
+    text = json.dumps(doc, indent=2 if layout == "pretty" else None,
+                      separators=(",", ":") if layout == "compact" else None,
+                      ensure_ascii=False).encode()
+    path = tmp_path / ("t.json.gz" if layout == "gzip" else "t.json")
+    path.write_bytes(gzip.compress(text) if layout == "gzip" else text)
+    traces = _kineto_paths(path, monkeypatch)
+    trace = traces["blocks"]
+    for label, other in traces.items():
+        _assert_same_trace(trace, other, label)
+    assert [trace.strings[i] for i in trace.kernels.name] == [doc["traceEvents"][5]["name"]]
+    assert trace.kernels.api.tolist() == [0] and trace.kernels.tid.tolist() == [6]
+    assert trace.kernels.end.tolist() == [trace.kernels.start[0] + 4000]
+    assert [trace.strings[i] for i in trace.ranges.name] == [
+        "step‹0›", "cpu_op:aten::mm", "step‹0›", "cpu_op:aten::mm"]
+    assert trace.ranges.style.tolist() == [0, 0, GPU_RANGE, 0]
+    assert trace.ranges.tid[3] == 1 << 29  # the label got a synthetic id
+    assert trace.meta["gpus"] == [{"device": 0, "name": "G", "sm_count": 2}]
+
+
+def test_kineto_reader_errors_name_the_event(tmp_path, monkeypatch):
+    from kimi_perf.errors import TraceError
+    from kimi_perf.readers import kineto
+
+    doc = _tricky_kineto_doc()
+    del doc["traceEvents"][5]["ts"]
+    path = tmp_path / "t.json.gz"
+    path.write_bytes(gzip.compress(json.dumps(doc, indent=2).encode()))
+    for block in (kineto._BLOCK, 997):
+        monkeypatch.setattr(kineto, "_BLOCK", block)
+        with pytest.raises(TraceError, match=r"event 5 \(kernel\) is malformed: KeyError"):
+            read_trace(path)
+    # Invalid UTF-8, even in a field that is never decoded, and a truncated file.
+    bad = json.dumps(_tricky_kineto_doc()).encode().replace(b'"bp": "e"', b'"bp": "\xff"')
+    (tmp_path / "u.json").write_bytes(bad)
+    (tmp_path / "v.json").write_bytes(bad.replace(b"\xff", b"e")[:-40])
+    for name in ("u.json", "v.json"):
+        with pytest.raises(TraceError, match="invalid or truncated JSON"):
+            read_trace(tmp_path / name)

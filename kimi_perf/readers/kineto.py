@@ -3,20 +3,38 @@
 Timestamps are µs: integers in old traces, floats with fractional ns in new ones; both become
 int64 ns. A kernel links to its launching API call by ``args.correlation``; under a CUDA/HIP
 graph every replayed kernel shares the graph launch's correlation.
+
+How it reads (a 681 MB trace in a few seconds and a few hundred MB): the file is inflated in
+blocks, and the ``traceEvents`` array is cut at event boundaries, each piece decoded with
+msgspec into small
+Structs that hold only the fields used (every other field is skipped, never built; events of
+other phases than ``X`` become empty Structs). Each piece's events then turn into numpy
+columns in a few C-level passes, and the piece is dropped. A piece with anything unusual in a
+field that is used (a label instead of an id, a missing ``ts``, a wrong type) is decoded again
+generically and replayed event by event under the original rules, so odd traces read exactly
+as before. Whatever the block reader cannot place with certainty (the ``traceEvents`` key not
+found, a piece that will not cut, invalid JSON) sends the whole file through the one-shot
+path: inflate, decode the document, then the same column builder.
 """
 
 from __future__ import annotations
 
+import codecs
+import contextlib
 import gzip
-import json
+import operator
+import re
 import zlib
+from itertools import chain, compress
+from operator import attrgetter
 from pathlib import Path
+from typing import Any, Union
 
+import msgspec
 import numpy as np
 
 from kimi_perf.errors import TraceError
 from kimi_perf.launches import find_launches
-from kimi_perf.strings import StringTable
 from kimi_perf.trace import (
     DRIVER,
     GPU_RANGE,
@@ -29,15 +47,6 @@ from kimi_perf.trace import (
     Trace,
 )
 
-try:
-    import orjson
-
-    _loads = orjson.loads
-    _JSON_ERRORS: tuple[type[Exception], ...] = (orjson.JSONDecodeError, ValueError)
-except ImportError:  # pragma: no cover - orjson is a dependency; stdlib json still works
-    _loads = json.loads
-    _JSON_ERRORS = (ValueError,)
-
 GZIP_MAGIC = b"\x1f\x8b"
 
 _API_CATEGORIES = {"cuda_runtime": RUNTIME, "hip_runtime": RUNTIME, "cuda_driver": DRIVER,
@@ -46,10 +55,142 @@ _API_CATEGORIES = {"cuda_runtime": RUNTIME, "hip_runtime": RUNTIME, "cuda_driver
 # and operator events under a "cpu_op" domain so that kernels can be attributed to ops too.
 _CPU_RANGE_DOMAINS = {"user_annotation": "", "cpu_op": "cpu_op"}
 
+# Event categories in the vectorized pass.
+_KERNEL, _MEMCPY, _MEMSET, _RUNTIME_API, _DRIVER_API, _USER_RANGE, _CPU_OP, _GPU_RANGE = range(1, 9)
+_CAT_CODES = {
+    "kernel": _KERNEL, "gpu_memcpy": _MEMCPY, "gpu_memset": _MEMSET,
+    "cuda_runtime": _RUNTIME_API, "hip_runtime": _RUNTIME_API,
+    "cuda_driver": _DRIVER_API, "hip_driver": _DRIVER_API,
+    "user_annotation": _USER_RANGE, "cpu_op": _CPU_OP, "gpu_user_annotation": _GPU_RANGE,
+}
+_RENAMED = {"corr": "correlation"}  # builder column -> table column
+_COLUMNS = {
+    "a": ("name", "ts", "dur", "pid", "tid", "corr", "kind"),
+    "k": ("name", "ts", "dur", "device", "stream", "pid", "corr"),
+    "m": ("name", "ts", "dur", "device", "stream", "pid", "corr", "bytes"),
+    "r": ("name", "domain", "ts", "dur", "pid", "tid", "device", "stream", "style"),
+}
+
+_BLOCK = 4 << 20          # inflated bytes per block
+_READ = 4 << 20           # compressed bytes per read
+_MAX_PENDING = 32 << 20   # bytes without a usable cut (or before the events) -> one-shot path
+_CUT_TRIES = 4            # candidate event boundaries tried per block (in that block)
+_END_TRIES = 256          # candidate ends of the events array tried at the end of the file
+_WS = b" \t\n\r"
+_KEY = b'"traceEvents"'
+_NOT_WS = re.compile(rb"[^ \t\n\r]")
+# A boundary between two events: "}" "," whitespace "{" (the "{" may be in the next block).
+_NEXT_EVENT = re.compile(rb"[ \t\n\r]*(?:\{|\Z)")
+
+# -- typed decoding: only the fields used ---------------------------------------------------------
+
+_Id = int | str | None
+_IdOrUnset = int | str | None | msgspec.UnsetType
+
+
+class _Args(msgspec.Struct, gc=False):
+    correlation: _Id = -1
+    device: _IdOrUnset = msgspec.UNSET
+    stream: _IdOrUnset = msgspec.UNSET
+    bytes: _Id = -1
+
+
+class _Complete(msgspec.Struct, tag_field="ph", tag="X", gc=False):
+    """A complete ("X") event. Types are what real traces hold in the fields used; anything
+    else (a bool, a list, a missing ``ts``) fails validation and sends the piece to the
+    generic replay."""
+
+    ts: float
+    cat: str = ""
+    name: str = ""
+    dur: float = 0.0
+    pid: _Id = None
+    tid: _Id = None
+    args: _Args | None = None
+
+
+# Every other Chrome-trace phase: no fields decoded at all. An unknown phase fails validation
+# (generic replay for that piece).
+_OTHER_PHASES = tuple(
+    msgspec.defstruct(f"_Phase{ord(p)}", [], tag_field="ph", tag=p, gc=False, module=__name__,
+                      namespace={"cat": None})  # a class attribute: no category, no filter pass
+    for p in "BEiIbneSTpFstfPNODMVvRcC()")
+_FastEvent = Union[(_Complete, *_OTHER_PHASES)]
+_META_FIELDS = ("deviceProperties", "distributedInfo", "schemaVersion", "roctracer_version",
+                "hip_runtime_version")
+
+
+class _Meta(msgspec.Struct, gc=False):
+    deviceProperties: Any = msgspec.UNSET
+    distributedInfo: Any = msgspec.UNSET
+    schemaVersion: Any = msgspec.UNSET
+    roctracer_version: Any = msgspec.UNSET
+    hip_runtime_version: Any = msgspec.UNSET
+
+
+class _Doc(_Meta, gc=False):
+    traceEvents: list[_FastEvent] | msgspec.UnsetType = msgspec.UNSET
+
+
+_FAST_EVENTS = msgspec.json.Decoder(list[_FastEvent])
+_FAST_DOC = msgspec.json.Decoder(_Doc | list[_FastEvent])
+_META = msgspec.json.Decoder(_Meta)
+_GENERIC = msgspec.json.Decoder()
+
+_ts, _dur, _pid, _tid = (attrgetter(f) for f in ("ts", "dur", "pid", "tid"))
+_NO_ARGS = _Args()
+
+
+class _Slow(Exception):
+    """A piece that the vectorized pass does not take: replay it event by event."""
+
+
+class _Fallback(Exception):
+    """The block reader cannot go on with certainty: read the file in one shot instead."""
+
 
 def read_kineto_json(path: str | Path) -> Trace:
     path = Path(path)
-    doc = _load_json(path)
+    try:
+        return _read_in_blocks(path)
+    except _Fallback:
+        return _read_whole(path)
+
+
+# -- the one-shot path ----------------------------------------------------------------------------
+
+def _read_whole(path: Path) -> Trace:
+    raw = _load_bytes(path)
+    if not _valid_utf8(raw):
+        raise TraceError(path, "invalid or truncated JSON (not valid UTF-8)")
+    try:
+        doc = _FAST_DOC.decode(raw)
+    except msgspec.ValidationError:
+        doc = None  # unusual types somewhere: decode generically below
+    except msgspec.DecodeError as exc:
+        raise _invalid_json(path, exc) from None
+    builder = _Builder(path)
+    if doc is not None:
+        if isinstance(doc, _Doc):
+            if doc.traceEvents is msgspec.UNSET:
+                raise TraceError(path, "JSON without a 'traceEvents' list: not a "
+                                       "Chrome/Kineto trace")
+            events, meta = doc.traceEvents, _meta_dict(doc)
+        else:
+            events, meta = doc, {}
+        doc = None
+        try:
+            builder.add_fast(events)
+        except _Slow:
+            pass
+        else:
+            return _finish(builder, meta, path)
+        del events
+    try:
+        doc = _GENERIC.decode(raw)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise _invalid_json(path, exc) from None
+    del raw
     if isinstance(doc, dict):
         events = doc.get("traceEvents")
         if not isinstance(events, list):
@@ -58,41 +199,263 @@ def read_kineto_json(path: str | Path) -> Trace:
         events, doc = doc, {}
     else:
         raise TraceError(path, "JSON is neither a trace object nor an event list")
-    builder = _Builder(path)
     builder.add_events(events)
-    trace = builder.finish()
-    trace.meta.update(_metadata(doc, path))
-    return trace
+    if builder.error is not None:
+        raise builder.error
+    return _finish(builder, doc, path)
 
 
-def _load_json(path: Path):
+def _load_bytes(path: Path) -> bytes:
     try:
         raw = path.read_bytes()
         if raw[:2] == GZIP_MAGIC:
             raw = gzip.decompress(raw)
     except (OSError, EOFError, zlib.error) as exc:
         raise TraceError(path, f"cannot decompress ({exc})") from None
-    if not raw.strip():
+    if not raw or raw.isspace():
         raise TraceError(path, "empty file")
-    try:
-        return _loads(raw)
-    except _JSON_ERRORS as exc:
-        raise TraceError(path, f"invalid or truncated JSON ({str(exc).splitlines()[0]})") from None
+    return raw
 
+
+def _valid_utf8(data: bytes) -> bool:
+    """The whole file must be UTF-8, skipped fields too (msgspec checks only what it decodes)."""
+    if data.isascii():
+        return True
+    check = _Utf8()
+    return all(check.valid(data[i:i + _BLOCK]) for i in range(0, len(data), _BLOCK)) and \
+        check.valid(b"", final=True)
+
+
+def _invalid_json(path: Path, exc: Exception) -> TraceError:
+    detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    return TraceError(path, f"invalid or truncated JSON ({detail})")
+
+
+def _finish(builder: _Builder, meta: dict, path: Path) -> Trace:
+    trace = builder.finish()
+    trace.meta.update(_metadata(meta, path))
+    return trace
+
+
+def _meta_dict(doc: _Meta) -> dict:
+    return {f: v for f in _META_FIELDS if (v := getattr(doc, f)) is not msgspec.UNSET}
+
+
+# -- the block reader -----------------------------------------------------------------------------
+
+def _read_in_blocks(path: Path) -> Trace:
+    builder = _Builder(path)
+    utf8 = _Utf8()
+    with contextlib.closing(_inflated_blocks(path)) as blocks:
+        buf = bytearray()
+        start = None
+        for block in blocks:
+            if not utf8.valid(block):
+                raise _Fallback
+            buf += block
+            start = _events_start(buf)
+            if start is not None:
+                break
+            if len(buf) > _MAX_PENDING:
+                raise _Fallback
+        if start is None:
+            raise _Fallback  # empty, or no events array where expected: the one-shot path says
+        head, begin = start
+        del buf[:begin - 1]  # buf[0] is the array's "[" from here on
+        offset = 0
+        for block in blocks:
+            if not utf8.valid(block):
+                raise _Fallback
+            buf += block
+            offset = _cut(buf, len(buf) - len(block), builder, offset)
+            if len(buf) > _MAX_PENDING:
+                raise _Fallback
+        if not utf8.valid(b"", final=True):
+            raise _Fallback
+        meta = _last_piece(buf, head, builder, offset)
+    if builder.error is not None:
+        raise builder.error
+    return _finish(builder, meta, path)
+
+
+def _inflated_blocks(path: Path):
+    """The file's bytes in blocks, inflated when gzipped. Anything odd about the file
+    (unreadable, corrupt or truncated gzip) is for the one-shot path, which reports it."""
+    try:
+        with open(path, "rb") as f:
+            if f.read(2) != GZIP_MAGIC:
+                f.seek(0)
+                while block := f.read(_BLOCK):
+                    yield block
+                return
+            f.seek(0)
+            inflate = zlib.decompressobj(16 + zlib.MAX_WBITS)  # gzip: zlib checks CRC, size
+            data = b""
+            while True:
+                if not data:
+                    data = f.read(_READ)
+                    if not data:
+                        raise _Fallback  # truncated
+                if block := inflate.decompress(data, _BLOCK):
+                    yield block
+                data = inflate.unconsumed_tail
+                if inflate.eof:  # zero padding, then another member or the end of the file
+                    data = inflate.unused_data.lstrip(b"\0")
+                    while not data:
+                        data = f.read(_READ)
+                        if not data:
+                            return
+                        data = data.lstrip(b"\0")
+                    inflate = zlib.decompressobj(16 + zlib.MAX_WBITS)
+    except (OSError, EOFError, zlib.error):
+        raise _Fallback from None
+
+
+def _skip_ws(buf: bytearray, i: int) -> int:
+    m = _NOT_WS.search(buf, i)
+    return m.start() if m else len(buf)
+
+
+def _events_start(buf: bytearray) -> tuple[bytes | None, int] | None:
+    """Where the events start: (the document before the ``"traceEvents"`` key, or None for a
+    bare event list; the offset after the array's ``[``), or None when more data is needed."""
+    first = _skip_ws(buf, 0)
+    if first == len(buf):
+        return None
+    if buf[first] == ord("["):
+        return None, first + 1
+    if buf[first] != ord("{"):
+        raise _Fallback
+    pos = buf.find(_KEY, first)
+    while pos >= 0:
+        colon = _skip_ws(buf, pos + len(_KEY))
+        value = _skip_ws(buf, colon + 1)
+        if value >= len(buf):
+            return None
+        if buf[colon] == ord(":") and _top_level_key(head := bytes(buf[:pos])):
+            if buf[value] != ord("["):
+                raise _Fallback
+            return head, value + 1
+        pos = buf.find(_KEY, pos + 1)
+    return None
+
+
+def _top_level_key(head: bytes) -> bool:
+    """Whether a key starting right after ``head`` is a member of the top-level object."""
+    try:
+        msgspec.json.decode(head + b'"_":0}')
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return False
+    return True
+
+
+class _Utf8:
+    """Checks, block by block, that the whole file is UTF-8: skipped fields too, which msgspec
+    does not look into (a multi-byte character may span two blocks)."""
+
+    def __init__(self) -> None:
+        self._decoder = codecs.getincrementaldecoder("utf-8")()
+        self._pending = False
+
+    def valid(self, block: bytes, final: bool = False) -> bool:
+        if not self._pending and block.isascii():
+            return True
+        try:
+            self._decoder.decode(block, final)
+        except UnicodeDecodeError:
+            return False
+        self._pending = bool(self._decoder.getstate()[0])
+        return True
+
+
+def _add_front(buf: bytearray, end: int, builder: _Builder, offset: int) -> int:
+    """Add ``buf[:end]`` (a "[", events, a "]"), decoded in place."""
+    with memoryview(buf) as view, view[:end] as piece:
+        return builder.add_piece(piece, offset)
+
+
+def _cut(buf: bytearray, new: int, builder: _Builder, offset: int) -> int:
+    """Add the complete events at the front of ``buf`` (after its "[") and drop them; returns
+    the new offset. Only boundaries in the bytes from ``new`` on are tried: those before were
+    tried or passed over already (a piece that did not decode then will not now)."""
+    hi = len(buf)
+    tries = 0
+    while tries < _CUT_TRIES:
+        c = buf.rfind(b"},", max(new - 1, 0), hi)
+        if c < 0:
+            break
+        hi = c
+        if not _NEXT_EVENT.match(buf, c + 2):
+            continue
+        tries += 1
+        buf[c + 1] = ord("]")  # the "," closes the piece while it is decoded
+        try:
+            n = _add_front(buf, c + 2, builder, offset)
+        except msgspec.DecodeError:
+            buf[c + 1] = ord(",")
+            continue  # the "}," was inside a string or a nested value
+        except msgspec.ValidationError:
+            raise _Fallback from None
+        del buf[:c + 1]
+        buf[0] = ord("[")  # and then opens the next one
+        return offset + n
+    return offset
+
+
+def _last_piece(buf: bytearray, head: bytes | None, builder: _Builder, offset: int) -> dict:
+    """At the end of the file: the last events, the array's ``]``, the rest of the document."""
+    hi = len(buf)
+    for _ in range(_END_TRIES):
+        c = buf.rfind(b"]", 0, hi)
+        if c < 0:
+            break
+        hi = c
+        tail = bytes(buf[c + 1:])
+        if head is None:
+            if tail.strip(_WS):
+                continue
+            meta = {}
+        else:
+            if _KEY in tail:
+                raise _Fallback  # a second "traceEvents" key: leave it to the one-shot path
+            try:
+                meta = _meta_dict(_META.decode(head + b'"traceEvents":[]' + tail))
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                continue
+        try:
+            _add_front(buf, c + 1, builder, offset)
+        except msgspec.DecodeError:
+            continue
+        except msgspec.ValidationError:
+            raise _Fallback from None
+        return meta
+    raise _Fallback
+
+
+# -- columns --------------------------------------------------------------------------------------
 
 class _Builder:
-    """Collects columns in lists during the one pass over the events, then makes arrays."""
+    """Collects each table's columns piece by piece (numpy arrays from the vectorized pass,
+    lists of plain values from the replay), then makes the tables."""
 
     def __init__(self, path: Path):
         self.path = path
-        self.strings = StringTable()
+        self.strings: list[str] = []
+        self.codes: dict[str, int] = {}
+        self.cpu_codes: dict[str, int] = {}  # cpu_op name -> code of "cpu_op:name"
         self.ids: dict[object, int] = {}
-        self.k = {c: [] for c in ("name", "ts", "dur", "device", "stream", "pid", "corr")}
-        self.m = {c: [] for c in ("name", "ts", "dur", "device", "stream", "pid", "corr",
-                                  "bytes")}
-        self.a = {c: [] for c in ("name", "ts", "dur", "pid", "tid", "corr", "kind")}
-        self.r = {c: [] for c in ("name", "domain", "ts", "dur", "pid", "tid", "device",
-                                  "stream", "style")}
+        # Per table and column, segments: a _Growing array for a run of pieces taken by the
+        # vectorized pass, a list of plain values for a run of replayed ones.
+        self.chunks = {t: {c: [] for c in cols} for t, cols in _COLUMNS.items()}
+        # The first malformed event: raised once the whole file is known to be valid JSON.
+        self.error: Exception | None = None
+
+    def _code(self, value: str) -> int:
+        code = self.codes.get(value)
+        if code is None:
+            code = self.codes[value] = len(self.strings)
+            self.strings.append(value)
+        return code
 
     def _id(self, value) -> int:
         """pid/tid/device/stream may be ints, numeric strings or labels."""
@@ -105,48 +468,203 @@ class _Builder:
         # Labels such as "stream 7 (graph)": a stable synthetic id per label.
         return self.ids.setdefault(value, (1 << 29) + len(self.ids))
 
-    def add_events(self, events: list) -> None:
-        code = self.strings.code
-        for i, e in enumerate(events):
+    def add_piece(self, piece, offset: int) -> int:
+        """Add the events of one JSON array (items ``offset``... of traceEvents); returns how
+        many items it held. ``msgspec.DecodeError`` if it is not one complete JSON array (and
+        nothing was added)."""
+        try:
+            items = _FAST_EVENTS.decode(piece)
+        except msgspec.ValidationError:
+            items = None
+        if items is not None:
+            if self.error is not None:
+                return len(items)
+            try:
+                self.add_fast(items)
+                return len(items)
+            except _Slow:
+                pass
+        del items
+        items = _GENERIC.decode(piece)
+        if self.error is None:
+            self.add_events(items, offset)
+        return len(items)
+
+    # The vectorized pass: C-level passes over the typed events; nothing is changed unless the
+    # whole piece is taken.
+
+    def add_fast(self, items: list) -> None:
+        category = _CAT_CODES.get
+        cats = [category(e.cat) for e in items]
+        events = list(compress(items, cats))
+        n = len(events)
+        if not n:
+            return
+        cat = np.fromiter(filter(None, cats), np.int8, n)
+        del cats
+        ts = np.fromiter(map(_ts, events), np.float64, n)
+        dur = np.fromiter(map(_dur, events), np.float64, n)
+        masks = {"k": cat == _KERNEL, "m": (cat == _MEMCPY) | (cat == _MEMSET),
+                 "a": (cat == _RUNTIME_API) | (cat == _DRIVER_API), "r": cat >= _USER_RANGE}
+        new = {}
+        for table, mask in masks.items():
+            if not mask.any():
+                continue
+            ev = _select(events, mask)
+            if table == "a":
+                cols = {"pid": _ints([e.pid for e in ev]), "tid": _ints([e.tid for e in ev]),
+                        "corr": _ints([a.correlation for a in _args_of(ev)]),
+                        "kind": np.where(cat[mask] == _RUNTIME_API, RUNTIME, DRIVER
+                                         ).astype(np.int8)}
+            elif table == "r":
+                cols = _range_columns(ev, cat[mask])
+            else:
+                args = _args_of(ev)
+                cols = {"device": _int32(_ids([a.device for a in args], ev, _pid)),
+                        "stream": _ids([a.stream for a in args], ev, _tid),
+                        "pid": np.full(len(ev), -1, np.int64),
+                        "corr": _ints([a.correlation for a in args])}
+                if table == "m":
+                    nbytes = _ints([a.bytes for a in args])
+                    nbytes[nbytes == 0] = -1
+                    cols["bytes"] = nbytes
+            cols["ts"], cols["dur"] = ts[mask], dur[mask]
+            new[table] = cols
+        # Taken: from here on nothing fails.
+        names = self._code_names([e.name for e in events], cat)
+        for table, cols in new.items():
+            mask = masks[table]
+            cols["name"] = names[mask]
+            if table == "r":
+                is_cpu = cat[mask] == _CPU_OP
+                domain = np.empty(len(is_cpu), np.int32)
+                if is_cpu.any():
+                    domain[is_cpu] = self.codes["cpu_op"]
+                if not is_cpu.all():
+                    domain[~is_cpu] = self.codes[""]
+                cols["domain"] = domain
+            chunks = self.chunks[table]
+            for col, values in cols.items():
+                segments = chunks[col]
+                if segments and isinstance(segments[-1], _Growing):
+                    segments[-1].extend(values)
+                else:
+                    segments.append(_Growing(values))
+
+    def _code_names(self, names: list[str], cat: np.ndarray) -> np.ndarray:
+        """String codes in event order: each new string, and each range domain right after
+        the first range of that domain, numbered as the per-event rules number them."""
+        is_cpu = cat == _CPU_OP
+        # Parts: (their rows, or None for all; codes looked up, None where new; whether they
+        # are cpu_op names, looked up bare in a table of their qualified codes).
+        if not is_cpu.any():
+            parts = [(None, list(map(self.codes.get, names)), False)]
+        else:
+            cpu = is_cpu.tolist()
+            parts = [(np.flatnonzero(is_cpu),
+                      list(map(self.cpu_codes.get, compress(names, cpu))), True)]
+            if not is_cpu.all():
+                parts.append((np.flatnonzero(~is_cpu),
+                              list(map(self.codes.get, compress(names, map(operator.not_, cpu)))),
+                              False))
+        out = np.empty(len(names), np.int32)
+        pending = []
+        for part in parts:
+            try:
+                codes = np.array(part[1], np.int32)
+            except TypeError:  # a None: a new name
+                pending.append(part)
+                continue
+            out[slice(None) if part[0] is None else part[0]] = codes
+        marks = []  # (row, domain): the domain is numbered right after that row's name
+        ranges = (cat == _USER_RANGE) | (cat == _GPU_RANGE)
+        if "" not in self.codes and ranges.any():
+            marks.append((int(np.argmax(ranges)), ""))
+        if "cpu_op" not in self.codes and is_cpu.any():
+            marks.append((int(np.argmax(is_cpu)), "cpu_op"))
+        new = []  # (row, codes list, index in it, cpu_op name)
+        for rows, codes, cpu_part in pending:
+            j = -1
+            with contextlib.suppress(ValueError):
+                while True:
+                    j = codes.index(None, j + 1)
+                    new.append((j if rows is None else int(rows[j]), codes, j, cpu_part))
+        new.sort(key=operator.itemgetter(0))
+        marks.sort(reverse=True)
+        for row, codes, j, cpu_part in new:
+            while marks and marks[-1][0] < row:
+                self._code(marks.pop()[1])
+            name = names[row]
+            if cpu_part:
+                codes[j] = self.cpu_codes[name] = self._code(f"cpu_op:{name}")
+            else:
+                codes[j] = self._code(name)
+        for _, domain in reversed(marks):
+            self._code(domain)
+        for rows, codes, _ in pending:
+            out[slice(None) if rows is None else rows] = np.array(codes, np.int32)
+        return out
+
+    # The replay: the per-event rules on generically decoded events (dicts).
+
+    def add_events(self, events: list, offset: int = 0) -> None:
+        cols = {t: {c: [] for c in names} for t, names in _COLUMNS.items()}
+        try:
+            self._replay(events, offset, cols)
+        except Exception as exc:  # raised as it was, once the whole file is known valid JSON
+            self.error = exc
+            return
+        for table, table_cols in cols.items():
+            if table_cols["name"]:
+                for col, values in table_cols.items():
+                    segments = self.chunks[table][col]
+                    if segments and isinstance(segments[-1], list):
+                        segments[-1].extend(values)
+                    else:
+                        segments.append(values)
+
+    def _replay(self, events: list, offset: int, cols: dict) -> None:
+        code = self._code
+        for i, e in enumerate(events, offset):
             if not isinstance(e, dict) or e.get("ph") != "X":
                 continue
             cat = e.get("cat")
             try:
                 if cat == "kernel":
-                    args = e.get("args") or {}
-                    self._gpu(self.k, e, args)
+                    args = _num(e.get("args")) or {}
+                    self._gpu(cols["k"], e, args)
                 elif cat in ("gpu_memcpy", "gpu_memset"):
-                    args = e.get("args") or {}
-                    self._gpu(self.m, e, args)
-                    self.m["bytes"].append(int(args.get("bytes", -1) or -1))
+                    args = _num(e.get("args")) or {}
+                    self._gpu(cols["m"], e, args)
+                    cols["m"]["bytes"].append(int(_num(args.get("bytes", -1)) or -1))
                 elif cat in _API_CATEGORIES:
-                    args = e.get("args") or {}
-                    a = self.a
-                    a["name"].append(code(str(e.get("name", ""))))
-                    a["ts"].append(e["ts"])
-                    a["dur"].append(e.get("dur", 0))
-                    a["pid"].append(self._id(e.get("pid")))
-                    a["tid"].append(self._id(e.get("tid")))
-                    a["corr"].append(int(args.get("correlation", -1)))
+                    args = _num(e.get("args")) or {}
+                    a = cols["a"]
+                    a["name"].append(code(str(_num(e.get("name", "")))))
+                    a["ts"].append(_num(e["ts"]))
+                    a["dur"].append(_num(e.get("dur", 0)))
+                    a["pid"].append(self._id(_num(e.get("pid"))))
+                    a["tid"].append(self._id(_num(e.get("tid"))))
+                    a["corr"].append(int(_num(args.get("correlation", -1))))
                     a["kind"].append(_API_CATEGORIES[cat])
                 elif cat in _CPU_RANGE_DOMAINS or cat == "gpu_user_annotation":
-                    r = self.r
+                    r = cols["r"]
                     domain = _CPU_RANGE_DOMAINS.get(cat, "")
-                    name = str(e.get("name", ""))
+                    name = str(_num(e.get("name", "")))
                     r["name"].append(code(f"{domain}:{name}" if domain else name))
                     r["domain"].append(code(domain))
-                    r["ts"].append(e["ts"])
-                    r["dur"].append(e.get("dur", 0))
+                    r["ts"].append(_num(e["ts"]))
+                    r["dur"].append(_num(e.get("dur", 0)))
                     if cat == "gpu_user_annotation":
-                        args = e.get("args") or {}
-                        r["pid"].append(self._id(e.get("pid")))
+                        args = _num(e.get("args")) or {}
+                        r["pid"].append(self._id(_num(e.get("pid"))))
                         r["tid"].append(-1)
-                        r["device"].append(self._id(args.get("device", e.get("pid"))))
-                        r["stream"].append(self._id(args.get("stream", e.get("tid"))))
+                        r["device"].append(self._id(_num(args.get("device", e.get("pid")))))
+                        r["stream"].append(self._id(_num(args.get("stream", e.get("tid")))))
                         r["style"].append(GPU_RANGE)
                     else:
-                        r["pid"].append(self._id(e.get("pid")))
-                        r["tid"].append(self._id(e.get("tid")))
+                        r["pid"].append(self._id(_num(e.get("pid"))))
+                        r["tid"].append(self._id(_num(e.get("tid"))))
                         r["device"].append(-1)
                         r["stream"].append(-1)
                         r["style"].append(PUSHPOP)
@@ -155,39 +673,34 @@ class _Builder:
                                             f"{type(exc).__name__} {exc}") from None
 
     def _gpu(self, cols: dict, e: dict, args: dict) -> None:
-        cols["name"].append(self.strings.code(str(e.get("name", ""))))
-        cols["ts"].append(e["ts"])
-        cols["dur"].append(e.get("dur", 0))
-        cols["device"].append(self._id(args.get("device", e.get("pid"))))
-        cols["stream"].append(self._id(args.get("stream", e.get("tid"))))
+        cols["name"].append(self._code(str(_num(e.get("name", "")))))
+        cols["ts"].append(_num(e["ts"]))
+        cols["dur"].append(_num(e.get("dur", 0)))
+        cols["device"].append(self._id(_num(args.get("device", e.get("pid")))))
+        cols["stream"].append(self._id(_num(args.get("stream", e.get("tid")))))
         cols["pid"].append(-1)  # the launching process comes from the API join below
-        cols["corr"].append(int(args.get("correlation", -1)))
+        cols["corr"].append(int(_num(args.get("correlation", -1))))
 
     def finish(self) -> Trace:
-        times = {name: self._floats(cols) for name, cols in
-                 (("a", self.a), ("k", self.k), ("m", self.m), ("r", self.r))}
+        """The four tables. Checks and conversions run in the order they always did (every
+        table's times first, then the tables one by one); each column's chunks are dropped as
+        soon as they are joined, so that memory peaks at about one copy of the columns."""
+        chunks, self.chunks = self.chunks, {}
+        times = {name: self._floats({c: _joined(chunks[name].pop(c)) for c in ("ts", "dur")})
+                 for name in ("a", "k", "m", "r")}
         firsts = [ts[0] for ts, _ in times.values() if len(ts)]
         base = int(min(firsts)) if firsts else 0
-        ns = {name: _to_ns(ts, dur, base) for name, (ts, dur) in times.items()}
-        api = ApiCalls.from_columns({
-            "name": self.a["name"], **ns["a"], "pid": self.a["pid"],
-            "tid": self.a["tid"], "correlation": self.a["corr"], "kind": self.a["kind"]},
-            len(self.a["name"]))
-        kernels = Kernels.from_columns({
-            "name": self.k["name"], **ns["k"], "device": self.k["device"],
-            "stream": self.k["stream"], "pid": self.k["pid"], "correlation": self.k["corr"]},
-            len(self.k["name"]))
-        memops = MemOps.from_columns({
-            "name": self.m["name"], **ns["m"], "device": self.m["device"],
-            "stream": self.m["stream"], "pid": self.m["pid"], "correlation": self.m["corr"],
-            "bytes": self.m["bytes"]}, len(self.m["name"]))
-        ranges = Ranges.from_columns({
-            "name": self.r["name"], "domain": self.r["domain"], **ns["r"],
-            "pid": self.r["pid"], "tid": self.r["tid"], "device": self.r["device"],
-            "stream": self.r["stream"], "style": self.r["style"]}, len(self.r["name"]))
+        tables = {}
+        for name, kind in (("a", ApiCalls), ("k", Kernels), ("m", MemOps), ("r", Ranges)):
+            cols = _to_ns(*times.pop(name), base)
+            n = len(cols["start"])
+            for col in list(chunks[name]):
+                cols[_RENAMED.get(col, col)] = _joined(chunks[name].pop(col))
+            tables[name] = kind.from_columns(cols, n)
+        api, kernels, memops, ranges = (tables[t] for t in ("a", "k", "m", "r"))
         for gpu_work in (kernels, memops):
             _link_by_correlation(api, gpu_work)
-        return Trace(strings=self.strings.values, kernels=kernels, memops=memops,
+        return Trace(strings=self.strings, kernels=kernels, memops=memops,
                      ranges=ranges, api=api, meta={"format": "kineto-json"})
 
     def _floats(self, cols: dict) -> tuple[np.ndarray, np.ndarray]:
@@ -204,11 +717,120 @@ class _Builder:
         return ts, dur
 
 
+def _range_columns(ev: list, cat: np.ndarray) -> dict[str, np.ndarray]:
+    pid = _ints([e.pid for e in ev])
+    tid = _ints([e.tid for e in ev])
+    gpu = cat == _GPU_RANGE
+    device = np.full(len(ev), -1, np.int32)
+    stream = np.full(len(ev), -1, np.int64)
+    if gpu.any():
+        gev = _select(ev, gpu)
+        args = _args_of(gev)
+        device[gpu] = _int32(_ids([a.device for a in args], gev, _pid))
+        stream[gpu] = _ids([a.stream for a in args], gev, _tid)
+        tid = np.where(gpu, -1, tid)
+    style = np.where(gpu, GPU_RANGE, PUSHPOP).astype(np.int8)
+    return {"pid": pid, "tid": tid, "device": device, "stream": stream, "style": style}
+
+
+def _select(events: list, mask: np.ndarray) -> list:
+    return events if mask.all() else list(compress(events, mask.tolist()))
+
+
+def _args_of(events: list) -> list[_Args]:
+    args = [e.args for e in events]
+    if None in args:
+        args = [a if a is not None else _NO_ARGS for a in args]
+    return args
+
+
+def _ints(values: list) -> np.ndarray:
+    """Plain ints that fit int64 as an array; anything else (a label, None, a huge id) is for
+    the replay, whose rules differ per type."""
+    if not values:
+        return np.empty(0, np.int64)
+    try:
+        arr = np.array(values)
+    except (TypeError, ValueError, OverflowError):
+        raise _Slow from None
+    if arr.dtype != np.int64 or arr.ndim != 1:
+        raise _Slow
+    return arr
+
+
+def _ids(values: list, events: list, fallback) -> np.ndarray:
+    """An ``args`` id column where a missing value falls back to the event's pid/tid."""
+    try:
+        return _ints(values)
+    except _Slow:
+        if msgspec.UNSET not in values:
+            raise
+    return _ints([fallback(e) if v is msgspec.UNSET else v
+                  for v, e in zip(values, events, strict=True)])
+
+
+def _int32(values: np.ndarray) -> np.ndarray:
+    if len(values) and (values.min() < -(2**31) or values.max() >= 2**31):
+        raise _Slow  # the replay's lists fail the int32 conversion as they always did
+    return values.astype(np.int32)
+
+
+def _num(value):
+    """A JSON integer outside int64/uint64 as a float, the way a generic JSON decoder gives
+    it, so that replayed events read as the fast path would."""
+    if type(value) is int and not -(2**63) <= value < 2**64:
+        return float(value)
+    return value
+
+
+class _Growing:
+    """A column that doubles its capacity as pieces come in: no per-piece arrays are left
+    behind, capacity not yet written is never touched (so never resident), and the finished
+    column is trimmed in place instead of copied."""
+
+    __slots__ = ("data", "n")
+
+    def __init__(self, values: np.ndarray):
+        self.data = np.array(values)
+        self.n = len(values)
+
+    def extend(self, values: np.ndarray) -> None:
+        need = self.n + len(values)
+        if need > len(self.data):
+            grown = np.empty(max(need, 2 * len(self.data)), self.data.dtype)
+            grown[:self.n] = self.data[:self.n]
+            self.data = grown
+        self.data[self.n:need] = values
+        self.n = need
+
+    def array(self) -> np.ndarray:
+        if len(self.data) != self.n:
+            self.data.resize(self.n, refcheck=False)
+        return self.data
+
+
+def _joined(segments: list):
+    """A column from its segments: one array, or (after a replayed piece) one list of plain
+    values, converted and checked all together as they always were."""
+    if not segments:
+        return []
+    if len(segments) == 1 and isinstance(segments[0], _Growing):
+        return segments[0].array()
+    return list(chain.from_iterable(s.array().tolist() if isinstance(s, _Growing) else s
+                                    for s in segments))
+
+
 def _to_ns(ts: np.ndarray, dur: np.ndarray, base: int) -> dict[str, np.ndarray]:
     """µs (int or float) -> int64 ns, exact for integers and to the ns for floats: offsets
     from a common integer base keep float64 precise at epoch-sized timestamps."""
-    start = np.rint((ts - base) * 1000.0).astype(np.int64) + base * 1000
-    end = start + np.rint(np.maximum(dur, 0) * 1000.0).astype(np.int64)
+    scaled = ts - base
+    scaled *= 1000.0
+    start = np.rint(scaled, out=scaled).astype(np.int64)
+    start += base * 1000
+    scaled = np.maximum(dur, 0)
+    scaled *= 1000.0
+    end = np.rint(scaled, out=scaled).astype(np.int64)
+    end += start
     return {"start": start, "end": end}
 
 
@@ -230,12 +852,12 @@ def _with_zero_pid(api: ApiCalls) -> ApiCalls:
 
 def _metadata(doc: dict, path: Path) -> dict:
     gpus = []
-    for prop in doc.get("deviceProperties") or []:
+    for prop in _num(doc.get("deviceProperties")) or []:
         if isinstance(prop, dict):
-            gpus.append({"device": prop.get("id"), "name": prop.get("name") or "",
-                         "sm_count": prop.get("numSms")})
+            gpus.append({"device": _num(prop.get("id")), "name": _num(prop.get("name")) or "",
+                         "sm_count": _num(prop.get("numSms"))})
     rocm = "roctracer_version" in doc or "hip_runtime_version" in doc
-    schema = doc.get("schemaVersion")
+    schema = _num(doc.get("schemaVersion"))
     meta = {
         "tool": "PyTorch profiler (Kineto" + (", ROCm" if rocm else "") + ")",
         "schema": str(schema) if schema is not None else None,
@@ -243,6 +865,6 @@ def _metadata(doc: dict, path: Path) -> dict:
     }
     dist = doc.get("distributedInfo")
     if isinstance(dist, dict) and "rank" in dist:
-        meta["rank"] = dist.get("rank")
-        meta["world_size"] = dist.get("world_size")
+        meta["rank"] = _num(dist.get("rank"))
+        meta["world_size"] = _num(dist.get("world_size"))
     return meta
