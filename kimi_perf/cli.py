@@ -177,7 +177,7 @@ def info(trace: Path) -> None:
 @click.option("--preset", "preset_name", default="tiny", show_default=True,
               help="model preset: tiny, k3, k3-tp8, k3-tp16")
 @click.option("--layers", "n_layers", type=int, help="override the preset's layer count")
-@click.option("--paths", default="standard", show_default=True,
+@click.option("--paths", default="standard,specialized", show_default=True,
               help="comma-separated decode paths to check")
 @click.option("--steps", default=8, show_default=True, type=click.IntRange(1))
 @click.option("--batch", default=2, show_default=True, type=click.IntRange(1))

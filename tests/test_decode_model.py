@@ -44,7 +44,8 @@ def test_presets_have_k3_structure():
 def test_every_layer_matches_float64_reference_in_float32(batch):
     """In float32 the standard path (packed projections, absorbed MLA, fused KDA) and the
     reference (separate projections, decompressed MLA, plain loops) agree to rounding."""
-    result = validate(dtype="float32", steps=6, batch=batch, prompt=5, seed=batch)
+    result = validate(paths=("standard",), dtype="float32", steps=6, batch=batch, prompt=5,
+                      seed=batch)
     r = result["paths"]["standard"]
     assert result["ok"], result["failures"]
     for kind in ("kda", "mla"):
@@ -53,7 +54,7 @@ def test_every_layer_matches_float64_reference_in_float32(batch):
 
 
 def test_bf16_path_within_its_bounds_and_launch_counts():
-    result = validate(dtype="bfloat16", steps=8, batch=4, seed=5)
+    result = validate(paths=("standard",), dtype="bfloat16", steps=8, batch=4, seed=5)
     assert result["ok"], result["failures"]
     r = result["paths"]["standard"]
     assert 1e-3 < r["layer_types"]["kda"]["max_rel_err"] < 0.15  # bf16 rounding is there
@@ -63,7 +64,8 @@ def test_bf16_path_within_its_bounds_and_launch_counts():
 
 def test_fp8_cache_within_expected_error():
     """e4m3 keeps 3 mantissa bits: a few % on attention outputs, not more, not zero."""
-    result = validate(dtype="float32", kv_cache="fp8", steps=6, batch=2, seed=7)
+    result = validate(paths=("standard",), dtype="float32", kv_cache="fp8", steps=6, batch=2,
+                      seed=7)
     r = result["paths"]["standard"]
     assert result["ok"], result["failures"]
     assert 1e-3 < r["layer_types"]["mla"]["max_rel_err"] < 0.15
@@ -165,7 +167,8 @@ def test_fp8_cache_stores_fp8(weights):
 
 def test_validate_cli(tmp_path):
     result = CliRunner().invoke(main, ["validate", "--preset", "tiny", "--steps", "3",
-                                       "--format", "json", "--dtype", "float32"])
+                                       "--paths", "standard", "--format", "json", "--dtype",
+                                       "float32"])
     assert result.exit_code == 0, result.output
     doc = json.loads(result.output)
     assert doc["schema"] == 1 and doc["ok"]
