@@ -131,15 +131,18 @@ def capture(req: TraceRequest, progress=None) -> tuple[Path, dict[str, Breakdown
     }
     weights = random_weights(config, seed=req.seed, device=device)
     results: dict[str, Breakdown] = {}
+    traces = {}
     for path in req.paths:
         if progress:
             progress(f"{path}: decoding {req.warmup} + {req.steps} steps")
         metrics, trace_file = _capture_path(path, config, weights, req, device, run_dir)
-        trace = read_trace(trace_file)
+        traces[path] = trace = read_trace(trace_file)
         trace.save(run_dir / f"{path}.kptrace")
         results[path] = breakdown(trace)
         run_info["paths"][path] = metrics
-    _write_outputs(run_dir, run_info, results)
+    _write_outputs(run_dir, run_info, results, traces,
+                   f"kimi-perf trace: {req.preset}, {config.n_layers} layers, batch {req.batch} "
+                   f"on {device}")
     return run_dir, results, run_info
 
 
@@ -193,20 +196,28 @@ def analyse(files: list[Path], out_dir: Path, layers: str = "auto"
             ) -> tuple[Path, dict[str, Breakdown], dict]:
     """``--from``: breakdowns of existing traces, labelled by file name."""
     results: dict[str, Breakdown] = {}
+    traces = {}
     for f in files:
         label = f.name.split(".")[0]
         while label in results:
             label += "'"
-        results[label] = breakdown(read_trace(f), layers=layers)
+        traces[label] = trace = read_trace(f)
+        results[label] = breakdown(trace, layers=layers)
     run_dir = run_directory(out_dir, "from")
     run_info = {"command": "kimi-perf trace --from", "files": [str(f) for f in files],
                 "date": dt.datetime.now(dt.UTC).isoformat(), "kimi_perf": __version__,
                 "git_commit": _git_commit()}
-    _write_outputs(run_dir, run_info, results)
+    _write_outputs(run_dir, run_info, results, traces,
+                   "kimi-perf: " + ", ".join(f.name for f in files))
     return run_dir, results, run_info
 
 
-def _write_outputs(run_dir: Path, run_info: dict, results: dict[str, Breakdown]) -> None:
+def _write_outputs(run_dir: Path, run_info: dict, results: dict[str, Breakdown],
+                   traces: dict, title: str) -> None:
+    from kimi_perf.report import write_report
+
+    run_info["report"] = str(run_dir / "report.html")
+    write_report(run_dir / "report.html", traces, results, title)
     atomic_write_text(run_dir / "run.json", json.dumps(run_info, indent=1) + "\n")
     doc = {"schema": 1, "run": run_info, "paths": {k: b.to_json() for k, b in results.items()}}
     atomic_write_text(run_dir / "breakdown.json", json.dumps(doc, indent=1) + "\n")

@@ -315,3 +315,4 @@ def trace_cmd(from_files: tuple[Path, ...], preset_name: str | None, n_layers: i
                       + (f"; fell back: {'; '.join(metrics['fallbacks'])}"
                          if metrics["fallbacks"] else ""))
     console.print(f"run directory: {run_dir}  (breakdown.json, run.json, traces)")
+    console.print(f"report: {run_info['report']}")

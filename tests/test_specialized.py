@@ -152,8 +152,10 @@ def test_trace_command_captures_both_paths(tmp_path):
     doc = json.loads(result.output)
     run_dir = tmp_path / doc["run_dir"].split("/")[-1]
     names = sorted(p.name for p in run_dir.iterdir())
-    assert names == ["breakdown.json", "run.json", "specialized.kptrace",
+    assert names == ["breakdown.json", "report.html", "run.json", "specialized.kptrace",
                      "specialized.trace.json.gz", "standard.kptrace", "standard.trace.json.gz"]
+    report = (run_dir / "report.html").read_text()
+    assert "layer 3 (mla)" in report and "in_proj" in report
     saved = json.loads((run_dir / "breakdown.json").read_text())
     assert saved["schema"] == 1 and set(saved["paths"]) == {"standard", "specialized"}
     run = json.loads((run_dir / "run.json").read_text())
@@ -172,3 +174,21 @@ def test_trace_command_captures_both_paths(tmp_path):
                                       "--out", str(tmp_path)])
     assert again.exit_code == 0, again.output
     assert "standard" in again.output and "specialized" in again.output
+
+
+def test_report_escapes_names_and_is_written_whole(tmp_path):
+    from kimi_perf import breakdown, read_trace
+    from kimi_perf.report import write_report
+    from tests.conftest import KINETO
+
+    trace = read_trace(KINETO / "tracelens_vllm_gptoss20b_decode_fullgraph_mi300x.json.gz")
+    out = write_report(tmp_path / "r.html", {"vllm <a>": trace, "again": trace},
+                       {"vllm <a>": breakdown(trace), "again": breakdown(trace)},
+                       "t <script>")
+    text = out.read_text()
+    assert "unrolled_elementwise_kernel&lt;at::native::" in text
+    assert "unrolled_elementwise_kernel<at::native::" not in text
+    assert "<script>alert" not in text and "t &lt;script&gt;" in text and "vllm &lt;a&gt;" in text
+    assert "layer 23 (B)" in text and "plotly" in text
+    assert [p.name for p in tmp_path.iterdir()] == ["r.html"]
+    assert (out.stat().st_mode & 0o777) != 0o600
