@@ -101,11 +101,15 @@ def write_report(path: str | Path, traces: dict[str, Trace],
                  self_contained: bool = False) -> Path:
     """One HTML file (written atomically); plotly.js from its CDN unless ``self_contained``."""
     path = Path(path)
-    timelines = make_subplots(rows=len(traces), cols=1, vertical_spacing=0.08,
+    # A row of about 16 px per layer, so that every layer keeps its label.
+    rows_px = [120 + 16 * max((len(s.layers) for s in segment(t)[1]), default=0)
+               for t in traces.values()]
+    timelines = make_subplots(rows=len(traces), cols=1, vertical_spacing=0.3 / len(traces),
+                              row_heights=rows_px,
                               subplot_titles=[html.escape(t) for t in traces])
     for row, (label, trace) in enumerate(traces.items(), start=1):
         _timeline(timelines, row, trace, label)
-    timelines.update_layout(barmode="overlay", height=max(400, 320 * len(traces)),
+    timelines.update_layout(barmode="overlay", height=sum(rows_px) + 150,
                             title="One decode step per trace, a row per layer")
     plotly_js = True if self_contained else "cdn"
     parts = [f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{html.escape(title)}"
