@@ -10,6 +10,7 @@ into the same files and table.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime as dt
 import gzip
@@ -95,11 +96,20 @@ def _git_commit() -> str | None:
     return (out.stdout.strip() or None) if out.returncode == 0 else None
 
 
-def run_directory(out_dir: Path, label: str) -> Path:
+@contextlib.contextmanager
+def run_directory(out_dir: Path, label: str):
+    """A new run directory, filled under a hidden temporary name and renamed into place when
+    complete: a failed run leaves nothing behind."""
     stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
-    run = out_dir / f"{stamp}-{label}"
-    run.mkdir(parents=True, exist_ok=False)
-    return run
+    final = out_dir / f"{stamp}-{label}"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    partial = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=out_dir))
+    try:
+        yield partial, final
+        partial.rename(final)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
 
 
 def capture(req: TraceRequest, progress=None) -> tuple[Path, dict[str, Breakdown], dict]:
@@ -107,7 +117,6 @@ def capture(req: TraceRequest, progress=None) -> tuple[Path, dict[str, Breakdown
     import torch
 
     from kimi_perf.decode.config import preset
-    from kimi_perf.decode.weights import random_weights
 
     if req.tp != 1:
         raise TraceError(None, "capture with --tp > 1 is not supported yet (validate and the "
@@ -120,8 +129,20 @@ def capture(req: TraceRequest, progress=None) -> tuple[Path, dict[str, Breakdown
     device = "cuda" if on_gpu else "cpu"
     if req.graphs:
         raise TraceError(None, "CUDA graph capture of the decode paths is not supported yet")
+    unknown = [p for p in req.paths if p not in PATH_BACKENDS]
+    if unknown or not req.paths:
+        raise TraceError(None, f"unknown path(s) {', '.join(unknown) or '(none given)'} "
+                               f"(choose from {', '.join(PATH_BACKENDS)})")
     config = preset(req.preset, n_layers=req.n_layers)
-    run_dir = run_directory(req.out_dir, f"{req.preset}-b{req.batch}")
+    with run_directory(req.out_dir, f"{req.preset}-b{req.batch}") as (run_dir, final):
+        run_info, results = _capture_all(req, config, device, run_dir, final, progress)
+    return final, results, run_info
+
+
+def _capture_all(req: TraceRequest, config, device: str, run_dir: Path, final: Path,
+                 progress) -> tuple[dict, dict[str, Breakdown]]:
+    from kimi_perf.decode.weights import random_weights
+
     run_info: dict[str, Any] = {
         "command": "kimi-perf trace", "request": _jsonable(dataclasses.asdict(req)),
         "preset": req.preset, "n_layers": config.n_layers, "config_hash": config.fingerprint(),
@@ -140,10 +161,10 @@ def capture(req: TraceRequest, progress=None) -> tuple[Path, dict[str, Breakdown
         trace.save(run_dir / f"{path}.kptrace")
         results[path] = breakdown(trace)
         run_info["paths"][path] = metrics
-    _write_outputs(run_dir, run_info, results, traces,
+    _write_outputs(run_dir, final, run_info, results, traces,
                    f"kimi-perf trace: {req.preset}, {config.n_layers} layers, batch {req.batch} "
                    f"on {device}")
-    return run_dir, results, run_info
+    return run_info, results
 
 
 def _capture_path(path: str, config, weights, req: TraceRequest, device: str,
@@ -152,9 +173,6 @@ def _capture_path(path: str, config, weights, req: TraceRequest, device: str,
 
     from kimi_perf.decode.harness import run_decode
     from kimi_perf.decode.model import FP8
-
-    if path not in PATH_BACKENDS:
-        raise TraceError(None, f"unknown path {path!r} (choose from {', '.join(PATH_BACKENDS)})")
     from kimi_perf.decode.specialized import build_model
 
     model = build_model(config, weights, PATH_BACKENDS[path], device=device)
@@ -203,20 +221,20 @@ def analyse(files: list[Path], out_dir: Path, layers: str = "auto"
             label += "'"
         traces[label] = trace = read_trace(f)
         results[label] = breakdown(trace, layers=layers)
-    run_dir = run_directory(out_dir, "from")
     run_info = {"command": "kimi-perf trace --from", "files": [str(f) for f in files],
                 "date": dt.datetime.now(dt.UTC).isoformat(), "kimi_perf": __version__,
                 "git_commit": _git_commit()}
-    _write_outputs(run_dir, run_info, results, traces,
-                   "kimi-perf: " + ", ".join(f.name for f in files))
-    return run_dir, results, run_info
+    with run_directory(out_dir, "from") as (run_dir, final):
+        _write_outputs(run_dir, final, run_info, results, traces,
+                       "kimi-perf: " + ", ".join(f.name for f in files))
+    return final, results, run_info
 
 
-def _write_outputs(run_dir: Path, run_info: dict, results: dict[str, Breakdown],
+def _write_outputs(run_dir: Path, final: Path, run_info: dict, results: dict[str, Breakdown],
                    traces: dict, title: str) -> None:
     from kimi_perf.report import write_report
 
-    run_info["report"] = str(run_dir / "report.html")
+    run_info["report"] = str(final / "report.html")
     write_report(run_dir / "report.html", traces, results, title)
     atomic_write_text(run_dir / "run.json", json.dumps(run_info, indent=1) + "\n")
     doc = {"schema": 1, "run": run_info, "paths": {k: b.to_json() for k, b in results.items()}}

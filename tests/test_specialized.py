@@ -192,3 +192,15 @@ def test_report_escapes_names_and_is_written_whole(tmp_path):
     assert "layer 23 (B)" in text and "plotly" in text
     assert [p.name for p in tmp_path.iterdir()] == ["r.html"]
     assert (out.stat().st_mode & 0o777) != 0o600
+
+
+@pytest.mark.parametrize("args", [["--paths", "fast"], ["--preset", "k4"],
+                                  ["--from", "/nonexistent/trace.json"], ["--graphs"]])
+def test_trace_bad_input_leaves_nothing(tmp_path, args):
+    proc = subprocess.run([sys.executable, "-m", "kimi_perf", "trace", "--out", str(tmp_path),
+                           "--layers", "4", "--steps", "1", "--warmup", "0", *args],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("kimi-perf: error: "), proc.stderr
+    assert list(tmp_path.iterdir()) == []

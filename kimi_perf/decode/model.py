@@ -182,6 +182,14 @@ class K3Model:
         self.launch(name)
         return self.all_reduce(x)
 
+    def positions(self, state: DecodeState, T: int) -> torch.Tensor:
+        """Cache positions [B, T] of this step's tokens; refuses a step the cache cannot hold."""
+        capacity = min((kv.shape[1] for kv in state.kv.values()), default=None)
+        if capacity is not None and int(state.lengths.max()) + T > capacity:
+            raise ValueError(f"KV cache holds {capacity} tokens; this step needs "
+                             f"{int(state.lengths.max()) + T}")
+        return state.lengths[:, None] + torch.arange(T, device=self.device)
+
     def new_state(self, batch: int, max_len: int, kv_dtype: torch.dtype | None = None,
                   kv_scale: float = 1.0) -> DecodeState:
         return DecodeState.empty(self.c, batch, max_len, kv_dtype or self.dtype, self.dtype,
@@ -199,11 +207,7 @@ class K3Model:
         """
         c = self.c
         B, T = tokens.shape
-        capacity = min((kv.shape[1] for kv in state.kv.values()), default=None)
-        if capacity is not None and int(state.lengths.max()) + T > capacity:
-            raise ValueError(f"KV cache holds {capacity} tokens; this step needs "
-                             f"{int(state.lengths.max()) + T}")
-        positions = state.lengths[:, None] + torch.arange(T, device=self.device)   # [B, T]
+        positions = self.positions(state, T)                                       # [B, T]
         self.layer = -1
         prefix = self.w["model.embed_tokens.weight"][tokens]                       # [B, T, h]
         blocks = prefix.new_empty(B, T, math.ceil(c.n_layers / c.attn_res_block), c.hidden)

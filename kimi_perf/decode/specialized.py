@@ -106,11 +106,7 @@ class SpecializedModel(K3Model):
         c = self.c
         B, T = tokens.shape
         M = B * T
-        capacity = min((kv.shape[1] for kv in state.kv.values()), default=None)
-        if capacity is not None and int(state.lengths.max()) + T > capacity:
-            raise ValueError(f"KV cache holds {capacity} tokens; this step needs "
-                             f"{int(state.lengths.max()) + T}")
-        positions = state.lengths[:, None] + torch.arange(T, device=self.device)
+        positions = self.positions(state, T)
         eps = c.rms_eps
         self.layer = -1
         prefix = self.w["model.embed_tokens.weight"][tokens.reshape(M)].contiguous()
