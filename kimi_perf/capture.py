@@ -15,10 +15,12 @@ import dataclasses
 import datetime as dt
 import gzip
 import json
+import os
 import platform
 import shutil
 import statistics
 import subprocess
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -121,10 +123,8 @@ def capture(req: TraceRequest, progress=None) -> tuple[Path, dict[str, Breakdown
     if req.tp != 1:
         raise TraceError(None, "capture with --tp > 1 is not supported yet (validate and the "
                                "TP tests run TP; capture runs one rank)")
-    if req.backend != "torch":
-        raise TraceError(None, "only the PyTorch-profiler backend captures so far; use "
-                               "'nsys profile' around your own run and pass the export "
-                               "with --from")
+    if req.backend == "nsys":
+        nsys_binary()  # fail before any work when there is none
     on_gpu = torch.cuda.is_available()
     device = "cuda" if on_gpu else "cpu"
     if req.graphs:
@@ -150,13 +150,18 @@ def _capture_all(req: TraceRequest, config, device: str, run_dir: Path, final: P
         "warmup_steps": req.warmup, "date": dt.datetime.now(dt.UTC).isoformat(),
         "environment": environment(device), "paths": {},
     }
-    weights = random_weights(config, seed=req.seed, device=device)
+    # The nsys backend draws the weights in each profiled process, from the same seed.
+    weights = random_weights(config, seed=req.seed, device=device) \
+        if req.backend == "torch" else None
     results: dict[str, Breakdown] = {}
     traces = {}
     for path in req.paths:
         if progress:
             progress(f"{path}: decoding {req.warmup} + {req.steps} steps")
-        metrics, trace_file = _capture_path(path, config, weights, req, device, run_dir)
+        if req.backend == "nsys":
+            metrics, trace_file = _capture_path_nsys(path, req, device, run_dir)
+        else:
+            metrics, trace_file = _capture_path(path, config, weights, req, device, run_dir)
         traces[path] = trace = read_trace(trace_file)
         trace.save(run_dir / f"{path}.kptrace")
         results[path] = breakdown(trace)
@@ -187,7 +192,7 @@ def _capture_path(path: str, config, weights, req: TraceRequest, device: str,
     # req.steps decode steps are recorded.
     schedule = torch.profiler.schedule(wait=1, warmup=req.warmup, active=req.steps, repeat=1)
     with torch.profiler.profile(activities=activities, schedule=schedule) as prof:
-        run = run_decode(model, prompt, steps=req.warmup + req.steps,
+        run = run_decode(model, prompt, steps=req.steps, warmup=req.warmup,
                          kv_dtype=FP8 if req.kv_cache == "fp8" else None,
                          after_step=prof.step)
     with tempfile.TemporaryDirectory() as tmp:
@@ -195,19 +200,63 @@ def _capture_path(path: str, config, weights, req: TraceRequest, device: str,
         prof.export_chrome_trace(str(raw))
         out = run_dir / f"{path}.trace.json.gz"
         atomic_write(out, lambda f: f.write(gzip.compress(raw.read_bytes(), 6)))
-    steps = run.step_s[req.warmup:]
-    metrics = {
+    return _metrics(req, device, run.prefill_s, run.step_s[req.warmup:],
+                    list(getattr(model, "fallbacks", []))), out
+
+
+def _metrics(req: TraceRequest, device: str, prefill_s: float, steps: list[float],
+             fallbacks: list[str]) -> dict:
+    return {
         "decode_tokens_per_s": req.batch * len(steps) / sum(steps),
-        "time_to_first_token_s": run.time_to_first_token_s,
+        "time_to_first_token_s": prefill_s,
         "step_latency_s": {"median": statistics.median(steps), "min": min(steps),
                            "max": max(steps)},
-        "timed": "under the profiler" + (" (CPU, Triton interpreter for the specialized "
-                                         "path: not a speed figure)" if device == "cpu"
-                                         else ""),
-        "fallbacks": list(getattr(model, "fallbacks", [])),
+        "timed": f"under the profiler ({req.backend})" + (
+            "; CPU, Triton interpreter for the specialized path: not a speed figure"
+            if device == "cpu" else ""),
+        "fallbacks": fallbacks,
         "ops": "gpu kernels" if device == "cuda" else "cpu: annotated launches",
     }
-    return metrics, out
+
+
+def nsys_binary() -> str:
+    nsys = os.environ.get("KIMI_PERF_NSYS") or shutil.which("nsys")
+    if not nsys:
+        raise TraceError(None, "--backend nsys needs the Nsight Systems CLI: put nsys on PATH "
+                               "or set KIMI_PERF_NSYS (scripts/install-nsys.sh installs one "
+                               "on Debian)")
+    return nsys
+
+
+def _capture_path_nsys(path: str, req: TraceRequest, device: str, run_dir: Path
+                       ) -> tuple[dict, Path]:
+    """The path in its own process under ``nsys profile`` (NVTX, and CUDA on a GPU), then
+    ``nsys export`` to SQLite, which the trace core reads."""
+    nsys = nsys_binary()
+    rep = run_dir / f"{path}.nsys-rep"
+    sqlite = run_dir / f"{path}.sqlite"
+    metrics_file = run_dir / f".{path}.metrics.json"
+    request = {"preset": req.preset, "n_layers": req.n_layers, "seed": req.seed,
+               "batch": req.batch, "context": req.context, "steps": req.steps,
+               "warmup": req.warmup, "kv_cache": req.kv_cache}
+    traced = "nvtx,cuda" if device == "cuda" else "nvtx"
+    cmd = [nsys, "profile", f"--trace={traced}", "--sample=none", "--cpuctxsw=none",
+           "--force-overwrite=true", "-o", str(rep.with_suffix(""))]
+    if req.graphs:
+        cmd.append("--cuda-graph-trace=node")
+    cmd += [sys.executable, "-m", "kimi_perf.decode.worker", json.dumps(request), path,
+            str(metrics_file)]
+    for step in (cmd, [nsys, "export", "--type", "sqlite", "--force-overwrite=true", "-o",
+                       str(sqlite), str(rep)]):
+        result = subprocess.run(step, capture_output=True, text=True, errors="replace")
+        if result.returncode != 0:
+            lines = (result.stderr or result.stdout).strip().splitlines()
+            raise TraceError(None, f"nsys {step[1]} failed for the {path} path: "
+                                   + (lines[-1] if lines else f"exit {result.returncode}"))
+    worker = json.loads(metrics_file.read_text())
+    metrics_file.unlink()
+    return _metrics(req, device, worker["prefill_s"], worker["step_s"],
+                    worker["fallbacks"]), sqlite
 
 
 def analyse(files: list[Path], out_dir: Path, layers: str = "auto"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 
@@ -165,7 +166,7 @@ def test_trace_command_captures_both_paths(tmp_path):
         types = {t["type"]: t for t in saved["paths"][path]["layer_types"]}
         assert {k: types[k]["kernels"] for k in launches} == launches
         steps = saved["paths"][path]["steps"]
-        assert [s["name"] for s in steps] == ["decode_step[1]", "decode_step[2]"]
+        assert [s["name"] for s in steps] == ["decode_step[0]", "decode_step[1]"]
         assert all(s["layers"] == 4 and s["layer_source"] == "nvtx" for s in steps)
     assert run["paths"]["specialized"]["fallbacks"] == ["step 0: prefill of 3 tokens"]
     # --from reads the traces back into the same report.
@@ -204,3 +205,34 @@ def test_trace_bad_input_leaves_nothing(tmp_path, args):
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("kimi-perf: error: "), proc.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+NSYS = os.environ.get("KIMI_PERF_NSYS") or shutil.which("nsys")
+
+
+@pytest.mark.skipif(NSYS is None, reason="no Nsight Systems CLI (scripts/install-nsys.sh)")
+def test_trace_with_the_nsys_backend(tmp_path):
+    """nsys profile -> NVTX ranges -> SQLite export -> the same per-layer launches."""
+    import json
+
+    from click.testing import CliRunner
+
+    from kimi_perf.cli import main
+
+    result = CliRunner().invoke(main, ["trace", "--backend", "nsys", "--layers", "4",
+                                       "--steps", "2", "--warmup", "1", "--context", "3",
+                                       "--out", str(tmp_path), "--format", "json"])
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.output)
+    run_dir = tmp_path / doc["run_dir"].split("/")[-1]
+    names = {p.name for p in run_dir.iterdir()}
+    assert {"standard.nsys-rep", "standard.sqlite", "specialized.nsys-rep",
+            "specialized.sqlite", "report.html"} <= names
+    for path, launches in (("standard", {"kda": 18, "mla": 24}),
+                           ("specialized", {"kda": 12, "mla": 15})):
+        bd = doc["paths"][path]
+        assert bd["source"]["format"] == "nsys-sqlite"
+        types = {t["type"]: t for t in bd["layer_types"]}
+        assert {k: types[k]["kernels"] for k in launches} == launches
+        # Warm-up steps are not steps; only the profiled decode steps are.
+        assert [s["name"] for s in bd["steps"]] == ["decode_step[0]", "decode_step[1]"]

@@ -1,33 +1,19 @@
 """Decode harness: a prompt (prefill, standard path), then N decode steps, annotated per step
 and per layer so that traces attribute kernels to ``decode_step[i]`` and ``layer[j](type)``.
 
-Annotations go to the PyTorch profiler (``record_function``: Kineto ``user_annotation``) and,
-on a GPU, to NVTX (``torch.cuda.nvtx``) for Nsight Systems.
+Annotations go to the PyTorch profiler (``record_function``: Kineto ``user_annotation``) and
+to NVTX for Nsight Systems (``kimi_perf.decode.annotate``).
 """
 
 from __future__ import annotations
 
-import contextlib
 import time
 from dataclasses import dataclass, field
 
 import torch
 
+from kimi_perf.decode.annotate import annotate
 from kimi_perf.decode.model import DecodeState, K3Model
-
-
-@contextlib.contextmanager
-def annotate(name: str):
-    """A range visible to the PyTorch profiler and, with CUDA, to Nsight Systems."""
-    nvtx = torch.cuda.is_available()
-    if nvtx:
-        torch.cuda.nvtx.range_push(name)
-    try:
-        with torch.profiler.record_function(name):
-            yield
-    finally:
-        if nvtx:
-            torch.cuda.nvtx.range_pop()
 
 
 def layer_range_name(layer: int, kind: str) -> str:
@@ -62,14 +48,15 @@ def _sync(device: torch.device) -> None:
 
 def run_decode(model: K3Model, prompt: torch.Tensor, steps: int,
                state: DecodeState | None = None, kv_dtype: torch.dtype | None = None,
-               annotate_layers: bool = True, after_step=None) -> DecodeRun:
-    """Greedy decode: prefill ``prompt`` [B, P], then ``steps`` single-token steps.
+               annotate_layers: bool = True, after_step=None, warmup: int = 0) -> DecodeRun:
+    """Greedy decode: prefill ``prompt`` [B, P], then ``warmup`` + ``steps`` single-token steps.
 
-    ``after_step()`` runs after the prefill and after every decode step (a profiler's
-    ``step``, so that its schedule can skip the prefill and warm-up steps).
+    Warm-up steps are ranges ``warmup_step[i]``, so that analyses of a whole trace (nsys
+    records everything) take only the ``decode_step[i]`` ranges as steps. ``after_step()`` runs
+    after the prefill and after every decode step (a profiler's ``step``).
     """
     batch, prompt_len = prompt.shape
-    state = state or model.new_state(batch, prompt_len + steps, kv_dtype=kv_dtype)
+    state = state or model.new_state(batch, prompt_len + warmup + steps, kv_dtype=kv_dtype)
     c = model.c
 
     def hook(i: int):
@@ -80,13 +67,14 @@ def run_decode(model: K3Model, prompt: torch.Tensor, steps: int,
         logits = model.forward(prompt.to(model.device), state)
     next_token = logits[:, -1].argmax(-1, keepdim=True)
     _sync(model.device)
-    run = DecodeRun(tokens=torch.empty(batch, steps, dtype=torch.long),
+    run = DecodeRun(tokens=torch.empty(batch, warmup + steps, dtype=torch.long),
                     prefill_s=time.perf_counter() - start)
     if after_step:
         after_step()
-    for step in range(steps):
+    for step in range(warmup + steps):
         start = time.perf_counter()
-        with annotate(f"decode_step[{step}]"):
+        label = f"warmup_step[{step}]" if step < warmup else f"decode_step[{step - warmup}]"
+        with annotate(label):
             logits = model.forward(next_token, state, layer_hook=hook)
             next_token = logits[:, -1].argmax(-1, keepdim=True)
         _sync(model.device)

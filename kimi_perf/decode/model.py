@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from kimi_perf.decode.annotate import annotate
 from kimi_perf.decode.config import K3Config
 from kimi_perf.decode.reference import Observer
 from kimi_perf.decode.weights import Weights, layer_prefix
@@ -113,7 +114,7 @@ class K3Model:
         # until the next launch or the end of the layer: CPU traces, which have no GPU
         # kernels, count these instead.
         self.annotate_ops = False
-        self._open_op: torch.profiler.record_function | None = None
+        self._open_op = None
         self.layer = -1
         w = {k: v.to(self.device) for k, v in weights.items()}
         self.w = {k: (v.to(dtype) if v.dim() == 2 else v) for k, v in w.items()}
@@ -167,7 +168,7 @@ class K3Model:
             self.launches.append((self.layer, name))
         if self.annotate_ops:
             self.end_op()
-            self._open_op = torch.profiler.record_function(f"op:{name}")
+            self._open_op = annotate(f"op:{name}")
             self._open_op.__enter__()
 
     def end_op(self) -> None:

@@ -1,0 +1,45 @@
+"""One decode path run for ``kimi-perf trace --backend nsys``, inside ``nsys profile``.
+
+    python -m kimi_perf.decode.worker REQUEST_JSON PATH METRICS_JSON
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+
+from kimi_perf.decode.annotate import NVTX
+from kimi_perf.decode.config import preset
+from kimi_perf.decode.harness import run_decode
+from kimi_perf.decode.model import FP8
+from kimi_perf.decode.specialized import build_model
+from kimi_perf.decode.weights import random_weights
+
+
+def main(argv: list[str]) -> int:
+    request, path, metrics_out = json.loads(argv[0]), argv[1], argv[2]
+    if NVTX is None:
+        print("no NVTX binding: on a CPU, pip install nvtx==0.2.11", file=sys.stderr)
+        return 2
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    config = preset(request["preset"], n_layers=request["n_layers"])
+    weights = random_weights(config, seed=request["seed"], device=device)
+    backend = {"standard": "auto", "specialized": "latency_specialized"}[path]
+    model = build_model(config, weights, backend, device=device)
+    model.annotate_ops = device == "cpu"
+    gen = torch.Generator().manual_seed(request["seed"] + 1)
+    prompt = torch.randint(0, config.vocab, (request["batch"], request["context"]),
+                           generator=gen)
+    run = run_decode(model, prompt, steps=request["steps"], warmup=request["warmup"],
+                     kv_dtype=FP8 if request["kv_cache"] == "fp8" else None)
+    steps = run.step_s[request["warmup"]:]
+    with open(metrics_out, "w") as f:
+        json.dump({"prefill_s": run.prefill_s, "step_s": steps,
+                   "fallbacks": list(getattr(model, "fallbacks", []))}, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
