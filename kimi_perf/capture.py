@@ -115,7 +115,11 @@ def run_directory(out_dir: Path, label: str):
 
 
 def capture(req: TraceRequest, progress=None) -> tuple[Path, dict[str, Breakdown], dict]:
-    """Capture every requested path; returns the run directory, breakdowns and run.json."""
+    """Capture every requested path; returns the run directory, breakdowns and run.json.
+
+    ``progress(description, units)`` is called as work completes: a path's prefill and each
+    of its decode steps are one unit each (``work_units(req)`` in all).
+    """
     import torch
 
     from kimi_perf.decode.config import preset
@@ -156,12 +160,17 @@ def _capture_all(req: TraceRequest, config, device: str, run_dir: Path, final: P
     results: dict[str, Breakdown] = {}
     traces = {}
     for path in req.paths:
-        if progress:
-            progress(f"{path}: decoding {req.warmup} + {req.steps} steps")
+        def done(units: int = 1, path: str = path) -> None:
+            if progress:
+                progress(f"{path}: prefill, {req.warmup} warm-up and {req.steps} decode steps",
+                         units)
+        done(0)
         if req.backend == "nsys":
             metrics, trace_file = _capture_path_nsys(path, req, device, run_dir)
+            done(1 + req.warmup + req.steps)
         else:
-            metrics, trace_file = _capture_path(path, config, weights, req, device, run_dir)
+            metrics, trace_file = _capture_path(path, config, weights, req, device, run_dir,
+                                                done)
         traces[path] = trace = read_trace(trace_file)
         trace.save(run_dir / f"{path}.kptrace")
         results[path] = breakdown(trace)
@@ -172,8 +181,12 @@ def _capture_all(req: TraceRequest, config, device: str, run_dir: Path, final: P
     return run_info, results
 
 
+def work_units(req: TraceRequest) -> int:
+    return len(req.paths) * (1 + req.warmup + req.steps)
+
+
 def _capture_path(path: str, config, weights, req: TraceRequest, device: str,
-                  run_dir: Path) -> tuple[dict, Path]:
+                  run_dir: Path, done) -> tuple[dict, Path]:
     import torch
 
     from kimi_perf.decode.harness import run_decode
@@ -191,10 +204,15 @@ def _capture_path(path: str, config, weights, req: TraceRequest, device: str,
     # Step 0 of the schedule is the prefill, then the warm-up steps; only the last
     # req.steps decode steps are recorded.
     schedule = torch.profiler.schedule(wait=1, warmup=req.warmup, active=req.steps, repeat=1)
-    with torch.profiler.profile(activities=activities, schedule=schedule) as prof:
+    with _native_stderr_filtered(), torch.profiler.profile(activities=activities,
+                                                            schedule=schedule) as prof:
+
+        def after_step() -> None:
+            prof.step()
+            done()
         run = run_decode(model, prompt, steps=req.steps, warmup=req.warmup,
                          kv_dtype=FP8 if req.kv_cache == "fp8" else None,
-                         after_step=prof.step)
+                         after_step=after_step)
     with tempfile.TemporaryDirectory() as tmp:
         raw = Path(tmp) / "trace.json"
         prof.export_chrome_trace(str(raw))
@@ -202,6 +220,27 @@ def _capture_path(path: str, config, weights, req: TraceRequest, device: str,
         atomic_write(out, lambda f: f.write(gzip.compress(raw.read_bytes(), 6)))
     return _metrics(req, device, run.prefill_s, run.step_s[req.warmup:],
                     list(getattr(model, "fallbacks", []))), out
+
+
+@contextlib.contextmanager
+def _native_stderr_filtered():
+    """libkineto writes "USDT: ... profiler_start/stop" lines straight to file descriptor 2,
+    through any progress bar: hold fd 2 in a temporary file while profiling, then pass on
+    every other line."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as held:
+        os.dup2(held.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            held.seek(0)
+            for line in held.read().decode(errors="replace").splitlines(keepends=True):
+                if not line.startswith(("USDT:", "INFO:")):
+                    sys.stderr.write(line)
 
 
 def _metrics(req: TraceRequest, device: str, prefill_s: float, steps: list[float],

@@ -286,8 +286,20 @@ def trace_cmd(from_files: tuple[Path, ...], preset_name: str | None, n_layers: i
         if req.preset not in PRESETS:
             raise TraceError(None, f"unknown preset {req.preset!r} (choose from "
                                    f"{', '.join(PRESETS)})")
-        with console.status("capturing") as status:
-            run_dir, results, run_info = cap.capture(req, progress=status.update)
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+        )
+
+        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                      TimeElapsedColumn(), console=console, transient=True) as bar:
+            task = bar.add_task("capturing", total=cap.work_units(req))
+            run_dir, results, run_info = cap.capture(
+                req, progress=lambda text, units: bar.update(task, description=text,
+                                                             advance=units))
     if fmt == "json":
         click.echo(json.dumps({"run_dir": str(run_dir), "run": run_info,
                                "paths": {k: b.to_json() for k, b in results.items()}},
