@@ -81,7 +81,12 @@ def _tp_specialized(rank: int, weights):
     state = model.new_state(2, 8)
     tokens = torch.randint(0, SMALL.vocab, (2, 5), generator=torch.Generator().manual_seed(6))
     model.forward(tokens[:, :3], state)
-    return torch.stack([model.forward(tokens[:, t: t + 1], state)[:, -1] for t in (3, 4)])
+    model.launches = []
+    logits = [model.forward(tokens[:, 3:4], state)[:, -1]]
+    launches = list(model.launches)
+    model.launches = None
+    logits.append(model.forward(tokens[:, 4:5], state)[:, -1])
+    return torch.stack(logits), launches
 
 
 def test_specialized_tp2_matches_tp1(weights):
@@ -93,8 +98,12 @@ def test_specialized_tp2_matches_tp1(weights):
     tokens = torch.randint(0, SMALL.vocab, (2, 5), generator=torch.Generator().manual_seed(6))
     single.forward(tokens[:, :3], state)
     want = torch.stack([single.forward(tokens[:, t: t + 1], state)[:, -1] for t in (3, 4)])
-    for got in results:
+    for got, _ in results:
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    launches = results[0][1]
+    per_layer = {i: sum(1 for layer, _ in launches if layer == i) for i in range(4)}
+    # 12 and 15 launches plus o_proj's all-reduce and one all-reduce for the MoE.
+    assert per_layer[1] == 14 and per_layer[3] == 17
 
 
 def test_validate_both_paths_in_bf16():

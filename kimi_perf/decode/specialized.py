@@ -16,7 +16,10 @@ as ``kimi_perf_kernels``). Per KDA layer, at TP 1 (TP > 1 adds the all-reduces):
     S10 shared_down
     S12 latent_up_proj        routed RMSNorm (prologue) + up-projection + shared add
 
-12 launches where the standard path makes 18. Per gated-MLA layer (15 against 24)::
+12 launches where the standard path makes 18. With TP > 1 two all-reduces follow (o_proj's,
+and one for the routed latent and the shared experts together): 14 against 20; fusing them
+into the GEMMs needs a GPU collective (symmetric memory) and is not done yet. Per gated-MLA
+layer (15 against 24 at TP 1, 17 against 26 with TP)::
 
     S1  attn_res_pre
     M2  qkv_a_g_proj          one pass over x for [W_q_a; W_kv_a; W_g]
@@ -228,8 +231,11 @@ class SpecializedModel(K3Model):
         shared_act = skinny_linear(h, p["shared_gate_up"], situ=situ)
         self.launch("shared_down")
         shared = skinny_linear(shared_act, self.w[m + "shared_experts.down_proj.weight"])
-        routed = self._all_reduce(routed, "latent_all_reduce")
-        shared = self._all_reduce(shared, "shared_all_reduce")
+        if self.all_reduce is not None:
+            # One all-reduce for the routed latent and the shared partial sums together.
+            both = self._all_reduce(torch.cat([routed, shared.float()], dim=-1),
+                                    "moe_all_reduce")
+            routed, shared = both[:, : c.latent], both[:, c.latent:].to(self.dtype)
         self.launch("latent_up_proj")
         out = skinny_linear(routed, self.w[m + "routed_expert_up_proj.weight"],
                             norm=self.w[m + "routed_expert_norm.weight"], residual=shared,
