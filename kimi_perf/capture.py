@@ -124,9 +124,9 @@ def capture(req: TraceRequest, progress=None) -> tuple[Path, dict[str, Breakdown
 
     from kimi_perf.decode.config import preset
 
-    if req.tp != 1:
-        raise TraceError(None, "capture with --tp > 1 is not supported yet (validate and the "
-                               "TP tests run TP; capture runs one rank)")
+    if req.tp != 1 and (torch.cuda.is_available() or req.backend != "torch"):
+        raise TraceError(None, "--tp > 1 captures CPU ranks over gloo with the torch backend; "
+                               "GPU ranks (NCCL) and nsys are not supported yet")
     if req.backend == "nsys":
         nsys_binary()  # fail before any work when there is none
     on_gpu = torch.cuda.is_available()
@@ -168,9 +168,15 @@ def _capture_all(req: TraceRequest, config, device: str, run_dir: Path, final: P
         if req.backend == "nsys":
             metrics, trace_file = _capture_path_nsys(path, req, device, run_dir)
             done(1 + req.warmup + req.steps)
+        elif req.tp > 1:
+            metrics, trace_file = _capture_path_ranks(path, config, weights, req, run_dir)
+            done(1 + req.warmup + req.steps)
         else:
-            metrics, trace_file = _capture_path(path, config, weights, req, device, run_dir,
-                                                done)
+            from kimi_perf.decode.specialized import build_model
+
+            model = build_model(config, weights, PATH_BACKENDS[path], device=device)
+            trace_file = run_dir / f"{path}.trace.json.gz"
+            metrics = _profile(model, req, device, trace_file, done)
         traces[path] = trace = read_trace(trace_file)
         trace.save(run_dir / f"{path}.kptrace")
         results[path] = breakdown(trace)
@@ -185,19 +191,18 @@ def work_units(req: TraceRequest) -> int:
     return len(req.paths) * (1 + req.warmup + req.steps)
 
 
-def _capture_path(path: str, config, weights, req: TraceRequest, device: str,
-                  run_dir: Path, done) -> tuple[dict, Path]:
+def _profile(model, req: TraceRequest, device: str, out: Path, done=None) -> dict:
+    """Prefill, warm-up and decode steps under the PyTorch profiler; the Kineto trace of the
+    decode steps goes to ``out``."""
     import torch
 
     from kimi_perf.decode.harness import run_decode
     from kimi_perf.decode.model import FP8
-    from kimi_perf.decode.specialized import build_model
 
-    model = build_model(config, weights, PATH_BACKENDS[path], device=device)
     # Without GPU kernels, the CPU trace counts the launches the paths annotate.
     model.annotate_ops = device == "cpu"
     gen = torch.Generator().manual_seed(req.seed + 1)
-    prompt = torch.randint(0, config.vocab, (req.batch, req.context), generator=gen)
+    prompt = torch.randint(0, model.c.vocab, (req.batch, req.context), generator=gen)
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -209,17 +214,41 @@ def _capture_path(path: str, config, weights, req: TraceRequest, device: str,
 
         def after_step() -> None:
             prof.step()
-            done()
+            if done:
+                done()
         run = run_decode(model, prompt, steps=req.steps, warmup=req.warmup,
                          kv_dtype=FP8 if req.kv_cache == "fp8" else None,
                          after_step=after_step)
     with tempfile.TemporaryDirectory() as tmp:
         raw = Path(tmp) / "trace.json"
         prof.export_chrome_trace(str(raw))
-        out = run_dir / f"{path}.trace.json.gz"
         atomic_write(out, lambda f: f.write(gzip.compress(raw.read_bytes(), 6)))
     return _metrics(req, device, run.prefill_s, run.step_s[req.warmup:],
-                    list(getattr(model, "fallbacks", []))), out
+                    list(getattr(model, "fallbacks", [])))
+
+
+def _capture_path_ranks(path: str, config, weights, req: TraceRequest, run_dir: Path
+                        ) -> tuple[dict, Path]:
+    """One process per TP rank (gloo), each profiling its shard; rank 0's trace is the one
+    broken down, every rank's raw trace is kept."""
+    from kimi_perf.decode.tp import run_on_cpu_ranks
+
+    per_rank = run_on_cpu_ranks(req.tp, _rank_profile, weights, config, req, path,
+                                str(run_dir))
+    metrics = dict(per_rank[0])
+    metrics["ranks"] = per_rank
+    return metrics, run_dir / f"{path}.rank0.trace.json.gz"
+
+
+def _rank_profile(rank: int, weights, config, req: TraceRequest, path: str, run_dir: str
+                  ) -> dict:
+    import torch
+
+    from kimi_perf.decode.tp import rank_model
+
+    model = rank_model(weights, config, rank, torch.bfloat16,
+                       decode_backend=PATH_BACKENDS[path])
+    return _profile(model, req, "cpu", Path(run_dir) / f"{path}.rank{rank}.trace.json.gz")
 
 
 @contextlib.contextmanager

@@ -245,3 +245,28 @@ def test_trace_with_the_nsys_backend(tmp_path):
         assert {k: types[k]["kernels"] for k in launches} == launches
         # Warm-up steps are not steps; only the profiled decode steps are.
         assert [s["name"] for s in bd["steps"]] == ["decode_step[0]", "decode_step[1]"]
+
+
+def test_trace_with_two_tp_ranks(tmp_path):
+    """--tp 2: a gloo process per rank, each profiled; rank 0's trace shows the all-reduces."""
+    import json
+
+    from click.testing import CliRunner
+
+    from kimi_perf.cli import main
+
+    result = CliRunner().invoke(main, ["trace", "--tp", "2", "--layers", "4", "--steps", "1",
+                                       "--warmup", "1", "--context", "3", "--out",
+                                       str(tmp_path), "--format", "json"])
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.output)
+    run_dir = tmp_path / doc["run_dir"].split("/")[-1]
+    names = {p.name for p in run_dir.iterdir()}
+    assert {f"{p}.rank{r}.trace.json.gz" for p in ("standard", "specialized")
+            for r in (0, 1)} <= names
+    assert doc["run"]["tp"] == 2 and len(doc["run"]["paths"]["standard"]["ranks"]) == 2
+    for path, launches, collectives in (("standard", {"kda": 20, "mla": 26}, 3),
+                                        ("specialized", {"kda": 14, "mla": 17}, 2)):
+        types = {t["type"]: t for t in doc["paths"][path]["layer_types"]}
+        assert {k: types[k]["kernels"] for k in launches} == launches
+        assert types["kda"]["classes"]["communication"]["kernels"] == collectives
