@@ -46,6 +46,21 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _layer_hook(model: K3Model, enabled: bool = True):
+    c = model.c
+    return lambda i: annotate(layer_range_name(i, c.layer_type(i))) if enabled else None
+
+
+def _prefill(model: K3Model, prompt: torch.Tensor, state: DecodeState
+             ) -> tuple[torch.Tensor, float]:
+    """The prompt through the model (the standard path): logits and seconds taken."""
+    start = time.perf_counter()
+    with annotate("prefill"):
+        logits = model.forward(prompt.to(model.device), state)
+    _sync(model.device)
+    return logits, time.perf_counter() - start
+
+
 def run_decode(model: K3Model, prompt: torch.Tensor, steps: int,
                state: DecodeState | None = None, kv_dtype: torch.dtype | None = None,
                annotate_layers: bool = True, after_step=None, warmup: int = 0) -> DecodeRun:
@@ -57,18 +72,11 @@ def run_decode(model: K3Model, prompt: torch.Tensor, steps: int,
     """
     batch, prompt_len = prompt.shape
     state = state or model.new_state(batch, prompt_len + warmup + steps, kv_dtype=kv_dtype)
-    c = model.c
-
-    def hook(i: int):
-        return annotate(layer_range_name(i, c.layer_type(i))) if annotate_layers else None
-
-    start = time.perf_counter()
-    with annotate("prefill"):
-        logits = model.forward(prompt.to(model.device), state)
+    hook = _layer_hook(model, annotate_layers)
+    logits, prefill_s = _prefill(model, prompt, state)
     next_token = logits[:, -1].argmax(-1, keepdim=True)
-    _sync(model.device)
     run = DecodeRun(tokens=torch.empty(batch, warmup + steps, dtype=torch.long),
-                    prefill_s=time.perf_counter() - start)
+                    prefill_s=prefill_s)
     if after_step:
         after_step()
     for step in range(warmup + steps):
@@ -99,17 +107,11 @@ def run_spec_decode(model: K3Model, prompt: torch.Tensor, steps: int, k: int,
     state = model.new_state(batch, prompt_len + steps * (1 + k), kv_dtype=kv_dtype)
     gen = torch.Generator().manual_seed(seed)
     c = model.c
-
-    def hook(i: int):
-        return annotate(layer_range_name(i, c.layer_type(i)))
-
-    start = time.perf_counter()
-    with annotate("prefill"):
-        logits = model.forward(prompt.to(model.device), state)
+    hook = _layer_hook(model)
+    logits, prefill_s = _prefill(model, prompt, state)
     last = logits[:, -1].argmax(-1, keepdim=True)
-    _sync(model.device)
     run = DecodeRun(tokens=torch.empty(batch, steps, dtype=torch.long),
-                    prefill_s=time.perf_counter() - start, accepted_counts=True)
+                    prefill_s=prefill_s, accepted_counts=True)
     rows = torch.arange(batch, device=model.device)
     for step in range(steps):
         drafts = torch.randint(0, c.vocab, (batch, k), generator=gen).to(model.device)
