@@ -271,13 +271,12 @@ def trace_cmd(from_files: tuple[Path, ...], preset_name: str | None, n_layers: i
         except ImportError as exc:
             raise TraceError(None, f"capture needs torch ({exc}); pip install "
                                    "'kimi-perf[model]', or analyse traces with --from") from None
-        req = cap.default_request(torch.cuda.is_available())
-        overrides = {"preset": preset_name, "n_layers": n_layers, "batch": batch,
-                     "context": context, "steps": steps, "warmup": warmup}
+        given = {"preset": preset_name, "n_layers": n_layers, "batch": batch,
+                 "context": context, "steps": steps, "warmup": warmup}
+        overrides = {k: v for k, v in given.items() if v is not None}
         if preset_name and n_layers is None:
-            overrides["n_layers"] = None
-        req = dataclasses.replace(req, **{k: v for k, v in overrides.items()
-                                          if v is not None or (k == "n_layers" and preset_name)},
+            overrides["n_layers"] = None  # a chosen preset keeps its own layer count
+        req = dataclasses.replace(cap.default_request(torch.cuda.is_available()), **overrides,
                                   tp=tp, paths=tuple(p for p in paths.split(",") if p),
                                   graphs=graphs, backend=backend, kv_cache=kv_cache,
                                   out_dir=out_dir)
