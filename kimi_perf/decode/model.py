@@ -39,6 +39,7 @@ dense_down, all_reduce*``.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -171,6 +172,18 @@ class K3Model:
             self._open_op = annotate(f"op:{name}")
             self._open_op.__enter__()
 
+    @contextlib.contextmanager
+    def layer_scope(self, i: int, layer_hook: Callable[[int], object] | None):
+        """Layer i: launches are recorded under i, inside the hook's range when there is one;
+        the open op range closes before the layer's does."""
+        self.layer = i
+        hook = layer_hook(i) if layer_hook else None
+        with hook or contextlib.nullcontext():
+            try:
+                yield
+            finally:
+                self.end_op()
+
     def end_op(self) -> None:
         """Close the open op range (before a layer's range closes)."""
         if self._open_op is not None:
@@ -214,38 +227,29 @@ class K3Model:
         blocks = prefix.new_empty(B, T, math.ceil(c.n_layers / c.attn_res_block), c.hidden)
         delta = None
         for i in range(c.n_layers):
-            self.layer = i
-            hook = layer_hook(i) if layer_hook else None
-            if hook is not None:
-                hook.__enter__()
-            p = layer_prefix(i)
-            boundary = i % c.attn_res_block == 0
-            self.launch("attn_res_pre")
-            if delta is not None:
-                prefix = (prefix.float() + delta.float()).to(self.dtype)
-            if boundary:
-                blocks[:, :, i // c.attn_res_block] = prefix
-            n_done = math.ceil(i / c.attn_res_block)
-            x = self._attn_res(blocks[:, :, :n_done], prefix, p + "self_attention_res",
-                               p + "input_layernorm.weight")
-            if c.is_mla(i):
-                a = self._mla(i, x, state, positions)
-            else:
-                a = self._kda(i, x, state, keep_checkpoints)
-            self.launch("attn_res_post")
-            prefix = a if boundary else (prefix.float() + a.float()).to(self.dtype)
-            h = self._attn_res(blocks[:, :, : n_done + int(boundary)], prefix,
-                               p + "mlp_res", p + "post_attention_layernorm.weight")
-            m, chosen = self._dense(h) if i == 0 else self._moe(i, h)
-            if observer is not None:
-                observer.attn_out[i] = a.float()
-                observer.mlp_out[i] = m.float()
-                if chosen is not None:
-                    observer.experts[i] = chosen
-            delta = m
-            self.end_op()
-            if hook is not None:
-                hook.__exit__(None, None, None)
+            with self.layer_scope(i, layer_hook):
+                p = layer_prefix(i)
+                boundary = i % c.attn_res_block == 0
+                self.launch("attn_res_pre")
+                if delta is not None:
+                    prefix = (prefix.float() + delta.float()).to(self.dtype)
+                if boundary:
+                    blocks[:, :, i // c.attn_res_block] = prefix
+                n_done = math.ceil(i / c.attn_res_block)
+                x = self._attn_res(blocks[:, :, :n_done], prefix, p + "self_attention_res",
+                                   p + "input_layernorm.weight")
+                if c.is_mla(i):
+                    a = self._mla(i, x, state, positions)
+                else:
+                    a = self._kda(i, x, state, keep_checkpoints)
+                self.launch("attn_res_post")
+                prefix = a if boundary else (prefix.float() + a.float()).to(self.dtype)
+                h = self._attn_res(blocks[:, :, : n_done + int(boundary)], prefix,
+                                   p + "mlp_res", p + "post_attention_layernorm.weight")
+                m, chosen = self._dense(h) if i == 0 else self._moe(i, h)
+                if observer is not None:
+                    observer.record(i, a, m, chosen, B, T)
+                delta = m
         self.layer = c.n_layers
         self.launch("attn_res_final")
         prefix = (prefix.float() + delta.float()).to(self.dtype)

@@ -50,6 +50,14 @@ class Observer:
     # biased score the path's choice fell (0 where they agree).
     routing_gap: dict[int, float] = field(default_factory=dict)
 
+    def record(self, layer: int, attn_out: torch.Tensor, mlp_out: torch.Tensor,
+               experts: torch.Tensor | None, batch: int, tokens: int) -> None:
+        """A path's outputs for one layer, as [B, T, ...] whatever layout the path keeps."""
+        self.attn_out[layer] = attn_out.float().reshape(batch, tokens, -1)
+        self.mlp_out[layer] = mlp_out.float().reshape(batch, tokens, -1)
+        if experts is not None:
+            self.experts[layer] = experts.reshape(batch, tokens, -1).long()
+
 
 class ReferenceModel:
     """Float64 decode for a batch of B sequences, one token position per ``step``."""

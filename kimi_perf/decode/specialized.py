@@ -116,36 +116,27 @@ class SpecializedModel(K3Model):
         blocks = prefix.new_empty(M, math.ceil(c.n_layers / c.attn_res_block), c.hidden)
         delta = None
         for i in range(c.n_layers):
-            self.layer = i
-            hook = layer_hook(i) if layer_hook else None
-            if hook is not None:
-                hook.__enter__()
-            p = layer_prefix(i)
-            packed = self.packed[i]
-            boundary = i % c.attn_res_block == 0
-            n_done = math.ceil(i / c.attn_res_block)
-            self.launch("attn_res_pre")
-            x = attn_res(prefix, delta, blocks, n_done,
-                         i // c.attn_res_block if boundary else -1,
-                         packed["self_attention_res_qk"], self.w[p + "input_layernorm.weight"],
-                         eps)
-            if c.is_mla(i):
-                a = self._fast_mla(i, x, state, positions.reshape(M), T)
-            else:
-                a = self._fast_kda(i, x, state, B, T, keep_checkpoints)
-            self.launch("attn_res_post")
-            h = attn_res(prefix, a, blocks, n_done + int(boundary), -1, packed["mlp_res_qk"],
-                         self.w[p + "post_attention_layernorm.weight"], eps, reset=boundary)
-            m, chosen = self._fast_dense(h) if i == 0 else self._fast_moe(i, h)
-            if observer is not None:
-                observer.attn_out[i] = a.float().view(B, T, -1)
-                observer.mlp_out[i] = m.float().view(B, T, -1)
-                if chosen is not None:
-                    observer.experts[i] = chosen.view(B, T, -1).long()
-            delta = m
-            self.end_op()
-            if hook is not None:
-                hook.__exit__(None, None, None)
+            with self.layer_scope(i, layer_hook):
+                p = layer_prefix(i)
+                packed = self.packed[i]
+                boundary = i % c.attn_res_block == 0
+                n_done = math.ceil(i / c.attn_res_block)
+                self.launch("attn_res_pre")
+                x = attn_res(prefix, delta, blocks, n_done,
+                             i // c.attn_res_block if boundary else -1,
+                             packed["self_attention_res_qk"], self.w[p + "input_layernorm.weight"],
+                             eps)
+                if c.is_mla(i):
+                    a = self._fast_mla(i, x, state, positions.reshape(M), T)
+                else:
+                    a = self._fast_kda(i, x, state, B, T, keep_checkpoints)
+                self.launch("attn_res_post")
+                h = attn_res(prefix, a, blocks, n_done + int(boundary), -1, packed["mlp_res_qk"],
+                             self.w[p + "post_attention_layernorm.weight"], eps, reset=boundary)
+                m, chosen = self._fast_dense(h) if i == 0 else self._fast_moe(i, h)
+                if observer is not None:
+                    observer.record(i, a, m, chosen, B, T)
+                delta = m
         self.layer = c.n_layers
         self.launch("attn_res_final")
         out = attn_res(prefix, delta, blocks, blocks.shape[1], -1, self.final_qk, None, eps)
