@@ -6,11 +6,13 @@
 1. Environment: GPU, driver, CUDA, torch, triton, date.
 2. Ceilings: device-to-device copy bandwidth (bytes read + written, median of repeats).
 3. Correctness on the GPU: both paths on the tiny preset in float32 against the standard path
-   on the CPU (Triton's float32 dots use tf32 on the GPU: bound 3e-3), logits every step.
+   on the CPU (Triton's float32 dots use tf32 on the GPU: bound 3e-3), logits every step,
+   launched eagerly and replayed from a CUDA graph.
 4. Speed: both paths on k3-tp8 shapes (5 layers: dense, 2 KDA + MoE, 2 gated MLA) at batch 1
-   and 64, eager (no CUDA graphs yet), profiled after warm-up. Per layer type: kernels, kernel
-   µs, span µs; per launch of the specialized path: its kernels' µs against the bytes it must
-   move over the measured bandwidth (its memory floor).
+   and 64, eager and with CUDA graphs, profiled after warm-up. Per layer type: kernels, kernel
+   µs, span µs (under graphs the layers come from the repeating kernel pattern); per launch of
+   the eager specialized path: its kernels' µs against the bytes it must move over the
+   measured bandwidth (its memory floor).
 
 Writes ``results.json``, ``summary.md`` and the Kineto traces under ``--out``; prints the
 summary last. Every number is measured in this one run.
@@ -36,7 +38,7 @@ from kimi_perf.attribution import range_kernel_summary
 from kimi_perf.breakdown import breakdown
 from kimi_perf.capture import environment
 from kimi_perf.decode.config import K3Config, preset
-from kimi_perf.decode.harness import run_decode
+from kimi_perf.decode.harness import GraphedDecodeStep, run_decode
 from kimi_perf.decode.model import K3Model
 from kimi_perf.decode.specialized import SpecializedModel, build_model
 from kimi_perf.decode.validate import rel_err
@@ -84,6 +86,12 @@ def correctness(device: str, steps: int) -> dict:
         got += [model.forward(tokens[:, t: t + 1].to(device), state)[:, -1]
                 for t in range(4, 4 + steps)]
         errors = [rel_err(g.cpu(), w.double()) for g, w in zip(got, want, strict=True)]
+        if device == "cuda":  # the same steps replayed from one captured graph
+            state = model.new_state(2, 4 + steps)
+            model.forward(tokens[:, :4].to(device), state)
+            graphed = GraphedDecodeStep(model, state, batch=2)
+            errors += [rel_err(graphed(tokens[:, t: t + 1].to(device))[:, -1].cpu(),
+                               want[t - 3].double()) for t in range(4, 4 + steps)]
         out[name] = {"max_rel_err": max(errors), "ok": max(errors) < 3e-3 and all(
             math.isfinite(e) for e in errors)}
     return out
@@ -122,9 +130,10 @@ def launch_bytes(c: K3Config, batch: int, context: int) -> dict[str, float]:
 
 
 def speed(path: str, c: K3Config, weights, batch: int, context: int, warmup: int, steps: int,
-          device: str, out: Path, bandwidth: float) -> dict:
+          device: str, out: Path, bandwidth: float, graphs: bool) -> dict:
     model = build_model(c, weights, PATHS[path], device=device)
-    model.annotate_ops = True  # per-launch ranges: kernels are attributed to the launch
+    # Eager runs: per-launch ranges attribute kernels to their launch (graphs replay none).
+    model.annotate_ops = not graphs
     prompt = torch.randint(0, c.vocab, (batch, context), generator=torch.Generator()
                            .manual_seed(batch))
     activities = [torch.profiler.ProfilerActivity.CPU]
@@ -132,17 +141,18 @@ def speed(path: str, c: K3Config, weights, batch: int, context: int, warmup: int
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     schedule = torch.profiler.schedule(wait=1, warmup=warmup, active=steps, repeat=1)
     with torch.profiler.profile(activities=activities, schedule=schedule) as prof:
-        run = run_decode(model, prompt, steps=warmup + steps, after_step=prof.step)
+        run = run_decode(model, prompt, steps=warmup + steps, after_step=prof.step,
+                         cuda_graphs=graphs)
     with tempfile.TemporaryDirectory() as tmp:
         raw = Path(tmp) / "t.json"
         prof.export_chrome_trace(str(raw))
-        trace_file = out / f"{path}_b{batch}.trace.json.gz"
+        trace_file = out / f"{path}_b{batch}{'_graphs' if graphs else ''}.trace.json.gz"
         trace_file.write_bytes(gzip.compress(raw.read_bytes(), 6))
     trace = read_trace(trace_file)
     b = breakdown(trace)
     result = {"layer_types": b.layer_types, "step_s": run.step_s[warmup:],
               "fallbacks": list(getattr(model, "fallbacks", []))}
-    if isinstance(model, SpecializedModel):
+    if isinstance(model, SpecializedModel) and not graphs:
         floors = launch_bytes(c, batch, context)
         per_launch: dict[str, dict] = {}
         for row in range_kernel_summary(trace):
@@ -196,13 +206,14 @@ def main() -> int:
                          "steps": steps, "warmup": warmup}
     results["speed"] = {}
     for batch in batches:
-        for path in PATHS:
-            key = f"{path} b{batch}"
-            try:
-                results["speed"][key] = speed(path, c, weights, batch, context, warmup, steps,
-                                              device, args.out, bandwidth)
-            except Exception:
-                results["errors"].append(f"{key}: {traceback.format_exc()}")
+        for graphs in (False, True) if device == "cuda" else (False,):
+            for path in PATHS:
+                key = f"{path} b{batch}{' graphs' if graphs else ''}"
+                try:
+                    results["speed"][key] = speed(path, c, weights, batch, context, warmup,
+                                                  steps, device, args.out, bandwidth, graphs)
+                except Exception:
+                    results["errors"].append(f"{key}: {traceback.format_exc()}")
     (args.out / "results.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
     summary = render_summary(results)
     (args.out / "summary.md").write_text(summary)
@@ -226,6 +237,11 @@ def render_summary(results: dict) -> str:
         for t in r["layer_types"]:
             lines.append(f"| {key} | {t['type']} | {t['layers']} | {t['kernels']:g} | "
                          f"{t['kernel_us']:.1f} | {t['span_us']:.1f} |")
+    lines += ["", "| run | median decode step ms | decode tokens/s |", "|---|---:|---:|"]
+    for key, r in results.get("speed", {}).items():
+        step = statistics.median(r["step_s"])
+        batch = int(key.split(" b")[1].split()[0])
+        lines.append(f"| {key} | {step * 1e3:.3f} | {batch / step:,.0f} |")
     for key, r in results.get("speed", {}).items():
         if "launches" not in r:
             continue

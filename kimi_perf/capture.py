@@ -131,8 +131,8 @@ def capture(req: TraceRequest, progress=None) -> tuple[Path, dict[str, Breakdown
         nsys_binary()  # fail before any work when there is none
     on_gpu = torch.cuda.is_available()
     device = "cuda" if on_gpu else "cpu"
-    if req.graphs:
-        raise TraceError(None, "CUDA graph capture of the decode paths is not supported yet")
+    if req.graphs and not on_gpu:
+        raise TraceError(None, "--graphs needs a GPU: CUDA graphs capture GPU work")
     unknown = [p for p in req.paths if p not in PATH_BACKENDS]
     if unknown or not req.paths:
         raise TraceError(None, f"unknown path(s) {', '.join(unknown) or '(none given)'} "
@@ -218,7 +218,7 @@ def _profile(model, req: TraceRequest, device: str, out: Path, done=None) -> dic
                 done()
         run = run_decode(model, prompt, steps=req.steps, warmup=req.warmup,
                          kv_dtype=FP8 if req.kv_cache == "fp8" else None,
-                         after_step=after_step)
+                         after_step=after_step, cuda_graphs=req.graphs)
     with tempfile.TemporaryDirectory() as tmp:
         raw = Path(tmp) / "trace.json"
         prof.export_chrome_trace(str(raw))

@@ -238,7 +238,7 @@ def validate(preset_name: str, n_layers: int | None, paths: str, steps: int, bat
 @click.option("--tp", default=1, show_default=True, type=click.IntRange(1))
 @click.option("--paths", default="standard,specialized", show_default=True)
 @click.option("--graphs/--no-graphs", default=False, show_default=True,
-              help="CUDA graphs (GPU only; not supported yet)")
+              help="replay each decode step as one CUDA graph (GPU only)")
 @click.option("--backend", type=click.Choice(["torch", "nsys"]), default="torch",
               show_default=True, help="profiler")
 @click.option("--kv-cache", type=click.Choice(["bf16", "fp8"]), default="bf16",

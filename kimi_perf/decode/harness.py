@@ -3,6 +3,11 @@ and per layer so that traces attribute kernels to ``decode_step[i]`` and ``layer
 
 Annotations go to the PyTorch profiler (``record_function``: Kineto ``user_annotation``) and
 to NVTX for Nsight Systems (``kimi_perf.decode.annotate``).
+
+With CUDA graphs, a decode step is captured once (inside a ``graph_capture`` range, where the
+``layer[j]`` ranges open around the captured launches) and replayed for every step: replays
+carry ``decode_step[i]`` but no per-layer ranges, which the trace core's automatic
+segmentation (or the graph-node mapping of an nsys trace) makes up for.
 """
 
 from __future__ import annotations
@@ -14,6 +19,10 @@ import torch
 
 from kimi_perf.decode.annotate import annotate
 from kimi_perf.decode.model import DecodeState, K3Model
+
+# Eager runs before a capture: they compile the Triton kernels and set up cuBLAS workspaces,
+# neither of which may happen inside a capture.
+GRAPH_WARMUP_RUNS = 2
 
 
 def layer_range_name(layer: int, kind: str) -> str:
@@ -61,19 +70,65 @@ def _prefill(model: K3Model, prompt: torch.Tensor, state: DecodeState
     return logits, time.perf_counter() - start
 
 
+class GraphedDecodeStep:
+    """One single-token decode step of ``model`` over ``state``, captured once as a CUDA graph
+    and replayed on every call: tokens go into a static input, logits come out of a static
+    output. The model runs graph-safe (no host syncs; the decode state updated in place)."""
+
+    def __init__(self, model: K3Model, state: DecodeState, batch: int, layer_hook=None):
+        device = model.device
+        self.tokens = torch.zeros(batch, 1, dtype=torch.long, device=device)
+        model.graph_safe = True
+        try:
+            # The warm-up runs advance the state: put it back before the capture.
+            saved = [t.clone() for t in state_tensors(state)]
+            side = torch.cuda.Stream(device)
+            side.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(side):
+                for _ in range(GRAPH_WARMUP_RUNS):
+                    model.forward(self.tokens, state)
+            torch.cuda.current_stream(device).wait_stream(side)
+            for t, copy in zip(state_tensors(state), saved, strict=True):
+                t.copy_(copy)
+            self.graph = torch.cuda.CUDAGraph()
+            with annotate("graph_capture"), torch.cuda.graph(self.graph):
+                self.logits = model.forward(self.tokens, state, layer_hook=layer_hook)
+        finally:
+            model.graph_safe = False
+
+    def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
+        self.tokens.copy_(tokens)
+        self.graph.replay()
+        return self.logits
+
+
+def state_tensors(state: DecodeState) -> list[torch.Tensor]:
+    """Every tensor a decode step updates in place."""
+    return [*state.kda.values(), *state.conv.values(), *state.kv.values(), state.lengths]
+
+
 def run_decode(model: K3Model, prompt: torch.Tensor, steps: int,
                state: DecodeState | None = None, kv_dtype: torch.dtype | None = None,
-               annotate_layers: bool = True, after_step=None, warmup: int = 0) -> DecodeRun:
+               annotate_layers: bool = True, after_step=None, warmup: int = 0,
+               cuda_graphs: bool = False) -> DecodeRun:
     """Greedy decode: prefill ``prompt`` [B, P], then ``warmup`` + ``steps`` single-token steps.
 
     Warm-up steps are ranges ``warmup_step[i]``, so that analyses of a whole trace (nsys
     records everything) take only the ``decode_step[i]`` ranges as steps. ``after_step()`` runs
-    after the prefill and after every decode step (a profiler's ``step``).
+    after the prefill and after every decode step (a profiler's ``step``). ``cuda_graphs``
+    replays one captured step (``GraphedDecodeStep``) instead of launching each kernel.
     """
     batch, prompt_len = prompt.shape
+    if cuda_graphs and model.device.type != "cuda":
+        raise ValueError("CUDA graphs need the model on a CUDA device")
     state = state or model.new_state(batch, prompt_len + warmup + steps, kv_dtype=kv_dtype)
     hook = _layer_hook(model, annotate_layers)
     logits, prefill_s = _prefill(model, prompt, state)
+    if cuda_graphs:
+        step_logits = GraphedDecodeStep(model, state, batch, hook)
+    else:
+        def step_logits(tokens: torch.Tensor) -> torch.Tensor:
+            return model.forward(tokens, state, layer_hook=hook)
     next_token = logits[:, -1].argmax(-1, keepdim=True)
     run = DecodeRun(tokens=torch.empty(batch, warmup + steps, dtype=torch.long),
                     prefill_s=prefill_s)
@@ -83,8 +138,7 @@ def run_decode(model: K3Model, prompt: torch.Tensor, steps: int,
         start = time.perf_counter()
         label = f"warmup_step[{step}]" if step < warmup else f"decode_step[{step - warmup}]"
         with annotate(label):
-            logits = model.forward(next_token, state, layer_hook=hook)
-            next_token = logits[:, -1].argmax(-1, keepdim=True)
+            next_token = step_logits(next_token)[:, -1].argmax(-1, keepdim=True)
         _sync(model.device)
         run.step_s.append(time.perf_counter() - start)
         run.tokens[:, step] = next_token[:, 0].cpu()

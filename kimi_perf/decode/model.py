@@ -58,7 +58,11 @@ FP8_MAX = 448.0
 
 @dataclass
 class DecodeState:
-    """Per-sequence caches of one rank: KDA recurrent and conv state, latent KV cache."""
+    """Per-sequence caches of one rank: KDA recurrent and conv state, latent KV cache.
+
+    Every step updates these tensors in place, never rebinds them: a CUDA graph captured
+    over a step keeps reading and writing the same addresses when it is replayed.
+    """
 
     kda: dict[int, torch.Tensor]          # [B, H, V, K] fp32
     conv: dict[int, torch.Tensor]         # [B, 3*H*d, conv-1] raw pre-conv inputs
@@ -94,10 +98,10 @@ class DecodeState:
         batch = torch.arange(len(accepted), device=accepted.device)
         last = accepted - 1
         for i, (states, convs) in self.checkpoints.items():
-            self.kda[i] = states[last, batch]
-            self.conv[i] = convs[last, batch]
+            self.kda[i].copy_(states[last, batch])
+            self.conv[i].copy_(convs[last, batch])
         T = next(iter(self.checkpoints.values()))[0].shape[0] if self.checkpoints else 1
-        self.lengths = self.lengths - T + accepted
+        self.lengths.add_(accepted - T)
         self.checkpoints = {}
 
 
@@ -116,6 +120,9 @@ class K3Model:
         # kernels, count these instead.
         self.annotate_ops = False
         self._open_op = None
+        # Graph-safe steps never wait on the device (CUDA-graph capture forbids it): the cache
+        # capacity is the caller's to check, and attention reads the whole cache, masked.
+        self.graph_safe = False
         self.layer = -1
         w = {k: v.to(self.device) for k, v in weights.items()}
         self.w = {k: (v.to(dtype) if v.dim() == 2 else v) for k, v in w.items()}
@@ -197,9 +204,11 @@ class K3Model:
         return self.all_reduce(x)
 
     def positions(self, state: DecodeState, T: int) -> torch.Tensor:
-        """Cache positions [B, T] of this step's tokens; refuses a step the cache cannot hold."""
+        """Cache positions [B, T] of this step's tokens; refuses a step the cache cannot hold
+        (unless graph-safe: reading the lengths would wait on the device)."""
         capacity = min((kv.shape[1] for kv in state.kv.values()), default=None)
-        if capacity is not None and int(state.lengths.max()) + T > capacity:
+        if (capacity is not None and not self.graph_safe
+                and int(state.lengths.max()) + T > capacity):
             raise ValueError(f"KV cache holds {capacity} tokens; this step needs "
                              f"{int(state.lengths.max()) + T}")
         return state.lengths[:, None] + torch.arange(T, device=self.device)
@@ -259,7 +268,7 @@ class K3Model:
         self.launch("lm_head")
         logits = out.float() @ self.w["lm_head.weight"].float().T
         self.end_op()
-        state.lengths = state.lengths + T
+        state.lengths.add_(T)
         return logits
 
     # -- attention residuals ----------------------------------------------------------------
@@ -326,9 +335,8 @@ class K3Model:
             if keep:
                 states.append(S)
                 convs.append(window[..., t + 1: t + c.conv_size])
-        state.kda[i] = S
-        # Kernels of the specialized path take over these buffers: keep them row-major.
-        state.conv[i] = window[..., -(c.conv_size - 1):].contiguous()
+        state.kda[i].copy_(S)
+        state.conv[i].copy_(window[..., -(c.conv_size - 1):])
         if keep:
             state.checkpoints[i] = (torch.stack(states), torch.stack(convs))
         o = torch.stack(outs, dim=1)                                           # [B, T, H, V]
@@ -381,7 +389,7 @@ class K3Model:
         """Attention of every head over one latent head: keys are the 576-wide cache
         entries, values their first kv_lora entries; token t sees positions <= its own."""
         c = self.c
-        length = int(positions.max()) + 1
+        length = cache.shape[1] if self.graph_safe else int(positions.max()) + 1
         kv = cache[:, :length].float()
         if cache.dtype == FP8:
             kv = kv * scale
@@ -427,21 +435,24 @@ class K3Model:
                             dim=-1).indices
         weights = scores.gather(-1, chosen)
         weights = weights / weights.sum(-1, keepdim=True) * c.routed_scale
-        # Routed experts, grouped by expert as a grouped GEMM would run them.
+        # Routed experts as grouped GEMMs (vLLM's fused_moe): the (token, slot) rows sorted by
+        # expert, each expert's group ending where a device-side histogram says; no host
+        # sync, so a CUDA graph can capture it.
         flat = chosen.reshape(-1)
         order = torch.argsort(flat, stable=True)
-        token_of = order // c.top_k
-        experts, counts = torch.unique_consecutive(flat[order], return_counts=True)
+        counts = torch.zeros(c.n_experts, dtype=torch.int32, device=self.device)
+        counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+        group_ends = counts.cumsum(0, dtype=torch.int32)
         self.launch("moe_fc1_situ")
-        acts = []
-        for e, rows in zip(experts.tolist(), token_of.split(counts.tolist()), strict=True):
-            acts.append(self._situ(latent[rows] @ p["w13"][e].T))
+        gate_up = torch._grouped_mm(latent[order // c.top_k], p["w13"].transpose(1, 2),
+                                    offs=group_ends)
+        act = self._situ(gate_up)
         self.launch("moe_fc2")
-        outs = [act @ p["w2"][e].T for e, act in zip(experts.tolist(), acts, strict=True)]
+        down = torch._grouped_mm(act, p["w2"].transpose(1, 2), offs=group_ends)
         self.launch("moe_finalize")
         per_slot = torch.empty(B * T * c.top_k, c.latent, dtype=torch.float32,
                                device=self.device)
-        per_slot[order] = torch.cat(outs).float()
+        per_slot.index_copy_(0, order, down.float())
         routed = (per_slot.reshape(B * T, c.top_k, c.latent) * weights[..., None]).sum(1)
         self.launch("shared_gate_up")
         gu = tokens @ p["shared_gate_up"].T

@@ -144,7 +144,7 @@ class SpecializedModel(K3Model):
         logits = skinny_linear(out, self.w["lm_head.weight"], norm=self.w["model.norm.weight"],
                                out_dtype=torch.float32, eps=eps)
         self.end_op()
-        state.lengths = state.lengths + T
+        state.lengths.add_(T)
         return logits.view(B, T, -1)
 
     def _fast_kda(self, i: int, x: torch.Tensor, state: DecodeState, B: int, T: int,

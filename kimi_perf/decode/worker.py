@@ -33,7 +33,8 @@ def main(argv: list[str]) -> int:
     prompt = torch.randint(0, config.vocab, (request["batch"], request["context"]),
                            generator=gen)
     run = run_decode(model, prompt, steps=request["steps"], warmup=request["warmup"],
-                     kv_dtype=FP8 if request["kv_cache"] == "fp8" else None)
+                     kv_dtype=FP8 if request["kv_cache"] == "fp8" else None,
+                     cuda_graphs=request["graphs"])
     steps = run.step_s[request["warmup"]:]
     with open(metrics_out, "w") as f:
         json.dump({"prefill_s": run.prefill_s, "step_s": steps,

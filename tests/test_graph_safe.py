@@ -1,0 +1,102 @@
+"""Both decode paths can be captured as a CUDA graph: a graph-safe step never waits on the
+device and updates the decode state in place. The capture itself needs a GPU
+(``benchmarks/gpu_decode_check.py`` replays it there); these are its preconditions, on a CPU."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+from kimi_perf.decode.config import preset  # noqa: E402
+from kimi_perf.decode.harness import run_decode, state_tensors  # noqa: E402
+from kimi_perf.decode.specialized import build_model  # noqa: E402
+from kimi_perf.decode.validate import rel_err  # noqa: E402
+from kimi_perf.decode.weights import random_weights  # noqa: E402
+
+SMALL = preset("tiny", n_layers=4)
+BACKENDS = {"standard": "auto", "specialized": "latency_specialized"}
+
+# Ops whose result the host must read (a device-to-host wait): .item(), int(t), bool(t),
+# data-dependent shapes.
+HOST_SYNCS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.nonzero.default,
+              torch.ops.aten._unique2.default, torch.ops.aten.unique_consecutive.default,
+              torch.ops.aten.masked_select.default}
+
+
+class HostSyncGuard(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in HOST_SYNCS:
+            raise AssertionError(f"host sync in a graph-safe step: {func}")
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.fixture(scope="module")
+def weights():
+    return random_weights(SMALL, seed=11)
+
+
+def _prefilled(path: str, weights, batch: int = 2):
+    model = build_model(SMALL, weights, BACKENDS[path], dtype=torch.float32)
+    state = model.new_state(batch, 12)
+    prompt = torch.randint(0, SMALL.vocab, (batch, 3), generator=torch.Generator().manual_seed(4))
+    model.forward(prompt, state)
+    return model, state
+
+
+@pytest.mark.parametrize("path", ["standard", "specialized"])
+def test_graph_safe_steps_do_not_sync_and_update_state_in_place(path, weights):
+    model, state = _prefilled(path, weights)
+    eager, eager_state = _prefilled(path, weights)
+    addresses = [t.data_ptr() for t in state_tensors(state)]
+    tokens = torch.tensor([[7], [9]])
+    model.graph_safe = True
+    for _ in range(3):
+        with HostSyncGuard():
+            got = model.forward(tokens, state)
+        want = eager.forward(tokens, eager_state)
+        assert rel_err(got, want.double()) < 1e-5
+        tokens = want[:, -1].argmax(-1, keepdim=True)
+    assert [t.data_ptr() for t in state_tensors(state)] == addresses
+    for mine, theirs in zip(state_tensors(state), state_tensors(eager_state), strict=True):
+        torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-6)
+    # The guard can fail: an eager step reads the cache length on the host.
+    model.graph_safe = False
+    with pytest.raises(AssertionError, match="host sync"), HostSyncGuard():
+        model.forward(tokens, state)
+
+
+def test_verify_rollback_keeps_state_addresses(weights):
+    model, state = _prefilled("standard", weights, batch=3)
+    addresses = [t.data_ptr() for t in state_tensors(state)]
+    model.graph_safe = True
+    draft = torch.randint(0, SMALL.vocab, (3, 4), generator=torch.Generator().manual_seed(8))
+    model.forward(draft, state, keep_checkpoints=True)
+    state.accept(torch.tensor([1, 3, 4]))
+    assert [t.data_ptr() for t in state_tensors(state)] == addresses
+    assert state.lengths.tolist() == [4, 6, 7]
+
+
+def test_standard_step_is_free_of_data_dependent_ops():
+    """Under FakeTensorMode nothing has values: any op that needs one (a host sync, a
+    data-dependent shape) raises. bf16, the dtype the GPU's grouped GEMM runs in."""
+    model = build_model(SMALL, random_weights(SMALL, seed=2), "auto", dtype=torch.bfloat16)
+    state = model.new_state(2, 12)
+    tokens = torch.tensor([[3], [5]])
+    model.graph_safe = True
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        logits = model.forward(tokens, state)
+    assert tuple(logits.shape) == (2, 1, SMALL.vocab)
+    model.graph_safe = False
+    with pytest.raises(Exception, match="local_scalar_dense"), \
+            FakeTensorMode(allow_non_fake_inputs=True):
+        model.forward(tokens, state)
+
+
+def test_cuda_graphs_refuse_a_cpu_model(weights):
+    model = build_model(SMALL, weights, "auto", dtype=torch.float32)
+    with pytest.raises(ValueError, match="CUDA device"):
+        run_decode(model, torch.zeros(1, 2, dtype=torch.long), steps=1, cuda_graphs=True)
