@@ -43,7 +43,6 @@ def builds() -> list[Build]:
         mla_attention,
         mla_uv_gate,
         moe_experts,
-        router_topk,
         skinny_linear,
     )
 
@@ -89,16 +88,13 @@ def builds() -> list[Build]:
                          kda_decode.kda_decode_kernel,
                          _signature(kda_decode.kda_decode_kernel, kda_types, consts), consts,
                          4))
-    consts = {"K": 16, "BLOCK_E": 1024}
-    out.append(Build("router_topk E896 k16", router_topk.router_topk_kernel,
-                     _signature(router_topk.router_topk_kernel,
-                                {"ids_ptr": "*i32", "scale": "fp32"}, consts), consts))
-    consts = {"TOP_K": 16, "BETA": 4.0, "BETA_LINEAR": 25.0, "BLOCK_N": 32, "BLOCK_K": 64,
-              "RNE": False}
-    out.append(Build("moe_fc1_situ I384 K3584", moe_experts.moe_fc1_situ_kernel,
-                     _signature(moe_experts.moe_fc1_situ_kernel,
-                                {"w13_ptr": "*bf16", "ids_ptr": "*i32", "act_ptr": "*bf16"},
-                                consts), consts))
+    consts = {"TOP_K": 16, "BLOCK_E": 1024, "BETA": 4.0, "BETA_LINEAR": 25.0, "BLOCK_N": 32,
+              "BLOCK_K": 64, "RNE": False}
+    out.append(Build("moe_route_fc1_situ E896 k16 I384 K3584",
+                     moe_experts.moe_route_fc1_situ_kernel,
+                     _signature(moe_experts.moe_route_fc1_situ_kernel,
+                                {"w13_ptr": "*bf16", "ids_ptr": "*i32", "act_ptr": "*bf16",
+                                 "scale": "fp32"}, consts), consts))
     consts = {"TOP_K": 16, "BLOCK_N": 32, "BLOCK_K": 64, "RNE": False}
     out.append(Build("moe_fc2_combine N3584 I384", moe_experts.moe_fc2_combine_kernel,
                      _signature(moe_experts.moe_fc2_combine_kernel,

@@ -1,8 +1,12 @@
-"""S7 + S8: the routed experts of the latent MoE, for decode-sized batches.
+"""S6 + S7 + S8: routing and the routed experts of the latent MoE, for decode-sized batches.
 
-- ``moe_fc1_situ``: for every (token, slot), act = SiTU(W1[e] · x, W3[e] · x) with e the slot's
-  expert; W13 stacks W1 over W3 per expert. Grid: (slots, intermediate blocks); each program
-  reads the matching gate and up rows of one expert once.
+- ``moe_route_fc1_situ``: for every (token, slot), routes first (the slot's expert e and
+  weight from the token's router logits: ``router_topk.routed_slot``), then act =
+  SiTU(W1[e] · x, W3[e] · x); W13 stacks W1 over W3 per expert. Grid: (slots, intermediate
+  blocks); each program reads the matching gate and up rows of one expert once. Every
+  program ranks the token's E scores itself (one sort of E values in registers, next to
+  2 · BLOCK_N · K weights streamed): cheaper than a launch of its own. The first block of
+  each slot writes the slot's expert and weight for the next kernel.
 - ``moe_fc2_combine``: latent[m] = Σ_slot weight · W2[e] · act[m, slot]; grid (tokens,
   latent blocks), each program loops over the token's k slots, so the weighted sum never
   leaves registers (no per-slot output, no separate finalize kernel).
@@ -19,20 +23,26 @@ import triton
 import triton.language as tl
 
 from kimi_perf_kernels.common import INTERPRETED, cast
+from kimi_perf_kernels.router_topk import block_e, routed_slot
 from kimi_perf_kernels.skinny_linear import _situ
 
 
 @triton.jit
-def moe_fc1_situ_kernel(x_ptr, w13_ptr, ids_ptr, act_ptr, INTER, KDIM, stride_x, stride_we,
-                        stride_wn, TOP_K: tl.constexpr, BETA: tl.constexpr,
-                        BETA_LINEAR: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr, RNE: tl.constexpr):
+def moe_route_fc1_situ_kernel(x_ptr, w13_ptr, logits_ptr, bias_ptr, ids_ptr, weights_ptr,
+                              act_ptr, INTER, KDIM, E, stride_x, stride_l, stride_we,
+                              stride_wn, scale, TOP_K: tl.constexpr, BLOCK_E: tl.constexpr,
+                              BETA: tl.constexpr, BETA_LINEAR: tl.constexpr,
+                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, RNE: tl.constexpr):
     slot = tl.program_id(0)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < INTER
     token = slot // TOP_K
-    expert = tl.load(ids_ptr + slot).to(tl.int64)
-    w = w13_ptr + expert * stride_we
+    expert, weight = routed_slot(logits_ptr + token * stride_l, bias_ptr, E, slot % TOP_K,
+                                 scale, TOP_K, BLOCK_E)
+    if tl.program_id(1) == 0:
+        tl.store(ids_ptr + slot, expert)
+        tl.store(weights_ptr + slot, weight)
+    w = w13_ptr + expert.to(tl.int64) * stride_we
     ks = tl.arange(0, BLOCK_K)
     gate = tl.zeros([BLOCK_N], tl.float32)
     up = tl.zeros([BLOCK_N], tl.float32)
@@ -76,20 +86,26 @@ def moe_fc2_combine_kernel(act_ptr, w2_ptr, ids_ptr, weights_ptr, out_ptr, INTER
              mask=n_ok)
 
 
-def moe_fc1_situ(x: torch.Tensor, w13: torch.Tensor, ids: torch.Tensor,
-                 situ: tuple[float, float], out: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] (latent), w13 [E, 2I, K], ids [M, top_k] -> act [M, top_k, I]."""
-    M, top_k = ids.shape
+def moe_route_fc1_situ(x: torch.Tensor, w13: torch.Tensor, logits: torch.Tensor,
+                       bias: torch.Tensor, top_k: int, scale: float, situ: tuple[float, float],
+                       out: torch.Tensor | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [M, K] (latent), w13 [E, 2I, K], router logits [M, E] (fp32, any row stride), bias
+    [E] -> (act [M, top_k, I], expert ids [M, top_k] int32, weights [M, top_k] fp32)."""
+    M, n_experts = logits.shape
     _, two_i, kdim = w13.shape
     inter = two_i // 2
     if out is None:
         out = torch.empty(M, top_k, inter, dtype=w13.dtype, device=x.device)
+    ids = torch.empty(M, top_k, dtype=torch.int32, device=x.device)
+    weights = torch.empty(M, top_k, dtype=torch.float32, device=x.device)
     block_n, block_k = (256, 256) if INTERPRETED else (32, 64)
-    moe_fc1_situ_kernel[(M * top_k, triton.cdiv(inter, block_n))](
-        x, w13, ids, out, inter, kdim, x.stride(0), w13.stride(0), w13.stride(1),
-        TOP_K=top_k, BETA=situ[0], BETA_LINEAR=situ[1], BLOCK_N=block_n, BLOCK_K=block_k,
-        RNE=INTERPRETED, num_warps=4)
-    return out
+    moe_route_fc1_situ_kernel[(M * top_k, triton.cdiv(inter, block_n))](
+        x, w13, logits, bias, ids, weights, out, inter, kdim, n_experts, x.stride(0),
+        logits.stride(0), w13.stride(0), w13.stride(1), scale, TOP_K=top_k,
+        BLOCK_E=block_e(n_experts), BETA=situ[0], BETA_LINEAR=situ[1], BLOCK_N=block_n,
+        BLOCK_K=block_k, RNE=INTERPRETED, num_warps=4)
+    return out, ids, weights
 
 
 def moe_fc2_combine(act: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor,

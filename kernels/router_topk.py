@@ -1,9 +1,12 @@
 """S6: router top-k — sigmoid scores, correction bias for the choice, top-k, renormalised
-weights, in one kernel (one program per token).
+weights — as a device function that the routed experts' first kernel runs in its prologue
+(``moe_experts.moe_route_fc1_situ``), so routing costs no launch of its own.
 
-All E expert scores of a token fit in registers (E = 896 → a 1024-wide block); the k winners
-are taken by k rounds of argmax-and-mask, which yields them in descending order of biased
-score, as ``torch.topk`` does.
+All E expert scores of a token fit in one block (E = 896 → 1024 lanes). One bitonic sort
+ranks them: each biased score becomes an int64 key whose high half orders like the float and
+whose low half breaks ties toward the lower expert id (as an argmax would), so the rank-r key
+names the r-th expert, in ``torch.topk``'s descending order. The top-k weights sum over the
+lanes at or above the k-th key, so every slot renormalises without seeing the others.
 """
 
 from __future__ import annotations
@@ -14,45 +17,34 @@ import triton.language as tl
 
 
 @triton.jit
-def router_topk_kernel(logits_ptr, bias_ptr, ids_ptr, weights_ptr, E, stride_l, scale,
-                       K: tl.constexpr, BLOCK_E: tl.constexpr):
-    row = tl.program_id(0)
+def routed_slot(logits_ptr, bias_ptr, E, rank, scale, K: tl.constexpr, BLOCK_E: tl.constexpr):
+    """One token's router logits at ``logits_ptr`` -> (expert of the ``rank``-th slot, its
+    renormalised weight ``scale · s_e / Σ_top-k s``)."""
     e = tl.arange(0, BLOCK_E)
     valid = e < E
-    scores = tl.sigmoid(tl.load(logits_ptr + row * stride_l + e, mask=valid, other=0.0))
+    scores = tl.sigmoid(tl.load(logits_ptr + e, mask=valid, other=0.0))
     biased = tl.where(valid, scores + tl.load(bias_ptr + e, mask=valid, other=0.0),
                       -float("inf"))
-    total = 0.0
-    for j in tl.static_range(K):
-        best = tl.argmax(biased, axis=0)
-        chosen = e == best
-        weight = tl.sum(tl.where(chosen, scores, 0.0), axis=0)
-        tl.store(ids_ptr + row * K + j, best.to(tl.int32))
-        tl.store(weights_ptr + row * K + j, weight)
-        total += weight
-        biased = tl.where(chosen, -float("inf"), biased)
-    k = tl.arange(0, K)
-    w = tl.load(weights_ptr + row * K + k)
-    tl.store(weights_ptr + row * K + k, w / total * scale)
-
-
-def router_topk(logits: torch.Tensor, bias: torch.Tensor, k: int, scale: float = 1.0,
-                ids: torch.Tensor | None = None, weights: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [M, E] (fp32, any row stride) -> expert ids [M, k] int32, weights [M, k] fp32."""
-    M, E = logits.shape
-    if ids is None:
-        ids = torch.empty(M, k, dtype=torch.int32, device=logits.device)
-    if weights is None:
-        weights = torch.empty(M, k, dtype=torch.float32, device=logits.device)
-    router_topk_kernel[(M,)](logits, bias, ids, weights, E, logits.stride(0), scale, K=k,
-                             BLOCK_E=triton.next_power_of_2(E), num_warps=4)
-    return ids, weights
+    bits = biased.to(tl.int32, bitcast=True)
+    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)          # int order == float order
+    keys = (ordered.to(tl.int64) << 32) | (BLOCK_E - 1 - e).to(tl.int64)
+    ranked = tl.sort(keys, descending=True)
+    key = tl.sum(tl.where(e == rank, ranked, 0), axis=0)
+    kth = tl.sum(tl.where(e == K - 1, ranked, 0), axis=0)
+    expert = BLOCK_E - 1 - (key & 0xFFFFFFFF).to(tl.int32)
+    total = tl.sum(tl.where(keys >= kth, scores, 0.0), axis=0)
+    weight = tl.sum(tl.where(e == expert, scores, 0.0), axis=0)
+    return expert, weight / total * scale
 
 
 def router_topk_reference(logits: torch.Tensor, bias: torch.Tensor, k: int,
                           scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [M, E] -> expert ids [M, k] int32 (descending biased score), weights [M, k]."""
     scores = torch.sigmoid(logits.float())
     ids = torch.topk(scores + bias, k, dim=-1).indices
     weights = scores.gather(-1, ids)
     return ids.to(torch.int32), weights / weights.sum(-1, keepdim=True) * scale
+
+
+def block_e(n_experts: int) -> int:
+    return triton.next_power_of_2(n_experts)

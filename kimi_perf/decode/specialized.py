@@ -9,17 +9,17 @@ as ``kimi_perf_kernels``). Per KDA layer, at TP 1 (TP > 1 adds the all-reduces):
     S4  o_proj
     S1' attn_res_post         prefix update + mix + post-attention RMSNorm
     S5  router_latent_down    one pass over h for [W_gate; W_down] (fp32 out)
-    S6  topk                  sigmoid + bias + top-k + renormalise
-    S7  moe_fc1_situ          routed experts, gate/up + SiTU
+    S7  moe_route_fc1_situ    top-k routing in the prologue (S6: sigmoid + bias + top-k +
+                              renormalise), then routed experts' gate/up + SiTU
     S8  moe_fc2_combine       routed experts, down + weighted sum over the k slots
     S9  shared_gate_up_situ
     S10 shared_down
     S12 latent_up_proj        routed RMSNorm (prologue) + up-projection + shared add
 
-12 launches where the standard path makes 18. With TP > 1 two all-reduces follow (o_proj's,
-and one for the routed latent and the shared experts together): 14 against 20; fusing them
+11 launches where the standard path makes 18. With TP > 1 two all-reduces follow (o_proj's,
+and one for the routed latent and the shared experts together): 13 against 20; fusing them
 into the GEMMs needs a GPU collective (symmetric memory) and is not done yet. Per gated-MLA
-layer (15 against 24 at TP 1, 17 against 26 with TP)::
+layer (14 against 24 at TP 1, 16 against 26 with TP)::
 
     S1  attn_res_pre
     M2  qkv_a_g_proj          one pass over x for [W_q_a; W_kv_a; W_g]
@@ -57,8 +57,7 @@ from kimi_perf_kernels.kda_decode import kda_decode
 from kimi_perf_kernels.mla_absorb_insert import mla_absorb_insert
 from kimi_perf_kernels.mla_attention import mla_attention
 from kimi_perf_kernels.mla_uv_gate import mla_uv_gate
-from kimi_perf_kernels.moe_experts import moe_fc1_situ, moe_fc2_combine
-from kimi_perf_kernels.router_topk import router_topk
+from kimi_perf_kernels.moe_experts import moe_fc2_combine, moe_route_fc1_situ
 from kimi_perf_kernels.skinny_linear import skinny_linear
 
 MAX_BATCH = 64
@@ -211,11 +210,10 @@ class SpecializedModel(K3Model):
         self.launch("router_latent_down")
         both = skinny_linear(h, p["router_down"], out_dtype=torch.float32)
         logits, latent = both[:, : c.n_experts], both[:, c.n_experts:]
-        self.launch("topk")
-        ids, weights = router_topk(logits, self.w[m + "gate.e_score_correction_bias"],
-                                   c.top_k, c.routed_scale)
-        self.launch("moe_fc1_situ")
-        act = moe_fc1_situ(latent, p["w13"], ids, situ)
+        self.launch("moe_route_fc1_situ")
+        act, ids, weights = moe_route_fc1_situ(latent, p["w13"], logits,
+                                               self.w[m + "gate.e_score_correction_bias"],
+                                               c.top_k, c.routed_scale, situ)
         self.launch("moe_fc2_combine")
         routed = moe_fc2_combine(act, p["w2"], ids, weights)
         self.launch("shared_gate_up_situ")

@@ -1,7 +1,12 @@
 import pytest
 import torch
 
-from kimi_perf_kernels.moe_experts import moe_experts_reference, moe_fc1_situ, moe_fc2_combine
+from kimi_perf_kernels.moe_experts import (
+    moe_experts_reference,
+    moe_fc2_combine,
+    moe_route_fc1_situ,
+)
+from kimi_perf_kernels.router_topk import router_topk_reference
 from tests.kernels.util import assert_close_bf16, poison
 
 
@@ -12,13 +17,16 @@ def test_moe_experts_match_reference(m, experts, k, inter, latent):
     x = torch.randn(m, latent, generator=gen)
     w13 = (torch.randn(experts, 2 * inter, latent, generator=gen) / latent**0.5).bfloat16()
     w2 = (torch.randn(experts, latent, inter, generator=gen) / inter**0.5).bfloat16()
-    ids = torch.stack([torch.randperm(experts, generator=gen)[:k] for _ in range(m)]).int()
-    weights = torch.softmax(torch.randn(m, k, generator=gen), -1)
-    want_act, want_out = moe_experts_reference(x, w13, w2, ids, weights, (4.0, 25.0))
+    logits = torch.randn(m, experts + 3, generator=gen)[:, :experts]  # the router GEMV's view
+    bias = 0.2 * torch.randn(experts, generator=gen)
+    want_ids, want_weights = router_topk_reference(logits, bias, k, scale=2.0)
+    want_act, want_out = moe_experts_reference(x, w13, w2, want_ids, want_weights, (4.0, 25.0))
     act = torch.empty(m, k, inter, dtype=torch.bfloat16)
     out = torch.empty(m, latent)
     poison(act, out)
-    moe_fc1_situ(x, w13, ids, (4.0, 25.0), out=act)
+    _, ids, weights = moe_route_fc1_situ(x, w13, logits, bias, k, 2.0, (4.0, 25.0), out=act)
+    assert torch.equal(ids, want_ids)
+    torch.testing.assert_close(weights, want_weights, rtol=1e-5, atol=1e-6)
     assert_close_bf16(act, want_act, ulps=2)
     moe_fc2_combine(want_act, w2, ids, weights, out=out)
     torch.testing.assert_close(out, want_out, rtol=1e-4, atol=1e-4)
