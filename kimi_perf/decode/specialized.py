@@ -12,7 +12,7 @@ as ``kimi_perf_kernels``). Per KDA layer, at TP 1 (TP > 1 adds the all-reduces):
     S7  moe_route_fc1_situ    top-k routing in the prologue (S6: sigmoid + bias + top-k +
                               renormalise), then routed experts' gate/up + SiTU
     S8  moe_fc2_combine       routed experts, down + weighted sum over the k slots
-    S9  shared_gate_up_situ
+    S9  shared_gate_up_situ   on a second stream (GPU), beside S5-S8
     S10 shared_down
     S12 latent_up_proj        routed RMSNorm (prologue) + up-projection + shared add
 
@@ -37,6 +37,7 @@ It applies to pure decode steps (batch 1-64, one token each) and to speculative 
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 
@@ -70,6 +71,8 @@ class SpecializedModel(K3Model):
         super().__init__(c, weights, dtype=dtype, device=device, all_reduce=all_reduce)
         self.fallbacks: list[str] = []
         self.steps = 0
+        # The shared experts run beside the routed ones on this stream (GPU only).
+        self.side_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         for i in range(c.n_layers):
             p = layer_prefix(i)
             packed = self.packed[i]
@@ -207,6 +210,15 @@ class SpecializedModel(K3Model):
         m = layer_prefix(i) + "mlp."
         p = self.packed[i]
         situ = (c.situ_beta, c.situ_beta_linear)
+        # Outputs of the side stream are allocated here, on the main stream, so the caching
+        # allocator cannot hand their memory out while the side stream still writes it.
+        shared_act = h.new_empty(h.shape[0], p["shared_gate_up"].shape[0] // 2)
+        shared = h.new_empty(h.shape[0], c.hidden)
+        with self._on_side_stream():
+            self.launch("shared_gate_up_situ")
+            skinny_linear(h, p["shared_gate_up"], situ=situ, out=shared_act)
+            self.launch("shared_down")
+            skinny_linear(shared_act, self.w[m + "shared_experts.down_proj.weight"], out=shared)
         self.launch("router_latent_down")
         both = skinny_linear(h, p["router_down"], out_dtype=torch.float32)
         logits, latent = both[:, : c.n_experts], both[:, c.n_experts:]
@@ -216,10 +228,8 @@ class SpecializedModel(K3Model):
                                                c.top_k, c.routed_scale, situ)
         self.launch("moe_fc2_combine")
         routed = moe_fc2_combine(act, p["w2"], ids, weights)
-        self.launch("shared_gate_up_situ")
-        shared_act = skinny_linear(h, p["shared_gate_up"], situ=situ)
-        self.launch("shared_down")
-        shared = skinny_linear(shared_act, self.w[m + "shared_experts.down_proj.weight"])
+        if self.side_stream is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self.side_stream)
         if self.all_reduce is not None:
             # One all-reduce for the routed latent and the shared partial sums together.
             both = self._all_reduce(torch.cat([routed, shared.float()], dim=-1),
@@ -230,6 +240,18 @@ class SpecializedModel(K3Model):
                             norm=self.w[m + "routed_expert_norm.weight"], residual=shared,
                             out_dtype=self.dtype, eps=c.rms_eps)
         return out, ids
+
+
+    @contextlib.contextmanager
+    def _on_side_stream(self):
+        """Launches inside run on the side stream once the main stream's work so far is
+        done (a fork; the caller joins). Without a GPU they run in order."""
+        if self.side_stream is None:
+            yield
+            return
+        self.side_stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.side_stream):
+            yield
 
 
 def build_model(c: K3Config, weights: Weights, decode_backend: str = "auto",
