@@ -10,7 +10,8 @@
    launched eagerly and replayed from a CUDA graph.
 4. Speed: both paths on k3-tp8 shapes (5 layers: dense, 2 KDA + MoE, 2 gated MLA) at batch 1
    and 64, eager and with CUDA graphs, profiled after warm-up. Per layer type: kernels, kernel
-   µs, span µs (under graphs the layers come from the repeating kernel pattern); per launch of
+   µs, span µs (under graphs the replayed kernels map back to their capture inside the layer
+   ranges: ``kimi_perf.graphs``); per launch of
    the eager specialized path: its kernels' µs against the bytes it must move over the
    measured bandwidth (its memory floor).
 
@@ -36,7 +37,7 @@ import torch
 
 from kimi_perf.attribution import range_kernel_summary
 from kimi_perf.breakdown import breakdown
-from kimi_perf.capture import environment
+from kimi_perf.capture import environment, profiler_schedule
 from kimi_perf.decode.config import K3Config, preset
 from kimi_perf.decode.harness import GraphedDecodeStep, run_decode
 from kimi_perf.decode.model import K3Model
@@ -139,7 +140,7 @@ def speed(path: str, c: K3Config, weights, batch: int, context: int, warmup: int
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
-    schedule = torch.profiler.schedule(wait=1, warmup=warmup, active=steps, repeat=1)
+    schedule = profiler_schedule(warmup, steps, graphs)
     with torch.profiler.profile(activities=activities, schedule=schedule) as prof:
         run = run_decode(model, prompt, steps=warmup + steps, after_step=prof.step,
                          cuda_graphs=graphs)

@@ -206,9 +206,7 @@ def _profile(model, req: TraceRequest, device: str, out: Path, done=None) -> dic
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
-    # Step 0 of the schedule is the prefill, then the warm-up steps; only the last
-    # req.steps decode steps are recorded.
-    schedule = torch.profiler.schedule(wait=1, warmup=req.warmup, active=req.steps, repeat=1)
+    schedule = profiler_schedule(req.warmup, req.steps, req.graphs)
     with _native_stderr_filtered(), torch.profiler.profile(activities=activities,
                                                             schedule=schedule) as prof:
 
@@ -225,6 +223,20 @@ def _profile(model, req: TraceRequest, device: str, out: Path, done=None) -> dic
         atomic_write(out, lambda f: f.write(gzip.compress(raw.read_bytes(), 6)))
     return _metrics(req, device, run.prefill_s, run.step_s[req.warmup:],
                     list(getattr(model, "fallbacks", [])))
+
+
+def profiler_schedule(warmup: int, steps: int, graphs: bool):
+    """Step 0 of the schedule is the prefill, then the warm-up steps, then the decode steps.
+
+    Eager, only the decode steps are recorded. With CUDA graphs everything after the prefill
+    is, the capture included: its launches, inside the layer ranges, are what the replayed
+    kernels map back to (``kimi_perf.graphs``); steps are the decode_step ranges either way.
+    """
+    import torch
+
+    if graphs:
+        return torch.profiler.schedule(wait=0, warmup=1, active=warmup + steps, repeat=1)
+    return torch.profiler.schedule(wait=1, warmup=warmup, active=steps, repeat=1)
 
 
 def _capture_path_ranks(path: str, config, weights, req: TraceRequest, run_dir: Path

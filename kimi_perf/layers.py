@@ -3,8 +3,9 @@
 Steps come from step ranges (``decode_step[i]``, ``ProfilerStep#N``, vLLM's ``execute_...``
 annotation), else from CUDA/HIP graph launches when graphs carry the GPU work, else one step per
 process and device. Layers come from per-layer ranges (``layer[3]``, ``layers.3``,
-``DecoderLayer_3``...) or, when none exist (graph replay, unannotated traces), from the repeating
-kernel pattern of each step (``find_repeats``).
+``DecoderLayer_3``...) or, when none exist (unannotated traces), from the repeating kernel
+pattern of each step (``find_repeats``). A kernel replayed from a graph whose capture the trace
+holds is placed in the ranges open at its capture (``kimi_perf.graphs``).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kimi_perf.classify import Rule, classify, load_rules
+from kimi_perf.graphs import GRAPH_LAUNCH, capture_launches
 from kimi_perf.nesting import containing, range_groups, thread_keys
 from kimi_perf.trace import GPU_RANGE, Trace
 
@@ -34,8 +36,6 @@ DEFAULT_LAYER_PATTERN = (
     r"^(?:[\w.]*\.)?(?:\w*DecoderLayer|layers?)(?:\[(?P<index>\d+)\]|[._ ](?P<index2>\d+))"
     r"(?:\s*[(:]\s*(?P<type>[A-Za-z][\w-]*)\)?|\s+(?P<type2>[A-Za-z][\w-]*))?$"
 )
-
-GRAPH_LAUNCH = re.compile(r"^(cuda|hip|cu)GraphLaunch")
 
 
 @dataclass
@@ -57,6 +57,12 @@ class GpuOps:
     api: np.ndarray
     launch_start: np.ndarray     # the launching call's span (the op itself for CPU ops)
     launch_end: np.ndarray
+    # Where the op's layer ranges are looked up: the launching call, or for a kernel replayed
+    # from a graph the call that captured it (-1 row: nowhere).
+    scope_api: np.ndarray
+    scope_start: np.ndarray
+    scope_end: np.ndarray
+    scope_tid: np.ndarray
     kernel_class: np.ndarray     # codes into class_labels
     class_labels: list[str]
     kind: str = "gpu"
@@ -73,17 +79,16 @@ class GpuOps:
         names = cat([k.name, m.name])
         api = cat([k.api, m.api])
         kernel_class, labels = classify(names, trace.strings, rules)
-        ok = api >= 0
-        row = np.where(ok, api, 0)
-        if len(trace.api):
-            launch_start = np.where(ok, trace.api.start[row], 0)
-            launch_end = np.where(ok, trace.api.end[row], 0)
-        else:
-            launch_start = launch_end = np.zeros(len(names), np.int64)
+        tid = cat([k.tid, m.tid])
+        launch_start, launch_end, _ = _call_spans(trace, api, tid)
+        captured = capture_launches(trace)
+        scope_api = cat([np.where(captured >= 0, captured, k.api), m.api])
+        scope_start, scope_end, scope_tid = _call_spans(trace, scope_api, tid)
         return cls(name=names, start=cat([k.start, m.start]), end=cat([k.end, m.end]),
-                   device=cat([k.device, m.device]), pid=cat([k.pid, m.pid]),
-                   tid=cat([k.tid, m.tid]), api=api, launch_start=launch_start,
-                   launch_end=launch_end, kernel_class=kernel_class, class_labels=labels)
+                   device=cat([k.device, m.device]), pid=cat([k.pid, m.pid]), tid=tid,
+                   api=api, launch_start=launch_start, launch_end=launch_end,
+                   scope_api=scope_api, scope_start=scope_start, scope_end=scope_end,
+                   scope_tid=scope_tid, kernel_class=kernel_class, class_labels=labels)
 
     @classmethod
     def _cpu_ops(cls, trace: Trace, rules: list[Rule]) -> GpuOps | None:
@@ -108,14 +113,27 @@ class GpuOps:
         return cls(name=stripped, start=r.start[rows], end=r.end[rows],
                    device=np.full(len(rows), -1, np.int32), pid=r.pid[rows], tid=r.tid[rows],
                    api=rows.astype(np.int64), launch_start=r.start[rows],
-                   launch_end=r.end[rows], kernel_class=kernel_class, class_labels=labels,
-                   kind="cpu-ops")
+                   launch_end=r.end[rows], scope_api=rows.astype(np.int64),
+                   scope_start=r.start[rows], scope_end=r.end[rows], scope_tid=r.tid[rows],
+                   kernel_class=kernel_class, class_labels=labels, kind="cpu-ops")
 
     def __len__(self) -> int:
         return len(self.name)
 
     def launch_interval(self, trace: Trace) -> tuple[np.ndarray, np.ndarray]:
         return self.launch_start, self.launch_end
+
+
+def _call_spans(trace: Trace, rows: np.ndarray, tid: np.ndarray
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Start, end and thread of API calls by row (0, 0 and ``tid`` where the row is -1)."""
+    ok = rows >= 0
+    if not len(trace.api):
+        zeros = np.zeros(len(rows), np.int64)
+        return zeros, zeros.copy(), tid
+    row = np.where(ok, rows, 0)
+    return (np.where(ok, trace.api.start[row], 0), np.where(ok, trace.api.end[row], 0),
+            np.where(ok, trace.api.tid[row], tid))
 
 
 @dataclass
@@ -230,9 +248,8 @@ def layers_from_ranges(trace: Trace, ops: GpuOps, steps: list[Step], layer_regex
         return False
     matching = trace.names_matching(regex)[r.name]
     rkeys = np.where(matching & (r.style != GPU_RANGE), range_groups(r), -1)
-    launch_start, launch_end = ops.launch_interval(trace)
-    keys = thread_keys(ops.pid, np.where(ops.api >= 0, ops.tid, -1))
-    rows, op_rows = containing(r, rkeys, keys, launch_start, launch_end)
+    keys = thread_keys(ops.pid, np.where(ops.scope_api >= 0, ops.scope_tid, -1))
+    rows, op_rows = containing(r, rkeys, keys, ops.scope_start, ops.scope_end)
     if len(rows) == 0:
         return False
     order = np.lexsort((-r.depth[rows], op_rows))

@@ -35,6 +35,11 @@ class TraceBuilder:
         self.kernels.append(dict(name=self.strings.code(kernel), start=gpu_start, end=gpu_end,
                                  device=device, stream=7, pid=pid, correlation=corr))
 
+    def call(self, api_name: str, start: int, end: int, pid: int = 1, tid: int = 1) -> None:
+        """An API call that launched no GPU work (a launch during graph capture, a sync)."""
+        self.api.append(dict(name=self.strings.code(api_name), start=start, end=end, pid=pid,
+                             tid=tid, correlation=len(self.api) + 1, kind=0))
+
     def sequence(self, names: list[str], duration: int = 1000, gap: int = 100,
                  tid: int = 1, device: int = 0) -> tuple[int, int]:
         """Launch kernels back to back; returns the (start, end) of their API calls."""

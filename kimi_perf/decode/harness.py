@@ -6,8 +6,9 @@ to NVTX for Nsight Systems (``kimi_perf.decode.annotate``).
 
 With CUDA graphs, a decode step is captured once (inside a ``graph_capture`` range, where the
 ``layer[j]`` ranges open around the captured launches) and replayed for every step: replays
-carry ``decode_step[i]`` but no per-layer ranges, which the trace core's automatic
-segmentation (or the graph-node mapping of an nsys trace) makes up for.
+carry ``decode_step[i]`` but no per-layer ranges. The trace core maps each replayed kernel
+back to the launch that captured it, and so into its layer (``kimi_perf.graphs``), when the
+trace holds the capture.
 """
 
 from __future__ import annotations
