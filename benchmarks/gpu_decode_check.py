@@ -7,7 +7,8 @@
 2. Ceilings: device-to-device copy bandwidth (bytes read + written, median of repeats).
 3. Correctness on the GPU: both paths on the tiny preset in float32 against the standard path
    on the CPU (Triton's float32 dots use tf32 on the GPU: bound 3e-3), logits every step,
-   launched eagerly and replayed from a CUDA graph.
+   launched eagerly and replayed from a CUDA graph (decode steps, and speculative verify
+   steps with their rollback).
 4. Speed: both paths on k3-tp8 shapes (5 layers: dense, 2 KDA + MoE, 2 gated MLA) at batch 1
    and 64, eager and with CUDA graphs, profiled after warm-up. Per layer type: kernels, kernel
    µs, span µs (under graphs the replayed kernels map back to their capture inside the layer
@@ -93,9 +94,31 @@ def correctness(device: str, steps: int) -> dict:
             graphed = GraphedDecodeStep(model, state, batch=2)
             errors += [rel_err(graphed(tokens[:, t: t + 1].to(device))[:, -1].cpu(),
                                want[t - 3].double()) for t in range(4, 4 + steps)]
+            errors += graphed_verify_errors(model, ref, tokens[:, :4], device)
         out[name] = {"max_rel_err": max(errors), "ok": max(errors) < 3e-3 and all(
             math.isfinite(e) for e in errors)}
     return out
+
+
+def graphed_verify_errors(model: K3Model, ref: K3Model, prompt: torch.Tensor, device: str
+                          ) -> list[float]:
+    """Two speculative verify steps of 4 tokens, each replayed from one captured graph and
+    followed by an eager acceptance, against the same steps of ``ref`` on the CPU."""
+    drafts = torch.randint(0, model.c.vocab, (2, 8), generator=torch.Generator().manual_seed(13))
+    accepted = [torch.tensor([1, 3]), torch.tensor([4, 2])]
+    ref_state = ref.new_state(2, 12)
+    ref.forward(prompt, ref_state)
+    state = model.new_state(2, 20)
+    model.forward(prompt.to(device), state)
+    graphed = GraphedDecodeStep(model, state, batch=2, tokens_per_step=4)
+    errors = []
+    for i, acc in enumerate(accepted):
+        want = ref.forward(drafts[:, 4 * i: 4 * i + 4], ref_state, keep_checkpoints=True)
+        ref_state.accept(acc)
+        got = graphed(drafts[:, 4 * i: 4 * i + 4].to(device))
+        state.accept(acc.to(device))
+        errors.append(rel_err(got.cpu(), want.double()))
+    return errors
 
 
 def expected_experts(c: K3Config, batch: int) -> float:

@@ -12,7 +12,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from kimi_perf.decode.config import preset  # noqa: E402
-from kimi_perf.decode.harness import run_decode, state_tensors  # noqa: E402
+from kimi_perf.decode.harness import run_decode, run_spec_decode, state_tensors  # noqa: E402
 from kimi_perf.decode.specialized import build_model  # noqa: E402
 from kimi_perf.decode.validate import rel_err  # noqa: E402
 from kimi_perf.decode.weights import random_weights  # noqa: E402
@@ -69,14 +69,25 @@ def test_graph_safe_steps_do_not_sync_and_update_state_in_place(path, weights):
         model.forward(tokens, state)
 
 
-def test_verify_rollback_keeps_state_addresses(weights):
-    model, state = _prefilled("standard", weights, batch=3)
+@pytest.mark.parametrize("path", ["standard", "specialized"])
+def test_graph_safe_verify_step_and_rollback(path, weights):
+    """A speculative verify step (what a graphed run_spec_decode replays), then the eager
+    acceptance: no host sync in the step, the state where it was, as eager leaves it."""
+    model, state = _prefilled(path, weights, batch=3)
+    eager, eager_state = _prefilled(path, weights, batch=3)
     addresses = [t.data_ptr() for t in state_tensors(state)]
-    model.graph_safe = True
     draft = torch.randint(0, SMALL.vocab, (3, 4), generator=torch.Generator().manual_seed(8))
-    model.forward(draft, state, keep_checkpoints=True)
-    state.accept(torch.tensor([1, 3, 4]))
+    accepted = torch.tensor([1, 3, 4])
+    model.graph_safe = True
+    with HostSyncGuard():
+        got = model.forward(draft, state, keep_checkpoints=True)
+    state.accept(accepted)
+    want = eager.forward(draft, eager_state, keep_checkpoints=True)
+    eager_state.accept(accepted)
+    assert rel_err(got, want.double()) < 1e-5
     assert [t.data_ptr() for t in state_tensors(state)] == addresses
+    for mine, theirs in zip(state_tensors(state), state_tensors(eager_state), strict=True):
+        torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-6)
     assert state.lengths.tolist() == [4, 6, 7]
 
 
@@ -98,5 +109,8 @@ def test_standard_step_is_free_of_data_dependent_ops():
 
 def test_cuda_graphs_refuse_a_cpu_model(weights):
     model = build_model(SMALL, weights, "auto", dtype=torch.float32)
+    prompt = torch.zeros(1, 2, dtype=torch.long)
     with pytest.raises(ValueError, match="CUDA device"):
-        run_decode(model, torch.zeros(1, 2, dtype=torch.long), steps=1, cuda_graphs=True)
+        run_decode(model, prompt, steps=1, cuda_graphs=True)
+    with pytest.raises(ValueError, match="CUDA device"):
+        run_spec_decode(model, prompt, steps=1, k=3, cuda_graphs=True)

@@ -72,13 +72,20 @@ def _prefill(model: K3Model, prompt: torch.Tensor, state: DecodeState
 
 
 class GraphedDecodeStep:
-    """One single-token decode step of ``model`` over ``state``, captured once as a CUDA graph
-    and replayed on every call: tokens go into a static input, logits come out of a static
-    output. The model runs graph-safe (no host syncs; the decode state updated in place)."""
+    """One decode step of ``model`` over ``state`` (``tokens_per_step`` tokens per sequence: 1,
+    or 1+k for a speculative verify), captured once as a CUDA graph and replayed on every call:
+    tokens go into a static input, logits come out of a static output. The model runs
+    graph-safe (no host syncs; the decode state updated in place). A verify step's per-position
+    KDA states are graph outputs too: each call hands them back to ``state`` for ``accept``."""
 
-    def __init__(self, model: K3Model, state: DecodeState, batch: int, layer_hook=None):
+    def __init__(self, model: K3Model, state: DecodeState, batch: int, layer_hook=None,
+                 tokens_per_step: int = 1):
         device = model.device
-        self.tokens = torch.zeros(batch, 1, dtype=torch.long, device=device)
+        self.state = state
+        self.tokens = torch.zeros(batch, tokens_per_step, dtype=torch.long, device=device)
+        verify = tokens_per_step > 1
+        # Graph-safe steps do not check the cache capacity: the warm-up runs must fit in it.
+        model.positions(state, GRAPH_WARMUP_RUNS * tokens_per_step)
         model.graph_safe = True
         try:
             # The warm-up runs advance the state: put it back before the capture.
@@ -87,19 +94,22 @@ class GraphedDecodeStep:
             side.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(side):
                 for _ in range(GRAPH_WARMUP_RUNS):
-                    model.forward(self.tokens, state)
+                    model.forward(self.tokens, state, keep_checkpoints=verify)
             torch.cuda.current_stream(device).wait_stream(side)
             for t, copy in zip(state_tensors(state), saved, strict=True):
                 t.copy_(copy)
             self.graph = torch.cuda.CUDAGraph()
             with annotate("graph_capture"), torch.cuda.graph(self.graph):
-                self.logits = model.forward(self.tokens, state, layer_hook=layer_hook)
+                self.logits = model.forward(self.tokens, state, keep_checkpoints=verify,
+                                            layer_hook=layer_hook)
+            self.checkpoints = dict(state.checkpoints)
         finally:
             model.graph_safe = False
 
     def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
         self.tokens.copy_(tokens)
         self.graph.replay()
+        self.state.checkpoints = dict(self.checkpoints)
         return self.logits
 
 
@@ -122,7 +132,9 @@ def run_decode(model: K3Model, prompt: torch.Tensor, steps: int,
     batch, prompt_len = prompt.shape
     if cuda_graphs and model.device.type != "cuda":
         raise ValueError("CUDA graphs need the model on a CUDA device")
-    state = state or model.new_state(batch, prompt_len + warmup + steps, kv_dtype=kv_dtype)
+    spare = GRAPH_WARMUP_RUNS if cuda_graphs else 0
+    state = state or model.new_state(batch, prompt_len + warmup + steps + spare,
+                                     kv_dtype=kv_dtype)
     hook = _layer_hook(model, annotate_layers)
     logits, prefill_s = _prefill(model, prompt, state)
     if cuda_graphs:
@@ -149,21 +161,31 @@ def run_decode(model: K3Model, prompt: torch.Tensor, steps: int,
 
 
 def run_spec_decode(model: K3Model, prompt: torch.Tensor, steps: int, k: int,
-                    seed: int = 0, kv_dtype: torch.dtype | None = None) -> DecodeRun:
+                    seed: int = 0, kv_dtype: torch.dtype | None = None,
+                    cuda_graphs: bool = False) -> DecodeRun:
     """Speculative decoding with synthetic drafts: each step verifies 1+k tokens per sequence
     (the last accepted token and k random drafts) in one forward, accepts a random prefix of
-    1..1+k of them per sequence, and rolls the KDA state back to it.
+    1..1+k of them per sequence, and rolls the KDA state back to it. ``cuda_graphs`` replays
+    one captured verify step; the acceptance runs eagerly after it.
 
     ``DecodeRun.tokens`` holds, per step, how many tokens each sequence accepted.
     """
     if not 1 <= k <= 7:
         raise ValueError("k must be between 1 and 7")
     batch, prompt_len = prompt.shape
-    state = model.new_state(batch, prompt_len + steps * (1 + k), kv_dtype=kv_dtype)
+    spare = GRAPH_WARMUP_RUNS if cuda_graphs else 0
+    state = model.new_state(batch, prompt_len + (steps + spare) * (1 + k), kv_dtype=kv_dtype)
     gen = torch.Generator().manual_seed(seed)
     c = model.c
     hook = _layer_hook(model)
+    if cuda_graphs and model.device.type != "cuda":
+        raise ValueError("CUDA graphs need the model on a CUDA device")
     logits, prefill_s = _prefill(model, prompt, state)
+    if cuda_graphs:
+        verify_logits = GraphedDecodeStep(model, state, batch, hook, tokens_per_step=1 + k)
+    else:
+        def verify_logits(tokens: torch.Tensor) -> torch.Tensor:
+            return model.forward(tokens, state, keep_checkpoints=True, layer_hook=hook)
     last = logits[:, -1].argmax(-1, keepdim=True)
     run = DecodeRun(tokens=torch.empty(batch, steps, dtype=torch.long),
                     prefill_s=prefill_s, accepted_counts=True)
@@ -173,8 +195,7 @@ def run_spec_decode(model: K3Model, prompt: torch.Tensor, steps: int, k: int,
         accepted = torch.randint(1, k + 2, (batch,), generator=gen).to(model.device)
         start = time.perf_counter()
         with annotate(f"decode_step[{step}]"):
-            logits = model.forward(torch.cat([last, drafts], dim=1), state,
-                                   keep_checkpoints=True, layer_hook=hook)
+            logits = verify_logits(torch.cat([last, drafts], dim=1))
             state.accept(accepted)
             last = logits[rows, accepted - 1].argmax(-1, keepdim=True)
         _sync(model.device)
