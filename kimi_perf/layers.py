@@ -16,8 +16,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kimi_perf.classify import Rule, classify, load_rules
+from kimi_perf.memory import release_free_memory
 from kimi_perf.nesting import containing, range_groups, thread_keys
-from kimi_perf.trace import GPU_RANGE, Trace
+from kimi_perf.trace import GPU_RANGE, Trace, index_dtype
 
 # Tried in order; the first pattern that matches a range holding GPU work defines the steps.
 STEP_PATTERNS = [
@@ -69,7 +70,11 @@ class GpuOps:
             cpu = cls._cpu_ops(trace, rules)
             if cpu is not None:
                 return cpu
-        cat = np.concatenate
+
+        def cat(columns: list[np.ndarray]) -> np.ndarray:
+            # Most traces have no memops: then the kernels' columns serve as they are.
+            return columns[0] if len(m) == 0 else np.concatenate(columns)
+
         names = cat([k.name, m.name])
         api = cat([k.api, m.api])
         kernel_class, labels = classify(names, trace.strings, rules)
@@ -159,8 +164,11 @@ def find_steps(trace: Trace, ops: GpuOps, step_regex: str | None = None) -> list
         # A nested step range of the same pattern: keep the innermost (latest start).
         order = np.lexsort((-trace.ranges.start[rows], op_rows))
         op_sorted, rows_sorted = op_rows[order], rows[order]
+        del rows, op_rows, order
         first = np.r_[True, op_sorted[1:] != op_sorted[:-1]]
-        return _steps_from_groups(trace, ops, rows_sorted[first], op_sorted[first])
+        group, op_rows = rows_sorted[first], op_sorted[first]
+        del op_sorted, rows_sorted, first
+        return _steps_from_groups(trace, ops, group, op_rows)
     graph_steps = _graph_launch_steps(trace, ops)
     if graph_steps:
         return graph_steps
@@ -235,14 +243,17 @@ def layers_from_ranges(trace: Trace, ops: GpuOps, steps: list[Step], layer_regex
     rows, op_rows = containing(r, rkeys, keys, launch_start, launch_end)
     if len(rows) == 0:
         return False
+    # Each op's innermost layer range.
     order = np.lexsort((-r.depth[rows], op_rows))
     op_sorted, rows_sorted = op_rows[order], rows[order]
+    del rows, op_rows, order
     first = np.r_[True, op_sorted[1:] != op_sorted[:-1]]
-    layer_of_op = np.full(len(ops), -1, np.int64)
+    layer_of_op = np.full(len(ops), -1, index_dtype(len(r)))
     layer_of_op[op_sorted[first]] = rows_sorted[first]
+    del op_sorted, rows_sorted, first
 
     parsed: dict[int, tuple[int | None, str]] = {}
-    for code in np.unique(r.name[np.unique(rows)]).tolist():
+    for code in np.unique(r.name[layer_of_op[layer_of_op >= 0]]).tolist():
         m = regex.search(trace.strings[code])
         groups = m.groupdict() if m else {}
         idx = groups.get("index") or groups.get("index2")
@@ -452,6 +463,8 @@ def segment(trace: Trace, layers: str = "auto", step_regex: str | None = None,
     else the repeating pattern), ``nvtx`` / ``nvtx:REGEX`` (ranges only), ``repeat``."""
     ops = GpuOps.of(trace, rules)
     steps = find_steps(trace, ops, step_regex)
+    # Before the layers' many small objects: the steps' temporaries (see kimi_perf/memory.py).
+    release_free_memory()
     if layers == "auto":
         if not layers_from_ranges(trace, ops, steps, DEFAULT_LAYER_PATTERN):
             layers_from_repeats(ops, steps)
