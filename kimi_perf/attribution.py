@@ -13,8 +13,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kimi_perf.memory import release_free_memory
 from kimi_perf.nesting import containing, containing_chunks, range_groups, thread_keys
-from kimi_perf.trace import GPU_RANGE, STYLE_NAMES, Trace
+from kimi_perf.trace import GPU_RANGE, STYLE_NAMES, Trace, index_dtype
 
 
 @dataclass
@@ -51,36 +52,52 @@ def _launch_points(trace: Trace) -> tuple[np.ndarray, ...]:
 def range_kernel_summary(trace: Trace) -> list[RangeKernelRow]:
     """One row per (range name, style, pid, tid, kernel name), ordered as nsys orders them.
 
-    Each (range, kernel) pair becomes one int64 key, (range group, kernel rank by name): sorted,
-    those line the pairs up in (group, kernel name, kernel) order, so each output row is a run
-    of keys. A second key, (range group, kernel name, range), counts the distinct ranges. The
-    pairs are reduced to these keys as ``containing`` streams them.
+    Output rows are codes (range group, kernel name), numbered in that order. ``containing``
+    streams the (range, kernel) pairs in chunks that hold every pair of their kernels; each
+    chunk is reduced at once: its sorted (code, kernel) keys give each code's kernel time (per
+    pair, as nsys sums it) and its distinct kernels (a kernel inside two ranges of one group
+    counts once); its distinct (range, kernel name) keys count each code's ranges, once the
+    range can come in no later chunk (until then the key is carried). Per-code sums and the
+    keys of the few ranges that span chunks outlive a chunk, never all the pairs.
     """
     k = trace.kernels
     r = trace.ranges
     n_k, n_r = len(k), len(r)
     if n_k == 0:
         return []
-    ranks = _KernelRanks.of(k.name, k.end - k.start)
-    n_names = ranks.n_names
+    kernel_names, name_id = np.unique(k.name, return_inverse=True)
+    name_id = name_id.astype(index_dtype(n_k))
+    n_names = len(kernel_names)
+    duration = k.end - k.start
     # Range groups over (name, style, pid, tid), numbered in that order.
     range_gid, range_fields = _group_ids((r.name, r.style, r.pid, r.tid))
     n_gid = len(range_fields[0])
-    if n_gid * n_k >= 1 << 62 or n_gid * n_names * max(n_r, 1) >= 1 << 62:
+    if n_gid * n_names * n_k >= 1 << 62 or n_r * n_names >= 1 << 62:
         return _summary_by_lexsort(trace, *kernel_launch_pairs(trace))
 
     in_range = np.zeros(n_k, bool)
-    pair_keys, range_keys = [], []
-    for range_rows, kernel_rows in containing_chunks(r, *_launch_points(trace)):
+    sums, range_sums = [], []
+    carried = np.empty(0, np.int64)    # (range, kernel name) keys of ranges still open
+    for range_rows, kernel_rows, later_end in containing_chunks(r, *_launch_points(trace)):
         # A pair's pid and tid are its kernel's; groups take its range's. They agree unless
         # masked thread keys collided (ids beyond 30/31 bits): then take the general route.
         if ((r.pid[range_rows] != k.pid[kernel_rows]).any()
                 or (r.tid[range_rows] != k.tid[kernel_rows]).any()):
             return _summary_by_lexsort(trace, *kernel_launch_pairs(trace))
         in_range[kernel_rows] = True
-        gid = range_gid[range_rows]
-        pair_keys.append(gid * n_k + ranks.rank[kernel_rows])
-        range_keys.append((gid * n_names + ranks.name_id[kernel_rows]) * n_r + range_rows)
+        names = name_id[kernel_rows]
+        key = np.sort((range_gid[range_rows] * n_names + names) * n_k + kernel_rows)
+        new_kernel = np.r_[True, key[1:] != key[:-1]]
+        code, kernel = np.divmod(key, n_k)
+        sums.append(_sums_by_code(code, duration[kernel], new_kernel))
+        del key, new_kernel, code, kernel
+        key = _distinct(np.concatenate([carried, range_rows * n_names + names]))
+        done = r.end[key // n_names] < later_end
+        range_sums.append(_range_counts(key[done], range_gid, n_names))
+        carried = key[~done]
+        del names, key, done
+    range_sums.append(_range_counts(carried, range_gid, n_names))
+    del carried
 
     # Kernels in no range form rows with an empty range name and style, grouped by the
     # launching thread (pid and tid -1 for a kernel without a launch call); they sort first.
@@ -88,12 +105,19 @@ def range_kernel_summary(trace: Trace) -> list[RangeKernelRow]:
     launched = k.api[lone] >= 0
     lone_gid, lone_fields = _group_ids((np.where(launched, k.pid[lone], -1),
                                         np.where(launched, k.tid[lone], -1)))
+    lone_code = lone_gid * n_names + name_id[lone]
+    by_code = np.argsort(lone_code, kind="stable")
+    lone_groups = _groups(_sums_by_code(lone_code[by_code], duration[lone][by_code],
+                                        np.ones(len(lone), np.int64)), n_names, kernel_names)
     none = np.full(len(lone_fields[0]), -1)
-    lone_groups = ranks.groups([lone_gid * n_k + ranks.rank[lone]])
     rows = _summary_rows(trace, lone_groups, [none, none, *lone_fields])
-    del lone, launched, lone_gid, in_range
-    groups = ranks.groups(pair_keys)
-    groups.range_instances = _distinct_per_group(range_keys, n_r, groups.code)
+    del lone, launched, lone_gid, lone_code, by_code, in_range, name_id, duration
+
+    groups = _groups(_merge_sums(sums, 2), n_names, kernel_names)
+    code, ranges = _merge_sums(range_sums, 1)
+    groups.range_instances[np.searchsorted(groups.code, code)] = ranges
+    del range_gid
+    release_free_memory()   # the chunks' memory, before the rows' objects: see memory.py
     rows += _summary_rows(trace, groups, range_fields)
     return _nsys_order(rows)
 
@@ -113,8 +137,33 @@ def _group_ids(columns: tuple[np.ndarray, ...]) -> tuple[np.ndarray, list[np.nda
     return ids, [c[first] for c in columns]
 
 
-# Sorted keys are reduced in slices of this many: bounded temporaries.
-_SLICE = 1 << 18
+# (codes ascending, then per code the sum of each of some columns)
+_Sums = tuple[np.ndarray, ...]
+
+
+def _sums_by_code(code: np.ndarray, *columns: np.ndarray) -> _Sums:
+    """Exact int64 sums of each column per run of equal, ascending ``code``."""
+    if len(code) == 0:
+        return (np.empty(0, np.int64),) * (1 + len(columns))
+    first = np.flatnonzero(np.r_[True, code[1:] != code[:-1]])
+    return (code[first], *(np.add.reduceat(c.astype(np.int64, copy=False), first)
+                           for c in columns))
+
+
+def _merge_sums(parts: list[_Sums], n_columns: int) -> _Sums:
+    """Several chunks' ``_sums_by_code`` (of the same columns) as one: a code may recur."""
+    if not parts:
+        return (np.empty(0, np.int64),) * (1 + n_columns)
+    code, *columns = (np.concatenate(column) for column in zip(*parts, strict=True))
+    parts.clear()
+    order = np.argsort(code, kind="stable")
+    return _sums_by_code(code[order], *(c[order] for c in columns))
+
+
+def _range_counts(keys: np.ndarray, range_gid: np.ndarray, n_names: int) -> _Sums:
+    """Ranges per code, from distinct (range row * n_names + kernel name) keys."""
+    code = np.sort(range_gid[keys // n_names] * n_names + keys % n_names)
+    return _sums_by_code(code, np.ones(len(code), np.int64))
 
 
 @dataclass
@@ -129,98 +178,17 @@ class _Groups:
     range_instances: np.ndarray
 
 
-@dataclass
-class _KernelRanks:
-    """Kernels ranked by (name, row), with dense name ids and durations by rank."""
-
-    rank: np.ndarray              # per kernel row
-    name_id: np.ndarray           # per kernel row: dense, in name-code order
-    n_names: int
-    name_by_rank: np.ndarray
-    code_by_rank: np.ndarray
-    duration_by_rank: np.ndarray
-
-    @classmethod
-    def of(cls, names: np.ndarray, duration: np.ndarray) -> _KernelRanks:
-        n = len(names)
-        by_name = np.argsort(names, kind="stable")
-        rank = np.empty(n, np.int64)
-        rank[by_name] = np.arange(n)
-        code_by_rank = names[by_name]
-        name_by_rank = np.cumsum(np.r_[True, code_by_rank[1:] != code_by_rank[:-1]]) - 1
-        name_id = np.empty(n, np.int64)
-        name_id[by_name] = name_by_rank
-        return cls(rank=rank, name_id=name_id, n_names=int(name_by_rank[-1]) + 1 if n else 0,
-                   name_by_rank=name_by_rank, code_by_rank=code_by_rank,
-                   duration_by_rank=duration[by_name])
-
-    def groups(self, parts: list[np.ndarray]) -> _Groups:
-        """Reduce pair keys (group id * n kernels + kernel rank) to (group, kernel name) rows:
-        total duration and distinct kernels of each."""
-        key = np.concatenate(parts) if parts else np.empty(0, np.int64)
-        parts.clear()
-        key.sort()
-        n_k = len(self.rank)
-        starts, codes, gids, ranks, ns_before, kernels_before = [], [], [], [], [], []
-        ns_total = kernels_total = 0
-        prev_code = prev_key = -1
-        for lo in range(0, len(key), _SLICE):
-            sl = key[lo:lo + _SLICE]
-            gid, rank = np.divmod(sl, n_k)
-            code = gid * self.n_names + self.name_by_rank[rank]
-            new_group = np.r_[code[0] != prev_code, code[1:] != code[:-1]]
-            new_kernel = np.r_[sl[0] != prev_key, sl[1:] != sl[:-1]]
-            ns = self.duration_by_rank[rank]
-            ns_cum = np.cumsum(ns) + ns_total
-            kernels_cum = np.cumsum(new_kernel) + kernels_total
-            at = np.flatnonzero(new_group)
-            starts.append(at + lo)
-            codes.append(code[at])
-            gids.append(gid[at])
-            ranks.append(rank[at])
-            # Running totals just before each group begins.
-            ns_before.append(ns_cum[at] - ns[at])
-            kernels_before.append(kernels_cum[at] - new_kernel[at])
-            ns_total, kernels_total = int(ns_cum[-1]), int(kernels_cum[-1])
-            prev_code, prev_key = int(code[-1]), int(sl[-1])
-        cat = _concatenate
-        first_rank = cat(ranks)
-        return _Groups(code=cat(codes), gid=cat(gids), kernel_name=self.code_by_rank[first_rank],
-                       total_ns=np.diff(np.r_[cat(ns_before), ns_total]),
-                       kernel_instances=np.diff(np.r_[cat(kernels_before), kernels_total]),
-                       range_instances=np.zeros(len(first_rank), np.int64))
+def _groups(sums: _Sums, n_names: int, kernel_names: np.ndarray) -> _Groups:
+    code, total, count = sums
+    gid, name = np.divmod(code, n_names)
+    return _Groups(code=code, gid=gid, kernel_name=kernel_names[name], total_ns=total,
+                   kernel_instances=count, range_instances=np.zeros(len(code), np.int64))
 
 
-def _distinct_per_group(parts: list[np.ndarray], n: int, group_codes: np.ndarray
-                        ) -> np.ndarray:
-    """How many distinct keys (group code * n + item) each group code has, for the sorted
-    ``group_codes`` (every key's group among them)."""
-    out = np.zeros(len(group_codes), np.int64)
-    key = np.concatenate(parts) if parts else np.empty(0, np.int64)
-    parts.clear()
-    key.sort()
-    codes, distinct_before = [], []
-    distinct_total = 0
-    prev_code = prev_key = -1
-    for lo in range(0, len(key), _SLICE):
-        sl = key[lo:lo + _SLICE]
-        code = sl // n
-        new_group = np.r_[code[0] != prev_code, code[1:] != code[:-1]]
-        new_item = np.r_[sl[0] != prev_key, sl[1:] != sl[:-1]]
-        cum = np.cumsum(new_item) + distinct_total
-        at = np.flatnonzero(new_group)
-        codes.append(code[at])
-        distinct_before.append(cum[at] - new_item[at])
-        distinct_total = int(cum[-1])
-        prev_code, prev_key = int(code[-1]), int(sl[-1])
-    if codes:
-        out[np.searchsorted(group_codes, _concatenate(codes))] = np.diff(
-            np.r_[_concatenate(distinct_before), distinct_total])
-    return out
-
-
-def _concatenate(parts: list[np.ndarray]) -> np.ndarray:
-    return np.concatenate(parts) if parts else np.empty(0, np.int64)
+def _distinct(values: np.ndarray) -> np.ndarray:
+    """The distinct values, ascending (``np.unique`` hashes integers first: much slower)."""
+    values = np.sort(values)
+    return values[np.r_[True, values[1:] != values[:-1]]] if len(values) else values
 
 
 def _summary_rows(trace: Trace, groups: _Groups, fields: list[np.ndarray]

@@ -15,6 +15,7 @@ import numpy as np
 
 from kimi_perf.classify import Rule
 from kimi_perf.layers import GpuOps, segment
+from kimi_perf.memory import release_free_memory
 from kimi_perf.trace import Trace
 
 SCHEMA = 1
@@ -218,18 +219,22 @@ def _us_array(ns: np.ndarray) -> np.ndarray:
 def breakdown(trace: Trace, layers: str = "auto", rules: list[Rule] | None = None,
               step_regex: str | None = None) -> Breakdown:
     ops, steps = segment(trace, layers=layers, step_regex=step_regex, rules=rules)
-    classes, labels = ops.kernel_class, ops.class_labels
+    labels, ops_kind = ops.class_labels, ops.kind
     all_layers = [(step, layer) for step in steps for layer in step.layers]
     # Segments: every step, every layer, then the steps' prologues and epilogues.
     segments = [step.ops for step in steps] + [layer.ops for _, layer in all_layers]
     segments += [step.prologue for step in steps] + [step.epilogue for step in steps]
-    figures = SegmentFigures.of(ops, segments, classes, labels)
+    figures = SegmentFigures.of(ops, segments, ops.kernel_class, labels)
     n_steps, n_layers = len(steps), len(all_layers)
     step_heads = [{"index": step.index, "device": step.device, "pid": step.pid,
                    "name": step.name, "layer_source": step.layer_source,
                    "layers": len(step.layers)} for step in steps]
     layer_rows = [{"step": step.index, "device": step.device, "index": layer.index,
                    "type": layer.type} for step, layer in all_layers]
+    # The rows' dicts are most of what a breakdown keeps (about 2 kB per layer): the ops and
+    # their segments go first, and the memory they held with them.
+    del ops, steps, all_layers, segments
+    release_free_memory()
     rows = figures.stats(labels, step_heads + layer_rows)
     briefs = figures.briefs(n_steps + n_layers)
     step_rows = rows[:n_steps]
@@ -237,7 +242,7 @@ def breakdown(trace: Trace, layers: str = "auto", rules: list[Rule] | None = Non
                                        strict=True):
         row.update(prologue=prologue, epilogue=epilogue)
     medians = _layer_type_medians(layer_rows, figures, n_steps, labels)
-    return Breakdown(source={**_source(trace), "ops": ops.kind}, steps=step_rows,
+    return Breakdown(source={**_source(trace), "ops": ops_kind}, steps=step_rows,
                      layers=layer_rows, layer_types=medians)
 
 

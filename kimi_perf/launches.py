@@ -28,9 +28,11 @@ def find_launches(api: ApiCalls, pid: np.ndarray, corr: np.ndarray) -> np.ndarra
     api_keys = pair_keys(api.pid, api.correlation, pid_codes)
     order = np.argsort(api_keys, kind="stable")
     sorted_keys = api_keys[order]
+    del api_keys
     keys = pair_keys(pid, corr, pid_codes)
     pos = np.searchsorted(sorted_keys, keys)
-    pos_clipped = np.minimum(pos, len(sorted_keys) - 1)
-    hit = (pos < len(sorted_keys)) & (sorted_keys[pos_clipped] == keys) & (corr >= 0)
-    out[hit] = order[pos_clipped[hit]]
+    hit = pos < len(sorted_keys)
+    np.minimum(pos, len(sorted_keys) - 1, out=pos)
+    hit &= (sorted_keys[pos] == keys) & (corr >= 0)
+    out[hit] = order[pos[hit]]
     return out

@@ -18,8 +18,9 @@ import numpy as np
 
 from kimi_perf.classify import Rule, classify, load_rules
 from kimi_perf.graphs import GRAPH_LAUNCH, capture_launches
+from kimi_perf.memory import release_free_memory
 from kimi_perf.nesting import containing, range_groups, thread_keys
-from kimi_perf.trace import GPU_RANGE, Trace
+from kimi_perf.trace import GPU_RANGE, Trace, index_dtype
 
 # Tried in order; the first pattern that matches a range holding GPU work defines the steps.
 STEP_PATTERNS = [
@@ -75,15 +76,25 @@ class GpuOps:
             cpu = cls._cpu_ops(trace, rules)
             if cpu is not None:
                 return cpu
-        cat = np.concatenate
+
+        def cat(columns: list[np.ndarray]) -> np.ndarray:
+            # Most traces have no memops: then the kernels' columns serve as they are.
+            return columns[0] if len(m) == 0 else np.concatenate(columns)
+
         names = cat([k.name, m.name])
         api = cat([k.api, m.api])
         kernel_class, labels = classify(names, trace.strings, rules)
         tid = cat([k.tid, m.tid])
-        launch_start, launch_end, _ = _call_spans(trace, api, tid)
+        launch_start, launch_end = _call_spans(trace, api)
         captured = capture_launches(trace)
-        scope_api = cat([np.where(captured >= 0, captured, k.api), m.api])
-        scope_start, scope_end, scope_tid = _call_spans(trace, scope_api, tid)
+        if (captured < 0).all():  # no graph replay with its capture: the same arrays serve
+            scope_api, scope_start, scope_end, scope_tid = api, launch_start, launch_end, tid
+        else:
+            is_captured = cat([captured >= 0, np.zeros(len(m), bool)])
+            scope_api = cat([np.where(captured >= 0, captured, k.api), m.api])
+            scope_start, scope_end = _call_spans(trace, scope_api)
+            scope_tid = np.where(is_captured, trace.api.tid[np.where(is_captured, scope_api, 0)],
+                                 tid)
         return cls(name=names, start=cat([k.start, m.start]), end=cat([k.end, m.end]),
                    device=cat([k.device, m.device]), pid=cat([k.pid, m.pid]), tid=tid,
                    api=api, launch_start=launch_start, launch_end=launch_end,
@@ -124,16 +135,13 @@ class GpuOps:
         return self.launch_start, self.launch_end
 
 
-def _call_spans(trace: Trace, rows: np.ndarray, tid: np.ndarray
-                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Start, end and thread of API calls by row (0, 0 and ``tid`` where the row is -1)."""
-    ok = rows >= 0
+def _call_spans(trace: Trace, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Start and end of API calls by row (0 where the row is -1)."""
     if not len(trace.api):
-        zeros = np.zeros(len(rows), np.int64)
-        return zeros, zeros.copy(), tid
+        return np.zeros(len(rows), np.int64), np.zeros(len(rows), np.int64)
+    ok = rows >= 0
     row = np.where(ok, rows, 0)
-    return (np.where(ok, trace.api.start[row], 0), np.where(ok, trace.api.end[row], 0),
-            np.where(ok, trace.api.tid[row], tid))
+    return np.where(ok, trace.api.start[row], 0), np.where(ok, trace.api.end[row], 0)
 
 
 @dataclass
@@ -177,8 +185,11 @@ def find_steps(trace: Trace, ops: GpuOps, step_regex: str | None = None) -> list
         # A nested step range of the same pattern: keep the innermost (latest start).
         order = np.lexsort((-trace.ranges.start[rows], op_rows))
         op_sorted, rows_sorted = op_rows[order], rows[order]
+        del rows, op_rows, order
         first = np.r_[True, op_sorted[1:] != op_sorted[:-1]]
-        return _steps_from_groups(trace, ops, rows_sorted[first], op_sorted[first])
+        group, op_rows = rows_sorted[first], op_sorted[first]
+        del op_sorted, rows_sorted, first
+        return _steps_from_groups(trace, ops, group, op_rows)
     graph_steps = _graph_launch_steps(trace, ops)
     if graph_steps:
         return graph_steps
@@ -252,14 +263,17 @@ def layers_from_ranges(trace: Trace, ops: GpuOps, steps: list[Step], layer_regex
     rows, op_rows = containing(r, rkeys, keys, ops.scope_start, ops.scope_end)
     if len(rows) == 0:
         return False
+    # Each op's innermost layer range.
     order = np.lexsort((-r.depth[rows], op_rows))
     op_sorted, rows_sorted = op_rows[order], rows[order]
+    del rows, op_rows, order
     first = np.r_[True, op_sorted[1:] != op_sorted[:-1]]
-    layer_of_op = np.full(len(ops), -1, np.int64)
+    layer_of_op = np.full(len(ops), -1, index_dtype(len(r)))
     layer_of_op[op_sorted[first]] = rows_sorted[first]
+    del op_sorted, rows_sorted, first
 
     parsed: dict[int, tuple[int | None, str]] = {}
-    for code in np.unique(r.name[np.unique(rows)]).tolist():
+    for code in np.unique(r.name[layer_of_op[layer_of_op >= 0]]).tolist():
         m = regex.search(trace.strings[code])
         groups = m.groupdict() if m else {}
         idx = groups.get("index") or groups.get("index2")
@@ -469,6 +483,8 @@ def segment(trace: Trace, layers: str = "auto", step_regex: str | None = None,
     else the repeating pattern), ``nvtx`` / ``nvtx:REGEX`` (ranges only), ``repeat``."""
     ops = GpuOps.of(trace, rules)
     steps = find_steps(trace, ops, step_regex)
+    # Before the layers' many small objects: the steps' temporaries (see kimi_perf/memory.py).
+    release_free_memory()
     if layers == "auto":
         if not layers_from_ranges(trace, ops, steps, DEFAULT_LAYER_PATTERN):
             layers_from_repeats(ops, steps)

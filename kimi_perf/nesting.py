@@ -16,7 +16,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from kimi_perf.trace import GPU_RANGE, Ranges
+from kimi_perf.trace import GPU_RANGE, Ranges, index_dtype
 
 
 def range_groups(ranges: Ranges) -> np.ndarray:
@@ -55,7 +55,7 @@ def nest_ranges(ranges: Ranges) -> None:
     """
     n = len(ranges)
     ranges.depth = np.zeros(n, np.int32)
-    ranges.parent = np.full(n, -1, np.int64)
+    ranges.parent = np.full(n, -1, index_dtype(n))
     ranges.lane = np.zeros(n, np.int32)
     if n == 0:
         return
@@ -85,15 +85,17 @@ def _nest_nested_groups(ranges: Ranges, order: np.ndarray, groups: np.ndarray) -
     m = len(order)
     if m == 0:
         return order
+    index = index_dtype(m)        # positions in ``order``: int32 halves the temporaries
     start, end = ranges.start[order], ranges.end[order]
-    group_id = np.cumsum(np.r_[True, groups[1:] != groups[:-1]]) - 1
+    group_id = (np.cumsum(np.r_[True, groups[1:] != groups[:-1]]) - 1).astype(index)
     first = np.r_[True, group_id[1:] != group_id[:-1]]
     # Previous greater-or-equal end within the group, by pointer jumping: every range strictly
     # between ``cand[i]`` and i ends before i does, so a candidate that does too hands over its
     # own candidate.
-    cand = np.arange(-1, m - 1, dtype=np.int64)
+    cand = np.arange(-1, m - 1, dtype=index)
     cand[first] = -1
-    pge = np.full(m, -1, np.int64)
+    del first
+    pge = np.full(m, -1, index)
     todo = np.flatnonzero(cand >= 0)
     for _ in range(_MAX_ROUNDS):
         if len(todo) == 0:
@@ -104,6 +106,7 @@ def _nest_nested_groups(ranges: Ranges, order: np.ndarray, groups: np.ndarray) -
         todo, c = todo[~found], c[~found]
         cand[todo] = cand[c]
         todo = todo[cand[todo] >= 0]
+    del cand
     bad = np.zeros(m, bool)
     bad[todo] = True               # still unresolved (very deep nesting): leave it to the loop
     bad |= end < start
@@ -113,16 +116,19 @@ def _nest_nested_groups(ranges: Ranges, order: np.ndarray, groups: np.ndarray) -
     k = sibling_key[by_parent]
     overlap = (k[1:] == k[:-1]) & (end[by_parent[:-1]] > start[by_parent[1:]])
     bad[by_parent[1:][overlap]] = True
+    del start, end, sibling_key, by_parent, k, overlap
     bad_group = np.zeros(int(group_id[-1]) + 1, bool)
     bad_group[group_id[bad]] = True
     fast = ~bad_group[group_id]
+    del bad, bad_group, group_id
     # Depth by pointer doubling: ``up`` is an ancestor ``dist`` levels above.
-    up = np.where(fast, pge, -1)
-    dist = (up >= 0).astype(np.int64)
+    up = np.where(fast, pge, -1).astype(index, copy=False)
+    dist = (up >= 0).astype(np.int32)
     while (climb := np.flatnonzero(up >= 0)).size:
         above = up[climb]
         dist[climb] += dist[above]
         up[climb] = up[above]
+    del up, climb
     rows = order[fast]
     parent = pge[fast]
     ranges.parent[rows] = np.where(parent >= 0, order[np.maximum(parent, 0)], -1)
@@ -199,20 +205,29 @@ def containing(ranges: Ranges, range_keys: np.ndarray, point_keys: np.ndarray,
     chunks = list(containing_chunks(ranges, range_keys, point_keys, point_start, point_end))
     if not chunks:
         return np.empty(0, np.int64), np.empty(0, np.int64)
-    range_rows = np.concatenate([r for r, _ in chunks])
-    point_rows = np.concatenate([p for _, p in chunks])
+    range_rows = np.concatenate([r for r, _, _ in chunks])
+    point_rows = np.concatenate([p for _, p, _ in chunks])
     return range_rows, point_rows
 
 
-# Points handled at once: bounds the temporaries (a dozen arrays of this length).
-_POINT_CHUNK = 1 << 17
+NEVER = int(np.iinfo(np.int64).max)
+
+# Points handled at once: bounds the temporaries (a dozen arrays of this length, and the
+# points' pairs).
+_POINT_CHUNK = 1 << 15
 
 
 def containing_chunks(ranges: Ranges, range_keys: np.ndarray, point_keys: np.ndarray,
                       point_start: np.ndarray, point_end: np.ndarray
-                      ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    """``containing``'s pairs as a stream of (range rows, point rows) chunks, for consumers
-    that reduce them as they come instead of holding all pairs."""
+                      ) -> Iterator[tuple[np.ndarray, np.ndarray, int]]:
+    """``containing``'s pairs as a stream of (range rows, point rows, later end) chunks, for
+    consumers that reduce them as they come instead of holding all pairs.
+
+    Each chunk holds every pair of its points (with all lanes of their group), so that a
+    consumer can also reduce over a point's ranges. ``later end`` is the earliest end of the
+    points still to come that could share a range with this chunk's (``NEVER`` if none): a
+    range that ends before it is in no later chunk.
+    """
     valid = range_keys >= 0
     if not valid.any() or len(point_keys) == 0:
         return
@@ -223,24 +238,44 @@ def containing_chunks(ranges: Ranges, range_keys: np.ndarray, point_keys: np.nda
     rl = ranges.lane[order]
     block_start = np.flatnonzero(np.r_[True, (rk[1:] != rk[:-1]) | (rl[1:] != rl[:-1])])
     block_end = np.r_[block_start[1:], len(order)]
+    block_key = rk[block_start]
+    del rk, rl
     # Local position of every range in the sorted order, to follow parents within it. An
     # excluded range (key -1) is not in that order: skip it to its nearest included ancestor.
-    position = np.full(len(ranges), -1, np.int64)
-    position[order] = np.arange(len(order))
+    index = index_dtype(len(ranges))
+    position = np.full(len(ranges), -1, index)
+    position[order] = np.arange(len(order), dtype=index)
     parent = nearest_valid_ancestor(ranges.parent, valid)[order]
-    parent_pos = np.where(parent >= 0, position[np.maximum(parent, 0)], -1)
+    parent_pos = np.where(parent >= 0, position[np.maximum(parent, 0)], -1).astype(index)
+    del valid, position, parent
     starts = ranges.start[order]
     ends = ranges.end[order]
 
     point_order = np.argsort(point_keys, kind="stable")
     sorted_point_keys = point_keys[point_order]
-    for lo, hi in zip(block_start.tolist(), block_end.tolist(), strict=True):
-        key = rk[lo]
+    # A group's lanes are consecutive blocks; each chunk of its points meets all of them.
+    group_start = np.flatnonzero(np.r_[True, block_key[1:] != block_key[:-1]])
+    group_end = np.r_[group_start[1:], len(block_key)]
+    for g_lo, g_hi in zip(group_start.tolist(), group_end.tolist(), strict=True):
+        key = int(block_key[g_lo])
         p_lo, p_hi = np.searchsorted(sorted_point_keys, [key, key + 1]).tolist()
-        for c_lo in range(p_lo, p_hi, _POINT_CHUNK):
+        if p_lo == p_hi:
+            continue
+        blocks = list(zip(block_start[g_lo:g_hi].tolist(), block_end[g_lo:g_hi].tolist(),
+                          strict=True))
+        chunk_lo = list(range(p_lo, p_hi, _POINT_CHUNK))
+        # Earliest end among the points after each chunk (the group's others meet no range).
+        chunk_min = np.minimum.reduceat(point_end[point_order[p_lo:p_hi]],
+                                        np.array(chunk_lo) - p_lo)
+        later = np.r_[np.minimum.accumulate(chunk_min[::-1])[::-1][1:], NEVER].tolist()
+        for c_lo, later_end in zip(chunk_lo, later, strict=True):
             points = point_order[c_lo:min(c_lo + _POINT_CHUNK, p_hi)]
-            yield from _block_pairs(points, point_start[points], point_end[points], lo, hi,
-                                    order, starts, ends, parent_pos)
+            ps, pe = point_start[points], point_end[points]
+            pairs = [pair for lo, hi in blocks for pair in
+                     _block_pairs(points, ps, pe, lo, hi, order, starts, ends, parent_pos)]
+            if pairs:
+                yield (np.concatenate([r for r, _ in pairs]),
+                       np.concatenate([p for _, p in pairs]), later_end)
 
 
 def _block_pairs(points: np.ndarray, ps: np.ndarray, pe: np.ndarray, lo: int, hi: int,

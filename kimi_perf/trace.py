@@ -2,7 +2,10 @@
 
 Each table is a dataclass of equal-length numpy columns; names are int32 codes into
 ``Trace.strings`` so that grouping by name is an integer operation. Times are int64 ns on the
-trace's own clock. ``-1`` means "unknown" in integer id columns.
+trace's own clock. ``-1`` means "unknown" in integer id columns. Id and row-index columns
+(``Table.compact``) are int32 where every value fits and int64 otherwise: readers compact them
+(``Trace.compact``), since most ids of most traces fit and that halves their memory; code that
+reads them takes either width (and widens before shifting or multiplying).
 
 A trace saves to and loads from one Arrow IPC file (``.kptrace``): one row whose columns are
 ``large_list`` arrays, so tables of different lengths share a file and load without a copy
@@ -16,12 +19,15 @@ import os
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Self
+from typing import TYPE_CHECKING, Any, ClassVar, Self
 
 import numpy as np
-import pyarrow as pa
 
 from kimi_perf.errors import TraceError
+
+# pyarrow is imported where used (save, load): it costs ~25 MB of RSS that reading never needs.
+if TYPE_CHECKING:
+    import pyarrow as pa
 
 FORMAT_VERSION = 1
 
@@ -38,6 +44,9 @@ class Table:
     """Equal-length numpy columns. Subclasses declare the columns and their dtypes."""
 
     dtypes: ClassVar[dict[str, str]] = {}
+    # Integer columns that ``compact`` narrows to int32 where every value fits (``dtypes``
+    # gives their widest type).
+    compact_columns: ClassVar[tuple[str, ...]] = ()
 
     def __len__(self) -> int:
         first = next(iter(self.dtypes))
@@ -70,6 +79,29 @@ class Table:
     def columns(self) -> dict[str, np.ndarray]:
         return {name: getattr(self, name) for name in self.dtypes}
 
+    def compact(self) -> Self:
+        """Narrow ``compact_columns`` to int32 where their values allow; returns self."""
+        for name in self.compact_columns:
+            setattr(self, name, compact_ints(getattr(self, name)))
+        return self
+
+
+_INT32 = np.iinfo(np.int32)
+
+
+def compact_ints(values: np.ndarray) -> np.ndarray:
+    """``values`` as int32 when every one fits, else unchanged."""
+    if values.dtype == np.int32:
+        return values
+    if len(values) and (values.min() < _INT32.min or values.max() > _INT32.max):
+        return values
+    return values.astype(np.int32)
+
+
+def index_dtype(n: int) -> type[np.integer]:
+    """The compact dtype of row indices (and -1) into a table of ``n`` rows."""
+    return np.int32 if n <= _INT32.max else np.int64
+
 
 @dataclass
 class Kernels(Table):
@@ -91,6 +123,7 @@ class Kernels(Table):
         "pid": "int64", "tid": "int64", "correlation": "int64", "graph_id": "int64",
         "graph_node_id": "int64", "api": "int64",
     }
+    compact_columns = ("stream", "pid", "tid", "correlation", "graph_id", "graph_node_id", "api")
 
 
 @dataclass
@@ -111,6 +144,7 @@ class MemOps(Table):
         "name": "int32", "start": "int64", "end": "int64", "device": "int32", "stream": "int64",
         "pid": "int64", "tid": "int64", "correlation": "int64", "bytes": "int64", "api": "int64",
     }
+    compact_columns = ("stream", "pid", "tid", "correlation", "api")
 
 
 @dataclass
@@ -142,6 +176,7 @@ class Ranges(Table):
         "tid": "int64", "device": "int32", "stream": "int64", "style": "int8", "depth": "int32",
         "parent": "int64", "lane": "int32",
     }
+    compact_columns = ("pid", "tid", "stream", "parent")
 
 
 @dataclass
@@ -159,6 +194,7 @@ class ApiCalls(Table):
         "name": "int32", "start": "int64", "end": "int64", "pid": "int64", "tid": "int64",
         "correlation": "int64", "kind": "int8",
     }
+    compact_columns = ("pid", "tid", "correlation")
 
 
 TABLES: dict[str, type[Table]] = {
@@ -182,6 +218,12 @@ class Trace:
     api: ApiCalls = field(default_factory=ApiCalls.empty)
     meta: dict[str, Any] = field(default_factory=dict)
 
+    def compact(self) -> Self:
+        """``Table.compact`` on every table; returns self."""
+        for table_name in TABLES:
+            getattr(self, table_name).compact()
+        return self
+
     def names_matching(self, pattern) -> np.ndarray:
         """Boolean mask over string codes: which strings match a compiled regex (search)."""
         return np.fromiter((pattern.search(s) is not None for s in self.strings), bool,
@@ -189,6 +231,8 @@ class Trace:
 
     def save(self, path: str | Path) -> None:
         """Write atomically to one Arrow IPC file (see module docstring)."""
+        import pyarrow as pa
+
         arrays, names = [], []
         for table_name in TABLES:
             for col, values in getattr(self, table_name).columns().items():
@@ -202,6 +246,8 @@ class Trace:
 
     @classmethod
     def load(cls, path: str | Path) -> Trace:
+        import pyarrow as pa
+
         try:
             with pa.memory_map(str(path), "r") as source:
                 table = pa.ipc.open_file(source).read_all()
@@ -230,11 +276,15 @@ class Trace:
 
 
 def _one_row_list(values: pa.Array) -> pa.Array:
+    import pyarrow as pa
+
     offsets = pa.array([0, len(values)], type=pa.int64())
     return pa.LargeListArray.from_arrays(offsets, values)
 
 
 def _write_ipc(f, table: pa.Table) -> None:
+    import pyarrow as pa
+
     with pa.ipc.new_file(f, table.schema) as writer:
         writer.write_table(table)
 

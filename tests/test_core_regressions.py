@@ -4,17 +4,20 @@ integer columns and NVTX texts."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import platform
 import sqlite3
 from pathlib import Path
 from types import SimpleNamespace
+from unittest import mock
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kimi_perf import breakdown, read_trace
+from kimi_perf import breakdown, nesting, read_trace
 from kimi_perf.attribution import _summary_by_lexsort, kernel_launch_pairs, range_kernel_summary
 from kimi_perf.breakdown import (
     SegmentFigures,
@@ -34,7 +37,7 @@ from kimi_perf.nesting import (
 )
 from kimi_perf.readers.nsys import _decode_text, _first_per_key, _NsysReader
 from kimi_perf.strings import StringTable
-from kimi_perf.trace import PUSHPOP, STARTEND
+from kimi_perf.trace import PUSHPOP, STARTEND, TABLES, Trace, compact_ints
 from tests.conftest import kineto_fixtures, nsys_fixtures
 from tests.synth import TraceBuilder
 from tests.test_layers import nvtx_decode_trace
@@ -292,6 +295,17 @@ def launch_traces(draw):
 def test_range_kernel_summary_equals_reference(trace):
     got = range_kernel_summary(trace)
     assert _rows(got) == _rows(_summary_by_lexsort(trace, *kernel_launch_pairs(trace)))
+    # In chunks of two kernels, ranges span chunks: their keys are carried until they end.
+    with mock.patch.object(nesting, "_POINT_CHUNK", 2):
+        assert _rows(range_kernel_summary(trace)) == _rows(got)
+
+
+def test_range_kernel_summary_in_small_chunks_on_fixtures(monkeypatch):
+    monkeypatch.setattr(nesting, "_POINT_CHUNK", 97)
+    for path in nsys_fixtures()[:4] + kineto_fixtures()[:4]:
+        trace = read_trace(path)
+        got = range_kernel_summary(trace)
+        assert _rows(got) == _rows(_summary_by_lexsort(trace, *kernel_launch_pairs(trace)))
 
 
 def test_range_kernel_summary_counts_nested_same_name_ranges():
@@ -307,6 +321,59 @@ def test_range_kernel_summary_counts_nested_same_name_ranges():
     assert (fwd.range_instances, fwd.kernel_instances, fwd.total_ns) == (3, 2, 10 + 10 + 30)
     lone = rows[(None, "gemm")]
     assert (lone.range_instances, lone.kernel_instances, lone.total_ns) == (0, 1, 5)
+
+
+# -- compact id columns: int32 where the values fit; either width reads and analyses alike ------
+
+
+def test_compact_ints_narrows_only_what_fits():
+    fits = compact_ints(np.array([-(2**31), -1, 2**31 - 1], np.int64))
+    assert fits.dtype == np.int32 and fits.tolist() == [-(2**31), -1, 2**31 - 1]
+    for wide in (np.array([0, 2**31], np.int64), np.array([-(2**31) - 1, 0], np.int64)):
+        assert compact_ints(wide) is wide
+    assert compact_ints(np.empty(0, np.int64)).dtype == np.int32
+
+
+def _widened(trace: Trace) -> Trace:
+    """The trace with every compacted column int64 again, as traces were (and as the traces
+    saved then load)."""
+    wide = copy.deepcopy(trace)
+    for table_name in TABLES:
+        table = getattr(wide, table_name)
+        for col in table.compact_columns:
+            setattr(table, col, getattr(table, col).astype(np.int64))
+    return wide
+
+
+def test_compact_and_wide_traces_save_load_and_analyse_alike(tmp_path):
+    for path in nsys_fixtures()[-1:] + kineto_fixtures()[:1]:
+        trace = read_trace(path)
+        assert trace.kernels.correlation.dtype == np.int32
+        assert trace.ranges.parent.dtype == np.int32
+        wide = _widened(trace)
+        trace.save(tmp_path / "compact.kptrace")
+        wide.save(tmp_path / "wide.kptrace")
+        loaded = Trace.load(tmp_path / "compact.kptrace")
+        loaded_wide = Trace.load(tmp_path / "wide.kptrace")
+        assert loaded.kernels.correlation.dtype == np.int32
+        assert loaded_wide.kernels.correlation.dtype == np.int64
+        summary, figures = _rows(range_kernel_summary(trace)), breakdown(trace).to_json()
+        for other in (wide, loaded, loaded_wide):
+            assert _rows(range_kernel_summary(other)) == summary
+            assert breakdown(other).to_json() == figures
+
+
+def test_release_free_memory_is_harmless():
+    from kimi_perf.memory import _malloc_trim, release_free_memory
+
+    if platform.libc_ver()[0] == "glibc":
+        assert _malloc_trim() is not None
+    block = np.ones(1 << 20)
+    del block
+    release_free_memory()       # nothing changes but the RSS
+    trace = read_trace(nsys_fixtures()[-1])
+    release_free_memory()
+    assert len(trace.kernels) == 7328
 
 
 # -- nsys reader: integer columns as text, NVTX texts --------------------------------------------

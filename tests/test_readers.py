@@ -236,6 +236,36 @@ def test_kineto_reader_tricky_text(layout, tmp_path, monkeypatch):
     assert trace.meta["gpus"] == [{"device": 0, "name": "G", "sm_count": 2}]
 
 
+def test_kineto_ids_beyond_int32_stay_int64(tmp_path, monkeypatch):
+    """Id columns are int32 only where every value fits; the launch join and the attribution
+    carry wide ids exactly."""
+    from kimi_perf.attribution import range_kernel_summary
+
+    doc = _tricky_kineto_doc()
+    pid, corr, stream = 2**40 + 5, 2**33 + 9, 2**35 + 7
+    for event in doc["traceEvents"][:5]:
+        if event.get("pid") == 5:
+            event["pid"] = pid
+    for event in (doc["traceEvents"][3], doc["traceEvents"][5]):
+        event["args"]["correlation"] = corr
+    doc["traceEvents"][5]["args"]["stream"] = stream
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(doc))
+    traces = _kineto_paths(path, monkeypatch)
+    trace = traces["blocks"]
+    for label, other in traces.items():
+        _assert_same_trace(trace, other, label)
+    k = trace.kernels
+    assert (k.pid.dtype, k.correlation.dtype, k.stream.dtype, k.tid.dtype) == (
+        np.int64, np.int64, np.int64, np.int32)
+    assert (k.pid.tolist(), k.correlation.tolist(), k.stream.tolist()) == ([pid], [corr],
+                                                                          [stream])
+    assert trace.api.pid.dtype == np.int64 and trace.ranges.pid.tolist()[:2] == [pid, pid]
+    rows = {(r.range, r.kernel): r for r in range_kernel_summary(read_trace(path))}
+    step = rows[("step‹0›", trace.strings[k.name[0]])]
+    assert (step.pid, step.tid, step.kernel_instances, step.total_ns) == (pid, 6, 1, 4000)
+
+
 def test_kineto_reader_errors_name_the_event(tmp_path, monkeypatch):
     from kimi_perf.errors import TraceError
     from kimi_perf.readers import kineto

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from kimi_perf.errors import TraceError
+from kimi_perf.memory import release_free_memory
 from kimi_perf.nesting import nest_ranges
 from kimi_perf.readers.kineto import GZIP_MAGIC, read_kineto_json
 from kimi_perf.readers.nsys import SQLITE_MAGIC, read_nsys_rep, read_nsys_sqlite
@@ -47,6 +48,7 @@ def read_trace(path: str | Path) -> Trace:
         trace = reader(path)
         if reader is not Trace.load:
             nest_ranges(trace.ranges)
+            release_free_memory()   # the reader's temporaries: see kimi_perf/memory.py
     except TraceError:
         raise
     except (ValueError, TypeError, KeyError, IndexError, OverflowError, AttributeError,

@@ -35,6 +35,7 @@ import numpy as np
 
 from kimi_perf.errors import TraceError
 from kimi_perf.launches import find_launches
+from kimi_perf.memory import release_free_memory
 from kimi_perf.trace import (
     DRIVER,
     GPU_RANGE,
@@ -686,6 +687,7 @@ class _Builder:
         table's times first, then the tables one by one); each column's chunks are dropped as
         soon as they are joined, so that memory peaks at about one copy of the columns."""
         chunks, self.chunks = self.chunks, {}
+        release_free_memory()   # what decoding the pieces left: see kimi_perf/memory.py
         times = {name: self._floats({c: _joined(chunks[name].pop(c)) for c in ("ts", "dur")})
                  for name in ("a", "k", "m", "r")}
         firsts = [ts[0] for ts, _ in times.values() if len(ts)]
@@ -696,10 +698,13 @@ class _Builder:
             n = len(cols["start"])
             for col in list(chunks[name]):
                 cols[_RENAMED.get(col, col)] = _joined(chunks[name].pop(col))
-            tables[name] = kind.from_columns(cols, n)
+            table = kind.from_columns(cols, n)
+            # Compacted once complete: GPU work after the launch join has set its pid and tid.
+            tables[name] = table if kind in (Kernels, MemOps) else table.compact()
         api, kernels, memops, ranges = (tables[t] for t in ("a", "k", "m", "r"))
         for gpu_work in (kernels, memops):
             _link_by_correlation(api, gpu_work)
+            gpu_work.compact()
         return Trace(strings=self.strings, kernels=kernels, memops=memops,
                      ranges=ranges, api=api, meta={"format": "kineto-json"})
 

@@ -118,14 +118,16 @@ class _NsysReader:
             raise TraceError(self.path, "not an Nsight Systems export (no StringIds table)")
         self.strings = StringTable()
         self._load_string_ids()
-        api = self._api_calls()
+        # Each table is compacted as soon as it is complete: the next one is read beside it.
+        api = self._api_calls().compact()
         kernels = self._kernels()
         memops = self._memops()
-        ranges = self._ranges()
         for gpu_work in (kernels, memops):
             gpu_work.api = find_launches(api, gpu_work.pid, gpu_work.correlation)
             hit = gpu_work.api >= 0
             gpu_work.tid[hit] = api.tid[gpu_work.api[hit]]
+            gpu_work.compact()
+        ranges = self._ranges().compact()
         meta.update(gpus=self._gpus(), processes=self._processes(), file=str(self.path))
         return Trace(strings=self.strings.values, kernels=kernels, memops=memops,
                      ranges=ranges, api=api, meta=meta)
