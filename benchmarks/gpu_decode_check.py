@@ -15,6 +15,8 @@
    ranges: ``kimi_perf.graphs``); per launch of
    the eager specialized path: its kernels' µs against the bytes it must move over the
    measured bandwidth (its memory floor).
+5. The main job as a user runs it: ``kimi-perf trace`` with its GPU defaults, eager and
+   ``--graphs``, its per-layer table and run directory kept.
 
 Writes ``results.json``, ``summary.md`` and the Kineto traces under ``--out``; prints the
 summary last. Every number is measured in this one run.
@@ -28,6 +30,7 @@ import gzip
 import json
 import math
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -197,6 +200,27 @@ def speed(path: str, c: K3Config, weights, batch: int, context: int, warmup: int
     return result
 
 
+def main_job(out: Path, smoke: bool) -> dict:
+    """``kimi-perf trace`` end to end, as a user runs it (smoke: a small CPU run); eager and,
+    on a GPU, with CUDA graphs."""
+    runs = {}
+    for graphs in (False,) if smoke else (False, True):
+        args = [sys.executable, "-m", "kimi_perf", "trace", "--out", str(out / "runs"),
+                "--format", "json"]
+        args += ["--layers", "4", "--steps", "1", "--warmup", "0"] if smoke else []
+        args += ["--graphs"] if graphs else []
+        proc = subprocess.run(args, capture_output=True, text=True, timeout=900)
+        key = "graphs" if graphs else "eager"
+        runs[key] = {"command": " ".join(args[1:]), "returncode": proc.returncode,
+                     "stderr_tail": proc.stderr[-3000:]}
+        if proc.returncode == 0:
+            doc = json.loads(proc.stdout)
+            runs[key]["run_dir"] = doc["run_dir"]
+            runs[key]["layer_types"] = {path: r["layer_types"]
+                                        for path, r in doc["paths"].items()}
+    return runs
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
@@ -238,6 +262,10 @@ def main() -> int:
                                                   steps, device, args.out, bandwidth, graphs)
                 except Exception:
                     results["errors"].append(f"{key}: {traceback.format_exc()}")
+    results["main_job"] = main_job(args.out, args.smoke)
+    results["errors"] += [f"kimi-perf trace ({key}) exited {r['returncode']}: "
+                          f"{r['stderr_tail']}" for key, r in results["main_job"].items()
+                          if r["returncode"] != 0]
     (args.out / "results.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
     summary = render_summary(results)
     (args.out / "summary.md").write_text(summary)
@@ -275,6 +303,11 @@ def render_summary(results: dict) -> str:
             frac = e["floor_fraction"]
             lines.append(f"| {name} | {e['us_per_launch']:.2f} | {e['floor_us']:.2f} | "
                          f"{'-' if frac is None else f'{frac:.2f}'} |")
+    for key, r in results.get("main_job", {}).items():
+        lines += ["", f"kimi-perf trace ({key}): exit {r['returncode']}"]
+        for path, types in (r.get("layer_types") or {}).items():
+            lines += [f"  {path} {t['type']}: {t['kernels']:g} kernels, {t['kernel_us']:.1f} µs"
+                      for t in types]
     if results["errors"]:
         lines += ["", f"{len(results['errors'])} error(s): see results.json"]
     return "\n".join(lines) + "\n"

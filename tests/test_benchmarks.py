@@ -57,3 +57,6 @@ def test_gpu_decode_check_plumbing_on_the_cpu(tmp_path):
     kernels = {t["type"]: t["kernels"] for t in speed["specialized b1"]["layer_types"]}
     assert kernels == {"kda": 11, "mla": 14}
     assert "| run | layer type |" in proc.stdout
+    job = results["main_job"]["eager"]        # kimi-perf trace, as a user runs it
+    assert job["returncode"] == 0 and (tmp_path / "runs").is_dir()
+    assert {t["type"]: t["kernels"] for t in job["layer_types"]["specialized"]} == kernels

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# The whole GPU check of the decode paths in one device call (benchmarks/gpu_decode_check.py).
+#
+#   bash scripts/gpu-check.sh fetch          # here, once: wheels the GPU machine lacks -> .whl/
+#   bash scripts/gpu-check.sh run [ARGS...]  # there, in one call that carries .whl:
+#                                            #   results, traces and run directories -> $OUT
+#
+# The GPU machine has Python 3.12 with torch, triton, numpy, pyarrow, click and rich, and no
+# network: msgspec, plotly and nvtx travel as wheels. kimi-perf itself runs from the checkout
+# (PYTHONPATH), with kernels/ importable under its installed name, kimi_perf_kernels.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+WHEELS=${WHEELS:-.whl}
+PYTHON=${PYTHON:-python3}
+
+case "${1:-}" in
+fetch)
+  grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
+  "$PYTHON" -m pip download -q --no-deps --only-binary=:all: --python-version "${PY_VERSION:-3.12}" \
+    --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+    --platform manylinux2014_x86_64 -d "$WHEELS" msgspec==0.23.0 plotly==7.1.0 nvtx==0.2.11
+  ls "$WHEELS"
+  ;;
+run)
+  shift
+  site=$(mktemp -d)
+  "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" \
+    "$WHEELS"/*.whl
+  ln -s "$PWD/kernels" "$site/kimi_perf_kernels"
+  export PYTHONPATH="$PWD:$site" PYTHONUNBUFFERED=1
+  out=${OUT:-gpu-check-out}
+  mkdir -p "$out"
+  "$PYTHON" benchmarks/gpu_decode_check.py --out "$out" "$@" 2>&1 | tee "$out/log.txt"
+  ;;
+*)
+  echo "usage: bash scripts/gpu-check.sh fetch | run [ARGS...]" >&2
+  exit 2
+  ;;
+esac
