@@ -318,7 +318,7 @@ def _capture_path_nsys(path: str, req: TraceRequest, device: str, run_dir: Path
     metrics_file = run_dir / f".{path}.metrics.json"
     request = {"preset": req.preset, "n_layers": req.n_layers, "seed": req.seed,
                "batch": req.batch, "context": req.context, "steps": req.steps,
-               "warmup": req.warmup, "kv_cache": req.kv_cache}
+               "warmup": req.warmup, "kv_cache": req.kv_cache, "graphs": req.graphs}
     traced = "nvtx,cuda" if device == "cuda" else "nvtx"
     cmd = [nsys, "profile", f"--trace={traced}", "--sample=none", "--cpuctxsw=none",
            "--force-overwrite=true", "-o", str(rep.with_suffix(""))]
