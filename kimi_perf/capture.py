@@ -92,9 +92,16 @@ def _driver_version() -> str | None:
 
 
 def _git_commit() -> str | None:
+    """The checkout's commit; ``KIMI_PERF_GIT_COMMIT`` where the code runs from a copy of the
+    working tree without its .git (the lent GPU machine: scripts/gpu-check.sh sets it)."""
+    if commit := os.environ.get("KIMI_PERF_GIT_COMMIT"):
+        return commit
     here = Path(__file__).resolve().parent
-    out = subprocess.run(["git", "-C", str(here), "rev-parse", "HEAD"], capture_output=True,
-                         text=True)
+    try:
+        out = subprocess.run(["git", "-C", str(here), "rev-parse", "HEAD"],
+                             capture_output=True, text=True)
+    except OSError:  # no git at all
+        return None
     return (out.stdout.strip() or None) if out.returncode == 0 else None
 
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The whole GPU check of the decode paths in one device call (benchmarks/gpu_decode_check.py).
 #
-#   bash scripts/gpu-check.sh fetch          # here, once: wheels the GPU machine lacks -> .whl/
+#   bash scripts/gpu-check.sh fetch          # here, just before the device call: the wheels the
+#                                            #   GPU machine lacks, and the commit, -> .whl/
 #   bash scripts/gpu-check.sh run [ARGS...]  # there, in one call that carries .whl:
 #                                            #   results, traces and run directories -> $OUT
 #
@@ -19,6 +20,10 @@ fetch)
   "$PYTHON" -m pip download -q --no-deps --only-binary=:all: --python-version "${PY_VERSION:-3.12}" \
     --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
     --platform manylinux2014_x86_64 -d "$WHEELS" msgspec==0.23.0 plotly==7.1.0 nvtx==0.2.11
+  # The copy of the working tree the GPU machine gets has no .git: the results name this.
+  commit=$(git rev-parse HEAD)
+  git diff --quiet HEAD || commit="$commit+uncommitted"
+  echo "$commit" > "$WHEELS/COMMIT"
   ls "$WHEELS"
   ;;
 run)
@@ -28,6 +33,7 @@ run)
     "$WHEELS"/*.whl
   ln -s "$PWD/kernels" "$site/kimi_perf_kernels"
   export PYTHONPATH="$PWD:$site" PYTHONUNBUFFERED=1
+  [ -f "$WHEELS/COMMIT" ] && export KIMI_PERF_GIT_COMMIT=$(cat "$WHEELS/COMMIT")
   out=${OUT:-gpu-check-out}
   mkdir -p "$out"
   "$PYTHON" benchmarks/gpu_decode_check.py --out "$out" "$@" 2>&1 | tee "$out/log.txt"
