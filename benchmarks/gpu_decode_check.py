@@ -48,6 +48,7 @@ from kimi_perf.decode.model import K3Model
 from kimi_perf.decode.specialized import SpecializedModel, build_model
 from kimi_perf.decode.validate import rel_err
 from kimi_perf.decode.weights import random_weights
+from kimi_perf.graphs import capture_launches
 from kimi_perf.readers import read_trace
 
 PATHS = {"standard": "auto", "specialized": "latency_specialized"}
@@ -143,7 +144,7 @@ def launch_bytes(c: K3Config, batch: int, context: int) -> dict[str, float]:
         + 2 * batch * 3 * H * d * 3 * bf16,
         "o_proj": h * max(H * d, Hm * c.v_head) * bf16,
         "router_latent_down": (c.n_experts + c.latent) * h * bf16,
-        "moe_fc1_situ": experts * 2 * inter * c.latent * bf16,
+        "moe_route_fc1_situ": experts * 2 * inter * c.latent * bf16 + c.n_experts * fp32,
         "moe_fc2_combine": experts * c.latent * inter * bf16,
         "shared_gate_up_situ": 2 * shared * h * bf16,
         "shared_down": h * shared * bf16,
@@ -168,7 +169,7 @@ def speed(path: str, c: K3Config, weights, batch: int, context: int, warmup: int
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     schedule = profiler_schedule(warmup, steps, graphs)
     with torch.profiler.profile(activities=activities, schedule=schedule) as prof:
-        run = run_decode(model, prompt, steps=warmup + steps, after_step=prof.step,
+        run = run_decode(model, prompt, steps=steps, warmup=warmup, after_step=prof.step,
                          cuda_graphs=graphs)
     with tempfile.TemporaryDirectory() as tmp:
         raw = Path(tmp) / "t.json"
@@ -178,7 +179,10 @@ def speed(path: str, c: K3Config, weights, batch: int, context: int, warmup: int
     trace = read_trace(trace_file)
     b = breakdown(trace)
     result = {"layer_types": b.layer_types, "step_s": run.step_s[warmup:],
-              "fallbacks": list(getattr(model, "fallbacks", []))}
+              "fallbacks": list(getattr(model, "fallbacks", [])),
+              # "nvtx" under graphs: the replayed kernels found their capture's layer ranges
+              "layer_sources": sorted({s["layer_source"] for s in b.steps}),
+              "replayed_kernels_mapped_to_capture": int((capture_launches(trace) >= 0).sum())}
     if isinstance(model, SpecializedModel) and not graphs:
         floors = launch_bytes(c, batch, context)
         per_launch: dict[str, dict] = {}
@@ -209,7 +213,13 @@ def main_job(out: Path, smoke: bool) -> dict:
                 "--format", "json"]
         args += ["--layers", "4", "--steps", "1", "--warmup", "0"] if smoke else []
         args += ["--graphs"] if graphs else []
-        proc = subprocess.run(args, capture_output=True, text=True, timeout=900)
+        try:
+            proc = subprocess.run(args, capture_output=True, text=True, timeout=300)
+        except subprocess.TimeoutExpired as exc:
+            runs["graphs" if graphs else "eager"] = {"command": " ".join(args[1:]),
+                                                     "returncode": None,
+                                                     "stderr_tail": f"timed out: {exc}"}
+            continue
         key = "graphs" if graphs else "eager"
         runs[key] = {"command": " ".join(args[1:]), "returncode": proc.returncode,
                      "stderr_tail": proc.stderr[-3000:]}
@@ -219,6 +229,11 @@ def main_job(out: Path, smoke: bool) -> dict:
             runs[key]["layer_types"] = {path: r["layer_types"]
                                         for path, r in doc["paths"].items()}
     return runs
+
+
+def save(results: dict, out: Path) -> None:
+    """results.json as far as the check got (a killed run still leaves its sections)."""
+    (out / "results.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
 
 
 def main() -> int:
@@ -243,6 +258,7 @@ def main() -> int:
         results["correctness"] = correctness(device, 2 if args.smoke else 6)
     except Exception:  # keep going: the speed runs are evidence of their own
         results["errors"].append(traceback.format_exc())
+    save(results, args.out)
     if args.smoke:
         c, batches, context, steps, warmup = preset("tiny", n_layers=4), (1, 2), 4, 1, 1
     else:
@@ -262,11 +278,15 @@ def main() -> int:
                                                   steps, device, args.out, bandwidth, graphs)
                 except Exception:
                     results["errors"].append(f"{key}: {traceback.format_exc()}")
+                save(results, args.out)
+    del weights  # the main job's processes need the GPU memory
+    if device == "cuda":
+        torch.cuda.empty_cache()
     results["main_job"] = main_job(args.out, args.smoke)
     results["errors"] += [f"kimi-perf trace ({key}) exited {r['returncode']}: "
                           f"{r['stderr_tail']}" for key, r in results["main_job"].items()
                           if r["returncode"] != 0]
-    (args.out / "results.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
+    save(results, args.out)
     summary = render_summary(results)
     (args.out / "summary.md").write_text(summary)
     print(summary)
@@ -289,11 +309,14 @@ def render_summary(results: dict) -> str:
         for t in r["layer_types"]:
             lines.append(f"| {key} | {t['type']} | {t['layers']} | {t['kernels']:g} | "
                          f"{t['kernel_us']:.1f} | {t['span_us']:.1f} |")
-    lines += ["", "| run | median decode step ms | decode tokens/s |", "|---|---:|---:|"]
+    lines += ["", "| run | median decode step ms | decode tokens/s | layers from | kernels "
+              "mapped to a capture |", "|---|---:|---:|---|---:|"]
     for key, r in results.get("speed", {}).items():
         step = statistics.median(r["step_s"])
         batch = int(key.split(" b")[1].split()[0])
-        lines.append(f"| {key} | {step * 1e3:.3f} | {batch / step:,.0f} |")
+        lines.append(f"| {key} | {step * 1e3:.3f} | {batch / step:,.0f} | "
+                     f"{', '.join(r['layer_sources'])} | "
+                     f"{r['replayed_kernels_mapped_to_capture']:,} |")
     for key, r in results.get("speed", {}).items():
         if "launches" not in r:
             continue

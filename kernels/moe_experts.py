@@ -93,6 +93,8 @@ def moe_route_fc1_situ(x: torch.Tensor, w13: torch.Tensor, logits: torch.Tensor,
     """x [M, K] (latent), w13 [E, 2I, K], router logits [M, E] (fp32, any row stride), bias
     [E] -> (act [M, top_k, I], expert ids [M, top_k] int32, weights [M, top_k] fp32)."""
     M, n_experts = logits.shape
+    if not 1 <= top_k <= n_experts:
+        raise ValueError(f"top_k {top_k} must be between 1 and the {n_experts} experts")
     _, two_i, kdim = w13.shape
     inter = two_i // 2
     if out is None:

@@ -236,8 +236,9 @@ def profiler_schedule(warmup: int, steps: int, graphs: bool):
     """Step 0 of the schedule is the prefill, then the warm-up steps, then the decode steps.
 
     Eager, only the decode steps are recorded. With CUDA graphs everything after the prefill
-    is, the capture included: its launches, inside the layer ranges, are what the replayed
-    kernels map back to (``kimi_perf.graphs``); steps are the decode_step ranges either way.
+    is, the capture included (``run_decode`` captures after the prefill's step): its launches,
+    inside the layer ranges, are what the replayed kernels map back to (``kimi_perf.graphs``);
+    steps are the decode_step ranges either way.
     """
     import torch
 

@@ -7,7 +7,8 @@
 #                                            #   results, traces and run directories -> $OUT
 #
 # The GPU machine has Python 3.12 with torch, triton, numpy, pyarrow, click and rich, and no
-# network: msgspec, plotly and nvtx travel as wheels. kimi-perf itself runs from the checkout
+# network: msgspec, plotly (with the narwhals and packaging it needs) and nvtx travel as
+# wheels. kimi-perf itself runs from the checkout
 # (PYTHONPATH), with kernels/ importable under its installed name, kimi_perf_kernels.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -19,7 +20,8 @@ fetch)
   grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
   "$PYTHON" -m pip download -q --no-deps --only-binary=:all: --python-version "${PY_VERSION:-3.12}" \
     --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
-    --platform manylinux2014_x86_64 -d "$WHEELS" msgspec==0.23.0 plotly==7.1.0 nvtx==0.2.11
+    --platform manylinux2014_x86_64 -d "$WHEELS" msgspec==0.23.0 plotly==7.1.0 narwhals==2.29.0 packaging==26.4 \
+    nvtx==0.2.11
   # The copy of the working tree the GPU machine gets has no .git: the results name this.
   commit=$(git rev-parse HEAD)
   git diff --quiet HEAD || commit="$commit+uncommitted"

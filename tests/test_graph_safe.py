@@ -11,11 +11,14 @@ torch = pytest.importorskip("torch")
 from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
+from kimi_perf.capture import profiler_schedule  # noqa: E402
 from kimi_perf.decode.config import preset  # noqa: E402
 from kimi_perf.decode.harness import run_decode, run_spec_decode, state_tensors  # noqa: E402
+from kimi_perf.decode.model import _expert_matmul, _gathered_expert_matmul  # noqa: E402
 from kimi_perf.decode.specialized import build_model  # noqa: E402
 from kimi_perf.decode.validate import rel_err  # noqa: E402
 from kimi_perf.decode.weights import random_weights  # noqa: E402
+from kimi_perf.readers import read_trace  # noqa: E402
 
 SMALL = preset("tiny", n_layers=4)
 BACKENDS = {"standard": "auto", "specialized": "latency_specialized"}
@@ -114,3 +117,49 @@ def test_cuda_graphs_refuse_a_cpu_model(weights):
         run_decode(model, prompt, steps=1, cuda_graphs=True)
     with pytest.raises(ValueError, match="CUDA device"):
         run_spec_decode(model, prompt, steps=1, k=3, cuda_graphs=True)
+
+
+def test_both_expert_matmuls_agree():
+    """The grouped GEMM (bf16 on a GPU, any dtype here) and the per-row gather that CUDA
+    graphs of other dtypes use on a GPU compute the same products."""
+    gen = torch.Generator().manual_seed(3)
+    experts = torch.sort(torch.randint(0, 5, (11,), generator=gen)).values
+    group_ends = torch.bincount(experts, minlength=5).cumsum(0).to(torch.int32)
+    x, w = torch.randn(11, 16, generator=gen), torch.randn(5, 24, 16, generator=gen)
+    want = torch.stack([w[e] @ row for e, row in zip(experts.tolist(), x, strict=True)])
+    torch.testing.assert_close(_expert_matmul(x, w, group_ends, experts), want)
+    torch.testing.assert_close(_gathered_expert_matmul(x, w, experts), want)
+
+
+def test_a_graphed_profile_holds_the_capture(weights, monkeypatch, tmp_path):
+    """The replayed kernels find their layers through the capture's launches, so the profile
+    of a graphed run must hold the capture: run_decode captures after the prefill's profiler
+    step and profiler_schedule records from there. A CPU stand-in for the graph opens the
+    ranges a capture does."""
+    from kimi_perf.decode import harness
+    from kimi_perf.decode.annotate import annotate
+
+    class EagerStandIn:
+        def __init__(self, model, state, batch, layer_hook=None, tokens_per_step=1):
+            self.model, self.state = model, state
+            with annotate("graph_capture"):
+                for i in range(model.c.n_layers):
+                    with layer_hook(i):
+                        pass
+
+        def __call__(self, tokens):
+            return self.model.forward(tokens, self.state)
+
+    monkeypatch.setattr(harness, "GraphedDecodeStep", EagerStandIn)
+    model = build_model(SMALL, weights, "auto", dtype=torch.float32)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                schedule=profiler_schedule(1, 2, graphs=True)) as prof:
+        run_decode(model, torch.zeros(1, 3, dtype=torch.long), steps=2, warmup=1,
+                   cuda_graphs=True, after_step=prof.step)
+    prof.export_chrome_trace(str(tmp_path / "t.json"))
+    trace = read_trace(tmp_path / "t.json")
+    names = [trace.strings[c] for c in trace.ranges.name]
+    assert names.count("graph_capture") == 1
+    assert names.count("layer[0](kda)") == 1 and "decode_step[1]" in names
+    assert "prefill" not in names
+

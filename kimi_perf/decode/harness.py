@@ -81,6 +81,8 @@ class GraphedDecodeStep:
     def __init__(self, model: K3Model, state: DecodeState, batch: int, layer_hook=None,
                  tokens_per_step: int = 1):
         device = model.device
+        if device.type != "cuda":
+            raise ValueError("CUDA graphs need the model on a CUDA device")
         self.state = state
         self.tokens = torch.zeros(batch, tokens_per_step, dtype=torch.long, device=device)
         verify = tokens_per_step > 1
@@ -127,26 +129,27 @@ def run_decode(model: K3Model, prompt: torch.Tensor, steps: int,
     Warm-up steps are ranges ``warmup_step[i]``, so that analyses of a whole trace (nsys
     records everything) take only the ``decode_step[i]`` ranges as steps. ``after_step()`` runs
     after the prefill and after every decode step (a profiler's ``step``). ``cuda_graphs``
-    replays one captured step (``GraphedDecodeStep``) instead of launching each kernel.
+    replays one captured step (``GraphedDecodeStep``) instead of launching each kernel; the
+    capture comes after the prefill's ``after_step()``, in the first decode step's profiler
+    step, so that a profile of the decode steps holds it.
     """
     batch, prompt_len = prompt.shape
-    if cuda_graphs and model.device.type != "cuda":
-        raise ValueError("CUDA graphs need the model on a CUDA device")
     spare = GRAPH_WARMUP_RUNS if cuda_graphs else 0
     state = state or model.new_state(batch, prompt_len + warmup + steps + spare,
                                      kv_dtype=kv_dtype)
     hook = _layer_hook(model, annotate_layers)
     logits, prefill_s = _prefill(model, prompt, state)
+    next_token = logits[:, -1].argmax(-1, keepdim=True)
+    del logits  # [B, P, vocab] fp32: not to be held through the decode steps
+    run = DecodeRun(tokens=torch.empty(batch, warmup + steps, dtype=torch.long),
+                    prefill_s=prefill_s)
+    if after_step:
+        after_step()
     if cuda_graphs:
         step_logits = GraphedDecodeStep(model, state, batch, hook)
     else:
         def step_logits(tokens: torch.Tensor) -> torch.Tensor:
             return model.forward(tokens, state, layer_hook=hook)
-    next_token = logits[:, -1].argmax(-1, keepdim=True)
-    run = DecodeRun(tokens=torch.empty(batch, warmup + steps, dtype=torch.long),
-                    prefill_s=prefill_s)
-    if after_step:
-        after_step()
     for step in range(warmup + steps):
         start = time.perf_counter()
         label = f"warmup_step[{step}]" if step < warmup else f"decode_step[{step - warmup}]"
@@ -178,8 +181,6 @@ def run_spec_decode(model: K3Model, prompt: torch.Tensor, steps: int, k: int,
     gen = torch.Generator().manual_seed(seed)
     c = model.c
     hook = _layer_hook(model)
-    if cuda_graphs and model.device.type != "cuda":
-        raise ValueError("CUDA graphs need the model on a CUDA device")
     logits, prefill_s = _prefill(model, prompt, state)
     if cuda_graphs:
         verify_logits = GraphedDecodeStep(model, state, batch, hook, tokens_per_step=1 + k)

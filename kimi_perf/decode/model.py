@@ -443,12 +443,12 @@ class K3Model:
         counts = torch.zeros(c.n_experts, dtype=torch.int32, device=self.device)
         counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
         group_ends = counts.cumsum(0, dtype=torch.int32)
+        expert_of_row = flat[order]
         self.launch("moe_fc1_situ")
-        gate_up = torch._grouped_mm(latent[order // c.top_k], p["w13"].transpose(1, 2),
-                                    offs=group_ends)
+        gate_up = _expert_matmul(latent[order // c.top_k], p["w13"], group_ends, expert_of_row)
         act = self._situ(gate_up)
         self.launch("moe_fc2")
-        down = torch._grouped_mm(act, p["w2"].transpose(1, 2), offs=group_ends)
+        down = _expert_matmul(act, p["w2"], group_ends, expert_of_row)
         self.launch("moe_finalize")
         per_slot = torch.empty(B * T * c.top_k, c.latent, dtype=torch.float32,
                                device=self.device)
@@ -472,6 +472,22 @@ class K3Model:
         self.launch("moe_add")
         out = (up.float() + shared.float()).to(self.dtype)
         return out.reshape(B, T, hidden), chosen.reshape(B, T, c.top_k)
+
+
+def _expert_matmul(x: torch.Tensor, w: torch.Tensor, group_ends: torch.Tensor,
+                   expert_of_row: torch.Tensor) -> torch.Tensor:
+    """``x[i] @ w[expert_of_row[i]].T`` for rows ``x`` sorted by expert (``group_ends``: where
+    each expert's rows end): one grouped GEMM. On a GPU, ``torch._grouped_mm`` runs its own
+    kernel only for bf16; other dtypes take a fallback that reads the group ends on the host,
+    which a CUDA graph capture forbids, so there each row gathers its expert's weights."""
+    if x.dtype == torch.bfloat16 or x.device.type == "cpu":
+        return torch._grouped_mm(x, w.transpose(1, 2), offs=group_ends)
+    return _gathered_expert_matmul(x, w, expert_of_row)
+
+
+def _gathered_expert_matmul(x: torch.Tensor, w: torch.Tensor, expert_of_row: torch.Tensor
+                            ) -> torch.Tensor:
+    return torch.bmm(w[expert_of_row], x.unsqueeze(-1)).squeeze(-1)
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
