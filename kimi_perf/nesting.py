@@ -60,11 +60,14 @@ def nest_ranges(ranges: Ranges) -> None:
     if n == 0:
         return
     groups = range_groups(ranges)
-    order = np.lexsort((-ranges.end, ranges.start, groups))
-    order = order[groups[order] >= 0]
-    slow = _nest_nested_groups(ranges, order, groups[order])
+    order = np.lexsort((-ranges.end, ranges.start, groups)).astype(index_dtype(n))
+    sorted_groups = groups[order]
+    keep = sorted_groups >= 0
+    order, sorted_groups = order[keep], sorted_groups[keep]
+    del groups, keep  # the rare slow groups recompute theirs: the fast route needs the memory
+    slow = _nest_nested_groups(ranges, order, sorted_groups)
     if len(slow):
-        _nest_in_lanes(ranges, slow, groups)
+        _nest_in_lanes(ranges, slow, range_groups(ranges))
 
 
 # Pointer-jumping rounds before a group is left to the lane loop. A round costs little once few
@@ -96,7 +99,7 @@ def _nest_nested_groups(ranges: Ranges, order: np.ndarray, groups: np.ndarray) -
     cand[first] = -1
     del first
     pge = np.full(m, -1, index)
-    todo = np.flatnonzero(cand >= 0)
+    todo = np.flatnonzero(cand >= 0).astype(index)
     for _ in range(_MAX_ROUNDS):
         if len(todo) == 0:
             break
@@ -112,11 +115,14 @@ def _nest_nested_groups(ranges: Ranges, order: np.ndarray, groups: np.ndarray) -
     bad |= end < start
     # Siblings (same parent, or roots of one group) in order: each starts after the last ends.
     sibling_key = np.where(pge >= 0, pge, -1 - group_id)
-    by_parent = np.argsort(sibling_key, kind="stable")
+    by_parent = np.argsort(sibling_key, kind="stable").astype(index)
     k = sibling_key[by_parent]
-    overlap = (k[1:] == k[:-1]) & (end[by_parent[:-1]] > start[by_parent[1:]])
+    del sibling_key
+    overlap = k[1:] == k[:-1]
+    del k
+    overlap &= end[by_parent[:-1]] > start[by_parent[1:]]
     bad[by_parent[1:][overlap]] = True
-    del start, end, sibling_key, by_parent, k, overlap
+    del start, end, by_parent, overlap
     bad_group = np.zeros(int(group_id[-1]) + 1, bool)
     bad_group[group_id[bad]] = True
     fast = ~bad_group[group_id]
@@ -232,9 +238,11 @@ def containing_chunks(ranges: Ranges, range_keys: np.ndarray, point_keys: np.nda
     if not valid.any() or len(point_keys) == 0:
         return
     # Sort ranges by (group, lane, start, -end); each (group, lane) block is one proper forest.
-    order = np.lexsort((-ranges.end, ranges.start, ranges.lane, range_keys))
+    index = index_dtype(len(ranges))
+    order = np.lexsort((-ranges.end, ranges.start, ranges.lane, range_keys)).astype(index)
     order = order[valid[order]]
     rk = range_keys[order]
+    del range_keys  # the generator holds the only reference: free it for the chunks
     rl = ranges.lane[order]
     block_start = np.flatnonzero(np.r_[True, (rk[1:] != rk[:-1]) | (rl[1:] != rl[:-1])])
     block_end = np.r_[block_start[1:], len(order)]
@@ -242,7 +250,6 @@ def containing_chunks(ranges: Ranges, range_keys: np.ndarray, point_keys: np.nda
     del rk, rl
     # Local position of every range in the sorted order, to follow parents within it. An
     # excluded range (key -1) is not in that order: skip it to its nearest included ancestor.
-    index = index_dtype(len(ranges))
     position = np.full(len(ranges), -1, index)
     position[order] = np.arange(len(order), dtype=index)
     parent = nearest_valid_ancestor(ranges.parent, valid)[order]
@@ -251,8 +258,9 @@ def containing_chunks(ranges: Ranges, range_keys: np.ndarray, point_keys: np.nda
     starts = ranges.start[order]
     ends = ranges.end[order]
 
-    point_order = np.argsort(point_keys, kind="stable")
+    point_order = np.argsort(point_keys, kind="stable").astype(index_dtype(len(point_keys)))
     sorted_point_keys = point_keys[point_order]
+    del point_keys
     # A group's lanes are consecutive blocks; each chunk of its points meets all of them.
     group_start = np.flatnonzero(np.r_[True, block_key[1:] != block_key[:-1]])
     group_end = np.r_[group_start[1:], len(block_key)]

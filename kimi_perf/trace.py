@@ -57,12 +57,18 @@ class Table:
         return cls(**{name: np.empty(0, dtype) for name, dtype in cls.dtypes.items()})
 
     @classmethod
-    def from_columns(cls, columns: dict[str, Any], n: int) -> Self:
-        """Build from a partial dict of columns; missing id columns are -1 (or 0 for counts)."""
+    def from_columns(cls, columns: dict[str, Any], n: int, keep_int32: bool = False) -> Self:
+        """Build from a partial dict of columns; missing id columns are -1 (or 0 for counts).
+        With ``keep_int32``, columns ``compact`` may narrow stay int32 when they come so (not
+        for columns that are still to be filled with wider values)."""
         out = {}
         for name, dtype in cls.dtypes.items():
-            if name in columns and columns[name] is not None:
-                out[name] = np.ascontiguousarray(columns[name], dtype=dtype)
+            value = columns.get(name)
+            if (keep_int32 and name in cls.compact_columns and isinstance(value, np.ndarray)
+                    and value.dtype == np.int32):
+                out[name] = np.ascontiguousarray(value)
+            elif value is not None:
+                out[name] = np.ascontiguousarray(value, dtype=dtype)
             else:
                 out[name] = np.full(n, -1, dtype=dtype)
         table = cls(**out)

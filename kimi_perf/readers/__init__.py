@@ -47,8 +47,9 @@ def read_trace(path: str | Path) -> Trace:
     try:
         trace = reader(path)
         if reader is not Trace.load:
-            nest_ranges(trace.ranges)
             release_free_memory()   # the reader's temporaries: see kimi_perf/memory.py
+            nest_ranges(trace.ranges)
+            release_free_memory()   # and the nesting's
     except TraceError:
         raise
     except (ValueError, TypeError, KeyError, IndexError, OverflowError, AttributeError,

@@ -46,6 +46,7 @@ from kimi_perf.trace import (
     MemOps,
     Ranges,
     Trace,
+    compact_ints,
 )
 
 GZIP_MAGIC = b"\x1f\x8b"
@@ -698,7 +699,7 @@ class _Builder:
             n = len(cols["start"])
             for col in list(chunks[name]):
                 cols[_RENAMED.get(col, col)] = _joined(chunks[name].pop(col))
-            table = kind.from_columns(cols, n)
+            table = kind.from_columns(cols, n, keep_int32=True)
             # Compacted once complete: GPU work after the launch join has set its pid and tid.
             tables[name] = table if kind in (Kernels, MemOps) else table.compact()
         api, kernels, memops, ranges = (tables[t] for t in ("a", "k", "m", "r"))
@@ -791,18 +792,21 @@ def _num(value):
 class _Growing:
     """A column that doubles its capacity as pieces come in: no per-piece arrays are left
     behind, capacity not yet written is never touched (so never resident), and the finished
-    column is trimmed in place instead of copied."""
+    column is trimmed in place instead of copied. Integer ids are kept as int32 until a value
+    needs int64 (the tables narrow them so anyway)."""
 
     __slots__ = ("data", "n")
 
     def __init__(self, values: np.ndarray):
-        self.data = np.array(values)
+        self.data = np.array(_narrow(values))
         self.n = len(values)
 
     def extend(self, values: np.ndarray) -> None:
+        values = _narrow(values)
         need = self.n + len(values)
-        if need > len(self.data):
-            grown = np.empty(max(need, 2 * len(self.data)), self.data.dtype)
+        wider = np.result_type(self.data.dtype, values.dtype)
+        if need > len(self.data) or wider != self.data.dtype:
+            grown = np.empty(max(need, 2 * len(self.data)), wider)
             grown[:self.n] = self.data[:self.n]
             self.data = grown
         self.data[self.n:need] = values
@@ -812,6 +816,10 @@ class _Growing:
         if len(self.data) != self.n:
             self.data.resize(self.n, refcheck=False)
         return self.data
+
+
+def _narrow(values: np.ndarray) -> np.ndarray:
+    return compact_ints(values) if values.dtype == np.int64 else values
 
 
 def _joined(segments: list):
@@ -841,17 +849,19 @@ def _to_ns(ts: np.ndarray, dur: np.ndarray, base: int) -> dict[str, np.ndarray]:
 
 def _link_by_correlation(api: ApiCalls, gpu_work) -> None:
     """Kineto GPU events carry no process id: the correlation id alone names the launch."""
-    pid_any = np.zeros(len(gpu_work), np.int64)
+    pid_any = np.zeros(len(gpu_work), np.int32)
     found = find_launches(_with_zero_pid(api), pid_any, gpu_work.correlation)
     gpu_work.api = found
     hit = found >= 0
-    gpu_work.pid[hit] = api.pid[found[hit]]
-    gpu_work.tid[hit] = api.tid[found[hit]]
+    row = np.where(hit, found, 0)
+    # np.where takes the wider dtype: an int32 column widens for pids beyond int32.
+    gpu_work.pid = np.where(hit, api.pid[row], gpu_work.pid)
+    gpu_work.tid = np.where(hit, api.tid[row], gpu_work.tid)
 
 
 def _with_zero_pid(api: ApiCalls) -> ApiCalls:
     cols = api.columns()
-    cols["pid"] = np.zeros(len(api), np.int64)
+    cols["pid"] = np.zeros(len(api), np.int32)
     return ApiCalls(**cols)
 
 
