@@ -16,11 +16,9 @@ import datetime
 import json
 import os
 import platform
-import resource
 import subprocess
 import sys
 import tempfile
-import time
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -38,85 +36,12 @@ MEMORY_TARGET = 3.0     # kimi-perf peak RSS / trace file size
 Run = tuple[str, str, synth_traces.Generated, dict[str, Any]]
 
 
-def _peak_rss() -> int:
-    """This process's RSS high-water mark in bytes.
-
-    VmHWM, not ru_maxrss: Linux carries ru_maxrss across execve, so a worker would inherit the
-    high-water mark of the parent that spawned it (e.g. after generating a trace). VmHWM
-    belongs to the worker's own address space.
-    """
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
-
-
-# -- workers: run in a fresh interpreter, write one JSON result -----------------------------------
-
-def work_kimi(path: Path) -> dict[str, Any]:
-    from kimi_perf.attribution import range_kernel_summary
-    from kimi_perf.breakdown import breakdown
-    from kimi_perf.readers import read_trace
-
-    base = _peak_rss()
-    t0 = time.perf_counter()
-    trace = read_trace(path)
-    t1 = time.perf_counter()
-    rss_read = _peak_rss()
-    rows = range_kernel_summary(trace)
-    t2 = time.perf_counter()
-    result = breakdown(trace)
-    t3 = time.perf_counter()
-    return {
-        "phases": {"read": t1 - t0, "attribute": t2 - t1, "breakdown": t3 - t2},
-        "rss_base": base, "rss_read": rss_read, "rss_peak": _peak_rss(),
-        "kernels": len(trace.kernels), "ranges": len(trace.ranges),
-        "summary_rows": len(rows),
-        "outside_ranges": sum(r.kernel_instances for r in rows if r.range is None),
-        "steps": len(result.steps), "layers": len(result.layers),
-        "layer_types": sorted({row["type"] for row in result.layers}),
-        "kernel_ns": int((trace.kernels.end - trace.kernels.start).sum()),
-    }
-
-
-def work_hta(path: Path) -> dict[str, Any]:
-    import logging
-    import warnings
-
-    from hta.trace_analysis import TraceAnalysis
-
-    # HTA logs each parse step and pandas warns about its dtype handling: not what we time.
-    logging.getLogger("hta").setLevel(logging.ERROR)
-    warnings.simplefilter("ignore")
-    base = _peak_rss()
-    t0 = time.perf_counter()
-    analyzer = TraceAnalysis(trace_dir=str(path.parent))
-    t1 = time.perf_counter()
-    rss_read = _peak_rss()
-    kernel_types, _ = analyzer.get_gpu_kernel_breakdown(visualize=False)
-    t2 = time.perf_counter()
-    df = analyzer.t.get_trace(0)
-    return {
-        "phases": {"read": t1 - t0, "breakdown": t2 - t1},
-        "rss_base": base, "rss_read": rss_read, "rss_peak": _peak_rss(),
-        "kernels": int((df["stream"] >= 0).sum()), "events": len(df),
-        "kernel_types": kernel_types["kernel_type"].tolist(),
-    }
-
-
-WORKERS = {"kimi": work_kimi, "hta": work_hta}
-
-
 def run_worker(kind: str, path: Path) -> dict[str, Any]:
     """Run one measurement in a fresh interpreter; its result comes back through a file."""
     with tempfile.TemporaryDirectory(prefix="kimi-bench-") as tmp:
         result = Path(tmp) / "result.json"
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", kind,
-               "--file", str(path), "--result", str(result)]
+        cmd = [sys.executable, str(HERE / "trace_core_worker.py"), kind, str(path),
+               str(result)]
         proc = subprocess.run(cmd, capture_output=True, text=True, cwd=HERE)
         if proc.returncode != 0 or not result.exists():
             tail = (proc.stderr or proc.stdout).strip().splitlines()[-15:]
@@ -144,9 +69,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--skip-hta", action="store_true", help="do not run HTA")
     p.add_argument("--quick", action="store_true",
                    help="small default sizes that run in seconds: a smoke test")
-    p.add_argument("--worker", choices=sorted(WORKERS), help=argparse.SUPPRESS)
-    p.add_argument("--file", type=Path, help=argparse.SUPPRESS)
-    p.add_argument("--result", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     # Explicit sizes win over --quick's.
     if args.kernels is None:
@@ -167,10 +89,6 @@ def _version(dist: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.worker:
-        result = WORKERS[args.worker](args.file)
-        args.result.write_text(json.dumps(result))
-        return 0
 
     console = Console(width=None if sys.stdout.isatty() else 132)
     stamp = datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")

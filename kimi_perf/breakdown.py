@@ -7,6 +7,7 @@ README; new keys may be added within a schema version, existing ones keep their 
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,19 +20,19 @@ from kimi_perf.memory import release_free_memory
 from kimi_perf.trace import Trace
 
 SCHEMA = 1
-_BATCH_ROWS = 1 << 18
+_BATCH_ROWS = 1 << 16
 
 
 @dataclass
 class Breakdown:
     source: dict[str, Any]
     steps: list[dict[str, Any]]
-    layers: list[dict[str, Any]]
+    layers: Sequence[dict[str, Any]]     # a list, or LayerRows (the same dicts, built on read)
     layer_types: list[dict[str, Any]]
 
     def to_json(self) -> dict[str, Any]:
         return {"schema": SCHEMA, "source": self.source, "steps": self.steps,
-                "layers": self.layers, "layer_types": self.layer_types}
+                "layers": list(self.layers), "layer_types": self.layer_types}
 
     @classmethod
     def from_json(cls, doc: dict[str, Any], path: str | Path = "breakdown") -> Breakdown:
@@ -142,6 +143,70 @@ class SegmentFigures:
             _us_array(self.span_ns[first:]).tolist(), strict=True)]
 
 
+class LayerRows(Sequence[dict[str, Any]]):
+    """A breakdown's per-layer rows, held as columns and built as dicts when read.
+
+    As dicts, 40k layers take about 90 MB (2 kB each), more than the trace they came from; as
+    columns, a few MB. Reading a row (indexing, iterating) builds exactly the dict
+    ``SegmentFigures.stats`` gives: its head (step, device, index, type), then the figures.
+    """
+
+    _CHUNK = 4096   # rows converted to Python values at a time when iterating
+
+    def __init__(self, heads: list[tuple[int, int, int, str]], figures: SegmentFigures,
+                 first: int, labels: list[str]):
+        n = len(heads)
+        types: dict[str, int] = {}
+        self.step, self.device, self.index = (np.array([h[i] for h in heads], np.int64)
+                                              for i in range(3))
+        self.type_code = np.array([types.setdefault(h[3], len(types)) for h in heads],
+                                  np.int32)
+        self.types = list(types)
+        rows = slice(first, first + n)
+        by_label = sorted(range(len(labels)), key=labels.__getitem__)
+        self.labels = [labels[c] for c in by_label]
+        self.kernels = figures.kernels[rows]
+        self.kernel_us = _us_array(figures.kernel_ns[rows])
+        self.span_us = _us_array(figures.span_ns[rows])
+        self.gap_us = _us_array(figures.span_ns[rows] - figures.busy_ns[rows])
+        self.class_kernels = figures.class_kernels[rows][:, by_label]
+        self.class_us = figures.class_us[rows][:, by_label]
+
+    def __len__(self) -> int:
+        return len(self.kernels)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return list(self._rows(*i.indices(len(self))))
+        i = range(len(self))[i]   # negative indices; IndexError past the end
+        return next(self._rows(i, i + 1, 1))
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        for lo in range(0, len(self), self._CHUNK):
+            yield from self._rows(lo, min(lo + self._CHUNK, len(self)), 1)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Sequence):
+            return NotImplemented
+        return len(self) == len(other) and all(a == b for a, b in zip(self, other,
+                                                                        strict=True))
+
+    __hash__ = None  # type: ignore[assignment]  # equal to lists, so unhashable like them
+
+    def _rows(self, lo: int, hi: int, stride: int) -> Iterator[dict[str, Any]]:
+        sel = slice(lo, hi, stride)
+        counts, us = self.class_kernels[sel].tolist(), self.class_us[sel].tolist()
+        for step, device, index, t, k, ku, su, gu, cnt, u in zip(
+                self.step[sel].tolist(), self.device[sel].tolist(), self.index[sel].tolist(),
+                self.type_code[sel].tolist(), self.kernels[sel].tolist(),
+                self.kernel_us[sel].tolist(), self.span_us[sel].tolist(),
+                self.gap_us[sel].tolist(), counts, us, strict=True):
+            yield {"step": step, "device": device, "index": index, "type": self.types[t],
+                   "kernels": k, "kernel_us": ku, "span_us": su, "gap_us": gu,
+                   "classes": {label: {"kernels": c, "us": x}
+                               for label, c, x in zip(self.labels, cnt, u, strict=True) if c}}
+
+
 def _bincount_int(key: np.ndarray, values: np.ndarray, n: int) -> np.ndarray:
     """Exact int64 sums of ``values`` per ``key`` in [0, n)."""
     if len(values) == 0 or float(np.abs(values.astype(np.float64)).sum()) < 2.0 ** 52:
@@ -229,21 +294,18 @@ def breakdown(trace: Trace, layers: str = "auto", rules: list[Rule] | None = Non
     step_heads = [{"index": step.index, "device": step.device, "pid": step.pid,
                    "name": step.name, "layer_source": step.layer_source,
                    "layers": len(step.layers)} for step in steps]
-    layer_rows = [{"step": step.index, "device": step.device, "index": layer.index,
-                   "type": layer.type} for step, layer in all_layers]
-    # The rows' dicts are most of what a breakdown keeps (about 2 kB per layer): the ops and
-    # their segments go first, and the memory they held with them.
+    layer_heads = [(step.index, step.device, layer.index, layer.type)
+                   for step, layer in all_layers]
     del ops, steps, all_layers, segments
     release_free_memory()
-    rows = figures.stats(labels, step_heads + layer_rows)
+    step_rows = figures.stats(labels, step_heads)
     briefs = figures.briefs(n_steps + n_layers)
-    step_rows = rows[:n_steps]
     for row, prologue, epilogue in zip(step_rows, briefs[:n_steps], briefs[n_steps:],
                                        strict=True):
         row.update(prologue=prologue, epilogue=epilogue)
-    medians = _layer_type_medians(layer_rows, figures, n_steps, labels)
+    layer_rows = LayerRows(layer_heads, figures, n_steps, labels)
     return Breakdown(source={**_source(trace), "ops": ops_kind}, steps=step_rows,
-                     layers=layer_rows, layer_types=medians)
+                     layers=layer_rows, layer_types=_layer_type_medians(layer_rows))
 
 
 def layer_type_medians(layer_rows: list[dict]) -> list[dict]:
@@ -268,29 +330,21 @@ def layer_type_medians(layer_rows: list[dict]) -> list[dict]:
     return out
 
 
-def _layer_type_medians(layer_rows: list[dict], figures: SegmentFigures, first: int,
-                        labels: list[str]) -> list[dict]:
-    """``layer_type_medians`` from the figures of the layer segments (from ``first`` on):
-    the same medians of the same rounded values, with one numpy median per column."""
-    if not layer_rows:
-        return []
-    types: dict[str, int] = {}
-    type_of = np.array([types.setdefault(row["type"], len(types)) for row in layer_rows])
-    columns = {key: np.array([row[key] for row in layer_rows])
-               for key in ("kernels", "kernel_us", "span_us", "gap_us")}
-    by_label = sorted(range(len(labels)), key=labels.__getitem__)
-    last = first + len(layer_rows)
-    counts = figures.class_kernels[first:last, by_label]
-    us = figures.class_us[first:last, by_label]
+def _layer_type_medians(rows: LayerRows) -> list[dict]:
+    """``layer_type_medians`` from the rows' columns: the same medians of the same rounded
+    values, with one numpy median per column."""
+    columns = {"kernels": rows.kernels, "kernel_us": rows.kernel_us, "span_us": rows.span_us,
+               "gap_us": rows.gap_us}
     out = []
-    for kind, t in types.items():
-        sel = type_of == t
-        present = np.flatnonzero(counts[sel].any(axis=0)).tolist()
+    for t, kind in enumerate(rows.types):
+        sel = rows.type_code == t
+        counts, us = rows.class_kernels[sel], rows.class_us[sel]
+        present = np.flatnonzero(counts.any(axis=0)).tolist()
         out.append({
             "type": kind, "layers": int(sel.sum()),
             **{key: _median(col[sel]) for key, col in columns.items()},
-            "classes": {labels[by_label[c]]: {"kernels": _median(counts[sel, c]),
-                                              "us": _median(us[sel, c])} for c in present},
+            "classes": {rows.labels[c]: {"kernels": _median(counts[:, c]),
+                                         "us": _median(us[:, c])} for c in present},
         })
     return out
 

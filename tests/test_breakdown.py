@@ -114,3 +114,34 @@ def test_bad_rules_files_are_named(tmp_path, text):
     rules.write_text(text)
     with pytest.raises(TraceError, match=r"rules\.toml"):
         load_rules(rules)
+
+
+@pytest.mark.parametrize("name", ["tracelens_vllm_gptoss20b_decode_fullgraph_mi300x.json.gz",
+                                  "hta_v100_ddp_rank1_19k_kernels.json.gz"])
+def test_layer_rows_read_as_the_dicts_the_figures_give(name):
+    """Layers are kept as columns and built as dicts on read: the same dicts, in every way of
+    reading them, as ``SegmentFigures.stats`` builds, and their medians as
+    ``layer_type_medians`` computes from those dicts."""
+    import json
+
+    from kimi_perf.breakdown import LayerRows, SegmentFigures, layer_type_medians
+    from kimi_perf.layers import segment
+
+    trace = read_trace(KINETO / name)
+    ops, steps = segment(trace)
+    layers = [(s, layer) for s in steps for layer in s.layers]
+    assert layers, "the fixture must have layers"
+    figures = SegmentFigures.of(ops, [layer.ops for _, layer in layers], ops.kernel_class,
+                                ops.class_labels)
+    heads = [(s.index, s.device, layer.index, layer.type) for s, layer in layers]
+    want = figures.stats(ops.class_labels, [{"step": a, "device": b, "index": c, "type": d}
+                                            for a, b, c, d in heads])
+    rows = LayerRows(heads, figures, 0, ops.class_labels)
+    assert len(rows) == len(want) and list(rows) == want and rows == want
+    assert rows[-1] == want[-1] and rows[1:4] == want[1:4] and rows[::5] == want[::5]
+    with pytest.raises(IndexError):
+        rows[len(want)]
+    b = breakdown(trace)
+    assert b.layers == want
+    assert b.layer_types == layer_type_medians(want)
+    assert json.loads(json.dumps(b.to_json()))["layers"] == want
