@@ -835,14 +835,16 @@ def _joined(segments: list):
 
 def _to_ns(ts: np.ndarray, dur: np.ndarray, base: int) -> dict[str, np.ndarray]:
     """µs (int or float) -> int64 ns, exact for integers and to the ns for floats: offsets
-    from a common integer base keep float64 precise at epoch-sized timestamps."""
-    scaled = ts - base
-    scaled *= 1000.0
-    start = np.rint(scaled, out=scaled).astype(np.int64)
+    from a common integer base keep float64 precise at epoch-sized timestamps. ``ts`` and
+    ``dur`` are used up (scaled in place: no float copies of the largest columns)."""
+    ts -= base
+    ts *= 1000.0
+    start = np.rint(ts, out=ts).astype(np.int64)
+    del ts
     start += base * 1000
-    scaled = np.maximum(dur, 0)
-    scaled *= 1000.0
-    end = np.rint(scaled, out=scaled).astype(np.int64)
+    np.maximum(dur, 0, out=dur)
+    dur *= 1000.0
+    end = np.rint(dur, out=dur).astype(np.int64)
     end += start
     return {"start": start, "end": end}
 
