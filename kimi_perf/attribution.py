@@ -35,18 +35,30 @@ def kernel_launch_pairs(trace: Trace) -> tuple[np.ndarray, np.ndarray]:
     return containing(trace.ranges, *_launch_points(trace))
 
 
-def _launch_points(trace: Trace) -> tuple[np.ndarray, ...]:
+class _LaunchTimes:
+    """A kernel's launch call start (or end) by kernel row, 0 for a kernel without one: read
+    through the API table as indexed (``times[rows]``), never held for every kernel."""
+
+    def __init__(self, trace: Trace, column: str):
+        self.api_row = trace.kernels.api
+        self.times = getattr(trace.api, column)
+
+    def __getitem__(self, rows: np.ndarray) -> np.ndarray:
+        api_row = self.api_row[rows]
+        if not len(self.times):
+            return np.zeros(len(api_row), np.int64)
+        launched = api_row >= 0
+        return np.where(launched, self.times[np.where(launched, api_row, 0)], 0)
+
+
+def _launch_points(trace: Trace) -> tuple:
     """``containing``'s arguments after the ranges: CPU range keys, and per kernel its
     thread key and launch call's [start, end]."""
     k = trace.kernels
-    launched = k.api >= 0
-    api_row = np.where(launched, k.api, 0)
-    starts = np.where(launched, trace.api.start[api_row] if len(trace.api) else 0, 0)
-    ends = np.where(launched, trace.api.end[api_row] if len(trace.api) else 0, 0)
-    keys = thread_keys(k.pid, np.where(launched, k.tid, -1))
+    keys = thread_keys(k.pid, np.where(k.api >= 0, k.tid, -1))
     rkeys = range_groups(trace.ranges)
     rkeys[trace.ranges.style == GPU_RANGE] = -1
-    return rkeys, keys, starts, ends
+    return rkeys, keys, _LaunchTimes(trace, "start"), _LaunchTimes(trace, "end")
 
 
 def range_kernel_summary(trace: Trace) -> list[RangeKernelRow]:
@@ -68,10 +80,10 @@ def range_kernel_summary(trace: Trace) -> list[RangeKernelRow]:
     kernel_names, name_id = np.unique(k.name, return_inverse=True)
     name_id = name_id.astype(index_dtype(n_k))
     n_names = len(kernel_names)
-    duration = k.end - k.start
-    # Range groups over (name, style, pid, tid), numbered in that order.
+    # Range groups over (name, style, pid, tid), numbered in that order (int64 where used).
     range_gid, range_fields = _group_ids((r.name, r.style, r.pid, r.tid))
     n_gid = len(range_fields[0])
+    range_gid = range_gid.astype(index_dtype(n_gid))
     if n_gid * n_names * n_k >= 1 << 62 or n_r * n_names >= 1 << 62:
         return _summary_by_lexsort(trace, *kernel_launch_pairs(trace))
 
@@ -86,10 +98,11 @@ def range_kernel_summary(trace: Trace) -> list[RangeKernelRow]:
             return _summary_by_lexsort(trace, *kernel_launch_pairs(trace))
         in_range[kernel_rows] = True
         names = name_id[kernel_rows]
-        key = np.sort((range_gid[range_rows] * n_names + names) * n_k + kernel_rows)
+        key = np.sort((range_gid[range_rows].astype(np.int64) * n_names + names) * n_k
+                      + kernel_rows)
         new_kernel = np.r_[True, key[1:] != key[:-1]]
         code, kernel = np.divmod(key, n_k)
-        sums.append(_sums_by_code(code, duration[kernel], new_kernel))
+        sums.append(_sums_by_code(code, k.end[kernel] - k.start[kernel], new_kernel))
         del key, new_kernel, code, kernel
         key = _distinct(np.concatenate([carried, range_rows * n_names + names]))
         done = r.end[key // n_names] < later_end
@@ -107,11 +120,12 @@ def range_kernel_summary(trace: Trace) -> list[RangeKernelRow]:
                                         np.where(launched, k.tid[lone], -1)))
     lone_code = lone_gid * n_names + name_id[lone]
     by_code = np.argsort(lone_code, kind="stable")
-    lone_groups = _groups(_sums_by_code(lone_code[by_code], duration[lone][by_code],
+    lone_groups = _groups(_sums_by_code(lone_code[by_code],
+                                        (k.end[lone] - k.start[lone])[by_code],
                                         np.ones(len(lone), np.int64)), n_names, kernel_names)
     none = np.full(len(lone_fields[0]), -1)
     rows = _summary_rows(trace, lone_groups, [none, none, *lone_fields])
-    del lone, launched, lone_gid, lone_code, by_code, in_range, name_id, duration
+    del lone, launched, lone_gid, lone_code, by_code, in_range, name_id
 
     groups = _groups(_merge_sums(sums, 2), n_names, kernel_names)
     code, ranges = _merge_sums(range_sums, 1)
@@ -162,7 +176,7 @@ def _merge_sums(parts: list[_Sums], n_columns: int) -> _Sums:
 
 def _range_counts(keys: np.ndarray, range_gid: np.ndarray, n_names: int) -> _Sums:
     """Ranges per code, from distinct (range row * n_names + kernel name) keys."""
-    code = np.sort(range_gid[keys // n_names] * n_names + keys % n_names)
+    code = np.sort(range_gid[keys // n_names].astype(np.int64) * n_names + keys % n_names)
     return _sums_by_code(code, np.ones(len(code), np.int64))
 
 

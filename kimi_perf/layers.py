@@ -19,7 +19,7 @@ import numpy as np
 from kimi_perf.classify import Rule, classify, load_rules
 from kimi_perf.graphs import GRAPH_LAUNCH, capture_launches
 from kimi_perf.memory import release_free_memory
-from kimi_perf.nesting import containing, range_groups, thread_keys
+from kimi_perf.nesting import innermost_containing, range_groups, thread_keys
 from kimi_perf.trace import GPU_RANGE, Trace, index_dtype
 
 # Tried in order; the first pattern that matches a range holding GPU work defines the steps.
@@ -179,17 +179,15 @@ def find_steps(trace: Trace, ops: GpuOps, step_regex: str | None = None) -> list
         if not matching.any():
             continue
         rkeys = np.where(matching, range_keys, -1)
-        rows, op_rows = containing(trace.ranges, rkeys, keys, launch_start, launch_end)
-        if len(rows) == 0:
+        # A nested step range of the same pattern: the innermost (latest start) holds the op.
+        owner = innermost_containing(trace.ranges, rkeys, keys, launch_start, launch_end,
+                                     trace.ranges.start)
+        del rkeys
+        op_rows = np.flatnonzero(owner >= 0).astype(index_dtype(len(ops)))
+        if len(op_rows) == 0:
             continue
-        # A nested step range of the same pattern: keep the innermost (latest start).
-        order = np.lexsort((-trace.ranges.start[rows], op_rows))
-        op_sorted, rows_sorted = op_rows[order], rows[order]
-        del rows, op_rows, order
-        first = np.r_[True, op_sorted[1:] != op_sorted[:-1]]
-        group, op_rows = rows_sorted[first], op_sorted[first]
-        del op_sorted, rows_sorted, first
-        return _steps_from_groups(trace, ops, group, op_rows)
+        del keys, range_keys  # before the steps' own arrays
+        return _steps_from_groups(trace, ops, owner[op_rows], op_rows)
     graph_steps = _graph_launch_steps(trace, ops)
     if graph_steps:
         return graph_steps
@@ -200,8 +198,9 @@ def _steps_from_groups(trace: Trace, ops: GpuOps, group: np.ndarray, op_rows: np
                        names: dict[int, str] | None = None) -> list[Step]:
     """Steps from (group id, op row) pairs, split by device, ordered by first GPU start."""
     steps = []
-    order = np.lexsort((ops.start[op_rows], ops.device[op_rows], group))
+    order = np.lexsort((ops.start[op_rows], ops.device[op_rows], group)).astype(op_rows.dtype)
     g, rows = group[order], op_rows[order]
+    del order
     dev = ops.device[rows]
     cut = np.flatnonzero(np.r_[True, (g[1:] != g[:-1]) | (dev[1:] != dev[:-1])])
     bounds = np.r_[cut, len(rows)]
@@ -260,17 +259,11 @@ def layers_from_ranges(trace: Trace, ops: GpuOps, steps: list[Step], layer_regex
     matching = trace.names_matching(regex)[r.name]
     rkeys = np.where(matching & (r.style != GPU_RANGE), range_groups(r), -1)
     keys = thread_keys(ops.pid, np.where(ops.scope_api >= 0, ops.scope_tid, -1))
-    rows, op_rows = containing(r, rkeys, keys, ops.scope_start, ops.scope_end)
-    if len(rows) == 0:
-        return False
     # Each op's innermost layer range.
-    order = np.lexsort((-r.depth[rows], op_rows))
-    op_sorted, rows_sorted = op_rows[order], rows[order]
-    del rows, op_rows, order
-    first = np.r_[True, op_sorted[1:] != op_sorted[:-1]]
-    layer_of_op = np.full(len(ops), -1, index_dtype(len(r)))
-    layer_of_op[op_sorted[first]] = rows_sorted[first]
-    del op_sorted, rows_sorted, first
+    layer_of_op = innermost_containing(r, rkeys, keys, ops.scope_start, ops.scope_end, r.depth)
+    del rkeys, keys
+    if not (layer_of_op >= 0).any():
+        return False
 
     parsed: dict[int, tuple[int | None, str]] = {}
     for code in np.unique(r.name[layer_of_op[layer_of_op >= 0]]).tolist():
@@ -482,8 +475,9 @@ def segment(trace: Trace, layers: str = "auto", step_regex: str | None = None,
     """Steps with their layers. ``layers``: ``auto`` (per-layer ranges when the trace has them,
     else the repeating pattern), ``nvtx`` / ``nvtx:REGEX`` (ranges only), ``repeat``."""
     ops = GpuOps.of(trace, rules)
+    # Each phase's temporaries go back before the next phase's (see kimi_perf/memory.py).
+    release_free_memory()
     steps = find_steps(trace, ops, step_regex)
-    # Before the layers' many small objects: the steps' temporaries (see kimi_perf/memory.py).
     release_free_memory()
     if layers == "auto":
         if not layers_from_ranges(trace, ops, steps, DEFAULT_LAYER_PATTERN):
@@ -494,5 +488,6 @@ def segment(trace: Trace, layers: str = "auto", step_regex: str | None = None,
         layers_from_ranges(trace, ops, steps, layers[5:] or DEFAULT_LAYER_PATTERN)
     else:
         raise ValueError(f"unknown layer mode {layers!r}: use auto, repeat, nvtx or nvtx:REGEX")
+    release_free_memory()
     assign_types(ops, steps)
     return ops, steps

@@ -16,21 +16,31 @@ from collections.abc import Iterator
 
 import numpy as np
 
+from kimi_perf.memory import release_free_memory
 from kimi_perf.trace import GPU_RANGE, Ranges, index_dtype
 
 
 def range_groups(ranges: Ranges) -> np.ndarray:
     """One int64 key per range: its thread (CPU ranges) or its GPU stream; -1 for neither."""
     gpu = ranges.style == GPU_RANGE
-    keys = np.full(len(ranges), -1, np.int64)
     cpu = ~gpu & (ranges.tid >= 0)
+    if cpu.all():  # the common case, without gathering pid and tid first
+        return _thread_key(ranges.pid, ranges.tid)
+    keys = np.full(len(ranges), -1, np.int64)
     keys[cpu] = _thread_key(ranges.pid[cpu], ranges.tid[cpu])
     keys[gpu] = _stream_key(ranges.device[gpu], ranges.stream[gpu])
     return keys
 
 
 def _thread_key(pid: np.ndarray, tid: np.ndarray) -> np.ndarray:
-    return (pid.astype(np.int64) & 0x3FFFFFFF) << 31 | (tid.astype(np.int64) & 0x7FFFFFFF)
+    # In place: one int64 temporary besides the result, for arrays of every range or kernel.
+    key = pid.astype(np.int64)
+    key &= 0x3FFFFFFF
+    key <<= 31
+    low = tid.astype(np.int64)
+    low &= 0x7FFFFFFF
+    key |= low
+    return key
 
 
 def _stream_key(device: np.ndarray, stream: np.ndarray) -> np.ndarray:
@@ -65,7 +75,12 @@ def nest_ranges(ranges: Ranges) -> None:
     keep = sorted_groups >= 0
     order, sorted_groups = order[keep], sorted_groups[keep]
     del groups, keep  # the rare slow groups recompute theirs: the fast route needs the memory
-    slow = _nest_nested_groups(ranges, order, sorted_groups)
+    # Dense group ids (0, 1, ...) along ``order``.
+    new_group = np.r_[True, sorted_groups[1:] != sorted_groups[:-1]]
+    del sorted_groups
+    group_id = np.cumsum(new_group, dtype=index_dtype(n)) - 1
+    del new_group
+    slow = _nest_nested_groups(ranges, order, group_id)
     if len(slow):
         _nest_in_lanes(ranges, slow, range_groups(ranges))
 
@@ -75,7 +90,7 @@ def nest_ranges(ranges: Ranges) -> None:
 _MAX_ROUNDS = 1024
 
 
-def _nest_nested_groups(ranges: Ranges, order: np.ndarray, groups: np.ndarray) -> np.ndarray:
+def _nest_nested_groups(ranges: Ranges, order: np.ndarray, group_id: np.ndarray) -> np.ndarray:
     """Nest the groups where every range fits one lane; return the rows (in ``order``) of the
     other groups, untouched.
 
@@ -89,8 +104,8 @@ def _nest_nested_groups(ranges: Ranges, order: np.ndarray, groups: np.ndarray) -
     if m == 0:
         return order
     index = index_dtype(m)        # positions in ``order``: int32 halves the temporaries
-    start, end = ranges.start[order], ranges.end[order]
-    group_id = (np.cumsum(np.r_[True, groups[1:] != groups[:-1]]) - 1).astype(index)
+    # Times are read through ``order`` a chunk at a time, not copied in that order.
+    start, end = ranges.start, ranges.end
     first = np.r_[True, group_id[1:] != group_id[:-1]]
     # Previous greater-or-equal end within the group, by pointer jumping: every range strictly
     # between ``cand[i]`` and i ends before i does, so a candidate that does too hands over its
@@ -104,7 +119,7 @@ def _nest_nested_groups(ranges: Ranges, order: np.ndarray, groups: np.ndarray) -
         if len(todo) == 0:
             break
         c = cand[todo]
-        found = end[c] >= end[todo]
+        found = _compare_chunked(end, c, todo, through=order)
         pge[todo[found]] = c[found]
         todo, c = todo[~found], c[~found]
         cand[todo] = cand[c]
@@ -112,7 +127,7 @@ def _nest_nested_groups(ranges: Ranges, order: np.ndarray, groups: np.ndarray) -
     del cand
     bad = np.zeros(m, bool)
     bad[todo] = True               # still unresolved (very deep nesting): leave it to the loop
-    bad |= end < start
+    bad |= (end < start)[order]
     # Siblings (same parent, or roots of one group) in order: each starts after the last ends.
     sibling_key = np.where(pge >= 0, pge, -1 - group_id)
     by_parent = np.argsort(sibling_key, kind="stable").astype(index)
@@ -120,7 +135,7 @@ def _nest_nested_groups(ranges: Ranges, order: np.ndarray, groups: np.ndarray) -
     del sibling_key
     overlap = k[1:] == k[:-1]
     del k
-    overlap &= end[by_parent[:-1]] > start[by_parent[1:]]
+    overlap &= ~_compare_chunked(start, by_parent[1:], by_parent[:-1], end, through=order)
     bad[by_parent[1:][overlap]] = True
     del start, end, by_parent, overlap
     bad_group = np.zeros(int(group_id[-1]) + 1, bool)
@@ -140,6 +155,25 @@ def _nest_nested_groups(ranges: Ranges, order: np.ndarray, groups: np.ndarray) -
     ranges.parent[rows] = np.where(parent >= 0, order[np.maximum(parent, 0)], -1)
     ranges.depth[rows] = dist[fast]
     return order[~fast]
+
+
+_COMPARE_CHUNK = 1 << 16
+
+
+def _compare_chunked(a: np.ndarray, i: np.ndarray, j: np.ndarray,
+                     b: np.ndarray | None = None, through: np.ndarray | None = None
+                     ) -> np.ndarray:
+    """``a[through[i]] >= b[through[j]]`` (``b`` defaults to ``a``; no ``through``: ``a[i]``),
+    gathering a chunk at a time: the full gathers would be two int64 copies of the largest
+    arrays at once."""
+    b = a if b is None else b
+    out = np.empty(len(i), bool)
+    for lo in range(0, len(i), _COMPARE_CHUNK):
+        ii, jj = i[lo:lo + _COMPARE_CHUNK], j[lo:lo + _COMPARE_CHUNK]
+        if through is not None:
+            ii, jj = through[ii], through[jj]
+        np.greater_equal(a[ii], b[jj], out=out[lo:lo + _COMPARE_CHUNK])
+    return out
 
 
 def _nest_in_lanes(ranges: Ranges, order: np.ndarray, groups: np.ndarray) -> None:
@@ -176,20 +210,22 @@ def _nest_in_lanes(ranges: Ranges, order: np.ndarray, groups: np.ndarray) -> Non
             lanes.append([i])
 
 
-def nearest_valid_ancestor(parent: np.ndarray, valid: np.ndarray) -> np.ndarray:
-    """Each range's nearest proper ancestor with ``valid`` set (-1 for none).
+def nearest_valid_ancestor(parent: np.ndarray, valid: np.ndarray, rows: np.ndarray
+                           ) -> np.ndarray:
+    """For ``rows``, each one's nearest proper ancestor with ``valid`` set (-1 for none).
 
-    Pointer jumping: ``up[i]`` is always an ancestor of ``i`` with only invalid ranges strictly
-    between them, so where ``up[i]`` is invalid, ``up[up[i]]`` is one too; the longest run of
-    invalid ancestors halves each round.
+    One level up per round, for the rows still below an excluded ancestor only: as many
+    rounds as the longest run of excluded ancestors (nesting is shallow), and memory of the
+    size of ``rows``, however many ranges the trace holds.
     """
-    up = np.asarray(parent, np.int64).copy()
-    while True:
-        jump = np.flatnonzero(up >= 0)
-        jump = jump[~valid[up[jump]]]
-        if len(jump) == 0:
-            return up
-        up[jump] = up[up[jump]]
+    up = parent[rows].astype(index_dtype(len(parent)))
+    todo = np.flatnonzero(up >= 0)
+    todo = todo[~valid[up[todo]]]
+    while len(todo):
+        up[todo] = parent[up[todo]]
+        todo = todo[up[todo] >= 0]
+        todo = todo[~valid[up[todo]]]
+    return up
 
 
 def _same_start_or_none(pos: np.ndarray, starts: np.ndarray, start: np.ndarray) -> np.ndarray:
@@ -216,11 +252,27 @@ def containing(ranges: Ranges, range_keys: np.ndarray, point_keys: np.ndarray,
     return range_rows, point_rows
 
 
+def innermost_containing(ranges: Ranges, range_keys: np.ndarray, point_keys: np.ndarray,
+                         point_start: np.ndarray, point_end: np.ndarray, rank: np.ndarray
+                         ) -> np.ndarray:
+    """Per point, the containing range (as ``containing`` pairs them) of highest ``rank``
+    (``ranges.depth``: the innermost; ``ranges.start``: the latest), the first in pair order
+    on a tie; -1 where none. Reduced chunk by chunk, never holding all the pairs."""
+    owner = np.full(len(point_keys), -1, index_dtype(len(ranges)))
+    for rows, points, _ in containing_chunks(ranges, range_keys, point_keys, point_start,
+                                             point_end):
+        order = np.lexsort((-rank[rows], points))
+        points, rows = points[order], rows[order]
+        first = np.r_[True, points[1:] != points[:-1]]
+        owner[points[first]] = rows[first]
+    return owner
+
+
 NEVER = int(np.iinfo(np.int64).max)
 
 # Points handled at once: bounds the temporaries (a dozen arrays of this length, and the
 # points' pairs).
-_POINT_CHUNK = 1 << 15
+_POINT_CHUNK = 1 << 13
 
 
 def containing_chunks(ranges: Ranges, range_keys: np.ndarray, point_keys: np.ndarray,
@@ -239,8 +291,13 @@ def containing_chunks(ranges: Ranges, range_keys: np.ndarray, point_keys: np.nda
         return
     # Sort ranges by (group, lane, start, -end); each (group, lane) block is one proper forest.
     index = index_dtype(len(ranges))
-    order = np.lexsort((-ranges.end, ranges.start, ranges.lane, range_keys)).astype(index)
-    order = order[valid[order]]
+    # Only the included ranges are sorted: steps and layers match a few of many ranges.
+    if valid.all():
+        order = np.lexsort((-ranges.end, ranges.start, ranges.lane, range_keys)).astype(index)
+    else:
+        order = np.flatnonzero(valid).astype(index)
+        order = order[np.lexsort((-ranges.end[order], ranges.start[order],
+                                  ranges.lane[order], range_keys[order]))]
     rk = range_keys[order]
     del range_keys  # the generator holds the only reference: free it for the chunks
     rl = ranges.lane[order]
@@ -252,7 +309,7 @@ def containing_chunks(ranges: Ranges, range_keys: np.ndarray, point_keys: np.nda
     # excluded range (key -1) is not in that order: skip it to its nearest included ancestor.
     position = np.full(len(ranges), -1, index)
     position[order] = np.arange(len(order), dtype=index)
-    parent = nearest_valid_ancestor(ranges.parent, valid)[order]
+    parent = nearest_valid_ancestor(ranges.parent, valid, order)
     parent_pos = np.where(parent >= 0, position[np.maximum(parent, 0)], -1).astype(index)
     del valid, position, parent
     starts = ranges.start[order]
@@ -261,6 +318,7 @@ def containing_chunks(ranges: Ranges, range_keys: np.ndarray, point_keys: np.nda
     point_order = np.argsort(point_keys, kind="stable").astype(index_dtype(len(point_keys)))
     sorted_point_keys = point_keys[point_order]
     del point_keys
+    release_free_memory()   # the sorts' temporaries, before the chunks (see memory.py)
     # A group's lanes are consecutive blocks; each chunk of its points meets all of them.
     group_start = np.flatnonzero(np.r_[True, block_key[1:] != block_key[:-1]])
     group_end = np.r_[group_start[1:], len(block_key)]

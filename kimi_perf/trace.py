@@ -70,7 +70,8 @@ class Table:
             elif value is not None:
                 out[name] = np.ascontiguousarray(value, dtype=dtype)
             else:
-                out[name] = np.full(n, -1, dtype=dtype)
+                narrow = keep_int32 and name in cls.compact_columns
+                out[name] = np.full(n, -1, dtype=np.int32 if narrow else dtype)
         table = cls(**out)
         table.check()
         return table

@@ -66,7 +66,9 @@ def test_excluded_parent_does_not_hide_outer_range():
 def test_nearest_valid_ancestor_skips_runs_of_excluded_ranges():
     parent = np.array([-1, 0, 1, 2, 3, 4, 0])
     valid = np.array([True, False, False, True, False, False, False])
-    assert nearest_valid_ancestor(parent, valid).tolist() == [-1, 0, 0, 0, 3, 3, 0]
+    assert nearest_valid_ancestor(parent, valid, np.arange(7)).tolist() == [
+        -1, 0, 0, 0, 3, 3, 0]
+    assert nearest_valid_ancestor(parent, valid, np.array([5, 3])).tolist() == [3, 0]
 
 
 def test_zero_length_point_where_one_range_ends_and_the_next_begins():

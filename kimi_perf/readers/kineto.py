@@ -34,7 +34,6 @@ import msgspec
 import numpy as np
 
 from kimi_perf.errors import TraceError
-from kimi_perf.launches import find_launches
 from kimi_perf.memory import release_free_memory
 from kimi_perf.trace import (
     DRIVER,
@@ -47,6 +46,7 @@ from kimi_perf.trace import (
     Ranges,
     Trace,
     compact_ints,
+    index_dtype,
 )
 
 GZIP_MAGIC = b"\x1f\x8b"
@@ -76,6 +76,7 @@ _COLUMNS = {
 _BLOCK = 4 << 20          # inflated bytes per block
 _READ = 4 << 20           # compressed bytes per read
 _MAX_PENDING = 32 << 20   # bytes without a usable cut (or before the events) -> one-shot path
+_TRIM_EVERY = 8           # blocks between hand-backs of freed heap to the OS
 _CUT_TRIES = 4            # candidate event boundaries tried per block (in that block)
 _END_TRIES = 256          # candidate ends of the events array tried at the end of the file
 _WS = b" \t\n\r"
@@ -265,11 +266,13 @@ def _read_in_blocks(path: Path) -> Trace:
         head, begin = start
         del buf[:begin - 1]  # buf[0] is the array's "[" from here on
         offset = 0
-        for block in blocks:
+        for blocks_read, block in enumerate(blocks, start=1):
             if not utf8.valid(block):
                 raise _Fallback
             buf += block
             offset = _cut(buf, len(buf) - len(block), builder, offset)
+            if blocks_read % _TRIM_EVERY == 0:
+                release_free_memory()   # the holes growing columns leave: see memory.py
             if len(buf) > _MAX_PENDING:
                 raise _Fallback
         if not utf8.valid(b"", final=True):
@@ -851,8 +854,7 @@ def _to_ns(ts: np.ndarray, dur: np.ndarray, base: int) -> dict[str, np.ndarray]:
 
 def _link_by_correlation(api: ApiCalls, gpu_work) -> None:
     """Kineto GPU events carry no process id: the correlation id alone names the launch."""
-    pid_any = np.zeros(len(gpu_work), np.int32)
-    found = find_launches(_with_zero_pid(api), pid_any, gpu_work.correlation)
+    found = _rows_by_correlation(api.correlation, gpu_work.correlation)
     gpu_work.api = found
     hit = found >= 0
     row = np.where(hit, found, 0)
@@ -861,10 +863,16 @@ def _link_by_correlation(api: ApiCalls, gpu_work) -> None:
     gpu_work.tid = np.where(hit, api.tid[row], gpu_work.tid)
 
 
-def _with_zero_pid(api: ApiCalls) -> ApiCalls:
-    cols = api.columns()
-    cols["pid"] = np.zeros(len(api), np.int32)
-    return ApiCalls(**cols)
+def _rows_by_correlation(api_corr: np.ndarray, corr: np.ndarray) -> np.ndarray:
+    """Per correlation id, the first API row with it, or -1 (``find_launches`` on the
+    correlation alone, without its (process, correlation) keys)."""
+    if len(api_corr) == 0:
+        return np.full(len(corr), -1, np.int64)
+    order = np.argsort(api_corr, kind="stable").astype(index_dtype(len(api_corr)))
+    sorted_corr = api_corr[order]
+    pos = np.minimum(np.searchsorted(sorted_corr, corr), len(sorted_corr) - 1)
+    hit = (sorted_corr[pos] == corr) & (corr >= 0)
+    return np.where(hit, order[pos], -1)
 
 
 def _metadata(doc: dict, path: Path) -> dict:
