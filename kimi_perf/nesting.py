@@ -80,6 +80,7 @@ def nest_ranges(ranges: Ranges) -> None:
     del sorted_groups
     group_id = np.cumsum(new_group, dtype=index_dtype(n)) - 1
     del new_group
+    release_free_memory()   # the sort's temporaries, before the nesting's (see memory.py)
     slow = _nest_nested_groups(ranges, order, group_id)
     if len(slow):
         _nest_in_lanes(ranges, slow, range_groups(ranges))
