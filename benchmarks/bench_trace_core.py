@@ -163,7 +163,7 @@ def show_timings(console, runs) -> None:
         phases = result["phases"]
         total = sum(phases.values())
         size = gen.info["file_bytes"]
-        ratio = f"{result['rss_peak'] / size:.1f}×"
+        ratio = f"{result['rss_peak'] / size:.2f}×"
         table.add_row(
             name, label, f"{phases['read']:.2f}",
             f"{phases['attribute']:.2f}" if "attribute" in phases else "—",
@@ -212,11 +212,11 @@ def show_ratios(console: Console, runs: list[Run], nsys: synth_traces.Generated,
             continue
         size = gen.info["file_bytes"]
         mem = result["rss_peak"] / size
-        line = (f"  kimi-perf peak RSS / file size, {label}: [bold]{mem:.1f}×[/] "
+        line = (f"  kimi-perf peak RSS / file size, {label}: [bold]{mem:.2f}×[/] "
                 f"({_mb(result['rss_peak'])} / {_mb(size)}; target < {MEMORY_TARGET:.0f}×) "
                 f"{verdict(mem < MEMORY_TARGET)}")
         if "raw_bytes" in gen.info:
-            line += f"; {result['rss_peak'] / gen.info['raw_bytes']:.1f}× the uncompressed JSON"
+            line += f"; {result['rss_peak'] / gen.info['raw_bytes']:.2f}× the uncompressed JSON"
         console.print(line)
     console.print("[bold]Sanity[/]")
     for label, result, gen in (("nsys SQLite", kimi_nsys, nsys),
