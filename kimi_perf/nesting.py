@@ -69,17 +69,24 @@ def nest_ranges(ranges: Ranges) -> None:
     ranges.lane = np.zeros(n, np.int32)
     if n == 0:
         return
+    index = index_dtype(n)
     groups = range_groups(ranges)
-    order = np.lexsort((-ranges.end, ranges.start, groups)).astype(index_dtype(n))
-    sorted_groups = groups[order]
-    keep = sorted_groups >= 0
-    order, sorted_groups = order[keep], sorted_groups[keep]
-    del groups, keep  # the rare slow groups recompute theirs: the fast route needs the memory
-    # Dense group ids (0, 1, ...) along ``order``.
-    new_group = np.r_[True, sorted_groups[1:] != sorted_groups[:-1]]
-    del sorted_groups
-    group_id = np.cumsum(new_group, dtype=index_dtype(n)) - 1
-    del new_group
+    if groups[0] >= 0 and (groups == groups[0]).all():
+        # One thread holds every range (a common Kineto trace): no group key to sort by.
+        del groups
+        order = np.lexsort((-ranges.end, ranges.start)).astype(index)
+        group_id = np.zeros(n, index)
+    else:
+        order = np.lexsort((-ranges.end, ranges.start, groups)).astype(index)
+        sorted_groups = groups[order]
+        keep = sorted_groups >= 0
+        order, sorted_groups = order[keep], sorted_groups[keep]
+        del groups, keep  # the rare slow groups recompute theirs: the fast route needs memory
+        # Dense group ids (0, 1, ...) along ``order``.
+        new_group = np.r_[True, sorted_groups[1:] != sorted_groups[:-1]]
+        del sorted_groups
+        group_id = np.cumsum(new_group, dtype=index) - 1
+        del new_group
     release_free_memory()   # the sort's temporaries, before the nesting's (see memory.py)
     slow = _nest_nested_groups(ranges, order, group_id)
     if len(slow):
@@ -146,11 +153,19 @@ def _nest_nested_groups(ranges: Ranges, order: np.ndarray, group_id: np.ndarray)
     # Depth by pointer doubling: ``up`` is an ancestor ``dist`` levels above.
     up = np.where(fast, pge, -1).astype(index, copy=False)
     dist = (up >= 0).astype(np.int32)
-    while (climb := np.flatnonzero(up >= 0)).size:
-        above = up[climb]
-        dist[climb] += dist[above]
-        up[climb] = up[above]
-    del up, climb
+    # A chunk at a time, in place: a jump that reads an ancestor already moved this round
+    # lands higher, with its distance, which is as right.
+    climbing = True
+    while climbing:
+        climbing = False
+        for lo in range(0, m, _COMPARE_CHUNK):
+            climb = np.flatnonzero(up[lo:lo + _COMPARE_CHUNK] >= 0) + lo
+            if len(climb):
+                climbing = True
+                above = up[climb]
+                dist[climb] += dist[above]
+                up[climb] = up[above]
+    del up
     rows = order[fast]
     parent = pge[fast]
     ranges.parent[rows] = np.where(parent >= 0, order[np.maximum(parent, 0)], -1)
