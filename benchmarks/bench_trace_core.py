@@ -12,10 +12,7 @@ the same Kineto JSON. Generated traces are kept in ``--out`` and reused. See ben
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -91,11 +88,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
 
     console = Console(width=None if sys.stdout.isatty() else 132)
-    stamp = datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
-    console.print(f"[bold]kimi-perf trace-core benchmark[/] {stamp} — {platform.system()} "
-                  f"{platform.machine()}, {os.cpu_count()} CPUs, Python "
-                  f"{platform.python_version()}, kimi-perf {_version('kimi-perf')}, "
-                  f"HTA {_version('HolisticTraceAnalysis')}, pandas {_version('pandas')}")
+    console.print(synth_traces.banner(
+        "kimi-perf trace-core benchmark",
+        f"kimi-perf {_version('kimi-perf')}, HTA {_version('HolisticTraceAnalysis')}, "
+        f"pandas {_version('pandas')}"))
 
     # Generation runs here, before any measurement, never beside one.
     out = args.out.resolve()

@@ -13,10 +13,7 @@ load otherwise defers. See benchmarks/README.md.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
-import platform
 import shutil
 import sys
 import time
@@ -235,11 +232,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     console = Console(width=None if sys.stdout.isatty() else 132)
-    stamp = datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
-    console.print(f"[bold]kimi-perf trace save/reload benchmark[/] {stamp} — "
-                  f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPUs, Python "
-                  f"{platform.python_version()}, numpy {np.__version__}, "
-                  f"pyarrow {pa.__version__}")
+    console.print(synth_traces.banner("kimi-perf trace save/reload benchmark",
+                                      f"numpy {np.__version__}, pyarrow {pa.__version__}"))
     out = args.out.resolve()
     with console.status("generating / reusing the synthetic nsys trace..."):
         source = synth_traces.ensure_nsys(out, args.kernels, args.ranges, args.layers)

@@ -17,10 +17,12 @@ complete and can be reused.
 
 from __future__ import annotations
 
+import datetime
 import gzip
 import json
 import math
 import os
+import platform
 import sqlite3
 import tempfile
 import time
@@ -394,6 +396,13 @@ def build_run(kernels: int, ranges: int, layers_per_step: int = LAYERS_PER_STEP,
 
 
 # -- shared file plumbing ----------------------------------------------------------------------
+
+def banner(title: str, versions: str) -> str:
+    """A benchmark's first line (rich markup): what, when, on which machine, with what."""
+    stamp = datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
+    return (f"[bold]{title}[/] {stamp} — {platform.system()} {platform.machine()}, "
+            f"{os.cpu_count()} CPUs, Python {platform.python_version()}, {versions}")
+
 
 def _write_atomically(path: Path, write: Callable[[Path], None]) -> None:
     """Write to a temporary file beside ``path``, then rename: an existing file is complete."""
