@@ -144,10 +144,9 @@ def launch_bytes(c: K3Config, batch: int, context: int) -> dict[str, float]:
         + 2 * batch * 3 * H * d * 3 * bf16,
         "o_proj": h * max(H * d, Hm * c.v_head) * bf16,
         "router_latent_down": (c.n_experts + c.latent) * h * bf16,
-        "moe_route_fc1_situ": experts * 2 * inter * c.latent * bf16 + c.n_experts * fp32,
-        "moe_fc2_combine": experts * c.latent * inter * bf16,
-        "shared_gate_up_situ": 2 * shared * h * bf16,
-        "shared_down": h * shared * bf16,
+        "moe_fc1_situ_shared_gate_up": experts * 2 * inter * c.latent * bf16
+        + c.n_experts * fp32 + 2 * shared * h * bf16,
+        "moe_fc2_combine_shared_down": experts * c.latent * inter * bf16 + h * shared * bf16,
         "latent_up_proj": h * c.latent * bf16,
         "qkv_a_g_proj": (c.q_lora + c.kv_cache_dim + Hm * c.v_head) * h * bf16,
         "q_b_proj": Hm * (c.qk_nope + c.qk_rope) * c.q_lora * bf16,

@@ -88,18 +88,26 @@ def builds() -> list[Build]:
                          kda_decode.kda_decode_kernel,
                          _signature(kda_decode.kda_decode_kernel, kda_types, consts), consts,
                          4))
-    consts = {"TOP_K": 16, "BLOCK_E": 1024, "BETA": 4.0, "BETA_LINEAR": 25.0, "BLOCK_N": 32,
-              "BLOCK_K": 64, "RNE": False}
-    out.append(Build("moe_route_fc1_situ E896 k16 I384 K3584",
-                     moe_experts.moe_route_fc1_situ_kernel,
-                     _signature(moe_experts.moe_route_fc1_situ_kernel,
-                                {"w13_ptr": "*bf16", "ids_ptr": "*i32", "act_ptr": "*bf16",
-                                 "scale": "fp32"}, consts), consts))
-    consts = {"TOP_K": 16, "BLOCK_N": 32, "BLOCK_K": 64, "RNE": False}
-    out.append(Build("moe_fc2_combine N3584 I384", moe_experts.moe_fc2_combine_kernel,
-                     _signature(moe_experts.moe_fc2_combine_kernel,
-                                {"act_ptr": "*bf16", "w2_ptr": "*bf16", "ids_ptr": "*i32"},
-                                consts), consts))
+    for m in (4, 64):  # the shared experts' tiles: GEMV at M <= 4, tl.dot above
+        block_m, block_n, block_k, _ = skinny_linear.launch_config(m)
+        shared = {"SHARED": True, "S_USE_DOT": m > skinny_linear.GEMV_MAX_M,
+                  "DOT_FP32": False, "S_BLOCK_M": block_m, "S_BLOCK_N": block_n,
+                  "S_BLOCK_K": block_k}
+        consts = {"TOP_K": 16, "BLOCK_E": 1024, "BETA": 4.0, "BETA_LINEAR": 25.0,
+                  "BLOCK_N": 32, "BLOCK_K": 64, "RNE": False, **shared}
+        out.append(Build(f"moe_route_fc1_situ E896 k16 I384 +shared M={m}",
+                         moe_experts.moe_route_fc1_situ_kernel,
+                         _signature(moe_experts.moe_route_fc1_situ_kernel,
+                                    {"w13_ptr": "*bf16", "ids_ptr": "*i32", "act_ptr": "*bf16",
+                                     "scale": "fp32", "sx_ptr": "*bf16", "sw_ptr": "*bf16",
+                                     "sout_ptr": "*bf16"}, consts), consts, 8))
+        consts = {"TOP_K": 16, "BLOCK_N": 32, "BLOCK_K": 64, "RNE": False, **shared}
+        out.append(Build(f"moe_fc2_combine N3584 I384 +shared M={m}",
+                         moe_experts.moe_fc2_combine_kernel,
+                         _signature(moe_experts.moe_fc2_combine_kernel,
+                                    {"act_ptr": "*bf16", "w2_ptr": "*bf16", "ids_ptr": "*i32",
+                                     "sx_ptr": "*bf16", "sw_ptr": "*bf16"}, consts),
+                         consts, 8))
     bf16 = {"q_ptr": "*bf16", "wuk_ptr": "*bf16", "qhat_ptr": "*bf16", "kv_ptr": "*bf16",
             "olat_ptr": "*bf16", "wuv_ptr": "*bf16", "g_ptr": "*bf16", "out_ptr": "*bf16",
             "pos_ptr": "*i64", "kv_scale": "fp32", "eps": "fp32", "sm_scale": "fp32"}
@@ -167,9 +175,9 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(compile_one(build))
         except Exception as exc:  # report every kernel, then fail
             failed.append(f"{build.label}: {type(exc).__name__}: {str(exc)[:300]}")
-    print(f"{'kernel':44s} {'warps':>5s} {'regs':>5s} {'spill st/ld':>12s} {'smem':>7s}")
+    print(f"{'kernel':48s} {'warps':>5s} {'regs':>5s} {'spill st/ld':>12s} {'smem':>7s}")
     for r in rows:
-        print(f"{r['kernel']:44s} {r['num_warps']:5d} {r['registers']:5d} "
+        print(f"{r['kernel']:48s} {r['num_warps']:5d} {r['registers']:5d} "
               f"{r['spill_stores']:>5d}/{r['spill_loads']:<6d} {r['smem_bytes']:7d}")
     spills = [r["kernel"] for r in rows if r["spill_stores"] or r["spill_loads"]]
     for f in failed:

@@ -1,19 +1,26 @@
-"""S6 + S7 + S8: routing and the routed experts of the latent MoE, for decode-sized batches.
+"""S6 + S7 + S8: routing and the routed experts of the latent MoE, for decode-sized batches,
+with the shared experts computed in the same two launches.
 
 - ``moe_route_fc1_situ``: for every (token, slot), routes first (the slot's expert e and
   weight from the token's router logits: ``router_topk.routed_slot``), then act =
-  SiTU(W1[e] · x, W3[e] · x); W13 stacks W1 over W3 per expert. Grid: (slots, intermediate
-  blocks); each program reads the matching gate and up rows of one expert once. Every
-  program ranks the token's E scores itself (one sort of E values in registers, next to
-  2 · BLOCK_N · K weights streamed): cheaper than a launch of its own. The first block of
-  each slot writes the slot's expert and weight for the next kernel.
-- ``moe_fc2_combine``: latent[m] = Σ_slot weight · W2[e] · act[m, slot]; grid (tokens,
-  latent blocks), each program loops over the token's k slots, so the weighted sum never
-  leaves registers (no per-slot output, no separate finalize kernel).
+  SiTU(W1[e] · x, W3[e] · x); W13 stacks W1 over W3 per expert. One program per (slot,
+  intermediate block) reads the matching gate and up rows of one expert once. Every program
+  ranks the token's E scores itself (one sort of E values in registers, next to
+  2 · BLOCK_N · K weights streamed): cheaper than a launch of its own. The first block of each
+  slot writes the slot's expert and weight for the next kernel.
+- ``moe_fc2_combine``: latent[m] = Σ_slot weight · W2[e] · act[m, slot]; one program per
+  (token, latent block) loops over the token's k slots, so the weighted sum never leaves
+  registers (no per-slot output, no separate finalize kernel).
 
 Both stream expert weights once per (token, slot): right for decode where batch × top-k is
 small next to the expert count. A grouped variant that reads each touched expert once for all
 its tokens pays off at larger batches.
+
+Shared experts ride along (``shared=(input, weight, output)``): the grid grows by the column
+tiles of a skinny linear (``skinny_linear.linear_tile``), the shared gate/up + SiTU over h
+beside FC1 and the shared down-projection beside FC2. Their tiles run concurrently with the
+routed ones, as a second stream would run them, without the stream's fork and join and
+without two launches of their own.
 """
 
 from __future__ import annotations
@@ -24,22 +31,24 @@ import triton.language as tl
 
 from kimi_perf_kernels.common import INTERPRETED, cast
 from kimi_perf_kernels.router_topk import block_e, routed_slot
-from kimi_perf_kernels.skinny_linear import _situ
+from kimi_perf_kernels.skinny_linear import GEMV_MAX_M, _situ, launch_config, linear_tile
+
+# (input [M, K], weight [N, K] (gate rows over up rows for FC1), output [M, N or N/2])
+Shared = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 @triton.jit
-def moe_route_fc1_situ_kernel(x_ptr, w13_ptr, logits_ptr, bias_ptr, ids_ptr, weights_ptr,
-                              act_ptr, INTER, KDIM, E, stride_x, stride_l, stride_we,
-                              stride_wn, scale, TOP_K: tl.constexpr, BLOCK_E: tl.constexpr,
-                              BETA: tl.constexpr, BETA_LINEAR: tl.constexpr,
-                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, RNE: tl.constexpr):
-    slot = tl.program_id(0)
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+def _routed_fc1_tile(slot, block, x_ptr, w13_ptr, logits_ptr, bias_ptr, ids_ptr, weights_ptr,
+                     act_ptr, INTER, KDIM, E, stride_x, stride_l, stride_we, stride_wn, scale,
+                     TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, BETA: tl.constexpr,
+                     BETA_LINEAR: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     RNE: tl.constexpr):
+    n = block * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < INTER
     token = slot // TOP_K
     expert, weight = routed_slot(logits_ptr + token * stride_l, bias_ptr, E, slot % TOP_K,
                                  scale, TOP_K, BLOCK_E)
-    if tl.program_id(1) == 0:
+    if block == 0:
         tl.store(ids_ptr + slot, expert)
         tl.store(weights_ptr + slot, weight)
     w = w13_ptr + expert.to(tl.int64) * stride_we
@@ -60,11 +69,35 @@ def moe_route_fc1_situ_kernel(x_ptr, w13_ptr, logits_ptr, bias_ptr, ids_ptr, wei
 
 
 @triton.jit
-def moe_fc2_combine_kernel(act_ptr, w2_ptr, ids_ptr, weights_ptr, out_ptr, INTER, N, stride_we,
-                           stride_wn, stride_out, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr,
-                           BLOCK_K: tl.constexpr, RNE: tl.constexpr):
-    token = tl.program_id(0)
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+def moe_route_fc1_situ_kernel(x_ptr, w13_ptr, logits_ptr, bias_ptr, ids_ptr, weights_ptr,
+                              act_ptr, M, INTER, KDIM, E, stride_x, stride_l, stride_we,
+                              stride_wn, scale, sx_ptr, sw_ptr, sout_ptr, S_N, S_K, stride_sx,
+                              stride_sw, stride_sout, TOP_K: tl.constexpr,
+                              BLOCK_E: tl.constexpr, BETA: tl.constexpr,
+                              BETA_LINEAR: tl.constexpr, BLOCK_N: tl.constexpr,
+                              BLOCK_K: tl.constexpr, RNE: tl.constexpr, SHARED: tl.constexpr,
+                              S_USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr,
+                              S_BLOCK_M: tl.constexpr, S_BLOCK_N: tl.constexpr,
+                              S_BLOCK_K: tl.constexpr):
+    pid = tl.program_id(0)
+    blocks = tl.cdiv(INTER, BLOCK_N)
+    routed = M * TOP_K * blocks
+    if pid < routed:
+        _routed_fc1_tile(pid // blocks, pid % blocks, x_ptr, w13_ptr, logits_ptr, bias_ptr,
+                         ids_ptr, weights_ptr, act_ptr, INTER, KDIM, E, stride_x, stride_l,
+                         stride_we, stride_wn, scale, TOP_K, BLOCK_E, BETA, BETA_LINEAR,
+                         BLOCK_N, BLOCK_K, RNE)
+    elif SHARED:  # the shared experts' gate/up + SiTU over h
+        linear_tile(pid - routed, sx_ptr, sw_ptr, sx_ptr, sout_ptr, sout_ptr, M, S_N, S_K,
+                    stride_sx, stride_sw, 0, stride_sout, 0.0, False, True, False, S_USE_DOT,
+                    DOT_FP32, RNE, BETA, BETA_LINEAR, S_BLOCK_M, S_BLOCK_N, S_BLOCK_K)
+
+
+@triton.jit
+def _routed_fc2_tile(token, block, act_ptr, w2_ptr, ids_ptr, weights_ptr, out_ptr, INTER, N,
+                     stride_we, stride_wn, stride_out, TOP_K: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, RNE: tl.constexpr):
+    n = block * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
     ks = tl.arange(0, BLOCK_K)
     acc = tl.zeros([BLOCK_N], tl.float32)
@@ -86,12 +119,60 @@ def moe_fc2_combine_kernel(act_ptr, w2_ptr, ids_ptr, weights_ptr, out_ptr, INTER
              mask=n_ok)
 
 
+@triton.jit
+def moe_fc2_combine_kernel(act_ptr, w2_ptr, ids_ptr, weights_ptr, out_ptr, M, INTER, N,
+                           stride_we, stride_wn, stride_out, sx_ptr, sw_ptr, sout_ptr, S_N,
+                           S_K, stride_sx, stride_sw, stride_sout, TOP_K: tl.constexpr,
+                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, RNE: tl.constexpr,
+                           SHARED: tl.constexpr, S_USE_DOT: tl.constexpr,
+                           DOT_FP32: tl.constexpr, S_BLOCK_M: tl.constexpr,
+                           S_BLOCK_N: tl.constexpr, S_BLOCK_K: tl.constexpr):
+    pid = tl.program_id(0)
+    blocks = tl.cdiv(N, BLOCK_N)
+    routed = M * blocks
+    if pid < routed:
+        _routed_fc2_tile(pid // blocks, pid % blocks, act_ptr, w2_ptr, ids_ptr, weights_ptr,
+                         out_ptr, INTER, N, stride_we, stride_wn, stride_out, TOP_K, BLOCK_N,
+                         BLOCK_K, RNE)
+    elif SHARED:  # the shared experts' down-projection
+        linear_tile(pid - routed, sx_ptr, sw_ptr, sx_ptr, sout_ptr, sout_ptr, M, S_N, S_K,
+                    stride_sx, stride_sw, 0, stride_sout, 0.0, False, False, False, S_USE_DOT,
+                    DOT_FP32, RNE, 1.0, 1.0, S_BLOCK_M, S_BLOCK_N, S_BLOCK_K)
+
+
+def _routed_blocks() -> tuple[int, int]:
+    """(BLOCK_N, BLOCK_K) of the routed tiles."""
+    return (256, 256) if INTERPRETED else (32, 64)
+
+
+def _shared_launch(shared: Shared | None, m: int, situ: bool) -> tuple[list, dict, int]:
+    """The shared experts' kernel arguments, constexprs and program count (none without)."""
+    block_m, block_n, block_k, _ = launch_config(m, INTERPRETED)
+    consts = {"SHARED": shared is not None, "S_USE_DOT": m > GEMV_MAX_M,
+              "DOT_FP32": INTERPRETED, "S_BLOCK_M": block_m, "S_BLOCK_N": block_n,
+              "S_BLOCK_K": block_k}
+    if shared is None:
+        return [None, None, None, 0, 0, 0, 0, 0], consts, 0
+    x, w, out = shared
+    n_out = w.shape[0] // 2 if situ else w.shape[0]
+    if x.shape[0] != m or out.shape != (m, n_out) or w.shape[1] != x.shape[1]:
+        raise ValueError(f"shared experts: input {tuple(x.shape)}, weight {tuple(w.shape)} "
+                         f"and output {tuple(out.shape)} do not fit {m} tokens")
+    if x.stride(1) != 1 or w.stride(1) != 1 or out.stride(1) != 1:
+        raise ValueError("shared experts: rows must be contiguous")
+    args = [x, w, out, n_out, x.shape[1], x.stride(0), w.stride(0), out.stride(0)]
+    return args, consts, triton.cdiv(n_out, block_n)
+
+
 def moe_route_fc1_situ(x: torch.Tensor, w13: torch.Tensor, logits: torch.Tensor,
                        bias: torch.Tensor, top_k: int, scale: float, situ: tuple[float, float],
-                       out: torch.Tensor | None = None
+                       out: torch.Tensor | None = None, shared: Shared | None = None
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [M, K] (latent), w13 [E, 2I, K], router logits [M, E] (fp32, any row stride), bias
-    [E] -> (act [M, top_k, I], expert ids [M, top_k] int32, weights [M, top_k] fp32)."""
+    [E] -> (act [M, top_k, I], expert ids [M, top_k] int32, weights [M, top_k] fp32).
+
+    ``shared=(h [M, H], W [2S, H] gate over up, out [M, S])``: also out = SiTU(h · W_gateᵀ,
+    h · W_upᵀ), in the same launch."""
     M, n_experts = logits.shape
     if not 1 <= top_k <= n_experts:
         raise ValueError(f"top_k {top_k} must be between 1 and the {n_experts} experts")
@@ -101,27 +182,36 @@ def moe_route_fc1_situ(x: torch.Tensor, w13: torch.Tensor, logits: torch.Tensor,
         out = torch.empty(M, top_k, inter, dtype=w13.dtype, device=x.device)
     ids = torch.empty(M, top_k, dtype=torch.int32, device=x.device)
     weights = torch.empty(M, top_k, dtype=torch.float32, device=x.device)
-    block_n, block_k = (256, 256) if INTERPRETED else (32, 64)
-    moe_route_fc1_situ_kernel[(M * top_k, triton.cdiv(inter, block_n))](
-        x, w13, logits, bias, ids, weights, out, inter, kdim, n_experts, x.stride(0),
-        logits.stride(0), w13.stride(0), w13.stride(1), scale, TOP_K=top_k,
+    block_n, block_k = _routed_blocks()
+    shared_args, shared_consts, shared_programs = _shared_launch(shared, M, situ=True)
+    grid = (M * top_k * triton.cdiv(inter, block_n) + shared_programs,)
+    moe_route_fc1_situ_kernel[grid](
+        x, w13, logits, bias, ids, weights, out, M, inter, kdim, n_experts, x.stride(0),
+        logits.stride(0), w13.stride(0), w13.stride(1), scale, *shared_args, TOP_K=top_k,
         BLOCK_E=block_e(n_experts), BETA=situ[0], BETA_LINEAR=situ[1], BLOCK_N=block_n,
-        BLOCK_K=block_k, RNE=INTERPRETED, num_warps=4)
+        BLOCK_K=block_k, RNE=INTERPRETED, **shared_consts, num_warps=8)
     return out, ids, weights
 
 
 def moe_fc2_combine(act: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor,
                     weights: torch.Tensor, out: torch.Tensor | None = None,
-                    out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """act [M, top_k, I], w2 [E, N, I] -> [M, N] = Σ_slot weight · W2[e] act."""
+                    out_dtype: torch.dtype = torch.float32, shared: Shared | None = None
+                    ) -> torch.Tensor:
+    """act [M, top_k, I], w2 [E, N, I] -> [M, N] = Σ_slot weight · W2[e] act.
+
+    ``shared=(act_s [M, S], W_down [H, S], out [M, H])``: also out = act_s · W_downᵀ, in the
+    same launch."""
     M, top_k, inter = act.shape
     n = w2.shape[1]
     if out is None:
         out = torch.empty(M, n, dtype=out_dtype, device=act.device)
-    block_n, block_k = (256, 256) if INTERPRETED else (32, 64)
-    moe_fc2_combine_kernel[(M, triton.cdiv(n, block_n))](
-        act, w2, ids, weights, out, inter, n, w2.stride(0), w2.stride(1), out.stride(0),
-        TOP_K=top_k, BLOCK_N=block_n, BLOCK_K=block_k, RNE=INTERPRETED, num_warps=4)
+    block_n, block_k = _routed_blocks()
+    shared_args, shared_consts, shared_programs = _shared_launch(shared, M, situ=False)
+    grid = (M * triton.cdiv(n, block_n) + shared_programs,)
+    moe_fc2_combine_kernel[grid](
+        act, w2, ids, weights, out, M, inter, n, w2.stride(0), w2.stride(1), out.stride(0),
+        *shared_args, TOP_K=top_k, BLOCK_N=block_n, BLOCK_K=block_k, RNE=INTERPRETED,
+        **shared_consts, num_warps=8)
     return out
 
 

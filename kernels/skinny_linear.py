@@ -37,13 +37,14 @@ def _situ(gate, up, BETA: tl.constexpr, BETA_LINEAR: tl.constexpr):
 
 
 @triton.jit
-def skinny_linear_kernel(x_ptr, w_ptr, norm_ptr, res_ptr, out_ptr, M, N_OUT, K,
-                         stride_xm, stride_wn, stride_rm, stride_om, eps,
-                         NORM: tl.constexpr, SITU: tl.constexpr, RESIDUAL: tl.constexpr,
-                         USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr, RNE: tl.constexpr,
-                         BETA: tl.constexpr, BETA_LINEAR: tl.constexpr,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    pid = tl.program_id(0)
+def linear_tile(pid, x_ptr, w_ptr, norm_ptr, res_ptr, out_ptr, M, N_OUT, K, stride_xm,
+                stride_wn, stride_rm, stride_om, eps, NORM: tl.constexpr, SITU: tl.constexpr,
+                RESIDUAL: tl.constexpr, USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr,
+                RNE: tl.constexpr, BETA: tl.constexpr, BETA_LINEAR: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Output columns [pid·BLOCK_N, (pid+1)·BLOCK_N) of all M rows: the body of
+    ``skinny_linear_kernel``, also run by kernels that fuse a skinny linear beside their own
+    work (``moe_experts``)."""
     rows = tl.arange(0, BLOCK_M)
     cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < M
@@ -94,6 +95,18 @@ def skinny_linear_kernel(x_ptr, w_ptr, norm_ptr, res_ptr, out_ptr, M, N_OUT, K,
                        mask=row_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
     tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :],
              cast(acc, out_ptr.dtype.element_ty, RNE), mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def skinny_linear_kernel(x_ptr, w_ptr, norm_ptr, res_ptr, out_ptr, M, N_OUT, K,
+                         stride_xm, stride_wn, stride_rm, stride_om, eps,
+                         NORM: tl.constexpr, SITU: tl.constexpr, RESIDUAL: tl.constexpr,
+                         USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr, RNE: tl.constexpr,
+                         BETA: tl.constexpr, BETA_LINEAR: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    linear_tile(tl.program_id(0), x_ptr, w_ptr, norm_ptr, res_ptr, out_ptr, M, N_OUT, K,
+                stride_xm, stride_wn, stride_rm, stride_om, eps, NORM, SITU, RESIDUAL, USE_DOT,
+                DOT_FP32, RNE, BETA, BETA_LINEAR, BLOCK_M, BLOCK_N, BLOCK_K)
 
 
 def skinny_linear(x: torch.Tensor, w: torch.Tensor, norm: torch.Tensor | None = None,

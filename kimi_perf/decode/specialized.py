@@ -9,17 +9,21 @@ as ``kimi_perf_kernels``). Per KDA layer, at TP 1 (TP > 1 adds the all-reduces):
     S4  o_proj
     S1' attn_res_post         prefix update + mix + post-attention RMSNorm
     S5  router_latent_down    one pass over h for [W_gate; W_down] (fp32 out)
-    S7  moe_route_fc1_situ    top-k routing in the prologue (S6: sigmoid + bias + top-k +
-                              renormalise), then routed experts' gate/up + SiTU
-    S8  moe_fc2_combine       routed experts, down + weighted sum over the k slots
-    S9  shared_gate_up_situ   on a second stream (GPU), beside S5-S8
-    S10 shared_down
+    S7  moe_fc1_situ_shared_gate_up
+                              top-k routing in the prologue (S6: sigmoid + bias + top-k +
+                              renormalise), then the routed experts' gate/up + SiTU; in the
+                              same grid, the shared experts' gate/up + SiTU over h (S9)
+    S8  moe_fc2_combine_shared_down
+                              routed experts' down + weighted sum over the k slots; in the
+                              same grid, the shared experts' down-projection (S10)
     S12 latent_up_proj        routed RMSNorm (prologue) + up-projection + shared add
 
-11 launches where the standard path makes 18. With TP > 1 two all-reduces follow (o_proj's,
-and one for the routed latent and the shared experts together): 13 against 20; fusing them
-into the GEMMs needs a GPU collective (symmetric memory) and is not done yet. Per gated-MLA
-layer (14 against 24 at TP 1, 16 against 26 with TP)::
+9 launches where the standard path makes 18. The shared experts need no stream of their own:
+their tiles share the routed experts' two grids and run beside them. With TP > 1 two
+all-reduces follow (o_proj's, and one, in place, for the routed latent and the shared
+experts, which FC2 writes side by side): 11 against 20; fusing them into the GEMMs needs a GPU
+collective (symmetric memory) and is not done yet. Per gated-MLA layer (12 against 24 at TP 1,
+14 against 26 with TP)::
 
     S1  attn_res_pre
     M2  qkv_a_g_proj          one pass over x for [W_q_a; W_kv_a; W_g]
@@ -37,7 +41,6 @@ It applies to pure decode steps (batch 1-64, one token each) and to speculative 
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 
@@ -71,8 +74,6 @@ class SpecializedModel(K3Model):
         super().__init__(c, weights, dtype=dtype, device=device, all_reduce=all_reduce)
         self.fallbacks: list[str] = []
         self.steps = 0
-        # The shared experts run beside the routed ones on this stream (GPU only).
-        self.side_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         for i in range(c.n_layers):
             p = layer_prefix(i)
             packed = self.packed[i]
@@ -210,48 +211,29 @@ class SpecializedModel(K3Model):
         m = layer_prefix(i) + "mlp."
         p = self.packed[i]
         situ = (c.situ_beta, c.situ_beta_linear)
-        # Outputs of the side stream are allocated here, on the main stream, so the caching
-        # allocator cannot hand their memory out while the side stream still writes it.
-        shared_act = h.new_empty(h.shape[0], p["shared_gate_up"].shape[0] // 2)
-        shared = h.new_empty(h.shape[0], c.hidden)
-        with self._on_side_stream():
-            self.launch("shared_gate_up_situ")
-            skinny_linear(h, p["shared_gate_up"], situ=situ, out=shared_act)
-            self.launch("shared_down")
-            skinny_linear(shared_act, self.w[m + "shared_experts.down_proj.weight"], out=shared)
+        # The routed latent and the shared experts' output side by side in fp32, so that one
+        # all-reduce sums both under TP and the tail reads both from where FC2 wrote them.
+        moe_out = h.new_empty(h.shape[0], c.latent + c.hidden, dtype=torch.float32)
+        routed, shared = moe_out[:, : c.latent], moe_out[:, c.latent:]
         self.launch("router_latent_down")
         both = skinny_linear(h, p["router_down"], out_dtype=torch.float32)
         logits, latent = both[:, : c.n_experts], both[:, c.n_experts:]
-        self.launch("moe_route_fc1_situ")
-        act, ids, weights = moe_route_fc1_situ(latent, p["w13"], logits,
-                                               self.w[m + "gate.e_score_correction_bias"],
-                                               c.top_k, c.routed_scale, situ)
-        self.launch("moe_fc2_combine")
-        routed = moe_fc2_combine(act, p["w2"], ids, weights)
-        if self.side_stream is not None:
-            torch.cuda.current_stream(self.device).wait_stream(self.side_stream)
+        self.launch("moe_fc1_situ_shared_gate_up")
+        shared_act = h.new_empty(h.shape[0], p["shared_gate_up"].shape[0] // 2)
+        act, ids, weights = moe_route_fc1_situ(
+            latent, p["w13"], logits, self.w[m + "gate.e_score_correction_bias"], c.top_k,
+            c.routed_scale, situ, shared=(h, p["shared_gate_up"], shared_act))
+        self.launch("moe_fc2_combine_shared_down")
+        moe_fc2_combine(act, p["w2"], ids, weights, out=routed,
+                        shared=(shared_act, self.w[m + "shared_experts.down_proj.weight"],
+                                shared))
         if self.all_reduce is not None:
-            # One all-reduce for the routed latent and the shared partial sums together.
-            both = self._all_reduce(torch.cat([routed, shared.float()], dim=-1),
-                                    "moe_all_reduce")
-            routed, shared = both[:, : c.latent], both[:, c.latent:].to(self.dtype)
+            self._all_reduce(moe_out, "moe_all_reduce")  # in place
         self.launch("latent_up_proj")
         out = skinny_linear(routed, self.w[m + "routed_expert_up_proj.weight"],
                             norm=self.w[m + "routed_expert_norm.weight"], residual=shared,
                             out_dtype=self.dtype, eps=c.rms_eps)
         return out, ids
-
-
-    @contextlib.contextmanager
-    def _on_side_stream(self):
-        """Launches inside run on the side stream once the main stream's work so far is
-        done (a fork; the caller joins). Without a GPU they run in order."""
-        if self.side_stream is None:
-            yield
-            return
-        self.side_stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.side_stream):
-            yield
 
 
 def build_model(c: K3Config, weights: Weights, decode_backend: str = "auto",

@@ -18,14 +18,14 @@ from kimi_perf.decode.weights import Weights, shard
 
 
 def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
-    """Sum over the ranks; gloo lacks bf16 reductions, so it reduces in fp32."""
+    """Sum over the ranks, in place (one collective launch, no copy); gloo lacks bf16
+    reductions, so there it reduces an fp32 copy."""
     if dist.get_backend() == "gloo" and x.dtype != torch.float32:
         y = x.float()
         dist.all_reduce(y)
-        return y.to(x.dtype)
-    y = x.clone()
-    dist.all_reduce(y)
-    return y
+        return x.copy_(y)
+    dist.all_reduce(x)
+    return x
 
 
 def rank_model(full: Weights, c: K3Config, rank: int, dtype: torch.dtype,
