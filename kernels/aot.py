@@ -38,11 +38,16 @@ class Build:
 def builds() -> list[Build]:
     from kimi_perf_kernels import (
         attn_res,
+        gate_sigmoid_mul,
         kda_decode,
         mla_absorb_insert,
         mla_attention,
+        mla_concat_insert,
         mla_uv_gate,
         moe_experts,
+        rms_norm,
+        router_topk,
+        situ_and_mul,
         skinny_linear,
     )
 
@@ -81,33 +86,59 @@ def builds() -> list[Build]:
     kda_types = {"z_ptr": "*bf16", "wfb_ptr": "*bf16", "conv_ptr": "*bf16",
                  "out_ptr": "*bf16", "ckpt_conv_ptr": "*bf16", "eps": "fp32",
                  "lower_bound": "fp32"}
-    for checkpoint in (False, True):
-        consts = {"D": 128, "F_RANK": 128, "BV": 16, "F_BLOCK": 16, "CHECKPOINT": checkpoint,
-                  "RNE": False}
-        out.append(Build(f"kda_decode d128{' verify' if checkpoint else ''}",
+    kda_types["f_ptr"] = "*bf16"
+    for checkpoint, f_given in ((False, False), (True, False), (False, True)):
+        consts = {"D": 128, "F_RANK": 128, "BV": 16, "F_BLOCK": 16, "F_GIVEN": f_given,
+                  "CHECKPOINT": checkpoint, "RNE": False}
+        tag = " verify" if checkpoint else " f given (standard)" if f_given else ""
+        out.append(Build(f"kda_decode d128{tag}",
                          kda_decode.kda_decode_kernel,
                          _signature(kda_decode.kda_decode_kernel, kda_types, consts), consts,
                          4))
-    for m in (4, 64):  # the shared experts' tiles: GEMV at M <= 4, tl.dot above
+    for m, route in ((4, True), (64, True), (4, False)):
+        # the shared experts' tiles: GEMV at M <= 4, tl.dot above; without routing and
+        # shared experts, the standard path's FC1 and per-slot FC2
         block_m, block_n, block_k, _ = skinny_linear.launch_config(m)
-        shared = {"SHARED": True, "S_USE_DOT": m > skinny_linear.GEMV_MAX_M,
+        shared = {"SHARED": route, "S_USE_DOT": m > skinny_linear.GEMV_MAX_M,
                   "DOT_FP32": False, "S_BLOCK_M": block_m, "S_BLOCK_N": block_n,
                   "S_BLOCK_K": block_k}
+        tag = f"+shared M={m}" if route else "standard"
         consts = {"TOP_K": 16, "BLOCK_E": 1024, "BETA": 4.0, "BETA_LINEAR": 25.0,
-                  "BLOCK_N": 32, "BLOCK_K": 64, "RNE": False, **shared}
-        out.append(Build(f"moe_route_fc1_situ E896 k16 I384 +shared M={m}",
+                  "BLOCK_N": 32, "BLOCK_K": 64, "RNE": False, "ROUTE": route, **shared}
+        out.append(Build(f"moe_route_fc1_situ E896 k16 I384 {tag}",
                          moe_experts.moe_route_fc1_situ_kernel,
                          _signature(moe_experts.moe_route_fc1_situ_kernel,
                                     {"w13_ptr": "*bf16", "ids_ptr": "*i32", "act_ptr": "*bf16",
                                      "scale": "fp32", "sx_ptr": "*bf16", "sw_ptr": "*bf16",
                                      "sout_ptr": "*bf16"}, consts), consts, 8))
-        consts = {"TOP_K": 16, "BLOCK_N": 32, "BLOCK_K": 64, "RNE": False, **shared}
-        out.append(Build(f"moe_fc2_combine N3584 I384 +shared M={m}",
+        consts = {"TOP_K": 16 if route else 1, "BLOCK_N": 32, "BLOCK_K": 64, "RNE": False,
+                  "WEIGHTED": route, **shared}
+        out.append(Build(f"moe_fc2_combine N3584 I384 {tag}",
                          moe_experts.moe_fc2_combine_kernel,
                          _signature(moe_experts.moe_fc2_combine_kernel,
                                     {"act_ptr": "*bf16", "w2_ptr": "*bf16", "ids_ptr": "*i32",
                                      "sx_ptr": "*bf16", "sw_ptr": "*bf16"}, consts),
                          consts, 8))
+    consts = {"K": 16, "BLOCK_E": 1024}
+    out.append(Build("router_topk E896 k16", router_topk.router_topk_kernel,
+                     _signature(router_topk.router_topk_kernel,
+                                {"ids_ptr": "*i32", "scale": "fp32"}, consts), consts))
+    for width, dtype in ((2048, "fp32"), (8192, "bf16")):  # q_lora | kv_lora; hidden
+        consts = {"BLOCK": width, "RNE": False}
+        out.append(Build(f"rms_norm {width}", rms_norm.rms_norm_kernel,
+                         _signature(rms_norm.rms_norm_kernel,
+                                    {"x_ptr": f"*{dtype}", "x2_ptr": f"*{dtype}",
+                                     "out_ptr": "*bf16", "out2_ptr": "*bf16", "eps": "fp32"},
+                                    consts), consts, 8))
+    consts = {"BETA": 4.0, "BETA_LINEAR": 25.0, "BLOCK": 1024, "RNE": False}
+    out.append(Build("situ_and_mul", situ_and_mul.situ_and_mul_kernel,
+                     _signature(situ_and_mul.situ_and_mul_kernel,
+                                {"x_ptr": "*bf16", "out_ptr": "*bf16"}, consts), consts))
+    consts = {"BLOCK_V": 128, "RNE": False}
+    out.append(Build("gate_sigmoid_mul V128", gate_sigmoid_mul.gate_sigmoid_mul_kernel,
+                     _signature(gate_sigmoid_mul.gate_sigmoid_mul_kernel,
+                                {"o_ptr": "*bf16", "g_ptr": "*bf16", "out_ptr": "*bf16"},
+                                consts), consts, 1))
     bf16 = {"q_ptr": "*bf16", "wuk_ptr": "*bf16", "qhat_ptr": "*bf16", "kv_ptr": "*bf16",
             "olat_ptr": "*bf16", "wuv_ptr": "*bf16", "g_ptr": "*bf16", "out_ptr": "*bf16",
             "pos_ptr": "*i64", "kv_scale": "fp32", "eps": "fp32", "sm_scale": "fp32"}
@@ -118,6 +149,15 @@ def builds() -> list[Build]:
                          mla_absorb_insert.mla_absorb_insert_kernel,
                          _signature(mla_absorb_insert.mla_absorb_insert_kernel,
                                     {**bf16, "cache_ptr": f"*{cache}"}, consts), consts))
+        consts = {"NOPE": 128, "ROPE": 64, "LORA": 512, "BLOCK_ROPE": 64,
+                  "FP8": cache != "bf16", "RNE": False}
+        out.append(Build(f"mla_concat_insert {cache} cache",
+                         mla_concat_insert.mla_concat_insert_kernel,
+                         _signature(mla_concat_insert.mla_concat_insert_kernel,
+                                    {"ql_ptr": "*bf16", "q_ptr": "*bf16", "kv_ptr": "*bf16",
+                                     "kpe_ptr": "*bf16", "cache_ptr": f"*{cache}",
+                                     "pos_ptr": "*i64", "qhat_ptr": "*bf16",
+                                     "kv_scale": "fp32"}, consts), consts))
         consts = {"LORA": 512, "ROPE": 64, "BLOCK_ROPE": 64, "HB": 16, "BLOCK_S": 32,
                   "FP8": cache != "bf16", "DOT_FP32": False, "RNE": False}
         out.append(Build(f"mla_attention {cache} cache", mla_attention.mla_attention_kernel,

@@ -8,6 +8,9 @@ is streamed in BV-row tiles (a whole 128×128 fp32 state would spill), each tile
 corrected by the delta rule, multiplied by q and written back. The f_b projection is taken
 in F_BLOCK-wide slices of its [d, f_rank] weight for the same reason. The output RMSNorm
 needs all d outputs: the tiles park them in an fp32 scratch row, normalised at the end.
+
+The standard path runs the f_b projection as a GEMM of its own, as vLLM does, and hands its
+output in (``f=``, ``F_GIVEN``): the rest of the kernel is vLLM's ``fused_kda_decode``.
 """
 
 from __future__ import annotations
@@ -20,12 +23,12 @@ from kimi_perf_kernels.common import INTERPRETED, cast
 
 
 @triton.jit
-def kda_decode_kernel(z_ptr, wfb_ptr, dt_bias_ptr, a_log_ptr, conv_w_ptr, onorm_ptr,
+def kda_decode_kernel(z_ptr, wfb_ptr, f_ptr, dt_bias_ptr, a_log_ptr, conv_w_ptr, onorm_ptr,
                       conv_ptr, state_ptr, out_ptr, scratch_ptr, ckpt_state_ptr, ckpt_conv_ptr,
-                      B, T, H, stride_zb, stride_zt, stride_ob, stride_ot, g_col, fa_col,
-                      b_col, eps, lower_bound, D: tl.constexpr, F_RANK: tl.constexpr,
-                      BV: tl.constexpr, F_BLOCK: tl.constexpr, CHECKPOINT: tl.constexpr,
-                      RNE: tl.constexpr):
+                      B, T, H, stride_zb, stride_zt, stride_fb, stride_ft, stride_ob,
+                      stride_ot, g_col, fa_col, b_col, eps, lower_bound, D: tl.constexpr,
+                      F_RANK: tl.constexpr, BV: tl.constexpr, F_BLOCK: tl.constexpr,
+                      F_GIVEN: tl.constexpr, CHECKPOINT: tl.constexpr, RNE: tl.constexpr):
     pid = tl.program_id(0)
     b = pid // H
     h = pid % H
@@ -46,11 +49,15 @@ def kda_decode_kernel(z_ptr, wfb_ptr, dt_bias_ptr, a_log_ptr, conv_w_ptr, onorm_
         k = _conv_step(z, conv_base, conv_w_ptr, H * D + h * D + i, ck_conv, CHECKPOINT)
         q = q / tl.sqrt(tl.sum(q * q, axis=0) + 1e-6) * (1.0 / tl.sqrt(D * 1.0))
         k = k / tl.sqrt(tl.sum(k * k, axis=0) + 1e-6)
-        f = dt_bias
-        for r0 in range(0, F_RANK, F_BLOCK):
-            f_a = tl.load(z + fa_col + r0 + r).to(tl.float32)
-            w = tl.load(wfb_ptr + (h * D + i)[:, None] * F_RANK + r0 + r[None, :])
-            f += tl.sum(w.to(tl.float32) * f_a[None, :], axis=1)
+        if F_GIVEN:
+            f = dt_bias + tl.load(f_ptr + b * stride_fb + t * stride_ft + h * D + i).to(
+                tl.float32)
+        else:
+            f = dt_bias
+            for r0 in range(0, F_RANK, F_BLOCK):
+                f_a = tl.load(z + fa_col + r0 + r).to(tl.float32)
+                w = tl.load(wfb_ptr + (h * D + i)[:, None] * F_RANK + r0 + r[None, :])
+                f += tl.sum(w.to(tl.float32) * f_a[None, :], axis=1)
         decay = tl.exp(lower_bound * tl.sigmoid(a * f))
         beta = tl.sigmoid(tl.load(z + b_col + h).to(tl.float32))
         sq = 0.0
@@ -103,8 +110,9 @@ def kda_decode(z: torch.Tensor, heads: int, head_dim: int, f_rank: int, w_fb: to
                dt_bias: torch.Tensor, a_log: torch.Tensor, conv_w: torch.Tensor,
                o_norm: torch.Tensor, conv_state: torch.Tensor, state: torch.Tensor,
                eps: float, lower_bound: float, checkpoint: bool = False,
-               out: torch.Tensor | None = None):
-    """z [B, T, in_proj_rows]: the packed in_proj output (q|k|v|g|f_a|b|pad).
+               out: torch.Tensor | None = None, f: torch.Tensor | None = None):
+    """z [B, T, in_proj_rows]: the packed in_proj output (q|k|v|g|f_a|b|pad). ``f`` [B, T,
+    H*d]: the f_b projection, already taken (then ``w_fb`` is not read).
 
     Updates ``conv_state`` [B, 3Hd, 3] and ``state`` [B, H, d, d] (fp32) in place; returns
     the gated-normed output [B, T, H*d], and with ``checkpoint`` also every position's
@@ -122,13 +130,18 @@ def kda_decode(z: torch.Tensor, heads: int, head_dim: int, f_rank: int, w_fb: to
     if z.stride(-1) != 1 or not conv_state.is_contiguous() or not state.is_contiguous():
         raise ValueError("kda_decode needs row-major z, conv_state and state")
     scratch = torch.empty(B * heads, head_dim, dtype=torch.float32, device=z.device)
+    if f is not None and (f.shape != (B, T, proj) or f.stride(2) != 1):
+        raise ValueError(f"kda_decode: f {tuple(f.shape)} must be [B, T, H*d] = "
+                         f"{(B, T, proj)} with contiguous rows")
+    f_arg = f if f is not None else z
     kda_decode_kernel[(B * heads,)](
-        z, w_fb, dt_bias, a_log, conv_w, o_norm, conv_state, state, out, scratch, ckpt_state,
-        ckpt_conv, B, T, heads, z.stride(0), z.stride(1), out.stride(0), out.stride(1),
-        3 * proj, 4 * proj, 4 * proj + f_rank, eps, lower_bound, D=head_dim, F_RANK=f_rank,
+        z, w_fb, f_arg, dt_bias, a_log, conv_w, o_norm, conv_state, state, out, scratch,
+        ckpt_state, ckpt_conv, B, T, heads, z.stride(0), z.stride(1), f_arg.stride(0),
+        f_arg.stride(1), out.stride(0), out.stride(1), 3 * proj, 4 * proj, 4 * proj + f_rank,
+        eps, lower_bound, D=head_dim, F_RANK=f_rank,
         BV=head_dim if INTERPRETED else min(16, head_dim),
-        F_BLOCK=f_rank if INTERPRETED else min(16, f_rank), CHECKPOINT=checkpoint,
-        RNE=INTERPRETED, num_warps=4)
+        F_BLOCK=f_rank if INTERPRETED else min(16, f_rank), F_GIVEN=f is not None,
+        CHECKPOINT=checkpoint, RNE=INTERPRETED, num_warps=4)
     return (out, ckpt_state, ckpt_conv) if checkpoint else out
 
 

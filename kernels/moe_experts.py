@@ -42,15 +42,18 @@ def _routed_fc1_tile(slot, block, x_ptr, w13_ptr, logits_ptr, bias_ptr, ids_ptr,
                      act_ptr, INTER, KDIM, E, stride_x, stride_l, stride_we, stride_wn, scale,
                      TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, BETA: tl.constexpr,
                      BETA_LINEAR: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     RNE: tl.constexpr):
+                     RNE: tl.constexpr, ROUTE: tl.constexpr):
     n = block * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < INTER
     token = slot // TOP_K
-    expert, weight = routed_slot(logits_ptr + token * stride_l, bias_ptr, E, slot % TOP_K,
-                                 scale, TOP_K, BLOCK_E)
-    if block == 0:
-        tl.store(ids_ptr + slot, expert)
-        tl.store(weights_ptr + slot, weight)
+    if ROUTE:
+        expert, weight = routed_slot(logits_ptr + token * stride_l, bias_ptr, E, slot % TOP_K,
+                                     scale, TOP_K, BLOCK_E)
+        if block == 0:
+            tl.store(ids_ptr + slot, expert)
+            tl.store(weights_ptr + slot, weight)
+    else:  # routed by an earlier launch
+        expert = tl.load(ids_ptr + slot)
     w = w13_ptr + expert.to(tl.int64) * stride_we
     ks = tl.arange(0, BLOCK_K)
     gate = tl.zeros([BLOCK_N], tl.float32)
@@ -75,10 +78,10 @@ def moe_route_fc1_situ_kernel(x_ptr, w13_ptr, logits_ptr, bias_ptr, ids_ptr, wei
                               stride_sw, stride_sout, TOP_K: tl.constexpr,
                               BLOCK_E: tl.constexpr, BETA: tl.constexpr,
                               BETA_LINEAR: tl.constexpr, BLOCK_N: tl.constexpr,
-                              BLOCK_K: tl.constexpr, RNE: tl.constexpr, SHARED: tl.constexpr,
-                              S_USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr,
-                              S_BLOCK_M: tl.constexpr, S_BLOCK_N: tl.constexpr,
-                              S_BLOCK_K: tl.constexpr):
+                              BLOCK_K: tl.constexpr, RNE: tl.constexpr, ROUTE: tl.constexpr,
+                              SHARED: tl.constexpr, S_USE_DOT: tl.constexpr,
+                              DOT_FP32: tl.constexpr, S_BLOCK_M: tl.constexpr,
+                              S_BLOCK_N: tl.constexpr, S_BLOCK_K: tl.constexpr):
     pid = tl.program_id(0)
     blocks = tl.cdiv(INTER, BLOCK_N)
     routed = M * TOP_K * blocks
@@ -86,7 +89,7 @@ def moe_route_fc1_situ_kernel(x_ptr, w13_ptr, logits_ptr, bias_ptr, ids_ptr, wei
         _routed_fc1_tile(pid // blocks, pid % blocks, x_ptr, w13_ptr, logits_ptr, bias_ptr,
                          ids_ptr, weights_ptr, act_ptr, INTER, KDIM, E, stride_x, stride_l,
                          stride_we, stride_wn, scale, TOP_K, BLOCK_E, BETA, BETA_LINEAR,
-                         BLOCK_N, BLOCK_K, RNE)
+                         BLOCK_N, BLOCK_K, RNE, ROUTE)
     elif SHARED:  # the shared experts' gate/up + SiTU over h
         linear_tile(pid - routed, sx_ptr, sw_ptr, sx_ptr, sout_ptr, sout_ptr, M, S_N, S_K,
                     stride_sx, stride_sw, 0, stride_sout, 0.0, False, True, False, S_USE_DOT,
@@ -96,7 +99,8 @@ def moe_route_fc1_situ_kernel(x_ptr, w13_ptr, logits_ptr, bias_ptr, ids_ptr, wei
 @triton.jit
 def _routed_fc2_tile(token, block, act_ptr, w2_ptr, ids_ptr, weights_ptr, out_ptr, INTER, N,
                      stride_we, stride_wn, stride_out, TOP_K: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, RNE: tl.constexpr):
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, RNE: tl.constexpr,
+                     WEIGHTED: tl.constexpr):
     n = block * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
     ks = tl.arange(0, BLOCK_K)
@@ -104,7 +108,6 @@ def _routed_fc2_tile(token, block, act_ptr, w2_ptr, ids_ptr, weights_ptr, out_pt
     for j in range(0, TOP_K):
         slot = token * TOP_K + j
         expert = tl.load(ids_ptr + slot).to(tl.int64)
-        weight = tl.load(weights_ptr + slot)
         w = w2_ptr + expert * stride_we
         part = tl.zeros([BLOCK_N], tl.float32)
         for k0 in range(0, INTER, BLOCK_K):
@@ -114,7 +117,10 @@ def _routed_fc2_tile(token, block, act_ptr, w2_ptr, ids_ptr, weights_ptr, out_pt
             wt = tl.load(w + n[:, None] * stride_wn + kk[None, :],
                          mask=n_ok[:, None] & k_ok[None, :], other=0.0)
             part += tl.sum(wt.to(tl.float32) * a[None, :], axis=1)
-        acc += weight * part
+        if WEIGHTED:
+            acc += tl.load(weights_ptr + slot) * part
+        else:
+            acc += part
     tl.store(out_ptr + token * stride_out + n, cast(acc, out_ptr.dtype.element_ty, RNE),
              mask=n_ok)
 
@@ -124,7 +130,7 @@ def moe_fc2_combine_kernel(act_ptr, w2_ptr, ids_ptr, weights_ptr, out_ptr, M, IN
                            stride_we, stride_wn, stride_out, sx_ptr, sw_ptr, sout_ptr, S_N,
                            S_K, stride_sx, stride_sw, stride_sout, TOP_K: tl.constexpr,
                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, RNE: tl.constexpr,
-                           SHARED: tl.constexpr, S_USE_DOT: tl.constexpr,
+                           WEIGHTED: tl.constexpr, SHARED: tl.constexpr, S_USE_DOT: tl.constexpr,
                            DOT_FP32: tl.constexpr, S_BLOCK_M: tl.constexpr,
                            S_BLOCK_N: tl.constexpr, S_BLOCK_K: tl.constexpr):
     pid = tl.program_id(0)
@@ -133,7 +139,7 @@ def moe_fc2_combine_kernel(act_ptr, w2_ptr, ids_ptr, weights_ptr, out_ptr, M, IN
     if pid < routed:
         _routed_fc2_tile(pid // blocks, pid % blocks, act_ptr, w2_ptr, ids_ptr, weights_ptr,
                          out_ptr, INTER, N, stride_we, stride_wn, stride_out, TOP_K, BLOCK_N,
-                         BLOCK_K, RNE)
+                         BLOCK_K, RNE, WEIGHTED)
     elif SHARED:  # the shared experts' down-projection
         linear_tile(pid - routed, sx_ptr, sw_ptr, sx_ptr, sout_ptr, sout_ptr, M, S_N, S_K,
                     stride_sx, stride_sw, 0, stride_sout, 0.0, False, False, False, S_USE_DOT,
@@ -176,21 +182,38 @@ def moe_route_fc1_situ(x: torch.Tensor, w13: torch.Tensor, logits: torch.Tensor,
     M, n_experts = logits.shape
     if not 1 <= top_k <= n_experts:
         raise ValueError(f"top_k {top_k} must be between 1 and the {n_experts} experts")
+    ids = torch.empty(M, top_k, dtype=torch.int32, device=x.device)
+    weights = torch.empty(M, top_k, dtype=torch.float32, device=x.device)
+    act = _fc1(x, w13, ids, top_k, situ, out, shared, logits, bias, weights, scale)
+    return act, ids, weights
+
+
+def moe_fc1_situ(x: torch.Tensor, w13: torch.Tensor, ids: torch.Tensor,
+                 situ: tuple[float, float], out: torch.Tensor | None = None) -> torch.Tensor:
+    """The standard path's FC1 + SiTU, routed by an earlier launch (``router_topk``): x [M, K],
+    w13 [E, 2I, K], ids [M, top_k] -> act [M, top_k, I]."""
+    return _fc1(x, w13, ids, ids.shape[1], situ, out)
+
+
+def _fc1(x, w13, ids, top_k, situ, out, shared=None, logits=None, bias=None, weights=None,
+         scale=1.0) -> torch.Tensor:
+    M = x.shape[0]
     _, two_i, kdim = w13.shape
     inter = two_i // 2
     if out is None:
         out = torch.empty(M, top_k, inter, dtype=w13.dtype, device=x.device)
-    ids = torch.empty(M, top_k, dtype=torch.int32, device=x.device)
-    weights = torch.empty(M, top_k, dtype=torch.float32, device=x.device)
+    route = logits is not None
     block_n, block_k = _routed_blocks()
     shared_args, shared_consts, shared_programs = _shared_launch(shared, M, situ=True)
     grid = (M * top_k * triton.cdiv(inter, block_n) + shared_programs,)
     moe_route_fc1_situ_kernel[grid](
-        x, w13, logits, bias, ids, weights, out, M, inter, kdim, n_experts, x.stride(0),
-        logits.stride(0), w13.stride(0), w13.stride(1), scale, *shared_args, TOP_K=top_k,
-        BLOCK_E=block_e(n_experts), BETA=situ[0], BETA_LINEAR=situ[1], BLOCK_N=block_n,
-        BLOCK_K=block_k, RNE=INTERPRETED, **shared_consts, num_warps=8)
-    return out, ids, weights
+        x, w13, logits, bias, ids, weights, out, M, inter, kdim,
+        logits.shape[1] if route else 0, x.stride(0), logits.stride(0) if route else 0,
+        w13.stride(0), w13.stride(1), scale, *shared_args, TOP_K=top_k,
+        BLOCK_E=block_e(logits.shape[1]) if route else 16, BETA=situ[0], BETA_LINEAR=situ[1],
+        BLOCK_N=block_n, BLOCK_K=block_k, RNE=INTERPRETED, ROUTE=route, **shared_consts,
+        num_warps=8)
+    return out
 
 
 def moe_fc2_combine(act: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor,
@@ -201,18 +224,34 @@ def moe_fc2_combine(act: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor,
 
     ``shared=(act_s [M, S], W_down [H, S], out [M, H])``: also out = act_s · W_downᵀ, in the
     same launch."""
+    M = act.shape[0]
+    if out is None:
+        out = torch.empty(M, w2.shape[1], dtype=out_dtype, device=act.device)
+    _fc2(act, w2, ids, weights, out, shared)
+    return out
+
+
+def moe_fc2(act: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """The standard path's FC2, every slot on its own (the weighted sum is a later launch):
+    act [M, top_k, I], w2 [E, N, I], ids [M, top_k] -> [M, top_k, N] fp32."""
+    M, top_k, inter = act.shape
+    out = torch.empty(M, top_k, w2.shape[1], dtype=torch.float32, device=act.device)
+    # each slot as a token with one unweighted slot
+    _fc2(act.view(M * top_k, 1, inter), w2, ids.view(M * top_k, 1), None,
+         out.view(M * top_k, -1))
+    return out
+
+
+def _fc2(act, w2, ids, weights, out, shared=None) -> None:
     M, top_k, inter = act.shape
     n = w2.shape[1]
-    if out is None:
-        out = torch.empty(M, n, dtype=out_dtype, device=act.device)
     block_n, block_k = _routed_blocks()
     shared_args, shared_consts, shared_programs = _shared_launch(shared, M, situ=False)
     grid = (M * triton.cdiv(n, block_n) + shared_programs,)
     moe_fc2_combine_kernel[grid](
         act, w2, ids, weights, out, M, inter, n, w2.stride(0), w2.stride(1), out.stride(0),
         *shared_args, TOP_K=top_k, BLOCK_N=block_n, BLOCK_K=block_k, RNE=INTERPRETED,
-        **shared_consts, num_warps=8)
-    return out
+        WEIGHTED=weights is not None, **shared_consts, num_warps=8)
 
 
 def moe_experts_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,

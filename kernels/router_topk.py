@@ -1,6 +1,7 @@
 """S6: router top-k — sigmoid scores, correction bias for the choice, top-k, renormalised
 weights — as a device function that the routed experts' first kernel runs in its prologue
-(``moe_experts.moe_route_fc1_situ``), so routing costs no launch of its own.
+(``moe_experts.moe_route_fc1_situ``), so routing costs no launch of its own. The standard
+path launches it on its own (``router_topk``, vLLM's grouped top-k kernel).
 
 All E expert scores of a token fit in one block (E = 896 → 1024 lanes). One bitonic sort
 ranks them: each biased score becomes an int64 key whose high half orders like the float and
@@ -35,6 +36,29 @@ def routed_slot(logits_ptr, bias_ptr, E, rank, scale, K: tl.constexpr, BLOCK_E: 
     total = tl.sum(tl.where(keys >= kth, scores, 0.0), axis=0)
     weight = tl.sum(tl.where(e == expert, scores, 0.0), axis=0)
     return expert, weight / total * scale
+
+
+@triton.jit
+def router_topk_kernel(logits_ptr, bias_ptr, ids_ptr, weights_ptr, E, stride_l, scale,
+                       K: tl.constexpr, BLOCK_E: tl.constexpr):
+    slot = tl.program_id(0)
+    expert, weight = routed_slot(logits_ptr + (slot // K) * stride_l, bias_ptr, E, slot % K,
+                                 scale, K, BLOCK_E)
+    tl.store(ids_ptr + slot, expert)
+    tl.store(weights_ptr + slot, weight)
+
+
+def router_topk(logits: torch.Tensor, bias: torch.Tensor, k: int, scale: float = 1.0
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference's contract in one launch, a program per (token, slot)."""
+    M, n_experts = logits.shape
+    if not 1 <= k <= n_experts or logits.stride(1) != 1:
+        raise ValueError(f"router_topk: top-{k} of {n_experts} experts, contiguous rows")
+    ids = torch.empty(M, k, dtype=torch.int32, device=logits.device)
+    weights = torch.empty(M, k, dtype=torch.float32, device=logits.device)
+    router_topk_kernel[(M * k,)](logits, bias, ids, weights, n_experts, logits.stride(0),
+                                 scale, K=k, BLOCK_E=block_e(n_experts), num_warps=4)
+    return ids, weights
 
 
 def router_topk_reference(logits: torch.Tensor, bias: torch.Tensor, k: int,

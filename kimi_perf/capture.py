@@ -229,7 +229,7 @@ def _profile(model, req: TraceRequest, device: str, out: Path, done=None) -> dic
         prof.export_chrome_trace(str(raw))
         atomic_write(out, lambda f: f.write(gzip.compress(raw.read_bytes(), 6)))
     return _metrics(req, device, run.prefill_s, run.step_s[req.warmup:],
-                    list(getattr(model, "fallbacks", [])))
+                    list(getattr(model, "fallbacks", [])), type(model).__name__)
 
 
 def profiler_schedule(warmup: int, steps: int, graphs: bool):
@@ -293,7 +293,7 @@ def _native_stderr_filtered():
 
 
 def _metrics(req: TraceRequest, device: str, prefill_s: float, steps: list[float],
-             fallbacks: list[str]) -> dict:
+             fallbacks: list[str], model: str) -> dict:
     return {
         "decode_tokens_per_s": req.batch * len(steps) / sum(steps),
         "time_to_first_token_s": prefill_s,
@@ -303,6 +303,8 @@ def _metrics(req: TraceRequest, device: str, prefill_s: float, steps: list[float
             "; CPU, Triton interpreter for the specialized path: not a speed figure"
             if device == "cpu" else ""),
         "fallbacks": fallbacks,
+        # K3Model / StandardKernelsModel: the standard path's PyTorch ops or one kernel a step
+        "model": model,
         "ops": "gpu kernels" if device == "cuda" else "cpu: annotated launches",
     }
 
@@ -344,7 +346,7 @@ def _capture_path_nsys(path: str, req: TraceRequest, device: str, run_dir: Path
     worker = json.loads(metrics_file.read_text())
     metrics_file.unlink()
     return _metrics(req, device, worker["prefill_s"], worker["step_s"],
-                    worker["fallbacks"]), sqlite
+                    worker["fallbacks"], worker["model"]), sqlite
 
 
 def analyse(files: list[Path], out_dir: Path, layers: str = "auto"

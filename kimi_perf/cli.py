@@ -178,7 +178,8 @@ def info(trace: Path) -> None:
               help="model preset: tiny, k3, k3-tp8, k3-tp16")
 @click.option("--layers", "n_layers", type=int, help="override the preset's layer count")
 @click.option("--paths", default="standard,specialized", show_default=True,
-              help="comma-separated decode paths to check")
+              help="comma-separated decode paths to check: standard, standard_kernels (the "
+              "standard path one kernel per step, as on a GPU), specialized")
 @click.option("--steps", default=8, show_default=True, type=click.IntRange(1))
 @click.option("--batch", default=2, show_default=True, type=click.IntRange(1))
 @click.option("--prompt", default=4, show_default=True, type=click.IntRange(1),

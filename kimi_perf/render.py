@@ -158,7 +158,8 @@ def validation_table(result: dict) -> Table:
                       f"{bounds['logits']:.3g}", "")
         table.add_row(path, "routing gap", f"{r['routing_max_gap']:.3g}",
                       f"{bounds['routing_gap']:.3g}", "")
-    fallbacks = [f"{path} fell back to the standard path: {'; '.join(r['fallbacks'])}"
+    fallbacks = [f"{path} fell back to the standard path's PyTorch ops: "
+                 f"{'; '.join(r['fallbacks'])}"
                  for path, r in result["paths"].items() if r.get("fallbacks")]
     if fallbacks:
         table.caption = "\n".join(fallbacks)

@@ -16,12 +16,13 @@ from kimi_perf.decode.config import preset  # noqa: E402
 from kimi_perf.decode.harness import run_decode, run_spec_decode, state_tensors  # noqa: E402
 from kimi_perf.decode.model import _expert_matmul, _gathered_expert_matmul  # noqa: E402
 from kimi_perf.decode.specialized import build_model  # noqa: E402
-from kimi_perf.decode.validate import rel_err  # noqa: E402
+from kimi_perf.decode.validate import make_path, rel_err  # noqa: E402
 from kimi_perf.decode.weights import random_weights  # noqa: E402
 from kimi_perf.readers import read_trace  # noqa: E402
 
 SMALL = preset("tiny", n_layers=4)
-BACKENDS = {"standard": "auto", "specialized": "latency_specialized"}
+# standard_kernels: the standard path as a GPU runs it, one kernel per step
+PATHS = ["standard", "standard_kernels", "specialized"]
 
 # Ops whose result the host must read (a device-to-host wait): .item(), int(t), bool(t),
 # data-dependent shapes.
@@ -43,14 +44,14 @@ def weights():
 
 
 def _prefilled(path: str, weights, batch: int = 2):
-    model = build_model(SMALL, weights, BACKENDS[path], dtype=torch.float32)
+    model = make_path(path, SMALL, weights, torch.float32)
     state = model.new_state(batch, 12)
     prompt = torch.randint(0, SMALL.vocab, (batch, 3), generator=torch.Generator().manual_seed(4))
     model.forward(prompt, state)
     return model, state
 
 
-@pytest.mark.parametrize("path", ["standard", "specialized"])
+@pytest.mark.parametrize("path", PATHS)
 def test_graph_safe_steps_do_not_sync_and_update_state_in_place(path, weights):
     model, state = _prefilled(path, weights)
     eager, eager_state = _prefilled(path, weights)
@@ -72,7 +73,7 @@ def test_graph_safe_steps_do_not_sync_and_update_state_in_place(path, weights):
         model.forward(tokens, state)
 
 
-@pytest.mark.parametrize("path", ["standard", "specialized"])
+@pytest.mark.parametrize("path", PATHS)
 def test_graph_safe_verify_step_and_rollback(path, weights):
     """A speculative verify step (what a graphed run_spec_decode replays), then the eager
     acceptance: no host sync in the step, the state where it was, as eager leaves it."""

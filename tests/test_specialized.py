@@ -14,7 +14,8 @@ torch = pytest.importorskip("torch")
 from kimi_perf.decode.config import preset  # noqa: E402
 from kimi_perf.decode.model import K3Model  # noqa: E402
 from kimi_perf.decode.specialized import SpecializedModel, build_model  # noqa: E402
-from kimi_perf.decode.validate import rel_err, validate  # noqa: E402
+from kimi_perf.decode.standard_kernels import StandardKernelsModel  # noqa: E402
+from kimi_perf.decode.validate import make_path, rel_err, validate  # noqa: E402
 from kimi_perf.decode.weights import random_weights  # noqa: E402
 
 # Four layers keep the structure (dense layer 0, KDA layers, MLA last, a residual block
@@ -27,10 +28,16 @@ def weights():
     return random_weights(SMALL, seed=5)
 
 
+KERNEL_PATHS = ["specialized", "standard_kernels"]
+
+
+@pytest.mark.parametrize("path", KERNEL_PATHS)
 @pytest.mark.parametrize("batch", [1, 8])
-def test_specialized_equals_standard_in_float32(weights, batch):
+def test_kernel_paths_equal_standard_in_float32(weights, path, batch):
+    """The specialized path, and the standard path one kernel per step, against the standard
+    path's PyTorch ops, over many decode steps."""
     std = K3Model(SMALL, weights, dtype=torch.float32)
-    fast = SpecializedModel(SMALL, weights, dtype=torch.float32)
+    fast = make_path(path, SMALL, weights, torch.float32)
     s_std, s_fast = std.new_state(batch, 16), fast.new_state(batch, 16)
     tokens = torch.randint(0, SMALL.vocab, (batch, 9), generator=torch.Generator()
                            .manual_seed(batch))
@@ -47,7 +54,8 @@ def test_specialized_equals_standard_in_float32(weights, batch):
     assert len(fast.fallbacks) == 1
 
 
-def test_specialized_verify_step_and_rollback(weights):
+@pytest.mark.parametrize("path", KERNEL_PATHS)
+def test_kernel_paths_verify_step_and_rollback(weights, path):
     batch, k = 3, 3
     gen = torch.Generator().manual_seed(21)
     prompt = torch.randint(0, SMALL.vocab, (batch, 4), generator=gen)
@@ -56,7 +64,7 @@ def test_specialized_verify_step_and_rollback(weights):
     accepted = torch.tensor([1, 2, 4])
     outs = []
     for model in (K3Model(SMALL, weights, dtype=torch.float32),
-                  SpecializedModel(SMALL, weights, dtype=torch.float32)):
+                  make_path(path, SMALL, weights, torch.float32)):
         state = model.new_state(batch, 16)
         model.forward(prompt, state)
         verify = model.forward(draft, state, keep_checkpoints=True)
@@ -68,16 +76,15 @@ def test_specialized_verify_step_and_rollback(weights):
     assert torch.equal(st_std.lengths, st_fast.lengths)
 
 
-def _tp_specialized(rank: int, weights):
+def _tp_kernel_path(rank: int, path: str, weights):
     import torch.distributed as dist
 
-    from kimi_perf.decode.specialized import SpecializedModel
     from kimi_perf.decode.tp import all_reduce_sum
     from kimi_perf.decode.weights import shard
 
     sharded = SMALL.shard(dist.get_world_size())
-    model = SpecializedModel(sharded, shard(weights, sharded, rank), dtype=torch.float32,
-                             all_reduce=all_reduce_sum)
+    model = make_path(path, sharded, shard(weights, sharded, rank), torch.float32)
+    model.all_reduce = all_reduce_sum
     state = model.new_state(2, 8)
     tokens = torch.randint(0, SMALL.vocab, (2, 5), generator=torch.Generator().manual_seed(6))
     model.forward(tokens[:, :3], state)
@@ -89,10 +96,12 @@ def _tp_specialized(rank: int, weights):
     return torch.stack(logits), launches
 
 
-def test_specialized_tp2_matches_tp1(weights):
+@pytest.mark.parametrize(("path", "kda", "mla"), [("specialized", 11, 14),
+                                                  ("standard_kernels", 21, 27)])
+def test_kernel_paths_tp2_match_tp1(weights, path, kda, mla):
     from kimi_perf.decode.tp import run_on_cpu_ranks
 
-    results = run_on_cpu_ranks(2, _tp_specialized, weights)
+    results = run_on_cpu_ranks(2, _tp_kernel_path, path, weights)
     single = K3Model(SMALL, weights, dtype=torch.float32)
     state = single.new_state(2, 8)
     tokens = torch.randint(0, SMALL.vocab, (2, 5), generator=torch.Generator().manual_seed(6))
@@ -102,9 +111,10 @@ def test_specialized_tp2_matches_tp1(weights):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     launches = results[0][1]
     per_layer = {i: sum(1 for layer, _ in launches if layer == i) for i in range(4)}
-    # 9 and 12 launches plus o_proj's all-reduce and one all-reduce for the MoE: within
-    # the 13 per KDA layer and 15 per gated-MLA layer the plan allows.
-    assert per_layer[1] == 11 and per_layer[3] == 14
+    # Specialized: 9 and 12 launches plus o_proj's all-reduce and one for the MoE, within the
+    # 13 per KDA layer and 15 per gated-MLA layer the plan allows. Standard: 18 and 24 plus
+    # three all-reduces.
+    assert (per_layer[1], per_layer[3]) == (kda, mla)
 
 
 def test_validate_both_paths_in_bf16():
@@ -128,6 +138,11 @@ def test_fallbacks_and_backend_selection(weights):
     assert fast.unsupported(torch.zeros(2, 1, dtype=torch.long), False) is None
     with pytest.raises(ValueError, match="decode_backend"):
         build_model(SMALL, weights, "fast")
+    # the standard path one kernel per step: a GPU's default, asked for here
+    assert isinstance(build_model(SMALL, weights, standard_ops="kernels"),
+                      StandardKernelsModel)
+    with pytest.raises(ValueError, match="standard_ops"):
+        build_model(SMALL, weights, standard_ops="eager")
 
 
 def test_every_kernel_compiles_for_sm90a_without_spills(tmp_path):
@@ -266,7 +281,7 @@ def test_trace_with_two_tp_ranks(tmp_path):
     assert {f"{p}.rank{r}.trace.json.gz" for p in ("standard", "specialized")
             for r in (0, 1)} <= names
     assert doc["run"]["tp"] == 2 and len(doc["run"]["paths"]["standard"]["ranks"]) == 2
-    for path, launches, collectives in (("standard", {"kda": 20, "mla": 26}, 3),
+    for path, launches, collectives in (("standard", {"kda": 21, "mla": 27}, 3),
                                         ("specialized", {"kda": 11, "mla": 14}, 2)):
         types = {t["type"]: t for t in doc["paths"][path]["layer_types"]}
         assert {k: types[k]["kernels"] for k in launches} == launches
@@ -281,17 +296,20 @@ NO_KERNEL = {getattr(torch.ops.aten, name) for name in (
     "_reshape_alias", "lift_fresh")}
 
 
-@pytest.mark.parametrize(("batch", "tokens_per_seq"), [(2, 1), (1, 4)])
-def test_annotated_launches_are_the_launches(weights, batch, tokens_per_seq, monkeypatch):
-    """Per layer, the specialized path's ``launch`` annotations (what the CPU table and
-    ``validate`` count) are exactly the kernels a GPU would run: one Triton kernel each and
-    the collectives, no PyTorch op that launches a kernel of its own in between (a copy, a
-    cat, a cast). An identity all-reduce stands in for TP's, so its neighbours are checked
-    too."""
+@pytest.mark.parametrize(("path", "batch", "tokens_per_seq"),
+                         [("specialized", 2, 1), ("specialized", 1, 4),
+                          ("standard_kernels", 2, 1), ("standard_kernels", 1, 4)])
+def test_annotated_launches_are_the_launches(weights, path, batch, tokens_per_seq,
+                                             monkeypatch):
+    """Per layer, a kernel path's ``launch`` annotations (what the CPU table and ``validate``
+    count) are exactly the kernels a GPU would run: one Triton kernel, one cuBLAS call (mm,
+    bmm) or one elementwise op each, and the collectives; nothing in between that launches a
+    kernel of its own (a copy, a cat, a cast). The specialized path launches Triton kernels
+    only. An identity all-reduce stands in for TP's, so its neighbours are checked too."""
     from torch.utils._python_dispatch import TorchDispatchMode
     from triton.runtime import interpreter
 
-    model = SpecializedModel(SMALL, weights, dtype=torch.float32)
+    model = make_path(path, SMALL, weights, torch.float32)
     state = model.new_state(batch, 16)
     prompt = torch.randint(0, SMALL.vocab, (batch, 3), generator=torch.Generator().manual_seed(9))
     model.forward(prompt, state)
@@ -328,6 +346,10 @@ def test_annotated_launches_are_the_launches(weights, batch, tokens_per_seq, mon
     for layer in range(SMALL.n_layers):
         annotated = [name for i, name in model.launches if i == layer]
         ran = [name for i, name in actual if i == layer]
-        assert not [name for name in ran if name.startswith("aten.")], (layer, ran)
+        torch_ops = [name for name in ran if name.startswith("aten.")]
+        if path == "specialized":
+            assert not torch_ops, (layer, ran)
+        else:
+            assert set(torch_ops) <= {"aten.mm", "aten.bmm", "aten.add"}, (layer, ran)
         assert len(ran) == len(annotated), (layer, annotated, ran)
         assert ran.count("all_reduce") == sum("all_reduce" in name for name in annotated)

@@ -4,9 +4,11 @@ One forward handles T new tokens per sequence: a prompt (prefill), one token (de
 tokens (speculative verify). Activations are bf16 (or the weights' dtype), the KDA state is
 fp32, the latent KV cache bf16 or fp8 e4m3 with a per-tensor scale, as in vLLM.
 
-Each step of vLLM's standard sequence is one ``self.launch(name)`` below; on a GPU each is one
-kernel launch (a GEMM, a collective, or one of vLLM's fused Triton/CUDA ops, here written as the
-equivalent PyTorch). The sequence, per layer (``*`` only when TP > 1):
+Each step of vLLM's standard sequence is one ``self.launch(name)`` below: in vLLM one kernel
+launch (a GEMM, a collective, or one of its fused Triton/CUDA ops), here written as the
+equivalent PyTorch, which on a GPU launches several kernels per fused op. On a GPU the
+standard path therefore runs ``standard_kernels.StandardKernelsModel``: the same steps, one
+kernel each. The sequence, per layer (``*`` only when TP > 1):
 
 KDA layer (vLLM ``kda.py`` / ``model.py``)::
 
@@ -30,8 +32,8 @@ Latent MoE (vLLM ``latent_moe_runner.py``, the portable tail of tier 1)::
 
     router_gemm (fp32 out), latent_down_proj, topk (sigmoid + bias + top-k + renormalise),
     moe_fc1_situ, moe_fc2, moe_finalize, shared_gate_up, shared_situ_and_mul, shared_down,
-    latent_all_reduce_rmsnorm (the norm alone at TP 1), latent_up_proj, shared_all_reduce*,
-    moe_add
+    latent_all_reduce*, latent_rmsnorm (one FlashInfer kernel in vLLM under TP; two here),
+    latent_up_proj, shared_all_reduce*, moe_add
 
 Layer 0 runs a dense MLP instead of the MoE: ``dense_gate_up, dense_situ_and_mul,
 dense_down, all_reduce*``.
@@ -460,11 +462,8 @@ class K3Model:
         act = self._situ(gu)
         self.launch("shared_down")
         shared = act @ self.w[m + "shared_experts.down_proj.weight"].T
-        routed = routed.to(self.dtype)
-        if self.all_reduce is not None:
-            routed = self._all_reduce(routed, "latent_all_reduce_rmsnorm")
-        else:
-            self.launch("latent_rmsnorm")
+        routed = self._all_reduce(routed.to(self.dtype), "latent_all_reduce")
+        self.launch("latent_rmsnorm")
         routed = _rms_norm(routed, self.w[m + "routed_expert_norm.weight"], c.rms_eps)
         self.launch("latent_up_proj")
         up = routed @ self.w[m + "routed_expert_up_proj.weight"].T

@@ -21,9 +21,9 @@ as ``kimi_perf_kernels``). Per KDA layer, at TP 1 (TP > 1 adds the all-reduces):
 9 launches where the standard path makes 18. The shared experts need no stream of their own:
 their tiles share the routed experts' two grids and run beside them. With TP > 1 two
 all-reduces follow (o_proj's, and one, in place, for the routed latent and the shared
-experts, which FC2 writes side by side): 11 against 20; fusing them into the GEMMs needs a GPU
+experts, which FC2 writes side by side): 11 against 21; fusing them into the GEMMs needs a GPU
 collective (symmetric memory) and is not done yet. Per gated-MLA layer (12 against 24 at TP 1,
-14 against 26 with TP)::
+14 against 27 with TP)::
 
     S1  attn_res_pre
     M2  qkv_a_g_proj          one pass over x for [W_q_a; W_kv_a; W_g]
@@ -41,22 +41,13 @@ It applies to pure decode steps (batch 1-64, one token each) and to speculative 
 
 from __future__ import annotations
 
-import math
-import os
-
 import torch
 
-# Without a GPU the kernels need Triton's interpreter (kimi_perf.decode chooses it when it is
-# imported before triton).
-if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
-    raise ImportError("the specialized path needs a GPU, or TRITON_INTERPRET=1 set before "
-                      "triton is imported")
-
 from kimi_perf.decode.config import K3Config
+from kimi_perf.decode.kernel_path import KernelPathModel
 from kimi_perf.decode.model import DecodeState, K3Model
-from kimi_perf.decode.reference import Observer
+from kimi_perf.decode.standard_kernels import StandardKernelsModel
 from kimi_perf.decode.weights import Weights, layer_prefix
-from kimi_perf_kernels.attn_res import attn_res
 from kimi_perf_kernels.kda_decode import kda_decode
 from kimi_perf_kernels.mla_absorb_insert import mla_absorb_insert
 from kimi_perf_kernels.mla_attention import mla_attention
@@ -64,22 +55,14 @@ from kimi_perf_kernels.mla_uv_gate import mla_uv_gate
 from kimi_perf_kernels.moe_experts import moe_fc2_combine, moe_route_fc1_situ
 from kimi_perf_kernels.skinny_linear import skinny_linear
 
-MAX_BATCH = 64
-MAX_VERIFY_TOKENS = 8
 
-
-class SpecializedModel(K3Model):
+class SpecializedModel(KernelPathModel):
     def __init__(self, c: K3Config, weights: Weights, dtype: torch.dtype = torch.bfloat16,
                  device: torch.device | str = "cpu", all_reduce=None):
         super().__init__(c, weights, dtype=dtype, device=device, all_reduce=all_reduce)
-        self.fallbacks: list[str] = []
-        self.steps = 0
         for i in range(c.n_layers):
             p = layer_prefix(i)
             packed = self.packed[i]
-            for name in ("self_attention_res", "mlp_res"):
-                packed[name + "_qk"] = (self.w[p + name + "_norm.weight"]
-                                        * self.w[p + name + "_proj.weight"].float().reshape(-1))
             if c.is_mla(i):
                 a = p + "self_attn."
                 packed["qkv_a_g"] = torch.cat([packed["qkv_a"], self.w[a + "g_proj.weight"]])
@@ -87,70 +70,13 @@ class SpecializedModel(K3Model):
                 m = p + "mlp."
                 packed["router_down"] = torch.cat([self.w[m + "gate.weight"],
                                                    self.w[m + "routed_expert_down_proj.weight"]])
-        self.final_qk = (self.w["model.output_attn_res_norm.weight"]
-                         * self.w["model.output_attn_res_proj.weight"].float().reshape(-1))
 
-    def unsupported(self, tokens: torch.Tensor, keep_checkpoints: bool) -> str | None:
-        """Why a step must take the standard path, or None when it need not."""
-        B, T = tokens.shape
-        if B > MAX_BATCH:
-            return f"batch {B} > {MAX_BATCH}"
-        if T > 1 and not keep_checkpoints:
-            return f"prefill of {T} tokens"
-        if T > MAX_VERIFY_TOKENS:
-            return f"verify of {T} tokens > {MAX_VERIFY_TOKENS}"
-        return None
-
-    def forward(self, tokens: torch.Tensor, state: DecodeState, observer: Observer | None = None,
-                keep_checkpoints: bool = False, layer_hook=None) -> torch.Tensor:
-        step = self.steps
-        self.steps += 1
-        reason = self.unsupported(tokens, keep_checkpoints)
-        if reason is not None:
-            self.fallbacks.append(f"step {step}: {reason}")
-            return super().forward(tokens, state, observer, keep_checkpoints, layer_hook)
-        c = self.c
-        B, T = tokens.shape
-        M = B * T
-        positions = self.positions(state, T)
-        eps = c.rms_eps
-        self.layer = -1
-        prefix = self.w["model.embed_tokens.weight"][tokens.reshape(M)].contiguous()
-        blocks = prefix.new_empty(M, math.ceil(c.n_layers / c.attn_res_block), c.hidden)
-        delta = None
-        for i in range(c.n_layers):
-            with self.layer_scope(i, layer_hook):
-                p = layer_prefix(i)
-                packed = self.packed[i]
-                boundary = i % c.attn_res_block == 0
-                n_done = math.ceil(i / c.attn_res_block)
-                self.launch("attn_res_pre")
-                x = attn_res(prefix, delta, blocks, n_done,
-                             i // c.attn_res_block if boundary else -1,
-                             packed["self_attention_res_qk"], self.w[p + "input_layernorm.weight"],
-                             eps)
-                if c.is_mla(i):
-                    a = self._fast_mla(i, x, state, positions.reshape(M), T)
-                else:
-                    a = self._fast_kda(i, x, state, B, T, keep_checkpoints)
-                self.launch("attn_res_post")
-                h = attn_res(prefix, a, blocks, n_done + int(boundary), -1, packed["mlp_res_qk"],
-                             self.w[p + "post_attention_layernorm.weight"], eps, reset=boundary)
-                m, chosen = self._fast_dense(h) if i == 0 else self._fast_moe(i, h)
-                if observer is not None:
-                    observer.record(i, a, m, chosen, B, T)
-                delta = m
-        self.layer = c.n_layers
-        self.launch("attn_res_final")
-        out = attn_res(prefix, delta, blocks, blocks.shape[1], -1, self.final_qk, None, eps)
+    def lm_head(self, out: torch.Tensor) -> torch.Tensor:
         self.launch("lm_head")  # the final RMSNorm rides in the GEMV's prologue
-        logits = skinny_linear(out, self.w["lm_head.weight"], norm=self.w["model.norm.weight"],
-                               out_dtype=torch.float32, eps=eps)
-        self.end_op()
-        state.lengths.add_(T)
-        return logits.view(B, T, -1)
+        return skinny_linear(out, self.w["lm_head.weight"], norm=self.w["model.norm.weight"],
+                             out_dtype=torch.float32, eps=self.c.rms_eps)
 
-    def _fast_kda(self, i: int, x: torch.Tensor, state: DecodeState, B: int, T: int,
+    def kda_layer(self, i: int, x: torch.Tensor, state: DecodeState, B: int, T: int,
                   keep: bool) -> torch.Tensor:
         c = self.c
         a = layer_prefix(i) + "self_attn."
@@ -171,7 +97,7 @@ class SpecializedModel(K3Model):
         out = skinny_linear(o.view(B * T, -1), self.w[a + "o_proj.weight"])
         return self._all_reduce(out)
 
-    def _fast_mla(self, i: int, x: torch.Tensor, state: DecodeState, positions: torch.Tensor,
+    def mla_layer(self, i: int, x: torch.Tensor, state: DecodeState, positions: torch.Tensor,
                   T: int) -> torch.Tensor:
         c = self.c
         a = layer_prefix(i) + "self_attn."
@@ -196,7 +122,7 @@ class SpecializedModel(K3Model):
         out = skinny_linear(o, self.w[a + "o_proj.weight"])
         return self._all_reduce(out)
 
-    def _fast_dense(self, h: torch.Tensor) -> tuple[torch.Tensor, None]:
+    def dense_mlp(self, h: torch.Tensor) -> tuple[torch.Tensor, None]:
         c = self.c
         m = layer_prefix(0) + "mlp."
         self.launch("dense_gate_up_situ")
@@ -206,7 +132,7 @@ class SpecializedModel(K3Model):
         out = skinny_linear(act, self.w[m + "down_proj.weight"])
         return self._all_reduce(out), None
 
-    def _fast_moe(self, i: int, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def moe(self, i: int, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         c = self.c
         m = layer_prefix(i) + "mlp."
         p = self.packed[i]
@@ -238,11 +164,22 @@ class SpecializedModel(K3Model):
 
 def build_model(c: K3Config, weights: Weights, decode_backend: str = "auto",
                 dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu",
-                all_reduce=None) -> K3Model:
-    """``auto`` keeps the standard path; ``latency_specialized`` selects the fused one."""
-    if decode_backend == "auto":
-        return K3Model(c, weights, dtype=dtype, device=device, all_reduce=all_reduce)
+                all_reduce=None, standard_ops: str | None = None) -> K3Model:
+    """``auto`` keeps the standard path; ``latency_specialized`` selects the fused one.
+
+    ``standard_ops``: how the standard path runs its decode steps: ``kernels``, one kernel per
+    step as vLLM launches them (``StandardKernelsModel``; the default on a GPU), or ``torch``,
+    PyTorch ops (the default on a CPU, where Triton runs in its interpreter)."""
     if decode_backend == "latency_specialized":
         return SpecializedModel(c, weights, dtype=dtype, device=device, all_reduce=all_reduce)
-    raise ValueError(f"decode_backend must be auto or latency_specialized, not "
-                     f"{decode_backend!r}")
+    if decode_backend != "auto":
+        raise ValueError(f"decode_backend must be auto or latency_specialized, not "
+                         f"{decode_backend!r}")
+    if standard_ops is None:
+        standard_ops = "kernels" if torch.device(device).type == "cuda" else "torch"
+    if standard_ops == "kernels":
+        return StandardKernelsModel(c, weights, dtype=dtype, device=device,
+                                    all_reduce=all_reduce)
+    if standard_ops != "torch":
+        raise ValueError(f"standard_ops must be kernels or torch, not {standard_ops!r}")
+    return K3Model(c, weights, dtype=dtype, device=device, all_reduce=all_reduce)

@@ -13,7 +13,9 @@ from kimi_perf.decode.model import FP8, K3Model
 from kimi_perf.decode.reference import Observer, ReferenceModel
 from kimi_perf.decode.weights import random_weights
 
-PATHS = ("standard", "specialized")
+# standard_kernels: the standard path's steps as one kernel each, as it runs on a GPU
+PATHS = ("standard", "standard_kernels", "specialized")
+DEFAULT_PATHS = ("standard", "specialized")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 # Relative-error bounds per compute dtype (and for an fp8 latent cache). float32 checks the
@@ -46,6 +48,10 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 def make_path(name: str, c: K3Config, weights, dtype: torch.dtype) -> K3Model:
     if name == "standard":
         return K3Model(c, weights, dtype=dtype)
+    if name == "standard_kernels":
+        from kimi_perf.decode.standard_kernels import StandardKernelsModel
+
+        return StandardKernelsModel(c, weights, dtype=dtype)
     if name == "specialized":
         from kimi_perf.decode.specialized import SpecializedModel
 
@@ -109,7 +115,7 @@ def validate_path(path: str, run: ValidationRun) -> dict:
     return result
 
 
-def validate(preset_name: str = "tiny", paths: tuple[str, ...] = PATHS, steps: int = 8,
+def validate(preset_name: str = "tiny", paths: tuple[str, ...] = DEFAULT_PATHS, steps: int = 8,
              batch: int = 2, prompt: int = 4, dtype: str = "bfloat16", kv_cache: str = "bf16",
              seed: int = 0, n_layers: int | None = None) -> dict:
     run = ValidationRun(preset(preset_name, n_layers=n_layers), batch, prompt, steps, dtype,

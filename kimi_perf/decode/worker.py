@@ -38,7 +38,8 @@ def main(argv: list[str]) -> int:
     steps = run.step_s[request["warmup"]:]
     with open(metrics_out, "w") as f:
         json.dump({"prefill_s": run.prefill_s, "step_s": steps,
-                   "fallbacks": list(getattr(model, "fallbacks", []))}, f)
+                   "fallbacks": list(getattr(model, "fallbacks", [])),
+                   "model": type(model).__name__}, f)
     return 0
 
 

@@ -49,3 +49,22 @@ def test_kda_verify_mode_writes_every_position():
     torch.testing.assert_close(states, states_ref, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(convs, convs_ref, rtol=0, atol=0)
     torch.testing.assert_close(states[-1], state, rtol=0, atol=0)
+
+
+def test_kda_decode_with_the_f_b_projection_given():
+    """The standard path's variant: f = f_a · W_fbᵀ arrives from its own GEMM (fp32 here, so
+    it equals the fused projection up to summation order)."""
+    batch, tokens, heads, d, f_rank = 2, 2, 2, 16, 16
+    z, params, conv_state, state = inputs(batch, tokens, heads, d, f_rank, 9)
+    conv_ref, state_ref = conv_state.clone(), state.clone()
+    expected = kda_decode_reference(z, conv_state=conv_ref, state=state_ref, **params)
+    proj = heads * d
+    f = z[..., 4 * proj: 4 * proj + f_rank].float() @ params["w_fb"].float().T
+    out = torch.empty(batch, tokens, proj, dtype=torch.bfloat16)
+    poison(out)
+    kda_decode(z, conv_state=conv_state, state=state, out=out, f=f,
+               **{**params, "w_fb": torch.full_like(params["w_fb"], float("nan"))})
+    assert_close_bf16(out, expected, ulps=4)
+    torch.testing.assert_close(state, state_ref, rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match="kda_decode: f"):
+        kda_decode(z, conv_state=conv_state, state=state, f=f[:, :1], **params)

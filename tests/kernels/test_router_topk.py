@@ -1,21 +1,10 @@
 import pytest
 import torch
-import triton
-import triton.language as tl
 
-from kimi_perf_kernels.router_topk import block_e, routed_slot, router_topk_reference
-from tests.kernels.util import poison
+from kimi_perf_kernels.router_topk import router_topk, router_topk_reference
 
-
-@triton.jit
-def _every_slot(logits_ptr, bias_ptr, ids_ptr, weights_ptr, E, stride_l, scale,
-                K: tl.constexpr, BLOCK_E: tl.constexpr):
-    """The device function alone: one program per (token, slot)."""
-    slot = tl.program_id(0)
-    expert, weight = routed_slot(logits_ptr + (slot // K) * stride_l, bias_ptr, E, slot % K,
-                                 scale, K, BLOCK_E)
-    tl.store(ids_ptr + slot, expert)
-    tl.store(weights_ptr + slot, weight)
+# router_topk launches the device function ``routed_slot`` that the routed experts' first
+# kernel runs in its prologue: one program per (token, slot).
 
 
 @pytest.mark.parametrize(("m", "e", "k"), [(1, 16, 4), (1, 896, 6), (3, 100, 16)])
@@ -24,11 +13,7 @@ def test_routed_slot_matches_topk_reference(m, e, k):
     logits = torch.randn(m, e + 7, generator=gen)[:, :e]   # a strided view, like the GEMV's
     # (E = 896 on one token only: the interpreter sorts 1024 lanes per program slowly.)
     bias = 0.3 * torch.randn(e, generator=gen)
-    ids = torch.full((m, k), -1, dtype=torch.int32)
-    weights = torch.empty(m, k)
-    poison(weights)
-    _every_slot[(m * k,)](logits, bias, ids, weights, e, logits.stride(0), 2.5, K=k,
-                          BLOCK_E=block_e(e))
+    ids, weights = router_topk(logits, bias, k, scale=2.5)
     want_ids, want_weights = router_topk_reference(logits, bias, k, scale=2.5)
     assert torch.equal(ids, want_ids)
     torch.testing.assert_close(weights, want_weights, rtol=1e-5, atol=1e-6)
@@ -40,8 +25,6 @@ def test_ties_go_to_the_lower_expert_and_negative_scores_rank_right():
     int64 keys must order negative floats correctly too)."""
     logits = torch.zeros(1, 8)
     bias = torch.tensor([0.0, -5.0, 0.0, 0.2, -3.0, 0.0, -5.0, 0.1])
-    ids = torch.full((1, 8), -1, dtype=torch.int32)
-    weights = torch.empty(1, 8)
-    _every_slot[(8,)](logits, bias, ids, weights, 8, 8, 1.0, K=8, BLOCK_E=8)
+    ids, weights = router_topk(logits, bias, 8)
     assert ids[0].tolist() == [3, 7, 0, 2, 5, 4, 1, 6]
     torch.testing.assert_close(weights, torch.full((1, 8), 1 / 8))

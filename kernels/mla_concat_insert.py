@@ -1,0 +1,80 @@
+"""The standard path's ``q_concat_kv_cache_insert`` (vLLM's
+``fused_mla_decode_q_concat_kv_cache_insert``): after the bmm with W_UK, q̂ = [q_nope·W_UK |
+q_pe] per head, and the token's normed latent [kv_c | k_pe] (fp8-quantised with the cache's
+scale when the cache is fp8) written into the cache at its position, in one launch.
+
+Grid (tokens, heads + 1): programs h < H copy one head's q̂ row, the last one writes the
+cache row. The specialized path does this inside ``mla_absorb_insert`` with the bmm and the
+kv RMSNorm; here both arrive computed.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kimi_perf_kernels.common import INTERPRETED, cast
+
+
+@triton.jit
+def mla_concat_insert_kernel(ql_ptr, q_ptr, kv_ptr, kpe_ptr, cache_ptr, pos_ptr, qhat_ptr, H,
+                             T, stride_ql_h, stride_ql_m, stride_q, stride_kv, stride_kpe,
+                             stride_cache_b, stride_cache_s, kv_scale, NOPE: tl.constexpr,
+                             ROPE: tl.constexpr, LORA: tl.constexpr,
+                             BLOCK_ROPE: tl.constexpr, FP8: tl.constexpr, RNE: tl.constexpr):
+    m = tl.program_id(0)
+    h = tl.program_id(1)
+    lo = tl.arange(0, LORA)
+    r = tl.arange(0, BLOCK_ROPE)
+    r_ok = r < ROPE
+    if h < H:
+        qhat = qhat_ptr + (m * H + h) * (LORA + ROPE)
+        tl.store(qhat + lo, tl.load(ql_ptr + h * stride_ql_h + m * stride_ql_m + lo))
+        q_pe = tl.load(q_ptr + m * stride_q + h * (NOPE + ROPE) + NOPE + r, mask=r_ok)
+        tl.store(qhat + LORA + r, q_pe, mask=r_ok)
+    else:
+        kv = tl.load(kv_ptr + m * stride_kv + lo).to(tl.float32)
+        k_pe = tl.load(kpe_ptr + m * stride_kpe + r, mask=r_ok, other=0.0).to(tl.float32)
+        slot = cache_ptr + (m // T) * stride_cache_b + tl.load(pos_ptr + m) * stride_cache_s
+        if FP8:
+            kv = tl.minimum(tl.maximum(kv / kv_scale, -448.0), 448.0)
+            k_pe = tl.minimum(tl.maximum(k_pe / kv_scale, -448.0), 448.0)
+        tl.store(slot + lo, cast(kv, cache_ptr.dtype.element_ty, RNE))
+        tl.store(slot + LORA + r, cast(k_pe, cache_ptr.dtype.element_ty, RNE), mask=r_ok)
+
+
+def mla_concat_insert(ql: torch.Tensor, q: torch.Tensor, kv_c: torch.Tensor,
+                      k_pe: torch.Tensor, cache: torch.Tensor, positions: torch.Tensor,
+                      tokens_per_seq: int, kv_scale: float, nope: int) -> torch.Tensor:
+    """ql [H, M, kv_lora] (the bmm's head-major output), q [M, H·(nope+rope)] (for q_pe),
+    kv_c [M, kv_lora] (normed), k_pe [M, rope]; writes cache [B, S, kv_lora+rope] at
+    ``positions`` [M] -> q̂ [M, H, kv_lora+rope]."""
+    H, M, lora = ql.shape
+    rope = k_pe.shape[1]
+    if cache.shape[-1] != lora + rope or q.shape != (M, H * (nope + rope)):
+        raise ValueError(f"mla_concat_insert: q̂ parts {tuple(ql.shape)}, q "
+                         f"{tuple(q.shape)} and cache {tuple(cache.shape)} do not fit")
+    if any(t.stride(-1) != 1 for t in (ql, q, kv_c, k_pe)) or cache.stride(2) != 1:
+        raise ValueError("mla_concat_insert needs contiguous rows")
+    qhat = torch.empty(M, H, lora + rope, dtype=q.dtype, device=q.device)
+    mla_concat_insert_kernel[(M, H + 1)](
+        ql, q, kv_c, k_pe, cache, positions, qhat, H, tokens_per_seq, ql.stride(0),
+        ql.stride(1), q.stride(0), kv_c.stride(0), k_pe.stride(0), cache.stride(0),
+        cache.stride(1), kv_scale, NOPE=nope, ROPE=rope, LORA=lora,
+        BLOCK_ROPE=triton.next_power_of_2(rope), FP8=cache.dtype == torch.float8_e4m3fn,
+        RNE=INTERPRETED, num_warps=4)
+    return qhat
+
+
+def mla_concat_insert_reference(ql, q, kv_c, k_pe, cache, positions, tokens_per_seq,
+                                kv_scale, nope):
+    H, M, _ = ql.shape
+    rope = k_pe.shape[1]
+    q_pe = q.view(M, H, nope + rope)[..., nope:]
+    qhat = torch.cat([ql.transpose(0, 1), q_pe], dim=-1)
+    entry = torch.cat([kv_c, k_pe], dim=-1).float()
+    if cache.dtype == torch.float8_e4m3fn:
+        entry = (entry / kv_scale).clamp(-448, 448)
+    cache[torch.arange(M) // tokens_per_seq, positions] = entry.to(cache.dtype)
+    return qhat

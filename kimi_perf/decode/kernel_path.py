@@ -1,0 +1,128 @@
+"""What the two kernel-built decode paths share: the standard path's kernel form
+(``standard_kernels``) and the latency-specialized path (``specialized``).
+
+A decode or verify step runs as launches of kernels from ``kernels/`` (and, for the standard
+path, cuBLAS GEMMs), one per ``launch`` annotation; a step these kernels do not take (a
+prefill, a batch over 64, a verify of more than 8 tokens) runs the standard path's PyTorch
+ops, and ``fallbacks`` says which steps did and why. The forward loop below is the model's
+(embedding, then per layer: attention residuals, attention, attention residuals, MLP; final
+residual mix and the LM head); a path gives the layers.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+# Without a GPU the kernels need Triton's interpreter (kimi_perf.decode chooses it when it is
+# imported before triton).
+if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+    raise ImportError("the kernel-built decode paths need a GPU, or TRITON_INTERPRET=1 set "
+                      "before triton is imported")
+
+from kimi_perf.decode.config import K3Config
+from kimi_perf.decode.model import DecodeState, K3Model
+from kimi_perf.decode.reference import Observer
+from kimi_perf.decode.weights import Weights, layer_prefix
+from kimi_perf_kernels.attn_res import attn_res
+
+MAX_BATCH = 64
+MAX_VERIFY_TOKENS = 8
+
+
+class KernelPathModel(K3Model):
+    def __init__(self, c: K3Config, weights: Weights, dtype: torch.dtype = torch.bfloat16,
+                 device: torch.device | str = "cpu", all_reduce=None):
+        super().__init__(c, weights, dtype=dtype, device=device, all_reduce=all_reduce)
+        self.fallbacks: list[str] = []
+        self.steps = 0
+        # the attention residuals' query folded into their RMSNorm weight, as attn_res takes it
+        for i in range(c.n_layers):
+            p = layer_prefix(i)
+            for name in ("self_attention_res", "mlp_res"):
+                self.packed[i][name + "_qk"] = (
+                    self.w[p + name + "_norm.weight"]
+                    * self.w[p + name + "_proj.weight"].float().reshape(-1))
+        self.final_qk = (self.w["model.output_attn_res_norm.weight"]
+                         * self.w["model.output_attn_res_proj.weight"].float().reshape(-1))
+
+    def unsupported(self, tokens: torch.Tensor, keep_checkpoints: bool) -> str | None:
+        """Why a step must take the standard path's PyTorch ops, or None when it need not."""
+        B, T = tokens.shape
+        if B > MAX_BATCH:
+            return f"batch {B} > {MAX_BATCH}"
+        if T > 1 and not keep_checkpoints:
+            return f"prefill of {T} tokens"
+        if T > MAX_VERIFY_TOKENS:
+            return f"verify of {T} tokens > {MAX_VERIFY_TOKENS}"
+        return None
+
+    def forward(self, tokens: torch.Tensor, state: DecodeState, observer: Observer | None = None,
+                keep_checkpoints: bool = False, layer_hook=None) -> torch.Tensor:
+        step = self.steps
+        self.steps += 1
+        reason = self.unsupported(tokens, keep_checkpoints)
+        if reason is not None:
+            self.fallbacks.append(f"step {step}: {reason}")
+            return super().forward(tokens, state, observer, keep_checkpoints, layer_hook)
+        c = self.c
+        B, T = tokens.shape
+        M = B * T
+        positions = self.positions(state, T)
+        eps = c.rms_eps
+        self.layer = -1
+        prefix = self.w["model.embed_tokens.weight"][tokens.reshape(M)].contiguous()
+        blocks = prefix.new_empty(M, math.ceil(c.n_layers / c.attn_res_block), c.hidden)
+        delta = None
+        for i in range(c.n_layers):
+            with self.layer_scope(i, layer_hook):
+                p = layer_prefix(i)
+                packed = self.packed[i]
+                boundary = i % c.attn_res_block == 0
+                n_done = math.ceil(i / c.attn_res_block)
+                self.launch("attn_res_pre")
+                x = attn_res(prefix, delta, blocks, n_done,
+                             i // c.attn_res_block if boundary else -1,
+                             packed["self_attention_res_qk"], self.w[p + "input_layernorm.weight"],
+                             eps)
+                if c.is_mla(i):
+                    a = self.mla_layer(i, x, state, positions.reshape(M), T)
+                else:
+                    a = self.kda_layer(i, x, state, B, T, keep_checkpoints)
+                self.launch("attn_res_post")
+                h = attn_res(prefix, a, blocks, n_done + int(boundary), -1, packed["mlp_res_qk"],
+                             self.w[p + "post_attention_layernorm.weight"], eps, reset=boundary)
+                m, chosen = self.dense_mlp(h) if i == 0 else self.moe(i, h)
+                if observer is not None:
+                    observer.record(i, a, m, chosen, B, T)
+                delta = m
+        self.layer = c.n_layers
+        self.launch("attn_res_final")
+        out = attn_res(prefix, delta, blocks, blocks.shape[1], -1, self.final_qk, None, eps)
+        logits = self.lm_head(out)
+        self.end_op()
+        state.lengths.add_(T)
+        return logits.view(B, T, -1)
+
+    # -- what a path gives: x [M, hidden] in, [M, hidden] out -------------------------------
+
+    def kda_layer(self, i: int, x: torch.Tensor, state: DecodeState, B: int, T: int,
+                  keep: bool) -> torch.Tensor:
+        raise NotImplementedError
+
+    def mla_layer(self, i: int, x: torch.Tensor, state: DecodeState, positions: torch.Tensor,
+                  T: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def dense_mlp(self, h: torch.Tensor) -> tuple[torch.Tensor, None]:
+        raise NotImplementedError
+
+    def moe(self, i: int, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(output, the experts each token chose)"""
+        raise NotImplementedError
+
+    def lm_head(self, out: torch.Tensor) -> torch.Tensor:
+        """The final RMSNorm and the LM head: fp32 logits [M, vocab]."""
+        raise NotImplementedError
