@@ -158,14 +158,26 @@ def builds() -> list[Build]:
                                      "kpe_ptr": "*bf16", "cache_ptr": f"*{cache}",
                                      "pos_ptr": "*i64", "qhat_ptr": "*bf16",
                                      "kv_scale": "fp32"}, consts), consts))
-        consts = {"LORA": 512, "ROPE": 64, "BLOCK_ROPE": 64, "HB": 16, "BLOCK_S": 32,
-                  "FP8": cache != "bf16", "DOT_FP32": False, "RNE": False}
-        out.append(Build(f"mla_attention {cache} cache", mla_attention.mla_attention_kernel,
-                         _signature(mla_attention.mla_attention_kernel,
-                                    {**bf16, "cache_ptr": f"*{cache}"}, consts), consts, 8))
-    consts = {"LORA": 512, "V": 128, "BLOCK_L": 64, "RNE": False}
-    out.append(Build("mla_uv_gate", mla_uv_gate.mla_uv_gate_kernel,
-                     _signature(mla_uv_gate.mla_uv_gate_kernel, bf16, consts), consts))
+        for splits in (1, 16):
+            consts = {"LORA": 512, "ROPE": 64, "BLOCK_ROPE": 64, "HB": 16, "BLOCK_S": 32,
+                      "SPLITS": splits, "FP8": cache != "bf16", "DOT_FP32": False,
+                      "RNE": False}
+            types = {**bf16, "cache_ptr": f"*{cache}",
+                     "out_ptr": "*bf16" if splits == 1 else "*fp32"}
+            out.append(Build(f"mla_attention {cache} cache, {splits} split(s)",
+                             mla_attention.mla_attention_kernel,
+                             _signature(mla_attention.mla_attention_kernel, types, consts),
+                             consts, 8))
+    consts = {"LORA": 512, "SPLITS": 16, "BLOCK_SPLITS": 16, "RNE": False}
+    out.append(Build("mla_combine 16 splits", mla_attention.mla_combine_kernel,
+                     _signature(mla_attention.mla_combine_kernel, {"out_ptr": "*bf16"}, consts),
+                     consts))
+    for splits in (1, 16):
+        consts = {"LORA": 512, "V": 128, "BLOCK_L": 64, "SPLITS": splits,
+                  "BLOCK_SPLITS": max(2, splits), "RNE": False}
+        types = {**bf16, "olat_ptr": "*bf16" if splits == 1 else "*fp32"}
+        out.append(Build(f"mla_uv_gate {splits} split(s)", mla_uv_gate.mla_uv_gate_kernel,
+                         _signature(mla_uv_gate.mla_uv_gate_kernel, types, consts), consts))
     return out
 
 

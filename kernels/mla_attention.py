@@ -1,10 +1,21 @@
-"""M5: absorbed MLA decode attention over the latent cache (multi-query: one latent head).
+"""M5: absorbed MLA decode attention over the latent cache (multi-query: one latent head),
+split over the cache positions when a step has too few tokens to fill the GPU.
 
-Grid (tokens, head blocks). Every head of a token attends to the same cache rows, so a program
-takes a block of HB heads and streams the cache once for all of them: per BLOCK_S positions,
-scores = q̂_lat · kv_latᵀ + q̂_pe · kv_peᵀ (the 576-wide dot split at the kv_lora / rope
-boundary), an online softmax, and acc += p · kv_lat. A token sees the cache up to its own
-position (causal within a verify step). fp8 caches are dequantised with the per-tensor scale.
+Grid (tokens, head blocks, splits). Every head of a token attends to the same cache rows, so a
+program takes a block of HB heads and streams its share of the cache once for all of them: per
+BLOCK_S positions, scores = q̂_lat · kv_latᵀ + q̂_pe · kv_peᵀ (the 576-wide dot split at the
+kv_lora / rope boundary), an online softmax, and acc += p · kv_lat. A token sees the cache up
+to its own position (causal within a verify step). fp8 caches are dequantised with the
+per-tensor scale.
+
+At batch 1 a K3 TP8 rank has 12 heads, one head block: a single program would stream the whole
+cache on one SM. So the positions are split (flash-decoding): split j takes the j-th of
+``splits`` equal chunks of the token's positions (the chunk is computed on the device from the
+token's own position, so a CUDA graph replays it at any length) and writes its normalised
+partial output and log-sum-exp; ``combine_splits`` merges them, weighted by
+exp(lse_j - max lse). With one split the kernel writes the output itself. The merge runs in
+``mla_combine`` (the standard path: FlashMLA's second launch) or in the prologue of the
+specialized path's ``mla_uv_gate``.
 """
 
 from __future__ import annotations
@@ -17,13 +28,14 @@ from kimi_perf_kernels.common import INTERPRETED, cast
 
 
 @triton.jit
-def mla_attention_kernel(qhat_ptr, cache_ptr, pos_ptr, out_ptr, H, T, stride_cache_b,
-                         stride_cache_s, kv_scale, sm_scale, LORA: tl.constexpr,
-                         ROPE: tl.constexpr, BLOCK_ROPE: tl.constexpr, HB: tl.constexpr,
-                         BLOCK_S: tl.constexpr, FP8: tl.constexpr, DOT_FP32: tl.constexpr,
-                         RNE: tl.constexpr):
+def mla_attention_kernel(qhat_ptr, cache_ptr, pos_ptr, out_ptr, lse_ptr, M, H, T,
+                         stride_cache_b, stride_cache_s, kv_scale, sm_scale,
+                         LORA: tl.constexpr, ROPE: tl.constexpr, BLOCK_ROPE: tl.constexpr,
+                         HB: tl.constexpr, BLOCK_S: tl.constexpr, SPLITS: tl.constexpr,
+                         FP8: tl.constexpr, DOT_FP32: tl.constexpr, RNE: tl.constexpr):
     m = tl.program_id(0)
     heads = tl.program_id(1) * HB + tl.arange(0, HB)
+    split = tl.program_id(2)
     h_ok = heads < H
     lo = tl.arange(0, LORA)
     r = tl.arange(0, BLOCK_ROPE)
@@ -34,14 +46,17 @@ def mla_attention_kernel(qhat_ptr, cache_ptr, pos_ptr, out_ptr, H, T, stride_cac
     if DOT_FP32:
         q_lat = q_lat.to(tl.float32)
         q_pe = q_pe.to(tl.float32)
-    last = tl.load(pos_ptr + m)
+    n_pos = tl.load(pos_ptr + m) + 1
+    chunk = tl.cdiv(tl.cdiv(n_pos, SPLITS), BLOCK_S) * BLOCK_S
+    start = split * chunk
+    end = tl.minimum(start + chunk, n_pos)
     base = cache_ptr + (m // T) * stride_cache_b
     running_max = tl.full([HB], -float("inf"), tl.float32)
     total = tl.zeros([HB], tl.float32)
     acc = tl.zeros([HB, LORA], tl.float32)
-    for s0 in range(0, last + 1, BLOCK_S):
+    for s0 in range(start, end, BLOCK_S):
         s = s0 + tl.arange(0, BLOCK_S)
-        s_ok = s <= last
+        s_ok = s < end
         kv = tl.load(base + s[:, None] * stride_cache_s + lo[None, :], mask=s_ok[:, None],
                      other=0.0)
         pe = tl.load(base + s[:, None] * stride_cache_s + LORA + r[None, :],
@@ -65,27 +80,90 @@ def mla_attention_kernel(qhat_ptr, cache_ptr, pos_ptr, out_ptr, H, T, stride_cac
         else:
             acc = acc * rescale[:, None] + tl.dot(p.to(tl.bfloat16), kv)
         running_max = new_max
-    out = acc / total[:, None]
-    tl.store(out_ptr + (m * H + heads[:, None]) * LORA + lo[None, :],
+    # an empty split (a short cache) contributes nothing: output 0, lse -inf
+    out = acc / tl.maximum(total, 1e-30)[:, None]
+    row = (split * M + m) * H + heads
+    tl.store(out_ptr + row[:, None] * LORA + lo[None, :],
              cast(out, out_ptr.dtype.element_ty, RNE), mask=h_ok[:, None])
+    if SPLITS > 1:
+        lse = tl.where(total > 0, running_max + tl.log(tl.maximum(total, 1e-30)),
+                       -float("inf"))
+        tl.store(lse_ptr + row, lse, mask=h_ok)
+
+
+@triton.jit
+def combine_splits(parts_ptr, lse_ptr, m, h, M, H, ls, LORA: tl.constexpr,
+                   SPLITS: tl.constexpr, BLOCK_SPLITS: tl.constexpr):
+    """Head h of token m, output columns ``ls``: Σ_j w_j · part_j, w_j ∝ exp(lse_j)."""
+    j = tl.arange(0, BLOCK_SPLITS)
+    j_ok = j < SPLITS
+    rows = (j * M + m) * H + h
+    lse = tl.load(lse_ptr + rows, mask=j_ok, other=-float("inf"))
+    w = tl.exp(lse - tl.max(lse, axis=0))
+    w = w / tl.sum(w, axis=0)
+    part = tl.load(parts_ptr + rows[:, None] * LORA + ls[None, :], mask=j_ok[:, None],
+                   other=0.0)
+    return tl.sum(w[:, None] * part, axis=0)
+
+
+@triton.jit
+def mla_combine_kernel(parts_ptr, lse_ptr, out_ptr, M, H, LORA: tl.constexpr,
+                       SPLITS: tl.constexpr, BLOCK_SPLITS: tl.constexpr, RNE: tl.constexpr):
+    m = tl.program_id(0)
+    h = tl.program_id(1)
+    ls = tl.arange(0, LORA)
+    o = combine_splits(parts_ptr, lse_ptr, m, h, M, H, ls, LORA, SPLITS, BLOCK_SPLITS)
+    tl.store(out_ptr + (m * H + h) * LORA + ls, cast(o, out_ptr.dtype.element_ty, RNE))
+
+
+HEAD_BLOCK = 16
+MAX_SPLITS = 16
+MIN_SPLIT_POSITIONS = 64
+
+
+def mla_splits(tokens: int, heads: int, capacity: int, device: torch.device) -> int:
+    """Position splits for a step: enough programs to give every SM one, chunks of at least
+    64 cache positions; 1 on a CPU. Depends on shapes only, so a CUDA graph keeps it."""
+    if device.type != "cuda":
+        return 1
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    programs = tokens * triton.cdiv(heads, HEAD_BLOCK)
+    return max(1, min(MAX_SPLITS, sms // programs, capacity // MIN_SPLIT_POSITIONS))
 
 
 def mla_attention(qhat: torch.Tensor, cache: torch.Tensor, positions: torch.Tensor,
                   tokens_per_seq: int, kv_lora: int, kv_scale: float, sm_scale: float,
-                  out: torch.Tensor | None = None) -> torch.Tensor:
-    """q̂ [M, H, kv_lora+rope], cache [B, S, kv_lora+rope], positions [M] -> [M, H, kv_lora]."""
+                  splits: int = 1) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """q̂ [M, H, kv_lora+rope], cache [B, S, kv_lora+rope], positions [M] -> (parts
+    [splits, M, H, kv_lora], lse [splits, M, H] fp32). With one split parts[0] is the output
+    (in q̂'s dtype) and lse is None; with more, parts are fp32 partial outputs for
+    ``mla_combine`` (or ``mla_uv_gate``) to merge."""
     M, H, width = qhat.shape
-    if out is None:
-        out = torch.empty(M, H, kv_lora, dtype=qhat.dtype, device=qhat.device)
-    hb = 16
+    if not 1 <= splits <= MAX_SPLITS:
+        raise ValueError(f"mla_attention: {splits} splits (1 to {MAX_SPLITS})")
+    parts = torch.empty(splits, M, H, kv_lora, dtype=qhat.dtype if splits == 1 else
+                        torch.float32, device=qhat.device)
+    lse = torch.empty(splits, M, H, dtype=torch.float32, device=qhat.device) \
+        if splits > 1 else None
     rope = width - kv_lora
     scale = kv_scale if cache.dtype == torch.float8_e4m3fn else 1.0
-    mla_attention_kernel[(M, triton.cdiv(H, hb))](
-        qhat, cache, positions, out, H, tokens_per_seq, cache.stride(0), cache.stride(1),
-        scale, sm_scale, LORA=kv_lora, ROPE=rope,
-        BLOCK_ROPE=max(16, triton.next_power_of_2(rope)), HB=hb,
-        BLOCK_S=64 if INTERPRETED else 32, FP8=cache.dtype == torch.float8_e4m3fn,
-        DOT_FP32=INTERPRETED, RNE=INTERPRETED, num_warps=8)
+    mla_attention_kernel[(M, triton.cdiv(H, HEAD_BLOCK), splits)](
+        qhat, cache, positions, parts, lse if lse is not None else parts, M, H, tokens_per_seq,
+        cache.stride(0), cache.stride(1), scale, sm_scale, LORA=kv_lora, ROPE=rope,
+        BLOCK_ROPE=max(16, triton.next_power_of_2(rope)), HB=HEAD_BLOCK,
+        BLOCK_S=64 if INTERPRETED else 32, SPLITS=splits,
+        FP8=cache.dtype == torch.float8_e4m3fn, DOT_FP32=INTERPRETED, RNE=INTERPRETED,
+        num_warps=8)
+    return parts, lse
+
+
+def mla_combine(parts: torch.Tensor, lse: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Split partial outputs [splits, M, H, kv_lora] -> [M, H, kv_lora] in ``dtype``."""
+    splits, M, H, lora = parts.shape
+    out = torch.empty(M, H, lora, dtype=dtype, device=parts.device)
+    mla_combine_kernel[(M, H)](parts, lse, out, M, H, LORA=lora, SPLITS=splits,
+                               BLOCK_SPLITS=max(2, triton.next_power_of_2(splits)),
+                               RNE=INTERPRETED, num_warps=4)
     return out
 
 

@@ -32,12 +32,14 @@ KERNEL_PATHS = ["specialized", "standard_kernels"]
 
 
 @pytest.mark.parametrize("path", KERNEL_PATHS)
-@pytest.mark.parametrize("batch", [1, 8])
-def test_kernel_paths_equal_standard_in_float32(weights, path, batch):
+@pytest.mark.parametrize(("batch", "splits"), [(1, None), (8, None), (2, 3)])
+def test_kernel_paths_equal_standard_in_float32(weights, path, batch, splits):
     """The specialized path, and the standard path one kernel per step, against the standard
-    path's PyTorch ops, over many decode steps."""
+    path's PyTorch ops, over many decode steps; also with the MLA attention split over the
+    cache positions, as a GPU splits it at small batches."""
     std = K3Model(SMALL, weights, dtype=torch.float32)
     fast = make_path(path, SMALL, weights, torch.float32)
+    fast.attention_splits = splits
     s_std, s_fast = std.new_state(batch, 16), fast.new_state(batch, 16)
     tokens = torch.randint(0, SMALL.vocab, (batch, 9), generator=torch.Generator()
                            .manual_seed(batch))
@@ -296,10 +298,10 @@ NO_KERNEL = {getattr(torch.ops.aten, name) for name in (
     "_reshape_alias", "lift_fresh")}
 
 
-@pytest.mark.parametrize(("path", "batch", "tokens_per_seq"),
-                         [("specialized", 2, 1), ("specialized", 1, 4),
-                          ("standard_kernels", 2, 1), ("standard_kernels", 1, 4)])
-def test_annotated_launches_are_the_launches(weights, path, batch, tokens_per_seq,
+@pytest.mark.parametrize(("path", "batch", "tokens_per_seq", "splits"),
+                         [("specialized", 2, 1, None), ("specialized", 1, 4, 3),
+                          ("standard_kernels", 2, 1, None), ("standard_kernels", 1, 4, 3)])
+def test_annotated_launches_are_the_launches(weights, path, batch, tokens_per_seq, splits,
                                              monkeypatch):
     """Per layer, a kernel path's ``launch`` annotations (what the CPU table and ``validate``
     count) are exactly the kernels a GPU would run: one Triton kernel, one cuBLAS call (mm,
@@ -310,6 +312,7 @@ def test_annotated_launches_are_the_launches(weights, path, batch, tokens_per_se
     from triton.runtime import interpreter
 
     model = make_path(path, SMALL, weights, torch.float32)
+    model.attention_splits = splits  # 3: the standard path adds FlashMLA's combine launch
     state = model.new_state(batch, 16)
     prompt = torch.randint(0, SMALL.vocab, (batch, 3), generator=torch.Generator().manual_seed(9))
     model.forward(prompt, state)
@@ -352,4 +355,6 @@ def test_annotated_launches_are_the_launches(weights, path, batch, tokens_per_se
         else:
             assert set(torch_ops) <= {"aten.mm", "aten.bmm", "aten.add"}, (layer, ran)
         assert len(ran) == len(annotated), (layer, annotated, ran)
+        if path == "standard_kernels" and SMALL.is_mla(layer):
+            assert ("mla_decode_combine" in annotated) == (splits is not None)
         assert ran.count("all_reduce") == sum("all_reduce" in name for name in annotated)

@@ -27,6 +27,7 @@ from kimi_perf.decode.model import DecodeState, K3Model
 from kimi_perf.decode.reference import Observer
 from kimi_perf.decode.weights import Weights, layer_prefix
 from kimi_perf_kernels.attn_res import attn_res
+from kimi_perf_kernels.mla_attention import mla_splits
 
 MAX_BATCH = 64
 MAX_VERIFY_TOKENS = 8
@@ -38,6 +39,9 @@ class KernelPathModel(K3Model):
         super().__init__(c, weights, dtype=dtype, device=device, all_reduce=all_reduce)
         self.fallbacks: list[str] = []
         self.steps = 0
+        # Splits of the MLA attention over the cache positions; None: by the GPU's size
+        # (``mla_splits``; 1 on a CPU).
+        self.attention_splits: int | None = None
         # the attention residuals' query folded into their RMSNorm weight, as attn_res takes it
         for i in range(c.n_layers):
             p = layer_prefix(i)
@@ -105,6 +109,10 @@ class KernelPathModel(K3Model):
         self.end_op()
         state.lengths.add_(T)
         return logits.view(B, T, -1)
+
+    def mla_splits_for(self, tokens: int, state: DecodeState, layer: int) -> int:
+        return self.attention_splits or mla_splits(tokens, self.c.mla_heads_local,
+                                                    state.kv[layer].shape[1], self.device)
 
     # -- what a path gives: x [M, hidden] in, [M, hidden] out -------------------------------
 

@@ -29,8 +29,9 @@ collective (symmetric memory) and is not done yet. Per gated-MLA layer (12 again
     M2  qkv_a_g_proj          one pass over x for [W_q_a; W_kv_a; W_g]
     M3  q_b_proj              q_a RMSNorm in the GEMV prologue
     M4  bmm_w_uk_cache_insert q_nope · W_UK per head; kv RMSNorm (+ fp8) into the cache
-    M5  mla_decode            all heads of a token over the latent cache, online softmax
-    M6  bmm_w_uv_gate         o_lat · W_UV per head, times σ(g)
+    M5  mla_decode            all heads of a token over the latent cache, online softmax,
+                              split over the positions when the batch is small
+    M6  bmm_w_uv_gate         merge of the splits, o_lat · W_UV per head, times σ(g)
     M7  o_proj
     S1' attn_res_post, then the MoE launches above (S5-S12)
 
@@ -114,10 +115,12 @@ class SpecializedModel(KernelPathModel):
         qhat = mla_absorb_insert(q, p["w_uk"], kv, self.w[a + "kv_a_layernorm.weight"], cache,
                                  positions, T, state.kv_scale, c.rms_eps)
         self.launch("mla_decode")
-        o_lat = mla_attention(qhat, cache, positions, T, c.kv_lora, state.kv_scale,
-                              (c.qk_nope + c.qk_rope) ** -0.5)
-        self.launch("bmm_w_uv_gate")
-        o = mla_uv_gate(o_lat, p["w_uv"], gate)
+        splits = self.mla_splits_for(x.shape[0], state, i)
+        parts, lse = mla_attention(qhat, cache, positions, T, c.kv_lora, state.kv_scale,
+                                   (c.qk_nope + c.qk_rope) ** -0.5, splits)
+        self.launch("bmm_w_uv_gate")  # merges the splits on the way in
+        o = mla_uv_gate(parts if lse is not None else parts[0], p["w_uv"], gate, lse=lse,
+                        dtype=self.dtype)
         self.launch("o_proj")
         out = skinny_linear(o, self.w[a + "o_proj.weight"])
         return self._all_reduce(out)

@@ -32,7 +32,9 @@ fuses it with the latent RMSNorm in FlashInfer; here they are two launches) and 
 experts' add three. A gated-MLA layer replaces the five attention launches with
 fused_qkv_a_proj, g_proj (GEMMs), fused_q_kv_rmsnorm (rms_norm of q_c and kv_c in one launch),
 q_b_proj (GEMM), bmm_w_uk (bmm), q_concat_kv_cache_insert (mla_concat_insert), mla_decode
-(mla_attention, as the specialized path), bmm_w_uv (bmm), gate_sigmoid_mul, o_proj (GEMM).
+(mla_attention, as the specialized path; when it splits the cache positions, as at small
+batches on a GPU, mla_decode_combine follows, as FlashMLA's second launch), bmm_w_uv (bmm),
+gate_sigmoid_mul, o_proj (GEMM).
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ from kimi_perf.decode.model import DecodeState
 from kimi_perf.decode.weights import layer_prefix
 from kimi_perf_kernels.gate_sigmoid_mul import gate_sigmoid_mul
 from kimi_perf_kernels.kda_decode import kda_decode
-from kimi_perf_kernels.mla_attention import mla_attention
+from kimi_perf_kernels.mla_attention import mla_attention, mla_combine
 from kimi_perf_kernels.mla_concat_insert import mla_concat_insert
 from kimi_perf_kernels.moe_experts import moe_fc1_situ, moe_fc2
 from kimi_perf_kernels.rms_norm import rms_norm
@@ -102,8 +104,14 @@ class StandardKernelsModel(KernelPathModel):
         qhat = mla_concat_insert(ql, q, kv_c, qkv_a[:, lora_end:], state.kv[i], positions, T,
                                  state.kv_scale, c.qk_nope)
         self.launch("mla_decode")
-        o_lat = mla_attention(qhat, state.kv[i], positions, T, c.kv_lora, state.kv_scale,
-                              (c.qk_nope + c.qk_rope) ** -0.5)
+        splits = self.mla_splits_for(x.shape[0], state, i)
+        parts, lse = mla_attention(qhat, state.kv[i], positions, T, c.kv_lora, state.kv_scale,
+                                   (c.qk_nope + c.qk_rope) ** -0.5, splits)
+        if lse is None:
+            o_lat = parts[0]
+        else:  # FlashMLA's second launch
+            self.launch("mla_decode_combine")
+            o_lat = mla_combine(parts, lse, self.dtype)
         self.launch("bmm_w_uv")
         o = torch.bmm(o_lat.transpose(0, 1), p["w_uv"])                   # [H, M, v]
         self.launch("gate_sigmoid_mul")
