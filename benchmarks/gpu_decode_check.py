@@ -12,9 +12,10 @@
 4. Speed: both paths on k3-tp8 shapes (5 layers: dense, 2 KDA + MoE, 2 gated MLA) at batch 1
    and 64, eager and with CUDA graphs, profiled after warm-up. Per layer type: kernels, kernel
    µs, span µs (under graphs the replayed kernels map back to their capture inside the layer
-   ranges: ``kimi_perf.graphs``); per launch of
-   the eager specialized path: its kernels' µs against the bytes it must move over the
-   measured bandwidth (its memory floor).
+   ranges: ``kimi_perf.graphs``); per launch of both eager paths, its kernels' µs, and for
+   the specialized path against the bytes it must move over the measured bandwidth (its
+   memory floor). On a GPU the standard path is ``StandardKernelsModel``, one kernel per
+   step of vLLM's sequence (the summary names the model class of each run).
 5. The main job as a user runs it: ``kimi-perf trace`` with its GPU defaults, eager and
    ``--graphs``, its per-layer table and run directory kept.
 
@@ -182,8 +183,9 @@ def speed(path: str, c: K3Config, weights, batch: int, context: int, warmup: int
               # "nvtx" under graphs: the replayed kernels found their capture's layer ranges
               "layer_sources": sorted({s["layer_source"] for s in b.steps}),
               "replayed_kernels_mapped_to_capture": int((capture_launches(trace) >= 0).sum())}
-    if isinstance(model, SpecializedModel) and not graphs:
-        floors = launch_bytes(c, batch, context)
+    result["model"] = type(model).__name__
+    if not graphs:  # per launch, both paths; memory floors for the specialized one
+        floors = launch_bytes(c, batch, context) if isinstance(model, SpecializedModel) else {}
         per_launch: dict[str, dict] = {}
         for row in range_kernel_summary(trace):
             if not row.range or not row.range.startswith("op:"):
@@ -193,9 +195,9 @@ def speed(path: str, c: K3Config, weights, batch: int, context: int, warmup: int
             entry["kernel_ns"] += row.total_ns
         for name, entry in per_launch.items():
             per_call = entry["kernel_ns"] / max(entry["ranges"], 1) / 1e3
-            floor = floors.get(name, 0.0) / bandwidth * 1e6
+            floor = floors[name] / bandwidth * 1e6 if name in floors else None
             entry.update(us_per_launch=per_call, floor_us=floor,
-                         floor_fraction=floor / per_call if per_call else None)
+                         floor_fraction=floor / per_call if floor and per_call else None)
         result["launches"] = per_launch
     del model
     if device == "cuda":
@@ -302,12 +304,12 @@ def render_summary(results: dict) -> str:
     for name, r in (results.get("correctness") or {}).items():
         lines.append(f"correctness {name}: max rel err {r['max_rel_err']:.2e} "
                      f"{'ok' if r['ok'] else 'FAIL'}")
-    lines += ["", "| run | layer type | layers | kernels | kernel µs | span µs |",
-              "|---|---|---:|---:|---:|---:|"]
+    lines += ["", "| run | model | layer type | layers | kernels | kernel µs | span µs |",
+              "|---|---|---|---:|---:|---:|---:|"]
     for key, r in results.get("speed", {}).items():
         for t in r["layer_types"]:
-            lines.append(f"| {key} | {t['type']} | {t['layers']} | {t['kernels']:g} | "
-                         f"{t['kernel_us']:.1f} | {t['span_us']:.1f} |")
+            lines.append(f"| {key} | {r['model']} | {t['type']} | {t['layers']} | "
+                         f"{t['kernels']:g} | {t['kernel_us']:.1f} | {t['span_us']:.1f} |")
     lines += ["", "| run | median decode step ms | decode tokens/s | layers from | kernels "
               "mapped to a capture |", "|---|---:|---:|---|---:|"]
     for key, r in results.get("speed", {}).items():
@@ -323,7 +325,9 @@ def render_summary(results: dict) -> str:
                   "|---|---:|---:|---:|"]
         for name, e in sorted(r["launches"].items()):
             frac = e["floor_fraction"]
-            lines.append(f"| {name} | {e['us_per_launch']:.2f} | {e['floor_us']:.2f} | "
+            floor = e["floor_us"]
+            lines.append(f"| {name} | {e['us_per_launch']:.2f} | "
+                         f"{'-' if floor is None else f'{floor:.2f}'} | "
                          f"{'-' if frac is None else f'{frac:.2f}'} |")
     for key, r in results.get("main_job", {}).items():
         lines += ["", f"kimi-perf trace ({key}): exit {r['returncode']}"]
