@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from kimi_perf_kernels.common import INTERPRETED, cast
+from kimi_perf_kernels.mla_concat_insert import write_cache_row
 
 
 @triton.jit
@@ -45,12 +46,8 @@ def mla_absorb_insert_kernel(q_ptr, wuk_ptr, qhat_ptr, kv_ptr, kv_norm_ptr, cach
         kv = kv / tl.sqrt(tl.sum(kv * kv, axis=0) / LORA + eps) * tl.load(kv_norm_ptr + lo)
         kv = cast(kv, kv_ptr.dtype.element_ty, RNE).to(tl.float32)   # the path's bf16 latent
         k_pe = tl.load(kv_row + LORA + r, mask=r_ok, other=0.0).to(tl.float32)
-        slot = cache_ptr + (m // T) * stride_cache_b + tl.load(pos_ptr + m) * stride_cache_s
-        if FP8:
-            kv = tl.minimum(tl.maximum(kv / kv_scale, -448.0), 448.0)
-            k_pe = tl.minimum(tl.maximum(k_pe / kv_scale, -448.0), 448.0)
-        tl.store(slot + lo, cast(kv, cache_ptr.dtype.element_ty, RNE))
-        tl.store(slot + LORA + r, cast(k_pe, cache_ptr.dtype.element_ty, RNE), mask=r_ok)
+        write_cache_row(cache_ptr, pos_ptr, m, T, stride_cache_b, stride_cache_s, kv, k_pe,
+                        kv_scale, LORA, BLOCK_ROPE, ROPE, FP8, RNE)
 
 
 def mla_absorb_insert(q: torch.Tensor, w_uk: torch.Tensor, kv: torch.Tensor,

@@ -36,12 +36,24 @@ def mla_concat_insert_kernel(ql_ptr, q_ptr, kv_ptr, kpe_ptr, cache_ptr, pos_ptr,
     else:
         kv = tl.load(kv_ptr + m * stride_kv + lo).to(tl.float32)
         k_pe = tl.load(kpe_ptr + m * stride_kpe + r, mask=r_ok, other=0.0).to(tl.float32)
-        slot = cache_ptr + (m // T) * stride_cache_b + tl.load(pos_ptr + m) * stride_cache_s
-        if FP8:
-            kv = tl.minimum(tl.maximum(kv / kv_scale, -448.0), 448.0)
-            k_pe = tl.minimum(tl.maximum(k_pe / kv_scale, -448.0), 448.0)
-        tl.store(slot + lo, cast(kv, cache_ptr.dtype.element_ty, RNE))
-        tl.store(slot + LORA + r, cast(k_pe, cache_ptr.dtype.element_ty, RNE), mask=r_ok)
+        write_cache_row(cache_ptr, pos_ptr, m, T, stride_cache_b, stride_cache_s, kv, k_pe,
+                        kv_scale, LORA, BLOCK_ROPE, ROPE, FP8, RNE)
+
+
+@triton.jit
+def write_cache_row(cache_ptr, pos_ptr, m, T, stride_cache_b, stride_cache_s, kv, k_pe,
+                    kv_scale, LORA: tl.constexpr, BLOCK_ROPE: tl.constexpr,
+                    ROPE: tl.constexpr, FP8: tl.constexpr, RNE: tl.constexpr):
+    """Token m's latent [kv (LORA) | k_pe (ROPE)], fp32, into its cache row at its position;
+    an fp8 cache stores value / kv_scale, clamped to e4m3's ±448."""
+    lo = tl.arange(0, LORA)
+    r = tl.arange(0, BLOCK_ROPE)
+    slot = cache_ptr + (m // T) * stride_cache_b + tl.load(pos_ptr + m) * stride_cache_s
+    if FP8:
+        kv = tl.minimum(tl.maximum(kv / kv_scale, -448.0), 448.0)
+        k_pe = tl.minimum(tl.maximum(k_pe / kv_scale, -448.0), 448.0)
+    tl.store(slot + lo, cast(kv, cache_ptr.dtype.element_ty, RNE))
+    tl.store(slot + LORA + r, cast(k_pe, cache_ptr.dtype.element_ty, RNE), mask=r < ROPE)
 
 
 def mla_concat_insert(ql: torch.Tensor, q: torch.Tensor, kv_c: torch.Tensor,

@@ -27,6 +27,7 @@ from kimi_perf.decode.model import DecodeState, K3Model
 from kimi_perf.decode.reference import Observer
 from kimi_perf.decode.weights import Weights, layer_prefix
 from kimi_perf_kernels.attn_res import attn_res
+from kimi_perf_kernels.kda_decode import kda_decode
 from kimi_perf_kernels.mla_attention import mla_splits
 
 MAX_BATCH = 64
@@ -109,6 +110,24 @@ class KernelPathModel(K3Model):
         self.end_op()
         state.lengths.add_(T)
         return logits.view(B, T, -1)
+
+    def fused_kda_decode(self, i: int, z: torch.Tensor, state: DecodeState, B: int, T: int,
+                         keep: bool, f: torch.Tensor | None = None) -> torch.Tensor:
+        """The KDA decode kernel on layer i's in_proj output z [B·T, rows] (``f``: the f_b
+        projection when a GEMM of its own took it): the output [B, T, H·d]; a verify step
+        (``keep``) leaves every position's state for ``state.accept``."""
+        c = self.c
+        a = layer_prefix(i) + "self_attn."
+        result = kda_decode(
+            z.view(B, T, -1), c.kda_heads_local, c.kda_head_dim, c.f_rank,
+            self.w[a + "f_b_proj.weight"], self.w[a + "dt_bias"], self.w[a + "A_log"],
+            self.packed[i]["conv"], self.w[a + "o_norm.weight"], state.conv[i], state.kda[i],
+            c.rms_eps, c.gate_lower_bound, checkpoint=keep, f=f)
+        if not keep:
+            return result
+        o, states, convs = result
+        state.checkpoints[i] = (states, convs)
+        return o
 
     def mla_splits_for(self, tokens: int, state: DecodeState, layer: int) -> int:
         return self.attention_splits or mla_splits(tokens, self.c.mla_heads_local,

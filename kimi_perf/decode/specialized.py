@@ -49,7 +49,6 @@ from kimi_perf.decode.kernel_path import KernelPathModel
 from kimi_perf.decode.model import DecodeState, K3Model
 from kimi_perf.decode.standard_kernels import StandardKernelsModel
 from kimi_perf.decode.weights import Weights, layer_prefix
-from kimi_perf_kernels.kda_decode import kda_decode
 from kimi_perf_kernels.mla_absorb_insert import mla_absorb_insert
 from kimi_perf_kernels.mla_attention import mla_attention
 from kimi_perf_kernels.mla_uv_gate import mla_uv_gate
@@ -79,21 +78,11 @@ class SpecializedModel(KernelPathModel):
 
     def kda_layer(self, i: int, x: torch.Tensor, state: DecodeState, B: int, T: int,
                   keep: bool) -> torch.Tensor:
-        c = self.c
         a = layer_prefix(i) + "self_attn."
         self.launch("in_proj")
-        z = skinny_linear(x, self.packed[i]["in_proj"]).view(B, T, -1)
+        z = skinny_linear(x, self.packed[i]["in_proj"])
         self.launch("fused_kda_decode")
-        result = kda_decode(
-            z, c.kda_heads_local, c.kda_head_dim, c.f_rank, self.w[a + "f_b_proj.weight"],
-            self.w[a + "dt_bias"], self.w[a + "A_log"], self.packed[i]["conv"],
-            self.w[a + "o_norm.weight"], state.conv[i], state.kda[i], c.rms_eps,
-            c.gate_lower_bound, checkpoint=keep)
-        if keep:
-            o, states, convs = result
-            state.checkpoints[i] = (states, convs)
-        else:
-            o = result
+        o = self.fused_kda_decode(i, z, state, B, T, keep)
         self.launch("o_proj")
         out = skinny_linear(o.view(B * T, -1), self.w[a + "o_proj.weight"])
         return self._all_reduce(out)

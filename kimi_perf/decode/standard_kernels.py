@@ -45,7 +45,6 @@ from kimi_perf.decode.kernel_path import KernelPathModel
 from kimi_perf.decode.model import DecodeState
 from kimi_perf.decode.weights import layer_prefix
 from kimi_perf_kernels.gate_sigmoid_mul import gate_sigmoid_mul
-from kimi_perf_kernels.kda_decode import kda_decode
 from kimi_perf_kernels.mla_attention import mla_attention, mla_combine
 from kimi_perf_kernels.mla_concat_insert import mla_concat_insert
 from kimi_perf_kernels.moe_experts import moe_fc1_situ, moe_fc2
@@ -66,16 +65,7 @@ class StandardKernelsModel(KernelPathModel):
         self.launch("f_b_proj")
         f = z[:, 4 * proj: 4 * proj + c.f_rank] @ self.w[a + "f_b_proj.weight"].T
         self.launch("fused_kda_decode")
-        result = kda_decode(
-            z.view(B, T, -1), c.kda_heads_local, c.kda_head_dim, c.f_rank,
-            self.w[a + "f_b_proj.weight"], self.w[a + "dt_bias"], self.w[a + "A_log"],
-            self.packed[i]["conv"], self.w[a + "o_norm.weight"], state.conv[i], state.kda[i],
-            c.rms_eps, c.gate_lower_bound, checkpoint=keep, f=f.view(B, T, proj))
-        if keep:
-            o, states, convs = result
-            state.checkpoints[i] = (states, convs)
-        else:
-            o = result
+        o = self.fused_kda_decode(i, z, state, B, T, keep, f=f.view(B, T, proj))
         self.launch("o_proj")
         out = o.view(B * T, proj) @ self.w[a + "o_proj.weight"].T
         return self._all_reduce(out)
