@@ -11,6 +11,7 @@ from pathlib import Path
 import click
 from rich.console import Console
 
+from kimi_perf import gate as gate_mod
 from kimi_perf import render
 from kimi_perf.attribution import range_kernel_summary
 from kimi_perf.breakdown import Breakdown, breakdown
@@ -146,6 +147,50 @@ def compare_cmd(a: Path, b: Path, fmt: str, layers: str, step_regex: str | None,
     console = Console()
     console.print(render.comparison_table(rows, label_a, label_b or "B"))
     console.print(render.comparison_headline(rows, label_a, label_b or "B"))
+
+
+@main.command(name="gate")
+@click.argument("baseline", type=click.Path(path_type=Path))
+@click.argument("run", type=click.Path(path_type=Path))
+@click.option("--metrics", default=",".join(gate_mod.METRICS), show_default=True,
+              help="what to check: kernels (per layer, exact), kernel_us, span_us")
+@click.option("--rel-tol", default=0.05, show_default=True, type=click.FloatRange(0),
+              help="a time regresses only past this relative rise of its median")
+@click.option("--alpha", default=0.01, show_default=True, type=click.FloatRange(0, 1),
+              help="... and when the Mann-Whitney U test's p-value is below this")
+@click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table",
+              show_default=True)
+@click.option("--all", "show_all", is_flag=True, help="list the checks that pass too")
+@click.option("--update", is_flag=True, help="then store the run as the new baseline")
+@_fail_cleanly
+def gate_cmd(baseline: Path, run: Path, metrics: str, rel_tol: float, alpha: float, fmt: str,
+             show_all: bool, update: bool) -> None:
+    """Check a run against a stored baseline: exit 1 on a regression (for nightly CI).
+
+    BASELINE and RUN: a `kimi-perf trace` run directory or its breakdown.json, a breakdown
+    JSON, or a trace. More kernels per layer fail; a slower median fails when it is more than
+    --rel-tol slower and a Mann-Whitney U test over the per-layer samples says it is not noise.
+    """
+    chosen = tuple(m for m in metrics.split(",") if m)
+    unknown = [m for m in chosen if m not in gate_mod.METRICS]
+    if unknown or not chosen:
+        raise TraceError(None, f"--metrics: choose from {', '.join(gate_mod.METRICS)}")
+    base, _ = gate_mod.load_run(baseline)
+    current, doc = gate_mod.load_run(run)
+    result = gate_mod.gate(base, current, gate_mod.Tolerances(rel_tol, alpha, metrics=chosen))
+    if fmt == "json":
+        click.echo(json.dumps(result.to_json(), indent=1))
+    else:
+        console = Console()
+        table = render.gate_table(result, show_all)
+        if table.row_count:
+            console.print(table)
+        console.print(render.gate_headline(result))
+    if update:
+        atomic_write_text(baseline, json.dumps(doc, indent=1) + "\n")
+        click.echo(f"baseline {baseline} updated from {run}", err=True)
+    elif not result.ok:
+        sys.exit(1)
 
 
 @main.command()

@@ -13,6 +13,7 @@ from rich.table import Table
 from kimi_perf.attribution import RangeKernelRow
 from kimi_perf.breakdown import Breakdown
 from kimi_perf.compare import ComparisonRow
+from kimi_perf.gate import GateResult
 
 RANGES_HEADER = ["range", "pid", "tid", "range_instances", "kernel_instances", "total_ns",
                  "kernel"]
@@ -164,3 +165,40 @@ def validation_table(result: dict) -> Table:
     if fallbacks:
         table.caption = "\n".join(fallbacks)
     return table
+
+
+GATE_STYLES = {"regression": "bold red", "missing": "bold red", "improvement": "green",
+               "noise": "yellow", "new": "cyan"}
+
+
+def gate_table(result: GateResult, show_all: bool = False) -> Table:
+    """The gate's checks (all of them, or those that are not plain ok)."""
+    tol = result.tolerances
+    table = Table(title=f"Regression gate: medians, baseline vs run (time: > {tol.rel_tol:.0%} "
+                        f"and Mann-Whitney p < {tol.alpha:g})")
+    for col in ("path", "layer", "metric", "baseline", "run", "change", "p", "status"):
+        table.add_column(col, justify="left" if col in ("path", "layer", "metric", "status")
+                         else "right")
+
+    def fmt(v, spec):
+        return "-" if v is None else format(v, spec)
+
+    def value(v):
+        return "-" if v is None else f"{v:,.0f}" if abs(v) >= 1000 else f"{v:.4g}"
+    for c in result.checks:
+        if c.status == "ok" and not show_all:
+            continue
+        style = GATE_STYLES.get(c.status, "")
+        table.add_row(c.path, c.layer_type, c.metric, value(c.baseline), value(c.current),
+                      fmt(c.change, "+.1%"), fmt(c.p_value, ".2g"),
+                      f"[{style}]{c.status}[/]" if style else c.status)
+    return table
+
+
+def gate_headline(result: GateResult) -> str:
+    if result.ok:
+        return f"gate: pass ({len(result.checks)} checks)"
+    worst = "; ".join(f"{c.path} {c.layer_type} {c.metric} "
+                      + (f"{c.baseline:,.4g} -> {c.current:,.4g}" if c.status == "regression"
+                         else "missing from the run") for c in result.failures)
+    return f"gate: FAIL, {len(result.failures)} regression(s): {worst}"

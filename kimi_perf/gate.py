@@ -1,0 +1,174 @@
+"""Regression gate: a run against a stored baseline, per decode path and layer type.
+
+Kernels per layer are deterministic: any increase of a layer type's median count fails the
+gate. Times are not: a time regresses when its median rises by more than ``rel_tol`` *and* a
+one-sided Mann-Whitney U test over the per-layer samples (every layer of the type in every
+profiled step; every step for ``step``) gives p < ``alpha`` — a rise that noise explains
+passes. With fewer than ``min_samples`` samples on a side the relative threshold decides
+alone. A layer type or path the baseline has and the run lacks fails too (the analysis lost
+it); one the run adds is reported.
+
+A run is what ``kimi-perf trace`` writes (its directory, or the ``breakdown.json`` in it, one
+breakdown per decode path), a breakdown JSON of one trace, or any trace the readers take (one
+path named ``trace``). Baselines are the same files, kept under ``traces/baselines/``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from kimi_perf.breakdown import Breakdown
+from kimi_perf.errors import TraceError
+
+METRICS = ("kernels", "kernel_us", "span_us")
+STEP = "step"  # the pseudo layer type of whole decode steps (time metrics only)
+
+
+@dataclass(frozen=True)
+class Tolerances:
+    rel_tol: float = 0.05
+    alpha: float = 0.01
+    min_samples: int = 5
+    metrics: tuple[str, ...] = METRICS
+
+
+@dataclass
+class Check:
+    path: str
+    layer_type: str
+    metric: str
+    baseline: float | None
+    current: float | None
+    change: float | None      # current / baseline - 1
+    p_value: float | None     # one-sided Mann-Whitney U, in the direction of the change
+    status: str               # ok, regression, improvement, noise, missing, new
+
+    @property
+    def fails(self) -> bool:
+        return self.status in ("regression", "missing")
+
+
+@dataclass
+class GateResult:
+    checks: list[Check]
+    tolerances: Tolerances
+
+    @property
+    def failures(self) -> list[Check]:
+        return [c for c in self.checks if c.fails]
+
+    @property
+    def ok(self) -> bool:
+        return not self.failures
+
+    def to_json(self) -> dict:
+        return {"schema": 1, "ok": self.ok, "tolerances": asdict(self.tolerances),
+                "checks": [asdict(c) for c in self.checks]}
+
+
+def load_run(path: str | Path) -> tuple[dict[str, Breakdown], dict]:
+    """The breakdowns per decode path of a run (see the module doc), and the JSON document
+    that stores them (what a baseline file holds)."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "breakdown.json"
+        if not path.exists():
+            raise TraceError(path.parent, "not a kimi-perf run directory (no breakdown.json)")
+    if path.suffix == ".json":
+        try:
+            doc = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise TraceError(path, "no such file") from None
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise TraceError(path, f"not JSON ({exc})") from None
+        if isinstance(doc, dict) and isinstance(doc.get("paths"), dict) and doc["paths"]:
+            if doc.get("schema") != 1:
+                raise TraceError(path, "not a kimi-perf run breakdown of schema 1")
+            return {name: _checked(Breakdown.from_json(b, path), path)
+                    for name, b in doc["paths"].items()}, doc
+        if isinstance(doc, dict) and "layer_types" in doc:
+            return {"trace": _checked(Breakdown.from_json(doc, path), path)}, doc
+        raise TraceError(path, "neither a kimi-perf run breakdown nor a breakdown JSON")
+    from kimi_perf.breakdown import breakdown
+    from kimi_perf.readers import read_trace
+
+    b = breakdown(read_trace(path))
+    return {"trace": b}, b.to_json()
+
+
+def _checked(b: Breakdown, path: Path) -> Breakdown:
+    """A breakdown read from JSON, with the fields the gate reads."""
+    def number(v) -> bool:
+        return isinstance(v, int | float) and not isinstance(v, bool)
+    rows = [*b.layers, *b.steps] if isinstance(b.layers, list) and isinstance(b.steps, list) \
+        else None
+    if (rows is None or not isinstance(b.layer_types, list)
+            or not all(isinstance(t, dict) and isinstance(t.get("type"), str)
+                       for t in b.layer_types)
+            or not all(isinstance(r, dict) and all(number(r.get(m)) for m in METRICS)
+                       for r in rows)
+            or not all(isinstance(r.get("type"), str) for r in b.layers)):
+        raise TraceError(path, "breakdown rows lack a type, kernels, kernel_us or span_us")
+    return b
+
+
+def gate(baseline: dict[str, Breakdown], current: dict[str, Breakdown],
+         tolerances: Tolerances = Tolerances()) -> GateResult:
+    """Every (path, layer type, metric) of the baseline checked against the run."""
+    unknown = set(tolerances.metrics) - set(METRICS)
+    if unknown:
+        raise ValueError(f"unknown metrics {sorted(unknown)} (choose from {METRICS})")
+    if len(baseline) == 1 and len(current) == 1:  # one trace each: compare whatever the names
+        current = {next(iter(baseline)): next(iter(current.values()))}
+    checks: list[Check] = []
+    for path in [*baseline, *(p for p in current if p not in baseline)]:
+        base, cur = baseline.get(path), current.get(path)
+        types = [t["type"] for t in (base or cur).layer_types]
+        if base is not None and cur is not None:
+            types += [t["type"] for t in cur.layer_types if t["type"] not in types]
+        for layer_type in [*types, STEP]:
+            for metric in tolerances.metrics:
+                if layer_type == STEP and metric == "kernels":
+                    continue  # steps hold every layer: the layer types already count them
+                checks.append(_check(path, layer_type, metric,
+                                     _samples(base, layer_type, metric),
+                                     _samples(cur, layer_type, metric), tolerances))
+    return GateResult(checks, tolerances)
+
+
+def _samples(b: Breakdown | None, layer_type: str, metric: str) -> np.ndarray | None:
+    if b is None:
+        return None
+    rows = b.steps if layer_type == STEP else [r for r in b.layers if r["type"] == layer_type]
+    values = np.array([r[metric] for r in rows], dtype=np.float64)
+    return values if values.size else None
+
+
+def _check(path: str, layer_type: str, metric: str, base: np.ndarray | None,
+           cur: np.ndarray | None, tol: Tolerances) -> Check:
+    if base is None or cur is None:
+        value = None if cur is None else float(np.median(cur))
+        return Check(path, layer_type, metric, None if base is None else float(np.median(base)),
+                     value, None, None, "missing" if cur is None else "new")
+    b, c = float(np.median(base)), float(np.median(cur))
+    change = c / b - 1 if b else (0.0 if c == b else float("inf"))
+    if metric == "kernels":
+        status = "regression" if c > b else "improvement" if c < b else "ok"
+        return Check(path, layer_type, metric, b, c, change, None, status)
+    if abs(change) <= tol.rel_tol:
+        return Check(path, layer_type, metric, b, c, change, None, "ok")
+    worse = change > 0
+    p_value = None
+    if min(base.size, cur.size) >= tol.min_samples:
+        from scipy.stats import mannwhitneyu
+
+        p_value = float(mannwhitneyu(cur, base, alternative="greater" if worse else "less")
+                        .pvalue)
+        if p_value >= tol.alpha:
+            return Check(path, layer_type, metric, b, c, change, p_value, "noise")
+    return Check(path, layer_type, metric, b, c, change, p_value,
+                 "regression" if worse else "improvement")

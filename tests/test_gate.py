@@ -1,0 +1,192 @@
+"""The regression gate: synthetic breakdowns with known changes, the CLI's exit codes, and
+this repository's own CPU baseline (traces/baselines/tiny-cpu.json)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kimi_perf.breakdown import Breakdown
+from kimi_perf.cli import EXAMPLE_TRACE, main
+from kimi_perf.gate import Tolerances, gate, load_run
+from tests.conftest import REPO
+
+BASELINE = REPO / "traces" / "baselines" / "tiny-cpu.json"
+
+
+def _breakdown(kernels: dict[str, int], us: dict[str, np.ndarray]) -> Breakdown:
+    """Layers of each type with the given kernel count and per-layer µs samples."""
+    layers, steps = [], []
+    for layer_type, samples in us.items():
+        layers += [{"type": layer_type, "kernels": kernels[layer_type], "kernel_us": float(v),
+                    "span_us": float(v) * 1.01} for v in samples]
+    for i in range(4):
+        total = sum(float(np.median(v)) for v in us.values())
+        steps.append({"index": i, "kernels": sum(kernels.values()), "kernel_us": total,
+                      "span_us": total})
+    return Breakdown(source={}, steps=steps, layers=layers,
+                     layer_types=[{"type": t} for t in us])
+
+
+def _run(kernels, us):
+    return {"specialized": _breakdown(kernels, us)}
+
+
+RNG = np.random.default_rng(0)
+KDA = RNG.normal(60.0, 1.5, 40)
+MLA = RNG.normal(80.0, 2.0, 12)
+
+
+def statuses(result) -> dict[tuple[str, str], str]:
+    return {(c.layer_type, c.metric): c.status for c in result.checks}
+
+
+def test_same_run_passes():
+    run = _run({"kda": 9, "mla": 12}, {"kda": KDA, "mla": MLA})
+    result = gate(run, run)
+    assert result.ok and {c.status for c in result.checks} == {"ok"}
+    assert len(result.checks) == 2 * 3 + 2      # kernels, kernel_us, span_us; step: 2
+
+
+def test_one_more_kernel_fails_and_one_fewer_is_an_improvement():
+    base = _run({"kda": 9, "mla": 12}, {"kda": KDA, "mla": MLA})
+    run = _run({"kda": 10, "mla": 11}, {"kda": KDA, "mla": MLA})
+    result = gate(base, run)
+    s = statuses(result)
+    assert s[("kda", "kernels")] == "regression" and s[("mla", "kernels")] == "improvement"
+    assert [(c.layer_type, c.metric) for c in result.failures] == [("kda", "kernels")]
+
+
+def test_a_real_slowdown_fails_noise_and_small_changes_pass():
+    base = _run({"kda": 9, "mla": 12}, {"kda": KDA, "mla": MLA})
+    slower = _run({"kda": 9, "mla": 12}, {"kda": KDA * 1.2, "mla": MLA * 1.03})
+    s = statuses(gate(base, slower))
+    assert s[("kda", "kernel_us")] == "regression"       # +20%, 40 samples a side
+    assert s[("mla", "kernel_us")] == "ok"               # +3% is within the 5% tolerance
+    # +10% in the median, but samples that spread over ±50%: the test cannot tell it from noise
+    wide = RNG.normal(60.0, 30.0, 8)
+    noisy = gate(_run({"kda": 9}, {"kda": wide}), _run({"kda": 9}, {"kda": wide[::-1] * 1.1}))
+    layer = [c for c in noisy.checks if c.metric != "kernels" and c.layer_type == "kda"]
+    assert {c.status for c in layer} == {"noise"} and min(c.p_value for c in layer) > 0.01
+
+
+def test_few_samples_fall_back_to_the_threshold_and_faster_is_not_a_failure():
+    base = _run({"kda": 9}, {"kda": np.array([60.0, 61.0])})
+    s = statuses(gate(base, _run({"kda": 9}, {"kda": np.array([70.0, 71.0])})))
+    assert s[("kda", "kernel_us")] == "regression"
+    faster = gate(base, _run({"kda": 9}, {"kda": np.array([40.0, 41.0])}))
+    assert faster.ok and statuses(faster)[("kda", "kernel_us")] == "improvement"
+
+
+def test_a_layer_type_or_path_the_run_lost_fails():
+    base = _run({"kda": 9, "mla": 12}, {"kda": KDA, "mla": MLA})
+    lost = gate(base, _run({"kda": 9}, {"kda": KDA}))
+    assert {c.status for c in lost.failures} == {"missing"}
+    assert {c.layer_type for c in lost.failures} == {"mla"}
+    two = {**base, "standard": _breakdown({"kda": 18}, {"kda": KDA})}
+    assert not gate(two, base).ok                     # the run lacks the standard path
+    new = gate(base, two)                             # the run adds one: reported, passes
+    assert new.ok and {c.status for c in new.checks if c.path == "standard"} == {"new"}
+
+
+def test_unknown_metric_is_refused():
+    run = _run({"kda": 9}, {"kda": KDA})
+    with pytest.raises(ValueError, match="unknown metrics"):
+        gate(run, run, Tolerances(metrics=("flops",)))
+
+
+def test_cli_exit_codes_and_update(tmp_path):
+    trace = EXAMPLE_TRACE  # vLLM decode steps, layers found by their repeating pattern
+    runner = CliRunner()
+    result = runner.invoke(main, ["gate", str(trace), str(trace)])
+    assert result.exit_code == 0 and "gate: pass" in result.output
+    # a baseline with one kernel fewer per layer than the trace has
+    _, doc = load_run(trace)
+    for t in doc["layer_types"]:
+        t["kernels"] -= 1
+    for row in doc["layers"]:
+        row["kernels"] -= 1
+    baseline = tmp_path / "base.json"
+    baseline.write_text(json.dumps(doc))
+    result = runner.invoke(main, ["gate", str(baseline), str(trace), "--format", "json"])
+    assert result.exit_code == 1
+    report = json.loads(result.output)
+    assert not report["ok"] and {c["metric"] for c in report["checks"]
+                                 if c["status"] == "regression"} == {"kernels"}
+    result = runner.invoke(main, ["gate", str(baseline), str(trace), "--update"])
+    assert result.exit_code == 0
+    assert runner.invoke(main, ["gate", str(baseline), str(trace)]).exit_code == 0
+    (tmp_path / "broken.json").write_text('{"schema": 1, "paths"')
+    result = runner.invoke(main, ["gate", str(tmp_path / "broken.json"), str(trace)])
+    assert result.exit_code == 2
+    assert result.output.count("\n") == 1 and "broken.json: not JSON" in result.output
+    result = runner.invoke(main, ["gate", str(trace), str(trace), "--metrics", "flops"])
+    assert result.exit_code == 2 and "--metrics" in result.output
+
+
+def test_this_repository_keeps_its_launch_counts(tmp_path):
+    """Nightly-CI use on this CPU: a fresh `kimi-perf trace` has the launches per layer that
+    the committed baseline has (the µs of a CPU run are not a speed figure: kernels only)."""
+    runner = CliRunner()
+    result = runner.invoke(main, ["trace", "--layers", "4", "--steps", "1", "--warmup", "0",
+                                  "--context", "3", "--out", str(tmp_path), "--format",
+                                  "json"])
+    assert result.exit_code == 0, result.output
+    run_dir = next(p for p in tmp_path.iterdir() if p.is_dir())
+    result = runner.invoke(main, ["gate", str(BASELINE), str(run_dir), "--metrics", "kernels",
+                                  "--all"])
+    assert result.exit_code == 0, result.output
+    assert "gate: pass (4 checks)" in result.output
+    # the same run against a baseline from before the shared experts joined the routed
+    # experts' launches (two more per layer): an improvement; the reverse fails
+    old = tmp_path / "old.json"
+    shutil.copy(BASELINE, old)
+    doc = json.loads(old.read_text())
+    for t in doc["paths"]["specialized"]["layer_types"]:
+        t["kernels"] += 2
+    for row in doc["paths"]["specialized"]["layers"]:
+        row["kernels"] += 2
+    old.write_text(json.dumps(doc))
+    assert runner.invoke(main, ["gate", str(old), str(run_dir), "--metrics",
+                                "kernels"]).exit_code == 0
+    result = runner.invoke(main, ["gate", str(run_dir / "breakdown.json"), str(old),
+                                  "--metrics", "kernels"])
+    assert result.exit_code == 1 and "specialized kda kernels 9 -> 11" in result.output
+
+
+def test_a_directory_without_a_run_is_refused(tmp_path):
+    result = CliRunner().invoke(main, ["gate", str(tmp_path), str(BASELINE)])
+    assert result.exit_code == 2 and "no breakdown.json" in result.output
+    assert Path(BASELINE).exists()
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_fuzzed_baselines_give_one_line_errors(data):
+    """A baseline cut short or with a field changed: the gate runs, or exits 2 with one line
+    naming the file, never a traceback."""
+    text = BASELINE.read_text()
+    doc = json.loads(text)
+    if data.draw(st.booleans()):
+        mutated = text[: data.draw(st.integers(0, len(text) - 1))]
+    else:
+        rows = doc["paths"]["specialized"]["layers"]
+        row = rows[data.draw(st.integers(0, len(rows) - 1))]
+        key = data.draw(st.sampled_from(["type", "kernels", "kernel_us", "span_us"]))
+        row[key] = data.draw(st.sampled_from([None, "9", [], {}, True]))
+        mutated = json.dumps(doc)
+    with tempfile.TemporaryDirectory() as tmp:
+        bad = Path(tmp) / "base.json"
+        bad.write_text(mutated)
+        result = CliRunner().invoke(main, ["gate", str(bad), str(BASELINE)])
+    assert result.exception is None or isinstance(result.exception, SystemExit)
+    if result.exit_code == 2:
+        assert result.output.count("\n") == 1 and "base.json" in result.output
