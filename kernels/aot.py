@@ -95,41 +95,48 @@ def builds() -> list[Build]:
                          kda_decode.kda_decode_kernel,
                          _signature(kda_decode.kda_decode_kernel, kda_types, consts), consts,
                          4))
-    for m, route in ((4, True), (64, True), (4, False)):
-        # the shared experts' tiles: GEMV at M <= 4, tl.dot above; without routing and
-        # shared experts, the standard path's FC1 and per-slot FC2
-        block_m, block_n, block_k, _ = skinny_linear.launch_config(m)
-        shared = {"SHARED": route, "S_USE_DOT": m > skinny_linear.GEMV_MAX_M,
-                  "DOT_FP32": False, "S_BLOCK_M": block_m, "S_BLOCK_N": block_n,
-                  "S_BLOCK_K": block_k}
-        tag = f"+shared M={m}" if route else "standard"
-        consts = {"TOP_K": 16, "BLOCK_E": 1024, "BETA": 4.0, "BETA_LINEAR": 25.0,
-                  "BLOCK_N": 32, "BLOCK_K": 64, "RNE": False, "ROUTE": route, **shared}
-        out.append(Build(f"moe_route_fc1_situ E896 k16 I384 {tag}",
-                         moe_experts.moe_route_fc1_situ_kernel,
-                         _signature(moe_experts.moe_route_fc1_situ_kernel,
-                                    {"w13_ptr": "*bf16", "ids_ptr": "*i32", "act_ptr": "*bf16",
-                                     "scale": "fp32", "sx_ptr": "*bf16", "sw_ptr": "*bf16",
-                                     "sout_ptr": "*bf16"}, consts), consts, 8))
-        consts = {"TOP_K": 16 if route else 1, "BLOCK_N": 32, "BLOCK_K": 64, "RNE": False,
-                  "WEIGHTED": route, **shared}
-        out.append(Build(f"moe_fc2_combine N3584 I384 {tag}",
-                         moe_experts.moe_fc2_combine_kernel,
-                         _signature(moe_experts.moe_fc2_combine_kernel,
-                                    {"act_ptr": "*bf16", "w2_ptr": "*bf16", "ids_ptr": "*i32",
-                                     "sx_ptr": "*bf16", "sw_ptr": "*bf16"}, consts),
-                         consts, 8))
+    routed_types = {"w13_ptr": "*bf16", "ids_ptr": "*i32", "act_ptr": "*bf16", "scale": "fp32",
+                    "x_ptr": "*bf16", "sx_ptr": "*bf16", "sw_ptr": "*bf16",
+                    "sout_ptr": "*bf16", "w2_ptr": "*bf16", "out_ptr": "*bf16"}
+    for m, shared in ((4, True), (64, True), (4, False)):
+        # with the shared experts' tiles (GEMV at M <= 4, tl.dot above; M > 64 takes more
+        # row tiles of the same size); without them and routing, the standard path's FC1 and
+        # per-slot FC2
+        tags = {True: f"+shared M={m}", False: "standard"}
+        for kernel, situ in ((moe_experts.moe_route_fc1_situ_kernel, True),
+                             (moe_experts.moe_fc2_combine_kernel, False)):
+            consts = {"SHARED": False, "S_USE_DOT": False, "DOT_FP32": False, "S_BLOCK_M": 1,
+                      "S_BLOCK_N": 1, "S_BLOCK_K": 1}
+            if shared:
+                block_m, block_n, block_k = moe_experts.shared_tile(m, situ)
+                consts = {"SHARED": True, "S_USE_DOT": m > skinny_linear.GEMV_MAX_M,
+                          "DOT_FP32": False, "S_BLOCK_M": block_m, "S_BLOCK_N": block_n,
+                          "S_BLOCK_K": block_k}
+            consts.update(BLOCK_N=32, BLOCK_K=64, RNE=False)
+            if situ:
+                consts.update(TOP_K=16, BLOCK_E=1024, BETA=4.0, BETA_LINEAR=25.0, ROUTE=shared)
+            else:
+                consts.update(TOP_K=16 if shared else 1, WEIGHTED=shared)
+            types = {**routed_types, "sout_ptr": "*bf16" if situ else "*fp32",
+                     "out_ptr": "*fp32" if shared else "*bf16"}
+            label = "moe_route_fc1_situ E896 k16 I384" if situ else "moe_fc2_combine N3584 I384"
+            out.append(Build(f"{label} {tags[shared]}", kernel,
+                             _signature(kernel, types, consts), consts, 8))
+    consts = {"TOP_K": 16, "BLOCK_N": 1024, "RNE": False}
+    out.append(Build("moe_finalize k16 N3584", moe_experts.moe_finalize_kernel,
+                     _signature(moe_experts.moe_finalize_kernel,
+                                {"per_slot_ptr": "*bf16", "out_ptr": "*bf16"}, consts), consts))
     consts = {"K": 16, "BLOCK_E": 1024}
     out.append(Build("router_topk E896 k16", router_topk.router_topk_kernel,
                      _signature(router_topk.router_topk_kernel,
                                 {"ids_ptr": "*i32", "scale": "fp32"}, consts), consts))
-    for width, dtype in ((2048, "fp32"), (8192, "bf16")):  # q_lora | kv_lora; hidden
+    for width in (2048, 4096, 8192):  # q_lora | kv_lora; the latent; hidden (final norm)
         consts = {"BLOCK": width, "RNE": False}
         out.append(Build(f"rms_norm {width}", rms_norm.rms_norm_kernel,
                          _signature(rms_norm.rms_norm_kernel,
-                                    {"x_ptr": f"*{dtype}", "x2_ptr": f"*{dtype}",
-                                     "out_ptr": "*bf16", "out2_ptr": "*bf16", "eps": "fp32"},
-                                    consts), consts, 8))
+                                    {"x_ptr": "*bf16", "x2_ptr": "*bf16", "out_ptr": "*bf16",
+                                     "out2_ptr": "*bf16", "eps": "fp32"}, consts),
+                         consts, 8))
     consts = {"BETA": 4.0, "BETA_LINEAR": 25.0, "BLOCK": 1024, "RNE": False}
     out.append(Build("situ_and_mul", situ_and_mul.situ_and_mul_kernel,
                      _signature(situ_and_mul.situ_and_mul_kernel,
@@ -208,12 +215,11 @@ def compile_one(build: Build) -> dict:
     regs = re.search(r"Used (\d+) registers", info)
     spill_st = re.search(r"(\d+) bytes spill stores", info)
     spill_ld = re.search(r"(\d+) bytes spill loads", info)
-    smem = re.search(r"(\d+) bytes smem", info)
     return {"kernel": build.label, "num_warps": build.num_warps,
             "registers": int(regs.group(1)) if regs else None,
             "spill_stores": int(spill_st.group(1)) if spill_st else 0,
             "spill_loads": int(spill_ld.group(1)) if spill_ld else 0,
-            "smem_bytes": int(smem.group(1)) if smem else 0,
+            "smem_bytes": kernel.metadata.shared,   # Triton's dynamic shared memory
             "cubin_bytes": len(kernel.asm["cubin"])}
 
 

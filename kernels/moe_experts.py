@@ -18,9 +18,10 @@ its tokens pays off at larger batches.
 
 Shared experts ride along (``shared=(input, weight, output)``): the grid grows by the column
 tiles of a skinny linear (``skinny_linear.linear_tile``), the shared gate/up + SiTU over h
-beside FC1 and the shared down-projection beside FC2. Their tiles run concurrently with the
-routed ones, as a second stream would run them, without the stream's fork and join and
-without two launches of their own.
+beside FC1 and the shared down-projection beside FC2. Their tiles take the grid's first
+program ids, so they start in the first wave and run beside the routed ones, as a second
+stream would run them, without the stream's fork and join and without two launches of their
+own.
 """
 
 from __future__ import annotations
@@ -31,7 +32,13 @@ import triton.language as tl
 
 from kimi_perf_kernels.common import INTERPRETED, cast
 from kimi_perf_kernels.router_topk import block_e, routed_slot
-from kimi_perf_kernels.skinny_linear import GEMV_MAX_M, _situ, launch_config, linear_tile
+from kimi_perf_kernels.skinny_linear import (
+    GEMV_MAX_M,
+    _situ,
+    launch_config,
+    linear_tile,
+    tiles,
+)
 
 # (input [M, K], weight [N, K] (gate rows over up rows for FC1), output [M, N or N/2])
 Shared = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
@@ -75,23 +82,24 @@ def _routed_fc1_tile(slot, block, x_ptr, w13_ptr, logits_ptr, bias_ptr, ids_ptr,
 def moe_route_fc1_situ_kernel(x_ptr, w13_ptr, logits_ptr, bias_ptr, ids_ptr, weights_ptr,
                               act_ptr, M, INTER, KDIM, E, stride_x, stride_l, stride_we,
                               stride_wn, scale, sx_ptr, sw_ptr, sout_ptr, S_N, S_K, stride_sx,
-                              stride_sw, stride_sout, TOP_K: tl.constexpr,
+                              stride_sw, stride_sout, SHARED_PROGRAMS, TOP_K: tl.constexpr,
                               BLOCK_E: tl.constexpr, BETA: tl.constexpr,
                               BETA_LINEAR: tl.constexpr, BLOCK_N: tl.constexpr,
                               BLOCK_K: tl.constexpr, RNE: tl.constexpr, ROUTE: tl.constexpr,
                               SHARED: tl.constexpr, S_USE_DOT: tl.constexpr,
                               DOT_FP32: tl.constexpr, S_BLOCK_M: tl.constexpr,
                               S_BLOCK_N: tl.constexpr, S_BLOCK_K: tl.constexpr):
-    pid = tl.program_id(0)
+    # The shared experts' tiles take the first program ids: the block scheduler starts them
+    # with the first wave of routed tiles rather than after all of them.
+    pid = tl.program_id(0) - SHARED_PROGRAMS
     blocks = tl.cdiv(INTER, BLOCK_N)
-    routed = M * TOP_K * blocks
-    if pid < routed:
+    if pid >= 0:
         _routed_fc1_tile(pid // blocks, pid % blocks, x_ptr, w13_ptr, logits_ptr, bias_ptr,
                          ids_ptr, weights_ptr, act_ptr, INTER, KDIM, E, stride_x, stride_l,
                          stride_we, stride_wn, scale, TOP_K, BLOCK_E, BETA, BETA_LINEAR,
                          BLOCK_N, BLOCK_K, RNE, ROUTE)
     elif SHARED:  # the shared experts' gate/up + SiTU over h
-        linear_tile(pid - routed, sx_ptr, sw_ptr, sx_ptr, sout_ptr, sout_ptr, M, S_N, S_K,
+        linear_tile(tl.program_id(0), sx_ptr, sw_ptr, sx_ptr, sout_ptr, sout_ptr, M, S_N, S_K,
                     stride_sx, stride_sw, 0, stride_sout, 0.0, False, True, False, S_USE_DOT,
                     DOT_FP32, RNE, BETA, BETA_LINEAR, S_BLOCK_M, S_BLOCK_N, S_BLOCK_K)
 
@@ -128,20 +136,20 @@ def _routed_fc2_tile(token, block, act_ptr, w2_ptr, ids_ptr, weights_ptr, out_pt
 @triton.jit
 def moe_fc2_combine_kernel(act_ptr, w2_ptr, ids_ptr, weights_ptr, out_ptr, M, INTER, N,
                            stride_we, stride_wn, stride_out, sx_ptr, sw_ptr, sout_ptr, S_N,
-                           S_K, stride_sx, stride_sw, stride_sout, TOP_K: tl.constexpr,
+                           S_K, stride_sx, stride_sw, stride_sout, SHARED_PROGRAMS,
+                           TOP_K: tl.constexpr,
                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, RNE: tl.constexpr,
                            WEIGHTED: tl.constexpr, SHARED: tl.constexpr, S_USE_DOT: tl.constexpr,
                            DOT_FP32: tl.constexpr, S_BLOCK_M: tl.constexpr,
                            S_BLOCK_N: tl.constexpr, S_BLOCK_K: tl.constexpr):
-    pid = tl.program_id(0)
+    pid = tl.program_id(0) - SHARED_PROGRAMS   # shared tiles first, as in FC1
     blocks = tl.cdiv(N, BLOCK_N)
-    routed = M * blocks
-    if pid < routed:
+    if pid >= 0:
         _routed_fc2_tile(pid // blocks, pid % blocks, act_ptr, w2_ptr, ids_ptr, weights_ptr,
                          out_ptr, INTER, N, stride_we, stride_wn, stride_out, TOP_K, BLOCK_N,
                          BLOCK_K, RNE, WEIGHTED)
     elif SHARED:  # the shared experts' down-projection
-        linear_tile(pid - routed, sx_ptr, sw_ptr, sx_ptr, sout_ptr, sout_ptr, M, S_N, S_K,
+        linear_tile(tl.program_id(0), sx_ptr, sw_ptr, sx_ptr, sout_ptr, sout_ptr, M, S_N, S_K,
                     stride_sx, stride_sw, 0, stride_sout, 0.0, False, False, False, S_USE_DOT,
                     DOT_FP32, RNE, 1.0, 1.0, S_BLOCK_M, S_BLOCK_N, S_BLOCK_K)
 
@@ -151,14 +159,25 @@ def _routed_blocks() -> tuple[int, int]:
     return (256, 256) if INTERPRETED else (32, 64)
 
 
-def _shared_launch(shared: Shared | None, m: int, situ: bool) -> tuple[list, dict, int]:
-    """The shared experts' kernel arguments, constexprs and program count (none without)."""
-    block_m, block_n, block_k, _ = launch_config(m, INTERPRETED)
-    consts = {"SHARED": shared is not None, "S_USE_DOT": m > GEMV_MAX_M,
-              "DOT_FP32": INTERPRETED, "S_BLOCK_M": block_m, "S_BLOCK_N": block_n,
-              "S_BLOCK_K": block_k}
-    if shared is None:
-        return [None, None, None, 0, 0, 0, 0, 0], consts, 0
+def shared_tile(m: int, situ: bool, interpreted: bool = False) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K) of the shared experts' tiles: the skinny linear's, but the
+    GEMV with SiTU (two weight tiles) takes half the K step, so that the fused FC1 needs no
+    more registers than its routed tiles (117 on sm_90a, not 161: two blocks per SM)."""
+    block_m, block_n, block_k, _ = launch_config(m, interpreted)
+    if situ and m <= GEMV_MAX_M and not interpreted:
+        block_k //= 2
+    return block_m, block_n, block_k
+
+
+def _shared_launch(shared: Shared | None, m: int, situ: bool) -> tuple[list, dict]:
+    """The shared experts' kernel arguments (their program count last) and constexprs."""
+    if shared is None:  # fixed constexprs: no recompile per batch size
+        return [None, None, None, 0, 0, 0, 0, 0, 0], {
+            "SHARED": False, "S_USE_DOT": False, "DOT_FP32": INTERPRETED, "S_BLOCK_M": 1,
+            "S_BLOCK_N": 1, "S_BLOCK_K": 1}
+    block_m, block_n, block_k = shared_tile(m, situ, INTERPRETED)
+    consts = {"SHARED": True, "S_USE_DOT": m > GEMV_MAX_M, "DOT_FP32": INTERPRETED,
+              "S_BLOCK_M": block_m, "S_BLOCK_N": block_n, "S_BLOCK_K": block_k}
     x, w, out = shared
     n_out = w.shape[0] // 2 if situ else w.shape[0]
     if x.shape[0] != m or out.shape != (m, n_out) or w.shape[1] != x.shape[1]:
@@ -166,8 +185,9 @@ def _shared_launch(shared: Shared | None, m: int, situ: bool) -> tuple[list, dic
                          f"and output {tuple(out.shape)} do not fit {m} tokens")
     if x.stride(1) != 1 or w.stride(1) != 1 or out.stride(1) != 1:
         raise ValueError("shared experts: rows must be contiguous")
-    args = [x, w, out, n_out, x.shape[1], x.stride(0), w.stride(0), out.stride(0)]
-    return args, consts, triton.cdiv(n_out, block_n)
+    programs = tiles(m, n_out, block_m, block_n)
+    args = [x, w, out, n_out, x.shape[1], x.stride(0), w.stride(0), out.stride(0), programs]
+    return args, consts
 
 
 def moe_route_fc1_situ(x: torch.Tensor, w13: torch.Tensor, logits: torch.Tensor,
@@ -204,8 +224,8 @@ def _fc1(x, w13, ids, top_k, situ, out, shared=None, logits=None, bias=None, wei
         out = torch.empty(M, top_k, inter, dtype=w13.dtype, device=x.device)
     route = logits is not None
     block_n, block_k = _routed_blocks()
-    shared_args, shared_consts, shared_programs = _shared_launch(shared, M, situ=True)
-    grid = (M * top_k * triton.cdiv(inter, block_n) + shared_programs,)
+    shared_args, shared_consts = _shared_launch(shared, M, situ=True)
+    grid = (M * top_k * triton.cdiv(inter, block_n) + shared_args[-1],)
     moe_route_fc1_situ_kernel[grid](
         x, w13, logits, bias, ids, weights, out, M, inter, kdim,
         logits.shape[1] if route else 0, x.stride(0), logits.stride(0) if route else 0,
@@ -232,13 +252,40 @@ def moe_fc2_combine(act: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor,
 
 
 def moe_fc2(act: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """The standard path's FC2, every slot on its own (the weighted sum is a later launch):
-    act [M, top_k, I], w2 [E, N, I], ids [M, top_k] -> [M, top_k, N] fp32."""
+    """The standard path's FC2, every slot on its own (``moe_finalize`` sums them):
+    act [M, top_k, I], w2 [E, N, I], ids [M, top_k] -> [M, top_k, N] in act's dtype."""
     M, top_k, inter = act.shape
-    out = torch.empty(M, top_k, w2.shape[1], dtype=torch.float32, device=act.device)
+    out = torch.empty(M, top_k, w2.shape[1], dtype=act.dtype, device=act.device)
     # each slot as a token with one unweighted slot
     _fc2(act.view(M * top_k, 1, inter), w2, ids.view(M * top_k, 1), None,
          out.view(M * top_k, -1))
+    return out
+
+
+@triton.jit
+def moe_finalize_kernel(per_slot_ptr, weights_ptr, out_ptr, N, TOP_K: tl.constexpr,
+                        BLOCK_N: tl.constexpr, RNE: tl.constexpr):
+    token = tl.program_id(0)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ok = n < N
+    acc = tl.zeros([BLOCK_N], tl.float32)
+    for j in range(0, TOP_K):
+        slot = token * TOP_K + j
+        acc += tl.load(weights_ptr + slot) * tl.load(per_slot_ptr + slot * N + n, mask=ok,
+                                                     other=0.0).to(tl.float32)
+    tl.store(out_ptr + token * N + n, cast(acc, out_ptr.dtype.element_ty, RNE), mask=ok)
+
+
+def moe_finalize(per_slot: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype
+                 ) -> torch.Tensor:
+    """The standard path's weighted sum over the slots (vLLM's ``moe_sum``): per_slot
+    [M, top_k, N], weights [M, top_k] fp32 -> [M, N] in ``dtype``, summed in fp32."""
+    M, top_k, n = per_slot.shape
+    out = torch.empty(M, n, dtype=dtype, device=per_slot.device)
+    block = 4096 if INTERPRETED else 1024
+    moe_finalize_kernel[(M, triton.cdiv(n, block))](per_slot, weights, out, n, TOP_K=top_k,
+                                                    BLOCK_N=block, RNE=INTERPRETED,
+                                                    num_warps=4)
     return out
 
 
@@ -246,8 +293,8 @@ def _fc2(act, w2, ids, weights, out, shared=None) -> None:
     M, top_k, inter = act.shape
     n = w2.shape[1]
     block_n, block_k = _routed_blocks()
-    shared_args, shared_consts, shared_programs = _shared_launch(shared, M, situ=False)
-    grid = (M * triton.cdiv(n, block_n) + shared_programs,)
+    shared_args, shared_consts = _shared_launch(shared, M, situ=False)
+    grid = (M * triton.cdiv(n, block_n) + shared_args[-1],)
     moe_fc2_combine_kernel[grid](
         act, w2, ids, weights, out, M, inter, n, w2.stride(0), w2.stride(1), out.stride(0),
         *shared_args, TOP_K=top_k, BLOCK_N=block_n, BLOCK_K=block_k, RNE=INTERPRETED,

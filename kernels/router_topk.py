@@ -18,9 +18,9 @@ import triton.language as tl
 
 
 @triton.jit
-def routed_slot(logits_ptr, bias_ptr, E, rank, scale, K: tl.constexpr, BLOCK_E: tl.constexpr):
-    """One token's router logits at ``logits_ptr`` -> (expert of the ``rank``-th slot, its
-    renormalised weight ``scale · s_e / Σ_top-k s``)."""
+def _rank_experts(logits_ptr, bias_ptr, E, K: tl.constexpr, BLOCK_E: tl.constexpr):
+    """(lanes, sigmoid scores by expert, int64 keys by rank (descending), Σ of the top-k
+    scores) of one token's router logits."""
     e = tl.arange(0, BLOCK_E)
     valid = e < E
     scores = tl.sigmoid(tl.load(logits_ptr + e, mask=valid, other=0.0))
@@ -30,10 +30,18 @@ def routed_slot(logits_ptr, bias_ptr, E, rank, scale, K: tl.constexpr, BLOCK_E: 
     ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)          # int order == float order
     keys = (ordered.to(tl.int64) << 32) | (BLOCK_E - 1 - e).to(tl.int64)
     ranked = tl.sort(keys, descending=True)
-    key = tl.sum(tl.where(e == rank, ranked, 0), axis=0)
     kth = tl.sum(tl.where(e == K - 1, ranked, 0), axis=0)
-    expert = BLOCK_E - 1 - (key & 0xFFFFFFFF).to(tl.int32)
     total = tl.sum(tl.where(keys >= kth, scores, 0.0), axis=0)
+    return e, scores, ranked, total
+
+
+@triton.jit
+def routed_slot(logits_ptr, bias_ptr, E, rank, scale, K: tl.constexpr, BLOCK_E: tl.constexpr):
+    """One token's router logits at ``logits_ptr`` -> (expert of the ``rank``-th slot, its
+    renormalised weight ``scale · s_e / Σ_top-k s``)."""
+    e, scores, ranked, total = _rank_experts(logits_ptr, bias_ptr, E, K, BLOCK_E)
+    key = tl.sum(tl.where(e == rank, ranked, 0), axis=0)
+    expert = BLOCK_E - 1 - (key & 0xFFFFFFFF).to(tl.int32)
     weight = tl.sum(tl.where(e == expert, scores, 0.0), axis=0)
     return expert, weight / total * scale
 
@@ -41,23 +49,27 @@ def routed_slot(logits_ptr, bias_ptr, E, rank, scale, K: tl.constexpr, BLOCK_E: 
 @triton.jit
 def router_topk_kernel(logits_ptr, bias_ptr, ids_ptr, weights_ptr, E, stride_l, scale,
                        K: tl.constexpr, BLOCK_E: tl.constexpr):
-    slot = tl.program_id(0)
-    expert, weight = routed_slot(logits_ptr + (slot // K) * stride_l, bias_ptr, E, slot % K,
-                                 scale, K, BLOCK_E)
-    tl.store(ids_ptr + slot, expert)
-    tl.store(weights_ptr + slot, weight)
+    """One program per token: one sort, then the first K ranks' experts and weights."""
+    token = tl.program_id(0)
+    row = logits_ptr + token * stride_l
+    e, _, ranked, total = _rank_experts(row, bias_ptr, E, K, BLOCK_E)
+    experts = BLOCK_E - 1 - (ranked & 0xFFFFFFFF).to(tl.int32)
+    top = e < K
+    weights = tl.sigmoid(tl.load(row + experts, mask=top, other=0.0))
+    tl.store(ids_ptr + token * K + e, experts, mask=top)
+    tl.store(weights_ptr + token * K + e, weights / total * scale, mask=top)
 
 
 def router_topk(logits: torch.Tensor, bias: torch.Tensor, k: int, scale: float = 1.0
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The reference's contract in one launch, a program per (token, slot)."""
+    """The reference's contract in one launch, a program per token."""
     M, n_experts = logits.shape
     if not 1 <= k <= n_experts or logits.stride(1) != 1:
         raise ValueError(f"router_topk: top-{k} of {n_experts} experts, contiguous rows")
     ids = torch.empty(M, k, dtype=torch.int32, device=logits.device)
     weights = torch.empty(M, k, dtype=torch.float32, device=logits.device)
-    router_topk_kernel[(M * k,)](logits, bias, ids, weights, n_experts, logits.stride(0),
-                                 scale, K=k, BLOCK_E=block_e(n_experts), num_warps=4)
+    router_topk_kernel[(M,)](logits, bias, ids, weights, n_experts, logits.stride(0), scale,
+                             K=k, BLOCK_E=block_e(n_experts), num_warps=4)
     return ids, weights
 
 

@@ -26,6 +26,7 @@ import triton.language as tl
 from kimi_perf_kernels.common import INTERPRETED, cast
 
 GEMV_MAX_M = 4
+MAX_BLOCK_M = 64
 
 
 @triton.jit
@@ -42,11 +43,13 @@ def linear_tile(pid, x_ptr, w_ptr, norm_ptr, res_ptr, out_ptr, M, N_OUT, K, stri
                 RESIDUAL: tl.constexpr, USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr,
                 RNE: tl.constexpr, BETA: tl.constexpr, BETA_LINEAR: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Output columns [pid·BLOCK_N, (pid+1)·BLOCK_N) of all M rows: the body of
+    """Tile ``pid`` of the output: BLOCK_N columns of BLOCK_M rows (column tiles first, then
+    row tiles: one row tile unless a verify step brings more than BLOCK_M tokens). The body of
     ``skinny_linear_kernel``, also run by kernels that fuse a skinny linear beside their own
     work (``moe_experts``)."""
-    rows = tl.arange(0, BLOCK_M)
-    cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_tiles = tl.cdiv(N_OUT, BLOCK_N)
+    rows = (pid // col_tiles) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = (pid % col_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < M
     col_ok = cols < N_OUT
     ks = tl.arange(0, BLOCK_K)
@@ -121,7 +124,7 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor, norm: torch.Tensor | None = 
     use_dot = M > GEMV_MAX_M
     block_m, block_n, block_k, warps = launch_config(M, INTERPRETED)
     beta, beta_linear = situ or (1.0, 1.0)
-    grid = (triton.cdiv(n_out, block_n),)
+    grid = (tiles(M, n_out, block_m, block_n),)
     skinny_linear_kernel[grid](
         x, w, norm if norm is not None else x, residual if residual is not None else out, out,
         M, n_out, K, x.stride(0), w.stride(0),
@@ -135,14 +138,21 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor, norm: torch.Tensor | None = 
 
 def launch_config(m: int, interpreted: bool = False) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps): the largest tiles that stay near 128 registers
-    without spilling on sm_90a (``python -m kimi_perf_kernels.aot`` checks them). The
-    interpreter pays per program and per op, not per element: it gets big tiles."""
+    without spilling on sm_90a (``python -m kimi_perf_kernels.aot`` checks them); rows beyond
+    MAX_BLOCK_M (a verify step of a large batch) take more row tiles. The interpreter pays per
+    program and per op, not per element: it gets big column tiles."""
+    block_m = triton.next_power_of_2(m) if m <= GEMV_MAX_M else \
+        min(MAX_BLOCK_M, max(16, triton.next_power_of_2(m)))
     if interpreted:
-        return max(16, triton.next_power_of_2(m)) if m > GEMV_MAX_M else \
-            triton.next_power_of_2(m), 256, 256, 4
+        return block_m, 256, 256, 4
     if m <= GEMV_MAX_M:
-        return triton.next_power_of_2(m), 32, 64, 8
-    return max(16, triton.next_power_of_2(m)), 64, 32, 8
+        return block_m, 32, 64, 8
+    return block_m, 64, 32, 8
+
+
+def tiles(m: int, n_out: int, block_m: int, block_n: int) -> int:
+    """Programs ``linear_tile`` takes for an [m, n_out] output."""
+    return triton.cdiv(n_out, block_n) * triton.cdiv(m, block_m)
 
 
 def skinny_linear_reference(x: torch.Tensor, w: torch.Tensor, norm: torch.Tensor | None = None,

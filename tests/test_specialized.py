@@ -119,9 +119,14 @@ def test_kernel_paths_tp2_match_tp1(weights, path, kda, mla):
     assert (per_layer[1], per_layer[3]) == (kda, mla)
 
 
-def test_validate_both_paths_in_bf16():
-    result = validate("tiny", ("standard", "specialized"), steps=4, batch=2, n_layers=4)
+@pytest.mark.parametrize("kv_cache", ["bf16", "fp8"])
+def test_validate_every_path_in_bf16(kv_cache):
+    """Against the float64 reference within bf16's bounds: both paths, and the standard one
+    as a GPU runs it (one kernel per step), with a bf16 and an fp8 latent cache."""
+    result = validate("tiny", ("standard", "standard_kernels", "specialized"), steps=4,
+                      batch=2, n_layers=4, kv_cache=kv_cache)
     assert result["ok"], result["failures"]
+    assert result["paths"]["standard_kernels"]["layer_types"]["mla"]["launches"] == 24
     fast = result["paths"]["specialized"]
     assert fast["layer_types"]["kda"]["launches"] <= 13
     assert fast["layer_types"]["mla"]["launches"] <= 15

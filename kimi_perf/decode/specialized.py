@@ -146,7 +146,8 @@ class SpecializedModel(KernelPathModel):
                         shared=(shared_act, self.w[m + "shared_experts.down_proj.weight"],
                                 shared))
         if self.all_reduce is not None:
-            self._all_reduce(moe_out, "moe_all_reduce")  # in place
+            moe_out = self._all_reduce(moe_out, "moe_all_reduce")
+            routed, shared = moe_out[:, : c.latent], moe_out[:, c.latent:]
         self.launch("latent_up_proj")
         out = skinny_linear(routed, self.w[m + "routed_expert_up_proj.weight"],
                             norm=self.w[m + "routed_expert_norm.weight"], residual=shared,

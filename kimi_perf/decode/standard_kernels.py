@@ -19,7 +19,7 @@ same names: GEMMs and bmms as cuBLAS calls, vLLM's fused ops as Triton kernels f
     topk                 router_topk
     moe_fc1_situ         moe_fc1_situ (routed by topk)
     moe_fc2              moe_fc2 (every slot on its own)
-    moe_finalize         bmm: the weighted sum over the slots
+    moe_finalize         moe_finalize: the weighted sum over the slots
     shared_gate_up       GEMM
     shared_situ_and_mul  situ_and_mul
     shared_down          GEMM
@@ -29,12 +29,13 @@ same names: GEMMs and bmms as cuBLAS calls, vLLM's fused ops as Triton kernels f
 
 18 launches, as ``K3Model`` annotates; with TP > 1 o_proj's all-reduce, the latent's (vLLM
 fuses it with the latent RMSNorm in FlashInfer; here they are two launches) and the shared
-experts' add three. A gated-MLA layer replaces the five attention launches with
+experts' add three. A gated-MLA layer replaces the four KDA launches with
 fused_qkv_a_proj, g_proj (GEMMs), fused_q_kv_rmsnorm (rms_norm of q_c and kv_c in one launch),
 q_b_proj (GEMM), bmm_w_uk (bmm), q_concat_kv_cache_insert (mla_concat_insert), mla_decode
 (mla_attention, as the specialized path; when it splits the cache positions, as at small
 batches on a GPU, mla_decode_combine follows, as FlashMLA's second launch), bmm_w_uv (bmm),
-gate_sigmoid_mul, o_proj (GEMM).
+gate_sigmoid_mul, o_proj (GEMM): 24 launches, 25 where the attention is split (on a GPU at
+K3 TP8 shapes up to batch 64: ``kernels.mla_attention.mla_splits``).
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ from kimi_perf.decode.weights import layer_prefix
 from kimi_perf_kernels.gate_sigmoid_mul import gate_sigmoid_mul
 from kimi_perf_kernels.mla_attention import mla_attention, mla_combine
 from kimi_perf_kernels.mla_concat_insert import mla_concat_insert
-from kimi_perf_kernels.moe_experts import moe_fc1_situ, moe_fc2
+from kimi_perf_kernels.moe_experts import moe_fc1_situ, moe_fc2, moe_finalize
 from kimi_perf_kernels.rms_norm import rms_norm
 from kimi_perf_kernels.router_topk import router_topk
 from kimi_perf_kernels.situ_and_mul import situ_and_mul
@@ -125,7 +126,6 @@ class StandardKernelsModel(KernelPathModel):
         m = layer_prefix(i) + "mlp."
         p = self.packed[i]
         situ = (c.situ_beta, c.situ_beta_linear)
-        M = h.shape[0]
         self.launch("router_gemm")
         logits = skinny_linear(h, self.w[m + "gate.weight"], out_dtype=torch.float32)
         self.launch("latent_down_proj")  # on vLLM's aux stream, beside the router
@@ -136,9 +136,9 @@ class StandardKernelsModel(KernelPathModel):
         self.launch("moe_fc1_situ")
         act = moe_fc1_situ(latent, p["w13"], ids, situ)
         self.launch("moe_fc2")
-        per_slot = moe_fc2(act, p["w2"], ids)                            # [M, k, latent] fp32
+        per_slot = moe_fc2(act, p["w2"], ids)                            # [M, k, latent]
         self.launch("moe_finalize")
-        routed = torch.bmm(weights.view(M, 1, c.top_k), per_slot).view(M, c.latent)
+        routed = moe_finalize(per_slot, weights, self.dtype)
         self.launch("shared_gate_up")
         gate_up = h @ p["shared_gate_up"].T
         self.launch("shared_situ_and_mul")
@@ -147,8 +147,7 @@ class StandardKernelsModel(KernelPathModel):
         shared = shared_act @ self.w[m + "shared_experts.down_proj.weight"].T
         routed = self._all_reduce(routed, "latent_all_reduce")
         self.launch("latent_rmsnorm")
-        routed = rms_norm(routed, self.w[m + "routed_expert_norm.weight"], c.rms_eps,
-                          out_dtype=self.dtype)
+        routed = rms_norm(routed, self.w[m + "routed_expert_norm.weight"], c.rms_eps)
         self.launch("latent_up_proj")
         up = routed @ self.w[m + "routed_expert_up_proj.weight"].T
         shared = self._all_reduce(shared, "shared_all_reduce")

@@ -5,7 +5,12 @@ import torch
 
 from kimi_perf_kernels.gate_sigmoid_mul import gate_sigmoid_mul, gate_sigmoid_mul_reference
 from kimi_perf_kernels.mla_concat_insert import mla_concat_insert, mla_concat_insert_reference
-from kimi_perf_kernels.moe_experts import moe_experts_reference, moe_fc1_situ, moe_fc2
+from kimi_perf_kernels.moe_experts import (
+    moe_experts_reference,
+    moe_fc1_situ,
+    moe_fc2,
+    moe_finalize,
+)
 from kimi_perf_kernels.rms_norm import rms_norm, rms_norm_reference
 from kimi_perf_kernels.situ_and_mul import situ_and_mul, situ_and_mul_reference
 from tests.kernels.util import assert_close_bf16, poison
@@ -86,7 +91,11 @@ def test_moe_fc1_with_given_ids_and_fc2_per_slot():
     moe_fc1_situ(x, w13, ids, (4.0, 25.0), out=act)
     assert_close_bf16(act, want_act, ulps=2)
     per_slot = moe_fc2(want_act, w2, ids)
+    assert per_slot.dtype == torch.bfloat16
     for slot in range(k):  # each slot alone: a one-hot weight
         only = torch.nn.functional.one_hot(torch.full((m,), slot), k).float()
         _, want = moe_experts_reference(x, w13, w2, ids, only, (4.0, 25.0))
-        torch.testing.assert_close(per_slot[:, slot], want, rtol=1e-4, atol=1e-4)
+        assert_close_bf16(per_slot[:, slot], want, ulps=1)
+    weights = torch.rand(m, k, generator=gen)
+    want = (per_slot.float() * weights[..., None]).sum(1)
+    assert_close_bf16(moe_finalize(per_slot, weights, torch.bfloat16), want, ulps=1)
