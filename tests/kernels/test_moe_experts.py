@@ -33,7 +33,7 @@ def test_moe_experts_match_reference(m, experts, k, inter, latent):
     torch.testing.assert_close(out, want_out, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("m", [2, 6])  # the shared tiles' GEMV (M <= 4) and tl.dot variants
+@pytest.mark.parametrize("m", [2, 6, 70])  # the shared tiles' GEMV, tl.dot, two row tiles
 def test_shared_experts_ride_in_the_routed_launches(m):
     """The shared experts' gate/up + SiTU (beside FC1) and down-projection (beside FC2) are
     skinny linears over their own inputs; the routed outputs stay as they are alone."""

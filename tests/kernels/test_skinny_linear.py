@@ -7,7 +7,7 @@ from tests.kernels.util import assert_close_bf16, poison
 SITU = (4.0, 25.0)
 
 
-@pytest.mark.parametrize("m", [1, 3, 8, 20])            # the GEMV and the GEMM variant
+@pytest.mark.parametrize("m", [1, 3, 8, 20, 70])   # GEMV, GEMM, and two row tiles (> 64)
 @pytest.mark.parametrize(("n", "k"), [(96, 200), (257, 64)])
 @pytest.mark.parametrize("fusion", ["plain", "norm", "situ", "residual", "fp32_out"])
 def test_skinny_linear_matches_reference(m, n, k, fusion):
