@@ -171,6 +171,10 @@ GATE_STYLES = {"regression": "bold red", "missing": "bold red", "improvement": "
                "noise": "yellow", "new": "cyan"}
 
 
+def _value(v: float | None) -> str:
+    return "-" if v is None else f"{v:,.0f}" if abs(v) >= 1000 else f"{v:.4g}"
+
+
 def gate_table(result: GateResult, show_all: bool = False) -> Table:
     """The gate's checks (all of them, or those that are not plain ok)."""
     tol = result.tolerances
@@ -183,13 +187,11 @@ def gate_table(result: GateResult, show_all: bool = False) -> Table:
     def fmt(v, spec):
         return "-" if v is None else format(v, spec)
 
-    def value(v):
-        return "-" if v is None else f"{v:,.0f}" if abs(v) >= 1000 else f"{v:.4g}"
     for c in result.checks:
         if c.status == "ok" and not show_all:
             continue
         style = GATE_STYLES.get(c.status, "")
-        table.add_row(c.path, c.layer_type, c.metric, value(c.baseline), value(c.current),
+        table.add_row(c.path, c.layer_type, c.metric, _value(c.baseline), _value(c.current),
                       fmt(c.change, "+.1%"), fmt(c.p_value, ".2g"),
                       f"[{style}]{c.status}[/]" if style else c.status)
     return table
@@ -199,6 +201,6 @@ def gate_headline(result: GateResult) -> str:
     if result.ok:
         return f"gate: pass ({len(result.checks)} checks)"
     worst = "; ".join(f"{c.path} {c.layer_type} {c.metric} "
-                      + (f"{c.baseline:,.4g} -> {c.current:,.4g}" if c.status == "regression"
+                      + (f"{_value(c.baseline)} -> {_value(c.current)}" if c.status == "regression"
                          else "missing from the run") for c in result.failures)
     return f"gate: FAIL, {len(result.failures)} regression(s): {worst}"
