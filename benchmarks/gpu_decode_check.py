@@ -310,6 +310,25 @@ def render_summary(results: dict) -> str:
         for t in r["layer_types"]:
             lines.append(f"| {key} | {r['model']} | {t['type']} | {t['layers']} | "
                          f"{t['kernels']:g} | {t['kernel_us']:.1f} | {t['span_us']:.1f} |")
+    lines += ["", "Standard vs specialized, per layer type, measured side by side in this run:", "",
+              "| run | layer type | kernels | span µs | kernels ratio | span ratio |",
+              "|---|---|---:|---:|---:|---:|"]
+    speed = results.get("speed", {})
+    for key, std in speed.items():
+        if not key.startswith("standard "):
+            continue
+        fast = speed.get("specialized " + key[len("standard "):])
+        if fast is None:
+            continue
+        fast_types = {t["type"]: t for t in fast["layer_types"]}
+        for t in std["layer_types"]:
+            f = fast_types.get(t["type"])
+            if f is None or not f["kernels"] or not f["span_us"]:
+                continue
+            lines.append(f"| {key[len('standard '):]} | {t['type']} | {t['kernels']:g} vs "
+                         f"{f['kernels']:g} | {t['span_us']:.1f} vs {f['span_us']:.1f} | "
+                         f"{t['kernels'] / f['kernels']:.2f} | "
+                         f"{t['span_us'] / f['span_us']:.2f} |")
     lines += ["", "| run | median decode step ms | decode tokens/s | layers from | kernels "
               "mapped to a capture |", "|---|---:|---:|---|---:|"]
     for key, r in results.get("speed", {}).items():

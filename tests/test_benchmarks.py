@@ -59,6 +59,7 @@ def test_gpu_decode_check_plumbing_on_the_cpu(tmp_path):
     # on this CPU the standard path runs its PyTorch ops; a GPU runs StandardKernelsModel
     assert speed["standard b1"]["model"] == "K3Model"
     assert "| run | model | layer type |" in proc.stdout
+    assert "| b1 | kda | 18 vs 9 |" in proc.stdout     # the side-by-side table
     job = results["main_job"]["eager"]        # kimi-perf trace, as a user runs it
     assert job["returncode"] == 0 and (tmp_path / "runs").is_dir()
     assert {t["type"]: t["kernels"] for t in job["layer_types"]["specialized"]} == kernels
