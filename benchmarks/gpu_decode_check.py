@@ -15,7 +15,9 @@
    ranges: ``kimi_perf.graphs``); per launch of both eager paths, its kernels' µs, and for
    the specialized path against the bytes it must move over the measured bandwidth (its
    memory floor). On a GPU the standard path is ``StandardKernelsModel``, one kernel per
-   step of vLLM's sequence (the summary names the model class of each run).
+   step of vLLM's sequence (the summary names the model class of each run). At batch 1 the
+   specialized path also runs with its opt-in L2 prefetch (``specialized+l2``), side by side
+   with it without.
 5. The main job as a user runs it: ``kimi-perf trace`` with its GPU defaults, eager and
    ``--graphs``, its per-layer table and run directory kept.
 
@@ -159,7 +161,8 @@ def launch_bytes(c: K3Config, batch: int, context: int) -> dict[str, float]:
 
 def speed(path: str, c: K3Config, weights, batch: int, context: int, warmup: int, steps: int,
           device: str, out: Path, bandwidth: float, graphs: bool) -> dict:
-    model = build_model(c, weights, PATHS[path], device=device)
+    model = build_model(c, weights, PATHS[path.removesuffix("+l2")], device=device)
+    model.l2_prefetch = path.endswith("+l2")  # the specialized path's opt-in L2 prefetch
     # Eager runs: per-launch ranges attribute kernels to their launch (graphs replay none).
     model.annotate_ops = not graphs
     prompt = torch.randint(0, c.vocab, (batch, context), generator=torch.Generator()
@@ -272,7 +275,8 @@ def main() -> int:
     results["speed"] = {}
     for batch in batches:
         for graphs in (False, True) if device == "cuda" else (False,):
-            for path in PATHS:
+            # at batch 1, where GEMVs stream weights, also the L2 prefetch, to decide it
+            for path in [*PATHS, *(["specialized+l2"] if batch == 1 else [])]:
                 key = f"{path} b{batch}{' graphs' if graphs else ''}"
                 try:
                     results["speed"][key] = speed(path, c, weights, batch, context, warmup,
@@ -310,25 +314,27 @@ def render_summary(results: dict) -> str:
         for t in r["layer_types"]:
             lines.append(f"| {key} | {r['model']} | {t['type']} | {t['layers']} | "
                          f"{t['kernels']:g} | {t['kernel_us']:.1f} | {t['span_us']:.1f} |")
-    lines += ["", "Standard vs specialized, per layer type, measured side by side in this run:", "",
-              "| run | layer type | kernels | span µs | kernels ratio | span ratio |",
-              "|---|---|---:|---:|---:|---:|"]
+    lines += ["", "Per layer type, measured side by side in this run (ratio: A over B):", "",
+              "| A vs B | run | layer type | kernels | span µs | kernels ratio | span ratio |",
+              "|---|---|---|---:|---:|---:|---:|"]
     speed = results.get("speed", {})
-    for key, std in speed.items():
-        if not key.startswith("standard "):
-            continue
-        fast = speed.get("specialized " + key[len("standard "):])
-        if fast is None:
-            continue
-        fast_types = {t["type"]: t for t in fast["layer_types"]}
-        for t in std["layer_types"]:
-            f = fast_types.get(t["type"])
-            if f is None or not f["kernels"] or not f["span_us"]:
+    for a, b in (("standard", "specialized"), ("specialized", "specialized+l2")):
+        for key, ra in speed.items():
+            if not key.startswith(a + " "):
                 continue
-            lines.append(f"| {key[len('standard '):]} | {t['type']} | {t['kernels']:g} vs "
-                         f"{f['kernels']:g} | {t['span_us']:.1f} vs {f['span_us']:.1f} | "
-                         f"{t['kernels'] / f['kernels']:.2f} | "
-                         f"{t['span_us'] / f['span_us']:.2f} |")
+            run = key[len(a) + 1:]
+            rb = speed.get(f"{b} {run}")
+            if rb is None:
+                continue
+            b_types = {t["type"]: t for t in rb["layer_types"]}
+            for t in ra["layer_types"]:
+                u = b_types.get(t["type"])
+                if u is None or not u["kernels"] or not u["span_us"]:
+                    continue
+                lines.append(f"| {a} vs {b} | {run} | {t['type']} | {t['kernels']:g} vs "
+                             f"{u['kernels']:g} | {t['span_us']:.1f} vs {u['span_us']:.1f} | "
+                             f"{t['kernels'] / u['kernels']:.2f} | "
+                             f"{t['span_us'] / u['span_us']:.2f} |")
     lines += ["", "| run | median decode step ms | decode tokens/s | layers from | kernels "
               "mapped to a capture |", "|---|---:|---:|---|---:|"]
     for key, r in results.get("speed", {}).items():

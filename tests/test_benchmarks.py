@@ -53,13 +53,17 @@ def test_gpu_decode_check_plumbing_on_the_cpu(tmp_path):
     assert results["errors"] == []
     assert all(r["ok"] for r in results["correctness"].values())
     speed = results["speed"]
-    assert set(speed) == {"standard b1", "specialized b1", "standard b2", "specialized b2"}
+    assert set(speed) == {"standard b1", "specialized b1", "specialized+l2 b1", "standard b2",
+                          "specialized b2"}
+    prefetch = {t["type"]: t["kernels"] for t in speed["specialized+l2 b1"]["layer_types"]}
+    assert prefetch == {"kda": 10, "mla": 13}
     kernels = {t["type"]: t["kernels"] for t in speed["specialized b1"]["layer_types"]}
     assert kernels == {"kda": 9, "mla": 12}
     # on this CPU the standard path runs its PyTorch ops; a GPU runs StandardKernelsModel
     assert speed["standard b1"]["model"] == "K3Model"
     assert "| run | model | layer type |" in proc.stdout
-    assert "| b1 | kda | 18 vs 9 |" in proc.stdout     # the side-by-side table
+    assert "| standard vs specialized | b1 | kda | 18 vs 9 |" in proc.stdout  # side by side
+    assert "| specialized vs specialized+l2 | b1 | kda | 9 vs 10 |" in proc.stdout
     job = results["main_job"]["eager"]        # kimi-perf trace, as a user runs it
     assert job["returncode"] == 0 and (tmp_path / "runs").is_dir()
     assert {t["type"]: t["kernels"] for t in job["layer_types"]["specialized"]} == kernels

@@ -40,6 +40,7 @@ def test_kernel_paths_equal_standard_in_float32(weights, path, batch, splits):
     std = K3Model(SMALL, weights, dtype=torch.float32)
     fast = make_path(path, SMALL, weights, torch.float32)
     fast.attention_splits = splits
+    fast.l2_prefetch = splits is not None  # a read of o_proj's weights changes nothing
     s_std, s_fast = std.new_state(batch, 16), fast.new_state(batch, 16)
     tokens = torch.randint(0, SMALL.vocab, (batch, 9), generator=torch.Generator()
                            .manual_seed(batch))
@@ -305,6 +306,7 @@ NO_KERNEL = {getattr(torch.ops.aten, name) for name in (
 
 @pytest.mark.parametrize(("path", "batch", "tokens_per_seq", "splits"),
                          [("specialized", 2, 1, None), ("specialized", 1, 4, 3),
+                          ("specialized+l2", 2, 1, None),
                           ("standard_kernels", 2, 1, None), ("standard_kernels", 1, 4, 3)])
 def test_annotated_launches_are_the_launches(weights, path, batch, tokens_per_seq, splits,
                                              monkeypatch):
@@ -316,7 +318,8 @@ def test_annotated_launches_are_the_launches(weights, path, batch, tokens_per_se
     from torch.utils._python_dispatch import TorchDispatchMode
     from triton.runtime import interpreter
 
-    model = make_path(path, SMALL, weights, torch.float32)
+    model = make_path(path.removesuffix("+l2"), SMALL, weights, torch.float32)
+    model.l2_prefetch = path.endswith("+l2")          # one launch more per layer
     model.attention_splits = splits  # 3: the standard path adds FlashMLA's combine launch
     state = model.new_state(batch, 16)
     prompt = torch.randint(0, SMALL.vocab, (batch, 3), generator=torch.Generator().manual_seed(9))
@@ -355,8 +358,9 @@ def test_annotated_launches_are_the_launches(weights, path, batch, tokens_per_se
         annotated = [name for i, name in model.launches if i == layer]
         ran = [name for i, name in actual if i == layer]
         torch_ops = [name for name in ran if name.startswith("aten.")]
-        if path == "specialized":
+        if path.startswith("specialized"):
             assert not torch_ops, (layer, ran)
+            assert ran.count("l2_prefetch_kernel") == model.l2_prefetch
         else:
             assert set(torch_ops) <= {"aten.mm", "aten.bmm", "aten.add"}, (layer, ran)
         assert len(ran) == len(annotated), (layer, annotated, ran)

@@ -1,11 +1,11 @@
 """The Kimi-K3-style decode model (needs torch: ``pip install 'kimi-perf[model]'``).
 
 ``config`` (no torch) holds the presets; ``weights`` draws or loads a checkpoint; ``model`` is
-the standard decode path as PyTorch ops, ``standard_kernels`` the same path one kernel per step
-(as a GPU runs it); ``specialized`` the latency-specialized one (``kernel_path``: what the two
-kernel-built paths share); ``reference`` the float64 math all are checked against; ``harness`` runs prompt + decode steps with per-step and
-per-layer ranges; ``tp`` runs ranks with torch.distributed; ``validate`` drives
-``kimi-perf validate``.
+the standard decode path as PyTorch ops, ``standard_kernels`` the same path one kernel per
+step (as a GPU runs it); ``specialized`` the latency-specialized one (``kernel_path``: what
+the two kernel-built paths share); ``reference`` the float64 math all are checked against;
+``harness`` runs prompt + decode steps with per-step and per-layer ranges; ``tp`` runs ranks
+with torch.distributed; ``validate`` drives ``kimi-perf validate``.
 """
 
 import os

@@ -35,12 +35,18 @@ collective (symmetric memory) and is not done yet. Per gated-MLA layer (12 again
     M7  o_proj
     S1' attn_res_post, then the MoE launches above (S5-S12)
 
+With ``l2_prefetch`` (opt-in until a GPU run shows it pays) each layer adds one launch on a
+second stream: o_proj's weights read into L2 beside S3 (KDA) or M5-M6 (MLA), so that o_proj
+streams them from L2 (``kernels/l2_prefetch.py``): 10 / 13 launches, 12 / 15 with TP.
+
 It applies to pure decode steps (batch 1-64, one token each) and to speculative verify steps
 (1+k tokens, k <= 7). Anything else, prefill included, falls back to the standard path, and
 ``fallbacks`` says which steps did and why.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
@@ -49,6 +55,7 @@ from kimi_perf.decode.kernel_path import KernelPathModel
 from kimi_perf.decode.model import DecodeState, K3Model
 from kimi_perf.decode.standard_kernels import StandardKernelsModel
 from kimi_perf.decode.weights import Weights, layer_prefix
+from kimi_perf_kernels.l2_prefetch import PROGRAMS, l2_prefetch
 from kimi_perf_kernels.mla_absorb_insert import mla_absorb_insert
 from kimi_perf_kernels.mla_attention import mla_attention
 from kimi_perf_kernels.mla_uv_gate import mla_uv_gate
@@ -58,8 +65,14 @@ from kimi_perf_kernels.skinny_linear import skinny_linear
 
 class SpecializedModel(KernelPathModel):
     def __init__(self, c: K3Config, weights: Weights, dtype: torch.dtype = torch.bfloat16,
-                 device: torch.device | str = "cpu", all_reduce=None):
+                 device: torch.device | str = "cpu", all_reduce=None, l2_prefetch: bool = False):
         super().__init__(c, weights, dtype=dtype, device=device, all_reduce=all_reduce)
+        # Opt-in until a GPU run shows it pays (benchmarks/gpu_decode_check.py measures both):
+        # o_proj's weights read into L2 on a second stream beside the layer's latency-bound
+        # attention kernels (kernels/l2_prefetch.py), one launch more per layer.
+        self.l2_prefetch = l2_prefetch
+        self.side_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self.prefetch_checksums = torch.empty(PROGRAMS, dtype=torch.float32, device=self.device)
         for i in range(c.n_layers):
             p = layer_prefix(i)
             packed = self.packed[i]
@@ -81,8 +94,9 @@ class SpecializedModel(KernelPathModel):
         a = layer_prefix(i) + "self_attn."
         self.launch("in_proj")
         z = skinny_linear(x, self.packed[i]["in_proj"])
-        self.launch("fused_kda_decode")
-        o = self.fused_kda_decode(i, z, state, B, T, keep)
+        with self.prefetching(self.w[a + "o_proj.weight"]):
+            self.launch("fused_kda_decode")
+            o = self.fused_kda_decode(i, z, state, B, T, keep)
         self.launch("o_proj")
         out = skinny_linear(o.view(B * T, -1), self.w[a + "o_proj.weight"])
         return self._all_reduce(out)
@@ -103,13 +117,14 @@ class SpecializedModel(KernelPathModel):
         cache = state.kv[i]
         qhat = mla_absorb_insert(q, p["w_uk"], kv, self.w[a + "kv_a_layernorm.weight"], cache,
                                  positions, T, state.kv_scale, c.rms_eps)
-        self.launch("mla_decode")
-        splits = self.mla_splits_for(x.shape[0], state, i)
-        parts, lse = mla_attention(qhat, cache, positions, T, c.kv_lora, state.kv_scale,
-                                   (c.qk_nope + c.qk_rope) ** -0.5, splits)
-        self.launch("bmm_w_uv_gate")  # merges the splits on the way in
-        o = mla_uv_gate(parts if lse is not None else parts[0], p["w_uv"], gate, lse=lse,
-                        dtype=self.dtype)
+        with self.prefetching(self.w[a + "o_proj.weight"]):
+            self.launch("mla_decode")
+            splits = self.mla_splits_for(x.shape[0], state, i)
+            parts, lse = mla_attention(qhat, cache, positions, T, c.kv_lora, state.kv_scale,
+                                       (c.qk_nope + c.qk_rope) ** -0.5, splits)
+            self.launch("bmm_w_uv_gate")  # merges the splits on the way in
+            o = mla_uv_gate(parts if lse is not None else parts[0], p["w_uv"], gate, lse=lse,
+                            dtype=self.dtype)
         self.launch("o_proj")
         out = skinny_linear(o, self.w[a + "o_proj.weight"])
         return self._all_reduce(out)
@@ -153,6 +168,27 @@ class SpecializedModel(KernelPathModel):
                             norm=self.w[m + "routed_expert_norm.weight"], residual=shared,
                             out_dtype=self.dtype, eps=c.rms_eps)
         return out, ids
+
+
+    @contextlib.contextmanager
+    def prefetching(self, weight: torch.Tensor):
+        """With ``l2_prefetch``: ``weight`` read into L2 on the side stream, beside the
+        launches inside; the main stream waits for it at the end (a fork and a join; on a CPU
+        it simply runs first)."""
+        if not self.l2_prefetch:
+            yield
+            return
+        self.launch("l2_prefetch")
+        if self.side_stream is None:
+            l2_prefetch(weight, self.prefetch_checksums)
+            yield
+            return
+        main = torch.cuda.current_stream(self.device)
+        self.side_stream.wait_stream(main)
+        with torch.cuda.stream(self.side_stream):
+            l2_prefetch(weight, self.prefetch_checksums)
+        yield
+        main.wait_stream(self.side_stream)
 
 
 def build_model(c: K3Config, weights: Weights, decode_backend: str = "auto",

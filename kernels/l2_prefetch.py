@@ -1,0 +1,53 @@
+"""Warm the L2 cache with the weights of the next launch, from a second stream, while a
+latency-bound kernel leaves HBM idle.
+
+Decode at small batch alternates bandwidth-bound GEMVs with kernels that barely touch HBM: the
+KDA recurrence reads a few hundred KB of state, the MLA attention one token's latent cache.
+H200's L2 holds 50 MB, and o_proj's weights at K3 TP8 are 22 MB: read into L2 beside the
+recurrence (``evict_last``: the last lines L2 gives up; ptxas refuses it together with the
+L2-only ``.cg``), o_proj then streams them from L2 instead of HBM. The design plan puts the
+same prefetch beside the TP all-reduce.
+
+Grid: PROGRAMS programs (a fraction of the SMs, so the kernel it runs beside keeps its own),
+each reading a contiguous span in BLOCK-element steps. The loaded values are summed into one
+checksum per program: a load whose value is never used would be removed by the compiler, and
+the checksums let a test prove that every byte was read.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kimi_perf_kernels.common import INTERPRETED
+
+PROGRAMS = 32
+
+
+@triton.jit
+def l2_prefetch_kernel(ptr, n, per_program, checksum_ptr, BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    start = pid * per_program
+    end = tl.minimum(start + per_program, n)
+    acc = tl.zeros([BLOCK], tl.float32)
+    for i in range(start, end, BLOCK):
+        offs = i + tl.arange(0, BLOCK)
+        x = tl.load(ptr + offs, mask=offs < end, other=0.0, eviction_policy="evict_last")
+        acc += x.to(tl.float32)
+    tl.store(checksum_ptr + pid, tl.sum(acc, axis=0))
+
+
+def l2_prefetch(weight: torch.Tensor, checksums: torch.Tensor | None = None) -> torch.Tensor:
+    """Read ``weight`` (contiguous) through L2; returns the per-program checksums [PROGRAMS]
+    (their sum is the sum of ``weight``'s elements)."""
+    if not weight.is_contiguous():
+        raise ValueError("l2_prefetch needs a contiguous tensor")
+    if checksums is None:
+        checksums = torch.empty(PROGRAMS, dtype=torch.float32, device=weight.device)
+    block = 4096 if INTERPRETED else 1024
+    n = weight.numel()
+    per_program = triton.cdiv(triton.cdiv(n, PROGRAMS), block) * block
+    l2_prefetch_kernel[(PROGRAMS,)](weight, n, per_program, checksums, BLOCK=block,
+                                    num_warps=4)
+    return checksums
