@@ -138,10 +138,10 @@ def builds() -> list[Build]:
                                     {"x_ptr": "*bf16", "x2_ptr": "*bf16", "out_ptr": "*bf16",
                                      "out2_ptr": "*bf16", "eps": "fp32"}, consts),
                          consts, 8))
-    consts = {"BLOCK": 1024}
+    consts = {"BLOCK": 4096}
     out.append(Build("l2_prefetch", l2_prefetch.l2_prefetch_kernel,
                      _signature(l2_prefetch.l2_prefetch_kernel, {"ptr": "*bf16"}, consts),
-                     consts))
+                     consts, 8))
     consts = {"BETA": 4.0, "BETA_LINEAR": 25.0, "BLOCK": 1024, "RNE": False}
     out.append(Build("situ_and_mul", situ_and_mul.situ_and_mul_kernel,
                      _signature(situ_and_mul.situ_and_mul_kernel,

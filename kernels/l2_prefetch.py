@@ -8,8 +8,9 @@ recurrence (``evict_last``: the last lines L2 gives up; ptxas refuses it togethe
 L2-only ``.cg``), o_proj then streams them from L2 instead of HBM. The design plan puts the
 same prefetch beside the TP all-reduce.
 
-Grid: PROGRAMS programs (a fraction of the SMs, so the kernel it runs beside keeps its own),
-each reading a contiguous span in BLOCK-element steps. The loaded values are summed into one
+Grid: PROGRAMS programs, each reading a contiguous span in BLOCK-element steps (8 KB per
+program and step, about 1 MB in flight: what HBM needs to stream near its bandwidth; the
+latency-bound kernel beside it uses a few SMs). The loaded values are summed into one
 checksum per program: a load whose value is never used would be removed by the compiler, and
 the checksums let a test prove that every byte was read.
 """
@@ -20,9 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kimi_perf_kernels.common import INTERPRETED
-
-PROGRAMS = 32
+PROGRAMS = 128
 
 
 @triton.jit
@@ -45,9 +44,9 @@ def l2_prefetch(weight: torch.Tensor, checksums: torch.Tensor | None = None) -> 
         raise ValueError("l2_prefetch needs a contiguous tensor")
     if checksums is None:
         checksums = torch.empty(PROGRAMS, dtype=torch.float32, device=weight.device)
-    block = 4096 if INTERPRETED else 1024
+    block = 4096
     n = weight.numel()
     per_program = triton.cdiv(triton.cdiv(n, PROGRAMS), block) * block
     l2_prefetch_kernel[(PROGRAMS,)](weight, n, per_program, checksums, BLOCK=block,
-                                    num_warps=4)
+                                    num_warps=8)
     return checksums

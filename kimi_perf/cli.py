@@ -175,11 +175,20 @@ def gate_cmd(baseline: Path, run: Path, metrics: str, rel_tol: float, alpha: flo
     unknown = [m for m in chosen if m not in gate_mod.METRICS]
     if unknown or not chosen:
         raise TraceError(None, f"--metrics: choose from {', '.join(gate_mod.METRICS)}")
-    base, _ = gate_mod.load_run(baseline)
-    current, doc = gate_mod.load_run(run)
+    current, doc, _ = gate_mod.load_run(run)
+    if update and not baseline.exists():
+        if baseline.suffix != ".json":
+            raise TraceError(baseline, "--update writes a baseline .json file")
+        atomic_write_text(baseline, json.dumps(doc, indent=1) + "\n")
+        click.echo(f"baseline {baseline} created from {run}", err=True)
+        return
+    base, _, base_file = gate_mod.load_run(baseline)
+    if update and base_file is None:
+        raise TraceError(baseline, "--update replaces a baseline JSON (or a run directory's "
+                                   "breakdown.json), not a trace")
     result = gate_mod.gate(base, current, gate_mod.Tolerances(rel_tol, alpha, metrics=chosen))
     if fmt == "json":
-        click.echo(json.dumps(result.to_json(), indent=1))
+        click.echo(json.dumps(result.to_json(), indent=1, allow_nan=False))
     else:
         console = Console()
         table = render.gate_table(result, show_all)
@@ -187,8 +196,8 @@ def gate_cmd(baseline: Path, run: Path, metrics: str, rel_tol: float, alpha: flo
             console.print(table)
         console.print(render.gate_headline(result))
     if update:
-        atomic_write_text(baseline, json.dumps(doc, indent=1) + "\n")
-        click.echo(f"baseline {baseline} updated from {run}", err=True)
+        atomic_write_text(base_file, json.dumps(doc, indent=1) + "\n")
+        click.echo(f"baseline {base_file} updated from {run}", err=True)
     elif not result.ok:
         sys.exit(1)
 

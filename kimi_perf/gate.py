@@ -1,12 +1,15 @@
 """Regression gate: a run against a stored baseline, per decode path and layer type.
 
-Kernels per layer are deterministic: any increase of a layer type's median count fails the
-gate. Times are not: a time regresses when its median rises by more than ``rel_tol`` *and* a
-one-sided Mann-Whitney U test over the per-layer samples (every layer of the type in every
-profiled step; every step for ``step``) gives p < ``alpha`` — a rise that noise explains
-passes. With fewer than ``min_samples`` samples on a side the relative threshold decides
-alone. A layer type or path the baseline has and the run lacks fails too (the analysis lost
-it); one the run adds is reported.
+Kernels per layer are deterministic: a layer type's median or largest count growing fails
+the gate (``kernels`` checks both: one layer with one more kernel is caught). Times are not: a
+time regresses when its median rises by more than ``rel_tol`` *and* a one-sided Mann-Whitney U
+test over the per-layer samples (every layer of the type in every profiled step; every step
+for ``step``) gives p < ``alpha``; a rise that noise explains passes. The samples of one layer
+across steps are not independent, so the p-value is optimistic: the threshold must be
+crossed too. Where the samples are too few for the test to reach ``alpha`` at all (fewer than
+``min_samples`` a side, or 1 / C(n+m, n) >= alpha), the threshold decides alone. A layer type
+or path the baseline has and the run lacks fails too (the analysis lost it); one the run adds
+is reported.
 
 A run is what ``kimi-perf trace`` writes (its directory, or the ``breakdown.json`` in it, one
 breakdown per decode path), a breakdown JSON of one trace, or any trace the readers take (one
@@ -16,6 +19,7 @@ path named ``trace``). Baselines are the same files, kept under ``traces/baselin
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -26,6 +30,7 @@ from kimi_perf.errors import TraceError
 
 METRICS = ("kernels", "kernel_us", "span_us")
 STEP = "step"  # the pseudo layer type of whole decode steps (time metrics only)
+TRACE = "trace"  # the one path of a breakdown that is not a kimi-perf trace run
 
 
 @dataclass(frozen=True)
@@ -70,9 +75,10 @@ class GateResult:
                 "checks": [asdict(c) for c in self.checks]}
 
 
-def load_run(path: str | Path) -> tuple[dict[str, Breakdown], dict]:
-    """The breakdowns per decode path of a run (see the module doc), and the JSON document
-    that stores them (what a baseline file holds)."""
+def load_run(path: str | Path) -> tuple[dict[str, Breakdown], dict, Path | None]:
+    """The breakdowns per decode path of a run (see the module doc), the JSON document that
+    stores them (what a baseline file holds), and the JSON file they came from (None for a
+    trace)."""
     path = Path(path)
     if path.is_dir():
         path = path / "breakdown.json"
@@ -83,27 +89,29 @@ def load_run(path: str | Path) -> tuple[dict[str, Breakdown], dict]:
             doc = json.loads(path.read_text())
         except FileNotFoundError:
             raise TraceError(path, "no such file") from None
+        except OSError as exc:
+            raise TraceError(path, f"cannot read ({exc.strerror or exc})") from None
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise TraceError(path, f"not JSON ({exc})") from None
         if isinstance(doc, dict) and isinstance(doc.get("paths"), dict) and doc["paths"]:
             if doc.get("schema") != 1:
                 raise TraceError(path, "not a kimi-perf run breakdown of schema 1")
             return {name: _checked(Breakdown.from_json(b, path), path)
-                    for name, b in doc["paths"].items()}, doc
+                    for name, b in doc["paths"].items()}, doc, path
         if isinstance(doc, dict) and "layer_types" in doc:
-            return {"trace": _checked(Breakdown.from_json(doc, path), path)}, doc
+            return {TRACE: _checked(Breakdown.from_json(doc, path), path)}, doc, path
         raise TraceError(path, "neither a kimi-perf run breakdown nor a breakdown JSON")
     from kimi_perf.breakdown import breakdown
     from kimi_perf.readers import read_trace
 
     b = breakdown(read_trace(path))
-    return {"trace": b}, b.to_json()
+    return {TRACE: b}, b.to_json(), None
 
 
 def _checked(b: Breakdown, path: Path) -> Breakdown:
     """A breakdown read from JSON, with the fields the gate reads."""
     def number(v) -> bool:
-        return isinstance(v, int | float) and not isinstance(v, bool)
+        return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
     rows = [*b.layers, *b.steps] if isinstance(b.layers, list) and isinstance(b.steps, list) \
         else None
     if (rows is None or not isinstance(b.layer_types, list)
@@ -112,7 +120,8 @@ def _checked(b: Breakdown, path: Path) -> Breakdown:
             or not all(isinstance(r, dict) and all(number(r.get(m)) for m in METRICS)
                        for r in rows)
             or not all(isinstance(r.get("type"), str) for r in b.layers)):
-        raise TraceError(path, "breakdown rows lack a type, kernels, kernel_us or span_us")
+        raise TraceError(path, "breakdown rows lack a type, or finite kernels, kernel_us or "
+                               "span_us")
     return b
 
 
@@ -122,7 +131,8 @@ def gate(baseline: dict[str, Breakdown], current: dict[str, Breakdown],
     unknown = set(tolerances.metrics) - set(METRICS)
     if unknown:
         raise ValueError(f"unknown metrics {sorted(unknown)} (choose from {METRICS})")
-    if len(baseline) == 1 and len(current) == 1:  # one trace each: compare whatever the names
+    if len(baseline) == 1 and len(current) == 1 and TRACE in (*baseline, *current):
+        # a plain trace against one path: compare them, whatever the name
         current = {next(iter(baseline)): next(iter(current.values()))}
     checks: list[Check] = []
     for path in [*baseline, *(p for p in current if p not in baseline)]:
@@ -134,9 +144,15 @@ def gate(baseline: dict[str, Breakdown], current: dict[str, Breakdown],
             for metric in tolerances.metrics:
                 if layer_type == STEP and metric == "kernels":
                     continue  # steps hold every layer: the layer types already count them
-                checks.append(_check(path, layer_type, metric,
-                                     _samples(base, layer_type, metric),
-                                     _samples(cur, layer_type, metric), tolerances))
+                base_s = _samples(base, layer_type, metric)
+                cur_s = _samples(cur, layer_type, metric)
+                if layer_type == STEP and base_s is None and cur_s is None:
+                    continue  # neither side found steps
+                if metric == "kernels":
+                    checks += [_kernels(path, layer_type, "kernels", base_s, cur_s, np.median),
+                               _kernels(path, layer_type, "kernels_max", base_s, cur_s, np.max)]
+                else:
+                    checks.append(_time(path, layer_type, metric, base_s, cur_s, tolerances))
     return GateResult(checks, tolerances)
 
 
@@ -148,22 +164,41 @@ def _samples(b: Breakdown | None, layer_type: str, metric: str) -> np.ndarray | 
     return values if values.size else None
 
 
-def _check(path: str, layer_type: str, metric: str, base: np.ndarray | None,
-           cur: np.ndarray | None, tol: Tolerances) -> Check:
-    if base is None or cur is None:
-        value = None if cur is None else float(np.median(cur))
-        return Check(path, layer_type, metric, None if base is None else float(np.median(base)),
-                     value, None, None, "missing" if cur is None else "new")
+def _lacking(path: str, layer_type: str, metric: str, base: np.ndarray | None,
+             cur: np.ndarray | None, stat=np.median) -> Check | None:
+    if base is not None and cur is not None:
+        return None
+    return Check(path, layer_type, metric, None if base is None else float(stat(base)),
+                 None if cur is None else float(stat(cur)), None, None,
+                 "missing" if cur is None else "new")
+
+
+def _change(b: float, c: float) -> float | None:
+    return c / b - 1 if b else (0.0 if c == b else None)
+
+
+def _kernels(path: str, layer_type: str, metric: str, base: np.ndarray | None,
+             cur: np.ndarray | None, stat) -> Check:
+    if (lacking := _lacking(path, layer_type, metric, base, cur, stat)) is not None:
+        return lacking
+    b, c = float(stat(base)), float(stat(cur))
+    status = "regression" if c > b else "improvement" if c < b else "ok"
+    return Check(path, layer_type, metric, b, c, _change(b, c), None, status)
+
+
+def _time(path: str, layer_type: str, metric: str, base: np.ndarray | None,
+          cur: np.ndarray | None, tol: Tolerances) -> Check:
+    if (lacking := _lacking(path, layer_type, metric, base, cur)) is not None:
+        return lacking
     b, c = float(np.median(base)), float(np.median(cur))
-    change = c / b - 1 if b else (0.0 if c == b else float("inf"))
-    if metric == "kernels":
-        status = "regression" if c > b else "improvement" if c < b else "ok"
-        return Check(path, layer_type, metric, b, c, change, None, status)
-    if abs(change) <= tol.rel_tol:
+    change = _change(b, c)
+    if change is not None and abs(change) <= tol.rel_tol:
         return Check(path, layer_type, metric, b, c, change, None, "ok")
-    worse = change > 0
+    worse = c > b
     p_value = None
-    if min(base.size, cur.size) >= tol.min_samples:
+    # the smallest p the exact test can give: all of one side above all of the other
+    if (min(base.size, cur.size) >= tol.min_samples
+            and 1 / math.comb(base.size + cur.size, base.size) < tol.alpha):
         from scipy.stats import mannwhitneyu
 
         p_value = float(mannwhitneyu(cur, base, alternative="greater" if worse else "less")

@@ -53,7 +53,8 @@ def test_same_run_passes():
     run = _run({"kda": 9, "mla": 12}, {"kda": KDA, "mla": MLA})
     result = gate(run, run)
     assert result.ok and {c.status for c in result.checks} == {"ok"}
-    assert len(result.checks) == 2 * 3 + 2      # kernels, kernel_us, span_us; step: 2
+    # kernels (median and largest), kernel_us, span_us per type; steps: the times
+    assert len(result.checks) == 2 * 4 + 2
 
 
 def test_one_more_kernel_fails_and_one_fewer_is_an_improvement():
@@ -62,7 +63,14 @@ def test_one_more_kernel_fails_and_one_fewer_is_an_improvement():
     result = gate(base, run)
     s = statuses(result)
     assert s[("kda", "kernels")] == "regression" and s[("mla", "kernels")] == "improvement"
-    assert [(c.layer_type, c.metric) for c in result.failures] == [("kda", "kernels")]
+    assert [(c.layer_type, c.metric) for c in result.failures] == [("kda", "kernels"),
+                                                                   ("kda", "kernels_max")]
+    # one layer of eight with one kernel more: the median hides it, the largest does not
+    kda = {"kda": KDA[:8]}
+    one_more = _run({"kda": 9}, kda)
+    one_more["specialized"].layers[3]["kernels"] = 10
+    s = statuses(gate(_run({"kda": 9}, kda), one_more))
+    assert s[("kda", "kernels")] == "ok" and s[("kda", "kernels_max")] == "regression"
 
 
 def test_a_real_slowdown_fails_noise_and_small_changes_pass():
@@ -74,7 +82,7 @@ def test_a_real_slowdown_fails_noise_and_small_changes_pass():
     # +10% in the median, but samples that spread over ±50%: the test cannot tell it from noise
     wide = RNG.normal(60.0, 30.0, 8)
     noisy = gate(_run({"kda": 9}, {"kda": wide}), _run({"kda": 9}, {"kda": wide[::-1] * 1.1}))
-    layer = [c for c in noisy.checks if c.metric != "kernels" and c.layer_type == "kda"]
+    layer = [c for c in noisy.checks if c.metric.endswith("_us") and c.layer_type == "kda"]
     assert {c.status for c in layer} == {"noise"} and min(c.p_value for c in layer) > 0.01
 
 
@@ -97,6 +105,30 @@ def test_a_layer_type_or_path_the_run_lost_fails():
     assert new.ok and {c.status for c in new.checks if c.path == "standard"} == {"new"}
 
 
+def test_too_few_samples_for_alpha_fall_back_to_the_threshold():
+    """5 samples a side: the exact test's smallest p is 1/252 > 0.001, so at alpha 0.001 it
+    could never fail anything; the threshold decides instead."""
+    base = _run({"kda": 9}, {"kda": KDA[:5]})
+    slower = _run({"kda": 9}, {"kda": KDA[:5] * 1.5})
+    check = next(c for c in gate(base, slower, Tolerances(alpha=0.001)).checks
+                 if c.metric == "kernel_us" and c.layer_type == "kda")
+    assert check.status == "regression" and check.p_value is None
+
+
+def test_paths_are_matched_by_name_and_steps_only_when_found():
+    std = {"standard": _breakdown({"kda": 18}, {"kda": KDA})}
+    fast = _run({"kda": 9}, {"kda": KDA})
+    result = gate(std, fast)          # not compared with each other: one lost, one new
+    assert {(c.path, c.status) for c in result.checks} == {("standard", "missing"),
+                                                          ("specialized", "new")}
+    plain = {"trace": _breakdown({"kda": 9}, {"kda": KDA})}
+    assert gate(fast, plain).ok       # a trace takes the one path's place
+    no_steps = _run({"kda": 9}, {"kda": KDA})
+    no_steps["specialized"].steps = []
+    assert gate(no_steps, no_steps).ok and all(c.layer_type != "step"
+                                               for c in gate(no_steps, no_steps).checks)
+
+
 def test_unknown_metric_is_refused():
     run = _run({"kda": 9}, {"kda": KDA})
     with pytest.raises(ValueError, match="unknown metrics"):
@@ -109,7 +141,7 @@ def test_cli_exit_codes_and_update(tmp_path):
     result = runner.invoke(main, ["gate", str(trace), str(trace)])
     assert result.exit_code == 0 and "gate: pass" in result.output
     # a baseline with one kernel fewer per layer than the trace has
-    _, doc = load_run(trace)
+    _, doc, _ = load_run(trace)
     for t in doc["layer_types"]:
         t["kernels"] -= 1
     for row in doc["layers"]:
@@ -120,10 +152,16 @@ def test_cli_exit_codes_and_update(tmp_path):
     assert result.exit_code == 1
     report = json.loads(result.output)
     assert not report["ok"] and {c["metric"] for c in report["checks"]
-                                 if c["status"] == "regression"} == {"kernels"}
+                                 if c["status"] == "regression"} == {"kernels", "kernels_max"}
     result = runner.invoke(main, ["gate", str(baseline), str(trace), "--update"])
     assert result.exit_code == 0
     assert runner.invoke(main, ["gate", str(baseline), str(trace)]).exit_code == 0
+    created = tmp_path / "new" / "base.json"
+    created.parent.mkdir()
+    assert runner.invoke(main, ["gate", str(created), str(trace), "--update"]).exit_code == 0
+    assert runner.invoke(main, ["gate", str(created), str(trace)]).exit_code == 0
+    result = runner.invoke(main, ["gate", str(trace), str(baseline), "--update"])
+    assert result.exit_code == 2 and "not a trace" in result.output
     (tmp_path / "broken.json").write_text('{"schema": 1, "paths"')
     result = runner.invoke(main, ["gate", str(tmp_path / "broken.json"), str(trace)])
     assert result.exit_code == 2
@@ -144,7 +182,7 @@ def test_this_repository_keeps_its_launch_counts(tmp_path):
     result = runner.invoke(main, ["gate", str(BASELINE), str(run_dir), "--metrics", "kernels",
                                   "--all"])
     assert result.exit_code == 0, result.output
-    assert "gate: pass (4 checks)" in result.output
+    assert "gate: pass (8 checks)" in result.output       # median and largest, 2 × 2 types
     # the same run against a baseline from before the shared experts joined the routed
     # experts' launches (two more per layer): an improvement; the reverse fails
     old = tmp_path / "old.json"
@@ -160,6 +198,10 @@ def test_this_repository_keeps_its_launch_counts(tmp_path):
     result = runner.invoke(main, ["gate", str(run_dir / "breakdown.json"), str(old),
                                   "--metrics", "kernels"])
     assert result.exit_code == 1 and "specialized kda kernels 9 -> 11" in result.output
+    # --update on a run directory replaces its breakdown.json
+    result = runner.invoke(main, ["gate", str(run_dir), str(old), "--update"])
+    assert result.exit_code == 0
+    assert json.loads((run_dir / "breakdown.json").read_text()) == doc
 
 
 def test_a_directory_without_a_run_is_refused(tmp_path):

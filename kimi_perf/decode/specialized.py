@@ -37,7 +37,8 @@ collective (symmetric memory) and is not done yet. Per gated-MLA layer (12 again
 
 With ``l2_prefetch`` (opt-in until a GPU run shows it pays) each layer adds one launch on a
 second stream: o_proj's weights read into L2 beside S3 (KDA) or M5-M6 (MLA), so that o_proj
-streams them from L2 (``kernels/l2_prefetch.py``): 10 / 13 launches, 12 / 15 with TP.
+streams them from L2 (``kernels/l2_prefetch.py``); the join comes after o_proj, which never
+waits for it: 10 / 13 launches, 12 / 15 with TP.
 
 It applies to pure decode steps (batch 1-64, one token each) and to speculative verify steps
 (1+k tokens, k <= 7). Anything else, prefill included, falls back to the standard path, and
@@ -45,8 +46,6 @@ It applies to pure decode steps (batch 1-64, one token each) and to speculative 
 """
 
 from __future__ import annotations
-
-import contextlib
 
 import torch
 
@@ -94,11 +93,12 @@ class SpecializedModel(KernelPathModel):
         a = layer_prefix(i) + "self_attn."
         self.launch("in_proj")
         z = skinny_linear(x, self.packed[i]["in_proj"])
-        with self.prefetching(self.w[a + "o_proj.weight"]):
-            self.launch("fused_kda_decode")
-            o = self.fused_kda_decode(i, z, state, B, T, keep)
+        self.start_prefetch(self.w[a + "o_proj.weight"])
+        self.launch("fused_kda_decode")
+        o = self.fused_kda_decode(i, z, state, B, T, keep)
         self.launch("o_proj")
         out = skinny_linear(o.view(B * T, -1), self.w[a + "o_proj.weight"])
+        self.join_prefetch()
         return self._all_reduce(out)
 
     def mla_layer(self, i: int, x: torch.Tensor, state: DecodeState, positions: torch.Tensor,
@@ -117,16 +117,17 @@ class SpecializedModel(KernelPathModel):
         cache = state.kv[i]
         qhat = mla_absorb_insert(q, p["w_uk"], kv, self.w[a + "kv_a_layernorm.weight"], cache,
                                  positions, T, state.kv_scale, c.rms_eps)
-        with self.prefetching(self.w[a + "o_proj.weight"]):
-            self.launch("mla_decode")
-            splits = self.mla_splits_for(x.shape[0], state, i)
-            parts, lse = mla_attention(qhat, cache, positions, T, c.kv_lora, state.kv_scale,
-                                       (c.qk_nope + c.qk_rope) ** -0.5, splits)
-            self.launch("bmm_w_uv_gate")  # merges the splits on the way in
-            o = mla_uv_gate(parts if lse is not None else parts[0], p["w_uv"], gate, lse=lse,
-                            dtype=self.dtype)
+        self.start_prefetch(self.w[a + "o_proj.weight"])
+        self.launch("mla_decode")
+        splits = self.mla_splits_for(x.shape[0], state, i)
+        parts, lse = mla_attention(qhat, cache, positions, T, c.kv_lora, state.kv_scale,
+                                   (c.qk_nope + c.qk_rope) ** -0.5, splits)
+        self.launch("bmm_w_uv_gate")  # merges the splits on the way in
+        o = mla_uv_gate(parts if lse is not None else parts[0], p["w_uv"], gate, lse=lse,
+                        dtype=self.dtype)
         self.launch("o_proj")
         out = skinny_linear(o, self.w[a + "o_proj.weight"])
+        self.join_prefetch()
         return self._all_reduce(out)
 
     def dense_mlp(self, h: torch.Tensor) -> tuple[torch.Tensor, None]:
@@ -170,25 +171,23 @@ class SpecializedModel(KernelPathModel):
         return out, ids
 
 
-    @contextlib.contextmanager
-    def prefetching(self, weight: torch.Tensor):
-        """With ``l2_prefetch``: ``weight`` read into L2 on the side stream, beside the
-        launches inside; the main stream waits for it at the end (a fork and a join; on a CPU
-        it simply runs first)."""
+    def start_prefetch(self, weight: torch.Tensor) -> None:
+        """With ``l2_prefetch``: ``weight`` read into L2 on the side stream from here on (a
+        fork; on a CPU it simply runs now). ``join_prefetch`` joins it after the launch that
+        reads the weight, so that launch never waits for the prefetch to finish."""
         if not self.l2_prefetch:
-            yield
             return
         self.launch("l2_prefetch")
         if self.side_stream is None:
             l2_prefetch(weight, self.prefetch_checksums)
-            yield
             return
-        main = torch.cuda.current_stream(self.device)
-        self.side_stream.wait_stream(main)
+        self.side_stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.side_stream):
             l2_prefetch(weight, self.prefetch_checksums)
-        yield
-        main.wait_stream(self.side_stream)
+
+    def join_prefetch(self) -> None:
+        if self.l2_prefetch and self.side_stream is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self.side_stream)
 
 
 def build_model(c: K3Config, weights: Weights, decode_backend: str = "auto",
