@@ -3,9 +3,11 @@ spills from ``ptxas -v``.
 
     python -m kimi_perf_kernels.aot [--json FILE]
 
-Each kernel is compiled at the configurations the specialized path launches for the K3 TP8
-rank shapes. Exit code 1 if a kernel fails to compile or spills registers. Must run without
-``TRITON_INTERPRET`` (the interpreter replaces the JIT that compiles).
+Each kernel is compiled at the configurations the decode paths launch for the K3 TP8 rank
+shapes, with the alignment the JIT sees at launch (16-byte aligned pointers, row strides that
+are multiples of 16), so registers and spills are those of the kernels a GPU runs. Exit code 1
+if a kernel fails to compile or spills registers. Must run without ``TRITON_INTERPRET`` (the
+interpreter replaces the JIT that compiles).
 """
 
 from __future__ import annotations
@@ -89,13 +91,13 @@ def builds() -> list[Build]:
                  "lower_bound": "fp32"}
     kda_types["f_ptr"] = "*bf16"
     for checkpoint, f_given in ((False, False), (True, False), (False, True)):
-        consts = {"D": 128, "F_RANK": 128, "BV": 16, "F_BLOCK": 16, "F_GIVEN": f_given,
+        consts = {"D": 128, "F_RANK": 128, "BV": 32, "F_BLOCK": 16, "F_GIVEN": f_given,
                   "CHECKPOINT": checkpoint, "RNE": False}
         tag = " verify" if checkpoint else " f given (standard)" if f_given else ""
         out.append(Build(f"kda_decode d128{tag}",
                          kda_decode.kda_decode_kernel,
                          _signature(kda_decode.kda_decode_kernel, kda_types, consts), consts,
-                         4))
+                         8))
     routed_types = {"w13_ptr": "*bf16", "ids_ptr": "*i32", "act_ptr": "*bf16", "scale": "fp32",
                     "x_ptr": "*bf16", "sx_ptr": "*bf16", "sw_ptr": "*bf16",
                     "sout_ptr": "*bf16", "w2_ptr": "*bf16", "out_ptr": "*bf16"}
@@ -155,7 +157,7 @@ def builds() -> list[Build]:
             "olat_ptr": "*bf16", "wuv_ptr": "*bf16", "g_ptr": "*bf16", "out_ptr": "*bf16",
             "pos_ptr": "*i64", "kv_scale": "fp32", "eps": "fp32", "sm_scale": "fp32"}
     for cache in ("bf16", "fp8e4nv"):
-        consts = {"NOPE": 128, "ROPE": 64, "LORA": 512, "BLOCK_L": 128, "BLOCK_ROPE": 64,
+        consts = {"NOPE": 128, "ROPE": 64, "LORA": 512, "BLOCK_L": 64, "BLOCK_ROPE": 64,
                   "FP8": cache != "bf16", "RNE": False}
         out.append(Build(f"mla_absorb_insert {cache} cache",
                          mla_absorb_insert.mla_absorb_insert_kernel,
@@ -206,8 +208,18 @@ def _ptxas() -> str:
     return str(bundled) if bundled.exists() else "ptxas"
 
 
+def _aligned(build: Build) -> dict:
+    """What the JIT assumes at launch here: pointers from torch are 16-byte aligned, and K3's
+    row strides are multiples of 16 (7168, 3584, 6288, 4480, ...); vectorised loads follow."""
+    names = build.fn.arg_names
+    return {(names.index(name),): [["tt.divisibility", 16]]
+            for name, ty in build.signature.items()
+            if ty.startswith("*") or (name.startswith("stride") and ty == "i32")}
+
+
 def compile_one(build: Build) -> dict:
-    src = ASTSource(fn=build.fn, signature=build.signature, constexprs=build.constexprs)
+    src = ASTSource(fn=build.fn, signature=build.signature, constexprs=build.constexprs,
+                    attrs=_aligned(build))
     kernel = triton.compile(src, target=TARGET, options={"num_warps": build.num_warps})
     with tempfile.TemporaryDirectory() as tmp:
         ptx = Path(tmp) / "k.ptx"

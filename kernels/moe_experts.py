@@ -162,7 +162,7 @@ def _routed_blocks() -> tuple[int, int]:
 def shared_tile(m: int, situ: bool, interpreted: bool = False) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K) of the shared experts' tiles: the skinny linear's, but the
     GEMV with SiTU (two weight tiles) takes half the K step, so that the fused FC1 needs no
-    more registers than its routed tiles (117 on sm_90a, not 161: two blocks per SM)."""
+    more registers than its routed tiles alone (64 on sm_90a, not 80)."""
     block_m, block_n, block_k, _ = launch_config(m, interpreted)
     if situ and m <= GEMV_MAX_M and not interpreted:
         block_k //= 2
