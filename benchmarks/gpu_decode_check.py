@@ -18,7 +18,12 @@
    step of vLLM's sequence (the summary names the model class of each run). At batch 1 the
    specialized path also runs with its opt-in L2 prefetch (``specialized+l2``), side by side
    with it without.
-5. The main job as a user runs it: ``kimi-perf trace`` with its GPU defaults, eager and
+5. CuTe DSL against Triton: the CuTe DSL GEMV (``kernels/cute_gemv.py``; its cubins are built
+   for sm_90a before the call, since the DSL itself cannot travel) beside the Triton GEMV and
+   cuBLAS on the K3 TP8 projections at 1-4 tokens: errors against a float32 product and µs per
+   launch, each replayed from a CUDA graph over weight copies that overflow L2 (after the
+   speed runs: a kernel's first GPU run must not cost them).
+6. The main job as a user runs it: ``kimi-perf trace`` with its GPU defaults, eager and
    ``--graphs``, its per-layer table and run directory kept.
 
 Writes ``results.json``, ``summary.md`` and the Kineto traces under ``--out``; prints the
@@ -55,6 +60,9 @@ from kimi_perf.graphs import capture_launches
 from kimi_perf.readers import read_trace
 
 PATHS = {"standard": "auto", "specialized": "latency_specialized"}
+# bf16 outputs of float32 sums (about 2^-9 relative each): the norm-relative error, and the
+# largest error over the largest reference value, which a few wrong outputs cannot hide under
+GEMV_REL_ERR, GEMV_MAX_ERR = 1e-2, 2e-2
 
 
 def copy_bandwidth(device: str, mib: int, repeats: int = 10) -> float:
@@ -126,6 +134,100 @@ def graphed_verify_errors(model: K3Model, ref: K3Model, prompt: torch.Tensor, de
         state.accept(acc.to(device))
         errors.append(rel_err(got.cpu(), want.double()))
     return errors
+
+
+def gemv_side_by_side(device: str, cubins: Path | None, bandwidth: float) -> dict:
+    """The CuTe DSL GEMV's cubins, the Triton GEMV (``skinny_linear``) and cuBLAS on the same
+    operands: errors against a float32 product (eager, and the timed graph's output) and µs
+    per launch (a CUDA graph of back-to-back launches cycling over weight copies that together
+    exceed L2 three times, so that W streams from HBM as in a decode step)."""
+    if device != "cuda":
+        return {"skipped": "no GPU"}
+    if cubins is None or not (cubins / "manifest.json").exists():
+        return {"skipped": "no cubins: `bash scripts/gpu-check.sh fetch` builds them"}
+    from kimi_perf_kernels.cute_gemv import CubinGemv
+    from kimi_perf_kernels.skinny_linear import skinny_linear
+
+    cute = CubinGemv(cubins)
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    rows = []
+    for (m, n, k), (entry, _) in sorted(cute.builds.items()):
+        copies = max(2, math.ceil(3 * l2 / (n * k * 2)))
+        ws = [(torch.randn(n, k, device="cuda", generator=gen) * k ** -0.5).bfloat16()
+              for _ in range(copies)]
+        x = torch.randn(m, k, device="cuda", generator=gen).bfloat16()
+        want = x.float() @ ws[0].float().T
+        impls = {"cute": lambda w, y, x=x: cute(x, w, y),
+                 "triton": lambda w, y, x=x: skinny_linear(x, w, out=y),
+                 "cublas": lambda w, y, x=x: torch.matmul(x, w.T, out=y)}
+        def errors(y: torch.Tensor, want: torch.Tensor) -> tuple[float, float]:
+            """(norm-relative error, largest error over the largest reference value)"""
+            diff = (y.double() - want.double()).cpu()
+            return (rel_err(y.float().cpu(), want.double().cpu()),
+                    float(diff.abs().max() / want.double().abs().max().cpu()))
+
+        row = {"name": entry["name"], "m": m, "n": n, "k": k, "rows": entry["rows"],
+               "warps": entry["warps"], "registers": entry["registers"],
+               "loaded": entry["loaded"],
+               "floor_us": n * k * 2 / bandwidth * 1e6}
+        for label, fn in impls.items():
+            try:
+                y = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+                fn(ws[0], y)
+                torch.cuda.synchronize()
+                row[f"{label}_err"], row[f"{label}_max_err"] = errors(y, want)
+                launches = copies * max(1, 24 // copies)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    for i in range(launches):
+                        fn(ws[i % copies], y)
+                times = []
+                for _ in range(12):
+                    start = torch.cuda.Event(enable_timing=True)
+                    end = torch.cuda.Event(enable_timing=True)
+                    start.record()
+                    graph.replay()
+                    end.record()
+                    torch.cuda.synchronize()
+                    times.append(start.elapsed_time(end) * 1e3 / launches)
+                row[f"{label}_us"] = statistics.median(times[2:])
+                # the graph computed what it was timed for: its last launch's product
+                y.zero_()
+                graph.replay()
+                torch.cuda.synchronize()
+                last = x.float() @ ws[(launches - 1) % copies].float().T
+                row[f"{label}_graph_err"] = max(errors(y, last))
+                del graph
+            except Exception as exc:  # the other kernels' numbers still count
+                row[f"{label}_error"] = f"{type(exc).__name__}: {exc}"[:500]
+        rows.append(row)
+        del ws
+        torch.cuda.empty_cache()
+    return {"l2_bytes": l2, "builds": rows}
+
+
+def gemv_errors(gemv: dict) -> list[str]:
+    """A failed launch, an error over the bounds (eager or replayed), or a time under the
+    memory floor (a graph that did not run the kernel) is an error of the check."""
+    out = []
+    for r in gemv.get("builds", []):
+        for label in ("cute", "triton", "cublas"):
+            where = f"gemv {r['name']} M={r['m']} {label}"
+            if f"{label}_error" in r:
+                out.append(f"{where}: {r[label + '_error']}")
+                continue
+            if r[f"{label}_err"] > GEMV_REL_ERR or r[f"{label}_max_err"] > GEMV_MAX_ERR:
+                out.append(f"{where}: rel err {r[label + '_err']:.2e} (norm), "
+                           f"{r[label + '_max_err']:.2e} (max) > {GEMV_REL_ERR} / "
+                           f"{GEMV_MAX_ERR}")
+            if r[f"{label}_graph_err"] > GEMV_MAX_ERR:
+                out.append(f"{where}: the timed graph's output is off by "
+                           f"{r[label + '_graph_err']:.2e}")
+            if r[f"{label}_us"] < 0.9 * r["floor_us"]:
+                out.append(f"{where}: {r[label + '_us']:.2f} µs is under the memory floor "
+                           f"{r['floor_us']:.2f} µs")
+    return out
 
 
 def expected_experts(c: K3Config, batch: int) -> float:
@@ -248,6 +350,7 @@ def main() -> int:
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--cubins", type=Path, help="cute_gemv's cubins and manifest")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
@@ -284,9 +387,17 @@ def main() -> int:
                 except Exception:
                     results["errors"].append(f"{key}: {traceback.format_exc()}")
                 save(results, args.out)
-    del weights  # the main job's processes need the GPU memory
+    del weights  # the GEMVs and the main job's processes need the GPU memory
     if device == "cuda":
         torch.cuda.empty_cache()
+    # After the speed runs: a fault in a kernel that has never run on a GPU before would
+    # poison this process's CUDA context (the main job runs in processes of its own).
+    try:
+        results["gemv"] = gemv_side_by_side(device, args.cubins, bandwidth)
+        results["errors"] += gemv_errors(results["gemv"])
+    except Exception:
+        results["errors"].append(f"gemv: {traceback.format_exc()}")
+    save(results, args.out)
     results["main_job"] = main_job(args.out, args.smoke)
     results["errors"] += [f"kimi-perf trace ({key}) exited {r['returncode']}: "
                           f"{r['stderr_tail']}" for key, r in results["main_job"].items()
@@ -354,6 +465,29 @@ def render_summary(results: dict) -> str:
             lines.append(f"| {name} | {e['us_per_launch']:.2f} | "
                          f"{'-' if floor is None else f'{floor:.2f}'} | "
                          f"{'-' if frac is None else f'{frac:.2f}'} |")
+    gemv = results.get("gemv") or {}
+    if "builds" in gemv:
+        lines += ["", "GEMV side by side (µs per launch from graphs; ratio: Triton or cuBLAS "
+                  "over CuTe DSL; err: norm-relative error against float32):", "",
+                  "| projection | M | N×K | CuTe DSL µs | Triton µs | cuBLAS µs | floor µs | "
+                  "Triton / CuTe | cuBLAS / CuTe | err CuTe / Triton |",
+                  "|---|---:|---|---:|---:|---:|---:|---:|---:|---|"]
+        for r in gemv["builds"]:
+            def us(label: str, r: dict = r) -> str:
+                return f"{r[label + '_us']:.2f}" if label + "_us" in r else "failed"
+
+            def ratio(label: str, r: dict = r) -> str:
+                if label + "_us" not in r or "cute_us" not in r:
+                    return "-"
+                return f"{r[label + '_us'] / r['cute_us']:.2f}"
+
+            errs = " / ".join(f"{r[f'{lb}_err']:.1e}" if f"{lb}_err" in r else "-"
+                              for lb in ("cute", "triton"))
+            lines.append(f"| {r['name']} | {r['m']} | {r['n']}×{r['k']} | {us('cute')} | "
+                         f"{us('triton')} | {us('cublas')} | {r['floor_us']:.2f} | "
+                         f"{ratio('triton')} | {ratio('cublas')} | {errs} |")
+    elif gemv:
+        lines += ["", f"GEMV side by side: skipped ({gemv.get('skipped')})"]
     for key, r in results.get("main_job", {}).items():
         lines += ["", f"kimi-perf trace ({key}): exit {r['returncode']}"]
         for path, types in (r.get("layer_types") or {}).items():

@@ -1,6 +1,9 @@
-"""Triton kernels of the latency-specialized decode path (installed as ``kimi_perf_kernels``).
+"""Kernels of the decode paths (installed as ``kimi_perf_kernels``): Triton, and one CuTe DSL
+candidate (``cute_gemv``).
 
 One kernel per module, beside the PyTorch reference it is tested against
-(``tests/kernels/``). On a CPU they run under ``TRITON_INTERPRET=1`` (set before triton is
-imported); ``kimi_perf_kernels.aot`` compiles every one for sm_90a without a GPU.
+(``tests/kernels/``). On a CPU the Triton kernels run under ``TRITON_INTERPRET=1`` (set before
+triton is imported); ``kimi_perf_kernels.aot`` compiles every kernel for sm_90a without a GPU.
+CuTe DSL kernels cannot run on a CPU: their tests read the sm_90a build, and the GPU check
+runs them.
 """

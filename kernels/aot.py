@@ -3,16 +3,18 @@ spills from ``ptxas -v``.
 
     python -m kimi_perf_kernels.aot [--json FILE]
 
-Each kernel is compiled at the configurations the decode paths launch for the K3 TP8 rank
+Each Triton kernel is compiled at the configurations the decode paths launch for the K3 TP8 rank
 shapes, with the alignment the JIT sees at launch (16-byte aligned pointers, row strides that
 are multiples of 16), so registers and spills are those of the kernels a GPU runs. Exit code 1
 if a kernel fails to compile or spills registers. Must run without ``TRITON_INTERPRET`` (the
-interpreter replaces the JIT that compiles).
+interpreter replaces the JIT that compiles). The CuTe DSL kernels (``cute_gemv``) follow,
+compiled with fake tensors for sm_90a by CuTe DSL's own toolchain.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import re
 import subprocess
@@ -240,6 +242,29 @@ def compile_one(build: Build) -> dict:
             "cubin_bytes": len(kernel.asm["cubin"])}
 
 
+def cute_dsl_rows(failed: list[str]) -> list[dict]:
+    """The CuTe DSL kernels (``cute_gemv``) at the K3 TP8 projections, 1 and 4 tokens,
+    compiled by CuTe DSL's own ptxas; skipped with a note where CuTe DSL is not installed."""
+    from kimi_perf_kernels.cute_gemv import compile_gemv, decode_shapes
+
+    if importlib.util.find_spec("cutlass") is None:
+        print("CuTe DSL is not installed (the cute extra): its kernels were not compiled")
+        return []
+    rows = []
+    for name, (n, k) in decode_shapes("k3-tp8").items():
+        for m in (1, 4):
+            label = f"cute_gemv {name} M={m}"
+            try:
+                c = compile_gemv(m, n, k)
+            except Exception as exc:
+                failed.append(f"{label}: {type(exc).__name__}: {str(exc)[:300]}")
+                continue
+            rows.append({"kernel": label, "num_warps": c.plan.warps, "registers": c.registers,
+                         "spill_stores": c.spill_stores, "spill_loads": c.spill_loads,
+                         "smem_bytes": c.plan.smem_bytes, "cubin_bytes": len(c.cubin)})
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path, help="write the table as JSON here")
@@ -250,6 +275,7 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(compile_one(build))
         except Exception as exc:  # report every kernel, then fail
             failed.append(f"{build.label}: {type(exc).__name__}: {str(exc)[:300]}")
+    rows += cute_dsl_rows(failed)
     print(f"{'kernel':48s} {'warps':>5s} {'regs':>5s} {'spill st/ld':>12s} {'smem':>7s}")
     for r in rows:
         print(f"{r['kernel']:48s} {r['num_warps']:5d} {r['registers']:5d} "

@@ -2,7 +2,8 @@
 # The whole GPU check of the decode paths in one device call (benchmarks/gpu_decode_check.py).
 #
 #   bash scripts/gpu-check.sh fetch          # here, just before the device call: the wheels the
-#                                            #   GPU machine lacks, and the commit, -> .whl/
+#                                            #   GPU machine lacks, cute_gemv's cubins and the
+#                                            #   commit, -> .whl/
 #   bash scripts/gpu-check.sh run [ARGS...]  # there, in one call that carries .whl:
 #                                            #   results, traces and run directories -> $OUT
 #
@@ -22,6 +23,9 @@ fetch)
     --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
     --platform manylinux2014_x86_64 -d "$WHEELS" msgspec==0.23.0 plotly==7.1.0 narwhals==2.29.0 packaging==26.4 \
     nvtx==0.2.11
+  # cute_gemv's cubins for sm_90a (CuTe DSL compiles here without a GPU; its runtime is too
+  # large to travel, the cubins launch there through CuPy).
+  "${BUILD_PYTHON:-.venv/bin/python}" -m kimi_perf_kernels.cute_gemv --out "$WHEELS/cute"
   # The copy of the working tree the GPU machine gets has no .git: the results name this.
   commit=$(git rev-parse HEAD)
   git diff --quiet HEAD || commit="$commit+uncommitted"
@@ -38,7 +42,10 @@ run)
   [ -f "$WHEELS/COMMIT" ] && export KIMI_PERF_GIT_COMMIT=$(cat "$WHEELS/COMMIT")
   out=${OUT:-gpu-check-out}
   mkdir -p "$out"
-  "$PYTHON" benchmarks/gpu_decode_check.py --out "$out" "$@" 2>&1 | tee "$out/log.txt"
+  cubins=()
+  [ -f "$WHEELS/cute/manifest.json" ] && cubins=(--cubins "$WHEELS/cute")
+  "$PYTHON" benchmarks/gpu_decode_check.py --out "$out" ${cubins[@]+"${cubins[@]}"} "$@" 2>&1 \
+    | tee "$out/log.txt"
   ;;
 *)
   echo "usage: bash scripts/gpu-check.sh fetch | run [ARGS...]" >&2

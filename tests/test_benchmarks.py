@@ -64,6 +64,45 @@ def test_gpu_decode_check_plumbing_on_the_cpu(tmp_path):
     assert "| run | model | layer type |" in proc.stdout
     assert "| standard vs specialized | b1 | kda | 18 vs 9 |" in proc.stdout  # side by side
     assert "| specialized vs specialized+l2 | b1 | kda | 9 vs 10 |" in proc.stdout
+    assert results["gemv"] == {"skipped": "no GPU"}   # CuTe DSL cubins launch on a GPU only
+    assert "GEMV side by side: skipped (no GPU)" in proc.stdout
     job = results["main_job"]["eager"]        # kimi-perf trace, as a user runs it
     assert job["returncode"] == 0 and (tmp_path / "runs").is_dir()
     assert {t["type"]: t["kernels"] for t in job["layer_types"]["specialized"]} == kernels
+
+
+def test_gpu_check_summary_puts_the_gemvs_side_by_side():
+    """The GEMV table of the GPU check's summary, from a results document shaped as the GPU
+    writes it (one implementation failed on one build)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_check",
+                                                  BENCHMARKS / "gpu_decode_check.py")
+    check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(check)
+    build = {"name": "o_proj", "m": 1, "n": 7168, "k": 1536, "rows": 8, "warps": 6,
+             "registers": 48, "floor_us": 4.6, "cute_us": 6.0, "triton_us": 9.0,
+             "cublas_us": 7.5, "cute_err": 1e-3, "triton_err": 2e-3, "cublas_err": 1e-3}
+    failed = {**build, "m": 4, "cute_error": "CUDADriverError: launch failed"}
+    del failed["cute_us"], failed["cute_err"]
+    results = {"date": "2026-11-30", "environment": {"gpus": ["NVIDIA H200"], "torch": "2.11"},
+               "copy_bandwidth_Bps": 4.3e12, "errors": [],
+               "gemv": {"l2_bytes": 52428800, "builds": [build, failed]}}
+    text = check.render_summary(results)
+    good = {f"{lb}_{what}": value for lb in ("cute", "triton", "cublas")
+            for what, value in (("err", 3e-3), ("max_err", 8e-3), ("graph_err", 8e-3))}
+    good.update(build)
+    assert check.gemv_errors({"builds": [good]}) == []
+    bad = {**good, "cute_max_err": 0.05, "triton_graph_err": 0.5, "cublas_us": 1.0}
+    del bad["cute_us"]
+    bad["cute_error"] = "CUDADriverError: launch failed"
+    errors = check.gemv_errors({"builds": [{**good, "cute_max_err": 0.05},
+                                           {**good, "triton_graph_err": 0.5},
+                                           {**good, "cublas_us": 1.0}, bad]})
+    where = [f"gemv o_proj M=1 {lb}" for lb in ("cute", "triton", "cublas")]
+    assert [e.split(": ")[0] for e in errors] == where + where
+    assert "under the memory floor" in errors[2] and "timed graph" in errors[1]
+    assert "| o_proj | 1 | 7168×1536 | 6.00 | 9.00 | 7.50 | 4.60 | 1.50 | 1.25 | " \
+           "1.0e-03 / 2.0e-03 |" in text
+    assert "| o_proj | 4 | 7168×1536 | failed | 9.00 | 7.50 | 4.60 | - | - | - / 2.0e-03 |" \
+        in text
