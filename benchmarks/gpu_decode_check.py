@@ -26,8 +26,11 @@
 6. The main job as a user runs it: ``kimi-perf trace`` with its GPU defaults, eager and
    ``--graphs``, its per-layer table and run directory kept.
 
-Writes ``results.json``, ``summary.md`` and the Kineto traces under ``--out``; prints the
-summary last. Every number is measured in this one run.
+Writes ``results.json``, ``summary.md`` (after every section: a run killed at the device
+call's limit keeps what it measured) and the Kineto traces under ``--out``; prints the summary
+last. Sections that would not fit the wall-clock budget (``--budget-s``) are skipped and
+listed, the headline first: graphs before eager runs. Every number is measured in this one
+run.
 """
 
 from __future__ import annotations
@@ -63,6 +66,9 @@ PATHS = {"standard": "auto", "specialized": "latency_specialized"}
 # bf16 outputs of float32 sums (about 2^-9 relative each): the norm-relative error, and the
 # largest error over the largest reference value, which a few wrong outputs cannot hide under
 GEMV_REL_ERR, GEMV_MAX_ERR = 1e-2, 2e-2
+# Seconds kept for what follows the speed runs (the GEMVs, then the main job), what the
+# GEMVs and one main-job run need at least, and a margin for writing the results.
+RESERVE_AFTER_SPEED_S, GEMV_S, MIN_MAIN_JOB_S, BUDGET_MARGIN_S = 150, 45, 60, 10
 
 
 def copy_bandwidth(device: str, mib: int, repeats: int = 10) -> float:
@@ -310,17 +316,42 @@ def speed(path: str, c: K3Config, weights, batch: int, context: int, warmup: int
     return result
 
 
-def main_job(out: Path, smoke: bool) -> dict:
+class Budget:
+    """The check's wall-clock budget (a device call is killed at its limit, with whatever
+    is left unsaved): sections that would not fit are skipped, and say so."""
+
+    def __init__(self, seconds: float):
+        self.end = time.monotonic() + seconds
+        self.skipped: list[str] = []
+
+    def left(self) -> float:
+        return self.end - time.monotonic()
+
+    def allows(self, what: str, need: float) -> bool:
+        if self.left() >= need:
+            return True
+        self.skipped.append(f"{what}: {max(self.left(), 0):.0f} s left of the budget, "
+                            f"{need:.0f} s needed")
+        return False
+
+
+def main_job(out: Path, smoke: bool, budget: Budget) -> dict:
     """``kimi-perf trace`` end to end, as a user runs it (smoke: a small CPU run); eager and,
-    on a GPU, with CUDA graphs."""
+    on a GPU, with CUDA graphs; each run gets its share of the time left."""
     runs = {}
-    for graphs in (False,) if smoke else (False, True):
+    modes = (False,) if smoke else (False, True)
+    for i, graphs in enumerate(modes):
         args = [sys.executable, "-m", "kimi_perf", "trace", "--out", str(out / "runs"),
                 "--format", "json"]
         args += ["--layers", "4", "--steps", "1", "--warmup", "0"] if smoke else []
         args += ["--graphs"] if graphs else []
+        share = (budget.left() - BUDGET_MARGIN_S) / (len(modes) - i)
+        if not budget.allows(f"kimi-perf trace{' --graphs' if graphs else ''}", MIN_MAIN_JOB_S
+                             + BUDGET_MARGIN_S):
+            continue
         try:
-            proc = subprocess.run(args, capture_output=True, text=True, timeout=300)
+            proc = subprocess.run(args, capture_output=True, text=True,
+                                  timeout=min(300, share))
         except subprocess.TimeoutExpired as exc:
             runs["graphs" if graphs else "eager"] = {"command": " ".join(args[1:]),
                                                      "returncode": None,
@@ -338,8 +369,10 @@ def main_job(out: Path, smoke: bool) -> dict:
 
 
 def save(results: dict, out: Path) -> None:
-    """results.json as far as the check got (a killed run still leaves its sections)."""
+    """results.json and summary.md as far as the check got (a killed run still leaves its
+    sections)."""
     (out / "results.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
+    (out / "summary.md").write_text(render_summary(results))
 
 
 def main() -> int:
@@ -351,14 +384,18 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--cubins", type=Path, help="cute_gemv's cubins and manifest")
+    parser.add_argument("--budget-s", type=float, default=540,
+                        help="wall-clock budget: later sections are skipped rather than killed")
     args = parser.parse_args()
+    budget = Budget(args.budget_s)
     args.out.mkdir(parents=True, exist_ok=True)
     device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
     if not args.smoke and device != "cuda":
         print("no GPU: run with --smoke for the CPU plumbing check", file=sys.stderr)
         return 2
     results: dict = {"date": dt.datetime.now(dt.UTC).isoformat(),
-                     "environment": environment(device), "errors": []}
+                     "environment": environment(device), "errors": [],
+                     "skipped": budget.skipped}
     results["copy_bandwidth_Bps"] = bandwidth = copy_bandwidth(device, 16 if args.smoke
                                                                else 2048)
     try:
@@ -376,16 +413,23 @@ def main() -> int:
                          "n_layers": c.n_layers, "hash": c.fingerprint(), "context": context,
                          "steps": steps, "warmup": warmup}
     results["speed"] = {}
-    for batch in batches:
-        for graphs in (False, True) if device == "cuda" else (False,):
-            # at batch 1, where GEMVs stream weights, also the L2 prefetch, to decide it
+    longest = 0.0
+    # The headline first: per-layer µs under CUDA graphs at both batches, then the eager runs
+    # (per launch and memory floors); at batch 1, where GEMVs stream weights, also the L2
+    # prefetch, to decide it.
+    for graphs in (True, False) if device == "cuda" else (False,):
+        for batch in batches:
             for path in [*PATHS, *(["specialized+l2"] if batch == 1 else [])]:
                 key = f"{path} b{batch}{' graphs' if graphs else ''}"
+                if not budget.allows(key, longest + RESERVE_AFTER_SPEED_S):
+                    continue
+                started = time.monotonic()
                 try:
                     results["speed"][key] = speed(path, c, weights, batch, context, warmup,
                                                   steps, device, args.out, bandwidth, graphs)
                 except Exception:
                     results["errors"].append(f"{key}: {traceback.format_exc()}")
+                longest = max(longest, time.monotonic() - started)
                 save(results, args.out)
     del weights  # the GEMVs and the main job's processes need the GPU memory
     if device == "cuda":
@@ -393,19 +437,18 @@ def main() -> int:
     # After the speed runs: a fault in a kernel that has never run on a GPU before would
     # poison this process's CUDA context (the main job runs in processes of its own).
     try:
-        results["gemv"] = gemv_side_by_side(device, args.cubins, bandwidth)
-        results["errors"] += gemv_errors(results["gemv"])
+        if budget.allows("gemv", GEMV_S + MIN_MAIN_JOB_S + BUDGET_MARGIN_S):
+            results["gemv"] = gemv_side_by_side(device, args.cubins, bandwidth)
+            results["errors"] += gemv_errors(results["gemv"])
     except Exception:
         results["errors"].append(f"gemv: {traceback.format_exc()}")
     save(results, args.out)
-    results["main_job"] = main_job(args.out, args.smoke)
+    results["main_job"] = main_job(args.out, args.smoke, budget)
     results["errors"] += [f"kimi-perf trace ({key}) exited {r['returncode']}: "
                           f"{r['stderr_tail']}" for key, r in results["main_job"].items()
                           if r["returncode"] != 0]
     save(results, args.out)
-    summary = render_summary(results)
-    (args.out / "summary.md").write_text(summary)
-    print(summary)
+    print(render_summary(results))
     return 1 if results["errors"] else 0
 
 
@@ -493,6 +536,7 @@ def render_summary(results: dict) -> str:
         for path, types in (r.get("layer_types") or {}).items():
             lines += [f"  {path} {t['type']}: {t['kernels']:g} kernels, {t['kernel_us']:.1f} µs"
                       for t in types]
+    lines += [f"skipped {what}" for what in results.get("skipped", [])]
     if results["errors"]:
         lines += ["", f"{len(results['errors'])} error(s): see results.json"]
     return "\n".join(lines) + "\n"

@@ -64,11 +64,31 @@ def test_gpu_decode_check_plumbing_on_the_cpu(tmp_path):
     assert "| run | model | layer type |" in proc.stdout
     assert "| standard vs specialized | b1 | kda | 18 vs 9 |" in proc.stdout  # side by side
     assert "| specialized vs specialized+l2 | b1 | kda | 9 vs 10 |" in proc.stdout
+    assert results["skipped"] == []
     assert results["gemv"] == {"skipped": "no GPU"}   # CuTe DSL cubins launch on a GPU only
     assert "GEMV side by side: skipped (no GPU)" in proc.stdout
     job = results["main_job"]["eager"]        # kimi-perf trace, as a user runs it
     assert job["returncode"] == 0 and (tmp_path / "runs").is_dir()
     assert {t["type"]: t["kernels"] for t in job["layer_types"]["specialized"]} == kernels
+
+
+def test_gpu_check_skips_what_its_budget_cannot_fit(tmp_path):
+    """With too little time for the speed runs the check skips them, says so, and still runs
+    what fits (the main job), instead of being killed with nothing written."""
+    import json
+
+    proc = subprocess.run([sys.executable, str(BENCHMARKS / "gpu_decode_check.py"), "--smoke",
+                           "--budget-s", "100", "--out", str(tmp_path)], capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["speed"] == {} and "gemv" not in results
+    assert [s.split(":")[0] for s in results["skipped"]] == [
+        "standard b1", "specialized b1", "specialized+l2 b1", "standard b2", "specialized b2",
+        "gemv"]
+    assert results["main_job"]["eager"]["returncode"] == 0
+    summary = (tmp_path / "summary.md").read_text()
+    assert "skipped standard b1: " in summary and summary in proc.stdout
 
 
 def test_gpu_check_summary_puts_the_gemvs_side_by_side():
