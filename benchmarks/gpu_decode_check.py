@@ -22,7 +22,8 @@
    for sm_90a before the call, since the DSL itself cannot travel) beside the Triton GEMV and
    cuBLAS on the K3 TP8 projections at 1-4 tokens: errors against a float32 product and µs per
    launch, each replayed from a CUDA graph over weight copies that overflow L2 (after the
-   speed runs: a kernel's first GPU run must not cost them).
+   speed runs: a kernel's first GPU run must not cost them). Where the CuTe DSL GEMV passes,
+   the specialized path runs again at batch 1 with it (``specialized+cute``), side by side.
 6. The main job as a user runs it: ``kimi-perf trace`` with its GPU defaults, eager and
    ``--graphs``, its per-layer table and run directory kept.
 
@@ -268,9 +269,13 @@ def launch_bytes(c: K3Config, batch: int, context: int) -> dict[str, float]:
 
 
 def speed(path: str, c: K3Config, weights, batch: int, context: int, warmup: int, steps: int,
-          device: str, out: Path, bandwidth: float, graphs: bool) -> dict:
-    model = build_model(c, weights, PATHS[path.removesuffix("+l2")], device=device)
-    model.l2_prefetch = path.endswith("+l2")  # the specialized path's opt-in L2 prefetch
+          device: str, out: Path, bandwidth: float, graphs: bool, gemv=None) -> dict:
+    base, _, option = path.partition("+")
+    model = build_model(c, weights, PATHS[base], device=device)
+    # the specialized path's opt-ins: L2 prefetch, the CuTe DSL GEMV
+    model.l2_prefetch = option == "l2"
+    if option == "cute":
+        model.gemv = gemv
     # Eager runs: per-launch ranges attribute kernels to their launch (graphs replay none).
     model.annotate_ops = not graphs
     prompt = torch.randint(0, c.vocab, (batch, context), generator=torch.Generator()
@@ -431,18 +436,36 @@ def main() -> int:
                     results["errors"].append(f"{key}: {traceback.format_exc()}")
                 longest = max(longest, time.monotonic() - started)
                 save(results, args.out)
-    del weights  # the GEMVs and the main job's processes need the GPU memory
-    if device == "cuda":
-        torch.cuda.empty_cache()
     # After the speed runs: a fault in a kernel that has never run on a GPU before would
     # poison this process's CUDA context (the main job runs in processes of its own).
+    gemv_ok = False
     try:
         if budget.allows("gemv", GEMV_S + MIN_MAIN_JOB_S + BUDGET_MARGIN_S):
             results["gemv"] = gemv_side_by_side(device, args.cubins, bandwidth)
-            results["errors"] += gemv_errors(results["gemv"])
+            errors = gemv_errors(results["gemv"])
+            results["errors"] += errors
+            gemv_ok = "builds" in results["gemv"] and not any(" cute:" in e for e in errors)
     except Exception:
         results["errors"].append(f"gemv: {traceback.format_exc()}")
     save(results, args.out)
+    if gemv_ok:  # then the specialized path with it, at batch 1, side by side
+        from kimi_perf_kernels.cute_gemv import CubinGemv
+
+        cute = CubinGemv(args.cubins)
+        for graphs in (True, False):
+            key = f"specialized+cute b1{' graphs' if graphs else ''}"
+            if not budget.allows(key, longest + MIN_MAIN_JOB_S + BUDGET_MARGIN_S):
+                continue
+            try:
+                results["speed"][key] = speed("specialized+cute", c, weights, 1, context,
+                                              warmup, steps, device, args.out, bandwidth,
+                                              graphs, gemv=cute)
+            except Exception:
+                results["errors"].append(f"{key}: {traceback.format_exc()}")
+            save(results, args.out)
+    del weights  # the main job's processes need the GPU memory
+    if device == "cuda":
+        torch.cuda.empty_cache()
     results["main_job"] = main_job(args.out, args.smoke, budget)
     results["errors"] += [f"kimi-perf trace ({key}) exited {r['returncode']}: "
                           f"{r['stderr_tail']}" for key, r in results["main_job"].items()
@@ -472,7 +495,8 @@ def render_summary(results: dict) -> str:
               "| A vs B | run | layer type | kernels | span µs | kernels ratio | span ratio |",
               "|---|---|---|---:|---:|---:|---:|"]
     speed = results.get("speed", {})
-    for a, b in (("standard", "specialized"), ("specialized", "specialized+l2")):
+    for a, b in (("standard", "specialized"), ("specialized", "specialized+l2"),
+                 ("specialized", "specialized+cute")):
         for key, ra in speed.items():
             if not key.startswith(a + " "):
                 continue

@@ -202,15 +202,20 @@ def compile_gemv(m: int, n: int, k: int) -> CompiledGemv:
                         int(spills.group(1)), int(spills.group(2)))
 
 
-def decode_shapes(preset_name: str = "k3-tp8") -> dict[str, tuple[int, int]]:
-    """(N, K) of the plain projections the specialized path streams at 1-4 tokens."""
+def decode_shapes(config="k3-tp8") -> dict[str, tuple[int, int]]:
+    """(N, K) of the plain projections the specialized path streams at 1-4 tokens
+    (``SpecializedModel.plain_linear``), for a preset name or a K3Config; the gated-MLA
+    layers' o_proj is listed apart only where its K differs from the KDA layers'."""
     from kimi_perf.decode.config import preset
 
-    c = preset(preset_name)
-    return {"in_proj": (c.in_proj_rows, c.hidden),
-            "qkv_a_g_proj": (c.q_lora + c.kv_cache_dim + c.mla_heads_local * c.v_head,
-                             c.hidden),
-            "o_proj": (c.hidden, c.kda_heads_local * c.kda_head_dim)}
+    c = preset(config) if isinstance(config, str) else config
+    shapes = {"in_proj": (c.in_proj_rows, c.hidden),
+              "qkv_a_g_proj": (c.q_lora + c.kv_cache_dim + c.mla_heads_local * c.v_head,
+                               c.hidden),
+              "o_proj": (c.hidden, c.kda_heads_local * c.kda_head_dim)}
+    if c.mla_heads_local * c.v_head != c.kda_heads_local * c.kda_head_dim:
+        shapes["mla_o_proj"] = (c.hidden, c.mla_heads_local * c.v_head)
+    return shapes
 
 
 def build_cubins(out: Path, shapes: dict[str, tuple[int, int]], ms=(1, 2, 3, 4)) -> dict:

@@ -91,15 +91,39 @@ def test_gpu_check_skips_what_its_budget_cannot_fit(tmp_path):
     assert "skipped standard b1: " in summary and summary in proc.stdout
 
 
-def test_gpu_check_summary_puts_the_gemvs_side_by_side():
-    """The GEMV table of the GPU check's summary, from a results document shaped as the GPU
-    writes it (one implementation failed on one build)."""
+def _gpu_check():
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("gpu_check",
                                                   BENCHMARKS / "gpu_decode_check.py")
     check = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(check)
+    return check
+
+
+def test_gpu_check_runs_the_specialized_path_with_the_opt_in_gemv(tmp_path):
+    """``specialized+cute``: the GPU check's run of the specialized path with the CuTe DSL
+    GEMV, here with a stand-in for its launcher."""
+    pytest.importorskip("torch")
+    from kimi_perf.decode.config import preset
+    from kimi_perf.decode.weights import random_weights
+    from kimi_perf_kernels.cute_gemv import decode_shapes
+    from tests.kernels.util import RecordingGemv
+
+    c = preset("tiny", n_layers=2)
+    gemv = RecordingGemv(decode_shapes(c))
+    r = _gpu_check().speed("specialized+cute", c, random_weights(c, seed=1), 1, 4, 1, 1, "cpu",
+                           tmp_path, 1e11, False, gemv=gemv)
+    assert r["model"] == "SpecializedModel" and gemv.calls
+    # layer 0 (KDA, dense MLP) and the last, gated MLA: the launches of the path without it
+    assert {t["type"]: t["kernels"] for t in r["layer_types"]} == {"kda": 7, "mla": 12}
+    assert (tmp_path / "specialized+cute_b1.trace.json.gz").exists()
+
+
+def test_gpu_check_summary_puts_the_gemvs_side_by_side():
+    """The GEMV table of the GPU check's summary, from a results document shaped as the GPU
+    writes it (one implementation failed on one build)."""
+    check = _gpu_check()
     build = {"name": "o_proj", "m": 1, "n": 7168, "k": 1536, "rows": 8, "warps": 6,
              "registers": 48, "floor_us": 4.6, "cute_us": 6.0, "triton_us": 9.0,
              "cublas_us": 7.5, "cute_err": 1e-3, "triton_err": 2e-3, "cublas_err": 1e-3}

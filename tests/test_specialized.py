@@ -17,6 +17,7 @@ from kimi_perf.decode.specialized import SpecializedModel, build_model  # noqa: 
 from kimi_perf.decode.standard_kernels import StandardKernelsModel  # noqa: E402
 from kimi_perf.decode.validate import make_path, rel_err, validate  # noqa: E402
 from kimi_perf.decode.weights import random_weights  # noqa: E402
+from tests.kernels.util import RecordingGemv  # noqa: E402
 
 # Four layers keep the structure (dense layer 0, KDA layers, MLA last, a residual block
 # boundary at 3) at a quarter of the interpreter time.
@@ -77,6 +78,36 @@ def test_kernel_paths_verify_step_and_rollback(weights, path):
     assert rel_err(v_fast, v_std.double()) < 1e-4
     assert rel_err(n_fast, n_std.double()) < 1e-4
     assert torch.equal(st_std.lengths, st_fast.lengths)
+
+
+def test_plain_projections_take_the_opt_in_gemv_where_it_has_a_build(weights):
+    """``SpecializedModel(gemv=...)`` (the CuTe DSL GEMV on a GPU) takes in_proj,
+    qkv_a_g_proj and o_proj at 1-4 tokens, nothing else, with the same launches and result;
+    a verify step of more tokens keeps the Triton GEMM."""
+    from kimi_perf_kernels.cute_gemv import decode_shapes
+
+    shapes = decode_shapes(SMALL)
+    gemv = RecordingGemv(shapes)
+    plain, routed = (SpecializedModel(SMALL, weights, dtype=torch.float32, gemv=g)
+                     for g in (None, gemv))
+    tokens = torch.randint(0, SMALL.vocab, (2, 6), generator=torch.Generator().manual_seed(8))
+    states = [m.new_state(2, 12) for m in (plain, routed)]
+    for m, st in zip((plain, routed), states, strict=True):
+        m.forward(tokens[:, :3], st)
+        m.launches = []
+    assert gemv.calls == []  # the prefill takes the standard path
+    for t in (3, 4):
+        want, got = (m.forward(tokens[:, t: t + 1], st)
+                     for m, st in zip((plain, routed), states, strict=True))
+        assert rel_err(got, want.double()) < 1e-5
+    assert routed.launches == plain.launches
+    assert set(gemv.calls) == {(2, n, k) for n, k in shapes.values()}
+    n_kda, n_mla = (sum(SMALL.is_mla(i) == mla for i in range(SMALL.n_layers))
+                    for mla in (False, True))
+    assert len(gemv.calls) == 2 * (2 * n_kda + 2 * n_mla)   # 2 steps, 2 per layer
+    gemv.calls.clear()
+    routed.forward(tokens[:, 2:6], states[1], keep_checkpoints=True)   # 2 × 4 tokens
+    assert gemv.calls == []
 
 
 def _tp_kernel_path(rank: int, path: str, weights):

@@ -40,6 +40,10 @@ second stream: o_proj's weights read into L2 beside S3 (KDA) or M5-M6 (MLA), so 
 streams them from L2 (``kernels/l2_prefetch.py``); the join comes after o_proj, which never
 waits for it: 10 / 13 launches, 12 / 15 with TP.
 
+With ``gemv`` (opt-in, GPU only: the CuTe DSL GEMV's cubins, ``kernels/cute_gemv.py``) the
+plain projections (in_proj, qkv_a_g_proj, o_proj) at 1-4 tokens take that GEMV in place of
+the Triton one, wherever it has a build for the shape: the same launches.
+
 It applies to pure decode steps (batch 1-64, one token each) and to speculative verify steps
 (1+k tokens, k <= 7). Anything else, prefill included, falls back to the standard path, and
 ``fallbacks`` says which steps did and why.
@@ -64,8 +68,13 @@ from kimi_perf_kernels.skinny_linear import skinny_linear
 
 class SpecializedModel(KernelPathModel):
     def __init__(self, c: K3Config, weights: Weights, dtype: torch.dtype = torch.bfloat16,
-                 device: torch.device | str = "cpu", all_reduce=None, l2_prefetch: bool = False):
+                 device: torch.device | str = "cpu", all_reduce=None, l2_prefetch: bool = False,
+                 gemv=None):
         super().__init__(c, weights, dtype=dtype, device=device, all_reduce=all_reduce)
+        # Opt-in, on a GPU, until a GPU run shows it beats the Triton GEMV: another GEMV for
+        # the plain projections (kimi_perf_kernels.cute_gemv.CubinGemv, the CuTe DSL one),
+        # used wherever it has a build for the shape (``builds``: (M, N, K) keys).
+        self.gemv = gemv
         # Opt-in until a GPU run shows it pays (benchmarks/gpu_decode_check.py measures both):
         # o_proj's weights read into L2 on a second stream beside the layer's latency-bound
         # attention kernels (kernels/l2_prefetch.py), one launch more per layer.
@@ -92,12 +101,12 @@ class SpecializedModel(KernelPathModel):
                   keep: bool) -> torch.Tensor:
         a = layer_prefix(i) + "self_attn."
         self.launch("in_proj")
-        z = skinny_linear(x, self.packed[i]["in_proj"])
+        z = self.plain_linear(x, self.packed[i]["in_proj"])
         self.start_prefetch(self.w[a + "o_proj.weight"])
         self.launch("fused_kda_decode")
         o = self.fused_kda_decode(i, z, state, B, T, keep)
         self.launch("o_proj")
-        out = skinny_linear(o.view(B * T, -1), self.w[a + "o_proj.weight"])
+        out = self.plain_linear(o.view(B * T, -1), self.w[a + "o_proj.weight"])
         self.join_prefetch()
         return self._all_reduce(out)
 
@@ -108,7 +117,7 @@ class SpecializedModel(KernelPathModel):
         p = self.packed[i]
         kv_end = c.q_lora + c.kv_cache_dim
         self.launch("qkv_a_g_proj")
-        z = skinny_linear(x, p["qkv_a_g"])
+        z = self.plain_linear(x, p["qkv_a_g"])
         q_c, kv, gate = z[:, : c.q_lora], z[:, c.q_lora: kv_end], z[:, kv_end:]
         self.launch("q_b_proj")
         q = skinny_linear(q_c, self.w[a + "q_b_proj.weight"],
@@ -126,7 +135,7 @@ class SpecializedModel(KernelPathModel):
         o = mla_uv_gate(parts if lse is not None else parts[0], p["w_uv"], gate, lse=lse,
                         dtype=self.dtype)
         self.launch("o_proj")
-        out = skinny_linear(o, self.w[a + "o_proj.weight"])
+        out = self.plain_linear(o, self.w[a + "o_proj.weight"])
         self.join_prefetch()
         return self._all_reduce(out)
 
@@ -170,6 +179,13 @@ class SpecializedModel(KernelPathModel):
                             out_dtype=self.dtype, eps=c.rms_eps)
         return out, ids
 
+
+    def plain_linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """The projections without fusions (in_proj, qkv_a_g_proj, o_proj): the Triton
+        GEMV / GEMM, or ``gemv`` where it has a build for (M, N, K)."""
+        if self.gemv is not None and (x.shape[0], *w.shape) in self.gemv.builds:
+            return self.gemv(x, w)
+        return skinny_linear(x, w)
 
     def start_prefetch(self, weight: torch.Tensor) -> None:
         """With ``l2_prefetch``: ``weight`` read into L2 on the side stream from here on (a

@@ -28,3 +28,18 @@ def assert_close_bf16(actual: torch.Tensor, expected: torch.Tensor, ulps: float 
     bad = (a - e).abs() > tol
     assert not bad.any(), (f"{int(bad.sum())} of {bad.numel()} elements differ; worst "
                            f"{float(((a - e).abs() / tol)[bad].max()):.2f}× the tolerance")
+
+
+class RecordingGemv:
+    """A stand-in for the CuTe DSL GEMV's launcher (which needs a GPU): builds for the given
+    (N, K) shapes at 1-4 tokens, computed by the reference, calls recorded."""
+
+    def __init__(self, shapes: dict[str, tuple[int, int]]):
+        self.builds = {(m, n, k): None for n, k in shapes.values() for m in range(1, 5)}
+        self.calls: list[tuple[int, int, int]] = []
+
+    def __call__(self, x, w):
+        from kimi_perf_kernels.skinny_linear import skinny_linear_reference
+
+        self.calls.append((x.shape[0], *w.shape))
+        return skinny_linear_reference(x, w).to(x.dtype)
