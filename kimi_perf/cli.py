@@ -9,7 +9,6 @@ import sys
 from pathlib import Path
 
 import click
-from rich.console import Console
 
 from kimi_perf import gate as gate_mod
 from kimi_perf import render
@@ -77,7 +76,7 @@ def ranges(trace: Path, fmt: str, output: Path | None) -> None:
     """Kernels per range, as `nsys stats --report nvtx_kern_sum` attributes them."""
     rows = range_kernel_summary(read_trace(trace))
     if fmt == "table":
-        Console().print(render.ranges_table(rows))
+        render.console().print(render.ranges_table(rows))
     else:
         _emit(render.ranges_csv(rows) if fmt == "csv" else render.ranges_json(rows), output)
 
@@ -144,7 +143,7 @@ def compare_cmd(a: Path, b: Path, fmt: str, layers: str, step_regex: str | None,
     if fmt == "json":
         _emit(render.comparison_json(rows, label_a, label_b or "B"), output)
         return
-    console = Console()
+    console = render.console()
     console.print(render.comparison_table(rows, label_a, label_b or "B"))
     console.print(render.comparison_headline(rows, label_a, label_b or "B"))
 
@@ -190,7 +189,7 @@ def gate_cmd(baseline: Path, run: Path, metrics: str, rel_tol: float, alpha: flo
     if fmt == "json":
         click.echo(json.dumps(result.to_json(), indent=1, allow_nan=False))
     else:
-        console = Console()
+        console = render.console()
         table = render.gate_table(result, show_all)
         if table.row_count:
             console.print(table)
@@ -317,7 +316,7 @@ def trace_cmd(from_files: tuple[Path, ...], preset_name: str | None, n_layers: i
     from kimi_perf import capture as cap
     from kimi_perf.compare import compare as compare_breakdowns
 
-    console = Console(stderr=fmt == "json")
+    console = render.console(stderr=fmt == "json")
     if from_files:
         run_dir, results, run_info = cap.analyse(list(from_files), out_dir)
     else:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import os
 from typing import Any
 
 from rich.console import Console
@@ -14,6 +15,25 @@ from kimi_perf.attribution import RangeKernelRow
 from kimi_perf.breakdown import Breakdown
 from kimi_perf.compare import ComparisonRow
 from kimi_perf.gate import GateResult
+
+
+def console(stderr: bool = False) -> Console:
+    """Rich's console, wide enough that a table piped to a file or a CI log keeps every column
+    (rich would otherwise lay it out in 80 columns)."""
+    out = Console(stderr=stderr)
+    if not out.is_terminal and "COLUMNS" not in os.environ:
+        out = Console(stderr=stderr, width=200)
+    return out
+
+
+def _table(title: str, columns: list[str], left: tuple[str, ...] = ()) -> Table:
+    """Columns right-justified but for ``left``; a cell too wide for a narrow terminal folds
+    onto the next line rather than losing digits to an ellipsis."""
+    table = Table(title=title)
+    for col in columns:
+        table.add_column(col, justify="left" if col in left else "right", overflow="fold")
+    return table
+
 
 RANGES_HEADER = ["range", "pid", "tid", "range_instances", "kernel_instances", "total_ns",
                  "kernel"]
@@ -42,10 +62,9 @@ def ranges_json(rows: list[RangeKernelRow]) -> str:
 
 
 def ranges_table(rows: list[RangeKernelRow]) -> Table:
-    table = Table(title="Kernels by range (nsys nvtx_kern_sum projection)")
-    for col in ("range", "pid", "tid", "ranges", "kernels", "total µs", "kernel"):
-        table.add_column(col, justify="right" if col in ("ranges", "kernels", "total µs")
-                         else "left", overflow="fold")
+    table = _table("Kernels by range (nsys nvtx_kern_sum projection)",
+                   ["range", "pid", "tid", "ranges", "kernels", "total µs", "kernel"],
+                   left=("range", "pid", "tid", "kernel"))
     for r in rows:
         table.add_row(_blank(r.range) or "(none)", str(_blank(r.pid)), str(_blank(r.tid)),
                       str(r.range_instances), str(r.kernel_instances),
@@ -73,10 +92,9 @@ def breakdown_csv(b: Breakdown) -> str:
 
 def breakdown_tables(b: Breakdown) -> list[Table]:
     src = b.source
-    steps = Table(title=f"Steps: {src.get('file')} ({src.get('tool')})")
-    for col in ("step", "device", "layers", "kernels", "kernel µs", "span µs", "gap µs",
-                "prologue", "epilogue"):
-        steps.add_column(col, justify="right")
+    steps = _table(f"Steps: {src.get('file')} ({src.get('tool')})",
+                   ["step", "device", "layers", "kernels", "kernel µs", "span µs", "gap µs",
+                    "prologue", "epilogue"])
     for s in b.steps:
         steps.add_row(str(s["index"]), str(s["device"]), f"{s['layers']} ({s['layer_source']})",
                       str(s["kernels"]), f"{s['kernel_us']:.1f}", f"{s['span_us']:.1f}",
@@ -86,17 +104,15 @@ def breakdown_tables(b: Breakdown) -> list[Table]:
     tables = [steps]
     if not b.layer_types:
         return tables
-    types = Table(title="Per layer type: median over layers and steps")
-    for col in ("type", "layers", "kernels", "kernel µs", "span µs", "gap µs"):
-        types.add_column(col, justify="left" if col == "type" else "right")
+    types = _table("Per layer type: median over layers and steps",
+                   ["type", "layers", "kernels", "kernel µs", "span µs", "gap µs"],
+                   left=("type",))
     for t in b.layer_types:
         types.add_row(t["type"] or "-", str(t["layers"]), f"{t['kernels']:g}",
                       f"{t['kernel_us']:.1f}", f"{t['span_us']:.1f}", f"{t['gap_us']:.1f}")
     tables.append(types)
-    classes = Table(title="Per layer type and kernel class: median kernels / µs")
-    classes.add_column("class")
-    for t in b.layer_types:
-        classes.add_column(t["type"] or "-", justify="right")
+    classes = _table("Per layer type and kernel class: median kernels / µs",
+                     ["class", *(t["type"] or "-" for t in b.layer_types)], left=("class",))
     for c in sorted({c for t in b.layer_types for c in t["classes"]}):
         classes.add_row(c, *(f"{t['classes'][c]['kernels']:g} / {t['classes'][c]['us']:.1f}"
                              if c in t["classes"] else "" for t in b.layer_types))
@@ -106,11 +122,10 @@ def breakdown_tables(b: Breakdown) -> list[Table]:
 
 def comparison_table(rows: list[ComparisonRow], label_a: str, label_b: str,
                      unit: str = "kernels") -> Table:
-    table = Table(title=f"Per layer type: {label_a} vs {label_b} (medians; µs = layer span)")
-    for col in ("layer type", f"{label_a} layers", f"{label_a} {unit}", f"{label_a} µs",
-                f"{label_b} layers", f"{label_b} {unit}", f"{label_b} µs", "µs ratio",
-                f"{unit} ratio"):
-        table.add_column(col, justify="left" if col == "layer type" else "right")
+    table = _table(f"Per layer type: {label_a} vs {label_b} (medians; µs = layer span)",
+                   ["layer type", f"{label_a} layers", f"{label_a} {unit}", f"{label_a} µs",
+                    f"{label_b} layers", f"{label_b} {unit}", f"{label_b} µs", "µs ratio",
+                    f"{unit} ratio"], left=("layer type",))
 
     def fmt(v, spec=".1f"):
         return "-" if v is None else format(v, spec)
@@ -138,19 +153,19 @@ def comparison_json(rows: list[ComparisonRow], label_a: str, label_b: str) -> st
                        "rows": [r.to_json() for r in rows]}, indent=1) + "\n"
 
 
-def print_tables(tables: list[Table], console: Console | None = None) -> None:
-    console = console or Console()
+def print_tables(tables: list[Table], out: Console | None = None) -> None:
+    out = out or console()
     for t in tables:
-        console.print(t)
+        out.print(t)
 
 
 def validation_table(result: dict) -> Table:
     bounds = result["bounds"]
-    table = Table(title=f"Decode paths vs float64 reference: preset {result['preset']}, "
-                        f"{result['dtype']}, {result['kv_cache']} KV cache, batch "
-                        f"{result['batch']}, {result['steps']} steps")
-    for col in ("path", "layer type", "max rel err", "bound", "launches/layer"):
-        table.add_column(col, justify="left" if col in ("path", "layer type") else "right")
+    table = _table(f"Decode paths vs float64 reference: preset {result['preset']}, "
+                   f"{result['dtype']}, {result['kv_cache']} KV cache, batch "
+                   f"{result['batch']}, {result['steps']} steps",
+                   ["path", "layer type", "max rel err", "bound", "launches/layer"],
+                   left=("path", "layer type"))
     for path, r in result["paths"].items():
         for kind, v in r["layer_types"].items():
             table.add_row(path, kind, f"{v['max_rel_err']:.3g}", f"{bounds['layer']:.3g}",
@@ -178,11 +193,10 @@ def _value(v: float | None) -> str:
 def gate_table(result: GateResult, show_all: bool = False) -> Table:
     """The gate's checks (all of them, or those that are not plain ok)."""
     tol = result.tolerances
-    table = Table(title=f"Regression gate: medians, baseline vs run (time: > {tol.rel_tol:.0%} "
-                        f"and Mann-Whitney p < {tol.alpha:g})")
-    for col in ("path", "layer", "metric", "baseline", "run", "change", "p", "status"):
-        table.add_column(col, justify="left" if col in ("path", "layer", "metric", "status")
-                         else "right")
+    table = _table(f"Regression gate: medians, baseline vs run (time: > {tol.rel_tol:.0%} "
+                   f"and Mann-Whitney p < {tol.alpha:g})",
+                   ["path", "layer", "metric", "baseline", "run", "change", "p", "status"],
+                   left=("path", "layer", "metric", "status"))
 
     def fmt(v, spec):
         return "-" if v is None else format(v, spec)

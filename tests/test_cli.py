@@ -44,6 +44,33 @@ def test_breakdown_formats(tmp_path):
     assert table.exit_code == 0 and "Per layer type" in table.output
 
 
+def test_tables_keep_every_digit():
+    """Piped, the tables are laid out wide; in a narrow terminal a cell folds rather than
+    losing digits to an ellipsis ("10717…" instead of 10717.3)."""
+    import io
+    import os
+
+    from rich.console import Console
+
+    from kimi_perf import render
+    from kimi_perf.breakdown import breakdown
+    from kimi_perf.readers import read_trace
+
+    b = breakdown(read_trace(VLLM))
+    kernel_us = f"{b.steps[0]['kernel_us']:.1f}"   # 10717.7: 7 characters
+    piped = subprocess.run([sys.executable, "-m", "kimi_perf", "breakdown", str(VLLM)],
+                           capture_output=True, text=True, check=True,
+                           env={k: v for k, v in os.environ.items() if k != "COLUMNS"})
+    assert "…" not in piped.stdout and kernel_us in piped.stdout
+    buf = io.StringIO()
+    render.print_tables(render.breakdown_tables(b), Console(file=buf, width=50))
+    narrow = buf.getvalue()
+    assert "…" not in narrow and kernel_us not in narrow   # folded, not cut
+    steps_rows = narrow.split("┩")[1].split("└")[0].splitlines()   # the steps table's body
+    folded = "".join(line.split("│")[5].strip() for line in steps_rows if "│" in line)
+    assert folded == kernel_us                                       # the kernel µs column
+
+
 def test_layers_option(tmp_path):
     trace = nvtx_decode_trace("blk{i}-{kind}", steps=1).build()
     saved = tmp_path / "t.kptrace"
