@@ -379,5 +379,6 @@ def trace_cmd(from_files: tuple[Path, ...], preset_name: str | None, n_layers: i
                       f"({metrics['timed']}); ops: {metrics['ops']}"
                       + (f"; fell back: {'; '.join(metrics['fallbacks'])}"
                          if metrics["fallbacks"] else ""))
-    console.print(f"run directory: {run_dir}  (breakdown.json, run.json, traces)")
+    console.print(f"run directory: {run_dir}  "
+                  f"({', '.join(sorted(p.name for p in Path(run_dir).iterdir()))})")
     console.print(f"report: {run_info['report']}")
