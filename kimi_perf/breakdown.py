@@ -6,7 +6,9 @@ README; new keys may be added within a schema version, existing ones keep their 
 
 from __future__ import annotations
 
+import hashlib
 import itertools
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -285,6 +287,14 @@ def breakdown(trace: Trace, layers: str = "auto", rules: list[Rule] | None = Non
               step_regex: str | None = None) -> Breakdown:
     ops, steps = segment(trace, layers=layers, step_regex=step_regex, rules=rules)
     labels, ops_kind = ops.class_labels, ops.kind
+    # Work no step holds (launched outside the step ranges, or from another thread, such as
+    # a training run's autograd thread) is reported, never silently dropped.
+    outside = np.ones(len(ops), bool)
+    for step in steps:
+        outside[step.ops] = False
+    outside_steps = {"ops": int(outside.sum()),
+                     "kernel_us": _us(int((ops.end[outside] - ops.start[outside]).sum()))}
+    del outside
     all_layers = [(step, layer) for step in steps for layer in step.layers]
     # Segments: every step, every layer, then the steps' prologues and epilogues.
     segments = [step.ops for step in steps] + [layer.ops for _, layer in all_layers]
@@ -296,6 +306,7 @@ def breakdown(trace: Trace, layers: str = "auto", rules: list[Rule] | None = Non
                    "layers": len(step.layers)} for step in steps]
     layer_heads = [(step.index, step.device, layer.index, layer.type)
                    for step, layer in all_layers]
+    patterns = _patterns(trace, ops, steps)
     del ops, steps, all_layers, segments
     release_free_memory()
     step_rows = figures.stats(labels, step_heads)
@@ -304,8 +315,28 @@ def breakdown(trace: Trace, layers: str = "auto", rules: list[Rule] | None = Non
                                        strict=True):
         row.update(prologue=prologue, epilogue=epilogue)
     layer_rows = LayerRows(layer_heads, figures, n_steps, labels)
-    return Breakdown(source={**_source(trace), "ops": ops_kind}, steps=step_rows,
-                     layers=layer_rows, layer_types=_layer_type_medians(layer_rows))
+    layer_types = _layer_type_medians(layer_rows)
+    for t in layer_types:
+        if t["type"] in patterns:
+            t["pattern"] = patterns[t["type"]]
+    return Breakdown(source={**_source(trace), "ops": ops_kind,
+                             "outside_steps": outside_steps}, steps=step_rows,
+                     layers=layer_rows, layer_types=layer_types)
+
+
+def _patterns(trace: Trace, ops: GpuOps, steps) -> dict[str, str]:
+    """Per layer type found by the repeating kernel pattern, a digest of its most common
+    kernel sequence: the letters (A, B, ...) follow the order of first appearance, so two
+    traces' "A" are the same layer only when their digests agree (``compare``, ``gate``)."""
+    sequences: dict[str, Counter] = {}
+    for step in steps:
+        if step.layer_source != "repeat":
+            continue
+        for layer in step.layers:
+            sequences.setdefault(layer.type, Counter())[tuple(ops.name[layer.ops].tolist())] += 1
+    return {t: hashlib.sha1("\0".join(trace.strings[i] for i in c.most_common(1)[0][0])
+                            .encode(), usedforsecurity=False).hexdigest()[:12]
+            for t, c in sequences.items()}
 
 
 def layer_type_medians(layer_rows: list[dict]) -> list[dict]:

@@ -30,7 +30,7 @@ from kimi_perf import __version__
 from kimi_perf.breakdown import Breakdown, breakdown
 from kimi_perf.errors import TraceError
 from kimi_perf.readers import read_trace
-from kimi_perf.trace import atomic_write, atomic_write_text
+from kimi_perf.trace import atomic_write, atomic_write_text, current_umask
 
 PATH_BACKENDS = {"standard": "auto", "specialized": "latency_specialized"}
 
@@ -111,10 +111,15 @@ def run_directory(out_dir: Path, label: str):
     complete: a failed run leaves nothing behind."""
     stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
     final = out_dir / f"{stamp}-{label}"
+    n = 1
+    while final.exists():  # two runs within a second
+        n += 1
+        final = out_dir / f"{stamp}-{label}-{n}"
     out_dir.mkdir(parents=True, exist_ok=True)
     partial = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=out_dir))
     try:
         yield partial, final
+        partial.chmod(0o777 & ~current_umask())  # mkdtemp's 0700 is for the partial run only
         partial.rename(final)
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
@@ -349,18 +354,33 @@ def _capture_path_nsys(path: str, req: TraceRequest, device: str, run_dir: Path
                     worker["fallbacks"], worker["model"]), sqlite
 
 
+TRACE_SUFFIXES = (".pt.trace.json.gz", ".trace.json.gz", ".json.gz", ".json", ".sqlite",
+                  ".nsys-rep", ".kptrace")
+
+
+def trace_label(path: Path) -> str:
+    """A trace's file name without its trace suffix (``wan2.1_after.sqlite``:
+    ``wan2.1_after``)."""
+    name = path.name
+    for suffix in TRACE_SUFFIXES:
+        if name.endswith(suffix) and len(name) > len(suffix):
+            return name[: -len(suffix)]
+    return name
+
+
 def analyse(files: list[Path], out_dir: Path, layers: str = "auto"
             ) -> tuple[Path, dict[str, Breakdown], dict]:
     """``--from``: breakdowns of existing traces, labelled by file name."""
     results: dict[str, Breakdown] = {}
     traces = {}
     for f in files:
-        label = f.name.split(".")[0]
+        label = trace_label(f)
         while label in results:
             label += "'"
         traces[label] = trace = read_trace(f)
         results[label] = breakdown(trace, layers=layers)
-    run_info = {"command": "kimi-perf trace --from", "files": [str(f) for f in files],
+    run_info = {"command": "kimi-perf trace " + " ".join(f"--from {f}" for f in files),
+                "files": [str(f) for f in files],
                 "date": dt.datetime.now(dt.UTC).isoformat(), "kimi_perf": __version__,
                 "git_commit": _git_commit()}
     with run_directory(out_dir, "from") as (run_dir, final):

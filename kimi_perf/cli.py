@@ -34,6 +34,10 @@ def _fail_cleanly(fn):
         except TraceError as exc:
             click.echo(f"kimi-perf: error: {exc}", err=True)
             sys.exit(2)
+        except OSError as exc:  # a file the command was pointed at, not a bug of ours
+            where = f"{exc.filename}: " if exc.filename else ""
+            click.echo(f"kimi-perf: error: {where}{exc.strerror or exc}", err=True)
+            sys.exit(2)
     return wrapper
 
 
@@ -42,6 +46,14 @@ def _emit(text: str, output: Path | None) -> None:
         click.echo(text, nl=False)
     else:
         atomic_write_text(output, text)
+
+
+def _emit_tables(tables: list, output: Path | None) -> None:
+    """Tables to the terminal, or as plain text to ``output``."""
+    if output is None:
+        render.print_tables(tables)
+    else:
+        atomic_write_text(output, render.tables_text(tables))
 
 
 def _layers_option(fn):
@@ -60,6 +72,16 @@ def _check_layers(value: str) -> str:
     raise TraceError(None, f"--layers must be auto, repeat, nvtx or nvtx:REGEX, not {value!r}")
 
 
+def _check_steps(value: str | None) -> str | None:
+    if value is not None:
+        import re
+        try:
+            re.compile(value)
+        except re.error as exc:
+            raise TraceError(None, f"--steps: bad regex ({exc})") from None
+    return value
+
+
 @click.group()
 @click.version_option(package_name="kimi-perf")
 def main() -> None:
@@ -76,7 +98,7 @@ def ranges(trace: Path, fmt: str, output: Path | None) -> None:
     """Kernels per range, as `nsys stats --report nvtx_kern_sum` attributes them."""
     rows = range_kernel_summary(read_trace(trace))
     if fmt == "table":
-        render.console().print(render.ranges_table(rows))
+        _emit_tables([render.ranges_table(rows)], output)
     else:
         _emit(render.ranges_csv(rows) if fmt == "csv" else render.ranges_json(rows), output)
 
@@ -90,8 +112,12 @@ def _breakdown_of(path: Path, layers: str, rules: Path | None, steps: str | None
             doc = None
         if isinstance(doc, dict) and "schema" in doc and "layer_types" in doc:
             return Breakdown.from_json(doc, path)
-    return breakdown(read_trace(path), layers=_check_layers(layers), rules=load_rules(rules),
-                     step_regex=steps)
+    layers, steps = _check_layers(layers), _check_steps(steps)
+    try:
+        return breakdown(read_trace(path), layers=layers, rules=load_rules(rules),
+                         step_regex=steps)
+    except LookupError as exc:  # an explicit --steps regex that matches no step
+        raise TraceError(path, str(exc)) from None
 
 
 EXAMPLE_TRACE = (Path(__file__).parent / "examples"
@@ -118,34 +144,83 @@ def breakdown_cmd(trace: Path | None, fmt: str, layers: str, step_regex: str | N
     """
     b = _breakdown_of(trace or EXAMPLE_TRACE, layers, rules, step_regex)
     if fmt == "table":
-        render.print_tables(render.breakdown_tables(b))
+        _emit_tables(render.breakdown_tables(b), output)
     else:
         _emit(render.breakdown_json(b) if fmt == "json" else render.breakdown_csv(b), output)
 
 
 @main.command(name="compare")
 @click.argument("a", type=click.Path(path_type=Path))
-@click.argument("b", type=click.Path(path_type=Path))
+@click.argument("b", type=click.Path(path_type=Path), required=False)
+@click.option("--path", "path_name", help="the decode path to take from a run that holds "
+              "several (standard, specialized, ...)")
 @click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table",
               show_default=True)
 @_layers_option
 @click.option("--steps", "step_regex", help="regex for step ranges")
 @click.option("--rules", type=click.Path(path_type=Path), help="extra kernel-class rules")
-@click.option("--labels", default="A,B", show_default=True, help="names for A and B")
+@click.option("--labels", help="names for A and B, comma-separated (default: the file names, "
+              "or a run's path names)")
 @click.option("-o", "--output", type=click.Path(path_type=Path), help="write here, not stdout")
 @_fail_cleanly
-def compare_cmd(a: Path, b: Path, fmt: str, layers: str, step_regex: str | None,
-                rules: Path | None, labels: str, output: Path | None) -> None:
-    """A and B side by side per layer type (traces or breakdown JSON files)."""
-    label_a, _, label_b = labels.partition(",")
-    rows = compare(_breakdown_of(a, layers, rules, step_regex),
-                   _breakdown_of(b, layers, rules, step_regex))
+def compare_cmd(a: Path, b: Path | None, path_name: str | None, fmt: str, layers: str,
+                step_regex: str | None, rules: Path | None, labels: str | None,
+                output: Path | None) -> None:
+    """A and B side by side per layer type.
+
+    A and B: traces, breakdown JSON files, or `kimi-perf trace` runs (the run directory or its
+    breakdown.json; --path picks the decode path). With A alone, a run: its first two paths
+    (standard vs specialized).
+    """
+    if labels is not None and (len(labels.split(",")) != 2 or not all(labels.split(","))):
+        raise TraceError(None, f"--labels takes two names, A,B: not {labels!r}")
+    runs_a = _breakdowns_of(a, layers, rules, step_regex)
+    if b is None:
+        if len(runs_a) < 2:
+            raise TraceError(a, "compare takes two traces, or one run of two decode paths")
+        (name_a, ba), (name_b, bb) = list(runs_a.items())[:2]
+    else:
+        name_a, ba = _one_path(a, runs_a, path_name)
+        name_b, bb = _one_path(b, _breakdowns_of(b, layers, rules, step_regex), path_name)
+    if labels is not None:
+        name_a, name_b = labels.split(",")
+    elif name_a == name_b:
+        name_b += "'"
+    rows = compare(ba, bb)
     if fmt == "json":
-        _emit(render.comparison_json(rows, label_a, label_b or "B"), output)
+        _emit(render.comparison_json(rows, name_a, name_b), output)
         return
-    console = render.console()
-    console.print(render.comparison_table(rows, label_a, label_b or "B"))
-    console.print(render.comparison_headline(rows, label_a, label_b or "B"))
+    _emit_tables([render.comparison_table(rows, name_a, name_b),
+                  render.comparison_headline(rows, name_a, name_b)], output)
+
+
+def _breakdowns_of(path: Path, layers: str, rules: Path | None, steps: str | None
+                   ) -> dict[str, Breakdown]:
+    """A `kimi-perf trace` run's breakdowns per decode path, or the one of a breakdown JSON
+    or a trace (named after its file)."""
+    if path.is_dir() or (path.suffix == ".json" and _json_key(path, "paths")):
+        return gate_mod.load_run(path)[0]
+    from kimi_perf.capture import trace_label
+
+    return {trace_label(path): _breakdown_of(path, layers, rules, steps)}
+
+
+def _one_path(file: Path, runs: dict[str, Breakdown], name: str | None
+              ) -> tuple[str, Breakdown]:
+    if len(runs) == 1:
+        return next(iter(runs.items()))
+    if name in runs:
+        return name, runs[name]
+    raise TraceError(file, f"holds the paths {', '.join(runs)}: choose one with --path")
+
+
+def _json_key(path: Path, key: str) -> bool:
+    """Whether the JSON file is an object with ``key`` (False when it is not JSON at all)."""
+    try:
+        doc = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError, OSError):
+        return False
+    return isinstance(doc, dict) and key in doc
 
 
 @main.command(name="gate")
@@ -361,13 +436,15 @@ def trace_cmd(from_files: tuple[Path, ...], preset_name: str | None, n_layers: i
     labels = list(results)
     cpu = any(m.get("ops", "").startswith("cpu") for m in run_info.get("paths", {}).values())
     unit = "ops" if cpu else "kernels"
-    if len(labels) >= 2:
-        a, b = labels[0], labels[1]
-        rows = compare_breakdowns(results[a], results[b])
-        console.print(render.comparison_table(rows, a, b, unit))
-        console.print(render.comparison_headline(rows, a, b, unit))
-    else:
-        for b in results.values():
+    a = labels[0]
+    compared = [(b, compare_breakdowns(results[a], results[b])) for b in labels[1:]]
+    for b, rows in compared:  # the first against each of the others
+        if rows:
+            console.print(render.comparison_table(rows, a, b, unit))
+            console.print(render.comparison_headline(rows, a, b, unit))
+    if not any(rows for _, rows in compared):  # one trace, or none with layers
+        for label, b in results.items():
+            console.print(f"{label}:")
             render.print_tables(render.breakdown_tables(b), console)
     if cpu:
         console.print("On this CPU there are no GPU kernels: 'ops' are the launches each path "

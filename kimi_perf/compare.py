@@ -20,6 +20,9 @@ class ComparisonRow:
     kernels_b: float | None
     kernel_us_b: float | None
     span_us_b: float | None
+    # A type found by the repeating pattern in both, with another kernel sequence in B: its
+    # letter may name another layer there (letters follow the order of first appearance).
+    pattern_differs: bool = False
 
     @property
     def span_ratio(self) -> float | None:
@@ -40,7 +43,8 @@ class ComparisonRow:
                       "kernel_us": self.kernel_us_a, "span_us": self.span_us_a},
                 "b": {"layers": self.layers_b, "kernels": self.kernels_b,
                       "kernel_us": self.kernel_us_b, "span_us": self.span_us_b},
-                "span_ratio": self.span_ratio, "kernel_ratio": self.kernel_ratio}
+                "span_ratio": self.span_ratio, "kernel_ratio": self.kernel_ratio,
+                "pattern_differs": self.pattern_differs}
 
 
 def compare(a: Breakdown, b: Breakdown) -> list[ComparisonRow]:
@@ -57,10 +61,11 @@ def compare(a: Breakdown, b: Breakdown) -> list[ComparisonRow]:
 def _row(name: str, ta: dict | None, tb: dict | None) -> ComparisonRow:
     def pick(t, key):
         return t[key] if t else None
+    pa, pb = (ta or {}).get("pattern"), (tb or {}).get("pattern")
     return ComparisonRow(name, ta["layers"] if ta else 0, pick(ta, "kernels"),
                          pick(ta, "kernel_us"), pick(ta, "span_us"),
                          tb["layers"] if tb else 0, pick(tb, "kernels"), pick(tb, "kernel_us"),
-                         pick(tb, "span_us"))
+                         pick(tb, "span_us"), None not in (pa, pb) and pa != pb)
 
 
 def _mean(b: Breakdown) -> dict | None:

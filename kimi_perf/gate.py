@@ -4,12 +4,14 @@ Kernels per layer are deterministic: a layer type's median or largest count grow
 the gate (``kernels`` checks both: one layer with one more kernel is caught). Times are not: a
 time regresses when its median rises by more than ``rel_tol`` *and* a one-sided Mann-Whitney U
 test over the per-layer samples (every layer of the type in every profiled step; every step
-for ``step``) gives p < ``alpha``; a rise that noise explains passes. The samples of one layer
+for ``step``, whose kernels also count those outside every layer) gives p < ``alpha``; a rise
+that noise explains passes. The samples of one layer
 across steps are not independent, so the p-value is optimistic: the threshold must be
 crossed too. Where the samples are too few for the test to reach ``alpha`` at all (fewer than
 ``min_samples`` a side, or 1 / C(n+m, n) >= alpha), the threshold decides alone. A layer type
 or path the baseline has and the run lacks fails too (the analysis lost it); one the run adds
-is reported.
+is reported. A layer type found by the repeating kernel pattern (letters, not range names)
+whose kernel sequence differs between the two is noted (``changed``), not failed.
 
 A run is what ``kimi-perf trace`` writes (its directory, or the ``breakdown.json`` in it, one
 breakdown per decode path), a breakdown JSON of one trace, or any trace the readers take (one
@@ -29,7 +31,7 @@ from kimi_perf.breakdown import Breakdown
 from kimi_perf.errors import TraceError
 
 METRICS = ("kernels", "kernel_us", "span_us")
-STEP = "step"  # the pseudo layer type of whole decode steps (time metrics only)
+STEP = "step"  # the pseudo layer type of whole decode steps
 TRACE = "trace"  # the one path of a breakdown that is not a kimi-perf trace run
 
 
@@ -50,7 +52,7 @@ class Check:
     current: float | None
     change: float | None      # current / baseline - 1
     p_value: float | None     # one-sided Mann-Whitney U, in the direction of the change
-    status: str               # ok, regression, improvement, noise, missing, new
+    status: str               # ok, regression, improvement, noise, missing, new, changed
 
     @property
     def fails(self) -> bool:
@@ -141,9 +143,11 @@ def gate(baseline: dict[str, Breakdown], current: dict[str, Breakdown],
         if base is not None and cur is not None:
             types += [t["type"] for t in cur.layer_types if t["type"] not in types]
         for layer_type in [*types, STEP]:
+            if layer_type != STEP and base is not None and cur is not None:
+                checks += _pattern(path, layer_type, base, cur)
             for metric in tolerances.metrics:
-                if layer_type == STEP and metric == "kernels":
-                    continue  # steps hold every layer: the layer types already count them
+                # (steps count kernels too: those outside every layer, a step's prologue and
+                # epilogue, are in no layer type)
                 base_s = _samples(base, layer_type, metric)
                 cur_s = _samples(cur, layer_type, metric)
                 if layer_type == STEP and base_s is None and cur_s is None:
@@ -154,6 +158,17 @@ def gate(baseline: dict[str, Breakdown], current: dict[str, Breakdown],
                 else:
                     checks.append(_time(path, layer_type, metric, base_s, cur_s, tolerances))
     return GateResult(checks, tolerances)
+
+
+def _pattern(path: str, layer_type: str, base: Breakdown, cur: Breakdown) -> list[Check]:
+    """A note (not a failure) where an automatically found layer type (A, B, ...: letters in
+    order of first appearance) has another kernel sequence in the run than in the baseline:
+    the letter may then name another layer, or the layer's kernels changed."""
+    pb, pc = (next((t.get("pattern") for t in b.layer_types if t["type"] == layer_type), None)
+              for b in (base, cur))
+    if pb is None or pc is None or pb == pc:
+        return []
+    return [Check(path, layer_type, "pattern", None, None, None, None, "changed")]
 
 
 def _samples(b: Breakdown | None, layer_type: str, metric: str) -> np.ndarray | None:

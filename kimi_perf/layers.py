@@ -188,6 +188,8 @@ def find_steps(trace: Trace, ops: GpuOps, step_regex: str | None = None) -> list
             continue
         del keys, range_keys  # before the steps' own arrays
         return _steps_from_groups(trace, ops, owner[op_rows], op_rows)
+    if step_regex:
+        raise LookupError(f"no range matching --steps {step_regex!r} holds a kernel launch")
     graph_steps = _graph_launch_steps(trace, ops)
     if graph_steps:
         return graph_steps

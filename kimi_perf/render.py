@@ -10,6 +10,7 @@ from typing import Any
 
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from kimi_perf.attribution import RangeKernelRow
 from kimi_perf.breakdown import Breakdown
@@ -18,11 +19,13 @@ from kimi_perf.gate import GateResult
 
 
 def console(stderr: bool = False) -> Console:
-    """Rich's console, wide enough that a table piped to a file or a CI log keeps every column
-    (rich would otherwise lay it out in 80 columns)."""
-    out = Console(stderr=stderr)
+    """Rich's console for our output: no markup, since kernel and range names hold brackets
+    (``[lambda(int) (instance 1)]``) that rich would take for markup and drop; and wide enough
+    that a table piped to a file or a CI log keeps every column (rich would otherwise lay it
+    out in 80 columns)."""
+    out = Console(stderr=stderr, markup=False)
     if not out.is_terminal and "COLUMNS" not in os.environ:
-        out = Console(stderr=stderr, width=200)
+        out = Console(stderr=stderr, markup=False, width=200)
     return out
 
 
@@ -61,14 +64,23 @@ def ranges_json(rows: list[RangeKernelRow]) -> str:
     return json.dumps({"schema": 1, "rows": [r.__dict__ for r in rows]}, indent=1) + "\n"
 
 
-def ranges_table(rows: list[RangeKernelRow]) -> Table:
+RANGES_TABLE_ROWS = 100
+
+
+def ranges_table(rows: list[RangeKernelRow], limit: int = RANGES_TABLE_ROWS) -> Table:
+    """The rows with the most kernel time (all of them: ``--format csv`` or ``json``; a
+    terminal table of tens of thousands of rows takes rich seconds and nobody reads it)."""
     table = _table("Kernels by range (nsys nvtx_kern_sum projection)",
                    ["range", "pid", "tid", "ranges", "kernels", "total µs", "kernel"],
                    left=("range", "pid", "tid", "kernel"))
-    for r in rows:
+    shown = sorted(rows, key=lambda r: -r.total_ns)[:limit] if len(rows) > limit else rows
+    for r in shown:
         table.add_row(_blank(r.range) or "(none)", str(_blank(r.pid)), str(_blank(r.tid)),
                       str(r.range_instances), str(r.kernel_instances),
                       f"{r.total_ns / 1000:.1f}", r.kernel)
+    if len(shown) < len(rows):
+        table.caption = (f"the {len(shown)} of {len(rows):,} rows with the most kernel time; "
+                         "--format csv or json for all")
     return table
 
 
@@ -101,6 +113,13 @@ def breakdown_tables(b: Breakdown) -> list[Table]:
                       f"{s['gap_us']:.1f}",
                       f"{s['prologue']['kernels']} / {s['prologue']['span_us']:.1f} µs",
                       f"{s['epilogue']['kernels']} / {s['epilogue']['span_us']:.1f} µs")
+    outside = src.get("outside_steps") or {}
+    if outside.get("ops"):
+        unit = "GPU ops" if src.get("ops") == "gpu" else "ops"
+        steps.caption = (f"{outside['ops']} more {unit} ({outside['kernel_us']:.1f} µs) ran in "
+                         "no step: launched outside the step ranges or from another thread")
+    elif not b.steps:
+        steps.caption = "no GPU work in this trace"
     tables = [steps]
     if not b.layer_types:
         return tables
@@ -130,9 +149,14 @@ def comparison_table(rows: list[ComparisonRow], label_a: str, label_b: str,
     def fmt(v, spec=".1f"):
         return "-" if v is None else format(v, spec)
     for r in rows:
-        table.add_row(r.type or "-", str(r.layers_a), fmt(r.kernels_a, ".3g"), fmt(r.span_us_a),
+        table.add_row((r.type or "-") + (" *" if r.pattern_differs else ""), str(r.layers_a),
+                      fmt(r.kernels_a, ".3g"), fmt(r.span_us_a),
                       str(r.layers_b), fmt(r.kernels_b, ".3g"), fmt(r.span_us_b),
                       fmt(r.span_ratio, ".2f"), fmt(r.kernel_ratio, ".2f"))
+    if any(r.pattern_differs for r in rows):
+        table.caption = (f"* found by the repeating kernel pattern, with another kernel "
+                         f"sequence in {label_b}: the letter (in order of first appearance) "
+                         "may name another layer there")
     return table
 
 
@@ -153,10 +177,18 @@ def comparison_json(rows: list[ComparisonRow], label_a: str, label_b: str) -> st
                        "rows": [r.to_json() for r in rows]}, indent=1) + "\n"
 
 
-def print_tables(tables: list[Table], out: Console | None = None) -> None:
+def print_tables(tables: list[Table | str], out: Console | None = None) -> None:
     out = out or console()
     for t in tables:
         out.print(t)
+
+
+def tables_text(tables: list[Table | str]) -> str:
+    """The tables as plain text (``-o`` with the table format)."""
+    buf = io.StringIO()
+    print_tables(tables, Console(file=buf, width=200, markup=False, color_system=None,
+                                 highlight=False))
+    return buf.getvalue()
 
 
 def validation_table(result: dict) -> Table:
@@ -183,7 +215,8 @@ def validation_table(result: dict) -> Table:
 
 
 GATE_STYLES = {"regression": "bold red", "missing": "bold red", "improvement": "green",
-               "noise": "yellow", "new": "cyan"}
+               "noise": "yellow", "new": "cyan", "changed": "yellow"}
+GATE_HEADLINE_ITEMS = 5
 
 
 def _value(v: float | None) -> str:
@@ -207,14 +240,17 @@ def gate_table(result: GateResult, show_all: bool = False) -> Table:
         style = GATE_STYLES.get(c.status, "")
         table.add_row(c.path, c.layer_type, c.metric, _value(c.baseline), _value(c.current),
                       fmt(c.change, "+.1%"), fmt(c.p_value, ".2g"),
-                      f"[{style}]{c.status}[/]" if style else c.status)
+                      Text(c.status, style=style))
     return table
 
 
 def gate_headline(result: GateResult) -> str:
     if result.ok:
         return f"gate: pass ({len(result.checks)} checks)"
+    failures = result.failures
     worst = "; ".join(f"{c.path} {c.layer_type} {c.metric} "
                       + (f"{_value(c.baseline)} -> {_value(c.current)}" if c.status == "regression"
-                         else "missing from the run") for c in result.failures)
-    return f"gate: FAIL, {len(result.failures)} regression(s): {worst}"
+                         else "missing from the run") for c in failures[:GATE_HEADLINE_ITEMS])
+    more = len(failures) - GATE_HEADLINE_ITEMS
+    return (f"gate: FAIL, {len(failures)} regression(s): {worst}"
+            + (f"; and {more} more (the table lists them)" if more > 0 else ""))

@@ -303,19 +303,29 @@ def _first_line(exc: BaseException) -> str:
 
 def atomic_write(path: str | Path, write) -> None:
     """Call ``write(binary_file)`` on a temporary file beside ``path``, then rename it over."""
+    from kimi_perf.errors import TraceError
+
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent or ".")
+    if path.is_dir():
+        raise TraceError(path, "cannot write: it is a directory")
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp",
+                                   dir=path.parent or ".")
+    except OSError as exc:
+        raise TraceError(path, f"cannot write: {exc.strerror}") from None
     try:
         with os.fdopen(fd, "wb") as f:
             write(f)
-        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp's 0600 is for the temporary file only
+        os.chmod(tmp, 0o666 & ~current_umask())  # mkstemp's 0600 is for the temporary file only
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         Path(tmp).unlink(missing_ok=True)
+        if isinstance(exc, OSError):
+            raise TraceError(path, f"cannot write: {exc.strerror}") from None
         raise
 
 
-def _umask() -> int:
+def current_umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mask

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import datetime
 import gzip
 import json
+import os
 import shutil
 import sqlite3
 import subprocess
@@ -48,7 +50,6 @@ def test_tables_keep_every_digit():
     """Piped, the tables are laid out wide; in a narrow terminal a cell folds rather than
     losing digits to an ellipsis ("10717…" instead of 10717.3)."""
     import io
-    import os
 
     from rich.console import Console
 
@@ -171,8 +172,12 @@ def test_gzipped_json_that_is_not_kineto(tmp_path):
     p = tmp_path / "list.json.gz"
     p.write_bytes(gzip.compress(b"[1, 2, 3]"))
     result = run("breakdown", p, "--format", "json")
-    # An event list with no events is a valid, empty trace.
+    assert result.exit_code == 2 and "holds no event objects" in result.output
+    # An empty event list is a valid, empty trace: the table says there is no GPU work.
+    p.write_bytes(gzip.compress(b"[]"))
+    result = run("breakdown", p, "--format", "json")
     assert result.exit_code == 0 and json.loads(result.output)["steps"] == []
+    assert "no GPU work in this trace" in run("breakdown", p).output
 
 
 def test_nsys_rep_without_nsys_says_how_to_get_it(tmp_path, monkeypatch):
@@ -208,3 +213,114 @@ shutil.copy({str(source)!r}, out)
     failing.write_text("#!/bin/sh\necho 'cannot open report' >&2\nexit 3\n")
     result = run("info", rep)
     assert result.exit_code == 2 and "nsys export failed: cannot open report" in result.output
+
+
+def _one_line_error(result, *fragments: str) -> None:
+    assert result.exit_code == 2, result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("kimi-perf: error: "), result.output
+    for fragment in fragments:
+        assert fragment in lines[0]
+
+
+def test_tables_to_a_file_and_bad_output_paths(tmp_path):
+    """-o writes the table as plain text; an output path that cannot be written is one line
+    and exit 2, never a traceback or a partial file."""
+    out = tmp_path / "steps.txt"
+    assert run("breakdown", VLLM, "-o", out).exit_code == 0
+    text = out.read_text()
+    assert "Per layer type" in text and "\x1b[" not in text   # no terminal colours
+    for command in (["breakdown", VLLM, "--format", "json", "-o", tmp_path / "no" / "x.json"],
+                    ["breakdown", VLLM, "--format", "json", "-o", tmp_path],
+                    ["convert", VLLM, tmp_path]):
+        _one_line_error(run(*command), "cannot write")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["steps.txt"]
+
+
+def test_kernel_names_keep_their_brackets_in_tables(tmp_path):
+    """Rich would read ``[lambda(int) (instance 1)]`` in a kernel name as markup and drop it.
+    The table also keeps to the rows with the most kernel time, and says so."""
+    jsun = NSYS / "jsun-012-assignment2-systems__result__nsys2025.1.3.sqlite"
+    out = tmp_path / "ranges.txt"
+    assert run("ranges", jsun, "-o", out).exit_code == 0
+    text = out.read_text()
+    assert "[lambda(int) (instance 1)]" in text
+    assert "rows with the most kernel time; --format csv or json for all" in text
+    csv_rows = run("ranges", jsun, "--format", "csv").output.splitlines()[1:]
+    assert "[lambda" in "".join(csv_rows) and len(csv_rows) > 100
+
+
+def test_steps_regex_that_is_bad_or_matches_nothing(tmp_path):
+    _one_line_error(run("breakdown", VLLM, "--steps", "("), "--steps: bad regex")
+    _one_line_error(run("breakdown", VLLM, "--steps", "no_such_step"), str(VLLM),
+                    "no range matching --steps")
+
+
+def test_compare_a_run_its_paths_and_labels(tmp_path):
+    """compare takes `kimi-perf trace` runs: one run (its two paths), or two with --path."""
+    from tests.test_gate import BASELINE  # a run document: standard and specialized
+
+    both = run("compare", BASELINE, "--format", "json")
+    assert both.exit_code == 0, both.output
+    doc = json.loads(both.output)
+    assert (doc["a"], doc["b"]) == ("standard", "specialized")
+    kda = next(r for r in doc["rows"] if r["type"] == "kda")
+    assert (kda["a"]["kernels"], kda["b"]["kernels"]) == (18, 9)
+    same = run("compare", BASELINE, BASELINE, "--path", "specialized", "--labels", "old,new",
+               "--format", "json")
+    assert same.exit_code == 0 and json.loads(same.output)["a"] == "old"
+    _one_line_error(run("compare", BASELINE, BASELINE), "choose one with --path")
+    _one_line_error(run("compare", VLLM), "one run of two decode paths")
+    _one_line_error(run("compare", VLLM, VLLM, "--labels", "a,b,c"), "--labels takes two")
+
+
+def test_compare_flags_automatic_types_whose_kernels_differ():
+    """Before/after traces of another workload: the letters of the types found by the
+    repeating pattern are matched by order, and a pair whose kernel sequences differ is
+    flagged rather than silently compared."""
+    before = NSYS / "nsysai_fastvideo_wan2.1_train_2xh100_before.sqlite"
+    after = NSYS / "nsysai_fastvideo_wan2.1_train_2xh100_after.sqlite"
+    doc = json.loads(run("compare", before, after, "--format", "json").output)
+    assert (doc["a"], doc["b"]) == ("nsysai_fastvideo_wan2.1_train_2xh100_before",
+                                    "nsysai_fastvideo_wan2.1_train_2xh100_after")
+    differs = {r["type"] for r in doc["rows"] if r["pattern_differs"]}
+    assert "D" in differs and "C" not in differs
+    table = run("compare", before, after).output
+    assert "D *" in table and "may name another layer there" in table
+
+
+def test_trace_from_names_runs_after_their_files_and_compares_each(tmp_path):
+    files = [NSYS / f"nsysai_fastvideo_wan2.1_{n}.sqlite"
+             for n in ("train_2xh100_before", "train_2xh100_after", "t2v_inference_2xh100_1s")]
+    args = ["trace", *(a for f in files for a in ("--from", f)), "--out", tmp_path]
+    result = run(*args)
+    assert result.exit_code == 0, result.output
+    assert result.output.count("Per layer type: nsysai_fastvideo_wan2.1_train_2xh100_before "
+                               "vs ") == 2
+    (first,) = tmp_path.iterdir()
+    info = json.loads((first / "run.json").read_text())
+    assert info["command"] == "kimi-perf trace " + " ".join(f"--from {f}" for f in files)
+    umask = os.umask(0)
+    os.umask(umask)
+    assert first.stat().st_mode & 0o777 == 0o777 & ~umask   # not mkdtemp's 0700
+    # a second run within the same second gets its own directory
+    now = datetime.datetime.now(datetime.UTC)
+    taken = {f"{(now + datetime.timedelta(seconds=s)):%Y%m%dT%H%M%SZ}-from" for s in range(3)}
+    for name in taken:
+        (tmp_path / name).mkdir(exist_ok=True)
+    assert run("trace", "--from", VLLM, "--out", tmp_path).exit_code == 0
+    new = {p.name for p in tmp_path.iterdir()} - taken - {first.name}
+    assert len(new) == 1 and new.pop()[:-2] in taken
+
+
+def test_outside_every_step_is_reported():
+    """A training trace whose backward thread launches outside the step ranges: those ops are
+    counted apart, and the steps plus them are every GPU op of the trace."""
+    trace = KINETO / "hta_a100_nccl_ddp_gpu_user_annotation.json.gz"
+    doc = json.loads(run("breakdown", trace, "--format", "json").output)
+    src = doc["source"]
+    outside = src["outside_steps"]
+    assert outside["ops"] > 0 and outside["kernel_us"] > 0
+    assert sum(s["kernels"] for s in doc["steps"]) + outside["ops"] \
+        == src["kernels"] + src["memops"]
+    assert f"{outside['ops']} more GPU ops" in run("breakdown", trace).output

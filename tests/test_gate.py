@@ -53,8 +53,33 @@ def test_same_run_passes():
     run = _run({"kda": 9, "mla": 12}, {"kda": KDA, "mla": MLA})
     result = gate(run, run)
     assert result.ok and {c.status for c in result.checks} == {"ok"}
-    # kernels (median and largest), kernel_us, span_us per type; steps: the times
-    assert len(result.checks) == 2 * 4 + 2
+    # kernels (median and largest), kernel_us, span_us per type, and per step
+    assert len(result.checks) == 2 * 4 + 4
+
+
+def test_a_launch_outside_every_layer_fails_at_the_step():
+    """A kernel added to a step's prologue or epilogue is in no layer type: the step's kernel
+    count catches it."""
+    base = _run({"kda": 9, "mla": 12}, {"kda": KDA, "mla": MLA})
+    run = _run({"kda": 9, "mla": 12}, {"kda": KDA, "mla": MLA})
+    for step in run["specialized"].steps:
+        step["kernels"] += 1
+    result = gate(base, run)
+    assert [(c.layer_type, c.metric) for c in result.failures] == [("step", "kernels"),
+                                                                   ("step", "kernels_max")]
+
+
+def test_an_automatic_layer_type_with_another_kernel_sequence_is_noted():
+    """Letters (A, B, ...) of types found by the repeating pattern follow the order of first
+    appearance: where the kernel sequences behind a letter differ, the gate says so."""
+    base = _run({"A": 9}, {"A": KDA})
+    run = _run({"A": 9}, {"A": KDA})
+    base["specialized"].layer_types[0]["pattern"] = "0123456789ab"
+    run["specialized"].layer_types[0]["pattern"] = "ba9876543210"
+    result = gate(base, run)
+    assert result.ok and statuses(result)[("A", "pattern")] == "changed"
+    run["specialized"].layer_types[0]["pattern"] = "0123456789ab"
+    assert ("A", "pattern") not in statuses(gate(base, run))
 
 
 def test_one_more_kernel_fails_and_one_fewer_is_an_improvement():
@@ -182,7 +207,8 @@ def test_this_repository_keeps_its_launch_counts(tmp_path):
     result = runner.invoke(main, ["gate", str(BASELINE), str(run_dir), "--metrics", "kernels",
                                   "--all"])
     assert result.exit_code == 0, result.output
-    assert "gate: pass (8 checks)" in result.output       # median and largest, 2 × 2 types
+    # median and largest, 2 paths × (2 layer types + the steps)
+    assert "gate: pass (12 checks)" in result.output
     # the same run against a baseline from before the shared experts joined the routed
     # experts' launches (two more per layer): an improvement; the reverse fails
     old = tmp_path / "old.json"

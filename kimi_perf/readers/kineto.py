@@ -235,6 +235,8 @@ def _invalid_json(path: Path, exc: Exception) -> TraceError:
 
 
 def _finish(builder: _Builder, meta: dict, path: Path) -> Trace:
+    if builder.non_objects and not builder.objects:
+        raise TraceError(path, "not a Chrome/Kineto trace: its event list holds no event objects")
     trace = builder.finish()
     trace.meta.update(_metadata(meta, path))
     return trace
@@ -454,6 +456,9 @@ class _Builder:
         self.chunks = {t: {c: [] for c in cols} for t, cols in _COLUMNS.items()}
         # The first malformed event: raised once the whole file is known to be valid JSON.
         self.error: Exception | None = None
+        # Items of the event list that are objects, and that are not: a list of numbers is
+        # no trace.
+        self.objects = self.non_objects = 0
 
     def _code(self, value: str) -> int:
         code = self.codes.get(value)
@@ -499,6 +504,7 @@ class _Builder:
     # whole piece is taken.
 
     def add_fast(self, items: list) -> None:
+        self.objects += len(items)
         category = _CAT_CODES.get
         cats = [category(e.cat) for e in items]
         events = list(compress(items, cats))
@@ -631,7 +637,11 @@ class _Builder:
     def _replay(self, events: list, offset: int, cols: dict) -> None:
         code = self._code
         for i, e in enumerate(events, offset):
-            if not isinstance(e, dict) or e.get("ph") != "X":
+            if not isinstance(e, dict):
+                self.non_objects += 1
+                continue
+            self.objects += 1
+            if e.get("ph") != "X":
                 continue
             cat = e.get("cat")
             try:
