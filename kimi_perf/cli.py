@@ -290,15 +290,34 @@ def convert(trace: Path, output: Path) -> None:
 @_fail_cleanly
 def info(trace: Path) -> None:
     """What a trace holds: format, tool, GPUs, and how many events of each kind."""
+    import numpy as np
+
     t = read_trace(trace)
     m = t.meta
     click.echo(f"{trace}: {m.get('format')} from {m.get('tool')}"
                + (f", schema {m['schema']}" if m.get("schema") else ""))
     click.echo(f"  kernels {len(t.kernels)}, memcpy/memset {len(t.memops)}, ranges "
                f"{len(t.ranges)}, API calls {len(t.api)}")
-    for gpu in m.get("gpus", []):
-        click.echo(f"  GPU {gpu.get('device')}: {gpu.get('name') or '(unnamed)'}"
-                   + (f", {gpu['sm_count']} SMs" if gpu.get("sm_count") else ""))
+    starts = [tbl.start for tbl in (t.kernels, t.memops, t.ranges, t.api) if len(tbl)]
+    if starts:
+        ends = [tbl.end for tbl in (t.kernels, t.memops, t.ranges, t.api) if len(tbl)]
+        span = max(int(e.max()) for e in ends) - min(int(s.min()) for s in starts)
+        pids = np.unique(np.concatenate([tbl.pid for tbl in (t.kernels, t.memops, t.api)
+                                         if len(tbl)] or [np.empty(0, np.int64)]))
+        click.echo(f"  {span / 1e6:,.3f} ms from first to last event; "
+                   f"{len(pids)} process{'es' if len(pids) != 1 else ''} with GPU work or API "
+                   f"calls")
+    # GPUs: those the trace describes, and those its kernels ran on (a GPU table may list
+    # devices that ran nothing, or be missing).
+    ran = dict(zip(*(a.tolist() for a in np.unique(t.kernels.device, return_counts=True)),
+                   strict=True)) if len(t.kernels) else {}
+    described = {gpu.get("device"): gpu for gpu in m.get("gpus", [])}
+    for device in sorted(set(described) | set(ran), key=lambda d: (d is None, d)):
+        gpu = described.get(device, {})
+        name = gpu.get("name") or ("(unnamed)" if gpu else "(not described in the trace)")
+        click.echo(f"  GPU {device}: {name}"
+                   + (f", {gpu['sm_count']} SMs" if gpu.get("sm_count") else "")
+                   + (f": {ran[device]:,} kernels" if device in ran else ": no kernels"))
 
 
 @main.command()

@@ -103,7 +103,19 @@ def test_convert_and_info(tmp_path):
                           ".sqlite", out).exit_code == 0
     result = run("info", out)
     assert result.exit_code == 0 and "kernels 7328" in result.output
-    assert "NVIDIA A100" in result.output
+    assert "NVIDIA A100" in result.output and ": 7,328 kernels" in result.output
+
+
+def test_info_names_the_gpus_that_ran_kernels():
+    """The GPUs kernels ran on, also where the trace describes none (this nsys export has no
+    GPU table), and which of those it describes ran nothing."""
+    two = run("info", NSYS / "nsysai_fastvideo_wan2.1_train_2xh100_before.sqlite").output
+    assert "GPU 0: (not described in the trace): 1,993 kernels" in two
+    assert "GPU 1: (not described in the trace): 2,017 kernels" in two
+    assert "2 processes" in two and "ms from first to last event" in two
+    one = run("info", VLLM).output
+    assert "GPU 2: (unnamed), 304 SMs: 425 kernels" in one and "GPU 0: (unnamed), 304 SMs: no " \
+        "kernels" in one
 
 
 def corrupt_files(tmp_path):
