@@ -105,10 +105,11 @@ def breakdown_csv(b: Breakdown) -> str:
 def breakdown_tables(b: Breakdown) -> list[Table]:
     src = b.source
     steps = _table(f"Steps: {src.get('file')} ({src.get('tool')})",
-                   ["step", "device", "layers", "kernels", "kernel µs", "span µs", "gap µs",
-                    "prologue", "epilogue"])
+                   ["step", "range", "device", "layers", "kernels", "kernel µs", "span µs",
+                    "gap µs", "prologue", "epilogue"], left=("range",))
     for s in b.steps:
-        steps.add_row(str(s["index"]), str(s["device"]), f"{s['layers']} ({s['layer_source']})",
+        steps.add_row(str(s["index"]), s.get("name", ""), str(s["device"]),
+                      f"{s['layers']} ({s['layer_source']})",
                       str(s["kernels"]), f"{s['kernel_us']:.1f}", f"{s['span_us']:.1f}",
                       f"{s['gap_us']:.1f}",
                       f"{s['prologue']['kernels']} / {s['prologue']['span_us']:.1f} µs",

@@ -68,7 +68,7 @@ def test_tables_keep_every_digit():
     narrow = buf.getvalue()
     assert "…" not in narrow and kernel_us not in narrow   # folded, not cut
     steps_rows = narrow.split("┩")[1].split("└")[0].splitlines()   # the steps table's body
-    folded = "".join(line.split("│")[5].strip() for line in steps_rows if "│" in line)
+    folded = "".join(line.split("│")[6].strip() for line in steps_rows if "│" in line)
     assert folded == kernel_us                                       # the kernel µs column
 
 
