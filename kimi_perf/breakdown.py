@@ -328,15 +328,18 @@ def _patterns(trace: Trace, ops: GpuOps, steps) -> dict[str, str]:
     """Per layer type found by the repeating kernel pattern, a digest of its most common
     kernel sequence: the letters (A, B, ...) follow the order of first appearance, so two
     traces' "A" are the same layer only when their digests agree (``compare``, ``gate``)."""
-    sequences: dict[str, Counter] = {}
+    sequences: dict[str, Counter] = {}  # keyed by the name codes' bytes: 4-8 B per op
     for step in steps:
         if step.layer_source != "repeat":
             continue
         for layer in step.layers:
-            sequences.setdefault(layer.type, Counter())[tuple(ops.name[layer.ops].tolist())] += 1
-    return {t: hashlib.sha1("\0".join(trace.strings[i] for i in c.most_common(1)[0][0])
-                            .encode(), usedforsecurity=False).hexdigest()[:12]
-            for t, c in sequences.items()}
+            sequences.setdefault(layer.type, Counter())[ops.name[layer.ops].tobytes()] += 1
+    out = {}
+    for t, c in sequences.items():
+        codes = np.frombuffer(c.most_common(1)[0][0], ops.name.dtype).tolist()
+        out[t] = hashlib.sha1("\0".join(trace.strings[i] for i in codes).encode(),
+                              usedforsecurity=False).hexdigest()[:12]
+    return out
 
 
 def layer_type_medians(layer_rows: list[dict]) -> list[dict]:

@@ -14,6 +14,7 @@ import contextlib
 import dataclasses
 import datetime as dt
 import gzip
+import itertools
 import json
 import os
 import platform
@@ -110,19 +111,23 @@ def run_directory(out_dir: Path, label: str):
     """A new run directory, filled under a hidden temporary name and renamed into place when
     complete: a failed run leaves nothing behind."""
     stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
-    final = out_dir / f"{stamp}-{label}"
-    n = 1
-    while final.exists():  # two runs within a second
-        n += 1
-        final = out_dir / f"{stamp}-{label}-{n}"
     out_dir.mkdir(parents=True, exist_ok=True)
+    for n in itertools.count(1):
+        final = out_dir / (f"{stamp}-{label}" + (f"-{n}" if n > 1 else ""))
+        try:
+            final.mkdir()  # reserves the name (exclusive): two runs of one second never clash
+            break
+        except FileExistsError:
+            continue
     partial = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=out_dir))
     try:
         yield partial, final
         partial.chmod(0o777 & ~current_umask())  # mkdtemp's 0700 is for the partial run only
-        partial.rename(final)
+        partial.rename(final)  # over the reserved, still empty directory
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            final.rmdir()
         raise
 
 
@@ -232,7 +237,8 @@ def _profile(model, req: TraceRequest, device: str, out: Path, done=None) -> dic
     with tempfile.TemporaryDirectory() as tmp:
         raw = Path(tmp) / "trace.json"
         prof.export_chrome_trace(str(raw))
-        atomic_write(out, lambda f: f.write(gzip.compress(raw.read_bytes(), 6)))
+        packed = gzip.compress(raw.read_bytes(), 6)
+        atomic_write(out, lambda f: f.write(packed))
     return _metrics(req, device, run.prefill_s, run.step_s[req.warmup:],
                     list(getattr(model, "fallbacks", [])), type(model).__name__)
 
@@ -354,8 +360,8 @@ def _capture_path_nsys(path: str, req: TraceRequest, device: str, run_dir: Path
                     worker["fallbacks"], worker["model"]), sqlite
 
 
-TRACE_SUFFIXES = (".pt.trace.json.gz", ".trace.json.gz", ".json.gz", ".json", ".sqlite",
-                  ".nsys-rep", ".kptrace")
+TRACE_SUFFIXES = (".pt.trace.json.gz", ".trace.json.gz", ".json.gz", ".pt.trace.json",
+                  ".trace.json", ".json", ".sqlite", ".nsys-rep", ".kptrace")
 
 
 def trace_label(path: Path) -> str:

@@ -16,7 +16,7 @@ from kimi_perf.attribution import range_kernel_summary
 from kimi_perf.breakdown import Breakdown, breakdown
 from kimi_perf.classify import load_rules
 from kimi_perf.compare import compare
-from kimi_perf.errors import TraceError
+from kimi_perf.errors import NoStepsMatched, TraceError
 from kimi_perf.readers import read_trace
 from kimi_perf.trace import atomic_write_text
 
@@ -105,19 +105,20 @@ def ranges(trace: Path, fmt: str, output: Path | None) -> None:
 
 def _breakdown_of(path: Path, layers: str, rules: Path | None, steps: str | None) -> Breakdown:
     """A trace's breakdown, or a saved breakdown JSON as it is."""
-    if path.suffix == ".json" and path.exists():
+    if path.suffix == ".json" and gate_mod.is_kimi_perf_json(path):
         try:
             doc = json.loads(path.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError, OSError):
-            doc = None
-        if isinstance(doc, dict) and "schema" in doc and "layer_types" in doc:
-            return Breakdown.from_json(doc, path)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise TraceError(path, f"not JSON ({exc})") from None
+        if isinstance(doc, dict) and "paths" in doc:
+            raise TraceError(path, "a run of several decode paths: compare or gate it")
+        return Breakdown.from_json(doc, path)
     layers, steps = _check_layers(layers), _check_steps(steps)
     try:
         return breakdown(read_trace(path), layers=layers, rules=load_rules(rules),
                          step_regex=steps)
-    except LookupError as exc:  # an explicit --steps regex that matches no step
-        raise TraceError(path, str(exc)) from None
+    except NoStepsMatched as exc:
+        raise TraceError(path, exc.problem) from None
 
 
 EXAMPLE_TRACE = (Path(__file__).parent / "examples"
@@ -174,44 +175,60 @@ def compare_cmd(a: Path, b: Path | None, path_name: str | None, fmt: str, layers
     """
     if labels is not None and (len(labels.split(",")) != 2 or not all(labels.split(","))):
         raise TraceError(None, f"--labels takes two names, A,B: not {labels!r}")
-    runs_a = _breakdowns_of(a, layers, rules, step_regex)
+    runs_a, run_a = _breakdowns_of(a, layers, rules, step_regex)
     if b is None:
-        if len(runs_a) < 2:
+        if not run_a or len(runs_a) < 2:
             raise TraceError(a, "compare takes two traces, or one run of two decode paths")
+        if path_name is not None:
+            raise TraceError(None, "--path picks a decode path from each of two runs; one "
+                                   "run is compared path against path")
         (name_a, ba), (name_b, bb) = list(runs_a.items())[:2]
     else:
-        name_a, ba = _one_path(a, runs_a, path_name)
-        name_b, bb = _one_path(b, _breakdowns_of(b, layers, rules, step_regex), path_name)
+        runs_b, run_b = _breakdowns_of(b, layers, rules, step_regex)
+        name_a, ba = _one_path(a, runs_a, run_a, path_name)
+        name_b, bb = _one_path(b, runs_b, run_b, path_name)
+        if name_a == name_b and run_a and run_b:  # one path of two runs: name the runs
+            name_a, name_b = (f"{_run_name(f)}:{name_a}" for f in (a, b))
     if labels is not None:
         name_a, name_b = labels.split(",")
     elif name_a == name_b:
         name_b += "'"
     rows = compare(ba, bb)
+    cpu = "cpu-ops" in (ba.source.get("ops"), bb.source.get("ops"))
+    unit = "ops" if cpu else "kernels"  # a CPU run's annotated launches
     if fmt == "json":
         _emit(render.comparison_json(rows, name_a, name_b), output)
         return
-    _emit_tables([render.comparison_table(rows, name_a, name_b),
-                  render.comparison_headline(rows, name_a, name_b)], output)
+    _emit_tables([render.comparison_table(rows, name_a, name_b, unit),
+                  render.comparison_headline(rows, name_a, name_b, unit)], output)
 
 
 def _breakdowns_of(path: Path, layers: str, rules: Path | None, steps: str | None
-                   ) -> dict[str, Breakdown]:
-    """A `kimi-perf trace` run's breakdowns per decode path, or the one of a breakdown JSON
-    or a trace (named after its file)."""
-    if path.is_dir() or (path.suffix == ".json" and _json_key(path, "paths")):
-        return gate_mod.load_run(path)[0]
+                   ) -> tuple[dict[str, Breakdown], bool]:
+    """A `kimi-perf trace` run's breakdowns per decode path (and True), or the one of a
+    breakdown JSON or a trace, named after its file (and False)."""
+    if path.is_dir() or (path.suffix == ".json" and gate_mod.is_kimi_perf_json(path)
+                         and _json_key(path, "paths")):
+        return gate_mod.load_run(path)[0], True
     from kimi_perf.capture import trace_label
 
-    return {trace_label(path): _breakdown_of(path, layers, rules, steps)}
+    return {trace_label(path): _breakdown_of(path, layers, rules, steps)}, False
 
 
-def _one_path(file: Path, runs: dict[str, Breakdown], name: str | None
+def _one_path(file: Path, runs: dict[str, Breakdown], is_run: bool, name: str | None
               ) -> tuple[str, Breakdown]:
-    if len(runs) == 1:
+    if not is_run or (name is None and len(runs) == 1):
         return next(iter(runs.items()))
-    if name in runs:
-        return name, runs[name]
-    raise TraceError(file, f"holds the paths {', '.join(runs)}: choose one with --path")
+    if name is None:
+        raise TraceError(file, f"holds the paths {', '.join(runs)}: choose one with --path")
+    if name not in runs:
+        raise TraceError(file, f"has no path {name!r} (it has {', '.join(runs)})")
+    return name, runs[name]
+
+
+def _run_name(path: Path) -> str:
+    """A run's name: its directory's (for a run's breakdown.json, the directory holding it)."""
+    return (path if path.is_dir() else path.parent).name or str(path)
 
 
 def _json_key(path: Path, key: str) -> bool:

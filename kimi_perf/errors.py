@@ -18,3 +18,7 @@ class TraceError(Exception):
             problem = problem[: self.MAX_PROBLEM - 1] + "…"
         self.problem = problem
         super().__init__(f"{self.path}: {problem}" if self.path else problem)
+
+
+class NoStepsMatched(TraceError):
+    """An explicit step regex that matches no range holding GPU work."""

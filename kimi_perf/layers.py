@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kimi_perf.classify import Rule, classify, load_rules
+from kimi_perf.errors import NoStepsMatched
 from kimi_perf.graphs import GRAPH_LAUNCH, capture_launches
 from kimi_perf.memory import release_free_memory
 from kimi_perf.nesting import innermost_containing, range_groups, thread_keys
@@ -189,7 +190,8 @@ def find_steps(trace: Trace, ops: GpuOps, step_regex: str | None = None) -> list
         del keys, range_keys  # before the steps' own arrays
         return _steps_from_groups(trace, ops, owner[op_rows], op_rows)
     if step_regex:
-        raise LookupError(f"no range matching --steps {step_regex!r} holds a kernel launch")
+        raise NoStepsMatched(trace.meta.get("file"),
+                             f"no range matching --steps {step_regex!r} holds a kernel launch")
     graph_steps = _graph_launch_steps(trace, ops)
     if graph_steps:
         return graph_steps

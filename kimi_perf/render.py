@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import heapq
 import io
 import json
 import os
@@ -73,7 +74,7 @@ def ranges_table(rows: list[RangeKernelRow], limit: int = RANGES_TABLE_ROWS) -> 
     table = _table("Kernels by range (nsys nvtx_kern_sum projection)",
                    ["range", "pid", "tid", "ranges", "kernels", "total µs", "kernel"],
                    left=("range", "pid", "tid", "kernel"))
-    shown = sorted(rows, key=lambda r: -r.total_ns)[:limit] if len(rows) > limit else rows
+    shown = heapq.nlargest(limit, rows, key=lambda r: r.total_ns)
     for r in shown:
         table.add_row(_blank(r.range) or "(none)", str(_blank(r.pid)), str(_blank(r.tid)),
                       str(r.range_instances), str(r.kernel_instances),

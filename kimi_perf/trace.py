@@ -312,7 +312,7 @@ def atomic_write(path: str | Path, write) -> None:
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp",
                                    dir=path.parent or ".")
     except OSError as exc:
-        raise TraceError(path, f"cannot write: {exc.strerror}") from None
+        raise TraceError(path, f"cannot write: {exc.strerror or exc}") from None
     try:
         with os.fdopen(fd, "wb") as f:
             write(f)
@@ -321,7 +321,7 @@ def atomic_write(path: str | Path, write) -> None:
     except BaseException as exc:
         Path(tmp).unlink(missing_ok=True)
         if isinstance(exc, OSError):
-            raise TraceError(path, f"cannot write: {exc.strerror}") from None
+            raise TraceError(path, f"cannot write: {exc.strerror or exc}") from None
         raise
 
 

@@ -282,8 +282,27 @@ def test_compare_a_run_its_paths_and_labels(tmp_path):
                "--format", "json")
     assert same.exit_code == 0 and json.loads(same.output)["a"] == "old"
     _one_line_error(run("compare", BASELINE, BASELINE), "choose one with --path")
+    _one_line_error(run("compare", BASELINE, BASELINE, "--path", "nope"), "has no path 'nope'")
+    _one_line_error(run("compare", BASELINE, "--path", "standard"), "--path picks")
     _one_line_error(run("compare", VLLM), "one run of two decode paths")
     _one_line_error(run("compare", VLLM, VLLM, "--labels", "a,b,c"), "--labels takes two")
+    # a run directory; the same path of two runs is labelled by the runs; a CPU run counts ops
+    runs = []
+    for name in ("monday", "tuesday"):
+        (tmp_path / name).mkdir()
+        shutil.copy(BASELINE, tmp_path / name / "breakdown.json")
+        runs.append(tmp_path / name)
+    two = run("compare", runs[0], runs[1] / "breakdown.json", "--path", "specialized")
+    assert two.exit_code == 0, two.output
+    assert "monday:specialized vs tuesday:specialized" in two.output
+    assert "kda: 9 ops / " in two.output
+    # a breakdown JSON of an older kimi-perf, without the keys added since, still compares
+    old = json.loads(BASELINE.read_text())["paths"]["specialized"]
+    old["source"].pop("outside_steps", None)
+    for t in old["layer_types"]:
+        t.pop("pattern", None)
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    assert run("compare", tmp_path / "old.json", runs[0], "--path", "specialized").exit_code == 0
 
 
 def test_compare_flags_automatic_types_whose_kernels_differ():
@@ -315,14 +334,30 @@ def test_trace_from_names_runs_after_their_files_and_compares_each(tmp_path):
     umask = os.umask(0)
     os.umask(umask)
     assert first.stat().st_mode & 0o777 == 0o777 & ~umask   # not mkdtemp's 0700
-    # a second run within the same second gets its own directory
-    now = datetime.datetime.now(datetime.UTC)
-    taken = {f"{(now + datetime.timedelta(seconds=s)):%Y%m%dT%H%M%SZ}-from" for s in range(3)}
-    for name in taken:
-        (tmp_path / name).mkdir(exist_ok=True)
-    assert run("trace", "--from", VLLM, "--out", tmp_path).exit_code == 0
-    new = {p.name for p in tmp_path.iterdir()} - taken - {first.name}
-    assert len(new) == 1 and new.pop()[:-2] in taken
+
+
+def test_run_directories_of_the_same_second_never_collide(tmp_path, monkeypatch):
+    """Runs stamped with the same second: each reserves its name when it starts ("-2" for
+    the second), and a run that fails leaves nothing, its reservation included."""
+    from kimi_perf import capture
+
+    class FrozenClock(datetime.datetime):
+        @classmethod
+        def now(cls, tz=None):
+            return datetime.datetime(2026, 11, 30, 12, 0, 0, tzinfo=tz)
+
+    monkeypatch.setattr(capture.dt, "datetime", FrozenClock)
+    with capture.run_directory(tmp_path, "from") as (first, first_final):
+        (first / "a").write_text("1")
+        with capture.run_directory(tmp_path, "from") as (second, second_final):
+            (second / "b").write_text("2")
+        with pytest.raises(RuntimeError), capture.run_directory(tmp_path, "from") as (third, _):
+            (third / "c").write_text("3")
+            raise RuntimeError("the capture failed")
+    assert (first_final.name, second_final.name) == ("20261130T120000Z-from",
+                                                     "20261130T120000Z-from-2")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [first_final.name, second_final.name]
+    assert (first_final / "a").read_text() == "1" and (second_final / "b").read_text() == "2"
 
 
 def test_outside_every_step_is_reported():
