@@ -77,23 +77,37 @@ def _class_bars(breakdowns: dict[str, Breakdown]) -> go.Figure:
 
 
 def _comparison_html(breakdowns: dict[str, Breakdown]) -> str:
+    """The first trace against each of the others, per layer type; and the work of each
+    trace that fell in no step."""
     labels = list(breakdowns)
-    if len(labels) < 2:
-        return ""
-    a, b = labels[:2]
-    rows = compare(breakdowns[a], breakdowns[b])
     e = html.escape
-    head = (f"<tr><th>layer type</th><th>{e(a)} kernels</th><th>{e(a)} µs</th>"
-            f"<th>{e(b)} kernels</th><th>{e(b)} µs</th><th>µs ratio</th></tr>")
+    parts = []
+    for label in labels:
+        outside = breakdowns[label].source.get("outside_steps") or {}
+        if outside.get("ops"):
+            parts.append(f"<p>{e(label)}: {outside['ops']} more ops ({outside['kernel_us']:.1f}"
+                         " µs) ran in no step: launched outside the step ranges or from "
+                         "another thread.</p>")
+    a = labels[0] if labels else None
 
     def fmt(v, spec):
         return "-" if v is None else format(v, spec)
-    body = "".join(
-        f"<tr><td>{e(r.type or '-')}</td><td>{fmt(r.kernels_a, '.3g')}</td>"
-        f"<td>{fmt(r.span_us_a, '.1f')}</td><td>{fmt(r.kernels_b, '.3g')}</td>"
-        f"<td>{fmt(r.span_us_b, '.1f')}</td><td>{fmt(r.span_ratio, '.2f')}</td></tr>"
-        for r in rows)
-    return f"<h2>Per layer type</h2><table border=1 cellpadding=4>{head}{body}</table>"
+    for b in labels[1:]:
+        rows = compare(breakdowns[a], breakdowns[b])
+        head = (f"<tr><th>layer type</th><th>{e(a)} kernels</th><th>{e(a)} µs</th>"
+                f"<th>{e(b)} kernels</th><th>{e(b)} µs</th><th>µs ratio</th></tr>")
+        body = "".join(
+            f"<tr><td>{e(r.type or '-')}{' *' if r.pattern_differs else ''}</td>"
+            f"<td>{fmt(r.kernels_a, '.3g')}</td>"
+            f"<td>{fmt(r.span_us_a, '.1f')}</td><td>{fmt(r.kernels_b, '.3g')}</td>"
+            f"<td>{fmt(r.span_us_b, '.1f')}</td><td>{fmt(r.span_ratio, '.2f')}</td></tr>"
+            for r in rows)
+        note = (f"<p>* found by the repeating kernel pattern, with another kernel sequence in "
+                f"{e(b)}: the letter may name another layer there.</p>"
+                if any(r.pattern_differs for r in rows) else "")
+        parts.append(f"<h2>Per layer type: {e(a)} vs {e(b)}</h2>"
+                     f"<table border=1 cellpadding=4>{head}{body}</table>{note}")
+    return "".join(parts)
 
 
 def write_report(path: str | Path, traces: dict[str, Trace],
