@@ -55,6 +55,7 @@ from kimi_perf.attribution import range_kernel_summary
 from kimi_perf.breakdown import breakdown
 from kimi_perf.capture import environment, profiler_schedule
 from kimi_perf.decode.config import K3Config, preset
+from kimi_perf.decode.floors import launch_bytes
 from kimi_perf.decode.harness import GraphedDecodeStep, run_decode
 from kimi_perf.decode.model import K3Model
 from kimi_perf.decode.specialized import SpecializedModel, build_model
@@ -237,35 +238,15 @@ def gemv_errors(gemv: dict) -> list[str]:
     return out
 
 
-def expected_experts(c: K3Config, batch: int) -> float:
-    """Distinct routed experts a step touches under uniform top-k: E(1 - (1 - k/E)^B)."""
-    return c.n_experts * (1 - (1 - c.top_k / c.n_experts) ** batch)
-
-
-def launch_bytes(c: K3Config, batch: int, context: int) -> dict[str, float]:
-    """Bytes each specialized launch must move at least (weights once, state read + written;
-    experts stored in bf16 as this model stores them)."""
-    h, bf16, fp32 = c.hidden, 2, 4
-    H, d = c.kda_heads_local, c.kda_head_dim
-    Hm = c.mla_heads_local
-    inter, shared = c.moe_intermediate_local, c.shared_intermediate_local
-    experts = expected_experts(c, batch)
-    return {
-        "in_proj": c.in_proj_rows * h * bf16,
-        "fused_kda_decode": H * d * c.f_rank * bf16 + 2 * batch * H * d * d * fp32
-        + 2 * batch * 3 * H * d * 3 * bf16,
-        "o_proj": h * max(H * d, Hm * c.v_head) * bf16,
-        "router_latent_down": (c.n_experts + c.latent) * h * bf16,
-        "moe_fc1_situ_shared_gate_up": experts * 2 * inter * c.latent * bf16
-        + c.n_experts * fp32 + 2 * shared * h * bf16,
-        "moe_fc2_combine_shared_down": experts * c.latent * inter * bf16 + h * shared * bf16,
-        "latent_up_proj": h * c.latent * bf16,
-        "qkv_a_g_proj": (c.q_lora + c.kv_cache_dim + Hm * c.v_head) * h * bf16,
-        "q_b_proj": Hm * (c.qk_nope + c.qk_rope) * c.q_lora * bf16,
-        "bmm_w_uk_cache_insert": Hm * c.qk_nope * c.kv_lora * bf16,
-        "mla_decode": batch * context * c.kv_cache_dim * bf16,
-        "bmm_w_uv_gate": Hm * c.kv_lora * c.v_head * bf16,
-    }
+def launch_floors_bytes(c: K3Config, batch: int, context: int) -> dict[str, float]:
+    """Bytes each specialized launch must move at least (``kimi_perf.decode.floors``; experts
+    in bf16, as this model stores them), over every layer type: a launch name that two types
+    share (o_proj) takes the larger."""
+    out: dict[str, float] = {}
+    for layer_type in ("dense", "kda", "mla"):
+        for name, b in launch_bytes(c, layer_type, batch, context).items():
+            out[name] = max(out.get(name, 0.0), b)
+    return out
 
 
 def speed(path: str, c: K3Config, weights, batch: int, context: int, warmup: int, steps: int,
@@ -301,7 +282,8 @@ def speed(path: str, c: K3Config, weights, batch: int, context: int, warmup: int
               "replayed_kernels_mapped_to_capture": int((capture_launches(trace) >= 0).sum())}
     result["model"] = type(model).__name__
     if not graphs:  # per launch, both paths; memory floors for the specialized one
-        floors = launch_bytes(c, batch, context) if isinstance(model, SpecializedModel) else {}
+        floors = (launch_floors_bytes(c, batch, context) if isinstance(model, SpecializedModel)
+                  else {})
         per_launch: dict[str, dict] = {}
         for row in range_kernel_summary(trace):
             if not row.range or not row.range.startswith("op:"):

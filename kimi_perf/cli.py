@@ -337,6 +337,46 @@ def info(trace: Path) -> None:
                    + (f": {ran[device]:,} kernels" if device in ran else ": no kernels"))
 
 
+@main.command(name="floors")
+@click.option("--preset", "preset_name", default="k3-tp8", show_default=True,
+              help="model shapes: k3, k3-tp8, k3-tp16, tiny")
+@click.option("--tp", type=click.IntRange(1), help="shard the preset's model over N ranks")
+@click.option("--batch", default=1, show_default=True, type=click.IntRange(1))
+@click.option("--context", default=4096, show_default=True, type=click.IntRange(0),
+              help="cached tokens per sequence the gated-MLA layer reads")
+@click.option("--weights", type=click.Choice(["bf16", "fp8", "mxfp4"]), default="bf16",
+              show_default=True, help="non-expert weights (and shared experts)")
+@click.option("--experts", type=click.Choice(["bf16", "fp8", "mxfp4"]), default="bf16",
+              show_default=True, help="routed experts (this model: bf16; K3's checkpoint: "
+              "mxfp4)")
+@click.option("--kv-cache", type=click.Choice(["bf16", "fp8"]), default="bf16",
+              show_default=True)
+@click.option("--bandwidth", default=4.3, show_default=True, type=click.FloatRange(min=0.001),
+              help="memory bandwidth, TB/s (H200: about 4.3 measured by a device copy)")
+@click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table",
+              show_default=True)
+@click.option("-o", "--output", type=click.Path(path_type=Path), help="write here, not stdout")
+@_fail_cleanly
+def floors_cmd(preset_name: str, tp: int | None, batch: int, context: int, weights: str,
+               experts: str, kv_cache: str, bandwidth: float, fmt: str,
+               output: Path | None) -> None:
+    """Memory floors per layer and per launch: the bytes a decode step must move at least,
+    over a bandwidth (no GPU needed): what the measured µs of a layer are held against."""
+    from kimi_perf.decode.config import preset
+    from kimi_perf.decode.floors import Storage, floors
+
+    try:
+        c = preset(preset_name, tp=tp)
+    except (KeyError, ValueError) as exc:
+        raise TraceError(None, str(exc.args[0] if exc.args else exc)) from None
+    doc = floors(c, batch, context, Storage(weights, experts, kv_cache), bandwidth * 1e12)
+    doc["preset"] = preset_name
+    if fmt == "json":
+        _emit(json.dumps(doc, indent=1) + "\n", output)
+    else:
+        _emit_tables([render.floors_table(doc), render.floors_headline(doc)], output)
+
+
 @main.command()
 @click.option("--preset", "preset_name", default="tiny", show_default=True,
               help="model preset: tiny, k3, k3-tp8, k3-tp16")

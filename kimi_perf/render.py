@@ -256,3 +256,27 @@ def gate_headline(result: GateResult) -> str:
     more = len(failures) - GATE_HEADLINE_ITEMS
     return (f"gate: FAIL, {len(failures)} regression(s): {worst}"
             + (f"; and {more} more (the table lists them)" if more > 0 else ""))
+
+
+def floors_table(doc: dict) -> Table:
+    st = doc["storage"]
+    table = _table(f"Memory floors per layer: {doc['preset']} (TP {doc['tp']}), batch "
+                   f"{doc['batch']}, context {doc['context']}, weights {st['weights']}, "
+                   f"experts {st['experts']}, KV {st['kv_cache']}, "
+                   f"{doc['bandwidth_Bps'] / 1e12:.2f} TB/s",
+                   ["layer", "launch", "MB", "floor µs"], left=("layer", "launch"))
+    for kind, t in doc["layer_types"].items():
+        for name, launch in t["launches"].items():
+            table.add_row(kind, name, f"{launch['bytes'] / 1e6:,.2f}",
+                          f"{launch['floor_us']:.2f}")
+        table.add_row(kind, Text("all", style="bold"), f"{t['bytes'] / 1e6:,.2f}",
+                      Text(f"{t['floor_us']:.1f}", style="bold"), end_section=True)
+    table.caption = (f"routed experts read per step: {doc['expected_experts']:g} (the distinct "
+                     "experts of uniform top-k); dense: layer 0 (KDA + dense MLP)")
+    return table
+
+
+def floors_headline(doc: dict) -> str:
+    return "floor per layer: " + ", ".join(
+        f"{kind} {t['floor_us']:.1f} µs ({t['bytes'] / 1e6:,.1f} MB)"
+        for kind, t in doc["layer_types"].items())

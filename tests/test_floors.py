@@ -1,0 +1,82 @@
+"""Memory floors against the design note's own arithmetic (k3-decode.md, section 4: one H200
+rank, 4.3 TB/s), which was worked out by hand, apart from this code."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from kimi_perf.cli import main
+from kimi_perf.decode.config import preset
+from kimi_perf.decode.floors import Storage, expected_experts, launch_bytes, layer_floor_us
+
+TP8 = preset("k3-tp8")
+MXFP4 = Storage(experts="mxfp4", kv_cache="fp8")
+
+
+def _state_bytes(layer_type: str, launches: dict[str, float]) -> float:
+    """The KV or state part of a layer's bytes (the note's "KV or state MB" column)."""
+    if layer_type == "mla":
+        return launches["mla_decode"]
+    f_b = TP8.kda_heads_local * TP8.kda_head_dim * TP8.f_rank * 2
+    return launches["fused_kda_decode"] - f_b
+
+
+@pytest.mark.parametrize(("layer_type", "storage", "batch", "weights_mb", "state_mb", "floor"), [
+    ("kda", Storage(), 1, 393.5, 1.63, 91.9),      # "K3 KDA, all bf16"
+    ("kda", MXFP4, 1, 296.4, 1.63, 69.3),          # "K3 KDA+latentMoE (vLLM sharding)"
+    ("mla", MXFP4, 1, 268.4, 2.36, 63.0),          # "K3 gated-MLA+latentMoE", fp8 KV @ 4k
+    ("kda", MXFP4, 64, 1606, 104.2, 397.8),
+    ("mla", MXFP4, 64, 1578, 151.0, 402.2),
+])
+def test_floors_match_the_design_notes_table(layer_type, storage, batch, weights_mb, state_mb,
+                                             floor):
+    launches = launch_bytes(TP8, layer_type, batch, 4096, storage)
+    state = _state_bytes(layer_type, launches)
+    assert (sum(launches.values()) - state) / 1e6 == pytest.approx(weights_mb, rel=2.5e-3)
+    assert state / 1e6 == pytest.approx(state_mb, rel=5e-3)
+    assert layer_floor_us(TP8, layer_type, batch, 4096, storage) == pytest.approx(floor,
+                                                                                  abs=0.25)
+
+
+def test_expected_experts_under_uniform_top_k():
+    assert [round(expected_experts(TP8, b), 1) for b in (1, 8, 64)] == [16.0, 120.3, 613.2]
+
+
+def test_the_note_worked_example_component_by_component():
+    """K3 KDA TP8, B=1, bf16 non-expert weights, MXFP4 experts: the note's rows in MB."""
+    b = launch_bytes(TP8, "kda", 1, 0, MXFP4)
+    assert round(b["in_proj"] / 1e6, 2) == 90.14
+    assert round(b["o_proj"] / 1e6, 2) == 22.02
+    router, latent = 896 * 7168 * 2, 3584 * 7168 * 2
+    assert b["router_latent_down"] == router + latent
+    assert b["latent_up_proj"] == latent
+    shared = 3 * 2 * 3072 * 7168 / 8 * 2
+    routed = 16 * 3 * 384 * 3584 * 0.53125
+    assert b["moe_fc1_situ_shared_gate_up"] + b["moe_fc2_combine_shared_down"] \
+        == pytest.approx(shared + routed)
+
+
+def test_storage_and_layer_type_are_checked():
+    with pytest.raises(ValueError, match="kv_cache must be one of bf16, fp8"):
+        Storage(kv_cache="mxfp4")
+    with pytest.raises(ValueError, match="layer type"):
+        launch_bytes(TP8, "ssm", 1, 0)
+
+
+def test_floors_command():
+    runner = CliRunner()
+    table = runner.invoke(main, ["floors", "--experts", "mxfp4", "--kv-cache", "fp8"])
+    assert table.exit_code == 0, table.output
+    assert "floor per layer: kda 69.3 µs" in table.output and "mla 62.9 µs" in table.output
+    doc = json.loads(runner.invoke(main, ["floors", "--preset", "k3", "--tp", "16", "--batch",
+                                          "64", "--format", "json"]).output)
+    assert doc["tp"] == 16 and doc["expected_experts"] == 613.2
+    kda = doc["layer_types"]["kda"]
+    assert kda["bytes"] == sum(v["bytes"] for v in kda["launches"].values())
+    for args, message in ((["--preset", "k4"], "unknown preset 'k4'"),
+                          (["--preset", "k3", "--tp", "7"], "does not split over tp=7")):
+        bad = runner.invoke(main, ["floors", *args])
+        assert bad.exit_code == 2 and message in bad.output
