@@ -162,6 +162,7 @@ def capture(req: TraceRequest, progress=None) -> tuple[Path, dict[str, Breakdown
 
 def _capture_all(req: TraceRequest, config, device: str, run_dir: Path, final: Path,
                  progress) -> tuple[dict, dict[str, Breakdown]]:
+    from kimi_perf.decode.floors import Storage, floors
     from kimi_perf.decode.weights import random_weights
 
     run_info: dict[str, Any] = {
@@ -170,6 +171,10 @@ def _capture_all(req: TraceRequest, config, device: str, run_dir: Path, final: P
         "batch": req.batch, "tp": req.tp, "context": req.context, "decode_steps": req.steps,
         "warmup_steps": req.warmup, "date": dt.datetime.now(dt.UTC).isoformat(),
         "environment": environment(device), "paths": {},
+        # what a layer of one rank must move at least, and its time at an H200's bandwidth:
+        # the floor a GPU run's per-layer µs are held against (kimi-perf floors)
+        "floors": floors(config.shard(req.tp) if req.tp > 1 else config, req.batch,
+                         req.context, Storage(kv_cache=req.kv_cache)),
     }
     # The nsys backend draws the weights in each profiled process, from the same seed.
     weights = random_weights(config, seed=req.seed, device=device) \

@@ -522,6 +522,10 @@ def trace_cmd(from_files: tuple[Path, ...], preset_name: str | None, n_layers: i
         for label, b in results.items():
             console.print(f"{label}:")
             render.print_tables(render.breakdown_tables(b), console)
+    if not cpu and "floors" in run_info:
+        console.print(render.floors_headline(run_info["floors"])
+                      + f" at {run_info['floors']['bandwidth_Bps'] / 1e12:.1f} TB/s: what a "
+                      "layer must move at least (kimi-perf floors)")
     if cpu:
         console.print("On this CPU there are no GPU kernels: 'ops' are the launches each path "
                       "annotates (one per kernel it would run on a GPU), timed on the CPU.")

@@ -225,6 +225,9 @@ def test_trace_command_captures_both_paths(tmp_path):
     assert saved["schema"] == 1 and set(saved["paths"]) == {"standard", "specialized"}
     run = json.loads((run_dir / "run.json").read_text())
     assert run["preset"] == "tiny" and run["n_layers"] == 4 and run["environment"]["torch"]
+    from kimi_perf.decode.floors import floors  # the floors of the run's shapes, recorded
+
+    assert run["floors"] == json.loads(json.dumps(floors(SMALL, run["batch"], run["context"])))
     for path, launches in (("standard", {"kda": 18, "mla": 24}),
                            ("specialized", {"kda": 9, "mla": 12})):
         types = {t["type"]: t for t in saved["paths"][path]["layer_types"]}
