@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -34,6 +35,9 @@ def _fail_cleanly(fn):
         except TraceError as exc:
             click.echo(f"kimi-perf: error: {exc}", err=True)
             sys.exit(2)
+        except BrokenPipeError:  # the reader went away (`| head`): nothing left to say
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            sys.exit(1)
         except OSError as exc:  # a file the command was pointed at, not a bug of ours
             where = f"{exc.filename}: " if exc.filename else ""
             click.echo(f"kimi-perf: error: {where}{exc.strerror or exc}", err=True)

@@ -390,3 +390,15 @@ def test_report_compares_the_first_trace_with_each_other(tmp_path):
     assert "Per layer type: before vs after" in text and "Per layer type: before vs ddp" in text
     assert "<td>D *</td>" in text and "the letter may name another layer there" in text
     assert "ddp: 2373 more ops" in text
+
+
+def test_a_reader_that_goes_away_is_no_error():
+    """`kimi-perf info TRACE | head -1`: the pipe closes early; no error line, no traceback."""
+    proc = subprocess.Popen([sys.executable, "-m", "kimi_perf", "info",
+                             str(KINETO / "hta_a100_nccl_ddp_gpu_user_annotation.json.gz")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, bufsize=0)
+    first = proc.stdout.read(10)
+    proc.stdout.close()
+    stderr = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) in (0, 1) and first
+    assert stderr == "", stderr
