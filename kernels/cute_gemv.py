@@ -302,7 +302,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--preset", default="k3-tp8")
     args = parser.parse_args(argv)
-    manifest = build_cubins(args.out, decode_shapes(args.preset))
+    try:
+        shapes = decode_shapes(args.preset)
+    except KeyError as exc:
+        print(f"cute_gemv: {exc.args[0]}", file=sys.stderr)
+        return 2
+    manifest = build_cubins(args.out, shapes)
     for e in manifest["kernels"]:
         print(f"{e['name']:14s} M={e['m']} N={e['n']:5d} K={e['k']:5d} rows {e['rows']} "
               f"warps {e['warps']}: {e['registers']} registers, spills "

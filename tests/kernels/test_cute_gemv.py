@@ -167,3 +167,10 @@ def test_cubin_launcher_launches_the_manifests_plan(tmp_path, monkeypatch, cubin
     assert args == [x.data_ptr(), w.data_ptr(), y.data_ptr()] and smem == p.smem_bytes
     with pytest.raises(ValueError, match="no cute_gemv build for M=1"):
         gemv(x[:1], w)
+
+
+def test_build_command_refuses_an_unknown_preset(tmp_path, capsys):
+    from kimi_perf_kernels.cute_gemv import main
+
+    assert main(["--out", str(tmp_path / "c"), "--preset", "k4"]) == 2
+    assert "unknown preset 'k4'" in capsys.readouterr().err and not (tmp_path / "c").exists()
