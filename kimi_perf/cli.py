@@ -109,14 +109,11 @@ def ranges(trace: Path, fmt: str, output: Path | None) -> None:
 
 def _breakdown_of(path: Path, layers: str, rules: Path | None, steps: str | None) -> Breakdown:
     """A trace's breakdown, or a saved breakdown JSON as it is."""
-    if path.suffix == ".json" and gate_mod.is_kimi_perf_json(path):
-        try:
-            doc = json.loads(path.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise TraceError(path, f"not JSON ({exc})") from None
-        if isinstance(doc, dict) and "paths" in doc:
-            raise TraceError(path, "a run of several decode paths: compare or gate it")
-        return Breakdown.from_json(doc, path)
+    runs, is_run = _saved_breakdowns(path)
+    if is_run:
+        raise TraceError(path, "a run of several decode paths: compare or gate it")
+    if runs:
+        return next(iter(runs.values()))
     layers, steps = _check_layers(layers), _check_steps(steps)
     try:
         return breakdown(read_trace(path), layers=layers, rules=load_rules(rules),
@@ -211,12 +208,22 @@ def _breakdowns_of(path: Path, layers: str, rules: Path | None, steps: str | Non
                    ) -> tuple[dict[str, Breakdown], bool]:
     """A `kimi-perf trace` run's breakdowns per decode path (and True), or the one of a
     breakdown JSON or a trace, named after its file (and False)."""
-    if path.is_dir() or (path.suffix == ".json" and gate_mod.is_kimi_perf_json(path)
-                         and _json_key(path, "paths")):
-        return gate_mod.load_run(path)[0], True
     from kimi_perf.capture import trace_label
 
-    return {trace_label(path): _breakdown_of(path, layers, rules, steps)}, False
+    runs, is_run = _saved_breakdowns(path)
+    if is_run:
+        return runs, True
+    b = next(iter(runs.values())) if runs else _breakdown_of(path, layers, rules, steps)
+    return {trace_label(path): b}, False
+
+
+def _saved_breakdowns(path: Path) -> tuple[dict[str, Breakdown], bool]:
+    """What a kimi-perf run directory or JSON file holds, read once: its breakdowns and
+    whether it is a run of decode paths; ({}, False) for anything else (a trace)."""
+    if not (path.is_dir() or (path.suffix == ".json" and gate_mod.is_kimi_perf_json(path))):
+        return {}, False
+    runs, doc, _ = gate_mod.load_run(path)
+    return runs, "paths" in doc
 
 
 def _one_path(file: Path, runs: dict[str, Breakdown], is_run: bool, name: str | None
@@ -233,15 +240,6 @@ def _one_path(file: Path, runs: dict[str, Breakdown], is_run: bool, name: str | 
 def _run_name(path: Path) -> str:
     """A run's name: its directory's (for a run's breakdown.json, the directory holding it)."""
     return (path if path.is_dir() else path.parent).name or str(path)
-
-
-def _json_key(path: Path, key: str) -> bool:
-    """Whether the JSON file is an object with ``key`` (False when it is not JSON at all)."""
-    try:
-        doc = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError, OSError):
-        return False
-    return isinstance(doc, dict) and key in doc
 
 
 @main.command(name="gate")
