@@ -306,7 +306,7 @@ def breakdown(trace: Trace, layers: str = "auto", rules: list[Rule] | None = Non
                    "layers": len(step.layers)} for step in steps]
     layer_heads = [(step.index, step.device, layer.index, layer.type)
                    for step, layer in all_layers]
-    patterns = _patterns(trace, ops, steps)
+    typical = _typical_layers(trace, ops, steps)
     del ops, steps, all_layers, segments
     release_free_memory()
     step_rows = figures.stats(labels, step_heads)
@@ -317,28 +317,46 @@ def breakdown(trace: Trace, layers: str = "auto", rules: list[Rule] | None = Non
     layer_rows = LayerRows(layer_heads, figures, n_steps, labels)
     layer_types = _layer_type_medians(layer_rows)
     for t in layer_types:
-        if t["type"] in patterns:
-            t["pattern"] = patterns[t["type"]]
+        layer = typical.get(t["type"], {})
+        if "pattern" in layer:
+            t["pattern"] = layer.pop("pattern")
+        if layer:
+            t["typical_layer"] = layer
     return Breakdown(source={**_source(trace), "ops": ops_kind,
                              "outside_steps": outside_steps}, steps=step_rows,
                      layers=layer_rows, layer_types=layer_types)
 
 
-def _patterns(trace: Trace, ops: GpuOps, steps) -> dict[str, str]:
-    """Per layer type found by the repeating kernel pattern, a digest of its most common
-    kernel sequence: the letters (A, B, ...) follow the order of first appearance, so two
-    traces' "A" are the same layer only when their digests agree (``compare``, ``gate``)."""
-    sequences: dict[str, Counter] = {}  # keyed by the name codes' bytes: 4-8 B per op
+def _typical_layers(trace: Trace, ops: GpuOps, steps) -> dict[str, dict[str, Any]]:
+    """Per layer type, its typical layer: the kernel sequence most of its layers ran, each
+    kernel with its median µs over the layers that ran exactly that sequence (how a layer's
+    time splits, kernel by kernel: the view that proves a fusion).
+
+    For a type found by the repeating kernel pattern also ``pattern``, a digest of that
+    sequence: the letters (A, B, ...) follow the order of first appearance, so two traces'
+    "A" are the same layer only when their digests agree (``compare``, ``gate``)."""
+    sequences: dict[str, list[bytes]] = {}   # the name codes' bytes: 4-8 B per op
+    layer_ops: dict[str, list[np.ndarray]] = {}
+    by_pattern = set()
     for step in steps:
-        if step.layer_source != "repeat":
-            continue
         for layer in step.layers:
-            sequences.setdefault(layer.type, Counter())[ops.name[layer.ops].tobytes()] += 1
+            sequences.setdefault(layer.type, []).append(ops.name[layer.ops].tobytes())
+            layer_ops.setdefault(layer.type, []).append(layer.ops)
+            if step.layer_source == "repeat":
+                by_pattern.add(layer.type)
     out = {}
-    for t, c in sequences.items():
-        codes = np.frombuffer(c.most_common(1)[0][0], ops.name.dtype).tolist()
-        out[t] = hashlib.sha1("\0".join(trace.strings[i] for i in codes).encode(),
-                              usedforsecurity=False).hexdigest()[:12]
+    for t, keys in sequences.items():
+        typical, count = Counter(keys).most_common(1)[0]
+        rows = np.stack([r for k, r in zip(keys, layer_ops[t], strict=True) if k == typical])
+        median_ns = np.median(ops.end[rows] - ops.start[rows], axis=0)
+        names = np.frombuffer(typical, ops.name.dtype).tolist()
+        classes = ops.kernel_class[rows[0]].tolist()
+        out[t] = {"layers": count, "kernels": [
+            {"name": trace.strings[n], "class": ops.class_labels[c], "us": _us(int(ns))}
+            for n, c, ns in zip(names, classes, median_ns.round().tolist(), strict=True)]}
+        if t in by_pattern:
+            out[t]["pattern"] = hashlib.sha1("\0".join(trace.strings[n] for n in names).encode(),
+                                             usedforsecurity=False).hexdigest()[:12]
     return out
 
 

@@ -51,6 +51,7 @@ class TraceRequest:
     kv_cache: str = "bf16"
     seed: int = 0
     out_dir: Path = Path("traces/runs")
+    plotly_js: str = "inline"       # the report's plotly.js: inline, cdn or a .js path
 
 
 def default_request(on_gpu: bool) -> TraceRequest:
@@ -205,7 +206,7 @@ def _capture_all(req: TraceRequest, config, device: str, run_dir: Path, final: P
         run_info["paths"][path] = metrics
     _write_outputs(run_dir, final, run_info, results, traces,
                    f"kimi-perf trace: {req.preset}, {config.n_layers} layers, batch {req.batch} "
-                   f"on {device}")
+                   f"on {device}", req.plotly_js)
     return run_info, results
 
 
@@ -379,7 +380,7 @@ def trace_label(path: Path) -> str:
     return name
 
 
-def analyse(files: list[Path], out_dir: Path, layers: str = "auto"
+def analyse(files: list[Path], out_dir: Path, layers: str = "auto", plotly_js: str = "inline"
             ) -> tuple[Path, dict[str, Breakdown], dict]:
     """``--from``: breakdowns of existing traces, labelled by file name."""
     results: dict[str, Breakdown] = {}
@@ -396,16 +397,16 @@ def analyse(files: list[Path], out_dir: Path, layers: str = "auto"
                 "git_commit": _git_commit()}
     with run_directory(out_dir, "from") as (run_dir, final):
         _write_outputs(run_dir, final, run_info, results, traces,
-                       "kimi-perf: " + ", ".join(f.name for f in files))
+                       "kimi-perf: " + ", ".join(f.name for f in files), plotly_js)
     return final, results, run_info
 
 
 def _write_outputs(run_dir: Path, final: Path, run_info: dict, results: dict[str, Breakdown],
-                   traces: dict, title: str) -> None:
+                   traces: dict, title: str, plotly_js: str) -> None:
     from kimi_perf.report import write_report
 
     run_info["report"] = str(final / "report.html")
-    write_report(run_dir / "report.html", traces, results, title)
+    write_report(run_dir / "report.html", traces, results, title, run_info, plotly_js)
     atomic_write_text(run_dir / "run.json", json.dumps(run_info, indent=1) + "\n")
     doc = {"schema": 1, "run": run_info, "paths": {k: b.to_json() for k, b in results.items()}}
     atomic_write_text(run_dir / "breakdown.json", json.dumps(doc, indent=1) + "\n")

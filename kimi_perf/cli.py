@@ -64,6 +64,12 @@ def _layers_option(fn):
     return click.option("--layers", default="auto", show_default=True, help=LAYERS_HELP)(fn)
 
 
+def _kernels_option(fn):
+    return click.option("--kernels", is_flag=True, help="also each layer type's typical "
+                        "layer, kernel by kernel: its kernels in order with their median "
+                        "µs")(fn)
+
+
 def _check_layers(value: str) -> str:
     if value in ("auto", "repeat", "nvtx") or value.startswith("nvtx:"):
         if value.startswith("nvtx:"):
@@ -135,10 +141,11 @@ EXAMPLE_TRACE = (Path(__file__).parent / "examples"
               "ProfilerStep#N, vLLM's execute_... annotation)")
 @click.option("--rules", type=click.Path(path_type=Path), help="TOML file of extra kernel-class "
               "rules, tried before the defaults")
+@_kernels_option
 @click.option("-o", "--output", type=click.Path(path_type=Path), help="write here, not stdout")
 @_fail_cleanly
 def breakdown_cmd(trace: Path | None, fmt: str, layers: str, step_regex: str | None,
-                  rules: Path | None, output: Path | None) -> None:
+                  rules: Path | None, kernels: bool, output: Path | None) -> None:
     """Per step and layer: kernels, kernel µs, span µs, gap µs, per class; medians per type.
 
     Without TRACE, analyses the embedded example: one vLLM GPT-OSS-20B decode step under a
@@ -146,7 +153,10 @@ def breakdown_cmd(trace: Path | None, fmt: str, layers: str, step_regex: str | N
     """
     b = _breakdown_of(trace or EXAMPLE_TRACE, layers, rules, step_regex)
     if fmt == "table":
-        _emit_tables(render.breakdown_tables(b), output)
+        unit = "ops" if b.source.get("ops") == "cpu-ops" else "kernels"
+        typical = [render.typical_layer_table(t["type"] or "-", {"": t}, unit)
+                   for t in b.layer_types] if kernels else []
+        _emit_tables(render.breakdown_tables(b) + typical, output)
     else:
         _emit(render.breakdown_json(b) if fmt == "json" else render.breakdown_csv(b), output)
 
@@ -163,11 +173,12 @@ def breakdown_cmd(trace: Path | None, fmt: str, layers: str, step_regex: str | N
 @click.option("--rules", type=click.Path(path_type=Path), help="extra kernel-class rules")
 @click.option("--labels", help="names for A and B, comma-separated (default: the file names, "
               "or a run's path names)")
+@_kernels_option
 @click.option("-o", "--output", type=click.Path(path_type=Path), help="write here, not stdout")
 @_fail_cleanly
 def compare_cmd(a: Path, b: Path | None, path_name: str | None, fmt: str, layers: str,
                 step_regex: str | None, rules: Path | None, labels: str | None,
-                output: Path | None) -> None:
+                kernels: bool, output: Path | None) -> None:
     """A and B side by side per layer type.
 
     A and B: traces, breakdown JSON files, or `kimi-perf trace` runs (the run directory or its
@@ -200,8 +211,15 @@ def compare_cmd(a: Path, b: Path | None, path_name: str | None, fmt: str, layers
     if fmt == "json":
         _emit(render.comparison_json(rows, name_a, name_b), output)
         return
-    _emit_tables([render.comparison_table(rows, name_a, name_b, unit),
-                  render.comparison_headline(rows, name_a, name_b, unit)], output)
+    tables = [render.comparison_table(rows, name_a, name_b, unit),
+              render.comparison_headline(rows, name_a, name_b, unit)]
+    if kernels:
+        types_a = {t["type"]: t for t in ba.layer_types}
+        types_b = {t["type"]: t for t in bb.layer_types}
+        tables += [render.typical_layer_table(
+            r.type or "-", {name_a: types_a.get(r.type), name_b: types_b.get(r.type)}, unit)
+            for r in rows if r.type in types_a or r.type in types_b]
+    _emit_tables(tables, output)
 
 
 def _breakdowns_of(path: Path, layers: str, rules: Path | None, steps: str | None
@@ -431,6 +449,12 @@ def validate(preset_name: str, n_layers: int | None, paths: str, steps: int, bat
         sys.exit(1)
 
 
+def _check_plotly_js(ctx, param, value: str) -> str:
+    if value not in ("inline", "cdn") and not value.endswith(".js"):
+        raise click.BadParameter(f"inline, cdn or a path ending in .js, not {value!r}")
+    return value
+
+
 @main.command(name="trace")
 @click.option("--from", "from_files", multiple=True, type=click.Path(path_type=Path),
               help="analyse these existing traces instead of capturing (repeatable)")
@@ -452,13 +476,16 @@ def validate(preset_name: str, n_layers: int | None, paths: str, steps: int, bat
               show_default=True)
 @click.option("--out", "out_dir", type=click.Path(path_type=Path), default=Path("traces/runs"),
               show_default=True, help="parent of the run directory")
+@click.option("--plotly-js", default="inline", show_default=True, callback=_check_plotly_js,
+              help="the HTML report's plotly.js: inline (opens offline, about 5 MB), cdn, or "
+              "the path of a plotly.min.js for the report to refer to")
 @click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table",
               show_default=True)
 @_fail_cleanly
 def trace_cmd(from_files: tuple[Path, ...], preset_name: str | None, n_layers: int | None,
               batch: int | None, context: int | None, steps: int | None,
               warmup: int | None, tp: int, paths: str, graphs: bool, backend: str,
-              kv_cache: str, out_dir: Path, fmt: str) -> None:
+              kv_cache: str, out_dir: Path, plotly_js: str, fmt: str) -> None:
     """Capture both decode paths per layer and compare them (the main job).
 
     With no arguments: the tiny preset on a CPU (or four k3-tp8 layers on a GPU), both paths,
@@ -471,7 +498,8 @@ def trace_cmd(from_files: tuple[Path, ...], preset_name: str | None, n_layers: i
 
     console = render.console(stderr=fmt == "json")
     if from_files:
-        run_dir, results, run_info = cap.analyse(list(from_files), out_dir)
+        run_dir, results, run_info = cap.analyse(list(from_files), out_dir,
+                                                 plotly_js=plotly_js)
     else:
         try:
             import torch
@@ -486,7 +514,7 @@ def trace_cmd(from_files: tuple[Path, ...], preset_name: str | None, n_layers: i
         req = dataclasses.replace(cap.default_request(torch.cuda.is_available()), **overrides,
                                   tp=tp, paths=tuple(p for p in paths.split(",") if p),
                                   graphs=graphs, backend=backend, kv_cache=kv_cache,
-                                  out_dir=out_dir)
+                                  out_dir=out_dir, plotly_js=plotly_js)
         from kimi_perf.decode.config import PRESETS
 
         if req.preset not in PRESETS:

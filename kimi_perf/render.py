@@ -17,6 +17,7 @@ from kimi_perf.attribution import RangeKernelRow
 from kimi_perf.breakdown import Breakdown
 from kimi_perf.compare import ComparisonRow
 from kimi_perf.gate import GateResult
+from kimi_perf.names import short_names
 
 
 def console(stderr: bool = False) -> Console:
@@ -139,6 +140,46 @@ def breakdown_tables(b: Breakdown) -> list[Table]:
                              if c in t["classes"] else "" for t in b.layer_types))
     tables.append(classes)
     return tables
+
+
+def typical_layer_table(layer_type: str, sides: dict[str, dict | None],
+                        unit: str = "kernels") -> Table:
+    """The typical layer of one type (``layer_types[i]["typical_layer"]``) in one or more
+    breakdowns, side by side: its kernels in launch order with their median µs."""
+    typical = {label: (t or {}).get("typical_layer") for label, t in sides.items()}
+    width = 80 if len(sides) == 1 else 60
+    columns = ["#"]
+    for label in sides:
+        prefix = f"{label} " if len(sides) > 1 else ""
+        columns += [f"{prefix}{unit[:-1]}", f"{prefix}class", f"{prefix}µs"]
+    table = _table(f"Typical {layer_type} layer: {unit} in order, median µs",
+                   columns, left=tuple(c for c in columns if not c.endswith("µs")))
+    names = {label: short_names([k["name"] for k in t["kernels"]], width) if t else []
+             for label, t in typical.items()}
+    for i in range(max(len(n) for n in names.values())):
+        cells = [str(i + 1)]
+        for label, t in typical.items():
+            if t and i < len(t["kernels"]):
+                cells += [names[label][i], t["kernels"][i]["class"],
+                          f"{t['kernels'][i]['us']:.1f}"]
+            else:
+                cells += ["", "", ""]
+        table.add_row(*cells)
+    notes = []
+    for label, t in typical.items():
+        who = f"{label}: " if len(sides) > 1 else ""
+        if t:
+            notes.append(f"{who}{len(t['kernels'])} {unit}, "
+                         f"{sum(k['us'] for k in t['kernels']):.1f} µs summed; {t['layers']} of "
+                         f"{sides[label]['layers']} {layer_type} layers ran exactly this "
+                         "sequence")
+        elif sides[label]:
+            notes.append(f"{who}not in this breakdown (written by an older kimi-perf: "
+                         "analyse its trace again)")
+        else:
+            notes.append(f"{who}no {layer_type} layer")
+    table.caption = "\n".join(notes)
+    return table
 
 
 def comparison_table(rows: list[ComparisonRow], label_a: str, label_b: str,

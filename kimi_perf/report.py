@@ -1,14 +1,17 @@
 """HTML layer-timeline report (plotly) for one or more breakdowns of traces.
 
-Per trace: the timeline of one decode step (its median-span step), one row per layer, every
-kernel a bar coloured by class; then per layer type the median µs by kernel class, all traces
-side by side; then the comparison table. Every name from a trace is HTML-escaped: kernel names
-carry ``<`` and ``>``.
+In order: what ran (the run's request, machine and versions; the traces for ``--from``), the
+decode metrics of each path, the first trace against each other per layer type, each layer
+type's typical layer kernel by kernel, side by side; then per trace the timeline of one decode
+step (its median-span step), one row per layer, every kernel a bar coloured by class; and per
+layer type the median µs by kernel class. One file that opens offline (plotly.js inline unless
+asked otherwise). Every name from a trace is HTML-escaped: kernel names carry ``<`` and ``>``.
 """
 
 from __future__ import annotations
 
 import html
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +21,7 @@ from plotly.subplots import make_subplots
 from kimi_perf.breakdown import Breakdown
 from kimi_perf.compare import compare
 from kimi_perf.layers import segment
+from kimi_perf.names import short_names
 from kimi_perf.trace import Trace, atomic_write_text
 
 CLASS_COLOURS = {
@@ -38,6 +42,9 @@ def _timeline(fig: go.Figure, row: int, trace: Trace, label: str) -> None:
     segments = [("prologue", step.prologue)] + [
         (f"layer {layer.index} ({layer.type})", layer.ops) for layer in step.layers] + [
         ("epilogue", step.epilogue)]
+    codes = np.unique(ops.name[step.ops]).tolist()
+    readable = dict(zip(codes, short_names([trace.strings[c] for c in codes], 400),
+                        strict=True))
     bars: dict[str, dict[str, list]] = {}
     for name, rows in segments:
         for r in rows.tolist():
@@ -48,7 +55,7 @@ def _timeline(fig: go.Figure, row: int, trace: Trace, label: str) -> None:
             bar["y"].append(html.escape(name))
             bar["base"].append(start_us)
             bar["x"].append(max(dur_us, 1e-3))
-            bar["text"].append(f"{html.escape(trace.strings[ops.name[r]][:200])}<br>"
+            bar["text"].append(f"{html.escape(readable[int(ops.name[r])])}<br>"
                                f"{cls}, {dur_us:.2f} µs at {start_us:.2f} µs")
     for cls, bar in sorted(bars.items()):
         fig.add_trace(go.Bar(orientation="h", name=cls, legendgroup=cls, showlegend=row == 1,
@@ -76,44 +83,183 @@ def _class_bars(breakdowns: dict[str, Breakdown]) -> go.Figure:
     return fig
 
 
+def _unit(breakdowns: dict[str, Breakdown]) -> str:
+    """What the tables count: GPU kernels, or on a CPU run the launches the paths annotate."""
+    return "ops" if any(b.source.get("ops") == "cpu-ops" for b in breakdowns.values()) \
+        else "kernels"
+
+
 def _comparison_html(breakdowns: dict[str, Breakdown]) -> str:
     """The first trace against each of the others, per layer type; and the work of each
     trace that fell in no step."""
     labels = list(breakdowns)
+    unit = _unit(breakdowns)
     e = html.escape
     parts = []
     for label in labels:
         outside = breakdowns[label].source.get("outside_steps") or {}
         if outside.get("ops"):
-            parts.append(f"<p>{e(label)}: {outside['ops']} more ops ({outside['kernel_us']:.1f}"
-                         " µs) ran in no step: launched outside the step ranges or from "
-                         "another thread.</p>")
+            parts.append(f"<p>{e(label)}: {outside['ops']} more "
+                         f"{'ops' if unit == 'ops' else 'GPU ops'} "
+                         f"({outside['kernel_us']:.1f} µs) ran in no step: launched outside "
+                         "the step ranges or from another thread.</p>")
     a = labels[0] if labels else None
 
     def fmt(v, spec):
         return "-" if v is None else format(v, spec)
     for b in labels[1:]:
         rows = compare(breakdowns[a], breakdowns[b])
-        head = (f"<tr><th>layer type</th><th>{e(a)} kernels</th><th>{e(a)} µs</th>"
-                f"<th>{e(b)} kernels</th><th>{e(b)} µs</th><th>µs ratio</th></tr>")
+        head = (f"<tr><th>layer type</th><th>{e(a)} {unit}</th><th>{e(a)} µs</th>"
+                f"<th>{e(b)} {unit}</th><th>{e(b)} µs</th><th>µs ratio</th>"
+                f"<th>{unit} ratio</th></tr>")
         body = "".join(
             f"<tr><td>{e(r.type or '-')}{' *' if r.pattern_differs else ''}</td>"
             f"<td>{fmt(r.kernels_a, '.3g')}</td>"
             f"<td>{fmt(r.span_us_a, '.1f')}</td><td>{fmt(r.kernels_b, '.3g')}</td>"
-            f"<td>{fmt(r.span_us_b, '.1f')}</td><td>{fmt(r.span_ratio, '.2f')}</td></tr>"
+            f"<td>{fmt(r.span_us_b, '.1f')}</td><td>{fmt(r.span_ratio, '.2f')}</td>"
+            f"<td>{fmt(r.kernel_ratio, '.2f')}</td></tr>"
             for r in rows)
         note = (f"<p>* found by the repeating kernel pattern, with another kernel sequence in "
                 f"{e(b)}: the letter may name another layer there.</p>"
                 if any(r.pattern_differs for r in rows) else "")
-        parts.append(f"<h2>Per layer type: {e(a)} vs {e(b)}</h2>"
-                     f"<table border=1 cellpadding=4>{head}{body}</table>{note}")
+        parts.append(f"<h2>Per layer type: {e(a)} vs {e(b)} (medians; µs = layer span)</h2>"
+                     f"<table>{head}{body}</table>{note}")
     return "".join(parts)
 
 
+def _typical_html(breakdowns: dict[str, Breakdown]) -> str:
+    """Per layer type, its typical layer in every trace side by side: kernels in order, each
+    with its class and median µs (the full name on hover)."""
+    unit = _unit(breakdowns)
+    e = html.escape
+    types = list(dict.fromkeys(t["type"] for b in breakdowns.values() for t in b.layer_types))
+    parts = []
+    for layer_type in types:
+        sides = {label: next((t for t in b.layer_types if t["type"] == layer_type), None)
+                 for label, b in breakdowns.items()}
+        typical = {label: (t or {}).get("typical_layer") for label, t in sides.items()}
+        if not any(typical.values()):
+            continue
+        head = "<tr><th>#</th>" + "".join(
+            f"<th>{e(label)} {unit[:-1]}</th><th>class</th><th>µs</th>" for label in sides
+        ) + "</tr>"
+        names = {label: short_names([k["name"] for k in t["kernels"]], 100) if t else []
+                 for label, t in typical.items()}
+        rows = []
+        for i in range(max(len(n) for n in names.values())):
+            cells = [f"<td>{i + 1}</td>"]
+            for label, t in typical.items():
+                if t and i < len(t["kernels"]):
+                    k = t["kernels"][i]
+                    cells.append(f"<td class=name title=\"{e(k['name'])}\">"
+                                 f"{e(names[label][i])}</td><td>{e(k['class'])}</td>"
+                                 f"<td>{k['us']:.1f}</td>")
+                else:
+                    cells.append("<td></td><td></td><td></td>")
+            rows.append("<tr>" + "".join(cells) + "</tr>")
+        foot = "<tr><th></th>" + "".join(
+            f"<th colspan=2>{len(t['kernels'])} {unit}, {t['layers']} of "
+            f"{sides[label]['layers']} layers ran exactly these</th>"
+            f"<th>{sum(k['us'] for k in t['kernels']):.1f}</th>" if t else
+            "<th colspan=3></th>" for label, t in typical.items()) + "</tr>"
+        parts.append(f"<h3>Typical {e(layer_type)} layer: {unit} in order, median µs</h3>"
+                     f"<table>{head}{''.join(rows)}{foot}</table>")
+    if not parts:
+        return ""
+    return ("<h2>Kernel by kernel</h2><p>Each layer type's typical layer: the sequence of "
+            f"{unit} most of its layers ran, each with its median µs over those layers (hover "
+            f"a name for the whole of it).</p>" + "".join(parts))
+
+
+def _run_html(run: dict | None, breakdowns: dict[str, Breakdown]) -> str:
+    """What ran and where: the request, the machine and the versions; for ``--from``, the
+    traces read. Then each path's decode metrics, and a CPU run's caveat."""
+    e = html.escape
+    run = run or {}
+    env = run.get("environment") or {}
+    items: list[tuple[str, object]] = []
+    if "preset" in run:
+        request = run.get("request") or {}
+        items += [("preset", f"{run['preset']}, {run.get('n_layers')} layers (config "
+                             f"{run.get('config_hash')})"),
+                  ("batch, TP, context", f"{run.get('batch')}, {run.get('tp')}, "
+                                         f"{run.get('context')} tokens"),
+                  ("decode steps", f"{run.get('decode_steps')} profiled after "
+                                   f"{run.get('warmup_steps')} warm-up"),
+                  ("CUDA graphs, profiler, KV cache",
+                   f"{'on' if request.get('graphs') else 'off'}, {request.get('backend')}, "
+                   f"{request.get('kv_cache')}")]
+        gpus = env.get("gpus") or []
+        items += [("device", ", ".join(gpus) if gpus else env.get("device")),
+                  ("driver, CUDA", f"{env.get('driver')}, {env.get('cuda')}" if gpus else None),
+                  ("python, torch, triton", f"{env.get('python')}, {env.get('torch')}, "
+                                            f"{env.get('triton')}")]
+    for label, b in breakdowns.items() if "files" in run else ():
+        src = b.source
+        items.append((f"trace {label}", f"{src.get('file')} ({src.get('tool')} "
+                                        f"{src.get('format')}; GPUs: "
+                                        f"{_gpus_text(src.get('gpus') or [])})"))
+    items += [("kimi-perf", f"{env.get('kimi_perf') or run.get('kimi_perf')}, commit "
+                            f"{env.get('git_commit') or run.get('git_commit')}"),
+              ("date", run.get("date")), ("command", run.get("command"))]
+    parts = ["<table class=info>" + "".join(
+        f"<tr><th>{e(k)}</th><td>{e(str(v))}</td></tr>" for k, v in items if v is not None)
+        + "</table>"]
+    metrics = run.get("paths") or {}
+    if metrics:
+        rows = "".join(
+            f"<tr><td>{e(path)}</td><td>{e(str(m.get('model')))}</td>"
+            f"<td>{m['decode_tokens_per_s']:.1f}</td>"
+            f"<td>{m['time_to_first_token_s'] * 1e3:.1f}</td>"
+            f"<td>{m['step_latency_s']['median'] * 1e3:.2f}</td>"
+            f"<td>{m['step_latency_s']['min'] * 1e3:.2f} / "
+            f"{m['step_latency_s']['max'] * 1e3:.2f}</td>"
+            f"<td>{e('; '.join(m.get('fallbacks') or []) or '-')}</td></tr>"
+            for path, m in metrics.items())
+        timed = sorted({m.get("timed", "") for m in metrics.values()})
+        parts.append("<h2>Decode metrics</h2><table><tr><th>path</th><th>model</th>"
+                     "<th>decode tokens/s</th><th>time to first token, ms</th>"
+                     "<th>step, ms (median)</th><th>step, ms (min / max)</th>"
+                     f"<th>steps that fell back</th></tr>{rows}</table>"
+                     f"<p>Timed {e('; '.join(timed))}. Decode tokens/s excludes the prompt; "
+                     "each metric stands on its own.</p>")
+    floors = run.get("floors")
+    if floors and env.get("gpus"):
+        per_type = ", ".join(f"{e(t)} {v['floor_us']:.1f} µs"
+                             for t, v in floors["layer_types"].items())
+        parts.append(f"<p>Memory floor per layer (what one layer must read at "
+                     f"{floors['bandwidth_Bps'] / 1e12:.1f} TB/s; kimi-perf floors): "
+                     f"{per_type}.</p>")
+    if _unit(breakdowns) == "ops":
+        parts.append("<p class=note>On this CPU there are no GPU kernels: <b>ops</b> are the "
+                     "launches each path annotates (one per kernel it would run on a GPU), "
+                     "timed on the CPU; the specialized path's Triton kernels ran in Triton's "
+                     "interpreter, so its µs are not a speed figure.</p>")
+    return "".join(parts)
+
+
+def _gpus_text(gpus: list[dict]) -> str:
+    """A trace's GPU table in a few words: "8 × NVIDIA A100 (108 SMs)"."""
+    kinds = Counter((g.get("name") or "unnamed GPU", g.get("sm_count")) for g in gpus)
+    return ", ".join(f"{n} × {name}" + (f" ({sms} SMs)" if sms else "")
+                     for (name, sms), n in kinds.items()) or "none described"
+
+
+STYLE = ("<style>body{font-family:sans-serif;margin:1.5em}table{border-collapse:collapse;"
+         "margin:.5em 0 1.5em}th,td{border:1px solid #ccc;padding:3px 8px;text-align:right}"
+         "td.name,table.info td,table.info th{text-align:left}"
+         "p.note{background:#fff6d5;padding:.5em}</style>")
+PLOTLY_JS = ("inline", "cdn")
+
+
 def write_report(path: str | Path, traces: dict[str, Trace],
-                 breakdowns: dict[str, Breakdown], title: str,
-                 self_contained: bool = False) -> Path:
-    """One HTML file (written atomically); plotly.js from its CDN unless ``self_contained``."""
+                 breakdowns: dict[str, Breakdown], title: str, run: dict | None = None,
+                 plotly_js: str = "inline") -> Path:
+    """One HTML file (written atomically). ``run``: the run.json of a capture or ``--from``.
+    ``plotly_js``: ``inline`` (the file opens offline; about 5 MB), ``cdn``, or the path of a
+    ``plotly.min.js`` to refer to."""
+    if plotly_js not in PLOTLY_JS and not plotly_js.endswith(".js"):
+        raise ValueError(f"plotly_js: inline, cdn or a path ending in .js, not {plotly_js!r}")
     path = Path(path)
     # A row of about 16 px per layer, so that every layer keeps its label.
     rows_px = [120 + 16 * max((len(s.layers) for s in segment(t)[1]), default=0)
@@ -125,11 +271,14 @@ def write_report(path: str | Path, traces: dict[str, Trace],
         _timeline(timelines, row, trace, label)
     timelines.update_layout(barmode="overlay", height=sum(rows_px) + 150,
                             title="One decode step per trace, a row per layer")
-    plotly_js = True if self_contained else "cdn"
+    include = {"inline": True, "cdn": "cdn"}.get(plotly_js, plotly_js)
     parts = [f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{html.escape(title)}"
-             f"</title></head><body><h1>{html.escape(title)}</h1>",
+             f"</title>{STYLE}</head><body><h1>{html.escape(title)}</h1>",
+             _run_html(run, breakdowns),
              _comparison_html(breakdowns),
-             timelines.to_html(full_html=False, include_plotlyjs=plotly_js),
+             _typical_html(breakdowns),
+             "<h2>Timelines</h2>",
+             timelines.to_html(full_html=False, include_plotlyjs=include),
              _class_bars(breakdowns).to_html(full_html=False, include_plotlyjs=False),
              "</body></html>"]
     atomic_write_text(path, "\n".join(parts))

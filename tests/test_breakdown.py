@@ -10,7 +10,8 @@ from kimi_perf.breakdown import _union_length
 from kimi_perf.classify import classify, classify_name, default_rules, load_rules
 from kimi_perf.errors import TraceError
 from tests.conftest import KINETO
-from tests.test_layers import KDA, MLA, nvtx_decode_trace
+from tests.synth import TraceBuilder
+from tests.test_layers import KDA, MLA, k3_like, nvtx_decode_trace
 
 
 def test_union_length_counts_overlap_once():
@@ -143,9 +144,41 @@ def test_layer_rows_read_as_the_dicts_the_figures_give(name):
         rows[len(want)]
     b = breakdown(trace)
     assert b.layers == want
-    # the breakdown adds the digest of the kernel sequence of types found by the pattern
-    assert [{k: v for k, v in t.items() if k != "pattern"} for t in b.layer_types] \
-        == layer_type_medians(want)
+    # the breakdown adds each type's typical layer, and the digest of the kernel sequence of
+    # types found by the pattern
+    assert [{k: v for k, v in t.items() if k not in ("pattern", "typical_layer")}
+            for t in b.layer_types] == layer_type_medians(want)
     if all(s.layer_source == "repeat" for s in steps):
         assert all(len(t["pattern"]) == 12 for t in b.layer_types)
     assert json.loads(json.dumps(b.to_json()))["layers"] == want
+
+
+def test_typical_layer_is_the_most_common_sequence_with_median_times():
+    """Each layer type's typical layer: the kernel sequence most of its layers ran (layer 0's
+    variant norm is the odd one out), each kernel's median µs over those layers only."""
+    b = TraceBuilder()
+    for s, duration in enumerate([1000, 3000, 2000]):
+        step_start = b.clock
+        for i, kernels in enumerate(k3_like(8)):
+            kind = "mla" if "mla_decode" in kernels else "kda"
+            start, end = b.sequence(kernels, duration=duration * (2 if i == 0 else 1))
+            b.range(f"layer[{i}]({kind})", start - 10, end)
+        b.range(f"decode_step[{s}]", step_start - 20, b.clock)
+        b.clock += 5000
+    types = {t["type"]: t for t in breakdown(b.build()).layer_types}
+    kda, mla = types["kda"]["typical_layer"], types["mla"]["typical_layer"]
+    assert types["kda"]["layers"] == 18 and kda["layers"] == 15  # all but the three layer 0s
+    assert [k["name"] for k in kda["kernels"]] == KDA
+    assert [k["name"] for k in mla["kernels"]] == MLA and mla["layers"] == 6
+    assert {k["us"] for k in kda["kernels"]} == {2.0}  # the median of 1, 3 and 2 µs
+    assert [k["class"] for k in kda["kernels"]][4:7] == ["attention", "gemm", "communication"]
+    assert "pattern" not in types["kda"]  # types named by ranges need no digest
+
+
+def test_typical_layer_of_a_real_trace_and_its_pattern_digest():
+    trace = read_trace(KINETO / "tracelens_vllm_gptoss20b_decode_fullgraph_mi300x.json.gz")
+    types = {t["type"]: t for t in breakdown(trace).layer_types}
+    a = types["A"]["typical_layer"]
+    assert a["layers"] == 11 and len(a["kernels"]) == 17 and types["A"]["pattern"]
+    assert a["kernels"][14]["name"] == "_matmul_ogs_NNT_bf16xbf16xmxfp4_16x128x256x1_swiglu"
+    assert a["kernels"][14]["class"] == "moe" and 100 < a["kernels"][14]["us"] < 200

@@ -301,8 +301,12 @@ def test_compare_a_run_its_paths_and_labels(tmp_path):
     old["source"].pop("outside_steps", None)
     for t in old["layer_types"]:
         t.pop("pattern", None)
+        t.pop("typical_layer", None)
     (tmp_path / "old.json").write_text(json.dumps(old))
     assert run("compare", tmp_path / "old.json", runs[0], "--path", "specialized").exit_code == 0
+    older = run("compare", tmp_path / "old.json", runs[0], "--path", "specialized", "--kernels")
+    assert older.exit_code == 0 and "old: not in this breakdown (written by an older" \
+        in older.output
 
 
 def test_compare_flags_automatic_types_whose_kernels_differ():
@@ -389,7 +393,7 @@ def test_report_compares_the_first_trace_with_each_other(tmp_path):
     text = out.read_text()
     assert "Per layer type: before vs after" in text and "Per layer type: before vs ddp" in text
     assert "<td>D *</td>" in text and "the letter may name another layer there" in text
-    assert "ddp: 2373 more ops" in text
+    assert "ddp: 2373 more GPU ops" in text
 
 
 def test_a_reader_that_goes_away_is_no_error():
@@ -402,3 +406,24 @@ def test_a_reader_that_goes_away_is_no_error():
     stderr = proc.stderr.read().decode()
     assert proc.wait(timeout=60) in (0, 1) and first
     assert stderr == "", stderr
+
+
+def test_kernels_shows_each_typical_layer_kernel_by_kernel(tmp_path):
+    """--kernels: each layer type's typical layer, kernels in launch order with median µs,
+    readable names (demangled, argument lists and deep templates folded); two traces side by
+    side under compare."""
+    one = run("breakdown", VLLM, "--kernels")
+    assert one.exit_code == 0, one.output
+    assert "Typical A layer: kernels in order, median µs" in one.output
+    assert "ck_tile::kentry<1, ck_tile::Rmsnorm2dFwd<…>, ck_tile::Rmsnorm2dFwd<…>::Kargs>" \
+        in one.output                                        # a mangled AMD kernel, readable
+    assert "17 kernels, " in one.output and "11 of 12 A layers ran exactly this sequence" \
+        in one.output
+    assert "_ZN7ck_tile" not in one.output
+    assert "Typical" not in run("breakdown", VLLM).output     # only when asked
+    piecewise = KINETO / "tracelens_vllm_gptoss20b_prefilldecode_piecewise_mi300x.json.gz"
+    two = run("compare", VLLM, piecewise, "--labels", "graph,piecewise", "--kernels")
+    assert two.exit_code == 0, two.output
+    header = next(line for line in two.output.splitlines() if "graph kernel" in line)
+    assert "piecewise kernel" in header and "graph µs" in header
+    assert "graph: 17 kernels" in two.output and "piecewise: " in two.output

@@ -221,6 +221,14 @@ def test_trace_command_captures_both_paths(tmp_path):
                      "specialized.trace.json.gz", "standard.kptrace", "standard.trace.json.gz"]
     report = (run_dir / "report.html").read_text()
     assert "layer 3 (mla)" in report and "in_proj" in report
+    # what ran, each path's decode metrics, launches called ops (a CPU has no kernels), and
+    # each typical layer op by op; plotly.js inline, so that the file opens offline
+    assert "<th>preset</th><td>tiny, 4 layers" in report and "<h2>Decode metrics</h2>" in report
+    assert "<td>specialized</td><td>SpecializedModel</td>" in report
+    assert "On this CPU there are no GPU kernels" in report and "<th>standard ops</th>" in report
+    assert "Typical kda layer: ops in order" in report and "kernels in order" not in report
+    assert ">fused_kda_decode</td><td>attention</td>" in report
+    assert 'src="https://cdn.plot.ly' not in report and "Plotly.newPlot" in report
     saved = json.loads((run_dir / "breakdown.json").read_text())
     assert saved["schema"] == 1 and set(saved["paths"]) == {"standard", "specialized"}
     run = json.loads((run_dir / "run.json").read_text())
@@ -260,6 +268,23 @@ def test_report_escapes_names_and_is_written_whole(tmp_path):
     assert "layer 23 (B)" in text and "plotly" in text
     assert [p.name for p in tmp_path.iterdir()] == ["r.html"]
     assert (out.stat().st_mode & 0o777) != 0o600
+    # the typical layers side by side: short names in the cells, the whole name on hover,
+    # both escaped
+    assert "<th>vllm &lt;a&gt; kernel</th>" in text and "Typical A layer" in text
+    assert ('<td class=name title="_ZN7ck_tile6kentryILi1ENS_12Rmsnorm2dFwdINS_27Rmsnorm2dFwd'
+            in text)
+    assert ">ck_tile::kentry&lt;1, ck_tile::Rmsnorm2dFwd&lt;…&gt;" in text
+    small = write_report(tmp_path / "cdn.html", {"a": trace}, {"a": breakdown(trace)}, "t",
+                         plotly_js="cdn")
+    assert 'src="https://cdn.plot.ly' in small.read_text()
+    assert small.stat().st_size < out.stat().st_size / 5
+    shared = write_report(tmp_path / "shared.html", {"a": trace}, {"a": breakdown(trace)}, "t",
+                          plotly_js="../plotly.min.js")
+    assert '<script charset="utf-8" src="../plotly.min.js">' in shared.read_text()
+    with pytest.raises(ValueError, match=r"inline, cdn or a path ending in \.js"):
+        write_report(tmp_path / "bad.html", {"a": trace}, {"a": breakdown(trace)}, "t",
+                     plotly_js="nowhere")
+    assert not (tmp_path / "bad.html").exists()
 
 
 @pytest.mark.parametrize("args", [["--paths", "fast"], ["--preset", "k4"],
