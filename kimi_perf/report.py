@@ -104,6 +104,15 @@ def _comparison_html(breakdowns: dict[str, Breakdown]) -> str:
                          f"({outside['kernel_us']:.1f} µs) ran in no step: launched outside "
                          "the step ranges or from another thread.</p>")
     a = labels[0] if labels else None
+    if len(labels) == 1 and breakdowns[a].layer_types:  # nothing to compare with: its figures
+        body = "".join(
+            f"<tr><td>{e(t['type'] or '-')}</td><td>{t['layers']}</td><td>{t['kernels']:g}</td>"
+            f"<td>{t['kernel_us']:.1f}</td><td>{t['span_us']:.1f}</td><td>{t['gap_us']:.1f}"
+            "</td></tr>" for t in breakdowns[a].layer_types)
+        parts.append(f"<h2>Per layer type: {e(a)} (medians over layers and steps)</h2>"
+                     f"<table><tr><th>layer type</th><th>layers</th><th>{unit}</th>"
+                     "<th>kernel µs</th><th>span µs</th><th>gap µs</th></tr>"
+                     f"{body}</table>")
 
     def fmt(v, spec):
         return "-" if v is None else format(v, spec)

@@ -276,6 +276,9 @@ def test_report_escapes_names_and_is_written_whole(tmp_path):
     assert ">ck_tile::kentry&lt;1, ck_tile::Rmsnorm2dFwd&lt;…&gt;" in text
     small = write_report(tmp_path / "cdn.html", {"a": trace}, {"a": breakdown(trace)}, "t",
                          plotly_js="cdn")
+    # one trace: its own figures per layer type, nothing to compare it with
+    assert "<h2>Per layer type: a (medians over layers and steps)</h2>" in small.read_text()
+    assert "<tr><td>A</td><td>12</td><td>17</td>" in small.read_text()
     assert 'src="https://cdn.plot.ly' in small.read_text()
     assert small.stat().st_size < out.stat().st_size / 5
     shared = write_report(tmp_path / "shared.html", {"a": trace}, {"a": breakdown(trace)}, "t",
