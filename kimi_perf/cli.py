@@ -116,8 +116,8 @@ def ranges(trace: Path, fmt: str, output: Path | None) -> None:
 def _breakdown_of(path: Path, layers: str, rules: Path | None, steps: str | None) -> Breakdown:
     """A trace's breakdown, or a saved breakdown JSON as it is."""
     runs, is_run = _saved_breakdowns(path)
-    if is_run:
-        raise TraceError(path, "a run of several decode paths: compare or gate it")
+    if is_run and len(runs) > 1:
+        raise TraceError(path, f"a run of the paths {', '.join(runs)}: compare or gate it")
     if runs:
         return next(iter(runs.values()))
     layers, steps = _check_layers(layers), _check_steps(steps)

@@ -427,3 +427,16 @@ def test_kernels_shows_each_typical_layer_kernel_by_kernel(tmp_path):
     header = next(line for line in two.output.splitlines() if "graph kernel" in line)
     assert "piecewise kernel" in header and "graph µs" in header
     assert "graph: 17 kernels" in two.output and "piecewise: " in two.output
+
+
+def test_breakdown_of_a_run_takes_its_only_path(tmp_path):
+    """A `trace --from` run of one trace holds one path: breakdown shows it; a run of two
+    names its paths."""
+    from tests.test_gate import BASELINE
+
+    doc = json.loads(BASELINE.read_text())
+    doc["paths"] = {"specialized": doc["paths"]["specialized"]}
+    (tmp_path / "one.json").write_text(json.dumps(doc))
+    one = run("breakdown", tmp_path / "one.json")
+    assert one.exit_code == 0 and "Per layer type: median over layers and steps" in one.output
+    _one_line_error(run("breakdown", BASELINE), "a run of the paths standard, specialized")
