@@ -13,6 +13,11 @@ or path the baseline has and the run lacks fails too (the analysis lost it); one
 is reported. A layer type found by the repeating kernel pattern (letters, not range names)
 whose kernel sequence differs between the two is noted (``changed``), not failed.
 
+A layer type's regression or improvement says which kernels are behind it (``detail``), from
+the typical layers of both (the kernel sequence most layers of the type ran, with median µs
+per kernel): for kernel counts the kernels added and removed, for times the kernels whose µs
+moved most that way.
+
 A run is what ``kimi-perf trace`` writes (its directory, or the ``breakdown.json`` in it, one
 breakdown per decode path), a breakdown JSON of one trace, or any trace the readers take (one
 path named ``trace``). Baselines are the same files, kept under ``traces/baselines/``.
@@ -54,6 +59,7 @@ class Check:
     change: float | None      # current / baseline - 1
     p_value: float | None     # one-sided Mann-Whitney U, in the direction of the change
     status: str               # ok, regression, improvement, noise, missing, new, changed
+    detail: str | None = None  # the kernels behind a regression or improvement
 
     @property
     def fails(self) -> bool:
@@ -168,11 +174,62 @@ def gate(baseline: dict[str, Breakdown], current: dict[str, Breakdown],
                 if layer_type == STEP and base_s is None and cur_s is None:
                     continue  # neither side found steps
                 if metric == "kernels":
-                    checks += [_kernels(path, layer_type, "kernels", base_s, cur_s, np.median),
-                               _kernels(path, layer_type, "kernels_max", base_s, cur_s, np.max)]
+                    found = [_kernels(path, layer_type, "kernels", base_s, cur_s, np.median),
+                             _kernels(path, layer_type, "kernels_max", base_s, cur_s, np.max)]
                 else:
-                    checks.append(_time(path, layer_type, metric, base_s, cur_s, tolerances))
+                    found = [_time(path, layer_type, metric, base_s, cur_s, tolerances)]
+                for check in found:
+                    if check.status in ("regression", "improvement"):
+                        check.detail = _behind(check, base, cur)
+                checks += found
     return GateResult(checks, tolerances)
+
+
+def _typical(b: Breakdown | None, layer_type: str) -> list[dict] | None:
+    t = next((t for t in b.layer_types if t["type"] == layer_type), None) if b else None
+    kernels = ((t or {}).get("typical_layer") or {}).get("kernels")
+    if not isinstance(kernels, list) or not all(
+            isinstance(k, dict) and isinstance(k.get("name"), str)
+            and isinstance(k.get("us"), int | float) for k in kernels):
+        return None  # none kept (an older kimi-perf, a step), or not in the shape we write
+    return kernels
+
+
+def _behind(check: Check, base: Breakdown | None, cur: Breakdown | None) -> str | None:
+    """The kernels behind a layer type's change, from both typical layers: for counts, those
+    added and removed; for times, the (at most three) whose µs moved most in the change's
+    direction, the i-th launch of a name matched with the i-th."""
+    from collections import Counter
+
+    from kimi_perf.names import short_names
+
+    kb, kc = _typical(base, check.layer_type), _typical(cur, check.layer_type)
+    if kb is None or kc is None:
+        return None
+    if check.metric.startswith("kernels"):
+        nb, nc = Counter(k["name"] for k in kb), Counter(k["name"] for k in kc)
+        parts = [f"{sign} " + ", ".join(
+            f"{n}" + (f" ×{count}" if count > 1 else "")
+            for n, count in zip(short_names(list(diff), 50), diff.values(), strict=True))
+            for sign, diff in (("added", nc - nb), ("removed", nb - nc)) if diff]
+        return "; ".join(parts) or None
+
+    def by_launch(kernels: list[dict]) -> dict[tuple[str, int], float]:
+        seen: Counter = Counter()
+        out = {}
+        for k in kernels:
+            out[(k["name"], seen[k["name"]])] = k["us"]
+            seen[k["name"]] += 1
+        return out
+    ub, uc = by_launch(kb), by_launch(kc)
+    sign = 1 if check.status == "regression" else -1  # times: a regression is slower
+    moved = sorted(((uc[key] - ub[key], key) for key in ub.keys() & uc.keys()
+                    if (uc[key] - ub[key]) * sign > 0), key=lambda m: -abs(m[0]))[:3]
+    if not moved:
+        return None
+    names = short_names([key[0] for _, key in moved], 50)
+    return ", ".join(f"{name} {delta:+.1f} µs"
+                     for name, (delta, _) in zip(names, moved, strict=True))
 
 
 def _pattern(path: str, layer_type: str, base: Breakdown, cur: Breakdown) -> list[Check]:

@@ -271,8 +271,9 @@ def gate_table(result: GateResult, show_all: bool = False) -> Table:
     tol = result.tolerances
     table = _table(f"Regression gate: medians, baseline vs run (time: > {tol.rel_tol:.0%} "
                    f"and Mann-Whitney p < {tol.alpha:g})",
-                   ["path", "layer", "metric", "baseline", "run", "change", "p", "status"],
-                   left=("path", "layer", "metric", "status"))
+                   ["path", "layer", "metric", "baseline", "run", "change", "p", "status",
+                    "kernels behind it"],
+                   left=("path", "layer", "metric", "status", "kernels behind it"))
 
     def fmt(v, spec):
         return "-" if v is None else format(v, spec)
@@ -283,7 +284,7 @@ def gate_table(result: GateResult, show_all: bool = False) -> Table:
         style = GATE_STYLES.get(c.status, "")
         table.add_row(c.path, c.layer_type, c.metric, _value(c.baseline), _value(c.current),
                       fmt(c.change, "+.1%"), fmt(c.p_value, ".2g"),
-                      Text(c.status, style=style))
+                      Text(c.status, style=style), c.detail or "")
     return table
 
 
@@ -293,7 +294,9 @@ def gate_headline(result: GateResult) -> str:
     failures = result.failures
     worst = "; ".join(f"{c.path} {c.layer_type} {c.metric} "
                       + (f"{_value(c.baseline)} -> {_value(c.current)}" if c.status == "regression"
-                         else "missing from the run") for c in failures[:GATE_HEADLINE_ITEMS])
+                         else "missing from the run")
+                      + (f" ({c.detail})" if c.detail else "")
+                      for c in failures[:GATE_HEADLINE_ITEMS])
     more = len(failures) - GATE_HEADLINE_ITEMS
     return (f"gate: FAIL, {len(failures)} regression(s): {worst}"
             + (f"; and {more} more (the table lists them)" if more > 0 else ""))

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from kimi_perf.breakdown import Breakdown
 from kimi_perf.cli import EXAMPLE_TRACE, main
 from kimi_perf.gate import Tolerances, gate, load_run
+from kimi_perf.render import gate_headline
 from tests.conftest import REPO
 
 BASELINE = REPO / "traces" / "baselines" / "tiny-cpu.json"
@@ -96,6 +97,35 @@ def test_one_more_kernel_fails_and_one_fewer_is_an_improvement():
     one_more["specialized"].layers[3]["kernels"] = 10
     s = statuses(gate(_run({"kda": 9}, kda), one_more))
     assert s[("kda", "kernels")] == "ok" and s[("kda", "kernels_max")] == "regression"
+
+
+def _typical(run, layer_type: str, kernels: list[tuple[str, float]]) -> None:
+    t = next(t for t in run["specialized"].layer_types if t["type"] == layer_type)
+    t["typical_layer"] = {"layers": 40, "kernels": [{"name": n, "class": "other", "us": us}
+                                                    for n, us in kernels]}
+
+
+def test_a_change_names_the_kernels_behind_it():
+    """From the typical layers: the kernels a count regression added (and removed), and the
+    kernels whose µs moved most the way the layer's time did (the i-th launch of a name
+    matched with the i-th); without typical layers, no detail."""
+    base = _run({"kda": 4}, {"kda": KDA})
+    _typical(base, "kda", [("norm", 5.0), ("void gemm<float>(int)", 10.0), ("kda", 20.0),
+                           ("void gemm<float>(int)", 25.0)])
+    run = _run({"kda": 5}, {"kda": KDA * 1.3})
+    _typical(run, "kda", [("norm", 4.0), ("void gemm<float>(int)", 10.5), ("kda", 30.0),
+                          ("copy", 1.0), ("void gemm<float>(int)", 33.0)])
+    by = {c.metric: c for c in gate(base, run).checks if c.layer_type == "kda"}
+    assert by["kernels"].status == "regression" and by["kernels"].detail == "added copy"
+    assert by["kernel_us"].status == "regression"
+    assert by["kernel_us"].detail == "kda +10.0 µs, gemm<float> +8.0 µs, gemm<float> +0.5 µs"
+    back = {c.metric: c for c in gate(run, base).checks if c.layer_type == "kda"}
+    assert back["kernels"].detail == "removed copy" and back["kernel_us"].status \
+        == "improvement"
+    assert back["kernel_us"].detail == "kda -10.0 µs, gemm<float> -8.0 µs, gemm<float> -0.5 µs"
+    assert "(added copy)" in gate_headline(gate(base, run))
+    plain = _run({"kda": 5}, {"kda": KDA * 1.3})      # no typical layers: nothing to name
+    assert all(c.detail is None for c in gate(base, plain).checks)
 
 
 def test_a_real_slowdown_fails_noise_and_small_changes_pass():
