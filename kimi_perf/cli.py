@@ -540,7 +540,7 @@ def trace_cmd(from_files: tuple[Path, ...], preset_name: str | None, n_layers: i
                               indent=1))
         return
     labels = list(results)
-    cpu = any(m.get("ops", "").startswith("cpu") for m in run_info.get("paths", {}).values())
+    cpu = any(b.source.get("ops") == "cpu-ops" for b in results.values())
     unit = "ops" if cpu else "kernels"
     a = labels[0]
     compared = [(b, compare_breakdowns(results[a], results[b])) for b in labels[1:]]
@@ -557,7 +557,7 @@ def trace_cmd(from_files: tuple[Path, ...], preset_name: str | None, n_layers: i
                       + f" at {run_info['floors']['bandwidth_Bps'] / 1e12:.1f} TB/s: what a "
                       "layer must move at least (kimi-perf floors)")
     if cpu:
-        console.print("On this CPU there are no GPU kernels: 'ops' are the launches each path "
+        console.print("Run on a CPU, with no GPU kernels: 'ops' are the launches each path "
                       "annotates (one per kernel it would run on a GPU), timed on the CPU.")
     for path, metrics in run_info.get("paths", {}).items():
         console.print(f"{path}: {metrics['decode_tokens_per_s']:.1f} decode tokens/s, "
@@ -566,6 +566,9 @@ def trace_cmd(from_files: tuple[Path, ...], preset_name: str | None, n_layers: i
                       f"({metrics['timed']}); ops: {metrics['ops']}"
                       + (f"; fell back: {'; '.join(metrics['fallbacks'])}"
                          if metrics["fallbacks"] else ""))
+    if any(rows for _, rows in compared):
+        console.print(f"kernel by kernel: kimi-perf compare {run_dir} --kernels (and the "
+                      "report)")
     console.print(f"run directory: {run_dir}  "
                   f"({', '.join(sorted(p.name for p in Path(run_dir).iterdir()))})")
     console.print(f"report: {run_info['report']}")

@@ -240,7 +240,7 @@ def _run_html(run: dict | None, breakdowns: dict[str, Breakdown]) -> str:
                      f"{floors['bandwidth_Bps'] / 1e12:.1f} TB/s; kimi-perf floors): "
                      f"{per_type}.</p>")
     if _unit(breakdowns) == "ops":
-        parts.append("<p class=note>On this CPU there are no GPU kernels: <b>ops</b> are the "
+        parts.append("<p class=note>Run on a CPU, with no GPU kernels: <b>ops</b> are the "
                      "launches each path annotates (one per kernel it would run on a GPU), "
                      "timed on the CPU; the specialized path's Triton kernels ran in Triton's "
                      "interpreter, so its µs are not a speed figure.</p>")

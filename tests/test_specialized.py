@@ -225,7 +225,7 @@ def test_trace_command_captures_both_paths(tmp_path):
     # each typical layer op by op; plotly.js inline, so that the file opens offline
     assert "<th>preset</th><td>tiny, 4 layers" in report and "<h2>Decode metrics</h2>" in report
     assert "<td>specialized</td><td>SpecializedModel</td>" in report
-    assert "On this CPU there are no GPU kernels" in report and "<th>standard ops</th>" in report
+    assert "Run on a CPU, with no GPU kernels" in report and "<th>standard ops</th>" in report
     assert "Typical kda layer: ops in order" in report and "kernels in order" not in report
     assert ">fused_kda_decode</td><td>attention</td>" in report
     assert 'src="https://cdn.plot.ly' not in report and "Plotly.newPlot" in report
