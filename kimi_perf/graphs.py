@@ -14,6 +14,12 @@ capture of its process takes that capture: the i-th kernel to start maps to the 
 Kernels on parallel branches of a graph may start in another order than they were captured,
 but not across a join, so the layer a kernel lands in holds whenever layers end in a join.
 Captures the trace does not hold (profiling began after them) map nothing.
+
+A graph's memcpy and memset nodes (``cudaMemcpyAsync`` of a ``copy_``, ``cudaMemsetAsync``)
+map the same way once its kernels have: the memory calls that ran nothing on the capturing
+thread, between the capture's ``*StreamBeginCapture`` and ``*StreamEndCapture`` (or, where the
+trace lacks them, between its first and last kernel launch), the i-th to start to the i-th
+call, where their counts agree.
 """
 
 from __future__ import annotations
@@ -27,6 +33,8 @@ from kimi_perf.trace import Trace
 GRAPH_LAUNCH = re.compile(r"^(cuda|hip|cu)GraphLaunch")
 KERNEL_LAUNCH = re.compile(r"^(?:cuda|hip|cu)\w*Launch\w*Kernel")
 BEGIN_CAPTURE = re.compile(r"^(?:cuda|hip|cu)StreamBeginCapture")
+END_CAPTURE = re.compile(r"^(?:cuda|hip|cu)StreamEndCapture")
+MEMORY_CALL = re.compile(r"^(?:cuda|hip|cu)Mem(?:cpy|set)\w*Async")
 
 
 def capture_launches(trace: Trace) -> np.ndarray:
@@ -57,6 +65,75 @@ def capture_launches(trace: Trace) -> np.ndarray:
         if len(fits):
             out[order[lo:hi]] = runs[int(fits[np.argmax(run_end[fits])])]
     return out
+
+
+def capture_memory_calls(trace: Trace, kernel_captures: np.ndarray) -> np.ndarray:
+    """Per memop, the row in ``trace.api`` of the memory call that captured it into its graph,
+    or -1; ``kernel_captures``: ``capture_launches(trace)``."""
+    m, k, api = trace.memops, trace.kernels, trace.api
+    out = np.full(len(m), -1, np.int64)
+    if len(m) == 0 or not (kernel_captures >= 0).any():
+        return out
+    is_graph = trace.names_matching(GRAPH_LAUNCH)[api.name]
+    launched = np.flatnonzero(m.api >= 0)
+    from_graph = launched[is_graph[m.api[launched]]]
+    if len(from_graph) == 0:
+        return out
+    ran = np.zeros(len(api), bool)
+    for table in (k, m):
+        ran[table.api[table.api >= 0]] = True
+    calls = _by_thread(trace, np.flatnonzero(trace.names_matching(MEMORY_CALL)[api.name]
+                                             & ~ran))
+    begins = _by_thread(trace, np.flatnonzero(trace.names_matching(BEGIN_CAPTURE)[api.name]))
+    ends = _by_thread(trace, np.flatnonzero(trace.names_matching(END_CAPTURE)[api.name]))
+    # Per graph launch, the capture its kernels mapped to: its first and last launch rows.
+    mapped = np.flatnonzero(kernel_captures >= 0)
+    graph_of, rows = k.api[mapped], kernel_captures[mapped]
+    by_start = np.lexsort((api.start[rows], graph_of))
+    graph_of, rows = graph_of[by_start], rows[by_start]
+    heads = np.flatnonzero(np.r_[True, graph_of[1:] != graph_of[:-1]])
+    tails = np.r_[heads[1:], len(rows)] - 1
+    first = dict(zip(graph_of[heads].tolist(), rows[heads].tolist(), strict=True))
+    last = dict(zip(graph_of[heads].tolist(), rows[tails].tolist(), strict=True))
+    order = from_graph[np.lexsort((m.start[from_graph], m.api[from_graph]))]
+    graph_of = m.api[order]
+    cuts = np.flatnonzero(np.r_[True, graph_of[1:] != graph_of[:-1], True])
+    for lo, hi in zip(cuts[:-1].tolist(), cuts[1:].tolist(), strict=True):
+        g = int(graph_of[lo])
+        if g not in first:
+            continue
+        thread = (int(api.pid[first[g]]), int(api.tid[first[g]]))
+        lo_t, hi_t = int(api.start[first[g]]), int(api.end[last[g]])
+        starts, rows = begins.get(thread, _NONE)
+        before = np.searchsorted(starts, lo_t, side="right") - 1
+        if before >= 0:
+            lo_t = int(starts[before])
+        starts, rows = ends.get(thread, _NONE)
+        after = np.searchsorted(starts, hi_t, side="left")
+        if after < len(starts):
+            hi_t = int(api.end[rows[after]])
+        starts, rows = calls.get(thread, _NONE)
+        inside = rows[np.searchsorted(starts, lo_t, side="left"):
+                      np.searchsorted(starts, hi_t, side="right")]
+        if len(inside) == hi - lo:
+            out[order[lo:hi]] = inside
+    return out
+
+
+_NONE = (np.empty(0, np.int64), np.empty(0, np.int64))
+
+
+def _by_thread(trace: Trace, rows: np.ndarray) -> dict[tuple[int, int], tuple[np.ndarray,
+                                                                            np.ndarray]]:
+    """API rows per (pid, tid): their start times, ascending, and the rows in that order."""
+    api = trace.api
+    if len(rows) == 0:
+        return {}
+    rows = rows[np.lexsort((api.start[rows], api.tid[rows], api.pid[rows]))]
+    pid, tid = api.pid[rows], api.tid[rows]
+    cuts = np.flatnonzero(np.r_[True, (pid[1:] != pid[:-1]) | (tid[1:] != tid[:-1]), True])
+    return {(int(pid[a]), int(tid[a])): (api.start[rows[a:b]], rows[a:b])
+            for a, b in zip(cuts[:-1].tolist(), cuts[1:].tolist(), strict=True) if b > a}
 
 
 def _captures(trace: Trace) -> list[np.ndarray]:

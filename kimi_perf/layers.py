@@ -18,7 +18,7 @@ import numpy as np
 
 from kimi_perf.classify import Rule, classify, load_rules
 from kimi_perf.errors import NoStepsMatched
-from kimi_perf.graphs import GRAPH_LAUNCH, capture_launches
+from kimi_perf.graphs import GRAPH_LAUNCH, capture_launches, capture_memory_calls
 from kimi_perf.memory import release_free_memory
 from kimi_perf.nesting import innermost_containing, range_groups, thread_keys
 from kimi_perf.trace import GPU_RANGE, Trace, index_dtype
@@ -91,8 +91,9 @@ class GpuOps:
         if (captured < 0).all():  # no graph replay with its capture: the same arrays serve
             scope_api, scope_start, scope_end, scope_tid = api, launch_start, launch_end, tid
         else:
-            is_captured = cat([captured >= 0, np.zeros(len(m), bool)])
-            scope_api = cat([np.where(captured >= 0, captured, k.api), m.api])
+            captured = cat([captured, capture_memory_calls(trace, captured)])
+            is_captured = captured >= 0
+            scope_api = np.where(is_captured, captured, api)
             scope_start, scope_end = _call_spans(trace, scope_api)
             scope_tid = np.where(is_captured, trace.api.tid[np.where(is_captured, scope_api, 0)],
                                  tid)

@@ -6,7 +6,7 @@ import numpy as np
 
 from kimi_perf.nesting import nest_ranges
 from kimi_perf.strings import StringTable
-from kimi_perf.trace import PUSHPOP, ApiCalls, Kernels, Ranges, Trace
+from kimi_perf.trace import PUSHPOP, ApiCalls, Kernels, MemOps, Ranges, Trace
 
 
 class TraceBuilder:
@@ -15,6 +15,7 @@ class TraceBuilder:
     def __init__(self) -> None:
         self.strings = StringTable()
         self.kernels: list[dict] = []
+        self.memops: list[dict] = []
         self.api: list[dict] = []
         self.ranges: list[dict] = []
         self.clock = 0
@@ -34,6 +35,13 @@ class TraceBuilder:
                                  end=api_end, pid=pid, tid=tid, correlation=corr, kind=0))
         self.kernels.append(dict(name=self.strings.code(kernel), start=gpu_start, end=gpu_end,
                                  device=device, stream=7, pid=pid, correlation=corr))
+
+    def memop(self, name: str, gpu_start: int, gpu_end: int, correlation: int, pid: int = 1,
+              device: int = 0) -> None:
+        """A memcpy or memset run by the API call of ``correlation`` (a graph launch's, say)."""
+        self.memops.append(dict(name=self.strings.code(name), start=gpu_start, end=gpu_end,
+                                device=device, stream=7, pid=pid, tid=-1,
+                                correlation=correlation, bytes=4096))
 
     def call(self, api_name: str, start: int, end: int, pid: int = 1, tid: int = 1) -> None:
         """An API call that launched no GPU work (a launch during graph capture, a sync)."""
@@ -59,13 +67,16 @@ class TraceBuilder:
 
         api = table(ApiCalls, self.api)
         kernels = table(Kernels, self.kernels)
+        memops = table(MemOps, self.memops)
         ranges = table(Ranges, self.ranges)
-        trace = Trace(strings=self.strings.values, kernels=kernels, ranges=ranges, api=api,
+        trace = Trace(strings=self.strings.values, kernels=kernels, memops=memops,
+                      ranges=ranges, api=api,
                       meta={"format": "synthetic", "tool": "tests", "file": "synthetic"})
         from kimi_perf.launches import find_launches
 
-        kernels.api = find_launches(api, kernels.pid, kernels.correlation)
-        hit = kernels.api >= 0
-        kernels.tid[hit] = api.tid[kernels.api[hit]]
+        for gpu_work in (kernels, memops):
+            gpu_work.api = find_launches(api, gpu_work.pid, gpu_work.correlation)
+            hit = gpu_work.api >= 0
+            gpu_work.tid[hit] = api.tid[gpu_work.api[hit]]
         nest_ranges(trace.ranges)
         return trace

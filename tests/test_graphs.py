@@ -99,3 +99,62 @@ def test_no_mapping_when_the_capture_does_not_match(captured):
     assert (capture_launches(trace) == -1).all()
     _, steps = segment(trace)
     assert all(s.layer_source != "nvtx" for s in steps)
+
+
+def _captured_with_copies(copies_at: tuple[int, ...] = (540,), replayed: int = 1,
+                          begin_end: bool = True) -> TraceBuilder:
+    """_captured_decode's capture with cudaMemcpyAsync calls (a ``copy_``) captured too, and
+    its replays running the copies as memcpy nodes after the kernels of their layer."""
+    b = TraceBuilder()
+    if begin_end:
+        b.call("cudaStreamBeginCapture", 5, 6)
+    b.range("layer[0](x)", 10, 400)
+    b.range("layer[1](x)", 500, 900)
+    for t in (20, 30, 520, 530):
+        b.call("cudaLaunchKernel", t, t + 5)
+    for t in copies_at:
+        b.call("cudaMemcpyAsync", t, t + 5)
+    if begin_end:
+        b.call("cudaStreamEndCapture", 950, 960)
+    for step, t0 in enumerate((2000, 3000)):
+        b.range(f"decode_step[{step}]", t0, t0 + 900)
+        for j, name in enumerate(["A", "B", "A", "B"]):
+            start = t0 + 100 + 50 * j
+            b.launch(name, t0 + 10, t0 + 20, start, start + 40, correlation=10_000 + step,
+                     api_name="cudaGraphLaunch")
+        for j in range(replayed):
+            b.memop("[CUDA memcpy Device-to-Device]", t0 + 400 + 50 * j, t0 + 420 + 50 * j,
+                    correlation=10_000 + step)
+    return b
+
+
+@pytest.mark.parametrize("copies_at, begin_end", [((540,), True), ((525,), False),
+                                                  ((15,), True)])
+def test_replayed_copies_land_in_the_layer_that_captured_them(copies_at, begin_end):
+    """A memcpy node of a graph maps to the cudaMemcpyAsync that captured it, and so lands in
+    the layer open then, with the layer's kernels; a copy before the first kernel launch or
+    after the last is found between Begin- and EndCapture; without those calls, only copies
+    between the first and last launch are."""
+    trace = _captured_with_copies(copies_at, begin_end=begin_end).build()
+    ops, steps = segment(trace)
+    layer = 0 if copies_at == (15,) else 1
+    for step in steps:
+        names = [sorted(trace.strings[c] for c in ops.name[x.ops]) for x in step.layers]
+        assert names[layer] == ["A", "B", "[CUDA memcpy Device-to-Device]"]
+        assert names[1 - layer] == ["A", "B"]
+
+
+@pytest.mark.parametrize("case", ["count differs", "outside the capture"])
+def test_copies_that_do_not_match_the_capture_map_nothing(case):
+    """Two memcpy nodes against one captured call, or a copy captured before the first launch
+    with no BeginCapture to bound it: the copies stay in their step, in no layer; the kernels
+    keep their mapping."""
+    b = (_captured_with_copies(replayed=2) if case == "count differs"
+         else _captured_with_copies((15,), begin_end=False))
+    trace = b.build()
+    ops, steps = segment(trace)
+    for step in steps:
+        assert [sorted(trace.strings[c] for c in ops.name[x.ops]) for x in step.layers] \
+            == [["A", "B"], ["A", "B"]]
+        copies = [r for r in step.ops.tolist() if trace.strings[ops.name[r]].startswith("[CUDA")]
+        assert len(copies) == (2 if case == "count differs" else 1)
