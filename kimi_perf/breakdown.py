@@ -303,7 +303,9 @@ def breakdown(trace: Trace, layers: str = "auto", rules: list[Rule] | None = Non
     n_steps, n_layers = len(steps), len(all_layers)
     step_heads = [{"index": step.index, "device": step.device, "pid": step.pid,
                    "name": step.name, "layer_source": step.layer_source,
-                   "layers": len(step.layers)} for step in steps]
+                   "layers": len(step.layers), "other_thread_ops": step.other_thread_ops}
+                  for step in steps]
+    other_thread_ops = sum(step.other_thread_ops for step in steps)
     layer_heads = [(step.index, step.device, layer.index, layer.type)
                    for step, layer in all_layers]
     typical = _typical_layers(trace, ops, steps)
@@ -323,7 +325,8 @@ def breakdown(trace: Trace, layers: str = "auto", rules: list[Rule] | None = Non
         if layer:
             t["typical_layer"] = layer
     return Breakdown(source={**_source(trace), "ops": ops_kind,
-                             "outside_steps": outside_steps}, steps=step_rows,
+                             "outside_steps": outside_steps,
+                             "other_thread_ops": other_thread_ops}, steps=step_rows,
                      layers=layer_rows, layer_types=layer_types)
 
 

@@ -164,6 +164,13 @@ class Step:
     epilogue: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))
     layers: list[Layer] = field(default_factory=list)
     layer_source: str = "none"   # "nvtx", "repeat" or "none"
+    # Per op of the step: launched from another thread while the step's range was open (None:
+    # none was). Counted in the step; the layers come from the step range's own thread.
+    borrowed: np.ndarray | None = None
+
+    @property
+    def other_thread_ops(self) -> int:
+        return 0 if self.borrowed is None else int(self.borrowed.sum())
 
 
 # -- steps -------------------------------------------------------------------------------------
@@ -185,11 +192,17 @@ def find_steps(trace: Trace, ops: GpuOps, step_regex: str | None = None) -> list
         owner = innermost_containing(trace.ranges, rkeys, keys, launch_start, launch_end,
                                      trace.ranges.start)
         del rkeys
-        op_rows = np.flatnonzero(owner >= 0).astype(index_dtype(len(ops)))
-        if len(op_rows) == 0:
+        if not (owner >= 0).any():
             continue
         del keys, range_keys  # before the steps' own arrays
-        return _steps_from_groups(trace, ops, owner[op_rows], op_rows)
+        borrowed = _other_thread_owners(trace, ops, matching, owner, launch_start, launch_end)
+        op_rows = np.flatnonzero(owner >= 0).astype(index_dtype(len(ops)))
+        steps = _steps_from_groups(trace, ops, owner[op_rows], op_rows)
+        if borrowed.any():
+            for step in steps:
+                mine = borrowed[step.ops]
+                step.borrowed = mine if mine.any() else None
+        return steps
     if step_regex:
         raise NoStepsMatched(trace.meta.get("file"),
                              f"no range matching --steps {step_regex!r} holds a kernel launch")
@@ -197,6 +210,33 @@ def find_steps(trace: Trace, ops: GpuOps, step_regex: str | None = None) -> list
     if graph_steps:
         return graph_steps
     return _whole_trace_steps(ops)
+
+
+def _other_thread_owners(trace: Trace, ops: GpuOps, matching: np.ndarray, owner: np.ndarray,
+                         launch_start: np.ndarray, launch_end: np.ndarray) -> np.ndarray:
+    """Ops that no step range of their own thread holds, launched from another thread of the
+    process while one of its step ranges was open (a training run's autograd thread, a
+    scheduler that annotates steps while a worker thread launches): ``owner`` takes that
+    range. Only where a process's step ranges do not overlap, so that the window is one
+    step's. Returns the mask of the ops so placed."""
+    borrowed = np.zeros(len(ops), bool)
+    r = trace.ranges
+    step_rows = np.flatnonzero(matching & (r.style != GPU_RANGE) & (r.pid >= 0))
+    loose = np.flatnonzero((owner < 0) & (ops.pid >= 0))
+    if len(step_rows) == 0 or len(loose) == 0:
+        return borrowed
+    for pid in np.unique(r.pid[step_rows]).tolist():
+        rows = step_rows[r.pid[step_rows] == pid]
+        rows = rows[np.argsort(r.start[rows], kind="stable")]
+        starts, ends = r.start[rows], r.end[rows]
+        if (ends[:-1] > starts[1:]).any():
+            continue  # overlapping steps (several threads annotate them): no single window
+        mine = loose[ops.pid[loose] == pid]
+        at = np.searchsorted(starts, launch_start[mine], side="right") - 1
+        inside = (at >= 0) & (ends[np.maximum(at, 0)] >= launch_end[mine])
+        owner[mine[inside]] = rows[at[inside]]
+        borrowed[mine[inside]] = True
+    return borrowed
 
 
 def _steps_from_groups(trace: Trace, ops: GpuOps, group: np.ndarray, op_rows: np.ndarray,
@@ -425,14 +465,15 @@ def _match_forward(seq: np.ndarray, start: int, pattern: np.ndarray) -> int:
 def layers_from_repeats(ops: GpuOps, steps: list[Step]) -> bool:
     found = False
     for step in steps:
-        split = find_repeats(ops.name[step.ops], ops.kernel_class[step.ops])
+        rows = step.ops if step.borrowed is None else step.ops[~step.borrowed]
+        split = find_repeats(ops.name[rows], ops.kernel_class[rows])
         if split is None:
             continue
         found = True
         step.layer_source = "repeat"
-        step.prologue = step.ops[: split.starts[0]]
-        step.epilogue = step.ops[split.ends[-1]:]
-        step.layers = [Layer(index=i, ops=step.ops[s:e])
+        step.prologue = rows[: split.starts[0]]
+        step.epilogue = rows[split.ends[-1]:]
+        step.layers = [Layer(index=i, ops=rows[s:e])
                        for i, (s, e) in enumerate(zip(split.starts.tolist(),
                                                       split.ends.tolist(), strict=True))]
     return found

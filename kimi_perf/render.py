@@ -116,13 +116,18 @@ def breakdown_tables(b: Breakdown) -> list[Table]:
                       f"{s['gap_us']:.1f}",
                       f"{s['prologue']['kernels']} / {s['prologue']['span_us']:.1f} µs",
                       f"{s['epilogue']['kernels']} / {s['epilogue']['span_us']:.1f} µs")
+    unit = "GPU ops" if src.get("ops") == "gpu" else "ops"
+    notes = []
+    if src.get("other_thread_ops"):
+        notes.append(f"{src['other_thread_ops']} {unit} launched from another thread while a "
+                     "step's range was open are counted in that step (in no layer)")
     outside = src.get("outside_steps") or {}
     if outside.get("ops"):
-        unit = "GPU ops" if src.get("ops") == "gpu" else "ops"
-        steps.caption = (f"{outside['ops']} more {unit} ({outside['kernel_us']:.1f} µs) ran in "
-                         "no step: launched outside the step ranges or from another thread")
-    elif not b.steps:
-        steps.caption = "no GPU work in this trace"
+        notes.append(f"{outside['ops']} more {unit} ({outside['kernel_us']:.1f} µs) ran in no "
+                     "step: launched outside every step's range")
+    if not b.steps:
+        notes.append("no GPU work in this trace")
+    steps.caption = "\n".join(notes) or None
     tables = [steps]
     if not b.layer_types:
         return tables

@@ -96,13 +96,18 @@ def _comparison_html(breakdowns: dict[str, Breakdown]) -> str:
     unit = _unit(breakdowns)
     e = html.escape
     parts = []
+    ops = "ops" if unit == "ops" else "GPU ops"
     for label in labels:
-        outside = breakdowns[label].source.get("outside_steps") or {}
+        src = breakdowns[label].source
+        if src.get("other_thread_ops"):
+            parts.append(f"<p>{e(label)}: {src['other_thread_ops']} {ops} launched from "
+                         "another thread while a step's range was open are counted in that "
+                         "step (in no layer).</p>")
+        outside = src.get("outside_steps") or {}
         if outside.get("ops"):
-            parts.append(f"<p>{e(label)}: {outside['ops']} more "
-                         f"{'ops' if unit == 'ops' else 'GPU ops'} "
+            parts.append(f"<p>{e(label)}: {outside['ops']} more {ops} "
                          f"({outside['kernel_us']:.1f} µs) ran in no step: launched outside "
-                         "the step ranges or from another thread.</p>")
+                         "every step's range.</p>")
     a = labels[0] if labels else None
     if len(labels) == 1 and breakdowns[a].layer_types:  # nothing to compare with: its figures
         body = "".join(

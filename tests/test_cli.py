@@ -364,17 +364,23 @@ def test_run_directories_of_the_same_second_never_collide(tmp_path, monkeypatch)
     assert (first_final / "a").read_text() == "1" and (second_final / "b").read_text() == "2"
 
 
-def test_outside_every_step_is_reported():
-    """A training trace whose backward thread launches outside the step ranges: those ops are
-    counted apart, and the steps plus them are every GPU op of the trace."""
-    trace = KINETO / "hta_a100_nccl_ddp_gpu_user_annotation.json.gz"
+@pytest.mark.parametrize("name, other_thread, outside", [
+    ("hta_a100_nccl_ddp_gpu_user_annotation.json.gz", 2373, 0),
+    ("hta_a100_80gb_rank0_cudagraph_triton.json.gz", 2775, 872)])
+def test_work_of_other_threads_and_outside_every_step(name, other_thread, outside):
+    """Training traces: the backward thread launches while the main thread's step range is
+    open: counted in that step, said apart; work launched outside every step's range (before
+    the first) is reported apart too. The steps plus it are every GPU op of the trace."""
+    trace = KINETO / name
     doc = json.loads(run("breakdown", trace, "--format", "json").output)
     src = doc["source"]
-    outside = src["outside_steps"]
-    assert outside["ops"] > 0 and outside["kernel_us"] > 0
-    assert sum(s["kernels"] for s in doc["steps"]) + outside["ops"] \
-        == src["kernels"] + src["memops"]
-    assert f"{outside['ops']} more GPU ops" in run("breakdown", trace).output
+    assert src["other_thread_ops"] == other_thread
+    assert sum(s["other_thread_ops"] for s in doc["steps"]) == other_thread
+    assert src["outside_steps"]["ops"] == outside
+    assert sum(s["kernels"] for s in doc["steps"]) + outside == src["kernels"] + src["memops"]
+    table = run("breakdown", trace).output
+    assert f"{other_thread} GPU ops launched from another thread" in table
+    assert (f"{outside} more GPU ops" in table) == (outside > 0)
 
 
 def test_report_compares_the_first_trace_with_each_other(tmp_path):
@@ -393,7 +399,7 @@ def test_report_compares_the_first_trace_with_each_other(tmp_path):
     text = out.read_text()
     assert "Per layer type: before vs after" in text and "Per layer type: before vs ddp" in text
     assert "<td>D *</td>" in text and "the letter may name another layer there" in text
-    assert "ddp: 2373 more GPU ops" in text
+    assert "ddp: 2373 GPU ops launched from another thread while a step" in text
 
 
 def test_a_reader_that_goes_away_is_no_error():

@@ -7,7 +7,7 @@ import re
 import numpy as np
 import pytest
 
-from kimi_perf import read_trace
+from kimi_perf import breakdown, read_trace
 from kimi_perf.classify import classify, load_rules
 from kimi_perf.layers import DEFAULT_LAYER_PATTERN, find_repeats, segment
 from tests.conftest import KINETO
@@ -140,3 +140,42 @@ def test_graph_launches_become_steps():
     _, steps = segment(b.build())
     assert [s.name for s in steps] == ["cudaGraphLaunch"] * 3
     assert [len(s.layers) for s in steps] == [4, 4, 4]
+
+
+def _steps_with_a_second_thread(overlap: bool = False) -> TraceBuilder:
+    """Two decode steps annotated on thread 1, each also running two kernels launched from
+    thread 2 in its window; with ``overlap``, the step ranges overlap."""
+    b = nvtx_decode_trace("layer[{i}]({kind})", steps=2, n_layers=4)
+    for r in b.ranges:
+        if overlap and b.strings.values[r["name"]] == "decode_step[0]":
+            r["end"] += 10_000   # into the next step's range
+    for step in range(2):
+        r = next(r for r in b.ranges if b.strings.values[r["name"]] == f"decode_step[{step}]")
+        t = r["start"] + 30
+        for j, name in enumerate(["side_a", "side_b"]):
+            b.launch(name, t + 10 * j, t + 10 * j + 5, t + 40 + 10 * j, t + 45 + 10 * j, tid=2)
+    return b
+
+
+def test_work_launched_from_another_thread_is_counted_in_the_step_window():
+    trace = _steps_with_a_second_thread().build()
+    ops, steps = segment(trace)
+    assert [s.other_thread_ops for s in steps] == [2, 2]
+    for step in steps:
+        names = [trace.strings[c] for c in ops.name[step.ops]]
+        assert names.count("side_a") == names.count("side_b") == 1
+        assert step.layer_source == "nvtx" and len(step.layers) == 4
+        in_layers = {trace.strings[c] for x in step.layers for c in ops.name[x.ops]}
+        assert not {"side_a", "side_b"} & in_layers
+    # The layers by the repeating pattern come from the step thread's own kernels alone.
+    _, repeated = segment(trace, layers="repeat")
+    assert [len(s.layers) for s in repeated] == [len(s.layers) for s in steps]
+    b = breakdown(trace)
+    assert b.source["other_thread_ops"] == 4 and b.source["outside_steps"]["ops"] == 0
+
+
+def test_overlapping_step_ranges_borrow_nothing():
+    trace = _steps_with_a_second_thread(overlap=True).build()
+    _, steps = segment(trace)
+    assert all(s.other_thread_ops == 0 for s in steps)
+    assert breakdown(trace).source["outside_steps"]["ops"] == 4
