@@ -391,7 +391,9 @@ def analyse(files: list[Path], out_dir: Path, layers: str = "auto", plotly_js: s
             label += "'"
         traces[label] = trace = read_trace(f)
         results[label] = breakdown(trace, layers=layers)
-    run_info = {"command": "kimi-perf trace " + " ".join(f"--from {f}" for f in files),
+    run_info = {"command": "kimi-perf trace " + " ".join(f"--from {f}" for f in files)
+                + f" --out {out_dir}" + (f" --plotly-js {plotly_js}" if plotly_js != "inline"
+                                         else ""),
                 "files": [str(f) for f in files],
                 "date": dt.datetime.now(dt.UTC).isoformat(), "kimi_perf": __version__,
                 "git_commit": _git_commit()}

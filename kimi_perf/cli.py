@@ -208,17 +208,20 @@ def compare_cmd(a: Path, b: Path | None, path_name: str | None, fmt: str, layers
     rows = compare(ba, bb)
     cpu = "cpu-ops" in (ba.source.get("ops"), bb.source.get("ops"))
     unit = "ops" if cpu else "kernels"  # a CPU run's annotated launches
+    types_a = {t["type"]: t for t in ba.layer_types}
+    types_b = {t["type"]: t for t in bb.layer_types}
+    matched = [r.type for r in rows if r.type in types_a or r.type in types_b]
     if fmt == "json":
-        _emit(render.comparison_json(rows, name_a, name_b), output)
+        typical = {t: {side: (types.get(t) or {}).get("typical_layer")
+                       for side, types in (("a", types_a), ("b", types_b))}
+                   for t in matched} if kernels else None
+        _emit(render.comparison_json(rows, name_a, name_b, typical), output)
         return
     tables = [render.comparison_table(rows, name_a, name_b, unit),
               render.comparison_headline(rows, name_a, name_b, unit)]
     if kernels:
-        types_a = {t["type"]: t for t in ba.layer_types}
-        types_b = {t["type"]: t for t in bb.layer_types}
         tables += [render.typical_layer_table(
-            r.type or "-", {name_a: types_a.get(r.type), name_b: types_b.get(r.type)}, unit)
-            for r in rows if r.type in types_a or r.type in types_b]
+            t or "-", {name_a: types_a.get(t), name_b: types_b.get(t)}, unit) for t in matched]
     _emit_tables(tables, output)
 
 
@@ -450,9 +453,20 @@ def validate(preset_name: str, n_layers: int | None, paths: str, steps: int, bat
 
 
 def _check_plotly_js(ctx, param, value: str) -> str:
-    if value not in ("inline", "cdn") and not value.endswith(".js"):
-        raise click.BadParameter(f"inline, cdn or a path ending in .js, not {value!r}")
+    if (value not in ("inline", "cdn") and not value.endswith(".js")) or any(
+            c in value for c in "\"<>"):
+        raise click.BadParameter(f"inline, cdn, or a path or URL ending in .js, not {value!r}")
     return value
+
+
+def _plotly_js_from_run(value: str, out_dir: Path) -> str:
+    """A local plotly.js as the report refers to it: relative to the run directory (a child
+    of ``out_dir``), so that the report and the file can move together."""
+    if value in ("inline", "cdn") or "://" in value:
+        return value
+    if not Path(value).is_file():
+        raise TraceError(Path(value), "--plotly-js: no such file")
+    return os.path.relpath(Path(value).resolve(), out_dir.resolve() / "run")
 
 
 @main.command(name="trace")
@@ -478,7 +492,7 @@ def _check_plotly_js(ctx, param, value: str) -> str:
               show_default=True, help="parent of the run directory")
 @click.option("--plotly-js", default="inline", show_default=True, callback=_check_plotly_js,
               help="the HTML report's plotly.js: inline (opens offline, about 5 MB), cdn, or "
-              "the path of a plotly.min.js for the report to refer to")
+              "a plotly.min.js (a path from here, or a URL) for the report to refer to")
 @click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table",
               show_default=True)
 @_fail_cleanly
@@ -497,6 +511,7 @@ def trace_cmd(from_files: tuple[Path, ...], preset_name: str | None, n_layers: i
     from kimi_perf.compare import compare as compare_breakdowns
 
     console = render.console(stderr=fmt == "json")
+    plotly_js = _plotly_js_from_run(plotly_js, out_dir)
     if from_files:
         run_dir, results, run_info = cap.analyse(list(from_files), out_dir,
                                                  plotly_js=plotly_js)
@@ -566,9 +581,9 @@ def trace_cmd(from_files: tuple[Path, ...], preset_name: str | None, n_layers: i
                       f"({metrics['timed']}); ops: {metrics['ops']}"
                       + (f"; fell back: {'; '.join(metrics['fallbacks'])}"
                          if metrics["fallbacks"] else ""))
-    if any(rows for _, rows in compared):
-        console.print(f"kernel by kernel: kimi-perf compare {run_dir} --kernels (and the "
-                      "report)")
+    if len(labels) == 2 and compared[0][1]:
+        console.print(f"{unit[:-1]} by {unit[:-1]}: kimi-perf compare {run_dir} --kernels "
+                      "(and the report)")
     console.print(f"run directory: {run_dir}  "
                   f"({', '.join(sorted(p.name for p in Path(run_dir).iterdir()))})")
     console.print(f"report: {run_info['report']}")

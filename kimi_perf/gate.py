@@ -144,6 +144,16 @@ def _checked(b: Breakdown, path: Path) -> Breakdown:
             or not all(isinstance(r.get("type"), str) for r in b.layers)):
         raise TraceError(path, "breakdown rows lack a type, or finite kernels, kernel_us or "
                                "span_us")
+    for t in b.layer_types:
+        typical = t.get("typical_layer")
+        if typical is not None and not (
+                isinstance(typical, dict) and isinstance(typical.get("layers"), int)
+                and isinstance(typical.get("kernels"), list)
+                and all(isinstance(k, dict) and isinstance(k.get("name"), str)
+                        and isinstance(k.get("class"), str) and number(k.get("us"))
+                        for k in typical["kernels"])):
+            raise TraceError(path, f"layer type {t['type']!r}: typical_layer is not "
+                                   "{layers, kernels: [{name, class, us}]}")
     return b
 
 
@@ -186,19 +196,16 @@ def gate(baseline: dict[str, Breakdown], current: dict[str, Breakdown],
 
 
 def _typical(b: Breakdown | None, layer_type: str) -> list[dict] | None:
+    """A layer type's typical kernels (None: a step, or a breakdown of an older kimi-perf)."""
     t = next((t for t in b.layer_types if t["type"] == layer_type), None) if b else None
-    kernels = ((t or {}).get("typical_layer") or {}).get("kernels")
-    if not isinstance(kernels, list) or not all(
-            isinstance(k, dict) and isinstance(k.get("name"), str)
-            and isinstance(k.get("us"), int | float) for k in kernels):
-        return None  # none kept (an older kimi-perf, a step), or not in the shape we write
-    return kernels
+    return ((t or {}).get("typical_layer") or {}).get("kernels")
 
 
 def _behind(check: Check, base: Breakdown | None, cur: Breakdown | None) -> str | None:
     """The kernels behind a layer type's change, from both typical layers: for counts, those
-    added and removed; for times, the (at most three) whose µs moved most in the change's
-    direction, the i-th launch of a name matched with the i-th."""
+    added and removed; for times, the (at most three) launches whose µs moved most in the
+    change's direction (the i-th launch of a name matched with the i-th; one that only one side
+    has moves by all its µs: new or gone), and how much the typical layer moved in all."""
     from collections import Counter
 
     from kimi_perf.names import short_names
@@ -222,14 +229,19 @@ def _behind(check: Check, base: Breakdown | None, cur: Breakdown | None) -> str 
             seen[k["name"]] += 1
         return out
     ub, uc = by_launch(kb), by_launch(kc)
+    # every launch of either side: one only the run has counts whole, as does one it lost
+    moves = [(uc.get(key, 0.0) - ub.get(key, 0.0), key, key not in ub, key not in uc)
+             for key in {**ub, **uc}]
     sign = 1 if check.status == "regression" else -1  # times: a regression is slower
-    moved = sorted(((uc[key] - ub[key], key) for key in ub.keys() & uc.keys()
-                    if (uc[key] - ub[key]) * sign > 0), key=lambda m: -abs(m[0]))[:3]
+    moved = sorted((m for m in moves if m[0] * sign > 0), key=lambda m: -abs(m[0]))[:3]
     if not moved:
         return None
-    names = short_names([key[0] for _, key in moved], 50)
-    return ", ".join(f"{name} {delta:+.1f} µs"
-                     for name, (delta, _) in zip(names, moved, strict=True))
+    names = short_names([m[1][0] for m in moved], 50)
+    listed = ", ".join(f"{name} {delta:+.1f} µs" + (" (new)" if new else " (gone)" if gone
+                                                     else "")
+                       for name, (delta, _, new, gone) in zip(names, moved, strict=True))
+    total = sum(uc.values()) - sum(ub.values())
+    return f"{listed}; typical layer {total:+.1f} µs in all"
 
 
 def _pattern(path: str, layer_type: str, base: Breakdown, cur: Breakdown) -> list[Check]:

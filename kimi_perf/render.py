@@ -106,8 +106,9 @@ def breakdown_csv(b: Breakdown) -> str:
 
 def breakdown_tables(b: Breakdown) -> list[Table]:
     src = b.source
+    unit = "ops" if src.get("ops") == "cpu-ops" else "kernels"
     steps = _table(f"Steps: {src.get('file')} ({src.get('tool')})",
-                   ["step", "range", "device", "layers", "kernels", "kernel µs", "span µs",
+                   ["step", "range", "device", "layers", unit, f"{unit[:-1]} µs", "span µs",
                     "gap µs", "prologue", "epilogue"], left=("range",))
     for s in b.steps:
         steps.add_row(str(s["index"]), s.get("name", ""), str(s["device"]),
@@ -116,14 +117,14 @@ def breakdown_tables(b: Breakdown) -> list[Table]:
                       f"{s['gap_us']:.1f}",
                       f"{s['prologue']['kernels']} / {s['prologue']['span_us']:.1f} µs",
                       f"{s['epilogue']['kernels']} / {s['epilogue']['span_us']:.1f} µs")
-    unit = "GPU ops" if src.get("ops") == "gpu" else "ops"
+    work = "GPU ops" if src.get("ops") == "gpu" else "ops"
     notes = []
     if src.get("other_thread_ops"):
-        notes.append(f"{src['other_thread_ops']} {unit} launched from another thread while a "
+        notes.append(f"{src['other_thread_ops']} {work} launched from another thread while a "
                      "step's range was open are counted in that step (in no layer)")
     outside = src.get("outside_steps") or {}
     if outside.get("ops"):
-        notes.append(f"{outside['ops']} more {unit} ({outside['kernel_us']:.1f} µs) ran in no "
+        notes.append(f"{outside['ops']} more {work} ({outside['kernel_us']:.1f} µs) ran in no "
                      "step: launched outside every step's range")
     if not b.steps:
         notes.append("no GPU work in this trace")
@@ -132,13 +133,13 @@ def breakdown_tables(b: Breakdown) -> list[Table]:
     if not b.layer_types:
         return tables
     types = _table("Per layer type: median over layers and steps",
-                   ["type", "layers", "kernels", "kernel µs", "span µs", "gap µs"],
+                   ["type", "layers", unit, f"{unit[:-1]} µs", "span µs", "gap µs"],
                    left=("type",))
     for t in b.layer_types:
         types.add_row(t["type"] or "-", str(t["layers"]), f"{t['kernels']:g}",
                       f"{t['kernel_us']:.1f}", f"{t['span_us']:.1f}", f"{t['gap_us']:.1f}")
     tables.append(types)
-    classes = _table("Per layer type and kernel class: median kernels / µs",
+    classes = _table(f"Per layer type and kernel class: median {unit} / µs",
                      ["class", *(t["type"] or "-" for t in b.layer_types)], left=("class",))
     for c in sorted({c for t in b.layer_types for c in t["classes"]}):
         classes.add_row(c, *(f"{t['classes'][c]['kernels']:g} / {t['classes'][c]['us']:.1f}"
@@ -153,12 +154,12 @@ def typical_layer_table(layer_type: str, sides: dict[str, dict | None],
     breakdowns, side by side: its kernels in launch order with their median µs."""
     typical = {label: (t or {}).get("typical_layer") for label, t in sides.items()}
     width = 80 if len(sides) == 1 else 60
-    columns = ["#"]
+    table = Table(title=f"Typical {layer_type} layer: {unit} in order, median µs")
+    table.add_column("#", justify="right")
     for label in sides:
-        prefix = f"{label} " if len(sides) > 1 else ""
-        columns += [f"{prefix}{unit[:-1]}", f"{prefix}class", f"{prefix}µs"]
-    table = _table(f"Typical {layer_type} layer: {unit} in order, median µs",
-                   columns, left=tuple(c for c in columns if not c.endswith("µs")))
+        table.add_column(label if len(sides) > 1 else unit[:-1], overflow="fold")
+        table.add_column("class", overflow="fold")
+        table.add_column("µs", justify="right")
     names = {label: short_names([k["name"] for k in t["kernels"]], width) if t else []
              for label, t in typical.items()}
     for i in range(max(len(n) for n in names.values())):
@@ -183,6 +184,10 @@ def typical_layer_table(layer_type: str, sides: dict[str, dict | None],
                          "analyse its trace again)")
         else:
             notes.append(f"{who}no {layer_type} layer")
+    patterns = {(t or {}).get("pattern") for t in sides.values()}
+    if len(sides) > 1 and None not in patterns and len(patterns) > 1:
+        notes.append(f"* {layer_type} was found by the repeating kernel pattern, with other "
+                     "kernel sequences: the letter may name different layers")
     table.caption = "\n".join(notes)
     return table
 
@@ -220,9 +225,14 @@ def comparison_headline(rows: list[ComparisonRow], label_a: str, label_b: str,
     return "\n".join(parts)
 
 
-def comparison_json(rows: list[ComparisonRow], label_a: str, label_b: str) -> str:
-    return json.dumps({"schema": 1, "a": label_a, "b": label_b,
-                       "rows": [r.to_json() for r in rows]}, indent=1) + "\n"
+def comparison_json(rows: list[ComparisonRow], label_a: str, label_b: str,
+                    typical: dict | None = None) -> str:
+    """The rows; with ``typical`` (``--kernels``) also each layer type's typical layers, A's
+    and B's."""
+    doc = {"schema": 1, "a": label_a, "b": label_b, "rows": [r.to_json() for r in rows]}
+    if typical is not None:
+        doc["typical_layers"] = typical
+    return json.dumps(doc, indent=1) + "\n"
 
 
 def print_tables(tables: list[Table | str], out: Console | None = None) -> None:
@@ -277,8 +287,8 @@ def gate_table(result: GateResult, show_all: bool = False) -> Table:
     table = _table(f"Regression gate: medians, baseline vs run (time: > {tol.rel_tol:.0%} "
                    f"and Mann-Whitney p < {tol.alpha:g})",
                    ["path", "layer", "metric", "baseline", "run", "change", "p", "status",
-                    "kernels behind it"],
-                   left=("path", "layer", "metric", "status", "kernels behind it"))
+                    "behind it"],
+                   left=("path", "layer", "metric", "status", "behind it"))
 
     def fmt(v, spec):
         return "-" if v is None else format(v, spec)

@@ -21,7 +21,7 @@ from plotly.subplots import make_subplots
 from kimi_perf.breakdown import Breakdown
 from kimi_perf.compare import compare
 from kimi_perf.layers import segment
-from kimi_perf.names import short_names
+from kimi_perf.names import demangle, short_names
 from kimi_perf.trace import Trace, atomic_write_text
 
 CLASS_COLOURS = {
@@ -159,13 +159,15 @@ def _typical_html(breakdowns: dict[str, Breakdown]) -> str:
         ) + "</tr>"
         names = {label: short_names([k["name"] for k in t["kernels"]], 100) if t else []
                  for label, t in typical.items()}
+        whole = {label: demangle([k["name"] for k in t["kernels"]]) if t else []
+                 for label, t in typical.items()}
         rows = []
         for i in range(max(len(n) for n in names.values())):
             cells = [f"<td>{i + 1}</td>"]
             for label, t in typical.items():
                 if t and i < len(t["kernels"]):
                     k = t["kernels"][i]
-                    cells.append(f"<td class=name title=\"{e(k['name'])}\">"
+                    cells.append(f"<td class=name title=\"{e(whole[label][i])}\">"
                                  f"{e(names[label][i])}</td><td>{e(k['class'])}</td>"
                                  f"<td>{k['us']:.1f}</td>")
                 else:
@@ -176,13 +178,18 @@ def _typical_html(breakdowns: dict[str, Breakdown]) -> str:
             f"{sides[label]['layers']} layers ran exactly these</th>"
             f"<th>{sum(k['us'] for k in t['kernels']):.1f}</th>" if t else
             "<th colspan=3></th>" for label, t in typical.items()) + "</tr>"
+        patterns = {(t or {}).get("pattern") for t in sides.values()}
+        differ = (f"<p>* {e(layer_type)} was found by the repeating kernel pattern, with "
+                  "other kernel sequences: the letter may name different layers.</p>"
+                  if len(sides) > 1 and None not in patterns and len(patterns) > 1 else "")
         parts.append(f"<h3>Typical {e(layer_type)} layer: {unit} in order, median µs</h3>"
-                     f"<table>{head}{''.join(rows)}{foot}</table>")
+                     f"<table>{head}{''.join(rows)}{foot}</table>{differ}")
     if not parts:
         return ""
-    return ("<h2>Kernel by kernel</h2><p>Each layer type's typical layer: the sequence of "
-            f"{unit} most of its layers ran, each with its median µs over those layers (hover "
-            f"a name for the whole of it).</p>" + "".join(parts))
+    one = unit[:-1]
+    return (f"<h2>{one.capitalize()} by {one}</h2><p>Each layer type's typical layer: the "
+            f"sequence of {unit} most of its layers ran, each with its median µs over those "
+            "layers (hover a name for the whole of it).</p>" + "".join(parts))
 
 
 def _run_html(run: dict | None, breakdowns: dict[str, Breakdown]) -> str:
@@ -213,8 +220,9 @@ def _run_html(run: dict | None, breakdowns: dict[str, Breakdown]) -> str:
         items.append((f"trace {label}", f"{src.get('file')} ({src.get('tool')} "
                                         f"{src.get('format')}; GPUs: "
                                         f"{_gpus_text(src.get('gpus') or [])})"))
-    items += [("kimi-perf", f"{env.get('kimi_perf') or run.get('kimi_perf')}, commit "
-                            f"{env.get('git_commit') or run.get('git_commit')}"),
+    commit = env.get("git_commit") or run.get("git_commit")
+    items += [("kimi-perf", f"{env.get('kimi_perf') or run.get('kimi_perf')}"
+                            + (f", commit {commit}" if commit else "")),
               ("date", run.get("date")), ("command", run.get("command"))]
     parts = ["<table class=info>" + "".join(
         f"<tr><th>{e(k)}</th><td>{e(str(v))}</td></tr>" for k, v in items if v is not None)
@@ -245,10 +253,11 @@ def _run_html(run: dict | None, breakdowns: dict[str, Breakdown]) -> str:
                      f"{floors['bandwidth_Bps'] / 1e12:.1f} TB/s; kimi-perf floors): "
                      f"{per_type}.</p>")
     if _unit(breakdowns) == "ops":
+        interpreted = ("; the specialized path's Triton kernels ran in Triton's interpreter, "
+                       "so its µs are not a speed figure" if "specialized" in metrics else "")
         parts.append("<p class=note>Run on a CPU, with no GPU kernels: <b>ops</b> are the "
                      "launches each path annotates (one per kernel it would run on a GPU), "
-                     "timed on the CPU; the specialized path's Triton kernels ran in Triton's "
-                     "interpreter, so its µs are not a speed figure.</p>")
+                     f"timed on the CPU{interpreted}.</p>")
     return "".join(parts)
 
 

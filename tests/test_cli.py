@@ -334,7 +334,8 @@ def test_trace_from_names_runs_after_their_files_and_compares_each(tmp_path):
                                "vs ") == 2
     (first,) = tmp_path.iterdir()
     info = json.loads((first / "run.json").read_text())
-    assert info["command"] == "kimi-perf trace " + " ".join(f"--from {f}" for f in files)
+    assert info["command"].startswith("kimi-perf trace " + " ".join(f"--from {f}" for f in files)
+                                      + " --out ")
     umask = os.umask(0)
     os.umask(umask)
     assert first.stat().st_mode & 0o777 == 0o777 & ~umask   # not mkdtemp's 0700
@@ -446,3 +447,29 @@ def test_breakdown_of_a_run_takes_its_only_path(tmp_path):
     one = run("breakdown", tmp_path / "one.json")
     assert one.exit_code == 0 and "Per layer type: median over layers and steps" in one.output
     _one_line_error(run("breakdown", BASELINE), "a run of the paths standard, specialized")
+
+
+def test_plotly_js_of_ones_own_is_referred_to_from_the_run(tmp_path):
+    """--plotly-js PATH: the report refers to it relative to the run directory (so the two
+    move together); a missing file or a quote is refused before any work."""
+    js = tmp_path / "plotly.min.js"
+    js.write_text("// plotly")
+    out = tmp_path / "runs"
+    result = run("trace", "--from", VLLM, "--out", out, "--plotly-js", js)
+    assert result.exit_code == 0, result.output
+    (report,) = out.glob("*/report.html")
+    assert '<script charset="utf-8" src="../../plotly.min.js">' in report.read_text()
+    _one_line_error(run("trace", "--from", VLLM, "--out", out, "--plotly-js",
+                        tmp_path / "none.js"), "none.js: --plotly-js: no such file")
+    bad = run("trace", "--from", VLLM, "--out", out, "--plotly-js", 'x".js')
+    assert bad.exit_code == 2 and "a path or URL ending in .js" in bad.output
+    assert len(list(out.iterdir())) == 1
+
+
+def test_compare_json_with_kernels_holds_both_typical_layers():
+    piecewise = KINETO / "tracelens_vllm_gptoss20b_prefilldecode_piecewise_mi300x.json.gz"
+    doc = json.loads(run("compare", VLLM, piecewise, "--kernels", "--format", "json").output)
+    a = doc["typical_layers"]["A"]
+    assert len(a["a"]["kernels"]) == 17 and a["b"]["kernels"][0]["class"] == "norm"
+    assert "typical_layers" not in json.loads(run("compare", VLLM, piecewise, "--format",
+                                                  "json").output)

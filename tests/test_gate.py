@@ -107,8 +107,9 @@ def _typical(run, layer_type: str, kernels: list[tuple[str, float]]) -> None:
 
 def test_a_change_names_the_kernels_behind_it():
     """From the typical layers: the kernels a count regression added (and removed), and the
-    kernels whose µs moved most the way the layer's time did (the i-th launch of a name
-    matched with the i-th); without typical layers, no detail."""
+    launches whose µs moved most the way the layer's time did (the i-th launch of a name
+    matched with the i-th; a new one by all its µs), with the layer's total; without typical
+    layers, no detail."""
     base = _run({"kda": 4}, {"kda": KDA})
     _typical(base, "kda", [("norm", 5.0), ("void gemm<float>(int)", 10.0), ("kda", 20.0),
                            ("void gemm<float>(int)", 25.0)])
@@ -118,11 +119,13 @@ def test_a_change_names_the_kernels_behind_it():
     by = {c.metric: c for c in gate(base, run).checks if c.layer_type == "kda"}
     assert by["kernels"].status == "regression" and by["kernels"].detail == "added copy"
     assert by["kernel_us"].status == "regression"
-    assert by["kernel_us"].detail == "kda +10.0 µs, gemm<float> +8.0 µs, gemm<float> +0.5 µs"
+    assert by["kernel_us"].detail == ("kda +10.0 µs, gemm<float> +8.0 µs, copy +1.0 µs (new); "
+                                      "typical layer +18.5 µs in all")
     back = {c.metric: c for c in gate(run, base).checks if c.layer_type == "kda"}
     assert back["kernels"].detail == "removed copy" and back["kernel_us"].status \
         == "improvement"
-    assert back["kernel_us"].detail == "kda -10.0 µs, gemm<float> -8.0 µs, gemm<float> -0.5 µs"
+    assert back["kernel_us"].detail == ("kda -10.0 µs, gemm<float> -8.0 µs, copy -1.0 µs "
+                                        "(gone); typical layer -18.5 µs in all")
     assert "(added copy)" in gate_headline(gate(base, run))
     plain = _run({"kda": 5}, {"kda": KDA * 1.3})      # no typical layers: nothing to name
     assert all(c.detail is None for c in gate(base, plain).checks)
@@ -288,3 +291,17 @@ def test_fuzzed_baselines_give_one_line_errors(data):
     assert result.exception is None or isinstance(result.exception, SystemExit)
     if result.exit_code == 2:
         assert result.output.count("\n") == 1 and "base.json" in result.output
+
+
+@pytest.mark.parametrize("typical", [{"layers": 3}, "x", {"layers": 3, "kernels": [
+    {"name": "k", "class": "gemm", "us": "1"}]}, {"layers": 3, "kernels": [{"name": 5}]}])
+def test_a_malformed_typical_layer_is_one_line(tmp_path, typical):
+    doc = json.loads(BASELINE.read_text())
+    doc["paths"]["specialized"]["layer_types"][0]["typical_layer"] = typical
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(doc))
+    for args in (["gate", bad, BASELINE], ["compare", bad, "--kernels"],
+                 ["compare", BASELINE, bad, "--path", "specialized", "--kernels"]):
+        result = CliRunner().invoke(main, [str(a) for a in args])
+        assert result.exit_code == 2 and result.output.count("\n") == 1, result.output
+        assert "bad.json: layer type 'kda': typical_layer is not" in result.output

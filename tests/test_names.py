@@ -25,9 +25,21 @@ def test_arguments_and_void_go_and_templates_fold_until_the_name_fits():
         "at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<…>, "
         "at::detail::Array<…> >"]
     assert short_names([FILL], 60) == ["at::native::vectorized_elementwise_kernel<…>"]
-    # no fold is short enough: cut, with an ellipsis, to exactly the width
-    assert short_names([FILL], 30) == ["at::native::vectorized_elemen…"]
+    # no fold is short enough: cut in the middle, head and tail kept, to exactly the width
+    assert short_names([FILL], 30) == ["at::native::vector…e_kernel<…>"]
     assert len(short_names(["x" * 100], 20)[0]) == 20
+
+
+def test_different_names_never_read_the_same():
+    """Two GEMM variants that differ only in the middle of a long name, and two overloads
+    that differ only in their arguments: each keeps a digest of its whole name."""
+    a = ("Cijk_Alik_Bljk_BBS_BH_Bias_HA_S_SAV_UserArgs_MT32x32x256_MI16x16x1_SN_LDSB1_AFC1_"
+         "AFEM1_ASEM1_CLR1_CADS0_DTVA0_NTA0_NEPBS8_LRVW8_LWPMn1_MIAV0_MIWT1_1_WG32_8_1")
+    b = a.replace("NTA0_NEPBS8", "NTA4_NEPBS8")
+    short = short_names([a, b, a, "f(int)", "f(float)", "g(int)"], 60)
+    assert short[0] == short[2] != short[1] and short[3] != short[4]
+    assert all(len(x) <= 60 for x in short) and short[5] == "g"
+    assert short[0].startswith("Cijk_Alik") and short[0][-5] == "~"
 
 
 @pytest.mark.parametrize("name, short", [
@@ -36,6 +48,9 @@ def test_arguments_and_void_go_and_templates_fold_until_the_name_fits():
      "ncclDevKernel_AllReduce_Sum_f32_RING_LL"),
     ("void f<(anonymous namespace)::g>(int (*)(int))", "f<(anonymous namespace)::g>"),
     ("(anonymous)", "(anonymous)"),           # all parentheses: nothing to drop
+    ("Memcpy HtoD (Pinned -> Device)", "Memcpy HtoD (Pinned -> Device)"),  # words, no list
+    ("Memset (Device)", "Memset (Device)"),
+    ("foo(int) [clone .part.0]", "foo"),
     ("_Znot_really_mangled", "_Znot_really_mangled"),
     ("", ""),
 ])
@@ -48,6 +63,26 @@ def test_mangled_names_are_demangled_in_one_call():
     readable = ("ck_tile::kentry<1, ck_tile::Rmsnorm2dFwd<std::bfloat16_t>, "
                 "ck_tile::Rmsnorm2dFwd::Kargs>")
     assert short_names([MANGLED, "plain", MANGLED], 200) == [readable, "plain", readable]
+
+
+@pytest.mark.skipif(shutil.which("c++filt") is None, reason="binutils' c++filt not here")
+def test_one_call_for_all_and_odd_names_left_alone(monkeypatch):
+    (readable,) = names.demangle([MANGLED])
+    calls = []
+    run = names.subprocess.run
+    monkeypatch.setattr(names.subprocess, "run", lambda *a, **k: calls.append(a) or run(*a, **k))
+    odd = "_Z3foov\rx"                      # would not stay one line for c++filt
+    assert names.demangle([MANGLED, "_Z3barv", odd, MANGLED]) == [readable, "bar()", odd,
+                                                                   readable]
+    assert len(calls) == 1
+
+
+def test_a_demangler_answer_of_the_wrong_length_changes_nothing(monkeypatch):
+    class Done:
+        stdout = "only one line\n"
+    monkeypatch.setattr(names.shutil, "which", lambda _: "/usr/bin/c++filt")
+    monkeypatch.setattr(names.subprocess, "run", lambda *a, **k: Done())
+    assert names.demangle([MANGLED, "_Z3barv"]) == [MANGLED, "_Z3barv"]
 
 
 def test_without_cxxfilt_names_stay_as_they_are(monkeypatch):
