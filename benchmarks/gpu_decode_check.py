@@ -28,8 +28,11 @@
    ``--graphs``, its per-layer table and run directory kept.
 
 Writes ``results.json``, ``summary.md`` (after every section: a run killed at the device
-call's limit keeps what it measured) and the Kineto traces under ``--out``; prints the summary
-last. Sections that would not fit the wall-clock budget (``--budget-s``) are skipped and
+call's limit keeps what it measured) under ``--out``, and the evidence behind them (the Kineto
+traces, the main job's run directories) as ``evidence.tar.gz.part0``, ``part1``, ... (parts
+of at most 15 MiB, also rewritten after every section: the device returns at most 8 files of
+16 MiB; ``cat evidence.tar.gz.part* | tar xz`` unpacks them); prints the summary last.
+Sections that would not fit the wall-clock budget (``--budget-s``) are skipped and
 listed, the headline first: graphs before eager runs. Every number is measured in this one
 run.
 """
@@ -44,6 +47,7 @@ import math
 import statistics
 import subprocess
 import sys
+import tarfile
 import tempfile
 import time
 import traceback
@@ -71,6 +75,9 @@ GEMV_REL_ERR, GEMV_MAX_ERR = 1e-2, 2e-2
 # Seconds kept for what follows the speed runs (the GEMVs, then the main job), what the
 # GEMVs and one main-job run need at least, and a margin for writing the results.
 RESERVE_AFTER_SPEED_S, GEMV_S, MIN_MAIN_JOB_S, BUDGET_MARGIN_S = 150, 45, 60, 10
+# The device call returns at most 8 files of 16 MiB from $OUT: results.json, summary.md, the
+# log, and the evidence in parts.
+EVIDENCE_PART_BYTES, EVIDENCE_PARTS = 15 << 20, 5
 
 
 def copy_bandwidth(device: str, mib: int, repeats: int = 10) -> float:
@@ -329,7 +336,7 @@ def main_job(out: Path, smoke: bool, budget: Budget) -> dict:
     modes = (False,) if smoke else (False, True)
     for i, graphs in enumerate(modes):
         args = [sys.executable, "-m", "kimi_perf", "trace", "--out", str(out / "runs"),
-                "--format", "json"]
+                "--plotly-js", "cdn", "--format", "json"]
         args += ["--layers", "4", "--steps", "1", "--warmup", "0"] if smoke else []
         args += ["--graphs"] if graphs else []
         share = (budget.left() - BUDGET_MARGIN_S) / (len(modes) - i)
@@ -355,9 +362,23 @@ def main_job(out: Path, smoke: bool, budget: Budget) -> dict:
     return runs
 
 
-def save(results: dict, out: Path) -> None:
+def save(results: dict, out: Path, work: Path) -> None:
     """results.json and summary.md as far as the check got (a killed run still leaves its
-    sections)."""
+    sections), and the evidence so far (``work``: traces and run directories) packed."""
+    with tempfile.TemporaryFile() as packed:  # not under out: a kill leaves no partial file
+        with tarfile.open(fileobj=packed, mode="w:gz", compresslevel=1) as tar:
+            tar.add(work, arcname="evidence")
+        packed.seek(0)
+        data = packed.read()
+    for old in out.glob("evidence.tar.gz.part*"):
+        old.unlink()
+    parts = range(0, max(len(data), 1), EVIDENCE_PART_BYTES)
+    for i, at in enumerate(parts):
+        (out / f"evidence.tar.gz.part{i}").write_bytes(data[at:at + EVIDENCE_PART_BYTES])
+    results["evidence"] = {"bytes": len(data), "parts": len(parts)}
+    if len(parts) > EVIDENCE_PARTS:
+        results["evidence"]["warning"] = (f"{len(parts)} parts: the device returns only "
+                                          f"{EVIDENCE_PARTS} besides the results and the log")
     (out / "results.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
     (out / "summary.md").write_text(render_summary(results))
 
@@ -365,6 +386,8 @@ def save(results: dict, out: Path) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--work", type=Path, help="where the traces and run directories go "
+                        "before they are packed into --out (default: a new temporary folder)")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU")
     parser.add_argument("--layers", type=int, default=5)
     parser.add_argument("--context", type=int, default=1024)
@@ -376,6 +399,8 @@ def main() -> int:
     args = parser.parse_args()
     budget = Budget(args.budget_s)
     args.out.mkdir(parents=True, exist_ok=True)
+    work = args.work or Path(tempfile.mkdtemp(prefix="gpu-check-"))
+    work.mkdir(parents=True, exist_ok=True)
     device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
     if not args.smoke and device != "cuda":
         print("no GPU: run with --smoke for the CPU plumbing check", file=sys.stderr)
@@ -389,7 +414,7 @@ def main() -> int:
         results["correctness"] = correctness(device, 2 if args.smoke else 6)
     except Exception:  # keep going: the speed runs are evidence of their own
         results["errors"].append(traceback.format_exc())
-    save(results, args.out)
+    save(results, args.out, work)
     if args.smoke:
         c, batches, context, steps, warmup = preset("tiny", n_layers=4), (1, 2), 4, 1, 1
     else:
@@ -413,11 +438,11 @@ def main() -> int:
                 started = time.monotonic()
                 try:
                     results["speed"][key] = speed(path, c, weights, batch, context, warmup,
-                                                  steps, device, args.out, bandwidth, graphs)
+                                                  steps, device, work, bandwidth, graphs)
                 except Exception:
                     results["errors"].append(f"{key}: {traceback.format_exc()}")
                 longest = max(longest, time.monotonic() - started)
-                save(results, args.out)
+                save(results, args.out, work)
     # After the speed runs: a fault in a kernel that has never run on a GPU before would
     # poison this process's CUDA context (the main job runs in processes of its own).
     gemv_ok = False
@@ -429,7 +454,7 @@ def main() -> int:
             gemv_ok = "builds" in results["gemv"] and not any(" cute:" in e for e in errors)
     except Exception:
         results["errors"].append(f"gemv: {traceback.format_exc()}")
-    save(results, args.out)
+    save(results, args.out, work)
     if gemv_ok:  # then the specialized path with it, at batch 1, side by side
         from kimi_perf_kernels.cute_gemv import CubinGemv
 
@@ -440,19 +465,19 @@ def main() -> int:
                 continue
             try:
                 results["speed"][key] = speed("specialized+cute", c, weights, 1, context,
-                                              warmup, steps, device, args.out, bandwidth,
+                                              warmup, steps, device, work, bandwidth,
                                               graphs, gemv=cute)
             except Exception:
                 results["errors"].append(f"{key}: {traceback.format_exc()}")
-            save(results, args.out)
+            save(results, args.out, work)
     del weights  # the main job's processes need the GPU memory
     if device == "cuda":
         torch.cuda.empty_cache()
-    results["main_job"] = main_job(args.out, args.smoke, budget)
+    results["main_job"] = main_job(work, args.smoke, budget)
     results["errors"] += [f"kimi-perf trace ({key}) exited {r['returncode']}: "
                           f"{r['stderr_tail']}" for key, r in results["main_job"].items()
                           if r["returncode"] != 0]
-    save(results, args.out)
+    save(results, args.out, work)
     print(render_summary(results))
     return 1 if results["errors"] else 0
 
@@ -543,6 +568,11 @@ def render_summary(results: dict) -> str:
             lines += [f"  {path} {t['type']}: {t['kernels']:g} kernels, {t['kernel_us']:.1f} µs"
                       for t in types]
     lines += [f"skipped {what}" for what in results.get("skipped", [])]
+    evidence = results.get("evidence")
+    if evidence:
+        lines += ["", f"evidence: {evidence['bytes'] / 2**20:.1f} MiB in {evidence['parts']} "
+                  "part(s), evidence.tar.gz.part* (cat them | tar xz)"
+                  + (f"; WARNING: {evidence['warning']}" if "warning" in evidence else "")]
     if results["errors"]:
         lines += ["", f"{len(results['errors'])} error(s): see results.json"]
     return "\n".join(lines) + "\n"

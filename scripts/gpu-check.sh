@@ -5,7 +5,9 @@
 #                                            #   GPU machine lacks, cute_gemv's cubins and the
 #                                            #   commit, -> .whl/
 #   bash scripts/gpu-check.sh run [ARGS...]  # there, in one call that carries .whl:
-#                                            #   results, traces and run directories -> $OUT
+#                                            #   results.json, summary.md, log.txt and the
+#                                            #   traces and run directories packed in parts
+#                                            #   (evidence.tar.gz.part*) -> $OUT
 #
 # The GPU machine has Python 3.12 with torch, triton, numpy, pyarrow, click and rich, and no
 # network: msgspec, plotly (with the narwhals and packaging it needs) and nvtx travel as

@@ -68,8 +68,20 @@ def test_gpu_decode_check_plumbing_on_the_cpu(tmp_path):
     assert results["gemv"] == {"skipped": "no GPU"}   # CuTe DSL cubins launch on a GPU only
     assert "GEMV side by side: skipped (no GPU)" in proc.stdout
     job = results["main_job"]["eager"]        # kimi-perf trace, as a user runs it
-    assert job["returncode"] == 0 and (tmp_path / "runs").is_dir()
+    assert job["returncode"] == 0
     assert {t["type"]: t["kernels"] for t in job["layer_types"]["specialized"]} == kernels
+    # What the device call returns: at most 8 files of 16 MiB, so the traces and the run
+    # directories come packed, in parts.
+    files = sorted(p.name for p in tmp_path.iterdir())
+    assert files == ["evidence.tar.gz.part0", "results.json", "summary.md"]
+    assert results["evidence"]["parts"] == 1 and "evidence: " in proc.stdout
+    import tarfile
+
+    with tarfile.open(tmp_path / "evidence.tar.gz.part0") as tar:
+        names = tar.getnames()
+    assert "evidence/specialized+l2_b1.trace.json.gz" in names
+    runs = [n for n in names if n.startswith("evidence/runs/") and n.endswith("/report.html")]
+    assert len(runs) == 1
 
 
 def test_gpu_check_skips_what_its_budget_cannot_fit(tmp_path):
@@ -150,3 +162,33 @@ def test_gpu_check_summary_puts_the_gemvs_side_by_side():
            "1.0e-03 / 2.0e-03 |" in text
     assert "| o_proj | 4 | 7168×1536 | failed | 9.00 | 7.50 | 4.60 | - | - | - / 2.0e-03 |" \
         in text
+
+
+def test_gpu_check_evidence_comes_back_in_parts(tmp_path, monkeypatch):
+    """Larger evidence is cut into parts under the device's file size; the parts join into
+    the tarball again, stale parts of an earlier save go, and too many parts are flagged."""
+    import io
+    import os
+    import tarfile
+
+    check = _gpu_check()
+    work, out = tmp_path / "work", tmp_path / "out"
+    (work / "runs").mkdir(parents=True)
+    blob = os.urandom(3 << 20)                     # incompressible: about 3 MiB packed
+    (work / "runs" / "trace.bin").write_bytes(blob)
+    out.mkdir()
+    (out / "evidence.tar.gz.part9").write_bytes(b"stale")
+    monkeypatch.setattr(check, "EVIDENCE_PART_BYTES", 1 << 20)
+    monkeypatch.setattr(check, "render_summary", lambda results: "")
+    results = {"errors": []}
+    check.save(results, out, work)
+    parts = sorted(out.glob("evidence.tar.gz.part*"), key=lambda p: int(p.name[20:]))
+    assert len(parts) == results["evidence"]["parts"] == 4
+    assert all(p.stat().st_size <= 1 << 20 for p in parts)
+    joined = b"".join(p.read_bytes() for p in parts)
+    with tarfile.open(fileobj=io.BytesIO(joined)) as tar:
+        assert tar.extractfile("evidence/runs/trace.bin").read() == blob
+    assert "warning" not in results["evidence"]
+    monkeypatch.setattr(check, "EVIDENCE_PARTS", 3)
+    check.save(results, out, work)
+    assert "only 3 besides" in results["evidence"]["warning"]
