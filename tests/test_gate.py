@@ -231,6 +231,7 @@ def test_cli_exit_codes_and_update(tmp_path):
 def test_this_repository_keeps_its_launch_counts(tmp_path):
     """Nightly-CI use on this CPU: a fresh `kimi-perf trace` has the launches per layer that
     the committed baseline has (the µs of a CPU run are not a speed figure: kernels only)."""
+    pytest.importorskip("torch")
     runner = CliRunner()
     result = runner.invoke(main, ["trace", "--layers", "4", "--steps", "1", "--warmup", "0",
                                   "--context", "3", "--out", str(tmp_path), "--format",
