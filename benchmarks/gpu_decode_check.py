@@ -60,6 +60,7 @@ from kimi_perf.breakdown import breakdown
 from kimi_perf.capture import environment, profiler_schedule
 from kimi_perf.decode.config import K3Config, preset
 from kimi_perf.decode.floors import launch_bytes
+from kimi_perf.decode.fusions import fusion_ledger
 from kimi_perf.decode.harness import GraphedDecodeStep, run_decode
 from kimi_perf.decode.model import K3Model
 from kimi_perf.decode.specialized import SpecializedModel, build_model
@@ -539,6 +540,24 @@ def render_summary(results: dict) -> str:
             lines.append(f"| {name} | {e['us_per_launch']:.2f} | "
                          f"{'-' if floor is None else f'{floor:.2f}'} | "
                          f"{'-' if frac is None else f'{frac:.2f}'} |")
+    for key, r in results.get("speed", {}).items():  # the fusions, launch by launch
+        other = results["speed"].get(key.replace("specialized", "standard", 1))
+        if not key.startswith("specialized b") or "launches" not in r or not other \
+                or "launches" not in other:
+            continue
+        ledger = fusion_ledger(*([{"name": n, "us": e["us_per_launch"]}
+                                  for n, e in x["launches"].items()] for x in (other, r)))
+        if ledger is None:
+            continue
+        rows, left = ledger
+        lines += ["", f"{key}: each launch against the standard launches it replaces (µs per "
+                  "launch; ratio: replaced over replacing, above 1: the fusion is faster)", "",
+                  "| launch | µs | replaces | their µs | ratio |", "|---|---:|---|---:|---:|"]
+        lines += [f"| {x.launch} | {x.us:.2f} | {' + '.join(x.replaces) or '(new work)'} | "
+                  f"{x.replaced_us:.2f} | {'-' if x.ratio is None else f'{x.ratio:.2f}'} |"
+                  for x in rows]
+        if left:
+            lines.append(f"standard launches no specialized launch took: {', '.join(left)}")
     gemv = results.get("gemv") or {}
     if "builds" in gemv:
         lines += ["", "GEMV side by side (µs per launch from graphs; ratio: Triton or cuBLAS "

@@ -220,8 +220,18 @@ def compare_cmd(a: Path, b: Path | None, path_name: str | None, fmt: str, layers
     tables = [render.comparison_table(rows, name_a, name_b, unit),
               render.comparison_headline(rows, name_a, name_b, unit)]
     if kernels:
-        tables += [render.typical_layer_table(
-            t or "-", {name_a: types_a.get(t), name_b: types_b.get(t)}, unit) for t in matched]
+        from kimi_perf.decode.fusions import ledger_of
+
+        for t in matched:
+            tables.append(render.typical_layer_table(
+                t or "-", {name_a: types_a.get(t), name_b: types_b.get(t)}, unit))
+            typical = [((types.get(t) or {}).get("typical_layer") or {}).get("kernels") or []
+                       for types in (types_a, types_b)]
+            ledger = ledger_of(*typical)
+            if ledger is not None:  # the two decode paths: what each fused launch replaced
+                swapped, rows_, left = ledger
+                standard, specialized = (name_b, name_a) if swapped else (name_a, name_b)
+                tables.append(render.fusion_table(t, standard, specialized, rows_, left))
     _emit_tables(tables, output)
 
 

@@ -192,6 +192,26 @@ def typical_layer_table(layer_type: str, sides: dict[str, dict | None],
     return table
 
 
+def fusion_table(layer_type: str, standard: str, specialized: str, rows: list,
+                 left: list[str]) -> Table:
+    """``kimi_perf.decode.fusions.fusion_ledger``'s rows: each launch of the specialized path
+    against the standard launches whose work it does."""
+    table = _table(f"{layer_type}: each {specialized} launch against the {standard} launches "
+                   "it replaces (median µs)",
+                   [f"{specialized} launch", "µs", f"replaces ({standard})", "their µs",
+                    "ratio"], left=(f"{specialized} launch", f"replaces ({standard})"))
+    for r in rows:
+        table.add_row(r.launch, f"{r.us:.1f}", " + ".join(r.replaces) or "(new work)",
+                      f"{r.replaced_us:.1f}", "-" if r.ratio is None else f"{r.ratio:.2f}")
+    replaced = sum(len(r.replaces) for r in rows)
+    notes = [f"{len(rows)} launches for {replaced}: {sum(r.us for r in rows):.1f} µs for "
+             f"{sum(r.replaced_us for r in rows):.1f} µs (ratio above 1: the fusion is faster)"]
+    if left:
+        notes.append(f"{standard} launches no {specialized} launch took: {', '.join(left)}")
+    table.caption = "\n".join(notes)
+    return table
+
+
 def comparison_table(rows: list[ComparisonRow], label_a: str, label_b: str,
                      unit: str = "kernels") -> Table:
     table = _table(f"Per layer type: {label_a} vs {label_b} (medians; µs = layer span)",

@@ -192,6 +192,46 @@ def _typical_html(breakdowns: dict[str, Breakdown]) -> str:
             "layers (hover a name for the whole of it).</p>" + "".join(parts))
 
 
+def _fusions_html(breakdowns: dict[str, Breakdown]) -> str:
+    """Where the first trace and another are the two decode paths of this repository (their
+    launches annotated: a CPU run, say), each fused launch against the standard launches whose
+    work it does, per layer type (``kimi_perf.decode.fusions``)."""
+    from kimi_perf.decode.fusions import ledger_of
+
+    e = html.escape
+    labels = list(breakdowns)
+    parts = []
+    for other in labels[1:]:
+        for t in breakdowns[labels[0]].layer_types:
+            u = next((u for u in breakdowns[other].layer_types if u["type"] == t["type"]), None)
+            kernels = [(x or {}).get("typical_layer", {}).get("kernels") or [] for x in (t, u)]
+            ledger = ledger_of(*kernels)
+            if ledger is None:
+                continue
+            swapped, rows, left = ledger
+            standard, specialized = (other, labels[0]) if swapped else (labels[0], other)
+            body = "".join(
+                f"<tr><td class=name>{e(r.launch)}</td><td>{r.us:.1f}</td>"
+                f"<td class=name>{e(' + '.join(r.replaces) or '(new work)')}</td>"
+                f"<td>{r.replaced_us:.1f}</td>"
+                f"<td>{'-' if r.ratio is None else f'{r.ratio:.2f}'}</td></tr>" for r in rows)
+            total = (f"<tr><th>{len(rows)} launches</th><th>{sum(r.us for r in rows):.1f}</th>"
+                     f"<th>{sum(len(r.replaces) for r in rows)} launches</th>"
+                     f"<th>{sum(r.replaced_us for r in rows):.1f}</th><th></th></tr>")
+            unplaced = (f"<p>{e(standard)} launches no {e(specialized)} launch took: "
+                        f"{e(', '.join(left))}</p>" if left else "")
+            parts.append(f"<h3>{e(t['type'])}: each {e(specialized)} launch against the "
+                         f"{e(standard)} launches it replaces</h3><table><tr><th>"
+                         f"{e(specialized)} launch</th><th>µs</th><th>replaces ({e(standard)})"
+                         "</th><th>their µs</th><th>ratio</th></tr>"
+                         f"{body}{total}</table>{unplaced}")
+    if not parts:
+        return ""
+    return ("<h2>Fusions, launch by launch</h2><p>Median µs in each path's typical layer; "
+            "ratio: what was replaced over what replaced it (above 1: the fusion is faster)."
+            "</p>" + "".join(parts))
+
+
 def _run_html(run: dict | None, breakdowns: dict[str, Breakdown]) -> str:
     """What ran and where: the request, the machine and the versions; for ``--from``, the
     traces read. Then each path's decode metrics, and a CPU run's caveat."""
@@ -300,6 +340,7 @@ def write_report(path: str | Path, traces: dict[str, Trace],
              _run_html(run, breakdowns),
              _comparison_html(breakdowns),
              _typical_html(breakdowns),
+             _fusions_html(breakdowns),
              "<h2>Timelines</h2>",
              timelines.to_html(full_html=False, include_plotlyjs=include),
              _class_bars(breakdowns).to_html(full_html=False, include_plotlyjs=False),

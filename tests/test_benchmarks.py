@@ -192,3 +192,23 @@ def test_gpu_check_evidence_comes_back_in_parts(tmp_path, monkeypatch):
     monkeypatch.setattr(check, "EVIDENCE_PARTS", 3)
     check.save(results, out, work)
     assert "only 3 besides" in results["evidence"]["warning"]
+
+
+def test_gpu_check_summary_sets_each_fused_launch_against_what_it_replaced():
+    """The per-launch µs of an eager GPU run (a CPU has no kernels to time per launch, so the
+    figures are made up here): each specialized launch beside the standard launches whose
+    work it does."""
+    launch = {"floor_us": None, "floor_fraction": None, "ranges": 4}
+    standard = {n: {**launch, "us_per_launch": us} for n, us in
+                (("f_b_proj", 3.0), ("fused_kda_decode", 9.0), ("o_proj", 5.0))}
+    specialized = {n: {**launch, "us_per_launch": us} for n, us in
+                   (("fused_kda_decode", 8.0), ("o_proj", 5.0))}
+    run = {"layer_types": [], "step_s": [0.01], "layer_sources": ["nvtx"], "model": "m",
+           "replayed_kernels_mapped_to_capture": 0}
+    results = {"environment": {"torch": "t"}, "date": "d", "copy_bandwidth_Bps": 4e12,
+               "errors": [], "speed": {"standard b1": {**run, "launches": standard},
+                                       "specialized b1": {**run, "launches": specialized}}}
+    summary = _gpu_check().render_summary(results)
+    assert "specialized b1: each launch against the standard launches it replaces" in summary
+    assert "| fused_kda_decode | 8.00 | f_b_proj + fused_kda_decode | 12.00 | 1.50 |" in summary
+    assert "| o_proj | 5.00 | o_proj | 5.00 | 1.00 |" in summary

@@ -228,6 +228,7 @@ def test_trace_command_captures_both_paths(tmp_path):
     assert "Run on a CPU, with no GPU kernels" in report and "<th>standard ops</th>" in report
     assert "Typical kda layer: ops in order" in report and "kernels in order" not in report
     assert ">fused_kda_decode</td><td>attention</td>" in report
+    assert "Fusions, launch by launch" in report and ">f_b_proj + fused_kda_decode</td>" in report
     assert 'src="https://cdn.plot.ly' not in report and "Plotly.newPlot" in report
     saved = json.loads((run_dir / "breakdown.json").read_text())
     assert saved["schema"] == 1 and set(saved["paths"]) == {"standard", "specialized"}

@@ -1,0 +1,91 @@
+"""Which standard-path launches each launch of the specialized path replaces (no torch).
+
+The two paths compute the same math; the specialized one in fewer, fused launches
+(``specialized.py``'s docstring walks through them). ``REPLACES`` names, per fused launch, the
+standard launches (``model.py`` / ``standard_kernels.py``) whose work it does; those in
+``SAME`` the two paths make one for one (``o_proj``, ``attn_res_pre``, the all-reduce after
+o_proj). ``fusion_ledger`` sets the two paths' typical layers side by side that way: each fused
+launch's µs against the µs of what it replaced, which is where a fusion shows what it bought,
+launch by launch.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+REPLACES: dict[str, tuple[str, ...]] = {
+    # KDA attention
+    "in_proj": ("in_proj_qkvgfab",),
+    "fused_kda_decode": ("f_b_proj", "fused_kda_decode"),
+    # gated MLA: the q/kv RMSNorm goes to q_b_proj's prologue and the cache insert; the merge
+    # of the attention splits to bmm_w_uv_gate
+    "qkv_a_g_proj": ("fused_qkv_a_proj", "g_proj"),
+    "q_b_proj": ("fused_q_kv_rmsnorm", "q_b_proj"),
+    "bmm_w_uk_cache_insert": ("bmm_w_uk", "q_concat_kv_cache_insert"),
+    "bmm_w_uv_gate": ("mla_decode_combine", "bmm_w_uv", "gate_sigmoid_mul"),
+    # layer 0's dense MLP
+    "dense_gate_up_situ": ("dense_gate_up", "dense_situ_and_mul"),
+    # latent MoE: the shared experts ride in the routed experts' grids
+    "router_latent_down": ("router_gemm", "latent_down_proj"),
+    "moe_fc1_situ_shared_gate_up": ("topk", "moe_fc1_situ", "shared_gate_up",
+                                    "shared_situ_and_mul"),
+    "moe_fc2_combine_shared_down": ("moe_fc2", "moe_finalize", "shared_down"),
+    "moe_all_reduce": ("latent_all_reduce", "shared_all_reduce"),
+    "latent_up_proj": ("latent_rmsnorm", "latent_up_proj", "moe_add"),
+    "lm_head": ("final_norm", "lm_head"),
+    # opt-in, on a second stream: new work, replacing none
+    "l2_prefetch": (),
+}
+# Launches both paths make, one for one.
+SAME = ("attn_res_pre", "attn_res_post", "attn_res_final", "o_proj", "all_reduce",
+        "mla_decode", "dense_down")
+SPECIALIZED_LAUNCHES = frozenset(REPLACES) | frozenset(SAME)
+STANDARD_LAUNCHES = frozenset(n for names in REPLACES.values() for n in names) | frozenset(SAME)
+
+
+@dataclass
+class LedgerRow:
+    launch: str                  # the specialized path's launch
+    us: float                    # its median µs in the typical layer
+    replaces: list[str]          # the standard launches whose work it does
+    replaced_us: float           # their µs in the standard path's typical layer
+
+    @property
+    def ratio(self) -> float | None:
+        """What it replaced over what it takes: above 1, the fusion is faster."""
+        return round(self.replaced_us / self.us, 3) if self.us and self.replaces else None
+
+
+def fusion_ledger(standard: list[dict], specialized: list[dict]
+                  ) -> tuple[list[LedgerRow], list[str]] | None:
+    """One layer type's typical layers (``typical_layer["kernels"]``: name, us) of the two
+    paths, launch by launch: a row per specialized launch, and the standard launches no row
+    took. None when the names are not the two paths' launch names (a GPU trace without launch
+    annotations names kernels instead)."""
+    if (not specialized or any(k["name"] not in SPECIALIZED_LAUNCHES for k in specialized)
+            or any(k["name"] not in STANDARD_LAUNCHES for k in standard)):
+        return None
+    standard_us: dict[str, float] = defaultdict(float)
+    for k in standard:
+        standard_us[k["name"]] += k["us"]
+    taken: set[str] = set()
+    rows = []
+    for k in specialized:
+        replaces = [n for n in REPLACES.get(k["name"], (k["name"],))
+                    if n in standard_us and n not in taken]
+        taken.update(replaces)
+        rows.append(LedgerRow(k["name"], k["us"], replaces,
+                              round(sum(standard_us[n] for n in replaces), 3)))
+    return rows, [n for n in standard_us if n not in taken]
+
+
+def ledger_of(a: list[dict], b: list[dict]
+              ) -> tuple[bool, list[LedgerRow], list[str]] | None:
+    """``fusion_ledger`` of two typical layers in whichever order they come: (whether ``a``
+    is the specialized one, rows, standard launches no row took), or None."""
+    for swapped, (standard, specialized) in ((False, (a, b)), (True, (b, a))):
+        ledger = fusion_ledger(standard, specialized)
+        if ledger is not None:
+            return swapped, *ledger
+    return None

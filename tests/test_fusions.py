@@ -1,0 +1,79 @@
+"""The ledger of fused launches: which standard launches each specialized one replaces."""
+
+from __future__ import annotations
+
+import json
+import re
+
+from kimi_perf.decode.fusions import (
+    REPLACES,
+    SPECIALIZED_LAUNCHES,
+    STANDARD_LAUNCHES,
+    fusion_ledger,
+)
+from tests.conftest import REPO
+from tests.test_gate import BASELINE
+
+DECODE = REPO / "kimi_perf" / "decode"
+
+
+def _launch_names(*files: str) -> set[str]:
+    """Every launch a path's code annotates: launch("name") and named all-reduces (and the
+    default one, o_proj's)."""
+    text = "".join((DECODE / f).read_text() for f in files)
+    names = set(re.findall(r'launch\("(\w+)"\)', text))
+    names |= set(re.findall(r'_all_reduce\([^()]*"(\w+)"\)', text))
+    return names | {"all_reduce"}
+
+
+def test_the_ledger_names_exactly_the_launches_the_paths_make():
+    """The map is complete and nothing in it is stale: the standard path's launches (its
+    PyTorch ops and its one-kernel-per-step form) and the specialized path's, as their code
+    annotates them, TP all-reduces and layer 0's dense MLP included."""
+    assert _launch_names("model.py", "standard_kernels.py", "kernel_path.py") \
+        == STANDARD_LAUNCHES
+    assert _launch_names("specialized.py", "kernel_path.py") == SPECIALIZED_LAUNCHES
+    replaced = [n for names in REPLACES.values() for n in names]
+    assert len(replaced) == len(set(replaced))      # each standard launch goes to one place
+
+
+def test_a_run_s_typical_layers_account_for_every_standard_launch():
+    doc = json.loads(BASELINE.read_text())["paths"]
+    typical = {path: {t["type"]: t["typical_layer"]["kernels"] for t in doc[path]["layer_types"]}
+               for path in ("standard", "specialized")}
+    for layer_type in ("kda", "mla"):
+        standard, specialized = typical["standard"][layer_type], typical["specialized"][layer_type]
+        rows, left = fusion_ledger(standard, specialized)
+        assert left == [] and len(rows) == len(specialized)
+        assert sorted(n for r in rows for n in r.replaces) == sorted(k["name"] for k in standard)
+        assert round(sum(r.replaced_us for r in rows), 3) == round(
+            sum(k["us"] for k in standard), 3)
+    kda = {r.launch: r for r in fusion_ledger(typical["standard"]["kda"],
+                                              typical["specialized"]["kda"])[0]}
+    assert kda["fused_kda_decode"].replaces == ["f_b_proj", "fused_kda_decode"]
+    r = kda["latent_up_proj"]
+    assert r.ratio == round(r.replaced_us / r.us, 3)
+
+
+def test_no_ledger_for_kernel_names():
+    """A GPU trace without launch annotations names kernels: no ledger is made up."""
+    standard = [{"name": "sm90_xmma_gemm_bf16", "us": 3.0}]
+    specialized = [{"name": "_skinny_linear_kernel", "us": 1.0}]
+    assert fusion_ledger(standard, specialized) is None
+    assert fusion_ledger([{"name": "o_proj", "us": 2.0}], [{"name": "o_proj", "us": 1.0}]) \
+        is not None
+
+
+def test_compare_kernels_shows_the_ledger_of_the_two_paths():
+    from click.testing import CliRunner
+
+    from kimi_perf.cli import main
+
+    out = CliRunner().invoke(main, ["compare", str(BASELINE), "--kernels"]).output
+    assert "kda: each specialized launch against the standard launches it replaces" in out
+    assert "f_b_proj + fused_kda_decode" in out and "9 launches for 18: " in out
+    assert "12 launches for 24: " in out
+    # the other way round (specialized as A) it is the same ledger
+    swapped = CliRunner().invoke(main, ["compare", str(BASELINE), str(BASELINE), "--path",
+                                        "specialized", "--kernels"]).output
+    assert "against the" not in swapped     # one path against itself: no fusions to show
