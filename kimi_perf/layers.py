@@ -222,7 +222,9 @@ def _other_thread_owners(trace: Trace, ops: GpuOps, matching: np.ndarray, owner:
     borrowed = np.zeros(len(ops), bool)
     r = trace.ranges
     step_rows = np.flatnonzero(matching & (r.style != GPU_RANGE) & (r.pid >= 0))
-    loose = np.flatnonzero((owner < 0) & (ops.pid >= 0))
+    # with a launching call: a kernel whose call the trace lost has only its GPU time, which
+    # may fall in a later step's window
+    loose = np.flatnonzero((owner < 0) & (ops.pid >= 0) & (ops.api >= 0))
     if len(step_rows) == 0 or len(loose) == 0:
         return borrowed
     for pid in np.unique(r.pid[step_rows]).tolist():
