@@ -157,10 +157,9 @@ def _typical_html(breakdowns: dict[str, Breakdown]) -> str:
         head = "<tr><th>#</th>" + "".join(
             f"<th>{e(label)} {unit[:-1]}</th><th>class</th><th>µs</th>" for label in sides
         ) + "</tr>"
-        names = {label: short_names([k["name"] for k in t["kernels"]], 100) if t else []
-                 for label, t in typical.items()}
         whole = {label: demangle([k["name"] for k in t["kernels"]]) if t else []
                  for label, t in typical.items()}
+        names = {label: short_names(w, 100) for label, w in whole.items()}  # demangled once
         rows = []
         for i in range(max(len(n) for n in names.values())):
             cells = [f"<td>{i + 1}</td>"]
