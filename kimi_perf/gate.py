@@ -15,8 +15,9 @@ whose kernel sequence differs between the two is noted (``changed``), not failed
 
 A layer type's regression or improvement says which kernels are behind it (``detail``), from
 the typical layers of both (the kernel sequence most layers of the type ran, with median µs
-per kernel): for kernel counts the kernels added and removed, for times the kernels whose µs
-moved most that way.
+per kernel): for kernel counts the kernels added and removed, for times the (at most three)
+launches whose µs moved most that way, new or lost ones by all their µs, and the typical
+layer's total change.
 
 A run is what ``kimi-perf trace`` writes (its directory, or the ``breakdown.json`` in it, one
 breakdown per decode path), a breakdown JSON of one trace, or any trace the readers take (one

@@ -79,9 +79,7 @@ def capture_memory_calls(trace: Trace, kernel_captures: np.ndarray) -> np.ndarra
     from_graph = launched[is_graph[m.api[launched]]]
     if len(from_graph) == 0:
         return out
-    ran = np.zeros(len(api), bool)
-    for table in (k, m):
-        ran[table.api[table.api >= 0]] = True
+    ran = _calls_that_ran(trace)
     calls = _by_thread(trace, np.flatnonzero(trace.names_matching(MEMORY_CALL)[api.name]
                                              & ~ran))
     begins = _by_thread(trace, np.flatnonzero(trace.names_matching(BEGIN_CAPTURE)[api.name]))
@@ -123,6 +121,14 @@ def capture_memory_calls(trace: Trace, kernel_captures: np.ndarray) -> np.ndarra
 _NONE = (np.empty(0, np.int64), np.empty(0, np.int64))
 
 
+def _calls_that_ran(trace: Trace) -> np.ndarray:
+    """Per API call: whether a kernel or memop joined to it ran (a captured call ran none)."""
+    ran = np.zeros(len(trace.api), bool)
+    for table in (trace.kernels, trace.memops):
+        ran[table.api[table.api >= 0]] = True
+    return ran
+
+
 def _by_thread(trace: Trace, rows: np.ndarray) -> dict[tuple[int, int], tuple[np.ndarray,
                                                                             np.ndarray]]:
     """API rows per (pid, tid): their start times, ascending, and the rows in that order."""
@@ -144,9 +150,7 @@ def _captures(trace: Trace) -> list[np.ndarray]:
     rows = np.flatnonzero(is_launch | is_begin)
     if len(rows) == 0:
         return []
-    ran = np.zeros(len(api), bool)
-    for table in (trace.kernels, trace.memops):
-        ran[table.api[table.api >= 0]] = True
+    ran = _calls_that_ran(trace)
     rows = rows[np.lexsort((api.start[rows], api.tid[rows], api.pid[rows]))]
     idle = is_launch[rows] & ~ran[rows]
     same_thread = np.r_[False, (api.pid[rows][1:] == api.pid[rows][:-1])
