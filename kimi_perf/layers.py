@@ -29,14 +29,26 @@ STEP_PATTERNS = [
     r"^(?:decode_)?step[\[_ #]?(?P<index>\d+)\]?$",
     r"^execute_\d+_context_\d+",        # vLLM's per-step annotation
     r"^execute_model",
+    # The root module's call under vLLM's, SGLang's or TensorRT-LLM's layerwise NVTX markers
+    # (a module path without a dot): one forward pass.
+    r"^\{'Module': '[^'.]*'[,}]",
     r"^ProfilerStep#(?P<index>\d+)$",
 ]
 
 # One regex for the common per-layer spellings: layer[3], layer_3, layers.3, model.layers.3,
-# DecoderLayer_3, with an optional type: "layer[3](kda)", "layer[3] mla", "layer[3]:kda".
+# DecoderLayer_3, TransformerBlock_3, with an optional type: "layer[3](kda)", "layer[3] mla",
+# "layer[3]:kda"; the layerwise NVTX markers of vLLM, SGLang and TensorRT-LLM, a dict whose
+# 'Module' is the module's path ("{'Module': 'top.model.layers.3', 'Inputs': [[1, 7168]]}");
+# and a module call as the PyTorch profiler names it ("nn.Module: KimiK3DecoderLayer_3"),
+# whose number counts that class's modules in call order, not the layers, so the layer's
+# place in its step is its index. Sub-modules ("layers.3.mlp") do not match. Group names
+# that start with "index" and "type" give the layer's index and type.
 DEFAULT_LAYER_PATTERN = (
-    r"^(?:[\w.]*\.)?(?:\w*DecoderLayer|layers?)(?:\[(?P<index>\d+)\]|[._ ](?P<index2>\d+))"
+    r"^(?:[\w.]*\.)?(?:\w*DecoderLayer|\w*TransformerBlock|layers?)"
+    r"(?:\[(?P<index>\d+)\]|[._ ](?P<index2>\d+))"
     r"(?:\s*[(:]\s*(?P<type>[A-Za-z][\w-]*)\)?|\s+(?P<type2>[A-Za-z][\w-]*))?$"
+    r"|^\{'Module': '(?:[^']*\.)?layers?\.(?P<index3>\d+)'[,}]"
+    r"|^nn\.Module: \w*(?:DecoderLayer|TransformerBlock)_\d+$"
 )
 
 
@@ -316,10 +328,10 @@ def layers_from_ranges(trace: Trace, ops: GpuOps, steps: list[Step], layer_regex
     for code in np.unique(r.name[layer_of_op[layer_of_op >= 0]]).tolist():
         m = regex.search(trace.strings[code])
         groups = m.groupdict() if m else {}
-        idx = groups.get("index") or groups.get("index2")
+        idx = next((v for k, v in groups.items() if k.startswith("index") and v), None)
         if idx is None and m and m.groups():
             idx = next((g for g in m.groups() if g and g.isdigit()), None)
-        kind = groups.get("type") or groups.get("type2") or ""
+        kind = next((v for k, v in groups.items() if k.startswith("type") and v), "")
         parsed[code] = (int(idx) if idx is not None else None, kind)
 
     for step in steps:
@@ -485,13 +497,16 @@ def layers_from_repeats(ops: GpuOps, steps: list[Step]) -> bool:
 
 def assign_types(ops: GpuOps, steps: list[Step], similarity: float = 0.8) -> None:
     """Name layer types: keep types the ranges gave; otherwise group layers by their kernel
-    sequence, folding one-off variants (first/last layer) into the closest common type."""
-    layers = [layer for s in steps for layer in s.layers if not layer.type]
+    sequence, folding one-off variants (first/last layer) into the closest common type. A
+    sequence is common when it runs more than once per step: a first layer's variant runs in
+    every step, but once."""
+    with_untyped = [s for s in steps if any(not layer.type for layer in s.layers)]
+    layers = [layer for s in with_untyped for layer in s.layers if not layer.type]
     if not layers:
         return
     signatures = [tuple(ops.name[layer.ops].tolist()) for layer in layers]
     frequency = Counter(signatures)
-    common = [sig for sig, c in frequency.items() if c > 1] or list(frequency)
+    common = [sig for sig, c in frequency.items() if c > len(with_untyped)] or list(frequency)
     group: dict[tuple, tuple] = {sig: sig for sig in common}
     for sig in frequency:
         if sig not in group:

@@ -119,6 +119,72 @@ def test_default_layer_pattern_rejects_sub_ranges(name):
     assert re.search(DEFAULT_LAYER_PATTERN, name) is None
 
 
+def _marker(path: str, **fields) -> str:
+    """A layerwise NVTX marker as vLLM's, SGLang's and TensorRT-LLM's hooks name it."""
+    return str({"Module": path, **fields})
+
+
+def test_layerwise_nvtx_markers_of_serving_engines():
+    """Every module's forward gets a marker (the root's is the forward pass, so the step);
+    vLLM also pushes and pops an empty "output" marker after each module."""
+    b = TraceBuilder()
+    n_layers = 8
+    for _ in range(2):
+        step_start = b.clock
+        start, end = b.sequence(["embedding"])
+        b.range(_marker("top.model.embed_tokens", Inputs=[[1]]), start - 5, end)
+        for i, kernels in enumerate(k3_like(n_layers)):
+            start, end = b.sequence(kernels)
+            layer = f"top.model.layers.{i}"
+            b.range(_marker(layer, Inputs=[[1, 7168]], TrainableParams={}), start - 10, end)
+            b.range(_marker(layer + ".self_attn", Inputs=[[1, 7168]]), start - 5,
+                    start + 6 * 1100)
+            b.range(_marker(layer + ".mlp.experts", StaticParams={"in_features": 7168}),
+                    end - 3 * 1100, end - 5)
+            b.range(_marker(layer, Outputs=[[1, 7168]]), end + 1, end + 2)
+        b.sequence(["gemm_lm_head"])
+        b.range(_marker("top", input_ids=[[1]], positions=[[1]]), step_start - 20, b.clock)
+        b.range(_marker("top", Outputs=[[1, 7168]]), b.clock + 1, b.clock + 2)
+        b.clock += 5000
+    _, steps = segment(b.build())
+    assert len(steps) == 2
+    for step in steps:
+        assert step.name.startswith("{'Module': 'top', 'input_ids'")
+        assert step.layer_source == "nvtx"
+        assert [x.index for x in step.layers] == list(range(n_layers))
+        assert [len(x.ops) for x in step.layers] == [len(k) for k in k3_like(n_layers)]
+        assert [x.type for x in step.layers][:4] == ["A", "A", "A", "B"]
+        assert len(step.prologue) == 1 and len(step.epilogue) == 1
+
+
+def test_module_calls_of_the_pytorch_profiler_are_layers():
+    """"nn.Module: <Class>_<n>" numbers the modules of each class, so with a dense first layer
+    of its own class the numbers are not the layers': the layer's place is its index."""
+    b = TraceBuilder()
+    step_start = b.clock
+    b.sequence(["embedding"])
+    for i, kernels in enumerate(k3_like(8)):
+        start, end = b.sequence(kernels)
+        name = "nn.Module: KimiDenseDecoderLayer_0" if i == 0 else \
+            f"nn.Module: KimiK3DecoderLayer_{i - 1}"
+        b.range(name, start - 10, end)
+        b.range(f"nn.Module: Linear_{i}", start - 5, start + 1100)
+    b.sequence(["gemm_lm_head"])
+    b.range("ProfilerStep#4", step_start - 20, b.clock)
+    _, (step,) = segment(b.build())
+    assert step.layer_source == "nvtx"
+    assert [x.index for x in step.layers] == list(range(8))
+    assert [len(x.ops) for x in step.layers] == [len(k) for k in k3_like(8)]
+
+
+@pytest.mark.parametrize("name", [
+    "{'Module': 'top.model.layers.3.self_attn', 'Inputs': [[1, 7168]]}",
+    "{'Module': 'top.model.layers.3.mlp.experts'}", "{'Module': 'top.model', 'Inputs': []}",
+    "nn.Module: Linear_3", "nn.Module: KimiK3DecoderLayer", "nn.Module: DecoderLayerNorm_3"])
+def test_default_layer_pattern_rejects_sub_modules(name):
+    assert re.search(DEFAULT_LAYER_PATTERN, name) is None
+
+
 def test_nvtx_regex_option_and_repeat_fallback():
     trace = nvtx_decode_trace("blk{i}-{kind}", steps=1).build()
     _, (step,) = segment(trace, layers=r"nvtx:^blk(?P<index>\d+)-(?P<type>\w+)$")

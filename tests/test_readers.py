@@ -236,6 +236,56 @@ def test_kineto_reader_tricky_text(layout, tmp_path, monkeypatch):
     assert trace.meta["gpus"] == [{"device": 0, "name": "G", "sm_count": 2}]
 
 
+def _eager_kineto_doc(n_layers: int = 4) -> dict:
+    """An eager decode step profiled with ``with_stack``: each decoder layer's module call
+    holds a Linear's module call, Python frames, an op and two kernel launches."""
+    events = [{"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#7", "pid": 5,
+               "tid": 6, "ts": 0, "dur": 100 * n_layers + 50}]
+    for i in range(n_layers):
+        t = 10 + 100 * i
+        events += [
+            {"ph": "X", "cat": "python_function", "name": f"nn.Module: LlamaDecoderLayer_{i}",
+             "pid": 5, "tid": 6, "ts": t, "dur": 90, "args": {"Python id": 3 * i}},
+            {"ph": "X", "cat": "python_function",
+             "name": "torch/nn/modules/module.py(1750): _call_impl", "pid": 5, "tid": 6,
+             "ts": t + 1, "dur": 80},
+            {"ph": "X", "cat": "python_function", "name": f"nn.Module: Linear_{i}", "pid": 5,
+             "tid": 6, "ts": t + 2, "dur": 40},
+            {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "pid": 5, "tid": 6, "ts": t + 3,
+             "dur": 30},
+        ]
+        for k, (name, ts) in enumerate((("gemm", t + 4), ("rmsnorm", t + 50))):
+            corr = 10 * i + k
+            events += [
+                {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "pid": 5,
+                 "tid": 6, "ts": ts, "dur": 2, "args": {"correlation": corr}},
+                {"ph": "X", "cat": "kernel", "name": name, "pid": 0, "tid": 7, "ts": ts + 5,
+                 "dur": 3, "args": {"device": 0, "stream": 7, "correlation": corr}},
+            ]
+    return {"traceEvents": events}
+
+
+def test_kineto_module_calls_are_ranges_and_layers(tmp_path, monkeypatch):
+    """The profiler's module calls ("nn.Module: ...") are kept as ranges, by every read path,
+    and give the layers; its other Python frames are left out."""
+    path = tmp_path / "eager.json"
+    path.write_text(json.dumps(_eager_kineto_doc()))
+    traces = _kineto_paths(path, monkeypatch)
+    trace = traces["blocks"]
+    for label, other in traces.items():
+        _assert_same_trace(trace, other, label)
+    names = [trace.strings[i] for i in trace.ranges.name]
+    assert [n for n in names if n.startswith("nn.Module")] == [
+        f"nn.Module: {cls}_{i}" for i in range(4) for cls in ("LlamaDecoderLayer", "Linear")]
+    assert not any("_call_impl" in n for n in names)
+    from kimi_perf.layers import segment
+
+    _, (step,) = segment(trace)
+    assert step.name == "ProfilerStep#7" and step.layer_source == "nvtx"
+    assert [x.index for x in step.layers] == [0, 1, 2, 3]
+    assert [len(x.ops) for x in step.layers] == [2, 2, 2, 2]
+
+
 def test_kineto_ids_beyond_int32_stay_int64(tmp_path, monkeypatch):
     """Id columns are int32 only where every value fits; the launch join and the attribution
     carry wide ids exactly."""

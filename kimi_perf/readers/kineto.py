@@ -57,13 +57,20 @@ _API_CATEGORIES = {"cuda_runtime": RUNTIME, "hip_runtime": RUNTIME, "cuda_driver
 # and operator events under a "cpu_op" domain so that kernels can be attributed to ops too.
 _CPU_RANGE_DOMAINS = {"user_annotation": "", "cpu_op": "cpu_op"}
 
+# Module calls, as the profiler names them with ``with_stack``/``with_modules``
+# ("nn.Module: LlamaDecoderLayer_3"), are ranges in the default domain too: in an eager trace
+# they are the per-layer structure. The other Python function events are left out.
+_MODULE_CALL_PREFIX = "nn.Module: "
+
 # Event categories in the vectorized pass.
-_KERNEL, _MEMCPY, _MEMSET, _RUNTIME_API, _DRIVER_API, _USER_RANGE, _CPU_OP, _GPU_RANGE = range(1, 9)
+(_KERNEL, _MEMCPY, _MEMSET, _RUNTIME_API, _DRIVER_API, _USER_RANGE, _CPU_OP, _GPU_RANGE,
+ _MODULE_CALL) = range(1, 10)
 _CAT_CODES = {
     "kernel": _KERNEL, "gpu_memcpy": _MEMCPY, "gpu_memset": _MEMSET,
     "cuda_runtime": _RUNTIME_API, "hip_runtime": _RUNTIME_API,
     "cuda_driver": _DRIVER_API, "hip_driver": _DRIVER_API,
     "user_annotation": _USER_RANGE, "cpu_op": _CPU_OP, "gpu_user_annotation": _GPU_RANGE,
+    "python_function": _MODULE_CALL,  # only the module calls: see add_fast
 }
 _RENAMED = {"corr": "correlation"}  # builder column -> table column
 _COLUMNS = {
@@ -507,6 +514,9 @@ class _Builder:
         self.objects += len(items)
         category = _CAT_CODES.get
         cats = [category(e.cat) for e in items]
+        if _MODULE_CALL in cats:
+            cats = [None if c == _MODULE_CALL and not e.name.startswith(_MODULE_CALL_PREFIX)
+                    else c for c, e in zip(cats, items, strict=True)]
         events = list(compress(items, cats))
         n = len(events)
         if not n:
@@ -588,7 +598,7 @@ class _Builder:
                 continue
             out[slice(None) if part[0] is None else part[0]] = codes
         marks = []  # (row, domain): the domain is numbered right after that row's name
-        ranges = (cat == _USER_RANGE) | (cat == _GPU_RANGE)
+        ranges = (cat == _USER_RANGE) | (cat == _GPU_RANGE) | (cat == _MODULE_CALL)
         if "" not in self.codes and ranges.any():
             marks.append((int(np.argmax(ranges)), ""))
         if "cpu_op" not in self.codes and is_cpu.any():
@@ -662,7 +672,9 @@ class _Builder:
                     a["tid"].append(self._id(_num(e.get("tid"))))
                     a["corr"].append(int(_num(args.get("correlation", -1))))
                     a["kind"].append(_API_CATEGORIES[cat])
-                elif cat in _CPU_RANGE_DOMAINS or cat == "gpu_user_annotation":
+                elif cat in _CPU_RANGE_DOMAINS or cat == "gpu_user_annotation" or (
+                        cat == "python_function" and isinstance(e.get("name"), str)
+                        and e["name"].startswith(_MODULE_CALL_PREFIX)):
                     r = cols["r"]
                     domain = _CPU_RANGE_DOMAINS.get(cat, "")
                     name = str(_num(e.get("name", "")))
