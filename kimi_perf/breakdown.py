@@ -31,10 +31,14 @@ class Breakdown:
     steps: list[dict[str, Any]]
     layers: Sequence[dict[str, Any]]     # a list, or LayerRows (the same dicts, built on read)
     layer_types: list[dict[str, Any]]
+    timeline: dict[str, Any] | None = None  # one step, op by op (see _timeline)
 
     def to_json(self) -> dict[str, Any]:
-        return {"schema": SCHEMA, "source": self.source, "steps": self.steps,
-                "layers": list(self.layers), "layer_types": self.layer_types}
+        doc = {"schema": SCHEMA, "source": self.source, "steps": self.steps,
+               "layers": list(self.layers), "layer_types": self.layer_types}
+        if self.timeline is not None:
+            doc["timeline"] = self.timeline
+        return doc
 
     @classmethod
     def from_json(cls, doc: dict[str, Any], path: str | Path = "breakdown") -> Breakdown:
@@ -44,7 +48,7 @@ class Breakdown:
             raise TraceError(path, f"not a kimi-perf breakdown of schema {SCHEMA}")
         try:
             return cls(source=doc["source"], steps=doc["steps"], layers=doc["layers"],
-                       layer_types=doc["layer_types"])
+                       layer_types=doc["layer_types"], timeline=doc.get("timeline"))
         except KeyError as exc:
             raise TraceError(path, f"breakdown lacks {exc.args[0]!r}") from None
 
@@ -309,6 +313,7 @@ def breakdown(trace: Trace, layers: str = "auto", rules: list[Rule] | None = Non
     layer_heads = [(step.index, step.device, layer.index, layer.type)
                    for step, layer in all_layers]
     typical = _typical_layers(trace, ops, steps)
+    timeline = _timeline(trace, ops, steps)
     del ops, steps, all_layers, segments
     release_free_memory()
     step_rows = figures.stats(labels, step_heads)
@@ -327,7 +332,35 @@ def breakdown(trace: Trace, layers: str = "auto", rules: list[Rule] | None = Non
     return Breakdown(source={**_source(trace), "ops": ops_kind,
                              "outside_steps": outside_steps,
                              "other_thread_ops": other_thread_ops}, steps=step_rows,
-                     layers=layer_rows, layer_types=layer_types)
+                     layers=layer_rows, layer_types=layer_types, timeline=timeline)
+
+
+def _timeline(trace: Trace, ops: GpuOps, steps) -> dict[str, Any] | None:
+    """One step to draw op by op (the report's timeline), so that drawing needs no trace: of
+    the steps with layers, the one of median span; its prologue, layers and epilogue, each op
+    as [index into ``names``, class, µs from the step's first op, µs]."""
+    steps = [s for s in steps if s.layers]
+    if not steps:
+        return None
+    spans = [int(ops.end[s.ops].max() - ops.start[s.ops].min()) for s in steps]
+    step = steps[int(np.argsort(spans, kind="stable")[len(spans) // 2])]
+    t0 = ops.start[step.ops].min()
+    codes = np.unique(ops.name[step.ops])
+    parts = [("prologue", step.prologue)] + [
+        (f"layer {layer.index} ({layer.type})", layer.ops) for layer in step.layers] + [
+        ("epilogue", step.epilogue)]
+    segments = []
+    for label, rows in parts:
+        if not len(rows):
+            continue
+        names = np.searchsorted(codes, ops.name[rows]).tolist()
+        classes = [ops.class_labels[c] for c in ops.kernel_class[rows].tolist()]
+        starts = _us_array(ops.start[rows] - t0).tolist()
+        durations = _us_array(ops.end[rows] - ops.start[rows]).tolist()
+        segments.append({"label": label, "ops": [
+            list(op) for op in zip(names, classes, starts, durations, strict=True)]})
+    return {"step": step.name, "names": [trace.strings[c] for c in codes.tolist()],
+            "segments": segments}
 
 
 def _typical_layers(trace: Trace, ops: GpuOps, steps) -> dict[str, dict[str, Any]]:

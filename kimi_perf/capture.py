@@ -181,7 +181,6 @@ def _capture_all(req: TraceRequest, config, device: str, run_dir: Path, final: P
     weights = random_weights(config, seed=req.seed, device=device) \
         if req.backend == "torch" else None
     results: dict[str, Breakdown] = {}
-    traces = {}
     for path in req.paths:
         def done(units: int = 1, path: str = path) -> None:
             if progress:
@@ -200,11 +199,12 @@ def _capture_all(req: TraceRequest, config, device: str, run_dir: Path, final: P
             model = build_model(config, weights, PATH_BACKENDS[path], device=device)
             trace_file = run_dir / f"{path}.trace.json.gz"
             metrics = _profile(model, req, device, trace_file, done)
-        traces[path] = trace = read_trace(trace_file)
+        trace = read_trace(trace_file)
         trace.save(run_dir / f"{path}.kptrace")
         results[path] = breakdown(trace)
+        del trace
         run_info["paths"][path] = metrics
-    _write_outputs(run_dir, final, run_info, results, traces,
+    _write_outputs(run_dir, final, run_info, results,
                    f"kimi-perf trace: {req.preset}, {config.n_layers} layers, batch {req.batch} "
                    f"on {device}", req.plotly_js)
     return run_info, results
@@ -384,13 +384,11 @@ def analyse(files: list[Path], out_dir: Path, layers: str = "auto", plotly_js: s
             ) -> tuple[Path, dict[str, Breakdown], dict]:
     """``--from``: breakdowns of existing traces, labelled by file name."""
     results: dict[str, Breakdown] = {}
-    traces = {}
     for f in files:
         label = trace_label(f)
         while label in results:
             label += "'"
-        traces[label] = trace = read_trace(f)
-        results[label] = breakdown(trace, layers=layers)
+        results[label] = breakdown(read_trace(f), layers=layers)
     run_info = {"command": "kimi-perf trace " + " ".join(f"--from {f}" for f in files)
                 + f" --out {out_dir}" + (f" --plotly-js {plotly_js}" if plotly_js != "inline"
                                          else ""),
@@ -398,17 +396,17 @@ def analyse(files: list[Path], out_dir: Path, layers: str = "auto", plotly_js: s
                 "date": dt.datetime.now(dt.UTC).isoformat(), "kimi_perf": __version__,
                 "git_commit": _git_commit()}
     with run_directory(out_dir, "from") as (run_dir, final):
-        _write_outputs(run_dir, final, run_info, results, traces,
+        _write_outputs(run_dir, final, run_info, results,
                        "kimi-perf: " + ", ".join(f.name for f in files), plotly_js)
     return final, results, run_info
 
 
 def _write_outputs(run_dir: Path, final: Path, run_info: dict, results: dict[str, Breakdown],
-                   traces: dict, title: str, plotly_js: str) -> None:
+                   title: str, plotly_js: str) -> None:
     from kimi_perf.report import write_report
 
     run_info["report"] = str(final / "report.html")
-    write_report(run_dir / "report.html", traces, results, title, run_info, plotly_js)
+    write_report(run_dir / "report.html", results, title, run_info, plotly_js)
     atomic_write_text(run_dir / "run.json", json.dumps(run_info, indent=1) + "\n")
     doc = {"schema": 1, "run": run_info, "paths": {k: b.to_json() for k, b in results.items()}}
     atomic_write_text(run_dir / "breakdown.json", json.dumps(doc, indent=1) + "\n")

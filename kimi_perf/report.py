@@ -14,15 +14,13 @@ import html
 from collections import Counter
 from pathlib import Path
 
-import numpy as np
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from kimi_perf.breakdown import Breakdown
 from kimi_perf.compare import compare
-from kimi_perf.layers import segment
 from kimi_perf.names import demangle, short_names
-from kimi_perf.trace import Trace, atomic_write_text
+from kimi_perf.trace import atomic_write_text
 
 CLASS_COLOURS = {
     "gemm": "#4c78a8", "attention": "#f58518", "moe": "#54a24b", "router": "#b279a2",
@@ -31,39 +29,28 @@ CLASS_COLOURS = {
 }
 
 
-def _timeline(fig: go.Figure, row: int, trace: Trace, label: str) -> None:
-    ops, steps = segment(trace)
-    steps = [s for s in steps if s.layers]
-    if not steps:
+def _timeline(fig: go.Figure, row: int, timeline: dict | None, label: str) -> None:
+    """The breakdown's timeline step: a row per layer, every op a bar coloured by class."""
+    if not timeline:
         return
-    spans = [int(ops.end[s.ops].max() - ops.start[s.ops].min()) for s in steps]
-    step = steps[int(np.argsort(spans)[len(spans) // 2])]
-    t0 = int(ops.start[step.ops].min())
-    segments = [("prologue", step.prologue)] + [
-        (f"layer {layer.index} ({layer.type})", layer.ops) for layer in step.layers] + [
-        ("epilogue", step.epilogue)]
-    codes = np.unique(ops.name[step.ops]).tolist()
-    readable = dict(zip(codes, short_names([trace.strings[c] for c in codes], 400),
-                        strict=True))
+    readable = short_names(timeline["names"], 400)
     bars: dict[str, dict[str, list]] = {}
-    for name, rows in segments:
-        for r in rows.tolist():
-            cls = ops.class_labels[ops.kernel_class[r]]
+    for segment in timeline["segments"]:
+        name = html.escape(segment["label"])
+        for op, cls, start_us, dur_us in segment["ops"]:
             bar = bars.setdefault(cls, {"y": [], "base": [], "x": [], "text": []})
-            start_us = (int(ops.start[r]) - t0) / 1e3
-            dur_us = (int(ops.end[r]) - int(ops.start[r])) / 1e3
-            bar["y"].append(html.escape(name))
+            bar["y"].append(name)
             bar["base"].append(start_us)
             bar["x"].append(max(dur_us, 1e-3))
-            bar["text"].append(f"{html.escape(readable[int(ops.name[r])])}<br>"
-                               f"{cls}, {dur_us:.2f} µs at {start_us:.2f} µs")
+            bar["text"].append(f"{html.escape(readable[op])}<br>"
+                               f"{html.escape(cls)}, {dur_us:.2f} µs at {start_us:.2f} µs")
     for cls, bar in sorted(bars.items()):
-        fig.add_trace(go.Bar(orientation="h", name=cls, legendgroup=cls, showlegend=row == 1,
-                             marker_color=CLASS_COLOURS.get(cls, "#333333"), y=bar["y"],
-                             base=bar["base"], x=bar["x"], hovertext=bar["text"],
+        fig.add_trace(go.Bar(orientation="h", name=html.escape(cls), legendgroup=cls,
+                             showlegend=row == 1, marker_color=CLASS_COLOURS.get(cls, "#333333"),
+                             y=bar["y"], base=bar["base"], x=bar["x"], hovertext=bar["text"],
                              hoverinfo="text"), row=row, col=1)
     fig.update_yaxes(autorange="reversed", title_text=html.escape(label), row=row, col=1)
-    fig.update_xaxes(title_text=f"µs into {html.escape(step.name)} (median-span step)",
+    fig.update_xaxes(title_text=f"µs into {html.escape(timeline['step'])} (median-span step)",
                      row=row, col=1)
 
 
@@ -314,23 +301,22 @@ STYLE = ("<style>body{font-family:sans-serif;margin:1.5em}table{border-collapse:
 PLOTLY_JS = ("inline", "cdn")
 
 
-def write_report(path: str | Path, traces: dict[str, Trace],
-                 breakdowns: dict[str, Breakdown], title: str, run: dict | None = None,
-                 plotly_js: str = "inline") -> Path:
-    """One HTML file (written atomically). ``run``: the run.json of a capture or ``--from``.
-    ``plotly_js``: ``inline`` (the file opens offline; about 5 MB), ``cdn``, or the path of a
-    ``plotly.min.js`` to refer to."""
+def write_report(path: str | Path, breakdowns: dict[str, Breakdown], title: str,
+                 run: dict | None = None, plotly_js: str = "inline") -> Path:
+    """One HTML file (written atomically) from breakdowns alone (their ``timeline`` is drawn).
+    ``run``: the run.json of a capture or ``--from``. ``plotly_js``: ``inline`` (the file
+    opens offline; about 5 MB), ``cdn``, or the path of a ``plotly.min.js`` to refer to."""
     if plotly_js not in PLOTLY_JS and not plotly_js.endswith(".js"):
         raise ValueError(f"plotly_js: inline, cdn or a path ending in .js, not {plotly_js!r}")
     path = Path(path)
     # A row of about 16 px per layer, so that every layer keeps its label.
-    rows_px = [120 + 16 * max((len(s.layers) for s in segment(t)[1]), default=0)
-               for t in traces.values()]
-    timelines = make_subplots(rows=len(traces), cols=1, vertical_spacing=0.3 / len(traces),
-                              row_heights=rows_px,
-                              subplot_titles=[html.escape(t) for t in traces])
-    for row, (label, trace) in enumerate(traces.items(), start=1):
-        _timeline(timelines, row, trace, label)
+    rows_px = [120 + 16 * len((b.timeline or {}).get("segments", ()))
+               for b in breakdowns.values()]
+    timelines = make_subplots(rows=len(breakdowns), cols=1,
+                              vertical_spacing=0.3 / len(breakdowns), row_heights=rows_px,
+                              subplot_titles=[html.escape(t) for t in breakdowns])
+    for row, (label, b) in enumerate(breakdowns.items(), start=1):
+        _timeline(timelines, row, b.timeline, label)
     timelines.update_layout(barmode="overlay", height=sum(rows_px) + 150,
                             title="One decode step per trace, a row per layer")
     include = {"inline": True, "cdn": "cdn"}.get(plotly_js, plotly_js)

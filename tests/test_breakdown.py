@@ -24,7 +24,7 @@ def test_breakdown_json_shape_and_figures():
     trace = nvtx_decode_trace("layer[{i}]({kind})", steps=2, n_layers=8).build()
     doc = breakdown(trace).to_json()
     assert doc["schema"] == 1
-    assert set(doc) == {"schema", "source", "steps", "layers", "layer_types"}
+    assert set(doc) == {"schema", "source", "steps", "layers", "layer_types", "timeline"}
     assert len(doc["steps"]) == 2 and len(doc["layers"]) == 16
     layer = doc["layers"][0]
     assert set(layer) >= {"step", "index", "type", "kernels", "kernel_us", "span_us", "gap_us",
@@ -175,6 +175,33 @@ def test_typical_layer_is_the_most_common_sequence_with_median_times():
     assert {k["us"] for k in kda["kernels"]} == {1.0} == {k["us"] for k in mla["kernels"]}
     assert [k["class"] for k in kda["kernels"]][4:7] == ["attention", "gemm", "communication"]
     assert "pattern" not in types["kda"]  # types named by ranges need no digest
+
+
+def test_timeline_is_the_median_span_step_op_by_op():
+    """The report draws one step from the breakdown alone: the step of median span, each op
+    with its name, class, start and length in µs, layer by layer."""
+    b = TraceBuilder()
+    for s, duration in enumerate([1000, 3000, 2000]):
+        step_start = b.clock
+        b.sequence(["embedding"], duration=duration)
+        for i, kernels in enumerate(k3_like(4)):
+            kind = "mla" if "mla_decode" in kernels else "kda"
+            start, end = b.sequence(kernels, duration=duration)
+            b.range(f"layer[{i}]({kind})", start - 10, end)
+        b.range(f"decode_step[{s}]", step_start - 20, b.clock)
+        b.clock += 5000
+    result = breakdown(b.build())
+    timeline = result.timeline
+    assert timeline["step"] == "decode_step[2]"  # spans 1000, 3000, 2000 ns per op
+    assert [seg["label"] for seg in timeline["segments"]] == [
+        "prologue", "layer 0 (kda)", "layer 1 (kda)", "layer 2 (kda)", "layer 3 (mla)"]
+    layer1 = timeline["segments"][2]["ops"]
+    assert [timeline["names"][op[0]] for op in layer1] == KDA
+    assert [op[3] for op in layer1] == [2.0] * len(KDA)
+    assert layer1[0][2] == (1 + len(KDA)) * 2.1  # the prologue and layer 0 before it
+    assert layer1[4][1] == "attention"
+    again = type(result).from_json(result.to_json())
+    assert again.timeline == timeline
 
 
 def test_typical_layer_of_a_real_trace_and_its_pattern_digest():

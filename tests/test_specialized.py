@@ -259,7 +259,7 @@ def test_report_escapes_names_and_is_written_whole(tmp_path):
     from tests.conftest import KINETO
 
     trace = read_trace(KINETO / "tracelens_vllm_gptoss20b_decode_fullgraph_mi300x.json.gz")
-    out = write_report(tmp_path / "r.html", {"vllm <a>": trace, "again": trace},
+    out = write_report(tmp_path / "r.html",
                        {"vllm <a>": breakdown(trace), "again": breakdown(trace)},
                        "t <script>")
     text = out.read_text()
@@ -275,18 +275,18 @@ def test_report_escapes_names_and_is_written_whole(tmp_path):
     assert ('<td class=name title="void ck_tile::kentry&lt;1, ck_tile::Rmsnorm2dFwd&lt;'
             'ck_tile::Rmsnorm2dFwdPipelineOnePass&lt;' in text)
     assert ">ck_tile::kentry&lt;1, ck_tile::Rmsnorm2dFwd&lt;…&gt;" in text
-    small = write_report(tmp_path / "cdn.html", {"a": trace}, {"a": breakdown(trace)}, "t",
+    small = write_report(tmp_path / "cdn.html", {"a": breakdown(trace)}, "t",
                          plotly_js="cdn")
     # one trace: its own figures per layer type, nothing to compare it with
     assert "<h2>Per layer type: a (medians over layers and steps)</h2>" in small.read_text()
     assert "<tr><td>A</td><td>12</td><td>17</td>" in small.read_text()
     assert 'src="https://cdn.plot.ly' in small.read_text()
     assert small.stat().st_size < out.stat().st_size / 5
-    shared = write_report(tmp_path / "shared.html", {"a": trace}, {"a": breakdown(trace)}, "t",
+    shared = write_report(tmp_path / "shared.html", {"a": breakdown(trace)}, "t",
                           plotly_js="../plotly.min.js")
     assert '<script charset="utf-8" src="../plotly.min.js">' in shared.read_text()
     with pytest.raises(ValueError, match=r"inline, cdn or a path ending in \.js"):
-        write_report(tmp_path / "bad.html", {"a": trace}, {"a": breakdown(trace)}, "t",
+        write_report(tmp_path / "bad.html", {"a": breakdown(trace)}, "t",
                      plotly_js="nowhere")
     assert not (tmp_path / "bad.html").exists()
 
