@@ -70,21 +70,27 @@ def _class_bars(breakdowns: dict[str, Breakdown]) -> go.Figure:
     return fig
 
 
-def _unit(breakdowns: dict[str, Breakdown]) -> str:
-    """What the tables count: GPU kernels, or on a CPU run the launches the paths annotate."""
-    return "ops" if any(b.source.get("ops") == "cpu-ops" for b in breakdowns.values()) \
-        else "kernels"
+def _unit(b: Breakdown) -> str:
+    """What a trace's figures count: GPU kernels, or on a CPU run the launches the paths
+    annotate."""
+    return "ops" if b.source.get("ops") == "cpu-ops" else "kernels"
+
+
+def _units(breakdowns: dict[str, Breakdown]) -> str:
+    """The word for what several traces count: "kernels", "ops", or both."""
+    units = sorted({_unit(b) for b in breakdowns.values()})
+    return " or ".join(units) if units else "kernels"
 
 
 def _comparison_html(breakdowns: dict[str, Breakdown]) -> str:
     """The first trace against each of the others, per layer type; and the work of each
     trace that fell in no step."""
     labels = list(breakdowns)
-    unit = _unit(breakdowns)
+    unit = {label: _unit(b) for label, b in breakdowns.items()}
     e = html.escape
     parts = []
-    ops = "ops" if unit == "ops" else "GPU ops"
     for label in labels:
+        ops = "ops" if unit[label] == "ops" else "GPU ops"
         src = breakdowns[label].source
         if src.get("other_thread_ops"):
             parts.append(f"<p>{e(label)}: {src['other_thread_ops']} {ops} launched from "
@@ -102,7 +108,7 @@ def _comparison_html(breakdowns: dict[str, Breakdown]) -> str:
             f"<td>{t['kernel_us']:.1f}</td><td>{t['span_us']:.1f}</td><td>{t['gap_us']:.1f}"
             "</td></tr>" for t in breakdowns[a].layer_types)
         parts.append(f"<h2>Per layer type: {e(a)} (medians over layers and steps)</h2>"
-                     f"<table><tr><th>layer type</th><th>layers</th><th>{unit}</th>"
+                     f"<table><tr><th>layer type</th><th>layers</th><th>{unit[a]}</th>"
                      "<th>kernel µs</th><th>span µs</th><th>gap µs</th></tr>"
                      f"{body}</table>")
 
@@ -110,9 +116,10 @@ def _comparison_html(breakdowns: dict[str, Breakdown]) -> str:
         return "-" if v is None else format(v, spec)
     for b in labels[1:]:
         rows = compare(breakdowns[a], breakdowns[b])
-        head = (f"<tr><th>layer type</th><th>{e(a)} {unit}</th><th>{e(a)} µs</th>"
-                f"<th>{e(b)} {unit}</th><th>{e(b)} µs</th><th>µs ratio</th>"
-                f"<th>{unit} ratio</th></tr>")
+        counted = unit[a] if unit[a] == unit[b] else "count"
+        head = (f"<tr><th>layer type</th><th>{e(a)} {unit[a]}</th><th>{e(a)} µs</th>"
+                f"<th>{e(b)} {unit[b]}</th><th>{e(b)} µs</th><th>µs ratio</th>"
+                f"<th>{counted} ratio</th></tr>")
         body = "".join(
             f"<tr><td>{e(r.type or '-')}{' *' if r.pattern_differs else ''}</td>"
             f"<td>{fmt(r.kernels_a, '.3g')}</td>"
@@ -131,7 +138,7 @@ def _comparison_html(breakdowns: dict[str, Breakdown]) -> str:
 def _typical_html(breakdowns: dict[str, Breakdown]) -> str:
     """Per layer type, its typical layer in every trace side by side: kernels in order, each
     with its class and median µs (the full name on hover)."""
-    unit = _unit(breakdowns)
+    unit = {label: _unit(b) for label, b in breakdowns.items()}
     e = html.escape
     types = list(dict.fromkeys(t["type"] for b in breakdowns.values() for t in b.layer_types))
     parts = []
@@ -142,7 +149,8 @@ def _typical_html(breakdowns: dict[str, Breakdown]) -> str:
         if not any(typical.values()):
             continue
         head = "<tr><th>#</th>" + "".join(
-            f"<th>{e(label)} {unit[:-1]}</th><th>class</th><th>µs</th>" for label in sides
+            f"<th>{e(label)} {unit[label][:-1]}</th><th>class</th><th>µs</th>"
+            for label in sides
         ) + "</tr>"
         whole = {label: demangle([k["name"] for k in t["kernels"]]) if t else []
                  for label, t in typical.items()}
@@ -160,7 +168,7 @@ def _typical_html(breakdowns: dict[str, Breakdown]) -> str:
                     cells.append("<td></td><td></td><td></td>")
             rows.append("<tr>" + "".join(cells) + "</tr>")
         foot = "<tr><th></th>" + "".join(
-            f"<th colspan=2>{len(t['kernels'])} {unit}, {t['layers']} of "
+            f"<th colspan=2>{len(t['kernels'])} {unit[label]}, {t['layers']} of "
             f"{sides[label]['layers']} layers ran exactly these</th>"
             f"<th>{sum(k['us'] for k in t['kernels']):.1f}</th>" if t else
             "<th colspan=3></th>" for label, t in typical.items()) + "</tr>"
@@ -168,13 +176,14 @@ def _typical_html(breakdowns: dict[str, Breakdown]) -> str:
         differ = (f"<p>* {e(layer_type)} was found by the repeating kernel pattern, with "
                   "other kernel sequences: the letter may name different layers.</p>"
                   if len(sides) > 1 and None not in patterns and len(patterns) > 1 else "")
-        parts.append(f"<h3>Typical {e(layer_type)} layer: {unit} in order, median µs</h3>"
-                     f"<table>{head}{''.join(rows)}{foot}</table>{differ}")
+        parts.append(f"<h3>Typical {e(layer_type)} layer: {_units(breakdowns)} in order, "
+                     f"median µs</h3><table>{head}{''.join(rows)}{foot}</table>{differ}")
     if not parts:
         return ""
-    one = unit[:-1]
-    return (f"<h2>{one.capitalize()} by {one}</h2><p>Each layer type's typical layer: the "
-            f"sequence of {unit} most of its layers ran, each with its median µs over those "
+    heading = {"kernels": "Kernel by kernel", "ops": "Op by op"}.get(
+        _units(breakdowns), "Kernel by kernel (op by op on a CPU)")
+    return (f"<h2>{heading}</h2><p>Each layer type's typical layer: the sequence of "
+            f"{_units(breakdowns)} most of its layers ran, each with its median µs over those "
             "layers (hover a name for the whole of it).</p>" + "".join(parts))
 
 
@@ -278,10 +287,12 @@ def _run_html(run: dict | None, breakdowns: dict[str, Breakdown]) -> str:
         parts.append(f"<p>Memory floor per layer (what one layer must read at "
                      f"{floors['bandwidth_Bps'] / 1e12:.1f} TB/s; kimi-perf floors): "
                      f"{per_type}.</p>")
-    if _unit(breakdowns) == "ops":
+    on_cpu = [label for label, b in breakdowns.items() if _unit(b) == "ops"]
+    if on_cpu:
         interpreted = ("; the specialized path's Triton kernels ran in Triton's interpreter, "
                        "so its µs are not a speed figure" if "specialized" in metrics else "")
-        parts.append("<p class=note>Run on a CPU, with no GPU kernels: <b>ops</b> are the "
+        which = "Run" if len(on_cpu) == len(breakdowns) else e(", ".join(on_cpu)) + " ran"
+        parts.append(f"<p class=note>{which} on a CPU, with no GPU kernels: <b>ops</b> are the "
                      "launches each path annotates (one per kernel it would run on a GPU), "
                      f"timed on the CPU{interpreted}.</p>")
     return "".join(parts)

@@ -384,6 +384,28 @@ def test_work_of_other_threads_and_outside_every_step(name, other_thread, outsid
     assert (f"{outside} more GPU ops" in table) == (outside > 0)
 
 
+def test_report_names_what_each_trace_counts(tmp_path):
+    """A GPU trace beside a CPU run: kernels for the one, ops for the other, and the CPU note
+    names the CPU run."""
+    from kimi_perf.breakdown import Breakdown, breakdown
+    from kimi_perf.readers import read_trace
+    from kimi_perf.report import write_report
+
+    doc = breakdown(read_trace(VLLM)).to_json()
+    cpu = json.loads(json.dumps(doc))
+    cpu["source"]["ops"] = "cpu-ops"
+    text = write_report(tmp_path / "r.html", {"gpu": Breakdown.from_json(doc),
+                                              "cpu <run>": Breakdown.from_json(cpu)},
+                        "mixed").read_text()
+    assert "<th>gpu kernels</th>" in text and "<th>cpu &lt;run&gt; ops</th>" in text
+    assert "<th>count ratio</th>" in text and "<th>gpu kernel</th>" in text
+    assert "Kernel by kernel (op by op on a CPU)" in text
+    assert "cpu &lt;run&gt; ran on a CPU, with no GPU kernels" in text
+    only_gpu = write_report(tmp_path / "g.html", {"gpu": Breakdown.from_json(doc)},
+                            "gpu").read_text()
+    assert "on a CPU" not in only_gpu and "<h2>Kernel by kernel</h2>" in only_gpu
+
+
 def test_report_compares_the_first_trace_with_each_other(tmp_path):
     """The HTML report: the first trace against each of the others, automatic types whose
     kernel sequences differ marked, and work in no step said per trace."""
