@@ -115,8 +115,8 @@ def ranges(trace: Path, fmt: str, output: Path | None) -> None:
 
 def _breakdown_of(path: Path, layers: str, rules: Path | None, steps: str | None) -> Breakdown:
     """A trace's breakdown, or a saved breakdown JSON as it is."""
-    runs, is_run = _saved_breakdowns(path)
-    if is_run and len(runs) > 1:
+    runs, run_doc = _saved_breakdowns(path)
+    if run_doc is not None and len(runs) > 1:
         raise TraceError(path, f"a run of the paths {', '.join(runs)}: compare or gate it")
     if runs:
         return next(iter(runs.values()))
@@ -197,8 +197,8 @@ def compare_cmd(a: Path, b: Path | None, path_name: str | None, fmt: str, layers
         (name_a, ba), (name_b, bb) = list(runs_a.items())[:2]
     else:
         runs_b, run_b = _breakdowns_of(b, layers, rules, step_regex)
-        name_a, ba = _one_path(a, runs_a, run_a, path_name)
-        name_b, bb = _one_path(b, runs_b, run_b, path_name)
+        name_a, ba = _one_path(a, runs_a, run_a is not None, path_name)
+        name_b, bb = _one_path(b, runs_b, run_b is not None, path_name)
         if name_a == name_b and run_a and run_b:  # one path of two runs: name the runs
             name_a, name_b = (f"{_run_name(f)}:{name_a}" for f in (a, b))
     if labels is not None:
@@ -236,25 +236,26 @@ def compare_cmd(a: Path, b: Path | None, path_name: str | None, fmt: str, layers
 
 
 def _breakdowns_of(path: Path, layers: str, rules: Path | None, steps: str | None
-                   ) -> tuple[dict[str, Breakdown], bool]:
-    """A `kimi-perf trace` run's breakdowns per decode path (and True), or the one of a
-    breakdown JSON or a trace, named after its file (and False)."""
+                   ) -> tuple[dict[str, Breakdown], dict | None]:
+    """A `kimi-perf trace` run's breakdowns per decode path (and the JSON document holding
+    them), or the one of a breakdown JSON or a trace, named after its file (and None)."""
     from kimi_perf.capture import trace_label
 
-    runs, is_run = _saved_breakdowns(path)
-    if is_run:
-        return runs, True
+    runs, run_doc = _saved_breakdowns(path)
+    if run_doc is not None:
+        return runs, run_doc
     b = next(iter(runs.values())) if runs else _breakdown_of(path, layers, rules, steps)
-    return {trace_label(path): b}, False
+    return {trace_label(path): b}, None
 
 
-def _saved_breakdowns(path: Path) -> tuple[dict[str, Breakdown], bool]:
-    """What a kimi-perf run directory or JSON file holds, read once: its breakdowns and
-    whether it is a run of decode paths; ({}, False) for anything else (a trace)."""
+def _saved_breakdowns(path: Path) -> tuple[dict[str, Breakdown], dict | None]:
+    """What a kimi-perf run directory or JSON file holds, read once: its breakdowns and, for
+    a run of decode paths, the document holding them; ({}, None) for anything else (a
+    trace)."""
     if not (path.is_dir() or (path.suffix == ".json" and gate_mod.is_kimi_perf_json(path))):
-        return {}, False
+        return {}, None
     runs, doc, _ = gate_mod.load_run(path)
-    return runs, "paths" in doc
+    return runs, doc if "paths" in doc else None
 
 
 def _one_path(file: Path, runs: dict[str, Breakdown], is_run: bool, name: str | None
@@ -324,6 +325,75 @@ def gate_cmd(baseline: Path, run: Path, metrics: str, rel_tol: float, alpha: flo
         click.echo(f"baseline {base_file} updated from {run}", err=True)
     elif not result.ok:
         sys.exit(1)
+
+
+def _check_plotly_js(ctx, param, value: str) -> str:
+    if (value not in ("inline", "cdn") and not value.endswith(".js")) or any(
+            c in value for c in "\"<>"):
+        raise click.BadParameter(f"inline, cdn, or a path or URL ending in .js, not {value!r}")
+    return value
+
+
+def _plotly_js_for(value: str, report_dir: Path) -> str:
+    """A local plotly.js as a report in ``report_dir`` refers to it: relative to that
+    directory, so that the report and the file can move together."""
+    if value in ("inline", "cdn") or "://" in value:
+        return value
+    if not Path(value).is_file():
+        raise TraceError(Path(value), "--plotly-js: no such file")
+    return os.path.relpath(Path(value).resolve(), report_dir.resolve())
+
+
+@main.command(name="report")
+@click.argument("inputs", nargs=-1, required=True, type=click.Path(path_type=Path))
+@click.option("--path", "path_name", help="take only this decode path from each run")
+@click.option("--labels", help="names for what the inputs hold, comma-separated, in order "
+              "(default: the file names, or a run's path names)")
+@_layers_option
+@click.option("--steps", "step_regex", help="regex for step ranges")
+@click.option("--rules", type=click.Path(path_type=Path), help="extra kernel-class rules")
+@click.option("--plotly-js", default="inline", show_default=True, callback=_check_plotly_js,
+              help="the report's plotly.js: inline (opens offline, about 5 MB), cdn, or a "
+              "plotly.min.js (a path from here, or a URL) for the report to refer to")
+@click.option("-o", "--output", type=click.Path(path_type=Path), default=Path("report.html"),
+              show_default=True)
+@_fail_cleanly
+def report_cmd(inputs: tuple[Path, ...], path_name: str | None, labels: str | None,
+               layers: str, step_regex: str | None, rules: Path | None, plotly_js: str,
+               output: Path) -> None:
+    """The HTML layer-timeline report of traces, breakdown JSON files or `kimi-perf trace`
+    runs: the first against each of the others, per layer type and kernel by kernel.
+
+    A run (its directory or its breakdown.json) brings each of its decode paths, or the one
+    --path names: `kimi-perf report BASELINE.json RUN --path specialized` shows what a gate
+    failure is made of. Breakdowns are drawn as stored; traces are broken down first.
+    """
+    from kimi_perf.report import run_info_problem, write_report
+
+    drawn: dict[str, Breakdown] = {}
+    run_info = None
+    for file in inputs:
+        runs, run_doc = _breakdowns_of(file, layers, rules, step_regex)
+        if run_doc is not None and path_name is not None:
+            runs = dict([_one_path(file, runs, True, path_name)])
+        for name, b in runs.items():
+            label = f"{_run_name(file)}:{name}" if run_doc and len(inputs) > 1 else name
+            while label in drawn:
+                label += "'"
+            drawn[label] = b
+        if run_doc is not None and len(inputs) == 1:  # the run's own: what ran
+            run_info = run_doc.get("run")
+            if run_info is not None and (problem := run_info_problem(run_info)):
+                raise TraceError(file / "breakdown.json" if file.is_dir() else file, problem)
+    if labels is not None:
+        names = labels.split(",")
+        if len(names) != len(drawn) or not all(names) or len(set(names)) != len(names):
+            raise TraceError(None, f"--labels takes {len(drawn)} distinct names (for "
+                                   f"{', '.join(drawn)}): not {labels!r}")
+        drawn = dict(zip(names, drawn.values(), strict=True))
+    write_report(output, drawn, "kimi-perf report: " + ", ".join(drawn), run_info,
+                 _plotly_js_for(plotly_js, output.parent))
+    click.echo(f"report: {output}")
 
 
 @main.command()
@@ -462,23 +532,6 @@ def validate(preset_name: str, n_layers: int | None, paths: str, steps: int, bat
         sys.exit(1)
 
 
-def _check_plotly_js(ctx, param, value: str) -> str:
-    if (value not in ("inline", "cdn") and not value.endswith(".js")) or any(
-            c in value for c in "\"<>"):
-        raise click.BadParameter(f"inline, cdn, or a path or URL ending in .js, not {value!r}")
-    return value
-
-
-def _plotly_js_from_run(value: str, out_dir: Path) -> str:
-    """A local plotly.js as the report refers to it: relative to the run directory (a child
-    of ``out_dir``), so that the report and the file can move together."""
-    if value in ("inline", "cdn") or "://" in value:
-        return value
-    if not Path(value).is_file():
-        raise TraceError(Path(value), "--plotly-js: no such file")
-    return os.path.relpath(Path(value).resolve(), out_dir.resolve() / "run")
-
-
 @main.command(name="trace")
 @click.option("--from", "from_files", multiple=True, type=click.Path(path_type=Path),
               help="analyse these existing traces instead of capturing (repeatable)")
@@ -521,7 +574,7 @@ def trace_cmd(from_files: tuple[Path, ...], preset_name: str | None, n_layers: i
     from kimi_perf.compare import compare as compare_breakdowns
 
     console = render.console(stderr=fmt == "json")
-    plotly_js = _plotly_js_from_run(plotly_js, out_dir)
+    plotly_js = _plotly_js_for(plotly_js, out_dir / "run")  # a run directory in out_dir
     if from_files:
         run_dir, results, run_info = cap.analyse(list(from_files), out_dir,
                                                  plotly_js=plotly_js)

@@ -131,16 +131,18 @@ def is_kimi_perf_json(path: Path) -> bool:
     return re.match(rb'\s*\{\s*"schema"\s*:', head) is not None
 
 
+def _number(v) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+
+
 def _checked(b: Breakdown, path: Path) -> Breakdown:
-    """A breakdown read from JSON, with the fields the gate reads."""
-    def number(v) -> bool:
-        return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+    """A breakdown read from JSON, with the fields the gate and the report read."""
     rows = [*b.layers, *b.steps] if isinstance(b.layers, list) and isinstance(b.steps, list) \
         else None
     if (rows is None or not isinstance(b.layer_types, list)
             or not all(isinstance(t, dict) and isinstance(t.get("type"), str)
                        for t in b.layer_types)
-            or not all(isinstance(r, dict) and all(number(r.get(m)) for m in METRICS)
+            or not all(isinstance(r, dict) and all(_number(r.get(m)) for m in METRICS)
                        for r in rows)
             or not all(isinstance(r.get("type"), str) for r in b.layers)):
         raise TraceError(path, "breakdown rows lack a type, or finite kernels, kernel_us or "
@@ -151,11 +153,30 @@ def _checked(b: Breakdown, path: Path) -> Breakdown:
                 isinstance(typical, dict) and isinstance(typical.get("layers"), int)
                 and isinstance(typical.get("kernels"), list)
                 and all(isinstance(k, dict) and isinstance(k.get("name"), str)
-                        and isinstance(k.get("class"), str) and number(k.get("us"))
+                        and isinstance(k.get("class"), str) and _number(k.get("us"))
                         for k in typical["kernels"])):
             raise TraceError(path, f"layer type {t['type']!r}: typical_layer is not "
                                    "{layers, kernels: [{name, class, us}]}")
+    if b.timeline is not None and not _timeline_ok(b.timeline):
+        raise TraceError(path, "timeline is not {step, names, segments: [{label, ops: "
+                               "[[name index, class, start µs, µs]]}]}")
     return b
+
+
+def _timeline_ok(timeline) -> bool:
+    if not isinstance(timeline, dict):
+        return False
+    names, segments = timeline.get("names"), timeline.get("segments")
+    if not (isinstance(timeline.get("step"), str) and isinstance(names, list)
+            and all(isinstance(n, str) for n in names) and isinstance(segments, list)):
+        return False
+    return all(isinstance(seg, dict) and isinstance(seg.get("label"), str)
+               and isinstance(seg.get("ops"), list)
+               and all(isinstance(op, list) and len(op) == 4 and isinstance(op[0], int)
+                       and not isinstance(op[0], bool) and 0 <= op[0] < len(names)
+                       and isinstance(op[1], str) and _number(op[2]) and _number(op[3])
+                       for op in seg["ops"])
+               for seg in segments)
 
 
 def gate(baseline: dict[str, Breakdown], current: dict[str, Breakdown],

@@ -15,7 +15,7 @@ import pytest
 from click.testing import CliRunner
 
 from kimi_perf.cli import main
-from tests.conftest import KINETO, NSYS
+from tests.conftest import KINETO, NSYS, REPO
 from tests.test_layers import nvtx_decode_trace
 
 VLLM = KINETO / "tracelens_vllm_gptoss20b_decode_fullgraph_mi300x.json.gz"
@@ -498,3 +498,78 @@ def test_compare_json_with_kernels_holds_both_typical_layers():
     assert len(a["a"]["kernels"]) == 17 and a["b"]["kernels"][0]["class"] == "norm"
     assert "typical_layers" not in json.loads(run("compare", VLLM, piecewise, "--format",
                                                   "json").output)
+
+
+BASELINE = REPO / "traces" / "baselines" / "tiny-cpu.json"
+
+
+def test_report_command_draws_runs_breakdowns_and_traces(tmp_path):
+    """`kimi-perf report`: a stored run with what ran; a baseline against a run, one decode
+    path of each; a trace beside a breakdown JSON."""
+    out = tmp_path / "run.html"
+    result = run("report", BASELINE, "-o", out, "--plotly-js", "cdn")
+    assert result.exit_code == 0, result.output
+    text = out.read_text()
+    assert "Per layer type: standard vs specialized" in text
+    assert "kimi-perf trace" in text and "decode tokens/s" in text  # the run's own info
+    assert "Fusions, launch by launch" in text
+
+    doc = json.loads(BASELINE.read_text())
+    later = tmp_path / "nightly"
+    later.mkdir()
+    for layer in doc["paths"]["specialized"]["layers"]:
+        layer["span_us"] *= 2
+    (later / "breakdown.json").write_text(json.dumps(doc))
+    out = tmp_path / "gate.html"
+    result = run("report", BASELINE, later, "--path", "specialized", "-o", out,
+                 "--plotly-js", "cdn")
+    assert result.exit_code == 0, result.output
+    text = out.read_text()
+    assert "Per layer type: baselines:specialized vs nightly:specialized" in text
+    assert "<th>standard" not in text and "decode tokens/s" not in text
+
+    traced = tmp_path / "vllm.json"
+    assert run("breakdown", VLLM, "--format", "json", "-o", traced).exit_code == 0
+    out = tmp_path / "two.html"
+    result = run("report", VLLM, traced, "--labels", "trace,stored", "-o", out,
+                 "--plotly-js", "cdn")
+    assert result.exit_code == 0, result.output
+    text = out.read_text()
+    assert "Per layer type: trace vs stored" in text
+    assert text.count("(median-span step)") == 2  # the stored breakdown keeps its timeline
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda d: d["paths"]["standard"].update(timeline={"step": "s", "names": ["k"],
+                                                        "segments": [{"label": "l",
+                                                                      "ops": [[3, "gemm", 0,
+                                                                               1]]}]}),
+     "timeline is not {step, names, segments"),
+    (lambda d: d["run"]["paths"]["standard"].update(decode_tokens_per_s="fast"),
+     "run.paths.standard: its decode metrics are not numbers"),
+    (lambda d: d["run"].update(floors={"bandwidth_Bps": 1e12, "layer_types": []}),
+     "run.floors is not"),
+    (lambda d: d.update(run=[1]), "'run' is not an object"),
+])
+def test_report_command_bad_stored_runs(tmp_path, change, message):
+    doc = json.loads(BASELINE.read_text())
+    change(doc)
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(doc))
+    out = tmp_path / "r.html"
+    result = run("report", bad, "-o", out)
+    assert result.exit_code != 0
+    (line,) = result.output.strip().splitlines()
+    assert line.startswith(f"kimi-perf: error: {bad}: {message}")
+    assert not out.exists()
+
+
+def test_report_command_bad_options(tmp_path):
+    out = tmp_path / "r.html"
+    result = run("report", BASELINE, "--labels", "one", "-o", out)
+    assert result.exit_code != 0 and "--labels takes 2 distinct names" in result.output
+    result = run("report", BASELINE, VLLM, "--path", "fast", "-o", out)
+    assert result.exit_code != 0 and "has no path 'fast'" in result.output
+    result = run("report", BASELINE, "--plotly-js", "missing.js", "-o", out)
+    assert result.exit_code != 0 and "missing.js: --plotly-js: no such file" in result.output
+    assert not out.exists()
