@@ -18,6 +18,7 @@ import itertools
 import json
 import os
 import platform
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -60,6 +61,20 @@ def default_request(on_gpu: bool) -> TraceRequest:
         return TraceRequest(preset="k3-tp8", n_layers=4, batch=1, context=512, steps=10,
                             warmup=3)
     return TraceRequest(preset="tiny", n_layers=None, batch=2, context=8, steps=3, warmup=1)
+
+
+def command_line(req: TraceRequest) -> str:
+    """The ``kimi-perf trace`` command that makes this request on any machine: every option
+    given, none left to the CPU or GPU default."""
+    args = ["kimi-perf", "trace", "--preset", req.preset]
+    if req.n_layers is not None:
+        args += ["--layers", str(req.n_layers)]
+    args += ["--batch", str(req.batch), "--context", str(req.context), "--steps",
+             str(req.steps), "--warmup", str(req.warmup), "--tp", str(req.tp),
+             "--paths", ",".join(req.paths), "--graphs" if req.graphs else "--no-graphs",
+             "--backend", req.backend, "--kv-cache", req.kv_cache, "--out", str(req.out_dir),
+             "--plotly-js", req.plotly_js]
+    return shlex.join(args)
 
 
 def environment(device: str) -> dict[str, Any]:
@@ -167,7 +182,7 @@ def _capture_all(req: TraceRequest, config, device: str, run_dir: Path, final: P
     from kimi_perf.decode.weights import random_weights
 
     run_info: dict[str, Any] = {
-        "command": "kimi-perf trace", "request": _jsonable(dataclasses.asdict(req)),
+        "command": command_line(req), "request": _jsonable(dataclasses.asdict(req)),
         "preset": req.preset, "n_layers": config.n_layers, "config_hash": config.fingerprint(),
         "batch": req.batch, "tp": req.tp, "context": req.context, "decode_steps": req.steps,
         "warmup_steps": req.warmup, "date": dt.datetime.now(dt.UTC).isoformat(),
@@ -389,9 +404,10 @@ def analyse(files: list[Path], out_dir: Path, layers: str = "auto", plotly_js: s
         while label in results:
             label += "'"
         results[label] = breakdown(read_trace(f), layers=layers)
-    run_info = {"command": "kimi-perf trace " + " ".join(f"--from {f}" for f in files)
-                + f" --out {out_dir}" + (f" --plotly-js {plotly_js}" if plotly_js != "inline"
-                                         else ""),
+    command = ["kimi-perf", "trace", *(a for f in files for a in ("--from", str(f))),
+               "--out", str(out_dir), *(("--plotly-js", plotly_js) if plotly_js != "inline"
+                                        else ())]
+    run_info = {"command": shlex.join(command),
                 "files": [str(f) for f in files],
                 "date": dt.datetime.now(dt.UTC).isoformat(), "kimi_perf": __version__,
                 "git_commit": _git_commit()}
@@ -403,10 +419,11 @@ def analyse(files: list[Path], out_dir: Path, layers: str = "auto", plotly_js: s
 
 def _write_outputs(run_dir: Path, final: Path, run_info: dict, results: dict[str, Breakdown],
                    title: str, plotly_js: str) -> None:
-    from kimi_perf.report import write_report
+    from kimi_perf.report import plotly_js_for, write_report
 
     run_info["report"] = str(final / "report.html")
-    write_report(run_dir / "report.html", results, title, run_info, plotly_js)
+    write_report(run_dir / "report.html", results, title, run_info,
+                 plotly_js_for(plotly_js, final))
     atomic_write_text(run_dir / "run.json", json.dumps(run_info, indent=1) + "\n")
     doc = {"schema": 1, "run": run_info, "paths": {k: b.to_json() for k, b in results.items()}}
     atomic_write_text(run_dir / "breakdown.json", json.dumps(doc, indent=1) + "\n")

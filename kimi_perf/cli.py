@@ -334,16 +334,6 @@ def _check_plotly_js(ctx, param, value: str) -> str:
     return value
 
 
-def _plotly_js_for(value: str, report_dir: Path) -> str:
-    """A local plotly.js as a report in ``report_dir`` refers to it: relative to that
-    directory, so that the report and the file can move together."""
-    if value in ("inline", "cdn") or "://" in value:
-        return value
-    if not Path(value).is_file():
-        raise TraceError(Path(value), "--plotly-js: no such file")
-    return os.path.relpath(Path(value).resolve(), report_dir.resolve())
-
-
 @main.command(name="report")
 @click.argument("inputs", nargs=-1, required=True, type=click.Path(path_type=Path))
 @click.option("--path", "path_name", help="take only this decode path from each run")
@@ -368,7 +358,7 @@ def report_cmd(inputs: tuple[Path, ...], path_name: str | None, labels: str | No
     --path names: `kimi-perf report BASELINE.json RUN --path specialized` shows what a gate
     failure is made of. Breakdowns are drawn as stored; traces are broken down first.
     """
-    from kimi_perf.report import run_info_problem, write_report
+    from kimi_perf.report import plotly_js_for, run_info_problem, write_report
 
     drawn: dict[str, Breakdown] = {}
     run_info = None
@@ -392,7 +382,7 @@ def report_cmd(inputs: tuple[Path, ...], path_name: str | None, labels: str | No
                                    f"{', '.join(drawn)}): not {labels!r}")
         drawn = dict(zip(names, drawn.values(), strict=True))
     write_report(output, drawn, "kimi-perf report: " + ", ".join(drawn), run_info,
-                 _plotly_js_for(plotly_js, output.parent))
+                 plotly_js_for(plotly_js, output.parent))
     click.echo(f"report: {output}")
 
 
@@ -574,7 +564,9 @@ def trace_cmd(from_files: tuple[Path, ...], preset_name: str | None, n_layers: i
     from kimi_perf.compare import compare as compare_breakdowns
 
     console = render.console(stderr=fmt == "json")
-    plotly_js = _plotly_js_for(plotly_js, out_dir / "run")  # a run directory in out_dir
+    from kimi_perf.report import plotly_js_for
+
+    plotly_js_for(plotly_js, out_dir)  # a missing file is said now, not after the capture
     if from_files:
         run_dir, results, run_info = cap.analyse(list(from_files), out_dir,
                                                  plotly_js=plotly_js)

@@ -11,6 +11,7 @@ asked otherwise). Every name from a trace is HTML-escaped: kernel names carry ``
 from __future__ import annotations
 
 import html
+import os
 from collections import Counter
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from plotly.subplots import make_subplots
 
 from kimi_perf.breakdown import Breakdown
 from kimi_perf.compare import compare
+from kimi_perf.errors import TraceError
 from kimi_perf.gate import _number
 from kimi_perf.names import demangle, short_names
 from kimi_perf.trace import atomic_write_text
@@ -341,6 +343,16 @@ STYLE = ("<style>body{font-family:sans-serif;margin:1.5em}table{border-collapse:
          "td.name,table.info td,table.info th{text-align:left}"
          "p.note{background:#fff6d5;padding:.5em}</style>")
 PLOTLY_JS = ("inline", "cdn")
+
+
+def plotly_js_for(value: str, report_dir: Path) -> str:
+    """``--plotly-js`` as a report in ``report_dir`` refers to it: a local file relative to
+    that directory (so that the report and the file can move together), checked to exist."""
+    if value in PLOTLY_JS or "://" in value:
+        return value
+    if not Path(value).is_file():
+        raise TraceError(Path(value), "--plotly-js: no such file")
+    return os.path.relpath(Path(value).resolve(), Path(report_dir).resolve())
 
 
 def write_report(path: str | Path, breakdowns: dict[str, Breakdown], title: str,

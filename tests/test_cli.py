@@ -10,6 +10,7 @@ import shutil
 import sqlite3
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -573,3 +574,26 @@ def test_report_command_bad_options(tmp_path):
     result = run("report", BASELINE, "--plotly-js", "missing.js", "-o", out)
     assert result.exit_code != 0 and "missing.js: --plotly-js: no such file" in result.output
     assert not out.exists()
+
+
+def test_a_capture_records_the_command_that_makes_it_again():
+    """run.json's command gives every option, so it makes the same request on a CPU or a
+    GPU (whose defaults differ)."""
+    import dataclasses
+    import shlex
+
+    from kimi_perf.capture import command_line, default_request
+    from kimi_perf.cli import trace_cmd
+
+    for req in (default_request(False), dataclasses.replace(
+            default_request(True), graphs=True, paths=("specialized",), tp=2, kv_cache="fp8",
+            backend="nsys", out_dir=Path("my runs"), plotly_js="cdn")):
+        args = shlex.split(command_line(req))
+        assert args[:2] == ["kimi-perf", "trace"]
+        p = trace_cmd.make_context("trace", args[2:]).params
+        assert (p["preset_name"], p["n_layers"], p["batch"], p["context"], p["steps"],
+                p["warmup"], p["tp"], p["paths"], p["graphs"], p["backend"], p["kv_cache"],
+                p["out_dir"], p["plotly_js"]) == (
+            req.preset, req.n_layers, req.batch, req.context, req.steps, req.warmup, req.tp,
+            ",".join(req.paths), req.graphs, req.backend, req.kv_cache, req.out_dir,
+            req.plotly_js)

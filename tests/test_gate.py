@@ -277,21 +277,36 @@ def test_fuzzed_baselines_give_one_line_errors(data):
     naming the file, never a traceback."""
     text = BASELINE.read_text()
     doc = json.loads(text)
-    if data.draw(st.booleans()):
+    junk = st.sampled_from([None, "9", [], {}, True, -1, 10**6])
+    what = data.draw(st.sampled_from(["cut", "layer", "timeline", "run"]))
+    if what == "cut":
         mutated = text[: data.draw(st.integers(0, len(text) - 1))]
     else:
-        rows = doc["paths"]["specialized"]["layers"]
-        row = rows[data.draw(st.integers(0, len(rows) - 1))]
-        key = data.draw(st.sampled_from(["type", "kernels", "kernel_us", "span_us"]))
-        row[key] = data.draw(st.sampled_from([None, "9", [], {}, True]))
+        path = doc["paths"]["specialized"]
+        if what == "layer":
+            row = data.draw(st.sampled_from(path["layers"]))
+            row[data.draw(st.sampled_from(["type", "kernels", "kernel_us", "span_us"]))] = \
+                data.draw(junk)
+        elif what == "timeline":
+            op = data.draw(st.sampled_from(data.draw(st.sampled_from(
+                path["timeline"]["segments"]))["ops"]))
+            op[data.draw(st.integers(0, 3))] = data.draw(junk)
+        else:
+            metrics = doc["run"]["paths"]["standard"]
+            key = data.draw(st.sampled_from(["decode_tokens_per_s", "step_latency_s",
+                                             "fallbacks", "timed"]))
+            metrics[key] = data.draw(junk)
         mutated = json.dumps(doc)
     with tempfile.TemporaryDirectory() as tmp:
         bad = Path(tmp) / "base.json"
         bad.write_text(mutated)
-        result = CliRunner().invoke(main, ["gate", str(bad), str(BASELINE)])
-    assert result.exception is None or isinstance(result.exception, SystemExit)
-    if result.exit_code == 2:
-        assert result.output.count("\n") == 1 and "base.json" in result.output
+        report = Path(tmp) / "r.html"
+        for args in (["gate", bad, BASELINE], ["report", bad, "-o", report]):
+            result = CliRunner().invoke(main, [str(a) for a in args])
+            assert result.exception is None or isinstance(result.exception, SystemExit)
+            if result.exit_code == 2:
+                assert result.output.count("\n") == 1 and "base.json" in result.output
+        assert report.exists() == (result.exit_code == 0)
 
 
 @pytest.mark.parametrize("typical", [{"layers": 3}, "x", {"layers": 3, "kernels": [
