@@ -18,6 +18,7 @@ import itertools
 import json
 import os
 import platform
+import re
 import shlex
 import shutil
 import statistics
@@ -393,6 +394,34 @@ def trace_label(path: Path) -> str:
         if name.endswith(suffix) and len(name) > len(suffix):
             return name[: -len(suffix)]
     return name
+
+
+def trace_files(paths: list[Path]) -> list[Path]:
+    """``paths`` with each directory replaced by the trace files in it, in natural order
+    (rank2 before rank10): a profiler's output directory, one trace per rank or worker, as
+    vLLM's and SGLang's profilers write them. Breakdown JSON files in it are left out; a
+    kimi-perf run directory is not a directory of traces (``kimi-perf report`` draws it)."""
+    from kimi_perf.gate import is_kimi_perf_json
+
+    def natural(p: Path) -> list:
+        return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", p.name)]
+
+    out: list[Path] = []
+    for path in paths:
+        if not path.is_dir():
+            out.append(path)
+            continue
+        if (path / "breakdown.json").exists():
+            raise TraceError(path, "a kimi-perf run directory, not a directory of traces: "
+                                   "kimi-perf report draws it")
+        found = sorted((f for f in path.iterdir() if f.is_file()
+                        and f.name.endswith(TRACE_SUFFIXES) and not is_kimi_perf_json(f)),
+                       key=natural)
+        if not found:
+            raise TraceError(path, "holds no trace files (" + ", ".join(
+                f"*{s}" for s in TRACE_SUFFIXES[2:]) + ")")
+        out += found
+    return out
 
 
 def analyse(files: list[Path], out_dir: Path, layers: str = "auto", plotly_js: str = "inline"

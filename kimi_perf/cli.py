@@ -352,14 +352,18 @@ def report_cmd(inputs: tuple[Path, ...], path_name: str | None, labels: str | No
                layers: str, step_regex: str | None, rules: Path | None, plotly_js: str,
                output: Path) -> None:
     """The HTML layer-timeline report of traces, breakdown JSON files or `kimi-perf trace`
-    runs: the first against each of the others, per layer type and kernel by kernel.
+    runs: the first against each of the others, per layer type and kernel by kernel. A
+    directory that is not a run stands for the traces in it (one per rank, say).
 
     A run (its directory or its breakdown.json) brings each of its decode paths, or the one
     --path names: `kimi-perf report BASELINE.json RUN --path specialized` shows what a gate
     failure is made of. Breakdowns are drawn as stored; traces are broken down first.
     """
+    from kimi_perf.capture import trace_files
     from kimi_perf.report import plotly_js_for, run_info_problem, write_report
 
+    inputs = tuple(x for f in inputs for x in (
+        trace_files([f]) if f.is_dir() and not (f / "breakdown.json").exists() else [f]))
     drawn: dict[str, Breakdown] = {}
     run_info = None
     for file in inputs:
@@ -524,7 +528,8 @@ def validate(preset_name: str, n_layers: int | None, paths: str, steps: int, bat
 
 @main.command(name="trace")
 @click.option("--from", "from_files", multiple=True, type=click.Path(path_type=Path),
-              help="analyse these existing traces instead of capturing (repeatable)")
+              help="analyse these existing traces instead of capturing (repeatable; a "
+              "directory: the traces in it, e.g. one per rank)")
 @click.option("--preset", "preset_name", help="tiny, k3, k3-tp8, k3-tp16 (default: tiny on a "
               "CPU, k3-tp8 on a GPU)")
 @click.option("--layers", "n_layers", type=int, help="layer count (default: the preset's; "
@@ -568,7 +573,7 @@ def trace_cmd(from_files: tuple[Path, ...], preset_name: str | None, n_layers: i
 
     plotly_js_for(plotly_js, out_dir)  # a missing file is said now, not after the capture
     if from_files:
-        run_dir, results, run_info = cap.analyse(list(from_files), out_dir,
+        run_dir, results, run_info = cap.analyse(cap.trace_files(list(from_files)), out_dir,
                                                  plotly_js=plotly_js)
     else:
         try:

@@ -597,3 +597,33 @@ def test_a_capture_records_the_command_that_makes_it_again():
             req.preset, req.n_layers, req.batch, req.context, req.steps, req.warmup, req.tp,
             ",".join(req.paths), req.graphs, req.backend, req.kv_cache, req.out_dir,
             req.plotly_js)
+
+
+def test_a_directory_of_traces_stands_for_its_traces(tmp_path):
+    """A profiler's output directory (one trace per rank): its traces in natural order, for
+    `trace --from` and `report`; a breakdown JSON in it is left out."""
+    ranks = tmp_path / "profile"
+    ranks.mkdir()
+    for rank in (10, 2):
+        shutil.copy(VLLM, ranks / f"worker_rank{rank}.pt.trace.json.gz")
+    (ranks / "notes.txt").write_text("not a trace")
+    assert run("breakdown", VLLM, "--format", "json", "-o",
+               ranks / "old.json").exit_code == 0
+    out = tmp_path / "runs"
+    result = run("trace", "--from", ranks, "--out", out, "--plotly-js", "cdn")
+    assert result.exit_code == 0, result.output
+    (run_dir,) = out.iterdir()
+    info = json.loads((run_dir / "run.json").read_text())
+    assert [Path(f).name for f in info["files"]] == [
+        "worker_rank2.pt.trace.json.gz", "worker_rank10.pt.trace.json.gz"]
+    assert list(json.loads((run_dir / "breakdown.json").read_text())["paths"]) == [
+        "worker_rank2", "worker_rank10"]
+    report = tmp_path / "ranks.html"
+    assert run("report", ranks, "-o", report, "--plotly-js", "cdn").exit_code == 0
+    assert "Per layer type: worker_rank2 vs worker_rank10" in report.read_text()
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    _one_line_error(run("trace", "--from", empty, "--out", out), "holds no trace files")
+    _one_line_error(run("trace", "--from", run_dir, "--out", out),
+                    "a kimi-perf run directory, not a directory of traces")
+    assert len(list(out.iterdir())) == 1
