@@ -619,10 +619,16 @@ def trace_cmd(from_files: tuple[Path, ...], preset_name: str | None, n_layers: i
     unit = "ops" if cpu else "kernels"
     a = labels[0]
     compared = [(b, compare_breakdowns(results[a], results[b])) for b in labels[1:]]
-    for b, rows in compared:  # the first against each of the others
-        if rows:
-            console.print(render.comparison_table(rows, a, b, unit))
-            console.print(render.comparison_headline(rows, a, b, unit))
+    if len(labels) >= 3:  # a TP run's ranks, say: every one in one table
+        from kimi_perf.compare import overview
+
+        console.print(render.overview_table(overview(results), unit))
+        console.print(f"{a} against each of the others: the report, or kimi-perf compare")
+    else:
+        for b, rows in compared:
+            if rows:
+                console.print(render.comparison_table(rows, a, b, unit))
+                console.print(render.comparison_headline(rows, a, b, unit))
     if not any(rows for _, rows in compared):  # one trace, or none with layers
         for label, b in results.items():
             console.print(f"{label}:")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass
 
 from kimi_perf.breakdown import Breakdown
@@ -75,3 +76,56 @@ def _mean(b: Breakdown) -> dict | None:
     return {"layers": n,
             **{k: round(sum(layer[k] for layer in b.layers) / n, 3)
                for k in ("kernels", "kernel_us", "span_us")}}
+
+
+@dataclass
+class OverviewRow:
+    """One trace among several: its median step span, and per layer type its median
+    kernels and span (None where it has no layer of that type)."""
+
+    label: str
+    steps: int
+    step_us: float | None
+    types: dict[str, tuple[float, float] | None]
+
+
+def overview(breakdowns: dict[str, Breakdown]) -> list[OverviewRow]:
+    """Every trace in one table, a row each, layer types in order of first appearance: the
+    view of a TP run's ranks (which rank is slow, and in what)."""
+    types = list(dict.fromkeys(t["type"] for b in breakdowns.values() for t in b.layer_types))
+    rows = []
+    for label, b in breakdowns.items():
+        by_type = {t["type"]: t for t in b.layer_types}
+        spans = [s["span_us"] for s in b.steps]
+        step_us = statistics.median(spans) if spans else None
+        rows.append(OverviewRow(label, len(spans), step_us, {
+            t: (by_type[t]["kernels"], by_type[t]["span_us"]) if t in by_type else None
+            for t in types}))
+    return rows
+
+
+@dataclass
+class Spread:
+    """A layer type's (or the step's: type None) median span across traces."""
+
+    type: str | None
+    fastest: float
+    slowest: float
+    slowest_label: str
+
+    @property
+    def ratio(self) -> float | None:
+        return round(self.slowest / self.fastest, 3) if self.fastest else None
+
+
+def spreads(rows: list[OverviewRow]) -> list[Spread]:
+    """Per layer type and for the step, the fastest and slowest trace's median span."""
+    out = []
+    for layer_type in [None, *(rows[0].types if rows else ())]:
+        values = [(r.step_us if layer_type is None else r.types[layer_type][1], r.label)
+                  for r in rows
+                  if (r.step_us if layer_type is None else r.types[layer_type]) is not None]
+        if len(values) >= 2:
+            (fast, _), (slow, label) = min(values), max(values)
+            out.append(Spread(layer_type, fast, slow, label))
+    return out

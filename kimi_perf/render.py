@@ -15,7 +15,7 @@ from rich.text import Text
 
 from kimi_perf.attribution import RangeKernelRow
 from kimi_perf.breakdown import Breakdown
-from kimi_perf.compare import ComparisonRow
+from kimi_perf.compare import ComparisonRow, OverviewRow, spreads
 from kimi_perf.gate import GateResult
 from kimi_perf.names import short_names
 
@@ -243,6 +243,25 @@ def comparison_headline(rows: list[ComparisonRow], label_a: str, label_b: str,
         parts.append(f"{r.type}: {r.kernels_a:.3g} {unit} / {r.span_us_a:.1f} µs ({label_a}) "
                      f"vs {r.kernels_b:.3g} / {r.span_us_b:.1f} µs ({label_b})")
     return "\n".join(parts)
+
+
+def overview_table(rows: list[OverviewRow], unit: str = "kernels") -> Table:
+    """Several traces (a TP run's ranks, say), a row each: the median step span and each
+    layer type's median layer span and count; then the spread, slowest over fastest."""
+    types = list(rows[0].types) if rows else []
+    table = _table(f"Every trace (medians; µs = span, layer {unit} in brackets)",
+                   ["trace", "steps", "step µs", *(f"{t or '-'} µs" for t in types)],
+                   left=("trace",))
+    for r in rows:
+        cells = [f"{v[1]:.1f} ({v[0]:.3g})" if v else "-" for v in r.types.values()]
+        table.add_row(r.label, str(r.steps), "-" if r.step_us is None else f"{r.step_us:.1f}",
+                      *cells)
+    spread = {s.type: s for s in spreads(rows)}
+    table.add_row("slowest / fastest", "", *(
+        f"{spread[t].ratio:.2f}× ({spread[t].slowest_label})"
+        if t in spread and spread[t].ratio else "-" for t in [None, *types]),
+        style="bold")
+    return table
 
 
 def comparison_json(rows: list[ComparisonRow], label_a: str, label_b: str,

@@ -19,7 +19,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from kimi_perf.breakdown import Breakdown
-from kimi_perf.compare import compare
+from kimi_perf.compare import compare, overview, spreads
 from kimi_perf.errors import TraceError
 from kimi_perf.gate import _number
 from kimi_perf.names import demangle, short_names
@@ -136,6 +136,29 @@ def _comparison_html(breakdowns: dict[str, Breakdown]) -> str:
         parts.append(f"<h2>Per layer type: {e(a)} vs {e(b)} (medians; µs = layer span)</h2>"
                      f"<table>{head}{body}</table>{note}")
     return "".join(parts)
+
+
+def _overview_html(breakdowns: dict[str, Breakdown]) -> str:
+    """Three traces or more (a TP run's ranks, say): every one in one table, with the spread
+    of each layer type's span."""
+    if len(breakdowns) < 3:
+        return ""
+    e = html.escape
+    rows = overview(breakdowns)
+    types = list(rows[0].types)
+    spread = {s.type: s for s in spreads(rows)}
+    head = "<tr><th>trace</th><th>steps</th><th>step µs</th>" + "".join(
+        f"<th>{e(t or '-')} µs</th>" for t in types) + "</tr>"
+    body = "".join(
+        f"<tr><td>{e(r.label)}</td><td>{r.steps}</td>"
+        f"<td>{'-' if r.step_us is None else f'{r.step_us:.1f}'}</td>" + "".join(
+            f"<td>{v[1]:.1f} ({v[0]:.3g})</td>" if v else "<td>-</td>"
+            for v in r.types.values()) + "</tr>" for r in rows)
+    foot = "<tr><th>slowest / fastest</th><th></th>" + "".join(
+        f"<th>{spread[t].ratio:.2f}× ({e(spread[t].slowest_label)})</th>"
+        if t in spread and spread[t].ratio else "<th>-</th>" for t in [None, *types]) + "</tr>"
+    return (f"<h2>Every trace (medians; µs = span, layer {_units(breakdowns)} in brackets)"
+            f"</h2><table>{head}{body}{foot}</table>")
 
 
 def _typical_html(breakdowns: dict[str, Breakdown]) -> str:
@@ -377,6 +400,7 @@ def write_report(path: str | Path, breakdowns: dict[str, Breakdown], title: str,
     parts = [f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{html.escape(title)}"
              f"</title>{STYLE}</head><body><h1>{html.escape(title)}</h1>",
              _run_html(run, breakdowns),
+             _overview_html(breakdowns),
              _comparison_html(breakdowns),
              _typical_html(breakdowns),
              _fusions_html(breakdowns),

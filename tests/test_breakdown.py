@@ -59,6 +59,35 @@ def test_compare_matches_types_and_computes_ratios():
     assert rows["all layers (mean)"].layers_a == 8
 
 
+def test_overview_of_several_traces_names_the_slowest():
+    """A TP run's ranks in one table: per layer type the median span of each, and the
+    slowest over the fastest (here rank 1's MLA layers take 1.5 times as long)."""
+    from kimi_perf.compare import overview, spreads
+
+    ranks = {}
+    for rank, mla_scale in ((0, 1.0), (1, 1.5), (2, 1.0)):
+        b = breakdown(nvtx_decode_trace("layer[{i}]({kind})", steps=3).build())
+        for t in b.layer_types:
+            if t["type"] == "mla":
+                t["span_us"] *= mla_scale
+        for step in b.steps:
+            step["span_us"] += rank
+        ranks[f"rank{rank}"] = b
+    rows = overview(ranks)
+    assert [r.label for r in rows] == ["rank0", "rank1", "rank2"]
+    assert list(rows[0].types) == ["kda", "mla"] and rows[0].steps == 3
+    assert rows[1].types["mla"][1] == pytest.approx(1.5 * rows[0].types["mla"][1])
+    assert rows[2].step_us == pytest.approx(rows[0].step_us + 2)
+    spread = {s.type: s for s in spreads(rows)}
+    assert spread["mla"].slowest_label == "rank1" and spread["mla"].ratio == 1.5
+    assert spread["kda"].ratio == 1.0 and spread[None].slowest_label == "rank2"
+    # a trace without a type is left out of that type's spread
+    del ranks["rank1"].layer_types[1]
+    rows = overview(ranks)
+    assert rows[1].types["mla"] is None
+    assert {s.type: s for s in spreads(rows)}["mla"].slowest_label != "rank1"
+
+
 def test_vllm_decode_breakdown():
     b = breakdown(read_trace(KINETO / "tracelens_vllm_gptoss20b_decode_fullgraph_mi300x.json.gz"))
     (step,) = b.steps

@@ -627,3 +627,21 @@ def test_a_directory_of_traces_stands_for_its_traces(tmp_path):
     _one_line_error(run("trace", "--from", run_dir, "--out", out),
                     "a kimi-perf run directory, not a directory of traces")
     assert len(list(out.iterdir())) == 1
+
+
+def test_three_traces_or_more_are_shown_in_one_table(tmp_path):
+    """`trace --from` with a TP run's ranks: one table of every trace with the spread, in the
+    terminal and the report."""
+    ranks = tmp_path / "ranks"
+    ranks.mkdir()
+    for rank in range(3):
+        shutil.copy(VLLM, ranks / f"rank{rank}.json.gz")
+    out = tmp_path / "runs"
+    result = run("trace", "--from", ranks, "--out", out, "--plotly-js", "cdn")
+    assert result.exit_code == 0, result.output
+    assert "Every trace" in result.output and "slowest / fastest" in result.output
+    assert "1.00× (rank" in result.output  # copies of one trace: no spread
+    assert "Per layer type: rank0 vs" not in result.output  # in the report
+    (report,) = out.glob("*/report.html")
+    text = report.read_text()
+    assert "<h2>Every trace" in text and "Per layer type: rank0 vs rank2" in text
