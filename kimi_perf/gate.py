@@ -131,7 +131,7 @@ def is_kimi_perf_json(path: Path) -> bool:
     return re.match(rb'\s*\{\s*"schema"\s*:', head) is not None
 
 
-def _number(v) -> bool:
+def is_finite_number(v) -> bool:
     return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
 
 
@@ -142,18 +142,24 @@ def _checked(b: Breakdown, path: Path) -> Breakdown:
     if (rows is None or not isinstance(b.layer_types, list)
             or not all(isinstance(t, dict) and isinstance(t.get("type"), str)
                        for t in b.layer_types)
-            or not all(isinstance(r, dict) and all(_number(r.get(m)) for m in METRICS)
-                       for r in rows)
+            or not all(isinstance(r, dict)
+                       and all(is_finite_number(r.get(m)) for m in METRICS)
+                       and _classes_ok(r.get("classes")) for r in rows)
             or not all(isinstance(r.get("type"), str) for r in b.layers)):
-        raise TraceError(path, "breakdown rows lack a type, or finite kernels, kernel_us or "
-                               "span_us")
+        raise TraceError(path, "breakdown rows lack a type, or finite kernels, kernel_us, "
+                               "span_us or classes")
     for t in b.layer_types:
+        if not _layer_type_figures_ok(t):
+            raise TraceError(path, f"layer type {t['type']!r}: not {{layers, kernels, "
+                                   "kernel_us, span_us, gap_us, classes: {class: {kernels, "
+                                   "us}}} as numbers")
         typical = t.get("typical_layer")
         if typical is not None and not (
                 isinstance(typical, dict) and isinstance(typical.get("layers"), int)
                 and isinstance(typical.get("kernels"), list)
                 and all(isinstance(k, dict) and isinstance(k.get("name"), str)
-                        and isinstance(k.get("class"), str) and _number(k.get("us"))
+                        and isinstance(k.get("class"), str)
+                        and is_finite_number(k.get("us"))
                         for k in typical["kernels"])):
             raise TraceError(path, f"layer type {t['type']!r}: typical_layer is not "
                                    "{layers, kernels: [{name, class, us}]}")
@@ -161,6 +167,18 @@ def _checked(b: Breakdown, path: Path) -> Breakdown:
         raise TraceError(path, "timeline is not {step, names, segments: [{label, ops: "
                                "[[name index, class, start µs, µs]]}]}")
     return b
+
+
+def _classes_ok(classes) -> bool:
+    return isinstance(classes, dict) and all(
+        isinstance(c, dict) and is_finite_number(c.get("kernels"))
+        and is_finite_number(c.get("us")) for c in classes.values())
+
+
+def _layer_type_figures_ok(t: dict) -> bool:
+    return (isinstance(t.get("layers"), int) and not isinstance(t["layers"], bool)
+            and all(is_finite_number(t.get(m)) for m in (*METRICS, "gap_us"))
+            and _classes_ok(t.get("classes")))
 
 
 def _timeline_ok(timeline) -> bool:
@@ -174,7 +192,8 @@ def _timeline_ok(timeline) -> bool:
                and isinstance(seg.get("ops"), list)
                and all(isinstance(op, list) and len(op) == 4 and isinstance(op[0], int)
                        and not isinstance(op[0], bool) and 0 <= op[0] < len(names)
-                       and isinstance(op[1], str) and _number(op[2]) and _number(op[3])
+                       and isinstance(op[1], str) and is_finite_number(op[2])
+                       and is_finite_number(op[3])
                        for op in seg["ops"])
                for seg in segments)
 

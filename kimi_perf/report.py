@@ -21,7 +21,7 @@ from plotly.subplots import make_subplots
 from kimi_perf.breakdown import Breakdown
 from kimi_perf.compare import compare, overview, spreads
 from kimi_perf.errors import TraceError
-from kimi_perf.gate import _number
+from kimi_perf.gate import is_finite_number
 from kimi_perf.names import demangle, short_names
 from kimi_perf.trace import atomic_write_text
 
@@ -67,7 +67,8 @@ def _class_bars(breakdowns: dict[str, Breakdown]) -> go.Figure:
             for t in b.layer_types:
                 x.append(f"{html.escape(t['type'] or '-')}<br>{html.escape(label)}")
                 y.append(t["classes"].get(cls, {}).get("us", 0.0))
-        fig.add_trace(go.Bar(name=cls, x=x, y=y, marker_color=CLASS_COLOURS.get(cls)))
+        fig.add_trace(go.Bar(name=html.escape(cls), x=x, y=y,
+                             marker_color=CLASS_COLOURS.get(cls)))
     fig.update_layout(barmode="stack", title="Median µs per layer, by kernel class",
                       yaxis_title="µs")
     return fig
@@ -339,7 +340,7 @@ def run_info_problem(run: object) -> str | None:
     for name, m in (run.get("paths") or {}).items():
         latency = m.get("step_latency_s") if isinstance(m, dict) else None
         fallbacks = (m.get("fallbacks") or []) if isinstance(m, dict) else None
-        if not (isinstance(latency, dict) and all(_number(v) for v in (
+        if not (isinstance(latency, dict) and all(is_finite_number(v) for v in (
                 m.get("decode_tokens_per_s"), m.get("time_to_first_token_s"),
                 latency.get("median"), latency.get("min"), latency.get("max")))
                 and isinstance(m.get("timed", ""), str) and isinstance(fallbacks, list)
@@ -347,8 +348,9 @@ def run_info_problem(run: object) -> str | None:
             return f"run.paths.{name}: its decode metrics are not numbers"
     floors = run.get("floors")
     if floors is not None and not (
-            _number(floors.get("bandwidth_Bps")) and isinstance(floors.get("layer_types"), dict)
-            and all(isinstance(v, dict) and _number(v.get("floor_us"))
+            is_finite_number(floors.get("bandwidth_Bps"))
+            and isinstance(floors.get("layer_types"), dict)
+            and all(isinstance(v, dict) and is_finite_number(v.get("floor_us"))
                     for v in floors["layer_types"].values())):
         return "run.floors is not {bandwidth_Bps, layer_types: {type: {floor_us}}}"
     return None

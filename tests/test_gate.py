@@ -321,3 +321,21 @@ def test_a_malformed_typical_layer_is_one_line(tmp_path, typical):
         result = CliRunner().invoke(main, [str(a) for a in args])
         assert result.exit_code == 2 and result.output.count("\n") == 1, result.output
         assert "bad.json: layer type 'kda': typical_layer is not" in result.output
+
+
+@pytest.mark.parametrize("where, key, value", [
+    ("layer_types", "kernels", "x"), ("layer_types", "span_us", None),
+    ("layer_types", "layers", "3"), ("layer_types", "gap_us", float("inf")),
+    ("layer_types", "classes", {"gemm": {"kernels": 1}}), ("layers", "classes", [])])
+def test_malformed_stored_figures_are_one_line_for_every_command(tmp_path, where, key, value):
+    """Every command that reads a stored breakdown checks the figures it prints first."""
+    doc = json.loads(BASELINE.read_text())
+    doc["paths"]["specialized"][where][0][key] = value
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(doc))
+    for args in (["gate", bad, BASELINE], ["compare", bad], ["breakdown", bad],
+                 ["report", bad, "-o", tmp_path / "r.html"]):
+        result = CliRunner().invoke(main, [str(a) for a in args])
+        assert result.exit_code == 2 and result.output.count("\n") == 1, (args, result.output)
+        assert "bad.json" in result.output
+    assert not (tmp_path / "r.html").exists()
