@@ -124,18 +124,20 @@ def _marker(path: str, **fields) -> str:
     return str({"Module": path, **fields})
 
 
-def test_layerwise_nvtx_markers_of_serving_engines():
+@pytest.mark.parametrize("root", ["top", "model", "KimiK3ForCausalLM"])
+def test_layerwise_nvtx_markers_of_serving_engines(root):
     """Every module's forward gets a marker (the root's is the forward pass, so the step);
-    vLLM also pushes and pops an empty "output" marker after each module."""
+    vLLM also pushes and pops an empty "output" marker after each module. The root is named
+    "top" (TensorRT-LLM), "model" (SGLang) or after the model's class (vLLM)."""
     b = TraceBuilder()
     n_layers = 8
     for _ in range(2):
         step_start = b.clock
         start, end = b.sequence(["embedding"])
-        b.range(_marker("top.model.embed_tokens", Inputs=[[1]]), start - 5, end)
+        b.range(_marker(f"{root}.model.embed_tokens", Inputs=[[1]]), start - 5, end)
         for i, kernels in enumerate(k3_like(n_layers)):
             start, end = b.sequence(kernels)
-            layer = f"top.model.layers.{i}"
+            layer = f"{root}.model.layers.{i}"
             b.range(_marker(layer, Inputs=[[1, 7168]], TrainableParams={}), start - 10, end)
             b.range(_marker(layer + ".self_attn", Inputs=[[1, 7168]]), start - 5,
                     start + 6 * 1100)
@@ -143,13 +145,13 @@ def test_layerwise_nvtx_markers_of_serving_engines():
                     end - 3 * 1100, end - 5)
             b.range(_marker(layer, Outputs=[[1, 7168]]), end + 1, end + 2)
         b.sequence(["gemm_lm_head"])
-        b.range(_marker("top", input_ids=[[1]], positions=[[1]]), step_start - 20, b.clock)
-        b.range(_marker("top", Outputs=[[1, 7168]]), b.clock + 1, b.clock + 2)
+        b.range(_marker(root, input_ids=[[1]], positions=[[1]]), step_start - 20, b.clock)
+        b.range(_marker(root, Outputs=[[1, 7168]]), b.clock + 1, b.clock + 2)
         b.clock += 5000
     _, steps = segment(b.build())
     assert len(steps) == 2
     for step in steps:
-        assert step.name.startswith("{'Module': 'top', 'input_ids'")
+        assert step.name.startswith(f"{{'Module': '{root}', 'input_ids'")
         assert step.layer_source == "nvtx"
         assert [x.index for x in step.layers] == list(range(n_layers))
         assert [len(x.ops) for x in step.layers] == [len(k) for k in k3_like(n_layers)]
