@@ -87,6 +87,15 @@ class OverviewRow:
     steps: int
     step_us: float | None
     types: dict[str, tuple[float, float] | None]
+    patterns: dict[str, str | None]   # a type found by the kernel pattern: its digest
+
+
+def differing_patterns(rows: list[OverviewRow]) -> list[str]:
+    """Types found by the repeating kernel pattern whose kernel sequence differs between
+    traces: their letter may name different layers."""
+    types = rows[0].types if rows else {}
+    return [t for t in types
+            if len({r.patterns[t] for r in rows if r.types[t]} - {None}) > 1]
 
 
 def overview(breakdowns: dict[str, Breakdown]) -> list[OverviewRow]:
@@ -100,7 +109,7 @@ def overview(breakdowns: dict[str, Breakdown]) -> list[OverviewRow]:
         step_us = statistics.median(spans) if spans else None
         rows.append(OverviewRow(label, len(spans), step_us, {
             t: (by_type[t]["kernels"], by_type[t]["span_us"]) if t in by_type else None
-            for t in types}))
+            for t in types}, {t: by_type.get(t, {}).get("pattern") for t in types}))
     return rows
 
 

@@ -15,7 +15,7 @@ from rich.text import Text
 
 from kimi_perf.attribution import RangeKernelRow
 from kimi_perf.breakdown import Breakdown
-from kimi_perf.compare import ComparisonRow, OverviewRow, spreads
+from kimi_perf.compare import ComparisonRow, OverviewRow, differing_patterns, spreads
 from kimi_perf.gate import GateResult
 from kimi_perf.names import short_names
 
@@ -247,10 +247,13 @@ def comparison_headline(rows: list[ComparisonRow], label_a: str, label_b: str,
 
 def overview_table(rows: list[OverviewRow], unit: str = "kernels") -> Table:
     """Several traces (a TP run's ranks, say), a row each: the median step span and each
-    layer type's median layer span and count; then the spread, slowest over fastest."""
+    layer type's median layer span and count; then the spread, slowest over fastest, and
+    (below) which trace was slowest."""
     types = list(rows[0].types) if rows else []
+    differ = differing_patterns(rows)
     table = _table(f"Every trace (medians; µs = span, layer {unit} in brackets)",
-                   ["trace", "steps", "step µs", *(f"{t or '-'} µs" for t in types)],
+                   ["trace", "steps", "step µs",
+                    *(f"{t or '-'}{' *' if t in differ else ''} µs" for t in types)],
                    left=("trace",))
     for r in rows:
         cells = [f"{v[1]:.1f} ({v[0]:.3g})" if v else "-" for v in r.types.values()]
@@ -258,9 +261,16 @@ def overview_table(rows: list[OverviewRow], unit: str = "kernels") -> Table:
                       *cells)
     spread = {s.type: s for s in spreads(rows)}
     table.add_row("slowest / fastest", "", *(
-        f"{spread[t].ratio:.2f}× ({spread[t].slowest_label})"
-        if t in spread and spread[t].ratio else "-" for t in [None, *types]),
-        style="bold")
+        f"{spread[t].ratio:.2f}×" if t in spread and spread[t].ratio else "-"
+        for t in [None, *types]), style="bold")
+    slowest: dict[str, list[str]] = {}
+    for s in spread.values():
+        slowest.setdefault(s.slowest_label, []).append("step" if s.type is None else s.type)
+    notes = [f"slowest: {label} ({', '.join(what)})" for label, what in slowest.items()]
+    if differ:
+        notes.append("* found by the repeating kernel pattern, with other kernel sequences in "
+                     "some traces: the letter may name different layers")
+    table.caption = "\n".join(notes)
     return table
 
 

@@ -19,7 +19,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from kimi_perf.breakdown import Breakdown
-from kimi_perf.compare import compare, overview, spreads
+from kimi_perf.compare import compare, differing_patterns, overview, spreads
 from kimi_perf.errors import TraceError
 from kimi_perf.gate import is_finite_number
 from kimi_perf.names import demangle, short_names
@@ -141,25 +141,29 @@ def _comparison_html(breakdowns: dict[str, Breakdown]) -> str:
 
 def _overview_html(breakdowns: dict[str, Breakdown]) -> str:
     """Three traces or more (a TP run's ranks, say): every one in one table, with the spread
-    of each layer type's span."""
+    of each layer type's span and the slowest trace."""
     if len(breakdowns) < 3:
         return ""
     e = html.escape
     rows = overview(breakdowns)
     types = list(rows[0].types)
+    differ = differing_patterns(rows)
     spread = {s.type: s for s in spreads(rows)}
     head = "<tr><th>trace</th><th>steps</th><th>step µs</th>" + "".join(
-        f"<th>{e(t or '-')} µs</th>" for t in types) + "</tr>"
+        f"<th>{e(t or '-')}{' *' if t in differ else ''} µs</th>" for t in types) + "</tr>"
     body = "".join(
         f"<tr><td>{e(r.label)}</td><td>{r.steps}</td>"
         f"<td>{'-' if r.step_us is None else f'{r.step_us:.1f}'}</td>" + "".join(
             f"<td>{v[1]:.1f} ({v[0]:.3g})</td>" if v else "<td>-</td>"
             for v in r.types.values()) + "</tr>" for r in rows)
     foot = "<tr><th>slowest / fastest</th><th></th>" + "".join(
-        f"<th>{spread[t].ratio:.2f}× ({e(spread[t].slowest_label)})</th>"
-        if t in spread and spread[t].ratio else "<th>-</th>" for t in [None, *types]) + "</tr>"
+        f"<th title=\"slowest: {e(spread[t].slowest_label)}\">{spread[t].ratio:.2f}× "
+        f"({e(spread[t].slowest_label)})</th>" if t in spread and spread[t].ratio
+        else "<th>-</th>" for t in [None, *types]) + "</tr>"
+    note = ("<p>* found by the repeating kernel pattern, with other kernel sequences in some "
+            "traces: the letter may name different layers.</p>" if differ else "")
     return (f"<h2>Every trace (medians; µs = span, layer {_units(breakdowns)} in brackets)"
-            f"</h2><table>{head}{body}{foot}</table>")
+            f"</h2><table>{head}{body}{foot}</table>{note}")
 
 
 def _typical_html(breakdowns: dict[str, Breakdown]) -> str:

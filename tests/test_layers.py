@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import importlib.util
+import os
 import re
+import shutil
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -247,3 +252,53 @@ def test_overlapping_step_ranges_borrow_nothing():
     _, steps = segment(trace)
     assert all(s.other_thread_ops == 0 for s in steps)
     assert breakdown(trace).source["outside_steps"]["ops"] == 4
+
+
+NSYS_CLI = os.environ.get("KIMI_PERF_NSYS") or shutil.which("nsys")
+
+_MARKED_FORWARD = """
+import time
+import nvtx
+
+def marker(path, **fields):  # as vLLM's PytHooks names a module's range
+    return str({"Module": path, **fields})
+
+for step in range(2):
+    nvtx.push_range(marker("KimiK3ForCausalLM", input_ids=[[1]], positions=[[1]]))
+    nvtx.push_range("op:embedding"); time.sleep(1e-4); nvtx.pop_range()
+    for i in range(4):
+        layer = f"KimiK3ForCausalLM.model.layers.{i}"
+        nvtx.push_range(marker(layer, Inputs=[[1, 7168]]))
+        nvtx.push_range(marker(layer + ".self_attn", Inputs=[[1, 7168]]))
+        for op in (["op:qkv", "op:mla", "op:o_proj", "op:gate"] if i == 3 else
+                   ["op:in_proj", "op:kda", "op:o_proj"]):
+            nvtx.push_range(op); time.sleep(1e-4); nvtx.pop_range()
+        nvtx.pop_range()
+        nvtx.pop_range()
+        nvtx.push_range(marker(layer, Outputs=[[1, 7168]])); nvtx.pop_range()
+    nvtx.push_range("op:lm_head"); time.sleep(1e-4); nvtx.pop_range()
+    nvtx.pop_range()
+"""
+
+
+@pytest.mark.skipif(NSYS_CLI is None or importlib.util.find_spec("nvtx") is None,
+                    reason="needs the Nsight Systems CLI and the nvtx package")
+def test_layerwise_markers_through_a_real_nsys_capture(tmp_path):
+    """vLLM-style markers recorded by `nsys profile` and exported to SQLite as nsys stores
+    them: steps from the root module's marker, layers from the layers' (CPU ops stand in for
+    kernels)."""
+    script = tmp_path / "forward.py"
+    script.write_text(_MARKED_FORWARD)
+    rep, db = tmp_path / "forward.nsys-rep", tmp_path / "forward.sqlite"
+    for cmd in ([NSYS_CLI, "profile", "--trace=nvtx", "--sample=none", "--cpuctxsw=none",
+                 "--force-overwrite=true", "-o", str(rep), sys.executable, str(script)],
+                [NSYS_CLI, "export", "--type", "sqlite", "--force-overwrite=true", "-o",
+                 str(db), str(rep)]):
+        subprocess.run(cmd, check=True, capture_output=True, timeout=300)
+    b = breakdown(read_trace(db))
+    assert [s["name"] for s in b.steps] == [
+        "{'Module': 'KimiK3ForCausalLM', 'input_ids': [[1]], 'positions': [[1]]}"] * 2
+    assert [s["layers"] for s in b.steps] == [4, 4]
+    assert [row["index"] for row in b.layers] == [0, 1, 2, 3] * 2
+    assert {t["type"]: (t["layers"], t["kernels"]) for t in b.layer_types} == {
+        "A": (6, 3), "B": (2, 4)}
