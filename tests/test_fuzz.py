@@ -140,3 +140,22 @@ def test_kineto_structured_mutations(tmp_path, source, data):
     path = tmp_path / "mutated.json"
     path.write_text(json.dumps(doc, allow_nan=True))
     read_and_analyse(path)
+
+
+@FUZZ
+@given(data=st.data())
+def test_kineto_module_call_mutations(tmp_path, data):
+    """An eager trace whose layers are the profiler's module calls ("nn.Module: ..."), with
+    hostile values where the reader tells module calls from other Python frames."""
+    from tests.test_readers import _eager_kineto_doc
+
+    doc = _eager_kineto_doc()
+    events = doc["traceEvents"]
+    for _ in range(data.draw(st.integers(1, 8))):
+        event = events[data.draw(st.integers(0, len(events) - 1))]
+        key = data.draw(st.sampled_from(["name", "cat", "ts", "dur", "tid"]))
+        event[key] = data.draw(st.one_of(VALUES, st.sampled_from(
+            ["python_function", "nn.Module: ", "nn.Module: KimiK3DecoderLayer_1", "nn.Modul"])))
+    path = tmp_path / "mutated.json"
+    path.write_text(json.dumps(doc, allow_nan=True))
+    read_and_analyse(path)
