@@ -495,27 +495,38 @@ def layers_from_repeats(ops: GpuOps, steps: list[Step]) -> bool:
 
 # -- layer types ------------------------------------------------------------------------------
 
-def assign_types(ops: GpuOps, steps: list[Step], similarity: float = 0.8) -> None:
+def assign_types(ops: GpuOps, steps: list[Step], max_variation: int = 2) -> None:
     """Name layer types: keep types the ranges gave; otherwise group layers by their kernel
-    sequence, folding one-off variants (first/last layer) into the closest common type. A
-    sequence is common when it runs more than once per step: a first layer's variant runs in
-    every step, but once."""
-    with_untyped = [s for s in steps if any(not layer.type for layer in s.layers)]
-    layers = [layer for s in with_untyped for layer in s.layers if not layer.type]
+    sequence, named A, B, ... in order of first appearance. A step's first or last layer whose
+    sequence no inner layer ran, and that differs from an inner layer's by at most
+    ``max_variation`` kernels (a plain norm where the others fuse the residual add), is a
+    variant of that layer's type, not a type of its own; one that differs more (a dense first
+    layer, a last layer of the rarer type) is its own type."""
+    layers: list[Layer] = []
+    signatures: list[tuple] = []
+    inner: dict[tuple, None] = {}   # in order of first appearance: ties resolve the same way
+    for step in steps:
+        last = len(step.layers) - 1
+        for i, layer in enumerate(step.layers):
+            if layer.type:
+                continue
+            signature = tuple(ops.name[layer.ops].tolist())
+            layers.append(layer)
+            signatures.append(signature)
+            if 0 < i < last:
+                inner.setdefault(signature)
     if not layers:
         return
-    signatures = [tuple(ops.name[layer.ops].tolist()) for layer in layers]
-    frequency = Counter(signatures)
-    common = [sig for sig, c in frequency.items() if c > len(with_untyped)] or list(frequency)
-    group: dict[tuple, tuple] = {sig: sig for sig in common}
-    for sig in frequency:
-        if sig not in group:
-            closest = max(common, key=lambda c: _overlap(sig, c))
-            group[sig] = closest if _overlap(sig, closest) >= similarity else sig
-    # Letters in order of first appearance.
+    group: dict[tuple, tuple] = {}
+    for signature in dict.fromkeys(signatures):
+        group[signature] = signature
+        if signature not in inner and inner:
+            closest = min(inner, key=lambda c: _difference(signature, c))
+            if _difference(signature, closest) <= max_variation:
+                group[signature] = closest
     labels: dict[tuple, str] = {}
-    for layer, sig in zip(layers, signatures, strict=True):
-        representative = group[sig]
+    for layer, signature in zip(layers, signatures, strict=True):
+        representative = group[signature]
         if representative not in labels:
             labels[representative] = _type_label(len(labels))
         layer.type = labels[representative]
@@ -526,9 +537,11 @@ def _type_label(i: int) -> str:
     return letters[i] if i < len(letters) else f"T{i}"
 
 
-def _overlap(a: tuple, b: tuple) -> float:
-    shared = sum((Counter(a) & Counter(b)).values())
-    return shared / max(len(a), len(b), 1)
+def _difference(a: tuple, b: tuple) -> int:
+    """How many kernels two layers' sequences differ by: the larger of what each runs and the
+    other does not (a kernel swapped for another counts once)."""
+    ca, cb = Counter(a), Counter(b)
+    return max(sum((ca - cb).values()), sum((cb - ca).values()))
 
 
 # -- entry point ------------------------------------------------------------------------------

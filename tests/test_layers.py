@@ -118,6 +118,23 @@ def test_default_layer_pattern_spellings_get_types_from_kernels(spelling):
     assert types[:4] == ["A", "A", "A", "B"] and types[7] == "B"
 
 
+def test_only_first_or_last_layers_that_differ_by_a_kernel_or_two_fold_into_a_type():
+    """Untyped layers: layer 0's plain norm is a variant of the KDA type; a last MLA layer is
+    a type of its own even when most of its kernels are the KDA layer's (here 5 shared MoE
+    kernels make them 80% alike), and even though it runs once per step."""
+    moe = [f"moe_{k}" for k in range(5)]
+    b = TraceBuilder()
+    for s in range(3):
+        step_start = b.clock
+        for i, kernels in enumerate(k3_like(4)):
+            start, end = b.sequence(kernels + moe)
+            b.range(f"layer[{i}]", start - 10, end)
+        b.range(f"decode_step[{s}]", step_start - 20, b.clock)
+        b.clock += 5000
+    _, steps = segment(b.build())
+    assert [[x.type for x in step.layers] for step in steps] == [["A", "A", "A", "B"]] * 3
+
+
 @pytest.mark.parametrize("name", ["layers.3.mlp", "layer[3].attn", "player_3", "layer",
                                   "model.layers.3.self_attn.o_proj"])
 def test_default_layer_pattern_rejects_sub_ranges(name):
