@@ -33,6 +33,12 @@ class Breakdown:
     layer_types: list[dict[str, Any]]
     timeline: dict[str, Any] | None = None  # one step, op by op (see _timeline)
 
+    @property
+    def unit(self) -> str:
+        """What the figures count: GPU kernels, or on a CPU run the launches the decode paths
+        annotate ("ops")."""
+        return "ops" if self.source.get("ops") == "cpu-ops" else "kernels"
+
     def to_json(self) -> dict[str, Any]:
         doc = {"schema": SCHEMA, "source": self.source, "steps": self.steps,
                "layers": list(self.layers), "layer_types": self.layer_types}
@@ -51,6 +57,11 @@ class Breakdown:
                        layer_types=doc["layer_types"], timeline=doc.get("timeline"))
         except KeyError as exc:
             raise TraceError(path, f"breakdown lacks {exc.args[0]!r}") from None
+
+
+def units_word(units) -> str:
+    """The word for what several breakdowns count: "kernels", "ops", or "kernels or ops"."""
+    return " or ".join(sorted(set(units))) or "kernels"
 
 
 def segment_stats(ops: GpuOps, rows: np.ndarray, classes: np.ndarray, labels: list[str]

@@ -396,11 +396,12 @@ def trace_label(path: Path) -> str:
     return name
 
 
-def trace_files(paths: list[Path]) -> list[Path]:
+def trace_files(paths: list[Path], keep_runs: bool = False) -> list[Path]:
     """``paths`` with each directory replaced by the trace files in it, in natural order
     (rank2 before rank10): a profiler's output directory, one trace per rank or worker, as
-    vLLM's and SGLang's profilers write them. Breakdown JSON files in it are left out; a
-    kimi-perf run directory is not a directory of traces (``kimi-perf report`` draws it)."""
+    vLLM's and SGLang's profilers write them. Breakdown JSON files in it are left out. A
+    kimi-perf run directory is not a directory of traces: an error, or with ``keep_runs``
+    kept as it is (``kimi-perf report`` draws it)."""
     from kimi_perf.gate import is_kimi_perf_json
 
     def natural(p: Path) -> list:
@@ -412,6 +413,9 @@ def trace_files(paths: list[Path]) -> list[Path]:
             out.append(path)
             continue
         if (path / "breakdown.json").exists():
+            if keep_runs:
+                out.append(path)
+                continue
             raise TraceError(path, "a kimi-perf run directory, not a directory of traces: "
                                    "kimi-perf report draws it")
         found = sorted((f for f in path.iterdir() if f.is_file()

@@ -14,7 +14,7 @@ import click
 from kimi_perf import gate as gate_mod
 from kimi_perf import render
 from kimi_perf.attribution import range_kernel_summary
-from kimi_perf.breakdown import Breakdown, breakdown
+from kimi_perf.breakdown import Breakdown, breakdown, units_word
 from kimi_perf.classify import load_rules
 from kimi_perf.compare import compare
 from kimi_perf.errors import NoStepsMatched, TraceError
@@ -153,8 +153,7 @@ def breakdown_cmd(trace: Path | None, fmt: str, layers: str, step_regex: str | N
     """
     b = _breakdown_of(trace or EXAMPLE_TRACE, layers, rules, step_regex)
     if fmt == "table":
-        unit = "ops" if b.source.get("ops") == "cpu-ops" else "kernels"
-        typical = [render.typical_layer_table(t["type"] or "-", {"": t}, unit)
+        typical = [render.typical_layer_table(t["type"] or "-", {"": t}, b.unit)
                    for t in b.layer_types] if kernels else []
         _emit_tables(render.breakdown_tables(b) + typical, output)
     else:
@@ -206,8 +205,7 @@ def compare_cmd(a: Path, b: Path | None, path_name: str | None, fmt: str, layers
     elif name_a == name_b:
         name_b += "'"
     rows = compare(ba, bb)
-    cpu = "cpu-ops" in (ba.source.get("ops"), bb.source.get("ops"))
-    unit = "ops" if cpu else "kernels"  # a CPU run's annotated launches
+    unit, unit_b = ba.unit, bb.unit
     types_a = {t["type"]: t for t in ba.layer_types}
     types_b = {t["type"]: t for t in bb.layer_types}
     matched = [r.type for r in rows if r.type in types_a or r.type in types_b]
@@ -217,14 +215,15 @@ def compare_cmd(a: Path, b: Path | None, path_name: str | None, fmt: str, layers
                    for t in matched} if kernels else None
         _emit(render.comparison_json(rows, name_a, name_b, typical), output)
         return
-    tables = [render.comparison_table(rows, name_a, name_b, unit),
-              render.comparison_headline(rows, name_a, name_b, unit)]
+    tables = [render.comparison_table(rows, name_a, name_b, unit, unit_b),
+              render.comparison_headline(rows, name_a, name_b, unit, unit_b)]
     if kernels:
         from kimi_perf.decode.fusions import ledger_of
 
         for t in matched:
             tables.append(render.typical_layer_table(
-                t or "-", {name_a: types_a.get(t), name_b: types_b.get(t)}, unit))
+                t or "-", {name_a: types_a.get(t), name_b: types_b.get(t)},
+                units_word((unit, unit_b))))
             typical = [((types.get(t) or {}).get("typical_layer") or {}).get("kernels") or []
                        for types in (types_a, types_b)]
             ledger = ledger_of(*typical)
@@ -362,8 +361,8 @@ def report_cmd(inputs: tuple[Path, ...], path_name: str | None, labels: str | No
     from kimi_perf.capture import trace_files
     from kimi_perf.report import plotly_js_for, run_info_problem, write_report
 
-    inputs = tuple(x for f in inputs for x in (
-        trace_files([f]) if f.is_dir() and not (f / "breakdown.json").exists() else [f]))
+    plotly_js = plotly_js_for(plotly_js, output.parent)  # a missing file said before any work
+    inputs = tuple(trace_files(list(inputs), keep_runs=True))
     drawn: dict[str, Breakdown] = {}
     run_info = None
     for file in inputs:
@@ -385,8 +384,7 @@ def report_cmd(inputs: tuple[Path, ...], path_name: str | None, labels: str | No
             raise TraceError(None, f"--labels takes {len(drawn)} distinct names (for "
                                    f"{', '.join(drawn)}): not {labels!r}")
         drawn = dict(zip(names, drawn.values(), strict=True))
-    write_report(output, drawn, "kimi-perf report: " + ", ".join(drawn), run_info,
-                 plotly_js_for(plotly_js, output.parent))
+    write_report(output, drawn, "kimi-perf report: " + ", ".join(drawn), run_info, plotly_js)
     click.echo(f"report: {output}")
 
 
@@ -615,8 +613,8 @@ def trace_cmd(from_files: tuple[Path, ...], preset_name: str | None, n_layers: i
                               indent=1))
         return
     labels = list(results)
-    cpu = any(b.source.get("ops") == "cpu-ops" for b in results.values())
-    unit = "ops" if cpu else "kernels"
+    on_cpu = [label for label, b in results.items() if b.unit == "ops"]
+    unit = units_word(b.unit for b in results.values())
     a = labels[0]
     compared = [(b, compare_breakdowns(results[a], results[b])) for b in labels[1:]]
     if len(labels) >= 3:  # a TP run's ranks, say: every one in one table
@@ -627,18 +625,20 @@ def trace_cmd(from_files: tuple[Path, ...], preset_name: str | None, n_layers: i
     else:
         for b, rows in compared:
             if rows:
-                console.print(render.comparison_table(rows, a, b, unit))
-                console.print(render.comparison_headline(rows, a, b, unit))
+                units = (results[a].unit, results[b].unit)
+                console.print(render.comparison_table(rows, a, b, *units))
+                console.print(render.comparison_headline(rows, a, b, *units))
     if not any(rows for _, rows in compared):  # one trace, or none with layers
         for label, b in results.items():
             console.print(f"{label}:")
             render.print_tables(render.breakdown_tables(b), console)
-    if not cpu and "floors" in run_info:
+    if not on_cpu and "floors" in run_info:
         console.print(render.floors_headline(run_info["floors"])
                       + f" at {run_info['floors']['bandwidth_Bps'] / 1e12:.1f} TB/s: what a "
                       "layer must move at least (kimi-perf floors)")
-    if cpu:
-        console.print("Run on a CPU, with no GPU kernels: 'ops' are the launches each path "
+    if on_cpu:
+        who = "Run" if len(on_cpu) == len(labels) else ", ".join(on_cpu) + " ran"
+        console.print(f"{who} on a CPU, with no GPU kernels: 'ops' are the launches each path "
                       "annotates (one per kernel it would run on a GPU), timed on the CPU.")
     for path, metrics in run_info.get("paths", {}).items():
         console.print(f"{path}: {metrics['decode_tokens_per_s']:.1f} decode tokens/s, "
@@ -648,7 +648,8 @@ def trace_cmd(from_files: tuple[Path, ...], preset_name: str | None, n_layers: i
                       + (f"; fell back: {'; '.join(metrics['fallbacks'])}"
                          if metrics["fallbacks"] else ""))
     if len(labels) == 2 and compared[0][1]:
-        console.print(f"{unit[:-1]} by {unit[:-1]}: kimi-perf compare {run_dir} --kernels "
+        one = unit[:-1] if unit in ("kernels", "ops") else "kernel"
+        console.print(f"{one} by {one}: kimi-perf compare {run_dir} --kernels "
                       "(and the report)")
     console.print(f"run directory: {run_dir}  "
                   f"({', '.join(sorted(p.name for p in Path(run_dir).iterdir()))})")

@@ -62,11 +62,18 @@ def compare(a: Breakdown, b: Breakdown) -> list[ComparisonRow]:
 def _row(name: str, ta: dict | None, tb: dict | None) -> ComparisonRow:
     def pick(t, key):
         return t[key] if t else None
-    pa, pb = (ta or {}).get("pattern"), (tb or {}).get("pattern")
+    patterns = ((ta or {}).get("pattern"), (tb or {}).get("pattern"))
     return ComparisonRow(name, ta["layers"] if ta else 0, pick(ta, "kernels"),
                          pick(ta, "kernel_us"), pick(ta, "span_us"),
                          tb["layers"] if tb else 0, pick(tb, "kernels"), pick(tb, "kernel_us"),
-                         pick(tb, "span_us"), None not in (pa, pb) and pa != pb)
+                         pick(tb, "span_us"), patterns_differ(patterns))
+
+
+def patterns_differ(patterns) -> bool:
+    """Whether a layer type that the repeating kernel pattern found (a digest of its kernel
+    sequence per trace; None where ranges named it) ran other sequences in some traces: its
+    letter (in order of first appearance) may name different layers there."""
+    return len(set(patterns) - {None}) > 1
 
 
 def _mean(b: Breakdown) -> dict | None:
@@ -94,8 +101,7 @@ def differing_patterns(rows: list[OverviewRow]) -> list[str]:
     """Types found by the repeating kernel pattern whose kernel sequence differs between
     traces: their letter may name different layers."""
     types = rows[0].types if rows else {}
-    return [t for t in types
-            if len({r.patterns[t] for r in rows if r.types[t]} - {None}) > 1]
+    return [t for t in types if patterns_differ(r.patterns[t] for r in rows if r.types[t])]
 
 
 def overview(breakdowns: dict[str, Breakdown]) -> list[OverviewRow]:
@@ -115,12 +121,13 @@ def overview(breakdowns: dict[str, Breakdown]) -> list[OverviewRow]:
 
 @dataclass
 class Spread:
-    """A layer type's (or the step's: type None) median span across traces."""
+    """A layer type's (or the step's: type None) median span across traces, and the slowest
+    trace (the first of equals; None when all are equal)."""
 
     type: str | None
     fastest: float
     slowest: float
-    slowest_label: str
+    slowest_label: str | None
 
     @property
     def ratio(self) -> float | None:
@@ -135,6 +142,16 @@ def spreads(rows: list[OverviewRow]) -> list[Spread]:
                   for r in rows
                   if (r.step_us if layer_type is None else r.types[layer_type]) is not None]
         if len(values) >= 2:
-            (fast, _), (slow, label) = min(values), max(values)
-            out.append(Spread(layer_type, fast, slow, label))
+            fast = min(v for v, _ in values)
+            slow, label = max(values, key=lambda v: v[0])   # the first of equals
+            out.append(Spread(layer_type, fast, slow, label if slow > fast else None))
+    return out
+
+
+def stragglers(spread: list[Spread]) -> dict[str, list[str]]:
+    """Each slowest trace and what it was slowest in ("step", layer types)."""
+    out: dict[str, list[str]] = {}
+    for s in spread:
+        if s.slowest_label is not None:
+            out.setdefault(s.slowest_label, []).append("step" if s.type is None else s.type)
     return out

@@ -132,11 +132,39 @@ def is_kimi_perf_json(path: Path) -> bool:
 
 
 def is_finite_number(v) -> bool:
-    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+    """A JSON number of a figure: not a bool, not inf or nan, not an integer beyond a float."""
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        return False
+    try:
+        return math.isfinite(v)
+    except OverflowError:   # an integer literal too large for a float
+        return False
+
+
+def _count(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def _source_ok(source) -> bool:
+    """The fields of ``source`` that the tables and the report print."""
+    if not isinstance(source, dict):
+        return False
+    outside, gpus = source.get("outside_steps"), source.get("gpus")
+    return (all(source.get(k) is None or isinstance(source[k], str)
+                for k in ("ops", "file", "tool", "format"))
+            and (source.get("other_thread_ops") is None or _count(source["other_thread_ops"]))
+            and (outside is None or (isinstance(outside, dict) and _count(outside.get("ops"))
+                                     and is_finite_number(outside.get("kernel_us"))))
+            and (gpus is None or (isinstance(gpus, list) and all(
+                isinstance(g, dict) and (g.get("name") is None or isinstance(g["name"], str))
+                and (g.get("sm_count") is None or _count(g["sm_count"])) for g in gpus))))
 
 
 def _checked(b: Breakdown, path: Path) -> Breakdown:
     """A breakdown read from JSON, with the fields the gate and the report read."""
+    if not _source_ok(b.source):
+        raise TraceError(path, "source is not {ops, file, tool, format, other_thread_ops, "
+                               "outside_steps: {ops, kernel_us}, gpus: [{name, sm_count}]}")
     rows = [*b.layers, *b.steps] if isinstance(b.layers, list) and isinstance(b.steps, list) \
         else None
     if (rows is None or not isinstance(b.layer_types, list)
@@ -152,10 +180,10 @@ def _checked(b: Breakdown, path: Path) -> Breakdown:
         if not _layer_type_figures_ok(t):
             raise TraceError(path, f"layer type {t['type']!r}: not {{layers, kernels, "
                                    "kernel_us, span_us, gap_us, classes: {class: {kernels, "
-                                   "us}}} as numbers")
+                                   "us}}} as numbers, and a pattern digest")
         typical = t.get("typical_layer")
         if typical is not None and not (
-                isinstance(typical, dict) and isinstance(typical.get("layers"), int)
+                isinstance(typical, dict) and _count(typical.get("layers"))
                 and isinstance(typical.get("kernels"), list)
                 and all(isinstance(k, dict) and isinstance(k.get("name"), str)
                         and isinstance(k.get("class"), str)
@@ -176,9 +204,10 @@ def _classes_ok(classes) -> bool:
 
 
 def _layer_type_figures_ok(t: dict) -> bool:
-    return (isinstance(t.get("layers"), int) and not isinstance(t["layers"], bool)
+    return (_count(t.get("layers"))
             and all(is_finite_number(t.get(m)) for m in (*METRICS, "gap_us"))
-            and _classes_ok(t.get("classes")))
+            and _classes_ok(t.get("classes"))
+            and (t.get("pattern") is None or isinstance(t["pattern"], str)))
 
 
 def _timeline_ok(timeline) -> bool:

@@ -15,7 +15,14 @@ from rich.text import Text
 
 from kimi_perf.attribution import RangeKernelRow
 from kimi_perf.breakdown import Breakdown
-from kimi_perf.compare import ComparisonRow, OverviewRow, differing_patterns, spreads
+from kimi_perf.compare import (
+    ComparisonRow,
+    OverviewRow,
+    differing_patterns,
+    patterns_differ,
+    spreads,
+    stragglers,
+)
 from kimi_perf.gate import GateResult
 from kimi_perf.names import short_names
 
@@ -106,7 +113,7 @@ def breakdown_csv(b: Breakdown) -> str:
 
 def breakdown_tables(b: Breakdown) -> list[Table]:
     src = b.source
-    unit = "ops" if src.get("ops") == "cpu-ops" else "kernels"
+    unit = b.unit
     steps = _table(f"Steps: {src.get('file')} ({src.get('tool')})",
                    ["step", "range", "device", "layers", unit, f"{unit[:-1]} µs", "span µs",
                     "gap µs", "prologue", "epilogue"], left=("range",))
@@ -184,8 +191,7 @@ def typical_layer_table(layer_type: str, sides: dict[str, dict | None],
                          "analyse its trace again)")
         else:
             notes.append(f"{who}no {layer_type} layer")
-    patterns = {(t or {}).get("pattern") for t in sides.values()}
-    if len(sides) > 1 and None not in patterns and len(patterns) > 1:
+    if patterns_differ((t or {}).get("pattern") for t in sides.values()):
         notes.append(f"* {layer_type} was found by the repeating kernel pattern, with other "
                      "kernel sequences: the letter may name different layers")
     table.caption = "\n".join(notes)
@@ -213,11 +219,13 @@ def fusion_table(layer_type: str, standard: str, specialized: str, rows: list,
 
 
 def comparison_table(rows: list[ComparisonRow], label_a: str, label_b: str,
-                     unit: str = "kernels") -> Table:
+                     unit: str = "kernels", unit_b: str | None = None) -> Table:
+    """``unit``: what A counts (kernels, or ops for a CPU run); ``unit_b``: B's, if other."""
+    unit_b = unit_b or unit
     table = _table(f"Per layer type: {label_a} vs {label_b} (medians; µs = layer span)",
                    ["layer type", f"{label_a} layers", f"{label_a} {unit}", f"{label_a} µs",
-                    f"{label_b} layers", f"{label_b} {unit}", f"{label_b} µs", "µs ratio",
-                    f"{unit} ratio"], left=("layer type",))
+                    f"{label_b} layers", f"{label_b} {unit_b}", f"{label_b} µs", "µs ratio",
+                    f"{unit if unit == unit_b else 'count'} ratio"], left=("layer type",))
 
     def fmt(v, spec=".1f"):
         return "-" if v is None else format(v, spec)
@@ -234,14 +242,15 @@ def comparison_table(rows: list[ComparisonRow], label_a: str, label_b: str,
 
 
 def comparison_headline(rows: list[ComparisonRow], label_a: str, label_b: str,
-                        unit: str = "kernels") -> str:
+                        unit: str = "kernels", unit_b: str | None = None) -> str:
     """The one-line summary: '23 kernels / 130 µs vs 13 / 69 µs' per layer type."""
+    other = "" if unit_b in (None, unit) else f" {unit_b}"
     parts = []
     for r in rows:
         if r.kernels_a is None or r.kernels_b is None:
             continue
         parts.append(f"{r.type}: {r.kernels_a:.3g} {unit} / {r.span_us_a:.1f} µs ({label_a}) "
-                     f"vs {r.kernels_b:.3g} / {r.span_us_b:.1f} µs ({label_b})")
+                     f"vs {r.kernels_b:.3g}{other} / {r.span_us_b:.1f} µs ({label_b})")
     return "\n".join(parts)
 
 
@@ -263,10 +272,8 @@ def overview_table(rows: list[OverviewRow], unit: str = "kernels") -> Table:
     table.add_row("slowest / fastest", "", *(
         f"{spread[t].ratio:.2f}×" if t in spread and spread[t].ratio else "-"
         for t in [None, *types]), style="bold")
-    slowest: dict[str, list[str]] = {}
-    for s in spread.values():
-        slowest.setdefault(s.slowest_label, []).append("step" if s.type is None else s.type)
-    notes = [f"slowest: {label} ({', '.join(what)})" for label, what in slowest.items()]
+    notes = [f"slowest: {label} ({', '.join(what)})"
+             for label, what in stragglers(list(spread.values())).items()]
     if differ:
         notes.append("* found by the repeating kernel pattern, with other kernel sequences in "
                      "some traces: the letter may name different layers")

@@ -12,14 +12,22 @@ from __future__ import annotations
 
 import html
 import os
+import urllib.parse
 from collections import Counter
 from pathlib import Path
 
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from kimi_perf.breakdown import Breakdown
-from kimi_perf.compare import compare, differing_patterns, overview, spreads
+from kimi_perf.breakdown import Breakdown, units_word
+from kimi_perf.compare import (
+    compare,
+    differing_patterns,
+    overview,
+    patterns_differ,
+    spreads,
+    stragglers,
+)
 from kimi_perf.errors import TraceError
 from kimi_perf.gate import is_finite_number
 from kimi_perf.names import demangle, short_names
@@ -74,23 +82,16 @@ def _class_bars(breakdowns: dict[str, Breakdown]) -> go.Figure:
     return fig
 
 
-def _unit(b: Breakdown) -> str:
-    """What a trace's figures count: GPU kernels, or on a CPU run the launches the paths
-    annotate."""
-    return "ops" if b.source.get("ops") == "cpu-ops" else "kernels"
-
-
 def _units(breakdowns: dict[str, Breakdown]) -> str:
     """The word for what several traces count: "kernels", "ops", or both."""
-    units = sorted({_unit(b) for b in breakdowns.values()})
-    return " or ".join(units) if units else "kernels"
+    return units_word(b.unit for b in breakdowns.values())
 
 
 def _comparison_html(breakdowns: dict[str, Breakdown]) -> str:
     """The first trace against each of the others, per layer type; and the work of each
     trace that fell in no step."""
     labels = list(breakdowns)
-    unit = {label: _unit(b) for label, b in breakdowns.items()}
+    unit = {label: b.unit for label, b in breakdowns.items()}
     e = html.escape
     parts = []
     for label in labels:
@@ -157,11 +158,13 @@ def _overview_html(breakdowns: dict[str, Breakdown]) -> str:
             f"<td>{v[1]:.1f} ({v[0]:.3g})</td>" if v else "<td>-</td>"
             for v in r.types.values()) + "</tr>" for r in rows)
     foot = "<tr><th>slowest / fastest</th><th></th>" + "".join(
-        f"<th title=\"slowest: {e(spread[t].slowest_label)}\">{spread[t].ratio:.2f}× "
-        f"({e(spread[t].slowest_label)})</th>" if t in spread and spread[t].ratio
+        f"<th>{spread[t].ratio:.2f}×</th>" if t in spread and spread[t].ratio
         else "<th>-</th>" for t in [None, *types]) + "</tr>"
-    note = ("<p>* found by the repeating kernel pattern, with other kernel sequences in some "
-            "traces: the letter may name different layers.</p>" if differ else "")
+    note = "".join(f"<p>slowest: {e(label)} ({e(', '.join(what))})</p>"
+                   for label, what in stragglers(list(spread.values())).items())
+    if differ:
+        note += ("<p>* found by the repeating kernel pattern, with other kernel sequences in "
+                 "some traces: the letter may name different layers.</p>")
     return (f"<h2>Every trace (medians; µs = span, layer {_units(breakdowns)} in brackets)"
             f"</h2><table>{head}{body}{foot}</table>{note}")
 
@@ -169,7 +172,7 @@ def _overview_html(breakdowns: dict[str, Breakdown]) -> str:
 def _typical_html(breakdowns: dict[str, Breakdown]) -> str:
     """Per layer type, its typical layer in every trace side by side: kernels in order, each
     with its class and median µs (the full name on hover)."""
-    unit = {label: _unit(b) for label, b in breakdowns.items()}
+    unit = {label: b.unit for label, b in breakdowns.items()}
     e = html.escape
     types = list(dict.fromkeys(t["type"] for b in breakdowns.values() for t in b.layer_types))
     parts = []
@@ -203,10 +206,10 @@ def _typical_html(breakdowns: dict[str, Breakdown]) -> str:
             f"{sides[label]['layers']} layers ran exactly these</th>"
             f"<th>{sum(k['us'] for k in t['kernels']):.1f}</th>" if t else
             "<th colspan=3></th>" for label, t in typical.items()) + "</tr>"
-        patterns = {(t or {}).get("pattern") for t in sides.values()}
         differ = (f"<p>* {e(layer_type)} was found by the repeating kernel pattern, with "
                   "other kernel sequences: the letter may name different layers.</p>"
-                  if len(sides) > 1 and None not in patterns and len(patterns) > 1 else "")
+                  if patterns_differ((t or {}).get("pattern") for t in sides.values())
+                  else "")
         parts.append(f"<h3>Typical {e(layer_type)} layer: {_units(breakdowns)} in order, "
                      f"median µs</h3><table>{head}{''.join(rows)}{foot}</table>{differ}")
     if not parts:
@@ -287,8 +290,9 @@ def _run_html(run: dict | None, breakdowns: dict[str, Breakdown]) -> str:
                                         f"{src.get('format')}; GPUs: "
                                         f"{_gpus_text(src.get('gpus') or [])})"))
     commit = env.get("git_commit") or run.get("git_commit")
-    items += [("kimi-perf", f"{env.get('kimi_perf') or run.get('kimi_perf')}"
-                            + (f", commit {commit}" if commit else "")),
+    version = env.get("kimi_perf") or run.get("kimi_perf")
+    items += [("kimi-perf", f"{version}" + (f", commit {commit}" if commit else "")
+               if version else None),
               ("date", run.get("date")), ("command", run.get("command"))]
     parts = ["<table class=info>" + "".join(
         f"<tr><th>{e(k)}</th><td>{e(str(v))}</td></tr>" for k, v in items if v is not None)
@@ -318,7 +322,7 @@ def _run_html(run: dict | None, breakdowns: dict[str, Breakdown]) -> str:
         parts.append(f"<p>Memory floor per layer (what one layer must read at "
                      f"{floors['bandwidth_Bps'] / 1e12:.1f} TB/s; kimi-perf floors): "
                      f"{per_type}.</p>")
-    on_cpu = [label for label, b in breakdowns.items() if _unit(b) == "ops"]
+    on_cpu = [label for label, b in breakdowns.items() if b.unit == "ops"]
     if on_cpu:
         interpreted = ("; the specialized path's Triton kernels ran in Triton's interpreter, "
                        "so its µs are not a speed figure" if "specialized" in metrics else "")
@@ -381,7 +385,9 @@ def plotly_js_for(value: str, report_dir: Path) -> str:
         return value
     if not Path(value).is_file():
         raise TraceError(Path(value), "--plotly-js: no such file")
-    return os.path.relpath(Path(value).resolve(), Path(report_dir).resolve())
+    # As a URL path: a directory named 'a"b' must not end the src attribute.
+    return urllib.parse.quote(os.path.relpath(Path(value).resolve(),
+                                              Path(report_dir).resolve()))
 
 
 def write_report(path: str | Path, breakdowns: dict[str, Breakdown], title: str,

@@ -62,7 +62,7 @@ def test_compare_matches_types_and_computes_ratios():
 def test_overview_of_several_traces_names_the_slowest():
     """A TP run's ranks in one table: per layer type the median span of each, and the
     slowest over the fastest (here rank 1's MLA layers take 1.5 times as long)."""
-    from kimi_perf.compare import differing_patterns, overview, spreads
+    from kimi_perf.compare import differing_patterns, overview, spreads, stragglers
 
     ranks = {}
     for rank, mla_scale in ((0, 1.0), (1, 1.5), (2, 1.0)):
@@ -80,7 +80,9 @@ def test_overview_of_several_traces_names_the_slowest():
     assert rows[2].step_us == pytest.approx(rows[0].step_us + 2)
     spread = {s.type: s for s in spreads(rows)}
     assert spread["mla"].slowest_label == "rank1" and spread["mla"].ratio == 1.5
-    assert spread["kda"].ratio == 1.0 and spread[None].slowest_label == "rank2"
+    assert spread["kda"].ratio == 1.0 and spread["kda"].slowest_label is None  # all equal
+    assert spread[None].slowest_label == "rank2"
+    assert stragglers(list(spread.values())) == {"rank2": ["step"], "rank1": ["mla"]}
     assert differing_patterns(rows) == []
     for rank, digest in ((0, "a1"), (1, "b2"), (2, "a1")):  # as if found by the pattern
         ranks[f"rank{rank}"].layer_types[0]["pattern"] = digest

@@ -644,8 +644,23 @@ def test_three_traces_or_more_are_shown_in_one_table(tmp_path):
     result = run("trace", "--from", ranks, "--out", out, "--plotly-js", "cdn")
     assert result.exit_code == 0, result.output
     assert "Every trace" in result.output and "slowest / fastest" in result.output
-    assert "1.00×" in result.output and "slowest: rank2" in result.output  # copies: no spread
+    assert "1.00×" in result.output and "slowest:" not in result.output  # copies: no spread
     assert "Per layer type: rank0 vs" not in result.output  # in the report
     (report,) = out.glob("*/report.html")
     text = report.read_text()
     assert "<h2>Every trace" in text and "Per layer type: rank0 vs rank2" in text
+
+
+def test_compare_says_what_each_side_counts(tmp_path):
+    """A GPU trace against a CPU run: kernels on one side, ops on the other."""
+    gpu = tmp_path / "gpu.json"
+    assert run("breakdown", VLLM, "--format", "json", "-o", gpu).exit_code == 0
+    doc = json.loads(gpu.read_text())
+    doc["source"]["ops"] = "cpu-ops"
+    cpu = tmp_path / "cpu.json"
+    cpu.write_text(json.dumps(doc))
+    out = run("compare", gpu, cpu).output
+    assert "gpu kernels" in out and "cpu ops" in out and "count ratio" in out
+    assert "17 kernels / 423.5 µs (gpu) vs 17 ops / 423.5 µs (cpu)" in out
+    same = run("compare", gpu, gpu, "--labels", "x,y").output
+    assert "kernels ratio" in same and "vs 17 / 423.5 µs (y)" in same

@@ -277,8 +277,8 @@ def test_fuzzed_baselines_give_one_line_errors(data):
     naming the file, never a traceback."""
     text = BASELINE.read_text()
     doc = json.loads(text)
-    junk = st.sampled_from([None, "9", [], {}, True, -1, 10**6])
-    what = data.draw(st.sampled_from(["cut", "layer", "timeline", "run"]))
+    junk = st.sampled_from([None, "9", [], {}, True, -1, 10**6, 10**400])
+    what = data.draw(st.sampled_from(["cut", "layer", "type", "source", "timeline", "run"]))
     if what == "cut":
         mutated = text[: data.draw(st.integers(0, len(text) - 1))]
     else:
@@ -287,6 +287,17 @@ def test_fuzzed_baselines_give_one_line_errors(data):
             row = data.draw(st.sampled_from(path["layers"]))
             row[data.draw(st.sampled_from(["type", "kernels", "kernel_us", "span_us"]))] = \
                 data.draw(junk)
+        elif what == "type":
+            layer_type = data.draw(st.sampled_from(path["layer_types"]))
+            layer_type[data.draw(st.sampled_from(["layers", "kernels", "gap_us", "pattern",
+                                                  "classes"]))] = data.draw(junk)
+        elif what == "source":
+            key = data.draw(st.sampled_from(["source", "ops", "outside_steps",
+                                             "other_thread_ops", "gpus", "file"]))
+            if key == "source":
+                path["source"] = data.draw(junk)
+            else:
+                path["source"][key] = data.draw(st.one_of(junk, st.just("<b>x</b>")))
         elif what == "timeline":
             op = data.draw(st.sampled_from(data.draw(st.sampled_from(
                 path["timeline"]["segments"]))["ops"]))
