@@ -27,7 +27,11 @@ from kimi_perf.trace import GPU_RANGE, Trace, index_dtype
 STEP_PATTERNS = [
     r"^decode_step\[(?P<index>\d+)\]",
     r"^(?:decode_)?step[\[_ #]?(?P<index>\d+)\]?$",
-    r"^execute_\d+_context_\d+",        # vLLM's per-step annotation
+    # vLLM's per-step annotation: execute_context_0(0)_generation_32(32), i.e. no prefill
+    # request and 32 decode requests (older builds: execute_32_context_0(...)_generation_32(...),
+    # or execute_new_0_cached_32)
+    r"^execute_(?:\d+_)?context_\d+",
+    r"^execute_new_\d+_cached_\d+",
     r"^execute_model",
     # The root module's call under vLLM's, SGLang's or TensorRT-LLM's layerwise NVTX markers
     # (a module path without a dot): one forward pass.

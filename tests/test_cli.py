@@ -664,3 +664,14 @@ def test_compare_says_what_each_side_counts(tmp_path):
     assert "17 kernels / 423.5 µs (gpu) vs 17 ops / 423.5 µs (cpu)" in out
     same = run("compare", gpu, gpu, "--labels", "x,y").output
     assert "kernels ratio" in same and "vs 17 / 423.5 µs (y)" in same
+
+
+def test_decode_steps_only_of_a_vllm_trace():
+    """The README's recipe: --steps keeps vLLM's pure decode steps (no prefill request); a
+    trace with none says so."""
+    decode_only = r"^execute_(\d+_)?context_0\("
+    result = run("breakdown", VLLM, "--steps", decode_only, "--format", "json")
+    assert result.exit_code == 0 and len(json.loads(result.output)["steps"]) == 1
+    mixed = KINETO / "tracelens_vllm_gptoss20b_prefilldecode_piecewise_mi300x.json.gz"
+    _one_line_error(run("breakdown", mixed, "--steps", decode_only),
+                    "no range matching --steps")

@@ -146,6 +146,24 @@ def _marker(path: str, **fields) -> str:
     return str({"Module": path, **fields})
 
 
+@pytest.mark.parametrize("annotation", ["execute_context_0(0)_generation_32(32)",
+                                        "execute_32_context_0(sq0sk0)_generation_32(sq32sk9)",
+                                        "execute_new_0_cached_32"])
+def test_vllm_step_annotations_of_each_version_are_steps(annotation):
+    """vLLM annotates each step inside the profiler's ProfilerStep#N, which also spans the
+    scheduling between steps: the annotation is the step."""
+    b = TraceBuilder()
+    for s in range(2):
+        profiler_step = b.clock
+        b.clock += 3000  # scheduling: the ProfilerStep holds it, the annotation does not
+        start, _ = b.sequence(["embedding", "gemm", "lm_head"])
+        b.range(annotation, start - 10, b.clock)
+        b.clock += 2000
+        b.range(f"ProfilerStep#{s}", profiler_step, b.clock)
+    _, steps = segment(b.build())
+    assert [s.name for s in steps] == [annotation] * 2
+
+
 @pytest.mark.parametrize("root", ["top", "model", "KimiK3ForCausalLM"])
 def test_layerwise_nvtx_markers_of_serving_engines(root):
     """Every module's forward gets a marker (the root's is the forward pass, so the step);
