@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from kimi_perf.classify import Rule
-from kimi_perf.layers import GpuOps, segment
+from kimi_perf.layers import GpuOps, segment, step_phase
 from kimi_perf.memory import release_free_memory
 from kimi_perf.trace import Trace
 
@@ -317,7 +317,8 @@ def breakdown(trace: Trace, layers: str = "auto", rules: list[Rule] | None = Non
     figures = SegmentFigures.of(ops, segments, ops.kernel_class, labels)
     n_steps, n_layers = len(steps), len(all_layers)
     step_heads = [{"index": step.index, "device": step.device, "pid": step.pid,
-                   "name": step.name, "layer_source": step.layer_source,
+                   "name": step.name, "phase": step_phase(step.name),
+                   "layer_source": step.layer_source,
                    "layers": len(step.layers), "other_thread_ops": step.other_thread_ops}
                   for step in steps]
     other_thread_ops = sum(step.other_thread_ops for step in steps)

@@ -39,6 +39,24 @@ STEP_PATTERNS = [
     r"^ProfilerStep#(?P<index>\d+)$",
 ]
 
+# vLLM's annotation counts the step's prefill ("context") and decode ("generation") requests.
+_VLLM_STEP_REQUESTS = re.compile(r"^execute_(?:\d+_)?context_(\d+)\b.*_generation_(\d+)")
+DECODE_STEPS_OF_VLLM = r"^execute_(\d+_)?context_0\("   # a --steps regex
+
+
+def step_phase(name: str) -> str | None:
+    """``decode``, ``prefill`` or ``mixed`` where a step's name says which (vLLM's
+    annotation, our ``decode_step[i]``); None where it does not."""
+    if name.startswith("decode_step["):
+        return "decode"
+    m = _VLLM_STEP_REQUESTS.match(name)
+    if m is None:
+        return None
+    prefill, decode = int(m[1]), int(m[2])
+    return ("mixed" if prefill and decode else "prefill" if prefill
+            else "decode" if decode else None)
+
+
 # One regex for the common per-layer spellings: layer[3], layer_3, layers.3, model.layers.3,
 # DecoderLayer_3, TransformerBlock_3, with an optional type: "layer[3](kda)", "layer[3] mla",
 # "layer[3]:kda"; the layerwise NVTX markers of vLLM, SGLang and TensorRT-LLM, a dict whose

@@ -7,6 +7,7 @@ import heapq
 import io
 import json
 import os
+from collections import Counter
 from typing import Any
 
 from rich.console import Console
@@ -24,6 +25,7 @@ from kimi_perf.compare import (
     stragglers,
 )
 from kimi_perf.gate import GateResult
+from kimi_perf.layers import DECODE_STEPS_OF_VLLM
 from kimi_perf.names import short_names
 
 
@@ -111,6 +113,14 @@ def breakdown_csv(b: Breakdown) -> str:
     return _csv(BREAKDOWN_HEADER, rows)
 
 
+def mixed_phases(b: Breakdown) -> str | None:
+    """"3 decode, 1 mixed" where a breakdown's steps are of more than one phase."""
+    counts = Counter(s.get("phase") or "unknown" for s in b.steps)
+    if len(counts) < 2 or set(counts) == {"unknown"}:
+        return None
+    return ", ".join(f"{n} {phase}" for phase, n in counts.most_common())
+
+
 def breakdown_tables(b: Breakdown) -> list[Table]:
     src = b.source
     unit = b.unit
@@ -135,6 +145,9 @@ def breakdown_tables(b: Breakdown) -> list[Table]:
                      "step: launched outside every step's range")
     if not b.steps:
         notes.append("no GPU work in this trace")
+    if phases := mixed_phases(b):
+        notes.append(f"steps: {phases}; the medians below are over all of them (--steps "
+                     f"'{DECODE_STEPS_OF_VLLM}' keeps vLLM's pure decode steps)")
     steps.caption = "\n".join(notes) or None
     tables = [steps]
     if not b.layer_types:

@@ -94,6 +94,27 @@ def test_overview_of_several_traces_names_the_slowest():
     assert {s.type: s for s in spreads(rows)}["mla"].slowest_label != "rank1"
 
 
+def test_steps_of_several_phases_are_said():
+    """vLLM's annotation gives each step its phase; a breakdown over decode and mixed steps
+    says so under its steps table, with the --steps regex that keeps the decode steps."""
+    from kimi_perf.render import breakdown_tables, tables_text
+
+    b = TraceBuilder()
+    for name in ("execute_context_0(0)_generation_8(8)", "execute_context_1(77)_generation_7(7)",
+                 "execute_context_0(0)_generation_8(8)"):
+        start, _ = b.sequence(["embedding", "gemm", "lm_head"])
+        b.range(name, start - 10, b.clock)
+        b.clock += 2000
+    result = breakdown(b.build())
+    assert [s["phase"] for s in result.steps] == ["decode", "mixed", "decode"]
+    text = tables_text(breakdown_tables(result))
+    assert "steps: 2 decode, 1 mixed; the medians below are over all of them" in text
+    assert r"--steps '^execute_(\d+_)?context_0\(' keeps vLLM's pure decode steps" in text
+    alone = breakdown(b.build(), step_regex=r"^execute_(\d+_)?context_0\(")
+    assert [s["phase"] for s in alone.steps] == ["decode", "decode"]
+    assert "steps:" not in tables_text(breakdown_tables(alone))
+
+
 def test_vllm_decode_breakdown():
     b = breakdown(read_trace(KINETO / "tracelens_vllm_gptoss20b_decode_fullgraph_mi300x.json.gz"))
     (step,) = b.steps

@@ -669,7 +669,7 @@ def test_compare_says_what_each_side_counts(tmp_path):
 def test_decode_steps_only_of_a_vllm_trace():
     """The README's recipe: --steps keeps vLLM's pure decode steps (no prefill request); a
     trace with none says so."""
-    decode_only = r"^execute_(\d+_)?context_0\("
+    from kimi_perf.layers import DECODE_STEPS_OF_VLLM as decode_only
     result = run("breakdown", VLLM, "--steps", decode_only, "--format", "json")
     assert result.exit_code == 0 and len(json.loads(result.output)["steps"]) == 1
     mixed = KINETO / "tracelens_vllm_gptoss20b_prefilldecode_piecewise_mi300x.json.gz"

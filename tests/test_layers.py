@@ -14,7 +14,7 @@ import pytest
 
 from kimi_perf import breakdown, read_trace
 from kimi_perf.classify import classify, load_rules
-from kimi_perf.layers import DEFAULT_LAYER_PATTERN, find_repeats, segment
+from kimi_perf.layers import DEFAULT_LAYER_PATTERN, find_repeats, segment, step_phase
 from tests.conftest import KINETO
 from tests.synth import TraceBuilder
 
@@ -162,6 +162,17 @@ def test_vllm_step_annotations_of_each_version_are_steps(annotation):
         b.range(f"ProfilerStep#{s}", profiler_step, b.clock)
     _, steps = segment(b.build())
     assert [s.name for s in steps] == [annotation] * 2
+
+
+@pytest.mark.parametrize("name, phase", [
+    ("execute_context_0(0)_generation_32(32)", "decode"),
+    ("execute_context_1(512)_generation_0(0)", "prefill"),
+    ("execute_8192_context_9(sq8155sk8430)_generation_37(sq37sk34489)", "mixed"),
+    ("execute_32_context_0(sq0sk0)_generation_32(sq32sk55086)", "decode"),
+    ("execute_context_0(0)_generation_0(0)", None), ("execute_new_0_cached_32", None),
+    ("decode_step[3]", "decode"), ("ProfilerStep#2", None)])
+def test_step_phase_from_the_step_name(name, phase):
+    assert step_phase(name) == phase
 
 
 @pytest.mark.parametrize("root", ["top", "model", "KimiK3ForCausalLM"])
