@@ -64,6 +64,15 @@ def units_word(units) -> str:
     return " or ".join(sorted(set(units))) or "kernels"
 
 
+def mixed_phases(b: Breakdown) -> str | None:
+    """"3 decode, 1 mixed" where a breakdown's steps are of more than one phase (the medians
+    are over all of them), else None."""
+    counts = Counter(s.get("phase") or "unknown" for s in b.steps)
+    if len(counts) < 2:
+        return None
+    return ", ".join(f"{n} {phase}" for phase, n in counts.most_common())
+
+
 def segment_stats(ops: GpuOps, rows: np.ndarray, classes: np.ndarray, labels: list[str]
                   ) -> dict[str, Any]:
     """Counts and µs for a set of GPU ops: summed op time, span (first start to last end),

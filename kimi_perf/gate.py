@@ -173,9 +173,10 @@ def _checked(b: Breakdown, path: Path) -> Breakdown:
             or not all(isinstance(r, dict)
                        and all(is_finite_number(r.get(m)) for m in METRICS)
                        and _classes_ok(r.get("classes")) for r in rows)
-            or not all(isinstance(r.get("type"), str) for r in b.layers)):
+            or not all(isinstance(r.get("type"), str) for r in b.layers)
+            or not all(r.get("phase") is None or isinstance(r["phase"], str) for r in b.steps)):
         raise TraceError(path, "breakdown rows lack a type, or finite kernels, kernel_us, "
-                               "span_us or classes")
+                               "span_us or classes, or a step's phase is not a name")
     for t in b.layer_types:
         if not _layer_type_figures_ok(t):
             raise TraceError(path, f"layer type {t['type']!r}: not {{layers, kernels, "

@@ -7,7 +7,6 @@ import heapq
 import io
 import json
 import os
-from collections import Counter
 from typing import Any
 
 from rich.console import Console
@@ -15,7 +14,7 @@ from rich.table import Table
 from rich.text import Text
 
 from kimi_perf.attribution import RangeKernelRow
-from kimi_perf.breakdown import Breakdown
+from kimi_perf.breakdown import Breakdown, mixed_phases
 from kimi_perf.compare import (
     ComparisonRow,
     OverviewRow,
@@ -111,14 +110,6 @@ def breakdown_csv(b: Breakdown) -> str:
                      layer["kernels"], layer["kernel_us"], layer["span_us"], layer["gap_us"],
                      classes])
     return _csv(BREAKDOWN_HEADER, rows)
-
-
-def mixed_phases(b: Breakdown) -> str | None:
-    """"3 decode, 1 mixed" where a breakdown's steps are of more than one phase."""
-    counts = Counter(s.get("phase") or "unknown" for s in b.steps)
-    if len(counts) < 2 or set(counts) == {"unknown"}:
-        return None
-    return ", ".join(f"{n} {phase}" for phase, n in counts.most_common())
 
 
 def breakdown_tables(b: Breakdown) -> list[Table]:

@@ -94,7 +94,7 @@ def test_overview_of_several_traces_names_the_slowest():
     assert {s.type: s for s in spreads(rows)}["mla"].slowest_label != "rank1"
 
 
-def test_steps_of_several_phases_are_said():
+def test_steps_of_several_phases_are_said(tmp_path):
     """vLLM's annotation gives each step its phase; a breakdown over decode and mixed steps
     says so under its steps table, with the --steps regex that keeps the decode steps."""
     from kimi_perf.render import breakdown_tables, tables_text
@@ -110,6 +110,10 @@ def test_steps_of_several_phases_are_said():
     text = tables_text(breakdown_tables(result))
     assert "steps: 2 decode, 1 mixed; the medians below are over all of them" in text
     assert r"--steps '^execute_(\d+_)?context_0\(' keeps vLLM's pure decode steps" in text
+    from kimi_perf.report import write_report
+
+    html = write_report(tmp_path / "r.html", {"vllm": result}, "t", plotly_js="cdn").read_text()
+    assert "vllm: steps 2 decode, 1 mixed; its medians are over all of them" in html
     alone = breakdown(b.build(), step_regex=r"^execute_(\d+_)?context_0\(")
     assert [s["phase"] for s in alone.steps] == ["decode", "decode"]
     assert "steps:" not in tables_text(breakdown_tables(alone))

@@ -337,7 +337,8 @@ def test_a_malformed_typical_layer_is_one_line(tmp_path, typical):
 @pytest.mark.parametrize("where, key, value", [
     ("layer_types", "kernels", "x"), ("layer_types", "span_us", None),
     ("layer_types", "layers", "3"), ("layer_types", "gap_us", float("inf")),
-    ("layer_types", "classes", {"gemm": {"kernels": 1}}), ("layers", "classes", [])])
+    ("layer_types", "classes", {"gemm": {"kernels": 1}}), ("layers", "classes", []),
+    ("steps", "phase", ["decode"])])
 def test_malformed_stored_figures_are_one_line_for_every_command(tmp_path, where, key, value):
     """Every command that reads a stored breakdown checks the figures it prints first."""
     doc = json.loads(BASELINE.read_text())
