@@ -75,7 +75,7 @@ def nest_ranges(ranges: Ranges) -> None:
         # One thread holds every range (a common Kineto trace): no group key to sort by.
         del groups
         order = np.lexsort((-ranges.end, ranges.start)).astype(index)
-        group_id = np.zeros(n, index)
+        group_id = None
     else:
         order = np.lexsort((-ranges.end, ranges.start, groups)).astype(index)
         sorted_groups = groups[order]
@@ -98,9 +98,11 @@ def nest_ranges(ranges: Ranges) -> None:
 _MAX_ROUNDS = 1024
 
 
-def _nest_nested_groups(ranges: Ranges, order: np.ndarray, group_id: np.ndarray) -> np.ndarray:
+def _nest_nested_groups(ranges: Ranges, order: np.ndarray, group_id: np.ndarray | None
+                        ) -> np.ndarray:
     """Nest the groups where every range fits one lane; return the rows (in ``order``) of the
-    other groups, untouched.
+    other groups, untouched. ``group_id``: each position's dense group id, None for one group
+    (no array at all where one thread holds every range).
 
     In one lane, sorted by (start, -end), a range's parent is the nearest earlier range that
     ends no earlier than it (its previous greater-or-equal end). The lane loop agrees exactly
@@ -114,13 +116,12 @@ def _nest_nested_groups(ranges: Ranges, order: np.ndarray, group_id: np.ndarray)
     index = index_dtype(m)        # positions in ``order``: int32 halves the temporaries
     # Times are read through ``order`` a chunk at a time, not copied in that order.
     start, end = ranges.start, ranges.end
-    first = np.r_[True, group_id[1:] != group_id[:-1]]
     # Previous greater-or-equal end within the group, by pointer jumping: every range strictly
     # between ``cand[i]`` and i ends before i does, so a candidate that does too hands over its
     # own candidate.
     cand = np.arange(-1, m - 1, dtype=index)
-    cand[first] = -1
-    del first
+    if group_id is not None:
+        cand[np.r_[True, group_id[1:] != group_id[:-1]]] = -1
     pge = np.full(m, -1, index)
     todo = np.flatnonzero(cand >= 0).astype(index)
     for _ in range(_MAX_ROUNDS):
@@ -137,7 +138,7 @@ def _nest_nested_groups(ranges: Ranges, order: np.ndarray, group_id: np.ndarray)
     bad[todo] = True               # still unresolved (very deep nesting): leave it to the loop
     bad |= (end < start)[order]
     # Siblings (same parent, or roots of one group) in order: each starts after the last ends.
-    sibling_key = np.where(pge >= 0, pge, -1 - group_id)
+    sibling_key = np.where(pge >= 0, pge, -1 if group_id is None else -1 - group_id)
     by_parent = np.argsort(sibling_key, kind="stable").astype(index)
     k = sibling_key[by_parent]
     del sibling_key
@@ -146,12 +147,27 @@ def _nest_nested_groups(ranges: Ranges, order: np.ndarray, group_id: np.ndarray)
     overlap &= ~_compare_chunked(start, by_parent[1:], by_parent[:-1], end, through=order)
     bad[by_parent[1:][overlap]] = True
     del start, end, by_parent, overlap
-    bad_group = np.zeros(int(group_id[-1]) + 1, bool)
-    bad_group[group_id[bad]] = True
-    fast = ~bad_group[group_id]
-    del bad, bad_group, group_id
+    fast = None                    # None: every group nests
+    if group_id is None:
+        if bad.any():
+            return order
+    else:
+        bad_group = np.zeros(int(group_id[-1]) + 1, bool)
+        bad_group[group_id[bad]] = True
+        if bad_group.any():
+            fast = ~bad_group[group_id]
+            pge[~fast] = -1        # the loop's groups: no parent or depth from here
+        del bad_group
+    del bad
+    # Parents, a chunk at a time; ``pge`` is then the depth's pointer, moved in place.
+    for lo in range(0, m, _COMPARE_CHUNK):
+        parent, rows = pge[lo:lo + _COMPARE_CHUNK], order[lo:lo + _COMPARE_CHUNK]
+        if fast is not None:
+            keep = fast[lo:lo + _COMPARE_CHUNK]
+            parent, rows = parent[keep], rows[keep]
+        ranges.parent[rows] = np.where(parent >= 0, order[np.maximum(parent, 0)], -1)
     # Depth by pointer doubling: ``up`` is an ancestor ``dist`` levels above.
-    up = np.where(fast, pge, -1).astype(index, copy=False)
+    up = pge
     dist = (up >= 0).astype(np.int32)
     # A chunk at a time, in place: a jump that reads an ancestor already moved this round
     # lands higher, with its distance, which is as right.
@@ -165,11 +181,11 @@ def _nest_nested_groups(ranges: Ranges, order: np.ndarray, group_id: np.ndarray)
                 above = up[climb]
                 dist[climb] += dist[above]
                 up[climb] = up[above]
-    del up
-    rows = order[fast]
-    parent = pge[fast]
-    ranges.parent[rows] = np.where(parent >= 0, order[np.maximum(parent, 0)], -1)
-    ranges.depth[rows] = dist[fast]
+    del up, pge
+    if fast is None:
+        ranges.depth[order] = dist
+        return order[:0]
+    ranges.depth[order[fast]] = dist[fast]
     return order[~fast]
 
 
@@ -329,7 +345,7 @@ def containing_chunks(ranges: Ranges, range_keys: np.ndarray, point_keys: np.nda
     parent_pos = np.where(parent >= 0, position[np.maximum(parent, 0)], -1).astype(index)
     del valid, position, parent
     starts = ranges.start[order]
-    ends = ranges.end[order]
+    ends = ranges.end   # read through ``order`` where used: a copy would be 8 bytes a range
 
     point_order = np.argsort(point_keys, kind="stable").astype(index_dtype(len(point_keys)))
     sorted_point_keys = point_keys[point_order]
@@ -363,7 +379,8 @@ def containing_chunks(ranges: Ranges, range_keys: np.ndarray, point_keys: np.nda
 def _block_pairs(points: np.ndarray, ps: np.ndarray, pe: np.ndarray, lo: int, hi: int,
                  order: np.ndarray, starts: np.ndarray, ends: np.ndarray,
                  parent_pos: np.ndarray) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    """The pairs of some points with the ranges of one block (sorted positions lo..hi)."""
+    """The pairs of some points with the ranges of one block (sorted positions lo..hi).
+    ``starts`` is by sorted position, ``ends`` by range row."""
     # The containers that start before a point are the ancestors (from the innermost one that
     # ends late enough) of the last range starting before it; those that start with it, of the
     # last range starting at or before it. The two differ only for a point where a range
@@ -378,7 +395,7 @@ def _block_pairs(points: np.ndarray, ps: np.ndarray, pe: np.ndarray, lo: int, hi
         walk = np.flatnonzero(cur >= lo)
         while len(walk):
             c = cur[walk]
-            outside = ends[c] < p_end[walk]
+            outside = ends[order[c]] < p_end[walk]
             walk, c = walk[outside], parent_pos[c[outside]]
             if same_start:      # ranges that start before the point: the other pass's
                 c = _same_start_or_none(c, starts, p_start[walk])
