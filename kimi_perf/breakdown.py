@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from kimi_perf.classify import Rule
-from kimi_perf.layers import GpuOps, segment, step_phase
+from kimi_perf.layers import GpuOps, find_layers, find_steps, step_phase, steps_of_phase
 from kimi_perf.memory import release_free_memory
 from kimi_perf.trace import Trace
 
@@ -64,13 +64,20 @@ def units_word(units) -> str:
     return " or ".join(sorted(set(units))) or "kernels"
 
 
-def mixed_phases(b: Breakdown) -> str | None:
-    """"3 decode, 1 mixed" where a breakdown's steps are of more than one phase (the medians
-    are over all of them), else None."""
+def phase_note(b: Breakdown) -> str | None:
+    """What a breakdown says of its steps' phases: the steps --phase left out, or that its
+    medians are over steps of several phases; None where neither is so."""
+    left_out = b.source.get("steps_left_out") or {}
     counts = Counter(s.get("phase") or "unknown" for s in b.steps)
+    if left_out:
+        kept = ", ".join(f"{n} {phase}" for phase, n in counts.most_common())
+        gone = ", ".join(f"{n} {phase}" for phase, n in left_out.items())
+        return f"steps: {kept} kept; {gone} left out (--phase all keeps every step)"
     if len(counts) < 2:
         return None
-    return ", ".join(f"{n} {phase}" for phase, n in counts.most_common())
+    said = ", ".join(f"{n} {phase}" for phase, n in counts.most_common())
+    return (f"steps: {said}; the medians are over all of them (--phase decode keeps the "
+            "decode steps)")
 
 
 def segment_stats(ops: GpuOps, rows: np.ndarray, classes: np.ndarray, labels: list[str]
@@ -308,8 +315,13 @@ def _us_array(ns: np.ndarray) -> np.ndarray:
 
 
 def breakdown(trace: Trace, layers: str = "auto", rules: list[Rule] | None = None,
-              step_regex: str | None = None) -> Breakdown:
-    ops, steps = segment(trace, layers=layers, step_regex=step_regex, rules=rules)
+              step_regex: str | None = None, phase: str = "auto") -> Breakdown:
+    """``phase``: which steps count (``kimi_perf.layers.steps_of_phase``; by default the
+    decode steps of a trace whose steps are decode and prefill or mixed). The steps left out
+    are counted per phase in ``source["steps_left_out"]``."""
+    ops = GpuOps.of(trace, rules)
+    release_free_memory()
+    steps = find_steps(trace, ops, step_regex)
     labels, ops_kind = ops.class_labels, ops.kind
     # Work no step holds (launched outside the step ranges, or from another thread, such as
     # a training run's autograd thread) is reported, never silently dropped.
@@ -319,6 +331,9 @@ def breakdown(trace: Trace, layers: str = "auto", rules: list[Rule] | None = Non
     outside_steps = {"ops": int(outside.sum()),
                      "kernel_us": _us(int((ops.end[outside] - ops.start[outside]).sum()))}
     del outside
+    steps, left_out = steps_of_phase(steps, phase, trace.meta.get("file"))
+    release_free_memory()
+    find_layers(trace, ops, steps, layers)
     all_layers = [(step, layer) for step in steps for layer in step.layers]
     # Segments: every step, every layer, then the steps' prologues and epilogues.
     segments = [step.ops for step in steps] + [layer.ops for _, layer in all_layers]
@@ -352,7 +367,8 @@ def breakdown(trace: Trace, layers: str = "auto", rules: list[Rule] | None = Non
             t["typical_layer"] = layer
     return Breakdown(source={**_source(trace), "ops": ops_kind,
                              "outside_steps": outside_steps,
-                             "other_thread_ops": other_thread_ops}, steps=step_rows,
+                             "other_thread_ops": other_thread_ops,
+                             "steps_left_out": left_out}, steps=step_rows,
                      layers=layer_rows, layer_types=layer_types, timeline=timeline)
 
 

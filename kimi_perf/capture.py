@@ -428,18 +428,18 @@ def trace_files(paths: list[Path], keep_runs: bool = False) -> list[Path]:
     return out
 
 
-def analyse(files: list[Path], out_dir: Path, layers: str = "auto", plotly_js: str = "inline"
-            ) -> tuple[Path, dict[str, Breakdown], dict]:
+def analyse(files: list[Path], out_dir: Path, layers: str = "auto", phase: str = "auto",
+            plotly_js: str = "inline") -> tuple[Path, dict[str, Breakdown], dict]:
     """``--from``: breakdowns of existing traces, labelled by file name."""
     results: dict[str, Breakdown] = {}
     for f in files:
         label = trace_label(f)
         while label in results:
             label += "'"
-        results[label] = breakdown(read_trace(f), layers=layers)
+        results[label] = breakdown(read_trace(f), layers=layers, phase=phase)
     command = ["kimi-perf", "trace", *(a for f in files for a in ("--from", str(f))),
-               "--out", str(out_dir), *(("--plotly-js", plotly_js) if plotly_js != "inline"
-                                        else ())]
+               *(("--phase", phase) if phase != "auto" else ()), "--out", str(out_dir),
+               *(("--plotly-js", plotly_js) if plotly_js != "inline" else ())]
     run_info = {"command": shlex.join(command),
                 "files": [str(f) for f in files],
                 "date": dt.datetime.now(dt.UTC).isoformat(), "kimi_perf": __version__,

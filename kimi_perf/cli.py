@@ -18,6 +18,7 @@ from kimi_perf.breakdown import Breakdown, breakdown, units_word
 from kimi_perf.classify import load_rules
 from kimi_perf.compare import compare
 from kimi_perf.errors import NoStepsMatched, TraceError
+from kimi_perf.layers import PHASES
 from kimi_perf.readers import read_trace
 from kimi_perf.trace import atomic_write_text
 
@@ -62,6 +63,13 @@ def _emit_tables(tables: list, output: Path | None) -> None:
 
 def _layers_option(fn):
     return click.option("--layers", default="auto", show_default=True, help=LAYERS_HELP)(fn)
+
+
+def _phase_option(fn):
+    return click.option("--phase", type=click.Choice(PHASES), default="auto", show_default=True,
+                        help="which steps count, by the phase their names say (vLLM's "
+                        "execute_... annotation, decode_step[i]): auto keeps the decode steps "
+                        "when others are prefill or mixed; all keeps every step")(fn)
 
 
 def _kernels_option(fn):
@@ -113,7 +121,8 @@ def ranges(trace: Path, fmt: str, output: Path | None) -> None:
         _emit(render.ranges_csv(rows) if fmt == "csv" else render.ranges_json(rows), output)
 
 
-def _breakdown_of(path: Path, layers: str, rules: Path | None, steps: str | None) -> Breakdown:
+def _breakdown_of(path: Path, layers: str, rules: Path | None, steps: str | None,
+                  phase: str) -> Breakdown:
     """A trace's breakdown, or a saved breakdown JSON as it is."""
     runs, run_doc = _saved_breakdowns(path)
     if run_doc is not None and len(runs) > 1:
@@ -123,7 +132,7 @@ def _breakdown_of(path: Path, layers: str, rules: Path | None, steps: str | None
     layers, steps = _check_layers(layers), _check_steps(steps)
     try:
         return breakdown(read_trace(path), layers=layers, rules=load_rules(rules),
-                         step_regex=steps)
+                         step_regex=steps, phase=phase)
     except NoStepsMatched as exc:
         raise TraceError(path, exc.problem) from None
 
@@ -139,19 +148,20 @@ EXAMPLE_TRACE = (Path(__file__).parent / "examples"
 @_layers_option
 @click.option("--steps", "step_regex", help="regex for step ranges (default: decode_step[i], "
               "ProfilerStep#N, vLLM's execute_... annotation)")
+@_phase_option
 @click.option("--rules", type=click.Path(path_type=Path), help="TOML file of extra kernel-class "
               "rules, tried before the defaults")
 @_kernels_option
 @click.option("-o", "--output", type=click.Path(path_type=Path), help="write here, not stdout")
 @_fail_cleanly
 def breakdown_cmd(trace: Path | None, fmt: str, layers: str, step_regex: str | None,
-                  rules: Path | None, kernels: bool, output: Path | None) -> None:
+                  phase: str, rules: Path | None, kernels: bool, output: Path | None) -> None:
     """Per step and layer: kernels, kernel µs, span µs, gap µs, per class; medians per type.
 
     Without TRACE, analyses the embedded example: one vLLM GPT-OSS-20B decode step under a
     full HIP graph (see kimi_perf/examples/README.md).
     """
-    b = _breakdown_of(trace or EXAMPLE_TRACE, layers, rules, step_regex)
+    b = _breakdown_of(trace or EXAMPLE_TRACE, layers, rules, step_regex, phase)
     if fmt == "table":
         typical = [render.typical_layer_table(t["type"] or "-", {"": t}, b.unit)
                    for t in b.layer_types] if kernels else []
@@ -169,6 +179,7 @@ def breakdown_cmd(trace: Path | None, fmt: str, layers: str, step_regex: str | N
               show_default=True)
 @_layers_option
 @click.option("--steps", "step_regex", help="regex for step ranges")
+@_phase_option
 @click.option("--rules", type=click.Path(path_type=Path), help="extra kernel-class rules")
 @click.option("--labels", help="names for A and B, comma-separated (default: the file names, "
               "or a run's path names)")
@@ -176,7 +187,7 @@ def breakdown_cmd(trace: Path | None, fmt: str, layers: str, step_regex: str | N
 @click.option("-o", "--output", type=click.Path(path_type=Path), help="write here, not stdout")
 @_fail_cleanly
 def compare_cmd(a: Path, b: Path | None, path_name: str | None, fmt: str, layers: str,
-                step_regex: str | None, rules: Path | None, labels: str | None,
+                step_regex: str | None, phase: str, rules: Path | None, labels: str | None,
                 kernels: bool, output: Path | None) -> None:
     """A and B side by side per layer type.
 
@@ -186,7 +197,7 @@ def compare_cmd(a: Path, b: Path | None, path_name: str | None, fmt: str, layers
     """
     if labels is not None and (len(labels.split(",")) != 2 or not all(labels.split(","))):
         raise TraceError(None, f"--labels takes two names, A,B: not {labels!r}")
-    runs_a, run_a = _breakdowns_of(a, layers, rules, step_regex)
+    runs_a, run_a = _breakdowns_of(a, layers, rules, step_regex, phase)
     if b is None:
         if not run_a or len(runs_a) < 2:
             raise TraceError(a, "compare takes two traces, or one run of two decode paths")
@@ -195,7 +206,7 @@ def compare_cmd(a: Path, b: Path | None, path_name: str | None, fmt: str, layers
                                    "run is compared path against path")
         (name_a, ba), (name_b, bb) = list(runs_a.items())[:2]
     else:
-        runs_b, run_b = _breakdowns_of(b, layers, rules, step_regex)
+        runs_b, run_b = _breakdowns_of(b, layers, rules, step_regex, phase)
         name_a, ba = _one_path(a, runs_a, run_a is not None, path_name)
         name_b, bb = _one_path(b, runs_b, run_b is not None, path_name)
         if name_a == name_b and run_a and run_b:  # one path of two runs: name the runs
@@ -234,7 +245,7 @@ def compare_cmd(a: Path, b: Path | None, path_name: str | None, fmt: str, layers
     _emit_tables(tables, output)
 
 
-def _breakdowns_of(path: Path, layers: str, rules: Path | None, steps: str | None
+def _breakdowns_of(path: Path, layers: str, rules: Path | None, steps: str | None, phase: str
                    ) -> tuple[dict[str, Breakdown], dict | None]:
     """A `kimi-perf trace` run's breakdowns per decode path (and the JSON document holding
     them), or the one of a breakdown JSON or a trace, named after its file (and None)."""
@@ -243,7 +254,7 @@ def _breakdowns_of(path: Path, layers: str, rules: Path | None, steps: str | Non
     runs, run_doc = _saved_breakdowns(path)
     if run_doc is not None:
         return runs, run_doc
-    b = next(iter(runs.values())) if runs else _breakdown_of(path, layers, rules, steps)
+    b = next(iter(runs.values())) if runs else _breakdown_of(path, layers, rules, steps, phase)
     return {trace_label(path): b}, None
 
 
@@ -340,6 +351,7 @@ def _check_plotly_js(ctx, param, value: str) -> str:
               "(default: the file names, or a run's path names)")
 @_layers_option
 @click.option("--steps", "step_regex", help="regex for step ranges")
+@_phase_option
 @click.option("--rules", type=click.Path(path_type=Path), help="extra kernel-class rules")
 @click.option("--plotly-js", default="inline", show_default=True, callback=_check_plotly_js,
               help="the report's plotly.js: inline (opens offline, about 5 MB), cdn, or a "
@@ -348,8 +360,8 @@ def _check_plotly_js(ctx, param, value: str) -> str:
               show_default=True)
 @_fail_cleanly
 def report_cmd(inputs: tuple[Path, ...], path_name: str | None, labels: str | None,
-               layers: str, step_regex: str | None, rules: Path | None, plotly_js: str,
-               output: Path) -> None:
+               layers: str, step_regex: str | None, phase: str, rules: Path | None,
+               plotly_js: str, output: Path) -> None:
     """The HTML layer-timeline report of traces, breakdown JSON files or `kimi-perf trace`
     runs: the first against each of the others, per layer type and kernel by kernel. A
     directory that is not a run stands for the traces in it (one per rank, say).
@@ -366,7 +378,7 @@ def report_cmd(inputs: tuple[Path, ...], path_name: str | None, labels: str | No
     drawn: dict[str, Breakdown] = {}
     run_info = None
     for file in inputs:
-        runs, run_doc = _breakdowns_of(file, layers, rules, step_regex)
+        runs, run_doc = _breakdowns_of(file, layers, rules, step_regex, phase)
         if run_doc is not None and path_name is not None:
             runs = dict([_one_path(file, runs, True, path_name)])
         for name, b in runs.items():
@@ -528,6 +540,8 @@ def validate(preset_name: str, n_layers: int | None, paths: str, steps: int, bat
 @click.option("--from", "from_files", multiple=True, type=click.Path(path_type=Path),
               help="analyse these existing traces instead of capturing (repeatable; a "
               "directory: the traces in it, e.g. one per rank)")
+@click.option("--phase", type=click.Choice(PHASES), default="auto", show_default=True,
+              help="with --from: which steps count (see kimi-perf breakdown --help)")
 @click.option("--preset", "preset_name", help="tiny, k3, k3-tp8, k3-tp16 (default: tiny on a "
               "CPU, k3-tp8 on a GPU)")
 @click.option("--layers", "n_layers", type=int, help="layer count (default: the preset's; "
@@ -552,7 +566,8 @@ def validate(preset_name: str, n_layers: int | None, paths: str, steps: int, bat
 @click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table",
               show_default=True)
 @_fail_cleanly
-def trace_cmd(from_files: tuple[Path, ...], preset_name: str | None, n_layers: int | None,
+def trace_cmd(from_files: tuple[Path, ...], phase: str, preset_name: str | None,
+              n_layers: int | None,
               batch: int | None, context: int | None, steps: int | None,
               warmup: int | None, tp: int, paths: str, graphs: bool, backend: str,
               kv_cache: str, out_dir: Path, plotly_js: str, fmt: str) -> None:
@@ -572,7 +587,7 @@ def trace_cmd(from_files: tuple[Path, ...], preset_name: str | None, n_layers: i
     plotly_js_for(plotly_js, out_dir)  # a missing file is said now, not after the capture
     if from_files:
         run_dir, results, run_info = cap.analyse(cap.trace_files(list(from_files)), out_dir,
-                                                 plotly_js=plotly_js)
+                                                 phase=phase, plotly_js=plotly_js)
     else:
         try:
             import torch

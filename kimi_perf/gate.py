@@ -150,9 +150,12 @@ def _source_ok(source) -> bool:
     if not isinstance(source, dict):
         return False
     outside, gpus = source.get("outside_steps"), source.get("gpus")
+    left_out = source.get("steps_left_out")
     return (all(source.get(k) is None or isinstance(source[k], str)
                 for k in ("ops", "file", "tool", "format"))
             and (source.get("other_thread_ops") is None or _count(source["other_thread_ops"]))
+            and (left_out is None or (isinstance(left_out, dict) and all(
+                isinstance(k, str) and _count(n) for k, n in left_out.items())))
             and (outside is None or (isinstance(outside, dict) and _count(outside.get("ops"))
                                      and is_finite_number(outside.get("kernel_us"))))
             and (gpus is None or (isinstance(gpus, list) and all(
@@ -164,7 +167,8 @@ def _checked(b: Breakdown, path: Path) -> Breakdown:
     """A breakdown read from JSON, with the fields the gate and the report read."""
     if not _source_ok(b.source):
         raise TraceError(path, "source is not {ops, file, tool, format, other_thread_ops, "
-                               "outside_steps: {ops, kernel_us}, gpus: [{name, sm_count}]}")
+                               "outside_steps: {ops, kernel_us}, steps_left_out: {phase: "
+                               "count}, gpus: [{name, sm_count}]}")
     rows = [*b.layers, *b.steps] if isinstance(b.layers, list) and isinstance(b.steps, list) \
         else None
     if (rows is None or not isinstance(b.layer_types, list)

@@ -41,7 +41,7 @@ STEP_PATTERNS = [
 
 # vLLM's annotation counts the step's prefill ("context") and decode ("generation") requests.
 _VLLM_STEP_REQUESTS = re.compile(r"^execute_(?:\d+_)?context_(\d+)\b.*_generation_(\d+)")
-DECODE_STEPS_OF_VLLM = r"^execute_(\d+_)?context_0\("   # a --steps regex
+PHASES = ("auto", "decode", "prefill", "mixed", "all")
 
 
 def step_phase(name: str) -> str | None:
@@ -55,6 +55,33 @@ def step_phase(name: str) -> str | None:
     prefill, decode = int(m[1]), int(m[2])
     return ("mixed" if prefill and decode else "prefill" if prefill
             else "decode" if decode else None)
+
+
+def steps_of_phase(steps: list[Step], phase: str = "auto", file: str | None = None
+                   ) -> tuple[list[Step], dict[str, int]]:
+    """The steps of one phase, and how many steps of each other phase were left out
+    ("unknown": a step whose name does not say its phase).
+
+    ``auto``: the decode steps where some steps are decode and others prefill or mixed (a
+    prefill step runs other kernels for longer: medians over both describe neither), else
+    every step. ``all``: every step. ``decode``, ``prefill``, ``mixed``: those steps; none is
+    an error naming the phases the trace has."""
+    if phase not in PHASES:
+        raise ValueError(f"unknown phase {phase!r}: use {', '.join(PHASES)}")
+    phases = [step_phase(step.name) for step in steps]
+    if phase == "all" or (phase == "auto" and not (
+            "decode" in phases and ({"prefill", "mixed"} & set(phases)))):
+        return steps, {}
+    wanted = "decode" if phase == "auto" else phase
+    kept = [step for step, p in zip(steps, phases, strict=True) if p == wanted]
+    left_out = Counter(p or "unknown" for p in phases if p != wanted)
+    if not kept:
+        said = ", ".join(f"{n} {p}" for p, n in left_out.most_common())
+        hint = (f": their names (such as {steps[0].name!r}) do not say their phase"
+                if set(left_out) == {"unknown"} else "")
+        raise NoStepsMatched(file, f"--phase {phase}: no {phase} step among the "
+                                   f"{len(steps)} steps ({said}){hint}")
+    return kept, dict(left_out.most_common())
 
 
 # One regex for the common per-layer spellings: layer[3], layer_3, layers.3, model.layers.3,
@@ -569,14 +596,22 @@ def _difference(a: tuple, b: tuple) -> int:
 # -- entry point ------------------------------------------------------------------------------
 
 def segment(trace: Trace, layers: str = "auto", step_regex: str | None = None,
-            rules: list[Rule] | None = None) -> tuple[GpuOps, list[Step]]:
-    """Steps with their layers. ``layers``: ``auto`` (per-layer ranges when the trace has them,
-    else the repeating pattern), ``nvtx`` / ``nvtx:REGEX`` (ranges only), ``repeat``."""
+            rules: list[Rule] | None = None, phase: str = "all") -> tuple[GpuOps, list[Step]]:
+    """Steps (of ``phase``: see ``steps_of_phase``) with their layers. ``layers``: ``auto``
+    (per-layer ranges when the trace has them, else the repeating pattern), ``nvtx`` /
+    ``nvtx:REGEX`` (ranges only), ``repeat``."""
     ops = GpuOps.of(trace, rules)
-    # Each phase's temporaries go back before the next phase's (see kimi_perf/memory.py).
+    # Each stage's temporaries go back before the next stage's (see kimi_perf/memory.py).
     release_free_memory()
-    steps = find_steps(trace, ops, step_regex)
+    steps, _ = steps_of_phase(find_steps(trace, ops, step_regex), phase,
+                              trace.meta.get("file"))
     release_free_memory()
+    find_layers(trace, ops, steps, layers)
+    return ops, steps
+
+
+def find_layers(trace: Trace, ops: GpuOps, steps: list[Step], layers: str = "auto") -> None:
+    """Each step's layers and their types, in place (``layers``: see ``segment``)."""
     if layers == "auto":
         if not layers_from_ranges(trace, ops, steps, DEFAULT_LAYER_PATTERN):
             layers_from_repeats(ops, steps)
@@ -588,4 +623,3 @@ def segment(trace: Trace, layers: str = "auto", step_regex: str | None = None,
         raise ValueError(f"unknown layer mode {layers!r}: use auto, repeat, nvtx or nvtx:REGEX")
     release_free_memory()
     assign_types(ops, steps)
-    return ops, steps

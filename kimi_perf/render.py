@@ -14,7 +14,7 @@ from rich.table import Table
 from rich.text import Text
 
 from kimi_perf.attribution import RangeKernelRow
-from kimi_perf.breakdown import Breakdown, mixed_phases
+from kimi_perf.breakdown import Breakdown, phase_note
 from kimi_perf.compare import (
     ComparisonRow,
     OverviewRow,
@@ -24,7 +24,6 @@ from kimi_perf.compare import (
     stragglers,
 )
 from kimi_perf.gate import GateResult
-from kimi_perf.layers import DECODE_STEPS_OF_VLLM
 from kimi_perf.names import short_names
 
 
@@ -136,9 +135,8 @@ def breakdown_tables(b: Breakdown) -> list[Table]:
                      "step: launched outside every step's range")
     if not b.steps:
         notes.append("no GPU work in this trace")
-    if phases := mixed_phases(b):
-        notes.append(f"steps: {phases}; the medians below are over all of them (--steps "
-                     f"'{DECODE_STEPS_OF_VLLM}' keeps vLLM's pure decode steps)")
+    if phases := phase_note(b):
+        notes.append(phases)
     steps.caption = "\n".join(notes) or None
     tables = [steps]
     if not b.layer_types:

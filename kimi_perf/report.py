@@ -19,7 +19,7 @@ from pathlib import Path
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from kimi_perf.breakdown import Breakdown, mixed_phases, units_word
+from kimi_perf.breakdown import Breakdown, phase_note, units_word
 from kimi_perf.compare import (
     compare,
     differing_patterns,
@@ -30,7 +30,6 @@ from kimi_perf.compare import (
 )
 from kimi_perf.errors import TraceError
 from kimi_perf.gate import is_finite_number
-from kimi_perf.layers import DECODE_STEPS_OF_VLLM
 from kimi_perf.names import demangle, short_names
 from kimi_perf.trace import atomic_write_text
 
@@ -107,10 +106,8 @@ def _comparison_html(breakdowns: dict[str, Breakdown]) -> str:
             parts.append(f"<p>{e(label)}: {outside['ops']} more {ops} "
                          f"({outside['kernel_us']:.1f} µs) ran in no step: launched outside "
                          "every step's range.</p>")
-        if phases := mixed_phases(breakdowns[label]):
-            parts.append(f"<p>{e(label)}: steps {e(phases)}; its medians are over all of "
-                         f"them (--steps '{e(DECODE_STEPS_OF_VLLM)}' keeps vLLM's pure decode "
-                         "steps).</p>")
+        if phases := phase_note(breakdowns[label]):
+            parts.append(f"<p>{e(label)}: {e(phases)}.</p>")
     a = labels[0] if labels else None
     if len(labels) == 1 and breakdowns[a].layer_types:  # nothing to compare with: its figures
         body = "".join(

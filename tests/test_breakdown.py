@@ -94,29 +94,92 @@ def test_overview_of_several_traces_names_the_slowest():
     assert {s.type: s for s in spreads(rows)}["mla"].slowest_label != "rank1"
 
 
-def test_steps_of_several_phases_are_said(tmp_path):
-    """vLLM's annotation gives each step its phase; a breakdown over decode and mixed steps
-    says so under its steps table, with the --steps regex that keeps the decode steps."""
-    from kimi_perf.render import breakdown_tables, tables_text
-
+def _vllm_phases_trace() -> TraceBuilder:
+    """Three steps in vLLM's annotation: decode, mixed (longer kernels), decode."""
     b = TraceBuilder()
-    for name in ("execute_context_0(0)_generation_8(8)", "execute_context_1(77)_generation_7(7)",
-                 "execute_context_0(0)_generation_8(8)"):
-        start, _ = b.sequence(["embedding", "gemm", "lm_head"])
+    for name, duration in (("execute_context_0(0)_generation_8(8)", 1000),
+                           ("execute_context_1(77)_generation_7(7)", 9000),
+                           ("execute_context_0(0)_generation_8(8)", 1000)):
+        start, _ = b.sequence(["embedding", "gemm", "lm_head"], duration=duration)
         b.range(name, start - 10, b.clock)
         b.clock += 2000
-    result = breakdown(b.build())
-    assert [s["phase"] for s in result.steps] == ["decode", "mixed", "decode"]
-    text = tables_text(breakdown_tables(result))
-    assert "steps: 2 decode, 1 mixed; the medians below are over all of them" in text
-    assert r"--steps '^execute_(\d+_)?context_0\(' keeps vLLM's pure decode steps" in text
+    return b
+
+
+def test_decode_steps_are_kept_when_others_are_prefill_or_mixed(tmp_path):
+    """By default a trace whose steps are decode and mixed (or prefill) is broken down over
+    its decode steps; the steps left out are counted per phase and said under the table."""
+    from kimi_perf.render import breakdown_tables, tables_text
     from kimi_perf.report import write_report
 
+    result = breakdown(_vllm_phases_trace().build())
+    assert [s["phase"] for s in result.steps] == ["decode", "decode"]
+    assert [s["kernel_us"] for s in result.steps] == [3.0, 3.0]
+    assert result.source["steps_left_out"] == {"mixed": 1}
+    assert result.source["outside_steps"]["ops"] == 0  # a left-out step's ops are not "outside"
+    text = " ".join(tables_text(breakdown_tables(result)).split())
+    assert "steps: 2 decode kept; 1 mixed left out (--phase all keeps every step)" in text
     html = write_report(tmp_path / "r.html", {"vllm": result}, "t", plotly_js="cdn").read_text()
-    assert "vllm: steps 2 decode, 1 mixed; its medians are over all of them" in html
-    alone = breakdown(b.build(), step_regex=r"^execute_(\d+_)?context_0\(")
-    assert [s["phase"] for s in alone.steps] == ["decode", "decode"]
-    assert "steps:" not in tables_text(breakdown_tables(alone))
+    assert "vllm: steps: 2 decode kept; 1 mixed left out" in html
+    every = breakdown(_vllm_phases_trace().build(), phase="all")
+    assert [s["phase"] for s in every.steps] == ["decode", "mixed", "decode"]
+    assert [s["kernel_us"] for s in every.steps] == [3.0, 27.0, 3.0]
+    assert every.source["steps_left_out"] == {}
+    text = " ".join(tables_text(breakdown_tables(every)).split())
+    assert ("steps: 2 decode, 1 mixed; the medians are over all of them (--phase decode keeps "
+            "the decode steps)") in text
+    (mixed,) = breakdown(_vllm_phases_trace().build(), phase="mixed").steps
+    assert mixed["kernel_us"] == 27.0
+
+
+def test_a_phase_no_step_has_is_one_line(tmp_path):
+    from click.testing import CliRunner
+
+    from kimi_perf.cli import main
+
+    trace = tmp_path / "vllm.kptrace"
+    _vllm_phases_trace().build().save(trace)
+    result = CliRunner().invoke(main, ["breakdown", str(trace), "--phase", "prefill"])
+    assert result.exit_code == 2 and result.output.count("\n") == 1, result.output
+    assert (f"{trace}: --phase prefill: no prefill step among the 3 steps (2 decode, 1 mixed)"
+            in result.output)
+    profiler = TraceBuilder()
+    start, _ = profiler.sequence(["gemm"])
+    profiler.range("ProfilerStep#4", start - 10, profiler.clock)
+    with pytest.raises(TraceError, match=r"no decode step among the 1 steps \(1 unknown\): "
+                                         r"their names \(such as 'ProfilerStep#4'\) do not say"):
+        breakdown(profiler.build(), phase="decode")
+    # without a phase in their names, auto and all keep every step
+    assert len(breakdown(profiler.build()).steps) == 1
+
+
+def test_every_command_that_breaks_traces_down_takes_the_phase(tmp_path):
+    import json
+
+    from click.testing import CliRunner
+
+    from kimi_perf.cli import main
+
+    trace = tmp_path / "vllm.kptrace"
+    _vllm_phases_trace().build().save(trace)
+
+    def run(*args):
+        result = CliRunner().invoke(main, [str(a) for a in args])
+        assert result.exit_code == 0, result.output
+        return result.output
+
+    doc = json.loads(run("breakdown", trace, "--phase", "all", "--format", "json"))
+    assert len(doc["steps"]) == 3
+    run("trace", "--from", trace, "--phase", "mixed", "--out", tmp_path / "runs")
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    stored = json.loads((run_dir / "breakdown.json").read_text())
+    assert [s["phase"] for s in stored["paths"]["vllm"]["steps"]] == ["mixed"]
+    assert stored["paths"]["vllm"]["source"]["steps_left_out"] == {"decode": 2}
+    assert " --phase mixed --out " in stored["run"]["command"]
+    run("report", trace, "--phase", "all", "-o", tmp_path / "r.html", "--plotly-js", "cdn")
+    assert "the medians are over all of them" in (tmp_path / "r.html").read_text()
+    failed = CliRunner().invoke(main, ["compare", str(trace), str(trace), "--phase", "prefill"])
+    assert failed.exit_code == 2 and "no prefill step among the 3 steps" in failed.output
 
 
 def test_vllm_decode_breakdown():

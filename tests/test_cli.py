@@ -666,12 +666,13 @@ def test_compare_says_what_each_side_counts(tmp_path):
     assert "kernels ratio" in same and "vs 17 / 423.5 µs (y)" in same
 
 
-def test_decode_steps_only_of_a_vllm_trace():
-    """The README's recipe: --steps keeps vLLM's pure decode steps (no prefill request); a
-    trace with none says so."""
-    from kimi_perf.layers import DECODE_STEPS_OF_VLLM as decode_only
-    result = run("breakdown", VLLM, "--steps", decode_only, "--format", "json")
+def test_phases_of_real_vllm_traces():
+    """vLLM's decode step is a decode step; its mixed prefill+decode step is kept by default
+    (no decode step to prefer) and --phase decode says what the trace holds instead."""
+    result = run("breakdown", VLLM, "--phase", "decode", "--format", "json")
     assert result.exit_code == 0 and len(json.loads(result.output)["steps"]) == 1
     mixed = KINETO / "tracelens_vllm_gptoss20b_prefilldecode_piecewise_mi300x.json.gz"
-    _one_line_error(run("breakdown", mixed, "--steps", decode_only),
-                    "no range matching --steps")
+    (step,) = json.loads(run("breakdown", mixed, "--format", "json").output)["steps"]
+    assert step["phase"] == "mixed"
+    _one_line_error(run("breakdown", mixed, "--phase", "decode"),
+                    "--phase decode: no decode step among the 1 steps (1 mixed)")

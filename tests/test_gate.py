@@ -293,11 +293,13 @@ def test_fuzzed_baselines_give_one_line_errors(data):
                                                   "classes"]))] = data.draw(junk)
         elif what == "source":
             key = data.draw(st.sampled_from(["source", "ops", "outside_steps",
-                                             "other_thread_ops", "gpus", "file"]))
+                                             "other_thread_ops", "gpus", "file",
+                                             "steps_left_out"]))
             if key == "source":
                 path["source"] = data.draw(junk)
             else:
-                path["source"][key] = data.draw(st.one_of(junk, st.just("<b>x</b>")))
+                path["source"][key] = data.draw(st.one_of(junk, st.just("<b>x</b>"),
+                                                          st.just({"prefill": -2})))
         elif what == "timeline":
             op = data.draw(st.sampled_from(data.draw(st.sampled_from(
                 path["timeline"]["segments"]))["ops"]))
