@@ -65,14 +65,18 @@ def units_word(units) -> str:
 
 
 def phase_note(b: Breakdown) -> str | None:
-    """What a breakdown says of its steps' phases: the steps --phase left out, or that its
-    medians are over steps of several phases; None where neither is so."""
+    """What a breakdown says of its steps' phases: the steps --phase left out, that its
+    medians are over steps of several phases, or that no step is a decode step; None where
+    none is so."""
     left_out = b.source.get("steps_left_out") or {}
     counts = Counter(s.get("phase") or "unknown" for s in b.steps)
     if left_out:
         kept = ", ".join(f"{n} {phase}" for phase, n in counts.most_common())
         gone = ", ".join(f"{n} {phase}" for phase, n in left_out.items())
         return f"steps: {kept} kept; {gone} left out (--phase all keeps every step)"
+    if len(counts) == 1 and set(counts) & {"prefill", "mixed"}:
+        ((phase, n),) = counts.items()
+        return f"steps: {n} {phase}: every step prefills, so these are not decode figures"
     if len(counts) < 2:
         return None
     said = ", ".join(f"{n} {phase}" for phase, n in counts.most_common())

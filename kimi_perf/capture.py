@@ -33,6 +33,7 @@ from kimi_perf import __version__
 from kimi_perf.breakdown import Breakdown, breakdown
 from kimi_perf.errors import TraceError
 from kimi_perf.readers import read_trace
+from kimi_perf.readers.nsys import nsys_cli
 from kimi_perf.trace import atomic_write, atomic_write_text, current_umask
 
 PATH_BACKENDS = {"standard": "auto", "specialized": "latency_specialized"}
@@ -343,7 +344,7 @@ def _metrics(req: TraceRequest, device: str, prefill_s: float, steps: list[float
 
 
 def nsys_binary() -> str:
-    nsys = os.environ.get("KIMI_PERF_NSYS") or shutil.which("nsys")
+    nsys = nsys_cli()
     if not nsys:
         raise TraceError(None, "--backend nsys needs the Nsight Systems CLI: put nsys on PATH "
                                "or set KIMI_PERF_NSYS (scripts/install-nsys.sh installs one "

@@ -227,7 +227,8 @@ def compare_cmd(a: Path, b: Path | None, path_name: str | None, fmt: str, layers
         _emit(render.comparison_json(rows, name_a, name_b, typical), output)
         return
     tables = [render.comparison_table(rows, name_a, name_b, unit, unit_b),
-              render.comparison_headline(rows, name_a, name_b, unit, unit_b)]
+              render.comparison_headline(rows, name_a, name_b, unit, unit_b),
+              *render.phase_lines({name_a: ba, name_b: bb})]
     if kernels:
         from kimi_perf.decode.fusions import ledger_of
 
@@ -447,7 +448,8 @@ def info(trace: Path) -> None:
 @main.command(name="floors")
 @click.option("--preset", "preset_name", default="k3-tp8", show_default=True,
               help="model shapes: k3, k3-tp8, k3-tp16, tiny")
-@click.option("--tp", type=click.IntRange(1), help="shard the preset's model over N ranks")
+@click.option("--tp", type=click.IntRange(1), help="the TP ranks the model is sharded over "
+              "(the k3 and tiny presets: 1 unless given; k3-tpN: N)")
 @click.option("--batch", default=1, show_default=True, type=click.IntRange(1))
 @click.option("--context", default=4096, show_default=True, type=click.IntRange(0),
               help="cached tokens per sequence the gated-MLA layer reads")
@@ -473,6 +475,10 @@ def floors_cmd(preset_name: str, tp: int | None, batch: int, context: int, weigh
     from kimi_perf.decode.floors import Storage, floors
 
     try:
+        c = preset(preset_name)
+        if tp is not None and c.tp != 1 and tp != c.tp:
+            raise ValueError(f"{preset_name} is already sharded over {c.tp} ranks: for TP "
+                             f"{tp} use --preset k3 --tp {tp}")
         c = preset(preset_name, tp=tp)
     except (KeyError, ValueError) as exc:
         raise TraceError(None, str(exc.args[0] if exc.args else exc)) from None
@@ -487,7 +493,8 @@ def floors_cmd(preset_name: str, tp: int | None, batch: int, context: int, weigh
 @main.command()
 @click.option("--preset", "preset_name", default="tiny", show_default=True,
               help="model preset: tiny, k3, k3-tp8, k3-tp16")
-@click.option("--layers", "n_layers", type=int, help="override the preset's layer count")
+@click.option("--layers", "n_layers", type=click.IntRange(1),
+              help="override the preset's layer count")
 @click.option("--paths", default="standard,specialized", show_default=True,
               help="comma-separated decode paths to check: standard, standard_kernels (the "
               "standard path one kernel per step, as on a GPU), specialized")
@@ -544,8 +551,8 @@ def validate(preset_name: str, n_layers: int | None, paths: str, steps: int, bat
               help="with --from: which steps count (see kimi-perf breakdown --help)")
 @click.option("--preset", "preset_name", help="tiny, k3, k3-tp8, k3-tp16 (default: tiny on a "
               "CPU, k3-tp8 on a GPU)")
-@click.option("--layers", "n_layers", type=int, help="layer count (default: the preset's; "
-              "4 on a GPU)")
+@click.option("--layers", "n_layers", type=click.IntRange(1), help="layer count (default: "
+              "the preset's; 4 on a GPU)")
 @click.option("--batch", type=click.IntRange(1), help="sequences per decode step")
 @click.option("--context", type=click.IntRange(1), help="prompt tokens before decoding")
 @click.option("--steps", type=click.IntRange(1), help="profiled decode steps")
@@ -643,6 +650,9 @@ def trace_cmd(from_files: tuple[Path, ...], phase: str, preset_name: str | None,
                 units = (results[a].unit, results[b].unit)
                 console.print(render.comparison_table(rows, a, b, *units))
                 console.print(render.comparison_headline(rows, a, b, *units))
+    if any(rows for _, rows in compared):  # else each trace's own tables say it below
+        for line in render.phase_lines(results):
+            console.print(line)
     if not any(rows for _, rows in compared):  # one trace, or none with layers
         for label, b in results.items():
             console.print(f"{label}:")

@@ -266,7 +266,7 @@ def find_steps(trace: Trace, ops: GpuOps, step_regex: str | None = None) -> list
         return steps
     if step_regex:
         raise NoStepsMatched(trace.meta.get("file"),
-                             f"no range matching --steps {step_regex!r} holds a kernel launch")
+                             f"no range matching --steps '{step_regex}' holds a kernel launch")
     graph_steps = _graph_launch_steps(trace, ops)
     if graph_steps:
         return graph_steps
@@ -381,6 +381,10 @@ def layers_from_ranges(trace: Trace, ops: GpuOps, steps: list[Step], layer_regex
         if idx is None and m and m.groups():
             idx = next((g for g in m.groups() if g and g.isdigit()), None)
         kind = next((v for k, v in groups.items() if k.startswith("type") and v), "")
+        if idx is not None and not idx.isdecimal():
+            raise NoStepsMatched(trace.meta.get("file"), f"--layers: the 'index' group "
+                                 f"matched {idx!r} in the range {trace.strings[code]!r}: not "
+                                 "a layer number")
         parsed[code] = (int(idx) if idx is not None else None, kind)
 
     for step in steps:
@@ -611,14 +615,22 @@ def segment(trace: Trace, layers: str = "auto", step_regex: str | None = None,
 
 
 def find_layers(trace: Trace, ops: GpuOps, steps: list[Step], layers: str = "auto") -> None:
-    """Each step's layers and their types, in place (``layers``: see ``segment``)."""
+    """Each step's layers and their types, in place (``layers``: see ``segment``). A mode
+    asked for by name that finds no layer in any step is an error, as an unmatched step
+    regex is; ``auto`` may find none."""
     if layers == "auto":
         if not layers_from_ranges(trace, ops, steps, DEFAULT_LAYER_PATTERN):
             layers_from_repeats(ops, steps)
     elif layers == "repeat":
-        layers_from_repeats(ops, steps)
+        if not layers_from_repeats(ops, steps) and steps:
+            raise NoStepsMatched(trace.meta.get("file"), "--layers repeat: no step repeats a "
+                                 "kernel pattern (no layers found)")
     elif layers == "nvtx" or layers.startswith("nvtx:"):
-        layers_from_ranges(trace, ops, steps, layers[5:] or DEFAULT_LAYER_PATTERN)
+        regex = layers[5:] or DEFAULT_LAYER_PATTERN
+        if not layers_from_ranges(trace, ops, steps, regex) and steps:
+            said = "its regex" if layers[5:] else "the default layer pattern"
+            raise NoStepsMatched(trace.meta.get("file"), f"--layers {layers}: no range "
+                                 f"matching {said} holds a kernel launch of a step")
     else:
         raise ValueError(f"unknown layer mode {layers!r}: use auto, repeat, nvtx or nvtx:REGEX")
     release_free_memory()

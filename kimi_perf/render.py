@@ -243,6 +243,11 @@ def comparison_table(rows: list[ComparisonRow], label_a: str, label_b: str,
     return table
 
 
+def phase_lines(breakdowns: dict[str, Breakdown]) -> list[str]:
+    """``phase_note`` of each breakdown that has one, after its label."""
+    return [f"{label}: {note}" for label, b in breakdowns.items() if (note := phase_note(b))]
+
+
 def comparison_headline(rows: list[ComparisonRow], label_a: str, label_b: str,
                         unit: str = "kernels", unit_b: str | None = None) -> str:
     """The one-line summary: '23 kernels / 130 µs vs 13 / 69 µs' per layer type."""

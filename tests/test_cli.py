@@ -265,8 +265,41 @@ def test_kernel_names_keep_their_brackets_in_tables(tmp_path):
 
 def test_steps_regex_that_is_bad_or_matches_nothing(tmp_path):
     _one_line_error(run("breakdown", VLLM, "--steps", "("), "--steps: bad regex")
-    _one_line_error(run("breakdown", VLLM, "--steps", "no_such_step"), str(VLLM),
-                    "no range matching --steps")
+    # the regex as given, to copy back (not Python's repr, which doubles backslashes)
+    _one_line_error(run("breakdown", VLLM, "--steps", r"^no_such\(step"), str(VLLM),
+                    r"no range matching --steps '^no_such\(step' holds a kernel launch")
+
+
+def test_layer_modes_asked_for_by_name_that_find_nothing():
+    """--layers nvtx / repeat that find no layer are errors (as an unmatched --steps is), and
+    an 'index' group must match a number; auto may find none."""
+    zx = NSYS / "zx3xyy-assignment2-systems__result_2_7B_nvtx__nsys2024.6.2.sqlite"
+    _one_line_error(run("breakdown", zx, "--layers", "nvtx:(?P<index>[a-z ]+)"), str(zx),
+                    "the 'index' group matched 'init' in the range 'init_model': not a layer "
+                    "number")
+    _one_line_error(run("breakdown", zx, "--layers", "nvtx"), str(zx), "--layers nvtx: no "
+                    "range matching the default layer pattern holds a kernel launch")
+    _one_line_error(run("breakdown", zx, "--layers", "nvtx:^no_such_layer"),
+                    "--layers nvtx:^no_such_layer: no range matching its regex")
+    nccl = KINETO / "hta_a100_nccl_ddp_gpu_user_annotation.json.gz"
+    _one_line_error(run("breakdown", nccl, "--layers", "repeat"), str(nccl),
+                    "--layers repeat: no step repeats a kernel pattern")
+    assert run("breakdown", nccl).exit_code == 0
+
+
+@pytest.mark.parametrize("command", [["validate"], ["trace"]])
+def test_a_layer_count_below_one_is_refused(command):
+    result = run(*command, "--layers", "0")
+    assert result.exit_code == 2 and result.exception is not None  # click's usage error
+    assert "Invalid value for '--layers': 0 is not in the range x>=1" in result.output
+
+
+def test_floors_of_a_sharded_preset_at_another_tp_is_refused():
+    _one_line_error(run("floors", "--preset", "k3-tp8", "--tp", "1"),
+                    "k3-tp8 is already sharded over 8 ranks: for TP 1 use --preset k3 --tp 1")
+    assert run("floors", "--preset", "k3-tp8", "--tp", "8").exit_code == 0
+    at_8 = json.loads(run("floors", "--preset", "k3", "--tp", "8", "--format", "json").output)
+    assert at_8 == json.loads(run("floors", "--format", "json").output) | {"preset": "k3"}
 
 
 def test_compare_a_run_its_paths_and_labels(tmp_path):
@@ -676,3 +709,9 @@ def test_phases_of_real_vllm_traces():
     assert step["phase"] == "mixed"
     _one_line_error(run("breakdown", mixed, "--phase", "decode"),
                     "--phase decode: no decode step among the 1 steps (1 mixed)")
+    not_decode = "steps: 1 mixed: every step prefills, so these are not decode figures"
+    assert not_decode in " ".join(run("breakdown", mixed).output.split())
+    compared = run("compare", VLLM, mixed).output
+    assert ("tracelens_vllm_gptoss20b_prefilldecode_piecewise_mi300x: " + not_decode
+            in compared)
+    assert compared.count(": steps:") == 1   # the decode trace has nothing to say

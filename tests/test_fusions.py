@@ -11,7 +11,7 @@ from kimi_perf.decode.fusions import (
     STANDARD_LAUNCHES,
     fusion_ledger,
 )
-from tests.conftest import REPO
+from tests.conftest import KINETO, REPO
 from tests.test_gate import BASELINE
 
 DECODE = REPO / "kimi_perf" / "decode"
@@ -62,6 +62,24 @@ def test_no_ledger_for_kernel_names():
     assert fusion_ledger(standard, specialized) is None
     assert fusion_ledger([{"name": "o_proj", "us": 2.0}], [{"name": "o_proj", "us": 1.0}]) \
         is not None
+
+
+def test_no_ledger_against_a_trace_without_that_layer_type(tmp_path):
+    """The specialized path against a trace that has no layer of its type (a vLLM trace, say):
+    its launches replace nothing there, so there is no ledger to show."""
+    from click.testing import CliRunner
+
+    from kimi_perf.cli import main
+
+    assert fusion_ledger([], [{"name": "o_proj", "us": 1.0}]) is None
+    vllm = KINETO / "tracelens_vllm_gptoss20b_decode_fullgraph_mi300x.json.gz"
+    out = CliRunner().invoke(main, ["compare", str(BASELINE), str(vllm), "--path",
+                                    "specialized", "--kernels"]).output
+    assert "against the standard launches" not in out and "(new work)" not in out
+    report = tmp_path / "r.html"
+    CliRunner().invoke(main, ["report", str(BASELINE), str(vllm), "--path", "specialized",
+                              "-o", str(report), "--plotly-js", "cdn"])
+    assert "Fusions, launch by launch" not in report.read_text()
 
 
 def test_compare_kernels_shows_the_ledger_of_the_two_paths():

@@ -329,7 +329,7 @@ for step in range(2):
 
 @pytest.mark.skipif(NSYS_CLI is None or importlib.util.find_spec("nvtx") is None,
                     reason="needs the Nsight Systems CLI and the nvtx package")
-def test_layerwise_markers_through_a_real_nsys_capture(tmp_path):
+def test_layerwise_markers_through_a_real_nsys_capture(tmp_path, monkeypatch):
     """vLLM-style markers recorded by `nsys profile` and exported to SQLite as nsys stores
     them: steps from the root module's marker, layers from the layers' (CPU ops stand in for
     kernels)."""
@@ -348,3 +348,7 @@ def test_layerwise_markers_through_a_real_nsys_capture(tmp_path):
     assert [row["index"] for row in b.layers] == [0, 1, 2, 3] * 2
     assert {t["type"]: (t["layers"], t["kernels"]) for t in b.layer_types} == {
         "A": (6, 3), "B": (2, 4)}
+    # the report itself, exported with the CLI that KIMI_PERF_NSYS names (none on PATH)
+    monkeypatch.setenv("PATH", os.defpath)
+    monkeypatch.setenv("KIMI_PERF_NSYS", NSYS_CLI)
+    assert breakdown(read_trace(rep)).layers == b.layers

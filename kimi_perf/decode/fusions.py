@@ -61,9 +61,10 @@ def fusion_ledger(standard: list[dict], specialized: list[dict]
                   ) -> tuple[list[LedgerRow], list[str]] | None:
     """One layer type's typical layers (``typical_layer["kernels"]``: name, us) of the two
     paths, launch by launch: a row per specialized launch, and the standard launches no row
-    took. None when the names are not the two paths' launch names (a GPU trace without launch
-    annotations names kernels instead)."""
-    if (not specialized or any(k["name"] not in SPECIALIZED_LAUNCHES for k in specialized)
+    took. None when either is empty, or the names are not the two paths' launch names (a GPU
+    trace without launch annotations names kernels instead)."""
+    if (not specialized or not standard
+            or any(k["name"] not in SPECIALIZED_LAUNCHES for k in specialized)
             or any(k["name"] not in STANDARD_LAUNCHES for k in standard)):
         return None
     standard_us: dict[str, float] = defaultdict(float)

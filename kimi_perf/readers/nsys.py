@@ -10,6 +10,7 @@ blocks into numpy arrays instead, as before.
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import sqlite3
@@ -78,14 +79,19 @@ def read_nsys_sqlite(path: str | Path) -> Trace:
         conn.close()
 
 
+def nsys_cli() -> str | None:
+    """The Nsight Systems CLI: ``KIMI_PERF_NSYS``, else ``nsys`` on PATH, else None."""
+    return os.environ.get("KIMI_PERF_NSYS") or shutil.which("nsys")
+
+
 def export_nsys_rep(path: str | Path, out_dir: str | Path) -> Path:
-    """Export an ``.nsys-rep`` to SQLite with the ``nsys`` CLI on PATH."""
+    """Export an ``.nsys-rep`` to SQLite with the ``nsys`` CLI (``nsys_cli``)."""
     path = Path(path)
-    nsys = shutil.which("nsys")
+    nsys = nsys_cli()
     if nsys is None:
-        raise TraceError(path, "reading .nsys-rep needs the Nsight Systems CLI ('nsys') on PATH; "
-                               "install it, or run 'nsys export --type sqlite' where it is "
-                               "installed and pass the .sqlite file")
+        raise TraceError(path, "reading .nsys-rep needs the Nsight Systems CLI ('nsys') on PATH "
+                               "or in KIMI_PERF_NSYS; install it, or run 'nsys export --type "
+                               "sqlite' where it is installed and pass the .sqlite file")
     out = Path(out_dir) / (path.stem + ".sqlite")
     cmd = [nsys, "export", "--type", "sqlite", "--force-overwrite", "true",
            "--output", str(out), str(path)]
