@@ -297,10 +297,12 @@ def _run_name(path: Path) -> str:
 @click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table",
               show_default=True)
 @click.option("--all", "show_all", is_flag=True, help="list the checks that pass too")
+@click.option("--path", "path_name", help="check only this decode path (a trace given for "
+              "BASELINE or RUN stands for it)")
 @click.option("--update", is_flag=True, help="then store the run as the new baseline")
 @_fail_cleanly
 def gate_cmd(baseline: Path, run: Path, metrics: str, rel_tol: float, alpha: float, fmt: str,
-             show_all: bool, update: bool) -> None:
+             show_all: bool, path_name: str | None, update: bool) -> None:
     """Check a run against a stored baseline: exit 1 on a regression (for nightly CI).
 
     BASELINE and RUN: a `kimi-perf trace` run directory or its breakdown.json, a breakdown
@@ -311,6 +313,8 @@ def gate_cmd(baseline: Path, run: Path, metrics: str, rel_tol: float, alpha: flo
     unknown = [m for m in chosen if m not in gate_mod.METRICS]
     if unknown or not chosen:
         raise TraceError(None, f"--metrics: choose from {', '.join(gate_mod.METRICS)}")
+    if update and path_name is not None:
+        raise TraceError(None, "--update stores the whole run: it takes no --path")
     current, doc, _ = gate_mod.load_run(run)
     if update and not baseline.exists():
         if baseline.suffix != ".json":
@@ -319,6 +323,9 @@ def gate_cmd(baseline: Path, run: Path, metrics: str, rel_tol: float, alpha: flo
         click.echo(f"baseline {baseline} created from {run}", err=True)
         return
     base, _, base_file = gate_mod.load_run(baseline)
+    if path_name is not None:
+        base, current = (_only_path(f, runs, path_name)
+                         for f, runs in ((baseline, base), (run, current)))
     if update and base_file is None:
         raise TraceError(baseline, "--update replaces a baseline JSON (or a run directory's "
                                    "breakdown.json), not a trace")
@@ -336,6 +343,15 @@ def gate_cmd(baseline: Path, run: Path, metrics: str, rel_tol: float, alpha: flo
         click.echo(f"baseline {base_file} updated from {run}", err=True)
     elif not result.ok:
         sys.exit(1)
+
+
+def _only_path(file: Path, runs: dict[str, Breakdown], name: str) -> dict[str, Breakdown]:
+    """One decode path of a run, under its name; a plain trace's one breakdown takes it."""
+    if set(runs) == {gate_mod.TRACE}:
+        return {name: runs[gate_mod.TRACE]}
+    if name not in runs:
+        raise TraceError(file, f"has no path {name!r} (it has {', '.join(runs)})")
+    return {name: runs[name]}
 
 
 def _check_plotly_js(ctx, param, value: str) -> str:

@@ -10,8 +10,15 @@ across steps are not independent, so the p-value is optimistic: the threshold mu
 crossed too. Where the samples are too few for the test to reach ``alpha`` at all (fewer than
 ``min_samples`` a side, or 1 / C(n+m, n) >= alpha), the threshold decides alone. A layer type
 or path the baseline has and the run lacks fails too (the analysis lost it); one the run adds
-is reported. A layer type found by the repeating kernel pattern (letters, not range names)
-whose kernel sequence differs between the two is noted (``changed``), not failed.
+is reported.
+
+Layer types found by the repeating kernel pattern (letters in order of first appearance, not
+range names) are paired by their kernel sequence (its digest), whatever their letters; the
+types left over are paired in order. A pair whose sequences differ is ``changed``: its checks
+are shown but do not fail, since where the pattern finds a layer's first kernel may move
+between two traces (a kernel then moves from one letter to the next), and the whole steps,
+which are checked as ever, catch a kernel added or a step slowed either way. So does a type
+the run lacks while it still has pattern types.
 
 A layer type's regression or improvement says which kernels are behind it (``detail``), from
 the typical layers of both (the kernel sequence most layers of the type ran, with median µs
@@ -61,6 +68,7 @@ class Check:
     p_value: float | None     # one-sided Mann-Whitney U, in the direction of the change
     status: str               # ok, regression, improvement, noise, missing, new, changed
     detail: str | None = None  # the kernels behind a regression or improvement
+    run_layer_type: str | None = None  # the run's name of the type, where it differs
 
     @property
     def fails(self) -> bool:
@@ -244,39 +252,82 @@ def gate(baseline: dict[str, Breakdown], current: dict[str, Breakdown],
     checks: list[Check] = []
     for path in [*baseline, *(p for p in current if p not in baseline)]:
         base, cur = baseline.get(path), current.get(path)
-        types = [t["type"] for t in (base or cur).layer_types]
-        if base is not None and cur is not None:
-            types += [t["type"] for t in cur.layer_types if t["type"] not in types]
-        for layer_type in [*types, STEP]:
-            if (layer_type != STEP and base is not None and cur is not None
-                    and "kernels" in tolerances.metrics):
-                checks += _pattern(path, layer_type, base, cur)
+        for base_type, cur_type, changed in [*pair_layer_types(base, cur),
+                                             (STEP, STEP, False)]:
+            # a run's type the baseline lacks, under a name the baseline gives another: "-"
+            label = (base_type if base_type is not None
+                     else "-" if base is not None and any(
+                         t["type"] == cur_type for t in base.layer_types) else cur_type)
+            found: list[Check] = []
+            if changed and base_type is not None and cur_type is not None:
+                found.append(Check(path, label, "pattern", None, None, None, None, "changed"))
             for metric in tolerances.metrics:
                 # (steps count kernels too: those outside every layer, a step's prologue and
                 # epilogue, are in no layer type)
-                base_s = _samples(base, layer_type, metric)
-                cur_s = _samples(cur, layer_type, metric)
-                if layer_type == STEP and base_s is None and cur_s is None:
+                base_s = _samples(base, base_type, metric)
+                cur_s = _samples(cur, cur_type, metric)
+                if base_type == STEP and base_s is None and cur_s is None:
                     continue  # neither side found steps
                 if metric == "kernels":
-                    found = [_kernels(path, layer_type, "kernels", base_s, cur_s, np.median),
-                             _kernels(path, layer_type, "kernels_max", base_s, cur_s, np.max)]
+                    found += [_kernels(path, label, "kernels", base_s, cur_s, np.median),
+                              _kernels(path, label, "kernels_max", base_s, cur_s, np.max)]
                 else:
-                    found = [_time(path, layer_type, metric, base_s, cur_s, tolerances)]
-                for check in found:
-                    if check.status in ("regression", "improvement"):
-                        check.detail = _behind(check, base, cur)
-                checks += found
+                    found.append(_time(path, label, metric, base_s, cur_s, tolerances))
+            for check in found:
+                if check.status in ("regression", "improvement"):
+                    check.detail = _behind(check, base, cur, base_type, cur_type)
+                if changed and check.status in ("regression", "improvement", "missing"):
+                    check.status = "changed"
+                if cur_type != label and cur_type is not None:
+                    check.run_layer_type = cur_type
+            checks += found
     return GateResult(checks, tolerances)
 
 
-def _typical(b: Breakdown | None, layer_type: str) -> list[dict] | None:
+def pair_layer_types(base: Breakdown | None, cur: Breakdown | None
+                     ) -> list[tuple[str | None, str | None, bool]]:
+    """The layer types of a baseline and a run, paired: (baseline's name, run's name, whether
+    the pair is ``changed``; see the module doc). Types named by ranges pair by name; pattern
+    types by digest, then the rest in order. A type one side lacks pairs with None."""
+    def kinds(b: Breakdown | None) -> tuple[list[str], dict[str, str]]:
+        types = [t["type"] for t in b.layer_types] if b is not None else []
+        return types, {t["type"]: t["pattern"] for t in (b.layer_types if b else [])
+                       if t.get("pattern") is not None}
+    base_types, base_digest = kinds(base)
+    cur_types, cur_digest = kinds(cur)
+    pairs: dict[str, str | None] = {}
+    cur_left = [t for t in cur_types if t in cur_digest]
+    for t in base_types:
+        if t not in base_digest:
+            pairs[t] = t if t in cur_types and t not in cur_digest else None
+            continue
+        same = next((c for c in cur_left if cur_digest[c] == base_digest[t]), None)
+        if same is not None:
+            pairs[t] = same
+            cur_left.remove(same)
+    for t, c in zip([t for t in base_types if t in base_digest and t not in pairs],
+                    list(cur_left), strict=False):
+        pairs[t] = c
+        cur_left.remove(c)
+    out = []
+    for t in base_types:
+        c = pairs.get(t)
+        # a pattern type the run lacks while it has pattern types: the split moved
+        moved = t in base_digest and (c is not None or bool(cur_digest))
+        out.append((t, c, moved and (c is None or cur_digest.get(c) != base_digest[t])))
+    paired = set(pairs.values())
+    out += [(None, c, False) for c in cur_types if c not in paired]
+    return out
+
+
+def _typical(b: Breakdown | None, layer_type: str | None) -> list[dict] | None:
     """A layer type's typical kernels (None: a step, or a breakdown of an older kimi-perf)."""
     t = next((t for t in b.layer_types if t["type"] == layer_type), None) if b else None
     return ((t or {}).get("typical_layer") or {}).get("kernels")
 
 
-def _behind(check: Check, base: Breakdown | None, cur: Breakdown | None) -> str | None:
+def _behind(check: Check, base: Breakdown | None, cur: Breakdown | None,
+            base_type: str | None, cur_type: str | None) -> str | None:
     """The kernels behind a layer type's change, from both typical layers: for counts, those
     added and removed; for times, the (at most three) launches whose µs moved most in the
     change's direction (the i-th launch of a name matched with the i-th; one that only one side
@@ -285,7 +336,7 @@ def _behind(check: Check, base: Breakdown | None, cur: Breakdown | None) -> str 
 
     from kimi_perf.names import short_names
 
-    kb, kc = _typical(base, check.layer_type), _typical(cur, check.layer_type)
+    kb, kc = _typical(base, base_type), _typical(cur, cur_type)
     if kb is None or kc is None:
         return None
     if check.metric.startswith("kernels"):
@@ -319,19 +370,8 @@ def _behind(check: Check, base: Breakdown | None, cur: Breakdown | None) -> str 
     return f"{listed}; typical layer {total:+.1f} µs in all"
 
 
-def _pattern(path: str, layer_type: str, base: Breakdown, cur: Breakdown) -> list[Check]:
-    """A note (not a failure) where an automatically found layer type (A, B, ...: letters in
-    order of first appearance) has another kernel sequence in the run than in the baseline:
-    the letter may then name another layer, or the layer's kernels changed."""
-    pb, pc = (next((t.get("pattern") for t in b.layer_types if t["type"] == layer_type), None)
-              for b in (base, cur))
-    if pb is None or pc is None or pb == pc:
-        return []
-    return [Check(path, layer_type, "pattern", None, None, None, None, "changed")]
-
-
-def _samples(b: Breakdown | None, layer_type: str, metric: str) -> np.ndarray | None:
-    if b is None:
+def _samples(b: Breakdown | None, layer_type: str | None, metric: str) -> np.ndarray | None:
+    if b is None or layer_type is None:
         return None
     rows = b.steps if layer_type == STEP else [r for r in b.layers if r["type"] == layer_type]
     values = np.array([r[metric] for r in rows], dtype=np.float64)

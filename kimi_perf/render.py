@@ -7,6 +7,7 @@ import heapq
 import io
 import json
 import os
+from collections import Counter
 from typing import Any
 
 from rich.console import Console
@@ -360,7 +361,8 @@ def gate_table(result: GateResult, show_all: bool = False) -> Table:
         if c.status == "ok" and not show_all:
             continue
         style = GATE_STYLES.get(c.status, "")
-        table.add_row(c.path, c.layer_type, c.metric, _value(c.baseline), _value(c.current),
+        layer = c.layer_type + (f" (run: {c.run_layer_type})" if c.run_layer_type else "")
+        table.add_row(c.path, layer, c.metric, _value(c.baseline), _value(c.current),
                       fmt(c.change, "+.1%"), fmt(c.p_value, ".2g"),
                       Text(c.status, style=style), c.detail or "")
     return table
@@ -376,7 +378,11 @@ def gate_headline(result: GateResult) -> str:
                       + (f" ({c.detail})" if c.detail else "")
                       for c in failures[:GATE_HEADLINE_ITEMS])
     more = len(failures) - GATE_HEADLINE_ITEMS
-    return (f"gate: FAIL, {len(failures)} regression(s): {worst}"
+    counts = Counter(c.status for c in failures)
+    said = ", ".join(f"{n} {'regression' if status == 'regression' else 'missing'}"
+                     + ("s" if n > 1 and status == "regression" else "")
+                     for status, n in sorted(counts.items(), reverse=True))
+    return (f"gate: FAIL, {said}: {worst}"
             + (f"; and {more} more (the table lists them)" if more > 0 else ""))
 
 

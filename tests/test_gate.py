@@ -14,11 +14,12 @@ from click.testing import CliRunner
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kimi_perf import render
 from kimi_perf.breakdown import Breakdown
 from kimi_perf.cli import EXAMPLE_TRACE, main
 from kimi_perf.gate import Tolerances, gate, load_run
 from kimi_perf.render import gate_headline
-from tests.conftest import REPO
+from tests.conftest import NSYS, REPO
 
 BASELINE = REPO / "traces" / "baselines" / "tiny-cpu.json"
 
@@ -81,6 +82,87 @@ def test_an_automatic_layer_type_with_another_kernel_sequence_is_noted():
     assert result.ok and statuses(result)[("A", "pattern")] == "changed"
     run["specialized"].layer_types[0]["pattern"] = "0123456789ab"
     assert ("A", "pattern") not in statuses(gate(base, run))
+
+
+def _automatic(kernels, us, digests):
+    run = _run(kernels, us)
+    for t in run["specialized"].layer_types:
+        t["pattern"] = digests[t["type"]]
+    return run
+
+
+def test_automatic_layer_types_pair_by_their_kernel_sequence_whatever_their_letters():
+    """A type the run finds first takes the letter A: the baseline's A is compared with the
+    run's type of the same kernel sequence, here B, and a slower one still fails."""
+    base = _automatic({"A": 9, "B": 12}, {"A": KDA, "B": MLA}, {"A": "p-kda", "B": "p-mla"})
+    run = _automatic({"A": 4, "B": 9, "C": 12}, {"A": KDA / 10, "B": KDA, "C": MLA * 1.5},
+                     {"A": "p-new", "B": "p-kda", "C": "p-mla"})
+    result = gate(base, run)
+    by_check = {(c.layer_type, c.metric): c for c in result.checks}
+    assert by_check[("A", "kernels")].status == "ok"
+    assert by_check[("A", "kernels")].run_layer_type == "B"
+    assert [(c.layer_type, c.run_layer_type, c.metric) for c in result.failures
+            if c.layer_type != "step"] == [("B", "C", "kernel_us"), ("B", "C", "span_us")]
+    assert by_check[("A", "kernels")].current == 9 and ("A", "pattern") not in by_check
+    new = [c for c in result.checks if c.status == "new"]
+    assert {(c.layer_type, c.run_layer_type) for c in new} == {("-", "A")}
+    table = render.tables_text([render.gate_table(result)])
+    assert "B (run: C)" in table and "- (run: A)" in table
+
+
+def test_a_changed_automatic_layer_type_does_not_fail_but_its_steps_do():
+    """Where the pattern splits a step elsewhere, a kernel moves from one letter to another:
+    those checks are shown as changed, not failed; the steps still fail on more kernels."""
+    base = _automatic({"A": 9, "B": 12, "C": 3}, {"A": KDA, "B": MLA, "C": KDA},
+                      {"A": "p1", "B": "p2", "C": "p3"})
+    run = _automatic({"A": 12, "B": 9}, {"A": KDA * 2, "B": MLA / 2}, {"A": "p4", "B": "p5"})
+    result = gate(base, run)
+    assert result.ok
+    assert {(c.layer_type, c.metric, c.status) for c in result.checks
+            if c.layer_type != "step" and c.status != "ok"} >= {
+        ("A", "pattern", "changed"), ("A", "kernels", "changed"), ("A", "kernel_us", "changed"),
+        ("C", "kernels", "changed")}
+    for step in run["specialized"].steps:
+        step["kernels"] = 9 + 12 + 3 + 1   # one more than the baseline's steps
+    assert [(c.layer_type, c.metric) for c in gate(base, run).failures] == [
+        ("step", "kernels"), ("step", "kernels_max")]
+    # a run that lost its layers altogether has lost them: that fails
+    run["specialized"].layer_types, run["specialized"].layers = [], []
+    assert {c.layer_type for c in gate(base, run).failures} >= {"A", "B", "C"}
+
+
+def test_gate_of_a_real_before_and_after_pair_fails_only_on_comparable_layers():
+    """Two training traces whose automatic layers split differently (a flash-attention kernel
+    falls in A before and in D after): only types of one kernel sequence can fail."""
+    before, after = (NSYS / f"nsysai_fastvideo_wan2.1_train_2xh100_{x}.sqlite"
+                     for x in ("before", "after"))
+    result = CliRunner().invoke(main, ["gate", str(before), str(after), "--format", "json"])
+    assert result.exit_code == 1
+    doc = json.loads(result.output)
+    failing = {(c["layer_type"], c["run_layer_type"]) for c in doc["checks"]
+               if c["status"] in ("regression", "missing")}
+    assert failing == {("B", None), ("C", None)}
+    changed = {c["layer_type"] for c in doc["checks"] if c["status"] == "changed"}
+    assert changed == {"A", "D", "E"}
+
+
+def test_gate_one_path_of_a_run_against_one_trace(tmp_path):
+    """--path checks one decode path; a single breakdown (or trace) on either side stands for
+    it, where without --path the baseline's other path would be missing."""
+    one = tmp_path / "specialized.json"
+    one.write_text(json.dumps(json.loads(BASELINE.read_text())["paths"]["specialized"]))
+    runner = CliRunner()
+    whole = runner.invoke(main, ["gate", str(BASELINE), str(one), "--format", "json"])
+    assert whole.exit_code == 1
+    picked = runner.invoke(main, ["gate", str(BASELINE), str(one), "--path", "specialized",
+                                  "--format", "json"])
+    assert picked.exit_code == 0, picked.output
+    assert {c["path"] for c in json.loads(picked.output)["checks"]} == {"specialized"}
+    lacking = runner.invoke(main, ["gate", str(BASELINE), str(one), "--path", "fused"])
+    assert lacking.exit_code == 2 and lacking.output.count("\n") == 1
+    assert f"{BASELINE}: has no path 'fused' (it has standard, specialized)" in lacking.output
+    update = runner.invoke(main, ["gate", str(one), str(one), "--path", "x", "--update"])
+    assert update.exit_code == 2 and "--update stores the whole run" in update.output
 
 
 def test_one_more_kernel_fails_and_one_fewer_is_an_improvement():
