@@ -61,6 +61,27 @@ def _emit_tables(tables: list, output: Path | None) -> None:
         atomic_write_text(output, render.tables_text(tables))
 
 
+TRACE_OPTIONS = ("layers", "step_regex", "phase", "rules")  # how a trace is broken down
+
+
+def _given(*names: str) -> list[str]:
+    """The options among these parameter names that the command line gave, as spelled there."""
+    ctx = click.get_current_context()
+    params = {p.name: p for p in ctx.command.params}
+    return [max(params[n].opts, key=len) for n in names
+            if ctx.get_parameter_source(n) is click.core.ParameterSource.COMMANDLINE]
+
+
+def _no_trace_among(files: list[Path]) -> None:
+    """Options that break traces down, given where every input is a stored breakdown, would
+    change nothing: say so rather than ignore them."""
+    if (given := _given(*TRACE_OPTIONS)) and all(_stored(f) for f in files):
+        verb = "applies" if len(given) == 1 else "apply"
+        what = "is a stored breakdown" if len(files) == 1 else "are stored breakdowns"
+        raise TraceError(None, f"{', '.join(given)} {verb} to traces, and "
+                               f"{', '.join(map(str, files))} {what}")
+
+
 def _layers_option(fn):
     return click.option("--layers", default="auto", show_default=True, help=LAYERS_HELP)(fn)
 
@@ -161,6 +182,7 @@ def breakdown_cmd(trace: Path | None, fmt: str, layers: str, step_regex: str | N
     Without TRACE, analyses the embedded example: one vLLM GPT-OSS-20B decode step under a
     full HIP graph (see kimi_perf/examples/README.md).
     """
+    _no_trace_among([trace or EXAMPLE_TRACE])
     b = _breakdown_of(trace or EXAMPLE_TRACE, layers, rules, step_regex, phase)
     if fmt == "table":
         typical = [render.typical_layer_table(t["type"] or "-", {"": t}, b.unit)
@@ -197,6 +219,7 @@ def compare_cmd(a: Path, b: Path | None, path_name: str | None, fmt: str, layers
     """
     if labels is not None and (len(labels.split(",")) != 2 or not all(labels.split(","))):
         raise TraceError(None, f"--labels takes two names, A,B: not {labels!r}")
+    _no_trace_among([a] if b is None else [a, b])
     runs_a, run_a = _breakdowns_of(a, layers, rules, step_regex, phase)
     if b is None:
         if not run_a or len(runs_a) < 2:
@@ -207,6 +230,9 @@ def compare_cmd(a: Path, b: Path | None, path_name: str | None, fmt: str, layers
         (name_a, ba), (name_b, bb) = list(runs_a.items())[:2]
     else:
         runs_b, run_b = _breakdowns_of(b, layers, rules, step_regex, phase)
+        if path_name is not None and run_a is None and run_b is None:
+            raise TraceError(None, f"--path picks a decode path of a kimi-perf run: neither "
+                                   f"{a} nor {b} is one")
         name_a, ba = _one_path(a, runs_a, run_a is not None, path_name)
         name_b, bb = _one_path(b, runs_b, run_b is not None, path_name)
         if name_a == name_b and run_a and run_b:  # one path of two runs: name the runs
@@ -259,11 +285,16 @@ def _breakdowns_of(path: Path, layers: str, rules: Path | None, steps: str | Non
     return {trace_label(path): b}, None
 
 
+def _stored(path: Path) -> bool:
+    """A kimi-perf run directory or JSON file (a stored breakdown), not a trace."""
+    return path.is_dir() or (path.suffix == ".json" and gate_mod.is_kimi_perf_json(path))
+
+
 def _saved_breakdowns(path: Path) -> tuple[dict[str, Breakdown], dict | None]:
     """What a kimi-perf run directory or JSON file holds, read once: its breakdowns and, for
     a run of decode paths, the document holding them; ({}, None) for anything else (a
     trace)."""
-    if not (path.is_dir() or (path.suffix == ".json" and gate_mod.is_kimi_perf_json(path))):
+    if not _stored(path):
         return {}, None
     runs, doc, _ = gate_mod.load_run(path)
     return runs, doc if "paths" in doc else None
@@ -392,6 +423,9 @@ def report_cmd(inputs: tuple[Path, ...], path_name: str | None, labels: str | No
 
     plotly_js = plotly_js_for(plotly_js, output.parent)  # a missing file said before any work
     inputs = tuple(trace_files(list(inputs), keep_runs=True))
+    _no_trace_among(list(inputs))
+    if path_name is not None and not any(_saved_breakdowns(f)[1] for f in inputs if _stored(f)):
+        raise TraceError(None, "--path picks a decode path of a kimi-perf run: no input is one")
     drawn: dict[str, Breakdown] = {}
     run_info = None
     for file in inputs:
@@ -608,6 +642,14 @@ def trace_cmd(from_files: tuple[Path, ...], phase: str, preset_name: str | None,
     from kimi_perf.report import plotly_js_for
 
     plotly_js_for(plotly_js, out_dir)  # a missing file is said now, not after the capture
+    capture_only = _given("preset_name", "n_layers", "batch", "context", "steps", "warmup", "tp",
+                          "paths", "graphs", "backend", "kv_cache")
+    if from_files and capture_only:
+        raise TraceError(None, f"{', '.join(capture_only)} set up a capture; --from analyses "
+                               "traces already made")
+    if not from_files and (phase_given := _given("phase")):
+        raise TraceError(None, f"{phase_given[0]} chooses the steps of traces given with --from;"
+                               " a capture records decode steps only")
     if from_files:
         run_dir, results, run_info = cap.analyse(cap.trace_files(list(from_files)), out_dir,
                                                  phase=phase, plotly_js=plotly_js)

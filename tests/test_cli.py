@@ -715,3 +715,28 @@ def test_phases_of_real_vllm_traces():
     assert ("tracelens_vllm_gptoss20b_prefilldecode_piecewise_mi300x: " + not_decode
             in compared)
     assert compared.count(": steps:") == 1   # the decode trace has nothing to say
+
+
+def test_options_that_would_change_nothing_are_refused(tmp_path):
+    """Options that break traces down, given only stored breakdowns; capture options with
+    --from; --path where no input is a run: each a one-line error, not silently ignored."""
+    from tests.test_gate import BASELINE
+
+    _one_line_error(run("breakdown", BASELINE, "--layers", "nvtx"),
+                    f"--layers applies to traces, and {BASELINE} is a stored breakdown")
+    _one_line_error(run("compare", BASELINE, BASELINE, "--steps", "x", "--phase", "all"),
+                    "--steps, --phase apply to traces, and ", "are stored breakdowns")
+    _one_line_error(run("report", BASELINE, "--rules", "r.toml", "-o", tmp_path / "r.html"),
+                    "--rules applies to traces")
+    _one_line_error(run("trace", "--from", VLLM, "--tp", "2", "--graphs", "--out", tmp_path),
+                    "--tp, --graphs set up a capture; --from analyses traces already made")
+    _one_line_error(run("trace", "--phase", "all", "--out", tmp_path),
+                    "--phase chooses the steps of traces given with --from")
+    _one_line_error(run("compare", VLLM, VLLM, "--path", "standard"),
+                    "--path picks a decode path of a kimi-perf run: neither")
+    _one_line_error(run("report", VLLM, "--path", "standard", "-o", tmp_path / "r.html"),
+                    "--path picks a decode path of a kimi-perf run: no input is one")
+    assert list(tmp_path.iterdir()) == []
+    # with a trace among the inputs, the options apply to it
+    assert run("report", BASELINE, VLLM, "--phase", "all", "-o", tmp_path / "r.html",
+               "--plotly-js", "cdn").exit_code == 0
