@@ -129,6 +129,8 @@ def run_directory(out_dir: Path, label: str):
     """A new run directory, filled under a hidden temporary name and renamed into place when
     complete: a failed run leaves nothing behind."""
     stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
+    if out_dir.exists() and not out_dir.is_dir():
+        raise TraceError(out_dir, "--out: not a directory")
     out_dir.mkdir(parents=True, exist_ok=True)
     for n in itertools.count(1):
         final = out_dir / (f"{stamp}-{label}" + (f"-{n}" if n > 1 else ""))

@@ -740,3 +740,11 @@ def test_options_that_would_change_nothing_are_refused(tmp_path):
     # with a trace among the inputs, the options apply to it
     assert run("report", BASELINE, VLLM, "--phase", "all", "-o", tmp_path / "r.html",
                "--plotly-js", "cdn").exit_code == 0
+
+
+def test_trace_out_that_is_a_file(tmp_path):
+    afile = tmp_path / "afile"
+    afile.write_text("mine")
+    _one_line_error(run("trace", "--from", VLLM, "--out", afile),
+                    f"{afile}: --out: not a directory")
+    assert afile.read_text() == "mine"

@@ -184,6 +184,24 @@ def test_kineto_reader_paths_agree(name, monkeypatch):
         _assert_same_trace(traces["blocks"], trace, label)
 
 
+@pytest.mark.parametrize("compressed", [False, True])
+def test_kineto_json_after_a_utf8_bom_reads_as_without(compressed, tmp_path, monkeypatch):
+    """Some editors and Windows tools write a byte-order mark before the JSON."""
+    text = gzip.decompress((KINETO / "hta_amd_mi250_rocm62_minitoy.json.gz").read_bytes())
+    plain, bom = tmp_path / "plain.json", tmp_path / "bom.json"
+    plain.write_bytes(text)
+    bom.write_bytes(gzip.compress(b"\xef\xbb\xbf" + text) if compressed
+                    else b"\xef\xbb\xbf" + text)
+    from kimi_perf.readers.kineto import read_kineto_json
+
+    cases = [(read_trace(plain), {"read_trace": read_trace(bom)}),
+             (read_kineto_json(plain), _kineto_paths(bom, monkeypatch))]
+    for expected, traces in cases:
+        for label, trace in traces.items():
+            trace.meta["file"] = expected.meta.get("file")
+            _assert_same_trace(expected, trace, label)
+
+
 def _tricky_kineto_doc() -> dict:
     """Text that looks like event boundaries inside strings and nested values, non-ASCII
     names, a label for a thread id, a gpu_user_annotation and "]" in the fields after the

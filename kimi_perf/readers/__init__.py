@@ -7,7 +7,7 @@ from pathlib import Path
 from kimi_perf.errors import TraceError
 from kimi_perf.memory import release_free_memory
 from kimi_perf.nesting import nest_ranges
-from kimi_perf.readers.kineto import GZIP_MAGIC, read_kineto_json
+from kimi_perf.readers.kineto import GZIP_MAGIC, UTF8_BOM, read_kineto_json
 from kimi_perf.readers.nsys import SQLITE_MAGIC, read_nsys_rep, read_nsys_sqlite
 from kimi_perf.trace import Trace
 
@@ -39,7 +39,8 @@ def read_trace(path: str | Path) -> Trace:
         reader = Trace.load
     elif path.suffix in (".nsys-rep", ".qdrep"):
         reader = read_nsys_rep
-    elif head.startswith(GZIP_MAGIC) or head.lstrip()[:1] in (b"{", b"["):
+    elif (head.startswith(GZIP_MAGIC)
+          or head.removeprefix(UTF8_BOM).lstrip()[:1] in (b"{", b"[")):
         reader = read_kineto_json
     else:
         raise TraceError(path, "unknown format: expected an nsys SQLite export, an .nsys-rep, "

@@ -159,6 +159,9 @@ class _Fallback(Exception):
     """The block reader cannot go on with certainty: read the file in one shot instead."""
 
 
+UTF8_BOM = b"\xef\xbb\xbf"  # what some editors and Windows tools put before JSON
+
+
 def read_kineto_json(path: str | Path) -> Trace:
     path = Path(path)
     try:
@@ -222,6 +225,7 @@ def _load_bytes(path: Path) -> bytes:
             raw = gzip.decompress(raw)
     except (OSError, EOFError, zlib.error) as exc:
         raise TraceError(path, f"cannot decompress ({exc})") from None
+    raw = raw.removeprefix(UTF8_BOM)
     if not raw or raw.isspace():
         raise TraceError(path, "empty file")
     return raw
@@ -264,7 +268,7 @@ def _read_in_blocks(path: Path) -> Trace:
         for block in blocks:
             if not utf8.valid(block):
                 raise _Fallback
-            buf += block
+            buf += block.removeprefix(UTF8_BOM) if not buf else block
             start = _events_start(buf)
             if start is not None:
                 break
