@@ -155,3 +155,9 @@ def stragglers(spread: list[Spread]) -> dict[str, list[str]]:
         if s.slowest_label is not None:
             out.setdefault(s.slowest_label, []).append("step" if s.type is None else s.type)
     return out
+
+
+def ratio_text(v: float | None) -> str:
+    """A ratio to two decimals, or to two significant digits below 0.1 (a CPU run's fused
+    path in Triton's interpreter is hundreds of times slower: 0.0041, not 0.00)."""
+    return "-" if v is None else f"{v:.2f}" if v == 0 or abs(v) >= 0.1 else f"{v:.2g}"

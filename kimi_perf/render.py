@@ -21,6 +21,7 @@ from kimi_perf.compare import (
     OverviewRow,
     differing_patterns,
     patterns_differ,
+    ratio_text,
     spreads,
     stragglers,
 )
@@ -119,7 +120,8 @@ def breakdown_tables(b: Breakdown) -> list[Table]:
                    ["step", "range", "device", "layers", unit, f"{unit[:-1]} µs", "span µs",
                     "gap µs", "prologue", "epilogue"], left=("range",))
     for s in b.steps:
-        steps.add_row(str(s["index"]), s.get("name", ""), str(s["device"]),
+        device = "cpu" if b.unit == "ops" and s["device"] < 0 else str(s["device"])
+        steps.add_row(str(s["index"]), s.get("name", ""), device,
                       f"{s['layers']} ({s['layer_source']})",
                       str(s["kernels"]), f"{s['kernel_us']:.1f}", f"{s['span_us']:.1f}",
                       f"{s['gap_us']:.1f}",
@@ -211,7 +213,7 @@ def fusion_table(layer_type: str, standard: str, specialized: str, rows: list,
                     "ratio"], left=(f"{specialized} launch", f"replaces ({standard})"))
     for r in rows:
         table.add_row(r.launch, f"{r.us:.1f}", " + ".join(r.replaces) or "(new work)",
-                      f"{r.replaced_us:.1f}", "-" if r.ratio is None else f"{r.ratio:.2f}")
+                      f"{r.replaced_us:.1f}", ratio_text(r.ratio))
     replaced = sum(len(r.replaces) for r in rows)
     notes = [f"{len(rows)} launches for {replaced}: {sum(r.us for r in rows):.1f} µs for "
              f"{sum(r.replaced_us for r in rows):.1f} µs (ratio above 1: the fusion is faster)"]
@@ -236,7 +238,7 @@ def comparison_table(rows: list[ComparisonRow], label_a: str, label_b: str,
         table.add_row((r.type or "-") + (" *" if r.pattern_differs else ""), str(r.layers_a),
                       fmt(r.kernels_a, ".3g"), fmt(r.span_us_a),
                       str(r.layers_b), fmt(r.kernels_b, ".3g"), fmt(r.span_us_b),
-                      fmt(r.span_ratio, ".2f"), fmt(r.kernel_ratio, ".2f"))
+                      ratio_text(r.span_ratio), ratio_text(r.kernel_ratio))
     if any(r.pattern_differs for r in rows):
         table.caption = (f"* found by the repeating kernel pattern, with another kernel "
                          f"sequence in {label_b}: the letter (in order of first appearance) "

@@ -25,6 +25,7 @@ from kimi_perf.compare import (
     differing_patterns,
     overview,
     patterns_differ,
+    ratio_text,
     spreads,
     stragglers,
 )
@@ -131,8 +132,8 @@ def _comparison_html(breakdowns: dict[str, Breakdown]) -> str:
             f"<tr><td>{e(r.type or '-')}{' *' if r.pattern_differs else ''}</td>"
             f"<td>{fmt(r.kernels_a, '.3g')}</td>"
             f"<td>{fmt(r.span_us_a, '.1f')}</td><td>{fmt(r.kernels_b, '.3g')}</td>"
-            f"<td>{fmt(r.span_us_b, '.1f')}</td><td>{fmt(r.span_ratio, '.2f')}</td>"
-            f"<td>{fmt(r.kernel_ratio, '.2f')}</td></tr>"
+            f"<td>{fmt(r.span_us_b, '.1f')}</td><td>{ratio_text(r.span_ratio)}</td>"
+            f"<td>{ratio_text(r.kernel_ratio)}</td></tr>"
             for r in rows)
         note = (f"<p>* found by the repeating kernel pattern, with another kernel sequence in "
                 f"{e(b)}: the letter may name another layer there.</p>"
@@ -245,7 +246,7 @@ def _fusions_html(breakdowns: dict[str, Breakdown]) -> str:
                 f"<tr><td class=name>{e(r.launch)}</td><td>{r.us:.1f}</td>"
                 f"<td class=name>{e(' + '.join(r.replaces) or '(new work)')}</td>"
                 f"<td>{r.replaced_us:.1f}</td>"
-                f"<td>{'-' if r.ratio is None else f'{r.ratio:.2f}'}</td></tr>" for r in rows)
+                f"<td>{ratio_text(r.ratio)}</td></tr>" for r in rows)
             total = (f"<tr><th>{len(rows)} launches</th><th>{sum(r.us for r in rows):.1f}</th>"
                      f"<th>{sum(len(r.replaces) for r in rows)} launches</th>"
                      f"<th>{sum(r.replaced_us for r in rows):.1f}</th><th></th></tr>")

@@ -334,3 +334,25 @@ def test_typical_layer_of_a_real_trace_and_its_pattern_digest():
     assert a["layers"] == 11 and len(a["kernels"]) == 17 and types["A"]["pattern"]
     assert a["kernels"][14]["name"] == "_matmul_ogs_NNT_bf16xbf16xmxfp4_16x128x256x1_swiglu"
     assert a["kernels"][14]["class"] == "moe" and 100 < a["kernels"][14]["us"] < 200
+
+
+def test_ratios_keep_two_significant_digits_below_a_tenth():
+    from kimi_perf.compare import ratio_text
+
+    assert [ratio_text(v) for v in (None, 0, 2.004, 0.1, 0.0041, -0.05)] == [
+        "-", "0.00", "2.00", "0.10", "0.0041", "-0.05"]
+
+
+def test_a_cpu_run_steps_device_is_the_cpu():
+    import json
+
+    from kimi_perf.breakdown import Breakdown
+    from kimi_perf.render import breakdown_tables, tables_text
+    from tests.test_gate import BASELINE
+
+    doc = json.loads(BASELINE.read_text())["paths"]["specialized"]
+    b = Breakdown.from_json(doc)
+    assert b.unit == "ops" and {s["device"] for s in b.steps} == {-1}
+    steps_table = tables_text(breakdown_tables(b)[:1])
+    assert " cpu " in steps_table and " -1 " not in steps_table
+
