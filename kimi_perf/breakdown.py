@@ -363,12 +363,15 @@ def breakdown(trace: Trace, layers: str = "auto", rules: list[Rule] | None = Non
         row.update(prologue=prologue, epilogue=epilogue)
     layer_rows = LayerRows(layer_heads, figures, n_steps, labels)
     layer_types = _layer_type_medians(layer_rows)
+    groups = two_groups(layer_rows)
     for t in layer_types:
         layer = typical.get(t["type"], {})
         if "pattern" in layer:
             t["pattern"] = layer.pop("pattern")
         if layer:
             t["typical_layer"] = layer
+        if groups.get(t["type"]):
+            t["two_groups"] = groups[t["type"]]
     return Breakdown(source={**_source(trace), "ops": ops_kind,
                              "outside_steps": outside_steps,
                              "other_thread_ops": other_thread_ops,
@@ -476,6 +479,70 @@ def _layer_type_medians(rows: LayerRows) -> list[dict]:
                                          "us": _median(us[:, c])} for c in present},
         })
     return out
+
+
+def two_groups(rows: LayerRows, min_ratio: float = 1.5, min_share: float = 0.25,
+               min_of_span: float = 0.02) -> dict[str, list[dict[str, Any]]]:
+    """Per layer type, the figures (a kernel class's µs, or the span) whose values fall in two
+    groups by layer: layers that run the same kernels for different work, such as sliding-
+    window and full attention alternating. Each layer's value is its median over the steps;
+    sorted, the widest relative gap splits them, and counts where the upper group's smallest
+    is ``min_ratio`` times the lower's largest, each group holds ``min_share`` of the layers,
+    and the groups' medians differ by ``min_of_span`` of the type's median span at least (so
+    that a 1 µs kernel doubling says nothing). The type's median is then of neither group."""
+    out: dict[str, list[dict[str, Any]]] = {}
+    for code, kind in enumerate(rows.types):
+        sel = np.flatnonzero(rows.type_code == code)
+        index, where = np.unique(rows.index[sel], return_inverse=True)
+        if len(index) < 4:
+            continue
+        order = np.argsort(where, kind="stable")
+        cuts = np.flatnonzero(np.diff(where[order])) + 1
+        span = float(np.median(rows.span_us[sel]))
+        figures = {"span": rows.span_us[sel]} | {
+            label: rows.class_us[sel, c] for c, label in enumerate(rows.labels)
+            if rows.class_kernels[sel, c].any()}
+        found = []
+        for figure, values in figures.items():
+            per_layer = np.array([np.median(v) for v in np.split(values[order], cuts)])
+            ranked = np.argsort(per_layer, kind="stable")
+            v = per_layer[ranked]
+            lo_n = int(np.ceil(min_share * len(v)))
+            candidates = np.arange(lo_n, len(v) - lo_n + 1)  # the first index of the upper
+            if not len(candidates) or v[candidates - 1].min() <= 0:
+                continue
+            gaps = v[candidates] / v[candidates - 1]
+            best = int(candidates[np.argmax(gaps)])
+            low, high = np.median(v[:best]), np.median(v[best:])
+            if gaps.max() < min_ratio or high - low < min_of_span * span:
+                continue
+            found.append({"figure": figure, "low_us": _us_round(low),
+                          "high_us": _us_round(high), "low_layers": best,
+                          "high_layers": sorted(index[ranked[best:]].tolist())})
+        out[kind] = sorted(found, key=lambda g: g["low_us"] - g["high_us"])
+    return out
+
+
+def two_groups_note(kind: str, group: dict[str, Any]) -> str:
+    """One ``two_groups`` finding in words."""
+    high = group["high_layers"]
+    steps = {b - a for a, b in itertools.pairwise(high)}
+    which = ", ".join(map(str, high[:4])) + (", …" if len(high) > 4 else "")
+    if len(high) > 2 and len(steps) == 1 and (step := steps.pop()) > 1:
+        which += f": every {_ordinal(step)}"
+    what = "span" if group["figure"] == "span" else f"{group['figure']} µs"
+    return (f"{kind or '-'}: {what} in two groups by layer: {group['low_us']:.1f} µs in "
+            f"{group['low_layers']} layers, {group['high_us']:.1f} µs in {len(high)} (layers "
+            f"{which}); the median is of neither (the same kernels doing different work, "
+            "such as sliding-window and full attention)")
+
+
+def _ordinal(n: int) -> str:
+    return f"{n}" + ("th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th"))
+
+
+def _us_round(v) -> float:
+    return round(float(v), 3)
 
 
 def _median(values) -> float:

@@ -254,7 +254,7 @@ def compare_cmd(a: Path, b: Path | None, path_name: str | None, fmt: str, layers
         return
     tables = [render.comparison_table(rows, name_a, name_b, unit, unit_b),
               render.comparison_headline(rows, name_a, name_b, unit, unit_b),
-              *render.phase_lines({name_a: ba, name_b: bb})]
+              *render.note_lines({name_a: ba, name_b: bb})]
     if kernels:
         from kimi_perf.decode.fusions import ledger_of
 
@@ -709,7 +709,7 @@ def trace_cmd(from_files: tuple[Path, ...], phase: str, preset_name: str | None,
                 console.print(render.comparison_table(rows, a, b, *units))
                 console.print(render.comparison_headline(rows, a, b, *units))
     if any(rows for _, rows in compared):  # else each trace's own tables say it below
-        for line in render.phase_lines(results):
+        for line in render.note_lines(results):
             console.print(line)
     if not any(rows for _, rows in compared):  # one trace, or none with layers
         for label, b in results.items():

@@ -194,6 +194,14 @@ def _checked(b: Breakdown, path: Path) -> Breakdown:
             raise TraceError(path, f"layer type {t['type']!r}: not {{layers, kernels, "
                                    "kernel_us, span_us, gap_us, classes: {class: {kernels, "
                                    "us}}} as numbers, and a pattern digest")
+        groups = t.get("two_groups")
+        if groups is not None and not (isinstance(groups, list) and all(
+                isinstance(g, dict) and isinstance(g.get("figure"), str)
+                and is_finite_number(g.get("low_us")) and is_finite_number(g.get("high_us"))
+                and _count(g.get("low_layers")) and isinstance(g.get("high_layers"), list)
+                and all(_count(i) for i in g["high_layers"]) for g in groups)):
+            raise TraceError(path, f"layer type {t['type']!r}: two_groups is not [{{figure, "
+                                   "low_us, high_us, low_layers, high_layers: [index]}]")
         typical = t.get("typical_layer")
         if typical is not None and not (
                 isinstance(typical, dict) and _count(typical.get("layers"))

@@ -19,7 +19,7 @@ from pathlib import Path
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from kimi_perf.breakdown import Breakdown, phase_note, units_word
+from kimi_perf.breakdown import Breakdown, phase_note, two_groups_note, units_word
 from kimi_perf.compare import (
     compare,
     differing_patterns,
@@ -109,6 +109,8 @@ def _comparison_html(breakdowns: dict[str, Breakdown]) -> str:
                          "every step's range.</p>")
         if phases := phase_note(breakdowns[label]):
             parts.append(f"<p>{e(label)}: {e(phases)}.</p>")
+        parts += [f"<p>{e(label)}: {e(two_groups_note(t['type'], g))}.</p>"
+                  for t in breakdowns[label].layer_types for g in t.get("two_groups", [])]
     a = labels[0] if labels else None
     if len(labels) == 1 and breakdowns[a].layer_types:  # nothing to compare with: its figures
         body = "".join(

@@ -267,9 +267,9 @@ def test_layer_rows_read_as_the_dicts_the_figures_give(name):
         rows[len(want)]
     b = breakdown(trace)
     assert b.layers == want
-    # the breakdown adds each type's typical layer, and the digest of the kernel sequence of
-    # types found by the pattern
-    assert [{k: v for k, v in t.items() if k not in ("pattern", "typical_layer")}
+    # the breakdown adds each type's typical layer, the digest of the kernel sequence of
+    # types found by the pattern, and the two groups its layers fall in, if they do
+    assert [{k: v for k, v in t.items() if k not in ("pattern", "typical_layer", "two_groups")}
             for t in b.layer_types] == layer_type_medians(want)
     if all(s.layer_source == "repeat" for s in steps):
         assert all(len(t["pattern"]) == 12 for t in b.layer_types)
@@ -355,4 +355,54 @@ def test_a_cpu_run_steps_device_is_the_cpu():
     assert b.unit == "ops" and {s["device"] for s in b.steps} == {-1}
     steps_table = tables_text(breakdown_tables(b)[:1])
     assert " cpu " in steps_table and " -1 " not in steps_table
+
+
+def _alternating_attention(slow_us: int, steps: int = 2, layers: int = 8) -> TraceBuilder:
+    """Layers of one kernel sequence, each in a layer[i] range; the attention kernel of every
+    odd layer takes ``slow_us`` instead of 100 µs (sliding-window and full attention)."""
+    b = TraceBuilder()
+    for step in range(steps):
+        step_start = b.clock
+        for i in range(layers):
+            start = b.clock
+            b.sequence(["rmsnorm"], duration=10_000)
+            b.sequence(["flash_attention"], duration=(slow_us if i % 2 else 100) * 1000)
+            b.sequence(["gemm_o_proj", "fused_moe_kernel"], duration=200_000)
+            b.range(f"layer[{i}]", start - 5, b.clock)
+        b.range(f"decode_step[{step}]", step_start - 10, b.clock)
+        b.clock += 5000
+    return b
+
+
+def test_a_layer_type_whose_layers_fall_in_two_groups_says_so(tmp_path):
+    """GPT-OSS alternates sliding-window and full attention with the same kernels: one type
+    whose attention median matches no layer. The breakdown finds the two groups, says which
+    layers are the slower ones, in the table and the report."""
+    from kimi_perf.breakdown import two_groups_note
+    from kimi_perf.render import breakdown_tables, tables_text
+    from kimi_perf.report import write_report
+
+    b = breakdown(_alternating_attention(slow_us=200).build())
+    (t,) = b.layer_types
+    assert t["classes"]["attention"]["us"] == 150.0      # the median: of neither group
+    (group,) = t["two_groups"]
+    assert group == {"figure": "attention", "low_us": 100.0, "high_us": 200.0,
+                     "low_layers": 4, "high_layers": [1, 3, 5, 7]}
+    note = two_groups_note(t["type"], group)
+    assert note.startswith("A: attention µs in two groups by layer: 100.0 µs in 4 layers, "
+                           "200.0 µs in 4 (layers 1, 3, 5, 7: every 2nd);")
+    assert note in " ".join(tables_text(breakdown_tables(b)).split())
+    html = write_report(tmp_path / "r.html", {"x": b}, "t", plotly_js="cdn").read_text()
+    assert "attention µs in two groups by layer" in html
+    # the same time everywhere, or a difference too small against the layer: nothing to say
+    assert "two_groups" not in breakdown(_alternating_attention(100).build()).layer_types[0]
+    assert "two_groups" not in breakdown(_alternating_attention(105).build()).layer_types[0]
+
+
+def test_two_groups_of_real_vllm_prefill_layers():
+    mixed = KINETO / "tracelens_vllm_gptoss20b_prefilldecode_piecewise_mi300x.json.gz"
+    (t,) = breakdown(read_trace(mixed)).layer_types
+    (group,) = t["two_groups"]
+    assert group["figure"] == "attention" and group["high_layers"] == list(range(1, 24, 2))
+    assert 150 < group["low_us"] < 165 and 310 < group["high_us"] < 335
 

@@ -372,7 +372,10 @@ def test_fuzzed_baselines_give_one_line_errors(data):
         elif what == "type":
             layer_type = data.draw(st.sampled_from(path["layer_types"]))
             layer_type[data.draw(st.sampled_from(["layers", "kernels", "gap_us", "pattern",
-                                                  "classes"]))] = data.draw(junk)
+                                                  "classes", "two_groups"]))] = data.draw(
+                st.one_of(junk, st.just([{"figure": "attention", "low_us": 1.0,
+                                          "high_us": 2.0, "low_layers": 2,
+                                          "high_layers": [1, "<b>"]}])))
         elif what == "source":
             key = data.draw(st.sampled_from(["source", "ops", "outside_steps",
                                              "other_thread_ops", "gpus", "file",
@@ -422,7 +425,7 @@ def test_a_malformed_typical_layer_is_one_line(tmp_path, typical):
     ("layer_types", "kernels", "x"), ("layer_types", "span_us", None),
     ("layer_types", "layers", "3"), ("layer_types", "gap_us", float("inf")),
     ("layer_types", "classes", {"gemm": {"kernels": 1}}), ("layers", "classes", []),
-    ("steps", "phase", ["decode"])])
+    ("steps", "phase", ["decode"]), ("layer_types", "two_groups", [{"figure": "x"}])])
 def test_malformed_stored_figures_are_one_line_for_every_command(tmp_path, where, key, value):
     """Every command that reads a stored breakdown checks the figures it prints first."""
     doc = json.loads(BASELINE.read_text())
