@@ -523,6 +523,19 @@ def two_groups(rows: LayerRows, min_ratio: float = 1.5, min_share: float = 0.25,
     return out
 
 
+def lone_types_note(b: Breakdown) -> str | None:
+    """Where the kernel pattern found types of one layer each in a breakdown of several
+    steps (a training step's kernels vary from one step to the next): say that their
+    figures are of single layers, not medians."""
+    lone = [t["type"] for t in b.layer_types if t.get("pattern") and t["layers"] == 1]
+    if len(b.steps) < 2 or len(lone) < 2:
+        return None
+    named = ", ".join(lone[:6]) + (", …" if len(lone) > 6 else "")
+    return (f"{len(lone)} types found by the kernel pattern ({named}) hold one layer each in "
+            f"{len(b.steps)} steps: no layer repeats across the steps, so their figures are "
+            "of single layers (per-layer ranges give steadier layers: --layers nvtx:REGEX)")
+
+
 def two_groups_note(kind: str, group: dict[str, Any]) -> str:
     """One ``two_groups`` finding in words."""
     high = group["high_layers"]

@@ -15,7 +15,7 @@ from rich.table import Table
 from rich.text import Text
 
 from kimi_perf.attribution import RangeKernelRow
-from kimi_perf.breakdown import Breakdown, phase_note, two_groups_note
+from kimi_perf.breakdown import Breakdown, lone_types_note, phase_note, two_groups_note
 from kimi_perf.compare import (
     ComparisonRow,
     OverviewRow,
@@ -150,8 +150,11 @@ def breakdown_tables(b: Breakdown) -> list[Table]:
     for t in b.layer_types:
         types.add_row(t["type"] or "-", str(t["layers"]), f"{t['kernels']:g}",
                       f"{t['kernel_us']:.1f}", f"{t['span_us']:.1f}", f"{t['gap_us']:.1f}")
-    types.caption = "\n".join(two_groups_note(t["type"], g) for t in b.layer_types
-                              for g in t.get("two_groups", [])) or None
+    notes = [two_groups_note(t["type"], g) for t in b.layer_types
+             for g in t.get("two_groups", [])]
+    if lone := lone_types_note(b):
+        notes.append(lone)
+    types.caption = "\n".join(notes) or None
     tables.append(types)
     classes = _table(f"Per layer type and kernel class: median {unit} / µs",
                      ["class", *(t["type"] or "-" for t in b.layer_types)], left=("class",))
@@ -257,6 +260,8 @@ def note_lines(breakdowns: dict[str, Breakdown]) -> list[str]:
             lines.append(f"{label}: {note}")
         lines += [f"{label}: {two_groups_note(t['type'], g)}" for t in b.layer_types
                   for g in t.get("two_groups", [])]
+        if lone := lone_types_note(b):
+            lines.append(f"{label}: {lone}")
     return lines
 
 

@@ -357,7 +357,8 @@ def test_a_cpu_run_steps_device_is_the_cpu():
     assert " cpu " in steps_table and " -1 " not in steps_table
 
 
-def _alternating_attention(slow_us: int, steps: int = 2, layers: int = 8) -> TraceBuilder:
+def _alternating_attention(slow_us: int, steps: int = 2, layers: int = 8,
+                           layer_ranges: bool = True) -> TraceBuilder:
     """Layers of one kernel sequence, each in a layer[i] range; the attention kernel of every
     odd layer takes ``slow_us`` instead of 100 µs (sliding-window and full attention)."""
     b = TraceBuilder()
@@ -368,7 +369,8 @@ def _alternating_attention(slow_us: int, steps: int = 2, layers: int = 8) -> Tra
             b.sequence(["rmsnorm"], duration=10_000)
             b.sequence(["flash_attention"], duration=(slow_us if i % 2 else 100) * 1000)
             b.sequence(["gemm_o_proj", "fused_moe_kernel"], duration=200_000)
-            b.range(f"layer[{i}]", start - 5, b.clock)
+            if layer_ranges:
+                b.range(f"layer[{i}]", start - 5, b.clock)
         b.range(f"decode_step[{step}]", step_start - 10, b.clock)
         b.clock += 5000
     return b
@@ -405,4 +407,20 @@ def test_two_groups_of_real_vllm_prefill_layers():
     (group,) = t["two_groups"]
     assert group["figure"] == "attention" and group["high_layers"] == list(range(1, 24, 2))
     assert 150 < group["low_us"] < 165 and 310 < group["high_us"] < 335
+
+
+def test_pattern_types_of_one_layer_each_are_said_to_be_single_layers():
+    """A training trace whose steps' kernels vary: the pattern gives each layer a type of its
+    own, so the "medians" are single layers, and the table says so."""
+    from kimi_perf.breakdown import lone_types_note
+
+    b = breakdown(read_trace(KINETO / "hta_trace_diff_test_v100_rank1_cudagraph.json.gz"))
+    assert len(b.steps) == 6 and all(t["layers"] == 1 for t in b.layer_types)
+    note = lone_types_note(b)
+    assert note.startswith(f"{len(b.layer_types)} types found by the kernel pattern (A, B, C, "
+                           "D, E, F, …) hold one layer each in 6 steps")
+    # layers that the pattern finds repeating say nothing of the kind
+    repeated = breakdown(_alternating_attention(200, layer_ranges=False).build())
+    assert [(t["layers"], len(t["pattern"])) for t in repeated.layer_types] == [(16, 12)]
+    assert lone_types_note(repeated) is None
 
