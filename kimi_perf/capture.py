@@ -399,6 +399,22 @@ def trace_label(path: Path) -> str:
     return name
 
 
+def trace_labels(paths: list[Path]) -> list[str]:
+    """``trace_label`` of each path, distinct: where file names repeat (rank0/trace.json,
+    rank1/trace.json) the folder holding each comes first (rank0/trace), and what still
+    repeats gets primes (trace, trace')."""
+    labels = [trace_label(p) for p in paths]
+    repeated = {label for label in labels if labels.count(label) > 1}
+    labels = [f"{p.resolve().parent.name}/{label}" if label in repeated else label
+              for p, label in zip(paths, labels, strict=True)]
+    out: list[str] = []
+    for label in labels:
+        while label in out:
+            label += "'"
+        out.append(label)
+    return out
+
+
 def trace_files(paths: list[Path], keep_runs: bool = False) -> list[Path]:
     """``paths`` with each directory replaced by the trace files in it, in natural order
     (rank2 before rank10): a profiler's output directory, one trace per rank or worker, as
@@ -435,10 +451,7 @@ def analyse(files: list[Path], out_dir: Path, layers: str = "auto", phase: str =
             plotly_js: str = "inline") -> tuple[Path, dict[str, Breakdown], dict]:
     """``--from``: breakdowns of existing traces, labelled by file name."""
     results: dict[str, Breakdown] = {}
-    for f in files:
-        label = trace_label(f)
-        while label in results:
-            label += "'"
+    for f, label in zip(files, trace_labels(files), strict=True):
         results[label] = breakdown(read_trace(f), layers=layers, phase=phase)
     command = ["kimi-perf", "trace", *(a for f in files for a in ("--from", str(f))),
                *(("--phase", phase) if phase != "auto" else ()), "--out", str(out_dir),

@@ -220,7 +220,10 @@ def compare_cmd(a: Path, b: Path | None, path_name: str | None, fmt: str, layers
     if labels is not None and (len(labels.split(",")) != 2 or not all(labels.split(","))):
         raise TraceError(None, f"--labels takes two names, A,B: not {labels!r}")
     _no_trace_among([a] if b is None else [a, b])
-    runs_a, run_a = _breakdowns_of(a, layers, rules, step_regex, phase)
+    from kimi_perf.capture import trace_labels
+
+    names = trace_labels([a] if b is None else [a, b])
+    runs_a, run_a = _breakdowns_of(a, layers, rules, step_regex, phase, names[0])
     if b is None:
         if not run_a or len(runs_a) < 2:
             raise TraceError(a, "compare takes two traces, or one run of two decode paths")
@@ -229,7 +232,7 @@ def compare_cmd(a: Path, b: Path | None, path_name: str | None, fmt: str, layers
                                    "run is compared path against path")
         (name_a, ba), (name_b, bb) = list(runs_a.items())[:2]
     else:
-        runs_b, run_b = _breakdowns_of(b, layers, rules, step_regex, phase)
+        runs_b, run_b = _breakdowns_of(b, layers, rules, step_regex, phase, names[1])
         if path_name is not None and run_a is None and run_b is None:
             raise TraceError(None, f"--path picks a decode path of a kimi-perf run: neither "
                                    f"{a} nor {b} is one")
@@ -272,17 +275,15 @@ def compare_cmd(a: Path, b: Path | None, path_name: str | None, fmt: str, layers
     _emit_tables(tables, output)
 
 
-def _breakdowns_of(path: Path, layers: str, rules: Path | None, steps: str | None, phase: str
-                   ) -> tuple[dict[str, Breakdown], dict | None]:
+def _breakdowns_of(path: Path, layers: str, rules: Path | None, steps: str | None, phase: str,
+                   label: str) -> tuple[dict[str, Breakdown], dict | None]:
     """A `kimi-perf trace` run's breakdowns per decode path (and the JSON document holding
-    them), or the one of a breakdown JSON or a trace, named after its file (and None)."""
-    from kimi_perf.capture import trace_label
-
+    them), or the one of a breakdown JSON or a trace, named ``label`` (and None)."""
     runs, run_doc = _saved_breakdowns(path)
     if run_doc is not None:
         return runs, run_doc
     b = next(iter(runs.values())) if runs else _breakdown_of(path, layers, rules, steps, phase)
-    return {trace_label(path): b}, None
+    return {label: b}, None
 
 
 def _stored(path: Path) -> bool:
@@ -418,7 +419,7 @@ def report_cmd(inputs: tuple[Path, ...], path_name: str | None, labels: str | No
     --path names: `kimi-perf report BASELINE.json RUN --path specialized` shows what a gate
     failure is made of. Breakdowns are drawn as stored; traces are broken down first.
     """
-    from kimi_perf.capture import trace_files
+    from kimi_perf.capture import trace_files, trace_labels
     from kimi_perf.report import plotly_js_for, run_info_problem, write_report
 
     plotly_js = plotly_js_for(plotly_js, output.parent)  # a missing file said before any work
@@ -428,8 +429,8 @@ def report_cmd(inputs: tuple[Path, ...], path_name: str | None, labels: str | No
         raise TraceError(None, "--path picks a decode path of a kimi-perf run: no input is one")
     drawn: dict[str, Breakdown] = {}
     run_info = None
-    for file in inputs:
-        runs, run_doc = _breakdowns_of(file, layers, rules, step_regex, phase)
+    for file, file_label in zip(inputs, trace_labels(list(inputs)), strict=True):
+        runs, run_doc = _breakdowns_of(file, layers, rules, step_regex, phase, file_label)
         if run_doc is not None and path_name is not None:
             runs = dict([_one_path(file, runs, True, path_name)])
         for name, b in runs.items():

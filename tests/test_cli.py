@@ -748,3 +748,24 @@ def test_trace_out_that_is_a_file(tmp_path):
     _one_line_error(run("trace", "--from", VLLM, "--out", afile),
                     f"{afile}: --out: not a directory")
     assert afile.read_text() == "mine"
+
+
+def test_traces_of_one_name_in_several_folders_are_labelled_by_folder(tmp_path):
+    """One trace per rank, each in its rank's folder under the same name: the labels say
+    which rank, not trace, trace', trace''."""
+    from kimi_perf.capture import trace_labels
+
+    for rank in ("rank0", "rank1"):
+        (tmp_path / rank).mkdir()
+        shutil.copy(VLLM, tmp_path / rank / "trace.json.gz")
+    files = [tmp_path / "rank0" / "trace.json.gz", tmp_path / "rank1" / "trace.json.gz"]
+    assert trace_labels(files) == ["rank0/trace", "rank1/trace"]
+    assert trace_labels([files[0], files[0], VLLM]) == [
+        "rank0/trace", "rank0/trace'", VLLM.name.removesuffix(".json.gz")]
+    doc = json.loads(run("compare", *files, "--format", "json").output)
+    assert (doc["a"], doc["b"]) == ("rank0/trace", "rank1/trace")
+    result = run("trace", "--from", files[0], "--from", files[1], "--out", tmp_path / "runs")
+    assert result.exit_code == 0, result.output
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    stored = json.loads((run_dir / "breakdown.json").read_text())
+    assert list(stored["paths"]) == ["rank0/trace", "rank1/trace"]
