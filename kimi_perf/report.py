@@ -73,19 +73,28 @@ def _timeline(fig: go.Figure, row: int, timeline: dict | None, label: str) -> No
 
 
 def _class_bars(breakdowns: dict[str, Breakdown]) -> go.Figure:
-    fig = go.Figure()
+    """Median µs per layer type by kernel class, stacked. CPU runs and GPU traces get a panel
+    each: their µs differ a thousandfold, and on one axis the GPU's bars would not show."""
+    panels = {unit: [label for label, b in breakdowns.items() if b.unit == unit]
+              for unit in dict.fromkeys(b.unit for b in breakdowns.values())}
+    titles = [("GPU traces" if unit == "kernels" else "CPU runs") for unit in panels]
+    fig = make_subplots(rows=len(panels) or 1, cols=1, vertical_spacing=0.15,
+                        subplot_titles=titles if len(panels) > 1 else None)
     classes = sorted({c for b in breakdowns.values() for t in b.layer_types
                       for c in t["classes"]})
-    for cls in classes:
-        x, y = [], []
-        for label, b in breakdowns.items():
-            for t in b.layer_types:
-                x.append(f"{html.escape(t['type'] or '-')}<br>{html.escape(label)}")
-                y.append(t["classes"].get(cls, {}).get("us", 0.0))
-        fig.add_trace(go.Bar(name=html.escape(cls), x=x, y=y,
-                             marker_color=CLASS_COLOURS.get(cls)))
+    for row, labels in enumerate(panels.values(), start=1):
+        for cls in classes:
+            x, y = [], []
+            for label in labels:
+                for t in breakdowns[label].layer_types:
+                    x.append(f"{html.escape(t['type'] or '-')}<br>{html.escape(label)}")
+                    y.append(t["classes"].get(cls, {}).get("us", 0.0))
+            fig.add_trace(go.Bar(name=html.escape(cls), x=x, y=y, legendgroup=cls,
+                                 showlegend=row == 1, marker_color=CLASS_COLOURS.get(cls)),
+                          row=row, col=1)
+        fig.update_yaxes(title_text="µs", row=row, col=1)
     fig.update_layout(barmode="stack", title="Median µs per layer, by kernel class",
-                      yaxis_title="µs")
+                      height=450 * max(len(panels), 1))
     return fig
 
 
@@ -384,8 +393,11 @@ def _gpus_text(gpus: list[dict]) -> str:
                      for (name, sms), n in kinds.items()) or "none described"
 
 
+# Tables wider than the window scroll inside themselves; long names wrap anywhere.
 STYLE = ("<style>body{font-family:sans-serif;margin:1.5em}table{border-collapse:collapse;"
-         "margin:.5em 0 1.5em}th,td{border:1px solid #ccc;padding:3px 8px;text-align:right}"
+         "margin:.5em 0 1.5em;display:block;max-width:100%;overflow-x:auto}"
+         "th,td{border:1px solid #ccc;padding:3px 8px;text-align:right}"
+         "td.name{overflow-wrap:anywhere;min-width:12em}"
          "td.name,table.info td,table.info th{text-align:left}"
          "p.note{background:#fff6d5;padding:.5em}</style>")
 PLOTLY_JS = ("inline", "cdn")

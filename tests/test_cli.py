@@ -442,6 +442,9 @@ def test_report_names_what_each_trace_counts(tmp_path):
     only_gpu = write_report(tmp_path / "g.html", {"gpu": Breakdown.from_json(doc)},
                             "gpu").read_text()
     assert "on a CPU" not in only_gpu and "<h2>Kernel by kernel</h2>" in only_gpu
+    # the class bars: a panel for the GPU trace and one for the CPU run, each on its own axis
+    assert '"text":"GPU traces"' in text and '"text":"CPU runs"' in text
+    assert '"yaxis2"' in text and '"yaxis2"' not in only_gpu.split("Median µs per layer")[-1]
 
 
 def test_report_compares_the_first_trace_with_each_other(tmp_path):
