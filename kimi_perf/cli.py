@@ -600,6 +600,8 @@ def validate(preset_name: str, n_layers: int | None, paths: str, steps: int, bat
               "directory: the traces in it, e.g. one per rank)")
 @click.option("--phase", type=click.Choice(PHASES), default="auto", show_default=True,
               help="with --from: which steps count (see kimi-perf breakdown --help)")
+@click.option("--rules", type=click.Path(path_type=Path), help="with --from: a TOML file of "
+              "extra kernel-class rules, tried before the defaults")
 @click.option("--preset", "preset_name", help="tiny, k3, k3-tp8, k3-tp16 (default: tiny on a "
               "CPU, k3-tp8 on a GPU)")
 @click.option("--layers", "n_layers", type=click.IntRange(1), help="layer count (default: "
@@ -624,7 +626,8 @@ def validate(preset_name: str, n_layers: int | None, paths: str, steps: int, bat
 @click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table",
               show_default=True)
 @_fail_cleanly
-def trace_cmd(from_files: tuple[Path, ...], phase: str, preset_name: str | None,
+def trace_cmd(from_files: tuple[Path, ...], phase: str, rules: Path | None,
+              preset_name: str | None,
               n_layers: int | None,
               batch: int | None, context: int | None, steps: int | None,
               warmup: int | None, tp: int, paths: str, graphs: bool, backend: str,
@@ -648,12 +651,12 @@ def trace_cmd(from_files: tuple[Path, ...], phase: str, preset_name: str | None,
     if from_files and capture_only:
         raise TraceError(None, f"{', '.join(capture_only)} set up a capture; --from analyses "
                                "traces already made")
-    if not from_files and (phase_given := _given("phase")):
-        raise TraceError(None, f"{phase_given[0]} chooses the steps of traces given with --from;"
-                               " a capture records decode steps only")
+    if not from_files and (from_only := _given("phase", "rules")):
+        raise TraceError(None, f"{', '.join(from_only)}: for traces given with --from (a "
+                               "capture records decode steps only, its launches named by class)")
     if from_files:
         run_dir, results, run_info = cap.analyse(cap.trace_files(list(from_files)), out_dir,
-                                                 phase=phase, plotly_js=plotly_js)
+                                                 phase=phase, rules=rules, plotly_js=plotly_js)
     else:
         try:
             import torch

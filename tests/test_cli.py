@@ -734,7 +734,7 @@ def test_options_that_would_change_nothing_are_refused(tmp_path):
     _one_line_error(run("trace", "--from", VLLM, "--tp", "2", "--graphs", "--out", tmp_path),
                     "--tp, --graphs set up a capture; --from analyses traces already made")
     _one_line_error(run("trace", "--phase", "all", "--out", tmp_path),
-                    "--phase chooses the steps of traces given with --from")
+                    "--phase: for traces given with --from")
     _one_line_error(run("compare", VLLM, VLLM, "--path", "standard"),
                     "--path picks a decode path of a kimi-perf run: neither")
     _one_line_error(run("report", VLLM, "--path", "standard", "-o", tmp_path / "r.html"),
@@ -772,3 +772,17 @@ def test_traces_of_one_name_in_several_folders_are_labelled_by_folder(tmp_path):
     (run_dir,) = (tmp_path / "runs").iterdir()
     stored = json.loads((run_dir / "breakdown.json").read_text())
     assert list(stored["paths"]) == ["rank0/trace", "rank1/trace"]
+
+
+def test_trace_from_with_rules_of_ones_own(tmp_path):
+    rules = tmp_path / "rules.toml"
+    rules.write_text('[[rule]]\nclass = "unified_attention"\npattern = "unified_attention"\n')
+    result = run("trace", "--from", VLLM, "--rules", rules, "--out", tmp_path / "runs")
+    assert result.exit_code == 0, result.output
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    stored = json.loads((run_dir / "breakdown.json").read_text())
+    (b,) = stored["paths"].values()
+    assert all("unified_attention" in t["classes"] for t in b["layer_types"])
+    assert f" --rules {rules} --out " in stored["run"]["command"]
+    _one_line_error(run("trace", "--rules", rules, "--out", tmp_path / "runs"),
+                    "--rules: for traces given with --from")
