@@ -110,15 +110,20 @@ def test_plain_projections_take_the_opt_in_gemv_where_it_has_a_build(weights):
     assert gemv.calls == []
 
 
-def _tp_kernel_path(rank: int, path: str, weights):
+def _tp_kernel_path(rank: int, path: str, weights, dtype=torch.float32, sent=None):
     import torch.distributed as dist
 
     from kimi_perf.decode.tp import all_reduce_sum
     from kimi_perf.decode.weights import shard
 
     sharded = SMALL.shard(dist.get_world_size())
-    model = make_path(path, sharded, shard(weights, sharded, rank), torch.float32)
+    model = make_path(path, sharded, shard(weights, sharded, rank), dtype)
     model.all_reduce = all_reduce_sum
+    if sent is not None:   # what each all-reduce sends: (dtype, elements)
+        def recorded(x):
+            sent.append((x.dtype, x.numel()))
+            return all_reduce_sum(x)
+        model.all_reduce = recorded
     state = model.new_state(2, 8)
     tokens = torch.randint(0, SMALL.vocab, (2, 5), generator=torch.Generator().manual_seed(6))
     model.forward(tokens[:, :3], state)
@@ -149,6 +154,27 @@ def test_kernel_paths_tp2_match_tp1(weights, path, kda, mla):
     # 13 per KDA layer and 15 per gated-MLA layer the plan allows. Standard: 18 and 24 plus
     # three all-reduces.
     assert (per_layer[1], per_layer[3]) == (kda, mla)
+
+
+def _tp_bf16(rank: int, path: str, weights):
+    sent: list = []
+    logits, _ = _tp_kernel_path(rank, path, weights, torch.bfloat16, sent)
+    return logits.float(), sent
+
+
+def test_specialized_tp2_in_bf16_sends_what_the_standard_path_sends(weights):
+    """In bf16 under TP the specialized path's one MoE all-reduce sends the routed latent and
+    the shared output in bf16, as the standard path's two do (not fp32: half the bytes), and
+    its logits agree with the standard path's within bf16's error."""
+    from kimi_perf.decode.tp import run_on_cpu_ranks
+
+    (fast, fast_sent), _ = run_on_cpu_ranks(2, _tp_bf16, "specialized", weights)
+    (slow, slow_sent), _ = run_on_cpu_ranks(2, _tp_bf16, "standard_kernels", weights)
+    assert {dtype for dtype, _ in fast_sent} == {dtype for dtype, _ in slow_sent} == {
+        torch.bfloat16}
+    assert sum(n for _, n in fast_sent) == sum(n for _, n in slow_sent)
+    rel = (fast - slow).norm() / slow.norm()
+    assert rel < 0.03, rel
 
 
 @pytest.mark.parametrize("kv_cache", ["bf16", "fp8"])

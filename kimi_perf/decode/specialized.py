@@ -154,9 +154,12 @@ class SpecializedModel(KernelPathModel):
         m = layer_prefix(i) + "mlp."
         p = self.packed[i]
         situ = (c.situ_beta, c.situ_beta_linear)
-        # The routed latent and the shared experts' output side by side in fp32, so that one
-        # all-reduce sums both under TP and the tail reads both from where FC2 wrote them.
-        moe_out = h.new_empty(h.shape[0], c.latent + c.hidden, dtype=torch.float32)
+        # The routed latent and the shared experts' output side by side, so that one
+        # all-reduce sums both under TP and the tail reads both from where FC2 wrote them. In
+        # fp32 on one rank; under TP in the model's dtype, as the standard path's two
+        # all-reduces send them: half the bytes on the wire.
+        acc = torch.float32 if self.all_reduce is None else self.dtype
+        moe_out = h.new_empty(h.shape[0], c.latent + c.hidden, dtype=acc)
         routed, shared = moe_out[:, : c.latent], moe_out[:, c.latent:]
         self.launch("router_latent_down")
         both = skinny_linear(h, p["router_down"], out_dtype=torch.float32)
