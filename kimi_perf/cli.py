@@ -248,11 +248,13 @@ def compare_cmd(a: Path, b: Path | None, path_name: str | None, fmt: str, layers
     unit, unit_b = ba.unit, bb.unit
     types_a = {t["type"]: t for t in ba.layer_types}
     types_b = {t["type"]: t for t in bb.layer_types}
-    matched = [r.type for r in rows if r.type in types_a or r.type in types_b]
+    # each pair of layer types: (its label, A's type, B's type)
+    matched = [(r.label, types_a.get(r.type), types_b.get(r.type_b or r.type)) for r in rows
+               if r.type in types_a or (r.type_b or r.type) in types_b]
     if fmt == "json":
-        typical = {t: {side: (types.get(t) or {}).get("typical_layer")
-                       for side, types in (("a", types_a), ("b", types_b))}
-                   for t in matched} if kernels else None
+        typical = {label: {"a": (ta or {}).get("typical_layer"),
+                           "b": (tb or {}).get("typical_layer")}
+                   for label, ta, tb in matched} if kernels else None
         _emit(render.comparison_json(rows, name_a, name_b, typical), output)
         return
     tables = [render.comparison_table(rows, name_a, name_b, unit, unit_b),
@@ -261,17 +263,16 @@ def compare_cmd(a: Path, b: Path | None, path_name: str | None, fmt: str, layers
     if kernels:
         from kimi_perf.decode.fusions import ledger_of
 
-        for t in matched:
-            tables.append(render.typical_layer_table(
-                t or "-", {name_a: types_a.get(t), name_b: types_b.get(t)},
-                units_word((unit, unit_b))))
-            typical = [((types.get(t) or {}).get("typical_layer") or {}).get("kernels") or []
-                       for types in (types_a, types_b)]
+        for label, ta, tb in matched:
+            tables.append(render.typical_layer_table(label, {name_a: ta, name_b: tb},
+                                                     units_word((unit, unit_b))))
+            typical = [((t or {}).get("typical_layer") or {}).get("kernels") or []
+                       for t in (ta, tb)]
             ledger = ledger_of(*typical)
             if ledger is not None:  # the two decode paths: what each fused launch replaced
                 swapped, rows_, left = ledger
                 standard, specialized = (name_b, name_a) if swapped else (name_a, name_b)
-                tables.append(render.fusion_table(t, standard, specialized, rows_, left))
+                tables.append(render.fusion_table(label, standard, specialized, rows_, left))
     _emit_tables(tables, output)
 
 

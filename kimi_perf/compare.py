@@ -24,6 +24,12 @@ class ComparisonRow:
     # A type found by the repeating pattern in both, with another kernel sequence in B: its
     # letter may name another layer there (letters follow the order of first appearance).
     pattern_differs: bool = False
+    type_b: str | None = None   # B's name of the type, where it differs (``pair_layer_types``)
+
+    @property
+    def label(self) -> str:
+        """The type as the tables name it: "A", or "A = B" where B names it otherwise."""
+        return (self.type or "-") + (f" = {self.type_b}" if self.type_b else "")
 
     @property
     def span_ratio(self) -> float | None:
@@ -39,7 +45,7 @@ class ComparisonRow:
         return round(self.kernels_a / self.kernels_b, 3)
 
     def to_json(self) -> dict:
-        return {"type": self.type,
+        return {"type": self.type, "type_b": self.type_b,
                 "a": {"layers": self.layers_a, "kernels": self.kernels_a,
                       "kernel_us": self.kernel_us_a, "span_us": self.span_us_a},
                 "b": {"layers": self.layers_b, "kernels": self.kernels_b,
@@ -49,14 +55,56 @@ class ComparisonRow:
 
 
 def compare(a: Breakdown, b: Breakdown) -> list[ComparisonRow]:
-    """Rows for each layer type (matched by name, A's order first), then all layers' mean."""
+    """Rows for each pair of layer types (``pair_layer_types``; A's order first), then all
+    layers' mean."""
     types_a = {t["type"]: t for t in a.layer_types}
     types_b = {t["type"]: t for t in b.layer_types}
-    order = list(types_a) + [t for t in types_b if t not in types_a]
-    rows = [_row(name, types_a.get(name), types_b.get(name)) for name in order]
+    rows = []
+    for name_a, name_b in pair_layer_types(a, b):
+        label = pair_label(name_a, name_b, a)
+        row = _row(label, types_a.get(name_a), types_b.get(name_b))
+        if name_b is not None and name_b != label:
+            row.type_b = name_b
+        rows.append(row)
     if a.layers or b.layers:
         rows.append(_row(ALL_LAYERS, _mean(a), _mean(b)))
     return rows
+
+
+def pair_layer_types(a: Breakdown | None, b: Breakdown | None
+                     ) -> list[tuple[str | None, str | None]]:
+    """The layer types of two breakdowns, paired: (A's name, B's name), None for a type one
+    side lacks. Types named by ranges pair by name. Types found by the repeating kernel
+    pattern (letters in order of first appearance) pair by their kernel sequence's digest,
+    whatever their letters (a type B finds first takes the letter A there); the ones left
+    over pair in order, as ``patterns_differ`` then says."""
+    def kinds(x: Breakdown | None) -> tuple[list[str], dict[str, str]]:
+        types = x.layer_types if x is not None else []
+        return ([t["type"] for t in types],
+                {t["type"]: t["pattern"] for t in types if t.get("pattern") is not None})
+    names_a, digest_a = kinds(a)
+    names_b, digest_b = kinds(b)
+    pairs: dict[str, str | None] = {}
+    left_b = [t for t in names_b if t in digest_b]
+    for t in names_a:
+        if t not in digest_a:
+            pairs[t] = t if t in names_b and t not in digest_b else None
+        elif (same := next((u for u in left_b if digest_b[u] == digest_a[t]), None)) is not None:
+            pairs[t] = same
+            left_b.remove(same)
+    for t, u in zip([t for t in names_a if t not in pairs], list(left_b), strict=False):
+        pairs[t] = u
+        left_b.remove(u)
+    paired = set(pairs.values())
+    return ([(t, pairs.get(t)) for t in names_a]
+            + [(None, u) for u in names_b if u not in paired])
+
+
+def pair_label(name_a: str | None, name_b: str | None, a: Breakdown | None) -> str:
+    """A pair's name: A's; for a type only B has, B's, or "-" where A names another type so."""
+    if name_a is not None:
+        return name_a
+    return "-" if a is not None and any(t["type"] == name_b for t in a.layer_types) else name_b
 
 
 def _row(name: str, ta: dict | None, tb: dict | None) -> ComparisonRow:

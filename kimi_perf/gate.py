@@ -14,11 +14,13 @@ is reported.
 
 Layer types found by the repeating kernel pattern (letters in order of first appearance, not
 range names) are paired by their kernel sequence (its digest), whatever their letters; the
-types left over are paired in order. A pair whose sequences differ is ``changed``: its checks
-are shown but do not fail, since where the pattern finds a layer's first kernel may move
-between two traces (a kernel then moves from one letter to the next), and the whole steps,
-which are checked as ever, catch a kernel added or a step slowed either way. So does a type
-the run lacks while it still has pattern types.
+types left over are paired in order (``kimi_perf.compare.pair_layer_types``, as ``compare``
+pairs them). A pair whose sequences differ is noted (``pattern``: ``changed``). Where they
+also differ in kernel count, the pattern has likely started the layers elsewhere (a kernel
+moves from one letter to the next: one gains what the other loses), so the pair's checks are
+shown as ``changed`` and do not fail; the whole steps, checked as ever, catch a kernel added
+or a step slowed. So is a type the run lacks while its steps hold as many layers as the
+baseline's. A pair of one kernel count (another GEMM kernel picked, say) is checked as usual.
 
 A layer type's regression or improvement says which kernels are behind it (``detail``), from
 the typical layers of both (the kernel sequence most layers of the type ran, with median µs
@@ -42,6 +44,7 @@ from pathlib import Path
 import numpy as np
 
 from kimi_perf.breakdown import Breakdown
+from kimi_perf.compare import pair_label, pair_layer_types, patterns_differ
 from kimi_perf.errors import TraceError
 
 METRICS = ("kernels", "kernel_us", "span_us")
@@ -260,14 +263,12 @@ def gate(baseline: dict[str, Breakdown], current: dict[str, Breakdown],
     checks: list[Check] = []
     for path in [*baseline, *(p for p in current if p not in baseline)]:
         base, cur = baseline.get(path), current.get(path)
-        for base_type, cur_type, changed in [*pair_layer_types(base, cur),
-                                             (STEP, STEP, False)]:
-            # a run's type the baseline lacks, under a name the baseline gives another: "-"
-            label = (base_type if base_type is not None
-                     else "-" if base is not None and any(
-                         t["type"] == cur_type for t in base.layer_types) else cur_type)
+        for base_type, cur_type in [*pair_layer_types(base, cur), (STEP, STEP)]:
+            label = pair_label(base_type, cur_type, base)
+            shifted = _boundary_moved(base, cur, base_type, cur_type)
             found: list[Check] = []
-            if changed and base_type is not None and cur_type is not None:
+            if "kernels" in tolerances.metrics and None not in (base_type, cur_type) and (
+                    patterns_differ([_digest(base, base_type), _digest(cur, cur_type)])):
                 found.append(Check(path, label, "pattern", None, None, None, None, "changed"))
             for metric in tolerances.metrics:
                 # (steps count kernels too: those outside every layer, a step's prologue and
@@ -284,48 +285,37 @@ def gate(baseline: dict[str, Breakdown], current: dict[str, Breakdown],
             for check in found:
                 if check.status in ("regression", "improvement"):
                     check.detail = _behind(check, base, cur, base_type, cur_type)
-                if changed and check.status in ("regression", "improvement", "missing"):
+                if shifted and check.status in ("regression", "improvement", "missing"):
                     check.status = "changed"
-                if cur_type != label and cur_type is not None:
+                if cur_type not in (None, label):
                     check.run_layer_type = cur_type
             checks += found
     return GateResult(checks, tolerances)
 
 
-def pair_layer_types(base: Breakdown | None, cur: Breakdown | None
-                     ) -> list[tuple[str | None, str | None, bool]]:
-    """The layer types of a baseline and a run, paired: (baseline's name, run's name, whether
-    the pair is ``changed``; see the module doc). Types named by ranges pair by name; pattern
-    types by digest, then the rest in order. A type one side lacks pairs with None."""
-    def kinds(b: Breakdown | None) -> tuple[list[str], dict[str, str]]:
-        types = [t["type"] for t in b.layer_types] if b is not None else []
-        return types, {t["type"]: t["pattern"] for t in (b.layer_types if b else [])
-                       if t.get("pattern") is not None}
-    base_types, base_digest = kinds(base)
-    cur_types, cur_digest = kinds(cur)
-    pairs: dict[str, str | None] = {}
-    cur_left = [t for t in cur_types if t in cur_digest]
-    for t in base_types:
-        if t not in base_digest:
-            pairs[t] = t if t in cur_types and t not in cur_digest else None
-            continue
-        same = next((c for c in cur_left if cur_digest[c] == base_digest[t]), None)
-        if same is not None:
-            pairs[t] = same
-            cur_left.remove(same)
-    for t, c in zip([t for t in base_types if t in base_digest and t not in pairs],
-                    list(cur_left), strict=False):
-        pairs[t] = c
-        cur_left.remove(c)
-    out = []
-    for t in base_types:
-        c = pairs.get(t)
-        # a pattern type the run lacks while it has pattern types: the split moved
-        moved = t in base_digest and (c is not None or bool(cur_digest))
-        out.append((t, c, moved and (c is None or cur_digest.get(c) != base_digest[t])))
-    paired = set(pairs.values())
-    out += [(None, c, False) for c in cur_types if c not in paired]
-    return out
+def _digest(b: Breakdown | None, layer_type: str | None) -> str | None:
+    t = next((t for t in b.layer_types if t["type"] == layer_type), None) if b else None
+    return (t or {}).get("pattern")
+
+
+def _boundary_moved(base: Breakdown | None, cur: Breakdown | None, base_type: str | None,
+                    cur_type: str | None) -> bool:
+    """Whether a pair of pattern types looks like the pattern starting its layers elsewhere
+    (see the module doc): other kernel sequences of other kernel counts, or a type the run
+    lacks while its steps hold as many layers as the baseline's."""
+    if base is None or cur is None or _digest(base, base_type) is None:
+        return False
+    if cur_type is None:
+        return (bool(cur.layers) and _layers_per_step(base) == _layers_per_step(cur))
+    if _digest(cur, cur_type) in (None, _digest(base, base_type)):
+        return False
+    before, after = (_samples(b, t, "kernels") for b, t in ((base, base_type), (cur, cur_type)))
+    return (before is not None and after is not None
+            and float(np.median(before)) != float(np.median(after)))
+
+
+def _layers_per_step(b: Breakdown) -> float:
+    return float(np.median([s.get("layers", 0) for s in b.steps])) if b.steps else 0.0
 
 
 def _typical(b: Breakdown | None, layer_type: str | None) -> list[dict] | None:

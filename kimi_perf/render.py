@@ -240,14 +240,18 @@ def comparison_table(rows: list[ComparisonRow], label_a: str, label_b: str,
     def fmt(v, spec=".1f"):
         return "-" if v is None else format(v, spec)
     for r in rows:
-        table.add_row((r.type or "-") + (" *" if r.pattern_differs else ""), str(r.layers_a),
+        table.add_row(r.label + (" *" if r.pattern_differs else ""), str(r.layers_a),
                       fmt(r.kernels_a, ".3g"), fmt(r.span_us_a),
                       str(r.layers_b), fmt(r.kernels_b, ".3g"), fmt(r.span_us_b),
                       ratio_text(r.span_ratio), ratio_text(r.kernel_ratio))
+    notes = []
+    if any(r.type_b for r in rows):
+        notes.append(f"A = B: the type {label_a} calls A, {label_b} calls B (types found by "
+                     "the repeating kernel pattern pair by their kernel sequence)")
     if any(r.pattern_differs for r in rows):
-        table.caption = (f"* found by the repeating kernel pattern, with another kernel "
-                         f"sequence in {label_b}: the letter (in order of first appearance) "
-                         "may name another layer there")
+        notes.append(f"* found by the repeating kernel pattern, with another kernel sequence in "
+                     f"{label_b}: it may be another layer there")
+    table.caption = "\n".join(notes) or None
     return table
 
 
@@ -273,7 +277,7 @@ def comparison_headline(rows: list[ComparisonRow], label_a: str, label_b: str,
     for r in rows:
         if r.kernels_a is None or r.kernels_b is None:
             continue
-        parts.append(f"{r.type}: {r.kernels_a:.3g} {unit} / {r.span_us_a:.1f} µs ({label_a}) "
+        parts.append(f"{r.label}: {r.kernels_a:.3g} {unit} / {r.span_us_a:.1f} µs ({label_a}) "
                      f"vs {r.kernels_b:.3g}{other} / {r.span_us_b:.1f} µs ({label_b})")
     return "\n".join(parts)
 

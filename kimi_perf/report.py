@@ -148,15 +148,18 @@ def _comparison_html(breakdowns: dict[str, Breakdown]) -> str:
                 f"<th>{e(b)} {unit[b]}</th><th>{e(b)} µs</th><th>µs ratio</th>"
                 f"<th>{counted} ratio</th></tr>")
         body = "".join(
-            f"<tr><td>{e(r.type or '-')}{' *' if r.pattern_differs else ''}</td>"
+            f"<tr><td>{e(r.label)}{' *' if r.pattern_differs else ''}</td>"
             f"<td>{fmt(r.kernels_a, '.3g')}</td>"
             f"<td>{fmt(r.span_us_a, '.1f')}</td><td>{fmt(r.kernels_b, '.3g')}</td>"
             f"<td>{fmt(r.span_us_b, '.1f')}</td><td>{ratio_text(r.span_ratio)}</td>"
             f"<td>{ratio_text(r.kernel_ratio)}</td></tr>"
             for r in rows)
-        note = (f"<p>* found by the repeating kernel pattern, with another kernel sequence in "
-                f"{e(b)}: the letter may name another layer there.</p>"
-                if any(r.pattern_differs for r in rows) else "")
+        note = (f"<p>A = B: the type {e(a)} calls A, {e(b)} calls B (types found by the "
+                "repeating kernel pattern pair by their kernel sequence).</p>"
+                if any(r.type_b for r in rows) else "")
+        note += (f"<p>* found by the repeating kernel pattern, with another kernel sequence "
+                 f"in {e(b)}: it may be another layer there.</p>"
+                 if any(r.pattern_differs for r in rows) else "")
         parts.append(f"<h2>Per layer type: {e(a)} vs {e(b)} (medians; µs = layer span)</h2>"
                      f"<table>{head}{body}</table>{note}")
     return "".join(parts)

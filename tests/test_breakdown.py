@@ -424,3 +424,32 @@ def test_pattern_types_of_one_layer_each_are_said_to_be_single_layers():
     assert [(t["layers"], len(t["pattern"])) for t in repeated.layer_types] == [(16, 12)]
     assert lone_types_note(repeated) is None
 
+
+def test_compare_pairs_pattern_types_by_their_kernels_whatever_their_letters(tmp_path):
+    """The same trace with its letters swapped (as when another trace finds the other layer
+    first): compare pairs A with B and B with A, as the gate does, and says so."""
+    import json
+
+    from click.testing import CliRunner
+
+    from kimi_perf.breakdown import Breakdown
+    from kimi_perf.cli import main
+    from kimi_perf.render import comparison_table, tables_text
+
+    vllm = KINETO / "tracelens_vllm_gptoss20b_decode_fullgraph_mi300x.json.gz"
+    doc = breakdown(read_trace(vllm)).to_json()
+    swapped = json.loads(json.dumps(doc).replace('"type": "A"', '"type": "X"')
+                         .replace('"type": "B"', '"type": "A"')
+                         .replace('"type": "X"', '"type": "B"'))
+    a, b = Breakdown.from_json(doc), Breakdown.from_json(swapped)
+    rows = compare(a, b)
+    assert [(r.label, r.span_ratio, r.pattern_differs) for r in rows[:2]] == [
+        ("A = B", 1.0, False), ("B = A", 1.0, False)]
+    text = tables_text([comparison_table(rows, "x", "y")])
+    assert "A = B" in text and "the type x calls A, y calls B" in " ".join(text.split())
+    (tmp_path / "b.json").write_text(json.dumps(swapped))
+    out = CliRunner().invoke(main, ["compare", str(vllm), str(tmp_path / "b.json"),
+                                    "--kernels", "--format", "json"]).output
+    typical = json.loads(out)["typical_layers"]
+    assert typical["A = B"]["a"] == typical["A = B"]["b"]
+

@@ -355,7 +355,7 @@ def test_compare_flags_automatic_types_whose_kernels_differ():
     differs = {r["type"] for r in doc["rows"] if r["pattern_differs"]}
     assert "D" in differs and "C" not in differs
     table = run("compare", before, after).output
-    assert "D *" in table and "may name another layer there" in table
+    assert "D *" in table and "it may be another layer there" in table
 
 
 def test_trace_from_names_runs_after_their_files_and_compares_each(tmp_path):
@@ -464,7 +464,7 @@ def test_report_compares_the_first_trace_with_each_other(tmp_path):
                        {k: Breakdown.from_json(doc) for k, doc in stored.items()}, "three")
     text = out.read_text()
     assert "Per layer type: before vs after" in text and "Per layer type: before vs ddp" in text
-    assert "<td>D *</td>" in text and "the letter may name another layer there" in text
+    assert "<td>D *</td>" in text and "it may be another layer there" in text
     assert "ddp: 2373 GPU ops launched from another thread while a step" in text
     assert text.count("(median-span step)") == 2  # ddp: no step has layers to draw
 
