@@ -481,15 +481,22 @@ def _layer_type_medians(rows: LayerRows) -> list[dict]:
     return out
 
 
+# Classes whose µs measure waiting as much as work: a collective's kernel spins until every
+# rank arrives, so its time splits by rank skew, not by what the layer does.
+_WAITING_CLASSES = ("communication",)
+
+
 def two_groups(rows: LayerRows, min_ratio: float = 1.5, min_share: float = 0.25,
                min_of_span: float = 0.02) -> dict[str, list[dict[str, Any]]]:
-    """Per layer type, the figures (a kernel class's µs, or the span) whose values fall in two
-    groups by layer: layers that run the same kernels for different work, such as sliding-
-    window and full attention alternating. Each layer's value is its median over the steps;
-    sorted, the widest relative gap splits them, and counts where the upper group's smallest
-    is ``min_ratio`` times the lower's largest, each group holds ``min_share`` of the layers,
-    and the groups' medians differ by ``min_of_span`` of the type's median span at least (so
-    that a 1 µs kernel doubling says nothing). The type's median is then of neither group."""
+    """Per layer type, the kernel classes whose µs fall in two groups by layer: layers that
+    run the same kernels for different work, such as sliding-window and full attention
+    alternating. Each layer's value is its median over the steps; sorted, the widest relative
+    gap splits them, and counts where the upper group's smallest is ``min_ratio`` times the
+    lower's largest, each group holds ``min_share`` of the layers and two at least, and the
+    groups' medians differ by ``min_of_span`` of the type's median span at least (so that a
+    1 µs kernel doubling says nothing). Kernel time only: a span also holds the host's stalls,
+    and a collective's time its wait for the other ranks. ``median_between``: whether the
+    type's median falls between the groups (is of neither)."""
     out: dict[str, list[dict[str, Any]]] = {}
     for code, kind in enumerate(rows.types):
         sel = np.flatnonzero(rows.type_code == code)
@@ -499,15 +506,15 @@ def two_groups(rows: LayerRows, min_ratio: float = 1.5, min_share: float = 0.25,
         order = np.argsort(where, kind="stable")
         cuts = np.flatnonzero(np.diff(where[order])) + 1
         span = float(np.median(rows.span_us[sel]))
-        figures = {"span": rows.span_us[sel]} | {
-            label: rows.class_us[sel, c] for c, label in enumerate(rows.labels)
-            if rows.class_kernels[sel, c].any()}
         found = []
-        for figure, values in figures.items():
+        for c, figure in enumerate(rows.labels):
+            values = rows.class_us[sel, c]
+            if figure in _WAITING_CLASSES or not rows.class_kernels[sel, c].any():
+                continue
             per_layer = np.array([np.median(v) for v in np.split(values[order], cuts)])
             ranked = np.argsort(per_layer, kind="stable")
             v = per_layer[ranked]
-            lo_n = int(np.ceil(min_share * len(v)))
+            lo_n = max(2, int(np.ceil(min_share * len(v))))
             candidates = np.arange(lo_n, len(v) - lo_n + 1)  # the first index of the upper
             if not len(candidates) or v[candidates - 1].min() <= 0:
                 continue
@@ -516,9 +523,11 @@ def two_groups(rows: LayerRows, min_ratio: float = 1.5, min_share: float = 0.25,
             low, high = np.median(v[:best]), np.median(v[best:])
             if gaps.max() < min_ratio or high - low < min_of_span * span:
                 continue
+            median = float(np.median(values))
             found.append({"figure": figure, "low_us": _us_round(low),
                           "high_us": _us_round(high), "low_layers": best,
-                          "high_layers": sorted(index[ranked[best:]].tolist())})
+                          "high_layers": sorted(index[ranked[best:]].tolist()),
+                          "median_between": bool(v[best - 1] < median < v[best])})
         out[kind] = sorted(found, key=lambda g: g["low_us"] - g["high_us"])
     return out
 
@@ -543,11 +552,11 @@ def two_groups_note(kind: str, group: dict[str, Any]) -> str:
     which = ", ".join(map(str, high[:4])) + (", …" if len(high) > 4 else "")
     if len(high) > 2 and len(steps) == 1 and (step := steps.pop()) > 1:
         which += f": every {_ordinal(step)}"
-    what = "span" if group["figure"] == "span" else f"{group['figure']} µs"
-    return (f"{kind or '-'}: {what} in two groups by layer: {group['low_us']:.1f} µs in "
-            f"{group['low_layers']} layers, {group['high_us']:.1f} µs in {len(high)} (layers "
-            f"{which}); the median is of neither (the same kernels doing different work, "
-            "such as sliding-window and full attention)")
+    neither = "the median is of neither; " if group.get("median_between") else ""
+    return (f"{kind or '-'}: {group['figure']} µs in two groups by layer: "
+            f"{group['low_us']:.1f} µs in {group['low_layers']} layers, "
+            f"{group['high_us']:.1f} µs in {len(high)} (layers {which}); {neither}the same "
+            "kernels doing different work, such as sliding-window and full attention")
 
 
 def _ordinal(n: int) -> str:

@@ -202,7 +202,8 @@ def _checked(b: Breakdown, path: Path) -> Breakdown:
                 isinstance(g, dict) and isinstance(g.get("figure"), str)
                 and is_finite_number(g.get("low_us")) and is_finite_number(g.get("high_us"))
                 and _count(g.get("low_layers")) and isinstance(g.get("high_layers"), list)
-                and all(_count(i) for i in g["high_layers"]) for g in groups)):
+                and all(_count(i) for i in g["high_layers"])
+                and isinstance(g.get("median_between", False), bool) for g in groups)):
             raise TraceError(path, f"layer type {t['type']!r}: two_groups is not [{{figure, "
                                    "low_us, high_us, low_layers, high_layers: [index]}]")
         typical = t.get("typical_layer")
