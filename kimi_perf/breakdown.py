@@ -80,8 +80,10 @@ def phase_note(b: Breakdown) -> str | None:
     if len(counts) < 2:
         return None
     said = ", ".join(f"{n} {phase}" for phase, n in counts.most_common())
-    return (f"steps: {said}; the medians are over all of them (--phase decode keeps the "
-            "decode steps)")
+    keep = ("--phase decode keeps the decode steps" if "decode" in counts
+            else "--phase " + " or ".join(p for p in counts if p != "unknown")
+            + " keeps one phase")
+    return f"steps: {said}; the medians are over all of them ({keep})"
 
 
 def segment_stats(ops: GpuOps, rows: np.ndarray, classes: np.ndarray, labels: list[str]
@@ -530,6 +532,15 @@ def two_groups(rows: LayerRows, min_ratio: float = 1.5, min_share: float = 0.25,
                           "median_between": bool(v[best - 1] < median < v[best])})
         out[kind] = sorted(found, key=lambda g: g["low_us"] - g["high_us"])
     return out
+
+
+def layer_notes(b: Breakdown) -> list[str]:
+    """What a breakdown says of its layer types: their two groups, single-layer types."""
+    notes = [two_groups_note(t["type"], g) for t in b.layer_types
+             for g in t.get("two_groups", [])]
+    if lone := lone_types_note(b):
+        notes.append(lone)
+    return notes
 
 
 def lone_types_note(b: Breakdown) -> str | None:

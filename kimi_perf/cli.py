@@ -288,8 +288,10 @@ def _breakdowns_of(path: Path, layers: str, rules: Path | None, steps: str | Non
 
 
 def _stored(path: Path) -> bool:
-    """A kimi-perf run directory or JSON file (a stored breakdown), not a trace."""
-    return path.is_dir() or (path.suffix == ".json" and gate_mod.is_kimi_perf_json(path))
+    """A kimi-perf run directory or JSON file (a stored breakdown), not a trace (nor a
+    directory of traces)."""
+    return ((path / "breakdown.json").exists() if path.is_dir()
+            else path.suffix == ".json" and gate_mod.is_kimi_perf_json(path))
 
 
 def _saved_breakdowns(path: Path) -> tuple[dict[str, Breakdown], dict | None]:
@@ -332,10 +334,11 @@ def _run_name(path: Path) -> str:
 @click.option("--all", "show_all", is_flag=True, help="list the checks that pass too")
 @click.option("--path", "path_name", help="check only this decode path (a trace given for "
               "BASELINE or RUN stands for it)")
+@_phase_option
 @click.option("--update", is_flag=True, help="then store the run as the new baseline")
 @_fail_cleanly
 def gate_cmd(baseline: Path, run: Path, metrics: str, rel_tol: float, alpha: float, fmt: str,
-             show_all: bool, path_name: str | None, update: bool) -> None:
+             show_all: bool, path_name: str | None, phase: str, update: bool) -> None:
     """Check a run against a stored baseline: exit 1 on a regression (for nightly CI).
 
     BASELINE and RUN: a `kimi-perf trace` run directory or its breakdown.json, a breakdown
@@ -348,14 +351,20 @@ def gate_cmd(baseline: Path, run: Path, metrics: str, rel_tol: float, alpha: flo
         raise TraceError(None, f"--metrics: choose from {', '.join(gate_mod.METRICS)}")
     if update and path_name is not None:
         raise TraceError(None, "--update stores the whole run: it takes no --path")
-    current, doc, _ = gate_mod.load_run(run)
+    if _given("phase") and _stored(baseline) and _stored(run):
+        raise TraceError(None, f"--phase applies to traces, and {baseline}, {run} are stored "
+                               "breakdowns")
+    current, doc, _ = gate_mod.load_run(run, phase)
     if update and not baseline.exists():
         if baseline.suffix != ".json":
             raise TraceError(baseline, "--update writes a baseline .json file")
         atomic_write_text(baseline, json.dumps(doc, indent=1) + "\n")
         click.echo(f"baseline {baseline} created from {run}", err=True)
         return
-    base, _, base_file = gate_mod.load_run(baseline)
+    base, _, base_file = gate_mod.load_run(baseline, phase)
+    if path_name is not None and set(base) == set(current) == {gate_mod.TRACE}:
+        raise TraceError(None, f"--path picks a decode path of a kimi-perf run: neither "
+                               f"{baseline} nor {run} is one")
     if path_name is not None:
         base, current = (_only_path(f, runs, path_name)
                          for f, runs in ((baseline, base), (run, current)))
@@ -370,6 +379,9 @@ def gate_cmd(baseline: Path, run: Path, metrics: str, rel_tol: float, alpha: flo
         table = render.gate_table(result, show_all)
         if table.row_count:
             console.print(table)
+        for side, runs in (("baseline", base), ("run", current)):  # steps left out, say
+            for line in render.note_lines({f"{side} {p}": b for p, b in runs.items()}):
+                console.print(line)
         console.print(render.gate_headline(result))
     if update:
         atomic_write_text(base_file, json.dumps(doc, indent=1) + "\n")
@@ -426,12 +438,17 @@ def report_cmd(inputs: tuple[Path, ...], path_name: str | None, labels: str | No
     plotly_js = plotly_js_for(plotly_js, output.parent)  # a missing file said before any work
     inputs = tuple(trace_files(list(inputs), keep_runs=True))
     _no_trace_among(list(inputs))
-    if path_name is not None and not any(_saved_breakdowns(f)[1] for f in inputs if _stored(f)):
+    # stored inputs first: a --path that no run has is said before any trace is broken down
+    labels_of = trace_labels(list(inputs))
+    loaded = {i: _breakdowns_of(f, layers, rules, step_regex, phase, labels_of[i])
+              for i, f in enumerate(inputs) if _stored(f)}
+    if path_name is not None and not any(doc is not None for _, doc in loaded.values()):
         raise TraceError(None, "--path picks a decode path of a kimi-perf run: no input is one")
     drawn: dict[str, Breakdown] = {}
     run_info = None
-    for file, file_label in zip(inputs, trace_labels(list(inputs)), strict=True):
-        runs, run_doc = _breakdowns_of(file, layers, rules, step_regex, phase, file_label)
+    for i, file in enumerate(inputs):
+        runs, run_doc = loaded.get(i) or _breakdowns_of(file, layers, rules, step_regex, phase,
+                                                        labels_of[i])
         if run_doc is not None and path_name is not None:
             runs = dict([_one_path(file, runs, True, path_name)])
         for name, b in runs.items():

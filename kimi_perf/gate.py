@@ -96,10 +96,11 @@ class GateResult:
                 "checks": [asdict(c) for c in self.checks]}
 
 
-def load_run(path: str | Path) -> tuple[dict[str, Breakdown], dict, Path | None]:
+def load_run(path: str | Path, phase: str = "auto"
+             ) -> tuple[dict[str, Breakdown], dict, Path | None]:
     """The breakdowns per decode path of a run (see the module doc), the JSON document that
     stores them (what a baseline file holds), and the JSON file they came from (None for a
-    trace)."""
+    trace, broken down over the steps of ``phase``)."""
     path = Path(path)
     if path.is_dir():
         path = path / "breakdown.json"
@@ -107,7 +108,7 @@ def load_run(path: str | Path) -> tuple[dict[str, Breakdown], dict, Path | None]
             raise TraceError(path.parent, "not a kimi-perf run directory (no breakdown.json)")
     if path.suffix == ".json" and is_kimi_perf_json(path):
         try:
-            doc = json.loads(path.read_text())
+            doc = json.loads(path.read_text(encoding="utf-8-sig"))   # a BOM, if any
         except FileNotFoundError:
             raise TraceError(path, "no such file") from None
         except OSError as exc:
@@ -125,7 +126,7 @@ def load_run(path: str | Path) -> tuple[dict[str, Breakdown], dict, Path | None]
     from kimi_perf.breakdown import breakdown
     from kimi_perf.readers import read_trace
 
-    b = breakdown(read_trace(path))
+    b = breakdown(read_trace(path), phase=phase)
     return {TRACE: b}, b.to_json(), None
 
 
@@ -139,7 +140,7 @@ def is_kimi_perf_json(path: Path) -> bool:
             head = f.read(256)
     except OSError:
         return False
-    return re.match(rb'\s*\{\s*"schema"\s*:', head) is not None
+    return re.match(rb'(?:\xef\xbb\xbf)?\s*\{\s*"schema"\s*:', head) is not None
 
 
 def is_finite_number(v) -> bool:

@@ -41,6 +41,9 @@ STEP_PATTERNS = [
 
 # vLLM's annotation counts the step's prefill ("context") and decode ("generation") requests.
 _VLLM_STEP_REQUESTS = re.compile(r"^execute_(?:\d+_)?context_(\d+)\b.*_generation_(\d+)")
+# Older builds: execute_new_N_cached_M, N requests scheduled for the first time (prefilling)
+# and M already running (decoding, or a later chunk of a chunked prefill: not said).
+_VLLM_NEW_CACHED = re.compile(r"^execute_new_(\d+)_cached_(\d+)")
 PHASES = ("auto", "decode", "prefill", "mixed", "all")
 
 
@@ -49,6 +52,9 @@ def step_phase(name: str) -> str | None:
     annotation, our ``decode_step[i]``); None where it does not."""
     if name.startswith("decode_step["):
         return "decode"
+    if (old := _VLLM_NEW_CACHED.match(name)) is not None:
+        new, cached = int(old[1]), int(old[2])
+        return ("mixed" if new and cached else "prefill") if new else None
     m = _VLLM_STEP_REQUESTS.match(name)
     if m is None:
         return None
@@ -75,6 +81,8 @@ def steps_of_phase(steps: list[Step], phase: str = "auto", file: str | None = No
     wanted = "decode" if phase == "auto" else phase
     kept = [step for step, p in zip(steps, phases, strict=True) if p == wanted]
     left_out = Counter(p or "unknown" for p in phases if p != wanted)
+    if not steps:
+        raise NoStepsMatched(file, f"--phase {phase}: the trace has no steps")
     if not kept:
         said = ", ".join(f"{n} {p}" for p, n in left_out.most_common())
         hint = (f": their names (such as {steps[0].name!r}) do not say their phase"
@@ -600,7 +608,7 @@ def _difference(a: tuple, b: tuple) -> int:
 # -- entry point ------------------------------------------------------------------------------
 
 def segment(trace: Trace, layers: str = "auto", step_regex: str | None = None,
-            rules: list[Rule] | None = None, phase: str = "all") -> tuple[GpuOps, list[Step]]:
+            rules: list[Rule] | None = None, phase: str = "auto") -> tuple[GpuOps, list[Step]]:
     """Steps (of ``phase``: see ``steps_of_phase``) with their layers. ``layers``: ``auto``
     (per-layer ranges when the trace has them, else the repeating pattern), ``nvtx`` /
     ``nvtx:REGEX`` (ranges only), ``repeat``."""

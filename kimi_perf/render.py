@@ -15,7 +15,7 @@ from rich.table import Table
 from rich.text import Text
 
 from kimi_perf.attribution import RangeKernelRow
-from kimi_perf.breakdown import Breakdown, lone_types_note, phase_note, two_groups_note
+from kimi_perf.breakdown import Breakdown, layer_notes, phase_note
 from kimi_perf.compare import (
     ComparisonRow,
     OverviewRow,
@@ -150,11 +150,7 @@ def breakdown_tables(b: Breakdown) -> list[Table]:
     for t in b.layer_types:
         types.add_row(t["type"] or "-", str(t["layers"]), f"{t['kernels']:g}",
                       f"{t['kernel_us']:.1f}", f"{t['span_us']:.1f}", f"{t['gap_us']:.1f}")
-    notes = [two_groups_note(t["type"], g) for t in b.layer_types
-             for g in t.get("two_groups", [])]
-    if lone := lone_types_note(b):
-        notes.append(lone)
-    types.caption = "\n".join(notes) or None
+    types.caption = "\n".join(layer_notes(b)) or None
     tables.append(types)
     classes = _table(f"Per layer type and kernel class: median {unit} / µs",
                      ["class", *(t["type"] or "-" for t in b.layer_types)], left=("class",))
@@ -257,16 +253,9 @@ def comparison_table(rows: list[ComparisonRow], label_a: str, label_b: str,
 
 def note_lines(breakdowns: dict[str, Breakdown]) -> list[str]:
     """What each breakdown says under its figures, after its label: its steps' phases
-    (``phase_note``) and its layer types' two groups (``two_groups_note``)."""
-    lines = []
-    for label, b in breakdowns.items():
-        if note := phase_note(b):
-            lines.append(f"{label}: {note}")
-        lines += [f"{label}: {two_groups_note(t['type'], g)}" for t in b.layer_types
-                  for g in t.get("two_groups", [])]
-        if lone := lone_types_note(b):
-            lines.append(f"{label}: {lone}")
-    return lines
+    (``phase_note``) and its layer types (``layer_notes``)."""
+    return [f"{label}: {note}" for label, b in breakdowns.items()
+            for note in [phase_note(b), *layer_notes(b)] if note]
 
 
 def comparison_headline(rows: list[ComparisonRow], label_a: str, label_b: str,

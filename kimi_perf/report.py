@@ -19,13 +19,7 @@ from pathlib import Path
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from kimi_perf.breakdown import (
-    Breakdown,
-    lone_types_note,
-    phase_note,
-    two_groups_note,
-    units_word,
-)
+from kimi_perf.breakdown import Breakdown, layer_notes, phase_note, units_word
 from kimi_perf.compare import (
     compare,
     differing_patterns,
@@ -122,12 +116,9 @@ def _comparison_html(breakdowns: dict[str, Breakdown]) -> str:
             parts.append(f"<p>{e(label)}: {outside['ops']} more {ops} "
                          f"({outside['kernel_us']:.1f} µs) ran in no step: launched outside "
                          "every step's range.</p>")
-        if phases := phase_note(breakdowns[label]):
-            parts.append(f"<p>{e(label)}: {e(phases)}.</p>")
-        parts += [f"<p>{e(label)}: {e(two_groups_note(t['type'], g))}.</p>"
-                  for t in breakdowns[label].layer_types for g in t.get("two_groups", [])]
-        if lone := lone_types_note(breakdowns[label]):
-            parts.append(f"<p>{e(label)}: {e(lone)}.</p>")
+        b = breakdowns[label]
+        parts += [f"<p>{e(label)}: {e(note)}.</p>"
+                  for note in [phase_note(b), *layer_notes(b)] if note]
     a = labels[0] if labels else None
     if len(labels) == 1 and breakdowns[a].layer_types:  # nothing to compare with: its figures
         body = "".join(

@@ -153,6 +153,25 @@ def test_a_phase_no_step_has_is_one_line(tmp_path):
     assert len(breakdown(profiler.build()).steps) == 1
 
 
+def test_phase_hints_at_the_edges():
+    """Prefill and mixed steps only: the hint names the phases there are. No steps at all:
+    said as such."""
+    from kimi_perf.breakdown import phase_note
+    from kimi_perf.layers import steps_of_phase
+
+    b = TraceBuilder()
+    for name in ("execute_context_1(77)_generation_0(0)", "execute_context_1(9)_generation_7(7)"):
+        start, _ = b.sequence(["embedding", "gemm"])
+        b.range(name, start - 10, b.clock)
+        b.clock += 2000
+    note = phase_note(breakdown(b.build()))
+    assert note == ("steps: 1 prefill, 1 mixed; the medians are over all of them (--phase "
+                    "prefill or mixed keeps one phase)")
+    with pytest.raises(TraceError, match="--phase decode: the trace has no steps"):
+        steps_of_phase([], "decode", "t")
+    assert steps_of_phase([], "auto") == ([], {})
+
+
 def test_every_command_that_breaks_traces_down_takes_the_phase(tmp_path):
     import json
 

@@ -197,9 +197,13 @@ def test_nsys_rep_without_nsys_says_how_to_get_it(tmp_path, monkeypatch):
     rep = tmp_path / "run.nsys-rep"
     rep.write_bytes(b"binary report")
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    monkeypatch.delenv("KIMI_PERF_NSYS", raising=False)
     result = run("info", rep)
     assert result.exit_code == 2
-    assert "needs the Nsight Systems CLI ('nsys') on PATH" in result.output
+    assert "needs the Nsight Systems CLI ('nsys') on PATH or in KIMI_PERF_NSYS" in result.output
+    monkeypatch.setenv("KIMI_PERF_NSYS", str(tmp_path / "no-such-nsys"))
+    _one_line_error(run("info", rep), f"{rep}: cannot export: KIMI_PERF_NSYS=",
+                    "no-such-nsys: not an executable file")
 
 
 def test_nsys_rep_is_exported_with_the_nsys_on_path(tmp_path, monkeypatch):
@@ -219,9 +223,14 @@ shutil.copy({str(source)!r}, out)
     rep = tmp_path / "run.nsys-rep"
     rep.write_bytes(b"binary report")
     monkeypatch.setenv("PATH", f"{bindir}:/usr/bin:/bin")
+    monkeypatch.delenv("KIMI_PERF_NSYS", raising=False)
     result = run("info", rep)
     assert result.exit_code == 0, result.output
     assert "kernels 7328" in result.output
+    # the one KIMI_PERF_NSYS names, with none on PATH
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")
+    monkeypatch.setenv("KIMI_PERF_NSYS", str(fake))
+    assert "kernels 7328" in run("info", rep).output
     failing = bindir / "nsys"
     failing.write_text("#!/bin/sh\necho 'cannot open report' >&2\nexit 3\n")
     result = run("info", rep)
@@ -786,3 +795,17 @@ def test_trace_from_with_rules_of_ones_own(tmp_path):
     assert f" --rules {rules} --out " in stored["run"]["command"]
     _one_line_error(run("trace", "--rules", rules, "--out", tmp_path / "runs"),
                     "--rules: for traces given with --from")
+
+
+def test_a_folder_of_traces_is_not_a_stored_breakdown(tmp_path):
+    """Trace options given with a folder of traces are not refused as if it were a run:
+    report takes the traces in it; compare, which takes files, says what it is."""
+    folder = tmp_path / "traces"
+    folder.mkdir()
+    shutil.copy(VLLM, folder / "rank0.json.gz")
+    result = run("report", folder, "--layers", "repeat", "-o", tmp_path / "r.html",
+                 "--plotly-js", "cdn")
+    assert result.exit_code == 0, result.output
+    _one_line_error(run("compare", folder, folder, "--layers", "repeat"),
+                    f"{folder}: is a directory, not a trace file")
+

@@ -191,6 +191,31 @@ def test_gate_one_path_of_a_run_against_one_trace(tmp_path):
     assert update.exit_code == 2 and "--update stores the whole run" in update.output
 
 
+def test_gate_breaks_traces_down_over_the_phase_it_is_given(tmp_path):
+    """Traces given to the gate take --phase (and say which steps they left out); stored
+    breakdowns do not; --path needs a run on one side; a BOM before a stored JSON is fine."""
+    from tests.test_breakdown import _vllm_phases_trace
+
+    trace = tmp_path / "vllm.kptrace"
+    _vllm_phases_trace().build().save(trace)
+    runner = CliRunner()
+    out = runner.invoke(main, ["gate", str(trace), str(trace)])
+    assert out.exit_code == 0, out.output
+    assert "baseline trace: steps: 2 decode kept; 1 mixed left out" in out.output
+    every = runner.invoke(main, ["gate", str(trace), str(trace), "--phase", "all", "--format",
+                                 "json"])
+    (step_kernels,) = [c for c in json.loads(every.output)["checks"]
+                       if c["layer_type"] == "step" and c["metric"] == "kernels"]
+    assert step_kernels["baseline"] == 3
+    stored = runner.invoke(main, ["gate", str(BASELINE), str(BASELINE), "--phase", "all"])
+    assert stored.exit_code == 2 and "--phase applies to traces" in stored.output
+    plain = runner.invoke(main, ["gate", str(trace), str(trace), "--path", "standard"])
+    assert plain.exit_code == 2 and "neither" in plain.output
+    bom = tmp_path / "bom.json"
+    bom.write_bytes(b"\xef\xbb\xbf" + BASELINE.read_bytes())
+    assert runner.invoke(main, ["gate", str(bom), str(BASELINE)]).exit_code == 0
+
+
 def test_one_more_kernel_fails_and_one_fewer_is_an_improvement():
     base = _run({"kda": 9, "mla": 12}, {"kda": KDA, "mla": MLA})
     run = _run({"kda": 10, "mla": 11}, {"kda": KDA, "mla": MLA})

@@ -169,7 +169,10 @@ def test_vllm_step_annotations_of_each_version_are_steps(annotation):
     ("execute_context_1(512)_generation_0(0)", "prefill"),
     ("execute_8192_context_9(sq8155sk8430)_generation_37(sq37sk34489)", "mixed"),
     ("execute_32_context_0(sq0sk0)_generation_32(sq32sk55086)", "decode"),
-    ("execute_context_0(0)_generation_0(0)", None), ("execute_new_0_cached_32", None),
+    ("execute_context_0(0)_generation_0(0)", None),
+    # older builds: new requests prefill; running ones decode or continue a chunked prefill
+    ("execute_new_0_cached_32", None), ("execute_new_2_cached_0", "prefill"),
+    ("execute_new_1_cached_31", "mixed"),
     ("decode_step[3]", "decode"), ("ProfilerStep#2", None)])
 def test_step_phase_from_the_step_name(name, phase):
     assert step_phase(name) == phase

@@ -80,14 +80,23 @@ def read_nsys_sqlite(path: str | Path) -> Trace:
 
 
 def nsys_cli() -> str | None:
-    """The Nsight Systems CLI: ``KIMI_PERF_NSYS``, else ``nsys`` on PATH, else None."""
-    return os.environ.get("KIMI_PERF_NSYS") or shutil.which("nsys")
+    """The Nsight Systems CLI: ``KIMI_PERF_NSYS``, else ``nsys`` on PATH, else None. A
+    ``KIMI_PERF_NSYS`` that names no program is an error, not a fallback."""
+    given = os.environ.get("KIMI_PERF_NSYS")
+    if not given:
+        return shutil.which("nsys")
+    if not (os.path.isfile(given) and os.access(given, os.X_OK)):
+        raise TraceError(None, f"KIMI_PERF_NSYS={given}: not an executable file")
+    return given
 
 
 def export_nsys_rep(path: str | Path, out_dir: str | Path) -> Path:
     """Export an ``.nsys-rep`` to SQLite with the ``nsys`` CLI (``nsys_cli``)."""
     path = Path(path)
-    nsys = nsys_cli()
+    try:
+        nsys = nsys_cli()
+    except TraceError as exc:
+        raise TraceError(path, f"cannot export: {exc.problem}") from None
     if nsys is None:
         raise TraceError(path, "reading .nsys-rep needs the Nsight Systems CLI ('nsys') on PATH "
                                "or in KIMI_PERF_NSYS; install it, or run 'nsys export --type "
