@@ -100,6 +100,27 @@ def pair_layer_types(a: Breakdown | None, b: Breakdown | None
             + [(None, u) for u in names_b if u not in paired])
 
 
+def aligned_types(breakdowns: dict[str, Breakdown]) -> list[dict[str, str]]:
+    """Each layer type of the first breakdown with what each other one calls it (paired with
+    the first by ``pair_layer_types``), then the types only another has: one dict per type,
+    label -> that breakdown's name of it (no entry where it has none)."""
+    labels = list(breakdowns)
+    if not labels:
+        return []
+    first = breakdowns[labels[0]]
+    rows: list[dict[str, str]] = [{labels[0]: t["type"]} for t in first.layer_types]
+    row_of = {t["type"]: row for t, row in zip(first.layer_types, rows, strict=True)}
+    for label in labels[1:]:
+        for name_a, name_b in pair_layer_types(first, breakdowns[label]):
+            if name_b is None:
+                continue
+            if name_a is not None:
+                row_of[name_a][label] = name_b
+            else:
+                rows.append({label: name_b})
+    return rows
+
+
 def pair_label(name_a: str | None, name_b: str | None, a: Breakdown | None) -> str:
     """A pair's name: A's; for a type only B has, B's, or "-" where A names another type so."""
     if name_a is not None:

@@ -21,6 +21,7 @@ from plotly.subplots import make_subplots
 
 from kimi_perf.breakdown import Breakdown, layer_notes, phase_note, units_word
 from kimi_perf.compare import (
+    aligned_types,
     compare,
     differing_patterns,
     overview,
@@ -190,11 +191,13 @@ def _typical_html(breakdowns: dict[str, Breakdown]) -> str:
     with its class and median µs (the full name on hover)."""
     unit = {label: b.unit for label, b in breakdowns.items()}
     e = html.escape
-    types = list(dict.fromkeys(t["type"] for b in breakdowns.values() for t in b.layer_types))
     parts = []
-    for layer_type in types:
-        sides = {label: next((t for t in b.layer_types if t["type"] == layer_type), None)
-                 for label, b in breakdowns.items()}
+    for names_of in aligned_types(breakdowns):   # paired as compare and the gate pair them
+        sides = {label: next((t for t in b.layer_types if t["type"] == names_of.get(label)),
+                             None) for label, b in breakdowns.items()}
+        layer_type = next(iter(names_of.values()))
+        called = "; ".join(f"{label} calls it {name}" for label, name in names_of.items()
+                           if name != layer_type)
         typical = {label: (t or {}).get("typical_layer") for label, t in sides.items()}
         if not any(typical.values()):
             continue
@@ -226,8 +229,9 @@ def _typical_html(breakdowns: dict[str, Breakdown]) -> str:
                   "other kernel sequences: the letter may name different layers.</p>"
                   if patterns_differ((t or {}).get("pattern") for t in sides.values())
                   else "")
-        parts.append(f"<h3>Typical {e(layer_type)} layer: {_units(breakdowns)} in order, "
-                     f"median µs</h3><table>{head}{''.join(rows)}{foot}</table>{differ}")
+        parts.append(f"<h3>Typical {e(layer_type)} layer{f' ({e(called)})' if called else ''}: "
+                     f"{_units(breakdowns)} in order, median µs</h3><table>{head}"
+                     f"{''.join(rows)}{foot}</table>{differ}")
     if not parts:
         return ""
     heading = {"kernels": "Kernel by kernel", "ops": "Op by op"}.get(

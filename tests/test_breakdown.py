@@ -485,4 +485,9 @@ def test_compare_pairs_pattern_types_by_their_kernels_whatever_their_letters(tmp
                                     "--kernels", "--format", "json"]).output
     typical = json.loads(out)["typical_layers"]
     assert typical["A = B"]["a"] == typical["A = B"]["b"]
+    from kimi_perf.report import write_report
+
+    html = write_report(tmp_path / "r.html", {"x": a, "y": b}, "t", plotly_js="cdn").read_text()
+    assert html.count("<h3>Typical ") == 2
+    assert "Typical A layer (y calls it B)" in html and "Typical B layer (y calls it A)" in html
 
