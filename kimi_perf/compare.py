@@ -174,17 +174,24 @@ def differing_patterns(rows: list[OverviewRow]) -> list[str]:
 
 
 def overview(breakdowns: dict[str, Breakdown]) -> list[OverviewRow]:
-    """Every trace in one table, a row each, layer types in order of first appearance: the
-    view of a TP run's ranks (which rank is slow, and in what)."""
-    types = list(dict.fromkeys(t["type"] for b in breakdowns.values() for t in b.layer_types))
+    """Every trace in one table, a row each, the layer types as the first trace names them
+    (``aligned_types``; then the types only others have): the view of a TP run's ranks
+    (which rank is slow, and in what)."""
+    columns: dict[str, dict[str, str]] = {}
+    for names_of in aligned_types(breakdowns):
+        column = next(iter(names_of.values()))
+        while column in columns:
+            column += "'"
+        columns[column] = names_of
     rows = []
     for label, b in breakdowns.items():
         by_type = {t["type"]: t for t in b.layer_types}
         spans = [s["span_us"] for s in b.steps]
         step_us = statistics.median(spans) if spans else None
+        mine = {column: by_type.get(names_of.get(label)) for column, names_of in columns.items()}
         rows.append(OverviewRow(label, len(spans), step_us, {
-            t: (by_type[t]["kernels"], by_type[t]["span_us"]) if t in by_type else None
-            for t in types}, {t: by_type.get(t, {}).get("pattern") for t in types}))
+            column: (t["kernels"], t["span_us"]) if t else None for column, t in mine.items()},
+            {column: (t or {}).get("pattern") for column, t in mine.items()}))
     return rows
 
 

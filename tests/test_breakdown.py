@@ -490,4 +490,8 @@ def test_compare_pairs_pattern_types_by_their_kernels_whatever_their_letters(tmp
     html = write_report(tmp_path / "r.html", {"x": a, "y": b}, "t", plotly_js="cdn").read_text()
     assert html.count("<h3>Typical ") == 2
     assert "Typical A layer (y calls it B)" in html and "Typical B layer (y calls it A)" in html
+    from kimi_perf.compare import overview
+
+    rows = overview({"x": a, "y": b, "z": a})
+    assert list(rows[0].types) == ["A", "B"] and rows[1].types == rows[0].types
 
