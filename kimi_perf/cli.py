@@ -249,8 +249,8 @@ def compare_cmd(a: Path, b: Path | None, path_name: str | None, fmt: str, layers
     types_a = {t["type"]: t for t in ba.layer_types}
     types_b = {t["type"]: t for t in bb.layer_types}
     # each pair of layer types: (its label, A's type, B's type)
-    matched = [(r.label, types_a.get(r.type), types_b.get(r.type_b or r.type)) for r in rows
-               if r.type in types_a or (r.type_b or r.type) in types_b]
+    matched = [(r.label, types_a.get(r.name_a), types_b.get(r.name_b)) for r in rows
+               if r.name_a is not None or r.name_b is not None]
     if fmt == "json":
         typical = {label: {"a": (ta or {}).get("typical_layer"),
                            "b": (tb or {}).get("typical_layer")}

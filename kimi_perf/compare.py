@@ -25,6 +25,8 @@ class ComparisonRow:
     # letter may name another layer there (letters follow the order of first appearance).
     pattern_differs: bool = False
     type_b: str | None = None   # B's name of the type, where it differs (``pair_layer_types``)
+    name_a: str | None = None   # the type's name in A and in B (None: that side has none)
+    name_b: str | None = None
 
     @property
     def label(self) -> str:
@@ -63,6 +65,7 @@ def compare(a: Breakdown, b: Breakdown) -> list[ComparisonRow]:
     for name_a, name_b in pair_layer_types(a, b):
         label = pair_label(name_a, name_b, a)
         row = _row(label, types_a.get(name_a), types_b.get(name_b))
+        row.name_a, row.name_b = name_a, name_b
         if name_b is not None and name_b != label:
             row.type_b = name_b
         rows.append(row)
@@ -71,53 +74,63 @@ def compare(a: Breakdown, b: Breakdown) -> list[ComparisonRow]:
     return rows
 
 
+def pair_types(types_a: list[dict], types_b: list[dict]
+               ) -> list[tuple[int | None, int | None]]:
+    """Two lists of layer types (``layer_types`` entries) paired, as positions in each (None
+    for a type one side lacks), A's order first, then B's unpaired types.
+
+    Types named by ranges pair by name. Types found by the repeating kernel pattern (letters
+    in order of first appearance, each with its sequence's digest) pair by digest, whatever
+    their letters (a type B finds first takes the letter A there); the ones left over pair in
+    order, as ``patterns_differ`` then says. A side without any digest (a breakdown stored
+    before there were digests) pairs by name throughout."""
+    digests = [[t.get("pattern") for t in types] for types in (types_a, types_b)]
+    by_digest = all(any(d is not None for d in side) for side in digests)
+    da, db = digests if by_digest else ([None] * len(types_a), [None] * len(types_b))
+    name_b = {t["type"]: j for j, t in enumerate(types_b) if db[j] is None}
+    pairs: dict[int, int | None] = {}
+    left_b = [j for j in range(len(types_b)) if db[j] is not None]
+    for i, t in enumerate(types_a):
+        if da[i] is None:
+            pairs[i] = name_b.get(t["type"])
+        elif (same := next((j for j in left_b if db[j] == da[i]), None)) is not None:
+            pairs[i] = same
+            left_b.remove(same)
+    for i, j in zip([i for i in range(len(types_a)) if i not in pairs], list(left_b),
+                    strict=False):
+        pairs[i] = j
+        left_b.remove(j)
+    paired = set(pairs.values())
+    return ([(i, pairs.get(i)) for i in range(len(types_a))]
+            + [(None, j) for j in range(len(types_b)) if j not in paired])
+
+
 def pair_layer_types(a: Breakdown | None, b: Breakdown | None
                      ) -> list[tuple[str | None, str | None]]:
-    """The layer types of two breakdowns, paired: (A's name, B's name), None for a type one
-    side lacks. Types named by ranges pair by name. Types found by the repeating kernel
-    pattern (letters in order of first appearance) pair by their kernel sequence's digest,
-    whatever their letters (a type B finds first takes the letter A there); the ones left
-    over pair in order, as ``patterns_differ`` then says."""
-    def kinds(x: Breakdown | None) -> tuple[list[str], dict[str, str]]:
-        types = x.layer_types if x is not None else []
-        return ([t["type"] for t in types],
-                {t["type"]: t["pattern"] for t in types if t.get("pattern") is not None})
-    names_a, digest_a = kinds(a)
-    names_b, digest_b = kinds(b)
-    pairs: dict[str, str | None] = {}
-    left_b = [t for t in names_b if t in digest_b]
-    for t in names_a:
-        if t not in digest_a:
-            pairs[t] = t if t in names_b and t not in digest_b else None
-        elif (same := next((u for u in left_b if digest_b[u] == digest_a[t]), None)) is not None:
-            pairs[t] = same
-            left_b.remove(same)
-    for t, u in zip([t for t in names_a if t not in pairs], list(left_b), strict=False):
-        pairs[t] = u
-        left_b.remove(u)
-    paired = set(pairs.values())
-    return ([(t, pairs.get(t)) for t in names_a]
-            + [(None, u) for u in names_b if u not in paired])
+    """``pair_types`` of two breakdowns, as (A's name, B's name)."""
+    types_a = a.layer_types if a is not None else []
+    types_b = b.layer_types if b is not None else []
+    return [(None if i is None else types_a[i]["type"], None if j is None else types_b[j]["type"])
+            for i, j in pair_types(types_a, types_b)]
 
 
 def aligned_types(breakdowns: dict[str, Breakdown]) -> list[dict[str, str]]:
-    """Each layer type of the first breakdown with what each other one calls it (paired with
-    the first by ``pair_layer_types``), then the types only another has: one dict per type,
-    label -> that breakdown's name of it (no entry where it has none)."""
-    labels = list(breakdowns)
-    if not labels:
-        return []
-    first = breakdowns[labels[0]]
-    rows: list[dict[str, str]] = [{labels[0]: t["type"]} for t in first.layer_types]
-    row_of = {t["type"]: row for t, row in zip(first.layer_types, rows, strict=True)}
-    for label in labels[1:]:
-        for name_a, name_b in pair_layer_types(first, breakdowns[label]):
-            if name_b is None:
+    """The layer types of several breakdowns, aligned: one dict per type, label -> that
+    breakdown's name of it (no entry where it has none). The first breakdown's types come
+    first; each later one's are paired (``pair_types``) with every type found so far, each
+    represented by the first breakdown that has it, so a type that only later ones have is
+    one row for all of them."""
+    rows: list[dict[str, str]] = []
+    found: list[dict] = []      # each row's type, as the first breakdown that has it has it
+    for label, b in breakdowns.items():
+        for i, j in pair_types(found, b.layer_types):
+            if j is None:
                 continue
-            if name_a is not None:
-                row_of[name_a][label] = name_b
-            else:
-                rows.append({label: name_b})
+            if i is None:
+                rows.append({})
+                found.append(b.layer_types[j])
+                i = len(rows) - 1
+            rows[i][label] = b.layer_types[j]["type"]
     return rows
 
 

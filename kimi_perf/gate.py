@@ -15,12 +15,13 @@ is reported.
 Layer types found by the repeating kernel pattern (letters in order of first appearance, not
 range names) are paired by their kernel sequence (its digest), whatever their letters; the
 types left over are paired in order (``kimi_perf.compare.pair_layer_types``, as ``compare``
-pairs them). A pair whose sequences differ is noted (``pattern``: ``changed``). Where they
-also differ in kernel count, the pattern has likely started the layers elsewhere (a kernel
-moves from one letter to the next: one gains what the other loses), so the pair's checks are
-shown as ``changed`` and do not fail; the whole steps, checked as ever, catch a kernel added
-or a step slowed. So is a type the run lacks while its steps hold as many layers as the
-baseline's. A pair of one kernel count (another GEMM kernel picked, say) is checked as usual.
+pairs them). A pair whose sequences differ is noted (``pattern``: ``changed``). Where the
+kernels such pairs' typical layers lost are exactly the ones the others gained, the pattern
+has started the layers elsewhere (a kernel moved from one letter to the next), so their
+checks are shown as ``changed`` and do not fail; the whole steps, checked as ever, catch a
+kernel added or a step slowed. So is a type the run lacks while its steps hold as many layers
+as the baseline's, or that held one layer a step at most. Any other change of kernels
+(another GEMM kernel picked, one unfused into two) is checked as usual.
 
 A layer type's regression or improvement says which kernels are behind it (``detail``), from
 the typical layers of both (the kernel sequence most layers of the type ran, with median µs
@@ -38,6 +39,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -190,9 +192,11 @@ def _checked(b: Breakdown, path: Path) -> Breakdown:
                        and all(is_finite_number(r.get(m)) for m in METRICS)
                        and _classes_ok(r.get("classes")) for r in rows)
             or not all(isinstance(r.get("type"), str) for r in b.layers)
-            or not all(r.get("phase") is None or isinstance(r["phase"], str) for r in b.steps)):
+            or not all(r.get("phase") is None or isinstance(r["phase"], str) for r in b.steps)
+            or not all(r.get("layers") is None or _count(r["layers"]) for r in b.steps)):
         raise TraceError(path, "breakdown rows lack a type, or finite kernels, kernel_us, "
-                               "span_us or classes, or a step's phase is not a name")
+                               "span_us or classes, or a step's phase is not a name or its "
+                               "layers not a count")
     for t in b.layer_types:
         if not _layer_type_figures_ok(t):
             raise TraceError(path, f"layer type {t['type']!r}: not {{layers, kernels, "
@@ -265,11 +269,13 @@ def gate(baseline: dict[str, Breakdown], current: dict[str, Breakdown],
     checks: list[Check] = []
     for path in [*baseline, *(p for p in current if p not in baseline)]:
         base, cur = baseline.get(path), current.get(path)
-        for base_type, cur_type in [*pair_layer_types(base, cur), (STEP, STEP)]:
+        pairs = pair_layer_types(base, cur)
+        moved = _moved(base, cur, pairs)
+        for base_type, cur_type in [*pairs, (STEP, STEP)]:
             label = pair_label(base_type, cur_type, base)
-            shifted = _boundary_moved(base, cur, base_type, cur_type)
+            shifted = base_type in moved
             found: list[Check] = []
-            if "kernels" in tolerances.metrics and None not in (base_type, cur_type) and (
+            if None not in (base_type, cur_type) and (
                     patterns_differ([_digest(base, base_type), _digest(cur, cur_type)])):
                 found.append(Check(path, label, "pattern", None, None, None, None, "changed"))
             for metric in tolerances.metrics:
@@ -296,28 +302,52 @@ def gate(baseline: dict[str, Breakdown], current: dict[str, Breakdown],
 
 
 def _digest(b: Breakdown | None, layer_type: str | None) -> str | None:
-    t = next((t for t in b.layer_types if t["type"] == layer_type), None) if b else None
-    return (t or {}).get("pattern")
+    return ((_layer_type(b, layer_type) if b else None) or {}).get("pattern")
 
 
-def _boundary_moved(base: Breakdown | None, cur: Breakdown | None, base_type: str | None,
-                    cur_type: str | None) -> bool:
-    """Whether a pair of pattern types looks like the pattern starting its layers elsewhere
-    (see the module doc): other kernel sequences of other kernel counts, or a type the run
-    lacks while its steps hold as many layers as the baseline's."""
-    if base is None or cur is None or _digest(base, base_type) is None:
-        return False
-    if cur_type is None:
-        return (bool(cur.layers) and _layers_per_step(base) == _layers_per_step(cur))
-    if _digest(cur, cur_type) in (None, _digest(base, base_type)):
-        return False
-    before, after = (_samples(b, t, "kernels") for b, t in ((base, base_type), (cur, cur_type)))
-    return (before is not None and after is not None
-            and float(np.median(before)) != float(np.median(after)))
+def _moved(base: Breakdown | None, cur: Breakdown | None,
+           pairs: list[tuple[str | None, str | None]]) -> set[str]:
+    """The baseline's pattern types whose checks only say that the pattern split the steps
+    elsewhere (see the module doc): of the pairs whose kernel sequences differ, the kernels
+    their typical layers lost are the ones the others gained (a kernel moved from one letter
+    to the next); a pattern type the run lacks, while the run has pattern types, where the
+    run's steps hold as many layers as the baseline's or it held one layer a step at most."""
+    if base is None or cur is None:
+        return set()
+    changed = [(b, c) for b, c in pairs if b is not None and c is not None
+               and _digest(base, b) is not None
+               and _digest(cur, c) not in (None, _digest(base, b))]
+    lost: Counter = Counter()
+    gained: Counter = Counter()
+    for b, c in changed:
+        kb, kc = _typical(base, b), _typical(cur, c)
+        if kb is None or kc is None:
+            return set()   # an older breakdown: nothing to tell a move by
+        names_b, names_c = Counter(k["name"] for k in kb), Counter(k["name"] for k in kc)
+        lost += names_b - names_c
+        gained += names_c - names_b
+    moved = {b for b, _ in changed} if lost == gained else set()
+    if any(_digest(cur, t["type"]) is not None for t in cur.layer_types):
+        per_step = _layers_per_step(base)
+        same_layers = per_step is not None and per_step == _layers_per_step(cur)
+        for b, c in pairs:
+            t = _layer_type(base, b)
+            if (c is None and t is not None and t.get("pattern") is not None
+                    and (same_layers or t["layers"] <= len(base.steps))):
+                moved.add(b)
+    return moved
 
 
-def _layers_per_step(b: Breakdown) -> float:
-    return float(np.median([s.get("layers", 0) for s in b.steps])) if b.steps else 0.0
+def _layer_type(b: Breakdown, name: str | None) -> dict | None:
+    return next((t for t in b.layer_types if t["type"] == name), None)
+
+
+def _layers_per_step(b: Breakdown) -> float | None:
+    """The median step's layer count (None where a step does not say)."""
+    counts = [s.get("layers") for s in b.steps]
+    if not counts or None in counts:
+        return None
+    return float(np.median(counts))
 
 
 def _typical(b: Breakdown | None, layer_type: str | None) -> list[dict] | None:
@@ -332,8 +362,6 @@ def _behind(check: Check, base: Breakdown | None, cur: Breakdown | None,
     added and removed; for times, the (at most three) launches whose µs moved most in the
     change's direction (the i-th launch of a name matched with the i-th; one that only one side
     has moves by all its µs: new or gone), and how much the typical layer moved in all."""
-    from collections import Counter
-
     from kimi_perf.names import short_names
 
     kb, kc = _typical(base, base_type), _typical(cur, cur_type)

@@ -241,7 +241,7 @@ def comparison_table(rows: list[ComparisonRow], label_a: str, label_b: str,
                       str(r.layers_b), fmt(r.kernels_b, ".3g"), fmt(r.span_us_b),
                       ratio_text(r.span_ratio), ratio_text(r.kernel_ratio))
     notes = []
-    if any(r.type_b for r in rows):
+    if any(r.type_b and r.name_a is not None for r in rows):
         notes.append(f"A = B: the type {label_a} calls A, {label_b} calls B (types found by "
                      "the repeating kernel pattern pair by their kernel sequence)")
     if any(r.pattern_differs for r in rows):

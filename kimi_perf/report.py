@@ -148,7 +148,7 @@ def _comparison_html(breakdowns: dict[str, Breakdown]) -> str:
             for r in rows)
         note = (f"<p>A = B: the type {e(a)} calls A, {e(b)} calls B (types found by the "
                 "repeating kernel pattern pair by their kernel sequence).</p>"
-                if any(r.type_b for r in rows) else "")
+                if any(r.type_b and r.name_a is not None for r in rows) else "")
         note += (f"<p>* found by the repeating kernel pattern, with another kernel sequence "
                  f"in {e(b)}: it may be another layer there.</p>"
                  if any(r.pattern_differs for r in rows) else "")

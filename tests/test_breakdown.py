@@ -495,3 +495,62 @@ def test_compare_pairs_pattern_types_by_their_kernels_whatever_their_letters(tmp
     rows = overview({"x": a, "y": b, "z": a})
     assert list(rows[0].types) == ["A", "B"] and rows[1].types == rows[0].types
 
+
+def _types(*specs) -> "Breakdown":
+    """A breakdown of layer types only: (name, digest or None, kernels, span µs) each."""
+    from kimi_perf.breakdown import Breakdown
+
+    return Breakdown(source={}, steps=[], layers=[], layer_types=[
+        {"type": name, "layers": 2, "kernels": k, "kernel_us": us, "span_us": us,
+         "gap_us": 0.0, "classes": {},
+         "typical_layer": {"layers": 2, "kernels": [{"name": f"{name}{digest}", "class": "x",
+                                                     "us": us}]},
+         **({"pattern": digest} if digest else {})} for name, digest, k, us in specs])
+
+
+def test_types_only_later_traces_have_are_one_column():
+    """A type the first trace lacks but two others have (by name, or by kernel sequence) is
+    one row of the alignment, not one per trace."""
+    from kimi_perf.compare import aligned_types, overview
+
+    r0 = _types(("mlp", None, 5, 10.0))
+    r1 = _types(("mlp", None, 5, 10.0), ("kda", None, 9, 20.0), ("A", "d1", 3, 5.0))
+    r2 = _types(("kda", None, 9, 21.0), ("mlp", None, 5, 11.0), ("B", "d1", 3, 6.0))
+    assert aligned_types({"r0": r0, "r1": r1, "r2": r2}) == [
+        {"r0": "mlp", "r1": "mlp", "r2": "mlp"}, {"r1": "kda", "r2": "kda"},
+        {"r1": "A", "r2": "B"}]
+    rows = overview({"r0": r0, "r1": r1, "r2": r2})
+    assert list(rows[0].types) == ["mlp", "kda", "A"]
+    assert rows[2].types["A"] == (3, 6.0) and rows[0].types["kda"] is None
+
+
+def test_a_type_only_a_has_shows_none_of_bs(tmp_path):
+    """A's A and B against B's A, which has A's B's kernels: the pair is B = A, and A's A
+    has no counterpart, in the table, the typical layers and the JSON."""
+    import json
+
+    from click.testing import CliRunner
+
+    from kimi_perf.cli import main
+
+    a = _types(("A", "d1", 3, 5.0), ("B", "d2", 4, 7.0))
+    b = _types(("A", "d2", 4, 7.5))
+    rows = compare(a, b)
+    assert [(r.label, r.name_a, r.name_b) for r in rows[:2]] == [
+        ("A", "A", None), ("B = A", "B", "A")]
+    for name, doc in (("a", a), ("b", b)):
+        (tmp_path / f"{name}.json").write_text(json.dumps(doc.to_json()))
+    out = CliRunner().invoke(main, ["compare", str(tmp_path / "a.json"),
+                                    str(tmp_path / "b.json"), "--kernels", "--format", "json"])
+    typical = json.loads(out.output)["typical_layers"]
+    assert typical["A"]["b"] is None and typical["B = A"]["b"]["kernels"][0]["name"] == "Ad2"
+
+
+def test_breakdowns_stored_before_digests_pair_by_name():
+    """An older stored breakdown has letters without digests: against a new one, by name."""
+    from kimi_perf.compare import pair_layer_types
+
+    old = _types(("A", None, 3, 5.0), ("B", None, 4, 7.0))
+    new = _types(("A", "d1", 3, 5.0), ("B", "d2", 4, 7.0))
+    assert pair_layer_types(old, new) == [("A", "A"), ("B", "B")]
+
