@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from kimi_perf import breakdown, compare, read_trace
-from kimi_perf.breakdown import _union_length
+from kimi_perf.breakdown import Breakdown, _union_length
 from kimi_perf.classify import classify, classify_name, default_rules, load_rules
 from kimi_perf.errors import TraceError
 from tests.conftest import KINETO, NSYS
@@ -496,10 +496,8 @@ def test_compare_pairs_pattern_types_by_their_kernels_whatever_their_letters(tmp
     assert list(rows[0].types) == ["A", "B"] and rows[1].types == rows[0].types
 
 
-def _types(*specs) -> "Breakdown":
+def _types(*specs) -> Breakdown:
     """A breakdown of layer types only: (name, digest or None, kernels, span µs) each."""
-    from kimi_perf.breakdown import Breakdown
-
     return Breakdown(source={}, steps=[], layers=[], layer_types=[
         {"type": name, "layers": 2, "kernels": k, "kernel_us": us, "span_us": us,
          "gap_us": 0.0, "classes": {},
