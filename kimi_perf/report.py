@@ -198,6 +198,8 @@ def _typical_html(breakdowns: dict[str, Breakdown]) -> str:
         layer_type = next(iter(names_of.values()))
         called = "; ".join(f"{label} calls it {name}" for label, name in names_of.items()
                            if name != layer_type)
+        if next(iter(breakdowns)) not in names_of:   # a type the first trace lacks
+            called = "; ".join(filter(None, [f"only in {', '.join(names_of)}", called]))
         typical = {label: (t or {}).get("typical_layer") for label, t in sides.items()}
         if not any(typical.values()):
             continue

@@ -506,7 +506,7 @@ def _types(*specs) -> Breakdown:
          **({"pattern": digest} if digest else {})} for name, digest, k, us in specs])
 
 
-def test_types_only_later_traces_have_are_one_column():
+def test_types_only_later_traces_have_are_one_column(tmp_path):
     """A type the first trace lacks but two others have (by name, or by kernel sequence) is
     one row of the alignment, not one per trace."""
     from kimi_perf.compare import aligned_types, overview
@@ -520,6 +520,12 @@ def test_types_only_later_traces_have_are_one_column():
     rows = overview({"r0": r0, "r1": r1, "r2": r2})
     assert list(rows[0].types) == ["mlp", "kda", "A"]
     assert rows[2].types["A"] == (3, 6.0) and rows[0].types["kda"] is None
+    from kimi_perf.report import write_report
+
+    html = write_report(tmp_path / "r.html", {"r0": r0, "r1": r1, "r2": r2}, "t",
+                        plotly_js="cdn").read_text()
+    assert "Typical kda layer (only in r1, r2)" in html
+    assert "Typical A layer (only in r1, r2; r2 calls it B)" in html
 
 
 def test_a_type_only_a_has_shows_none_of_bs(tmp_path):
