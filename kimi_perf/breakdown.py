@@ -534,6 +534,24 @@ def two_groups(rows: LayerRows, min_ratio: float = 1.5, min_share: float = 0.25,
     return out
 
 
+def step_notes(b: Breakdown) -> list[str]:
+    """What a breakdown says of its steps: work launched from another thread while a step
+    was open, work in no step, and its steps' phases (``phase_note``)."""
+    src = b.source
+    work = "GPU ops" if src.get("ops") == "gpu" else "ops"
+    notes = []
+    if src.get("other_thread_ops"):
+        notes.append(f"{src['other_thread_ops']} {work} launched from another thread while a "
+                     "step's range was open are counted in that step (in no layer)")
+    outside = src.get("outside_steps") or {}
+    if outside.get("ops"):
+        notes.append(f"{outside['ops']} more {work} ({outside['kernel_us']:.1f} µs) ran in no "
+                     "step: launched outside every step's range")
+    if phases := phase_note(b):
+        notes.append(phases)
+    return notes
+
+
 def layer_notes(b: Breakdown) -> list[str]:
     """What a breakdown says of its layer types: their two groups, single-layer types."""
     notes = [two_groups_note(t["type"], g) for t in b.layer_types

@@ -96,7 +96,7 @@ def environment(device: str) -> dict[str, Any]:
         env["cuda"] = torch.version.cuda
         env["driver"] = _driver_version()
     else:
-        env["gpus"] = []
+        env.update(gpus=[], cuda=None, driver=None)
     env["git_commit"] = _git_commit()
     return env
 
@@ -221,6 +221,8 @@ def _capture_all(req: TraceRequest, config, device: str, run_dir: Path, final: P
         trace = read_trace(trace_file)
         trace.save(run_dir / f"{path}.kptrace")
         results[path] = breakdown(trace)
+        # where the trace will be: the run directory is filled under a temporary name
+        results[path].source["file"] = str(final / Path(trace_file).relative_to(run_dir))
         del trace
         run_info["paths"][path] = metrics
     _write_outputs(run_dir, final, run_info, results,
@@ -405,7 +407,7 @@ def trace_labels(paths: list[Path]) -> list[str]:
     repeats gets primes (trace, trace')."""
     labels = [trace_label(p) for p in paths]
     repeated = {label for label in labels if labels.count(label) > 1}
-    labels = [f"{p.resolve().parent.name}/{label}" if label in repeated else label
+    labels = [f"{Path(os.path.abspath(p)).parent.name}/{label}" if label in repeated else label
               for p, label in zip(paths, labels, strict=True)]
     out: list[str] = []
     for label in labels:

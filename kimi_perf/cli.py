@@ -143,11 +143,15 @@ def ranges(trace: Path, fmt: str, output: Path | None) -> None:
 
 
 def _breakdown_of(path: Path, layers: str, rules: Path | None, steps: str | None,
-                  phase: str) -> Breakdown:
-    """A trace's breakdown, or a saved breakdown JSON as it is."""
+                  phase: str, path_name: str | None = None) -> Breakdown:
+    """A trace's breakdown, or a saved breakdown JSON as it is (of a run: its one decode
+    path, or the one ``path_name`` names)."""
     runs, run_doc = _saved_breakdowns(path)
-    if run_doc is not None and len(runs) > 1:
-        raise TraceError(path, f"a run of the paths {', '.join(runs)}: compare or gate it")
+    if path_name is not None and run_doc is None:
+        raise TraceError(None, f"--path picks a decode path of a kimi-perf run: {path} is not "
+                               "one")
+    if run_doc is not None:
+        return _one_path(path, runs, True, path_name)[1]
     if runs:
         return next(iter(runs.values()))
     layers, steps = _check_layers(layers), _check_steps(steps)
@@ -172,18 +176,21 @@ EXAMPLE_TRACE = (Path(__file__).parent / "examples"
 @_phase_option
 @click.option("--rules", type=click.Path(path_type=Path), help="TOML file of extra kernel-class "
               "rules, tried before the defaults")
+@click.option("--path", "path_name", help="the decode path to show from a run that holds "
+              "several (standard, specialized, ...)")
 @_kernels_option
 @click.option("-o", "--output", type=click.Path(path_type=Path), help="write here, not stdout")
 @_fail_cleanly
 def breakdown_cmd(trace: Path | None, fmt: str, layers: str, step_regex: str | None,
-                  phase: str, rules: Path | None, kernels: bool, output: Path | None) -> None:
+                  phase: str, rules: Path | None, path_name: str | None, kernels: bool,
+                  output: Path | None) -> None:
     """Per step and layer: kernels, kernel µs, span µs, gap µs, per class; medians per type.
 
     Without TRACE, analyses the embedded example: one vLLM GPT-OSS-20B decode step under a
     full HIP graph (see kimi_perf/examples/README.md).
     """
     _no_trace_among([trace or EXAMPLE_TRACE])
-    b = _breakdown_of(trace or EXAMPLE_TRACE, layers, rules, step_regex, phase)
+    b = _breakdown_of(trace or EXAMPLE_TRACE, layers, rules, step_regex, phase, path_name)
     if fmt == "table":
         typical = [render.typical_layer_table(t["type"] or "-", {"": t}, b.unit)
                    for t in b.layer_types] if kernels else []
@@ -368,6 +375,10 @@ def gate_cmd(baseline: Path, run: Path, metrics: str, rel_tol: float, alpha: flo
     if path_name is not None:
         base, current = (_only_path(f, runs, path_name)
                          for f, runs in ((baseline, base), (run, current)))
+    for file, runs, other in ((baseline, base, current), (run, current, base)):
+        if set(other) == {gate_mod.TRACE} and len(runs) > 1:   # which path is the trace?
+            raise TraceError(file, f"holds the paths {', '.join(runs)}: choose the one the "
+                                   "other side stands for with --path")
     if update and base_file is None:
         raise TraceError(baseline, "--update replaces a baseline JSON (or a run directory's "
                                    "breakdown.json), not a trace")
@@ -709,16 +720,18 @@ def trace_cmd(from_files: tuple[Path, ...], phase: str, rules: Path | None,
             run_dir, results, run_info = cap.capture(
                 req, progress=lambda text, units: bar.update(task, description=text,
                                                              advance=units))
-    if fmt == "json":
-        click.echo(json.dumps({"run_dir": str(run_dir), "run": run_info,
-                               "paths": {k: b.to_json() for k, b in results.items()}},
-                              indent=1))
-        return
     labels = list(results)
-    on_cpu = [label for label, b in results.items() if b.unit == "ops"]
-    unit = units_word(b.unit for b in results.values())
     a = labels[0]
     compared = [(b, compare_breakdowns(results[a], results[b])) for b in labels[1:]]
+    if fmt == "json":
+        click.echo(json.dumps({
+            "schema": 1, "run_dir": str(run_dir), "run": run_info,
+            "paths": {k: b.to_json() for k, b in results.items()},
+            "comparisons": [{"a": a, "b": b, "rows": [r.to_json() for r in rows]}
+                            for b, rows in compared]}, indent=1))
+        return
+    on_cpu = [label for label, b in results.items() if b.unit == "ops"]
+    unit = units_word(b.unit for b in results.values())
     if len(labels) >= 3:  # a TP run's ranks, say: every one in one table
         from kimi_perf.compare import overview
 

@@ -177,6 +177,7 @@ class OverviewRow:
     step_us: float | None
     types: dict[str, tuple[float, float] | None]
     patterns: dict[str, str | None]   # a type found by the kernel pattern: its digest
+    unit: str = "kernels"             # "ops" for a CPU run (``Breakdown.unit``)
 
 
 def differing_patterns(rows: list[OverviewRow]) -> list[str]:
@@ -204,7 +205,7 @@ def overview(breakdowns: dict[str, Breakdown]) -> list[OverviewRow]:
         mine = {column: by_type.get(names_of.get(label)) for column, names_of in columns.items()}
         rows.append(OverviewRow(label, len(spans), step_us, {
             column: (t["kernels"], t["span_us"]) if t else None for column, t in mine.items()},
-            {column: (t or {}).get("pattern") for column, t in mine.items()}))
+            {column: (t or {}).get("pattern") for column, t in mine.items()}, b.unit))
     return rows
 
 
@@ -224,7 +225,10 @@ class Spread:
 
 
 def spreads(rows: list[OverviewRow]) -> list[Spread]:
-    """Per layer type and for the step, the fastest and slowest trace's median span."""
+    """Per layer type and for the step, the fastest and slowest trace's median span. None
+    among CPU runs and GPU traces together: their µs differ a thousandfold."""
+    if len({r.unit for r in rows}) > 1:
+        return []
     out = []
     for layer_type in [None, *(rows[0].types if rows else ())]:
         values = [(r.step_us if layer_type is None else r.types[layer_type][1], r.label)

@@ -15,7 +15,7 @@ from rich.table import Table
 from rich.text import Text
 
 from kimi_perf.attribution import RangeKernelRow
-from kimi_perf.breakdown import Breakdown, layer_notes, phase_note
+from kimi_perf.breakdown import Breakdown, layer_notes, step_notes
 from kimi_perf.compare import (
     ComparisonRow,
     OverviewRow,
@@ -127,19 +127,7 @@ def breakdown_tables(b: Breakdown) -> list[Table]:
                       f"{s['gap_us']:.1f}",
                       f"{s['prologue']['kernels']} / {s['prologue']['span_us']:.1f} µs",
                       f"{s['epilogue']['kernels']} / {s['epilogue']['span_us']:.1f} µs")
-    work = "GPU ops" if src.get("ops") == "gpu" else "ops"
-    notes = []
-    if src.get("other_thread_ops"):
-        notes.append(f"{src['other_thread_ops']} {work} launched from another thread while a "
-                     "step's range was open are counted in that step (in no layer)")
-    outside = src.get("outside_steps") or {}
-    if outside.get("ops"):
-        notes.append(f"{outside['ops']} more {work} ({outside['kernel_us']:.1f} µs) ran in no "
-                     "step: launched outside every step's range")
-    if not b.steps:
-        notes.append("no GPU work in this trace")
-    if phases := phase_note(b):
-        notes.append(phases)
+    notes = step_notes(b) + ([] if b.steps else ["no GPU work in this trace"])
     steps.caption = "\n".join(notes) or None
     tables = [steps]
     if not b.layer_types:
@@ -252,10 +240,10 @@ def comparison_table(rows: list[ComparisonRow], label_a: str, label_b: str,
 
 
 def note_lines(breakdowns: dict[str, Breakdown]) -> list[str]:
-    """What each breakdown says under its figures, after its label: its steps' phases
-    (``phase_note``) and its layer types (``layer_notes``)."""
+    """What each breakdown says under its figures, after its label: of its steps
+    (``step_notes``) and its layer types (``layer_notes``)."""
     return [f"{label}: {note}" for label, b in breakdowns.items()
-            for note in [phase_note(b), *layer_notes(b)] if note]
+            for note in [*step_notes(b), *layer_notes(b)]]
 
 
 def comparison_headline(rows: list[ComparisonRow], label_a: str, label_b: str,
@@ -294,6 +282,9 @@ def overview_table(rows: list[OverviewRow], unit: str = "kernels") -> Table:
     if differ:
         notes.append("* found by the repeating kernel pattern, with other kernel sequences in "
                      "some traces: the letter may name different layers")
+    if len({r.unit for r in rows}) > 1:
+        notes.append("no spread between CPU runs and GPU traces: their µs differ a "
+                     "thousandfold")
     table.caption = "\n".join(notes)
     return table
 

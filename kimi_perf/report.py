@@ -19,7 +19,7 @@ from pathlib import Path
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from kimi_perf.breakdown import Breakdown, layer_notes, phase_note, units_word
+from kimi_perf.breakdown import Breakdown, layer_notes, step_notes, units_word
 from kimi_perf.compare import (
     aligned_types,
     compare,
@@ -106,20 +106,8 @@ def _comparison_html(breakdowns: dict[str, Breakdown]) -> str:
     e = html.escape
     parts = []
     for label in labels:
-        ops = "ops" if unit[label] == "ops" else "GPU ops"
-        src = breakdowns[label].source
-        if src.get("other_thread_ops"):
-            parts.append(f"<p>{e(label)}: {src['other_thread_ops']} {ops} launched from "
-                         "another thread while a step's range was open are counted in that "
-                         "step (in no layer).</p>")
-        outside = src.get("outside_steps") or {}
-        if outside.get("ops"):
-            parts.append(f"<p>{e(label)}: {outside['ops']} more {ops} "
-                         f"({outside['kernel_us']:.1f} µs) ran in no step: launched outside "
-                         "every step's range.</p>")
         b = breakdowns[label]
-        parts += [f"<p>{e(label)}: {e(note)}.</p>"
-                  for note in [phase_note(b), *layer_notes(b)] if note]
+        parts += [f"<p>{e(label)}: {e(note)}.</p>" for note in [*step_notes(b), *layer_notes(b)]]
     a = labels[0] if labels else None
     if len(labels) == 1 and breakdowns[a].layer_types:  # nothing to compare with: its figures
         body = "".join(
@@ -182,6 +170,9 @@ def _overview_html(breakdowns: dict[str, Breakdown]) -> str:
     if differ:
         note += ("<p>* found by the repeating kernel pattern, with other kernel sequences in "
                  "some traces: the letter may name different layers.</p>")
+    if len({r.unit for r in rows}) > 1:
+        note += ("<p>No spread between CPU runs and GPU traces: their µs differ a "
+                 "thousandfold.</p>")
     return (f"<h2>Every trace (medians; µs = span, layer {_units(breakdowns)} in brackets)"
             f"</h2><table>{head}{body}{foot}</table>{note}")
 

@@ -87,6 +87,14 @@ def test_overview_of_several_traces_names_the_slowest():
     for rank, digest in ((0, "a1"), (1, "b2"), (2, "a1")):  # as if found by the pattern
         ranks[f"rank{rank}"].layer_types[0]["pattern"] = digest
     assert differing_patterns(overview(ranks)) == ["kda"]
+    # no spread between a CPU run and GPU traces
+    ranks["rank1"].source["ops"] = "cpu-ops"
+    assert spreads(overview(ranks)) == []
+    from kimi_perf.render import overview_table, tables_text
+
+    assert "no spread between CPU runs and GPU traces" in " ".join(
+        tables_text([overview_table(overview(ranks))]).split())
+    ranks["rank1"].source["ops"] = "gpu"
     # a trace without a type is left out of that type's spread
     del ranks["rank1"].layer_types[1]
     rows = overview(ranks)

@@ -511,17 +511,23 @@ def test_kernels_shows_each_typical_layer_kernel_by_kernel(tmp_path):
     assert "graph: 17 kernels" in two.output and "piecewise: " in two.output
 
 
-def test_breakdown_of_a_run_takes_its_only_path(tmp_path):
-    """A `trace --from` run of one trace holds one path: breakdown shows it; a run of two
-    names its paths."""
+def test_breakdown_of_a_run_takes_its_only_path_or_the_one_named(tmp_path):
+    """A `trace --from` run of one trace holds one path: breakdown shows it; of a run of two
+    it shows the one --path names, and without --path names them."""
     from tests.test_gate import BASELINE
 
     doc = json.loads(BASELINE.read_text())
-    doc["paths"] = {"specialized": doc["paths"]["specialized"]}
+    specialized = doc["paths"]["specialized"]
+    doc["paths"] = {"specialized": specialized}
     (tmp_path / "one.json").write_text(json.dumps(doc))
     one = run("breakdown", tmp_path / "one.json")
     assert one.exit_code == 0 and "Per layer type: median over layers and steps" in one.output
-    _one_line_error(run("breakdown", BASELINE), "a run of the paths standard, specialized")
+    _one_line_error(run("breakdown", BASELINE),
+                    "holds the paths standard, specialized: choose one with --path")
+    picked = json.loads(run("breakdown", BASELINE, "--path", "specialized", "--format",
+                            "json").output)
+    assert picked["layer_types"] == specialized["layer_types"]
+    _one_line_error(run("breakdown", BASELINE, "--path", "fused"), "has no path 'fused'")
 
 
 def test_plotly_js_of_ones_own_is_referred_to_from_the_run(tmp_path):
@@ -772,6 +778,12 @@ def test_traces_of_one_name_in_several_folders_are_labelled_by_folder(tmp_path):
         shutil.copy(VLLM, tmp_path / rank / "trace.json.gz")
     files = [tmp_path / "rank0" / "trace.json.gz", tmp_path / "rank1" / "trace.json.gz"]
     assert trace_labels(files) == ["rank0/trace", "rank1/trace"]
+    links = tmp_path / "links"   # the folders of the paths as given, not of their targets
+    for rank in ("rank0", "rank1"):
+        (links / rank).mkdir(parents=True)
+        (links / rank / "profile.json.gz").symlink_to(VLLM)   # both in the fixtures' folder
+    assert trace_labels(sorted(links.glob("*/profile.json.gz"))) == [
+        "rank0/profile", "rank1/profile"]
     assert trace_labels([files[0], files[0], VLLM]) == [
         "rank0/trace", "rank0/trace'", VLLM.name.removesuffix(".json.gz")]
     doc = json.loads(run("compare", *files, "--format", "json").output)

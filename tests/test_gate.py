@@ -198,12 +198,14 @@ def test_gate_of_a_real_before_and_after_pair_fails_only_on_comparable_layers():
 
 def test_gate_one_path_of_a_run_against_one_trace(tmp_path):
     """--path checks one decode path; a single breakdown (or trace) on either side stands for
-    it, where without --path the baseline's other path would be missing."""
+    it. Without --path, which path it stands for is asked, not failed as missing."""
     one = tmp_path / "specialized.json"
     one.write_text(json.dumps(json.loads(BASELINE.read_text())["paths"]["specialized"]))
     runner = CliRunner()
     whole = runner.invoke(main, ["gate", str(BASELINE), str(one), "--format", "json"])
-    assert whole.exit_code == 1
+    assert whole.exit_code == 2 and whole.output.count("\n") == 1   # not a fake regression
+    assert (f"{BASELINE}: holds the paths standard, specialized: choose the one the other "
+            "side stands for with --path") in whole.output
     picked = runner.invoke(main, ["gate", str(BASELINE), str(one), "--path", "specialized",
                                   "--format", "json"])
     assert picked.exit_code == 0, picked.output

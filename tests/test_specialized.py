@@ -242,6 +242,9 @@ def test_trace_command_captures_both_paths(tmp_path):
     assert result.exit_code == 0, result.output
     doc = json.loads(result.output)
     run_dir = tmp_path / doc["run_dir"].split("/")[-1]
+    (compared,) = doc["comparisons"]   # the JSON holds what the table shows
+    assert doc["schema"] == 1 and (compared["a"], compared["b"]) == ("standard", "specialized")
+    assert {r["type"]: r["kernel_ratio"] for r in compared["rows"][:2]} == {"kda": 2.0, "mla": 2.0}
     names = sorted(p.name for p in run_dir.iterdir())
     assert names == ["breakdown.json", "report.html", "run.json", "specialized.kptrace",
                      "specialized.trace.json.gz", "standard.kptrace", "standard.trace.json.gz"]
@@ -267,6 +270,8 @@ def test_trace_command_captures_both_paths(tmp_path):
                            ("specialized", {"kda": 9, "mla": 12})):
         types = {t["type"]: t for t in saved["paths"][path]["layer_types"]}
         assert {k: types[k]["kernels"] for k in launches} == launches
+        # the trace where it is once the run directory has its name
+        assert saved["paths"][path]["source"]["file"] == str(run_dir / f"{path}.trace.json.gz")
         steps = saved["paths"][path]["steps"]
         assert [s["name"] for s in steps] == ["decode_step[0]", "decode_step[1]"]
         assert all(s["layers"] == 4 and s["layer_source"] == "nvtx" for s in steps)
