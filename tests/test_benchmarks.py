@@ -56,9 +56,9 @@ def test_gpu_decode_check_plumbing_on_the_cpu(tmp_path):
     assert set(speed) == {"standard b1", "specialized b1", "specialized+l2 b1", "standard b2",
                           "specialized b2"}
     prefetch = {t["type"]: t["kernels"] for t in speed["specialized+l2 b1"]["layer_types"]}
-    assert prefetch == {"kda": 10, "mla": 13}
+    assert prefetch == {"dense": 8, "kda": 10, "mla": 13}
     kernels = {t["type"]: t["kernels"] for t in speed["specialized b1"]["layer_types"]}
-    assert kernels == {"kda": 9, "mla": 12}
+    assert kernels == {"dense": 7, "kda": 9, "mla": 12}
     # on this CPU the standard path runs its PyTorch ops; a GPU runs StandardKernelsModel
     assert speed["standard b1"]["model"] == "K3Model"
     assert "| run | model | layer type |" in proc.stdout

@@ -173,8 +173,10 @@ def test_validate_cli(tmp_path):
     doc = json.loads(result.output)
     assert doc["schema"] == 1 and doc["ok"]
     std = doc["paths"]["standard"]
-    assert set(std["layer_types"]) == {"kda", "mla"}
+    # layer 0, whose MLP is dense, is a type of its own: fewer launches than a KDA layer's MoE
+    assert set(std["layer_types"]) == {"dense", "kda", "mla"}
     assert {"max_rel_err", "launches"} <= set(std["layer_types"]["kda"])
+    assert std["layer_types"]["dense"]["launches"] < std["layer_types"]["kda"]["launches"]
     assert "logits_max_rel_err" in std
     bad = CliRunner().invoke(main, ["validate", "--paths", "nope"])
     assert bad.exit_code == 2 and "unknown path" in bad.output
@@ -247,7 +249,7 @@ def test_harness_annotates_steps_and_layers_for_the_trace_core(tmp_path, weights
         f"decode_step[{i}]" for i in range(3)]
     layers = [n for n in names if n.startswith("layer[")]
     assert len(layers) == 3 * TINY.n_layers
-    assert "layer[3](mla)" in layers and "layer[0](kda)" in layers
+    assert "layer[3](mla)" in layers and "layer[0](dense)" in layers and "layer[1](kda)" in layers
     import re
 
     assert all(re.search(DEFAULT_LAYER_PATTERN, n) for n in layers)

@@ -161,6 +161,6 @@ def test_a_graphed_profile_holds_the_capture(weights, monkeypatch, tmp_path):
     trace = read_trace(tmp_path / "t.json")
     names = [trace.strings[c] for c in trace.ranges.name]
     assert names.count("graph_capture") == 1
-    assert names.count("layer[0](kda)") == 1 and "decode_step[1]" in names
+    assert names.count("layer[0](dense)") == 1 and "decode_step[1]" in names
     assert "prefill" not in names
 

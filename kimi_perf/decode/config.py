@@ -49,6 +49,10 @@ class K3Config:
         return (layer + 1) % self.full_attn_every == 0 or layer == self.n_layers - 1
 
     def layer_type(self, layer: int) -> str:
+        """``kda`` or ``mla``; ``dense`` for layer 0, whose MLP is dense instead of the MoE:
+        a kernel sequence of its own (its attention is a KDA layer's)."""
+        if layer == 0:
+            return "dense"
         return "mla" if self.is_mla(layer) else "kda"
 
     # Per-rank shapes: attention heads and MLP intermediates are sharded; the router, the
