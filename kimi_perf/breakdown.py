@@ -555,7 +555,7 @@ def step_notes(b: Breakdown) -> list[str]:
 def layer_notes(b: Breakdown) -> list[str]:
     """What a breakdown says of its layer types: their two groups, single-layer types."""
     notes = [two_groups_note(t["type"], g) for t in b.layer_types
-             for g in t.get("two_groups", [])]
+             for g in t.get("two_groups") or []]
     if lone := lone_types_note(b):
         notes.append(lone)
     return notes

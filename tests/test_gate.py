@@ -400,8 +400,8 @@ def test_this_repository_keeps_its_launch_counts(tmp_path):
     result = runner.invoke(main, ["gate", str(BASELINE), str(run_dir), "--metrics", "kernels",
                                   "--all"])
     assert result.exit_code == 0, result.output
-    # median and largest, 2 paths × (2 layer types + the steps)
-    assert "gate: pass (12 checks)" in result.output
+    # median and largest, 2 paths × (3 layer types + the steps)
+    assert "gate: pass (16 checks)" in result.output
     # the same run against a baseline from before the shared experts joined the routed
     # experts' launches (two more per layer): an improvement; the reverse fails
     old = tmp_path / "old.json"
@@ -416,7 +416,8 @@ def test_this_repository_keeps_its_launch_counts(tmp_path):
                                 "kernels"]).exit_code == 0
     result = runner.invoke(main, ["gate", str(run_dir / "breakdown.json"), str(old),
                                   "--metrics", "kernels"])
-    assert result.exit_code == 1 and "specialized kda kernels 9 -> 11" in result.output
+    assert result.exit_code == 1 and "specialized kda kernels 9 -> 11" in " ".join(
+        result.output.split())
     # --update on a run directory replaces its breakdown.json
     result = runner.invoke(main, ["gate", str(run_dir), str(old), "--update"])
     assert result.exit_code == 0
@@ -488,7 +489,8 @@ def test_fuzzed_baselines_give_one_line_errors(data):
     {"name": "k", "class": "gemm", "us": "1"}]}, {"layers": 3, "kernels": [{"name": 5}]}])
 def test_a_malformed_typical_layer_is_one_line(tmp_path, typical):
     doc = json.loads(BASELINE.read_text())
-    doc["paths"]["specialized"]["layer_types"][0]["typical_layer"] = typical
+    (kda,) = [t for t in doc["paths"]["specialized"]["layer_types"] if t["type"] == "kda"]
+    kda["typical_layer"] = typical
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps(doc))
     for args in (["gate", bad, BASELINE], ["compare", bad, "--kernels"],
