@@ -128,7 +128,7 @@ def test_gpu_check_runs_the_specialized_path_with_the_opt_in_gemv(tmp_path):
                            tmp_path, 1e11, False, gemv=gemv)
     assert r["model"] == "SpecializedModel" and gemv.calls
     # layer 0 (KDA, dense MLP) and the last, gated MLA: the launches of the path without it
-    assert {t["type"]: t["kernels"] for t in r["layer_types"]} == {"kda": 7, "mla": 12}
+    assert {t["type"]: t["kernels"] for t in r["layer_types"]} == {"dense": 7, "mla": 12}
     assert (tmp_path / "specialized+cute_b1.trace.json.gz").exists()
 
 
