@@ -405,9 +405,7 @@ def _only_path(file: Path, runs: dict[str, Breakdown], name: str) -> dict[str, B
     """One decode path of a run, under its name; a plain trace's one breakdown takes it."""
     if set(runs) == {gate_mod.TRACE}:
         return {name: runs[gate_mod.TRACE]}
-    if name not in runs:
-        raise TraceError(file, f"has no path {name!r} (it has {', '.join(runs)})")
-    return {name: runs[name]}
+    return dict([_one_path(file, runs, True, name)])
 
 
 def _check_plotly_js(ctx, param, value: str) -> str:
