@@ -86,6 +86,14 @@ def _layers_option(fn):
     return click.option("--layers", default="auto", show_default=True, help=LAYERS_HELP)(fn)
 
 
+def _no_run(files: list[Path]) -> TraceError:
+    """The error for --path where no input is a kimi-perf run."""
+    said = (f"{files[0]} is not one" if len(files) == 1
+            else f"neither {files[0]} nor {files[1]} is one" if len(files) == 2
+            else "no input is one")
+    return TraceError(None, f"--path picks a decode path of a kimi-perf run: {said}")
+
+
 def _phase_option(fn):
     return click.option("--phase", type=click.Choice(PHASES), default="auto", show_default=True,
                         help="which steps count, by the phase their names say (vLLM's "
@@ -148,8 +156,7 @@ def _breakdown_of(path: Path, layers: str, rules: Path | None, steps: str | None
     path, or the one ``path_name`` names)."""
     runs, run_doc = _saved_breakdowns(path)
     if path_name is not None and run_doc is None:
-        raise TraceError(None, f"--path picks a decode path of a kimi-perf run: {path} is not "
-                               "one")
+        raise _no_run([path])
     if run_doc is not None:
         return _one_path(path, runs, True, path_name)[1]
     if runs:
@@ -241,8 +248,7 @@ def compare_cmd(a: Path, b: Path | None, path_name: str | None, fmt: str, layers
     else:
         runs_b, run_b = _breakdowns_of(b, layers, rules, step_regex, phase, names[1])
         if path_name is not None and run_a is None and run_b is None:
-            raise TraceError(None, f"--path picks a decode path of a kimi-perf run: neither "
-                                   f"{a} nor {b} is one")
+            raise _no_run([a, b])
         name_a, ba = _one_path(a, runs_a, run_a is not None, path_name)
         name_b, bb = _one_path(b, runs_b, run_b is not None, path_name)
         if name_a == name_b and run_a and run_b:  # one path of two runs: name the runs
@@ -370,8 +376,7 @@ def gate_cmd(baseline: Path, run: Path, metrics: str, rel_tol: float, alpha: flo
         return
     base, _, base_file = gate_mod.load_run(baseline, phase)
     if path_name is not None and set(base) == set(current) == {gate_mod.TRACE}:
-        raise TraceError(None, f"--path picks a decode path of a kimi-perf run: neither "
-                               f"{baseline} nor {run} is one")
+        raise _no_run([baseline, run])
     if path_name is not None:
         base, current = (_only_path(f, runs, path_name)
                          for f, runs in ((baseline, base), (run, current)))
@@ -452,7 +457,7 @@ def report_cmd(inputs: tuple[Path, ...], path_name: str | None, labels: str | No
     loaded = {i: _breakdowns_of(f, layers, rules, step_regex, phase, labels_of[i])
               for i, f in enumerate(inputs) if _stored(f)}
     if path_name is not None and not any(doc is not None for _, doc in loaded.values()):
-        raise TraceError(None, "--path picks a decode path of a kimi-perf run: no input is one")
+        raise _no_run(list(inputs))
     drawn: dict[str, Breakdown] = {}
     run_info = None
     for i, file in enumerate(inputs):

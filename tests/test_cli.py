@@ -753,7 +753,7 @@ def test_options_that_would_change_nothing_are_refused(tmp_path):
     _one_line_error(run("compare", VLLM, VLLM, "--path", "standard"),
                     "--path picks a decode path of a kimi-perf run: neither")
     _one_line_error(run("report", VLLM, "--path", "standard", "-o", tmp_path / "r.html"),
-                    "--path picks a decode path of a kimi-perf run: no input is one")
+                    f"--path picks a decode path of a kimi-perf run: {VLLM} is not one")
     assert list(tmp_path.iterdir()) == []
     # with a trace among the inputs, the options apply to it
     assert run("report", BASELINE, VLLM, "--phase", "all", "-o", tmp_path / "r.html",
