@@ -13,9 +13,6 @@ import shutil
 import subprocess
 from collections import defaultdict
 
-# The innermost template argument list: no angle brackets inside (folded ones are \0).
-_INNERMOST_TEMPLATE = re.compile(r"<[^<>]*>")
-
 
 def demangle(names: list[str]) -> list[str]:
     """Itanium-mangled names (``_ZN...``, as AMD's and some CUDA traces carry them) demangled
@@ -55,13 +52,45 @@ def short_names(names: list[str], width: int = 80) -> list[str]:
 
 
 def _shorten(name: str, width: int) -> str:
-    name = _without_arguments(name.removeprefix("void "))
-    while _width(name) > width:
-        folded = _INNERMOST_TEMPLATE.sub("\0", name)
-        if folded == name:
-            break
-        name = folded
-    return _cut(name.replace("\0", "<…>"), width)
+    return _cut(_fold_templates(_without_arguments(name.removeprefix("void ")), width), width)
+
+
+def _fold_templates(name: str, width: int) -> str:
+    """The innermost template argument lists folded to ``<…>``, a level at a time (a list's
+    level is one more than its highest inner list's), until the name is at most ``width``
+    wide or nothing is left to fold. One pass: what folding a level saves is known from each
+    list of that level alone, since its inner lists are folded by then. A ``<`` or ``>`` that
+    closes no list (``operator<``) is a character like any other."""
+    lists: list[tuple[int, int, int]] = []  # (open, close, level)
+    saved_at_level: list[int] = [0]
+    # each open list: its position, its inner lists' highest level, their length, their count
+    open_lists: list[list[int]] = []
+    for i, char in enumerate(name):
+        if char == "<":
+            open_lists.append([i, 0, 0, 0])
+        elif char == ">" and open_lists:
+            start, inner_level, inner_length, inner_count = open_lists.pop()
+            level, length = inner_level + 1, i - start + 1
+            lists.append((start, i, level))
+            if level == len(saved_at_level):
+                saved_at_level.append(0)
+            # its inner lists are `<…>` by now; it becomes `<…>` itself
+            saved_at_level[level] += length - inner_length + 3 * inner_count - 3
+            if open_lists:
+                outer = open_lists[-1]
+                outer[1] = max(outer[1], level)
+                outer[2] += length
+                outer[3] += 1
+    level, over = 0, len(name) - width
+    while over > 0 and level + 1 < len(saved_at_level):
+        level += 1
+        over -= saved_at_level[level]
+    parts, end = [], 0
+    for start, close, list_level in sorted(lists):
+        if list_level <= level and start >= end:  # outermost of those folded
+            parts += [name[end:start], "<…>"]
+            end = close + 1
+    return "".join(parts) + name[end:]
 
 
 def _cut(name: str, width: int) -> str:
@@ -70,10 +99,6 @@ def _cut(name: str, width: int) -> str:
         return name
     tail = (width - 1) * 2 // 5
     return name[: width - 1 - tail] + "…" + name[len(name) - tail:]
-
-
-def _width(name: str) -> int:
-    return len(name) + 2 * name.count("\0")
 
 
 _CLONE = re.compile(r" \[clone [^\]]*\]$")

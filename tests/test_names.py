@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import re
 import shutil
+import time
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kimi_perf import names
 from kimi_perf.names import short_names
@@ -90,3 +94,27 @@ def test_without_cxxfilt_names_stay_as_they_are(monkeypatch):
     assert names.demangle([MANGLED, "plain"]) == [MANGLED, "plain"]
     monkeypatch.setattr(names.shutil, "which", lambda _: "/nonexistent/c++filt")
     assert names.demangle([MANGLED]) == [MANGLED]          # it fails to run: no error
+
+
+def _fold_by_regex(name: str, width: int) -> str:
+    """The plain statement of the folding: innermost lists folded a level at a time while the
+    name is too wide (\x01 stands for a folded one, three characters wide)."""
+    while len(name) + 2 * name.count("\x01") > width:
+        folded = re.sub(r"<[^<>]*>", "\x01", name)
+        if folded == name:
+            break
+        name = folded
+    return name.replace("\x01", "<…>")
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.text(alphabet="<>a ,", max_size=60), st.integers(0, 70))
+def test_folding_in_one_pass_folds_as_the_level_by_level_statement_does(name, width):
+    assert names._fold_templates(name, width) == _fold_by_regex(name, width)
+
+
+def test_a_deeply_nested_name_folds_in_linear_time():
+    deep = "f" + "<a" * 200_000 + ">" * 200_000 + "(int)"
+    started = time.perf_counter()
+    assert short_names([deep], 20) == ["f<a<a<a<a<a<…>>>>>>"]
+    assert time.perf_counter() - started < 10   # level by level: minutes
