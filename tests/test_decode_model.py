@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -121,6 +122,21 @@ def test_speculative_verify_rolls_back_to_the_accepted_prefix(weights):
         assert int(spec.lengths[b]) == int(plain.lengths[0]) == 5 + int(accepted[b]) + 1
 
 
+def test_accept_rolls_back_a_model_without_kda_layers_too():
+    """The verify step's length comes from the step, not from the KDA checkpoints: a model
+    whose one layer is gated MLA keeps exactly the accepted tokens."""
+    one_mla = dataclasses.replace(TINY, n_layers=1)
+    assert one_mla.is_mla(0)
+    model = K3Model(one_mla, random_weights(one_mla, seed=3), dtype=torch.float32)
+    state = model.new_state(2, 16)
+    model.forward(torch.zeros(2, 3, dtype=torch.long), state)
+    model.forward(torch.ones(2, 4, dtype=torch.long), state, keep_checkpoints=True)
+    state.accept(torch.tensor([2, 4]))
+    assert state.lengths.tolist() == [5, 7]
+    with pytest.raises(ValueError, match="follows a verify step"):
+        state.accept(torch.tensor([1, 1]))       # nothing left to accept
+
+
 def _tp_logits(rank: int, weights, dtype_name: str):
     from kimi_perf.decode.tp import rank_model
 
@@ -185,7 +201,7 @@ def test_validate_cli(tmp_path):
 def test_safetensors_checkpoint_with_k3_names(tmp_path, weights):
     """A tiny checkpoint the way K3 ships: bf16 tensors, MXFP4-packed routed experts, A_log
     padded; it loads back to the same model."""
-    from safetensors.torch import save_file
+    from safetensors.torch import load_file, save_file
 
     from kimi_perf.decode.weights import (
         dequantize_mxfp4,
@@ -221,6 +237,15 @@ def test_safetensors_checkpoint_with_k3_names(tmp_path, weights):
     torch.testing.assert_close(dequantize_mxfp4(packed, scale),
                                loaded["model.layers.1.mlp.experts.0.w1.weight"].float())
     K3Model(TINY, loaded).forward(torch.tensor([[1, 2]]), K3Model(TINY, loaded).new_state(1, 4))
+
+    # A_log per channel (nonzero past the heads) is not K3's layout: an error, not a misread
+    a_log = next(n for n in names if n.endswith("A_log"))
+    shard = next(f for f in tmp_path.glob("*.safetensors") if a_log in load_file(str(f)))
+    stored = load_file(str(shard))
+    save_file({**stored, a_log: torch.ones(TINY.kda_heads + 4)}, str(shard))
+    with pytest.raises(TraceError, match=f"nonzero past its {TINY.kda_heads} heads"):
+        load_safetensors(tmp_path, TINY)
+    save_file(stored, str(shard))
 
     (tmp_path / "model-00002.safetensors").unlink()
     with pytest.raises(TraceError, match="checkpoint lacks"):

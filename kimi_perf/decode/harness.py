@@ -104,7 +104,7 @@ class GraphedDecodeStep:
             with annotate("graph_capture"), torch.cuda.graph(self.graph):
                 self.logits = model.forward(self.tokens, state, keep_checkpoints=verify,
                                             layer_hook=layer_hook)
-            self.checkpoints = dict(state.checkpoints)
+            self.checkpoints, self.verify_tokens = dict(state.checkpoints), state.verify_tokens
         finally:
             model.graph_safe = False
 
@@ -112,6 +112,7 @@ class GraphedDecodeStep:
         self.tokens.copy_(tokens)
         self.graph.replay()
         self.state.checkpoints = dict(self.checkpoints)
+        self.state.verify_tokens = self.verify_tokens
         return self.logits
 
 

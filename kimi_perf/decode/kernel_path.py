@@ -108,7 +108,7 @@ class KernelPathModel(K3Model):
         out = attn_res(prefix, delta, blocks, blocks.shape[1], -1, self.final_qk, None, eps)
         logits = self.lm_head(out)
         self.end_op()
-        state.lengths.add_(T)
+        state.advance(T, keep_checkpoints)
         return logits.view(B, T, -1)
 
     def fused_kda_decode(self, i: int, z: torch.Tensor, state: DecodeState, B: int, T: int,

@@ -73,6 +73,7 @@ class DecodeState:
     lengths: torch.Tensor                 # [B] tokens in the cache
     # Speculative verify keeps every position's KDA state to roll back to the accepted one.
     checkpoints: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    verify_tokens: int = 0                # tokens per sequence of the verify step to accept
 
     @classmethod
     def empty(cls, c: K3Config, batch: int, max_len: int, kv_dtype: torch.dtype,
@@ -91,20 +92,26 @@ class DecodeState:
             lengths=torch.zeros(batch, dtype=torch.long, device=device),
         )
 
+    def advance(self, tokens: int, verify: bool) -> None:
+        """A step of ``tokens`` per sequence is in the caches; a verify step awaits ``accept``."""
+        self.lengths.add_(tokens)
+        self.verify_tokens = tokens if verify else 0
+
     def accept(self, accepted: torch.Tensor) -> None:
         """After a verify step of T tokens: keep ``accepted[b]`` (1..T) of them per sequence.
 
         The KDA and conv states roll back to the last accepted position; the KV cache keeps
         its entries and only its length shrinks (later tokens overwrite the rejected ones).
         """
+        if not self.verify_tokens:
+            raise ValueError("accept() follows a verify step (forward with keep_checkpoints)")
         batch = torch.arange(len(accepted), device=accepted.device)
         last = accepted - 1
         for i, (states, convs) in self.checkpoints.items():
             self.kda[i].copy_(states[last, batch])
             self.conv[i].copy_(convs[last, batch])
-        T = next(iter(self.checkpoints.values()))[0].shape[0] if self.checkpoints else 1
-        self.lengths.add_(accepted - T)
-        self.checkpoints = {}
+        self.lengths.add_(accepted - self.verify_tokens)
+        self.checkpoints, self.verify_tokens = {}, 0
 
 
 class K3Model:
@@ -270,7 +277,7 @@ class K3Model:
         self.launch("lm_head")
         logits = out.float() @ self.w["lm_head.weight"].float().T
         self.end_op()
-        state.lengths.add_(T)
+        state.advance(T, keep_checkpoints)
         return logits
 
     # -- attention residuals ----------------------------------------------------------------

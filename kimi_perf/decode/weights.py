@@ -240,7 +240,13 @@ def load_safetensors(directory: str | Path, c: K3Config,
         else:
             raise TraceError(directory, f"checkpoint lacks {name}")
         if name.endswith("A_log") and t.numel() > shape[0]:
-            t = t.reshape(-1)[: shape[0]]  # K3 pads A_log to 128 entries
+            # K3 pads its per-head A_log to 128 entries with zeros; anything else there would
+            # be another layout (per channel), which dropping the tail would silently misread
+            t = t.reshape(-1)
+            if t[shape[0]:].any():
+                raise TraceError(directory, f"{name} has {t.numel()} entries, nonzero past its "
+                                            f"{shape[0]} heads: not K3's per-head layout")
+            t = t[: shape[0]]
         if tuple(t.shape) != shape:
             raise TraceError(directory, f"{name} has shape {tuple(t.shape)}, expected {shape}")
         out[name] = t.to(_storage_dtype(shape, dtype))
