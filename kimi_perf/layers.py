@@ -424,12 +424,16 @@ class RepeatSplit:
 
 
 def find_repeats(seq: np.ndarray, classes: np.ndarray | None = None,
+                 attention: np.ndarray | None = None,
                  min_coverage: float = 0.5) -> RepeatSplit | None:
     """Find N consecutive layers in a sequence of kernel-name codes.
 
     Names that occur exactly N times, once in each layer, anchor the layers: for the right N,
     their i-th occurrences all fall between their (i-1)-th and (i+1)-th. The N with the most
-    such occurrences wins. Between two anchored *cores* lies the tail of one layer and then the
+    such occurrences wins, unless its anchors are kernels that a layer runs k times (an
+    unfused norm before attention and before the MLP): see ``_layer_count``, which takes
+    ``attention``, a mask of the attention-class ops. Between two anchored *cores* lies the
+    tail of one layer and then the
     head of the next. The first layer's head is the one part of that gap that must also appear
     just before the first core (a layer's tail cannot precede layer 0), so each gap is split
     where its longest suffix that the prologue ends with begins. Matching uses kernel classes
@@ -441,20 +445,17 @@ def find_repeats(seq: np.ndarray, classes: np.ndarray | None = None,
         return None
     uniq, inverse, counts = np.unique(seq, return_inverse=True, return_counts=True)
     positions_of = _positions_by_name(inverse, len(uniq))
-    best: tuple[int, int, np.ndarray, np.ndarray] | None = None
+    candidates: list[tuple[int, int, np.ndarray, np.ndarray]] = []  # score, count, lo, hi
     for count in np.unique(counts).tolist():
         if count < 2 or count > n // 2:
             continue
         names = np.flatnonzero(counts == count)
         lo, hi, support = _consistent_cores(names, positions_of, count)
-        if support < 2:  # one recurring kernel is no pattern
-            continue
-        score = support * count
-        if best is None or score > best[0] or (score == best[0] and count > best[1]):
-            best = (score, count, lo, hi)
-    if best is None:
+        if support >= 2:  # one recurring kernel is no pattern
+            candidates.append((support * count, count, lo, hi))
+    if not candidates:
         return None
-    _, count, lo, hi = best
+    _, count, lo, hi = _layer_count(candidates, attention)
     kinds = seq if classes is None else classes
     prologue = kinds[: lo[0]]
     gaps = [kinds[hi[i - 1] + 1: lo[i]] for i in range(1, count)]
@@ -479,6 +480,40 @@ def find_repeats(seq: np.ndarray, classes: np.ndarray | None = None,
     if (ends - starts).sum() < min_coverage * n:
         return None
     return RepeatSplit(starts=starts, ends=ends)
+
+
+def _layer_count(candidates: list[tuple[int, int, np.ndarray, np.ndarray]],
+                 attention: np.ndarray | None) -> tuple[int, int, np.ndarray, np.ndarray]:
+    """The candidate whose cores are the layers: the most anchored occurrences (the more
+    repeats on a tie), unless that count N is of parts of layers. A smaller count M is the
+    layer count instead where its layers hold N's cores k >= 2 each and either
+    - some spans from one of N's cores to the next have no attention op where every span of
+      M's has one (a layer attends; its parts need not), or
+    - with no attention ops known, N > k * M: N's anchors also run outside the layers,
+      which a layer's own kernels never do (the final norm).
+    Layers that alternate two kinds (sliding and full attention) hold N = k * M cores and
+    attention in each span, and stay layers."""
+    best = max(candidates, key=lambda c: (c[0], c[1]))
+    _, count, lo, _ = best
+    known = attention is not None and attention.any()
+    attended = np.r_[0, np.cumsum(attention)] if known else None
+
+    def attends(starts: np.ndarray) -> bool:  # each span from one core to the next
+        return bool((np.diff(attended[starts]) > 0).all())
+
+    holding = []
+    for candidate in candidates:
+        fewer, fewer_lo = candidate[1], candidate[2]
+        if fewer >= count or fewer < 2:
+            continue
+        between = np.diff(np.searchsorted(lo, fewer_lo))  # the winner's cores per M-layer
+        k = int(between[0])
+        if k < 2 or (between != k).any():
+            continue
+        parts = (not attends(lo) and attends(fewer_lo)) if known else count > k * fewer
+        if parts:
+            holding.append(candidate)
+    return max(holding, key=lambda c: (c[0], c[1])) if holding else best
 
 
 def _head_split(gap: np.ndarray, prologue: np.ndarray) -> tuple[int, int]:
@@ -539,9 +574,11 @@ def _match_forward(seq: np.ndarray, start: int, pattern: np.ndarray) -> int:
 
 def layers_from_repeats(ops: GpuOps, steps: list[Step]) -> bool:
     found = False
+    attention = ops.kernel_class == (ops.class_labels.index("attention")
+                                     if "attention" in ops.class_labels else -1)
     for step in steps:
         rows = step.ops if step.borrowed is None else step.ops[~step.borrowed]
-        split = find_repeats(ops.name[rows], ops.kernel_class[rows])
+        split = find_repeats(ops.name[rows], ops.kernel_class[rows], attention[rows])
         if split is None:
             continue
         found = True

@@ -180,20 +180,19 @@ def test_an_automatic_layer_type_lost_with_layers_fails():
     assert ("B", "missing") not in {(c.layer_type, c.status) for c in gate(base, run).checks}
 
 
-def test_gate_of_a_real_before_and_after_pair_fails_only_on_comparable_layers():
-    """Two training traces whose automatic layers split differently (a flash-attention kernel
-    falls in A before and in D after): A and D, whose kernels moved between them, are shown as
-    changed, as is E (one layer in two steps), lost; types of one kernel sequence can fail."""
+def test_gate_of_a_real_before_and_after_pair_with_blocks_cut_elsewhere():
+    """Two training traces whose windows cut the DiT blocks elsewhere: the blocks (A) hold
+    the same kernels begun 8 kernels apart, and the edge blocks (B, C: one each) are the
+    baseline's only. All of that is the pattern's split, shown as changed; the whole steps are
+    checked (fewer kernels: an improvement), and pass."""
     before, after = (NSYS / f"nsysai_fastvideo_wan2.1_train_2xh100_{x}.sqlite"
                      for x in ("before", "after"))
     result = CliRunner().invoke(main, ["gate", str(before), str(after), "--format", "json"])
-    assert result.exit_code == 1
+    assert result.exit_code == 0, result.output
     doc = json.loads(result.output)
-    failing = {(c["layer_type"], c["run_layer_type"]) for c in doc["checks"]
-               if c["status"] in ("regression", "missing")}
-    assert failing == {("B", None), ("C", None)}
-    changed = {c["layer_type"] for c in doc["checks"] if c["status"] == "changed"}
-    assert changed == {"A", "D", "E"}
+    status = {(c["layer_type"], c["status"]) for c in doc["checks"]}
+    assert {t for t, s in status if s == "changed"} == {"A", "B", "C"}
+    assert ("step", "improvement") in status
 
 
 def test_gate_one_path_of_a_run_against_one_trace(tmp_path):

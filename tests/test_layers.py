@@ -74,6 +74,39 @@ def test_repeats_find_k3_layers_exactly(n_layers):
     np.testing.assert_array_equal(split.ends, expected_starts + lengths)
 
 
+UNFUSED_NORM = ["pow", "mean", "add_eps", "rsqrt", "mul", "mul_weight"]
+
+
+def _codes(sequence: list[str]) -> np.ndarray:
+    strings = sorted(set(sequence))
+    return np.array([strings.index(n) for n in sequence])
+
+
+@pytest.mark.parametrize("n_layers", [3, 8, 24])
+def test_repeats_take_an_unfused_norm_twice_a_layer_for_part_of_a_layer(n_layers):
+    """Eager RMSNorm (six kernels) runs twice a layer and once more as the final norm: its
+    2L+1 occurrences outnumber the three kernels that run once a layer, yet the layers are
+    the L that hold two norms each, not 2L+1 halves."""
+    layer = (UNFUSED_NORM + ["gemm", "gemm", "gemm", "rope", "flash_fwd", "gemm", "add"]
+             + UNFUSED_NORM + ["gemm_up", "silu", "mul", "gemm_down", "add"])
+    sequence = ["embedding"] + layer * n_layers + UNFUSED_NORM + ["gemm_lm_head"]
+    split = find_repeats(_codes(sequence))
+    assert split is not None
+    np.testing.assert_array_equal(split.starts, 1 + len(layer) * np.arange(n_layers))
+    np.testing.assert_array_equal(split.ends, split.starts + len(layer))
+
+
+def test_repeats_keep_layers_that_alternate_two_kinds():
+    """Sliding-window and full-attention layers in turn: kernels of one kind run L/2 times,
+    the shared ones L times (exactly twice per pair): the layers are the L, not L/2 pairs."""
+    shared = ["norm", "qkv", "o_proj", "router", "experts"]
+    sliding, full = ["swa_prep", "swa_attn"], ["fa_prep", "fa_attn"]
+    pair = shared[:2] + sliding + shared[2:] + shared[:2] + full + shared[2:]
+    split = find_repeats(_codes(["embedding"] + pair * 12 + ["norm", "lm_head"]))
+    assert split is not None and len(split.starts) == 24
+    np.testing.assert_array_equal(split.starts[:3], [1, 8, 15])
+
+
 def test_repeats_need_a_pattern():
     assert find_repeats(np.arange(50)) is None
     assert find_repeats(np.array([1, 2, 3])) is None
