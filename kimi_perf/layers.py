@@ -482,11 +482,17 @@ def find_repeats(seq: np.ndarray, classes: np.ndarray | None = None,
     return RepeatSplit(starts=starts, ends=ends)
 
 
+# Norms a layer runs: 2 (Llama), 3 (a DiT block), 4 (Gemma's sandwich norms). A count that
+# holds more of another's to a span is of units above layers (whole training iterations).
+MAX_PARTS_PER_LAYER = 4
+
+
 def _layer_count(candidates: list[tuple[int, int, np.ndarray, np.ndarray]],
                  attention: np.ndarray | None) -> tuple[int, int, np.ndarray, np.ndarray]:
     """The candidate whose cores are the layers: the most anchored occurrences (the more
     repeats on a tie), unless that count N is of parts of layers. A smaller count M is the
-    layer count instead where its layers hold N's cores k >= 2 each and either
+    layer count instead where its layers hold N's cores 2 <= k <= MAX_PARTS_PER_LAYER each
+    and either
     - some spans from one of N's cores to the next have no attention op where every span of
       M's has one (a layer attends; its parts need not), or
     - with no attention ops known, N > k * M: N's anchors also run outside the layers,
@@ -508,7 +514,7 @@ def _layer_count(candidates: list[tuple[int, int, np.ndarray, np.ndarray]],
             continue
         between = np.diff(np.searchsorted(lo, fewer_lo))  # the winner's cores per M-layer
         k = int(between[0])
-        if k < 2 or (between != k).any():
+        if not 2 <= k <= MAX_PARTS_PER_LAYER or (between != k).any():
             continue
         parts = (not attends(lo) and attends(fewer_lo)) if known else count > k * fewer
         if parts:

@@ -15,7 +15,7 @@ import pytest
 from kimi_perf import breakdown, read_trace
 from kimi_perf.classify import classify, load_rules
 from kimi_perf.layers import DEFAULT_LAYER_PATTERN, find_repeats, segment, step_phase
-from tests.conftest import KINETO
+from tests.conftest import KINETO, NSYS
 from tests.synth import TraceBuilder
 
 KDA = ["attn_res_mix", "rmsnorm", "gemm_in_proj", "gemm_fb", "kda_conv_recurrent_norm",
@@ -83,14 +83,17 @@ def _codes(sequence: list[str]) -> np.ndarray:
 
 
 @pytest.mark.parametrize("n_layers", [3, 8, 24])
-def test_repeats_take_an_unfused_norm_twice_a_layer_for_part_of_a_layer(n_layers):
+@pytest.mark.parametrize("by", ["attention", "count"])
+def test_repeats_take_an_unfused_norm_twice_a_layer_for_part_of_a_layer(n_layers, by):
     """Eager RMSNorm (six kernels) runs twice a layer and once more as the final norm: its
     2L+1 occurrences outnumber the three kernels that run once a layer, yet the layers are
-    the L that hold two norms each, not 2L+1 halves."""
-    layer = (UNFUSED_NORM + ["gemm", "gemm", "gemm", "rope", "flash_fwd", "gemm", "add"]
-             + UNFUSED_NORM + ["gemm_up", "silu", "mul", "gemm_down", "add"])
-    sequence = ["embedding"] + layer * n_layers + UNFUSED_NORM + ["gemm_lm_head"]
-    split = find_repeats(_codes(sequence))
+    the L that hold two norms each, not 2L+1 halves: told by where attention runs, or
+    without attention kernels known, by the norm that runs outside the layers."""
+    layer = [*UNFUSED_NORM, "gemm", "gemm", "gemm", "rope", "flash_fwd", "gemm", "add",
+             *UNFUSED_NORM, "gemm_up", "silu", "mul", "gemm_down", "add"]
+    sequence = ["embedding", *(layer * n_layers), *UNFUSED_NORM, "gemm_lm_head"]
+    attention = np.array([n == "flash_fwd" for n in sequence]) if by == "attention" else None
+    split = find_repeats(_codes(sequence), attention=attention)
     assert split is not None
     np.testing.assert_array_equal(split.starts, 1 + len(layer) * np.arange(n_layers))
     np.testing.assert_array_equal(split.ends, split.starts + len(layer))
@@ -105,6 +108,19 @@ def test_repeats_keep_layers_that_alternate_two_kinds():
     split = find_repeats(_codes(["embedding"] + pair * 12 + ["norm", "lm_head"]))
     assert split is not None and len(split.starts) == 24
     np.testing.assert_array_equal(split.starts[:3], [1, 8, 15])
+
+
+def test_repeats_take_a_dit_block_for_one_layer_and_leave_iterations_alone():
+    """Real training traces without step ranges. Wan2.1's DiT block runs its anchors four
+    times (self-attention, cross-attention, FFN parts): one layer of 157 kernels, the same in
+    both windows. jsun's five training iterations hold 75 of the finer units each: too many
+    for parts of a layer, so the iterations are not taken for layers."""
+    for window in ("before", "after"):
+        trace = read_trace(NSYS / f"nsysai_fastvideo_wan2.1_train_2xh100_{window}.sqlite")
+        typical = max(breakdown(trace).layer_types, key=lambda t: t["layers"])
+        assert typical["kernels"] == 157 and typical["layers"] >= 30
+    jsun = read_trace(NSYS / "jsun-012-assignment2-systems__result__nsys2025.1.3.sqlite")
+    assert [s["layers"] for s in breakdown(jsun).steps] == [375]
 
 
 def test_repeats_need_a_pattern():
