@@ -335,7 +335,8 @@ def breakdown(trace: Trace, layers: str = "auto", rules: list[Rule] | None = Non
     for step in steps:
         outside[step.ops] = False
     outside_steps = {"ops": int(outside.sum()),
-                     "kernel_us": _us(int((ops.end[outside] - ops.start[outside]).sum()))}
+                     "kernel_us": _us(int((ops.end[outside] - ops.start[outside]).sum())),
+                     "unlaunched": int((outside & (ops.api < 0)).sum())}
     del outside
     steps, left_out = steps_of_phase(steps, phase, trace.meta.get("file"))
     release_free_memory()
@@ -545,8 +546,18 @@ def step_notes(b: Breakdown) -> list[str]:
                      "step's range was open are counted in that step (in no layer)")
     outside = src.get("outside_steps") or {}
     if outside.get("ops"):
+        # breakdowns stored before "unlaunched" was counted said "launched" of all
+        unlaunched = outside.get("unlaunched", 0)
+        launched = outside["ops"] - unlaunched
+        if not unlaunched:
+            why = "launched outside every step's range"
+        elif not launched:
+            why = "the trace holds no launch to place them by"
+        else:
+            why = (f"{launched} launched outside every step's range, {unlaunched} with no "
+                   "launch in the trace")
         notes.append(f"{outside['ops']} more {work} ({outside['kernel_us']:.1f} µs) ran in no "
-                     "step: launched outside every step's range")
+                     f"step: {why}")
     if phases := phase_note(b):
         notes.append(phases)
     return notes

@@ -171,7 +171,8 @@ def _source_ok(source) -> bool:
             and (left_out is None or (isinstance(left_out, dict) and all(
                 isinstance(k, str) and _count(n) for k, n in left_out.items())))
             and (outside is None or (isinstance(outside, dict) and _count(outside.get("ops"))
-                                     and is_finite_number(outside.get("kernel_us"))))
+                                     and is_finite_number(outside.get("kernel_us"))
+                                     and _count(outside.get("unlaunched", 0))))
             and (gpus is None or (isinstance(gpus, list) and all(
                 isinstance(g, dict) and (g.get("name") is None or isinstance(g["name"], str))
                 and (g.get("sm_count") is None or _count(g["sm_count"])) for g in gpus))))
@@ -181,8 +182,8 @@ def _checked(b: Breakdown, path: Path) -> Breakdown:
     """A breakdown read from JSON, with the fields the gate and the report read."""
     if not _source_ok(b.source):
         raise TraceError(path, "source is not {ops, file, tool, format, other_thread_ops, "
-                               "outside_steps: {ops, kernel_us}, steps_left_out: {phase: "
-                               "count}, gpus: [{name, sm_count}]}")
+                               "outside_steps: {ops, kernel_us, unlaunched}, steps_left_out: "
+                               "{phase: count}, gpus: [{name, sm_count}]}")
     rows = [*b.layers, *b.steps] if isinstance(b.layers, list) and isinstance(b.steps, list) \
         else None
     if (rows is None or not isinstance(b.layer_types, list)

@@ -118,15 +118,16 @@ def breakdown_tables(b: Breakdown) -> list[Table]:
     unit = b.unit
     steps = _table(f"Steps: {src.get('file')} ({src.get('tool')})",
                    ["step", "range", "device", "layers", unit, f"{unit[:-1]} µs", "span µs",
-                    "gap µs", "prologue", "epilogue"], left=("range",))
+                    "gap µs", f"prologue {unit} / span µs", f"epilogue {unit} / span µs"],
+                   left=("range",))
     for s in b.steps:
         device = "cpu" if b.unit == "ops" and s["device"] < 0 else str(s["device"])
         steps.add_row(str(s["index"]), s.get("name", ""), device,
                       f"{s['layers']} ({s['layer_source']})",
                       str(s["kernels"]), f"{s['kernel_us']:.1f}", f"{s['span_us']:.1f}",
                       f"{s['gap_us']:.1f}",
-                      f"{s['prologue']['kernels']} / {s['prologue']['span_us']:.1f} µs",
-                      f"{s['epilogue']['kernels']} / {s['epilogue']['span_us']:.1f} µs")
+                      f"{s['prologue']['kernels']} / {s['prologue']['span_us']:.1f}",
+                      f"{s['epilogue']['kernels']} / {s['epilogue']['span_us']:.1f}")
     notes = step_notes(b) + ([] if b.steps else ["no GPU work in this trace"])
     steps.caption = "\n".join(notes) or None
     tables = [steps]

@@ -566,3 +566,21 @@ def test_breakdowns_stored_before_digests_pair_by_name():
     new = _types(("A", "d1", 3, 5.0), ("B", "d2", 4, 7.0))
     assert pair_layer_types(old, new) == [("A", "A"), ("B", "B")]
 
+
+
+def test_work_in_no_step_says_whether_it_was_launched_outside_or_never_seen_launched():
+    """A CUDA-graph trace whose replayed kernels have no launch record: they are in no step,
+    and the note says the trace cannot place them, not that they were launched elsewhere."""
+    from kimi_perf.breakdown import step_notes
+
+    b = breakdown(read_trace(KINETO / "hta_trace_diff_test_v100_rank1_cudagraph.json.gz"))
+    outside = b.source["outside_steps"]
+    assert outside["ops"] == outside["unlaunched"] == 614
+    assert "614 more GPU ops (56517.0 µs) ran in no step: the trace holds no launch to place " \
+           "them by" in step_notes(b)
+    b.source["outside_steps"] = {"ops": 10, "kernel_us": 1.0, "unlaunched": 4}
+    assert "10 more GPU ops (1.0 µs) ran in no step: 6 launched outside every step's range, 4 " \
+           "with no launch in the trace" in step_notes(b)
+    del b.source["outside_steps"]["unlaunched"]          # stored before it was counted
+    assert "10 more GPU ops (1.0 µs) ran in no step: launched outside every step's range" \
+        in step_notes(b)
