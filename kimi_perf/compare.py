@@ -250,6 +250,14 @@ def stragglers(spread: list[Spread]) -> dict[str, list[str]]:
     return out
 
 
+def count_text(count: float | None) -> str:
+    """A count of kernels or ops: whole as it is (never 2.18e+03), a median's half or a mean
+    with one decimal."""
+    if count is None:
+        return "-"
+    return f"{count:.0f}" if float(count).is_integer() else f"{count:.1f}"
+
+
 def ratio_text(v: float | None) -> str:
     """A ratio to two decimals, or to two significant digits below 0.1 (a CPU run's fused
     path in Triton's interpreter is hundreds of times slower: 0.0041, not 0.00)."""

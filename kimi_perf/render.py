@@ -19,6 +19,7 @@ from kimi_perf.breakdown import Breakdown, layer_notes, step_notes
 from kimi_perf.compare import (
     ComparisonRow,
     OverviewRow,
+    count_text,
     differing_patterns,
     patterns_differ,
     ratio_text,
@@ -137,15 +138,16 @@ def breakdown_tables(b: Breakdown) -> list[Table]:
                    ["type", "layers", unit, f"{unit[:-1]} µs", "span µs", "gap µs"],
                    left=("type",))
     for t in b.layer_types:
-        types.add_row(t["type"] or "-", str(t["layers"]), f"{t['kernels']:g}",
+        types.add_row(t["type"] or "-", str(t["layers"]), count_text(t["kernels"]),
                       f"{t['kernel_us']:.1f}", f"{t['span_us']:.1f}", f"{t['gap_us']:.1f}")
     types.caption = "\n".join(layer_notes(b)) or None
     tables.append(types)
     classes = _table(f"Per layer type and kernel class: median {unit} / µs",
                      ["class", *(t["type"] or "-" for t in b.layer_types)], left=("class",))
     for c in sorted({c for t in b.layer_types for c in t["classes"]}):
-        classes.add_row(c, *(f"{t['classes'][c]['kernels']:g} / {t['classes'][c]['us']:.1f}"
-                             if c in t["classes"] else "" for t in b.layer_types))
+        cells = (t["classes"].get(c) for t in b.layer_types)
+        classes.add_row(c, *(f"{count_text(x['kernels'])} / {x['us']:.1f}" if x else ""
+                             for x in cells))
     tables.append(classes)
     return tables
 
@@ -226,8 +228,8 @@ def comparison_table(rows: list[ComparisonRow], label_a: str, label_b: str,
         return "-" if v is None else format(v, spec)
     for r in rows:
         table.add_row(r.label + (" *" if r.pattern_differs else ""), str(r.layers_a),
-                      fmt(r.kernels_a, ".3g"), fmt(r.span_us_a),
-                      str(r.layers_b), fmt(r.kernels_b, ".3g"), fmt(r.span_us_b),
+                      count_text(r.kernels_a), fmt(r.span_us_a),
+                      str(r.layers_b), count_text(r.kernels_b), fmt(r.span_us_b),
                       ratio_text(r.span_ratio), ratio_text(r.kernel_ratio))
     notes = []
     if any(r.type_b and r.name_a is not None for r in rows):
@@ -255,8 +257,9 @@ def comparison_headline(rows: list[ComparisonRow], label_a: str, label_b: str,
     for r in rows:
         if r.kernels_a is None or r.kernels_b is None:
             continue
-        parts.append(f"{r.label}: {r.kernels_a:.3g} {unit} / {r.span_us_a:.1f} µs ({label_a}) "
-                     f"vs {r.kernels_b:.3g}{other} / {r.span_us_b:.1f} µs ({label_b})")
+        parts.append(f"{r.label}: {count_text(r.kernels_a)} {unit} / {r.span_us_a:.1f} µs "
+                     f"({label_a}) vs {count_text(r.kernels_b)}{other} / {r.span_us_b:.1f} µs "
+                     f"({label_b})")
     return "\n".join(parts)
 
 
@@ -271,7 +274,7 @@ def overview_table(rows: list[OverviewRow], unit: str = "kernels") -> Table:
                     *(f"{t or '-'}{' *' if t in differ else ''} µs" for t in types)],
                    left=("trace",))
     for r in rows:
-        cells = [f"{v[1]:.1f} ({v[0]:.3g})" if v else "-" for v in r.types.values()]
+        cells = [f"{v[1]:.1f} ({count_text(v[0])})" if v else "-" for v in r.types.values()]
         table.add_row(r.label, str(r.steps), "-" if r.step_us is None else f"{r.step_us:.1f}",
                       *cells)
     spread = {s.type: s for s in spreads(rows)}

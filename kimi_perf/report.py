@@ -23,6 +23,7 @@ from kimi_perf.breakdown import Breakdown, layer_notes, step_notes, units_word
 from kimi_perf.compare import (
     aligned_types,
     compare,
+    count_text,
     differing_patterns,
     overview,
     patterns_differ,
@@ -111,8 +112,8 @@ def _comparison_html(breakdowns: dict[str, Breakdown]) -> str:
     a = labels[0] if labels else None
     if len(labels) == 1 and breakdowns[a].layer_types:  # nothing to compare with: its figures
         body = "".join(
-            f"<tr><td>{e(t['type'] or '-')}</td><td>{t['layers']}</td><td>{t['kernels']:g}</td>"
-            f"<td>{t['kernel_us']:.1f}</td><td>{t['span_us']:.1f}</td><td>{t['gap_us']:.1f}"
+            f"<tr><td>{e(t['type'] or '-')}</td><td>{t['layers']}</td>"
+            f"<td>{count_text(t['kernels'])}</td><td>{t['kernel_us']:.1f}</td><td>{t['span_us']:.1f}</td><td>{t['gap_us']:.1f}"
             "</td></tr>" for t in breakdowns[a].layer_types)
         parts.append(f"<h2>Per layer type: {e(a)} (medians over layers and steps)</h2>"
                      f"<table><tr><th>layer type</th><th>layers</th><th>{unit[a]}</th>"
@@ -129,8 +130,8 @@ def _comparison_html(breakdowns: dict[str, Breakdown]) -> str:
                 f"<th>{counted} ratio</th></tr>")
         body = "".join(
             f"<tr><td>{e(r.label)}{' *' if r.pattern_differs else ''}</td>"
-            f"<td>{fmt(r.kernels_a, '.3g')}</td>"
-            f"<td>{fmt(r.span_us_a, '.1f')}</td><td>{fmt(r.kernels_b, '.3g')}</td>"
+            f"<td>{count_text(r.kernels_a)}</td>"
+            f"<td>{fmt(r.span_us_a, '.1f')}</td><td>{count_text(r.kernels_b)}</td>"
             f"<td>{fmt(r.span_us_b, '.1f')}</td><td>{ratio_text(r.span_ratio)}</td>"
             f"<td>{ratio_text(r.kernel_ratio)}</td></tr>"
             for r in rows)
@@ -160,7 +161,7 @@ def _overview_html(breakdowns: dict[str, Breakdown]) -> str:
     body = "".join(
         f"<tr><td>{e(r.label)}</td><td>{r.steps}</td>"
         f"<td>{'-' if r.step_us is None else f'{r.step_us:.1f}'}</td>" + "".join(
-            f"<td>{v[1]:.1f} ({v[0]:.3g})</td>" if v else "<td>-</td>"
+            f"<td>{v[1]:.1f} ({count_text(v[0])})</td>" if v else "<td>-</td>"
             for v in r.types.values()) + "</tr>" for r in rows)
     foot = "<tr><th>slowest / fastest</th><th></th>" + "".join(
         f"<th>{spread[t].ratio:.2f}×</th>" if t in spread and spread[t].ratio

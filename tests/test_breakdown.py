@@ -370,6 +370,16 @@ def test_ratios_keep_two_significant_digits_below_a_tenth():
         "-", "0.00", "2.00", "0.10", "0.0041", "-0.05"]
 
 
+def test_kernel_counts_read_whole_or_to_one_decimal():
+    """Medians are whole or halves, means anything: one decimal for both, never 3
+    significant digits (a 2180-kernel layer read 2.18e+03; a 38.985 mean read 39 beside
+    39.2)."""
+    from kimi_perf.compare import count_text
+
+    assert [count_text(v) for v in (None, 3, 2180.0, 12.5, 38.985, 39.25)] == [
+        "-", "3", "2180", "12.5", "39.0", "39.2"]
+
+
 def test_a_cpu_run_steps_device_is_the_cpu():
     import json
 
