@@ -329,6 +329,9 @@ def breakdown(trace: Trace, layers: str = "auto", rules: list[Rule] | None = Non
     release_free_memory()
     steps = find_steps(trace, ops, step_regex)
     labels, ops_kind = ops.class_labels, ops.kind
+    # No step range and no graph launch: each device is one step. Say which ranges could be.
+    found_by = steps[0].found_by if steps else None
+    repeating = repeating_ranges(trace) if found_by == "device" else []
     # Work no step holds (launched outside the step ranges, or from another thread, such as
     # a training run's autograd thread) is reported, never silently dropped.
     outside = np.ones(len(ops), bool)
@@ -378,8 +381,28 @@ def breakdown(trace: Trace, layers: str = "auto", rules: list[Rule] | None = Non
     return Breakdown(source={**_source(trace), "ops": ops_kind,
                              "outside_steps": outside_steps,
                              "other_thread_ops": other_thread_ops,
-                             "steps_left_out": left_out}, steps=step_rows,
+                             "steps_left_out": left_out, "steps_found_by": found_by,
+                             "repeating_ranges": repeating},
+                     steps=step_rows,
                      layers=layer_rows, layer_types=layer_types, timeline=timeline)
+
+
+def repeating_ranges(trace: Trace, most: int = 3) -> list[dict[str, Any]]:
+    """The ranges that ran more than once and hold a quarter of the kernels or more, the most
+    kernels first: what ``--steps REGEX`` could make the steps of a trace whose steps the
+    defaults do not find (a training loop's ``Forward``). Ranges inside layers (``computing
+    softmax``) hold too few."""
+    from kimi_perf.attribution import range_kernel_summary
+
+    found: dict[str, list[int]] = {}
+    for row in range_kernel_summary(trace):
+        if row.range is not None:
+            instances, kernels = found.setdefault(row.range, [0, 0])
+            found[row.range] = [max(instances, row.range_instances),
+                                kernels + row.kernel_instances]
+    ranked = sorted(((n, k, name) for name, (n, k) in found.items()
+                     if n >= 2 and 4 * k >= len(trace.kernels)), key=lambda x: (-x[1], x[2]))
+    return [{"range": name, "instances": n, "kernels": k} for n, k, name in ranked[:most]]
 
 
 def _timeline(trace: Trace, ops: GpuOps, steps) -> dict[str, Any] | None:
@@ -558,6 +581,14 @@ def step_notes(b: Breakdown) -> list[str]:
                    "launch in the trace")
         notes.append(f"{outside['ops']} more {work} ({outside['kernel_us']:.1f} µs) ran in no "
                      f"step: {why}")
+    if src.get("steps_found_by") == "device":
+        repeating = src.get("repeating_ranges") or []
+        named = ", ".join(f"'{r['range']}' ×{r['instances']} ({r['kernels']} {work})"
+                          for r in repeating)
+        notes.append("no step range the defaults know (decode_step, ProfilerStep#, vLLM's "
+                     "execute_…) and no graph launches: each device is one step" + (
+                         f"; ranges that repeat: {named}: --steps REGEX makes one the steps"
+                         if repeating else " (--steps REGEX takes ranges of your own)"))
     if phases := phase_note(b):
         notes.append(phases)
     return notes

@@ -236,6 +236,8 @@ class Step:
     # Per op of the step: launched from another thread while the step's range was open (None:
     # none was). Counted in the step; the layers come from the step range's own thread.
     borrowed: np.ndarray | None = None
+    # What made it a step: a "range", a "graph" launch, or with neither, a whole "device"
+    found_by: str = "range"
 
     @property
     def other_thread_ops(self) -> int:
@@ -346,7 +348,10 @@ def _graph_launch_steps(trace: Trace, ops: GpuOps) -> list[Step]:
         return []
     rows = np.flatnonzero(in_graph)
     names = {int(a): trace.strings[trace.api.name[a]] for a in np.unique(ops.api[rows])}
-    return _steps_from_groups(trace, ops, ops.api[rows], rows, names)
+    steps = _steps_from_groups(trace, ops, ops.api[rows], rows, names)
+    for step in steps:
+        step.found_by = "graph"
+    return steps
 
 
 def _whole_trace_steps(ops: GpuOps) -> list[Step]:
@@ -357,7 +362,7 @@ def _whole_trace_steps(ops: GpuOps) -> list[Step]:
         rows = np.flatnonzero(ops.device == dev)
         rows = rows[np.argsort(ops.start[rows], kind="stable")]
         steps.append(Step(index=0, device=dev, pid=int(ops.pid[rows[0]]),
-                          name=f"device {dev}", ops=rows))
+                          name=f"device {dev}", ops=rows, found_by="device"))
     return steps
 
 

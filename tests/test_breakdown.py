@@ -594,3 +594,26 @@ def test_work_in_no_step_says_whether_it_was_launched_outside_or_never_seen_laun
     del b.source["outside_steps"]["unlaunched"]          # stored before it was counted
     assert "10 more GPU ops (1.0 µs) ran in no step: launched outside every step's range" \
         in step_notes(b)
+
+
+def test_steps_per_device_name_the_ranges_that_could_be_the_steps():
+    """A training trace without a step range the defaults know: each device is one step, and
+    the note names the repeating range that holds most kernels (not the ranges inside
+    layers, which hold a few each), for --steps; a vLLM trace's steps are its ranges."""
+    from kimi_perf.breakdown import step_notes
+
+    jsun = breakdown(read_trace(NSYS / "jsun-012-assignment2-systems__result__nsys2025.1.3.sqlite"))
+    assert jsun.source["steps_found_by"] == "device"
+    assert jsun.source["repeating_ranges"] == [
+        {"range": "Forward", "instances": 15, "kernels": 10380}]
+    assert any("each device is one step; ranges that repeat: 'Forward' ×15 (10380 GPU ops): "
+               "--steps REGEX makes one the steps" in n for n in step_notes(jsun))
+    inner = breakdown(read_trace(
+        NSYS / "zx3xyy-assignment2-systems__result_2_7B_nvtx__nsys2024.6.2.sqlite"))
+    assert inner.source["repeating_ranges"] == []      # 'computing softmax' ×128 is no step
+    assert any(n.endswith("each device is one step (--steps REGEX takes ranges of your own)")
+               for n in step_notes(inner))
+    vllm = breakdown(read_trace(
+        KINETO / "tracelens_vllm_gptoss20b_decode_fullgraph_mi300x.json.gz"))
+    assert vllm.source["steps_found_by"] == "range" and vllm.source["repeating_ranges"] == []
+    assert not any("each device is one step" in n for n in step_notes(vllm))

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from kimi_perf import breakdown, range_kernel_summary, read_trace
 from kimi_perf.errors import TraceError
 from tests.conftest import KINETO, NSYS
+from tests.test_readers import _eager_kineto_doc
 
 NSYS_SMALL = NSYS / "hpcgroup-pipit__saxpy-mpi-cuda_nsys_perlmutter0__nsys2022.2.1.sqlite"
 NSYS_NEW = NSYS / "Athrun0109-CS336_assignment2__result__nsys2026.2.1.sqlite"
@@ -147,8 +148,6 @@ def test_kineto_structured_mutations(tmp_path, source, data):
 def test_kineto_module_call_mutations(tmp_path, data):
     """An eager trace whose layers are the profiler's module calls ("nn.Module: ..."), with
     hostile values where the reader tells module calls from other Python frames."""
-    from tests.test_readers import _eager_kineto_doc
-
     doc = _eager_kineto_doc()
     events = doc["traceEvents"]
     for _ in range(data.draw(st.integers(1, 8))):
