@@ -1,12 +1,8 @@
 """PyTorch profiler (Kineto) Chrome-trace JSON, plain or gzipped, CUDA or ROCm.
 
 Timestamps are µs: integers in old traces, floats with fractional ns in new ones; both become
-int64 ns. Epoch-µs timestamps with fractional ns (1712195495519689.047) do not fit a float64 to
-the ns (its steps there are 0.25 µs): such a trace's timestamps are rebased in the text, before
-it is decoded, to a base of its own, and the base is added back as an integer.
-
-A kernel links to its launching API call by ``args.correlation``; under a CUDA/HIP graph
-every replayed kernel shares the graph launch's correlation.
+int64 ns. A kernel links to its launching API call by ``args.correlation``; under a CUDA/HIP
+graph every replayed kernel shares the graph launch's correlation.
 
 How it reads (a 681 MB trace in a few seconds and a few hundred MB): the file is inflated in
 blocks, and the ``traceEvents`` array is cut at event boundaries, each piece decoded with
@@ -29,7 +25,6 @@ import gzip
 import operator
 import re
 import zlib
-from decimal import Decimal
 from itertools import chain, compress
 from operator import attrgetter
 from pathlib import Path
@@ -155,32 +150,6 @@ _GENERIC = msgspec.json.Decoder()
 _ts, _dur, _pid, _tid = (attrgetter(f) for f in ("ts", "dur", "pid", "tid"))
 _NO_ARGS = _Args()
 
-# A "ts" key and its value's integer digits and fraction.
-_TS = re.compile(rb'("ts"\s*:\s*)(-?\d+)(\.\d+)?')
-# From here on a float64 has steps of 2 ns or more at µs: such timestamps with fractions are
-# rebased (below, a float64 keeps them within 1 ns).
-_REBASE_FROM_US = 10**13
-# How far before the first timestamp the base lies: events are not in time order.
-_REBASE_MARGIN_US = 10**12
-
-
-def _ts_base(data) -> int:
-    """The base (µs) to rebase the timestamps to, 0 for none: its first timestamp decides."""
-    first = _TS.search(data)
-    if first is None or first[3] is None or abs(int(first[2])) < _REBASE_FROM_US:
-        return 0
-    return int(first[2]) - _REBASE_MARGIN_US
-
-
-def _rebased(data, base: int) -> bytes:
-    """``data`` with every timestamp less ``base`` µs, exactly (the digits, not floats)."""
-    def less_base(m: re.Match) -> bytes:
-        whole = int(m[2]) - base
-        if whole >= 0 and m[2][:1] != b"-":
-            return m[1] + str(whole).encode() + (m[3] or b"")
-        return m[1] + str(Decimal((m[2] + (m[3] or b"")).decode()) - base).encode()
-    return _TS.sub(less_base, data)
-
 
 class _Slow(Exception):
     """A piece that the vectorized pass does not take: replay it event by event."""
@@ -207,16 +176,13 @@ def _read_whole(path: Path) -> Trace:
     raw = _load_bytes(path)
     if not _valid_utf8(raw):
         raise TraceError(path, "invalid or truncated JSON (not valid UTF-8)")
-    builder = _Builder(path)
-    builder.ts_base = _ts_base(raw)
-    if builder.ts_base:
-        raw = _rebased(raw, builder.ts_base)
     try:
         doc = _FAST_DOC.decode(raw)
     except msgspec.ValidationError:
         doc = None  # unusual types somewhere: decode generically below
     except msgspec.DecodeError as exc:
         raise _invalid_json(path, exc) from None
+    builder = _Builder(path)
     if doc is not None:
         if isinstance(doc, _Doc):
             if doc.traceEvents is msgspec.UNSET:
@@ -504,8 +470,6 @@ class _Builder:
         # Items of the event list that are objects, and that are not: a list of numbers is
         # no trace.
         self.objects = self.non_objects = 0
-        # The µs the timestamps were rebased by (see _ts_base); None until the first piece.
-        self.ts_base: int | None = None
 
     def _code(self, value: str) -> int:
         code = self.codes.get(value)
@@ -529,10 +493,6 @@ class _Builder:
         """Add the events of one JSON array (items ``offset``... of traceEvents); returns how
         many items it held. ``msgspec.DecodeError`` if it is not one complete JSON array (and
         nothing was added)."""
-        if self.ts_base is None:
-            self.ts_base = _ts_base(piece)
-        if self.ts_base:
-            piece = _rebased(piece, self.ts_base)
         try:
             items = _FAST_EVENTS.decode(piece)
         except msgspec.ValidationError:
@@ -764,7 +724,7 @@ class _Builder:
         base = int(min(firsts)) if firsts else 0
         tables = {}
         for name, kind in (("a", ApiCalls), ("k", Kernels), ("m", MemOps), ("r", Ranges)):
-            cols = _to_ns(*times.pop(name), base, self.ts_base or 0)
+            cols = _to_ns(*times.pop(name), base)
             n = len(cols["start"])
             for col in list(chunks[name]):
                 cols[_RENAMED.get(col, col)] = _joined(chunks[name].pop(col))
@@ -902,17 +862,15 @@ def _joined(segments: list):
                                     for s in segments))
 
 
-def _to_ns(ts: np.ndarray, dur: np.ndarray, base: int, rebased_by: int
-           ) -> dict[str, np.ndarray]:
+def _to_ns(ts: np.ndarray, dur: np.ndarray, base: int) -> dict[str, np.ndarray]:
     """µs (int or float) -> int64 ns, exact for integers and to the ns for floats: offsets
-    from a common integer base keep float64 precise at epoch-sized timestamps; ``rebased_by``
-    µs were taken off in the text. ``ts`` and ``dur`` are used up (scaled in place: no float
-    copies of the largest columns)."""
+    from a common integer base keep float64 precise at epoch-sized timestamps. ``ts`` and
+    ``dur`` are used up (scaled in place: no float copies of the largest columns)."""
     ts -= base
     ts *= 1000.0
     start = np.rint(ts, out=ts).astype(np.int64)
     del ts
-    start += (base + rebased_by) * 1000
+    start += base * 1000
     np.maximum(dur, 0, out=dur)
     dur *= 1000.0
     end = np.rint(dur, out=dur).astype(np.int64)
