@@ -184,6 +184,22 @@ def test_kineto_reader_paths_agree(name, monkeypatch):
         _assert_same_trace(traces["blocks"], trace, label)
 
 
+def test_epoch_timestamps_with_fractional_ns_are_held_as_a_float64_holds_them():
+    """1712195495519689.047 µs has 0.25 µs steps as a float64 (the README says so): each
+    start is within half a step of its text, each duration exact to the ns."""
+    from decimal import Decimal
+
+    path = KINETO / "hta_v100_ns_resolution_gpu_user_annotation.json.gz"
+    events = json.loads(gzip.decompress(path.read_bytes()), parse_float=Decimal)["traceEvents"]
+    kernels = [e for e in events if e.get("ph") == "X" and e.get("cat") == "kernel"]
+    starts = np.array(sorted(int(Decimal(e["ts"]) * 1000) for e in kernels))
+    assert starts[0] > 10**18 and (starts % 1000).any()       # epoch ns, with fractions
+    trace = read_trace(path)
+    assert np.abs(np.sort(trace.kernels.start) - starts).max() <= 126
+    durations = sorted(int(Decimal(e["dur"]) * 1000) for e in kernels)
+    assert sorted((trace.kernels.end - trace.kernels.start).tolist()) == durations
+
+
 @pytest.mark.parametrize("compressed", [False, True])
 def test_kineto_json_after_a_utf8_bom_reads_as_without(compressed, tmp_path, monkeypatch):
     """Some editors and Windows tools write a byte-order mark before the JSON."""

@@ -1,8 +1,12 @@
 """PyTorch profiler (Kineto) Chrome-trace JSON, plain or gzipped, CUDA or ROCm.
 
 Timestamps are µs: integers in old traces, floats with fractional ns in new ones; both become
-int64 ns. A kernel links to its launching API call by ``args.correlation``; under a CUDA/HIP
-graph every replayed kernel shares the graph launch's correlation.
+int64 ns. Durations are exact; a float timestamp is what its float64 holds: to the ns below
+1e13 µs (traces that count from boot or from the profiler's start), to 0.25 µs at epoch-µs
+values with fractions (1712195495519689.047), which few traces write.
+
+A kernel links to its launching API call by ``args.correlation``; under a CUDA/HIP graph
+every replayed kernel shares the graph launch's correlation.
 
 How it reads (a 681 MB trace in a few seconds and a few hundred MB): the file is inflated in
 blocks, and the ``traceEvents`` array is cut at event boundaries, each piece decoded with
