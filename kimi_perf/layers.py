@@ -495,23 +495,22 @@ MAX_PARTS_PER_LAYER = 4
 def _layer_count(candidates: list[tuple[int, int, np.ndarray, np.ndarray]],
                  attention: np.ndarray | None) -> tuple[int, int, np.ndarray, np.ndarray]:
     """The candidate whose cores are the layers: the most anchored occurrences (the more
-    repeats on a tie), unless that count N is of parts of layers. A smaller count M is the
-    layer count instead where its layers hold N's cores 2 <= k <= MAX_PARTS_PER_LAYER each
-    and either
-    - some spans from one of N's cores to the next have no attention op where every span of
-      M's has one (a layer attends; its parts need not), or
-    - with no attention ops known, N > k * M: N's anchors also run outside the layers,
-      which a layer's own kernels never do (the final norm).
-    Layers that alternate two kinds (sliding and full attention) hold N = k * M cores and
-    attention in each span, and stay layers."""
+    repeats on a tie), unless that count N is of parts of layers: a smaller count M whose
+    layers hold N's cores 2 <= k <= MAX_PARTS_PER_LAYER each, with an attention op between
+    each two of M's cores but not between each two of N's (a layer attends; its parts need
+    not), is the layer count instead. Layers that alternate two kinds (sliding and full
+    attention) attend in each span and stay layers. Without attention ops to tell by, N."""
     best = max(candidates, key=lambda c: (c[0], c[1]))
+    if attention is None or not attention.any():
+        return best
     _, count, lo, _ = best
-    known = attention is not None and attention.any()
-    attended = np.r_[0, np.cumsum(attention)] if known else None
+    attended = np.r_[0, np.cumsum(attention)]
 
     def attends(starts: np.ndarray) -> bool:  # each span from one core to the next
         return bool((np.diff(attended[starts]) > 0).all())
 
+    if attends(lo):
+        return best
     holding = []
     for candidate in candidates:
         fewer, fewer_lo = candidate[1], candidate[2]
@@ -519,10 +518,7 @@ def _layer_count(candidates: list[tuple[int, int, np.ndarray, np.ndarray]],
             continue
         between = np.diff(np.searchsorted(lo, fewer_lo))  # the winner's cores per M-layer
         k = int(between[0])
-        if not 2 <= k <= MAX_PARTS_PER_LAYER or (between != k).any():
-            continue
-        parts = (not attends(lo) and attends(fewer_lo)) if known else count > k * fewer
-        if parts:
+        if 2 <= k <= MAX_PARTS_PER_LAYER and (between == k).all() and attends(fewer_lo):
             holding.append(candidate)
     return max(holding, key=lambda c: (c[0], c[1])) if holding else best
 

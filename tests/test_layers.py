@@ -57,7 +57,7 @@ def test_vllm_full_graph_decode_step_is_24_layers():
     assert covered == len(step.ops)
 
 
-@pytest.mark.parametrize("n_layers", [4, 8, 13, 93])
+@pytest.mark.parametrize("n_layers", [4, 8, 13, 26, 93])
 def test_repeats_find_k3_layers_exactly(n_layers):
     layers = k3_like(n_layers)
     prologue = ["embedding", "copy_block_states"]
@@ -65,8 +65,10 @@ def test_repeats_find_k3_layers_exactly(n_layers):
     sequence = prologue + [k for layer in layers for k in layer] + epilogue
     strings = sorted(set(sequence))
     seq = np.array([strings.index(n) for n in sequence])
-    classes, _ = classify(seq, strings, load_rules())
-    split = find_repeats(seq, classes)
+    classes, labels = classify(seq, strings, load_rules())
+    attention = classes == labels.index("attention")       # as breakdown() passes it
+    assert attention.any()
+    split = find_repeats(seq, classes, attention)
     assert split is not None
     lengths = [len(x) for x in layers]
     expected_starts = len(prologue) + np.r_[0, np.cumsum(lengths)[:-1]]
@@ -83,31 +85,36 @@ def _codes(sequence: list[str]) -> np.ndarray:
 
 
 @pytest.mark.parametrize("n_layers", [3, 8, 24])
-@pytest.mark.parametrize("by", ["attention", "count"])
-def test_repeats_take_an_unfused_norm_twice_a_layer_for_part_of_a_layer(n_layers, by):
+def test_repeats_take_an_unfused_norm_twice_a_layer_for_part_of_a_layer(n_layers):
     """Eager RMSNorm (six kernels) runs twice a layer and once more as the final norm: its
     2L+1 occurrences outnumber the three kernels that run once a layer, yet the layers are
-    the L that hold two norms each, not 2L+1 halves: told by where attention runs, or
-    without attention kernels known, by the norm that runs outside the layers."""
+    the L that attend between each two of their anchors, not the 2L+1 halves, half of which
+    do not."""
     layer = [*UNFUSED_NORM, "gemm", "gemm", "gemm", "rope", "flash_fwd", "gemm", "add",
              *UNFUSED_NORM, "gemm_up", "silu", "mul", "gemm_down", "add"]
     sequence = ["embedding", *(layer * n_layers), *UNFUSED_NORM, "gemm_lm_head"]
-    attention = np.array([n == "flash_fwd" for n in sequence]) if by == "attention" else None
+    attention = np.array([n == "flash_fwd" for n in sequence])
     split = find_repeats(_codes(sequence), attention=attention)
     assert split is not None
     np.testing.assert_array_equal(split.starts, 1 + len(layer) * np.arange(n_layers))
     np.testing.assert_array_equal(split.ends, split.starts + len(layer))
 
 
-def test_repeats_keep_layers_that_alternate_two_kinds():
-    """Sliding-window and full-attention layers in turn: kernels of one kind run L/2 times,
-    the shared ones L times (exactly twice per pair): the layers are the L, not L/2 pairs."""
+@pytest.mark.parametrize("n_layers", [23, 24])
+@pytest.mark.parametrize("known", [True, False])
+def test_repeats_keep_layers_that_alternate_two_kinds(n_layers, known):
+    """Sliding-window and full-attention layers in turn: kernels of one kind run about L/2
+    times, the shared ones L times (twice per pair, and once more where L is odd): the
+    layers are the L, not pairs, with or without the attention kernels known."""
     shared = ["norm", "qkv", "o_proj", "router", "experts"]
-    sliding, full = ["swa_prep", "swa_attn"], ["fa_prep", "fa_attn"]
-    pair = shared[:2] + sliding + shared[2:] + shared[:2] + full + shared[2:]
-    split = find_repeats(_codes(["embedding"] + pair * 12 + ["norm", "lm_head"]))
-    assert split is not None and len(split.starts) == 24
-    np.testing.assert_array_equal(split.starts[:3], [1, 8, 15])
+    kinds = [[*shared[:2], "swa_prep", "swa_attn", *shared[2:]],
+             [*shared[:2], "fa_prep", "fa_attn", *shared[2:]]]
+    sequence = ["embedding", *(k for i in range(n_layers) for k in kinds[i % 2]),
+                "norm", "lm_head"]
+    attention = np.array([n.endswith("_attn") for n in sequence]) if known else None
+    split = find_repeats(_codes(sequence), attention=attention)
+    assert split is not None
+    np.testing.assert_array_equal(split.starts, 1 + 7 * np.arange(n_layers))
 
 
 def test_repeats_take_a_dit_block_for_one_layer_and_leave_iterations_alone():
