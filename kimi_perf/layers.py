@@ -438,12 +438,12 @@ def find_repeats(seq: np.ndarray, classes: np.ndarray | None = None,
     such occurrences wins, unless its anchors are kernels that a layer runs k times (an
     unfused norm before attention and before the MLP): see ``_layer_count``, which takes
     ``attention``, a mask of the attention-class ops. Between two anchored *cores* lies the
-    tail of one layer and then the
-    head of the next. The first layer's head is the one part of that gap that must also appear
-    just before the first core (a layer's tail cannot precede layer 0), so each gap is split
-    where its longest suffix that the prologue ends with begins. Matching uses kernel classes
-    (``classes``, same length as ``seq``) where given, because the first layer often runs a
-    variant kernel (a plain norm where later layers fuse the residual add).
+    tail of one layer and then the head of the next. The first layer's head is the one part of
+    that gap that must also appear just before the first core (a layer's tail cannot precede
+    layer 0), so each gap is split where its longest suffix that the prologue ends with
+    begins. Matching uses kernel classes (``classes``, same length as ``seq``) where given,
+    because the first layer often runs a variant kernel (a plain norm where later layers fuse
+    the residual add).
     """
     n = len(seq)
     if n < 4:
