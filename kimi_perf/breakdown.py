@@ -388,15 +388,16 @@ def breakdown(trace: Trace, layers: str = "auto", rules: list[Rule] | None = Non
 
 
 def repeating_ranges(trace: Trace, most: int = 3) -> list[dict[str, Any]]:
-    """The ranges that ran more than once and hold a quarter of the kernels or more, the most
-    kernels first: what ``--steps REGEX`` could make the steps of a trace whose steps the
-    defaults do not find (a training loop's ``Forward``). Ranges inside layers (``computing
-    softmax``) hold too few."""
+    """The annotation ranges that ran more than once and hold a quarter of the kernels or
+    more, the most kernels first: what ``--steps REGEX`` could make the steps of a trace whose
+    steps the defaults do not find (a training loop's ``Forward``). Ranges inside layers
+    (``computing softmax``) hold too few; the profiler's operator ranges (``cpu_op:``) are
+    no steps."""
     from kimi_perf.attribution import range_kernel_summary
 
     found: dict[str, list[int]] = {}
     for row in range_kernel_summary(trace):
-        if row.range is not None:
+        if row.range is not None and not row.range.startswith("cpu_op:"):
             instances, kernels = found.setdefault(row.range, [0, 0])
             found[row.range] = [max(instances, row.range_instances),
                                 kernels + row.kernel_instances]
@@ -583,7 +584,7 @@ def step_notes(b: Breakdown) -> list[str]:
                      f"step: {why}")
     if src.get("steps_found_by") == "device":
         repeating = src.get("repeating_ranges") or []
-        named = ", ".join(f"'{r['range']}' ×{r['instances']} ({r['kernels']} {work})"
+        named = ", ".join(f"'{r['range']}' ×{r['instances']} ({r['kernels']} kernels)"
                           for r in repeating)
         notes.append("no step range the defaults know (decode_step, ProfilerStep#, vLLM's "
                      "execute_…) and no graph launches: each device is one step" + (

@@ -606,8 +606,13 @@ def test_steps_per_device_name_the_ranges_that_could_be_the_steps():
     assert jsun.source["steps_found_by"] == "device"
     assert jsun.source["repeating_ranges"] == [
         {"range": "Forward", "instances": 15, "kernels": 10380}]
-    assert any("each device is one step; ranges that repeat: 'Forward' ×15 (10380 GPU ops): "
+    assert any("each device is one step; ranges that repeat: 'Forward' ×15 (10380 kernels): "
                "--steps REGEX makes one the steps" in n for n in step_notes(jsun))
+    # the benchmark's forward passes, not the operators ('cpu_op:aten::conv2d' ×10)
+    alexnet = breakdown(read_trace(KINETO / "hta_a100_alexnet_cuda_sync.json.gz"))
+    assert [r["range"] for r in alexnet.source["repeating_ranges"]] == [
+        "[param|pytorch.model.alex_net|0|0|0|measure|forward]",
+        "[param|pytorch.model.alex_net|0|0|0|warmup|forward]"]
     inner = breakdown(read_trace(
         NSYS / "zx3xyy-assignment2-systems__result_2_7B_nvtx__nsys2024.6.2.sqlite"))
     assert inner.source["repeating_ranges"] == []      # 'computing softmax' ×128 is no step
