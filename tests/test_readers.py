@@ -369,3 +369,15 @@ def test_kineto_reader_errors_name_the_event(tmp_path, monkeypatch):
     for name in ("u.json", "v.json"):
         with pytest.raises(TraceError, match="invalid or truncated JSON"):
             read_trace(tmp_path / name)
+
+
+def test_kineto_gpu_activity_without_runtime_events_reads(tmp_path):
+    """A profiler that recorded the GPU alone (no cuda_runtime events): the kernels carry
+    correlation ids that name no launch; they read, launched by nothing."""
+    path = tmp_path / "gpu_only.json"
+    path.write_text(json.dumps({"traceEvents": [
+        {"ph": "X", "cat": "kernel", "name": "k", "pid": 0, "tid": 7, "ts": 10, "dur": 2,
+         "args": {"correlation": 5, "device": 0, "stream": 7}}]}))
+    trace = read_trace(path)
+    assert len(trace.kernels) == 1 and len(trace.api) == 0
+    assert trace.kernels.api.tolist() == [-1] and trace.kernels.end.tolist() == [12000]

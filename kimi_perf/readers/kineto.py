@@ -886,6 +886,8 @@ def _link_by_correlation(api: ApiCalls, gpu_work) -> None:
     """Kineto GPU events carry no process id: the correlation id alone names the launch."""
     found = _rows_by_correlation(api.correlation, gpu_work.correlation)
     gpu_work.api = found
+    if len(api) == 0:   # a trace of GPU activity alone: nothing to take pids from
+        return
     hit = found >= 0
     row = np.where(hit, found, 0)
     # np.where takes the wider dtype: an int32 column widens for pids beyond int32.
