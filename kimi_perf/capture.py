@@ -450,8 +450,8 @@ def trace_files(paths: list[Path], keep_runs: bool = False) -> list[Path]:
 
 
 def analyse(files: list[Path], out_dir: Path, layers: str = "auto", phase: str = "auto",
-            rules: Path | None = None, plotly_js: str = "inline"
-            ) -> tuple[Path, dict[str, Breakdown], dict]:
+            rules: Path | None = None, plotly_js: str = "inline",
+            step_regex: str | None = None) -> tuple[Path, dict[str, Breakdown], dict]:
     """``--from``: breakdowns of existing traces, labelled by file name (``rules``: a TOML
     file of extra kernel-class rules)."""
     from kimi_perf.classify import load_rules
@@ -459,8 +459,11 @@ def analyse(files: list[Path], out_dir: Path, layers: str = "auto", phase: str =
     loaded = load_rules(rules)
     results: dict[str, Breakdown] = {}
     for f, label in zip(files, trace_labels(files), strict=True):
-        results[label] = breakdown(read_trace(f), layers=layers, phase=phase, rules=loaded)
+        results[label] = breakdown(read_trace(f), layers=layers, phase=phase, rules=loaded,
+                                   step_regex=step_regex)
     command = ["kimi-perf", "trace", *(a for f in files for a in ("--from", str(f))),
+               *(("--layers", layers) if layers != "auto" else ()),
+               *(("--steps", step_regex) if step_regex is not None else ()),
                *(("--phase", phase) if phase != "auto" else ()),
                *(("--rules", str(rules)) if rules is not None else ()), "--out", str(out_dir),
                *(("--plotly-js", plotly_js) if plotly_js != "inline" else ())]

@@ -119,6 +119,15 @@ def _check_layers(value: str) -> str:
     raise TraceError(None, f"--layers must be auto, repeat, nvtx or nvtx:REGEX, not {value!r}")
 
 
+def _count_of(option: str, value: str | None, what: str) -> int | None:
+    """A capture's positive count, from an option that takes a pattern with --from."""
+    if value is None:
+        return None
+    if not value.isdecimal() or int(value) < 1:
+        raise TraceError(None, f"{option} takes {what}, not {value!r}")
+    return int(value)
+
+
 def _check_steps(value: str | None) -> str | None:
     if value is not None:
         import re
@@ -636,11 +645,12 @@ def validate(preset_name: str, n_layers: int | None, paths: str, steps: int, bat
               "extra kernel-class rules, tried before the defaults")
 @click.option("--preset", "preset_name", help="tiny, k3, k3-tp8, k3-tp16 (default: tiny on a "
               "CPU, k3-tp8 on a GPU)")
-@click.option("--layers", "n_layers", type=click.IntRange(1), help="layer count (default: "
-              "the preset's; 4 on a GPU)")
+@click.option("--layers", "layers_arg", help="layer count (default: the preset's; 4 on a "
+              "GPU); with --from, how layers are found: auto, repeat, nvtx or nvtx:REGEX")
 @click.option("--batch", type=click.IntRange(1), help="sequences per decode step")
 @click.option("--context", type=click.IntRange(1), help="prompt tokens before decoding")
-@click.option("--steps", type=click.IntRange(1), help="profiled decode steps")
+@click.option("--steps", "steps_arg", help="profiled decode steps; with --from, a regex for "
+              "the step ranges")
 @click.option("--warmup", type=click.IntRange(0), help="decode steps before profiling")
 @click.option("--tp", default=1, show_default=True, type=click.IntRange(1))
 @click.option("--paths", default="standard,specialized", show_default=True)
@@ -660,8 +670,8 @@ def validate(preset_name: str, n_layers: int | None, paths: str, steps: int, bat
 @_fail_cleanly
 def trace_cmd(from_files: tuple[Path, ...], phase: str, rules: Path | None,
               preset_name: str | None,
-              n_layers: int | None,
-              batch: int | None, context: int | None, steps: int | None,
+              layers_arg: str | None,
+              batch: int | None, context: int | None, steps_arg: str | None,
               warmup: int | None, tp: int, paths: str, graphs: bool, backend: str,
               kv_cache: str, out_dir: Path, plotly_js: str, fmt: str) -> None:
     """Capture both decode paths per layer and compare them (the main job).
@@ -678,8 +688,8 @@ def trace_cmd(from_files: tuple[Path, ...], phase: str, rules: Path | None,
     from kimi_perf.report import plotly_js_for
 
     plotly_js_for(plotly_js, out_dir)  # a missing file is said now, not after the capture
-    capture_only = _given("preset_name", "n_layers", "batch", "context", "steps", "warmup", "tp",
-                          "paths", "graphs", "backend", "kv_cache")
+    capture_only = _given("preset_name", "batch", "context", "warmup", "tp", "paths", "graphs",
+                          "backend", "kv_cache")
     if from_files and capture_only:
         raise TraceError(None, f"{', '.join(capture_only)} set up a capture; --from analyses "
                                "traces already made")
@@ -687,9 +697,16 @@ def trace_cmd(from_files: tuple[Path, ...], phase: str, rules: Path | None,
         raise TraceError(None, f"{', '.join(from_only)}: for traces given with --from (a "
                                "capture records decode steps only, its launches named by class)")
     if from_files:
+        layers = _check_layers(layers_arg) if layers_arg is not None else "auto"
         run_dir, results, run_info = cap.analyse(cap.trace_files(list(from_files)), out_dir,
-                                                 phase=phase, rules=rules, plotly_js=plotly_js)
+                                                 layers=layers, phase=phase, rules=rules,
+                                                 step_regex=_check_steps(steps_arg),
+                                                 plotly_js=plotly_js)
     else:
+        n_layers = _count_of("--layers", layers_arg, "a layer count (with --from: how layers "
+                             "are found)")
+        steps = _count_of("--steps", steps_arg, "a count of decode steps (with --from: a regex "
+                          "for the step ranges)")
         try:
             import torch
         except ImportError as exc:

@@ -821,3 +821,30 @@ def test_a_folder_of_traces_is_not_a_stored_breakdown(tmp_path):
     _one_line_error(run("compare", folder, folder, "--layers", "repeat"),
                     f"{folder}: is a directory, not a trace file")
 
+
+
+def test_trace_from_takes_step_ranges_and_layer_modes(tmp_path):
+    """With --from, --steps is a regex for the step ranges and --layers how layers are found
+    (as for breakdown and report); without it they are the capture's counts. Either way a
+    value of the other kind is a one-line error, and nothing is written."""
+    jsun = NSYS / "jsun-012-assignment2-systems__result__nsys2025.1.3.sqlite"
+    result = run("trace", "--from", jsun, "--steps", "^Forward$", "--out", tmp_path,
+                 "--format", "json")
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.output)
+    (b,) = doc["paths"].values()
+    assert [s["name"] for s in b["steps"]] == ["Forward"] * 15
+    assert {s["layers"] for s in b["steps"]} == {12}
+    assert "--steps '^Forward$'" in doc["run"]["command"]
+    (run_dir,) = tmp_path.iterdir()
+    flat = run("trace", "--from", VLLM, "--layers", "nvtx", "--out", tmp_path / "nvtx")
+    _one_line_error(flat, "--layers nvtx: no range matching the default layer pattern")
+    for args, said in ((["--steps", "abc"], "--steps takes a count of decode steps (with "
+                        "--from: a regex for the step ranges), not 'abc'"),
+                       (["--layers", "0"], "--layers takes a layer count"),
+                       (["--from", jsun, "--layers", "bogus"],
+                        "--layers must be auto, repeat, nvtx or nvtx:REGEX, not 'bogus'"),
+                       (["--from", jsun, "--steps", "nomatch"],
+                        "no range matching --steps 'nomatch' holds a kernel launch")):
+        _one_line_error(run("trace", *args, "--out", tmp_path), said)
+    assert list(tmp_path.iterdir()) == [run_dir]
