@@ -113,8 +113,9 @@ def _comparison_html(breakdowns: dict[str, Breakdown]) -> str:
     if len(labels) == 1 and breakdowns[a].layer_types:  # nothing to compare with: its figures
         body = "".join(
             f"<tr><td>{e(t['type'] or '-')}</td><td>{t['layers']}</td>"
-            f"<td>{count_text(t['kernels'])}</td><td>{t['kernel_us']:.1f}</td><td>{t['span_us']:.1f}</td><td>{t['gap_us']:.1f}"
-            "</td></tr>" for t in breakdowns[a].layer_types)
+            f"<td>{count_text(t['kernels'])}</td><td>{t['kernel_us']:.1f}</td>"
+            f"<td>{t['span_us']:.1f}</td><td>{t['gap_us']:.1f}</td></tr>"
+            for t in breakdowns[a].layer_types)
         parts.append(f"<h2>Per layer type: {e(a)} (medians over layers and steps)</h2>"
                      f"<table><tr><th>layer type</th><th>layers</th><th>{unit[a]}</th>"
                      "<th>kernel µs</th><th>span µs</th><th>gap µs</th></tr>"
