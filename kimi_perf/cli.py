@@ -591,6 +591,9 @@ def floors_cmd(preset_name: str, tp: int | None, batch: int, context: int, weigh
               help="comma-separated decode paths to check: standard, standard_kernels (the "
               "standard path one kernel per step, as on a GPU), specialized")
 @click.option("--steps", default=8, show_default=True, type=click.IntRange(1))
+@click.option("--verify", default=0, show_default=True, type=click.IntRange(0),
+              help="draft tokens k: each decode step verifies 1+k tokens per sequence, then "
+              "accepts a seeded random 1..1+k of them and rolls back the rest")
 @click.option("--batch", default=2, show_default=True, type=click.IntRange(1))
 @click.option("--prompt", default=4, show_default=True, type=click.IntRange(1),
               help="prompt tokens prefilled before the decode steps")
@@ -602,8 +605,8 @@ def floors_cmd(preset_name: str, tp: int | None, batch: int, context: int, weigh
 @click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table",
               show_default=True)
 @_fail_cleanly
-def validate(preset_name: str, n_layers: int | None, paths: str, steps: int, batch: int,
-             prompt: int, dtype: str, kv_cache: str, seed: int, fmt: str) -> None:
+def validate(preset_name: str, n_layers: int | None, paths: str, steps: int, verify: int,
+             batch: int, prompt: int, dtype: str, kv_cache: str, seed: int, fmt: str) -> None:
     """Check decode paths against a float64 reference of the same weights (CPU is enough).
 
     Exit code 1 when an error exceeds its bound for the dtype.
@@ -624,7 +627,8 @@ def validate(preset_name: str, n_layers: int | None, paths: str, steps: int, bat
         raise TraceError(None, f"unknown path(s) {', '.join(unknown)} (available: "
                                f"{', '.join(v.PATHS)})")
     result = v.validate(preset_name, chosen, steps=steps, batch=batch, prompt=prompt,
-                        dtype=dtype, kv_cache=kv_cache, seed=seed, n_layers=n_layers)
+                        dtype=dtype, kv_cache=kv_cache, seed=seed, n_layers=n_layers,
+                        verify=verify)
     if fmt == "json":
         click.echo(json.dumps(result, indent=1))
     else:

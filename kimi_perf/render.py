@@ -319,9 +319,12 @@ def tables_text(tables: list[Table | str]) -> str:
 
 def validation_table(result: dict) -> Table:
     bounds = result["bounds"]
+    k = result.get("verify", 0)
+    steps = (f"{result['steps']} verify steps of 1+{k} tokens" if k
+             else f"{result['steps']} steps")
     table = _table(f"Decode paths vs float64 reference: preset {result['preset']}, "
                    f"{result['dtype']}, {result['kv_cache']} KV cache, batch "
-                   f"{result['batch']}, {result['steps']} steps",
+                   f"{result['batch']}, {steps}",
                    ["path", "layer type", "max rel err", "bound", "launches/layer"],
                    left=("path", "layer type"))
     for path, r in result["paths"].items():

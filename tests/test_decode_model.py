@@ -181,6 +181,34 @@ def test_fp8_cache_stores_fp8(weights):
     assert cache[:, 3:].float().abs().sum() == 0
 
 
+def test_validate_verify_steps_against_the_reference():
+    """Every step a verify of 1+3 tokens, a different accepted prefix per sequence: each
+    position's outputs match the reference, which rolls back per sequence as the path does."""
+    result = validate(paths=("standard",), dtype="float32", steps=5, batch=3, prompt=3,
+                      seed=2, verify=3)
+    assert result["ok"], result["failures"]
+    accepted = torch.tensor(result["accepted"])
+    assert accepted.shape == (5, 3) and accepted.min() == 1 and accepted.max() == 4
+    assert len({tuple(row) for row in accepted.T.tolist()}) > 1   # sequences diverge
+    r = result["paths"]["standard"]
+    assert max(v["max_rel_err"] for v in r["layer_types"].values()) < 1e-4
+    assert r["logits_max_rel_err"] < 1e-4
+
+
+def test_validate_verify_catches_a_wrong_rollback(monkeypatch):
+    """The check can fail: a rollback to the last verified token, not the last accepted one,
+    leaves the KDA state ahead of the reference's."""
+    from kimi_perf.decode.model import DecodeState
+
+    accept = DecodeState.accept
+    monkeypatch.setattr(DecodeState, "accept",
+                        lambda self, n: accept(self, torch.full_like(n, self.verify_tokens)))
+    result = validate(paths=("standard",), dtype="float32", steps=4, batch=2, seed=2,
+                      verify=3)
+    assert not result["ok"]
+    assert any(f.startswith("standard kda layers") for f in result["failures"])
+
+
 def test_validate_cli(tmp_path):
     result = CliRunner().invoke(main, ["validate", "--preset", "tiny", "--steps", "3",
                                        "--paths", "standard", "--format", "json", "--dtype",
@@ -194,6 +222,10 @@ def test_validate_cli(tmp_path):
     assert {"max_rel_err", "launches"} <= set(std["layer_types"]["kda"])
     assert std["layer_types"]["dense"]["launches"] < std["layer_types"]["kda"]["launches"]
     assert "logits_max_rel_err" in std
+    spec = CliRunner().invoke(main, ["validate", "--steps", "2", "--paths", "standard",
+                                     "--verify", "2"])
+    assert spec.exit_code == 0, spec.output
+    assert "2 verify steps of 1+2 tokens" in spec.output
     bad = CliRunner().invoke(main, ["validate", "--paths", "nope"])
     assert bad.exit_code == 2 and "unknown path" in bad.output
 

@@ -193,6 +193,21 @@ def test_validate_every_path_in_bf16(kv_cache):
     assert fast["fallbacks"] == ["step 0: prefill of 4 tokens"]
 
 
+def test_validate_specialized_verify_steps():
+    """Speculative verify steps of 1+3 tokens through the fused kernels, rolled back to a
+    per-sequence accepted prefix, against the float64 reference; a verify of 1+8 tokens is
+    past the kernels and falls back, and says so."""
+    result = validate("tiny", ("specialized",), steps=2, batch=2, n_layers=4, verify=3)
+    assert result["ok"], result["failures"]
+    fast = result["paths"]["specialized"]
+    assert fast["fallbacks"] == ["step 0: prefill of 4 tokens"]
+    assert fast["layer_types"]["kda"]["launches"] <= 13
+    too_long = validate("tiny", ("specialized",), steps=1, batch=1, n_layers=4, verify=8)
+    assert too_long["ok"], too_long["failures"]
+    assert too_long["paths"]["specialized"]["fallbacks"][1:] == [
+        "step 1: verify of 9 tokens > 8"]
+
+
 def test_fallbacks_and_backend_selection(weights):
     assert type(build_model(SMALL, weights)) is K3Model
     fast = build_model(SMALL, weights, "latency_specialized", dtype=torch.float32)

@@ -76,6 +76,14 @@ class ReferenceModel:
         self.kv_cache = {i: torch.zeros(batch, 0, c.kv_cache_dim, dtype=F64)
                          for i in range(c.n_layers) if c.is_mla(i)}
 
+    def snapshot(self) -> tuple[dict, dict, dict]:
+        """The decode state, to ``restore`` after a rejected draft. Shallow copies suffice:
+        ``step`` rebinds the state's tensors and never writes one in place."""
+        return dict(self.kda_state), dict(self.conv_history), dict(self.kv_cache)
+
+    def restore(self, saved: tuple[dict, dict, dict]) -> None:
+        self.kda_state, self.conv_history, self.kv_cache = (dict(d) for d in saved)
+
     def W(self, name: str) -> torch.Tensor:
         return self.w[name]
 

@@ -39,6 +39,14 @@ class ValidationRun:
     dtype: str
     kv_cache: str
     seed: int
+    verify: int = 0          # draft tokens k: each step verifies 1+k tokens, then accepts some
+
+    def accepted_lengths(self) -> torch.Tensor | None:
+        """[steps, batch] synthetic acceptance (1..1+k tokens per sequence), seeded."""
+        if not self.verify:
+            return None
+        gen = torch.Generator().manual_seed(self.seed + 2)
+        return torch.randint(1, self.verify + 2, (self.steps, self.batch), generator=gen)
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -71,39 +79,69 @@ def launches_per_layer_type(model: K3Model, c: K3Config) -> dict[str, int]:
 def validate_path(path: str, run: ValidationRun) -> dict:
     c = run.config
     weights = random_weights(c, seed=run.seed)
+    width = 1 + run.verify                     # tokens per sequence in each decode step
     gen = torch.Generator().manual_seed(run.seed + 1)
-    tokens = torch.randint(0, c.vocab, (run.batch, run.prompt + run.steps), generator=gen)
+    tokens = torch.randint(0, c.vocab, (run.batch, run.prompt + run.steps * width),
+                           generator=gen)
+    accepted = run.accepted_lengths()
     model = make_path(path, c, weights, DTYPES[run.dtype])
     kv_dtype = FP8 if run.kv_cache == "fp8" else None
-    state = model.new_state(run.batch, run.prompt + run.steps, kv_dtype=kv_dtype)
-    ref = ReferenceModel(c, weights, run.batch)
+    state = model.new_state(run.batch, tokens.shape[1], kv_dtype=kv_dtype)
+    # One reference per sequence: after a verify step each keeps its own accepted prefix.
+    # They share one float64 copy of the weights (.to of a float64 tensor is the tensor).
+    weights64 = {name: w.to(torch.float64) for name, w in weights.items()}
+    refs = [ReferenceModel(c, weights64, 1) for _ in range(run.batch)]
 
-    # Prefill through the path (the standard path always) and the reference, token by token.
+    def reference_step(step_tokens: torch.Tensor, t: int, seen: Observer
+                       ) -> tuple[torch.Tensor, list[Observer]]:
+        """Every sequence's reference at position t of the step, following the path's
+        routing there; logits [B, vocab] and what each reference saw."""
+        expected = [Observer() for _ in refs]
+        logits = torch.cat([ref.step(step_tokens[b, t: t + 1], expected[b],
+                                     routing={i: e[b: b + 1, t] for i, e in seen.experts.items()})
+                            for b, ref in enumerate(refs)])
+        return logits, expected
+
+    # Prefill through the path (the standard path always) and the references, token by token.
     seen = Observer()
     model.forward(tokens[:, : run.prompt], state, seen)
     for t in range(run.prompt):
-        ref.step(tokens[:, t], routing={i: e[:, t] for i, e in seen.experts.items()})
+        reference_step(tokens, t, seen)
 
     errors: dict[str, float] = {}
     logits_err = gap = 0.0
     launches: dict[str, int] = {}
+    position = torch.full((run.batch,), run.prompt)
     for step in range(run.steps):
-        seen, expected = Observer(), Observer()
+        step_tokens = torch.stack([tokens[b, p: p + width]
+                                   for b, p in enumerate(position.tolist())])
+        seen = Observer()
         model.launches = [] if step == 0 else None
-        t = run.prompt + step
-        logits = model.forward(tokens[:, t: t + 1], state, seen)[:, -1]
+        logits = model.forward(step_tokens, state, seen, keep_checkpoints=bool(run.verify))
         if step == 0:
             launches = launches_per_layer_type(model, c)
         model.launches = None
-        want = ref.step(tokens[:, t], expected,
-                        routing={i: e[:, -1] for i, e in seen.experts.items()})
-        for i in range(c.n_layers):
-            kind = c.layer_type(i)
-            err = max(rel_err(seen.attn_out[i][:, -1], expected.attn_out[i]),
-                      rel_err(seen.mlp_out[i][:, -1], expected.mlp_out[i]))
-            errors[kind] = max(errors.get(kind, 0.0), err)
-        logits_err = max(logits_err, rel_err(logits, want))
-        gap = max([gap, *expected.routing_gap.values()])
+        keep = torch.ones(run.batch, dtype=torch.long) if accepted is None else accepted[step]
+        rollback: list[tuple | None] = [None] * run.batch
+        for t in range(width):
+            want, expected = reference_step(step_tokens, t, seen)
+            for i in range(c.n_layers):
+                attn = torch.cat([e.attn_out[i] for e in expected])
+                mlp = torch.cat([e.mlp_out[i] for e in expected])
+                err = max(rel_err(seen.attn_out[i][:, t], attn),
+                          rel_err(seen.mlp_out[i][:, t], mlp))
+                kind = c.layer_type(i)
+                errors[kind] = max(errors.get(kind, 0.0), err)
+            logits_err = max(logits_err, rel_err(logits[:, t], want))
+            gap = max([gap, *(g for e in expected for g in e.routing_gap.values())])
+            for b, ref in enumerate(refs):
+                if run.verify and t + 1 == int(keep[b]):
+                    rollback[b] = ref.snapshot()
+        if run.verify:
+            state.accept(keep)
+            for ref, saved in zip(refs, rollback, strict=True):
+                ref.restore(saved)
+        position += keep
     result = {
         "layer_types": {kind: {"max_rel_err": round(err, 6), "launches": launches.get(kind, 0)}
                         for kind, err in sorted(errors.items())},
@@ -117,9 +155,16 @@ def validate_path(path: str, run: ValidationRun) -> dict:
 
 def validate(preset_name: str = "tiny", paths: tuple[str, ...] = DEFAULT_PATHS, steps: int = 8,
              batch: int = 2, prompt: int = 4, dtype: str = "bfloat16", kv_cache: str = "bf16",
-             seed: int = 0, n_layers: int | None = None) -> dict:
+             seed: int = 0, n_layers: int | None = None, verify: int = 0) -> dict:
+    """Each path against the float64 reference; ``verify=k`` makes every decode step a
+    speculative verify of 1+k tokens per sequence followed by a seeded synthetic acceptance
+    of 1..1+k of them (the state rolls back to it, and so does each sequence's reference).
+    A verify step the specialized path does not take (over 8 tokens) falls back, and its
+    ``fallbacks`` say so."""
+    if verify < 0:
+        raise ValueError(f"verify takes 0 or more draft tokens, not {verify}")
     run = ValidationRun(preset(preset_name, n_layers=n_layers), batch, prompt, steps, dtype,
-                        kv_cache, seed)
+                        kv_cache, seed, verify)
     bounds = BOUNDS[(dtype, kv_cache)]
     results = {path: validate_path(path, run) for path in paths}
     failures = []
@@ -136,5 +181,7 @@ def validate(preset_name: str = "tiny", paths: tuple[str, ...] = DEFAULT_PATHS, 
                             f"{bounds['routing_gap']:.3g}")
     return {"schema": 1, "preset": preset_name, "n_layers": run.config.n_layers,
             "config": run.config.fingerprint(), "dtype": dtype, "kv_cache": kv_cache,
-            "batch": batch, "prompt": prompt, "steps": steps, "seed": seed, "bounds": bounds,
+            "batch": batch, "prompt": prompt, "steps": steps, "seed": seed, "verify": verify,
+            **({"accepted": run.accepted_lengths().tolist()} if verify else {}),
+            "bounds": bounds,
             "paths": results, "ok": not failures, "failures": failures}
