@@ -5,6 +5,8 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass
 
+import numpy as np
+
 from kimi_perf.breakdown import Breakdown
 
 ALL_LAYERS = "all layers (mean)"
@@ -81,9 +83,10 @@ def pair_types(types_a: list[dict], types_b: list[dict]
 
     Types named by ranges pair by name. Types found by the repeating kernel pattern (letters
     in order of first appearance, each with its sequence's digest) pair by digest, whatever
-    their letters (a type B finds first takes the letter A there); the ones left over pair in
-    order, as ``patterns_differ`` then says. A side without any digest (a breakdown stored
-    before there were digests) pairs by name throughout."""
+    their letters (a type B finds first takes the letter A there); the ones left over pair by
+    their kernels per class (``leftover_pairs``), as ``patterns_differ`` then says. A side
+    without any digest (a breakdown stored before there were digests) pairs by name
+    throughout."""
     digests = [[t.get("pattern") for t in types] for types in (types_a, types_b)]
     by_digest = all(any(d is not None for d in side) for side in digests)
     da, db = digests if by_digest else ([None] * len(types_a), [None] * len(types_b))
@@ -96,13 +99,43 @@ def pair_types(types_a: list[dict], types_b: list[dict]
         elif (same := next((j for j in left_b if db[j] == da[i]), None)) is not None:
             pairs[i] = same
             left_b.remove(same)
-    for i, j in zip([i for i in range(len(types_a)) if i not in pairs], list(left_b),
-                    strict=False):
-        pairs[i] = j
-        left_b.remove(j)
+    left_a = [i for i in range(len(types_a)) if i not in pairs]
+    for i, j in leftover_pairs([types_a[i] for i in left_a], [types_b[j] for j in left_b]):
+        pairs[left_a[i]] = left_b[j]
     paired = set(pairs.values())
     return ([(i, pairs.get(i)) for i in range(len(types_a))]
             + [(None, j) for j in range(len(types_b)) if j not in paired])
+
+
+def class_distance(a: dict, b: dict) -> float:
+    """How far two layer types' kernels per class lie apart: the L1 distance of the counts
+    over their sum, 0 (the same mix) to 1 (no class in common); 0 where one has no classes
+    (a breakdown stored before there were)."""
+    ca, cb = a.get("classes") or {}, b.get("classes") or {}
+    count = {side: {c: v["kernels"] for c, v in classes.items()}
+             for side, classes in (("a", ca), ("b", cb))}
+    total = sum(count["a"].values()) + sum(count["b"].values())
+    if not ca or not cb or not total:
+        return 0.0
+    return sum(abs(count["a"].get(c, 0) - count["b"].get(c, 0))
+               for c in set(ca) | set(cb)) / total
+
+
+def leftover_pairs(types_a: list[dict], types_b: list[dict]) -> list[tuple[int, int]]:
+    """Pattern types whose sequences differ, paired so that the kernel mixes paired lie
+    closest in all (an optimal assignment of ``class_distance``), ties in order. A layer a
+    fused path cut to fewer kernels keeps its mix of classes closer to its own unfused form
+    than to another layer's; when one side has a type more (a warm-up layer, say), order
+    alone would shift every pair after it."""
+    if not types_a or not types_b:
+        return []
+    from scipy.optimize import linear_sum_assignment
+
+    cost = np.array([[class_distance(a, b) for b in types_b] for a in types_a])
+    # Equal distances pair in order: a nudge far below any real difference of the distances.
+    rank = np.abs(np.arange(len(types_a))[:, None] - np.arange(len(types_b))[None, :])
+    rows, cols = linear_sum_assignment(cost + 1e-9 * rank)
+    return sorted(zip(rows.tolist(), cols.tolist(), strict=True))
 
 
 def pair_layer_types(a: Breakdown | None, b: Breakdown | None

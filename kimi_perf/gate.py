@@ -13,15 +13,15 @@ or path the baseline has and the run lacks fails too (the analysis lost it); one
 is reported.
 
 Layer types found by the repeating kernel pattern (letters in order of first appearance, not
-range names) are paired by their kernel sequence (its digest), whatever their letters; the
-types left over are paired in order (``kimi_perf.compare.pair_layer_types``, as ``compare``
-pairs them). A pair whose sequences differ is noted (``pattern``: ``changed``). Where the
-kernels such pairs' typical layers lost are exactly the ones the others gained, the pattern
-has started the layers elsewhere (a kernel moved from one letter to the next), so their
+range names) are paired by their kernel sequence (its digest), whatever their letters; the types
+left over are paired by their mix of kernels per class (``kimi_perf.compare.pair_layer_types``,
+as ``compare`` pairs them). A pair whose sequences differ is noted (``pattern``: ``changed``).
+Where the kernels such pairs' typical layers lost are exactly the ones the others gained, the
+pattern has started the layers elsewhere (a kernel moved from one letter to the next), so their
 checks are shown as ``changed`` and do not fail; the whole steps, checked as ever, catch a
-kernel added or a step slowed. So is a type the run lacks while its steps hold as many layers
-as the baseline's, or that held one layer a step at most. Any other change of kernels
-(another GEMM kernel picked, one unfused into two) is checked as usual.
+kernel added or a step slowed. So is a type the run lacks while its steps hold as many layers as
+the baseline's, or that held one layer a step at most. Any other change of kernels (another GEMM
+kernel picked, one unfused into two) is checked as usual.
 
 A layer type's regression or improvement says which kernels are behind it (``detail``), from
 the typical layers of both (the kernel sequence most layers of the type ran, with median µs

@@ -515,13 +515,37 @@ def test_compare_pairs_pattern_types_by_their_kernels_whatever_their_letters(tmp
 
 
 def _types(*specs) -> Breakdown:
-    """A breakdown of layer types only: (name, digest or None, kernels, span µs) each."""
+    """A breakdown of layer types only: (name, digest or None, kernels, span µs[, kernels per
+    class]) each."""
     return Breakdown(source={}, steps=[], layers=[], layer_types=[
         {"type": name, "layers": 2, "kernels": k, "kernel_us": us, "span_us": us,
-         "gap_us": 0.0, "classes": {},
+         "gap_us": 0.0,
+         "classes": {c: {"kernels": n, "us": 1.0} for c, n in (classes[0] if classes else {})
+                     .items()},
          "typical_layer": {"layers": 2, "kernels": [{"name": f"{name}{digest}", "class": "x",
                                                      "us": us}]},
-         **({"pattern": digest} if digest else {})} for name, digest, k, us in specs])
+         **({"pattern": digest} if digest else {})} for name, digest, k, us, *classes in specs])
+
+
+def test_leftover_pattern_types_pair_by_their_mix_of_kernels():
+    """Fused layers (other sequences, fewer kernels) after a warm-up type that only B has:
+    each unfused layer pairs with the fused layer of its mix of classes, not the warm-up
+    (order alone would pair A with the warm-up and B with A's fused form)."""
+    from kimi_perf.compare import leftover_pairs, pair_layer_types
+
+    attention = {"gemm": 6, "attention": 2, "norm": 3}
+    mlp = {"gemm": 4, "moe": 5, "norm": 2}
+    a = _types(("A", "d1", 11, 50.0, attention), ("B", "d2", 11, 40.0, mlp))
+    b = _types(("A", "w", 30, 900.0, {"memory": 30}),
+               ("B", "f1", 5, 30.0, {"gemm": 3, "attention": 1, "norm": 1}),
+               ("C", "f2", 6, 25.0, {"gemm": 2, "moe": 3, "norm": 1}))
+    assert pair_layer_types(a, b) == [("A", "B"), ("B", "C"), (None, "A")]
+    rows = compare(a, b)
+    assert [(r.label, r.span_ratio, r.pattern_differs) for r in rows[:3]] == [
+        ("A = B", round(50 / 30, 3), True), ("B = C", 1.6, True), ("- = A", None, False)]
+    # without classes to tell them apart (an older breakdown), leftovers pair in order
+    plain = [dict(t, classes={}) for t in b.layer_types]
+    assert leftover_pairs(a.layer_types, plain) == [(0, 0), (1, 1)]
 
 
 def test_types_only_later_traces_have_are_one_column(tmp_path):
