@@ -52,6 +52,7 @@ class TraceRequest:
     graphs: bool = False
     backend: str = "torch"
     kv_cache: str = "bf16"
+    spec_tokens: int = 0            # speculative decoding: each step verifies 1+k tokens
     seed: int = 0
     out_dir: Path = Path("traces/runs")
     plotly_js: str = "inline"       # the report's plotly.js: inline, cdn or a .js path
@@ -74,7 +75,8 @@ def command_line(req: TraceRequest) -> str:
     args += ["--batch", str(req.batch), "--context", str(req.context), "--steps",
              str(req.steps), "--warmup", str(req.warmup), "--tp", str(req.tp),
              "--paths", ",".join(req.paths), "--graphs" if req.graphs else "--no-graphs",
-             "--backend", req.backend, "--kv-cache", req.kv_cache, "--out", str(req.out_dir),
+             "--backend", req.backend, "--kv-cache", req.kv_cache, "--spec-tokens",
+             str(req.spec_tokens), "--out", str(req.out_dir),
              "--plotly-js", req.plotly_js]
     return shlex.join(args)
 
@@ -189,12 +191,14 @@ def _capture_all(req: TraceRequest, config, device: str, run_dir: Path, final: P
         "command": command_line(req), "request": _jsonable(dataclasses.asdict(req)),
         "preset": req.preset, "n_layers": config.n_layers, "config_hash": config.fingerprint(),
         "batch": req.batch, "tp": req.tp, "context": req.context, "decode_steps": req.steps,
-        "warmup_steps": req.warmup, "date": dt.datetime.now(dt.UTC).isoformat(),
+        "warmup_steps": req.warmup, "spec_tokens": req.spec_tokens,
+        "date": dt.datetime.now(dt.UTC).isoformat(),
         "environment": environment(device), "paths": {},
         # what a layer of one rank must move at least, and its time at an H200's bandwidth:
         # the floor a GPU run's per-layer µs are held against (kimi-perf floors)
         "floors": floors(config.shard(req.tp) if req.tp > 1 else config, req.batch,
-                         req.context, Storage(kv_cache=req.kv_cache)),
+                         req.context, Storage(kv_cache=req.kv_cache),
+                         tokens=1 + req.spec_tokens),
     }
     # The nsys backend draws the weights in each profiled process, from the same seed.
     weights = random_weights(config, seed=req.seed, device=device) \
@@ -203,8 +207,8 @@ def _capture_all(req: TraceRequest, config, device: str, run_dir: Path, final: P
     for path in req.paths:
         def done(units: int = 1, path: str = path) -> None:
             if progress:
-                progress(f"{path}: prefill, {req.warmup} warm-up and {req.steps} decode steps",
-                         units)
+                progress(f"{path}: prefill, {req.warmup} warm-up and {req.steps} "
+                         f"{step_kind(req)} steps", units)
         done(0)
         if req.backend == "nsys":
             metrics, trace_file = _capture_path_nsys(path, req, device, run_dir)
@@ -229,6 +233,11 @@ def _capture_all(req: TraceRequest, config, device: str, run_dir: Path, final: P
                    f"kimi-perf trace: {req.preset}, {config.n_layers} layers, batch {req.batch} "
                    f"on {device}", req.plotly_js)
     return run_info, results
+
+
+def step_kind(req: TraceRequest) -> str:
+    """What a decode step of the request is: "decode", or "verify (1+k tokens)"."""
+    return f"verify (1+{req.spec_tokens} tokens)" if req.spec_tokens else "decode"
 
 
 def work_units(req: TraceRequest) -> int:
@@ -260,14 +269,25 @@ def _profile(model, req: TraceRequest, device: str, out: Path, done=None) -> dic
                 done()
         run = run_decode(model, prompt, steps=req.steps, warmup=req.warmup,
                          kv_dtype=FP8 if req.kv_cache == "fp8" else None,
-                         after_step=after_step, cuda_graphs=req.graphs)
+                         after_step=after_step, cuda_graphs=req.graphs,
+                         spec_tokens=req.spec_tokens, seed=req.seed)
     with tempfile.TemporaryDirectory() as tmp:
         raw = Path(tmp) / "trace.json"
         prof.export_chrome_trace(str(raw))
         packed = gzip.compress(raw.read_bytes(), 6)
         atomic_write(out, lambda f: f.write(packed))
     return _metrics(req, device, run.prefill_s, run.step_s[req.warmup:],
-                    list(getattr(model, "fallbacks", [])), type(model).__name__)
+                    decode_tokens(run, req.warmup), list(getattr(model, "fallbacks", [])),
+                    type(model).__name__)
+
+
+def decode_tokens(run, warmup: int) -> list[int]:
+    """Tokens each profiled step produced over the batch: one per sequence, or with
+    speculative decoding the tokens the sequences accepted."""
+    profiled = run.tokens[:, warmup:]
+    if run.accepted_counts:
+        return profiled.sum(0).tolist()
+    return [profiled.shape[0]] * profiled.shape[1]
 
 
 def profiler_schedule(warmup: int, steps: int, graphs: bool):
@@ -331,9 +351,16 @@ def _native_stderr_filtered():
 
 
 def _metrics(req: TraceRequest, device: str, prefill_s: float, steps: list[float],
-             fallbacks: list[str], model: str) -> dict:
+             tokens: list[int], fallbacks: list[str], model: str) -> dict:
+    """The decode metrics of one path, each on its own; ``tokens``: what each step produced
+    over the batch (with speculative decoding, the accepted tokens)."""
+    speculative = {"speculative": {
+        "spec_tokens": req.spec_tokens,
+        "accepted_tokens_per_step": round(sum(tokens) / len(tokens) / req.batch, 3),
+        "acceptance": "synthetic: 1..1+k tokens per sequence, uniform, seeded"},
+    } if req.spec_tokens else {}
     return {
-        "decode_tokens_per_s": req.batch * len(steps) / sum(steps),
+        "decode_tokens_per_s": sum(tokens) / sum(steps),
         "time_to_first_token_s": prefill_s,
         "step_latency_s": {"median": statistics.median(steps), "min": min(steps),
                            "max": max(steps)},
@@ -344,6 +371,7 @@ def _metrics(req: TraceRequest, device: str, prefill_s: float, steps: list[float
         # K3Model / StandardKernelsModel: the standard path's PyTorch ops or one kernel a step
         "model": model,
         "ops": "gpu kernels" if device == "cuda" else "cpu: annotated launches",
+        **speculative,
     }
 
 
@@ -366,7 +394,8 @@ def _capture_path_nsys(path: str, req: TraceRequest, device: str, run_dir: Path
     metrics_file = run_dir / f".{path}.metrics.json"
     request = {"preset": req.preset, "n_layers": req.n_layers, "seed": req.seed,
                "batch": req.batch, "context": req.context, "steps": req.steps,
-               "warmup": req.warmup, "kv_cache": req.kv_cache, "graphs": req.graphs}
+               "warmup": req.warmup, "kv_cache": req.kv_cache, "graphs": req.graphs,
+               "spec_tokens": req.spec_tokens}
     traced = "nvtx,cuda" if device == "cuda" else "nvtx"
     cmd = [nsys, "profile", f"--trace={traced}", "--sample=none", "--cpuctxsw=none",
            "--force-overwrite=true", "-o", str(rep.with_suffix(""))]
@@ -383,7 +412,7 @@ def _capture_path_nsys(path: str, req: TraceRequest, device: str, run_dir: Path
                                    + (lines[-1] if lines else f"exit {result.returncode}"))
     worker = json.loads(metrics_file.read_text())
     metrics_file.unlink()
-    return _metrics(req, device, worker["prefill_s"], worker["step_s"],
+    return _metrics(req, device, worker["prefill_s"], worker["step_s"], worker["tokens"],
                     worker["fallbacks"], worker["model"]), sqlite
 
 

@@ -552,6 +552,8 @@ def info(trace: Path) -> None:
               "mxfp4)")
 @click.option("--kv-cache", type=click.Choice(["bf16", "fp8"]), default="bf16",
               show_default=True)
+@click.option("--spec-tokens", default=0, show_default=True, type=click.IntRange(0),
+              help="speculative decoding's draft tokens K: steps verify 1+K tokens per sequence")
 @click.option("--bandwidth", default=4.3, show_default=True, type=click.FloatRange(min=0.001),
               help="memory bandwidth, TB/s (H200: about 4.3 measured by a device copy)")
 @click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table",
@@ -559,7 +561,7 @@ def info(trace: Path) -> None:
 @click.option("-o", "--output", type=click.Path(path_type=Path), help="write here, not stdout")
 @_fail_cleanly
 def floors_cmd(preset_name: str, tp: int | None, batch: int, context: int, weights: str,
-               experts: str, kv_cache: str, bandwidth: float, fmt: str,
+               experts: str, kv_cache: str, spec_tokens: int, bandwidth: float, fmt: str,
                output: Path | None) -> None:
     """Memory floors per layer and per launch: the bytes a decode step must move at least,
     over a bandwidth (no GPU needed): what the measured µs of a layer are held against."""
@@ -574,7 +576,8 @@ def floors_cmd(preset_name: str, tp: int | None, batch: int, context: int, weigh
         c = preset(preset_name, tp=tp)
     except (KeyError, ValueError) as exc:
         raise TraceError(None, str(exc.args[0] if exc.args else exc)) from None
-    doc = floors(c, batch, context, Storage(weights, experts, kv_cache), bandwidth * 1e12)
+    doc = floors(c, batch, context, Storage(weights, experts, kv_cache), bandwidth * 1e12,
+                 tokens=1 + spec_tokens)
     doc["preset"] = preset_name
     if fmt == "json":
         _emit(json.dumps(doc, indent=1) + "\n", output)
@@ -591,9 +594,10 @@ def floors_cmd(preset_name: str, tp: int | None, batch: int, context: int, weigh
               help="comma-separated decode paths to check: standard, standard_kernels (the "
               "standard path one kernel per step, as on a GPU), specialized")
 @click.option("--steps", default=8, show_default=True, type=click.IntRange(1))
-@click.option("--verify", default=0, show_default=True, type=click.IntRange(0),
-              help="draft tokens k: each decode step verifies 1+k tokens per sequence, then "
-              "accepts a seeded random 1..1+k of them and rolls back the rest")
+@click.option("--spec-tokens", default=0, show_default=True, type=click.IntRange(0),
+              help="speculative decoding with K draft tokens: each decode step verifies 1+K "
+              "tokens per sequence, then accepts a seeded random 1..1+K of them and rolls "
+              "back the rest")
 @click.option("--batch", default=2, show_default=True, type=click.IntRange(1))
 @click.option("--prompt", default=4, show_default=True, type=click.IntRange(1),
               help="prompt tokens prefilled before the decode steps")
@@ -605,8 +609,9 @@ def floors_cmd(preset_name: str, tp: int | None, batch: int, context: int, weigh
 @click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table",
               show_default=True)
 @_fail_cleanly
-def validate(preset_name: str, n_layers: int | None, paths: str, steps: int, verify: int,
-             batch: int, prompt: int, dtype: str, kv_cache: str, seed: int, fmt: str) -> None:
+def validate(preset_name: str, n_layers: int | None, paths: str, steps: int,
+             spec_tokens: int, batch: int, prompt: int, dtype: str, kv_cache: str, seed: int,
+             fmt: str) -> None:
     """Check decode paths against a float64 reference of the same weights (CPU is enough).
 
     Exit code 1 when an error exceeds its bound for the dtype.
@@ -628,7 +633,7 @@ def validate(preset_name: str, n_layers: int | None, paths: str, steps: int, ver
                                f"{', '.join(v.PATHS)})")
     result = v.validate(preset_name, chosen, steps=steps, batch=batch, prompt=prompt,
                         dtype=dtype, kv_cache=kv_cache, seed=seed, n_layers=n_layers,
-                        verify=verify)
+                        spec_tokens=spec_tokens)
     if fmt == "json":
         click.echo(json.dumps(result, indent=1))
     else:
@@ -664,6 +669,9 @@ def validate(preset_name: str, n_layers: int | None, paths: str, steps: int, ver
               show_default=True, help="profiler")
 @click.option("--kv-cache", type=click.Choice(["bf16", "fp8"]), default="bf16",
               show_default=True)
+@click.option("--spec-tokens", default=0, show_default=True, type=click.IntRange(0, 7),
+              help="speculative decoding with K synthetic draft tokens: each decode step "
+              "verifies 1+K tokens per sequence and accepts a seeded random 1..1+K")
 @click.option("--out", "out_dir", type=click.Path(path_type=Path), default=Path("traces/runs"),
               show_default=True, help="parent of the run directory")
 @click.option("--plotly-js", default="inline", show_default=True, callback=_check_plotly_js,
@@ -677,7 +685,8 @@ def trace_cmd(from_files: tuple[Path, ...], phase: str, rules: Path | None,
               layers_arg: str | None,
               batch: int | None, context: int | None, steps_arg: str | None,
               warmup: int | None, tp: int, paths: str, graphs: bool, backend: str,
-              kv_cache: str, out_dir: Path, plotly_js: str, fmt: str) -> None:
+              kv_cache: str, spec_tokens: int, out_dir: Path, plotly_js: str,
+              fmt: str) -> None:
     """Capture both decode paths per layer and compare them (the main job).
 
     With no arguments: the tiny preset on a CPU (or four k3-tp8 layers on a GPU), both paths,
@@ -693,7 +702,7 @@ def trace_cmd(from_files: tuple[Path, ...], phase: str, rules: Path | None,
 
     plotly_js_for(plotly_js, out_dir)  # a missing file is said now, not after the capture
     capture_only = _given("preset_name", "batch", "context", "warmup", "tp", "paths", "graphs",
-                          "backend", "kv_cache")
+                          "backend", "kv_cache", "spec_tokens")
     if from_files and capture_only:
         raise TraceError(None, f"{', '.join(capture_only)} set up a capture; --from analyses "
                                "traces already made")
@@ -724,7 +733,8 @@ def trace_cmd(from_files: tuple[Path, ...], phase: str, rules: Path | None,
         req = dataclasses.replace(cap.default_request(torch.cuda.is_available()), **overrides,
                                   tp=tp, paths=tuple(p for p in paths.split(",") if p),
                                   graphs=graphs, backend=backend, kv_cache=kv_cache,
-                                  out_dir=out_dir, plotly_js=plotly_js)
+                                  spec_tokens=spec_tokens, out_dir=out_dir,
+                                  plotly_js=plotly_js)
         from kimi_perf.decode.config import PRESETS
 
         if req.preset not in PRESETS:
@@ -787,6 +797,9 @@ def trace_cmd(from_files: tuple[Path, ...], phase: str, rules: Path | None,
                       f"time to first token {metrics['time_to_first_token_s'] * 1e3:.1f} ms, "
                       f"step {metrics['step_latency_s']['median'] * 1e3:.1f} ms median "
                       f"({metrics['timed']}); ops: {metrics['ops']}"
+                      + (f"; {spec['accepted_tokens_per_step']} of 1+{spec['spec_tokens']} "
+                         "tokens accepted per sequence and step (synthetic)"
+                         if (spec := metrics.get("speculative")) else "")
                       + (f"; fell back: {'; '.join(metrics['fallbacks'])}"
                          if metrics["fallbacks"] else ""))
     if len(labels) == 2 and compared[0][1]:

@@ -319,7 +319,7 @@ def tables_text(tables: list[Table | str]) -> str:
 
 def validation_table(result: dict) -> Table:
     bounds = result["bounds"]
-    k = result.get("verify", 0)
+    k = result.get("spec_tokens", 0)
     steps = (f"{result['steps']} verify steps of 1+{k} tokens" if k
              else f"{result['steps']} steps")
     table = _table(f"Decode paths vs float64 reference: preset {result['preset']}, "
@@ -395,8 +395,10 @@ def gate_headline(result: GateResult) -> str:
 
 def floors_table(doc: dict) -> Table:
     st = doc["storage"]
+    tokens = doc.get("tokens", 1)
+    verify = f" verifying {tokens} tokens each" if tokens > 1 else ""
     table = _table(f"Memory floors per layer: {doc['preset']} (TP {doc['tp']}), batch "
-                   f"{doc['batch']}, context {doc['context']}, weights {st['weights']}, "
+                   f"{doc['batch']}{verify}, context {doc['context']}, weights {st['weights']}, "
                    f"experts {st['experts']}, KV {st['kv_cache']}, "
                    f"{doc['bandwidth_Bps'] / 1e12:.2f} TB/s",
                    ["layer", "launch", "MB", "floor µs"], left=("layer", "launch"))

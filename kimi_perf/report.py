@@ -290,7 +290,9 @@ def _run_html(run: dict | None, breakdowns: dict[str, Breakdown]) -> str:
                   ("batch, TP, context", f"{run.get('batch')}, {run.get('tp')}, "
                                          f"{run.get('context')} tokens"),
                   ("decode steps", f"{run.get('decode_steps')} profiled after "
-                                   f"{run.get('warmup_steps')} warm-up"),
+                                   f"{run.get('warmup_steps')} warm-up"
+                                   + (f"; each a speculative verify of 1+{k} tokens per "
+                                      "sequence" if (k := run.get("spec_tokens")) else "")),
                   ("CUDA graphs, profiler, KV cache",
                    f"{'on' if request.get('graphs') else 'off'}, {request.get('backend')}, "
                    f"{request.get('kv_cache')}")]
@@ -330,6 +332,15 @@ def _run_html(run: dict | None, breakdowns: dict[str, Breakdown]) -> str:
                      f"<th>steps that fell back</th></tr>{rows}</table>"
                      f"<p>Timed {e('; '.join(timed))}. Decode tokens/s excludes the prompt; "
                      "each metric stands on its own.</p>")
+        accepted = {path: m["speculative"] for path, m in metrics.items()
+                    if isinstance(m.get("speculative"), dict)}
+        if accepted:
+            per_path = ", ".join(f"{e(path)} {e(str(v.get('accepted_tokens_per_step')))}"
+                                 for path, v in accepted.items())
+            parts.append("<p>Speculative decoding with synthetic drafts: each step verifies "
+                         "1+k tokens per sequence and accepts a seeded random 1..1+k of them "
+                         "(not a draft model's acceptance); decode tokens/s counts the "
+                         f"accepted tokens. Accepted per sequence per step: {per_path}.</p>")
     floors = run.get("floors")
     if floors and env.get("gpus"):
         per_type = ", ".join(f"{e(t)} {v['floor_us']:.1f} µs"

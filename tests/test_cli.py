@@ -643,17 +643,17 @@ def test_a_capture_records_the_command_that_makes_it_again():
 
     for req in (default_request(False), dataclasses.replace(
             default_request(True), graphs=True, paths=("specialized",), tp=2, kv_cache="fp8",
-            backend="nsys", out_dir=Path("my runs"), plotly_js="cdn")):
+            backend="nsys", spec_tokens=3, out_dir=Path("my runs"), plotly_js="cdn")):
         args = shlex.split(command_line(req))
         assert args[:2] == ["kimi-perf", "trace"]
         p = trace_cmd.make_context("trace", args[2:]).params
         assert (p["preset_name"], p["layers_arg"], p["batch"], p["context"], p["steps_arg"],
                 p["warmup"], p["tp"], p["paths"], p["graphs"], p["backend"], p["kv_cache"],
-                p["out_dir"], p["plotly_js"]) == (
+                p["spec_tokens"], p["out_dir"], p["plotly_js"]) == (
             req.preset, req.n_layers and str(req.n_layers), req.batch, req.context,
             str(req.steps), req.warmup, req.tp,
-            ",".join(req.paths), req.graphs, req.backend, req.kv_cache, req.out_dir,
-            req.plotly_js)
+            ",".join(req.paths), req.graphs, req.backend, req.kv_cache, req.spec_tokens,
+            req.out_dir, req.plotly_js)
 
 
 def test_a_directory_of_traces_stands_for_its_traces(tmp_path):

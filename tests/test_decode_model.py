@@ -185,7 +185,7 @@ def test_validate_verify_steps_against_the_reference():
     """Every step a verify of 1+3 tokens, a different accepted prefix per sequence: each
     position's outputs match the reference, which rolls back per sequence as the path does."""
     result = validate(paths=("standard",), dtype="float32", steps=5, batch=3, prompt=3,
-                      seed=2, verify=3)
+                      seed=2, spec_tokens=3)
     assert result["ok"], result["failures"]
     accepted = torch.tensor(result["accepted"])
     assert accepted.shape == (5, 3) and accepted.min() == 1 and accepted.max() == 4
@@ -204,7 +204,7 @@ def test_validate_verify_catches_a_wrong_rollback(monkeypatch):
     monkeypatch.setattr(DecodeState, "accept",
                         lambda self, n: accept(self, torch.full_like(n, self.verify_tokens)))
     result = validate(paths=("standard",), dtype="float32", steps=4, batch=2, seed=2,
-                      verify=3)
+                      spec_tokens=3)
     assert not result["ok"]
     assert any(f.startswith("standard kda layers") for f in result["failures"])
 
@@ -223,7 +223,7 @@ def test_validate_cli(tmp_path):
     assert std["layer_types"]["dense"]["launches"] < std["layer_types"]["kda"]["launches"]
     assert "logits_max_rel_err" in std
     spec = CliRunner().invoke(main, ["validate", "--steps", "2", "--paths", "standard",
-                                     "--verify", "2"])
+                                     "--spec-tokens", "2"])
     assert spec.exit_code == 0, spec.output
     assert "2 verify steps of 1+2 tokens" in spec.output
     bad = CliRunner().invoke(main, ["validate", "--paths", "nope"])
@@ -313,13 +313,22 @@ def test_harness_annotates_steps_and_layers_for_the_trace_core(tmp_path, weights
 
 
 def test_spec_decode_harness(weights):
-    from kimi_perf.decode.harness import run_spec_decode
+    """Speculative decoding in the harness: per step and sequence, how many of the 1+3
+    verified tokens it accepted, counted as its decode tokens; the state holds exactly
+    those."""
+    from kimi_perf.decode.harness import run_decode
 
     model = K3Model(TINY, weights)
     prompt = torch.randint(0, TINY.vocab, (3, 4), generator=torch.Generator().manual_seed(8))
-    run = run_spec_decode(model, prompt, steps=4, k=3, seed=1)
-    assert run.tokens.shape == (3, 4)
+    state = model.new_state(3, 4 + 5 * 4)
+    run = run_decode(model, prompt, steps=4, warmup=1, spec_tokens=3, seed=1, state=state)
+    assert run.tokens.shape == (3, 5) and run.accepted_counts
     assert int(run.tokens.min()) >= 1 and int(run.tokens.max()) <= 4
-    assert run.decode_tokens_per_s > 0
-    with pytest.raises(ValueError):
-        run_spec_decode(model, prompt, steps=1, k=9)
+    assert len({tuple(r) for r in run.tokens.tolist()}) > 1     # sequences accept apart
+    assert state.lengths.tolist() == (4 + run.tokens.sum(1)).tolist()
+    assert run.decode_tokens_per_s == pytest.approx(int(run.tokens.sum()) / sum(run.step_s))
+    again = run_decode(K3Model(TINY, weights), prompt, steps=4, warmup=1, spec_tokens=3,
+                       seed=1)
+    assert torch.equal(again.tokens, run.tokens)                 # seeded
+    with pytest.raises(ValueError, match="between 0 and 7"):
+        run_decode(model, prompt, steps=1, spec_tokens=8)

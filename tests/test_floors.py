@@ -80,3 +80,24 @@ def test_floors_command():
                           (["--preset", "k3", "--tp", "7"], "does not split over tp=7")):
         bad = runner.invoke(main, ["floors", *args])
         assert bad.exit_code == 2 and message in bad.output
+
+
+def test_a_speculative_verify_step_routes_every_token_and_keeps_every_state():
+    """A verify of 1+3 tokens at batch 2: the experts of 8 routed tokens, the KDA state read
+    once and written for each of its 4 positions, the latent cache read once per sequence."""
+    plain = launch_bytes(TP8, "kda", 2, 4096, MXFP4)
+    verify = launch_bytes(TP8, "kda", 2, 4096, MXFP4, tokens=4)
+    state = 12 * 128 * 128 * 4 + 3 * 12 * 128 * 3 * 2          # fp32 state + bf16 conv, a copy
+    assert verify["fused_kda_decode"] - plain["fused_kda_decode"] == 2 * (5 - 2) * state
+    routed = 3 * 384 * 3584 * 0.53125                          # one MXFP4 expert's bytes
+    assert (verify["moe_fc1_situ_shared_gate_up"] + verify["moe_fc2_combine_shared_down"]
+            - plain["moe_fc1_situ_shared_gate_up"] - plain["moe_fc2_combine_shared_down"]
+            ) == pytest.approx((expected_experts(TP8, 8) - expected_experts(TP8, 2)) * routed)
+    mla = launch_bytes(TP8, "mla", 2, 4096, MXFP4, tokens=4)
+    assert mla["mla_decode"] == launch_bytes(TP8, "mla", 2, 4096, MXFP4)["mla_decode"]
+    out = CliRunner().invoke(main, ["floors", "--batch", "2", "--spec-tokens", "3",
+                                    "--format", "json"])
+    doc = json.loads(out.output)
+    assert doc["tokens"] == 4 and doc["expected_experts"] == round(expected_experts(TP8, 8), 2)
+    table = CliRunner().invoke(main, ["floors", "--batch", "2", "--spec-tokens", "3"]).output
+    assert "batch 2 verifying 4 tokens each" in " ".join(table.split())

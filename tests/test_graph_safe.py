@@ -13,7 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from kimi_perf.capture import profiler_schedule  # noqa: E402
 from kimi_perf.decode.config import preset  # noqa: E402
-from kimi_perf.decode.harness import run_decode, run_spec_decode, state_tensors  # noqa: E402
+from kimi_perf.decode.harness import run_decode, state_tensors  # noqa: E402
 from kimi_perf.decode.model import _expert_matmul, _gathered_expert_matmul  # noqa: E402
 from kimi_perf.decode.specialized import build_model  # noqa: E402
 from kimi_perf.decode.validate import make_path, rel_err  # noqa: E402
@@ -75,7 +75,7 @@ def test_graph_safe_steps_do_not_sync_and_update_state_in_place(path, weights):
 
 @pytest.mark.parametrize("path", PATHS)
 def test_graph_safe_verify_step_and_rollback(path, weights):
-    """A speculative verify step (what a graphed run_spec_decode replays), then the eager
+    """A speculative verify step (what a graphed speculative run_decode replays), then the eager
     acceptance: no host sync in the step, the state where it was, as eager leaves it."""
     model, state = _prefilled(path, weights, batch=3)
     eager, eager_state = _prefilled(path, weights, batch=3)
@@ -117,7 +117,7 @@ def test_cuda_graphs_refuse_a_cpu_model(weights):
     with pytest.raises(ValueError, match="CUDA device"):
         run_decode(model, prompt, steps=1, cuda_graphs=True)
     with pytest.raises(ValueError, match="CUDA device"):
-        run_spec_decode(model, prompt, steps=1, k=3, cuda_graphs=True)
+        run_decode(model, prompt, steps=1, spec_tokens=3, cuda_graphs=True)
 
 
 def test_both_expert_matmuls_agree():

@@ -197,12 +197,12 @@ def test_validate_specialized_verify_steps():
     """Speculative verify steps of 1+3 tokens through the fused kernels, rolled back to a
     per-sequence accepted prefix, against the float64 reference; a verify of 1+8 tokens is
     past the kernels and falls back, and says so."""
-    result = validate("tiny", ("specialized",), steps=2, batch=2, n_layers=4, verify=3)
+    result = validate("tiny", ("specialized",), steps=2, batch=2, n_layers=4, spec_tokens=3)
     assert result["ok"], result["failures"]
     fast = result["paths"]["specialized"]
     assert fast["fallbacks"] == ["step 0: prefill of 4 tokens"]
     assert fast["layer_types"]["kda"]["launches"] <= 13
-    too_long = validate("tiny", ("specialized",), steps=1, batch=1, n_layers=4, verify=8)
+    too_long = validate("tiny", ("specialized",), steps=1, batch=1, n_layers=4, spec_tokens=8)
     assert too_long["ok"], too_long["failures"]
     assert too_long["paths"]["specialized"]["fallbacks"][1:] == [
         "step 1: verify of 9 tokens > 8"]
@@ -298,6 +298,46 @@ def test_trace_command_captures_both_paths(tmp_path):
                                       "--out", str(tmp_path)])
     assert again.exit_code == 0, again.output
     assert "standard" in again.output and "specialized" in again.output
+
+
+def test_trace_command_with_speculative_decoding(tmp_path):
+    """--spec-tokens 3: every profiled step a verify of 1+3 tokens per sequence, both paths
+    (the specialized one through its kernels: only the prefill falls back), the same launches
+    per layer as a decode step, decode tokens/s over the accepted tokens, and floors of the
+    verify step's shape."""
+    import json
+
+    from click.testing import CliRunner
+
+    from kimi_perf.cli import main
+    from kimi_perf.decode.floors import floors
+
+    result = CliRunner().invoke(main, ["trace", "--layers", "4", "--steps", "2", "--warmup",
+                                       "0", "--context", "3", "--batch", "1",
+                                       "--spec-tokens", "3", "--out", str(tmp_path),
+                                       "--format", "json"])
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.output)
+    run = doc["run"]
+    assert run["spec_tokens"] == 3 and "--spec-tokens 3" in run["command"]
+    assert run["floors"] == json.loads(json.dumps(floors(SMALL, 1, 3, tokens=4)))
+    for path, launches in (("standard", {"kda": 18, "mla": 24}),
+                           ("specialized", {"kda": 9, "mla": 12})):
+        types = {t["type"]: t for t in doc["paths"][path]["layer_types"]}
+        assert {k: types[k]["kernels"] for k in launches} == launches
+        assert [s["name"] for s in doc["paths"][path]["steps"]] == ["decode_step[0]",
+                                                                   "decode_step[1]"]
+        metrics = run["paths"][path]
+        spec = metrics["speculative"]
+        assert spec["spec_tokens"] == 3 and 1 <= spec["accepted_tokens_per_step"] <= 4
+        steps_s = metrics["decode_tokens_per_s"]
+        # tokens/s counts the accepted tokens (two steps: their median is their mean)
+        assert steps_s == pytest.approx(2 * spec["accepted_tokens_per_step"] / (
+            2 * metrics["step_latency_s"]["median"]), rel=1e-9)
+    assert run["paths"]["specialized"]["fallbacks"] == ["step 0: prefill of 3 tokens"]
+    report = (tmp_path / doc["run_dir"].split("/")[-1] / "report.html").read_text()
+    assert "each a speculative verify of 1+3 tokens per sequence" in report
+    assert "Accepted per sequence per step: standard" in report
 
 
 def test_report_escapes_names_and_is_written_whole(tmp_path):

@@ -9,6 +9,9 @@ to stream at the GPU's copy bandwidth. The method is the design note's (k3-decod
   expected distinct set under uniform top-k, E·(1 - (1 - k/E)^B);
 - the KDA state is read and written (fp32), as is the conv state (bf16); the gated-MLA layer
   reads its latent cache (every sequence's ``context`` positions);
+- a speculative verify step of T tokens per sequence (``tokens``) routes B·T tokens, and
+  writes the KDA and conv states of each of its T positions (the rollback to the accepted
+  prefix needs them, as vLLM keeps them too); the cache is still read once per sequence;
 - W_UK / W_UV and the router stay bf16 whatever the other weights' dtype (as vLLM keeps them);
 - the attention residuals (a few hidden-size vectors per layer) and the activations are left
   out: they are well under 1% of a layer.
@@ -50,20 +53,21 @@ def expected_experts(c: K3Config, batch: int) -> float:
 
 
 def launch_bytes(c: K3Config, layer_type: str, batch: int, context: int,
-                 storage: Storage = Storage()) -> dict[str, float]:
+                 storage: Storage = Storage(), tokens: int = 1) -> dict[str, float]:
     """Bytes each launch of the specialized path must move at least, for one layer of
     ``layer_type`` (``kda``, ``mla`` or ``dense``: layer 0's attention is KDA, its MLP dense)
-    of the rank whose shapes ``c`` has."""
+    of the rank whose shapes ``c`` has, in a step of ``tokens`` per sequence."""
     w, e = DTYPE_BYTES[storage.weights], DTYPE_BYTES[storage.experts]
     bf16, fp32 = 2.0, 4.0
     h = c.hidden
     out: dict[str, float] = {}
+    states = batch * (1 + tokens)   # each sequence's states read once, written per position
     if layer_type in ("kda", "dense"):
         hd = c.kda_heads_local * c.kda_head_dim
         out["in_proj"] = c.in_proj_rows * h * w
         out["fused_kda_decode"] = (hd * c.f_rank * w
-                                   + batch * 2 * c.kda_heads_local * c.kda_head_dim ** 2 * fp32
-                                   + batch * 2 * 3 * hd * (c.conv_size - 1) * bf16)
+                                   + states * c.kda_heads_local * c.kda_head_dim ** 2 * fp32
+                                   + states * 3 * hd * (c.conv_size - 1) * bf16)
         out["o_proj"] = h * hd * w
     elif layer_type == "mla":
         hm = c.mla_heads_local
@@ -80,7 +84,7 @@ def launch_bytes(c: K3Config, layer_type: str, batch: int, context: int,
         out["dense_gate_up_situ"] = 2 * inter * h * w
         out["dense_down"] = inter * h * w
         return out
-    experts, inter, shared = expected_experts(c, batch), c.moe_intermediate_local, \
+    experts, inter, shared = expected_experts(c, batch * tokens), c.moe_intermediate_local, \
         c.shared_intermediate_local
     out["router_latent_down"] = c.n_experts * h * bf16 + c.latent * h * w
     # the shared experts are stored as the other non-expert weights
@@ -92,20 +96,26 @@ def launch_bytes(c: K3Config, layer_type: str, batch: int, context: int,
 
 def layer_floor_us(c: K3Config, layer_type: str, batch: int, context: int,
                    storage: Storage = Storage(),
-                   bandwidth: float = H200_COPY_BANDWIDTH) -> float:
+                   bandwidth: float = H200_COPY_BANDWIDTH, tokens: int = 1) -> float:
     """The layer's bytes over ``bandwidth`` (bytes/s), in µs."""
-    return sum(launch_bytes(c, layer_type, batch, context, storage).values()) / bandwidth * 1e6
+    return sum(launch_bytes(c, layer_type, batch, context, storage, tokens).values()
+               ) / bandwidth * 1e6
 
 
 def floors(c: K3Config, batch: int, context: int, storage: Storage = Storage(),
-           bandwidth: float = H200_COPY_BANDWIDTH) -> dict:
+           bandwidth: float = H200_COPY_BANDWIDTH, tokens: int = 1) -> dict:
     """Per layer type (``dense``: layer 0, KDA attention and the dense MLP): bytes and floor
-    µs per launch and in all; what ``kimi-perf floors`` prints."""
+    µs per launch and in all, for steps of ``tokens`` per sequence (1+k for a speculative
+    verify); what ``kimi-perf floors`` prints."""
+    if tokens < 1:
+        raise ValueError(f"a step holds at least one token per sequence, not {tokens}")
     out = {"schema": 1, "preset_hash": c.fingerprint(), "tp": c.tp, "batch": batch,
-           "context": context, "storage": storage.__dict__, "bandwidth_Bps": bandwidth,
-           "expected_experts": round(expected_experts(c, batch), 2), "layer_types": {}}
+           "tokens": tokens, "context": context, "storage": storage.__dict__,
+           "bandwidth_Bps": bandwidth,
+           "expected_experts": round(expected_experts(c, batch * tokens), 2),
+           "layer_types": {}}
     for t in ("kda", "mla", "dense"):
-        launches = launch_bytes(c, t, batch, context, storage)
+        launches = launch_bytes(c, t, batch, context, storage, tokens)
         total = sum(launches.values())
         out["layer_types"][t] = {
             "launches": {name: {"bytes": b, "floor_us": round(b / bandwidth * 1e6, 3)}

@@ -24,6 +24,9 @@ from kimi_perf.decode.model import DecodeState, K3Model
 # Eager runs before a capture: they compile the Triton kernels and set up cuBLAS workspaces,
 # neither of which may happen inside a capture.
 GRAPH_WARMUP_RUNS = 2
+# Draft tokens a speculative step verifies at most: 1+7 tokens per sequence is what the
+# specialized path's kernels take (kimi_perf.decode.kernel_path.MAX_VERIFY_TOKENS).
+MAX_SPEC_TOKENS = 7
 
 
 def layer_range_name(layer: int, kind: str) -> str:
@@ -124,83 +127,61 @@ def state_tensors(state: DecodeState) -> list[torch.Tensor]:
 def run_decode(model: K3Model, prompt: torch.Tensor, steps: int,
                state: DecodeState | None = None, kv_dtype: torch.dtype | None = None,
                annotate_layers: bool = True, after_step=None, warmup: int = 0,
-               cuda_graphs: bool = False) -> DecodeRun:
-    """Greedy decode: prefill ``prompt`` [B, P], then ``warmup`` + ``steps`` single-token steps.
+               cuda_graphs: bool = False, spec_tokens: int = 0, seed: int = 0) -> DecodeRun:
+    """Greedy decode: prefill ``prompt`` [B, P], then ``warmup`` + ``steps`` decode steps.
+
+    ``spec_tokens=k`` decodes speculatively with synthetic drafts: each step verifies 1+k
+    tokens per sequence (the last accepted token and k random drafts, drawn from ``seed``) in
+    one forward, accepts a random prefix of 1..1+k of them per sequence and rolls the KDA
+    state back to it; ``DecodeRun.tokens`` then holds how many tokens each sequence accepted.
 
     Warm-up steps are ranges ``warmup_step[i]``, so that analyses of a whole trace (nsys
     records everything) take only the ``decode_step[i]`` ranges as steps. ``after_step()`` runs
     after the prefill and after every decode step (a profiler's ``step``). ``cuda_graphs``
-    replays one captured step (``GraphedDecodeStep``) instead of launching each kernel; the
-    capture comes after the prefill's ``after_step()``, in the first decode step's profiler
-    step, so that a profile of the decode steps holds it.
+    replays one captured step (``GraphedDecodeStep``; the acceptance runs eagerly after it)
+    instead of launching each kernel; the capture comes after the prefill's ``after_step()``,
+    in the first decode step's profiler step, so that a profile of the decode steps holds it.
     """
+    if not 0 <= spec_tokens <= MAX_SPEC_TOKENS:
+        raise ValueError(f"spec_tokens must be between 0 and {MAX_SPEC_TOKENS}")
     batch, prompt_len = prompt.shape
+    width = 1 + spec_tokens                    # tokens per sequence in each decode step
+    verify = spec_tokens > 0
     spare = GRAPH_WARMUP_RUNS if cuda_graphs else 0
-    state = state or model.new_state(batch, prompt_len + warmup + steps + spare,
+    state = state or model.new_state(batch, prompt_len + (warmup + steps + spare) * width,
                                      kv_dtype=kv_dtype)
     hook = _layer_hook(model, annotate_layers)
     logits, prefill_s = _prefill(model, prompt, state)
     next_token = logits[:, -1].argmax(-1, keepdim=True)
     del logits  # [B, P, vocab] fp32: not to be held through the decode steps
     run = DecodeRun(tokens=torch.empty(batch, warmup + steps, dtype=torch.long),
-                    prefill_s=prefill_s)
+                    prefill_s=prefill_s, accepted_counts=verify)
     if after_step:
         after_step()
     if cuda_graphs:
-        step_logits = GraphedDecodeStep(model, state, batch, hook)
+        step_logits = GraphedDecodeStep(model, state, batch, hook, tokens_per_step=width)
     else:
         def step_logits(tokens: torch.Tensor) -> torch.Tensor:
-            return model.forward(tokens, state, layer_hook=hook)
+            return model.forward(tokens, state, keep_checkpoints=verify, layer_hook=hook)
+    gen = torch.Generator().manual_seed(seed)
+    rows = torch.arange(batch, device=model.device)
+    accepted = torch.ones(batch, dtype=torch.long, device=model.device)
     for step in range(warmup + steps):
+        tokens = next_token
+        if verify:
+            drafts = torch.randint(0, model.c.vocab, (batch, spec_tokens), generator=gen)
+            accepted = torch.randint(1, width + 1, (batch,), generator=gen).to(model.device)
+            tokens = torch.cat([next_token, drafts.to(model.device)], dim=1)
         start = time.perf_counter()
         label = f"warmup_step[{step}]" if step < warmup else f"decode_step[{step - warmup}]"
         with annotate(label):
-            next_token = step_logits(next_token)[:, -1].argmax(-1, keepdim=True)
+            logits = step_logits(tokens)
+            if verify:
+                state.accept(accepted)
+            next_token = logits[rows, accepted - 1].argmax(-1, keepdim=True)
         _sync(model.device)
         run.step_s.append(time.perf_counter() - start)
-        run.tokens[:, step] = next_token[:, 0].cpu()
+        run.tokens[:, step] = (accepted if verify else next_token[:, 0]).cpu()
         if after_step:
             after_step()
-    return run
-
-
-def run_spec_decode(model: K3Model, prompt: torch.Tensor, steps: int, k: int,
-                    seed: int = 0, kv_dtype: torch.dtype | None = None,
-                    cuda_graphs: bool = False) -> DecodeRun:
-    """Speculative decoding with synthetic drafts: each step verifies 1+k tokens per sequence
-    (the last accepted token and k random drafts) in one forward, accepts a random prefix of
-    1..1+k of them per sequence, and rolls the KDA state back to it. ``cuda_graphs`` replays
-    one captured verify step; the acceptance runs eagerly after it.
-
-    ``DecodeRun.tokens`` holds, per step, how many tokens each sequence accepted.
-    """
-    if not 1 <= k <= 7:
-        raise ValueError("k must be between 1 and 7")
-    batch, prompt_len = prompt.shape
-    spare = GRAPH_WARMUP_RUNS if cuda_graphs else 0
-    state = model.new_state(batch, prompt_len + (steps + spare) * (1 + k), kv_dtype=kv_dtype)
-    gen = torch.Generator().manual_seed(seed)
-    c = model.c
-    hook = _layer_hook(model)
-    logits, prefill_s = _prefill(model, prompt, state)
-    if cuda_graphs:
-        verify_logits = GraphedDecodeStep(model, state, batch, hook, tokens_per_step=1 + k)
-    else:
-        def verify_logits(tokens: torch.Tensor) -> torch.Tensor:
-            return model.forward(tokens, state, keep_checkpoints=True, layer_hook=hook)
-    last = logits[:, -1].argmax(-1, keepdim=True)
-    run = DecodeRun(tokens=torch.empty(batch, steps, dtype=torch.long),
-                    prefill_s=prefill_s, accepted_counts=True)
-    rows = torch.arange(batch, device=model.device)
-    for step in range(steps):
-        drafts = torch.randint(0, c.vocab, (batch, k), generator=gen).to(model.device)
-        accepted = torch.randint(1, k + 2, (batch,), generator=gen).to(model.device)
-        start = time.perf_counter()
-        with annotate(f"decode_step[{step}]"):
-            logits = verify_logits(torch.cat([last, drafts], dim=1))
-            state.accept(accepted)
-            last = logits[rows, accepted - 1].argmax(-1, keepdim=True)
-        _sync(model.device)
-        run.step_s.append(time.perf_counter() - start)
-        run.tokens[:, step] = accepted.cpu()
     return run

@@ -39,14 +39,14 @@ class ValidationRun:
     dtype: str
     kv_cache: str
     seed: int
-    verify: int = 0          # draft tokens k: each step verifies 1+k tokens, then accepts some
+    spec_tokens: int = 0     # draft tokens k: each step verifies 1+k tokens, then accepts some
 
     def accepted_lengths(self) -> torch.Tensor | None:
         """[steps, batch] synthetic acceptance (1..1+k tokens per sequence), seeded."""
-        if not self.verify:
+        if not self.spec_tokens:
             return None
         gen = torch.Generator().manual_seed(self.seed + 2)
-        return torch.randint(1, self.verify + 2, (self.steps, self.batch), generator=gen)
+        return torch.randint(1, self.spec_tokens + 2, (self.steps, self.batch), generator=gen)
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -79,7 +79,7 @@ def launches_per_layer_type(model: K3Model, c: K3Config) -> dict[str, int]:
 def validate_path(path: str, run: ValidationRun) -> dict:
     c = run.config
     weights = random_weights(c, seed=run.seed)
-    width = 1 + run.verify                     # tokens per sequence in each decode step
+    width = 1 + run.spec_tokens                     # tokens per sequence in each decode step
     gen = torch.Generator().manual_seed(run.seed + 1)
     tokens = torch.randint(0, c.vocab, (run.batch, run.prompt + run.steps * width),
                            generator=gen)
@@ -117,7 +117,7 @@ def validate_path(path: str, run: ValidationRun) -> dict:
                                    for b, p in enumerate(position.tolist())])
         seen = Observer()
         model.launches = [] if step == 0 else None
-        logits = model.forward(step_tokens, state, seen, keep_checkpoints=bool(run.verify))
+        logits = model.forward(step_tokens, state, seen, keep_checkpoints=bool(run.spec_tokens))
         if step == 0:
             launches = launches_per_layer_type(model, c)
         model.launches = None
@@ -135,9 +135,9 @@ def validate_path(path: str, run: ValidationRun) -> dict:
             logits_err = max(logits_err, rel_err(logits[:, t], want))
             gap = max([gap, *(g for e in expected for g in e.routing_gap.values())])
             for b, ref in enumerate(refs):
-                if run.verify and t + 1 == int(keep[b]):
+                if run.spec_tokens and t + 1 == int(keep[b]):
                     rollback[b] = ref.snapshot()
-        if run.verify:
+        if run.spec_tokens:
             state.accept(keep)
             for ref, saved in zip(refs, rollback, strict=True):
                 ref.restore(saved)
@@ -155,16 +155,16 @@ def validate_path(path: str, run: ValidationRun) -> dict:
 
 def validate(preset_name: str = "tiny", paths: tuple[str, ...] = DEFAULT_PATHS, steps: int = 8,
              batch: int = 2, prompt: int = 4, dtype: str = "bfloat16", kv_cache: str = "bf16",
-             seed: int = 0, n_layers: int | None = None, verify: int = 0) -> dict:
-    """Each path against the float64 reference; ``verify=k`` makes every decode step a
+             seed: int = 0, n_layers: int | None = None, spec_tokens: int = 0) -> dict:
+    """Each path against the float64 reference; ``spec_tokens=k`` makes every decode step a
     speculative verify of 1+k tokens per sequence followed by a seeded synthetic acceptance
     of 1..1+k of them (the state rolls back to it, and so does each sequence's reference).
     A verify step the specialized path does not take (over 8 tokens) falls back, and its
     ``fallbacks`` say so."""
-    if verify < 0:
-        raise ValueError(f"verify takes 0 or more draft tokens, not {verify}")
+    if spec_tokens < 0:
+        raise ValueError(f"spec_tokens takes 0 or more draft tokens, not {spec_tokens}")
     run = ValidationRun(preset(preset_name, n_layers=n_layers), batch, prompt, steps, dtype,
-                        kv_cache, seed, verify)
+                        kv_cache, seed, spec_tokens)
     bounds = BOUNDS[(dtype, kv_cache)]
     results = {path: validate_path(path, run) for path in paths}
     failures = []
@@ -181,7 +181,8 @@ def validate(preset_name: str = "tiny", paths: tuple[str, ...] = DEFAULT_PATHS, 
                             f"{bounds['routing_gap']:.3g}")
     return {"schema": 1, "preset": preset_name, "n_layers": run.config.n_layers,
             "config": run.config.fingerprint(), "dtype": dtype, "kv_cache": kv_cache,
-            "batch": batch, "prompt": prompt, "steps": steps, "seed": seed, "verify": verify,
-            **({"accepted": run.accepted_lengths().tolist()} if verify else {}),
+            "batch": batch, "prompt": prompt, "steps": steps, "seed": seed,
+            "spec_tokens": spec_tokens,
+            **({"accepted": run.accepted_lengths().tolist()} if spec_tokens else {}),
             "bounds": bounds,
             "paths": results, "ok": not failures, "failures": failures}

@@ -10,6 +10,7 @@ import sys
 
 import torch
 
+from kimi_perf.capture import decode_tokens
 from kimi_perf.decode.annotate import NVTX
 from kimi_perf.decode.config import preset
 from kimi_perf.decode.harness import run_decode
@@ -34,10 +35,12 @@ def main(argv: list[str]) -> int:
                            generator=gen)
     run = run_decode(model, prompt, steps=request["steps"], warmup=request["warmup"],
                      kv_dtype=FP8 if request["kv_cache"] == "fp8" else None,
-                     cuda_graphs=request["graphs"])
+                     cuda_graphs=request["graphs"], spec_tokens=request["spec_tokens"],
+                     seed=request["seed"])
     steps = run.step_s[request["warmup"]:]
     with open(metrics_out, "w") as f:
         json.dump({"prefill_s": run.prefill_s, "step_s": steps,
+                   "tokens": decode_tokens(run, request["warmup"]),
                    "fallbacks": list(getattr(model, "fallbacks", [])),
                    "model": type(model).__name__}, f)
     return 0
