@@ -138,7 +138,40 @@ def _check_steps(value: str | None) -> str | None:
     return value
 
 
-@click.group()
+class UsageErrorLine(click.ClickException):
+    """A usage error (a bad option value, an unknown option or command) as the one line every
+    other bad input gets, naming where the help is, instead of click's usage block."""
+
+    exit_code = 2
+
+    def show(self, file=None) -> None:
+        click.echo(f"kimi-perf: error: {self.format_message()}", err=True)
+
+
+class KimiPerfGroup(click.Group):
+    """The CLI: click's group, its usage errors one line each."""
+
+    @staticmethod
+    def _one_line(exc: click.UsageError) -> UsageErrorLine:
+        where = exc.ctx.command_path if exc.ctx else "kimi-perf"
+        return UsageErrorLine(f"{exc.format_message()} (see {where} --help)")
+
+    def make_context(self, *args, **kwargs):
+        try:
+            return super().make_context(*args, **kwargs)
+        except click.exceptions.NoArgsIsHelpError:
+            raise                      # no arguments at all: the help, as click shows it
+        except click.UsageError as exc:
+            raise self._one_line(exc) from None
+
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except click.UsageError as exc:
+            raise self._one_line(exc) from None
+
+
+@click.group(cls=KimiPerfGroup)
 @click.version_option(package_name="kimi-perf")
 def main() -> None:
     """Per-layer kernel counts and µs from nsys and PyTorch-profiler traces."""

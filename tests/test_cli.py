@@ -245,6 +245,20 @@ def _one_line_error(result, *fragments: str) -> None:
         assert fragment in lines[0]
 
 
+@pytest.mark.parametrize(("args", "said"), [
+    (["breakdown", str(VLLM), "--phase", "decod"], "Invalid value for '--phase'"),
+    (["gate", str(VLLM), str(VLLM), "--alpha", "2"], "Invalid value for '--alpha'"),
+    (["gate", str(VLLM), str(VLLM), "--rel-tol", "-1"], "Invalid value for '--rel-tol'"),
+    (["breakdown", str(VLLM), "--no-such-option"], "No such option '--no-such-option'"),
+    (["ranges"], "Missing argument 'TRACE'"),
+    (["nonsense"], "No such command 'nonsense'"),
+    (["--bogus"], "No such option '--bogus'")])
+def test_usage_errors_are_one_line(args, said):
+    """A bad option value, an unknown option, a missing argument or an unknown command: one
+    line that says so and where the help is, as for every other bad input."""
+    _one_line_error(run(*args), said, "--help)")
+
+
 def test_tables_to_a_file_and_bad_output_paths(tmp_path):
     """-o writes the table as plain text; an output path that cannot be written is one line
     and exit 2, never a traceback or a partial file."""
@@ -297,9 +311,9 @@ def test_layer_modes_asked_for_by_name_that_find_nothing():
 
 
 def test_a_layer_count_below_one_is_refused():
-    result = run("validate", "--layers", "0")
-    assert result.exit_code == 2 and result.exception is not None  # click's usage error
-    assert "Invalid value for '--layers': 0 is not in the range x>=1" in result.output
+    _one_line_error(run("validate", "--layers", "0"),
+                    "Invalid value for '--layers': 0 is not in the range x>=1",
+                    "validate --help)")
     _one_line_error(run("trace", "--layers", "0"), "--layers takes a layer count (with "
                     "--from: how layers are found), not '0'")
 
