@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import re
+import shlex
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -332,6 +334,8 @@ def breakdown(trace: Trace, layers: str = "auto", rules: list[Rule] | None = Non
     # No step range and no graph launch: each device is one step. Say which ranges could be.
     found_by = steps[0].found_by if steps else None
     repeating = repeating_ranges(trace) if found_by == "device" else []
+    enclosing = [{"step": s.name, "index": s.index, "device": s.device, "encloses": s.encloses,
+                  "ops": len(s.ops)} for s in steps if s.encloses]
     # Work no step holds (launched outside the step ranges, or from another thread, such as
     # a training run's autograd thread) is reported, never silently dropped.
     outside = np.ones(len(ops), bool)
@@ -382,7 +386,7 @@ def breakdown(trace: Trace, layers: str = "auto", rules: list[Rule] | None = Non
                              "outside_steps": outside_steps,
                              "other_thread_ops": other_thread_ops,
                              "steps_left_out": left_out, "steps_found_by": found_by,
-                             "repeating_ranges": repeating},
+                             "repeating_ranges": repeating, "enclosing_steps": enclosing},
                      steps=step_rows,
                      layers=layer_rows, layer_types=layer_types, timeline=timeline)
 
@@ -586,10 +590,26 @@ def step_notes(b: Breakdown) -> list[str]:
         repeating = src.get("repeating_ranges") or []
         named = ", ".join(f"'{r['range']}' ×{r['instances']} ({r['kernels']} kernels)"
                           for r in repeating)
+        first = f"--steps {shlex.quote('^' + re.escape(repeating[0]['range']) + '$')}" \
+            if repeating else ""
         notes.append("no step range the defaults know (decode_step, ProfilerStep#, vLLM's "
                      "execute_…) and no graph launches: each device is one step" + (
-                         f"; ranges that repeat: {named}: --steps REGEX makes one the steps"
+                         f"; ranges that repeat: {named}: {first} takes "
+                         f"{'the first' if len(repeating) > 1 else 'them'} as the steps "
+                         "(--steps is a regex searched anywhere in a name; ^…$ matches the "
+                         "name alone)"
                          if repeating else " (--steps REGEX takes ranges of your own)"))
+    enclosing = src.get("enclosing_steps") or []
+    if enclosing:
+        names = sorted({e["step"] for e in enclosing})
+        shown = ", ".join(f"'{n}'" for n in names[:3]) + (", …" if len(names) > 3 else "")
+        notes.append(f"{len(enclosing)} step{'s' if len(enclosing) > 1 else ''} ({shown}) "
+                     f"{'are ranges' if len(enclosing) > 1 else 'is a range'} holding "
+                     f"{sum(e['encloses'] for e in enclosing)} other step ranges: "
+                     f"{'each' if len(enclosing) > 1 else 'it'} counts only the "
+                     f"{sum(e['ops'] for e in enclosing)} {work} between them; a --steps "
+                     "regex that matches only the inner ranges (^NAME$) leaves "
+                     f"{'them' if len(enclosing) > 1 else 'it'} out")
     if phases := phase_note(b):
         notes.append(phases)
     return notes

@@ -129,8 +129,14 @@ def _count_of(option: str, value: str | None, what: str) -> int | None:
 
 
 def _check_steps(value: str | None) -> str | None:
+    """A --steps regex; a bare number is a count given where a regex is wanted (trace's
+    --steps is a count without --from), refused rather than matched against names."""
     if value is not None:
         import re
+        if value.strip().isdigit():
+            raise TraceError(None, f"--steps takes a regex for the step ranges here, not a "
+                                   f"count ({value!r}; a range named {value.strip()} is "
+                                   f"'^{value.strip()}$')")
         try:
             re.compile(value)
         except re.error as exc:

@@ -165,12 +165,16 @@ def _source_ok(source) -> bool:
         return False
     outside, gpus = source.get("outside_steps"), source.get("gpus")
     left_out, repeating = source.get("steps_left_out"), source.get("repeating_ranges")
+    enclosing = source.get("enclosing_steps")
     return (all(source.get(k) is None or isinstance(source[k], str)
                 for k in ("ops", "file", "tool", "format", "steps_found_by"))
             and (repeating is None or (isinstance(repeating, list) and all(
                 isinstance(r, dict) and isinstance(r.get("range"), str)
                 and _count(r.get("instances")) and _count(r.get("kernels"))
                 for r in repeating)))
+            and (enclosing is None or (isinstance(enclosing, list) and all(
+                isinstance(e, dict) and isinstance(e.get("step"), str)
+                and _count(e.get("encloses")) and _count(e.get("ops")) for e in enclosing)))
             and (source.get("other_thread_ops") is None or _count(source["other_thread_ops"]))
             and (left_out is None or (isinstance(left_out, dict) and all(
                 isinstance(k, str) and _count(n) for k, n in left_out.items())))
@@ -188,7 +192,8 @@ def _checked(b: Breakdown, path: Path) -> Breakdown:
         raise TraceError(path, "source is not {ops, file, tool, format, other_thread_ops, "
                                "outside_steps: {ops, kernel_us, unlaunched}, steps_left_out: "
                                "{phase: count}, steps_found_by, repeating_ranges: [{range, "
-                               "instances, kernels}], gpus: [{name, sm_count}]}")
+                               "instances, kernels}], enclosing_steps: [{step, encloses, ops}], "
+                               "gpus: [{name, sm_count}]}")
     rows = [*b.layers, *b.steps] if isinstance(b.layers, list) and isinstance(b.steps, list) \
         else None
     if (rows is None or not isinstance(b.layer_types, list)

@@ -238,6 +238,10 @@ class Step:
     borrowed: np.ndarray | None = None
     # What made it a step: a "range", a "graph" launch, or with neither, a whole "device"
     found_by: str = "range"
+    range_row: int = -1          # the step's range (a row of trace.ranges; -1: none)
+    # Other steps' ranges inside this step's range (an outer range the step regex matched too,
+    # "Benchmark Forward Only" around each "Forward"): the step holds only the ops between them.
+    encloses: int = 0
 
     @property
     def other_thread_ops(self) -> int:
@@ -265,10 +269,14 @@ def find_steps(trace: Trace, ops: GpuOps, step_regex: str | None = None) -> list
         del rkeys
         if not (owner >= 0).any():
             continue
+        owners = np.unique(owner[owner >= 0])
+        encloses = _enclosed_counts(trace.ranges, range_keys[owners], owners)
         del keys, range_keys  # before the steps' own arrays
         borrowed = _other_thread_owners(trace, ops, matching, owner, launch_start, launch_end)
         op_rows = np.flatnonzero(owner >= 0).astype(index_dtype(len(ops)))
         steps = _steps_from_groups(trace, ops, owner[op_rows], op_rows)
+        for step in steps:
+            step.encloses = encloses.get(step.range_row, 0)
         if borrowed.any():
             for step in steps:
                 mine = borrowed[step.ops]
@@ -281,6 +289,23 @@ def find_steps(trace: Trace, ops: GpuOps, step_regex: str | None = None) -> list
     if graph_steps:
         return graph_steps
     return _whole_trace_steps(ops)
+
+
+def _enclosed_counts(ranges, keys: np.ndarray, rows: np.ndarray) -> dict[int, int]:
+    """Of these step ranges (rows, with their thread keys), the ones holding others of them:
+    row -> how many. Ranges of one thread nest or follow one another, so the ranges that
+    start after one (in its thread) and before it ends lie inside it."""
+    out: dict[int, int] = {}
+    order = np.lexsort((-ranges.end[rows], ranges.start[rows], keys))
+    rows, keys = rows[order], keys[order]
+    cuts = np.flatnonzero(np.r_[True, keys[1:] != keys[:-1], True])
+    for lo, hi in zip(cuts[:-1].tolist(), cuts[1:].tolist(), strict=True):
+        starts, ends = ranges.start[rows[lo:hi]], ranges.end[rows[lo:hi]]
+        inside = np.searchsorted(starts, ends, side="left") - np.arange(1, hi - lo + 1)
+        for row, n in zip(rows[lo:hi][inside > 0].tolist(), inside[inside > 0].tolist(),
+                          strict=True):
+            out[row] = n
+    return out
 
 
 def _other_thread_owners(trace: Trace, ops: GpuOps, matching: np.ndarray, owner: np.ndarray,
@@ -327,7 +352,7 @@ def _steps_from_groups(trace: Trace, ops: GpuOps, group: np.ndarray, op_rows: np
         gid = int(g[lo])
         label = names.get(gid, "") if names else trace.strings[trace.ranges.name[gid]]
         steps.append(Step(index=0, device=int(dev[lo]), pid=int(ops.pid[members[0]]),
-                          name=label, ops=members))
+                          name=label, ops=members, range_row=-1 if names else gid))
     steps.sort(key=lambda s: (s.device, int(ops.start[s.ops[0]])))
     per_device: Counter = Counter()
     for s in steps:

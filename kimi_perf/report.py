@@ -419,6 +419,15 @@ def plotly_js_for(value: str, report_dir: Path) -> str:
                                               Path(report_dir).resolve()))
 
 
+def _missing_timelines_html(breakdowns: dict[str, Breakdown]) -> str:
+    """Which traces' panels stay empty, and why: no step with layers, or a stored breakdown
+    without its timeline (written by an older kimi-perf, or edited)."""
+    lines = [f"{html.escape(label)}: " + ("no timeline in this breakdown (stored without one)"
+                                          if b.layers else "no step with layers to draw")
+             for label, b in breakdowns.items() if not b.timeline]
+    return f"<p class=note>{'; '.join(lines)}.</p>" if lines else ""
+
+
 def write_report(path: str | Path, breakdowns: dict[str, Breakdown], title: str,
                  run: dict | None = None, plotly_js: str = "inline") -> Path:
     """One HTML file (written atomically) from breakdowns alone (their ``timeline`` is drawn).
@@ -446,6 +455,7 @@ def write_report(path: str | Path, breakdowns: dict[str, Breakdown], title: str,
              _typical_html(breakdowns),
              _fusions_html(breakdowns),
              "<h2>Timelines</h2>",
+             _missing_timelines_html(breakdowns),
              timelines.to_html(full_html=False, include_plotlyjs=include),
              _class_bars(breakdowns).to_html(full_html=False, include_plotlyjs=False),
              "</body></html>"]

@@ -620,6 +620,25 @@ def test_work_in_no_step_says_whether_it_was_launched_outside_or_never_seen_laun
         in step_notes(b)
 
 
+def test_a_step_range_holding_other_step_ranges_is_said():
+    """--steps Forward also matches the benchmark's 'Benchmark Forward Only', which holds ten
+    of the 'Forward' ranges: a step of the 20 kernels between them, said in a note; the
+    anchored regex the note suggests leaves it out."""
+    from kimi_perf.breakdown import step_notes
+
+    trace = read_trace(NSYS / "jsun-012-assignment2-systems__result__nsys2025.1.3.sqlite")
+    loose = breakdown(trace, step_regex="Forward")
+    assert len(loose.steps) == 16
+    assert loose.source["enclosing_steps"] == [
+        {"step": "Benchmark Forward Only", "index": 5, "device": 0, "encloses": 10, "ops": 20}]
+    assert any(n.startswith("1 step ('Benchmark Forward Only') is a range holding 10 other "
+                            "step ranges: it counts only the 20 GPU ops between them")
+               for n in step_notes(loose))
+    anchored = breakdown(trace, step_regex="^Forward$")
+    assert len(anchored.steps) == 15 and anchored.source["enclosing_steps"] == []
+    assert not any("other step ranges" in n for n in step_notes(anchored))
+
+
 def test_steps_per_device_name_the_ranges_that_could_be_the_steps():
     """A training trace without a step range the defaults know: each device is one step, and
     the note names the repeating range that holds most kernels (not the ranges inside
@@ -631,7 +650,7 @@ def test_steps_per_device_name_the_ranges_that_could_be_the_steps():
     assert jsun.source["repeating_ranges"] == [
         {"range": "Forward", "instances": 15, "kernels": 10380}]
     assert any("each device is one step; ranges that repeat: 'Forward' ×15 (10380 kernels): "
-               "--steps REGEX makes one the steps" in n for n in step_notes(jsun))
+               "--steps '^Forward$' takes them as the steps" in n for n in step_notes(jsun))
     # the benchmark's forward passes, not the operators ('cpu_op:aten::conv2d' ×10)
     alexnet = breakdown(read_trace(KINETO / "hta_a100_alexnet_cuda_sync.json.gz"))
     assert [r["range"] for r in alexnet.source["repeating_ranges"]] == [

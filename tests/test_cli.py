@@ -608,6 +608,16 @@ def test_report_command_draws_runs_breakdowns_and_traces(tmp_path):
     text = out.read_text()
     assert "Per layer type: trace vs stored" in text
     assert text.count("(median-span step)") == 2  # the stored breakdown keeps its timeline
+    assert "no timeline in this breakdown" not in text
+    # one stored without its timeline: its panel is empty, and the report says why
+    doc = json.loads(traced.read_text())
+    del doc["timeline"]
+    traced.write_text(json.dumps(doc))
+    assert run("report", VLLM, traced, "--labels", "trace,stored", "-o", out,
+               "--plotly-js", "cdn").exit_code == 0
+    text = out.read_text()
+    assert text.count("(median-span step)") == 1
+    assert "stored: no timeline in this breakdown (stored without one)" in text
 
 
 @pytest.mark.parametrize("change, message", [
@@ -861,6 +871,8 @@ def test_trace_from_takes_step_ranges_and_layer_modes(tmp_path):
                        (["--from", jsun, "--layers", "bogus"],
                         "--layers must be auto, repeat, nvtx or nvtx:REGEX, not 'bogus'"),
                        (["--from", jsun, "--steps", "nomatch"],
-                        "no range matching --steps 'nomatch' holds a kernel launch")):
+                        "no range matching --steps 'nomatch' holds a kernel launch"),
+                       (["--from", jsun, "--steps", "3"],
+                        "--steps takes a regex for the step ranges here, not a count ('3'")):
         _one_line_error(run("trace", *args, "--out", tmp_path), said)
     assert list(tmp_path.iterdir()) == [run_dir]

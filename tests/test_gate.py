@@ -499,6 +499,19 @@ def test_a_malformed_typical_layer_is_one_line(tmp_path, typical):
         assert "bad.json: layer type 'kda': typical_layer is not" in result.output
 
 
+@pytest.mark.parametrize("value", [[{"step": "s", "encloses": "2", "ops": 3}], {"step": "s"},
+                                   [{"step": 1, "encloses": 2, "ops": 3}]])
+def test_a_malformed_enclosing_steps_note_is_one_line(tmp_path, value):
+    doc = json.loads(BASELINE.read_text())
+    doc["paths"]["specialized"]["source"]["enclosing_steps"] = value
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(doc))
+    for args in (["gate", bad, BASELINE], ["breakdown", bad]):
+        result = CliRunner().invoke(main, [str(a) for a in args])
+        assert result.exit_code == 2 and result.output.count("\n") == 1, result.output
+        assert "bad.json: source is not" in result.output
+
+
 @pytest.mark.parametrize("where, key, value", [
     ("layer_types", "kernels", "x"), ("layer_types", "span_us", None),
     ("layer_types", "layers", "3"), ("layer_types", "gap_us", float("inf")),
