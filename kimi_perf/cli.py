@@ -422,7 +422,8 @@ def gate_cmd(baseline: Path, run: Path, metrics: str, rel_tol: float, alpha: flo
         atomic_write_text(baseline, json.dumps(doc, indent=1) + "\n")
         click.echo(f"baseline {baseline} created from {run}", err=True)
         return
-    base, _, base_file = gate_mod.load_run(baseline, phase)
+    base, base_doc, base_file = gate_mod.load_run(baseline, phase)
+    differences = gate_mod.run_differences(base_doc, doc)
     if path_name is not None and set(base) == set(current) == {gate_mod.TRACE}:
         raise _no_run([baseline, run])
     if path_name is not None:
@@ -436,8 +437,11 @@ def gate_cmd(baseline: Path, run: Path, metrics: str, rel_tol: float, alpha: flo
         raise TraceError(baseline, "--update replaces a baseline JSON (or a run directory's "
                                    "breakdown.json), not a trace")
     result = gate_mod.gate(base, current, gate_mod.Tolerances(rel_tol, alpha, metrics=chosen))
+    cpu_times = [m for m in chosen if m != "kernels"] if any(
+        b.unit == "ops" for b in (*base.values(), *current.values())) else []
     if fmt == "json":
-        click.echo(json.dumps(result.to_json(), indent=1, allow_nan=False))
+        click.echo(json.dumps({**result.to_json(), "run_differences": differences},
+                              indent=1, allow_nan=False))
     else:
         console = render.console()
         table = render.gate_table(result, show_all)
@@ -446,6 +450,15 @@ def gate_cmd(baseline: Path, run: Path, metrics: str, rel_tol: float, alpha: flo
         for side, runs in (("baseline", base), ("run", current)):  # steps left out, say
             for line in render.note_lines({f"{side} {p}": b for p, b in runs.items()}):
                 console.print(line)
+        if differences:
+            console.print(f"the baseline and the run were captured differently: "
+                          f"{'; '.join(differences)}: their kernels and µs may differ for "
+                          "that alone", style="bold yellow")
+        if cpu_times:
+            console.print(f"{', '.join(cpu_times)} of a CPU run are CPU time (the "
+                          "specialized path in Triton's interpreter), noisy and no speed "
+                          "figure: --metrics kernels gates the launches alone",
+                          style="yellow")
         console.print(render.gate_headline(result))
     if update:
         atomic_write_text(base_file, json.dumps(doc, indent=1) + "\n")

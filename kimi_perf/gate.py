@@ -312,6 +312,46 @@ def gate(baseline: dict[str, Breakdown], current: dict[str, Breakdown],
     return GateResult(checks, tolerances)
 
 
+# What makes two captures comparable: the model, the step's shape and how it ran.
+RUN_SETTINGS = (("preset", ("preset",)), ("layers", ("n_layers",)),
+                ("model config", ("config_hash",)), ("batch", ("batch",)), ("TP", ("tp",)),
+                ("context", ("context",)), ("draft tokens", ("spec_tokens",)),
+                ("KV cache", ("request", "kv_cache")), ("CUDA graphs", ("request", "graphs")),
+                ("profiler", ("request", "backend")), ("device", ("environment", "device")),
+                ("GPUs", ("environment", "gpus")))
+
+
+def run_differences(baseline_doc: dict, run_doc: dict) -> list[str]:
+    """How the captures behind a baseline and a run differ ("TP 1 vs 2"), from their run
+    information; nothing where either side has none (a trace, a breakdown JSON). Kernels
+    and µs of unlike runs differ for reasons no regression explains."""
+    runs = [d.get("run") if isinstance(d, dict) else None for d in (baseline_doc, run_doc)]
+    if not all(isinstance(r, dict) for r in runs):
+        return []
+
+    def setting(run: dict, keys: tuple[str, ...]):
+        for key in keys:
+            run = run.get(key) if isinstance(run, dict) else None
+        return run
+
+    out = []
+    for label, keys in RUN_SETTINGS:
+        # "spec_tokens" is absent from runs made before speculative decoding was: 0
+        base, cur = (setting(r, keys) if keys != ("spec_tokens",) else r.get("spec_tokens", 0)
+                     for r in runs)
+        if base is not None and cur is not None and base != cur:
+            out.append(f"{label} {_setting_text(base)} vs {_setting_text(cur)}")
+    return out
+
+
+def _setting_text(value) -> str:
+    if isinstance(value, list):
+        return ", ".join(map(str, value)) or "none"
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return str(value)
+
+
 def _digest(b: Breakdown | None, layer_type: str | None) -> str | None:
     return ((_layer_type(b, layer_type) if b else None) or {}).get("pattern")
 

@@ -530,3 +530,27 @@ def test_malformed_stored_figures_are_one_line_for_every_command(tmp_path, where
         assert result.exit_code == 2 and result.output.count("\n") == 1, (args, result.output)
         assert "bad.json" in result.output
     assert not (tmp_path / "r.html").exists()
+
+
+def test_gate_says_when_baseline_and_run_were_captured_differently(tmp_path):
+    """A run at TP 2 and batch 1 against the TP 1, batch 2 baseline: its all-reduces are no
+    regression of the code, and the gate says what differs (text and JSON). The CPU
+    baseline's µs checks say they are CPU time."""
+    doc = json.loads(BASELINE.read_text())
+    doc["run"]["tp"], doc["run"]["batch"] = 2, 1
+    doc["run"]["request"]["graphs"] = True
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps(doc))
+    out = CliRunner().invoke(main, ["gate", str(BASELINE), str(other), "--format", "json"])
+    assert json.loads(out.output)["run_differences"] == [
+        "batch 2 vs 1", "TP 1 vs 2", "CUDA graphs off vs on"]
+    text = " ".join(CliRunner().invoke(main, ["gate", str(BASELINE), str(other)]).output.split())
+    assert ("the baseline and the run were captured differently: batch 2 vs 1; TP 1 vs 2; "
+            "CUDA graphs off vs on") in text
+    assert "kernel_us, span_us of a CPU run are CPU time" in text
+    same = CliRunner().invoke(main, ["gate", str(BASELINE), str(BASELINE), "--metrics",
+                                     "kernels"])
+    assert same.exit_code == 0 and "captured differently" not in same.output
+    assert "of a CPU run are CPU time" not in same.output
+    bare = CliRunner().invoke(main, ["gate", str(BASELINE), str(BASELINE), "--format", "json"])
+    assert json.loads(bare.output)["run_differences"] == []
