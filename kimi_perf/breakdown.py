@@ -373,7 +373,9 @@ def breakdown(trace: Trace, layers: str = "auto", rules: list[Rule] | None = Non
         row.update(prologue=prologue, epilogue=epilogue)
     layer_rows = LayerRows(layer_heads, figures, n_steps, labels)
     layer_types = _layer_type_medians(layer_rows)
-    groups = two_groups(layer_rows)
+    # On a CPU an op's time is the host's (Python, the interpreter), whose noise alone splits
+    # layers in two: only GPU kernels' times say the layers do different work.
+    groups = two_groups(layer_rows) if ops_kind == "gpu" else {}
     for t in layer_types:
         layer = typical.get(t["type"], {})
         if "pattern" in layer:

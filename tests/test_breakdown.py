@@ -413,6 +413,27 @@ def _alternating_attention(slow_us: int, steps: int = 2, layers: int = 8,
     return b
 
 
+def test_cpu_ops_are_never_said_to_fall_in_two_groups():
+    """The same alternating layers as CPU ops (a decode run on a CPU, its annotated
+    launches): an op's time there is the host's, so two groups say nothing of the work."""
+    b = TraceBuilder()
+    for step in range(2):
+        step_start = b.clock
+        for i in range(8):
+            start = b.clock
+            for op, us in (("rmsnorm", 10), ("flash_attention", 200 if i % 2 else 100),
+                           ("gemm_o_proj", 200)):
+                b.range(f"op:{op}", b.clock, b.clock + us * 1000)
+                b.clock += us * 1000 + 100
+            b.range(f"layer[{i}]", start - 5, b.clock)
+        b.range(f"decode_step[{step}]", step_start - 10, b.clock)
+        b.clock += 5000
+    cpu = breakdown(b.build())
+    assert cpu.unit == "ops" and len(cpu.layers) == 16
+    assert "two_groups" not in cpu.layer_types[0]
+    assert "two_groups" in breakdown(_alternating_attention(slow_us=200).build()).layer_types[0]
+
+
 def test_a_layer_type_whose_layers_fall_in_two_groups_says_so(tmp_path):
     """GPT-OSS alternates sliding-window and full attention with the same kernels: one type
     whose attention median matches no layer. The breakdown finds the two groups, says which
