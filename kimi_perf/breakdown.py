@@ -19,7 +19,14 @@ from typing import Any
 import numpy as np
 
 from kimi_perf.classify import Rule
-from kimi_perf.layers import GpuOps, find_layers, find_steps, step_phase, steps_of_phase
+from kimi_perf.layers import (
+    GpuOps,
+    find_layers,
+    find_steps,
+    outermost_ranges,
+    step_phase,
+    steps_of_phase,
+)
 from kimi_perf.memory import release_free_memory
 from kimi_perf.trace import Trace
 
@@ -343,7 +350,9 @@ def breakdown(trace: Trace, layers: str = "auto", rules: list[Rule] | None = Non
         outside[step.ops] = False
     outside_steps = {"ops": int(outside.sum()),
                      "kernel_us": _us(int((ops.end[outside] - ops.start[outside]).sum())),
-                     "unlaunched": int((outside & (ops.api < 0)).sum())}
+                     "unlaunched": int((outside & (ops.api < 0)).sum()),
+                     "in_ranges": outermost_ranges(trace, ops,
+                                                   np.flatnonzero(outside & (ops.api >= 0)))}
     del outside
     steps, left_out = steps_of_phase(steps, phase, trace.meta.get("file"))
     release_free_memory()
@@ -579,13 +588,17 @@ def step_notes(b: Breakdown) -> list[str]:
         # breakdowns stored before "unlaunched" was counted said "launched" of all
         unlaunched = outside.get("unlaunched", 0)
         launched = outside["ops"] - unlaunched
+        where = [f"'{r['range']}' {r['ops']}" for r in outside.get("in_ranges") or []
+                 if r["range"] is not None]
         if not unlaunched:
-            why = "launched outside every step's range"
+            why = "launched outside every step's range" + (
+                f" (in {', '.join(where)})" if where else "")
         elif not launched:
             why = "the trace holds no launch to place them by"
         else:
-            why = (f"{launched} launched outside every step's range, {unlaunched} with no "
-                   "launch in the trace")
+            why = (f"{launched} launched outside every step's range"
+                   + (f" (in {', '.join(where)})" if where else "")
+                   + f", {unlaunched} with no launch in the trace")
         notes.append(f"{outside['ops']} more {work} ({outside['kernel_us']:.1f} µs) ran in no "
                      f"step: {why}")
     if src.get("steps_found_by") == "device":

@@ -180,17 +180,25 @@ def _source_ok(source) -> bool:
                 isinstance(k, str) and _count(n) for k, n in left_out.items())))
             and (outside is None or (isinstance(outside, dict) and _count(outside.get("ops"))
                                      and is_finite_number(outside.get("kernel_us"))
-                                     and _count(outside.get("unlaunched", 0))))
+                                     and _count(outside.get("unlaunched", 0))
+                                     and _in_ranges_ok(outside.get("in_ranges", []))))
             and (gpus is None or (isinstance(gpus, list) and all(
                 isinstance(g, dict) and (g.get("name") is None or isinstance(g["name"], str))
                 and (g.get("sm_count") is None or _count(g["sm_count"])) for g in gpus))))
+
+
+def _in_ranges_ok(in_ranges) -> bool:
+    return isinstance(in_ranges, list) and all(
+        isinstance(r, dict) and (r.get("range") is None or isinstance(r["range"], str))
+        and _count(r.get("ops")) for r in in_ranges)
 
 
 def _checked(b: Breakdown, path: Path) -> Breakdown:
     """A breakdown read from JSON, with the fields the gate and the report read."""
     if not _source_ok(b.source):
         raise TraceError(path, "source is not {ops, file, tool, format, other_thread_ops, "
-                               "outside_steps: {ops, kernel_us, unlaunched}, steps_left_out: "
+                               "outside_steps: {ops, kernel_us, unlaunched, in_ranges}, "
+                               "steps_left_out: "
                                "{phase: count}, steps_found_by, repeating_ranges: [{range, "
                                "instances, kernels}], enclosing_steps: [{step, encloses, ops}], "
                                "gpus: [{name, sm_count}]}")

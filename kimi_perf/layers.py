@@ -291,6 +291,34 @@ def find_steps(trace: Trace, ops: GpuOps, step_regex: str | None = None) -> list
     return _whole_trace_steps(ops)
 
 
+# Ranges that name an operation, not a region of the program: no answer to "where did it run".
+_OP_RANGE = re.compile(r"^(?:cpu_)?op:")
+
+
+def outermost_ranges(trace: Trace, ops: GpuOps, rows: np.ndarray, most: int = 3
+                     ) -> list[dict]:
+    """Where these ops were launched: the outermost range of the launching thread around
+    each (not an operator's own range), counted by name with step numbers folded
+    (``warmup_step[…]``), the most ops first; ``None`` for the ops in no range."""
+    if not len(rows) or not len(trace.ranges):
+        return []
+    launch_start, launch_end = ops.launch_interval(trace)
+    keys = thread_keys(ops.pid[rows], np.where(ops.api[rows] >= 0, ops.tid[rows], -1))
+    r = trace.ranges
+    range_keys = range_groups(r)
+    region = ~trace.names_matching(_OP_RANGE)[r.name] & (r.style != GPU_RANGE)
+    range_keys[~region] = -1
+    owner = innermost_containing(r, range_keys, keys, launch_start[rows], launch_end[rows],
+                                 -r.depth.astype(np.int64))
+    named = Counter()
+    for code, n in zip(*np.unique(np.where(owner >= 0, r.name[np.maximum(owner, 0)], -1),
+                                  return_counts=True), strict=True):
+        name = None if code < 0 else re.sub(r"\[\d+\]", "[…]",
+                                              re.sub(r"#\d+", "#…", trace.strings[code]))
+        named[name] += int(n)
+    return [{"range": name, "ops": n} for name, n in named.most_common(most)]
+
+
 def _enclosed_counts(ranges, keys: np.ndarray, rows: np.ndarray) -> dict[int, int]:
     """Of these step ranges (rows, with their thread keys), the ones holding others of them:
     row -> how many. Ranges of one thread nest or follow one another, so the ranges that

@@ -499,11 +499,15 @@ def test_a_malformed_typical_layer_is_one_line(tmp_path, typical):
         assert "bad.json: layer type 'kda': typical_layer is not" in result.output
 
 
-@pytest.mark.parametrize("value", [[{"step": "s", "encloses": "2", "ops": 3}], {"step": "s"},
-                                   [{"step": 1, "encloses": 2, "ops": 3}]])
-def test_a_malformed_enclosing_steps_note_is_one_line(tmp_path, value):
+@pytest.mark.parametrize(("key", "value"), [
+    ("enclosing_steps", [{"step": "s", "encloses": "2", "ops": 3}]),
+    ("enclosing_steps", {"step": "s"}), ("enclosing_steps", [{"step": 1, "encloses": 2,
+                                                               "ops": 3}]),
+    ("outside_steps", {"ops": 3, "kernel_us": 1.0, "in_ranges": [{"range": 1, "ops": 3}]}),
+    ("outside_steps", {"ops": 3, "kernel_us": 1.0, "in_ranges": "prefill"})])
+def test_malformed_step_notes_are_one_line(tmp_path, key, value):
     doc = json.loads(BASELINE.read_text())
-    doc["paths"]["specialized"]["source"]["enclosing_steps"] = value
+    doc["paths"]["specialized"]["source"][key] = value
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps(doc))
     for args in (["gate", bad, BASELINE], ["breakdown", bad]):

@@ -417,8 +417,11 @@ def test_trace_with_the_nsys_backend(tmp_path):
         assert bd["source"]["format"] == "nsys-sqlite"
         types = {t["type"]: t for t in bd["layer_types"]}
         assert {k: types[k]["kernels"] for k in launches} == launches
-        # Warm-up steps are not steps; only the profiled decode steps are.
+        # Warm-up steps are not steps; only the profiled decode steps are. The ops outside
+        # them say where they ran: the prompt and the warm-up step.
         assert [s["name"] for s in bd["steps"]] == ["decode_step[0]", "decode_step[1]"]
+        assert {r["range"] for r in bd["source"]["outside_steps"]["in_ranges"]} == {
+            "prefill", "warmup_step[…]"}
 
 
 def test_trace_with_two_tp_ranks(tmp_path):
