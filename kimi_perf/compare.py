@@ -10,6 +10,9 @@ import numpy as np
 from kimi_perf.breakdown import Breakdown
 
 ALL_LAYERS = "all layers (mean)"
+# Said under a comparison whose sides are timed apart (``ComparisonRow.timed_alike``).
+UNLIKE_TIMES = ("no µs ratio between a CPU run's ops and a GPU trace's kernels: host time "
+                "against GPU time")
 
 
 @dataclass
@@ -29,6 +32,9 @@ class ComparisonRow:
     type_b: str | None = None   # B's name of the type, where it differs (``pair_layer_types``)
     name_a: str | None = None   # the type's name in A and in B (None: that side has none)
     name_b: str | None = None
+    # False for a CPU run's ops against a GPU trace's kernels: host time against GPU time
+    # has no ratio worth printing (their counts still compare: one op per kernel).
+    timed_alike: bool = True
 
     @property
     def label(self) -> str:
@@ -38,7 +44,7 @@ class ComparisonRow:
     @property
     def span_ratio(self) -> float | None:
         """A's layer time over B's: above 1 means B is faster."""
-        if self.span_us_a is None or not self.span_us_b:
+        if self.span_us_a is None or not self.span_us_b or not self.timed_alike:
             return None
         return round(self.span_us_a / self.span_us_b, 3)
 
@@ -73,6 +79,8 @@ def compare(a: Breakdown, b: Breakdown) -> list[ComparisonRow]:
         rows.append(row)
     if a.layers or b.layers:
         rows.append(_row(ALL_LAYERS, _mean(a), _mean(b)))
+    for row in rows:
+        row.timed_alike = a.unit == b.unit
     return rows
 
 

@@ -17,6 +17,7 @@ from rich.text import Text
 from kimi_perf.attribution import RangeKernelRow
 from kimi_perf.breakdown import Breakdown, layer_notes, step_notes
 from kimi_perf.compare import (
+    UNLIKE_TIMES,
     ComparisonRow,
     OverviewRow,
     count_text,
@@ -238,6 +239,8 @@ def comparison_table(rows: list[ComparisonRow], label_a: str, label_b: str,
     if any(r.pattern_differs for r in rows):
         notes.append(f"* found by the repeating kernel pattern, with another kernel sequence in "
                      f"{label_b}: it may be another layer there")
+    if unit != unit_b:
+        notes.append(UNLIKE_TIMES)
     table.caption = "\n".join(notes) or None
     return table
 

@@ -21,6 +21,7 @@ from plotly.subplots import make_subplots
 
 from kimi_perf.breakdown import Breakdown, layer_notes, step_notes, units_word
 from kimi_perf.compare import (
+    UNLIKE_TIMES,
     aligned_types,
     compare,
     count_text,
@@ -142,6 +143,7 @@ def _comparison_html(breakdowns: dict[str, Breakdown]) -> str:
         note += (f"<p>* found by the repeating kernel pattern, with another kernel sequence "
                  f"in {e(b)}: it may be another layer there.</p>"
                  if any(r.pattern_differs for r in rows) else "")
+        note += f"<p>{UNLIKE_TIMES}.</p>" if unit[a] != unit[b] else ""
         parts.append(f"<h2>Per layer type: {e(a)} vs {e(b)} (medians; µs = layer span)</h2>"
                      f"<table>{head}{body}</table>{note}")
     return "".join(parts)

@@ -461,6 +461,17 @@ def test_report_names_what_each_trace_counts(tmp_path):
                         "mixed").read_text()
     assert "<th>gpu kernels</th>" in text and "<th>cpu &lt;run&gt; ops</th>" in text
     assert "<th>count ratio</th>" in text and "<th>gpu kernel</th>" in text
+    # host µs against GPU µs: no ratio of them, in the report, the table and the rows
+    assert "no µs ratio between a CPU run's ops and a GPU trace's kernels" in text
+    from kimi_perf.compare import compare
+    from kimi_perf.render import comparison_table, tables_text
+
+    rows = compare(Breakdown.from_json(doc), Breakdown.from_json(cpu))
+    assert all(r.span_ratio is None for r in rows) and rows[0].kernel_ratio == 1.0
+    assert "host time against GPU time" in " ".join(
+        tables_text([comparison_table(rows, "gpu", "cpu", "kernels", "ops")]).split())
+    assert all(r.span_ratio is not None
+               for r in compare(Breakdown.from_json(doc), Breakdown.from_json(doc)))
     assert "Kernel by kernel (op by op on a CPU)" in text
     assert "cpu &lt;run&gt; ran on a CPU, with no GPU kernels" in text
     only_gpu = write_report(tmp_path / "g.html", {"gpu": Breakdown.from_json(doc)},
