@@ -14,6 +14,7 @@ import contextlib
 import dataclasses
 import datetime as dt
 import gzip
+import importlib.metadata
 import itertools
 import json
 import os
@@ -87,11 +88,9 @@ def environment(device: str) -> dict[str, Any]:
     env: dict[str, Any] = {"device": device, "python": platform.python_version(),
                            "torch": torch.__version__, "kimi_perf": __version__,
                            "platform": platform.platform()}
-    try:
-        import triton
-
-        env["triton"] = triton.__version__
-    except ImportError:
+    try:  # its version without importing it (the interpreter is chosen before that)
+        env["triton"] = importlib.metadata.version("triton")
+    except importlib.metadata.PackageNotFoundError:
         env["triton"] = None
     if device == "cuda":
         env["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
@@ -161,8 +160,10 @@ def capture(req: TraceRequest, progress=None) -> tuple[Path, dict[str, Breakdown
     """
     import torch
 
+    from kimi_perf.decode import choose_triton_backend
     from kimi_perf.decode.config import preset
 
+    choose_triton_backend()   # before the profiler or anything else imports triton
     if req.tp != 1 and (torch.cuda.is_available() or req.backend != "torch"):
         raise TraceError(None, "--tp > 1 captures CPU ranks over gloo with the torch backend; "
                                "GPU ranks (NCCL) and nsys are not supported yet")

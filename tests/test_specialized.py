@@ -225,6 +225,28 @@ def test_fallbacks_and_backend_selection(weights):
         build_model(SMALL, weights, standard_ops="eager")
 
 
+def test_the_interpreter_is_chosen_by_what_runs_the_model_alone():
+    """Without TRITON_INTERPRET set: the analysis' use of the decode package (floors, the
+    fusion ledger) loads no torch; importing the model, or a capture, chooses Triton's
+    interpreter on a CPU before triton is imported, and the capture's version record does
+    not import it first."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    script = (
+        "import os, sys\n"
+        "from kimi_perf.decode.floors import floors\n"
+        "from kimi_perf.decode.fusions import ledger_of\n"
+        "import kimi_perf.report, kimi_perf.cli\n"
+        "assert 'torch' not in sys.modules, 'torch loaded by the analysis'\n"
+        "from kimi_perf.capture import environment\n"
+        "environment('cpu')\n"
+        "assert 'triton' not in sys.modules and 'TRITON_INTERPRET' not in os.environ\n"
+        "from kimi_perf.decode.specialized import build_model\n"
+        "assert os.environ['TRITON_INTERPRET'] == '1'\n")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+
+
 def test_every_kernel_compiles_for_sm90a_without_spills(tmp_path):
     """The CI compile check: Triton -> PTX -> ptxas for sm_90a, registers and spills."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

@@ -11,13 +11,15 @@ with torch.distributed; ``validate`` drives ``kimi-perf validate``.
 import os
 import sys
 
-# Without a GPU, the Triton kernels of the specialized path run in Triton's interpreter, which
-# must be chosen before anything (torch.profiler included) imports triton.
-if "triton" not in sys.modules and "TRITON_INTERPRET" not in os.environ:
-    try:
+
+def choose_triton_backend() -> None:
+    """Without a GPU, the Triton kernels of the specialized path run in Triton's interpreter,
+    which must be chosen before anything (torch.profiler included) imports triton. Called on
+    importing ``model``, which everything that runs the model imports, not on importing this
+    package: ``config``, ``floors`` and ``fusions`` serve the analysis without loading
+    torch."""
+    if "triton" not in sys.modules and "TRITON_INTERPRET" not in os.environ:
         import torch
-    except ImportError:  # config.py works without torch
-        pass
-    else:
+
         if not torch.cuda.is_available():
             os.environ["TRITON_INTERPRET"] = "1"

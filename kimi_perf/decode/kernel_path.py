@@ -16,16 +16,17 @@ import os
 
 import torch
 
-# Without a GPU the kernels need Triton's interpreter (kimi_perf.decode chooses it when it is
-# imported before triton).
-if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
-    raise ImportError("the kernel-built decode paths need a GPU, or TRITON_INTERPRET=1 set "
-                      "before triton is imported")
-
 from kimi_perf.decode.config import K3Config
 from kimi_perf.decode.model import DecodeState, K3Model
 from kimi_perf.decode.reference import Observer
 from kimi_perf.decode.weights import Weights, layer_prefix
+
+# Without a GPU the kernels need Triton's interpreter (importing the model chose it, unless
+# triton was imported first).
+if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+    raise ImportError("the kernel-built decode paths need a GPU, or TRITON_INTERPRET=1 set "
+                      "before triton is imported")
+
 from kimi_perf_kernels.attn_res import attn_res
 from kimi_perf_kernels.kda_decode import kda_decode
 from kimi_perf_kernels.mla_attention import mla_splits

@@ -49,10 +49,13 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from kimi_perf.decode import choose_triton_backend
 from kimi_perf.decode.annotate import annotate
 from kimi_perf.decode.config import K3Config
 from kimi_perf.decode.reference import Observer
 from kimi_perf.decode.weights import Weights, layer_prefix
+
+choose_triton_backend()    # before anything that runs the model can import triton
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
