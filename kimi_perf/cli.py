@@ -312,28 +312,33 @@ def compare_cmd(a: Path, b: Path | None, path_name: str | None, fmt: str, layers
     # each pair of layer types: (its label, A's type, B's type)
     matched = [(r.label, types_a.get(r.name_a), types_b.get(r.name_b)) for r in rows
                if r.name_a is not None or r.name_b is not None]
+    from kimi_perf.decode.fusions import ledger_of
+
+    # the two decode paths: per layer type, what each fused launch replaced
+    ledgers = {label: ledger for label, ta, tb in matched if kernels and (ledger := ledger_of(
+        *[((t or {}).get("typical_layer") or {}).get("kernels") or [] for t in (ta, tb)]))}
     if fmt == "json":
         typical = {label: {"a": (ta or {}).get("typical_layer"),
                            "b": (tb or {}).get("typical_layer")}
                    for label, ta, tb in matched} if kernels else None
-        _emit(render.comparison_json(rows, name_a, name_b, typical), output)
+        fusions = {label: {"standard": name_b if swapped else name_a,
+                           "specialized": name_a if swapped else name_b,
+                           "launches": [{**dataclasses.asdict(r), "ratio": r.ratio}
+                                        for r in ledger_rows],
+                           "unmatched_standard": left}
+                   for label, (swapped, ledger_rows, left) in ledgers.items()}
+        _emit(render.comparison_json(rows, name_a, name_b, typical, fusions or None), output)
         return
     tables = [render.comparison_table(rows, name_a, name_b, unit, unit_b),
               render.comparison_headline(rows, name_a, name_b, unit, unit_b),
               *render.note_lines({name_a: ba, name_b: bb})]
-    if kernels:
-        from kimi_perf.decode.fusions import ledger_of
-
-        for label, ta, tb in matched:
-            tables.append(render.typical_layer_table(label, {name_a: ta, name_b: tb},
-                                                     units_word((unit, unit_b))))
-            typical = [((t or {}).get("typical_layer") or {}).get("kernels") or []
-                       for t in (ta, tb)]
-            ledger = ledger_of(*typical)
-            if ledger is not None:  # the two decode paths: what each fused launch replaced
-                swapped, rows_, left = ledger
-                standard, specialized = (name_b, name_a) if swapped else (name_a, name_b)
-                tables.append(render.fusion_table(label, standard, specialized, rows_, left))
+    for label, ta, tb in matched if kernels else ():
+        tables.append(render.typical_layer_table(label, {name_a: ta, name_b: tb},
+                                                 units_word((unit, unit_b))))
+        if label in ledgers:
+            swapped, ledger_rows, left = ledgers[label]
+            standard, specialized = (name_b, name_a) if swapped else (name_a, name_b)
+            tables.append(render.fusion_table(label, standard, specialized, ledger_rows, left))
     _emit_tables(tables, output)
 
 

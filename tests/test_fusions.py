@@ -95,3 +95,17 @@ def test_compare_kernels_shows_the_ledger_of_the_two_paths():
     swapped = CliRunner().invoke(main, ["compare", str(BASELINE), str(BASELINE), "--path",
                                         "specialized", "--kernels"]).output
     assert "against the" not in swapped     # one path against itself: no fusions to show
+    # the JSON holds the same ledger, per layer type
+    doc = json.loads(CliRunner().invoke(main, ["compare", str(BASELINE), "--kernels",
+                                               "--format", "json"]).output)
+    kda = doc["fusions"]["kda"]
+    assert (kda["standard"], kda["specialized"]) == ("standard", "specialized")
+    fused = {r["launch"]: r for r in kda["launches"]}
+    assert len(fused) == 9 and fused["fused_kda_decode"]["replaces"] == [
+        "f_b_proj", "fused_kda_decode"]
+    assert fused["fused_kda_decode"]["ratio"] == round(
+        fused["fused_kda_decode"]["replaced_us"] / fused["fused_kda_decode"]["us"], 3)
+    assert kda["unmatched_standard"] == []
+    plain = json.loads(CliRunner().invoke(main, ["compare", str(BASELINE), "--format",
+                                                 "json"]).output)
+    assert "fusions" not in plain and "typical_layers" not in plain

@@ -25,7 +25,8 @@ def read_trace(path: str | Path) -> Trace:
     if not path.exists():
         raise TraceError(path, "no such file")
     if path.is_dir():
-        raise TraceError(path, "is a directory, not a trace file")
+        raise TraceError(path, "is a directory, not a trace file, and not a kimi-perf run "
+                               "(no breakdown.json in it)")
     try:
         with open(path, "rb") as f:
             head = f.read(64)
