@@ -320,19 +320,21 @@ def outermost_ranges(trace: Trace, ops: GpuOps, rows: np.ndarray, most: int = 3
 
 
 def _enclosed_counts(ranges, keys: np.ndarray, rows: np.ndarray) -> dict[int, int]:
-    """Of these step ranges (rows, with their thread keys), the ones holding others of them:
-    row -> how many. Ranges of one thread nest or follow one another, so the ranges that
-    start after one (in its thread) and before it ends lie inside it."""
+    """Of these step ranges (rows, with their thread keys), the ones holding others of them
+    whole on their thread: row -> how many (start-end ranges that merely overlap hold none)."""
     out: dict[int, int] = {}
     order = np.lexsort((-ranges.end[rows], ranges.start[rows], keys))
     rows, keys = rows[order], keys[order]
     cuts = np.flatnonzero(np.r_[True, keys[1:] != keys[:-1], True])
     for lo, hi in zip(cuts[:-1].tolist(), cuts[1:].tolist(), strict=True):
         starts, ends = ranges.start[rows[lo:hi]], ranges.end[rows[lo:hi]]
-        inside = np.searchsorted(starts, ends, side="left") - np.arange(1, hi - lo + 1)
-        for row, n in zip(rows[lo:hi][inside > 0].tolist(), inside[inside > 0].tolist(),
-                          strict=True):
-            out[row] = n
+        # the ranges after one in start order that start before it ends: inside it if they
+        # also end by its end
+        later = np.searchsorted(starts, ends, side="left")
+        for i in np.flatnonzero(later > np.arange(1, hi - lo + 1)).tolist():
+            n = int((ends[i + 1: later[i]] <= ends[i]).sum())
+            if n:
+                out[int(rows[lo + i])] = n
     return out
 
 
