@@ -341,8 +341,6 @@ def breakdown(trace: Trace, layers: str = "auto", rules: list[Rule] | None = Non
     # No step range and no graph launch: each device is one step. Say which ranges could be.
     found_by = steps[0].found_by if steps else None
     repeating = repeating_ranges(trace) if found_by == "device" else []
-    enclosing = [{"step": s.name, "index": s.index, "device": s.device, "encloses": s.encloses,
-                  "ops": len(s.ops)} for s in steps if s.encloses]
     # Work no step holds (launched outside the step ranges, or from another thread, such as
     # a training run's autograd thread) is reported, never silently dropped.
     outside = np.ones(len(ops), bool)
@@ -355,6 +353,12 @@ def breakdown(trace: Trace, layers: str = "auto", rules: list[Rule] | None = Non
                                                    np.flatnonzero(outside & (ops.api >= 0)))}
     del outside
     steps, left_out = steps_of_phase(steps, phase, trace.meta.get("file"))
+    enclosing: dict[int, dict[str, Any]] = {}   # per range (a step per device it ran on)
+    for s in steps:
+        if s.encloses:
+            enclosing.setdefault(s.range_row, {"step": s.name, "index": s.index,
+                                               "device": s.device, "encloses": s.encloses,
+                                               "ops": 0})["ops"] += len(s.ops)
     release_free_memory()
     find_layers(trace, ops, steps, layers)
     all_layers = [(step, layer) for step in steps for layer in step.layers]
@@ -397,7 +401,8 @@ def breakdown(trace: Trace, layers: str = "auto", rules: list[Rule] | None = Non
                              "outside_steps": outside_steps,
                              "other_thread_ops": other_thread_ops,
                              "steps_left_out": left_out, "steps_found_by": found_by,
-                             "repeating_ranges": repeating, "enclosing_steps": enclosing},
+                             "repeating_ranges": repeating,
+                             "enclosing_steps": list(enclosing.values())},
                      steps=step_rows,
                      layers=layer_rows, layer_types=layer_types, timeline=timeline)
 
@@ -589,7 +594,7 @@ def step_notes(b: Breakdown) -> list[str]:
         unlaunched = outside.get("unlaunched", 0)
         launched = outside["ops"] - unlaunched
         where = [f"'{r['range']}' {r['ops']}" for r in outside.get("in_ranges") or []
-                 if r["range"] is not None]
+                 if r.get("range") is not None]
         if not unlaunched:
             why = "launched outside every step's range" + (
                 f" (in {', '.join(where)})" if where else "")

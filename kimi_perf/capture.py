@@ -88,10 +88,10 @@ def environment(device: str) -> dict[str, Any]:
     env: dict[str, Any] = {"device": device, "python": platform.python_version(),
                            "torch": torch.__version__, "kimi_perf": __version__,
                            "platform": platform.platform()}
-    try:  # its version without importing it (the interpreter is chosen before that)
-        env["triton"] = importlib.metadata.version("triton")
-    except importlib.metadata.PackageNotFoundError:
-        env["triton"] = None
+    # triton's version without importing it (the interpreter is chosen before that), from
+    # whichever distribution installs it (triton, pytorch-triton, pytorch-triton-rocm)
+    dists = importlib.metadata.packages_distributions().get("triton") or []
+    env["triton"] = importlib.metadata.version(dists[0]) if dists else None
     if device == "cuda":
         env["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
         env["cuda"] = torch.version.cuda

@@ -181,7 +181,7 @@ def _source_ok(source) -> bool:
             and (outside is None or (isinstance(outside, dict) and _count(outside.get("ops"))
                                      and is_finite_number(outside.get("kernel_us"))
                                      and _count(outside.get("unlaunched", 0))
-                                     and _in_ranges_ok(outside.get("in_ranges", []))))
+                                     and _in_ranges_ok(outside.get("in_ranges") or [])))
             and (gpus is None or (isinstance(gpus, list) and all(
                 isinstance(g, dict) and (g.get("name") is None or isinstance(g["name"], str))
                 and (g.get("sm_count") is None or _count(g["sm_count"])) for g in gpus))))
@@ -189,7 +189,7 @@ def _source_ok(source) -> bool:
 
 def _in_ranges_ok(in_ranges) -> bool:
     return isinstance(in_ranges, list) and all(
-        isinstance(r, dict) and (r.get("range") is None or isinstance(r["range"], str))
+        isinstance(r, dict) and "range" in r and (r["range"] is None or isinstance(r["range"], str))
         and _count(r.get("ops")) for r in in_ranges)
 
 
@@ -344,9 +344,9 @@ def run_differences(baseline_doc: dict, run_doc: dict) -> list[str]:
 
     out = []
     for label, keys in RUN_SETTINGS:
-        # "spec_tokens" is absent from runs made before speculative decoding was: 0
-        base, cur = (setting(r, keys) if keys != ("spec_tokens",) else r.get("spec_tokens", 0)
-                     for r in runs)
+        # a capture made before speculative decoding was has no "spec_tokens": it made none
+        base, cur = (r.get("spec_tokens", 0 if "preset" in r else None)
+                     if keys == ("spec_tokens",) else setting(r, keys) for r in runs)
         if base is not None and cur is not None and base != cur:
             out.append(f"{label} {_setting_text(base)} vs {_setting_text(cur)}")
     return out

@@ -332,3 +332,19 @@ def test_spec_decode_harness(weights):
     assert torch.equal(again.tokens, run.tokens)                 # seeded
     with pytest.raises(ValueError, match="between 0 and 7"):
         run_decode(model, prompt, steps=1, spec_tokens=8)
+    # Each step starts from the token after the sequence's accepted prefix: the argmax of the
+    # verify logits at its last accepted position.
+    seen = []
+    forward = model.forward
+
+    def recording(tokens, state, *args, **kwargs):
+        logits = forward(tokens, state, *args, **kwargs)
+        seen.append((tokens.clone(), logits.clone()))
+        return logits
+    model.forward = recording
+    run = run_decode(model, prompt, steps=3, spec_tokens=3, seed=4)
+    verify = seen[1:]                                             # after the prefill
+    for (_, logits), (tokens, _), kept in zip(verify, verify[1:], run.tokens.T, strict=False):
+        chosen = logits[torch.arange(3), kept - 1].argmax(-1)
+        assert torch.equal(tokens[:, 0], chosen)
+    assert len(verify) == 3 and {tuple(t.shape) for t, _ in verify} == {(3, 4)}

@@ -504,7 +504,8 @@ def test_a_malformed_typical_layer_is_one_line(tmp_path, typical):
     ("enclosing_steps", {"step": "s"}), ("enclosing_steps", [{"step": 1, "encloses": 2,
                                                                "ops": 3}]),
     ("outside_steps", {"ops": 3, "kernel_us": 1.0, "in_ranges": [{"range": 1, "ops": 3}]}),
-    ("outside_steps", {"ops": 3, "kernel_us": 1.0, "in_ranges": "prefill"})])
+    ("outside_steps", {"ops": 3, "kernel_us": 1.0, "in_ranges": "prefill"}),
+    ("outside_steps", {"ops": 3, "kernel_us": 1.0, "in_ranges": [{"ops": 3}]})])
 def test_malformed_step_notes_are_one_line(tmp_path, key, value):
     doc = json.loads(BASELINE.read_text())
     doc["paths"]["specialized"]["source"][key] = value
@@ -558,3 +559,13 @@ def test_gate_says_when_baseline_and_run_were_captured_differently(tmp_path):
     assert "of a CPU run are CPU time" not in same.output
     bare = CliRunner().invoke(main, ["gate", str(BASELINE), str(BASELINE), "--format", "json"])
     assert json.loads(bare.output)["run_differences"] == []
+    # a trace --from run records no capture settings: nothing to set against them
+    from kimi_perf.gate import run_differences
+
+    analysed = {"run": {"command": "kimi-perf trace --from x", "files": ["x.sqlite"]}}
+    spec = json.loads(BASELINE.read_text())
+    spec["run"]["spec_tokens"] = 3
+    assert run_differences(analysed, spec) == []
+    old = json.loads(BASELINE.read_text())
+    old["run"].pop("spec_tokens", None)       # a capture from before speculative decoding
+    assert run_differences(old, spec) == ["draft tokens 0 vs 3"]

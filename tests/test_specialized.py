@@ -335,14 +335,14 @@ def test_trace_command_with_speculative_decoding(tmp_path):
     from kimi_perf.decode.floors import floors
 
     result = CliRunner().invoke(main, ["trace", "--layers", "4", "--steps", "2", "--warmup",
-                                       "0", "--context", "3", "--batch", "1",
+                                       "0", "--context", "3", "--batch", "2",
                                        "--spec-tokens", "3", "--out", str(tmp_path),
                                        "--format", "json"])
     assert result.exit_code == 0, result.output
     doc = json.loads(result.output)
     run = doc["run"]
     assert run["spec_tokens"] == 3 and "--spec-tokens 3" in run["command"]
-    assert run["floors"] == json.loads(json.dumps(floors(SMALL, 1, 3, tokens=4)))
+    assert run["floors"] == json.loads(json.dumps(floors(SMALL, 2, 3, tokens=4)))
     for path, launches in (("standard", {"kda": 18, "mla": 24}),
                            ("specialized", {"kda": 9, "mla": 12})):
         types = {t["type"]: t for t in doc["paths"][path]["layer_types"]}
@@ -352,10 +352,13 @@ def test_trace_command_with_speculative_decoding(tmp_path):
         metrics = run["paths"][path]
         spec = metrics["speculative"]
         assert spec["spec_tokens"] == 3 and 1 <= spec["accepted_tokens_per_step"] <= 4
-        steps_s = metrics["decode_tokens_per_s"]
-        # tokens/s counts the accepted tokens (two steps: their median is their mean)
-        assert steps_s == pytest.approx(2 * spec["accepted_tokens_per_step"] / (
-            2 * metrics["step_latency_s"]["median"]), rel=1e-9)
+        # tokens/s counts the accepted tokens of both sequences (two steps: their median is
+        # their mean); accepted_tokens_per_step is per sequence
+        assert metrics["decode_tokens_per_s"] == pytest.approx(
+            2 * 2 * spec["accepted_tokens_per_step"] / (2 * metrics["step_latency_s"]["median"]),
+            rel=1e-9)
+    # the same drafts and acceptance for both paths
+    assert run["paths"]["standard"]["speculative"] == run["paths"]["specialized"]["speculative"]
     assert run["paths"]["specialized"]["fallbacks"] == ["step 0: prefill of 3 tokens"]
     report = (tmp_path / doc["run_dir"].split("/")[-1] / "report.html").read_text()
     assert "each a speculative verify of 1+3 tokens per sequence" in report

@@ -165,23 +165,24 @@ def run_decode(model: K3Model, prompt: torch.Tensor, steps: int,
             return model.forward(tokens, state, keep_checkpoints=verify, layer_hook=hook)
     gen = torch.Generator().manual_seed(seed)
     rows = torch.arange(batch, device=model.device)
-    accepted = torch.ones(batch, dtype=torch.long, device=model.device)
     for step in range(warmup + steps):
-        tokens = next_token
-        if verify:
+        if verify:  # the stand-ins for a draft model and its acceptance, drawn on the host
             drafts = torch.randint(0, model.c.vocab, (batch, spec_tokens), generator=gen)
-            accepted = torch.randint(1, width + 1, (batch,), generator=gen).to(model.device)
-            tokens = torch.cat([next_token, drafts.to(model.device)], dim=1)
+            kept = torch.randint(1, width + 1, (batch,), generator=gen)
         start = time.perf_counter()
         label = f"warmup_step[{step}]" if step < warmup else f"decode_step[{step - warmup}]"
         with annotate(label):
-            logits = step_logits(tokens)
             if verify:
+                accepted = kept.to(model.device)
+                logits = step_logits(torch.cat([next_token, drafts.to(model.device)], dim=1))
                 state.accept(accepted)
-            next_token = logits[rows, accepted - 1].argmax(-1, keepdim=True)
+                # the token after each sequence's accepted prefix: its next step's first
+                next_token = logits[rows, accepted - 1].argmax(-1, keepdim=True)
+            else:
+                next_token = step_logits(next_token)[:, -1].argmax(-1, keepdim=True)
         _sync(model.device)
         run.step_s.append(time.perf_counter() - start)
-        run.tokens[:, step] = (accepted if verify else next_token[:, 0]).cpu()
+        run.tokens[:, step] = kept if verify else next_token[:, 0].cpu()
         if after_step:
             after_step()
     return run

@@ -87,19 +87,21 @@ def validate_path(path: str, run: ValidationRun) -> dict:
     model = make_path(path, c, weights, DTYPES[run.dtype])
     kv_dtype = FP8 if run.kv_cache == "fp8" else None
     state = model.new_state(run.batch, tokens.shape[1], kv_dtype=kv_dtype)
-    # One reference per sequence: after a verify step each keeps its own accepted prefix.
-    # They share one float64 copy of the weights (.to of a float64 tensor is the tensor).
+    # With speculative steps, one reference per sequence: after a verify step each keeps its
+    # own accepted prefix. They share one float64 copy of the weights (.to of a float64
+    # tensor is the tensor). Without, one reference runs the batch.
     weights64 = {name: w.to(torch.float64) for name, w in weights.items()}
-    refs = [ReferenceModel(c, weights64, 1) for _ in range(run.batch)]
+    rows = [[b] for b in range(run.batch)] if run.spec_tokens else [list(range(run.batch))]
+    refs = [ReferenceModel(c, weights64, len(r)) for r in rows]
 
     def reference_step(step_tokens: torch.Tensor, t: int, seen: Observer
                        ) -> tuple[torch.Tensor, list[Observer]]:
         """Every sequence's reference at position t of the step, following the path's
         routing there; logits [B, vocab] and what each reference saw."""
         expected = [Observer() for _ in refs]
-        logits = torch.cat([ref.step(step_tokens[b, t: t + 1], expected[b],
-                                     routing={i: e[b: b + 1, t] for i, e in seen.experts.items()})
-                            for b, ref in enumerate(refs)])
+        logits = torch.cat([ref.step(step_tokens[r, t], expected[j],
+                                     routing={i: e[r, t] for i, e in seen.experts.items()})
+                            for j, (ref, r) in enumerate(zip(refs, rows, strict=True))])
         return logits, expected
 
     # Prefill through the path (the standard path always) and the references, token by token.
@@ -122,7 +124,7 @@ def validate_path(path: str, run: ValidationRun) -> dict:
             launches = launches_per_layer_type(model, c)
         model.launches = None
         keep = torch.ones(run.batch, dtype=torch.long) if accepted is None else accepted[step]
-        rollback: list[tuple | None] = [None] * run.batch
+        rollback: list[tuple | None] = [None] * len(refs)
         for t in range(width):
             want, expected = reference_step(step_tokens, t, seen)
             for i in range(c.n_layers):
@@ -134,7 +136,7 @@ def validate_path(path: str, run: ValidationRun) -> dict:
                 errors[kind] = max(errors.get(kind, 0.0), err)
             logits_err = max(logits_err, rel_err(logits[:, t], want))
             gap = max([gap, *(g for e in expected for g in e.routing_gap.values())])
-            for b, ref in enumerate(refs):
+            for b, ref in enumerate(refs):      # one reference per sequence here
                 if run.spec_tokens and t + 1 == int(keep[b]):
                     rollback[b] = ref.snapshot()
         if run.spec_tokens:
