@@ -24,8 +24,10 @@
    launch, each replayed from a CUDA graph over weight copies that overflow L2 (after the
    speed runs: a kernel's first GPU run must not cost them). Where the CuTe DSL GEMV passes,
    the specialized path runs again at batch 1 with it (``specialized+cute``), side by side.
-6. The main job as a user runs it: ``kimi-perf trace`` with its GPU defaults, eager and
-   ``--graphs``, its per-layer table and run directory kept.
+6. The main job as a user runs it: ``kimi-perf trace`` with its GPU defaults, eager,
+   ``--graphs``, and ``--graphs --spec-tokens 3`` (speculative verify steps of 4 tokens, as
+   vLLM's reported tokens/s were measured with speculative decoding), its per-layer table
+   and run directory kept.
 
 Writes ``results.json``, ``summary.md`` (after every section: a run killed at the device
 call's limit keeps what it measured) under ``--out``, and the evidence behind them (the Kineto
@@ -330,29 +332,31 @@ class Budget:
         return False
 
 
+# The main job's runs on a GPU: (name, options).
+MAIN_JOB_MODES = (("eager", []), ("graphs", ["--graphs"]),
+                  ("graphs spec3", ["--graphs", "--spec-tokens", "3"]))
+
+
 def main_job(out: Path, smoke: bool, budget: Budget) -> dict:
-    """``kimi-perf trace`` end to end, as a user runs it (smoke: a small CPU run); eager and,
-    on a GPU, with CUDA graphs; each run gets its share of the time left."""
+    """``kimi-perf trace`` end to end, as a user runs it (smoke: a small CPU run, eager);
+    on a GPU each of ``MAIN_JOB_MODES``, each run getting its share of the time left."""
     runs = {}
-    modes = (False,) if smoke else (False, True)
-    for i, graphs in enumerate(modes):
+    modes = MAIN_JOB_MODES[:1] if smoke else MAIN_JOB_MODES
+    for i, (key, options) in enumerate(modes):
         args = [sys.executable, "-m", "kimi_perf", "trace", "--out", str(out / "runs"),
-                "--plotly-js", "cdn", "--format", "json"]
+                "--plotly-js", "cdn", "--format", "json", *options]
         args += ["--layers", "4", "--steps", "1", "--warmup", "0"] if smoke else []
-        args += ["--graphs"] if graphs else []
         share = (budget.left() - BUDGET_MARGIN_S) / (len(modes) - i)
-        if not budget.allows(f"kimi-perf trace{' --graphs' if graphs else ''}", MIN_MAIN_JOB_S
+        if not budget.allows(f"kimi-perf trace {' '.join(options)}".strip(), MIN_MAIN_JOB_S
                              + BUDGET_MARGIN_S):
             continue
         try:
             proc = subprocess.run(args, capture_output=True, text=True,
                                   timeout=min(300, share))
         except subprocess.TimeoutExpired as exc:
-            runs["graphs" if graphs else "eager"] = {"command": " ".join(args[1:]),
-                                                     "returncode": None,
-                                                     "stderr_tail": f"timed out: {exc}"}
+            runs[key] = {"command": " ".join(args[1:]), "returncode": None,
+                         "stderr_tail": f"timed out: {exc}"}
             continue
-        key = "graphs" if graphs else "eager"
         runs[key] = {"command": " ".join(args[1:]), "returncode": proc.returncode,
                      "stderr_tail": proc.stderr[-3000:]}
         if proc.returncode == 0:
@@ -360,6 +364,8 @@ def main_job(out: Path, smoke: bool, budget: Budget) -> dict:
             runs[key]["run_dir"] = doc["run_dir"]
             runs[key]["layer_types"] = {path: r["layer_types"]
                                         for path, r in doc["paths"].items()}
+            runs[key]["decode_tokens_per_s"] = {
+                path: m["decode_tokens_per_s"] for path, m in doc["run"]["paths"].items()}
     return runs
 
 
@@ -583,6 +589,9 @@ def render_summary(results: dict) -> str:
         lines += ["", f"GEMV side by side: skipped ({gemv.get('skipped')})"]
     for key, r in results.get("main_job", {}).items():
         lines += ["", f"kimi-perf trace ({key}): exit {r['returncode']}"]
+        if r.get("decode_tokens_per_s"):
+            lines += ["  decode tokens/s: " + ", ".join(
+                f"{path} {v:.1f}" for path, v in r["decode_tokens_per_s"].items())]
         for path, types in (r.get("layer_types") or {}).items():
             lines += [f"  {path} {t['type']}: {t['kernels']:g} kernels, {t['kernel_us']:.1f} µs"
                       for t in types]

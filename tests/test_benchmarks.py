@@ -68,7 +68,9 @@ def test_gpu_decode_check_plumbing_on_the_cpu(tmp_path):
     assert results["gemv"] == {"skipped": "no GPU"}   # CuTe DSL cubins launch on a GPU only
     assert "GEMV side by side: skipped (no GPU)" in proc.stdout
     job = results["main_job"]["eager"]        # kimi-perf trace, as a user runs it
-    assert job["returncode"] == 0
+    assert job["returncode"] == 0 and set(job["decode_tokens_per_s"]) == {"standard",
+                                                                          "specialized"}
+    assert "  decode tokens/s: standard " in proc.stdout
     assert {t["type"]: t["kernels"] for t in job["layer_types"]["specialized"]} == kernels
     # What the device call returns: at most 8 files of 16 MiB, so the traces and the run
     # directories come packed, in parts.
