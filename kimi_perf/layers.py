@@ -634,13 +634,22 @@ def _match_forward(seq: np.ndarray, start: int, pattern: np.ndarray) -> int:
     return j - start
 
 
+def attending(classes: np.ndarray, labels: list[str]) -> np.ndarray:
+    """Which ops of a sequence attend, for ``find_repeats``: the attention class, but for an
+    op the router runs right after (an eager MoE's softmax, then its top-k), which routes."""
+    def of(label: str) -> np.ndarray:
+        return classes == (labels.index(label) if label in labels else -1)
+    attention = of("attention")
+    attention[:-1] &= ~of("router")[1:]
+    return attention
+
+
 def layers_from_repeats(ops: GpuOps, steps: list[Step]) -> bool:
     found = False
-    attention = ops.kernel_class == (ops.class_labels.index("attention")
-                                     if "attention" in ops.class_labels else -1)
     for step in steps:
         rows = step.ops if step.borrowed is None else step.ops[~step.borrowed]
-        split = find_repeats(ops.name[rows], ops.kernel_class[rows], attention[rows])
+        classes = ops.kernel_class[rows]
+        split = find_repeats(ops.name[rows], classes, attending(classes, ops.class_labels))
         if split is None:
             continue
         found = True

@@ -14,7 +14,13 @@ import pytest
 
 from kimi_perf import breakdown, read_trace
 from kimi_perf.classify import classify, load_rules
-from kimi_perf.layers import DEFAULT_LAYER_PATTERN, find_repeats, segment, step_phase
+from kimi_perf.layers import (
+    DEFAULT_LAYER_PATTERN,
+    attending,
+    find_repeats,
+    segment,
+    step_phase,
+)
 from tests.conftest import KINETO, NSYS
 from tests.synth import TraceBuilder
 
@@ -66,7 +72,7 @@ def test_repeats_find_k3_layers_exactly(n_layers):
     strings = sorted(set(sequence))
     seq = np.array([strings.index(n) for n in sequence])
     classes, labels = classify(seq, strings, load_rules())
-    attention = classes == labels.index("attention")       # as breakdown() passes it
+    attention = attending(classes, labels)                 # as breakdown() passes it
     assert attention.any()
     split = find_repeats(seq, classes, attention)
     assert split is not None
@@ -98,6 +104,34 @@ def test_repeats_take_an_unfused_norm_twice_a_layer_for_part_of_a_layer(n_layers
     assert split is not None
     np.testing.assert_array_equal(split.starts, 1 + len(layer) * np.arange(n_layers))
     np.testing.assert_array_equal(split.ends, split.starts + len(layer))
+
+
+@pytest.mark.parametrize("n_layers", [3, 8, 24])
+def test_an_eager_moe_router_softmax_does_not_attend(n_layers):
+    """HF-style eager MoE: the router's softmax (an attention-class name) runs right before
+    its top-k. It routes: the unfused norms' halves still lack attention in every other one,
+    so the layers are the L, not the 2L+1 halves."""
+    layer = [*UNFUSED_NORM, "gemm", "gemm", "gemm", "rotary", "flash_fwd", "gemm", "add",
+             *UNFUSED_NORM, "gemm_router", "softmax_warp_forward", "gatherTopK",
+             "index_put", "gemm_expert_up", "silu", "mul", "gemm_expert_down", "index_add",
+             "add"]
+    sequence = ["embedding", *(layer * n_layers), *UNFUSED_NORM, "gemm_lm_head"]
+    strings = sorted(set(sequence))
+    seq = np.array([strings.index(n) for n in sequence])
+    classes, labels = classify(seq, strings, load_rules())
+    softmax = classes[sequence.index("softmax_warp_forward")]
+    assert labels[softmax] == "attention" and labels[classes[sequence.index("gatherTopK")]] \
+        == "router"
+    split = find_repeats(seq, classes, attending(classes, labels))
+    assert split is not None
+    # L layers of the layer's length (where the residual add between two layers is cut is
+    # a matter of convention: here before it)
+    assert len(split.starts) == n_layers
+    np.testing.assert_array_equal(split.ends - split.starts, len(layer))
+    assert split.starts[0] <= 1 and (np.diff(split.starts) == len(layer)).all()
+    # by class alone, the softmax attends in every half, and the 2L+1 halves win
+    halves = find_repeats(seq, classes, classes == labels.index("attention"))
+    assert halves is not None and len(halves.starts) == 2 * n_layers + 1
 
 
 @pytest.mark.parametrize("n_layers", [23, 24])
