@@ -24,16 +24,17 @@
    launch, each replayed from a CUDA graph over weight copies that overflow L2 (after the
    speed runs: a kernel's first GPU run must not cost them). Where the CuTe DSL GEMV passes,
    the specialized path runs again at batch 1 with it (``specialized+cute``), side by side.
-6. The main job as a user runs it: ``kimi-perf trace`` with its GPU defaults, eager,
-   ``--graphs``, and ``--graphs --spec-tokens 3`` (speculative verify steps of 4 tokens, as
-   vLLM's reported tokens/s were measured with speculative decoding), its per-layer table
-   and run directory kept.
+6. The main job as a user runs it: ``kimi-perf trace`` with its GPU defaults, ``--graphs``,
+   ``--graphs --spec-tokens 3`` (speculative verify steps of 4 tokens, as vLLM's reported
+   tokens/s were measured with speculative decoding) and eager, in that order, as many as
+   the time left fits at a minute each; its per-layer table and run directory kept.
 
 Writes ``results.json``, ``summary.md`` (after every section: a run killed at the device
 call's limit keeps what it measured) under ``--out``, and the evidence behind them (the Kineto
-traces, the main job's run directories) as ``evidence.tar.gz.part0``, ``part1``, ... (parts
-of at most 15 MiB, also rewritten after every section: the device returns at most 8 files of
-16 MiB; ``cat evidence.tar.gz.part* | tar xz`` unpacks them); prints the summary last.
+traces, the main job's run directories) as ``evidence.tar.gz.part0``, ``part1``, ... (at most
+four parts of 15 MiB, also rewritten after every section and every main-job run: the device
+returns at most 8 files, 64 MiB together; a larger archive is cut, with a warning;
+``cat evidence.tar.gz.part* | tar xz`` unpacks them); prints the summary last.
 Sections that would not fit the wall-clock budget (``--budget-s``) are skipped and
 listed, the headline first: graphs before eager runs. Every number is measured in this one
 run.
@@ -75,12 +76,14 @@ PATHS = {"standard": "auto", "specialized": "latency_specialized"}
 # bf16 outputs of float32 sums (about 2^-9 relative each): the norm-relative error, and the
 # largest error over the largest reference value, which a few wrong outputs cannot hide under
 GEMV_REL_ERR, GEMV_MAX_ERR = 1e-2, 2e-2
-# Seconds kept for what follows the speed runs (the GEMVs, then the main job), what the
-# GEMVs and one main-job run need at least, and a margin for writing the results.
-RESERVE_AFTER_SPEED_S, GEMV_S, MIN_MAIN_JOB_S, BUDGET_MARGIN_S = 150, 45, 60, 10
-# The device call returns at most 8 files of 16 MiB from $OUT: results.json, summary.md, the
-# log, and the evidence in parts.
-EVIDENCE_PART_BYTES, EVIDENCE_PARTS = 15 << 20, 5
+# What the GEMVs and one main-job run need at least, a margin for writing the results, and
+# the seconds kept for what follows the speed runs: the GEMVs, then two main-job runs.
+GEMV_S, MIN_MAIN_JOB_S, BUDGET_MARGIN_S = 45, 60, 10
+MAIN_JOB_KEPT_S = 2 * MIN_MAIN_JOB_S + BUDGET_MARGIN_S
+RESERVE_AFTER_SPEED_S = GEMV_S + MAIN_JOB_KEPT_S
+# The device call returns at most 8 files of 16 MiB, 64 MiB together, from $OUT:
+# results.json, summary.md, the log, and the evidence in parts (what does not fit is cut).
+EVIDENCE_PART_BYTES, EVIDENCE_PARTS = 15 << 20, 4
 
 
 def copy_bandwidth(device: str, mib: int, repeats: int = 10) -> float:
@@ -332,41 +335,47 @@ class Budget:
         return False
 
 
-# The main job's runs on a GPU: (name, options).
-MAIN_JOB_MODES = (("eager", []), ("graphs", ["--graphs"]),
-                  ("graphs spec3", ["--graphs", "--spec-tokens", "3"]))
+# The main job's runs, the most wanted first (those the time left cannot fit are skipped):
+# (name, options). Speculative verify steps are how vLLM's tokens/s were measured; eager
+# repeats what the speed runs measured eagerly, so it comes last.
+MAIN_JOB_MODES = (("graphs", ["--graphs"]), ("graphs spec3", ["--graphs", "--spec-tokens", "3"]),
+                  ("eager", []))
+SMOKE_MAIN_JOB_MODES = (("eager", []), ("spec3", ["--spec-tokens", "3"]))
 
 
-def main_job(out: Path, smoke: bool, budget: Budget) -> dict:
-    """``kimi-perf trace`` end to end, as a user runs it (smoke: a small CPU run, eager);
-    on a GPU each of ``MAIN_JOB_MODES``, each run getting its share of the time left."""
-    runs = {}
-    modes = MAIN_JOB_MODES[:1] if smoke else MAIN_JOB_MODES
+def main_job(out: Path, smoke: bool, budget: Budget, runs: dict, saved) -> None:
+    """``kimi-perf trace`` end to end, as a user runs it (smoke: small CPU runs), into
+    ``runs``: of ``MAIN_JOB_MODES``, as many as the time left fits at ``MIN_MAIN_JOB_S``
+    each, sharing it; ``saved()`` after each, so that a run killed or gone wrong loses no
+    other's results."""
+    modes = SMOKE_MAIN_JOB_MODES if smoke else MAIN_JOB_MODES
+    fit = max(0, int((budget.left() - BUDGET_MARGIN_S) // MIN_MAIN_JOB_S))
+    for key, _ in modes[fit:]:
+        budget.skipped.append(f"kimi-perf trace ({key}): {max(budget.left(), 0):.0f} s left "
+                              f"of the budget, {MIN_MAIN_JOB_S} s a run")
+    modes = modes[:fit]
     for i, (key, options) in enumerate(modes):
         args = [sys.executable, "-m", "kimi_perf", "trace", "--out", str(out / "runs"),
                 "--plotly-js", "cdn", "--format", "json", *options]
         args += ["--layers", "4", "--steps", "1", "--warmup", "0"] if smoke else []
         share = (budget.left() - BUDGET_MARGIN_S) / (len(modes) - i)
-        if not budget.allows(f"kimi-perf trace {' '.join(options)}".strip(), MIN_MAIN_JOB_S
-                             + BUDGET_MARGIN_S):
-            continue
+        run = runs[key] = {"command": " ".join(args[1:]), "returncode": None}
         try:
             proc = subprocess.run(args, capture_output=True, text=True,
-                                  timeout=min(300, share))
+                                  timeout=max(1.0, min(300, share)))
+            run.update(returncode=proc.returncode, stderr_tail=proc.stderr[-3000:])
+            if proc.returncode == 0:
+                doc = json.loads(proc.stdout)
+                run["run_dir"] = doc["run_dir"]
+                run["layer_types"] = {path: r["layer_types"] for path, r in doc["paths"].items()}
+                run["decode_tokens_per_s"] = {path: m["decode_tokens_per_s"]
+                                              for path, m in doc["run"]["paths"].items()}
         except subprocess.TimeoutExpired as exc:
-            runs[key] = {"command": " ".join(args[1:]), "returncode": None,
-                         "stderr_tail": f"timed out: {exc}"}
-            continue
-        runs[key] = {"command": " ".join(args[1:]), "returncode": proc.returncode,
-                     "stderr_tail": proc.stderr[-3000:]}
-        if proc.returncode == 0:
-            doc = json.loads(proc.stdout)
-            runs[key]["run_dir"] = doc["run_dir"]
-            runs[key]["layer_types"] = {path: r["layer_types"]
-                                        for path, r in doc["paths"].items()}
-            runs[key]["decode_tokens_per_s"] = {
-                path: m["decode_tokens_per_s"] for path, m in doc["run"]["paths"].items()}
-    return runs
+            run["stderr_tail"] = f"timed out: {exc}"
+        except Exception:   # its output unreadable: said, and the other runs go on
+            run["returncode"] = run["returncode"] or -1
+            run["stderr_tail"] = traceback.format_exc()[-3000:]
+        saved()
 
 
 def save(results: dict, out: Path, work: Path) -> None:
@@ -380,12 +389,13 @@ def save(results: dict, out: Path, work: Path) -> None:
     for old in out.glob("evidence.tar.gz.part*"):
         old.unlink()
     parts = range(0, max(len(data), 1), EVIDENCE_PART_BYTES)
-    for i, at in enumerate(parts):
+    for i, at in enumerate(parts[:EVIDENCE_PARTS]):
         (out / f"evidence.tar.gz.part{i}").write_bytes(data[at:at + EVIDENCE_PART_BYTES])
-    results["evidence"] = {"bytes": len(data), "parts": len(parts)}
+    results["evidence"] = {"bytes": len(data), "parts": min(len(parts), EVIDENCE_PARTS)}
     if len(parts) > EVIDENCE_PARTS:
-        results["evidence"]["warning"] = (f"{len(parts)} parts: the device returns only "
-                                          f"{EVIDENCE_PARTS} besides the results and the log")
+        results["evidence"]["warning"] = (
+            f"{len(parts)} parts made, {EVIDENCE_PARTS} kept (the device returns no more "
+            "besides the results and the log): the archive is cut, tar xz reads it up to there")
     (out / "results.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
     (out / "summary.md").write_text(render_summary(results))
 
@@ -454,7 +464,7 @@ def main() -> int:
     # poison this process's CUDA context (the main job runs in processes of its own).
     gemv_ok = False
     try:
-        if budget.allows("gemv", GEMV_S + MIN_MAIN_JOB_S + BUDGET_MARGIN_S):
+        if budget.allows("gemv", GEMV_S + MAIN_JOB_KEPT_S):
             results["gemv"] = gemv_side_by_side(device, args.cubins, bandwidth)
             errors = gemv_errors(results["gemv"])
             results["errors"] += errors
@@ -468,7 +478,7 @@ def main() -> int:
         cute = CubinGemv(args.cubins)
         for graphs in (True, False):
             key = f"specialized+cute b1{' graphs' if graphs else ''}"
-            if not budget.allows(key, longest + MIN_MAIN_JOB_S + BUDGET_MARGIN_S):
+            if not budget.allows(key, longest + MAIN_JOB_KEPT_S):
                 continue
             try:
                 results["speed"][key] = speed("specialized+cute", c, weights, 1, context,
@@ -480,7 +490,9 @@ def main() -> int:
     del weights  # the main job's processes need the GPU memory
     if device == "cuda":
         torch.cuda.empty_cache()
-    results["main_job"] = main_job(work, args.smoke, budget)
+    results["main_job"] = {}
+    main_job(work, args.smoke, budget, results["main_job"],
+             lambda: save(results, args.out, work))
     results["errors"] += [f"kimi-perf trace ({key}) exited {r['returncode']}: "
                           f"{r['stderr_tail']}" for key, r in results["main_job"].items()
                           if r["returncode"] != 0]
@@ -590,7 +602,8 @@ def render_summary(results: dict) -> str:
     for key, r in results.get("main_job", {}).items():
         lines += ["", f"kimi-perf trace ({key}): exit {r['returncode']}"]
         if r.get("decode_tokens_per_s"):
-            lines += ["  decode tokens/s: " + ", ".join(
+            accepted = " (accepted tokens, synthetic acceptance)" if "spec" in key else ""
+            lines += [f"  decode tokens/s{accepted}: " + ", ".join(
                 f"{path} {v:.1f}" for path, v in r["decode_tokens_per_s"].items())]
         for path, types in (r.get("layer_types") or {}).items():
             lines += [f"  {path} {t['type']}: {t['kernels']:g} kernels, {t['kernel_us']:.1f} µs"

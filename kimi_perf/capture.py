@@ -90,8 +90,11 @@ def environment(device: str) -> dict[str, Any]:
                            "platform": platform.platform()}
     # triton's version without importing it (the interpreter is chosen before that), from
     # whichever distribution installs it (triton, pytorch-triton, pytorch-triton-rocm)
-    dists = importlib.metadata.packages_distributions().get("triton") or []
-    env["triton"] = importlib.metadata.version(dists[0]) if dists else None
+    try:
+        env["triton"] = importlib.metadata.version("triton")
+    except importlib.metadata.PackageNotFoundError:
+        dists = importlib.metadata.packages_distributions().get("triton") or []
+        env["triton"] = importlib.metadata.version(dists[0]) if dists else None
     if device == "cuda":
         env["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
         env["cuda"] = torch.version.cuda

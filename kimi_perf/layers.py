@@ -636,11 +636,13 @@ def _match_forward(seq: np.ndarray, start: int, pattern: np.ndarray) -> int:
 
 def attending(classes: np.ndarray, labels: list[str]) -> np.ndarray:
     """Which ops of a sequence attend, for ``find_repeats``: the attention class, but for an
-    op the router runs right after (an eager MoE's softmax, then its top-k), which routes."""
+    op right before or after a router op, which routes (an eager MoE's softmax, before its
+    top-k, or after it over the k chosen, GPT-OSS's order)."""
     def of(label: str) -> np.ndarray:
         return classes == (labels.index(label) if label in labels else -1)
-    attention = of("attention")
-    attention[:-1] &= ~of("router")[1:]
+    attention, router = of("attention"), of("router")
+    attention[:-1] &= ~router[1:]
+    attention[1:] &= ~router[:-1]
     return attention
 
 

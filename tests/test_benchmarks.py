@@ -71,6 +71,10 @@ def test_gpu_decode_check_plumbing_on_the_cpu(tmp_path):
     assert job["returncode"] == 0 and set(job["decode_tokens_per_s"]) == {"standard",
                                                                           "specialized"}
     assert "  decode tokens/s: standard " in proc.stdout
+    spec = results["main_job"]["spec3"]       # and with speculative verify steps
+    assert spec["returncode"] == 0 and "--spec-tokens 3" in spec["command"]
+    assert {t["type"]: t["kernels"] for t in spec["layer_types"]["specialized"]} == kernels
+    assert "  decode tokens/s (accepted tokens, synthetic acceptance): standard " in proc.stdout
     assert {t["type"]: t["kernels"] for t in job["layer_types"]["specialized"]} == kernels
     # What the device call returns: at most 8 files of 16 MiB, so the traces and the run
     # directories come packed, in parts.
@@ -83,7 +87,7 @@ def test_gpu_decode_check_plumbing_on_the_cpu(tmp_path):
         names = tar.getnames()
     assert "evidence/specialized+l2_b1.trace.json.gz" in names
     runs = [n for n in names if n.startswith("evidence/runs/") and n.endswith("/report.html")]
-    assert len(runs) == 1
+    assert len(runs) == 2
 
 
 def test_gpu_check_skips_what_its_budget_cannot_fit(tmp_path):
@@ -97,10 +101,13 @@ def test_gpu_check_skips_what_its_budget_cannot_fit(tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     results = json.loads((tmp_path / "results.json").read_text())
     assert results["speed"] == {} and "gemv" not in results
-    assert [s.split(":")[0] for s in results["skipped"]] == [
-        "standard b1", "specialized b1", "specialized+l2 b1", "standard b2", "specialized b2",
-        "gemv"]
+    skipped = [s.split(":")[0] for s in results["skipped"]]
+    assert skipped[:6] == ["standard b1", "specialized b1", "specialized+l2 b1", "standard b2",
+                           "specialized b2", "gemv"]
     assert results["main_job"]["eager"]["returncode"] == 0
+    # the main job's runs that the time left cannot fit at a minute each are skipped, said
+    assert skipped[6:] == [f"kimi-perf trace ({k})" for k in ("eager", "spec3")
+                           if k not in results["main_job"]]
     summary = (tmp_path / "summary.md").read_text()
     assert "skipped standard b1: " in summary and summary in proc.stdout
 
@@ -168,7 +175,8 @@ def test_gpu_check_summary_puts_the_gemvs_side_by_side():
 
 def test_gpu_check_evidence_comes_back_in_parts(tmp_path, monkeypatch):
     """Larger evidence is cut into parts under the device's file size; the parts join into
-    the tarball again, stale parts of an earlier save go, and too many parts are flagged."""
+    the tarball again, stale parts of an earlier save go, and past the parts the device
+    returns the archive is cut there, and flagged."""
     import io
     import os
     import tarfile
@@ -193,7 +201,8 @@ def test_gpu_check_evidence_comes_back_in_parts(tmp_path, monkeypatch):
     assert "warning" not in results["evidence"]
     monkeypatch.setattr(check, "EVIDENCE_PARTS", 3)
     check.save(results, out, work)
-    assert "only 3 besides" in results["evidence"]["warning"]
+    assert "4 parts made, 3 kept" in results["evidence"]["warning"]
+    assert len(list(out.glob("evidence.tar.gz.part*"))) == results["evidence"]["parts"] == 3
 
 
 def test_gpu_check_summary_sets_each_fused_launch_against_what_it_replaced():

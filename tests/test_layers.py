@@ -107,12 +107,14 @@ def test_repeats_take_an_unfused_norm_twice_a_layer_for_part_of_a_layer(n_layers
 
 
 @pytest.mark.parametrize("n_layers", [3, 8, 24])
-def test_an_eager_moe_router_softmax_does_not_attend(n_layers):
+@pytest.mark.parametrize("router", [["softmax_warp_forward", "gatherTopK"],
+                                    ["gatherTopK", "softmax_warp_forward"]])
+def test_an_eager_moe_router_softmax_does_not_attend(n_layers, router):
     """HF-style eager MoE: the router's softmax (an attention-class name) runs right before
-    its top-k. It routes: the unfused norms' halves still lack attention in every other one,
-    so the layers are the L, not the 2L+1 halves."""
+    its top-k (Mixtral) or right after it (GPT-OSS). It routes: the unfused norms' halves
+    still lack attention in every other one, so the layers are the L, not the 2L+1 halves."""
     layer = [*UNFUSED_NORM, "gemm", "gemm", "gemm", "rotary", "flash_fwd", "gemm", "add",
-             *UNFUSED_NORM, "gemm_router", "softmax_warp_forward", "gatherTopK",
+             *UNFUSED_NORM, "gemm_router", *router,
              "index_put", "gemm_expert_up", "silu", "mul", "gemm_expert_down", "index_add",
              "add"]
     sequence = ["embedding", *(layer * n_layers), *UNFUSED_NORM, "gemm_lm_head"]
