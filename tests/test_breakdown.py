@@ -660,6 +660,29 @@ def test_a_step_range_holding_other_step_ranges_is_said():
     assert not any("other step ranges" in n for n in step_notes(anchored))
 
 
+def test_an_enclosing_step_on_two_devices_is_one_note():
+    """An outer range the step regex matches, holding two inner step ranges and launching on
+    two GPUs after them: one step per device, one entry of what it holds (its ops on both
+    devices)."""
+    b = TraceBuilder()
+    b.clock = 1000
+    outer_start = b.clock
+    for i in range(2):
+        start = b.clock
+        b.sequence(["gemm_a", "gemm_b"])
+        b.range(f"Forward {i}", start - 5, b.clock)
+        b.clock += 500
+        t = b.clock                                  # after each inner range, on GPU i
+        b.launch("gemm_other", t, t + 50, t + 200, t + 1200, device=i)
+        b.clock += 2000
+    b.range("Benchmark Forward", outer_start - 10, b.clock)
+    got = breakdown(b.build(), step_regex="Forward")
+    assert sorted(s["name"] for s in got.steps) == [
+        "Benchmark Forward", "Benchmark Forward", "Forward 0", "Forward 1"]
+    (entry,) = got.source["enclosing_steps"]
+    assert (entry["step"], entry["encloses"], entry["ops"]) == ("Benchmark Forward", 2, 2)
+
+
 def test_steps_per_device_name_the_ranges_that_could_be_the_steps():
     """A training trace without a step range the defaults know: each device is one step, and
     the note names the repeating range that holds most kernels (not the ranges inside
