@@ -144,6 +144,9 @@ def _check_steps(value: str | None) -> str | None:
     return value
 
 
+INFO_PROCESSES = 8   # processes info lists one by one
+
+
 class UsageErrorLine(click.ClickException):
     """A usage error (a bad option value, an unknown option or command) as the one line every
     other bad input gets, naming where the help is, instead of click's usage block."""
@@ -578,9 +581,22 @@ def info(trace: Path) -> None:
         span = max(int(e.max()) for e in ends) - min(int(s.min()) for s in starts)
         pids = np.unique(np.concatenate([tbl.pid for tbl in (t.kernels, t.memops, t.api)
                                          if len(tbl)] or [np.empty(0, np.int64)]))
+        pids = pids[pids >= 0]          # -1: GPU work the trace names no process for
         click.echo(f"  {span / 1e6:,.3f} ms from first to last event; "
                    f"{len(pids)} process{'es' if len(pids) != 1 else ''} with GPU work or API "
                    f"calls")
+        # each process, the most kernels first: which of a trace's processes launched what
+        counts = {name: dict(zip(*(a.tolist() for a in np.unique(tbl.pid, return_counts=True)),
+                                 strict=True)) if len(tbl) else {}
+                  for name, tbl in (("kernels", t.kernels), ("API calls", t.api))}
+        ranked = sorted(pids.tolist(), key=lambda p: (-counts["kernels"].get(p, 0), p))
+        for pid in ranked[:INFO_PROCESSES]:
+            click.echo(f"  process {pid}: "
+                       + ", ".join(f"{counts[what].get(pid, 0):,} {what}" for what in counts))
+        if len(ranked) > INFO_PROCESSES:
+            click.echo(f"  and {len(ranked) - INFO_PROCESSES} more processes")
+        if unowned := counts["kernels"].get(-1, 0):
+            click.echo(f"  {unowned:,} kernels with no process recorded")
     # GPUs: those the trace describes, and those its kernels ran on (a GPU table may list
     # devices that ran nothing, or be missing).
     ran = dict(zip(*(a.tolist() for a in np.unique(t.kernels.device, return_counts=True)),

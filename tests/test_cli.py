@@ -114,6 +114,11 @@ def test_info_names_the_gpus_that_ran_kernels():
     assert "GPU 0: (not described in the trace): 1,993 kernels" in two
     assert "GPU 1: (not described in the trace): 2,017 kernels" in two
     assert "2 processes" in two and "ms from first to last event" in two
+    # each process, the most kernels first
+    assert "process 145: 2,017 kernels, 3,778 API calls\n  process 144: 1,993 kernels" in two
+    graphed = run("info", KINETO / "hta_a100_80gb_rank0_cudagraph_triton.json.gz").output
+    assert "1 process with GPU work" in graphed and "process 4515: 5,375 kernels" in graphed
+    assert "705 kernels with no process recorded" in graphed
     one = run("info", VLLM).output
     assert "GPU 2: (unnamed), 304 SMs: 425 kernels" in one and "GPU 0: (unnamed), 304 SMs: no " \
         "kernels" in one
