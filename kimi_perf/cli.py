@@ -667,10 +667,11 @@ def floors_cmd(preset_name: str, tp: int | None, batch: int, context: int, weigh
               help="comma-separated decode paths to check: standard, standard_kernels (the "
               "standard path one kernel per step, as on a GPU), specialized")
 @click.option("--steps", default=8, show_default=True, type=click.IntRange(1))
-@click.option("--spec-tokens", default=0, show_default=True, type=click.IntRange(0),
+@click.option("--spec-tokens", default=0, show_default=True, type=click.IntRange(0, 31),
               help="speculative decoding with K draft tokens: each decode step verifies 1+K "
               "tokens per sequence, then accepts a seeded random 1..1+K of them and rolls "
-              "back the rest")
+              "back the rest (the specialized path's kernels take K up to 7; beyond, it "
+              "falls back and says so)")
 @click.option("--batch", default=2, show_default=True, type=click.IntRange(1))
 @click.option("--prompt", default=4, show_default=True, type=click.IntRange(1),
               help="prompt tokens prefilled before the decode steps")
