@@ -361,6 +361,8 @@ def breakdown(trace: Trace, layers: str = "auto", rules: list[Rule] | None = Non
                                                "ops": 0})["ops"] += len(s.ops)
     release_free_memory()
     find_layers(trace, ops, steps, layers)
+    if found_by == "device" and steps:   # or the forward passes each device ran
+        found_by = steps[0].found_by
     all_layers = [(step, layer) for step in steps for layer in step.layers]
     # Segments: every step, every layer, then the steps' prologues and epilogues.
     segments = [step.ops for step in steps] + [layer.ops for _, layer in all_layers]
@@ -606,14 +608,18 @@ def step_notes(b: Breakdown) -> list[str]:
                    + f", {unlaunched} with no launch in the trace")
         notes.append(f"{outside['ops']} more {work} ({outside['kernel_us']:.1f} µs) ran in no "
                      f"step: {why}")
-    if src.get("steps_found_by") == "device":
+    if src.get("steps_found_by") in ("device", "pass"):
         repeating = src.get("repeating_ranges") or []
         named = ", ".join(f"'{r['range']}' ×{r['instances']} ({r['kernels']} kernels)"
                           for r in repeating)
         first = f"--steps {shlex.quote('^' + re.escape(repeating[0]['range']) + '$')}" \
             if repeating else ""
+        steps = "each device is one step" if src["steps_found_by"] == "device" else (
+            "the steps are each device's forward passes, found where every "
+            f"{_ordinal(b.steps[0]['layers']) + ' ' if b.steps else ''}layer also ran the "
+            "work between two passes (final norm, LM head, embedding)")
         notes.append("no step range the defaults know (decode_step, ProfilerStep#, vLLM's "
-                     "execute_…) and no graph launches: each device is one step" + (
+                     "execute_…) and no graph launches: " + steps + (
                          f"; ranges that repeat: {named}: {first} takes "
                          f"{'the first' if len(repeating) > 1 else 'them'} as the steps "
                          "(--steps is a regex searched anywhere in a name; ^…$ matches the "

@@ -2,7 +2,8 @@
 
 Steps come from step ranges (``decode_step[i]``, ``ProfilerStep#N``, vLLM's ``execute_...``
 annotation), else from CUDA/HIP graph launches when graphs carry the GPU work, else one step per
-process and device. Layers come from per-layer ranges (``layer[3]``, ``layers.3``,
+process and device, or per forward pass where its layers show it ran the model several times
+(``passes_from_layer_cycle``). Layers come from per-layer ranges (``layer[3]``, ``layers.3``,
 ``DecoderLayer_3``...) or, when none exist (unannotated traces), from the repeating kernel
 pattern of each step (``find_repeats``). A kernel replayed from a graph whose capture the trace
 holds is placed in the ranges open at its capture (``kimi_perf.graphs``).
@@ -13,6 +14,7 @@ from __future__ import annotations
 import re
 from collections import Counter
 from dataclasses import dataclass, field
+from itertools import pairwise
 
 import numpy as np
 
@@ -236,7 +238,8 @@ class Step:
     # Per op of the step: launched from another thread while the step's range was open (None:
     # none was). Counted in the step; the layers come from the step range's own thread.
     borrowed: np.ndarray | None = None
-    # What made it a step: a "range", a "graph" launch, or with neither, a whole "device"
+    # What made it a step: a "range", a "graph" launch, or with neither, a whole "device" or
+    # one forward "pass" of the device's
     found_by: str = "range"
     range_row: int = -1          # the step's range (a row of trace.ranges; -1: none)
     # Other steps' ranges inside this step's range (an outer range the step regex matched too,
@@ -485,7 +488,7 @@ class RepeatSplit:
 
 def find_repeats(seq: np.ndarray, classes: np.ndarray | None = None,
                  attention: np.ndarray | None = None,
-                 min_coverage: float = 0.5) -> RepeatSplit | None:
+                 min_coverage: float = 0.5, layers: int | None = None) -> RepeatSplit | None:
     """Find N consecutive layers in a sequence of kernel-name codes.
 
     Names that occur exactly N times, once in each layer, anchor the layers: for the right N,
@@ -498,7 +501,8 @@ def find_repeats(seq: np.ndarray, classes: np.ndarray | None = None,
     layer 0), so each gap is split where its longest suffix that the prologue ends with
     begins. Matching uses kernel classes (``classes``, same length as ``seq``) where given,
     because the first layer often runs a variant kernel (a plain norm where later layers fuse
-    the residual add).
+    the residual add). ``layers``: how many layers there are, when known (a forward pass of
+    a step that ran several).
     """
     n = len(seq)
     if n < 4:
@@ -507,7 +511,7 @@ def find_repeats(seq: np.ndarray, classes: np.ndarray | None = None,
     positions_of = _positions_by_name(inverse, len(uniq))
     candidates: list[tuple[int, int, np.ndarray, np.ndarray]] = []  # score, count, lo, hi
     for count in np.unique(counts).tolist():
-        if count < 2 or count > n // 2:
+        if count < 2 or count > n // 2 or layers not in (None, count):
             continue
         names = np.flatnonzero(counts == count)
         lo, hi, support = _consistent_cores(names, positions_of, count)
@@ -664,9 +668,97 @@ def layers_from_repeats(ops: GpuOps, steps: list[Step]) -> bool:
     return found
 
 
+# -- forward passes in a device's step -----------------------------------------------------------
+
+# The fewest layers a forward pass holds, for its passes to be found by their layer types: a
+# cycle of two (dense and MoE layers in turn, the MoE layer's shared expert a dense MLP) is
+# one of layers, not of passes.
+MIN_PASS_LAYERS = 3
+
+
+def passes_from_layer_cycle(ops: GpuOps, step: Step) -> list[Step] | None:
+    """A device's step (no step range, no graph launch) that ran the model N times: its N
+    forward passes, as steps, each with its own prologue, layers and epilogue; None when its
+    layers show no passes (``layer_cycle``). The work between two passes is split where the
+    first pass's prologue recurs (the embedding before the next pass's first layer); without
+    such a head it ends the earlier pass."""
+    period = layer_cycle(ops, step)
+    if period is None:
+        return None
+    rows = step.ops
+    starts = np.cumsum([len(step.prologue)] + [len(layer.ops) for layer in step.layers])
+    cuts = [0] + [int(starts[k]) for k in range(period, len(step.layers), period)] + [len(rows)]
+    splits = []
+    for lo, hi in pairwise(cuts):
+        classes = ops.kernel_class[rows[lo:hi]]
+        split = find_repeats(ops.name[rows[lo:hi]], classes,
+                             attending(classes, ops.class_labels), layers=period)
+        if split is None:
+            return None
+        splits.append((lo + split.starts, lo + split.ends))
+    names = ops.name[rows]
+    first_prologue = names[: splits[0][0][0]]
+    edges = [0]
+    for (_, ends), (begins, _) in pairwise(splits):
+        head, matched = _head_split(names[ends[-1]: begins[0]], first_prologue)
+        edges.append(int(ends[-1] + head) if matched else int(begins[0]))
+    edges.append(len(rows))
+    passes = []
+    for k, (begins, ends) in enumerate(splits):
+        lo, hi = edges[k], edges[k + 1]
+        passes.append(Step(
+            index=k, device=step.device, pid=step.pid, name=f"{step.name} pass {k}",
+            ops=rows[lo:hi], prologue=rows[lo: begins[0]], epilogue=rows[ends[-1]: hi],
+            layers=[Layer(index=i, ops=rows[a:b]) for i, (a, b) in
+                    enumerate(zip(begins.tolist(), ends.tolist(), strict=True))],
+            layer_source="repeat", found_by="pass"))
+    return passes
+
+
+def layer_cycle(ops: GpuOps, step: Step) -> int | None:
+    """How many layers a forward pass holds, where a step's layer types (as ``assign_types``
+    named them) show the model run more than once: one type recurs at a fixed stride P, first
+    or last of every P layers (the layer that meets the next pass), the others repeat with
+    period P, the step holds whole passes, and a layer of that type runs all that a layer of
+    another type runs and more than a variant's difference (the final norm and LM head, or
+    the embedding, of the passes it joins). A hybrid model's other layer type runs other
+    attention kernels, not another layer's and more: it makes no passes."""
+    types = [layer.type for layer in step.layers]
+    n = len(types)
+    if n < 2 * MIN_PASS_LAYERS:
+        return None
+    kernels_of = {t: Counter(ops.name[step.layers[types.index(t)].ops].tolist())
+                  for t in dict.fromkeys(types)}
+    common = Counter(types).most_common(1)[0][0]
+    for joint in kernels_of:
+        if joint == common:
+            continue
+        at = [i for i, t in enumerate(types) if t == joint]
+        # a type met once: two passes, it the first layer of the second
+        period = at[1] - at[0] if len(at) > 1 else at[0]
+        if (period < MIN_PASS_LAYERS or n % period
+                or any(b - a != period for a, b in pairwise(at))):
+            continue
+        offset = at[0] % period
+        if offset not in (0, period - 1) or len(at) < n // period - 1:
+            continue
+        if any(types[i] != types[i - period] for i in range(period, n) if i % period != offset):
+            continue
+        kernels = kernels_of[joint]
+        if any(not other - kernels and (kernels - other).total() > MAX_VARIATION
+               for t, other in kernels_of.items() if t != joint):
+            return period
+    return None
+
+
 # -- layer types ------------------------------------------------------------------------------
 
-def assign_types(ops: GpuOps, steps: list[Step], max_variation: int = 2) -> None:
+# How many kernels a layer may differ from its type's by and still be of that type (a plain
+# norm where the others fuse the residual add).
+MAX_VARIATION = 2
+
+
+def assign_types(ops: GpuOps, steps: list[Step], max_variation: int = MAX_VARIATION) -> None:
     """Name layer types: keep types the ranges gave; otherwise group layers by their kernel
     sequence, named A, B, ... in order of first appearance. A step's first or last layer whose
     sequence no inner layer ran, and that differs from an inner layer's by at most
@@ -753,3 +845,13 @@ def find_layers(trace: Trace, ops: GpuOps, steps: list[Step], layers: str = "aut
         raise ValueError(f"unknown layer mode {layers!r}: use auto, repeat, nvtx or nvtx:REGEX")
     release_free_memory()
     assign_types(ops, steps)
+    if steps and steps[0].found_by == "device":
+        split = [passes_from_layer_cycle(ops, step) if step.layer_source == "repeat" else None
+                 for step in steps]
+        if any(split):
+            steps[:] = [p for step, passes in zip(steps, split, strict=True)
+                        for p in (passes or [step])]
+            for step in steps:      # named again together: a pass's layers are new
+                for layer in step.layers:
+                    layer.type = ""
+            assign_types(ops, steps)

@@ -447,3 +447,77 @@ def test_layerwise_markers_through_a_real_nsys_capture(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", os.defpath)
     monkeypatch.setenv("KIMI_PERF_NSYS", NSYS_CLI)
     assert breakdown(read_trace(rep)).layers == b.layers
+
+
+# -- forward passes --------------------------------------------------------------------------
+
+LLAMA = ["rmsnorm", "gemm_qkv", "rope", "flash_fwd", "gemm_o", "add_rmsnorm", "gemm_up",
+         "silu_mul", "gemm_down"]
+LM_HEAD = ["add_rmsnorm", "gemm_lm_head", "argmax", "copy_tokens"]
+
+
+def _passes(layers: list[list[str]], passes: int, prologue: list[str], epilogue: list[str]
+            ) -> TraceBuilder:
+    """A model run ``passes`` times, with no step range: a benchmark's forward passes."""
+    b = TraceBuilder()
+    b.sequence(["memcpy_weights_h2d"] * 3)
+    for _ in range(passes):
+        for part in (prologue, *layers, epilogue):
+            b.sequence(part)
+        b.clock += 20_000
+    return b
+
+
+@pytest.mark.parametrize(("model", "passes"), [("llama", 2), ("llama", 4), ("k3", 3)])
+def test_a_device_that_ran_the_model_several_times_has_a_step_per_forward_pass(model, passes):
+    """No step range, no graph launch: the forward passes are the steps, each with its
+    embedding for prologue and its final norm and LM head for epilogue, where the layer
+    types show them (one layer in every pass that also ran the work between two)."""
+    from kimi_perf.breakdown import step_notes
+
+    layers = [LLAMA] * 6 if model == "llama" else k3_like(8)
+    prologue, epilogue = ["embedding"], LM_HEAD
+    trace = _passes(layers, passes, prologue, epilogue).build()
+    ops, steps = segment(trace)
+    names = np.array(trace.strings, dtype=object)
+    assert [s.name for s in steps] == [f"device 0 pass {k}" for k in range(passes)]
+    for k, step in enumerate(steps):
+        assert step.found_by == "pass" and len(step.layers) == len(layers)
+        first = ["memcpy_weights_h2d"] * 3 if k == 0 else []
+        assert names[ops.name[step.prologue]].tolist() == first + prologue
+        assert names[ops.name[step.epilogue]].tolist() == epilogue
+        for layer, kernels in zip(step.layers, layers, strict=True):
+            assert names[ops.name[layer.ops]].tolist() == kernels
+    b = breakdown(trace)
+    assert b.source["steps_found_by"] == "pass" and len(b.steps) == passes
+    assert any(f"the steps are each device's forward passes, found where every "
+               f"{len(layers)}th layer also ran the work between two passes" in n
+               for n in step_notes(b))
+
+
+@pytest.mark.parametrize("layers", [
+    k3_like(24),                                      # hybrid: every 4th layer MLA
+    [LLAMA, [*LLAMA[:6], "gemm_router", "topk", "moe_experts", *LLAMA[6:]]] * 6,
+    [LLAMA] * 12])
+def test_layers_that_differ_in_turn_are_no_forward_passes(layers):
+    """One pass of a hybrid model (the MLA layer runs other attention kernels, not a KDA
+    layer's and more) or of dense and MoE layers in turn (the MoE layer does run the dense
+    one's and more, but two layers are no forward pass): one step, all its layers."""
+    trace = _passes(layers, 1, ["embedding"], LM_HEAD).build()
+    _, (step,) = segment(trace)
+    assert step.found_by == "device" and len(step.layers) == len(layers)
+
+
+def test_real_benchmarks_forward_passes_are_their_steps():
+    """Two benchmark scripts that time a model's forward pass with no range around each:
+    zx3xyy's 2.7B model (one warm-up and three timed passes of 32 layers) and Athrun's
+    (five passes of 12 layers); the final norm and LM head end each pass."""
+    zx = breakdown(read_trace(NSYS / "zx3xyy-assignment2-systems__result_2_7B_nvtx__nsys2024"
+                                     ".6.2.sqlite"))
+    assert [(s["name"], s["layers"], s["epilogue"]["kernels"]) for s in zx.steps] == [
+        (f"device 0 pass {k}", 32, 8) for k in range(4)]
+    assert [(t["type"], t["layers"], t["kernels"]) for t in zx.layer_types] == [("A", 128, 57)]
+    athrun = breakdown(read_trace(NSYS / "Athrun0109-CS336_assignment2__result__nsys2026.2.1"
+                                         ".sqlite"))
+    assert [(s["layers"], s["epilogue"]["kernels"]) for s in athrun.steps] == [
+        (12, 14)] * 4 + [(12, 16)]
