@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 
 import pytest
 
@@ -233,9 +234,19 @@ def test_validate_cli(tmp_path):
     assert bad.exit_code == 2 and "unknown path" in bad.output
 
 
+def _released_name(name: str) -> str:
+    """This model's tensor name as K3's release names it: under the multimodal wrapper's
+    ``language_model.``, the MoE block named ``block_sparse_moe``."""
+    layer = re.match(r"model\.layers\.(\d+)\.mlp\.", name)
+    if layer and int(layer.group(1)) > 0:
+        name = name.replace(".mlp.", ".block_sparse_moe.", 1)
+    return "language_model." + name
+
+
 def test_safetensors_checkpoint_with_k3_names(tmp_path, weights):
-    """A tiny checkpoint the way K3 ships: bf16 tensors, MXFP4-packed routed experts, A_log
-    padded; it loads back to the same model."""
+    """A tiny checkpoint the way K3 ships: released tensor names, bf16 tensors, MXFP4-packed
+    routed experts, A_log padded, and tensors this model does not use (the vision tower);
+    it loads back to the same model, and a config of fewer layers reads just its own."""
     from safetensors.torch import load_file, save_file
 
     from kimi_perf.decode.weights import (
@@ -259,6 +270,8 @@ def test_safetensors_checkpoint_with_k3_names(tmp_path, weights):
         else:
             tensors[name] = t.contiguous()
             expected[name] = t
+    tensors = {_released_name(n): t for n, t in tensors.items()}
+    tensors["vision_tower.encoder.blocks.0.attn.qkv.weight"] = torch.ones(2, 2)
     half = len(tensors) // 2
     names = sorted(tensors)
     save_file({n: tensors[n] for n in names[:half]}, str(tmp_path / "model-00001.safetensors"))
@@ -272,6 +285,8 @@ def test_safetensors_checkpoint_with_k3_names(tmp_path, weights):
     torch.testing.assert_close(dequantize_mxfp4(packed, scale),
                                loaded["model.layers.1.mlp.experts.0.w1.weight"].float())
     K3Model(TINY, loaded).forward(torch.tensor([[1, 2]]), K3Model(TINY, loaded).new_state(1, 4))
+    four = dataclasses.replace(TINY, n_layers=4)     # the same layer plan: MLA at layer 3
+    assert load_safetensors(tmp_path, four).keys() == weight_shapes(four).keys()
 
     # A_log per channel (nonzero past the heads) is not K3's layout: an error, not a misread
     a_log = next(n for n in names if n.endswith("A_log"))
@@ -351,3 +366,19 @@ def test_spec_decode_harness(weights):
         chosen = logits[torch.arange(3), kept - 1].argmax(-1)
         assert torch.equal(tokens[:, 0], chosen)
     assert len(verify) == 3 and {tuple(t.shape) for t, _ in verify} == {(3, 4)}
+
+
+@pytest.mark.parametrize(("stored", "ours"), [
+    ("language_model.model.layers.3.block_sparse_moe.experts.7.w1.weight_packed",
+     "model.layers.3.mlp.experts.7.w1.weight_packed"),
+    ("language_model.layers.3.block_sparse_moe.gate.e_score_correction_bias",
+     "model.layers.3.mlp.gate.e_score_correction_bias"),
+    ("language_model.model.layers.0.mlp.down_proj.weight", "model.layers.0.mlp.down_proj.weight"),
+    ("language_model.lm_head.weight", "lm_head.weight"),
+    ("language_model.model.embed_tokens.weight", "model.embed_tokens.weight"),
+    ("model.layers.1.self_attn.A_log", "model.layers.1.self_attn.A_log"),
+])
+def test_checkpoint_names_of_k3s_release(stored, ours):
+    from kimi_perf.decode.weights import checkpoint_name
+
+    assert checkpoint_name(stored) == ours

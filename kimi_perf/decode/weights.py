@@ -1,7 +1,8 @@
 """Weights of the Kimi-K3-style model under K3's checkpoint tensor names.
 
 ``random_weights`` draws a full (unsharded) checkpoint from a seed; ``load_safetensors`` reads a
-local directory of ``*.safetensors`` files with the same names (routed experts may be MXFP4:
+local directory of ``*.safetensors`` files with the same names, or K3's release's
+(``checkpoint_name``), reading only the tensors the config needs (routed experts may be MXFP4:
 ``weight_packed`` uint8 pairs of E2M1 values plus ``weight_scale`` uint8 E8M0 exponents per
 group of 32, as compressed-tensors stores them). ``shard`` cuts a full checkpoint into one
 tensor-parallel rank's weights, laid out as vLLM lays them out.
@@ -9,8 +10,10 @@ tensor-parallel rank's weights, laid out as vLLM lays them out.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch
@@ -213,10 +216,25 @@ def quantize_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return packed, (exponent + 127).to(torch.uint8)
 
 
+def checkpoint_name(name: str) -> str:
+    """A tensor's name here, from its name in a checkpoint: K3's release wraps the language
+    model in a multimodal model (``language_model.``; its layers also stored without
+    ``model.``), and names the MoE block ``block_sparse_moe`` (vLLM's module), where this
+    model's names say ``mlp``."""
+    if name.startswith("language_model."):
+        name = name[len("language_model."):]
+        if not name.startswith(("model.", "lm_head.")):
+            name = "model." + name
+    return name.replace(".block_sparse_moe.", ".mlp.")
+
+
 def load_safetensors(directory: str | Path, c: K3Config,
                      dtype: torch.dtype = torch.bfloat16) -> Weights:
-    """Read a full checkpoint from ``directory/*.safetensors`` under K3's names."""
-    from safetensors.torch import load_file
+    """Read the tensors of ``c`` from a checkpoint in ``directory/*.safetensors``, under K3's
+    names (``checkpoint_name``). Only the tensors the config needs are read, each from its
+    file's memory map: a few layers of a full K3 checkpoint load without reading the rest
+    (its other layers, the vision tower, the MTP layer)."""
+    from safetensors import safe_open
 
     from kimi_perf.errors import TraceError
 
@@ -224,30 +242,54 @@ def load_safetensors(directory: str | Path, c: K3Config,
     files = sorted(directory.glob("*.safetensors"))
     if not files:
         raise TraceError(directory, "no *.safetensors files")
-    raw: Weights = {}
-    for f in files:
-        try:
-            raw |= load_file(str(f))
-        except Exception as exc:  # safetensors raises its own error types
-            raise TraceError(f, f"unreadable safetensors file ({exc})") from None
-    out: Weights = {}
-    for name, shape in weight_shapes(c).items():
-        if name in raw:
-            t = raw[name]
-        elif name.endswith(".weight") and name[:-7] + ".weight_packed" in raw:
-            base = name[:-7]
-            t = dequantize_mxfp4(raw[base + ".weight_packed"], raw[base + ".weight_scale"])
-        else:
-            raise TraceError(directory, f"checkpoint lacks {name}")
-        if name.endswith("A_log") and t.numel() > shape[0]:
-            # K3 pads its per-head A_log to 128 entries with zeros; anything else there would
-            # be another layout (per channel), which dropping the tail would silently misread
-            t = t.reshape(-1)
-            if t[shape[0]:].any():
-                raise TraceError(directory, f"{name} has {t.numel()} entries, nonzero past its "
-                                            f"{shape[0]} heads: not K3's per-head layout")
-            t = t[: shape[0]]
-        if tuple(t.shape) != shape:
-            raise TraceError(directory, f"{name} has shape {tuple(t.shape)}, expected {shape}")
-        out[name] = t.to(_storage_dtype(shape, dtype))
+    with contextlib.ExitStack() as stack:
+        where = {}      # our name -> (file, open handle, its name there)
+        for f in files:
+            try:
+                handle = stack.enter_context(safe_open(str(f), framework="pt"))
+                keys = list(handle.keys())
+            except Exception as exc:  # safetensors raises its own error types
+                raise TraceError(f, f"unreadable safetensors file ({exc})") from None
+            for key in keys:
+                where.setdefault(checkpoint_name(key), (f, handle, key))
+
+        def read(name: str) -> torch.Tensor:
+            f, handle, key = where[name]
+            try:
+                return handle.get_tensor(key)
+            except Exception as exc:
+                raise TraceError(f, f"unreadable tensor {key} ({exc})") from None
+
+        out: Weights = {}
+        for name, shape in weight_shapes(c).items():
+            out[name] = _checkpoint_tensor(directory, name, shape, where, read, dtype)
     return out
+
+
+def _checkpoint_tensor(directory: Path, name: str, shape: tuple[int, ...],
+                       where: Mapping[str, object], read: Callable[[str], torch.Tensor],
+                       dtype: torch.dtype) -> torch.Tensor:
+    """``name`` from a checkpoint whose tensors ``where`` holds (our names), read by ``read``:
+    MXFP4 routed experts dequantised, K3's padded A_log cut to its heads, its shape checked."""
+    from kimi_perf.errors import TraceError
+
+    if name in where:
+        t = read(name)
+    elif name.endswith(".weight") and name[:-7] + ".weight_packed" in where:
+        base = name[:-7]
+        if base + ".weight_scale" not in where:
+            raise TraceError(directory, f"checkpoint lacks {base}.weight_scale")
+        t = dequantize_mxfp4(read(base + ".weight_packed"), read(base + ".weight_scale"))
+    else:
+        raise TraceError(directory, f"checkpoint lacks {name}")
+    if name.endswith("A_log") and t.numel() > shape[0]:
+        # K3 pads its per-head A_log to 128 entries with zeros; anything else there would
+        # be another layout (per channel), which dropping the tail would silently misread
+        t = t.reshape(-1)
+        if t[shape[0]:].any():
+            raise TraceError(directory, f"{name} has {t.numel()} entries, nonzero past its "
+                                        f"{shape[0]} heads: not K3's per-head layout")
+        t = t[: shape[0]]
+    if tuple(t.shape) != shape:
+        raise TraceError(directory, f"{name} has shape {tuple(t.shape)}, expected {shape}")
+    return t.to(_storage_dtype(shape, dtype))
