@@ -10,8 +10,9 @@ import triton.language as tl
 # Triton's interpreter (TRITON_INTERPRET=1, the CPU) differs from a GPU in ways the kernels
 # work around: bf16 tl.dot is wrong there (products are taken in fp32); fp32 -> bf16
 # conversion truncates where a GPU rounds to nearest even; fp32 -> fp8 e4m3 rounding drops
-# the carry into the exponent (-1.97 becomes -1.0). Both conversions are emulated: the value
-# is first rounded to nearest even in fp32 bits, so the conversion itself is exact.
+# the carry into the exponent (-1.97 becomes -1.0) and truncates subnormals. Both conversions
+# are emulated: the value is first rounded to nearest even in fp32, so the conversion itself
+# is exact.
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
@@ -22,8 +23,13 @@ def cast(x, dtype: tl.constexpr, EMULATE_RNE: tl.constexpr):
         bits = x.to(tl.float32).to(tl.uint32, bitcast=True)
         bits = (bits + (((bits >> 16) & 1) + 0x7FFF)) & 0xFFFF0000
         x = bits.to(tl.float32, bitcast=True)
-    if EMULATE_RNE and dtype == tl.float8e4nv:  # 3 mantissa bits (normal range)
-        bits = x.to(tl.float32).to(tl.uint32, bitcast=True)
-        bits = (bits + (((bits >> 20) & 1) + 0x7FFFF)) & 0xFFF00000
-        x = bits.to(tl.float32, bitcast=True)
+    if EMULATE_RNE and dtype == tl.float8e4nv:
+        x = x.to(tl.float32)
+        bits = x.to(tl.uint32, bitcast=True)   # normal range: 3 mantissa bits
+        normal = (bits + (((bits >> 20) & 1) + 0x7FFFF)) & 0xFFF00000
+        # below 2^-6, subnormal: multiples of 2^-9, the magnitude rounded to nearest even by
+        # adding and taking away 1.5 * 2^23 (where fp32 holds no fraction), the sign kept
+        magnitude = (tl.abs(x) * 512.0 + 12582912.0 - 12582912.0) / 512.0
+        subnormal = magnitude.to(tl.uint32, bitcast=True) | (bits & 0x80000000)
+        x = tl.where(tl.abs(x) < 0.015625, subnormal, normal).to(tl.float32, bitcast=True)
     return x.to(dtype)
