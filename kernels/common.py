@@ -33,3 +33,11 @@ def cast(x, dtype: tl.constexpr, EMULATE_RNE: tl.constexpr):
         subnormal = magnitude.to(tl.uint32, bitcast=True) | (bits & 0x80000000)
         x = tl.where(tl.abs(x) < 0.015625, subnormal, normal).to(tl.float32, bitcast=True)
     return x.to(dtype)
+
+
+@triton.jit
+def sigmoid(x):
+    """1 / (1 + e^-x) from e^-|x|, which cannot overflow: a long-memory decay gate's argument
+    runs to -100 and beyond, where e^-x is inf (the interpreter warns of it)."""
+    e = tl.exp(-tl.abs(x))
+    return tl.where(x >= 0, 1.0 / (1.0 + e), e / (1.0 + e))

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kimi_perf_kernels.common import INTERPRETED, cast
+from kimi_perf_kernels.common import INTERPRETED, cast, sigmoid
 
 
 @triton.jit
@@ -58,7 +58,7 @@ def kda_decode_kernel(z_ptr, wfb_ptr, f_ptr, dt_bias_ptr, a_log_ptr, conv_w_ptr,
                 f_a = tl.load(z + fa_col + r0 + r).to(tl.float32)
                 w = tl.load(wfb_ptr + (h * D + i)[:, None] * F_RANK + r0 + r[None, :])
                 f += tl.sum(w.to(tl.float32) * f_a[None, :], axis=1)
-        decay = tl.exp(lower_bound * tl.sigmoid(a * f))
+        decay = tl.exp(lower_bound * sigmoid(a * f))
         beta = tl.sigmoid(tl.load(z + b_col + h).to(tl.float32))
         sq = 0.0
         for v0 in range(0, D, BV):

@@ -133,10 +133,15 @@ def _init(name: str, shape: tuple[int, ...], gen: torch.Generator, c: K3Config,
     def uniform(lo: float, hi: float) -> torch.Tensor:
         return lo + (hi - lo) * torch.rand(shape, generator=gen, device=device)
 
+    # The decay gate: A = U(1, 16) as KDA initialises it (flash-linear-attention), dt_bias the
+    # inverse softplus of dt = exp(U(ln 0.001, ln 10)), KDA's range (to 0.1) widened: about
+    # a third of the channels forget within a step, the rest keep their state for many steps
+    # (decay near 1), where the fp32 state's accumulation shows.
     if name.endswith("A_log"):
-        return uniform(-1.0, 1.0)
+        return torch.log(uniform(1.0, 16.0))
     if name.endswith("dt_bias"):
-        return normal(0.5)
+        dt = torch.exp(uniform(math.log(1e-3), math.log(10.0)))
+        return dt + torch.log(-torch.expm1(-dt))
     if name.endswith("conv1d.weight"):
         return normal(1.0 / math.sqrt(c.conv_size))
     if name.endswith("e_score_correction_bias"):

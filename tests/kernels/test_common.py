@@ -5,7 +5,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kimi_perf_kernels.common import INTERPRETED, cast
+from kimi_perf_kernels.common import INTERPRETED, cast, sigmoid
 
 
 @triton.jit
@@ -30,3 +30,20 @@ def test_cast_rounds_to_nearest_even_as_torch_does(dtype):
     want = x.to(dtype)
     assert torch.equal(out.view(torch.uint8 if dtype.itemsize == 1 else torch.int16),
                        want.view(torch.uint8 if dtype.itemsize == 1 else torch.int16))
+
+
+@triton.jit
+def _sigmoid_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(out_ptr + offs, sigmoid(tl.load(x_ptr + offs, mask=offs < n)), mask=offs < n)
+
+
+def test_sigmoid_is_exact_far_out_and_never_overflows():
+    import warnings
+
+    x = torch.cat([torch.linspace(-200, 200, 4001), torch.tensor([-1e30, 1e30, 0.0])])
+    out = torch.empty_like(x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")          # numpy's overflow warning, under the interpreter
+        _sigmoid_kernel[(triton.cdiv(len(x), 512),)](x, out, len(x), BLOCK=512)
+    torch.testing.assert_close(out, torch.sigmoid(x), rtol=3e-7, atol=1e-30)   # 2 ulps
