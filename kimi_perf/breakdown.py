@@ -361,8 +361,8 @@ def breakdown(trace: Trace, layers: str = "auto", rules: list[Rule] | None = Non
                                                "ops": 0})["ops"] += len(s.ops)
     release_free_memory()
     find_layers(trace, ops, steps, layers)
-    if found_by == "device" and steps:   # or the forward passes each device ran
-        found_by = steps[0].found_by
+    if any(step.found_by == "pass" for step in steps):   # the forward passes a device ran
+        found_by = "pass"
     all_layers = [(step, layer) for step in steps for layer in step.layers]
     # Segments: every step, every layer, then the steps' prologues and epilogues.
     segments = [step.ops for step in steps] + [layer.ops for _, layer in all_layers]
@@ -614,10 +614,11 @@ def step_notes(b: Breakdown) -> list[str]:
                           for r in repeating)
         first = f"--steps {shlex.quote('^' + re.escape(repeating[0]['range']) + '$')}" \
             if repeating else ""
+        every = "".join(f"{_ordinal(n)} or " for n in sorted({s["layers"] for s in b.steps}))
         steps = "each device is one step" if src["steps_found_by"] == "device" else (
-            "the steps are each device's forward passes, found where every "
-            f"{_ordinal(b.steps[0]['layers']) + ' ' if b.steps else ''}layer also ran the "
-            "work between two passes (final norm, LM head, embedding)")
+            f"the steps are each device's forward passes, found where every "
+            f"{every.removesuffix('or ')}layer also ran the work between two passes (final "
+            "norm, LM head, embedding)")
         notes.append("no step range the defaults know (decode_step, ProfilerStep#, vLLM's "
                      "execute_…) and no graph launches: " + steps + (
                          f"; ranges that repeat: {named}: {first} takes "

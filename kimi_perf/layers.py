@@ -670,38 +670,51 @@ def layers_from_repeats(ops: GpuOps, steps: list[Step]) -> bool:
 
 # -- forward passes in a device's step -----------------------------------------------------------
 
-# The fewest layers a forward pass holds, for its passes to be found by their layer types: a
-# cycle of two (dense and MoE layers in turn, the MoE layer's shared expert a dense MLP) is
-# one of layers, not of passes.
-MIN_PASS_LAYERS = 3
+# The fewest layers a forward pass holds, for its passes to be found by their layer types:
+# architectures repeat shorter cycles of their own (K3's MLA every 4th layer, Gemma's global
+# attention every 6th, an MoE layer every 2nd or 4th, a shared block every 6th), and one of
+# those layers may well run all another runs and more.
+MIN_PASS_LAYERS = 8
 
 
 def passes_from_layer_cycle(ops: GpuOps, step: Step) -> list[Step] | None:
     """A device's step (no step range, no graph launch) that ran the model N times: its N
     forward passes, as steps, each with its own prologue, layers and epilogue; None when its
-    layers show no passes (``layer_cycle``). The work between two passes is split where the
-    first pass's prologue recurs (the embedding before the next pass's first layer); without
-    such a head it ends the earlier pass."""
+    layers show no passes (``layer_cycle``).
+
+    Passes are cut where the layer that joins two begins, then split into their P layers
+    each. The work between two passes is split where the first pass's prologue recurs (the
+    embedding before the next pass's first layer); without such a head it ends the earlier
+    pass, and so does what the next pass begins with that continues it as the last pass's
+    epilogue goes on (the last pass ends whole: its epilogue shows what a pass ends with)."""
     period = layer_cycle(ops, step)
     if period is None:
         return None
-    rows = step.ops
+    rows, names = step.ops, ops.name[step.ops]
     starts = np.cumsum([len(step.prologue)] + [len(layer.ops) for layer in step.layers])
     cuts = [0] + [int(starts[k]) for k in range(period, len(step.layers), period)] + [len(rows)]
     splits = []
     for lo, hi in pairwise(cuts):
         classes = ops.kernel_class[rows[lo:hi]]
-        split = find_repeats(ops.name[rows[lo:hi]], classes,
-                             attending(classes, ops.class_labels), layers=period)
+        split = find_repeats(names[lo:hi], classes, attending(classes, ops.class_labels),
+                             layers=period)
         if split is None:
             return None
         splits.append((lo + split.starts, lo + split.ends))
-    names = ops.name[rows]
     first_prologue = names[: splits[0][0][0]]
+    last_epilogue = names[splits[-1][1][-1]:]
     edges = [0]
     for (_, ends), (begins, _) in pairwise(splits):
         head, matched = _head_split(names[ends[-1]: begins[0]], first_prologue)
-        edges.append(int(ends[-1] + head) if matched else int(begins[0]))
+        edge = int(ends[-1] + head) if matched else int(begins[0])
+        epilogue = names[ends[-1]: edge]
+        rest = last_epilogue[len(epilogue):]
+        if (len(rest) and np.array_equal(last_epilogue[: len(epilogue)], epilogue)
+                and np.array_equal(names[edge: edge + len(rest)], rest)
+                and edge + len(rest) < begins[1]):
+            edge += len(rest)
+            begins[0] = max(begins[0], edge)
+        edges.append(edge)
     edges.append(len(rows))
     passes = []
     for k, (begins, ends) in enumerate(splits):
@@ -716,26 +729,29 @@ def passes_from_layer_cycle(ops: GpuOps, step: Step) -> list[Step] | None:
 
 
 def layer_cycle(ops: GpuOps, step: Step) -> int | None:
-    """How many layers a forward pass holds, where a step's layer types (as ``assign_types``
-    named them) show the model run more than once: one type recurs at a fixed stride P, first
-    or last of every P layers (the layer that meets the next pass), the others repeat with
-    period P, the step holds whole passes, and a layer of that type runs all that a layer of
-    another type runs and more than a variant's difference (the final norm and LM head, or
-    the embedding, of the passes it joins). A hybrid model's other layer type runs other
-    attention kernels, not another layer's and more: it makes no passes."""
+    """How many layers a forward pass holds, where a step's layer types (as ``assign_types`` named
+    them) show the model run more than once: one type recurs every P >= ``MIN_PASS_LAYERS``
+    layers, first or last of every P (the layer that meets the next pass), in every pass but
+    perhaps the first or the last; the others repeat with period P; the step holds whole
+    passes; and that type's layer runs all that another type's runs plus more than a
+    variant's difference (the final norm and LM head, or the embedding, of the passes it
+    joins). Layers are compared by each type's most common kernel sequence. A hybrid model's
+    other layer type runs other attention kernels, not another layer's and more: it makes no
+    passes."""
     types = [layer.type for layer in step.layers]
     n = len(types)
     if n < 2 * MIN_PASS_LAYERS:
         return None
-    kernels_of = {t: Counter(ops.name[step.layers[types.index(t)].ops].tolist())
-                  for t in dict.fromkeys(types)}
+    signatures: dict[str, Counter] = {}
+    for layer in step.layers:
+        signatures.setdefault(layer.type, Counter())[tuple(ops.name[layer.ops].tolist())] += 1
+    kernels_of = {t: Counter(sigs.most_common(1)[0][0]) for t, sigs in signatures.items()}
     common = Counter(types).most_common(1)[0][0]
     for joint in kernels_of:
-        if joint == common:
-            continue
         at = [i for i, t in enumerate(types) if t == joint]
-        # a type met once: two passes, it the first layer of the second
-        period = at[1] - at[0] if len(at) > 1 else at[0]
+        if joint == common or len(at) < 2:
+            continue
+        period = at[1] - at[0]
         if (period < MIN_PASS_LAYERS or n % period
                 or any(b - a != period for a, b in pairwise(at))):
             continue

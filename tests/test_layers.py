@@ -475,7 +475,7 @@ def test_a_device_that_ran_the_model_several_times_has_a_step_per_forward_pass(m
     types show them (one layer in every pass that also ran the work between two)."""
     from kimi_perf.breakdown import step_notes
 
-    layers = [LLAMA] * 6 if model == "llama" else k3_like(8)
+    layers = [LLAMA] * 8 if model == "llama" else k3_like(12)
     prologue, epilogue = ["embedding"], LM_HEAD
     trace = _passes(layers, passes, prologue, epilogue).build()
     ops, steps = segment(trace)
@@ -495,14 +495,23 @@ def test_a_device_that_ran_the_model_several_times_has_a_step_per_forward_pass(m
                for n in step_notes(b))
 
 
+MOE = [*LLAMA[:6], "gemm_router", "topk", "moe_experts", *LLAMA[6:]]
+ONCE = [*LLAMA[:5], "memset_workspace", "cache_resize_copy", "fill", *LLAMA[5:]]
+MAMBA = ["rmsnorm", "gemm_in_proj", "causal_conv1d_fwd", "selective_scan_fwd", "gemm_out_proj"]
+
+
 @pytest.mark.parametrize("layers", [
-    k3_like(24),                                      # hybrid: every 4th layer MLA
-    [LLAMA, [*LLAMA[:6], "gemm_router", "topk", "moe_experts", *LLAMA[6:]]] * 6,
-    [LLAMA] * 12])
+    k3_like(48),                                      # hybrid: every 4th layer MLA
+    [LLAMA, MOE] * 12,                                # MoE every other layer
+    [LLAMA, LLAMA, LLAMA, MOE] * 6,                   # ... or every 4th
+    ([MAMBA] * 5 + [[*MAMBA, *LLAMA]]) * 6,           # a shared block every 6th layer
+    [LLAMA] * 16 + [ONCE] + [LLAMA] * 15,             # one layer halfway ran 3 more once
+    [LLAMA] * 24])
 def test_layers_that_differ_in_turn_are_no_forward_passes(layers):
     """One pass of a hybrid model (the MLA layer runs other attention kernels, not a KDA
-    layer's and more) or of dense and MoE layers in turn (the MoE layer does run the dense
-    one's and more, but two layers are no forward pass): one step, all its layers."""
+    layer's and more), of MoE and dense layers in turn or a shared block every so many
+    layers (whose layers do run the others' and more, in cycles shorter than a model), or of
+    a model one of whose layers ran three kernels more once: one step, all its layers."""
     trace = _passes(layers, 1, ["embedding"], LM_HEAD).build()
     _, (step,) = segment(trace)
     assert step.found_by == "device" and len(step.layers) == len(layers)
@@ -519,5 +528,24 @@ def test_real_benchmarks_forward_passes_are_their_steps():
     assert [(t["type"], t["layers"], t["kernels"]) for t in zx.layer_types] == [("A", 128, 57)]
     athrun = breakdown(read_trace(NSYS / "Athrun0109-CS336_assignment2__result__nsys2026.2.1"
                                          ".sqlite"))
-    assert [(s["layers"], s["epilogue"]["kernels"]) for s in athrun.steps] == [
-        (12, 14)] * 4 + [(12, 16)]
+    assert [(s["layers"], s["epilogue"]["kernels"]) for s in athrun.steps] == [(12, 16)] * 5
+
+
+def test_two_devices_that_ran_other_passes_say_each():
+    """One device ran its 8-layer model three times, the other its 12-layer model twice:
+    each device's passes are its steps, and the note names both cycles."""
+    from kimi_perf.breakdown import step_notes
+
+    b = TraceBuilder()
+    for device, layers, passes in ((0, 8, 3), (1, 12, 2)):
+        b.clock = 0
+        for _ in range(passes):
+            for part in (["embedding"], *[LLAMA] * layers, LM_HEAD):
+                b.sequence(part, device=device)
+            b.clock += 20_000
+    result = breakdown(b.build())
+    assert [(s["device"], s["name"], s["layers"]) for s in result.steps] == [
+        (0, f"device 0 pass {k}", 8) for k in range(3)] + [
+        (1, f"device 1 pass {k}", 12) for k in range(2)]
+    assert result.source["steps_found_by"] == "pass"
+    assert any("found where every 8th or 12th layer also ran" in n for n in step_notes(result))
