@@ -472,6 +472,9 @@ def trace_files(paths: list[Path], keep_runs: bool = False) -> list[Path]:
                 continue
             raise TraceError(path, "a kimi-perf run directory, not a directory of traces: "
                                    "kimi-perf report draws it")
+        if (path / "run.json").exists():
+            raise TraceError(path, "a kimi-perf run directory without its breakdown.json (a "
+                                   "capture that did not finish, or a file removed since)")
         found = sorted((f for f in path.iterdir() if f.is_file()
                         and f.name.endswith(TRACE_SUFFIXES) and not is_kimi_perf_json(f)),
                        key=natural)

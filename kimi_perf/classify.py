@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import stat
 import tomllib
 from dataclasses import dataclass
 from importlib import resources
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kimi_perf.errors import TraceError
+from kimi_perf.errors import TraceError, input_stat
 
 OTHER = "other"
 
@@ -52,6 +53,8 @@ def load_rules(extra: str | Path | None = None) -> list[Rule]:
     if extra is None:
         return rules
     path = Path(extra)
+    if stat.S_ISDIR(input_stat(path).st_mode):
+        raise TraceError(path, "cannot read rules: it is a directory")
     try:
         text = path.read_text()
     except (OSError, UnicodeDecodeError) as exc:

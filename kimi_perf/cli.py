@@ -46,6 +46,22 @@ def _fail_cleanly(fn):
     return wrapper
 
 
+def _not_an_input(output: Path | None, *inputs: Path | None) -> None:
+    """Refuse an output that is one of the command's inputs (a run directory stands for its
+    breakdown.json and run.json): writing it would destroy what is being read."""
+    if output is None or str(output) == "-" or not output.exists():
+        return
+    for given in filter(None, inputs):
+        read = [given / "breakdown.json", given / "run.json"] if given.is_dir() else [given]
+        for file in read:
+            try:
+                if os.path.samefile(output, file):
+                    raise TraceError(output, f"is an input of this command ({given}): writing "
+                                             "it would destroy it")
+            except OSError:
+                continue
+
+
 def _emit(text: str, output: Path | None) -> None:
     if output is None:
         click.echo(text, nl=False)
@@ -194,6 +210,7 @@ def main() -> None:
 @_fail_cleanly
 def ranges(trace: Path, fmt: str, output: Path | None) -> None:
     """Kernels per range, as `nsys stats --report nvtx_kern_sum` attributes them."""
+    _not_an_input(output, trace)
     rows = range_kernel_summary(read_trace(trace))
     if fmt == "table":
         _emit_tables([render.ranges_table(rows)], output)
@@ -247,6 +264,7 @@ def breakdown_cmd(trace: Path | None, fmt: str, layers: str, step_regex: str | N
     Without TRACE, analyses the embedded example: one vLLM GPT-OSS-20B decode step under a
     full HIP graph (see kimi_perf/examples/README.md).
     """
+    _not_an_input(output, trace, rules)
     _no_trace_among([trace or EXAMPLE_TRACE])
     b = _breakdown_of(trace or EXAMPLE_TRACE, layers, rules, step_regex, phase, path_name)
     if fmt == "table":
@@ -282,8 +300,10 @@ def compare_cmd(a: Path, b: Path | None, path_name: str | None, fmt: str, layers
     breakdown.json; --path picks the decode path). With A alone, a run: its first two paths
     (standard vs specialized).
     """
-    if labels is not None and (len(labels.split(",")) != 2 or not all(labels.split(","))):
-        raise TraceError(None, f"--labels takes two names, A,B: not {labels!r}")
+    pair = labels.split(",") if labels is not None else None
+    if pair is not None and (len(pair) != 2 or not all(pair) or pair[0] == pair[1]):
+        raise TraceError(None, f"--labels takes two distinct names, A,B: not {labels!r}")
+    _not_an_input(output, a, b, rules)
     _no_trace_among([a] if b is None else [a, b])
     from kimi_perf.capture import trace_labels
 
@@ -520,6 +540,7 @@ def report_cmd(inputs: tuple[Path, ...], path_name: str | None, labels: str | No
 
     plotly_js = plotly_js_for(plotly_js, output.parent)  # a missing file said before any work
     inputs = tuple(trace_files(list(inputs), keep_runs=True))
+    _not_an_input(output, *inputs, rules)
     _no_trace_among(list(inputs))
     # stored inputs first: a --path that no run has is said before any trace is broken down
     labels_of = trace_labels(list(inputs))
@@ -550,7 +571,8 @@ def report_cmd(inputs: tuple[Path, ...], path_name: str | None, labels: str | No
                                    f"{', '.join(drawn)}): not {labels!r}")
         drawn = dict(zip(names, drawn.values(), strict=True))
     write_report(output, drawn, "kimi-perf report: " + ", ".join(drawn), run_info, plotly_js)
-    click.echo(f"report: {output}")
+    if str(output) != "-":      # the report itself went to stdout
+        click.echo(f"report: {output}")
 
 
 @main.command()
@@ -559,6 +581,7 @@ def report_cmd(inputs: tuple[Path, ...], path_name: str | None, labels: str | No
 @_fail_cleanly
 def convert(trace: Path, output: Path) -> None:
     """Save any trace in kimi-perf's own format (.kptrace: one Arrow file, fast to reload)."""
+    _not_an_input(output, trace)
     read_trace(trace).save(output)
 
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import errno
+import os
+import stat
 from pathlib import Path
 
 
@@ -22,3 +25,19 @@ class TraceError(Exception):
 
 class NoStepsMatched(TraceError):
     """An explicit step regex that matches no range holding GPU work."""
+
+
+def input_stat(path: Path) -> os.stat_result:
+    """``path``'s status, or the one-line error of an input that cannot be read as a file or
+    a directory: missing, a symlink loop, unreadable, or a pipe, socket or device (read from
+    once and its format told by content, it would be read in part, or wait forever)."""
+    try:
+        st = path.stat()
+    except OSError as exc:
+        problem = ("no such file" if exc.errno == errno.ENOENT else "a symlink loop"
+                   if exc.errno == errno.ELOOP else f"cannot read ({exc.strerror or exc})")
+        raise TraceError(path, problem) from None
+    if not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode)):
+        raise TraceError(path, "not a regular file (a pipe or a device): save it to a file "
+                               "first")
+    return st

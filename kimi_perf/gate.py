@@ -137,6 +137,8 @@ def is_kimi_perf_json(path: Path) -> bool:
     ``"schema"``), told from its first bytes, so that a large JSON trace is not parsed twice
     (a Kineto trace begins with ``"schemaVersion"`` or ``"traceEvents"``, if with an
     object)."""
+    if not path.is_file():      # a pipe would be read in part (and wait for a writer)
+        return False
     try:
         with open(path, "rb") as f:
             head = f.read(256)

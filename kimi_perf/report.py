@@ -415,7 +415,8 @@ def plotly_js_for(value: str, report_dir: Path) -> str:
     if value in PLOTLY_JS or "://" in value:
         return value
     if not Path(value).is_file():
-        raise TraceError(Path(value), "--plotly-js: no such file")
+        raise TraceError(Path(value), "--plotly-js: " + (
+            "a directory, not a file" if Path(value).is_dir() else "no such file"))
     # As a URL path: a directory named 'a"b' must not end the src attribute.
     return urllib.parse.quote(os.path.relpath(Path(value).resolve(),
                                               Path(report_dir).resolve()))

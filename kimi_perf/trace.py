@@ -247,8 +247,9 @@ class Trace:
                 arrays.append(_one_row_list(pa.array(values)))
         names.append("strings")
         arrays.append(_one_row_list(pa.array(self.strings, type=pa.large_string())))
-        metadata = {"kimi_perf": json.dumps({"version": FORMAT_VERSION, "meta": self.meta})}
-        table = pa.Table.from_arrays(arrays, names=names).replace_schema_metadata(metadata)
+        table = pa.Table.from_arrays(arrays, names=names)
+        header = {"version": FORMAT_VERSION, "meta": self.meta, "crc32": _checksum(table)}
+        table = table.replace_schema_metadata({"kimi_perf": json.dumps(header)})
         atomic_write(path, lambda f: _write_ipc(f, table))
 
     @classmethod
@@ -258,15 +259,24 @@ class Trace:
         try:
             with pa.memory_map(str(path), "r") as source:
                 table = pa.ipc.open_file(source).read_all()
-        except (pa.ArrowInvalid, OSError) as exc:
+            # every offset and length checked before a value is read: a corrupt one would
+            # read out of bounds
+            table.validate(full=True)
+        except (pa.ArrowException, OSError) as exc:
             raise TraceError(path, f"not a readable kimi-perf trace ({_first_line(exc)})") from None
         raw = (table.schema.metadata or {}).get(b"kimi_perf")
         if raw is None:
             raise TraceError(path, "Arrow file without kimi-perf metadata")
         header = json.loads(raw)
-        if header.get("version") != FORMAT_VERSION:
-            raise TraceError(path, f"kimi-perf trace format {header.get('version')} is not "
-                                   f"supported (this version reads {FORMAT_VERSION})")
+        if not isinstance(header, dict) or header.get("version") != FORMAT_VERSION:
+            version = header.get("version") if isinstance(header, dict) else None
+            raise TraceError(path, f"kimi-perf trace format {version} is not supported (this "
+                                   f"version reads {FORMAT_VERSION})")
+        header["meta"] = meta = header.get("meta")
+        if "crc32" in header and header["crc32"] != _checksum(table):
+            raise TraceError(path, "corrupt: its contents do not match their checksum")
+        if not isinstance(meta, dict):
+            raise TraceError(path, "kimi-perf trace without its metadata")
 
         def column(name: str) -> pa.Array:
             if name not in table.column_names:
@@ -279,7 +289,44 @@ class Trace:
                     for c in kind.dtypes}
             tables[table_name] = kind(**cols)
         strings = column("strings").to_pylist()
-        return cls(strings=strings, meta=header["meta"], **tables)
+        trace = cls(strings=strings, meta=meta, **tables)
+        if problem := trace.reference_problem():
+            raise TraceError(path, f"corrupt: {problem}")
+        return trace
+
+    def reference_problem(self) -> str | None:
+        """What points outside the trace, if anything: a name not among the strings, a launch
+        or parent range not among the rows (-1, unknown, aside)."""
+        bounds = {"name": (0, len(self.strings)), "domain": (0, len(self.strings)),
+                  "api": (-1, len(self.api)), "parent": (-1, len(self.ranges))}
+        for table_name in TABLES:
+            table = getattr(self, table_name)
+            for col, (lo, hi) in bounds.items():
+                values = getattr(table, col, None)
+                if values is not None and len(values) and not (
+                        lo <= values.min() and values.max() < hi):
+                    return f"{table_name}.{col} refers outside [{lo}, {hi})"
+        return None
+
+
+def _checksum(table: pa.Table) -> int:
+    """CRC-32 of a saved trace's values: each column's values in order, and for the strings
+    their offsets (from 0) and bytes."""
+    import zlib
+
+    crc = 0
+    for name in table.column_names:
+        values = table.column(name).chunk(0).values
+        if name == "strings":
+            bufs = values.buffers()
+            offsets = np.frombuffer(bufs[1], np.int64)[values.offset: values.offset
+                                                        + len(values) + 1]
+            crc = zlib.crc32(offsets - offsets[0], crc)
+            if bufs[2] is not None:
+                crc = zlib.crc32(memoryview(bufs[2])[offsets[0]: offsets[-1]], crc)
+        else:
+            crc = zlib.crc32(values.to_numpy(zero_copy_only=False), crc)
+    return crc
 
 
 def _one_row_list(values: pa.Array) -> pa.Array:
@@ -302,21 +349,42 @@ def _first_line(exc: BaseException) -> str:
 
 
 def atomic_write(path: str | Path, write) -> None:
-    """Call ``write(binary_file)`` on a temporary file beside ``path``, then rename it over."""
+    """Call ``write(binary_file)`` on a temporary file beside ``path``, then rename it over,
+    so that a failure leaves no partial file. A symlink is written through (its target
+    replaced), an existing file keeps its permissions, and what is not a regular file (a
+    device such as /dev/null, a pipe) is written into directly; ``-`` is stdout."""
+    import stat
+    import sys
+
     from kimi_perf.errors import TraceError
 
-    path = Path(path)
-    if path.is_dir():
+    if str(path) == "-":
+        sys.stdout.flush()
+        write(sys.stdout.buffer)
+        sys.stdout.buffer.flush()
+        return
+    path = Path(os.path.realpath(path)) if Path(path).is_symlink() else Path(path)
+    try:
+        st = path.stat()
+    except OSError:
+        st = None
+    if st is not None and stat.S_ISDIR(st.st_mode):
         raise TraceError(path, "cannot write: it is a directory")
     try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp",
+        if st is not None and not stat.S_ISREG(st.st_mode):
+            with open(path, "wb") as f:
+                write(f)
+            return
+        # a short temporary name: the target's may already be as long as names go
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name[:32]}.", suffix=".tmp",
                                    dir=path.parent or ".")
     except OSError as exc:
         raise TraceError(path, f"cannot write: {exc.strerror or exc}") from None
     try:
         with os.fdopen(fd, "wb") as f:
             write(f)
-        os.chmod(tmp, 0o666 & ~current_umask())  # mkstemp's 0600 is for the temporary file only
+        # mkstemp's 0600 is for the temporary file only
+        os.chmod(tmp, stat.S_IMODE(st.st_mode) if st is not None else 0o666 & ~current_umask())
         os.replace(tmp, path)
     except BaseException as exc:
         Path(tmp).unlink(missing_ok=True)

@@ -892,3 +892,72 @@ def test_trace_from_takes_step_ranges_and_layer_modes(tmp_path):
                         "--steps takes a regex for the step ranges here, not a count ('3'")):
         _one_line_error(run("trace", *args, "--out", tmp_path), said)
     assert list(tmp_path.iterdir()) == [run_dir]
+
+
+def test_outputs_that_are_no_plain_files(tmp_path):
+    """-o through a symlink writes its target (the link stays), into a device or pipe
+    writes through it (never replacing /dev/null with a file), '-' is stdout, an existing
+    file keeps its permissions, and a name as long as names go still writes."""
+    target, link = tmp_path / "real.json", tmp_path / "link.json"
+    target.write_text("old")
+    target.chmod(0o640)
+    link.symlink_to(target)
+    assert run("floors", "--format", "json", "-o", link).exit_code == 0
+    assert link.is_symlink() and json.loads(target.read_text())["preset"] == "k3-tp8"
+    assert target.stat().st_mode & 0o777 == 0o640
+    devnull = Path(os.devnull)
+    assert run("floors", "-o", devnull).exit_code == 0
+    assert devnull.is_char_device()
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    reader = subprocess.Popen(["cat", str(fifo)], stdout=subprocess.PIPE)
+    assert run("floors", "--format", "json", "-o", fifo).exit_code == 0
+    assert json.loads(reader.communicate(timeout=60)[0])["preset"] == "k3-tp8"
+    assert fifo.is_fifo()
+    out = subprocess.run([sys.executable, "-m", "kimi_perf", "floors", "--format", "json",
+                          "-o", "-"], capture_output=True, text=True)
+    assert out.returncode == 0 and json.loads(out.stdout)["preset"] == "k3-tp8"
+    assert not Path("-").exists()
+    longest = tmp_path / ("x" * 250 + ".json")
+    assert run("floors", "--format", "json", "-o", longest).exit_code == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        ["real.json", "link.json", "pipe", longest.name])
+
+
+def test_an_output_that_is_an_input_is_refused(tmp_path):
+    trace = tmp_path / "t.json.gz"
+    shutil.copy(VLLM, trace)
+    rules = tmp_path / "rules.toml"
+    rules.write_text("")
+    for args in (["breakdown", trace, "-o", trace], ["ranges", trace, "-o", trace],
+                 ["compare", trace, VLLM, "-o", trace], ["convert", trace, trace],
+                 ["report", trace, "-o", trace], ["breakdown", trace, "--rules", rules,
+                                                 "-o", rules]):
+        _one_line_error(run(*args), "is an input of this command")
+    assert trace.read_bytes() == VLLM.read_bytes() and rules.read_text() == ""
+
+
+def test_inputs_that_cannot_be_read_as_files(tmp_path):
+    """A pipe is not read (it would be read in part, or wait for a writer forever); a
+    symlink loop is said to be one; a run directory is not a trace, and one without its
+    breakdown.json says so."""
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    for args in (["info", fifo], ["breakdown", VLLM, "--rules", fifo], ["breakdown", fifo],
+                 ["compare", fifo, VLLM]):
+        _one_line_error(run(*args), "not a regular file (a pipe or a device)")
+    loop = tmp_path / "loop"
+    loop.symlink_to(loop)
+    _one_line_error(run("info", loop), "a symlink loop")
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    (runs / "breakdown.json").write_text("{}")
+    _one_line_error(run("info", runs), "a kimi-perf run directory, not a trace file")
+    (runs / "breakdown.json").unlink()
+    (runs / "run.json").write_text("{}")
+    _one_line_error(run("report", runs, "-o", tmp_path / "r.html"),
+                    "a kimi-perf run directory without its breakdown.json")
+    (tmp_path / "plotly.js").mkdir()
+    _one_line_error(run("report", VLLM, "--plotly-js", str(tmp_path / "plotly.js"), "-o",
+                        tmp_path / "r.html"), "--plotly-js: a directory")
+    _one_line_error(run("compare", VLLM, VLLM, "--labels", "a,a"), "two distinct names")

@@ -158,3 +158,42 @@ def test_kineto_module_call_mutations(tmp_path, data):
     path = tmp_path / "mutated.json"
     path.write_text(json.dumps(doc, allow_nan=True))
     read_and_analyse(path)
+
+
+@FUZZ
+@given(data=st.data())
+def test_kptrace_byte_mutations(tmp_path_factory, data):
+    """kimi-perf's own format, corrupted: a trace or a one-line error, never a crash (a
+    corrupt offset read unchecked reads out of bounds)."""
+    saved = tmp_path_factory.getbasetemp() / "saved.kptrace"
+    if not saved.exists():
+        read_trace(KINETO_GRAPH).save(saved)
+    raw = bytearray(saved.read_bytes())
+    for _ in range(data.draw(st.integers(1, 8))):
+        i = data.draw(st.integers(0, len(raw) - 1))
+        raw[i] = data.draw(st.integers(0, 255))
+    path = tmp_path_factory.mktemp("kp") / "mutated.kptrace"
+    path.write_bytes(bytes(raw))
+    read_and_analyse(path)
+
+
+def test_kptrace_checksum_and_references(tmp_path):
+    """A value changed in a saved trace fails its checksum; a trace saved without one (or
+    one that matches) still has every name and launch checked to point inside it."""
+    import numpy as np
+    import pytest
+
+    trace = read_trace(KINETO_GRAPH)
+    path = tmp_path / "t.kptrace"
+    trace.save(path)
+    raw = bytearray(path.read_bytes())
+    start = raw.find(np.asarray(trace.kernels.start[:4]).tobytes())
+    assert start > 0
+    raw[start] ^= 1
+    path.write_bytes(bytes(raw))
+    with pytest.raises(TraceError, match="corrupt: its contents do not match their checksum"):
+        read_trace(path)
+    trace.kernels.name[0] = len(trace.strings) + 5
+    trace.save(path)
+    with pytest.raises(TraceError, match=r"corrupt: kernels.name refers outside \[0, "):
+        read_trace(path)

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import stat
 from pathlib import Path
 
-from kimi_perf.errors import TraceError
+from kimi_perf.errors import TraceError, input_stat
 from kimi_perf.memory import release_free_memory
 from kimi_perf.nesting import nest_ranges
 from kimi_perf.readers.kineto import GZIP_MAGIC, UTF8_BOM, read_kineto_json
@@ -22,9 +23,10 @@ def read_trace(path: str | Path) -> Trace:
     Raises ``TraceError`` (one line: file and problem) for anything it cannot read.
     """
     path = Path(path)
-    if not path.exists():
-        raise TraceError(path, "no such file")
-    if path.is_dir():
+    if stat.S_ISDIR(input_stat(path).st_mode):
+        if (path / "breakdown.json").exists():
+            raise TraceError(path, "a kimi-perf run directory, not a trace file (its traces "
+                                   "are the *.kptrace files in it)")
         raise TraceError(path, "is a directory, not a trace file, and not a kimi-perf run "
                                "(no breakdown.json in it)")
     try:
@@ -54,6 +56,9 @@ def read_trace(path: str | Path) -> Trace:
             release_free_memory()   # and the nesting's
     except TraceError:
         raise
+    except MemoryError:
+        raise TraceError(path, "out of memory reading it (a size in it that is corrupt, or a "
+                               "trace too large for this machine's memory)") from None
     except (ValueError, TypeError, KeyError, IndexError, OverflowError, AttributeError,
             UnicodeError, RecursionError) as exc:
         # Malformed content that no specific check caught still gets the one-line contract.
