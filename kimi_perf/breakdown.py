@@ -59,7 +59,8 @@ class Breakdown:
     def from_json(cls, doc: dict[str, Any], path: str | Path = "breakdown") -> Breakdown:
         from kimi_perf.errors import TraceError
 
-        if not isinstance(doc, dict) or doc.get("schema") != SCHEMA:
+        if not isinstance(doc, dict) or type(doc.get("schema")) is not int \
+                or doc["schema"] != SCHEMA:
             raise TraceError(path, f"not a kimi-perf breakdown of schema {SCHEMA}")
         try:
             return cls(source=doc["source"], steps=doc["steps"], layers=doc["layers"],

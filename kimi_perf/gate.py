@@ -118,7 +118,7 @@ def load_run(path: str | Path, phase: str = "auto"
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise TraceError(path, f"not JSON ({exc})") from None
         if isinstance(doc, dict) and isinstance(doc.get("paths"), dict) and doc["paths"]:
-            if doc.get("schema") != 1:
+            if type(doc.get("schema")) is not int or doc["schema"] != 1:
                 raise TraceError(path, "not a kimi-perf run breakdown of schema 1")
             return {name: _checked(Breakdown.from_json(b, path), path)
                     for name, b in doc["paths"].items()}, doc, path
@@ -158,7 +158,21 @@ def is_finite_number(v) -> bool:
 
 
 def _count(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+    return _int(v) and v >= 0
+
+
+def _int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _step_row_ok(r: dict) -> bool:
+    """A step row's fields beyond a layer's that the steps table prints."""
+    return (_int(r.get("index")) and _int(r.get("device")) and is_finite_number(r.get("gap_us"))
+            and isinstance(r.get("name", ""), str)
+            and isinstance(r.get("layer_source", ""), str)
+            and all(isinstance(r.get(part), dict) and _count(r[part].get("kernels"))
+                    and is_finite_number(r[part].get("span_us"))
+                    for part in ("prologue", "epilogue")))
 
 
 def _source_ok(source) -> bool:
@@ -212,12 +226,16 @@ def _checked(b: Breakdown, path: Path) -> Breakdown:
             or not all(isinstance(r, dict)
                        and all(is_finite_number(r.get(m)) for m in METRICS)
                        and _classes_ok(r.get("classes")) for r in rows)
-            or not all(isinstance(r.get("type"), str) for r in b.layers)
+            or not all(isinstance(r.get("type"), str) and _int(r.get("step"))
+                       and _int(r.get("index")) and _int(r.get("device"))
+                       and is_finite_number(r.get("gap_us")) for r in b.layers)
             or not all(r.get("phase") is None or isinstance(r["phase"], str) for r in b.steps)
-            or not all(r.get("layers") is None or _count(r["layers"]) for r in b.steps)):
-        raise TraceError(path, "breakdown rows lack a type, or finite kernels, kernel_us, "
-                               "span_us or classes, or a step's phase is not a name or its "
-                               "layers not a count")
+            or not all(r.get("layers") is None or _count(r["layers"]) for r in b.steps)
+            or not all(_step_row_ok(r) for r in b.steps)):
+        raise TraceError(path, "breakdown rows lack a type, an index, a device or finite "
+                               "kernels, kernel_us, span_us, gap_us or classes, or a step's "
+                               "phase or range is not a name, its layers not a count, or its "
+                               "prologue or epilogue not {kernels, span_us}")
     for t in b.layer_types:
         if not _layer_type_figures_ok(t):
             raise TraceError(path, f"layer type {t['type']!r}: not {{layers, kernels, "

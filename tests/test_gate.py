@@ -437,15 +437,21 @@ def test_fuzzed_baselines_give_one_line_errors(data):
     text = BASELINE.read_text()
     doc = json.loads(text)
     junk = st.sampled_from([None, "9", [], {}, True, -1, 10**6, 10**400])
-    what = data.draw(st.sampled_from(["cut", "layer", "type", "source", "timeline", "run"]))
+    what = data.draw(st.sampled_from(["cut", "layer", "step", "type", "source", "timeline",
+                                      "run"]))
     if what == "cut":
         mutated = text[: data.draw(st.integers(0, len(text) - 1))]
     else:
         path = doc["paths"]["specialized"]
         if what == "layer":
             row = data.draw(st.sampled_from(path["layers"]))
-            row[data.draw(st.sampled_from(["type", "kernels", "kernel_us", "span_us"]))] = \
-                data.draw(junk)
+            row[data.draw(st.sampled_from(["type", "kernels", "kernel_us", "span_us", "gap_us",
+                                           "index", "step", "device"]))] = data.draw(junk)
+        elif what == "step":
+            row = data.draw(st.sampled_from(path["steps"]))
+            key = data.draw(st.sampled_from(["index", "device", "name", "layers", "gap_us",
+                                             "layer_source", "prologue", "epilogue"]))
+            row[key] = data.draw(st.one_of(junk, st.just({"kernels": "1", "span_us": 2.0})))
         elif what == "type":
             layer_type = data.draw(st.sampled_from(path["layer_types"]))
             layer_type[data.draw(st.sampled_from(["layers", "kernels", "gap_us", "pattern",
@@ -476,7 +482,8 @@ def test_fuzzed_baselines_give_one_line_errors(data):
         bad = Path(tmp) / "base.json"
         bad.write_text(mutated)
         report = Path(tmp) / "r.html"
-        for args in (["gate", bad, BASELINE], ["report", bad, "-o", report]):
+        for args in (["gate", bad, BASELINE], ["breakdown", bad, "--path", "specialized"],
+                     ["report", bad, "-o", report]):
             result = CliRunner().invoke(main, [str(a) for a in args])
             assert result.exception is None or isinstance(result.exception, SystemExit)
             if result.exit_code == 2:
@@ -522,7 +529,10 @@ def test_malformed_step_notes_are_one_line(tmp_path, key, value):
     ("layer_types", "layers", "3"), ("layer_types", "gap_us", float("inf")),
     ("layer_types", "classes", {"gemm": {"kernels": 1}}), ("layers", "classes", []),
     ("steps", "phase", ["decode"]), ("layer_types", "two_groups", [{"figure": "x"}]),
-    ("steps", "layers", "x")])
+    ("steps", "layers", "x"), ("steps", "gap_us", "x"), ("steps", "prologue", 0),
+    ("steps", "epilogue", {"kernels": 1, "span_us": None}), ("steps", "index", "x"),
+    ("steps", "device", None), ("steps", "layer_source", {}), ("layers", "gap_us", []),
+    ("layers", "index", 1.5), ("layers", "step", None)])
 def test_malformed_stored_figures_are_one_line_for_every_command(tmp_path, where, key, value):
     """Every command that reads a stored breakdown checks the figures it prints first."""
     doc = json.loads(BASELINE.read_text())
