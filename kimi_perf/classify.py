@@ -27,6 +27,9 @@ def _parse_rules(text: str, source: str | Path) -> list[Rule]:
         doc = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise TraceError(source, f"invalid TOML ({exc})") from None
+    if unknown := sorted(set(doc) - {"rule"}):
+        raise TraceError(source, f"unknown table or key {unknown[0]!r}: the file holds "
+                                 "[[rule]] entries only")
     entries = doc.get("rule")
     if not isinstance(entries, list) or not entries:
         raise TraceError(source, "no [[rule]] entries (each needs 'class' and 'pattern')")
@@ -35,6 +38,12 @@ def _parse_rules(text: str, source: str | Path) -> list[Rule]:
         if not isinstance(entry, dict) or not isinstance(entry.get("class"), str) \
                 or not isinstance(entry.get("pattern"), str):
             raise TraceError(source, f"rule {i + 1} needs string 'class' and 'pattern'")
+        if unknown := sorted(set(entry) - {"class", "pattern"}):
+            raise TraceError(source, f"rule {i + 1} has an unknown key {unknown[0]!r} (a rule "
+                                     "is 'class' and 'pattern')")
+        if not entry["class"].strip() or not entry["pattern"]:
+            raise TraceError(source, f"rule {i + 1} has an empty 'class' or 'pattern' (an "
+                                     "empty pattern matches every kernel)")
         try:
             rules.append(Rule(entry["class"], re.compile(entry["pattern"], re.IGNORECASE)))
         except re.error as exc:

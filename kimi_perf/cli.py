@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -44,6 +45,16 @@ def _fail_cleanly(fn):
             click.echo(f"kimi-perf: error: {where}{exc.strerror or exc}", err=True)
             sys.exit(2)
     return wrapper
+
+
+class FiniteFloatRange(click.FloatRange):
+    """A float in range, and a number: nan passes every bound, and inf is no tolerance."""
+
+    def convert(self, value, param, ctx):
+        number = super().convert(value, param, ctx)
+        if not math.isfinite(number):
+            self.fail(f"{value!r} is not a finite number", param, ctx)
+        return number
 
 
 def _not_an_input(output: Path | None, *inputs: Path | None) -> None:
@@ -414,9 +425,9 @@ def _run_name(path: Path) -> str:
 @click.argument("run", type=click.Path(path_type=Path))
 @click.option("--metrics", default=",".join(gate_mod.METRICS), show_default=True,
               help="what to check: kernels (per layer, exact), kernel_us, span_us")
-@click.option("--rel-tol", default=0.05, show_default=True, type=click.FloatRange(0),
+@click.option("--rel-tol", default=0.05, show_default=True, type=FiniteFloatRange(0),
               help="a time regresses only past this relative rise of its median")
-@click.option("--alpha", default=0.01, show_default=True, type=click.FloatRange(0, 1),
+@click.option("--alpha", default=0.01, show_default=True, type=FiniteFloatRange(0, 1),
               help="... and when the Mann-Whitney U test's p-value is below this")
 @click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table",
               show_default=True)
@@ -650,7 +661,7 @@ def info(trace: Path) -> None:
               show_default=True)
 @click.option("--spec-tokens", default=0, show_default=True, type=click.IntRange(0),
               help="speculative decoding's draft tokens K: steps verify 1+K tokens per sequence")
-@click.option("--bandwidth", default=4.3, show_default=True, type=click.FloatRange(min=0.001),
+@click.option("--bandwidth", default=4.3, show_default=True, type=FiniteFloatRange(min=0.001),
               help="memory bandwidth, TB/s (H200: about 4.3 measured by a device copy)")
 @click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table",
               show_default=True)
@@ -724,6 +735,8 @@ def validate(preset_name: str, n_layers: int | None, paths: str, steps: int,
         raise TraceError(None, f"unknown preset {preset_name!r} (choose from "
                                f"{', '.join(PRESETS)})")
     chosen = tuple(p for p in paths.split(",") if p)
+    if not chosen:
+        raise TraceError(None, f"--paths names no path (available: {', '.join(v.PATHS)})")
     unknown = [p for p in chosen if p not in v.PATHS]
     if unknown:
         raise TraceError(None, f"unknown path(s) {', '.join(unknown)} (available: "

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -258,12 +260,21 @@ def test_user_rules_come_first(tmp_path):
     assert [labels[c] for c in codes] == ["kda", "communication", "kda"]
 
 
-@pytest.mark.parametrize("text", ["not toml [", "[[rule]]\nclass = 'x'\n",
-                                  "[[rule]]\nclass = 'x'\npattern = '('\n", "x = 1\n"])
-def test_bad_rules_files_are_named(tmp_path, text):
+@pytest.mark.parametrize(("text", "said"), [
+    ("not toml [", "invalid TOML"), ("[[rule]]\nclass = 'x'\n", "needs string 'class'"),
+    ("[[rule]]\nclass = 'x'\npattern = '('\n", "bad regex"),
+    ("x = 1\n", "unknown table or key 'x'"),
+    ("[[rules]]\nclass = 'x'\npattern = 'y'\n", "unknown table or key 'rules'"),
+    ("[[rule]]\nclass = 'x'\npattern = 'y'\nbogus = 1\n", "unknown key 'bogus'"),
+    ("[[rule]]\nclass = 'x'\npattern = ''\n", "empty 'class' or 'pattern'"),
+    ("[[rule]]\nclass = ' '\npattern = 'y'\n", "empty 'class' or 'pattern'")])
+def test_bad_rules_files_are_named(tmp_path, text, said):
+    """A rules file with anything but rules of a class and a pattern (a misspelt table or
+    key would silently do nothing; an empty pattern would match every kernel) is an error
+    naming the file."""
     rules = tmp_path / "rules.toml"
     rules.write_text(text)
-    with pytest.raises(TraceError, match=r"rules\.toml"):
+    with pytest.raises(TraceError, match=r"rules\.toml: .*" + re.escape(said)):
         load_rules(rules)
 
 

@@ -232,6 +232,8 @@ def test_validate_cli(tmp_path):
     assert "'--spec-tokens': 1000000 is not in the range 0<=x<=31" in too_many.output
     bad = CliRunner().invoke(main, ["validate", "--paths", "nope"])
     assert bad.exit_code == 2 and "unknown path" in bad.output
+    none = CliRunner().invoke(main, ["validate", "--paths", ","])      # checks nothing: no pass
+    assert none.exit_code == 2 and "--paths names no path" in none.output
 
 
 def _released_name(name: str) -> str:
