@@ -68,7 +68,7 @@ class Table:
                     and value.dtype == np.int32):
                 out[name] = np.ascontiguousarray(value)
             elif value is not None:
-                out[name] = np.ascontiguousarray(value, dtype=dtype)
+                out[name] = _fitting(value, dtype, f"{cls.__name__}.{name}")
             else:
                 narrow = keep_int32 and name in cls.compact_columns
                 out[name] = np.full(n, -1, dtype=np.int32 if narrow else dtype)
@@ -327,6 +327,20 @@ def _checksum(table: pa.Table) -> int:
         else:
             crc = zlib.crc32(values.to_numpy(zero_copy_only=False), crc)
     return crc
+
+
+def _fitting(values, dtype: str, column: str) -> np.ndarray:
+    """``values`` as ``dtype``, refusing integers it cannot hold (a cast would wrap them: a
+    GPU id of 99999999999 would read as GPU 1215752191)."""
+    values = np.asarray(values)
+    target = np.dtype(dtype)
+    if (values.dtype.kind in "iu" and target.kind == "i" and len(values)
+            and (values.dtype.itemsize > target.itemsize or values.dtype.kind == "u")):
+        limits = np.iinfo(target)
+        if values.min() < limits.min or values.max() > limits.max:
+            beyond = values[(values < limits.min) | (values > limits.max)][0]
+            raise ValueError(f"{column} holds {beyond}, beyond {dtype}")
+    return np.ascontiguousarray(values, dtype=target)
 
 
 def _one_row_list(values: pa.Array) -> pa.Array:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import gzip
 import json
+import re
 import sqlite3
 from collections import Counter
 
@@ -381,3 +382,48 @@ def test_kineto_gpu_activity_without_runtime_events_reads(tmp_path):
     trace = read_trace(path)
     assert len(trace.kernels) == 1 and len(trace.api) == 0
     assert trace.kernels.api.tolist() == [-1] and trace.kernels.end.tolist() == [12000]
+
+
+FUSER = NSYS / "NVIDIA-Fuser__report1__nsys2025.1.1.sqlite"
+
+
+def test_nsys_string_ids_are_looked_up_not_indexed(tmp_path):
+    """An export trimmed to the strings it uses keeps ids in the millions (nsys-ai's fixtures:
+    126 strings up to id 3435062); an id near 2^63 reads as well, with no table that large."""
+    trimmed = read_trace(NSYS / "nsysai_fastvideo_wan2.1_train_2xh100_after.sqlite")
+    names = {trimmed.strings[n] for n in np.unique(trimmed.kernels.name).tolist()}
+    assert len(trimmed.kernels) and "<unknown>" not in names
+    copy = tmp_path / "huge_id.sqlite"
+    copy.write_bytes(FUSER.read_bytes())
+    with sqlite3.connect(copy) as db:
+        (kernel_name,) = db.execute("SELECT demangledName FROM CUPTI_ACTIVITY_KIND_KERNEL "
+                                    "LIMIT 1").fetchone()
+        db.execute("UPDATE StringIds SET id = 9000000000000000000 WHERE id = ?", (kernel_name,))
+        db.execute("UPDATE CUPTI_ACTIVITY_KIND_KERNEL SET demangledName = 9000000000000000000 "
+                   "WHERE demangledName = ?", (kernel_name,))
+    before, after = read_trace(FUSER), read_trace(copy)
+    assert Counter(before.strings[n] for n in before.kernels.name.tolist()) == Counter(
+        after.strings[n] for n in after.kernels.name.tolist())
+
+
+@pytest.mark.parametrize(("change", "said"), [
+    ("UPDATE CUPTI_ACTIVITY_KIND_KERNEL SET end = NULL", "18 kernels without a start or end"),
+    ("UPDATE CUPTI_ACTIVITY_KIND_KERNEL SET start = NULL WHERE rowid = 1",
+     "1 kernels without a start or end"),
+    ("UPDATE CUPTI_ACTIVITY_KIND_KERNEL SET end = start - 5", "18 kernels end before they"),
+    ("UPDATE CUPTI_ACTIVITY_KIND_KERNEL SET deviceId = 99999999999",
+     "Kernels.device holds 99999999999, beyond int32")])
+def test_nsys_impossible_values_are_errors_not_figures(tmp_path, change, said):
+    """Values no export holds would give figures that look like measurements (a kernel of
+    minus 150 seconds, GPU 1215752191): the file and the problem instead."""
+    from kimi_perf.errors import TraceError
+
+    copy = tmp_path / "bad.sqlite"
+    copy.write_bytes(FUSER.read_bytes())
+    with sqlite3.connect(copy) as db:   # the table again without its NOT NULL constraints
+        db.execute("CREATE TABLE k AS SELECT * FROM CUPTI_ACTIVITY_KIND_KERNEL")
+        db.execute("DROP TABLE CUPTI_ACTIVITY_KIND_KERNEL")
+        db.execute("ALTER TABLE k RENAME TO CUPTI_ACTIVITY_KIND_KERNEL")
+        db.execute(change)
+    with pytest.raises(TraceError, match=re.escape(said)):
+        read_trace(copy)

@@ -137,6 +137,9 @@ class _NsysReader:
         api = self._api_calls().compact()
         kernels = self._kernels()
         memops = self._memops()
+        for gpu_work, what in ((kernels, "kernels"), (memops, "memory operations")):
+            if untimed := int(((gpu_work.start < 0) | (gpu_work.end < 0)).sum()):  # NULL: -1
+                raise TraceError(self.path, f"{untimed} {what} without a start or end time")
         for gpu_work in (kernels, memops):
             gpu_work.api = find_launches(api, gpu_work.pid, gpu_work.correlation)
             hit = gpu_work.api >= 0
@@ -215,18 +218,32 @@ class _NsysReader:
         ids_arr = np.array(ids, dtype=np.int64)
         if len(ids_arr) and ids_arr.min() < 0:
             raise TraceError(self.path, "StringIds holds negative ids")
-        self.id_to_code = np.full(int(ids_arr.max()) + 2 if len(ids_arr) else 1, -1, np.int32)
-        self.id_to_code[ids_arr] = self.strings.extend(values)
+        # Looked up by search, not as indices of a table: an export trimmed to the strings
+        # it uses keeps ids in the millions for a hundred strings.
+        order = np.argsort(ids_arr, kind="stable")
+        self._code_by_id: dict[int, int] | None = None
+        self.string_ids = ids_arr[order]
+        self.string_codes = np.asarray(self.strings.extend(values), np.int32)[order]
+
+    def _codes_of(self, ids: np.ndarray) -> np.ndarray:
+        """StringIds ids -> our codes, -1 for an id StringIds lacks."""
+        ids = np.asarray(ids, np.int64)
+        if not len(self.string_ids):
+            return np.full(len(ids), -1, np.int32)
+        at = np.minimum(np.searchsorted(self.string_ids, ids), len(self.string_ids) - 1)
+        return np.where(self.string_ids[at] == ids, self.string_codes[at], -1).astype(np.int32)
+
+    def _code_of(self, sid) -> int:
+        """One StringIds id -> our code, -1 for an id StringIds lacks (row-by-row readers)."""
+        if self._code_by_id is None:
+            self._code_by_id = dict(zip(self.string_ids.tolist(), self.string_codes.tolist(),
+                                        strict=True))
+        return self._code_by_id.get(sid, -1) if isinstance(sid, int) else -1
 
     def _name_codes(self, table: str, column: str, ids: np.ndarray) -> np.ndarray:
         """String-id column -> our codes (an id missing from StringIds reads as '<unknown>')."""
-        codes = np.full(len(ids), self.strings.code("<unknown>"), np.int32)
-        ok = (ids >= 0) & (ids < len(self.id_to_code))
-        mapped = self.id_to_code[ids[ok]]
-        good = mapped >= 0
-        sub = codes[ok]
-        sub[good] = mapped[good]
-        codes[ok] = sub
+        codes = self._codes_of(ids)
+        codes[codes < 0] = self.strings.code("<unknown>")
         return codes
 
     def _text_or_id_column(self, table: str, column: str, where: str = "") -> np.ndarray:
@@ -234,7 +251,7 @@ class _NsysReader:
         codes = []
         for (value,) in self.conn.execute(f"SELECT {column} FROM {table} {where}"):
             if isinstance(value, int):
-                codes.append(self.id_to_code[value] if 0 <= value < len(self.id_to_code) else -1)
+                codes.append(self._code_of(value))
             elif value is None:
                 codes.append(-1)
             else:
@@ -433,9 +450,7 @@ class _NsysReader:
         else:
             (n,) = self.conn.execute(f"SELECT count(*) FROM {table} {where}").fetchone()
             ids = np.full(n, -1, np.int64)
-        known = (ids >= 0) & (ids < len(self.id_to_code))
-        codes = np.full(len(ids), -1, np.int32)
-        codes[known] = self.id_to_code[ids[known]]
+        codes = self._codes_of(ids)
         plain = np.flatnonzero(codes < 0)
         if len(plain) == 0 or "text" not in cols:
             return codes
@@ -481,9 +496,8 @@ class _NsysReader:
         codes = []
         for tid_value, value in self.conn.execute(f"SELECT {text_id}, {text} FROM {table} "
                                                   f"{where}"):
-            if isinstance(tid_value, int) and 0 <= tid_value < len(self.id_to_code) \
-                    and self.id_to_code[tid_value] >= 0:
-                codes.append(self.id_to_code[tid_value])
+            if (code := self._code_of(tid_value)) >= 0:
+                codes.append(code)
             elif value is not None:
                 codes.append(self.strings.code(str(value)))
             else:
@@ -500,10 +514,8 @@ class _NsysReader:
             f"WHERE eventType = {NVTX_DOMAIN_CREATE} GROUP BY domainId, globalTid").fetchall()
         domains = {}
         for domain_id, gtid, value, text_id_value in (r[:4] for r in rows):
-            if value is None and isinstance(text_id_value, int) \
-                    and 0 <= text_id_value < len(self.id_to_code):
-                code = self.id_to_code[text_id_value]
-                value = self.strings.values[code] if code >= 0 else None
+            if value is None and (code := self._code_of(text_id_value)) >= 0:
+                value = self.strings.values[code]
             if value is None or domain_id is None or gtid is None:
                 continue
             domains[(domain_id, gtid & 0x0000FFFFFF000000)] = str(value)
