@@ -427,3 +427,19 @@ def test_nsys_impossible_values_are_errors_not_figures(tmp_path, change, said):
         db.execute(change)
     with pytest.raises(TraceError, match=re.escape(said)):
         read_trace(copy)
+
+
+def test_formats_are_told_by_content_not_name(tmp_path):
+    """A Kineto trace named .nsys-rep reads as Kineto (nsys is not asked); an SQLite export
+    cut short reads as an error, not as a trace that lacks its last rows."""
+    from kimi_perf.errors import TraceError
+
+    misnamed = tmp_path / "trace.nsys-rep"
+    misnamed.write_bytes((KINETO / "hta_amd_mi250_rocm62_minitoy.json.gz").read_bytes())
+    assert read_trace(misnamed).meta["format"] == read_trace(
+        KINETO / "hta_amd_mi250_rocm62_minitoy.json.gz").meta["format"]
+    cut = tmp_path / "cut.sqlite"
+    cut.write_bytes(FUSER.read_bytes()[:-1000])
+    with pytest.raises(TraceError, match="truncated: its header says 2011136 bytes, the file "
+                                         "holds 2010136"):
+        read_trace(cut)

@@ -40,11 +40,11 @@ def read_trace(path: str | Path) -> Trace:
         reader = read_nsys_sqlite
     elif head.startswith(ARROW_MAGIC):
         reader = Trace.load
-    elif path.suffix in (".nsys-rep", ".qdrep"):
-        reader = read_nsys_rep
     elif (head.startswith(GZIP_MAGIC)
           or head.removeprefix(UTF8_BOM).lstrip()[:1] in (b"{", b"[")):
         reader = read_kineto_json
+    elif path.suffix in (".nsys-rep", ".qdrep"):    # a format of its own: nsys reads it
+        reader = read_nsys_rep
     else:
         raise TraceError(path, "unknown format: expected an nsys SQLite export, an .nsys-rep, "
                                "a Kineto JSON trace (.json/.json.gz) or a .kptrace")

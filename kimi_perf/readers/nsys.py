@@ -63,8 +63,14 @@ _INT64_MIN, _INT64_MAX = np.iinfo(np.int64).min, np.iinfo(np.int64).max
 def read_nsys_sqlite(path: str | Path) -> Trace:
     path = Path(path)
     with open(path, "rb") as f:
-        if f.read(16) != SQLITE_MAGIC:
-            raise TraceError(path, "not an SQLite file")
+        header = f.read(100)
+    if header[:16] != SQLITE_MAGIC:
+        raise TraceError(path, "not an SQLite file")
+    if (expected := _sqlite_size(header)) and path.stat().st_size < expected:
+        # SQLite reads the pages that are there and answers from them: a file cut short
+        # would read as a trace with its last rows missing
+        raise TraceError(path, f"truncated: its header says {expected} bytes, the file holds "
+                               f"{path.stat().st_size}")
     try:
         conn = sqlite3.connect(f"file:{path}?mode=ro&immutable=1", uri=True)
     except sqlite3.Error as exc:
@@ -77,6 +83,16 @@ def read_nsys_sqlite(path: str | Path) -> Trace:
         raise TraceError(path, f"corrupt or truncated SQLite file ({exc})") from None
     finally:
         conn.close()
+
+
+def _sqlite_size(header: bytes) -> int | None:
+    """The database size an SQLite header states (page size × page count), where it states
+    one that holds: its "version-valid-for" number equals its change counter."""
+    if len(header) < 100 or header[92:96] != header[24:28]:
+        return None
+    page_size = int.from_bytes(header[16:18], "big")
+    page_size = 65536 if page_size == 1 else page_size
+    return page_size * int.from_bytes(header[28:32], "big") or None
 
 
 def nsys_cli() -> str | None:
