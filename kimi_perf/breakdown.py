@@ -609,17 +609,24 @@ def step_notes(b: Breakdown) -> list[str]:
                    + f", {unlaunched} with no launch in the trace")
         notes.append(f"{outside['ops']} more {work} ({outside['kernel_us']:.1f} µs) ran in no "
                      f"step: {why}")
+    if untimed := src.get("untimed"):
+        notes.append(f"{untimed.get('kernels', 0)} kernels and {untimed.get('memops', 0)} "
+                     "memory operations without a time (CUPTI's start and end 0 for work it "
+                     "could not time, or a corrupt record) are left out")
     if src.get("steps_found_by") in ("device", "pass"):
         repeating = src.get("repeating_ranges") or []
         named = ", ".join(f"'{r['range']}' ×{r['instances']} ({r['kernels']} kernels)"
                           for r in repeating)
         first = f"--steps {shlex.quote('^' + re.escape(repeating[0]['range']) + '$')}" \
             if repeating else ""
-        every = "".join(f"{_ordinal(n)} or " for n in sorted({s["layers"] for s in b.steps}))
-        steps = "each device is one step" if src["steps_found_by"] == "device" else (
-            f"the steps are each device's forward passes, found where every "
-            f"{every.removesuffix('or ')}layer also ran the work between two passes (final "
-            "norm, LM head, embedding)")
+        if src["steps_found_by"] == "device":
+            steps = "each device is one step"
+        else:
+            periods = sorted({s["layers"] for s in b.steps if isinstance(s.get("layers"), int)})
+            every = "".join(f"{_ordinal(n)} or " for n in periods)
+            steps = (f"the steps are each device's forward passes, found where every "
+                     f"{every.removesuffix('or ')}layer also ran the work between two passes "
+                     "(final norm, LM head, embedding)")
         notes.append("no step range the defaults know (decode_step, ProfilerStep#, vLLM's "
                      "execute_…) and no graph launches: " + steps + (
                          f"; ranges that repeat: {named}: {first} takes "
@@ -696,4 +703,5 @@ def _source(trace: Trace) -> dict:
     return {"file": meta.get("file"), "format": meta.get("format"), "tool": meta.get("tool"),
             "schema": meta.get("schema"), "gpus": meta.get("gpus", []),
             "kernels": len(trace.kernels), "memops": len(trace.memops),
-            "ranges": len(trace.ranges)}
+            "ranges": len(trace.ranges), **({"untimed": meta["untimed"]}
+                                            if meta.get("untimed") else {})}

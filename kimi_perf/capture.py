@@ -450,6 +450,15 @@ def trace_labels(paths: list[Path]) -> list[str]:
     return out
 
 
+def _kimi_perf_run_json(path: Path) -> bool:
+    """Whether ``path`` is a run.json that ``kimi-perf trace`` wrote (it begins with the
+    command that made the run), not any file of that name."""
+    if not path.is_file():
+        return False
+    with open(path, "rb") as f:
+        return re.match(rb'\s*\{\s*"command"\s*:', f.read(64)) is not None
+
+
 def trace_files(paths: list[Path], keep_runs: bool = False) -> list[Path]:
     """``paths`` with each directory replaced by the trace files in it, in natural order
     (rank2 before rank10): a profiler's output directory, one trace per rank or worker, as
@@ -472,7 +481,7 @@ def trace_files(paths: list[Path], keep_runs: bool = False) -> list[Path]:
                 continue
             raise TraceError(path, "a kimi-perf run directory, not a directory of traces: "
                                    "kimi-perf report draws it")
-        if (path / "run.json").exists():
+        if _kimi_perf_run_json(path / "run.json"):
             raise TraceError(path, "a kimi-perf run directory without its breakdown.json (a "
                                    "capture that did not finish, or a file removed since)")
         found = sorted((f for f in path.iterdir() if f.is_file()

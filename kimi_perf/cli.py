@@ -609,6 +609,9 @@ def info(trace: Path) -> None:
                + (f", schema {m['schema']}" if m.get("schema") else ""))
     click.echo(f"  kernels {len(t.kernels)}, memcpy/memset {len(t.memops)}, ranges "
                f"{len(t.ranges)}, API calls {len(t.api)}")
+    if untimed := m.get("untimed"):
+        click.echo(f"  left out, without a time: {untimed['kernels']} kernels, "
+                   f"{untimed['memops']} memcpy/memset")
     starts = [tbl.start for tbl in (t.kernels, t.memops, t.ranges, t.api) if len(tbl)]
     if starts:
         ends = [tbl.end for tbl in (t.kernels, t.memops, t.ranges, t.api) if len(tbl)]

@@ -38,6 +38,6 @@ def input_stat(path: Path) -> os.stat_result:
                    if exc.errno == errno.ELOOP else f"cannot read ({exc.strerror or exc})")
         raise TraceError(path, problem) from None
     if not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode)):
-        raise TraceError(path, "not a regular file (a pipe or a device): save it to a file "
-                               "first")
+        raise TraceError(path, "not a regular file (a pipe, socket or device): save it to a "
+                               "file first")
     return st

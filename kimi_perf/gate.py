@@ -181,7 +181,7 @@ def _source_ok(source) -> bool:
         return False
     outside, gpus = source.get("outside_steps"), source.get("gpus")
     left_out, repeating = source.get("steps_left_out"), source.get("repeating_ranges")
-    enclosing = source.get("enclosing_steps")
+    enclosing, untimed = source.get("enclosing_steps"), source.get("untimed")
     return (all(source.get(k) is None or isinstance(source[k], str)
                 for k in ("ops", "file", "tool", "format", "steps_found_by"))
             and (repeating is None or (isinstance(repeating, list) and all(
@@ -192,8 +192,9 @@ def _source_ok(source) -> bool:
                 isinstance(e, dict) and isinstance(e.get("step"), str)
                 and _count(e.get("encloses")) and _count(e.get("ops")) for e in enclosing)))
             and (source.get("other_thread_ops") is None or _count(source["other_thread_ops"]))
-            and (left_out is None or (isinstance(left_out, dict) and all(
-                isinstance(k, str) and _count(n) for k, n in left_out.items())))
+            and all(counts is None or (isinstance(counts, dict) and all(
+                isinstance(k, str) and _count(n) for k, n in counts.items()))
+                for counts in (left_out, untimed))
             and (outside is None or (isinstance(outside, dict) and _count(outside.get("ops"))
                                      and is_finite_number(outside.get("kernel_us"))
                                      and _count(outside.get("unlaunched", 0))
@@ -214,9 +215,9 @@ def _checked(b: Breakdown, path: Path) -> Breakdown:
     if not _source_ok(b.source):
         raise TraceError(path, "source is not {ops, file, tool, format, other_thread_ops, "
                                "outside_steps: {ops, kernel_us, unlaunched, in_ranges}, "
-                               "steps_left_out: "
-                               "{phase: count}, steps_found_by, repeating_ranges: [{range, "
-                               "instances, kernels}], enclosing_steps: [{step, encloses, ops}], "
+                               "steps_left_out: {phase: count}, untimed: {kernels, memops}, "
+                               "steps_found_by, repeating_ranges: [{range, instances, "
+                               "kernels}], enclosing_steps: [{step, encloses, ops}], "
                                "gpus: [{name, sm_count}]}")
     rows = [*b.layers, *b.steps] if isinstance(b.layers, list) and isinstance(b.steps, list) \
         else None

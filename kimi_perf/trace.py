@@ -14,9 +14,13 @@ A trace saves to and loads from one Arrow IPC file (``.kptrace``): one row whose
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import stat
+import sys
 import tempfile
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Self
@@ -272,7 +276,7 @@ class Trace:
             version = header.get("version") if isinstance(header, dict) else None
             raise TraceError(path, f"kimi-perf trace format {version} is not supported (this "
                                    f"version reads {FORMAT_VERSION})")
-        header["meta"] = meta = header.get("meta")
+        meta = header.get("meta")
         if "crc32" in header and header["crc32"] != _checksum(table):
             raise TraceError(path, "corrupt: its contents do not match their checksum")
         if not isinstance(meta, dict):
@@ -310,10 +314,8 @@ class Trace:
 
 
 def _checksum(table: pa.Table) -> int:
-    """CRC-32 of a saved trace's values: each column's values in order, and for the strings
-    their offsets (from 0) and bytes."""
-    import zlib
-
+    """CRC-32 of a saved trace's values: each column's values in order (little-endian, as
+    the file holds them), and for the strings their offsets (from 0) and bytes."""
     crc = 0
     for name in table.column_names:
         values = table.column(name).chunk(0).values
@@ -321,11 +323,12 @@ def _checksum(table: pa.Table) -> int:
             bufs = values.buffers()
             offsets = np.frombuffer(bufs[1], np.int64)[values.offset: values.offset
                                                         + len(values) + 1]
-            crc = zlib.crc32(offsets - offsets[0], crc)
+            crc = zlib.crc32((offsets - offsets[0]).astype("<i8", copy=False), crc)
             if bufs[2] is not None:
                 crc = zlib.crc32(memoryview(bufs[2])[offsets[0]: offsets[-1]], crc)
         else:
-            crc = zlib.crc32(values.to_numpy(zero_copy_only=False), crc)
+            column = values.to_numpy(zero_copy_only=False)
+            crc = zlib.crc32(column.astype(column.dtype.newbyteorder("<"), copy=False), crc)
     return crc
 
 
@@ -366,44 +369,44 @@ def atomic_write(path: str | Path, write) -> None:
     """Call ``write(binary_file)`` on a temporary file beside ``path``, then rename it over,
     so that a failure leaves no partial file. A symlink is written through (its target
     replaced), an existing file keeps its permissions, and what is not a regular file (a
-    device such as /dev/null, a pipe) is written into directly; ``-`` is stdout."""
-    import stat
-    import sys
-
-    from kimi_perf.errors import TraceError
-
+    device such as /dev/null, a pipe, /dev/stdout) is written into directly; ``-`` is
+    stdout."""
     if str(path) == "-":
         sys.stdout.flush()
         write(sys.stdout.buffer)
         sys.stdout.buffer.flush()
         return
-    path = Path(os.path.realpath(path)) if Path(path).is_symlink() else Path(path)
+    given = Path(path)
     try:
-        st = path.stat()
-    except OSError:
+        st = given.stat()          # through links: /dev/stdout is one to a pipe, say
+    except FileNotFoundError:
         st = None
+    except OSError as exc:
+        raise TraceError(given, "cannot write: " + (
+            "a symlink loop" if exc.errno == errno.ELOOP else exc.strerror or str(exc))) from None
     if st is not None and stat.S_ISDIR(st.st_mode):
-        raise TraceError(path, "cannot write: it is a directory")
+        raise TraceError(given, "cannot write: it is a directory")
+    target = Path(os.path.realpath(given)) if given.is_symlink() else given
     try:
         if st is not None and not stat.S_ISREG(st.st_mode):
-            with open(path, "wb") as f:
+            with open(given, "wb") as f:
                 write(f)
             return
         # a short temporary name: the target's may already be as long as names go
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name[:32]}.", suffix=".tmp",
-                                   dir=path.parent or ".")
+        fd, tmp = tempfile.mkstemp(prefix=f".{target.name[:32]}.", suffix=".tmp",
+                                   dir=target.parent or ".")
     except OSError as exc:
-        raise TraceError(path, f"cannot write: {exc.strerror or exc}") from None
+        raise TraceError(given, f"cannot write: {exc.strerror or exc}") from None
     try:
         with os.fdopen(fd, "wb") as f:
             write(f)
         # mkstemp's 0600 is for the temporary file only
         os.chmod(tmp, stat.S_IMODE(st.st_mode) if st is not None else 0o666 & ~current_umask())
-        os.replace(tmp, path)
+        os.replace(tmp, target)
     except BaseException as exc:
         Path(tmp).unlink(missing_ok=True)
         if isinstance(exc, OSError):
-            raise TraceError(path, f"cannot write: {exc.strerror or exc}") from None
+            raise TraceError(given, f"cannot write: {exc.strerror or exc}") from None
         raise
 
 

@@ -917,9 +917,10 @@ def test_outputs_that_are_no_plain_files(tmp_path):
     assert run("floors", "--format", "json", "-o", fifo).exit_code == 0
     assert json.loads(reader.communicate(timeout=60)[0])["preset"] == "k3-tp8"
     assert fifo.is_fifo()
-    out = subprocess.run([sys.executable, "-m", "kimi_perf", "floors", "--format", "json",
-                          "-o", "-"], capture_output=True, text=True)
-    assert out.returncode == 0 and json.loads(out.stdout)["preset"] == "k3-tp8"
+    for stdout in ("-", "/dev/stdout"):     # the latter a link to the pipe read here
+        out = subprocess.run([sys.executable, "-m", "kimi_perf", "floors", "--format", "json",
+                              "-o", stdout], capture_output=True, text=True)
+        assert out.returncode == 0 and json.loads(out.stdout)["preset"] == "k3-tp8"
     assert not Path("-").exists()
     longest = tmp_path / ("x" * 250 + ".json")
     assert run("floors", "--format", "json", "-o", longest).exit_code == 0
@@ -948,7 +949,7 @@ def test_inputs_that_cannot_be_read_as_files(tmp_path):
     os.mkfifo(fifo)
     for args in (["info", fifo], ["breakdown", VLLM, "--rules", fifo], ["breakdown", fifo],
                  ["compare", fifo, VLLM]):
-        _one_line_error(run(*args), "not a regular file (a pipe or a device)")
+        _one_line_error(run(*args), "not a regular file (a pipe, socket or device)")
     loop = tmp_path / "loop"
     loop.symlink_to(loop)
     _one_line_error(run("info", loop), "a symlink loop")
@@ -957,10 +958,27 @@ def test_inputs_that_cannot_be_read_as_files(tmp_path):
     (runs / "breakdown.json").write_text("{}")
     _one_line_error(run("info", runs), "a kimi-perf run directory, not a trace file")
     (runs / "breakdown.json").unlink()
-    (runs / "run.json").write_text("{}")
+    (runs / "run.json").write_text('{"command": "kimi-perf trace"}')
     _one_line_error(run("report", runs, "-o", tmp_path / "r.html"),
                     "a kimi-perf run directory without its breakdown.json")
+    (runs / "run.json").write_text('{"name": "any other run.json"}')    # not one of ours
+    _one_line_error(run("report", runs, "-o", tmp_path / "r.html"), "run.json: JSON without")
     (tmp_path / "plotly.js").mkdir()
     _one_line_error(run("report", VLLM, "--plotly-js", str(tmp_path / "plotly.js"), "-o",
                         tmp_path / "r.html"), "--plotly-js: a directory")
     _one_line_error(run("compare", VLLM, VLLM, "--labels", "a,a"), "two distinct names")
+
+
+def test_stored_passes_without_their_layer_counts_still_print(tmp_path):
+    """A stored breakdown whose steps are forward passes, one of them without its layer
+    count (the gate allows none): the table prints, the note without that step's."""
+    from kimi_perf import breakdown, read_trace
+
+    doc = breakdown(read_trace(NSYS / "Athrun0109-CS336_assignment2__result__nsys2026.2.1"
+                                      ".sqlite")).to_json()
+    doc["steps"][0]["layers"] = None
+    stored = tmp_path / "passes.json"
+    stored.write_text(json.dumps(doc))
+    result = run("breakdown", stored)
+    assert result.exit_code == 0, result.output
+    assert "found where every 12th layer also ran" in " ".join(result.output.split())

@@ -439,9 +439,7 @@ def _nvtx_reader(rows, columns=("textId", "text")):
     reader = _NsysReader(conn, Path("test.sqlite"))
     reader.strings = StringTable()
     reader.strings.extend(["x", "registered a", "registered b"])
-    # StringIds ids 1, 2 and 4 name codes 1, 2 and 0; ids 0 and 3 are not in it
-    reader.string_ids, reader.string_codes = np.array([1, 2, 4]), np.array([1, 2, 0], np.int32)
-    reader._code_by_id = None
+    reader.id_to_code = np.array([-1, 1, 2, -1, 0], np.int32)
     return reader
 
 

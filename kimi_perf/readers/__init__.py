@@ -50,10 +50,6 @@ def read_trace(path: str | Path) -> Trace:
                                "a Kineto JSON trace (.json/.json.gz) or a .kptrace")
     try:
         trace = reader(path)
-        for table, what in ((trace.kernels, "kernels"), (trace.memops, "memory operations")):
-            if backwards := int((table.end < table.start).sum()):
-                raise TraceError(path, f"{backwards} {what} end before they start (a record "
-                                       "cut short, or a corrupt time)")
         if reader is not Trace.load:
             release_free_memory()   # the reader's temporaries: see kimi_perf/memory.py
             nest_ranges(trace.ranges)

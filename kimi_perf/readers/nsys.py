@@ -34,6 +34,7 @@ from kimi_perf.trace import (
     Kernels,
     MemOps,
     Ranges,
+    Table,
     Trace,
 )
 
@@ -83,6 +84,18 @@ def read_nsys_sqlite(path: str | Path) -> Trace:
         raise TraceError(path, f"corrupt or truncated SQLite file ({exc})") from None
     finally:
         conn.close()
+
+
+def _timed(gpu_work: Table) -> tuple[Table, int]:
+    """GPU work without a time left out, and how much: CUPTI records a kernel it could not
+    time with start and end 0; a NULL (read as -1) or an end before the start is no time
+    either. Placed at 0, such a kernel would stretch its step over the whole session."""
+    untimed = ((gpu_work.start < 0) | (gpu_work.end < gpu_work.start)
+               | ((gpu_work.start == 0) & (gpu_work.end == 0)))
+    if not untimed.any():
+        return gpu_work, 0
+    kept = {name: values[~untimed] for name, values in gpu_work.columns().items()}
+    return type(gpu_work).from_columns(kept, int((~untimed).sum())), int(untimed.sum())
 
 
 def _sqlite_size(header: bytes) -> int | None:
@@ -151,11 +164,8 @@ class _NsysReader:
         self._load_string_ids()
         # Each table is compacted as soon as it is complete: the next one is read beside it.
         api = self._api_calls().compact()
-        kernels = self._kernels()
-        memops = self._memops()
-        for gpu_work, what in ((kernels, "kernels"), (memops, "memory operations")):
-            if untimed := int(((gpu_work.start < 0) | (gpu_work.end < 0)).sum()):  # NULL: -1
-                raise TraceError(self.path, f"{untimed} {what} without a start or end time")
+        kernels, untimed_kernels = _timed(self._kernels())
+        memops, untimed_memops = _timed(self._memops())
         for gpu_work in (kernels, memops):
             gpu_work.api = find_launches(api, gpu_work.pid, gpu_work.correlation)
             hit = gpu_work.api >= 0
@@ -163,6 +173,8 @@ class _NsysReader:
             gpu_work.compact()
         ranges = self._ranges().compact()
         meta.update(gpus=self._gpus(), processes=self._processes(), file=str(self.path))
+        if untimed_kernels or untimed_memops:
+            meta["untimed"] = {"kernels": untimed_kernels, "memops": untimed_memops}
         return Trace(strings=self.strings.values, kernels=kernels, memops=memops,
                      ranges=ranges, api=api, meta=meta)
 
@@ -234,27 +246,41 @@ class _NsysReader:
         ids_arr = np.array(ids, dtype=np.int64)
         if len(ids_arr) and ids_arr.min() < 0:
             raise TraceError(self.path, "StringIds holds negative ids")
-        # Looked up by search, not as indices of a table: an export trimmed to the strings
-        # it uses keeps ids in the millions for a hundred strings.
-        order = np.argsort(ids_arr, kind="stable")
+        codes = np.asarray(self.strings.extend(values), np.int32)
         self._code_by_id: dict[int, int] | None = None
-        self.string_ids = ids_arr[order]
-        self.string_codes = np.asarray(self.strings.extend(values), np.int32)[order]
+        # nsys numbers its strings from 0: a table indexed by id. An export trimmed to the
+        # strings it uses keeps ids in the millions for a hundred strings: searched instead.
+        self.id_to_code = self.string_ids = self.string_codes = None
+        if not len(ids_arr) or ids_arr.max() < 4 * len(ids_arr) + (1 << 16):
+            self.id_to_code = np.full(int(ids_arr.max()) + 1 if len(ids_arr) else 0, -1,
+                                      np.int32)
+            self.id_to_code[ids_arr] = codes           # an id given twice: the last holds
+        else:
+            order = np.argsort(ids_arr, kind="stable")
+            last = np.r_[ids_arr[order][1:] != ids_arr[order][:-1], True]
+            self.string_ids, self.string_codes = ids_arr[order][last], codes[order][last]
 
     def _codes_of(self, ids: np.ndarray) -> np.ndarray:
         """StringIds ids -> our codes, -1 for an id StringIds lacks."""
         ids = np.asarray(ids, np.int64)
-        if not len(self.string_ids):
-            return np.full(len(ids), -1, np.int32)
+        if self.id_to_code is not None:
+            known = (ids >= 0) & (ids < len(self.id_to_code))
+            codes = np.full(len(ids), -1, np.int32)
+            codes[known] = self.id_to_code[ids[known]]
+            return codes
         at = np.minimum(np.searchsorted(self.string_ids, ids), len(self.string_ids) - 1)
         return np.where(self.string_ids[at] == ids, self.string_codes[at], -1).astype(np.int32)
 
     def _code_of(self, sid) -> int:
         """One StringIds id -> our code, -1 for an id StringIds lacks (row-by-row readers)."""
+        if not isinstance(sid, int):
+            return -1
+        if self.id_to_code is not None:
+            return int(self.id_to_code[sid]) if 0 <= sid < len(self.id_to_code) else -1
         if self._code_by_id is None:
             self._code_by_id = dict(zip(self.string_ids.tolist(), self.string_codes.tolist(),
                                         strict=True))
-        return self._code_by_id.get(sid, -1) if isinstance(sid, int) else -1
+        return self._code_by_id.get(sid, -1)
 
     def _name_codes(self, table: str, column: str, ids: np.ndarray) -> np.ndarray:
         """String-id column -> our codes (an id missing from StringIds reads as '<unknown>')."""
