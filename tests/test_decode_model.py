@@ -245,7 +245,7 @@ def _released_name(name: str) -> str:
     return "language_model." + name
 
 
-def test_safetensors_checkpoint_with_k3_names(tmp_path, weights):
+def test_safetensors_checkpoint_with_k3_names(tmp_path, weights, monkeypatch):
     """A tiny checkpoint the way K3 ships: released tensor names, bf16 tensors, MXFP4-packed
     routed experts, A_log padded, and tensors this model does not use (the vision tower);
     it loads back to the same model, and a config of fewer layers reads just its own."""
@@ -288,7 +288,34 @@ def test_safetensors_checkpoint_with_k3_names(tmp_path, weights):
                                loaded["model.layers.1.mlp.experts.0.w1.weight"].float())
     K3Model(TINY, loaded).forward(torch.tensor([[1, 2]]), K3Model(TINY, loaded).new_state(1, 4))
     four = dataclasses.replace(TINY, n_layers=4)     # the same layer plan: MLA at layer 3
+    import safetensors
+
+    reads = []
+
+    class Counting:           # safe_open, counting the tensors read
+        def __init__(self, *args, **kwargs):
+            self.inner = real_open(*args, **kwargs)
+
+        def __enter__(self):
+            self.handle = self.inner.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.inner.__exit__(*exc)
+
+        def keys(self):
+            return self.handle.keys()
+
+        def get_tensor(self, key):
+            reads.append(key)
+            return self.handle.get_tensor(key)
+
+    real_open = safetensors.safe_open
+    monkeypatch.setattr(safetensors, "safe_open", Counting)
     assert load_safetensors(tmp_path, four).keys() == weight_shapes(four).keys()
+    # each tensor of the four layers read once (MXFP4 experts: values and scales), no other
+    assert len(reads) == len(set(reads)) == sum(
+        2 if ".experts." in name else 1 for name in weight_shapes(four))
 
     # A_log per channel (nonzero past the heads) is not K3's layout: an error, not a misread
     a_log = next(n for n in names if n.endswith("A_log"))
