@@ -157,7 +157,7 @@ class Format:
 
 FORMATS = [
     Format("Arrow IPC (project)", ".kptrace", arrow_write, arrow_load,
-           "Trace.save; mmap, zero-copy"),
+           "Trace.save; mmap, checked"),
     Format("Arrow IPC + zstd", ".zstd.arrow", arrow_zstd_write, arrow_zstd_load,
            "zstd buffers"),
     Format("Parquet (zstd)", ".parquet.d", parquet_write, parquet_load, "a file per table"),
