@@ -72,8 +72,8 @@ def arrow_load(path: Path) -> Loaded:
     return trace_columns(trace), trace.strings, trace.meta
 
 
-def arrow_zstd_write(trace: Trace, path: Path) -> None:
-    """Trace.save's layout with zstd-compressed buffers (IPC supports it; loads need a copy)."""
+def arrow_plain_write(trace: Trace, path: Path) -> None:
+    """Trace.save's layout with uncompressed buffers (what it wrote before zstd)."""
     arrays, names = [], []
     for name, values in trace_columns(trace).items():
         names.append(name)
@@ -85,13 +85,12 @@ def arrow_zstd_write(trace: Trace, path: Path) -> None:
                                                 strings))
     table = pa.Table.from_arrays(arrays, names=names).replace_schema_metadata(
         {"meta": json.dumps(trace.meta)})
-    options = pa.ipc.IpcWriteOptions(compression="zstd")
-    with pa.OSFile(str(path), "wb") as sink, \
-            pa.ipc.new_file(sink, table.schema, options=options) as writer:
+    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
         writer.write_table(table)
 
 
-def arrow_zstd_load(path: Path) -> Loaded:
+def arrow_plain_load(path: Path) -> Loaded:
+    """A zero-copy memory map, unchecked."""
     with pa.memory_map(str(path), "r") as source:
         table = pa.ipc.open_file(source).read_all()
     columns = {name: table.column(name).chunk(0).values.to_numpy(zero_copy_only=False)
@@ -157,9 +156,9 @@ class Format:
 
 FORMATS = [
     Format("Arrow IPC (project)", ".kptrace", arrow_write, arrow_load,
-           "Trace.save; mmap, checked"),
-    Format("Arrow IPC + zstd", ".zstd.arrow", arrow_zstd_write, arrow_zstd_load,
-           "zstd buffers"),
+           "Trace.save: zstd, checked"),
+    Format("Arrow IPC, plain", ".plain.arrow", arrow_plain_write, arrow_plain_load,
+           "zero-copy, unchecked"),
     Format("Parquet (zstd)", ".parquet.d", parquet_write, parquet_load, "a file per table"),
     Format("numpy .npz", ".npz", npz_write, npz_load, "np.savez"),
     Format("numpy .npz (deflate)", ".z.npz", npz_compressed_write, npz_load,

@@ -8,8 +8,10 @@ trace's own clock. ``-1`` means "unknown" in integer id columns. Id and row-inde
 reads them takes either width (and widens before shifting or multiplying).
 
 A trace saves to and loads from one Arrow IPC file (``.kptrace``): one row whose columns are
-``large_list`` arrays, so tables of different lengths share a file and load without a copy
-(``benchmarks/bench_trace_io.py`` compares it with Parquet and ``.npz``).
+``large_list`` arrays, so tables of different lengths share a file, their buffers compressed
+with zstd (a fifth of the size; a load decompresses and checks every value anyway), and a
+CRC-32 of the values in its metadata (``benchmarks/bench_trace_io.py`` compares it with
+uncompressed Arrow, Parquet and ``.npz``).
 """
 
 from __future__ import annotations
@@ -356,7 +358,8 @@ def _one_row_list(values: pa.Array) -> pa.Array:
 def _write_ipc(f, table: pa.Table) -> None:
     import pyarrow as pa
 
-    with pa.ipc.new_file(f, table.schema) as writer:
+    options = pa.ipc.IpcWriteOptions(compression="zstd")
+    with pa.ipc.new_file(f, table.schema, options=options) as writer:
         writer.write_table(table)
 
 
