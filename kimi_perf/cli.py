@@ -600,7 +600,20 @@ def convert(trace: Path, output: Path) -> None:
 @click.argument("trace", type=click.Path(path_type=Path))
 @_fail_cleanly
 def info(trace: Path) -> None:
-    """What a trace holds: format, tool, GPUs, and how many events of each kind."""
+    """What a trace holds: format, tool, GPUs, and how many events of each kind. Of a
+    `kimi-perf trace` run directory: each of its saved traces (one per decode path)."""
+    if trace.is_dir() and (trace / "breakdown.json").is_file():
+        saved = sorted(trace.glob("*.kptrace"))
+        if not saved:
+            raise TraceError(trace, "a kimi-perf run directory without its saved traces "
+                                    "(*.kptrace)")
+        for file in saved:
+            _info(file)
+    else:
+        _info(trace)
+
+
+def _info(trace: Path) -> None:
     import numpy as np
 
     t = read_trace(trace)

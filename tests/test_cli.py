@@ -956,7 +956,8 @@ def test_inputs_that_cannot_be_read_as_files(tmp_path):
     runs = tmp_path / "runs"
     runs.mkdir()
     (runs / "breakdown.json").write_text("{}")
-    _one_line_error(run("info", runs), "a kimi-perf run directory, not a trace file")
+    _one_line_error(run("info", runs), "a kimi-perf run directory without its saved traces")
+    _one_line_error(run("ranges", runs), "a kimi-perf run directory, not a trace file")
     (runs / "breakdown.json").unlink()
     (runs / "run.json").write_text('{"command": "kimi-perf trace"}')
     _one_line_error(run("report", runs, "-o", tmp_path / "r.html"),
@@ -982,3 +983,16 @@ def test_stored_passes_without_their_layer_counts_still_print(tmp_path):
     result = run("breakdown", stored)
     assert result.exit_code == 0, result.output
     assert "found where every 12th layer also ran" in " ".join(result.output.split())
+
+
+def test_info_of_a_run_directory_tells_each_of_its_traces(tmp_path):
+    from kimi_perf import read_trace
+
+    for path in ("standard", "specialized"):
+        read_trace(VLLM).save(tmp_path / f"{path}.kptrace")
+    (tmp_path / "breakdown.json").write_text("{}")
+    result = run("info", tmp_path)
+    assert result.exit_code == 0, result.output
+    headers = [line for line in result.output.splitlines() if not line.startswith(" ")]
+    assert headers == [f"{tmp_path / name}.kptrace: kineto-json from PyTorch profiler "
+                       "(Kineto, ROCm), schema 1" for name in ("specialized", "standard")]
