@@ -383,6 +383,51 @@ def test_kineto_gpu_activity_without_runtime_events_reads(tmp_path):
     assert trace.kernels.api.tolist() == [-1] and trace.kernels.end.tolist() == [12000]
 
 
+def test_kineto_gpu_work_with_a_negative_duration_is_left_out_and_counted(tmp_path,
+                                                                         monkeypatch):
+    """As in the nsys reader: a kernel or copy whose duration is negative has no time; it is
+    left out and counted (every reader path alike), not kept as a zero-length kernel. A host
+    event's negative duration ends where it starts."""
+    from kimi_perf import breakdown
+    from kimi_perf.breakdown import step_notes
+
+    def gpu(cat, name, ts, dur, corr):
+        return {"ph": "X", "cat": cat, "name": name, "pid": 0, "tid": 7, "ts": ts, "dur": dur,
+                "args": {"correlation": corr, "device": 0, "stream": 7, "bytes": 64}}
+
+    events = [{"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "pid": 1,
+               "tid": 1, "ts": 9, "dur": -2, "args": {"correlation": 1}},
+              gpu("kernel", "kept", 10, 5, 1), gpu("kernel", "negative", 20, -3, 2),
+              gpu("gpu_memcpy", "Memcpy HtoD", 30, -1, 3), gpu("kernel", "zero", 40, 0, 4),
+              gpu("gpu_memset", "Memset", 50, 2, 5)]
+    path = tmp_path / "negative.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    for label, trace in _kineto_paths(path, monkeypatch).items():
+        names = [trace.strings[n] for n in trace.kernels.name.tolist()]
+        assert names == ["kept", "zero"] and len(trace.memops) == 1, label
+        assert trace.meta["untimed"] == {"kernels": 1, "memops": 1}, label
+        assert trace.kernels.end.tolist() == [15000, 40000], label
+        assert (trace.api.end - trace.api.start).tolist() == [0], label
+    assert "1 kernels and 1 memory operations without a time" in " ".join(
+        step_notes(breakdown(read_trace(path))))
+
+
+@pytest.mark.parametrize(("field", "value"), [("ts", True), ("ts", "12"), ("dur", False),
+                                              ("dur", "3"), ("dur", None)])
+def test_kineto_times_that_are_not_numbers_are_an_error(tmp_path, field, value):
+    """A boolean or a numeric string is no time: numpy would read True as 1 and "12" as 12."""
+    from kimi_perf.errors import TraceError
+
+    event = {"ph": "X", "cat": "kernel", "name": "k", "pid": 0, "tid": 7, "ts": 10, "dur": 2,
+             "args": {"correlation": 5, "device": 0, "stream": 7}}
+    event[field] = value
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"traceEvents": [event]}))
+    with pytest.raises(TraceError, match=rf"event 0 \(kernel\) is malformed: TypeError "
+                                         rf"'{field}' is {value!r}, not a number"):
+        read_trace(path)
+
+
 FUSER = NSYS / "NVIDIA-Fuser__report1__nsys2025.1.1.sqlite"
 
 

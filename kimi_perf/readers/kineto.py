@@ -674,8 +674,8 @@ class _Builder:
                     args = _num(e.get("args")) or {}
                     a = cols["a"]
                     a["name"].append(code(str(_num(e.get("name", "")))))
-                    a["ts"].append(_num(e["ts"]))
-                    a["dur"].append(_num(e.get("dur", 0)))
+                    a["ts"].append(_time(e, "ts"))
+                    a["dur"].append(_time(e, "dur"))
                     a["pid"].append(self._id(_num(e.get("pid"))))
                     a["tid"].append(self._id(_num(e.get("tid"))))
                     a["corr"].append(int(_num(args.get("correlation", -1))))
@@ -688,8 +688,8 @@ class _Builder:
                     name = str(_num(e.get("name", "")))
                     r["name"].append(code(f"{domain}:{name}" if domain else name))
                     r["domain"].append(code(domain))
-                    r["ts"].append(_num(e["ts"]))
-                    r["dur"].append(_num(e.get("dur", 0)))
+                    r["ts"].append(_time(e, "ts"))
+                    r["dur"].append(_time(e, "dur"))
                     if cat == "gpu_user_annotation":
                         args = _num(e.get("args")) or {}
                         r["pid"].append(self._id(_num(e.get("pid"))))
@@ -709,8 +709,8 @@ class _Builder:
 
     def _gpu(self, cols: dict, e: dict, args: dict) -> None:
         cols["name"].append(self._code(str(_num(e.get("name", "")))))
-        cols["ts"].append(_num(e["ts"]))
-        cols["dur"].append(_num(e.get("dur", 0)))
+        cols["ts"].append(_time(e, "ts"))
+        cols["dur"].append(_time(e, "dur"))
         cols["device"].append(self._id(_num(args.get("device", e.get("pid")))))
         cols["stream"].append(self._id(_num(args.get("stream", e.get("tid")))))
         cols["pid"].append(-1)  # the launching process comes from the API join below
@@ -726,12 +726,20 @@ class _Builder:
                  for name in ("a", "k", "m", "r")}
         firsts = [ts[0] for ts, _ in times.values() if len(ts)]
         base = int(min(firsts)) if firsts else 0
+        # GPU work with a negative duration has no time (the nsys reader's rule): left out
+        # and counted, not placed as a zero-length kernel.
+        untimed = {name: times[name][1] < 0 for name in ("k", "m")}
         tables = {}
         for name, kind in (("a", ApiCalls), ("k", Kernels), ("m", MemOps), ("r", Ranges)):
             cols = _to_ns(*times.pop(name), base)
             n = len(cols["start"])
             for col in list(chunks[name]):
                 cols[_RENAMED.get(col, col)] = _joined(chunks[name].pop(col))
+            if name in untimed and untimed[name].any():
+                kept = ~untimed[name]
+                cols = {col: values[kept] if isinstance(values, np.ndarray)
+                        else list(compress(values, kept.tolist())) for col, values in cols.items()}
+                n = int(kept.sum())
             table = kind.from_columns(cols, n, keep_int32=True)
             # Compacted once complete: GPU work after the launch join has set its pid and tid.
             tables[name] = table if kind in (Kernels, MemOps) else table.compact()
@@ -739,8 +747,12 @@ class _Builder:
         for gpu_work in (kernels, memops):
             _link_by_correlation(api, gpu_work)
             gpu_work.compact()
+        meta = {"format": "kineto-json"}
+        if any(mask.any() for mask in untimed.values()):
+            meta["untimed"] = {"kernels": int(untimed["k"].sum()),
+                               "memops": int(untimed["m"].sum())}
         return Trace(strings=self.strings, kernels=kernels, memops=memops,
-                     ranges=ranges, api=api, meta={"format": "kineto-json"})
+                     ranges=ranges, api=api, meta=meta)
 
     def _floats(self, cols: dict) -> tuple[np.ndarray, np.ndarray]:
         try:
@@ -814,6 +826,15 @@ def _int32(values: np.ndarray) -> np.ndarray:
     return values.astype(np.int32)
 
 
+def _time(event: dict, key: str) -> int | float:
+    """``ts`` (required) or ``dur`` (0 when absent) of a replayed event: a JSON number, as the
+    fast path's typed decoding takes it (a boolean or a numeric string is no time)."""
+    value = _num(event[key] if key == "ts" else event.get(key, 0))
+    if type(value) not in (int, float):
+        raise TypeError(f"'{key}' is {value!r}, not a number")
+    return value
+
+
 def _num(value):
     """A JSON integer outside int64/uint64 as a float, the way a generic JSON decoder gives
     it, so that replayed events read as the fast path would."""
@@ -869,7 +890,8 @@ def _joined(segments: list):
 def _to_ns(ts: np.ndarray, dur: np.ndarray, base: int) -> dict[str, np.ndarray]:
     """µs (int or float) -> int64 ns, exact for integers and to the ns for floats: offsets
     from a common integer base keep float64 precise at epoch-sized timestamps. ``ts`` and
-    ``dur`` are used up (scaled in place: no float copies of the largest columns)."""
+    ``dur`` are used up (scaled in place: no float copies of the largest columns). A negative
+    ``dur`` (a host event's: GPU work's is left out before) ends where it starts."""
     ts -= base
     ts *= 1000.0
     start = np.rint(ts, out=ts).astype(np.int64)
