@@ -22,7 +22,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # math itself; bf16 allows the rounding of a deep residual stream. Measured on the tiny preset's
 # random weights, seeds 0-3, batch 1 and 8, 16 steps (standard path, 2026-11-30), the largest
 # errors were: bf16 cache, layers 0.084, logits 0.054, routing gap 0.014; fp8 cache, 0.135,
-# 0.072, 0.057: the bounds leave about 1.8x. routing_gap: how far a path's top-k choice may
+# 0.072, 0.057: the bounds leave 1.8x or more. routing_gap: how far a path's top-k choice may
 # fall below the reference's own k-th best sigmoid score (a bf16 router sees a slightly
 # different input); a router that drops its correction bias is a float32 catch (gap 0.025 there
 # against 1e-4), since in bf16 its gap (0.03) lies among the rounding's.
