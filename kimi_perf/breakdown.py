@@ -464,7 +464,10 @@ def _typical_layers(trace: Trace, ops: GpuOps, steps) -> dict[str, dict[str, Any
 
     For a type found by the repeating kernel pattern also ``pattern``, a digest of that
     sequence: the letters (A, B, ...) follow the order of first appearance, so two traces'
-    "A" are the same layer only when their digests agree (``compare``, ``gate``)."""
+    "A" are the same layer only when their digests agree (``compare``, ``gate``). The digest is
+    of the sequence's least rotation: a pattern that cut the same cycle of kernels at another
+    kernel (the layers start at the attention in one trace, at a norm in the other) found the
+    same layer."""
     sequences: dict[str, list[bytes]] = {}   # the name codes' bytes: 4-8 B per op
     layer_ops: dict[str, list[np.ndarray]] = {}
     by_pattern = set()
@@ -485,9 +488,19 @@ def _typical_layers(trace: Trace, ops: GpuOps, steps) -> dict[str, dict[str, Any
             {"name": trace.strings[n], "class": ops.class_labels[c], "us": _us(int(ns))}
             for n, c, ns in zip(names, classes, median_ns.round().tolist(), strict=True)]}
         if t in by_pattern:
-            out[t]["pattern"] = hashlib.sha1("\0".join(trace.strings[n] for n in names).encode(),
+            cycle = [trace.strings[n] for n in names]
+            start = least_rotation(cycle)
+            out[t]["pattern"] = hashlib.sha1("\0".join(cycle[start:] + cycle[:start]).encode(),
                                              usedforsecurity=False).hexdigest()[:12]
     return out
+
+
+def least_rotation(names: list[str]) -> int:
+    """Where the least rotation of a sequence starts (each candidate begins with its least
+    name, so few are compared)."""
+    low = min(names)
+    return min((r for r, name in enumerate(names) if name == low),
+               key=lambda r: names[r:] + names[:r])
 
 
 def layer_type_medians(layer_rows: list[dict]) -> list[dict]:

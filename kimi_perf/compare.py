@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import statistics
+from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
@@ -190,6 +191,48 @@ def _row(name: str, ta: dict | None, tb: dict | None) -> ComparisonRow:
                          pick(ta, "kernel_us"), pick(ta, "span_us"),
                          tb["layers"] if tb else 0, pick(tb, "kernels"), pick(tb, "kernel_us"),
                          pick(tb, "span_us"), patterns_differ(patterns))
+
+
+def rotation(a: list[str], b: list[str]) -> int | None:
+    """How many kernels later in the same cycle b starts than a: r with b == a[r:] + a[:r]
+    (0: the same sequence); None where b is no rotation of a. Two typical layers of one cycle
+    cut at different kernels are the same layer (their digests agree)."""
+    n = len(a)
+    if n != len(b) or Counter(a) != Counter(b):
+        return None
+    return next((r for r in range(n) if a[r] == b[0] and a[r:] == b[: n - r]
+                 and a[:r] == b[n - r:]), None)
+
+
+def aligned_typical(typical: dict[str, dict | None]
+                    ) -> tuple[dict[str, dict | None], dict[str, int]]:
+    """Typical layers side by side (``typical_layer`` per label), each that is a rotation of
+    the first one's shown from the first one's first kernel, so that its rows pair the same
+    kernels; and per label so shown, how many kernels later its layers start."""
+    first = next((t for t in typical.values() if t), None)
+    if first is None:
+        return typical, {}
+    names = [k["name"] for k in first["kernels"]]
+    out, shifts = {}, {}
+    for label, t in typical.items():
+        r = rotation(names, [k["name"] for k in t["kernels"]]) if t and t is not first else 0
+        if r:
+            n = len(names)
+            out[label] = {**t, "kernels": t["kernels"][n - r:] + t["kernels"][: n - r]}
+            shifts[label] = r
+        else:
+            out[label] = t
+    return out, shifts
+
+
+def rotation_notes(shifts: dict[str, int], typical: dict[str, dict | None],
+                   unit: str) -> list[str]:
+    """What ``compare.aligned_typical`` did: a side's layers cut the same cycle of kernels
+    elsewhere, so its rows are shown from the first side's first kernel."""
+    first = next((label for label, t in typical.items() if t), "")
+    return [f"{label}: the same layer with its boundary {r} {unit} later in the cycle (at "
+            f"{first}'s #{r + 1}); its rows are shown in {first}'s order"
+            for label, r in shifts.items()]
 
 
 def patterns_differ(patterns) -> bool:

@@ -15,19 +15,24 @@ is reported.
 Layer types found by the repeating kernel pattern (letters in order of first appearance, not
 range names) are paired by their kernel sequence (its digest), whatever their letters; the types
 left over are paired by their mix of kernels per class (``kimi_perf.compare.pair_layer_types``,
-as ``compare`` pairs them). A pair whose sequences differ is noted (``pattern``: ``changed``).
+as ``compare`` pairs them). A sequence is a cycle (its digest is of its least rotation): the
+same kernels cut at another kernel are the same layer, checked as usual (a block's span and
+kernel µs do not depend on where it is cut). A pair whose sequences differ is noted
+(``pattern``: ``changed``).
 Where the kernels such pairs' typical layers lost are exactly the ones the others gained, the
 pattern has started the layers elsewhere (a kernel moved from one letter to the next), so their
 checks are shown as ``changed`` and do not fail; the whole steps, checked as ever, catch a
 kernel added or a step slowed. So is a type the run lacks while its steps hold as many layers as
 the baseline's, or that held one layer a step at most. Any other change of kernels (another GEMM
-kernel picked, one unfused into two) is checked as usual.
+kernel picked, one unfused into two) is checked as usual. Whole steps that are each device's
+work (no step range, graph launch or forward pass found) are the profiler's windows: holding
+different numbers of layers, they ran different work, and their checks are ``changed``.
 
 A layer type's regression or improvement says which kernels are behind it (``detail``), from
 the typical layers of both (the kernel sequence most layers of the type ran, with median µs
 per kernel): for kernel counts the kernels added and removed, for times the (at most three)
 launches whose µs moved most that way, new or lost ones by all their µs, and the typical
-layer's total change.
+layer's total change; for a span also the change of the median idle time between its kernels.
 
 A run is what ``kimi-perf trace`` writes (its directory, or the ``breakdown.json`` in it, one
 breakdown per decode path), a breakdown JSON of one trace, or any trace the readers take (one
@@ -46,7 +51,7 @@ from pathlib import Path
 import numpy as np
 
 from kimi_perf.breakdown import Breakdown
-from kimi_perf.compare import pair_label, pair_layer_types, patterns_differ
+from kimi_perf.compare import aligned_typical, pair_label, pair_layer_types, patterns_differ
 from kimi_perf.errors import TraceError
 
 METRICS = ("kernels", "kernel_us", "span_us")
@@ -311,9 +316,10 @@ def gate(baseline: dict[str, Breakdown], current: dict[str, Breakdown],
         base, cur = baseline.get(path), current.get(path)
         pairs = pair_layer_types(base, cur)
         moved = _moved(base, cur, pairs)
+        windows = _unequal_windows(base, cur)
         for base_type, cur_type in [*pairs, (STEP, STEP)]:
             label = pair_label(base_type, cur_type, base)
-            shifted = base_type in moved
+            shifted = base_type in moved or (base_type == STEP and windows is not None)
             found: list[Check] = []
             if None not in (base_type, cur_type) and (
                     patterns_differ([_digest(base, base_type), _digest(cur, cur_type)])):
@@ -332,7 +338,8 @@ def gate(baseline: dict[str, Breakdown], current: dict[str, Breakdown],
                     found.append(_time(path, label, metric, base_s, cur_s, tolerances))
             for check in found:
                 if check.status in ("regression", "improvement"):
-                    check.detail = _behind(check, base, cur, base_type, cur_type)
+                    check.detail = (windows if base_type == STEP and windows is not None
+                                    else _behind(check, base, cur, base_type, cur_type))
                 if shifted and check.status in ("regression", "improvement", "missing"):
                     check.status = "changed"
                 if cur_type not in (None, label):
@@ -394,9 +401,12 @@ def _moved(base: Breakdown | None, cur: Breakdown | None,
     run's steps hold as many layers as the baseline's or it held one layer a step at most."""
     if base is None or cur is None:
         return set()
+    # (a digest stored before digests were of the least rotation may differ for the same
+    # cycle cut elsewhere: such a pair is the same layer, its checks stand)
     changed = [(b, c) for b, c in pairs if b is not None and c is not None
                and _digest(base, b) is not None
-               and _digest(cur, c) not in (None, _digest(base, b))]
+               and _digest(cur, c) not in (None, _digest(base, b))
+               and not _rotated(base, b, cur, c)]
     lost: Counter = Counter()
     gained: Counter = Counter()
     for b, c in changed:
@@ -416,6 +426,32 @@ def _moved(base: Breakdown | None, cur: Breakdown | None,
                     and (same_layers or t["layers"] <= len(base.steps))):
                 moved.add(b)
     return moved
+
+
+def _unequal_windows(base: Breakdown | None, cur: Breakdown | None) -> str | None:
+    """Why whole steps do not compare, where they do not: a step that is all of a device's
+    work (no step range, no graph launch, no forward pass found) is the profiler's window,
+    and windows that hold different numbers of layers ran different work. Their layers still
+    compare."""
+    if base is None or cur is None or "device" not in (
+            base.source.get("steps_found_by"), cur.source.get("steps_found_by")):
+        return None
+    layers = _layers_per_step(base), _layers_per_step(cur)
+    if layers[0] == layers[1]:
+        return None
+    return (f"each device is one step, the profiler's window: {_count_text(layers[0])} layers "
+            f"a step in the baseline, {_count_text(layers[1])} in the run")
+
+
+def _count_text(value: float | None) -> str:
+    return "?" if value is None else f"{value:g}"
+
+
+def _rotated(base: Breakdown, base_type: str, cur: Breakdown, cur_type: str) -> bool:
+    """Whether the run's typical layer is the baseline's cut at another kernel."""
+    sides = {side: (_layer_type(b, t) or {}).get("typical_layer")
+             for side, b, t in (("base", base, base_type), ("cur", cur, cur_type))}
+    return "cur" in aligned_typical(sides)[1]
 
 
 def _layer_type(b: Breakdown, name: str | None) -> dict | None:
@@ -447,6 +483,8 @@ def _behind(check: Check, base: Breakdown | None, cur: Breakdown | None,
     kb, kc = _typical(base, base_type), _typical(cur, cur_type)
     if kb is None or kc is None:
         return None
+    # the same layer cut at another kernel: its launches paired from the baseline's first
+    kc = aligned_typical({"base": {"kernels": kb}, "cur": {"kernels": kc}})[0]["cur"]["kernels"]
     if check.metric.startswith("kernels"):
         nb, nc = Counter(k["name"] for k in kb), Counter(k["name"] for k in kc)
         parts = [f"{sign} " + ", ".join(
@@ -468,14 +506,19 @@ def _behind(check: Check, base: Breakdown | None, cur: Breakdown | None,
              for key in {**ub, **uc}]
     sign = 1 if check.status == "regression" else -1  # times: a regression is slower
     moved = sorted((m for m in moves if m[0] * sign > 0), key=lambda m: -abs(m[0]))[:3]
-    if not moved:
-        return None
     names = short_names([m[1][0] for m in moved], 50)
-    listed = ", ".join(f"{name} {delta:+.1f} µs" + (" (new)" if new else " (gone)" if gone
-                                                     else "")
-                       for name, (delta, _, new, gone) in zip(names, moved, strict=True))
-    total = sum(uc.values()) - sum(ub.values())
-    return f"{listed}; typical layer {total:+.1f} µs in all"
+    parts = [", ".join(f"{name} {delta:+.1f} µs" + (" (new)" if new else " (gone)" if gone
+                                                    else "")
+                       for name, (delta, _, new, gone) in zip(names, moved, strict=True))]
+    parts.append(f"typical layer {sum(uc.values()) - sum(ub.values()):+.1f} µs in all")
+    if check.metric == "span_us":
+        # a span is its kernels and the idle time between them: say which moved
+        gaps = [[r.get("gap_us") for r in b.layers if r["type"] == t]
+                for b, t in ((base, base_type), (cur, cur_type))]
+        if all(g and all(is_finite_number(x) for x in g) for g in gaps):
+            parts.append(f"idle between kernels {np.median(gaps[1]) - np.median(gaps[0]):+.1f} "
+                         "µs (median)")
+    return "; ".join(filter(None, parts)) if moved or check.metric == "span_us" else None
 
 
 def _samples(b: Breakdown | None, layer_type: str | None, metric: str) -> np.ndarray | None:

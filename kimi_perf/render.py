@@ -20,10 +20,12 @@ from kimi_perf.compare import (
     UNLIKE_TIMES,
     ComparisonRow,
     OverviewRow,
+    aligned_typical,
     count_text,
     differing_patterns,
     patterns_differ,
     ratio_text,
+    rotation_notes,
     spreads,
     stragglers,
 )
@@ -157,7 +159,8 @@ def typical_layer_table(layer_type: str, sides: dict[str, dict | None],
                         unit: str = "kernels") -> Table:
     """The typical layer of one type (``layer_types[i]["typical_layer"]``) in one or more
     breakdowns, side by side: its kernels in launch order with their median µs."""
-    typical = {label: (t or {}).get("typical_layer") for label, t in sides.items()}
+    typical, shifts = aligned_typical({label: (t or {}).get("typical_layer")
+                                       for label, t in sides.items()})
     width = 80 if len(sides) == 1 else 60
     table = Table(title=f"Typical {layer_type} layer: {unit} in order, median µs")
     table.add_column("#", justify="right")
@@ -189,6 +192,7 @@ def typical_layer_table(layer_type: str, sides: dict[str, dict | None],
                          "analyse its trace again)")
         else:
             notes.append(f"{who}no {layer_type} layer")
+    notes += rotation_notes(shifts, typical, unit)
     if patterns_differ((t or {}).get("pattern") for t in sides.values()):
         notes.append(f"* {layer_type} was found by the repeating kernel pattern, with other "
                      "kernel sequences: the letter may name different layers")

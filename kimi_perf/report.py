@@ -23,12 +23,14 @@ from kimi_perf.breakdown import Breakdown, layer_notes, step_notes, units_word
 from kimi_perf.compare import (
     UNLIKE_TIMES,
     aligned_types,
+    aligned_typical,
     compare,
     count_text,
     differing_patterns,
     overview,
     patterns_differ,
     ratio_text,
+    rotation_notes,
     spreads,
     stragglers,
 )
@@ -195,7 +197,8 @@ def _typical_html(breakdowns: dict[str, Breakdown]) -> str:
                            if name != layer_type)
         if next(iter(breakdowns)) not in names_of:   # a type the first trace lacks
             called = "; ".join(filter(None, [f"only in {', '.join(names_of)}", called]))
-        typical = {label: (t or {}).get("typical_layer") for label, t in sides.items()}
+        typical, shifts = aligned_typical({label: (t or {}).get("typical_layer")
+                                           for label, t in sides.items()})
         if not any(typical.values()):
             continue
         head = "<tr><th>#</th>" + "".join(
@@ -222,10 +225,11 @@ def _typical_html(breakdowns: dict[str, Breakdown]) -> str:
             f"{sides[label]['layers']} layers ran exactly these</th>"
             f"<th>{sum(k['us'] for k in t['kernels']):.1f}</th>" if t else
             "<th colspan=3></th>" for label, t in typical.items()) + "</tr>"
-        differ = (f"<p>* {e(layer_type)} was found by the repeating kernel pattern, with "
-                  "other kernel sequences: the letter may name different layers.</p>"
-                  if patterns_differ((t or {}).get("pattern") for t in sides.values())
-                  else "")
+        differ = "".join(f"<p>{e(note)}.</p>" for note in rotation_notes(
+            shifts, typical, _units(breakdowns)))
+        if patterns_differ((t or {}).get("pattern") for t in sides.values()):
+            differ += (f"<p>* {e(layer_type)} was found by the repeating kernel pattern, with "
+                       "other kernel sequences: the letter may name different layers.</p>")
         parts.append(f"<h3>Typical {e(layer_type)} layer{f' ({e(called)})' if called else ''}: "
                      f"{_units(breakdowns)} in order, median µs</h3><table>{head}"
                      f"{''.join(rows)}{foot}</table>{differ}")

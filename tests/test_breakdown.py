@@ -6,6 +6,8 @@ import re
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from kimi_perf import breakdown, compare, read_trace
 from kimi_perf.breakdown import Breakdown, _union_length
@@ -720,3 +722,54 @@ def test_steps_per_device_name_the_ranges_that_could_be_the_steps():
         KINETO / "tracelens_vllm_gptoss20b_decode_fullgraph_mi300x.json.gz"))
     assert vllm.source["steps_found_by"] == "range" and vllm.source["repeating_ranges"] == []
     assert not any("each device is one step" in n for n in step_notes(vllm))
+
+
+@given(st.lists(st.sampled_from("abc"), min_size=1, max_size=12), st.integers(0, 11))
+def test_rotations_against_brute_force(cycle, shift):
+    """least_rotation starts the least rotation; rotation finds b as a cut r later (the
+    first such r), None for anything else; aligned_typical shows b in a's order."""
+    from kimi_perf.breakdown import least_rotation
+    from kimi_perf.compare import aligned_typical, rotation
+
+    n = len(cycle)
+    rotations = [cycle[r:] + cycle[:r] for r in range(n)]
+    assert rotations[least_rotation(cycle)] == min(rotations)
+    r = shift % n
+    b = cycle[r:] + cycle[:r]
+    found = rotation(cycle, b)
+    assert found == next(s for s in range(n) if rotations[s] == b)
+    assert rotation(cycle, b[:-1]) is None and rotation(cycle, [*b, "a"]) is None
+    if "c" in cycle:
+        assert rotation(cycle, [x if x != "c" else "d" for x in b]) is None
+    kernels = [{"name": x, "us": float(i)} for i, x in enumerate(b)]
+    typical = {"A": {"kernels": [{"name": x, "us": 0.0} for x in cycle]},
+               "B": {"kernels": kernels, "layers": 3}}
+    shown, shifts = aligned_typical(typical)
+    assert [k["name"] for k in shown["B"]["kernels"]] == cycle and shown["B"]["layers"] == 3
+    assert sorted(k["us"] for k in shown["B"]["kernels"]) == [float(i) for i in range(n)]
+    assert shifts == ({"B": found} if found else {}) and shown["A"] is typical["A"]
+
+
+def test_a_cycle_cut_elsewhere_is_the_same_layer_type():
+    """The two windows of a real before/after pair cut the same DiT block 8 kernels apart
+    (its >1 ms attention kernel is #8 of the block before, #157 of 157 after): one digest, and
+    the tables show the run's block in the baseline's order, saying so."""
+    from kimi_perf.compare import aligned_typical, rotation
+    from kimi_perf.render import typical_layer_table
+
+    before, after = (breakdown(read_trace(NSYS / f"nsysai_fastvideo_wan2.1_train_2xh100_{x}"
+                                                 ".sqlite")) for x in ("before", "after"))
+    ta, tb = (next(t for t in b.layer_types if t["type"] == "A") for b in (before, after))
+    names = [[k["name"] for k in t["typical_layer"]["kernels"]] for t in (ta, tb)]
+    assert names[0] != names[1] and rotation(*names) == 8
+    assert ta["pattern"] == tb["pattern"]
+    flash = [next(i for i, k in enumerate(t["typical_layer"]["kernels"]) if k["us"] > 1000)
+             for t in (ta, tb)]
+    assert flash == [7, 156]
+    table = typical_layer_table("A", {"before": ta, "after": tb})
+    assert ("after: the same layer with its boundary 8 kernels later in the cycle (at "
+            "before's #9); its rows are shown in before's order") in table.caption
+    shown = aligned_typical({"before": ta["typical_layer"],
+                                     "after": tb["typical_layer"]})[0]
+    assert [k["name"] for k in shown["after"]["kernels"]] == names[0]
+    assert shown["after"]["kernels"][7]["us"] > 1000

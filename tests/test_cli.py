@@ -375,18 +375,31 @@ def test_compare_a_run_its_paths_and_labels(tmp_path):
         in older.output
 
 
-def test_compare_flags_automatic_types_whose_kernels_differ():
-    """Before/after training traces: the DiT blocks found by the repeating pattern pair up,
-    and since the windows cut them elsewhere (the same 157 kernels, begun 8 kernels apart)
-    the pair is flagged rather than silently compared."""
+def test_compare_pairs_a_cycle_cut_elsewhere_and_flags_other_kernels(tmp_path):
+    """Before/after training traces: the windows cut the DiT blocks elsewhere (the same 157
+    kernels, begun 8 kernels apart), so the blocks are one layer, compared as such, with the
+    run's kernels shown in the baseline's order. A block that ran other kernels (one dropped
+    here, in a stored breakdown) is flagged rather than silently compared."""
+    from kimi_perf.breakdown import breakdown
+    from kimi_perf.readers import read_trace
+
     before = NSYS / "nsysai_fastvideo_wan2.1_train_2xh100_before.sqlite"
     after = NSYS / "nsysai_fastvideo_wan2.1_train_2xh100_after.sqlite"
     doc = json.loads(run("compare", before, after, "--format", "json").output)
     assert (doc["a"], doc["b"]) == ("nsysai_fastvideo_wan2.1_train_2xh100_before",
                                     "nsysai_fastvideo_wan2.1_train_2xh100_after")
-    differs = {r["type"] for r in doc["rows"] if r["pattern_differs"]}
-    assert differs == {"A"}
-    table = run("compare", before, after).output
+    assert not any(r["pattern_differs"] for r in doc["rows"])
+    table = run("compare", before, after, "--kernels").output
+    assert "A *" not in table and "the same layer with its boundary 8 kernels later" in table
+    changed = breakdown(read_trace(after)).to_json()
+    block = next(t for t in changed["layer_types"] if t["type"] == "A")
+    block["typical_layer"]["kernels"].pop(3)
+    block["pattern"] = "0123456789ab"
+    (tmp_path / "changed.json").write_text(json.dumps(changed))
+    doc = json.loads(run("compare", before, tmp_path / "changed.json", "--format",
+                         "json").output)
+    assert {r["type"] for r in doc["rows"] if r["pattern_differs"]} == {"A"}
+    table = run("compare", before, tmp_path / "changed.json").output
     assert "A *" in table and "it may be another layer there" in table
 
 
@@ -503,13 +516,20 @@ def test_report_compares_the_first_trace_with_each_other(tmp_path):
     # drawn from breakdowns alone, here read back from their JSON
     stored = {k: json.loads(json.dumps(breakdown(read_trace(f)).to_json()))
               for k, f in files.items()}
+    # "after" cuts the blocks 8 kernels later: the same layer; "changed" ran other kernels
+    stored["changed"] = json.loads(json.dumps(stored["after"]))
+    block = next(t for t in stored["changed"]["layer_types"] if t["type"] == "A")
+    block["typical_layer"]["kernels"].pop(3)
+    block["pattern"] = "0123456789ab"
     out = write_report(tmp_path / "r.html",
-                       {k: Breakdown.from_json(doc) for k, doc in stored.items()}, "three")
+                       {k: Breakdown.from_json(doc) for k, doc in stored.items()}, "four")
     text = out.read_text()
     assert "Per layer type: before vs after" in text and "Per layer type: before vs ddp" in text
-    assert "<td>A *</td>" in text and "it may be another layer there" in text
+    assert text.count("<td>A *</td>") == 1 and "it may be another layer there" in text
+    assert ("after: the same layer with its boundary 8 kernels later in the cycle (at "
+            "before&#x27;s #9)") in text
     assert "ddp: 2373 GPU ops launched from another thread while a step" in text
-    assert text.count("(median-span step)") == 2  # ddp: no step has layers to draw
+    assert text.count("(median-span step)") == 3  # ddp: no step has layers to draw
 
 
 def test_a_reader_that_goes_away_is_no_error():
