@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 
 import triton
 import triton.language as tl
@@ -14,6 +16,27 @@ import triton.language as tl
 # are emulated: the value is first rounded to nearest even in fp32, so the conversion itself
 # is exact.
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+# The interpreter pays per program and per op, not per element, so launchers give it whole
+# dimensions as tiles: every tile loop runs once. ``gpu_tiles()`` makes them take a GPU's
+# tiles instead, so that a test runs each loop over several tiles as a GPU does.
+_gpu_tiles = False
+
+
+def interpreter_tiles() -> bool:
+    """Whether launchers pick the interpreter's whole-dimension tiles rather than a GPU's."""
+    return INTERPRETED and not _gpu_tiles
+
+
+@contextlib.contextmanager
+def gpu_tiles() -> Iterator[None]:
+    """Within it, launchers under the interpreter pick the tiles they pick on a GPU."""
+    global _gpu_tiles
+    before, _gpu_tiles = _gpu_tiles, True
+    try:
+        yield
+    finally:
+        _gpu_tiles = before
 
 
 @triton.jit

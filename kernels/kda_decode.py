@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kimi_perf_kernels.common import INTERPRETED, cast, sigmoid
+from kimi_perf_kernels.common import INTERPRETED, cast, interpreter_tiles, sigmoid
 
 
 @triton.jit
@@ -139,8 +139,8 @@ def kda_decode(z: torch.Tensor, heads: int, head_dim: int, f_rank: int, w_fb: to
         ckpt_state, ckpt_conv, B, T, heads, z.stride(0), z.stride(1), f_arg.stride(0),
         f_arg.stride(1), out.stride(0), out.stride(1), 3 * proj, 4 * proj, 4 * proj + f_rank,
         eps, lower_bound, D=head_dim, F_RANK=f_rank,
-        BV=head_dim if INTERPRETED else min(32, head_dim),
-        F_BLOCK=f_rank if INTERPRETED else min(16, f_rank), F_GIVEN=f is not None,
+        BV=head_dim if interpreter_tiles() else min(32, head_dim),
+        F_BLOCK=f_rank if interpreter_tiles() else min(16, f_rank), F_GIVEN=f is not None,
         CHECKPOINT=checkpoint, RNE=INTERPRETED, num_warps=8)
     return (out, ckpt_state, ckpt_conv) if checkpoint else out
 

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kimi_perf_kernels.common import INTERPRETED, cast
+from kimi_perf_kernels.common import INTERPRETED, cast, interpreter_tiles
 from kimi_perf_kernels.mla_concat_insert import write_cache_row
 
 
@@ -64,7 +64,7 @@ def mla_absorb_insert(q: torch.Tensor, w_uk: torch.Tensor, kv: torch.Tensor,
     mla_absorb_insert_kernel[(M, H + 1)](
         q, w_uk, qhat, kv, kv_norm, cache, positions, H, tokens_per_seq, q.stride(0),
         kv.stride(0), cache.stride(0), cache.stride(1), kv_scale, eps, NOPE=nope, ROPE=rope,
-        LORA=lora, BLOCK_L=lora if INTERPRETED else min(64, lora),
+        LORA=lora, BLOCK_L=lora if interpreter_tiles() else min(64, lora),
         BLOCK_ROPE=triton.next_power_of_2(rope), FP8=cache.dtype == torch.float8_e4m3fn,
         RNE=INTERPRETED, num_warps=4)
     return qhat

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kimi_perf_kernels.common import INTERPRETED, cast
+from kimi_perf_kernels.common import INTERPRETED, cast, interpreter_tiles
 
 
 @triton.jit
@@ -151,7 +151,7 @@ def mla_attention(qhat: torch.Tensor, cache: torch.Tensor, positions: torch.Tens
         qhat, cache, positions, parts, lse if lse is not None else parts, M, H, tokens_per_seq,
         cache.stride(0), cache.stride(1), scale, sm_scale, LORA=kv_lora, ROPE=rope,
         BLOCK_ROPE=max(16, triton.next_power_of_2(rope)), HB=HEAD_BLOCK,
-        BLOCK_S=64 if INTERPRETED else 32, SPLITS=splits,
+        BLOCK_S=64 if interpreter_tiles() else 32, SPLITS=splits,
         FP8=cache.dtype == torch.float8_e4m3fn, DOT_FP32=INTERPRETED, RNE=INTERPRETED,
         num_warps=8)
     return parts, lse

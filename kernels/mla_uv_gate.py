@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kimi_perf_kernels.common import INTERPRETED, cast
+from kimi_perf_kernels.common import INTERPRETED, cast, interpreter_tiles
 from kimi_perf_kernels.mla_attention import combine_splits
 
 
@@ -49,8 +49,8 @@ def mla_uv_gate(o_lat: torch.Tensor, w_uv: torch.Tensor, gate: torch.Tensor,
     if out is None:
         out = torch.empty(M, H * v, dtype=dtype or o_lat.dtype, device=o_lat.device)
     mla_uv_gate_kernel[(M, H)](o_lat, lse if lse is not None else o_lat, w_uv, gate, out, M, H,
-                               gate.stride(0), out.stride(0), LORA=lora, V=v,
-                               BLOCK_L=lora if INTERPRETED else min(64, lora), SPLITS=splits,
+                               gate.stride(0), out.stride(0), LORA=lora, V=v, SPLITS=splits,
+                               BLOCK_L=lora if interpreter_tiles() else min(64, lora),
                                BLOCK_SPLITS=max(2, triton.next_power_of_2(splits)),
                                RNE=INTERPRETED, num_warps=4)
     return out

@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kimi_perf_kernels.common import INTERPRETED, cast
+from kimi_perf_kernels.common import INTERPRETED, cast, interpreter_tiles
 from kimi_perf_kernels.router_topk import block_e, routed_slot
 from kimi_perf_kernels.skinny_linear import (
     GEMV_MAX_M,
@@ -156,7 +156,7 @@ def moe_fc2_combine_kernel(act_ptr, w2_ptr, ids_ptr, weights_ptr, out_ptr, M, IN
 
 def _routed_blocks() -> tuple[int, int]:
     """(BLOCK_N, BLOCK_K) of the routed tiles."""
-    return (256, 256) if INTERPRETED else (32, 64)
+    return (256, 256) if interpreter_tiles() else (32, 64)
 
 
 def shared_tile(m: int, situ: bool, interpreted: bool = False) -> tuple[int, int, int]:
@@ -175,7 +175,7 @@ def _shared_launch(shared: Shared | None, m: int, situ: bool) -> tuple[list, dic
         return [None, None, None, 0, 0, 0, 0, 0, 0], {
             "SHARED": False, "S_USE_DOT": False, "DOT_FP32": INTERPRETED, "S_BLOCK_M": 1,
             "S_BLOCK_N": 1, "S_BLOCK_K": 1}
-    block_m, block_n, block_k = shared_tile(m, situ, INTERPRETED)
+    block_m, block_n, block_k = shared_tile(m, situ, interpreter_tiles())
     consts = {"SHARED": True, "S_USE_DOT": m > GEMV_MAX_M, "DOT_FP32": INTERPRETED,
               "S_BLOCK_M": block_m, "S_BLOCK_N": block_n, "S_BLOCK_K": block_k}
     x, w, out = shared
@@ -282,7 +282,7 @@ def moe_finalize(per_slot: torch.Tensor, weights: torch.Tensor, dtype: torch.dty
     [M, top_k, N], weights [M, top_k] fp32 -> [M, N] in ``dtype``, summed in fp32."""
     M, top_k, n = per_slot.shape
     out = torch.empty(M, n, dtype=dtype, device=per_slot.device)
-    block = 4096 if INTERPRETED else 1024
+    block = 4096 if interpreter_tiles() else 1024
     moe_finalize_kernel[(M, triton.cdiv(n, block))](per_slot, weights, out, n, TOP_K=top_k,
                                                     BLOCK_N=block, RNE=INTERPRETED,
                                                     num_warps=4)

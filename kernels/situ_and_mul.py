@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kimi_perf_kernels.common import INTERPRETED, cast
+from kimi_perf_kernels.common import INTERPRETED, cast, interpreter_tiles
 from kimi_perf_kernels.skinny_linear import _situ
 
 
@@ -35,7 +35,7 @@ def situ_and_mul(gate_up: torch.Tensor, situ: tuple[float, float]) -> torch.Tens
                          f"{tuple(gate_up.shape)}")
     inter = two_i // 2
     out = torch.empty(M, inter, dtype=gate_up.dtype, device=gate_up.device)
-    block = 4096 if INTERPRETED else 1024
+    block = 4096 if interpreter_tiles() else 1024
     situ_and_mul_kernel[(M, triton.cdiv(inter, block))](
         gate_up, out, inter, gate_up.stride(0), out.stride(0), BETA=situ[0],
         BETA_LINEAR=situ[1], BLOCK=block, RNE=INTERPRETED, num_warps=4)

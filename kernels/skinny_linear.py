@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kimi_perf_kernels.common import INTERPRETED, cast
+from kimi_perf_kernels.common import INTERPRETED, cast, interpreter_tiles
 
 GEMV_MAX_M = 4
 MAX_BLOCK_M = 64
@@ -122,7 +122,7 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor, norm: torch.Tensor | None = 
     if out is None:
         out = torch.empty(M, n_out, dtype=out_dtype or x.dtype, device=x.device)
     use_dot = M > GEMV_MAX_M
-    block_m, block_n, block_k, warps = launch_config(M, INTERPRETED)
+    block_m, block_n, block_k, warps = launch_config(M, interpreter_tiles())
     beta, beta_linear = situ or (1.0, 1.0)
     grid = (tiles(M, n_out, block_m, block_n),)
     skinny_linear_kernel[grid](

@@ -51,6 +51,11 @@ rm "$overlay/target-linux-x64/nsys" && cp "$target/nsys" "$overlay/target-linux-
 ln -s "$host" "$overlay/host-linux-x64"
 libs=$prefix/root/usr/lib/x86_64-linux-gnu
 [ -e "$libs/libssh.so" ] || ln -sf libssh.so.4 "$libs/libssh.so"
+# `nsys stats` reports import nsysstats from nsys's own python/lib; Debian moved it (and
+# gpustats) to dist-packages, where nsys's embedded Python does not look.
+for module in nsysstats gpustats; do
+  ln -sf "$prefix/root/usr/lib/python3/dist-packages/$module.py" "$host/python/lib/$module.py"
+done
 
 mkdir -p "$prefix/bin"
 cat > "$wrapper" <<EOF

@@ -411,3 +411,22 @@ def test_checkpoint_names_of_k3s_release(stored, ours):
     from kimi_perf.decode.weights import checkpoint_name
 
     assert checkpoint_name(stored) == ours
+
+
+def test_mxfp4_layout_by_hand():
+    """compressed-tensors MXFP4 worked by hand, not through its own inverse: two E2M1 codes a
+    byte, the low nibble first (0x21: 0.5 then 1.0; 0x97: 6.0 then -0.5), one E8M0 scale per
+    32 values (127: x1, 128: x2)."""
+    from kimi_perf.decode.weights import dequantize_mxfp4, quantize_mxfp4
+
+    packed = torch.zeros(1, 32, dtype=torch.uint8)
+    packed[0, :2] = torch.tensor([0x21, 0x97], dtype=torch.uint8)
+    packed[0, 16] = 0x0F                   # values 32 and 33: -6.0 (code 15) and 0.0, x2
+    values = dequantize_mxfp4(packed, torch.tensor([[127, 128]], dtype=torch.uint8))
+    expected = torch.zeros(1, 64)
+    expected[0, :4] = torch.tensor([0.5, 1.0, 6.0, -0.5])
+    expected[0, 32] = -12.0
+    assert torch.equal(values, expected)
+    again, scale = quantize_mxfp4(expected)
+    assert torch.equal(again[0, :2], packed[0, :2]) and again[0, 16] == 0x0F
+    assert scale.tolist() == [[127, 128]]

@@ -15,11 +15,13 @@ from tests.conftest import DATA, NSYS, nsys_fixtures
 SAXPY = "hpcgroup-pipit__saxpy-mpi-cuda_nsys_perlmutter0__nsys2022.2.1"
 
 
-def golden_for(stem: str) -> tuple[str, str] | None:
-    shipped = NSYS / "golden" / stem / "nvtx_kern_sum.csv"
+def golden_for(stem: str, report: str = "nvtx_kern_sum") -> tuple[str, str] | None:
+    """NVIDIA's ``nsys stats`` report for a fixture: shipped with it, or made here for those
+    that shipped without (``tests/data/nsys_stats_2023.4.4/README.md``)."""
+    shipped = NSYS / "golden" / stem / f"{report}.csv"
     if shipped.exists():
         return shipped.read_text(), str(shipped)
-    ours = DATA / "nsys_stats_2023.4.4" / f"{stem}_nvtx_kern_sum.csv.gz"
+    ours = DATA / "nsys_stats_2023.4.4" / f"{stem}_{report}.csv.gz"
     if ours.exists():
         return gzip.decompress(ours.read_bytes()).decode(), str(ours)
     return None

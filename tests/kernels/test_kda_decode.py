@@ -24,9 +24,11 @@ def inputs(batch, tokens, heads, d, f_rank, seed):
     return z, params, conv_state, state
 
 
+# (the last: two value tiles and two f_b tiles a head with a GPU's tiles, BV 32, F_BLOCK 16)
 @pytest.mark.parametrize(("batch", "tokens", "heads", "d", "f_rank"),
-                         [(1, 1, 2, 16, 16), (3, 1, 4, 32, 16), (2, 4, 2, 16, 32)])
-def test_kda_decode_matches_reference(batch, tokens, heads, d, f_rank):
+                         [(1, 1, 2, 16, 16), (3, 1, 4, 32, 16), (2, 4, 2, 16, 32),
+                          (2, 2, 2, 64, 32)])
+def test_kda_decode_matches_reference(batch, tokens, heads, d, f_rank, tiles):
     z, params, conv_state, state = inputs(batch, tokens, heads, d, f_rank, batch + tokens)
     conv_ref, state_ref = conv_state.clone(), state.clone()
     expected = kda_decode_reference(z, conv_state=conv_ref, state=state_ref, **params)
