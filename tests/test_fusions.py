@@ -82,7 +82,7 @@ def test_no_ledger_against_a_trace_without_that_layer_type(tmp_path):
     assert "Fusions, launch by launch" not in report.read_text()
 
 
-def test_compare_kernels_shows_the_ledger_of_the_two_paths():
+def test_compare_kernels_shows_the_ledger_of_the_two_paths(tmp_path):
     from click.testing import CliRunner
 
     from kimi_perf.cli import main
@@ -91,10 +91,20 @@ def test_compare_kernels_shows_the_ledger_of_the_two_paths():
     assert "kda: each specialized launch against the standard launches it replaces" in out
     assert "f_b_proj + fused_kda_decode" in out and "9 launches for 18: " in out
     assert "12 launches for 24: " in out
-    # the other way round (specialized as A) it is the same ledger
-    swapped = CliRunner().invoke(main, ["compare", str(BASELINE), str(BASELINE), "--path",
-                                        "specialized", "--kernels"]).output
-    assert "against the" not in swapped     # one path against itself: no fusions to show
+    # the other way round (specialized as A) it is the same ledger, the columns swapped back
+    paths = json.loads(BASELINE.read_text())["paths"]
+    for name in ("standard", "specialized"):
+        (tmp_path / f"{name}.json").write_text(json.dumps(paths[name]))
+    swapped = CliRunner().invoke(main, ["compare", str(tmp_path / "specialized.json"),
+                                        str(tmp_path / "standard.json"), "--kernels",
+                                        "--format", "json"]).output
+    kda = json.loads(swapped)["fusions"]["kda"]
+    assert (kda["standard"], kda["specialized"]) == ("standard", "specialized")
+    assert {r["launch"]: r["replaces"] for r in kda["launches"]}["fused_kda_decode"] == [
+        "f_b_proj", "fused_kda_decode"]
+    itself = CliRunner().invoke(main, ["compare", str(BASELINE), str(BASELINE), "--path",
+                                       "specialized", "--kernels"]).output
+    assert "against the" not in itself     # one path against itself: no fusions to show
     # the JSON holds the same ledger, per layer type
     doc = json.loads(CliRunner().invoke(main, ["compare", str(BASELINE), "--kernels",
                                                "--format", "json"]).output)
