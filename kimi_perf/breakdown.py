@@ -595,6 +595,10 @@ def two_groups(rows: LayerRows, min_ratio: float = 1.5, min_share: float = 0.25,
     return out
 
 
+# The share of the steps' GPU time in copies and fills above which the notes say so.
+COPIES_NOTED = 0.25
+
+
 def step_notes(b: Breakdown) -> list[str]:
     """What a breakdown says of its steps: work launched from another thread while a step
     was open, work in no step, and its steps' phases (``phase_note``)."""
@@ -609,19 +613,29 @@ def step_notes(b: Breakdown) -> list[str]:
         # breakdowns stored before "unlaunched" was counted said "launched" of all
         unlaunched = outside.get("unlaunched", 0)
         launched = outside["ops"] - unlaunched
-        where = [f"'{r['range']}' {r['ops']}" for r in outside.get("in_ranges") or []
-                 if r.get("range") is not None]
+        ranges = outside.get("in_ranges") or []
+        named = ", ".join(f"'{r['range']}' {r['ops']}" for r in ranges
+                          if r.get("range") is not None)
+        unnamed = sum(r["ops"] for r in ranges if r.get("range") is None)
+        where = "; ".join(filter(None, [named and f"in {named}",
+                                        unnamed and f"in no range {unnamed}"]))
+        where = f" ({where})" if where else ""
         if not unlaunched:
-            why = "launched outside every step's range" + (
-                f" (in {', '.join(where)})" if where else "")
+            why = "launched outside every step's range" + where
         elif not launched:
             why = "the trace holds no launch to place them by"
         else:
-            why = (f"{launched} launched outside every step's range"
-                   + (f" (in {', '.join(where)})" if where else "")
-                   + f", {unlaunched} with no launch in the trace")
+            why = (f"{launched} launched outside every step's range{where}, {unlaunched} with "
+                   "no launch in the trace")
         notes.append(f"{outside['ops']} more {work} ({outside['kernel_us']:.1f} µs) ran in no "
                      f"step: {why}")
+    copies = [(s.get("classes") or {}).get("memcpy") or {} for s in b.steps]
+    copy_us, kernel_us = sum(c.get("us", 0) for c in copies), sum(s["kernel_us"] for s in b.steps)
+    if work == "GPU ops" and kernel_us and copy_us >= COPIES_NOTED * kernel_us:
+        notes.append(f"{copy_us / kernel_us:.0%} of the steps' kernel µs is copies and fills "
+                     f"({sum(c.get('kernels', 0) for c in copies)} of "
+                     f"{sum(s['kernels'] for s in b.steps)} ops, class memcpy): the kernel "
+                     "columns count memcpy and memset operations with the kernels")
     if untimed := src.get("untimed"):
         notes.append(f"{untimed.get('kernels', 0)} kernels and {untimed.get('memops', 0)} "
                      "memory operations without a time (CUPTI's start and end 0 for work it "

@@ -654,6 +654,18 @@ def test_work_in_no_step_says_whether_it_was_launched_outside_or_never_seen_laun
         in step_notes(b)
 
 
+def test_work_in_no_step_names_where_it_ran_in_no_range_too():
+    """A benchmark whose steps are its 'Forward' ranges: of the work outside them, 659 ops
+    ran in its 'Run Benchmark' range and 7,235 (the backward passes' autograd thread) in no
+    range at all; the note accounts for every one."""
+    from kimi_perf.breakdown import step_notes
+
+    b = breakdown(read_trace(NSYS / "jsun-012-assignment2-systems__result__nsys2025.1.3.sqlite"),
+                  step_regex="^Forward$")
+    assert ("7894 more GPU ops (827420.6 µs) ran in no step: launched outside every step's "
+            "range (in 'Run Benchmark' 659; in no range 7235)") in step_notes(b)
+
+
 def test_a_step_range_holding_other_step_ranges_is_said():
     """--steps Forward also matches the benchmark's 'Benchmark Forward Only', which holds ten
     of the 'Forward' ranges: a step of the 20 kernels between them, said in a note; the
@@ -773,3 +785,27 @@ def test_a_cycle_cut_elsewhere_is_the_same_layer_type():
                                      "after": tb["typical_layer"]})[0]
     assert [k["name"] for k in shown["after"]["kernels"]] == names[0]
     assert shown["after"]["kernels"][7]["us"] > 1000
+
+
+def test_steps_mostly_copies_are_said():
+    """A 2-GPU inference window that is mostly host-to-device copies: per device 463 of its
+    2,184 ops are memcpy/memset (SQLite: CUPTI_ACTIVITY_KIND_MEMCPY and _MEMSET rows), and
+    they take 98% of the time the kernel columns sum; a note says the columns hold them."""
+    import sqlite3
+
+    from kimi_perf.breakdown import step_notes
+
+    path = NSYS / "nsysai_fastvideo_wan2.1_t2v_inference_2xh100_1s.sqlite"
+    with sqlite3.connect(path) as db:
+        memops = sum(db.execute(f"SELECT count(*) FROM {t}").fetchone()[0]
+                     for t in ("CUPTI_ACTIVITY_KIND_MEMCPY", "CUPTI_ACTIVITY_KIND_MEMSET")
+                     if db.execute("SELECT count(*) FROM sqlite_master WHERE name = ?",
+                                   (t,)).fetchone()[0])
+    b = breakdown(read_trace(path))
+    assert memops == 926 and sum(s["kernels"] for s in b.steps) == 4368
+    assert ("98% of the steps' kernel µs is copies and fills (926 of 4368 ops, class memcpy): "
+            "the kernel columns count memcpy and memset operations with the kernels"
+            ) in step_notes(b)
+    vllm = breakdown(read_trace(KINETO / "tracelens_vllm_gptoss20b_decode_fullgraph_mi300x"
+                                         ".json.gz"))
+    assert not any("copies and fills" in n for n in step_notes(vllm))
