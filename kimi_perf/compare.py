@@ -193,6 +193,11 @@ def _row(name: str, ta: dict | None, tb: dict | None) -> ComparisonRow:
                          pick(tb, "span_us"), patterns_differ(patterns))
 
 
+# How two traces' layer types were paired, for the notes under a comparison.
+PAIRING = ("types found by the repeating kernel pattern pair by their kernel sequence; those "
+           "left over by their mix of kernels per class, marked * where the sequences differ")
+
+
 def rotation(a: list[str], b: list[str]) -> int | None:
     """How many kernels later in the same cycle b starts than a: r with b == a[r:] + a[:r]
     (0: the same sequence); None where b is no rotation of a. Two typical layers of one cycle

@@ -17,6 +17,7 @@ from rich.text import Text
 from kimi_perf.attribution import RangeKernelRow
 from kimi_perf.breakdown import Breakdown, layer_notes, step_notes
 from kimi_perf.compare import (
+    PAIRING,
     UNLIKE_TIMES,
     ComparisonRow,
     OverviewRow,
@@ -238,8 +239,7 @@ def comparison_table(rows: list[ComparisonRow], label_a: str, label_b: str,
                       ratio_text(r.span_ratio), ratio_text(r.kernel_ratio))
     notes = []
     if any(r.type_b and r.name_a is not None for r in rows):
-        notes.append(f"A = B: the type {label_a} calls A, {label_b} calls B (types found by "
-                     "the repeating kernel pattern pair by their kernel sequence)")
+        notes.append(f"A = B: the type {label_a} calls A, {label_b} calls B ({PAIRING})")
     if any(r.pattern_differs for r in rows):
         notes.append(f"* found by the repeating kernel pattern, with another kernel sequence in "
                      f"{label_b}: it may be another layer there")

@@ -21,6 +21,7 @@ from plotly.subplots import make_subplots
 
 from kimi_perf.breakdown import Breakdown, layer_notes, step_notes, units_word
 from kimi_perf.compare import (
+    PAIRING,
     UNLIKE_TIMES,
     aligned_types,
     aligned_typical,
@@ -139,8 +140,7 @@ def _comparison_html(breakdowns: dict[str, Breakdown]) -> str:
             f"<td>{fmt(r.span_us_b, '.1f')}</td><td>{ratio_text(r.span_ratio)}</td>"
             f"<td>{ratio_text(r.kernel_ratio)}</td></tr>"
             for r in rows)
-        note = (f"<p>A = B: the type {e(a)} calls A, {e(b)} calls B (types found by the "
-                "repeating kernel pattern pair by their kernel sequence).</p>"
+        note = (f"<p>A = B: the type {e(a)} calls A, {e(b)} calls B ({e(PAIRING)}).</p>"
                 if any(r.type_b and r.name_a is not None for r in rows) else "")
         note += (f"<p>* found by the repeating kernel pattern, with another kernel sequence "
                  f"in {e(b)}: it may be another layer there.</p>"

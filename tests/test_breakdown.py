@@ -531,7 +531,10 @@ def test_compare_pairs_pattern_types_by_their_kernels_whatever_their_letters(tmp
     assert [(r.label, r.span_ratio, r.pattern_differs) for r in rows[:2]] == [
         ("A = B", 1.0, False), ("B = A", 1.0, False)]
     text = tables_text([comparison_table(rows, "x", "y")])
-    assert "A = B" in text and "the type x calls A, y calls B" in " ".join(text.split())
+    assert "A = B" in text and ("the type x calls A, y calls B (types found by the repeating "
+                                "kernel pattern pair by their kernel sequence; those left over "
+                                "by their mix of kernels per class, marked * where the "
+                                "sequences differ)") in " ".join(text.split())
     (tmp_path / "b.json").write_text(json.dumps(swapped))
     out = CliRunner().invoke(main, ["compare", str(vllm), str(tmp_path / "b.json"),
                                     "--kernels", "--format", "json"]).output
