@@ -21,6 +21,7 @@ import numpy as np
 from kimi_perf.classify import Rule
 from kimi_perf.layers import (
     GpuOps,
+    Step,
     find_layers,
     find_steps,
     outermost_ranges,
@@ -362,8 +363,10 @@ def breakdown(trace: Trace, layers: str = "auto", rules: list[Rule] | None = Non
                                                "ops": 0})["ops"] += len(s.ops)
     release_free_memory()
     find_layers(trace, ops, steps, layers)
+    pass_ranges = []
     if any(step.found_by == "pass" for step in steps):   # the forward passes a device ran
         found_by = "pass"
+        pass_ranges = _pass_ranges(trace, ops, steps)
     all_layers = [(step, layer) for step in steps for layer in step.layers]
     # Segments: every step, every layer, then the steps' prologues and epilogues.
     segments = [step.ops for step in steps] + [layer.ops for _, layer in all_layers]
@@ -405,9 +408,22 @@ def breakdown(trace: Trace, layers: str = "auto", rules: list[Rule] | None = Non
                              "other_thread_ops": other_thread_ops,
                              "steps_left_out": left_out, "steps_found_by": found_by,
                              "repeating_ranges": repeating,
+                             **({"pass_ranges": pass_ranges} if pass_ranges else {}),
                              "enclosing_steps": list(enclosing.values())},
                      steps=step_rows,
                      layers=layer_rows, layer_types=layer_types, timeline=timeline)
+
+
+def _pass_ranges(trace: Trace, ops: GpuOps, passes: list[Step]) -> list[dict[str, Any]]:
+    """Where forward passes found without a step range ran, where they ran in different
+    ranges (a warm-up pass, model loading in the first pass's prologue): per set of range
+    names, its passes and the first one's ops per range; nothing where all ran alike."""
+    groups: dict[tuple, dict[str, Any]] = {}
+    for step in passes:
+        ranges = outermost_ranges(trace, ops, step.ops[ops.api[step.ops] >= 0], most=3)
+        names = tuple(sorted(str(r["range"]) for r in ranges))
+        groups.setdefault(names, {"steps": [], "in_ranges": ranges})["steps"].append(step.name)
+    return list(groups.values()) if len(groups) > 1 else []
 
 
 def repeating_ranges(trace: Trace, most: int = 3) -> list[dict[str, Any]]:
@@ -661,6 +677,12 @@ def step_notes(b: Breakdown) -> list[str]:
                          "(--steps is a regex searched anywhere in a name; ^…$ matches the "
                          "name alone)"
                          if repeating else " (--steps REGEX takes ranges of your own)"))
+    if passes := src.get("pass_ranges"):
+        notes.append("the passes ran in different ranges: " + "; ".join(
+            f"{', '.join(g['steps'])} in " + ", ".join(
+                ("no range" if r["range"] is None else f"'{r['range']}'")
+                + (f" {r['ops']}" if len(g["steps"]) == 1 else "") for r in g["in_ranges"])
+            for g in passes))
     enclosing = src.get("enclosing_steps") or []
     if enclosing:
         names = sorted({e["step"] for e in enclosing})

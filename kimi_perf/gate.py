@@ -187,6 +187,7 @@ def _source_ok(source) -> bool:
     outside, gpus = source.get("outside_steps"), source.get("gpus")
     left_out, repeating = source.get("steps_left_out"), source.get("repeating_ranges")
     enclosing, untimed = source.get("enclosing_steps"), source.get("untimed")
+    passes = source.get("pass_ranges")
     return (all(source.get(k) is None or isinstance(source[k], str)
                 for k in ("ops", "file", "tool", "format", "steps_found_by"))
             and (repeating is None or (isinstance(repeating, list) and all(
@@ -196,6 +197,10 @@ def _source_ok(source) -> bool:
             and (enclosing is None or (isinstance(enclosing, list) and all(
                 isinstance(e, dict) and isinstance(e.get("step"), str)
                 and _count(e.get("encloses")) and _count(e.get("ops")) for e in enclosing)))
+            and (passes is None or (isinstance(passes, list) and all(
+                isinstance(g, dict) and isinstance(g.get("steps"), list)
+                and all(isinstance(n, str) for n in g["steps"])
+                and _in_ranges_ok(g.get("in_ranges")) for g in passes)))
             and (source.get("other_thread_ops") is None or _count(source["other_thread_ops"]))
             and all(counts is None or (isinstance(counts, dict) and all(
                 isinstance(k, str) and _count(n) for k, n in counts.items()))
@@ -223,6 +228,7 @@ def _checked(b: Breakdown, path: Path) -> Breakdown:
                                "steps_left_out: {phase: count}, untimed: {kernels, memops}, "
                                "steps_found_by, repeating_ranges: [{range, instances, "
                                "kernels}], enclosing_steps: [{step, encloses, ops}], "
+                               "pass_ranges: [{steps, in_ranges}], "
                                "gpus: [{name, sm_count}]}")
     rows = [*b.layers, *b.steps] if isinstance(b.layers, list) and isinstance(b.steps, list) \
         else None

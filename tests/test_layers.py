@@ -521,14 +521,28 @@ def test_real_benchmarks_forward_passes_are_their_steps():
     """Two benchmark scripts that time a model's forward pass with no range around each:
     zx3xyy's 2.7B model (one warm-up and three timed passes of 32 layers) and Athrun's
     (five passes of 12 layers); the final norm and LM head end each pass."""
+    from kimi_perf.breakdown import step_notes
+
     zx = breakdown(read_trace(NSYS / "zx3xyy-assignment2-systems__result_2_7B_nvtx__nsys2024"
                                      ".6.2.sqlite"))
     assert [(s["name"], s["layers"], s["epilogue"]["kernels"]) for s in zx.steps] == [
         (f"device 0 pass {k}", 32, 8) for k in range(4)]
     assert [(t["type"], t["layers"], t["kernels"]) for t in zx.layer_types] == [("A", 128, 57)]
+    # Pass 0 is the warm-up, with the model's loading (its weights' copies) in its prologue:
+    # the ranges say so (as nsys's NVTX projection does: init_model 292 ops, warmup 1832).
+    assert zx.source["pass_ranges"] == [
+        {"steps": ["device 0 pass 0"], "in_ranges": [
+            {"range": "warmup", "ops": 1832}, {"range": "init_model", "ops": 292},
+            {"range": "generate_data", "ops": 2}]},
+        {"steps": [f"device 0 pass {k}" for k in (1, 2, 3)],
+         "in_ranges": [{"range": "benchmark_loop", "ops": 1832}]}]   # 32 x 57 + 8
+    assert ("the passes ran in different ranges: device 0 pass 0 in 'warmup' 1832, "
+            "'init_model' 292, 'generate_data' 2; device 0 pass 1, device 0 pass 2, device 0 "
+            "pass 3 in 'benchmark_loop'") in step_notes(zx)
     athrun = breakdown(read_trace(NSYS / "Athrun0109-CS336_assignment2__result__nsys2026.2.1"
                                          ".sqlite"))
     assert [(s["layers"], s["epilogue"]["kernels"]) for s in athrun.steps] == [(12, 16)] * 5
+    assert "pass_ranges" not in athrun.source    # all five ran alike
 
 
 def test_two_devices_that_ran_other_passes_say_each():
