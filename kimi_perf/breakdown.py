@@ -611,6 +611,17 @@ def two_groups(rows: LayerRows, min_ratio: float = 1.5, min_share: float = 0.25,
     return out
 
 
+def _between_layers(b: Breakdown) -> int:
+    """Ops of steps that have layers in none of them, nor in the step's prologue or epilogue,
+    nor launched from another thread: work between two layers."""
+    in_layers: Counter = Counter()
+    for row in b.layers:
+        in_layers[(row["step"], row["device"])] += row["kernels"]
+    return int(sum(s["kernels"] - s["prologue"]["kernels"] - s["epilogue"]["kernels"]
+                   - in_layers[(s["index"], s["device"])] - s.get("other_thread_ops", 0)
+                   for s in b.steps if s.get("layers") and "prologue" in s))
+
+
 # The share of the steps' GPU time in copies and fills above which the notes say so.
 COPIES_NOTED = 0.25
 
@@ -652,6 +663,10 @@ def step_notes(b: Breakdown) -> list[str]:
                      f"({sum(c.get('kernels', 0) for c in copies)} of "
                      f"{sum(s['kernels'] for s in b.steps)} ops, class memcpy): the kernel "
                      "columns count memcpy and memset operations with the kernels")
+    if between := _between_layers(b):
+        notes.append(f"{between} {work} of steps with layers ran between their layers, in no "
+                     "layer and neither before the first nor after the last (counted in their "
+                     "step)")
     if untimed := src.get("untimed"):
         notes.append(f"{untimed.get('kernels', 0)} kernels and {untimed.get('memops', 0)} "
                      "memory operations without a time (CUPTI's start and end 0 for work it "

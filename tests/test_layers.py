@@ -563,3 +563,29 @@ def test_two_devices_that_ran_other_passes_say_each():
         (1, f"device 1 pass {k}", 12) for k in range(2)]
     assert result.source["steps_found_by"] == "pass"
     assert any("found where every 8th or 12th layer also ran" in n for n in step_notes(result))
+
+
+def test_work_between_annotated_layers_is_said():
+    """Layer ranges that leave kernels between two layers (an all-reduce outside the
+    per-layer range, say): those kernels are in the step and in no layer, and a note counts
+    them; without such work there is no note."""
+    from kimi_perf.breakdown import step_notes
+
+    def trace(between: list[str]):
+        b = TraceBuilder()
+        step_start = b.clock
+        b.sequence(["embedding"])
+        for i, kernels in enumerate(k3_like(4)):
+            start, end = b.sequence(kernels)
+            b.range(f"layer[{i}](kda)", start - 10, end)
+            if i < 3:
+                b.sequence(between)
+        b.sequence(["gemm_lm_head"])
+        b.range("decode_step[0]", step_start - 20, b.clock)
+        return b.build()
+
+    noted = breakdown(trace(["allreduce_a", "allreduce_b"]))
+    assert noted.steps[0]["kernels"] == 1 + sum(map(len, k3_like(4))) + 6 + 1
+    assert ("6 GPU ops of steps with layers ran between their layers, in no layer and neither "
+            "before the first nor after the last (counted in their step)") in step_notes(noted)
+    assert not any("between their layers" in n for n in step_notes(breakdown(trace([]))))
