@@ -24,6 +24,7 @@ from kimi_perf.layers import (
     Step,
     find_layers,
     find_steps,
+    layer_cycle,
     outermost_ranges,
     step_phase,
     steps_of_phase,
@@ -367,6 +368,13 @@ def breakdown(trace: Trace, layers: str = "auto", rules: list[Rule] | None = Non
     if any(step.found_by == "pass" for step in steps):   # the forward passes a device ran
         found_by = "pass"
         pass_ranges = _pass_ranges(trace, ops, steps)
+    # A step range around several forward passes (a benchmark's whole loop) is the user's
+    # step; its passes show in its layer types (the one that ends a pass holds the LM head).
+    holding_passes = [{"step": step.name, "passes": len(step.layers) // period,
+                       "layers": period}
+                      for step in steps if step.found_by == "range"
+                      and step.layer_source == "repeat"
+                      and (period := layer_cycle(ops, step)) is not None]
     all_layers = [(step, layer) for step in steps for layer in step.layers]
     # Segments: every step, every layer, then the steps' prologues and epilogues.
     segments = [step.ops for step in steps] + [layer.ops for _, layer in all_layers]
@@ -409,6 +417,8 @@ def breakdown(trace: Trace, layers: str = "auto", rules: list[Rule] | None = Non
                              "steps_left_out": left_out, "steps_found_by": found_by,
                              "repeating_ranges": repeating,
                              **({"pass_ranges": pass_ranges} if pass_ranges else {}),
+                             **({"steps_holding_passes": holding_passes}
+                                if holding_passes else {}),
                              "enclosing_steps": list(enclosing.values())},
                      steps=step_rows,
                      layers=layer_rows, layer_types=layer_types, timeline=timeline)
@@ -692,6 +702,14 @@ def step_notes(b: Breakdown) -> list[str]:
                          "(--steps is a regex searched anywhere in a name; ^…$ matches the "
                          "name alone)"
                          if repeating else " (--steps REGEX takes ranges of your own)"))
+    if holding := src.get("steps_holding_passes"):
+        named = sorted({(h["step"], h["passes"], h["layers"]) for h in holding})
+        shown = ", ".join(f"'{n}' {k} passes of {layers} layers" for n, k, layers in named[:3])
+        notes.append(f"steps that hold several forward passes ({shown}"
+                     f"{', …' if len(named) > 3 else ''}): the layer type that ends (or "
+                     "begins) a pass also holds the work between two passes (final norm, LM "
+                     "head, embedding); a range around each pass, taken by --steps, makes "
+                     "each pass a step")
     if passes := src.get("pass_ranges"):
         notes.append("the passes ran in different ranges: " + "; ".join(
             f"{', '.join(g['steps'])} in " + ", ".join(

@@ -187,7 +187,7 @@ def _source_ok(source) -> bool:
     outside, gpus = source.get("outside_steps"), source.get("gpus")
     left_out, repeating = source.get("steps_left_out"), source.get("repeating_ranges")
     enclosing, untimed = source.get("enclosing_steps"), source.get("untimed")
-    passes = source.get("pass_ranges")
+    passes, holding = source.get("pass_ranges"), source.get("steps_holding_passes")
     return (all(source.get(k) is None or isinstance(source[k], str)
                 for k in ("ops", "file", "tool", "format", "steps_found_by"))
             and (repeating is None or (isinstance(repeating, list) and all(
@@ -201,6 +201,9 @@ def _source_ok(source) -> bool:
                 isinstance(g, dict) and isinstance(g.get("steps"), list)
                 and all(isinstance(n, str) for n in g["steps"])
                 and _in_ranges_ok(g.get("in_ranges")) for g in passes)))
+            and (holding is None or (isinstance(holding, list) and all(
+                isinstance(h, dict) and isinstance(h.get("step"), str)
+                and _count(h.get("passes")) and _count(h.get("layers")) for h in holding)))
             and (source.get("other_thread_ops") is None or _count(source["other_thread_ops"]))
             and all(counts is None or (isinstance(counts, dict) and all(
                 isinstance(k, str) and _count(n) for k, n in counts.items()))
@@ -228,7 +231,8 @@ def _checked(b: Breakdown, path: Path) -> Breakdown:
                                "steps_left_out: {phase: count}, untimed: {kernels, memops}, "
                                "steps_found_by, repeating_ranges: [{range, instances, "
                                "kernels}], enclosing_steps: [{step, encloses, ops}], "
-                               "pass_ranges: [{steps, in_ranges}], "
+                               "pass_ranges: [{steps, in_ranges}], steps_holding_passes: "
+                               "[{step, passes, layers}], "
                                "gpus: [{name, sm_count}]}")
     rows = [*b.layers, *b.steps] if isinstance(b.layers, list) and isinstance(b.steps, list) \
         else None

@@ -545,6 +545,26 @@ def test_real_benchmarks_forward_passes_are_their_steps():
     assert "pass_ranges" not in athrun.source    # all five ran alike
 
 
+def test_a_step_range_around_several_passes_says_so():
+    """zx3xyy's benchmark loop taken as the step (--steps ^benchmark_loop$) holds its three
+    timed passes: the user's step stands, and a note says why its layer type C (32nd layer +
+    final norm + LM head: 65 kernels) differs from B (57)."""
+    from kimi_perf.breakdown import step_notes
+
+    b = breakdown(read_trace(NSYS / "zx3xyy-assignment2-systems__result_2_7B_nvtx__nsys2024"
+                                    ".6.2.sqlite"), step_regex="^benchmark_loop$")
+    assert [(s["name"], s["layers"]) for s in b.steps] == [("benchmark_loop", 96)]
+    assert [(t["type"], t["layers"], t["kernels"]) for t in b.layer_types] == [
+        ("A", 3, 57), ("B", 90, 57), ("C", 3, 65)]
+    assert b.source["steps_holding_passes"] == [{"step": "benchmark_loop", "passes": 3,
+                                                 "layers": 32}]
+    assert any(n.startswith("steps that hold several forward passes ('benchmark_loop' 3 "
+                            "passes of 32 layers)") for n in step_notes(b))
+    whole = breakdown(read_trace(NSYS / "zx3xyy-assignment2-systems__result_2_7B_nvtx__"
+                                        "nsys2024.6.2.sqlite"), step_regex="^warmup$")
+    assert "steps_holding_passes" not in whole.source     # one pass: nothing to say
+
+
 def test_two_devices_that_ran_other_passes_say_each():
     """One device ran its 8-layer model three times, the other its 12-layer model twice:
     each device's passes are its steps, and the note names both cycles."""
