@@ -25,7 +25,9 @@ from kimi_perf.layers import (
     find_layers,
     find_steps,
     layer_cycle,
+    outermost_names,
     outermost_ranges,
+    ranges_named,
     step_phase,
     steps_of_phase,
 )
@@ -427,12 +429,16 @@ def breakdown(trace: Trace, layers: str = "auto", rules: list[Rule] | None = Non
 def _pass_ranges(trace: Trace, ops: GpuOps, passes: list[Step]) -> list[dict[str, Any]]:
     """Where forward passes found without a step range ran, where they ran in different
     ranges (a warm-up pass, model loading in the first pass's prologue): per set of range
-    names, its passes and the first one's ops per range; nothing where all ran alike."""
+    names (every number in them folded: ``iteration 7`` is each pass's own), its passes and
+    the first one's ops per range; nothing where all ran alike."""
+    rows = [step.ops[ops.api[step.ops] >= 0] for step in passes]
+    codes = outermost_names(trace, ops, np.concatenate(rows) if rows else np.empty(0, int))
     groups: dict[tuple, dict[str, Any]] = {}
-    for step in passes:
-        ranges = outermost_ranges(trace, ops, step.ops[ops.api[step.ops] >= 0], most=3)
-        names = tuple(sorted(str(r["range"]) for r in ranges))
-        groups.setdefault(names, {"steps": [], "in_ranges": ranges})["steps"].append(step.name)
+    for step, mine in zip(passes, np.split(codes, np.cumsum([len(r) for r in rows])[:-1]),
+                          strict=True):
+        ranges = ranges_named(trace, mine)
+        key = tuple(sorted(re.sub(r"\d+", "#", str(r["range"])) for r in ranges))
+        groups.setdefault(key, {"steps": [], "in_ranges": ranges})["steps"].append(step.name)
     return list(groups.values()) if len(groups) > 1 else []
 
 
@@ -627,8 +633,8 @@ def _between_layers(b: Breakdown) -> int:
     in_layers: Counter = Counter()
     for row in b.layers:
         in_layers[(row["step"], row["device"])] += row["kernels"]
-    return int(sum(s["kernels"] - s["prologue"]["kernels"] - s["epilogue"]["kernels"]
-                   - in_layers[(s["index"], s["device"])] - s.get("other_thread_ops", 0)
+    return int(sum(max(0, s["kernels"] - s["prologue"]["kernels"] - s["epilogue"]["kernels"]
+                       - in_layers[(s["index"], s["device"])] - (s.get("other_thread_ops") or 0))
                    for s in b.steps if s.get("layers") and "prologue" in s))
 
 
@@ -669,10 +675,17 @@ def step_notes(b: Breakdown) -> list[str]:
     copies = [(s.get("classes") or {}).get("memcpy") or {} for s in b.steps]
     copy_us, kernel_us = sum(c.get("us", 0) for c in copies), sum(s["kernel_us"] for s in b.steps)
     if work == "GPU ops" and kernel_us and copy_us >= COPIES_NOTED * kernel_us:
+        # the steps that hold the most of it, each with its own share (model loading in one
+        # step's prologue is not every step's)
+        most = sorted(((c.get("us", 0), s) for c, s in zip(copies, b.steps, strict=True)
+                       if c.get("us")), key=lambda cs: -cs[0])
+        shares = ", ".join(f"{s.get('name') or s['index']} {us / s['kernel_us']:.0%}"
+                           for us, s in most[:3] if s["kernel_us"])
         notes.append(f"{copy_us / kernel_us:.0%} of the steps' kernel µs is copies and fills "
                      f"({sum(c.get('kernels', 0) for c in copies)} of "
-                     f"{sum(s['kernels'] for s in b.steps)} ops, class memcpy): the kernel "
-                     "columns count memcpy and memset operations with the kernels")
+                     f"{sum(s['kernels'] for s in b.steps)} ops, class memcpy; of their own "
+                     f"µs: {shares}{', …' if len(most) > 3 else ''}): the kernel columns "
+                     "count memcpy and memset operations with the kernels")
     if between := _between_layers(b):
         notes.append(f"{between} {work} of steps with layers ran between their layers, in no "
                      "layer and neither before the first nor after the last (counted in their "
@@ -711,11 +724,14 @@ def step_notes(b: Breakdown) -> list[str]:
                      "head, embedding); a range around each pass, taken by --steps, makes "
                      "each pass a step")
     if passes := src.get("pass_ranges"):
+        def who(steps: list[str]) -> str:
+            return ", ".join(steps[:3]) + (f", … ({len(steps)} passes)" if len(steps) > 3
+                                           else "")
         notes.append("the passes ran in different ranges: " + "; ".join(
-            f"{', '.join(g['steps'])} in " + ", ".join(
+            f"{who(g['steps'])} in " + ", ".join(
                 ("no range" if r["range"] is None else f"'{r['range']}'")
                 + (f" {r['ops']}" if len(g["steps"]) == 1 else "") for r in g["in_ranges"])
-            for g in passes))
+            for g in passes[:3]) + ("; …" if len(passes) > 3 else ""))
     enclosing = src.get("enclosing_steps") or []
     if enclosing:
         names = sorted({e["step"] for e in enclosing})

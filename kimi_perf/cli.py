@@ -17,7 +17,7 @@ from kimi_perf import render
 from kimi_perf.attribution import range_kernel_summary
 from kimi_perf.breakdown import Breakdown, breakdown, units_word
 from kimi_perf.classify import load_rules
-from kimi_perf.compare import compare
+from kimi_perf.compare import aligned_typical, compare
 from kimi_perf.errors import NoStepsMatched, TraceError
 from kimi_perf.layers import PHASES
 from kimi_perf.readers import read_trace
@@ -71,6 +71,15 @@ def _not_an_input(output: Path | None, *inputs: Path | None) -> None:
                                              "it would destroy it")
             except OSError:
                 continue
+
+
+def _typical_pair(ta: dict | None, tb: dict | None) -> dict:
+    """A pair's typical layers for ``compare --kernels --format json``: B's in A's order where
+    it is the same cycle of kernels cut elsewhere, with ``rotation``, how many kernels later
+    B's layers start (as the tables show them)."""
+    shown, shifts = aligned_typical({"a": (ta or {}).get("typical_layer"),
+                                     "b": (tb or {}).get("typical_layer")})
+    return {**shown, **({"rotation": shifts["b"]} if "b" in shifts else {})}
 
 
 def _emit(text: str, output: Path | None) -> None:
@@ -352,9 +361,8 @@ def compare_cmd(a: Path, b: Path | None, path_name: str | None, fmt: str, layers
     ledgers = {label: ledger for label, ta, tb in matched if kernels and (ledger := ledger_of(
         *[((t or {}).get("typical_layer") or {}).get("kernels") or [] for t in (ta, tb)]))}
     if fmt == "json":
-        typical = {label: {"a": (ta or {}).get("typical_layer"),
-                           "b": (tb or {}).get("typical_layer")}
-                   for label, ta, tb in matched} if kernels else None
+        typical = {label: _typical_pair(ta, tb) for label, ta, tb in matched} \
+            if kernels else None
         fusions = {label: {"standard": name_b if swapped else name_a,
                            "specialized": name_a if swapped else name_b,
                            "launches": [{**dataclasses.asdict(r), "ratio": r.ratio}

@@ -25,8 +25,9 @@ checks are shown as ``changed`` and do not fail; the whole steps, checked as eve
 kernel added or a step slowed. So is a type the run lacks while its steps hold as many layers as
 the baseline's, or that held one layer a step at most. Any other change of kernels (another GEMM
 kernel picked, one unfused into two) is checked as usual. Whole steps that are each device's
-work (no step range, graph launch or forward pass found) are the profiler's windows: holding
-different numbers of layers, they ran different work, and their checks are ``changed``.
+work on both sides (no step range, graph launch or forward pass found) are the profiler's
+windows: holding different numbers of layers, they ran different work, and their checks are
+``changed``.
 
 A layer type's regression or improvement says which kernels are behind it (``detail``), from
 the typical layers of both (the kernel sequence most layers of the type ran, with median µs
@@ -51,7 +52,13 @@ from pathlib import Path
 import numpy as np
 
 from kimi_perf.breakdown import Breakdown
-from kimi_perf.compare import aligned_typical, pair_label, pair_layer_types, patterns_differ
+from kimi_perf.compare import (
+    aligned_typical,
+    pair_label,
+    pair_layer_types,
+    patterns_differ,
+    rotation,
+)
 from kimi_perf.errors import TraceError
 
 METRICS = ("kernels", "kernel_us", "span_us")
@@ -175,6 +182,7 @@ def _step_row_ok(r: dict) -> bool:
     return (_int(r.get("index")) and _int(r.get("device")) and is_finite_number(r.get("gap_us"))
             and isinstance(r.get("name", ""), str)
             and isinstance(r.get("layer_source", ""), str)
+            and (r.get("other_thread_ops") is None or _count(r["other_thread_ops"]))
             and all(isinstance(r.get(part), dict) and _count(r[part].get("kernels"))
                     and is_finite_number(r[part].get("span_us"))
                     for part in ("prologue", "epilogue")))
@@ -250,8 +258,9 @@ def _checked(b: Breakdown, path: Path) -> Breakdown:
             or not all(_step_row_ok(r) for r in b.steps)):
         raise TraceError(path, "breakdown rows lack a type, an index, a device or finite "
                                "kernels, kernel_us, span_us, gap_us or classes, or a step's "
-                               "phase or range is not a name, its layers not a count, or its "
-                               "prologue or epilogue not {kernels, span_us}")
+                               "phase or range is not a name, its layers or other_thread_ops "
+                               "not a count, or its prologue or epilogue not {kernels, "
+                               "span_us}")
     for t in b.layer_types:
         if not _layer_type_figures_ok(t):
             raise TraceError(path, f"layer type {t['type']!r}: not {{layers, kernels, "
@@ -426,7 +435,7 @@ def _moved(base: Breakdown | None, cur: Breakdown | None,
         names_b, names_c = Counter(k["name"] for k in kb), Counter(k["name"] for k in kc)
         lost += names_b - names_c
         gained += names_c - names_b
-    moved = {b for b, _ in changed} if lost == gained else set()
+    moved = {b for b, _ in changed} if lost and lost == gained else set()
     if any(_digest(cur, t["type"]) is not None for t in cur.layer_types):
         per_step = _layers_per_step(base)
         same_layers = per_step is not None and per_step == _layers_per_step(cur)
@@ -443,25 +452,23 @@ def _unequal_windows(base: Breakdown | None, cur: Breakdown | None) -> str | Non
     work (no step range, no graph launch, no forward pass found) is the profiler's window,
     and windows that hold different numbers of layers ran different work. Their layers still
     compare."""
-    if base is None or cur is None or "device" not in (
-            base.source.get("steps_found_by"), cur.source.get("steps_found_by")):
+    if base is None or cur is None or not (base.source.get("steps_found_by")
+                                           == cur.source.get("steps_found_by") == "device"):
         return None
     layers = _layers_per_step(base), _layers_per_step(cur)
-    if layers[0] == layers[1]:
+    if None in layers or layers[0] == layers[1]:
         return None
-    return (f"each device is one step, the profiler's window: {_count_text(layers[0])} layers "
-            f"a step in the baseline, {_count_text(layers[1])} in the run")
-
-
-def _count_text(value: float | None) -> str:
-    return "?" if value is None else f"{value:g}"
+    return (f"each device is one step, the profiler's window: {layers[0]:g} layers a step in "
+            f"the baseline, {layers[1]:g} in the run")
 
 
 def _rotated(base: Breakdown, base_type: str, cur: Breakdown, cur_type: str) -> bool:
-    """Whether the run's typical layer is the baseline's cut at another kernel."""
-    sides = {side: (_layer_type(b, t) or {}).get("typical_layer")
-             for side, b, t in (("base", base, base_type), ("cur", cur, cur_type))}
-    return "cur" in aligned_typical(sides)[1]
+    """Whether the run's typical layer is the baseline's, cut at the same kernel or another
+    (a digest stored before digests were of the least rotation differs for either)."""
+    kernels = [((_layer_type(b, t) or {}).get("typical_layer") or {}).get("kernels")
+               for b, t in ((base, base_type), (cur, cur_type))]
+    return None not in kernels and rotation(*([k["name"] for k in side]
+                                              for side in kernels)) is not None
 
 
 def _layer_type(b: Breakdown, name: str | None) -> dict | None:

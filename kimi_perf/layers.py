@@ -303,8 +303,14 @@ def outermost_ranges(trace: Trace, ops: GpuOps, rows: np.ndarray, most: int = 3
     """Where these ops were launched: the outermost range of the launching thread around
     each (not an operator's own range), counted by name with step numbers folded
     (``warmup_step[…]``), the most ops first; ``None`` for the ops in no range."""
+    return ranges_named(trace, outermost_names(trace, ops, rows), most)
+
+
+def outermost_names(trace: Trace, ops: GpuOps, rows: np.ndarray) -> np.ndarray:
+    """Per op of ``rows``, the name code of the outermost range of the launching thread
+    around its launch (not an operator's own range), -1 for none."""
     if not len(rows) or not len(trace.ranges):
-        return []
+        return np.full(len(rows), -1, np.int64)
     launch_start, launch_end = ops.launch_interval(trace)
     keys = thread_keys(ops.pid[rows], np.where(ops.api[rows] >= 0, ops.tid[rows], -1))
     r = trace.ranges
@@ -313,13 +319,20 @@ def outermost_ranges(trace: Trace, ops: GpuOps, rows: np.ndarray, most: int = 3
     range_keys[~region] = -1
     owner = innermost_containing(r, range_keys, keys, launch_start[rows], launch_end[rows],
                                  -r.depth.astype(np.int64))
-    named = Counter()
-    for code, n in zip(*np.unique(np.where(owner >= 0, r.name[np.maximum(owner, 0)], -1),
-                                  return_counts=True), strict=True):
-        name = None if code < 0 else re.sub(r"\[\d+\]", "[…]",
-                                              re.sub(r"#\d+", "#…", trace.strings[code]))
-        named[name] += int(n)
+    return np.where(owner >= 0, r.name[np.maximum(owner, 0)], -1).astype(np.int64)
+
+
+def ranges_named(trace: Trace, codes: np.ndarray, most: int = 3) -> list[dict]:
+    """``outermost_names``' codes counted by name, step numbers folded, the most first."""
+    named: Counter = Counter()
+    for code, n in zip(*np.unique(codes, return_counts=True), strict=True):
+        named[None if code < 0 else fold_numbers(trace.strings[code])] += int(n)
     return [{"range": name, "ops": n} for name, n in named.most_common(most)]
+
+
+def fold_numbers(name: str) -> str:
+    """A range name with its step number folded (``warmup_step[…]``, ``ProfilerStep#…``)."""
+    return re.sub(r"\[\d+\]", "[…]", re.sub(r"#\d+", "#…", name))
 
 
 def _enclosed_counts(ranges, keys: np.ndarray, rows: np.ndarray) -> dict[int, int]:

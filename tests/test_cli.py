@@ -403,6 +403,10 @@ def test_compare_pairs_a_cycle_cut_elsewhere_and_flags_other_kernels(tmp_path):
     assert not any(r["pattern_differs"] for r in doc["rows"])
     table = run("compare", before, after, "--kernels").output
     assert "A *" not in table and "the same layer with its boundary 8 kernels later" in table
+    typical = json.loads(run("compare", before, after, "--kernels", "--format",
+                             "json").output)["typical_layers"]["A"]
+    assert typical["rotation"] == 8 and [k["name"] for k in typical["a"]["kernels"]] == [
+        k["name"] for k in typical["b"]["kernels"]]
     changed = breakdown(read_trace(after)).to_json()
     block = next(t for t in changed["layer_types"] if t["type"] == "A")
     block["typical_layer"]["kernels"].pop(3)

@@ -218,6 +218,54 @@ def test_a_cycle_cut_elsewhere_is_the_same_layer_under_an_older_digest():
     assert checks[("A", "pattern")] == "changed" and checks[("A", "span_us")] == "regression"
 
 
+def test_an_older_digest_of_the_same_cut_still_checks_the_layer():
+    """The same cut (rotation 0) under a digest stored the older way: the layer is the same
+    (no kernel moved between letters), so a 30% slower A fails rather than passing as
+    changed."""
+    base = load_run(NSYS / "nsysai_fastvideo_wan2.1_train_2xh100_before.sqlite")[0]
+    run = {"trace": Breakdown.from_json(json.loads(json.dumps(base["trace"].to_json())))}
+    next(t for t in base["trace"].layer_types if t["type"] == "A")["pattern"] = "0123456789ab"
+    for row in run["trace"].layers:
+        if row["type"] == "A":
+            row["span_us"] *= 1.3
+    checks = {(c.layer_type, c.metric): c.status for c in gate(base, run).checks}
+    assert checks[("A", "span_us")] == "regression" and checks[("A", "pattern")] == "changed"
+
+
+def test_step_windows_compare_only_when_both_sides_are_whole_devices():
+    """Whole-device steps holding 17 and 15 layers are not compared; a run whose steps are
+    ranges is (the windows' note would misname its steps), and so is a side whose steps do
+    not say how many layers they hold."""
+    before, after = (load_run(NSYS / f"nsysai_fastvideo_wan2.1_train_2xh100_{x}.sqlite")[0]
+                     for x in ("before", "after"))
+
+    def step_statuses():
+        return {c.metric: c.status for c in gate(before, after).checks
+                if c.layer_type == "step"}
+    assert step_statuses()["kernels"] == "changed"
+    after["trace"].source["steps_found_by"] = "range"
+    assert step_statuses()["kernels"] == "improvement"
+    after["trace"].source["steps_found_by"] = "device"
+    for step in after["trace"].steps:
+        step["layers"] = None
+    assert step_statuses()["kernels"] == "improvement"
+
+
+def test_a_stored_step_without_a_count_of_other_threads_work_is_one_line(tmp_path):
+    doc = json.loads(json.dumps(load_run(EXAMPLE_TRACE)[0]["trace"].to_json()))
+    doc["steps"][0]["other_thread_ops"] = None   # a count, or absent: null read as absent
+    (tmp_path / "ok.json").write_text(json.dumps(doc))
+    doc["steps"][0]["other_thread_ops"] = "x"
+    (tmp_path / "bad.json").write_text(json.dumps(doc))
+    runner = CliRunner()
+    assert runner.invoke(main, ["breakdown", str(tmp_path / "ok.json")]).exit_code == 0
+    for command in (["breakdown"], ["gate", str(tmp_path / "ok.json")], ["compare",
+                                                                          str(EXAMPLE_TRACE)]):
+        result = runner.invoke(main, [*command, str(tmp_path / "bad.json")])
+        assert result.exit_code == 2 and result.output.count("\n") == 1, result.output
+        assert "its layers or other_thread_ops not a count" in result.output
+
+
 def test_gate_one_path_of_a_run_against_one_trace(tmp_path):
     """--path checks one decode path; a single breakdown (or trace) on either side stands for
     it. Without --path, which path it stands for is asked, not failed as missing."""

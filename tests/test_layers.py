@@ -565,6 +565,30 @@ def test_a_step_range_around_several_passes_says_so():
     assert "steps_holding_passes" not in whole.source     # one pass: nothing to say
 
 
+def test_passes_each_in_a_numbered_range_ran_alike():
+    """A warm-up pass, then passes each in its own 'iteration N' range: the iterations ran
+    alike (numbers are folded), and only the warm-up is told apart; a long list of passes is
+    cut short in the note."""
+    from kimi_perf.breakdown import step_notes
+
+    b = TraceBuilder()
+    for k in range(8):
+        start = b.clock
+        for part in (["embedding"], *[LLAMA] * 8, LM_HEAD):
+            b.sequence(part)
+        b.range("warmup" if k == 0 else f"iteration {k}", start - 10, b.clock)
+        b.clock += 20_000
+    result = breakdown(b.build())
+    assert len(result.steps) == 8 and result.source["steps_found_by"] == "pass"
+    groups = result.source["pass_ranges"]
+    assert [len(g["steps"]) for g in groups] == [1, 7]
+    assert groups[0]["in_ranges"][0]["range"] == "warmup"
+    assert ("the passes ran in different ranges: device 0 pass 0 in 'warmup' "
+            in " ".join(step_notes(result)))
+    assert ("device 0 pass 1, device 0 pass 2, device 0 pass 3, … (7 passes) in 'iteration 1'"
+            in " ".join(step_notes(result)))
+
+
 def test_two_devices_that_ran_other_passes_say_each():
     """One device ran its 8-layer model three times, the other its 12-layer model twice:
     each device's passes are its steps, and the note names both cycles."""
