@@ -27,6 +27,7 @@ from kimi_perf.layers import (
     layer_cycle,
     outermost_names,
     outermost_ranges,
+    pass_cuts,
     ranges_named,
     step_phase,
     steps_of_phase,
@@ -365,18 +366,24 @@ def breakdown(trace: Trace, layers: str = "auto", rules: list[Rule] | None = Non
                                                "device": s.device, "encloses": s.encloses,
                                                "ops": 0})["ops"] += len(s.ops)
     release_free_memory()
-    find_layers(trace, ops, steps, layers)
+    cut = find_layers(trace, ops, steps, layers)
+    if cut:   # parts of the forward passes the trace begins or ends within: in no step
+        rows = np.concatenate([part.ops for part in cut])
+        outside_steps["ops"] += len(rows)
+        outside_steps["kernel_us"] = round(outside_steps["kernel_us"] + _us(
+            int((ops.end[rows] - ops.start[rows]).sum())), 3)
+        outside_steps["partial_passes"] = {"parts": len(cut), "ops": len(rows)}
     pass_ranges = []
     if any(step.found_by == "pass" for step in steps):   # the forward passes a device ran
         found_by = "pass"
         pass_ranges = _pass_ranges(trace, ops, steps)
     # A step range around several forward passes (a benchmark's whole loop) is the user's
     # step; its passes show in its layer types (the one that ends a pass holds the LM head).
-    holding_passes = [{"step": step.name, "passes": len(step.layers) // period,
-                       "layers": period}
+    holding_passes = [{"step": step.name, "layers": cycle.period,
+                       "passes": sum(pass_cuts(ops, step, cycle)[1])}
                       for step in steps if step.found_by == "range"
                       and step.layer_source == "repeat"
-                      and (period := layer_cycle(ops, step)) is not None]
+                      and (cycle := layer_cycle(ops, step)) is not None]
     all_layers = [(step, layer) for step in steps for layer in step.layers]
     # Segments: every step, every layer, then the steps' prologues and epilogues.
     segments = [step.ops for step in steps] + [layer.ops for _, layer in all_layers]
@@ -655,7 +662,8 @@ def step_notes(b: Breakdown) -> list[str]:
     if outside.get("ops"):
         # breakdowns stored before "unlaunched" was counted said "launched" of all
         unlaunched = outside.get("unlaunched", 0)
-        launched = outside["ops"] - unlaunched
+        partial = outside.get("partial_passes") or {}
+        launched = outside["ops"] - unlaunched - partial.get("ops", 0)
         ranges = outside.get("in_ranges") or []
         named = ", ".join(f"'{r['range']}' {r['ops']}" for r in ranges
                           if r.get("range") is not None)
@@ -670,6 +678,12 @@ def step_notes(b: Breakdown) -> list[str]:
         else:
             why = (f"{launched} launched outside every step's range{where}, {unlaunched} with "
                    "no launch in the trace")
+        if partial:
+            cut = (f"{partial['ops']} in the parts of {partial['parts']} forward passes the "
+                   "trace begins or ends within" if partial["parts"] > 1 else
+                   f"{partial['ops']} in the part of a forward pass the trace begins or ends "
+                   "within")
+            why = cut if not launched and not unlaunched else f"{cut}; {why}"
         notes.append(f"{outside['ops']} more {work} ({outside['kernel_us']:.1f} µs) ran in no "
                      f"step: {why}")
     copies = [(s.get("classes") or {}).get("memcpy") or {} for s in b.steps]

@@ -219,10 +219,16 @@ def _source_ok(source) -> bool:
             and (outside is None or (isinstance(outside, dict) and _count(outside.get("ops"))
                                      and is_finite_number(outside.get("kernel_us"))
                                      and _count(outside.get("unlaunched", 0))
+                                     and _partial_ok(outside.get("partial_passes"))
                                      and _in_ranges_ok(outside.get("in_ranges") or [])))
             and (gpus is None or (isinstance(gpus, list) and all(
                 isinstance(g, dict) and (g.get("name") is None or isinstance(g["name"], str))
                 and (g.get("sm_count") is None or _count(g["sm_count"])) for g in gpus))))
+
+
+def _partial_ok(partial) -> bool:
+    return partial is None or (isinstance(partial, dict) and _count(partial.get("parts"))
+                               and _count(partial.get("ops")))
 
 
 def _in_ranges_ok(in_ranges) -> bool:
@@ -235,7 +241,8 @@ def _checked(b: Breakdown, path: Path) -> Breakdown:
     """A breakdown read from JSON, with the fields the gate and the report read."""
     if not _source_ok(b.source):
         raise TraceError(path, "source is not {ops, file, tool, format, other_thread_ops, "
-                               "outside_steps: {ops, kernel_us, unlaunched, in_ranges}, "
+                               "outside_steps: {ops, kernel_us, unlaunched, in_ranges, "
+                               "partial_passes: {parts, ops}}, "
                                "steps_left_out: {phase: count}, untimed: {kernels, memops}, "
                                "steps_found_by, repeating_ranges: [{range, instances, "
                                "kernels}], enclosing_steps: [{step, encloses, ops}], "

@@ -15,6 +15,7 @@ import re
 from collections import Counter
 from dataclasses import dataclass, field
 from itertools import pairwise
+from typing import NamedTuple
 
 import numpy as np
 
@@ -693,31 +694,38 @@ MIN_PASS_LAYERS = 8
 def passes_from_layer_cycle(ops: GpuOps, step: Step) -> list[Step] | None:
     """A device's step (no step range, no graph launch) that ran the model N times: its N
     forward passes, as steps, each with its own prologue, layers and epilogue; None when its
-    layers show no passes (``layer_cycle``).
+    layers show no passes (``layer_cycle``). Where the trace begins or ends within a pass,
+    that part of a pass is a step too, of ``found_by`` "partial pass" and without layers
+    (``find_layers`` leaves it out of the steps).
 
-    Passes are cut where the layer that joins two begins, then split into their P layers
-    each. The work between two passes is split where the first pass's prologue recurs (the
-    embedding before the next pass's first layer); without such a head it ends the earlier
-    pass, and so does what the next pass begins with that continues it as the last pass's
-    epilogue goes on (the last pass ends whole: its epilogue shows what a pass ends with)."""
-    period = layer_cycle(ops, step)
-    if period is None:
+    Passes are cut where the work that joins two begins (``pass_cuts``), then split into
+    their P layers each. The work between two passes is split where the first whole pass's
+    prologue recurs (the embedding before the next pass's first layer); without such a head
+    it ends the earlier pass, and so does what the next pass begins with that continues it as
+    the last pass's epilogue goes on (the last pass ends whole: its epilogue shows what a pass
+    ends with)."""
+    cycle = layer_cycle(ops, step)
+    if cycle is None:
         return None
+    period = cycle.period
     rows, names = step.ops, ops.name[step.ops]
-    starts = np.cumsum([len(step.prologue)] + [len(layer.ops) for layer in step.layers])
-    cuts = [0] + [int(starts[k]) for k in range(period, len(step.layers), period)] + [len(rows)]
-    splits = []
-    for lo, hi in pairwise(cuts):
+    cuts, whole_parts = pass_cuts(ops, step, cycle)
+    whole = []
+    for (lo, hi), is_whole in zip(pairwise(cuts), whole_parts, strict=True):
+        if not is_whole:             # the trace begins or ends within this pass
+            continue
         classes = ops.kernel_class[rows[lo:hi]]
         split = find_repeats(names[lo:hi], classes, attending(classes, ops.class_labels),
                              layers=period)
         if split is None:
             return None
-        splits.append((lo + split.starts, lo + split.ends))
-    first_prologue = names[: splits[0][0][0]]
-    last_epilogue = names[splits[-1][1][-1]:]
-    edges = [0]
-    for (_, ends), (begins, _) in pairwise(splits):
+        whole.append((lo, hi, lo + split.starts, lo + split.ends))
+    if not cycle.whole and _joining_work_left(names, whole):
+        return None
+    first_prologue = names[whole[0][0]: whole[0][2][0]]
+    last_epilogue = names[whole[-1][3][-1]: whole[-1][1]]
+    edges = [whole[0][0]]
+    for (_, _, _, ends), (_, _, begins, _) in pairwise(whole):
         head, matched = _head_split(names[ends[-1]: begins[0]], first_prologue)
         edge = int(ends[-1] + head) if matched else int(begins[0])
         epilogue = names[ends[-1]: edge]
@@ -728,9 +736,21 @@ def passes_from_layer_cycle(ops: GpuOps, step: Step) -> list[Step] | None:
             edge += len(rest)
             begins[0] = max(begins[0], edge)
         edges.append(edge)
-    edges.append(len(rows))
+    edges.append(whole[-1][1])
+    if len(whole) > 1:
+        # A part of a pass before the first whole one ends with what a pass ends with (the
+        # LM head), and one after the last whole pass begins with it: the whole passes' own
+        # edges, between two of them, say how much is whose.
+        head = names[edges[1]: whole[1][2][0]]
+        tail = names[whole[0][3][-1]: edges[1]]
+        begins, ends = whole[0][2], whole[-1][3]
+        if edges[0] > 0 and np.array_equal(names[begins[0] - len(head): begins[0]], head):
+            edges[0] = max(edges[0], int(begins[0]) - len(head))
+        if edges[-1] < len(rows) and np.array_equal(
+                names[ends[-1]: ends[-1] + len(tail)], tail):
+            edges[-1] = max(edges[-1], int(ends[-1]) + len(tail))
     passes = []
-    for k, (begins, ends) in enumerate(splits):
+    for k, (_, _, begins, ends) in enumerate(whole):
         lo, hi = edges[k], edges[k + 1]
         passes.append(Step(
             index=k, device=step.device, pid=step.pid, name=f"{step.name} pass {k}",
@@ -738,19 +758,65 @@ def passes_from_layer_cycle(ops: GpuOps, step: Step) -> list[Step] | None:
             layers=[Layer(index=i, ops=rows[a:b]) for i, (a, b) in
                     enumerate(zip(begins.tolist(), ends.tolist(), strict=True))],
             layer_source="repeat", found_by="pass"))
-    return passes
+    cut = [(0, edges[0])] * (edges[0] > 0) + [(edges[-1], len(rows))] * (edges[-1] < len(rows))
+    return passes + [Step(index=-1, device=step.device, pid=step.pid,
+                          name=f"{step.name} partial pass", ops=rows[lo:hi],
+                          found_by="partial pass") for lo, hi in cut]
 
 
-def layer_cycle(ops: GpuOps, step: Step) -> int | None:
-    """How many layers a forward pass holds, where a step's layer types (as ``assign_types`` named
-    them) show the model run more than once: one type recurs every P >= ``MIN_PASS_LAYERS``
-    layers, first or last of every P (the layer that meets the next pass), in every pass but
-    perhaps the first or the last; the others repeat with period P; the step holds whole
-    passes; and that type's layer runs all that another type's runs plus more than a
-    variant's difference (the final norm and LM head, or the embedding, of the passes it
-    joins). Layers are compared by each type's most common kernel sequence. A hybrid model's
-    other layer type runs other attention kernels, not another layer's and more: it makes no
-    passes."""
+class Cycle(NamedTuple):
+    """How a step's forward passes repeat (``layer_cycle``)."""
+
+    period: int          # layers a pass
+    joins: list[int]     # the layers that join two passes
+    offset: int          # how many ops into such a layer the work between passes begins
+    extra: tuple         # that work's kernel names (codes)
+    whole: bool          # the step holds whole passes, each of P layers from its first
+
+
+def _joining_work_left(names: np.ndarray, whole: list[tuple]) -> bool:
+    """Whether a layer of the passes found still runs a common layer's kernels and more than
+    a variant's difference besides (the LM head and embedding of the cut that failed)."""
+    layers = [Counter(names[a:b].tolist()) for *_, begins, ends in whole
+              for a, b in zip(begins.tolist(), ends.tolist(), strict=True)]
+    common = Counter(dict(Counter(tuple(sorted(c.items())) for c in layers).most_common(1)[0][0]))
+    return any(not common - c and (c - common).total() > MAX_VARIATION for c in layers)
+
+
+def pass_cuts(ops: GpuOps, step: Step, cycle: Cycle) -> tuple[list[int], list[bool]]:
+    """Where a step's forward passes meet (op offsets in the step, its ends included), and
+    whether each part between two cuts is a whole pass. A step of whole passes is cut every
+    P layers. Otherwise each cut lies in a joining layer where the work between passes
+    begins, and a first or last part is whole when it runs every layer kernel a part between
+    two cuts runs (the work between passes aside): a pass the trace begins or ends within
+    lacks some."""
+    starts = np.cumsum([len(step.prologue)] + [len(layer.ops) for layer in step.layers])
+    if cycle.whole:
+        cuts = [0] + [int(starts[k]) for k in range(cycle.period, len(step.layers),
+                                                     cycle.period)] + [len(step.ops)]
+        return cuts, [True] * (len(cuts) - 1)
+    cuts = list(dict.fromkeys([0, *(int(starts[a]) + cycle.offset for a in cycle.joins),
+                               len(step.ops)]))   # no empty part
+    names = ops.name[step.ops]
+    parts = [Counter(names[a:b].tolist()) for a, b in pairwise(cuts)]
+    layers_run = Counter(names[int(starts[cycle.joins[0]]) + cycle.offset:
+                               int(starts[cycle.joins[1]]) + cycle.offset].tolist())
+    layers_run -= Counter(cycle.extra)
+    return cuts, [not layers_run - p for p in parts]
+
+
+def layer_cycle(ops: GpuOps, step: Step) -> Cycle | None:
+    """Where a step's layer types (as ``assign_types`` named them) show the model run more
+    than once, how its passes repeat. One type recurs every P >=
+    ``MIN_PASS_LAYERS`` layers, in every pass but perhaps the first or the last; the others
+    repeat with period P; and that type's layer runs all that another type's runs plus more
+    than a variant's difference, as one run of extra kernels (the final norm and LM head, or
+    the embedding, of the passes it joins) before, inside or after that layer's kernels.
+    Layers are compared by each type's most common kernel sequence. A hybrid model's other
+    layer type runs other attention kernels, not another layer's and more: it makes no
+    passes. A step whose joining layers come first or last of every P from its first layer
+    holds whole passes (``Cycle.whole``); one the trace begins or ends within a pass of
+    does not."""
     types = [layer.type for layer in step.layers]
     n = len(types)
     if n < 2 * MIN_PASS_LAYERS:
@@ -758,25 +824,37 @@ def layer_cycle(ops: GpuOps, step: Step) -> int | None:
     signatures: dict[str, Counter] = {}
     for layer in step.layers:
         signatures.setdefault(layer.type, Counter())[tuple(ops.name[layer.ops].tolist())] += 1
-    kernels_of = {t: Counter(sigs.most_common(1)[0][0]) for t, sigs in signatures.items()}
+    sequence_of = {t: sigs.most_common(1)[0][0] for t, sigs in signatures.items()}
+    kernels_of = {t: Counter(seq) for t, seq in sequence_of.items()}
     common = Counter(types).most_common(1)[0][0]
     for joint in kernels_of:
         at = [i for i, t in enumerate(types) if t == joint]
         if joint == common or len(at) < 2:
             continue
         period = at[1] - at[0]
-        if (period < MIN_PASS_LAYERS or n % period
-                or any(b - a != period for a, b in pairwise(at))):
+        if (period < MIN_PASS_LAYERS or any(b - a != period for a, b in pairwise(at))
+                or at[0] > period or n - 1 - at[-1] > period):
             continue
-        offset = at[0] % period
-        if offset not in (0, period - 1) or len(at) < n // period - 1:
-            continue
-        if any(types[i] != types[i - period] for i in range(period, n) if i % period != offset):
+        joins = set(at)
+        mismatched = {i for i in range(period, n) if i not in joins
+                      and i - period not in joins and types[i] != types[i - period]}
+        # (a trace that begins or ends within a layer: its first or last layer is a part)
+        if mismatched - {period, n - 1}:
             continue
         kernels = kernels_of[joint]
-        if any(not other - kernels and (kernels - other).total() > MAX_VARIATION
-               for t, other in kernels_of.items() if t != joint):
-            return period
+        for t, other in kernels_of.items():
+            if t == joint or other - kernels or (kernels - other).total() <= MAX_VARIATION:
+                continue
+            inner, seq = sequence_of[t], sequence_of[joint]
+            extra = len(seq) - len(inner)
+            # the extra kernels as one run, as late in the layer as it may lie
+            offset = next((j for j in range(len(inner), -1, -1)
+                           if seq[:j] == inner[:j] and seq[j + extra:] == inner[j:]), None)
+            whole = (n % period == 0 and at[0] % period in (0, period - 1)
+                     and len(at) >= n // period - 1 and not mismatched)
+            if offset is not None or whole:
+                return Cycle(period, at, offset or 0,
+                             seq[offset: offset + extra] if offset is not None else (), whole)
     return None
 
 
@@ -853,10 +931,13 @@ def segment(trace: Trace, layers: str = "auto", step_regex: str | None = None,
     return ops, steps
 
 
-def find_layers(trace: Trace, ops: GpuOps, steps: list[Step], layers: str = "auto") -> None:
+def find_layers(trace: Trace, ops: GpuOps, steps: list[Step], layers: str = "auto"
+                ) -> list[Step]:
     """Each step's layers and their types, in place (``layers``: see ``segment``). A mode
     asked for by name that finds no layer in any step is an error, as an unmatched step
-    regex is; ``auto`` may find none."""
+    regex is; ``auto`` may find none. Where a device's step splits into forward passes
+    (``passes_from_layer_cycle``), the parts of passes the trace begins or ends within are
+    left out of the steps and returned."""
     if layers == "auto":
         if not layers_from_ranges(trace, ops, steps, DEFAULT_LAYER_PATTERN):
             layers_from_repeats(ops, steps)
@@ -878,9 +959,12 @@ def find_layers(trace: Trace, ops: GpuOps, steps: list[Step], layers: str = "aut
         split = [passes_from_layer_cycle(ops, step) if step.layer_source == "repeat" else None
                  for step in steps]
         if any(split):
-            steps[:] = [p for step, passes in zip(steps, split, strict=True)
-                        for p in (passes or [step])]
+            found = [p for step, passes in zip(steps, split, strict=True)
+                     for p in (passes or [step])]
+            steps[:] = [p for p in found if p.found_by != "partial pass"]
             for step in steps:      # named again together: a pass's layers are new
                 for layer in step.layers:
                     layer.type = ""
             assign_types(ops, steps)
+            return [p for p in found if p.found_by == "partial pass"]
+    return []

@@ -266,6 +266,15 @@ def test_a_stored_step_without_a_count_of_other_threads_work_is_one_line(tmp_pat
         assert "its layers or other_thread_ops not a count" in result.output
 
 
+def test_a_stored_count_of_partial_passes_is_checked(tmp_path):
+    doc = json.loads(json.dumps(load_run(EXAMPLE_TRACE)[0]["trace"].to_json()))
+    doc["source"]["outside_steps"]["partial_passes"] = {"parts": 2, "ops": "many"}
+    (tmp_path / "bad.json").write_text(json.dumps(doc))
+    result = CliRunner().invoke(main, ["breakdown", str(tmp_path / "bad.json")])
+    assert result.exit_code == 2 and result.output.count("\n") == 1
+    assert "partial_passes: {parts, ops}" in result.output
+
+
 def test_gate_one_path_of_a_run_against_one_trace(tmp_path):
     """--path checks one decode path; a single breakdown (or trace) on either side stands for
     it. Without --path, which path it stands for is asked, not failed as missing."""

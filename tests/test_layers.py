@@ -633,3 +633,85 @@ def test_work_between_annotated_layers_is_said():
     assert ("6 GPU ops of steps with layers ran between their layers, in no layer and neither "
             "before the first nor after the last (counted in their step)") in step_notes(noted)
     assert not any("between their layers" in n for n in step_notes(breakdown(trace([]))))
+
+
+def _window(trace, first: float, last: float):
+    """The trace as a profiler that recorded only from the kernel at fraction ``first`` of
+    them to the one at ``last`` (by start) would have it: GPU work outside left out."""
+    from kimi_perf.trace import Kernels, MemOps, Trace
+
+    order = np.sort(trace.kernels.start)
+    t0, t1 = order[int(first * (len(order) - 1))], order[int(last * (len(order) - 1))] + 1
+
+    def cut(table, kind):
+        keep = (table.start >= t0) & (table.start < t1)
+        return kind.from_columns({c: v[keep] for c, v in table.columns().items()},
+                                 int(keep.sum()))
+    return Trace(strings=trace.strings, kernels=cut(trace.kernels, Kernels),
+                 memops=cut(trace.memops, MemOps), ranges=trace.ranges, api=trace.api,
+                 meta=dict(trace.meta))
+
+
+@pytest.mark.parametrize(("first", "last", "passes"), [(0.1, 0.97, 2), (0.3, 0.9, 1),
+                                                       (0.45, 0.8, 1)])
+def test_a_trace_that_begins_and_ends_within_passes_keeps_its_whole_ones(first, last, passes):
+    """zx3xyy's benchmark as a time-window capture would record it, beginning and ending
+    within a forward pass (and within a layer): the whole passes in the window are steps,
+    each as the whole trace has it (32 layers of 57 kernels, the final norm and LM head's 8
+    as its epilogue: 1,832 kernels), and the parts of passes at the window's edges are in no
+    step, counted and said."""
+    from kimi_perf.breakdown import step_notes
+
+    full = read_trace(NSYS / "zx3xyy-assignment2-systems__result_2_7B_nvtx__nsys2024.6.2.sqlite")
+    window = _window(full, first, last)
+    b = breakdown(window)
+    assert b.source["steps_found_by"] == "pass"
+    assert [(s["layers"], s["kernels"], s["prologue"]["kernels"], s["epilogue"]["kernels"])
+            for s in b.steps] == [(32, 1832, 0, 8)] * passes
+    assert [(t["type"], t["kernels"]) for t in b.layer_types] == [("A", 57)]
+    partial = b.source["outside_steps"]["partial_passes"]
+    assert partial["parts"] == 2
+    assert partial["ops"] + passes * 1832 == len(window.kernels) + len(window.memops)
+    assert (f"{partial['ops']} more GPU ops") in " ".join(step_notes(b))
+    assert ("in the parts of 2 forward passes the trace begins or ends within"
+            in " ".join(step_notes(b)))
+
+
+@pytest.mark.parametrize(("begin", "end"), [(17, 32), (70, 72), (8, 48), (47, 12), (60, 8),
+                                            (30, 40), (0, 28), (26, 0)])
+def test_synthetic_passes_cut_within_a_layer(begin, end):
+    """Five passes of 8 layers (embedding, 9 kernels a layer, a 4-kernel LM head: 77), the
+    first ``begin`` and last ``end`` kernels not recorded: the passes left whole are steps
+    of 8 layers and 77 kernels, the rest in no step."""
+    seq = (["embedding"] + LLAMA * 8 + LM_HEAD) * 5
+    b = TraceBuilder()
+    b.sequence(seq[begin: len(seq) - end])
+    result = breakdown(b.build())
+    whole = 5 - (begin > 1) - (end > 4)   # (the embedding or the LM head alone lost: whole)
+    assert [(s["layers"], s["kernels"]) for s in result.steps] == [(8, 77)] * whole
+    assert [(t["type"], t["kernels"]) for t in result.layer_types] == [("A", 9)]
+    outside = result.source["outside_steps"]
+    assert outside["ops"] == len(seq) - begin - end - 77 * whole
+
+
+def test_most_cuts_of_a_pass_read_as_its_whole_passes():
+    """Every other kernel as the first recorded, every fourth as the last: of these 780
+    windows of the five passes above, 618 read as their whole passes exactly (8 layers of one
+    type a pass, every op in a pass or counted in no step); before parts of passes were told
+    apart, 11 did. The rest read as one step per device (where the cut leaves the layer
+    pattern no single joining type), or keep as a pass one that lost no more than a
+    variant's kernels at the trace's edge."""
+    seq = (["embedding"] + LLAMA * 8 + LM_HEAD) * 5
+    read_right = 0
+    for begin in range(0, 77, 2):
+        for end in range(0, 77, 4):
+            b = TraceBuilder()
+            b.sequence(seq[begin: len(seq) - end])
+            result = breakdown(b.build())
+            read_right += (result.source["steps_found_by"] == "pass"
+                           and all(s["layers"] == 8 for s in result.steps)
+                           and [(t["layers"] % 8, t["kernels"]) for t in result.layer_types]
+                           == [(0, 9)]
+                           and sum(s["kernels"] for s in result.steps)
+                           + result.source["outside_steps"]["ops"] == len(seq) - begin - end)
+    assert read_right >= 618
