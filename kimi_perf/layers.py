@@ -758,6 +758,8 @@ def passes_from_layer_cycle(ops: GpuOps, step: Step) -> list[Step] | None:
             layers=[Layer(index=i, ops=rows[a:b]) for i, (a, b) in
                     enumerate(zip(begins.tolist(), ends.tolist(), strict=True))],
             layer_source="repeat", found_by="pass"))
+    if not cycle.whole and not _passes_agree(passes):
+        return None
     cut = [(0, edges[0])] * (edges[0] > 0) + [(edges[-1], len(rows))] * (edges[-1] < len(rows))
     return passes + [Step(index=-1, device=step.device, pid=step.pid,
                           name=f"{step.name} partial pass", ops=rows[lo:hi],
@@ -772,6 +774,17 @@ class Cycle(NamedTuple):
     offset: int          # how many ops into such a layer the work between passes begins
     extra: tuple         # that work's kernel names (codes)
     whole: bool          # the step holds whole passes, each of P layers from its first
+
+
+def _passes_agree(passes: list[Step]) -> bool:
+    """Whether the whole passes found in a trace that begins or ends within a pass read
+    alike, as a model's passes do: two at least, as many ops in each layer, layer by layer,
+    and as many before their first layer and after their last (the first pass's prologue
+    and the last one's epilogue aside: the trace's own edges may hold more there)."""
+    return (len(passes) > 1
+            and len({tuple(len(layer.ops) for layer in p.layers) for p in passes}) == 1
+            and len({len(p.prologue) for p in passes[1:]}) == 1
+            and len({len(p.epilogue) for p in passes}) == 1)
 
 
 def _joining_work_left(names: np.ndarray, whole: list[tuple]) -> bool:
@@ -798,6 +811,8 @@ def pass_cuts(ops: GpuOps, step: Step, cycle: Cycle) -> tuple[list[int], list[bo
     cuts = list(dict.fromkeys([0, *(int(starts[a]) + cycle.offset for a in cycle.joins),
                                len(step.ops)]))   # no empty part
     names = ops.name[step.ops]
+    if any(tuple(names[c: c + len(cycle.extra)].tolist()) != cycle.extra for c in cuts[1:-1]):
+        return [0, len(step.ops)], [False]   # the work between passes is not where it joins
     parts = [Counter(names[a:b].tolist()) for a, b in pairwise(cuts)]
     layers_run = Counter(names[int(starts[cycle.joins[0]]) + cycle.offset:
                                int(starts[cycle.joins[1]]) + cycle.offset].tolist())
@@ -852,7 +867,8 @@ def layer_cycle(ops: GpuOps, step: Step) -> Cycle | None:
                            if seq[:j] == inner[:j] and seq[j + extra:] == inner[j:]), None)
             whole = (n % period == 0 and at[0] % period in (0, period - 1)
                      and len(at) >= n // period - 1 and not mismatched)
-            if offset is not None or whole:
+            # a step cut within a pass: its edge layers may be parts of one, not joins
+            if whole or (offset is not None and at[0] > 0 and at[-1] < n - 1):
                 return Cycle(period, at, offset or 0,
                              seq[offset: offset + extra] if offset is not None else (), whole)
     return None
@@ -920,7 +936,8 @@ def segment(trace: Trace, layers: str = "auto", step_regex: str | None = None,
             rules: list[Rule] | None = None, phase: str = "auto") -> tuple[GpuOps, list[Step]]:
     """Steps (of ``phase``: see ``steps_of_phase``) with their layers. ``layers``: ``auto``
     (per-layer ranges when the trace has them, else the repeating pattern), ``nvtx`` /
-    ``nvtx:REGEX`` (ranges only), ``repeat``."""
+    ``nvtx:REGEX`` (ranges only), ``repeat``. The parts of forward passes a trace begins or
+    ends within are in no step (``breakdown`` counts them: ``find_layers``)."""
     ops = GpuOps.of(trace, rules)
     # Each stage's temporaries go back before the next stage's (see kimi_perf/memory.py).
     release_free_memory()
