@@ -842,6 +842,7 @@ def layer_cycle(ops: GpuOps, step: Step) -> Cycle | None:
     sequence_of = {t: sigs.most_common(1)[0][0] for t, sigs in signatures.items()}
     kernels_of = {t: Counter(seq) for t, seq in sequence_of.items()}
     common = Counter(types).most_common(1)[0][0]
+    inner_types = set(types[1:-1])
     for joint in kernels_of:
         at = [i for i, t in enumerate(types) if t == joint]
         if joint == common or len(at) < 2:
@@ -858,7 +859,9 @@ def layer_cycle(ops: GpuOps, step: Step) -> Cycle | None:
             continue
         kernels = kernels_of[joint]
         for t, other in kernels_of.items():
-            if t == joint or other - kernels or (kernels - other).total() <= MAX_VARIATION:
+            # (another type of inner layers: not a part of a layer at the trace's edge)
+            if (t == joint or t not in inner_types or other - kernels
+                    or (kernels - other).total() <= MAX_VARIATION):
                 continue
             inner, seq = sequence_of[t], sequence_of[joint]
             extra = len(seq) - len(inner)

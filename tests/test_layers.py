@@ -699,9 +699,24 @@ def test_synthetic_passes_cut_within_a_layer(begin, end):
     assert outside["ops"] == len(seq) - begin - end - 77 * whole
 
 
+@pytest.mark.parametrize(("begin", "end"), [(47, 70), (2, 30), (150, 97), (5, 146)])
+def test_a_part_of_a_layer_at_the_edge_is_not_taken_for_a_layer_type(begin, end):
+    """Four passes of 32 layers cut a kernel or more into a layer: the part of a layer at
+    the trace's edge is a type of its own, which the joining layer must not be compared
+    with; the two whole passes between the cuts are the steps. Both ends cut: the work
+    between passes (LM head and embedding, 5 kernels) counts before each pass's layers."""
+    seq = (["embedding"] + LLAMA * 32 + LM_HEAD) * 4
+    b = TraceBuilder()
+    b.sequence(seq[begin: len(seq) - end])
+    result = breakdown(b.build())
+    assert [(s["layers"], s["kernels"], s["prologue"]["kernels"], s["epilogue"]["kernels"])
+            for s in result.steps] == [(32, 293, 5, 0)] * 2
+    assert [(t["type"], t["kernels"]) for t in result.layer_types] == [("A", 9)]
+
+
 def test_most_cuts_of_a_pass_read_as_its_whole_passes():
     """Every other kernel as the first recorded, every fourth as the last: of these 780
-    windows of the five passes above, 519 read as their whole passes exactly (8 layers of one
+    windows of the five passes above, 579 read as their whole passes exactly (8 layers of one
     type a pass, every op in a pass or counted in no step); before parts of passes were told
     apart, 11 did. The rest read as one step per device, as before (where the cut leaves the
     layer pattern no single joining type, or the passes found do not agree), or, as before,
@@ -719,4 +734,4 @@ def test_most_cuts_of_a_pass_read_as_its_whole_passes():
                            == [(0, 9)]
                            and sum(s["kernels"] for s in result.steps)
                            + result.source["outside_steps"]["ops"] == len(seq) - begin - end)
-    assert read_right >= 519
+    assert read_right >= 579
