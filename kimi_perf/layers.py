@@ -780,7 +780,7 @@ def _passes_agree(passes: list[Step]) -> bool:
     """Whether the whole passes found in a trace that begins or ends within a pass read
     alike, as a model's passes do: two at least, as many ops in each layer, layer by layer,
     and as many before their first layer and after their last (the first pass's prologue
-    and the last one's epilogue aside: the trace's own edges may hold more there)."""
+    aside: the trace's own start may hold more there)."""
     return (len(passes) > 1
             and len({tuple(len(layer.ops) for layer in p.layers) for p in passes}) == 1
             and len({len(p.prologue) for p in passes[1:]}) == 1
@@ -848,14 +848,17 @@ def layer_cycle(ops: GpuOps, step: Step) -> Cycle | None:
         if joint == common or len(at) < 2:
             continue
         period = at[1] - at[0]
-        if (period < MIN_PASS_LAYERS or any(b - a != period for a, b in pairwise(at))
-                or at[0] > period or n - 1 - at[-1] > period):
+        if period < MIN_PASS_LAYERS or any(b - a != period for a, b in pairwise(at)):
             continue
         joins = set(at)
         mismatched = {i for i in range(period, n) if i not in joins
                       and i - period not in joins and types[i] != types[i - period]}
-        # (a trace that begins or ends within a layer: its first or last layer is a part)
-        if mismatched - {period, n - 1}:
+        whole = (n % period == 0 and at[0] % period in (0, period - 1)
+                 and len(at) >= n // period - 1 and not mismatched)
+        # A step cut within a pass: its first or last layer may be a part of one (neither a
+        # join nor like the layer a period on), and a whole pass holds a join.
+        if not whole and (mismatched - {period, n - 1} or at[0] == 0 or at[-1] == n - 1
+                          or at[0] > period or n - 1 - at[-1] > period):
             continue
         kernels = kernels_of[joint]
         for t, other in kernels_of.items():
@@ -868,10 +871,7 @@ def layer_cycle(ops: GpuOps, step: Step) -> Cycle | None:
             # the extra kernels as one run, as late in the layer as it may lie
             offset = next((j for j in range(len(inner), -1, -1)
                            if seq[:j] == inner[:j] and seq[j + extra:] == inner[j:]), None)
-            whole = (n % period == 0 and at[0] % period in (0, period - 1)
-                     and len(at) >= n // period - 1 and not mismatched)
-            # a step cut within a pass: its edge layers may be parts of one, not joins
-            if whole or (offset is not None and at[0] > 0 and at[-1] < n - 1):
+            if whole or offset is not None:
                 return Cycle(period, at, offset or 0,
                              seq[offset: offset + extra] if offset is not None else (), whole)
     return None
