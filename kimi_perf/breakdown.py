@@ -379,11 +379,11 @@ def breakdown(trace: Trace, layers: str = "auto", rules: list[Rule] | None = Non
         pass_ranges = _pass_ranges(trace, ops, steps)
     # A step range around several forward passes (a benchmark's whole loop) is the user's
     # step; its passes show in its layer types (the one that ends a pass holds the LM head).
-    holding_passes = [{"step": step.name, "layers": cycle.period,
-                       "passes": sum(pass_cuts(ops, step, cycle)[1])}
+    holding_passes = [{"step": step.name, "layers": cycle.period, "passes": passes}
                       for step in steps if step.found_by == "range"
                       and step.layer_source == "repeat"
-                      and (cycle := layer_cycle(ops, step)) is not None]
+                      and (cycle := layer_cycle(ops, step)) is not None
+                      and (passes := sum(pass_cuts(ops, step, cycle)[1])) > 1]
     all_layers = [(step, layer) for step in steps for layer in step.layers]
     # Segments: every step, every layer, then the steps' prologues and epilogues.
     segments = [step.ops for step in steps] + [layer.ops for _, layer in all_layers]
