@@ -5,8 +5,11 @@ spills from ``ptxas -v``.
 
 Each Triton kernel is compiled at the configurations the decode paths launch for the K3 TP8 rank
 shapes, with the alignment the JIT sees at launch (16-byte aligned pointers, row strides that
-are multiples of 16), so registers and spills are those of the kernels a GPU runs. Exit code 1
-if a kernel fails to compile or spills registers. Must run without ``TRITON_INTERPRET`` (the
+are multiples of 16), so registers and spills are those of the kernels a GPU runs. Then every
+configuration the two kernel paths launch on the ``tiny`` preset (``launched_builds``: the
+dtypes, flags and split counts a run meets, the float32 of the GPU check's correctness run
+among them), since a configuration first compiled on the GPU may not compile at all. Exit code
+1 if a kernel fails to compile or spills registers. Must run without ``TRITON_INTERPRET`` (the
 interpreter replaces the JIT that compiles). The CuTe DSL kernels (``cute_gemv``) follow,
 compiled with fake tensors for sm_90a by CuTe DSL's own toolchain.
 """
@@ -14,8 +17,11 @@ compiled with fake tensors for sm_90a by CuTe DSL's own toolchain.
 from __future__ import annotations
 
 import argparse
+import importlib
 import importlib.util
+import inspect
 import json
+import os
 import re
 import subprocess
 import sys
@@ -197,6 +203,101 @@ def builds() -> list[Build]:
     return out
 
 
+# Triton's type of each torch dtype a launch passes
+POINTER_TYPES = {"float32": "fp32", "bfloat16": "bf16", "float8_e4m3fn": "fp8e4nv",
+                 "int32": "i32", "int64": "i64", "uint8": "u8"}
+# Constexprs the launchers set from INTERPRETED (kernels/common.py): a GPU compiles them False
+INTERPRETER_FLAGS = ("DOT_FP32", "RNE")
+
+
+def record_launches(out: Path) -> None:
+    """Under the interpreter (TRITON_INTERPRET=1): run the tiny preset through both kernel
+    paths with a GPU's tiles, and write every launch's kernel, argument types, constexprs and
+    warps to ``out``. The steps a run meets: a prefill, a decode step with the attention split
+    over positions and one without, a speculative verify of 4 tokens with its rollback, and a
+    batch of 5 (past the GEMV's tokens: the GEMM tiles); in float32 (the GPU check's
+    correctness run) and bf16 with a bf16 or fp8 cache. The kernels are not run."""
+    import torch
+    import triton.runtime.interpreter as interpreter
+
+    from kimi_perf.decode.config import preset
+    from kimi_perf.decode.validate import make_path
+    from kimi_perf.decode.weights import random_weights
+    from kimi_perf_kernels.common import gpu_tiles
+
+    launches = []
+
+    def recording_run(self, *args, grid, warmup, **kwargs):
+        bound = dict(zip(self.arg_names, args, strict=False)) | kwargs
+        params = inspect.signature(self.fn).parameters
+        signature, constexprs = {}, {}
+        for name in self.arg_names:
+            value = bound[name]
+            if "constexpr" in str(params[name].annotation) or value is None:
+                signature[name], constexprs[name] = "constexpr", value  # the JIT's rule
+            elif isinstance(value, torch.Tensor):
+                signature[name] = "*" + POINTER_TYPES[str(value.dtype).removeprefix("torch.")]
+            elif isinstance(value, bool):
+                signature[name] = "i1"
+            elif isinstance(value, float):
+                signature[name] = "fp32"
+            else:
+                signature[name] = "i32" if -2**31 <= value < 2**31 else "i64"
+        launches.append({"module": self.fn.__module__, "kernel": self.fn.__name__,
+                         "signature": signature, "constexprs": constexprs,
+                         "num_warps": kwargs.get("num_warps", 4)})
+        # Recorded, not run: which kernels launch, and how, does not depend on the values
+        # (outputs stay uninitialised; nothing reads them as data but the next launches).
+
+    interpreter.InterpretedFunction.run = recording_run
+    c = preset("tiny", n_layers=4)
+    weights = random_weights(c, seed=5)
+    tokens = torch.randint(0, c.vocab, (5, 10), generator=torch.Generator().manual_seed(1))
+    with gpu_tiles():
+        for dtype, cache in ((torch.float32, None), (torch.bfloat16, None),
+                             (torch.bfloat16, torch.float8_e4m3fn)):
+            for path in ("specialized", "standard_kernels"):
+                model = make_path(path, c, weights, dtype)
+                state = model.new_state(2, 16, kv_dtype=cache)
+                model.forward(tokens[:2, :3], state)
+                model.attention_splits = 3
+                model.forward(tokens[:2, 3:4], state)
+                model.attention_splits = None
+                model.forward(tokens[:2, 4:5], state)
+                model.forward(tokens[:2, 5:9], state, keep_checkpoints=True)
+                state.accept(torch.tensor([2, 4]))
+                five = model.new_state(5, 4, kv_dtype=cache)
+                model.forward(tokens[:, :1], five)
+                model.forward(tokens[:, 1:2], five)
+    out.write_text(json.dumps(launches))
+
+
+def launched_builds() -> list[Build]:
+    """One build per distinct configuration ``record_launches`` saw (in a subprocess: the
+    recording needs the interpreter, the compiling must not have it)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        recorded = Path(tmp) / "launches.json"
+        subprocess.run([sys.executable, "-m", "kimi_perf_kernels.aot", "--record",
+                        str(recorded)], env={**os.environ, "TRITON_INTERPRET": "1"},
+                       check=True)
+        launches = json.loads(recorded.read_text())
+    builds: dict[str, Build] = {}
+    for launch in launches:
+        constexprs = {name: False if name in INTERPRETER_FLAGS else value
+                      for name, value in launch["constexprs"].items()}
+        pointers = sorted({t[1:] for t in launch["signature"].values() if t[0] == "*"})
+        flags = " ".join(f"{k}={int(v) if isinstance(v, bool) else v}"
+                         for k, v in constexprs.items()
+                         if k not in INTERPRETER_FLAGS and v is not None)
+        label = (f"{launch['kernel'].removesuffix('_kernel')} tiny ({','.join(pointers)}) "
+                 f"{flags}")
+        key = json.dumps([label, launch["signature"], launch["num_warps"]])
+        fn = getattr(importlib.import_module(launch["module"]), launch["kernel"])
+        builds.setdefault(key, Build(label, fn, launch["signature"], constexprs,
+                                     launch["num_warps"]))
+    return list(builds.values())
+
+
 def _signature(kernel, types: dict[str, str], constexprs: dict[str, object]
                ) -> dict[str, str]:
     """Kernel arguments in order: constexprs, the given types, else fp32 pointers and i32."""
@@ -268,18 +369,27 @@ def cute_dsl_rows(failed: list[str]) -> list[dict]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path, help="write the table as JSON here")
+    parser.add_argument("--record", type=Path, help=argparse.SUPPRESS)  # launched_builds' run
     args = parser.parse_args(argv)
+    if args.record:
+        record_launches(args.record)
+        return 0
     rows, failed = [], []
-    for build in builds():
+    try:
+        launched = launched_builds()
+    except subprocess.CalledProcessError as exc:   # its traceback went to stderr
+        launched = []
+        failed.append(f"recording the decode paths' launches: exit code {exc.returncode}")
+    for build in builds() + launched:
         try:
             rows.append(compile_one(build))
         except Exception as exc:  # report every kernel, then fail
             failed.append(f"{build.label}: {type(exc).__name__}: {str(exc)[:300]}")
     rows += cute_dsl_rows(failed)
-    print(f"{'kernel':48s} {'warps':>5s} {'regs':>5s} {'spill st/ld':>12s} {'smem':>7s}")
+    print(f"{'warps':>5s} {'regs':>5s} {'spill st/ld':>12s} {'smem':>7s}  kernel")
     for r in rows:
-        print(f"{r['kernel']:48s} {r['num_warps']:5d} {r['registers']:5d} "
-              f"{r['spill_stores']:>5d}/{r['spill_loads']:<6d} {r['smem_bytes']:7d}")
+        print(f"{r['num_warps']:5d} {r['registers']:5d} {r['spill_stores']:>5d}/"
+              f"{r['spill_loads']:<6d} {r['smem_bytes']:7d}  {r['kernel']}")
     spills = [r["kernel"] for r in rows if r["spill_stores"] or r["spill_loads"]]
     for f in failed:
         print(f"FAILED {f}")

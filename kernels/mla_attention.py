@@ -50,7 +50,8 @@ def mla_attention_kernel(qhat_ptr, cache_ptr, pos_ptr, out_ptr, lse_ptr, M, H, T
     chunk = tl.cdiv(tl.cdiv(n_pos, SPLITS), BLOCK_S) * BLOCK_S
     start = split * chunk
     end = tl.minimum(start + chunk, n_pos)
-    base = cache_ptr + (m // T) * stride_cache_b
+    # int64: a batch of long caches spans more than 2^31 values (64 x 64k x 576)
+    base = cache_ptr + (m // T).to(tl.int64) * stride_cache_b
     running_max = tl.full([HB], -float("inf"), tl.float32)
     total = tl.zeros([HB], tl.float32)
     acc = tl.zeros([HB, LORA], tl.float32)
@@ -78,7 +79,7 @@ def mla_attention_kernel(qhat_ptr, cache_ptr, pos_ptr, out_ptr, lse_ptr, M, H, T
         if DOT_FP32:
             acc = acc * rescale[:, None] + tl.dot(p, kv, input_precision="ieee")
         else:
-            acc = acc * rescale[:, None] + tl.dot(p.to(tl.bfloat16), kv)
+            acc = acc * rescale[:, None] + tl.dot(p.to(kv.dtype), kv)  # tf32 for fp32 caches
         running_max = new_max
     # an empty split (a short cache) contributes nothing: output 0, lse -inf
     out = acc / tl.maximum(total, 1e-30)[:, None]

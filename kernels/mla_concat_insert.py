@@ -48,7 +48,8 @@ def write_cache_row(cache_ptr, pos_ptr, m, T, stride_cache_b, stride_cache_s, kv
     an fp8 cache stores value / kv_scale, clamped to e4m3's ±448."""
     lo = tl.arange(0, LORA)
     r = tl.arange(0, BLOCK_ROPE)
-    slot = cache_ptr + (m // T) * stride_cache_b + tl.load(pos_ptr + m) * stride_cache_s
+    slot = (cache_ptr + (m // T).to(tl.int64) * stride_cache_b
+            + tl.load(pos_ptr + m).to(tl.int64) * stride_cache_s)
     if FP8:
         kv = tl.minimum(tl.maximum(kv / kv_scale, -448.0), 448.0)
         k_pe = tl.minimum(tl.maximum(k_pe / kv_scale, -448.0), 448.0)

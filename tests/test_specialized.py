@@ -262,6 +262,12 @@ def test_every_kernel_compiles_for_sm90a_without_spills(tmp_path):
                      "moe_fc2_combine", "mla_absorb_insert", "mla_attention", "mla_uv_gate"}
     for k in doc["kernels"]:
         assert k["spill_stores"] == 0 and k["registers"] <= 255 and k["cubin_bytes"] > 0
+    # and every configuration the kernel paths launch, in each dtype a run uses: an fp32
+    # cache's attention (the GPU check's float32 run) once failed to compile on a GPU only
+    launched = [k["kernel"] for k in doc["kernels"] if " tiny " in k["kernel"]]
+    assert len(launched) >= 70 and any(k.startswith("mla_attention tiny (fp32,i64)")
+                                       for k in launched)
+    assert {k.split()[0] for k in launched} >= names - {"cute_gemv", "l2_prefetch"}
 
 
 def test_trace_command_captures_both_paths(tmp_path):

@@ -139,3 +139,32 @@ def test_uv_gate():
     poison(out)
     mla_uv_gate(o_lat, w_uv, gate, out=out)
     assert_close_bf16(out, mla_uv_gate_reference(o_lat, w_uv, gate), ulps=2)
+
+
+def test_caches_beyond_int32_offsets():
+    """Three long caches side by side: the third sequence's rows lie past 2^31 values (64
+    sequences of 64k tokens reach that), while the batch stride still fits an int32; its rows
+    are written and read where they are, not 2^32 values off (an int32 product wraps)."""
+    gen = torch.Generator().manual_seed(5)
+    heads, nope, rope, lora, batch = 4, 16, 8, 32, 3
+    width = lora + rope
+    stride = 2**30 + 64
+    # only the rows touched are ever paged in: the rest of the 2 GiB stays virtual
+    storage = torch.empty(2 * stride + 8 * width, dtype=torch.uint8).view(FP8)
+    cache = storage.as_strided((batch, 8, width), (stride, width, 1))
+    start = (torch.randn(batch, 8, width, generator=gen) * 0.5).to(FP8)
+    cache.copy_(start)
+    q = torch.randn(batch, heads * (nope + rope), generator=gen).bfloat16()
+    w_uk = (torch.randn(heads, nope, lora, generator=gen) / nope**0.5).bfloat16()
+    kv = torch.randn(batch, width, generator=gen).bfloat16()
+    kv_norm = 1 + 0.1 * torch.randn(lora, generator=gen)
+    positions = torch.tensor([6, 3, 7])
+    cache_ref = start.clone()
+    qhat_ref = mla_absorb_insert_reference(q, w_uk, kv, kv_norm, cache_ref, positions, 1, 0.5,
+                                           1e-5)
+    qhat = mla_absorb_insert(q, w_uk, kv, kv_norm, cache, positions, 1, 0.5, 1e-5)
+    assert_close_bf16(qhat, qhat_ref, ulps=2)
+    assert_cache_rows_equal(cache.clone(), cache_ref, positions, 1)
+    want = mla_attention_reference(qhat_ref, cache_ref, positions, 1, 0.5, 0.1, lora)
+    parts, _ = mla_attention(qhat_ref, cache, positions, 1, lora, 0.5, 0.1)
+    assert_close_bf16(parts[0], want, ulps=2)
