@@ -29,6 +29,7 @@ from kimi_perf.compare import (
     count_text,
     differing_patterns,
     overview,
+    pair_layer_types,
     patterns_differ,
     ratio_text,
     rotation_notes,
@@ -252,8 +253,12 @@ def _fusions_html(breakdowns: dict[str, Breakdown]) -> str:
     labels = list(breakdowns)
     parts = []
     for other in labels[1:]:
-        for t in breakdowns[labels[0]].layer_types:
-            u = next((u for u in breakdowns[other].layer_types if u["type"] == t["type"]), None)
+        first, second = breakdowns[labels[0]], breakdowns[other]
+        for name_t, name_u in pair_layer_types(first, second):  # paired as compare pairs them
+            if name_t is None:
+                continue
+            t = next(t for t in first.layer_types if t["type"] == name_t)
+            u = next((u for u in second.layer_types if u["type"] == name_u), None)
             kernels = [(x or {}).get("typical_layer", {}).get("kernels") or [] for x in (t, u)]
             ledger = ledger_of(*kernels)
             if ledger is None:

@@ -119,3 +119,36 @@ def test_compare_kernels_shows_the_ledger_of_the_two_paths(tmp_path):
     plain = json.loads(CliRunner().invoke(main, ["compare", str(BASELINE), "--format",
                                                  "json"]).output)
     assert "fusions" not in plain and "typical_layers" not in plain
+
+
+def test_report_pairs_layer_types_for_its_ledgers_as_compare_does(tmp_path):
+    """Types found by their kernel pattern keep a letter per trace ("A" in one may be "B" in
+    the other): the report's ledgers pair them as compare does (by pattern, then by class
+    mix), not by the letter."""
+    from click.testing import CliRunner
+
+    from kimi_perf.cli import main
+
+    paths = json.loads(BASELINE.read_text())["paths"]
+    letters = {"standard": dict(zip(("dense", "kda", "mla"), "ABC", strict=True)),
+               "specialized": dict(zip(("dense", "kda", "mla"), "CAB", strict=True))}
+    for name, letter in letters.items():
+        doc = paths[name]
+        for t in doc["layer_types"]:
+            t["pattern"] = f"{name}-{t['type']}"       # digests that differ between paths
+            t["type"] = letter[t["type"]]
+        for layer in doc["layers"]:
+            layer["type"] = letter[layer["type"]]
+        (tmp_path / f"{name}.json").write_text(json.dumps(doc))
+    a, b = (str(tmp_path / f"{name}.json") for name in ("standard", "specialized"))
+    fusions = json.loads(CliRunner().invoke(main, ["compare", a, b, "--kernels", "--format",
+                                                   "json"]).output)["fusions"]
+    assert {label: len(f["launches"]) for label, f in fusions.items()} == {
+        "A = C": 7, "B = A": 9, "C = B": 12}   # dense, kda, mla: paired by their mixes
+    report = tmp_path / "r.html"
+    result = CliRunner().invoke(main, ["report", a, b, "-o", str(report), "--plotly-js",
+                                       "cdn"])
+    assert result.exit_code == 0, result.output
+    ledgers = re.findall(r"<h3>(\w): each (\S+) launch against the \S+ launches it replaces"
+                         r"</h3>.*?<th>(\d+) launches</th>", report.read_text())
+    assert sorted((t, int(n)) for t, _, n in ledgers) == [("A", 7), ("B", 9), ("C", 12)]
