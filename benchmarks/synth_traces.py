@@ -39,7 +39,7 @@ GENERATOR_VERSION = 1
 
 PID = 2468200          # the decode process; its main thread launches everything
 TID = PID
-DEVICE, STREAM, CONTEXT = 0, 7, 1
+DEVICE = 0
 # nsys serializes ids as (vmId << 48) | (pid << 24) | tid; real exports carry vmId 1.
 GLOBAL_PID = (1 << 48) | (PID << 24)
 GLOBAL_TID = GLOBAL_PID | TID
@@ -268,10 +268,6 @@ def _step_template(layers_per_step: int) -> tuple[list[str], list[tuple[int, int
         keys += LAYERS[kind][0]
     keys += EPILOGUE
     return keys, layers
-
-
-def per_step_kernels(layers_per_step: int = LAYERS_PER_STEP) -> int:
-    return len(_step_template(layers_per_step)[0])
 
 
 def build_run(kernels: int, ranges: int, layers_per_step: int = LAYERS_PER_STEP,

@@ -281,7 +281,7 @@ def _segmented_union_length(start: np.ndarray, end: np.ndarray, seg: np.ndarray,
     if len(first) == 0:
         return np.empty(0, np.int64)
     if ((start[1:] < start[:-1]) & (seg[1:] == seg[:-1])).any():
-        order = np.lexsort((start, seg))     # stable: ties keep their order, as argsort did
+        order = np.lexsort((start, seg))     # stable: ties keep their order
         start, end = start[order], end[order]
     # Shift each segment into its own band of values, above every earlier segment's, so that
     # one running maximum over all rows restarts at each segment.
@@ -650,8 +650,11 @@ COPIES_NOTED = 0.25
 
 
 def step_notes(b: Breakdown) -> list[str]:
-    """What a breakdown says of its steps: work launched from another thread while a step
-    was open, work in no step, and its steps' phases (``phase_note``)."""
+    """What a reader of a breakdown's numbers must know about its steps, one sentence each:
+    what they count in (work from other threads, between annotated layers, mostly copies and
+    fills), what they leave out (work in no step, partial passes at the trace's edges, GPU work
+    without a time), how they were found (passes in different ranges, a range holding several
+    passes) and their phases (``phase_note``)."""
     src = b.source
     work = "GPU ops" if src.get("ops") == "gpu" else "ops"
     notes = []

@@ -1,8 +1,10 @@
 """``kimi-perf trace``: run both decode paths under a profiler and break each down per layer.
 
-One run writes one directory: per path the raw trace (Kineto ``.json.gz``), the normalised
-trace (``.kptrace``), and for the run ``run.json`` (what ran, where, with which versions) and
-``breakdown.json`` (``{"schema": 1, "run": ..., "paths": {path: <breakdown JSON>}}``).
+One run writes one directory: per path the raw trace (Kineto ``.json.gz``, one per rank with
+TP: ``.rank<r>.trace.json.gz``; with the nsys backend ``.nsys-rep`` and its ``.sqlite``
+export), the normalised trace (``.kptrace``), and for the run ``run.json`` (what ran, where,
+with which versions), ``breakdown.json`` (``{"schema": 1, "run": ..., "paths": {path:
+<breakdown JSON>}}``) and the HTML report (``report.html``).
 
 ``--from`` skips the capture and analyses existing traces (nsys or Kineto, ours or vLLM's)
 into the same files and table.

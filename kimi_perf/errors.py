@@ -9,7 +9,9 @@ from pathlib import Path
 
 
 class TraceError(Exception):
-    """A trace (or rules/baseline file) that cannot be read: names the file and the problem."""
+    """Input kimi-perf cannot use: a trace, rules or baseline file that cannot be read (it
+    names the file and the problem), or, with no file (``path=None``), options that do not go
+    together."""
 
     MAX_PROBLEM = 300
 
@@ -24,7 +26,8 @@ class TraceError(Exception):
 
 
 class NoStepsMatched(TraceError):
-    """An explicit step regex that matches no range holding GPU work."""
+    """What was asked to select steps or layers matches nothing in the trace: a step regex,
+    a ``--phase``, ``--layers repeat`` / ``nvtx`` / a layer-index group that finds no layers."""
 
 
 def input_stat(path: Path) -> os.stat_result:

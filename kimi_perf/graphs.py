@@ -9,8 +9,9 @@ analyses (per-layer attribution) place it as if it had been launched eagerly the
 
 The mapping is by order. On a thread, a run of consecutive kernel launches that ran nothing
 (no kernel joined to them), broken by any launch that did run and by ``*StreamBeginCapture``,
-is one capture. A graph launch whose replay ran exactly as many kernels as the latest earlier
-capture of its process takes that capture: the i-th kernel to start maps to the i-th launch.
+is one capture. A graph launch takes the latest capture of its process, ended before it, that
+made exactly as many launches as its replay ran kernels (a piecewise graph skips the captures
+of other pieces): the i-th kernel to start maps to the i-th launch.
 Kernels on parallel branches of a graph may start in another order than they were captured,
 but not across a join, so the layer a kernel lands in holds whenever layers end in a join.
 Captures the trace does not hold (profiling began after them) map nothing.

@@ -2,7 +2,7 @@
 
 Steps come from step ranges (``decode_step[i]``, ``ProfilerStep#N``, vLLM's ``execute_...``
 annotation), else from CUDA/HIP graph launches when graphs carry the GPU work, else one step per
-process and device, or per forward pass where its layers show it ran the model several times
+device (``_device_steps``), or per forward pass where its layers show it ran the model several times
 (``passes_from_layer_cycle``). Layers come from per-layer ranges (``layer[3]``, ``layers.3``,
 ``DecoderLayer_3``...) or, when none exist (unannotated traces), from the repeating kernel
 pattern of each step (``find_repeats``). A kernel replayed from a graph whose capture the trace
@@ -205,9 +205,6 @@ class GpuOps:
     def __len__(self) -> int:
         return len(self.name)
 
-    def launch_interval(self, trace: Trace) -> tuple[np.ndarray, np.ndarray]:
-        return self.launch_start, self.launch_end
-
 
 def _call_spans(trace: Trace, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Start and end of API calls by row (0 where the row is -1)."""
@@ -256,7 +253,7 @@ class Step:
 
 def find_steps(trace: Trace, ops: GpuOps, step_regex: str | None = None) -> list[Step]:
     patterns = [step_regex] if step_regex else STEP_PATTERNS
-    launch_start, launch_end = ops.launch_interval(trace)
+    launch_start, launch_end = ops.launch_start, ops.launch_end
     keys = thread_keys(ops.pid, np.where(ops.api >= 0, ops.tid, -1))
     range_keys = range_groups(trace.ranges)
     range_keys[trace.ranges.style == GPU_RANGE] = -1
@@ -292,7 +289,7 @@ def find_steps(trace: Trace, ops: GpuOps, step_regex: str | None = None) -> list
     graph_steps = _graph_launch_steps(trace, ops)
     if graph_steps:
         return graph_steps
-    return _whole_trace_steps(ops)
+    return _device_steps(ops)
 
 
 # Ranges that name an operation, not a region of the program: no answer to "where did it run".
@@ -312,7 +309,7 @@ def outermost_names(trace: Trace, ops: GpuOps, rows: np.ndarray) -> np.ndarray:
     around its launch (not an operator's own range), -1 for none."""
     if not len(rows) or not len(trace.ranges):
         return np.full(len(rows), -1, np.int64)
-    launch_start, launch_end = ops.launch_interval(trace)
+    launch_start, launch_end = ops.launch_start, ops.launch_end
     keys = thread_keys(ops.pid[rows], np.where(ops.api[rows] >= 0, ops.tid[rows], -1))
     r = trace.ranges
     range_keys = range_groups(r)
@@ -426,7 +423,7 @@ def _graph_launch_steps(trace: Trace, ops: GpuOps) -> list[Step]:
     return steps
 
 
-def _whole_trace_steps(ops: GpuOps) -> list[Step]:
+def _device_steps(ops: GpuOps) -> list[Step]:
     if len(ops) == 0:
         return []
     steps = []
@@ -528,7 +525,7 @@ def find_repeats(seq: np.ndarray, classes: np.ndarray | None = None,
         if count < 2 or count > n // 2 or layers not in (None, count):
             continue
         names = np.flatnonzero(counts == count)
-        lo, hi, support = _consistent_cores(names, positions_of, count)
+        lo, hi, support = _consistent_cores(names, positions_of)
         if support >= 2:  # one recurring kernel is no pattern
             candidates.append((support * count, count, lo, hi))
     if not candidates:
@@ -612,7 +609,7 @@ def _positions_by_name(inverse: np.ndarray, n_names: int) -> list[np.ndarray]:
     return [order[bounds[i]: bounds[i + 1]] for i in range(n_names)]
 
 
-def _consistent_cores(names: np.ndarray, positions_of: list[np.ndarray], count: int
+def _consistent_cores(names: np.ndarray, positions_of: list[np.ndarray]
                       ) -> tuple[np.ndarray, np.ndarray, int]:
     """Greedily keep names whose i-th occurrences stay inside layer i for every i."""
     matrix = np.stack([positions_of[k] for k in names.tolist()])  # [names, count]

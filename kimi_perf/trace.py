@@ -3,8 +3,8 @@
 Each table is a dataclass of equal-length numpy columns; names are int32 codes into
 ``Trace.strings`` so that grouping by name is an integer operation. Times are int64 ns on the
 trace's own clock. ``-1`` means "unknown" in integer id columns. Id and row-index columns
-(``Table.compact``) are int32 where every value fits and int64 otherwise: readers compact them
-(``Trace.compact``), since most ids of most traces fit and that halves their memory; code that
+(``Table.compact``) are int32 where every value fits and int64 otherwise: readers compact them,
+since most ids of most traces fit and that halves their memory; code that
 reads them takes either width (and widens before shifting or multiplying).
 
 A trace saves to and loads from one Arrow IPC file (``.kptrace``): one row whose columns are
@@ -221,7 +221,10 @@ class Trace:
 
     ``meta`` keys: ``format`` (``nsys-sqlite`` | ``kineto-json``), ``tool`` (profiler and
     version), ``schema`` (export schema version, when known), ``file``, ``gpus`` (list of
-    ``{"device", "name", "sm_count"}``), ``processes`` (list of ``{"pid", "name"}``).
+    ``{"device", "name", "sm_count"}``), ``processes`` (list of ``{"pid", "name"}``);
+    where they apply: ``untimed`` (``{"kernels", "memops"}``: GPU work the trace holds without
+    a usable time, left out of the tables) and, from a Kineto trace's ``distributedInfo``,
+    ``rank`` and ``world_size``.
     """
 
     strings: list[str]
@@ -230,12 +233,6 @@ class Trace:
     ranges: Ranges = field(default_factory=Ranges.empty)
     api: ApiCalls = field(default_factory=ApiCalls.empty)
     meta: dict[str, Any] = field(default_factory=dict)
-
-    def compact(self) -> Self:
-        """``Table.compact`` on every table; returns self."""
-        for table_name in TABLES:
-            getattr(self, table_name).compact()
-        return self
 
     def names_matching(self, pattern) -> np.ndarray:
         """Boolean mask over string codes: which strings match a compiled regex (search)."""

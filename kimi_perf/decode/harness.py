@@ -38,20 +38,10 @@ class DecodeRun:
     """What one harness run measured. Times are wall-clock seconds on the host, synchronised
     with the device after each step; prefill is kept apart from decode throughout."""
 
-    tokens: torch.Tensor                    # [B, steps]: generated ids, or accepted counts
+    tokens: torch.Tensor    # [B, warm-up + decode steps]: generated ids, or accepted counts
     prefill_s: float
-    step_s: list[float] = field(default_factory=list)
+    step_s: list[float] = field(default_factory=list)     # warm-up steps first
     accepted_counts: bool = False
-
-    @property
-    def time_to_first_token_s(self) -> float:
-        return self.prefill_s
-
-    @property
-    def decode_tokens_per_s(self) -> float:
-        total = sum(self.step_s)
-        produced = int(self.tokens.sum()) if self.accepted_counts else self.tokens.numel()
-        return produced / total if total > 0 else float("nan")
 
 
 def _sync(device: torch.device) -> None:
@@ -59,9 +49,9 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _layer_hook(model: K3Model, enabled: bool = True):
+def _layer_hook(model: K3Model):
     c = model.c
-    return lambda i: annotate(layer_range_name(i, c.layer_type(i))) if enabled else None
+    return lambda i: annotate(layer_range_name(i, c.layer_type(i)))
 
 
 def _prefill(model: K3Model, prompt: torch.Tensor, state: DecodeState
@@ -126,7 +116,7 @@ def state_tensors(state: DecodeState) -> list[torch.Tensor]:
 
 def run_decode(model: K3Model, prompt: torch.Tensor, steps: int,
                state: DecodeState | None = None, kv_dtype: torch.dtype | None = None,
-               annotate_layers: bool = True, after_step=None, warmup: int = 0,
+               after_step=None, warmup: int = 0,
                cuda_graphs: bool = False, spec_tokens: int = 0, seed: int = 0) -> DecodeRun:
     """Greedy decode: prefill ``prompt`` [B, P], then ``warmup`` + ``steps`` decode steps.
 
@@ -150,7 +140,7 @@ def run_decode(model: K3Model, prompt: torch.Tensor, steps: int,
     spare = GRAPH_WARMUP_RUNS if cuda_graphs else 0
     state = state or model.new_state(batch, prompt_len + (warmup + steps + spare) * width,
                                      kv_dtype=kv_dtype)
-    hook = _layer_hook(model, annotate_layers)
+    hook = _layer_hook(model)
     logits, prefill_s = _prefill(model, prompt, state)
     next_token = logits[:, -1].argmax(-1, keepdim=True)
     del logits  # [B, P, vocab] fp32: not to be held through the decode steps

@@ -10,15 +10,15 @@ every replayed kernel shares the graph launch's correlation.
 
 How it reads (a 681 MB trace in a few seconds and a few hundred MB): the file is inflated in
 blocks, and the ``traceEvents`` array is cut at event boundaries, each piece decoded with
-msgspec into small
-Structs that hold only the fields used (every other field is skipped, never built; events of
-other phases than ``X`` become empty Structs). Each piece's events then turn into numpy
-columns in a few C-level passes, and the piece is dropped. A piece with anything unusual in a
-field that is used (a label instead of an id, a missing ``ts``, a wrong type) is decoded again
-generically and replayed event by event under the original rules, so odd traces read exactly
-as before. Whatever the block reader cannot place with certainty (the ``traceEvents`` key not
-found, a piece that will not cut, invalid JSON) sends the whole file through the one-shot
-path: inflate, decode the document, then the same column builder.
+msgspec into small Structs that hold only the fields used (every other field is skipped, never
+built; events of other phases than ``X`` become empty Structs). Each piece's events then turn
+into numpy columns in a few C-level passes, and the piece is dropped. A piece with anything
+unusual in a field that is used (a label instead of an id, a missing ``ts``, a wrong type) is
+decoded again generically and replayed event by event under the event-by-event rules, so an odd
+piece yields the same tables as the vectorized pass would if it could read it. Whatever the
+block reader cannot place with certainty (the ``traceEvents`` key not found, a piece that will
+not cut, invalid JSON) sends the whole file through the one-shot path: inflate, decode the
+document, then the same column builder.
 """
 
 from __future__ import annotations
@@ -717,9 +717,10 @@ class _Builder:
         cols["corr"].append(int(_num(args.get("correlation", -1))))
 
     def finish(self) -> Trace:
-        """The four tables. Checks and conversions run in the order they always did (every
-        table's times first, then the tables one by one); each column's chunks are dropped as
-        soon as they are joined, so that memory peaks at about one copy of the columns."""
+        """The four tables. Every table's times are checked first, then the tables are
+        converted one by one (so the first problem reported is the same for any piece split);
+        each column's chunks are dropped as soon as they are joined, so that memory peaks at
+        about one copy of the columns."""
         chunks, self.chunks = self.chunks, {}
         release_free_memory()   # what decoding the pieces left: see kimi_perf/memory.py
         times = {name: self._floats({c: _joined(chunks[name].pop(c)) for c in ("ts", "dur")})
@@ -822,7 +823,7 @@ def _ids(values: list, events: list, fallback) -> np.ndarray:
 
 def _int32(values: np.ndarray) -> np.ndarray:
     if len(values) and (values.min() < -(2**31) or values.max() >= 2**31):
-        raise _Slow  # the replay's lists fail the int32 conversion as they always did
+        raise _Slow  # the event-by-event path reports the value that does not fit
     return values.astype(np.int32)
 
 
@@ -878,7 +879,7 @@ def _narrow(values: np.ndarray) -> np.ndarray:
 
 def _joined(segments: list):
     """A column from its segments: one array, or (after a replayed piece) one list of plain
-    values, converted and checked all together as they always were."""
+    values, converted and checked all together."""
     if not segments:
         return []
     if len(segments) == 1 and isinstance(segments[0], _Growing):

@@ -3,9 +3,10 @@
 Columns are selected by name, so added columns in newer exports are ignored; any table may be
 missing (a lazy export, a run without CUDA or NVTX) and then reads as empty. Integer columns
 come back from SQLite as one comma-separated text per column (``group_concat``), which numpy
-parses in C: no Python object per event is ever made. Where that text cannot carry the values
+parses in C rather than one Python object per event. Where that text cannot carry the values
 exactly (a non-integer value, a table too big for one SQLite string) the rows are fetched in
-blocks into numpy arrays instead, as before.
+blocks into numpy arrays instead. Names stored as plain text rather than string ids (kernel
+names in some exports, NVTX ranges without a registered string) are read row by row.
 """
 
 from __future__ import annotations
@@ -282,16 +283,16 @@ class _NsysReader:
                                         strict=True))
         return self._code_by_id.get(sid, -1)
 
-    def _name_codes(self, table: str, column: str, ids: np.ndarray) -> np.ndarray:
+    def _name_codes(self, ids: np.ndarray) -> np.ndarray:
         """String-id column -> our codes (an id missing from StringIds reads as '<unknown>')."""
         codes = self._codes_of(ids)
         codes[codes < 0] = self.strings.code("<unknown>")
         return codes
 
-    def _text_or_id_column(self, table: str, column: str, where: str = "") -> np.ndarray:
+    def _text_or_id_column(self, table: str, column: str) -> np.ndarray:
         """A name column that holds either StringIds ids or plain text, row by row."""
         codes = []
-        for (value,) in self.conn.execute(f"SELECT {column} FROM {table} {where}"):
+        for (value,) in self.conn.execute(f"SELECT {column} FROM {table}"):
             if isinstance(value, int):
                 codes.append(self._code_of(value))
             elif value is None:
@@ -362,7 +363,7 @@ class _NsysReader:
         # Old exports repeat an API call as a "backtrace" row with the same correlation id:
         # keep one row per (process, correlation), the real call when there is one.
         keep = _first_per_key(pid, c["corr"], prefer=c["cls"] != BACKTRACE_EVENT_CLASS)
-        names = self._name_codes(table, "nameId", c["name"][keep])
+        names = self._name_codes(c["name"][keep])
         api = ApiCalls.from_columns({
             "name": names, "start": c["start"][keep], "end": c["end"][keep], "pid": pid[keep],
             "tid": tid[keep], "correlation": c["corr"][keep],
@@ -396,7 +397,7 @@ class _NsysReader:
             names = self._text_or_id_column(table, name_col)
         else:
             c = self._int_columns(table, {**exprs, "name": name_col})
-            names = self._name_codes(table, name_col, c["name"])
+            names = self._name_codes(c["name"])
         pid, _ = _split_global_tid(c["gpid"])
         n = len(names)
         return Kernels.from_columns({
