@@ -261,6 +261,26 @@ class LayerRows(Sequence[dict[str, Any]]):
                                for label, c, x in zip(self.labels, cnt, u, strict=True) if c}}
 
 
+LAYER_COLUMNS = ("step", "device", "index", "kernels", "kernel_us", "span_us", "gap_us")
+
+
+def layer_column(layers: Sequence[dict[str, Any]], name: str, layer_type: str | None = None
+                 ) -> np.ndarray:
+    """One figure of every layer (``LAYER_COLUMNS``), or of the layers of one type, in order:
+    the column itself for ``LayerRows``, with no dict built per layer; else from the rows (a
+    breakdown read from JSON), a figure a row lacks as NaN."""
+    if name not in LAYER_COLUMNS:
+        raise ValueError(f"no layer column {name!r} (one of {', '.join(LAYER_COLUMNS)})")
+    if isinstance(layers, LayerRows):
+        values = getattr(layers, name)
+        if layer_type is None:
+            return values
+        code = layers.types.index(layer_type) if layer_type in layers.types else -1
+        return values[layers.type_code == code]
+    return np.array([r.get(name) for r in layers if layer_type is None or r["type"] == layer_type],
+                    np.int64 if name in ("step", "device", "index") else np.float64)
+
+
 def _bincount_int(key: np.ndarray, values: np.ndarray, n: int) -> np.ndarray:
     """Exact int64 sums of ``values`` per ``key`` in [0, n)."""
     if len(values) == 0 or float(np.abs(values.astype(np.float64)).sum()) < 2.0 ** 52:
@@ -638,8 +658,14 @@ def _between_layers(b: Breakdown) -> int:
     """Ops of steps that have layers in none of them, nor in the step's prologue or epilogue,
     nor launched from another thread: work between two layers."""
     in_layers: Counter = Counter()
-    for row in b.layers:
-        in_layers[(row["step"], row["device"])] += row["kernels"]
+    kernels = layer_column(b.layers, "kernels")
+    if len(kernels):
+        pairs, which = np.unique(np.stack([layer_column(b.layers, "step"),
+                                           layer_column(b.layers, "device")], axis=1),
+                                 axis=0, return_inverse=True)
+        sums = np.bincount(which.ravel(), weights=kernels, minlength=len(pairs))
+        in_layers.update({(s, d): int(n) for (s, d), n in zip(pairs.tolist(), sums.tolist(),
+                                                               strict=True)})
     return int(sum(max(0, s["kernels"] - s["prologue"]["kernels"] - s["epilogue"]["kernels"]
                        - in_layers[(s["index"], s["device"])] - (s.get("other_thread_ops") or 0))
                    for s in b.steps if s.get("layers") and "prologue" in s))

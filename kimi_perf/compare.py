@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kimi_perf.breakdown import Breakdown
+from kimi_perf.breakdown import Breakdown, layer_column
 
 ALL_LAYERS = "all layers (mean)"
 # Said under a comparison whose sides are timed apart (``ComparisonRow.timed_alike``).
@@ -258,7 +258,7 @@ def _mean(b: Breakdown) -> dict | None:
         return None
     n = len(b.layers)
     return {"layers": n,
-            **{k: round(sum(layer[k] for layer in b.layers) / n, 3)
+            **{k: round(sum(layer_column(b.layers, k).tolist()) / n, 3)
                for k in ("kernels", "kernel_us", "span_us")}}
 
 

@@ -51,7 +51,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kimi_perf.breakdown import Breakdown
+from kimi_perf.breakdown import Breakdown, layer_column
 from kimi_perf.compare import (
     aligned_typical,
     pair_label,
@@ -537,9 +537,9 @@ def _behind(check: Check, base: Breakdown | None, cur: Breakdown | None,
     parts.append(f"typical layer {sum(uc.values()) - sum(ub.values()):+.1f} µs in all")
     if check.metric == "span_us":
         # a span is its kernels and the idle time between them: say which moved
-        gaps = [[r.get("gap_us") for r in b.layers if r["type"] == t]
+        gaps = [layer_column(b.layers, "gap_us", t).astype(np.float64)
                 for b, t in ((base, base_type), (cur, cur_type))]
-        if all(g and all(is_finite_number(x) for x in g) for g in gaps):
+        if all(len(g) and np.isfinite(g).all() for g in gaps):
             parts.append(f"idle between kernels {np.median(gaps[1]) - np.median(gaps[0]):+.1f} "
                          "µs (median)")
     return "; ".join(filter(None, parts)) if moved or check.metric == "span_us" else None
@@ -548,8 +548,10 @@ def _behind(check: Check, base: Breakdown | None, cur: Breakdown | None,
 def _samples(b: Breakdown | None, layer_type: str | None, metric: str) -> np.ndarray | None:
     if b is None or layer_type is None:
         return None
-    rows = b.steps if layer_type == STEP else [r for r in b.layers if r["type"] == layer_type]
-    values = np.array([r[metric] for r in rows], dtype=np.float64)
+    if layer_type == STEP:
+        values = np.array([r[metric] for r in b.steps], dtype=np.float64)
+    else:
+        values = layer_column(b.layers, metric, layer_type).astype(np.float64)
     return values if values.size else None
 
 

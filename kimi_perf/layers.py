@@ -534,7 +534,11 @@ def find_repeats(seq: np.ndarray, classes: np.ndarray | None = None,
     kinds = seq if classes is None else classes
     prologue = kinds[: lo[0]]
     gaps = [kinds[hi[i - 1] + 1: lo[i]] for i in range(1, count)]
-    splits = [_head_split(gap, prologue) for gap in gaps]
+    splits_of: dict[bytes, tuple[int, int]] = {}    # the gaps of a step repeat: split each once
+    for gap in gaps:
+        if (key := gap.tobytes()) not in splits_of:
+            splits_of[key] = _head_split(gap, prologue)
+    splits = [splits_of[gap.tobytes()] for gap in gaps]
     # A gap whose head the prologue lacks (a layer type unlike layer 0) keeps the tail length
     # the other gaps have: tails end a layer the same way whatever its type.
     matched_tails = [split for split, matched in splits if matched]
@@ -551,7 +555,8 @@ def find_repeats(seq: np.ndarray, classes: np.ndarray | None = None,
     starts[0] = lo[0] - first_head
     ends = np.r_[starts[1:], 0].astype(np.int64)
     epilogue = kinds[hi[-1] + 1:]
-    ends[-1] = hi[-1] + 1 + max(_match_forward(epilogue, 0, t) for t in tails)
+    distinct_tails = {t.tobytes(): t for t in tails}.values()
+    ends[-1] = hi[-1] + 1 + max(_match_forward(epilogue, 0, t) for t in distinct_tails)
     if (ends - starts).sum() < min_coverage * n:
         return None
     return RepeatSplit(starts=starts, ends=ends)

@@ -314,6 +314,14 @@ def test_layer_rows_read_as_the_dicts_the_figures_give(name):
     if all(s.layer_source == "repeat" for s in steps):
         assert all(len(t["pattern"]) == 12 for t in b.layer_types)
     assert json.loads(json.dumps(b.to_json()))["layers"] == want
+    # a column straight from the columns, as from the dicts (a breakdown read from JSON)
+    from kimi_perf.breakdown import LAYER_COLUMNS, layer_column
+
+    for column in LAYER_COLUMNS:
+        for layer_type in (None, *(t["type"] for t in b.layer_types), "no such type"):
+            from_dicts = [r[column] for r in want if layer_type in (None, r["type"])]
+            assert layer_column(rows, column, layer_type).tolist() == from_dicts
+            assert layer_column(want, column, layer_type).tolist() == from_dicts
 
 
 def test_typical_layer_is_the_most_common_sequence_with_median_times():
