@@ -109,7 +109,7 @@ def floors(c: K3Config, batch: int, context: int, storage: Storage = Storage(),
     verify); what ``kimi-perf floors`` prints."""
     if tokens < 1:
         raise ValueError(f"a step holds at least one token per sequence, not {tokens}")
-    out = {"schema": 1, "preset_hash": c.fingerprint(), "tp": c.tp, "batch": batch,
+    out = {"schema": 1, "config_hash": c.fingerprint(), "tp": c.tp, "batch": batch,
            "tokens": tokens, "context": context, "storage": storage.__dict__,
            "bandwidth_Bps": bandwidth,
            "expected_experts": round(expected_experts(c, batch * tokens), 2),
