@@ -21,6 +21,9 @@ PYTHON=${PYTHON:-python3}
 case "${1:-}" in
 fetch)
   grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
+  # a fetch made before a pin changed must not travel too: two versions of a wheel fail the
+  # install there, in the first seconds of the device's time
+  rm -rf "$WHEELS"
   "$PYTHON" -m pip download -q --no-deps --only-binary=:all: --python-version "${PY_VERSION:-3.12}" \
     --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
     --platform manylinux2014_x86_64 -d "$WHEELS" msgspec==0.23.0 plotly==7.1.0 narwhals==2.29.0 packaging==26.4 \
@@ -40,7 +43,9 @@ run)
   "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" \
     "$WHEELS"/*.whl
   ln -s "$PWD/kernels" "$site/kimi_perf_kernels"
-  export PYTHONPATH="$PWD:$site" PYTHONUNBUFFERED=1
+  # TEARDOWN_CUPTI=0: the check opens a dozen profiler sessions in one process that replays
+  # CUDA graphs; tearing CUPTI down between them is what PyTorch itself avoids with graphs
+  export PYTHONPATH="$PWD:$site" PYTHONUNBUFFERED=1 TEARDOWN_CUPTI=0
   [ -f "$WHEELS/COMMIT" ] && export KIMI_PERF_GIT_COMMIT=$(cat "$WHEELS/COMMIT")
   out=${OUT:-gpu-check-out}
   mkdir -p "$out"

@@ -431,3 +431,24 @@ def test_mxfp4_layout_by_hand():
     again, scale = quantize_mxfp4(expected)
     assert torch.equal(again[0, :2], packed[0, :2]) and again[0, 16] == 0x0F
     assert scale.tolist() == [[127, 128]]
+
+
+@pytest.mark.parametrize("path", ["standard", "specialized"])
+def test_a_prefill_of_the_last_logits_only(weights, path):
+    """The harness's prefill asks for the last position's logits only (a K3 prompt's for
+    every position take B·T·655 kB): the same values as that row of the whole, and the same
+    state after it; the specialized path's prefill falls back with it."""
+    from kimi_perf.decode.validate import make_path
+
+    model = make_path(path, TINY, weights, torch.float32)
+    prompt = torch.randint(0, TINY.vocab, (2, 5), generator=torch.Generator().manual_seed(4))
+    whole_state, last_state = model.new_state(2, 8), model.new_state(2, 8)
+    whole = model.forward(prompt, whole_state)
+    last = model.forward(prompt, last_state, last_logits=True)
+    assert last.shape == (2, 1, TINY.vocab)
+    torch.testing.assert_close(last, whole[:, -1:], rtol=1e-5, atol=1e-5)
+    verify = prompt[:, :3]      # a verify step: the kernel path itself, when it has one
+    whole = model.forward(verify, whole_state, keep_checkpoints=True)
+    last = model.forward(verify, last_state, keep_checkpoints=True, last_logits=True)
+    assert last.shape == (2, 1, TINY.vocab)
+    torch.testing.assert_close(last, whole[:, -1:], rtol=1e-5, atol=1e-5)

@@ -56,10 +56,11 @@ def _layer_hook(model: K3Model):
 
 def _prefill(model: K3Model, prompt: torch.Tensor, state: DecodeState
              ) -> tuple[torch.Tensor, float]:
-    """The prompt through the model (the standard path): logits and seconds taken."""
+    """The prompt through the model (the standard path): its last position's logits and the
+    seconds taken."""
     start = time.perf_counter()
     with annotate("prefill"):
-        logits = model.forward(prompt.to(model.device), state)
+        logits = model.forward(prompt.to(model.device), state, last_logits=True)
     _sync(model.device)
     return logits, time.perf_counter() - start
 
@@ -143,7 +144,6 @@ def run_decode(model: K3Model, prompt: torch.Tensor, steps: int,
     hook = _layer_hook(model)
     logits, prefill_s = _prefill(model, prompt, state)
     next_token = logits[:, -1].argmax(-1, keepdim=True)
-    del logits  # [B, P, vocab] fp32: not to be held through the decode steps
     run = DecodeRun(tokens=torch.empty(batch, warmup + steps, dtype=torch.long),
                     prefill_s=prefill_s, accepted_counts=verify)
     if after_step:

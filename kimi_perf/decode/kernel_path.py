@@ -66,13 +66,15 @@ class KernelPathModel(K3Model):
         return None
 
     def forward(self, tokens: torch.Tensor, state: DecodeState, observer: Observer | None = None,
-                keep_checkpoints: bool = False, layer_hook=None) -> torch.Tensor:
+                keep_checkpoints: bool = False, layer_hook=None,
+                last_logits: bool = False) -> torch.Tensor:
         step = self.steps
         self.steps += 1
         reason = self.unsupported(tokens, keep_checkpoints)
         if reason is not None:
             self.fallbacks.append(f"step {step}: {reason}")
-            return super().forward(tokens, state, observer, keep_checkpoints, layer_hook)
+            return super().forward(tokens, state, observer, keep_checkpoints, layer_hook,
+                                   last_logits)
         c = self.c
         B, T = tokens.shape
         M = B * T
@@ -107,10 +109,12 @@ class KernelPathModel(K3Model):
         self.layer = c.n_layers
         self.launch("attn_res_final")
         out = attn_res(prefix, delta, blocks, blocks.shape[1], -1, self.final_qk, None, eps)
+        if last_logits:
+            out = out.view(B, T, -1)[:, -1].contiguous()
         logits = self.lm_head(out)
         self.end_op()
         state.advance(T, keep_checkpoints)
-        return logits.view(B, T, -1)
+        return logits.view(B, 1 if last_logits else T, -1)
 
     def fused_kda_decode(self, i: int, z: torch.Tensor, state: DecodeState, B: int, T: int,
                          keep: bool, f: torch.Tensor | None = None) -> torch.Tensor:

@@ -234,11 +234,14 @@ class K3Model:
 
     def forward(self, tokens: torch.Tensor, state: DecodeState, observer: Observer | None = None,
                 keep_checkpoints: bool = False,
-                layer_hook: Callable[[int], object] | None = None) -> torch.Tensor:
+                layer_hook: Callable[[int], object] | None = None,
+                last_logits: bool = False) -> torch.Tensor:
         """Logits [B, T, vocab] (fp32) for tokens [B, T]; advances ``state`` by T positions.
 
         ``keep_checkpoints`` stores every position's KDA state for ``state.accept``.
         ``layer_hook(i)`` returns a context manager entered around layer i (NVTX ranges).
+        ``last_logits``: only the last position's [B, 1, vocab], as a server's prefill makes
+        them (a K3 prompt's logits for every position take B·T·655 kB).
         """
         c = self.c
         B, T = tokens.shape
@@ -275,6 +278,8 @@ class K3Model:
         self.launch("attn_res_final")
         prefix = (prefix.float() + delta.float()).to(self.dtype)
         out = self._attn_res(blocks, prefix, "model.output_attn_res", None)
+        if last_logits:
+            out = out[:, -1:]
         self.launch("final_norm")
         out = _rms_norm(out, self.w["model.norm.weight"], c.rms_eps)
         self.launch("lm_head")
