@@ -700,10 +700,6 @@ def floors_cmd(preset_name: str, tp: int | None, batch: int, context: int, weigh
     from kimi_perf.decode.floors import Storage, floors
 
     try:
-        c = preset(preset_name)
-        if tp is not None and c.tp != 1 and tp != c.tp:
-            raise ValueError(f"{preset_name} is already sharded over {c.tp} ranks: for TP "
-                             f"{tp} use --preset k3 --tp {tp}")
         c = preset(preset_name, tp=tp)
     except (KeyError, ValueError) as exc:
         raise TraceError(None, str(exc.args[0] if exc.args else exc)) from None

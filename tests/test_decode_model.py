@@ -38,6 +38,9 @@ def test_presets_have_k3_structure():
     # The packed KDA projection per rank, as vLLM's low-latency GEMM table lists it.
     assert (tp8.in_proj_rows, tp16.in_proj_rows) == (6288, 3216)
     assert preset("k3", n_layers=8).n_layers == 8
+    assert preset("k3", tp=8) == tp8 and preset("k3-tp8", tp=8) == tp8
+    with pytest.raises(ValueError, match="k3-tp8 is already sharded over 8 ranks"):
+        preset("k3-tp8", tp=2)     # not the whole model at TP 2 under the TP8 name
     tiny_mla = [i for i in range(TINY.n_layers) if TINY.is_mla(i)]
     assert tiny_mla == [3, 7]
 

@@ -124,5 +124,8 @@ def preset(name: str, n_layers: int | None = None, tp: int | None = None) -> K3C
     if n_layers is not None:
         config = dataclasses.replace(config, n_layers=n_layers)
     if tp is not None and tp != config.tp:
-        config = dataclasses.replace(config, tp=1).shard(tp)
+        if config.tp != 1:   # one rank's shapes: another TP is another preset's sharding
+            raise ValueError(f"{name} is already sharded over {config.tp} ranks: for TP {tp} "
+                             f"use --preset k3 --tp {tp}")
+        config = config.shard(tp)
     return config
