@@ -551,3 +551,30 @@ def test_annotated_launches_are_the_launches(weights, path, batch, tokens_per_se
         if path == "standard_kernels" and SMALL.is_mla(layer):
             assert ("mla_decode_combine" in annotated) == (splits is not None)
         assert ran.count("all_reduce") == sum("all_reduce" in name for name in annotated)
+
+
+def test_trace_metrics_on_a_gpu_come_from_a_run_without_the_profiler(tmp_path, monkeypatch):
+    """On a GPU the decode metrics come from the profiled steps run again unprofiled (the
+    profiler's cost per kernel would favour the path with fewer): the same drafts and
+    acceptance, the fallbacks said once, the profiled step time kept beside them. Made to
+    happen here on the CPU."""
+    import json
+
+    from click.testing import CliRunner
+
+    from kimi_perf import capture
+    from kimi_perf.cli import main
+
+    args = ["trace", "--layers", "4", "--steps", "1", "--warmup", "0", "--context", "3",
+            "--batch", "2", "--spec-tokens", "3", "--paths", "specialized", "--format", "json"]
+    plain = json.loads(CliRunner().invoke(main, [*args, "--out", str(tmp_path / "a")]).output)
+    monkeypatch.setattr(capture, "times_unprofiled", lambda device: True)
+    result = CliRunner().invoke(main, [*args, "--out", str(tmp_path / "b")])
+    assert result.exit_code == 0, result.output
+    metrics = json.loads(result.output)["run"]["paths"]["specialized"]
+    before = plain["run"]["paths"]["specialized"]
+    assert metrics["timed"].startswith("without a profiler: the profiled run's steps, run again")
+    assert before["timed"].startswith("under the profiler (torch)")
+    assert "profiled_step_latency_s" in metrics and "profiled_step_latency_s" not in before
+    assert metrics["speculative"] == before["speculative"]
+    assert metrics["fallbacks"] == before["fallbacks"] == ["step 0: prefill of 3 tokens"]
