@@ -169,21 +169,22 @@ def is_finite_number(v) -> bool:
         return False
 
 
-def _count(v) -> bool:
-    return _int(v) and v >= 0
+def _is_count(v) -> bool:
+    return _is_int(v) and v >= 0
 
 
-def _int(v) -> bool:
+def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
 def _step_row_ok(r: dict) -> bool:
     """A step row's fields beyond a layer's that the steps table prints."""
-    return (_int(r.get("index")) and _int(r.get("device")) and is_finite_number(r.get("gap_us"))
+    return (_is_int(r.get("index")) and _is_int(r.get("device"))
+            and is_finite_number(r.get("gap_us"))
             and isinstance(r.get("name", ""), str)
             and isinstance(r.get("layer_source", ""), str)
-            and (r.get("other_thread_ops") is None or _count(r["other_thread_ops"]))
-            and all(isinstance(r.get(part), dict) and _count(r[part].get("kernels"))
+            and (r.get("other_thread_ops") is None or _is_count(r["other_thread_ops"]))
+            and all(isinstance(r.get(part), dict) and _is_count(r[part].get("kernels"))
                     and is_finite_number(r[part].get("span_us"))
                     for part in ("prologue", "epilogue")))
 
@@ -200,41 +201,41 @@ def _source_ok(source) -> bool:
                 for k in ("ops", "file", "tool", "format", "steps_found_by"))
             and (repeating is None or (isinstance(repeating, list) and all(
                 isinstance(r, dict) and isinstance(r.get("range"), str)
-                and _count(r.get("instances")) and _count(r.get("kernels"))
+                and _is_count(r.get("instances")) and _is_count(r.get("kernels"))
                 for r in repeating)))
             and (enclosing is None or (isinstance(enclosing, list) and all(
                 isinstance(e, dict) and isinstance(e.get("step"), str)
-                and _count(e.get("encloses")) and _count(e.get("ops")) for e in enclosing)))
+                and _is_count(e.get("encloses")) and _is_count(e.get("ops")) for e in enclosing)))
             and (passes is None or (isinstance(passes, list) and all(
                 isinstance(g, dict) and isinstance(g.get("steps"), list)
                 and all(isinstance(n, str) for n in g["steps"])
                 and _in_ranges_ok(g.get("in_ranges")) for g in passes)))
             and (holding is None or (isinstance(holding, list) and all(
                 isinstance(h, dict) and isinstance(h.get("step"), str)
-                and _count(h.get("passes")) and _count(h.get("layers")) for h in holding)))
-            and (source.get("other_thread_ops") is None or _count(source["other_thread_ops"]))
+                and _is_count(h.get("passes")) and _is_count(h.get("layers")) for h in holding)))
+            and (source.get("other_thread_ops") is None or _is_count(source["other_thread_ops"]))
             and all(counts is None or (isinstance(counts, dict) and all(
-                isinstance(k, str) and _count(n) for k, n in counts.items()))
+                isinstance(k, str) and _is_count(n) for k, n in counts.items()))
                 for counts in (left_out, untimed))
-            and (outside is None or (isinstance(outside, dict) and _count(outside.get("ops"))
+            and (outside is None or (isinstance(outside, dict) and _is_count(outside.get("ops"))
                                      and is_finite_number(outside.get("kernel_us"))
-                                     and _count(outside.get("unlaunched", 0))
+                                     and _is_count(outside.get("unlaunched", 0))
                                      and _partial_ok(outside.get("partial_passes"))
                                      and _in_ranges_ok(outside.get("in_ranges") or [])))
             and (gpus is None or (isinstance(gpus, list) and all(
                 isinstance(g, dict) and (g.get("name") is None or isinstance(g["name"], str))
-                and (g.get("sm_count") is None or _count(g["sm_count"])) for g in gpus))))
+                and (g.get("sm_count") is None or _is_count(g["sm_count"])) for g in gpus))))
 
 
 def _partial_ok(partial) -> bool:
-    return partial is None or (isinstance(partial, dict) and _count(partial.get("parts"))
-                               and _count(partial.get("ops")))
+    return partial is None or (isinstance(partial, dict) and _is_count(partial.get("parts"))
+                               and _is_count(partial.get("ops")))
 
 
 def _in_ranges_ok(in_ranges) -> bool:
     return isinstance(in_ranges, list) and all(
         isinstance(r, dict) and "range" in r and (r["range"] is None or isinstance(r["range"], str))
-        and _count(r.get("ops")) for r in in_ranges)
+        and _is_count(r.get("ops")) for r in in_ranges)
 
 
 def _checked(b: Breakdown, path: Path) -> Breakdown:
@@ -257,11 +258,11 @@ def _checked(b: Breakdown, path: Path) -> Breakdown:
             or not all(isinstance(r, dict)
                        and all(is_finite_number(r.get(m)) for m in METRICS)
                        and _classes_ok(r.get("classes")) for r in rows)
-            or not all(isinstance(r.get("type"), str) and _int(r.get("step"))
-                       and _int(r.get("index")) and _int(r.get("device"))
+            or not all(isinstance(r.get("type"), str) and _is_int(r.get("step"))
+                       and _is_int(r.get("index")) and _is_int(r.get("device"))
                        and is_finite_number(r.get("gap_us")) for r in b.layers)
             or not all(r.get("phase") is None or isinstance(r["phase"], str) for r in b.steps)
-            or not all(r.get("layers") is None or _count(r["layers"]) for r in b.steps)
+            or not all(r.get("layers") is None or _is_count(r["layers"]) for r in b.steps)
             or not all(_step_row_ok(r) for r in b.steps)):
         raise TraceError(path, "breakdown rows lack a type, an index, a device or finite "
                                "kernels, kernel_us, span_us, gap_us or classes, or a step's "
@@ -277,14 +278,14 @@ def _checked(b: Breakdown, path: Path) -> Breakdown:
         if groups is not None and not (isinstance(groups, list) and all(
                 isinstance(g, dict) and isinstance(g.get("figure"), str)
                 and is_finite_number(g.get("low_us")) and is_finite_number(g.get("high_us"))
-                and _count(g.get("low_layers")) and isinstance(g.get("high_layers"), list)
-                and all(_count(i) for i in g["high_layers"])
+                and _is_count(g.get("low_layers")) and isinstance(g.get("high_layers"), list)
+                and all(_is_count(i) for i in g["high_layers"])
                 and isinstance(g.get("median_between", False), bool) for g in groups)):
             raise TraceError(path, f"layer type {t['type']!r}: two_groups is not [{{figure, "
                                    "low_us, high_us, low_layers, high_layers: [index]}]")
         typical = t.get("typical_layer")
         if typical is not None and not (
-                isinstance(typical, dict) and _count(typical.get("layers"))
+                isinstance(typical, dict) and _is_count(typical.get("layers"))
                 and isinstance(typical.get("kernels"), list)
                 and all(isinstance(k, dict) and isinstance(k.get("name"), str)
                         and isinstance(k.get("class"), str)
@@ -305,7 +306,7 @@ def _classes_ok(classes) -> bool:
 
 
 def _layer_type_figures_ok(t: dict) -> bool:
-    return (_count(t.get("layers"))
+    return (_is_count(t.get("layers"))
             and all(is_finite_number(t.get(m)) for m in (*METRICS, "gap_us"))
             and _classes_ok(t.get("classes"))
             and (t.get("pattern") is None or isinstance(t["pattern"], str)))
