@@ -272,7 +272,11 @@ def launch_floors_bytes(c: K3Config, batch: int, context: int) -> dict[str, floa
 
 
 def speed(path: str, c: K3Config, weights, batch: int, context: int, warmup: int, steps: int,
-          device: str, out: Path, bandwidth: float, graphs: bool, gemv=None) -> dict:
+          device: str, out: Path, bandwidth: float, graphs: bool, gemv=None,
+          control: bool = False) -> dict:
+    """One path's run under the profiler, and for graphs its steps again without it.
+    ``control``: also before it, as the process's first profiler session has not yet begun
+    (CUPTI may stay loaded after a session: the two unprofiled times tell whether it costs)."""
     base, _, option = path.partition("+")
     model = build_model(c, weights, PATHS[base], device=device)
     # the specialized path's opt-ins: L2 prefetch, the CuTe DSL GEMV
@@ -286,6 +290,8 @@ def speed(path: str, c: K3Config, weights, batch: int, context: int, warmup: int
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
+    before = run_decode(model, prompt, steps=steps, warmup=warmup, cuda_graphs=True) \
+        if graphs and control else None
     schedule = profiler_schedule(warmup, steps, graphs)
     with torch.profiler.profile(activities=activities, schedule=schedule) as prof:
         run = run_decode(model, prompt, steps=steps, warmup=warmup, after_step=prof.step,
@@ -326,6 +332,8 @@ def speed(path: str, c: K3Config, weights, batch: int, context: int, warmup: int
         # step, the device synchronised after each, as ``step_s``.
         again = run_decode(model, prompt, steps=steps, warmup=warmup, cuda_graphs=True)
         result["unprofiled_step_s"] = again.step_s[warmup:]
+        if before is not None:
+            result["unprofiled_before_any_profiler_step_s"] = before.step_s[warmup:]
     del model
     if device == "cuda":
         torch.cuda.empty_cache()
@@ -492,7 +500,8 @@ def main() -> int:
                 section = time.monotonic()
                 try:
                     results["speed"][key] = speed(path, c, weights, batch, context, warmup,
-                                                  steps, device, work, bandwidth, graphs)
+                                                  steps, device, work, bandwidth, graphs,
+                                                  control=not results["speed"])
                 except Exception:
                     results["errors"].append(f"{key}: {traceback.format_exc()}")
                     print(results["errors"][-1], file=sys.stderr)
@@ -608,6 +617,13 @@ def render_summary(results: dict) -> str:
               if key.startswith("standard ") and speed[key].get("unprofiled_step_s")
               and (speed.get(key.replace("standard", "specialized", 1)) or {})
               .get("unprofiled_step_s")]
+    for key, r in speed.items():
+        if r.get("unprofiled_before_any_profiler_step_s"):
+            first, later = (statistics.median(r[k]) for k in (
+                "unprofiled_before_any_profiler_step_s", "unprofiled_step_s"))
+            lines += ["", f"CUPTI control, {key}: unprofiled step {first * 1e3:.3f} ms before "
+                      f"the process's first profiler session, {later * 1e3:.3f} ms after its "
+                      f"own (ratio {later / first:.2f}: near 1, no cost left behind)"]
     if paired:
         lines += ["", "Unprofiled decode step side by side (ratio: standard over specialized):",
                   "", "| run | standard ms | specialized ms | ratio |", "|---|---:|---:|---:|"]

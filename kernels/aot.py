@@ -43,6 +43,7 @@ class Build:
     signature: dict[str, str]
     constexprs: dict[str, object]
     num_warps: int = 4
+    divisible: list[str] | None = None   # arguments known divisible by 16 (default: _aligned)
 
 
 def builds() -> list[Build]:
@@ -203,9 +204,6 @@ def builds() -> list[Build]:
     return out
 
 
-# Triton's type of each torch dtype a launch passes
-POINTER_TYPES = {"float32": "fp32", "bfloat16": "bf16", "float8_e4m3fn": "fp8e4nv",
-                 "int32": "i32", "int64": "i64", "uint8": "u8"}
 # Constexprs the launchers set from INTERPRETED (kernels/common.py): a GPU compiles them False
 INTERPRETER_FLAGS = ("DOT_FP32", "RNE")
 
@@ -219,6 +217,8 @@ def record_launches(out: Path) -> None:
     correctness run) and bf16 with a bf16 or fp8 cache. The kernels are not run."""
     import torch
     import triton.runtime.interpreter as interpreter
+    from triton.backends.compiler import BaseBackend
+    from triton.runtime.jit import native_specialize_impl
 
     from kimi_perf.decode.config import preset
     from kimi_perf.decode.validate import make_path
@@ -230,22 +230,23 @@ def record_launches(out: Path) -> None:
     def recording_run(self, *args, grid, warmup, **kwargs):
         bound = dict(zip(self.arg_names, args, strict=False)) | kwargs
         params = inspect.signature(self.fn).parameters
-        signature, constexprs = {}, {}
+        signature, constexprs, divisible = {}, {}, []
         for name in self.arg_names:
             value = bound[name]
-            if "constexpr" in str(params[name].annotation) or value is None:
-                signature[name], constexprs[name] = "constexpr", value  # the JIT's rule
-            elif isinstance(value, torch.Tensor):
-                signature[name] = "*" + POINTER_TYPES[str(value.dtype).removeprefix("torch.")]
-            elif isinstance(value, bool):
-                signature[name] = "i1"
-            elif isinstance(value, float):
-                signature[name] = "fp32"
-            else:
-                signature[name] = "i32" if -2**31 <= value < 2**31 else "i64"
+            if "constexpr" in str(params[name].annotation):
+                signature[name], constexprs[name] = "constexpr", value
+                continue
+            # The JIT's own specialization: its type, None and ints equal to 1 made
+            # constexprs, "D" for a pointer or int divisible by 16
+            kind, key = native_specialize_impl(BaseBackend, value, False, True, True)
+            signature[name] = kind
+            if kind == "constexpr":
+                constexprs[name] = key
+            elif key == "D":
+                divisible.append(name)
         launches.append({"module": self.fn.__module__, "kernel": self.fn.__name__,
                          "signature": signature, "constexprs": constexprs,
-                         "num_warps": kwargs.get("num_warps", 4)})
+                         "divisible": divisible, "num_warps": kwargs.get("num_warps", 4)})
         # Recorded, not run: which kernels launch, and how, does not depend on the values
         # (outputs stay uninitialised; nothing reads them as data but the next launches).
 
@@ -289,12 +290,15 @@ def launched_builds() -> list[Build]:
         flags = " ".join(f"{k}={int(v) if isinstance(v, bool) else v}"
                          for k, v in constexprs.items()
                          if k not in INTERPRETER_FLAGS and v is not None)
+        odd = [n for n, t in launch["signature"].items()
+               if t != "constexpr" and t[0] in "*i" and n not in launch["divisible"]]
         label = (f"{launch['kernel'].removesuffix('_kernel')} tiny ({','.join(pointers)}) "
-                 f"{flags}")
-        key = json.dumps([label, launch["signature"], launch["num_warps"]])
+                 f"{flags}{f' (not /16: {chr(44).join(odd)})' if odd else ''}")
+        key = json.dumps([label, launch["signature"], launch["divisible"],
+                          launch["num_warps"]])
         fn = getattr(importlib.import_module(launch["module"]), launch["kernel"])
         builds.setdefault(key, Build(label, fn, launch["signature"], constexprs,
-                                     launch["num_warps"]))
+                                     launch["num_warps"], launch["divisible"]))
     return list(builds.values())
 
 
@@ -321,8 +325,11 @@ def _aligned(build: Build) -> dict:
 
 
 def compile_one(build: Build) -> dict:
+    names = build.fn.arg_names
+    attrs = _aligned(build) if build.divisible is None else {
+        (names.index(name),): [["tt.divisibility", 16]] for name in build.divisible}
     src = ASTSource(fn=build.fn, signature=build.signature, constexprs=build.constexprs,
-                    attrs=_aligned(build))
+                    attrs=attrs)
     kernel = triton.compile(src, target=TARGET, options={"num_warps": build.num_warps})
     with tempfile.TemporaryDirectory() as tmp:
         ptx = Path(tmp) / "k.ptx"

@@ -274,7 +274,9 @@ def layer_column(layers: Sequence[dict[str, Any]], name: str, layer_type: str | 
     if isinstance(layers, LayerRows):
         values = getattr(layers, name)
         if layer_type is None:
-            return values
+            view = values.view()
+            view.flags.writeable = False    # the breakdown's own column: read, not written
+            return view
         code = layers.types.index(layer_type) if layer_type in layers.types else -1
         return values[layers.type_code == code]
     return np.array([r.get(name) for r in layers if layer_type is None or r["type"] == layer_type],

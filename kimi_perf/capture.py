@@ -183,6 +183,9 @@ def capture(req: TraceRequest, progress=None) -> tuple[Path, dict[str, Breakdown
         raise TraceError(None, f"unknown path(s) {', '.join(unknown) or '(none given)'} "
                                f"(choose from {', '.join(PATH_BACKENDS)})")
     config = preset(req.preset, n_layers=req.n_layers)
+    if req.tp != 1 and config.tp != 1:   # one rank's shapes, sharded again: before any work
+        raise TraceError(None, f"{req.preset} is already sharded over {config.tp} ranks: for "
+                               f"TP {req.tp} use --preset k3 --tp {req.tp}")
     with run_directory(req.out_dir, f"{req.preset}-b{req.batch}") as (run_dir, final):
         run_info, results = _capture_all(req, config, device, run_dir, final, progress)
     return final, results, run_info

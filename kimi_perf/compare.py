@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections import Counter
 from dataclasses import dataclass
@@ -119,10 +120,10 @@ def pair_types(types_a: list[dict], types_b: list[dict]
 def class_distance(a: dict, b: dict) -> float:
     """How far two layer types' mixes of kernels per class lie apart: the total variation
     distance of their shares, 0 (the same mix) to 1 (no class in common), so that a fused
-    layer (fewer kernels, in about the same shares) lies close to its unfused form; then, a
-    thousandth as much, the L1 distance of the counts over their sum, so that of two types
-    with one mix the one of the same size lies closer. 0 where one has no classes (a
-    breakdown stored before there were)."""
+    layer (fewer kernels, in about the same shares) lies close to its unfused form; plus a
+    tenth of how many times larger one is (the log of the ratio of their kernels), so that a
+    small fragment of a similar mix does not outbid a layer of about its size whose mix
+    moved. 0 where one has no classes (a breakdown stored before there were)."""
     ca, cb = a.get("classes") or {}, b.get("classes") or {}
     count = {side: {c: v["kernels"] for c, v in classes.items()}
              for side, classes in (("a", ca), ("b", cb))}
@@ -131,9 +132,7 @@ def class_distance(a: dict, b: dict) -> float:
         return 0.0
     shares = sum(abs(count["a"].get(c, 0) / total_a - count["b"].get(c, 0) / total_b)
                  for c in set(ca) | set(cb)) / 2
-    counts = sum(abs(count["a"].get(c, 0) - count["b"].get(c, 0))
-                 for c in set(ca) | set(cb)) / (total_a + total_b)
-    return shares + 1e-3 * counts
+    return shares + 0.1 * abs(math.log(total_a / total_b))
 
 
 def leftover_pairs(types_a: list[dict], types_b: list[dict]) -> list[tuple[int, int]]:

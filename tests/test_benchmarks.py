@@ -238,7 +238,8 @@ def test_gpu_check_summary_sets_unprofiled_graph_steps_side_by_side():
     results = {"environment": {"torch": "t"}, "date": "d", "copy_bandwidth_Bps": 4e12,
                "errors": [], "speed": {
                    "standard b1 graphs": {**run, "step_s": [0.004, 0.005, 0.006],
-                                          "unprofiled_step_s": [0.003, 0.003, 0.004]},
+                                          "unprofiled_step_s": [0.003, 0.003, 0.004],
+                                          "unprofiled_before_any_profiler_step_s": [0.0025]},
                    "specialized b1 graphs": {**run, "step_s": [0.003],
                                              "unprofiled_step_s": [0.002]},
                    "standard b1": {**run, "step_s": [0.01]}}}
@@ -251,4 +252,6 @@ def test_gpu_check_summary_sets_unprofiled_graph_steps_side_by_side():
     assert "| standard b1 graphs | 5.000 | 3.000 | 333 | nvtx | 9 |" in summary
     assert "| standard b1 | 10.000 | - | - | nvtx | 9 |" in summary
     assert "| b1 graphs | 3.000 | 2.000 | 1.50 |" in summary
+    assert ("CUPTI control, standard b1 graphs: unprofiled step 2.500 ms before the process's "
+            "first profiler session, 3.000 ms after its own (ratio 1.20" in summary)
     assert "warning: gemv o_proj M=1 cute" in summary and "error(s)" not in summary

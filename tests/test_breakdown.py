@@ -322,6 +322,8 @@ def test_layer_rows_read_as_the_dicts_the_figures_give(name):
             from_dicts = [r[column] for r in want if layer_type in (None, r["type"])]
             assert layer_column(rows, column, layer_type).tolist() == from_dicts
             assert layer_column(want, column, layer_type).tolist() == from_dicts
+    with pytest.raises(ValueError, match="read-only"):
+        layer_column(rows, "span_us")[0] = 0.0
 
 
 def test_typical_layer_is_the_most_common_sequence_with_median_times():
@@ -591,6 +593,12 @@ def test_leftover_pattern_types_pair_by_their_mix_of_kernels():
     # without classes to tell them apart (an older breakdown), leftovers pair in order
     plain = [dict(t, classes={}) for t in b.layer_types]
     assert leftover_pairs(a.layer_types, plain) == [(0, 0), (1, 1)]
+    # a small fragment of about the same mix (a layer cut at the trace's edge) does not take
+    # the place of the layer of its size whose mix moved
+    layer = _types(("A", "a", 40, 9.0, {"gemm": 30, "norm": 6, "elementwise": 4}))
+    other = _types(("A", "f", 4, 1.0, {"gemm": 3, "norm": 1}),
+                   ("B", "m", 40, 9.0, {"gemm": 24, "norm": 10, "elementwise": 6}))
+    assert pair_layer_types(layer, other) == [("A", "B"), (None, "A")]
 
 
 def test_types_only_later_traces_have_are_one_column(tmp_path):

@@ -338,10 +338,16 @@ def test_a_layer_count_below_one_is_refused():
                     "--from: how layers are found), not '0'")
 
 
-def test_floors_of_a_sharded_preset_at_another_tp_is_refused():
+def test_floors_of_a_sharded_preset_at_another_tp_is_refused(tmp_path):
     _one_line_error(run("floors", "--preset", "k3-tp8", "--tp", "1"),
                     "k3-tp8 is already sharded over 8 ranks: for TP 1 use --preset k3 --tp 1")
     assert run("floors", "--preset", "k3-tp8", "--tp", "8").exit_code == 0
+    # and the main job, before any work (it would shard one rank's weights again; the out
+    # directory, a file, would fail later)
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("")
+    _one_line_error(run("trace", "--preset", "k3-tp8", "--tp", "2", "--out", not_a_dir),
+                    "k3-tp8 is already sharded over 8 ranks: for TP 2 use --preset k3 --tp 2")
     at_8 = json.loads(run("floors", "--preset", "k3", "--tp", "8", "--format", "json").output)
     assert at_8 == json.loads(run("floors", "--format", "json").output) | {"preset": "k3"}
 
