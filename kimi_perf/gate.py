@@ -127,8 +127,8 @@ def load_run(path: str | Path, phase: str = "auto"
             raise TraceError(path, "no such file") from None
         except OSError as exc:
             raise TraceError(path, f"cannot read ({exc.strerror or exc})") from None
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise TraceError(path, f"not JSON ({exc})") from None
+        except (ValueError, RecursionError) as exc:  # also an integer of 4,300 digits or more
+            raise TraceError(path, f"not JSON that can be read ({exc})") from None
         if isinstance(doc, dict) and isinstance(doc.get("paths"), dict) and doc["paths"]:
             if type(doc.get("schema")) is not int or doc["schema"] != 1:
                 raise TraceError(path, "not a kimi-perf run breakdown of schema 1")

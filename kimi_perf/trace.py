@@ -270,7 +270,10 @@ class Trace:
         raw = (table.schema.metadata or {}).get(b"kimi_perf")
         if raw is None:
             raise TraceError(path, "Arrow file without kimi-perf metadata")
-        header = json.loads(raw)
+        try:
+            header = json.loads(raw)
+        except (ValueError, RecursionError) as exc:   # JSONDecodeError is a ValueError
+            raise TraceError(path, f"corrupt kimi-perf metadata ({_first_line(exc)})") from None
         if not isinstance(header, dict) or header.get("version") != FORMAT_VERSION:
             version = header.get("version") if isinstance(header, dict) else None
             raise TraceError(path, f"kimi-perf trace format {version} is not supported (this "
@@ -280,6 +283,8 @@ class Trace:
             raise TraceError(path, "corrupt: its contents do not match their checksum")
         if not isinstance(meta, dict):
             raise TraceError(path, "kimi-perf trace without its metadata")
+        if problem := meta_problem(meta):   # the checksum covers the columns, not the header
+            raise TraceError(path, f"corrupt metadata: {problem}")
 
         def column(name: str) -> pa.Array:
             if name not in table.column_names:
@@ -288,9 +293,20 @@ class Trace:
 
         tables = {}
         for table_name, kind in TABLES.items():
-            cols = {c: column(f"{table_name}.{c}").to_numpy(zero_copy_only=False)
-                    for c in kind.dtypes}
+            cols = {}
+            for c, dtype in kind.dtypes.items():
+                values = column(f"{table_name}.{c}")
+                if values.null_count or not (
+                        values.type == pa.from_numpy_dtype(np.dtype(dtype))
+                        or (c in kind.compact_columns and values.type == pa.int32())):
+                    raise TraceError(path, f"corrupt: column {table_name}.{c} holds "
+                                           f"{values.type} with {values.null_count} nulls")
+                cols[c] = values.to_numpy(zero_copy_only=False)
             tables[table_name] = kind(**cols)
+            try:
+                tables[table_name].check()
+            except ValueError as exc:
+                raise TraceError(path, f"corrupt: {exc}") from None
         strings = column("strings").to_pylist()
         trace = cls(strings=strings, meta=meta, **tables)
         if problem := trace.reference_problem():
@@ -310,6 +326,34 @@ class Trace:
                         lo <= values.min() and values.max() < hi):
                     return f"{table_name}.{col} refers outside [{lo}, {hi})"
         return None
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def meta_problem(meta: dict) -> str | None:
+    """What is wrong with the types of a trace's ``meta`` (the keys analyses read), if anything:
+    a reader or a saved file that gave another type would fail far from here."""
+    gpus, processes = meta.get("gpus", []), meta.get("processes", [])
+    untimed = meta.get("untimed", {"kernels": 0, "memops": 0})
+    if not (isinstance(gpus, list) and all(
+            isinstance(g, dict) and _is_int(g.get("device")) and isinstance(g.get("name"), str)
+            and (g.get("sm_count") is None or _is_int(g["sm_count"])) for g in gpus)):
+        return "gpus is not a list of {device: int, name: str, sm_count: int or null}"
+    if not (isinstance(processes, list) and all(
+            isinstance(p, dict) and _is_int(p.get("pid")) for p in processes)):
+        return "processes is not a list of {pid: int, name}"
+    if not (isinstance(untimed, dict) and all(
+            _is_int(untimed.get(k)) and untimed[k] >= 0 for k in ("kernels", "memops"))):
+        return "untimed is not {kernels: count, memops: count}"
+    for key in ("format", "tool", "file"):
+        if meta.get(key) is not None and not isinstance(meta[key], str):
+            return f"{key} is not a string"
+    for key in ("rank", "world_size"):
+        if meta.get(key) is not None and not _is_int(meta[key]):
+            return f"{key} is not an integer"
+    return None
 
 
 def _checksum(table: pa.Table) -> int:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import gzip
 import json
+import math
 import shutil
 import sqlite3
 
@@ -202,3 +203,119 @@ def test_kptrace_checksum_and_references(tmp_path):
     trace.save(path)
     with pytest.raises(TraceError, match=r"corrupt: kernels.name refers outside \[0, "):
         read_trace(path)
+
+
+def _kptrace_with(tmp_path, change) -> object:
+    """The small Kineto fixture saved as a .kptrace, its table changed by ``change(table,
+    header)`` (the header's checksum then recomputed, as a careful forger would)."""
+    import pyarrow as pa
+
+    from kimi_perf.trace import _checksum
+
+    good = tmp_path / "good.kptrace"
+    read_trace(KINETO_SMALL).save(good)
+    with pa.memory_map(str(good)) as source:
+        table = pa.ipc.open_file(source).read_all()
+    header = json.loads(table.schema.metadata[b"kimi_perf"])
+    table = change(table, header) or table
+    header["crc32"] = _checksum(table)
+    table = table.replace_schema_metadata({"kimi_perf": json.dumps(header)})
+    bad = tmp_path / "bad.kptrace"
+    with pa.OSFile(str(bad), "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
+        writer.write_table(table)
+    return bad
+
+
+def _no_traceback(*args) -> None:
+    from click.testing import CliRunner
+
+    from kimi_perf.cli import main
+
+    result = CliRunner().invoke(main, [str(a) for a in args])
+    assert result.exit_code in (0, 2) and "Traceback" not in result.output, result.output
+    if result.exit_code:
+        assert result.output.count("\n") == 1
+
+
+@FUZZ
+@given(key=st.sampled_from(["gpus", "processes", "untimed", "format", "tool", "file", "rank",
+                            "world_size"]), value=VALUES, data=st.data())
+def test_kptrace_metadata_of_any_type(tmp_path, key, value, data):
+    """A saved trace's header (which its checksum does not cover) with a field of any type,
+    whole or inside a GPU entry: read and analysed, or a one-line error naming the file."""
+    def change(table, header):
+        meta = header["meta"]
+        if key == "gpus" and data.draw(st.booleans()):
+            meta["gpus"] = [{"device": 0, "name": "G", "sm_count": 1,
+                             data.draw(st.sampled_from(["device", "name", "sm_count"])): value}]
+        else:
+            meta[key] = value
+    bad = _kptrace_with(tmp_path, change)
+    read_and_analyse(bad)
+    _no_traceback("info", bad)
+    _no_traceback("trace", "--from", bad, "--out", tmp_path / "runs", "--plotly-js", "cdn")
+
+
+@FUZZ
+@given(column=st.sampled_from(["kernels.pid", "kernels.start", "memops.end", "ranges.name",
+                               "api.tid"]),
+       how=st.sampled_from(["shorten", "lengthen", "nulls", "float"]))
+def test_kptrace_columns_that_disagree(tmp_path, column, how):
+    """Columns of one table with other lengths, nulls or another type, the checksum made to
+    match: an error naming the file, not a crash in an analysis nor a file read as valid."""
+    import pyarrow as pa
+
+    def change(table, header):
+        values = table.column(column).chunk(0).values
+        if how in ("shorten", "lengthen") and len(values) == 0:
+            values = pa.array([1], values.type)    # an empty table made one row long
+        new = {"shorten": lambda: values.slice(0, max(len(values) - 1, 0)),
+               "lengthen": lambda: pa.concat_arrays([values, values.slice(0, 1)]),
+               "nulls": lambda: pa.array([None] * max(len(values), 1), values.type),
+               "float": lambda: pa.array(values.to_numpy(zero_copy_only=False)
+                                         .astype("float64"))}[how]()
+        lists = pa.LargeListArray.from_arrays(pa.array([0, len(new)], pa.int64()), new)
+        return table.set_column(table.column_names.index(column), column, lists)
+    bad = _kptrace_with(tmp_path, change)
+    try:
+        read_trace(bad)
+    except TraceError as exc:
+        assert str(bad) in str(exc) and "\n" not in str(exc)
+    else:
+        raise AssertionError(f"{column} {how}: read as a valid trace")
+
+
+@FUZZ
+@given(field=st.sampled_from(["id", "name", "numSms", None]),
+       value=VALUES.filter(lambda v: not isinstance(v, float) or math.isfinite(v)))
+def test_kineto_device_properties_of_any_type(tmp_path, field, value):
+    """deviceProperties is the trace describing itself: a field of another type leaves that
+    GPU out (or its name or SM count), and what is written can be read back (gate, report)."""
+    doc = json.loads(gzip.decompress(KINETO_SMALL.read_bytes()))
+    if field is None:
+        doc["deviceProperties"] = value
+    else:
+        doc["deviceProperties"] = [{"id": 0, "name": "G", "numSms": 4, field: value}]
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(doc))
+    trace = read_trace(path)
+    assert len(trace.kernels) == len(read_trace(KINETO_SMALL).kernels)
+    for gpu in trace.meta["gpus"]:
+        assert type(gpu["device"]) is int and isinstance(gpu["name"], str)
+    stored = tmp_path / "b.json"
+    _no_traceback("breakdown", path, "--format", "json", "-o", stored)
+    _no_traceback("gate", stored, stored)
+
+
+def test_a_kernel_ending_past_any_clock_is_untimed(tmp_path):
+    """An end at INT64_MAX ns: left out and counted as untimed, not a step whose sums wrap
+    around to minus 9.2e15 µs."""
+    path = tmp_path / "t.sqlite"
+    shutil.copy(NSYS_NEW, path)
+    with contextlib.closing(sqlite3.connect(path)) as db, db:
+        db.execute("UPDATE CUPTI_ACTIVITY_KIND_KERNEL SET end = 9223372036854775807 "
+                   "WHERE rowid = 2")
+    trace = read_trace(path)
+    assert trace.meta["untimed"]["kernels"] == 1
+    assert len(trace.kernels) == len(read_trace(NSYS_NEW).kernels) - 1
+    assert all(s["kernel_us"] >= 0 for s in breakdown(trace).steps)

@@ -462,6 +462,17 @@ def test_cli_exit_codes_and_update(tmp_path):
     result = runner.invoke(main, ["gate", str(tmp_path / "broken.json"), str(trace)])
     assert result.exit_code == 2
     assert result.output.count("\n") == 1 and "broken.json: not JSON" in result.output
+    # JSON that Python's decoder refuses other than as a syntax error
+    for name, text in (("huge.json", '{"schema": 1, "x": ' + "9" * 5000 + "}"),
+                       ("deep.json", '{"schema": 1, "paths": ' + "[" * 100000 + "]" * 100000
+                        + "}")):
+        (tmp_path / name).write_text(text)
+        for command in (["gate", str(tmp_path / name), str(trace)],
+                        ["report", str(tmp_path / name), "-o", str(tmp_path / "r.html")]):
+            result = runner.invoke(main, command)
+            assert result.exit_code == 2 and result.output.count("\n") == 1, result.output
+            assert f"{name}: not JSON that can be read" in result.output
+    assert not (tmp_path / "r.html").exists()
     result = runner.invoke(main, ["gate", str(trace), str(trace), "--metrics", "flops"])
     assert result.exit_code == 2 and "--metrics" in result.output
 

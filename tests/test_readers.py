@@ -506,6 +506,21 @@ def test_formats_are_told_by_content_not_name(tmp_path):
         KINETO / "hta_amd_mi250_rocm62_minitoy.json.gz").meta["format"]
     cut = tmp_path / "cut.sqlite"
     cut.write_bytes(FUSER.read_bytes()[:-1000])
-    with pytest.raises(TraceError, match="truncated: its header says 2011136 bytes, the file "
-                                         "holds 2010136"):
+    with pytest.raises(TraceError, match="truncated or corrupt: its header says 2011136 bytes, "
+                                         "the file holds 2010136"):
         read_trace(cut)
+
+
+@pytest.mark.parametrize("name", ["run%41.sqlite", "run#2.sqlite", "t?x.sqlite", "50%.sqlite"])
+def test_an_export_is_read_whatever_its_name(tmp_path, name):
+    """SQLite opens a URI: '%41', '#' or '?' in a file's name must not open another file
+    ('run%41' read 'runA', 'run#2' read 'run')."""
+    import shutil
+
+    shutil.copy(FUSER, tmp_path / name)
+    decoy = NSYS / "IhorAtlanov-assignment2-systems__result__nsys2025.6.1_NO_CUDA.sqlite"
+    for other in ("runA.sqlite", "run", "t"):
+        shutil.copy(decoy, tmp_path / other)
+    trace = read_trace(tmp_path / name)
+    assert trace.meta["tool"] == read_trace(FUSER).meta["tool"]
+    assert len(trace.kernels) == len(read_trace(FUSER).kernels) > 0

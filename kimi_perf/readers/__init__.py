@@ -10,7 +10,7 @@ from kimi_perf.memory import release_free_memory
 from kimi_perf.nesting import nest_ranges
 from kimi_perf.readers.kineto import GZIP_MAGIC, UTF8_BOM, read_kineto_json
 from kimi_perf.readers.nsys import SQLITE_MAGIC, read_nsys_rep, read_nsys_sqlite
-from kimi_perf.trace import Trace
+from kimi_perf.trace import Trace, meta_problem
 
 ARROW_MAGIC = b"ARROW1"
 
@@ -65,4 +65,6 @@ def read_trace(path: str | Path) -> Trace:
         raise TraceError(path, f"malformed trace ({type(exc).__name__}: "
                                f"{str(exc).splitlines()[0] if str(exc) else 'no detail'})"
                          ) from None
+    if problem := meta_problem(trace.meta):    # what the analyses would trip on, far away
+        raise TraceError(path, f"malformed trace metadata: {problem}")
     return trace

@@ -930,12 +930,21 @@ def _rows_by_correlation(api_corr: np.ndarray, corr: np.ndarray) -> np.ndarray:
     return np.where(hit, order[pos], -1)
 
 
+def _int_or_none(value) -> int | None:
+    return value if type(value) is int and -(2**63) <= value < 2**63 else None
+
+
 def _metadata(doc: dict, path: Path) -> dict:
+    """What the trace says of itself. Nothing of the analysis depends on it, so a field of
+    another type than Kineto writes is left out, not an error: a GPU without an integer id,
+    a name that is not text, an SM count that is not a count."""
     gpus = []
-    for prop in _num(doc.get("deviceProperties")) or []:
-        if isinstance(prop, dict):
-            gpus.append({"device": _num(prop.get("id")), "name": _num(prop.get("name")) or "",
-                         "sm_count": _num(prop.get("numSms"))})
+    props = doc.get("deviceProperties")
+    for prop in props if isinstance(props, list) else []:
+        if isinstance(prop, dict) and (device := _int_or_none(prop.get("id"))) is not None:
+            name, sms = prop.get("name"), _int_or_none(prop.get("numSms"))
+            gpus.append({"device": device, "name": name if isinstance(name, str) else "",
+                         "sm_count": sms if sms is not None and sms >= 0 else None})
     rocm = "roctracer_version" in doc or "hip_runtime_version" in doc
     schema = _num(doc.get("schemaVersion"))
     meta = {
@@ -945,6 +954,6 @@ def _metadata(doc: dict, path: Path) -> dict:
     }
     dist = doc.get("distributedInfo")
     if isinstance(dist, dict) and "rank" in dist:
-        meta["rank"] = _num(dist.get("rank"))
-        meta["world_size"] = _num(dist.get("world_size"))
+        meta["rank"] = _int_or_none(dist.get("rank"))
+        meta["world_size"] = _int_or_none(dist.get("world_size"))
     return meta

@@ -71,10 +71,12 @@ def read_nsys_sqlite(path: str | Path) -> Trace:
     if (expected := _sqlite_size(header)) and path.stat().st_size < expected:
         # SQLite reads the pages that are there and answers from them: a file cut short
         # would read as a trace with its last rows missing
-        raise TraceError(path, f"truncated: its header says {expected} bytes, the file holds "
-                               f"{path.stat().st_size}")
+        raise TraceError(path, f"truncated or corrupt: its header says {expected} bytes, the "
+                               f"file holds {path.stat().st_size}")
     try:
-        conn = sqlite3.connect(f"file:{path}?mode=ro&immutable=1", uri=True)
+        # a URI with the path percent-encoded: '%41', '#' or '?' in a name would open another
+        # file
+        conn = sqlite3.connect(path.absolute().as_uri() + "?mode=ro&immutable=1", uri=True)
     except sqlite3.Error as exc:
         raise TraceError(path, f"cannot open SQLite file ({exc})") from None
     # nsys copies environment and paths verbatim; they need not be UTF-8.
@@ -87,11 +89,18 @@ def read_nsys_sqlite(path: str | Path) -> Trace:
         conn.close()
 
 
+# No clock a trace holds reaches 2^62 ns (146 years): a time there is corrupt, and sums of
+# such times would wrap around int64.
+_LAST_TIME_NS = 1 << 62
+
+
 def _timed(gpu_work: Table) -> tuple[Table, int]:
     """GPU work without a time left out, and how much: CUPTI records a kernel it could not
-    time with start and end 0; a NULL (read as -1) or an end before the start is no time
-    either. Placed at 0, such a kernel would stretch its step over the whole session."""
+    time with start and end 0; a NULL (read as -1), an end before the start or a time past
+    ``_LAST_TIME_NS`` is no time either. Placed at 0, such a kernel would stretch its step
+    over the whole session."""
     untimed = ((gpu_work.start < 0) | (gpu_work.end < gpu_work.start)
+               | (gpu_work.end >= _LAST_TIME_NS)
                | ((gpu_work.start == 0) & (gpu_work.end == 0)))
     if not untimed.any():
         return gpu_work, 0
