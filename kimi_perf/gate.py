@@ -169,6 +169,11 @@ def is_finite_number(v) -> bool:
         return False
 
 
+def _is_figure(v) -> bool:
+    """A count or a time of a breakdown: a finite number, not below 0."""
+    return is_finite_number(v) and v >= 0
+
+
 def _is_count(v) -> bool:
     return _is_int(v) and v >= 0
 
@@ -180,12 +185,12 @@ def _is_int(v) -> bool:
 def _step_row_ok(r: dict) -> bool:
     """A step row's fields beyond a layer's that the steps table prints."""
     return (_is_int(r.get("index")) and _is_int(r.get("device"))
-            and is_finite_number(r.get("gap_us"))
+            and _is_figure(r.get("gap_us"))
             and isinstance(r.get("name", ""), str)
             and isinstance(r.get("layer_source", ""), str)
             and (r.get("other_thread_ops") is None or _is_count(r["other_thread_ops"]))
             and all(isinstance(r.get(part), dict) and _is_count(r[part].get("kernels"))
-                    and is_finite_number(r[part].get("span_us"))
+                    and _is_figure(r[part].get("span_us"))
                     for part in ("prologue", "epilogue")))
 
 
@@ -218,7 +223,7 @@ def _source_ok(source) -> bool:
                 isinstance(k, str) and _is_count(n) for k, n in counts.items()))
                 for counts in (left_out, untimed))
             and (outside is None or (isinstance(outside, dict) and _is_count(outside.get("ops"))
-                                     and is_finite_number(outside.get("kernel_us"))
+                                     and _is_figure(outside.get("kernel_us"))
                                      and _is_count(outside.get("unlaunched", 0))
                                      and _partial_ok(outside.get("partial_passes"))
                                      and _in_ranges_ok(outside.get("in_ranges") or [])))
@@ -256,11 +261,11 @@ def _checked(b: Breakdown, path: Path) -> Breakdown:
             or not all(isinstance(t, dict) and isinstance(t.get("type"), str)
                        for t in b.layer_types)
             or not all(isinstance(r, dict)
-                       and all(is_finite_number(r.get(m)) for m in METRICS)
+                       and all(_is_figure(r.get(m)) for m in METRICS)
                        and _classes_ok(r.get("classes")) for r in rows)
             or not all(isinstance(r.get("type"), str) and _is_int(r.get("step"))
                        and _is_int(r.get("index")) and _is_int(r.get("device"))
-                       and is_finite_number(r.get("gap_us")) for r in b.layers)
+                       and _is_figure(r.get("gap_us")) for r in b.layers)
             or not all(r.get("phase") is None or isinstance(r["phase"], str) for r in b.steps)
             or not all(r.get("layers") is None or _is_count(r["layers"]) for r in b.steps)
             or not all(_step_row_ok(r) for r in b.steps)):
@@ -277,7 +282,7 @@ def _checked(b: Breakdown, path: Path) -> Breakdown:
         groups = t.get("two_groups")
         if groups is not None and not (isinstance(groups, list) and all(
                 isinstance(g, dict) and isinstance(g.get("figure"), str)
-                and is_finite_number(g.get("low_us")) and is_finite_number(g.get("high_us"))
+                and _is_figure(g.get("low_us")) and _is_figure(g.get("high_us"))
                 and _is_count(g.get("low_layers")) and isinstance(g.get("high_layers"), list)
                 and all(_is_count(i) for i in g["high_layers"])
                 and isinstance(g.get("median_between", False), bool) for g in groups)):
@@ -289,7 +294,7 @@ def _checked(b: Breakdown, path: Path) -> Breakdown:
                 and isinstance(typical.get("kernels"), list)
                 and all(isinstance(k, dict) and isinstance(k.get("name"), str)
                         and isinstance(k.get("class"), str)
-                        and is_finite_number(k.get("us"))
+                        and _is_figure(k.get("us"))
                         for k in typical["kernels"])):
             raise TraceError(path, f"layer type {t['type']!r}: typical_layer is not "
                                    "{layers, kernels: [{name, class, us}]}")
@@ -301,13 +306,13 @@ def _checked(b: Breakdown, path: Path) -> Breakdown:
 
 def _classes_ok(classes) -> bool:
     return isinstance(classes, dict) and all(
-        isinstance(c, dict) and is_finite_number(c.get("kernels"))
-        and is_finite_number(c.get("us")) for c in classes.values())
+        isinstance(c, dict) and _is_figure(c.get("kernels"))
+        and _is_figure(c.get("us")) for c in classes.values())
 
 
 def _layer_type_figures_ok(t: dict) -> bool:
     return (_is_count(t.get("layers"))
-            and all(is_finite_number(t.get(m)) for m in (*METRICS, "gap_us"))
+            and all(_is_figure(t.get(m)) for m in (*METRICS, "gap_us"))
             and _classes_ok(t.get("classes"))
             and (t.get("pattern") is None or isinstance(t["pattern"], str)))
 

@@ -692,6 +692,10 @@ def test_report_command_draws_runs_breakdowns_and_traces(tmp_path):
     (lambda d: d["run"].update(floors={"bandwidth_Bps": 1e12, "layer_types": []}),
      "run.floors is not"),
     (lambda d: d.update(run=[1]), "'run' is not an object"),
+    (lambda d: d["paths"]["standard"]["layers"][0].update(span_us=-1e9),
+     "breakdown rows lack a type"),      # a time below 0 is no figure
+    (lambda d: d["paths"]["standard"]["layer_types"][0]["classes"]["gemm"].update(us=-5.0),
+     "layer type 'dense': not {layers, kernels"),
 ])
 def test_report_command_bad_stored_runs(tmp_path, change, message):
     doc = json.loads(BASELINE.read_text())
