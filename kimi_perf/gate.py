@@ -194,42 +194,53 @@ def _step_row_ok(r: dict) -> bool:
                     for part in ("prologue", "epilogue")))
 
 
-def _source_ok(source) -> bool:
-    """The fields of ``source`` that the tables and the report print."""
+def _source_problem(source) -> str | None:
+    """The first field of ``source`` that the tables and the report print and that is not
+    what they expect, as "source.FIELD is not WHAT", or None."""
     if not isinstance(source, dict):
-        return False
+        return "source is not an object"
+
+    def listed(key: str, item) -> bool:
+        value = source.get(key)
+        return value is None or (isinstance(value, list)
+                                 and all(isinstance(v, dict) and item(v) for v in value))
+
+    def counts(key: str) -> bool:
+        value = source.get(key)
+        return value is None or (isinstance(value, dict) and all(
+            isinstance(k, str) and _is_count(n) for k, n in value.items()))
+
     outside, gpus = source.get("outside_steps"), source.get("gpus")
-    left_out, repeating = source.get("steps_left_out"), source.get("repeating_ranges")
-    enclosing, untimed = source.get("enclosing_steps"), source.get("untimed")
-    passes, holding = source.get("pass_ranges"), source.get("steps_holding_passes")
-    return (all(source.get(k) is None or isinstance(source[k], str)
-                for k in ("ops", "file", "tool", "format", "steps_found_by"))
-            and (repeating is None or (isinstance(repeating, list) and all(
-                isinstance(r, dict) and isinstance(r.get("range"), str)
-                and _is_count(r.get("instances")) and _is_count(r.get("kernels"))
-                for r in repeating)))
-            and (enclosing is None or (isinstance(enclosing, list) and all(
-                isinstance(e, dict) and isinstance(e.get("step"), str)
-                and _is_count(e.get("encloses")) and _is_count(e.get("ops")) for e in enclosing)))
-            and (passes is None or (isinstance(passes, list) and all(
-                isinstance(g, dict) and isinstance(g.get("steps"), list)
-                and all(isinstance(n, str) for n in g["steps"])
-                and _in_ranges_ok(g.get("in_ranges")) for g in passes)))
-            and (holding is None or (isinstance(holding, list) and all(
-                isinstance(h, dict) and isinstance(h.get("step"), str)
-                and _is_count(h.get("passes")) and _is_count(h.get("layers")) for h in holding)))
-            and (source.get("other_thread_ops") is None or _is_count(source["other_thread_ops"]))
-            and all(counts is None or (isinstance(counts, dict) and all(
-                isinstance(k, str) and _is_count(n) for k, n in counts.items()))
-                for counts in (left_out, untimed))
-            and (outside is None or (isinstance(outside, dict) and _is_count(outside.get("ops"))
-                                     and _is_figure(outside.get("kernel_us"))
-                                     and _is_count(outside.get("unlaunched", 0))
-                                     and _partial_ok(outside.get("partial_passes"))
-                                     and _in_ranges_ok(outside.get("in_ranges") or [])))
-            and (gpus is None or (isinstance(gpus, list) and all(
-                isinstance(g, dict) and (g.get("name") is None or isinstance(g["name"], str))
-                and (g.get("sm_count") is None or _is_count(g["sm_count"])) for g in gpus))))
+    fields = [
+        *((key, "a string", source.get(key) is None or isinstance(source[key], str))
+          for key in ("ops", "file", "tool", "format", "steps_found_by")),
+        ("repeating_ranges", "[{range, instances, kernels}]", listed(
+            "repeating_ranges", lambda r: isinstance(r.get("range"), str)
+            and _is_count(r.get("instances")) and _is_count(r.get("kernels")))),
+        ("enclosing_steps", "[{step, encloses, ops}]", listed(
+            "enclosing_steps", lambda e: isinstance(e.get("step"), str)
+            and _is_count(e.get("encloses")) and _is_count(e.get("ops")))),
+        ("pass_ranges", "[{steps, in_ranges}]", listed(
+            "pass_ranges", lambda g: isinstance(g.get("steps"), list)
+            and all(isinstance(n, str) for n in g["steps"]) and _in_ranges_ok(g.get("in_ranges")))),
+        ("steps_holding_passes", "[{step, passes, layers}]", listed(
+            "steps_holding_passes", lambda h: isinstance(h.get("step"), str)
+            and _is_count(h.get("passes")) and _is_count(h.get("layers")))),
+        ("other_thread_ops", "a count",
+         source.get("other_thread_ops") is None or _is_count(source["other_thread_ops"])),
+        ("steps_left_out", "{phase: count}", counts("steps_left_out")),
+        ("untimed", "{kernels, memops} as counts", counts("untimed")),
+        ("outside_steps", "{ops, kernel_us, unlaunched, in_ranges, partial_passes: {parts, ops}}",
+         outside is None or (isinstance(outside, dict) and _is_count(outside.get("ops"))
+                             and _is_figure(outside.get("kernel_us"))
+                             and _is_count(outside.get("unlaunched", 0))
+                             and _partial_ok(outside.get("partial_passes"))
+                             and _in_ranges_ok(outside.get("in_ranges") or []))),
+        ("gpus", "[{name, sm_count}]", gpus is None or (isinstance(gpus, list) and all(
+            isinstance(g, dict) and (g.get("name") is None or isinstance(g["name"], str))
+            and (g.get("sm_count") is None or _is_count(g["sm_count"])) for g in gpus))),
+    ]
+    return next((f"source.{key} is not {what}" for key, what, ok in fields if not ok), None)
 
 
 def _partial_ok(partial) -> bool:
@@ -245,16 +256,8 @@ def _in_ranges_ok(in_ranges) -> bool:
 
 def _checked(b: Breakdown, path: Path) -> Breakdown:
     """A breakdown read from JSON, with the fields the gate and the report read."""
-    if not _source_ok(b.source):
-        raise TraceError(path, "source is not {ops, file, tool, format, other_thread_ops, "
-                               "outside_steps: {ops, kernel_us, unlaunched, in_ranges, "
-                               "partial_passes: {parts, ops}}, "
-                               "steps_left_out: {phase: count}, untimed: {kernels, memops}, "
-                               "steps_found_by, repeating_ranges: [{range, instances, "
-                               "kernels}], enclosing_steps: [{step, encloses, ops}], "
-                               "pass_ranges: [{steps, in_ranges}], steps_holding_passes: "
-                               "[{step, passes, layers}], "
-                               "gpus: [{name, sm_count}]}")
+    if problem := _source_problem(b.source):
+        raise TraceError(path, problem)
     rows = [*b.layers, *b.steps] if isinstance(b.layers, list) and isinstance(b.steps, list) \
         else None
     if (rows is None or not isinstance(b.layer_types, list)

@@ -603,7 +603,9 @@ def test_a_malformed_typical_layer_is_one_line(tmp_path, typical):
                                                                "ops": 3}]),
     ("outside_steps", {"ops": 3, "kernel_us": 1.0, "in_ranges": [{"range": 1, "ops": 3}]}),
     ("outside_steps", {"ops": 3, "kernel_us": 1.0, "in_ranges": "prefill"}),
-    ("outside_steps", {"ops": 3, "kernel_us": 1.0, "in_ranges": [{"ops": 3}]})])
+    ("outside_steps", {"ops": 3, "kernel_us": 1.0, "in_ranges": [{"ops": 3}]}),
+    ("gpus", [{"name": 5, "sm_count": 132}]), ("untimed", {"kernels": -1, "memops": 0}),
+    ("steps_holding_passes", [{"step": "s", "passes": 2}]), ("tool", 3)])
 def test_malformed_step_notes_are_one_line(tmp_path, key, value):
     doc = json.loads(BASELINE.read_text())
     doc["paths"]["specialized"]["source"][key] = value
@@ -612,7 +614,7 @@ def test_malformed_step_notes_are_one_line(tmp_path, key, value):
     for args in (["gate", bad, BASELINE], ["breakdown", bad]):
         result = CliRunner().invoke(main, [str(a) for a in args])
         assert result.exit_code == 2 and result.output.count("\n") == 1, result.output
-        assert "bad.json: source is not" in result.output
+        assert f"bad.json: source.{key} is not " in result.output   # the field named
 
 
 @pytest.mark.parametrize("where, key, value", [
