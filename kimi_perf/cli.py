@@ -850,6 +850,13 @@ def trace_cmd(from_files: tuple[Path, ...], phase: str, rules: Path | None,
                              "are found)")
         steps = _count_of("--steps", steps_arg, "a count of decode steps (with --from: a regex "
                           "for the step ranges)")
+        if preset_name is not None and tp != 1:   # a sharded preset at another TP: said first
+            from kimi_perf.decode.config import preset
+
+            try:
+                preset(preset_name, tp=tp)
+            except (KeyError, ValueError) as exc:
+                raise TraceError(None, str(exc.args[0] if exc.args else exc)) from None
         try:
             import torch
         except ImportError as exc:
