@@ -524,3 +524,22 @@ def test_an_export_is_read_whatever_its_name(tmp_path, name):
     trace = read_trace(tmp_path / name)
     assert trace.meta["tool"] == read_trace(FUSER).meta["tool"]
     assert len(trace.kernels) == len(read_trace(FUSER).kernels) > 0
+
+
+def test_a_second_trace_events_list_is_an_error(tmp_path):
+    """A JSON decoder keeps the last of two equal keys: with a second "traceEvents" the
+    trace's own events were dropped without a word. An event named so is no second list."""
+    from kimi_perf.errors import TraceError
+
+    source = KINETO / "hta_amd_mi250_rocm62_minitoy.json.gz"
+    text = gzip.decompress(source.read_bytes()).decode().rstrip()
+    twice = tmp_path / "twice.json"
+    twice.write_text(text[:-1] + ', "traceEvents": []}')
+    with pytest.raises(TraceError, match=r"twice\.json: two 'traceEvents' lists in one object"):
+        read_trace(twice)
+    doc = json.loads(text)
+    for event in doc["traceEvents"][:2]:
+        event["name"] = "traceEvents"
+    named = tmp_path / "named.json"
+    named.write_text(json.dumps(doc))
+    assert len(read_trace(named).kernels) == len(read_trace(source).kernels)

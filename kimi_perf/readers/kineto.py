@@ -26,6 +26,7 @@ from __future__ import annotations
 import codecs
 import contextlib
 import gzip
+import json
 import operator
 import re
 import zlib
@@ -176,10 +177,30 @@ def read_kineto_json(path: str | Path) -> Trace:
 
 # -- the one-shot path ----------------------------------------------------------------------------
 
+def _repeats_trace_events(raw: bytes) -> bool:
+    """Whether an object of the document holds the ``traceEvents`` key twice (only asked when
+    the key's text occurs twice, which an event's name could make it do)."""
+    repeated = False
+
+    def pairs(items: list) -> None:   # every object read as None: nothing is kept
+        nonlocal repeated
+        repeated = repeated or sum(key == "traceEvents" for key, _ in items) > 1
+
+    try:
+        json.loads(raw, object_pairs_hook=pairs)
+    except (ValueError, RecursionError):
+        return False     # not JSON Python reads: the decoders below say what is wrong
+    return repeated
+
+
 def _read_whole(path: Path) -> Trace:
     raw = _load_bytes(path)
     if not _valid_utf8(raw):
         raise TraceError(path, "invalid or truncated JSON (not valid UTF-8)")
+    if raw.count(_KEY) > 1 and _repeats_trace_events(raw):
+        # a decoder keeps the last of repeated keys: the other list's events would be lost
+        raise TraceError(path, "two 'traceEvents' lists in one object: which one is the trace "
+                               "is not certain")
     try:
         doc = _FAST_DOC.decode(raw)
     except msgspec.ValidationError:
