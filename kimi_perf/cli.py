@@ -17,7 +17,7 @@ from kimi_perf import render
 from kimi_perf.attribution import range_kernel_summary
 from kimi_perf.breakdown import Breakdown, breakdown, units_word
 from kimi_perf.classify import load_rules
-from kimi_perf.compare import aligned_typical, compare
+from kimi_perf.compare import compare, comparison_doc, type_pairs
 from kimi_perf.errors import NoStepsMatched, TraceError
 from kimi_perf.layers import PHASES
 from kimi_perf.readers import read_trace
@@ -71,15 +71,6 @@ def _not_an_input(output: Path | None, *inputs: Path | None) -> None:
                                              "it would destroy it")
             except OSError:
                 continue
-
-
-def _typical_pair(ta: dict | None, tb: dict | None) -> dict:
-    """A pair's typical layers for ``compare --kernels --format json``: B's in A's order where
-    it is the same cycle of kernels cut elsewhere, with ``rotation``, how many kernels later
-    B's layers start (as the tables show them)."""
-    shown, shifts = aligned_typical({"a": (ta or {}).get("typical_layer"),
-                                     "b": (tb or {}).get("typical_layer")})
-    return {**shown, **({"rotation": shifts["b"]} if "b" in shifts else {})}
 
 
 def _emit(text: str, output: Path | None) -> None:
@@ -348,39 +339,23 @@ def compare_cmd(a: Path, b: Path | None, path_name: str | None, fmt: str, layers
         name_a, name_b = labels.split(",")
     elif name_a == name_b:
         name_b += "'"
+    if fmt == "json":
+        _emit(json.dumps(comparison_doc(ba, bb, name_a, name_b, kernels), indent=1) + "\n",
+              output)
+        return
     rows = compare(ba, bb)
     unit, unit_b = ba.unit, bb.unit
-    types_a = {t["type"]: t for t in ba.layer_types}
-    types_b = {t["type"]: t for t in bb.layer_types}
-    # each pair of layer types: (its label, A's type, B's type)
-    matched = [(r.label, types_a.get(r.name_a), types_b.get(r.name_b)) for r in rows
-               if r.name_a is not None or r.name_b is not None]
-    from kimi_perf.decode.fusions import ledger_of
-
-    # the two decode paths: per layer type, what each fused launch replaced
-    ledgers = {label: ledger for label, ta, tb in matched if kernels and (ledger := ledger_of(
-        *[((t or {}).get("typical_layer") or {}).get("kernels") or [] for t in (ta, tb)]))}
-    if fmt == "json":
-        typical = {label: _typical_pair(ta, tb) for label, ta, tb in matched} \
-            if kernels else None
-        fusions = {label: {"standard": name_b if swapped else name_a,
-                           "specialized": name_a if swapped else name_b,
-                           "launches": [{**dataclasses.asdict(r), "ratio": r.ratio}
-                                        for r in ledger_rows],
-                           "unmatched_standard": left}
-                   for label, (swapped, ledger_rows, left) in ledgers.items()}
-        _emit(render.comparison_json(rows, name_a, name_b, typical, fusions or None), output)
-        return
     tables = [render.comparison_table(rows, name_a, name_b, unit, unit_b),
               render.comparison_headline(rows, name_a, name_b, unit, unit_b),
               *render.note_lines({name_a: ba, name_b: bb})]
-    for label, ta, tb in matched if kernels else ():
-        tables.append(render.typical_layer_table(label, {name_a: ta, name_b: tb},
+    for pair in type_pairs(ba, bb, rows) if kernels else ():
+        tables.append(render.typical_layer_table(pair.label, {name_a: pair.a, name_b: pair.b},
                                                  units_word((unit, unit_b))))
-        if label in ledgers:
-            swapped, ledger_rows, left = ledgers[label]
+        if pair.ledger is not None:
+            swapped, ledger_rows, left = pair.ledger
             standard, specialized = (name_b, name_a) if swapped else (name_a, name_b)
-            tables.append(render.fusion_table(label, standard, specialized, ledger_rows, left))
+            tables.append(render.fusion_table(pair.label, standard, specialized, ledger_rows,
+                                              left))
     _emit_tables(tables, output)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 from collections import Counter
@@ -356,3 +357,66 @@ def ratio_text(v: float | None) -> str:
     """A ratio to two decimals, or to two significant digits below 0.1 (a CPU run's fused
     path in Triton's interpreter is hundreds of times slower: 0.0041, not 0.00)."""
     return "-" if v is None else f"{v:.2f}" if v == 0 or abs(v) >= 0.1 else f"{v:.2g}"
+
+
+@dataclass
+class TypePair:
+    """One pair of layer types of a comparison: its label, A's type and B's (None where that
+    side has none) and, where A and B are the two decode paths (their launches annotated),
+    the fusion ledger: (whether A is the specialized one, its rows, the standard launches no
+    row took)."""
+
+    label: str
+    a: dict | None
+    b: dict | None
+    ledger: tuple[bool, list, list[str]] | None = None
+
+    def typical_json(self) -> dict:
+        """A's and B's typical layers: B's in A's order where it is the same cycle of kernels
+        cut elsewhere, with ``rotation``, how many kernels later B's layers start."""
+        shown, shifts = aligned_typical({"a": (self.a or {}).get("typical_layer"),
+                                         "b": (self.b or {}).get("typical_layer")})
+        return {**shown, **({"rotation": shifts["b"]} if "b" in shifts else {})}
+
+    def ledger_json(self, name_a: str, name_b: str) -> dict | None:
+        if self.ledger is None:
+            return None
+        swapped, rows, left = self.ledger
+        return {"standard": name_b if swapped else name_a,
+                "specialized": name_a if swapped else name_b,
+                "launches": [{**dataclasses.asdict(r), "ratio": r.ratio} for r in rows],
+                "unmatched_standard": left}
+
+
+def type_pairs(a: Breakdown, b: Breakdown, rows: list[ComparisonRow] | None = None
+               ) -> list[TypePair]:
+    """The pairs ``compare`` makes, each with both types and its fusion ledger, if any."""
+    from kimi_perf.decode.fusions import ledger_of
+
+    types_a = {t["type"]: t for t in a.layer_types}
+    types_b = {t["type"]: t for t in b.layer_types}
+    pairs = []
+    for r in rows if rows is not None else compare(a, b):
+        if r.name_a is None and r.name_b is None:
+            continue    # all layers' mean
+        ta, tb = types_a.get(r.name_a), types_b.get(r.name_b)
+        pairs.append(TypePair(r.label, ta, tb, ledger_of(
+            *[((t or {}).get("typical_layer") or {}).get("kernels") or [] for t in (ta, tb)])))
+    return pairs
+
+
+def comparison_doc(a: Breakdown, b: Breakdown, name_a: str, name_b: str,
+                   kernels: bool = False) -> dict:
+    """``kimi-perf compare --format json``: the rows; with ``kernels`` each pair's typical
+    layers and, where A and B are the two decode paths, ``fusions``: per layer type the
+    fusion ledger."""
+    rows = compare(a, b)
+    doc: dict = {"schema": 1, "a": name_a, "b": name_b, "rows": [r.to_json() for r in rows]}
+    if kernels:
+        pairs = type_pairs(a, b, rows)
+        doc["typical_layers"] = {p.label: p.typical_json() for p in pairs}
+        fusions = {p.label: p.ledger_json(name_a, name_b) for p in pairs if p.ledger}
+        if fusions:
+            doc["fusions"] = fusions
+    return doc
+

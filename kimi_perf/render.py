@@ -300,19 +300,6 @@ def overview_table(rows: list[OverviewRow], unit: str = "kernels") -> Table:
     return table
 
 
-def comparison_json(rows: list[ComparisonRow], label_a: str, label_b: str,
-                    typical: dict | None = None, fusions: dict | None = None) -> str:
-    """The rows; with ``typical`` (``--kernels``) also each layer type's typical layers, A's
-    and B's, and where A and B are the two decode paths, ``fusions``: per layer type the
-    fusion ledger (each specialized launch and the standard launches it replaces)."""
-    doc = {"schema": 1, "a": label_a, "b": label_b, "rows": [r.to_json() for r in rows]}
-    if typical is not None:
-        doc["typical_layers"] = typical
-    if fusions is not None:
-        doc["fusions"] = fusions
-    return json.dumps(doc, indent=1) + "\n"
-
-
 def print_tables(tables: list[Table | str], out: Console | None = None) -> None:
     out = out or console()
     for t in tables:
