@@ -29,12 +29,12 @@ from kimi_perf.compare import (
     count_text,
     differing_patterns,
     overview,
-    pair_layer_types,
     patterns_differ,
     ratio_text,
     rotation_notes,
     spreads,
     stragglers,
+    type_pairs,
 )
 from kimi_perf.errors import TraceError
 from kimi_perf.gate import is_finite_number
@@ -246,24 +246,16 @@ def _typical_html(breakdowns: dict[str, Breakdown]) -> str:
 def _fusions_html(breakdowns: dict[str, Breakdown]) -> str:
     """Where the first trace and another are the two decode paths of this repository (their
     launches annotated: a CPU run, say), each fused launch against the standard launches whose
-    work it does, per layer type (``kimi_perf.decode.fusions``)."""
-    from kimi_perf.decode.fusions import ledger_of
-
+    work it does, per layer type (``kimi_perf.decode.fusions``), paired as compare pairs them."""
     e = html.escape
     labels = list(breakdowns)
     parts = []
     for other in labels[1:]:
-        first, second = breakdowns[labels[0]], breakdowns[other]
-        for name_t, name_u in pair_layer_types(first, second):  # paired as compare pairs them
-            if name_t is None:
+        for pair in type_pairs(breakdowns[labels[0]], breakdowns[other]):
+            if pair.a is None or pair.ledger is None:
                 continue
-            t = next(t for t in first.layer_types if t["type"] == name_t)
-            u = next((u for u in second.layer_types if u["type"] == name_u), None)
-            kernels = [(x or {}).get("typical_layer", {}).get("kernels") or [] for x in (t, u)]
-            ledger = ledger_of(*kernels)
-            if ledger is None:
-                continue
-            swapped, rows, left = ledger
+            t = pair.a
+            swapped, rows, left = pair.ledger
             standard, specialized = (other, labels[0]) if swapped else (labels[0], other)
             body = "".join(
                 f"<tr><td class=name>{e(r.launch)}</td><td>{r.us:.1f}</td>"
