@@ -179,7 +179,8 @@ def _is_count(v) -> bool:
 
 
 def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
+    """An integer that a numpy column holds (steps, indices, devices are read as int64)."""
+    return isinstance(v, int) and not isinstance(v, bool) and -(2**63) <= v < 2**63
 
 
 def _step_row_ok(r: dict) -> bool:

@@ -694,6 +694,8 @@ def test_report_command_draws_runs_breakdowns_and_traces(tmp_path):
     (lambda d: d.update(run=[1]), "'run' is not an object"),
     (lambda d: d["paths"]["standard"]["layers"][0].update(span_us=-1e9),
      "breakdown rows lack a type"),      # a time below 0 is no figure
+    (lambda d: d["paths"]["standard"]["layers"][0].update(step=10**30),
+     "breakdown rows lack a type"),      # an index no int64 column holds
     (lambda d: d["paths"]["standard"]["layer_types"][0]["classes"]["gemm"].update(us=-5.0),
      "layer type 'dense': not {layers, kernels"),
 ])
