@@ -292,8 +292,9 @@ def launched_builds() -> list[Build]:
                          if k not in INTERPRETER_FLAGS and v is not None)
         odd = [n for n, t in launch["signature"].items()
                if t != "constexpr" and t[0] in "*i" and n not in launch["divisible"]]
+        unaligned = f" (not /16: {', '.join(odd)})" if odd else ""
         label = (f"{launch['kernel'].removesuffix('_kernel')} tiny ({','.join(pointers)}) "
-                 f"{flags}{f' (not /16: {chr(44).join(odd)})' if odd else ''}")
+                 f"{flags}{unaligned}")
         key = json.dumps([label, launch["signature"], launch["divisible"],
                           launch["num_warps"]])
         fn = getattr(importlib.import_module(launch["module"]), launch["kernel"])
