@@ -60,6 +60,7 @@ from kimi_perf.compare import (
     rotation,
 )
 from kimi_perf.errors import TraceError
+from kimi_perf.trace import is_int64
 
 METRICS = ("kernels", "kernel_us", "span_us")
 STEP = "step"  # the pseudo layer type of whole decode steps
@@ -175,17 +176,12 @@ def _is_figure(v) -> bool:
 
 
 def _is_count(v) -> bool:
-    return _is_int(v) and v >= 0
-
-
-def _is_int(v) -> bool:
-    """An integer that a numpy column holds (steps, indices, devices are read as int64)."""
-    return isinstance(v, int) and not isinstance(v, bool) and -(2**63) <= v < 2**63
+    return is_int64(v) and v >= 0
 
 
 def _step_row_ok(r: dict) -> bool:
     """A step row's fields beyond a layer's that the steps table prints."""
-    return (_is_int(r.get("index")) and _is_int(r.get("device"))
+    return (is_int64(r.get("index")) and is_int64(r.get("device"))
             and _is_figure(r.get("gap_us"))
             and isinstance(r.get("name", ""), str)
             and isinstance(r.get("layer_source", ""), str)
@@ -267,8 +263,8 @@ def _checked(b: Breakdown, path: Path) -> Breakdown:
             or not all(isinstance(r, dict)
                        and all(_is_figure(r.get(m)) for m in METRICS)
                        and _classes_ok(r.get("classes")) for r in rows)
-            or not all(isinstance(r.get("type"), str) and _is_int(r.get("step"))
-                       and _is_int(r.get("index")) and _is_int(r.get("device"))
+            or not all(isinstance(r.get("type"), str) and is_int64(r.get("step"))
+                       and is_int64(r.get("index")) and is_int64(r.get("device"))
                        and _is_figure(r.get("gap_us")) for r in b.layers)
             or not all(r.get("phase") is None or isinstance(r["phase"], str) for r in b.steps)
             or not all(r.get("layers") is None or _is_count(r["layers"]) for r in b.steps)

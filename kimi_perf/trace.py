@@ -328,8 +328,10 @@ class Trace:
         return None
 
 
-def _is_int(v: object) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
+def is_int64(v: object) -> bool:
+    """A JSON integer (not a bool) that an int64 column holds: ids, indices and counts that
+    metadata and stored breakdowns carry."""
+    return isinstance(v, int) and not isinstance(v, bool) and -(2**63) <= v < 2**63
 
 
 def meta_problem(meta: dict) -> str | None:
@@ -338,20 +340,20 @@ def meta_problem(meta: dict) -> str | None:
     gpus, processes = meta.get("gpus", []), meta.get("processes", [])
     untimed = meta.get("untimed", {"kernels": 0, "memops": 0})
     if not (isinstance(gpus, list) and all(
-            isinstance(g, dict) and _is_int(g.get("device")) and isinstance(g.get("name"), str)
-            and (g.get("sm_count") is None or _is_int(g["sm_count"])) for g in gpus)):
+            isinstance(g, dict) and is_int64(g.get("device")) and isinstance(g.get("name"), str)
+            and (g.get("sm_count") is None or is_int64(g["sm_count"])) for g in gpus)):
         return "gpus is not a list of {device: int, name: str, sm_count: int or null}"
     if not (isinstance(processes, list) and all(
-            isinstance(p, dict) and _is_int(p.get("pid")) for p in processes)):
+            isinstance(p, dict) and is_int64(p.get("pid")) for p in processes)):
         return "processes is not a list of {pid: int, name}"
     if not (isinstance(untimed, dict) and all(
-            _is_int(untimed.get(k)) and untimed[k] >= 0 for k in ("kernels", "memops"))):
+            is_int64(untimed.get(k)) and untimed[k] >= 0 for k in ("kernels", "memops"))):
         return "untimed is not {kernels: count, memops: count}"
     for key in ("format", "tool", "file"):
         if meta.get(key) is not None and not isinstance(meta[key], str):
             return f"{key} is not a string"
     for key in ("rank", "world_size"):
-        if meta.get(key) is not None and not _is_int(meta[key]):
+        if meta.get(key) is not None and not is_int64(meta[key]):
             return f"{key} is not an integer"
     return None
 

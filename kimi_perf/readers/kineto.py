@@ -52,6 +52,7 @@ from kimi_perf.trace import (
     Trace,
     compact_ints,
     index_dtype,
+    is_int64,
 )
 
 GZIP_MAGIC = b"\x1f\x8b"
@@ -952,7 +953,7 @@ def _rows_by_correlation(api_corr: np.ndarray, corr: np.ndarray) -> np.ndarray:
 
 
 def _int_or_none(value) -> int | None:
-    return value if type(value) is int and -(2**63) <= value < 2**63 else None
+    return value if is_int64(value) else None
 
 
 def _metadata(doc: dict, path: Path) -> dict:
