@@ -18,8 +18,9 @@
    the specialized path against the bytes it must move over the measured bandwidth (its
    memory floor). On a GPU the standard path is ``StandardKernelsModel``, one kernel per
    step of vLLM's sequence (the summary names the model class of each run). At batch 1 the
-   specialized path also runs with its opt-in L2 prefetch (``specialized+l2``), side by side
-   with it without.
+   specialized path also runs with its opt-in L2 prefetch (``specialized+l2``), and at batch
+   64 with its routed experts' FC1 grouped by expert (``specialized+grouped``), each side by
+   side with it without.
 5. CuTe DSL against Triton: the CuTe DSL GEMV (``kernels/cute_gemv.py``; its cubins are built
    for sm_90a before the call, since the DSL itself cannot travel) beside the Triton GEMV and
    cuBLAS on the K3 TP8 projections at 1-4 tokens: errors against a float32 product and µs per
@@ -62,10 +63,9 @@ from pathlib import Path
 import torch
 
 from kimi_perf.attribution import range_kernel_summary
-from kimi_perf.breakdown import breakdown
 from kimi_perf.capture import environment, profiler_schedule
 from kimi_perf.decode.config import K3Config, preset
-from kimi_perf.decode.floors import launch_bytes
+from kimi_perf.decode.floors import SAME_BYTES, launch_bytes
 from kimi_perf.decode.fusions import fusion_ledger
 from kimi_perf.decode.harness import GraphedDecodeStep, run_decode
 from kimi_perf.decode.model import K3Model
@@ -73,6 +73,7 @@ from kimi_perf.decode.specialized import SpecializedModel, build_model
 from kimi_perf.decode.validate import rel_err
 from kimi_perf.decode.weights import random_weights
 from kimi_perf.graphs import capture_launches
+from kimi_perf.layer_breakdown import breakdown
 from kimi_perf.readers import read_trace
 
 PATHS = {"standard": "auto", "specialized": "latency_specialized"}
@@ -110,7 +111,8 @@ def copy_bandwidth(device: str, mib: int, repeats: int = 10) -> float:
 
 
 def correctness(device: str, steps: int) -> dict:
-    """Both paths on the GPU against the standard path on the CPU, tiny preset, float32."""
+    """Both paths (and the specialized path's grouped FC1) on the GPU against the standard
+    path on the CPU, tiny preset, float32."""
     c = preset("tiny", n_layers=4)
     weights = random_weights(c, seed=11)
     ref = K3Model(c, weights, dtype=torch.float32)
@@ -120,8 +122,11 @@ def correctness(device: str, steps: int) -> dict:
     want = [ref.forward(tokens[:, :4], ref_state)[:, -1]]
     want += [ref.forward(tokens[:, t: t + 1], ref_state)[:, -1] for t in range(4, 4 + steps)]
     out = {}
-    for name, backend in PATHS.items():
-        model = build_model(c, weights, backend, dtype=torch.float32, device=device)
+    for name in (*PATHS, "specialized+grouped"):
+        base, _, option = name.partition("+")
+        model = build_model(c, weights, PATHS[base], dtype=torch.float32, device=device)
+        if option == "grouped":   # the opt-in grouped FC1, on every step
+            model.group_experts_from = 1
         state = model.new_state(2, 4 + steps)
         got = [model.forward(tokens[:, :4].to(device), state)[:, -1]]
         got += [model.forward(tokens[:, t: t + 1].to(device), state)[:, -1]
@@ -268,7 +273,7 @@ def launch_floors_bytes(c: K3Config, batch: int, context: int) -> dict[str, floa
     for layer_type in ("dense", "kda", "mla"):
         for name, b in launch_bytes(c, layer_type, batch, context).items():
             out[name] = max(out.get(name, 0.0), b)
-    return out
+    return out | {alias: out[name] for alias, name in SAME_BYTES.items() if name in out}
 
 
 def speed(path: str, c: K3Config, weights, batch: int, context: int, warmup: int, steps: int,
@@ -281,6 +286,7 @@ def speed(path: str, c: K3Config, weights, batch: int, context: int, warmup: int
     model = build_model(c, weights, PATHS[base], device=device)
     # the specialized path's opt-ins: L2 prefetch, the CuTe DSL GEMV
     model.l2_prefetch = option == "l2"
+    model.group_experts_from = 1 if option == "grouped" else None
     if option == "cute":
         model.gemv = gemv
     # Eager runs: per-launch ranges attribute kernels to their launch (graphs replay none).
@@ -490,10 +496,10 @@ def main() -> int:
     longest = 0.0
     # The headline first: per-layer µs under CUDA graphs at both batches, then the eager runs
     # (per launch and memory floors); at batch 1, where GEMVs stream weights, also the L2
-    # prefetch, to decide it.
+    # prefetch, and at 64, where tokens share experts, the grouped FC1, to decide them.
     for graphs in (True, False) if device == "cuda" else (False,):
         for batch in batches:
-            for path in [*PATHS, *(["specialized+l2"] if batch == 1 else [])]:
+            for path in [*PATHS, "specialized+l2" if batch == 1 else "specialized+grouped"]:
                 key = f"{path} b{batch}{' graphs' if graphs else ''}"
                 if not budget.allows(key, longest + RESERVE_AFTER_SPEED_S):
                     continue
@@ -581,7 +587,7 @@ def render_summary(results: dict) -> str:
               "|---|---|---|---:|---:|---:|---:|"]
     speed = results.get("speed", {})
     for a, b in (("standard", "specialized"), ("specialized", "specialized+l2"),
-                 ("specialized", "specialized+cute")):
+                 ("specialized", "specialized+grouped"), ("specialized", "specialized+cute")):
         for key, ra in speed.items():
             if not key.startswith(a + " "):
                 continue
@@ -643,8 +649,9 @@ def render_summary(results: dict) -> str:
                          f"{'-' if floor is None else f'{floor:.2f}'} | "
                          f"{'-' if frac is None else f'{frac:.2f}'} |")
     for key, r in results.get("speed", {}).items():  # the fusions, launch by launch
-        other = results["speed"].get(key.replace("specialized", "standard", 1))
-        if not key.startswith("specialized b") or "launches" not in r or not other \
+        path, _, run = key.partition(" ")   # "specialized+grouped", "b64"
+        other = results["speed"].get(f"standard {run}")
+        if not path.startswith("specialized") or "launches" not in r or not other \
                 or "launches" not in other:
             continue
         ledger = fusion_ledger(*([{"name": n, "us": e["us_per_launch"]}

@@ -36,7 +36,7 @@ def _peak_rss() -> int:
 
 def work_kimi(path: Path) -> dict[str, Any]:
     from kimi_perf.attribution import range_kernel_summary
-    from kimi_perf.breakdown import breakdown
+    from kimi_perf.layer_breakdown import breakdown
     from kimi_perf.readers import read_trace
 
     base = _peak_rss()

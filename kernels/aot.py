@@ -57,6 +57,7 @@ def builds() -> list[Build]:
         mla_concat_insert,
         mla_uv_gate,
         moe_experts,
+        moe_grouped_fc1,
         rms_norm,
         router_topk,
         situ_and_mul,
@@ -134,6 +135,18 @@ def builds() -> list[Build]:
             label = "moe_route_fc1_situ E896 k16 I384" if situ else "moe_fc2_combine N3584 I384"
             out.append(Build(f"{label} {tags[shared]}", kernel,
                              _signature(kernel, types, consts), consts, 8))
+    for m in (16, 64, 512):   # the grouped FC1 (opt-in); 512: a verify step of 64 × 8
+        block_m, block_n, block_k = moe_experts.shared_tile(m, True)
+        consts = {"TOP_K": 16, "BETA": 4.0, "BETA_LINEAR": 25.0,
+                  "BLOCK_S": min(16 * m, moe_grouped_fc1.SCAN),
+                  "BLOCK_T": moe_grouped_fc1.BLOCK_T, "BLOCK_N": 32, "BLOCK_K": 64,
+                  "RNE": False, "SHARED": True, "S_USE_DOT": m > skinny_linear.GEMV_MAX_M,
+                  "DOT_FP32": False, "S_BLOCK_M": block_m, "S_BLOCK_N": block_n,
+                  "S_BLOCK_K": block_k}
+        kernel = moe_grouped_fc1.moe_grouped_fc1_situ_kernel
+        out.append(Build(f"moe_grouped_fc1_situ E896 k16 I384 +shared M={m}", kernel,
+                         _signature(kernel, {**routed_types, "x_ptr": "*fp32"}, consts),
+                         consts, 8))
     consts = {"TOP_K": 16, "BLOCK_N": 1024, "RNE": False}
     out.append(Build("moe_finalize k16 N3584", moe_experts.moe_finalize_kernel,
                      _signature(moe_experts.moe_finalize_kernel,
@@ -267,6 +280,7 @@ def record_launches(out: Path) -> None:
                 model.forward(tokens[:2, 4:5], state)
                 model.forward(tokens[:2, 5:9], state, keep_checkpoints=True)
                 state.accept(torch.tensor([2, 4]))
+                model.group_experts_from = 5   # the specialized path's opt-in: routing first
                 five = model.new_state(5, 4, kv_dtype=cache)
                 model.forward(tokens[:, :1], five)
                 model.forward(tokens[:, 1:2], five)

@@ -8,9 +8,9 @@ Library entry points (the CLI is a thin layer over these)::
 """
 
 from kimi_perf.attribution import range_kernel_summary
-from kimi_perf.breakdown import Breakdown, breakdown
-from kimi_perf.compare import compare
+from kimi_perf.comparison import compare
 from kimi_perf.errors import TraceError
+from kimi_perf.layer_breakdown import Breakdown, breakdown
 from kimi_perf.readers import read_trace
 from kimi_perf.trace import Trace
 

@@ -33,8 +33,8 @@ from pathlib import Path
 from typing import Any
 
 from kimi_perf import __version__
-from kimi_perf.breakdown import Breakdown, breakdown
 from kimi_perf.errors import TraceError
+from kimi_perf.layer_breakdown import Breakdown, breakdown
 from kimi_perf.readers import read_trace
 from kimi_perf.readers.nsys import nsys_cli
 from kimi_perf.trace import atomic_write, atomic_write_text, current_umask
@@ -516,6 +516,19 @@ def trace_files(paths: list[Path], keep_runs: bool = False) -> list[Path]:
                 f"*{s}" for s in TRACE_SUFFIXES[2:]) + ")")
         out += found
     return out
+
+
+def run_document(run_dir: Path, results: dict[str, Breakdown], run_info: dict) -> dict:
+    """What ``kimi-perf trace --format json`` prints of a ``capture`` or ``analyse``: the run,
+    each path's (or trace's) breakdown, and the first set against each of the others."""
+    from kimi_perf.comparison import compare
+
+    first, *others = results
+    return {"schema": 1, "run_dir": str(run_dir), "run": run_info,
+            "paths": {k: b.to_json() for k, b in results.items()},
+            "comparisons": [{"a": first, "b": other, "rows": [
+                r.to_json() for r in compare(results[first], results[other])]}
+                for other in others]}
 
 
 def analyse(files: list[Path], out_dir: Path, layers: str = "auto", phase: str = "auto",

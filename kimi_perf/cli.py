@@ -15,10 +15,10 @@ import click
 from kimi_perf import gate as gate_mod
 from kimi_perf import render
 from kimi_perf.attribution import range_kernel_summary
-from kimi_perf.breakdown import Breakdown, breakdown, units_word
 from kimi_perf.classify import load_rules
-from kimi_perf.compare import compare, comparison_doc, type_pairs
+from kimi_perf.comparison import compare, comparison_doc, type_pairs
 from kimi_perf.errors import NoStepsMatched, TraceError
+from kimi_perf.layer_breakdown import Breakdown, breakdown, units_word
 from kimi_perf.layers import PHASES
 from kimi_perf.readers import read_trace
 from kimi_perf.trace import atomic_write_text
@@ -237,7 +237,7 @@ def _breakdown_of(path: Path, layers: str, rules: Path | None, steps: str | None
     if path_name is not None and run_doc is None:
         raise _no_run([path])
     if run_doc is not None:
-        return _one_path(path, runs, True, path_name)[1]
+        return gate_mod.one_path(path, runs, path_name)[1]
     if runs:
         return next(iter(runs.values()))
     layers, steps = _check_layers(layers), _check_steps(steps)
@@ -331,8 +331,10 @@ def compare_cmd(a: Path, b: Path | None, path_name: str | None, fmt: str, layers
         runs_b, run_b = _breakdowns_of(b, layers, rules, step_regex, phase, names[1])
         if path_name is not None and run_a is None and run_b is None:
             raise _no_run([a, b])
-        name_a, ba = _one_path(a, runs_a, run_a is not None, path_name)
-        name_b, bb = _one_path(b, runs_b, run_b is not None, path_name)
+        (name_a, ba), (name_b, bb) = (
+            gate_mod.one_path(f, runs, path_name) if run is not None
+            else next(iter(runs.items())) for f, runs, run in ((a, runs_a, run_a),
+                                                              (b, runs_b, run_b)))
         if name_a == name_b and run_a and run_b:  # one path of two runs: name the runs
             name_a, name_b = (f"{_run_name(f)}:{name_a}" for f in (a, b))
     if labels is not None:
@@ -387,17 +389,6 @@ def _saved_breakdowns(path: Path) -> tuple[dict[str, Breakdown], dict | None]:
     return runs, doc if "paths" in doc else None
 
 
-def _one_path(file: Path, runs: dict[str, Breakdown], is_run: bool, name: str | None
-              ) -> tuple[str, Breakdown]:
-    if not is_run or (name is None and len(runs) == 1):
-        return next(iter(runs.items()))
-    if name is None:
-        raise TraceError(file, f"holds the paths {', '.join(runs)}: choose one with --path")
-    if name not in runs:
-        raise TraceError(file, f"has no path {name!r} (it has {', '.join(runs)})")
-    return name, runs[name]
-
-
 def _run_name(path: Path) -> str:
     """A run's name: its directory's (for a run's breakdown.json, the directory holding it)."""
     return (path if path.is_dir() else path.parent).name or str(path)
@@ -428,72 +419,49 @@ def gate_cmd(baseline: Path, run: Path, metrics: str, rel_tol: float, alpha: flo
     JSON, or a trace. More kernels per layer fail; a slower median fails when it is more than
     --rel-tol slower and a Mann-Whitney U test over the per-layer samples says it is not noise.
     """
-    chosen = tuple(m for m in metrics.split(",") if m)
-    unknown = [m for m in chosen if m not in gate_mod.METRICS]
-    if unknown or not chosen:
-        raise TraceError(None, f"--metrics: choose from {', '.join(gate_mod.METRICS)}")
+    try:
+        tolerances = gate_mod.Tolerances(rel_tol, alpha, metrics=metrics)
+    except ValueError as exc:
+        raise TraceError(None, f"--{exc}") from None
     if update and path_name is not None:
         raise TraceError(None, "--update stores the whole run: it takes no --path")
     if _given("phase") and _stored(baseline) and _stored(run):
         raise TraceError(None, f"--phase applies to traces, and {baseline}, {run} are stored "
                                "breakdowns")
-    current, doc, _ = gate_mod.load_run(run, phase)
     if update and not baseline.exists():
-        if baseline.suffix != ".json":
-            raise TraceError(baseline, "--update writes a baseline .json file")
-        atomic_write_text(baseline, json.dumps(doc, indent=1) + "\n")
+        gate_mod.store_baseline(baseline, gate_mod.load_run(run, phase)[1])
         click.echo(f"baseline {baseline} created from {run}", err=True)
         return
-    base, base_doc, base_file = gate_mod.load_run(baseline, phase)
-    differences = gate_mod.run_differences(base_doc, doc)
-    if path_name is not None and set(base) == set(current) == {gate_mod.TRACE}:
-        raise _no_run([baseline, run])
-    if path_name is not None:
-        base, current = (_only_path(f, runs, path_name)
-                         for f, runs in ((baseline, base), (run, current)))
-    for file, runs, other in ((baseline, base, current), (run, current, base)):
-        if set(other) == {gate_mod.TRACE} and len(runs) > 1:   # which path is the trace?
-            raise TraceError(file, f"holds the paths {', '.join(runs)}: choose the one the "
-                                   "other side stands for with --path")
-    if update and base_file is None:
+    gated = gate_mod.gate_files(baseline, run, tolerances, path_name, phase)
+    if update and gated.baseline_file is None:
         raise TraceError(baseline, "--update replaces a baseline JSON (or a run directory's "
                                    "breakdown.json), not a trace")
-    result = gate_mod.gate(base, current, gate_mod.Tolerances(rel_tol, alpha, metrics=chosen))
-    cpu_times = [m for m in chosen if m != "kernels"] if any(
-        b.unit == "ops" for b in (*base.values(), *current.values())) else []
+    result = gated.result
     if fmt == "json":
-        click.echo(json.dumps({**result.to_json(), "run_differences": differences},
-                              indent=1, allow_nan=False))
+        click.echo(json.dumps(result.to_json(), indent=1, allow_nan=False))
     else:
         console = render.console()
         table = render.gate_table(result, show_all)
         if table.row_count:
             console.print(table)
-        for side, runs in (("baseline", base), ("run", current)):  # steps left out, say
+        for side, runs in (("baseline", gated.baseline), ("run", gated.current)):
             for line in render.note_lines({f"{side} {p}": b for p, b in runs.items()}):
-                console.print(line)
-        if differences:
+                console.print(line)   # steps left out, say
+        if result.run_differences:
             console.print(f"the baseline and the run were captured differently: "
-                          f"{'; '.join(differences)}: their kernels and µs may differ for "
-                          "that alone", style="bold yellow")
-        if cpu_times:
-            console.print(f"{', '.join(cpu_times)} of a CPU run are CPU time (the "
-                          "specialized path in Triton's interpreter), noisy and no speed "
+                          f"{'; '.join(result.run_differences)}: their kernels and µs may "
+                          "differ for that alone", style="bold yellow")
+        if result.cpu_time_metrics:
+            console.print(f"{', '.join(result.cpu_time_metrics)} of a CPU run are CPU time "
+                          "(the specialized path in Triton's interpreter), noisy and no speed "
                           "figure: --metrics kernels gates the launches alone",
                           style="yellow")
         console.print(render.gate_headline(result))
     if update:
-        atomic_write_text(base_file, json.dumps(doc, indent=1) + "\n")
-        click.echo(f"baseline {base_file} updated from {run}", err=True)
+        gate_mod.store_baseline(gated.baseline_file, gated.run_doc)
+        click.echo(f"baseline {gated.baseline_file} updated from {run}", err=True)
     elif not result.ok:
         sys.exit(1)
-
-
-def _only_path(file: Path, runs: dict[str, Breakdown], name: str) -> dict[str, Breakdown]:
-    """One decode path of a run, under its name; a plain trace's one breakdown takes it."""
-    if set(runs) == {gate_mod.TRACE}:
-        return {name: runs[gate_mod.TRACE]}
-    return dict([_one_path(file, runs, True, name)])
 
 
 def _check_plotly_js(ctx, param, value: str) -> str:
@@ -548,7 +516,7 @@ def report_cmd(inputs: tuple[Path, ...], path_name: str | None, labels: str | No
         runs, run_doc = loaded.get(i) or _breakdowns_of(file, layers, rules, step_regex, phase,
                                                         labels_of[i])
         if run_doc is not None and path_name is not None:
-            runs = dict([_one_path(file, runs, True, path_name)])
+            runs = dict([gate_mod.one_path(file, runs, path_name)])
         for name, b in runs.items():
             label = f"{_run_name(file)}:{name}" if run_doc and len(inputs) > 1 else name
             while label in drawn:
@@ -597,50 +565,34 @@ def info(trace: Path) -> None:
 
 
 def _info(trace: Path) -> None:
-    import numpy as np
-
-    t = read_trace(trace)
-    m = t.meta
-    click.echo(f"{trace}: {m.get('format')} from {m.get('tool')}"
-               + (f", schema {m['schema']}" if m.get("schema") else ""))
-    click.echo(f"  kernels {len(t.kernels)}, memcpy/memset {len(t.memops)}, ranges "
-               f"{len(t.ranges)}, API calls {len(t.api)}")
-    if untimed := m.get("untimed"):
+    info = read_trace(trace).summary()
+    click.echo(f"{trace}: {info['format']} from {info['tool']}"
+               + (f", schema {info['schema']}" if info["schema"] else ""))
+    click.echo(f"  kernels {info['kernels']}, memcpy/memset {info['memops']}, ranges "
+               f"{info['ranges']}, API calls {info['api_calls']}")
+    if untimed := info["untimed"]:
         click.echo(f"  left out, without a time: {untimed['kernels']} kernels, "
                    f"{untimed['memops']} memcpy/memset")
-    starts = [tbl.start for tbl in (t.kernels, t.memops, t.ranges, t.api) if len(tbl)]
-    if starts:
-        ends = [tbl.end for tbl in (t.kernels, t.memops, t.ranges, t.api) if len(tbl)]
-        span = max(int(e.max()) for e in ends) - min(int(s.min()) for s in starts)
-        pids = np.unique(np.concatenate([tbl.pid for tbl in (t.kernels, t.memops, t.api)
-                                         if len(tbl)] or [np.empty(0, np.int64)]))
-        pids = pids[pids >= 0]          # -1: GPU work the trace names no process for
-        click.echo(f"  {span / 1e6:,.3f} ms from first to last event; "
-                   f"{len(pids)} process{'es' if len(pids) != 1 else ''} with GPU work or API "
-                   f"calls")
-        # each process, the most kernels first: which of a trace's processes launched what
-        counts = {name: dict(zip(*(a.tolist() for a in np.unique(tbl.pid, return_counts=True)),
-                                 strict=True)) if len(tbl) else {}
-                  for name, tbl in (("kernels", t.kernels), ("API calls", t.api))}
-        ranked = sorted(pids.tolist(), key=lambda p: (-counts["kernels"].get(p, 0), p))
-        for pid in ranked[:INFO_PROCESSES]:
-            click.echo(f"  process {pid}: "
-                       + ", ".join(f"{counts[what].get(pid, 0):,} {what}" for what in counts))
-        if len(ranked) > INFO_PROCESSES:
-            click.echo(f"  and {len(ranked) - INFO_PROCESSES} more processes")
-        if unowned := counts["kernels"].get(-1, 0):
+    if info["span_ns"] is not None:
+        processes = info["processes"]
+        click.echo(f"  {info['span_ns'] / 1e6:,.3f} ms from first to last event; "
+                   f"{len(processes)} process{'es' if len(processes) != 1 else ''} with GPU "
+                   "work or API calls")
+        for p in processes[:INFO_PROCESSES]:   # which of a trace's processes launched what
+            click.echo(f"  process {p['pid']}: {p['kernels']:,} kernels, "
+                       f"{p['api_calls']:,} API calls")
+        if len(processes) > INFO_PROCESSES:
+            click.echo(f"  and {len(processes) - INFO_PROCESSES} more processes")
+        if unowned := info["kernels_without_process"]:
             click.echo(f"  {unowned:,} kernels with no process recorded")
     # GPUs: those the trace describes, and those its kernels ran on (a GPU table may list
     # devices that ran nothing, or be missing).
-    ran = dict(zip(*(a.tolist() for a in np.unique(t.kernels.device, return_counts=True)),
-                   strict=True)) if len(t.kernels) else {}
-    described = {gpu.get("device"): gpu for gpu in m.get("gpus", [])}
-    for device in sorted(set(described) | set(ran), key=lambda d: (d is None, d)):
-        gpu = described.get(device, {})
-        name = gpu.get("name") or ("(unnamed)" if gpu else "(not described in the trace)")
-        click.echo(f"  GPU {device}: {name}"
-                   + (f", {gpu['sm_count']} SMs" if gpu.get("sm_count") else "")
-                   + (f": {ran[device]:,} kernels" if device in ran else ": no kernels"))
+    for gpu in info["gpus"]:
+        name = gpu["name"] or ("(unnamed)" if gpu["described"] else
+                               "(not described in the trace)")
+        click.echo(f"  GPU {gpu['device']}: {name}"
+                   + (f", {gpu['sm_count']} SMs" if gpu["sm_count"] else "")
+                   + (f": {gpu['kernels']:,} kernels" if gpu["kernels"] else ": no kernels"))
 
 
 @main.command(name="floors")
@@ -689,7 +641,8 @@ def floors_cmd(preset_name: str, tp: int | None, batch: int, context: int, weigh
 
 @main.command()
 @click.option("--preset", "preset_name", default="tiny", show_default=True,
-              help="model preset: tiny, k3, k3-tp8, k3-tp16")
+              help="model preset of the whole model: tiny or k3 (the float64 reference "
+              "cannot check one rank's shapes, k3-tp8 or k3-tp16)")
 @click.option("--layers", "n_layers", type=click.IntRange(1),
               help="override the preset's layer count")
 @click.option("--paths", default="standard,specialized", show_default=True,
@@ -736,6 +689,10 @@ def validate(preset_name: str, n_layers: int | None, paths: str, steps: int,
     if unknown:
         raise TraceError(None, f"unknown path(s) {', '.join(unknown)} (available: "
                                f"{', '.join(v.PATHS)})")
+    try:
+        v.whole_model(preset_name)
+    except ValueError as exc:
+        raise TraceError(None, f"--preset: {exc}") from None
     result = v.validate(preset_name, chosen, steps=steps, batch=batch, prompt=prompt,
                         dtype=dtype, kv_cache=kv_cache, seed=seed, n_layers=n_layers,
                         spec_tokens=spec_tokens)
@@ -800,7 +757,7 @@ def trace_cmd(from_files: tuple[Path, ...], phase: str, rules: Path | None,
     layer type, standard vs specialized.
     """
     from kimi_perf import capture as cap
-    from kimi_perf.compare import compare as compare_breakdowns
+    from kimi_perf.comparison import compare as compare_breakdowns
 
     console = render.console(stderr=fmt == "json")
     from kimi_perf.report import plotly_js_for
@@ -866,20 +823,16 @@ def trace_cmd(from_files: tuple[Path, ...], phase: str, rules: Path | None,
             run_dir, results, run_info = cap.capture(
                 req, progress=lambda text, units: bar.update(task, description=text,
                                                              advance=units))
+    if fmt == "json":
+        click.echo(json.dumps(cap.run_document(run_dir, results, run_info), indent=1))
+        return
     labels = list(results)
     a = labels[0]
     compared = [(b, compare_breakdowns(results[a], results[b])) for b in labels[1:]]
-    if fmt == "json":
-        click.echo(json.dumps({
-            "schema": 1, "run_dir": str(run_dir), "run": run_info,
-            "paths": {k: b.to_json() for k, b in results.items()},
-            "comparisons": [{"a": a, "b": b, "rows": [r.to_json() for r in rows]}
-                            for b, rows in compared]}, indent=1))
-        return
     on_cpu = [label for label, b in results.items() if b.unit == "ops"]
     unit = units_word(b.unit for b in results.values())
     if len(labels) >= 3:  # a TP run's ranks, say: every one in one table
-        from kimi_perf.compare import overview
+        from kimi_perf.comparison import overview
 
         console.print(render.overview_table(overview(results), unit))
         console.print(f"{a} against each of the others: the report, or kimi-perf compare")

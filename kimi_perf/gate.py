@@ -14,7 +14,7 @@ is reported.
 
 Layer types found by the repeating kernel pattern (letters in order of first appearance, not
 range names) are paired by their kernel sequence (its digest), whatever their letters; the types
-left over are paired by their mix of kernels per class (``kimi_perf.compare.pair_layer_types``,
+left over are paired by their mix of kernels per class (``kimi_perf.comparison.pair_layer_types``,
 as ``compare`` pairs them). A sequence is a cycle (its digest is of its least rotation): the
 same kernels cut at another kernel are the same layer, checked as usual (a block's span and
 kernel µs do not depend on where it is cut). A pair whose sequences differ is noted
@@ -46,13 +46,12 @@ import json
 import math
 import re
 from collections import Counter
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from kimi_perf.breakdown import Breakdown, layer_column
-from kimi_perf.compare import (
+from kimi_perf.comparison import (
     aligned_typical,
     pair_label,
     pair_layer_types,
@@ -60,7 +59,8 @@ from kimi_perf.compare import (
     rotation,
 )
 from kimi_perf.errors import TraceError
-from kimi_perf.trace import is_int64
+from kimi_perf.layer_breakdown import Breakdown, layer_column
+from kimi_perf.trace import atomic_write_text, is_int64
 
 METRICS = ("kernels", "kernel_us", "span_us")
 STEP = "step"  # the pseudo layer type of whole decode steps
@@ -69,10 +69,28 @@ TRACE = "trace"  # the one path of a breakdown that is not a kimi-perf trace run
 
 @dataclass(frozen=True)
 class Tolerances:
+    """When a time regresses: its median rises by more than ``rel_tol`` and the Mann-Whitney
+    U test gives p < ``alpha`` (with ``min_samples`` a side; see the module doc). ``metrics``:
+    which of ``METRICS`` to check (a tuple, or a comma-separated string)."""
+
     rel_tol: float = 0.05
     alpha: float = 0.01
     min_samples: int = 5
     metrics: tuple[str, ...] = METRICS
+
+    def __post_init__(self) -> None:
+        metrics = self.metrics
+        if isinstance(metrics, str):
+            metrics = tuple(m.strip() for m in metrics.split(",") if m.strip())
+        object.__setattr__(self, "metrics", tuple(metrics))
+        unknown = [str(m) for m in self.metrics if m not in METRICS]
+        if unknown or not self.metrics:
+            raise ValueError(f"metrics: choose from {', '.join(METRICS)} (not "
+                             f"{', '.join(unknown) or 'none'})")
+        if not (math.isfinite(self.rel_tol) and self.rel_tol >= 0):
+            raise ValueError(f"rel_tol: a finite number ≥ 0 (not {self.rel_tol})")
+        if not 0 <= self.alpha <= 1:
+            raise ValueError(f"alpha: a probability in [0, 1] (not {self.alpha})")
 
 
 @dataclass
@@ -95,8 +113,16 @@ class Check:
 
 @dataclass
 class GateResult:
+    """Every check (``checks``), those that fail (``failures``) and whether none does
+    (``ok``). ``run_differences``: how the captures behind the two sides differ (TP 1 vs 2:
+    their figures differ for that alone; None from ``gate`` alone, which has no run
+    information to compare); ``cpu_time_metrics``: the checked times that are CPU
+    time (a run on a CPU: noisy and no speed figure)."""
+
     checks: list[Check]
     tolerances: Tolerances
+    run_differences: list[str] | None = None   # set by gate_files, which has the run docs
+    cpu_time_metrics: list[str] = field(default_factory=list)
 
     @property
     def failures(self) -> list[Check]:
@@ -107,8 +133,71 @@ class GateResult:
         return not self.failures
 
     def to_json(self) -> dict:
-        return {"schema": 1, "ok": self.ok, "tolerances": asdict(self.tolerances),
-                "checks": [asdict(c) for c in self.checks]}
+        doc = {"schema": 1, "ok": self.ok, "tolerances": asdict(self.tolerances),
+               "checks": [asdict(c) for c in self.checks]}
+        if self.run_differences is not None:
+            doc["run_differences"] = self.run_differences
+        return doc | {"cpu_time_metrics": self.cpu_time_metrics}
+
+
+@dataclass
+class GatedRun:
+    """What ``gate_files`` read and found: the result, the breakdowns per decode path of both
+    sides, the document a baseline of the run holds, and the file the baseline came from
+    (None for a trace, which ``store_baseline`` cannot replace)."""
+
+    result: GateResult
+    baseline: dict[str, Breakdown]
+    current: dict[str, Breakdown]
+    run_doc: dict
+    baseline_file: Path | None
+
+
+def gate_files(baseline: str | Path, run: str | Path, tolerances: Tolerances = Tolerances(),
+               path: str | None = None, phase: str = "auto") -> GatedRun:
+    """``gate`` over what two files hold (each a run directory, its ``breakdown.json``, a
+    breakdown JSON or a trace, traces broken down over the steps of ``phase``); ``path``: check
+    that decode path alone (a trace on either side stands for it). A trace against a run of
+    several paths needs ``path``: which one would it stand for?"""
+    baseline, run = Path(baseline), Path(run)
+    current, run_doc, _ = load_run(run, phase)
+    base, base_doc, base_file = load_run(baseline, phase)
+    if path is not None:
+        if set(base) == set(current) == {TRACE}:
+            raise TraceError(None, f"--path picks a decode path of a kimi-perf run: neither "
+                                   f"{baseline} nor {run} is one")
+        base, current = ({path: runs[TRACE]} if set(runs) == {TRACE}
+                         else dict([one_path(file, runs, path)])
+                         for file, runs in ((baseline, base), (run, current)))
+    for file, runs, other in ((baseline, base, current), (run, current, base)):
+        if set(other) == {TRACE} and len(runs) > 1:
+            raise TraceError(file, f"holds the paths {', '.join(runs)}: choose the one the "
+                                   "other side stands for with --path")
+    result = gate(base, current, tolerances)
+    result.run_differences = run_differences(base_doc, run_doc)
+    return GatedRun(result, base, current, run_doc, base_file)
+
+
+def one_path(file: Path, runs: dict[str, Breakdown], name: str | None
+             ) -> tuple[str, Breakdown]:
+    """A run's decode path ``name`` (None: its only one), or an error naming the paths."""
+    if name is None and len(runs) == 1:
+        return next(iter(runs.items()))
+    if name is None:
+        raise TraceError(file, f"holds the paths {', '.join(runs)}: choose one with --path")
+    if name not in runs:
+        raise TraceError(file, f"has no path {name!r} (it has {', '.join(runs)})")
+    return name, runs[name]
+
+
+def store_baseline(file: str | Path, run_doc: dict) -> None:
+    """Write a run's document (``load_run``'s second value, ``GatedRun.run_doc``) as the
+    baseline JSON ``file``, whole or not at all."""
+    file = Path(file)
+    if file.is_dir() or file.suffix != ".json":
+        raise TraceError(file, "a baseline is a .json file (a run directory's breakdown.json "
+                               "or one of its own)")
+    atomic_write_text(file, json.dumps(run_doc, indent=1) + "\n")
 
 
 def load_run(path: str | Path, phase: str = "auto"
@@ -138,7 +227,7 @@ def load_run(path: str | Path, phase: str = "auto"
         if isinstance(doc, dict) and "layer_types" in doc:
             return {TRACE: _checked(Breakdown.from_json(doc, path), path)}, doc, path
         raise TraceError(path, "neither a kimi-perf run breakdown nor a breakdown JSON")
-    from kimi_perf.breakdown import breakdown
+    from kimi_perf.layer_breakdown import breakdown
     from kimi_perf.readers import read_trace
 
     b = breakdown(read_trace(path), phase=phase)
@@ -337,9 +426,6 @@ def _timeline_ok(timeline) -> bool:
 def gate(baseline: dict[str, Breakdown], current: dict[str, Breakdown],
          tolerances: Tolerances = Tolerances()) -> GateResult:
     """Every (path, layer type, metric) of the baseline checked against the run."""
-    unknown = set(tolerances.metrics) - set(METRICS)
-    if unknown:
-        raise ValueError(f"unknown metrics {sorted(unknown)} (choose from {METRICS})")
     if len(baseline) == 1 and len(current) == 1 and TRACE in (*baseline, *current):
         # a plain trace against one path: compare them, whatever the name
         current = {next(iter(baseline)): next(iter(current.values()))}
@@ -377,7 +463,9 @@ def gate(baseline: dict[str, Breakdown], current: dict[str, Breakdown],
                 if cur_type not in (None, label):
                     check.run_layer_type = cur_type
             checks += found
-    return GateResult(checks, tolerances)
+    cpu_times = [m for m in tolerances.metrics if m != "kernels"] if any(
+        b.unit == "ops" for b in (*baseline.values(), *current.values())) else []
+    return GateResult(checks, tolerances, cpu_time_metrics=cpu_times)
 
 
 # What makes two captures comparable: the model, the step's shape and how it ran.

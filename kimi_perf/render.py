@@ -15,8 +15,7 @@ from rich.table import Table
 from rich.text import Text
 
 from kimi_perf.attribution import RangeKernelRow
-from kimi_perf.breakdown import Breakdown, layer_notes, step_notes
-from kimi_perf.compare import (
+from kimi_perf.comparison import (
     PAIRING,
     UNLIKE_TIMES,
     ComparisonRow,
@@ -31,6 +30,7 @@ from kimi_perf.compare import (
     stragglers,
 )
 from kimi_perf.gate import GateResult
+from kimi_perf.layer_breakdown import Breakdown, layer_notes, step_notes
 from kimi_perf.names import short_names
 
 

@@ -19,8 +19,7 @@ from pathlib import Path
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from kimi_perf.breakdown import Breakdown, layer_notes, step_notes, units_word
-from kimi_perf.compare import (
+from kimi_perf.comparison import (
     PAIRING,
     UNLIKE_TIMES,
     aligned_types,
@@ -38,6 +37,7 @@ from kimi_perf.compare import (
 )
 from kimi_perf.errors import TraceError
 from kimi_perf.gate import is_finite_number
+from kimi_perf.layer_breakdown import Breakdown, layer_notes, step_notes, units_word
 from kimi_perf.names import demangle, short_names
 from kimi_perf.trace import atomic_write_text
 

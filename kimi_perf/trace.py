@@ -23,6 +23,7 @@ import stat
 import sys
 import tempfile
 import zlib
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Self
@@ -89,6 +90,9 @@ class Table:
                 rows = len(getattr(self, name))
                 raise ValueError(f"{type(self).__name__}.{name} has {rows} rows, not {n}")
 
+    def __repr__(self) -> str:    # not every value of every column
+        return f"{type(self).__name__}({len(self)} rows)"
+
     def columns(self) -> dict[str, np.ndarray]:
         return {name: getattr(self, name) for name in self.dtypes}
 
@@ -116,7 +120,7 @@ def index_dtype(n: int) -> type[np.integer]:
     return np.int32 if n <= _INT32.max else np.int64
 
 
-@dataclass
+@dataclass(repr=False)
 class Kernels(Table):
     """GPU kernels. ``tid`` and ``api`` (row in ``Trace.api``) come from the launch join."""
 
@@ -139,7 +143,7 @@ class Kernels(Table):
     compact_columns = ("stream", "pid", "tid", "correlation", "graph_id", "graph_node_id", "api")
 
 
-@dataclass
+@dataclass(repr=False)
 class MemOps(Table):
     """memcpy / memset on the GPU; ``name`` reads like nsys's ("[CUDA memcpy Host-to-Device]")."""
 
@@ -160,7 +164,7 @@ class MemOps(Table):
     compact_columns = ("stream", "pid", "tid", "correlation", "api")
 
 
-@dataclass
+@dataclass(repr=False)
 class Ranges(Table):
     """NVTX ranges and profiler annotations.
 
@@ -192,7 +196,7 @@ class Ranges(Table):
     compact_columns = ("pid", "tid", "stream", "parent")
 
 
-@dataclass
+@dataclass(repr=False)
 class ApiCalls(Table):
     """CUDA/HIP runtime and driver API calls (launches among them), by thread."""
 
@@ -215,7 +219,7 @@ TABLES: dict[str, type[Table]] = {
 }
 
 
-@dataclass
+@dataclass(repr=False)
 class Trace:
     """A whole trace: four tables, the string table they index, and metadata.
 
@@ -233,6 +237,52 @@ class Trace:
     ranges: Ranges = field(default_factory=Ranges.empty)
     api: ApiCalls = field(default_factory=ApiCalls.empty)
     meta: dict[str, Any] = field(default_factory=dict)
+
+    def __repr__(self) -> str:
+        """What it holds, in one line: not its strings or its metadata's process list."""
+        meta = self.meta
+        what = ", ".join(str(meta[k]) for k in ("format", "tool") if meta.get(k))
+        names = Counter(str(g.get("name")) for g in meta.get("gpus") or [])
+        gpus = ", ".join(f"{n}× {name}" if n > 1 else name for name, n in names.items())
+        return (f"Trace({Path(meta['file']).name + ', ' if meta.get('file') else ''}{what}: "
+                f"{len(self.kernels)} kernels, {len(self.memops)} memops, "
+                f"{len(self.ranges)} ranges, {len(self.api)} API calls"
+                f"{', GPUs: ' + gpus if gpus else ''})")
+
+    def summary(self) -> dict[str, Any]:
+        """What ``kimi-perf info`` prints: format, tool and schema; events of each kind (and
+        GPU work left out for want of a time); the span from the first event to the last
+        (ns, None without events); each process with GPU work or API calls, the most kernels
+        first (``kernels_without_process``: GPU work the trace names no process for); each
+        GPU the trace describes or its kernels ran on (``name`` None where undescribed)."""
+        m = self.meta
+        tables = (self.kernels, self.memops, self.ranges, self.api)
+        timed = [t for t in tables if len(t)]
+        span = (max(int(t.end.max()) for t in timed) - min(int(t.start.min()) for t in timed)
+                if timed else None)
+
+        def per(column: np.ndarray) -> dict[int, int]:
+            values, counts = np.unique(column, return_counts=True)
+            return dict(zip(values.tolist(), counts.tolist(), strict=True))
+
+        kernels, api = per(self.kernels.pid), per(self.api.pid)
+        pids = {p for p in (*kernels, *api, *per(self.memops.pid)) if p >= 0}
+        ran = per(self.kernels.device)
+        described = {gpu.get("device"): gpu for gpu in m.get("gpus", [])}
+        return {
+            "format": m.get("format"), "tool": m.get("tool"), "schema": m.get("schema"),
+            "kernels": len(self.kernels), "memops": len(self.memops),
+            "ranges": len(self.ranges), "api_calls": len(self.api),
+            "untimed": m.get("untimed"), "span_ns": span,
+            "processes": [{"pid": p, "kernels": kernels.get(p, 0), "api_calls": api.get(p, 0)}
+                          for p in sorted(pids, key=lambda p: (-kernels.get(p, 0), p))],
+            "kernels_without_process": kernels.get(-1, 0),
+            "gpus": [{"device": d, "name": described.get(d, {}).get("name"),
+                      "described": d in described,
+                      "sm_count": described.get(d, {}).get("sm_count"),
+                      "kernels": ran.get(d, 0)}
+                     for d in sorted(set(described) | set(ran), key=lambda d: (d is None, d))],
+        }
 
     def names_matching(self, pattern) -> np.ndarray:
         """Boolean mask over string codes: which strings match a compiled regex (search)."""
@@ -311,7 +361,24 @@ class Trace:
         trace = cls(strings=strings, meta=meta, **tables)
         if problem := trace.reference_problem():
             raise TraceError(path, f"corrupt: {problem}")
+        trace.drop_unreferenced_strings()   # a file saved before readers dropped them
         return trace
+
+    def drop_unreferenced_strings(self) -> None:
+        """Keep only the strings a table names. An nsys export's StringIds also holds what the
+        profiled process ran with (its environment and command line: tokens, keys), which no
+        analysis reads and which a saved ``.kptrace`` or a notebook's output must not carry."""
+        columns = [(table, name) for table in (self.kernels, self.memops, self.ranges, self.api)
+                   for name in ("name", "domain") if hasattr(table, name)]
+        used = np.zeros(len(self.strings), bool)
+        for table, name in columns:
+            used[getattr(table, name)] = True
+        if used.all():
+            return
+        new_code = (np.cumsum(used) - 1).astype(np.int32)
+        for table, name in columns:
+            setattr(table, name, new_code[getattr(table, name)])
+        self.strings = [s for s, keep in zip(self.strings, used.tolist(), strict=True) if keep]
 
     def reference_problem(self) -> str | None:
         """What points outside the trace, if anything: a name not among the strings, a launch

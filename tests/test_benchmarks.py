@@ -54,7 +54,9 @@ def test_gpu_decode_check_plumbing_on_the_cpu(tmp_path):
     assert all(r["ok"] for r in results["correctness"].values())
     speed = results["speed"]
     assert set(speed) == {"standard b1", "specialized b1", "specialized+l2 b1", "standard b2",
-                          "specialized b2"}
+                          "specialized b2", "specialized+grouped b2"}
+    grouped = {t["type"]: t["kernels"] for t in speed["specialized+grouped b2"]["layer_types"]}
+    assert grouped == {"dense": 7, "kda": 10, "mla": 13}    # routing in a launch of its own
     prefetch = {t["type"]: t["kernels"] for t in speed["specialized+l2 b1"]["layer_types"]}
     assert prefetch == {"dense": 8, "kda": 10, "mla": 13}
     kernels = {t["type"]: t["kernels"] for t in speed["specialized b1"]["layer_types"]}
@@ -64,6 +66,7 @@ def test_gpu_decode_check_plumbing_on_the_cpu(tmp_path):
     assert "| run | model | layer type |" in proc.stdout
     assert "| standard vs specialized | b1 | kda | 18 vs 9 |" in proc.stdout  # side by side
     assert "| specialized vs specialized+l2 | b1 | kda | 9 vs 10 |" in proc.stdout
+    assert "| specialized vs specialized+grouped | b2 | mla | 12 vs 13 |" in proc.stdout
     assert results["skipped"] == []
     assert results["gemv"] == {"skipped": "no GPU"}   # CuTe DSL cubins launch on a GPU only
     assert "GEMV side by side: skipped (no GPU)" in proc.stdout
@@ -102,11 +105,11 @@ def test_gpu_check_skips_what_its_budget_cannot_fit(tmp_path):
     results = json.loads((tmp_path / "results.json").read_text())
     assert results["speed"] == {} and "gemv" not in results
     skipped = [s.split(":")[0] for s in results["skipped"]]
-    assert skipped[:6] == ["standard b1", "specialized b1", "specialized+l2 b1", "standard b2",
-                           "specialized b2", "gemv"]
+    assert skipped[:7] == ["standard b1", "specialized b1", "specialized+l2 b1", "standard b2",
+                           "specialized b2", "specialized+grouped b2", "gemv"]
     assert results["main_job"]["eager"]["returncode"] == 0
     # the main job's runs that the time left cannot fit at a minute each are skipped, said
-    assert skipped[6:] == [f"kimi-perf trace ({k})" for k in ("eager", "spec3")
+    assert skipped[7:] == [f"kimi-perf trace ({k})" for k in ("eager", "spec3")
                            if k not in results["main_job"]]
     summary = (tmp_path / "summary.md").read_text()
     assert "skipped standard b1: " in summary and summary in proc.stdout
@@ -226,6 +229,19 @@ def test_gpu_check_summary_sets_each_fused_launch_against_what_it_replaced():
     assert "specialized b1: each launch against the standard launches it replaces" in summary
     assert "| fused_kda_decode | 8.00 | f_b_proj + fused_kda_decode | 12.00 | 1.50 |" in summary
     assert "| o_proj | 5.00 | o_proj | 5.00 | 1.00 |" in summary
+    # an opt-in's run against the standard run of its batch: the grouped FC1 and its routing
+    moe = {n: {**launch, "us_per_launch": us} for n, us in
+           (("topk", 2.0), ("moe_fc1_situ", 30.0), ("shared_gate_up", 6.0),
+            ("shared_situ_and_mul", 2.0))}
+    grouped = {n: {**launch, "us_per_launch": us} for n, us in
+               (("router_topk", 2.0), ("moe_grouped_fc1_situ_shared_gate_up", 20.0))}
+    results["speed"] = {"standard b64": {**run, "launches": moe},
+                        "specialized+grouped b64": {**run, "launches": grouped}}
+    summary = _gpu_check().render_summary(results)
+    assert "specialized+grouped b64: each launch against the standard" in summary
+    assert ("| moe_grouped_fc1_situ_shared_gate_up | 20.00 | moe_fc1_situ + shared_gate_up + "
+            "shared_situ_and_mul | 38.00 | 1.90 |") in summary
+    assert "| router_topk | 2.00 | topk | 2.00 | 1.00 |" in summary
 
 
 def test_gpu_check_summary_sets_unprofiled_graph_steps_side_by_side():

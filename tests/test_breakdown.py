@@ -10,9 +10,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kimi_perf import breakdown, compare, read_trace
-from kimi_perf.breakdown import Breakdown, _union_length
 from kimi_perf.classify import classify, classify_name, default_rules, load_rules
 from kimi_perf.errors import TraceError
+from kimi_perf.layer_breakdown import Breakdown, _union_length
 from tests.conftest import KINETO, NSYS
 from tests.synth import TraceBuilder
 from tests.test_layers import KDA, MLA, k3_like, nvtx_decode_trace
@@ -66,7 +66,7 @@ def test_compare_matches_types_and_computes_ratios():
 def test_overview_of_several_traces_names_the_slowest():
     """A TP run's ranks in one table: per layer type the median span of each, and the
     slowest over the fastest (here rank 1's MLA layers take 1.5 times as long)."""
-    from kimi_perf.compare import differing_patterns, overview, spreads, stragglers
+    from kimi_perf.comparison import differing_patterns, overview, spreads, stragglers
 
     ranks = {}
     for rank, mla_scale in ((0, 1.0), (1, 1.5), (2, 1.0)):
@@ -168,7 +168,7 @@ def test_a_phase_no_step_has_is_one_line(tmp_path):
 def test_phase_hints_at_the_edges():
     """Prefill and mixed steps only: the hint names the phases there are. No steps at all:
     said as such."""
-    from kimi_perf.breakdown import phase_note
+    from kimi_perf.layer_breakdown import phase_note
     from kimi_perf.layers import steps_of_phase
 
     b = TraceBuilder()
@@ -288,7 +288,7 @@ def test_layer_rows_read_as_the_dicts_the_figures_give(name):
     ``layer_type_medians`` computes from those dicts."""
     import json
 
-    from kimi_perf.breakdown import LayerRows, SegmentFigures, layer_type_medians
+    from kimi_perf.layer_breakdown import LayerRows, SegmentFigures, layer_type_medians
     from kimi_perf.layers import segment
 
     trace = read_trace(KINETO / name)
@@ -315,7 +315,7 @@ def test_layer_rows_read_as_the_dicts_the_figures_give(name):
         assert all(len(t["pattern"]) == 12 for t in b.layer_types)
     assert json.loads(json.dumps(b.to_json()))["layers"] == want
     # a column straight from the columns, as from the dicts (a breakdown read from JSON)
-    from kimi_perf.breakdown import LAYER_COLUMNS, layer_column
+    from kimi_perf.layer_breakdown import LAYER_COLUMNS, layer_column
 
     for column in LAYER_COLUMNS:
         for layer_type in (None, *(t["type"] for t in b.layer_types), "no such type"):
@@ -387,7 +387,7 @@ def test_typical_layer_of_a_real_trace_and_its_pattern_digest():
 
 
 def test_ratios_keep_two_significant_digits_below_a_tenth():
-    from kimi_perf.compare import ratio_text
+    from kimi_perf.comparison import ratio_text
 
     assert [ratio_text(v) for v in (None, 0, 2.004, 0.1, 0.0041, -0.05)] == [
         "-", "0.00", "2.00", "0.10", "0.0041", "-0.05"]
@@ -397,7 +397,7 @@ def test_kernel_counts_read_whole_or_to_one_decimal():
     """Medians are whole or halves, means anything: one decimal for both, never 3
     significant digits (a 2180-kernel layer read 2.18e+03; a 38.985 mean read 39 beside
     39.2)."""
-    from kimi_perf.compare import count_text
+    from kimi_perf.comparison import count_text
 
     assert [count_text(v) for v in (None, 3, 2180.0, 12.5, 38.985, 39.25)] == [
         "-", "3", "2180", "12.5", "39.0", "39.2"]
@@ -406,7 +406,7 @@ def test_kernel_counts_read_whole_or_to_one_decimal():
 def test_a_cpu_run_steps_device_is_the_cpu():
     import json
 
-    from kimi_perf.breakdown import Breakdown
+    from kimi_perf.layer_breakdown import Breakdown
     from kimi_perf.render import breakdown_tables, tables_text
     from tests.test_gate import BASELINE
 
@@ -461,7 +461,7 @@ def test_a_layer_type_whose_layers_fall_in_two_groups_says_so(tmp_path):
     """GPT-OSS alternates sliding-window and full attention with the same kernels: one type
     whose attention median matches no layer. The breakdown finds the two groups, says which
     layers are the slower ones, in the table and the report."""
-    from kimi_perf.breakdown import two_groups_note
+    from kimi_perf.layer_breakdown import two_groups_note
     from kimi_perf.render import breakdown_tables, tables_text
     from kimi_perf.report import write_report
 
@@ -507,7 +507,7 @@ def test_no_two_groups_where_only_waiting_differs(trace):
 def test_pattern_types_of_one_layer_each_are_said_to_be_single_layers():
     """A training trace whose steps' kernels vary: the pattern gives each layer a type of its
     own, so the "medians" are single layers, and the table says so."""
-    from kimi_perf.breakdown import lone_types_note
+    from kimi_perf.layer_breakdown import lone_types_note
 
     b = breakdown(read_trace(KINETO / "hta_trace_diff_test_v100_rank1_cudagraph.json.gz"))
     assert len(b.steps) == 6 and all(t["layers"] == 1 for t in b.layer_types)
@@ -527,8 +527,8 @@ def test_compare_pairs_pattern_types_by_their_kernels_whatever_their_letters(tmp
 
     from click.testing import CliRunner
 
-    from kimi_perf.breakdown import Breakdown
     from kimi_perf.cli import main
+    from kimi_perf.layer_breakdown import Breakdown
     from kimi_perf.render import comparison_table, tables_text
 
     vllm = KINETO / "tracelens_vllm_gptoss20b_decode_fullgraph_mi300x.json.gz"
@@ -555,7 +555,7 @@ def test_compare_pairs_pattern_types_by_their_kernels_whatever_their_letters(tmp
     html = write_report(tmp_path / "r.html", {"x": a, "y": b}, "t", plotly_js="cdn").read_text()
     assert html.count("<h3>Typical ") == 2
     assert "Typical A layer (y calls it B)" in html and "Typical B layer (y calls it A)" in html
-    from kimi_perf.compare import overview
+    from kimi_perf.comparison import overview
 
     rows = overview({"x": a, "y": b, "z": a})
     assert list(rows[0].types) == ["A", "B"] and rows[1].types == rows[0].types
@@ -578,7 +578,7 @@ def test_leftover_pattern_types_pair_by_their_mix_of_kernels():
     """Fused layers (other sequences, fewer kernels) after a warm-up type that only B has:
     each unfused layer pairs with the fused layer of its mix of classes, not the warm-up
     (order alone would pair A with the warm-up and B with A's fused form)."""
-    from kimi_perf.compare import leftover_pairs, pair_layer_types
+    from kimi_perf.comparison import leftover_pairs, pair_layer_types
 
     attention = {"gemm": 6, "attention": 2, "norm": 3}
     mlp = {"gemm": 4, "moe": 5, "norm": 2}
@@ -604,7 +604,7 @@ def test_leftover_pattern_types_pair_by_their_mix_of_kernels():
 def test_types_only_later_traces_have_are_one_column(tmp_path):
     """A type the first trace lacks but two others have (by name, or by kernel sequence) is
     one row of the alignment, not one per trace."""
-    from kimi_perf.compare import aligned_types, overview
+    from kimi_perf.comparison import aligned_types, overview
 
     r0 = _types(("mlp", None, 5, 10.0))
     r1 = _types(("mlp", None, 5, 10.0), ("kda", None, 9, 20.0), ("A", "d1", 3, 5.0))
@@ -647,7 +647,7 @@ def test_a_type_only_a_has_shows_none_of_bs(tmp_path):
 
 def test_breakdowns_stored_before_digests_pair_by_name():
     """An older stored breakdown has letters without digests: against a new one, by name."""
-    from kimi_perf.compare import pair_layer_types
+    from kimi_perf.comparison import pair_layer_types
 
     old = _types(("A", None, 3, 5.0), ("B", None, 4, 7.0))
     new = _types(("A", "d1", 3, 5.0), ("B", "d2", 4, 7.0))
@@ -658,7 +658,7 @@ def test_breakdowns_stored_before_digests_pair_by_name():
 def test_work_in_no_step_says_whether_it_was_launched_outside_or_never_seen_launched():
     """A CUDA-graph trace whose replayed kernels have no launch record: they are in no step,
     and the note says the trace cannot place them, not that they were launched elsewhere."""
-    from kimi_perf.breakdown import step_notes
+    from kimi_perf.layer_breakdown import step_notes
 
     b = breakdown(read_trace(KINETO / "hta_trace_diff_test_v100_rank1_cudagraph.json.gz"))
     outside = b.source["outside_steps"]
@@ -677,7 +677,7 @@ def test_work_in_no_step_names_where_it_ran_in_no_range_too():
     """A benchmark whose steps are its 'Forward' ranges: of the work outside them, 659 ops
     ran in its 'Run Benchmark' range and 7,235 (the backward passes' autograd thread) in no
     range at all; the note accounts for every one."""
-    from kimi_perf.breakdown import step_notes
+    from kimi_perf.layer_breakdown import step_notes
 
     b = breakdown(read_trace(NSYS / "jsun-012-assignment2-systems__result__nsys2025.1.3.sqlite"),
                   step_regex="^Forward$")
@@ -689,7 +689,7 @@ def test_a_step_range_holding_other_step_ranges_is_said():
     """--steps Forward also matches the benchmark's 'Benchmark Forward Only', which holds ten
     of the 'Forward' ranges: a step of the 20 kernels between them, said in a note; the
     anchored regex the note suggests leaves it out."""
-    from kimi_perf.breakdown import step_notes
+    from kimi_perf.layer_breakdown import step_notes
 
     trace = read_trace(NSYS / "jsun-012-assignment2-systems__result__nsys2025.1.3.sqlite")
     loose = breakdown(trace, step_regex="Forward")
@@ -731,7 +731,7 @@ def test_steps_per_device_name_the_ranges_that_could_be_the_steps():
     """A training trace without a step range the defaults know: each device is one step, and
     the note names the repeating range that holds most kernels (not the ranges inside
     layers, which hold a few each), for --steps; a vLLM trace's steps are its ranges."""
-    from kimi_perf.breakdown import step_notes
+    from kimi_perf.layer_breakdown import step_notes
 
     jsun = breakdown(read_trace(NSYS / "jsun-012-assignment2-systems__result__nsys2025.1.3.sqlite"))
     assert jsun.source["steps_found_by"] == "device"
@@ -759,8 +759,8 @@ def test_steps_per_device_name_the_ranges_that_could_be_the_steps():
 def test_rotations_against_brute_force(cycle, shift):
     """least_rotation starts the least rotation; rotation finds b as a cut r later (the
     first such r), None for anything else; aligned_typical shows b in a's order."""
-    from kimi_perf.breakdown import least_rotation
-    from kimi_perf.compare import aligned_typical, rotation
+    from kimi_perf.comparison import aligned_typical, rotation
+    from kimi_perf.layer_breakdown import least_rotation
 
     n = len(cycle)
     rotations = [cycle[r:] + cycle[:r] for r in range(n)]
@@ -785,7 +785,7 @@ def test_a_cycle_cut_elsewhere_is_the_same_layer_type():
     """The two windows of a real before/after pair cut the same DiT block 8 kernels apart
     (its >1 ms attention kernel is #8 of the block before, #157 of 157 after): one digest, and
     the tables show the run's block in the baseline's order, saying so."""
-    from kimi_perf.compare import aligned_typical, rotation
+    from kimi_perf.comparison import aligned_typical, rotation
     from kimi_perf.render import typical_layer_table
 
     before, after = (breakdown(read_trace(NSYS / f"nsysai_fastvideo_wan2.1_train_2xh100_{x}"
@@ -812,7 +812,7 @@ def test_steps_mostly_copies_are_said():
     they take 98% of the time the kernel columns sum; a note says the columns hold them."""
     import sqlite3
 
-    from kimi_perf.breakdown import step_notes
+    from kimi_perf.layer_breakdown import step_notes
 
     path = NSYS / "nsysai_fastvideo_wan2.1_t2v_inference_2xh100_1s.sqlite"
     with sqlite3.connect(path) as db:
@@ -828,3 +828,50 @@ def test_steps_mostly_copies_are_said():
     vllm = breakdown(read_trace(KINETO / "tracelens_vllm_gptoss20b_decode_fullgraph_mi300x"
                                          ".json.gz"))
     assert not any("copies and fills" in n for n in step_notes(vllm))
+
+
+def test_a_trace_and_its_breakdown_show_as_one_line_each():
+    # A notebook shows what it holds, not the string table (thousands of names) or every
+    # layer's dict.
+    trace = read_trace(NSYS / "zx3xyy-assignment2-systems__result_2_7B_nvtx__nsys2024.6.2.sqlite")
+    text = repr(trace)
+    assert text == ("Trace(zx3xyy-assignment2-systems__result_2_7B_nvtx__nsys2024.6.2.sqlite, "
+                    "nsys-sqlite, NVIDIA Nsight Systems 2024.6.2.225: 7328 kernels, 294 memops, "
+                    "516 ranges, 9493 API calls, GPUs: NVIDIA A100-SXM4-80GB)")
+    assert repr(trace.kernels) == "Kernels(7328 rows)"
+    b = breakdown(trace)
+    assert repr(b) == ("Breakdown(zx3xyy-assignment2-systems__result_2_7B_nvtx__nsys2024.6.2"
+                       ".sqlite: 4 steps, 128 layers (A ×128), counting kernels)")
+    assert repr(b.layers) == "LayerRows(128 layers of types A)"
+    many = read_trace(KINETO / "hta_a100_alexnet_cuda_sync.json.gz")
+    assert repr(many).endswith("GPUs: 8× NVIDIA A100-PG509-200)")
+    sparse = Breakdown.from_json({"schema": 1, "source": {}, "steps": [], "layers": [],
+                                  "layer_types": [{"type": "A"}]})   # hand-written, say
+    assert repr(sparse) == "Breakdown(0 steps, 0 layers (A ×?), counting kernels)"
+
+
+def test_a_run_document_read_as_one_breakdown_says_how_to_read_it(tmp_path):
+    doc = {"schema": 1, "run": {}, "paths": {"standard": {}, "specialized": {}}}
+    with pytest.raises(TraceError, match=r"a run's breakdown.json.*doc\['paths'\]\[path\]"):
+        Breakdown.from_json(doc, tmp_path / "breakdown.json")
+
+
+def test_no_name_the_package_exports_hides_one_of_its_modules():
+    # `import kimi_perf.X as m` gives the package's attribute X: were X also a function, the
+    # module (and what only it holds) would be out of reach that way.
+    import pkgutil
+
+    import kimi_perf
+
+    modules = {m.name for m in pkgutil.iter_modules(kimi_perf.__path__)}
+    assert {"layer_breakdown", "comparison"} <= modules
+    assert not modules & set(kimi_perf.__all__)
+
+
+def test_rules_may_be_given_as_their_toml_file(tmp_path):
+    rules = tmp_path / "rules.toml"
+    rules.write_text('[[rule]]\nclass = "mine"\npattern = "gemv|gemm|matmul|Kernel"\n')
+    trace = read_trace(NSYS / "zx3xyy-assignment2-systems__result_2_7B_nvtx__nsys2024.6.2.sqlite")
+    by_file, by_list = (breakdown(trace, rules=r) for r in (rules, load_rules(rules)))
+    assert by_file.to_json() == by_list.to_json()
+    assert "mine" in by_file.layer_types[0]["classes"]

@@ -55,7 +55,7 @@ def test_tables_keep_every_digit():
     from rich.console import Console
 
     from kimi_perf import render
-    from kimi_perf.breakdown import breakdown
+    from kimi_perf.layer_breakdown import breakdown
     from kimi_perf.readers import read_trace
 
     b = breakdown(read_trace(VLLM))
@@ -398,7 +398,7 @@ def test_compare_pairs_a_cycle_cut_elsewhere_and_flags_other_kernels(tmp_path):
     kernels, begun 8 kernels apart), so the blocks are one layer, compared as such, with the
     run's kernels shown in the baseline's order. A block that ran other kernels (one dropped
     here, in a stored breakdown) is flagged rather than silently compared."""
-    from kimi_perf.breakdown import breakdown
+    from kimi_perf.layer_breakdown import breakdown
     from kimi_perf.readers import read_trace
 
     before = NSYS / "nsysai_fastvideo_wan2.1_train_2xh100_before.sqlite"
@@ -492,7 +492,7 @@ def test_work_of_other_threads_and_outside_every_step(name, other_thread, outsid
 def test_report_names_what_each_trace_counts(tmp_path):
     """A GPU trace beside a CPU run: kernels for the one, ops for the other, and the CPU note
     names the CPU run."""
-    from kimi_perf.breakdown import Breakdown, breakdown
+    from kimi_perf.layer_breakdown import Breakdown, breakdown
     from kimi_perf.readers import read_trace
     from kimi_perf.report import write_report
 
@@ -506,7 +506,7 @@ def test_report_names_what_each_trace_counts(tmp_path):
     assert "<th>count ratio</th>" in text and "<th>gpu kernel</th>" in text
     # host µs against GPU µs: no ratio of them, in the report, the table and the rows
     assert "no µs ratio between a CPU run's ops and a GPU trace's kernels" in text
-    from kimi_perf.compare import compare
+    from kimi_perf.comparison import compare
     from kimi_perf.render import comparison_table, tables_text
 
     rows = compare(Breakdown.from_json(doc), Breakdown.from_json(cpu))
@@ -528,7 +528,7 @@ def test_report_names_what_each_trace_counts(tmp_path):
 def test_report_compares_the_first_trace_with_each_other(tmp_path):
     """The HTML report: the first trace against each of the others, automatic types whose
     kernel sequences differ marked, and work in no step said per trace."""
-    from kimi_perf.breakdown import Breakdown, breakdown
+    from kimi_perf.layer_breakdown import Breakdown, breakdown
     from kimi_perf.readers import read_trace
     from kimi_perf.report import write_report
 

@@ -17,17 +17,18 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kimi_perf import breakdown, nesting, read_trace
+from kimi_perf import breakdown, layer_breakdown, nesting, read_trace
 from kimi_perf.attribution import _summary_by_lexsort, kernel_launch_pairs, range_kernel_summary
-from kimi_perf.breakdown import (
+from kimi_perf.errors import TraceError
+from kimi_perf.layer_breakdown import (
     SegmentFigures,
+    _bincount_int,
     _union_length,
     _us,
     _us_array,
     layer_type_medians,
     segment_stats,
 )
-from kimi_perf.errors import TraceError
 from kimi_perf.nesting import (
     _nest_in_lanes,
     containing,
@@ -198,8 +199,16 @@ def _ops(start, end, classes, labels):
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.integers(0, 2 ** 32), st.sampled_from([0, -(10 ** 14), 10 ** 15, 2 ** 62]))
-def test_segment_figures_equal_per_segment_reference(seed, origin):
+@given(st.integers(0, 2 ** 32), st.sampled_from([0, -(10 ** 14), 10 ** 15, 2 ** 62]),
+       st.sampled_from([1 << 16, 7, 1]))
+def test_segment_figures_equal_per_segment_reference(seed, origin, batch_rows):
+    # batch_rows: segments are summed in batches of about that many rows (a real decode
+    # trace has more rows than one batch; these have at most 60)
+    with mock.patch.object(layer_breakdown, "_BATCH_ROWS", batch_rows):
+        _segment_figures_equal_per_segment_reference(seed, origin)
+
+
+def _segment_figures_equal_per_segment_reference(seed, origin):
     rng = np.random.default_rng(seed)
     n = int(rng.integers(0, 60))
     start = origin + rng.integers(-50, 500, n)
@@ -231,6 +240,15 @@ def test_segment_figures_fall_back_for_huge_spans():
     got = SegmentFigures.of(_ops(start, end, classes, labels), segments, classes,
                             labels).busy_ns.tolist()
     assert got == [_union_reference(start[s], end[s]) for s in segments]
+
+
+def test_exact_sums_per_key_past_what_float64_adds_exactly():
+    rng = np.random.default_rng(1)
+    key = rng.integers(0, 5, 400)
+    values = rng.integers(2 ** 50, 2 ** 55, 400)   # sums past 2**53: the int64 fallback
+    want = [sum(v for k, v in zip(key.tolist(), values.tolist(), strict=True) if k == i)
+            for i in range(6)]
+    assert _bincount_int(key, values, 6).tolist() == want
 
 
 def test_us_array_rounds_like_us():

@@ -237,6 +237,10 @@ def test_validate_cli(tmp_path):
     assert bad.exit_code == 2 and "unknown path" in bad.output
     none = CliRunner().invoke(main, ["validate", "--paths", ","])      # checks nothing: no pass
     assert none.exit_code == 2 and "--paths names no path" in none.output
+    for rank in ("k3-tp8", "k3-tp16"):   # one line, before minutes of weights
+        sharded = CliRunner().invoke(main, ["validate", "--preset", rank])
+        assert sharded.exit_code == 2 and sharded.output.count("\n") == 1, sharded.output
+        assert f"{rank} holds one rank's shapes" in sharded.output
 
 
 def _released_name(name: str) -> str:

@@ -9,6 +9,7 @@ from kimi_perf.decode.fusions import (
     REPLACES,
     SPECIALIZED_LAUNCHES,
     STANDARD_LAUNCHES,
+    STANDS_IN_FOR,
     fusion_ledger,
 )
 from tests.conftest import KINETO, REPO
@@ -33,8 +34,13 @@ def test_the_ledger_names_exactly_the_launches_the_paths_make():
     assert _launch_names("model.py", "standard_kernels.py", "kernel_path.py") \
         == STANDARD_LAUNCHES
     assert _launch_names("specialized.py", "kernel_path.py") == SPECIALIZED_LAUNCHES
-    replaced = [n for names in REPLACES.values() for n in names]
+    replaced = [n for launch, names in REPLACES.items() if launch not in STANDS_IN_FOR
+                for n in names]
     assert len(replaced) == len(set(replaced))      # each standard launch goes to one place
+    # an opt-in's launches do between them what the launch they stand in for does
+    for default in set(STANDS_IN_FOR.values()):
+        assert sorted(n for launch, target in STANDS_IN_FOR.items() if target == default
+                      for n in REPLACES[launch]) == sorted(REPLACES[default])
 
 
 def test_a_run_s_typical_layers_account_for_every_standard_launch():

@@ -15,9 +15,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kimi_perf import render
-from kimi_perf.breakdown import Breakdown
 from kimi_perf.cli import EXAMPLE_TRACE, main
 from kimi_perf.gate import Tolerances, gate, load_run
+from kimi_perf.layer_breakdown import Breakdown
 from kimi_perf.render import gate_headline
 from tests.conftest import NSYS, REPO
 
@@ -164,6 +164,33 @@ def test_an_automatic_layer_type_with_another_kernel_of_one_count_still_fails():
     assert statuses(result)[("B", "pattern")] == "changed"
     assert [(c.layer_type, c.metric) for c in result.failures
             if c.layer_type != "step"] == [("B", "kernel_us"), ("B", "span_us")]
+
+
+def test_reordered_kernels_of_a_slower_layer_type_still_fail():
+    """The same kernels in another order (a new digest, but no kernel gained or lost): no
+    boundary moved, so a layer type 30% slower fails as ever rather than show as changed."""
+    base = _automatic({"A": 9, "B": 12}, {"A": KDA, "B": MLA}, {"A": "p1", "B": "p2"},
+                      {"A": KERNELS[:9], "B": KERNELS[9:]})
+    swapped = [KERNELS[1], KERNELS[0], *KERNELS[2:9]]
+    run = _automatic({"A": 9, "B": 12}, {"A": KDA * 1.3, "B": MLA}, {"A": "p3", "B": "p2"},
+                     {"A": swapped, "B": KERNELS[9:]})
+    result = gate(base, run)
+    assert statuses(result)[("A", "pattern")] == "changed"
+    assert not result.ok
+    assert [(c.layer_type, c.metric, c.status) for c in result.failures
+            if c.layer_type != "step"] == [("A", "kernel_us", "regression"),
+                                           ("A", "span_us", "regression")]
+
+
+def test_the_relative_threshold_is_where_it_says():
+    """40 layers a side, every one slower by the same factor: 4.9% passes (under the
+    threshold, no test needed), 5.1% fails (past it, and the U test finds the shift)."""
+    base = _run({"kda": 9}, {"kda": KDA})
+    for factor, status in ((1.049, "ok"), (1.051, "regression")):
+        result = gate(base, _run({"kda": 9}, {"kda": KDA * factor}))
+        assert statuses(result)[("kda", "kernel_us")] == status, factor
+    wider = gate(base, _run({"kda": 9}, {"kda": KDA * 1.051}), Tolerances(rel_tol=0.052))
+    assert statuses(wider)[("kda", "kernel_us")] == "ok"
 
 
 def test_an_automatic_layer_type_lost_with_layers_fails():
@@ -425,10 +452,16 @@ def test_paths_are_matched_by_name_and_steps_only_when_found():
                                                for c in gate(no_steps, no_steps).checks)
 
 
-def test_unknown_metric_is_refused():
-    run = _run({"kda": 9}, {"kda": KDA})
-    with pytest.raises(ValueError, match="unknown metrics"):
-        gate(run, run, Tolerances(metrics=("flops",)))
+def test_tolerances_are_checked_when_made():
+    with pytest.raises(ValueError, match=r"choose from kernels, kernel_us, span_us \(not flops\)"):
+        Tolerances(metrics="kernels,flops")    # the unknown one named, not the good one
+    with pytest.raises(ValueError, match="not none"):
+        Tolerances(metrics=())
+    for bad in ({"rel_tol": -0.1}, {"rel_tol": float("nan")}, {"alpha": 1.5}):
+        with pytest.raises(ValueError):
+            Tolerances(**bad)
+    # a notebook's "kernels,span_us" is the CLI's --metrics: a tuple, not its letters
+    assert Tolerances(metrics="kernels, span_us").metrics == ("kernels", "span_us")
 
 
 def test_cli_exit_codes_and_update(tmp_path):
@@ -672,3 +705,33 @@ def test_gate_says_when_baseline_and_run_were_captured_differently(tmp_path):
     old = json.loads(BASELINE.read_text())
     old["run"].pop("spec_tokens", None)       # a capture from before speculative decoding
     assert run_differences(old, spec) == ["draft tokens 0 vs 3"]
+
+
+def test_gate_files_is_the_cli_gate_as_a_library_call(tmp_path):
+    from kimi_perf.errors import TraceError
+    from kimi_perf.gate import gate_files, store_baseline
+
+    gated = gate_files(BASELINE, BASELINE)
+    assert gated.result.ok and set(gated.baseline) == {"standard", "specialized"}
+    assert gated.result.run_differences == []   # compared: none
+    alone = gate(gated.baseline, gated.current)
+    assert alone.run_differences is None and "run_differences" not in alone.to_json()
+    # the stored baseline is a CPU run: its times are CPU time, which the result says
+    assert gated.result.cpu_time_metrics == ["kernel_us", "span_us"]
+    assert gated.result.to_json()["cpu_time_metrics"] == ["kernel_us", "span_us"]
+    assert gated.baseline_file == BASELINE and gated.run_doc["paths"]
+    only = gate_files(BASELINE, BASELINE, Tolerances(metrics="kernels"), path="standard")
+    assert {c.path for c in only.result.checks} == {"standard"}
+    assert only.result.cpu_time_metrics == []
+    with pytest.raises(TraceError, match="holds the paths standard, specialized: choose"):
+        gate_files(EXAMPLE_TRACE, BASELINE)
+    with pytest.raises(TraceError, match=r"neither .* nor .* is one"):
+        gate_files(EXAMPLE_TRACE, EXAMPLE_TRACE, path="standard")
+    changed = json.loads(BASELINE.read_text())
+    changed["run"]["batch"] += 1
+    store_baseline(tmp_path / "b.json", changed)
+    assert gate_files(tmp_path / "b.json", BASELINE).result.run_differences == [
+        f"batch {changed['run']['batch']} vs {changed['run']['batch'] - 1}"]
+    with pytest.raises(TraceError, match=r"a baseline is a \.json file"):
+        store_baseline(tmp_path / "b.txt", changed)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["b.json"]

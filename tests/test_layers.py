@@ -200,6 +200,27 @@ def test_layers_from_nvtx_ranges_with_types(spelling):
         assert len(step.prologue) == 1 and len(step.epilogue) == 1
 
 
+def test_a_step_without_layer_ranges_leaves_the_others_theirs():
+    """A warm-up step run before the layer ranges were on: it has no layers from ranges,
+    and the annotated steps after it keep theirs (not the repeating pattern's)."""
+    b = TraceBuilder()
+    for s in range(3):
+        step_start = b.clock
+        b.sequence(["embedding"])
+        for i, kernels in enumerate(k3_like(8)):
+            start, end = b.sequence(kernels)
+            if s:
+                b.range(f"layer[{i}]({'mla' if 'mla_decode' in kernels else 'kda'})",
+                        start - 10, end)
+        b.sequence(["gemm_lm_head"])
+        b.range(f"decode_step[{s}]", step_start - 20, b.clock)
+        b.clock += 5000
+    _, steps = segment(b.build())
+    assert [(s.name, s.layer_source, len(s.layers)) for s in steps] == [
+        ("decode_step[0]", "none", 0), ("decode_step[1]", "nvtx", 8),
+        ("decode_step[2]", "nvtx", 8)]
+
+
 @pytest.mark.parametrize("spelling", ["layers.{i}", "model.layers.{i}", "layer_{i}",
                                       "DecoderLayer_{i}", "LlamaDecoderLayer_{i}"])
 def test_default_layer_pattern_spellings_get_types_from_kernels(spelling):
@@ -473,7 +494,7 @@ def test_a_device_that_ran_the_model_several_times_has_a_step_per_forward_pass(m
     """No step range, no graph launch: the forward passes are the steps, each with its
     embedding for prologue and its final norm and LM head for epilogue, where the layer
     types show them (one layer in every pass that also ran the work between two)."""
-    from kimi_perf.breakdown import step_notes
+    from kimi_perf.layer_breakdown import step_notes
 
     layers = [LLAMA] * 8 if model == "llama" else k3_like(12)
     prologue, epilogue = ["embedding"], LM_HEAD
@@ -521,7 +542,7 @@ def test_real_benchmarks_forward_passes_are_their_steps():
     """Two benchmark scripts that time a model's forward pass with no range around each:
     zx3xyy's 2.7B model (one warm-up and three timed passes of 32 layers) and Athrun's
     (five passes of 12 layers); the final norm and LM head end each pass."""
-    from kimi_perf.breakdown import step_notes
+    from kimi_perf.layer_breakdown import step_notes
 
     zx = breakdown(read_trace(NSYS / "zx3xyy-assignment2-systems__result_2_7B_nvtx__nsys2024"
                                      ".6.2.sqlite"))
@@ -549,7 +570,7 @@ def test_a_step_range_around_several_passes_says_so():
     """zx3xyy's benchmark loop taken as the step (--steps ^benchmark_loop$) holds its three
     timed passes: the user's step stands, and a note says why its layer type C (32nd layer +
     final norm + LM head: 65 kernels) differs from B (57)."""
-    from kimi_perf.breakdown import step_notes
+    from kimi_perf.layer_breakdown import step_notes
 
     b = breakdown(read_trace(NSYS / "zx3xyy-assignment2-systems__result_2_7B_nvtx__nsys2024"
                                     ".6.2.sqlite"), step_regex="^benchmark_loop$")
@@ -569,7 +590,7 @@ def test_passes_each_in_a_numbered_range_ran_alike():
     """A warm-up pass, then passes each in its own 'iteration N' range: the iterations ran
     alike (numbers are folded), and only the warm-up is told apart; a long list of passes is
     cut short in the note."""
-    from kimi_perf.breakdown import step_notes
+    from kimi_perf.layer_breakdown import step_notes
 
     b = TraceBuilder()
     for k in range(8):
@@ -592,7 +613,7 @@ def test_passes_each_in_a_numbered_range_ran_alike():
 def test_two_devices_that_ran_other_passes_say_each():
     """One device ran its 8-layer model three times, the other its 12-layer model twice:
     each device's passes are its steps, and the note names both cycles."""
-    from kimi_perf.breakdown import step_notes
+    from kimi_perf.layer_breakdown import step_notes
 
     b = TraceBuilder()
     for device, layers, passes in ((0, 8, 3), (1, 12, 2)):
@@ -613,7 +634,7 @@ def test_work_between_annotated_layers_is_said():
     """Layer ranges that leave kernels between two layers (an all-reduce outside the
     per-layer range, say): those kernels are in the step and in no layer, and a note counts
     them; without such work there is no note."""
-    from kimi_perf.breakdown import step_notes
+    from kimi_perf.layer_breakdown import step_notes
 
     def trace(between: list[str]):
         b = TraceBuilder()
@@ -662,7 +683,7 @@ def test_a_trace_that_begins_and_ends_within_passes_keeps_its_whole_ones(first, 
     as its epilogue: 1,832 kernels), and the parts of passes at the window's edges are in no
     step, counted and said. A window of one whole pass shows no two passes to agree on what
     a pass is: it stays one step, as it was before passes were found in cut traces."""
-    from kimi_perf.breakdown import step_notes
+    from kimi_perf.layer_breakdown import step_notes
 
     full = read_trace(NSYS / "zx3xyy-assignment2-systems__result_2_7B_nvtx__nsys2024.6.2.sqlite")
     window = _window(full, first, last)

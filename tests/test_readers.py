@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import gzip
 import json
+import shutil
 import sqlite3
 from collections import Counter
 
@@ -87,7 +88,22 @@ def test_nsys_gpu_metadata():
     assert trace.meta["gpus"] == [{"device": 0, "name": "NVIDIA H200", "sm_count": 132}]
     newest = read_trace(NSYS / "Athrun0109-CS336_assignment2__result__nsys2026.2.1.sqlite")
     assert newest.meta["schema"] == "3.25.0" and newest.meta["processes"] == []
-    assert (newest.kernels.graph_id == -1).all() or (newest.kernels.graph_id >= 0).any()
+
+
+def test_nsys_graph_ids_of_kernels(tmp_path):
+    # No fixture replays a graph (graphId NULL throughout): the same export with graph ids
+    # written into some of its kernels' rows.
+    path = tmp_path / "graphs.sqlite"
+    shutil.copy(NSYS / "Athrun0109-CS336_assignment2__result__nsys2026.2.1.sqlite", path)
+    with sqlite3.connect(path) as conn:
+        conn.execute("UPDATE CUPTI_ACTIVITY_KIND_KERNEL SET graphId = 7 + rowid % 3, "
+                     "graphNodeId = 1000 + rowid WHERE rowid % 5 = 0")
+        want = Counter(conn.execute("SELECT coalesce(graphId, -1), coalesce(graphNodeId, -1) "
+                                    "FROM CUPTI_ACTIVITY_KIND_KERNEL").fetchall())
+    trace = read_trace(path)
+    got = Counter(zip(trace.kernels.graph_id.tolist(), trace.kernels.graph_node_id.tolist(),
+                      strict=True))
+    assert got == want and len(want) > 800
 
 
 def _kineto_events(path):
@@ -145,6 +161,35 @@ def test_kptrace_round_trip(tmp_path):
         for col, values in getattr(trace, table).columns().items():
             np.testing.assert_array_equal(getattr(getattr(again, table), col), values)
     assert list(tmp_path.iterdir()) == [out]
+
+
+@pytest.mark.parametrize("fixture_file", nsys_fixtures() + kineto_fixtures(),
+                         ids=lambda p: p.name)
+def test_every_string_kept_is_a_name_the_tables_use(fixture_file):
+    trace = read_trace(fixture_file)
+    used = np.unique(np.concatenate([
+        getattr(table, col) for table in (trace.kernels, trace.memops, trace.ranges, trace.api)
+        for col in ("name", "domain") if hasattr(table, col)]))
+    np.testing.assert_array_equal(used, np.arange(len(trace.strings)))
+
+
+def test_the_recorded_environment_stays_out_of_the_trace(tmp_path):
+    # nsys keeps the profiled process's environment in StringIds (this one: a Jupyter
+    # server's, with its token variable); neither the trace nor a saved .kptrace carries it.
+    path = NSYS / "zx3xyy-assignment2-systems__result_2_7B_nvtx__nsys2024.6.2.sqlite"
+    with sqlite3.connect(f"file:{path}?mode=ro", uri=True) as conn:
+        environment = conn.execute("SELECT value FROM StringIds WHERE value LIKE "
+                                   "'%JUPYTER%'").fetchall()
+    assert environment
+    trace = read_trace(path)
+    trace.save(tmp_path / "t.kptrace")
+    for strings in (trace.strings, read_trace(tmp_path / "t.kptrace").strings):
+        assert not [s for s in strings if "JUPYTER" in s or "PATH=" in s]
+        assert len(strings) < 100
+    # a .kptrace saved before the readers dropped such strings loses them when read
+    trace.strings.append("JUPYTER_TOKEN=secret")
+    trace.save(tmp_path / "old.kptrace")
+    assert "JUPYTER_TOKEN=secret" not in read_trace(tmp_path / "old.kptrace").strings
 
 
 # -- Kineto reader: the block reader (at any block size), the one-shot path and the per-event
@@ -394,7 +439,7 @@ def test_kineto_gpu_work_with_a_negative_duration_is_left_out_and_counted(tmp_pa
     left out and counted (every reader path alike), not kept as a zero-length kernel. A host
     event's negative duration ends where it starts."""
     from kimi_perf import breakdown
-    from kimi_perf.breakdown import step_notes
+    from kimi_perf.layer_breakdown import step_notes
 
     def gpu(cat, name, ts, dur, corr):
         return {"ph": "X", "cat": cat, "name": name, "pid": 0, "tid": 7, "ts": ts, "dur": dur,
@@ -477,7 +522,7 @@ def test_nsys_kernels_without_a_time_are_left_out_and_counted(tmp_path, change, 
     before the start is no time either. Placed at 0 it would stretch its step over the
     session: such kernels are left out, counted, and said (info, the steps' notes)."""
     from kimi_perf import breakdown
-    from kimi_perf.breakdown import step_notes
+    from kimi_perf.layer_breakdown import step_notes
 
     trace = read_trace(_fuser_with(tmp_path, change))
     assert len(trace.kernels) == len(read_trace(FUSER).kernels) - left_out
@@ -543,3 +588,25 @@ def test_a_second_trace_events_list_is_an_error(tmp_path):
     named = tmp_path / "named.json"
     named.write_text(json.dumps(doc))
     assert len(read_trace(named).kernels) == len(read_trace(source).kernels)
+
+
+@pytest.mark.parametrize("fixture_file", nsys_fixtures() + kineto_fixtures(),
+                         ids=lambda p: p.name)
+def test_summary_accounts_for_every_kernel(fixture_file):
+    """Trace.summary (what `kimi-perf info` prints): every kernel in one process or none and on
+    one GPU; processes the most kernels first; plain JSON."""
+    trace = read_trace(fixture_file)
+    info = json.loads(json.dumps(trace.summary()))
+    assert info["kernels"] == len(trace.kernels) and info["api_calls"] == len(trace.api)
+    assert sum(p["kernels"] for p in info["processes"]) + info["kernels_without_process"] \
+        == info["kernels"] == sum(g["kernels"] for g in info["gpus"])
+    counts = [p["kernels"] for p in info["processes"]]
+    assert counts == sorted(counts, reverse=True)
+    if len(trace.kernels):
+        assert info["span_ns"] >= int(trace.kernels.end.max() - trace.kernels.start.min())
+
+
+def test_summary_of_two_processes_on_two_gpus():
+    info = read_trace(NSYS / "nsysai_fastvideo_wan2.1_train_2xh100_before.sqlite").summary()
+    assert [g["device"] for g in info["gpus"] if g["kernels"]] == [0, 1]
+    assert sum(1 for p in info["processes"] if p["kernels"]) == 2

@@ -58,6 +58,40 @@ def test_kernel_paths_equal_standard_in_float32(weights, path, batch, splits):
     assert len(fast.fallbacks) == 1
 
 
+def test_grouped_experts_equal_standard_from_their_batch_on(weights):
+    """``group_experts_from``: steps of that many tokens or more route first and stream each
+    picked expert once (a decode step of 8, a verify step of 8 × 4); smaller steps keep the
+    per-slot kernel. The same results as the standard path's, step after step."""
+    std = K3Model(SMALL, weights, dtype=torch.float32)
+    fast = SpecializedModel(SMALL, weights, dtype=torch.float32, group_experts_from=8)
+    batch = 8
+    s_std, s_fast = std.new_state(batch, 24), fast.new_state(batch, 24)
+    tokens = torch.randint(0, SMALL.vocab, (batch, 16), generator=torch.Generator()
+                           .manual_seed(30))
+    std.forward(tokens[:, :3], s_std)
+    fast.forward(tokens[:, :3], s_fast)
+    for t in range(3, 7):
+        fast.launches = []
+        want = std.forward(tokens[:, t: t + 1], s_std)
+        got = fast.forward(tokens[:, t: t + 1], s_fast)
+        assert rel_err(got, want.double()) < 1e-4
+        assert [n for i, n in fast.launches if i == 1].count("router_topk") == 1
+    accepted = torch.tensor([1, 4, 2, 3, 4, 1, 2, 4])
+    outs = []
+    for model, state in ((std, s_std), (fast, s_fast)):
+        verify = model.forward(tokens[:, 7:11], state, keep_checkpoints=True)
+        state.accept(accepted)
+        outs.append((verify, model.forward(tokens[:, 11:12], state)))
+    for got, want in zip(outs[1], outs[0], strict=True):
+        assert rel_err(got, want.double()) < 1e-4
+    small = fast.new_state(2, 8)     # 2 tokens a step: under 8, the per-slot kernel
+    fast.forward(tokens[:2, :3], small)
+    fast.launches = []
+    fast.forward(tokens[:2, 3:4], small)
+    assert "router_topk" not in [n for _, n in fast.launches]
+    assert len(fast.fallbacks) == 2      # the two prefills, nothing else
+
+
 @pytest.mark.parametrize("path", KERNEL_PATHS)
 def test_kernel_paths_verify_step_and_rollback(weights, path):
     batch, k = 3, 3
@@ -110,7 +144,8 @@ def test_plain_projections_take_the_opt_in_gemv_where_it_has_a_build(weights):
     assert gemv.calls == []
 
 
-def _tp_kernel_path(rank: int, path: str, weights, dtype=torch.float32, sent=None):
+def _tp_kernel_path(rank: int, path: str, weights, dtype=torch.float32, sent=None, batch=2,
+                    steps=2):
     import torch.distributed as dist
 
     from kimi_perf.decode.tp import all_reduce_sum
@@ -124,15 +159,30 @@ def _tp_kernel_path(rank: int, path: str, weights, dtype=torch.float32, sent=Non
             sent.append((x.dtype, x.numel()))
             return all_reduce_sum(x)
         model.all_reduce = recorded
-    state = model.new_state(2, 8)
-    tokens = torch.randint(0, SMALL.vocab, (2, 5), generator=torch.Generator().manual_seed(6))
+    state = model.new_state(batch, 3 + steps)
+    tokens = _tp_tokens(batch, steps)
     model.forward(tokens[:, :3], state)
     model.launches = []
     logits = [model.forward(tokens[:, 3:4], state)[:, -1]]
     launches = list(model.launches)
     model.launches = None
-    logits.append(model.forward(tokens[:, 4:5], state)[:, -1])
+    logits += [model.forward(tokens[:, t: t + 1], state)[:, -1] for t in range(4, 3 + steps)]
     return torch.stack(logits), launches
+
+
+def _tp_tokens(batch: int, steps: int) -> torch.Tensor:
+    return torch.randint(0, SMALL.vocab, (batch, 3 + steps),
+                         generator=torch.Generator().manual_seed(6 + batch))
+
+
+def _tp1_logits(weights, batch: int, steps: int) -> torch.Tensor:
+    """The standard path's logits on one rank, for the runs of _tp_kernel_path."""
+    single = K3Model(SMALL, weights, dtype=torch.float32)
+    state = single.new_state(batch, 3 + steps)
+    tokens = _tp_tokens(batch, steps)
+    single.forward(tokens[:, :3], state)
+    return torch.stack([single.forward(tokens[:, t: t + 1], state)[:, -1]
+                        for t in range(3, 3 + steps)])
 
 
 @pytest.mark.parametrize(("path", "kda", "mla"), [("specialized", 11, 14),
@@ -141,11 +191,7 @@ def test_kernel_paths_tp2_match_tp1(weights, path, kda, mla):
     from kimi_perf.decode.tp import run_on_cpu_ranks
 
     results = run_on_cpu_ranks(2, _tp_kernel_path, path, weights)
-    single = K3Model(SMALL, weights, dtype=torch.float32)
-    state = single.new_state(2, 8)
-    tokens = torch.randint(0, SMALL.vocab, (2, 5), generator=torch.Generator().manual_seed(6))
-    single.forward(tokens[:, :3], state)
-    want = torch.stack([single.forward(tokens[:, t: t + 1], state)[:, -1] for t in (3, 4)])
+    want = _tp1_logits(weights, 2, 2)
     for got, _ in results:
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     launches = results[0][1]
@@ -154,6 +200,19 @@ def test_kernel_paths_tp2_match_tp1(weights, path, kda, mla):
     # 13 per KDA layer and 15 per gated-MLA layer the plan allows. Standard: 18 and 24 plus
     # three all-reduces.
     assert (per_layer[1], per_layer[3]) == (kda, mla)
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+def test_specialized_tp2_over_many_steps_at_batch_1_and_8(weights, batch):
+    from kimi_perf.decode.tp import run_on_cpu_ranks
+
+    steps = 6
+    results = run_on_cpu_ranks(2, _tp_kernel_path, "specialized", weights, torch.float32,
+                               None, batch, steps)
+    want = _tp1_logits(weights, batch, steps)
+    assert want.shape[:2] == (steps, batch)
+    for got, _ in results:
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
 def _tp_bf16(rank: int, path: str, weights):
@@ -490,7 +549,7 @@ NO_KERNEL = {getattr(torch.ops.aten, name) for name in (
 
 @pytest.mark.parametrize(("path", "batch", "tokens_per_seq", "splits"),
                          [("specialized", 2, 1, None), ("specialized", 1, 4, 3),
-                          ("specialized+l2", 2, 1, None),
+                          ("specialized+l2", 2, 1, None), ("specialized+grouped", 3, 4, None),
                           ("standard_kernels", 2, 1, None), ("standard_kernels", 1, 4, 3)])
 def test_annotated_launches_are_the_launches(weights, path, batch, tokens_per_seq, splits,
                                              monkeypatch):
@@ -502,8 +561,9 @@ def test_annotated_launches_are_the_launches(weights, path, batch, tokens_per_se
     from torch.utils._python_dispatch import TorchDispatchMode
     from triton.runtime import interpreter
 
-    model = make_path(path.removesuffix("+l2"), SMALL, weights, torch.float32)
+    model = make_path(path.partition("+")[0], SMALL, weights, torch.float32)
     model.l2_prefetch = path.endswith("+l2")          # one launch more per layer
+    model.group_experts_from = 1 if path.endswith("+grouped") else None   # and per MoE
     model.attention_splits = splits  # 3: the standard path adds FlashMLA's combine launch
     state = model.new_state(batch, 16)
     prompt = torch.randint(0, SMALL.vocab, (batch, 3), generator=torch.Generator().manual_seed(9))
@@ -545,6 +605,9 @@ def test_annotated_launches_are_the_launches(weights, path, batch, tokens_per_se
         if path.startswith("specialized"):
             assert not torch_ops, (layer, ran)
             assert ran.count("l2_prefetch_kernel") == model.l2_prefetch
+            grouped = path.endswith("+grouped") and layer > 0     # layer 0: a dense MLP
+            assert ran.count("moe_grouped_fc1_situ_kernel") == grouped
+            assert ran.count("router_topk_kernel") == grouped
         else:
             assert set(torch_ops) <= {"aten.mm", "aten.bmm", "aten.add"}, (layer, ran)
         assert len(ran) == len(annotated), (layer, annotated, ran)

@@ -94,6 +94,11 @@ def launch_bytes(c: K3Config, layer_type: str, batch: int, context: int,
     return out
 
 
+# Launches of the specialized path's opt-ins that move another launch's bytes (the grouped
+# FC1 reads the expected distinct experts, as the floor of S7 assumes).
+SAME_BYTES = {"moe_grouped_fc1_situ_shared_gate_up": "moe_fc1_situ_shared_gate_up"}
+
+
 def layer_floor_us(c: K3Config, layer_type: str, batch: int, context: int,
                    storage: Storage = Storage(),
                    bandwidth: float = H200_COPY_BANDWIDTH, tokens: int = 1) -> float:

@@ -40,6 +40,13 @@ second stream: o_proj's weights read into L2 beside S3 (KDA) or M5-M6 (MLA), so 
 streams them from L2 (``kernels/l2_prefetch.py``); the join comes after o_proj, which never
 waits for it: 10 / 13 launches, 12 / 15 with TP.
 
+With ``group_experts_from=n`` (opt-in until a GPU run shows from which batch it pays), a step
+of n tokens or more routes in a launch of its own (``router_topk``) and runs S7 grouped by
+expert (``moe_grouped_fc1_situ_shared_gate_up``): each picked expert's gate/up weights
+streamed once for all the tokens that picked it, where S7 streams them once per (token,
+slot). At batch 64 × top-16 that is about 613 experts' weights where S7 reads 1,024: 10 / 13
+launches per layer, 12 / 15 with TP.
+
 With ``gemv`` (opt-in, GPU only: the CuTe DSL GEMV's cubins, ``kernels/cute_gemv.py``) the
 plain projections (in_proj, qkv_a_g_proj, o_proj) at 1-4 tokens take that GEMV in place of
 the Triton one, wherever it has a build for the shape: the same launches.
@@ -63,14 +70,20 @@ from kimi_perf_kernels.mla_absorb_insert import mla_absorb_insert
 from kimi_perf_kernels.mla_attention import mla_attention
 from kimi_perf_kernels.mla_uv_gate import mla_uv_gate
 from kimi_perf_kernels.moe_experts import moe_fc2_combine, moe_route_fc1_situ
+from kimi_perf_kernels.moe_grouped_fc1 import moe_grouped_fc1_situ
+from kimi_perf_kernels.router_topk import router_topk
 from kimi_perf_kernels.skinny_linear import skinny_linear
 
 
 class SpecializedModel(KernelPathModel):
     def __init__(self, c: K3Config, weights: Weights, dtype: torch.dtype = torch.bfloat16,
                  device: torch.device | str = "cpu", all_reduce=None, l2_prefetch: bool = False,
-                 gemv=None):
+                 gemv=None, group_experts_from: int | None = None):
         super().__init__(c, weights, dtype=dtype, device=device, all_reduce=all_reduce)
+        # Opt-in until a GPU run shows where it pays: from this many tokens a step on, route
+        # in a launch of its own and stream each picked expert's W13 once for all its tokens
+        # (kernels/moe_grouped_fc1.py), one launch more per MoE layer.
+        self.group_experts_from = group_experts_from
         # Opt-in, on a GPU, until a GPU run shows it beats the Triton GEMV: another GEMV for
         # the plain projections (kimi_perf_kernels.cute_gemv.CubinGemv, the CuTe DSL one),
         # used wherever it has a build for the shape (``builds``: (M, N, K) keys).
@@ -164,11 +177,18 @@ class SpecializedModel(KernelPathModel):
         self.launch("router_latent_down")
         both = skinny_linear(h, p["router_down"], out_dtype=torch.float32)
         logits, latent = both[:, : c.n_experts], both[:, c.n_experts:]
-        self.launch("moe_fc1_situ_shared_gate_up")
         shared_act = h.new_empty(h.shape[0], p["shared_gate_up"].shape[0] // 2)
-        act, ids, weights = moe_route_fc1_situ(
-            latent, p["w13"], logits, self.w[m + "gate.e_score_correction_bias"], c.top_k,
-            c.routed_scale, situ, shared=(h, p["shared_gate_up"], shared_act))
+        bias = self.w[m + "gate.e_score_correction_bias"]
+        shared_fc1 = (h, p["shared_gate_up"], shared_act)
+        if self.group_experts_from is not None and h.shape[0] >= self.group_experts_from:
+            self.launch("router_topk")
+            ids, weights = router_topk(logits, bias, c.top_k, c.routed_scale)
+            self.launch("moe_grouped_fc1_situ_shared_gate_up")
+            act = moe_grouped_fc1_situ(latent, p["w13"], ids, situ, shared=shared_fc1)
+        else:
+            self.launch("moe_fc1_situ_shared_gate_up")
+            act, ids, weights = moe_route_fc1_situ(latent, p["w13"], logits, bias, c.top_k,
+                                                   c.routed_scale, situ, shared=shared_fc1)
         self.launch("moe_fc2_combine_shared_down")
         moe_fc2_combine(act, p["w2"], ids, weights, out=routed,
                         shared=(shared_act, self.w[m + "shared_experts.down_proj.weight"],

@@ -47,3 +47,12 @@ def test_sigmoid_is_exact_far_out_and_never_overflows():
         warnings.simplefilter("error")          # numpy's overflow warning, under the interpreter
         _sigmoid_kernel[(triton.cdiv(len(x), 512),)](x, out, len(x), BLOCK=512)
     torch.testing.assert_close(out, torch.sigmoid(x), rtol=3e-7, atol=1e-30)   # 2 ulps
+
+
+def test_fresh_buffers_start_poisoned_in_kernel_tests():
+    """tests/kernels/conftest.py: what torch.empty gives a kernel's launcher is poison, so a
+    missed store fails the comparison with the reference rather than leave a zero."""
+    assert torch.isnan(torch.empty(3, 4)).all()
+    assert torch.isnan(torch.empty_like(torch.ones(2), dtype=torch.bfloat16)).all()
+    assert (torch.empty(5, dtype=torch.int32) == torch.iinfo(torch.int32).min).all()
+    assert torch.empty(2, dtype=torch.bool).all()

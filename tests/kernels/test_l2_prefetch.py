@@ -7,10 +7,12 @@ from tests.kernels.util import poison
 def test_every_element_is_read_once():
     """The checksums add up to the tensor's sum: each element read by exactly one program
     (a size that is no multiple of the block or of the program count)."""
-    w = torch.arange(1, 50_001, dtype=torch.float32).bfloat16().reshape(250, 200)
+    # values 1-7: every partial sum is exact in fp32, so one element missed or read twice
+    # changes the total
+    w = (torch.arange(50_000) % 7 + 1).bfloat16().reshape(250, 200)
     checksums = torch.empty(PROGRAMS)
     poison(checksums)
     l2_prefetch(w, checksums)
-    torch.testing.assert_close(checksums.double().sum(), w.double().sum(), rtol=1e-6, atol=0)
+    assert checksums.double().sum() == w.double().sum()
     small = torch.ones(7, dtype=torch.bfloat16)
     assert float(l2_prefetch(small).sum()) == 7.0        # most programs find nothing to read

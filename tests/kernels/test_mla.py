@@ -77,7 +77,7 @@ def test_fp8_cache_rows_saturate_at_448():
     kv = torch.randn(M, lora + rope, generator=gen).bfloat16()
     kv_norm = 1 + 0.1 * torch.randn(lora, generator=gen)
     positions = torch.tensor([3, 7])
-    cache = torch.zeros(M, 10, lora + rope, dtype=FP8)
+    cache = torch.randn(M, 10, lora + rope, generator=gen).to(FP8)   # rows not written: kept
     cache_ref = cache.clone()
     scale = 1 / 400      # normed latents of about ±1-3 -> ±400-1200
     mla_absorb_insert_reference(q, w_uk, kv, kv_norm, cache_ref, positions, 1, scale, 1e-5)

@@ -39,17 +39,27 @@ def test_rms_norm_one_and_two_tensors(out_dtype):
         rms_norm(wide, torch.ones(5), 1e-5)
 
 
-def test_situ_and_mul():
+@pytest.mark.parametrize("inter", [300, 1100])
+def test_situ_and_mul(tiles, inter):
+    # 1100 columns: a second, partial column block at a GPU's tiles (1024)
     gen = torch.Generator().manual_seed(2)
-    gate_up = (3 * torch.randn(5, 2 * 300, generator=gen)).bfloat16()
+    gate_up = (3 * torch.randn(5, 2 * inter, generator=gen)).bfloat16()
     assert_close_bf16(situ_and_mul(gate_up, (4.0, 25.0)),
                       situ_and_mul_reference(gate_up, (4.0, 25.0)), ulps=1)
 
 
+def test_moe_finalize_over_several_column_blocks(tiles):
+    gen = torch.Generator().manual_seed(9)
+    per_slot = torch.randn(3, 4, 1100, generator=gen).bfloat16()
+    weights = torch.rand(3, 4, generator=gen)
+    want = (per_slot.float() * weights[..., None]).sum(1)
+    assert_close_bf16(moe_finalize(per_slot, weights, torch.bfloat16), want, ulps=1)
+
+
 def test_gate_sigmoid_mul_reads_head_major():
     gen = torch.Generator().manual_seed(3)
-    o = torch.randn(6, 4, 32, generator=gen).bfloat16()              # [H, M, V]
-    gate = torch.randn(4, 6 * 32, generator=gen).bfloat16()
+    o = torch.randn(6, 4, 40, generator=gen).bfloat16()    # [H, M, V]; V no power of two
+    gate = torch.randn(4, 6 * 40, generator=gen).bfloat16()
     assert_close_bf16(gate_sigmoid_mul(o, gate), gate_sigmoid_mul_reference(o, gate), ulps=1)
     with pytest.raises(ValueError, match="gate_sigmoid_mul"):
         gate_sigmoid_mul(o, gate[:, :-1])
@@ -67,7 +77,7 @@ def test_mla_concat_insert(cache_dtype):
     positions = torch.tensor([4, 5, 6, 0, 1, 2])
     qkv[:3, 50] = 30.0                     # beyond ±448 once divided by the scale: saturates
     qkv[3:, -1] = -30.0
-    got_cache = torch.zeros(B, S, lora + rope).to(cache_dtype)
+    got_cache = torch.randn(B, S, lora + rope, generator=gen).to(cache_dtype)  # rows not written
     want_cache = got_cache.clone()
     got = mla_concat_insert(ql, q, kv_c, k_pe, got_cache, positions, T, 0.05, nope)
     want = mla_concat_insert_reference(ql, q, kv_c, k_pe, want_cache, positions, T, 0.05, nope)

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kimi_perf.breakdown import Breakdown, layer_column
+from kimi_perf.layer_breakdown import Breakdown, layer_column
 
 ALL_LAYERS = "all layers (mean)"
 # Said under a comparison whose sides are timed apart (``ComparisonRow.timed_alike``).

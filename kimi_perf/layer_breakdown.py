@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from kimi_perf.classify import Rule
+from kimi_perf.classify import Rule, load_rules
 from kimi_perf.layers import (
     GpuOps,
     Step,
@@ -39,13 +39,25 @@ SCHEMA = 1
 _BATCH_ROWS = 1 << 16
 
 
-@dataclass
+@dataclass(repr=False)
 class Breakdown:
+    """One trace's steps, layers and layer types (``breakdown()``; the README's ``breakdown``
+    section documents every key). ``steps``: a dict per step (kernels, µs, per kernel class);
+    ``layers``: a dict per layer (``layer_column`` gives one figure of every layer as a numpy
+    column); ``layer_types``: per type its median layer and typical layer; ``source``: what
+    was read and how steps were found; ``timeline``: one step, op by op."""
+
     source: dict[str, Any]
     steps: list[dict[str, Any]]
     layers: Sequence[dict[str, Any]]     # a list, or LayerRows (the same dicts, built on read)
     layer_types: list[dict[str, Any]]
     timeline: dict[str, Any] | None = None  # one step, op by op (see _timeline)
+
+    def __repr__(self) -> str:
+        file = Path(self.source["file"]).name + ": " if self.source.get("file") else ""
+        types = ", ".join(f"{t.get('type')} ×{t.get('layers', '?')}" for t in self.layer_types)
+        return (f"Breakdown({file}{len(self.steps)} steps, {len(self.layers)} layers"
+                f"{' (' + types + ')' if types else ''}, counting {self.unit})")
 
     @property
     def unit(self) -> str:
@@ -67,6 +79,10 @@ class Breakdown:
         if not isinstance(doc, dict) or type(doc.get("schema")) is not int \
                 or doc["schema"] != SCHEMA:
             raise TraceError(path, f"not a kimi-perf breakdown of schema {SCHEMA}")
+        if "source" not in doc and isinstance(doc.get("paths"), dict):
+            raise TraceError(path, "a run's breakdown.json, a breakdown per decode path: read "
+                                   "one with from_json(doc['paths'][path]), or all with "
+                                   "kimi_perf.gate.load_run")
         try:
             return cls(source=doc["source"], steps=doc["steps"], layers=doc["layers"],
                        layer_types=doc["layer_types"], timeline=doc.get("timeline"))
@@ -229,6 +245,9 @@ class LayerRows(Sequence[dict[str, Any]]):
     def __len__(self) -> int:
         return len(self.kernels)
 
+    def __repr__(self) -> str:
+        return f"LayerRows({len(self)} layers of types {', '.join(self.types) or 'none'})"
+
     def __getitem__(self, i):
         if isinstance(i, slice):
             return list(self._rows(*i.indices(len(self))))
@@ -268,7 +287,7 @@ def layer_column(layers: Sequence[dict[str, Any]], name: str, layer_type: str | 
                  ) -> np.ndarray:
     """One figure of every layer (``LAYER_COLUMNS``), or of the layers of one type, in order:
     the column itself for ``LayerRows``, with no dict built per layer; else from the rows (a
-    breakdown read from JSON), a figure a row lacks as NaN."""
+    breakdown read from JSON), a figure a row lacks as NaN; empty for a type no layer has."""
     if name not in LAYER_COLUMNS:
         raise ValueError(f"no layer column {name!r} (one of {', '.join(LAYER_COLUMNS)})")
     if isinstance(layers, LayerRows):
@@ -357,11 +376,20 @@ def _us_array(ns: np.ndarray) -> np.ndarray:
     return us
 
 
-def breakdown(trace: Trace, layers: str = "auto", rules: list[Rule] | None = None,
+def breakdown(trace: Trace, layers: str = "auto", rules: list[Rule] | str | Path | None = None,
               step_regex: str | None = None, phase: str = "auto") -> Breakdown:
-    """``phase``: which steps count (``kimi_perf.layers.steps_of_phase``; by default the
-    decode steps of a trace whose steps are decode and prefill or mixed). The steps left out
-    are counted per phase in ``source["steps_left_out"]``."""
+    """Steps, layers and layer types of ``trace`` (``breakdown`` in the README).
+
+    ``layers``: how layers are found (``auto``: per-layer ranges when the trace has them,
+    else the repeating kernel pattern; ``nvtx``, ``nvtx:REGEX``: ranges only; ``repeat``);
+    ``rules``: kernel classes (``load_rules``' list, or a TOML file of rules to put before the
+    defaults); ``step_regex``: the ranges that are steps (default: the step names of
+    ``kimi_perf.layers.STEP_PATTERNS``, else graph launches or forward passes); ``phase``:
+    which steps count (``kimi_perf.layers.steps_of_phase``; by default the decode steps of a
+    trace whose steps are decode and prefill or mixed). The steps left out are counted per
+    phase in ``source["steps_left_out"]``."""
+    if isinstance(rules, str | Path):
+        rules = load_rules(rules)
     ops = GpuOps.of(trace, rules)
     release_free_memory()
     steps = find_steps(trace, ops, step_regex)

@@ -1,0 +1,152 @@
+"""S7, grouped by expert: the routed experts' gate/up + SiTU, each picked expert's weights
+streamed once for all the tokens that picked it.
+
+``moe_route_fc1_situ`` streams an expert's W13 once per (token, slot) that picks it: right
+at batch 1, where every slot is another expert, but at batch 64 × top-16 the 1,024 slots pick
+about 613 distinct experts of 896 (K3), and 40% of what it streams it has streamed before.
+Here the routing comes first (``router_topk``, its own launch: a token's top-k needs its whole
+row of router logits), and then one program per (expert, intermediate block):
+
+- it scans the step's M × top_k expert ids (int32, from L2; SCAN at a time: 1,024 at batch
+  64, 8,192 in a verify step of 64 × 8 tokens) for its expert, and leaves at once if no slot
+  picked it (most programs at small batches: the grid is E wide, so that it never depends on
+  the routing and a CUDA graph keeps it);
+- the slots that did, in order, are taken BLOCK_T at a time: slot r of a chunk is the one
+  whose running count of hits is r ([BLOCK_T, SCAN] comparisons in registers). An expert
+  picked by more than BLOCK_T tokens streams its weights again per chunk (about 1.7 tokens
+  an expert at batch 64 × top-16 of 896: rare);
+- per K step it loads the expert's gate and up tiles [BLOCK_N, BLOCK_K] once and takes each of
+  the chunk's tokens' products with them in fp32, one token at a time: exact fp32 like the
+  per-slot kernel, with a GEMV's registers (no tensor cores, which a memory-bound step of one
+  or two tokens per expert would not keep busy).
+
+The shared experts' gate/up + SiTU ride in the same grid, as in ``moe_route_fc1_situ`` (their
+tiles first). On sm_90a it takes 80 registers a thread at 8 warps (``kimi_perf_kernels.aot``),
+where the per-slot kernel takes 64: three CTAs an SM rather than four. FC2
+(``moe_fc2_combine``) is unchanged: a token's weighted sum over its slots stays in registers
+there.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kimi_perf_kernels.common import INTERPRETED, cast
+from kimi_perf_kernels.moe_experts import Shared, _routed_blocks, _shared_launch
+from kimi_perf_kernels.skinny_linear import _situ, linear_tile
+
+BLOCK_T = 4   # the slots of one expert taken at a time
+SCAN = 256    # expert ids scanned at a time
+
+
+@triton.jit
+def _expert_slots(expert, r0, ids_ptr, SLOTS, BLOCK_S: tl.constexpr, BLOCK_T: tl.constexpr):
+    """The slots of ranks r0 .. r0 + BLOCK_T - 1 among those that picked ``expert`` (0 past
+    the last), and how many picked it: the ids scanned BLOCK_S at a time, a hit's rank its
+    running count."""
+    r = r0 + tl.arange(0, BLOCK_T)
+    s = tl.arange(0, BLOCK_S)
+    slot = tl.zeros([BLOCK_T], tl.int32)
+    seen = 0
+    for s0 in range(0, SLOTS, BLOCK_S):
+        hit = (tl.load(ids_ptr + s0 + s, mask=s0 + s < SLOTS, other=-1) == expert).to(tl.int32)
+        rank = seen + tl.cumsum(hit, axis=0) - 1
+        picked = (hit[None, :] > 0) & (rank[None, :] == r[:, None])
+        slot += tl.sum(tl.where(picked, s0 + s[None, :], 0), axis=1)
+        seen += tl.sum(hit, axis=0)
+    return slot, seen
+
+
+@triton.jit
+def _grouped_fc1_tile(expert, block, x_ptr, w13_ptr, ids_ptr, act_ptr, SLOTS, INTER, KDIM,
+                      stride_x, stride_we, stride_wn, TOP_K: tl.constexpr,
+                      BETA: tl.constexpr, BETA_LINEAR: tl.constexpr, BLOCK_S: tl.constexpr,
+                      BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      RNE: tl.constexpr):
+    n = block * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < INTER
+    w = w13_ptr + expert.to(tl.int64) * stride_we
+    r = tl.arange(0, BLOCK_T)
+    ks = tl.arange(0, BLOCK_K)
+    r0 = 0
+    slot, count = _expert_slots(expert, r0, ids_ptr, SLOTS, BLOCK_S, BLOCK_T)
+    while r0 < count:                          # never, where no slot picked the expert
+        t_ok = r0 + r < count
+        token = (slot // TOP_K).to(tl.int64)
+        gate = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
+        up = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
+        for k0 in range(0, KDIM, BLOCK_K):
+            kk = k0 + ks
+            k_ok = kk < KDIM
+            m = n_ok[:, None] & k_ok[None, :]
+            wg = tl.load(w + n[:, None] * stride_wn + kk[None, :], mask=m, other=0.0)
+            wu = tl.load(w + (n[:, None] + INTER) * stride_wn + kk[None, :], mask=m, other=0.0)
+            wg = wg.to(tl.float32)
+            wu = wu.to(tl.float32)
+            # the tiles once, for each of the chunk's tokens: a GEMV's registers per token,
+            # not a [BLOCK_T, BLOCK_N, BLOCK_K] product's
+            for t in tl.static_range(BLOCK_T):
+                row = tl.sum(tl.where(r == t, token, 0), axis=0)
+                ok = tl.sum(tl.where(r == t, t_ok.to(tl.int32), 0), axis=0) > 0
+                x = tl.load(x_ptr + row * stride_x + kk, mask=k_ok & ok, other=0.0)
+                x = x.to(tl.float32)
+                gate += tl.where(r[:, None] == t, tl.sum(wg * x[None, :], axis=1)[None, :], 0.0)
+                up += tl.where(r[:, None] == t, tl.sum(wu * x[None, :], axis=1)[None, :], 0.0)
+        act = _situ(gate, up, BETA, BETA_LINEAR)
+        tl.store(act_ptr + slot.to(tl.int64)[:, None] * INTER + n[None, :],
+                 cast(act, act_ptr.dtype.element_ty, RNE), mask=t_ok[:, None] & n_ok[None, :])
+        r0 += BLOCK_T
+        slot, count = _expert_slots(expert, r0, ids_ptr, SLOTS, BLOCK_S, BLOCK_T)
+
+
+@triton.jit
+def moe_grouped_fc1_situ_kernel(x_ptr, w13_ptr, ids_ptr, act_ptr, M, SLOTS, INTER, KDIM,
+                                stride_x, stride_we, stride_wn, sx_ptr, sw_ptr, sout_ptr, S_N,
+                                S_K, stride_sx, stride_sw, stride_sout, SHARED_PROGRAMS,
+                                TOP_K: tl.constexpr, BETA: tl.constexpr,
+                                BETA_LINEAR: tl.constexpr, BLOCK_S: tl.constexpr,
+                                BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
+                                BLOCK_K: tl.constexpr, RNE: tl.constexpr,
+                                SHARED: tl.constexpr, S_USE_DOT: tl.constexpr,
+                                DOT_FP32: tl.constexpr, S_BLOCK_M: tl.constexpr,
+                                S_BLOCK_N: tl.constexpr, S_BLOCK_K: tl.constexpr):
+    pid = tl.program_id(0) - SHARED_PROGRAMS   # the shared experts' tiles first
+    blocks = tl.cdiv(INTER, BLOCK_N)
+    if pid >= 0:
+        _grouped_fc1_tile(pid // blocks, pid % blocks, x_ptr, w13_ptr, ids_ptr, act_ptr, SLOTS,
+                          INTER, KDIM, stride_x, stride_we, stride_wn, TOP_K, BETA,
+                          BETA_LINEAR, BLOCK_S, BLOCK_T, BLOCK_N, BLOCK_K, RNE)
+    elif SHARED:
+        linear_tile(tl.program_id(0), sx_ptr, sw_ptr, sx_ptr, sout_ptr, sout_ptr, M, S_N, S_K,
+                    stride_sx, stride_sw, 0, stride_sout, 0.0, False, True, False, S_USE_DOT,
+                    DOT_FP32, RNE, BETA, BETA_LINEAR, S_BLOCK_M, S_BLOCK_N, S_BLOCK_K)
+
+
+def moe_grouped_fc1_situ(x: torch.Tensor, w13: torch.Tensor, ids: torch.Tensor,
+                         situ: tuple[float, float], out: torch.Tensor | None = None,
+                         shared: Shared | None = None) -> torch.Tensor:
+    """x [M, K] (latent), w13 [E, 2I, K], ids [M, top_k] int32 (``router_topk``) -> act
+    [M, top_k, I] in w13's dtype, as ``moe_route_fc1_situ`` makes it; ``shared`` as there."""
+    M, top_k = ids.shape
+    n_experts, two_i, kdim = w13.shape
+    inter = two_i // 2
+    if ids.dtype != torch.int32 or not ids.is_contiguous():
+        raise ValueError("moe_grouped_fc1_situ: the expert ids must be contiguous int32")
+    if x.shape != (M, kdim) or x.stride(1) != 1 or w13.stride(2) != 1:
+        raise ValueError(f"moe_grouped_fc1_situ: latent {tuple(x.shape)} and experts "
+                         f"{tuple(w13.shape)} do not fit {M} tokens (rows contiguous)")
+    if out is None:
+        out = torch.empty(M, top_k, inter, dtype=w13.dtype, device=x.device)
+    if out.shape != (M, top_k, inter) or not out.is_contiguous():
+        raise ValueError(f"moe_grouped_fc1_situ: out must be a contiguous {(M, top_k, inter)}")
+    block_n, block_k = _routed_blocks()
+    shared_args, shared_consts = _shared_launch(shared, M, situ=True)
+    grid = (n_experts * triton.cdiv(inter, block_n) + shared_args[-1],)
+    moe_grouped_fc1_situ_kernel[grid](
+        x, w13, ids, out, M, M * top_k, inter, kdim, x.stride(0), w13.stride(0), w13.stride(1),
+        *shared_args, TOP_K=top_k, BETA=situ[0], BETA_LINEAR=situ[1],
+        BLOCK_S=min(triton.next_power_of_2(M * top_k), SCAN), BLOCK_T=BLOCK_T, BLOCK_N=block_n,
+        BLOCK_K=block_k, RNE=INTERPRETED, **shared_consts, num_warps=8)
+    return out
