@@ -59,6 +59,15 @@ class TraceRequest:
     seed: int = 0
     out_dir: Path = Path("traces/runs")
     plotly_js: str = "inline"       # the report's plotly.js: inline, cdn or a .js path
+    # the specialized path's opt-ins (SpecializedModel): L2 prefetch of o_proj's weights, and
+    # from this many tokens a step on, the routed experts' FC1 grouped by expert
+    l2_prefetch: bool = False
+    group_experts_from: int | None = None
+
+
+def path_options(req: TraceRequest) -> dict:
+    """``build_model``'s opt-ins of the request (the standard path ignores them)."""
+    return {"l2_prefetch": req.l2_prefetch, "group_experts_from": req.group_experts_from}
 
 
 def default_request(on_gpu: bool) -> TraceRequest:
@@ -81,6 +90,10 @@ def command_line(req: TraceRequest) -> str:
              "--backend", req.backend, "--kv-cache", req.kv_cache, "--spec-tokens",
              str(req.spec_tokens), "--out", str(req.out_dir),
              "--plotly-js", req.plotly_js]
+    if req.l2_prefetch:
+        args.append("--l2-prefetch")
+    if req.group_experts_from is not None:
+        args += ["--group-experts-from", str(req.group_experts_from)]
     return shlex.join(args)
 
 
@@ -228,7 +241,8 @@ def _capture_all(req: TraceRequest, config, device: str, run_dir: Path, final: P
         else:
             from kimi_perf.decode.specialized import build_model
 
-            model = build_model(config, weights, PATH_BACKENDS[path], device=device)
+            model = build_model(config, weights, PATH_BACKENDS[path], device=device,
+                                **path_options(req))
             trace_file = run_dir / f"{path}.trace.json.gz"
             metrics = _profile(model, req, device, trace_file, done)
         trace = read_trace(trace_file)
@@ -352,7 +366,7 @@ def _rank_profile(rank: int, weights, config, req: TraceRequest, path: str, run_
     from kimi_perf.decode.tp import rank_model
 
     model = rank_model(weights, config, rank, torch.bfloat16,
-                       decode_backend=PATH_BACKENDS[path])
+                       decode_backend=PATH_BACKENDS[path], **path_options(req))
     return _profile(model, req, "cpu", Path(run_dir) / f"{path}.rank{rank}.trace.json.gz")
 
 
@@ -423,7 +437,7 @@ def _capture_path_nsys(path: str, req: TraceRequest, device: str, run_dir: Path
     request = {"preset": req.preset, "n_layers": req.n_layers, "seed": req.seed,
                "batch": req.batch, "context": req.context, "steps": req.steps,
                "warmup": req.warmup, "kv_cache": req.kv_cache, "graphs": req.graphs,
-               "spec_tokens": req.spec_tokens}
+               "spec_tokens": req.spec_tokens, **path_options(req)}
     traced = "nvtx,cuda" if device == "cuda" else "nvtx"
     cmd = [nsys, "profile", f"--trace={traced}", "--sample=none", "--cpuctxsw=none",
            "--force-overwrite=true", "-o", str(rep.with_suffix(""))]

@@ -734,6 +734,11 @@ def validate(preset_name: str, n_layers: int | None, paths: str, steps: int,
 @click.option("--spec-tokens", default=0, show_default=True, type=click.IntRange(0, 7),
               help="speculative decoding with K synthetic draft tokens: each decode step "
               "verifies 1+K tokens per sequence and accepts a seeded random 1..1+K")
+@click.option("--l2-prefetch", is_flag=True, help="the specialized path's opt-in: o_proj's "
+              "weights read into L2 beside the attention (one launch more per layer)")
+@click.option("--group-experts-from", type=click.IntRange(1), help="the specialized path's "
+              "opt-in: from this many tokens a step on, route first and run the routed "
+              "experts' FC1 grouped by expert (one launch more per MoE layer)")
 @click.option("--out", "out_dir", type=click.Path(path_type=Path), default=Path("traces/runs"),
               show_default=True, help="parent of the run directory")
 @click.option("--plotly-js", default="inline", show_default=True, callback=_check_plotly_js,
@@ -747,7 +752,8 @@ def trace_cmd(from_files: tuple[Path, ...], phase: str, rules: Path | None,
               layers_arg: str | None,
               batch: int | None, context: int | None, steps_arg: str | None,
               warmup: int | None, tp: int, paths: str, graphs: bool, backend: str,
-              kv_cache: str, spec_tokens: int, out_dir: Path, plotly_js: str,
+              kv_cache: str, spec_tokens: int, l2_prefetch: bool,
+              group_experts_from: int | None, out_dir: Path, plotly_js: str,
               fmt: str) -> None:
     """Capture both decode paths per layer and compare them (the main job).
 
@@ -764,7 +770,8 @@ def trace_cmd(from_files: tuple[Path, ...], phase: str, rules: Path | None,
 
     plotly_js_for(plotly_js, out_dir)  # a missing file is said now, not after the capture
     capture_only = _given("preset_name", "batch", "context", "warmup", "tp", "paths", "graphs",
-                          "backend", "kv_cache", "spec_tokens")
+                          "backend", "kv_cache", "spec_tokens", "l2_prefetch",
+                          "group_experts_from")
     if from_files and capture_only:
         raise TraceError(None, f"{', '.join(capture_only)} set up a capture; --from analyses "
                                "traces already made")
@@ -803,7 +810,8 @@ def trace_cmd(from_files: tuple[Path, ...], phase: str, rules: Path | None,
                                   tp=tp, paths=tuple(p for p in paths.split(",") if p),
                                   graphs=graphs, backend=backend, kv_cache=kv_cache,
                                   spec_tokens=spec_tokens, out_dir=out_dir,
-                                  plotly_js=plotly_js)
+                                  plotly_js=plotly_js, l2_prefetch=l2_prefetch,
+                                  group_experts_from=group_experts_from)
         from kimi_perf.decode.config import PRESETS
 
         if req.preset not in PRESETS:

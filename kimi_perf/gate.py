@@ -497,7 +497,19 @@ def run_differences(baseline_doc: dict, run_doc: dict) -> list[str]:
                      if keys == ("spec_tokens",) else setting(r, keys) for r in runs)
         if base is not None and cur is not None and base != cur:
             out.append(f"{label} {_setting_text(base)} vs {_setting_text(cur)}")
+    if all("preset" in r for r in runs):   # two captures: their specialized path's opt-ins
+        for label, key in OPT_INS:         # (off where a capture predates the option)
+            base, cur = (_opt_in_text((r.get("request") or {}).get(key)) for r in runs)
+            if base != cur:
+                out.append(f"{label} {base} vs {cur}")
     return out
+
+
+OPT_INS = (("L2 prefetch", "l2_prefetch"), ("experts grouped from", "group_experts_from"))
+
+
+def _opt_in_text(value) -> str:
+    return "off" if value is None or value is False else "on" if value is True else str(value)
 
 
 def _setting_text(value) -> str:

@@ -705,6 +705,12 @@ def test_gate_says_when_baseline_and_run_were_captured_differently(tmp_path):
     old = json.loads(BASELINE.read_text())
     old["run"].pop("spec_tokens", None)       # a capture from before speculative decoding
     assert run_differences(old, spec) == ["draft tokens 0 vs 3"]
+    # the specialized path's opt-ins change its launches: a capture from before them had none
+    grouped = json.loads(BASELINE.read_text())
+    grouped["run"]["request"].update(group_experts_from=16, l2_prefetch=True)
+    assert run_differences(old, grouped) == ["L2 prefetch off vs on",
+                                             "experts grouped from off vs 16"]
+    assert run_differences(grouped, grouped) == []
 
 
 def test_gate_files_is_the_cli_gate_as_a_library_call(tmp_path):

@@ -641,3 +641,28 @@ def test_trace_metrics_on_a_gpu_come_from_a_run_without_the_profiler(tmp_path, m
     assert "profiled_step_latency_s" in metrics and "profiled_step_latency_s" not in before
     assert metrics["speculative"] == before["speculative"]
     assert metrics["fallbacks"] == before["fallbacks"] == ["step 0: prefill of 3 tokens"]
+
+
+def test_trace_runs_the_specialized_path_s_opt_ins(tmp_path):
+    """`kimi-perf trace --l2-prefetch --group-experts-from N`: the specialized path with both,
+    its launches counted as run, the options in run.json's command and request; with --from
+    they are refused (nothing is captured)."""
+    import json
+
+    from click.testing import CliRunner
+
+    from kimi_perf.cli import main
+
+    args = ["trace", "--layers", "4", "--steps", "1", "--warmup", "0", "--context", "3",
+            "--batch", "2", "--paths", "specialized", "--format", "json", "--out",
+            str(tmp_path), "--l2-prefetch", "--group-experts-from", "2"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.output)
+    kernels = {t["type"]: t["kernels"] for t in doc["paths"]["specialized"]["layer_types"]}
+    assert kernels == {"dense": 8, "kda": 11, "mla": 14}   # 7, 9, 12 + prefetch + routing
+    run = doc["run"]
+    assert run["command"].endswith("--l2-prefetch --group-experts-from 2")
+    assert run["request"]["l2_prefetch"] and run["request"]["group_experts_from"] == 2
+    refused = CliRunner().invoke(main, ["trace", "--from", str(tmp_path), "--l2-prefetch"])
+    assert refused.exit_code == 2 and "--l2-prefetch set up a capture" in refused.output

@@ -231,14 +231,18 @@ class SpecializedModel(KernelPathModel):
 
 def build_model(c: K3Config, weights: Weights, decode_backend: str = "auto",
                 dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu",
-                all_reduce=None, standard_ops: str | None = None) -> K3Model:
-    """``auto`` keeps the standard path; ``latency_specialized`` selects the fused one.
+                all_reduce=None, standard_ops: str | None = None, l2_prefetch: bool = False,
+                group_experts_from: int | None = None) -> K3Model:
+    """``auto`` keeps the standard path; ``latency_specialized`` selects the fused one, with
+    its opt-ins ``l2_prefetch`` and ``group_experts_from`` (``SpecializedModel``; the standard
+    path has none).
 
     ``standard_ops``: how the standard path runs its decode steps: ``kernels``, one kernel per
     step as vLLM launches them (``StandardKernelsModel``; the default on a GPU), or ``torch``,
     PyTorch ops (the default on a CPU, where Triton runs in its interpreter)."""
     if decode_backend == "latency_specialized":
-        return SpecializedModel(c, weights, dtype=dtype, device=device, all_reduce=all_reduce)
+        return SpecializedModel(c, weights, dtype=dtype, device=device, all_reduce=all_reduce,
+                                l2_prefetch=l2_prefetch, group_experts_from=group_experts_from)
     if decode_backend != "auto":
         raise ValueError(f"decode_backend must be auto or latency_specialized, not "
                          f"{decode_backend!r}")

@@ -29,14 +29,15 @@ def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
 
 
 def rank_model(full: Weights, c: K3Config, rank: int, dtype: torch.dtype,
-               device: str = "cpu", decode_backend: str = "auto") -> K3Model:
-    """This rank's model of either path (``c`` is the full config; it is sharded here)."""
+               device: str = "cpu", decode_backend: str = "auto", **options) -> K3Model:
+    """This rank's model of either path (``c`` is the full config; it is sharded here);
+    ``options``: the specialized path's opt-ins (``build_model``)."""
     from kimi_perf.decode.specialized import build_model
 
     tp = dist.get_world_size()
     sharded = c.shard(tp)
     return build_model(sharded, shard(full, sharded, rank), decode_backend, dtype=dtype,
-                       device=device, all_reduce=all_reduce_sum if tp > 1 else None)
+                       device=device, all_reduce=all_reduce_sum if tp > 1 else None, **options)
 
 
 def _worker(rank: int, world: int, init_file: str, fn: Callable, args: tuple,

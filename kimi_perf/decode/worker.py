@@ -28,7 +28,9 @@ def main(argv: list[str]) -> int:
     config = preset(request["preset"], n_layers=request["n_layers"])
     weights = random_weights(config, seed=request["seed"], device=device)
     backend = {"standard": "auto", "specialized": "latency_specialized"}[path]
-    model = build_model(config, weights, backend, device=device)
+    model = build_model(config, weights, backend, device=device,
+                        l2_prefetch=request["l2_prefetch"],
+                        group_experts_from=request["group_experts_from"])
     model.annotate_ops = device == "cpu"
     gen = torch.Generator().manual_seed(request["seed"] + 1)
     prompt = torch.randint(0, config.vocab, (request["batch"], request["context"]),
