@@ -19,7 +19,7 @@
    memory floor). On a GPU the standard path is ``StandardKernelsModel``, one kernel per
    step of vLLM's sequence (the summary names the model class of each run). At batch 1 the
    specialized path also runs with its opt-in L2 prefetch (``specialized+l2``), and at batch
-   64 with its routed experts' FC1 grouped by expert (``specialized+grouped``), each side by
+   64 with its routed experts grouped by expert (``specialized+grouped``), each side by
    side with it without.
 5. CuTe DSL against Triton: the CuTe DSL GEMV (``kernels/cute_gemv.py``; its cubins are built
    for sm_90a before the call, since the DSL itself cannot travel) beside the Triton GEMV and
@@ -111,7 +111,7 @@ def copy_bandwidth(device: str, mib: int, repeats: int = 10) -> float:
 
 
 def correctness(device: str, steps: int) -> dict:
-    """Both paths (and the specialized path's grouped FC1) on the GPU against the standard
+    """Both paths (and the specialized path's grouped experts) on the GPU against the standard
     path on the CPU, tiny preset, float32."""
     c = preset("tiny", n_layers=4)
     weights = random_weights(c, seed=11)
@@ -125,7 +125,7 @@ def correctness(device: str, steps: int) -> dict:
     for name in (*PATHS, "specialized+grouped"):
         base, _, option = name.partition("+")
         model = build_model(c, weights, PATHS[base], dtype=torch.float32, device=device)
-        if option == "grouped":   # the opt-in grouped FC1, on every step
+        if option == "grouped":   # the opt-in grouped experts, on every step
             model.group_experts_from = 1
         state = model.new_state(2, 4 + steps)
         got = [model.forward(tokens[:, :4].to(device), state)[:, -1]]
@@ -496,7 +496,7 @@ def main() -> int:
     longest = 0.0
     # The headline first: per-layer µs under CUDA graphs at both batches, then the eager runs
     # (per launch and memory floors); at batch 1, where GEMVs stream weights, also the L2
-    # prefetch, and at 64, where tokens share experts, the grouped FC1, to decide them.
+    # prefetch, and at 64, where tokens share experts, the grouped experts, to decide them.
     for graphs in (True, False) if device == "cuda" else (False,):
         for batch in batches:
             for path in [*PATHS, "specialized+l2" if batch == 1 else "specialized+grouped"]:

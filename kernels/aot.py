@@ -58,6 +58,7 @@ def builds() -> list[Build]:
         mla_uv_gate,
         moe_experts,
         moe_grouped_fc1,
+        moe_grouped_fc2,
         rms_norm,
         router_topk,
         situ_and_mul,
@@ -147,14 +148,26 @@ def builds() -> list[Build]:
         out.append(Build(f"moe_grouped_fc1_situ E896 k16 I384 +shared M={m}", kernel,
                          _signature(kernel, {**routed_types, "x_ptr": "*fp32"}, consts),
                          consts, 8))
+        block_m, block_n, block_k = moe_experts.shared_tile(m, False)
+        consts = {"TOP_K": 16, "BLOCK_S": min(16 * m, moe_grouped_fc1.SCAN),
+                  "BLOCK_T": moe_grouped_fc1.BLOCK_T, "BLOCK_N": 32, "BLOCK_K": 64,
+                  "RNE": False, "SHARED": True, "S_USE_DOT": m > skinny_linear.GEMV_MAX_M,
+                  "DOT_FP32": False, "S_BLOCK_M": block_m, "S_BLOCK_N": block_n,
+                  "S_BLOCK_K": block_k}
+        kernel = moe_grouped_fc2.moe_grouped_fc2_kernel
+        out.append(Build(f"moe_grouped_fc2 N3584 I384 +shared M={m}", kernel,
+                         _signature(kernel, {**routed_types, "out_ptr": "*fp32",
+                                             "sout_ptr": "*fp32"}, consts), consts, 8))
     consts = {"TOP_K": 16, "BLOCK_N": 1024, "RNE": False}
     out.append(Build("moe_finalize k16 N3584", moe_experts.moe_finalize_kernel,
                      _signature(moe_experts.moe_finalize_kernel,
                                 {"per_slot_ptr": "*bf16", "out_ptr": "*bf16"}, consts), consts))
-    consts = {"K": 16, "BLOCK_E": 1024}
-    out.append(Build("router_topk E896 k16", router_topk.router_topk_kernel,
-                     _signature(router_topk.router_topk_kernel,
-                                {"ids_ptr": "*i32", "scale": "fp32"}, consts), consts))
+    for zero in (False, True):   # True: zeroing the grouped FC2's rows (opt-in)
+        consts = {"K": 16, "BLOCK_E": 1024, "ZERO": zero, "BLOCK_Z": 1024}
+        out.append(Build(f"router_topk E896 k16{' +zero' if zero else ''}",
+                         router_topk.router_topk_kernel,
+                         _signature(router_topk.router_topk_kernel,
+                                    {"ids_ptr": "*i32", "scale": "fp32"}, consts), consts))
     for width in (2048, 4096, 8192):  # q_lora | kv_lora; the latent; hidden (final norm)
         consts = {"BLOCK": width, "RNE": False}
         out.append(Build(f"rms_norm {width}", rms_norm.rms_norm_kernel,

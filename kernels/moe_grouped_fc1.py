@@ -22,9 +22,8 @@ row of router logits), and then one program per (expert, intermediate block):
 
 The shared experts' gate/up + SiTU ride in the same grid, as in ``moe_route_fc1_situ`` (their
 tiles first). On sm_90a it takes 80 registers a thread at 8 warps (``kimi_perf_kernels.aot``),
-where the per-slot kernel takes 64: three CTAs an SM rather than four. FC2
-(``moe_fc2_combine``) is unchanged: a token's weighted sum over its slots stays in registers
-there.
+where the per-slot kernel takes 64: three CTAs an SM rather than four. FC2 grouped the same
+way: ``moe_grouped_fc2``.
 """
 
 from __future__ import annotations

@@ -47,9 +47,11 @@ def routed_slot(logits_ptr, bias_ptr, E, rank, scale, K: tl.constexpr, BLOCK_E: 
 
 
 @triton.jit
-def router_topk_kernel(logits_ptr, bias_ptr, ids_ptr, weights_ptr, E, stride_l, scale,
-                       K: tl.constexpr, BLOCK_E: tl.constexpr):
-    """One program per token: one sort, then the first K ranks' experts and weights."""
+def router_topk_kernel(logits_ptr, bias_ptr, ids_ptr, weights_ptr, zero_ptr, E, stride_l,
+                       scale, ZERO_N, stride_zero, K: tl.constexpr, BLOCK_E: tl.constexpr,
+                       ZERO: tl.constexpr, BLOCK_Z: tl.constexpr):
+    """One program per token: one sort, then the first K ranks' experts and weights; with
+    ZERO, also the token's row of the buffer the routed experts will add into."""
     token = tl.program_id(0)
     row = logits_ptr + token * stride_l
     e, _, ranked, total = _rank_experts(row, bias_ptr, E, K, BLOCK_E)
@@ -58,18 +60,29 @@ def router_topk_kernel(logits_ptr, bias_ptr, ids_ptr, weights_ptr, E, stride_l, 
     weights = tl.sigmoid(tl.load(row + experts, mask=top, other=0.0))
     tl.store(ids_ptr + token * K + e, experts, mask=top)
     tl.store(weights_ptr + token * K + e, weights / total * scale, mask=top)
+    if ZERO:
+        z = tl.arange(0, BLOCK_Z)
+        for z0 in range(0, ZERO_N, BLOCK_Z):
+            tl.store(zero_ptr + token.to(tl.int64) * stride_zero + z0 + z,
+                     tl.zeros([BLOCK_Z], zero_ptr.dtype.element_ty), mask=z0 + z < ZERO_N)
 
 
-def router_topk(logits: torch.Tensor, bias: torch.Tensor, k: int, scale: float = 1.0
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The reference's contract in one launch, a program per token."""
+def router_topk(logits: torch.Tensor, bias: torch.Tensor, k: int, scale: float = 1.0,
+                zero: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference's contract in one launch, a program per token. ``zero`` [M, N]: rows
+    zeroed in the same launch (the grouped FC2 adds each expert's share into them)."""
     M, n_experts = logits.shape
     if not 1 <= k <= n_experts or logits.stride(1) != 1:
         raise ValueError(f"router_topk: top-{k} of {n_experts} experts, contiguous rows")
+    if zero is not None and (zero.shape[0] != M or zero.stride(1) != 1):
+        raise ValueError(f"router_topk: zero must be [{M}, N] with contiguous rows")
     ids = torch.empty(M, k, dtype=torch.int32, device=logits.device)
     weights = torch.empty(M, k, dtype=torch.float32, device=logits.device)
-    router_topk_kernel[(M,)](logits, bias, ids, weights, n_experts, logits.stride(0), scale,
-                             K=k, BLOCK_E=block_e(n_experts), num_warps=4)
+    router_topk_kernel[(M,)](logits, bias, ids, weights, zero, n_experts, logits.stride(0),
+                             scale, 0 if zero is None else zero.shape[1],
+                             0 if zero is None else zero.stride(0), K=k,
+                             BLOCK_E=block_e(n_experts), ZERO=zero is not None,
+                             BLOCK_Z=1024, num_warps=4)
     return ids, weights
 
 

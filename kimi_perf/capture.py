@@ -60,7 +60,7 @@ class TraceRequest:
     out_dir: Path = Path("traces/runs")
     plotly_js: str = "inline"       # the report's plotly.js: inline, cdn or a .js path
     # the specialized path's opt-ins (SpecializedModel): L2 prefetch of o_proj's weights, and
-    # from this many tokens a step on, the routed experts' FC1 grouped by expert
+    # from this many tokens a step on, the routed experts grouped by expert
     l2_prefetch: bool = False
     group_experts_from: int | None = None
 

@@ -738,7 +738,7 @@ def validate(preset_name: str, n_layers: int | None, paths: str, steps: int,
               "weights read into L2 beside the attention (one launch more per layer)")
 @click.option("--group-experts-from", type=click.IntRange(1), help="the specialized path's "
               "opt-in: from this many tokens a step on, route first and run the routed "
-              "experts' FC1 grouped by expert (one launch more per MoE layer)")
+              "experts grouped by expert (one launch more per MoE layer)")
 @click.option("--out", "out_dir", type=click.Path(path_type=Path), default=Path("traces/runs"),
               show_default=True, help="parent of the run directory")
 @click.option("--plotly-js", default="inline", show_default=True, callback=_check_plotly_js,

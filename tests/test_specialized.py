@@ -152,7 +152,9 @@ def _tp_kernel_path(rank: int, path: str, weights, dtype=torch.float32, sent=Non
     from kimi_perf.decode.weights import shard
 
     sharded = SMALL.shard(dist.get_world_size())
-    model = make_path(path, sharded, shard(weights, sharded, rank), dtype)
+    base, _, option = path.partition("+")
+    model = make_path(base, sharded, shard(weights, sharded, rank), dtype)
+    model.group_experts_from = 1 if option == "grouped" else None
     model.all_reduce = all_reduce_sum
     if sent is not None:   # what each all-reduce sends: (dtype, elements)
         def recorded(x):
@@ -186,6 +188,7 @@ def _tp1_logits(weights, batch: int, steps: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize(("path", "kda", "mla"), [("specialized", 11, 14),
+                                                  ("specialized+grouped", 12, 15),
                                                   ("standard_kernels", 21, 27)])
 def test_kernel_paths_tp2_match_tp1(weights, path, kda, mla):
     from kimi_perf.decode.tp import run_on_cpu_ranks
@@ -197,8 +200,8 @@ def test_kernel_paths_tp2_match_tp1(weights, path, kda, mla):
     launches = results[0][1]
     per_layer = {i: sum(1 for layer, _ in launches if layer == i) for i in range(4)}
     # Specialized: 9 and 12 launches plus o_proj's all-reduce and one for the MoE, within the
-    # 13 per KDA layer and 15 per gated-MLA layer the plan allows. Standard: 18 and 24 plus
-    # three all-reduces.
+    # 13 per KDA layer and 15 per gated-MLA layer the plan allows (grouped: one more, the
+    # routing). Standard: 18 and 24 plus three all-reduces.
     assert (per_layer[1], per_layer[3]) == (kda, mla)
 
 
@@ -607,6 +610,7 @@ def test_annotated_launches_are_the_launches(weights, path, batch, tokens_per_se
             assert ran.count("l2_prefetch_kernel") == model.l2_prefetch
             grouped = path.endswith("+grouped") and layer > 0     # layer 0: a dense MLP
             assert ran.count("moe_grouped_fc1_situ_kernel") == grouped
+            assert ran.count("moe_grouped_fc2_kernel") == grouped
             assert ran.count("router_topk_kernel") == grouped
         else:
             assert set(torch_ops) <= {"aten.mm", "aten.bmm", "aten.add"}, (layer, ran)

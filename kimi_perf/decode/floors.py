@@ -95,8 +95,9 @@ def launch_bytes(c: K3Config, layer_type: str, batch: int, context: int,
 
 
 # Launches of the specialized path's opt-ins that move another launch's bytes (the grouped
-# FC1 reads the expected distinct experts, as the floor of S7 assumes).
-SAME_BYTES = {"moe_grouped_fc1_situ_shared_gate_up": "moe_fc1_situ_shared_gate_up"}
+# FC1 and FC2 read the expected distinct experts, as the floors of S7 and S8 assume).
+SAME_BYTES = {"moe_grouped_fc1_situ_shared_gate_up": "moe_fc1_situ_shared_gate_up",
+              "moe_grouped_fc2_shared_down": "moe_fc2_combine_shared_down"}
 
 
 def layer_floor_us(c: K3Config, layer_type: str, batch: int, context: int,

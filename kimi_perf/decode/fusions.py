@@ -31,10 +31,12 @@ REPLACES: dict[str, tuple[str, ...]] = {
     "moe_fc1_situ_shared_gate_up": ("topk", "moe_fc1_situ", "shared_gate_up",
                                     "shared_situ_and_mul"),
     "moe_fc2_combine_shared_down": ("moe_fc2", "moe_finalize", "shared_down"),
-    # opt-in (group_experts_from): routing in a launch of its own, then S7 grouped by expert
+    # opt-in (group_experts_from): routing in a launch of its own, then S7 and S8 grouped by
+    # expert
     "router_topk": ("topk",),
     "moe_grouped_fc1_situ_shared_gate_up": ("moe_fc1_situ", "shared_gate_up",
                                             "shared_situ_and_mul"),
+    "moe_grouped_fc2_shared_down": ("moe_fc2", "moe_finalize", "shared_down"),
     "moe_all_reduce": ("latent_all_reduce", "shared_all_reduce"),
     "latent_up_proj": ("latent_rmsnorm", "latent_up_proj", "moe_add"),
     "lm_head": ("final_norm", "lm_head"),
@@ -43,7 +45,8 @@ REPLACES: dict[str, tuple[str, ...]] = {
 }
 # An opt-in's launches, and the default launch whose work they do between them instead.
 STANDS_IN_FOR = {"router_topk": "moe_fc1_situ_shared_gate_up",
-                 "moe_grouped_fc1_situ_shared_gate_up": "moe_fc1_situ_shared_gate_up"}
+                 "moe_grouped_fc1_situ_shared_gate_up": "moe_fc1_situ_shared_gate_up",
+                 "moe_grouped_fc2_shared_down": "moe_fc2_combine_shared_down"}
 # Launches both paths make, one for one.
 SAME = ("attn_res_pre", "attn_res_post", "attn_res_final", "o_proj", "all_reduce",
         "mla_decode", "dense_down")

@@ -41,11 +41,13 @@ streams them from L2 (``kernels/l2_prefetch.py``); the join comes after o_proj, 
 waits for it: 10 / 13 launches, 12 / 15 with TP.
 
 With ``group_experts_from=n`` (opt-in until a GPU run shows from which batch it pays), a step
-of n tokens or more routes in a launch of its own (``router_topk``) and runs S7 grouped by
-expert (``moe_grouped_fc1_situ_shared_gate_up``): each picked expert's gate/up weights
-streamed once for all the tokens that picked it, where S7 streams them once per (token,
-slot). At batch 64 × top-16 that is about 613 experts' weights where S7 reads 1,024: 10 / 13
-launches per layer, 12 / 15 with TP.
+of n tokens or more routes in a launch of its own (``router_topk``, which also zeroes the
+routed latent) and runs S7 and S8 grouped by expert (``moe_grouped_fc1_situ_shared_gate_up``,
+``moe_grouped_fc2_shared_down``): each picked expert's weights streamed once for all the
+tokens that picked it, where S7 and S8 stream them once per (token, slot), and each expert's
+weighted share added into its tokens' rows (fp32 atomics: the last bits of the sum vary from
+run to run). At batch 64 × top-16 that is about 613 experts' weights where S7 and S8 read
+1,024: 10 / 13 launches per layer, 12 / 15 with TP (whose MoE all-reduce then sends fp32).
 
 With ``gemv`` (opt-in, GPU only: the CuTe DSL GEMV's cubins, ``kernels/cute_gemv.py``) the
 plain projections (in_proj, qkv_a_g_proj, o_proj) at 1-4 tokens take that GEMV in place of
@@ -71,6 +73,7 @@ from kimi_perf_kernels.mla_attention import mla_attention
 from kimi_perf_kernels.mla_uv_gate import mla_uv_gate
 from kimi_perf_kernels.moe_experts import moe_fc2_combine, moe_route_fc1_situ
 from kimi_perf_kernels.moe_grouped_fc1 import moe_grouped_fc1_situ
+from kimi_perf_kernels.moe_grouped_fc2 import moe_grouped_fc2
 from kimi_perf_kernels.router_topk import router_topk
 from kimi_perf_kernels.skinny_linear import skinny_linear
 
@@ -81,8 +84,9 @@ class SpecializedModel(KernelPathModel):
                  gemv=None, group_experts_from: int | None = None):
         super().__init__(c, weights, dtype=dtype, device=device, all_reduce=all_reduce)
         # Opt-in until a GPU run shows where it pays: from this many tokens a step on, route
-        # in a launch of its own and stream each picked expert's W13 once for all its tokens
-        # (kernels/moe_grouped_fc1.py), one launch more per MoE layer.
+        # in a launch of its own and stream each picked expert's W13 and W2 once for all its
+        # tokens (kernels/moe_grouped_fc1.py, moe_grouped_fc2.py), one launch more per MoE
+        # layer.
         self.group_experts_from = group_experts_from
         # Opt-in, on a GPU, until a GPU run shows it beats the Triton GEMV: another GEMV for
         # the plain projections (kimi_perf_kernels.cute_gemv.CubinGemv, the CuTe DSL one),
@@ -167,11 +171,13 @@ class SpecializedModel(KernelPathModel):
         m = layer_prefix(i) + "mlp."
         p = self.packed[i]
         situ = (c.situ_beta, c.situ_beta_linear)
+        grouped = self.group_experts_from is not None and h.shape[0] >= self.group_experts_from
         # The routed latent and the shared experts' output side by side, so that one
         # all-reduce sums both under TP and the tail reads both from where FC2 wrote them. In
         # fp32 on one rank; under TP in the model's dtype, as the standard path's two
-        # all-reduces send them: half the bytes on the wire.
-        acc = torch.float32 if self.all_reduce is None else self.dtype
+        # all-reduces send them: half the bytes on the wire (grouped, fp32 throughout: the
+        # experts' shares are added into it).
+        acc = torch.float32 if self.all_reduce is None or grouped else self.dtype
         moe_out = h.new_empty(h.shape[0], c.latent + c.hidden, dtype=acc)
         routed, shared = moe_out[:, : c.latent], moe_out[:, c.latent:]
         self.launch("router_latent_down")
@@ -180,19 +186,20 @@ class SpecializedModel(KernelPathModel):
         shared_act = h.new_empty(h.shape[0], p["shared_gate_up"].shape[0] // 2)
         bias = self.w[m + "gate.e_score_correction_bias"]
         shared_fc1 = (h, p["shared_gate_up"], shared_act)
-        if self.group_experts_from is not None and h.shape[0] >= self.group_experts_from:
+        shared_fc2 = (shared_act, self.w[m + "shared_experts.down_proj.weight"], shared)
+        if grouped:   # routing first, then each picked expert streamed once for its tokens
             self.launch("router_topk")
-            ids, weights = router_topk(logits, bias, c.top_k, c.routed_scale)
+            ids, weights = router_topk(logits, bias, c.top_k, c.routed_scale, zero=routed)
             self.launch("moe_grouped_fc1_situ_shared_gate_up")
             act = moe_grouped_fc1_situ(latent, p["w13"], ids, situ, shared=shared_fc1)
+            self.launch("moe_grouped_fc2_shared_down")
+            moe_grouped_fc2(act, p["w2"], ids, weights, routed, shared=shared_fc2)
         else:
             self.launch("moe_fc1_situ_shared_gate_up")
             act, ids, weights = moe_route_fc1_situ(latent, p["w13"], logits, bias, c.top_k,
                                                    c.routed_scale, situ, shared=shared_fc1)
-        self.launch("moe_fc2_combine_shared_down")
-        moe_fc2_combine(act, p["w2"], ids, weights, out=routed,
-                        shared=(shared_act, self.w[m + "shared_experts.down_proj.weight"],
-                                shared))
+            self.launch("moe_fc2_combine_shared_down")
+            moe_fc2_combine(act, p["w2"], ids, weights, out=routed, shared=shared_fc2)
         if self.all_reduce is not None:
             moe_out = self._all_reduce(moe_out, "moe_all_reduce")
             routed, shared = moe_out[:, : c.latent], moe_out[:, c.latent:]
