@@ -109,7 +109,8 @@ def builds() -> list[Build]:
                          kda_decode.kda_decode_kernel,
                          _signature(kda_decode.kda_decode_kernel, kda_types, consts), consts,
                          8))
-    routed_types = {"w13_ptr": "*bf16", "ids_ptr": "*i32", "act_ptr": "*bf16", "scale": "fp32",
+    routed_types = {"w13_ptr": "*bf16", "ids_ptr": "*i32", "lists_ptr": "*i32",
+                    "counts_ptr": "*i32", "act_ptr": "*bf16", "scale": "fp32",
                     "x_ptr": "*bf16", "sx_ptr": "*bf16", "sw_ptr": "*bf16",
                     "sout_ptr": "*bf16", "w2_ptr": "*bf16", "out_ptr": "*bf16"}
     for m, shared in ((4, True), (64, True), (4, False)):
@@ -149,11 +150,10 @@ def builds() -> list[Build]:
                          _signature(kernel, {**routed_types, "x_ptr": "*fp32"}, consts),
                          consts, 8))
         block_m, block_n, block_k = moe_experts.shared_tile(m, False)
-        consts = {"TOP_K": 16, "BLOCK_S": min(16 * m, moe_grouped_fc1.SCAN),
-                  "BLOCK_T": moe_grouped_fc1.BLOCK_T, "BLOCK_N": 32, "BLOCK_K": 64,
-                  "RNE": False, "SHARED": True, "S_USE_DOT": m > skinny_linear.GEMV_MAX_M,
-                  "DOT_FP32": False, "S_BLOCK_M": block_m, "S_BLOCK_N": block_n,
-                  "S_BLOCK_K": block_k}
+        consts = {"TOP_K": 16, "BLOCK_T": moe_grouped_fc1.BLOCK_T, "BLOCK_N": 32,
+                  "BLOCK_K": 64, "RNE": False, "SHARED": True,
+                  "S_USE_DOT": m > skinny_linear.GEMV_MAX_M, "DOT_FP32": False,
+                  "S_BLOCK_M": block_m, "S_BLOCK_N": block_n, "S_BLOCK_K": block_k}
         kernel = moe_grouped_fc2.moe_grouped_fc2_kernel
         out.append(Build(f"moe_grouped_fc2 N3584 I384 +shared M={m}", kernel,
                          _signature(kernel, {**routed_types, "out_ptr": "*fp32",

@@ -21,12 +21,16 @@ row of router logits), and then one program per (expert, intermediate block):
   or two tokens per expert would not keep busy).
 
 The shared experts' gate/up + SiTU ride in the same grid, as in ``moe_route_fc1_situ`` (their
-tiles first). On sm_90a it takes 80 registers a thread at 8 warps (``kimi_perf_kernels.aot``),
-where the per-slot kernel takes 64: three CTAs an SM rather than four. FC2 grouped the same
-way: ``moe_grouped_fc2``.
+tiles first). On sm_90a it takes 80-85 registers a thread at 8 warps (``kimi_perf_kernels.aot``),
+where the per-slot kernel takes 64: three CTAs an SM rather than four. The first column
+block's program of each expert also writes the expert's slots and their count
+(``ExpertSlots``), so that FC2 (``moe_grouped_fc2``: E × 112 programs at K3 TP8 shapes, ten
+times FC1's) reads its expert's slots instead of scanning the ids again.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
@@ -38,6 +42,14 @@ from kimi_perf_kernels.skinny_linear import _situ, linear_tile
 
 BLOCK_T = 4   # the slots of one expert taken at a time
 SCAN = 256    # expert ids scanned at a time
+
+
+class ExpertSlots(NamedTuple):
+    """Which slots (flat indices into the step's [M, top_k] expert ids) picked each expert,
+    in order: ``lists`` [E, M] int32 (row e's first ``counts[e]`` entries), ``counts`` [E]."""
+
+    lists: torch.Tensor
+    counts: torch.Tensor
 
 
 @triton.jit
@@ -59,8 +71,8 @@ def _expert_slots(expert, r0, ids_ptr, SLOTS, BLOCK_S: tl.constexpr, BLOCK_T: tl
 
 
 @triton.jit
-def _grouped_fc1_tile(expert, block, x_ptr, w13_ptr, ids_ptr, act_ptr, SLOTS, INTER, KDIM,
-                      stride_x, stride_we, stride_wn, TOP_K: tl.constexpr,
+def _grouped_fc1_tile(expert, block, x_ptr, w13_ptr, ids_ptr, act_ptr, lists_ptr, counts_ptr,
+                      M, SLOTS, INTER, KDIM, stride_x, stride_we, stride_wn, TOP_K: tl.constexpr,
                       BETA: tl.constexpr, BETA_LINEAR: tl.constexpr, BLOCK_S: tl.constexpr,
                       BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       RNE: tl.constexpr):
@@ -71,8 +83,12 @@ def _grouped_fc1_tile(expert, block, x_ptr, w13_ptr, ids_ptr, act_ptr, SLOTS, IN
     ks = tl.arange(0, BLOCK_K)
     r0 = 0
     slot, count = _expert_slots(expert, r0, ids_ptr, SLOTS, BLOCK_S, BLOCK_T)
+    if block == 0:   # the expert's slots, for FC2 (a token picks an expert once: M at most)
+        tl.store(counts_ptr + expert, count)
     while r0 < count:                          # never, where no slot picked the expert
         t_ok = r0 + r < count
+        if block == 0:
+            tl.store(lists_ptr + expert.to(tl.int64) * M + r0 + r, slot, mask=t_ok)
         token = (slot // TOP_K).to(tl.int64)
         gate = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
         up = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
@@ -101,8 +117,9 @@ def _grouped_fc1_tile(expert, block, x_ptr, w13_ptr, ids_ptr, act_ptr, SLOTS, IN
 
 
 @triton.jit
-def moe_grouped_fc1_situ_kernel(x_ptr, w13_ptr, ids_ptr, act_ptr, M, SLOTS, INTER, KDIM,
-                                stride_x, stride_we, stride_wn, sx_ptr, sw_ptr, sout_ptr, S_N,
+def moe_grouped_fc1_situ_kernel(x_ptr, w13_ptr, ids_ptr, act_ptr, lists_ptr, counts_ptr, M,
+                                SLOTS, INTER, KDIM, stride_x, stride_we, stride_wn, sx_ptr,
+                                sw_ptr, sout_ptr, S_N,
                                 S_K, stride_sx, stride_sw, stride_sout, SHARED_PROGRAMS,
                                 TOP_K: tl.constexpr, BETA: tl.constexpr,
                                 BETA_LINEAR: tl.constexpr, BLOCK_S: tl.constexpr,
@@ -114,9 +131,10 @@ def moe_grouped_fc1_situ_kernel(x_ptr, w13_ptr, ids_ptr, act_ptr, M, SLOTS, INTE
     pid = tl.program_id(0) - SHARED_PROGRAMS   # the shared experts' tiles first
     blocks = tl.cdiv(INTER, BLOCK_N)
     if pid >= 0:
-        _grouped_fc1_tile(pid // blocks, pid % blocks, x_ptr, w13_ptr, ids_ptr, act_ptr, SLOTS,
-                          INTER, KDIM, stride_x, stride_we, stride_wn, TOP_K, BETA,
-                          BETA_LINEAR, BLOCK_S, BLOCK_T, BLOCK_N, BLOCK_K, RNE)
+        _grouped_fc1_tile(pid // blocks, pid % blocks, x_ptr, w13_ptr, ids_ptr, act_ptr,
+                          lists_ptr, counts_ptr, M, SLOTS, INTER, KDIM, stride_x, stride_we,
+                          stride_wn, TOP_K, BETA, BETA_LINEAR, BLOCK_S, BLOCK_T, BLOCK_N,
+                          BLOCK_K, RNE)
     elif SHARED:
         linear_tile(tl.program_id(0), sx_ptr, sw_ptr, sx_ptr, sout_ptr, sout_ptr, M, S_N, S_K,
                     stride_sx, stride_sw, 0, stride_sout, 0.0, False, True, False, S_USE_DOT,
@@ -125,9 +143,11 @@ def moe_grouped_fc1_situ_kernel(x_ptr, w13_ptr, ids_ptr, act_ptr, M, SLOTS, INTE
 
 def moe_grouped_fc1_situ(x: torch.Tensor, w13: torch.Tensor, ids: torch.Tensor,
                          situ: tuple[float, float], out: torch.Tensor | None = None,
-                         shared: Shared | None = None) -> torch.Tensor:
-    """x [M, K] (latent), w13 [E, 2I, K], ids [M, top_k] int32 (``router_topk``) -> act
-    [M, top_k, I] in w13's dtype, as ``moe_route_fc1_situ`` makes it; ``shared`` as there."""
+                         shared: Shared | None = None
+                         ) -> tuple[torch.Tensor, ExpertSlots]:
+    """x [M, K] (latent), w13 [E, 2I, K], ids [M, top_k] int32 (``router_topk``) -> (act
+    [M, top_k, I] in w13's dtype, as ``moe_route_fc1_situ`` makes it, and each expert's slots
+    for ``moe_grouped_fc2``); ``shared`` as there."""
     M, top_k = ids.shape
     n_experts, two_i, kdim = w13.shape
     inter = two_i // 2
@@ -140,12 +160,28 @@ def moe_grouped_fc1_situ(x: torch.Tensor, w13: torch.Tensor, ids: torch.Tensor,
         out = torch.empty(M, top_k, inter, dtype=w13.dtype, device=x.device)
     if out.shape != (M, top_k, inter) or not out.is_contiguous():
         raise ValueError(f"moe_grouped_fc1_situ: out must be a contiguous {(M, top_k, inter)}")
+    slots = ExpertSlots(torch.empty(n_experts, M, dtype=torch.int32, device=x.device),
+                        torch.empty(n_experts, dtype=torch.int32, device=x.device))
     block_n, block_k = _routed_blocks()
     shared_args, shared_consts = _shared_launch(shared, M, situ=True)
     grid = (n_experts * triton.cdiv(inter, block_n) + shared_args[-1],)
     moe_grouped_fc1_situ_kernel[grid](
-        x, w13, ids, out, M, M * top_k, inter, kdim, x.stride(0), w13.stride(0), w13.stride(1),
+        x, w13, ids, out, slots.lists, slots.counts, M, M * top_k, inter, kdim, x.stride(0),
+        w13.stride(0), w13.stride(1),
         *shared_args, TOP_K=top_k, BETA=situ[0], BETA_LINEAR=situ[1],
         BLOCK_S=min(triton.next_power_of_2(M * top_k), SCAN), BLOCK_T=BLOCK_T, BLOCK_N=block_n,
         BLOCK_K=block_k, RNE=INTERPRETED, **shared_consts, num_warps=8)
-    return out
+    return out, slots
+
+
+def expert_slots_reference(ids: torch.Tensor, n_experts: int) -> ExpertSlots:
+    """Each expert's slots (flat indices into ids [M, top_k]) in order, and their count; the
+    rows' entries past the count are not defined (here 0)."""
+    M = ids.shape[0]
+    flat = ids.flatten().long()
+    lists = torch.zeros(n_experts, M, dtype=torch.int32)
+    counts = torch.bincount(flat, minlength=n_experts).to(torch.int32)
+    for e in range(n_experts):
+        picked = torch.nonzero(flat == e).flatten()
+        lists[e, : len(picked)] = picked.to(torch.int32)
+    return ExpertSlots(lists, counts)

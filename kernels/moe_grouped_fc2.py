@@ -3,7 +3,8 @@ streamed once for all the tokens that picked it, its weighted share added into e
 row.
 
 The companion of ``moe_grouped_fc1`` (whose docstring explains the grid: a program per (expert,
-column block), the step's expert ids scanned for the expert's slots, BLOCK_T at a time). Per
+column block), an expert's slots taken BLOCK_T at a time); it reads each expert's slots from
+the lists FC1 wrote (``ExpertSlots``) rather than scanning the step's expert ids again. Per
 K step a program loads the expert's W2 tile [BLOCK_N, BLOCK_K] once and takes each of the
 chunk's slots' products with it in fp32; then each slot's routing weight times its product
 is added into its token's row of ``out`` with an fp32 atomic add, since a token's top_k
@@ -24,24 +25,24 @@ import triton.language as tl
 
 from kimi_perf_kernels.common import INTERPRETED
 from kimi_perf_kernels.moe_experts import Shared, _routed_blocks, _shared_launch
-from kimi_perf_kernels.moe_grouped_fc1 import BLOCK_T, SCAN, _expert_slots
+from kimi_perf_kernels.moe_grouped_fc1 import BLOCK_T, ExpertSlots
 from kimi_perf_kernels.skinny_linear import linear_tile
 
 
 @triton.jit
-def _grouped_fc2_tile(expert, block, act_ptr, w2_ptr, ids_ptr, weights_ptr, out_ptr, SLOTS,
-                      INTER, N, stride_we, stride_wn, stride_out, TOP_K: tl.constexpr,
-                      BLOCK_S: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
+def _grouped_fc2_tile(expert, block, act_ptr, w2_ptr, lists_ptr, counts_ptr, weights_ptr,
+                      out_ptr, M, INTER, N, stride_we, stride_wn, stride_out,
+                      TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_K: tl.constexpr):
     n = block * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
     w = w2_ptr + expert.to(tl.int64) * stride_we
     r = tl.arange(0, BLOCK_T)
     ks = tl.arange(0, BLOCK_K)
-    r0 = 0
-    slot, count = _expert_slots(expert, r0, ids_ptr, SLOTS, BLOCK_S, BLOCK_T)
-    while r0 < count:                          # never, where no slot picked the expert
+    count = tl.load(counts_ptr + expert)
+    for r0 in range(0, count, BLOCK_T):        # no iteration where no slot picked the expert
         t_ok = r0 + r < count
+        slot = tl.load(lists_ptr + expert.to(tl.int64) * M + r0 + r, mask=t_ok, other=0)
         acc = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
         for k0 in range(0, INTER, BLOCK_K):
             kk = k0 + ks
@@ -56,17 +57,16 @@ def _grouped_fc2_tile(expert, block, act_ptr, w2_ptr, ids_ptr, weights_ptr, out_
                                 tl.sum(wt * a.to(tl.float32)[None, :], axis=1)[None, :], 0.0)
         weight = tl.load(weights_ptr + slot, mask=t_ok, other=0.0)
         token = (slot // TOP_K).to(tl.int64)
+        # relaxed: the only order needed is the launch's, after the routing's zeros
         tl.atomic_add(out_ptr + token[:, None] * stride_out + n[None, :],
-                      acc * weight[:, None], mask=t_ok[:, None] & n_ok[None, :])
-        r0 += BLOCK_T
-        slot, count = _expert_slots(expert, r0, ids_ptr, SLOTS, BLOCK_S, BLOCK_T)
+                      acc * weight[:, None], mask=t_ok[:, None] & n_ok[None, :], sem="relaxed")
 
 
 @triton.jit
-def moe_grouped_fc2_kernel(act_ptr, w2_ptr, ids_ptr, weights_ptr, out_ptr, M, SLOTS, INTER, N,
-                           stride_we, stride_wn, stride_out, sx_ptr, sw_ptr, sout_ptr, S_N,
-                           S_K, stride_sx, stride_sw, stride_sout, SHARED_PROGRAMS,
-                           TOP_K: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_T: tl.constexpr,
+def moe_grouped_fc2_kernel(act_ptr, w2_ptr, lists_ptr, counts_ptr, weights_ptr, out_ptr, M,
+                           INTER, N, stride_we, stride_wn, stride_out, sx_ptr, sw_ptr,
+                           sout_ptr, S_N, S_K, stride_sx, stride_sw, stride_sout,
+                           SHARED_PROGRAMS, TOP_K: tl.constexpr, BLOCK_T: tl.constexpr,
                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, RNE: tl.constexpr,
                            SHARED: tl.constexpr, S_USE_DOT: tl.constexpr,
                            DOT_FP32: tl.constexpr, S_BLOCK_M: tl.constexpr,
@@ -74,26 +74,31 @@ def moe_grouped_fc2_kernel(act_ptr, w2_ptr, ids_ptr, weights_ptr, out_ptr, M, SL
     pid = tl.program_id(0) - SHARED_PROGRAMS   # the shared experts' tiles first
     blocks = tl.cdiv(N, BLOCK_N)
     if pid >= 0:
-        _grouped_fc2_tile(pid // blocks, pid % blocks, act_ptr, w2_ptr, ids_ptr, weights_ptr,
-                          out_ptr, SLOTS, INTER, N, stride_we, stride_wn, stride_out, TOP_K,
-                          BLOCK_S, BLOCK_T, BLOCK_N, BLOCK_K)
+        _grouped_fc2_tile(pid // blocks, pid % blocks, act_ptr, w2_ptr, lists_ptr, counts_ptr,
+                          weights_ptr, out_ptr, M, INTER, N, stride_we, stride_wn, stride_out,
+                          TOP_K, BLOCK_T, BLOCK_N, BLOCK_K)
     elif SHARED:  # the shared experts' down-projection
         linear_tile(tl.program_id(0), sx_ptr, sw_ptr, sx_ptr, sout_ptr, sout_ptr, M, S_N, S_K,
                     stride_sx, stride_sw, 0, stride_sout, 0.0, False, False, False, S_USE_DOT,
                     DOT_FP32, RNE, 1.0, 1.0, S_BLOCK_M, S_BLOCK_N, S_BLOCK_K)
 
 
-def moe_grouped_fc2(act: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor,
+def moe_grouped_fc2(act: torch.Tensor, w2: torch.Tensor, slots: ExpertSlots,
                     weights: torch.Tensor, out: torch.Tensor, shared: Shared | None = None
                     ) -> torch.Tensor:
-    """act [M, top_k, I], w2 [E, N, I], ids / weights [M, top_k] (``router_topk``) -> out
-    [M, N] fp32 += Σ_slot weight · W2[e] act (``out`` zeroed first: ``router_topk``'s
-    ``zero``); ``shared`` as in ``moe_fc2_combine``."""
+    """act [M, top_k, I] and each expert's slots (``moe_grouped_fc1_situ``), w2 [E, N, I],
+    weights [M, top_k] (``router_topk``) -> out [M, N] fp32 += Σ_slot weight · W2[e] act
+    (``out`` zeroed first: ``router_topk``'s ``zero``); ``shared`` as in
+    ``moe_fc2_combine``."""
     M, top_k, inter = act.shape
     n_experts, n, _ = w2.shape
-    if ids.shape != (M, top_k) or ids.dtype != torch.int32 or not ids.is_contiguous() \
-            or weights.shape != (M, top_k) or not weights.is_contiguous():
-        raise ValueError("moe_grouped_fc2: contiguous int32 ids and weights, [M, top_k]")
+    lists, counts = slots
+    if lists.shape != (n_experts, M) or counts.shape != (n_experts,) \
+            or lists.dtype != torch.int32 or counts.dtype != torch.int32 \
+            or not lists.is_contiguous() or weights.shape != (M, top_k) \
+            or not weights.is_contiguous():
+        raise ValueError(f"moe_grouped_fc2: the slots of {n_experts} experts ([E, {M}] and "
+                         f"[E] int32) and contiguous weights [{M}, {top_k}]")
     if not act.is_contiguous() or w2.shape[2] != inter or w2.stride(2) != 1:
         raise ValueError(f"moe_grouped_fc2: act {tuple(act.shape)} (contiguous) does not fit "
                          f"the experts {tuple(w2.shape)}")
@@ -103,8 +108,7 @@ def moe_grouped_fc2(act: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor,
     shared_args, shared_consts = _shared_launch(shared, M, situ=False)
     grid = (n_experts * triton.cdiv(n, block_n) + shared_args[-1],)
     moe_grouped_fc2_kernel[grid](
-        act, w2, ids, weights, out, M, M * top_k, inter, n, w2.stride(0), w2.stride(1),
-        out.stride(0), *shared_args, TOP_K=top_k,
-        BLOCK_S=min(triton.next_power_of_2(M * top_k), SCAN), BLOCK_T=BLOCK_T,
-        BLOCK_N=block_n, BLOCK_K=block_k, RNE=INTERPRETED, **shared_consts, num_warps=8)
+        act, w2, lists, counts, weights, out, M, inter, n, w2.stride(0), w2.stride(1),
+        out.stride(0), *shared_args, TOP_K=top_k, BLOCK_T=BLOCK_T, BLOCK_N=block_n,
+        BLOCK_K=block_k, RNE=INTERPRETED, **shared_consts, num_warps=8)
     return out

@@ -1,7 +1,9 @@
 """S6: router top-k — sigmoid scores, correction bias for the choice, top-k, renormalised
 weights — as a device function that the routed experts' first kernel runs in its prologue
 (``moe_experts.moe_route_fc1_situ``), so routing costs no launch of its own. The standard
-path launches it on its own (``router_topk``, vLLM's grouped top-k kernel).
+path launches it on its own (``router_topk``, vLLM's grouped top-k kernel), and so does the
+specialized path where it groups the experts by expert (``moe_grouped_fc1``), which needs
+every token's routing first.
 
 All E expert scores of a token fit in one block (E = 896 → 1024 lanes). One bitonic sort
 ranks them: each biased score becomes an int64 key whose high half orders like the float and

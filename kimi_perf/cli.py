@@ -775,6 +775,10 @@ def trace_cmd(from_files: tuple[Path, ...], phase: str, rules: Path | None,
     if from_files and capture_only:
         raise TraceError(None, f"{', '.join(capture_only)} set up a capture; --from analyses "
                                "traces already made")
+    opt_ins = _given("l2_prefetch", "group_experts_from")
+    if opt_ins and "specialized" not in paths.split(","):
+        raise TraceError(None, f"{', '.join(opt_ins)}: options of the specialized path, which "
+                               f"--paths {paths} leaves out")
     if not from_files and (from_only := _given("phase", "rules")):
         raise TraceError(None, f"{', '.join(from_only)}: for traces given with --from (a "
                                "capture records decode steps only, its launches named by class)")

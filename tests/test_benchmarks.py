@@ -232,9 +232,11 @@ def test_gpu_check_summary_sets_each_fused_launch_against_what_it_replaced():
     # an opt-in's run against the standard run of its batch: the grouped FC1 and its routing
     moe = {n: {**launch, "us_per_launch": us} for n, us in
            (("topk", 2.0), ("moe_fc1_situ", 30.0), ("shared_gate_up", 6.0),
-            ("shared_situ_and_mul", 2.0))}
+            ("shared_situ_and_mul", 2.0), ("moe_fc2", 15.0), ("moe_finalize", 1.0),
+            ("shared_down", 3.0))}
     grouped = {n: {**launch, "us_per_launch": us} for n, us in
-               (("router_topk", 2.0), ("moe_grouped_fc1_situ_shared_gate_up", 20.0))}
+               (("router_topk", 2.0), ("moe_grouped_fc1_situ_shared_gate_up", 20.0),
+                ("moe_grouped_fc2_shared_down", 10.0))}
     results["speed"] = {"standard b64": {**run, "launches": moe},
                         "specialized+grouped b64": {**run, "launches": grouped}}
     summary = _gpu_check().render_summary(results)
@@ -242,6 +244,8 @@ def test_gpu_check_summary_sets_each_fused_launch_against_what_it_replaced():
     assert ("| moe_grouped_fc1_situ_shared_gate_up | 20.00 | moe_fc1_situ + shared_gate_up + "
             "shared_situ_and_mul | 38.00 | 1.90 |") in summary
     assert "| router_topk | 2.00 | topk | 2.00 | 1.00 |" in summary
+    assert ("| moe_grouped_fc2_shared_down | 10.00 | moe_fc2 + moe_finalize + shared_down | "
+            "19.00 | 1.90 |") in summary
 
 
 def test_gpu_check_summary_sets_unprofiled_graph_steps_side_by_side():

@@ -21,8 +21,10 @@ from kimi_perf.decode.weights import random_weights  # noqa: E402
 from kimi_perf.readers import read_trace  # noqa: E402
 
 SMALL = preset("tiny", n_layers=4)
-# standard_kernels: the standard path as a GPU runs it, one kernel per step
-PATHS = ["standard", "standard_kernels", "specialized"]
+# standard_kernels: the standard path as a GPU runs it, one kernel per step; and the
+# specialized path's opt-ins, L2 prefetch and the experts grouped by expert
+PATHS = ["standard", "standard_kernels", "specialized", "specialized+l2",
+         "specialized+grouped"]
 
 # Ops whose result the host must read (a device-to-host wait): .item(), int(t), bool(t),
 # data-dependent shapes.
@@ -44,7 +46,10 @@ def weights():
 
 
 def _prefilled(path: str, weights, batch: int = 2):
-    model = make_path(path, SMALL, weights, torch.float32)
+    base, _, option = path.partition("+")
+    model = make_path(base, SMALL, weights, torch.float32)
+    model.l2_prefetch = option == "l2"
+    model.group_experts_from = 1 if option == "grouped" else None
     state = model.new_state(batch, 12)
     prompt = torch.randint(0, SMALL.vocab, (batch, 3), generator=torch.Generator().manual_seed(4))
     model.forward(prompt, state)

@@ -164,6 +164,8 @@ def _tp_kernel_path(rank: int, path: str, weights, dtype=torch.float32, sent=Non
     state = model.new_state(batch, 3 + steps)
     tokens = _tp_tokens(batch, steps)
     model.forward(tokens[:, :3], state)
+    if sent is not None:
+        sent.clear()        # the prefill's, the standard path's: the decode steps' from here
     model.launches = []
     logits = [model.forward(tokens[:, 3:4], state)[:, -1]]
     launches = list(model.launches)
@@ -237,6 +239,15 @@ def test_specialized_tp2_in_bf16_sends_what_the_standard_path_sends(weights):
     assert sum(n for _, n in fast_sent) == sum(n for _, n in slow_sent)
     rel = (fast - slow).norm() / slow.norm()
     assert rel < 0.03, rel
+    # grouped, the experts' shares are added into an fp32 buffer, which the MoE all-reduce
+    # sends as it is (o_proj's stays bf16)
+    (grouped, grouped_sent), _ = run_on_cpu_ranks(2, _tp_bf16, "specialized+grouped", weights)
+    moe = 2 * (SMALL.latent + SMALL.hidden)        # a decode step's MoE buffer: 2 tokens
+    assert [n for _, n in grouped_sent] == [n for _, n in fast_sent]
+    assert [dtype for dtype, _ in grouped_sent] == [
+        torch.float32 if n == moe else dtype for dtype, n in fast_sent]
+    assert sum(n == moe for _, n in fast_sent) == 2 * 3   # 2 steps × 3 MoE layers
+    assert (grouped - slow).norm() / slow.norm() < 0.03
 
 
 @pytest.mark.parametrize("kv_cache", ["bf16", "fp8"])
@@ -670,3 +681,8 @@ def test_trace_runs_the_specialized_path_s_opt_ins(tmp_path):
     assert run["request"]["l2_prefetch"] and run["request"]["group_experts_from"] == 2
     refused = CliRunner().invoke(main, ["trace", "--from", str(tmp_path), "--l2-prefetch"])
     assert refused.exit_code == 2 and "--l2-prefetch set up a capture" in refused.output
+    alone = CliRunner().invoke(main, ["trace", "--paths", "standard", "--group-experts-from",
+                                      "4"])   # would be recorded, and change nothing
+    assert alone.exit_code == 2 and alone.output.count("\n") == 1
+    assert "--group-experts-from: options of the specialized path, which --paths standard " \
+           "leaves out" in alone.output

@@ -191,9 +191,9 @@ class SpecializedModel(KernelPathModel):
             self.launch("router_topk")
             ids, weights = router_topk(logits, bias, c.top_k, c.routed_scale, zero=routed)
             self.launch("moe_grouped_fc1_situ_shared_gate_up")
-            act = moe_grouped_fc1_situ(latent, p["w13"], ids, situ, shared=shared_fc1)
+            act, slots = moe_grouped_fc1_situ(latent, p["w13"], ids, situ, shared=shared_fc1)
             self.launch("moe_grouped_fc2_shared_down")
-            moe_grouped_fc2(act, p["w2"], ids, weights, routed, shared=shared_fc2)
+            moe_grouped_fc2(act, p["w2"], slots, weights, routed, shared=shared_fc2)
         else:
             self.launch("moe_fc1_situ_shared_gate_up")
             act, ids, weights = moe_route_fc1_situ(latent, p["w13"], logits, bias, c.top_k,

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from kimi_perf_kernels.moe_experts import moe_experts_reference
-from kimi_perf_kernels.moe_grouped_fc1 import moe_grouped_fc1_situ
+from kimi_perf_kernels.moe_grouped_fc1 import expert_slots_reference, moe_grouped_fc1_situ
 from kimi_perf_kernels.router_topk import router_topk_reference
 from kimi_perf_kernels.skinny_linear import skinny_linear_reference
 from tests.kernels.util import assert_close_bf16, poison
@@ -23,10 +23,14 @@ def test_grouped_fc1_matches_reference(m, experts, k, inter, latent, tiles):
     want, _ = moe_experts_reference(x, w13, w2, ids, weights, (4.0, 25.0))
     act = torch.empty(m, k, inter, dtype=torch.bfloat16)
     poison(act)
-    moe_grouped_fc1_situ(x, w13, ids, (4.0, 25.0), out=act)
+    _, slots = moe_grouped_fc1_situ(x, w13, ids, (4.0, 25.0), out=act)
     assert_close_bf16(act, want, ulps=2)
-    picked = torch.bincount(ids.flatten().long(), minlength=experts)
-    assert picked.max() > 1 or m == 1        # the cases group slots, or pick each once
+    # each expert's slots, in order, for FC2 (entries past the count are not read)
+    lists, counts = expert_slots_reference(ids, experts)
+    assert torch.equal(slots.counts, counts)
+    for e in range(experts):
+        assert torch.equal(slots.lists[e, : counts[e]], lists[e, : counts[e]])
+    assert counts.max() > 1 or m == 1        # the cases group slots, or pick each once
 
 
 def test_shared_experts_ride_in_the_grouped_launch(tiles):

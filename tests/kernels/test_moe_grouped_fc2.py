@@ -2,6 +2,7 @@ import pytest
 import torch
 
 from kimi_perf_kernels.moe_experts import moe_experts_reference
+from kimi_perf_kernels.moe_grouped_fc1 import expert_slots_reference
 from kimi_perf_kernels.moe_grouped_fc2 import moe_grouped_fc2
 from kimi_perf_kernels.router_topk import router_topk, router_topk_reference
 from kimi_perf_kernels.skinny_linear import skinny_linear_reference
@@ -28,7 +29,10 @@ def test_grouped_fc2_matches_reference(m, experts, k, inter, latent, tiles):
     poison(out)
     ids, weights = router_topk(logits, bias, k, 2.0, zero=out)
     assert torch.equal(ids, want_ids) and (out == 0).all()
-    moe_grouped_fc2(act, w2, ids, weights, out)
+    lists, counts = expert_slots_reference(ids, experts)
+    for e, n in enumerate(counts.tolist()):
+        lists[e, n:] = -(2**31)      # past each count: poison, which FC2 must not read
+    moe_grouped_fc2(act, w2, (lists, counts), weights, out)
     torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-4)
 
 
@@ -46,7 +50,7 @@ def test_shared_experts_ride_in_the_grouped_launch(tiles):
     both = torch.empty(m, latent + hidden)   # routed and shared side by side, as in the path
     poison(both)
     both[:, :latent] = 0
-    moe_grouped_fc2(act, w2, ids, weights, both[:, :latent],
+    moe_grouped_fc2(act, w2, expert_slots_reference(ids, experts), weights, both[:, :latent],
                     shared=(shared_act, w_down, both[:, latent:]))
     torch.testing.assert_close(both[:, :latent], want, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(both[:, latent:], skinny_linear_reference(
@@ -55,12 +59,13 @@ def test_shared_experts_ride_in_the_grouped_launch(tiles):
 
 def test_what_would_read_or_write_out_of_bounds_is_refused():
     act, w2 = torch.randn(2, 2, 4).bfloat16(), torch.randn(3, 8, 4).bfloat16()
-    ids, weights = torch.zeros(2, 2, dtype=torch.int32), torch.ones(2, 2)
-    with pytest.raises(ValueError, match="contiguous int32 ids"):
-        moe_grouped_fc2(act, w2, ids.long(), weights, torch.zeros(2, 8))
+    slots = expert_slots_reference(torch.tensor([[0, 1], [1, 2]], dtype=torch.int32), 3)
+    weights = torch.ones(2, 2)
+    with pytest.raises(ValueError, match="the slots of 3 experts"):
+        moe_grouped_fc2(act, w2, (slots.lists[:, :1], slots.counts), weights, torch.zeros(2, 8))
     with pytest.raises(ValueError, match="does not fit"):
-        moe_grouped_fc2(act, torch.randn(3, 8, 5).bfloat16(), ids, weights, torch.zeros(2, 8))
+        moe_grouped_fc2(act, torch.randn(3, 8, 5).bfloat16(), slots, weights, torch.zeros(2, 8))
     with pytest.raises(ValueError, match="out must be fp32"):
-        moe_grouped_fc2(act, w2, ids, weights, torch.zeros(2, 8).bfloat16())
+        moe_grouped_fc2(act, w2, slots, weights, torch.zeros(2, 8).bfloat16())
     with pytest.raises(ValueError, match="zero must be"):
         router_topk(torch.randn(2, 3), torch.zeros(3), 2, zero=torch.zeros(3, 8))
