@@ -549,23 +549,29 @@ def convert(trace: Path, output: Path) -> None:
 
 @main.command()
 @click.argument("trace", type=click.Path(path_type=Path))
+@click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table",
+              show_default=True, help="json: {schema, traces: [{file, ...Trace.summary()}]}")
 @_fail_cleanly
-def info(trace: Path) -> None:
+def info(trace: Path, fmt: str) -> None:
     """What a trace holds: format, tool, GPUs, and how many events of each kind. Of a
     `kimi-perf trace` run directory: each of its saved traces (one per decode path)."""
+    files = [trace]
     if trace.is_dir() and (trace / "breakdown.json").is_file():
-        saved = sorted(trace.glob("*.kptrace"))
-        if not saved:
+        files = sorted(trace.glob("*.kptrace"))
+        if not files:
             raise TraceError(trace, "a kimi-perf run directory without its saved traces "
                                     "(*.kptrace)")
-        for file in saved:
-            _info(file)
-    else:
-        _info(trace)
+    summaries = [(file, read_trace(file).summary()) for file in files]  # all read, then said
+    if fmt == "json":
+        click.echo(json.dumps({"schema": 1, "traces": [{"file": str(file), **info}
+                                                       for file, info in summaries]},
+                              indent=1))
+        return
+    for file, info in summaries:
+        _info(file, info)
 
 
-def _info(trace: Path) -> None:
-    info = read_trace(trace).summary()
+def _info(trace: Path, info: dict) -> None:
     click.echo(f"{trace}: {info['format']} from {info['tool']}"
                + (f", schema {info['schema']}" if info["schema"] else ""))
     click.echo(f"  kernels {info['kernels']}, memcpy/memset {info['memops']}, ranges "

@@ -107,6 +107,21 @@ def test_convert_and_info(tmp_path):
     assert "NVIDIA A100" in result.output and ": 7,328 kernels" in result.output
 
 
+def test_info_as_json_is_the_library_summary():
+    from kimi_perf import read_trace
+
+    path = NSYS / "nsysai_fastvideo_wan2.1_train_2xh100_before.sqlite"
+    result = run("info", path, "--format", "json")
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.output)
+    assert doc == {"schema": 1, "traces": [{"file": str(path),
+                                            **json.loads(json.dumps(
+                                                read_trace(path).summary()))}]}
+    assert [g["kernels"] for g in doc["traces"][0]["gpus"]] == [1993, 2017]
+    bad = run("info", NSYS / "no-such.sqlite", "--format", "json")
+    assert bad.exit_code == 2 and bad.output.count("\n") == 1
+
+
 def test_info_names_the_gpus_that_ran_kernels():
     """The GPUs kernels ran on, also where the trace describes none (this nsys export has no
     GPU table), and which of those it describes ran nothing."""
