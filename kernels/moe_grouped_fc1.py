@@ -119,8 +119,8 @@ def _grouped_fc1_tile(expert, block, x_ptr, w13_ptr, ids_ptr, act_ptr, lists_ptr
 @triton.jit
 def moe_grouped_fc1_situ_kernel(x_ptr, w13_ptr, ids_ptr, act_ptr, lists_ptr, counts_ptr, M,
                                 SLOTS, INTER, KDIM, stride_x, stride_we, stride_wn, sx_ptr,
-                                sw_ptr, sout_ptr, S_N,
-                                S_K, stride_sx, stride_sw, stride_sout, SHARED_PROGRAMS,
+                                sw_ptr, sout_ptr, S_N, S_K, stride_sx, stride_sw, stride_sout,
+                                SHARED_PROGRAMS,
                                 TOP_K: tl.constexpr, BETA: tl.constexpr,
                                 BETA_LINEAR: tl.constexpr, BLOCK_S: tl.constexpr,
                                 BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
