@@ -20,6 +20,7 @@ import argparse
 import importlib
 import importlib.util
 import inspect
+import itertools
 import json
 import os
 import re
@@ -207,13 +208,14 @@ def builds() -> list[Build]:
                                      "kpe_ptr": "*bf16", "cache_ptr": f"*{cache}",
                                      "pos_ptr": "*i64", "qhat_ptr": "*bf16",
                                      "kv_scale": "fp32"}, consts), consts))
-        for splits in (1, 16):
-            consts = {"LORA": 512, "ROPE": 64, "BLOCK_ROPE": 64, "HB": 16, "BLOCK_S": 32,
+        # row blocks of 16 (decode) and 32 (a verify step's tokens x heads)
+        for splits, rb in itertools.product((1, 16), (16, 32)):
+            consts = {"LORA": 512, "ROPE": 64, "BLOCK_ROPE": 64, "RB": rb, "BLOCK_S": 32,
                       "SPLITS": splits, "FP8": cache != "bf16", "DOT_FP32": False,
                       "RNE": False}
             types = {**bf16, "cache_ptr": f"*{cache}",
                      "out_ptr": "*bf16" if splits == 1 else "*fp32"}
-            out.append(Build(f"mla_attention {cache} cache, {splits} split(s)",
+            out.append(Build(f"mla_attention {cache} cache, {splits} split(s), {rb} rows",
                              mla_attention.mla_attention_kernel,
                              _signature(mla_attention.mla_attention_kernel, types, consts),
                              consts, 8))

@@ -1,18 +1,23 @@
 """M5: absorbed MLA decode attention over the latent cache (multi-query: one latent head),
 split over the cache positions when a step has too few tokens to fill the GPU.
 
-Grid (tokens, head blocks, splits). Every head of a token attends to the same cache rows, so a
-program takes a block of HB heads and streams its share of the cache once for all of them: per
-BLOCK_S positions, scores = q̂_lat · kv_latᵀ + q̂_pe · kv_peᵀ (the 576-wide dot split at the
-kv_lora / rope boundary), an online softmax, and acc += p · kv_lat. A token sees the cache up
-to its own position (causal within a verify step). fp8 caches are dequantised with the
-per-tensor scale.
+Grid (sequences, row blocks, splits). Every head of every token of a sequence attends to the
+same cache rows, so a program takes a block of RB rows, the sequence's (token, head) pairs
+flattened as FlashMLA packs them (row t·H + h: q̂'s own layout), and streams its share of the
+cache once for all of them: per BLOCK_S positions, scores = q̂_lat · kv_latᵀ + q̂_pe · kv_peᵀ
+(the 576-wide dot split at the kv_lora / rope boundary), an online softmax, and
+acc += p · kv_lat. A row sees the cache up to its own token's position, so a speculative
+verify step of 1+k tokens is causal within the step and still reads the cache once per row
+block, not once per token (K3 TP8: 12 heads, one block of 16 rows at decode; 8 tokens x 12
+heads = 96 rows, three blocks of 32, where a program per token would read it eight times).
+An fp8 cache's rows go to the tensor cores as they are (e4m3 values are exact in bf16) and its
+per-tensor scale multiplies the scores and the output instead: no fp32 copy of each tile.
 
-At batch 1 a K3 TP8 rank has 12 heads, one head block: a single program would stream the whole
-cache on one SM. So the positions are split (flash-decoding): split j takes the j-th of
-``splits`` equal chunks of the token's positions (the chunk is computed on the device from the
-token's own position, so a CUDA graph replays it at any length) and writes its normalised
-partial output and log-sum-exp; ``combine_splits`` merges them, weighted by
+At batch 1 a single program would stream the whole cache on one SM. So the positions are split
+(flash-decoding): split j takes the j-th of ``splits`` equal chunks of the positions the
+block's last token sees (computed on the device from the positions, so a CUDA graph replays it
+at any length) and writes its normalised partial output and log-sum-exp per row; rows of
+earlier tokens see a prefix of those chunks. ``combine_splits`` merges them, weighted by
 exp(lse_j - max lse). With one split the kernel writes the output itself. The merge runs in
 ``mla_combine`` (the standard path: FlashMLA's second launch) or in the prologue of the
 specialized path's ``mla_uv_gate``.
@@ -31,30 +36,35 @@ from kimi_perf_kernels.common import INTERPRETED, cast, interpreter_tiles
 def mla_attention_kernel(qhat_ptr, cache_ptr, pos_ptr, out_ptr, lse_ptr, M, H, T,
                          stride_cache_b, stride_cache_s, kv_scale, sm_scale,
                          LORA: tl.constexpr, ROPE: tl.constexpr, BLOCK_ROPE: tl.constexpr,
-                         HB: tl.constexpr, BLOCK_S: tl.constexpr, SPLITS: tl.constexpr,
+                         RB: tl.constexpr, BLOCK_S: tl.constexpr, SPLITS: tl.constexpr,
                          FP8: tl.constexpr, DOT_FP32: tl.constexpr, RNE: tl.constexpr):
-    m = tl.program_id(0)
-    heads = tl.program_id(1) * HB + tl.arange(0, HB)
+    b = tl.program_id(0)
+    rows = tl.program_id(1) * RB + tl.arange(0, RB)      # t·H + h within the sequence
     split = tl.program_id(2)
-    h_ok = heads < H
+    row_ok = rows < T * H
+    flat = b * T * H + rows                                 # m·H + h: q̂'s and out's row
     lo = tl.arange(0, LORA)
     r = tl.arange(0, BLOCK_ROPE)
     r_ok = r < ROPE
-    q_row = qhat_ptr + (m * H + heads[:, None]) * (LORA + ROPE)
-    q_lat = tl.load(q_row + lo[None, :], mask=h_ok[:, None], other=0.0)
-    q_pe = tl.load(q_row + LORA + r[None, :], mask=h_ok[:, None] & r_ok[None, :], other=0.0)
+    q_row = qhat_ptr + flat[:, None] * (LORA + ROPE)
+    q_lat = tl.load(q_row + lo[None, :], mask=row_ok[:, None], other=0.0)
+    q_pe = tl.load(q_row + LORA + r[None, :], mask=row_ok[:, None] & r_ok[None, :], other=0.0)
     if DOT_FP32:
         q_lat = q_lat.to(tl.float32)
         q_pe = q_pe.to(tl.float32)
-    n_pos = tl.load(pos_ptr + m) + 1
-    chunk = tl.cdiv(tl.cdiv(n_pos, SPLITS), BLOCK_S) * BLOCK_S
+    # positions each row sees: its token's position + 1 (a padding row sees none)
+    n_pos = tl.load(pos_ptr + b * T + rows // H, mask=row_ok, other=-1) + 1
+    n_last = tl.max(n_pos, axis=0)
+    chunk = tl.cdiv(tl.cdiv(n_last, SPLITS), BLOCK_S) * BLOCK_S
     start = split * chunk
-    end = tl.minimum(start + chunk, n_pos)
+    end = tl.minimum(start + chunk, n_last)
+    if FP8:
+        sm_scale = sm_scale * kv_scale
     # int64: a batch of long caches spans more than 2^31 values (64 x 64k x 576)
-    base = cache_ptr + (m // T).to(tl.int64) * stride_cache_b
-    running_max = tl.full([HB], -float("inf"), tl.float32)
-    total = tl.zeros([HB], tl.float32)
-    acc = tl.zeros([HB, LORA], tl.float32)
+    base = cache_ptr + b.to(tl.int64) * stride_cache_b
+    running_max = tl.full([RB], -float("inf"), tl.float32)
+    total = tl.zeros([RB], tl.float32)
+    acc = tl.zeros([RB, LORA], tl.float32)
     for s0 in range(start, end, BLOCK_S):
         s = s0 + tl.arange(0, BLOCK_S)
         s_ok = s < end
@@ -62,34 +72,41 @@ def mla_attention_kernel(qhat_ptr, cache_ptr, pos_ptr, out_ptr, lse_ptr, M, H, T
                      other=0.0)
         pe = tl.load(base + s[:, None] * stride_cache_s + LORA + r[None, :],
                      mask=s_ok[:, None] & r_ok[None, :], other=0.0)
-        if FP8:  # dequantise to bf16 for the tensor cores
-            kv = (kv.to(tl.float32) * kv_scale).to(tl.bfloat16)
-            pe = (pe.to(tl.float32) * kv_scale).to(tl.bfloat16)
+        if FP8:  # e4m3 is exact in bf16, for the tensor cores; the scale comes after
+            kv = kv.to(tl.bfloat16)
+            pe = pe.to(tl.bfloat16)
         if DOT_FP32:
             kv = kv.to(tl.float32)
             scores = tl.dot(q_lat, tl.trans(kv), input_precision="ieee") + tl.dot(
                 q_pe, tl.trans(pe.to(tl.float32)), input_precision="ieee")
         else:
             scores = tl.dot(q_lat, tl.trans(kv)) + tl.dot(q_pe, tl.trans(pe))
-        scores = tl.where(s_ok[None, :], scores * sm_scale, -float("inf"))
+        seen = s_ok[None, :] & (s[None, :] < n_pos[:, None])
+        scores = tl.where(seen, scores * sm_scale, -float("inf"))
         new_max = tl.maximum(running_max, tl.max(scores, axis=1))
-        rescale = tl.exp(running_max - new_max)
-        p = tl.exp(scores - new_max[:, None])
+        # a row that has seen no position yet (an earlier token of a verify step, in a later
+        # chunk) keeps max -inf: shift by 0 there, so its exps are 0 and not NaN
+        shift = tl.where(new_max == -float("inf"), 0.0, new_max)
+        rescale = tl.exp(running_max - shift)
+        p = tl.exp(scores - shift[:, None])
         total = total * rescale + tl.sum(p, axis=1)
         if DOT_FP32:
             acc = acc * rescale[:, None] + tl.dot(p, kv, input_precision="ieee")
         else:
             acc = acc * rescale[:, None] + tl.dot(p.to(kv.dtype), kv)  # tf32 for fp32 caches
         running_max = new_max
-    # an empty split (a short cache) contributes nothing: output 0, lse -inf
+    # a split a row does not reach (a short cache, an earlier token) contributes nothing:
+    # output 0, lse -inf
+    if FP8:
+        acc = acc * kv_scale
     out = acc / tl.maximum(total, 1e-30)[:, None]
-    row = (split * M + m) * H + heads
+    row = split * M * H + flat
     tl.store(out_ptr + row[:, None] * LORA + lo[None, :],
-             cast(out, out_ptr.dtype.element_ty, RNE), mask=h_ok[:, None])
+             cast(out, out_ptr.dtype.element_ty, RNE), mask=row_ok[:, None])
     if SPLITS > 1:
         lse = tl.where(total > 0, running_max + tl.log(tl.maximum(total, 1e-30)),
                        -float("inf"))
-        tl.store(lse_ptr + row, lse, mask=h_ok)
+        tl.store(lse_ptr + row, lse, mask=row_ok)
 
 
 @triton.jit
@@ -117,18 +134,27 @@ def mla_combine_kernel(parts_ptr, lse_ptr, out_ptr, M, H, LORA: tl.constexpr,
     tl.store(out_ptr + (m * H + h) * LORA + ls, cast(o, out_ptr.dtype.element_ty, RNE))
 
 
-HEAD_BLOCK = 16
 MAX_SPLITS = 16
 MIN_SPLIT_POSITIONS = 64
 
 
-def mla_splits(tokens: int, heads: int, capacity: int, device: torch.device) -> int:
-    """Position splits for a step: enough programs to give every SM one, chunks of at least
-    64 cache positions; 1 on a CPU. Depends on shapes only, so a CUDA graph keeps it."""
+def mla_row_block(rows: int) -> int:
+    """(token, head) rows a program takes, of a sequence's ``rows``: 16 hold a decode step's
+    heads (K3: 12 at TP8, 6 at TP16); a verify step's go 32 at a time (the fp32 accumulator,
+    32 x 512, stays in registers)."""
+    return 16 if rows <= 16 else 32
+
+
+def mla_splits(batch: int, tokens: int, heads: int, capacity: int,
+               device: torch.device) -> int:
+    """Position splits for a step of ``batch`` sequences of ``tokens`` each: enough programs
+    to give every SM one, chunks of at least 64 cache positions; 1 on a CPU. Depends on
+    shapes only, so a CUDA graph keeps it."""
     if device.type != "cuda":
         return 1
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    programs = tokens * triton.cdiv(heads, HEAD_BLOCK)
+    rows = tokens * heads
+    programs = batch * triton.cdiv(rows, mla_row_block(rows))
     return max(1, min(MAX_SPLITS, sms // programs, capacity // MIN_SPLIT_POSITIONS))
 
 
@@ -142,16 +168,20 @@ def mla_attention(qhat: torch.Tensor, cache: torch.Tensor, positions: torch.Tens
     M, H, width = qhat.shape
     if not 1 <= splits <= MAX_SPLITS:
         raise ValueError(f"mla_attention: {splits} splits (1 to {MAX_SPLITS})")
+    if M % tokens_per_seq:
+        raise ValueError(f"mla_attention: {M} tokens are not sequences of {tokens_per_seq}")
     parts = torch.empty(splits, M, H, kv_lora, dtype=qhat.dtype if splits == 1 else
                         torch.float32, device=qhat.device)
     lse = torch.empty(splits, M, H, dtype=torch.float32, device=qhat.device) \
         if splits > 1 else None
     rope = width - kv_lora
     scale = kv_scale if cache.dtype == torch.float8_e4m3fn else 1.0
-    mla_attention_kernel[(M, triton.cdiv(H, HEAD_BLOCK), splits)](
+    rows = tokens_per_seq * H
+    rb = mla_row_block(rows)
+    mla_attention_kernel[(M // tokens_per_seq, triton.cdiv(rows, rb), splits)](
         qhat, cache, positions, parts, lse if lse is not None else parts, M, H, tokens_per_seq,
         cache.stride(0), cache.stride(1), scale, sm_scale, LORA=kv_lora, ROPE=rope,
-        BLOCK_ROPE=max(16, triton.next_power_of_2(rope)), HB=HEAD_BLOCK,
+        BLOCK_ROPE=max(16, triton.next_power_of_2(rope)), RB=rb,
         BLOCK_S=64 if interpreter_tiles() else 32, SPLITS=splits,
         FP8=cache.dtype == torch.float8_e4m3fn, DOT_FP32=INTERPRETED, RNE=INTERPRETED,
         num_warps=8)

@@ -134,8 +134,8 @@ class KernelPathModel(K3Model):
         state.checkpoints[i] = (states, convs)
         return o
 
-    def mla_splits_for(self, tokens: int, state: DecodeState, layer: int) -> int:
-        return self.attention_splits or mla_splits(tokens, self.c.mla_heads_local,
+    def mla_splits_for(self, B: int, T: int, state: DecodeState, layer: int) -> int:
+        return self.attention_splits or mla_splits(B, T, self.c.mla_heads_local,
                                                     state.kv[layer].shape[1], self.device)
 
     # -- what a path gives: x [M, hidden] in, [M, hidden] out -------------------------------

@@ -145,7 +145,7 @@ class SpecializedModel(KernelPathModel):
                                  positions, T, state.kv_scale, c.rms_eps)
         self.start_prefetch(self.w[a + "o_proj.weight"])
         self.launch("mla_decode")
-        splits = self.mla_splits_for(x.shape[0], state, i)
+        splits = self.mla_splits_for(x.shape[0] // T, T, state, i)
         parts, lse = mla_attention(qhat, cache, positions, T, c.kv_lora, state.kv_scale,
                                    (c.qk_nope + c.qk_rope) ** -0.5, splits)
         self.launch("bmm_w_uv_gate")  # merges the splits on the way in

@@ -95,7 +95,7 @@ class StandardKernelsModel(KernelPathModel):
         qhat = mla_concat_insert(ql, q, kv_c, qkv_a[:, lora_end:], state.kv[i], positions, T,
                                  state.kv_scale, c.qk_nope)
         self.launch("mla_decode")
-        splits = self.mla_splits_for(x.shape[0], state, i)
+        splits = self.mla_splits_for(x.shape[0] // T, T, state, i)
         parts, lse = mla_attention(qhat, state.kv[i], positions, T, c.kv_lora, state.kv_scale,
                                    (c.qk_nope + c.qk_rope) ** -0.5, splits)
         if lse is None:

@@ -115,18 +115,53 @@ def test_attention_split_over_positions(splits, lora, tiles):
 
 
 def test_splits_fill_the_gpu_and_stay_one_on_a_cpu(monkeypatch):
-    """On an H200 (132 SMs): programs = tokens x ceil(heads / 16); splits = SMs over them, at
-    most 16, each of 64 positions or more; a step that fills the SMs alone takes one."""
-    assert mla_splits(1, 12, 4096, torch.device("cpu")) == 1
+    """On an H200 (132 SMs): programs = sequences x ceil(tokens x heads / row block) (16 rows
+    up to 16, else 32); splits = SMs over them, at most 16, each of 64 positions or more; a
+    step that fills the SMs alone takes one."""
+    assert mla_splits(1, 1, 12, 4096, torch.device("cpu")) == 1
     h200 = type("Properties", (), {"multi_processor_count": 132})()
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: h200)
     cuda = torch.device("cuda")
-    worked_by_hand = {(1, 12, 4096): 16,    # 132 programs' worth: capped at 16
-                      (10, 12, 4096): 13,   # 132 // 10
-                      (1, 12, 128): 2,      # 128 positions: two of 64
-                      (1, 12, 100): 1,      # fewer than two chunks of 64
-                      (64, 64, 4096): 1}    # 256 programs fill the SMs alone
+    worked_by_hand = {(1, 1, 12, 4096): 16,    # 132 programs' worth: capped at 16
+                      (10, 1, 12, 4096): 13,   # 132 // 10
+                      (1, 1, 12, 128): 2,      # 128 positions: two of 64
+                      (1, 1, 12, 100): 1,      # fewer than two chunks of 64
+                      (16, 8, 12, 4096): 2,    # 96 rows a sequence, 3 blocks: 132 // 48
+                      (16, 4, 6, 4096): 8,     # 24 rows, one block of 32: 132 // 16
+                      (64, 1, 64, 4096): 1}    # 128 programs fill the SMs alone
     assert {shape: mla_splits(*shape, cuda) for shape in worked_by_hand} == worked_by_hand
+
+
+@pytest.mark.parametrize("splits", [1, 5])
+def test_verify_step_reads_the_cache_once_per_row_block(splits, monkeypatch):
+    """A verify step of 8 tokens x 12 heads (K3 TP8): a program per 32 (token, head) rows of
+    a sequence, so 3 per sequence read its cache where a program per token would take 8; each
+    row still sees only its own token's positions. Split in 5 chunks, the first tokens (61 to
+    63) see nothing of the second chunk (64 on), nor anyone of the last three: their partials
+    weigh nothing, and are 0, not NaN."""
+    from kimi_perf_kernels import mla_attention as module
+
+    grids = []
+    kernel = module.mla_attention_kernel
+    monkeypatch.setattr(module, "mla_attention_kernel", type("Recorder", (), {
+        "__getitem__": lambda self, grid: grids.append(grid) or kernel[grid]})())
+    gen = torch.Generator().manual_seed(8)
+    batch, tokens, heads, lora, rope = 2, 8, 12, 32, 8
+    M = batch * tokens
+    qhat = torch.randn(M, heads, lora + rope, generator=gen).bfloat16()
+    cache = (torch.randn(batch, 80, lora + rope, generator=gen) * 0.5).bfloat16()
+    positions = (torch.tensor([61, 20])[:, None] + torch.arange(tokens)).reshape(M)
+    want = mla_attention_reference(qhat, cache, positions, tokens, 1.0, 0.2, lora)
+    parts, lse = mla_attention(qhat, cache, positions, tokens, lora, 1.0, 0.2, splits)
+    assert grids == [(batch, 3, splits)]
+    assert not parts.isnan().any()
+    if splits == 1:
+        assert_close_bf16(parts[0], want, ulps=2)
+        return
+    first = lse[1, :3]                        # sequence 0's tokens at 61, 62, 63, chunk 64-
+    assert torch.isinf(first).all() and (parts[1, :3] == 0).all()
+    assert torch.isfinite(lse[1, 3:tokens]).all() and torch.isinf(lse[2:]).all()
+    assert_close_bf16(mla_combine(parts, lse, torch.bfloat16), want, ulps=2)
 
 
 def test_uv_gate():
