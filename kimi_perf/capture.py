@@ -500,7 +500,8 @@ def _kimi_perf_run_json(path: Path) -> bool:
 def trace_files(paths: list[Path], keep_runs: bool = False) -> list[Path]:
     """``paths`` with each directory replaced by the trace files in it, in natural order
     (rank2 before rank10): a profiler's output directory, one trace per rank or worker, as
-    vLLM's and SGLang's profilers write them. Breakdown JSON files in it are left out. A
+    vLLM's and SGLang's profilers write them. Breakdown JSON files in it are left out, and so
+    is an .nsys-rep beside its SQLite export. A
     kimi-perf run directory is not a directory of traces: an error, or with ``keep_runs``
     kept as it is (``kimi-perf report`` draws it)."""
     from kimi_perf.gate import is_kimi_perf_json
@@ -528,7 +529,11 @@ def trace_files(paths: list[Path], keep_runs: bool = False) -> list[Path]:
         if not found:
             raise TraceError(path, "holds no trace files (" + ", ".join(
                 f"*{s}" for s in TRACE_SUFFIXES[2:]) + ")")
-        out += found
+        # a report nsys has exported (``nsys stats`` leaves X.sqlite beside X.nsys-rep) is
+        # one capture: its export is read, and the report is not read again
+        exported = {f.name.removesuffix(".sqlite") for f in found if f.suffix == ".sqlite"}
+        out += [f for f in found
+                if not (f.suffix == ".nsys-rep" and f.stem in exported)]
     return out
 
 

@@ -7,7 +7,9 @@ import functools
 import json
 import math
 import os
+import signal
 import sys
+import threading
 from pathlib import Path
 
 import click
@@ -184,8 +186,18 @@ class UsageErrorLine(click.ClickException):
         click.echo(f"kimi-perf: error: {self.format_message()}", err=True)
 
 
+class Terminated(BaseException):
+    """SIGTERM, raised where the command is, so that what it was writing is removed on the
+    way out, as for Ctrl-C (a temporary file, a run directory not yet complete)."""
+
+
+def _terminate(signum, frame) -> None:
+    raise Terminated
+
+
 class KimiPerfGroup(click.Group):
-    """The CLI: click's group, its usage errors one line each."""
+    """The CLI: click's group, its usage errors one line each; an interrupted command says so
+    and exits 130 (Ctrl-C) or 143 (SIGTERM), not 1, which ``gate`` gives a regression."""
 
     @staticmethod
     def _one_line(exc: click.UsageError) -> UsageErrorLine:
@@ -201,10 +213,21 @@ class KimiPerfGroup(click.Group):
             raise self._one_line(exc) from None
 
     def invoke(self, ctx: click.Context):
+        main_thread = threading.current_thread() is threading.main_thread()
+        previous = signal.signal(signal.SIGTERM, _terminate) if main_thread else None
         try:
             return super().invoke(ctx)
         except click.UsageError as exc:
             raise self._one_line(exc) from None
+        except KeyboardInterrupt:
+            click.echo("kimi-perf: interrupted", err=True)
+            sys.exit(130)
+        except Terminated:
+            click.echo("kimi-perf: terminated", err=True)
+            sys.exit(143)
+        finally:
+            if main_thread:
+                signal.signal(signal.SIGTERM, previous)
 
 
 @click.group(cls=KimiPerfGroup)
@@ -554,13 +577,11 @@ def convert(trace: Path, output: Path) -> None:
 @_fail_cleanly
 def info(trace: Path, fmt: str) -> None:
     """What a trace holds: format, tool, GPUs, and how many events of each kind. Of a
-    `kimi-perf trace` run directory: each of its saved traces (one per decode path)."""
+    `kimi-perf trace` run directory: each of its saved traces (one per decode path), or of a
+    `trace --from` run, the traces it was made from."""
     files = [trace]
     if trace.is_dir() and (trace / "breakdown.json").is_file():
-        files = sorted(trace.glob("*.kptrace"))
-        if not files:
-            raise TraceError(trace, "a kimi-perf run directory without its saved traces "
-                                    "(*.kptrace)")
+        files = sorted(trace.glob("*.kptrace")) or _analysed_files(trace)
     summaries = [(file, read_trace(file).summary()) for file in files]  # all read, then said
     if fmt == "json":
         click.echo(json.dumps({"schema": 1, "traces": [{"file": str(file), **info}
@@ -569,6 +590,18 @@ def info(trace: Path, fmt: str) -> None:
         return
     for file, info in summaries:
         _info(file, info)
+
+
+def _analysed_files(run_dir: Path) -> list[Path]:
+    """The traces a `trace --from` run was made from, as its run.json names them."""
+    try:
+        files = json.loads((run_dir / "run.json").read_text()).get("files")
+    except (OSError, ValueError, AttributeError):
+        files = None
+    if not (isinstance(files, list) and files and all(isinstance(f, str) for f in files)):
+        raise TraceError(run_dir, "a kimi-perf run directory without its saved traces "
+                                  "(*.kptrace) or a run.json naming the traces it analysed")
+    return [Path(f) for f in files]
 
 
 def _info(trace: Path, info: dict) -> None:

@@ -114,9 +114,9 @@ class Check:
 @dataclass
 class GateResult:
     """Every check (``checks``), those that fail (``failures``) and whether none does
-    (``ok``). ``run_differences``: how the captures behind the two sides differ (TP 1 vs 2:
-    their figures differ for that alone; None from ``gate`` alone, which has no run
-    information to compare); ``cpu_time_metrics``: the checked times that are CPU
+    (``ok``). ``run_differences``: how the captures behind the two sides differ (TP 1 vs 2,
+    or steps of other phases: their figures differ for that alone; None from ``gate`` alone,
+    which has no run information to compare); ``cpu_time_metrics``: the checked times that are CPU
     time (a run on a CPU: noisy and no speed figure)."""
 
     checks: list[Check]
@@ -173,9 +173,36 @@ def gate_files(baseline: str | Path, run: str | Path, tolerances: Tolerances = T
         if set(other) == {TRACE} and len(runs) > 1:
             raise TraceError(file, f"holds the paths {', '.join(runs)}: choose the one the "
                                    "other side stands for with --path")
+    if not has_work(base):
+        raise TraceError(baseline, "holds no steps and no layers: nothing to check a run "
+                                   "against (a capture without GPU work?)")
     result = gate(base, current, tolerances)
-    result.run_differences = run_differences(base_doc, run_doc)
+    result.run_differences = (run_differences(base_doc, run_doc)
+                              + phase_differences(base, current))
     return GatedRun(result, base, current, run_doc, base_file)
+
+
+def has_work(runs: dict[str, Breakdown]) -> bool:
+    """Whether any decode path holds a step or a layer: something to check."""
+    return any(b.steps or b.layers for b in runs.values())
+
+
+def phase_differences(baseline: dict[str, Breakdown], current: dict[str, Breakdown]
+                      ) -> list[str]:
+    """Where the steps of a decode path are of other phases on the two sides ("steps decode
+    vs mixed": other work, whose kernels and µs differ for that alone)."""
+    if len(baseline) == 1 and len(current) == 1:   # one against one, whatever the names
+        pairs = [(TRACE, *baseline.values(), *current.values())]
+    else:
+        pairs = [(p, baseline[p], current[p]) for p in baseline if p in current]
+    out = []
+    for path, base, cur in pairs:
+        phases = ["/".join(sorted({s.get("phase") or "unknown" for s in b.steps})) or "none"
+                  for b in (base, cur)]
+        if phases[0] != phases[1]:
+            out.append(("" if path == TRACE else f"{path}: ")
+                       + f"steps {phases[0]} vs {phases[1]}")
+    return out
 
 
 def one_path(file: Path, runs: dict[str, Breakdown], name: str | None
@@ -425,7 +452,10 @@ def _timeline_ok(timeline) -> bool:
 
 def gate(baseline: dict[str, Breakdown], current: dict[str, Breakdown],
          tolerances: Tolerances = Tolerances()) -> GateResult:
-    """Every (path, layer type, metric) of the baseline checked against the run."""
+    """Every (path, layer type, metric) of the baseline checked against the run. A baseline
+    without steps or layers has nothing to check: a ValueError."""
+    if not has_work(baseline):
+        raise ValueError("the baseline holds no steps and no layers: nothing to check")
     if len(baseline) == 1 and len(current) == 1 and TRACE in (*baseline, *current):
         # a plain trace against one path: compare them, whatever the name
         current = {next(iter(baseline)): next(iter(current.values()))}
@@ -636,7 +666,11 @@ def _behind(check: Check, base: Breakdown | None, cur: Breakdown | None,
              for key in {**ub, **uc}]
     sign = 1 if check.status == "regression" else -1  # times: a regression is slower
     moved = sorted((m for m in moves if m[0] * sign > 0), key=lambda m: -abs(m[0]))[:3]
-    names = short_names([m[1][0] for m in moved], 50)
+    # a name the layer launches more than once is told apart by its launch: "#2" its second
+    repeated = {name for name, i in {**ub, **uc} if i > 0}
+    names = [name + (f" #{i + 1}" if full in repeated else "")
+             for name, (full, i) in zip(short_names([m[1][0] for m in moved], 50),
+                                        (m[1] for m in moved), strict=True)]
     parts = [", ".join(f"{name} {delta:+.1f} µs" + (" (new)" if new else " (gone)" if gone
                                                     else "")
                        for name, (delta, _, new, gone) in zip(names, moved, strict=True))]

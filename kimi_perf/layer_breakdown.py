@@ -713,7 +713,8 @@ def step_notes(b: Breakdown) -> list[str]:
     passes) and their phases (``phase_note``)."""
     src = b.source
     work = "GPU ops" if src.get("ops") == "gpu" else "ops"
-    notes = []
+    notes = [] if b.steps else [f"no {'GPU work' if work == 'GPU ops' else 'ops'} in this "
+                                "trace"]
     if src.get("other_thread_ops"):
         notes.append(f"{src['other_thread_ops']} {work} launched from another thread while a "
                      "step's range was open are counted in that step (in no layer)")
@@ -767,6 +768,10 @@ def step_notes(b: Breakdown) -> list[str]:
         notes.append(f"{untimed.get('kernels', 0)} kernels and {untimed.get('memops', 0)} "
                      "memory operations without a time (CUPTI's start and end 0 for work it "
                      "could not time, or a corrupt record) are left out")
+    if b.steps and all(s.get("layer_source") == "none" for s in b.steps):
+        notes.append("no layers found: no range the default layer pattern matches (--layers "
+                     "nvtx:REGEX takes ranges of your own) and no step repeats a kernel "
+                     "pattern; the figures are of whole steps")
     if src.get("steps_found_by") in ("device", "pass"):
         repeating = src.get("repeating_ranges") or []
         named = ", ".join(f"'{r['range']}' ×{r['instances']} ({r['kernels']} kernels)"

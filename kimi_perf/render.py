@@ -133,8 +133,7 @@ def breakdown_tables(b: Breakdown) -> list[Table]:
                       f"{s['gap_us']:.1f}",
                       f"{s['prologue']['kernels']} / {s['prologue']['span_us']:.1f}",
                       f"{s['epilogue']['kernels']} / {s['epilogue']['span_us']:.1f}")
-    notes = step_notes(b) + ([] if b.steps else ["no GPU work in this trace"])
-    steps.caption = "\n".join(notes) or None
+    steps.caption = "\n".join(step_notes(b)) or None
     tables = [steps]
     if not b.layer_types:
         return tables

@@ -19,6 +19,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import stat
 import sys
 import tempfile
@@ -361,24 +362,27 @@ class Trace:
         trace = cls(strings=strings, meta=meta, **tables)
         if problem := trace.reference_problem():
             raise TraceError(path, f"corrupt: {problem}")
-        trace.drop_unreferenced_strings()   # a file saved before readers dropped them
+        trace.tidy_strings()   # a file saved before readers tidied them
         return trace
 
-    def drop_unreferenced_strings(self) -> None:
-        """Keep only the strings a table names. An nsys export's StringIds also holds what the
-        profiled process ran with (its environment and command line: tokens, keys), which no
-        analysis reads and which a saved ``.kptrace`` or a notebook's output must not carry."""
+    def tidy_strings(self) -> None:
+        """Keep only the strings a table names, each safe to print. An nsys export's StringIds
+        also holds what the profiled process ran with (its environment and command line:
+        tokens, keys), which no analysis reads and which a saved ``.kptrace`` or a notebook's
+        output must not carry. A control character in a name (an escape sequence a terminal
+        would obey) is written out as ``\\x1b``."""
         columns = [(table, name) for table in (self.kernels, self.memops, self.ranges, self.api)
                    for name in ("name", "domain") if hasattr(table, name)]
         used = np.zeros(len(self.strings), bool)
         for table, name in columns:
             used[getattr(table, name)] = True
-        if used.all():
-            return
-        new_code = (np.cumsum(used) - 1).astype(np.int32)
-        for table, name in columns:
-            setattr(table, name, new_code[getattr(table, name)])
-        self.strings = [s for s, keep in zip(self.strings, used.tolist(), strict=True) if keep]
+        if not used.all():
+            new_code = (np.cumsum(used) - 1).astype(np.int32)
+            for table, name in columns:
+                setattr(table, name, new_code[getattr(table, name)])
+            self.strings = [s for s, keep in zip(self.strings, used.tolist(), strict=True)
+                            if keep]
+        self.strings = [printable(s) for s in self.strings]
 
     def reference_problem(self) -> str | None:
         """What points outside the trace, if anything: a name not among the strings, a launch
@@ -471,6 +475,17 @@ def _write_ipc(f, table: pa.Table) -> None:
     options = pa.ipc.IpcWriteOptions(compression="zstd")
     with pa.ipc.new_file(f, table.schema, options=options) as writer:
         writer.write_table(table)
+
+
+CONTROL_CHARACTERS = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+
+def printable(text: str) -> str:
+    """``text`` with its control characters written out (ESC as ``\\x1b``): a name from a
+    trace reaches terminals and text files, where an escape sequence in it would act."""
+    if not CONTROL_CHARACTERS.search(text):
+        return text
+    return CONTROL_CHARACTERS.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
 
 
 def _first_line(exc: BaseException) -> str:

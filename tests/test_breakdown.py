@@ -673,6 +673,21 @@ def test_work_in_no_step_says_whether_it_was_launched_outside_or_never_seen_laun
         in step_notes(b)
 
 
+def test_steps_without_layers_say_why():
+    """Neither a layer range nor a repeating kernel pattern in any step: the '0 (none)' in
+    the layers column comes with the reason and what to do; a trace with layers says
+    nothing of it."""
+    from kimi_perf.layer_breakdown import step_notes
+
+    none = breakdown(read_trace(KINETO / "hta_a100_80gb_rank0_cudagraph_triton.json.gz"))
+    assert {s["layer_source"] for s in none.steps} == {"none"}
+    said = [n for n in step_notes(none) if n.startswith("no layers found")]
+    assert said and "--layers nvtx:REGEX" in said[0]
+    vllm = breakdown(read_trace(KINETO / "tracelens_vllm_gptoss20b_decode_fullgraph_mi300x"
+                                         ".json.gz"))
+    assert not [n for n in step_notes(vllm) if n.startswith("no layers found")]
+
+
 def test_work_in_no_step_names_where_it_ran_in_no_range_too():
     """A benchmark whose steps are its 'Forward' ranges: of the work outside them, 659 ops
     ran in its 'Run Benchmark' range and 7,235 (the backward passes' autograd thread) in no

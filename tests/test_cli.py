@@ -7,6 +7,7 @@ import gzip
 import json
 import os
 import shutil
+import signal
 import sqlite3
 import subprocess
 import sys
@@ -223,6 +224,7 @@ def test_gzipped_json_that_is_not_kineto(tmp_path):
     result = run("breakdown", p, "--format", "json")
     assert result.exit_code == 0 and json.loads(result.output)["steps"] == []
     assert "no GPU work in this trace" in run("breakdown", p).output
+    assert "list: no GPU work in this trace" in run("compare", p, VLLM).output
 
 
 def test_nsys_rep_without_nsys_says_how_to_get_it(tmp_path, monkeypatch):
@@ -792,6 +794,16 @@ def test_a_directory_of_traces_stands_for_its_traces(tmp_path):
     assert len(list(out.iterdir())) == 1
 
 
+def test_a_report_beside_its_export_is_one_capture(tmp_path):
+    """`nsys stats` leaves X.sqlite beside X.nsys-rep: a directory of them stands for each
+    capture once (its export), and a report not exported yet is still read."""
+    from kimi_perf.capture import trace_files
+
+    for name in ("rank0.nsys-rep", "rank0.sqlite", "rank1.nsys-rep"):
+        (tmp_path / name).write_bytes(b"")
+    assert [f.name for f in trace_files([tmp_path])] == ["rank0.sqlite", "rank1.nsys-rep"]
+
+
 def test_three_traces_or_more_are_shown_in_one_table(tmp_path):
     """`trace --from` with a TP run's ranks: one table of every trace with the spread, in the
     terminal and the report."""
@@ -1059,3 +1071,38 @@ def test_info_of_a_run_directory_tells_each_of_its_traces(tmp_path):
     headers = [line for line in result.output.splitlines() if not line.startswith(" ")]
     assert headers == [f"{tmp_path / name}.kptrace: kineto-json from PyTorch profiler "
                        "(Kineto, ROCm), schema 1" for name in ("specialized", "standard")]
+
+
+def test_info_of_a_from_run_tells_the_traces_it_analysed(tmp_path):
+    """A `trace --from` run saves no trace of its own: info reads those its run.json names,
+    and says which one is gone."""
+    trace = tmp_path / "vllm.json.gz"
+    shutil.copy(VLLM, trace)
+    assert run("trace", "--from", trace, "--out", tmp_path / "runs").exit_code == 0
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    result = run("info", run_dir)
+    assert result.exit_code == 0, result.output
+    assert result.output.startswith(f"{trace}: kineto-json from PyTorch profiler")
+    trace.unlink()
+    _one_line_error(run("info", run_dir), f"{trace}: no such file")
+
+
+@pytest.mark.parametrize(("signum", "code", "said"), [(signal.SIGTERM, 143, "terminated"),
+                                                      (signal.SIGINT, 130, "interrupted")])
+def test_a_signal_mid_run_leaves_nothing_and_is_no_regression(tmp_path, monkeypatch, signum,
+                                                              code, said):
+    """SIGTERM (a CI job's timeout) or Ctrl-C while a run directory is being filled: the
+    partial run and its reserved name are removed, and the exit code is 143 or 130, not
+    1, which gate gives a regression."""
+    import kimi_perf.report
+
+    def killed(path, *args, **kwargs):
+        path.write_text("half a report")
+        os.kill(os.getpid(), signum)
+
+    monkeypatch.setattr(kimi_perf.report, "write_report", killed)
+    out = tmp_path / "runs"
+    result = run("trace", "--from", VLLM, "--out", out)
+    assert result.exit_code == code and f"kimi-perf: {said}" in result.output
+    assert list(out.iterdir()) == []
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL   # the handler was put back

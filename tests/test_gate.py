@@ -19,7 +19,7 @@ from kimi_perf.cli import EXAMPLE_TRACE, main
 from kimi_perf.gate import Tolerances, gate, load_run
 from kimi_perf.layer_breakdown import Breakdown
 from kimi_perf.render import gate_headline
-from tests.conftest import NSYS, REPO
+from tests.conftest import KINETO, NSYS, REPO
 
 BASELINE = REPO / "traces" / "baselines" / "tiny-cpu.json"
 
@@ -373,8 +373,8 @@ def _typical(run, layer_type: str, kernels: list[tuple[str, float]]) -> None:
 def test_a_change_names_the_kernels_behind_it():
     """From the typical layers: the kernels a count regression added (and removed), and the
     launches whose µs moved most the way the layer's time did (the i-th launch of a name
-    matched with the i-th; a new one by all its µs), with the layer's total; without typical
-    layers, no detail."""
+    matched with the i-th, and named "#i" where the layer launches the name more than once; a
+    new one by all its µs), with the layer's total; without typical layers, no detail."""
     base = _run({"kda": 4}, {"kda": KDA})
     _typical(base, "kda", [("norm", 5.0), ("void gemm<float>(int)", 10.0), ("kda", 20.0),
                            ("void gemm<float>(int)", 25.0)])
@@ -384,16 +384,40 @@ def test_a_change_names_the_kernels_behind_it():
     by = {c.metric: c for c in gate(base, run).checks if c.layer_type == "kda"}
     assert by["kernels"].status == "regression" and by["kernels"].detail == "added copy"
     assert by["kernel_us"].status == "regression"
-    assert by["kernel_us"].detail == ("kda +10.0 µs, gemm<float> +8.0 µs, copy +1.0 µs (new); "
-                                      "typical layer +18.5 µs in all")
+    assert by["kernel_us"].detail == ("kda +10.0 µs, gemm<float> #2 +8.0 µs, copy +1.0 µs "
+                                      "(new); typical layer +18.5 µs in all")
     back = {c.metric: c for c in gate(run, base).checks if c.layer_type == "kda"}
     assert back["kernels"].detail == "removed copy" and back["kernel_us"].status \
         == "improvement"
-    assert back["kernel_us"].detail == ("kda -10.0 µs, gemm<float> -8.0 µs, copy -1.0 µs "
+    assert back["kernel_us"].detail == ("kda -10.0 µs, gemm<float> #2 -8.0 µs, copy -1.0 µs "
                                         "(gone); typical layer -18.5 µs in all")
     assert "(added copy)" in gate_headline(gate(base, run))
     plain = _run({"kda": 5}, {"kda": KDA * 1.3})      # no typical layers: nothing to name
     assert all(c.detail is None for c in gate(base, plain).checks)
+
+
+def test_a_baseline_with_nothing_to_check_is_refused(tmp_path):
+    """A baseline captured without GPU work (nsys -t nvtx) would pass every run with 0
+    checks, a nightly gate that never fails: it is refused, by the library and the CLI."""
+    empty = NSYS / "IhorAtlanov-assignment2-systems__result__nsys2025.6.1_NO_CUDA.sqlite"
+    result = CliRunner().invoke(main, ["gate", str(empty), str(empty)])
+    assert result.exit_code == 2 and result.output.count("\n") == 1
+    assert f"{empty}: holds no steps and no layers: nothing to check" in result.output
+    with pytest.raises(ValueError, match="nothing to check"):
+        gate({"trace": Breakdown(source={}, steps=[], layers=[], layer_types=[])},
+             _run({"kda": 4}, {"kda": KDA}))
+
+
+def test_steps_of_another_phase_are_a_difference_of_the_runs():
+    """A decode baseline against a run whose step prefills too: other work, said as a run
+    difference (with --metrics kernels its checks would otherwise pass unremarked)."""
+    from kimi_perf.gate import gate_files
+
+    decode, mixed = (KINETO / f"tracelens_vllm_gptoss20b_{x}_mi300x.json.gz"
+                     for x in ("decode_fullgraph", "prefilldecode_piecewise"))
+    gated = gate_files(decode, mixed, Tolerances(metrics="kernels"))
+    assert gated.result.run_differences == ["steps decode vs mixed"]
+    assert gate_files(decode, decode).result.run_differences == []
 
 
 def test_a_real_slowdown_fails_noise_and_small_changes_pass():

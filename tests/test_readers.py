@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from kimi_perf import read_trace
-from kimi_perf.trace import DRIVER, GPU_RANGE, Trace
+from kimi_perf.trace import CONTROL_CHARACTERS, DRIVER, GPU_RANGE, Trace
 from tests.conftest import KINETO, NSYS, kineto_fixtures, nsys_fixtures
 
 
@@ -190,6 +190,24 @@ def test_the_recorded_environment_stays_out_of_the_trace(tmp_path):
     trace.strings.append("JUPYTER_TOKEN=secret")
     trace.save(tmp_path / "old.kptrace")
     assert "JUPYTER_TOKEN=secret" not in read_trace(tmp_path / "old.kptrace").strings
+
+
+def test_control_characters_in_names_are_written_out(tmp_path):
+    """A kernel or range name with an escape sequence (an untrusted trace's) reaches every
+    table, CSV and report written out, not obeyed by the terminal that shows it."""
+    events = [{"ph": "X", "cat": "kernel", "name": "gemm\x1b[31m\x07", "ts": 10, "dur": 2,
+               "pid": 0, "tid": 7, "args": {"device": 0, "stream": 7, "correlation": 1}},
+              {"ph": "X", "cat": "user_annotation", "name": "step\x9b1m\n", "ts": 5,
+               "dur": 20, "pid": 1, "tid": 1}]
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    trace = read_trace(path)
+    assert sorted(trace.strings) == ["", "gemm\\x1b[31m\\x07",
+                                     "step\\x9b1m\\x0a"]
+    trace.strings[0] += "\x1b"              # a .kptrace written before: tidied when read
+    trace.save(tmp_path / "t.kptrace")
+    assert not any(CONTROL_CHARACTERS.search(s)
+                   for s in read_trace(tmp_path / "t.kptrace").strings)
 
 
 # -- Kineto reader: the block reader (at any block size), the one-shot path and the per-event
@@ -435,9 +453,9 @@ def test_kineto_gpu_activity_without_runtime_events_reads(tmp_path):
 
 def test_kineto_gpu_work_with_a_negative_duration_is_left_out_and_counted(tmp_path,
                                                                          monkeypatch):
-    """As in the nsys reader: a kernel or copy whose duration is negative has no time; it is
-    left out and counted (every reader path alike), not kept as a zero-length kernel. A host
-    event's negative duration ends where it starts."""
+    """As in the nsys reader: a kernel or copy whose duration is negative (or missing) has no
+    time; it is left out and counted (every reader path alike), not kept as a zero-length
+    kernel. A host event's negative duration ends where it starts."""
     from kimi_perf import breakdown
     from kimi_perf.layer_breakdown import step_notes
 
@@ -449,16 +467,17 @@ def test_kineto_gpu_work_with_a_negative_duration_is_left_out_and_counted(tmp_pa
                "tid": 1, "ts": 9, "dur": -2, "args": {"correlation": 1}},
               gpu("kernel", "kept", 10, 5, 1), gpu("kernel", "negative", 20, -3, 2),
               gpu("gpu_memcpy", "Memcpy HtoD", 30, -1, 3), gpu("kernel", "zero", 40, 0, 4),
-              gpu("gpu_memset", "Memset", 50, 2, 5)]
+              gpu("gpu_memset", "Memset", 50, 2, 5), gpu("kernel", "no duration", 60, 0, 6)]
+    del events[-1]["dur"]
     path = tmp_path / "negative.json"
     path.write_text(json.dumps({"traceEvents": events}))
     for label, trace in _kineto_paths(path, monkeypatch).items():
         names = [trace.strings[n] for n in trace.kernels.name.tolist()]
         assert names == ["kept", "zero"] and len(trace.memops) == 1, label
-        assert trace.meta["untimed"] == {"kernels": 1, "memops": 1}, label
+        assert trace.meta["untimed"] == {"kernels": 2, "memops": 1}, label
         assert trace.kernels.end.tolist() == [15000, 40000], label
         assert (trace.api.end - trace.api.start).tolist() == [0], label
-    assert "1 kernels and 1 memory operations without a time" in " ".join(
+    assert "2 kernels and 1 memory operations without a time" in " ".join(
         step_notes(breakdown(read_trace(path))))
 
 

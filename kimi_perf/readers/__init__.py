@@ -53,7 +53,7 @@ def read_trace(path: str | Path) -> Trace:
         if reader is not Trace.load:
             release_free_memory()   # the reader's temporaries: see kimi_perf/memory.py
             nest_ranges(trace.ranges)
-            trace.drop_unreferenced_strings()
+            trace.tidy_strings()
             release_free_memory()   # and the nesting's
     except TraceError:
         raise

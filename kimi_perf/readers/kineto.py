@@ -119,7 +119,7 @@ class _Complete(msgspec.Struct, tag_field="ph", tag="X", gc=False):
     ts: float
     cat: str = ""
     name: str = ""
-    dur: float = 0.0
+    dur: float = -1.0   # none: no time (GPU work without one is left out and counted)
     pid: _Id = None
     tid: _Id = None
     args: _Args | None = None
@@ -749,8 +749,8 @@ class _Builder:
                  for name in ("a", "k", "m", "r")}
         firsts = [ts[0] for ts, _ in times.values() if len(ts)]
         base = int(min(firsts)) if firsts else 0
-        # GPU work with a negative duration has no time (the nsys reader's rule): left out
-        # and counted, not placed as a zero-length kernel.
+        # GPU work with a negative duration, or none, has no time (the nsys reader's rule):
+        # left out and counted, not placed as a zero-length kernel.
         untimed = {name: times[name][1] < 0 for name in ("k", "m")}
         tables = {}
         for name, kind in (("a", ApiCalls), ("k", Kernels), ("m", MemOps), ("r", Ranges)):
@@ -850,9 +850,10 @@ def _int32(values: np.ndarray) -> np.ndarray:
 
 
 def _time(event: dict, key: str) -> int | float:
-    """``ts`` (required) or ``dur`` (0 when absent) of a replayed event: a JSON number, as the
-    fast path's typed decoding takes it (a boolean or a numeric string is no time)."""
-    value = _num(event[key] if key == "ts" else event.get(key, 0))
+    """``ts`` (required) or ``dur`` (-1, no time, when absent) of a replayed event: a JSON
+    number, as the fast path's typed decoding takes it (a boolean or a numeric string is no
+    time)."""
+    value = _num(event[key] if key == "ts" else event.get(key, -1))
     if type(value) not in (int, float):
         raise TypeError(f"'{key}' is {value!r}, not a number")
     return value
