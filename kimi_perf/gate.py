@@ -438,6 +438,7 @@ def _timeline_ok(timeline) -> bool:
         return False
     names, segments = timeline.get("names"), timeline.get("segments")
     if not (isinstance(timeline.get("step"), str) and isinstance(names, list)
+            and _is_count(timeline.get("ops_left_out", 0))
             and all(isinstance(n, str) for n in names) and isinstance(segments, list)):
         return False
     return all(isinstance(seg, dict) and isinstance(seg.get("label"), str)

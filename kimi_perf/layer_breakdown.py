@@ -518,20 +518,32 @@ def repeating_ranges(trace: Trace, most: int = 3) -> list[dict[str, Any]]:
     return [{"range": name, "instances": n, "kernels": k} for n, k, name in ranked[:most]]
 
 
+# Ops a timeline holds at most: a decode step of ~100 layers is a few thousand; a training
+# step's or a profiler window's hundreds of thousands would make a report of tens of MB that
+# a browser struggles to draw.
+TIMELINE_OPS = 10_000
+
+
 def _timeline(trace: Trace, ops: GpuOps, steps) -> dict[str, Any] | None:
     """One step to draw op by op (the report's timeline), so that drawing needs no trace: of
     the steps with layers, the one of median span; its prologue, layers and epilogue, each op
-    as [index into ``names``, class, µs from the step's first op, µs]."""
+    as [index into ``names``, class, µs from the step's first op, µs]. Of a step of more
+    than ``TIMELINE_OPS`` ops, the first so many (``ops_left_out``: how many more)."""
     steps = [s for s in steps if s.layers]
     if not steps:
         return None
     spans = [int(ops.end[s.ops].max() - ops.start[s.ops].min()) for s in steps]
     step = steps[int(np.argsort(spans, kind="stable")[len(spans) // 2])]
     t0 = ops.start[step.ops].min()
-    codes = np.unique(ops.name[step.ops])
     parts = [("prologue", step.prologue)] + [
         (f"layer {layer.index} ({layer.type})", layer.ops) for layer in step.layers] + [
         ("epilogue", step.epilogue)]
+    room, left_out = TIMELINE_OPS, 0
+    for i, (label, rows) in enumerate(parts):
+        left_out += max(0, len(rows) - room)
+        parts[i] = (label, rows[:room])
+        room -= len(parts[i][1])
+    codes = np.unique(np.concatenate([ops.name[rows] for _, rows in parts]))
     segments = []
     for label, rows in parts:
         if not len(rows):
@@ -543,7 +555,7 @@ def _timeline(trace: Trace, ops: GpuOps, steps) -> dict[str, Any] | None:
         segments.append({"label": label, "ops": [
             list(op) for op in zip(names, classes, starts, durations, strict=True)]})
     return {"step": step.name, "names": [trace.strings[c] for c in codes.tolist()],
-            "segments": segments}
+            "segments": segments, **({"ops_left_out": left_out} if left_out else {})}
 
 
 def _typical_layers(trace: Trace, ops: GpuOps, steps) -> dict[str, dict[str, Any]]:
@@ -875,9 +887,15 @@ def _median(values) -> float:
 
 
 def _source(trace: Trace) -> dict:
+    """Where the figures come from: the file, its format and tool, and the GPUs that ran its
+    kernels (described by the trace, where it describes them: not the devices that ran
+    nothing, which a trace's GPU table may list too)."""
     meta = trace.meta
+    described = {g.get("device"): g for g in meta.get("gpus", [])}
+    ran = [described.get(d) or {"device": d, "name": None, "sm_count": None}
+           for d in np.unique(trace.kernels.device).tolist()]
     return {"file": meta.get("file"), "format": meta.get("format"), "tool": meta.get("tool"),
-            "schema": meta.get("schema"), "gpus": meta.get("gpus", []),
+            "schema": meta.get("schema"), "gpus": ran,
             "kernels": len(trace.kernels), "memops": len(trace.memops),
             "ranges": len(trace.ranges), **({"untimed": meta["untimed"]}
                                             if meta.get("untimed") else {})}

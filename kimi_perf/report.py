@@ -280,8 +280,9 @@ def _fusions_html(breakdowns: dict[str, Breakdown]) -> str:
 
 
 def _run_html(run: dict | None, breakdowns: dict[str, Breakdown]) -> str:
-    """What ran and where: the request, the machine and the versions; for ``--from``, the
-    traces read. Then each path's decode metrics, and a CPU run's caveat."""
+    """What ran and where: the request, the machine and the versions of a capture; of
+    traces analysed (``--from``, a report of traces or stored breakdowns), each trace and the
+    GPUs that ran its kernels. Then each path's decode metrics, and a CPU run's caveat."""
     e = html.escape
     run = run or {}
     env = run.get("environment") or {}
@@ -304,10 +305,11 @@ def _run_html(run: dict | None, breakdowns: dict[str, Breakdown]) -> str:
                   ("driver, CUDA", f"{env.get('driver')}, {env.get('cuda')}" if gpus else None),
                   ("python, torch, triton", f"{env.get('python')}, {env.get('torch')}, "
                                             f"{env.get('triton')}")]
-    for label, b in breakdowns.items() if "files" in run else ():
+    # traces analysed, not captured (trace --from, or a report of traces and breakdowns)
+    for label, b in breakdowns.items() if "preset" not in run else ():
         src = b.source
         items.append((f"trace {label}", f"{src.get('file')} ({src.get('tool')} "
-                                        f"{src.get('format')}; GPUs: "
+                                        f"{src.get('format')}; ran on "
                                         f"{_gpus_text(src.get('gpus') or [])})"))
     commit = env.get("git_commit") or run.get("git_commit")
     version = env.get("kimi_perf") or run.get("kimi_perf")
@@ -394,10 +396,10 @@ def run_info_problem(run: object) -> str | None:
 
 
 def _gpus_text(gpus: list[dict]) -> str:
-    """A trace's GPU table in a few words: "8 × NVIDIA A100 (108 SMs)"."""
+    """The GPUs that ran a trace's kernels in a few words: "8 × NVIDIA A100 (108 SMs)"."""
     kinds = Counter((g.get("name") or "unnamed GPU", g.get("sm_count")) for g in gpus)
     return ", ".join(f"{n} × {name}" + (f" ({sms} SMs)" if sms else "")
-                     for (name, sms), n in kinds.items()) or "none described"
+                     for (name, sms), n in kinds.items()) or "no GPU"
 
 
 # Tables wider than the window scroll inside themselves; long names wrap anywhere.
@@ -424,11 +426,17 @@ def plotly_js_for(value: str, report_dir: Path) -> str:
 
 
 def _missing_timelines_html(breakdowns: dict[str, Breakdown]) -> str:
-    """Which traces' panels stay empty, and why: no step with layers, or a stored breakdown
-    without its timeline (written by an older kimi-perf, or edited)."""
+    """Which traces' panels stay empty, and why (no step with layers, or a stored breakdown
+    without its timeline: written by an older kimi-perf, or edited), and which show only the
+    first ops of their step."""
     lines = [f"{html.escape(label)}: " + ("no timeline in this breakdown (stored without one)"
                                           if b.layers else "no step with layers to draw")
              for label, b in breakdowns.items() if not b.timeline]
+    lines += [f"{html.escape(label)}: the step's first {drawn:,} ops are drawn, its "
+              f"{left:,} more are left out"
+              for label, b in breakdowns.items()
+              if b.timeline and (left := b.timeline.get("ops_left_out"))
+              for drawn in [sum(len(seg["ops"]) for seg in b.timeline["segments"])]]
     return f"<p class=note>{'; '.join(lines)}.</p>" if lines else ""
 
 

@@ -377,6 +377,32 @@ def test_timeline_is_the_median_span_step_op_by_op():
     assert again.timeline == timeline
 
 
+def test_a_long_step_draws_its_first_ops_and_says_how_many_more(monkeypatch, tmp_path):
+    """A step of more ops than a report can draw (a training step, a profiler's window):
+    the timeline keeps the first TIMELINE_OPS, cut inside a layer where it falls, names only
+    what it keeps, and the report says how many it left out."""
+    from kimi_perf import layer_breakdown
+    from kimi_perf.report import write_report
+
+    trace = read_trace(KINETO / "tracelens_vllm_gptoss20b_decode_fullgraph_mi300x.json.gz")
+    whole = breakdown(trace).timeline
+    total = sum(len(seg["ops"]) for seg in whole["segments"])
+    monkeypatch.setattr(layer_breakdown, "TIMELINE_OPS", 30)
+    cut = breakdown(trace).timeline
+    kept = [seg["ops"] for seg in cut["segments"]]
+    assert sum(map(len, kept)) == 30 and cut["ops_left_out"] == total - 30
+    assert [len(k) for k in kept] == [11, 16, 3]             # prologue, layer 0, 3 of layer 1
+    for part, seg in zip(kept, whole["segments"], strict=False):   # the same ops, named anew
+        assert [(cut["names"][n], *rest) for n, *rest in part] == [
+            (whole["names"][n], *rest) for n, *rest in seg["ops"][:len(part)]]
+    assert len(cut["names"]) == len({op[0] for ops in kept for op in ops})
+    assert "ops_left_out" not in whole
+    b = breakdown(trace)
+    text = write_report(tmp_path / "r.html", {"vllm": b}, "t", plotly_js="cdn").read_text()
+    assert f"vllm: the step's first 30 ops are drawn, its {total - 30:,} more are left out" \
+        in text
+
+
 def test_typical_layer_of_a_real_trace_and_its_pattern_digest():
     trace = read_trace(KINETO / "tracelens_vllm_gptoss20b_decode_fullgraph_mi300x.json.gz")
     types = {t["type"]: t for t in breakdown(trace).layer_types}

@@ -542,6 +542,19 @@ def test_report_names_what_each_trace_counts(tmp_path):
     assert '"yaxis2"' in text and '"yaxis2"' not in only_gpu.split("Median µs per layer")[-1]
 
 
+def test_report_of_traces_names_each_and_the_gpus_that_ran_it(tmp_path):
+    """A report of traces (no capture behind it) says which file each is and the GPUs that
+    ran its kernels: vLLM's trace describes eight and ran on one, wan2.1's describes none
+    and ran on two."""
+    wan = NSYS / "nsysai_fastvideo_wan2.1_train_2xh100_before.sqlite"
+    out = tmp_path / "r.html"
+    assert run("report", VLLM, wan, "-o", out, "--plotly-js", "cdn").exit_code == 0
+    text = out.read_text()
+    assert (f"<th>trace {VLLM.name.removesuffix('.json.gz')}</th><td>{VLLM} (PyTorch "
+            "profiler (Kineto, ROCm) kineto-json; ran on 1 × unnamed GPU (304 SMs))") in text
+    assert f"<td>{wan} (" in text and "nsys-sqlite; ran on 2 × unnamed GPU)" in text
+
+
 def test_report_compares_the_first_trace_with_each_other(tmp_path):
     """The HTML report: the first trace against each of the others, automatic types whose
     kernel sequences differ marked, and work in no step said per trace."""
