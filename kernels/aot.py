@@ -5,7 +5,11 @@ spills from ``ptxas -v``.
 
 Each Triton kernel is compiled at the configurations the decode paths launch for the K3 TP8 rank
 shapes, with the alignment the JIT sees at launch (16-byte aligned pointers, row strides that
-are multiples of 16), so registers and spills are those of the kernels a GPU runs. Then every
+are multiples of 16), and the hot kernels (the skinny linears, the KDA decode, the fused MoE
+launches, the attention residuals) also with their integer arguments' K3 values specialised
+as the JIT specialises them (a 1 becomes a constant, a multiple of 16 is known to be one:
+vectorised loads, a loop with a trip count it knows), so registers and spills are those of
+the kernels a GPU runs. Then every
 configuration the two kernel paths launch on the ``tiny`` preset (``launched_builds``: the
 dtypes, flags and split counts a run meets, the float32 of the GPU check's correctness run
 among them), since a configuration first compiled on the GPU may not compile at all. Exit code
@@ -45,6 +49,7 @@ class Build:
     constexprs: dict[str, object]
     num_warps: int = 4
     divisible: list[str] | None = None   # arguments known divisible by 16 (default: _aligned)
+    ints: dict[str, int] | None = None   # integer arguments' values, specialised as the JIT does
 
 
 def builds() -> list[Build]:
@@ -66,6 +71,10 @@ def builds() -> list[Build]:
         skinny_linear,
     )
 
+    # A K3 TP8 rank: hidden 7168; the MoE's latent 3584, router 896 experts (one pass writes
+    # both: rows of 4480), experts' intermediate 384, the shared experts' 768; the KDA's 12
+    # heads of 128 (1536 wide), its input projection 6288 rows; 8 attention-residual blocks.
+    hidden, latent, inter, shared_inter, kda_proj, in_proj = 7168, 3584, 384, 768, 1536, 6288
     out = [
         Build("attn_res h7168", attn_res.attn_res_kernel,
               {"prefix_ptr": "*bf16", "delta_ptr": "*bf16", "blocks_ptr": "*bf16",
@@ -75,7 +84,11 @@ def builds() -> list[Build]:
                "stride_out": "i32", "eps": "fp32", "HAS_DELTA": "constexpr",
                "RESET": "constexpr", "HAS_NORM": "constexpr", "BLOCK_H": "constexpr"},
               {"HAS_DELTA": True, "RESET": False, "HAS_NORM": True, "BLOCK_H": 8192,
-               "RNE": False}, 8),
+               "RNE": False}, 8,
+              ints={"hidden": hidden, "n_blocks": 3, "write_idx": -1,
+                    "stride_prefix": hidden, "stride_delta": hidden,
+                    "stride_blocks_m": 8 * hidden, "stride_blocks_s": hidden,
+                    "stride_out": hidden}),
     ]
     linear_sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "norm_ptr": "*fp32", "res_ptr": "*bf16",
                   "out_ptr": "*bf16", "M": "i32", "N_OUT": "i32", "K": "i32",
@@ -84,41 +97,55 @@ def builds() -> list[Build]:
     flags = ["NORM", "SITU", "RESIDUAL", "USE_DOT", "DOT_FP32", "RNE", "BETA", "BETA_LINEAR",
              "BLOCK_M", "BLOCK_N", "BLOCK_K"]
     sig = {**linear_sig, **{f: "constexpr" for f in flags}}
-    for label, m, situ, norm, residual in (
-            ("gemv M=4", 4, False, False, False),
-            ("gemv M=4 rmsnorm+residual", 4, False, True, True),
-            ("gemv M=4 situ", 4, True, False, False),
-            ("gemm M=16", 16, False, False, False),
-            ("gemm M=64", 64, False, True, True),
-            ("gemm M=64 situ", 64, True, False, False)):
+    # (label, tokens, SiTU, RMSNorm, residual, output columns, K): the KDA input projection,
+    # the latent up-projection (norm and the shared experts' output added), the shared
+    # experts' gate/up
+    for label, m, situ, norm, residual, n_out, k in (
+            ("gemv M=1 in_proj", 1, False, False, False, in_proj, hidden),
+            ("gemv M=4 in_proj", 4, False, False, False, in_proj, hidden),
+            ("gemv M=4 latent_up rmsnorm+residual", 4, False, True, True, hidden, latent),
+            ("gemv M=4 shared gate/up situ", 4, True, False, False, shared_inter, hidden),
+            ("gemm M=16 in_proj", 16, False, False, False, in_proj, hidden),
+            ("gemm M=64 latent_up rmsnorm+residual", 64, False, True, True, hidden, latent),
+            ("gemm M=64 shared gate/up situ", 64, True, False, False, shared_inter, hidden)):
         block_m, block_n, block_k, warps = skinny_linear.launch_config(m)
         out.append(Build(f"skinny_linear {label}", skinny_linear.skinny_linear_kernel, sig, {
             "NORM": norm, "SITU": situ, "RESIDUAL": residual,
             "USE_DOT": m > skinny_linear.GEMV_MAX_M, "DOT_FP32": False, "RNE": False,
             "BETA": 4.0,
             "BETA_LINEAR": 25.0, "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k},
-            warps))
+            warps, ints={"M": m, "N_OUT": n_out, "K": k, "stride_xm": k, "stride_wn": k,
+                         "stride_rm": n_out if residual else 0, "stride_om": n_out}))
     kda_types = {"z_ptr": "*bf16", "wfb_ptr": "*bf16", "conv_ptr": "*bf16",
                  "out_ptr": "*bf16", "ckpt_conv_ptr": "*bf16", "eps": "fp32",
                  "lower_bound": "fp32"}
     kda_types["f_ptr"] = "*bf16"
-    for checkpoint, f_given in ((False, False), (True, False), (False, True)):
-        consts = {"D": 128, "F_RANK": 128, "BV": 32, "F_BLOCK": 16, "F_GIVEN": f_given,
-                  "CHECKPOINT": checkpoint, "RNE": False}
-        tag = " verify" if checkpoint else " f given (standard)" if f_given else ""
+    # batch 1 and 64, a verify step of 1+3 tokens, the standard path's (f_b projected before)
+    for batch, tokens, f_given in ((1, 1, False), (64, 1, False), (1, 4, False), (1, 1, True)):
+        consts = {"D": 128, "F_RANK": 128, **kda_decode.kda_tiles(128, 128),
+                  "F_GIVEN": f_given, "CHECKPOINT": tokens > 1, "RNE": False}
+        tag = (" verify 1+3" if tokens > 1 else " f given (standard)" if f_given
+               else f" batch {batch}")
+        f_row = kda_proj if f_given else in_proj
         out.append(Build(f"kda_decode d128{tag}",
                          kda_decode.kda_decode_kernel,
                          _signature(kda_decode.kda_decode_kernel, kda_types, consts), consts,
-                         8))
+                         8, ints={"B": batch, "T": tokens, "H": 12,
+                                  "stride_zb": tokens * in_proj, "stride_zt": in_proj,
+                                  "stride_fb": tokens * f_row, "stride_ft": f_row,
+                                  "stride_ob": tokens * kda_proj, "stride_ot": kda_proj,
+                                  "g_col": 3 * kda_proj, "fa_col": 4 * kda_proj,
+                                  "b_col": 4 * kda_proj + 128}))
     routed_types = {"w13_ptr": "*bf16", "ids_ptr": "*i32", "lists_ptr": "*i32",
                     "counts_ptr": "*i32", "act_ptr": "*bf16", "scale": "fp32",
                     "x_ptr": "*bf16", "sx_ptr": "*bf16", "sw_ptr": "*bf16",
                     "sout_ptr": "*bf16", "w2_ptr": "*bf16", "out_ptr": "*bf16"}
-    for m, shared in ((4, True), (64, True), (4, False)):
+    routed_n, routed_k = moe_experts.routed_blocks()
+    for m, shared in ((1, True), (4, True), (64, True), (1, False)):
         # with the shared experts' tiles (GEMV at M <= 4, tl.dot above; M > 64 takes more
         # row tiles of the same size); without them and routing, the standard path's FC1 and
         # per-slot FC2
-        tags = {True: f"+shared M={m}", False: "standard"}
+        tags = {True: f"+shared M={m}", False: f"standard M={m}"}
         for kernel, situ in ((moe_experts.moe_route_fc1_situ_kernel, True),
                              (moe_experts.moe_fc2_combine_kernel, False)):
             consts = {"SHARED": False, "S_USE_DOT": False, "DOT_FP32": False, "S_BLOCK_M": 1,
@@ -128,21 +155,36 @@ def builds() -> list[Build]:
                 consts = {"SHARED": True, "S_USE_DOT": m > skinny_linear.GEMV_MAX_M,
                           "DOT_FP32": False, "S_BLOCK_M": block_m, "S_BLOCK_N": block_n,
                           "S_BLOCK_K": block_k}
-            consts.update(BLOCK_N=32, BLOCK_K=64, RNE=False)
+            consts.update(BLOCK_N=routed_n, BLOCK_K=routed_k, RNE=False)
             if situ:
                 consts.update(TOP_K=16, BLOCK_E=1024, BETA=4.0, BETA_LINEAR=25.0, ROUTE=shared)
             else:
                 consts.update(TOP_K=16 if shared else 1, WEIGHTED=shared)
-            types = {**routed_types, "sout_ptr": "*bf16" if situ else "*fp32",
+            # the specialized path's: the latent and the router logits are one fp32 row of
+            # 4480 (router_latent_down), FC2 writes the routed latent and the shared experts'
+            # output side by side (rows of 3584 + 7168)
+            types = {**routed_types, "x_ptr": "*fp32" if shared else "*bf16",
+                     "sout_ptr": "*bf16" if situ else "*fp32",
                      "out_ptr": "*fp32" if shared else "*bf16"}
+            ints = {"M": m, "INTER": inter, "stride_we": 2 * inter * latent if situ
+                    else latent * inter, "stride_wn": latent if situ else inter}
+            if shared:
+                s_n, s_k = (shared_inter, hidden) if situ else (hidden, shared_inter)
+                s_out = shared_inter if situ else latent + hidden
+                ints |= {"S_N": s_n, "S_K": s_k, "stride_sx": s_k, "stride_sw": s_k,
+                         "stride_sout": s_out, "SHARED_PROGRAMS": skinny_linear.tiles(
+                             m, s_n, consts["S_BLOCK_M"], consts["S_BLOCK_N"])}
+                ints |= ({"KDIM": latent, "E": 896, "stride_x": 896 + latent,
+                          "stride_l": 896 + latent} if situ
+                         else {"N": latent, "stride_out": latent + hidden})
             label = "moe_route_fc1_situ E896 k16 I384" if situ else "moe_fc2_combine N3584 I384"
             out.append(Build(f"{label} {tags[shared]}", kernel,
-                             _signature(kernel, types, consts), consts, 8))
+                             _signature(kernel, types, consts), consts, 8, ints=ints))
     for m in (16, 64, 512):   # the grouped FC1 (opt-in); 512: a verify step of 64 × 8
         block_m, block_n, block_k = moe_experts.shared_tile(m, True)
         consts = {"TOP_K": 16, "BETA": 4.0, "BETA_LINEAR": 25.0,
                   "BLOCK_S": min(16 * m, moe_grouped_fc1.SCAN),
-                  "BLOCK_T": moe_grouped_fc1.BLOCK_T, "BLOCK_N": 32, "BLOCK_K": 64,
+                  "BLOCK_T": moe_grouped_fc1.BLOCK_T, "BLOCK_N": routed_n, "BLOCK_K": routed_k,
                   "RNE": False, "SHARED": True, "S_USE_DOT": m > skinny_linear.GEMV_MAX_M,
                   "DOT_FP32": False, "S_BLOCK_M": block_m, "S_BLOCK_N": block_n,
                   "S_BLOCK_K": block_k}
@@ -151,8 +193,8 @@ def builds() -> list[Build]:
                          _signature(kernel, {**routed_types, "x_ptr": "*fp32"}, consts),
                          consts, 8))
         block_m, block_n, block_k = moe_experts.shared_tile(m, False)
-        consts = {"TOP_K": 16, "BLOCK_T": moe_grouped_fc1.BLOCK_T, "BLOCK_N": 32,
-                  "BLOCK_K": 64, "RNE": False, "SHARED": True,
+        consts = {"TOP_K": 16, "BLOCK_T": moe_grouped_fc1.BLOCK_T, "BLOCK_N": routed_n,
+                  "BLOCK_K": routed_k, "RNE": False, "SHARED": True,
                   "S_USE_DOT": m > skinny_linear.GEMV_MAX_M, "DOT_FP32": False,
                   "S_BLOCK_M": block_m, "S_BLOCK_N": block_n, "S_BLOCK_K": block_k}
         kernel = moe_grouped_fc2.moe_grouped_fc2_kernel
@@ -354,12 +396,31 @@ def _aligned(build: Build) -> dict:
             if ty.startswith("*") or (name.startswith("stride") and ty == "i32")}
 
 
-def compile_one(build: Build) -> dict:
+def _specialised(build: Build) -> tuple[dict[str, str], dict[str, object], dict]:
+    """The build's signature, constexprs and attributes with its ``ints`` specialised by the
+    JIT's own rule (``native_specialize_impl``: a 1 is a constexpr, a multiple of 16 "D")."""
+    from triton.backends.compiler import BaseBackend
+    from triton.runtime.jit import native_specialize_impl
+
     names = build.fn.arg_names
     attrs = _aligned(build) if build.divisible is None else {
         (names.index(name),): [["tt.divisibility", 16]] for name in build.divisible}
-    src = ASTSource(fn=build.fn, signature=build.signature, constexprs=build.constexprs,
-                    attrs=attrs)
+    signature, constexprs = dict(build.signature), dict(build.constexprs)
+    for name, value in (build.ints or {}).items():
+        kind, key = native_specialize_impl(BaseBackend, value, False, True, True)
+        signature[name] = kind
+        if kind == "constexpr":
+            constexprs[name] = key
+        if key == "D":
+            attrs[(names.index(name),)] = [["tt.divisibility", 16]]
+        else:
+            attrs.pop((names.index(name),), None)
+    return signature, constexprs, attrs
+
+
+def compile_one(build: Build) -> dict:
+    signature, constexprs, attrs = _specialised(build)
+    src = ASTSource(fn=build.fn, signature=signature, constexprs=constexprs, attrs=attrs)
     kernel = triton.compile(src, target=TARGET, options={"num_warps": build.num_warps})
     with tempfile.TemporaryDirectory() as tmp:
         ptx = Path(tmp) / "k.ptx"

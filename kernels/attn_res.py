@@ -6,7 +6,10 @@ over depth: every source (completed blocks, then the prefix) gets the logit
 ``(norm_w * proj_w) · v · rsqrt(mean(v²) + eps)``; the mix ``Σ softmax · v`` is RMS-normed.
 
 Tiling: a whole hidden row (BLOCK_H ≥ hidden, a power of two) lives in registers; sources are
-read once each in an online softmax, so the kernel reads ≤ 9 rows and writes 1-2.
+read once each in an online softmax, so the kernel reads ≤ 9 rows and writes 1-2. The
+completed blocks are read in a software-pipelined loop (``STAGES`` rows in flight): the next
+sources' rows load while one is reduced, not one memory round trip per source. (The block a
+call writes is never among those it reads: it is the next one.)
 """
 
 from __future__ import annotations
@@ -16,6 +19,19 @@ import triton
 import triton.language as tl
 
 from kimi_perf_kernels.common import INTERPRETED, cast
+
+STAGES = tl.constexpr(4)
+
+
+@triton.jit
+def _mix_in(v, qk, mix, total, running_max, hidden, eps):
+    """One source ``v`` folded into the online softmax: its logit, the running max, the
+    rescaled mix and sum of weights."""
+    logit = tl.sum(qk * v, axis=0) / tl.sqrt(tl.sum(v * v, axis=0) / hidden + eps)
+    new_max = tl.maximum(running_max, logit)
+    scale = tl.exp(running_max - new_max)
+    weight = tl.exp(logit - new_max)
+    return mix * scale + weight * v, total * scale + weight, new_max
 
 
 @triton.jit
@@ -42,20 +58,11 @@ def attn_res_kernel(prefix_ptr, delta_ptr, blocks_ptr, qk_ptr, norm_ptr, out_ptr
     running_max = -float("inf")
     total = 0.0
     mix = tl.zeros([BLOCK_H], dtype=tl.float32)
-    for s in range(0, n_blocks + 1):
-        if s < n_blocks:
-            v = tl.load(blocks_ptr + row * stride_blocks_m + s * stride_blocks_s + offs,
-                        mask=mask, other=0.0).to(tl.float32)
-        else:
-            v = p
-        rms = tl.sqrt(tl.sum(v * v, axis=0) / hidden + eps)
-        logit = tl.sum(qk * v, axis=0) / rms
-        new_max = tl.maximum(running_max, logit)
-        scale = tl.exp(running_max - new_max)
-        weight = tl.exp(logit - new_max)
-        mix = mix * scale + weight * v
-        total = total * scale + weight
-        running_max = new_max
+    for s in tl.range(0, n_blocks, num_stages=STAGES):
+        v = tl.load(blocks_ptr + row * stride_blocks_m + s * stride_blocks_s + offs,
+                    mask=mask, other=0.0).to(tl.float32)
+        mix, total, running_max = _mix_in(v, qk, mix, total, running_max, hidden, eps)
+    mix, total, running_max = _mix_in(p, qk, mix, total, running_max, hidden, eps)
     mix = mix / total
     if HAS_NORM:
         w = tl.load(norm_ptr + offs, mask=mask, other=0.0).to(tl.float32)

@@ -21,6 +21,8 @@ import triton.language as tl
 
 from kimi_perf_kernels.common import INTERPRETED, cast, interpreter_tiles, sigmoid
 
+STAGES = tl.constexpr(2)  # the next f_b / state tile loads while one is used
+
 
 @triton.jit
 def kda_decode_kernel(z_ptr, wfb_ptr, f_ptr, dt_bias_ptr, a_log_ptr, conv_w_ptr, onorm_ptr,
@@ -54,14 +56,14 @@ def kda_decode_kernel(z_ptr, wfb_ptr, f_ptr, dt_bias_ptr, a_log_ptr, conv_w_ptr,
                 tl.float32)
         else:
             f = dt_bias
-            for r0 in range(0, F_RANK, F_BLOCK):
+            for r0 in tl.range(0, F_RANK, F_BLOCK, num_stages=STAGES):
                 f_a = tl.load(z + fa_col + r0 + r).to(tl.float32)
                 w = tl.load(wfb_ptr + (h * D + i)[:, None] * F_RANK + r0 + r[None, :])
                 f += tl.sum(w.to(tl.float32) * f_a[None, :], axis=1)
         decay = tl.exp(lower_bound * sigmoid(a * f))
         beta = tl.sigmoid(tl.load(z + b_col + h).to(tl.float32))
         sq = 0.0
-        for v0 in range(0, D, BV):
+        for v0 in tl.range(0, D, BV, num_stages=STAGES):
             rows = v0 + vb
             v = _conv_step(z, conv_base, conv_w_ptr, 2 * H * D + h * D + rows, ck_conv,
                            CHECKPOINT)
@@ -138,11 +140,18 @@ def kda_decode(z: torch.Tensor, heads: int, head_dim: int, f_rank: int, w_fb: to
         z, w_fb, f_arg, dt_bias, a_log, conv_w, o_norm, conv_state, state, out, scratch,
         ckpt_state, ckpt_conv, B, T, heads, z.stride(0), z.stride(1), f_arg.stride(0),
         f_arg.stride(1), out.stride(0), out.stride(1), 3 * proj, 4 * proj, 4 * proj + f_rank,
-        eps, lower_bound, D=head_dim, F_RANK=f_rank,
-        BV=head_dim if interpreter_tiles() else min(32, head_dim),
-        F_BLOCK=f_rank if interpreter_tiles() else min(16, f_rank), F_GIVEN=f is not None,
-        CHECKPOINT=checkpoint, RNE=INTERPRETED, num_warps=8)
+        eps, lower_bound, D=head_dim, F_RANK=f_rank, **kda_tiles(head_dim, f_rank),
+        F_GIVEN=f is not None, CHECKPOINT=checkpoint, RNE=INTERPRETED, num_warps=8)
     return (out, ckpt_state, ckpt_conv) if checkpoint else out
+
+
+def kda_tiles(head_dim: int, f_rank: int) -> dict[str, int]:
+    """BV (state rows a tile) and F_BLOCK (f_b columns a slice) of a launch: 64 of each on a
+    GPU (128 registers at K3's d = 128, 227 for a verify step, no spills); the interpreter
+    takes whole dimensions."""
+    if interpreter_tiles():
+        return {"BV": head_dim, "F_BLOCK": f_rank}
+    return {"BV": min(64, head_dim), "F_BLOCK": min(64, f_rank)}
 
 
 def kda_decode_reference(z, heads, head_dim, f_rank, w_fb, dt_bias, a_log, conv_w, o_norm,

@@ -5,7 +5,7 @@ with the shared experts computed in the same two launches.
   weight from the token's router logits: ``router_topk.routed_slot``), then act =
   SiTU(W1[e] · x, W3[e] · x); W13 stacks W1 over W3 per expert. One program per (slot,
   intermediate block) reads the matching gate and up rows of one expert once. Every program
-  ranks the token's E scores itself (one sort of E values in registers, next to
+  ranks the token's E scores itself (a top-k of E values in registers, next to
   2 · BLOCK_N · K weights streamed): cheaper than a launch of its own. The first block of each
   slot writes the slot's expert and weight for the next kernel.
 - ``moe_fc2_combine``: latent[m] = Σ_slot weight · W2[e] · act[m, slot]; one program per
@@ -34,6 +34,7 @@ from kimi_perf_kernels.common import INTERPRETED, cast, interpreter_tiles
 from kimi_perf_kernels.router_topk import block_e, routed_slot
 from kimi_perf_kernels.skinny_linear import (
     GEMV_MAX_M,
+    STAGES,
     _situ,
     launch_config,
     linear_tile,
@@ -63,17 +64,21 @@ def _routed_fc1_tile(slot, block, x_ptr, w13_ptr, logits_ptr, bias_ptr, ids_ptr,
         expert = tl.load(ids_ptr + slot)
     w = w13_ptr + expert.to(tl.int64) * stride_we
     ks = tl.arange(0, BLOCK_K)
-    gate = tl.zeros([BLOCK_N], tl.float32)
-    up = tl.zeros([BLOCK_N], tl.float32)
-    for k0 in range(0, KDIM, BLOCK_K):
+    # as the skinny GEMV: STAGES weight tiles in flight, products summed elementwise and
+    # reduced over K once, after the loop
+    gate2 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    up2 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    for k0 in tl.range(0, KDIM, BLOCK_K, num_stages=STAGES):
         kk = k0 + ks
         k_ok = kk < KDIM
         x = tl.load(x_ptr + token * stride_x + kk, mask=k_ok, other=0.0).to(tl.float32)
         m = n_ok[:, None] & k_ok[None, :]
         wg = tl.load(w + n[:, None] * stride_wn + kk[None, :], mask=m, other=0.0)
         wu = tl.load(w + (n[:, None] + INTER) * stride_wn + kk[None, :], mask=m, other=0.0)
-        gate += tl.sum(wg.to(tl.float32) * x[None, :], axis=1)
-        up += tl.sum(wu.to(tl.float32) * x[None, :], axis=1)
+        gate2 += wg.to(tl.float32) * x[None, :]
+        up2 += wu.to(tl.float32) * x[None, :]
+    gate = tl.sum(gate2, axis=1)
+    up = tl.sum(up2, axis=1)
     act = _situ(gate, up, BETA, BETA_LINEAR)
     tl.store(act_ptr + slot * INTER + n, cast(act, act_ptr.dtype.element_ty, RNE), mask=n_ok)
 
@@ -112,23 +117,23 @@ def _routed_fc2_tile(token, block, act_ptr, w2_ptr, ids_ptr, weights_ptr, out_pt
     n = block * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
     ks = tl.arange(0, BLOCK_K)
-    acc = tl.zeros([BLOCK_N], tl.float32)
-    for j in range(0, TOP_K):
-        slot = token * TOP_K + j
+    # the (slot, K step) loops as one pipelined loop: the next slot's expert tile loads while
+    # this one is used; the slot's routing weight scales its activations, products are summed
+    # elementwise and reduced once
+    k_steps = tl.cdiv(INTER, BLOCK_K)
+    acc2 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    for it in tl.range(0, TOP_K * k_steps, num_stages=STAGES):
+        slot = token * TOP_K + it // k_steps
+        kk = (it % k_steps) * BLOCK_K + ks
+        k_ok = kk < INTER
         expert = tl.load(ids_ptr + slot).to(tl.int64)
-        w = w2_ptr + expert * stride_we
-        part = tl.zeros([BLOCK_N], tl.float32)
-        for k0 in range(0, INTER, BLOCK_K):
-            kk = k0 + ks
-            k_ok = kk < INTER
-            a = tl.load(act_ptr + slot * INTER + kk, mask=k_ok, other=0.0).to(tl.float32)
-            wt = tl.load(w + n[:, None] * stride_wn + kk[None, :],
-                         mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-            part += tl.sum(wt.to(tl.float32) * a[None, :], axis=1)
+        a = tl.load(act_ptr + slot * INTER + kk, mask=k_ok, other=0.0).to(tl.float32)
         if WEIGHTED:
-            acc += tl.load(weights_ptr + slot) * part
-        else:
-            acc += part
+            a = a * tl.load(weights_ptr + slot)
+        wt = tl.load(w2_ptr + expert * stride_we + n[:, None] * stride_wn + kk[None, :],
+                     mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        acc2 += wt.to(tl.float32) * a[None, :]
+    acc = tl.sum(acc2, axis=1)
     tl.store(out_ptr + token * stride_out + n, cast(acc, out_ptr.dtype.element_ty, RNE),
              mask=n_ok)
 
@@ -154,7 +159,7 @@ def moe_fc2_combine_kernel(act_ptr, w2_ptr, ids_ptr, weights_ptr, out_ptr, M, IN
                     DOT_FP32, RNE, 1.0, 1.0, S_BLOCK_M, S_BLOCK_N, S_BLOCK_K)
 
 
-def _routed_blocks() -> tuple[int, int]:
+def routed_blocks() -> tuple[int, int]:
     """(BLOCK_N, BLOCK_K) of the routed tiles."""
     return (256, 256) if interpreter_tiles() else (32, 64)
 
@@ -166,6 +171,8 @@ def shared_tile(m: int, situ: bool, interpreted: bool = False) -> tuple[int, int
     block_m, block_n, block_k, _ = launch_config(m, interpreted)
     if situ and m <= GEMV_MAX_M and not interpreted:
         block_k //= 2
+    if m > GEMV_MAX_M and not interpreted:   # small tiles: the fused kernel's shared memory
+        block_n, block_k = 64, 32            # is the largest of its branches'
     return block_m, block_n, block_k
 
 
@@ -223,7 +230,7 @@ def _fc1(x, w13, ids, top_k, situ, out, shared=None, logits=None, bias=None, wei
     if out is None:
         out = torch.empty(M, top_k, inter, dtype=w13.dtype, device=x.device)
     route = logits is not None
-    block_n, block_k = _routed_blocks()
+    block_n, block_k = routed_blocks()
     shared_args, shared_consts = _shared_launch(shared, M, situ=True)
     grid = (M * top_k * triton.cdiv(inter, block_n) + shared_args[-1],)
     moe_route_fc1_situ_kernel[grid](
@@ -292,7 +299,7 @@ def moe_finalize(per_slot: torch.Tensor, weights: torch.Tensor, dtype: torch.dty
 def _fc2(act, w2, ids, weights, out, shared=None) -> None:
     M, top_k, inter = act.shape
     n = w2.shape[1]
-    block_n, block_k = _routed_blocks()
+    block_n, block_k = routed_blocks()
     shared_args, shared_consts = _shared_launch(shared, M, situ=False)
     grid = (M * triton.cdiv(n, block_n) + shared_args[-1],)
     moe_fc2_combine_kernel[grid](

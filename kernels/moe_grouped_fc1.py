@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 
 from kimi_perf_kernels.common import INTERPRETED, cast
-from kimi_perf_kernels.moe_experts import Shared, _routed_blocks, _shared_launch
+from kimi_perf_kernels.moe_experts import Shared, _shared_launch, routed_blocks
 from kimi_perf_kernels.skinny_linear import _situ, linear_tile
 
 BLOCK_T = 4   # the slots of one expert taken at a time
@@ -162,7 +162,7 @@ def moe_grouped_fc1_situ(x: torch.Tensor, w13: torch.Tensor, ids: torch.Tensor,
         raise ValueError(f"moe_grouped_fc1_situ: out must be a contiguous {(M, top_k, inter)}")
     slots = ExpertSlots(torch.empty(n_experts, M, dtype=torch.int32, device=x.device),
                         torch.empty(n_experts, dtype=torch.int32, device=x.device))
-    block_n, block_k = _routed_blocks()
+    block_n, block_k = routed_blocks()
     shared_args, shared_consts = _shared_launch(shared, M, situ=True)
     grid = (n_experts * triton.cdiv(inter, block_n) + shared_args[-1],)
     moe_grouped_fc1_situ_kernel[grid](

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from kimi_perf_kernels.common import INTERPRETED
-from kimi_perf_kernels.moe_experts import Shared, _routed_blocks, _shared_launch
+from kimi_perf_kernels.moe_experts import Shared, _shared_launch, routed_blocks
 from kimi_perf_kernels.moe_grouped_fc1 import BLOCK_T, ExpertSlots
 from kimi_perf_kernels.skinny_linear import linear_tile
 
@@ -104,7 +104,7 @@ def moe_grouped_fc2(act: torch.Tensor, w2: torch.Tensor, slots: ExpertSlots,
                          f"the experts {tuple(w2.shape)}")
     if out.dtype != torch.float32 or out.shape != (M, n) or out.stride(1) != 1:
         raise ValueError(f"moe_grouped_fc2: out must be fp32 [{M}, {n}], rows contiguous")
-    block_n, block_k = _routed_blocks()
+    block_n, block_k = routed_blocks()
     shared_args, shared_consts = _shared_launch(shared, M, situ=False)
     grid = (n_experts * triton.cdiv(n, block_n) + shared_args[-1],)
     moe_grouped_fc2_kernel[grid](

@@ -5,10 +5,13 @@ path launches it on its own (``router_topk``, vLLM's grouped top-k kernel), and 
 specialized path where it groups the experts by expert (``moe_grouped_fc1``), which needs
 every token's routing first.
 
-All E expert scores of a token fit in one block (E = 896 → 1024 lanes). One bitonic sort
-ranks them: each biased score becomes an int64 key whose high half orders like the float and
-whose low half breaks ties toward the lower expert id (as an argmax would), so the rank-r key
-names the r-th expert, in ``torch.topk``'s descending order. The top-k weights sum over the
+All E expert scores of a token fit in one block (E = 896 → 1024 lanes). Each biased score
+becomes an int64 key whose high half orders like the float and whose low half breaks ties
+toward the lower expert id (as an argmax would), so the rank-r key names the r-th expert, in
+``torch.topk``'s descending order. Only the first K ranks are used: a bitonic top-k
+(``tl.topk``: full merge stages up to K, then halving max-merges) ranks them, not a full sort
+of all 1,024 lanes, which the routed experts' every program would pay before its first
+weight load. The top-k weights sum over the
 lanes at or above the k-th key, so every slot renormalises without seeing the others.
 """
 
@@ -17,12 +20,18 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.jit import constexpr_function
+
+
+@constexpr_function
+def _pow2(k):   # tl.topk takes a power of two
+    return triton.next_power_of_2(k)
 
 
 @triton.jit
 def _rank_experts(logits_ptr, bias_ptr, E, K: tl.constexpr, BLOCK_E: tl.constexpr):
-    """(lanes, sigmoid scores by expert, int64 keys by rank (descending), Σ of the top-k
-    scores) of one token's router logits."""
+    """(ranks 0 .. K rounded up to a power of two, sigmoid scores by expert, int64 keys of
+    those ranks (descending), Σ of the top-k scores) of one token's router logits."""
     e = tl.arange(0, BLOCK_E)
     valid = e < E
     scores = tl.sigmoid(tl.load(logits_ptr + e, mask=valid, other=0.0))
@@ -31,19 +40,21 @@ def _rank_experts(logits_ptr, bias_ptr, E, K: tl.constexpr, BLOCK_E: tl.constexp
     bits = biased.to(tl.int32, bitcast=True)
     ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)          # int order == float order
     keys = (ordered.to(tl.int64) << 32) | (BLOCK_E - 1 - e).to(tl.int64)
-    ranked = tl.sort(keys, descending=True)
-    kth = tl.sum(tl.where(e == K - 1, ranked, 0), axis=0)
+    ranked = tl.topk(keys, _pow2(K))
+    r = tl.arange(0, _pow2(K))
+    kth = tl.sum(tl.where(r == K - 1, ranked, 0), axis=0)
     total = tl.sum(tl.where(keys >= kth, scores, 0.0), axis=0)
-    return e, scores, ranked, total
+    return r, scores, ranked, total
 
 
 @triton.jit
 def routed_slot(logits_ptr, bias_ptr, E, rank, scale, K: tl.constexpr, BLOCK_E: tl.constexpr):
     """One token's router logits at ``logits_ptr`` -> (expert of the ``rank``-th slot, its
     renormalised weight ``scale · s_e / Σ_top-k s``)."""
-    e, scores, ranked, total = _rank_experts(logits_ptr, bias_ptr, E, K, BLOCK_E)
-    key = tl.sum(tl.where(e == rank, ranked, 0), axis=0)
+    r, scores, ranked, total = _rank_experts(logits_ptr, bias_ptr, E, K, BLOCK_E)
+    key = tl.sum(tl.where(r == rank, ranked, 0), axis=0)
     expert = BLOCK_E - 1 - (key & 0xFFFFFFFF).to(tl.int32)
+    e = tl.arange(0, BLOCK_E)
     weight = tl.sum(tl.where(e == expert, scores, 0.0), axis=0)
     return expert, weight / total * scale
 
@@ -52,16 +63,16 @@ def routed_slot(logits_ptr, bias_ptr, E, rank, scale, K: tl.constexpr, BLOCK_E: 
 def router_topk_kernel(logits_ptr, bias_ptr, ids_ptr, weights_ptr, zero_ptr, E, stride_l,
                        scale, ZERO_N, stride_zero, K: tl.constexpr, BLOCK_E: tl.constexpr,
                        ZERO: tl.constexpr, BLOCK_Z: tl.constexpr):
-    """One program per token: one sort, then the first K ranks' experts and weights; with
+    """One program per token: its top K ranks' experts and weights; with
     ZERO, also the token's row of the buffer the routed experts will add into."""
     token = tl.program_id(0)
     row = logits_ptr + token * stride_l
-    e, _, ranked, total = _rank_experts(row, bias_ptr, E, K, BLOCK_E)
+    r, _, ranked, total = _rank_experts(row, bias_ptr, E, K, BLOCK_E)
     experts = BLOCK_E - 1 - (ranked & 0xFFFFFFFF).to(tl.int32)
-    top = e < K
+    top = r < K
     weights = tl.sigmoid(tl.load(row + experts, mask=top, other=0.0))
-    tl.store(ids_ptr + token * K + e, experts, mask=top)
-    tl.store(weights_ptr + token * K + e, weights / total * scale, mask=top)
+    tl.store(ids_ptr + token * K + r, experts, mask=top)
+    tl.store(weights_ptr + token * K + r, weights / total * scale, mask=top)
     if ZERO:
         z = tl.arange(0, BLOCK_Z)
         for z0 in range(0, ZERO_N, BLOCK_Z):

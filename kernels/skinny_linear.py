@@ -2,16 +2,23 @@
 
 Decode GEMMs are memory-bound: the kernel's job is to stream W once at full bandwidth. Each
 program owns BLOCK_N output columns for all M rows and walks K in BLOCK_K steps, so every
-weight byte is read exactly once. Two variants with one contract:
+weight byte is read exactly once. A program's loads of one step do not wait for the step
+before: the K loop is software-pipelined (``STAGES`` tiles of W in flight per program, cp.async
+on Hopper), since with one 16-byte load per thread a step, a few hundred programs keep too few
+bytes in flight to cover HBM's latency. Two variants with one contract:
 
-- ``gemv`` (M ≤ 4): broadcast-multiply-reduce on CUDA cores; no tensor-core tile to waste on
-  three empty rows.
-- ``gemm`` (M > 4): ``tl.dot`` tiles with M padded to a 16-row tensor-core tile.
+- ``gemv`` (M ≤ 4): multiply-accumulate on CUDA cores, products summed elementwise and reduced
+  over K once, after the loop (a step is loads and FMAs: no shuffles, no barriers); no
+  tensor-core tile to waste on three empty rows.
+- ``gemm`` (M > 4): ``tl.dot`` tiles with M padded to a 16-row tensor-core tile; the row tiles
+  of one column block are neighbouring programs, so a verify step's many row tiles find that
+  block of W in L2 rather than streaming it from HBM once each.
 
 Fusions, chosen by constexpr flags:
 
-- RMSNorm prologue: x is RMS-normalised (times a weight) on the fly; each program first
-  reduces its rows' sums of squares (x is tiny next to W).
+- RMSNorm: x times the norm weight goes into the products while its sum of squares
+  accumulates beside them, and each row is scaled by its 1/rms after the loop (one pass: no
+  prologue over x before W's first load).
 - SiTU gate/up epilogue: W stacks gate rows over up rows; a program accumulates both halves
   of its column block and writes ``SiTU(gate, up)`` (N/2 columns), as a fused MLP up-proj.
 - residual-add epilogue: y + r.
@@ -26,6 +33,7 @@ import triton.language as tl
 from kimi_perf_kernels.common import INTERPRETED, cast, interpreter_tiles
 
 GEMV_MAX_M = 4
+STAGES = tl.constexpr(4)   # K steps in flight per program (tl.range's software pipeline)
 MAX_BLOCK_M = 64
 
 
@@ -43,35 +51,40 @@ def linear_tile(pid, x_ptr, w_ptr, norm_ptr, res_ptr, out_ptr, M, N_OUT, K, stri
                 RESIDUAL: tl.constexpr, USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr,
                 RNE: tl.constexpr, BETA: tl.constexpr, BETA_LINEAR: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Tile ``pid`` of the output: BLOCK_N columns of BLOCK_M rows (column tiles first, then
-    row tiles: one row tile unless a verify step brings more than BLOCK_M tokens). The body of
+    """Tile ``pid`` of the output: BLOCK_N columns of BLOCK_M rows (row tiles first, then
+    column tiles: one row tile unless a verify step brings more than BLOCK_M tokens, and then
+    the programs that read one block of W run side by side). The body of
     ``skinny_linear_kernel``, also run by kernels that fuse a skinny linear beside their own
     work (``moe_experts``)."""
-    col_tiles = tl.cdiv(N_OUT, BLOCK_N)
-    rows = (pid // col_tiles) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = (pid % col_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_tiles = tl.cdiv(M, BLOCK_M)
+    rows = (pid % row_tiles) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = (pid // row_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < M
     col_ok = cols < N_OUT
     ks = tl.arange(0, BLOCK_K)
-    inv_rms = tl.full([BLOCK_M], 1.0, tl.float32)
-    if NORM:
-        sq = tl.zeros([BLOCK_M], tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            kk = k0 + ks
-            x = tl.load(x_ptr + rows[:, None] * stride_xm + kk[None, :],
-                        mask=row_ok[:, None] & (kk[None, :] < K), other=0.0).to(tl.float32)
-            sq += tl.sum(x * x, axis=1)
-        inv_rms = 1.0 / tl.sqrt(sq / K + eps)
+    # RMSNorm in the same pass: y[m] = 1/rms[m] · Σ_k (x · norm)[m, k] w[k]
+    sq2 = tl.zeros([BLOCK_M, BLOCK_K], tl.float32)   # GEMV: elementwise, reduced after
+    sq1 = tl.zeros([BLOCK_M], tl.float32)            # GEMM: reduced per K step
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    if USE_DOT:   # (the GEMV's elementwise sums: placeholders here)
+        acc3 = tl.zeros([1, 1, 1], tl.float32)
+        acc3_up = tl.zeros([1, 1, 1], tl.float32)
+    else:
+        acc3 = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], tl.float32)
+        acc3_up = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], tl.float32)
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
         kk = k0 + ks
         k_ok = kk < K
         x = tl.load(x_ptr + rows[:, None] * stride_xm + kk[None, :],
                     mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
         if NORM:
+            if USE_DOT:
+                sq1 += tl.sum(x * x, axis=1)
+            else:
+                sq2 += x * x
             nw = tl.load(norm_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
-            x = x * inv_rms[:, None] * nw[None, :]
+            x = x * nw[None, :]
         w = tl.load(w_ptr + cols[:, None] * stride_wn + kk[None, :],
                     mask=col_ok[:, None] & k_ok[None, :], other=0.0)
         if SITU:
@@ -88,9 +101,19 @@ def linear_tile(pid, x_ptr, w_ptr, norm_ptr, res_ptr, out_ptr, M, N_OUT, K, stri
                 if SITU:
                     acc_up += tl.dot(xb, tl.trans(w_up))
         else:
-            acc += tl.sum(x[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+            acc3 += x[:, None, :] * w.to(tl.float32)[None, :, :]
             if SITU:
-                acc_up += tl.sum(x[:, None, :] * w_up.to(tl.float32)[None, :, :], axis=2)
+                acc3_up += x[:, None, :] * w_up.to(tl.float32)[None, :, :]
+    if not USE_DOT:
+        acc = tl.sum(acc3, axis=2)
+        if SITU:
+            acc_up = tl.sum(acc3_up, axis=2)
+    if NORM:
+        if not USE_DOT:
+            sq1 = tl.sum(sq2, axis=1)
+        inv_rms = 1.0 / tl.sqrt(sq1 / K + eps)
+        acc = acc * inv_rms[:, None]
+        acc_up = acc_up * inv_rms[:, None]
     if SITU:
         acc = _situ(acc, acc_up, BETA, BETA_LINEAR)
     if RESIDUAL:
@@ -146,8 +169,8 @@ def launch_config(m: int, interpreted: bool = False) -> tuple[int, int, int, int
     if interpreted:
         return block_m, 256, 256, 4
     if m <= GEMV_MAX_M:
-        return block_m, 32, 64, 8
-    return block_m, 64, 32, 8
+        return block_m, 32, 128, 8
+    return block_m, 32, 128, 4
 
 
 def tiles(m: int, n_out: int, block_m: int, block_n: int) -> int:
