@@ -108,7 +108,7 @@ def builds() -> list[Build]:
             ("gemm M=16 in_proj", 16, False, False, False, in_proj, hidden),
             ("gemm M=64 latent_up rmsnorm+residual", 64, False, True, True, hidden, latent),
             ("gemm M=64 shared gate/up situ", 64, True, False, False, shared_inter, hidden)):
-        block_m, block_n, block_k, warps = skinny_linear.launch_config(m)
+        block_m, block_n, block_k, warps = skinny_linear.launch_config(m, situ=situ)
         out.append(Build(f"skinny_linear {label}", skinny_linear.skinny_linear_kernel, sig, {
             "NORM": norm, "SITU": situ, "RESIDUAL": residual,
             "USE_DOT": m > skinny_linear.GEMV_MAX_M, "DOT_FP32": False, "RNE": False,
@@ -166,17 +166,23 @@ def builds() -> list[Build]:
             types = {**routed_types, "x_ptr": "*fp32" if shared else "*bf16",
                      "sout_ptr": "*bf16" if situ else "*fp32",
                      "out_ptr": "*fp32" if shared else "*bf16"}
-            ints = {"M": m, "INTER": inter, "stride_we": 2 * inter * latent if situ
-                    else latent * inter, "stride_wn": latent if situ else inter}
+            # (the standard FC2 takes each of a token's 16 slots as a token of one slot; its
+            # FC1 reads a bf16 latent of its own and no logits)
+            ints = {"M": m if shared or situ else 16 * m, "INTER": inter,
+                    "stride_we": 2 * inter * latent if situ else latent * inter,
+                    "stride_wn": latent if situ else inter}
+            if situ:
+                row = 896 + latent if shared else latent
+                ints |= {"KDIM": latent, "E": 896 if shared else 0, "stride_x": row,
+                         "stride_l": row if shared else 0}
+            else:
+                ints |= {"N": latent, "stride_out": latent + hidden if shared else latent}
             if shared:
                 s_n, s_k = (shared_inter, hidden) if situ else (hidden, shared_inter)
                 s_out = shared_inter if situ else latent + hidden
                 ints |= {"S_N": s_n, "S_K": s_k, "stride_sx": s_k, "stride_sw": s_k,
                          "stride_sout": s_out, "SHARED_PROGRAMS": skinny_linear.tiles(
                              m, s_n, consts["S_BLOCK_M"], consts["S_BLOCK_N"])}
-                ints |= ({"KDIM": latent, "E": 896, "stride_x": 896 + latent,
-                          "stride_l": 896 + latent} if situ
-                         else {"N": latent, "stride_out": latent + hidden})
             label = "moe_route_fc1_situ E896 k16 I384" if situ else "moe_fc2_combine N3584 I384"
             out.append(Build(f"{label} {tags[shared]}", kernel,
                              _signature(kernel, types, consts), consts, 8, ints=ints))

@@ -147,8 +147,8 @@ def kda_decode(z: torch.Tensor, heads: int, head_dim: int, f_rank: int, w_fb: to
 
 def kda_tiles(head_dim: int, f_rank: int) -> dict[str, int]:
     """BV (state rows a tile) and F_BLOCK (f_b columns a slice) of a launch: 64 of each on a
-    GPU (128 registers at K3's d = 128, 227 for a verify step, no spills); the interpreter
-    takes whole dimensions."""
+    GPU (at K3's d = 128: 128 registers, and 255 for a verify step, the most there are: no
+    spills, no room); the interpreter takes whole dimensions."""
     if interpreter_tiles():
         return {"BV": head_dim, "F_BLOCK": f_rank}
     return {"BV": min(64, head_dim), "F_BLOCK": min(64, f_rank)}

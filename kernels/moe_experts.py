@@ -165,14 +165,12 @@ def routed_blocks() -> tuple[int, int]:
 
 
 def shared_tile(m: int, situ: bool, interpreted: bool = False) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K) of the shared experts' tiles: the skinny linear's, but the
-    GEMV with SiTU (two weight tiles) takes half the K step, so that the fused FC1 needs no
-    more registers than its routed tiles alone (64 on sm_90a, not 80)."""
-    block_m, block_n, block_k, _ = launch_config(m, interpreted)
-    if situ and m <= GEMV_MAX_M and not interpreted:
-        block_k //= 2
-    if m > GEMV_MAX_M and not interpreted:   # small tiles: the fused kernel's shared memory
-        block_n, block_k = 64, 32            # is the largest of its branches'
+    """(BLOCK_M, BLOCK_N, BLOCK_K) of the shared experts' tiles: the skinny linear's (the
+    GEMV with SiTU at half the K step), but the GEMM's 64 × 32 (the fused kernel's shared
+    memory is the largest of its branches', and its routed tiles need little)."""
+    block_m, block_n, block_k, _ = launch_config(m, interpreted, situ)
+    if m > GEMV_MAX_M and not interpreted:
+        block_n, block_k = 64, 32
     return block_m, block_n, block_k
 
 

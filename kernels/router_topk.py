@@ -24,13 +24,15 @@ from triton.runtime.jit import constexpr_function
 
 
 @constexpr_function
-def _pow2(k):   # tl.topk takes a power of two
-    return triton.next_power_of_2(k)
+def _ranks(k, lanes):
+    """Ranks ``tl.topk`` keeps for a top-``k``: a power of two, at least 2 (a top-1 reduces
+    to a scalar it cannot shape), at most the lanes."""
+    return min(lanes, max(2, triton.next_power_of_2(k)))
 
 
 @triton.jit
 def _rank_experts(logits_ptr, bias_ptr, E, K: tl.constexpr, BLOCK_E: tl.constexpr):
-    """(ranks 0 .. K rounded up to a power of two, sigmoid scores by expert, int64 keys of
+    """(ranks 0 .. ``_ranks(K)`` - 1, sigmoid scores by expert, int64 keys of
     those ranks (descending), Σ of the top-k scores) of one token's router logits."""
     e = tl.arange(0, BLOCK_E)
     valid = e < E
@@ -40,8 +42,8 @@ def _rank_experts(logits_ptr, bias_ptr, E, K: tl.constexpr, BLOCK_E: tl.constexp
     bits = biased.to(tl.int32, bitcast=True)
     ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)          # int order == float order
     keys = (ordered.to(tl.int64) << 32) | (BLOCK_E - 1 - e).to(tl.int64)
-    ranked = tl.topk(keys, _pow2(K))
-    r = tl.arange(0, _pow2(K))
+    ranked = tl.topk(keys, _ranks(K, BLOCK_E))
+    r = tl.arange(0, _ranks(K, BLOCK_E))
     kth = tl.sum(tl.where(r == K - 1, ranked, 0), axis=0)
     total = tl.sum(tl.where(keys >= kth, scores, 0.0), axis=0)
     return r, scores, ranked, total

@@ -145,7 +145,7 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor, norm: torch.Tensor | None = 
     if out is None:
         out = torch.empty(M, n_out, dtype=out_dtype or x.dtype, device=x.device)
     use_dot = M > GEMV_MAX_M
-    block_m, block_n, block_k, warps = launch_config(M, interpreter_tiles())
+    block_m, block_n, block_k, warps = launch_config(M, interpreter_tiles(), situ is not None)
     beta, beta_linear = situ or (1.0, 1.0)
     grid = (tiles(M, n_out, block_m, block_n),)
     skinny_linear_kernel[grid](
@@ -159,9 +159,12 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor, norm: torch.Tensor | None = 
     return out
 
 
-def launch_config(m: int, interpreted: bool = False) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps): the largest tiles that stay near 128 registers
-    without spilling on sm_90a (``python -m kimi_perf_kernels.aot`` checks them); rows beyond
+def launch_config(m: int, interpreted: bool = False, situ: bool = False
+                  ) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps): tiles that keep 4 stages of W in flight
+    without spilling on sm_90a (``python -m kimi_perf_kernels.aot`` checks them: the GEMV
+    about 110 registers at 4 tokens, its elementwise sums [BLOCK_M, BLOCK_N, BLOCK_K] the
+    most of them, so with SiTU's two weight tiles it takes half the K step); rows beyond
     MAX_BLOCK_M (a verify step of a large batch) take more row tiles. The interpreter pays per
     program and per op, not per element: it gets big column tiles."""
     block_m = triton.next_power_of_2(m) if m <= GEMV_MAX_M else \
@@ -169,7 +172,7 @@ def launch_config(m: int, interpreted: bool = False) -> tuple[int, int, int, int
     if interpreted:
         return block_m, 256, 256, 4
     if m <= GEMV_MAX_M:
-        return block_m, 32, 128, 8
+        return block_m, 32, 64 if situ else 128, 8
     return block_m, 32, 128, 4
 
 

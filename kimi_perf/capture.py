@@ -569,7 +569,7 @@ def analyse(files: list[Path], out_dir: Path, layers: str = "auto", phase: str =
                *(("--rules", str(rules)) if rules is not None else ()), "--out", str(out_dir),
                *(("--plotly-js", plotly_js) if plotly_js != "inline" else ())]
     run_info = {"command": shlex.join(command),
-                "files": [str(f) for f in files],
+                "files": [str(f.resolve()) for f in files],   # info reads them from anywhere
                 "date": dt.datetime.now(dt.UTC).isoformat(), "kimi_perf": __version__,
                 "git_commit": _git_commit()}
     with run_directory(out_dir, "from") as (run_dir, final):

@@ -226,7 +226,7 @@ class KimiPerfGroup(click.Group):
             click.echo("kimi-perf: terminated", err=True)
             sys.exit(143)
         finally:
-            if main_thread:
+            if main_thread and previous is not None:   # None: a handler not set from Python
                 signal.signal(signal.SIGTERM, previous)
 
 
@@ -451,10 +451,20 @@ def gate_cmd(baseline: Path, run: Path, metrics: str, rel_tol: float, alpha: flo
     if _given("phase") and _stored(baseline) and _stored(run):
         raise TraceError(None, f"--phase applies to traces, and {baseline}, {run} are stored "
                                "breakdowns")
-    if update and not baseline.exists():
-        gate_mod.store_baseline(baseline, gate_mod.load_run(run, phase)[1])
-        click.echo(f"baseline {baseline} created from {run}", err=True)
-        return
+    if update:
+        runs, run_doc, _ = gate_mod.load_run(run, phase)
+        if not gate_mod.has_work(runs):
+            raise TraceError(run, "holds no steps and no layers: nothing to store as a baseline")
+        if not baseline.exists():
+            gate_mod.store_baseline(baseline, run_doc)
+            click.echo(f"baseline {baseline} created from {run}", err=True)
+            return
+        # a stored baseline with nothing to check (which gate refuses) is replaced unchecked
+        base_runs, _, base_file = gate_mod.load_run(baseline, phase)
+        if base_file is not None and not gate_mod.has_work(base_runs):
+            gate_mod.store_baseline(base_file, run_doc)
+            click.echo(f"baseline {base_file} replaced from {run}", err=True)
+            return
     gated = gate_mod.gate_files(baseline, run, tolerances, path_name, phase)
     if update and gated.baseline_file is None:
         raise TraceError(baseline, "--update replaces a baseline JSON (or a run directory's "

@@ -190,18 +190,19 @@ def has_work(runs: dict[str, Breakdown]) -> bool:
 def phase_differences(baseline: dict[str, Breakdown], current: dict[str, Breakdown]
                       ) -> list[str]:
     """Where the steps of a decode path are of other phases on the two sides ("steps decode
-    vs mixed": other work, whose kernels and µs differ for that alone)."""
-    if len(baseline) == 1 and len(current) == 1:   # one against one, whatever the names
-        pairs = [(TRACE, *baseline.values(), *current.values())]
+    vs mixed": other work, whose kernels and µs differ for that alone). Paths pair as
+    ``gate`` pairs them; a side whose steps name no phase (a profiler's own step ranges)
+    says nothing of its work, and is no difference."""
+    if len(baseline) == 1 and len(current) == 1 and TRACE in (*baseline, *current):
+        pairs = [(next(iter(baseline)), *baseline.values(), *current.values())]
     else:
         pairs = [(p, baseline[p], current[p]) for p in baseline if p in current]
     out = []
     for path, base, cur in pairs:
-        phases = ["/".join(sorted({s.get("phase") or "unknown" for s in b.steps})) or "none"
-                  for b in (base, cur)]
-        if phases[0] != phases[1]:
+        phases = [{s.get("phase") for s in b.steps} - {None, "unknown"} for b in (base, cur)]
+        if all(phases) and phases[0] != phases[1]:
             out.append(("" if path == TRACE else f"{path}: ")
-                       + f"steps {phases[0]} vs {phases[1]}")
+                       + f"steps {'/'.join(sorted(phases[0]))} vs {'/'.join(sorted(phases[1]))}")
     return out
 
 
@@ -323,7 +324,14 @@ def _source_problem(source) -> str | None:
         return value is None or (isinstance(value, dict) and all(
             isinstance(k, str) and _is_count(n) for k, n in value.items()))
 
-    outside, gpus = source.get("outside_steps"), source.get("gpus")
+    outside = source.get("outside_steps")
+
+    def gpu_list(key: str) -> bool:
+        gpus = source.get(key)
+        return gpus is None or (isinstance(gpus, list) and all(
+            isinstance(g, dict) and (g.get("name") is None or isinstance(g["name"], str))
+            and (g.get("sm_count") is None or _is_count(g["sm_count"])) for g in gpus))
+
     fields = [
         *((key, "a string", source.get(key) is None or isinstance(source[key], str))
           for key in ("ops", "file", "tool", "format", "steps_found_by")),
@@ -349,9 +357,8 @@ def _source_problem(source) -> str | None:
                              and _is_count(outside.get("unlaunched", 0))
                              and _partial_ok(outside.get("partial_passes"))
                              and _in_ranges_ok(outside.get("in_ranges") or []))),
-        ("gpus", "[{name, sm_count}]", gpus is None or (isinstance(gpus, list) and all(
-            isinstance(g, dict) and (g.get("name") is None or isinstance(g["name"], str))
-            and (g.get("sm_count") is None or _is_count(g["sm_count"])) for g in gpus))),
+        ("gpus", "[{name, sm_count}]", gpu_list("gpus")),
+        ("gpus_ran", "[{name, sm_count}]", gpu_list("gpus_ran")),
     ]
     return next((f"source.{key} is not {what}" for key, what, ok in fields if not ok), None)
 

@@ -887,15 +887,15 @@ def _median(values) -> float:
 
 
 def _source(trace: Trace) -> dict:
-    """Where the figures come from: the file, its format and tool, and the GPUs that ran its
-    kernels (described by the trace, where it describes them: not the devices that ran
-    nothing, which a trace's GPU table may list too)."""
+    """Where the figures come from: the file, its format and tool, the GPUs the trace
+    describes (``gpus``: a trace's GPU table may list devices that ran nothing) and those that
+    ran its kernels (``gpus_ran``, as described where they are)."""
     meta = trace.meta
     described = {g.get("device"): g for g in meta.get("gpus", [])}
     ran = [described.get(d) or {"device": d, "name": None, "sm_count": None}
            for d in np.unique(trace.kernels.device).tolist()]
     return {"file": meta.get("file"), "format": meta.get("format"), "tool": meta.get("tool"),
-            "schema": meta.get("schema"), "gpus": ran,
+            "schema": meta.get("schema"), "gpus": meta.get("gpus", []), "gpus_ran": ran,
             "kernels": len(trace.kernels), "memops": len(trace.memops),
             "ranges": len(trace.ranges), **({"untimed": meta["untimed"]}
                                             if meta.get("untimed") else {})}

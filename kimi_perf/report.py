@@ -308,9 +308,11 @@ def _run_html(run: dict | None, breakdowns: dict[str, Breakdown]) -> str:
     # traces analysed, not captured (trace --from, or a report of traces and breakdowns)
     for label, b in breakdowns.items() if "preset" not in run else ():
         src = b.source
+        # (a breakdown stored before gpus_ran was recorded: the GPUs its trace described)
+        gpus = (f"ran on {_gpus_text(src['gpus_ran'])}" if "gpus_ran" in src
+                else f"GPUs described: {_gpus_text(src.get('gpus') or [])}")
         items.append((f"trace {label}", f"{src.get('file')} ({src.get('tool')} "
-                                        f"{src.get('format')}; ran on "
-                                        f"{_gpus_text(src.get('gpus') or [])})"))
+                                        f"{src.get('format')}; {gpus})"))
     commit = env.get("git_commit") or run.get("git_commit")
     version = env.get("kimi_perf") or run.get("kimi_perf")
     items += [("kimi-perf", f"{version}" + (f", commit {commit}" if commit else "")

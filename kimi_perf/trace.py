@@ -369,8 +369,8 @@ class Trace:
         """Keep only the strings a table names, each safe to print. An nsys export's StringIds
         also holds what the profiled process ran with (its environment and command line:
         tokens, keys), which no analysis reads and which a saved ``.kptrace`` or a notebook's
-        output must not carry. A control character in a name (an escape sequence a terminal
-        would obey) is written out as ``\\x1b``."""
+        output must not carry. A control character in a name, or in a GPU's name (an escape
+        sequence a terminal would obey), is written out as ``\\x1b``."""
         columns = [(table, name) for table in (self.kernels, self.memops, self.ranges, self.api)
                    for name in ("name", "domain") if hasattr(table, name)]
         used = np.zeros(len(self.strings), bool)
@@ -383,6 +383,9 @@ class Trace:
             self.strings = [s for s, keep in zip(self.strings, used.tolist(), strict=True)
                             if keep]
         self.strings = [printable(s) for s in self.strings]
+        for gpu in self.meta.get("gpus") or []:
+            if isinstance(gpu.get("name"), str):
+                gpu["name"] = printable(gpu["name"])
 
     def reference_problem(self) -> str | None:
         """What points outside the trace, if anything: a name not among the strings, a launch

@@ -1086,13 +1086,18 @@ def test_info_of_a_run_directory_tells_each_of_its_traces(tmp_path):
                        "(Kineto, ROCm), schema 1" for name in ("specialized", "standard")]
 
 
-def test_info_of_a_from_run_tells_the_traces_it_analysed(tmp_path):
-    """A `trace --from` run saves no trace of its own: info reads those its run.json names,
-    and says which one is gone."""
-    trace = tmp_path / "vllm.json.gz"
+def test_info_of_a_from_run_tells_the_traces_it_analysed(tmp_path, monkeypatch):
+    """A `trace --from` run saves no trace of its own: info reads those its run.json names
+    (given relative to where the run was made, read from anywhere), and says which one is
+    gone."""
+    made_in = tmp_path / "made_in"
+    made_in.mkdir()
+    trace = (made_in / "vllm.json.gz").resolve()
     shutil.copy(VLLM, trace)
-    assert run("trace", "--from", trace, "--out", tmp_path / "runs").exit_code == 0
+    monkeypatch.chdir(made_in)
+    assert run("trace", "--from", "vllm.json.gz", "--out", tmp_path / "runs").exit_code == 0
     (run_dir,) = (tmp_path / "runs").iterdir()
+    monkeypatch.chdir(tmp_path)
     result = run("info", run_dir)
     assert result.exit_code == 0, result.output
     assert result.output.startswith(f"{trace}: kineto-json from PyTorch profiler")
@@ -1115,7 +1120,8 @@ def test_a_signal_mid_run_leaves_nothing_and_is_no_regression(tmp_path, monkeypa
 
     monkeypatch.setattr(kimi_perf.report, "write_report", killed)
     out = tmp_path / "runs"
+    before = signal.getsignal(signal.SIGTERM)
     result = run("trace", "--from", VLLM, "--out", out)
     assert result.exit_code == code and f"kimi-perf: {said}" in result.output
     assert list(out.iterdir()) == []
-    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL   # the handler was put back
+    assert signal.getsignal(signal.SIGTERM) is before   # the handler was put back

@@ -406,6 +406,15 @@ def test_a_baseline_with_nothing_to_check_is_refused(tmp_path):
     with pytest.raises(ValueError, match="nothing to check"):
         gate({"trace": Breakdown(source={}, steps=[], layers=[], layer_types=[])},
              _run({"kda": 4}, {"kda": KDA}))
+    # --update replaces a stored baseline that holds nothing, and stores no such run
+    stored = tmp_path / "empty.json"
+    assert CliRunner().invoke(main, ["gate", str(stored), str(empty), "--update"]).exit_code == 2
+    assert not stored.exists()
+    stored.write_text(json.dumps({"schema": 1, "source": {}, "steps": [], "layers": [],
+                                  "layer_types": []}))
+    replaced = CliRunner().invoke(main, ["gate", str(stored), str(BASELINE), "--update"])
+    assert replaced.exit_code == 0 and "replaced" in replaced.output
+    assert CliRunner().invoke(main, ["gate", str(stored), str(BASELINE)]).exit_code == 0
 
 
 def test_steps_of_another_phase_are_a_difference_of_the_runs():
@@ -418,6 +427,10 @@ def test_steps_of_another_phase_are_a_difference_of_the_runs():
     gated = gate_files(decode, mixed, Tolerances(metrics="kernels"))
     assert gated.result.run_differences == ["steps decode vs mixed"]
     assert gate_files(decode, decode).result.run_differences == []
+    # steps that name no phase (a profiler's own) say nothing of the work: no difference
+    unnamed = KINETO / "hta_a100_alexnet_cuda_sync.json.gz"
+    assert gate_files(decode, unnamed, Tolerances(metrics="kernels")).result \
+        .run_differences == []
 
 
 def test_a_real_slowdown_fails_noise_and_small_changes_pass():

@@ -200,8 +200,10 @@ def test_control_characters_in_names_are_written_out(tmp_path):
               {"ph": "X", "cat": "user_annotation", "name": "step\x9b1m\n", "ts": 5,
                "dur": 20, "pid": 1, "tid": 1}]
     path = tmp_path / "t.json"
-    path.write_text(json.dumps({"traceEvents": events}))
+    path.write_text(json.dumps({"traceEvents": events, "deviceProperties": [
+        {"id": 0, "name": "H\x1b[31mX\x07", "numSms": 132}]}))
     trace = read_trace(path)
+    assert trace.meta["gpus"][0]["name"] == "H\\x1b[31mX\\x07"
     assert sorted(trace.strings) == ["", "gemm\\x1b[31m\\x07",
                                      "step\\x9b1m\\x0a"]
     trace.strings[0] += "\x1b"              # a .kptrace written before: tidied when read

@@ -1,5 +1,7 @@
 """The three MLA decode kernels against their references."""
 
+import math
+
 import pytest
 import torch
 
@@ -133,13 +135,15 @@ def test_splits_fill_the_gpu_and_stay_one_on_a_cpu(monkeypatch):
 
 
 @pytest.mark.parametrize("splits", [1, 5])
-def test_verify_step_reads_the_cache_once_per_row_block(splits, monkeypatch):
+def test_verify_step_reads_the_cache_once_per_row_block(splits, monkeypatch, tiles):
     """A verify step of 8 tokens x 12 heads (K3 TP8): a program per 32 (token, head) rows of
     a sequence, so 3 per sequence read its cache where a program per token would take 8; each
-    row still sees only its own token's positions. Split in 5 chunks, the first tokens (61 to
-    63) see nothing of the second chunk (64 on), nor anyone of the last three: their partials
-    weigh nothing, and are 0, not NaN."""
+    row still sees only its own token's positions. Split in 5 chunks of the positions its
+    block's last token sees, a row's partial is empty (0, lse -inf, not NaN) exactly where
+    its chunk starts past the row's own position or past the block's end."""
     from kimi_perf_kernels import mla_attention as module
+    from kimi_perf_kernels.common import interpreter_tiles
+    from kimi_perf_kernels.mla_attention import mla_row_block
 
     grids = []
     kernel = module.mla_attention_kernel
@@ -158,9 +162,20 @@ def test_verify_step_reads_the_cache_once_per_row_block(splits, monkeypatch):
     if splits == 1:
         assert_close_bf16(parts[0], want, ulps=2)
         return
-    first = lse[1, :3]                        # sequence 0's tokens at 61, 62, 63, chunk 64-
-    assert torch.isinf(first).all() and (parts[1, :3] == 0).all()
-    assert torch.isfinite(lse[1, 3:tokens]).all() and torch.isinf(lse[2:]).all()
+    block_s, rb = 64 if interpreter_tiles() else 32, mla_row_block(tokens * heads)
+    seen = torch.zeros(splits, M, heads, dtype=torch.bool)
+    for b in range(batch):
+        n_pos = (positions[b * tokens:(b + 1) * tokens] + 1).repeat_interleave(heads)
+        for r0 in range(0, tokens * heads, rb):
+            last = int(n_pos[r0: r0 + rb].max())
+            chunk = math.ceil(math.ceil(last / splits) / block_s) * block_s
+            for j in range(splits):
+                for r in range(r0, min(r0 + rb, tokens * heads)):
+                    seen[j, b * tokens + r // heads, r % heads] = (
+                        j * chunk < min(last, int(n_pos[r])))
+    assert seen.any(0).all() and not seen.all()        # empty partials occur, never all
+    assert torch.equal(torch.isfinite(lse), seen)
+    assert (parts[~seen] == 0).all()
     assert_close_bf16(mla_combine(parts, lse, torch.bfloat16), want, ulps=2)
 
 

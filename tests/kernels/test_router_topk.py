@@ -7,11 +7,12 @@ from kimi_perf_kernels.router_topk import router_topk, router_topk_reference
 # kernel runs in its prologue: one program per (token, slot).
 
 
-@pytest.mark.parametrize(("m", "e", "k"), [(1, 16, 4), (1, 896, 6), (3, 100, 16)])
+@pytest.mark.parametrize(("m", "e", "k"), [(1, 16, 4), (1, 896, 6), (3, 100, 16), (2, 16, 1),
+                                          (1, 1, 1), (2, 9, 7)])
 def test_routed_slot_matches_topk_reference(m, e, k):
     gen = torch.Generator().manual_seed(m + e + k)
     logits = torch.randn(m, e + 7, generator=gen)[:, :e]   # a strided view, like the GEMV's
-    # (E = 896 on one token only: the interpreter sorts 1024 lanes per program slowly.)
+    # (E = 896 on one token only: the interpreter ranks 1024 lanes per program slowly.)
     bias = 0.3 * torch.randn(e, generator=gen)
     ids, weights = router_topk(logits, bias, k, scale=2.5)
     want_ids, want_weights = router_topk_reference(logits, bias, k, scale=2.5)
