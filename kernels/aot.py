@@ -257,7 +257,7 @@ def builds() -> list[Build]:
                                      "pos_ptr": "*i64", "qhat_ptr": "*bf16",
                                      "kv_scale": "fp32"}, consts), consts))
         # row blocks of 16 (decode) and 32 (a verify step's tokens x heads)
-        for splits, rb in itertools.product((1, 16), (16, 32)):
+        for splits, rb in itertools.product((1, mla_attention.MAX_SPLITS), (16, 32)):
             consts = {"LORA": 512, "ROPE": 64, "BLOCK_ROPE": 64, "RB": rb, "BLOCK_S": 32,
                       "SPLITS": splits, "FP8": cache != "bf16", "DOT_FP32": False,
                       "RNE": False}
@@ -267,11 +267,12 @@ def builds() -> list[Build]:
                              mla_attention.mla_attention_kernel,
                              _signature(mla_attention.mla_attention_kernel, types, consts),
                              consts, 8))
-    consts = {"LORA": 512, "SPLITS": 16, "BLOCK_SPLITS": 16, "RNE": False}
-    out.append(Build("mla_combine 16 splits", mla_attention.mla_combine_kernel,
+    most = mla_attention.MAX_SPLITS
+    consts = {"LORA": 512, "SPLITS": most, "BLOCK_SPLITS": most, "RNE": False}
+    out.append(Build(f"mla_combine {most} splits", mla_attention.mla_combine_kernel,
                      _signature(mla_attention.mla_combine_kernel, {"out_ptr": "*bf16"}, consts),
                      consts))
-    for splits in (1, 16):
+    for splits in (1, most):
         consts = {"LORA": 512, "V": 128, "BLOCK_L": 64, "SPLITS": splits,
                   "BLOCK_SPLITS": max(2, splits), "RNE": False}
         types = {**bf16, "olat_ptr": "*bf16" if splits == 1 else "*fp32"}

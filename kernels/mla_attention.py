@@ -134,8 +134,11 @@ def mla_combine_kernel(parts_ptr, lse_ptr, out_ptr, M, H, LORA: tl.constexpr,
     tl.store(out_ptr + (m * H + h) * LORA + ls, cast(o, out_ptr.dtype.element_ty, RNE))
 
 
-MAX_SPLITS = 16
-MIN_SPLIT_POSITIONS = 64
+# Up to 64 splits: a batch of 1 at 32k positions takes 64 programs, not 16 (too few to stream
+# 37 MB of cache at full bandwidth); each of 256 positions or more, so that a split's partial
+# output (a head's 512 fp32 values, written and read back) stays small next to what it reads.
+MAX_SPLITS = 64
+MIN_SPLIT_POSITIONS = 256
 
 
 def mla_row_block(rows: int) -> int:
@@ -148,7 +151,7 @@ def mla_row_block(rows: int) -> int:
 def mla_splits(batch: int, tokens: int, heads: int, capacity: int,
                device: torch.device) -> int:
     """Position splits for a step of ``batch`` sequences of ``tokens`` each: enough programs
-    to give every SM one, chunks of at least 64 cache positions; 1 on a CPU. Depends on
+    to give every SM one, chunks of at least 256 cache positions; 1 on a CPU. Depends on
     shapes only, so a CUDA graph keeps it."""
     if device.type != "cuda":
         return 1

@@ -118,16 +118,17 @@ def test_attention_split_over_positions(splits, lora, tiles):
 
 def test_splits_fill_the_gpu_and_stay_one_on_a_cpu(monkeypatch):
     """On an H200 (132 SMs): programs = sequences x ceil(tokens x heads / row block) (16 rows
-    up to 16, else 32); splits = SMs over them, at most 16, each of 64 positions or more; a
+    up to 16, else 32); splits = SMs over them, at most 64, each of 256 positions or more; a
     step that fills the SMs alone takes one."""
     assert mla_splits(1, 1, 12, 4096, torch.device("cpu")) == 1
     h200 = type("Properties", (), {"multi_processor_count": 132})()
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: h200)
     cuda = torch.device("cuda")
-    worked_by_hand = {(1, 1, 12, 4096): 16,    # 132 programs' worth: capped at 16
+    worked_by_hand = {(1, 1, 12, 4096): 16,    # 4096 positions: 16 chunks of 256
+                      (1, 1, 12, 32768): 64,   # 132 programs' worth: capped at 64
                       (10, 1, 12, 4096): 13,   # 132 // 10
-                      (1, 1, 12, 128): 2,      # 128 positions: two of 64
-                      (1, 1, 12, 100): 1,      # fewer than two chunks of 64
+                      (1, 1, 12, 512): 2,      # 512 positions: two of 256
+                      (1, 1, 12, 500): 1,      # fewer than two chunks of 256
                       (16, 8, 12, 4096): 2,    # 96 rows a sequence, 3 blocks: 132 // 48
                       (16, 4, 6, 4096): 8,     # 24 rows, one block of 32: 132 // 16
                       (64, 1, 64, 4096): 1}    # 128 programs fill the SMs alone
