@@ -241,8 +241,9 @@ def builds() -> list[Build]:
             "olat_ptr": "*bf16", "wuv_ptr": "*bf16", "g_ptr": "*bf16", "out_ptr": "*bf16",
             "pos_ptr": "*i64", "kv_scale": "fp32", "eps": "fp32", "sm_scale": "fp32"}
     for cache in ("bf16", "fp8e4nv"):
-        consts = {"NOPE": 128, "ROPE": 64, "LORA": 512, "BLOCK_L": 64, "BLOCK_ROPE": 64,
-                  "FP8": cache != "bf16", "RNE": False}
+        consts = {"NOPE": 128, "ROPE": 64, "LORA": 512,
+                  "BLOCK_M": mla_absorb_insert.BLOCK_M, "BLOCK_L": 64, "BLOCK_ROPE": 64,
+                  "FP8": cache != "bf16", "DOT_FP32": False, "RNE": False}
         out.append(Build(f"mla_absorb_insert {cache} cache",
                          mla_absorb_insert.mla_absorb_insert_kernel,
                          _signature(mla_absorb_insert.mla_absorb_insert_kernel,
@@ -273,8 +274,8 @@ def builds() -> list[Build]:
                      _signature(mla_attention.mla_combine_kernel, {"out_ptr": "*bf16"}, consts),
                      consts))
     for splits in (1, most):
-        consts = {"LORA": 512, "V": 128, "BLOCK_L": 64, "SPLITS": splits,
-                  "BLOCK_SPLITS": max(2, splits), "RNE": False}
+        consts = {"LORA": 512, "V": 128, "BLOCK_M": mla_uv_gate.BLOCK_M, "BLOCK_V": 64,
+                  "BLOCK_L": 64, "SPLITS": splits, "DOT_FP32": False, "RNE": False}
         types = {**bf16, "olat_ptr": "*bf16" if splits == 1 else "*fp32"}
         out.append(Build(f"mla_uv_gate {splits} split(s)", mla_uv_gate.mla_uv_gate_kernel,
                          _signature(mla_uv_gate.mla_uv_gate_kernel, types, consts), consts))

@@ -180,6 +180,52 @@ def test_verify_step_reads_the_cache_once_per_row_block(splits, monkeypatch, til
     assert_close_bf16(mla_combine(parts, lse, torch.bfloat16), want, ulps=2)
 
 
+def test_weights_read_once_per_block_of_16_tokens(monkeypatch, tiles):
+    """33 tokens: three blocks of 16 (the last of one), each program reading its head's
+    W_UK / W_UV columns once for the block; both kernels against their references, the
+    merge of split partials included."""
+    from kimi_perf_kernels import mla_absorb_insert as absorb_module
+    from kimi_perf_kernels import mla_uv_gate as uv_module
+    from kimi_perf_kernels.common import interpreter_tiles
+
+    grids = {}
+    for module, name in ((absorb_module, "mla_absorb_insert_kernel"),
+                         (uv_module, "mla_uv_gate_kernel")):
+        kernel = getattr(module, name)
+        monkeypatch.setattr(module, name, type("Recorder", (), {
+            "__getitem__": lambda self, grid, k=kernel, n=name: grids.setdefault(n, grid)
+            and k[grid]})())
+    gen = torch.Generator().manual_seed(33)
+    M, heads, nope, rope, lora, v = 33, 3, 16, 8, 128, 128
+    q = torch.randn(M, heads * (nope + rope), generator=gen).bfloat16()
+    w_uk = (torch.randn(heads, nope, lora, generator=gen) / nope**0.5).bfloat16()
+    kv = torch.randn(M, lora + rope, generator=gen).bfloat16()
+    kv_norm = 1 + 0.1 * torch.randn(lora, generator=gen)
+    positions = torch.arange(M)
+    cache = torch.zeros(1, M, lora + rope).bfloat16()
+    cache_ref = cache.clone()
+    qhat_ref = mla_absorb_insert_reference(q, w_uk, kv, kv_norm, cache_ref, positions, M, 1.0,
+                                           1e-5)
+    qhat = torch.empty_like(qhat_ref)
+    poison(qhat)
+    mla_absorb_insert(q, w_uk, kv, kv_norm, cache, positions, M, 1.0, 1e-5, qhat=qhat)
+    assert_close_bf16(qhat, qhat_ref, ulps=2)
+    assert_cache_rows_equal(cache, cache_ref, positions, M)
+    gpu = not interpreter_tiles()
+    assert grids["mla_absorb_insert_kernel"] == (3, heads * (2 if gpu else 1) + 1)
+    parts = torch.randn(2, M, heads, lora, generator=gen)
+    lse = torch.randn(2, M, heads, generator=gen)
+    lse[1, :5] = -float("inf")                      # a split these rows' tokens never reached
+    w_uv = (torch.randn(heads, lora, v, generator=gen) / lora**0.5).bfloat16()
+    gate = torch.randn(M, heads * v, generator=gen).bfloat16()
+    out = torch.empty(M, heads * v, dtype=torch.bfloat16)
+    poison(out)
+    mla_uv_gate(parts, w_uv, gate, out=out, lse=lse)
+    merged = (torch.softmax(lse, dim=0)[..., None] * parts).sum(0).bfloat16()
+    assert_close_bf16(out, mla_uv_gate_reference(merged, w_uv, gate), ulps=3)
+    assert grids["mla_uv_gate_kernel"] == (3, heads, 2 if gpu else 1)
+
+
 def test_uv_gate():
     gen = torch.Generator().manual_seed(3)
     M, H, lora, v = 3, 5, 32, 16
