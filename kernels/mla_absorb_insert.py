@@ -5,8 +5,8 @@ no-position query into the latent space for the BLOCK_M tokens of block i, one k
 of BLOCK_L columns: ``ql = q_nope · W_UK[h][:, block]`` ([BLOCK_M, nope] × [nope, BLOCK_L],
 a tensor-core dot), and writes that part of ``q̂ = [ql | q_pe]`` (its first block also q_pe).
 So a head's W_UK is read once per block of 16 tokens, not once per token (at batch 64: 6 MB
-from L2 rather than 100 MB), and a batch of 1 has 96 programs at K3 TP8 (12 heads × 8
-blocks), not 13. Program (i, H · L) normalises its tokens' latent KV (RMSNorm of the kv_lora
+from L2 rather than 100 MB), and a batch of 1 has 96 absorbing programs at K3 TP8 (12 heads
+× 8 blocks), not 12. Program (i, H · L) normalises its tokens' latent KV (RMSNorm of the kv_lora
 part, the rope part as is), quantises it to fp8 with the per-tensor scale when the cache is
 fp8, and stores it at each token's position.
 """
