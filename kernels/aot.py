@@ -199,8 +199,9 @@ def builds() -> list[Build]:
                          _signature(kernel, {**routed_types, "x_ptr": "*fp32"}, consts),
                          consts, 8))
         block_m, block_n, block_k = moe_experts.shared_tile(m, False)
-        consts = {"TOP_K": 16, "BLOCK_T": moe_grouped_fc1.BLOCK_T, "BLOCK_N": routed_n,
-                  "BLOCK_K": routed_k, "RNE": False, "SHARED": True,
+        consts = {"TOP_K": 16, "BLOCK_T": moe_grouped_fc1.BLOCK_T,
+                  "BLOCK_N": moe_grouped_fc2.BLOCK_N, "BLOCK_K": routed_k, "RNE": False,
+                  "SHARED": True,
                   "S_USE_DOT": m > skinny_linear.GEMV_MAX_M, "DOT_FP32": False,
                   "S_BLOCK_M": block_m, "S_BLOCK_N": block_n, "S_BLOCK_K": block_k}
         kernel = moe_grouped_fc2.moe_grouped_fc2_kernel

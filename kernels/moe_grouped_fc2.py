@@ -23,10 +23,15 @@ import torch
 import triton
 import triton.language as tl
 
-from kimi_perf_kernels.common import INTERPRETED
+from kimi_perf_kernels.common import INTERPRETED, interpreter_tiles
 from kimi_perf_kernels.moe_experts import Shared, _shared_launch, routed_blocks
 from kimi_perf_kernels.moe_grouped_fc1 import BLOCK_T, ExpertSlots
 from kimi_perf_kernels.skinny_linear import linear_tile
+
+# Columns a program takes on a GPU: a [128, BLOCK_K] tile of W2 a K step (107 registers on
+# sm_90a), so that K3's grid is 896 experts × 28 programs, not × 112 (of which the experts no
+# token picked, a third at batch 64, exit at once) and a program streams 96 KB, not 24 KB.
+BLOCK_N = 128
 
 
 @triton.jit
@@ -105,6 +110,8 @@ def moe_grouped_fc2(act: torch.Tensor, w2: torch.Tensor, slots: ExpertSlots,
     if out.dtype != torch.float32 or out.shape != (M, n) or out.stride(1) != 1:
         raise ValueError(f"moe_grouped_fc2: out must be fp32 [{M}, {n}], rows contiguous")
     block_n, block_k = routed_blocks()
+    if not interpreter_tiles():
+        block_n = BLOCK_N
     shared_args, shared_consts = _shared_launch(shared, M, situ=False)
     grid = (n_experts * triton.cdiv(n, block_n) + shared_args[-1],)
     moe_grouped_fc2_kernel[grid](

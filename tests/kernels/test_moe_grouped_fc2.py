@@ -10,10 +10,11 @@ from tests.kernels.util import poison
 
 
 # (experts picked by one slot or none, by 35 tokens: chunks of slots; 1,024 slots: ids
-# scanned in several passes; widths no multiple of a GPU's tiles)
+# scanned in several passes; widths no multiple of a GPU's tiles, 300: three column blocks
+# of a GPU's 128)
 @pytest.mark.parametrize(("m", "experts", "k", "inter", "latent"),
                          [(1, 16, 4, 48, 100), (5, 8, 2, 160, 64), (70, 6, 3, 40, 72),
-                          (64, 40, 16, 32, 96)])
+                          (64, 40, 16, 32, 96), (3, 8, 4, 48, 300)])
 def test_grouped_fc2_matches_reference(m, experts, k, inter, latent, tiles):
     """The routing launch zeroes the rows (poisoned here) that each expert's share is then
     added into."""
