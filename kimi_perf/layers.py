@@ -892,7 +892,9 @@ def assign_types(ops: GpuOps, steps: list[Step], max_variation: int = MAX_VARIAT
     sequence no inner layer ran, and that differs from an inner layer's by at most
     ``max_variation`` kernels (a plain norm where the others fuse the residual add), is a
     variant of that layer's type, not a type of its own; one that differs more (a dense first
-    layer, a last layer of the rarer type) is its own type."""
+    layer, a last layer of the rarer type) is its own type, of which edge layers that differ
+    from it as little are variants (a warm-up pass's first layer, one copy more than the later
+    passes' first layers: a variant of their type, not a type of the warm-up alone)."""
     layers: list[Layer] = []
     signatures: list[tuple] = []
     inner: dict[tuple, None] = {}   # in order of first appearance: ties resolve the same way
@@ -909,12 +911,20 @@ def assign_types(ops: GpuOps, steps: list[Step], max_variation: int = MAX_VARIAT
     if not layers:
         return
     group: dict[tuple, tuple] = {}
-    for signature in dict.fromkeys(signatures):
+    edge_types: list[tuple] = []    # edge sequences no inner layer's is near, commonest first
+    counts = Counter(signatures)
+    for signature in sorted(dict.fromkeys(signatures), key=lambda sig: -counts[sig]):
         group[signature] = signature
-        if signature not in inner and inner:
-            closest = min(inner, key=lambda c: _difference(signature, c))
-            if _difference(signature, closest) <= max_variation:
-                group[signature] = closest
+        if signature in inner:
+            continue
+        for candidates in (inner, edge_types):
+            if candidates:
+                closest = min(candidates, key=lambda c: _difference(signature, c))
+                if _difference(signature, closest) <= max_variation:
+                    group[signature] = closest
+                    break
+        else:
+            edge_types.append(signature)
     labels: dict[tuple, str] = {}
     for layer, signature in zip(layers, signatures, strict=True):
         representative = group[signature]

@@ -248,6 +248,26 @@ def test_only_first_or_last_layers_that_differ_by_a_kernel_or_two_fold_into_a_ty
     assert [[x.type for x in step.layers] for step in steps] == [["A", "A", "A", "B"]] * 3
 
 
+def test_a_warm_up_steps_first_layer_is_a_variant_of_the_later_first_layers_type():
+    """Every step's first layer runs the embedding and a dense MLP (a type of its own); the
+    first step's also a copy (a warm-up's): a variant of that type, not a type of the warm-up
+    alone leading the tables (the Athrun fixture's pass 0)."""
+    inner = ["norm", "qkv", "attn", "o_proj", "norm", "gate_up", "act", "down"]
+    first = ["embedding", "norm", "qkv", "attn", "o_proj", "norm", "dense_gate_up",
+             "dense_act", "dense_down", "dense_add"]
+    b = TraceBuilder()
+    for s in range(3):
+        step_start = b.clock
+        for i in range(4):
+            warm_up = ["memcpy_warm_up"] if s == 0 and i == 0 else []
+            start, end = b.sequence(warm_up + (first if i == 0 else inner))
+            b.range(f"layer[{i}]", start - 10, end)
+        b.range(f"decode_step[{s}]", step_start - 20, b.clock)
+        b.clock += 5000
+    _, steps = segment(b.build())
+    assert [[x.type for x in step.layers] for step in steps] == [["A", "B", "B", "B"]] * 3
+
+
 @pytest.mark.parametrize("name", ["layers.3.mlp", "layer[3].attn", "player_3", "layer",
                                   "model.layers.3.self_attn.o_proj"])
 def test_default_layer_pattern_rejects_sub_ranges(name):
