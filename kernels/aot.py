@@ -53,6 +53,8 @@ class Build:
 
 
 def builds() -> list[Build]:
+    import torch
+
     from kimi_perf_kernels import (
         attn_res,
         gate_sigmoid_mul,
@@ -117,25 +119,29 @@ def builds() -> list[Build]:
             warps, ints={"M": m, "N_OUT": n_out, "K": k, "stride_xm": k, "stride_wn": k,
                          "stride_rm": n_out if residual else 0, "stride_om": n_out}))
     kda_types = {"z_ptr": "*bf16", "wfb_ptr": "*bf16", "conv_ptr": "*bf16",
-                 "out_ptr": "*bf16", "ckpt_conv_ptr": "*bf16", "eps": "fp32",
-                 "lower_bound": "fp32"}
+                 "out_ptr": "*bf16", "ckpt_conv_ptr": "*bf16", "arrivals_ptr": "*i32",
+                 "eps": "fp32", "lower_bound": "fp32"}
     kda_types["f_ptr"] = "*bf16"
-    # batch 1 and 64, a verify step of 1+3 tokens, the standard path's (f_b projected before)
+    # batch 1 and 64, a verify step of 1+3 tokens, the standard path's (f_b projected before),
+    # each split as on an H200
     for batch, tokens, f_given in ((1, 1, False), (64, 1, False), (1, 4, False), (1, 1, True)):
-        consts = {"D": 128, "F_RANK": 128, **kda_decode.kda_tiles(128, 128),
-                  "F_GIVEN": f_given, "CHECKPOINT": tokens > 1, "RNE": False}
+        splits = kda_decode.kda_splits(batch * 12, 128, torch.device("cpu"))
+        tiles = kda_decode.kda_tiles(128, 128, splits)
+        consts = {"D": 128, "F_RANK": 128, **tiles, "F_GIVEN": f_given,
+                  "CHECKPOINT": tokens > 1, "RNE": False}
         tag = (" verify 1+3" if tokens > 1 else " f given (standard)" if f_given
                else f" batch {batch}")
         f_row = kda_proj if f_given else in_proj
-        out.append(Build(f"kda_decode d128{tag}",
+        out.append(Build(f"kda_decode d128{tag} split {splits}",
                          kda_decode.kda_decode_kernel,
                          _signature(kda_decode.kda_decode_kernel, kda_types, consts), consts,
-                         8, ints={"B": batch, "T": tokens, "H": 12,
-                                  "stride_zb": tokens * in_proj, "stride_zt": in_proj,
-                                  "stride_fb": tokens * f_row, "stride_ft": f_row,
-                                  "stride_ob": tokens * kda_proj, "stride_ot": kda_proj,
-                                  "g_col": 3 * kda_proj, "fa_col": 4 * kda_proj,
-                                  "b_col": 4 * kda_proj + 128}))
+                         kda_decode.kda_warps(tiles["BV"]),
+                         ints={"B": batch, "T": tokens, "H": 12,
+                               "stride_zb": tokens * in_proj, "stride_zt": in_proj,
+                               "stride_fb": tokens * f_row, "stride_ft": f_row,
+                               "stride_ob": tokens * kda_proj, "stride_ot": kda_proj,
+                               "g_col": 3 * kda_proj, "fa_col": 4 * kda_proj,
+                               "b_col": 4 * kda_proj + 128}))
     routed_types = {"w13_ptr": "*bf16", "ids_ptr": "*i32", "lists_ptr": "*i32",
                     "counts_ptr": "*i32", "act_ptr": "*bf16", "scale": "fp32",
                     "x_ptr": "*bf16", "sx_ptr": "*bf16", "sw_ptr": "*bf16",

@@ -1,13 +1,23 @@
 """S3: fused KDA decode — f_b projection, gates, conv4 + SiLU, L2 norm, delta-rule recurrence
 on the fp32 state, and the gated RMSNorm, in one kernel.
 
-One program per (sequence, head); it walks the T tokens of the step (1 for decode, 1+k for a
-speculative verify, then also writing every position's state so the step can be rolled back).
-Tiling: per token, q and k (d values each) stay in registers; the head's state S [V=d, K=d]
-is streamed in BV-row tiles (a whole 128×128 fp32 state would spill), each tile decayed,
-corrected by the delta rule, multiplied by q and written back. The f_b projection is taken
-in F_BLOCK-wide slices of its [d, f_rank] weight for the same reason. The output RMSNorm
-needs all d outputs: the tiles park them in an fp32 scratch row, normalised at the end.
+Grid: (sequence × head, split). The delta rule keeps a head's state S [V=d, K=d] row by row
+apart (row j of the update needs only row j, k, the gates and v[j]), so each program owns BV
+of its rows: it loads them once, keeps them in registers across the step's T tokens (1 for
+decode, 1+k for a speculative verify, which also writes every position's state so the step
+can be rolled back) and stores them once. At K3's d = 128 a split of 8 gives a batch of 1
+(12 heads a rank at TP8) 96 programs, not 12, on 132 SMs.
+
+What each program still needs whole, it computes whole: q and k (conv4 + SiLU + L2 norm over
+all d), the f_b projection (taken in F_BLOCK-wide slices of the head's [d, f_rank] weight)
+and the decay gate over K. The conv state is read, never updated, while a step runs (a
+token's window is the state's three inputs and the step's tokens before it), so no program
+overwrites what another still reads: each writes its own v channels' new state at the end,
+and the head's last program to finish writes q's and k's.
+
+The gated RMSNorm needs all d outputs of a token: the programs park their rows in an fp32
+scratch row and count themselves in on an arrival counter (an atomic, acquire-release); the
+last to arrive normalises the head's rows and sets the counter back to 0 for the next launch.
 
 The standard path runs the f_b projection as a GEMM of its own, as vLLM does, and hands its
 output in (``f=``, ``F_GIVEN``): the rest of the kernel is vLLM's ``fused_kda_decode``.
@@ -21,34 +31,42 @@ import triton.language as tl
 
 from kimi_perf_kernels.common import INTERPRETED, cast, interpreter_tiles, sigmoid
 
-STAGES = tl.constexpr(2)  # the next f_b / state tile loads while one is used
+STAGES = tl.constexpr(2)  # the next f_b slice loads while one is used
+MIN_ROWS = 16             # state rows a program on a GPU: fewer and q, k, f are mostly overhead
+MAX_ROWS = 64             # more and a [rows, 128] fp32 tile kept across tokens spills
 
 
 @triton.jit
 def kda_decode_kernel(z_ptr, wfb_ptr, f_ptr, dt_bias_ptr, a_log_ptr, conv_w_ptr, onorm_ptr,
-                      conv_ptr, state_ptr, out_ptr, scratch_ptr, ckpt_state_ptr, ckpt_conv_ptr,
-                      B, T, H, stride_zb, stride_zt, stride_fb, stride_ft, stride_ob,
-                      stride_ot, g_col, fa_col, b_col, eps, lower_bound, D: tl.constexpr,
-                      F_RANK: tl.constexpr, BV: tl.constexpr, F_BLOCK: tl.constexpr,
-                      F_GIVEN: tl.constexpr, CHECKPOINT: tl.constexpr, RNE: tl.constexpr):
-    pid = tl.program_id(0)
+                      conv_ptr, state_ptr, out_ptr, scratch_ptr, arrivals_ptr, ckpt_state_ptr,
+                      ckpt_conv_ptr, B, T, H, stride_zb, stride_zt, stride_fb, stride_ft,
+                      stride_ob, stride_ot, g_col, fa_col, b_col, eps, lower_bound,
+                      D: tl.constexpr, F_RANK: tl.constexpr, BV: tl.constexpr,
+                      F_BLOCK: tl.constexpr, F_GIVEN: tl.constexpr, CHECKPOINT: tl.constexpr,
+                      RNE: tl.constexpr):
+    pid = tl.program_id(0)                            # (sequence, head)
+    split = tl.program_id(1)                          # which BV rows of the head's state
     b = pid // H
     h = pid % H
     C = 3 * H * D                                     # conv channels: q, k, v of all heads
     i = tl.arange(0, D)
-    vb = tl.arange(0, BV)
+    rows = split * BV + tl.arange(0, BV)
     r = tl.arange(0, F_BLOCK)
+    q_ch = h * D + i
+    k_ch = H * D + h * D + i
+    v_ch = 2 * H * D + h * D + rows
+    zb = z_ptr + b * stride_zb
+    conv_base = conv_ptr + b * C * 3
     dt_bias = tl.load(dt_bias_ptr + h * D + i)
     a = tl.exp(tl.load(a_log_ptr + h))
-    conv_base = conv_ptr + b * C * 3
-    state_base = state_ptr + (b * H + h) * D * D
-    scratch = scratch_ptr + pid * D
+    tile = (b * H + h) * D * D + rows[:, None] * D + i[None, :]
+    S = tl.load(state_ptr + tile)
+    scratch = scratch_ptr + pid * T * D
     for t in range(0, T):
-        z = z_ptr + b * stride_zb + t * stride_zt
-        ck_conv = ckpt_conv_ptr + (t * B + b) * C * 3
-        ck_state = ckpt_state_ptr + ((t * B + b) * H + h) * D * D
-        q = _conv_step(z, conv_base, conv_w_ptr, h * D + i, ck_conv, CHECKPOINT)
-        k = _conv_step(z, conv_base, conv_w_ptr, H * D + h * D + i, ck_conv, CHECKPOINT)
+        z = zb + t * stride_zt
+        q = _conv(zb, stride_zt, conv_base, conv_w_ptr, q_ch, t)
+        k = _conv(zb, stride_zt, conv_base, conv_w_ptr, k_ch, t)
+        v = _conv(zb, stride_zt, conv_base, conv_w_ptr, v_ch, t)
         q = q / tl.sqrt(tl.sum(q * q, axis=0) + 1e-6) * (1.0 / tl.sqrt(D * 1.0))
         k = k / tl.sqrt(tl.sum(k * k, axis=0) + 1e-6)
         if F_GIVEN:
@@ -62,63 +80,98 @@ def kda_decode_kernel(z_ptr, wfb_ptr, f_ptr, dt_bias_ptr, a_log_ptr, conv_w_ptr,
                 f += tl.sum(w.to(tl.float32) * f_a[None, :], axis=1)
         decay = tl.exp(lower_bound * sigmoid(a * f))
         beta = tl.sigmoid(tl.load(z + b_col + h).to(tl.float32))
-        sq = 0.0
-        for v0 in tl.range(0, D, BV, num_stages=STAGES):
-            rows = v0 + vb
-            v = _conv_step(z, conv_base, conv_w_ptr, 2 * H * D + h * D + rows, ck_conv,
-                           CHECKPOINT)
-            S = tl.load(state_base + rows[:, None] * D + i[None, :]) * decay[None, :]
-            u = beta * (v - tl.sum(S * k[None, :], axis=1))
-            S = S + u[:, None] * k[None, :]
-            tl.store(state_base + rows[:, None] * D + i[None, :], S)
-            if CHECKPOINT:
-                tl.store(ck_state + rows[:, None] * D + i[None, :], S)
-            o = tl.sum(S * q[None, :], axis=1)
-            sq += tl.sum(o * o, axis=0)
-            tl.store(scratch + rows, o)
-        inv_rms = 1.0 / tl.sqrt(sq / D + eps)
-        for v0 in range(0, D, BV):
-            rows = v0 + vb
-            o = tl.load(scratch + rows) * inv_rms * tl.load(onorm_ptr + rows)
-            gate = tl.load(z + g_col + h * D + rows).to(tl.float32)
-            tl.store(out_ptr + b * stride_ob + t * stride_ot + h * D + rows,
-                     cast(o * tl.sigmoid(gate), out_ptr.dtype.element_ty, RNE))
+        S = S * decay[None, :]
+        u = beta * (v - tl.sum(S * k[None, :], axis=1))
+        S = S + u[:, None] * k[None, :]
+        tl.store(scratch + t * D + rows, tl.sum(S * q[None, :], axis=1))
+        if CHECKPOINT:                                # position t's state, for the rollback
+            tl.store(ckpt_state_ptr + t * B * H * D * D + tile, S)
+            ck_conv = ckpt_conv_ptr + (t * B + b) * C * 3
+            _keep_window(zb, stride_zt, conv_base, ck_conv, v_ch, t + 1)
+            if split == 0:
+                _keep_window(zb, stride_zt, conv_base, ck_conv, q_ch, t + 1)
+                _keep_window(zb, stride_zt, conv_base, ck_conv, k_ch, t + 1)
+    tl.store(state_ptr + tile, S)
+    tl.debug_barrier()                                # every thread's reads and writes done
+    _keep_window(zb, stride_zt, conv_base, conv_base, v_ch, T)
+    arrived = tl.atomic_add(arrivals_ptr + pid, 1, sem="acq_rel")
+    if arrived == tl.num_programs(1) - 1:
+        # the head's last program: the others have read q's and k's conv state and parked
+        # their rows of every token's output
+        _keep_window(zb, stride_zt, conv_base, conv_base, q_ch, T)
+        _keep_window(zb, stride_zt, conv_base, conv_base, k_ch, T)
+        tl.store(arrivals_ptr + pid, 0)
+        norm_w = tl.load(onorm_ptr + i)
+        for t in range(0, T):
+            o = tl.load(scratch + t * D + i, cache_modifier=".cg")   # from L2, not a stale L1
+            inv_rms = 1.0 / tl.sqrt(tl.sum(o * o, axis=0) / D + eps)
+            gate = tl.load(zb + t * stride_zt + g_col + h * D + i).to(tl.float32)
+            tl.store(out_ptr + b * stride_ob + t * stride_ot + h * D + i,
+                     cast(o * inv_rms * norm_w * tl.sigmoid(gate), out_ptr.dtype.element_ty,
+                          RNE))
 
 
 @triton.jit
-def _conv_step(z, conv_base, conv_w_ptr, ch, ck_conv, CHECKPOINT: tl.constexpr):
-    """y = SiLU(Σ_j w[ch, j] · window[j]) with window = [state[ch, 0..2], z[ch]]; the state
-    then drops its oldest entry and keeps the raw input."""
-    x = tl.load(z + ch)
-    s0 = tl.load(conv_base + ch * 3 + 0)
-    s1 = tl.load(conv_base + ch * 3 + 1)
-    s2 = tl.load(conv_base + ch * 3 + 2)
-    y = (tl.load(conv_w_ptr + ch * 4 + 0) * s0.to(tl.float32)
-         + tl.load(conv_w_ptr + ch * 4 + 1) * s1.to(tl.float32)
-         + tl.load(conv_w_ptr + ch * 4 + 2) * s2.to(tl.float32)
-         + tl.load(conv_w_ptr + ch * 4 + 3) * x.to(tl.float32))
-    x = x.to(s2.dtype)
-    tl.store(conv_base + ch * 3 + 0, s1)
-    tl.store(conv_base + ch * 3 + 1, s2)
-    tl.store(conv_base + ch * 3 + 2, x)
-    if CHECKPOINT:
-        tl.store(ck_conv + ch * 3 + 0, s1)
-        tl.store(ck_conv + ch * 3 + 1, s2)
-        tl.store(ck_conv + ch * 3 + 2, x)
+def _conv_input(zb, stride_zt, conv_base, ch, j):
+    """Input j of channels ``ch`` in the step: the conv state's three (j < 3), then the
+    step's tokens (j = 3 + t), in the conv state's dtype."""
+    in_state = (j < 3) & (ch >= 0)
+    kept = tl.load(conv_base + ch * 3 + j, mask=in_state)
+    new = tl.load(zb + (j - 3) * stride_zt + ch, mask=(j >= 3) & (ch >= 0))
+    return tl.where(in_state, kept, new.to(kept.dtype))
+
+
+@triton.jit
+def _conv(zb, stride_zt, conv_base, conv_w_ptr, ch, t):
+    """Token t's SiLU(Σ_j w[ch, j] · x[t + j]) over its window of inputs x[t .. t + 3]."""
+    y = tl.load(conv_w_ptr + ch * 4) * _conv_input(zb, stride_zt, conv_base, ch, t).to(
+        tl.float32)
+    for j in tl.static_range(1, 4):
+        y += tl.load(conv_w_ptr + ch * 4 + j) * _conv_input(
+            zb, stride_zt, conv_base, ch, t + j).to(tl.float32)
     return y * tl.sigmoid(y)
+
+
+@triton.jit
+def _keep_window(zb, stride_zt, conv_base, dest, ch, t):
+    """Write to ``dest`` (a conv state) the window after t tokens: inputs t .. t + 2."""
+    for j in tl.static_range(0, 3):
+        tl.store(dest + ch * 3 + j, _conv_input(zb, stride_zt, conv_base, ch, t + j))
+
+
+def kda_splits(rows: int, head_dim: int, device: torch.device) -> int:
+    """Programs a head's state is split over, for ``rows`` (sequence, head) pairs: rows of
+    MIN_ROWS to MAX_ROWS a program, doubling the split while the grid is under two programs
+    an SM; 1 under the interpreter's whole tiles. Depends on shapes only (a CUDA graph keeps
+    it)."""
+    if device.type == "cuda":
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+    elif interpreter_tiles():
+        return 1
+    else:
+        sms = 132                                     # a GPU's tiles under the interpreter: H200
+    splits = max(1, head_dim // MAX_ROWS)
+    while rows * splits < 2 * sms and head_dim // (2 * splits) >= MIN_ROWS:
+        splits *= 2
+    return splits
 
 
 def kda_decode(z: torch.Tensor, heads: int, head_dim: int, f_rank: int, w_fb: torch.Tensor,
                dt_bias: torch.Tensor, a_log: torch.Tensor, conv_w: torch.Tensor,
                o_norm: torch.Tensor, conv_state: torch.Tensor, state: torch.Tensor,
                eps: float, lower_bound: float, checkpoint: bool = False,
-               out: torch.Tensor | None = None, f: torch.Tensor | None = None):
+               out: torch.Tensor | None = None, f: torch.Tensor | None = None,
+               arrivals: torch.Tensor | None = None, splits: int | None = None):
     """z [B, T, in_proj_rows]: the packed in_proj output (q|k|v|g|f_a|b|pad). ``f`` [B, T,
     H*d]: the f_b projection, already taken (then ``w_fb`` is not read).
 
     Updates ``conv_state`` [B, 3Hd, 3] and ``state`` [B, H, d, d] (fp32) in place; returns
     the gated-normed output [B, T, H*d], and with ``checkpoint`` also every position's
     (state [T, B, H, d, d], conv state [T, B, 3Hd, 3]).
+
+    ``arrivals``: int32 zeros, at least B*H of them, which the launch leaves zero (a caller
+    that keeps one spares each launch a memset); ``splits``: programs a head (a power of two
+    dividing d; ``kda_splits`` when None).
     """
     B, T, _ = z.shape
     proj = heads * head_dim
@@ -131,27 +184,42 @@ def kda_decode(z: torch.Tensor, heads: int, head_dim: int, f_rank: int, w_fb: to
         ckpt_state, ckpt_conv = state, conv_state
     if z.stride(-1) != 1 or not conv_state.is_contiguous() or not state.is_contiguous():
         raise ValueError("kda_decode needs row-major z, conv_state and state")
-    scratch = torch.empty(B * heads, head_dim, dtype=torch.float32, device=z.device)
     if f is not None and (f.shape != (B, T, proj) or f.stride(2) != 1):
         raise ValueError(f"kda_decode: f {tuple(f.shape)} must be [B, T, H*d] = "
                          f"{(B, T, proj)} with contiguous rows")
+    if splits is None:
+        splits = kda_splits(B * heads, head_dim, z.device)
+    if splits < 1 or head_dim % splits or (splits & (splits - 1)):
+        raise ValueError(f"kda_decode: {splits} splits must be a power of two dividing "
+                         f"head_dim {head_dim}")
+    if arrivals is None:
+        arrivals = torch.zeros(B * heads, dtype=torch.int32, device=z.device)
+    elif arrivals.dtype != torch.int32 or arrivals.numel() < B * heads:
+        raise ValueError(f"kda_decode: arrivals must be int32 with at least {B * heads} "
+                         f"elements, not {arrivals.dtype} x {arrivals.numel()}")
+    scratch = torch.empty(B * heads, T, head_dim, dtype=torch.float32, device=z.device)
     f_arg = f if f is not None else z
-    kda_decode_kernel[(B * heads,)](
+    tiles = kda_tiles(head_dim, f_rank, splits)
+    kda_decode_kernel[(B * heads, splits)](
         z, w_fb, f_arg, dt_bias, a_log, conv_w, o_norm, conv_state, state, out, scratch,
-        ckpt_state, ckpt_conv, B, T, heads, z.stride(0), z.stride(1), f_arg.stride(0),
-        f_arg.stride(1), out.stride(0), out.stride(1), 3 * proj, 4 * proj, 4 * proj + f_rank,
-        eps, lower_bound, D=head_dim, F_RANK=f_rank, **kda_tiles(head_dim, f_rank),
-        F_GIVEN=f is not None, CHECKPOINT=checkpoint, RNE=INTERPRETED, num_warps=8)
+        arrivals, ckpt_state, ckpt_conv, B, T, heads, z.stride(0), z.stride(1),
+        f_arg.stride(0), f_arg.stride(1), out.stride(0), out.stride(1), 3 * proj, 4 * proj,
+        4 * proj + f_rank, eps, lower_bound, D=head_dim, F_RANK=f_rank, **tiles,
+        F_GIVEN=f is not None, CHECKPOINT=checkpoint, RNE=INTERPRETED,
+        num_warps=kda_warps(tiles["BV"]))
     return (out, ckpt_state, ckpt_conv) if checkpoint else out
 
 
-def kda_tiles(head_dim: int, f_rank: int) -> dict[str, int]:
-    """BV (state rows a tile) and F_BLOCK (f_b columns a slice) of a launch: 64 of each on a
-    GPU (at K3's d = 128: 128 registers, and 255 for a verify step, the most there are: no
-    spills, no room); the interpreter takes whole dimensions."""
-    if interpreter_tiles():
-        return {"BV": head_dim, "F_BLOCK": f_rank}
-    return {"BV": min(64, head_dim), "F_BLOCK": min(64, f_rank)}
+def kda_tiles(head_dim: int, f_rank: int, splits: int) -> dict[str, int]:
+    """BV (state rows a program: head_dim / splits) and F_BLOCK (f_b columns a slice: 64 on
+    a GPU, the whole rank under the interpreter's tiles)."""
+    return {"BV": head_dim // splits,
+            "F_BLOCK": f_rank if interpreter_tiles() else min(64, f_rank)}
+
+
+def kda_warps(rows: int) -> int:
+    """4 warps for a tile of up to 32 state rows, 8 above."""
+    return 4 if rows <= 32 else 8
 
 
 def kda_decode_reference(z, heads, head_dim, f_rank, w_fb, dt_bias, a_log, conv_w, o_norm,

@@ -44,6 +44,10 @@ class KernelPathModel(K3Model):
         # Splits of the MLA attention over the cache positions; None: by the GPU's size
         # (``mla_splits``; 1 on a CPU).
         self.attention_splits: int | None = None
+        # kda_decode's per-head arrival counters: zeros it leaves zero, kept so that a launch
+        # needs no memset of its own
+        self.kda_arrivals = torch.zeros(MAX_BATCH * c.kda_heads_local, dtype=torch.int32,
+                                        device=device)
         # the attention residuals' query folded into their RMSNorm weight, as attn_res takes it
         for i in range(c.n_layers):
             p = layer_prefix(i)
@@ -127,7 +131,7 @@ class KernelPathModel(K3Model):
             z.view(B, T, -1), c.kda_heads_local, c.kda_head_dim, c.f_rank,
             self.w[a + "f_b_proj.weight"], self.w[a + "dt_bias"], self.w[a + "A_log"],
             self.packed[i]["conv"], self.w[a + "o_norm.weight"], state.conv[i], state.kda[i],
-            c.rms_eps, c.gate_lower_bound, checkpoint=keep, f=f)
+            c.rms_eps, c.gate_lower_bound, checkpoint=keep, f=f, arrivals=self.kda_arrivals)
         if not keep:
             return result
         o, states, convs = result

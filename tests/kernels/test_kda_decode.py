@@ -1,8 +1,11 @@
+import contextlib
+
 import pytest
 import torch
 
-from kimi_perf_kernels.kda_decode import kda_decode, kda_decode_reference
-from tests.kernels.util import assert_close_bf16, poison
+from kimi_perf_kernels.common import INTERPRETED, gpu_tiles
+from kimi_perf_kernels.kda_decode import kda_decode, kda_decode_reference, kda_splits
+from tests.kernels.util import assert_close_bf16, poison, programs_in_reverse
 
 
 def inputs(batch, tokens, heads, d, f_rank, seed):
@@ -70,3 +73,52 @@ def test_kda_decode_with_the_f_b_projection_given():
     torch.testing.assert_close(state, state_ref, rtol=1e-4, atol=1e-5)
     with pytest.raises(ValueError, match="kda_decode: f"):
         kda_decode(z, conv_state=conv_state, state=state, f=f[:, :1], **params)
+
+
+@pytest.mark.parametrize("order", ["forward", "reverse"])
+@pytest.mark.parametrize("splits", [2, 4, 16])
+def test_kda_decode_split_over_state_rows(splits, order):
+    """A head's state split over programs (16: a row each) through a verify of 3 tokens,
+    twice on one arrivals buffer: each program reads the conv state the step started from,
+    whichever program runs first; the last to arrive norms the head and leaves its counter
+    at 0 for the next launch."""
+    batch, tokens, heads, d, f_rank = 2, 3, 2, 16, 16
+    z, params, conv_state, state = inputs(batch, tokens, heads, d, f_rank, splits)
+    conv_ref, state_ref = conv_state.clone(), state.clone()
+    arrivals = torch.zeros(batch * heads + 3, dtype=torch.int32)
+    with programs_in_reverse() if order == "reverse" else contextlib.nullcontext():
+        for step in range(2):
+            z_step = z + step
+            expected, states_ref, convs_ref = kda_decode_reference(
+                z_step, conv_state=conv_ref, state=state_ref, checkpoint=True, **params)
+            out, states, convs = kda_decode(z_step, conv_state=conv_state, state=state,
+                                            checkpoint=True, arrivals=arrivals, splits=splits,
+                                            **params)
+            assert_close_bf16(out, expected, ulps=4)
+            torch.testing.assert_close(states, states_ref, rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(convs, convs_ref, rtol=0, atol=0)
+            torch.testing.assert_close(state, state_ref, rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(conv_state, conv_ref, rtol=0, atol=0)
+            assert not arrivals.any()
+
+
+def test_kda_splits_fill_the_gpu_within_the_tile_bounds():
+    """Off a GPU, a GPU's tiles are an H200's (132 SMs)."""
+    cpu = torch.device("cpu")
+    with gpu_tiles():
+        assert kda_splits(12, 128, cpu) == 8        # batch 1 at TP8: 96 programs, 16 rows each
+        assert kda_splits(96, 128, cpu) == 4        # batch 8: 384 programs
+        assert kda_splits(768, 128, cpu) == 2       # batch 64: 64 rows a program at most
+        assert kda_splits(4, 16, cpu) == 1          # a 16-row state is one tile
+    if INTERPRETED:
+        assert kda_splits(12, 128, cpu) == 1        # the interpreter's whole tiles
+
+
+def test_kda_decode_refuses_bad_splits_and_arrivals():
+    z, params, conv_state, state = inputs(1, 1, 2, 16, 16, 3)
+    for kwargs, message in (({"splits": 3}, "3 splits must be a power of two"),
+                            ({"splits": 32}, "32 splits must be a power of two"),
+                            ({"arrivals": torch.zeros(1, dtype=torch.int32)}, "at least 2"),
+                            ({"arrivals": torch.zeros(2)}, "must be int32")):
+        with pytest.raises(ValueError, match=message):
+            kda_decode(z, conv_state=conv_state, state=state, **kwargs, **params)

@@ -8,6 +8,9 @@ row's scale. Tolerances are therefore counted in bf16 ulps of max(|element|, row
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 
 BF16_EPS = 2.0**-7  # spacing of bf16 just above 1.0 (8 significant bits)
@@ -28,6 +31,27 @@ def assert_close_bf16(actual: torch.Tensor, expected: torch.Tensor, ulps: float 
     bad = (a - e).abs() > tol
     assert not bad.any(), (f"{int(bad.sum())} of {bad.numel()} elements differ; worst "
                            f"{float(((a - e).abs() / tol)[bad].max()):.2f}× the tolerance")
+
+
+@contextlib.contextmanager
+def programs_in_reverse() -> Iterator[None]:
+    """Within it, the interpreter runs a grid's programs last to first. It runs them one at a
+    time in grid order, where a GPU runs them in any order and at once: a kernel whose
+    programs share memory (one writes what another reads) must give the same result in both
+    orders, or one program depends on running before another."""
+    from triton.runtime.interpreter import InterpreterBuilder
+
+    forward = InterpreterBuilder.set_grid_idx
+
+    def backward(self, x, y, z):
+        gx, gy, gz = self.grid_dim
+        forward(self, gx - 1 - x, gy - 1 - y, gz - 1 - z)
+
+    InterpreterBuilder.set_grid_idx = backward
+    try:
+        yield
+    finally:
+        InterpreterBuilder.set_grid_idx = forward
 
 
 class RecordingGemv:
