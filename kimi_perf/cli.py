@@ -451,8 +451,9 @@ def gate_cmd(baseline: Path, run: Path, metrics: str, rel_tol: float, alpha: flo
     if _given("phase") and _stored(baseline) and _stored(run):
         raise TraceError(None, f"--phase applies to traces, and {baseline}, {run} are stored "
                                "breakdowns")
+    loaded: dict[Path, tuple] = {}
     if update:
-        runs, run_doc, _ = gate_mod.load_run(run, phase)
+        runs, run_doc, _ = loaded[run] = gate_mod.load_run(run, phase)
         if not gate_mod.has_work(runs):
             raise TraceError(run, "holds no steps and no layers: nothing to store as a baseline")
         if not baseline.exists():
@@ -460,12 +461,12 @@ def gate_cmd(baseline: Path, run: Path, metrics: str, rel_tol: float, alpha: flo
             click.echo(f"baseline {baseline} created from {run}", err=True)
             return
         # a stored baseline with nothing to check (which gate refuses) is replaced unchecked
-        base_runs, _, base_file = gate_mod.load_run(baseline, phase)
+        base_runs, _, base_file = loaded[baseline] = gate_mod.load_run(baseline, phase)
         if base_file is not None and not gate_mod.has_work(base_runs):
             gate_mod.store_baseline(base_file, run_doc)
             click.echo(f"baseline {base_file} replaced from {run}", err=True)
             return
-    gated = gate_mod.gate_files(baseline, run, tolerances, path_name, phase)
+    gated = gate_mod.gate_files(baseline, run, tolerances, path_name, phase, loaded)
     if update and gated.baseline_file is None:
         raise TraceError(baseline, "--update replaces a baseline JSON (or a run directory's "
                                    "breakdown.json), not a trace")

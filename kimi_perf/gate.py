@@ -154,14 +154,17 @@ class GatedRun:
 
 
 def gate_files(baseline: str | Path, run: str | Path, tolerances: Tolerances = Tolerances(),
-               path: str | None = None, phase: str = "auto") -> GatedRun:
+               path: str | None = None, phase: str = "auto",
+               loaded: dict[Path, tuple] | None = None) -> GatedRun:
     """``gate`` over what two files hold (each a run directory, its ``breakdown.json``, a
     breakdown JSON or a trace, traces broken down over the steps of ``phase``); ``path``: check
     that decode path alone (a trace on either side stands for it). A trace against a run of
-    several paths needs ``path``: which one would it stand for?"""
+    several paths needs ``path``: which one would it stand for? ``loaded``: what ``load_run``
+    gave for either file already (a trace is not read twice)."""
     baseline, run = Path(baseline), Path(run)
-    current, run_doc, _ = load_run(run, phase)
-    base, base_doc, base_file = load_run(baseline, phase)
+    loaded = loaded or {}
+    current, run_doc, _ = loaded.get(run) or load_run(run, phase)
+    base, base_doc, base_file = loaded.get(baseline) or load_run(baseline, phase)
     if path is not None:
         if set(base) == set(current) == {TRACE}:
             raise TraceError(None, f"--path picks a decode path of a kimi-perf run: neither "

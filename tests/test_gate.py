@@ -547,6 +547,22 @@ def test_cli_exit_codes_and_update(tmp_path):
     assert result.exit_code == 2 and "--metrics" in result.output
 
 
+def test_update_reads_each_file_once(tmp_path, monkeypatch):
+    """``gate --update`` checks the run it then stores: the trace is read and broken down
+    once, not once to see that it holds work and again to gate it."""
+    import kimi_perf.gate as gate_module
+
+    reads: list[Path] = []
+    real = gate_module.load_run
+    monkeypatch.setattr(gate_module, "load_run",
+                        lambda path, phase="auto": reads.append(Path(path)) or real(path, phase))
+    baseline = tmp_path / "base.json"
+    baseline.write_text(json.dumps(real(EXAMPLE_TRACE)[1]))
+    result = CliRunner().invoke(main, ["gate", str(baseline), str(EXAMPLE_TRACE), "--update"])
+    assert result.exit_code == 0 and "updated from" in result.output
+    assert sorted(map(str, reads)) == sorted([str(baseline), str(EXAMPLE_TRACE)])
+
+
 def test_this_repository_keeps_its_launch_counts(tmp_path):
     """Nightly-CI use on this CPU: a fresh `kimi-perf trace` has the launches per layer that
     the committed baseline has (the µs of a CPU run are not a speed figure: kernels only)."""
