@@ -1,7 +1,11 @@
+import contextlib
+import os
+
 import pytest
 import torch
 
 from kimi_perf_kernels.common import gpu_tiles
+from tests.kernels.util import programs_in_reverse
 
 _EMPTY, _EMPTY_LIKE = torch.empty, torch.empty_like
 
@@ -37,3 +41,13 @@ def tiles(request):
             yield request.param
     else:
         yield request.param
+
+
+@pytest.fixture(autouse=True)
+def program_order():
+    """KIMI_PERF_PROGRAMS_REVERSED=1 runs every grid's programs last to first (CI runs the
+    kernel tests in both orders): a kernel whose programs share memory must not depend on
+    the interpreter's grid order."""
+    reverse = os.environ.get("KIMI_PERF_PROGRAMS_REVERSED") == "1"
+    with programs_in_reverse() if reverse else contextlib.nullcontext():
+        yield
