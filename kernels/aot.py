@@ -122,15 +122,17 @@ def builds() -> list[Build]:
                  "out_ptr": "*bf16", "ckpt_conv_ptr": "*bf16", "arrivals_ptr": "*i32",
                  "eps": "fp32", "lower_bound": "fp32"}
     kda_types["f_ptr"] = "*bf16"
-    # batch 1 and 64, a verify step of 1+3 tokens, the standard path's (f_b projected before),
-    # each split as on an H200
-    for batch, tokens, f_given in ((1, 1, False), (64, 1, False), (1, 4, False), (1, 1, True)):
-        splits = kda_decode.kda_splits(batch * 12, 128, torch.device("cpu"))
+    # batch 1 and 64, verify steps of 1+3 and 1+7 tokens at batch 1, 8 and 64, the standard
+    # path's (f_b projected before), each split as on an H200
+    for batch, tokens, f_given in ((1, 1, False), (64, 1, False), (1, 4, False), (8, 4, False),
+                                   (64, 4, False), (64, 8, False), (64, 4, True), (1, 1, True)):
+        splits = kda_decode.kda_splits(batch * 12, 128, torch.device("cpu"), tokens)
         tiles = kda_decode.kda_tiles(128, 128, splits)
-        consts = {"D": 128, "F_RANK": 128, **tiles, "F_GIVEN": f_given,
-                  "CHECKPOINT": tokens > 1, "RNE": False}
-        tag = (" verify 1+3" if tokens > 1 else " f given (standard)" if f_given
-               else f" batch {batch}")
+        consts = {"D": 128, "F_RANK": 128, **tiles, "T_PAD": kda_decode.kda_token_rows(tokens),
+                  "F_GIVEN": f_given, "CHECKPOINT": tokens > 1, "DOT_FP32": False,
+                  "RNE": False}
+        tag = (f" batch {batch} verify 1+{tokens - 1}" + (" f given" if f_given else "")
+               if tokens > 1 else " f given (standard)" if f_given else f" batch {batch}")
         f_row = kda_proj if f_given else in_proj
         out.append(Build(f"kda_decode d128{tag} split {splits}",
                          kda_decode.kda_decode_kernel,
@@ -433,10 +435,15 @@ def _specialised(build: Build) -> tuple[dict[str, str], dict[str, object], dict]
     return signature, constexprs, attrs
 
 
-def compile_one(build: Build) -> dict:
+def compile_build(build: Build):
+    """The build compiled for sm_90a (Triton's kernel: ``.asm["ptx"]``, its metadata)."""
     signature, constexprs, attrs = _specialised(build)
     src = ASTSource(fn=build.fn, signature=signature, constexprs=constexprs, attrs=attrs)
-    kernel = triton.compile(src, target=TARGET, options={"num_warps": build.num_warps})
+    return triton.compile(src, target=TARGET, options={"num_warps": build.num_warps})
+
+
+def compile_one(build: Build) -> dict:
+    kernel = compile_build(build)
     with tempfile.TemporaryDirectory() as tmp:
         ptx = Path(tmp) / "k.ptx"
         ptx.write_text(kernel.asm["ptx"])

@@ -9,11 +9,12 @@ can be rolled back) and stores them once. At K3's d = 128 a split of 8 gives a b
 (12 heads a rank at TP8) 96 programs, not 12, on 132 SMs.
 
 What each program still needs whole, it computes whole: q and k (conv4 + SiLU + L2 norm over
-all d), the f_b projection (taken in F_BLOCK-wide slices of the head's [d, f_rank] weight)
-and the decay gate over K. The conv state is read, never updated, while a step runs (a
-token's window is the state's three inputs and the step's tokens before it), so no program
-overwrites what another still reads: each writes its own v channels' new state at the end,
-and the head's last program to finish writes q's and k's.
+all d), the f_b projection and the decay gate over K. A decode token's projection is a GEMV
+in F_BLOCK-wide slices of the head's [d, f_rank] weight; a verify step's tokens take theirs
+in one tensor-core product, one pass over the weight, and slide each channel's conv window
+in registers over the tokens. q's and k's conv state, which every program of the head reads,
+is only read while the step runs: the head's last program to finish writes it. Each program
+writes its own v channels' (a decode token's at once, a verify step's at the end).
 
 The gated RMSNorm needs all d outputs of a token: the programs park their rows in an fp32
 scratch row and count themselves in on an arrival counter (an atomic, acquire-release); the
@@ -33,7 +34,8 @@ from kimi_perf_kernels.common import INTERPRETED, cast, interpreter_tiles, sigmo
 
 STAGES = tl.constexpr(2)  # the next f_b slice loads while one is used
 MIN_ROWS = 16             # state rows a program on a GPU: fewer and q, k, f are mostly overhead
-MAX_ROWS = 64             # more and a [rows, 128] fp32 tile kept across tokens spills
+MAX_ROWS = 64             # more and a [rows, 128] fp32 tile kept in registers spills
+MAX_VERIFY_ROWS = 32      # a verify step's (its tokens' decay gates in registers too)
 
 
 @triton.jit
@@ -42,8 +44,8 @@ def kda_decode_kernel(z_ptr, wfb_ptr, f_ptr, dt_bias_ptr, a_log_ptr, conv_w_ptr,
                       ckpt_conv_ptr, B, T, H, stride_zb, stride_zt, stride_fb, stride_ft,
                       stride_ob, stride_ot, g_col, fa_col, b_col, eps, lower_bound,
                       D: tl.constexpr, F_RANK: tl.constexpr, BV: tl.constexpr,
-                      F_BLOCK: tl.constexpr, F_GIVEN: tl.constexpr, CHECKPOINT: tl.constexpr,
-                      RNE: tl.constexpr):
+                      F_BLOCK: tl.constexpr, T_PAD: tl.constexpr, F_GIVEN: tl.constexpr,
+                      CHECKPOINT: tl.constexpr, DOT_FP32: tl.constexpr, RNE: tl.constexpr):
     pid = tl.program_id(0)                            # (sequence, head)
     split = tl.program_id(1)                          # which BV rows of the head's state
     b = pid // H
@@ -62,23 +64,68 @@ def kda_decode_kernel(z_ptr, wfb_ptr, f_ptr, dt_bias_ptr, a_log_ptr, conv_w_ptr,
     tile = (b * H + h) * D * D + rows[:, None] * D + i[None, :]
     S = tl.load(state_ptr + tile)
     scratch = scratch_ptr + pid * T * D
+    if T_PAD > 1:
+        # A verify step's conv windows (the conv state's three inputs) and weights, loaded
+        # once and slid in registers over its tokens: the conv state is only read here.
+        qw0, qw1, qw2, qw3 = _conv_weights(conv_w_ptr, q_ch)
+        kw0, kw1, kw2, kw3 = _conv_weights(conv_w_ptr, k_ch)
+        vw0, vw1, vw2, vw3 = _conv_weights(conv_w_ptr, v_ch)
+        qx0, qx1, qx2 = _window(conv_base, q_ch)
+        kx0, kx1, kx2 = _window(conv_base, k_ch)
+        vx0, vx1, vx2 = _window(conv_base, v_ch)
+    if not F_GIVEN and T_PAD > 1:
+        # A verify step's f_b projections at once: one pass over the head's [d, f_rank]
+        # weight (not one a token), rows t < T of a [T_PAD, d] tensor-core product.
+        tok = tl.arange(0, T_PAD)
+        f_all = tl.zeros([T_PAD, D], dtype=tl.float32)
+        for r0 in tl.range(0, F_RANK, F_BLOCK, num_stages=STAGES):
+            f_a = tl.load(zb + tok[:, None] * stride_zt + fa_col + r0 + r[None, :],
+                          mask=tok[:, None] < T, other=0.0)
+            w_t = tl.load(wfb_ptr + (h * D + i)[None, :] * F_RANK + r0 + r[:, None])
+            if DOT_FP32:                              # the interpreter's bf16 dot is wrong
+                f_all = tl.dot(f_a.to(tl.float32), w_t.to(tl.float32), f_all,
+                               input_precision="ieee")
+            else:
+                f_all = tl.dot(f_a, w_t, f_all)       # bf16 products, exact in fp32
+        decay_all = tl.exp(lower_bound * sigmoid(a * (f_all + dt_bias[None, :])))
     for t in range(0, T):
         z = zb + t * stride_zt
-        q = _conv(zb, stride_zt, conv_base, conv_w_ptr, q_ch, t)
-        k = _conv(zb, stride_zt, conv_base, conv_w_ptr, k_ch, t)
-        v = _conv(zb, stride_zt, conv_base, conv_w_ptr, v_ch, t)
+        if T_PAD > 1:
+            qn = tl.load(z + q_ch).to(qx0.dtype)      # the raw input, as the state keeps it
+            kn = tl.load(z + k_ch).to(kx0.dtype)
+            vn = tl.load(z + v_ch).to(vx0.dtype)
+            q = _silu_conv(qw0, qw1, qw2, qw3, qx0, qx1, qx2, qn)
+            k = _silu_conv(kw0, kw1, kw2, kw3, kx0, kx1, kx2, kn)
+            v = _silu_conv(vw0, vw1, vw2, vw3, vx0, vx1, vx2, vn)
+            qx0, qx1, qx2 = qx1, qx2, qn
+            kx0, kx1, kx2 = kx1, kx2, kn
+            vx0, vx1, vx2 = vx1, vx2, vn
+        else:
+            q = _decode_conv(z, conv_base, conv_w_ptr, q_ch)
+            k = _decode_conv(z, conv_base, conv_w_ptr, k_ch)
+            v = _decode_conv(z, conv_base, conv_w_ptr, v_ch)
+            # The v channels are this program's alone: their new conv state is written at
+            # once (after every thread has read the old), not held over the f_b GEMV (at 64
+            # rows a program: 128 registers, not 168; two CTAs an SM).
+            if CHECKPOINT:
+                _shift_window(z, conv_base, ckpt_conv_ptr + b * C * 3, v_ch)
+            tl.debug_barrier()
+            _shift_window(z, conv_base, conv_base, v_ch)
         q = q / tl.sqrt(tl.sum(q * q, axis=0) + 1e-6) * (1.0 / tl.sqrt(D * 1.0))
         k = k / tl.sqrt(tl.sum(k * k, axis=0) + 1e-6)
         if F_GIVEN:
             f = dt_bias + tl.load(f_ptr + b * stride_fb + t * stride_ft + h * D + i).to(
                 tl.float32)
+            decay = tl.exp(lower_bound * sigmoid(a * f))
+        elif T_PAD > 1:
+            decay = tl.sum(tl.where(tok[:, None] == t, decay_all, 0.0), axis=0)   # row t
         else:
             f = dt_bias
             for r0 in tl.range(0, F_RANK, F_BLOCK, num_stages=STAGES):
                 f_a = tl.load(z + fa_col + r0 + r).to(tl.float32)
                 w = tl.load(wfb_ptr + (h * D + i)[:, None] * F_RANK + r0 + r[None, :])
                 f += tl.sum(w.to(tl.float32) * f_a[None, :], axis=1)
-        decay = tl.exp(lower_bound * sigmoid(a * f))
+            decay = tl.exp(lower_bound * sigmoid(a * f))
         beta = tl.sigmoid(tl.load(z + b_col + h).to(tl.float32))
         S = S * decay[None, :]
         u = beta * (v - tl.sum(S * k[None, :], axis=1))
@@ -87,19 +134,28 @@ def kda_decode_kernel(z_ptr, wfb_ptr, f_ptr, dt_bias_ptr, a_log_ptr, conv_w_ptr,
         if CHECKPOINT:                                # position t's state, for the rollback
             tl.store(ckpt_state_ptr + t * B * H * D * D + tile, S)
             ck_conv = ckpt_conv_ptr + (t * B + b) * C * 3
-            _keep_window(zb, stride_zt, conv_base, ck_conv, v_ch, t + 1)
-            if split == 0:
-                _keep_window(zb, stride_zt, conv_base, ck_conv, q_ch, t + 1)
-                _keep_window(zb, stride_zt, conv_base, ck_conv, k_ch, t + 1)
+            if T_PAD > 1:
+                _store_window(ck_conv, v_ch, vx0, vx1, vx2)
+                if split == 0:
+                    _store_window(ck_conv, q_ch, qx0, qx1, qx2)
+                    _store_window(ck_conv, k_ch, kx0, kx1, kx2)
+            elif split == 0:
+                _shift_window(z, conv_base, ck_conv, q_ch)
+                _shift_window(z, conv_base, ck_conv, k_ch)
     tl.store(state_ptr + tile, S)
     tl.debug_barrier()                                # every thread's reads and writes done
-    _keep_window(zb, stride_zt, conv_base, conv_base, v_ch, T)
+    if T_PAD > 1:
+        _store_window(conv_base, v_ch, vx0, vx1, vx2)
     arrived = tl.atomic_add(arrivals_ptr + pid, 1, sem="acq_rel")
     if arrived == tl.num_programs(1) - 1:
         # the head's last program: the others have read q's and k's conv state and parked
         # their rows of every token's output
-        _keep_window(zb, stride_zt, conv_base, conv_base, q_ch, T)
-        _keep_window(zb, stride_zt, conv_base, conv_base, k_ch, T)
+        if T_PAD > 1:
+            _store_window(conv_base, q_ch, qx0, qx1, qx2)
+            _store_window(conv_base, k_ch, kx0, kx1, kx2)
+        else:
+            _shift_window(zb, conv_base, conv_base, q_ch)
+            _shift_window(zb, conv_base, conv_base, k_ch)
         tl.store(arrivals_ptr + pid, 0)
         norm_w = tl.load(onorm_ptr + i)
         for t in range(0, T):
@@ -112,34 +168,50 @@ def kda_decode_kernel(z_ptr, wfb_ptr, f_ptr, dt_bias_ptr, a_log_ptr, conv_w_ptr,
 
 
 @triton.jit
-def _conv_input(zb, stride_zt, conv_base, ch, j):
-    """Input j of channels ``ch`` in the step: the conv state's three (j < 3), then the
-    step's tokens (j = 3 + t), in the conv state's dtype."""
-    in_state = (j < 3) & (ch >= 0)
-    kept = tl.load(conv_base + ch * 3 + j, mask=in_state)
-    new = tl.load(zb + (j - 3) * stride_zt + ch, mask=(j >= 3) & (ch >= 0))
-    return tl.where(in_state, kept, new.to(kept.dtype))
+def _conv_weights(conv_w_ptr, ch):
+    return (tl.load(conv_w_ptr + ch * 4 + 0), tl.load(conv_w_ptr + ch * 4 + 1),
+            tl.load(conv_w_ptr + ch * 4 + 2), tl.load(conv_w_ptr + ch * 4 + 3))
 
 
 @triton.jit
-def _conv(zb, stride_zt, conv_base, conv_w_ptr, ch, t):
-    """Token t's SiLU(Σ_j w[ch, j] · x[t + j]) over its window of inputs x[t .. t + 3]."""
-    y = tl.load(conv_w_ptr + ch * 4) * _conv_input(zb, stride_zt, conv_base, ch, t).to(
-        tl.float32)
-    for j in tl.static_range(1, 4):
-        y += tl.load(conv_w_ptr + ch * 4 + j) * _conv_input(
-            zb, stride_zt, conv_base, ch, t + j).to(tl.float32)
+def _window(conv_base, ch):
+    """A conv state's three inputs of channels ``ch``, oldest first."""
+    return (tl.load(conv_base + ch * 3 + 0), tl.load(conv_base + ch * 3 + 1),
+            tl.load(conv_base + ch * 3 + 2))
+
+
+@triton.jit
+def _store_window(dest, ch, x0, x1, x2):
+    tl.store(dest + ch * 3 + 0, x0)
+    tl.store(dest + ch * 3 + 1, x1)
+    tl.store(dest + ch * 3 + 2, x2)
+
+
+@triton.jit
+def _decode_conv(z, conv_base, conv_w_ptr, ch):
+    """A decode token's conv: its window is the conv state's three inputs and its own."""
+    return _silu_conv(tl.load(conv_w_ptr + ch * 4 + 0), tl.load(conv_w_ptr + ch * 4 + 1),
+                      tl.load(conv_w_ptr + ch * 4 + 2), tl.load(conv_w_ptr + ch * 4 + 3),
+                      *_window(conv_base, ch), tl.load(z + ch))
+
+
+@triton.jit
+def _shift_window(z, conv_base, dest, ch):
+    """Write to ``dest`` the conv state after a decode token: the state's two newest inputs
+    and the token's (all read before any is written: ``dest`` may be the state)."""
+    _, x1, x2 = _window(conv_base, ch)
+    _store_window(dest, ch, x1, x2, tl.load(z + ch).to(x2.dtype))
+
+
+@triton.jit
+def _silu_conv(w0, w1, w2, w3, x0, x1, x2, x3):
+    """SiLU(Σ_j w_j · x_j) over a window of four inputs, oldest first."""
+    y = (w0 * x0.to(tl.float32) + w1 * x1.to(tl.float32) + w2 * x2.to(tl.float32)
+         + w3 * x3.to(tl.float32))
     return y * tl.sigmoid(y)
 
 
-@triton.jit
-def _keep_window(zb, stride_zt, conv_base, dest, ch, t):
-    """Write to ``dest`` (a conv state) the window after t tokens: inputs t .. t + 2."""
-    for j in tl.static_range(0, 3):
-        tl.store(dest + ch * 3 + j, _conv_input(zb, stride_zt, conv_base, ch, t + j))
-
-
-def kda_splits(rows: int, head_dim: int, device: torch.device) -> int:
+def kda_splits(rows: int, head_dim: int, device: torch.device, tokens: int = 1) -> int:
     """Programs a head's state is split over, for ``rows`` (sequence, head) pairs: rows of
     MIN_ROWS to MAX_ROWS a program, doubling the split while the grid is under two programs
     an SM; 1 under the interpreter's whole tiles. Depends on shapes only (a CUDA graph keeps
@@ -150,7 +222,7 @@ def kda_splits(rows: int, head_dim: int, device: torch.device) -> int:
         return 1
     else:
         sms = 132                                     # a GPU's tiles under the interpreter: H200
-    splits = max(1, head_dim // MAX_ROWS)
+    splits = max(1, head_dim // (MAX_ROWS if tokens == 1 else MAX_VERIFY_ROWS))
     while rows * splits < 2 * sms and head_dim // (2 * splits) >= MIN_ROWS:
         splits *= 2
     return splits
@@ -188,7 +260,7 @@ def kda_decode(z: torch.Tensor, heads: int, head_dim: int, f_rank: int, w_fb: to
         raise ValueError(f"kda_decode: f {tuple(f.shape)} must be [B, T, H*d] = "
                          f"{(B, T, proj)} with contiguous rows")
     if splits is None:
-        splits = kda_splits(B * heads, head_dim, z.device)
+        splits = kda_splits(B * heads, head_dim, z.device, T)
     if splits < 1 or head_dim % splits or (splits & (splits - 1)):
         raise ValueError(f"kda_decode: {splits} splits must be a power of two dividing "
                          f"head_dim {head_dim}")
@@ -205,7 +277,8 @@ def kda_decode(z: torch.Tensor, heads: int, head_dim: int, f_rank: int, w_fb: to
         arrivals, ckpt_state, ckpt_conv, B, T, heads, z.stride(0), z.stride(1),
         f_arg.stride(0), f_arg.stride(1), out.stride(0), out.stride(1), 3 * proj, 4 * proj,
         4 * proj + f_rank, eps, lower_bound, D=head_dim, F_RANK=f_rank, **tiles,
-        F_GIVEN=f is not None, CHECKPOINT=checkpoint, RNE=INTERPRETED,
+        T_PAD=kda_token_rows(T), F_GIVEN=f is not None, CHECKPOINT=checkpoint,
+        DOT_FP32=INTERPRETED, RNE=INTERPRETED,
         num_warps=kda_warps(tiles["BV"]))
     return (out, ckpt_state, ckpt_conv) if checkpoint else out
 
@@ -215,6 +288,12 @@ def kda_tiles(head_dim: int, f_rank: int, splits: int) -> dict[str, int]:
     a GPU, the whole rank under the interpreter's tiles)."""
     return {"BV": head_dim // splits,
             "F_BLOCK": f_rank if interpreter_tiles() else min(64, f_rank)}
+
+
+def kda_token_rows(tokens: int) -> int:
+    """Rows of a verify step's f_b product (a tensor-core tile: 16 at least); 1 for decode,
+    whose one token takes the projection as a GEMV."""
+    return 1 if tokens == 1 else max(16, triton.next_power_of_2(tokens))
 
 
 def kda_warps(rows: int) -> int:

@@ -1,4 +1,9 @@
 import contextlib
+import json
+import os
+import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -76,13 +81,13 @@ def test_kda_decode_with_the_f_b_projection_given():
 
 
 @pytest.mark.parametrize("order", ["forward", "reverse"])
-@pytest.mark.parametrize("splits", [2, 4, 16])
-def test_kda_decode_split_over_state_rows(splits, order):
-    """A head's state split over programs (16: a row each) through a verify of 3 tokens,
-    twice on one arrivals buffer: each program reads the conv state the step started from,
-    whichever program runs first; the last to arrive norms the head and leaves its counter
-    at 0 for the next launch."""
-    batch, tokens, heads, d, f_rank = 2, 3, 2, 16, 16
+@pytest.mark.parametrize(("splits", "tokens"), [(2, 3), (4, 3), (16, 3), (4, 1)])
+def test_kda_decode_split_over_state_rows(splits, tokens, order):
+    """A head's state split over programs (16: a row each) through a verify of 3 tokens or
+    one token kept for a rollback, twice on one arrivals buffer: each program reads the conv
+    state the step started from, whichever program runs first; the last to arrive norms the
+    head and leaves its counter at 0 for the next launch."""
+    batch, heads, d, f_rank = 2, 2, 16, 16
     z, params, conv_state, state = inputs(batch, tokens, heads, d, f_rank, splits)
     conv_ref, state_ref = conv_state.clone(), state.clone()
     arrivals = torch.zeros(batch * heads + 3, dtype=torch.int32)
@@ -110,6 +115,7 @@ def test_kda_splits_fill_the_gpu_within_the_tile_bounds():
         assert kda_splits(96, 128, cpu) == 4        # batch 8: 384 programs
         assert kda_splits(768, 128, cpu) == 2       # batch 64: 64 rows a program at most
         assert kda_splits(4, 16, cpu) == 1          # a 16-row state is one tile
+        assert kda_splits(768, 128, cpu, tokens=4) == 4   # a verify step: 32 rows at most
     if INTERPRETED:
         assert kda_splits(12, 128, cpu) == 1        # the interpreter's whole tiles
 
@@ -122,3 +128,35 @@ def test_kda_decode_refuses_bad_splits_and_arrivals():
                             ({"arrivals": torch.zeros(2)}, "must be int32")):
         with pytest.raises(ValueError, match=message):
             kda_decode(z, conv_state=conv_state, state=state, **kwargs, **params)
+
+
+def test_the_arrival_is_released_after_a_barrier_in_the_compiled_kernel():
+    """What the interpreter cannot show (it runs programs one at a time, each op whole): in
+    the PTX built for sm_90a, every store of a program's state and output rows precedes a CTA
+    barrier that precedes its one acquire-release arrival, whose result reaches the CTA's
+    threads through a barrier before the last program reads the others' rows."""
+    script = (
+        "import json\n"
+        "from kimi_perf_kernels import aot\n"
+        "builds = [b for b in aot.builds() if b.label in ('kda_decode d128 batch 1 split 8',\n"
+        "          'kda_decode d128 batch 8 verify 1+3 split 4')]\n"
+        "print(json.dumps({b.label: aot.compile_build(b).asm['ptx'] for b in builds}))\n")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    ptx_of = json.loads(done.stdout)
+    assert len(ptx_of) == 2
+    for label, ptx in ptx_of.items():
+        lines = ptx.splitlines()
+        atoms = [n for n, line in enumerate(lines) if "atom.global" in line]
+        assert len(atoms) == 1 and "atom.global.gpu.acq_rel.add" in lines[atoms[0]], label
+        arrival = atoms[0]
+        fp32_stores = [n for n, line in enumerate(lines[:arrival])
+                       if re.search(r"st\.global(\.v\d)?\.b32", line)]
+        assert fp32_stores, label
+        assert any("bar.sync" in line for line in lines[fp32_stores[-1]:arrival]), label
+        after = lines[arrival:]
+        broadcast = next(n for n, line in enumerate(after) if "bar.sync" in line)
+        cg_load = next(n for n, line in enumerate(after) if "ld.global.cg" in line)
+        assert broadcast < cg_load, label
