@@ -199,6 +199,11 @@ def capture(req: TraceRequest, progress=None) -> tuple[Path, dict[str, Breakdown
     if req.tp != 1 and config.tp != 1:   # one rank's shapes, sharded again: before any work
         raise TraceError(None, f"{req.preset} is already sharded over {config.tp} ranks: for "
                                f"TP {req.tp} use --preset k3 --tp {req.tp}")
+    if req.tp != 1:
+        try:
+            config.shard(req.tp)   # each rank shards it again: refused here, before any work
+        except ValueError as exc:
+            raise TraceError(None, f"--tp {req.tp}: {req.preset}'s {exc}") from None
     with run_directory(req.out_dir, f"{req.preset}-b{req.batch}") as (run_dir, final):
         run_info, results = _capture_all(req, config, device, run_dir, final, progress)
     return final, results, run_info
@@ -339,11 +344,15 @@ def profiler_schedule(warmup: int, steps: int, graphs: bool):
     inside the layer ranges, are what the replayed kernels map back to (``kimi_perf.graphs``);
     steps are the decode_step ranges either way.
     """
+    import warnings
+
     import torch
 
     if graphs:
         return torch.profiler.schedule(wait=0, warmup=1, active=warmup + steps, repeat=1)
-    return torch.profiler.schedule(wait=1, warmup=warmup, active=steps, repeat=1)
+    with warnings.catch_warnings():   # --warmup 0 asks for none: torch need not warn of it
+        warnings.filterwarnings("ignore", message="Profiler won't be using warmup")
+        return torch.profiler.schedule(wait=1, warmup=warmup, active=steps, repeat=1)
 
 
 def _capture_path_ranks(path: str, config, weights, req: TraceRequest, run_dir: Path
@@ -407,8 +416,8 @@ def _metrics(req: TraceRequest, device: str, prefill_s: float, steps: list[float
         "step_latency_s": {"median": statistics.median(steps), "min": min(steps),
                            "max": max(steps)},
         "timed": (timed or f"under the profiler ({req.backend})") + (
-            "; CPU, Triton interpreter for the specialized path: not a speed figure"
-            if device == "cpu" else ""),
+            "" if device != "cpu" else "; on a CPU: not a speed figure" if model == "K3Model"
+            else "; on a CPU, Triton's interpreter running the kernels: not a speed figure"),
         "fallbacks": fallbacks,
         # K3Model / StandardKernelsModel: the standard path's PyTorch ops or one kernel a step
         "model": model,

@@ -153,7 +153,7 @@ def _count_of(option: str, value: str | None, what: str) -> int | None:
     if value is None:
         return None
     if not value.isdecimal() or int(value) < 1:
-        raise TraceError(None, f"{option} takes {what}, not {value!r}")
+        raise TraceError(None, f"{option} takes {what}: 1 or more, not {value!r}")
     return int(value)
 
 
@@ -298,9 +298,10 @@ def breakdown_cmd(trace: Path | None, fmt: str, layers: str, step_regex: str | N
     Without TRACE, analyses the embedded example: one vLLM GPT-OSS-20B decode step under a
     full HIP graph (see kimi_perf/examples/README.md).
     """
+    trace = trace or EXAMPLE_TRACE
     _not_an_input(output, trace, rules)
-    _no_trace_among([trace or EXAMPLE_TRACE])
-    b = _breakdown_of(trace or EXAMPLE_TRACE, layers, rules, step_regex, phase, path_name)
+    _no_trace_among([trace])
+    b = _breakdown_of(trace, layers, rules, step_regex, phase, path_name)
     if fmt == "table":
         typical = [render.typical_layer_table(t["type"] or "-", {"": t}, b.unit)
                    for t in b.layer_types] if kernels else []
@@ -453,6 +454,9 @@ def gate_cmd(baseline: Path, run: Path, metrics: str, rel_tol: float, alpha: flo
                                "breakdowns")
     loaded: dict[Path, tuple] = {}
     if update:
+        if baseline.exists() and not _stored(baseline):
+            raise TraceError(baseline, "--update replaces a baseline JSON, not a trace")
+        gate_mod.check_storable(baseline)
         runs, run_doc, _ = loaded[run] = gate_mod.load_run(run, phase)
         if not gate_mod.has_work(runs):
             raise TraceError(run, "holds no steps and no layers: nothing to store as a baseline")
@@ -467,9 +471,6 @@ def gate_cmd(baseline: Path, run: Path, metrics: str, rel_tol: float, alpha: flo
             click.echo(f"baseline {base_file} replaced from {run}", err=True)
             return
     gated = gate_mod.gate_files(baseline, run, tolerances, path_name, phase, loaded)
-    if update and gated.baseline_file is None:
-        raise TraceError(baseline, "--update replaces a baseline JSON (or a run directory's "
-                                   "breakdown.json), not a trace")
     result = gated.result
     if fmt == "json":
         click.echo(json.dumps(result.to_json(), indent=1, allow_nan=False))
@@ -493,7 +494,9 @@ def gate_cmd(baseline: Path, run: Path, metrics: str, rel_tol: float, alpha: flo
         console.print(render.gate_headline(result))
     if update:
         gate_mod.store_baseline(gated.baseline_file, gated.run_doc)
-        click.echo(f"baseline {gated.baseline_file} updated from {run}", err=True)
+        click.echo(f"baseline {gated.baseline_file} updated from {run}"
+                   + ("" if result.ok else " (what the gate above failed is now the baseline)"),
+                   err=True)
     elif not result.ok:
         sys.exit(1)
 
@@ -752,6 +755,9 @@ def validate(preset_name: str, n_layers: int | None, paths: str, steps: int,
         render.print_tables([render.validation_table(result)])
         for failure in result["failures"]:
             click.echo(f"FAIL {failure}")
+        checked = ", ".join(result["paths"])
+        click.echo(f"validate: pass ({checked} within bounds)" if result["ok"] else
+                   f"validate: FAIL ({len(result['failures'])} over their bounds)")
     if not result["ok"]:
         sys.exit(1)
 
@@ -823,8 +829,12 @@ def trace_cmd(from_files: tuple[Path, ...], phase: str, rules: Path | None,
                           "backend", "kv_cache", "spec_tokens", "l2_prefetch",
                           "group_experts_from")
     if from_files and capture_only:
-        raise TraceError(None, f"{', '.join(capture_only)} set up a capture; --from analyses "
-                               "traces already made")
+        raise TraceError(None, f"{', '.join(capture_only)} "
+                               f"{'sets' if len(capture_only) == 1 else 'set'} up a capture; "
+                               "--from analyses traces already made")
+    named = [p for p in paths.split(",") if p]
+    if len(set(named)) < len(named):
+        raise TraceError(None, f"--paths names a path twice: {paths!r}")
     opt_ins = _given("l2_prefetch", "group_experts_from")
     if opt_ins and "specialized" not in paths.split(","):
         raise TraceError(None, f"{', '.join(opt_ins)}: options of the specialized path, which "
@@ -880,7 +890,8 @@ def trace_cmd(from_files: tuple[Path, ...], phase: str, rules: Path | None,
         )
 
         with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                      TimeElapsedColumn(), console=console, transient=True) as bar:
+                      TimeElapsedColumn(), console=console, transient=True,
+                      disable=not console.is_terminal) as bar:   # a pipe gets no bar
             task = bar.add_task("capturing", total=cap.work_units(req))
             run_dir, results, run_info = cap.capture(
                 req, progress=lambda text, units: bar.update(task, description=text,

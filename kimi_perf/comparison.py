@@ -204,6 +204,16 @@ PAIRING = ("types found by the repeating kernel pattern pair by their kernel seq
            "left over by their mix of kernels per class, marked * where the sequences differ")
 
 
+def pairing_note(rows: list[ComparisonRow], label_a: str, label_b: str) -> str | None:
+    """What "X = Y" in a comparison's rows means, told with its first such row (the letters
+    of a template could be types of either side); None when no row pairs two names."""
+    paired = next((r for r in rows if r.type_b and r.name_a is not None), None)
+    if paired is None:
+        return None
+    return (f"{paired.name_a} = {paired.type_b}: the type {label_a} calls {paired.name_a}, "
+            f"{label_b} calls {paired.type_b} ({PAIRING})")
+
+
 def rotation(a: list[str], b: list[str]) -> int | None:
     """How many kernels later in the same cycle b starts than a: r with b == a[r:] + a[:r]
     (0: the same sequence); None where b is no rotation of a. Two typical layers of one cycle
@@ -273,6 +283,7 @@ class OverviewRow:
     types: dict[str, tuple[float, float] | None]
     patterns: dict[str, str | None]   # a type found by the kernel pattern: its digest
     unit: str = "kernels"             # "ops" for a CPU run (``Breakdown.unit``)
+    names: dict[str, str | None] = dataclasses.field(default_factory=dict)  # its own names
 
 
 def differing_patterns(rows: list[OverviewRow]) -> list[str]:
@@ -300,8 +311,24 @@ def overview(breakdowns: dict[str, Breakdown]) -> list[OverviewRow]:
         mine = {column: by_type.get(names_of.get(label)) for column, names_of in columns.items()}
         rows.append(OverviewRow(label, len(spans), step_us, {
             column: (t["kernels"], t["span_us"]) if t else None for column, t in mine.items()},
-            {column: (t or {}).get("pattern") for column, t in mine.items()}, b.unit))
+            {column: (t or {}).get("pattern") for column, t in mine.items()}, b.unit,
+            {column: names_of.get(label) for column, names_of in columns.items()}))
     return rows
+
+
+def renamed_columns(rows: list[OverviewRow], most: int = 4) -> str | None:
+    """Where a trace names a column's type otherwise (its letter paired to another's by the
+    kernel sequence, or primed: taken by an earlier trace's type), what it calls it."""
+    said = []
+    for column in rows[0].types if rows else {}:
+        others = [f"{r.names[column]} in {r.label}" for r in rows
+                  if r.names.get(column) not in (None, column)]
+        if others:
+            said.append(f"{column} is {', '.join(others)}")
+    if not said:
+        return None
+    return ("columns name a type as the first trace that has it does: "
+            + "; ".join(said[:most]) + ("; …" if len(said) > most else ""))
 
 
 @dataclass

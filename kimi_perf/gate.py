@@ -221,14 +221,26 @@ def one_path(file: Path, runs: dict[str, Breakdown], name: str | None
     return name, runs[name]
 
 
+def check_storable(file: str | Path) -> None:
+    """Refuse a baseline file ``store_baseline`` must not write: not a .json file, or a
+    kimi-perf run directory's breakdown.json (or the directory), whose run.json, traces and
+    report would then describe another run than it."""
+    file = Path(file)
+    if file.is_dir() and (file / "breakdown.json").exists():
+        file = file / "breakdown.json"
+    if file.is_dir() or file.suffix != ".json":
+        raise TraceError(file, "a baseline is a .json file")
+    if file.name == "breakdown.json" and (file.parent / "run.json").exists():
+        raise TraceError(file, "is a kimi-perf run directory's: its run.json and traces would "
+                               "no longer match it; keep a baseline as a JSON of its own (a "
+                               "copy of the run's breakdown.json)")
+
+
 def store_baseline(file: str | Path, run_doc: dict) -> None:
     """Write a run's document (``load_run``'s second value, ``GatedRun.run_doc``) as the
-    baseline JSON ``file``, whole or not at all."""
-    file = Path(file)
-    if file.is_dir() or file.suffix != ".json":
-        raise TraceError(file, "a baseline is a .json file (a run directory's breakdown.json "
-                               "or one of its own)")
-    atomic_write_text(file, json.dumps(run_doc, indent=1) + "\n")
+    baseline JSON ``file`` (``check_storable``), whole or not at all."""
+    check_storable(file)
+    atomic_write_text(Path(file), json.dumps(run_doc, indent=1) + "\n")
 
 
 def load_run(path: str | Path, phase: str = "auto"

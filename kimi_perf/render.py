@@ -16,15 +16,16 @@ from rich.text import Text
 
 from kimi_perf.attribution import RangeKernelRow
 from kimi_perf.comparison import (
-    PAIRING,
     UNLIKE_TIMES,
     ComparisonRow,
     OverviewRow,
     aligned_typical,
     count_text,
     differing_patterns,
+    pairing_note,
     patterns_differ,
     ratio_text,
+    renamed_columns,
     rotation_notes,
     spreads,
     stragglers,
@@ -237,8 +238,8 @@ def comparison_table(rows: list[ComparisonRow], label_a: str, label_b: str,
                       str(r.layers_b), count_text(r.kernels_b), fmt(r.span_us_b),
                       ratio_text(r.span_ratio), ratio_text(r.kernel_ratio))
     notes = []
-    if any(r.type_b and r.name_a is not None for r in rows):
-        notes.append(f"A = B: the type {label_a} calls A, {label_b} calls B ({PAIRING})")
+    if paired := pairing_note(rows, label_a, label_b):
+        notes.append(paired)
     if any(r.pattern_differs for r in rows):
         notes.append(f"* found by the repeating kernel pattern, with another kernel sequence in "
                      f"{label_b}: it may be another layer there")
@@ -292,6 +293,8 @@ def overview_table(rows: list[OverviewRow], unit: str = "kernels") -> Table:
     if differ:
         notes.append("* found by the repeating kernel pattern, with other kernel sequences in "
                      "some traces: the letter may name different layers")
+    if renamed := renamed_columns(rows):
+        notes.append(renamed)
     if len({r.unit for r in rows}) > 1:
         notes.append("no spread between CPU runs and GPU traces: their µs differ a "
                      "thousandfold")
@@ -316,8 +319,9 @@ def tables_text(tables: list[Table | str]) -> str:
 def validation_table(result: dict) -> Table:
     bounds = result["bounds"]
     k = result.get("spec_tokens", 0)
-    steps = (f"{result['steps']} verify steps of 1+{k} tokens" if k
-             else f"{result['steps']} steps")
+    n = result["steps"]
+    steps = (f"{n} verify step{'s' * (n != 1)} of 1+{k} tokens" if k
+             else f"{n} decode step{'s' * (n != 1)}")
     table = _table(f"Decode paths vs float64 reference: preset {result['preset']}, "
                    f"{result['dtype']}, {result['kv_cache']} KV cache, batch "
                    f"{result['batch']}, {steps}",
@@ -351,8 +355,10 @@ def _value(v: float | None) -> str:
 def gate_table(result: GateResult, show_all: bool = False) -> Table:
     """The gate's checks (all of them, or those that are not plain ok)."""
     tol = result.tolerances
-    table = _table(f"Regression gate: medians, baseline vs run (time: > {tol.rel_tol:.0%} "
-                   f"and Mann-Whitney p < {tol.alpha:g})",
+    times = [m for m in tol.metrics if m != "kernels"]
+    table = _table("Regression gate: medians, baseline vs run" + (
+                   f" (time: > {tol.rel_tol:.0%} and Mann-Whitney p < {tol.alpha:g})"
+                   if times else " (launches per layer only)"),
                    ["path", "layer", "metric", "baseline", "run", "change", "p", "status",
                     "behind it"],
                    left=("path", "layer", "metric", "status", "behind it"))

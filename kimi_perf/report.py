@@ -20,7 +20,6 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from kimi_perf.comparison import (
-    PAIRING,
     UNLIKE_TIMES,
     aligned_types,
     aligned_typical,
@@ -28,8 +27,10 @@ from kimi_perf.comparison import (
     count_text,
     differing_patterns,
     overview,
+    pairing_note,
     patterns_differ,
     ratio_text,
+    renamed_columns,
     rotation_notes,
     spreads,
     stragglers,
@@ -131,18 +132,20 @@ def _comparison_html(breakdowns: dict[str, Breakdown]) -> str:
     for b in labels[1:]:
         rows = compare(breakdowns[a], breakdowns[b])
         counted = unit[a] if unit[a] == unit[b] else "count"
-        head = (f"<tr><th>layer type</th><th>{e(a)} {unit[a]}</th><th>{e(a)} µs</th>"
-                f"<th>{e(b)} {unit[b]}</th><th>{e(b)} µs</th><th>µs ratio</th>"
+        head = (f"<tr><th>layer type</th><th>{e(a)} layers</th><th>{e(a)} {unit[a]}</th>"
+                f"<th>{e(a)} µs</th><th>{e(b)} layers</th><th>{e(b)} {unit[b]}</th>"
+                f"<th>{e(b)} µs</th><th>µs ratio</th>"
                 f"<th>{counted} ratio</th></tr>")
         body = "".join(
             f"<tr><td>{e(r.label)}{' *' if r.pattern_differs else ''}</td>"
-            f"<td>{count_text(r.kernels_a)}</td>"
-            f"<td>{fmt(r.span_us_a, '.1f')}</td><td>{count_text(r.kernels_b)}</td>"
+            f"<td>{r.layers_a}</td><td>{count_text(r.kernels_a)}</td>"
+            f"<td>{fmt(r.span_us_a, '.1f')}</td><td>{r.layers_b}</td>"
+            f"<td>{count_text(r.kernels_b)}</td>"
             f"<td>{fmt(r.span_us_b, '.1f')}</td><td>{ratio_text(r.span_ratio)}</td>"
             f"<td>{ratio_text(r.kernel_ratio)}</td></tr>"
             for r in rows)
-        note = (f"<p>A = B: the type {e(a)} calls A, {e(b)} calls B ({e(PAIRING)}).</p>"
-                if any(r.type_b and r.name_a is not None for r in rows) else "")
+        paired = pairing_note(rows, a, b)
+        note = f"<p>{e(paired)}.</p>" if paired else ""
         note += (f"<p>* found by the repeating kernel pattern, with another kernel sequence "
                  f"in {e(b)}: it may be another layer there.</p>"
                  if any(r.pattern_differs for r in rows) else "")
@@ -177,6 +180,8 @@ def _overview_html(breakdowns: dict[str, Breakdown]) -> str:
     if differ:
         note += ("<p>* found by the repeating kernel pattern, with other kernel sequences in "
                  "some traces: the letter may name different layers.</p>")
+    if renamed := renamed_columns(rows, most=len(types)):
+        note += f"<p>{e(renamed[0].upper() + renamed[1:])}.</p>"
     if len({r.unit for r in rows}) > 1:
         note += ("<p>No spread between CPU runs and GPU traces: their µs differ a "
                  "thousandfold.</p>")
@@ -399,7 +404,8 @@ def run_info_problem(run: object) -> str | None:
 
 def _gpus_text(gpus: list[dict]) -> str:
     """The GPUs that ran a trace's kernels in a few words: "8 × NVIDIA A100 (108 SMs)"."""
-    kinds = Counter((g.get("name") or "unnamed GPU", g.get("sm_count")) for g in gpus)
+    kinds = Counter((g.get("name") or "GPU not described in the trace", g.get("sm_count"))
+                    for g in gpus)
     return ", ".join(f"{n} × {name}" + (f" ({sms} SMs)" if sms else "")
                      for (name, sms), n in kinds.items()) or "no GPU"
 

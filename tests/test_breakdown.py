@@ -106,6 +106,26 @@ def test_overview_of_several_traces_names_the_slowest():
     assert {s.type: s for s in spreads(rows)}["mla"].slowest_label != "rank1"
 
 
+def test_overview_columns_say_what_each_trace_calls_their_types():
+    """Three traces of the Wan2.1 fixtures: the inference trace's types pair with the
+    training traces' under other letters, and its unpaired A, B, C take primed columns; the
+    table says which is which."""
+    from kimi_perf.comparison import overview, renamed_columns
+    from kimi_perf.render import overview_table, tables_text
+
+    names = ("train_2xh100_before", "train_2xh100_after", "t2v_inference_2xh100_1s")
+    rows = overview({n: breakdown(read_trace(NSYS / f"nsysai_fastvideo_wan2.1_{n}.sqlite"))
+                     for n in names})
+    assert list(rows[0].types) == ["A", "B", "C", "A'", "B'", "C'"]
+    assert [rows[2].names[c] for c in rows[0].types] == ["E", "F", "D", "A", "B", "C"]
+    note = renamed_columns(rows, most=6)
+    assert note == ("columns name a type as the first trace that has it does: A is E in "
+                    "t2v_inference_2xh100_1s; B is F in t2v_inference_2xh100_1s; C is D in "
+                    "t2v_inference_2xh100_1s; A' is A in t2v_inference_2xh100_1s; B' is B in "
+                    "t2v_inference_2xh100_1s; C' is C in t2v_inference_2xh100_1s")
+    assert "; …" in " ".join(tables_text([overview_table(rows)]).split())   # 4 at most
+
+
 def _vllm_phases_trace() -> TraceBuilder:
     """Three steps in vLLM's annotation: decode, mixed (longer kernels), decode."""
     b = TraceBuilder()
@@ -572,6 +592,11 @@ def test_compare_pairs_pattern_types_by_their_kernels_whatever_their_letters(tmp
                                 "kernel pattern pair by their kernel sequence; those left over "
                                 "by their mix of kernels per class, marked * where the "
                                 "sequences differ)") in " ".join(text.split())
+    # the legend names a pair the table has, not letters that may be either side's types
+    renamed = Breakdown.from_json(json.loads(json.dumps(doc).replace('"type": "A"',
+                                                                     '"type": "E"')))
+    text = " ".join(tables_text([comparison_table(compare(a, renamed), "x", "y")]).split())
+    assert "A = E: the type x calls A, y calls E (types found" in text and "A = B" not in text
     (tmp_path / "b.json").write_text(json.dumps(swapped))
     out = CliRunner().invoke(main, ["compare", str(vllm), str(tmp_path / "b.json"),
                                     "--kernels", "--format", "json"]).output

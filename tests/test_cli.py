@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from kimi_perf import cli
 from kimi_perf.cli import main
 from tests.conftest import KINETO, NSYS, REPO
 from tests.test_layers import nvtx_decode_trace
@@ -352,7 +353,7 @@ def test_a_layer_count_below_one_is_refused():
                     "Invalid value for '--layers': 0 is not in the range x>=1",
                     "validate --help)")
     _one_line_error(run("trace", "--layers", "0"), "--layers takes a layer count (with "
-                    "--from: how layers are found), not '0'")
+                    "--from: how layers are found): 1 or more, not '0'")
 
 
 def test_floors_of_a_sharded_preset_at_another_tp_is_refused(tmp_path):
@@ -551,8 +552,10 @@ def test_report_of_traces_names_each_and_the_gpus_that_ran_it(tmp_path):
     assert run("report", VLLM, wan, "-o", out, "--plotly-js", "cdn").exit_code == 0
     text = out.read_text()
     assert (f"<th>trace {VLLM.name.removesuffix('.json.gz')}</th><td>{VLLM} (PyTorch "
-            "profiler (Kineto, ROCm) kineto-json; ran on 1 × unnamed GPU (304 SMs))") in text
-    assert f"<td>{wan} (" in text and "nsys-sqlite; ran on 2 × unnamed GPU)" in text
+            "profiler (Kineto, ROCm) kineto-json; ran on 1 × GPU not described in the trace "
+            "(304 SMs))") in text
+    assert f"<td>{wan} (" in text
+    assert "nsys-sqlite; ran on 2 × GPU not described in the trace)" in text
 
 
 def test_report_compares_the_first_trace_with_each_other(tmp_path):
@@ -973,7 +976,9 @@ def test_trace_from_takes_step_ranges_and_layer_modes(tmp_path):
     flat = run("trace", "--from", VLLM, "--layers", "nvtx", "--out", tmp_path / "nvtx")
     _one_line_error(flat, "--layers nvtx: no range matching the default layer pattern")
     for args, said in ((["--steps", "abc"], "--steps takes a count of decode steps (with "
-                        "--from: a regex for the step ranges), not 'abc'"),
+                        "--from: a regex for the step ranges): 1 or more, not 'abc'"),
+                       (["--paths", "standard,standard"], "--paths names a path twice"),
+                       (["--from", VLLM, "--batch", "4"], "--batch sets up a capture"),
                        (["--layers", "0"], "--layers takes a layer count"),
                        (["--from", jsun, "--layers", "bogus"],
                         "--layers must be auto, repeat, nvtx or nvtx:REGEX, not 'bogus'"),
@@ -1016,7 +1021,7 @@ def test_outputs_that_are_no_plain_files(tmp_path):
         ["real.json", "link.json", "pipe", longest.name])
 
 
-def test_an_output_that_is_an_input_is_refused(tmp_path):
+def test_an_output_that_is_an_input_is_refused(tmp_path, monkeypatch):
     trace = tmp_path / "t.json.gz"
     shutil.copy(VLLM, trace)
     rules = tmp_path / "rules.toml"
@@ -1027,6 +1032,14 @@ def test_an_output_that_is_an_input_is_refused(tmp_path):
                                                  "-o", rules]):
         _one_line_error(run(*args), "is an input of this command")
     assert trace.read_bytes() == VLLM.read_bytes() and rules.read_text() == ""
+
+    # without TRACE, breakdown reads the embedded example (a copy here): an input too
+    example = tmp_path / "example.json.gz"
+    shutil.copy(VLLM, example)
+    monkeypatch.setattr(cli, "EXAMPLE_TRACE", example)
+    _one_line_error(run("breakdown", "--format", "json", "-o", example),
+                    "is an input of this command")
+    assert example.read_bytes() == VLLM.read_bytes()
 
 
 def test_inputs_that_cannot_be_read_as_files(tmp_path):

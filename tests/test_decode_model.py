@@ -230,6 +230,7 @@ def test_validate_cli(tmp_path):
                                      "--spec-tokens", "2"])
     assert spec.exit_code == 0, spec.output
     assert "2 verify steps of 1+2 tokens" in spec.output
+    assert spec.output.rstrip().endswith("validate: pass (standard within bounds)")
     too_many = CliRunner().invoke(main, ["validate", "--spec-tokens", "1000000"])
     assert too_many.exit_code == 2 and too_many.output.count("\n") == 1
     assert "'--spec-tokens': 1000000 is not in the range 0<=x<=31" in too_many.output

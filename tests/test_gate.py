@@ -578,6 +578,7 @@ def test_this_repository_keeps_its_launch_counts(tmp_path):
     assert result.exit_code == 0, result.output
     # median and largest, 2 paths × (3 layer types + the steps)
     assert "gate: pass (16 checks)" in result.output
+    assert "baseline vs run (launches per layer only)" in result.output   # no time criterion
     # the same run against a baseline from before the shared experts joined the routed
     # experts' launches (two more per layer): an improvement; the reverse fails
     old = tmp_path / "old.json"
@@ -594,10 +595,20 @@ def test_this_repository_keeps_its_launch_counts(tmp_path):
                                   "--metrics", "kernels"])
     assert result.exit_code == 1 and "specialized kda kernels 9 -> 11" in " ".join(
         result.output.split())
-    # --update on a run directory replaces its breakdown.json
-    result = runner.invoke(main, ["gate", str(run_dir), str(old), "--update"])
-    assert result.exit_code == 0
-    assert json.loads((run_dir / "breakdown.json").read_text()) == doc
+    # --update on a run directory would leave its run.json and traces another run's: refused
+    kept = (run_dir / "breakdown.json").read_text()
+    for baseline in (run_dir, run_dir / "breakdown.json"):
+        result = runner.invoke(main, ["gate", str(baseline), str(old), "--update"])
+        assert result.exit_code == 2 and result.output.count("\n") == 1, result.output
+        assert "is a kimi-perf run directory's: its run.json and traces" in result.output
+    assert (run_dir / "breakdown.json").read_text() == kept
+    # a copy of it is a baseline of its own; storing a failing run says so
+    copy = tmp_path / "copy.json"
+    shutil.copy(run_dir / "breakdown.json", copy)
+    result = runner.invoke(main, ["gate", str(copy), str(old), "--update", "--metrics",
+                                  "kernels"])
+    assert result.exit_code == 0 and json.loads(copy.read_text()) == doc
+    assert "(what the gate above failed is now the baseline)" in result.output
 
 
 def test_a_directory_without_a_run_is_refused(tmp_path):

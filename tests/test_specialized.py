@@ -458,6 +458,9 @@ def test_report_escapes_names_and_is_written_whole(tmp_path):
     assert "unrolled_elementwise_kernel<at::native::" not in text
     assert "<script>alert" not in text and "t &lt;script&gt;" in text and "vllm &lt;a&gt;" in text
     assert "layer 23 (B)" in text and "plotly" in text
+    # per layer type side by side, each side's layer count beside its medians
+    assert "<th>vllm &lt;a&gt; layers</th><th>vllm &lt;a&gt; kernels</th>" in text
+    assert "<tr><td>A</td><td>12</td><td>17</td><td>423.5</td><td>12</td><td>17</td>" in text
     assert [p.name for p in tmp_path.iterdir()] == ["r.html"]
     assert (out.stat().st_mode & 0o777) != 0o600
     # the typical layers side by side: short names in the cells, the whole name on hover,
@@ -483,7 +486,8 @@ def test_report_escapes_names_and_is_written_whole(tmp_path):
 
 
 @pytest.mark.parametrize("args", [["--paths", "fast"], ["--preset", "k4"],
-                                  ["--from", "/nonexistent/trace.json"], ["--graphs"]])
+                                  ["--from", "/nonexistent/trace.json"], ["--graphs"],
+                                  ["--tp", "3"]])
 def test_trace_bad_input_leaves_nothing(tmp_path, args):
     proc = subprocess.run([sys.executable, "-m", "kimi_perf", "trace", "--out", str(tmp_path),
                            "--layers", "4", "--steps", "1", "--warmup", "0", *args],
@@ -652,7 +656,11 @@ def test_trace_metrics_on_a_gpu_come_from_a_run_without_the_profiler(tmp_path, m
     metrics = json.loads(result.output)["run"]["paths"]["specialized"]
     before = plain["run"]["paths"]["specialized"]
     assert metrics["timed"].startswith("without a profiler: the profiled run's steps, run again")
-    assert before["timed"].startswith("under the profiler (torch)")
+    assert before["timed"] == ("under the profiler (torch); on a CPU, Triton's interpreter "
+                               "running the kernels: not a speed figure")
+    standard = capture._metrics(capture.default_request(False), "cpu", 0.5, [0.1], [2], [],
+                                "K3Model")   # PyTorch ops: no interpreter to speak of
+    assert standard["timed"] == "under the profiler (torch); on a CPU: not a speed figure"
     assert "profiled_step_latency_s" in metrics and "profiled_step_latency_s" not in before
     assert metrics["speculative"] == before["speculative"]
     assert metrics["fallbacks"] == before["fallbacks"] == ["step 0: prefill of 3 tokens"]
@@ -680,7 +688,7 @@ def test_trace_runs_the_specialized_path_s_opt_ins(tmp_path):
     assert run["command"].endswith("--l2-prefetch --group-experts-from 2")
     assert run["request"]["l2_prefetch"] and run["request"]["group_experts_from"] == 2
     refused = CliRunner().invoke(main, ["trace", "--from", str(tmp_path), "--l2-prefetch"])
-    assert refused.exit_code == 2 and "--l2-prefetch set up a capture" in refused.output
+    assert refused.exit_code == 2 and "--l2-prefetch sets up a capture" in refused.output
     alone = CliRunner().invoke(main, ["trace", "--paths", "standard", "--group-experts-from",
                                       "4"])   # would be recorded, and change nothing
     assert alone.exit_code == 2 and alone.output.count("\n") == 1
