@@ -242,7 +242,8 @@ def kda_decode(z: torch.Tensor, heads: int, head_dim: int, f_rank: int, w_fb: to
     (state [T, B, H, d, d], conv state [T, B, 3Hd, 3]).
 
     ``arrivals``: int32 zeros, at least B*H of them, which the launch leaves zero (a caller
-    that keeps one spares each launch a memset); ``splits``: programs a head (a power of two
+    that keeps one spares each launch a memset; launches that may run at the same time need
+    one each); ``splits``: programs a head (a power of two
     dividing d; ``kda_splits`` when None).
     """
     B, T, _ = z.shape

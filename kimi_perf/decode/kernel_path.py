@@ -45,7 +45,8 @@ class KernelPathModel(K3Model):
         # (``mla_splits``; 1 on a CPU).
         self.attention_splits: int | None = None
         # kda_decode's per-head arrival counters: zeros it leaves zero, kept so that a launch
-        # needs no memset of its own
+        # needs no memset of its own (one launch at a time: its layers run in turn on one
+        # stream; launches that could overlap would each need their own)
         self.kda_arrivals = torch.zeros(MAX_BATCH * c.kda_heads_local, dtype=torch.int32,
                                         device=device)
         # the attention residuals' query folded into their RMSNorm weight, as attn_res takes it
