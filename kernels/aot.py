@@ -122,8 +122,8 @@ def builds() -> list[Build]:
                  "out_ptr": "*bf16", "ckpt_conv_ptr": "*bf16", "arrivals_ptr": "*i32",
                  "eps": "fp32", "lower_bound": "fp32"}
     kda_types["f_ptr"] = "*bf16"
-    # batch 1 and 64, verify steps of 1+3 and 1+7 tokens at batch 1, 8 and 64, the standard
-    # path's (f_b projected before), each split as on an H200
+    # batch 1 and 64, verify steps of 1+3 tokens at batch 1, 8 and 64 and of 1+7 at 64, the
+    # standard path's (f_b projected before), each split as on an H200
     for batch, tokens, f_given in ((1, 1, False), (64, 1, False), (1, 4, False), (8, 4, False),
                                    (64, 4, False), (64, 8, False), (64, 4, True), (1, 1, True)):
         splits = kda_decode.kda_splits(batch * 12, 128, torch.device("cpu"), tokens)

@@ -34,8 +34,8 @@ from kimi_perf_kernels.common import INTERPRETED, cast, interpreter_tiles, sigmo
 
 STAGES = tl.constexpr(2)  # the next f_b slice loads while one is used
 MIN_ROWS = 16             # state rows a program on a GPU: fewer and q, k, f are mostly overhead
-MAX_ROWS = 64             # more and a [rows, 128] fp32 tile kept in registers spills
-MAX_VERIFY_ROWS = 32      # a verify step's (its tokens' decay gates in registers too)
+MAX_ROWS = 64             # more and a [rows, d = 128] fp32 tile kept in registers spills
+MAX_VERIFY_ROWS = 32      # a verify step's (its conv windows and decay gates held too)
 
 
 @triton.jit
@@ -82,7 +82,9 @@ def kda_decode_kernel(z_ptr, wfb_ptr, f_ptr, dt_bias_ptr, a_log_ptr, conv_w_ptr,
             f_a = tl.load(zb + tok[:, None] * stride_zt + fa_col + r0 + r[None, :],
                           mask=tok[:, None] < T, other=0.0)
             w_t = tl.load(wfb_ptr + (h * D + i)[None, :] * F_RANK + r0 + r[:, None])
-            if DOT_FP32:                              # the interpreter's bf16 dot is wrong
+            if DOT_FP32 or f_a.dtype == tl.float32:
+                # fp32 products in fp32 (not tf32: as a decode token's GEMV takes them); the
+                # interpreter's bf16 dot is wrong
                 f_all = tl.dot(f_a.to(tl.float32), w_t.to(tl.float32), f_all,
                                input_precision="ieee")
             else:
@@ -91,15 +93,16 @@ def kda_decode_kernel(z_ptr, wfb_ptr, f_ptr, dt_bias_ptr, a_log_ptr, conv_w_ptr,
     for t in range(0, T):
         z = zb + t * stride_zt
         if T_PAD > 1:
-            qn = tl.load(z + q_ch).to(qx0.dtype)      # the raw input, as the state keeps it
-            kn = tl.load(z + k_ch).to(kx0.dtype)
-            vn = tl.load(z + v_ch).to(vx0.dtype)
+            qn = tl.load(z + q_ch)
+            kn = tl.load(z + k_ch)
+            vn = tl.load(z + v_ch)
             q = _silu_conv(qw0, qw1, qw2, qw3, qx0, qx1, qx2, qn)
             k = _silu_conv(kw0, kw1, kw2, kw3, kx0, kx1, kx2, kn)
             v = _silu_conv(vw0, vw1, vw2, vw3, vx0, vx1, vx2, vn)
-            qx0, qx1, qx2 = qx1, qx2, qn
-            kx0, kx1, kx2 = kx1, kx2, kn
-            vx0, vx1, vx2 = vx1, vx2, vn
+            # the window keeps the input as the conv state stores it
+            qx0, qx1, qx2 = qx1, qx2, qn.to(qx0.dtype)
+            kx0, kx1, kx2 = kx1, kx2, kn.to(kx0.dtype)
+            vx0, vx1, vx2 = vx1, vx2, vn.to(vx0.dtype)
         else:
             q = _decode_conv(z, conv_base, conv_w_ptr, q_ch)
             k = _decode_conv(z, conv_base, conv_w_ptr, k_ch)
@@ -243,8 +246,8 @@ def kda_decode(z: torch.Tensor, heads: int, head_dim: int, f_rank: int, w_fb: to
 
     ``arrivals``: int32 zeros, at least B*H of them, which the launch leaves zero (a caller
     that keeps one spares each launch a memset; launches that may run at the same time need
-    one each); ``splits``: programs a head (a power of two
-    dividing d; ``kda_splits`` when None).
+    one each, and one a failed launch left nonzero must be zeroed again); ``splits``:
+    programs a head (a power of two dividing d; ``kda_splits`` when None).
     """
     B, T, _ = z.shape
     proj = heads * head_dim
@@ -273,6 +276,12 @@ def kda_decode(z: torch.Tensor, heads: int, head_dim: int, f_rank: int, w_fb: to
     scratch = torch.empty(B * heads, T, head_dim, dtype=torch.float32, device=z.device)
     f_arg = f if f is not None else z
     tiles = kda_tiles(head_dim, f_rank, splits)
+    if head_dim & (head_dim - 1) or f_rank % tiles["F_BLOCK"] or (
+            T > 1 and f is None and not INTERPRETED and min(tiles["F_BLOCK"], head_dim) < 16):
+        # (unmasked slices; a tensor-core product needs 16 at least on a GPU)
+        raise ValueError(f"kda_decode: head_dim {head_dim} must be a power of two and f_rank "
+                         f"{f_rank} a multiple of {tiles['F_BLOCK']} (16 or more for a verify "
+                         "step on a GPU)")
     kda_decode_kernel[(B * heads, splits)](
         z, w_fb, f_arg, dt_bias, a_log, conv_w, o_norm, conv_state, state, out, scratch,
         arrivals, ckpt_state, ckpt_conv, B, T, heads, z.stride(0), z.stride(1),

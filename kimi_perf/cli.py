@@ -153,7 +153,7 @@ def _count_of(option: str, value: str | None, what: str) -> int | None:
     if value is None:
         return None
     if not value.isdecimal() or int(value) < 1:
-        raise TraceError(None, f"{option} takes {what}: 1 or more, not {value!r}")
+        raise TraceError(None, f"{option} takes {what}, not {value!r}")
     return int(value)
 
 
@@ -849,10 +849,10 @@ def trace_cmd(from_files: tuple[Path, ...], phase: str, rules: Path | None,
                                                  step_regex=_check_steps(steps_arg),
                                                  plotly_js=plotly_js)
     else:
-        n_layers = _count_of("--layers", layers_arg, "a layer count (with --from: how layers "
-                             "are found)")
-        steps = _count_of("--steps", steps_arg, "a count of decode steps (with --from: a regex "
-                          "for the step ranges)")
+        n_layers = _count_of("--layers", layers_arg, "a layer count of 1 or more (with --from: "
+                             "how layers are found)")
+        steps = _count_of("--steps", steps_arg, "a count of decode steps of 1 or more (with "
+                          "--from: a regex for the step ranges)")
         if preset_name is not None and tp != 1:   # a sharded preset at another TP: said first
             from kimi_perf.decode.config import preset
 

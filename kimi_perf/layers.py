@@ -892,12 +892,14 @@ def assign_types(ops: GpuOps, steps: list[Step], max_variation: int = MAX_VARIAT
     sequence no inner layer ran, and that differs from an inner layer's by at most
     ``max_variation`` kernels (a plain norm where the others fuse the residual add), is a
     variant of that layer's type, not a type of its own; one that differs more (a dense first
-    layer, a last layer of the rarer type) is its own type, of which edge layers that differ
-    from it as little are variants (a warm-up pass's first layer, one copy more than the later
-    passes' first layers: a variant of their type, not a type of the warm-up alone)."""
+    layer, a last layer of the rarer type) is its own type. An edge layer as near to a
+    commoner edge layer of the same place (first or last) is of that layer's type, whichever
+    it is (a warm-up step's first layer, one copy more than the later steps' first layers: of
+    their type, not a type of the warm-up alone)."""
     layers: list[Layer] = []
     signatures: list[tuple] = []
     inner: dict[tuple, None] = {}   # in order of first appearance: ties resolve the same way
+    places: dict[tuple, set[str]] = {}   # where in its step an edge layer's sequence ran
     for step in steps:
         last = len(step.layers) - 1
         for i, layer in enumerate(step.layers):
@@ -908,23 +910,28 @@ def assign_types(ops: GpuOps, steps: list[Step], max_variation: int = MAX_VARIAT
             signatures.append(signature)
             if 0 < i < last:
                 inner.setdefault(signature)
+            for place, at in (("first", i == 0), ("last", i == last)):
+                if at:
+                    places.setdefault(signature, set()).add(place)
     if not layers:
         return
     group: dict[tuple, tuple] = {}
-    edge_types: list[tuple] = []    # edge sequences no inner layer's is near, commonest first
+    edges: list[tuple] = []         # edge sequences grouped so far, commonest first
     counts = Counter(signatures)
     for signature in sorted(dict.fromkeys(signatures), key=lambda sig: -counts[sig]):
         group[signature] = signature
         if signature in inner:
             continue
-        for candidates in (inner, edge_types):
+        # near an inner layer's sequence, else near an edge layer's of the same place (a
+        # warm-up step's first layer beside the later steps' first layers): its group
+        same_place = [e for e in edges if places[e] & places[signature]]
+        for candidates in (list(inner), same_place):
             if candidates:
                 closest = min(candidates, key=lambda c: _difference(signature, c))
                 if _difference(signature, closest) <= max_variation:
-                    group[signature] = closest
+                    group[signature] = group[closest]
                     break
-        else:
-            edge_types.append(signature)
+        edges.append(signature)
     labels: dict[tuple, str] = {}
     for layer, signature in zip(layers, signatures, strict=True):
         representative = group[signature]

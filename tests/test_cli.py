@@ -352,8 +352,8 @@ def test_a_layer_count_below_one_is_refused():
     _one_line_error(run("validate", "--layers", "0"),
                     "Invalid value for '--layers': 0 is not in the range x>=1",
                     "validate --help)")
-    _one_line_error(run("trace", "--layers", "0"), "--layers takes a layer count (with "
-                    "--from: how layers are found): 1 or more, not '0'")
+    _one_line_error(run("trace", "--layers", "0"), "--layers takes a layer count of 1 or more "
+                    "(with --from: how layers are found), not '0'")
 
 
 def test_floors_of_a_sharded_preset_at_another_tp_is_refused(tmp_path):
@@ -975,8 +975,8 @@ def test_trace_from_takes_step_ranges_and_layer_modes(tmp_path):
     (run_dir,) = tmp_path.iterdir()
     flat = run("trace", "--from", VLLM, "--layers", "nvtx", "--out", tmp_path / "nvtx")
     _one_line_error(flat, "--layers nvtx: no range matching the default layer pattern")
-    for args, said in ((["--steps", "abc"], "--steps takes a count of decode steps (with "
-                        "--from: a regex for the step ranges): 1 or more, not 'abc'"),
+    for args, said in ((["--steps", "abc"], "--steps takes a count of decode steps of 1 or "
+                        "more (with --from: a regex for the step ranges), not 'abc'"),
                        (["--paths", "standard,standard"], "--paths names a path twice"),
                        (["--from", VLLM, "--batch", "4"], "--batch sets up a capture"),
                        (["--layers", "0"], "--layers takes a layer count"),

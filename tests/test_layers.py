@@ -268,6 +268,29 @@ def test_a_warm_up_steps_first_layer_is_a_variant_of_the_later_first_layers_type
     assert [[x.type for x in step.layers] for step in steps] == [["A", "B", "B", "B"]] * 3
 
 
+def test_a_warm_up_steps_first_layer_joins_a_first_layer_that_is_a_variant():
+    """The later steps' first layer is a variant of the inner layers' type (an embedding and
+    a plain norm: two kernels off); the warm-up step's, a copy more, is three off the inner
+    layers' but one off theirs: of their type too. A last layer as near to it is not: the
+    other end of a step is another place."""
+    inner = ["norm", "qkv", "attn", "o_proj", "norm", "gate_up", "act", "down"]
+    first = ["embedding", "plain_norm", *inner[1:]]
+    # one kernel off the warm-up's first layer, and as near to it as the later first layers
+    last = ["copy", "embedding", "plain_norm", *inner[1:7], "lm_head"]
+    b = TraceBuilder()
+    for s in range(3):
+        step_start = b.clock
+        for i in range(5):
+            kernels = (["copy"] if s == 0 and i == 0 else []) + (
+                first if i == 0 else last if i == 4 else inner)
+            start, end = b.sequence(kernels)
+            b.range(f"layer[{i}]", start - 10, end)
+        b.range(f"decode_step[{s}]", step_start - 20, b.clock)
+        b.clock += 5000
+    _, steps = segment(b.build())
+    assert [[x.type for x in step.layers] for step in steps] == [["A", "A", "A", "A", "B"]] * 3
+
+
 @pytest.mark.parametrize("name", ["layers.3.mlp", "layer[3].attn", "player_3", "layer",
                                   "model.layers.3.self_attn.o_proj"])
 def test_default_layer_pattern_rejects_sub_ranges(name):

@@ -1,11 +1,10 @@
-import contextlib
 import os
 
 import pytest
 import torch
 
 from kimi_perf_kernels.common import gpu_tiles
-from tests.kernels.util import programs_in_reverse
+from tests.kernels.util import program_order
 
 _EMPTY, _EMPTY_LIKE = torch.empty, torch.empty_like
 
@@ -44,10 +43,9 @@ def tiles(request):
 
 
 @pytest.fixture(autouse=True)
-def program_order():
+def programs_ordered():
     """KIMI_PERF_PROGRAMS_REVERSED=1 runs every grid's programs last to first (CI runs the
     kernel tests in both orders): a kernel whose programs share memory must not depend on
     the interpreter's grid order."""
-    reverse = os.environ.get("KIMI_PERF_PROGRAMS_REVERSED") == "1"
-    with programs_in_reverse() if reverse else contextlib.nullcontext():
+    with program_order(reverse=os.environ.get("KIMI_PERF_PROGRAMS_REVERSED") == "1"):
         yield

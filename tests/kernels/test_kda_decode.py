@@ -1,4 +1,3 @@
-import contextlib
 import json
 import os
 import re
@@ -10,7 +9,7 @@ import torch
 
 from kimi_perf_kernels.common import INTERPRETED, gpu_tiles
 from kimi_perf_kernels.kda_decode import kda_decode, kda_decode_reference, kda_splits
-from tests.kernels.util import assert_close_bf16, poison, programs_in_reverse
+from tests.kernels.util import assert_close_bf16, poison, program_order
 
 
 def inputs(batch, tokens, heads, d, f_rank, seed):
@@ -32,10 +31,11 @@ def inputs(batch, tokens, heads, d, f_rank, seed):
     return z, params, conv_state, state
 
 
-# (the last: two value tiles and two f_b tiles a head with a GPU's tiles, BV 32, F_BLOCK 16)
+# (with a GPU's tiles: the last two split a head over 4 programs and take the f_b
+# projection in two slices of 64, as a GEMV for a decode token and a product for a verify)
 @pytest.mark.parametrize(("batch", "tokens", "heads", "d", "f_rank"),
                          [(1, 1, 2, 16, 16), (3, 1, 4, 32, 16), (2, 4, 2, 16, 32),
-                          (2, 2, 2, 64, 32)])
+                          (2, 2, 2, 64, 32), (1, 1, 2, 64, 128), (1, 3, 2, 64, 128)])
 def test_kda_decode_matches_reference(batch, tokens, heads, d, f_rank, tiles):
     z, params, conv_state, state = inputs(batch, tokens, heads, d, f_rank, batch + tokens)
     conv_ref, state_ref = conv_state.clone(), state.clone()
@@ -81,24 +81,29 @@ def test_kda_decode_with_the_f_b_projection_given():
 
 
 @pytest.mark.parametrize("order", ["forward", "reverse"])
-@pytest.mark.parametrize(("splits", "tokens"), [(2, 3), (4, 3), (16, 3), (4, 1)])
-def test_kda_decode_split_over_state_rows(splits, tokens, order):
+@pytest.mark.parametrize(("splits", "tokens", "f_given"),
+                         [(2, 3, False), (4, 3, False), (16, 3, False), (4, 1, False),
+                          (4, 3, True), (4, 1, True)])
+def test_kda_decode_split_over_state_rows(splits, tokens, f_given, order):
     """A head's state split over programs (16: a row each) through a verify of 3 tokens or
-    one token kept for a rollback, twice on one arrivals buffer: each program reads the conv
-    state the step started from, whichever program runs first; the last to arrive norms the
-    head and leaves its counter at 0 for the next launch."""
+    one token kept for a rollback (the standard path's variant too, its f_b projection
+    given), twice on one arrivals buffer: each program reads the conv state the step started
+    from, whichever program runs first; the last to arrive norms the head and leaves its
+    counter at 0 for the next launch."""
     batch, heads, d, f_rank = 2, 2, 16, 16
     z, params, conv_state, state = inputs(batch, tokens, heads, d, f_rank, splits)
     conv_ref, state_ref = conv_state.clone(), state.clone()
     arrivals = torch.zeros(batch * heads + 3, dtype=torch.int32)
-    with programs_in_reverse() if order == "reverse" else contextlib.nullcontext():
+    with program_order(reverse=order == "reverse"):
         for step in range(2):
             z_step = z + step
             expected, states_ref, convs_ref = kda_decode_reference(
                 z_step, conv_state=conv_ref, state=state_ref, checkpoint=True, **params)
+            f = (z_step[..., 4 * heads * d: 4 * heads * d + f_rank].float()
+                 @ params["w_fb"].float().T) if f_given else None
             out, states, convs = kda_decode(z_step, conv_state=conv_state, state=state,
                                             checkpoint=True, arrivals=arrivals, splits=splits,
-                                            **params)
+                                            f=f, **params)
             assert_close_bf16(out, expected, ulps=4)
             torch.testing.assert_close(states, states_ref, rtol=1e-4, atol=1e-5)
             torch.testing.assert_close(convs, convs_ref, rtol=0, atol=0)

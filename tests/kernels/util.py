@@ -34,24 +34,33 @@ def assert_close_bf16(actual: torch.Tensor, expected: torch.Tensor, ulps: float 
 
 
 @contextlib.contextmanager
-def programs_in_reverse() -> Iterator[None]:
-    """Within it, the interpreter runs a grid's programs last to first. It runs them one at a
-    time in grid order, where a GPU runs them in any order and at once: a kernel whose
-    programs share memory (one writes what another reads) must give the same result in both
-    orders, or one program depends on running before another."""
+def program_order(reverse: bool) -> Iterator[None]:
+    """Within it, the interpreter runs a grid's programs last to first (``reverse``) or
+    first to last, whatever order was set outside. It runs them one at a time in grid order,
+    where a GPU runs them in any order and at once: a kernel whose programs share memory
+    (one writes what another reads) must give the same result in both orders, or one program
+    depends on running before another."""
     from triton.runtime.interpreter import InterpreterBuilder
-
-    forward = InterpreterBuilder.set_grid_idx
 
     def backward(self, x, y, z):
         gx, gy, gz = self.grid_dim
-        forward(self, gx - 1 - x, gy - 1 - y, gz - 1 - z)
+        _FORWARD(self, gx - 1 - x, gy - 1 - y, gz - 1 - z)
 
-    InterpreterBuilder.set_grid_idx = backward
+    before = InterpreterBuilder.set_grid_idx
+    InterpreterBuilder.set_grid_idx = backward if reverse else _FORWARD
     try:
         yield
     finally:
-        InterpreterBuilder.set_grid_idx = forward
+        InterpreterBuilder.set_grid_idx = before
+
+
+def _grid_order():
+    from triton.runtime.interpreter import InterpreterBuilder
+
+    return InterpreterBuilder.set_grid_idx
+
+
+_FORWARD = _grid_order()
 
 
 class RecordingGemv:
