@@ -8,7 +8,9 @@
 3. Correctness on the GPU: both paths on the tiny preset in float32 against the standard path
    on the CPU (Triton's float32 dots use tf32 on the GPU: bound 3e-3), logits every step,
    launched eagerly and replayed from a CUDA graph (decode steps, and speculative verify
-   steps with their rollback).
+   steps with their rollback); and ``kda_decode`` split over programs at K3 TP8 shapes,
+   batch 64, launched 100 times on one arrivals buffer against its reference (the arrival
+   protocol, which the interpreter cannot race).
 4. Speed: both paths on k3-tp8 shapes (5 layers: dense, 2 KDA + MoE, 2 gated MLA) at batch 1
    and 64, eager and with CUDA graphs, profiled after warm-up. Per layer type: kernels, kernel
    µs, span µs (under graphs the replayed kernels map back to their capture inside the layer
@@ -141,7 +143,55 @@ def correctness(device: str, steps: int) -> dict:
             errors += graphed_verify_errors(model, ref, tokens[:, :4], device)
         out[name] = {"max_rel_err": max(errors), "ok": max(errors) < 3e-3 and all(
             math.isfinite(e) for e in errors)}
+    out["kda_decode split"] = kda_split_stress(device, smoke=device != "cuda")
     return out
+
+
+def kda_split_stress(device: str, smoke: bool) -> dict:
+    """``kda_decode`` split over programs as on this GPU, launched again and again on one
+    arrivals buffer (decode and verify steps, the fused and the standard path's variant):
+    each launch against ``kda_decode_reference`` in float32, the counters left at 0. A race
+    in the arrival protocol would show here, where the interpreter runs programs in turn."""
+    from kimi_perf_kernels.kda_decode import kda_decode, kda_decode_reference, kda_splits
+
+    # K3 at TP8 (12 heads of 128, f_rank 128) at batch 64; tiny shapes split 4 ways on a CPU
+    batch, heads, d, f_rank, launches = (2, 2, 16, 16, 2) if smoke else (64, 12, 128, 128, 50)
+    gen = torch.Generator(device=device).manual_seed(14)
+    proj = heads * d
+    rows = 4 * proj + f_rank + heads
+    rows += (-rows) % 16
+    params = dict(heads=heads, head_dim=d, f_rank=f_rank, eps=1e-5, lower_bound=-5.0,
+                  w_fb=(torch.randn(proj, f_rank, generator=gen, device=device)
+                        / f_rank**0.5).bfloat16(),
+                  dt_bias=0.5 * torch.randn(proj, generator=gen, device=device),
+                  a_log=torch.rand(heads, generator=gen, device=device) * 2 - 1,
+                  conv_w=torch.randn(3 * proj, 4, generator=gen, device=device) / 2,
+                  o_norm=1 + 0.1 * torch.randn(d, generator=gen, device=device))
+    arrivals = torch.zeros(batch * heads, dtype=torch.int32, device=device)
+    errors, conv_exact = [], True
+    for tokens in (1, 4):
+        splits = 4 if smoke else kda_splits(batch * heads, d, torch.device(device), tokens)
+        conv = torch.randn(batch, 3 * proj, 3, generator=gen, device=device).bfloat16()
+        state = torch.randn(batch, heads, d, d, generator=gen, device=device) * 0.1
+        conv_ref, state_ref = conv.clone(), state.clone()
+        for i in range(launches):
+            z = torch.randn(batch, tokens, rows, generator=gen, device=device).bfloat16()
+            f_given = i % 2 == 1
+            f = (z[..., 4 * proj: 4 * proj + f_rank].float() @ params["w_fb"].float().T
+                 if f_given else None)
+            want = kda_decode_reference(z, conv_state=conv_ref, state=state_ref,
+                                        checkpoint=tokens > 1, **params)
+            got = kda_decode(z, conv_state=conv, state=state, checkpoint=tokens > 1, f=f,
+                             arrivals=arrivals, splits=splits, **params)
+            pairs = zip(got, want, strict=True) if tokens > 1 else [(got, want)]
+            errors += [rel_err(g.float().cpu(), w.double().cpu()) for g, w in pairs]
+            errors.append(rel_err(state.cpu(), state_ref.double().cpu()))
+            conv_exact &= bool(torch.equal(conv, conv_ref))
+    left = int(arrivals.count_nonzero())
+    worst = max(errors)
+    return {"max_rel_err": worst, "launches": 2 * launches, "conv_state_exact": conv_exact,
+            "arrivals_left": left,
+            "ok": worst < 1e-2 and math.isfinite(worst) and conv_exact and left == 0}
 
 
 def graphed_verify_errors(model: K3Model, ref: K3Model, prompt: torch.Tensor, device: str
