@@ -123,6 +123,12 @@ class GateResult:
     tolerances: Tolerances
     run_differences: list[str] | None = None   # set by gate_files, which has the run docs
     cpu_time_metrics: list[str] = field(default_factory=list)
+    op_paths: list[str] = field(default_factory=list)   # paths of CPU runs: ops, not kernels
+
+    def metric_name(self, check: Check) -> str:
+        """A check's metric as tables say it: a CPU run's kernels are the ops it annotates."""
+        return (check.metric.replace("kernels", "ops") if check.path in self.op_paths
+                else check.metric)
 
     @property
     def failures(self) -> list[Check]:
@@ -518,7 +524,9 @@ def gate(baseline: dict[str, Breakdown], current: dict[str, Breakdown],
             checks += found
     cpu_times = [m for m in tolerances.metrics if m != "kernels"] if any(
         b.unit == "ops" for b in (*baseline.values(), *current.values())) else []
-    return GateResult(checks, tolerances, cpu_time_metrics=cpu_times)
+    op_paths = [p for p in dict.fromkeys([*baseline, *current])
+                if all(b.unit == "ops" for b in (baseline.get(p), current.get(p)) if b)]
+    return GateResult(checks, tolerances, cpu_time_metrics=cpu_times, op_paths=op_paths)
 
 
 # What makes two captures comparable: the model, the step's shape and how it ran.

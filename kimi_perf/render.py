@@ -358,7 +358,7 @@ def gate_table(result: GateResult, show_all: bool = False) -> Table:
     times = [m for m in tol.metrics if m != "kernels"]
     table = _table("Regression gate: medians, baseline vs run" + (
                    f" (time: > {tol.rel_tol:.0%} and Mann-Whitney p < {tol.alpha:g})"
-                   if times else " (launches per layer only)"),
+                   if times else " (launches only)"),
                    ["path", "layer", "metric", "baseline", "run", "change", "p", "status",
                     "behind it"],
                    left=("path", "layer", "metric", "status", "behind it"))
@@ -371,7 +371,8 @@ def gate_table(result: GateResult, show_all: bool = False) -> Table:
             continue
         style = GATE_STYLES.get(c.status, "")
         layer = c.layer_type + (f" (run: {c.run_layer_type})" if c.run_layer_type else "")
-        table.add_row(c.path, layer, c.metric, _value(c.baseline), _value(c.current),
+        table.add_row(c.path, layer, result.metric_name(c), _value(c.baseline),
+                      _value(c.current),
                       fmt(c.change, "+.1%"), fmt(c.p_value, ".2g"),
                       Text(c.status, style=style), c.detail or "")
     return table
@@ -381,7 +382,7 @@ def gate_headline(result: GateResult) -> str:
     if result.ok:
         return f"gate: pass ({len(result.checks)} checks)"
     failures = result.failures
-    worst = "; ".join(f"{c.path} {c.layer_type} {c.metric} "
+    worst = "; ".join(f"{c.path} {c.layer_type} {result.metric_name(c)} "
                       + (f"{_value(c.baseline)} -> {_value(c.current)}" if c.status == "regression"
                          else "missing from the run")
                       + (f" ({c.detail})" if c.detail else "")

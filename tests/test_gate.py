@@ -578,7 +578,7 @@ def test_this_repository_keeps_its_launch_counts(tmp_path):
     assert result.exit_code == 0, result.output
     # median and largest, 2 paths × (3 layer types + the steps)
     assert "gate: pass (16 checks)" in result.output
-    assert "baseline vs run (launches per layer only)" in result.output   # no time criterion
+    assert "baseline vs run (launches only)" in result.output   # no time criterion
     # the same run against a baseline from before the shared experts joined the routed
     # experts' launches (two more per layer): an improvement; the reverse fails
     old = tmp_path / "old.json"
@@ -593,7 +593,7 @@ def test_this_repository_keeps_its_launch_counts(tmp_path):
                                 "kernels"]).exit_code == 0
     result = runner.invoke(main, ["gate", str(run_dir / "breakdown.json"), str(old),
                                   "--metrics", "kernels"])
-    assert result.exit_code == 1 and "specialized kda kernels 9 -> 11" in " ".join(
+    assert result.exit_code == 1 and "specialized kda ops 9 -> 11" in " ".join(
         result.output.split())
     # --update on a run directory would leave its run.json and traces another run's: refused
     kept = (run_dir / "breakdown.json").read_text()
