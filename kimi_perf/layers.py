@@ -929,7 +929,7 @@ def assign_types(ops: GpuOps, steps: list[Step], max_variation: int = MAX_VARIAT
             if candidates:
                 closest = min(candidates, key=lambda c: _difference(signature, c))
                 if _difference(signature, closest) <= max_variation:
-                    group[signature] = group[closest]
+                    group[signature] = group.get(closest, closest)   # (inner: its own group)
                     break
         edges.append(signature)
     labels: dict[tuple, str] = {}

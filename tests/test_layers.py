@@ -291,6 +291,25 @@ def test_a_warm_up_steps_first_layer_joins_a_first_layer_that_is_a_variant():
     assert [[x.type for x in step.layers] for step in steps] == [["A", "A", "A", "A", "B"]] * 3
 
 
+def test_a_first_layer_as_common_as_the_inner_layer_it_varies():
+    """Three layers a step: the first layer's sequence (a plain norm) is as common as the one
+    inner layer's it is a variant of, so it is grouped before that one is: still its type."""
+    inner = ["fused_add_norm", "qkv", "attn", "o_proj", "gate_up", "act", "down"]
+    first = ["plain_norm", *inner[1:]]
+    last = ["fused_add_norm", "qkv", "attn", "o_proj", "final_norm", "lm_head", "sample",
+            "copy"]
+    b = TraceBuilder()
+    for s in range(2):
+        step_start = b.clock
+        for i, kernels in enumerate((first, inner, last)):
+            start, end = b.sequence(kernels)
+            b.range(f"layer[{i}]", start - 10, end)
+        b.range(f"decode_step[{s}]", step_start - 20, b.clock)
+        b.clock += 5000
+    _, steps = segment(b.build())
+    assert [[x.type for x in step.layers] for step in steps] == [["A", "A", "B"]] * 2
+
+
 @pytest.mark.parametrize("name", ["layers.3.mlp", "layer[3].attn", "player_3", "layer",
                                   "model.layers.3.self_attn.o_proj"])
 def test_default_layer_pattern_rejects_sub_ranges(name):
