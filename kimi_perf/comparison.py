@@ -205,13 +205,19 @@ PAIRING = ("types found by the repeating kernel pattern pair by their kernel seq
 
 
 def pairing_note(rows: list[ComparisonRow], label_a: str, label_b: str) -> str | None:
-    """What "X = Y" in a comparison's rows means, told with its first such row (the letters
-    of a template could be types of either side); None when no row pairs two names."""
+    """What "X = Y" and "- = Y" in a comparison's rows mean, each told with its first such
+    row (the letters of a template could be types of either side); None when no row has
+    them."""
     paired = next((r for r in rows if r.type_b and r.name_a is not None), None)
-    if paired is None:
-        return None
-    return (f"{paired.name_a} = {paired.type_b}: the type {label_a} calls {paired.name_a}, "
-            f"{label_b} calls {paired.type_b} ({PAIRING})")
+    alone = next((r for r in rows if r.type_b and r.name_a is None), None)
+    said = []
+    if paired is not None:
+        said.append(f"{paired.name_a} = {paired.type_b}: the type {label_a} calls "
+                    f"{paired.name_a}, {label_b} calls {paired.type_b} ({PAIRING})")
+    if alone is not None:
+        said.append(f"- = {alone.type_b}: a type only {label_b} has, which it calls "
+                    f"{alone.type_b} ({label_a}'s {alone.type_b} is another)")
+    return "; ".join(said) or None
 
 
 def rotation(a: list[str], b: list[str]) -> int | None:

@@ -126,6 +126,20 @@ def test_overview_columns_say_what_each_trace_calls_their_types():
     assert "; …" in " ".join(tables_text([overview_table(rows)]).split())   # 4 at most
 
 
+def test_the_comparison_legend_says_what_a_type_only_the_other_side_has_is():
+    """Training against inference (the Wan2.1 fixtures): inference's A pairs with none of
+    training's types, whose own A is another layer: "- = A", said in the legend."""
+    from kimi_perf.comparison import compare, pairing_note
+
+    a, b = (breakdown(read_trace(NSYS / f"nsysai_fastvideo_wan2.1_{n}.sqlite"))
+            for n in ("train_2xh100_before", "t2v_inference_2xh100_1s"))
+    rows = compare(a, b)
+    assert [r.label for r in rows][:4] == ["A = E", "B = F", "C = D", "- = A"]
+    note = pairing_note(rows, "x", "y")
+    assert note.startswith("A = E: the type x calls A, y calls E (types found")
+    assert note.endswith("; - = A: a type only y has, which it calls A (x's A is another)")
+
+
 def _vllm_phases_trace() -> TraceBuilder:
     """Three steps in vLLM's annotation: decode, mixed (longer kernels), decode."""
     b = TraceBuilder()
