@@ -231,21 +231,28 @@ def test_default_layer_pattern_spellings_get_types_from_kernels(spelling):
     assert types[:4] == ["A", "A", "A", "B"] and types[7] == "B"
 
 
+def _layer_types(steps_of_layers: list[list[list[str]]]) -> list[list[str]]:
+    """The types ``segment`` gives untyped layers: each step a decode_step range of layer[i]
+    ranges, each layer its kernels in sequence."""
+    b = TraceBuilder()
+    for s, layers in enumerate(steps_of_layers):
+        step_start = b.clock
+        for i, kernels in enumerate(layers):
+            start, end = b.sequence(kernels)
+            b.range(f"layer[{i}]", start - 10, end)
+        b.range(f"decode_step[{s}]", step_start - 20, b.clock)
+        b.clock += 5000
+    _, steps = segment(b.build())
+    return [[x.type for x in step.layers] for step in steps]
+
+
 def test_only_first_or_last_layers_that_differ_by_a_kernel_or_two_fold_into_a_type():
     """Untyped layers: layer 0's plain norm is a variant of the KDA type; a last MLA layer is
     a type of its own even when most of its kernels are the KDA layer's (here 5 shared MoE
     kernels make them 80% alike), and even though it runs once per step."""
     moe = [f"moe_{k}" for k in range(5)]
-    b = TraceBuilder()
-    for s in range(3):
-        step_start = b.clock
-        for i, kernels in enumerate(k3_like(4)):
-            start, end = b.sequence(kernels + moe)
-            b.range(f"layer[{i}]", start - 10, end)
-        b.range(f"decode_step[{s}]", step_start - 20, b.clock)
-        b.clock += 5000
-    _, steps = segment(b.build())
-    assert [[x.type for x in step.layers] for step in steps] == [["A", "A", "A", "B"]] * 3
+    step = [kernels + moe for kernels in k3_like(4)]
+    assert _layer_types([step] * 3) == [["A", "A", "A", "B"]] * 3
 
 
 def test_a_warm_up_steps_first_layer_is_a_variant_of_the_later_first_layers_type():
@@ -255,17 +262,9 @@ def test_a_warm_up_steps_first_layer_is_a_variant_of_the_later_first_layers_type
     inner = ["norm", "qkv", "attn", "o_proj", "norm", "gate_up", "act", "down"]
     first = ["embedding", "norm", "qkv", "attn", "o_proj", "norm", "dense_gate_up",
              "dense_act", "dense_down", "dense_add"]
-    b = TraceBuilder()
-    for s in range(3):
-        step_start = b.clock
-        for i in range(4):
-            warm_up = ["memcpy_warm_up"] if s == 0 and i == 0 else []
-            start, end = b.sequence(warm_up + (first if i == 0 else inner))
-            b.range(f"layer[{i}]", start - 10, end)
-        b.range(f"decode_step[{s}]", step_start - 20, b.clock)
-        b.clock += 5000
-    _, steps = segment(b.build())
-    assert [[x.type for x in step.layers] for step in steps] == [["A", "B", "B", "B"]] * 3
+    step = [first, inner, inner, inner]
+    warm_up = [["memcpy_warm_up", *first], inner, inner, inner]
+    assert _layer_types([warm_up, step, step]) == [["A", "B", "B", "B"]] * 3
 
 
 def test_a_warm_up_steps_first_layer_joins_a_first_layer_that_is_a_variant():
@@ -277,18 +276,9 @@ def test_a_warm_up_steps_first_layer_joins_a_first_layer_that_is_a_variant():
     first = ["embedding", "plain_norm", *inner[1:]]
     # one kernel off the warm-up's first layer, and as near to it as the later first layers
     last = ["copy", "embedding", "plain_norm", *inner[1:7], "lm_head"]
-    b = TraceBuilder()
-    for s in range(3):
-        step_start = b.clock
-        for i in range(5):
-            kernels = (["copy"] if s == 0 and i == 0 else []) + (
-                first if i == 0 else last if i == 4 else inner)
-            start, end = b.sequence(kernels)
-            b.range(f"layer[{i}]", start - 10, end)
-        b.range(f"decode_step[{s}]", step_start - 20, b.clock)
-        b.clock += 5000
-    _, steps = segment(b.build())
-    assert [[x.type for x in step.layers] for step in steps] == [["A", "A", "A", "A", "B"]] * 3
+    step = [first, inner, inner, inner, last]
+    warm_up = [["copy", *first], inner, inner, inner, last]
+    assert _layer_types([warm_up, step, step]) == [["A", "A", "A", "A", "B"]] * 3
 
 
 def test_a_first_layer_as_common_as_the_inner_layer_it_varies():
@@ -298,16 +288,7 @@ def test_a_first_layer_as_common_as_the_inner_layer_it_varies():
     first = ["plain_norm", *inner[1:]]
     last = ["fused_add_norm", "qkv", "attn", "o_proj", "final_norm", "lm_head", "sample",
             "copy"]
-    b = TraceBuilder()
-    for s in range(2):
-        step_start = b.clock
-        for i, kernels in enumerate((first, inner, last)):
-            start, end = b.sequence(kernels)
-            b.range(f"layer[{i}]", start - 10, end)
-        b.range(f"decode_step[{s}]", step_start - 20, b.clock)
-        b.clock += 5000
-    _, steps = segment(b.build())
-    assert [[x.type for x in step.layers] for step in steps] == [["A", "A", "B"]] * 2
+    assert _layer_types([[first, inner, last]] * 2) == [["A", "A", "B"]] * 2
 
 
 @pytest.mark.parametrize("name", ["layers.3.mlp", "layer[3].attn", "player_3", "layer",
