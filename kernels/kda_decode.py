@@ -193,9 +193,7 @@ def _store_window(dest, ch, x0, x1, x2):
 @triton.jit
 def _decode_conv(z, conv_base, conv_w_ptr, ch):
     """A decode token's conv: its window is the conv state's three inputs and its own."""
-    return _silu_conv(tl.load(conv_w_ptr + ch * 4 + 0), tl.load(conv_w_ptr + ch * 4 + 1),
-                      tl.load(conv_w_ptr + ch * 4 + 2), tl.load(conv_w_ptr + ch * 4 + 3),
-                      *_window(conv_base, ch), tl.load(z + ch))
+    return _silu_conv(*_conv_weights(conv_w_ptr, ch), *_window(conv_base, ch), tl.load(z + ch))
 
 
 @triton.jit
@@ -251,13 +249,6 @@ def kda_decode(z: torch.Tensor, heads: int, head_dim: int, f_rank: int, w_fb: to
     """
     B, T, _ = z.shape
     proj = heads * head_dim
-    if out is None:
-        out = torch.empty(B, T, proj, dtype=z.dtype, device=z.device)
-    if checkpoint:
-        ckpt_state = torch.empty(T, *state.shape, dtype=state.dtype, device=z.device)
-        ckpt_conv = torch.empty(T, *conv_state.shape, dtype=conv_state.dtype, device=z.device)
-    else:
-        ckpt_state, ckpt_conv = state, conv_state
     if z.stride(-1) != 1 or not conv_state.is_contiguous() or not state.is_contiguous():
         raise ValueError("kda_decode needs row-major z, conv_state and state")
     if f is not None and (f.shape != (B, T, proj) or f.stride(2) != 1):
@@ -273,8 +264,6 @@ def kda_decode(z: torch.Tensor, heads: int, head_dim: int, f_rank: int, w_fb: to
     elif arrivals.dtype != torch.int32 or arrivals.numel() < B * heads:
         raise ValueError(f"kda_decode: arrivals must be int32 with at least {B * heads} "
                          f"elements, not {arrivals.dtype} x {arrivals.numel()}")
-    scratch = torch.empty(B * heads, T, head_dim, dtype=torch.float32, device=z.device)
-    f_arg = f if f is not None else z
     tiles = kda_tiles(head_dim, f_rank, splits)
     if head_dim & (head_dim - 1) or f_rank % tiles["F_BLOCK"] or (
             T > 1 and f is None and not INTERPRETED and min(tiles["F_BLOCK"], head_dim) < 16):
@@ -282,6 +271,15 @@ def kda_decode(z: torch.Tensor, heads: int, head_dim: int, f_rank: int, w_fb: to
         raise ValueError(f"kda_decode: head_dim {head_dim} must be a power of two and f_rank "
                          f"{f_rank} a multiple of {tiles['F_BLOCK']} (16 or more for a verify "
                          "step on a GPU)")
+    if out is None:
+        out = torch.empty(B, T, proj, dtype=z.dtype, device=z.device)
+    if checkpoint:
+        ckpt_state = torch.empty(T, *state.shape, dtype=state.dtype, device=z.device)
+        ckpt_conv = torch.empty(T, *conv_state.shape, dtype=conv_state.dtype, device=z.device)
+    else:
+        ckpt_state, ckpt_conv = state, conv_state
+    scratch = torch.empty(B * heads, T, head_dim, dtype=torch.float32, device=z.device)
+    f_arg = f if f is not None else z
     kda_decode_kernel[(B * heads, splits)](
         z, w_fb, f_arg, dt_bias, a_log, conv_w, o_norm, conv_state, state, out, scratch,
         arrivals, ckpt_state, ckpt_conv, B, T, heads, z.stride(0), z.stride(1),

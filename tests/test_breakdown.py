@@ -106,7 +106,7 @@ def test_overview_of_several_traces_names_the_slowest():
     assert {s.type: s for s in spreads(rows)}["mla"].slowest_label != "rank1"
 
 
-def test_overview_columns_say_what_each_trace_calls_their_types():
+def test_overview_columns_say_what_each_trace_calls_their_types(tmp_path):
     """Three traces of the Wan2.1 fixtures: the inference trace's types pair with the
     training traces' under other letters, and its unpaired A, B, C take primed columns; the
     table says which is which."""
@@ -124,6 +124,14 @@ def test_overview_columns_say_what_each_trace_calls_their_types():
                     "t2v_inference_2xh100_1s; A' is A in t2v_inference_2xh100_1s; B' is B in "
                     "t2v_inference_2xh100_1s; C' is C in t2v_inference_2xh100_1s")
     assert "; …" in " ".join(tables_text([overview_table(rows)]).split())   # 4 at most
+    from kimi_perf.report import write_report
+
+    report = write_report(   # the report names them all
+        tmp_path / "r.html", {n: breakdown(read_trace(
+        NSYS / f"nsysai_fastvideo_wan2.1_{n}.sqlite")) for n in names}, "t",
+        plotly_js="cdn").read_text()
+    assert "<p>Columns name a type as the first trace that has it does: A is E in " in report
+    assert "C&#x27; is C in t2v_inference_2xh100_1s.</p>" in report
 
 
 def test_the_comparison_legend_says_what_a_type_only_the_other_side_has_is():

@@ -133,6 +133,12 @@ def test_kda_decode_refuses_bad_splits_and_arrivals():
                             ({"arrivals": torch.zeros(2)}, "must be int32")):
         with pytest.raises(ValueError, match=message):
             kda_decode(z, conv_state=conv_state, state=state, **kwargs, **params)
+    # a head_dim the tiles cannot take whole, an f_rank that a GPU's 64-wide slices overrun
+    for d, f_rank, message in ((24, 16, "head_dim 24 must be a power of two"),
+                               (16, 96, "f_rank 96 a multiple of 64")):
+        z, params, conv_state, state = inputs(1, 1, 2, d, f_rank, 3)
+        with gpu_tiles(), pytest.raises(ValueError, match=message):
+            kda_decode(z, conv_state=conv_state, state=state, splits=1, **params)
 
 
 def test_the_arrival_is_released_after_a_barrier_in_the_compiled_kernel():
