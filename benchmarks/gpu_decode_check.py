@@ -149,10 +149,17 @@ def correctness(device: str, steps: int) -> dict:
 
 def kda_split_stress(device: str, smoke: bool) -> dict:
     """``kda_decode`` split over programs as on this GPU, launched again and again on one
-    arrivals buffer (decode and verify steps, the fused and the standard path's variant):
-    each launch against ``kda_decode_reference`` in float32, the counters left at 0. A race
-    in the arrival protocol would show here, where the interpreter runs programs in turn."""
-    from kimi_perf_kernels.kda_decode import kda_decode, kda_decode_reference, kda_splits
+    arrivals buffer (decode and verify steps, the fused and the standard path's variant; each
+    verify step followed by a random acceptance that the next launch replays): each launch
+    against ``kda_decode_reference`` in float32, the counters left at 0. A race in the
+    arrival protocol or the records' halves would show here, where the interpreter runs
+    programs in turn."""
+    from kimi_perf_kernels.kda_decode import (
+        KdaRecords,
+        kda_decode,
+        kda_decode_reference,
+        kda_splits,
+    )
 
     # K3 at TP8 (12 heads of 128, f_rank 128) at batch 64; tiny shapes split 4 ways on a CPU
     batch, heads, d, f_rank, launches = (2, 2, 16, 16, 2) if smoke else (64, 12, 128, 128, 50)
@@ -174,19 +181,30 @@ def kda_split_stress(device: str, smoke: bool) -> dict:
         conv = torch.randn(batch, 3 * proj, 3, generator=gen, device=device).bfloat16()
         state = torch.randn(batch, heads, d, d, generator=gen, device=device) * 0.1
         conv_ref, state_ref = conv.clone(), state.clone()
+        records = KdaRecords.empty(batch, heads, d, 4, conv.dtype, device)
+        records_ref = KdaRecords(*(t.clone() for t in records))
         for i in range(launches):
             z = torch.randn(batch, tokens, rows, generator=gen, device=device).bfloat16()
             f_given = i % 2 == 1
             f = (z[..., 4 * proj: 4 * proj + f_rank].float() @ params["w_fb"].float().T
                  if f_given else None)
+            verify = tokens > 1
             want = kda_decode_reference(z, conv_state=conv_ref, state=state_ref,
-                                        checkpoint=tokens > 1, **params)
-            got = kda_decode(z, conv_state=conv, state=state, checkpoint=tokens > 1, f=f,
-                             arrivals=arrivals, splits=splits, **params)
-            pairs = zip(got, want, strict=True) if tokens > 1 else [(got, want)]
-            errors += [rel_err(g.float().cpu(), w.double().cpu()) for g, w in pairs]
-            errors.append(rel_err(state.cpu(), state_ref.double().cpu()))
-            conv_exact &= bool(torch.equal(conv, conv_ref))
+                                        records=records_ref, record=verify, **params)
+            got = kda_decode(z, conv_state=conv, state=state, f=f, arrivals=arrivals,
+                             splits=splits, records=records, record=verify, **params)
+            errors += [rel_err(got.float().cpu(), want.double().cpu()),
+                       rel_err(state.cpu(), state_ref.double().cpu()),
+                       rel_err(records.records.cpu(), records_ref.records.double().cpu())]
+            conv_exact &= bool(torch.equal(conv, conv_ref)
+                               and torch.equal(records.inputs, records_ref.inputs))
+            accepted = torch.randint(1, tokens + 1, (batch,), generator=gen, device=device)
+            for r in (records, records_ref):       # as DecodeState.advance and accept do
+                if verify:
+                    r.half.bitwise_xor_(1)
+                    r.pending.copy_(accepted)
+                else:
+                    r.pending.zero_()
     left = int(arrivals.count_nonzero())
     worst = max(errors)
     return {"max_rel_err": worst, "launches": 2 * launches, "conv_state_exact": conv_exact,
@@ -200,14 +218,14 @@ def graphed_verify_errors(model: K3Model, ref: K3Model, prompt: torch.Tensor, de
     followed by an eager acceptance, against the same steps of ``ref`` on the CPU."""
     drafts = torch.randint(0, model.c.vocab, (2, 8), generator=torch.Generator().manual_seed(13))
     accepted = [torch.tensor([1, 3]), torch.tensor([4, 2])]
-    ref_state = ref.new_state(2, 12)
+    ref_state = ref.new_state(2, 12, max_verify=4)
     ref.forward(prompt, ref_state)
-    state = model.new_state(2, 20)
+    state = model.new_state(2, 20, max_verify=4)
     model.forward(prompt.to(device), state)
     graphed = GraphedDecodeStep(model, state, batch=2, tokens_per_step=4)
     errors = []
     for i, acc in enumerate(accepted):
-        want = ref.forward(drafts[:, 4 * i: 4 * i + 4], ref_state, keep_checkpoints=True)
+        want = ref.forward(drafts[:, 4 * i: 4 * i + 4], ref_state, verify=True)
         ref_state.accept(acc)
         got = graphed(drafts[:, 4 * i: 4 * i + 4].to(device))
         state.accept(acc.to(device))

@@ -119,26 +119,30 @@ def builds() -> list[Build]:
             warps, ints={"M": m, "N_OUT": n_out, "K": k, "stride_xm": k, "stride_wn": k,
                          "stride_rm": n_out if residual else 0, "stride_om": n_out}))
     kda_types = {"z_ptr": "*bf16", "wfb_ptr": "*bf16", "conv_ptr": "*bf16",
-                 "out_ptr": "*bf16", "ckpt_conv_ptr": "*bf16", "arrivals_ptr": "*i32",
-                 "eps": "fp32", "lower_bound": "fp32"}
-    kda_types["f_ptr"] = "*bf16"
-    # batch 1 and 64, verify steps of 1+3 tokens at batch 1, 8 and 64 and of 1+7 at 64, the
-    # standard path's (f_b projected before), each split as on an H200
-    for batch, tokens, f_given in ((1, 1, False), (64, 1, False), (1, 4, False), (8, 4, False),
-                                   (64, 4, False), (64, 8, False), (64, 4, True), (1, 1, True)):
+                 "out_ptr": "*bf16", "inputs_ptr": "*bf16", "arrivals_ptr": "*i32",
+                 "pending_ptr": "*i32", "half_ptr": "*i32", "eps": "fp32",
+                 "lower_bound": "fp32", "f_ptr": "*bf16"}
+    # batch 1 and 64, and batch 1 after a verify step (its accepted positions replayed first);
+    # verify steps of 1+3 tokens at batch 1, 8 and 64 and of 1+7 at 64; the standard path's
+    # (f_b projected before); each split as on an H200
+    for batch, tokens, f_given, replay in (
+            (1, 1, False, False), (64, 1, False, False), (1, 1, False, True),
+            (1, 4, False, True), (8, 4, False, True), (64, 4, False, True),
+            (64, 8, False, True), (64, 4, True, True), (1, 1, True, False)):
         splits = kda_decode.kda_splits(batch * 12, 128, torch.device("cpu"), tokens)
         tiles = kda_decode.kda_tiles(128, 128, splits)
         consts = {"D": 128, "F_RANK": 128, **tiles, "T_PAD": kda_decode.kda_token_rows(tokens),
-                  "F_GIVEN": f_given, "CHECKPOINT": tokens > 1, "DOT_FP32": False,
-                  "RNE": False}
+                  "F_GIVEN": f_given, "REPLAY": replay, "RECORD": tokens > 1,
+                  "DOT_FP32": False, "RNE": False}
         tag = (f" batch {batch} verify 1+{tokens - 1}" + (" f given" if f_given else "")
-               if tokens > 1 else " f given (standard)" if f_given else f" batch {batch}")
+               if tokens > 1 else " f given (standard)" if f_given
+               else f" batch {batch}" + (" replay" if replay else ""))
         f_row = kda_proj if f_given else in_proj
         out.append(Build(f"kda_decode d128{tag} split {splits}",
                          kda_decode.kda_decode_kernel,
                          _signature(kda_decode.kda_decode_kernel, kda_types, consts), consts,
                          kda_decode.kda_warps(tiles["BV"]),
-                         ints={"B": batch, "T": tokens, "H": 12,
+                         ints={"B": batch, "T": tokens, "H": 12, "T_REC": 8,
                                "stride_zb": tokens * in_proj, "stride_zt": in_proj,
                                "stride_fb": tokens * f_row, "stride_ft": f_row,
                                "stride_ob": tokens * kda_proj, "stride_ot": kda_proj,
@@ -346,13 +350,13 @@ def record_launches(out: Path) -> None:
                              (torch.bfloat16, torch.float8_e4m3fn)):
             for path in ("specialized", "standard_kernels"):
                 model = make_path(path, c, weights, dtype)
-                state = model.new_state(2, 16, kv_dtype=cache)
+                state = model.new_state(2, 16, kv_dtype=cache, max_verify=4)
                 model.forward(tokens[:2, :3], state)
                 model.attention_splits = 3
                 model.forward(tokens[:2, 3:4], state)
                 model.attention_splits = None
                 model.forward(tokens[:2, 4:5], state)
-                model.forward(tokens[:2, 5:9], state, keep_checkpoints=True)
+                model.forward(tokens[:2, 5:9], state, verify=True)
                 state.accept(torch.tensor([2, 4]))
                 model.group_experts_from = 5   # the specialized path's opt-in: routing first
                 five = model.new_state(5, 4, kv_dtype=cache)

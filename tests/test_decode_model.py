@@ -105,9 +105,9 @@ def test_speculative_verify_rolls_back_to_the_accepted_prefix(weights):
     following = torch.randint(0, TINY.vocab, (batch, 1), generator=gen)
 
     model = K3Model(TINY, weights, dtype=torch.float32)
-    spec = model.new_state(batch, 16)
+    spec = model.new_state(batch, 16, max_verify=1 + k)
     model.forward(prompt, spec)
-    verify_logits = model.forward(draft, spec, keep_checkpoints=True)
+    verify_logits = model.forward(draft, spec, verify=True)
     spec.accept(accepted)
     spec_next = model.forward(following, spec)
 
@@ -126,15 +126,50 @@ def test_speculative_verify_rolls_back_to_the_accepted_prefix(weights):
         assert int(spec.lengths[b]) == int(plain.lengths[0]) == 5 + int(accepted[b]) + 1
 
 
+def test_verify_steps_in_a_row_then_a_prefill_fold_in_what_was_accepted(weights):
+    """A verify step's rollback is replayed by the next step whatever it is: another verify
+    step (which records into the other half) or a prefill; states and logits as when only
+    the accepted tokens are decoded, one at a time."""
+    gen = torch.Generator().manual_seed(12)
+    prompt = torch.randint(0, TINY.vocab, (2, 3), generator=gen)
+    first, second = (torch.randint(0, TINY.vocab, (2, n), generator=gen) for n in (4, 3))
+    chunk = torch.randint(0, TINY.vocab, (2, 2), generator=gen)
+    kept = [torch.tensor([2, 4]), torch.tensor([3, 1])]
+    model = K3Model(TINY, weights, dtype=torch.float32)
+    spec = model.new_state(2, 16, max_verify=4)
+    model.forward(prompt, spec)
+    model.forward(first, spec, verify=True)
+    spec.accept(kept[0])
+    second_logits = model.forward(second, spec, verify=True)
+    spec.accept(kept[1])
+    chunk_logits = model.forward(chunk, spec)
+    for b in range(2):
+        plain = model.new_state(1, 16)
+        model.forward(prompt[b: b + 1], plain)
+        for t in range(int(kept[0][b])):
+            model.forward(first[b: b + 1, t: t + 1], plain)
+        for t in range(int(kept[1][b])):
+            step = model.forward(second[b: b + 1, t: t + 1], plain)
+            torch.testing.assert_close(step[0, 0], second_logits[b, t], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(model.forward(chunk[b: b + 1], plain)[0], chunk_logits[b],
+                                   rtol=1e-4, atol=1e-4)
+        for i in spec.kda:
+            torch.testing.assert_close(spec.kda[i][b], plain.kda[i][0], rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(spec.conv[i][b], plain.conv[i][0], rtol=1e-4, atol=1e-5)
+        assert int(spec.lengths[b]) == int(plain.lengths[0])
+    with pytest.raises(ValueError, match="max_verify=4"):
+        model.forward(chunk.repeat(1, 2), model.new_state(2, 16), verify=True)
+
+
 def test_accept_rolls_back_a_model_without_kda_layers_too():
     """The verify step's length comes from the step, not from the KDA checkpoints: a model
     whose one layer is gated MLA keeps exactly the accepted tokens."""
     one_mla = dataclasses.replace(TINY, n_layers=1)
     assert one_mla.is_mla(0)
     model = K3Model(one_mla, random_weights(one_mla, seed=3), dtype=torch.float32)
-    state = model.new_state(2, 16)
+    state = model.new_state(2, 16, max_verify=4)
     model.forward(torch.zeros(2, 3, dtype=torch.long), state)
-    model.forward(torch.ones(2, 4, dtype=torch.long), state, keep_checkpoints=True)
+    model.forward(torch.ones(2, 4, dtype=torch.long), state, verify=True)
     state.accept(torch.tensor([2, 4]))
     assert state.lengths.tolist() == [5, 7]
     with pytest.raises(ValueError, match="follows a verify step"):
@@ -375,7 +410,7 @@ def test_spec_decode_harness(weights):
 
     model = K3Model(TINY, weights)
     prompt = torch.randint(0, TINY.vocab, (3, 4), generator=torch.Generator().manual_seed(8))
-    state = model.new_state(3, 4 + 5 * 4)
+    state = model.new_state(3, 4 + 5 * 4, max_verify=4)
     run = run_decode(model, prompt, steps=4, warmup=1, spec_tokens=3, seed=1, state=state)
     assert run.tokens.shape == (3, 5) and run.accepted_counts
     assert int(run.tokens.min()) >= 1 and int(run.tokens.max()) <= 4
@@ -450,13 +485,13 @@ def test_a_prefill_of_the_last_logits_only(weights, path):
 
     model = make_path(path, TINY, weights, torch.float32)
     prompt = torch.randint(0, TINY.vocab, (2, 5), generator=torch.Generator().manual_seed(4))
-    whole_state, last_state = model.new_state(2, 8), model.new_state(2, 8)
+    whole_state, last_state = (model.new_state(2, 8, max_verify=3) for _ in range(2))
     whole = model.forward(prompt, whole_state)
     last = model.forward(prompt, last_state, last_logits=True)
     assert last.shape == (2, 1, TINY.vocab)
     torch.testing.assert_close(last, whole[:, -1:], rtol=1e-5, atol=1e-5)
     verify = prompt[:, :3]      # a verify step: the kernel path itself, when it has one
-    whole = model.forward(verify, whole_state, keep_checkpoints=True)
-    last = model.forward(verify, last_state, keep_checkpoints=True, last_logits=True)
+    whole = model.forward(verify, whole_state, verify=True)
+    last = model.forward(verify, last_state, verify=True, last_logits=True)
     assert last.shape == (2, 1, TINY.vocab)
     torch.testing.assert_close(last, whole[:, -1:], rtol=1e-5, atol=1e-5)

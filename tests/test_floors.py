@@ -84,13 +84,17 @@ def test_floors_command():
         assert bad.exit_code == 2 and message in bad.output
 
 
-def test_a_speculative_verify_step_routes_every_token_and_keeps_every_state():
-    """A verify of 1+3 tokens at batch 2: the experts of 8 routed tokens, the KDA state read
-    once and written for each of its 4 positions, the latent cache read once per sequence."""
+def test_a_speculative_verify_step_routes_every_token_and_records_every_position():
+    """A verify of 1+3 tokens at batch 2: the experts of 8 routed tokens; the KDA states read
+    and written once, as a decode step's, and per position each head's key, decay and
+    correction (fp32) and the conv inputs (bf16) written and read back by the next step; the
+    latent cache read once per sequence."""
     plain = launch_bytes(TP8, "kda", 2, 4096, MXFP4)
     verify = launch_bytes(TP8, "kda", 2, 4096, MXFP4, tokens=4)
-    state = 12 * 128 * 128 * 4 + 3 * 12 * 128 * 3 * 2          # fp32 state + bf16 conv, a copy
-    assert verify["fused_kda_decode"] - plain["fused_kda_decode"] == 2 * (5 - 2) * state
+    position = 12 * 3 * 128 * 4 + 3 * 12 * 128 * 2              # records of one position
+    assert verify["fused_kda_decode"] - plain["fused_kda_decode"] == 2 * 2 * 4 * position
+    state = 12 * 128 * 128 * 4
+    assert 2 * 4 * position < state / 3    # where keeping each position's state took 4 more
     routed = 3 * 384 * 3584 * 0.53125                          # one MXFP4 expert's bytes
     assert (verify["moe_fc1_situ_shared_gate_up"] + verify["moe_fc2_combine_shared_down"]
             - plain["moe_fc1_situ_shared_gate_up"] - plain["moe_fc2_combine_shared_down"]

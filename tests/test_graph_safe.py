@@ -50,7 +50,7 @@ def _prefilled(path: str, weights, batch: int = 2):
     model = make_path(base, SMALL, weights, torch.float32)
     model.l2_prefetch = option == "l2"
     model.group_experts_from = 1 if option == "grouped" else None
-    state = model.new_state(batch, 12)
+    state = model.new_state(batch, 12, max_verify=4)
     prompt = torch.randint(0, SMALL.vocab, (batch, 3), generator=torch.Generator().manual_seed(4))
     model.forward(prompt, state)
     return model, state
@@ -89,9 +89,9 @@ def test_graph_safe_verify_step_and_rollback(path, weights):
     accepted = torch.tensor([1, 3, 4])
     model.graph_safe = True
     with HostSyncGuard():
-        got = model.forward(draft, state, keep_checkpoints=True)
+        got = model.forward(draft, state, verify=True)
     state.accept(accepted)
-    want = eager.forward(draft, eager_state, keep_checkpoints=True)
+    want = eager.forward(draft, eager_state, verify=True)
     eager_state.accept(accepted)
     assert rel_err(got, want.double()) < 1e-5
     assert [t.data_ptr() for t in state_tensors(state)] == addresses

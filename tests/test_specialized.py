@@ -65,7 +65,7 @@ def test_grouped_experts_equal_standard_from_their_batch_on(weights):
     std = K3Model(SMALL, weights, dtype=torch.float32)
     fast = SpecializedModel(SMALL, weights, dtype=torch.float32, group_experts_from=8)
     batch = 8
-    s_std, s_fast = std.new_state(batch, 24), fast.new_state(batch, 24)
+    s_std, s_fast = (m.new_state(batch, 24, max_verify=4) for m in (std, fast))
     tokens = torch.randint(0, SMALL.vocab, (batch, 16), generator=torch.Generator()
                            .manual_seed(30))
     std.forward(tokens[:, :3], s_std)
@@ -79,7 +79,7 @@ def test_grouped_experts_equal_standard_from_their_batch_on(weights):
     accepted = torch.tensor([1, 4, 2, 3, 4, 1, 2, 4])
     outs = []
     for model, state in ((std, s_std), (fast, s_fast)):
-        verify = model.forward(tokens[:, 7:11], state, keep_checkpoints=True)
+        verify = model.forward(tokens[:, 7:11], state, verify=True)
         state.accept(accepted)
         outs.append((verify, model.forward(tokens[:, 11:12], state)))
     for got, want in zip(outs[1], outs[0], strict=True):
@@ -99,19 +99,23 @@ def test_kernel_paths_verify_step_and_rollback(weights, path):
     prompt = torch.randint(0, SMALL.vocab, (batch, 4), generator=gen)
     draft = torch.randint(0, SMALL.vocab, (batch, 1 + k), generator=gen)
     nxt = torch.randint(0, SMALL.vocab, (batch, 1), generator=gen)
-    accepted = torch.tensor([1, 2, 4])
+    accepted = [torch.tensor([1, 2, 4]), torch.tensor([3, 4, 1])]
     outs = []
     for model in (K3Model(SMALL, weights, dtype=torch.float32),
                   make_path(path, SMALL, weights, torch.float32)):
-        state = model.new_state(batch, 16)
+        state = model.new_state(batch, 16, max_verify=1 + k)
         model.forward(prompt, state)
-        verify = model.forward(draft, state, keep_checkpoints=True)
-        state.accept(accepted)
-        outs.append((verify, model.forward(nxt, state), state))
-    (v_std, n_std, st_std), (v_fast, n_fast, st_fast) = outs
-    assert rel_err(v_fast, v_std.double()) < 1e-4
-    assert rel_err(n_fast, n_std.double()) < 1e-4
+        verify = model.forward(draft, state, verify=True)
+        state.accept(accepted[0])
+        again = model.forward(draft.flip(1), state, verify=True)  # replays the first's
+        state.accept(accepted[1])
+        outs.append((verify, again, model.forward(nxt, state), state))
+    (*std_logits, st_std), (*fast_logits, st_fast) = outs
+    for got, want in zip(fast_logits, std_logits, strict=True):
+        assert rel_err(got, want.double()) < 1e-4
     assert torch.equal(st_std.lengths, st_fast.lengths)
+    for i in st_std.kda:
+        assert rel_err(st_fast.kda[i], st_std.kda[i].double()) < 1e-4
 
 
 def test_plain_projections_take_the_opt_in_gemv_where_it_has_a_build(weights):
@@ -125,7 +129,7 @@ def test_plain_projections_take_the_opt_in_gemv_where_it_has_a_build(weights):
     plain, routed = (SpecializedModel(SMALL, weights, dtype=torch.float32, gemv=g)
                      for g in (None, gemv))
     tokens = torch.randint(0, SMALL.vocab, (2, 6), generator=torch.Generator().manual_seed(8))
-    states = [m.new_state(2, 12) for m in (plain, routed)]
+    states = [m.new_state(2, 12, max_verify=4) for m in (plain, routed)]
     for m, st in zip((plain, routed), states, strict=True):
         m.forward(tokens[:, :3], st)
         m.launches = []
@@ -140,7 +144,7 @@ def test_plain_projections_take_the_opt_in_gemv_where_it_has_a_build(weights):
                     for mla in (False, True))
     assert len(gemv.calls) == 2 * (2 * n_kda + 2 * n_mla)   # 2 steps, 2 per layer
     gemv.calls.clear()
-    routed.forward(tokens[:, 2:6], states[1], keep_checkpoints=True)   # 2 × 4 tokens
+    routed.forward(tokens[:, 2:6], states[1], verify=True)   # 2 × 4 tokens
     assert gemv.calls == []
 
 
@@ -583,7 +587,7 @@ def test_annotated_launches_are_the_launches(weights, path, batch, tokens_per_se
     model.l2_prefetch = path.endswith("+l2")          # one launch more per layer
     model.group_experts_from = 1 if path.endswith("+grouped") else None   # and per MoE
     model.attention_splits = splits  # 3: the standard path adds FlashMLA's combine launch
-    state = model.new_state(batch, 16)
+    state = model.new_state(batch, 16, max_verify=tokens_per_seq)
     prompt = torch.randint(0, SMALL.vocab, (batch, 3), generator=torch.Generator().manual_seed(9))
     model.forward(prompt, state)
     actual: list[tuple[int, str]] = []
@@ -614,7 +618,7 @@ def test_annotated_launches_are_the_launches(weights, path, batch, tokens_per_se
     model.launches = []
     tokens = torch.randint(0, SMALL.vocab, (batch, tokens_per_seq))
     with TorchKernels():
-        model.forward(tokens, state, keep_checkpoints=tokens_per_seq > 1)
+        model.forward(tokens, state, verify=tokens_per_seq > 1)
     assert not model.fallbacks[1:]
     for layer in range(SMALL.n_layers):
         annotated = [name for i, name in model.launches if i == layer]

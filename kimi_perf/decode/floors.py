@@ -9,9 +9,11 @@ to stream at the GPU's copy bandwidth. The method is the design note's (k3-decod
   expected distinct set under uniform top-k, E·(1 - (1 - k/E)^B);
 - the KDA state is read and written (fp32), as is the conv state (bf16); the gated-MLA layer
   reads its latent cache (every sequence's ``context`` positions);
-- a speculative verify step of T tokens per sequence (``tokens``) routes B·T tokens, and
-  writes the KDA and conv states of each of its T positions (the rollback to the accepted
-  prefix needs them, as vLLM keeps them too); the cache is still read once per sequence;
+- a speculative verify step of T tokens per sequence (``tokens``) routes B·T tokens; its
+  KDA states are read and written once, as a decode step's, and it writes what a rollback
+  to the accepted prefix needs of its T positions (per head a key, a decay and a correction
+  vector, fp32, and the conv inputs), which the next step reads back (all T, at most); the
+  cache is still read once per sequence;
 - W_UK / W_UV and the router stay bf16 whatever the other weights' dtype (as vLLM keeps them);
 - the attention residuals (a few hidden-size vectors per layer) and the activations are left
   out: they are well under 1% of a layer.
@@ -61,13 +63,13 @@ def launch_bytes(c: K3Config, layer_type: str, batch: int, context: int,
     bf16, fp32 = 2.0, 4.0
     h = c.hidden
     out: dict[str, float] = {}
-    states = batch * (1 + tokens)   # each sequence's states read once, written per position
     if layer_type in ("kda", "dense"):
         hd = c.kda_heads_local * c.kda_head_dim
+        states = c.kda_heads_local * c.kda_head_dim ** 2 * fp32 + 3 * hd * (c.conv_size - 1) * bf16
+        # a verify step's records of its positions, written, and read by the next step
+        records = 0 if tokens == 1 else 2 * tokens * (3 * hd * fp32 + 3 * hd * bf16)
         out["in_proj"] = c.in_proj_rows * h * w
-        out["fused_kda_decode"] = (hd * c.f_rank * w
-                                   + states * c.kda_heads_local * c.kda_head_dim ** 2 * fp32
-                                   + states * 3 * hd * (c.conv_size - 1) * bf16)
+        out["fused_kda_decode"] = hd * c.f_rank * w + batch * (2 * states + records)
         out["o_proj"] = h * hd * w
     elif layer_type == "mla":
         hm = c.mla_heads_local

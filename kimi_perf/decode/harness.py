@@ -72,8 +72,8 @@ class GraphedDecodeStep:
     """One decode step of ``model`` over ``state`` (``tokens_per_step`` tokens per sequence: 1,
     or 1+k for a speculative verify), captured once as a CUDA graph and replayed on every call:
     tokens go into a static input, logits come out of a static output. The model runs
-    graph-safe (no host syncs; the decode state updated in place). A verify step's per-position
-    KDA states are graph outputs too: each call hands them back to ``state`` for ``accept``."""
+    graph-safe (no host syncs; the decode state updated in place, a verify step's records
+    too); each call tells ``state`` that a verify step awaits ``accept``."""
 
     def __init__(self, model: K3Model, state: DecodeState, batch: int, layer_hook=None,
                  tokens_per_step: int = 1):
@@ -93,29 +93,30 @@ class GraphedDecodeStep:
             side.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(side):
                 for _ in range(GRAPH_WARMUP_RUNS):
-                    model.forward(self.tokens, state, keep_checkpoints=verify)
+                    model.forward(self.tokens, state, verify=verify)
             torch.cuda.current_stream(device).wait_stream(side)
             for t, copy in zip(state_tensors(state), saved, strict=True):
                 t.copy_(copy)
             self.graph = torch.cuda.CUDAGraph()
             with annotate("graph_capture"), torch.cuda.graph(self.graph):
-                self.logits = model.forward(self.tokens, state, keep_checkpoints=verify,
+                self.logits = model.forward(self.tokens, state, verify=verify,
                                             layer_hook=layer_hook)
-            self.checkpoints, self.verify_tokens = dict(state.checkpoints), state.verify_tokens
+            self.verify_tokens = state.verify_tokens
         finally:
             model.graph_safe = False
 
     def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
         self.tokens.copy_(tokens)
         self.graph.replay()
-        self.state.checkpoints = dict(self.checkpoints)
         self.state.verify_tokens = self.verify_tokens
         return self.logits
 
 
 def state_tensors(state: DecodeState) -> list[torch.Tensor]:
     """Every tensor a decode step updates in place."""
-    return [*state.kda.values(), *state.conv.values(), *state.kv.values(), state.lengths]
+    spec = [state.pending, state.half] if state.pending is not None else []
+    return [*state.kda.values(), *state.conv.values(), *state.kv.values(), state.lengths,
+            *state.records.values(), *state.inputs.values(), *spec]
 
 
 def run_decode(model: K3Model, prompt: torch.Tensor, steps: int,
@@ -143,7 +144,7 @@ def run_decode(model: K3Model, prompt: torch.Tensor, steps: int,
     verify = spec_tokens > 0
     spare = GRAPH_WARMUP_RUNS if cuda_graphs else 0
     state = state or model.new_state(batch, prompt_len + (warmup + steps + spare) * width,
-                                     kv_dtype=kv_dtype)
+                                     kv_dtype=kv_dtype, max_verify=width if verify else 0)
     hook = _layer_hook(model)
     logits, prefill_s = _prefill(model, prompt, state)
     next_token = logits[:, -1].argmax(-1, keepdim=True)
@@ -155,7 +156,7 @@ def run_decode(model: K3Model, prompt: torch.Tensor, steps: int,
         step_logits = GraphedDecodeStep(model, state, batch, hook, tokens_per_step=width)
     else:
         def step_logits(tokens: torch.Tensor) -> torch.Tensor:
-            return model.forward(tokens, state, keep_checkpoints=verify, layer_hook=hook)
+            return model.forward(tokens, state, verify=verify, layer_hook=hook)
     gen = torch.Generator().manual_seed(seed)
     rows = torch.arange(batch, device=model.device)
     for step in range(warmup + steps):

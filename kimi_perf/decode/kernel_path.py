@@ -28,7 +28,7 @@ if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
                       "before triton is imported")
 
 from kimi_perf_kernels.attn_res import attn_res
-from kimi_perf_kernels.kda_decode import kda_decode
+from kimi_perf_kernels.kda_decode import KdaRecords, kda_decode
 from kimi_perf_kernels.mla_attention import mla_splits
 
 MAX_BATCH = 64
@@ -59,29 +59,31 @@ class KernelPathModel(K3Model):
         self.final_qk = (self.w["model.output_attn_res_norm.weight"]
                          * self.w["model.output_attn_res_proj.weight"].float().reshape(-1))
 
-    def unsupported(self, tokens: torch.Tensor, keep_checkpoints: bool) -> str | None:
+    def unsupported(self, tokens: torch.Tensor, verify: bool) -> str | None:
         """Why a step must take the standard path's PyTorch ops, or None when it need not."""
         B, T = tokens.shape
         if B > MAX_BATCH:
             return f"batch {B} > {MAX_BATCH}"
-        if T > 1 and not keep_checkpoints:
+        if T > 1 and not verify:
             return f"prefill of {T} tokens"
         if T > MAX_VERIFY_TOKENS:
             return f"verify of {T} tokens > {MAX_VERIFY_TOKENS}"
         return None
 
     def forward(self, tokens: torch.Tensor, state: DecodeState, observer: Observer | None = None,
-                keep_checkpoints: bool = False, layer_hook=None,
+                verify: bool = False, layer_hook=None,
                 last_logits: bool = False) -> torch.Tensor:
         step = self.steps
         self.steps += 1
-        reason = self.unsupported(tokens, keep_checkpoints)
+        reason = self.unsupported(tokens, verify)
         if reason is not None:
             self.fallbacks.append(f"step {step}: {reason}")
-            return super().forward(tokens, state, observer, keep_checkpoints, layer_hook,
+            return super().forward(tokens, state, observer, verify, layer_hook,
                                    last_logits)
         c = self.c
         B, T = tokens.shape
+        if verify:
+            state.check_verify(T)
         M = B * T
         positions = self.positions(state, T)
         eps = c.rms_eps
@@ -103,7 +105,7 @@ class KernelPathModel(K3Model):
                 if c.is_mla(i):
                     a = self.mla_layer(i, x, state, positions.reshape(M), T)
                 else:
-                    a = self.kda_layer(i, x, state, B, T, keep_checkpoints)
+                    a = self.kda_layer(i, x, state, B, T, verify)
                 self.launch("attn_res_post")
                 h = attn_res(prefix, a, blocks, n_done + int(boundary), -1, packed["mlp_res_qk"],
                              self.w[p + "post_attention_layernorm.weight"], eps, reset=boundary)
@@ -118,26 +120,24 @@ class KernelPathModel(K3Model):
             out = out.view(B, T, -1)[:, -1].contiguous()
         logits = self.lm_head(out)
         self.end_op()
-        state.advance(T, keep_checkpoints)
+        state.advance(T, verify)
         return logits.view(B, 1 if last_logits else T, -1)
 
     def fused_kda_decode(self, i: int, z: torch.Tensor, state: DecodeState, B: int, T: int,
-                         keep: bool, f: torch.Tensor | None = None) -> torch.Tensor:
+                         verify: bool, f: torch.Tensor | None = None) -> torch.Tensor:
         """The KDA decode kernel on layer i's in_proj output z [B·T, rows] (``f``: the f_b
-        projection when a GEMM of its own took it): the output [B, T, H·d]; a verify step
-        (``keep``) leaves every position's state for ``state.accept``."""
+        projection when a GEMM of its own took it): the output [B, T, H·d]. It folds in what
+        a verify step left pending; a verify step (``verify``) records its positions."""
         c = self.c
         a = layer_prefix(i) + "self_attn."
-        result = kda_decode(
+        records = (KdaRecords(state.records[i], state.inputs[i], state.pending, state.half)
+                   if state.pending is not None else None)
+        return kda_decode(
             z.view(B, T, -1), c.kda_heads_local, c.kda_head_dim, c.f_rank,
             self.w[a + "f_b_proj.weight"], self.w[a + "dt_bias"], self.w[a + "A_log"],
             self.packed[i]["conv"], self.w[a + "o_norm.weight"], state.conv[i], state.kda[i],
-            c.rms_eps, c.gate_lower_bound, checkpoint=keep, f=f, arrivals=self.kda_arrivals)
-        if not keep:
-            return result
-        o, states, convs = result
-        state.checkpoints[i] = (states, convs)
-        return o
+            c.rms_eps, c.gate_lower_bound, f=f, arrivals=self.kda_arrivals, records=records,
+            record=verify)
 
     def mla_splits_for(self, B: int, T: int, state: DecodeState, layer: int) -> int:
         return self.attention_splits or mla_splits(B, T, self.c.mla_heads_local,
@@ -146,7 +146,7 @@ class KernelPathModel(K3Model):
     # -- what a path gives: x [M, hidden] in, [M, hidden] out -------------------------------
 
     def kda_layer(self, i: int, x: torch.Tensor, state: DecodeState, B: int, T: int,
-                  keep: bool) -> torch.Tensor:
+                  verify: bool) -> torch.Tensor:
         raise NotImplementedError
 
     def mla_layer(self, i: int, x: torch.Tensor, state: DecodeState, positions: torch.Tensor,

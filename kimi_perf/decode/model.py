@@ -67,6 +67,14 @@ class DecodeState:
 
     Every step updates these tensors in place, never rebinds them: a CUDA graph captured
     over a step keeps reading and writing the same addresses when it is replayed.
+
+    A state made for speculative decoding (``max_verify``, the most tokens a verify step
+    takes per sequence) also has room for what a verify step records of each KDA layer for
+    its rollback (``kimi_perf_kernels.kda_decode.KdaRecords``: per position each head's key,
+    decay and delta-rule correction, and the conv inputs). A verify step leaves the KDA and
+    conv states where it found them (after folding in what was pending) and records its
+    positions; ``accept`` sets how many of them each sequence keeps (``pending``); the next
+    step of any path folds those into the state before its own tokens. No state is copied.
     """
 
     kda: dict[int, torch.Tensor]          # [B, H, V, K] fp32
@@ -74,16 +82,22 @@ class DecodeState:
     kv: dict[int, torch.Tensor]           # [B, max_len, kv_lora + rope] bf16 or fp8
     kv_scale: float
     lengths: torch.Tensor                 # [B] tokens in the cache
-    # Speculative verify keeps every position's KDA state to roll back to the accepted one.
-    checkpoints: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    # per KDA layer, in two halves (read, written): [2, B, H, max_verify, 3, d] fp32 (key,
+    # decay, correction) and [2, B, max_verify, 3*H*d] (conv inputs)
+    records: dict[int, torch.Tensor] = field(default_factory=dict)
+    inputs: dict[int, torch.Tensor] = field(default_factory=dict)
+    pending: torch.Tensor | None = None   # [B] int32: accepted positions not yet folded in
+    half: torch.Tensor | None = None      # [1] int32: the half of the records they are in
+    max_verify: int = 0                   # tokens per sequence a verify step may take
     verify_tokens: int = 0                # tokens per sequence of the verify step to accept
 
     @classmethod
     def empty(cls, c: K3Config, batch: int, max_len: int, kv_dtype: torch.dtype,
               dtype: torch.dtype, device: torch.device | str = "cpu",
-              kv_scale: float = 1.0) -> DecodeState:
+              kv_scale: float = 1.0, max_verify: int = 0) -> DecodeState:
         h, d = c.kda_heads_local, c.kda_head_dim
         kda_layers = [i for i in range(c.n_layers) if not c.is_mla(i)]
+        spec = max_verify > 0
         return cls(
             kda={i: torch.zeros(batch, h, d, d, dtype=torch.float32, device=device)
                  for i in kda_layers},
@@ -93,28 +107,45 @@ class DecodeState:
                 for i in range(c.n_layers) if c.is_mla(i)},
             kv_scale=kv_scale,
             lengths=torch.zeros(batch, dtype=torch.long, device=device),
+            records={i: torch.zeros(2, batch, h, max_verify, 3, d, device=device)
+                     for i in kda_layers if spec},
+            inputs={i: torch.zeros(2, batch, max_verify, 3 * h * d, dtype=dtype, device=device)
+                    for i in kda_layers if spec},
+            pending=torch.zeros(batch, dtype=torch.int32, device=device) if spec else None,
+            half=torch.zeros(1, dtype=torch.int32, device=device) if spec else None,
+            max_verify=max_verify,
         )
 
+    def check_verify(self, tokens: int) -> None:
+        if tokens > self.max_verify:
+            raise ValueError(f"a verify step of {tokens} tokens per sequence needs a state "
+                             f"made for it (new_state(..., max_verify={tokens})); this one "
+                             f"takes {self.max_verify}")
+
     def advance(self, tokens: int, verify: bool) -> None:
-        """A step of ``tokens`` per sequence is in the caches; a verify step awaits ``accept``."""
+        """A step of ``tokens`` per sequence is in the caches; a verify step awaits ``accept``
+        (until then, all its tokens stand)."""
         self.lengths.add_(tokens)
+        if self.pending is not None:
+            if verify:
+                self.half.bitwise_xor_(1)
+                self.pending.fill_(tokens)
+            else:
+                self.pending.zero_()
         self.verify_tokens = tokens if verify else 0
 
     def accept(self, accepted: torch.Tensor) -> None:
         """After a verify step of T tokens: keep ``accepted[b]`` (1..T) of them per sequence.
 
-        The KDA and conv states roll back to the last accepted position; the KV cache keeps
-        its entries and only its length shrinks (later tokens overwrite the rejected ones).
+        The next step folds that many of the step's positions into the KDA and conv states;
+        the KV cache keeps its entries and only its length shrinks (later tokens overwrite the
+        rejected ones). Two small writes, no state copied: graph-safe.
         """
         if not self.verify_tokens:
-            raise ValueError("accept() follows a verify step (forward with keep_checkpoints)")
-        batch = torch.arange(len(accepted), device=accepted.device)
-        last = accepted - 1
-        for i, (states, convs) in self.checkpoints.items():
-            self.kda[i].copy_(states[last, batch])
-            self.conv[i].copy_(convs[last, batch])
+            raise ValueError("accept() follows a verify step (forward with verify=True)")
+        self.pending.copy_(accepted)
         self.lengths.add_(accepted - self.verify_tokens)
-        self.checkpoints, self.verify_tokens = {}, 0
+        self.verify_tokens = 0
 
 
 class K3Model:
@@ -226,25 +257,30 @@ class K3Model:
         return state.lengths[:, None] + torch.arange(T, device=self.device)
 
     def new_state(self, batch: int, max_len: int, kv_dtype: torch.dtype | None = None,
-                  kv_scale: float = 1.0) -> DecodeState:
+                  kv_scale: float = 1.0, max_verify: int = 0) -> DecodeState:
+        """Caches for ``batch`` sequences of up to ``max_len`` tokens; ``max_verify``: room
+        for speculative verify steps of up to that many tokens per sequence."""
         return DecodeState.empty(self.c, batch, max_len, kv_dtype or self.dtype, self.dtype,
-                                 self.device, kv_scale)
+                                 self.device, kv_scale, max_verify)
 
     # -- forward --------------------------------------------------------------------------
 
     def forward(self, tokens: torch.Tensor, state: DecodeState, observer: Observer | None = None,
-                keep_checkpoints: bool = False,
+                verify: bool = False,
                 layer_hook: Callable[[int], object] | None = None,
                 last_logits: bool = False) -> torch.Tensor:
         """Logits [B, T, vocab] (fp32) for tokens [B, T]; advances ``state`` by T positions.
 
-        ``keep_checkpoints`` stores every position's KDA state for ``state.accept``.
+        ``verify``: a speculative verify step, whose tokens ``state.accept`` then keeps or
+        drops (the state needs room for it: ``new_state(..., max_verify)``).
         ``layer_hook(i)`` returns a context manager entered around layer i (NVTX ranges).
         ``last_logits``: only the last position's [B, 1, vocab], as a server's prefill makes
         them (a K3 prompt's logits for every position take B·T·655 kB).
         """
         c = self.c
         B, T = tokens.shape
+        if verify:
+            state.check_verify(T)
         positions = self.positions(state, T)                                       # [B, T]
         self.layer = -1
         prefix = self.w["model.embed_tokens.weight"][tokens]                       # [B, T, h]
@@ -265,7 +301,7 @@ class K3Model:
                 if c.is_mla(i):
                     a = self._mla(i, x, state, positions)
                 else:
-                    a = self._kda(i, x, state, keep_checkpoints)
+                    a = self._kda(i, x, state, verify)
                 self.launch("attn_res_post")
                 prefix = a if boundary else (prefix.float() + a.float()).to(self.dtype)
                 h = self._attn_res(blocks[:, :, : n_done + int(boundary)], prefix,
@@ -285,7 +321,7 @@ class K3Model:
         self.launch("lm_head")
         logits = out.float() @ self.w["lm_head.weight"].float().T
         self.end_op()
-        state.advance(T, keep_checkpoints)
+        state.advance(T, verify)
         return logits
 
     # -- attention residuals ----------------------------------------------------------------
@@ -304,7 +340,7 @@ class K3Model:
 
     # -- KDA ------------------------------------------------------------------------------
 
-    def _kda(self, i: int, x: torch.Tensor, state: DecodeState, keep: bool) -> torch.Tensor:
+    def _kda(self, i: int, x: torch.Tensor, state: DecodeState, verify: bool) -> torch.Tensor:
         c = self.c
         a = layer_prefix(i) + "self_attn."
         _B, _T, _ = x.shape
@@ -317,20 +353,21 @@ class K3Model:
         self.launch("f_b_proj")
         f = f_a @ self.w[a + "f_b_proj.weight"].T
         self.launch("fused_kda_decode")
-        o = self._fused_kda(i, qkv, g, f, b, state, keep)
+        o = self._fused_kda(i, qkv, g, f, b, state, verify)
         self.launch("o_proj")
         out = o @ self.w[a + "o_proj.weight"].T
         return self._all_reduce(out)
 
     def _fused_kda(self, i: int, qkv: torch.Tensor, g: torch.Tensor, f: torch.Tensor,
-                   b: torch.Tensor, state: DecodeState, keep: bool) -> torch.Tensor:
+                   b: torch.Tensor, state: DecodeState, verify: bool) -> torch.Tensor:
         """vLLM's ``fused_kda_decode`` as one function: conv, gates, recurrence, o_norm."""
         c = self.c
         a = layer_prefix(i) + "self_attn."
         B, T, _ = qkv.shape
         H, d = c.kda_heads_local, c.kda_head_dim
+        start, history = self._fold_pending(i, state)
         # Causal depthwise conv over [history, new tokens]; the state keeps raw inputs.
-        window = torch.cat([state.conv[i], qkv.transpose(1, 2)], dim=-1)        # [B, C, 3+T]
+        window = torch.cat([history, qkv.transpose(1, 2)], dim=-1)             # [B, C, 3+T]
         taps = window.float().unfold(-1, c.conv_size, 1)                       # [B, C, T, 4]
         mixed = F.silu((taps * self.packed[i]["conv"][:, None, :]).sum(-1))    # [B, C, T]
         mixed = mixed.transpose(1, 2).reshape(B, T, 3, H, d)
@@ -342,24 +379,60 @@ class K3Model:
             A * (f.float() + self.w[a + "dt_bias"]).reshape(B, T, H, d))
         decay = torch.exp(gate)
         beta = torch.sigmoid(b.float())                                        # [B, T, H]
-        S = state.kda[i]
-        outs, states, convs = [], [], []
+        S = start
+        outs, corrections = [], []
         for t in range(T):
             S = S * decay[:, t, :, None, :]
             u = beta[:, t, :, None] * (v[:, t] - torch.einsum("bhvk,bhk->bhv", S, k[:, t]))
             S = S + u[..., None] * k[:, t, :, None, :]
             outs.append(torch.einsum("bhvk,bhk->bhv", S, q[:, t]))
-            if keep:
-                states.append(S)
-                convs.append(window[..., t + 1: t + c.conv_size])
-        state.kda[i].copy_(S)
-        state.conv[i].copy_(window[..., -(c.conv_size - 1):])
-        if keep:
-            state.checkpoints[i] = (torch.stack(states), torch.stack(convs))
+            corrections.append(u)
+        if verify:
+            # the state stays where the step found it; the step's positions are recorded
+            state.kda[i].copy_(start)
+            state.conv[i].copy_(history)
+            self._record(i, state, torch.stack([k, decay, torch.stack(corrections, 1)], 3),
+                         qkv)
+        else:
+            state.kda[i].copy_(S)
+            state.conv[i].copy_(window[..., -(c.conv_size - 1):])
         o = torch.stack(outs, dim=1)                                           # [B, T, H, V]
         o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + c.rms_eps)
         o = o * self.w[a + "o_norm.weight"] * torch.sigmoid(g.float().reshape(B, T, H, d))
         return o.reshape(B, T, H * d).to(self.dtype)
+
+    @staticmethod
+    def _fold_pending(i: int, state: DecodeState) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer i's KDA and conv states with the positions a verify step left pending folded
+        in, a position at a time as the kernels replay them (S <- S * decay + u k^T), each
+        sequence its own count (masked: no wait on the device)."""
+        S, conv = state.kda[i], state.conv[i]
+        if state.pending is None:
+            return S, conv
+        half = state.half.long()
+        records = state.records[i].index_select(0, half)[0]                   # [B, H, T, 3, d]
+        inputs = state.inputs[i].index_select(0, half)[0]                     # [B, T, C]
+        for t in range(records.shape[2]):
+            key, decay, u = records[:, :, t].unbind(2)                         # [B, H, d]
+            folded = S * decay[..., None, :] + u[..., None] * key[..., None, :]
+            S = torch.where((t < state.pending)[:, None, None, None], folded, S)
+        history = torch.cat([conv, inputs.transpose(1, 2)], dim=-1)           # [B, C, 3+T]
+        newest = state.pending.long()[:, None, None] + torch.arange(conv.shape[-1],
+                                                                    device=conv.device)
+        return S, history.gather(-1, newest.expand(-1, history.shape[1], -1))
+
+    @staticmethod
+    def _record(i: int, state: DecodeState, positions: torch.Tensor, qkv: torch.Tensor) -> None:
+        """A verify step's positions [B, T, H, 3, d] (key, decay, correction) and conv
+        inputs [B, T, C] into the half of layer i's records that the step did not read."""
+        T = qkv.shape[1]
+        written = (1 - state.half).long()
+        records = state.records[i].new_zeros(1, *state.records[i].shape[1:])
+        records[0, :, :, :T] = positions.transpose(1, 2)
+        inputs = state.inputs[i].new_zeros(1, *state.inputs[i].shape[1:])
+        inputs[0, :, :T] = qkv
+        state.records[i].index_copy_(0, written, records)
+        state.inputs[i].index_copy_(0, written, inputs)
 
     # -- gated MLA, absorbed over the latent cache -----------------------------------------
 

@@ -115,13 +115,13 @@ class SpecializedModel(KernelPathModel):
                              out_dtype=torch.float32, eps=self.c.rms_eps)
 
     def kda_layer(self, i: int, x: torch.Tensor, state: DecodeState, B: int, T: int,
-                  keep: bool) -> torch.Tensor:
+                  verify: bool) -> torch.Tensor:
         a = layer_prefix(i) + "self_attn."
         self.launch("in_proj")
         z = self.plain_linear(x, self.packed[i]["in_proj"])
         self.start_prefetch(self.w[a + "o_proj.weight"])
         self.launch("fused_kda_decode")
-        o = self.fused_kda_decode(i, z, state, B, T, keep)
+        o = self.fused_kda_decode(i, z, state, B, T, verify)
         self.launch("o_proj")
         out = self.plain_linear(o.view(B * T, -1), self.w[a + "o_proj.weight"])
         self.join_prefetch()

@@ -57,7 +57,7 @@ from kimi_perf_kernels.skinny_linear import skinny_linear
 
 class StandardKernelsModel(KernelPathModel):
     def kda_layer(self, i: int, x: torch.Tensor, state: DecodeState, B: int, T: int,
-                  keep: bool) -> torch.Tensor:
+                  verify: bool) -> torch.Tensor:
         c = self.c
         a = layer_prefix(i) + "self_attn."
         proj = c.kda_heads_local * c.kda_head_dim
@@ -66,7 +66,7 @@ class StandardKernelsModel(KernelPathModel):
         self.launch("f_b_proj")
         f = z[:, 4 * proj: 4 * proj + c.f_rank] @ self.w[a + "f_b_proj.weight"].T
         self.launch("fused_kda_decode")
-        o = self.fused_kda_decode(i, z, state, B, T, keep, f=f.view(B, T, proj))
+        o = self.fused_kda_decode(i, z, state, B, T, verify, f=f.view(B, T, proj))
         self.launch("o_proj")
         out = o.view(B * T, proj) @ self.w[a + "o_proj.weight"].T
         return self._all_reduce(out)

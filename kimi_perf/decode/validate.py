@@ -91,7 +91,8 @@ def validate_path(path: str, run: ValidationRun) -> dict:
     accepted = run.accepted_lengths()
     model = make_path(path, c, weights, DTYPES[run.dtype])
     kv_dtype = FP8 if run.kv_cache == "fp8" else None
-    state = model.new_state(run.batch, tokens.shape[1], kv_dtype=kv_dtype)
+    state = model.new_state(run.batch, tokens.shape[1], kv_dtype=kv_dtype,
+                            max_verify=width if run.spec_tokens else 0)
     # With speculative steps, one reference per sequence: after a verify step each keeps its
     # own accepted prefix. They share one float64 copy of the weights (.to of a float64
     # tensor is the tensor). Without, one reference runs the batch.
@@ -124,7 +125,7 @@ def validate_path(path: str, run: ValidationRun) -> dict:
                                    for b, p in enumerate(position.tolist())])
         seen = Observer()
         model.launches = [] if step == 0 else None
-        logits = model.forward(step_tokens, state, seen, keep_checkpoints=bool(run.spec_tokens))
+        logits = model.forward(step_tokens, state, seen, verify=bool(run.spec_tokens))
         if step == 0:
             launches = launches_per_layer_type(model, c)
         model.launches = None

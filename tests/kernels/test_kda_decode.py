@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kimi_perf_kernels.common import INTERPRETED, gpu_tiles
-from kimi_perf_kernels.kda_decode import kda_decode, kda_decode_reference, kda_splits
+from kimi_perf_kernels.kda_decode import KdaRecords, kda_decode, kda_decode_reference, kda_splits
 from tests.kernels.util import assert_close_bf16, poison, program_order
 
 
@@ -48,17 +48,88 @@ def test_kda_decode_matches_reference(batch, tokens, heads, d, f_rank, tiles):
     torch.testing.assert_close(conv_state, conv_ref, rtol=0, atol=0)
 
 
-def test_kda_verify_mode_writes_every_position():
-    batch, tokens, heads, d, f_rank = 2, 4, 2, 16, 16
-    z, params, conv_state, state = inputs(batch, tokens, heads, d, f_rank, 7)
+def _accept(records: KdaRecords, verify: bool, accepted: list[int]) -> None:
+    """What DecodeState.advance and accept do to the records after a step."""
+    if verify:
+        records.half.bitwise_xor_(1)
+        records.pending.copy_(torch.tensor(accepted))
+    else:
+        records.pending.zero_()
+
+
+def test_a_rollback_equals_decoding_only_the_accepted_tokens():
+    """A verify step leaves the states as they were and records its positions; once a prefix
+    of them is accepted per sequence, the next step (a decode token, then another verify)
+    replays it first: outputs and states as if only the accepted tokens had been decoded."""
+    batch, heads, d, f_rank = 3, 2, 16, 16
+    z, params, conv_state, state = inputs(batch, 4, heads, d, f_rank, 7)
+    records = KdaRecords.empty(batch, heads, d, 4, conv_state.dtype)
+    poison(records.records, records.inputs)    # what a replay reads, the verify step wrote
+    conv_before, state_before = conv_state.clone(), state.clone()
+    verify_out = kda_decode(z, conv_state=conv_state, state=state, records=records,
+                            record=True, **params)
+    assert torch.equal(conv_state, conv_before) and torch.equal(state, state_before)
+    accepted = [1, 3, 4]
+    _accept(records, True, accepted)
+    following = inputs(batch, 2, heads, d, f_rank, 8)[0]
+    decoded = kda_decode(following[:, :1], conv_state=conv_state, state=state,
+                         records=records, **params)
+    _accept(records, False, [])
+    for b, n in enumerate(accepted):
+        conv_b, state_b = conv_before[b: b + 1].clone(), state_before[b: b + 1].clone()
+        plain = kda_decode_reference(z[b: b + 1, :n], conv_state=conv_b, state=state_b,
+                                     **params)
+        assert_close_bf16(verify_out[b, :n], plain[0], ulps=4)
+        plain_next = kda_decode_reference(following[b: b + 1, :1], conv_state=conv_b,
+                                          state=state_b, **params)
+        assert_close_bf16(decoded[b], plain_next[0], ulps=4)
+        torch.testing.assert_close(state[b: b + 1], state_b, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(conv_state[b: b + 1], conv_b, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("order", ["forward", "reverse"])
+@pytest.mark.parametrize("splits", [1, 2, 4, 16])
+def test_verify_steps_in_a_row_replay_each_others_records(splits, order):
+    """Decode and verify steps of 1 to 4 tokens in turn on one set of records, each verify
+    step accepted in part per sequence: every step reads the half the last verify wrote and
+    writes the other, whichever of a head's programs runs first."""
+    batch, heads, d, f_rank = 2, 2, 16, 16
+    _, params, conv_state, state = inputs(batch, 1, heads, d, f_rank, 3)
+    records = KdaRecords.empty(batch, heads, d, 4, conv_state.dtype)
     conv_ref, state_ref = conv_state.clone(), state.clone()
-    _, states_ref, convs_ref = kda_decode_reference(z, conv_state=conv_ref, state=state_ref,
-                                                    checkpoint=True, **params)
-    _, states, convs = kda_decode(z, conv_state=conv_state, state=state, checkpoint=True,
-                                  **params)
-    torch.testing.assert_close(states, states_ref, rtol=1e-4, atol=1e-5)
-    torch.testing.assert_close(convs, convs_ref, rtol=0, atol=0)
-    torch.testing.assert_close(states[-1], state, rtol=0, atol=0)
+    records_ref = KdaRecords(*(t.clone() for t in records))
+    arrivals = torch.zeros(batch * heads, dtype=torch.int32)
+    steps = [(4, [2, 4]), (3, [1, 3]), (1, None), (4, [4, 1]), (2, [2, 2]), (4, [3, 1]),
+             (1, None)]
+    with program_order(reverse=order == "reverse"):
+        for seed, (tokens, accepted) in enumerate(steps):
+            z = inputs(batch, tokens, heads, d, f_rank, 20 + seed)[0]
+            verify = accepted is not None
+            expected = kda_decode_reference(z, conv_state=conv_ref, state=state_ref,
+                                            records=records_ref, record=verify, **params)
+            out = kda_decode(z, conv_state=conv_state, state=state, records=records,
+                             record=verify, splits=splits, arrivals=arrivals, **params)
+            assert_close_bf16(out, expected, ulps=4)
+            torch.testing.assert_close(state, state_ref, rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(conv_state, conv_ref, rtol=0, atol=0)
+            torch.testing.assert_close(records.records, records_ref.records, rtol=1e-4,
+                                       atol=1e-5)
+            torch.testing.assert_close(records.inputs, records_ref.inputs, rtol=0, atol=0)
+            assert not arrivals.any()
+            for r in (records, records_ref):
+                _accept(r, verify, accepted or [])
+
+
+def test_kda_decode_refuses_records_it_cannot_use():
+    z, params, conv_state, state = inputs(2, 4, 2, 16, 16, 5)
+    with pytest.raises(ValueError, match="verify step of 4 tokens needs records"):
+        kda_decode(z, conv_state=conv_state, state=state, record=True, **params)
+    short = KdaRecords.empty(2, 2, 16, 3, conv_state.dtype)
+    with pytest.raises(ValueError, match="room for them, not 3"):
+        kda_decode(z, conv_state=conv_state, state=state, records=short, record=True, **params)
+    wrong = short._replace(pending=torch.zeros(2, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"records\.pending"):
+        kda_decode(z[:, :1], conv_state=conv_state, state=state, records=wrong, **params)
 
 
 def test_kda_decode_with_the_f_b_projection_given():
@@ -85,31 +156,35 @@ def test_kda_decode_with_the_f_b_projection_given():
                          [(2, 3, False), (4, 3, False), (16, 3, False), (4, 1, False),
                           (4, 3, True), (4, 1, True)])
 def test_kda_decode_split_over_state_rows(splits, tokens, f_given, order):
-    """A head's state split over programs (16: a row each) through a verify of 3 tokens or
-    one token kept for a rollback (the standard path's variant too, its f_b projection
-    given), twice on one arrivals buffer: each program reads the conv state the step started
-    from, whichever program runs first; the last to arrive norms the head and leaves its
-    counter at 0 for the next launch."""
+    """A head's state split over programs (16: a row each) through verify steps of 3 tokens
+    or of one (the standard path's variant too, its f_b projection given), twice on one
+    arrivals buffer, the second replaying what the first recorded: each program reads the
+    conv state the step started from, whichever program runs first; the last to arrive norms
+    the head and leaves its counter at 0 for the next launch."""
     batch, heads, d, f_rank = 2, 2, 16, 16
     z, params, conv_state, state = inputs(batch, tokens, heads, d, f_rank, splits)
+    records = KdaRecords.empty(batch, heads, d, tokens, conv_state.dtype)
     conv_ref, state_ref = conv_state.clone(), state.clone()
+    records_ref = KdaRecords(*(t.clone() for t in records))
     arrivals = torch.zeros(batch * heads + 3, dtype=torch.int32)
     with program_order(reverse=order == "reverse"):
         for step in range(2):
             z_step = z + step
-            expected, states_ref, convs_ref = kda_decode_reference(
-                z_step, conv_state=conv_ref, state=state_ref, checkpoint=True, **params)
+            expected = kda_decode_reference(z_step, conv_state=conv_ref, state=state_ref,
+                                            records=records_ref, record=True, **params)
             f = (z_step[..., 4 * heads * d: 4 * heads * d + f_rank].float()
                  @ params["w_fb"].float().T) if f_given else None
-            out, states, convs = kda_decode(z_step, conv_state=conv_state, state=state,
-                                            checkpoint=True, arrivals=arrivals, splits=splits,
-                                            f=f, **params)
+            out = kda_decode(z_step, conv_state=conv_state, state=state, records=records,
+                             record=True, arrivals=arrivals, splits=splits, f=f, **params)
             assert_close_bf16(out, expected, ulps=4)
-            torch.testing.assert_close(states, states_ref, rtol=1e-4, atol=1e-5)
-            torch.testing.assert_close(convs, convs_ref, rtol=0, atol=0)
+            torch.testing.assert_close(records.records, records_ref.records, rtol=1e-4,
+                                       atol=1e-5)
+            torch.testing.assert_close(records.inputs, records_ref.inputs, rtol=0, atol=0)
             torch.testing.assert_close(state, state_ref, rtol=1e-4, atol=1e-5)
             torch.testing.assert_close(conv_state, conv_ref, rtol=0, atol=0)
             assert not arrivals.any()
+            for r in (records, records_ref):
+                _accept(r, True, [tokens, max(1, tokens - 1)])
 
 
 def test_kda_splits_fill_the_gpu_within_the_tile_bounds():
