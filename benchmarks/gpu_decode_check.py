@@ -21,8 +21,9 @@
    memory floor). On a GPU the standard path is ``StandardKernelsModel``, one kernel per
    step of vLLM's sequence (the summary names the model class of each run). At batch 1 the
    specialized path also runs with its opt-in L2 prefetch (``specialized+l2``), and at batch
-   64 with its routed experts grouped by expert (``specialized+grouped``), each side by
-   side with it without.
+   64 with its routed experts grouped by expert (``specialized+grouped``); under graphs, at
+   both batches, with programmatic dependent launch (``specialized+pdl``); each side by side
+   with it without.
 5. CuTe DSL against Triton: the CuTe DSL GEMV (``kernels/cute_gemv.py``; its cubins are built
    for sm_90a before the call, since the DSL itself cannot travel) beside the Triton GEMV and
    cuBLAS on the K3 TP8 projections at 1-4 tokens: errors against a float32 product and µs per
@@ -113,8 +114,8 @@ def copy_bandwidth(device: str, mib: int, repeats: int = 10) -> float:
 
 
 def correctness(device: str, steps: int) -> dict:
-    """Both paths (and the specialized path's grouped experts) on the GPU against the standard
-    path on the CPU, tiny preset, float32."""
+    """Both paths (and the specialized path's grouped experts, and its kernels launched with
+    PDL) on the GPU against the standard path on the CPU, tiny preset, float32."""
     c = preset("tiny", n_layers=4)
     weights = random_weights(c, seed=11)
     ref = K3Model(c, weights, dtype=torch.float32)
@@ -124,11 +125,12 @@ def correctness(device: str, steps: int) -> dict:
     want = [ref.forward(tokens[:, :4], ref_state)[:, -1]]
     want += [ref.forward(tokens[:, t: t + 1], ref_state)[:, -1] for t in range(4, 4 + steps)]
     out = {}
-    for name in (*PATHS, "specialized+grouped"):
+    for name in (*PATHS, "specialized+grouped", "specialized+pdl"):
         base, _, option = name.partition("+")
         model = build_model(c, weights, PATHS[base], dtype=torch.float32, device=device)
         if option == "grouped":   # the opt-in grouped experts, on every step
             model.group_experts_from = 1
+        model.pdl = option == "pdl"
         state = model.new_state(2, 4 + steps)
         got = [model.forward(tokens[:, :4].to(device), state)[:, -1]]
         got += [model.forward(tokens[:, t: t + 1].to(device), state)[:, -1]
@@ -352,8 +354,9 @@ def speed(path: str, c: K3Config, weights, batch: int, context: int, warmup: int
     (CUPTI may stay loaded after a session: the two unprofiled times tell whether it costs)."""
     base, _, option = path.partition("+")
     model = build_model(c, weights, PATHS[base], device=device)
-    # the specialized path's opt-ins: L2 prefetch, the CuTe DSL GEMV
+    # the specialized path's opt-ins: L2 prefetch, grouped experts, PDL, the CuTe DSL GEMV
     model.l2_prefetch = option == "l2"
+    model.pdl = option == "pdl"
     model.group_experts_from = 1 if option == "grouped" else None
     if option == "cute":
         model.gemv = gemv
@@ -564,10 +567,13 @@ def main() -> int:
     longest = 0.0
     # The headline first: per-layer µs under CUDA graphs at both batches, then the eager runs
     # (per launch and memory floors); at batch 1, where GEMVs stream weights, also the L2
-    # prefetch, and at 64, where tokens share experts, the grouped experts, to decide them.
+    # prefetch, and at 64, where tokens share experts, the grouped experts, to decide them;
+    # under graphs (whose replay launches as fast as the GPU takes them) also PDL.
     for graphs in (True, False) if device == "cuda" else (False,):
         for batch in batches:
-            for path in [*PATHS, "specialized+l2" if batch == 1 else "specialized+grouped"]:
+            options = ["specialized+l2" if batch == 1 else "specialized+grouped"]
+            options += ["specialized+pdl"] if graphs else []   # (eager: the host's launches)
+            for path in [*PATHS, *options]:
                 key = f"{path} b{batch}{' graphs' if graphs else ''}"
                 if not budget.allows(key, longest + RESERVE_AFTER_SPEED_S):
                     continue
@@ -655,7 +661,8 @@ def render_summary(results: dict) -> str:
               "|---|---|---|---:|---:|---:|---:|"]
     speed = results.get("speed", {})
     for a, b in (("standard", "specialized"), ("specialized", "specialized+l2"),
-                 ("specialized", "specialized+grouped"), ("specialized", "specialized+cute")):
+                 ("specialized", "specialized+grouped"), ("specialized", "specialized+pdl"),
+                 ("specialized", "specialized+cute")):
         for key, ra in speed.items():
             if not key.startswith(a + " "):
                 continue

@@ -14,8 +14,11 @@ configuration the two kernel paths launch on the ``tiny`` preset (``launched_bui
 dtypes, flags and split counts a run meets, the float32 of the GPU check's correctness run
 among them), since a configuration first compiled on the GPU may not compile at all. Exit code
 1 if a kernel fails to compile or spills registers. Must run without ``TRITON_INTERPRET`` (the
-interpreter replaces the JIT that compiles). The CuTe DSL kernels (``cute_gemv``) follow,
-compiled with fake tensors for sm_90a by CuTe DSL's own toolchain.
+interpreter replaces the JIT that compiles). A kernel that takes part in programmatic dependent
+launch is built without it and with it (``pdl_variants``), and each build's PTX is checked:
+with PDL, nothing touches global memory before ``griddepcontrol.wait``, which is in the entry
+block; without, no ``griddepcontrol`` at all (``check_grid_dependency``). The CuTe DSL kernels
+(``cute_gemv``) follow, compiled with fake tensors for sm_90a by CuTe DSL's own toolchain.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ import re
 import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import triton
@@ -292,7 +295,7 @@ def builds() -> list[Build]:
         types = {**bf16, "olat_ptr": "*bf16" if splits == 1 else "*fp32"}
         out.append(Build(f"mla_uv_gate {splits} split(s)", mla_uv_gate.mla_uv_gate_kernel,
                          _signature(mla_uv_gate.mla_uv_gate_kernel, types, consts), consts))
-    return out
+    return [variant for build in out for variant in pdl_variants(build)]
 
 
 # Constexprs the launchers set from INTERPRETED (kernels/common.py): a GPU compiles them False
@@ -366,8 +369,8 @@ def record_launches(out: Path) -> None:
 
 
 def launched_builds() -> list[Build]:
-    """One build per distinct configuration ``record_launches`` saw (in a subprocess: the
-    recording needs the interpreter, the compiling must not have it)."""
+    """One build per distinct configuration ``record_launches`` saw, each way for a PDL kernel
+    (in a subprocess: the recording needs the interpreter, the compiling must not have it)."""
     with tempfile.TemporaryDirectory() as tmp:
         recorded = Path(tmp) / "launches.json"
         subprocess.run([sys.executable, "-m", "kimi_perf_kernels.aot", "--record",
@@ -381,7 +384,7 @@ def launched_builds() -> list[Build]:
         pointers = sorted({t[1:] for t in launch["signature"].values() if t[0] == "*"})
         flags = " ".join(f"{k}={int(v) if isinstance(v, bool) else v}"
                          for k, v in constexprs.items()
-                         if k not in INTERPRETER_FLAGS and v is not None)
+                         if k not in INTERPRETER_FLAGS and k != "PDL" and v is not None)
         odd = [n for n, t in launch["signature"].items()
                if t != "constexpr" and t[0] in "*i" and n not in launch["divisible"]]
         unaligned = f" (not /16: {', '.join(odd)})" if odd else ""
@@ -392,7 +395,18 @@ def launched_builds() -> list[Build]:
         fn = getattr(importlib.import_module(launch["module"]), launch["kernel"])
         builds.setdefault(key, Build(label, fn, launch["signature"], constexprs,
                                      launch["num_warps"], launch["divisible"]))
-    return list(builds.values())
+    return [variant for build in builds.values() for variant in pdl_variants(build)]
+
+
+def pdl_variants(build: Build) -> list[Build]:
+    """A kernel that takes part in programmatic dependent launch, built as the paths launch it
+    without PDL and as they launch it with (``programmatic_launch``); one that does not (the
+    side stream's ``l2_prefetch``), as it is."""
+    if "PDL" not in build.fn.arg_names:
+        return [build]
+    return [replace(build, label=build.label + (" PDL" if pdl else ""),
+                    signature={**build.signature, "PDL": "constexpr"},
+                    constexprs={**build.constexprs, "PDL": pdl}) for pdl in (False, True)]
 
 
 def _signature(kernel, types: dict[str, str], constexprs: dict[str, object]
@@ -456,15 +470,64 @@ def compile_one(build: Build) -> dict:
     info = result.stderr + result.stdout
     if result.returncode != 0:
         raise RuntimeError(f"ptxas failed for {build.label}: {info.strip()[-500:]}")
+    pdl = bool(build.constexprs.get("PDL"))
+    check_grid_dependency(build.label, kernel.asm["ptx"], pdl)
     regs = re.search(r"Used (\d+) registers", info)
     spill_st = re.search(r"(\d+) bytes spill stores", info)
     spill_ld = re.search(r"(\d+) bytes spill loads", info)
-    return {"kernel": build.label, "num_warps": build.num_warps,
+    return {"kernel": build.label, "num_warps": build.num_warps, "pdl": pdl,
             "registers": int(regs.group(1)) if regs else None,
             "spill_stores": int(spill_st.group(1)) if spill_st else 0,
             "spill_loads": int(spill_ld.group(1)) if spill_ld else 0,
             "smem_bytes": kernel.metadata.shared,   # Triton's dynamic shared memory
             "cubin_bytes": len(kernel.asm["cubin"])}
+
+
+# PTX memory instructions. Before a PDL kernel's wait only their forms in another state space
+# (.param, .shared, .local, .const) may appear: ``.global`` or a generic address (no space
+# named) may reach what the kernel before it writes. Async copies' group bookkeeping touches
+# no memory.
+MEMORY_OPS = {"ld", "ldu", "st", "atom", "red", "cp", "prefetch", "prefetchu", "multimem",
+              "tensormap", "discard", "applypriority"}
+OTHER_SPACES = {"param", "shared", "local", "const"}
+NO_ACCESS = {"commit_group", "wait_group", "wait_all"}
+
+
+def touches_global_memory(line: str) -> bool:
+    """Whether a PTX line is an instruction that may read or write global memory."""
+    words = line.split()
+    if words and words[0].startswith("@"):      # a predicate
+        words = words[1:]
+    if not words:
+        return False
+    parts = words[0].rstrip(";").split(".")
+    if parts[0] not in MEMORY_OPS or NO_ACCESS & set(parts):
+        return False
+    spaces = {part.split("::")[0] for part in parts[1:]}
+    return "global" in spaces or not spaces & OTHER_SPACES
+
+
+def check_grid_dependency(label: str, ptx: str, pdl: bool) -> None:
+    """A PDL kernel may run beside the kernel before it until its ``griddepcontrol.wait``:
+    nothing may read or write global memory before that (the entry block runs first, so a
+    global access above the wait in the PTX's text runs before it), and it must let the next
+    launch start. A kernel built without PDL has neither instruction."""
+    lines = ptx.splitlines()
+    waits = [i for i, line in enumerate(lines) if "griddepcontrol.wait" in line]
+    launches = any("griddepcontrol.launch_dependents" in line for line in lines)
+    if not pdl:
+        if waits or launches:
+            raise RuntimeError(f"{label}: griddepcontrol in a kernel built without PDL")
+        return
+    if not waits or not launches:
+        raise RuntimeError(f"{label}: built with PDL but its PTX lacks griddepcontrol."
+                           f"{'wait' if not waits else 'launch_dependents'}")
+    if any(re.match(r"^\$L__BB", line) for line in lines[: waits[0]]):
+        raise RuntimeError(f"{label}: griddepcontrol.wait is not in the entry block")
+    early = [line.strip() for line in lines[: waits[0]] if touches_global_memory(line)]
+    if early:
+        raise RuntimeError(f"{label}: global memory touched before griddepcontrol.wait: "
+                           f"{early[0]}")
 
 
 def cute_dsl_rows(failed: list[str]) -> list[dict]:

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kimi_perf_kernels.common import INTERPRETED, cast
+from kimi_perf_kernels.common import INTERPRETED, after_previous_kernel, cast, launch_options
 
 STAGES = tl.constexpr(4)
 
@@ -39,7 +39,8 @@ def attn_res_kernel(prefix_ptr, delta_ptr, blocks_ptr, qk_ptr, norm_ptr, out_ptr
                     hidden, n_blocks, write_idx, stride_prefix, stride_delta, stride_blocks_m,
                     stride_blocks_s, stride_out, eps,
                     HAS_DELTA: tl.constexpr, RESET: tl.constexpr, HAS_NORM: tl.constexpr,
-                    BLOCK_H: tl.constexpr, RNE: tl.constexpr):
+                    BLOCK_H: tl.constexpr, RNE: tl.constexpr, PDL: tl.constexpr = False):
+    after_previous_kernel(PDL)
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK_H)
     mask = offs < hidden
@@ -84,7 +85,7 @@ def attn_res(prefix: torch.Tensor, delta: torch.Tensor | None, blocks: torch.Ten
         write_idx, prefix.stride(0), delta_arg.stride(0), blocks.stride(0), blocks.stride(1),
         out.stride(0), eps, HAS_DELTA=delta is not None, RESET=reset,
         HAS_NORM=norm is not None, BLOCK_H=triton.next_power_of_2(hidden), RNE=INTERPRETED,
-        num_warps=8 if hidden > 2048 else 4)
+        num_warps=8 if hidden > 2048 else 4, **launch_options())
     return out
 
 

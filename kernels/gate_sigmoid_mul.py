@@ -12,12 +12,14 @@ import torch
 import triton
 import triton.language as tl
 
-from kimi_perf_kernels.common import INTERPRETED, cast
+from kimi_perf_kernels.common import INTERPRETED, after_previous_kernel, cast, launch_options
 
 
 @triton.jit
 def gate_sigmoid_mul_kernel(o_ptr, g_ptr, out_ptr, V, stride_oh, stride_om, stride_g,
-                            stride_out, BLOCK_V: tl.constexpr, RNE: tl.constexpr):
+                            stride_out, BLOCK_V: tl.constexpr, RNE: tl.constexpr,
+                            PDL: tl.constexpr = False):
+    after_previous_kernel(PDL)
     m = tl.program_id(0)
     h = tl.program_id(1)
     v = tl.arange(0, BLOCK_V)
@@ -37,7 +39,7 @@ def gate_sigmoid_mul(o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     out = torch.empty(M, H * V, dtype=o.dtype, device=o.device)
     gate_sigmoid_mul_kernel[(M, H)](
         o, gate, out, V, o.stride(0), o.stride(1), gate.stride(0), out.stride(0),
-        BLOCK_V=triton.next_power_of_2(V), RNE=INTERPRETED, num_warps=1)
+        BLOCK_V=triton.next_power_of_2(V), RNE=INTERPRETED, num_warps=1, **launch_options())
     return out
 
 

@@ -43,7 +43,14 @@ import torch
 import triton
 import triton.language as tl
 
-from kimi_perf_kernels.common import INTERPRETED, cast, interpreter_tiles, sigmoid
+from kimi_perf_kernels.common import (
+    INTERPRETED,
+    after_previous_kernel,
+    cast,
+    interpreter_tiles,
+    launch_options,
+    sigmoid,
+)
 
 STAGES = tl.constexpr(2)  # the next f_b slice loads while one is used
 MIN_ROWS = 16             # state rows a program on a GPU: fewer and q, k, f are mostly overhead
@@ -59,7 +66,8 @@ def kda_decode_kernel(z_ptr, wfb_ptr, f_ptr, dt_bias_ptr, a_log_ptr, conv_w_ptr,
                       lower_bound, D: tl.constexpr, F_RANK: tl.constexpr, BV: tl.constexpr,
                       F_BLOCK: tl.constexpr, T_PAD: tl.constexpr, F_GIVEN: tl.constexpr,
                       REPLAY: tl.constexpr, RECORD: tl.constexpr, DOT_FP32: tl.constexpr,
-                      RNE: tl.constexpr):
+                      RNE: tl.constexpr, PDL: tl.constexpr = False):
+    after_previous_kernel(PDL)
     pid = tl.program_id(0)                            # (sequence, head)
     split = tl.program_id(1)                          # which BV rows of the head's state
     b = pid // H
@@ -393,7 +401,7 @@ def kda_decode(z: torch.Tensor, heads: int, head_dim: int, f_rank: int, w_fb: to
         4 * proj, 4 * proj + f_rank, eps, lower_bound, D=head_dim, F_RANK=f_rank, **tiles,
         T_PAD=kda_token_rows(T), F_GIVEN=f is not None, REPLAY=records is not None,
         RECORD=record, DOT_FP32=INTERPRETED, RNE=INTERPRETED,
-        num_warps=kda_warps(tiles["BV"]))
+        num_warps=kda_warps(tiles["BV"]), **launch_options())
     return out
 
 

@@ -17,7 +17,13 @@ import torch
 import triton
 import triton.language as tl
 
-from kimi_perf_kernels.common import INTERPRETED, cast, interpreter_tiles
+from kimi_perf_kernels.common import (
+    INTERPRETED,
+    after_previous_kernel,
+    cast,
+    interpreter_tiles,
+    launch_options,
+)
 from kimi_perf_kernels.mla_concat_insert import write_cache_row
 
 BLOCK_M = 16   # tokens a program takes: the tensor cores' smallest tile
@@ -29,7 +35,8 @@ def mla_absorb_insert_kernel(q_ptr, wuk_ptr, qhat_ptr, kv_ptr, kv_norm_ptr, cach
                              kv_scale, eps, NOPE: tl.constexpr, ROPE: tl.constexpr,
                              LORA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_L: tl.constexpr,
                              BLOCK_ROPE: tl.constexpr, FP8: tl.constexpr,
-                             DOT_FP32: tl.constexpr, RNE: tl.constexpr):
+                             DOT_FP32: tl.constexpr, RNE: tl.constexpr, PDL: tl.constexpr = False):
+    after_previous_kernel(PDL)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < M
     p = tl.program_id(1)
@@ -86,7 +93,7 @@ def mla_absorb_insert(q: torch.Tensor, w_uk: torch.Tensor, kv: torch.Tensor,
         kv.stride(0), cache.stride(0), cache.stride(1), kv_scale, eps, NOPE=nope, ROPE=rope,
         LORA=lora, BLOCK_M=BLOCK_M, BLOCK_L=block_l, BLOCK_ROPE=triton.next_power_of_2(rope),
         FP8=cache.dtype == torch.float8_e4m3fn, DOT_FP32=INTERPRETED, RNE=INTERPRETED,
-        num_warps=4)
+        num_warps=4, **launch_options())
     return qhat
 
 

@@ -29,7 +29,13 @@ import torch
 import triton
 import triton.language as tl
 
-from kimi_perf_kernels.common import INTERPRETED, cast, interpreter_tiles
+from kimi_perf_kernels.common import (
+    INTERPRETED,
+    after_previous_kernel,
+    cast,
+    interpreter_tiles,
+    launch_options,
+)
 
 
 @triton.jit
@@ -37,7 +43,9 @@ def mla_attention_kernel(qhat_ptr, cache_ptr, pos_ptr, out_ptr, lse_ptr, M, H, T
                          stride_cache_b, stride_cache_s, kv_scale, sm_scale,
                          LORA: tl.constexpr, ROPE: tl.constexpr, BLOCK_ROPE: tl.constexpr,
                          RB: tl.constexpr, BLOCK_S: tl.constexpr, SPLITS: tl.constexpr,
-                         FP8: tl.constexpr, DOT_FP32: tl.constexpr, RNE: tl.constexpr):
+                         FP8: tl.constexpr, DOT_FP32: tl.constexpr, RNE: tl.constexpr,
+                         PDL: tl.constexpr = False):
+    after_previous_kernel(PDL)
     b = tl.program_id(0)
     rows = tl.program_id(1) * RB + tl.arange(0, RB)      # t·H + h within the sequence
     split = tl.program_id(2)
@@ -126,7 +134,9 @@ def combine_splits(parts_ptr, lse_ptr, m, h, M, H, ls, LORA: tl.constexpr,
 
 @triton.jit
 def mla_combine_kernel(parts_ptr, lse_ptr, out_ptr, M, H, LORA: tl.constexpr,
-                       SPLITS: tl.constexpr, BLOCK_SPLITS: tl.constexpr, RNE: tl.constexpr):
+                       SPLITS: tl.constexpr, BLOCK_SPLITS: tl.constexpr, RNE: tl.constexpr,
+                       PDL: tl.constexpr = False):
+    after_previous_kernel(PDL)
     m = tl.program_id(0)
     h = tl.program_id(1)
     ls = tl.arange(0, LORA)
@@ -187,7 +197,7 @@ def mla_attention(qhat: torch.Tensor, cache: torch.Tensor, positions: torch.Tens
         BLOCK_ROPE=max(16, triton.next_power_of_2(rope)), RB=rb,
         BLOCK_S=64 if interpreter_tiles() else 32, SPLITS=splits,
         FP8=cache.dtype == torch.float8_e4m3fn, DOT_FP32=INTERPRETED, RNE=INTERPRETED,
-        num_warps=8)
+        num_warps=8, **launch_options())
     return parts, lse
 
 
@@ -197,7 +207,7 @@ def mla_combine(parts: torch.Tensor, lse: torch.Tensor, dtype: torch.dtype) -> t
     out = torch.empty(M, H, lora, dtype=dtype, device=parts.device)
     mla_combine_kernel[(M, H)](parts, lse, out, M, H, LORA=lora, SPLITS=splits,
                                BLOCK_SPLITS=max(2, triton.next_power_of_2(splits)),
-                               RNE=INTERPRETED, num_warps=4)
+                               RNE=INTERPRETED, num_warps=4, **launch_options())
     return out
 
 

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kimi_perf_kernels.common import INTERPRETED, cast
+from kimi_perf_kernels.common import INTERPRETED, after_previous_kernel, cast, launch_options
 
 
 @triton.jit
@@ -22,7 +22,9 @@ def mla_concat_insert_kernel(ql_ptr, q_ptr, kv_ptr, kpe_ptr, cache_ptr, pos_ptr,
                              T, stride_ql_h, stride_ql_m, stride_q, stride_kv, stride_kpe,
                              stride_cache_b, stride_cache_s, kv_scale, NOPE: tl.constexpr,
                              ROPE: tl.constexpr, LORA: tl.constexpr,
-                             BLOCK_ROPE: tl.constexpr, FP8: tl.constexpr, RNE: tl.constexpr):
+                             BLOCK_ROPE: tl.constexpr, FP8: tl.constexpr, RNE: tl.constexpr,
+                             PDL: tl.constexpr = False):
+    after_previous_kernel(PDL)
     m = tl.program_id(0)
     h = tl.program_id(1)
     lo = tl.arange(0, LORA)
@@ -76,7 +78,7 @@ def mla_concat_insert(ql: torch.Tensor, q: torch.Tensor, kv_c: torch.Tensor,
         ql.stride(1), q.stride(0), kv_c.stride(0), k_pe.stride(0), cache.stride(0),
         cache.stride(1), kv_scale, NOPE=nope, ROPE=rope, LORA=lora,
         BLOCK_ROPE=triton.next_power_of_2(rope), FP8=cache.dtype == torch.float8_e4m3fn,
-        RNE=INTERPRETED, num_warps=4)
+        RNE=INTERPRETED, num_warps=4, **launch_options())
     return qhat
 
 

@@ -16,7 +16,13 @@ import torch
 import triton
 import triton.language as tl
 
-from kimi_perf_kernels.common import INTERPRETED, cast, interpreter_tiles
+from kimi_perf_kernels.common import (
+    INTERPRETED,
+    after_previous_kernel,
+    cast,
+    interpreter_tiles,
+    launch_options,
+)
 
 BLOCK_M = 16   # tokens a program takes: the tensor cores' smallest tile
 
@@ -25,7 +31,8 @@ BLOCK_M = 16   # tokens a program takes: the tensor cores' smallest tile
 def mla_uv_gate_kernel(olat_ptr, lse_ptr, wuv_ptr, g_ptr, out_ptr, M, H, stride_g, stride_out,
                        LORA: tl.constexpr, V: tl.constexpr, BLOCK_M: tl.constexpr,
                        BLOCK_V: tl.constexpr, BLOCK_L: tl.constexpr, SPLITS: tl.constexpr,
-                       DOT_FP32: tl.constexpr, RNE: tl.constexpr):
+                       DOT_FP32: tl.constexpr, RNE: tl.constexpr, PDL: tl.constexpr = False):
+    after_previous_kernel(PDL)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < M
     h = tl.program_id(1)
@@ -80,7 +87,7 @@ def mla_uv_gate(o_lat: torch.Tensor, w_uv: torch.Tensor, gate: torch.Tensor,
         o_lat, lse if lse is not None else o_lat, w_uv, gate, out, M, H, gate.stride(0),
         out.stride(0), LORA=lora, V=v, BLOCK_M=BLOCK_M, BLOCK_V=block_v,
         BLOCK_L=lora if interpreter_tiles() else min(64, lora), SPLITS=splits,
-        DOT_FP32=INTERPRETED, RNE=INTERPRETED, num_warps=4)
+        DOT_FP32=INTERPRETED, RNE=INTERPRETED, num_warps=4, **launch_options())
     return out
 
 

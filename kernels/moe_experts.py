@@ -30,7 +30,13 @@ import torch
 import triton
 import triton.language as tl
 
-from kimi_perf_kernels.common import INTERPRETED, cast, interpreter_tiles
+from kimi_perf_kernels.common import (
+    INTERPRETED,
+    after_previous_kernel,
+    cast,
+    interpreter_tiles,
+    launch_options,
+)
 from kimi_perf_kernels.router_topk import block_e, routed_slot
 from kimi_perf_kernels.skinny_linear import (
     GEMV_MAX_M,
@@ -93,9 +99,11 @@ def moe_route_fc1_situ_kernel(x_ptr, w13_ptr, logits_ptr, bias_ptr, ids_ptr, wei
                               BLOCK_K: tl.constexpr, RNE: tl.constexpr, ROUTE: tl.constexpr,
                               SHARED: tl.constexpr, S_USE_DOT: tl.constexpr,
                               DOT_FP32: tl.constexpr, S_BLOCK_M: tl.constexpr,
-                              S_BLOCK_N: tl.constexpr, S_BLOCK_K: tl.constexpr):
+                              S_BLOCK_N: tl.constexpr, S_BLOCK_K: tl.constexpr,
+                              PDL: tl.constexpr = False):
     # The shared experts' tiles take the first program ids: the block scheduler starts them
     # with the first wave of routed tiles rather than after all of them.
+    after_previous_kernel(PDL)
     pid = tl.program_id(0) - SHARED_PROGRAMS
     blocks = tl.cdiv(INTER, BLOCK_N)
     if pid >= 0:
@@ -146,7 +154,9 @@ def moe_fc2_combine_kernel(act_ptr, w2_ptr, ids_ptr, weights_ptr, out_ptr, M, IN
                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, RNE: tl.constexpr,
                            WEIGHTED: tl.constexpr, SHARED: tl.constexpr, S_USE_DOT: tl.constexpr,
                            DOT_FP32: tl.constexpr, S_BLOCK_M: tl.constexpr,
-                           S_BLOCK_N: tl.constexpr, S_BLOCK_K: tl.constexpr):
+                           S_BLOCK_N: tl.constexpr, S_BLOCK_K: tl.constexpr,
+                           PDL: tl.constexpr = False):
+    after_previous_kernel(PDL)
     pid = tl.program_id(0) - SHARED_PROGRAMS   # shared tiles first, as in FC1
     blocks = tl.cdiv(N, BLOCK_N)
     if pid >= 0:
@@ -237,7 +247,7 @@ def _fc1(x, w13, ids, top_k, situ, out, shared=None, logits=None, bias=None, wei
         w13.stride(0), w13.stride(1), scale, *shared_args, TOP_K=top_k,
         BLOCK_E=block_e(logits.shape[1]) if route else 16, BETA=situ[0], BETA_LINEAR=situ[1],
         BLOCK_N=block_n, BLOCK_K=block_k, RNE=INTERPRETED, ROUTE=route, **shared_consts,
-        num_warps=8)
+        num_warps=8, **launch_options())
     return out
 
 
@@ -269,7 +279,8 @@ def moe_fc2(act: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor) -> torch.Ten
 
 @triton.jit
 def moe_finalize_kernel(per_slot_ptr, weights_ptr, out_ptr, N, TOP_K: tl.constexpr,
-                        BLOCK_N: tl.constexpr, RNE: tl.constexpr):
+                        BLOCK_N: tl.constexpr, RNE: tl.constexpr, PDL: tl.constexpr = False):
+    after_previous_kernel(PDL)
     token = tl.program_id(0)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     ok = n < N
@@ -290,7 +301,7 @@ def moe_finalize(per_slot: torch.Tensor, weights: torch.Tensor, dtype: torch.dty
     block = 4096 if interpreter_tiles() else 1024
     moe_finalize_kernel[(M, triton.cdiv(n, block))](per_slot, weights, out, n, TOP_K=top_k,
                                                     BLOCK_N=block, RNE=INTERPRETED,
-                                                    num_warps=4)
+                                                    num_warps=4, **launch_options())
     return out
 
 
@@ -303,7 +314,7 @@ def _fc2(act, w2, ids, weights, out, shared=None) -> None:
     moe_fc2_combine_kernel[grid](
         act, w2, ids, weights, out, M, inter, n, w2.stride(0), w2.stride(1), out.stride(0),
         *shared_args, TOP_K=top_k, BLOCK_N=block_n, BLOCK_K=block_k, RNE=INTERPRETED,
-        WEIGHTED=weights is not None, **shared_consts, num_warps=8)
+        WEIGHTED=weights is not None, **shared_consts, num_warps=8, **launch_options())
 
 
 def moe_experts_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,

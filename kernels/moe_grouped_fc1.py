@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kimi_perf_kernels.common import INTERPRETED, cast
+from kimi_perf_kernels.common import INTERPRETED, after_previous_kernel, cast, launch_options
 from kimi_perf_kernels.moe_experts import Shared, _shared_launch, routed_blocks
 from kimi_perf_kernels.skinny_linear import _situ, linear_tile
 
@@ -127,7 +127,9 @@ def moe_grouped_fc1_situ_kernel(x_ptr, w13_ptr, ids_ptr, act_ptr, lists_ptr, cou
                                 BLOCK_K: tl.constexpr, RNE: tl.constexpr,
                                 SHARED: tl.constexpr, S_USE_DOT: tl.constexpr,
                                 DOT_FP32: tl.constexpr, S_BLOCK_M: tl.constexpr,
-                                S_BLOCK_N: tl.constexpr, S_BLOCK_K: tl.constexpr):
+                                S_BLOCK_N: tl.constexpr, S_BLOCK_K: tl.constexpr,
+                                PDL: tl.constexpr = False):
+    after_previous_kernel(PDL)
     pid = tl.program_id(0) - SHARED_PROGRAMS   # the shared experts' tiles first
     blocks = tl.cdiv(INTER, BLOCK_N)
     if pid >= 0:
@@ -170,7 +172,7 @@ def moe_grouped_fc1_situ(x: torch.Tensor, w13: torch.Tensor, ids: torch.Tensor,
         w13.stride(0), w13.stride(1),
         *shared_args, TOP_K=top_k, BETA=situ[0], BETA_LINEAR=situ[1],
         BLOCK_S=min(triton.next_power_of_2(M * top_k), SCAN), BLOCK_T=BLOCK_T, BLOCK_N=block_n,
-        BLOCK_K=block_k, RNE=INTERPRETED, **shared_consts, num_warps=8)
+        BLOCK_K=block_k, RNE=INTERPRETED, **shared_consts, num_warps=8, **launch_options())
     return out, slots
 
 

@@ -23,7 +23,12 @@ import torch
 import triton
 import triton.language as tl
 
-from kimi_perf_kernels.common import INTERPRETED, interpreter_tiles
+from kimi_perf_kernels.common import (
+    INTERPRETED,
+    after_previous_kernel,
+    interpreter_tiles,
+    launch_options,
+)
 from kimi_perf_kernels.moe_experts import Shared, _shared_launch, routed_blocks
 from kimi_perf_kernels.moe_grouped_fc1 import BLOCK_T, ExpertSlots
 from kimi_perf_kernels.skinny_linear import linear_tile
@@ -75,7 +80,9 @@ def moe_grouped_fc2_kernel(act_ptr, w2_ptr, lists_ptr, counts_ptr, weights_ptr, 
                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, RNE: tl.constexpr,
                            SHARED: tl.constexpr, S_USE_DOT: tl.constexpr,
                            DOT_FP32: tl.constexpr, S_BLOCK_M: tl.constexpr,
-                           S_BLOCK_N: tl.constexpr, S_BLOCK_K: tl.constexpr):
+                           S_BLOCK_N: tl.constexpr, S_BLOCK_K: tl.constexpr,
+                           PDL: tl.constexpr = False):
+    after_previous_kernel(PDL)
     pid = tl.program_id(0) - SHARED_PROGRAMS   # the shared experts' tiles first
     blocks = tl.cdiv(N, BLOCK_N)
     if pid >= 0:
@@ -117,5 +124,5 @@ def moe_grouped_fc2(act: torch.Tensor, w2: torch.Tensor, slots: ExpertSlots,
     moe_grouped_fc2_kernel[grid](
         act, w2, lists, counts, weights, out, M, inter, n, w2.stride(0), w2.stride(1),
         out.stride(0), *shared_args, TOP_K=top_k, BLOCK_T=BLOCK_T, BLOCK_N=block_n,
-        BLOCK_K=block_k, RNE=INTERPRETED, **shared_consts, num_warps=8)
+        BLOCK_K=block_k, RNE=INTERPRETED, **shared_consts, num_warps=8, **launch_options())
     return out

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kimi_perf_kernels.common import INTERPRETED, cast
+from kimi_perf_kernels.common import INTERPRETED, after_previous_kernel, cast, launch_options
 
 
 @triton.jit
@@ -27,7 +27,9 @@ def _norm_row(x_ptr, w_ptr, out_ptr, N, eps, BLOCK: tl.constexpr, RNE: tl.conste
 
 @triton.jit
 def rms_norm_kernel(x_ptr, w_ptr, out_ptr, N, stride_x, stride_out, x2_ptr, w2_ptr, out2_ptr,
-                    N2, stride_x2, stride_out2, eps, BLOCK: tl.constexpr, RNE: tl.constexpr):
+                    N2, stride_x2, stride_out2, eps, BLOCK: tl.constexpr, RNE: tl.constexpr,
+                    PDL: tl.constexpr = False):
+    after_previous_kernel(PDL)
     row = tl.program_id(0)
     if tl.program_id(1) == 0:
         _norm_row(x_ptr + row * stride_x, w_ptr, out_ptr + row * stride_out, N, eps, BLOCK,
@@ -57,7 +59,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         x, weight, outs[0], x.shape[1], x.stride(0), outs[0].stride(0), x2, w2, out2,
         x2.shape[1], x2.stride(0), out2.stride(0), eps,
         BLOCK=triton.next_power_of_2(max(t.shape[1] for t, _ in tensors)), RNE=INTERPRETED,
-        num_warps=8 if max(t.shape[1] for t, _ in tensors) > 2048 else 4)
+        num_warps=8 if max(t.shape[1] for t, _ in tensors) > 2048 else 4, **launch_options())
     return (outs[0], outs[1]) if second is not None else outs[0]
 
 

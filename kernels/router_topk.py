@@ -22,6 +22,8 @@ import triton
 import triton.language as tl
 from triton.runtime.jit import constexpr_function
 
+from kimi_perf_kernels.common import after_previous_kernel, launch_options
+
 
 @constexpr_function
 def _ranks(k, lanes):
@@ -64,9 +66,10 @@ def routed_slot(logits_ptr, bias_ptr, E, rank, scale, K: tl.constexpr, BLOCK_E: 
 @triton.jit
 def router_topk_kernel(logits_ptr, bias_ptr, ids_ptr, weights_ptr, zero_ptr, E, stride_l,
                        scale, ZERO_N, stride_zero, K: tl.constexpr, BLOCK_E: tl.constexpr,
-                       ZERO: tl.constexpr, BLOCK_Z: tl.constexpr):
+                       ZERO: tl.constexpr, BLOCK_Z: tl.constexpr, PDL: tl.constexpr = False):
     """One program per token: its top K ranks' experts and weights; with
     ZERO, also the token's row of the buffer the routed experts will add into."""
+    after_previous_kernel(PDL)
     token = tl.program_id(0)
     row = logits_ptr + token * stride_l
     r, _, ranked, total = _rank_experts(row, bias_ptr, E, K, BLOCK_E)
@@ -97,7 +100,7 @@ def router_topk(logits: torch.Tensor, bias: torch.Tensor, k: int, scale: float =
                              scale, 0 if zero is None else zero.shape[1],
                              0 if zero is None else zero.stride(0), K=k,
                              BLOCK_E=block_e(n_experts), ZERO=zero is not None,
-                             BLOCK_Z=1024, num_warps=4)
+                             BLOCK_Z=1024, num_warps=4, **launch_options())
     return ids, weights
 
 

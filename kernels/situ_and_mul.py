@@ -10,13 +10,21 @@ import torch
 import triton
 import triton.language as tl
 
-from kimi_perf_kernels.common import INTERPRETED, cast, interpreter_tiles
+from kimi_perf_kernels.common import (
+    INTERPRETED,
+    after_previous_kernel,
+    cast,
+    interpreter_tiles,
+    launch_options,
+)
 from kimi_perf_kernels.skinny_linear import _situ
 
 
 @triton.jit
 def situ_and_mul_kernel(x_ptr, out_ptr, INTER, stride_x, stride_out, BETA: tl.constexpr,
-                        BETA_LINEAR: tl.constexpr, BLOCK: tl.constexpr, RNE: tl.constexpr):
+                        BETA_LINEAR: tl.constexpr, BLOCK: tl.constexpr, RNE: tl.constexpr,
+                        PDL: tl.constexpr = False):
+    after_previous_kernel(PDL)
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < INTER
@@ -38,7 +46,7 @@ def situ_and_mul(gate_up: torch.Tensor, situ: tuple[float, float]) -> torch.Tens
     block = 4096 if interpreter_tiles() else 1024
     situ_and_mul_kernel[(M, triton.cdiv(inter, block))](
         gate_up, out, inter, gate_up.stride(0), out.stride(0), BETA=situ[0],
-        BETA_LINEAR=situ[1], BLOCK=block, RNE=INTERPRETED, num_warps=4)
+        BETA_LINEAR=situ[1], BLOCK=block, RNE=INTERPRETED, num_warps=4, **launch_options())
     return out
 
 

@@ -30,7 +30,13 @@ import torch
 import triton
 import triton.language as tl
 
-from kimi_perf_kernels.common import INTERPRETED, cast, interpreter_tiles
+from kimi_perf_kernels.common import (
+    INTERPRETED,
+    after_previous_kernel,
+    cast,
+    interpreter_tiles,
+    launch_options,
+)
 
 GEMV_MAX_M = 4
 STAGES = tl.constexpr(4)   # K steps in flight per program (tl.range's software pipeline)
@@ -129,7 +135,9 @@ def skinny_linear_kernel(x_ptr, w_ptr, norm_ptr, res_ptr, out_ptr, M, N_OUT, K,
                          NORM: tl.constexpr, SITU: tl.constexpr, RESIDUAL: tl.constexpr,
                          USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr, RNE: tl.constexpr,
                          BETA: tl.constexpr, BETA_LINEAR: tl.constexpr,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         PDL: tl.constexpr = False):
+    after_previous_kernel(PDL)
     linear_tile(tl.program_id(0), x_ptr, w_ptr, norm_ptr, res_ptr, out_ptr, M, N_OUT, K,
                 stride_xm, stride_wn, stride_rm, stride_om, eps, NORM, SITU, RESIDUAL, USE_DOT,
                 DOT_FP32, RNE, BETA, BETA_LINEAR, BLOCK_M, BLOCK_N, BLOCK_K)
@@ -155,7 +163,7 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor, norm: torch.Tensor | None = 
         NORM=norm is not None, SITU=situ is not None, RESIDUAL=residual is not None,
         USE_DOT=use_dot, DOT_FP32=INTERPRETED, RNE=INTERPRETED, BETA=beta,
         BETA_LINEAR=beta_linear,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps)
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, **launch_options())
     return out
 
 

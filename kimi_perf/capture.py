@@ -60,14 +60,17 @@ class TraceRequest:
     out_dir: Path = Path("traces/runs")
     plotly_js: str = "inline"       # the report's plotly.js: inline, cdn or a .js path
     # the specialized path's opt-ins (SpecializedModel): L2 prefetch of o_proj's weights, and
-    # from this many tokens a step on, the routed experts grouped by expert
+    # from this many tokens a step on, the routed experts grouped by expert; programmatic
+    # dependent launch
     l2_prefetch: bool = False
     group_experts_from: int | None = None
+    pdl: bool = False
 
 
 def path_options(req: TraceRequest) -> dict:
     """``build_model``'s opt-ins of the request (the standard path ignores them)."""
-    return {"l2_prefetch": req.l2_prefetch, "group_experts_from": req.group_experts_from}
+    return {"l2_prefetch": req.l2_prefetch, "group_experts_from": req.group_experts_from,
+            "pdl": req.pdl}
 
 
 def default_request(on_gpu: bool) -> TraceRequest:
@@ -94,6 +97,8 @@ def command_line(req: TraceRequest) -> str:
         args.append("--l2-prefetch")
     if req.group_experts_from is not None:
         args += ["--group-experts-from", str(req.group_experts_from)]
+    if req.pdl:
+        args.append("--pdl")
     return shlex.join(args)
 
 

@@ -795,6 +795,9 @@ def validate(preset_name: str, n_layers: int | None, paths: str, steps: int,
 @click.option("--group-experts-from", type=click.IntRange(1), help="the specialized path's "
               "opt-in: from this many tokens a step on, route first and run the routed "
               "experts grouped by expert (one launch more per MoE layer)")
+@click.option("--pdl", is_flag=True, help="the specialized path's opt-in (GPU, sm_90+): its "
+              "kernels launched with programmatic dependent launch (no launch more; on a CPU "
+              "the interpreter runs them as without it)")
 @click.option("--out", "out_dir", type=click.Path(path_type=Path), default=Path("traces/runs"),
               show_default=True, help="parent of the run directory")
 @click.option("--plotly-js", default="inline", show_default=True, callback=_check_plotly_js,
@@ -809,7 +812,7 @@ def trace_cmd(from_files: tuple[Path, ...], phase: str, rules: Path | None,
               batch: int | None, context: int | None, steps_arg: str | None,
               warmup: int | None, tp: int, paths: str, graphs: bool, backend: str,
               kv_cache: str, spec_tokens: int, l2_prefetch: bool,
-              group_experts_from: int | None, out_dir: Path, plotly_js: str,
+              group_experts_from: int | None, pdl: bool, out_dir: Path, plotly_js: str,
               fmt: str) -> None:
     """Capture both decode paths per layer and compare them (the main job).
 
@@ -827,7 +830,7 @@ def trace_cmd(from_files: tuple[Path, ...], phase: str, rules: Path | None,
     plotly_js_for(plotly_js, out_dir)  # a missing file is said now, not after the capture
     capture_only = _given("preset_name", "batch", "context", "warmup", "tp", "paths", "graphs",
                           "backend", "kv_cache", "spec_tokens", "l2_prefetch",
-                          "group_experts_from")
+                          "group_experts_from", "pdl")
     if from_files and capture_only:
         raise TraceError(None, f"{', '.join(capture_only)} "
                                f"{'sets' if len(capture_only) == 1 else 'set'} up a capture; "
@@ -835,7 +838,7 @@ def trace_cmd(from_files: tuple[Path, ...], phase: str, rules: Path | None,
     named = [p for p in paths.split(",") if p]
     if len(set(named)) < len(named):
         raise TraceError(None, f"--paths names a path twice: {paths!r}")
-    opt_ins = _given("l2_prefetch", "group_experts_from")
+    opt_ins = _given("l2_prefetch", "group_experts_from", "pdl")
     if opt_ins and "specialized" not in paths.split(","):
         raise TraceError(None, f"{', '.join(opt_ins)}: options of the specialized path, which "
                                f"--paths {paths} leaves out")
@@ -875,7 +878,7 @@ def trace_cmd(from_files: tuple[Path, ...], phase: str, rules: Path | None,
                                   graphs=graphs, backend=backend, kv_cache=kv_cache,
                                   spec_tokens=spec_tokens, out_dir=out_dir,
                                   plotly_js=plotly_js, l2_prefetch=l2_prefetch,
-                                  group_experts_from=group_experts_from)
+                                  group_experts_from=group_experts_from, pdl=pdl)
         from kimi_perf.decode.config import PRESETS
 
         if req.preset not in PRESETS:

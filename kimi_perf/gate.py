@@ -566,7 +566,8 @@ def run_differences(baseline_doc: dict, run_doc: dict) -> list[str]:
     return out
 
 
-OPT_INS = (("L2 prefetch", "l2_prefetch"), ("experts grouped from", "group_experts_from"))
+OPT_INS = (("L2 prefetch", "l2_prefetch"), ("experts grouped from", "group_experts_from"),
+           ("PDL", "pdl"))
 
 
 def _opt_in_text(value) -> str:

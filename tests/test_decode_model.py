@@ -170,6 +170,10 @@ def test_accept_rolls_back_a_model_without_kda_layers_too():
     state = model.new_state(2, 16, max_verify=4)
     model.forward(torch.zeros(2, 3, dtype=torch.long), state)
     model.forward(torch.ones(2, 4, dtype=torch.long), state, verify=True)
+    for wrong, message in (([0, 2], r"must be 1\.\.4: \[0, 2\]"), ([2, 5], r"1\.\.4: \[2, 5\]"),
+                           ([2], "a count per sequence")):
+        with pytest.raises(ValueError, match=message):   # (the next step would replay them)
+            state.accept(torch.tensor(wrong))
     state.accept(torch.tensor([2, 4]))
     assert state.lengths.tolist() == [5, 7]
     with pytest.raises(ValueError, match="follows a verify step"):

@@ -572,6 +572,7 @@ NO_KERNEL = {getattr(torch.ops.aten, name) for name in (
 @pytest.mark.parametrize(("path", "batch", "tokens_per_seq", "splits"),
                          [("specialized", 2, 1, None), ("specialized", 1, 4, 3),
                           ("specialized+l2", 2, 1, None), ("specialized+grouped", 3, 4, None),
+                          ("specialized+pdl", 1, 4, 3),
                           ("standard_kernels", 2, 1, None), ("standard_kernels", 1, 4, 3)])
 def test_annotated_launches_are_the_launches(weights, path, batch, tokens_per_seq, splits,
                                              monkeypatch):
@@ -586,12 +587,14 @@ def test_annotated_launches_are_the_launches(weights, path, batch, tokens_per_se
     model = make_path(path.partition("+")[0], SMALL, weights, torch.float32)
     model.l2_prefetch = path.endswith("+l2")          # one launch more per layer
     model.group_experts_from = 1 if path.endswith("+grouped") else None   # and per MoE
+    model.pdl = path.endswith("+pdl")                 # none more: every launch flagged
     model.attention_splits = splits  # 3: the standard path adds FlashMLA's combine launch
     state = model.new_state(batch, 16, max_verify=tokens_per_seq)
     prompt = torch.randint(0, SMALL.vocab, (batch, 3), generator=torch.Generator().manual_seed(9))
     model.forward(prompt, state)
     actual: list[tuple[int, str]] = []
     in_kernel = []
+    launch_flags: dict[str, set[tuple[bool, bool]]] = {}   # kernel: (launch_pdl, PDL)
 
     def all_reduce(x):
         actual.append((model.layer, "all_reduce"))
@@ -602,6 +605,8 @@ def test_annotated_launches_are_the_launches(weights, path, batch, tokens_per_se
 
     def counted_launch(self, *args, **kwargs):
         actual.append((model.layer, self.fn.__name__))
+        launch_flags.setdefault(self.fn.__name__, set()).add(
+            (kwargs.get("launch_pdl", False), kwargs.get("PDL", False)))
         in_kernel.append(True)
         try:
             return launch_grid(self, *args, **kwargs)
@@ -637,6 +642,11 @@ def test_annotated_launches_are_the_launches(weights, path, batch, tokens_per_se
         if path == "standard_kernels" and SMALL.is_mla(layer):
             assert ("mla_decode_combine" in annotated) == (splits is not None)
         assert ran.count("all_reduce") == sum("all_reduce" in name for name in annotated)
+    # PDL (the interpreter leaves griddepcontrol out: PDL stays False) on every launch of the
+    # path's stream; the L2 prefetch, on a stream of its own, never takes part
+    assert {k: v for k, v in launch_flags.items() if k != "l2_prefetch_kernel"} == \
+        {k: {(model.pdl, False)} for k in launch_flags if k != "l2_prefetch_kernel"}
+    assert launch_flags.get("l2_prefetch_kernel", {(False, False)}) == {(False, False)}
 
 
 def test_trace_metrics_on_a_gpu_come_from_a_run_without_the_profiler(tmp_path, monkeypatch):
@@ -671,9 +681,9 @@ def test_trace_metrics_on_a_gpu_come_from_a_run_without_the_profiler(tmp_path, m
 
 
 def test_trace_runs_the_specialized_path_s_opt_ins(tmp_path):
-    """`kimi-perf trace --l2-prefetch --group-experts-from N`: the specialized path with both,
-    its launches counted as run, the options in run.json's command and request; with --from
-    they are refused (nothing is captured)."""
+    """`kimi-perf trace --l2-prefetch --group-experts-from N --pdl`: the specialized path
+    with all three, its launches counted as run, the options in run.json's command and
+    request; with --from they are refused (nothing is captured)."""
     import json
 
     from click.testing import CliRunner
@@ -682,15 +692,16 @@ def test_trace_runs_the_specialized_path_s_opt_ins(tmp_path):
 
     args = ["trace", "--layers", "4", "--steps", "1", "--warmup", "0", "--context", "3",
             "--batch", "2", "--paths", "specialized", "--format", "json", "--out",
-            str(tmp_path), "--l2-prefetch", "--group-experts-from", "2"]
+            str(tmp_path), "--l2-prefetch", "--group-experts-from", "2", "--pdl"]
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.output
     doc = json.loads(result.output)
     kernels = {t["type"]: t["kernels"] for t in doc["paths"]["specialized"]["layer_types"]}
     assert kernels == {"dense": 8, "kda": 11, "mla": 14}   # 7, 9, 12 + prefetch + routing
     run = doc["run"]
-    assert run["command"].endswith("--l2-prefetch --group-experts-from 2")
+    assert run["command"].endswith("--l2-prefetch --group-experts-from 2 --pdl")
     assert run["request"]["l2_prefetch"] and run["request"]["group_experts_from"] == 2
+    assert run["request"]["pdl"]
     refused = CliRunner().invoke(main, ["trace", "--from", str(tmp_path), "--l2-prefetch"])
     assert refused.exit_code == 2 and "--l2-prefetch sets up a capture" in refused.output
     alone = CliRunner().invoke(main, ["trace", "--paths", "standard", "--group-experts-from",

@@ -108,7 +108,7 @@ class GraphedDecodeStep:
     def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
         self.tokens.copy_(tokens)
         self.graph.replay()
-        self.state.verify_tokens = self.verify_tokens
+        self.state.verify_tokens = self.state.pending_tokens = self.verify_tokens
         return self.logits
 
 

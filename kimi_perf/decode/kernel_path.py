@@ -28,6 +28,7 @@ if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
                       "before triton is imported")
 
 from kimi_perf_kernels.attn_res import attn_res
+from kimi_perf_kernels.common import programmatic_launch
 from kimi_perf_kernels.kda_decode import KdaRecords, kda_decode
 from kimi_perf_kernels.mla_attention import mla_splits
 
@@ -44,6 +45,8 @@ class KernelPathModel(K3Model):
         # Splits of the MLA attention over the cache positions; None: by the GPU's size
         # (``mla_splits``; 1 on a CPU).
         self.attention_splits: int | None = None
+        # Launch the kernels with programmatic dependent launch (``programmatic_launch``).
+        self.pdl = False
         # kda_decode's per-head arrival counters: zeros it leaves zero, kept so that a launch
         # needs no memset of its own (one launch at a time: its layers run in turn on one
         # stream; launches that could overlap would each need their own)
@@ -80,6 +83,17 @@ class KernelPathModel(K3Model):
             self.fallbacks.append(f"step {step}: {reason}")
             return super().forward(tokens, state, observer, verify, layer_hook,
                                    last_logits)
+        if self.pdl and self.device.type == "cuda" and \
+                torch.cuda.get_device_capability(self.device)[0] < 9:
+            raise ValueError("programmatic dependent launch (pdl) needs sm_90 or newer")
+        with programmatic_launch(self.pdl):
+            return self.kernel_forward(tokens, state, observer, verify, layer_hook,
+                                       last_logits)
+
+    def kernel_forward(self, tokens: torch.Tensor, state: DecodeState,
+                       observer: Observer | None, verify: bool, layer_hook,
+                       last_logits: bool) -> torch.Tensor:
+        """A step the kernels take (``forward`` has checked that they do)."""
         c = self.c
         B, T = tokens.shape
         if verify:

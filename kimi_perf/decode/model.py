@@ -90,6 +90,7 @@ class DecodeState:
     half: torch.Tensor | None = None      # [1] int32: the half of the records they are in
     max_verify: int = 0                   # tokens per sequence a verify step may take
     verify_tokens: int = 0                # tokens per sequence of the verify step to accept
+    pending_tokens: int = 0               # at most this many pending (known on the host)
 
     @classmethod
     def empty(cls, c: K3Config, batch: int, max_len: int, kv_dtype: torch.dtype,
@@ -132,7 +133,7 @@ class DecodeState:
                 self.pending.fill_(tokens)
             else:
                 self.pending.zero_()
-        self.verify_tokens = tokens if verify else 0
+        self.verify_tokens = self.pending_tokens = tokens if verify else 0
 
     def accept(self, accepted: torch.Tensor) -> None:
         """After a verify step of T tokens: keep ``accepted[b]`` (1..T) of them per sequence.
@@ -143,6 +144,16 @@ class DecodeState:
         """
         if not self.verify_tokens:
             raise ValueError("accept() follows a verify step (forward with verify=True)")
+        if accepted.shape != self.pending.shape:
+            raise ValueError(f"accept() takes a count per sequence: {tuple(accepted.shape)} "
+                             f"for a batch of {len(self.pending)}")
+        if accepted.device.type == "cpu" and not (
+                (accepted >= 1) & (accepted <= self.verify_tokens)).all():
+            raise ValueError(f"accepted counts must be 1..{self.verify_tokens}: "
+                             f"{accepted.tolist()}")
+        # (on a GPU clamped rather than checked, which would wait for the device: a count
+        # past the step would replay another step's records, or another head's)
+        accepted = accepted.clamp(1, self.verify_tokens)
         self.pending.copy_(accepted)
         self.lengths.add_(accepted - self.verify_tokens)
         self.verify_tokens = 0
@@ -407,12 +418,15 @@ class K3Model:
         in, a position at a time as the kernels replay them (S <- S * decay + u k^T), each
         sequence its own count (masked: no wait on the device)."""
         S, conv = state.kda[i], state.conv[i]
-        if state.pending is None:
+        # A graph replays a step after any other: it folds as many as a verify step records.
+        capturing = S.is_cuda and torch.cuda.is_current_stream_capturing()
+        positions = state.max_verify if capturing else state.pending_tokens
+        if state.pending is None or not positions:
             return S, conv
         half = state.half.long()
         records = state.records[i].index_select(0, half)[0]                   # [B, H, T, 3, d]
         inputs = state.inputs[i].index_select(0, half)[0]                     # [B, T, C]
-        for t in range(records.shape[2]):
+        for t in range(positions):
             key, decay, u = records[:, :, t].unbind(2)                         # [B, H, d]
             folded = S * decay[..., None, :] + u[..., None] * key[..., None, :]
             S = torch.where((t < state.pending)[:, None, None, None], folded, S)

@@ -49,6 +49,11 @@ weighted share added into its tokens' rows (fp32 atomics: the last bits of the s
 run to run). At batch 64 × top-16 that is about 613 experts' weights where S7 and S8 read
 1,024: 10 / 13 launches per layer, 12 / 15 with TP (whose MoE all-reduce then sends fp32).
 
+With ``pdl`` (opt-in until a GPU run shows it pays) every launch above uses programmatic
+dependent launch (sm_90+): a kernel's programs start while the one before still runs and wait
+for it on their first instruction (``kernels/common.py``), so that the launch gaps between a
+layer's 9 to 12 kernels overlap their predecessors' tails. No launch more.
+
 With ``gemv`` (opt-in, GPU only: the CuTe DSL GEMV's cubins, ``kernels/cute_gemv.py``) the
 plain projections (in_proj, qkv_a_g_proj, o_proj) at 1-4 tokens take that GEMV in place of
 the Triton one, wherever it has a build for the shape: the same launches.
@@ -81,8 +86,12 @@ from kimi_perf_kernels.skinny_linear import skinny_linear
 class SpecializedModel(KernelPathModel):
     def __init__(self, c: K3Config, weights: Weights, dtype: torch.dtype = torch.bfloat16,
                  device: torch.device | str = "cpu", all_reduce=None, l2_prefetch: bool = False,
-                 gemv=None, group_experts_from: int | None = None):
+                 gemv=None, group_experts_from: int | None = None, pdl: bool = False):
         super().__init__(c, weights, dtype=dtype, device=device, all_reduce=all_reduce)
+        # Opt-in until a GPU run shows it pays (benchmarks/gpu_decode_check.py measures both):
+        # every kernel launched with programmatic dependent launch (sm_90+), so that the next
+        # launch's start overlaps the tail of the one before (kernels/common.py).
+        self.pdl = pdl
         # Opt-in until a GPU run shows where it pays: from this many tokens a step on, route
         # in a launch of its own and stream each picked expert's W13 and W2 once for all its
         # tokens (kernels/moe_grouped_fc1.py, moe_grouped_fc2.py), one launch more per MoE
@@ -239,17 +248,18 @@ class SpecializedModel(KernelPathModel):
 def build_model(c: K3Config, weights: Weights, decode_backend: str = "auto",
                 dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu",
                 all_reduce=None, standard_ops: str | None = None, l2_prefetch: bool = False,
-                group_experts_from: int | None = None) -> K3Model:
+                group_experts_from: int | None = None, pdl: bool = False) -> K3Model:
     """``auto`` keeps the standard path; ``latency_specialized`` selects the fused one, with
-    its opt-ins ``l2_prefetch`` and ``group_experts_from`` (``SpecializedModel``; the standard
-    path has none).
+    its opt-ins ``l2_prefetch``, ``group_experts_from`` and ``pdl`` (``SpecializedModel``; the
+    standard path has none).
 
     ``standard_ops``: how the standard path runs its decode steps: ``kernels``, one kernel per
     step as vLLM launches them (``StandardKernelsModel``; the default on a GPU), or ``torch``,
     PyTorch ops (the default on a CPU, where Triton runs in its interpreter)."""
     if decode_backend == "latency_specialized":
         return SpecializedModel(c, weights, dtype=dtype, device=device, all_reduce=all_reduce,
-                                l2_prefetch=l2_prefetch, group_experts_from=group_experts_from)
+                                l2_prefetch=l2_prefetch, group_experts_from=group_experts_from,
+                                pdl=pdl)
     if decode_backend != "auto":
         raise ValueError(f"decode_backend must be auto or latency_specialized, not "
                          f"{decode_backend!r}")

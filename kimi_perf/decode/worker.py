@@ -30,7 +30,7 @@ def main(argv: list[str]) -> int:
     backend = {"standard": "auto", "specialized": "latency_specialized"}[path]
     model = build_model(config, weights, backend, device=device,
                         l2_prefetch=request["l2_prefetch"],
-                        group_experts_from=request["group_experts_from"])
+                        group_experts_from=request["group_experts_from"], pdl=request["pdl"])
     model.annotate_ops = device == "cpu"
     gen = torch.Generator().manual_seed(request["seed"] + 1)
     prompt = torch.randint(0, config.vocab, (request["batch"], request["context"]),

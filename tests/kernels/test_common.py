@@ -1,4 +1,10 @@
-"""The kernels' conversions round as a GPU does, under the interpreter too."""
+"""The kernels' conversions round as a GPU does, under the interpreter too; programmatic
+dependent launch."""
+
+import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -56,3 +62,101 @@ def test_fresh_buffers_start_poisoned_in_kernel_tests():
     assert torch.isnan(torch.empty_like(torch.ones(2), dtype=torch.bfloat16)).all()
     assert (torch.empty(5, dtype=torch.int32) == torch.iinfo(torch.int32).min).all()
     assert torch.empty(2, dtype=torch.bool).all()
+
+
+def test_programmatic_launch_sets_the_launch_flag_within_it_only():
+    """Every launcher spreads ``launch_options()``: Triton's ``launch_pdl`` within
+    ``programmatic_launch`` (nested contexts restore the outer one), and the ``PDL``
+    constexpr that puts ``griddepcontrol`` in the kernel, except under the interpreter,
+    which has no inline assembly."""
+    from kimi_perf_kernels.common import launch_options, programmatic_launch
+
+    assert launch_options() == {"PDL": False, "launch_pdl": False}
+    with programmatic_launch():
+        assert launch_options() == {"PDL": not INTERPRETED, "launch_pdl": True}
+        with programmatic_launch(False):
+            assert launch_options() == {"PDL": False, "launch_pdl": False}
+        assert launch_options()["launch_pdl"]
+    assert launch_options() == {"PDL": False, "launch_pdl": False}
+
+
+GRID_DEPENDENCY_KERNELS = '''
+import triton
+import triton.language as tl
+
+from kimi_perf_kernels.common import after_previous_kernel
+
+
+@triton.jit
+def waits_first(x_ptr, out_ptr, PDL: tl.constexpr):
+    after_previous_kernel(PDL)
+    offs = tl.arange(0, 128)
+    tl.store(out_ptr + offs, tl.load(x_ptr + offs) * 2.0)
+
+
+@triton.jit
+def reads_first(x_ptr, out_ptr, PDL: tl.constexpr):
+    offs = tl.arange(0, 128)
+    x = tl.load(x_ptr + offs)
+    after_previous_kernel(PDL)
+    tl.store(out_ptr + offs, x * 2.0)
+'''
+
+
+def test_the_aot_check_of_pdl_kernels_fails_one_that_reads_before_it_waits(tmp_path):
+    """``aot.check_grid_dependency`` on kernels compiled for sm_90a: a PDL kernel whose first
+    statement is ``after_previous_kernel`` passes; one that loads its input first (which may
+    read what the previous kernel has not written yet) fails, naming the load; a kernel
+    built without PDL holds no ``griddepcontrol``."""
+    (tmp_path / "pdl_kernels.py").write_text(GRID_DEPENDENCY_KERNELS)
+    script = (
+        "import json, sys\n"
+        "from triton.compiler import ASTSource\n"
+        "import triton\n"
+        "from kimi_perf_kernels import aot\n"
+        "import pdl_kernels\n"
+        "out = {}\n"
+        "for name in ('waits_first', 'reads_first'):\n"
+        "    for pdl in (False, True):\n"
+        "        src = ASTSource(fn=getattr(pdl_kernels, name), constexprs={'PDL': pdl},\n"
+        "                        signature={'x_ptr': '*fp32', 'out_ptr': '*fp32',\n"
+        "                                   'PDL': 'constexpr'})\n"
+        "        ptx = triton.compile(src, target=aot.TARGET).asm['ptx']\n"
+        "        try:\n"
+        "            aot.check_grid_dependency(name, ptx, pdl)\n"
+        "            out[f'{name} {pdl}'] = 'ok'\n"
+        "        except RuntimeError as exc:\n"
+        "            out[f'{name} {pdl}'] = str(exc)\n"
+        "print(json.dumps(out))\n")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), env.get("PYTHONPATH", "")])
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    results = json.loads(done.stdout)
+    assert results["waits_first False"] == results["waits_first True"] == "ok"
+    assert results["reads_first False"] == "ok"
+    assert results["reads_first True"].startswith(
+        "reads_first: global memory touched before griddepcontrol.wait: ld.global")
+
+
+def test_the_pdl_check_knows_which_ptx_instructions_touch_global_memory():
+    """Global and generic-address loads, stores, atomics, reductions, async and bulk copies
+    and prefetches count, with or without a predicate; the kernel's parameters, shared,
+    local and constant memory, async-copy bookkeeping and address arithmetic do not."""
+    from kimi_perf_kernels.aot import touches_global_memory
+
+    touching = ["ld.global.v4.b32 {%r1, %r2, %r3, %r4}, [%rd1];",
+                "@%p1 ld.global.L1::evict_last.v4.b32 {%r1, %r2, %r3, %r4}, [ %rd1 + 0 ];",
+                "@!%p2 st.global.b16 [%rd1], %rs1;", "ld.b32 %r1, [%rd1];",
+                "cp.async.cg.shared.global [ %r1 + 0 ], [ %rd1 + 0 ], 0x10, %r2;",
+                "atom.global.gpu.acq_rel.add.u32 %r1, [%rd1], 1;", "ldu.global.f32 %f1, [%rd1];",
+                "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%r1], "
+                "[%rd1], 256, [%r2];", "red.global.add.f32 [%rd1], %f1;",
+                "prefetch.global.L2::evict_last [%rd1];"]
+    not_touching = ["ld.param.b64 %rd1, [k_param_0];", "ld.shared.b32 %r1, [%r2];",
+                    "cp.async.commit_group;", "cp.async.wait_group 0;", "ld.const.f32 %f1, [c];",
+                    "ld.local.b32 %r1, [%rd9];", "cvta.to.global.u64 %rd2, %rd1;",
+                    "griddepcontrol.wait; // dummy %r1", "// begin inline asm", "$L__tmp0:"]
+    assert [line for line in touching if not touches_global_memory(line)] == []
+    assert [line for line in not_touching if touches_global_memory(line)] == []

@@ -57,34 +57,38 @@ def _accept(records: KdaRecords, verify: bool, accepted: list[int]) -> None:
         records.pending.zero_()
 
 
-def test_a_rollback_equals_decoding_only_the_accepted_tokens():
-    """A verify step leaves the states as they were and records its positions; once a prefix
-    of them is accepted per sequence, the next step (a decode token, then another verify)
-    replays it first: outputs and states as if only the accepted tokens had been decoded."""
+@pytest.mark.parametrize("splits", [1, 4])
+def test_a_rollback_equals_decoding_only_the_accepted_tokens(splits):
+    """A verify step leaves the states as they were (after folding in what it found pending)
+    and records its positions; once a prefix of them is accepted per sequence, the next step
+    (a decode token, or another verify) replays it first. Over verify, decode, verify, verify,
+    decode, each sequence accepting its own count: outputs and states as if each sequence had
+    decoded only its accepted tokens, one at a time."""
     batch, heads, d, f_rank = 3, 2, 16, 16
-    z, params, conv_state, state = inputs(batch, 4, heads, d, f_rank, 7)
+    _, params, conv_state, state = inputs(batch, 1, heads, d, f_rank, 7)
     records = KdaRecords.empty(batch, heads, d, 4, conv_state.dtype)
     poison(records.records, records.inputs)    # what a replay reads, the verify step wrote
-    conv_before, state_before = conv_state.clone(), state.clone()
-    verify_out = kda_decode(z, conv_state=conv_state, state=state, records=records,
-                            record=True, **params)
-    assert torch.equal(conv_state, conv_before) and torch.equal(state, state_before)
-    accepted = [1, 3, 4]
-    _accept(records, True, accepted)
-    following = inputs(batch, 2, heads, d, f_rank, 8)[0]
-    decoded = kda_decode(following[:, :1], conv_state=conv_state, state=state,
-                         records=records, **params)
-    _accept(records, False, [])
-    for b, n in enumerate(accepted):
-        conv_b, state_b = conv_before[b: b + 1].clone(), state_before[b: b + 1].clone()
-        plain = kda_decode_reference(z[b: b + 1, :n], conv_state=conv_b, state=state_b,
-                                     **params)
-        assert_close_bf16(verify_out[b, :n], plain[0], ulps=4)
-        plain_next = kda_decode_reference(following[b: b + 1, :1], conv_state=conv_b,
-                                          state=state_b, **params)
-        assert_close_bf16(decoded[b], plain_next[0], ulps=4)
-        torch.testing.assert_close(state[b: b + 1], state_b, rtol=1e-4, atol=1e-5)
-        torch.testing.assert_close(conv_state[b: b + 1], conv_b, rtol=0, atol=0)
+    arrivals = torch.zeros(batch * heads, dtype=torch.int32)
+    plain = [(conv_state[b: b + 1].clone(), state[b: b + 1].clone()) for b in range(batch)]
+    steps = [(4, [1, 3, 4]), (1, None), (3, [3, 1, 2]), (4, [2, 2, 4]), (1, None)]
+    for seed, (tokens, accepted) in enumerate(steps):
+        z = inputs(batch, tokens, heads, d, f_rank, 30 + seed)[0]
+        verify = accepted is not None
+        out = kda_decode(z, conv_state=conv_state, state=state, records=records,
+                         record=verify, splits=splits, arrivals=arrivals, **params)
+        for b, n in enumerate(accepted or [1] * batch):
+            conv_b, state_b = plain[b]
+            if verify:   # the kernel's states: the plain ones before this step's tokens
+                torch.testing.assert_close(state[b: b + 1], state_b, rtol=1e-4, atol=1e-5)
+                torch.testing.assert_close(conv_state[b: b + 1], conv_b, rtol=0, atol=0)
+            want = kda_decode_reference(z[b: b + 1, :n], conv_state=conv_b, state=state_b,
+                                        **params)
+            assert_close_bf16(out[b, :n], want[0], ulps=4)
+            if not verify:
+                torch.testing.assert_close(state[b: b + 1], state_b, rtol=1e-4, atol=1e-5)
+                torch.testing.assert_close(conv_state[b: b + 1], conv_b, rtol=0, atol=0)
+        _accept(records, verify, accepted or [])
+    assert not arrivals.any()
 
 
 @pytest.mark.parametrize("order", ["forward", "reverse"])
