@@ -22,8 +22,9 @@
    step of vLLM's sequence (the summary names the model class of each run). At batch 1 the
    specialized path also runs with its opt-in L2 prefetch (``specialized+l2``), and at batch
    64 with its routed experts grouped by expert (``specialized+grouped``); under graphs, at
-   both batches, with programmatic dependent launch (``specialized+pdl``); each side by side
-   with it without.
+   both batches, with programmatic dependent launch (``specialized+pdl``), and with it and
+   the skinny linears' weight prefetch before the wait (``specialized+pdl+prefetch``,
+   ``CHECKED_PREFETCH_BYTES``); each side by side with it without.
 5. CuTe DSL against Triton: the CuTe DSL GEMV (``kernels/cute_gemv.py``; its cubins are built
    for sm_90a before the call, since the DSL itself cannot travel) beside the Triton GEMV and
    cuBLAS on the K3 TP8 projections at 1-4 tokens: errors against a float32 product and µs per
@@ -78,6 +79,7 @@ from kimi_perf.decode.weights import random_weights
 from kimi_perf.graphs import capture_launches
 from kimi_perf.layer_breakdown import breakdown
 from kimi_perf.readers import read_trace
+from kimi_perf_kernels.skinny_linear import CHECKED_PREFETCH_BYTES
 
 PATHS = {"standard": "auto", "specialized": "latency_specialized"}
 # bf16 outputs of float32 sums (about 2^-9 relative each): the norm-relative error, and the
@@ -125,12 +127,13 @@ def correctness(device: str, steps: int) -> dict:
     want = [ref.forward(tokens[:, :4], ref_state)[:, -1]]
     want += [ref.forward(tokens[:, t: t + 1], ref_state)[:, -1] for t in range(4, 4 + steps)]
     out = {}
-    for name in (*PATHS, "specialized+grouped", "specialized+pdl"):
+    for name in (*PATHS, "specialized+grouped", "specialized+pdl", "specialized+pdl+prefetch"):
         base, _, option = name.partition("+")
         model = build_model(c, weights, PATHS[base], dtype=torch.float32, device=device)
         if option == "grouped":   # the opt-in grouped experts, on every step
             model.group_experts_from = 1
-        model.pdl = option == "pdl"
+        model.pdl = option.startswith("pdl")
+        model.pdl_prefetch_bytes = CHECKED_PREFETCH_BYTES if option.endswith("prefetch") else 0
         state = model.new_state(2, 4 + steps)
         got = [model.forward(tokens[:, :4].to(device), state)[:, -1]]
         got += [model.forward(tokens[:, t: t + 1].to(device), state)[:, -1]
@@ -356,7 +359,8 @@ def speed(path: str, c: K3Config, weights, batch: int, context: int, warmup: int
     model = build_model(c, weights, PATHS[base], device=device)
     # the specialized path's opt-ins: L2 prefetch, grouped experts, PDL, the CuTe DSL GEMV
     model.l2_prefetch = option == "l2"
-    model.pdl = option == "pdl"
+    model.pdl = option.startswith("pdl")
+    model.pdl_prefetch_bytes = CHECKED_PREFETCH_BYTES if option.endswith("prefetch") else 0
     model.group_experts_from = 1 if option == "grouped" else None
     if option == "cute":
         model.gemv = gemv
@@ -572,7 +576,8 @@ def main() -> int:
     for graphs in (True, False) if device == "cuda" else (False,):
         for batch in batches:
             options = ["specialized+l2" if batch == 1 else "specialized+grouped"]
-            options += ["specialized+pdl"] if graphs else []   # (eager: the host's launches)
+            if graphs:   # (eager, the host's launches set the pace)
+                options += ["specialized+pdl", "specialized+pdl+prefetch"]
             for path in [*PATHS, *options]:
                 key = f"{path} b{batch}{' graphs' if graphs else ''}"
                 if not budget.allows(key, longest + RESERVE_AFTER_SPEED_S):
@@ -662,6 +667,7 @@ def render_summary(results: dict) -> str:
     speed = results.get("speed", {})
     for a, b in (("standard", "specialized"), ("specialized", "specialized+l2"),
                  ("specialized", "specialized+grouped"), ("specialized", "specialized+pdl"),
+                 ("specialized+pdl", "specialized+pdl+prefetch"),
                  ("specialized", "specialized+cute")):
         for key, ra in speed.items():
             if not key.startswith(a + " "):

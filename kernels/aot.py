@@ -100,7 +100,7 @@ def builds() -> list[Build]:
                   "stride_xm": "i32", "stride_wn": "i32", "stride_rm": "i32",
                   "stride_om": "i32", "eps": "fp32"}
     flags = ["NORM", "SITU", "RESIDUAL", "USE_DOT", "DOT_FP32", "RNE", "BETA", "BETA_LINEAR",
-             "BLOCK_M", "BLOCK_N", "BLOCK_K"]
+             "BLOCK_M", "BLOCK_N", "BLOCK_K", "PREFETCH_K", "LINE"]
     sig = {**linear_sig, **{f: "constexpr" for f in flags}}
     # (label, tokens, SiTU, RMSNorm, residual, output columns, K): the KDA input projection,
     # the latent up-projection (norm and the shared experts' output added), the shared
@@ -114,13 +114,22 @@ def builds() -> list[Build]:
             ("gemm M=64 latent_up rmsnorm+residual", 64, False, True, True, hidden, latent),
             ("gemm M=64 shared gate/up situ", 64, True, False, False, shared_inter, hidden)):
         block_m, block_n, block_k, warps = skinny_linear.launch_config(m, situ=situ)
-        out.append(Build(f"skinny_linear {label}", skinny_linear.skinny_linear_kernel, sig, {
-            "NORM": norm, "SITU": situ, "RESIDUAL": residual,
-            "USE_DOT": m > skinny_linear.GEMV_MAX_M, "DOT_FP32": False, "RNE": False,
-            "BETA": 4.0,
-            "BETA_LINEAR": 25.0, "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k},
-            warps, ints={"M": m, "N_OUT": n_out, "K": k, "stride_xm": k, "stride_wn": k,
-                         "stride_rm": n_out if residual else 0, "stride_om": n_out}))
+        consts = {"NORM": norm, "SITU": situ, "RESIDUAL": residual,
+                  "USE_DOT": m > skinny_linear.GEMV_MAX_M, "DOT_FP32": False, "RNE": False,
+                  "BETA": 4.0, "BETA_LINEAR": 25.0, "BLOCK_M": block_m, "BLOCK_N": block_n,
+                  "BLOCK_K": block_k, "PREFETCH_K": 0, "LINE": 64}
+        ints = {"M": m, "N_OUT": n_out, "K": k, "stride_xm": k, "stride_wn": k,
+                "stride_rm": n_out if residual else 0, "stride_om": n_out}
+        out.append(Build(f"skinny_linear {label}", skinny_linear.skinny_linear_kernel, sig,
+                         consts, warps, ints=ints))
+        # and with PDL, its first weights read into L2 before the wait, as the GPU check runs it
+        prefetch = skinny_linear.prefetch_columns(skinny_linear.CHECKED_PREFETCH_BYTES, k,
+                                                  n_out, block_n, 2, situ)
+        out.append(Build(f"skinny_linear {label} PDL prefetch {prefetch}",
+                         skinny_linear.skinny_linear_kernel,
+                         {**sig, "PDL": "constexpr"},
+                         {**consts, "PDL": True, "PREFETCH_K": prefetch}, warps,
+                         ints=ints))
     kda_types = {"z_ptr": "*bf16", "wfb_ptr": "*bf16", "conv_ptr": "*bf16",
                  "out_ptr": "*bf16", "inputs_ptr": "*bf16", "arrivals_ptr": "*i32",
                  "pending_ptr": "*i32", "half_ptr": "*i32", "eps": "fp32",
@@ -376,15 +385,21 @@ def launched_builds() -> list[Build]:
         subprocess.run([sys.executable, "-m", "kimi_perf_kernels.aot", "--record",
                         str(recorded)], env={**os.environ, "TRITON_INTERPRET": "1"},
                        check=True)
-        launches = json.loads(recorded.read_text())
+        return builds_of(json.loads(recorded.read_text()))
+
+
+def builds_of(launches: list[dict]) -> list[Build]:
+    """The builds of recorded launches: one per distinct configuration, each way for a PDL
+    kernel."""
     builds: dict[str, Build] = {}
     for launch in launches:
+        # (PDL as the interpreter ran it, always off: ``pdl_variants`` builds it both ways)
         constexprs = {name: False if name in INTERPRETER_FLAGS else value
-                      for name, value in launch["constexprs"].items()}
+                      for name, value in launch["constexprs"].items() if name != "PDL"}
         pointers = sorted({t[1:] for t in launch["signature"].values() if t[0] == "*"})
         flags = " ".join(f"{k}={int(v) if isinstance(v, bool) else v}"
                          for k, v in constexprs.items()
-                         if k not in INTERPRETER_FLAGS and k != "PDL" and v is not None)
+                         if k not in INTERPRETER_FLAGS and v is not None)
         odd = [n for n, t in launch["signature"].items()
                if t != "constexpr" and t[0] in "*i" and n not in launch["divisible"]]
         unaligned = f" (not /16: {', '.join(odd)})" if odd else ""
@@ -402,7 +417,7 @@ def pdl_variants(build: Build) -> list[Build]:
     """A kernel that takes part in programmatic dependent launch, built as the paths launch it
     without PDL and as they launch it with (``programmatic_launch``); one that does not (the
     side stream's ``l2_prefetch``), as it is."""
-    if "PDL" not in build.fn.arg_names:
+    if "PDL" not in build.fn.arg_names or "PDL" in build.constexprs:   # (one that says)
         return [build]
     return [replace(build, label=build.label + (" PDL" if pdl else ""),
                     signature={**build.signature, "PDL": "constexpr"},
@@ -486,7 +501,8 @@ def compile_one(build: Build) -> dict:
 # PTX memory instructions. Before a PDL kernel's wait only their forms in another state space
 # (.param, .shared, .local, .const) may appear: ``.global`` or a generic address (no space
 # named) may reach what the kernel before it writes. Async copies' group bookkeeping touches
-# no memory.
+# no memory, nor does a prefetch into L2 (no register gets data; L2 is where writes meet,
+# whereas a line prefetched into L1 could be stale there).
 MEMORY_OPS = {"ld", "ldu", "st", "atom", "red", "cp", "prefetch", "prefetchu", "multimem",
               "tensormap", "discard", "applypriority"}
 OTHER_SPACES = {"param", "shared", "local", "const"}
@@ -502,6 +518,8 @@ def touches_global_memory(line: str) -> bool:
         return False
     parts = words[0].rstrip(";").split(".")
     if parts[0] not in MEMORY_OPS or NO_ACCESS & set(parts):
+        return False
+    if parts[0] == "prefetch" and any(part.startswith("L2") for part in parts):
         return False
     spaces = {part.split("::")[0] for part in parts[1:]}
     return "global" in spaces or not spaces & OTHER_SPACES

@@ -45,25 +45,35 @@ def gpu_tiles() -> Iterator[None]:
 # at decode's batch sizes: the next launch's setup and its programs' start overlap the tail
 # of the one before, not one gap per launch (about a microsecond each, 9 to 12 a layer).
 _pdl = False
+_prefetch_bytes = 0
 
 
 @contextlib.contextmanager
-def programmatic_launch(enabled: bool = True) -> Iterator[None]:
+def programmatic_launch(enabled: bool = True, prefetch_bytes: int = 0) -> Iterator[None]:
     """Within it, the decode paths' kernels launch with PDL (the interpreter has no
     ``griddepcontrol``: there the kernels take the launch flag and leave the instructions
-    out)."""
-    global _pdl
-    before, _pdl = _pdl, enabled
+    out). ``prefetch_bytes``: what each skinny linear may read of its weights into L2 before
+    its wait, while the kernel before it runs (``weight_prefetch_bytes``)."""
+    global _pdl, _prefetch_bytes
+    before = _pdl, _prefetch_bytes
+    _pdl, _prefetch_bytes = enabled, prefetch_bytes if enabled else 0
     try:
         yield
     finally:
-        _pdl = before
+        _pdl, _prefetch_bytes = before
 
 
 def launch_options() -> dict[str, bool]:
     """The launch keywords of every kernel that takes part in PDL: its ``PDL`` constexpr and
     Triton's ``launch_pdl`` flag."""
     return {"PDL": _pdl and not INTERPRETED, "launch_pdl": _pdl}
+
+
+def weight_prefetch_bytes() -> int:
+    """How much of its weights a launch may read into L2 before its PDL wait: weights are
+    nothing the kernel before it writes (0 outside ``programmatic_launch``, and under the
+    interpreter, which has no inline assembly)."""
+    return 0 if INTERPRETED else _prefetch_bytes
 
 
 @triton.jit
@@ -75,6 +85,15 @@ def after_previous_kernel(PDL: tl.constexpr):
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def prefetch_l2(ptrs):
+    """The 128-byte line of each pointer read into L2 (``evict_last``), into no register: no
+    data to wait for, and none that a later load could find stale in L1 (L2 is where the
+    GPU's writes meet)."""
+    tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1];", "=r,l", [ptrs],
+                              dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit

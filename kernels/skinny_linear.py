@@ -22,6 +22,11 @@ Fusions, chosen by constexpr flags:
 - SiTU gate/up epilogue: W stacks gate rows over up rows; a program accumulates both halves
   of its column block and writes ``SiTU(gate, up)`` (N/2 columns), as a fused MLP up-proj.
 - residual-add epilogue: y + r.
+
+With programmatic dependent launch (``kimi_perf_kernels.common.programmatic_launch``) a
+program may also read the first ``PREFETCH_K`` columns of its rows of W into L2 before it
+waits for the kernel before it (``prefetch_columns`` shares a budget of bytes out): W is
+nothing that kernel writes, and it streams while that kernel, latency-bound, runs.
 """
 
 from __future__ import annotations
@@ -36,11 +41,16 @@ from kimi_perf_kernels.common import (
     cast,
     interpreter_tiles,
     launch_options,
+    prefetch_l2,
+    weight_prefetch_bytes,
 )
 
 GEMV_MAX_M = 4
 STAGES = tl.constexpr(4)   # K steps in flight per program (tl.range's software pipeline)
 MAX_BLOCK_M = 64
+# The weight prefetch before a PDL wait that the GPU check runs (and ``aot`` compiles): about
+# what HBM streams while a latency-bound kernel of a few microseconds runs before the GEMV.
+CHECKED_PREFETCH_BYTES = 8 << 20
 
 
 @triton.jit
@@ -136,7 +146,21 @@ def skinny_linear_kernel(x_ptr, w_ptr, norm_ptr, res_ptr, out_ptr, M, N_OUT, K,
                          USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr, RNE: tl.constexpr,
                          BETA: tl.constexpr, BETA_LINEAR: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         PDL: tl.constexpr = False):
+                         PDL: tl.constexpr = False, PREFETCH_K: tl.constexpr = 0,
+                         LINE: tl.constexpr = 64):
+    if PREFETCH_K > 0:
+        # Before the PDL wait, while the kernel before runs: the first PREFETCH_K columns of
+        # this program's rows of W into L2, a LINE of elements (128 bytes) a pointer. The row
+        # tiles of one column block share them: the first one reads them.
+        row_tiles = tl.cdiv(M, BLOCK_M)
+        pid = tl.program_id(0)
+        cols = (pid // row_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
+        lines = tl.arange(0, PREFETCH_K // LINE) * LINE
+        ok = (cols[:, None] < N_OUT) & (lines[None, :] < K) & (pid % row_tiles == 0)
+        prefetch_l2(tl.where(ok, w_ptr + cols[:, None] * stride_wn + lines[None, :], w_ptr))
+        if SITU:
+            prefetch_l2(tl.where(ok, w_ptr + (cols[:, None] + N_OUT) * stride_wn
+                                 + lines[None, :], w_ptr))
     after_previous_kernel(PDL)
     linear_tile(tl.program_id(0), x_ptr, w_ptr, norm_ptr, res_ptr, out_ptr, M, N_OUT, K,
                 stride_xm, stride_wn, stride_rm, stride_om, eps, NORM, SITU, RESIDUAL, USE_DOT,
@@ -163,8 +187,22 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor, norm: torch.Tensor | None = 
         NORM=norm is not None, SITU=situ is not None, RESIDUAL=residual is not None,
         USE_DOT=use_dot, DOT_FP32=INTERPRETED, RNE=INTERPRETED, BETA=beta,
         BETA_LINEAR=beta_linear,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, **launch_options())
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
+        PREFETCH_K=prefetch_columns(weight_prefetch_bytes(), K, n_out, block_n,
+                                    w.element_size(), situ is not None),
+        LINE=128 // w.element_size(), **launch_options())
     return out
+
+
+def prefetch_columns(budget: int, k: int, n_out: int, block_n: int, element_size: int,
+                     situ: bool) -> int:
+    """How many of its first columns of W each program reads into L2 before its PDL wait
+    (``PREFETCH_K``): the launch's ``budget`` of bytes shared out over its column blocks, in
+    whole 128-byte lines and a power of two of them (a Triton range), at most all of K."""
+    rows = triton.cdiv(n_out, block_n) * block_n * (2 if situ else 1)
+    columns = min(budget // (rows * element_size), triton.next_power_of_2(k))
+    lines = columns * element_size // 128
+    return 0 if lines <= 0 else (1 << (lines.bit_length() - 1)) * 128 // element_size
 
 
 def launch_config(m: int, interpreted: bool = False, situ: bool = False

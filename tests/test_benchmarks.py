@@ -52,7 +52,8 @@ def test_gpu_decode_check_plumbing_on_the_cpu(tmp_path):
     results = json.loads((tmp_path / "results.json").read_text())
     assert results["errors"] == []
     assert all(r["ok"] for r in results["correctness"].values())
-    assert {"specialized+grouped", "specialized+pdl"} <= set(results["correctness"])
+    assert {"specialized+grouped", "specialized+pdl", "specialized+pdl+prefetch"} <= set(
+        results["correctness"])
     split = results["correctness"]["kda_decode split"]   # the arrival protocol, launched again
     assert split["launches"] == 4 and split["arrivals_left"] == 0 and split["conv_state_exact"]
     speed = results["speed"]

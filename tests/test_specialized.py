@@ -588,6 +588,7 @@ def test_annotated_launches_are_the_launches(weights, path, batch, tokens_per_se
     model.l2_prefetch = path.endswith("+l2")          # one launch more per layer
     model.group_experts_from = 1 if path.endswith("+grouped") else None   # and per MoE
     model.pdl = path.endswith("+pdl")                 # none more: every launch flagged
+    model.pdl_prefetch_bytes = 8 << 20 if model.pdl else 0   # (the interpreter: none read)
     model.attention_splits = splits  # 3: the standard path adds FlashMLA's combine launch
     state = model.new_state(batch, 16, max_verify=tokens_per_seq)
     prompt = torch.randint(0, SMALL.vocab, (batch, 3), generator=torch.Generator().manual_seed(9))

@@ -45,8 +45,10 @@ class KernelPathModel(K3Model):
         # Splits of the MLA attention over the cache positions; None: by the GPU's size
         # (``mla_splits``; 1 on a CPU).
         self.attention_splits: int | None = None
-        # Launch the kernels with programmatic dependent launch (``programmatic_launch``).
+        # Launch the kernels with programmatic dependent launch (``programmatic_launch``), the
+        # skinny linears reading this many bytes of their weights into L2 before the wait.
         self.pdl = False
+        self.pdl_prefetch_bytes = 0
         # kda_decode's per-head arrival counters: zeros it leaves zero, kept so that a launch
         # needs no memset of its own (one launch at a time: its layers run in turn on one
         # stream; launches that could overlap would each need their own)
@@ -86,7 +88,7 @@ class KernelPathModel(K3Model):
         if self.pdl and self.device.type == "cuda" and \
                 torch.cuda.get_device_capability(self.device)[0] < 9:
             raise ValueError("programmatic dependent launch (pdl) needs sm_90 or newer")
-        with programmatic_launch(self.pdl):
+        with programmatic_launch(self.pdl, self.pdl_prefetch_bytes):
             return self.kernel_forward(tokens, state, observer, verify, layer_hook,
                                        last_logits)
 

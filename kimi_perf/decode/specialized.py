@@ -52,7 +52,10 @@ run to run). At batch 64 × top-16 that is about 613 experts' weights where S7 a
 With ``pdl`` (opt-in until a GPU run shows it pays) every launch above uses programmatic
 dependent launch (sm_90+): a kernel's programs start while the one before still runs and wait
 for it on their first instruction (``kernels/common.py``), so that the launch gaps between a
-layer's 9 to 12 kernels overlap their predecessors' tails. No launch more.
+layer's 9 to 12 kernels overlap their predecessors' tails. No launch more. With
+``pdl_prefetch_bytes`` too, each skinny linear (S2, S4, S5, S12, M2, M3, M7) first reads up to
+that many bytes of its weights into L2, before it waits: weights stream while the kernel
+before it, latency-bound, leaves HBM idle.
 
 With ``gemv`` (opt-in, GPU only: the CuTe DSL GEMV's cubins, ``kernels/cute_gemv.py``) the
 plain projections (in_proj, qkv_a_g_proj, o_proj) at 1-4 tokens take that GEMV in place of
@@ -86,12 +89,16 @@ from kimi_perf_kernels.skinny_linear import skinny_linear
 class SpecializedModel(KernelPathModel):
     def __init__(self, c: K3Config, weights: Weights, dtype: torch.dtype = torch.bfloat16,
                  device: torch.device | str = "cpu", all_reduce=None, l2_prefetch: bool = False,
-                 gemv=None, group_experts_from: int | None = None, pdl: bool = False):
+                 gemv=None, group_experts_from: int | None = None, pdl: bool = False,
+                 pdl_prefetch_bytes: int = 0):
         super().__init__(c, weights, dtype=dtype, device=device, all_reduce=all_reduce)
         # Opt-in until a GPU run shows it pays (benchmarks/gpu_decode_check.py measures both):
         # every kernel launched with programmatic dependent launch (sm_90+), so that the next
-        # launch's start overlaps the tail of the one before (kernels/common.py).
+        # launch's start overlaps the tail of the one before (kernels/common.py); with
+        # ``pdl_prefetch_bytes``, each skinny linear also reads up to that many bytes of its
+        # weights into L2 before it waits (kernels/skinny_linear.py).
         self.pdl = pdl
+        self.pdl_prefetch_bytes = pdl_prefetch_bytes
         # Opt-in until a GPU run shows where it pays: from this many tokens a step on, route
         # in a launch of its own and stream each picked expert's W13 and W2 once for all its
         # tokens (kernels/moe_grouped_fc1.py, moe_grouped_fc2.py), one launch more per MoE

@@ -69,11 +69,19 @@ def test_programmatic_launch_sets_the_launch_flag_within_it_only():
     ``programmatic_launch`` (nested contexts restore the outer one), and the ``PDL``
     constexpr that puts ``griddepcontrol`` in the kernel, except under the interpreter,
     which has no inline assembly."""
-    from kimi_perf_kernels.common import launch_options, programmatic_launch
+    from kimi_perf_kernels.common import (
+        launch_options,
+        programmatic_launch,
+        weight_prefetch_bytes,
+    )
 
     assert launch_options() == {"PDL": False, "launch_pdl": False}
-    with programmatic_launch():
+    assert weight_prefetch_bytes() == 0
+    with programmatic_launch(False, 1 << 20):     # no prefetch before a wait that is not there
+        assert weight_prefetch_bytes() == 0
+    with programmatic_launch(prefetch_bytes=1 << 20):
         assert launch_options() == {"PDL": not INTERPRETED, "launch_pdl": True}
+        assert weight_prefetch_bytes() == (0 if INTERPRETED else 1 << 20)
         with programmatic_launch(False):
             assert launch_options() == {"PDL": False, "launch_pdl": False}
         assert launch_options()["launch_pdl"]
@@ -84,7 +92,15 @@ GRID_DEPENDENCY_KERNELS = '''
 import triton
 import triton.language as tl
 
-from kimi_perf_kernels.common import after_previous_kernel
+from kimi_perf_kernels.common import after_previous_kernel, prefetch_l2
+
+
+@triton.jit
+def prefetches_first(x_ptr, out_ptr, PDL: tl.constexpr):
+    offs = tl.arange(0, 128)
+    prefetch_l2(x_ptr + offs * 32)
+    after_previous_kernel(PDL)
+    tl.store(out_ptr + offs, tl.load(x_ptr + offs) * 2.0)
 
 
 @triton.jit
@@ -105,9 +121,10 @@ def reads_first(x_ptr, out_ptr, PDL: tl.constexpr):
 
 def test_the_aot_check_of_pdl_kernels_fails_one_that_reads_before_it_waits(tmp_path):
     """``aot.check_grid_dependency`` on kernels compiled for sm_90a: a PDL kernel whose first
-    statement is ``after_previous_kernel`` passes; one that loads its input first (which may
-    read what the previous kernel has not written yet) fails, naming the load; a kernel
-    built without PDL holds no ``griddepcontrol``."""
+    statement is ``after_previous_kernel`` passes, and so does one that prefetches lines into
+    L2 before it; one that loads its input first (which may read what the previous kernel
+    has not written yet) fails, naming the load; a kernel built without PDL holds no
+    ``griddepcontrol``."""
     (tmp_path / "pdl_kernels.py").write_text(GRID_DEPENDENCY_KERNELS)
     script = (
         "import json, sys\n"
@@ -116,7 +133,7 @@ def test_the_aot_check_of_pdl_kernels_fails_one_that_reads_before_it_waits(tmp_p
         "from kimi_perf_kernels import aot\n"
         "import pdl_kernels\n"
         "out = {}\n"
-        "for name in ('waits_first', 'reads_first'):\n"
+        "for name in ('waits_first', 'prefetches_first', 'reads_first'):\n"
         "    for pdl in (False, True):\n"
         "        src = ASTSource(fn=getattr(pdl_kernels, name), constexprs={'PDL': pdl},\n"
         "                        signature={'x_ptr': '*fp32', 'out_ptr': '*fp32',\n"
@@ -125,6 +142,8 @@ def test_the_aot_check_of_pdl_kernels_fails_one_that_reads_before_it_waits(tmp_p
         "        try:\n"
         "            aot.check_grid_dependency(name, ptx, pdl)\n"
         "            out[f'{name} {pdl}'] = 'ok'\n"
+        "            if 'prefetch.global.L2::evict_last' in ptx.split('griddepcontrol.wait')[0]:\n"
+        "                out[f'{name} {pdl}'] = 'ok, prefetched first'\n"
         "        except RuntimeError as exc:\n"
         "            out[f'{name} {pdl}'] = str(exc)\n"
         "print(json.dumps(out))\n")
@@ -135,6 +154,7 @@ def test_the_aot_check_of_pdl_kernels_fails_one_that_reads_before_it_waits(tmp_p
     assert done.returncode == 0, done.stderr[-2000:]
     results = json.loads(done.stdout)
     assert results["waits_first False"] == results["waits_first True"] == "ok"
+    assert results["prefetches_first True"] == "ok, prefetched first"
     assert results["reads_first False"] == "ok"
     assert results["reads_first True"].startswith(
         "reads_first: global memory touched before griddepcontrol.wait: ld.global")
@@ -142,8 +162,9 @@ def test_the_aot_check_of_pdl_kernels_fails_one_that_reads_before_it_waits(tmp_p
 
 def test_the_pdl_check_knows_which_ptx_instructions_touch_global_memory():
     """Global and generic-address loads, stores, atomics, reductions, async and bulk copies
-    and prefetches count, with or without a predicate; the kernel's parameters, shared,
-    local and constant memory, async-copy bookkeeping and address arithmetic do not."""
+    and prefetches into L1 count, with or without a predicate; the kernel's parameters,
+    shared, local and constant memory, async-copy bookkeeping, address arithmetic and
+    prefetches into L2 (no data returned, none stale) do not."""
     from kimi_perf_kernels.aot import touches_global_memory
 
     touching = ["ld.global.v4.b32 {%r1, %r2, %r3, %r4}, [%rd1];",
@@ -153,10 +174,42 @@ def test_the_pdl_check_knows_which_ptx_instructions_touch_global_memory():
                 "atom.global.gpu.acq_rel.add.u32 %r1, [%rd1], 1;", "ldu.global.f32 %f1, [%rd1];",
                 "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%r1], "
                 "[%rd1], 256, [%r2];", "red.global.add.f32 [%rd1], %f1;",
-                "prefetch.global.L2::evict_last [%rd1];"]
+                "prefetch.global.L1 [%rd1];"]
     not_touching = ["ld.param.b64 %rd1, [k_param_0];", "ld.shared.b32 %r1, [%r2];",
                     "cp.async.commit_group;", "cp.async.wait_group 0;", "ld.const.f32 %f1, [c];",
                     "ld.local.b32 %r1, [%rd9];", "cvta.to.global.u64 %rd2, %rd1;",
-                    "griddepcontrol.wait; // dummy %r1", "// begin inline asm", "$L__tmp0:"]
+                    "griddepcontrol.wait; // dummy %r1", "// begin inline asm", "$L__tmp0:",
+                    "prefetch.global.L2::evict_last [%rd1];"]
     assert [line for line in touching if not touches_global_memory(line)] == []
     assert [line for line in not_touching if touches_global_memory(line)] == []
+
+
+def test_aot_builds_every_pdl_kernel_both_ways():
+    """``aot.pdl_variants``: a kernel with a PDL flag is compiled as launched without PDL and
+    with it, the configurations the paths launch too (the interpreter's recording always has
+    it off); one that says its PDL (a prefetch build) as it is; one without the flag
+    (``l2_prefetch``, on its own stream) too."""
+    from kimi_perf_kernels import aot
+    from kimi_perf_kernels.l2_prefetch import l2_prefetch_kernel
+    from kimi_perf_kernels.rms_norm import rms_norm_kernel
+
+    plain = aot.Build("rms_norm", rms_norm_kernel, {"BLOCK": "constexpr"}, {"BLOCK": 64})
+    off, on = aot.pdl_variants(plain)
+    assert (off.label, off.constexprs, off.signature["PDL"]) == (
+        "rms_norm", {"BLOCK": 64, "PDL": False}, "constexpr")
+    assert (on.label, on.constexprs["PDL"]) == ("rms_norm PDL", True)
+    said = aot.Build("rms_norm PDL", rms_norm_kernel, {"PDL": "constexpr"}, {"PDL": True})
+    assert aot.pdl_variants(said) == [said]
+    other = aot.Build("l2_prefetch", l2_prefetch_kernel, {}, {"BLOCK": 4096})
+    assert aot.pdl_variants(other) == [other]
+    recorded = {"module": "kimi_perf_kernels.rms_norm", "kernel": "rms_norm_kernel",
+                "signature": {"x_ptr": "*bf16", "PDL": "constexpr", "BLOCK": "constexpr"},
+                "constexprs": {"PDL": False, "BLOCK": 64}, "divisible": ["x_ptr"],
+                "num_warps": 4}
+    assert [(b.label, b.constexprs["PDL"]) for b in aot.builds_of([recorded, recorded])] == [
+        ("rms_norm tiny (bf16) BLOCK=64", False), ("rms_norm tiny (bf16) BLOCK=64 PDL", True)]
+    builds = aot.builds()
+    assert {"attn_res h7168", "attn_res h7168 PDL", "l2_prefetch"} <= {b.label for b in builds}
+    paired = [b for b in builds if "PDL" in b.fn.arg_names and " prefetch " not in b.label]
+    assert sorted(b.label for b in paired if b.constexprs["PDL"]) == sorted(
+        b.label + " PDL" for b in paired if not b.constexprs["PDL"])

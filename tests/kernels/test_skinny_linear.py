@@ -32,3 +32,25 @@ def test_skinny_linear_matches_reference(m, n, k, fusion, tiles):
         torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
     else:
         assert_close_bf16(out, expected, ulps=2)
+
+
+def test_the_weight_prefetch_before_a_pdl_wait_shares_its_budget_in_whole_lines():
+    """``PREFETCH_K``: the budget over the launch's rows of W (padded to whole column blocks;
+    SiTU's gate and up rows both), in 128-byte lines, rounded down to a power of two of them,
+    never past the next power of two of K (the lines beyond K are masked); none for a budget
+    short of a line a row."""
+    from kimi_perf_kernels.skinny_linear import CHECKED_PREFETCH_BYTES, prefetch_columns
+
+    budget = CHECKED_PREFETCH_BYTES      # 8 MB
+    assert prefetch_columns(0, 7168, 6288, 32, 2, False) == 0
+    # K3 TP8 o_proj (7168 x 1536): 585 columns fit, 9 lines, 8 of them: 7.3 MB
+    assert prefetch_columns(budget, 1536, 7168, 32, 2, False) == 512
+    assert prefetch_columns(budget, 7168, 768, 32, 2, True) == 2048     # shared gate/up
+    assert prefetch_columns(budget, 7168, 768, 32, 2, False) == 4096
+    assert prefetch_columns(1 << 40, 7168, 6288, 32, 2, False) == 8192
+    assert prefetch_columns(budget, 64, 16, 32, 4, False) == 64          # all of K, fp32 lines
+    assert prefetch_columns(63 * 32 * 2, 7168, 32, 32, 2, False) == 0    # under a line a row
+    for given, k, n, situ in ((budget, 1536, 7168, False), (3 << 20, 7168, 6288, True)):
+        columns = prefetch_columns(given, k, n, 32, 2, situ)
+        assert columns % 64 == 0 and (columns // 64) & (columns // 64 - 1) == 0
+        assert columns * 2 * 32 * -(-n // 32) * (2 if situ else 1) <= given
