@@ -102,6 +102,7 @@ def builds() -> list[Build]:
     flags = ["NORM", "SITU", "RESIDUAL", "USE_DOT", "DOT_FP32", "RNE", "BETA", "BETA_LINEAR",
              "BLOCK_M", "BLOCK_N", "BLOCK_K", "PREFETCH_K", "LINE"]
     sig = {**linear_sig, **{f: "constexpr" for f in flags}}
+    prefetching = []   # (built with PDL only: the prefetch comes before its wait)
     # (label, tokens, SiTU, RMSNorm, residual, output columns, K): the KDA input projection,
     # the latent up-projection (norm and the shared experts' output added), the shared
     # experts' gate/up
@@ -125,7 +126,7 @@ def builds() -> list[Build]:
         # and with PDL, its first weights read into L2 before the wait, as the GPU check runs it
         prefetch = skinny_linear.prefetch_columns(skinny_linear.CHECKED_PREFETCH_BYTES, k,
                                                   n_out, block_n, 2, situ)
-        out.append(Build(f"skinny_linear {label} PDL prefetch {prefetch}",
+        prefetching.append(Build(f"skinny_linear {label} PDL prefetch {prefetch}",
                          skinny_linear.skinny_linear_kernel,
                          {**sig, "PDL": "constexpr"},
                          {**consts, "PDL": True, "PREFETCH_K": prefetch}, warps,
@@ -304,7 +305,7 @@ def builds() -> list[Build]:
         types = {**bf16, "olat_ptr": "*bf16" if splits == 1 else "*fp32"}
         out.append(Build(f"mla_uv_gate {splits} split(s)", mla_uv_gate.mla_uv_gate_kernel,
                          _signature(mla_uv_gate.mla_uv_gate_kernel, types, consts), consts))
-    return [variant for build in out for variant in pdl_variants(build)]
+    return [variant for build in out for variant in pdl_variants(build)] + prefetching
 
 
 # Constexprs the launchers set from INTERPRETED (kernels/common.py): a GPU compiles them False
@@ -417,7 +418,7 @@ def pdl_variants(build: Build) -> list[Build]:
     """A kernel that takes part in programmatic dependent launch, built as the paths launch it
     without PDL and as they launch it with (``programmatic_launch``); one that does not (the
     side stream's ``l2_prefetch``), as it is."""
-    if "PDL" not in build.fn.arg_names or "PDL" in build.constexprs:   # (one that says)
+    if "PDL" not in build.fn.arg_names:
         return [build]
     return [replace(build, label=build.label + (" PDL" if pdl else ""),
                     signature={**build.signature, "PDL": "constexpr"},

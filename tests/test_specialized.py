@@ -302,6 +302,24 @@ def test_fallbacks_and_backend_selection(weights):
         build_model(SMALL, weights, standard_ops="eager")
 
 
+def test_pdl_is_refused_where_it_is_set_on_a_gpu_before_sm90(weights, monkeypatch):
+    """PDL needs sm_90: asked for on an older GPU, the model refuses when it is set, once,
+    not on every step; on a CPU (the interpreter) it is taken as a flag."""
+    fast = build_model(SMALL, weights, "latency_specialized", dtype=torch.float32, pdl=True)
+    assert fast.pdl
+    asked = []
+    monkeypatch.setattr(torch.cuda, "get_device_capability",
+                        lambda device: asked.append(device) or (8, 0))
+    fast.device = torch.device("cuda", 0)   # (only the setter reads it)
+    with pytest.raises(ValueError, match="sm_90"):
+        fast.pdl = True
+    fast.pdl = False
+    assert asked == [torch.device("cuda", 0)] and not fast.pdl
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (9, 0))
+    fast.pdl = True
+    assert fast.pdl
+
+
 def test_the_interpreter_is_chosen_by_what_runs_the_model_alone():
     """Without TRITON_INTERPRET set: the analysis' use of the decode package (floors, the
     fusion ledger) loads no torch; importing the model, or a capture, chooses Triton's

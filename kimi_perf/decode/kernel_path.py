@@ -64,6 +64,17 @@ class KernelPathModel(K3Model):
         self.final_qk = (self.w["model.output_attn_res_norm.weight"]
                          * self.w["model.output_attn_res_proj.weight"].float().reshape(-1))
 
+    @property
+    def pdl(self) -> bool:
+        return self._pdl
+
+    @pdl.setter
+    def pdl(self, enabled: bool) -> None:
+        if enabled and self.device.type == "cuda" and \
+                torch.cuda.get_device_capability(self.device)[0] < 9:
+            raise ValueError("programmatic dependent launch (pdl) needs sm_90 or newer")
+        self._pdl = enabled
+
     def unsupported(self, tokens: torch.Tensor, verify: bool) -> str | None:
         """Why a step must take the standard path's PyTorch ops, or None when it need not."""
         B, T = tokens.shape
@@ -85,9 +96,6 @@ class KernelPathModel(K3Model):
             self.fallbacks.append(f"step {step}: {reason}")
             return super().forward(tokens, state, observer, verify, layer_hook,
                                    last_logits)
-        if self.pdl and self.device.type == "cuda" and \
-                torch.cuda.get_device_capability(self.device)[0] < 9:
-            raise ValueError("programmatic dependent launch (pdl) needs sm_90 or newer")
         with programmatic_launch(self.pdl, self.pdl_prefetch_bytes):
             return self.kernel_forward(tokens, state, observer, verify, layer_hook,
                                        last_logits)

@@ -440,13 +440,10 @@ class K3Model:
         """A verify step's positions [B, T, H, 3, d] (key, decay, correction) and conv
         inputs [B, T, C] into the half of layer i's records that the step did not read."""
         T = qkv.shape[1]
-        written = (1 - state.half).long()
-        records = state.records[i].new_zeros(1, *state.records[i].shape[1:])
-        records[0, :, :, :T] = positions.transpose(1, 2)
-        inputs = state.inputs[i].new_zeros(1, *state.inputs[i].shape[1:])
-        inputs[0, :, :T] = qkv
-        state.records[i].index_copy_(0, written, records)
-        state.inputs[i].index_copy_(0, written, inputs)
+        written = (1 - state.half).long()   # (on the device: no wait for it)
+        # Only the step's T positions: a fold reads no further than the accepted count.
+        state.records[i][:, :, :, :T].index_copy_(0, written, positions.transpose(1, 2)[None])
+        state.inputs[i][:, :, :T].index_copy_(0, written, qkv[None])
 
     # -- gated MLA, absorbed over the latent cache -----------------------------------------
 

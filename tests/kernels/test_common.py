@@ -187,8 +187,8 @@ def test_the_pdl_check_knows_which_ptx_instructions_touch_global_memory():
 def test_aot_builds_every_pdl_kernel_both_ways():
     """``aot.pdl_variants``: a kernel with a PDL flag is compiled as launched without PDL and
     with it, the configurations the paths launch too (the interpreter's recording always has
-    it off); one that says its PDL (a prefetch build) as it is; one without the flag
-    (``l2_prefetch``, on its own stream) too."""
+    it off); one without the flag (``l2_prefetch``, on its own stream) as it is. The
+    skinny linears' weight prefetch comes before the PDL wait: those builds only with PDL."""
     from kimi_perf_kernels import aot
     from kimi_perf_kernels.l2_prefetch import l2_prefetch_kernel
     from kimi_perf_kernels.rms_norm import rms_norm_kernel
@@ -198,8 +198,6 @@ def test_aot_builds_every_pdl_kernel_both_ways():
     assert (off.label, off.constexprs, off.signature["PDL"]) == (
         "rms_norm", {"BLOCK": 64, "PDL": False}, "constexpr")
     assert (on.label, on.constexprs["PDL"]) == ("rms_norm PDL", True)
-    said = aot.Build("rms_norm PDL", rms_norm_kernel, {"PDL": "constexpr"}, {"PDL": True})
-    assert aot.pdl_variants(said) == [said]
     other = aot.Build("l2_prefetch", l2_prefetch_kernel, {}, {"BLOCK": 4096})
     assert aot.pdl_variants(other) == [other]
     recorded = {"module": "kimi_perf_kernels.rms_norm", "kernel": "rms_norm_kernel",
@@ -210,6 +208,8 @@ def test_aot_builds_every_pdl_kernel_both_ways():
         ("rms_norm tiny (bf16) BLOCK=64", False), ("rms_norm tiny (bf16) BLOCK=64 PDL", True)]
     builds = aot.builds()
     assert {"attn_res h7168", "attn_res h7168 PDL", "l2_prefetch"} <= {b.label for b in builds}
-    paired = [b for b in builds if "PDL" in b.fn.arg_names and " prefetch " not in b.label]
+    prefetching = [b for b in builds if b.constexprs.get("PREFETCH_K")]
+    assert len(prefetching) == 7 and all(b.constexprs["PDL"] for b in prefetching)
+    paired = [b for b in builds if "PDL" in b.fn.arg_names and b not in prefetching]
     assert sorted(b.label for b in paired if b.constexprs["PDL"]) == sorted(
         b.label + " PDL" for b in paired if not b.constexprs["PDL"])
