@@ -137,23 +137,28 @@ def builds() -> list[Build]:
                  "lower_bound": "fp32", "f_ptr": "*bf16"}
     # batch 1 and 64, and batch 1 after a verify step (its accepted positions replayed first);
     # verify steps of 1+3 tokens at batch 1, 8 and 64 and of 1+7 at 64; the standard path's
-    # (f_b projected before); each split as on an H200
-    for batch, tokens, f_given, replay in (
-            (1, 1, False, False), (64, 1, False, False), (1, 1, False, True),
-            (1, 4, False, True), (8, 4, False, True), (64, 4, False, True),
-            (64, 8, False, True), (64, 4, True, True), (1, 1, True, False)):
+    # (f_b projected before, in bf16; in fp32 as the GPU check's split stress gives it);
+    # each split as on an H200
+    for batch, tokens, f_type, replay in (
+            (1, 1, None, False), (64, 1, None, False), (1, 1, None, True), (64, 1, None, True),
+            (1, 4, None, True), (8, 4, None, True), (64, 4, None, True), (64, 8, None, True),
+            (64, 4, "bf16", True), (1, 1, "bf16", False), (64, 1, "fp32", True),
+            (64, 4, "fp32", True)):
+        f_given = f_type is not None
         splits = kda_decode.kda_splits(batch * 12, 128, torch.device("cpu"), tokens)
         tiles = kda_decode.kda_tiles(128, 128, splits)
         consts = {"D": 128, "F_RANK": 128, **tiles, "T_PAD": kda_decode.kda_token_rows(tokens),
                   "F_GIVEN": f_given, "REPLAY": replay, "RECORD": tokens > 1,
                   "DOT_FP32": False, "RNE": False}
-        tag = (f" batch {batch} verify 1+{tokens - 1}" + (" f given" if f_given else "")
-               if tokens > 1 else " f given (standard)" if f_given
-               else f" batch {batch}" + (" replay" if replay else ""))
+        tag = (f" batch {batch}" + (f" verify 1+{tokens - 1}" if tokens > 1 else "")
+               + (" replay" if replay and tokens == 1 else "")
+               + (f" f given ({f_type})" if f_given else ""))
         f_row = kda_proj if f_given else in_proj
         out.append(Build(f"kda_decode d128{tag} split {splits}",
                          kda_decode.kda_decode_kernel,
-                         _signature(kda_decode.kda_decode_kernel, kda_types, consts), consts,
+                         _signature(kda_decode.kda_decode_kernel,
+                                    {**kda_types, "f_ptr": f"*{f_type or 'bf16'}"}, consts),
+                         consts,
                          kda_decode.kda_warps(tiles["BV"]),
                          ints={"B": batch, "T": tokens, "H": 12, "T_REC": 8,
                                "stride_zb": tokens * in_proj, "stride_zt": in_proj,
@@ -318,7 +323,8 @@ def record_launches(out: Path) -> None:
     warps to ``out``. The steps a run meets: a prefill, a decode step with the attention split
     over positions and one without, a speculative verify of 4 tokens with its rollback, and a
     batch of 5 (past the GEMV's tokens: the GEMM tiles); in float32 (the GPU check's
-    correctness run) and bf16 with a bf16 or fp8 cache. The kernels are not run."""
+    correctness run) and bf16 with a bf16 or fp8 cache; the specialized path also with PDL
+    and the weight prefetch the GPU check runs. The kernels are not run."""
     import torch
     import triton.runtime.interpreter as interpreter
     from triton.backends.compiler import BaseBackend
@@ -327,8 +333,12 @@ def record_launches(out: Path) -> None:
     from kimi_perf.decode.config import preset
     from kimi_perf.decode.validate import make_path
     from kimi_perf.decode.weights import random_weights
-    from kimi_perf_kernels.common import gpu_tiles
+    from kimi_perf_kernels import common
+    from kimi_perf_kernels.skinny_linear import CHECKED_PREFETCH_BYTES
 
+    # Launches as a GPU makes them: the interpreter, which has no inline assembly, otherwise
+    # reads no weights ahead (``weight_prefetch_bytes``). Nothing is run.
+    common.INTERPRETED = False
     launches = []
 
     def recording_run(self, *args, grid, warmup, **kwargs):
@@ -350,7 +360,8 @@ def record_launches(out: Path) -> None:
                 divisible.append(name)
         launches.append({"module": self.fn.__module__, "kernel": self.fn.__name__,
                          "signature": signature, "constexprs": constexprs,
-                         "divisible": divisible, "num_warps": kwargs.get("num_warps", 4)})
+                         "divisible": divisible, "num_warps": kwargs.get("num_warps", 4),
+                         "pdl": bool(kwargs.get("launch_pdl"))})
         # Recorded, not run: which kernels launch, and how, does not depend on the values
         # (outputs stay uninitialised; nothing reads them as data but the next launches).
 
@@ -358,11 +369,13 @@ def record_launches(out: Path) -> None:
     c = preset("tiny", n_layers=4)
     weights = random_weights(c, seed=5)
     tokens = torch.randint(0, c.vocab, (5, 10), generator=torch.Generator().manual_seed(1))
-    with gpu_tiles():
+    with common.gpu_tiles():
         for dtype, cache in ((torch.float32, None), (torch.bfloat16, None),
                              (torch.bfloat16, torch.float8_e4m3fn)):
-            for path in ("specialized", "standard_kernels"):
-                model = make_path(path, c, weights, dtype)
+            for path in ("specialized", "standard_kernels", "specialized+pdl+prefetch"):
+                model = make_path(path.partition("+")[0], c, weights, dtype)
+                model.pdl = path.endswith("prefetch")
+                model.pdl_prefetch_bytes = CHECKED_PREFETCH_BYTES if model.pdl else 0
                 state = model.new_state(2, 16, kv_dtype=cache, max_verify=4)
                 model.forward(tokens[:2, :3], state)
                 model.attention_splits = 3
@@ -371,6 +384,7 @@ def record_launches(out: Path) -> None:
                 model.forward(tokens[:2, 4:5], state)
                 model.forward(tokens[:2, 5:9], state, verify=True)
                 state.accept(torch.tensor([2, 4]))
+                model.forward(tokens[:2, 9:10], state)   # the accepted positions replayed
                 model.group_experts_from = 5   # the specialized path's opt-in: routing first
                 five = model.new_state(5, 4, kv_dtype=cache)
                 model.forward(tokens[:, :1], five)
@@ -390,11 +404,13 @@ def launched_builds() -> list[Build]:
 
 
 def builds_of(launches: list[dict]) -> list[Build]:
-    """The builds of recorded launches: one per distinct configuration, each way for a PDL
-    kernel."""
+    """The builds of recorded launches: one per distinct configuration, for a PDL kernel each
+    way it launched: with PDL when it only ever launched with it (the weight prefetch before
+    the wait), else both (the paths launch it with PDL too, under ``programmatic_launch``)."""
     builds: dict[str, Build] = {}
+    only_pdl: dict[str, bool] = {}
     for launch in launches:
-        # (PDL as the interpreter ran it, always off: ``pdl_variants`` builds it both ways)
+        # (the PDL constexpr as the interpreter ran it, always off; its launch flag is set)
         constexprs = {name: False if name in INTERPRETER_FLAGS else value
                       for name, value in launch["constexprs"].items() if name != "PDL"}
         pointers = sorted({t[1:] for t in launch["signature"].values() if t[0] == "*"})
@@ -411,18 +427,20 @@ def builds_of(launches: list[dict]) -> list[Build]:
         fn = getattr(importlib.import_module(launch["module"]), launch["kernel"])
         builds.setdefault(key, Build(label, fn, launch["signature"], constexprs,
                                      launch["num_warps"], launch["divisible"]))
-    return [variant for build in builds.values() for variant in pdl_variants(build)]
+        only_pdl[key] = only_pdl.get(key, True) and launch["pdl"]
+    return [variant for key, build in builds.items()
+            for variant in pdl_variants(build, (True,) if only_pdl[key] else (False, True))]
 
 
-def pdl_variants(build: Build) -> list[Build]:
+def pdl_variants(build: Build, ways: tuple[bool, ...] = (False, True)) -> list[Build]:
     """A kernel that takes part in programmatic dependent launch, built as the paths launch it
-    without PDL and as they launch it with (``programmatic_launch``); one that does not (the
-    side stream's ``l2_prefetch``), as it is."""
+    without PDL and as they launch it with (``programmatic_launch``), of those ``ways``; one
+    that does not (the side stream's ``l2_prefetch``), as it is."""
     if "PDL" not in build.fn.arg_names:
         return [build]
     return [replace(build, label=build.label + (" PDL" if pdl else ""),
                     signature={**build.signature, "PDL": "constexpr"},
-                    constexprs={**build.constexprs, "PDL": pdl}) for pdl in (False, True)]
+                    constexprs={**build.constexprs, "PDL": pdl}) for pdl in ways]
 
 
 def _signature(kernel, types: dict[str, str], constexprs: dict[str, object]

@@ -582,11 +582,13 @@ def analyse(files: list[Path], out_dir: Path, layers: str = "auto", phase: str =
                *(("--phase", phase) if phase != "auto" else ()),
                *(("--rules", str(rules)) if rules is not None else ()), "--out", str(out_dir),
                *(("--plotly-js", plotly_js) if plotly_js != "inline" else ())]
-    run_info = {"command": shlex.join(command),
-                "files": [str(f.resolve()) for f in files],   # info reads them from anywhere
+    run_info = {"command": shlex.join(command), "files": [],
                 "date": dt.datetime.now(dt.UTC).isoformat(), "kimi_perf": __version__,
                 "git_commit": _git_commit()}
     with run_directory(out_dir, "from") as (run_dir, final):
+        # relative to the run directory: read from any directory, and still found when the
+        # run and its traces move together (a repository that keeps both)
+        run_info["files"] = [os.path.relpath(f.resolve(), final.resolve()) for f in files]
         _write_outputs(run_dir, final, run_info, results,
                        "kimi-perf: " + ", ".join(f.name for f in files), plotly_js)
     return final, results, run_info

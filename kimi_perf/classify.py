@@ -45,9 +45,13 @@ def _parse_rules(text: str, source: str | Path) -> list[Rule]:
             raise TraceError(source, f"rule {i + 1} has an empty 'class' or 'pattern' (an "
                                      "empty pattern matches every kernel)")
         try:
-            rules.append(Rule(entry["class"], re.compile(entry["pattern"], re.IGNORECASE)))
+            pattern = re.compile(entry["pattern"], re.IGNORECASE)
         except re.error as exc:
             raise TraceError(source, f"rule {i + 1} has a bad regex ({exc})") from None
+        if pattern.search(""):   # (then it matches at the start of any name)
+            raise TraceError(source, f"rule {i + 1}'s pattern {entry['pattern']!r} matches an "
+                                     "empty name, so every kernel")
+        rules.append(Rule(entry["class"], pattern))
     return rules
 
 

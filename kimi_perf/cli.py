@@ -414,8 +414,13 @@ def _saved_breakdowns(path: Path) -> tuple[dict[str, Breakdown], dict | None]:
 
 
 def _run_name(path: Path) -> str:
-    """A run's name: its directory's (for a run's breakdown.json, the directory holding it)."""
-    return (path if path.is_dir() else path.parent).name or str(path)
+    """A run's name: its directory's (for a run's breakdown.json, the directory holding it);
+    for a run kept as a JSON of its own (a baseline), the file's name without ``.json``."""
+    from kimi_perf.capture import trace_label
+
+    if path.is_dir() or path.name == "breakdown.json":
+        return Path(os.path.abspath(path if path.is_dir() else path.parent)).name or str(path)
+    return trace_label(path)
 
 
 @main.command(name="gate")
@@ -581,6 +586,8 @@ def report_cmd(inputs: tuple[Path, ...], path_name: str | None, labels: str | No
 def convert(trace: Path, output: Path) -> None:
     """Save any trace in kimi-perf's own format (.kptrace: one Arrow file, fast to reload)."""
     _not_an_input(output, trace)
+    if output.suffix != ".kptrace":   # (binary: not for a terminal, nor under another name)
+        raise TraceError(output, "convert writes a .kptrace file (Arrow): name it so")
     read_trace(trace).save(output)
 
 
@@ -592,10 +599,15 @@ def convert(trace: Path, output: Path) -> None:
 def info(trace: Path, fmt: str) -> None:
     """What a trace holds: format, tool, GPUs, and how many events of each kind. Of a
     `kimi-perf trace` run directory: each of its saved traces (one per decode path), or of a
-    `trace --from` run, the traces it was made from."""
+    `trace --from` run, the traces it was made from; of a directory of traces (a profiler's,
+    one per rank), each."""
+    from kimi_perf.capture import trace_files
+
     files = [trace]
     if trace.is_dir() and (trace / "breakdown.json").is_file():
         files = sorted(trace.glob("*.kptrace")) or _analysed_files(trace)
+    elif trace.is_dir():
+        files = trace_files([trace])
     summaries = [(file, read_trace(file).summary()) for file in files]  # all read, then said
     if fmt == "json":
         click.echo(json.dumps({"schema": 1, "traces": [{"file": str(file), **info}
@@ -615,7 +627,12 @@ def _analysed_files(run_dir: Path) -> list[Path]:
     if not (isinstance(files, list) and files and all(isinstance(f, str) for f in files)):
         raise TraceError(run_dir, "a kimi-perf run directory without its saved traces "
                                   "(*.kptrace) or a run.json naming the traces it analysed")
-    return [Path(f) for f in files]
+    paths = [(run_dir / f).resolve() for f in files]   # relative to the run directory
+    for name, path in zip(files, paths, strict=True):
+        if not path.exists():
+            raise TraceError(run_dir / "run.json", f"names the trace {name}, not found "
+                                                   f"(at {path}): moved since the run?")
+    return paths
 
 
 def _info(trace: Path, info: dict) -> None:

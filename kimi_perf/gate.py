@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -60,6 +59,7 @@ from kimi_perf.comparison import (
 )
 from kimi_perf.errors import TraceError
 from kimi_perf.layer_breakdown import Breakdown, layer_column
+from kimi_perf.readers import KIMI_PERF_JSON
 from kimi_perf.trace import atomic_write_text, is_int64
 
 METRICS = ("kernels", "kernel_us", "span_us")
@@ -85,8 +85,8 @@ class Tolerances:
         object.__setattr__(self, "metrics", tuple(metrics))
         unknown = [str(m) for m in self.metrics if m not in METRICS]
         if unknown or not self.metrics:
-            raise ValueError(f"metrics: choose from {', '.join(METRICS)} (not "
-                             f"{', '.join(unknown) or 'none'})")
+            raise ValueError(f"metrics: choose from {', '.join(METRICS)}, one or more (not "
+                             + (", ".join(unknown) + ")" if unknown else "an empty list)"))
         if not (math.isfinite(self.rel_tol) and self.rel_tol >= 0):
             raise ValueError(f"rel_tol: a finite number ≥ 0 (not {self.rel_tol})")
         if not 0 <= self.alpha <= 1:
@@ -187,7 +187,8 @@ def gate_files(baseline: str | Path, run: str | Path, tolerances: Tolerances = T
                                    "against (a capture without GPU work?)")
     result = gate(base, current, tolerances)
     result.run_differences = (run_differences(base_doc, run_doc)
-                              + phase_differences(base, current))
+                              + phase_differences(base, current)
+                              + unit_differences(base, current))
     return GatedRun(result, base, current, run_doc, base_file)
 
 
@@ -202,17 +203,34 @@ def phase_differences(baseline: dict[str, Breakdown], current: dict[str, Breakdo
     vs mixed": other work, whose kernels and µs differ for that alone). Paths pair as
     ``gate`` pairs them; a side whose steps name no phase (a profiler's own step ranges)
     says nothing of its work, and is no difference."""
-    if len(baseline) == 1 and len(current) == 1 and TRACE in (*baseline, *current):
-        pairs = [(next(iter(baseline)), *baseline.values(), *current.values())]
-    else:
-        pairs = [(p, baseline[p], current[p]) for p in baseline if p in current]
     out = []
-    for path, base, cur in pairs:
+    for path, base, cur in _paired(baseline, current):
         phases = [{s.get("phase") for s in b.steps} - {None, "unknown"} for b in (base, cur)]
         if all(phases) and phases[0] != phases[1]:
             out.append(("" if path == TRACE else f"{path}: ")
                        + f"steps {'/'.join(sorted(phases[0]))} vs {'/'.join(sorted(phases[1]))}")
     return out
+
+
+def unit_differences(baseline: dict[str, Breakdown], current: dict[str, Breakdown]
+                     ) -> list[str]:
+    """Where one side of a decode path counts a CPU run's ops and the other a GPU's kernels:
+    host time against GPU time (``gate`` calls no time of theirs a regression or an
+    improvement); their counts compare where the ops are the launches a GPU makes (the
+    kernel paths' annotations)."""
+    counted = {"ops": "a CPU run's ops", "kernels": "GPU kernels"}
+    return [("" if path == TRACE else f"{path}: ")
+            + f"{counted[base.unit]} vs {counted[cur.unit]}"
+            for path, base, cur in _paired(baseline, current) if base.unit != cur.unit]
+
+
+def _paired(baseline: dict[str, Breakdown], current: dict[str, Breakdown]
+            ) -> list[tuple[str, Breakdown, Breakdown]]:
+    """(path, baseline's, run's) of the paths both sides have, paired as ``gate`` pairs them
+    (a plain trace against one path)."""
+    if len(baseline) == 1 and len(current) == 1 and TRACE in (*baseline, *current):
+        return [(next(iter(baseline)), *baseline.values(), *current.values())]
+    return [(p, baseline[p], current[p]) for p in baseline if p in current]
 
 
 def one_path(file: Path, runs: dict[str, Breakdown], name: str | None
@@ -295,7 +313,7 @@ def is_kimi_perf_json(path: Path) -> bool:
             head = f.read(256)
     except OSError:
         return False
-    return re.match(rb'(?:\xef\xbb\xbf)?\s*\{\s*"schema"\s*:', head) is not None
+    return KIMI_PERF_JSON.match(head) is not None
 
 
 def is_finite_number(v) -> bool:
@@ -492,6 +510,8 @@ def gate(baseline: dict[str, Breakdown], current: dict[str, Breakdown],
     for path in [*baseline, *(p for p in current if p not in baseline)]:
         base, cur = baseline.get(path), current.get(path)
         pairs = pair_layer_types(base, cur)
+        # CPU ops against GPU kernels: host time against GPU time
+        unlike_times = base is not None and cur is not None and base.unit != cur.unit
         moved = _moved(base, cur, pairs)
         windows = _unequal_windows(base, cur)
         for base_type, cur_type in [*pairs, (STEP, STEP)]:
@@ -512,7 +532,11 @@ def gate(baseline: dict[str, Breakdown], current: dict[str, Breakdown],
                     found += [_kernels(path, label, "kernels", base_s, cur_s, np.median),
                               _kernels(path, label, "kernels_max", base_s, cur_s, np.max)]
                 else:
-                    found.append(_time(path, label, metric, base_s, cur_s, tolerances))
+                    check = _time(path, label, metric, base_s, cur_s, tolerances)
+                    if unlike_times and check.status in ("regression", "improvement",
+                                                         "noise"):
+                        check.status = "changed"
+                    found.append(check)
             for check in found:
                 if check.status in ("regression", "improvement"):
                     check.detail = (windows if base_type == STEP and windows is not None

@@ -830,8 +830,9 @@ def step_notes(b: Breakdown) -> list[str]:
                      f"{'are ranges' if len(enclosing) > 1 else 'is a range'} holding "
                      f"{sum(e['encloses'] for e in enclosing)} other step ranges: "
                      f"{'each' if len(enclosing) > 1 else 'it'} counts only the "
-                     f"{sum(e['ops'] for e in enclosing)} {work} between them; a --steps "
-                     "regex that matches only the inner ranges (^NAME$) leaves "
+                     f"{sum(e['ops'] for e in enclosing)} {work} between them (its span, "
+                     "first to last, takes in theirs: its gap is mostly their time); a "
+                     "--steps regex that matches only the inner ranges (^NAME$) leaves "
                      f"{'them' if len(enclosing) > 1 else 'it'} out")
     if phases := phase_note(b):
         notes.append(phases)

@@ -404,7 +404,8 @@ def run_info_problem(run: object) -> str | None:
 
 def _gpus_text(gpus: list[dict]) -> str:
     """The GPUs that ran a trace's kernels in a few words: "8 × NVIDIA A100 (108 SMs)"."""
-    kinds = Counter((g.get("name") or "GPU not described in the trace", g.get("sm_count"))
+    kinds = Counter((g.get("name") or ("unnamed GPU" if g.get("sm_count") else
+                                       "GPU not described in the trace"), g.get("sm_count"))
                     for g in gpus)
     return ", ".join(f"{n} × {name}" + (f" ({sms} SMs)" if sms else "")
                      for (name, sms), n in kinds.items()) or "no GPU"

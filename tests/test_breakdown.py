@@ -311,7 +311,10 @@ def test_user_rules_come_first(tmp_path):
     ("[[rules]]\nclass = 'x'\npattern = 'y'\n", "unknown table or key 'rules'"),
     ("[[rule]]\nclass = 'x'\npattern = 'y'\nbogus = 1\n", "unknown key 'bogus'"),
     ("[[rule]]\nclass = 'x'\npattern = ''\n", "empty 'class' or 'pattern'"),
-    ("[[rule]]\nclass = ' '\npattern = 'y'\n", "empty 'class' or 'pattern'")])
+    ("[[rule]]\nclass = ' '\npattern = 'y'\n", "empty 'class' or 'pattern'"),
+    ("[[rule]]\nclass = 'x'\npattern = 'a?'\n", "pattern 'a?' matches an empty name, so "
+                                                 "every kernel"),
+    ("[[rule]]\nclass = 'x'\npattern = '.*'\n", "matches an empty name")])
 def test_bad_rules_files_are_named(tmp_path, text, said):
     """A rules file with anything but rules of a class and a pattern (a misspelt table or
     key would silently do nothing; an empty pattern would match every kernel) is an error
@@ -786,7 +789,8 @@ def test_a_step_range_holding_other_step_ranges_is_said():
     assert loose.source["enclosing_steps"] == [
         {"step": "Benchmark Forward Only", "index": 5, "device": 0, "encloses": 10, "ops": 20}]
     assert any(n.startswith("1 step ('Benchmark Forward Only') is a range holding 10 other "
-                            "step ranges: it counts only the 20 GPU ops between them")
+                            "step ranges: it counts only the 20 GPU ops between them (its "
+                            "span, first to last, takes in theirs")
                for n in step_notes(loose))
     anchored = breakdown(trace, step_regex="^Forward$")
     assert len(anchored.steps) == 15 and anchored.source["enclosing_steps"] == []

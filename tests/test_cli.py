@@ -107,6 +107,11 @@ def test_convert_and_info(tmp_path):
     result = run("info", out)
     assert result.exit_code == 0 and "kernels 7328" in result.output
     assert "NVIDIA A100" in result.output and ": 7,328 kernels" in result.output
+    # binary Arrow: never under a trace's or JSON's name, nor to a terminal
+    for name in ("q.json", "-", "x.sqlite"):
+        _one_line_error(run("convert", VLLM, tmp_path / name if name != "-" else name),
+                        "convert writes a .kptrace file (Arrow): name it so")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["x.kptrace"]
 
 
 def test_info_as_json_is_the_library_summary():
@@ -306,7 +311,7 @@ def test_tables_to_a_file_and_bad_output_paths(tmp_path):
     assert "Per layer type" in text and "\x1b[" not in text   # no terminal colours
     for command in (["breakdown", VLLM, "--format", "json", "-o", tmp_path / "no" / "x.json"],
                     ["breakdown", VLLM, "--format", "json", "-o", tmp_path],
-                    ["convert", VLLM, tmp_path]):
+                    ["convert", VLLM, tmp_path / "no" / "x.kptrace"]):
         _one_line_error(run(*command), "cannot write")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["steps.txt"]
 
@@ -397,6 +402,14 @@ def test_compare_a_run_its_paths_and_labels(tmp_path):
     two = run("compare", runs[0], runs[1] / "breakdown.json", "--path", "specialized")
     assert two.exit_code == 0, two.output
     assert "monday:specialized vs tuesday:specialized" in two.output
+    # runs kept as JSONs of their own (baselines side by side): named by their files
+    for name in ("cpu-old.json", "cpu-new.json"):
+        shutil.copy(BASELINE, tmp_path / name)
+    kept = run("compare", tmp_path / "cpu-old.json", tmp_path / "cpu-new.json", "--path",
+               "specialized", "--format", "json")
+    assert kept.exit_code == 0, kept.output
+    assert (json.loads(kept.output)["a"], json.loads(kept.output)["b"]) == (
+        "cpu-old:specialized", "cpu-new:specialized")
     assert "kda: 9 ops / " in two.output
     # a breakdown JSON of an older kimi-perf, without the keys added since, still compares
     old = json.loads(BASELINE.read_text())["paths"]["specialized"]
@@ -552,8 +565,7 @@ def test_report_of_traces_names_each_and_the_gpus_that_ran_it(tmp_path):
     assert run("report", VLLM, wan, "-o", out, "--plotly-js", "cdn").exit_code == 0
     text = out.read_text()
     assert (f"<th>trace {VLLM.name.removesuffix('.json.gz')}</th><td>{VLLM} (PyTorch "
-            "profiler (Kineto, ROCm) kineto-json; ran on 1 × GPU not described in the trace "
-            "(304 SMs))") in text
+            "profiler (Kineto, ROCm) kineto-json; ran on 1 × unnamed GPU (304 SMs))") in text
     assert f"<td>{wan} (" in text
     assert "nsys-sqlite; ran on 2 × GPU not described in the trace)" in text
 
@@ -690,7 +702,7 @@ def test_report_command_draws_runs_breakdowns_and_traces(tmp_path):
                  "--plotly-js", "cdn")
     assert result.exit_code == 0, result.output
     text = out.read_text()
-    assert "Per layer type: baselines:specialized vs nightly:specialized" in text
+    assert "Per layer type: tiny-cpu:specialized vs nightly:specialized" in text
     assert "<th>standard" not in text and "decode tokens/s" not in text
 
     traced = tmp_path / "vllm.json"
@@ -1059,6 +1071,10 @@ def test_inputs_that_cannot_be_read_as_files(tmp_path):
     (runs / "breakdown.json").write_text("{}")
     _one_line_error(run("info", runs), "a kimi-perf run directory without its saved traces")
     _one_line_error(run("ranges", runs), "a kimi-perf run directory, not a trace file")
+    for args in (["info", BASELINE], ["ranges", BASELINE],
+                 ["convert", BASELINE, tmp_path / "b.kptrace"]):
+        _one_line_error(run(*args), "a kimi-perf breakdown JSON, not a trace (breakdown, "
+                                    "compare, gate and report read it)")
     (runs / "breakdown.json").unlink()
     (runs / "run.json").write_text('{"command": "kimi-perf trace"}')
     _one_line_error(run("report", runs, "-o", tmp_path / "r.html"),
@@ -1086,6 +1102,22 @@ def test_stored_passes_without_their_layer_counts_still_print(tmp_path):
     assert "found where every 12th layer also ran" in " ".join(result.output.split())
 
 
+def test_info_of_a_directory_of_traces_tells_each(tmp_path):
+    """A profiler's directory (a trace per rank): each trace in natural order; one without
+    a trace is one line."""
+    ranks = tmp_path / "ranks"
+    ranks.mkdir()
+    for rank in (10, 2):
+        shutil.copy(VLLM, ranks / f"rank{rank}.json.gz")
+    result = run("info", ranks)
+    assert result.exit_code == 0, result.output
+    assert [line.split(":")[0] for line in result.output.splitlines()
+            if not line.startswith(" ")] == [str(ranks / "rank2.json.gz"),
+                                             str(ranks / "rank10.json.gz")]
+    (tmp_path / "empty").mkdir()
+    _one_line_error(run("info", tmp_path / "empty"), "holds no trace files")
+
+
 def test_info_of_a_run_directory_tells_each_of_its_traces(tmp_path):
     from kimi_perf import read_trace
 
@@ -1101,8 +1133,8 @@ def test_info_of_a_run_directory_tells_each_of_its_traces(tmp_path):
 
 def test_info_of_a_from_run_tells_the_traces_it_analysed(tmp_path, monkeypatch):
     """A `trace --from` run saves no trace of its own: info reads those its run.json names
-    (given relative to where the run was made, read from anywhere), and says which one is
-    gone."""
+    (relative to the run directory, whatever directory the run was made or is read in: a run
+    and its traces moved together still find each other), and says which one is gone."""
     made_in = tmp_path / "made_in"
     made_in.mkdir()
     trace = (made_in / "vllm.json.gz").resolve()
@@ -1114,8 +1146,19 @@ def test_info_of_a_from_run_tells_the_traces_it_analysed(tmp_path, monkeypatch):
     result = run("info", run_dir)
     assert result.exit_code == 0, result.output
     assert result.output.startswith(f"{trace}: kineto-json from PyTorch profiler")
+    assert json.loads((run_dir / "run.json").read_text())["files"] == [
+        "../../made_in/vllm.json.gz"]
+    moved = tmp_path / "moved"
+    moved.mkdir()
+    (tmp_path / "runs").rename(moved / "runs")
+    made_in.rename(moved / "made_in")
+    trace = moved / "made_in" / "vllm.json.gz"
+    result = run("info", moved / "runs" / run_dir.name)
+    assert result.output.startswith(f"{trace}: kineto-json from PyTorch profiler")
     trace.unlink()
-    _one_line_error(run("info", run_dir), f"{trace}: no such file")
+    _one_line_error(run("info", moved / "runs" / run_dir.name),
+                    "run.json: names the trace ../../made_in/vllm.json.gz, not found (at "
+                    f"{trace}): moved since the run?")
 
 
 @pytest.mark.parametrize(("signum", "code", "said"), [(signal.SIGTERM, 143, "terminated"),

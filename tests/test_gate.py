@@ -433,6 +433,33 @@ def test_steps_of_another_phase_are_a_difference_of_the_runs():
         .run_differences == []
 
 
+def test_a_cpu_run_s_ops_against_gpu_kernels_times_nothing_and_counts_launches():
+    """A CPU baseline (ops, host time) against a GPU run (kernels): its times are ``changed``,
+    never a regression or an improvement, and the difference is said; its counts are
+    checked, the kernel paths' ops being the launches a GPU makes."""
+    from kimi_perf.gate import gate_files
+
+    cpu = _run({"kda": 9, "mla": 12}, {"kda": KDA * 1000, "mla": MLA * 1000})
+    for b in cpu.values():
+        b.source["ops"] = "cpu-ops"
+    gpu = _run({"kda": 10, "mla": 12}, {"kda": KDA, "mla": MLA})
+    for base, run in ((cpu, gpu), (gpu, cpu)):
+        checks = {(c.layer_type, c.metric): c for c in gate(base, run).checks}
+        assert {c.status for (_, m), c in checks.items() if m.endswith("_us")} == {"changed"}
+        assert checks["kda", "kernels"].status == (
+            "regression" if base is cpu else "improvement")
+        assert checks["mla", "kernels"].status == "ok"
+    alike = gate(cpu, cpu).checks
+    assert {c.status for c in alike} == {"ok"}
+    # this repository's CPU baseline against a GPU trace (another model: its times unlike)
+    trace = KINETO / "tracelens_vllm_gptoss20b_decode_fullgraph_mi300x.json.gz"
+    gated = gate_files(BASELINE, trace, path="specialized")
+    assert gated.result.run_differences == ["specialized: a CPU run's ops vs GPU kernels"]
+    assert {c.status for c in gated.result.checks if c.layer_type == "step"
+            and c.metric.endswith("_us")} == {"changed"}
+    assert gate_files(trace, trace).result.run_differences == []
+
+
 def test_a_real_slowdown_fails_noise_and_small_changes_pass():
     base = _run({"kda": 9, "mla": 12}, {"kda": KDA, "mla": MLA})
     slower = _run({"kda": 9, "mla": 12}, {"kda": KDA * 1.2, "mla": MLA * 1.03})
@@ -490,10 +517,12 @@ def test_paths_are_matched_by_name_and_steps_only_when_found():
 
 
 def test_tolerances_are_checked_when_made():
-    with pytest.raises(ValueError, match=r"choose from kernels, kernel_us, span_us \(not flops\)"):
+    with pytest.raises(ValueError, match=r"choose from kernels, kernel_us, span_us, one or "
+                                         r"more \(not flops\)"):
         Tolerances(metrics="kernels,flops")    # the unknown one named, not the good one
-    with pytest.raises(ValueError, match="not none"):
-        Tolerances(metrics=())
+    for empty in ((), "", " , "):
+        with pytest.raises(ValueError, match=r"\(not an empty list\)"):
+            Tolerances(metrics=empty)
     for bad in ({"rel_tol": -0.1}, {"rel_tol": float("nan")}, {"alpha": 1.5}):
         with pytest.raises(ValueError):
             Tolerances(**bad)

@@ -137,6 +137,18 @@ def test_kineto_full_graph_launch_fans_out():
     assert "ROCm" in trace.meta["tool"]
 
 
+def test_a_rocm_trace_is_told_by_its_hip_calls_where_its_metadata_is_silent():
+    """PyTorch on ROCm does not always write roctracer_version or hip_runtime_version: its
+    runtime calls (hipLaunchKernel) tell it too; a CUDA trace's (cudaLaunchKernel) do not."""
+    doc = json.loads(gzip.decompress((KINETO / "hta_amd_mi250_rocm62_minitoy.json.gz")
+                                     .read_bytes()))
+    assert not {"roctracer_version", "hip_runtime_version"} & set(doc)
+    rocm = read_trace(KINETO / "hta_amd_mi250_rocm62_minitoy.json.gz")
+    assert rocm.meta["tool"] == "PyTorch profiler (Kineto, ROCm)"
+    for name in ("hta_a100_triton_example.json.gz", "hta_v100_ddp_rank1_19k_kernels.json.gz"):
+        assert read_trace(KINETO / name).meta["tool"] == "PyTorch profiler (Kineto)"
+
+
 def test_kineto_driver_launch():
     trace = read_trace(KINETO / "hta_a100_triton_example.json.gz")
     (row,) = trace.kernels.api
@@ -194,17 +206,20 @@ def test_the_recorded_environment_stays_out_of_the_trace(tmp_path):
 
 def test_control_characters_in_names_are_written_out(tmp_path):
     """A kernel or range name with an escape sequence (an untrusted trace's) reaches every
-    table, CSV and report written out, not obeyed by the terminal that shows it."""
+    table, CSV and report written out, not obeyed by the terminal that shows it; so does a
+    bidirectional override, which would show the name's text in another order."""
     events = [{"ph": "X", "cat": "kernel", "name": "gemm\x1b[31m\x07", "ts": 10, "dur": 2,
                "pid": 0, "tid": 7, "args": {"device": 0, "stream": 7, "correlation": 1}},
               {"ph": "X", "cat": "user_annotation", "name": "step\x9b1m\n", "ts": 5,
-               "dur": 20, "pid": 1, "tid": 1}]
+               "dur": 20, "pid": 1, "tid": 1},
+              {"ph": "X", "cat": "user_annotation", "name": "safe\u202elaunch\u2066",
+               "ts": 6, "dur": 2, "pid": 1, "tid": 1}]
     path = tmp_path / "t.json"
     path.write_text(json.dumps({"traceEvents": events, "deviceProperties": [
         {"id": 0, "name": "H\x1b[31mX\x07", "numSms": 132}]}))
     trace = read_trace(path)
     assert trace.meta["gpus"][0]["name"] == "H\\x1b[31mX\\x07"
-    assert sorted(trace.strings) == ["", "gemm\\x1b[31m\\x07",
+    assert sorted(trace.strings) == ["", "gemm\\x1b[31m\\x07", "safe\\u202elaunch\\u2066",
                                      "step\\x9b1m\\x0a"]
     trace.strings[0] += "\x1b"              # a .kptrace written before: tidied when read
     trace.save(tmp_path / "t.kptrace")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -363,6 +364,9 @@ def test_every_kernel_compiles_for_sm90a_without_spills(tmp_path):
     assert len(launched) >= 70 and any(k.startswith("mla_attention tiny (fp32,i64)")
                                        for k in launched)
     assert {k.split()[0] for k in launched} >= names - {"cute_gemv", "l2_prefetch"}
+    # the weight prefetch before the PDL wait, as the GPU check's PDL runs launch it
+    prefetching = [k for k in launched if re.search(r" PREFETCH_K=[1-9]", k)]
+    assert prefetching and all(k.endswith(" PDL") for k in prefetching)
 
 
 def test_trace_command_captures_both_paths(tmp_path):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import stat
 from pathlib import Path
 
@@ -13,6 +14,9 @@ from kimi_perf.readers.nsys import SQLITE_MAGIC, read_nsys_rep, read_nsys_sqlite
 from kimi_perf.trace import Trace, meta_problem
 
 ARROW_MAGIC = b"ARROW1"
+# kimi-perf's own JSON (a breakdown, or a run's breakdowns) begins with "schema"; a Kineto
+# trace with "schemaVersion" or "traceEvents", if with an object
+KIMI_PERF_JSON = re.compile(rb'(?:\xef\xbb\xbf)?\s*\{\s*"schema"\s*:')
 
 __all__ = ["read_trace"]
 
@@ -25,8 +29,8 @@ def read_trace(path: str | Path) -> Trace:
     path = Path(path)
     if stat.S_ISDIR(input_stat(path).st_mode):
         if (path / "breakdown.json").exists():
-            raise TraceError(path, "a kimi-perf run directory, not a trace file (its traces "
-                                   "are the *.kptrace files in it)")
+            raise TraceError(path, "a kimi-perf run directory, not a trace file (`kimi-perf "
+                                   "info` names the traces it holds or was made from)")
         raise TraceError(path, "is a directory, not a trace file, and not a kimi-perf run "
                                "(no breakdown.json in it)")
     try:
@@ -36,6 +40,9 @@ def read_trace(path: str | Path) -> Trace:
         raise TraceError(path, f"cannot read ({exc.strerror or exc})") from None
     if not head:
         raise TraceError(path, "empty file")
+    if KIMI_PERF_JSON.match(head):
+        raise TraceError(path, "a kimi-perf breakdown JSON, not a trace (breakdown, compare, "
+                               "gate and report read it)")
     if head.startswith(SQLITE_MAGIC):
         reader = read_nsys_sqlite
     elif head.startswith(ARROW_MAGIC):

@@ -97,6 +97,7 @@ _KEY = b'"traceEvents"'
 _NOT_WS = re.compile(rb"[^ \t\n\r]")
 # A boundary between two events: "}" "," whitespace "{" (the "{" may be in the next block).
 _NEXT_EVENT = re.compile(rb"[ \t\n\r]*(?:\{|\Z)")
+HIP_CALL = re.compile(r"^hip[A-Z]")   # hipLaunchKernel, hipMemcpyWithStream, ...
 
 # -- typed decoding: only the fields used ---------------------------------------------------------
 
@@ -275,7 +276,10 @@ def _finish(builder: _Builder, meta: dict, path: Path) -> Trace:
     if builder.non_objects and not builder.objects:
         raise TraceError(path, "not a Chrome/Kineto trace: its event list holds no event objects")
     trace = builder.finish()
-    trace.meta.update(_metadata(meta, path))
+    # ROCm: said in the metadata by some PyTorch versions, always by the runtime's calls
+    hip = bool(len(trace.api.name)) and bool(
+        trace.names_matching(HIP_CALL)[trace.api.name].any())
+    trace.meta.update(_metadata(meta, path, hip))
     return trace
 
 
@@ -957,10 +961,11 @@ def _int_or_none(value) -> int | None:
     return value if is_int64(value) else None
 
 
-def _metadata(doc: dict, path: Path) -> dict:
-    """What the trace says of itself. Nothing of the analysis depends on it, so a field of
-    another type than Kineto writes is left out, not an error: a GPU without an integer id,
-    a name that is not text, an SM count that is not a count."""
+def _metadata(doc: dict, path: Path, hip_calls: bool = False) -> dict:
+    """What the trace says of itself (``hip_calls``: its runtime calls are HIP's). Nothing of
+    the analysis depends on it, so a field of another type than Kineto writes is left out, not
+    an error: a GPU without an integer id, a name that is not text, an SM count that is not a
+    count."""
     gpus = []
     props = doc.get("deviceProperties")
     for prop in props if isinstance(props, list) else []:
@@ -968,7 +973,7 @@ def _metadata(doc: dict, path: Path) -> dict:
             name, sms = prop.get("name"), _int_or_none(prop.get("numSms"))
             gpus.append({"device": device, "name": name if isinstance(name, str) else "",
                          "sm_count": sms if sms is not None and sms >= 0 else None})
-    rocm = "roctracer_version" in doc or "hip_runtime_version" in doc
+    rocm = hip_calls or "roctracer_version" in doc or "hip_runtime_version" in doc
     schema = _num(doc.get("schemaVersion"))
     meta = {
         "tool": "PyTorch profiler (Kineto" + (", ROCm" if rocm else "") + ")",

@@ -203,9 +203,15 @@ def test_aot_builds_every_pdl_kernel_both_ways():
     recorded = {"module": "kimi_perf_kernels.rms_norm", "kernel": "rms_norm_kernel",
                 "signature": {"x_ptr": "*bf16", "PDL": "constexpr", "BLOCK": "constexpr"},
                 "constexprs": {"PDL": False, "BLOCK": 64}, "divisible": ["x_ptr"],
-                "num_warps": 4}
-    assert [(b.label, b.constexprs["PDL"]) for b in aot.builds_of([recorded, recorded])] == [
-        ("rms_norm tiny (bf16) BLOCK=64", False), ("rms_norm tiny (bf16) BLOCK=64 PDL", True)]
+                "num_warps": 4, "pdl": False}
+    both = [("rms_norm tiny (bf16) BLOCK=64", False), ("rms_norm tiny (bf16) BLOCK=64 PDL", True)]
+    assert [(b.label, b.constexprs["PDL"]) for b in aot.builds_of([recorded, recorded])] == both
+    # launched with PDL only (a weight prefetch before the wait): built so only; launched
+    # both ways, both
+    with_pdl = {**recorded, "pdl": True}
+    assert [(b.label, b.constexprs["PDL"]) for b in aot.builds_of([with_pdl])] == both[1:]
+    assert [(b.label, b.constexprs["PDL"])
+            for b in aot.builds_of([with_pdl, recorded])] == both
     builds = aot.builds()
     assert {"attn_res h7168", "attn_res h7168 PDL", "l2_prefetch"} <= {b.label for b in builds}
     prefetching = [b for b in builds if b.constexprs.get("PREFETCH_K")]
