@@ -437,11 +437,15 @@ def _run_name(path: Path) -> str:
 @click.option("--all", "show_all", is_flag=True, help="list the checks that pass too")
 @click.option("--path", "path_name", help="check only this decode path (a trace given for "
               "BASELINE or RUN stands for it)")
+@_layers_option
+@click.option("--steps", "step_regex", help="regex for step ranges")
 @_phase_option
+@click.option("--rules", type=click.Path(path_type=Path), help="extra kernel-class rules")
 @click.option("--update", is_flag=True, help="then store the run as the new baseline")
 @_fail_cleanly
 def gate_cmd(baseline: Path, run: Path, metrics: str, rel_tol: float, alpha: float, fmt: str,
-             show_all: bool, path_name: str | None, phase: str, update: bool) -> None:
+             show_all: bool, path_name: str | None, layers: str, step_regex: str | None,
+             phase: str, rules: Path | None, update: bool) -> None:
     """Check a run against a stored baseline: exit 1 on a regression (for nightly CI).
 
     BASELINE and RUN: a `kimi-perf trace` run directory or its breakdown.json, a breakdown
@@ -454,15 +458,16 @@ def gate_cmd(baseline: Path, run: Path, metrics: str, rel_tol: float, alpha: flo
         raise TraceError(None, f"--{exc}") from None
     if update and path_name is not None:
         raise TraceError(None, "--update stores the whole run: it takes no --path")
-    if _given("phase") and _stored(baseline) and _stored(run):
-        raise TraceError(None, f"--phase applies to traces, and {baseline}, {run} are stored "
-                               "breakdowns")
+    _no_trace_among([baseline, run])
+    # how a trace is broken down, as for `breakdown`
+    options = {"layers": _check_layers(layers), "step_regex": _check_steps(step_regex),
+               "rules": load_rules(rules)}
     loaded: dict[Path, tuple] = {}
     if update:
         if baseline.exists() and not _stored(baseline):
             raise TraceError(baseline, "--update replaces a baseline JSON, not a trace")
         gate_mod.check_storable(baseline)
-        runs, run_doc, _ = loaded[run] = gate_mod.load_run(run, phase)
+        runs, run_doc, _ = loaded[run] = gate_mod.load_run(run, phase, **options)
         if not gate_mod.has_work(runs):
             raise TraceError(run, "holds no steps and no layers: nothing to store as a baseline")
         if not baseline.exists():
@@ -470,12 +475,13 @@ def gate_cmd(baseline: Path, run: Path, metrics: str, rel_tol: float, alpha: flo
             click.echo(f"baseline {baseline} created from {run}", err=True)
             return
         # a stored baseline with nothing to check (which gate refuses) is replaced unchecked
-        base_runs, _, base_file = loaded[baseline] = gate_mod.load_run(baseline, phase)
+        base_runs, _, base_file = loaded[baseline] = gate_mod.load_run(baseline, phase,
+                                                                        **options)
         if base_file is not None and not gate_mod.has_work(base_runs):
             gate_mod.store_baseline(base_file, run_doc)
             click.echo(f"baseline {base_file} replaced from {run}", err=True)
             return
-    gated = gate_mod.gate_files(baseline, run, tolerances, path_name, phase, loaded)
+    gated = gate_mod.gate_files(baseline, run, tolerances, path_name, phase, loaded, **options)
     result = gated.result
     if fmt == "json":
         click.echo(json.dumps(result.to_json(), indent=1, allow_nan=False))

@@ -161,16 +161,18 @@ class GatedRun:
 
 def gate_files(baseline: str | Path, run: str | Path, tolerances: Tolerances = Tolerances(),
                path: str | None = None, phase: str = "auto",
-               loaded: dict[Path, tuple] | None = None) -> GatedRun:
+               loaded: dict[Path, tuple] | None = None, **breakdown_options) -> GatedRun:
     """``gate`` over what two files hold (each a run directory, its ``breakdown.json``, a
-    breakdown JSON or a trace, traces broken down over the steps of ``phase``); ``path``: check
-    that decode path alone (a trace on either side stands for it). A trace against a run of
-    several paths needs ``path``: which one would it stand for? ``loaded``: what ``load_run``
-    gave for either file already (a trace is not read twice)."""
+    breakdown JSON or a trace, traces broken down over the steps of ``phase``, and as
+    ``breakdown_options`` say: ``layers``, ``step_regex``, ``rules``); ``path``: check that
+    decode path alone (a trace on either side stands for it). A trace against a run of several
+    paths needs ``path``: which one would it stand for? ``loaded``: what ``load_run`` gave for
+    either file already (a trace is not read twice)."""
     baseline, run = Path(baseline), Path(run)
     loaded = loaded or {}
-    current, run_doc, _ = loaded.get(run) or load_run(run, phase)
-    base, base_doc, base_file = loaded.get(baseline) or load_run(baseline, phase)
+    current, run_doc, _ = loaded.get(run) or load_run(run, phase, **breakdown_options)
+    base, base_doc, base_file = (loaded.get(baseline)
+                                 or load_run(baseline, phase, **breakdown_options))
     if path is not None:
         if set(base) == set(current) == {TRACE}:
             raise TraceError(None, f"--path picks a decode path of a kimi-perf run: neither "
@@ -267,11 +269,12 @@ def store_baseline(file: str | Path, run_doc: dict) -> None:
     atomic_write_text(Path(file), json.dumps(run_doc, indent=1) + "\n")
 
 
-def load_run(path: str | Path, phase: str = "auto"
+def load_run(path: str | Path, phase: str = "auto", **breakdown_options
              ) -> tuple[dict[str, Breakdown], dict, Path | None]:
     """The breakdowns per decode path of a run (see the module doc), the JSON document that
     stores them (what a baseline file holds), and the JSON file they came from (None for a
-    trace, broken down over the steps of ``phase``)."""
+    trace, broken down over the steps of ``phase``, and as ``breakdown_options`` say:
+    ``layers``, ``step_regex``, ``rules``, as ``breakdown`` takes them)."""
     path = Path(path)
     if path.is_dir():
         path = path / "breakdown.json"
@@ -297,7 +300,7 @@ def load_run(path: str | Path, phase: str = "auto"
     from kimi_perf.layer_breakdown import breakdown
     from kimi_perf.readers import read_trace
 
-    b = breakdown(read_trace(path), phase=phase)
+    b = breakdown(read_trace(path), phase=phase, **breakdown_options)
     return {TRACE: b}, b.to_json(), None
 
 

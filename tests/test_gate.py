@@ -348,6 +348,35 @@ def test_gate_breaks_traces_down_over_the_phase_it_is_given(tmp_path):
     assert runner.invoke(main, ["gate", str(bom), str(BASELINE)]).exit_code == 0
 
 
+def test_gate_breaks_traces_down_as_breakdown_does(tmp_path):
+    """--steps, --layers and --rules break the traces given to the gate down as they do for
+    `breakdown` (a benchmark whose steps are its own ranges); stored breakdowns take none."""
+    jsun = NSYS / "jsun-012-assignment2-systems__result__nsys2025.1.3.sqlite"
+    runner = CliRunner()
+    out = runner.invoke(main, ["gate", str(jsun), str(jsun), "--steps", "^Forward$", "--format",
+                               "json", "--all"])
+    assert out.exit_code == 0, out.output
+    checks = {(c["layer_type"], c["metric"]): c for c in json.loads(out.output)["checks"]}
+    assert checks["A", "kernels"]["baseline"] == 60 and checks["step", "kernels"]["baseline"] \
+        == 728
+    rules = tmp_path / "rules.toml"
+    rules.write_text("[[rule]]\nclass = 'mine'\npattern = 'gemm|gemv'\n")
+    mine = runner.invoke(main, ["gate", str(jsun), str(jsun), "--steps", "^Forward$",
+                                "--rules", str(rules), "--layers", "repeat"])
+    assert mine.exit_code == 0, mine.output
+    from kimi_perf.classify import load_rules
+    from kimi_perf.gate import gate_files
+
+    gated = gate_files(jsun, jsun, step_regex="^Forward$", rules=load_rules(rules))
+    (layer_type,) = gated.baseline["trace"].layer_types
+    assert "mine" in layer_type["classes"] and "gemm" not in layer_type["classes"]
+    none = runner.invoke(main, ["gate", str(jsun), str(jsun), "--steps", "^Nothing$"])
+    assert none.exit_code == 2 and "no range matching --steps '^Nothing$'" in none.output
+    for option in (["--steps", "x"], ["--layers", "repeat"], ["--rules", str(rules)]):
+        stored = runner.invoke(main, ["gate", str(BASELINE), str(BASELINE), *option])
+        assert stored.exit_code == 2 and f"{option[0]} applies to traces" in stored.output
+
+
 def test_one_more_kernel_fails_and_one_fewer_is_an_improvement():
     base = _run({"kda": 9, "mla": 12}, {"kda": KDA, "mla": MLA})
     run = _run({"kda": 10, "mla": 11}, {"kda": KDA, "mla": MLA})
