@@ -59,8 +59,7 @@ from kimi_perf.comparison import (
 )
 from kimi_perf.errors import TraceError
 from kimi_perf.layer_breakdown import Breakdown, layer_column
-from kimi_perf.readers import KIMI_PERF_JSON
-from kimi_perf.trace import atomic_write_text, is_int64
+from kimi_perf.trace import KIMI_PERF_JSON, atomic_write_text, is_int64
 
 METRICS = ("kernels", "kernel_us", "span_us")
 STEP = "step"  # the pseudo layer type of whole decode steps

@@ -480,6 +480,11 @@ def _write_ipc(f, table: pa.Table) -> None:
         writer.write_table(table)
 
 
+# kimi-perf's own JSON (a breakdown, or a run's breakdowns) begins with "schema"; a Kineto
+# trace with "schemaVersion" or "traceEvents", if with an object
+KIMI_PERF_JSON = re.compile(rb'(?:\xef\xbb\xbf)?\s*\{\s*"schema"\s*:')
+
+
 # C0 and C1 controls, and the bidirectional formatting characters (a right-to-left override
 # shows a name's text in another order than it holds)
 CONTROL_CHARACTERS = re.compile(r"[\x00-\x1f\x7f-\x9f\u200e\u200f\u202a-\u202e\u2066-\u2069]")

@@ -613,7 +613,8 @@ def test_update_reads_each_file_once(tmp_path, monkeypatch):
     reads: list[Path] = []
     real = gate_module.load_run
     monkeypatch.setattr(gate_module, "load_run",
-                        lambda path, phase="auto": reads.append(Path(path)) or real(path, phase))
+                        lambda path, phase="auto", **options: reads.append(Path(path))
+                        or real(path, phase, **options))
     baseline = tmp_path / "base.json"
     baseline.write_text(json.dumps(real(EXAMPLE_TRACE)[1]))
     result = CliRunner().invoke(main, ["gate", str(baseline), str(EXAMPLE_TRACE), "--update"])

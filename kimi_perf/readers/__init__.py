@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 import stat
 from pathlib import Path
 
@@ -11,12 +10,9 @@ from kimi_perf.memory import release_free_memory
 from kimi_perf.nesting import nest_ranges
 from kimi_perf.readers.kineto import GZIP_MAGIC, UTF8_BOM, read_kineto_json
 from kimi_perf.readers.nsys import SQLITE_MAGIC, read_nsys_rep, read_nsys_sqlite
-from kimi_perf.trace import Trace, meta_problem
+from kimi_perf.trace import KIMI_PERF_JSON, Trace, meta_problem
 
 ARROW_MAGIC = b"ARROW1"
-# kimi-perf's own JSON (a breakdown, or a run's breakdowns) begins with "schema"; a Kineto
-# trace with "schemaVersion" or "traceEvents", if with an object
-KIMI_PERF_JSON = re.compile(rb'(?:\xef\xbb\xbf)?\s*\{\s*"schema"\s*:')
 
 __all__ = ["read_trace"]
 
