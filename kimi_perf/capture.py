@@ -222,7 +222,10 @@ def _capture_all(req: TraceRequest, config, device: str, run_dir: Path, final: P
     run_info: dict[str, Any] = {
         "command": command_line(req), "request": _jsonable(dataclasses.asdict(req)),
         "preset": req.preset, "n_layers": config.n_layers, "config_hash": config.fingerprint(),
-        "batch": req.batch, "tp": req.tp, "context": req.context, "decode_steps": req.steps,
+        "batch": req.batch, "tp": req.tp,
+        # the TP whose one rank's shapes ran: a preset's own (k3-tp8 in one process), or --tp
+        "rank_shapes_tp": max(config.tp, req.tp),
+        "context": req.context, "decode_steps": req.steps,
         "warmup_steps": req.warmup, "spec_tokens": req.spec_tokens,
         "date": dt.datetime.now(dt.UTC).isoformat(),
         "environment": environment(device), "paths": {},
@@ -230,7 +233,9 @@ def _capture_all(req: TraceRequest, config, device: str, run_dir: Path, final: P
         # the floor a GPU run's per-layer µs are held against (kimi-perf floors)
         "floors": floors(config.shard(req.tp) if req.tp > 1 else config, req.batch,
                          req.context, Storage(kv_cache=req.kv_cache),
-                         tokens=1 + req.spec_tokens),
+                         tokens=1 + req.spec_tokens,
+                         layer_types=tuple(t for t in ("kda", "mla", "dense")
+                                           if t in config.layer_types())),
     }
     # The nsys backend draws the weights in each profiled process, from the same seed.
     weights = random_weights(config, seed=req.seed, device=device) \
@@ -258,8 +263,9 @@ def _capture_all(req: TraceRequest, config, device: str, run_dir: Path, final: P
         trace = read_trace(trace_file)
         trace.save(run_dir / f"{path}.kptrace")
         results[path] = breakdown(trace)
-        # where the trace will be: the run directory is filled under a temporary name
-        results[path].source["file"] = str(final / Path(trace_file).relative_to(run_dir))
+        # where the trace will be (the run directory is filled under a temporary name), from
+        # any directory
+        results[path].source["file"] = str(final.resolve() / trace_file.name)
         del trace
         run_info["paths"][path] = metrics
     _write_outputs(run_dir, final, run_info, results,
@@ -415,15 +421,20 @@ def _metrics(req: TraceRequest, device: str, prefill_s: float, steps: list[float
         "accepted_tokens_per_step": round(sum(tokens) / len(tokens) / req.batch, 3),
         "acceptance": "synthetic: 1..1+k tokens per sequence, uniform, seeded"},
     } if req.spec_tokens else {}
+    # (a kernel path that took none of the run's steps: its figures are the standard path's;
+    # the run's forward calls are the prompt's, the warm-up steps' and the decode steps')
+    every_step_fell_back = bool(fallbacks) and len(fallbacks) >= 1 + req.warmup + req.steps
     return {
         "decode_tokens_per_s": sum(tokens) / sum(steps),
         "time_to_first_token_s": prefill_s,
         "step_latency_s": {"median": statistics.median(steps), "min": min(steps),
                            "max": max(steps)},
         "timed": (timed or f"under the profiler ({req.backend})") + (
-            "" if device != "cpu" else "; on a CPU: not a speed figure" if model == "K3Model"
+            "" if device != "cpu"
+            else "; on a CPU: not a speed figure" if model == "K3Model" or every_step_fell_back
             else "; on a CPU, Triton's interpreter running the kernels: not a speed figure"),
         "fallbacks": fallbacks,
+        "every_step_fell_back": every_step_fell_back,
         # K3Model / StandardKernelsModel: the standard path's PyTorch ops or one kernel a step
         "model": model,
         "ops": "gpu kernels" if device == "cuda" else "cpu: annotated launches",
@@ -598,7 +609,7 @@ def _write_outputs(run_dir: Path, final: Path, run_info: dict, results: dict[str
                    title: str, plotly_js: str) -> None:
     from kimi_perf.report import plotly_js_for, write_report
 
-    run_info["report"] = str(final / "report.html")
+    run_info["report"] = str(final.resolve() / "report.html")
     write_report(run_dir / "report.html", results, title, run_info,
                  plotly_js_for(plotly_js, final))
     atomic_write_text(run_dir / "run.json", json.dumps(run_info, indent=1) + "\n")

@@ -148,11 +148,12 @@ def _check_layers(value: str) -> str:
     raise TraceError(None, f"--layers must be auto, repeat, nvtx or nvtx:REGEX, not {value!r}")
 
 
-def _count_of(option: str, value: str | None, what: str) -> int | None:
-    """A capture's positive count, from an option that takes a pattern with --from."""
+def _count_of(option: str, value: str | None, what: str, least: int = 1) -> int | None:
+    """A capture's count (``least`` or more), from an option that takes a pattern with
+    --from."""
     if value is None:
         return None
-    if not value.isdecimal() or int(value) < 1:
+    if not value.isdecimal() or int(value) < least:
         raise TraceError(None, f"{option} takes {what}, not {value!r}")
     return int(value)
 
@@ -719,8 +720,9 @@ def floors_cmd(preset_name: str, tp: int | None, batch: int, context: int, weigh
 @click.option("--preset", "preset_name", default="tiny", show_default=True,
               help="model preset of the whole model: tiny or k3 (the float64 reference "
               "cannot check one rank's shapes, k3-tp8 or k3-tp16)")
-@click.option("--layers", "n_layers", type=click.IntRange(1),
-              help="override the preset's layer count")
+@click.option("--layers", "n_layers", type=click.IntRange(2),
+              help="override the preset's layer count (2 or more: layer 0 has the dense MLP, "
+              "the last the gated MLA)")
 @click.option("--paths", default="standard,specialized", show_default=True,
               help="comma-separated decode paths to check: standard, standard_kernels (the "
               "standard path one kernel per step, as on a GPU), specialized")
@@ -761,6 +763,8 @@ def validate(preset_name: str, n_layers: int | None, paths: str, steps: int,
     chosen = tuple(p for p in paths.split(",") if p)
     if not chosen:
         raise TraceError(None, f"--paths names no path (available: {', '.join(v.PATHS)})")
+    if len(set(chosen)) < len(chosen):
+        raise TraceError(None, f"--paths names a path twice: {paths!r}")
     unknown = [p for p in chosen if p not in v.PATHS]
     if unknown:
         raise TraceError(None, f"unknown path(s) {', '.join(unknown)} (available: "
@@ -780,7 +784,8 @@ def validate(preset_name: str, n_layers: int | None, paths: str, steps: int,
             click.echo(f"FAIL {failure}")
         checked = ", ".join(result["paths"])
         click.echo(f"validate: pass ({checked} within bounds)" if result["ok"] else
-                   f"validate: FAIL ({len(result['failures'])} over their bounds)")
+                   f"validate: FAIL ({len(result['failures'])} "
+                   f"failure{'s' if len(result['failures']) > 1 else ''}: above)")
     if not result["ok"]:
         sys.exit(1)
 
@@ -875,8 +880,9 @@ def trace_cmd(from_files: tuple[Path, ...], phase: str, rules: Path | None,
                                                  step_regex=_check_steps(steps_arg),
                                                  plotly_js=plotly_js)
     else:
-        n_layers = _count_of("--layers", layers_arg, "a layer count of 1 or more (with --from: "
-                             "how layers are found)")
+        n_layers = _count_of("--layers", layers_arg, "a layer count of 2 or more (layer 0 has "
+                             "the dense MLP, the last the gated MLA; with --from: how layers "
+                             "are found)", least=2)
         steps = _count_of("--steps", steps_arg, "a count of decode steps of 1 or more (with "
                           "--from: a regex for the step ranges)")
         if preset_name is not None and tp != 1:   # a sharded preset at another TP: said first
@@ -966,6 +972,11 @@ def trace_cmd(from_files: tuple[Path, ...], phase: str, rules: Path | None,
                          if (spec := metrics.get("speculative")) else "")
                       + (f"; fell back: {'; '.join(metrics['fallbacks'])}"
                          if metrics["fallbacks"] else ""))
+    for path, metrics in run_info.get("paths", {}).items():
+        if metrics.get("every_step_fell_back"):
+            console.print(f"{path}: every step fell back to the standard path's PyTorch ops "
+                          f"({metrics['fallbacks'][-1].partition(': ')[2]}): its figures are "
+                          "the standard path's, not its own kernels'", style="bold yellow")
     if len(labels) == 2 and compared[0][1]:
         one = unit[:-1] if unit in ("kernels", "ops") else "kernel"
         console.print(f"{one} by {one}: kimi-perf compare {run_dir} --kernels "

@@ -190,6 +190,15 @@ def gate_files(baseline: str | Path, run: str | Path, tolerances: Tolerances = T
     result.run_differences = (run_differences(base_doc, run_doc)
                               + phase_differences(base, current)
                               + unit_differences(base, current))
+    depths = [(d.get("run") or {}).get("n_layers") if isinstance(d, dict) else None
+              for d in (base_doc, run_doc)]
+    if None not in depths and depths[0] != depths[1]:
+        # a step of a model of another depth is other work; its layers still compare
+        for check in result.checks:
+            if check.layer_type == STEP and check.status != "new":
+                check.status = "changed"
+                check.detail = (f"models of {depths[0]} and {depths[1]} layers: a step is "
+                                "other work")
     return GatedRun(result, base, current, run_doc, base_file)
 
 
@@ -738,8 +747,8 @@ def _behind(check: Check, base: Breakdown | None, cur: Breakdown | None,
         gaps = [layer_column(b.layers, "gap_us", t).astype(np.float64)
                 for b, t in ((base, base_type), (cur, cur_type))]
         if all(len(g) and np.isfinite(g).all() for g in gaps):
-            parts.append(f"idle between kernels {np.median(gaps[1]) - np.median(gaps[0]):+.1f} "
-                         "µs (median)")
+            parts.append(f"idle between {cur.unit} "
+                         f"{np.median(gaps[1]) - np.median(gaps[0]):+.1f} µs (median)")
     return "; ".join(filter(None, parts)) if moved or check.metric == "span_us" else None
 
 

@@ -186,7 +186,8 @@ def typical_layer_table(layer_type: str, sides: dict[str, dict | None],
         if t:
             notes.append(f"{who}{len(t['kernels'])} {unit}, "
                          f"{sum(k['us'] for k in t['kernels']):.1f} µs summed; {t['layers']} of "
-                         f"{sides[label]['layers']} {layer_type} layers ran exactly this "
+                         f"{sides[label]['layers']} {layer_type} "
+                         f"layer{'s' if sides[label]['layers'] != 1 else ''} ran exactly this "
                          "sequence")
         elif sides[label]:
             notes.append(f"{who}not in this breakdown (written by an older kimi-perf: "

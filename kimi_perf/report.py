@@ -228,7 +228,8 @@ def _typical_html(breakdowns: dict[str, Breakdown]) -> str:
             rows.append("<tr>" + "".join(cells) + "</tr>")
         foot = "<tr><th></th>" + "".join(
             f"<th colspan=2>{len(t['kernels'])} {unit[label]}, {t['layers']} of "
-            f"{sides[label]['layers']} layers ran exactly these</th>"
+            f"{sides[label]['layers']} layer{'s' if sides[label]['layers'] != 1 else ''} ran "
+            "exactly these</th>"
             f"<th>{sum(k['us'] for k in t['kernels']):.1f}</th>" if t else
             "<th colspan=3></th>" for label, t in typical.items()) + "</tr>"
         differ = "".join(f"<p>{e(note)}.</p>" for note in rotation_notes(
@@ -296,8 +297,10 @@ def _run_html(run: dict | None, breakdowns: dict[str, Breakdown]) -> str:
         request = run.get("request") or {}
         items += [("preset", f"{run['preset']}, {run.get('n_layers')} layers (config "
                              f"{run.get('config_hash')})"),
-                  ("batch, TP, context", f"{run.get('batch')}, {run.get('tp')}, "
-                                         f"{run.get('context')} tokens"),
+                  ("batch, TP, context", f"{run.get('batch')}, {run.get('tp')}"
+                   + (f" (one rank of TP {shapes}'s shapes)"
+                      if (shapes := run.get("rank_shapes_tp", run.get("tp"))) != run.get("tp")
+                      else "") + f", {run.get('context')} tokens"),
                   ("decode steps", f"{run.get('decode_steps')} profiled after "
                                    f"{run.get('warmup_steps')} warm-up"
                                    + (f"; each a speculative verify of 1+{k} tokens per "
@@ -305,6 +308,12 @@ def _run_html(run: dict | None, breakdowns: dict[str, Breakdown]) -> str:
                   ("CUDA graphs, profiler, KV cache",
                    f"{'on' if request.get('graphs') else 'off'}, {request.get('backend')}, "
                    f"{request.get('kv_cache')}")]
+        opt_ins = [name for name, on in (
+            ("L2 prefetch of o_proj's weights", request.get("l2_prefetch")),
+            (f"experts grouped from {request.get('group_experts_from')} tokens",
+             request.get("group_experts_from") is not None),
+            ("programmatic dependent launch", request.get("pdl"))) if on]
+        items.append(("specialized path's opt-ins", ", ".join(opt_ins) or "none"))
         gpus = env.get("gpus") or []
         items += [("device", ", ".join(gpus) if gpus else env.get("device")),
                   ("driver, CUDA", f"{env.get('driver')}, {env.get('cuda')}" if gpus else None),

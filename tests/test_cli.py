@@ -353,12 +353,15 @@ def test_layer_modes_asked_for_by_name_that_find_nothing():
     assert run("breakdown", nccl).exit_code == 0
 
 
-def test_a_layer_count_below_one_is_refused():
-    _one_line_error(run("validate", "--layers", "0"),
-                    "Invalid value for '--layers': 0 is not in the range x>=1",
-                    "validate --help)")
-    _one_line_error(run("trace", "--layers", "0"), "--layers takes a layer count of 1 or more "
-                    "(with --from: how layers are found), not '0'")
+def test_a_layer_count_below_two_is_refused():
+    """Layer 0 (KDA and the dense MLP) and the last layer (gated MLA) are two layers."""
+    for count in ("0", "1"):
+        _one_line_error(run("validate", "--layers", count),
+                        f"Invalid value for '--layers': {count} is not in the range x>=2",
+                        "validate --help)")
+        _one_line_error(run("trace", "--layers", count), "--layers takes a layer count of 2 "
+                        "or more (layer 0 has the dense MLP, the last the gated MLA; with "
+                        f"--from: how layers are found), not '{count}'")
 
 
 def test_floors_of_a_sharded_preset_at_another_tp_is_refused(tmp_path):
@@ -1181,3 +1184,22 @@ def test_a_signal_mid_run_leaves_nothing_and_is_no_regression(tmp_path, monkeypa
     assert result.exit_code == code and f"kimi-perf: {said}" in result.output
     assert list(out.iterdir()) == []
     assert signal.getsignal(signal.SIGTERM) is before   # the handler was put back
+
+
+def test_the_report_says_one_rank_of_a_sharded_preset_ran():
+    """k3-tp8 in one process is one rank of TP 8's shapes: the report says both, not TP 1
+    alone; a run whose processes are its TP says it once."""
+    from kimi_perf.report import _run_html
+
+    run = {"preset": "k3-tp8", "n_layers": 4, "config_hash": "abc", "batch": 1, "tp": 1,
+           "rank_shapes_tp": 8, "context": 64, "decode_steps": 8, "warmup_steps": 2}
+    assert "1, 1 (one rank of TP 8&#x27;s shapes), 64 tokens" in _run_html(run, {})
+    run.update(preset="k3", tp=8)
+    assert "1, 8, 64 tokens" in _run_html(run, {})
+    del run["rank_shapes_tp"]          # a run.json from before the field
+    assert "1, 8, 64 tokens" in _run_html(run, {})
+    # the specialized path's opt-ins, said where the run says what ran
+    assert "<th>specialized path&#x27;s opt-ins</th><td>none</td>" in _run_html(run, {})
+    run["request"] = {"l2_prefetch": False, "group_experts_from": 16, "pdl": True}
+    assert ("<td>experts grouped from 16 tokens, programmatic dependent launch</td>"
+            in _run_html(run, {}))

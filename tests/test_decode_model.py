@@ -161,12 +161,16 @@ def test_verify_steps_in_a_row_then_a_prefill_fold_in_what_was_accepted(weights)
         model.forward(chunk.repeat(1, 2), model.new_state(2, 16), verify=True)
 
 
-def test_accept_rolls_back_a_model_without_kda_layers_too():
-    """The verify step's length comes from the step, not from the KDA checkpoints: a model
-    whose one layer is gated MLA keeps exactly the accepted tokens."""
-    one_mla = dataclasses.replace(TINY, n_layers=1)
-    assert one_mla.is_mla(0)
-    model = K3Model(one_mla, random_weights(one_mla, seed=3), dtype=torch.float32)
+def test_accept_keeps_exactly_the_accepted_tokens():
+    """The verify step's length comes from the step: the smallest model (layer 0 KDA with
+    the dense MLP, layer 1 gated MLA) keeps exactly the accepted tokens; counts outside the
+    step are refused. A model whose layer 0 would be gated MLA is no K3 model."""
+    two = dataclasses.replace(TINY, n_layers=2)
+    assert [two.layer_type(i) for i in range(2)] == ["dense", "mla"]
+    for wrong in ({"n_layers": 1}, {"full_attn_every": 1}):
+        with pytest.raises(ValueError, match=r"layer 0 \(KDA and the dense MLP\) would be"):
+            dataclasses.replace(TINY, **wrong)
+    model = K3Model(two, random_weights(two, seed=3), dtype=torch.float32)
     state = model.new_state(2, 16, max_verify=4)
     model.forward(torch.zeros(2, 3, dtype=torch.long), state)
     model.forward(torch.ones(2, 4, dtype=torch.long), state, verify=True)
@@ -277,6 +281,10 @@ def test_validate_cli(tmp_path):
     assert bad.exit_code == 2 and "unknown path" in bad.output
     none = CliRunner().invoke(main, ["validate", "--paths", ","])      # checks nothing: no pass
     assert none.exit_code == 2 and "--paths names no path" in none.output
+    twice = CliRunner().invoke(main, ["validate", "--paths", "standard,standard"])
+    assert twice.exit_code == 2 and "--paths names a path twice" in twice.output
+    one = CliRunner().invoke(main, ["validate", "--layers", "1"])    # layer 0 dense and MLA
+    assert one.exit_code == 2 and "1 is not in the range x>=2" in one.output
     for rank in ("k3-tp8", "k3-tp16"):   # one line, before minutes of weights
         sharded = CliRunner().invoke(main, ["validate", "--preset", rank])
         assert sharded.exit_code == 2 and sharded.output.count("\n") == 1, sharded.output

@@ -107,3 +107,16 @@ def test_a_speculative_verify_step_routes_every_token_and_records_every_position
     assert doc["tokens"] == 4 and doc["expected_experts"] == round(expected_experts(TP8, 8), 2)
     table = CliRunner().invoke(main, ["floors", "--batch", "2", "--spec-tokens", "3"]).output
     assert "batch 2 verifying 4 tokens each" in " ".join(table.split())
+
+
+def test_a_run_s_floors_are_of_the_layer_types_it_holds():
+    """A capture's run.json holds the floors of the layer types its model has: two layers
+    are the dense-MLP layer and a gated-MLA one, no KDA layer with the MoE."""
+    from kimi_perf.decode.floors import floors
+
+    two, three = preset("tiny", n_layers=2), preset("tiny", n_layers=3)
+    assert two.layer_types() == ["dense", "mla"] and three.layer_types() == ["dense", "kda",
+                                                                               "mla"]
+    doc = floors(two, 1, 4, layer_types=tuple(two.layer_types()))
+    assert list(doc["layer_types"]) == ["dense", "mla"]
+    assert doc["layer_types"]["mla"] == floors(three, 1, 4)["layer_types"]["mla"]

@@ -836,6 +836,31 @@ def test_gate_says_when_baseline_and_run_were_captured_differently(tmp_path):
     assert run_differences(grouped, grouped) == []
 
 
+def test_steps_of_a_model_of_another_depth_are_other_work(tmp_path):
+    """A run of half the layers: its steps are other work (no improvement, no regression),
+    said so; its layer types still compare, and a layer that gained a launch still fails."""
+    from kimi_perf.gate import gate_files
+
+    doc = json.loads(BASELINE.read_text())
+    doc["run"]["n_layers"] = 4
+    path = doc["paths"]["specialized"]
+    for step in path["steps"]:
+        step["kernels"] //= 2
+    for layer in path["layers"]:
+        if layer["type"] == "kda":
+            layer["kernels"] += 1
+    shallow = tmp_path / "shallow.json"
+    shallow.write_text(json.dumps(doc))
+    result = gate_files(BASELINE, shallow, Tolerances(metrics="kernels")).result
+    steps = [c for c in result.checks if c.layer_type == "step"]
+    assert {c.status for c in steps} == {"changed"} and steps[0].detail == (
+        "models of 8 and 4 layers: a step is other work")
+    assert {(c.path, c.metric) for c in result.failures} == {
+        ("specialized", "kernels"), ("specialized", "kernels_max")}
+    assert all(c.layer_type == "kda" for c in result.failures)
+    assert "layers 8 vs 4" in result.run_differences
+
+
 def test_gate_files_is_the_cli_gate_as_a_library_call(tmp_path):
     from kimi_perf.errors import TraceError
     from kimi_perf.gate import gate_files, store_baseline

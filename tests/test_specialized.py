@@ -274,16 +274,21 @@ def test_validate_every_path_in_bf16(kv_cache):
 def test_validate_specialized_verify_steps():
     """Speculative verify steps of 1+3 tokens through the fused kernels, rolled back to a
     per-sequence accepted prefix, against the float64 reference; a verify of 1+8 tokens is
-    past the kernels and falls back, and says so."""
+    past the kernels and falls back, and says so: a path whose every decode step fell back
+    checked none of its kernels, a failure."""
     result = validate("tiny", ("specialized",), steps=2, batch=2, n_layers=4, spec_tokens=3)
     assert result["ok"], result["failures"]
     fast = result["paths"]["specialized"]
     assert fast["fallbacks"] == ["step 0: prefill of 4 tokens"]
     assert fast["layer_types"]["kda"]["launches"] <= 13
     too_long = validate("tiny", ("specialized",), steps=1, batch=1, n_layers=4, spec_tokens=8)
-    assert too_long["ok"], too_long["failures"]
     assert too_long["paths"]["specialized"]["fallbacks"][1:] == [
         "step 1: verify of 9 tokens > 8"]
+    assert not too_long["ok"] and too_long["failures"] == [
+        "specialized: every decode step fell back to the standard path's PyTorch ops (verify "
+        "of 9 tokens > 8): none of its kernels was checked"]
+    # the standard path takes every step: nothing of it falls back
+    assert validate("tiny", ("standard",), steps=1, batch=1, n_layers=4, spec_tokens=8)["ok"]
 
 
 def test_fallbacks_and_backend_selection(weights):
@@ -406,6 +411,8 @@ def test_trace_command_captures_both_paths(tmp_path):
     assert saved["schema"] == 1 and set(saved["paths"]) == {"standard", "specialized"}
     run = json.loads((run_dir / "run.json").read_text())
     assert run["preset"] == "tiny" and run["n_layers"] == 4 and run["environment"]["torch"]
+    assert run["tp"] == run["rank_shapes_tp"] == 1
+    assert run["report"] == str(run_dir.resolve() / "report.html")   # from any directory
     from kimi_perf.decode.floors import floors  # the floors of the run's shapes, recorded
 
     assert run["floors"] == json.loads(json.dumps(floors(SMALL, run["batch"], run["context"])))
@@ -513,7 +520,7 @@ def test_report_escapes_names_and_is_written_whole(tmp_path):
 
 @pytest.mark.parametrize("args", [["--paths", "fast"], ["--preset", "k4"],
                                   ["--from", "/nonexistent/trace.json"], ["--graphs"],
-                                  ["--tp", "3"]])
+                                  ["--tp", "3"], ["--layers", "1"]])
 def test_trace_bad_input_leaves_nothing(tmp_path, args):
     proc = subprocess.run([sys.executable, "-m", "kimi_perf", "trace", "--out", str(tmp_path),
                            "--layers", "4", "--steps", "1", "--warmup", "0", *args],
@@ -670,6 +677,21 @@ def test_annotated_launches_are_the_launches(weights, path, batch, tokens_per_se
     assert {k: v for k, v in launch_flags.items() if k != "l2_prefetch_kernel"} == \
         {k: {(model.pdl, False)} for k in launch_flags if k != "l2_prefetch_kernel"}
     assert launch_flags.get("l2_prefetch_kernel", {(False, False)}) == {(False, False)}
+
+
+def test_a_path_whose_every_step_fell_back_is_said_to_have():
+    """A kernel path that took none of a run's steps (a batch over 64): its metrics say so,
+    and do not call its timing the interpreter's kernels; one that took some does not."""
+    from kimi_perf.capture import TraceRequest, _metrics
+
+    req = TraceRequest("tiny", 2, batch=65, context=4, steps=2, warmup=1)
+    every = [f"step {i}: batch 65 > 64" for i in range(4)]     # prompt, warm-up, 2 steps
+    whole = _metrics(req, "cpu", 0.1, [0.2, 0.2], [65, 65], every, "SpecializedModel")
+    assert whole["every_step_fell_back"] and "interpreter" not in whole["timed"]
+    some = _metrics(req, "cpu", 0.1, [0.2, 0.2], [65, 65], every[:1], "SpecializedModel")
+    assert not some["every_step_fell_back"] and "interpreter" in some["timed"]
+    standard = _metrics(req, "cpu", 0.1, [0.2, 0.2], [65, 65], [], "K3Model")
+    assert not standard["every_step_fell_back"]
 
 
 def test_trace_metrics_on_a_gpu_come_from_a_run_without_the_profiler(tmp_path, monkeypatch):

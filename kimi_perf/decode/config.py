@@ -45,6 +45,17 @@ class K3Config:
     attn_res_block: int = 12
     tp: int = 1
 
+    def __post_init__(self) -> None:
+        # Layer 0 is KDA attention and the dense MLP (``dense``); the last layer is gated MLA.
+        if self.is_mla(0):
+            raise ValueError(f"layer 0 (KDA and the dense MLP) would be gated MLA: a layer "
+                             f"count of 2 or more (not {self.n_layers}) and full attention "
+                             f"every 2nd layer or fewer (not {self.full_attn_every})")
+
+    def layer_types(self) -> list[str]:
+        """The layer types the model holds, in order of first appearance."""
+        return list(dict.fromkeys(self.layer_type(i) for i in range(self.n_layers)))
+
     def is_mla(self, layer: int) -> bool:
         return (layer + 1) % self.full_attn_every == 0 or layer == self.n_layers - 1
 

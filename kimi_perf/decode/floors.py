@@ -111,10 +111,11 @@ def layer_floor_us(c: K3Config, layer_type: str, batch: int, context: int,
 
 
 def floors(c: K3Config, batch: int, context: int, storage: Storage = Storage(),
-           bandwidth: float = H200_COPY_BANDWIDTH, tokens: int = 1) -> dict:
-    """Per layer type (``dense``: layer 0, KDA attention and the dense MLP): bytes and floor
-    µs per launch and in all, for steps of ``tokens`` per sequence (1+k for a speculative
-    verify); what ``kimi-perf floors`` prints."""
+           bandwidth: float = H200_COPY_BANDWIDTH, tokens: int = 1,
+           layer_types: tuple[str, ...] = ("kda", "mla", "dense")) -> dict:
+    """Per layer type (``dense``: layer 0, KDA attention and the dense MLP; those of
+    ``layer_types``): bytes and floor µs per launch and in all, for steps of ``tokens`` per
+    sequence (1+k for a speculative verify); what ``kimi-perf floors`` prints."""
     if tokens < 1:
         raise ValueError(f"a step holds at least one token per sequence, not {tokens}")
     out = {"schema": 1, "config_hash": c.fingerprint(), "tp": c.tp, "batch": batch,
@@ -122,7 +123,7 @@ def floors(c: K3Config, batch: int, context: int, storage: Storage = Storage(),
            "bandwidth_Bps": bandwidth,
            "expected_experts": round(expected_experts(c, batch * tokens), 2),
            "layer_types": {}}
-    for t in ("kda", "mla", "dense"):
+    for t in layer_types:
         launches = launch_bytes(c, t, batch, context, storage, tokens)
         total = sum(launches.values())
         out["layer_types"][t] = {

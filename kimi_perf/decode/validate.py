@@ -198,6 +198,10 @@ def validate(preset_name: str = "tiny", paths: tuple[str, ...] = DEFAULT_PATHS, 
         if r["routing_max_gap"] > bounds["routing_gap"]:
             failures.append(f"{path} routing gap: {r['routing_max_gap']:.3g} > "
                             f"{bounds['routing_gap']:.3g}")
+        if len(r.get("fallbacks", [])) > steps:   # the prompt's, and every decode step's
+            failures.append(f"{path}: every decode step fell back to the standard path's "
+                            f"PyTorch ops ({r['fallbacks'][-1].partition(': ')[2]}): none "
+                            "of its kernels was checked")
     return {"schema": 1, "preset": preset_name, "n_layers": run.config.n_layers,
             "config": run.config.fingerprint(), "dtype": dtype, "kv_cache": kv_cache,
             "batch": batch, "prompt": prompt, "steps": steps, "seed": seed,
