@@ -575,6 +575,9 @@ def report_cmd(inputs: tuple[Path, ...], path_name: str | None, labels: str | No
             run_info = run_doc.get("run")
             if run_info is not None and (problem := run_info_problem(run_info)):
                 raise TraceError(file / "breakdown.json" if file.is_dir() else file, problem)
+            if run_info is not None and path_name is not None:   # that path's metrics alone
+                run_info = {**run_info, "paths": {
+                    p: m for p, m in (run_info.get("paths") or {}).items() if p == path_name}}
     if labels is not None:
         names = labels.split(",")
         if len(names) != len(drawn) or not all(names) or len(set(names)) != len(names):

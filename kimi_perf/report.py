@@ -346,7 +346,10 @@ def _run_html(run: dict | None, breakdowns: dict[str, Breakdown]) -> str:
             f"{m['step_latency_s']['max'] * 1e3:.2f}</td>"
             f"<td>{e('; '.join(m.get('fallbacks') or []) or '-')}</td></tr>"
             for path, m in metrics.items())
-        timed = sorted({m.get("timed", "") for m in metrics.values()})
+        # how each path was timed: once where they were timed alike
+        timed = ([m.get("timed", "") for m in metrics.values()][:1]
+                 if len({m.get("timed", "") for m in metrics.values()}) == 1
+                 else [f"{path}: {m.get('timed', '')}" for path, m in metrics.items()])
         parts.append("<h2>Decode metrics</h2><table><tr><th>path</th><th>model</th>"
                      "<th>decode tokens/s</th><th>time to first token, ms</th>"
                      "<th>step, ms (median)</th><th>step, ms (min / max)</th>"

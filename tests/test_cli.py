@@ -693,6 +693,21 @@ def test_report_command_draws_runs_breakdowns_and_traces(tmp_path):
     assert "Per layer type: standard vs specialized" in text
     assert "kimi-perf trace" in text and "decode tokens/s" in text  # the run's own info
     assert "Fusions, launch by launch" in text
+    # one path of the run: its decode metrics alone
+    one = tmp_path / "one.html"
+    assert run("report", BASELINE, "--path", "specialized", "-o", one, "--plotly-js",
+               "cdn").exit_code == 0
+    metrics = one.read_text().split("<h2>Decode metrics</h2>")[1].split("</table>")[0]
+    assert "<td>specialized</td>" in metrics and "<td>standard</td>" not in metrics
+    # paths timed unlike are named (the specialized path's kernels in the interpreter)
+    unlike = json.loads(BASELINE.read_text())
+    unlike["run"]["paths"]["standard"]["timed"] = "under the profiler (torch); on a CPU"
+    unlike["run"]["paths"]["specialized"]["timed"] = "under the profiler (torch); interpreted"
+    (tmp_path / "unlike.json").write_text(json.dumps(unlike))
+    assert run("report", tmp_path / "unlike.json", "-o", one, "--plotly-js", "cdn").exit_code == 0
+    assert ("Timed standard: under the profiler (torch); on a CPU; specialized: under the "
+            "profiler (torch); interpreted. " in one.read_text())
+    assert "Timed under the profiler (torch); CPU, Triton interpreter" in text   # alike: once
 
     doc = json.loads(BASELINE.read_text())
     later = tmp_path / "nightly"
