@@ -48,9 +48,10 @@ class K3Config:
     def __post_init__(self) -> None:
         # Layer 0 is KDA attention and the dense MLP (``dense``); the last layer is gated MLA.
         if self.is_mla(0):
-            raise ValueError(f"layer 0 (KDA and the dense MLP) would be gated MLA: a layer "
-                             f"count of 2 or more (not {self.n_layers}) and full attention "
-                             f"every 2nd layer or fewer (not {self.full_attn_every})")
+            raise ValueError(f"layer 0 (KDA and the dense MLP) would be gated MLA: it takes "
+                             f"2 layers or more (not {self.n_layers}) and full attention at "
+                             f"most every 2nd layer (full_attn_every 2 or more, not "
+                             f"{self.full_attn_every})")
 
     def layer_types(self) -> list[str]:
         """The layer types the model holds, in order of first appearance."""
