@@ -69,6 +69,7 @@ import torch
 from kimi_perf.attribution import range_kernel_summary
 from kimi_perf.capture import environment, profiler_schedule
 from kimi_perf.decode.config import K3Config, preset
+from kimi_perf.decode.fallbacks import summarise
 from kimi_perf.decode.floors import SAME_BYTES, launch_bytes
 from kimi_perf.decode.fusions import fusion_ledger
 from kimi_perf.decode.harness import GraphedDecodeStep, run_decode
@@ -385,7 +386,7 @@ def speed(path: str, c: K3Config, weights, batch: int, context: int, warmup: int
     trace = read_trace(trace_file)
     b = breakdown(trace)
     result = {"layer_types": b.layer_types, "step_s": run.step_s[warmup:],
-              "fallbacks": list(getattr(model, "fallbacks", [])),
+              "fallbacks": summarise(getattr(model, "fallbacks", [])),
               # "nvtx" under graphs: the replayed kernels found their capture's layer ranges
               "layer_sources": sorted({s["layer_source"] for s in b.steps}),
               "replayed_kernels_mapped_to_capture": int((capture_launches(trace) >= 0).sum())}

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from kimi_perf import __version__
+from kimi_perf.decode.fallbacks import every_decode_step_fell_back, summarise
 from kimi_perf.errors import TraceError
 from kimi_perf.layer_breakdown import Breakdown, breakdown
 from kimi_perf.readers import read_trace
@@ -421,9 +422,8 @@ def _metrics(req: TraceRequest, device: str, prefill_s: float, steps: list[float
         "accepted_tokens_per_step": round(sum(tokens) / len(tokens) / req.batch, 3),
         "acceptance": "synthetic: 1..1+k tokens per sequence, uniform, seeded"},
     } if req.spec_tokens else {}
-    # (a kernel path that took none of the run's steps: its figures are the standard path's;
-    # the run's forward calls are the prompt's, the warm-up steps' and the decode steps')
-    every_step_fell_back = bool(fallbacks) and len(fallbacks) >= 1 + req.warmup + req.steps
+    # (a kernel path that took none of the run's steps: its figures are the standard path's)
+    every_step_fell_back = every_decode_step_fell_back(fallbacks, req.steps)
     return {
         "decode_tokens_per_s": sum(tokens) / sum(steps),
         "time_to_first_token_s": prefill_s,
@@ -433,7 +433,7 @@ def _metrics(req: TraceRequest, device: str, prefill_s: float, steps: list[float
             "" if device != "cpu"
             else "; on a CPU: not a speed figure" if model == "K3Model" or every_step_fell_back
             else "; on a CPU, Triton's interpreter running the kernels: not a speed figure"),
-        "fallbacks": fallbacks,
+        "fallbacks": summarise(fallbacks),
         "every_step_fell_back": every_step_fell_back,
         # K3Model / StandardKernelsModel: the standard path's PyTorch ops or one kernel a step
         "model": model,

@@ -48,7 +48,7 @@ def test_kernel_paths_equal_standard_in_float32(weights, path, batch, splits):
                            .manual_seed(batch))
     std.forward(tokens[:, :3], s_std)
     fast.forward(tokens[:, :3], s_fast)        # prefill: falls back to the standard path
-    assert fast.fallbacks == ["step 0: prefill of 3 tokens"]
+    assert fast.fallbacks == ["call 0: a prompt of 3 tokens"]
     for t in range(3, 9):
         want = std.forward(tokens[:, t: t + 1], s_std)
         got = fast.forward(tokens[:, t: t + 1], s_fast)
@@ -268,7 +268,7 @@ def test_validate_every_path_in_bf16(kv_cache):
     assert fast["layer_types"]["mla"]["launches"] <= 15
     assert fast["layer_types"]["kda"]["launches"] < (
         result["paths"]["standard"]["layer_types"]["kda"]["launches"])
-    assert fast["fallbacks"] == ["step 0: prefill of 4 tokens"]
+    assert fast["fallbacks"] == ["prefill: a prompt of 4 tokens"]
 
 
 def test_validate_specialized_verify_steps():
@@ -279,11 +279,11 @@ def test_validate_specialized_verify_steps():
     result = validate("tiny", ("specialized",), steps=2, batch=2, n_layers=4, spec_tokens=3)
     assert result["ok"], result["failures"]
     fast = result["paths"]["specialized"]
-    assert fast["fallbacks"] == ["step 0: prefill of 4 tokens"]
+    assert fast["fallbacks"] == ["prefill: a prompt of 4 tokens"]
     assert fast["layer_types"]["kda"]["launches"] <= 13
     too_long = validate("tiny", ("specialized",), steps=1, batch=1, n_layers=4, spec_tokens=8)
     assert too_long["paths"]["specialized"]["fallbacks"][1:] == [
-        "step 1: verify of 9 tokens > 8"]
+        "decode_step[0]: verify of 9 tokens > 8"]
     assert not too_long["ok"] and too_long["failures"] == [
         "specialized: every decode step fell back to the standard path's PyTorch ops (verify "
         "of 9 tokens > 8): none of its kernels was checked"]
@@ -425,7 +425,7 @@ def test_trace_command_captures_both_paths(tmp_path):
         steps = saved["paths"][path]["steps"]
         assert [s["name"] for s in steps] == ["decode_step[0]", "decode_step[1]"]
         assert all(s["layers"] == 4 and s["layer_source"] == "nvtx" for s in steps)
-    assert run["paths"]["specialized"]["fallbacks"] == ["step 0: prefill of 3 tokens"]
+    assert run["paths"]["specialized"]["fallbacks"] == ["prefill: a prompt of 3 tokens"]
     # --from reads the traces back into the same report.
     again = CliRunner().invoke(main, ["trace", "--from", str(run_dir / "standard.kptrace"),
                                       "--from", str(run_dir / "specialized.trace.json.gz"),
@@ -471,7 +471,7 @@ def test_trace_command_with_speculative_decoding(tmp_path):
             rel=1e-9)
     # the same drafts and acceptance for both paths
     assert run["paths"]["standard"]["speculative"] == run["paths"]["specialized"]["speculative"]
-    assert run["paths"]["specialized"]["fallbacks"] == ["step 0: prefill of 3 tokens"]
+    assert run["paths"]["specialized"]["fallbacks"] == ["prefill: a prompt of 3 tokens"]
     report = (tmp_path / doc["run_dir"].split("/")[-1] / "report.html").read_text()
     assert "each a speculative verify of 1+3 tokens per sequence" in report
     assert "Accepted per sequence per step: standard" in report
@@ -679,19 +679,50 @@ def test_annotated_launches_are_the_launches(weights, path, batch, tokens_per_se
     assert launch_flags.get("l2_prefetch_kernel", {(False, False)}) == {(False, False)}
 
 
-def test_a_path_whose_every_step_fell_back_is_said_to_have():
-    """A kernel path that took none of a run's steps (a batch over 64): its metrics say so,
-    and do not call its timing the interpreter's kernels; one that took some does not."""
+def test_a_path_whose_every_step_fell_back_is_said_to_have(weights):
+    """A kernel path that took none of a run's decode steps (a batch over 64): the harness
+    names each call it left to the standard path's ops by its trace range, the metrics merge
+    a run of them into one entry, say that every step fell back and do not call the timing
+    the interpreter's kernels; a path that took some steps does not."""
     from kimi_perf.capture import TraceRequest, _metrics
+    from kimi_perf.decode.harness import run_decode
 
-    req = TraceRequest("tiny", 2, batch=65, context=4, steps=2, warmup=1)
-    every = [f"step {i}: batch 65 > 64" for i in range(4)]     # prompt, warm-up, 2 steps
-    whole = _metrics(req, "cpu", 0.1, [0.2, 0.2], [65, 65], every, "SpecializedModel")
+    fast = SpecializedModel(SMALL, weights, dtype=torch.float32)
+    run_decode(fast, torch.zeros(65, 2, dtype=torch.long), steps=3, warmup=1)
+    assert fast.fallbacks == ["prefill: batch 65 > 64", "warmup_step[0]: batch 65 > 64",
+                              *(f"decode_step[{i}]: batch 65 > 64" for i in range(3))]
+    req = TraceRequest("tiny", 2, batch=65, context=2, steps=3, warmup=1)
+    whole = _metrics(req, "cpu", 0.1, [0.2] * 3, [65] * 3, fast.fallbacks, "SpecializedModel")
     assert whole["every_step_fell_back"] and "interpreter" not in whole["timed"]
-    some = _metrics(req, "cpu", 0.1, [0.2, 0.2], [65, 65], every[:1], "SpecializedModel")
+    assert whole["fallbacks"] == ["prefill: batch 65 > 64", "warmup_step[0]: batch 65 > 64",
+                                  "decode_step[0..2]: batch 65 > 64"]
+    some = _metrics(req, "cpu", 0.1, [0.2] * 3, [65] * 3, fast.fallbacks[:-1],
+                    "SpecializedModel")
     assert not some["every_step_fell_back"] and "interpreter" in some["timed"]
-    standard = _metrics(req, "cpu", 0.1, [0.2, 0.2], [65, 65], [], "K3Model")
+    # a CUDA graph captured from a fallback: every step replays it
+    graphed = ["graph_warmup[0]: batch 65 > 64", "graph_warmup[1]: batch 65 > 64",
+               "graph_capture: batch 65 > 64"]
+    assert _metrics(req, "cuda", 0.1, [0.2] * 3, [65] * 3, graphed,
+                    "SpecializedModel")["every_step_fell_back"]
+    standard = _metrics(req, "cpu", 0.1, [0.2] * 3, [65] * 3, [], "K3Model")
     assert not standard["every_step_fell_back"]
+
+
+def test_fallbacks_merge_only_runs_of_one_reason_over_consecutive_calls():
+    from kimi_perf.decode.fallbacks import every_decode_step_fell_back, summarise
+
+    calls = ["prefill: a prompt of 3 tokens", "decode_step[0]: batch 65 > 64",
+             "decode_step[1]: batch 65 > 64", "decode_step[2]: verify of 9 tokens > 8",
+             "decode_step[4]: verify of 9 tokens > 8", "decode_step[5]: verify of 9 tokens > 8",
+             "call 7: batch 65 > 64"]
+    assert summarise(calls) == ["prefill: a prompt of 3 tokens",
+                                "decode_step[0..1]: batch 65 > 64",
+                                "decode_step[2]: verify of 9 tokens > 8",
+                                "decode_step[4..5]: verify of 9 tokens > 8",
+                                "call 7: batch 65 > 64"]
+    assert not every_decode_step_fell_back(calls, 6)      # decode_step[3] ran the kernels
+    assert every_decode_step_fell_back(calls, 3)
+    assert not every_decode_step_fell_back(calls[:1], 0)
 
 
 def test_trace_metrics_on_a_gpu_come_from_a_run_without_the_profiler(tmp_path, monkeypatch):
@@ -722,7 +753,7 @@ def test_trace_metrics_on_a_gpu_come_from_a_run_without_the_profiler(tmp_path, m
     assert standard["timed"] == "under the profiler (torch); on a CPU: not a speed figure"
     assert "profiled_step_latency_s" in metrics and "profiled_step_latency_s" not in before
     assert metrics["speculative"] == before["speculative"]
-    assert metrics["fallbacks"] == before["fallbacks"] == ["step 0: prefill of 3 tokens"]
+    assert metrics["fallbacks"] == before["fallbacks"] == ["prefill: a prompt of 3 tokens"]
 
 
 def test_trace_runs_the_specialized_path_s_opt_ins(tmp_path):

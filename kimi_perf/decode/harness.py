@@ -13,6 +13,7 @@ trace holds the capture.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 
@@ -54,13 +55,25 @@ def _layer_hook(model: K3Model):
     return lambda i: annotate(layer_range_name(i, c.layer_type(i)))
 
 
+@contextlib.contextmanager
+def _call(model: K3Model, name: str, traced: bool = True):
+    """A forward call of ``model`` named ``name`` (``K3Model.call_name``, which a fallback
+    reports) and, when ``traced``, inside a trace range of that name."""
+    model.call_name = name
+    try:
+        with annotate(name) if traced else contextlib.nullcontext():
+            yield
+    finally:
+        model.call_name = None
+
+
 def _prefill(model: K3Model, prompt: torch.Tensor, state: DecodeState
              ) -> tuple[torch.Tensor, float]:
     """The prompt through the model (the standard path): its last position's logits and the
     seconds taken."""
     # Timed inside its range: a profiler's first range (nsys loads its NVTX injection then)
     # costs the profiler's start, not the prefill.
-    with annotate("prefill"):
+    with _call(model, "prefill"):
         start = time.perf_counter()
         logits = model.forward(prompt.to(model.device), state, last_logits=True)
         _sync(model.device)
@@ -92,13 +105,14 @@ class GraphedDecodeStep:
             side = torch.cuda.Stream(device)
             side.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(side):
-                for _ in range(GRAPH_WARMUP_RUNS):
-                    model.forward(self.tokens, state, verify=verify)
+                for run in range(GRAPH_WARMUP_RUNS):
+                    with _call(model, f"graph_warmup[{run}]", traced=False):
+                        model.forward(self.tokens, state, verify=verify)
             torch.cuda.current_stream(device).wait_stream(side)
             for t, copy in zip(state_tensors(state), saved, strict=True):
                 t.copy_(copy)
             self.graph = torch.cuda.CUDAGraph()
-            with annotate("graph_capture"), torch.cuda.graph(self.graph):
+            with _call(model, "graph_capture"), torch.cuda.graph(self.graph):
                 self.logits = model.forward(self.tokens, state, verify=verify,
                                             layer_hook=layer_hook)
             self.verify_tokens = state.verify_tokens
@@ -165,7 +179,7 @@ def run_decode(model: K3Model, prompt: torch.Tensor, steps: int,
             kept = torch.randint(1, width + 1, (batch,), generator=gen)
         start = time.perf_counter()
         label = f"warmup_step[{step}]" if step < warmup else f"decode_step[{step - warmup}]"
-        with annotate(label):
+        with _call(model, label):
             if verify:
                 accepted = kept.to(model.device)
                 logits = step_logits(torch.cat([next_token, drafts.to(model.device)], dim=1))

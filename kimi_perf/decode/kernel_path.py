@@ -4,9 +4,10 @@
 A decode or verify step runs as launches of kernels from ``kernels/`` (and, for the standard
 path, cuBLAS GEMMs), one per ``launch`` annotation; a step these kernels do not take (a
 prefill, a batch over 64, a verify of more than 8 tokens) runs the standard path's PyTorch
-ops, and ``fallbacks`` says which steps did and why. The forward loop below is the model's
-(embedding, then per layer: attention residuals, attention, attention residuals, MLP; final
-residual mix and the LM head); a path gives the layers.
+ops, and ``fallbacks`` says which calls did and why (``kimi_perf.decode.fallbacks``). The
+forward loop below is the model's (embedding, then per layer: attention residuals,
+attention, attention residuals, MLP; final residual mix and the LM head); a path gives the
+layers.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ class KernelPathModel(K3Model):
                  device: torch.device | str = "cpu", all_reduce=None):
         super().__init__(c, weights, dtype=dtype, device=device, all_reduce=all_reduce)
         self.fallbacks: list[str] = []
-        self.steps = 0
+        self.calls = 0
         # Splits of the MLA attention over the cache positions; None: by the GPU's size
         # (``mla_splits``; 1 on a CPU).
         self.attention_splits: int | None = None
@@ -81,7 +82,7 @@ class KernelPathModel(K3Model):
         if B > MAX_BATCH:
             return f"batch {B} > {MAX_BATCH}"
         if T > 1 and not verify:
-            return f"prefill of {T} tokens"
+            return f"a prompt of {T} tokens"
         if T > MAX_VERIFY_TOKENS:
             return f"verify of {T} tokens > {MAX_VERIFY_TOKENS}"
         return None
@@ -89,11 +90,11 @@ class KernelPathModel(K3Model):
     def forward(self, tokens: torch.Tensor, state: DecodeState, observer: Observer | None = None,
                 verify: bool = False, layer_hook=None,
                 last_logits: bool = False) -> torch.Tensor:
-        step = self.steps
-        self.steps += 1
+        call = self.calls
+        self.calls += 1
         reason = self.unsupported(tokens, verify)
         if reason is not None:
-            self.fallbacks.append(f"step {step}: {reason}")
+            self.fallbacks.append(f"{self.call_name or f'call {call}'}: {reason}")
             return super().forward(tokens, state, observer, verify, layer_hook,
                                    last_logits)
         with programmatic_launch(self.pdl, self.pdl_prefetch_bytes):

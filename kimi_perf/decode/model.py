@@ -177,6 +177,9 @@ class K3Model:
         # Graph-safe steps never wait on the device (CUDA-graph capture forbids it): the cache
         # capacity is the caller's to check, and attention reads the whole cache, masked.
         self.graph_safe = False
+        # The caller's name for the forward call under way (the harness's: its trace range,
+        # decode_step[3]); a kernel-built path reports a call it leaves to these ops by it.
+        self.call_name: str | None = None
         self.layer = -1
         w = {k: v.to(self.device) for k, v in weights.items()}
         self.w = {k: (v.to(dtype) if v.dim() == 2 else v) for k, v in w.items()}

@@ -63,7 +63,7 @@ the Triton one, wherever it has a build for the shape: the same launches.
 
 It applies to pure decode steps (batch 1-64, one token each) and to speculative verify steps
 (1+k tokens, k <= 7). Anything else, prefill included, falls back to the standard path, and
-``fallbacks`` says which steps did and why.
+``fallbacks`` says which calls did and why.
 """
 
 from __future__ import annotations

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from kimi_perf.decode.config import K3Config, preset
+from kimi_perf.decode.fallbacks import every_decode_step_fell_back, summarise
 from kimi_perf.decode.model import FP8, K3Model
 from kimi_perf.decode.reference import Observer, ReferenceModel
 from kimi_perf.decode.weights import random_weights
@@ -112,6 +113,7 @@ def validate_path(path: str, run: ValidationRun) -> dict:
 
     # Prefill through the path (the standard path always) and the references, token by token.
     seen = Observer()
+    model.call_name = "prefill"   # (the names a trace of the harness's run would give)
     model.forward(tokens[:, : run.prompt], state, seen)
     for t in range(run.prompt):
         reference_step(tokens, t, seen)
@@ -125,6 +127,7 @@ def validate_path(path: str, run: ValidationRun) -> dict:
                                    for b, p in enumerate(position.tolist())])
         seen = Observer()
         model.launches = [] if step == 0 else None
+        model.call_name = f"decode_step[{step}]"
         logits = model.forward(step_tokens, state, seen, verify=bool(run.spec_tokens))
         if step == 0:
             launches = launches_per_layer_type(model, c)
@@ -157,7 +160,9 @@ def validate_path(path: str, run: ValidationRun) -> dict:
         "routing_max_gap": round(gap, 6),
     }
     if hasattr(model, "fallbacks"):
-        result["fallbacks"] = list(model.fallbacks)
+        result["fallbacks"] = summarise(model.fallbacks)
+        result["every_step_fell_back"] = every_decode_step_fell_back(model.fallbacks,
+                                                                     run.steps)
     return result
 
 
@@ -198,7 +203,7 @@ def validate(preset_name: str = "tiny", paths: tuple[str, ...] = DEFAULT_PATHS, 
         if r["routing_max_gap"] > bounds["routing_gap"]:
             failures.append(f"{path} routing gap: {r['routing_max_gap']:.3g} > "
                             f"{bounds['routing_gap']:.3g}")
-        if len(r.get("fallbacks", [])) > steps:   # the prompt's, and every decode step's
+        if r.get("every_step_fell_back"):
             failures.append(f"{path}: every decode step fell back to the standard path's "
                             f"PyTorch ops ({r['fallbacks'][-1].partition(': ')[2]}): none "
                             "of its kernels was checked")
