@@ -92,7 +92,7 @@ def command_line(req: TraceRequest) -> str:
              str(req.steps), "--warmup", str(req.warmup), "--tp", str(req.tp),
              "--paths", ",".join(req.paths), "--graphs" if req.graphs else "--no-graphs",
              "--backend", req.backend, "--kv-cache", req.kv_cache, "--spec-tokens",
-             str(req.spec_tokens), "--out", str(req.out_dir),
+             str(req.spec_tokens), "--seed", str(req.seed), "--out", str(req.out_dir),
              "--plotly-js", req.plotly_js]
     if req.l2_prefetch:
         args.append("--l2-prefetch")
@@ -135,18 +135,24 @@ def _driver_version() -> str | None:
     return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout else None
 
 
-def _git_commit() -> str | None:
-    """The checkout's commit; ``KIMI_PERF_GIT_COMMIT`` where the code runs from a copy of the
-    working tree without its .git (the lent GPU machine: scripts/gpu-check.sh sets it)."""
+def _git_commit(checkout: Path | None = None) -> str | None:
+    """The commit of kimi-perf's checkout (or of ``checkout``), ``+uncommitted`` after it when
+    tracked files differ from it (the code that ran is not that commit's);
+    ``KIMI_PERF_GIT_COMMIT`` where the code runs from a copy of the working tree without its
+    .git (the lent GPU machine: scripts/gpu-check.sh sets it, marked the same way)."""
     if commit := os.environ.get("KIMI_PERF_GIT_COMMIT"):
         return commit
-    here = Path(__file__).resolve().parent
+    here = str(checkout or Path(__file__).resolve().parent)
     try:
-        out = subprocess.run(["git", "-C", str(here), "rev-parse", "HEAD"],
-                             capture_output=True, text=True)
+        head = subprocess.run(["git", "-C", here, "rev-parse", "HEAD"], capture_output=True,
+                              text=True)
+        if head.returncode != 0 or not head.stdout.strip():
+            return None
+        clean = subprocess.run(["git", "-C", here, "diff", "--quiet", "HEAD"],
+                               capture_output=True).returncode == 0
     except OSError:  # no git at all
         return None
-    return (out.stdout.strip() or None) if out.returncode == 0 else None
+    return head.stdout.strip() + ("" if clean else "+uncommitted")
 
 
 @contextlib.contextmanager

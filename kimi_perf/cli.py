@@ -136,6 +136,13 @@ def _kernels_option(fn):
                         "µs")(fn)
 
 
+def _seed_option(fn):
+    # (seed + 1 draws the prompt: both fit torch's 64-bit generator seed)
+    return click.option("--seed", default=0, show_default=True, type=click.IntRange(0, 2**63),
+                        help="draws the random weights, the prompt and, with --spec-tokens, "
+                        "the drafts and their acceptance")(fn)
+
+
 def _check_layers(value: str) -> str:
     if value in ("auto", "repeat", "nvtx") or value.startswith("nvtx:"):
         if value.startswith("nvtx:"):
@@ -742,7 +749,7 @@ def floors_cmd(preset_name: str, tp: int | None, batch: int, context: int, weigh
               show_default=True, help="activation and weight dtype of the paths")
 @click.option("--kv-cache", type=click.Choice(["bf16", "fp8"]), default="bf16",
               show_default=True, help="latent KV cache storage")
-@click.option("--seed", default=0, show_default=True, type=int)
+@_seed_option
 @click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table",
               show_default=True)
 @_fail_cleanly
@@ -829,6 +836,7 @@ def validate(preset_name: str, n_layers: int | None, paths: str, steps: int,
 @click.option("--pdl", is_flag=True, help="the specialized path's opt-in (GPU, sm_90+): its "
               "kernels launched with programmatic dependent launch (no launch more; on a CPU "
               "the interpreter runs them as without it)")
+@_seed_option
 @click.option("--out", "out_dir", type=click.Path(path_type=Path), default=Path("traces/runs"),
               show_default=True, help="parent of the run directory")
 @click.option("--plotly-js", default="inline", show_default=True, callback=_check_plotly_js,
@@ -843,8 +851,8 @@ def trace_cmd(from_files: tuple[Path, ...], phase: str, rules: Path | None,
               batch: int | None, context: int | None, steps_arg: str | None,
               warmup: int | None, tp: int, paths: str, graphs: bool, backend: str,
               kv_cache: str, spec_tokens: int, l2_prefetch: bool,
-              group_experts_from: int | None, pdl: bool, out_dir: Path, plotly_js: str,
-              fmt: str) -> None:
+              group_experts_from: int | None, pdl: bool, seed: int, out_dir: Path,
+              plotly_js: str, fmt: str) -> None:
     """Capture both decode paths per layer and compare them (the main job).
 
     With no arguments: the tiny preset on a CPU (or four k3-tp8 layers on a GPU), both paths,
@@ -861,7 +869,7 @@ def trace_cmd(from_files: tuple[Path, ...], phase: str, rules: Path | None,
     plotly_js_for(plotly_js, out_dir)  # a missing file is said now, not after the capture
     capture_only = _given("preset_name", "batch", "context", "warmup", "tp", "paths", "graphs",
                           "backend", "kv_cache", "spec_tokens", "l2_prefetch",
-                          "group_experts_from", "pdl")
+                          "group_experts_from", "pdl", "seed")
     if from_files and capture_only:
         raise TraceError(None, f"{', '.join(capture_only)} "
                                f"{'sets' if len(capture_only) == 1 else 'set'} up a capture; "
@@ -910,7 +918,8 @@ def trace_cmd(from_files: tuple[Path, ...], phase: str, rules: Path | None,
                                   graphs=graphs, backend=backend, kv_cache=kv_cache,
                                   spec_tokens=spec_tokens, out_dir=out_dir,
                                   plotly_js=plotly_js, l2_prefetch=l2_prefetch,
-                                  group_experts_from=group_experts_from, pdl=pdl)
+                                  group_experts_from=group_experts_from, pdl=pdl,
+                                  seed=seed)
         from kimi_perf.decode.config import PRESETS
 
         if req.preset not in PRESETS:

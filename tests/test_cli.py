@@ -797,17 +797,51 @@ def test_a_capture_records_the_command_that_makes_it_again():
 
     for req in (default_request(False), dataclasses.replace(
             default_request(True), graphs=True, paths=("specialized",), tp=2, kv_cache="fp8",
-            backend="nsys", spec_tokens=3, out_dir=Path("my runs"), plotly_js="cdn")):
+            backend="nsys", spec_tokens=3, seed=7, out_dir=Path("my runs"), plotly_js="cdn")):
         args = shlex.split(command_line(req))
         assert args[:2] == ["kimi-perf", "trace"]
         p = trace_cmd.make_context("trace", args[2:]).params
         assert (p["preset_name"], p["layers_arg"], p["batch"], p["context"], p["steps_arg"],
                 p["warmup"], p["tp"], p["paths"], p["graphs"], p["backend"], p["kv_cache"],
-                p["spec_tokens"], p["out_dir"], p["plotly_js"]) == (
+                p["spec_tokens"], p["seed"], p["out_dir"], p["plotly_js"]) == (
             req.preset, req.n_layers and str(req.n_layers), req.batch, req.context,
             str(req.steps), req.warmup, req.tp,
             ",".join(req.paths), req.graphs, req.backend, req.kv_cache, req.spec_tokens,
-            req.out_dir, req.plotly_js)
+            req.seed, req.out_dir, req.plotly_js)
+
+
+def test_the_commit_recorded_says_when_the_checkout_differs_from_it(tmp_path, monkeypatch):
+    """A run's git commit, with +uncommitted when tracked files were changed (untracked ones,
+    a run directory say, are not the code); the GPU machine's copy names it from outside."""
+    import subprocess
+
+    from kimi_perf.capture import _git_commit
+
+    monkeypatch.delenv("KIMI_PERF_GIT_COMMIT", raising=False)
+    assert _git_commit(tmp_path) is None                       # not a checkout
+    git = ["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git, "init", "-q"], check=True)
+    (tmp_path / "model.py").write_text("a = 1\n")
+    subprocess.run([*git, "add", "model.py"], check=True)
+    subprocess.run([*git, "commit", "-qm", "one"], check=True)
+    head = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True,
+                          check=True).stdout.strip()
+    (tmp_path / "traces").mkdir()
+    (tmp_path / "traces" / "run.json").write_text("{}")
+    assert _git_commit(tmp_path) == head
+    (tmp_path / "model.py").write_text("a = 2\n")
+    assert _git_commit(tmp_path) == head + "+uncommitted"
+    monkeypatch.setenv("KIMI_PERF_GIT_COMMIT", "abc+uncommitted")
+    assert _git_commit(tmp_path) == "abc+uncommitted"
+
+
+def test_seeds_are_taken_as_far_as_torch_takes_them():
+    """--seed of trace and validate: 0 to 2**63 (seed + 1 draws the prompt); beyond, a usage
+    error, not torch's overflow."""
+    for command in ("trace", "validate"):
+        result = run(command, "--seed", str(2**63 + 1))
+        assert result.exit_code == 2 and "--seed" in result.output
+        assert run(command, "--seed", "-1").exit_code == 2
 
 
 def test_a_directory_of_traces_stands_for_its_traces(tmp_path):

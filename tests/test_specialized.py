@@ -768,7 +768,7 @@ def test_trace_runs_the_specialized_path_s_opt_ins(tmp_path):
 
     args = ["trace", "--layers", "4", "--steps", "1", "--warmup", "0", "--context", "3",
             "--batch", "2", "--paths", "specialized", "--format", "json", "--out",
-            str(tmp_path), "--l2-prefetch", "--group-experts-from", "2", "--pdl"]
+            str(tmp_path), "--l2-prefetch", "--group-experts-from", "2", "--pdl", "--seed", "3"]
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.output
     doc = json.loads(result.output)
@@ -777,7 +777,7 @@ def test_trace_runs_the_specialized_path_s_opt_ins(tmp_path):
     run = doc["run"]
     assert run["command"].endswith("--l2-prefetch --group-experts-from 2 --pdl")
     assert run["request"]["l2_prefetch"] and run["request"]["group_experts_from"] == 2
-    assert run["request"]["pdl"]
+    assert run["request"]["pdl"] and run["request"]["seed"] == 3 and "--seed 3 " in run["command"]
     refused = CliRunner().invoke(main, ["trace", "--from", str(tmp_path), "--l2-prefetch"])
     assert refused.exit_code == 2 and "--l2-prefetch sets up a capture" in refused.output
     alone = CliRunner().invoke(main, ["trace", "--paths", "standard", "--group-experts-from",
