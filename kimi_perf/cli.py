@@ -369,19 +369,25 @@ def compare_cmd(a: Path, b: Path | None, path_name: str | None, fmt: str, layers
                                                               (b, runs_b, run_b)))
         if name_a == name_b and run_a and run_b:  # one path of two runs: name the runs
             name_a, name_b = (f"{_run_name(f)}:{name_a}" for f in (a, b))
+    # two captures: how they were made differently (nothing for one run's two paths)
+    unlike = gate_mod.run_differences(run_a, run_b) if b is not None and run_a and run_b \
+        else []
     if labels is not None:
         name_a, name_b = labels.split(",")
     elif name_a == name_b:
         name_b += "'"
     if fmt == "json":
-        _emit(json.dumps(comparison_doc(ba, bb, name_a, name_b, kernels), indent=1) + "\n",
-              output)
+        doc = comparison_doc(ba, bb, name_a, name_b, kernels)
+        if b is not None and run_a and run_b:
+            doc["run_differences"] = unlike
+        _emit(json.dumps(doc, indent=1) + "\n", output)
         return
     rows = compare(ba, bb)
     unit, unit_b = ba.unit, bb.unit
     tables = [render.comparison_table(rows, name_a, name_b, unit, unit_b),
               render.comparison_headline(rows, name_a, name_b, unit, unit_b),
-              *render.note_lines({name_a: ba, name_b: bb})]
+              *render.note_lines({name_a: ba, name_b: bb}),
+              *([gate_mod.captured_differently(name_a, name_b, unlike)] if unlike else [])]
     for pair in type_pairs(ba, bb, rows) if kernels else ():
         tables.append(render.typical_layer_table(pair.label, {name_a: pair.a, name_b: pair.b},
                                                  units_word((unit, unit_b))))
@@ -502,9 +508,9 @@ def gate_cmd(baseline: Path, run: Path, metrics: str, rel_tol: float, alpha: flo
             for line in render.note_lines({f"{side} {p}": b for p, b in runs.items()}):
                 console.print(line)   # steps left out, say
         if result.run_differences:
-            console.print(f"the baseline and the run were captured differently: "
-                          f"{'; '.join(result.run_differences)}: their kernels and µs may "
-                          "differ for that alone", style="bold yellow")
+            console.print(gate_mod.captured_differently("the baseline", "the run",
+                                                      result.run_differences),
+                          style="bold yellow")
         if result.cpu_time_metrics:
             console.print(f"{', '.join(result.cpu_time_metrics)} of a CPU run are CPU time "
                           "(the specialized path in Triton's interpreter), noisy and no speed "
@@ -568,9 +574,15 @@ def report_cmd(inputs: tuple[Path, ...], path_name: str | None, labels: str | No
         raise _no_run(list(inputs))
     drawn: dict[str, Breakdown] = {}
     run_info = None
+    first_run: tuple[str, dict] | None = None     # the run the others are compared with
+    unlike: list[tuple[str, str, list[str]]] = []   # (first run, run, how they differ)
     for i, file in enumerate(inputs):
         runs, run_doc = loaded.get(i) or _breakdowns_of(file, layers, rules, step_regex, phase,
                                                         labels_of[i])
+        if run_doc is not None and first_run is None:
+            first_run = (_run_name(file), run_doc)
+        elif run_doc is not None and (found := gate_mod.run_differences(first_run[1], run_doc)):
+            unlike.append((first_run[0], _run_name(file), found))
         if run_doc is not None and path_name is not None:
             runs = dict([gate_mod.one_path(file, runs, path_name)])
         for name, b in runs.items():
@@ -591,7 +603,10 @@ def report_cmd(inputs: tuple[Path, ...], path_name: str | None, labels: str | No
             raise TraceError(None, f"--labels takes {len(drawn)} distinct names (for "
                                    f"{', '.join(drawn)}): not {labels!r}")
         drawn = dict(zip(names, drawn.values(), strict=True))
-    write_report(output, drawn, "kimi-perf report: " + ", ".join(drawn), run_info, plotly_js)
+    write_report(output, drawn, "kimi-perf report: " + ", ".join(drawn), run_info, plotly_js,
+                 unlike)
+    for first, run, found in unlike:
+        click.echo(gate_mod.captured_differently(first, run, found), err=True)
     if str(output) != "-":      # the report itself went to stdout
         click.echo(f"report: {output}")
 

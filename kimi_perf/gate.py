@@ -601,6 +601,12 @@ def run_differences(baseline_doc: dict, run_doc: dict) -> list[str]:
     return out
 
 
+def captured_differently(a: str, b: str, differences: list[str]) -> str:
+    """The line that says how two captures were made differently (``run_differences``)."""
+    return (f"{a} and {b} were captured differently: {'; '.join(differences)}: their kernels "
+            "and µs may differ for that alone")
+
+
 OPT_INS = (("L2 prefetch", "l2_prefetch"), ("experts grouped from", "group_experts_from"),
            ("PDL", "pdl"))
 

@@ -37,7 +37,7 @@ from kimi_perf.comparison import (
     type_pairs,
 )
 from kimi_perf.errors import TraceError
-from kimi_perf.gate import is_finite_number
+from kimi_perf.gate import captured_differently, is_finite_number
 from kimi_perf.layer_breakdown import Breakdown, layer_notes, step_notes, units_word
 from kimi_perf.names import demangle, short_names
 from kimi_perf.trace import atomic_write_text
@@ -462,10 +462,13 @@ def _missing_timelines_html(breakdowns: dict[str, Breakdown]) -> str:
 
 
 def write_report(path: str | Path, breakdowns: dict[str, Breakdown], title: str,
-                 run: dict | None = None, plotly_js: str = "inline") -> Path:
+                 run: dict | None = None, plotly_js: str = "inline",
+                 unlike_runs: list[tuple[str, str, list[str]]] = ()) -> Path:
     """One HTML file (written atomically) from breakdowns alone (their ``timeline`` is drawn).
     ``run``: the run.json of a capture or ``--from``. ``plotly_js``: ``inline`` (the file
-    opens offline; about 5 MB), ``cdn``, or the path of a ``plotly.min.js`` to refer to."""
+    opens offline; about 5 MB), ``cdn``, or the path of a ``plotly.min.js`` to refer to.
+    ``unlike_runs``: runs captured differently, as (run, other run, how:
+    ``gate.run_differences``)."""
     if plotly_js not in PLOTLY_JS and not plotly_js.endswith(".js"):
         raise ValueError(f"plotly_js: inline, cdn or a path ending in .js, not {plotly_js!r}")
     path = Path(path)
@@ -483,6 +486,8 @@ def write_report(path: str | Path, breakdowns: dict[str, Breakdown], title: str,
     parts = [f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{html.escape(title)}"
              f"</title>{STYLE}</head><body><h1>{html.escape(title)}</h1>",
              _run_html(run, breakdowns),
+             "".join(f"<p class=note>{html.escape(captured_differently(a, b, found))}.</p>"
+                     for a, b, found in unlike_runs),
              _overview_html(breakdowns),
              _comparison_html(breakdowns),
              _typical_html(breakdowns),

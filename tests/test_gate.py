@@ -889,3 +889,35 @@ def test_gate_files_is_the_cli_gate_as_a_library_call(tmp_path):
     with pytest.raises(TraceError, match=r"a baseline is a \.json file"):
         store_baseline(tmp_path / "b.txt", changed)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["b.json"]
+
+
+def test_compare_and_report_say_when_two_runs_were_captured_differently(tmp_path):
+    """Two captures set side by side (compare A B, report A B ...): how each run was made
+    unlike the first, in the table's notes, the JSON and the HTML report (and on stderr);
+    nothing for like runs, nor for one run's two paths."""
+    doc = json.loads(BASELINE.read_text())
+    doc["run"]["batch"] = 64
+    doc["run"]["request"]["kv_cache"] = "fp8"
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps(doc))
+    said = "captured differently: batch 2 vs 64; KV cache bf16 vs fp8"
+    args = ["compare", str(BASELINE), str(other), "--path", "specialized"]
+    text = " ".join(CliRunner().invoke(main, args).output.split())
+    assert f"tiny-cpu:specialized and other:specialized were {said}" in text
+    as_json = json.loads(CliRunner().invoke(main, [*args, "--format", "json"]).output)
+    assert as_json["run_differences"] == ["batch 2 vs 64", "KV cache bf16 vs fp8"]
+    like = CliRunner().invoke(main, ["compare", str(BASELINE), str(BASELINE), "--path",
+                                     "specialized", "--format", "json"])
+    assert json.loads(like.output)["run_differences"] == []
+    one = CliRunner().invoke(main, ["compare", str(BASELINE), "--format", "json"])
+    assert "run_differences" not in json.loads(one.output)
+    html_file = tmp_path / "r.html"
+    third = tmp_path / "third.json"
+    third.write_text(BASELINE.read_text())
+    result = CliRunner().invoke(main, ["report", str(BASELINE), str(other), str(third),
+                                       "--path", "specialized", "-o", str(html_file)])
+    assert result.exit_code == 0, result.output
+    assert f"tiny-cpu and other were {said}" in " ".join(result.output.split())
+    report = html_file.read_text()
+    assert f"<p class=note>tiny-cpu and other were {said}: their kernels" in report
+    assert "tiny-cpu and third" not in report     # captured alike
