@@ -143,6 +143,17 @@ def _seed_option(fn):
                         "the drafts and their acceptance")(fn)
 
 
+def _preset_config(name: str, tp: int | None = None):
+    """The preset's config (sharded over ``tp``), checked the same way for every command:
+    an unknown preset or a TP that does not divide it is a one-line error."""
+    from kimi_perf.decode.config import preset
+
+    try:
+        return preset(name, tp=tp)
+    except (KeyError, ValueError) as exc:
+        raise TraceError(None, str(exc.args[0] if exc.args else exc)) from None
+
+
 def _check_layers(value: str) -> str:
     if value in ("auto", "repeat", "nvtx") or value.startswith("nvtx:"):
         if value.startswith("nvtx:"):
@@ -725,13 +736,9 @@ def floors_cmd(preset_name: str, tp: int | None, batch: int, context: int, weigh
                output: Path | None) -> None:
     """Memory floors per layer and per launch: the bytes a decode step must move at least,
     over a bandwidth (no GPU needed): what the measured µs of a layer are held against."""
-    from kimi_perf.decode.config import preset
     from kimi_perf.decode.floors import Storage, floors
 
-    try:
-        c = preset(preset_name, tp=tp)
-    except (KeyError, ValueError) as exc:
-        raise TraceError(None, str(exc.args[0] if exc.args else exc)) from None
+    c = _preset_config(preset_name, tp=tp)
     doc = floors(c, batch, context, Storage(weights, experts, kv_cache), bandwidth * 1e12,
                  tokens=1 + spec_tokens)
     doc["preset"] = preset_name
@@ -780,11 +787,7 @@ def validate(preset_name: str, n_layers: int | None, paths: str, steps: int,
     except ImportError as exc:
         raise TraceError(None, f"validate needs torch ({exc}); pip install "
                                "'kimi-perf[model]'") from None
-    from kimi_perf.decode.config import PRESETS
-
-    if preset_name not in PRESETS:
-        raise TraceError(None, f"unknown preset {preset_name!r} (choose from "
-                               f"{', '.join(PRESETS)})")
+    _preset_config(preset_name)
     chosen = tuple(p for p in paths.split(",") if p)
     if not chosen:
         raise TraceError(None, f"--paths names no path (available: {', '.join(v.PATHS)})")
@@ -797,7 +800,7 @@ def validate(preset_name: str, n_layers: int | None, paths: str, steps: int,
     try:
         v.whole_model(preset_name)
     except ValueError as exc:
-        raise TraceError(None, f"--preset: {exc}") from None
+        raise TraceError(None, str(exc)) from None
     result = v.validate(preset_name, chosen, steps=steps, batch=batch, prompt=prompt,
                         dtype=dtype, kv_cache=kv_cache, seed=seed, n_layers=n_layers,
                         spec_tokens=spec_tokens)
@@ -911,13 +914,8 @@ def trace_cmd(from_files: tuple[Path, ...], phase: str, rules: Path | None,
                              "are found)", least=2)
         steps = _count_of("--steps", steps_arg, "a count of decode steps of 1 or more (with "
                           "--from: a regex for the step ranges)")
-        if preset_name is not None and tp != 1:   # a sharded preset at another TP: said first
-            from kimi_perf.decode.config import preset
-
-            try:
-                preset(preset_name, tp=tp)
-            except (KeyError, ValueError) as exc:
-                raise TraceError(None, str(exc.args[0] if exc.args else exc)) from None
+        if preset_name is not None:   # said before torch is loaded
+            _preset_config(preset_name, tp=tp)
         try:
             import torch
         except ImportError as exc:
@@ -935,11 +933,7 @@ def trace_cmd(from_files: tuple[Path, ...], phase: str, rules: Path | None,
                                   plotly_js=plotly_js, l2_prefetch=l2_prefetch,
                                   group_experts_from=group_experts_from, pdl=pdl,
                                   seed=seed)
-        from kimi_perf.decode.config import PRESETS
-
-        if req.preset not in PRESETS:
-            raise TraceError(None, f"unknown preset {req.preset!r} (choose from "
-                                   f"{', '.join(PRESETS)})")
+        _preset_config(req.preset, tp=req.tp)   # the machine's default preset at --tp
         from rich.progress import (
             BarColumn,
             MofNCompleteColumn,

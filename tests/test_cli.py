@@ -374,6 +374,11 @@ def test_floors_of_a_sharded_preset_at_another_tp_is_refused(tmp_path):
     not_a_dir.write_text("")
     _one_line_error(run("trace", "--preset", "k3-tp8", "--tp", "2", "--out", not_a_dir),
                     "k3-tp8 is already sharded over 8 ranks: for TP 2 use --preset k3 --tp 2")
+    _one_line_error(run("trace", "--tp", "3", "--out", not_a_dir),   # the default preset's
+                    "TP 3 does not divide the model: kda_heads=4 does not split over 3 ranks")
+    for command in ("trace", "validate", "floors"):     # one wording for every command
+        _one_line_error(run(command, "--preset", "k4"),
+                        "unknown preset 'k4' (choose from k3, k3-tp8, k3-tp16, tiny)")
     at_8 = json.loads(run("floors", "--preset", "k3", "--tp", "8", "--format", "json").output)
     assert at_8 == json.loads(run("floors", "--format", "json").output) | {"preset": "k3"}
 

@@ -79,7 +79,8 @@ def test_floors_command():
     kda = doc["layer_types"]["kda"]
     assert kda["bytes"] == sum(v["bytes"] for v in kda["launches"].values())
     for args, message in ((["--preset", "k4"], "unknown preset 'k4'"),
-                          (["--preset", "k3", "--tp", "7"], "does not split over tp=7")):
+                          (["--preset", "k3", "--tp", "7"], "TP 7 does not divide the model: "
+                           "kda_heads=96 does not split over 7 ranks")):
         bad = runner.invoke(main, ["floors", *args])
         assert bad.exit_code == 2 and message in bad.output
 

@@ -106,7 +106,8 @@ class K3Config:
                            ("shared_intermediate", self.shared_intermediate),
                            ("dense_intermediate", self.dense_intermediate)):
             if size % tp:
-                raise ValueError(f"{name}={size} does not split over tp={tp}")
+                raise ValueError(f"TP {tp} does not divide the model: {name}={size} does not "
+                                 f"split over {tp} ranks")
         return dataclasses.replace(self, tp=tp)
 
     def fingerprint(self) -> str:
@@ -131,7 +132,7 @@ PRESETS: dict[str, K3Config] = {
 
 def preset(name: str, n_layers: int | None = None, tp: int | None = None) -> K3Config:
     if name not in PRESETS:
-        raise KeyError(f"unknown preset {name!r}: choose from {', '.join(PRESETS)}")
+        raise KeyError(f"unknown preset {name!r} (choose from {', '.join(PRESETS)})")
     config = PRESETS[name]
     if n_layers is not None:
         config = dataclasses.replace(config, n_layers=n_layers)
