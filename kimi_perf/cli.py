@@ -585,15 +585,15 @@ def report_cmd(inputs: tuple[Path, ...], path_name: str | None, labels: str | No
         raise _no_run(list(inputs))
     drawn: dict[str, Breakdown] = {}
     run_info = None
-    first_run: tuple[str, dict] | None = None     # the run the others are compared with
-    unlike: list[tuple[str, str, list[str]]] = []   # (first run, run, how they differ)
+    run_infos: list[tuple[str, dict]] = []   # of several runs: what each ran
     for i, file in enumerate(inputs):
         runs, run_doc = loaded.get(i) or _breakdowns_of(file, layers, rules, step_regex, phase,
                                                         labels_of[i])
-        if run_doc is not None and first_run is None:
-            first_run = (_run_name(file), run_doc)
-        elif run_doc is not None and (found := gate_mod.run_differences(first_run[1], run_doc)):
-            unlike.append((first_run[0], _run_name(file), found))
+        info = run_doc.get("run") if run_doc is not None else None
+        if info is not None:
+            if problem := run_info_problem(info):
+                raise TraceError(file / "breakdown.json" if file.is_dir() else file, problem)
+            run_infos.append((_run_name(file), info))
         if run_doc is not None and path_name is not None:
             runs = dict([gate_mod.one_path(file, runs, path_name)])
         for name, b in runs.items():
@@ -601,13 +601,9 @@ def report_cmd(inputs: tuple[Path, ...], path_name: str | None, labels: str | No
             while label in drawn:
                 label += "'"
             drawn[label] = b
-        if run_doc is not None and len(inputs) == 1:  # the run's own: what ran
-            run_info = run_doc.get("run")
-            if run_info is not None and (problem := run_info_problem(run_info)):
-                raise TraceError(file / "breakdown.json" if file.is_dir() else file, problem)
-            if run_info is not None and path_name is not None:   # that path's metrics alone
-                run_info = {**run_info, "paths": {
-                    p: m for p, m in (run_info.get("paths") or {}).items() if p == path_name}}
+        if info is not None and len(inputs) == 1:  # the run's own: what ran
+            run_info = info if path_name is None else {**info, "paths": {   # that path's alone
+                p: m for p, m in (info.get("paths") or {}).items() if p == path_name}}
     if labels is not None:
         names = labels.split(",")
         if len(names) != len(drawn) or not all(names) or len(set(names)) != len(names):
@@ -615,9 +611,10 @@ def report_cmd(inputs: tuple[Path, ...], path_name: str | None, labels: str | No
                                    f"{', '.join(drawn)}): not {labels!r}")
         drawn = dict(zip(names, drawn.values(), strict=True))
     write_report(output, drawn, "kimi-perf report: " + ", ".join(drawn), run_info, plotly_js,
-                 unlike)
-    for first, run, found in unlike:
-        click.echo(gate_mod.captured_differently(first, run, found), err=True)
+                 run_infos if len(inputs) > 1 else [])
+    for name, info in run_infos[1:] if len(inputs) > 1 else ():
+        if found := gate_mod.run_differences({"run": run_infos[0][1]}, {"run": info}):
+            click.echo(gate_mod.captured_differently(run_infos[0][0], name, found), err=True)
     if str(output) != "-":      # the report itself went to stdout
         click.echo(f"report: {output}")
 

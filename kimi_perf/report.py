@@ -37,7 +37,7 @@ from kimi_perf.comparison import (
     type_pairs,
 )
 from kimi_perf.errors import TraceError
-from kimi_perf.gate import captured_differently, is_finite_number
+from kimi_perf.gate import captured_differently, is_finite_number, run_differences
 from kimi_perf.layer_breakdown import Breakdown, layer_notes, step_notes, units_word
 from kimi_perf.names import demangle, short_names
 from kimi_perf.trace import atomic_write_text
@@ -285,12 +285,9 @@ def _fusions_html(breakdowns: dict[str, Breakdown]) -> str:
             "</p>" + "".join(parts))
 
 
-def _run_html(run: dict | None, breakdowns: dict[str, Breakdown]) -> str:
-    """What ran and where: the request, the machine and the versions of a capture; of
-    traces analysed (``--from``, a report of traces or stored breakdowns), each trace and the
-    GPUs that ran its kernels. Then each path's decode metrics, and a CPU run's caveat."""
-    e = html.escape
-    run = run or {}
+def _capture_items(run: dict) -> list[tuple[str, object]]:
+    """What a capture ran, as (what, value) rows: the request and the machine (nothing for
+    a run of traces analysed, ``trace --from``). A value of None: not recorded."""
     env = run.get("environment") or {}
     items: list[tuple[str, object]] = []
     if "preset" in run:
@@ -319,6 +316,51 @@ def _run_html(run: dict | None, breakdowns: dict[str, Breakdown]) -> str:
                   ("driver, CUDA", f"{env.get('driver')}, {env.get('cuda')}" if gpus else None),
                   ("python, torch, triton", f"{env.get('python')}, {env.get('torch')}, "
                                             f"{env.get('triton')}")]
+    return items
+
+
+def _version_items(run: dict) -> list[tuple[str, object]]:
+    env = run.get("environment") or {}
+    commit = env.get("git_commit") or run.get("git_commit")
+    version = env.get("kimi_perf") or run.get("kimi_perf")
+    return [("kimi-perf", f"{version}" + (f", commit {commit}" if commit else "")
+             if version else None),
+            ("date", run.get("date")), ("command", run.get("command"))]
+
+
+def _runs_html(runs: list[tuple[str, dict]]) -> str:
+    """Several runs drawn together (a baseline and tonight's run): what each ran, a column
+    each, and how each was captured unlike the first (``gate.run_differences``)."""
+    if len(runs) < 2:
+        return ""
+    e = html.escape
+    columns = [dict(_capture_items(r) + _version_items(r)) for _, r in runs]
+    rows = [k for k in dict.fromkeys(k for c in columns for k in c)
+            if any(c.get(k) is not None for c in columns)]
+    # a row whose values differ in bold (the date and command of two runs always do)
+    body = "".join(
+        f"<tr{' class=differs' if len({str(c.get(k)) for c in columns}) > 1 else ''}>"
+        f"<th>{e(k)}</th>" + "".join(
+            f"<td>{e(str(c[k])) if c.get(k) is not None else '-'}</td>" for c in columns)
+        + "</tr>" for k in rows)
+    (first, first_run), *others = runs
+    notes = "".join(
+        f"<p class=note>{e(captured_differently(first, name, found))}.</p>"
+        for name, r in others
+        if (found := run_differences({"run": first_run}, {"run": r})))
+    return ("<h2>Runs</h2><table class=info><tr><th></th>"
+            + "".join(f"<th>{e(name)}</th>" for name, _ in runs)
+            + f"</tr>{body}</table>{notes}")
+
+
+def _run_html(run: dict | None, breakdowns: dict[str, Breakdown]) -> str:
+    """What ran and where: the request, the machine and the versions of a capture; of
+    traces analysed (``--from``, a report of traces or stored breakdowns), each trace and the
+    GPUs that ran its kernels. Then each path's decode metrics, and a CPU run's caveat."""
+    e = html.escape
+    run = run or {}
+    env = run.get("environment") or {}
+    items = _capture_items(run)
     # traces analysed, not captured (trace --from, or a report of traces and breakdowns)
     for label, b in breakdowns.items() if "preset" not in run else ():
         src = b.source
@@ -327,11 +369,7 @@ def _run_html(run: dict | None, breakdowns: dict[str, Breakdown]) -> str:
                 else f"GPUs described: {_gpus_text(src.get('gpus') or [])}")
         items.append((f"trace {label}", f"{src.get('file')} ({src.get('tool')} "
                                         f"{src.get('format')}; {gpus})"))
-    commit = env.get("git_commit") or run.get("git_commit")
-    version = env.get("kimi_perf") or run.get("kimi_perf")
-    items += [("kimi-perf", f"{version}" + (f", commit {commit}" if commit else "")
-               if version else None),
-              ("date", run.get("date")), ("command", run.get("command"))]
+    items += _version_items(run)
     parts = ["<table class=info>" + "".join(
         f"<tr><th>{e(k)}</th><td>{e(str(v))}</td></tr>" for k, v in items if v is not None)
         + "</table>"]
@@ -429,7 +467,7 @@ STYLE = ("<style>body{font-family:sans-serif;margin:1.5em}table{border-collapse:
          "th,td{border:1px solid #ccc;padding:3px 8px;text-align:right}"
          "td.name{overflow-wrap:anywhere;min-width:12em}"
          "td.name,table.info td,table.info th{text-align:left}"
-         "p.note{background:#fff6d5;padding:.5em}</style>")
+         "p.note{background:#fff6d5;padding:.5em}tr.differs td{font-weight:bold}</style>")
 PLOTLY_JS = ("inline", "cdn")
 
 
@@ -463,12 +501,11 @@ def _missing_timelines_html(breakdowns: dict[str, Breakdown]) -> str:
 
 def write_report(path: str | Path, breakdowns: dict[str, Breakdown], title: str,
                  run: dict | None = None, plotly_js: str = "inline",
-                 unlike_runs: list[tuple[str, str, list[str]]] = ()) -> Path:
+                 runs: list[tuple[str, dict]] = ()) -> Path:
     """One HTML file (written atomically) from breakdowns alone (their ``timeline`` is drawn).
     ``run``: the run.json of a capture or ``--from``. ``plotly_js``: ``inline`` (the file
     opens offline; about 5 MB), ``cdn``, or the path of a ``plotly.min.js`` to refer to.
-    ``unlike_runs``: runs captured differently, as (run, other run, how:
-    ``gate.run_differences``)."""
+    ``runs``: the run information of several runs drawn together, as (name, run.json)."""
     if plotly_js not in PLOTLY_JS and not plotly_js.endswith(".js"):
         raise ValueError(f"plotly_js: inline, cdn or a path ending in .js, not {plotly_js!r}")
     path = Path(path)
@@ -486,8 +523,7 @@ def write_report(path: str | Path, breakdowns: dict[str, Breakdown], title: str,
     parts = [f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{html.escape(title)}"
              f"</title>{STYLE}</head><body><h1>{html.escape(title)}</h1>",
              _run_html(run, breakdowns),
-             "".join(f"<p class=note>{html.escape(captured_differently(a, b, found))}.</p>"
-                     for a, b, found in unlike_runs),
+             _runs_html(list(runs)),
              _overview_html(breakdowns),
              _comparison_html(breakdowns),
              _typical_html(breakdowns),

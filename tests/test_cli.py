@@ -773,11 +773,12 @@ def test_report_command_bad_stored_runs(tmp_path, change, message):
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps(doc))
     out = tmp_path / "r.html"
-    result = run("report", bad, "-o", out)
-    assert result.exit_code != 0
-    (line,) = result.output.strip().splitlines()
-    assert line.startswith(f"kimi-perf: error: {bad}: {message}")
-    assert not out.exists()
+    for inputs in ([bad], [BASELINE, bad]):     # alone, or beside another run
+        result = run("report", *inputs, "-o", out)
+        assert result.exit_code != 0
+        (line,) = result.output.strip().splitlines()
+        assert line.startswith(f"kimi-perf: error: {bad}: {message}")
+        assert not out.exists()
 
 
 def test_report_command_bad_options(tmp_path):

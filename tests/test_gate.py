@@ -921,3 +921,12 @@ def test_compare_and_report_say_when_two_runs_were_captured_differently(tmp_path
     report = html_file.read_text()
     assert f"<p class=note>tiny-cpu and other were {said}: their kernels" in report
     assert "tiny-cpu and third" not in report     # captured alike
+    # what each run ran, a column each; the rows that differ in bold, none left all blank
+    assert ("<h2>Runs</h2><table class=info><tr><th></th><th>tiny-cpu</th><th>other</th>"
+            "<th>third</th></tr>") in report
+    assert ("<tr class=differs><th>batch, TP, context</th><td>2, 1, 8 tokens</td>"
+            "<td>64, 1, 8 tokens</td><td>2, 1, 8 tokens</td></tr>") in report
+    assert "<tr><th>decode steps</th><td>3 profiled after 1 warm-up</td>" in report
+    assert "driver, CUDA" not in report          # CPU runs: no driver to show
+    alone = CliRunner().invoke(main, ["report", str(other), "-o", str(html_file)])
+    assert alone.exit_code == 0 and "<h2>Runs</h2>" not in html_file.read_text()
