@@ -38,7 +38,7 @@ from kimi_perf.errors import TraceError
 from kimi_perf.layer_breakdown import Breakdown, breakdown
 from kimi_perf.readers import read_trace
 from kimi_perf.readers.nsys import nsys_cli
-from kimi_perf.trace import atomic_write, atomic_write_text, current_umask
+from kimi_perf.trace import atomic_write, atomic_write_text, current_umask, json_text
 
 PATH_BACKENDS = {"standard": "auto", "specialized": "latency_specialized"}
 
@@ -618,9 +618,9 @@ def _write_outputs(run_dir: Path, final: Path, run_info: dict, results: dict[str
     run_info["report"] = str(final.resolve() / "report.html")
     write_report(run_dir / "report.html", results, title, run_info,
                  plotly_js_for(plotly_js, final))
-    atomic_write_text(run_dir / "run.json", json.dumps(run_info, indent=1) + "\n")
+    atomic_write_text(run_dir / "run.json", json_text(run_info))
     doc = {"schema": 1, "run": run_info, "paths": {k: b.to_json() for k, b in results.items()}}
-    atomic_write_text(run_dir / "breakdown.json", json.dumps(doc, indent=1) + "\n")
+    atomic_write_text(run_dir / "breakdown.json", json_text(doc))
 
 
 def _jsonable(value):

@@ -23,7 +23,7 @@ from kimi_perf.errors import NoStepsMatched, TraceError
 from kimi_perf.layer_breakdown import Breakdown, breakdown, units_word
 from kimi_perf.layers import PHASES
 from kimi_perf.readers import read_trace
-from kimi_perf.trace import atomic_write_text
+from kimi_perf.trace import atomic_write_text, json_text
 
 LAYERS_HELP = ("auto: per-layer ranges when the trace has them, else the repeating kernel "
                "pattern; repeat: the pattern only; nvtx or nvtx:REGEX: ranges only (REGEX may "
@@ -391,7 +391,7 @@ def compare_cmd(a: Path, b: Path | None, path_name: str | None, fmt: str, layers
         doc = comparison_doc(ba, bb, name_a, name_b, kernels)
         if b is not None and run_a and run_b:
             doc["run_differences"] = unlike
-        _emit(json.dumps(doc, indent=1) + "\n", output)
+        _emit(json_text(doc), output)
         return
     rows = compare(ba, bb)
     unit, unit_b = ba.unit, bb.unit
@@ -947,7 +947,7 @@ def trace_cmd(from_files: tuple[Path, ...], phase: str, rules: Path | None,
                 req, progress=lambda text, units: bar.update(task, description=text,
                                                              advance=units))
     if fmt == "json":
-        click.echo(json.dumps(cap.run_document(run_dir, results, run_info), indent=1))
+        click.echo(json_text(cap.run_document(run_dir, results, run_info)), nl=False)
         return
     labels = list(results)
     a = labels[0]

@@ -59,7 +59,7 @@ from kimi_perf.comparison import (
 )
 from kimi_perf.errors import TraceError
 from kimi_perf.layer_breakdown import Breakdown, layer_column
-from kimi_perf.trace import KIMI_PERF_JSON, atomic_write_text, is_int64
+from kimi_perf.trace import KIMI_PERF_JSON, atomic_write_text, is_int64, json_text
 
 METRICS = ("kernels", "kernel_us", "span_us")
 STEP = "step"  # the pseudo layer type of whole decode steps
@@ -274,7 +274,7 @@ def store_baseline(file: str | Path, run_doc: dict) -> None:
     """Write a run's document (``load_run``'s second value, ``GatedRun.run_doc``) as the
     baseline JSON ``file`` (``check_storable``), whole or not at all."""
     check_storable(file)
-    atomic_write_text(Path(file), json.dumps(run_doc, indent=1) + "\n")
+    atomic_write_text(Path(file), json_text(run_doc))
 
 
 def load_run(path: str | Path, phase: str = "auto", **breakdown_options

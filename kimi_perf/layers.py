@@ -478,12 +478,18 @@ def layers_from_ranges(trace: Trace, ops: GpuOps, steps: list[Step], layer_regex
         positions = np.flatnonzero(inside)
         step.prologue = step.ops[: positions[0]]
         step.epilogue = step.ops[positions[-1] + 1:]
-        layer_rows = np.unique(owner[inside])
-        layer_rows = layer_rows[np.argsort(r.start[layer_rows], kind="stable")]
-        for seq, row in enumerate(layer_rows.tolist()):
-            idx, kind = parsed.get(int(r.name[row]), (None, ""))
+        # The step's ops grouped by their layer range in one stable sort (each group keeps
+        # op order), not a mask over the whole step per layer: that is layers x ops, and a
+        # trace without step ranges is one step of every layer.
+        by_layer = np.argsort(owner[positions], kind="stable")
+        owners = owner[positions][by_layer]
+        starts = np.flatnonzero(np.r_[True, owners[1:] != owners[:-1]])
+        layer_rows = owners[starts]                    # ascending, as np.unique gives them
+        grouped = np.split(step.ops[positions[by_layer]], starts[1:])
+        for seq, g in enumerate(np.argsort(r.start[layer_rows], kind="stable").tolist()):
+            idx, kind = parsed.get(int(r.name[layer_rows[g]]), (None, ""))
             step.layers.append(Layer(index=idx if idx is not None else seq,
-                                     ops=step.ops[owner == row], type=kind))
+                                     ops=grouped[g], type=kind))
     return any(s.layers for s in steps)
 
 

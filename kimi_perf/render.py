@@ -5,7 +5,6 @@ from __future__ import annotations
 import csv
 import heapq
 import io
-import json
 import os
 from collections import Counter
 from typing import Any
@@ -33,6 +32,7 @@ from kimi_perf.comparison import (
 from kimi_perf.gate import GateResult
 from kimi_perf.layer_breakdown import Breakdown, layer_notes, step_notes
 from kimi_perf.names import short_names
+from kimi_perf.trace import json_text
 
 
 def console(stderr: bool = False) -> Console:
@@ -78,7 +78,7 @@ def ranges_csv(rows: list[RangeKernelRow]) -> str:
 
 
 def ranges_json(rows: list[RangeKernelRow]) -> str:
-    return json.dumps({"schema": 1, "rows": [r.__dict__ for r in rows]}, indent=1) + "\n"
+    return json_text({"schema": 1, "rows": [r.__dict__ for r in rows]})
 
 
 RANGES_TABLE_ROWS = 100
@@ -102,7 +102,7 @@ def ranges_table(rows: list[RangeKernelRow], limit: int = RANGES_TABLE_ROWS) -> 
 
 
 def breakdown_json(b: Breakdown) -> str:
-    return json.dumps(b.to_json(), indent=1) + "\n"
+    return json_text(b.to_json())
 
 
 BREAKDOWN_HEADER = ["step", "device", "layer", "type", "kernels", "kernel_us", "span_us",

@@ -968,3 +968,26 @@ def test_rules_may_be_given_as_their_toml_file(tmp_path):
     by_file, by_list = (breakdown(trace, rules=r) for r in (rules, load_rules(rules)))
     assert by_file.to_json() == by_list.to_json()
     assert "mine" in by_file.layer_types[0]["classes"]
+
+
+def test_json_text_is_json_dumps_text_and_escapes_what_json_escapes():
+    """The JSON writer (msgspec under the hood) gives json.dumps(indent=1)'s text for what
+    breakdowns hold, escapes names that are not ASCII as json does, and takes a str subclass
+    (torch's version) as json does."""
+    import json
+
+    from kimi_perf.trace import json_text
+
+    class Version(str):
+        pass
+
+    doc = {"schema": 1, "rows": [{"name": "void k<float>(int)", "us": 12.5, "n": 3,
+                                  "none": None, "ok": True, "empty": [], "map": {}}],
+           "version": Version("2.13.0+cpu"), "big": 2**70}
+    assert json_text(doc) == json.dumps(doc, indent=1) + "\n"
+    named = {"name": "k\u202eevil", "unit": "µs"}
+    assert json_text(named) == json.dumps(named, indent=1) + "\n"
+    assert "\\u202e" in json_text(named)
+    assert json.loads(json_text({"x": 1e-7})) == {"x": 1e-7}
+    with pytest.raises(TypeError):
+        json_text({"path": object()})
