@@ -154,6 +154,12 @@ def _preset_config(name: str, tp: int | None = None):
         raise TraceError(None, str(exc.args[0] if exc.args else exc)) from None
 
 
+def _sharding(tp: int) -> int | None:
+    """The TP a capture's --tp shards its preset over: none in one process (a sharded
+    preset, k3-tp8, runs its one rank's shapes)."""
+    return tp if tp != 1 else None
+
+
 def _check_layers(value: str) -> str:
     if value in ("auto", "repeat", "nvtx") or value.startswith("nvtx:"):
         if value.startswith("nvtx:"):
@@ -912,7 +918,7 @@ def trace_cmd(from_files: tuple[Path, ...], phase: str, rules: Path | None,
         steps = _count_of("--steps", steps_arg, "a count of decode steps of 1 or more (with "
                           "--from: a regex for the step ranges)")
         if preset_name is not None:   # said before torch is loaded
-            _preset_config(preset_name, tp=tp)
+            _preset_config(preset_name, tp=_sharding(tp))
         try:
             import torch
         except ImportError as exc:
@@ -930,7 +936,7 @@ def trace_cmd(from_files: tuple[Path, ...], phase: str, rules: Path | None,
                                   plotly_js=plotly_js, l2_prefetch=l2_prefetch,
                                   group_experts_from=group_experts_from, pdl=pdl,
                                   seed=seed)
-        _preset_config(req.preset, tp=req.tp)   # the machine's default preset at --tp
+        _preset_config(req.preset, tp=_sharding(req.tp))   # the machine's default at --tp
         from rich.progress import (
             BarColumn,
             MofNCompleteColumn,

@@ -374,6 +374,9 @@ def test_floors_of_a_sharded_preset_at_another_tp_is_refused(tmp_path):
     not_a_dir.write_text("")
     _one_line_error(run("trace", "--preset", "k3-tp8", "--tp", "2", "--out", not_a_dir),
                     "k3-tp8 is already sharded over 8 ranks: for TP 2 use --preset k3 --tp 2")
+    for rank in ("k3-tp8", "k3-tp16"):     # one process: the preset's one rank, no refusal
+        _one_line_error(run("trace", "--preset", rank, "--out", not_a_dir),
+                        f"{not_a_dir}: --out: not a directory")
     _one_line_error(run("trace", "--tp", "3", "--out", not_a_dir),   # the default preset's
                     "TP 3 does not divide the model: kda_heads=4 does not split over 3 ranks")
     for command in ("trace", "validate", "floors"):     # one wording for every command
@@ -1258,3 +1261,32 @@ def test_the_report_says_one_rank_of_a_sharded_preset_ran():
     run["request"] = {"l2_prefetch": False, "group_experts_from": 16, "pdl": True}
     assert ("<td>experts grouped from 16 tokens, programmatic dependent launch</td>"
             in _run_html(run, {}))
+
+
+def test_a_model_that_cannot_fit_is_refused_before_any_work(tmp_path, monkeypatch):
+    """trace of a model whose weights (about twice over, with the paths' packed copies) pass
+    the memory free for it: one line saying so and what would fit, and no run directory,
+    rather than the out-of-memory killer."""
+    from kimi_perf import capture
+    from kimi_perf.decode.config import preset
+    from kimi_perf.decode.weights import random_weights, weight_bytes
+
+    drawn = random_weights(preset("tiny", n_layers=4))
+    assert weight_bytes(preset("tiny", n_layers=4)) == sum(
+        t.numel() * t.element_size() for t in drawn.values())
+    four = weight_bytes(preset("tiny", n_layers=4))
+    monkeypatch.setattr(capture, "available_memory", lambda device: 3 * four)
+    out = tmp_path / "runs"
+    eight, two = (weight_bytes(preset("tiny", n_layers=n)) for n in (8, 2))
+    _one_line_error(run("trace", "--layers", "8", "--out", out),
+                    f"tiny with 8 layers: {eight / 1e6:.1f} MB of weights, about "
+                    f"{2 * eight / 1e6:.1f} MB with the model's packed copy, and this machine "
+                    f"has {3 * four / 1e6:.1f} MB free: take fewer --layers (2 need about "
+                    f"{2 * two / 1e6:.1f} MB)")
+    assert not out.exists()
+    monkeypatch.setattr(capture, "available_memory", lambda device: four)
+    _one_line_error(run("trace", "--preset", "k3", "--layers", "2", "--out", out),
+                    "take one rank's shapes (--preset k3-tp8 or k3-tp16)")
+    monkeypatch.setattr(capture, "available_memory", lambda device: None)   # unknown
+    req = capture.default_request(False)
+    assert capture.memory_problem(preset("k3"), req, "cpu") is None

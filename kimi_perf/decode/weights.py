@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import re
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
@@ -113,11 +114,23 @@ def random_weights(c: K3Config, seed: int = 0, dtype: torch.dtype = torch.bfloat
 def local_weight_shapes(c: K3Config) -> dict[str, tuple[int, ...]]:
     """One rank's tensor shapes, as ``shard`` produces them."""
     full = dataclasses.replace(c, tp=1)
-    shapes = {}
+    shapes: dict[str, tuple[int, ...]] = {}
+    # (a tensor's split does not depend on its layer or expert number: K3 has 250k tensors)
+    split: dict[tuple[str, tuple[int, ...]], tuple[int, ...]] = {}
     for name, shape in weight_shapes(full).items():
-        probe = torch.empty(shape, device="meta")
-        shapes[name] = tuple(shard({name: probe}, c, 0)[name].shape)
+        key = (re.sub(r"\.\d+\.", ".#.", name), shape)
+        if key not in split:
+            probe = torch.empty(shape, device="meta")
+            split[key] = tuple(shard({name: probe}, c, 0)[name].shape)
+        shapes[name] = split[key]
     return shapes
+
+
+def weight_bytes(c: K3Config, dtype: torch.dtype = torch.bfloat16) -> int:
+    """The bytes of ``random_weights(c, dtype=dtype)``, without drawing them."""
+    shapes = weight_shapes(c) if c.tp == 1 else local_weight_shapes(c)
+    return sum(math.prod(shape) * _storage_dtype(shape, dtype).itemsize
+               for shape in shapes.values())
 
 
 def _storage_dtype(shape: tuple[int, ...], dtype: torch.dtype) -> torch.dtype:
