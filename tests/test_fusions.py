@@ -61,6 +61,33 @@ def test_a_run_s_typical_layers_account_for_every_standard_launch():
     assert r.ratio == round(r.replaced_us / r.us, 3)
 
 
+def test_a_name_launched_twice_is_taken_launch_by_launch():
+    """Under TP layer 0 all-reduces twice (after o_proj, after the dense MLP): each of the
+    specialized path's all-reduces takes one standard launch, first to first, and the counts
+    in the footer are of launches."""
+    standard = [{"name": n, "us": us} for n, us in (
+        ("o_proj", 5.0), ("all_reduce", 100.0), ("attn_res_post", 2.0), ("dense_gate_up", 8.0),
+        ("dense_situ_and_mul", 1.0), ("dense_down", 4.0), ("all_reduce", 30.0))]
+    specialized = [{"name": n, "us": us} for n, us in (
+        ("o_proj", 5.0), ("all_reduce", 90.0), ("attn_res_post", 2.0),
+        ("dense_gate_up_situ", 7.0), ("dense_down", 4.0), ("all_reduce", 20.0))]
+    rows, left = fusion_ledger(standard, specialized)
+    assert [(r.launch, r.replaces, r.replaced_us) for r in rows] == [
+        ("o_proj", ["o_proj"], 5.0), ("all_reduce", ["all_reduce"], 100.0),
+        ("attn_res_post", ["attn_res_post"], 2.0),
+        ("dense_gate_up_situ", ["dense_gate_up", "dense_situ_and_mul"], 9.0),
+        ("dense_down", ["dense_down"], 4.0), ("all_reduce", ["all_reduce"], 30.0)]
+    assert left == []
+    from kimi_perf.render import fusion_table
+
+    assert fusion_table("dense", "standard", "specialized", rows, left).caption.startswith(
+        "6 launches for 7: 128.0 µs for 150.0 µs")
+    # a standard launch no specialized one takes is left, once per launch
+    rows, left = fusion_ledger(standard, specialized[:2])
+    assert left == ["attn_res_post", "dense_gate_up", "dense_situ_and_mul", "dense_down",
+                    "all_reduce"]
+
+
 def test_no_ledger_for_kernel_names():
     """A GPU trace without launch annotations names kernels: no ledger is made up."""
     standard = [{"name": "sm90_xmma_gemm_bf16", "us": 3.0}]

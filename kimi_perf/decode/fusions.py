@@ -11,7 +11,7 @@ launch by launch.
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import defaultdict, deque
 from dataclasses import dataclass
 
 REPLACES: dict[str, tuple[str, ...]] = {
@@ -71,24 +71,26 @@ def fusion_ledger(standard: list[dict], specialized: list[dict]
                   ) -> tuple[list[LedgerRow], list[str]] | None:
     """One layer type's typical layers (``typical_layer["kernels"]``: name, us) of the two
     paths, launch by launch: a row per specialized launch, and the standard launches no row
-    took. None when either is empty, or the names are not the two paths' launch names (a GPU
-    trace without launch annotations names kernels instead)."""
+    took (one name per launch, in order). None when either is empty, or the names are not
+    the two paths' launch names (a GPU trace without launch annotations names kernels
+    instead)."""
     if (not specialized or not standard
             or any(k["name"] not in SPECIALIZED_LAUNCHES for k in specialized)
             or any(k["name"] not in STANDARD_LAUNCHES for k in standard)):
         return None
-    standard_us: dict[str, float] = defaultdict(float)
-    for k in standard:
-        standard_us[k["name"]] += k["us"]
-    taken: set[str] = set()
+    # Each standard launch is taken once, a name's launches in order: under TP a layer makes
+    # two all_reduce launches, which the specialized path's two take first to first.
+    waiting: dict[str, deque[int]] = defaultdict(deque)
+    for i, k in enumerate(standard):
+        waiting[k["name"]].append(i)
     rows = []
     for k in specialized:
-        replaces = [n for n in REPLACES.get(k["name"], (k["name"],))
-                    if n in standard_us and n not in taken]
-        taken.update(replaces)
-        rows.append(LedgerRow(k["name"], k["us"], replaces,
-                              round(sum(standard_us[n] for n in replaces), 3)))
-    return rows, [n for n in standard_us if n not in taken]
+        taken = [waiting[n].popleft() for n in REPLACES.get(k["name"], (k["name"],))
+                 if waiting[n]]
+        rows.append(LedgerRow(k["name"], k["us"], [standard[i]["name"] for i in taken],
+                              round(sum(standard[i]["us"] for i in taken), 3)))
+    left = sorted(i for queue in waiting.values() for i in queue)
+    return rows, [standard[i]["name"] for i in left]
 
 
 def ledger_of(a: list[dict], b: list[dict]
