@@ -591,7 +591,7 @@ def cute_dsl_rows(failed: list[str]) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     parser.add_argument("--json", type=Path, help="write the table as JSON here")
     parser.add_argument("--record", type=Path, help=argparse.SUPPRESS)  # launched_builds' run
     args = parser.parse_args(argv)

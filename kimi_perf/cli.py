@@ -7,6 +7,7 @@ import functools
 import json
 import math
 import os
+import re
 import signal
 import sys
 import threading
@@ -270,11 +271,21 @@ def main() -> None:
 def ranges(trace: Path, fmt: str, output: Path | None) -> None:
     """Kernels per range, as `nsys stats --report nvtx_kern_sum` attributes them."""
     _not_an_input(output, trace)
-    rows = range_kernel_summary(read_trace(trace))
+    read = read_trace(trace)
+    rows = range_kernel_summary(read)
     if fmt == "table":
         _emit_tables([render.ranges_table(rows)], output)
     else:
         _emit(render.ranges_csv(rows) if fmt == "csv" else render.ranges_json(rows), output)
+    if not rows:   # (an empty table alone would look like a failure to read)
+        if len(read.kernels):
+            why = "no range holds a kernel"
+        else:
+            cpu_run = read.names_matching(re.compile(r"^op:"))[read.ranges.name].any()
+            why = "no GPU kernels in this trace" + (
+                " (a CPU run: its launches are its op: ranges, which kimi-perf breakdown "
+                "counts)" if cpu_run else "")
+        click.echo(f"{trace}: {why}", err=True)
 
 
 def _breakdown_of(path: Path, layers: str, rules: Path | None, steps: str | None,
@@ -651,7 +662,7 @@ def info(trace: Path, fmt: str) -> None:
 
     files = [trace]
     if trace.is_dir() and (trace / "breakdown.json").is_file():
-        files = sorted(trace.glob("*.kptrace")) or _analysed_files(trace)
+        files = _saved_traces(trace) or _analysed_files(trace)
     elif trace.is_dir():
         files = trace_files([trace])
     summaries = [(file, read_trace(file).summary()) for file in files]  # all read, then said
@@ -662,6 +673,17 @@ def info(trace: Path, fmt: str) -> None:
         return
     for file, info in summaries:
         _info(file, info)
+
+
+def _saved_traces(run_dir: Path) -> list[Path]:
+    """A capture's saved traces, in the order its paths ran (standard first, as run.json
+    lists them; others after, by name)."""
+    try:
+        ran = list(json.loads((run_dir / "run.json").read_text()).get("paths") or ())
+    except (OSError, ValueError, AttributeError, TypeError):
+        ran = []
+    return sorted(run_dir.glob("*.kptrace"), key=lambda f: (
+        ran.index(f.stem) if f.stem in ran else len(ran), f.name))
 
 
 def _analysed_files(run_dir: Path) -> list[Path]:
@@ -987,7 +1009,8 @@ def trace_cmd(from_files: tuple[Path, ...], phase: str, rules: Path | None,
         console.print(f"{who} on a CPU, with no GPU kernels: 'ops' are the launches each path "
                       "annotates (one per kernel it would run on a GPU), timed on the CPU.")
     for path, metrics in run_info.get("paths", {}).items():
-        console.print(f"{path}: {metrics['decode_tokens_per_s']:.1f} decode tokens/s, "
+        console.print(f"{path}: {metrics['decode_tokens_per_s']:.1f} decode tokens/s (the "
+                      "profiled steps' tokens over their summed time), "
                       f"time to first token {metrics['time_to_first_token_s'] * 1e3:.1f} ms, "
                       f"step {metrics['step_latency_s']['median'] * 1e3:.1f} ms median "
                       f"({metrics['timed']}); ops: {metrics['ops']}"

@@ -354,11 +354,13 @@ class Spread:
 
 def spreads(rows: list[OverviewRow]) -> list[Spread]:
     """Per layer type and for the step, the fastest and slowest trace's median span. None
-    among CPU runs and GPU traces together: their µs differ a thousandfold."""
+    among CPU runs and GPU traces together: their µs differ a thousandfold; none for a type
+    whose kernel sequence differs between traces, which may be different layers."""
     if len({r.unit for r in rows}) > 1:
         return []
+    unlike = set(differing_patterns(rows))
     out = []
-    for layer_type in [None, *(rows[0].types if rows else ())]:
+    for layer_type in [None, *(t for t in (rows[0].types if rows else ()) if t not in unlike)]:
         values = [(r.step_us if layer_type is None else r.types[layer_type][1], r.label)
                   for r in rows
                   if (r.step_us if layer_type is None else r.types[layer_type]) is not None]

@@ -15,6 +15,7 @@ from rich.text import Text
 
 from kimi_perf.attribution import RangeKernelRow
 from kimi_perf.comparison import (
+    ALL_LAYERS,
     UNLIKE_TIMES,
     ComparisonRow,
     OverviewRow,
@@ -238,7 +239,10 @@ def comparison_table(rows: list[ComparisonRow], label_a: str, label_b: str,
                       count_text(r.kernels_a), fmt(r.span_us_a),
                       str(r.layers_b), count_text(r.kernels_b), fmt(r.span_us_b),
                       ratio_text(r.span_ratio), ratio_text(r.kernel_ratio))
-    notes = []
+    # (the ratios' direction, and the last row's statistic, said where they are read)
+    notes = [f"ratios: {label_a} over {label_b}, above 1 where {label_b} takes less"
+             + ("; all layers: the mean over every layer, a slow outlier included"
+                if any(r.label == ALL_LAYERS for r in rows) else "")]
     if paired := pairing_note(rows, label_a, label_b):
         notes.append(paired)
     if any(r.pattern_differs for r in rows):
@@ -246,7 +250,7 @@ def comparison_table(rows: list[ComparisonRow], label_a: str, label_b: str,
                      f"{label_b}: it may be another layer there")
     if unit != unit_b:
         notes.append(UNLIKE_TIMES)
-    table.caption = "\n".join(notes) or None
+    table.caption = "\n".join(notes)
     return table
 
 
@@ -293,7 +297,7 @@ def overview_table(rows: list[OverviewRow], unit: str = "kernels") -> Table:
              for label, what in stragglers(list(spread.values())).items()]
     if differ:
         notes.append("* found by the repeating kernel pattern, with other kernel sequences in "
-                     "some traces: the letter may name different layers")
+                     "some traces: the letter may name different layers (no spread)")
     if renamed := renamed_columns(rows):
         notes.append(renamed)
     if len({r.unit for r in rows}) > 1:
@@ -326,7 +330,7 @@ def validation_table(result: dict) -> Table:
     table = _table(f"Decode paths vs float64 reference: preset {result['preset']}, "
                    f"{result['dtype']}, {result['kv_cache']} KV cache, batch "
                    f"{result['batch']}, {steps}",
-                   ["path", "layer type", "max rel err", "bound", "launches/layer"],
+                   ["path", "layer type", "max error", "bound", "launches/layer"],
                    left=("path", "layer type"))
     for path, r in result["paths"].items():
         for kind, v in r["layer_types"].items():
@@ -336,11 +340,12 @@ def validation_table(result: dict) -> Table:
                       f"{bounds['logits']:.3g}", "")
         table.add_row(path, "routing gap", f"{r['routing_max_gap']:.3g}",
                       f"{bounds['routing_gap']:.3g}", "")
-    fallbacks = [f"{path} fell back to the standard path's PyTorch ops: "
-                 f"{'; '.join(r['fallbacks'])}"
-                 for path, r in result["paths"].items() if r.get("fallbacks")]
-    if fallbacks:
-        table.caption = "\n".join(fallbacks)
+    notes = ["max error: relative, ‖out − ref‖ / ‖ref‖; of the routing, how far below its own "
+             "k-th best score the reference found the path's top-k choice"]
+    notes += [f"{path} fell back to the standard path's PyTorch ops: "
+              f"{'; '.join(r['fallbacks'])}"
+              for path, r in result["paths"].items() if r.get("fallbacks")]
+    table.caption = "\n".join(notes)
     return table
 
 

@@ -179,7 +179,7 @@ def _overview_html(breakdowns: dict[str, Breakdown]) -> str:
                    for label, what in stragglers(list(spread.values())).items())
     if differ:
         note += ("<p>* found by the repeating kernel pattern, with other kernel sequences in "
-                 "some traces: the letter may name different layers.</p>")
+                 "some traces: the letter may name different layers (no spread).</p>")
     if renamed := renamed_columns(rows, most=len(types)):
         note += f"<p>{e(renamed[0].upper() + renamed[1:])}.</p>"
     if len({r.unit for r in rows}) > 1:
@@ -392,8 +392,10 @@ def _run_html(run: dict | None, breakdowns: dict[str, Breakdown]) -> str:
                      "<th>decode tokens/s</th><th>time to first token, ms</th>"
                      "<th>step, ms (median)</th><th>step, ms (min / max)</th>"
                      f"<th>steps that fell back</th></tr>{rows}</table>"
-                     f"<p>Timed {e('; '.join(timed))}. Decode tokens/s excludes the prompt; "
-                     "each metric stands on its own.</p>")
+                     f"<p>Timed {e('; '.join(timed))}. Decode tokens/s excludes the prompt: the "
+                     "profiled steps' tokens over their summed time, so a slow step weighs in "
+                     "it as it does in a user's wait, where the median step does not; each "
+                     "metric stands on its own.</p>")
         accepted = {path: m["speculative"] for path, m in metrics.items()
                     if isinstance(m.get("speculative"), dict)}
         if accepted:

@@ -6,6 +6,7 @@ import datetime
 import gzip
 import json
 import os
+import re
 import shutil
 import signal
 import sqlite3
@@ -364,7 +365,7 @@ def test_a_layer_count_below_two_is_refused():
                         f"--from: how layers are found), not '{count}'")
 
 
-def test_floors_of_a_sharded_preset_at_another_tp_is_refused(tmp_path):
+def test_floors_of_a_sharded_preset_at_another_tp_is_refused(tmp_path, monkeypatch):
     _one_line_error(run("floors", "--preset", "k3-tp8", "--tp", "1"),
                     "k3-tp8 is already sharded over 8 ranks: for TP 1 use --preset k3 --tp 1")
     assert run("floors", "--preset", "k3-tp8", "--tp", "8").exit_code == 0
@@ -374,6 +375,9 @@ def test_floors_of_a_sharded_preset_at_another_tp_is_refused(tmp_path):
     not_a_dir.write_text("")
     _one_line_error(run("trace", "--preset", "k3-tp8", "--tp", "2", "--out", not_a_dir),
                     "k3-tp8 is already sharded over 8 ranks: for TP 2 use --preset k3 --tp 2")
+    from kimi_perf import capture
+
+    monkeypatch.setattr(capture, "available_memory", lambda device: None)   # memory unknown
     for rank in ("k3-tp8", "k3-tp16"):     # one process: the preset's one rank, no refusal
         _one_line_error(run("trace", "--preset", rank, "--out", not_a_dir),
                         f"{not_a_dir}: --out: not a directory")
@@ -477,6 +481,10 @@ def test_trace_from_names_runs_after_their_files_and_compares_each(tmp_path):
     assert "Every trace" in result.output and "slowest / fastest" in result.output
     for f in files:
         assert f.name.removesuffix(".sqlite") in result.output
+    # the pattern types differ between these unrelated traces: no spread of other layers
+    spread = next(line for line in result.output.splitlines() if "slowest / fastest" in line)
+    assert re.findall(r"\d+\.\d+×", spread) == ["3.24×"]       # the steps' alone
+    assert "may name different layers (no spread)" in " ".join(result.output.split())
     (first,) = tmp_path.iterdir()
     assert (first / "report.html").read_text().count(
         "Per layer type: nsysai_fastvideo_wan2.1_train_2xh100_before vs ") == 2
@@ -1190,6 +1198,12 @@ def test_info_of_a_run_directory_tells_each_of_its_traces(tmp_path):
     headers = [line for line in result.output.splitlines() if not line.startswith(" ")]
     assert headers == [f"{tmp_path / name}.kptrace: kineto-json from PyTorch profiler "
                        "(Kineto, ROCm), schema 1" for name in ("specialized", "standard")]
+    # a capture's run.json: in the order its paths ran
+    (tmp_path / "run.json").write_text(json.dumps({"paths": {"standard": {},
+                                                             "specialized": {}}}))
+    headers = [line.partition(":")[0] for line in run("info", tmp_path).output.splitlines()
+               if not line.startswith(" ")]
+    assert headers == [f"{tmp_path / name}.kptrace" for name in ("standard", "specialized")]
 
 
 def test_info_of_a_from_run_tells_the_traces_it_analysed(tmp_path, monkeypatch):
@@ -1290,3 +1304,15 @@ def test_a_model_that_cannot_fit_is_refused_before_any_work(tmp_path, monkeypatc
     monkeypatch.setattr(capture, "available_memory", lambda device: None)   # unknown
     req = capture.default_request(False)
     assert capture.memory_problem(preset("k3"), req, "cpu") is None
+
+
+def test_ranges_says_why_its_table_is_empty():
+    """A trace whose process ran no CUDA: the table is empty, and a line on stderr says why
+    (no GPU kernels; not a CPU decode run, which would have op: ranges)."""
+    trace = NSYS / "IhorAtlanov-assignment2-systems__result__nsys2025.6.1_NO_CUDA.sqlite"
+    result = run("ranges", trace, "--format", "csv")
+    assert result.exit_code == 0
+    assert result.output.splitlines()[0].startswith("range,pid,tid")
+    assert f"{trace.name}: no GPU kernels in this trace" in result.output
+    assert "a CPU run" not in result.output
+    assert "no GPU kernels" not in run("ranges", VLLM, "--format", "csv").output

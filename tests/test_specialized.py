@@ -426,6 +426,10 @@ def test_trace_command_captures_both_paths(tmp_path):
         assert [s["name"] for s in steps] == ["decode_step[0]", "decode_step[1]"]
         assert all(s["layers"] == 4 and s["layer_source"] == "nvtx" for s in steps)
     assert run["paths"]["specialized"]["fallbacks"] == ["prefill: a prompt of 3 tokens"]
+    # a CPU run has no GPU kernels for ranges to attribute: it says so, and where they are
+    ranges = CliRunner().invoke(main, ["ranges", str(run_dir / "standard.trace.json.gz")])
+    assert ranges.exit_code == 0 and ("no GPU kernels in this trace (a CPU run: its launches "
+                                      "are its op: ranges") in " ".join(ranges.output.split())
     # --from reads the traces back into the same report.
     again = CliRunner().invoke(main, ["trace", "--from", str(run_dir / "standard.kptrace"),
                                       "--from", str(run_dir / "specialized.trace.json.gz"),
