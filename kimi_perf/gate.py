@@ -567,7 +567,8 @@ def gate(baseline: dict[str, Breakdown], current: dict[str, Breakdown],
 # What makes two captures comparable: the model, the step's shape and how it ran.
 RUN_SETTINGS = (("preset", ("preset",)), ("layers", ("n_layers",)),
                 ("model config", ("config_hash",)), ("batch", ("batch",)), ("TP", ("tp",)),
-                ("context", ("context",)), ("draft tokens", ("spec_tokens",)),
+                ("context", ("context",)), ("warm-up steps", ("warmup_steps",)),
+                ("seed", ("request", "seed")), ("draft tokens", ("spec_tokens",)),
                 ("KV cache", ("request", "kv_cache")), ("CUDA graphs", ("request", "graphs")),
                 ("profiler", ("request", "backend")), ("device", ("environment", "device")),
                 ("GPUs", ("environment", "gpus")))

@@ -833,6 +833,15 @@ def test_gate_says_when_baseline_and_run_were_captured_differently(tmp_path):
     grouped["run"]["request"].update(group_experts_from=16, l2_prefetch=True)
     assert run_differences(old, grouped) == ["L2 prefetch off vs on",
                                              "experts grouped from off vs 16"]
+    # other weights and routing, or fewer warm-up steps before the profiled ones
+    reseeded = json.loads(BASELINE.read_text())
+    reseeded["run"]["request"]["seed"] = 3
+    reseeded["run"]["warmup_steps"] = 0
+    assert run_differences(spec, reseeded) == ["warm-up steps 1 vs 0", "seed 0 vs 3",
+                                               "draft tokens 3 vs 0"]
+    unseeded = json.loads(BASELINE.read_text())
+    del unseeded["run"]["request"]["seed"]      # a capture from before --seed: not known
+    assert run_differences(unseeded, reseeded) == ["warm-up steps 1 vs 0"]
     assert run_differences(grouped, grouped) == []
 
 
