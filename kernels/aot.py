@@ -255,7 +255,7 @@ def builds() -> list[Build]:
                                     {"x_ptr": "*bf16", "x2_ptr": "*bf16", "out_ptr": "*bf16",
                                      "out2_ptr": "*bf16", "eps": "fp32"}, consts),
                          consts, 8))
-    consts = {"BLOCK": 4096}
+    consts = {"BLOCK": l2_prefetch.BLOCK}
     out.append(Build("l2_prefetch", l2_prefetch.l2_prefetch_kernel,
                      _signature(l2_prefetch.l2_prefetch_kernel, {"ptr": "*bf16"}, consts),
                      consts, 8))

@@ -22,6 +22,12 @@ import triton
 import triton.language as tl
 
 PROGRAMS = 128
+BLOCK = 4096
+
+
+def per_program(n: int) -> int:
+    """Elements each program reads (the last ones fewer): whole blocks."""
+    return triton.cdiv(triton.cdiv(n, PROGRAMS), BLOCK) * BLOCK
 
 
 @triton.jit
@@ -44,9 +50,7 @@ def l2_prefetch(weight: torch.Tensor, checksums: torch.Tensor | None = None) -> 
         raise ValueError("l2_prefetch needs a contiguous tensor")
     if checksums is None:
         checksums = torch.empty(PROGRAMS, dtype=torch.float32, device=weight.device)
-    block = 4096
     n = weight.numel()
-    per_program = triton.cdiv(triton.cdiv(n, PROGRAMS), block) * block
-    l2_prefetch_kernel[(PROGRAMS,)](weight, n, per_program, checksums, BLOCK=block,
+    l2_prefetch_kernel[(PROGRAMS,)](weight, n, per_program(n), checksums, BLOCK=BLOCK,
                                     num_warps=8)
     return checksums

@@ -215,8 +215,8 @@ def capture(req: TraceRequest, progress=None) -> tuple[Path, dict[str, Breakdown
         try:
             config.shard(req.tp)   # each rank shards it again: refused here, before any work
         except ValueError as exc:
-            raise TraceError(None, f"--tp {req.tp}: {req.preset}'s {exc}") from None
-    if problem := memory_problem(config, req, device):
+            raise TraceError(None, f"{req.preset}: {exc}") from None
+    if problem := memory_problem(config, req.preset, device):
         raise TraceError(None, problem)
     with run_directory(req.out_dir, f"{req.preset}-b{req.batch}") as (run_dir, final):
         run_info, results = _capture_all(req, config, device, run_dir, final, progress)
@@ -229,23 +229,28 @@ def capture(req: TraceRequest, progress=None) -> tuple[Path, dict[str, Breakdown
 MEMORY_PER_WEIGHT_BYTE = 2
 
 
-def memory_problem(config, req: TraceRequest, device: str) -> str | None:
-    """Why the request's model cannot fit in the memory free for it (the GPU's, or the
+def memory_problem(config, preset_name: str, device: str, need_of=None,
+                   holding: str = "with the model's packed copy",
+                   otherwise: str | None = None) -> str | None:
+    """Why a model of ``config`` cannot fit in the memory free for it (the GPU's, or the
     machine's), said before any work rather than by the out-of-memory killer; None where it
-    fits or the free memory is unknown."""
+    fits or the free memory is unknown. ``need_of(config)``: the bytes a run of it holds
+    (``holding`` says what they are; by default a capture's, the weights twice over);
+    ``otherwise``: what to take where even two layers do not fit."""
     from kimi_perf.decode.weights import weight_bytes
 
-    weights = weight_bytes(config)
-    need = MEMORY_PER_WEIGHT_BYTE * weights
+    need_of = need_of or (lambda c: MEMORY_PER_WEIGHT_BYTE * weight_bytes(c))
+    need = need_of(config)
     free = available_memory(device)
     if free is None or need <= free:
         return None
-    least = MEMORY_PER_WEIGHT_BYTE * weight_bytes(dataclasses.replace(config, n_layers=2))
+    least = need_of(dataclasses.replace(config, n_layers=2))
     instead = (f"take fewer --layers (2 need about {_size(least)})" if least <= free
-               else "take one rank's shapes (--preset k3-tp8 or k3-tp16)" if config.tp == 1
-               else "take a smaller preset, or a machine with more memory")
-    return (f"{req.preset} with {config.n_layers} layers: {_size(weights)} of weights, about "
-            f"{_size(need)} with the model's packed copy, and "
+               else otherwise or ("take one rank's shapes (--preset k3-tp8 or k3-tp16)"
+                                  if config.tp == 1
+                                  else "take a smaller preset, or a machine with more memory"))
+    return (f"{preset_name} with {config.n_layers} layers: {_size(weight_bytes(config))} of "
+            f"weights, about {_size(need)} {holding}, and "
             f"{'the GPU' if device == 'cuda' else 'this machine'} has {_size(free)} free: "
             f"{instead}")
 
@@ -256,19 +261,24 @@ def _size(n: int) -> str:
 
 def available_memory(device: str) -> int | None:
     """Bytes free for a model on ``device``: the GPU's free memory, or the machine's
-    available memory (Linux's MemAvailable); None where unknown."""
+    available memory (Linux's MemAvailable, and below it what a container's cgroup limit
+    leaves); None where unknown."""
     if device == "cuda":
         import torch
 
         return torch.cuda.mem_get_info()[0]
-    try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
+    free = None
+    with contextlib.suppress(OSError, ValueError), open("/proc/meminfo") as meminfo:
+        for line in meminfo:
+            if line.startswith("MemAvailable:"):
+                free = int(line.split()[1]) * 1024
+    with contextlib.suppress(OSError, ValueError):   # cgroup v2; "max": no limit
+        group = Path("/sys/fs/cgroup")
+        limit = (group / "memory.max").read_text().strip()
+        if limit != "max":
+            left = int(limit) - int((group / "memory.current").read_text())
+            free = left if free is None else min(free, left)
+    return free
 
 
 def _capture_all(req: TraceRequest, config, device: str, run_dir: Path, final: Path,
@@ -317,6 +327,7 @@ def _capture_all(req: TraceRequest, config, device: str, run_dir: Path, final: P
                                 **path_options(req))
             trace_file = run_dir / f"{path}.trace.json.gz"
             metrics = _profile(model, req, device, trace_file, done)
+            del model    # (its packed weights: not held while the next path's are made)
         trace = read_trace(trace_file)
         trace.save(run_dir / f"{path}.kptrace")
         results[path] = breakdown(trace)

@@ -397,16 +397,15 @@ def compare_cmd(a: Path, b: Path | None, path_name: str | None, fmt: str, layers
                                                               (b, runs_b, run_b)))
         if name_a == name_b and run_a and run_b:  # one path of two runs: name the runs
             name_a, name_b = (f"{_run_name(f)}:{name_a}" for f in (a, b))
-    # two captures: how they were made differently (nothing for one run's two paths)
-    unlike = gate_mod.run_differences(run_a, run_b) if b is not None and run_a and run_b \
-        else []
+    two_captures = b is not None and bool(run_a) and bool(run_b)   # (not one run's two paths)
+    unlike = gate_mod.run_differences(run_a, run_b) if two_captures else []
     if labels is not None:
         name_a, name_b = labels.split(",")
     elif name_a == name_b:
         name_b += "'"
     if fmt == "json":
         doc = comparison_doc(ba, bb, name_a, name_b, kernels)
-        if b is not None and run_a and run_b:
+        if two_captures:
             doc["run_differences"] = unlike
         _emit(json_text(doc), output)
         return
@@ -823,9 +822,15 @@ def validate(preset_name: str, n_layers: int | None, paths: str, steps: int,
         raise TraceError(None, f"unknown path(s) {', '.join(unknown)} (available: "
                                f"{', '.join(v.PATHS)})")
     try:
-        v.whole_model(preset_name)
+        config = v.whole_model(preset_name, n_layers)
     except ValueError as exc:
         raise TraceError(None, str(exc)) from None
+    from kimi_perf.capture import memory_problem
+
+    if problem := memory_problem(config, preset_name, "cpu", need_of=v.memory_need(dtype),
+                                 holding="with the paths' copies and the float64 reference",
+                                 otherwise="take the tiny preset"):
+        raise TraceError(None, problem)
     result = v.validate(preset_name, chosen, steps=steps, batch=batch, prompt=prompt,
                         dtype=dtype, kv_cache=kv_cache, seed=seed, n_layers=n_layers,
                         spec_tokens=spec_tokens)
@@ -958,7 +963,8 @@ def trace_cmd(from_files: tuple[Path, ...], phase: str, rules: Path | None,
                                   plotly_js=plotly_js, l2_prefetch=l2_prefetch,
                                   group_experts_from=group_experts_from, pdl=pdl,
                                   seed=seed)
-        _preset_config(req.preset, tp=_sharding(req.tp))   # the machine's default at --tp
+        # (again: the preset may be the machine's default, known only now)
+        _preset_config(req.preset, tp=_sharding(req.tp))
         from rich.progress import (
             BarColumn,
             MofNCompleteColumn,

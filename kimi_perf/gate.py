@@ -596,7 +596,7 @@ def run_differences(baseline_doc: dict, run_doc: dict) -> list[str]:
             out.append(f"{label} {_setting_text(base)} vs {_setting_text(cur)}")
     if all("preset" in r for r in runs):   # two captures: their specialized path's opt-ins
         for label, key in OPT_INS:         # (off where a capture predates the option)
-            base, cur = (_opt_in_text((r.get("request") or {}).get(key)) for r in runs)
+            base, cur = (_opt_in_text(setting(r, ("request", key))) for r in runs)
             if base != cur:
                 out.append(f"{label} {base} vs {cur}")
     return out

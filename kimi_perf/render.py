@@ -15,7 +15,6 @@ from rich.text import Text
 
 from kimi_perf.attribution import RangeKernelRow
 from kimi_perf.comparison import (
-    ALL_LAYERS,
     UNLIKE_TIMES,
     ComparisonRow,
     OverviewRow,
@@ -24,6 +23,7 @@ from kimi_perf.comparison import (
     differing_patterns,
     pairing_note,
     patterns_differ,
+    ratio_note,
     ratio_text,
     renamed_columns,
     rotation_notes,
@@ -239,10 +239,7 @@ def comparison_table(rows: list[ComparisonRow], label_a: str, label_b: str,
                       count_text(r.kernels_a), fmt(r.span_us_a),
                       str(r.layers_b), count_text(r.kernels_b), fmt(r.span_us_b),
                       ratio_text(r.span_ratio), ratio_text(r.kernel_ratio))
-    # (the ratios' direction, and the last row's statistic, said where they are read)
-    notes = [f"ratios: {label_a} over {label_b}, above 1 where {label_b} takes less"
-             + ("; all layers: the mean over every layer, a slow outlier included"
-                if any(r.label == ALL_LAYERS for r in rows) else "")]
+    notes = [ratio_note(rows, label_a, label_b)]
     if paired := pairing_note(rows, label_a, label_b):
         notes.append(paired)
     if any(r.pattern_differs for r in rows):

@@ -29,6 +29,7 @@ from kimi_perf.comparison import (
     overview,
     pairing_note,
     patterns_differ,
+    ratio_note,
     ratio_text,
     renamed_columns,
     rotation_notes,
@@ -145,7 +146,8 @@ def _comparison_html(breakdowns: dict[str, Breakdown]) -> str:
             f"<td>{ratio_text(r.kernel_ratio)}</td></tr>"
             for r in rows)
         paired = pairing_note(rows, a, b)
-        note = f"<p>{e(paired)}.</p>" if paired else ""
+        note = f"<p>{e(ratio_note(rows, a, b))}.</p>"
+        note += f"<p>{e(paired)}.</p>" if paired else ""
         note += (f"<p>* found by the repeating kernel pattern, with another kernel sequence "
                  f"in {e(b)}: it may be another layer there.</p>"
                  if any(r.pattern_differs for r in rows) else "")
@@ -302,6 +304,7 @@ def _capture_items(run: dict) -> list[tuple[str, object]]:
                                    f"{run.get('warmup_steps')} warm-up"
                                    + (f"; each a speculative verify of 1+{k} tokens per "
                                       "sequence" if (k := run.get("spec_tokens")) else "")),
+                  ("seed", request.get("seed")),
                   ("CUDA graphs, profiler, KV cache",
                    f"{'on' if request.get('graphs') else 'off'}, {request.get('backend')}, "
                    f"{request.get('kv_cache')}")]
@@ -334,6 +337,12 @@ def _runs_html(runs: list[tuple[str, dict]]) -> str:
     if len(runs) < 2:
         return ""
     e = html.escape
+    named: list[str] = []
+    for name, _ in runs:            # (the same run twice: told apart as the drawn labels are)
+        while name in named:
+            name += "'"
+        named.append(name)
+    runs = list(zip(named, (r for _, r in runs), strict=True))
     columns = [dict(_capture_items(r) + _version_items(r)) for _, r in runs]
     rows = [k for k in dict.fromkeys(k for c in columns for k in c)
             if any(c.get(k) is not None for c in columns)]
@@ -391,7 +400,7 @@ def _run_html(run: dict | None, breakdowns: dict[str, Breakdown]) -> str:
         parts.append("<h2>Decode metrics</h2><table><tr><th>path</th><th>model</th>"
                      "<th>decode tokens/s</th><th>time to first token, ms</th>"
                      "<th>step, ms (median)</th><th>step, ms (min / max)</th>"
-                     f"<th>steps that fell back</th></tr>{rows}</table>"
+                     f"<th>calls that fell back</th></tr>{rows}</table>"
                      f"<p>Timed {e('; '.join(timed))}. Decode tokens/s excludes the prompt: the "
                      "profiled steps' tokens over their summed time, so a slow step weighs in "
                      "it as it does in a user's wait, where the median step does not; each "

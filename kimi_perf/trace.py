@@ -564,18 +564,41 @@ def atomic_write_text(path: str | Path, text: str) -> None:
 def json_text(value: Any) -> str:
     """``json.dumps(value, indent=1)`` and a newline, encoded by msgspec: json's ``indent``
     takes its pure-Python encoder, seconds and twice the memory for the 43k layers of a
-    1M-kernel trace's breakdown. Text that is not all ASCII goes to json, which escapes it (a
-    name with a bidirectional override stays visible). Numbers in exponent form read back
-    the same, written ``1e-7`` rather than ``1e-07``."""
+    1M-kernel trace's breakdown. Characters beyond ASCII are escaped as json escapes them (a
+    name with a bidirectional override stays visible). Where msgspec writes otherwise:
+    numbers in exponent form (``1e-7`` for ``1e-07``: they read back the same), and NaN or
+    infinity, which it writes as ``null`` (valid JSON, where json writes the invalid ``NaN``).
+    What msgspec does not take (a dict keyed by numbers) goes to json."""
     import msgspec
 
-    raw = msgspec.json.format(msgspec.json.encode(value, enc_hook=_str_subclass), indent=1)
-    return raw.decode() + "\n" if raw.isascii() else json.dumps(value, indent=1) + "\n"
+    try:
+        raw = msgspec.json.encode(value, enc_hook=_builtin_subclass)
+    except TypeError:
+        return json.dumps(value, indent=1) + "\n"
+    text = msgspec.json.format(raw, indent=1).decode()
+    if not text.isascii():   # (only strings hold such characters: escaped in place)
+        text = _NOT_ASCII.sub(_json_escape, text)
+    return text + "\n"
 
 
-def _str_subclass(value: Any) -> str:
-    """What json takes and msgspec does not: a subclass of str (torch's TorchVersion)."""
-    if isinstance(value, str):
-        return str(value)
+_NOT_ASCII = re.compile(r"[^\x00-\x7f]")
+
+
+def _json_escape(match: re.Match) -> str:
+    """A character beyond ASCII as json writes it: ``\\uXXXX``, a surrogate pair beyond the
+    Basic Multilingual Plane."""
+    code = ord(match.group())
+    if code < 0x10000:
+        return f"\\u{code:04x}"
+    code -= 0x10000
+    return f"\\u{0xD800 | code >> 10:04x}\\u{0xDC00 | code & 0x3FF:04x}"
+
+
+def _builtin_subclass(value: Any) -> Any:
+    """What json takes and msgspec does not: subclasses of str, int and float (torch's
+    TorchVersion, numpy's float64)."""
+    for kind in (str, int, float):
+        if isinstance(value, kind):
+            return kind(value)
     raise TypeError(f"Object of type {type(value).__name__} is not JSON serializable")
 

@@ -7,11 +7,22 @@ import os
 os.environ.setdefault("TRITON_INTERPRET", "1")
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parent.parent
 FIXTURES = Path(os.environ.get("KIMI_PERF_FIXTURES", REPO.parent / "shared" / "fixtures"))
 NSYS = FIXTURES / "nsys"
 KINETO = FIXTURES / "kineto"
 DATA = Path(__file__).resolve().parent / "data"
+
+
+@pytest.fixture
+def poisoned_empty(monkeypatch):
+    """Fresh buffers start poisoned within the test (``tests.poisoning``; torch is imported
+    only where a test asks for it)."""
+    from tests.poisoning import poison_fresh_buffers
+
+    poison_fresh_buffers(monkeypatch)
 
 
 def nsys_fixtures() -> list[Path]:

@@ -985,9 +985,12 @@ def test_json_text_is_json_dumps_text_and_escapes_what_json_escapes():
                                   "none": None, "ok": True, "empty": [], "map": {}}],
            "version": Version("2.13.0+cpu"), "big": 2**70}
     assert json_text(doc) == json.dumps(doc, indent=1) + "\n"
-    named = {"name": "k\u202eevil", "unit": "µs"}
+    named = {"name": "k\u202eevil", "unit": "µs", "emoji \U0001f600": ["é"]}
     assert json_text(named) == json.dumps(named, indent=1) + "\n"
-    assert "\\u202e" in json_text(named)
+    assert "\\u202e" in json_text(named) and "\\ud83d\\ude00" in json_text(named)
+    others = {"float64": np.float64(1.5), "by number": {1: "a", 2: "b"}}
+    assert json_text(others) == json.dumps(others, indent=1) + "\n"
     assert json.loads(json_text({"x": 1e-7})) == {"x": 1e-7}
+    assert json.loads(json_text({"x": float("nan")})) == {"x": None}   # valid JSON
     with pytest.raises(TypeError):
         json_text({"path": object()})

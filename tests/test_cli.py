@@ -642,7 +642,9 @@ def test_kernels_shows_each_typical_layer_kernel_by_kernel(tmp_path):
     assert "17 kernels, " in one.output and "11 of 12 A layers ran exactly this sequence" \
         in one.output
     assert "_ZN7ck_tile" not in one.output
-    assert "Typical" not in run("breakdown", VLLM).output     # only when asked
+    plain = run("breakdown", VLLM)
+    assert plain.exit_code == 0 and "Per layer type" in plain.output, plain.output
+    assert "Typical" not in plain.output                     # only when asked
     piecewise = KINETO / "tracelens_vllm_gptoss20b_prefilldecode_piecewise_mi300x.json.gz"
     two = run("compare", VLLM, piecewise, "--labels", "graph,piecewise", "--kernels")
     assert two.exit_code == 0, two.output
@@ -856,13 +858,17 @@ def test_the_commit_recorded_says_when_the_checkout_differs_from_it(tmp_path, mo
     assert _git_commit(tmp_path) == "abc+uncommitted"
 
 
-def test_seeds_are_taken_as_far_as_torch_takes_them():
-    """--seed of trace and validate: 0 to 2**63 (seed + 1 draws the prompt); beyond, a usage
-    error, not torch's overflow."""
+def test_seeds_beyond_what_torch_takes_are_a_usage_error():
+    """--seed of trace and validate: 0 to 2**63 (seed + 1 draws the prompt: both within
+    torch's 64-bit seeds); beyond, a usage error, not torch's overflow."""
     for command in ("trace", "validate"):
         result = run(command, "--seed", str(2**63 + 1))
         assert result.exit_code == 2 and "--seed" in result.output
         assert run(command, "--seed", "-1").exit_code == 2
+        largest = cli.main.commands[command].make_context(command, ["--seed", str(2**63)])
+        assert largest.params["seed"] == 2**63
+    torch = pytest.importorskip("torch")
+    torch.Generator().manual_seed(2**63 + 1)        # the prompt's seed of the largest
 
 
 def test_a_directory_of_traces_stands_for_its_traces(tmp_path):
@@ -1305,9 +1311,19 @@ def test_a_model_that_cannot_fit_is_refused_before_any_work(tmp_path, monkeypatc
     monkeypatch.setattr(capture, "available_memory", lambda device: four)
     _one_line_error(run("trace", "--preset", "k3", "--layers", "2", "--out", out),
                     "take one rank's shapes (--preset k3-tp8 or k3-tp16)")
+    # on a GPU, one rank's shapes that even at two layers do not fit: a smaller preset
+    monkeypatch.setattr(capture, "available_memory", lambda device: 10**9)
+    assert capture.memory_problem(preset("k3-tp8", n_layers=4), "k3-tp8", "cuda") == (
+        f"k3-tp8 with 4 layers: {weight_bytes(preset('k3-tp8', n_layers=4)) / 1e9:.1f} GB of "
+        f"weights, about {2 * weight_bytes(preset('k3-tp8', n_layers=4)) / 1e9:.1f} GB with "
+        "the model's packed copy, and the GPU has 1.0 GB free: take a smaller preset, or a "
+        "machine with more memory")
+    # validate holds more: the paths' copies and the float64 reference
+    _one_line_error(run("validate", "--preset", "k3", "--layers", "2"),
+                    "k3 with 2 layers:", "with the paths' copies and the float64 reference, "
+                    "and this machine has 1.0 GB free: take the tiny preset")
     monkeypatch.setattr(capture, "available_memory", lambda device: None)   # unknown
-    req = capture.default_request(False)
-    assert capture.memory_problem(preset("k3"), req, "cpu") is None
+    assert capture.memory_problem(preset("k3"), "k3", "cpu") is None
 
 
 def test_ranges_says_why_its_table_is_empty():

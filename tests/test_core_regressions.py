@@ -384,17 +384,24 @@ def test_compact_and_wide_traces_save_load_and_analyse_alike(tmp_path):
             assert breakdown(other).to_json() == figures
 
 
-def test_release_free_memory_is_harmless():
-    from kimi_perf.memory import _malloc_trim, release_free_memory
+def test_release_free_memory_trims_the_heap_and_is_harmless(monkeypatch):
+    from kimi_perf import memory
 
     if platform.libc_ver()[0] == "glibc":
-        assert _malloc_trim() is not None
+        assert memory._malloc_trim() is not None
     block = np.ones(1 << 20)
     del block
-    release_free_memory()       # nothing changes but the RSS
+    memory.release_free_memory()       # nothing changes but the RSS
     trace = read_trace(nsys_fixtures()[-1])
-    release_free_memory()
+    memory.release_free_memory()
     assert len(trace.kernels) == 7328
+    # what it asks of the C library: every free page (pad 0), not only the heap's top
+    calls: list[int] = []
+    monkeypatch.setattr(memory, "_malloc_trim", lambda: calls.append)
+    memory.release_free_memory()
+    assert calls == [0]
+    monkeypatch.setattr(memory, "_malloc_trim", lambda: None)    # no glibc: nothing to do
+    memory.release_free_memory()
 
 
 # -- nsys reader: integer columns as text, NVTX texts --------------------------------------------

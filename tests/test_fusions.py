@@ -106,12 +106,15 @@ def test_no_ledger_against_a_trace_without_that_layer_type(tmp_path):
 
     assert fusion_ledger([], [{"name": "o_proj", "us": 1.0}]) is None
     vllm = KINETO / "tracelens_vllm_gptoss20b_decode_fullgraph_mi300x.json.gz"
-    out = CliRunner().invoke(main, ["compare", str(BASELINE), str(vllm), "--path",
-                                    "specialized", "--kernels"]).output
-    assert "against the standard launches" not in out and "(new work)" not in out
+    compared = CliRunner().invoke(main, ["compare", str(BASELINE), str(vllm), "--path",
+                                         "specialized", "--kernels"])
+    assert compared.exit_code == 0 and "Typical" in compared.output, compared.output
+    assert "against the standard launches" not in compared.output
+    assert "(new work)" not in compared.output
     report = tmp_path / "r.html"
-    CliRunner().invoke(main, ["report", str(BASELINE), str(vllm), "--path", "specialized",
-                              "-o", str(report), "--plotly-js", "cdn"])
+    drawn = CliRunner().invoke(main, ["report", str(BASELINE), str(vllm), "--path",
+                                      "specialized", "-o", str(report), "--plotly-js", "cdn"])
+    assert drawn.exit_code == 0, drawn.output
     assert "Fusions, launch by launch" not in report.read_text()
 
 
@@ -136,8 +139,9 @@ def test_compare_kernels_shows_the_ledger_of_the_two_paths(tmp_path):
     assert {r["launch"]: r["replaces"] for r in kda["launches"]}["fused_kda_decode"] == [
         "f_b_proj", "fused_kda_decode"]
     itself = CliRunner().invoke(main, ["compare", str(BASELINE), str(BASELINE), "--path",
-                                       "specialized", "--kernels"]).output
-    assert "against the" not in itself     # one path against itself: no fusions to show
+                                       "specialized", "--kernels"])
+    assert itself.exit_code == 0 and "Typical" in itself.output, itself.output
+    assert "against the" not in itself.output   # one path against itself: no fusions to show
     # the JSON holds the same ledger, per layer type
     doc = json.loads(CliRunner().invoke(main, ["compare", str(BASELINE), "--kernels",
                                                "--format", "json"]).output)

@@ -937,5 +937,19 @@ def test_compare_and_report_say_when_two_runs_were_captured_differently(tmp_path
             "<td>64, 1, 8 tokens</td><td>2, 1, 8 tokens</td></tr>") in report
     assert "<tr><th>decode steps</th><td>3 profiled after 1 warm-up</td>" in report
     assert "driver, CUDA" not in report          # CPU runs: no driver to show
+    assert "<tr><th>seed</th><td>0</td><td>0</td><td>0</td></tr>" in report
+    twice = CliRunner().invoke(main, ["report", str(BASELINE), str(BASELINE), "--path",
+                                      "specialized", "-o", str(html_file)])
+    assert twice.exit_code == 0 and ("<th>tiny-cpu</th><th>tiny-cpu&#x27;</th>"
+                                     in html_file.read_text())
     alone = CliRunner().invoke(main, ["report", str(other), "-o", str(html_file)])
     assert alone.exit_code == 0 and "<h2>Runs</h2>" not in html_file.read_text()
+    # run information edited by hand: no traceback, and nothing made of what is not there
+    doc["run"]["request"] = "x"
+    odd = tmp_path / "odd.json"
+    odd.write_text(json.dumps(doc))
+    for command in (["compare", str(BASELINE), str(odd), "--path", "specialized"],
+                    ["gate", str(BASELINE), str(odd), "--metrics", "kernels"]):
+        result = CliRunner().invoke(main, command)
+        assert result.exit_code == 0, result.output
+        assert "batch 2 vs 64" in " ".join(result.output.split())

@@ -8,6 +8,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+# fresh buffers start poisoned: a path that reads one before writing it cannot pass on the
+# zeros fresh memory often holds (tests/poisoning.py)
+pytestmark = pytest.mark.usefixtures("poisoned_empty")
+
 from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 

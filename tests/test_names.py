@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import re
 import shutil
-import time
 
 import pytest
 from hypothesis import given, settings
@@ -113,8 +112,8 @@ def test_folding_in_one_pass_folds_as_the_level_by_level_statement_does(name, wi
     assert names._fold_templates(name, width) == _fold_by_regex(name, width)
 
 
-def test_a_deeply_nested_name_folds_in_linear_time():
+def test_a_deeply_nested_name_folds():
+    """200,000 levels of template arguments: one pass folds them (the level-by-level
+    statement above would rewrite the name 200,000 times), and nothing recurses that deep."""
     deep = "f" + "<a" * 200_000 + ">" * 200_000 + "(int)"
-    started = time.perf_counter()
     assert short_names([deep], 20) == ["f<a<a<a<a<a<…>>>>>>"]
-    assert time.perf_counter() - started < 10   # level by level: minutes

@@ -12,6 +12,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+# fresh buffers start poisoned: a path that reads one before writing it cannot pass on the
+# zeros fresh memory often holds (tests/poisoning.py)
+pytestmark = pytest.mark.usefixtures("poisoned_empty")
+
 from kimi_perf.decode.config import preset  # noqa: E402
 from kimi_perf.decode.model import K3Model  # noqa: E402
 from kimi_perf.decode.specialized import SpecializedModel, build_model  # noqa: E402

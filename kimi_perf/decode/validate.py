@@ -12,7 +12,7 @@ from kimi_perf.decode.config import K3Config, preset
 from kimi_perf.decode.fallbacks import every_decode_step_fell_back, summarise
 from kimi_perf.decode.model import FP8, K3Model
 from kimi_perf.decode.reference import Observer, ReferenceModel
-from kimi_perf.decode.weights import random_weights
+from kimi_perf.decode.weights import random_weights, weight_bytes
 
 # standard_kernels: the standard path's steps as one kernel each, as it runs on a GPU
 PATHS = ("standard", "standard_kernels", "specialized")
@@ -164,6 +164,15 @@ def validate_path(path: str, run: ValidationRun) -> dict:
         result["every_step_fell_back"] = every_decode_step_fell_back(model.fallbacks,
                                                                      run.steps)
     return result
+
+
+def memory_need(dtype: str):
+    """The bytes a validation holds for a config, at most: the weights drawn (bf16), a path's
+    model of them in ``dtype`` and its packed copy, and the reference's float64 copy."""
+    def need(c: K3Config) -> int:
+        return (weight_bytes(c) + 2 * weight_bytes(c, DTYPES[dtype])
+                + weight_bytes(c, torch.float64))
+    return need
 
 
 def whole_model(preset_name: str, n_layers: int | None = None) -> K3Config:

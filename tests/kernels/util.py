@@ -26,6 +26,8 @@ def assert_close_bf16(actual: torch.Tensor, expected: torch.Tensor, ulps: float 
     a, e = actual.float(), expected.float()
     assert a.shape == e.shape, (a.shape, e.shape)
     assert not torch.isnan(a).any(), "NaN in kernel output (an element was never written)"
+    # (a NaN in the reference would make its row's tolerance NaN, and the row pass unchecked)
+    assert torch.isfinite(e).all(), "the reference holds NaN or infinity"
     row_rms = e.pow(2).mean(-1, keepdim=True).sqrt() if e.dim() else e.abs()
     tol = ulps * BF16_EPS * torch.maximum(e.abs(), row_rms).clamp_min(1e-6)
     bad = (a - e).abs() > tol
