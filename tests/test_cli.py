@@ -365,7 +365,7 @@ def test_a_layer_count_below_two_is_refused():
                         f"--from: how layers are found), not '{count}'")
 
 
-def test_floors_of_a_sharded_preset_at_another_tp_is_refused(tmp_path, monkeypatch):
+def test_floors_of_a_sharded_preset_at_another_tp_is_refused(tmp_path):
     _one_line_error(run("floors", "--preset", "k3-tp8", "--tp", "1"),
                     "k3-tp8 is already sharded over 8 ranks: for TP 1 use --preset k3 --tp 1")
     assert run("floors", "--preset", "k3-tp8", "--tp", "8").exit_code == 0
@@ -375,19 +375,29 @@ def test_floors_of_a_sharded_preset_at_another_tp_is_refused(tmp_path, monkeypat
     not_a_dir.write_text("")
     _one_line_error(run("trace", "--preset", "k3-tp8", "--tp", "2", "--out", not_a_dir),
                     "k3-tp8 is already sharded over 8 ranks: for TP 2 use --preset k3 --tp 2")
+    _one_line_error(run("floors", "--preset", "k4"),
+                    "unknown preset 'k4' (choose from k3, k3-tp8, k3-tp16, tiny)")
+    at_8 = json.loads(run("floors", "--preset", "k3", "--tp", "8", "--format", "json").output)
+    assert at_8 == json.loads(run("floors", "--format", "json").output) | {"preset": "k3"}
+
+
+def test_trace_and_validate_check_the_preset_as_floors_does(tmp_path, monkeypatch):
+    """One wording for a preset's errors in every command, said before any work; a sharded
+    preset in one process runs its one rank (no refusal)."""
+    pytest.importorskip("torch")
     from kimi_perf import capture
 
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("")
     monkeypatch.setattr(capture, "available_memory", lambda device: None)   # memory unknown
-    for rank in ("k3-tp8", "k3-tp16"):     # one process: the preset's one rank, no refusal
+    for rank in ("k3-tp8", "k3-tp16"):
         _one_line_error(run("trace", "--preset", rank, "--out", not_a_dir),
                         f"{not_a_dir}: --out: not a directory")
     _one_line_error(run("trace", "--tp", "3", "--out", not_a_dir),   # the default preset's
                     "TP 3 does not divide the model: kda_heads=4 does not split over 3 ranks")
-    for command in ("trace", "validate", "floors"):     # one wording for every command
+    for command in ("trace", "validate"):
         _one_line_error(run(command, "--preset", "k4"),
                         "unknown preset 'k4' (choose from k3, k3-tp8, k3-tp16, tiny)")
-    at_8 = json.loads(run("floors", "--preset", "k3", "--tp", "8", "--format", "json").output)
-    assert at_8 == json.loads(run("floors", "--format", "json").output) | {"preset": "k3"}
 
 
 def test_compare_a_run_its_paths_and_labels(tmp_path):
@@ -1291,6 +1301,7 @@ def test_a_model_that_cannot_fit_is_refused_before_any_work(tmp_path, monkeypatc
     """trace of a model whose weights (about twice over, with the paths' packed copies) pass
     the memory free for it: one line saying so and what would fit, and no run directory,
     rather than the out-of-memory killer."""
+    pytest.importorskip("torch")
     from kimi_perf import capture
     from kimi_perf.decode.config import preset
     from kimi_perf.decode.weights import random_weights, weight_bytes
