@@ -6,6 +6,7 @@ tests take it as the ``poisoned_empty`` fixture (tests/conftest.py)."""
 from __future__ import annotations
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 # the unpoisoned originals, for a buffer a test needs left virtual (a 2 GiB cache it touches
 # a few rows of)
@@ -15,8 +16,9 @@ _NEW_EMPTY = torch.Tensor.new_empty
 
 def poisoned(t: torch.Tensor) -> torch.Tensor:
     """``t`` filled with what nothing writes: NaN, an integer's most negative value (an index
-    far out of range; unsigned: its largest), True."""
-    with torch.no_grad():
+    far out of range; unsigned: its largest), True. Out of sight of any dispatch mode (a
+    test's record of the ops a step runs)."""
+    with torch.no_grad(), _disable_current_modes():
         if t.is_floating_point():
             t.fill_(float("nan"))
         elif t.dtype == torch.bool:

@@ -10,6 +10,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+# fresh buffers start poisoned: a path that reads one before writing it cannot pass on the
+# zeros fresh memory often holds (tests/poisoning.py)
+pytestmark = pytest.mark.usefixtures("poisoned_empty")
+
 from click.testing import CliRunner  # noqa: E402
 
 from kimi_perf.cli import main  # noqa: E402

@@ -29,6 +29,14 @@ from tests.kernels.util import RecordingGemv  # noqa: E402
 SMALL = preset("tiny", n_layers=4)
 
 
+def test_fresh_buffers_start_poisoned_in_the_paths_tests():
+    """What the paths allocate fresh (torch.empty, empty_strided, Tensor.new_empty) is poison
+    here, as in the kernel tests: a buffer read before it is written cannot pass as zeros."""
+    assert torch.isnan(torch.empty(3)).all() and torch.isnan(torch.ones(2).new_empty(4)).all()
+    assert torch.isnan(torch.empty_strided((2, 2), (1, 2))).all()
+    assert (torch.zeros(1, dtype=torch.int64).new_empty(2) == torch.iinfo(torch.int64).min).all()
+
+
 @pytest.fixture(scope="module")
 def weights():
     return random_weights(SMALL, seed=5)
