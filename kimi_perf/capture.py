@@ -192,6 +192,7 @@ def capture(req: TraceRequest, progress=None) -> tuple[Path, dict[str, Breakdown
 
     from kimi_perf.decode import choose_triton_backend
     from kimi_perf.decode.config import preset
+    from kimi_perf.decode.weights import weight_bytes
 
     choose_triton_backend()   # before the profiler or anything else imports triton
     if req.tp != 1 and (torch.cuda.is_available() or req.backend != "torch"):
@@ -216,7 +217,12 @@ def capture(req: TraceRequest, progress=None) -> tuple[Path, dict[str, Breakdown
             config.shard(req.tp)   # each rank shards it again: refused here, before any work
         except ValueError as exc:
             raise TraceError(None, f"{req.preset}: {exc}") from None
-    if problem := memory_problem(config, req.preset, device):
+    # TP ranks on a CPU: the parent holds the whole checkpoint while the ranks, between them,
+    # hold it sharded and packed (reasoned from the one-process figure, not measured)
+    ranks = (lambda c: (1 + MEMORY_PER_WEIGHT_BYTE) * weight_bytes(c)) if req.tp > 1 else None
+    if problem := memory_problem(config, req.preset, device, need_of=ranks,
+                                 holding="with the ranks' sharded, packed copies"
+                                 if req.tp > 1 else "with the model's packed copy"):
         raise TraceError(None, problem)
     with run_directory(req.out_dir, f"{req.preset}-b{req.batch}") as (run_dir, final):
         run_info, results = _capture_all(req, config, device, run_dir, final, progress)

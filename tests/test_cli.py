@@ -1333,6 +1333,11 @@ def test_a_model_that_cannot_fit_is_refused_before_any_work(tmp_path, monkeypatc
     _one_line_error(run("validate", "--preset", "k3", "--layers", "2"),
                     "k3 with 2 layers:", "with the paths' copies and the float64 reference, "
                     "and this machine has 1.0 GB free: take the tiny preset")
+    # TP ranks on a CPU: the whole checkpoint in the parent, and its shards packed in the ranks
+    monkeypatch.setattr(capture, "available_memory", lambda device: 2 * eight)
+    _one_line_error(run("trace", "--tp", "2", "--out", out),
+                    f"tiny with 8 layers: {eight / 1e6:.1f} MB of weights, about "
+                    f"{3 * eight / 1e6:.1f} MB with the ranks' sharded, packed copies")
     monkeypatch.setattr(capture, "available_memory", lambda device: None)   # unknown
     assert capture.memory_problem(preset("k3"), "k3", "cpu") is None
 
