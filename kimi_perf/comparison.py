@@ -14,12 +14,6 @@ from kimi_perf.layer_breakdown import Breakdown, layer_column
 
 ALL_LAYERS = "all layers (mean)"
 
-
-def ratio_note(rows: list, label_a: str, label_b: str) -> str:
-    """What a comparison's ratios and its last row are, said where they are read."""
-    return (f"ratios: {label_a} over {label_b}, above 1 where {label_b} takes less"
-            + ("; all layers: the mean over every layer, a slow outlier included"
-               if any(r.label == ALL_LAYERS for r in rows) else ""))
 # Said under a comparison whose sides are timed apart (``ComparisonRow.timed_alike``).
 UNLIKE_TIMES = ("no µs ratio between a CPU run's ops and a GPU trace's kernels: host time "
                 "against GPU time")
@@ -209,6 +203,13 @@ def _row(name: str, ta: dict | None, tb: dict | None) -> ComparisonRow:
 # How two traces' layer types were paired, for the notes under a comparison.
 PAIRING = ("types found by the repeating kernel pattern pair by their kernel sequence; those "
            "left over by their mix of kernels per class, marked * where the sequences differ")
+
+
+def ratio_note(rows: list[ComparisonRow], label_a: str, label_b: str) -> str:
+    """What a comparison's ratios and its last row are, said where they are read."""
+    return (f"ratios: {label_a} over {label_b}, above 1 where {label_b} takes less"
+            + ("; all layers: the mean over every layer, a slow outlier included"
+               if any(r.label == ALL_LAYERS for r in rows) else ""))
 
 
 def pairing_note(rows: list[ComparisonRow], label_a: str, label_b: str) -> str | None:
