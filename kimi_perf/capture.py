@@ -36,6 +36,7 @@ from kimi_perf import __version__
 from kimi_perf.decode.fallbacks import every_decode_step_fell_back, summarise
 from kimi_perf.errors import TraceError
 from kimi_perf.layer_breakdown import Breakdown, breakdown
+from kimi_perf.names import primed
 from kimi_perf.readers import read_trace
 from kimi_perf.readers.nsys import nsys_cli
 from kimi_perf.trace import atomic_write, atomic_write_text, current_umask, json_text
@@ -576,14 +577,8 @@ def trace_labels(paths: list[Path]) -> list[str]:
     repeats gets primes (trace, trace')."""
     labels = [trace_label(p) for p in paths]
     repeated = {label for label in labels if labels.count(label) > 1}
-    labels = [f"{Path(os.path.abspath(p)).parent.name}/{label}" if label in repeated else label
-              for p, label in zip(paths, labels, strict=True)]
-    out: list[str] = []
-    for label in labels:
-        while label in out:
-            label += "'"
-        out.append(label)
-    return out
+    return primed([f"{Path(os.path.abspath(p)).parent.name}/{label}" if label in repeated
+                   else label for p, label in zip(paths, labels, strict=True)])
 
 
 def _kimi_perf_run_json(path: Path) -> bool:

@@ -36,6 +36,17 @@ def demangle(names: list[str]) -> list[str]:
     return [readable.get(n, n) for n in names]
 
 
+def primed(labels: list[str]) -> list[str]:
+    """``labels`` made distinct for a table's columns: a label that repeats an earlier one gets
+    primes (trace, trace', trace'')."""
+    out: list[str] = []
+    for label in labels:
+        while label in out:
+            label += "'"
+        out.append(label)
+    return out
+
+
 def short_names(names: list[str], width: int = 80) -> list[str]:
     """Each name demangled, without a leading ``void `` and its argument list; then, while it
     is wider than ``width``, its innermost template arguments folded to ``<…>``; finally cut

@@ -40,7 +40,7 @@ from kimi_perf.comparison import (
 from kimi_perf.errors import TraceError
 from kimi_perf.gate import captured_differently, is_finite_number, run_differences
 from kimi_perf.layer_breakdown import Breakdown, layer_notes, step_notes, units_word
-from kimi_perf.names import demangle, short_names
+from kimi_perf.names import demangle, primed, short_names
 from kimi_perf.trace import atomic_write_text
 
 CLASS_COLOURS = {
@@ -337,12 +337,8 @@ def _runs_html(runs: list[tuple[str, dict]]) -> str:
     if len(runs) < 2:
         return ""
     e = html.escape
-    named: list[str] = []
-    for name, _ in runs:            # (the same run twice: told apart as the drawn labels are)
-        while name in named:
-            name += "'"
-        named.append(name)
-    runs = list(zip(named, (r for _, r in runs), strict=True))
+    # (the same run twice: told apart as the drawn labels are)
+    runs = list(zip(primed([name for name, _ in runs]), (r for _, r in runs), strict=True))
     columns = [dict(_capture_items(r) + _version_items(r)) for _, r in runs]
     rows = [k for k in dict.fromkeys(k for c in columns for k in c)
             if any(c.get(k) is not None for c in columns)]
