@@ -270,15 +270,17 @@ def builds() -> list[Build]:
                                 consts), consts, 1))
     bf16 = {"q_ptr": "*bf16", "wuk_ptr": "*bf16", "qhat_ptr": "*bf16", "kv_ptr": "*bf16",
             "olat_ptr": "*bf16", "wuv_ptr": "*bf16", "g_ptr": "*bf16", "out_ptr": "*bf16",
-            "pos_ptr": "*i64", "kv_scale": "fp32", "eps": "fp32", "sm_scale": "fp32"}
-    for cache in ("bf16", "fp8e4nv"):
+            "pos_ptr": "*i64", "kv_scale": "fp32", "q_scale": "fp32", "eps": "fp32",
+            "sm_scale": "fp32"}
+    for cache in ("bf16", "fp8e4nv"):   # (an fp8 cache takes an fp8 q̂)
         consts = {"NOPE": 128, "ROPE": 64, "LORA": 512,
                   "BLOCK_M": mla_absorb_insert.BLOCK_M, "BLOCK_L": 64, "BLOCK_ROPE": 64,
                   "FP8": cache != "bf16", "DOT_FP32": False, "RNE": False}
         out.append(Build(f"mla_absorb_insert {cache} cache",
                          mla_absorb_insert.mla_absorb_insert_kernel,
                          _signature(mla_absorb_insert.mla_absorb_insert_kernel,
-                                    {**bf16, "cache_ptr": f"*{cache}"}, consts), consts))
+                                    {**bf16, "cache_ptr": f"*{cache}", "qhat_ptr": f"*{cache}"},
+                                    consts), consts))
         consts = {"NOPE": 128, "ROPE": 64, "LORA": 512, "BLOCK_ROPE": 64,
                   "FP8": cache != "bf16", "RNE": False}
         out.append(Build(f"mla_concat_insert {cache} cache",
@@ -286,14 +288,14 @@ def builds() -> list[Build]:
                          _signature(mla_concat_insert.mla_concat_insert_kernel,
                                     {"ql_ptr": "*bf16", "q_ptr": "*bf16", "kv_ptr": "*bf16",
                                      "kpe_ptr": "*bf16", "cache_ptr": f"*{cache}",
-                                     "pos_ptr": "*i64", "qhat_ptr": "*bf16",
-                                     "kv_scale": "fp32"}, consts), consts))
+                                     "pos_ptr": "*i64", "qhat_ptr": f"*{cache}",
+                                     "kv_scale": "fp32", "q_scale": "fp32"}, consts), consts))
         # row blocks of 16 (decode) and 32 (a verify step's tokens x heads)
         for splits, rb in itertools.product((1, mla_attention.MAX_SPLITS), (16, 32)):
             consts = {"LORA": 512, "ROPE": 64, "BLOCK_ROPE": 64, "RB": rb, "BLOCK_S": 32,
                       "SPLITS": splits, "FP8": cache != "bf16", "DOT_FP32": False,
                       "RNE": False}
-            types = {**bf16, "cache_ptr": f"*{cache}",
+            types = {**bf16, "cache_ptr": f"*{cache}", "qhat_ptr": f"*{cache}",
                      "out_ptr": "*bf16" if splits == 1 else "*fp32"}
             out.append(Build(f"mla_attention {cache} cache, {splits} split(s), {rb} rows",
                              mla_attention.mla_attention_kernel,

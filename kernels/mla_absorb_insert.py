@@ -8,7 +8,9 @@ So a head's W_UK is read once per block of 16 tokens, not once per token (at bat
 from L2 rather than 100 MB), and a batch of 1 has 96 absorbing programs at K3 TP8 (12 heads
 × 8 blocks), not 12. Program (i, H · L) normalises its tokens' latent KV (RMSNorm of the kv_lora
 part, the rope part as is), quantises it to fp8 with the per-tensor scale when the cache is
-fp8, and stores it at each token's position.
+fp8, and stores it at each token's position. An fp8 cache takes an fp8 q̂ (with its own
+scale), as the standard path's ``mla_concat_insert`` writes it: ql rounded to bf16 first, as
+the standard path's bmm leaves it.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from kimi_perf_kernels.common import (
     interpreter_tiles,
     launch_options,
 )
-from kimi_perf_kernels.mla_concat_insert import write_cache_row
+from kimi_perf_kernels.mla_concat_insert import quantised, quantised_reference, write_cache_row
 
 BLOCK_M = 16   # tokens a program takes: the tensor cores' smallest tile
 
@@ -32,7 +34,7 @@ BLOCK_M = 16   # tokens a program takes: the tensor cores' smallest tile
 @triton.jit
 def mla_absorb_insert_kernel(q_ptr, wuk_ptr, qhat_ptr, kv_ptr, kv_norm_ptr, cache_ptr, pos_ptr,
                              M, H, T, stride_q, stride_kv, stride_cache_b, stride_cache_s,
-                             kv_scale, eps, NOPE: tl.constexpr, ROPE: tl.constexpr,
+                             kv_scale, q_scale, eps, NOPE: tl.constexpr, ROPE: tl.constexpr,
                              LORA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_L: tl.constexpr,
                              BLOCK_ROPE: tl.constexpr, FP8: tl.constexpr,
                              DOT_FP32: tl.constexpr, RNE: tl.constexpr, PDL: tl.constexpr = False):
@@ -55,12 +57,14 @@ def mla_absorb_insert_kernel(q_ptr, wuk_ptr, qhat_ptr, kv_ptr, kv_norm_ptr, cach
         else:
             ql = tl.dot(q_nope, w)      # bf16 products, summed in fp32
         qhat = qhat_ptr + (rows[:, None] * H + h) * (LORA + ROPE)
-        tl.store(qhat + ls[None, :], cast(ql, qhat_ptr.dtype.element_ty, RNE),
+        ql = cast(ql, q_ptr.dtype.element_ty, RNE)
+        tl.store(qhat + ls[None, :], quantised(ql, q_scale, qhat_ptr.dtype.element_ty, FP8, RNE),
                  mask=row_ok[:, None])
         if p % l_blocks == 0:
             both = row_ok[:, None] & r_ok[None, :]
             q_pe = tl.load(q_rows + NOPE + r[None, :], mask=both, other=0.0)
-            tl.store(qhat + LORA + r[None, :], q_pe, mask=both)
+            tl.store(qhat + LORA + r[None, :],
+                     quantised(q_pe, q_scale, qhat_ptr.dtype.element_ty, FP8, RNE), mask=both)
     else:
         lo = tl.arange(0, LORA)
         for i in range(0, BLOCK_M):
@@ -79,37 +83,42 @@ def mla_absorb_insert_kernel(q_ptr, wuk_ptr, qhat_ptr, kv_ptr, kv_norm_ptr, cach
 def mla_absorb_insert(q: torch.Tensor, w_uk: torch.Tensor, kv: torch.Tensor,
                       kv_norm: torch.Tensor, cache: torch.Tensor, positions: torch.Tensor,
                       tokens_per_seq: int, kv_scale: float, eps: float,
-                      qhat: torch.Tensor | None = None) -> torch.Tensor:
+                      qhat: torch.Tensor | None = None, q_scale: float = 1.0) -> torch.Tensor:
     """q [M, H*(nope+rope)], w_uk [H, nope, kv_lora], kv [M, kv_lora+rope] (un-normed),
-    cache [B, S, kv_lora+rope] (written at ``positions`` [M]) -> q̂ [M, H, kv_lora+rope]."""
+    cache [B, S, kv_lora+rope] (written at ``positions`` [M]) -> q̂ [M, H, kv_lora+rope]
+    (fp8, / ``q_scale``, for an fp8 cache)."""
     M = q.shape[0]
     H, nope, lora = w_uk.shape
     rope = cache.shape[-1] - lora
+    fp8 = cache.dtype == torch.float8_e4m3fn
     if qhat is None:
-        qhat = torch.empty(M, H, lora + rope, dtype=q.dtype, device=q.device)
+        qhat = torch.empty(M, H, lora + rope, dtype=cache.dtype if fp8 else q.dtype,
+                           device=q.device)
+    elif qhat.dtype != (cache.dtype if fp8 else q.dtype):
+        raise ValueError(f"mla_absorb_insert: q̂ of {qhat.dtype} for a {cache.dtype} cache")
     block_l = lora if interpreter_tiles() else min(64, lora)
     mla_absorb_insert_kernel[(triton.cdiv(M, BLOCK_M), H * (lora // block_l) + 1)](
         q, w_uk, qhat, kv, kv_norm, cache, positions, M, H, tokens_per_seq, q.stride(0),
-        kv.stride(0), cache.stride(0), cache.stride(1), kv_scale, eps, NOPE=nope, ROPE=rope,
-        LORA=lora, BLOCK_M=BLOCK_M, BLOCK_L=block_l, BLOCK_ROPE=triton.next_power_of_2(rope),
-        FP8=cache.dtype == torch.float8_e4m3fn, DOT_FP32=INTERPRETED, RNE=INTERPRETED,
+        kv.stride(0), cache.stride(0), cache.stride(1), kv_scale, q_scale, eps, NOPE=nope,
+        ROPE=rope, LORA=lora, BLOCK_M=BLOCK_M, BLOCK_L=block_l,
+        BLOCK_ROPE=triton.next_power_of_2(rope), FP8=fp8, DOT_FP32=INTERPRETED, RNE=INTERPRETED,
         num_warps=4, **launch_options())
     return qhat
 
 
 def mla_absorb_insert_reference(q, w_uk, kv, kv_norm, cache, positions, tokens_per_seq,
-                                kv_scale, eps):
+                                kv_scale, eps, q_scale=1.0):
     M = q.shape[0]
     H, nope, lora = w_uk.shape
     rope = cache.shape[-1] - lora
     qh = q.view(M, H, nope + rope)
     ql = torch.einsum("mhn,hnl->mhl", qh[..., :nope].float(), w_uk.float()).to(q.dtype)
-    qhat = torch.cat([ql, qh[..., nope:]], dim=-1)
+    fp8 = cache.dtype == torch.float8_e4m3fn
+    qhat = quantised_reference(torch.cat([ql, qh[..., nope:]], dim=-1), q_scale,
+                               cache.dtype if fp8 else q.dtype)
     kv_c = kv[:, :lora].float()
     kv_c = (kv_c * torch.rsqrt(kv_c.pow(2).mean(-1, keepdim=True) + eps) * kv_norm).to(kv.dtype)
-    entry = torch.cat([kv_c, kv[:, lora:]], dim=-1).float()
-    if cache.dtype == torch.float8_e4m3fn:
-        entry = (entry / kv_scale).clamp(-448, 448)
     batch = torch.arange(M, device=q.device) // tokens_per_seq
-    cache[batch, positions] = entry.to(cache.dtype)
+    cache[batch, positions] = quantised_reference(torch.cat([kv_c, kv[:, lora:]], dim=-1),
+                                                  kv_scale, cache.dtype)
     return qhat

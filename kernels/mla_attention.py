@@ -11,7 +11,8 @@ verify step of 1+k tokens is causal within the step and still reads the cache on
 block, not once per token (K3 TP8: 12 heads, one block of 16 rows at decode; 8 tokens x 12
 heads = 96 rows, three blocks of 32, where a program per token would read it eight times).
 An fp8 cache's rows go to the tensor cores as they are (e4m3 values are exact in bf16) and its
-per-tensor scale multiplies the scores and the output instead: no fp32 copy of each tile.
+per-tensor scale multiplies the scores and the output instead: no fp32 copy of each tile. So
+does the fp8 q̂ an fp8 cache comes with (vLLM's policy), whose scale multiplies the scores.
 
 At batch 1 a single program would stream the whole cache on one SM. So the positions are split
 (flash-decoding): split j takes the j-th of ``splits`` equal chunks of the positions the
@@ -40,7 +41,7 @@ from kimi_perf_kernels.common import (
 
 @triton.jit
 def mla_attention_kernel(qhat_ptr, cache_ptr, pos_ptr, out_ptr, lse_ptr, M, H, T,
-                         stride_cache_b, stride_cache_s, kv_scale, sm_scale,
+                         stride_cache_b, stride_cache_s, kv_scale, q_scale, sm_scale,
                          LORA: tl.constexpr, ROPE: tl.constexpr, BLOCK_ROPE: tl.constexpr,
                          RB: tl.constexpr, BLOCK_S: tl.constexpr, SPLITS: tl.constexpr,
                          FP8: tl.constexpr, DOT_FP32: tl.constexpr, RNE: tl.constexpr,
@@ -57,6 +58,9 @@ def mla_attention_kernel(qhat_ptr, cache_ptr, pos_ptr, out_ptr, lse_ptr, M, H, T
     q_row = qhat_ptr + flat[:, None] * (LORA + ROPE)
     q_lat = tl.load(q_row + lo[None, :], mask=row_ok[:, None], other=0.0)
     q_pe = tl.load(q_row + LORA + r[None, :], mask=row_ok[:, None] & r_ok[None, :], other=0.0)
+    if FP8:  # an fp8 q̂, exact in bf16 like the cache's rows
+        q_lat = q_lat.to(tl.bfloat16)
+        q_pe = q_pe.to(tl.bfloat16)
     if DOT_FP32:
         q_lat = q_lat.to(tl.float32)
         q_pe = q_pe.to(tl.float32)
@@ -67,7 +71,7 @@ def mla_attention_kernel(qhat_ptr, cache_ptr, pos_ptr, out_ptr, lse_ptr, M, H, T
     start = split * chunk
     end = tl.minimum(start + chunk, n_last)
     if FP8:
-        sm_scale = sm_scale * kv_scale
+        sm_scale = sm_scale * kv_scale * q_scale
     # int64: a batch of long caches spans more than 2^31 values (64 x 64k x 576)
     base = cache_ptr + b.to(tl.int64) * stride_cache_b
     running_max = tl.full([RB], -float("inf"), tl.float32)
@@ -173,31 +177,38 @@ def mla_splits(batch: int, tokens: int, heads: int, capacity: int,
 
 def mla_attention(qhat: torch.Tensor, cache: torch.Tensor, positions: torch.Tensor,
                   tokens_per_seq: int, kv_lora: int, kv_scale: float, sm_scale: float,
-                  splits: int = 1) -> tuple[torch.Tensor, torch.Tensor | None]:
+                  splits: int = 1, q_scale: float = 1.0, dtype: torch.dtype | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """q̂ [M, H, kv_lora+rope], cache [B, S, kv_lora+rope], positions [M] -> (parts
     [splits, M, H, kv_lora], lse [splits, M, H] fp32). With one split parts[0] is the output
-    (in q̂'s dtype) and lse is None; with more, parts are fp32 partial outputs for
-    ``mla_combine`` (or ``mla_uv_gate``) to merge."""
+    (in ``dtype``: the model's, which an fp8 q̂ needs said; else q̂'s) and lse is None; with
+    more, parts are fp32 partial outputs for ``mla_combine`` (or ``mla_uv_gate``) to merge. An
+    fp8 cache takes an fp8 q̂ (its values times ``q_scale``), a bf16 cache a bf16 one."""
     M, H, width = qhat.shape
+    fp8 = cache.dtype == torch.float8_e4m3fn
     if not 1 <= splits <= MAX_SPLITS:
         raise ValueError(f"mla_attention: {splits} splits (1 to {MAX_SPLITS})")
     if M % tokens_per_seq:
         raise ValueError(f"mla_attention: {M} tokens are not sequences of {tokens_per_seq}")
-    parts = torch.empty(splits, M, H, kv_lora, dtype=qhat.dtype if splits == 1 else
-                        torch.float32, device=qhat.device)
+    if fp8 != (qhat.dtype == torch.float8_e4m3fn):
+        raise ValueError(f"mla_attention: a {qhat.dtype} q̂ for a {cache.dtype} cache (an fp8 "
+                         "cache takes an fp8 q̂, any other cache one in the model's dtype)")
+    dtype = dtype or qhat.dtype
+    if dtype == torch.float8_e4m3fn:
+        raise ValueError("mla_attention: an fp8 q̂ needs the output's dtype")
+    parts = torch.empty(splits, M, H, kv_lora, dtype=dtype if splits == 1 else torch.float32,
+                        device=qhat.device)
     lse = torch.empty(splits, M, H, dtype=torch.float32, device=qhat.device) \
         if splits > 1 else None
     rope = width - kv_lora
-    scale = kv_scale if cache.dtype == torch.float8_e4m3fn else 1.0
     rows = tokens_per_seq * H
     rb = mla_row_block(rows)
     mla_attention_kernel[(M // tokens_per_seq, triton.cdiv(rows, rb), splits)](
         qhat, cache, positions, parts, lse if lse is not None else parts, M, H, tokens_per_seq,
-        cache.stride(0), cache.stride(1), scale, sm_scale, LORA=kv_lora, ROPE=rope,
-        BLOCK_ROPE=max(16, triton.next_power_of_2(rope)), RB=rb,
-        BLOCK_S=64 if interpreter_tiles() else 32, SPLITS=splits,
-        FP8=cache.dtype == torch.float8_e4m3fn, DOT_FP32=INTERPRETED, RNE=INTERPRETED,
-        num_warps=8, **launch_options())
+        cache.stride(0), cache.stride(1), kv_scale if fp8 else 1.0, q_scale if fp8 else 1.0,
+        sm_scale, LORA=kv_lora, ROPE=rope, BLOCK_ROPE=max(16, triton.next_power_of_2(rope)),
+        RB=rb, BLOCK_S=64 if interpreter_tiles() else 32, SPLITS=splits, FP8=fp8,
+        DOT_FP32=INTERPRETED, RNE=INTERPRETED, num_warps=8, **launch_options())
     return parts, lse
 
 
@@ -211,12 +222,14 @@ def mla_combine(parts: torch.Tensor, lse: torch.Tensor, dtype: torch.dtype) -> t
     return out
 
 
-def mla_attention_reference(qhat, cache, positions, tokens_per_seq, kv_scale, sm_scale, lora):
+def mla_attention_reference(qhat, cache, positions, tokens_per_seq, kv_scale, sm_scale, lora,
+                            q_scale=1.0, dtype=None):
     M, H, _ = qhat.shape
-    out = torch.empty(M, H, lora, dtype=qhat.dtype)
-    scale = kv_scale if cache.dtype == torch.float8_e4m3fn else 1.0
+    out = torch.empty(M, H, lora, dtype=dtype or qhat.dtype)
+    fp8 = cache.dtype == torch.float8_e4m3fn
+    scale, q_scale = (kv_scale, q_scale) if fp8 else (1.0, 1.0)
     for m in range(M):
         kv = cache[m // tokens_per_seq, : int(positions[m]) + 1].float() * scale
-        scores = qhat[m].float() @ kv.T * sm_scale
-        out[m] = (torch.softmax(scores, dim=-1) @ kv[:, :lora]).to(qhat.dtype)
+        scores = qhat[m].float() * q_scale @ kv.T * sm_scale
+        out[m] = (torch.softmax(scores, dim=-1) @ kv[:, :lora]).to(out.dtype)
     return out

@@ -1,7 +1,9 @@
 """The standard path's ``q_concat_kv_cache_insert`` (vLLM's
 ``fused_mla_decode_q_concat_kv_cache_insert``): after the bmm with W_UK, q̂ = [q_nope·W_UK |
-q_pe] per head, and the token's normed latent [kv_c | k_pe] (fp8-quantised with the cache's
-scale when the cache is fp8) written into the cache at its position, in one launch.
+q_pe] per head, and the token's normed latent [kv_c | k_pe] written into the cache at its
+position, in one launch. An fp8 cache takes an fp8 q̂, as vLLM's does ("fp8 cache -> fp8
+query"): each quantised with its own per-tensor scale (the cache's ``kv_scale``, the query's
+``q_scale``; vLLM's are 1 unless a checkpoint gives them).
 
 Grid (tokens, heads + 1): programs h < H copy one head's q̂ row, the last one writes the
 cache row. The specialized path does this inside ``mla_absorb_insert`` with the bmm and the
@@ -20,8 +22,8 @@ from kimi_perf_kernels.common import INTERPRETED, after_previous_kernel, cast, l
 @triton.jit
 def mla_concat_insert_kernel(ql_ptr, q_ptr, kv_ptr, kpe_ptr, cache_ptr, pos_ptr, qhat_ptr, H,
                              T, stride_ql_h, stride_ql_m, stride_q, stride_kv, stride_kpe,
-                             stride_cache_b, stride_cache_s, kv_scale, NOPE: tl.constexpr,
-                             ROPE: tl.constexpr, LORA: tl.constexpr,
+                             stride_cache_b, stride_cache_s, kv_scale, q_scale,
+                             NOPE: tl.constexpr, ROPE: tl.constexpr, LORA: tl.constexpr,
                              BLOCK_ROPE: tl.constexpr, FP8: tl.constexpr, RNE: tl.constexpr,
                              PDL: tl.constexpr = False):
     after_previous_kernel(PDL)
@@ -32,14 +34,24 @@ def mla_concat_insert_kernel(ql_ptr, q_ptr, kv_ptr, kpe_ptr, cache_ptr, pos_ptr,
     r_ok = r < ROPE
     if h < H:
         qhat = qhat_ptr + (m * H + h) * (LORA + ROPE)
-        tl.store(qhat + lo, tl.load(ql_ptr + h * stride_ql_h + m * stride_ql_m + lo))
+        ql = tl.load(ql_ptr + h * stride_ql_h + m * stride_ql_m + lo)
+        tl.store(qhat + lo, quantised(ql, q_scale, qhat_ptr.dtype.element_ty, FP8, RNE))
         q_pe = tl.load(q_ptr + m * stride_q + h * (NOPE + ROPE) + NOPE + r, mask=r_ok)
-        tl.store(qhat + LORA + r, q_pe, mask=r_ok)
+        tl.store(qhat + LORA + r, quantised(q_pe, q_scale, qhat_ptr.dtype.element_ty, FP8, RNE),
+                 mask=r_ok)
     else:
         kv = tl.load(kv_ptr + m * stride_kv + lo).to(tl.float32)
         k_pe = tl.load(kpe_ptr + m * stride_kpe + r, mask=r_ok, other=0.0).to(tl.float32)
         write_cache_row(cache_ptr, pos_ptr, m, T, stride_cache_b, stride_cache_s, kv, k_pe,
                         kv_scale, LORA, BLOCK_ROPE, ROPE, FP8, RNE)
+
+
+@triton.jit
+def quantised(x, scale, dtype: tl.constexpr, FP8: tl.constexpr, RNE: tl.constexpr):
+    """``x`` in ``dtype``; for fp8, x / scale clamped to e4m3's ±448 (no NaN, no fnuz 240)."""
+    if FP8:
+        x = tl.minimum(tl.maximum(x.to(tl.float32) / scale, -448.0), 448.0)
+    return cast(x, dtype, RNE)
 
 
 @triton.jit
@@ -52,19 +64,18 @@ def write_cache_row(cache_ptr, pos_ptr, m, T, stride_cache_b, stride_cache_s, kv
     r = tl.arange(0, BLOCK_ROPE)
     slot = (cache_ptr + (m // T).to(tl.int64) * stride_cache_b
             + tl.load(pos_ptr + m).to(tl.int64) * stride_cache_s)
-    if FP8:
-        kv = tl.minimum(tl.maximum(kv / kv_scale, -448.0), 448.0)
-        k_pe = tl.minimum(tl.maximum(k_pe / kv_scale, -448.0), 448.0)
-    tl.store(slot + lo, cast(kv, cache_ptr.dtype.element_ty, RNE))
-    tl.store(slot + LORA + r, cast(k_pe, cache_ptr.dtype.element_ty, RNE), mask=r < ROPE)
+    dtype: tl.constexpr = cache_ptr.dtype.element_ty
+    tl.store(slot + lo, quantised(kv, kv_scale, dtype, FP8, RNE))
+    tl.store(slot + LORA + r, quantised(k_pe, kv_scale, dtype, FP8, RNE), mask=r < ROPE)
 
 
 def mla_concat_insert(ql: torch.Tensor, q: torch.Tensor, kv_c: torch.Tensor,
                       k_pe: torch.Tensor, cache: torch.Tensor, positions: torch.Tensor,
-                      tokens_per_seq: int, kv_scale: float, nope: int) -> torch.Tensor:
+                      tokens_per_seq: int, kv_scale: float, nope: int,
+                      q_scale: float = 1.0) -> torch.Tensor:
     """ql [H, M, kv_lora] (the bmm's head-major output), q [M, H·(nope+rope)] (for q_pe),
     kv_c [M, kv_lora] (normed), k_pe [M, rope]; writes cache [B, S, kv_lora+rope] at
-    ``positions`` [M] -> q̂ [M, H, kv_lora+rope]."""
+    ``positions`` [M] -> q̂ [M, H, kv_lora+rope] (fp8, / ``q_scale``, for an fp8 cache)."""
     H, M, lora = ql.shape
     rope = k_pe.shape[1]
     if cache.shape[-1] != lora + rope or q.shape != (M, H * (nope + rope)):
@@ -72,24 +83,33 @@ def mla_concat_insert(ql: torch.Tensor, q: torch.Tensor, kv_c: torch.Tensor,
                          f"{tuple(q.shape)} and cache {tuple(cache.shape)} do not fit")
     if any(t.stride(-1) != 1 for t in (ql, q, kv_c, k_pe)) or cache.stride(2) != 1:
         raise ValueError("mla_concat_insert needs contiguous rows")
-    qhat = torch.empty(M, H, lora + rope, dtype=q.dtype, device=q.device)
+    fp8 = cache.dtype == torch.float8_e4m3fn
+    qhat = torch.empty(M, H, lora + rope, dtype=cache.dtype if fp8 else q.dtype,
+                       device=q.device)
     mla_concat_insert_kernel[(M, H + 1)](
         ql, q, kv_c, k_pe, cache, positions, qhat, H, tokens_per_seq, ql.stride(0),
         ql.stride(1), q.stride(0), kv_c.stride(0), k_pe.stride(0), cache.stride(0),
-        cache.stride(1), kv_scale, NOPE=nope, ROPE=rope, LORA=lora,
-        BLOCK_ROPE=triton.next_power_of_2(rope), FP8=cache.dtype == torch.float8_e4m3fn,
-        RNE=INTERPRETED, num_warps=4, **launch_options())
+        cache.stride(1), kv_scale, q_scale, NOPE=nope, ROPE=rope, LORA=lora,
+        BLOCK_ROPE=triton.next_power_of_2(rope), FP8=fp8, RNE=INTERPRETED, num_warps=4,
+        **launch_options())
     return qhat
 
 
+def quantised_reference(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """``quantised``: x in ``dtype``, for fp8 x / scale clamped to ±448 first."""
+    if dtype == torch.float8_e4m3fn:
+        x = (x.float() / scale).clamp(-448, 448)
+    return x.to(dtype)
+
+
 def mla_concat_insert_reference(ql, q, kv_c, k_pe, cache, positions, tokens_per_seq,
-                                kv_scale, nope):
+                                kv_scale, nope, q_scale=1.0):
     H, M, _ = ql.shape
     rope = k_pe.shape[1]
     q_pe = q.view(M, H, nope + rope)[..., nope:]
-    qhat = torch.cat([ql.transpose(0, 1), q_pe], dim=-1)
-    entry = torch.cat([kv_c, k_pe], dim=-1).float()
-    if cache.dtype == torch.float8_e4m3fn:
-        entry = (entry / kv_scale).clamp(-448, 448)
-    cache[torch.arange(M) // tokens_per_seq, positions] = entry.to(cache.dtype)
+    fp8 = cache.dtype == torch.float8_e4m3fn
+    qhat = quantised_reference(torch.cat([ql.transpose(0, 1), q_pe], dim=-1), q_scale,
+                               cache.dtype if fp8 else q.dtype)
+    entry = quantised_reference(torch.cat([kv_c, k_pe], dim=-1), kv_scale, cache.dtype)
+    cache[torch.arange(M) // tokens_per_seq, positions] = entry
     return qhat

@@ -2,7 +2,8 @@
 
 One forward handles T new tokens per sequence: a prompt (prefill), one token (decode), or 1+k
 tokens (speculative verify). Activations are bf16 (or the weights' dtype), the KDA state is
-fp32, the latent KV cache bf16 or fp8 e4m3 with a per-tensor scale, as in vLLM.
+fp32, the latent KV cache bf16 or fp8 e4m3 with a per-tensor scale, as in vLLM; so is the
+absorbed query q̂ with an fp8 cache (vLLM's "fp8 cache -> fp8 query"), with a scale of its own.
 
 Each step of vLLM's standard sequence is one ``self.launch(name)`` below: in vLLM one kernel
 launch (a GEMM, a collective, or one of its fused Triton/CUDA ops), here written as the
@@ -80,7 +81,7 @@ class DecodeState:
     kda: dict[int, torch.Tensor]          # [B, H, V, K] fp32
     conv: dict[int, torch.Tensor]         # [B, 3*H*d, conv-1] raw pre-conv inputs
     kv: dict[int, torch.Tensor]           # [B, max_len, kv_lora + rope] bf16 or fp8
-    kv_scale: float
+    kv_scale: float                       # an fp8 cache's per-tensor scale
     lengths: torch.Tensor                 # [B] tokens in the cache
     # per KDA layer, in two halves (read, written): [2, B, H, max_verify, 3, d] fp32 (key,
     # decay, correction) and [2, B, max_verify, 3*H*d] (conv inputs)
@@ -91,11 +92,13 @@ class DecodeState:
     max_verify: int = 0                   # tokens per sequence a verify step may take
     verify_tokens: int = 0                # tokens per sequence of the verify step to accept
     pending_tokens: int = 0               # at most this many pending (known on the host)
+    q_scale: float = 1.0                  # an fp8 cache's fp8 q̂: its per-tensor scale
 
     @classmethod
     def empty(cls, c: K3Config, batch: int, max_len: int, kv_dtype: torch.dtype,
               dtype: torch.dtype, device: torch.device | str = "cpu",
-              kv_scale: float = 1.0, max_verify: int = 0) -> DecodeState:
+              kv_scale: float = 1.0, max_verify: int = 0, q_scale: float = 1.0
+              ) -> DecodeState:
         h, d = c.kda_heads_local, c.kda_head_dim
         kda_layers = [i for i in range(c.n_layers) if not c.is_mla(i)]
         spec = max_verify > 0
@@ -115,6 +118,7 @@ class DecodeState:
             pending=torch.zeros(batch, dtype=torch.int32, device=device) if spec else None,
             half=torch.zeros(1, dtype=torch.int32, device=device) if spec else None,
             max_verify=max_verify,
+            q_scale=q_scale,
         )
 
     def check_verify(self, tokens: int) -> None:
@@ -271,11 +275,14 @@ class K3Model:
         return state.lengths[:, None] + torch.arange(T, device=self.device)
 
     def new_state(self, batch: int, max_len: int, kv_dtype: torch.dtype | None = None,
-                  kv_scale: float = 1.0, max_verify: int = 0) -> DecodeState:
+                  kv_scale: float = 1.0, max_verify: int = 0, q_scale: float = 1.0
+                  ) -> DecodeState:
         """Caches for ``batch`` sequences of up to ``max_len`` tokens; ``max_verify``: room
-        for speculative verify steps of up to that many tokens per sequence."""
+        for speculative verify steps of up to that many tokens per sequence. An fp8 cache
+        (``kv_dtype``) stores values / ``kv_scale``, its fp8 q̂ values / ``q_scale`` (vLLM's
+        are 1 unless a checkpoint gives them)."""
         return DecodeState.empty(self.c, batch, max_len, kv_dtype or self.dtype, self.dtype,
-                                 self.device, kv_scale, max_verify)
+                                 self.device, kv_scale, max_verify, q_scale)
 
     # -- forward --------------------------------------------------------------------------
 
@@ -475,11 +482,12 @@ class K3Model:
         q_hat = torch.cat([ql, q_pe], dim=-1)
         entry = torch.cat([kv_c, k_pe], dim=-1)
         cache = state.kv[i]
-        if cache.dtype == FP8:
-            entry = (entry.float() / state.kv_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+        if cache.dtype == FP8:   # an fp8 cache, an fp8 query (vLLM's policy)
+            q_hat = _to_fp8(q_hat, state.q_scale)
+            entry = _to_fp8(entry, state.kv_scale)
         cache[torch.arange(B, device=self.device)[:, None], positions] = entry.to(cache.dtype)
         self.launch("mla_decode")
-        o_lat = self._mqa(q_hat, cache, state.kv_scale, positions)             # [B,T,H,512]
+        o_lat = self._mqa(q_hat, cache, state, positions)                       # [B,T,H,512]
         self.launch("bmm_w_uv")
         o = torch.einsum("bthl,hlv->bthv", o_lat, p["w_uv"]).reshape(B, T, H * c.v_head)
         self.launch("gate_sigmoid_mul")
@@ -488,16 +496,18 @@ class K3Model:
         out = o @ self.w[a + "o_proj.weight"].T
         return self._all_reduce(out)
 
-    def _mqa(self, q_hat: torch.Tensor, cache: torch.Tensor, scale: float,
+    def _mqa(self, q_hat: torch.Tensor, cache: torch.Tensor, state: DecodeState,
              positions: torch.Tensor) -> torch.Tensor:
         """Attention of every head over one latent head: keys are the 576-wide cache
         entries, values their first kv_lora entries; token t sees positions <= its own."""
         c = self.c
         length = cache.shape[1] if self.graph_safe else int(positions.max()) + 1
         kv = cache[:, :length].float()
+        q = q_hat.float()
         if cache.dtype == FP8:
-            kv = kv * scale
-        scores = torch.einsum("bthd,bsd->bths", q_hat.float(), kv)
+            kv = kv * state.kv_scale
+            q = q * state.q_scale
+        scores = torch.einsum("bthd,bsd->bths", q, kv)
         scores = scores * (c.qk_nope + c.qk_rope) ** -0.5
         visible = torch.arange(length, device=self.device) <= positions[:, :, None]  # [B,T,S]
         scores = scores.masked_fill(~visible[:, :, None, :], float("-inf"))
@@ -594,3 +604,8 @@ def _gathered_expert_matmul(x: torch.Tensor, w: torch.Tensor, expert_of_row: tor
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float()
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight).to(x.dtype)
+
+
+def _to_fp8(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """e4m3 of x / scale, saturated at ±448 (a plain cast would give NaN beyond it)."""
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)

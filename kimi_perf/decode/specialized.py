@@ -28,7 +28,8 @@ collective (symmetric memory) and is not done yet. Per gated-MLA layer (12 again
     S1  attn_res_pre
     M2  qkv_a_g_proj          one pass over x for [W_q_a; W_kv_a; W_g]
     M3  q_b_proj              q_a RMSNorm in the GEMV prologue
-    M4  bmm_w_uk_cache_insert q_nope · W_UK per head; kv RMSNorm (+ fp8) into the cache
+    M4  bmm_w_uk_cache_insert q_nope · W_UK per head; kv RMSNorm into the cache (an fp8
+                              cache: the entry and q̂ both fp8)
     M5  mla_decode            all heads of a token over the latent cache, online softmax,
                               split over the positions when the batch is small
     M6  bmm_w_uv_gate         merge of the splits, o_lat · W_UV per head, times σ(g)
@@ -158,12 +159,14 @@ class SpecializedModel(KernelPathModel):
         self.launch("bmm_w_uk_cache_insert")
         cache = state.kv[i]
         qhat = mla_absorb_insert(q, p["w_uk"], kv, self.w[a + "kv_a_layernorm.weight"], cache,
-                                 positions, T, state.kv_scale, c.rms_eps)
+                                 positions, T, state.kv_scale, c.rms_eps,
+                                 q_scale=state.q_scale)
         self.start_prefetch(self.w[a + "o_proj.weight"])
         self.launch("mla_decode")
         splits = self.mla_splits_for(x.shape[0] // T, T, state, i)
         parts, lse = mla_attention(qhat, cache, positions, T, c.kv_lora, state.kv_scale,
-                                   (c.qk_nope + c.qk_rope) ** -0.5, splits)
+                                   (c.qk_nope + c.qk_rope) ** -0.5, splits,
+                                   q_scale=state.q_scale, dtype=self.dtype)
         self.launch("bmm_w_uv_gate")  # merges the splits on the way in
         o = mla_uv_gate(parts if lse is not None else parts[0], p["w_uv"], gate, lse=lse,
                         dtype=self.dtype)

@@ -93,11 +93,12 @@ class StandardKernelsModel(KernelPathModel):
         ql = torch.bmm(q_nope, p["w_uk"])                                 # [H, M, kv_lora]
         self.launch("q_concat_kv_cache_insert")
         qhat = mla_concat_insert(ql, q, kv_c, qkv_a[:, lora_end:], state.kv[i], positions, T,
-                                 state.kv_scale, c.qk_nope)
+                                 state.kv_scale, c.qk_nope, q_scale=state.q_scale)
         self.launch("mla_decode")
         splits = self.mla_splits_for(x.shape[0] // T, T, state, i)
         parts, lse = mla_attention(qhat, state.kv[i], positions, T, c.kv_lora, state.kv_scale,
-                                   (c.qk_nope + c.qk_rope) ** -0.5, splits)
+                                   (c.qk_nope + c.qk_rope) ** -0.5, splits,
+                                   q_scale=state.q_scale, dtype=self.dtype)
         if lse is None:
             o_lat = parts[0]
         else:  # FlashMLA's second launch

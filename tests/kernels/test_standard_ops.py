@@ -77,15 +77,29 @@ def test_mla_concat_insert(cache_dtype):
     positions = torch.tensor([4, 5, 6, 0, 1, 2])
     qkv[:3, 50] = 30.0                     # beyond ±448 once divided by the scale: saturates
     qkv[3:, -1] = -30.0
+    ql[1, :2, 7] = 10.0                    # so do q̂'s (an fp8 cache takes an fp8 q̂)
+    q[4, nope] = -10.0
     got_cache = torch.randn(B, S, lora + rope, generator=gen).to(cache_dtype)  # rows not written
     want_cache = got_cache.clone()
-    got = mla_concat_insert(ql, q, kv_c, k_pe, got_cache, positions, T, 0.05, nope)
-    want = mla_concat_insert_reference(ql, q, kv_c, k_pe, want_cache, positions, T, 0.05, nope)
-    assert torch.equal(got, want)
+    got = mla_concat_insert(ql, q, kv_c, k_pe, got_cache, positions, T, 0.05, nope,
+                            q_scale=0.02)
+    want = mla_concat_insert_reference(ql, q, kv_c, k_pe, want_cache, positions, T, 0.05, nope,
+                                       q_scale=0.02)
+    fp8 = cache_dtype == torch.float8_e4m3fn
+    assert got.dtype == want.dtype == (cache_dtype if fp8 else torch.bfloat16)
     # bit for bit (the interpreter's rounding is emulated; nothing is summed)
+    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
     assert torch.equal(got_cache.view(torch.uint8), want_cache.view(torch.uint8))
-    if cache_dtype == torch.float8_e4m3fn:
+    if fp8:
         assert got_cache.float().abs().max() == 448 and (got_cache.float().abs() == 448).sum() >= 6
+        assert (got.float().abs() == 448).sum() == 3
+        # the rest: q̂ / 0.02 within e4m3's rounding (half a step: 2^-4 relative, or 2^-10
+        # absolute among the subnormals)
+        stored, meant = got[:, :, :lora].float(), ql.transpose(0, 1).float() / 0.02
+        kept = meant.abs() < 448
+        assert ((stored - meant).abs()[kept] <= (meant.abs() / 16).clamp_min(2**-10)[kept]).all()
+    else:
+        assert torch.equal(got[:, :, :lora], ql.transpose(0, 1))   # bf16: copied as it is
     assert got_cache.float().abs().sum() > 0
 
 
