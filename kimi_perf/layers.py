@@ -505,7 +505,8 @@ class RepeatSplit:
 
 def find_repeats(seq: np.ndarray, classes: np.ndarray | None = None,
                  attention: np.ndarray | None = None,
-                 min_coverage: float = 0.5, layers: int | None = None) -> RepeatSplit | None:
+                 min_coverage: float = 0.5, layers: int | None = None,
+                 generic: np.ndarray | None = None) -> RepeatSplit | None:
     """Find N consecutive layers in a sequence of kernel-name codes.
 
     Names that occur exactly N times, once in each layer, anchor the layers: for the right N,
@@ -518,8 +519,11 @@ def find_repeats(seq: np.ndarray, classes: np.ndarray | None = None,
     layer 0), so each gap is split where its longest suffix that the prologue ends with
     begins. Matching uses kernel classes (``classes``, same length as ``seq``) where given,
     because the first layer often runs a variant kernel (a plain norm where later layers fuse
-    the residual add). ``layers``: how many layers there are, when known (a forward pass of
-    a step that ran several).
+    the residual add); but ops whose class says nothing of their role (``generic``: a mask of
+    the elementwise, copy and unclassed ops) match by name, or an eager model, all
+    elementwise kernels and GEMMs, would match almost any suffix (its residual add taken for
+    the embedding's gather). ``layers``: how many layers there are, when known (a forward
+    pass of a step that ran several).
     """
     n = len(seq)
     if n < 4:
@@ -538,6 +542,8 @@ def find_repeats(seq: np.ndarray, classes: np.ndarray | None = None,
         return None
     _, count, lo, hi = _layer_count(candidates, attention)
     kinds = seq if classes is None else classes
+    if generic is not None:
+        kinds = np.where(generic, -1 - seq, kinds)   # (names negative, beside class codes)
     prologue = kinds[: lo[0]]
     gaps = [kinds[hi[i - 1] + 1: lo[i]] for i in range(1, count)]
     splits_of: dict[bytes, tuple[int, int]] = {}    # the gaps of a step repeat: split each once
@@ -660,6 +666,16 @@ def _match_forward(seq: np.ndarray, start: int, pattern: np.ndarray) -> int:
     return j - start
 
 
+# Classes that say nothing of an op's role in a layer: ``find_repeats`` matches these by name.
+# (Not "other": a CNN's convolutions are unclassed, and their names vary layer by layer.)
+GENERIC_CLASSES = ("elementwise", "memcpy")
+
+
+def generic_ops(classes: np.ndarray, labels: list[str]) -> np.ndarray:
+    """Which ops of a sequence are of a ``GENERIC_CLASSES`` class, for ``find_repeats``."""
+    return np.isin(classes, [labels.index(c) for c in GENERIC_CLASSES if c in labels])
+
+
 def attending(classes: np.ndarray, labels: list[str]) -> np.ndarray:
     """Which ops of a sequence attend, for ``find_repeats``: the attention class, but for an
     op right before or after a router op, which routes (an eager MoE's softmax, before its
@@ -677,7 +693,8 @@ def layers_from_repeats(ops: GpuOps, steps: list[Step]) -> bool:
     for step in steps:
         rows = step.ops if step.borrowed is None else step.ops[~step.borrowed]
         classes = ops.kernel_class[rows]
-        split = find_repeats(ops.name[rows], classes, attending(classes, ops.class_labels))
+        split = find_repeats(ops.name[rows], classes, attending(classes, ops.class_labels),
+                             generic=generic_ops(classes, ops.class_labels))
         if split is None:
             continue
         found = True
@@ -724,7 +741,7 @@ def passes_from_layer_cycle(ops: GpuOps, step: Step) -> list[Step] | None:
             continue
         classes = ops.kernel_class[rows[lo:hi]]
         split = find_repeats(names[lo:hi], classes, attending(classes, ops.class_labels),
-                             layers=period)
+                             layers=period, generic=generic_ops(classes, ops.class_labels))
         if split is None:
             return None
         whole.append((lo, hi, lo + split.starts, lo + split.ends))

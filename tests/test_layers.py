@@ -18,6 +18,7 @@ from kimi_perf.layers import (
     DEFAULT_LAYER_PATTERN,
     attending,
     find_repeats,
+    generic_ops,
     segment,
     step_phase,
 )
@@ -104,6 +105,31 @@ def test_repeats_take_an_unfused_norm_twice_a_layer_for_part_of_a_layer(n_layers
     assert split is not None
     np.testing.assert_array_equal(split.starts, 1 + len(layer) * np.arange(n_layers))
     np.testing.assert_array_equal(split.ends, split.starts + len(layer))
+
+
+@pytest.mark.parametrize("n_layers", [3, 12])
+def test_an_eager_layer_begins_at_its_norm_not_at_the_residual_add_before_it(n_layers):
+    """An eager model's kernels are elementwise but for its GEMMs and attention. Layer 0's
+    head (its norm) follows the embedding's gather; by class alone the residual add that
+    ends each layer matches that gather too, and every layer would begin one kernel early
+    (the one before it ending without its add). Elementwise kernels match by name: each
+    layer begins at its norm."""
+    norm = ["vectorized_pow", "reduce_kernel_mean", "vectorized_add", "vectorized_rsqrt",
+            "elementwise_mul", "elementwise_mul_weight"]         # as PyTorch's kernels read
+    layer = [*norm, "gemm_qkv", "flash_fwd", "gemm_o", "residual_add", *norm, "gemm_up",
+             "silu", "gemm_down", "residual_add"]
+    sequence = ["index_select_gather", *(layer * n_layers), *norm, "gemm_lm_head"]
+    strings = sorted(set(sequence))
+    seq = np.array([strings.index(n) for n in sequence])
+    classes, labels = classify(seq, strings, load_rules())
+    assert {labels[c] for c in classes} == {"elementwise", "gemm", "attention"}
+    starts = 1 + len(layer) * np.arange(n_layers)
+    split = find_repeats(seq, classes, attending(classes, labels),
+                         generic=generic_ops(classes, labels))
+    np.testing.assert_array_equal(split.starts, starts)
+    np.testing.assert_array_equal(split.ends, starts + len(layer))
+    by_class = find_repeats(seq, classes, attending(classes, labels))
+    np.testing.assert_array_equal(by_class.starts[1:], starts[1:] - 1)
 
 
 @pytest.mark.parametrize("n_layers", [3, 8, 24])
@@ -584,13 +610,17 @@ def test_layers_that_differ_in_turn_are_no_forward_passes(layers):
 def test_real_benchmarks_forward_passes_are_their_steps():
     """Two benchmark scripts that time a model's forward pass with no range around each:
     zx3xyy's 2.7B model (one warm-up and three timed passes of 32 layers) and Athrun's
-    (five passes of 12 layers); the final norm and LM head end each pass."""
+    (five passes of 12 layers); the embedding begins each pass, the final norm (six
+    elementwise kernels) and LM head end it. Both models are all elementwise kernels and
+    GEMMs: a layer begins at its norm, not at the residual add that ends the one before
+    (which by class alone matches the embedding's gather), so every layer is one type."""
     from kimi_perf.layer_breakdown import step_notes
 
     zx = breakdown(read_trace(NSYS / "zx3xyy-assignment2-systems__result_2_7B_nvtx__nsys2024"
                                      ".6.2.sqlite"))
     assert [(s["name"], s["layers"], s["epilogue"]["kernels"]) for s in zx.steps] == [
-        (f"device 0 pass {k}", 32, 8) for k in range(4)]
+        (f"device 0 pass {k}", 32, 7) for k in range(4)]
+    assert [s["prologue"]["kernels"] for s in zx.steps][1:] == [1, 1, 1]   # the embedding
     assert [(t["type"], t["layers"], t["kernels"]) for t in zx.layer_types] == [("A", 128, 57)]
     # Pass 0 is the warm-up, with the model's loading (its weights' copies) in its prologue:
     # the ranges say so (as nsys's NVTX projection does: init_model 292 ops, warmup 1832).
@@ -605,21 +635,25 @@ def test_real_benchmarks_forward_passes_are_their_steps():
             "pass 3 in 'benchmark_loop'") in step_notes(zx)
     athrun = breakdown(read_trace(NSYS / "Athrun0109-CS336_assignment2__result__nsys2026.2.1"
                                          ".sqlite"))
-    assert [(s["layers"], s["epilogue"]["kernels"]) for s in athrun.steps] == [(12, 16)] * 5
+    assert [(s["layers"], s["prologue"]["kernels"], s["epilogue"]["kernels"])
+            for s in athrun.steps] == [(12, 114, 10)] + [(12, 1, 10)] * 4
+    assert [(t["type"], t["layers"], t["kernels"]) for t in athrun.layer_types] == [
+        ("A", 60, 76)]
     assert "pass_ranges" not in athrun.source    # all five ran alike
 
 
 def test_a_step_range_around_several_passes_says_so():
     """zx3xyy's benchmark loop taken as the step (--steps ^benchmark_loop$) holds its three
-    timed passes: the user's step stands, and a note says why its layer type C (32nd layer +
-    final norm + LM head: 65 kernels) differs from B (57)."""
+    timed passes: the user's step stands, and a note says why its layer types A (the
+    embedding + the 1st layer: 58 kernels) and C (32nd layer + final norm + LM head: 64)
+    differ from B (57)."""
     from kimi_perf.layer_breakdown import step_notes
 
     b = breakdown(read_trace(NSYS / "zx3xyy-assignment2-systems__result_2_7B_nvtx__nsys2024"
                                     ".6.2.sqlite"), step_regex="^benchmark_loop$")
     assert [(s["name"], s["layers"]) for s in b.steps] == [("benchmark_loop", 96)]
     assert [(t["type"], t["layers"], t["kernels"]) for t in b.layer_types] == [
-        ("A", 3, 57), ("B", 90, 57), ("C", 3, 65)]
+        ("A", 3, 58), ("B", 90, 57), ("C", 3, 64)]
     assert b.source["steps_holding_passes"] == [{"step": "benchmark_loop", "passes": 3,
                                                  "layers": 32}]
     assert any(n.startswith("steps that hold several forward passes ('benchmark_loop' 3 "
@@ -722,10 +756,11 @@ def _window(trace, first: float, last: float):
 def test_a_trace_that_begins_and_ends_within_passes_keeps_its_whole_ones(first, last, passes):
     """zx3xyy's benchmark as a time-window capture would record it, beginning and ending
     within a forward pass (and within a layer): the whole passes in the window are steps,
-    each as the whole trace has it (32 layers of 57 kernels, the final norm and LM head's 8
-    as its epilogue: 1,832 kernels), and the parts of passes at the window's edges are in no
-    step, counted and said. A window of one whole pass shows no two passes to agree on what
-    a pass is: it stays one step, as it was before passes were found in cut traces."""
+    each as the whole trace has it (the embedding, 32 layers of 57 kernels, the final norm
+    and LM head's 7 as its epilogue: 1,832 kernels), and the parts of passes at the window's
+    edges are in no step, counted and said. A window of one whole pass shows no two passes to
+    agree on what a pass is: it stays one step, as it was before passes were found in cut
+    traces."""
     from kimi_perf.layer_breakdown import step_notes
 
     full = read_trace(NSYS / "zx3xyy-assignment2-systems__result_2_7B_nvtx__nsys2024.6.2.sqlite")
@@ -736,7 +771,7 @@ def test_a_trace_that_begins_and_ends_within_passes_keeps_its_whole_ones(first, 
         return
     assert b.source["steps_found_by"] == "pass"
     assert [(s["layers"], s["kernels"], s["prologue"]["kernels"], s["epilogue"]["kernels"])
-            for s in b.steps] == [(32, 1832, 0, 8)] * passes
+            for s in b.steps] == [(32, 1832, 1, 7)] * passes
     assert [(t["type"], t["kernels"]) for t in b.layer_types] == [("A", 57)]
     partial = b.source["outside_steps"]["partial_passes"]
     assert partial["ops"] + passes * 1832 == len(window.kernels) + len(window.memops)
