@@ -33,6 +33,7 @@ from kimi_perf.layers import (
     steps_of_phase,
 )
 from kimi_perf.memory import release_free_memory
+from kimi_perf.nesting import range_groups
 from kimi_perf.trace import Trace
 
 SCHEMA = 1
@@ -513,9 +514,35 @@ def repeating_ranges(trace: Trace, most: int = 3) -> list[dict[str, Any]]:
             instances, kernels = found.setdefault(row.range, [0, 0])
             found[row.range] = [max(instances, row.range_instances),
                                 kernels + row.kernel_instances]
+    outer = _outermost_instances(trace, [name for name, (n, _) in found.items() if n >= 2])
+    found = {name: (outer.get(name, n), k) for name, (n, k) in found.items()}
     ranked = sorted(((n, k, name) for name, (n, k) in found.items()
                      if n >= 2 and 4 * k >= len(trace.kernels)), key=lambda x: (-x[1], x[2]))
     return [{"range": name, "instances": n, "kernels": k} for n, k, name in ranked[:most]]
+
+
+def _outermost_instances(trace: Trace, names: list[str]) -> Counter:
+    """How many times each range name ran, not counting an instance inside another of its
+    name on its thread (a model's ``forward`` range opened again by a wrapper within it): as
+    steps, nested ones are one step, not two. Names the trace's ranges lack are left out."""
+    wanted = set(names)
+    code_of = {code: name for code, name in enumerate(trace.strings) if name in wanted}
+    r = trace.ranges
+    rows = np.flatnonzero(np.isin(r.name, list(code_of)))
+    out: Counter = Counter()
+    if not len(rows):
+        return out
+    keys = range_groups(r)[rows]
+    order = np.lexsort((-r.end[rows], r.start[rows], keys, r.name[rows]))
+    rows, keys = rows[order], keys[order]
+    cuts = np.flatnonzero(np.r_[True, (keys[1:] != keys[:-1])
+                                | (r.name[rows][1:] != r.name[rows][:-1]), True])
+    for lo, hi in zip(cuts[:-1].tolist(), cuts[1:].tolist(), strict=True):
+        ends = r.end[rows[lo:hi]]
+        # in start order, a range that ends by the latest end before it lies inside that one
+        inside = ends[1:] <= np.maximum.accumulate(ends)[:-1]
+        out[code_of[int(r.name[rows[lo]])]] += hi - lo - int(inside.sum())
+    return out
 
 
 # Ops a timeline holds at most: a decode step of ~100 layers is a few thousand; a training

@@ -832,11 +832,11 @@ def test_steps_per_device_name_the_ranges_that_could_be_the_steps():
         {"range": "Forward", "instances": 15, "kernels": 10380}]
     assert any("each device is one step; ranges that repeat: 'Forward' ×15 (10380 kernels): "
                "--steps '^Forward$' takes them as the steps" in n for n in step_notes(jsun))
-    # the benchmark's forward passes, not the operators ('cpu_op:aten::conv2d' ×10)
+    # the benchmark's 'measure|forward' and 'warmup|forward' each ran twice, but each time
+    # within itself (a wrapper's range around the model's of one name): once each, no steps
     alexnet = breakdown(read_trace(KINETO / "hta_a100_alexnet_cuda_sync.json.gz"))
-    assert [r["range"] for r in alexnet.source["repeating_ranges"]] == [
-        "[param|pytorch.model.alex_net|0|0|0|measure|forward]",
-        "[param|pytorch.model.alex_net|0|0|0|warmup|forward]"]
+    assert alexnet.source["repeating_ranges"] == []
+    assert not any("ranges that repeat" in n for n in step_notes(alexnet))
     inner = breakdown(read_trace(
         NSYS / "zx3xyy-assignment2-systems__result_2_7B_nvtx__nsys2024.6.2.sqlite"))
     assert inner.source["repeating_ranges"] == []      # 'computing softmax' ×128 is no step
@@ -846,6 +846,29 @@ def test_steps_per_device_name_the_ranges_that_could_be_the_steps():
         KINETO / "tracelens_vllm_gptoss20b_decode_fullgraph_mi300x.json.gz"))
     assert vllm.source["steps_found_by"] == "range" and vllm.source["repeating_ranges"] == []
     assert not any("each device is one step" in n for n in step_notes(vllm))
+
+
+def test_a_range_nested_in_one_of_its_name_is_no_second_instance():
+    """'forward' twice on one thread, the first holding another 'forward' (a wrapper's
+    range around the model's), and twice on a second thread, one of them at the time of
+    the first thread's second (nesting is per thread): 4 instances, not 5; a range that
+    only overlaps one of its name still counts."""
+    from kimi_perf.layer_breakdown import repeating_ranges
+
+    b = TraceBuilder()
+    spans = []
+    for tid in (1, 1, 2):
+        start = b.clock
+        b.sequence(["gemm", "add"], tid=tid)
+        b.range("forward", start, b.clock, tid=tid)
+        spans.append((start, b.clock))
+    b.range("forward", spans[0][0] + 1, spans[0][1] - 1, tid=1)   # the wrapper's, inside
+    b.range("forward", spans[1][0] + 1, spans[1][1] - 1, tid=2)   # another thread's: apart
+    (row,) = repeating_ranges(b.build())
+    assert row["range"] == "forward" and row["instances"] == 4
+    b.range("forward", spans[2][1] - 10, spans[2][1] + 10, tid=2)  # overlaps one's end
+    (row,) = repeating_ranges(b.build())
+    assert row["instances"] == 5
 
 
 @given(st.lists(st.sampled_from("abc"), min_size=1, max_size=12), st.integers(0, 11))
