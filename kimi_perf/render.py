@@ -87,15 +87,17 @@ RANGES_TABLE_ROWS = 100
 
 def ranges_table(rows: list[RangeKernelRow], limit: int = RANGES_TABLE_ROWS) -> Table:
     """The rows with the most kernel time (all of them: ``--format csv`` or ``json``; a
-    terminal table of tens of thousands of rows takes rich seconds and nobody reads it)."""
+    terminal table of tens of thousands of rows takes rich seconds and nobody reads it).
+    Kernel names as ``breakdown --kernels`` shows them (demangled, shortened); the CSV and
+    JSON keep the trace's, as ``nsys stats`` prints them."""
     table = _table("Kernels by range (nsys nvtx_kern_sum projection)",
                    ["range", "pid", "tid", "ranges", "kernels", "total µs", "kernel"],
                    left=("range", "pid", "tid", "kernel"))
     shown = heapq.nlargest(limit, rows, key=lambda r: r.total_ns)
-    for r in shown:
+    for r, kernel in zip(shown, short_names([r.kernel for r in shown], 60), strict=True):
         table.add_row(_blank(r.range) or "(none)", str(_blank(r.pid)), str(_blank(r.tid)),
                       str(r.range_instances), str(r.kernel_instances),
-                      f"{r.total_ns / 1000:.1f}", r.kernel)
+                      f"{r.total_ns / 1000:.1f}", kernel)
     if len(shown) < len(rows):
         table.caption = (f"the {len(shown)} of {len(rows):,} rows with the most kernel time; "
                          "--format csv or json for all")

@@ -1352,3 +1352,17 @@ def test_ranges_says_why_its_table_is_empty():
     assert f"{trace.name}: no GPU kernels in this trace" in result.output
     assert "a CPU run" not in result.output
     assert "no GPU kernels" not in run("ranges", VLLM, "--format", "csv").output
+
+
+def test_ranges_table_shows_kernel_names_as_breakdown_does():
+    """The terminal table demangles and shortens kernel names (vLLM's MI300X trace carries
+    mangled ck_tile names and Tensile names of hundreds of characters); the CSV keeps them
+    as the trace has them, as nsys stats prints them."""
+    import shutil
+
+    table = run("ranges", VLLM).output
+    csv_text = run("ranges", VLLM, "--format", "csv").output
+    assert "_ZN7ck_tile" in csv_text and max(len(line) for line in csv_text.splitlines()) > 300
+    assert "_matmul_ogs_NNT_bf16xbf16xmxfp4_16x128x256x1" in table
+    if shutil.which("c++filt"):
+        assert "_ZN7ck_tile" not in table and "ck_tile::" in table
