@@ -592,6 +592,34 @@ def test_formats_are_told_by_content_not_name(tmp_path):
         read_trace(cut)
 
 
+def test_a_gzipped_export_reads_as_the_export(tmp_path, monkeypatch):
+    """An nsys SQLite export gzipped (as exports are shared; named anything) reads as the
+    export does, and its temporary copy is gone after; one cut short is an error naming it,
+    not taken for JSON."""
+    import gzip
+    import tempfile
+
+    from kimi_perf.errors import TraceError
+
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    packed = tmp_path / "report.sqlite.gz"
+    packed.write_bytes(gzip.compress(FUSER.read_bytes()))
+    plain = read_trace(FUSER)
+    trace = read_trace(packed)
+    assert not any(scratch.iterdir())
+    assert trace.meta["file"] == str(packed) and trace.meta["tool"] == plain.meta["tool"]
+    for table in ("kernels", "memops", "ranges", "api"):
+        assert len(getattr(trace, table)) == len(getattr(plain, table)), table
+    assert np.array_equal(trace.kernels.start, plain.kernels.start)
+    cut = tmp_path / "cut.sqlite"          # the name says SQLite, the content is gzip
+    cut.write_bytes(packed.read_bytes()[: packed.stat().st_size // 2])
+    with pytest.raises(TraceError, match=r"cut\.sqlite: truncated or corrupt gzip"):
+        read_trace(cut)
+    assert not any(scratch.iterdir())
+
+
 @pytest.mark.parametrize("name", ["run%41.sqlite", "run#2.sqlite", "t?x.sqlite", "50%.sqlite"])
 def test_an_export_is_read_whatever_its_name(tmp_path, name):
     """SQLite opens a URI: '%41', '#' or '?' in a file's name must not open another file

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import gzip
+import shutil
 import stat
+import tempfile
+import zlib
 from pathlib import Path
 
 from kimi_perf.errors import TraceError, input_stat
@@ -43,6 +47,8 @@ def read_trace(path: str | Path) -> Trace:
         reader = read_nsys_sqlite
     elif head.startswith(ARROW_MAGIC):
         reader = Trace.load
+    elif head.startswith(GZIP_MAGIC) and _gunzipped_head(path).startswith(SQLITE_MAGIC):
+        reader = _read_gzipped_sqlite
     elif (head.startswith(GZIP_MAGIC)
           or head.removeprefix(UTF8_BOM).lstrip()[:1] in (b"{", b"[")):
         reader = read_kineto_json
@@ -71,4 +77,35 @@ def read_trace(path: str | Path) -> Trace:
                          ) from None
     if problem := meta_problem(trace.meta):    # what the analyses would trip on, far away
         raise TraceError(path, f"malformed trace metadata: {problem}")
+    return trace
+
+
+def _gunzipped_head(path: Path) -> bytes:
+    """The first bytes of a gzip file's content; none where it cannot be read (the reader
+    chosen then says why)."""
+    try:
+        with gzip.open(path, "rb") as f:
+            return f.read(len(SQLITE_MAGIC))
+    except (OSError, EOFError, zlib.error):
+        return b""
+
+
+def _read_gzipped_sqlite(path: Path) -> Trace:
+    """An nsys SQLite export gzipped, as exports are shared: decompressed into a temporary
+    file (SQLite reads files) and read as the export; errors name the gzip file."""
+    with tempfile.TemporaryDirectory(prefix="kimi-perf-") as tmp:
+        plain = Path(tmp) / "export.sqlite"
+        try:
+            with gzip.open(path, "rb") as src, open(plain, "wb") as dst:
+                shutil.copyfileobj(src, dst, 1 << 20)
+        except (EOFError, zlib.error, gzip.BadGzipFile) as exc:
+            raise TraceError(path, f"truncated or corrupt gzip ({exc})") from None
+        except OSError as exc:
+            raise TraceError(path, f"cannot decompress it into {tmp} ({exc.strerror or exc})"
+                             ) from None
+        try:
+            trace = read_nsys_sqlite(plain)
+        except TraceError as exc:
+            raise TraceError(path, exc.problem) from None
+    trace.meta["file"] = str(path)
     return trace
