@@ -708,7 +708,7 @@ def _info(trace: Path, info: dict) -> None:
     click.echo(f"  kernels {info['kernels']}, memcpy/memset {info['memops']}, ranges "
                f"{info['ranges']}, API calls {info['api_calls']}")
     if untimed := info["untimed"]:
-        click.echo(f"  left out, without a time: {untimed['kernels']} kernels, "
+        click.echo(f"  left out, without a time: {_counted(untimed['kernels'], 'kernel')}, "
                    f"{untimed['memops']} memcpy/memset")
     if info["span_ns"] is not None:
         processes = info["processes"]
@@ -716,12 +716,12 @@ def _info(trace: Path, info: dict) -> None:
                    f"{len(processes)} process{'es' if len(processes) != 1 else ''} with GPU "
                    "work or API calls")
         for p in processes[:INFO_PROCESSES]:   # which of a trace's processes launched what
-            click.echo(f"  process {p['pid']}: {p['kernels']:,} kernels, "
-                       f"{p['api_calls']:,} API calls")
+            click.echo(f"  process {p['pid']}: {_counted(p['kernels'], 'kernel')}, "
+                       f"{_counted(p['api_calls'], 'API call')}")
         if len(processes) > INFO_PROCESSES:
             click.echo(f"  and {len(processes) - INFO_PROCESSES} more processes")
         if unowned := info["kernels_without_process"]:
-            click.echo(f"  {unowned:,} kernels with no process recorded")
+            click.echo(f"  {_counted(unowned, 'kernel')} with no process recorded")
     # GPUs: those the trace describes, and those its kernels ran on (a GPU table may list
     # devices that ran nothing, or be missing).
     for gpu in info["gpus"]:
@@ -729,7 +729,12 @@ def _info(trace: Path, info: dict) -> None:
                                "(not described in the trace)")
         click.echo(f"  GPU {gpu['device']}: {name}"
                    + (f", {gpu['sm_count']} SMs" if gpu["sm_count"] else "")
-                   + (f": {gpu['kernels']:,} kernels" if gpu["kernels"] else ": no kernels"))
+                   + (f": {_counted(gpu['kernels'], 'kernel')}" if gpu["kernels"]
+                      else ": no kernels"))
+
+
+def _counted(n: int, noun: str) -> str:
+    return f"{n:,} {noun}{'s' * (n != 1)}"
 
 
 @main.command(name="floors")

@@ -154,6 +154,9 @@ def test_info_names_the_gpus_that_ran_kernels():
     graphed = run("info", KINETO / "hta_a100_80gb_rank0_cudagraph_triton.json.gz").output
     assert "1 process with GPU work" in graphed and "process 4515: 5,375 kernels" in graphed
     assert "705 kernels with no process recorded" in graphed
+    single = run("info", KINETO / "hta_a100_triton_example.json.gz").output
+    assert "process 1670242: 1 kernel, 2 API calls" in single
+    assert "108 SMs: 1 kernel\n" in single
     one = run("info", VLLM).output
     assert "GPU 2: (unnamed), 304 SMs: 425 kernels" in one and "GPU 0: (unnamed), 304 SMs: no " \
         "kernels" in one
