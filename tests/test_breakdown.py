@@ -1017,3 +1017,21 @@ def test_json_text_is_json_dumps_text_and_escapes_what_json_escapes():
     assert json.loads(json_text({"x": float("nan")})) == {"x": None}   # valid JSON
     with pytest.raises(TypeError):
         json_text({"path": object()})
+
+
+def test_a_log_softmax_is_no_attention_and_a_sort_no_router():
+    """A training loss's log-softmax (jsun's cunn_SoftMaxForward with LogSoftMax's epilogue)
+    is elementwise and its sort is other; an attention softmax (Wan2.1's eager DiT
+    attention) stays attention."""
+    from kimi_perf.classify import classify, load_rules
+
+    names = ["void at::native::<unnamed>::cunn_SoftMaxForwardSmem<(int)4, float, float, "
+             "float, at::native::<unnamed>::LogSoftMaxForwardEpilogue>(T4 *, const T2 *, T3)",
+             "void at::native::<unnamed>::nll_loss_forward_reduce_cuda_kernel_2d<float, float, "
+             "long>(T1 *, T1 *, const T1 *, const T2 *, const T1 *, bool, long, long, long)",
+             "void at_cuda_detail::cub::DeviceRadixSortSingleTileKernel<at_cuda_detail::cub::"
+             "DeviceRadixSortPolicy<long, long, int>::Policy900, false, long, long, int>",
+             "void <unnamed>::softmax_warp_forward<float, float, float, (int)6, (bool)0, "
+             "(bool)0>(T2 *, const T1 *, int, int, int, const bool *, int, bool)"]
+    classes, labels = classify(np.arange(len(names)), names, load_rules())
+    assert [labels[c] for c in classes] == ["elementwise", "elementwise", "other", "attention"]

@@ -320,14 +320,17 @@ def test_tables_to_a_file_and_bad_output_paths(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["steps.txt"]
 
 
-def test_kernel_names_keep_their_brackets_in_tables(tmp_path):
-    """Rich would read ``[lambda(int) (instance 1)]`` in a kernel name as markup and drop it.
-    The table also keeps to the rows with the most kernel time, and says so."""
+def test_names_keep_their_brackets_in_tables(tmp_path):
+    """Rich would read ``[param|...]`` in a range name (or ``[lambda(int) (instance 1)]`` in
+    a kernel's) as markup and drop it. The table also keeps to the rows with the most kernel
+    time, and says so."""
     jsun = NSYS / "jsun-012-assignment2-systems__result__nsys2025.1.3.sqlite"
     out = tmp_path / "ranges.txt"
+    assert run("ranges", KINETO / "hta_a100_alexnet_cuda_sync.json.gz", "-o", out
+               ).exit_code == 0
+    assert "[param|pytorch.model.alex_net|0|0|0|measure|forward]" in out.read_text()
     assert run("ranges", jsun, "-o", out).exit_code == 0
     text = out.read_text()
-    assert "[lambda(int) (instance 1)]" in text
     assert "rows with the most kernel time; --format csv or json for all" in text
     csv_rows = run("ranges", jsun, "--format", "csv").output.splitlines()[1:]
     assert "[lambda" in "".join(csv_rows) and len(csv_rows) > 100
