@@ -171,10 +171,11 @@ def builds() -> list[Build]:
                     "x_ptr": "*bf16", "sx_ptr": "*bf16", "sw_ptr": "*bf16",
                     "sout_ptr": "*bf16", "w2_ptr": "*bf16", "out_ptr": "*bf16"}
     routed_n, routed_k = moe_experts.routed_blocks()
-    for m, shared in ((1, True), (4, True), (64, True), (1, False)):
-        # with the shared experts' tiles (GEMV at M <= 4, tl.dot above; M > 64 takes more
-        # row tiles of the same size); without them and routing, the standard path's FC1 and
-        # per-slot FC2
+    # with the shared experts' tiles (GEMV at M <= 4, tl.dot above; M > 64 takes more row
+    # tiles of the same size); without them and routing, the standard path's FC1 and
+    # per-slot FC2; on bf16 experts and on MXFP4's codes and scales
+    for mxfp4, (m, shared) in itertools.product(
+            (False, True), ((1, True), (4, True), (64, True), (1, False))):
         tags = {True: f"+shared M={m}", False: f"standard M={m}"}
         for kernel, situ in ((moe_experts.moe_route_fc1_situ_kernel, True),
                              (moe_experts.moe_fc2_combine_kernel, False)):
@@ -185,7 +186,8 @@ def builds() -> list[Build]:
                 consts = {"SHARED": True, "S_USE_DOT": m > skinny_linear.GEMV_MAX_M,
                           "DOT_FP32": False, "S_BLOCK_M": block_m, "S_BLOCK_N": block_n,
                           "S_BLOCK_K": block_k}
-            consts.update(BLOCK_N=routed_n, BLOCK_K=routed_k, RNE=False)
+            block_n, block_k = moe_experts.routed_blocks(mxfp4)
+            consts.update(BLOCK_N=block_n, BLOCK_K=block_k, RNE=False, MXFP4=mxfp4)
             if situ:
                 consts.update(TOP_K=16, BLOCK_E=1024, BETA=4.0, BETA_LINEAR=25.0, ROUTE=shared)
             else:
@@ -193,14 +195,20 @@ def builds() -> list[Build]:
             # the specialized path's: the latent and the router logits are one fp32 row of
             # 4480 (router_latent_down), FC2 writes the routed latent and the shared experts'
             # output side by side (rows of 3584 + 7168)
+            weight = "w13" if situ else "w2"
             types = {**routed_types, "x_ptr": "*fp32" if shared else "*bf16",
                      "sout_ptr": "*bf16" if situ else "*fp32",
-                     "out_ptr": "*fp32" if shared else "*bf16"}
+                     "out_ptr": "*fp32" if shared else "*bf16",
+                     f"{weight}_ptr": "*u8" if mxfp4 else "*bf16",
+                     f"{weight}s_ptr": "*u8" if mxfp4 else "*bf16"}
             # (the standard FC2 takes each of a token's 16 slots as a token of one slot; its
             # FC1 reads a bf16 latent of its own and no logits)
+            rows, cols = (2 * inter, latent) if situ else (latent, inter)
+            per_value = 0.5 if mxfp4 else 1   # (MXFP4: a byte of codes per two values)
             ints = {"M": m if shared or situ else 16 * m, "INTER": inter,
-                    "stride_we": 2 * inter * latent if situ else latent * inter,
-                    "stride_wn": latent if situ else inter}
+                    "stride_we": int(rows * cols * per_value), "stride_wn": int(cols * per_value),
+                    "stride_se": rows * cols // 32 if mxfp4 else 0,
+                    "stride_sn": cols // 32 if mxfp4 else 0}
             if situ:
                 row = 896 + latent if shared else latent
                 ints |= {"KDIM": latent, "E": 896 if shared else 0, "stride_x": row,
@@ -214,6 +222,7 @@ def builds() -> list[Build]:
                          "stride_sout": s_out, "SHARED_PROGRAMS": skinny_linear.tiles(
                              m, s_n, consts["S_BLOCK_M"], consts["S_BLOCK_N"])}
             label = "moe_route_fc1_situ E896 k16 I384" if situ else "moe_fc2_combine N3584 I384"
+            label += " MXFP4" if mxfp4 else ""
             out.append(Build(f"{label} {tags[shared]}", kernel,
                              _signature(kernel, types, consts), consts, 8, ints=ints))
     for m in (16, 64, 512):   # the grouped FC1 (opt-in); 512: a verify step of 64 × 8

@@ -151,6 +151,9 @@ def moe_grouped_fc1_situ(x: torch.Tensor, w13: torch.Tensor, ids: torch.Tensor,
     [M, top_k, I] in w13's dtype, as ``moe_route_fc1_situ`` makes it, and each expert's slots
     for ``moe_grouped_fc2``); ``shared`` as there."""
     M, top_k = ids.shape
+    if not isinstance(w13, torch.Tensor):
+        raise ValueError("moe_grouped_fc1_situ: grouped experts take weights in the model's "
+                         "dtype (MXFP4 ones not yet: moe_route_fc1_situ takes them)")
     n_experts, two_i, kdim = w13.shape
     inter = two_i // 2
     if ids.dtype != torch.int32 or not ids.is_contiguous():

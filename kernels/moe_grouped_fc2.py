@@ -103,6 +103,9 @@ def moe_grouped_fc2(act: torch.Tensor, w2: torch.Tensor, slots: ExpertSlots,
     (``out`` zeroed first: ``router_topk``'s ``zero``); ``shared`` as in
     ``moe_fc2_combine``."""
     M, top_k, inter = act.shape
+    if not isinstance(w2, torch.Tensor):
+        raise ValueError("moe_grouped_fc2: grouped experts take weights in the model's dtype "
+                         "(MXFP4 ones not yet: moe_fc2_combine takes them)")
     n_experts, n, _ = w2.shape
     lists, counts = slots
     if lists.shape != (n_experts, M) or counts.shape != (n_experts,) \

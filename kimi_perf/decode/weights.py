@@ -20,13 +20,10 @@ from pathlib import Path
 import torch
 
 from kimi_perf.decode.config import K3Config
+from kimi_perf_kernels import mxfp4
 
 Weights = dict[str, torch.Tensor]
 
-MXFP4_GROUP = 32
-# E2M1 code -> value (sign bit 3).
-_E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
-                      -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
 
 
 def layer_prefix(i: int) -> str:
@@ -207,31 +204,14 @@ def shard(full: Weights, c: K3Config, rank: int) -> Weights:
 
 
 def dequantize_mxfp4(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """compressed-tensors MXFP4: two E2M1 codes per byte (low nibble first), one E8M0 scale
-    (2^(s-127)) per group of 32 values along the input dimension."""
-    low = (packed & 0x0F).long()
-    high = (packed >> 4).long()
-    codes = torch.stack([low, high], dim=-1).reshape(packed.shape[0], -1)
-    values = _E2M1[codes]
-    exponent = scale.to(torch.float32) - 127.0
-    factors = torch.pow(2.0, exponent).repeat_interleave(MXFP4_GROUP, dim=1)
-    return values * factors[:, : values.shape[1]]
+    """compressed-tensors MXFP4 (``weight_packed``, ``weight_scale``) -> fp32 values."""
+    return mxfp4.dequantize(mxfp4.Mxfp4(packed, scale))
 
 
 def quantize_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The inverse of ``dequantize_mxfp4`` (round to nearest E2M1 after a power-of-2 scale);
-    used to write test checkpoints."""
-    w = weight.to(torch.float32)
-    groups = w.reshape(w.shape[0], -1, MXFP4_GROUP)
-    amax = groups.abs().amax(dim=-1).clamp_min(2.0**-126)
-    exponent = torch.ceil(torch.log2(amax / 6.0)).clamp(-127, 127)
-    scaled = groups / torch.pow(2.0, exponent)[..., None]
-    magnitudes = _E2M1[:8]
-    code = (scaled.abs()[..., None] - magnitudes).abs().argmin(dim=-1)
-    code = code + 8 * (scaled < 0).long()
-    code = code.reshape(w.shape[0], -1)
-    packed = (code[:, 0::2] | (code[:, 1::2] << 4)).to(torch.uint8)
-    return packed, (exponent + 127).to(torch.uint8)
+    """The inverse of ``dequantize_mxfp4``: (``weight_packed``, ``weight_scale``)."""
+    q = mxfp4.quantize(weight)
+    return q.packed, q.scale
 
 
 def checkpoint_name(name: str) -> str:
