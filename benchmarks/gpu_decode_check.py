@@ -8,7 +8,8 @@
 3. Correctness on the GPU: both paths on the tiny preset in float32 against the standard path
    on the CPU (Triton's float32 dots use tf32 on the GPU: bound 3e-3), logits every step,
    launched eagerly and replayed from a CUDA graph (decode steps, and speculative verify
-   steps with their rollback); and ``kda_decode`` split over programs at K3 TP8 shapes,
+   steps with their rollback), also on MXFP4 experts (both paths' expert kernels stream the
+   codes and scales); and ``kda_decode`` split over programs at K3 TP8 shapes,
    batch 64, launched 100 times on one arrivals buffer against its reference (the arrival
    protocol, which the interpreter cannot race).
 4. Speed: both paths on k3-tp8 shapes (5 layers: dense, 2 KDA + MoE, 2 gated MLA) at batch 1
@@ -33,8 +34,9 @@
    the specialized path runs again at batch 1 with it (``specialized+cute``), side by side.
 6. The main job as a user runs it: ``kimi-perf trace`` with its GPU defaults, ``--graphs``,
    ``--graphs --spec-tokens 3`` (speculative verify steps of 4 tokens, as vLLM's reported
-   tokens/s were measured with speculative decoding) and eager, in that order, as many as
-   the time left fits at a minute each; its per-layer table and run directory kept.
+   tokens/s were measured with speculative decoding), ``--graphs --experts mxfp4`` (K3's own
+   MXFP4 experts) and eager, in that order, as many as the time left fits at a minute each;
+   its per-layer table and run directory kept.
 
 Writes ``results.json``, ``summary.md`` (after every section: a run killed at the device
 call's limit keeps what it measured) under ``--out``, and the evidence behind them (the Kineto
@@ -117,20 +119,29 @@ def copy_bandwidth(device: str, mib: int, repeats: int = 10) -> float:
 
 
 def correctness(device: str, steps: int) -> dict:
-    """Both paths (and the specialized path's grouped experts, and its kernels launched with
-    PDL) on the GPU against the standard path on the CPU, tiny preset, float32."""
+    """Both paths (and the specialized path's grouped experts, its kernels launched with
+    PDL, and both paths' expert kernels on MXFP4 experts) on the GPU against the standard
+    path on the CPU, tiny preset, float32."""
     c = preset("tiny", n_layers=4)
-    weights = random_weights(c, seed=11)
-    ref = K3Model(c, weights, dtype=torch.float32)
     tokens = torch.randint(0, c.vocab, (2, 4 + steps), generator=torch.Generator()
                            .manual_seed(12))
-    ref_state = ref.new_state(2, 4 + steps)
-    want = [ref.forward(tokens[:, :4], ref_state)[:, -1]]
-    want += [ref.forward(tokens[:, t: t + 1], ref_state)[:, -1] for t in range(4, 4 + steps)]
+    by_experts = {}   # the weights, their reference on the CPU, and its logits step by step
+    for experts in ("bf16", "mxfp4"):
+        weights = random_weights(c, seed=11, experts=experts)
+        ref = K3Model(c, weights, dtype=torch.float32)
+        ref_state = ref.new_state(2, 4 + steps)
+        want = [ref.forward(tokens[:, :4], ref_state)[:, -1]]
+        want += [ref.forward(tokens[:, t: t + 1], ref_state)[:, -1]
+                 for t in range(4, 4 + steps)]
+        by_experts[experts] = weights, ref, want
     out = {}
-    for name in (*PATHS, "specialized+grouped", "specialized+pdl", "specialized+pdl+prefetch"):
+    for name in (*PATHS, "specialized+grouped", "specialized+pdl", "specialized+pdl+prefetch",
+                 "standard+mxfp4", "specialized+mxfp4"):
         base, _, option = name.partition("+")
-        model = build_model(c, weights, PATHS[base], dtype=torch.float32, device=device)
+        experts = "mxfp4" if option == "mxfp4" else "bf16"
+        weights, ref, want = by_experts[experts]
+        model = build_model(c, weights, PATHS[base], dtype=torch.float32, device=device,
+                            experts=experts)
         if option == "grouped":   # the opt-in grouped experts, on every step
             model.group_experts_from = 1
         model.pdl = option.startswith("pdl")
@@ -445,8 +456,10 @@ class Budget:
 # (name, options). Speculative verify steps are how vLLM's tokens/s were measured; eager
 # repeats what the speed runs measured eagerly, so it comes last.
 MAIN_JOB_MODES = (("graphs", ["--graphs"]), ("graphs spec3", ["--graphs", "--spec-tokens", "3"]),
+                  ("graphs mxfp4", ["--graphs", "--experts", "mxfp4"]),   # K3's own storage
                   ("eager", []))
-SMOKE_MAIN_JOB_MODES = (("eager", []), ("spec3", ["--spec-tokens", "3"]))
+SMOKE_MAIN_JOB_MODES = (("eager", []), ("spec3", ["--spec-tokens", "3"]),
+                        ("mxfp4", ["--experts", "mxfp4"]))
 
 
 def main_job(out: Path, smoke: bool, budget: Budget, runs: dict, saved) -> None:

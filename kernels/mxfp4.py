@@ -88,7 +88,7 @@ def dequantize(w: Mxfp4) -> torch.Tensor:
     codes = torch.stack([w.packed & 0x0F, w.packed >> 4], dim=-1).flatten(-2).long()
     values = E2M1.to(w.device)[codes]
     factors = torch.pow(2.0, w.scale.float() - 127.0).repeat_interleave(GROUP, dim=-1)
-    return values * factors
+    return values * factors[..., : values.shape[-1]]   # (a checkpoint's last group may be short)
 
 
 def quantize(w: torch.Tensor) -> Mxfp4:
@@ -102,9 +102,10 @@ def quantize(w: torch.Tensor) -> Mxfp4:
     amax = groups.abs().amax(dim=-1).clamp_min(2.0**-126)
     exponent = torch.ceil(torch.log2(amax / 6.0)).clamp(-127, 127)
     scaled = groups / torch.pow(2.0, exponent)[..., None]
+    # the nearest magnitude's code (a tie to the smaller): the midpoints between them bound it
     magnitudes = E2M1[:8].to(w.device)
-    code = (scaled.abs()[..., None] - magnitudes).abs().argmin(dim=-1)
-    code = (code + 8 * (scaled < 0).long()).reshape(*lead, n, k)
-    packed = (code[..., 0::2] | (code[..., 1::2] << 4)).to(torch.uint8)
+    code = torch.bucketize(scaled.abs(), (magnitudes[1:] + magnitudes[:-1]) / 2).to(torch.uint8)
+    code = (code | ((scaled < 0).to(torch.uint8) << 3)).reshape(*lead, n, k)
+    packed = code[..., 0::2] | (code[..., 1::2] << 4)
     return Mxfp4(packed.contiguous(), (exponent + 127).to(torch.uint8).contiguous(),
                  w.dtype if w.dtype.is_floating_point else torch.bfloat16)

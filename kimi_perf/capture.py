@@ -57,6 +57,7 @@ class TraceRequest:
     graphs: bool = False
     backend: str = "torch"
     kv_cache: str = "bf16"
+    experts: str = "bf16"           # the routed experts' storage: bf16 or mxfp4
     spec_tokens: int = 0            # speculative decoding: each step verifies 1+k tokens
     seed: int = 0
     out_dir: Path = Path("traces/runs")
@@ -70,9 +71,10 @@ class TraceRequest:
 
 
 def path_options(req: TraceRequest) -> dict:
-    """``build_model``'s opt-ins of the request (the standard path ignores them)."""
-    return {"l2_prefetch": req.l2_prefetch, "group_experts_from": req.group_experts_from,
-            "pdl": req.pdl}
+    """``build_model``'s options of the request: the experts' storage (both paths) and the
+    specialized path's opt-ins (the standard path ignores them)."""
+    return {"experts": req.experts, "l2_prefetch": req.l2_prefetch,
+            "group_experts_from": req.group_experts_from, "pdl": req.pdl}
 
 
 def default_request(on_gpu: bool) -> TraceRequest:
@@ -92,7 +94,8 @@ def command_line(req: TraceRequest) -> str:
     args += ["--batch", str(req.batch), "--context", str(req.context), "--steps",
              str(req.steps), "--warmup", str(req.warmup), "--tp", str(req.tp),
              "--paths", ",".join(req.paths), "--graphs" if req.graphs else "--no-graphs",
-             "--backend", req.backend, "--kv-cache", req.kv_cache, "--spec-tokens",
+             "--backend", req.backend, "--kv-cache", req.kv_cache, "--experts", req.experts,
+             "--spec-tokens",
              str(req.spec_tokens), "--seed", str(req.seed), "--out", str(req.out_dir),
              "--plotly-js", req.plotly_js]
     if req.l2_prefetch:
@@ -306,13 +309,13 @@ def _capture_all(req: TraceRequest, config, device: str, run_dir: Path, final: P
         # what a layer of one rank must move at least, and its time at an H200's bandwidth:
         # the floor a GPU run's per-layer µs are held against (kimi-perf floors)
         "floors": floors(config.shard(req.tp) if req.tp > 1 else config, req.batch,
-                         req.context, Storage(kv_cache=req.kv_cache),
+                         req.context, Storage(experts=req.experts, kv_cache=req.kv_cache),
                          tokens=1 + req.spec_tokens,
                          layer_types=tuple(t for t in ("kda", "mla", "dense")
                                            if t in config.layer_types())),
     }
     # The nsys backend draws the weights in each profiled process, from the same seed.
-    weights = random_weights(config, seed=req.seed, device=device) \
+    weights = random_weights(config, seed=req.seed, device=device, experts=req.experts) \
         if req.backend == "torch" else None
     results: dict[str, Breakdown] = {}
     for path in req.paths:

@@ -144,6 +144,14 @@ def _seed_option(fn):
                         "the drafts and their acceptance")(fn)
 
 
+def _experts_option(fn):
+    return click.option("--experts", type=click.Choice(["bf16", "mxfp4"]), default="bf16",
+                        show_default=True,
+                        help="routed experts' storage: bf16, or MXFP4 as K3's checkpoint "
+                        "stores them (their values rounded to it; the kernel paths stream "
+                        "the codes and scales)")(fn)
+
+
 def _preset_config(name: str, tp: int | None = None):
     """The preset's config (sharded over ``tp``), checked the same way for every command:
     an unknown preset or a TP that does not divide it is a one-line error."""
@@ -153,6 +161,15 @@ def _preset_config(name: str, tp: int | None = None):
         return preset(name, tp=tp)
     except (KeyError, ValueError) as exc:
         raise TraceError(None, str(exc.args[0] if exc.args else exc)) from None
+
+
+def _mxfp4_fits(config, experts: str) -> None:
+    """``--experts mxfp4`` where a rank's expert matrices are not whole groups of 32 values
+    (``tiny --tp 4``): a one-line error before any work."""
+    from kimi_perf.decode.weights import mxfp4_problem
+
+    if experts == "mxfp4" and (problem := mxfp4_problem(config)):
+        raise TraceError(None, f"--experts mxfp4: {problem}")
 
 
 def _sharding(tp: int) -> int | None:
@@ -800,13 +817,14 @@ def floors_cmd(preset_name: str, tp: int | None, batch: int, context: int, weigh
               show_default=True, help="activation and weight dtype of the paths")
 @click.option("--kv-cache", type=click.Choice(["bf16", "fp8"]), default="bf16",
               show_default=True, help="latent KV cache storage")
+@_experts_option
 @_seed_option
 @click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table",
               show_default=True)
 @_fail_cleanly
 def validate(preset_name: str, n_layers: int | None, paths: str, steps: int,
-             spec_tokens: int, batch: int, prompt: int, dtype: str, kv_cache: str, seed: int,
-             fmt: str) -> None:
+             spec_tokens: int, batch: int, prompt: int, dtype: str, kv_cache: str,
+             experts: str, seed: int, fmt: str) -> None:
     """Check decode paths against a float64 reference of the same weights (CPU is enough).
 
     Exit code 1 when an error exceeds its bound for the dtype.
@@ -830,6 +848,7 @@ def validate(preset_name: str, n_layers: int | None, paths: str, steps: int,
         config = v.whole_model(preset_name, n_layers)
     except ValueError as exc:
         raise TraceError(None, str(exc)) from None
+    _mxfp4_fits(config, experts)
     from kimi_perf.capture import memory_problem
 
     if problem := memory_problem(config, preset_name, "cpu", need_of=v.memory_need(dtype),
@@ -838,7 +857,7 @@ def validate(preset_name: str, n_layers: int | None, paths: str, steps: int,
         raise TraceError(None, problem)
     result = v.validate(preset_name, chosen, steps=steps, batch=batch, prompt=prompt,
                         dtype=dtype, kv_cache=kv_cache, seed=seed, n_layers=n_layers,
-                        spec_tokens=spec_tokens)
+                        spec_tokens=spec_tokens, experts=experts)
     if fmt == "json":
         click.echo(json.dumps(result, indent=1))
     else:
@@ -878,6 +897,7 @@ def validate(preset_name: str, n_layers: int | None, paths: str, steps: int,
               show_default=True, help="profiler")
 @click.option("--kv-cache", type=click.Choice(["bf16", "fp8"]), default="bf16",
               show_default=True)
+@_experts_option
 @click.option("--spec-tokens", default=0, show_default=True, type=click.IntRange(0, 7),
               help="speculative decoding with K synthetic draft tokens: each decode step "
               "verifies 1+K tokens per sequence and accepts a seeded random 1..1+K")
@@ -903,7 +923,7 @@ def trace_cmd(from_files: tuple[Path, ...], phase: str, rules: Path | None,
               layers_arg: str | None,
               batch: int | None, context: int | None, steps_arg: str | None,
               warmup: int | None, tp: int, paths: str, graphs: bool, backend: str,
-              kv_cache: str, spec_tokens: int, l2_prefetch: bool,
+              kv_cache: str, experts: str, spec_tokens: int, l2_prefetch: bool,
               group_experts_from: int | None, pdl: bool, seed: int, out_dir: Path,
               plotly_js: str, fmt: str) -> None:
     """Capture both decode paths per layer and compare them (the main job).
@@ -921,7 +941,7 @@ def trace_cmd(from_files: tuple[Path, ...], phase: str, rules: Path | None,
 
     plotly_js_for(plotly_js, out_dir)  # a missing file is said now, not after the capture
     capture_only = _given("preset_name", "batch", "context", "warmup", "tp", "paths", "graphs",
-                          "backend", "kv_cache", "spec_tokens", "l2_prefetch",
+                          "backend", "kv_cache", "experts", "spec_tokens", "l2_prefetch",
                           "group_experts_from", "pdl", "seed")
     if from_files and capture_only:
         raise TraceError(None, f"{', '.join(capture_only)} "
@@ -934,6 +954,9 @@ def trace_cmd(from_files: tuple[Path, ...], phase: str, rules: Path | None,
     if opt_ins and "specialized" not in paths.split(","):
         raise TraceError(None, f"{', '.join(opt_ins)}: options of the specialized path, which "
                                f"--paths {paths} leaves out")
+    if group_experts_from is not None and experts == "mxfp4":
+        raise TraceError(None, "--group-experts-from takes bf16 experts (MXFP4 ones not yet): "
+                               "leave out one of it and --experts mxfp4")
     if not from_files and (from_only := _given("phase", "rules")):
         raise TraceError(None, f"{', '.join(from_only)}: for traces given with --from (a "
                                "capture records decode steps only, its launches named by class)")
@@ -964,12 +987,12 @@ def trace_cmd(from_files: tuple[Path, ...], phase: str, rules: Path | None,
         req = dataclasses.replace(cap.default_request(torch.cuda.is_available()), **overrides,
                                   tp=tp, paths=tuple(p for p in paths.split(",") if p),
                                   graphs=graphs, backend=backend, kv_cache=kv_cache,
-                                  spec_tokens=spec_tokens, out_dir=out_dir,
+                                  experts=experts, spec_tokens=spec_tokens, out_dir=out_dir,
                                   plotly_js=plotly_js, l2_prefetch=l2_prefetch,
                                   group_experts_from=group_experts_from, pdl=pdl,
                                   seed=seed)
         # (again: the preset may be the machine's default, known only now)
-        _preset_config(req.preset, tp=_sharding(req.tp))
+        _mxfp4_fits(_preset_config(req.preset, tp=_sharding(req.tp)), req.experts)
         from rich.progress import (
             BarColumn,
             MofNCompleteColumn,

@@ -569,9 +569,14 @@ RUN_SETTINGS = (("preset", ("preset",)), ("layers", ("n_layers",)),
                 ("model config", ("config_hash",)), ("batch", ("batch",)), ("TP", ("tp",)),
                 ("context", ("context",)), ("warm-up steps", ("warmup_steps",)),
                 ("seed", ("request", "seed")), ("draft tokens", ("spec_tokens",)),
-                ("KV cache", ("request", "kv_cache")), ("CUDA graphs", ("request", "graphs")),
+                ("KV cache", ("request", "kv_cache")), ("experts", ("request", "experts")),
+                ("CUDA graphs", ("request", "graphs")),
                 ("profiler", ("request", "backend")), ("device", ("environment", "device")),
                 ("GPUs", ("environment", "gpus")))
+
+
+# What a capture made before a setting was recorded ran with.
+BEFORE_SETTING = {("spec_tokens",): 0, ("request", "experts"): "bf16"}
 
 
 def run_differences(baseline_doc: dict, run_doc: dict) -> list[str]:
@@ -589,9 +594,10 @@ def run_differences(baseline_doc: dict, run_doc: dict) -> list[str]:
 
     out = []
     for label, keys in RUN_SETTINGS:
-        # a capture made before speculative decoding was has no "spec_tokens": it made none
-        base, cur = (r.get("spec_tokens", 0 if "preset" in r else None)
-                     if keys == ("spec_tokens",) else setting(r, keys) for r in runs)
+        # a capture made before speculative decoding (MXFP4 experts) was has no
+        # "spec_tokens" ("experts"): it made none (bf16 ones)
+        base, cur = (setting(r, keys) if setting(r, keys) is not None or "preset" not in r
+                     else BEFORE_SETTING.get(keys) for r in runs)
         if base is not None and cur is not None and base != cur:
             out.append(f"{label} {_setting_text(base)} vs {_setting_text(cur)}")
     if all("preset" in r for r in runs):   # two captures: their specialized path's opt-ins

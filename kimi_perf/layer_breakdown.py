@@ -34,7 +34,7 @@ from kimi_perf.layers import (
 )
 from kimi_perf.memory import release_free_memory
 from kimi_perf.nesting import range_groups
-from kimi_perf.trace import Trace
+from kimi_perf.trace import GPU_RANGE, Trace
 
 SCHEMA = 1
 _BATCH_ROWS = 1 << 16
@@ -528,7 +528,9 @@ def _outermost_instances(trace: Trace, names: list[str]) -> Counter:
     wanted = set(names)
     code_of = {code: name for code, name in enumerate(trace.strings) if name in wanted}
     r = trace.ranges
-    rows = np.flatnonzero(np.isin(r.name, list(code_of)))
+    # (a profiler's GPU-side copy of a range, on its stream, is no instance: attribution
+    # counts the CPU ranges alone)
+    rows = np.flatnonzero(np.isin(r.name, list(code_of)) & (r.style != GPU_RANGE))
     out: Counter = Counter()
     if not len(rows):
         return out

@@ -520,7 +520,7 @@ def find_repeats(seq: np.ndarray, classes: np.ndarray | None = None,
     begins. Matching uses kernel classes (``classes``, same length as ``seq``) where given,
     because the first layer often runs a variant kernel (a plain norm where later layers fuse
     the residual add); but ops whose class says nothing of their role (``generic``: a mask of
-    the elementwise, copy and unclassed ops) match by name, or an eager model, all
+    the elementwise and copy ops, ``GENERIC_CLASSES``) match by name, or an eager model, all
     elementwise kernels and GEMMs, would match almost any suffix (its residual add taken for
     the embedding's gather). ``layers``: how many layers there are, when known (a forward
     pass of a step that ran several).

@@ -305,9 +305,9 @@ def _capture_items(run: dict) -> list[tuple[str, object]]:
                                    + (f"; each a speculative verify of 1+{k} tokens per "
                                       "sequence" if (k := run.get("spec_tokens")) else "")),
                   ("seed", request.get("seed")),
-                  ("CUDA graphs, profiler, KV cache",
+                  ("CUDA graphs, profiler, KV cache, experts",
                    f"{'on' if request.get('graphs') else 'off'}, {request.get('backend')}, "
-                   f"{request.get('kv_cache')}")]
+                   f"{request.get('kv_cache')}, {request.get('experts', 'bf16')}")]
         opt_ins = [name for name, on in (
             ("L2 prefetch of o_proj's weights", request.get("l2_prefetch")),
             (f"experts grouped from {request.get('group_experts_from')} tokens",

@@ -52,8 +52,8 @@ def test_gpu_decode_check_plumbing_on_the_cpu(tmp_path):
     results = json.loads((tmp_path / "results.json").read_text())
     assert results["errors"] == []
     assert all(r["ok"] for r in results["correctness"].values())
-    assert {"specialized+grouped", "specialized+pdl", "specialized+pdl+prefetch"} <= set(
-        results["correctness"])
+    assert {"specialized+grouped", "specialized+pdl", "specialized+pdl+prefetch",
+            "standard+mxfp4", "specialized+mxfp4"} <= set(results["correctness"])
     split = results["correctness"]["kda_decode split"]   # the arrival protocol, launched again
     assert split["launches"] == 4 and split["arrivals_left"] == 0 and split["conv_state_exact"]
     speed = results["speed"]
@@ -83,6 +83,9 @@ def test_gpu_decode_check_plumbing_on_the_cpu(tmp_path):
     assert {t["type"]: t["kernels"] for t in spec["layer_types"]["specialized"]} == kernels
     assert "  decode tokens/s (accepted tokens, synthetic acceptance): standard " in proc.stdout
     assert {t["type"]: t["kernels"] for t in job["layer_types"]["specialized"]} == kernels
+    mxfp4 = results["main_job"]["mxfp4"]      # and on K3's MXFP4 experts: the same launches
+    assert mxfp4["returncode"] == 0 and "--experts mxfp4" in mxfp4["command"]
+    assert {t["type"]: t["kernels"] for t in mxfp4["layer_types"]["specialized"]} == kernels
     # What the device call returns: at most 8 files of 16 MiB, so the traces and the run
     # directories come packed, in parts.
     files = sorted(p.name for p in tmp_path.iterdir())
@@ -94,7 +97,7 @@ def test_gpu_decode_check_plumbing_on_the_cpu(tmp_path):
         names = tar.getnames()
     assert "evidence/specialized+l2_b1.trace.json.gz" in names
     runs = [n for n in names if n.startswith("evidence/runs/") and n.endswith("/report.html")]
-    assert len(runs) == 2
+    assert len(runs) == 3
 
 
 def test_gpu_check_skips_what_its_budget_cannot_fit(tmp_path):
@@ -118,7 +121,7 @@ def test_gpu_check_skips_what_its_budget_cannot_fit(tmp_path):
                            "specialized b2", "specialized+grouped b2", "gemv"]
     assert results["main_job"]["eager"]["returncode"] == 0
     # the main job's runs that the time left cannot fit at a minute each are skipped, said
-    assert skipped[7:] == [f"kimi-perf trace ({k})" for k in ("eager", "spec3")
+    assert skipped[7:] == [f"kimi-perf trace ({k})" for k in ("eager", "spec3", "mxfp4")
                            if k not in results["main_job"]]
     summary = (tmp_path / "summary.md").read_text()
     assert "skipped standard b1: " in summary and summary in proc.stdout

@@ -854,6 +854,7 @@ def test_a_range_nested_in_one_of_its_name_is_no_second_instance():
     the first thread's second (nesting is per thread): 4 instances, not 5; a range that
     only overlaps one of its name still counts."""
     from kimi_perf.layer_breakdown import repeating_ranges
+    from kimi_perf.trace import GPU_RANGE
 
     b = TraceBuilder()
     spans = []
@@ -867,6 +868,11 @@ def test_a_range_nested_in_one_of_its_name_is_no_second_instance():
     (row,) = repeating_ranges(b.build())
     assert row["range"] == "forward" and row["instances"] == 4
     b.range("forward", spans[2][1] - 10, spans[2][1] + 10, tid=2)  # overlaps one's end
+    (row,) = repeating_ranges(b.build())
+    assert row["instances"] == 5
+    # a profiler's GPU-side copies of the ranges (Kineto's gpu_user_annotation) are none
+    for start, end in spans:
+        b.range("forward", start + 200, end + 200, style=GPU_RANGE)
     (row,) = repeating_ranges(b.build())
     assert row["instances"] == 5
 

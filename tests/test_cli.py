@@ -836,17 +836,18 @@ def test_a_capture_records_the_command_that_makes_it_again():
 
     for req in (default_request(False), dataclasses.replace(
             default_request(True), graphs=True, paths=("specialized",), tp=2, kv_cache="fp8",
-            backend="nsys", spec_tokens=3, seed=7, out_dir=Path("my runs"), plotly_js="cdn")):
+            experts="mxfp4", backend="nsys", spec_tokens=3, seed=7, out_dir=Path("my runs"),
+            plotly_js="cdn")):
         args = shlex.split(command_line(req))
         assert args[:2] == ["kimi-perf", "trace"]
         p = trace_cmd.make_context("trace", args[2:]).params
         assert (p["preset_name"], p["layers_arg"], p["batch"], p["context"], p["steps_arg"],
                 p["warmup"], p["tp"], p["paths"], p["graphs"], p["backend"], p["kv_cache"],
-                p["spec_tokens"], p["seed"], p["out_dir"], p["plotly_js"]) == (
+                p["experts"], p["spec_tokens"], p["seed"], p["out_dir"], p["plotly_js"]) == (
             req.preset, req.n_layers and str(req.n_layers), req.batch, req.context,
             str(req.steps), req.warmup, req.tp,
-            ",".join(req.paths), req.graphs, req.backend, req.kv_cache, req.spec_tokens,
-            req.seed, req.out_dir, req.plotly_js)
+            ",".join(req.paths), req.graphs, req.backend, req.kv_cache, req.experts,
+            req.spec_tokens, req.seed, req.out_dir, req.plotly_js)
 
 
 def test_the_commit_recorded_says_when_the_checkout_differs_from_it(tmp_path, monkeypatch):
@@ -993,6 +994,14 @@ def test_options_that_would_change_nothing_are_refused(tmp_path):
                     "--tp, --graphs set up a capture; --from analyses traces already made")
     _one_line_error(run("trace", "--phase", "all", "--out", tmp_path),
                     "--phase: for traces given with --from")
+    _one_line_error(run("trace", "--experts", "mxfp4", "--group-experts-from", "8", "--out",
+                        tmp_path), "--group-experts-from takes bf16 experts (MXFP4 ones not "
+                    "yet)")
+    _one_line_error(run("trace", "--from", VLLM, "--experts", "mxfp4", "--out", tmp_path),
+                    "--experts sets up a capture")
+    _one_line_error(run("trace", "--experts", "mxfp4", "--tp", "4", "--out", tmp_path),
+                    "--experts mxfp4: MXFP4 experts need their inputs in groups of 32: the "
+                    "routed experts' intermediate per rank is 16 (at TP 4)")
     _one_line_error(run("compare", VLLM, VLLM, "--path", "standard"),
                     "--path picks a decode path of a kimi-perf run: neither")
     _one_line_error(run("report", VLLM, "--path", "standard", "-o", tmp_path / "r.html"),

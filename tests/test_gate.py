@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from kimi_perf import render
 from kimi_perf.cli import EXAMPLE_TRACE, main
-from kimi_perf.gate import Tolerances, gate, load_run
+from kimi_perf.gate import Tolerances, gate, load_run, run_differences
 from kimi_perf.layer_breakdown import Breakdown
 from kimi_perf.render import gate_headline
 from tests.conftest import KINETO, NSYS, REPO
@@ -918,6 +918,13 @@ def test_compare_and_report_say_when_two_runs_were_captured_differently(tmp_path
     like = CliRunner().invoke(main, ["compare", str(BASELINE), str(BASELINE), "--path",
                                      "specialized", "--format", "json"])
     assert json.loads(like.output)["run_differences"] == []
+    # the stored baseline predates --experts: it ran bf16 experts
+    assert "experts" not in json.loads(BASELINE.read_text())["run"]["request"]
+    mxfp4 = json.loads(BASELINE.read_text())
+    mxfp4["run"]["request"]["experts"] = "mxfp4"
+    assert run_differences(json.loads(BASELINE.read_text()), mxfp4) == ["experts bf16 vs mxfp4"]
+    mxfp4["run"]["request"]["experts"] = "bf16"
+    assert run_differences(json.loads(BASELINE.read_text()), mxfp4) == []
     one = CliRunner().invoke(main, ["compare", str(BASELINE), "--format", "json"])
     assert "run_differences" not in json.loads(one.output)
     html_file = tmp_path / "r.html"

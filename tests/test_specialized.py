@@ -283,6 +283,47 @@ def test_validate_every_path_in_bf16(kv_cache):
     assert fast["fallbacks"] == ["prefill: a prompt of 4 tokens"]
 
 
+def test_mxfp4_experts_stream_as_mxfp4_and_compute_the_same_math(monkeypatch):
+    """``experts="mxfp4"``: the routed experts hold MXFP4 values, both kernel paths' expert
+    launches take them as codes and scales, and in float32 both match the float64 reference
+    on those values within the float32 bound (the math itself)."""
+    import kimi_perf_kernels.moe_experts as moe_experts
+
+    taken = []
+    expert_args = moe_experts._expert_args
+    monkeypatch.setattr(moe_experts, "_expert_args",
+                        lambda w, what: taken.append((type(w).__name__, what))
+                        or expert_args(w, what))
+    result = validate("tiny", ("standard_kernels", "specialized"), steps=2, batch=2,
+                      n_layers=4, dtype="float32", experts="mxfp4")
+    assert result["ok"], result["failures"]
+    assert result["experts"] == "mxfp4" and result["bounds"]["layer"] == 1e-4
+    # 3 MoE layers (all but the dense layer 0) x 2 decode steps x 2 paths, FC1 and FC2 each
+    assert sorted(set(taken)) == [("Mxfp4", "FC1"), ("Mxfp4", "FC2")] and len(taken) == 24
+
+
+def test_mxfp4_experts_are_refused_where_they_cannot_be(weights):
+    """Weights whose experts MXFP4 cannot hold, an unknown storage, and the grouped experts
+    (bf16 only, for now) are refused by name."""
+    from kimi_perf.decode.weights import mxfp4_experts
+
+    with pytest.raises(ValueError, match="hold values MXFP4 cannot"):
+        build_model(SMALL, weights, "latency_specialized", experts="mxfp4")
+    with pytest.raises(ValueError, match="experts: bf16 or mxfp4, not 'fp8'"):
+        build_model(SMALL, weights, experts="fp8")
+    with pytest.raises(ValueError, match="experts: bf16 or mxfp4, not 'fp8'"):
+        random_weights(SMALL, experts="fp8")
+    rounded = mxfp4_experts(weights)
+    with pytest.raises(ValueError, match=r"grouped experts .* MXFP4 ones not yet"):
+        build_model(SMALL, rounded, "latency_specialized", experts="mxfp4",
+                    group_experts_from=8)
+    fast = build_model(SMALL, rounded, "latency_specialized", experts="mxfp4")
+    packed = fast.expert_weights(1, "w13")
+    assert packed.packed.numel() * 4 == fast.packed[1]["w13"].numel() * 2   # 4 bits a value
+    plain = build_model(SMALL, rounded, "latency_specialized")    # bf16 experts: the stack
+    assert plain.expert_weights(1, "w13") is plain.packed[1]["w13"]
+
+
 def test_validate_specialized_verify_steps():
     """Speculative verify steps of 1+3 tokens through the fused kernels, rolled back to a
     per-sequence accepted prefix, against the float64 reference; a verify of 1+8 tokens is

@@ -20,7 +20,7 @@ import torch
 from kimi_perf.decode.config import K3Config
 from kimi_perf.decode.model import DecodeState, K3Model
 from kimi_perf.decode.reference import Observer
-from kimi_perf.decode.weights import Weights, layer_prefix
+from kimi_perf.decode.weights import EXPERT_STORAGES, Weights, layer_prefix, mxfp4_problem
 
 # Without a GPU the kernels need Triton's interpreter (importing the model chose it, unless
 # triton was imported first).
@@ -28,6 +28,7 @@ if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
     raise ImportError("the kernel-built decode paths need a GPU, or TRITON_INTERPRET=1 set "
                       "before triton is imported")
 
+from kimi_perf_kernels import mxfp4
 from kimi_perf_kernels.attn_res import attn_res
 from kimi_perf_kernels.common import programmatic_launch
 from kimi_perf_kernels.kda_decode import KdaRecords, kda_decode
@@ -39,8 +40,10 @@ MAX_VERIFY_TOKENS = 8
 
 class KernelPathModel(K3Model):
     def __init__(self, c: K3Config, weights: Weights, dtype: torch.dtype = torch.bfloat16,
-                 device: torch.device | str = "cpu", all_reduce=None):
+                 device: torch.device | str = "cpu", all_reduce=None, experts: str = "bf16"):
         super().__init__(c, weights, dtype=dtype, device=device, all_reduce=all_reduce)
+        self.experts = experts
+        self._pack_experts()
         self.fallbacks: list[str] = []
         self.calls = 0
         # Splits of the MLA attention over the cache positions; None: by the GPU's size
@@ -64,6 +67,39 @@ class KernelPathModel(K3Model):
                     * self.w[p + name + "_proj.weight"].float().reshape(-1))
         self.final_qk = (self.w["model.output_attn_res_norm.weight"]
                          * self.w["model.output_attn_res_proj.weight"].float().reshape(-1))
+
+    def _pack_experts(self) -> None:
+        """With ``experts="mxfp4"``: each MoE layer's routed experts also as MXFP4 codes and
+        scales (``w13_mxfp4``, ``w2_mxfp4``), which the expert launches stream: 0.53 bytes a
+        weight. The weights must hold MXFP4 values (``weights.mxfp4_experts``, or a checkpoint
+        loaded from MXFP4), so that packing them loses nothing; the stacks in the model's
+        dtype stay for the steps that fall back to PyTorch ops."""
+        if self.experts not in EXPERT_STORAGES:
+            raise ValueError(f"experts: {' or '.join(EXPERT_STORAGES)}, not {self.experts!r}")
+        if self.experts == "bf16":
+            return
+        if problem := mxfp4_problem(self.c):
+            raise ValueError(problem)
+        for i in range(1, self.c.n_layers):
+            p = self.packed[i]
+            for name in ("w13", "w2"):
+                stack = p[name]
+                e, n, k = stack.shape
+                q = mxfp4.Mxfp4(stack.new_empty(e, n, k // 2, dtype=torch.uint8),
+                                stack.new_empty(e, n, k // mxfp4.GROUP, dtype=torch.uint8),
+                                self.dtype)
+                for expert in range(e):   # one at a time: a K3 layer's stack is 2.5e9 values
+                    one = mxfp4.quantize(stack[expert])
+                    if not torch.equal(mxfp4.dequantize(one), stack[expert].float()):
+                        raise ValueError(f"experts='mxfp4': layer {i}'s routed experts "
+                                         f"({name}) hold values MXFP4 cannot; round them "
+                                         "first (weights.mxfp4_experts)")
+                    q.packed[expert], q.scale[expert] = one.packed, one.scale
+                p[name + "_mxfp4"] = q
+
+    def expert_weights(self, i: int, name: str) -> torch.Tensor | mxfp4.Mxfp4:
+        """Layer i's routed experts ``w13`` or ``w2`` as the expert launches stream them."""
+        return self.packed[i][name + "_mxfp4" if self.experts == "mxfp4" else name]
 
     @property
     def pdl(self) -> bool:

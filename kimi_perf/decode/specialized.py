@@ -75,7 +75,7 @@ from kimi_perf.decode.config import K3Config
 from kimi_perf.decode.kernel_path import KernelPathModel
 from kimi_perf.decode.model import DecodeState, K3Model
 from kimi_perf.decode.standard_kernels import StandardKernelsModel
-from kimi_perf.decode.weights import Weights, layer_prefix
+from kimi_perf.decode.weights import EXPERT_STORAGES, Weights, layer_prefix
 from kimi_perf_kernels.l2_prefetch import PROGRAMS, l2_prefetch
 from kimi_perf_kernels.mla_absorb_insert import mla_absorb_insert
 from kimi_perf_kernels.mla_attention import mla_attention
@@ -91,8 +91,12 @@ class SpecializedModel(KernelPathModel):
     def __init__(self, c: K3Config, weights: Weights, dtype: torch.dtype = torch.bfloat16,
                  device: torch.device | str = "cpu", all_reduce=None, l2_prefetch: bool = False,
                  gemv=None, group_experts_from: int | None = None, pdl: bool = False,
-                 pdl_prefetch_bytes: int = 0):
-        super().__init__(c, weights, dtype=dtype, device=device, all_reduce=all_reduce)
+                 pdl_prefetch_bytes: int = 0, experts: str = "bf16"):
+        if group_experts_from is not None and experts == "mxfp4":
+            raise ValueError("the grouped experts (group_experts_from) take bf16 experts; "
+                             "MXFP4 ones not yet")
+        super().__init__(c, weights, dtype=dtype, device=device, all_reduce=all_reduce,
+                         experts=experts)
         # Opt-in until a GPU run shows it pays (benchmarks/gpu_decode_check.py measures both):
         # every kernel launched with programmatic dependent launch (sm_90+), so that the next
         # launch's start overlaps the tail of the one before (kernels/common.py); with
@@ -210,15 +214,19 @@ class SpecializedModel(KernelPathModel):
             self.launch("router_topk")
             ids, weights = router_topk(logits, bias, c.top_k, c.routed_scale, zero=routed)
             self.launch("moe_grouped_fc1_situ_shared_gate_up")
-            act, slots = moe_grouped_fc1_situ(latent, p["w13"], ids, situ, shared=shared_fc1)
+            act, slots = moe_grouped_fc1_situ(latent, self.expert_weights(i, "w13"), ids,
+                                              situ, shared=shared_fc1)
             self.launch("moe_grouped_fc2_shared_down")
-            moe_grouped_fc2(act, p["w2"], slots, weights, routed, shared=shared_fc2)
+            moe_grouped_fc2(act, self.expert_weights(i, "w2"), slots, weights, routed,
+                            shared=shared_fc2)
         else:
             self.launch("moe_fc1_situ_shared_gate_up")
-            act, ids, weights = moe_route_fc1_situ(latent, p["w13"], logits, bias, c.top_k,
-                                                   c.routed_scale, situ, shared=shared_fc1)
+            act, ids, weights = moe_route_fc1_situ(latent, self.expert_weights(i, "w13"),
+                                                   logits, bias, c.top_k, c.routed_scale, situ,
+                                                   shared=shared_fc1)
             self.launch("moe_fc2_combine_shared_down")
-            moe_fc2_combine(act, p["w2"], ids, weights, out=routed, shared=shared_fc2)
+            moe_fc2_combine(act, self.expert_weights(i, "w2"), ids, weights, out=routed,
+                            shared=shared_fc2)
         if self.all_reduce is not None:
             moe_out = self._all_reduce(moe_out, "moe_all_reduce")
             routed, shared = moe_out[:, : c.latent], moe_out[:, c.latent:]
@@ -258,10 +266,13 @@ class SpecializedModel(KernelPathModel):
 def build_model(c: K3Config, weights: Weights, decode_backend: str = "auto",
                 dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu",
                 all_reduce=None, standard_ops: str | None = None, l2_prefetch: bool = False,
-                group_experts_from: int | None = None, pdl: bool = False) -> K3Model:
+                group_experts_from: int | None = None, pdl: bool = False,
+                experts: str = "bf16") -> K3Model:
     """``auto`` keeps the standard path; ``latency_specialized`` selects the fused one, with
     its opt-ins ``l2_prefetch``, ``group_experts_from`` and ``pdl`` (``SpecializedModel``; the
-    standard path has none).
+    standard path has none). ``experts="mxfp4"``: the kernel paths' expert launches stream
+    the routed experts as MXFP4 (the weights must hold MXFP4 values: ``mxfp4_experts``); the
+    PyTorch ops compute on the same values.
 
     ``standard_ops``: how the standard path runs its decode steps: ``kernels``, one kernel per
     step as vLLM launches them (``StandardKernelsModel``; the default on a GPU), or ``torch``,
@@ -269,7 +280,7 @@ def build_model(c: K3Config, weights: Weights, decode_backend: str = "auto",
     if decode_backend == "latency_specialized":
         return SpecializedModel(c, weights, dtype=dtype, device=device, all_reduce=all_reduce,
                                 l2_prefetch=l2_prefetch, group_experts_from=group_experts_from,
-                                pdl=pdl)
+                                pdl=pdl, experts=experts)
     if decode_backend != "auto":
         raise ValueError(f"decode_backend must be auto or latency_specialized, not "
                          f"{decode_backend!r}")
@@ -277,7 +288,9 @@ def build_model(c: K3Config, weights: Weights, decode_backend: str = "auto",
         standard_ops = "kernels" if torch.device(device).type == "cuda" else "torch"
     if standard_ops == "kernels":
         return StandardKernelsModel(c, weights, dtype=dtype, device=device,
-                                    all_reduce=all_reduce)
+                                    all_reduce=all_reduce, experts=experts)
     if standard_ops != "torch":
         raise ValueError(f"standard_ops must be kernels or torch, not {standard_ops!r}")
+    if experts not in EXPERT_STORAGES:
+        raise ValueError(f"experts: {' or '.join(EXPERT_STORAGES)}, not {experts!r}")
     return K3Model(c, weights, dtype=dtype, device=device, all_reduce=all_reduce)

@@ -135,9 +135,9 @@ class StandardKernelsModel(KernelPathModel):
         ids, weights = router_topk(logits, self.w[m + "gate.e_score_correction_bias"], c.top_k,
                                    c.routed_scale)
         self.launch("moe_fc1_situ")
-        act = moe_fc1_situ(latent, p["w13"], ids, situ)
+        act = moe_fc1_situ(latent, self.expert_weights(i, "w13"), ids, situ)
         self.launch("moe_fc2")
-        per_slot = moe_fc2(act, p["w2"], ids)                            # [M, k, latent]
+        per_slot = moe_fc2(act, self.expert_weights(i, "w2"), ids)       # [M, k, latent]
         self.launch("moe_finalize")
         routed = moe_finalize(per_slot, weights, self.dtype)
         self.launch("shared_gate_up")

@@ -46,6 +46,7 @@ class ValidationRun:
     kv_cache: str
     seed: int
     spec_tokens: int = 0     # draft tokens k: each step verifies 1+k tokens, then accepts some
+    experts: str = "bf16"    # the routed experts' storage (weights.EXPERT_STORAGES)
 
     def accepted_lengths(self) -> torch.Tensor | None:
         """[steps, batch] synthetic acceptance (1..1+k tokens per sequence), seeded."""
@@ -59,17 +60,18 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out.double() - ref).norm() / ref.norm().clamp_min(1e-30))
 
 
-def make_path(name: str, c: K3Config, weights, dtype: torch.dtype) -> K3Model:
+def make_path(name: str, c: K3Config, weights, dtype: torch.dtype, experts: str = "bf16"
+              ) -> K3Model:
     if name == "standard":
         return K3Model(c, weights, dtype=dtype)
     if name == "standard_kernels":
         from kimi_perf.decode.standard_kernels import StandardKernelsModel
 
-        return StandardKernelsModel(c, weights, dtype=dtype)
+        return StandardKernelsModel(c, weights, dtype=dtype, experts=experts)
     if name == "specialized":
         from kimi_perf.decode.specialized import SpecializedModel
 
-        return SpecializedModel(c, weights, dtype=dtype)
+        return SpecializedModel(c, weights, dtype=dtype, experts=experts)
     raise ValueError(f"unknown decode path {name!r} (available: {', '.join(PATHS)})")
 
 
@@ -84,13 +86,13 @@ def launches_per_layer_type(model: K3Model, c: K3Config) -> dict[str, int]:
 
 def validate_path(path: str, run: ValidationRun) -> dict:
     c = run.config
-    weights = random_weights(c, seed=run.seed)
+    weights = random_weights(c, seed=run.seed, experts=run.experts)
     width = 1 + run.spec_tokens                     # tokens per sequence in each decode step
     gen = torch.Generator().manual_seed(run.seed + 1)
     tokens = torch.randint(0, c.vocab, (run.batch, run.prompt + run.steps * width),
                            generator=gen)
     accepted = run.accepted_lengths()
-    model = make_path(path, c, weights, DTYPES[run.dtype])
+    model = make_path(path, c, weights, DTYPES[run.dtype], run.experts)
     kv_dtype = FP8 if run.kv_cache == "fp8" else None
     state = model.new_state(run.batch, tokens.shape[1], kv_dtype=kv_dtype,
                             max_verify=width if run.spec_tokens else 0)
@@ -188,16 +190,18 @@ def whole_model(preset_name: str, n_layers: int | None = None) -> K3Config:
 
 def validate(preset_name: str = "tiny", paths: tuple[str, ...] = DEFAULT_PATHS, steps: int = 8,
              batch: int = 2, prompt: int = 4, dtype: str = "bfloat16", kv_cache: str = "bf16",
-             seed: int = 0, n_layers: int | None = None, spec_tokens: int = 0) -> dict:
+             seed: int = 0, n_layers: int | None = None, spec_tokens: int = 0,
+             experts: str = "bf16") -> dict:
     """Each path against the float64 reference; ``spec_tokens=k`` makes every decode step a
     speculative verify of 1+k tokens per sequence followed by a seeded synthetic acceptance
     of 1..1+k of them (the state rolls back to it, and so does each sequence's reference).
     A verify step the specialized path does not take (over 8 tokens) falls back, and its
-    ``fallbacks`` say so."""
+    ``fallbacks`` say so. ``experts="mxfp4"``: the routed experts hold MXFP4 values, and the
+    kernel paths stream them as MXFP4 (the reference computes on the same values)."""
     if spec_tokens < 0:
         raise ValueError(f"spec_tokens takes 0 or more draft tokens, not {spec_tokens}")
     run = ValidationRun(whole_model(preset_name, n_layers), batch, prompt, steps, dtype,
-                        kv_cache, seed, spec_tokens)
+                        kv_cache, seed, spec_tokens, experts)
     bounds = BOUNDS[(dtype, kv_cache)]
     results = {path: validate_path(path, run) for path in paths}
     failures = []
@@ -218,6 +222,7 @@ def validate(preset_name: str = "tiny", paths: tuple[str, ...] = DEFAULT_PATHS, 
                             "of its kernels was checked")
     return {"schema": 1, "preset": preset_name, "n_layers": run.config.n_layers,
             "config": run.config.fingerprint(), "dtype": dtype, "kv_cache": kv_cache,
+            "experts": experts,
             "batch": batch, "prompt": prompt, "steps": steps, "seed": seed,
             "spec_tokens": spec_tokens,
             **({"accepted": run.accepted_lengths().tolist()} if spec_tokens else {}),

@@ -19,8 +19,12 @@ from pathlib import Path
 
 import torch
 
+from kimi_perf.decode import choose_triton_backend
 from kimi_perf.decode.config import K3Config
-from kimi_perf_kernels import mxfp4
+
+choose_triton_backend()    # before kimi_perf_kernels imports triton (model imports this first)
+
+from kimi_perf_kernels import mxfp4  # noqa: E402
 
 Weights = dict[str, torch.Tensor]
 
@@ -92,20 +96,55 @@ def weight_shapes(c: K3Config) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+# How the routed experts are stored: in the model's dtype, or as K3's checkpoint stores them,
+# MXFP4 (their values rounded to it, as MXFP4 can hold them; the kernel paths then stream
+# the codes and scales: ``build_model(..., experts="mxfp4")``).
+EXPERT_STORAGES = ("bf16", "mxfp4")
+
+
 def random_weights(c: K3Config, seed: int = 0, dtype: torch.dtype = torch.bfloat16,
-                   device: torch.device | str = "cpu") -> Weights:
-    """Weights drawn from ``seed``, scaled so activations stay O(1) through depth.
+                   device: torch.device | str = "cpu", experts: str = "bf16") -> Weights:
+    """Weights drawn from ``seed``, scaled so activations stay O(1) through depth; with
+    ``experts="mxfp4"`` the routed experts' values are MXFP4 ones (``mxfp4_experts``).
 
     For ``c.tp == 1`` this is the full checkpoint (``shard`` cuts ranks from it, so all ranks
     share one model). For a sharded config it draws one rank's shapes directly, on
     ``device``: a K3 rank's experts are too large to draw whole and then cut.
     """
+    if experts not in EXPERT_STORAGES:
+        raise ValueError(f"experts: {' or '.join(EXPERT_STORAGES)}, not {experts!r}")
     gen = torch.Generator(device=device).manual_seed(seed)
     shapes = weight_shapes(c) if c.tp == 1 else local_weight_shapes(c)
     out: Weights = {}
     for name, shape in shapes.items():
         out[name] = _init(name, shape, gen, c, device).to(_storage_dtype(shape, dtype))
-    return out
+    return mxfp4_experts(out) if experts == "mxfp4" else out
+
+
+def mxfp4_problem(c: K3Config) -> str | None:
+    """Why a rank of ``c`` cannot hold its routed experts as MXFP4, or None: each expert
+    matrix's input (the latent for W1/W3, the rank's share of the intermediate for W2) must
+    be whole groups of 32."""
+    for what, k in (("latent", c.latent), ("routed experts' intermediate per rank",
+                                           c.moe_intermediate_local)):
+        if k % mxfp4.GROUP:
+            return (f"MXFP4 experts need their inputs in groups of {mxfp4.GROUP}: the {what} "
+                    f"is {k}" + (f" (at TP {c.tp})" if c.tp > 1 else ""))
+    return None
+
+
+def is_routed_expert(name: str) -> bool:
+    """Whether a tensor is a routed expert's matrix (``...mlp.experts.<e>.w1.weight``)."""
+    return re.search(r"\.mlp\.experts\.\d+\.w[123]\.weight$", name) is not None
+
+
+def mxfp4_experts(weights: Weights) -> Weights:
+    """``weights`` with each routed expert's matrix rounded to MXFP4's values (groups of 32
+    along its input, as K3's checkpoint holds them), kept in its dtype: every path and the
+    reference then compute on the values an MXFP4 checkpoint holds. A checkpoint loaded from
+    MXFP4 (``load_safetensors``) already holds them."""
+    return {name: mxfp4.dequantize(mxfp4.quantize(t)).to(t.dtype) if is_routed_expert(name)
+            else t for name, t in weights.items()}
 
 
 def local_weight_shapes(c: K3Config) -> dict[str, tuple[int, ...]]:

@@ -26,9 +26,10 @@ def main(argv: list[str]) -> int:
         return 2
     device = "cuda" if torch.cuda.is_available() else "cpu"
     config = preset(request["preset"], n_layers=request["n_layers"])
-    weights = random_weights(config, seed=request["seed"], device=device)
+    weights = random_weights(config, seed=request["seed"], device=device,
+                             experts=request["experts"])
     backend = {"standard": "auto", "specialized": "latency_specialized"}[path]
-    model = build_model(config, weights, backend, device=device,
+    model = build_model(config, weights, backend, device=device, experts=request["experts"],
                         l2_prefetch=request["l2_prefetch"],
                         group_experts_from=request["group_experts_from"], pdl=request["pdl"])
     model.annotate_ops = device == "cpu"
