@@ -136,16 +136,16 @@ def correctness(device: str, steps: int) -> dict:
         by_experts[experts] = weights, ref, want
     out = {}
     for name in (*PATHS, "specialized+grouped", "specialized+pdl", "specialized+pdl+prefetch",
-                 "standard+mxfp4", "specialized+mxfp4"):
-        base, _, option = name.partition("+")
-        experts = "mxfp4" if option == "mxfp4" else "bf16"
+                 "standard+mxfp4", "specialized+mxfp4", "specialized+grouped+mxfp4"):
+        base, *options = name.split("+")
+        experts = "mxfp4" if "mxfp4" in options else "bf16"
         weights, ref, want = by_experts[experts]
         model = build_model(c, weights, PATHS[base], dtype=torch.float32, device=device,
                             experts=experts)
-        if option == "grouped":   # the opt-in grouped experts, on every step
+        if "grouped" in options:   # the opt-in grouped experts, on every step
             model.group_experts_from = 1
-        model.pdl = option.startswith("pdl")
-        model.pdl_prefetch_bytes = CHECKED_PREFETCH_BYTES if option.endswith("prefetch") else 0
+        model.pdl = "pdl" in options
+        model.pdl_prefetch_bytes = CHECKED_PREFETCH_BYTES if "prefetch" in options else 0
         state = model.new_state(2, 4 + steps)
         got = [model.forward(tokens[:, :4].to(device), state)[:, -1]]
         got += [model.forward(tokens[:, t: t + 1].to(device), state)[:, -1]

@@ -225,28 +225,35 @@ def builds() -> list[Build]:
             label += " MXFP4" if mxfp4 else ""
             out.append(Build(f"{label} {tags[shared]}", kernel,
                              _signature(kernel, types, consts), consts, 8, ints=ints))
-    for m in (16, 64, 512):   # the grouped FC1 (opt-in); 512: a verify step of 64 × 8
+    # the grouped FC1 and FC2 (opt-in); 512: a verify step of 64 × 8; on MXFP4 at batch 64
+    for mxfp4, m in ((False, 16), (False, 64), (False, 512), (True, 64)):
+        routed_n, routed_k = moe_experts.routed_blocks(mxfp4)
+        tag = " MXFP4" if mxfp4 else ""
         block_m, block_n, block_k = moe_experts.shared_tile(m, True)
         consts = {"TOP_K": 16, "BETA": 4.0, "BETA_LINEAR": 25.0,
                   "BLOCK_S": min(16 * m, moe_grouped_fc1.SCAN),
                   "BLOCK_T": moe_grouped_fc1.BLOCK_T, "BLOCK_N": routed_n, "BLOCK_K": routed_k,
-                  "RNE": False, "SHARED": True, "S_USE_DOT": m > skinny_linear.GEMV_MAX_M,
-                  "DOT_FP32": False, "S_BLOCK_M": block_m, "S_BLOCK_N": block_n,
-                  "S_BLOCK_K": block_k}
+                  "RNE": False, "MXFP4": mxfp4, "SHARED": True,
+                  "S_USE_DOT": m > skinny_linear.GEMV_MAX_M, "DOT_FP32": False,
+                  "S_BLOCK_M": block_m, "S_BLOCK_N": block_n, "S_BLOCK_K": block_k}
         kernel = moe_grouped_fc1.moe_grouped_fc1_situ_kernel
-        out.append(Build(f"moe_grouped_fc1_situ E896 k16 I384 +shared M={m}", kernel,
-                         _signature(kernel, {**routed_types, "x_ptr": "*fp32"}, consts),
-                         consts, 8))
+        weight = {"w13_ptr": "*u8", "w13s_ptr": "*u8"} if mxfp4 else {"w13s_ptr": "*bf16"}
+        out.append(Build(f"moe_grouped_fc1_situ E896 k16 I384{tag} +shared M={m}", kernel,
+                         _signature(kernel, {**routed_types, "x_ptr": "*fp32", **weight},
+                                    consts), consts, 8))
         block_m, block_n, block_k = moe_experts.shared_tile(m, False)
         consts = {"TOP_K": 16, "BLOCK_T": moe_grouped_fc1.BLOCK_T,
-                  "BLOCK_N": moe_grouped_fc2.BLOCK_N, "BLOCK_K": routed_k, "RNE": False,
-                  "SHARED": True,
+                  "BLOCK_N": moe_grouped_fc2.BLOCK_N,
+                  "BLOCK_K": moe_grouped_fc2.MXFP4_BLOCK_K if mxfp4 else routed_k,
+                  "RNE": False, "MXFP4": mxfp4, "SHARED": True,
                   "S_USE_DOT": m > skinny_linear.GEMV_MAX_M, "DOT_FP32": False,
                   "S_BLOCK_M": block_m, "S_BLOCK_N": block_n, "S_BLOCK_K": block_k}
         kernel = moe_grouped_fc2.moe_grouped_fc2_kernel
-        out.append(Build(f"moe_grouped_fc2 N3584 I384 +shared M={m}", kernel,
+        weight = {"w2_ptr": "*u8", "w2s_ptr": "*u8"} if mxfp4 else {"w2s_ptr": "*bf16"}
+        out.append(Build(f"moe_grouped_fc2 N3584 I384{tag} +shared M={m}", kernel,
                          _signature(kernel, {**routed_types, "out_ptr": "*fp32",
-                                             "sout_ptr": "*fp32"}, consts), consts, 8))
+                                             "sout_ptr": "*fp32", **weight}, consts),
+                         consts, 8))
     consts = {"TOP_K": 16, "BLOCK_N": 1024, "RNE": False}
     out.append(Build("moe_finalize k16 N3584", moe_experts.moe_finalize_kernel,
                      _signature(moe_experts.moe_finalize_kernel,

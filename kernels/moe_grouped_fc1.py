@@ -20,9 +20,11 @@ row of router logits), and then one program per (expert, intermediate block):
   per-slot kernel, with a GEMV's registers (no tensor cores, which a memory-bound step of one
   or two tokens per expert would not keep busy).
 
-The shared experts' gate/up + SiTU ride in the same grid, as in ``moe_route_fc1_situ`` (their
-tiles first). On sm_90a it takes 80-85 registers a thread at 8 warps (``kimi_perf_kernels.aot``),
-where the per-slot kernel takes 64: three CTAs an SM rather than four. The first column
+The weights may be MXFP4, as in ``moe_route_fc1_situ`` (decoded as they stream, the tile's
+even and odd columns against each token's even and odd values). The shared experts' gate/up +
+SiTU ride in the same grid, as in ``moe_route_fc1_situ`` (their tiles first). On sm_90a it
+takes 80-85 registers a thread at 8 warps on bf16 experts, 167 on MXFP4 ones
+(``kimi_perf_kernels.aot``), where the per-slot kernel takes 64. The first column
 block's program of each expert also writes the expert's slots and their count
 (``ExpertSlots``), so that FC2 (``moe_grouped_fc2``: E × 112 programs at K3 TP8 shapes, ten
 times FC1's) reads its expert's slots instead of scanning the ids again.
@@ -37,7 +39,15 @@ import triton
 import triton.language as tl
 
 from kimi_perf_kernels.common import INTERPRETED, after_previous_kernel, cast, launch_options
-from kimi_perf_kernels.moe_experts import Shared, _shared_launch, routed_blocks
+from kimi_perf_kernels.moe_experts import (
+    Experts,
+    Shared,
+    _expert_args,
+    _expert_strides,
+    _shared_launch,
+    routed_blocks,
+)
+from kimi_perf_kernels.mxfp4 import Mxfp4, mxfp4_pairs
 from kimi_perf_kernels.skinny_linear import _situ, linear_tile
 
 BLOCK_T = 4   # the slots of one expert taken at a time
@@ -71,14 +81,18 @@ def _expert_slots(expert, r0, ids_ptr, SLOTS, BLOCK_S: tl.constexpr, BLOCK_T: tl
 
 
 @triton.jit
-def _grouped_fc1_tile(expert, block, x_ptr, w13_ptr, ids_ptr, act_ptr, lists_ptr, counts_ptr,
-                      M, SLOTS, INTER, KDIM, stride_x, stride_we, stride_wn, TOP_K: tl.constexpr,
-                      BETA: tl.constexpr, BETA_LINEAR: tl.constexpr, BLOCK_S: tl.constexpr,
-                      BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      RNE: tl.constexpr):
+def _grouped_fc1_tile(expert, block, x_ptr, w13_ptr, w13s_ptr, ids_ptr, act_ptr, lists_ptr,
+                      counts_ptr, M, SLOTS, INTER, KDIM, stride_x, stride_we, stride_wn,
+                      stride_se, stride_sn, TOP_K: tl.constexpr, BETA: tl.constexpr,
+                      BETA_LINEAR: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_T: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, RNE: tl.constexpr,
+                      MXFP4: tl.constexpr):
     n = block * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < INTER
     w = w13_ptr + expert.to(tl.int64) * stride_we
+    ws = w13s_ptr + expert.to(tl.int64) * stride_se
+    HALF: tl.constexpr = BLOCK_K // 2
+    j = tl.arange(0, HALF)
     r = tl.arange(0, BLOCK_T)
     ks = tl.arange(0, BLOCK_K)
     r0 = 0
@@ -93,13 +107,22 @@ def _grouped_fc1_tile(expert, block, x_ptr, w13_ptr, ids_ptr, act_ptr, lists_ptr
         gate = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
         up = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
         for k0 in range(0, KDIM, BLOCK_K):
-            kk = k0 + ks
-            k_ok = kk < KDIM
-            m = n_ok[:, None] & k_ok[None, :]
-            wg = tl.load(w + n[:, None] * stride_wn + kk[None, :], mask=m, other=0.0)
-            wu = tl.load(w + (n[:, None] + INTER) * stride_wn + kk[None, :], mask=m, other=0.0)
-            wg = wg.to(tl.float32)
-            wu = wu.to(tl.float32)
+            if MXFP4:   # even and odd columns, against each token's even and odd values
+                g_even, g_odd = mxfp4_pairs(w, ws, n, n_ok, k0, KDIM, stride_wn, stride_sn,
+                                            HALF)
+                u_even, u_odd = mxfp4_pairs(w, ws, n + INTER, n_ok, k0, KDIM, stride_wn,
+                                            stride_sn, HALF)
+                kk = k0 + 2 * j
+                k_ok = kk < KDIM
+            else:
+                kk = k0 + ks
+                k_ok = kk < KDIM
+                m = n_ok[:, None] & k_ok[None, :]
+                wg = tl.load(w + n[:, None] * stride_wn + kk[None, :], mask=m, other=0.0)
+                wu = tl.load(w + (n[:, None] + INTER) * stride_wn + kk[None, :], mask=m,
+                             other=0.0)
+                wg = wg.to(tl.float32)
+                wu = wu.to(tl.float32)
             # the tiles once, for each of the chunk's tokens: a GEMV's registers per token,
             # not a [BLOCK_T, BLOCK_N, BLOCK_K] product's
             for t in tl.static_range(BLOCK_T):
@@ -107,8 +130,16 @@ def _grouped_fc1_tile(expert, block, x_ptr, w13_ptr, ids_ptr, act_ptr, lists_ptr
                 ok = tl.sum(tl.where(r == t, t_ok.to(tl.int32), 0), axis=0) > 0
                 x = tl.load(x_ptr + row * stride_x + kk, mask=k_ok & ok, other=0.0)
                 x = x.to(tl.float32)
-                gate += tl.where(r[:, None] == t, tl.sum(wg * x[None, :], axis=1)[None, :], 0.0)
-                up += tl.where(r[:, None] == t, tl.sum(wu * x[None, :], axis=1)[None, :], 0.0)
+                if MXFP4:
+                    x_odd = tl.load(x_ptr + row * stride_x + kk + 1, mask=k_ok & ok,
+                                    other=0.0).to(tl.float32)
+                    g = tl.sum(g_even * x[None, :] + g_odd * x_odd[None, :], axis=1)
+                    u = tl.sum(u_even * x[None, :] + u_odd * x_odd[None, :], axis=1)
+                else:
+                    g = tl.sum(wg * x[None, :], axis=1)
+                    u = tl.sum(wu * x[None, :], axis=1)
+                gate += tl.where(r[:, None] == t, g[None, :], 0.0)
+                up += tl.where(r[:, None] == t, u[None, :], 0.0)
         act = _situ(gate, up, BETA, BETA_LINEAR)
         tl.store(act_ptr + slot.to(tl.int64)[:, None] * INTER + n[None, :],
                  cast(act, act_ptr.dtype.element_ty, RNE), mask=t_ok[:, None] & n_ok[None, :])
@@ -117,14 +148,14 @@ def _grouped_fc1_tile(expert, block, x_ptr, w13_ptr, ids_ptr, act_ptr, lists_ptr
 
 
 @triton.jit
-def moe_grouped_fc1_situ_kernel(x_ptr, w13_ptr, ids_ptr, act_ptr, lists_ptr, counts_ptr, M,
-                                SLOTS, INTER, KDIM, stride_x, stride_we, stride_wn, sx_ptr,
-                                sw_ptr, sout_ptr, S_N, S_K, stride_sx, stride_sw, stride_sout,
-                                SHARED_PROGRAMS,
+def moe_grouped_fc1_situ_kernel(x_ptr, w13_ptr, w13s_ptr, ids_ptr, act_ptr, lists_ptr,
+                                counts_ptr, M, SLOTS, INTER, KDIM, stride_x, stride_we,
+                                stride_wn, stride_se, stride_sn, sx_ptr, sw_ptr, sout_ptr, S_N,
+                                S_K, stride_sx, stride_sw, stride_sout, SHARED_PROGRAMS,
                                 TOP_K: tl.constexpr, BETA: tl.constexpr,
                                 BETA_LINEAR: tl.constexpr, BLOCK_S: tl.constexpr,
                                 BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
-                                BLOCK_K: tl.constexpr, RNE: tl.constexpr,
+                                BLOCK_K: tl.constexpr, RNE: tl.constexpr, MXFP4: tl.constexpr,
                                 SHARED: tl.constexpr, S_USE_DOT: tl.constexpr,
                                 DOT_FP32: tl.constexpr, S_BLOCK_M: tl.constexpr,
                                 S_BLOCK_N: tl.constexpr, S_BLOCK_K: tl.constexpr,
@@ -133,32 +164,30 @@ def moe_grouped_fc1_situ_kernel(x_ptr, w13_ptr, ids_ptr, act_ptr, lists_ptr, cou
     pid = tl.program_id(0) - SHARED_PROGRAMS   # the shared experts' tiles first
     blocks = tl.cdiv(INTER, BLOCK_N)
     if pid >= 0:
-        _grouped_fc1_tile(pid // blocks, pid % blocks, x_ptr, w13_ptr, ids_ptr, act_ptr,
-                          lists_ptr, counts_ptr, M, SLOTS, INTER, KDIM, stride_x, stride_we,
-                          stride_wn, TOP_K, BETA, BETA_LINEAR, BLOCK_S, BLOCK_T, BLOCK_N,
-                          BLOCK_K, RNE)
+        _grouped_fc1_tile(pid // blocks, pid % blocks, x_ptr, w13_ptr, w13s_ptr, ids_ptr,
+                          act_ptr, lists_ptr, counts_ptr, M, SLOTS, INTER, KDIM, stride_x,
+                          stride_we, stride_wn, stride_se, stride_sn, TOP_K, BETA, BETA_LINEAR,
+                          BLOCK_S, BLOCK_T, BLOCK_N, BLOCK_K, RNE, MXFP4)
     elif SHARED:
         linear_tile(tl.program_id(0), sx_ptr, sw_ptr, sx_ptr, sout_ptr, sout_ptr, M, S_N, S_K,
                     stride_sx, stride_sw, 0, stride_sout, 0.0, False, True, False, S_USE_DOT,
                     DOT_FP32, RNE, BETA, BETA_LINEAR, S_BLOCK_M, S_BLOCK_N, S_BLOCK_K)
 
 
-def moe_grouped_fc1_situ(x: torch.Tensor, w13: torch.Tensor, ids: torch.Tensor,
+def moe_grouped_fc1_situ(x: torch.Tensor, w13: Experts, ids: torch.Tensor,
                          situ: tuple[float, float], out: torch.Tensor | None = None,
                          shared: Shared | None = None
                          ) -> tuple[torch.Tensor, ExpertSlots]:
-    """x [M, K] (latent), w13 [E, 2I, K], ids [M, top_k] int32 (``router_topk``) -> (act
-    [M, top_k, I] in w13's dtype, as ``moe_route_fc1_situ`` makes it, and each expert's slots
-    for ``moe_grouped_fc2``); ``shared`` as there."""
+    """x [M, K] (latent), w13 [E, 2I, K] (or MXFP4), ids [M, top_k] int32 (``router_topk``)
+    -> (act [M, top_k, I] in w13's dtype, as ``moe_route_fc1_situ`` makes it, and each
+    expert's slots for ``moe_grouped_fc2``); ``shared`` as there."""
     M, top_k = ids.shape
-    if not isinstance(w13, torch.Tensor):
-        raise ValueError("moe_grouped_fc1_situ: grouped experts take weights in the model's "
-                         "dtype (MXFP4 ones not yet: moe_route_fc1_situ takes them)")
     n_experts, two_i, kdim = w13.shape
     inter = two_i // 2
+    mxfp4 = isinstance(w13, Mxfp4)
     if ids.dtype != torch.int32 or not ids.is_contiguous():
         raise ValueError("moe_grouped_fc1_situ: the expert ids must be contiguous int32")
-    if x.shape != (M, kdim) or x.stride(1) != 1 or w13.stride(2) != 1:
+    if x.shape != (M, kdim) or x.stride(1) != 1 or (not mxfp4 and w13.stride(2) != 1):
         raise ValueError(f"moe_grouped_fc1_situ: latent {tuple(x.shape)} and experts "
                          f"{tuple(w13.shape)} do not fit {M} tokens (rows contiguous)")
     if out is None:
@@ -167,15 +196,17 @@ def moe_grouped_fc1_situ(x: torch.Tensor, w13: torch.Tensor, ids: torch.Tensor,
         raise ValueError(f"moe_grouped_fc1_situ: out must be a contiguous {(M, top_k, inter)}")
     slots = ExpertSlots(torch.empty(n_experts, M, dtype=torch.int32, device=x.device),
                         torch.empty(n_experts, dtype=torch.int32, device=x.device))
-    block_n, block_k = routed_blocks()
+    block_n, block_k = routed_blocks(mxfp4)
     shared_args, shared_consts = _shared_launch(shared, M, situ=True)
     grid = (n_experts * triton.cdiv(inter, block_n) + shared_args[-1],)
+    codes, scales = _expert_args(w13, "moe_grouped_fc1_situ")
     moe_grouped_fc1_situ_kernel[grid](
-        x, w13, ids, out, slots.lists, slots.counts, M, M * top_k, inter, kdim, x.stride(0),
-        w13.stride(0), w13.stride(1),
+        x, codes, scales, ids, out, slots.lists, slots.counts, M, M * top_k, inter, kdim,
+        x.stride(0), *_expert_strides(w13),
         *shared_args, TOP_K=top_k, BETA=situ[0], BETA_LINEAR=situ[1],
         BLOCK_S=min(triton.next_power_of_2(M * top_k), SCAN), BLOCK_T=BLOCK_T, BLOCK_N=block_n,
-        BLOCK_K=block_k, RNE=INTERPRETED, **shared_consts, num_warps=8, **launch_options())
+        BLOCK_K=block_k, RNE=INTERPRETED, MXFP4=mxfp4, **shared_consts, num_warps=8,
+        **launch_options())
     return out, slots
 
 

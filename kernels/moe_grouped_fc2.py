@@ -14,7 +14,8 @@ launch. The order of a row's additions follows the programs' order on the GPU, s
 last bits vary from run to run (the per-slot ``moe_fc2_combine`` sums a token's slots in
 registers, in slot order: bit for bit the same every run).
 
-The shared experts' down-projection rides in the same grid, as in ``moe_fc2_combine``.
+The weights may be MXFP4, decoded as they stream (``kimi_perf_kernels.mxfp4``). The shared
+experts' down-projection rides in the same grid, as in ``moe_fc2_combine``.
 """
 
 from __future__ import annotations
@@ -29,24 +30,38 @@ from kimi_perf_kernels.common import (
     interpreter_tiles,
     launch_options,
 )
-from kimi_perf_kernels.moe_experts import Shared, _shared_launch, routed_blocks
+from kimi_perf_kernels.moe_experts import (
+    Experts,
+    Shared,
+    _expert_args,
+    _expert_strides,
+    _shared_launch,
+    routed_blocks,
+)
 from kimi_perf_kernels.moe_grouped_fc1 import BLOCK_T, ExpertSlots
+from kimi_perf_kernels.mxfp4 import Mxfp4, mxfp4_pairs
 from kimi_perf_kernels.skinny_linear import linear_tile
 
 # Columns a program takes on a GPU: a [128, BLOCK_K] tile of W2 a K step (107 registers on
 # sm_90a), so that K3's grid is 896 experts × 28 programs, not × 112 (of which the experts no
 # token picked, a third at batch 64, exit at once) and a program streams 96 KB, not 24 KB.
 BLOCK_N = 128
+# MXFP4's K step: its tiles decoded as even and odd halves in fp32, a [128, 128] step spills
+# on sm_90a; [128, 64] (32 bytes of codes a row) does not
+MXFP4_BLOCK_K = 64
 
 
 @triton.jit
-def _grouped_fc2_tile(expert, block, act_ptr, w2_ptr, lists_ptr, counts_ptr, weights_ptr,
-                      out_ptr, M, INTER, N, stride_we, stride_wn, stride_out,
-                      TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_K: tl.constexpr):
+def _grouped_fc2_tile(expert, block, act_ptr, w2_ptr, w2s_ptr, lists_ptr, counts_ptr,
+                      weights_ptr, out_ptr, M, INTER, N, stride_we, stride_wn, stride_se,
+                      stride_sn, stride_out, TOP_K: tl.constexpr, BLOCK_T: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MXFP4: tl.constexpr):
     n = block * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
     w = w2_ptr + expert.to(tl.int64) * stride_we
+    ws = w2s_ptr + expert.to(tl.int64) * stride_se
+    HALF: tl.constexpr = BLOCK_K // 2
+    j = tl.arange(0, HALF)
     r = tl.arange(0, BLOCK_T)
     ks = tl.arange(0, BLOCK_K)
     count = tl.load(counts_ptr + expert)
@@ -55,16 +70,28 @@ def _grouped_fc2_tile(expert, block, act_ptr, w2_ptr, lists_ptr, counts_ptr, wei
         slot = tl.load(lists_ptr + expert.to(tl.int64) * M + r0 + r, mask=t_ok, other=0)
         acc = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
         for k0 in range(0, INTER, BLOCK_K):
-            kk = k0 + ks
-            k_ok = kk < INTER
-            wt = tl.load(w + n[:, None] * stride_wn + kk[None, :],
-                         mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+            if MXFP4:   # even and odd columns, against each slot's even and odd activations
+                w_even, w_odd = mxfp4_pairs(w, ws, n, n_ok, k0, INTER, stride_wn, stride_sn,
+                                            HALF)
+                kk = k0 + 2 * j
+                k_ok = kk < INTER
+            else:
+                kk = k0 + ks
+                k_ok = kk < INTER
+                wt = tl.load(w + n[:, None] * stride_wn + kk[None, :],
+                             mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
             for t in tl.static_range(BLOCK_T):   # the tile once, for each slot of the chunk
                 slot_t = tl.sum(tl.where(r == t, slot, 0), axis=0).to(tl.int64)
                 ok = tl.sum(tl.where(r == t, t_ok.to(tl.int32), 0), axis=0) > 0
-                a = tl.load(act_ptr + slot_t * INTER + kk, mask=k_ok & ok, other=0.0)
-                acc += tl.where(r[:, None] == t,
-                                tl.sum(wt * a.to(tl.float32)[None, :], axis=1)[None, :], 0.0)
+                a = tl.load(act_ptr + slot_t * INTER + kk, mask=k_ok & ok,
+                            other=0.0).to(tl.float32)
+                if MXFP4:
+                    a_odd = tl.load(act_ptr + slot_t * INTER + kk + 1, mask=k_ok & ok,
+                                    other=0.0).to(tl.float32)
+                    dot = tl.sum(w_even * a[None, :] + w_odd * a_odd[None, :], axis=1)
+                else:
+                    dot = tl.sum(wt * a[None, :], axis=1)
+                acc += tl.where(r[:, None] == t, dot[None, :], 0.0)
         weight = tl.load(weights_ptr + slot, mask=t_ok, other=0.0)
         token = (slot // TOP_K).to(tl.int64)
         # relaxed: the only order needed is the launch's, after the routing's zeros
@@ -73,11 +100,12 @@ def _grouped_fc2_tile(expert, block, act_ptr, w2_ptr, lists_ptr, counts_ptr, wei
 
 
 @triton.jit
-def moe_grouped_fc2_kernel(act_ptr, w2_ptr, lists_ptr, counts_ptr, weights_ptr, out_ptr, M,
-                           INTER, N, stride_we, stride_wn, stride_out, sx_ptr, sw_ptr,
-                           sout_ptr, S_N, S_K, stride_sx, stride_sw, stride_sout,
-                           SHARED_PROGRAMS, TOP_K: tl.constexpr, BLOCK_T: tl.constexpr,
-                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, RNE: tl.constexpr,
+def moe_grouped_fc2_kernel(act_ptr, w2_ptr, w2s_ptr, lists_ptr, counts_ptr, weights_ptr,
+                           out_ptr, M, INTER, N, stride_we, stride_wn, stride_se, stride_sn,
+                           stride_out, sx_ptr, sw_ptr, sout_ptr, S_N, S_K, stride_sx,
+                           stride_sw, stride_sout, SHARED_PROGRAMS, TOP_K: tl.constexpr,
+                           BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
+                           BLOCK_K: tl.constexpr, RNE: tl.constexpr, MXFP4: tl.constexpr,
                            SHARED: tl.constexpr, S_USE_DOT: tl.constexpr,
                            DOT_FP32: tl.constexpr, S_BLOCK_M: tl.constexpr,
                            S_BLOCK_N: tl.constexpr, S_BLOCK_K: tl.constexpr,
@@ -86,27 +114,26 @@ def moe_grouped_fc2_kernel(act_ptr, w2_ptr, lists_ptr, counts_ptr, weights_ptr, 
     pid = tl.program_id(0) - SHARED_PROGRAMS   # the shared experts' tiles first
     blocks = tl.cdiv(N, BLOCK_N)
     if pid >= 0:
-        _grouped_fc2_tile(pid // blocks, pid % blocks, act_ptr, w2_ptr, lists_ptr, counts_ptr,
-                          weights_ptr, out_ptr, M, INTER, N, stride_we, stride_wn, stride_out,
-                          TOP_K, BLOCK_T, BLOCK_N, BLOCK_K)
+        _grouped_fc2_tile(pid // blocks, pid % blocks, act_ptr, w2_ptr, w2s_ptr, lists_ptr,
+                          counts_ptr, weights_ptr, out_ptr, M, INTER, N, stride_we, stride_wn,
+                          stride_se, stride_sn, stride_out, TOP_K, BLOCK_T, BLOCK_N, BLOCK_K,
+                          MXFP4)
     elif SHARED:  # the shared experts' down-projection
         linear_tile(tl.program_id(0), sx_ptr, sw_ptr, sx_ptr, sout_ptr, sout_ptr, M, S_N, S_K,
                     stride_sx, stride_sw, 0, stride_sout, 0.0, False, False, False, S_USE_DOT,
                     DOT_FP32, RNE, 1.0, 1.0, S_BLOCK_M, S_BLOCK_N, S_BLOCK_K)
 
 
-def moe_grouped_fc2(act: torch.Tensor, w2: torch.Tensor, slots: ExpertSlots,
+def moe_grouped_fc2(act: torch.Tensor, w2: Experts, slots: ExpertSlots,
                     weights: torch.Tensor, out: torch.Tensor, shared: Shared | None = None
                     ) -> torch.Tensor:
-    """act [M, top_k, I] and each expert's slots (``moe_grouped_fc1_situ``), w2 [E, N, I],
-    weights [M, top_k] (``router_topk``) -> out [M, N] fp32 += Σ_slot weight · W2[e] act
-    (``out`` zeroed first: ``router_topk``'s ``zero``); ``shared`` as in
+    """act [M, top_k, I] and each expert's slots (``moe_grouped_fc1_situ``), w2 [E, N, I]
+    (or MXFP4), weights [M, top_k] (``router_topk``) -> out [M, N] fp32 += Σ_slot weight ·
+    W2[e] act (``out`` zeroed first: ``router_topk``'s ``zero``); ``shared`` as in
     ``moe_fc2_combine``."""
     M, top_k, inter = act.shape
-    if not isinstance(w2, torch.Tensor):
-        raise ValueError("moe_grouped_fc2: grouped experts take weights in the model's dtype "
-                         "(MXFP4 ones not yet: moe_fc2_combine takes them)")
     n_experts, n, _ = w2.shape
+    mxfp4 = isinstance(w2, Mxfp4)
     lists, counts = slots
     if lists.shape != (n_experts, M) or counts.shape != (n_experts,) \
             or lists.dtype != torch.int32 or counts.dtype != torch.int32 \
@@ -114,18 +141,20 @@ def moe_grouped_fc2(act: torch.Tensor, w2: torch.Tensor, slots: ExpertSlots,
             or not weights.is_contiguous():
         raise ValueError(f"moe_grouped_fc2: the slots of {n_experts} experts ([E, {M}] and "
                          f"[E] int32) and contiguous weights [{M}, {top_k}]")
-    if not act.is_contiguous() or w2.shape[2] != inter or w2.stride(2) != 1:
+    if not act.is_contiguous() or w2.shape[2] != inter or (not mxfp4 and w2.stride(2) != 1):
         raise ValueError(f"moe_grouped_fc2: act {tuple(act.shape)} (contiguous) does not fit "
                          f"the experts {tuple(w2.shape)}")
     if out.dtype != torch.float32 or out.shape != (M, n) or out.stride(1) != 1:
         raise ValueError(f"moe_grouped_fc2: out must be fp32 [{M}, {n}], rows contiguous")
-    block_n, block_k = routed_blocks()
+    block_n, block_k = routed_blocks(mxfp4)
     if not interpreter_tiles():
-        block_n = BLOCK_N
+        block_n, block_k = BLOCK_N, MXFP4_BLOCK_K if mxfp4 else block_k
     shared_args, shared_consts = _shared_launch(shared, M, situ=False)
     grid = (n_experts * triton.cdiv(n, block_n) + shared_args[-1],)
+    codes, scales = _expert_args(w2, "moe_grouped_fc2")
     moe_grouped_fc2_kernel[grid](
-        act, w2, lists, counts, weights, out, M, inter, n, w2.stride(0), w2.stride(1),
+        act, codes, scales, lists, counts, weights, out, M, inter, n, *_expert_strides(w2),
         out.stride(0), *shared_args, TOP_K=top_k, BLOCK_T=BLOCK_T, BLOCK_N=block_n,
-        BLOCK_K=block_k, RNE=INTERPRETED, **shared_consts, num_warps=8, **launch_options())
+        BLOCK_K=block_k, RNE=INTERPRETED, MXFP4=mxfp4, **shared_consts, num_warps=8,
+        **launch_options())
     return out

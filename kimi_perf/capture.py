@@ -223,8 +223,12 @@ def capture(req: TraceRequest, progress=None) -> tuple[Path, dict[str, Breakdown
             raise TraceError(None, f"{req.preset}: {exc}") from None
     # TP ranks on a CPU: the parent holds the whole checkpoint while the ranks, between them,
     # hold it sharded and packed (reasoned from the one-process figure, not measured)
-    ranks = (lambda c: (1 + MEMORY_PER_WEIGHT_BYTE) * weight_bytes(c)) if req.tp > 1 else None
-    if problem := memory_problem(config, req.preset, device, need_of=ranks,
+    # (MXFP4 experts: the kernel path also packs them as codes and scales, at most 0.27 of a
+    # bf16 weight's bytes: reasoned, as if every weight were an expert's)
+    per_byte = MEMORY_PER_WEIGHT_BYTE + (0.27 if req.experts == "mxfp4" else 0)
+    need_of = (lambda c: (1 + per_byte) * weight_bytes(c)) if req.tp > 1 else (
+        lambda c: per_byte * weight_bytes(c))
+    if problem := memory_problem(config, req.preset, device, need_of=need_of,
                                  holding="with the ranks' sharded, packed copies"
                                  if req.tp > 1 else "with the model's packed copy"):
         raise TraceError(None, problem)

@@ -954,9 +954,6 @@ def trace_cmd(from_files: tuple[Path, ...], phase: str, rules: Path | None,
     if opt_ins and "specialized" not in paths.split(","):
         raise TraceError(None, f"{', '.join(opt_ins)}: options of the specialized path, which "
                                f"--paths {paths} leaves out")
-    if group_experts_from is not None and experts == "mxfp4":
-        raise TraceError(None, "--group-experts-from takes bf16 experts (MXFP4 ones not yet): "
-                               "leave out one of it and --experts mxfp4")
     if not from_files and (from_only := _given("phase", "rules")):
         raise TraceError(None, f"{', '.join(from_only)}: for traces given with --from (a "
                                "capture records decode steps only, its launches named by class)")

@@ -53,7 +53,8 @@ def test_gpu_decode_check_plumbing_on_the_cpu(tmp_path):
     assert results["errors"] == []
     assert all(r["ok"] for r in results["correctness"].values())
     assert {"specialized+grouped", "specialized+pdl", "specialized+pdl+prefetch",
-            "standard+mxfp4", "specialized+mxfp4"} <= set(results["correctness"])
+            "standard+mxfp4", "specialized+mxfp4", "specialized+grouped+mxfp4"} <= set(
+        results["correctness"])
     split = results["correctness"]["kda_decode split"]   # the arrival protocol, launched again
     assert split["launches"] == 4 and split["arrivals_left"] == 0 and split["conv_state_exact"]
     speed = results["speed"]

@@ -994,9 +994,6 @@ def test_options_that_would_change_nothing_are_refused(tmp_path):
                     "--tp, --graphs set up a capture; --from analyses traces already made")
     _one_line_error(run("trace", "--phase", "all", "--out", tmp_path),
                     "--phase: for traces given with --from")
-    _one_line_error(run("trace", "--experts", "mxfp4", "--group-experts-from", "8", "--out",
-                        tmp_path), "--group-experts-from takes bf16 experts (MXFP4 ones not "
-                    "yet)")
     _one_line_error(run("trace", "--from", VLLM, "--experts", "mxfp4", "--out", tmp_path),
                     "--experts sets up a capture")
     _one_line_error(run("trace", "--experts", "mxfp4", "--tp", "4", "--out", tmp_path),
@@ -1333,6 +1330,12 @@ def test_a_model_that_cannot_fit_is_refused_before_any_work(tmp_path, monkeypatc
                     f"{2 * eight / 1e6:.1f} MB with the model's packed copy, and this machine "
                     f"has {3 * four / 1e6:.1f} MB free: take fewer --layers (2 need about "
                     f"{2 * two / 1e6:.1f} MB)")
+    assert not out.exists()
+    # MXFP4 experts: their codes and scales packed beside, at most 0.27 of the bytes again
+    # (2.1 times the weights would hold bf16 experts' run)
+    monkeypatch.setattr(capture, "available_memory", lambda device: 2.1 * eight)
+    _one_line_error(run("trace", "--layers", "8", "--experts", "mxfp4", "--out", out),
+                    f"about {2.27 * eight / 1e6:.1f} MB with the model's packed copy")
     assert not out.exists()
     monkeypatch.setattr(capture, "available_memory", lambda device: four)
     _one_line_error(run("trace", "--preset", "k3", "--layers", "2", "--out", out),

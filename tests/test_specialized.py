@@ -303,9 +303,10 @@ def test_mxfp4_experts_stream_as_mxfp4_and_compute_the_same_math(monkeypatch):
 
 
 def test_mxfp4_experts_are_refused_where_they_cannot_be(weights):
-    """Weights whose experts MXFP4 cannot hold, an unknown storage, and the grouped experts
-    (bf16 only, for now) are refused by name."""
-    from kimi_perf.decode.weights import mxfp4_experts
+    """Weights whose experts MXFP4 cannot hold, an unknown storage, and a rank whose expert
+    matrices are not whole groups of 32 are refused by name; the grouped experts stream the
+    MXFP4 experts as the per-slot ones do."""
+    from kimi_perf.decode.weights import mxfp4_experts, shard
 
     with pytest.raises(ValueError, match="hold values MXFP4 cannot"):
         build_model(SMALL, weights, "latency_specialized", experts="mxfp4")
@@ -314,9 +315,9 @@ def test_mxfp4_experts_are_refused_where_they_cannot_be(weights):
     with pytest.raises(ValueError, match="experts: bf16 or mxfp4, not 'fp8'"):
         random_weights(SMALL, experts="fp8")
     rounded = mxfp4_experts(weights)
-    with pytest.raises(ValueError, match=r"grouped experts .* MXFP4 ones not yet"):
-        build_model(SMALL, rounded, "latency_specialized", experts="mxfp4",
-                    group_experts_from=8)
+    with pytest.raises(ValueError, match=r"intermediate per rank is 16 \(at TP 4\)"):
+        build_model(SMALL.shard(4), shard(rounded, SMALL.shard(4), 0), "latency_specialized",
+                    experts="mxfp4")
     fast = build_model(SMALL, rounded, "latency_specialized", experts="mxfp4")
     packed = fast.expert_weights(1, "w13")
     assert packed.packed.numel() * 4 == fast.packed[1]["w13"].numel() * 2   # 4 bits a value

@@ -92,9 +92,6 @@ class SpecializedModel(KernelPathModel):
                  device: torch.device | str = "cpu", all_reduce=None, l2_prefetch: bool = False,
                  gemv=None, group_experts_from: int | None = None, pdl: bool = False,
                  pdl_prefetch_bytes: int = 0, experts: str = "bf16"):
-        if group_experts_from is not None and experts == "mxfp4":
-            raise ValueError("the grouped experts (group_experts_from) take bf16 experts; "
-                             "MXFP4 ones not yet")
         super().__init__(c, weights, dtype=dtype, device=device, all_reduce=all_reduce,
                          experts=experts)
         # Opt-in until a GPU run shows it pays (benchmarks/gpu_decode_check.py measures both):

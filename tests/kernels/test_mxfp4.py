@@ -88,17 +88,28 @@ def test_mxfp4_weights_that_do_not_fit_are_refused():
     assert GROUP == 32
 
 
-def test_grouped_experts_refuse_mxfp4_weights():
-    """The grouped experts (opt-in, larger batches) read weights in the model's dtype: MXFP4
-    ones are refused by name, not misread."""
+# (35 tokens of 6 experts: chunks of an expert's slots; latent 160: MXFP4's 128-deep tiles
+# over a K tail)
+@pytest.mark.parametrize(("m", "experts", "k", "inter", "latent"),
+                         [(1, 8, 2, 32, 64), (35, 6, 3, 64, 160)])
+def test_grouped_experts_on_mxfp4_match_the_reference(m, experts, k, inter, latent, tiles):
+    """The grouped FC1 + SiTU and FC2 (opt-in, larger batches) on MXFP4 weights: as the
+    reference computes them on their values."""
     from kimi_perf_kernels.moe_grouped_fc1 import moe_grouped_fc1_situ
     from kimi_perf_kernels.moe_grouped_fc2 import moe_grouped_fc2
 
-    gen = torch.Generator().manual_seed(2)
-    w13, w2 = _experts(gen, 4, 64, 64), _experts(gen, 4, 64, 32)
-    ids = torch.zeros(2, 2, dtype=torch.int32)
-    with pytest.raises(ValueError, match=r"moe_grouped_fc1_situ: .*MXFP4 ones not yet"):
-        moe_grouped_fc1_situ(torch.randn(2, 64), w13, ids, (4.0, 25.0))
-    with pytest.raises(ValueError, match=r"moe_grouped_fc2: .*MXFP4 ones not yet"):
-        moe_grouped_fc2(torch.randn(2, 2, 32), w2, (ids, ids), torch.ones(2, 2),
-                        torch.zeros(2, 64))
+    gen = torch.Generator().manual_seed(m + experts)
+    x = torch.randn(m, latent, generator=gen)
+    w13 = _experts(gen, experts, 2 * inter, latent)
+    w2 = _experts(gen, experts, latent, inter)
+    ids, weights = router_topk_reference(torch.randn(m, experts, generator=gen),
+                                         torch.zeros(experts), k)
+    situ = (4.0, 25.0)
+    want_act, want_out = moe_experts_reference(x, w13, w2, ids, weights, situ)
+    act = torch.empty(m, k, inter, dtype=torch.bfloat16)
+    poison(act)
+    _, slots = moe_grouped_fc1_situ(x, w13, ids, situ, out=act)
+    assert_close_bf16(act, want_act, ulps=2)
+    out = torch.zeros(m, latent)
+    moe_grouped_fc2(want_act, w2, slots, weights, out)
+    torch.testing.assert_close(out, want_out, rtol=1e-4, atol=1e-4)
