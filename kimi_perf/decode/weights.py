@@ -118,7 +118,9 @@ def random_weights(c: K3Config, seed: int = 0, dtype: torch.dtype = torch.bfloat
     out: Weights = {}
     for name, shape in shapes.items():
         out[name] = _init(name, shape, gen, c, device).to(_storage_dtype(shape, dtype))
-    return mxfp4_experts(out) if experts == "mxfp4" else out
+        if experts == "mxfp4" and is_routed_expert(name):   # (one at a time: no second copy)
+            out[name] = _mxfp4_values(out[name])
+    return out
 
 
 def mxfp4_problem(c: K3Config) -> str | None:
@@ -143,8 +145,12 @@ def mxfp4_experts(weights: Weights) -> Weights:
     along its input, as K3's checkpoint holds them), kept in its dtype: every path and the
     reference then compute on the values an MXFP4 checkpoint holds. A checkpoint loaded from
     MXFP4 (``load_safetensors``) already holds them."""
-    return {name: mxfp4.dequantize(mxfp4.quantize(t)).to(t.dtype) if is_routed_expert(name)
-            else t for name, t in weights.items()}
+    return {name: _mxfp4_values(t) if is_routed_expert(name) else t
+            for name, t in weights.items()}
+
+
+def _mxfp4_values(t: torch.Tensor) -> torch.Tensor:
+    return mxfp4.dequantize(mxfp4.quantize(t)).to(t.dtype)
 
 
 def local_weight_shapes(c: K3Config) -> dict[str, tuple[int, ...]]:
