@@ -58,6 +58,36 @@ def test_nsys_byte_mutations(tmp_path, source, data):
     read_and_analyse(path)
 
 
+@FUZZ
+@given(data=st.data())
+def test_gzipped_nsys_mutations(tmp_path, data):
+    """A gzipped export (read from a temporary copy) mutated in its gzip bytes or in the
+    export inside: a trace or a one-line error, and no temporary copy left behind."""
+    import tempfile
+
+    raw = bytearray(NSYS_SMALL.read_bytes())
+    if data.draw(st.booleans()):       # the export inside, then gzipped whole
+        for _ in range(data.draw(st.integers(1, 32))):
+            raw[data.draw(st.integers(0, len(raw) - 1))] = data.draw(st.integers(0, 255))
+        packed = bytearray(gzip.compress(bytes(raw), 1))
+    else:                              # the gzip stream itself, cut or flipped past its header
+        packed = bytearray(gzip.compress(bytes(raw), 1))
+        if data.draw(st.booleans()):
+            packed = packed[: data.draw(st.integers(10, len(packed) - 1))]
+        else:
+            packed[data.draw(st.integers(10, len(packed) - 1))] ^= data.draw(st.integers(1, 255))
+    scratch = tmp_path / "scratch"
+    scratch.mkdir(exist_ok=True)
+    path = tmp_path / "mutated.sqlite.gz"
+    path.write_bytes(bytes(packed))
+    before, tempfile.tempdir = tempfile.tempdir, str(scratch)
+    try:
+        read_and_analyse(path)
+    finally:
+        tempfile.tempdir = before
+    assert not any(scratch.iterdir())
+
+
 VALUES = st.one_of(st.none(), st.booleans(), st.integers(-2**63, 2**64), st.floats(),
                    st.text(max_size=8), st.lists(st.integers(), max_size=2),
                    st.dictionaries(st.text(max_size=3), st.integers(), max_size=2))
