@@ -24,19 +24,12 @@ import torch
 import triton
 import triton.language as tl
 
+from kimi_perf_kernels import moe_experts
 from kimi_perf_kernels.common import (
     INTERPRETED,
     after_previous_kernel,
     interpreter_tiles,
     launch_options,
-)
-from kimi_perf_kernels.moe_experts import (
-    Experts,
-    Shared,
-    _expert_args,
-    _expert_strides,
-    _shared_launch,
-    routed_blocks,
 )
 from kimi_perf_kernels.moe_grouped_fc1 import BLOCK_T, ExpertSlots
 from kimi_perf_kernels.mxfp4 import Mxfp4, mxfp4_pairs
@@ -124,8 +117,9 @@ def moe_grouped_fc2_kernel(act_ptr, w2_ptr, w2s_ptr, lists_ptr, counts_ptr, weig
                     DOT_FP32, RNE, 1.0, 1.0, S_BLOCK_M, S_BLOCK_N, S_BLOCK_K)
 
 
-def moe_grouped_fc2(act: torch.Tensor, w2: Experts, slots: ExpertSlots,
-                    weights: torch.Tensor, out: torch.Tensor, shared: Shared | None = None
+def moe_grouped_fc2(act: torch.Tensor, w2: moe_experts.Experts, slots: ExpertSlots,
+                    weights: torch.Tensor, out: torch.Tensor,
+                    shared: moe_experts.Shared | None = None
                     ) -> torch.Tensor:
     """act [M, top_k, I] and each expert's slots (``moe_grouped_fc1_situ``), w2 [E, N, I]
     (or MXFP4), weights [M, top_k] (``router_topk``) -> out [M, N] fp32 += Σ_slot weight ·
@@ -146,15 +140,15 @@ def moe_grouped_fc2(act: torch.Tensor, w2: Experts, slots: ExpertSlots,
                          f"the experts {tuple(w2.shape)}")
     if out.dtype != torch.float32 or out.shape != (M, n) or out.stride(1) != 1:
         raise ValueError(f"moe_grouped_fc2: out must be fp32 [{M}, {n}], rows contiguous")
-    block_n, block_k = routed_blocks(mxfp4)
+    block_n, block_k = moe_experts.routed_blocks(mxfp4)
     if not interpreter_tiles():
         block_n, block_k = BLOCK_N, MXFP4_BLOCK_K if mxfp4 else block_k
-    shared_args, shared_consts = _shared_launch(shared, M, situ=False)
+    shared_args, shared_consts = moe_experts._shared_launch(shared, M, situ=False)
     grid = (n_experts * triton.cdiv(n, block_n) + shared_args[-1],)
-    codes, scales = _expert_args(w2, "moe_grouped_fc2")
+    codes, scales = moe_experts._expert_args(w2, "moe_grouped_fc2")
     moe_grouped_fc2_kernel[grid](
-        act, codes, scales, lists, counts, weights, out, M, inter, n, *_expert_strides(w2),
-        out.stride(0), *shared_args, TOP_K=top_k, BLOCK_T=BLOCK_T, BLOCK_N=block_n,
-        BLOCK_K=block_k, RNE=INTERPRETED, MXFP4=mxfp4, **shared_consts, num_warps=8,
-        **launch_options())
+        act, codes, scales, lists, counts, weights, out, M, inter, n,
+        *moe_experts._expert_strides(w2), out.stride(0), *shared_args, TOP_K=top_k,
+        BLOCK_T=BLOCK_T, BLOCK_N=block_n, BLOCK_K=block_k, RNE=INTERPRETED, MXFP4=mxfp4,
+        **shared_consts, num_warps=8, **launch_options())
     return out
