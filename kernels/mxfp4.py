@@ -1,7 +1,7 @@
 """MXFP4 weights (OCP microscaling FP4, as K3's checkpoint stores its routed experts): each
 value a 4-bit E2M1 code, two a byte (low nibble first: the even column), and one E8M0 scale
-(2^(s-127)) per 32 consecutive values along a row. A byte is half a bf16 value: the experts'
-kernels stream 0.53 bytes a weight where bf16 takes 2.
+(2^(s-127)) per 32 consecutive values along a row: the experts' kernels stream 0.53 bytes a
+weight where bf16 takes 2.
 
 Hopper has no FP4 tensor cores, so the routed experts' GEMVs decode in registers (W4A16): a
 tile's bytes come in as [rows, columns / 2], and ``mxfp4_pairs`` returns its even and odd
