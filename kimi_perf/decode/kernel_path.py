@@ -20,7 +20,12 @@ import torch
 from kimi_perf.decode.config import K3Config
 from kimi_perf.decode.model import DecodeState, K3Model
 from kimi_perf.decode.reference import Observer
-from kimi_perf.decode.weights import EXPERT_STORAGES, Weights, layer_prefix, mxfp4_problem
+from kimi_perf.decode.weights import (
+    Weights,
+    check_expert_storage,
+    layer_prefix,
+    mxfp4_problem,
+)
 
 # Without a GPU the kernels need Triton's interpreter (importing the model chose it, unless
 # triton was imported first).
@@ -74,8 +79,7 @@ class KernelPathModel(K3Model):
         weight. The weights must hold MXFP4 values (``weights.mxfp4_experts``, or a checkpoint
         loaded from MXFP4), so that packing them loses nothing; the stacks in the model's
         dtype stay for the steps that fall back to PyTorch ops."""
-        if self.experts not in EXPERT_STORAGES:
-            raise ValueError(f"experts: {' or '.join(EXPERT_STORAGES)}, not {self.experts!r}")
+        check_expert_storage(self.experts)
         if self.experts == "bf16":
             return
         if problem := mxfp4_problem(self.c):

@@ -75,7 +75,7 @@ from kimi_perf.decode.config import K3Config
 from kimi_perf.decode.kernel_path import KernelPathModel
 from kimi_perf.decode.model import DecodeState, K3Model
 from kimi_perf.decode.standard_kernels import StandardKernelsModel
-from kimi_perf.decode.weights import EXPERT_STORAGES, Weights, layer_prefix
+from kimi_perf.decode.weights import Weights, check_expert_storage, layer_prefix
 from kimi_perf_kernels.l2_prefetch import PROGRAMS, l2_prefetch
 from kimi_perf_kernels.mla_absorb_insert import mla_absorb_insert
 from kimi_perf_kernels.mla_attention import mla_attention
@@ -288,6 +288,5 @@ def build_model(c: K3Config, weights: Weights, decode_backend: str = "auto",
                                     all_reduce=all_reduce, experts=experts)
     if standard_ops != "torch":
         raise ValueError(f"standard_ops must be kernels or torch, not {standard_ops!r}")
-    if experts not in EXPERT_STORAGES:
-        raise ValueError(f"experts: {' or '.join(EXPERT_STORAGES)}, not {experts!r}")
+    check_expert_storage(experts)
     return K3Model(c, weights, dtype=dtype, device=device, all_reduce=all_reduce)

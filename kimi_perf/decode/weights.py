@@ -29,7 +29,6 @@ from kimi_perf_kernels import mxfp4  # noqa: E402
 Weights = dict[str, torch.Tensor]
 
 
-
 def layer_prefix(i: int) -> str:
     return f"model.layers.{i}."
 
@@ -102,6 +101,11 @@ def weight_shapes(c: K3Config) -> dict[str, tuple[int, ...]]:
 EXPERT_STORAGES = ("bf16", "mxfp4")
 
 
+def check_expert_storage(experts: str) -> None:
+    if experts not in EXPERT_STORAGES:
+        raise ValueError(f"experts: {' or '.join(EXPERT_STORAGES)}, not {experts!r}")
+
+
 def random_weights(c: K3Config, seed: int = 0, dtype: torch.dtype = torch.bfloat16,
                    device: torch.device | str = "cpu", experts: str = "bf16") -> Weights:
     """Weights drawn from ``seed``, scaled so activations stay O(1) through depth; with
@@ -111,8 +115,7 @@ def random_weights(c: K3Config, seed: int = 0, dtype: torch.dtype = torch.bfloat
     share one model). For a sharded config it draws one rank's shapes directly, on
     ``device``: a K3 rank's experts are too large to draw whole and then cut.
     """
-    if experts not in EXPERT_STORAGES:
-        raise ValueError(f"experts: {' or '.join(EXPERT_STORAGES)}, not {experts!r}")
+    check_expert_storage(experts)
     gen = torch.Generator(device=device).manual_seed(seed)
     shapes = weight_shapes(c) if c.tp == 1 else local_weight_shapes(c)
     out: Weights = {}
