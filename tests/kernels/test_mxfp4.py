@@ -85,7 +85,11 @@ def test_mxfp4_weights_that_do_not_fit_are_refused():
     with pytest.raises(ValueError, match="FC1: MXFP4 weights need"):
         moe_route_fc1_situ(x, Mxfp4(w13.packed.int(), w13.scale), logits, bias, 2, 1.0,
                            (4.0, 25.0))
-    assert GROUP == 32
+    # 48 columns: a group of 32 and a short one, which the kernels' masks do not cover
+    short = Mxfp4(w13.packed[..., : 48 // 2].contiguous(), w13.scale[..., : 48 // GROUP + 1])
+    with pytest.raises(ValueError, match=r"K a multiple of 32"):
+        moe_fc2(torch.zeros(2, 2, 48, dtype=torch.bfloat16), short, torch.zeros(2, 2,
+                                                                              dtype=torch.int32))
 
 
 # (35 tokens of 6 experts: chunks of an expert's slots; latent 160: MXFP4's 128-deep tiles
