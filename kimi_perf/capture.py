@@ -652,17 +652,21 @@ def run_document(run_dir: Path, results: dict[str, Breakdown], run_info: dict) -
 
 def analyse(files: list[Path], out_dir: Path, layers: str = "auto", phase: str = "auto",
             rules: Path | None = None, plotly_js: str = "inline",
-            step_regex: str | None = None) -> tuple[Path, dict[str, Breakdown], dict]:
+            step_regex: str | None = None, captures: list[Path] | None = None
+            ) -> tuple[Path, dict[str, Breakdown], dict]:
     """``--from``: breakdowns of existing traces, labelled by file name (``rules``: a TOML
-    file of extra kernel-class rules)."""
+    file of extra kernel-class rules; ``captures``: per trace, the graph captures saved apart
+    from it, see ``read_trace``)."""
     from kimi_perf.classify import load_rules
 
     loaded = load_rules(rules)
     results: dict[str, Breakdown] = {}
-    for f, label in zip(files, trace_labels(files), strict=True):
-        results[label] = breakdown(read_trace(f), layers=layers, phase=phase, rules=loaded,
-                                   step_regex=step_regex)
+    paired = captures or [None] * len(files)
+    for f, c, label in zip(files, paired, trace_labels(files), strict=True):
+        results[label] = breakdown(read_trace(f, capture=c), layers=layers, phase=phase,
+                                   rules=loaded, step_regex=step_regex)
     command = ["kimi-perf", "trace", *(a for f in files for a in ("--from", str(f))),
+               *(a for c in captures or () for a in ("--capture", str(c))),
                *(("--layers", layers) if layers != "auto" else ()),
                *(("--steps", step_regex) if step_regex is not None else ()),
                *(("--phase", phase) if phase != "auto" else ()),
@@ -675,6 +679,9 @@ def analyse(files: list[Path], out_dir: Path, layers: str = "auto", phase: str =
         # relative to the run directory: read from any directory, and still found when the
         # run and its traces move together (a repository that keeps both)
         run_info["files"] = [os.path.relpath(f.resolve(), final.resolve()) for f in files]
+        if captures:
+            run_info["captures"] = [os.path.relpath(c.resolve(), final.resolve())
+                                    for c in captures]
         _write_outputs(run_dir, final, run_info, results,
                        "kimi-perf: " + ", ".join(f.name for f in files), plotly_js)
     return final, results, run_info

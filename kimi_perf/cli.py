@@ -131,6 +131,14 @@ def _phase_option(fn):
                         "when others are prefill or mixed; all keeps every step")(fn)
 
 
+def _capture_option(fn):
+    return click.option("--capture", type=click.Path(path_type=Path),
+                        help="a trace of the same process, saved apart, that recorded the "
+                        "CUDA/HIP graph captures TRACE replays (vLLM profiles its capture at "
+                        "start-up): joined to TRACE, it places replayed kernels in the ranges "
+                        "open at capture")(fn)
+
+
 def _kernels_option(fn):
     return click.option("--kernels", is_flag=True, help="also each layer type's typical "
                         "layer, kernel by kernel: its kernels in order with their median "
@@ -306,20 +314,24 @@ def ranges(trace: Path, fmt: str, output: Path | None) -> None:
 
 
 def _breakdown_of(path: Path, layers: str, rules: Path | None, steps: str | None,
-                  phase: str, path_name: str | None = None) -> Breakdown:
-    """A trace's breakdown, or a saved breakdown JSON as it is (of a run: its one decode
-    path, or the one ``path_name`` names)."""
+                  phase: str, path_name: str | None = None, capture: Path | None = None
+                  ) -> Breakdown:
+    """A trace's breakdown (``capture``: see ``read_trace``), or a saved breakdown JSON as it
+    is (of a run: its one decode path, or the one ``path_name`` names)."""
     runs, run_doc = _saved_breakdowns(path)
     if path_name is not None and run_doc is None:
         raise _no_run([path])
+    if capture is not None and runs:
+        raise TraceError(None, f"--capture joins a trace's graph captures, and {path} is a "
+                               "stored breakdown")
     if run_doc is not None:
         return gate_mod.one_path(path, runs, path_name)[1]
     if runs:
         return next(iter(runs.values()))
     layers, steps = _check_layers(layers), _check_steps(steps)
     try:
-        return breakdown(read_trace(path), layers=layers, rules=load_rules(rules),
-                         step_regex=steps, phase=phase)
+        return breakdown(read_trace(path, capture=capture), layers=layers,
+                         rules=load_rules(rules), step_regex=steps, phase=phase)
     except NoStepsMatched as exc:
         raise TraceError(path, exc.problem) from None
 
@@ -340,21 +352,22 @@ EXAMPLE_TRACE = (Path(__file__).parent / "examples"
               "rules, tried before the defaults")
 @click.option("--path", "path_name", help="the decode path to show from a run that holds "
               "several (standard, specialized, ...)")
+@_capture_option
 @_kernels_option
 @click.option("-o", "--output", type=click.Path(path_type=Path), help="write here, not stdout")
 @_fail_cleanly
 def breakdown_cmd(trace: Path | None, fmt: str, layers: str, step_regex: str | None,
-                  phase: str, rules: Path | None, path_name: str | None, kernels: bool,
-                  output: Path | None) -> None:
+                  phase: str, rules: Path | None, path_name: str | None, capture: Path | None,
+                  kernels: bool, output: Path | None) -> None:
     """Per step and layer: kernels, kernel µs, span µs, gap µs, per class; medians per type.
 
     Without TRACE, analyses the embedded example: one vLLM GPT-OSS-20B decode step under a
     full HIP graph (see kimi_perf/examples/README.md).
     """
     trace = trace or EXAMPLE_TRACE
-    _not_an_input(output, trace, rules)
+    _not_an_input(output, trace, rules, capture)
     _no_trace_among([trace])
-    b = _breakdown_of(trace, layers, rules, step_regex, phase, path_name)
+    b = _breakdown_of(trace, layers, rules, step_regex, phase, path_name, capture)
     if fmt == "table":
         typical = [render.typical_layer_table(t["type"] or "-", {"": t}, b.unit)
                    for t in b.layer_types] if kernels else []
@@ -655,13 +668,18 @@ def report_cmd(inputs: tuple[Path, ...], path_name: str | None, labels: str | No
 @main.command()
 @click.argument("trace", type=click.Path(path_type=Path))
 @click.argument("output", type=click.Path(path_type=Path))
+@_capture_option
 @_fail_cleanly
-def convert(trace: Path, output: Path) -> None:
-    """Save any trace in kimi-perf's own format (.kptrace: one Arrow file, fast to reload)."""
-    _not_an_input(output, trace)
+def convert(trace: Path, output: Path, capture: Path | None) -> None:
+    """Save any trace in kimi-perf's own format (.kptrace: one Arrow file, fast to reload).
+
+    With --capture, the trace saved is TRACE joined by its graph captures: every command
+    then reads the pair as one.
+    """
+    _not_an_input(output, trace, capture)
     if output.suffix != ".kptrace":   # (binary: not for a terminal, nor under another name)
         raise TraceError(output, "convert writes a .kptrace file (Arrow): name it so")
-    read_trace(trace).save(output)
+    read_trace(trace, capture=capture).save(output)
 
 
 @main.command()
@@ -876,6 +894,9 @@ def validate(preset_name: str, n_layers: int | None, paths: str, steps: int,
 @click.option("--from", "from_files", multiple=True, type=click.Path(path_type=Path),
               help="analyse these existing traces instead of capturing (repeatable; a "
               "directory: the traces in it, e.g. one per rank)")
+@click.option("--capture", "captures", multiple=True, type=click.Path(path_type=Path),
+              help="with --from: the graph captures of a --from trace, saved apart (see "
+              "kimi-perf breakdown --help); one per --from, in the same order")
 @click.option("--phase", type=click.Choice(PHASES), default="auto", show_default=True,
               help="with --from: which steps count (see kimi-perf breakdown --help)")
 @click.option("--rules", type=click.Path(path_type=Path), help="with --from: a TOML file of "
@@ -918,7 +939,8 @@ def validate(preset_name: str, n_layers: int | None, paths: str, steps: int,
 @click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table",
               show_default=True)
 @_fail_cleanly
-def trace_cmd(from_files: tuple[Path, ...], phase: str, rules: Path | None,
+def trace_cmd(from_files: tuple[Path, ...], captures: tuple[Path, ...], phase: str,
+              rules: Path | None,
               preset_name: str | None,
               layers_arg: str | None,
               batch: int | None, context: int | None, steps_arg: str | None,
@@ -954,15 +976,24 @@ def trace_cmd(from_files: tuple[Path, ...], phase: str, rules: Path | None,
     if opt_ins and "specialized" not in paths.split(","):
         raise TraceError(None, f"{', '.join(opt_ins)}: options of the specialized path, which "
                                f"--paths {paths} leaves out")
+    if not from_files and captures:
+        raise TraceError(None, "--capture: for a trace given with --from, whose graph captures "
+                               "were profiled apart")
     if not from_files and (from_only := _given("phase", "rules")):
         raise TraceError(None, f"{', '.join(from_only)}: for traces given with --from (a "
                                "capture records decode steps only, its launches named by class)")
+    if captures and len(captures) != len(from_files):
+        raise TraceError(None, f"--capture pairs with --from, one each in the same order: "
+                               f"{len(from_files)} --from, {len(captures)} --capture")
+    if captures and (folder := next((f for f in from_files if f.is_dir()), None)):
+        raise TraceError(folder, "a directory: --capture pairs with one trace file each")
     if from_files:
         layers = _check_layers(layers_arg) if layers_arg is not None else "auto"
         run_dir, results, run_info = cap.analyse(cap.trace_files(list(from_files)), out_dir,
                                                  layers=layers, phase=phase, rules=rules,
                                                  step_regex=_check_steps(steps_arg),
-                                                 plotly_js=plotly_js)
+                                                 plotly_js=plotly_js,
+                                                 captures=list(captures) or None)
     else:
         n_layers = _count_of("--layers", layers_arg, "a layer count of 2 or more (layer 0 has "
                              "the dense MLP, the last the gated MLA; with --from: how layers "

@@ -14,7 +14,9 @@ made exactly as many launches as its replay ran kernels (a piecewise graph skips
 of other pieces): the i-th kernel to start maps to the i-th launch.
 Kernels on parallel branches of a graph may start in another order than they were captured,
 but not across a join, so the layer a kernel lands in holds whenever layers end in a join.
-Captures the trace does not hold (profiling began after them) map nothing.
+Captures the trace does not hold (profiling began after them) map nothing. A profile of the
+capture saved apart from the replay's (vLLM profiles its graph capture at start-up into files
+of its own) joins the replay's trace first: ``with_capture``.
 
 A graph's memcpy and memset nodes (``cudaMemcpyAsync`` of a ``copy_``, ``cudaMemsetAsync``)
 map the same way once its kernels have: the memory calls that ran nothing on the capturing
@@ -26,10 +28,13 @@ call, where their counts agree.
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import numpy as np
 
-from kimi_perf.trace import Trace
+from kimi_perf.errors import TraceError
+from kimi_perf.nesting import nest_ranges
+from kimi_perf.trace import GPU_RANGE, Trace
 
 GRAPH_LAUNCH = re.compile(r"^(cuda|hip|cu)GraphLaunch")
 KERNEL_LAUNCH = re.compile(r"^(?:cuda|hip|cu)\w*Launch\w*Kernel")
@@ -45,8 +50,7 @@ def capture_launches(trace: Trace) -> np.ndarray:
     out = np.full(len(k), -1, np.int64)
     if len(k) == 0 or len(api) == 0:
         return out
-    launched = np.flatnonzero(k.api >= 0)
-    from_graph = launched[trace.names_matching(GRAPH_LAUNCH)[api.name[k.api[launched]]]]
+    from_graph = _graph_kernels(trace)
     if len(from_graph) == 0:
         return out
     runs = _captures(trace)
@@ -66,6 +70,56 @@ def capture_launches(trace: Trace) -> np.ndarray:
         if len(fits):
             out[order[lo:hi]] = runs[int(fits[np.argmax(run_end[fits])])]
     return out
+
+
+def with_capture(replay: Trace, capture: Trace, replay_file: str | Path | None = None,
+                 capture_file: str | Path | None = None) -> Trace:
+    """``replay`` joined by ``capture``, a profile of the same process, on the same clock,
+    that recorded the graph captures ``replay`` launches: their launch calls and the ranges
+    open around them then, which place the replayed kernels (the capture's own kernels, the
+    warm-up runs before it, come along and fall outside the replay's steps). ``TraceError``
+    (naming the file) where the pair cannot be joined: ``replay`` launches no graph,
+    ``capture`` records none or overlaps ``replay`` in time in one process (the same
+    profile twice), or no capture in it matches a graph launch of ``replay``. The files
+    named are ``replay_file`` and ``capture_file``, by default the traces' own."""
+    replay_file = replay_file if replay_file is not None else replay.meta.get("file")
+    capture_file = capture_file if capture_file is not None else capture.meta.get("file")
+    if not len(_graph_kernels(replay)):
+        raise TraceError(replay_file, "runs no kernel from a graph launch: there is no graph "
+                                      "replay for a capture to place")
+    if not _captures(capture):
+        raise TraceError(capture_file, "records no graph capture (no kernel launch in it that "
+                                       "ran nothing)")
+    shared = set(_pids(replay)) & set(_pids(capture))
+    (r_start, r_end), (c_start, c_end) = replay.span() or (0, 0), capture.span() or (0, 0)
+    if shared and r_start < c_end and c_start < r_end:
+        raise TraceError(capture_file, f"overlaps {Path(str(replay_file)).name} in time in "
+                                       f"process {min(shared)}: two profiles of one process "
+                                       "cannot (the same trace twice?)")
+    joined = replay.joined(capture)
+    nest_ranges(joined.ranges)
+    mapped_before = int((capture_launches(replay) >= 0).sum()) if _captures(replay) else 0
+    if int((capture_launches(joined) >= 0).sum()) <= mapped_before:
+        raise TraceError(capture_file, "no graph capture in it matches a graph launch of "
+                                       f"{Path(str(replay_file)).name} (one of the same "
+                                       "process, ended before the launch, that launched as "
+                                       "many kernels as the replay ran)")
+    joined.meta["capture"] = str(capture_file) if capture_file is not None else None
+    return joined
+
+
+def _graph_kernels(trace: Trace) -> np.ndarray:
+    """The kernels run by a graph launch (rows)."""
+    k = trace.kernels
+    launched = np.flatnonzero(k.api >= 0)
+    return launched[trace.names_matching(GRAPH_LAUNCH)[trace.api.name[k.api[launched]]]]
+
+
+def _pids(trace: Trace) -> list[int]:
+    """The processes of its API calls and CPU ranges (a GPU range's pid may be its device)."""
+    cpu = trace.ranges.style != GPU_RANGE
+    pids = np.unique(np.concatenate([trace.api.pid, trace.ranges.pid[cpu]]))
+    return pids[pids >= 0].tolist()
 
 
 def capture_memory_calls(trace: Trace, kernel_captures: np.ndarray) -> np.ndarray:

@@ -228,8 +228,9 @@ class Trace:
     version), ``schema`` (export schema version, when known), ``file``, ``gpus`` (list of
     ``{"device", "name", "sm_count"}``), ``processes`` (list of ``{"pid", "name"}``);
     where they apply: ``untimed`` (``{"kernels", "memops"}``: GPU work the trace holds without
-    a usable time, left out of the tables) and, from a Kineto trace's ``distributedInfo``,
-    ``rank`` and ``world_size``.
+    a usable time, left out of the tables); from a Kineto trace's ``distributedInfo``,
+    ``rank`` and ``world_size``; ``capture``, the file of the graph captures joined to it
+    (``graphs.with_capture``).
     """
 
     strings: list[str]
@@ -257,10 +258,7 @@ class Trace:
         first (``kernels_without_process``: GPU work the trace names no process for); each
         GPU the trace describes or its kernels ran on (``name`` None where undescribed)."""
         m = self.meta
-        tables = (self.kernels, self.memops, self.ranges, self.api)
-        timed = [t for t in tables if len(t)]
-        span = (max(int(t.end.max()) for t in timed) - min(int(t.start.min()) for t in timed)
-                if timed else None)
+        span = self.span()
 
         def per(column: np.ndarray) -> dict[int, int]:
             values, counts = np.unique(column, return_counts=True)
@@ -274,7 +272,7 @@ class Trace:
             "format": m.get("format"), "tool": m.get("tool"), "schema": m.get("schema"),
             "kernels": len(self.kernels), "memops": len(self.memops),
             "ranges": len(self.ranges), "api_calls": len(self.api),
-            "untimed": m.get("untimed"), "span_ns": span,
+            "untimed": m.get("untimed"), "span_ns": span[1] - span[0] if span else None,
             "processes": [{"pid": p, "kernels": kernels.get(p, 0), "api_calls": api.get(p, 0)}
                           for p in sorted(pids, key=lambda p: (-kernels.get(p, 0), p))],
             "kernels_without_process": kernels.get(-1, 0),
@@ -284,6 +282,13 @@ class Trace:
                       "kernels": ran.get(d, 0)}
                      for d in sorted(set(described) | set(ran), key=lambda d: (d is None, d))],
         }
+
+    def span(self) -> tuple[int, int] | None:
+        """The first start and the last end of its events (ns); None without events."""
+        timed = [t for t in (self.kernels, self.memops, self.ranges, self.api) if len(t)]
+        if not timed:
+            return None
+        return min(int(t.start.min()) for t in timed), max(int(t.end.max()) for t in timed)
 
     def names_matching(self, pattern) -> np.ndarray:
         """Boolean mask over string codes: which strings match a compiled regex (search)."""
@@ -365,6 +370,43 @@ class Trace:
         trace.tidy_strings()   # a file saved before readers tidied them
         return trace
 
+    def joined(self, other: Trace) -> Trace:
+        """This trace and ``other``, recorded on the same clock, as one trace: ``other``'s
+        rows after these in each table, its names coded in one string table with these, its
+        launch and parent rows renumbered. The metadata is this trace's, with ``other``'s GPUs
+        and processes added. Ranges that nest across the two need ``nest_ranges`` again."""
+        codes = {s: i for i, s in enumerate(self.strings)}
+        strings = list(self.strings)
+        for s in other.strings:
+            if s not in codes:
+                codes[s] = len(strings)
+                strings.append(s)
+        recoded = np.array([codes[s] for s in other.strings], np.int32)
+        shift = {"name": None, "domain": None, "api": len(self.api), "parent": len(self.ranges)}
+        tables = {}
+        for table_name, kind in TABLES.items():
+            mine, theirs = getattr(self, table_name), getattr(other, table_name)
+            columns = {}
+            for col, values in theirs.columns().items():
+                if col in shift and shift[col] is None:
+                    values = recoded[values]
+                elif col in shift:
+                    values = np.where(values >= 0, values.astype(np.int64) + shift[col], -1)
+                columns[col] = np.concatenate([getattr(mine, col), values]).astype(
+                    kind.dtypes[col], copy=False)
+            tables[table_name] = kind(**columns).compact()
+        meta = json.loads(json.dumps(self.meta))   # a copy, nothing of it shared
+        for key, id_key in (("gpus", "device"), ("processes", "pid")):
+            known = {entry.get(id_key) for entry in meta.get(key, [])}
+            added = [e for e in other.meta.get(key, []) if e.get(id_key) not in known]
+            if added:
+                meta[key] = meta.get(key, []) + json.loads(json.dumps(added))
+        if "untimed" in self.meta or "untimed" in other.meta:
+            none = {"kernels": 0, "memops": 0}
+            meta["untimed"] = {k: self.meta.get("untimed", none)[k]
+                               + other.meta.get("untimed", none)[k] for k in none}
+        return Trace(strings=strings, meta=meta, **tables)
+
     def tidy_strings(self) -> None:
         """Keep only the strings a table names, each safe to print. An nsys export's StringIds
         also holds what the profiled process ran with (its environment and command line:
@@ -423,7 +465,7 @@ def meta_problem(meta: dict) -> str | None:
     if not (isinstance(untimed, dict) and all(
             is_int64(untimed.get(k)) and untimed[k] >= 0 for k in ("kernels", "memops"))):
         return "untimed is not {kernels: count, memops: count}"
-    for key in ("format", "tool", "file"):
+    for key in ("format", "tool", "file", "capture"):
         if meta.get(key) is not None and not isinstance(meta[key], str):
             return f"{key} is not a string"
     for key in ("rank", "world_size"):

@@ -115,6 +115,59 @@ def test_convert_and_info(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["x.kptrace"]
 
 
+VLLM_CAPTURE = KINETO / "tracelens_vllm_gptoss20b_decode_fullgraph_capture_bs32_mi300x.json.gz"
+PIECES = r"nvtx:^## Call CompiledFxGraph (?P<type>\w+) ##$"   # vLLM's piecewise regions
+
+
+def test_a_capture_saved_apart_joins_breakdown_convert_and_trace_from(tmp_path):
+    """vLLM's graph capture, profiled into a file of its own, places the replayed kernels in
+    the piecewise regions open at capture: breakdown, a .kptrace converted with it, and
+    trace --from (one --capture per --from) all give the same 25 regions."""
+    only_replay = run("breakdown", VLLM, "--layers", PIECES)
+    _one_line_error(only_replay, "no range matching its regex holds a kernel launch of a step")
+    result = run("breakdown", VLLM, "--capture", VLLM_CAPTURE, "--layers", PIECES,
+                 "--format", "json")
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.output)
+    assert [s["layers"] for s in doc["steps"]] == [25]
+    assert sorted(t["layers"] for t in doc["layer_types"]) == [1, 1, 23]
+    joined = tmp_path / "joined.kptrace"
+    assert run("convert", VLLM, joined, "--capture", VLLM_CAPTURE).exit_code == 0
+    again = run("breakdown", joined, "--layers", PIECES, "--format", "json")
+    assert json.loads(again.output)["layer_types"] == doc["layer_types"]
+    traced = run("trace", "--from", VLLM, "--capture", VLLM_CAPTURE, "--layers", PIECES,
+                 "--out", tmp_path / "runs", "--format", "json")
+    assert traced.exit_code == 0, traced.output
+    run_doc = json.loads(traced.output)
+    (b,) = run_doc["paths"].values()
+    assert b["layer_types"] == doc["layer_types"]
+    assert f"--capture {VLLM_CAPTURE}" in run_doc["run"]["command"]
+    assert [Path(c).name for c in run_doc["run"]["captures"]] == [VLLM_CAPTURE.name]
+
+
+def test_a_capture_that_does_not_join_is_one_line_and_writes_nothing(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    for args, said in (
+            (["breakdown", VLLM, "--capture", VLLM], "records no graph capture"),
+            (["breakdown", VLLM_CAPTURE, "--capture", VLLM_CAPTURE],
+             "runs no kernel from a graph launch"),
+            (["breakdown", VLLM, "--capture", tmp_path / "missing.json"], "missing.json"),
+            (["convert", VLLM, out / "j.kptrace", "--capture", VLLM], "records no graph"),
+            (["trace", "--capture", VLLM_CAPTURE, "--out", out],
+             "--capture: for a trace given with --from"),
+            (["trace", "--from", VLLM, "--from", VLLM, "--capture", VLLM_CAPTURE, "--out", out],
+             "--capture pairs with --from, one each in the same order: 2 --from, 1 --capture"),
+            (["trace", "--from", KINETO, "--capture", VLLM_CAPTURE, "--out", out],
+             "a directory: --capture pairs with one trace file each")):
+        _one_line_error(run(*args), said)
+    joined = tmp_path / "joined.kptrace"
+    assert run("convert", VLLM, joined, "--capture", VLLM_CAPTURE).exit_code == 0
+    _one_line_error(run("breakdown", joined, "--capture", VLLM_CAPTURE),
+                    "overlaps joined.kptrace in time in process 851")
+    assert list(out.iterdir()) == []
+
+
 def test_info_as_json_is_the_library_summary():
     from kimi_perf import read_trace
 

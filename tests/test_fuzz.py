@@ -24,6 +24,7 @@ NSYS_SMALL = NSYS / "hpcgroup-pipit__saxpy-mpi-cuda_nsys_perlmutter0__nsys2022.2
 NSYS_NEW = NSYS / "Athrun0109-CS336_assignment2__result__nsys2026.2.1.sqlite"
 KINETO_SMALL = KINETO / "hta_amd_mi250_rocm62_minitoy.json.gz"
 KINETO_GRAPH = KINETO / "tracelens_vllm_gptoss20b_decode_fullgraph_mi300x.json.gz"
+KINETO_CAPTURE = KINETO / "tracelens_vllm_gptoss20b_decode_fullgraph_capture_bs32_mi300x.json.gz"
 
 FUZZ = settings(max_examples=60, deadline=None,
                 suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -172,6 +173,31 @@ def test_kineto_structured_mutations(tmp_path, source, data):
     path = tmp_path / "mutated.json"
     path.write_text(json.dumps(doc, allow_nan=True))
     read_and_analyse(path)
+
+
+@settings(FUZZ, max_examples=10)   # (a 2.4 MB capture: 2 s an example)
+@given(data=st.data())
+def test_graph_capture_saved_apart_mutations(tmp_path, data):
+    """vLLM's capture file, its events made hostile where the join and the mapping look
+    (times, process and thread, names), joined to its replay: a trace that the analyses
+    survive, or one line naming one of the two files."""
+    doc = json.loads(gzip.decompress(KINETO_CAPTURE.read_bytes()))
+    events = doc["traceEvents"]
+    for _ in range(data.draw(st.integers(1, 12))):
+        event = events[data.draw(st.integers(0, len(events) - 1))]
+        key = data.draw(st.sampled_from(["ts", "dur", "pid", "tid", "name", "cat"]))
+        event[key] = data.draw(st.one_of(VALUES, st.sampled_from(
+            ["hipGraphLaunch", "hipLaunchKernel", "hipStreamBeginCapture", "cuda_runtime",
+             "gpu_user_annotation", 851, 0])))
+    path = tmp_path / "capture.json"
+    path.write_text(json.dumps(doc, allow_nan=True))
+    try:
+        trace = read_trace(KINETO_GRAPH, capture=path)
+    except TraceError as exc:
+        assert (str(path) in str(exc) or str(KINETO_GRAPH) in str(exc)) and "\n" not in str(exc)
+        return
+    range_kernel_summary(trace)
+    breakdown(trace)
 
 
 @FUZZ

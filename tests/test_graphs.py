@@ -8,7 +8,8 @@ import json
 import numpy as np
 import pytest
 
-from kimi_perf.graphs import capture_launches
+from kimi_perf.errors import TraceError
+from kimi_perf.graphs import capture_launches, with_capture
 from kimi_perf.layers import segment
 from kimi_perf.readers import read_trace
 from tests.conftest import FIXTURES
@@ -58,30 +59,83 @@ def test_replayed_kernels_land_in_the_capture_ranges(vllm_capture_then_replay):
     assert len(middle[0].ops) > 10
 
 
-def _captured_decode(replay_order: list[str] | None = None, captured: int = 4) -> TraceBuilder:
-    """One capture of two layers (kernels A, B each) inside layer ranges, then two replays
-    of the graph inside decode_step ranges."""
-    b = TraceBuilder()
-    b.range("graph_capture", 0, 1000)
-    b.call("cudaStreamBeginCapture", 5, 6)
-    b.range("layer[0](x)", 10, 400)
-    b.range("layer[1](x)", 500, 900)
+def test_a_capture_saved_apart_joins_its_replay(vllm_capture_then_replay):
+    """``read_trace(replay, capture=...)``, on the two files vLLM saved, gives what one
+    profile spanning both gives: every kernel in the same piecewise region."""
+    whole, _ = vllm_capture_then_replay
+    joined = read_trace(REPLAY, capture=CAPTURE)
+    assert joined.meta["capture"] == str(CAPTURE) and joined.meta["file"] == str(REPLAY)
+    assert len(joined.kernels) == len(whole.kernels) and len(joined.api) == len(whole.api)
+    assert (capture_launches(joined) >= 0).sum() == 421
+    regions = r"nvtx:^## Call CompiledFxGraph (?P<type>\w+) ##$"
+
+    def kernels_per_region(trace):
+        ops, steps = segment(trace, layers=regions)
+        (step,) = [s for s in steps if s.layers]
+        return [(layer.type, sorted(zip(ops.start[layer.ops].tolist(),
+                                        (trace.strings[c] for c in ops.name[layer.ops]),
+                                        strict=True)))
+                for layer in step.layers]
+
+    assert len(kernels_per_region(joined)) == 25
+    assert kernels_per_region(joined) == kernels_per_region(whole)
+
+
+def test_a_joined_trace_keeps_each_names_code_and_row(vllm_capture_then_replay):
+    """``Trace.joined``: a name both traces hold has one code; launches and parents point at
+    the rows they pointed at before; the tables keep their dtypes."""
+    replay, capture = read_trace(REPLAY), read_trace(CAPTURE)
+    joined = replay.joined(capture)
+    assert len(set(joined.strings)) == len(joined.strings)
+    assert joined.reference_problem() is None
+    for table_name in ("kernels", "memops", "ranges", "api"):
+        first, second, both = (getattr(t, table_name) for t in (replay, capture, joined))
+        assert len(both) == len(first) + len(second)
+        names = [joined.strings[c] for c in both.name.tolist()]
+        assert names == ([replay.strings[c] for c in first.name.tolist()]
+                         + [capture.strings[c] for c in second.name.tolist()])
+        assert (both.start == np.r_[first.start, second.start]).all()
+    for table_name in ("kernels", "memops"):
+        first, second, both = (getattr(t, table_name) for t in (replay, capture, joined))
+        theirs = both.api[len(first):]
+        assert (theirs == np.where(second.api >= 0, second.api + len(replay.api), -1)).all()
+        assert (joined.api.correlation[theirs[theirs >= 0]]
+                == capture.api.correlation[second.api[second.api >= 0]]).all()
+    assert joined.kernels.start.dtype == np.int64 and joined.kernels.name.dtype == np.int32
+
+
+def _capture_of_two_layers(b: TraceBuilder, captured: int = 4, pid: int = 1) -> None:
+    """A capture of two layers (kernels A, B each, launched at capture time into the graph)
+    inside layer ranges."""
+    b.range("graph_capture", 0, 1000, pid=pid)
+    b.call("cudaStreamBeginCapture", 5, 6, pid=pid)
+    b.range("layer[0](x)", 10, 400, pid=pid)
+    b.range("layer[1](x)", 500, 900, pid=pid)
     for t in (20, 30, 520, 530)[:captured]:
-        b.call("cudaLaunchKernel", t, t + 5)
-    b.call("cudaStreamEndCapture", 950, 960)
-    order = replay_order or ["A", "B", "A", "B"]
-    for step, t0 in enumerate((2000, 3000)):
+        b.call("cudaLaunchKernel", t, t + 5, pid=pid)
+    b.call("cudaStreamEndCapture", 950, 960, pid=pid)
+
+
+def _replays(b: TraceBuilder, order: list[str], steps: tuple[int, ...] = (2000, 3000)) -> None:
+    """Replays of the graph inside decode_step ranges."""
+    for step, t0 in enumerate(steps):
         b.range(f"decode_step[{step}]", t0, t0 + 900)
         for j, name in enumerate(order):
             start = t0 + 100 + 50 * j
             b.launch(name, t0 + 10, t0 + 20, start, start + 40, correlation=10_000 + step,
                      api_name="cudaGraphLaunch")
-    return b
 
 
-def test_synthetic_capture_gives_replayed_steps_their_layers():
+@pytest.mark.parametrize("saved", ["in one trace", "apart"])
+def test_synthetic_capture_gives_replayed_steps_their_layers(saved):
     # Within layer 0 the two kernels ran on parallel branches and started in swapped order.
-    trace = _captured_decode(["B", "A", "A", "B"]).build()
+    if saved == "in one trace":
+        trace = _captured_decode(["B", "A", "A", "B"]).build()
+    else:
+        capture, replay = TraceBuilder(), TraceBuilder()
+        _capture_of_two_layers(capture)
+        _replays(replay, ["B", "A", "A", "B"])
+        trace = with_capture(replay.build(), capture.build())
     ops, steps = segment(trace)
     assert [s.name for s in steps] == ["decode_step[0]", "decode_step[1]"]
     for step in steps:
@@ -89,6 +143,45 @@ def test_synthetic_capture_gives_replayed_steps_their_layers():
         assert [(layer.index, layer.type) for layer in step.layers] == [(0, "x"), (1, "x")]
         for layer in step.layers:
             assert sorted(trace.strings[c] for c in ops.name[layer.ops]) == ["A", "B"]
+
+
+@pytest.mark.parametrize("case, blamed, problem", [
+    ("no replay", "replay", "runs no kernel from a graph launch"),
+    ("no capture", "capture", "records no graph capture"),
+    ("another size", "capture", "no graph capture in it matches a graph launch of replay"),
+    ("another process", "capture", "no graph capture in it matches"),
+    ("after the replay", "capture", "no graph capture in it matches"),
+    ("the same profile twice", "capture", "overlaps replay in time in process 1"),
+])
+def test_a_capture_that_cannot_join_is_one_error_naming_its_file(case, blamed, problem):
+    capture, replay = TraceBuilder(), TraceBuilder()
+    if case == "the same profile twice":
+        for b in (capture, replay):
+            _capture_of_two_layers(b)
+            _replays(b, ["A", "B", "A", "B"])
+    else:
+        if case != "no capture":
+            _capture_of_two_layers(capture, captured=3 if case == "another size" else 4,
+                                   pid=2 if case == "another process" else 1)
+        if case == "no replay":
+            replay.sequence(["A", "B"])
+        else:
+            _replays(replay, ["A", "B", "A", "B"],
+                     steps=(-9000, -8000) if case == "after the replay" else (2000, 3000))
+    traces = {"replay": replay.build(), "capture": capture.build()}
+    for name, trace in traces.items():
+        trace.meta["file"] = name
+    with pytest.raises(TraceError) as err:
+        with_capture(traces["replay"], traces["capture"])
+    assert err.value.path == blamed and problem in err.value.problem
+
+
+def _captured_decode(replay_order: list[str] | None = None, captured: int = 4) -> TraceBuilder:
+    """One capture of two layers, then two replays of the graph, in one trace."""
+    b = TraceBuilder()
+    _capture_of_two_layers(b, captured)
+    _replays(b, replay_order or ["A", "B", "A", "B"])
+    return b
 
 
 @pytest.mark.parametrize("captured", [3, 0])

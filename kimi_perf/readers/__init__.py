@@ -21,11 +21,19 @@ ARROW_MAGIC = b"ARROW1"
 __all__ = ["read_trace"]
 
 
-def read_trace(path: str | Path) -> Trace:
+def read_trace(path: str | Path, capture: str | Path | None = None) -> Trace:
     """Read an nsys SQLite export, an ``.nsys-rep``, a Kineto JSON(.gz) or a saved ``.kptrace``.
+
+    ``capture``: a trace of the same process that recorded the CUDA/HIP graph captures
+    ``path`` replays, read and joined to it (``graphs.with_capture``), so that the replayed
+    kernels fall in the ranges open at capture.
 
     Raises ``TraceError`` (one line: file and problem) for anything it cannot read.
     """
+    if capture is not None:
+        from kimi_perf.graphs import with_capture
+
+        return with_capture(read_trace(path), read_trace(capture), path, capture)
     path = Path(path)
     if stat.S_ISDIR(input_stat(path).st_mode):
         if (path / "breakdown.json").exists():
