@@ -322,9 +322,11 @@ def builds() -> list[Build]:
     out.append(Build(f"mla_combine {most} splits", mla_attention.mla_combine_kernel,
                      _signature(mla_attention.mla_combine_kernel, {"out_ptr": "*bf16"}, consts),
                      consts))
-    for splits in (1, most):
-        consts = {"LORA": 512, "V": 128, "BLOCK_M": mla_uv_gate.BLOCK_M, "BLOCK_V": 64,
-                  "BLOCK_L": 64, "SPLITS": splits, "DOT_FP32": False, "RNE": False}
+    for splits in (1, 2, 4, most):
+        consts = {"LORA": 512, "V": 128, "BLOCK_V": 64, "BLOCK_L": 64, "SPLITS": splits,
+                  "BLOCK_M": mla_uv_gate.merge_block(splits) if splits > 1
+                  else mla_uv_gate.BLOCK_M, "BLOCK_SPLITS": triton.next_power_of_2(splits),
+                  "DOT_FP32": False, "RNE": False}
         types = {**bf16, "olat_ptr": "*bf16" if splits == 1 else "*fp32"}
         out.append(Build(f"mla_uv_gate {splits} split(s)", mla_uv_gate.mla_uv_gate_kernel,
                          _signature(mla_uv_gate.mla_uv_gate_kernel, types, consts), consts))
@@ -532,6 +534,8 @@ def compile_one(build: Build) -> dict:
             "spill_stores": int(spill_st.group(1)) if spill_st else 0,
             "spill_loads": int(spill_ld.group(1)) if spill_ld else 0,
             "smem_bytes": kernel.metadata.shared,   # Triton's dynamic shared memory
+            # loads Triton pipelined (global -> shared copies issued stages ahead)
+            "async_copies": len(re.findall(r"^\s*cp\.async\.", kernel.asm["ptx"], re.M)),
             "cubin_bytes": len(kernel.asm["cubin"])}
 
 

@@ -4,10 +4,15 @@ Grid (token blocks, heads, v blocks): for the BLOCK_M tokens of a block, ``o[h] 
 W_UV[h]`` ([BLOCK_M, kv_lora] × [kv_lora, BLOCK_V], a tensor-core dot tiled over kv_lora)
 times ``σ(g[h])``, the gated-MLA output gate, written straight into the o_proj input. So a
 head's W_UV is read once per block of 16 tokens, not once per token, and a batch of 1 has 24
-programs at K3 TP8 (12 heads × 2 blocks of 64 values), not 12. When the attention was split
-over the cache positions, each o_lat tile is first merged from the splits' partial outputs,
-weighted by exp(lse_j - max lse) (the weights found once, before the tiles): the merge costs
-no launch.
+programs at K3 TP8 (12 heads × 2 blocks of 64 values), not 12.
+
+When the attention was split over the cache positions, the splits' partial outputs are merged
+here, at no launch of their own. The product is linear in o_lat, so the partials go through
+the dot as rows of their own, (split, token) pairs, and their products are merged after it,
+weighted by exp(lse_j - max lse): each o_lat tile is one load feeding the dot, which Triton
+pipelines as it does the single split's. (A merge before the dot, a loop over the splits per
+tile, put one load's latency after another: 8 x 64 of them at 64 splits.) A program then
+takes fewer tokens, 64 pairs at most: one token of 64 splits, 16 tokens of 4.
 """
 
 from __future__ import annotations
@@ -25,46 +30,54 @@ from kimi_perf_kernels.common import (
 )
 
 BLOCK_M = 16   # tokens a program takes: the tensor cores' smallest tile
+PAIRS = 64     # (split, token) rows of a program's dot when it merges split partials
+
+
+def merge_block(splits: int) -> int:
+    """Tokens a program takes when it merges ``splits`` partial outputs: 16, or fewer where
+    the splits (padded to a power of two) times 16 would pass 64 rows (a batch of 1 at 64
+    splits: one token, its 64 partials the dot's rows)."""
+    return max(1, min(BLOCK_M, PAIRS // triton.next_power_of_2(splits)))
 
 
 @triton.jit
 def mla_uv_gate_kernel(olat_ptr, lse_ptr, wuv_ptr, g_ptr, out_ptr, M, H, stride_g, stride_out,
                        LORA: tl.constexpr, V: tl.constexpr, BLOCK_M: tl.constexpr,
                        BLOCK_V: tl.constexpr, BLOCK_L: tl.constexpr, SPLITS: tl.constexpr,
-                       DOT_FP32: tl.constexpr, RNE: tl.constexpr, PDL: tl.constexpr = False):
+                       BLOCK_SPLITS: tl.constexpr, DOT_FP32: tl.constexpr, RNE: tl.constexpr,
+                       PDL: tl.constexpr = False):
     after_previous_kernel(PDL)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < M
     h = tl.program_id(1)
     v = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
-    if SPLITS > 1:   # each row's merge: the largest lse and the sum of the splits' weights
-        top = tl.full([BLOCK_M], -float("inf"), tl.float32)
-        for j in range(0, SPLITS):
-            top = tl.maximum(top, tl.load(lse_ptr + (j * M + rows) * H + h, mask=row_ok,
-                                          other=0.0))
-        total = tl.zeros([BLOCK_M], tl.float32)
-        for j in range(0, SPLITS):
-            total += tl.exp(tl.load(lse_ptr + (j * M + rows) * H + h, mask=row_ok,
-                                    other=0.0) - top)
-    acc = tl.zeros([BLOCK_M, BLOCK_V], tl.float32)
+    # The dot's rows: (split j, token) pairs, j-major; one split: the tokens themselves.
+    p = tl.arange(0, BLOCK_SPLITS * BLOCK_M)
+    j = p // BLOCK_M
+    pair_token = tl.program_id(0) * BLOCK_M + p % BLOCK_M
+    pair_ok = (j < SPLITS) & (pair_token < M)
+    line = (j * M + pair_token) * H + h     # the pair's row of o_lat (and of lse)
+    acc = tl.zeros([BLOCK_SPLITS * BLOCK_M, BLOCK_V], tl.float32)
     for l0 in range(0, LORA, BLOCK_L):
         ls = l0 + tl.arange(0, BLOCK_L)
-        if SPLITS > 1:
-            o = tl.zeros([BLOCK_M, BLOCK_L], tl.float32)
-            for j in range(0, SPLITS):
-                row = (j * M + rows) * H + h
-                weight = tl.exp(tl.load(lse_ptr + row, mask=row_ok, other=0.0) - top) / total
-                o += weight[:, None] * tl.load(olat_ptr + row[:, None] * LORA + ls[None, :],
-                                               mask=row_ok[:, None], other=0.0)
-        else:
-            o = tl.load(olat_ptr + (rows[:, None] * H + h) * LORA + ls[None, :],
-                        mask=row_ok[:, None], other=0.0)
+        o = tl.load(olat_ptr + line[:, None] * LORA + ls[None, :], mask=pair_ok[:, None],
+                    other=0.0)
         w = tl.load(wuv_ptr + (h * LORA + ls[:, None]) * V + v[None, :])
         if DOT_FP32:
             acc += tl.dot(o.to(tl.float32), w.to(tl.float32), input_precision="ieee")
         else:
-            acc += tl.dot(o.to(w.dtype), w)    # bf16 products (the merged o_lat rounded, as
-                                               # the standard path's combine rounds it)
+            acc += tl.dot(o, w.to(o.dtype))   # bf16 o_lat, or fp32 partials (tf32)
+    if SPLITS > 1:
+        # o · W_UV is linear in o: the partials' products, weighted by exp(lse_j - max lse)
+        # and summed over the splits, are the merged o_lat's product.
+        lse = tl.reshape(tl.load(lse_ptr + line, mask=pair_ok, other=-float("inf")),
+                         [BLOCK_SPLITS, BLOCK_M])
+        top = tl.max(lse, axis=0)
+        weight = tl.exp(lse - tl.where(top == -float("inf"), 0.0, top)[None, :])
+        total = tl.sum(weight, axis=0)
+        weight = weight / tl.where(total > 0, total, 1.0)[None, :]   # no row: no weight
+        acc = tl.sum(tl.reshape(acc, [BLOCK_SPLITS, BLOCK_M, BLOCK_V]) * weight[:, :, None],
+                     axis=0)
     gate = tl.load(g_ptr + rows[:, None] * stride_g + h * V + v[None, :], mask=row_ok[:, None],
                    other=0.0).to(tl.float32)
     tl.store(out_ptr + rows[:, None] * stride_out + h * V + v[None, :],
@@ -76,18 +89,20 @@ def mla_uv_gate(o_lat: torch.Tensor, w_uv: torch.Tensor, gate: torch.Tensor,
                 dtype: torch.dtype | None = None) -> torch.Tensor:
     """o_lat [M, H, kv_lora], w_uv [H, kv_lora, v], gate [M, H*v] -> [M, H*v] (in o_lat's
     dtype, or ``dtype``). Or o_lat = ``mla_attention``'s split partials [splits, M, H,
-    kv_lora] with their ``lse``, merged on the way in."""
+    kv_lora] with their ``lse``, merged on the way out."""
     splits = o_lat.shape[0] if lse is not None else 1
     M, H, lora = o_lat.shape[-3:]
     v = w_uv.shape[-1]
     if out is None:
         out = torch.empty(M, H * v, dtype=dtype or o_lat.dtype, device=o_lat.device)
     block_v = v if interpreter_tiles() else min(64, v)
-    mla_uv_gate_kernel[(triton.cdiv(M, BLOCK_M), H, triton.cdiv(v, block_v))](
+    block_m = merge_block(splits) if splits > 1 else BLOCK_M
+    mla_uv_gate_kernel[(triton.cdiv(M, block_m), H, triton.cdiv(v, block_v))](
         o_lat, lse if lse is not None else o_lat, w_uv, gate, out, M, H, gate.stride(0),
-        out.stride(0), LORA=lora, V=v, BLOCK_M=BLOCK_M, BLOCK_V=block_v,
+        out.stride(0), LORA=lora, V=v, BLOCK_M=block_m, BLOCK_V=block_v,
         BLOCK_L=lora if interpreter_tiles() else min(64, lora), SPLITS=splits,
-        DOT_FP32=INTERPRETED, RNE=INTERPRETED, num_warps=4, **launch_options())
+        BLOCK_SPLITS=triton.next_power_of_2(splits), DOT_FP32=INTERPRETED, RNE=INTERPRETED,
+        num_warps=4, **launch_options())
     return out
 
 

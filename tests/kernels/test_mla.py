@@ -229,9 +229,17 @@ def test_weights_read_once_per_block_of_16_tokens(monkeypatch, tiles):
     assert_cache_rows_equal(cache, cache_ref, positions, M)
     gpu = not interpreter_tiles()
     assert grids["mla_absorb_insert_kernel"] == (3, heads * (2 if gpu else 1) + 1)
-    parts = torch.randn(2, M, heads, lora, generator=gen)
     lse = torch.randn(2, M, heads, generator=gen)
     lse[1, :5] = -float("inf")                      # a split these rows' tokens never reached
+    _check_uv_gate_merge(lse, lora, v, gen)
+    assert grids["mla_uv_gate_kernel"] == (3, heads, 2 if gpu else 1)
+
+
+def _check_uv_gate_merge(lse: torch.Tensor, lora: int, v: int, gen: torch.Generator) -> None:
+    """mla_uv_gate of random split partials with these log-sum-exps [splits, M, heads]
+    against the reference of the partials merged first."""
+    splits, M, heads = lse.shape
+    parts = torch.randn(splits, M, heads, lora, generator=gen)
     w_uv = (torch.randn(heads, lora, v, generator=gen) / lora**0.5).bfloat16()
     gate = torch.randn(M, heads * v, generator=gen).bfloat16()
     out = torch.empty(M, heads * v, dtype=torch.bfloat16)
@@ -239,7 +247,20 @@ def test_weights_read_once_per_block_of_16_tokens(monkeypatch, tiles):
     mla_uv_gate(parts, w_uv, gate, out=out, lse=lse)
     merged = (torch.softmax(lse, dim=0)[..., None] * parts).sum(0).bfloat16()
     assert_close_bf16(out, mla_uv_gate_reference(merged, w_uv, gate), ulps=3)
-    assert grids["mla_uv_gate_kernel"] == (3, heads, 2 if gpu else 1)
+
+
+@pytest.mark.parametrize("splits, tokens", [(3, 20), (40, 2), (64, 1)])
+def test_uv_gate_merges_any_number_of_splits(splits, tokens, tiles):
+    """Split partials go through the dot as (split, token) rows, at most 64 a program: 16
+    tokens of 3 splits (padded to 4), one token of 40 (padded to 64) or of 64. Empty splits
+    (lse -inf) weigh nothing; the merge equals merging first."""
+    from kimi_perf_kernels.mla_uv_gate import merge_block
+
+    assert [merge_block(n) for n in (2, 3, 4, 5, 16, 40, 64)] == [16, 16, 16, 8, 4, 1, 1]
+    gen = torch.Generator().manual_seed(splits)
+    lse = 4 * torch.randn(splits, tokens, 3, generator=gen)
+    lse[splits // 2:, 0] = -float("inf")            # the first token's later splits: empty
+    _check_uv_gate_merge(lse, 128, 128, gen)
 
 
 def test_uv_gate():
