@@ -694,12 +694,13 @@ def info(trace: Path, fmt: str) -> None:
     one per rank), each."""
     from kimi_perf.capture import trace_files
 
-    files = [trace]
+    files: list[tuple[Path, Path | None]] = [(trace, None)]   # each with its graph captures
     if trace.is_dir() and (trace / "breakdown.json").is_file():
-        files = _saved_traces(trace) or _analysed_files(trace)
+        files = [(f, None) for f in _saved_traces(trace)] or _analysed_files(trace)
     elif trace.is_dir():
-        files = trace_files([trace])
-    summaries = [(file, read_trace(file).summary()) for file in files]  # all read, then said
+        files = [(f, None) for f in trace_files([trace])]
+    # all read, then said
+    summaries = [(file, read_trace(file, capture=c).summary()) for file, c in files]
     if fmt == "json":
         click.echo(json.dumps({"schema": 1, "traces": [{"file": str(file), **info}
                                                        for file, info in summaries]},
@@ -720,26 +721,40 @@ def _saved_traces(run_dir: Path) -> list[Path]:
         ran.index(f.stem) if f.stem in ran else len(ran), f.name))
 
 
-def _analysed_files(run_dir: Path) -> list[Path]:
-    """The traces a `trace --from` run was made from, as its run.json names them."""
+def _analysed_files(run_dir: Path) -> list[tuple[Path, Path | None]]:
+    """The traces a `trace --from` run was made from, as its run.json names them, each with
+    the graph captures joined to it (``--capture``), if any."""
     try:
-        files = json.loads((run_dir / "run.json").read_text()).get("files")
+        doc = json.loads((run_dir / "run.json").read_text())
+        files, captures = doc.get("files"), doc.get("captures")
     except (OSError, ValueError, AttributeError):
-        files = None
-    if not (isinstance(files, list) and files and all(isinstance(f, str) for f in files)):
+        files = captures = None
+
+    def names(value) -> bool:
+        return isinstance(value, list) and all(isinstance(f, str) for f in value)
+
+    if not (names(files) and files):
         raise TraceError(run_dir, "a kimi-perf run directory without its saved traces "
                                   "(*.kptrace) or a run.json naming the traces it analysed")
-    paths = [(run_dir / f).resolve() for f in files]   # relative to the run directory
-    for name, path in zip(files, paths, strict=True):
+    if not (names(captures) and len(captures) == len(files)):
+        captures = [None] * len(files)
+
+    def located(name: str) -> Path:
+        path = (run_dir / name).resolve()   # relative to the run directory
         if not path.exists():
             raise TraceError(run_dir / "run.json", f"names the trace {name}, not found "
                                                    f"(at {path}): moved since the run?")
-    return paths
+        return path
+
+    return [(located(f), located(c) if c is not None else None)
+            for f, c in zip(files, captures, strict=True)]
 
 
 def _info(trace: Path, info: dict) -> None:
     click.echo(f"{trace}: {info['format']} from {info['tool']}"
                + (f", schema {info['schema']}" if info["schema"] else ""))
+    if info.get("capture"):
+        click.echo(f"  joined by the graph captures of {info['capture']}")
     click.echo(f"  kernels {info['kernels']}, memcpy/memset {info['memops']}, ranges "
                f"{info['ranges']}, API calls {info['api_calls']}")
     if untimed := info["untimed"]:

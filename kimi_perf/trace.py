@@ -252,11 +252,12 @@ class Trace:
                 f"{', GPUs: ' + gpus if gpus else ''})")
 
     def summary(self) -> dict[str, Any]:
-        """What ``kimi-perf info`` prints: format, tool and schema; events of each kind (and
-        GPU work left out for want of a time); the span from the first event to the last
-        (ns, None without events); each process with GPU work or API calls, the most kernels
-        first (``kernels_without_process``: GPU work the trace names no process for); each
-        GPU the trace describes or its kernels ran on (``name`` None where undescribed)."""
+        """What ``kimi-perf info`` prints: format, tool and schema (and ``capture``, the file
+        of graph captures joined to it, or None); events of each kind (and GPU work left out
+        for want of a time); the span from the first event to the last (ns, None without
+        events); each process with GPU work or API calls, the most kernels first
+        (``kernels_without_process``: GPU work the trace names no process for); each GPU the
+        trace describes or its kernels ran on (``name`` None where undescribed)."""
         m = self.meta
         span = self.span()
 
@@ -270,6 +271,7 @@ class Trace:
         described = {gpu.get("device"): gpu for gpu in m.get("gpus", [])}
         return {
             "format": m.get("format"), "tool": m.get("tool"), "schema": m.get("schema"),
+            "capture": m.get("capture"),
             "kernels": len(self.kernels), "memops": len(self.memops),
             "ranges": len(self.ranges), "api_calls": len(self.api),
             "untimed": m.get("untimed"), "span_ns": span[1] - span[0] if span else None,

@@ -133,6 +133,8 @@ def test_a_capture_saved_apart_joins_breakdown_convert_and_trace_from(tmp_path):
     assert sorted(t["layers"] for t in doc["layer_types"]) == [1, 1, 23]
     joined = tmp_path / "joined.kptrace"
     assert run("convert", VLLM, joined, "--capture", VLLM_CAPTURE).exit_code == 0
+    assert f"joined by the graph captures of {VLLM_CAPTURE}\n" in run("info", joined).output
+    assert "graph captures" not in run("info", VLLM).output
     again = run("breakdown", joined, "--layers", PIECES, "--format", "json")
     assert json.loads(again.output)["layer_types"] == doc["layer_types"]
     traced = run("trace", "--from", VLLM, "--capture", VLLM_CAPTURE, "--layers", PIECES,
@@ -143,6 +145,9 @@ def test_a_capture_saved_apart_joins_breakdown_convert_and_trace_from(tmp_path):
     assert b["layer_types"] == doc["layer_types"]
     assert f"--capture {VLLM_CAPTURE}" in run_doc["run"]["command"]
     assert [Path(c).name for c in run_doc["run"]["captures"]] == [VLLM_CAPTURE.name]
+    # info of the run reads the trace as the run did, joined by its captures
+    said = run("info", run_doc["run_dir"]).output
+    assert said.startswith(f"{VLLM}: ") and f"graph captures of {VLLM_CAPTURE}\n" in said
 
 
 def test_a_capture_that_does_not_join_is_one_line_and_writes_nothing(tmp_path):
