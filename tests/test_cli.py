@@ -145,6 +145,9 @@ def test_a_capture_saved_apart_joins_breakdown_convert_and_trace_from(tmp_path):
     assert b["layer_types"] == doc["layer_types"]
     assert f"--capture {VLLM_CAPTURE}" in run_doc["run"]["command"]
     assert [Path(c).name for c in run_doc["run"]["captures"]] == [VLLM_CAPTURE.name]
+    assert b["source"]["capture"] == doc["source"]["capture"] == str(VLLM_CAPTURE)
+    html_report = (Path(run_doc["run_dir"]) / "report.html").read_text()
+    assert f"joined by the graph captures of {VLLM_CAPTURE}" in html_report
     # info of the run reads the trace as the run did, joined by its captures
     said = run("info", run_doc["run_dir"]).output
     assert said.startswith(f"{VLLM}: ") and f"graph captures of {VLLM_CAPTURE}\n" in said
