@@ -534,9 +534,15 @@ def compile_one(build: Build) -> dict:
             "spill_stores": int(spill_st.group(1)) if spill_st else 0,
             "spill_loads": int(spill_ld.group(1)) if spill_ld else 0,
             "smem_bytes": kernel.metadata.shared,   # Triton's dynamic shared memory
-            # loads Triton pipelined (global -> shared copies issued stages ahead)
-            "async_copies": len(re.findall(r"^\s*cp\.async\.", kernel.asm["ptx"], re.M)),
+            "async_copies": async_copies(kernel.asm["ptx"]),
             "cubin_bytes": len(kernel.asm["cubin"])}
+
+
+def async_copies(ptx: str) -> int:
+    """The global -> shared copies in a kernel's PTX that are issued ahead of their use
+    (``cp.async``, a TMA's ``cp.async.bulk``): the loads a pipelined loop keeps in flight.
+    A loop that waits for each load before the next shows none."""
+    return len(re.findall(r"^\s*(?:@\S+\s+)?cp\.async\.(?:ca|cg|bulk)\b", ptx, re.M))
 
 
 # PTX memory instructions. Before a PDL kernel's wait only their forms in another state space
@@ -608,7 +614,8 @@ def cute_dsl_rows(failed: list[str]) -> list[dict]:
                 continue
             rows.append({"kernel": label, "num_warps": c.plan.warps, "registers": c.registers,
                          "spill_stores": c.spill_stores, "spill_loads": c.spill_loads,
-                         "smem_bytes": c.plan.smem_bytes, "cubin_bytes": len(c.cubin)})
+                         "smem_bytes": c.plan.smem_bytes, "async_copies": async_copies(c.ptx),
+                         "cubin_bytes": len(c.cubin)})
     return rows
 
 

@@ -20,8 +20,8 @@ block's last token sees (computed on the device from the positions, so a CUDA gr
 at any length) and writes its normalised partial output and log-sum-exp per row; rows of
 earlier tokens see a prefix of those chunks. ``combine_splits`` merges them, weighted by
 exp(lse_j - max lse). With one split the kernel writes the output itself. The merge runs in
-``mla_combine`` (the standard path: FlashMLA's second launch) or in the prologue of the
-specialized path's ``mla_uv_gate``.
+``mla_combine`` (the standard path: FlashMLA's second launch) or in the specialized path's
+``mla_uv_gate``, after its dot (the product is linear in the output).
 """
 
 from __future__ import annotations

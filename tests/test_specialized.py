@@ -419,7 +419,8 @@ def test_every_kernel_compiles_for_sm90a_without_spills(tmp_path):
         assert k["spill_stores"] == 0 and k["registers"] <= 255 and k["cubin_bytes"] > 0
     # mla_uv_gate's split partials feed its dot, so their loads are pipelined as one split's
     # are (a merge looping over the splits before the dot was not: one latency after another)
-    uv_gate = [k for k in doc["kernels"] if k["kernel"].startswith("mla_uv_gate")]
+    uv_gate = [k for k in doc["kernels"] if k["kernel"].startswith("mla_uv_gate")
+               and " tiny " not in k["kernel"]]   # (tiny's one K step has nothing to pipeline)
     assert any("64 split" in k["kernel"] for k in uv_gate)
     assert all(k["async_copies"] > 0 for k in uv_gate)
     # and every configuration the kernel paths launch, in each dtype a run uses: an fp32

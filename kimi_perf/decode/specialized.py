@@ -32,7 +32,8 @@ collective (symmetric memory) and is not done yet. Per gated-MLA layer (12 again
                               cache: the entry and q̂ both fp8)
     M5  mla_decode            all heads of a token over the latent cache, online softmax,
                               split over the positions when the batch is small
-    M6  bmm_w_uv_gate         merge of the splits, o_lat · W_UV per head, times σ(g)
+    M6  bmm_w_uv_gate         o_lat · W_UV per head (the splits' partials merged after the
+                              dot), times σ(g)
     M7  o_proj
     S1' attn_res_post, then the MoE launches above (S5-S12)
 
@@ -168,7 +169,7 @@ class SpecializedModel(KernelPathModel):
         parts, lse = mla_attention(qhat, cache, positions, T, c.kv_lora, state.kv_scale,
                                    (c.qk_nope + c.qk_rope) ** -0.5, splits,
                                    q_scale=state.q_scale, dtype=self.dtype)
-        self.launch("bmm_w_uv_gate")  # merges the splits on the way in
+        self.launch("bmm_w_uv_gate")  # merges the splits too
         o = mla_uv_gate(parts if lse is not None else parts[0], p["w_uv"], gate, lse=lse,
                         dtype=self.dtype)
         self.launch("o_proj")
