@@ -655,8 +655,8 @@ def analyse(files: list[Path], out_dir: Path, layers: str = "auto", phase: str =
             step_regex: str | None = None, captures: list[Path] | None = None
             ) -> tuple[Path, dict[str, Breakdown], dict]:
     """``--from``: breakdowns of existing traces, labelled by file name (``rules``: a TOML
-    file of extra kernel-class rules; ``captures``: per trace, the graph captures saved apart
-    from it, see ``read_trace``)."""
+    file of extra kernel-class rules; ``captures``: one for each trace, the graph captures
+    saved apart from it, see ``read_trace``)."""
     from kimi_perf.classify import load_rules
 
     loaded = load_rules(rules)

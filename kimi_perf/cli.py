@@ -753,8 +753,8 @@ def _analysed_files(run_dir: Path) -> list[tuple[Path, Path | None]]:
 def _info(trace: Path, info: dict) -> None:
     click.echo(f"{trace}: {info['format']} from {info['tool']}"
                + (f", schema {info['schema']}" if info["schema"] else ""))
-    if info.get("capture"):
-        click.echo(f"  joined by the graph captures of {info['capture']}")
+    for capture in info.get("captures") or []:
+        click.echo(f"  joined by the graph captures of {capture}")
     click.echo(f"  kernels {info['kernels']}, memcpy/memset {info['memops']}, ranges "
                f"{info['ranges']}, API calls {info['api_calls']}")
     if untimed := info["untimed"]:

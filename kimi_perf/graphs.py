@@ -34,7 +34,7 @@ import numpy as np
 
 from kimi_perf.errors import TraceError
 from kimi_perf.nesting import nest_ranges
-from kimi_perf.trace import GPU_RANGE, Trace
+from kimi_perf.trace import Trace
 
 GRAPH_LAUNCH = re.compile(r"^(cuda|hip|cu)GraphLaunch")
 KERNEL_LAUNCH = re.compile(r"^(?:cuda|hip|cu)\w*Launch\w*Kernel")
@@ -77,25 +77,27 @@ def with_capture(replay: Trace, capture: Trace, replay_file: str | Path | None =
     """``replay`` joined by ``capture``, a profile of the same process, on the same clock,
     that recorded the graph captures ``replay`` launches: their launch calls and the ranges
     open around them then, which place the replayed kernels (the capture's own kernels, the
-    warm-up runs before it, come along and fall outside the replay's steps). ``TraceError``
-    (naming the file) where the pair cannot be joined: ``replay`` launches no graph,
-    ``capture`` records none or overlaps ``replay`` in time in one process (the same
-    profile twice), or no capture in it matches a graph launch of ``replay``. The files
-    named are ``replay_file`` and ``capture_file``, by default the traces' own."""
+    warm-up runs before it, come along and fall outside the replay's steps). A replay joined
+    already may be joined again, by captures of other graphs; ``meta["captures"]`` lists the
+    files. ``TraceError`` (naming the file) where the pair cannot be joined: ``replay``
+    launches no graph, ``capture`` records none or holds the same API calls as ``replay``
+    (the same profile twice), or no capture in it matches a graph launch of ``replay`` that
+    earlier captures left unmatched. The files named are ``replay_file`` and
+    ``capture_file``, by default the traces' own."""
     replay_file = replay_file if replay_file is not None else replay.meta.get("file")
     capture_file = capture_file if capture_file is not None else capture.meta.get("file")
     if not len(_graph_kernels(replay)):
-        raise TraceError(replay_file, "runs no kernel from a graph launch: there is no graph "
-                                      "replay for a capture to place")
+        swapped = (" but records graph captures: the capture, given as the trace? (the "
+                   "trace is the replay, --capture its capture)" if _captures(replay) else
+                   ": there is no graph replay for a capture to place")
+        raise TraceError(replay_file, "runs no kernel from a graph launch" + swapped)
     if not _captures(capture):
         raise TraceError(capture_file, "records no graph capture (no kernel launch in it that "
                                        "ran nothing)")
-    shared = set(_pids(replay)) & set(_pids(capture))
-    (r_start, r_end), (c_start, c_end) = replay.span() or (0, 0), capture.span() or (0, 0)
-    if shared and r_start < c_end and c_start < r_end:
-        raise TraceError(capture_file, f"overlaps {Path(str(replay_file)).name} in time in "
-                                       f"process {min(shared)}: two profiles of one process "
-                                       "cannot (the same trace twice?)")
+    if (pid := _same_calls(replay, capture)) is not None:
+        raise TraceError(capture_file, f"holds the same API calls as "
+                                       f"{Path(str(replay_file)).name} (process {pid}): the "
+                                       "same profile twice, not a capture profiled apart")
     joined = replay.joined(capture)
     nest_ranges(joined.ranges)
     mapped_before = int((capture_launches(replay) >= 0).sum()) if _captures(replay) else 0
@@ -104,7 +106,7 @@ def with_capture(replay: Trace, capture: Trace, replay_file: str | Path | None =
                                        f"{Path(str(replay_file)).name} (one of the same "
                                        "process, ended before the launch, that launched as "
                                        "many kernels as the replay ran)")
-    joined.meta["capture"] = str(capture_file) if capture_file is not None else None
+    joined.meta["captures"] = [*replay.meta.get("captures", []), str(capture_file)]
     return joined
 
 
@@ -115,11 +117,20 @@ def _graph_kernels(trace: Trace) -> np.ndarray:
     return launched[trace.names_matching(GRAPH_LAUNCH)[trace.api.name[k.api[launched]]]]
 
 
-def _pids(trace: Trace) -> list[int]:
-    """The processes of its API calls and CPU ranges (a GPU range's pid may be its device)."""
-    cpu = trace.ranges.style != GPU_RANGE
-    pids = np.unique(np.concatenate([trace.api.pid, trace.ranges.pid[cpu]]))
-    return pids[pids >= 0].tolist()
+def _same_calls(a: Trace, b: Trace) -> int | None:
+    """The process of an API call both traces hold (one thread, one start), if any."""
+    common = np.intersect1d(a.api.start, b.api.start)
+    if not len(common):
+        return None
+    rows = np.flatnonzero(np.isin(a.api.start, common))
+    held = set(zip(a.api.pid[rows].tolist(), a.api.tid[rows].tolist(),
+                   a.api.start[rows].tolist(), strict=True))
+    rows = np.flatnonzero(np.isin(b.api.start, common))
+    for call in zip(b.api.pid[rows].tolist(), b.api.tid[rows].tolist(),
+                    b.api.start[rows].tolist(), strict=True):
+        if call in held:
+            return call[0]
+    return None
 
 
 def capture_memory_calls(trace: Trace, kernel_captures: np.ndarray) -> np.ndarray:

@@ -919,8 +919,8 @@ def _median(values) -> float:
 def _source(trace: Trace) -> dict:
     """Where the figures come from: the file, its format and tool, the GPUs the trace
     describes (``gpus``: a trace's GPU table may list devices that ran nothing) and those that
-    ran its kernels (``gpus_ran``, as described where they are); ``capture``, the graph
-    captures joined to it, where they were."""
+    ran its kernels (``gpus_ran``, as described where they are); ``captures``, the files of
+    graph captures joined to it, where there were."""
     meta = trace.meta
     described = {g.get("device"): g for g in meta.get("gpus", [])}
     ran = [described.get(d) or {"device": d, "name": None, "sm_count": None}
@@ -930,4 +930,4 @@ def _source(trace: Trace) -> dict:
             "kernels": len(trace.kernels), "memops": len(trace.memops),
             "ranges": len(trace.ranges), **({"untimed": meta["untimed"]}
                                             if meta.get("untimed") else {}),
-            **({"capture": meta["capture"]} if meta.get("capture") else {})}
+            **({"captures": meta["captures"]} if meta.get("captures") else {})}

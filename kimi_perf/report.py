@@ -374,8 +374,8 @@ def _run_html(run: dict | None, breakdowns: dict[str, Breakdown]) -> str:
                 else f"GPUs described: {_gpus_text(src.get('gpus') or [])}")
         items.append((f"trace {label}", f"{src.get('file')} ({src.get('tool')} "
                                         f"{src.get('format')}; {gpus})"
-                      + (f", joined by the graph captures of {src['capture']}"
-                         if src.get("capture") else "")))
+                      + "".join(f", joined by the graph captures of {c}"
+                                for c in src.get("captures") or [])))
     items += _version_items(run)
     parts = ["<table class=info>" + "".join(
         f"<tr><th>{e(k)}</th><td>{e(str(v))}</td></tr>" for k, v in items if v is not None)

@@ -229,7 +229,7 @@ class Trace:
     ``{"device", "name", "sm_count"}``), ``processes`` (list of ``{"pid", "name"}``);
     where they apply: ``untimed`` (``{"kernels", "memops"}``: GPU work the trace holds without
     a usable time, left out of the tables); from a Kineto trace's ``distributedInfo``,
-    ``rank`` and ``world_size``; ``capture``, the file of the graph captures joined to it
+    ``rank`` and ``world_size``; ``captures``, the files of graph captures joined to it
     (``graphs.with_capture``).
     """
 
@@ -252,8 +252,8 @@ class Trace:
                 f"{', GPUs: ' + gpus if gpus else ''})")
 
     def summary(self) -> dict[str, Any]:
-        """What ``kimi-perf info`` prints: format, tool and schema (and ``capture``, the file
-        of graph captures joined to it, or None); events of each kind (and GPU work left out
+        """What ``kimi-perf info`` prints: format, tool and schema (and ``captures``, the
+        files of graph captures joined to it); events of each kind (and GPU work left out
         for want of a time); the span from the first event to the last (ns, None without
         events); each process with GPU work or API calls, the most kernels first
         (``kernels_without_process``: GPU work the trace names no process for); each GPU the
@@ -271,7 +271,7 @@ class Trace:
         described = {gpu.get("device"): gpu for gpu in m.get("gpus", [])}
         return {
             "format": m.get("format"), "tool": m.get("tool"), "schema": m.get("schema"),
-            "capture": m.get("capture"),
+            "captures": m.get("captures", []),
             "kernels": len(self.kernels), "memops": len(self.memops),
             "ranges": len(self.ranges), "api_calls": len(self.api),
             "untimed": m.get("untimed"), "span_ns": span[1] - span[0] if span else None,
@@ -377,25 +377,24 @@ class Trace:
         rows after these in each table, its names coded in one string table with these, its
         launch and parent rows renumbered. The metadata is this trace's, with ``other``'s GPUs
         and processes added. Ranges that nest across the two need ``nest_ranges`` again."""
-        codes = {s: i for i, s in enumerate(self.strings)}
-        strings = list(self.strings)
-        for s in other.strings:
-            if s not in codes:
-                codes[s] = len(strings)
-                strings.append(s)
-        recoded = np.array([codes[s] for s in other.strings], np.int32)
-        shift = {"name": None, "domain": None, "api": len(self.api), "parent": len(self.ranges)}
+        from kimi_perf.strings import StringTable
+
+        table = StringTable()
+        mine_coded, theirs_coded = (np.array(table.extend(t.strings), np.int32)
+                                    for t in (self, other))
+        shift = {"api": len(self.api), "parent": len(self.ranges)}
         tables = {}
         for table_name, kind in TABLES.items():
             mine, theirs = getattr(self, table_name), getattr(other, table_name)
             columns = {}
             for col, values in theirs.columns().items():
-                if col in shift and shift[col] is None:
-                    values = recoded[values]
+                first = getattr(mine, col)
+                if col in ("name", "domain"):
+                    first, values = mine_coded[first], theirs_coded[values]
                 elif col in shift:
                     values = np.where(values >= 0, values.astype(np.int64) + shift[col], -1)
-                columns[col] = np.concatenate([getattr(mine, col), values]).astype(
-                    kind.dtypes[col], copy=False)
+                columns[col] = np.concatenate([first, values]).astype(kind.dtypes[col],
+                                                                      copy=False)
             tables[table_name] = kind(**columns).compact()
         meta = json.loads(json.dumps(self.meta))   # a copy, nothing of it shared
         for key, id_key in (("gpus", "device"), ("processes", "pid")):
@@ -407,7 +406,7 @@ class Trace:
             none = {"kernels": 0, "memops": 0}
             meta["untimed"] = {k: self.meta.get("untimed", none)[k]
                                + other.meta.get("untimed", none)[k] for k in none}
-        return Trace(strings=strings, meta=meta, **tables)
+        return Trace(strings=table.values, meta=meta, **tables)
 
     def tidy_strings(self) -> None:
         """Keep only the strings a table names, each safe to print. An nsys export's StringIds
@@ -467,7 +466,10 @@ def meta_problem(meta: dict) -> str | None:
     if not (isinstance(untimed, dict) and all(
             is_int64(untimed.get(k)) and untimed[k] >= 0 for k in ("kernels", "memops"))):
         return "untimed is not {kernels: count, memops: count}"
-    for key in ("format", "tool", "file", "capture"):
+    captures = meta.get("captures", [])
+    if not (isinstance(captures, list) and all(isinstance(c, str) for c in captures)):
+        return "captures is not a list of file names"
+    for key in ("format", "tool", "file"):
         if meta.get(key) is not None and not isinstance(meta[key], str):
             return f"{key} is not a string"
     for key in ("rank", "world_size"):

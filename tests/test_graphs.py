@@ -64,7 +64,7 @@ def test_a_capture_saved_apart_joins_its_replay(vllm_capture_then_replay):
     profile spanning both gives: every kernel in the same piecewise region."""
     whole, _ = vllm_capture_then_replay
     joined = read_trace(REPLAY, capture=CAPTURE)
-    assert joined.meta["capture"] == str(CAPTURE) and joined.meta["file"] == str(REPLAY)
+    assert joined.meta["captures"] == [str(CAPTURE)] and joined.meta["file"] == str(REPLAY)
     assert len(joined.kernels) == len(whole.kernels) and len(joined.api) == len(whole.api)
     assert (capture_launches(joined) >= 0).sum() == 421
     regions = r"nvtx:^## Call CompiledFxGraph (?P<type>\w+) ##$"
@@ -151,7 +151,8 @@ def test_synthetic_capture_gives_replayed_steps_their_layers(saved):
     ("another size", "capture", "no graph capture in it matches a graph launch of replay"),
     ("another process", "capture", "no graph capture in it matches"),
     ("after the replay", "capture", "no graph capture in it matches"),
-    ("the same profile twice", "capture", "overlaps replay in time in process 1"),
+    ("the same profile twice", "capture", "holds the same API calls as replay (process 1)"),
+    ("swapped", "replay", "runs no kernel from a graph launch but records graph captures"),
 ])
 def test_a_capture_that_cannot_join_is_one_error_naming_its_file(case, blamed, problem):
     capture, replay = TraceBuilder(), TraceBuilder()
@@ -168,12 +169,45 @@ def test_a_capture_that_cannot_join_is_one_error_naming_its_file(case, blamed, p
         else:
             _replays(replay, ["A", "B", "A", "B"],
                      steps=(-9000, -8000) if case == "after the replay" else (2000, 3000))
+    if case == "swapped":
+        capture, replay = replay, capture
     traces = {"replay": replay.build(), "capture": capture.build()}
     for name, trace in traces.items():
         trace.meta["file"] = name
     with pytest.raises(TraceError) as err:
         with_capture(traces["replay"], traces["capture"])
     assert err.value.path == blamed and problem in err.value.problem
+
+
+@pytest.mark.parametrize("order", ["first graph first", "second graph first"])
+def test_captures_of_two_graphs_in_two_files_join_one_after_the_other(order):
+    """A decode graph of four kernels and another of two, captured into files of their own:
+    joined in either order, every replayed kernel lands in its layer, and the trace names
+    both files."""
+    first, second, replay = TraceBuilder(), TraceBuilder(), TraceBuilder()
+    _capture_of_two_layers(first)
+    second.call("cudaStreamBeginCapture", 1005, 1006)
+    second.range("layer[0](y)", 1010, 1400)
+    for t in (1020, 1030):
+        second.call("cudaLaunchKernel", t, t + 5)
+    second.call("cudaStreamEndCapture", 1450, 1460)
+    _replays(replay, ["A", "B", "A", "B"])
+    replay.range("decode_step[2]", 4000, 4900)
+    for j, name in enumerate(["C", "D"]):
+        replay.launch(name, 4010, 4020, 4100 + 50 * j, 4140 + 50 * j, correlation=10_002,
+                      api_name="cudaGraphLaunch")
+    captures = {"first": first.build(), "second": second.build()}
+    for name, trace in captures.items():
+        trace.meta["file"] = name
+    names = ["first", "second"] if order == "first graph first" else ["second", "first"]
+    trace = replay.build()
+    for name in names:
+        trace = with_capture(trace, captures[name])
+    assert trace.meta["captures"] == names
+    ops, steps = segment(trace)
+    assert [[(layer.type, sorted(trace.strings[c] for c in ops.name[layer.ops]))
+             for layer in step.layers] for step in steps] == \
+        [[("x", ["A", "B"]), ("x", ["A", "B"])]] * 2 + [[("y", ["C", "D"])]]
 
 
 def _captured_decode(replay_order: list[str] | None = None, captured: int = 4) -> TraceBuilder:
