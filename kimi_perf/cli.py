@@ -20,6 +20,7 @@ from kimi_perf import render
 from kimi_perf.attribution import range_kernel_summary
 from kimi_perf.classify import load_rules
 from kimi_perf.comparison import compare, comparison_doc, type_pairs
+from kimi_perf.decode.fallbacks import fell_back_text, paths_that_fell_back
 from kimi_perf.errors import NoStepsMatched, TraceError
 from kimi_perf.layer_breakdown import Breakdown, breakdown, units_word
 from kimi_perf.layers import PHASES
@@ -417,6 +418,7 @@ def compare_cmd(a: Path, b: Path | None, path_name: str | None, fmt: str, layers
             raise TraceError(None, "--path picks a decode path from each of two runs; one "
                                    "run is compared path against path")
         (name_a, ba), (name_b, bb) = list(runs_a.items())[:2]
+        run_b = run_a
     else:
         runs_b, run_b = _breakdowns_of(b, layers, rules, step_regex, phase, names[1])
         if path_name is not None and run_a is None and run_b is None:
@@ -425,18 +427,25 @@ def compare_cmd(a: Path, b: Path | None, path_name: str | None, fmt: str, layers
             gate_mod.one_path(f, runs, path_name) if run is not None
             else next(iter(runs.items())) for f, runs, run in ((a, runs_a, run_a),
                                                               (b, runs_b, run_b)))
-        if name_a == name_b and run_a and run_b:  # one path of two runs: name the runs
-            name_a, name_b = (f"{_run_name(f)}:{name_a}" for f in (a, b))
+    # a path that fell back on every step ran the standard path's ops under its own name
+    fell_back = [paths_that_fell_back((run or {}).get("run")).get(name)
+                 for run, name in ((run_a, name_a), (run_b, name_b))]
+    if b is not None and name_a == name_b and run_a and run_b:  # one path of two runs
+        name_a, name_b = (f"{_run_name(f)}:{name_a}" for f in (a, b))
     two_captures = b is not None and bool(run_a) and bool(run_b)   # (not one run's two paths)
     unlike = gate_mod.run_differences(run_a, run_b) if two_captures else []
     if labels is not None:
         name_a, name_b = labels.split(",")
     elif name_a == name_b:
         name_b += "'"
+    warnings = [fell_back_text(name, reason) for name, reason
+                in zip((name_a, name_b), fell_back, strict=True) if reason is not None]
     if fmt == "json":
         doc = comparison_doc(ba, bb, name_a, name_b, kernels)
         if two_captures:
             doc["run_differences"] = unlike
+        if warnings:
+            doc["fell_back"] = warnings
         _emit(json_text(doc), output)
         return
     rows = compare(ba, bb)
@@ -444,7 +453,8 @@ def compare_cmd(a: Path, b: Path | None, path_name: str | None, fmt: str, layers
     tables = [render.comparison_table(rows, name_a, name_b, unit, unit_b),
               render.comparison_headline(rows, name_a, name_b, unit, unit_b),
               *render.note_lines({name_a: ba, name_b: bb}),
-              *([gate_mod.captured_differently(name_a, name_b, unlike)] if unlike else [])]
+              *([gate_mod.captured_differently(name_a, name_b, unlike)] if unlike else []),
+              *warnings]
     for pair in type_pairs(ba, bb, rows) if kernels else ():
         tables.append(render.typical_layer_table(pair.label, {name_a: pair.a, name_b: pair.b},
                                                  units_word((unit, unit_b))))
@@ -568,6 +578,8 @@ def gate_cmd(baseline: Path, run: Path, metrics: str, rel_tol: float, alpha: flo
             console.print(gate_mod.captured_differently("the baseline", "the run",
                                                       result.run_differences),
                           style="bold yellow")
+        for line in result.fell_back:
+            console.print(line, style="bold yellow")
         if result.cpu_time_metrics:
             console.print(f"{', '.join(result.cpu_time_metrics)} of a CPU run are CPU time "
                           "(the specialized path in Triton's interpreter), noisy and no speed "
@@ -1096,11 +1108,8 @@ def trace_cmd(from_files: tuple[Path, ...], captures: tuple[Path, ...], phase: s
                          if (spec := metrics.get("speculative")) else "")
                       + (f"; fell back: {'; '.join(metrics['fallbacks'])}"
                          if metrics["fallbacks"] else ""))
-    for path, metrics in run_info.get("paths", {}).items():
-        if metrics.get("every_step_fell_back"):
-            console.print(f"{path}: every step fell back to the standard path's PyTorch ops "
-                          f"({metrics['fallbacks'][-1].partition(': ')[2]}): its figures are "
-                          "the standard path's, not its own kernels'", style="bold yellow")
+    for path, reason in paths_that_fell_back(run_info).items():
+        console.print(fell_back_text(path, reason), style="bold yellow")
     if len(labels) == 2 and compared[0][1]:
         one = unit[:-1] if unit in ("kernels", "ops") else "kernel"
         console.print(f"{one} by {one}: kimi-perf compare {run_dir} --kernels "

@@ -57,6 +57,7 @@ from kimi_perf.comparison import (
     patterns_differ,
     rotation,
 )
+from kimi_perf.decode.fallbacks import fell_back_text, paths_that_fell_back
 from kimi_perf.errors import TraceError
 from kimi_perf.layer_breakdown import Breakdown, layer_column
 from kimi_perf.trace import KIMI_PERF_JSON, atomic_write_text, is_int64, json_text
@@ -101,13 +102,14 @@ class Check:
     current: float | None
     change: float | None      # current / baseline - 1
     p_value: float | None     # one-sided Mann-Whitney U, in the direction of the change
-    status: str               # ok, regression, improvement, noise, missing, new, changed
+    status: str               # ok, regression, improvement, noise, missing, new, changed,
+                              # fell back (every step of the run's path: the baseline's not)
     detail: str | None = None  # the kernels behind a regression or improvement
     run_layer_type: str | None = None  # the run's name of the type, where it differs
 
     @property
     def fails(self) -> bool:
-        return self.status in ("regression", "missing")
+        return self.status in ("regression", "missing", "fell back")
 
 
 @dataclass
@@ -115,12 +117,15 @@ class GateResult:
     """Every check (``checks``), those that fail (``failures``) and whether none does
     (``ok``). ``run_differences``: how the captures behind the two sides differ (TP 1 vs 2,
     or steps of other phases: their figures differ for that alone; None from ``gate`` alone,
-    which has no run information to compare); ``cpu_time_metrics``: the checked times that are CPU
-    time (a run on a CPU: noisy and no speed figure)."""
+    which has no run information to compare); ``fell_back``: the warnings of paths of either
+    side whose every step fell back to the standard path's ops (a run's path that did where
+    the baseline's did not fails a check too); ``cpu_time_metrics``: the checked times that
+    are CPU time (a run on a CPU: noisy and no speed figure)."""
 
     checks: list[Check]
     tolerances: Tolerances
     run_differences: list[str] | None = None   # set by gate_files, which has the run docs
+    fell_back: list[str] = field(default_factory=list)   # and this
     cpu_time_metrics: list[str] = field(default_factory=list)
     op_paths: list[str] = field(default_factory=list)   # paths of CPU runs: ops, not kernels
 
@@ -142,7 +147,7 @@ class GateResult:
                "checks": [asdict(c) for c in self.checks]}
         if self.run_differences is not None:
             doc["run_differences"] = self.run_differences
-        return doc | {"cpu_time_metrics": self.cpu_time_metrics}
+        return doc | {"fell_back": self.fell_back, "cpu_time_metrics": self.cpu_time_metrics}
 
 
 @dataclass
@@ -190,6 +195,7 @@ def gate_files(baseline: str | Path, run: str | Path, tolerances: Tolerances = T
     result.run_differences = (run_differences(base_doc, run_doc)
                               + phase_differences(base, current)
                               + unit_differences(base, current))
+    _check_fallbacks(result, base_doc, run_doc, base, current)
     depths = [(d.get("run") or {}).get("n_layers") if isinstance(d, dict) else None
               for d in (base_doc, run_doc)]
     if None not in depths and depths[0] != depths[1]:
@@ -200,6 +206,23 @@ def gate_files(baseline: str | Path, run: str | Path, tolerances: Tolerances = T
                 check.detail = (f"models of {depths[0]} and {depths[1]} layers: a step is "
                                 "other work")
     return GatedRun(result, base, current, run_doc, base_file)
+
+
+def _check_fallbacks(result: GateResult, base_doc: object, run_doc: object,
+                     base: dict[str, Breakdown], current: dict[str, Breakdown]) -> None:
+    """Paths whose every step fell back ran the standard path's ops under their own name:
+    said of either side, and a failure where the run's did and the baseline's did not."""
+    base_fb, run_fb = (paths_that_fell_back(d.get("run") if isinstance(d, dict) else None)
+                       for d in (base_doc, run_doc))
+    for side, fell, paths in (("baseline", base_fb, base), ("run", run_fb, current)):
+        result.fell_back += [f"the {side}'s {fell_back_text(p, fell[p])}" for p in paths
+                             if p in fell]
+    for path in current:
+        if path in run_fb and path in base and path not in base_fb:
+            result.checks.append(Check(
+                path, STEP, "decode path", None, None, None, None, "fell back",
+                f"every step ran the standard path's PyTorch ops ({run_fb[path]}); the "
+                "baseline's ran its own"))
 
 
 def has_work(runs: dict[str, Breakdown]) -> bool:

@@ -348,7 +348,8 @@ def validation_table(result: dict) -> Table:
     return table
 
 
-GATE_STYLES = {"regression": "bold red", "missing": "bold red", "improvement": "green",
+GATE_STYLES = {"regression": "bold red", "missing": "bold red", "fell back": "bold red",
+               "improvement": "green",
                "noise": "yellow", "new": "cyan", "changed": "yellow"}
 GATE_HEADLINE_ITEMS = 5
 
@@ -387,15 +388,16 @@ def gate_headline(result: GateResult) -> str:
     if result.ok:
         return f"gate: pass ({len(result.checks)} checks)"
     failures = result.failures
-    worst = "; ".join(f"{c.path} {c.layer_type} {result.metric_name(c)} "
+    worst = "; ".join(f"{c.path}: {c.detail}" if c.status == "fell back" else
+                      f"{c.path} {c.layer_type} {result.metric_name(c)} "
                       + (f"{_value(c.baseline)} -> {_value(c.current)}" if c.status == "regression"
                          else "missing from the run")
                       + (f" ({c.detail})" if c.detail else "")
                       for c in failures[:GATE_HEADLINE_ITEMS])
     more = len(failures) - GATE_HEADLINE_ITEMS
     counts = Counter(c.status for c in failures)
-    said = ", ".join(f"{n} {'regression' if status == 'regression' else 'missing'}"
-                     + ("s" if n > 1 and status == "regression" else "")
+    said = ", ".join(f"{n} {status}" + ("s" if n > 1 and status == "regression" else "")
+                     + (" on every step" if status == "fell back" else "")
                      for status, n in sorted(counts.items(), reverse=True))
     return (f"gate: FAIL, {said}: {worst}"
             + (f"; and {more} more (the table lists them)" if more > 0 else ""))

@@ -37,6 +37,7 @@ from kimi_perf.comparison import (
     stragglers,
     type_pairs,
 )
+from kimi_perf.decode.fallbacks import fell_back_text, paths_that_fell_back
 from kimi_perf.errors import TraceError
 from kimi_perf.gate import captured_differently, is_finite_number, run_differences
 from kimi_perf.layer_breakdown import Breakdown, layer_notes, step_notes, units_word
@@ -353,6 +354,8 @@ def _runs_html(runs: list[tuple[str, dict]]) -> str:
         f"<p class=note>{e(captured_differently(first, name, found))}.</p>"
         for name, r in others
         if (found := run_differences({"run": first_run}, {"run": r})))
+    notes += "".join(f"<p class=warn>{e(name)}: {e(fell_back_text(path, reason))}.</p>"
+                     for name, r in runs for path, reason in paths_that_fell_back(r).items())
     return ("<h2>Runs</h2><table class=info><tr><th></th>"
             + "".join(f"<th>{e(name)}</th>" for name, _ in runs)
             + f"</tr>{body}</table>{notes}")
@@ -419,10 +422,14 @@ def _run_html(run: dict | None, breakdowns: dict[str, Breakdown]) -> str:
         parts.append(f"<p>Memory floor per layer (what one layer must read at "
                      f"{floors['bandwidth_Bps'] / 1e12:.1f} TB/s; kimi-perf floors): "
                      f"{per_type}.</p>")
+    fell_back = paths_that_fell_back(run)
+    parts += [f"<p class=warn>{e(fell_back_text(path, reason))}.</p>"
+              for path, reason in fell_back.items()]
     on_cpu = [label for label, b in breakdowns.items() if b.unit == "ops"]
     if on_cpu:
         interpreted = ("; the specialized path's Triton kernels ran in Triton's interpreter, "
-                       "so its µs are not a speed figure" if "specialized" in metrics else "")
+                       "so its µs are not a speed figure"
+                       if "specialized" in metrics and "specialized" not in fell_back else "")
         which = "Run" if len(on_cpu) == len(breakdowns) else e(", ".join(on_cpu)) + " ran"
         parts.append(f"<p class=note>{which} on a CPU, with no GPU kernels: <b>ops</b> are the "
                      "launches each path annotates (one per kernel it would run on a GPU), "
@@ -476,7 +483,8 @@ STYLE = ("<style>body{font-family:sans-serif;margin:1.5em}table{border-collapse:
          "th,td{border:1px solid #ccc;padding:3px 8px;text-align:right}"
          "td.name{overflow-wrap:anywhere;min-width:12em}"
          "td.name,table.info td,table.info th{text-align:left}"
-         "p.note{background:#fff6d5;padding:.5em}tr.differs td{font-weight:bold}</style>")
+         "p.note{background:#fff6d5;padding:.5em}p.warn{background:#ffd9d9;padding:.5em;"
+         "font-weight:bold}tr.differs td{font-weight:bold}</style>")
 PLOTLY_JS = ("inline", "cdn")
 
 

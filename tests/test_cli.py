@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import gzip
+import html
 import json
 import os
 import re
@@ -174,6 +175,48 @@ def test_a_capture_that_does_not_join_is_one_line_and_writes_nothing(tmp_path):
     _one_line_error(run("breakdown", joined, "--capture", VLLM_CAPTURE),
                     "holds the same API calls as joined.kptrace (process 851)")
     assert list(out.iterdir()) == []
+
+
+def _fell_back_run(tmp_path: Path) -> Path:
+    """The stored CPU baseline, its specialized path made one whose every step fell back
+    (a batch over 64): its figures are then the standard path's ops."""
+    doc = json.loads(BASELINE.read_text())
+    doc["run"]["paths"]["specialized"].update(
+        every_step_fell_back=True, fallbacks=["decode_step[0..7]: batch 65 > 64"])
+    path = tmp_path / "fell_back.json"
+    path.write_text(json.dumps(doc))
+    return path
+
+
+def test_a_path_that_fell_back_on_every_step_is_said_so_by_compare_report_and_gate(tmp_path):
+    """Its µs beside the standard path's would read as a speed-up of its own: compare and
+    the report say whose ops they are, and the gate fails a run whose path fell back where
+    the baseline's did not."""
+    run_file = _fell_back_run(tmp_path)
+    said = ("specialized: every step fell back to the standard path's PyTorch ops (batch 65 > "
+            "64): its figures are the standard path's, not its own kernels'")
+    table = run("compare", run_file)
+    assert table.exit_code == 0 and said in " ".join(table.output.split())
+    doc = json.loads(run("compare", run_file, "--format", "json").output)
+    assert doc["fell_back"] == [said]
+    assert "fell_back" not in json.loads(run("compare", BASELINE,
+                                             "--format", "json").output)
+    report = tmp_path / "r.html"
+    assert run("report", run_file, "-o", report).exit_code == 0
+    page = report.read_text()
+    assert f"<p class=warn>{html.escape(said)}.</p>" in page
+    assert "Triton kernels ran in Triton's interpreter" not in page
+    assert run("report", BASELINE, run_file, "--path", "specialized", "-o", report).exit_code == 0
+    assert f"fell_back: {html.escape(said)}.</p>" in report.read_text()
+    gated = run("gate", BASELINE, run_file, "--metrics",
+                "kernels", "--format", "json")
+    assert gated.exit_code == 1
+    gate_doc = json.loads(gated.output)
+    (failure,) = [c for c in gate_doc["checks"] if c["status"] != "ok"]
+    assert (failure["path"], failure["status"]) == ("specialized", "fell back")
+    assert gate_doc["fell_back"] == [f"the run's {said}"]
+    both = run("gate", run_file, run_file, "--metrics", "kernels")
+    assert both.exit_code == 0 and f"the baseline's {said}" in " ".join(both.output.split())
 
 
 def test_info_as_json_is_the_library_summary():

@@ -43,3 +43,23 @@ def every_decode_step_fell_back(fallbacks: list[str], steps: int) -> bool:
     names = {entry.partition(": ")[0] for entry in fallbacks}
     return "graph_capture" in names or (
         steps > 0 and all(f"decode_step[{i}]" in names for i in range(steps)))
+
+
+def paths_that_fell_back(run: object) -> dict[str, str]:
+    """Of a run's information (``run.json``, or ``run`` in its breakdown.json), each decode
+    path whose every step fell back to the standard path's PyTorch ops, with what it said
+    of the last ("batch 80 > 64"): its figures are the standard path's, not its own."""
+    paths = run.get("paths") if isinstance(run, dict) else None
+    out = {}
+    for path, metrics in (paths if isinstance(paths, dict) else {}).items():
+        if isinstance(metrics, dict) and metrics.get("every_step_fell_back"):
+            said = metrics.get("fallbacks") or [""]
+            out[path] = str(said[-1]).partition(": ")[2]
+    return out
+
+
+def fell_back_text(path: str, reason: str) -> str:
+    """The warning every output of a run gives for a path ``paths_that_fell_back`` names."""
+    return (f"{path}: every step fell back to the standard path's PyTorch ops"
+            + (f" ({reason})" if reason else "")
+            + ": its figures are the standard path's, not its own kernels'")
