@@ -1041,3 +1041,33 @@ def test_a_log_softmax_is_no_attention_and_a_sort_no_router():
              "(bool)0>(T2 *, const T1 *, int, int, int, const bool *, int, bool)"]
     classes, labels = classify(np.arange(len(names)), names, load_rules())
     assert [labels[c] for c in classes] == ["elementwise", "elementwise", "other", "attention"]
+
+
+def test_recommender_and_conv_kernels_are_no_moe_and_no_gemm():
+    """Words inside other names: fbgemm_gpu's kernels (its namespace holds "gemm") are not
+    GEMMs, nor is an embedding bag that takes fbgemm_gpu::FixedDivisor; its permutes of
+    sparse features and a cutlass convolution's Permute iterators are no MoE token permute,
+    which vLLM's and SGLang's still are."""
+    from kimi_perf.classify import classify, load_rules
+
+    names = {
+        "void fbgemm_gpu::_offsets_range_cuda_kernel<long>(long, long, long const*, long*)":
+            "other",
+        "void split_embedding_codegen_forward_unweighted_kernel<float, float, float, false, "
+        "long, 1ul, 16ul>(at::GenericPackedTensorAccessor<float, 1ul, at::RestrictPtrTraits, "
+        "long>, fbgemm_gpu::FixedDivisor)": "elementwise",
+        "void fbgemm_gpu::permute_2D_lengths_kernel<int>(int, int, int const*, int const*, "
+        "int*)": "other",
+        "void permute_pooled_embs_kernel<float>(float const*, long const*, long const*, long "
+        "const*, float*, long, long, long)": "other",
+        "_ZN19cutlass_cudnn_train6KernelINS_4conv6kernel23ImplicitGemmConvolutionINS1_11thread"
+        "block22ImplicitGemmMultistageINS_4gemm9GemmShapeILi128ELi128ELi32EEENS4_20Permute"
+        "EEEEEvNT_6ParamsE": "gemm",
+        "void vllm::moe::moe_permute_kernel<c10::BFloat16>(c10::BFloat16 const*)": "moe",
+        "_permute_tokens_kernel": "moe",
+        "ep_unpermute_kernel": "moe",
+        "void cutlass::Kernel2<cutlass_80_tensorop_bf16_s16816gemm_relu_bf16_64x64_64x4_tn>("
+        "Params)": "gemm",
+    }
+    classes, labels = classify(np.arange(len(names)), list(names), load_rules())
+    assert [labels[c] for c in classes] == list(names.values())
