@@ -110,6 +110,18 @@ def with_capture(replay: Trace, capture: Trace, replay_file: str | Path | None =
     return joined
 
 
+def graph_replays(trace: Trace, api: np.ndarray, scope_api: np.ndarray) -> dict[str, int]:
+    """Of the ops a breakdown counts (their launch rows ``api``, and ``scope_api``: where
+    ranges are looked up for them, the capturing call for a replayed op that maps to one):
+    how many a graph launch ran (``ops``) and how many of those map to their capture
+    (``placed_at_capture``)."""
+    launched = api >= 0
+    replayed = np.zeros(len(api), bool)
+    replayed[launched] = trace.names_matching(GRAPH_LAUNCH)[trace.api.name[api[launched]]]
+    return {"ops": int(replayed.sum()),
+            "placed_at_capture": int((replayed & (scope_api != api)).sum())}
+
+
 def _graph_kernels(trace: Trace) -> np.ndarray:
     """The kernels run by a graph launch (rows)."""
     k = trace.kernels

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from kimi_perf.classify import Rule, load_rules
+from kimi_perf.graphs import graph_replays
 from kimi_perf.layers import (
     GpuOps,
     Step,
@@ -409,6 +410,8 @@ def breakdown(trace: Trace, layers: str = "auto", rules: list[Rule] | str | Path
                      "in_ranges": outermost_ranges(trace, ops,
                                                    np.flatnonzero(outside & (ops.api >= 0)))}
     del outside
+    replays = (graph_replays(trace, ops.api, ops.scope_api) if ops_kind == "gpu"
+               else {"ops": 0})
     steps, left_out = steps_of_phase(steps, phase, trace.meta.get("file"))
     enclosing: dict[int, dict[str, Any]] = {}   # per range (a step per device it ran on)
     for s in steps:
@@ -475,6 +478,7 @@ def breakdown(trace: Trace, layers: str = "auto", rules: list[Rule] | str | Path
                              "outside_steps": outside_steps,
                              "other_thread_ops": other_thread_ops,
                              "steps_left_out": left_out, "steps_found_by": found_by,
+                             **({"graph_replays": replays} if replays["ops"] else {}),
                              "repeating_ranges": repeating,
                              **({"pass_ranges": pass_ranges} if pass_ranges else {}),
                              **({"steps_holding_passes": holding_passes}
@@ -746,6 +750,22 @@ def _between_layers(b: Breakdown) -> int:
 COPIES_NOTED = 0.25
 
 
+def replay_note(replays: dict, captures: list[str]) -> str:
+    """What a breakdown says of the GPU ops graph launches ran: how many were placed where
+    their capture launched them (joined from ``captures``: files, with ``--capture``), and
+    how many where the graph launch was, for want of their capture."""
+    placed, ops = replays.get("placed_at_capture", 0), replays["ops"]
+    joined = f" (joined from {', '.join(captures)})" if captures else ""
+    if placed == ops:
+        return (f"{ops} GPU ops replayed from CUDA/HIP graphs are placed in the ranges open "
+                f"where their capture launched them{joined}")
+    said = (f"{placed} of {ops} GPU ops replayed from CUDA/HIP graphs are placed in the ranges "
+            f"open where their capture launched them{joined}; the other {ops - placed}"
+            ) if placed else f"{ops} GPU ops replayed from CUDA/HIP graphs"
+    return (f"{said} have no capture in this trace to place them in the ranges open then (a "
+            "capture profiled apart joins with --capture)")
+
+
 def step_notes(b: Breakdown) -> list[str]:
     """What a reader of a breakdown's numbers must know about its steps, one sentence each:
     what they count in (work from other threads, between annotated layers, mostly copies and
@@ -759,6 +779,8 @@ def step_notes(b: Breakdown) -> list[str]:
     if src.get("other_thread_ops"):
         notes.append(f"{src['other_thread_ops']} {work} launched from another thread while a "
                      "step's range was open are counted in that step (in no layer)")
+    if replays := src.get("graph_replays"):
+        notes.append(replay_note(replays, src.get("captures") or []))
     outside = src.get("outside_steps") or {}
     if outside.get("ops"):
         # breakdowns stored before "unlaunched" was counted said "launched" of all

@@ -126,11 +126,19 @@ def test_a_capture_saved_apart_joins_breakdown_convert_and_trace_from(tmp_path):
     trace --from (one --capture per --from) all give the same 25 regions."""
     only_replay = run("breakdown", VLLM, "--layers", PIECES)
     _one_line_error(only_replay, "no range matching its regex holds a kernel launch of a step")
+    said = " ".join(run("breakdown", VLLM).output.split())
+    assert ("421 GPU ops replayed from CUDA/HIP graphs have no capture in this trace to place "
+            "them in the ranges open then (a capture profiled apart joins with --capture)"
+            in said)
+    said = " ".join(run("breakdown", VLLM, "--capture", VLLM_CAPTURE).output.split())
+    assert ("421 GPU ops replayed from CUDA/HIP graphs are placed in the ranges open where "
+            f"their capture launched them (joined from {VLLM_CAPTURE})") in said
     result = run("breakdown", VLLM, "--capture", VLLM_CAPTURE, "--layers", PIECES,
                  "--format", "json")
     assert result.exit_code == 0, result.output
     doc = json.loads(result.output)
     assert [s["layers"] for s in doc["steps"]] == [25]
+    assert doc["source"]["graph_replays"] == {"ops": 421, "placed_at_capture": 421}
     assert sorted(t["layers"] for t in doc["layer_types"]) == [1, 1, 23]
     joined = tmp_path / "joined.kptrace"
     assert run("convert", VLLM, joined, "--capture", VLLM_CAPTURE).exit_code == 0
