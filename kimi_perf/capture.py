@@ -343,11 +343,11 @@ def _capture_all(req: TraceRequest, config, device: str, run_dir: Path, final: P
             metrics = _profile(model, req, device, trace_file, done)
             del model    # (its packed weights: not held while the next path's are made)
         trace = read_trace(trace_file)
+        # where the trace will be (the run directory is filled under a temporary name), from
+        # any directory: as its saved copy and its breakdown name it
+        trace.meta["file"] = str(final.resolve() / trace_file.name)
         trace.save(run_dir / f"{path}.kptrace")
         results[path] = breakdown(trace)
-        # where the trace will be (the run directory is filled under a temporary name), from
-        # any directory
-        results[path].source["file"] = str(final.resolve() / trace_file.name)
         del trace
         run_info["paths"][path] = metrics
     _write_outputs(run_dir, final, run_info, results,

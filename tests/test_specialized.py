@@ -22,6 +22,7 @@ from kimi_perf.decode.specialized import SpecializedModel, build_model  # noqa: 
 from kimi_perf.decode.standard_kernels import StandardKernelsModel  # noqa: E402
 from kimi_perf.decode.validate import make_path, rel_err, validate  # noqa: E402
 from kimi_perf.decode.weights import random_weights  # noqa: E402
+from kimi_perf.trace import Trace  # noqa: E402
 from tests.kernels.util import RecordingGemv  # noqa: E402
 
 # Four layers keep the structure (dense layer 0, KDA layers, MLA last, a residual block
@@ -480,8 +481,10 @@ def test_trace_command_captures_both_paths(tmp_path):
                            ("specialized", {"kda": 9, "mla": 12})):
         types = {t["type"]: t for t in saved["paths"][path]["layer_types"]}
         assert {k: types[k]["kernels"] for k in launches} == launches
-        # the trace where it is once the run directory has its name
-        assert saved["paths"][path]["source"]["file"] == str(run_dir / f"{path}.trace.json.gz")
+        # the trace where it is once the run directory has its name, as its saved copy says
+        where = str(run_dir / f"{path}.trace.json.gz")
+        assert saved["paths"][path]["source"]["file"] == where
+        assert Trace.load(run_dir / f"{path}.kptrace").meta["file"] == where
         steps = saved["paths"][path]["steps"]
         assert [s["name"] for s in steps] == ["decode_step[0]", "decode_step[1]"]
         assert all(s["layers"] == 4 and s["layer_source"] == "nvtx" for s in steps)
