@@ -16,6 +16,7 @@ import urllib.parse
 from collections import Counter
 from pathlib import Path
 
+import numpy as np
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
@@ -156,6 +157,38 @@ def _comparison_html(breakdowns: dict[str, Breakdown]) -> str:
         parts.append(f"<h2>Per layer type: {e(a)} vs {e(b)} (medians; µs = layer span)</h2>"
                      f"<table>{head}{body}</table>{note}")
     return "".join(parts)
+
+
+STEP_ROWS = 20   # steps listed per trace; the rest are counted (kimi-perf breakdown lists all)
+
+
+def _steps_html(breakdowns: dict[str, Breakdown]) -> str:
+    """Each trace's steps, as breakdown's steps table has them (its first STEP_ROWS), with
+    their median: a trace where no layer was found still has its figures here."""
+    e = html.escape
+    parts = []
+    for label, b in breakdowns.items():
+        if not b.steps:
+            continue
+        unit = b.unit
+        rows = "".join(
+            f"<tr><td>{s['index']}</td><td class=name>{e(str(s.get('name') or ''))}</td>"
+            f"<td>{'cpu' if unit == 'ops' and s['device'] < 0 else s['device']}</td>"
+            f"<td>{s['layers']} ({e(str(s['layer_source']))})</td><td>{s['kernels']}</td>"
+            f"<td>{s['kernel_us']:.1f}</td><td>{s['span_us']:.1f}</td>"
+            f"<td>{s['gap_us']:.1f}</td></tr>" for s in b.steps[:STEP_ROWS])
+        median = {k: float(np.median([s[k] for s in b.steps]))
+                  for k in ("kernels", "kernel_us", "span_us", "gap_us")}
+        rows += (f"<tr><th colspan=4>median of {len(b.steps)} steps</th>"
+                 f"<td>{count_text(median['kernels'])}</td><td>{median['kernel_us']:.1f}</td>"
+                 f"<td>{median['span_us']:.1f}</td><td>{median['gap_us']:.1f}</td></tr>")
+        more = len(b.steps) - STEP_ROWS
+        parts.append(f"<h3>{e(label)}</h3><table><tr><th>step</th><th>range</th>"
+                     f"<th>device</th><th>layers</th><th>{unit}</th><th>{unit[:-1]} µs</th>"
+                     f"<th>span µs</th><th>gap µs</th></tr>{rows}</table>"
+                     + (f"<p>and {more} more steps (kimi-perf breakdown lists them).</p>"
+                        if more > 0 else ""))
+    return "<h2>Steps</h2>" + "".join(parts) if parts else ""
 
 
 def _overview_html(breakdowns: dict[str, Breakdown]) -> str:
@@ -543,6 +576,7 @@ def write_report(path: str | Path, breakdowns: dict[str, Breakdown], title: str,
              _runs_html(list(runs)),
              _overview_html(breakdowns),
              _comparison_html(breakdowns),
+             _steps_html(breakdowns),
              _typical_html(breakdowns),
              _fusions_html(breakdowns),
              "<h2>Timelines</h2>",

@@ -1071,3 +1071,24 @@ def test_recommender_and_conv_kernels_are_no_moe_and_no_gemm():
     }
     classes, labels = classify(np.arange(len(names)), list(names), load_rules())
     assert [labels[c] for c in classes] == list(names.values())
+
+
+def test_the_report_lists_the_steps_of_a_trace_without_layers(tmp_path):
+    """A trace where no layer is found still has its figures in the report: its first steps,
+    each as breakdown's table has it, and their median; the steps past those are counted."""
+    from kimi_perf.report import write_report
+
+    b = TraceBuilder()
+    for i in range(23):
+        start = b.clock
+        b.sequence(["gemm_a", "<elementwise>"], duration=1000 + 100 * (i % 3))
+        b.range(f"decode_step[{i}]", start, b.clock)
+    result = breakdown(b.build())
+    assert not result.layer_types and len(result.steps) == 23
+    page = write_report(tmp_path / "r.html", {"synthetic": result}, "t",
+                        plotly_js="cdn").read_text()
+    steps = page[page.index("<h2>Steps</h2>"):]
+    assert steps.count("<td class=name>decode_step[") == 20
+    assert "<td class=name>decode_step[19]</td>" in steps and "decode_step[20]" not in steps
+    assert "median of 23 steps</th><td>2</td><td>2.2</td>" in steps
+    assert "and 3 more steps (kimi-perf breakdown lists them)." in steps
