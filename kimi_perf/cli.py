@@ -365,6 +365,10 @@ def breakdown_cmd(trace: Path | None, fmt: str, layers: str, step_regex: str | N
     Without TRACE, analyses the embedded example: one vLLM GPT-OSS-20B decode step under a
     full HIP graph (see kimi_perf/examples/README.md).
     """
+    if kernels and fmt != "table":
+        raise TraceError(None, f"--kernels adds tables to the table format; --format {fmt} "
+                               + ("holds each layer type's typical layer already" if fmt == "json"
+                                  else "writes a row per layer"))
     trace = trace or EXAMPLE_TRACE
     _not_an_input(output, trace, rules, capture)
     _no_trace_among([trace])

@@ -773,6 +773,12 @@ def test_kernels_shows_each_typical_layer_kernel_by_kernel(tmp_path):
     plain = run("breakdown", VLLM)
     assert plain.exit_code == 0 and "Per layer type" in plain.output, plain.output
     assert "Typical" not in plain.output                     # only when asked
+    # (other formats: refused, not ignored)
+    _one_line_error(run("breakdown", VLLM, "--kernels", "--format", "csv"),
+                    "--kernels adds tables to the table format; --format csv writes a row per "
+                    "layer")
+    _one_line_error(run("breakdown", VLLM, "--kernels", "--format", "json"),
+                    "--format json holds each layer type's typical layer already")
     piecewise = KINETO / "tracelens_vllm_gptoss20b_prefilldecode_piecewise_mi300x.json.gz"
     two = run("compare", VLLM, piecewise, "--labels", "graph,piecewise", "--kernels")
     assert two.exit_code == 0, two.output
