@@ -7,7 +7,6 @@ import functools
 import json
 import math
 import os
-import re
 import signal
 import sys
 import threading
@@ -25,7 +24,7 @@ from kimi_perf.errors import NoStepsMatched, TraceError
 from kimi_perf.layer_breakdown import Breakdown, breakdown, units_word
 from kimi_perf.layers import PHASES
 from kimi_perf.readers import read_trace
-from kimi_perf.trace import atomic_write_text, json_text
+from kimi_perf.trace import OP_RANGE, atomic_write_text, json_text
 
 LAYERS_HELP = ("auto: per-layer ranges when the trace has them, else the repeating kernel "
                "pattern; repeat: the pattern only; nvtx or nvtx:REGEX: ranges only (REGEX may "
@@ -307,7 +306,7 @@ def ranges(trace: Path, fmt: str, output: Path | None) -> None:
         if len(read.kernels):
             why = "no range holds a kernel"
         else:
-            cpu_run = read.names_matching(re.compile(r"^op:"))[read.ranges.name].any()
+            cpu_run = read.names_matching(OP_RANGE)[read.ranges.name].any()
             why = "no GPU kernels in this trace" + (
                 " (a CPU run: its launches are its op: ranges, which kimi-perf breakdown "
                 "counts)" if cpu_run else "")
@@ -773,6 +772,9 @@ def _info(trace: Path, info: dict) -> None:
         click.echo(f"  joined by the graph captures of {capture}")
     click.echo(f"  kernels {info['kernels']}, memcpy/memset {info['memops']}, ranges "
                f"{info['ranges']}, API calls {info['api_calls']}")
+    if info.get("annotated_ops") and not info["kernels"]:
+        click.echo(f"  {_counted(info['annotated_ops'], 'op')} annotated (op: ranges): the "
+                   "launches a CPU run of the decode paths makes, which breakdown counts")
     if untimed := info["untimed"]:
         click.echo(f"  left out, without a time: {_counted(untimed['kernels'], 'kernel')}, "
                    f"{untimed['memops']} memcpy/memset")

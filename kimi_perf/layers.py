@@ -24,7 +24,7 @@ from kimi_perf.errors import NoStepsMatched
 from kimi_perf.graphs import GRAPH_LAUNCH, capture_launches, capture_memory_calls
 from kimi_perf.memory import release_free_memory
 from kimi_perf.nesting import innermost_containing, range_groups, thread_keys
-from kimi_perf.trace import GPU_RANGE, Trace, index_dtype
+from kimi_perf.trace import GPU_RANGE, OP_RANGE, Trace, index_dtype
 
 # Tried in order; the first pattern that matches a range holding GPU work defines the steps.
 STEP_PATTERNS = [
@@ -180,7 +180,7 @@ class GpuOps:
         r = trace.ranges
         if len(r) == 0:
             return None
-        is_op = trace.names_matching(re.compile(r"^op:"))[r.name] & (r.tid >= 0)
+        is_op = trace.names_matching(OP_RANGE)[r.name] & (r.tid >= 0)
         rows = np.flatnonzero(is_op)
         if len(rows) == 0:
             return None

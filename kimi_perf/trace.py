@@ -43,6 +43,9 @@ FORMAT_VERSION = 1
 PUSHPOP, STARTEND, GPU_RANGE = 0, 1, 2
 STYLE_NAMES = {PUSHPOP: "PushPop", STARTEND: "StartEnd", GPU_RANGE: "GPU"}
 
+# The ranges that annotate a launch of the decode paths (``op:in_proj``): a CPU run's ops.
+OP_RANGE = re.compile(r"^op:")
+
 # API call kinds.
 RUNTIME, DRIVER, OTHER_API = 0, 1, 2
 
@@ -257,7 +260,9 @@ class Trace:
         for want of a time); the span from the first event to the last (ns, None without
         events); each process with GPU work or API calls, the most kernels first
         (``kernels_without_process``: GPU work the trace names no process for); each GPU the
-        trace describes or its kernels ran on (``name`` None where undescribed)."""
+        trace describes or its kernels ran on (``name`` None where undescribed);
+        ``annotated_ops``: its ``op:`` ranges, the launches a CPU run of the decode paths
+        annotates (what breakdown counts where a trace has no GPU work)."""
         m = self.meta
         span = self.span()
 
@@ -274,6 +279,7 @@ class Trace:
             "captures": m.get("captures", []),
             "kernels": len(self.kernels), "memops": len(self.memops),
             "ranges": len(self.ranges), "api_calls": len(self.api),
+            "annotated_ops": int(self.names_matching(OP_RANGE)[self.ranges.name].sum()),
             "untimed": m.get("untimed"), "span_ns": span[1] - span[0] if span else None,
             "processes": [{"pid": p, "kernels": kernels.get(p, 0), "api_calls": api.get(p, 0)}
                           for p in sorted(pids, key=lambda p: (-kernels.get(p, 0), p))],

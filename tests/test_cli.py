@@ -1509,3 +1509,22 @@ def test_ranges_table_shows_kernel_names_as_breakdown_does():
     assert "_matmul_ogs_NNT_bf16xbf16xmxfp4_16x128x256x1" in table
     if shutil.which("c++filt"):
         assert "_ZN7ck_tile" not in table and "ck_tile::" in table
+
+
+def test_info_of_a_cpu_run_counts_its_annotated_ops(tmp_path):
+    """A CPU run of the decode paths has no kernels: info counts the launches it annotates
+    (op: ranges), which breakdown counts, rather than leave the trace looking empty."""
+    from tests.synth import TraceBuilder
+
+    b = TraceBuilder()
+    b.range("decode_step[0]", 0, 1000)
+    for i, name in enumerate(("op:in_proj", "op:fused_kda_decode", "op:o_proj")):
+        b.range(name, 100 + 200 * i, 250 + 200 * i)
+    trace = b.build()
+    trace.save(tmp_path / "cpu.kptrace")
+    said = run("info", tmp_path / "cpu.kptrace").output
+    assert ("3 ops annotated (op: ranges): the launches a CPU run of the decode paths makes, "
+            "which breakdown counts") in said
+    assert json.loads(run("info", tmp_path / "cpu.kptrace", "--format", "json").output
+                      )["traces"][0]["annotated_ops"] == 3
+    assert "annotated" not in run("info", VLLM).output
