@@ -750,6 +750,13 @@ def _between_layers(b: Breakdown) -> int:
 COPIES_NOTED = 0.25
 
 
+def layers_text(step: dict) -> str:
+    """A step's layers and how they were found ("24 (repeat)"); a breakdown stored before
+    steps said how has the count alone."""
+    return f"{step['layers']}" + (f" ({step['layer_source']})" if step.get("layer_source")
+                                  else "")
+
+
 def replay_note(replays: dict, captures: list[str]) -> str:
     """What a breakdown says of the GPU ops graph launches ran: how many were placed where
     their capture launched them (joined from ``captures``: files, with ``--capture``), and

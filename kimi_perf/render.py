@@ -31,7 +31,7 @@ from kimi_perf.comparison import (
     stragglers,
 )
 from kimi_perf.gate import GateResult
-from kimi_perf.layer_breakdown import Breakdown, layer_notes, step_notes
+from kimi_perf.layer_breakdown import Breakdown, layer_notes, layers_text, step_notes
 from kimi_perf.names import short_names
 from kimi_perf.trace import json_text
 
@@ -132,7 +132,7 @@ def breakdown_tables(b: Breakdown) -> list[Table]:
     for s in b.steps:
         device = "cpu" if b.unit == "ops" and s["device"] < 0 else str(s["device"])
         steps.add_row(str(s["index"]), s.get("name", ""), device,
-                      f"{s['layers']} ({s['layer_source']})",
+                      layers_text(s),
                       str(s["kernels"]), f"{s['kernel_us']:.1f}", f"{s['span_us']:.1f}",
                       f"{s['gap_us']:.1f}",
                       f"{s['prologue']['kernels']} / {s['prologue']['span_us']:.1f}",

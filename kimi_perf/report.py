@@ -41,7 +41,13 @@ from kimi_perf.comparison import (
 from kimi_perf.decode.fallbacks import fell_back_text, paths_that_fell_back
 from kimi_perf.errors import TraceError
 from kimi_perf.gate import captured_differently, is_finite_number, run_differences
-from kimi_perf.layer_breakdown import Breakdown, layer_notes, step_notes, units_word
+from kimi_perf.layer_breakdown import (
+    Breakdown,
+    layer_notes,
+    layers_text,
+    step_notes,
+    units_word,
+)
 from kimi_perf.names import demangle, primed, short_names
 from kimi_perf.trace import atomic_write_text
 
@@ -174,7 +180,7 @@ def _steps_html(breakdowns: dict[str, Breakdown]) -> str:
         rows = "".join(
             f"<tr><td>{s['index']}</td><td class=name>{e(str(s.get('name') or ''))}</td>"
             f"<td>{'cpu' if unit == 'ops' and s['device'] < 0 else s['device']}</td>"
-            f"<td>{s['layers']} ({e(str(s['layer_source']))})</td><td>{s['kernels']}</td>"
+            f"<td>{e(layers_text(s))}</td><td>{s['kernels']}</td>"
             f"<td>{s['kernel_us']:.1f}</td><td>{s['span_us']:.1f}</td>"
             f"<td>{s['gap_us']:.1f}</td></tr>" for s in b.steps[:STEP_ROWS])
         median = {k: float(np.median([s[k] for s in b.steps]))

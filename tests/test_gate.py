@@ -796,6 +796,24 @@ def test_malformed_stored_figures_are_one_line_for_every_command(tmp_path, where
     assert not (tmp_path / "r.html").exists()
 
 
+def test_stored_steps_without_their_optional_fields_serve_every_command(tmp_path):
+    """A step stored before its name, how its layers were found, its phase or its other
+    threads' work were recorded (all optional to the checks): every command prints it."""
+    doc = json.loads(BASELINE.read_text())
+    for step in doc["paths"]["specialized"]["steps"]:
+        for key in ("name", "layer_source", "phase", "other_thread_ops"):
+            step.pop(key, None)
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps(doc))
+    for args in (["gate", old, BASELINE], ["compare", old], ["breakdown", old, "--path",
+                                                             "specialized"],
+                 ["report", old, "-o", tmp_path / "r.html"]):
+        result = CliRunner().invoke(main, [str(a) for a in args])
+        assert result.exit_code in (0, 1) and "Traceback" not in result.output, (args,
+                                                                                result.output)
+    assert "<h2>Steps</h2>" in (tmp_path / "r.html").read_text()
+
+
 def test_gate_says_when_baseline_and_run_were_captured_differently(tmp_path):
     """A run at TP 2 and batch 1 against the TP 1, batch 2 baseline: its all-reduces are no
     regression of the code, and the gate says what differs (text and JSON). The CPU
