@@ -751,10 +751,11 @@ COPIES_NOTED = 0.25
 
 
 def layers_text(step: dict) -> str:
-    """A step's layers and how they were found ("24 (repeat)"); a breakdown stored before
-    steps said how has the count alone."""
-    return f"{step['layers']}" + (f" ({step['layer_source']})" if step.get("layer_source")
-                                  else "")
+    """A step's layers and how they were found ("24 (repeat)"); of a breakdown stored before
+    steps said how, or how many, what it has ("24", "-")."""
+    count = step.get("layers")
+    return ("-" if count is None else str(count)) + (
+        f" ({step['layer_source']})" if step.get("layer_source") else "")
 
 
 def replay_note(replays: dict, captures: list[str]) -> str:

@@ -801,7 +801,7 @@ def test_stored_steps_without_their_optional_fields_serve_every_command(tmp_path
     threads' work were recorded (all optional to the checks): every command prints it."""
     doc = json.loads(BASELINE.read_text())
     for step in doc["paths"]["specialized"]["steps"]:
-        for key in ("name", "layer_source", "phase", "other_thread_ops"):
+        for key in ("name", "layer_source", "layers", "phase", "other_thread_ops"):
             step.pop(key, None)
     old = tmp_path / "old.json"
     old.write_text(json.dumps(doc))
