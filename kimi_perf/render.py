@@ -9,8 +9,9 @@ import os
 from collections import Counter
 from typing import Any
 
-from rich.console import Console
-from rich.table import Table
+from rich import box
+from rich.console import Console, ConsoleOptions, RenderResult
+from rich.table import Table as RichTable
 from rich.text import Text
 
 from kimi_perf.attribution import RangeKernelRow
@@ -45,6 +46,30 @@ def console(stderr: bool = False) -> Console:
     if not out.is_terminal and "COLUMNS" not in os.environ:
         out = Console(stderr=stderr, markup=False, width=200)
     return out
+
+
+class Table(RichTable):
+    """A rich table that, where its borders and padding would leave a column narrower than
+    its longest word (a number is one; a ten-column table at 80 columns), is drawn without
+    them, its columns a space apart. Text columns (names, left-justified) fold either way."""
+
+    TEXT_ROOM = 12   # what a text column is counted at: it folds to fit
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        wide = options.update(max_width=1 << 20)
+        need = sum(m.minimum if col.justify == "right" else min(m.minimum, self.TEXT_ROOM)
+                   for col in self.columns
+                   for m in [self._measure_column(console, wide, col)])
+        if need + 3 * len(self.columns) + 1 <= options.max_width:   # borders and padding
+            yield from super().__rich_console__(console, options)
+            return
+        style = self.box, self.show_edge, self.padding, self.pad_edge
+        self.box, self.show_edge, self.padding, self.pad_edge = (box.SIMPLE_HEAD, False,
+                                                                 (0, 0), False)
+        try:
+            yield from super().__rich_console__(console, options)
+        finally:
+            self.box, self.show_edge, self.padding, self.pad_edge = style
 
 
 def _table(title: str, columns: list[str], left: tuple[str, ...] = ()) -> Table:
