@@ -584,10 +584,12 @@ def gate_cmd(baseline: Path, run: Path, metrics: str, rel_tol: float, alpha: flo
         for line in result.fell_back:
             console.print(line, style="bold yellow")
         if result.cpu_time_metrics:
-            console.print(f"{', '.join(result.cpu_time_metrics)} of a CPU run are CPU time "
-                          "(the specialized path in Triton's interpreter), noisy and no speed "
-                          "figure: --metrics kernels gates the launches alone",
-                          style="yellow")
+            interpreted = ("" if any("specialized: every step fell back" in line
+                                     for line in result.fell_back)
+                           else " (the specialized path in Triton's interpreter)")
+            console.print(f"{', '.join(result.cpu_time_metrics)} of a CPU run are CPU time"
+                          f"{interpreted}, noisy and no speed figure: --metrics kernels gates "
+                          "the launches alone", style="yellow")
         console.print(render.gate_headline(result))
     if update:
         gate_mod.store_baseline(gated.baseline_file, gated.run_doc)
@@ -645,6 +647,7 @@ def report_cmd(inputs: tuple[Path, ...], path_name: str | None, labels: str | No
     if path_name is not None and not any(doc is not None for _, doc in loaded.values()):
         raise _no_run(list(inputs))
     drawn: dict[str, Breakdown] = {}
+    fell_back: dict[str, str] = {}   # drawn paths of several inputs whose every step fell back
     run_info = None
     run_infos: list[tuple[str, dict]] = []   # of several runs: what each ran
     for i, file in enumerate(inputs):
@@ -657,11 +660,14 @@ def report_cmd(inputs: tuple[Path, ...], path_name: str | None, labels: str | No
             run_infos.append((_run_name(file), info))
         if run_doc is not None and path_name is not None:
             runs = dict([gate_mod.one_path(file, runs, path_name)])
+        fell = paths_that_fell_back(info) if len(inputs) > 1 else {}   # (one run: its own)
         for name, b in runs.items():
             label = f"{_run_name(file)}:{name}" if run_doc and len(inputs) > 1 else name
             while label in drawn:
                 label += "'"
             drawn[label] = b
+            if name in fell:
+                fell_back[label] = fell[name]
         if info is not None and len(inputs) == 1:  # the run's own: what ran
             run_info = info if path_name is None else {**info, "paths": {   # that path's alone
                 p: m for p, m in (info.get("paths") or {}).items() if p == path_name}}
@@ -670,9 +676,12 @@ def report_cmd(inputs: tuple[Path, ...], path_name: str | None, labels: str | No
         if len(names) != len(drawn) or not all(names) or len(set(names)) != len(names):
             raise TraceError(None, f"--labels takes {len(drawn)} distinct names (for "
                                    f"{', '.join(drawn)}): not {labels!r}")
+        renamed = dict(zip(drawn, names, strict=True))
         drawn = dict(zip(names, drawn.values(), strict=True))
+        fell_back = {renamed[label]: reason for label, reason in fell_back.items()}
     write_report(output, drawn, "kimi-perf report: " + ", ".join(drawn), run_info, plotly_js,
-                 run_infos if len(inputs) > 1 else [])
+                 run_infos if len(inputs) > 1 else [],
+                 [fell_back_text(label, reason) for label, reason in fell_back.items()])
     for name, info in run_infos[1:] if len(inputs) > 1 else ():
         if found := gate_mod.run_differences({"run": run_infos[0][1]}, {"run": info}):
             click.echo(gate_mod.captured_differently(run_infos[0][0], name, found), err=True)

@@ -195,7 +195,6 @@ def gate_files(baseline: str | Path, run: str | Path, tolerances: Tolerances = T
     result.run_differences = (run_differences(base_doc, run_doc)
                               + phase_differences(base, current)
                               + unit_differences(base, current))
-    _check_fallbacks(result, base_doc, run_doc, base, current)
     depths = [(d.get("run") or {}).get("n_layers") if isinstance(d, dict) else None
               for d in (base_doc, run_doc)]
     if None not in depths and depths[0] != depths[1]:
@@ -205,6 +204,7 @@ def gate_files(baseline: str | Path, run: str | Path, tolerances: Tolerances = T
                 check.status = "changed"
                 check.detail = (f"models of {depths[0]} and {depths[1]} layers: a step is "
                                 "other work")
+    _check_fallbacks(result, base_doc, run_doc, base, current)   # (a failure whatever the depth)
     return GatedRun(result, base, current, run_doc, base_file)
 
 
@@ -217,11 +217,12 @@ def _check_fallbacks(result: GateResult, base_doc: object, run_doc: object,
     for side, fell, paths in (("baseline", base_fb, base), ("run", run_fb, current)):
         result.fell_back += [f"the {side}'s {fell_back_text(p, fell[p])}" for p in paths
                              if p in fell]
-    for path in current:
-        if path in run_fb and path in base and path not in base_fb:
+    for path, _, _ in _paired(base, current):   # (a plain trace stands for the run's path)
+        run_path = path if path in current else next(iter(current))
+        if run_path in run_fb and path not in base_fb:
             result.checks.append(Check(
                 path, STEP, "decode path", None, None, None, None, "fell back",
-                f"every step ran the standard path's PyTorch ops ({run_fb[path]}); the "
+                f"every step ran the standard path's PyTorch ops ({run_fb[run_path]}); the "
                 "baseline's ran its own"))
 
 
@@ -432,6 +433,13 @@ def _source_problem(source) -> str | None:
                              and _in_ranges_ok(outside.get("in_ranges") or []))),
         ("gpus", "[{name, sm_count}]", gpu_list("gpus")),
         ("gpus_ran", "[{name, sm_count}]", gpu_list("gpus_ran")),
+        ("captures", "a list of file names", source.get("captures") is None or (
+            isinstance(source["captures"], list)
+            and all(isinstance(c, str) for c in source["captures"]))),
+        ("graph_replays", "{ops, placed_at_capture} as counts", source.get("graph_replays")
+         is None or (isinstance(source["graph_replays"], dict)
+                     and _is_count(source["graph_replays"].get("ops"))
+                     and _is_count(source["graph_replays"].get("placed_at_capture", 0)))),
     ]
     return next((f"source.{key} is not {what}" for key, what, ok in fields if not ok), None)
 

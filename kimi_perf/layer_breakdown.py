@@ -771,7 +771,7 @@ def replay_note(replays: dict, captures: list[str]) -> str:
             f"open where their capture launched them{joined}; the other {ops - placed}"
             ) if placed else f"{ops} GPU ops replayed from CUDA/HIP graphs"
     return (f"{said} have no capture in this trace to place them in the ranges open then (a "
-            "capture profiled apart joins with --capture)")
+            "capture profiled apart joins it with breakdown's or convert's --capture)")
 
 
 def step_notes(b: Breakdown) -> list[str]:

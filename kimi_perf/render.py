@@ -60,7 +60,9 @@ class Table(RichTable):
         need = sum(m.minimum if col.justify == "right" else min(m.minimum, self.TEXT_ROOM)
                    for col in self.columns
                    for m in [self._measure_column(console, wide, col)])
-        if need + 3 * len(self.columns) + 1 <= options.max_width:   # borders and padding
+        # its borders, and a character a column to spare: rich's layout shares the shortfall
+        # out unevenly, and a header word cut in two reads badly too
+        if need + 2 * len(self.columns) + 1 <= options.max_width:
             yield from super().__rich_console__(console, options)
             return
         style = self.box, self.show_edge, self.padding, self.pad_edge

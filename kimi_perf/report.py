@@ -393,8 +393,6 @@ def _runs_html(runs: list[tuple[str, dict]]) -> str:
         f"<p class=note>{e(captured_differently(first, name, found))}.</p>"
         for name, r in others
         if (found := run_differences({"run": first_run}, {"run": r})))
-    notes += "".join(f"<p class=warn>{e(name)}: {e(fell_back_text(path, reason))}.</p>"
-                     for name, r in runs for path, reason in paths_that_fell_back(r).items())
     return ("<h2>Runs</h2><table class=info><tr><th></th>"
             + "".join(f"<th>{e(name)}</th>" for name, _ in runs)
             + f"</tr>{body}</table>{notes}")
@@ -557,11 +555,13 @@ def _missing_timelines_html(breakdowns: dict[str, Breakdown]) -> str:
 
 def write_report(path: str | Path, breakdowns: dict[str, Breakdown], title: str,
                  run: dict | None = None, plotly_js: str = "inline",
-                 runs: list[tuple[str, dict]] = ()) -> Path:
+                 runs: list[tuple[str, dict]] = (), warnings: list[str] = ()) -> Path:
     """One HTML file (written atomically) from breakdowns alone (their ``timeline`` is drawn).
     ``run``: the run.json of a capture or ``--from``. ``plotly_js``: ``inline`` (the file
     opens offline; about 5 MB), ``cdn``, or the path of a ``plotly.min.js`` to refer to.
-    ``runs``: the run information of several runs drawn together, as (name, run.json)."""
+    ``runs``: the run information of several runs drawn together, as (name, run.json);
+    ``warnings``: said first (of the paths drawn from several inputs whose every step fell
+    back: ``run``'s own are said from it)."""
     if plotly_js not in PLOTLY_JS and not plotly_js.endswith(".js"):
         raise ValueError(f"plotly_js: inline, cdn or a path ending in .js, not {plotly_js!r}")
     path = Path(path)
@@ -579,6 +579,7 @@ def write_report(path: str | Path, breakdowns: dict[str, Breakdown], title: str,
     parts = [f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{html.escape(title)}"
              f"</title>{STYLE}</head><body><h1>{html.escape(title)}</h1>",
              _run_html(run, breakdowns),
+             "".join(f"<p class=warn>{html.escape(w)}.</p>" for w in warnings),
              _runs_html(list(runs)),
              _overview_html(breakdowns),
              _comparison_html(breakdowns),

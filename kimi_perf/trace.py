@@ -279,7 +279,8 @@ class Trace:
             "captures": m.get("captures", []),
             "kernels": len(self.kernels), "memops": len(self.memops),
             "ranges": len(self.ranges), "api_calls": len(self.api),
-            "annotated_ops": int(self.names_matching(OP_RANGE)[self.ranges.name].sum()),
+            "annotated_ops": int((self.names_matching(OP_RANGE)[self.ranges.name]
+                                  & (self.ranges.tid >= 0)).sum()),   # (as breakdown counts)
             "untimed": m.get("untimed"), "span_ns": span[1] - span[0] if span else None,
             "processes": [{"pid": p, "kernels": kernels.get(p, 0), "api_calls": api.get(p, 0)}
                           for p in sorted(pids, key=lambda p: (-kernels.get(p, 0), p))],

@@ -1047,7 +1047,8 @@ def test_recommender_and_conv_kernels_are_no_moe_and_no_gemm():
     """Words inside other names: fbgemm_gpu's kernels (its namespace holds "gemm") are not
     GEMMs, nor is an embedding bag that takes fbgemm_gpu::FixedDivisor; its permutes of
     sparse features and a cutlass convolution's Permute iterators are no MoE token permute,
-    which vLLM's and SGLang's still are."""
+    which vLLM's, SGLang's and TransformerEngine's still are. TensorRT-LLM's MoE finalize
+    is no routing, and DeepEP's dispatch is communication."""
     from kimi_perf.classify import classify, load_rules
 
     names = {
@@ -1066,6 +1067,12 @@ def test_recommender_and_conv_kernels_are_no_moe_and_no_gemm():
         "void vllm::moe::moe_permute_kernel<c10::BFloat16>(c10::BFloat16 const*)": "moe",
         "_permute_tokens_kernel": "moe",
         "ep_unpermute_kernel": "moe",
+        "_permute_kernel": "moe", "_unpermute_bwd_with_merging_probs_kernel": "moe",  # TE's
+        "unpermute_kernel": "other",              # llm.c's attention backward: no MoE
+        "void tensorrt_llm::kernels::expandInputRowsKernel<__nv_bfloat16>(int)": "moe",
+        "void tensorrt_llm::kernels::finalizeMoeRoutingKernel<float>(int)": "moe",
+        "pre_reorder_triton_kernel": "moe", "post_reorder_triton_kernel": "moe",  # SGLang's
+        "void deep_ep::intranode::dispatch<8, 768>(int4*)": "communication",
         "void cutlass::Kernel2<cutlass_80_tensorop_bf16_s16816gemm_relu_bf16_64x64_64x4_tn>("
         "Params)": "gemm",
     }

@@ -134,7 +134,8 @@ def test_a_capture_saved_apart_joins_breakdown_convert_and_trace_from(tmp_path):
     _one_line_error(only_replay, "no range matching its regex holds a kernel launch of a step")
     said = " ".join(run("breakdown", VLLM).output.split())
     assert ("421 GPU ops replayed from CUDA/HIP graphs have no capture in this trace to place "
-            "them in the ranges open then (a capture profiled apart joins with --capture)"
+            "them in the ranges open then (a capture profiled apart joins it with breakdown's "
+            "or convert's --capture)"
             in said)
     said = " ".join(run("breakdown", VLLM, "--capture", VLLM_CAPTURE).output.split())
     assert ("421 GPU ops replayed from CUDA/HIP graphs are placed in the ranges open where "
@@ -221,7 +222,13 @@ def test_a_path_that_fell_back_on_every_step_is_said_so_by_compare_report_and_ga
     assert f"<p class=warn>{html.escape(said)}.</p>" in page
     assert "Triton kernels ran in Triton's interpreter" not in page
     assert run("report", BASELINE, run_file, "--path", "specialized", "-o", report).exit_code == 0
-    assert f"fell_back: {html.escape(said)}.</p>" in report.read_text()
+    assert f"fell_back:{html.escape(said)}.</p>" in report.read_text()
+    drawn = run("report", run_file, VLLM, "--path", "specialized", "--labels", "run,vllm",
+                "-o", report)
+    assert drawn.exit_code == 0, drawn.output
+    page = report.read_text()   # a run with a trace: its path named as drawn, said once
+    assert page.count("every step fell back") == 1
+    assert "<p class=warn>run: every step fell back" in page
     gated = run("gate", BASELINE, run_file, "--metrics",
                 "kernels", "--format", "json")
     assert gated.exit_code == 1
@@ -231,6 +238,28 @@ def test_a_path_that_fell_back_on_every_step_is_said_so_by_compare_report_and_ga
     assert gate_doc["fell_back"] == [f"the run's {said}"]
     both = run("gate", run_file, run_file, "--metrics", "kernels")
     assert both.exit_code == 0 and f"the baseline's {said}" in " ".join(both.output.split())
+    # a failure too where the models differ in depth (whose steps' checks are "changed"), and
+    # against a plain breakdown of the path (which stands for it without --path)
+    doc = json.loads(run_file.read_text())
+    doc["run"]["n_layers"] = 4
+    deeper = tmp_path / "deeper.json"
+    deeper.write_text(json.dumps(doc))
+    plain = tmp_path / "plain.json"
+    plain.write_text(json.dumps(json.loads(BASELINE.read_text())["paths"]["specialized"]))
+    doc = json.loads(run_file.read_text())
+    doc["paths"] = {"specialized": doc["paths"]["specialized"]}
+    one_path = tmp_path / "one_path.json"
+    one_path.write_text(json.dumps(doc))
+    for base, current in ((BASELINE, deeper), (plain, one_path)):
+        gated = run("gate", base, current, "--metrics", "kernels", "--format", "json")
+        assert gated.exit_code == 1, gated.output
+        assert [c["status"] for c in json.loads(gated.output)["checks"]].count("fell back") == 1
+    # what a run says of its fallbacks is read as it comes: a count is no list
+    doc["run"]["paths"]["specialized"]["fallbacks"] = 5
+    one_path.write_text(json.dumps(doc))
+    for args in (("gate", BASELINE, one_path), ("compare", one_path, BASELINE)):
+        result = run(*args, "--metrics", "kernels") if args[0] == "gate" else run(*args)
+        assert result.exception is None or isinstance(result.exception, SystemExit), args
 
 
 def test_info_as_json_is_the_library_summary():

@@ -761,7 +761,9 @@ def test_a_malformed_typical_layer_is_one_line(tmp_path, typical):
     ("outside_steps", {"ops": 3, "kernel_us": 1.0, "in_ranges": "prefill"}),
     ("outside_steps", {"ops": 3, "kernel_us": 1.0, "in_ranges": [{"ops": 3}]}),
     ("gpus", [{"name": 5, "sm_count": 132}]), ("untimed", {"kernels": -1, "memops": 0}),
-    ("steps_holding_passes", [{"step": "s", "passes": 2}]), ("tool", 3)])
+    ("steps_holding_passes", [{"step": "s", "passes": 2}]), ("tool", 3),
+    ("captures", [1, 2]), ("graph_replays", {"placed_at_capture": 1}),
+    ("graph_replays", "x")])
 def test_malformed_step_notes_are_one_line(tmp_path, key, value):
     doc = json.loads(BASELINE.read_text())
     doc["paths"]["specialized"]["source"][key] = value
@@ -809,8 +811,10 @@ def test_stored_steps_without_their_optional_fields_serve_every_command(tmp_path
                                                              "specialized"],
                  ["report", old, "-o", tmp_path / "r.html"]):
         result = CliRunner().invoke(main, [str(a) for a in args])
-        assert result.exit_code in (0, 1) and "Traceback" not in result.output, (args,
-                                                                                result.output)
+        # (CliRunner keeps a crash's traceback out of the output: its exception says it)
+        assert result.exception is None or isinstance(result.exception, SystemExit), args
+        assert result.exit_code in ((0, 1) if args[0] == "gate" else (0,)), (args,
+                                                                             result.output)
     assert "<h2>Steps</h2>" in (tmp_path / "r.html").read_text()
 
 

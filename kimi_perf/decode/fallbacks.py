@@ -52,9 +52,10 @@ def paths_that_fell_back(run: object) -> dict[str, str]:
     paths = run.get("paths") if isinstance(run, dict) else None
     out = {}
     for path, metrics in (paths if isinstance(paths, dict) else {}).items():
-        if isinstance(metrics, dict) and metrics.get("every_step_fell_back"):
-            said = metrics.get("fallbacks") or [""]
-            out[path] = str(said[-1]).partition(": ")[2]
+        if isinstance(metrics, dict) and metrics.get("every_step_fell_back") is True:
+            said = metrics.get("fallbacks")
+            out[path] = (str(said[-1]).partition(": ")[2] if isinstance(said, list) and said
+                         else "")
     return out
 
 
