@@ -129,8 +129,10 @@ def combine_splits(parts_ptr, lse_ptr, m, h, M, H, ls, LORA: tl.constexpr,
     j_ok = j < SPLITS
     rows = (j * M + m) * H + h
     lse = tl.load(lse_ptr + rows, mask=j_ok, other=-float("inf"))
-    w = tl.exp(lse - tl.max(lse, axis=0))
-    w = w / tl.sum(w, axis=0)
+    top = tl.max(lse, axis=0)
+    w = tl.exp(lse - tl.where(top == -float("inf"), 0.0, top))
+    total = tl.sum(w, axis=0)
+    w = w / tl.where(total > 0, total, 1.0)     # a token with no position: 0, as mla_uv_gate
     part = tl.load(parts_ptr + rows[:, None] * LORA + ls[None, :], mask=j_ok[:, None],
                    other=0.0)
     return tl.sum(w[:, None] * part, axis=0)

@@ -691,7 +691,7 @@ def _write_outputs(run_dir: Path, final: Path, run_info: dict, results: dict[str
                    title: str, plotly_js: str) -> None:
     from kimi_perf.report import plotly_js_for, write_report
 
-    run_info["report"] = str(final.resolve() / "report.html")
+    run_info["report"] = "report.html"     # relative to the run directory, as its traces
     write_report(run_dir / "report.html", results, title, run_info,
                  plotly_js_for(plotly_js, final))
     atomic_write_text(run_dir / "run.json", json_text(run_info))

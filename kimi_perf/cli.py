@@ -1131,4 +1131,4 @@ def trace_cmd(from_files: tuple[Path, ...], captures: tuple[Path, ...], phase: s
                       "(and the report)")
     console.print(f"run directory: {run_dir}  "
                   f"({', '.join(sorted(p.name for p in Path(run_dir).iterdir()))})")
-    console.print(f"report: {run_info['report']}")
+    console.print(f"report: {Path(run_dir).resolve() / run_info['report']}")

@@ -263,6 +263,27 @@ def test_uv_gate_merges_any_number_of_splits(splits, tokens, tiles):
     _check_uv_gate_merge(lse, 128, 128, gen)
 
 
+def test_a_token_with_every_split_empty_merges_to_zero(tiles):
+    """No decode token sees no position (its own is in a split), but should one, both merges
+    give it 0 rather than NaN, and its neighbours are untouched."""
+    gen = torch.Generator().manual_seed(7)
+    splits, M, heads, lora, v = 3, 2, 4, 32, 16
+    parts = torch.randn(splits, M, heads, lora, generator=gen)
+    lse = torch.randn(splits, M, heads, generator=gen)
+    lse[:, 1] = -float("inf")
+    parts[:, 1] = 0.0                                   # an empty split's partial, as written
+    merged = mla_combine(parts, lse, torch.bfloat16)
+    assert torch.equal(merged[1], torch.zeros_like(merged[1]))
+    assert_close_bf16(merged[0], (torch.softmax(lse[:, 0], 0)[..., None] * parts[:, 0]).sum(0)
+                      .bfloat16(), ulps=2)
+    w_uv = (torch.randn(heads, lora, v, generator=gen) / lora**0.5).bfloat16()
+    gate = torch.randn(M, heads * v, generator=gen).bfloat16()
+    out = torch.empty(M, heads * v, dtype=torch.bfloat16)
+    poison(out)
+    mla_uv_gate(parts, w_uv, gate, out=out, lse=lse)
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+
+
 def test_uv_gate():
     gen = torch.Generator().manual_seed(3)
     M, H, lora, v = 3, 5, 32, 16
