@@ -80,6 +80,28 @@ def builds() -> list[Build]:
     # both: rows of 4480), experts' intermediate 384, the shared experts' 768; the KDA's 12
     # heads of 128 (1536 wide), its input projection 6288 rows; 8 attention-residual blocks.
     hidden, latent, inter, shared_inter, kda_proj, in_proj = 7168, 3584, 384, 768, 1536, 6288
+
+    def moe_ints(m: int, situ: bool, mxfp4: bool, consts: dict) -> dict[str, int]:
+        """The routed experts' FC1 (``situ``) or FC2 integer arguments at these shapes, as
+        the specialized path passes them (the latent and router logits one fp32 row of 4480,
+        FC2's routed latent beside the shared experts' output); the shared experts' where
+        ``consts`` has them."""
+        rows, cols = (2 * inter, latent) if situ else (latent, inter)
+        per_value = 0.5 if mxfp4 else 1   # (MXFP4: a byte of codes per two values)
+        ints = {"M": m, "INTER": inter, "stride_we": int(rows * cols * per_value),
+                "stride_wn": int(cols * per_value), "stride_se": rows * cols // 32 if mxfp4 else 0,
+                "stride_sn": cols // 32 if mxfp4 else 0}
+        if not consts["SHARED"]:   # the standard path's: a row of its own, no shared experts
+            return ints | ({"KDIM": latent, "stride_x": latent} if situ
+                           else {"N": latent, "stride_out": latent})
+        ints |= ({"KDIM": latent, "stride_x": 896 + latent} if situ
+                 else {"N": latent, "stride_out": latent + hidden})
+        s_n, s_k = (shared_inter, hidden) if situ else (hidden, shared_inter)
+        return ints | {"S_N": s_n, "S_K": s_k, "stride_sx": s_k, "stride_sw": s_k,
+                       "stride_sout": shared_inter if situ else latent + hidden,
+                       "SHARED_PROGRAMS": skinny_linear.tiles(m, s_n, consts["S_BLOCK_M"],
+                                                              consts["S_BLOCK_N"])}
+
     out = [
         Build("attn_res h7168", attn_res.attn_res_kernel,
               {"prefix_ptr": "*bf16", "delta_ptr": "*bf16", "blocks_ptr": "*bf16",
@@ -203,24 +225,9 @@ def builds() -> list[Build]:
                      f"{weight}s_ptr": "*u8" if mxfp4 else "*bf16"}
             # (the standard FC2 takes each of a token's 16 slots as a token of one slot; its
             # FC1 reads a bf16 latent of its own and no logits)
-            rows, cols = (2 * inter, latent) if situ else (latent, inter)
-            per_value = 0.5 if mxfp4 else 1   # (MXFP4: a byte of codes per two values)
-            ints = {"M": m if shared or situ else 16 * m, "INTER": inter,
-                    "stride_we": int(rows * cols * per_value), "stride_wn": int(cols * per_value),
-                    "stride_se": rows * cols // 32 if mxfp4 else 0,
-                    "stride_sn": cols // 32 if mxfp4 else 0}
+            ints = moe_ints(m if shared or situ else 16 * m, situ, mxfp4, consts)
             if situ:
-                row = 896 + latent if shared else latent
-                ints |= {"KDIM": latent, "E": 896 if shared else 0, "stride_x": row,
-                         "stride_l": row if shared else 0}
-            else:
-                ints |= {"N": latent, "stride_out": latent + hidden if shared else latent}
-            if shared:
-                s_n, s_k = (shared_inter, hidden) if situ else (hidden, shared_inter)
-                s_out = shared_inter if situ else latent + hidden
-                ints |= {"S_N": s_n, "S_K": s_k, "stride_sx": s_k, "stride_sw": s_k,
-                         "stride_sout": s_out, "SHARED_PROGRAMS": skinny_linear.tiles(
-                             m, s_n, consts["S_BLOCK_M"], consts["S_BLOCK_N"])}
+                ints |= {"E": 896, "stride_l": 896 + latent} if shared else {"E": 0, "stride_l": 0}
             label = "moe_route_fc1_situ E896 k16 I384" if situ else "moe_fc2_combine N3584 I384"
             label += " MXFP4" if mxfp4 else ""
             out.append(Build(f"{label} {tags[shared]}", kernel,
@@ -240,7 +247,8 @@ def builds() -> list[Build]:
         weight = {"w13_ptr": "*u8", "w13s_ptr": "*u8"} if mxfp4 else {"w13s_ptr": "*bf16"}
         out.append(Build(f"moe_grouped_fc1_situ E896 k16 I384{tag} +shared M={m}", kernel,
                          _signature(kernel, {**routed_types, "x_ptr": "*fp32", **weight},
-                                    consts), consts, 8))
+                                    consts), consts, 8,
+                         ints=moe_ints(m, True, mxfp4, consts) | {"SLOTS": 16 * m}))
         block_m, block_n, block_k = moe_experts.shared_tile(m, False)
         consts = {"TOP_K": 16, "BLOCK_T": moe_grouped_fc1.BLOCK_T,
                   "BLOCK_N": moe_grouped_fc2.BLOCK_N,
@@ -253,7 +261,7 @@ def builds() -> list[Build]:
         out.append(Build(f"moe_grouped_fc2 N3584 I384{tag} +shared M={m}", kernel,
                          _signature(kernel, {**routed_types, "out_ptr": "*fp32",
                                              "sout_ptr": "*fp32", **weight}, consts),
-                         consts, 8))
+                         consts, 8, ints=moe_ints(m, False, mxfp4, consts)))
     consts = {"TOP_K": 16, "BLOCK_N": 1024, "RNE": False}
     out.append(Build("moe_finalize k16 N3584", moe_experts.moe_finalize_kernel,
                      _signature(moe_experts.moe_finalize_kernel,

@@ -22,12 +22,13 @@ row of router logits), and then one program per (expert, intermediate block):
 
 The weights may be MXFP4, as in ``moe_route_fc1_situ`` (decoded as they stream, the tile's
 even and odd columns against each token's even and odd values). The shared experts' gate/up +
-SiTU ride in the same grid, as in ``moe_route_fc1_situ`` (their tiles first). On sm_90a it
-takes 80-85 registers a thread at 8 warps on bf16 experts, 167 on MXFP4 ones
-(``kimi_perf_kernels.aot``), where the per-slot kernel takes 64. The first column
-block's program of each expert also writes the expert's slots and their count
-(``ExpertSlots``), so that FC2 (``moe_grouped_fc2``: E × 112 programs at K3 TP8 shapes, ten
-times FC1's) reads its expert's slots instead of scanning the ids again.
+SiTU ride in the same grid, as in ``moe_route_fc1_situ`` (their tiles first). The K loop
+keeps STAGES weight tiles in flight (``tl.range``: Triton pipelines a loop with no dot in it
+only when asked). On sm_90a it takes 100-106 registers a thread at 8 warps on bf16 experts,
+200 on MXFP4 ones (``kimi_perf_kernels.aot``), where the per-slot kernel takes 64 and 126.
+The first column block's program of each expert also writes the expert's slots and their
+count (``ExpertSlots``), so that FC2 (``moe_grouped_fc2``: E × 28 programs at K3 TP8 shapes)
+reads its expert's slots instead of scanning the ids again.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ from kimi_perf_kernels.moe_experts import (
     routed_blocks,
 )
 from kimi_perf_kernels.mxfp4 import Mxfp4, mxfp4_pairs
-from kimi_perf_kernels.skinny_linear import _situ, linear_tile
+from kimi_perf_kernels.skinny_linear import STAGES, _situ, linear_tile
 
 BLOCK_T = 4   # the slots of one expert taken at a time
 SCAN = 256    # expert ids scanned at a time
@@ -106,7 +107,7 @@ def _grouped_fc1_tile(expert, block, x_ptr, w13_ptr, w13s_ptr, ids_ptr, act_ptr,
         token = (slot // TOP_K).to(tl.int64)
         gate = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
         up = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
-        for k0 in range(0, KDIM, BLOCK_K):
+        for k0 in tl.range(0, KDIM, BLOCK_K, num_stages=STAGES):   # tiles in flight
             if MXFP4:   # even and odd columns, against each token's even and odd values
                 g_even, g_odd = mxfp4_pairs(w, ws, n, n_ok, k0, KDIM, stride_wn, stride_sn,
                                             HALF)

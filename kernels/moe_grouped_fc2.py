@@ -33,11 +33,12 @@ from kimi_perf_kernels.common import (
 )
 from kimi_perf_kernels.moe_grouped_fc1 import BLOCK_T, ExpertSlots
 from kimi_perf_kernels.mxfp4 import Mxfp4, mxfp4_pairs
-from kimi_perf_kernels.skinny_linear import linear_tile
+from kimi_perf_kernels.skinny_linear import STAGES, linear_tile
 
-# Columns a program takes on a GPU: a [128, BLOCK_K] tile of W2 a K step (107 registers on
-# sm_90a), so that K3's grid is 896 experts × 28 programs, not × 112 (of which the experts no
-# token picked, a third at batch 64, exit at once) and a program streams 96 KB, not 24 KB.
+# Columns a program takes on a GPU: a [128, BLOCK_K] tile of W2 a K step (128 registers on
+# sm_90a, STAGES tiles in flight), so that K3's grid is 896 experts × 28 programs, not × 112
+# (of which the experts no token picked, a third at batch 64, exit at once) and a program
+# streams 96 KB, not 24 KB.
 BLOCK_N = 128
 # MXFP4's K step: its tiles decoded as even and odd halves in fp32, a [128, 128] step spills
 # on sm_90a; [128, 64] (32 bytes of codes a row) does not
@@ -62,7 +63,7 @@ def _grouped_fc2_tile(expert, block, act_ptr, w2_ptr, w2s_ptr, lists_ptr, counts
         t_ok = r0 + r < count
         slot = tl.load(lists_ptr + expert.to(tl.int64) * M + r0 + r, mask=t_ok, other=0)
         acc = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
-        for k0 in range(0, INTER, BLOCK_K):
+        for k0 in tl.range(0, INTER, BLOCK_K, num_stages=STAGES):   # tiles in flight
             if MXFP4:   # even and odd columns, against each slot's even and odd activations
                 w_even, w_odd = mxfp4_pairs(w, ws, n, n_ok, k0, INTER, stride_wn, stride_sn,
                                             HALF)

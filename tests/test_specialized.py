@@ -403,6 +403,12 @@ def test_the_interpreter_is_chosen_by_what_runs_the_model_alone():
     assert proc.returncode == 0, proc.stderr
 
 
+# the kernels whose K3 loops stream weights or the latent cache (kda_decode's f_b weights but
+# where the f_b projection is given)
+STREAMING = {"attn_res", "skinny_linear", "kda_decode", "moe_route_fc1_situ", "moe_fc2_combine",
+             "moe_grouped_fc1_situ", "moe_grouped_fc2", "mla_attention", "mla_uv_gate"}
+
+
 def test_every_kernel_compiles_for_sm90a_without_spills(tmp_path):
     """The CI compile check: Triton -> PTX -> ptxas for sm_90a, registers and spills."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -418,12 +424,16 @@ def test_every_kernel_compiles_for_sm90a_without_spills(tmp_path):
                      "moe_fc2_combine", "mla_absorb_insert", "mla_attention", "mla_uv_gate"}
     for k in doc["kernels"]:
         assert k["spill_stores"] == 0 and k["registers"] <= 255 and k["cubin_bytes"] > 0
-    # mla_uv_gate's split partials feed its dot, so their loads are pipelined as one split's
-    # are (a merge looping over the splits before the dot was not: one latency after another)
-    uv_gate = [k for k in doc["kernels"] if k["kernel"].startswith("mla_uv_gate")
-               and " tiny " not in k["kernel"]]   # (tiny's one K step has nothing to pipeline)
-    assert any("64 split" in k["kernel"] for k in uv_gate)
-    assert all(k["async_copies"] > 0 for k in uv_gate)
+    # Every K3 loop that streams weights or the cache keeps loads in flight (cp.async): a loop
+    # without them waits out one load's latency after another's. mla_uv_gate's merge looped
+    # over the splits before its dot so, and the grouped experts' K loops, which Triton
+    # pipelines only when asked (no dot in them), did, unseen while their K3 builds lacked
+    # the integer arguments the JIT specialises (a K not known a multiple of 16).
+    streaming = [k for k in doc["kernels"] if " tiny " not in k["kernel"]   # (one K step)
+                 and k["kernel"].split()[0] in STREAMING and " f given " not in k["kernel"]]
+    assert {k["kernel"].split()[0] for k in streaming} == STREAMING
+    assert any(k["kernel"].startswith("mla_uv_gate 64 split") for k in streaming)
+    assert [k["kernel"] for k in streaming if k["async_copies"] == 0] == []
     # and every configuration the kernel paths launch, in each dtype a run uses: an fp32
     # cache's attention (the GPU check's float32 run) once failed to compile on a GPU only
     launched = [k["kernel"] for k in doc["kernels"] if " tiny " in k["kernel"]]
