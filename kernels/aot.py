@@ -93,7 +93,8 @@ def builds() -> list[Build]:
                 "stride_sn": cols // 32 if mxfp4 else 0}
         if not consts["SHARED"]:   # the standard path's: a row of its own, no shared experts
             return ints | ({"KDIM": latent, "stride_x": latent} if situ
-                           else {"N": latent, "stride_out": latent})
+                           else {"N": latent, "stride_out": latent}) | dict.fromkeys(
+                ("S_N", "S_K", "stride_sx", "stride_sw", "stride_sout", "SHARED_PROGRAMS"), 0)
         ints |= ({"KDIM": latent, "stride_x": 896 + latent} if situ
                  else {"N": latent, "stride_out": latent + hidden})
         s_n, s_k = (shared_inter, hidden) if situ else (hidden, shared_inter)
@@ -265,37 +266,61 @@ def builds() -> list[Build]:
     consts = {"TOP_K": 16, "BLOCK_N": 1024, "RNE": False}
     out.append(Build("moe_finalize k16 N3584", moe_experts.moe_finalize_kernel,
                      _signature(moe_experts.moe_finalize_kernel,
-                                {"per_slot_ptr": "*bf16", "out_ptr": "*bf16"}, consts), consts))
+                                {"per_slot_ptr": "*bf16", "out_ptr": "*bf16"}, consts), consts,
+                     ints={"N": latent}))
     for zero in (False, True):   # True: zeroing the grouped FC2's rows (opt-in)
         consts = {"K": 16, "BLOCK_E": 1024, "ZERO": zero, "BLOCK_Z": 1024}
+        # the standard path's logits a row of their own; the grouped path's beside the latent,
+        # its routed latent (zeroed) beside the shared experts' output
+        ints = ({"E": 896, "stride_l": 896 + latent, "ZERO_N": latent,
+                 "stride_zero": latent + hidden} if zero
+                else {"E": 896, "stride_l": 896, "ZERO_N": 0, "stride_zero": 0})
         out.append(Build(f"router_topk E896 k16{' +zero' if zero else ''}",
                          router_topk.router_topk_kernel,
                          _signature(router_topk.router_topk_kernel,
-                                    {"ids_ptr": "*i32", "scale": "fp32"}, consts), consts))
-    for width in (2048, 4096, 8192):  # q_lora | kv_lora; the latent; hidden (final norm)
+                                    {"ids_ptr": "*i32", "scale": "fp32"}, consts), consts,
+                         ints=ints))
+    # q_lora and kv_lora (the standard path's, of one row of q_lora + kv_lora + rope); the
+    # latent; hidden (final norm)
+    qkv_a = 1536 + 512 + 64
+    for width, ints in ((2048, {"N": 1536, "stride_x": qkv_a, "stride_out": 1536, "N2": 512,
+                                "stride_x2": qkv_a, "stride_out2": 512}),
+                        (4096, dict.fromkeys(("N", "stride_x", "stride_out", "N2", "stride_x2",
+                                              "stride_out2"), latent)),
+                        (8192, dict.fromkeys(("N", "stride_x", "stride_out", "N2", "stride_x2",
+                                              "stride_out2"), hidden))):
         consts = {"BLOCK": width, "RNE": False}
         out.append(Build(f"rms_norm {width}", rms_norm.rms_norm_kernel,
                          _signature(rms_norm.rms_norm_kernel,
                                     {"x_ptr": "*bf16", "x2_ptr": "*bf16", "out_ptr": "*bf16",
                                      "out2_ptr": "*bf16", "eps": "fp32"}, consts),
-                         consts, 8))
+                         consts, 8, ints=ints))
     consts = {"BLOCK": l2_prefetch.BLOCK}
     out.append(Build("l2_prefetch", l2_prefetch.l2_prefetch_kernel,
                      _signature(l2_prefetch.l2_prefetch_kernel, {"ptr": "*bf16"}, consts),
-                     consts, 8))
+                     consts, 8, ints={"n": hidden * kda_proj,   # (o_proj's weights)
+                                      "per_program": l2_prefetch.per_program(hidden * kda_proj)}))
     consts = {"BETA": 4.0, "BETA_LINEAR": 25.0, "BLOCK": 1024, "RNE": False}
     out.append(Build("situ_and_mul", situ_and_mul.situ_and_mul_kernel,
                      _signature(situ_and_mul.situ_and_mul_kernel,
-                                {"x_ptr": "*bf16", "out_ptr": "*bf16"}, consts), consts))
+                                {"x_ptr": "*bf16", "out_ptr": "*bf16"}, consts), consts,
+                     ints={"INTER": shared_inter, "stride_x": 2 * shared_inter,
+                           "stride_out": shared_inter}))
     consts = {"BLOCK_V": 128, "RNE": False}
     out.append(Build("gate_sigmoid_mul V128", gate_sigmoid_mul.gate_sigmoid_mul_kernel,
                      _signature(gate_sigmoid_mul.gate_sigmoid_mul_kernel,
                                 {"o_ptr": "*bf16", "g_ptr": "*bf16", "out_ptr": "*bf16"},
-                                consts), consts, 1))
+                                consts), consts, 1,
+                     ints={"V": 128, "stride_oh": 128, "stride_om": 128,   # (batch 1)
+                           "stride_g": 12 * 128, "stride_out": 12 * 128}))
     bf16 = {"q_ptr": "*bf16", "wuk_ptr": "*bf16", "qhat_ptr": "*bf16", "kv_ptr": "*bf16",
             "olat_ptr": "*bf16", "wuv_ptr": "*bf16", "g_ptr": "*bf16", "out_ptr": "*bf16",
             "pos_ptr": "*i64", "kv_scale": "fp32", "q_scale": "fp32", "eps": "fp32",
             "sm_scale": "fp32"}
+    # MLA at batch 1 (a verify step of 1+3 tokens: 32 rows), 12 heads, a cache of 4096
+    # positions of 576; the specialized path's q_lora, latent KV and gate one row of 3648
+    cache_strides = {"stride_cache_b": 4096 * 576, "stride_cache_s": 576}
+    qkv_a_g = 1536 + 576 + 12 * 128
     for cache in ("bf16", "fp8e4nv"):   # (an fp8 cache takes an fp8 q̂)
         consts = {"NOPE": 128, "ROPE": 64, "LORA": 512,
                   "BLOCK_M": mla_absorb_insert.BLOCK_M, "BLOCK_L": 64, "BLOCK_ROPE": 64,
@@ -304,7 +329,9 @@ def builds() -> list[Build]:
                          mla_absorb_insert.mla_absorb_insert_kernel,
                          _signature(mla_absorb_insert.mla_absorb_insert_kernel,
                                     {**bf16, "cache_ptr": f"*{cache}", "qhat_ptr": f"*{cache}"},
-                                    consts), consts))
+                                    consts), consts,
+                         ints={"M": 1, "H": 12, "T": 1, "stride_q": 12 * 192,
+                               "stride_kv": qkv_a_g, **cache_strides}))
         consts = {"NOPE": 128, "ROPE": 64, "LORA": 512, "BLOCK_ROPE": 64,
                   "FP8": cache != "bf16", "RNE": False}
         out.append(Build(f"mla_concat_insert {cache} cache",
@@ -313,7 +340,10 @@ def builds() -> list[Build]:
                                     {"ql_ptr": "*bf16", "q_ptr": "*bf16", "kv_ptr": "*bf16",
                                      "kpe_ptr": "*bf16", "cache_ptr": f"*{cache}",
                                      "pos_ptr": "*i64", "qhat_ptr": f"*{cache}",
-                                     "kv_scale": "fp32", "q_scale": "fp32"}, consts), consts))
+                                     "kv_scale": "fp32", "q_scale": "fp32"}, consts), consts,
+                         ints={"H": 12, "T": 1, "stride_ql_h": 512, "stride_ql_m": 512,
+                               "stride_q": 12 * 192, "stride_kv": 512, "stride_kpe": qkv_a,
+                               **cache_strides}))
         # row blocks of 16 (decode) and 32 (a verify step's tokens x heads)
         for splits, rb in itertools.product((1, mla_attention.MAX_SPLITS), (16, 32)):
             consts = {"LORA": 512, "ROPE": 64, "BLOCK_ROPE": 64, "RB": rb, "BLOCK_S": 32,
@@ -321,15 +351,17 @@ def builds() -> list[Build]:
                       "RNE": False}
             types = {**bf16, "cache_ptr": f"*{cache}", "qhat_ptr": f"*{cache}",
                      "out_ptr": "*bf16" if splits == 1 else "*fp32"}
+            tokens = 1 if rb == 16 else 4
             out.append(Build(f"mla_attention {cache} cache, {splits} split(s), {rb} rows",
                              mla_attention.mla_attention_kernel,
                              _signature(mla_attention.mla_attention_kernel, types, consts),
-                             consts, 8))
+                             consts, 8,
+                             ints={"M": tokens, "H": 12, "T": tokens, **cache_strides}))
     most = mla_attention.MAX_SPLITS
     consts = {"LORA": 512, "SPLITS": most, "BLOCK_SPLITS": most, "RNE": False}
     out.append(Build(f"mla_combine {most} splits", mla_attention.mla_combine_kernel,
                      _signature(mla_attention.mla_combine_kernel, {"out_ptr": "*bf16"}, consts),
-                     consts))
+                     consts, ints={"M": 1, "H": 12}))
     for splits in (1, 2, 4, most):
         consts = {"LORA": 512, "V": 128, "BLOCK_V": 64, "BLOCK_L": 64, "SPLITS": splits,
                   "BLOCK_M": mla_uv_gate.merge_block(splits) if splits > 1
@@ -337,7 +369,8 @@ def builds() -> list[Build]:
                   "DOT_FP32": False, "RNE": False}
         types = {**bf16, "olat_ptr": "*bf16" if splits == 1 else "*fp32"}
         out.append(Build(f"mla_uv_gate {splits} split(s)", mla_uv_gate.mla_uv_gate_kernel,
-                         _signature(mla_uv_gate.mla_uv_gate_kernel, types, consts), consts))
+                         _signature(mla_uv_gate.mla_uv_gate_kernel, types, consts), consts,
+                         ints={"M": 1, "H": 12, "stride_g": qkv_a_g, "stride_out": 12 * 128}))
     return [variant for build in out for variant in pdl_variants(build)] + prefetching
 
 

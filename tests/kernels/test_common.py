@@ -219,3 +219,15 @@ def test_aot_builds_every_pdl_kernel_both_ways():
     paired = [b for b in builds if "PDL" in b.fn.arg_names and b not in prefetching]
     assert sorted(b.label for b in paired if b.constexprs["PDL"]) == sorted(
         b.label + " PDL" for b in paired if not b.constexprs["PDL"])
+
+
+def test_every_k3_build_gives_each_integer_argument_its_value():
+    """The JIT specialises an integer argument by its value (a 1 becomes a constant, a
+    multiple of 16 is known to be one: wide loads, masks that keep them). A K3 build that
+    leaves one out compiles another kernel than a GPU runs: the grouped experts' K loops,
+    their K not known to be a multiple of 16, kept their weight tiles out of the pipeline."""
+    from kimi_perf_kernels import aot
+
+    for build in aot.builds():
+        ints = {name for name, kind in build.signature.items() if kind in ("i32", "i64")}
+        assert ints == set(build.ints or {}), build.label
