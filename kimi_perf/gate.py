@@ -10,7 +10,9 @@ across steps are not independent, so the p-value is optimistic: the threshold mu
 crossed too. Where the samples are too few for the test to reach ``alpha`` at all (fewer than
 ``min_samples`` a side, or 1 / C(n+m, n) >= alpha), the threshold decides alone. A layer type
 or path the baseline has and the run lacks fails too (the analysis lost it); one the run adds
-is reported.
+is reported. Layers a step (in all, and of each type) must match: a layer lost or added is
+other work, whose figures would pass for a change of speed; a count that differs fails, but
+where the pattern moved layers between letters or the models differ in depth.
 
 Layer types found by the repeating kernel pattern (letters in order of first appearance, not
 range names) are paired by their kernel sequence (its digest), whatever their letters; the types
@@ -103,13 +105,14 @@ class Check:
     change: float | None      # current / baseline - 1
     p_value: float | None     # one-sided Mann-Whitney U, in the direction of the change
     status: str               # ok, regression, improvement, noise, missing, new, changed,
-                              # fell back (every step of the run's path: the baseline's not)
+                              # differs (layers a step), fell back (every step of the run's
+                              # path: the baseline's not)
     detail: str | None = None  # the kernels behind a regression or improvement
     run_layer_type: str | None = None  # the run's name of the type, where it differs
 
     @property
     def fails(self) -> bool:
-        return self.status in ("regression", "missing", "fell back")
+        return self.status in ("regression", "missing", "differs", "fell back")
 
 
 @dataclass
@@ -198,9 +201,10 @@ def gate_files(baseline: str | Path, run: str | Path, tolerances: Tolerances = T
     depths = [(d.get("run") or {}).get("n_layers") if isinstance(d, dict) else None
               for d in (base_doc, run_doc)]
     if None not in depths and depths[0] != depths[1]:
-        # a step of a model of another depth is other work; its layers still compare
+        # a step of a model of another depth is other work, of other layers; its layers still
+        # compare
         for check in result.checks:
-            if check.layer_type == STEP and check.status != "new":
+            if (check.layer_type == STEP or check.metric == "layers") and check.status != "new":
                 check.status = "changed"
                 check.detail = (f"models of {depths[0]} and {depths[1]} layers: a step is "
                                 "other work")
@@ -478,6 +482,8 @@ def _checked(b: Breakdown, path: Path) -> Breakdown:
                                "phase or range is not a name, its layers or other_thread_ops "
                                "not a count, or its prologue or epilogue not {kernels, "
                                "span_us}")
+    if problem := _disagreement(b):
+        raise TraceError(path, problem)
     for t in b.layer_types:
         if not _layer_type_figures_ok(t):
             raise TraceError(path, f"layer type {t['type']!r}: not {{layers, kernels, "
@@ -506,6 +512,31 @@ def _checked(b: Breakdown, path: Path) -> Breakdown:
         raise TraceError(path, "timeline is not {step, names, segments: [{label, ops: "
                                "[[name index, class, start µs, µs]]}]}")
     return b
+
+
+def _disagreement(b: Breakdown) -> str | None:
+    """Where a stored breakdown's summaries disagree with the rows they summarise (an edited
+    or mixed file: compare reads a layer type's summary, the gate its layers): a layer type
+    per type of the layers, its layer count and median kernels theirs, and a step's layer
+    count its layers'."""
+    types = Counter(r["type"] for r in b.layers)
+    stated = [t["type"] for t in b.layer_types]
+    if sorted(stated) != sorted(types):
+        return (f"its layer types ({', '.join(stated) or 'none'}) are not those of its layers "
+                f"({', '.join(types) or 'none'})")
+    for t in b.layer_types:
+        kernels = layer_column(b.layers, "kernels", t["type"])
+        if t.get("layers") != types[t["type"]] or (
+                _is_figure(t.get("kernels")) and t["kernels"] != float(np.median(kernels))):
+            return (f"layer type {t['type']!r} says {t.get('layers')} layers of median "
+                    f"{t.get('kernels')} kernels; its layers are {types[t['type']]} of median "
+                    f"{float(np.median(kernels)):g}")
+    per_step = Counter((r["step"], r["device"]) for r in b.layers)
+    for s in b.steps:
+        held = per_step[(s.get("index"), s.get("device"))]
+        if s.get("layers") is not None and s["layers"] != held:
+            return f"step {s.get('index')} says {s['layers']} layers; {held} layers are in it"
+    return None
 
 
 def _classes_ok(classes) -> bool:
@@ -563,6 +594,8 @@ def gate(baseline: dict[str, Breakdown], current: dict[str, Breakdown],
             if None not in (base_type, cur_type) and (
                     patterns_differ([_digest(base, base_type), _digest(cur, cur_type)])):
                 found.append(Check(path, label, "pattern", None, None, None, None, "changed"))
+            if (layers := _layers_check(path, label, base, base_type, cur, cur_type)):
+                found.append(layers)
             for metric in tolerances.metrics:
                 # (steps count kernels too: those outside every layer, a step's prologue and
                 # epilogue, are in no layer type)
@@ -583,7 +616,8 @@ def gate(baseline: dict[str, Breakdown], current: dict[str, Breakdown],
                 if check.status in ("regression", "improvement"):
                     check.detail = (windows if base_type == STEP and windows is not None
                                     else _behind(check, base, cur, base_type, cur_type))
-                if shifted and check.status in ("regression", "improvement", "missing"):
+                if shifted and check.status in ("regression", "improvement", "missing",
+                                                "differs"):
                     check.status = "changed"
                 if cur_type not in (None, label):
                     check.run_layer_type = cur_type
@@ -794,6 +828,34 @@ def _behind(check: Check, base: Breakdown | None, cur: Breakdown | None,
             parts.append(f"idle between {cur.unit} "
                          f"{np.median(gaps[1]) - np.median(gaps[0]):+.1f} µs (median)")
     return "; ".join(filter(None, parts)) if moved or check.metric == "span_us" else None
+
+
+def _layers_check(path: str, label: str, base: Breakdown | None, base_type: str | None,
+                  cur: Breakdown | None, cur_type: str | None) -> Check | None:
+    """Layers a step (the median step's; of a layer type, those of the type), where both
+    sides have them: a layer lost or added is other work, whose steps' and layers' figures
+    would otherwise pass for a change of speed (a lost layer as an improvement)."""
+    if None in (base, cur, base_type, cur_type):
+        return None
+    counts = [_layers_per_step(b) if t == STEP else _type_per_step(b, t)
+              for b, t in ((base, base_type), (cur, cur_type))]
+    if None in counts:
+        return None
+    b, c = counts
+    return Check(path, label, "layers", b, c, _change(b, c), None,
+                 "ok" if b == c else "differs",
+                 None if b == c else f"{b:g} layers a step in the baseline, {c:g} in the run")
+
+
+def _type_per_step(b: Breakdown, layer_type: str) -> float | None:
+    """The median step's count of layers of the type (None: no steps, or layers that do not
+    say theirs: a breakdown built in memory without them)."""
+    if not b.steps or not all(isinstance(r.get("step"), int) and isinstance(r.get("device"), int)
+                              for r in b.layers[:1]):
+        return None
+    held = Counter(zip(layer_column(b.layers, "step", layer_type).tolist(),
+                       layer_column(b.layers, "device", layer_type).tolist(), strict=True))
+    return float(np.median([held[(s.get("index"), s.get("device"))] for s in b.steps]))
 
 
 def _samples(b: Breakdown | None, layer_type: str | None, metric: str) -> np.ndarray | None:

@@ -376,6 +376,7 @@ def validation_table(result: dict) -> Table:
 
 
 GATE_STYLES = {"regression": "bold red", "missing": "bold red", "fell back": "bold red",
+               "differs": "bold red",
                "improvement": "green",
                "noise": "yellow", "new": "cyan", "changed": "yellow"}
 GATE_HEADLINE_ITEMS = 5
@@ -417,13 +418,15 @@ def gate_headline(result: GateResult) -> str:
     failures = result.failures
     worst = "; ".join(f"{c.path}: {c.detail}" if c.status == "fell back" else
                       f"{c.path} {c.layer_type} {result.metric_name(c)} "
-                      + (f"{_value(c.baseline)} -> {_value(c.current)}" if c.status == "regression"
-                         else "missing from the run")
+                      + (f"{_value(c.baseline)} -> {_value(c.current)}"
+                         if c.status in ("regression", "differs") else "missing from the run")
                       + (f" ({c.detail})" if c.detail else "")
                       for c in failures[:GATE_HEADLINE_ITEMS])
     more = len(failures) - GATE_HEADLINE_ITEMS
     counts = Counter(c.status for c in failures)
-    said = ", ".join(f"{n} {status}" + ("s" if n > 1 and status == "regression" else "")
+    said = ", ".join(f"{n} layer count{' differs' if n == 1 else 's differ'}"
+                     if status == "differs" else
+                     f"{n} {status}" + ("s" if n > 1 and status == "regression" else "")
                      + (" on every step" if status == "fell back" else "")
                      for status, n in sorted(counts.items(), reverse=True))
     return (f"gate: FAIL, {said}: {worst}"

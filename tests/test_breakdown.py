@@ -639,9 +639,12 @@ def test_compare_pairs_pattern_types_by_their_kernels_whatever_their_letters(tmp
 
 
 def _types(*specs) -> Breakdown:
-    """A breakdown of layer types only: (name, digest or None, kernels, span µs[, kernels per
-    class]) each."""
-    return Breakdown(source={}, steps=[], layers=[], layer_types=[
+    """A breakdown of layer types only, two like layers each: (name, digest or None, kernels,
+    span µs[, kernels per class]) each."""
+    layers = [{"step": 0, "device": 0, "index": 2 * i + j, "type": name, "kernels": k,
+               "kernel_us": us, "span_us": us, "gap_us": 0.0, "classes": {}}
+              for i, (name, _, k, us, *_) in enumerate(specs) for j in range(2)]
+    return Breakdown(source={}, steps=[], layers=layers, layer_types=[
         {"type": name, "layers": 2, "kernels": k, "kernel_us": us, "span_us": us,
          "gap_us": 0.0,
          "classes": {c: {"kernels": n, "us": 1.0} for c, n in (classes[0] if classes else {})

@@ -952,6 +952,15 @@ def test_report_command_draws_runs_breakdowns_and_traces(tmp_path):
      "breakdown rows lack a type"),      # an index no int64 column holds
     (lambda d: d["paths"]["standard"]["layer_types"][0]["classes"]["gemm"].update(us=-5.0),
      "layer type 'dense': not {layers, kernels"),
+    # summaries that disagree with their rows: compare reads the one, the gate the other
+    (lambda d: d["paths"]["standard"].update(layers=[]),
+     "its layer types (dense, kda, mla) are not those of its layers (none)"),
+    (lambda d: d["paths"]["standard"]["layer_types"][1].update(kernels=10),
+     "layer type 'kda' says 15 layers of median 10 kernels; its layers are 15 of median 18"),
+    (lambda d: d["paths"]["standard"].update(layers=d["paths"]["standard"]["layers"][1:]),
+     "layer type 'dense' says 3 layers"),
+    (lambda d: d["paths"]["standard"]["steps"][0].update(layers=7),
+     "step 0 says 7 layers; 8 layers are in it"),
 ])
 def test_report_command_bad_stored_runs(tmp_path, change, message):
     doc = json.loads(BASELINE.read_text())

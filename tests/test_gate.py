@@ -521,6 +521,41 @@ def test_a_layer_type_or_path_the_run_lost_fails():
     assert new.ok and {c.status for c in new.checks if c.path == "standard"} == {"new"}
 
 
+def test_a_layer_lost_from_every_step_fails_rather_than_speeding_it_up(tmp_path):
+    """A decode path that skips a layer: its steps' kernels and µs fall, as a faster path's
+    would; its layers a step (8 -> 7, kda 5 -> 4) fail the gate, and the CLI says so."""
+    from click.testing import CliRunner
+
+    from kimi_perf.cli import main
+    from kimi_perf.gate import gate_files
+
+    doc = json.loads(BASELINE.read_text())
+    path = doc["paths"]["specialized"]
+    lost = [r for r in path["layers"] if r["type"] == "kda" and r["index"] == 5]
+    kernels = lost[0]["kernels"]
+    path["layers"] = [r for r in path["layers"] if r not in lost]
+    for step in path["steps"]:
+        step["layers"] -= 1
+        step["kernels"] -= kernels
+    kda = next(t for t in path["layer_types"] if t["type"] == "kda")
+    kda["layers"] -= len(lost)
+    short = tmp_path / "short.json"
+    short.write_text(json.dumps(doc))
+    result = gate_files(BASELINE, short, Tolerances(metrics="kernels")).result
+    assert [(c.path, c.layer_type, c.metric, c.baseline, c.current) for c in result.failures] \
+        == [("specialized", "kda", "layers", 5, 4), ("specialized", "step", "layers", 8, 7)]
+    assert {c.status for c in result.failures} == {"differs"}
+    steps = {c.metric: c.status for c in result.checks
+             if c.path == "specialized" and c.layer_type == "step"}
+    assert steps["kernels"] == "improvement"          # what alone would have passed it
+    out = CliRunner().invoke(main, ["gate", str(BASELINE), str(short), "--metrics", "kernels"])
+    assert out.exit_code == 1
+    assert "gate: FAIL, 2 layer counts differ: specialized kda layers 5 -> 4" in " ".join(
+        out.output.split())
+    # the same layers a step pass
+    assert gate_files(BASELINE, BASELINE, Tolerances(metrics="kernels")).result.ok
+
+
 def test_too_few_samples_for_alpha_fall_back_to_the_threshold():
     """5 samples a side: the exact test's smallest p is 1/252 > 0.001, so at alpha 0.001 it
     could never fail anything; the threshold decides instead."""
@@ -635,8 +670,8 @@ def test_this_repository_keeps_its_launch_counts(tmp_path):
     result = runner.invoke(main, ["gate", str(BASELINE), str(run_dir), "--metrics", "kernels",
                                   "--all"])
     assert result.exit_code == 0, result.output
-    # median and largest, 2 paths × (3 layer types + the steps)
-    assert "gate: pass (16 checks)" in result.output
+    # median and largest kernels and layers a step, 2 paths × (3 layer types + the steps)
+    assert "gate: pass (24 checks)" in result.output
     assert "baseline vs run (launches only)" in result.output   # no time criterion
     # the same run against a baseline from before the shared experts joined the routed
     # experts' launches (two more per layer): an improvement; the reverse fails
@@ -877,9 +912,9 @@ def test_steps_of_a_model_of_another_depth_are_other_work(tmp_path):
     path = doc["paths"]["specialized"]
     for step in path["steps"]:
         step["kernels"] //= 2
-    for layer in path["layers"]:
-        if layer["type"] == "kda":
-            layer["kernels"] += 1
+    for item in (*path["layers"], *path["layer_types"]):   # (the summary as the layers)
+        if item["type"] == "kda":
+            item["kernels"] += 1
     shallow = tmp_path / "shallow.json"
     shallow.write_text(json.dumps(doc))
     result = gate_files(BASELINE, shallow, Tolerances(metrics="kernels")).result
