@@ -28,13 +28,14 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from kimi_perf import __version__
 from kimi_perf.decode.fallbacks import every_decode_step_fell_back, summarise
-from kimi_perf.errors import TraceError
+from kimi_perf.errors import NoStepsMatched, TraceError
 from kimi_perf.layer_breakdown import Breakdown, breakdown
 from kimi_perf.names import primed
 from kimi_perf.readers import read_trace
@@ -597,13 +598,32 @@ def _kimi_perf_run_json(path: Path) -> bool:
         return re.match(rb'\s*\{\s*"command"\s*:', f.read(64)) is not None
 
 
-def trace_files(paths: list[Path], keep_runs: bool = False) -> list[Path]:
+# How far into a JSON file a Kineto trace names its events (or its schema, which the profiler
+# writes first), so that other JSON beside traces in a directory is told apart
+KINETO_HEAD = 1 << 16
+
+
+def _json_not_a_trace(path: Path) -> bool:
+    """A JSON file (gzipped or not) whose head names no Kineto key: a profiler's directory
+    often holds other JSON (a config, a summary) beside its traces."""
+    if not path.name.endswith((".json", ".json.gz")):
+        return False
+    try:
+        with (gzip.open(path, "rb") if path.name.endswith(".gz") else open(path, "rb")) as f:
+            head = f.read(KINETO_HEAD)
+    except (OSError, EOFError, zlib.error):
+        return False   # unreadable: the reader says why
+    return b'"traceEvents"' not in head and b'"schemaVersion"' not in head
+
+
+def trace_files(paths: list[Path], keep_runs: bool = False,
+                left_out: list[Path] | None = None) -> list[Path]:
     """``paths`` with each directory replaced by the trace files in it, in natural order
     (rank2 before rank10): a profiler's output directory, one trace per rank or worker, as
-    vLLM's and SGLang's profilers write them. Breakdown JSON files in it are left out, and so
-    is an .nsys-rep beside its SQLite export. A
-    kimi-perf run directory is not a directory of traces: an error, or with ``keep_runs``
-    kept as it is (``kimi-perf report`` draws it)."""
+    vLLM's and SGLang's profilers write them. Breakdown JSON files in it are left out, other
+    JSON that is no trace too (added to ``left_out``), and an .nsys-rep beside its SQLite
+    export. A kimi-perf run directory is not a directory of traces: an error, or with
+    ``keep_runs`` kept as it is (``kimi-perf report`` draws it)."""
     from kimi_perf.gate import is_kimi_perf_json
 
     def natural(p: Path) -> list:
@@ -623,12 +643,18 @@ def trace_files(paths: list[Path], keep_runs: bool = False) -> list[Path]:
         if _kimi_perf_run_json(path / "run.json"):
             raise TraceError(path, "a kimi-perf run directory without its breakdown.json (a "
                                    "capture that did not finish, or a file removed since)")
-        found = sorted((f for f in path.iterdir() if f.is_file()
+        named = sorted((f for f in path.iterdir() if f.is_file()
                         and f.name.endswith(TRACE_SUFFIXES) and not is_kimi_perf_json(f)),
                        key=natural)
+        other = [f for f in named if _json_not_a_trace(f)]
+        found = [f for f in named if f not in other]
         if not found:
             raise TraceError(path, "holds no trace files (" + ", ".join(
-                f"*{s}" for s in TRACE_SUFFIXES[2:]) + ")")
+                f"*{s}" for s in TRACE_SUFFIXES[2:]) + ")" + (
+                f"; JSON that is not a trace: {', '.join(f.name for f in other)}"
+                if other else ""))
+        if left_out is not None:
+            left_out += other
         # a report nsys has exported (``nsys stats`` leaves X.sqlite beside X.nsys-rep) is
         # one capture: its export is read, and the report is not read again
         exported = {f.name.removesuffix(".sqlite") for f in found if f.suffix == ".sqlite"}
@@ -663,8 +689,11 @@ def analyse(files: list[Path], out_dir: Path, layers: str = "auto", phase: str =
     results: dict[str, Breakdown] = {}
     paired = captures or [None] * len(files)
     for f, c, label in zip(files, paired, trace_labels(files), strict=True):
-        results[label] = breakdown(read_trace(f, capture=c), layers=layers, phase=phase,
-                                   rules=loaded, step_regex=step_regex)
+        try:
+            results[label] = breakdown(read_trace(f, capture=c), layers=layers, phase=phase,
+                                       rules=loaded, step_regex=step_regex)
+        except NoStepsMatched as exc:   # (named by the trace's file: a .kptrace's is another)
+            raise TraceError(f, exc.problem) from None
     command = ["kimi-perf", "trace", *(a for f in files for a in ("--from", str(f))),
                *(a for c in captures or () for a in ("--capture", str(c))),
                *(("--layers", layers) if layers != "auto" else ()),

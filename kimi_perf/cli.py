@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -31,6 +32,27 @@ LAYERS_HELP = ("auto: per-layer ranges when the trace has them, else the repeati
                "name groups 'index' and 'type')")
 
 
+# A shell's status for a command its reader left (SIGPIPE): not 1, which `gate` gives a
+# regression
+BROKEN_PIPE = 141
+
+
+def _stdout_to_devnull() -> None:
+    """Whatever the command still prints goes nowhere (the reader went away)."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
+
+@contextlib.contextmanager
+def _reader_may_leave():
+    """Output whose reader may go away (`| head`) without changing what the command does
+    after it (gate: its --update and its exit code, the verdict)."""
+    try:
+        yield
+        sys.stdout.flush()
+    except BrokenPipeError:
+        _stdout_to_devnull()
+
+
 def _fail_cleanly(fn):
     """Bad input ends in one line on stderr and exit code 2, never a traceback."""
     @functools.wraps(fn)
@@ -38,12 +60,14 @@ def _fail_cleanly(fn):
         try:
             return fn(*args, **kwargs)
         except TraceError as exc:
+            _interrupted_first()
             click.echo(f"kimi-perf: error: {exc}", err=True)
             sys.exit(2)
         except BrokenPipeError:  # the reader went away (`| head`): nothing left to say
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-            sys.exit(1)
+            _stdout_to_devnull()
+            sys.exit(BROKEN_PIPE)
         except OSError as exc:  # a file the command was pointed at, not a bug of ours
+            _interrupted_first()
             where = f"{exc.filename}: " if exc.filename else ""
             click.echo(f"kimi-perf: error: {where}{exc.strerror or exc}", err=True)
             sys.exit(2)
@@ -147,7 +171,7 @@ def _kernels_option(fn):
 
 def _seed_option(fn):
     # (seed + 1 draws the prompt: both fit torch's 64-bit generator seed)
-    return click.option("--seed", default=0, show_default=True, type=click.IntRange(0, 2**63),
+    return click.option("--seed", default=0, show_default=True, type=click.IntRange(0, 2**63 - 1),
                         help="draws the random weights, the prompt and, with --spec-tokens, "
                         "the drafts and their acceptance")(fn)
 
@@ -242,8 +266,27 @@ class Terminated(BaseException):
     way out, as for Ctrl-C (a temporary file, a run directory not yet complete)."""
 
 
+# The signals the command got: an error raised while one unwinds (a profiler stopped halfway
+# may assert on the way out) is the interruption's, not a failure of its own
+_signalled: list[int] = []
+
+
 def _terminate(signum, frame) -> None:
+    _signalled.append(signum)
     raise Terminated
+
+
+def _interrupt(signum, frame) -> None:
+    _signalled.append(signum)
+    raise KeyboardInterrupt
+
+
+def _interrupted_first() -> None:
+    """Raise the interruption again where an error came while it unwound."""
+    if signal.SIGTERM in _signalled:
+        raise Terminated
+    if signal.SIGINT in _signalled:
+        raise KeyboardInterrupt
 
 
 class KimiPerfGroup(click.Group):
@@ -265,9 +308,15 @@ class KimiPerfGroup(click.Group):
 
     def invoke(self, ctx: click.Context):
         main_thread = threading.current_thread() is threading.main_thread()
-        previous = signal.signal(signal.SIGTERM, _terminate) if main_thread else None
+        handlers = {signal.SIGTERM: _terminate, signal.SIGINT: _interrupt}
+        previous = {n: signal.signal(n, h) for n, h in handlers.items()} if main_thread else {}
+        _signalled.clear()
         try:
-            return super().invoke(ctx)
+            try:
+                return super().invoke(ctx)
+            except Exception:
+                _interrupted_first()
+                raise
         except click.UsageError as exc:
             raise self._one_line(exc) from None
         except KeyboardInterrupt:
@@ -277,8 +326,9 @@ class KimiPerfGroup(click.Group):
             click.echo("kimi-perf: terminated", err=True)
             sys.exit(143)
         finally:
-            if main_thread and previous is not None:   # None: a handler not set from Python
-                signal.signal(signal.SIGTERM, previous)
+            for number, handler in previous.items():
+                if handler is not None:   # None: a handler not set from Python
+                    signal.signal(number, handler)
 
 
 @click.group(cls=KimiPerfGroup)
@@ -514,7 +564,8 @@ def _run_name(path: Path) -> str:
               help="what to check: kernels (per layer, exact), kernel_us, span_us")
 @click.option("--rel-tol", default=0.05, show_default=True, type=FiniteFloatRange(0),
               help="a time regresses only past this relative rise of its median")
-@click.option("--alpha", default=0.01, show_default=True, type=FiniteFloatRange(0, 1),
+@click.option("--alpha", default=0.01, show_default=True,
+              type=FiniteFloatRange(0, 1, min_open=True, max_open=True),
               help="... and when the Mann-Whitney U test's p-value is below this")
 @click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table",
               show_default=True)
@@ -549,7 +600,10 @@ def gate_cmd(baseline: Path, run: Path, metrics: str, rel_tol: float, alpha: flo
     loaded: dict[Path, tuple] = {}
     if update:
         if baseline.exists() and not _stored(baseline):
-            raise TraceError(baseline, "--update replaces a baseline JSON, not a trace")
+            raise TraceError(baseline, "--update replaces a baseline JSON, not a trace"
+                             if baseline.suffix != ".json" or baseline.is_dir() else
+                             "not a kimi-perf baseline (a breakdown JSON) for --update to "
+                             "replace: remove it first to store the run there")
         gate_mod.check_storable(baseline)
         runs, run_doc, _ = loaded[run] = gate_mod.load_run(run, phase, **options)
         if not gate_mod.has_work(runs):
@@ -567,8 +621,24 @@ def gate_cmd(baseline: Path, run: Path, metrics: str, rel_tol: float, alpha: flo
             return
     gated = gate_mod.gate_files(baseline, run, tolerances, path_name, phase, loaded, **options)
     result = gated.result
+    with _reader_may_leave():
+        _print_gate(gated, fmt, show_all, update)
+    if update:
+        gate_mod.store_baseline(gated.baseline_file, gated.run_doc)
+        click.echo(f"baseline {gated.baseline_file} updated from {run}"
+                   + ("" if result.ok else " (what the gate above failed is now the baseline)"),
+                   err=True)
+    elif not result.ok:
+        sys.exit(1)
+
+
+def _print_gate(gated: gate_mod.GatedRun, fmt: str, show_all: bool, update: bool) -> None:
+    result = gated.result
     if fmt == "json":
-        click.echo(json.dumps(result.to_json(), indent=1, allow_nan=False))
+        doc = result.to_json()
+        if update:   # (and exit 0, whatever the verdict)
+            doc["updated"] = str(gated.baseline_file)
+        click.echo(json.dumps(doc, indent=1, allow_nan=False))
     else:
         console = render.console()
         table = render.gate_table(result, show_all)
@@ -584,20 +654,14 @@ def gate_cmd(baseline: Path, run: Path, metrics: str, rel_tol: float, alpha: flo
         for line in result.fell_back:
             console.print(line, style="bold yellow")
         if result.cpu_time_metrics:
-            interpreted = ("" if any("specialized: every step fell back" in line
-                                     for line in result.fell_back)
-                           else " (the specialized path in Triton's interpreter)")
+            interpreted = (" (the specialized path in Triton's interpreter)"
+                           if "specialized" in result.op_paths and not any(
+                               "specialized: every step fell back" in line
+                               for line in result.fell_back) else "")
             console.print(f"{', '.join(result.cpu_time_metrics)} of a CPU run are CPU time"
                           f"{interpreted}, noisy and no speed figure: --metrics kernels gates "
                           "the launches alone", style="yellow")
         console.print(render.gate_headline(result))
-    if update:
-        gate_mod.store_baseline(gated.baseline_file, gated.run_doc)
-        click.echo(f"baseline {gated.baseline_file} updated from {run}"
-                   + ("" if result.ok else " (what the gate above failed is now the baseline)"),
-                   err=True)
-    elif not result.ok:
-        sys.exit(1)
 
 
 def _check_plotly_js(ctx, param, value: str) -> str:
@@ -633,11 +697,12 @@ def report_cmd(inputs: tuple[Path, ...], path_name: str | None, labels: str | No
     --path names: `kimi-perf report BASELINE.json RUN --path specialized` shows what a gate
     failure is made of. Breakdowns are drawn as stored; traces are broken down first.
     """
-    from kimi_perf.capture import trace_files, trace_labels
+    from kimi_perf.capture import trace_labels
     from kimi_perf.report import plotly_js_for, run_info_problem, write_report
 
     plotly_js = plotly_js_for(plotly_js, output.parent)  # a missing file said before any work
-    inputs = tuple(trace_files(list(inputs), keep_runs=True))
+    found, left_out = _traces_in(list(inputs), keep_runs=True)
+    inputs = tuple(found)
     _not_an_input(output, *inputs, rules)
     _no_trace_among(list(inputs))
     # stored inputs first: a --path that no run has is said before any trace is broken down
@@ -687,6 +752,7 @@ def report_cmd(inputs: tuple[Path, ...], path_name: str | None, labels: str | No
             click.echo(gate_mod.captured_differently(run_infos[0][0], name, found), err=True)
     if str(output) != "-":      # the report itself went to stdout
         click.echo(f"report: {output}")
+    _say_left_out(left_out)
 
 
 @main.command()
@@ -716,22 +782,40 @@ def info(trace: Path, fmt: str) -> None:
     `kimi-perf trace` run directory: each of its saved traces (one per decode path), or of a
     `trace --from` run, the traces it was made from; of a directory of traces (a profiler's,
     one per rank), each."""
-    from kimi_perf.capture import trace_files
 
     files: list[tuple[Path, Path | None]] = [(trace, None)]   # each with its graph captures
+    left_out: list[Path] = []
     if trace.is_dir() and (trace / "breakdown.json").is_file():
         files = [(f, None) for f in _saved_traces(trace)] or _analysed_files(trace)
     elif trace.is_dir():
-        files = [(f, None) for f in trace_files([trace])]
+        found, left_out = _traces_in([trace])
+        files = [(f, None) for f in found]
     # all read, then said
     summaries = [(file, read_trace(file, capture=c).summary()) for file, c in files]
     if fmt == "json":
         click.echo(json.dumps({"schema": 1, "traces": [{"file": str(file), **info}
                                                        for file, info in summaries]},
                               indent=1))
-        return
-    for file, info in summaries:
-        _info(file, info)
+    else:
+        for file, info in summaries:
+            _info(file, info)
+    _say_left_out(left_out)
+
+
+def _traces_in(paths: list[Path], keep_runs: bool = False) -> tuple[list[Path], list[Path]]:
+    """``capture.trace_files``: the traces of the directories among ``paths``, and the JSON
+    in them that is no trace, left out (``_say_left_out`` once the command is done: an error
+    stays one line)."""
+    from kimi_perf.capture import trace_files
+
+    left_out: list[Path] = []
+    return trace_files(paths, keep_runs, left_out), left_out
+
+
+def _say_left_out(left_out: list[Path]) -> None:
+    if left_out:
+        click.echo("left out, JSON that is not a trace: " + ", ".join(map(str, left_out)),
+                   err=True)
 
 
 def _saved_traces(run_dir: Path) -> list[Path]:
@@ -1031,11 +1115,13 @@ def trace_cmd(from_files: tuple[Path, ...], captures: tuple[Path, ...], phase: s
         raise TraceError(folder, "a directory: --capture pairs with one trace file each")
     if from_files:
         layers = _check_layers(layers_arg) if layers_arg is not None else "auto"
-        run_dir, results, run_info = cap.analyse(cap.trace_files(list(from_files)), out_dir,
+        found, left_out = _traces_in(list(from_files))
+        run_dir, results, run_info = cap.analyse(found, out_dir,
                                                  layers=layers, phase=phase, rules=rules,
                                                  step_regex=_check_steps(steps_arg),
                                                  plotly_js=plotly_js,
                                                  captures=list(captures) or None)
+        _say_left_out(left_out)   # (the run written: no error line follows)
     else:
         n_layers = _count_of("--layers", layers_arg, "a layer count of 2 or more (layer 0 has "
                              "the dense MLP, the last the gated MLA; with --from: how layers "

@@ -171,15 +171,28 @@ def aligned_types(breakdowns: dict[str, Breakdown]) -> list[dict[str, str]]:
     one row for all of them."""
     rows: list[dict[str, str]] = []
     found: list[dict] = []      # each row's type, as the first breakdown that has it has it
+    row_of_digest: dict[str, int] = {}   # every digest any breakdown gave a row
     for label, b in breakdowns.items():
-        for i, j in pair_types(found, b.layer_types):
-            if j is None:
-                continue
+        # a pattern type whose kernel sequence a row already holds joins it, whichever
+        # breakdown brought the sequence (the row's first type may be an unrelated trace's,
+        # paired with it by its mix of kernels)
+        joined = {j: row_of_digest[t["pattern"]] for j, t in enumerate(b.layer_types)
+                  if t.get("pattern") in row_of_digest}
+        joined = {j: i for j, i in joined.items() if list(joined.values()).count(i) == 1}
+        rest_rows = [i for i in range(len(rows)) if i not in joined.values()]
+        rest = [j for j in range(len(b.layer_types)) if j not in joined]
+        paired = list(joined.items()) + [
+            (rest[j], None if i is None else rest_rows[i])
+            for i, j in pair_types([found[i] for i in rest_rows],
+                                   [b.layer_types[j] for j in rest]) if j is not None]
+        for j, i in sorted(paired):
             if i is None:
                 rows.append({})
                 found.append(b.layer_types[j])
                 i = len(rows) - 1
             rows[i][label] = b.layer_types[j]["type"]
+            if b.layer_types[j].get("pattern"):
+                row_of_digest.setdefault(b.layer_types[j]["pattern"], i)
     return rows
 
 

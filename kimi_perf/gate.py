@@ -60,7 +60,7 @@ from kimi_perf.comparison import (
     rotation,
 )
 from kimi_perf.decode.fallbacks import fell_back_text, paths_that_fell_back
-from kimi_perf.errors import TraceError
+from kimi_perf.errors import NoStepsMatched, TraceError
 from kimi_perf.layer_breakdown import Breakdown, layer_column
 from kimi_perf.trace import KIMI_PERF_JSON, atomic_write_text, is_int64, json_text
 
@@ -84,15 +84,15 @@ class Tolerances:
         metrics = self.metrics
         if isinstance(metrics, str):
             metrics = tuple(m.strip() for m in metrics.split(",") if m.strip())
-        object.__setattr__(self, "metrics", tuple(metrics))
+        object.__setattr__(self, "metrics", tuple(dict.fromkeys(metrics)))   # each once
         unknown = [str(m) for m in self.metrics if m not in METRICS]
         if unknown or not self.metrics:
             raise ValueError(f"metrics: choose from {', '.join(METRICS)}, one or more (not "
                              + (", ".join(unknown) + ")" if unknown else "an empty list)"))
         if not (math.isfinite(self.rel_tol) and self.rel_tol >= 0):
             raise ValueError(f"rel_tol: a finite number ≥ 0 (not {self.rel_tol})")
-        if not 0 <= self.alpha <= 1:
-            raise ValueError(f"alpha: a probability in [0, 1] (not {self.alpha})")
+        if not 0 < self.alpha < 1:   # (0 or 1: a test that always, or never, passes)
+            raise ValueError(f"alpha: a probability in (0, 1) (not {self.alpha})")
 
 
 @dataclass
@@ -204,7 +204,8 @@ def gate_files(baseline: str | Path, run: str | Path, tolerances: Tolerances = T
         # a step of a model of another depth is other work, of other layers; its layers still
         # compare
         for check in result.checks:
-            if (check.layer_type == STEP or check.metric == "layers") and check.status != "new":
+            if (check.layer_type == STEP or check.metric == "layers") and check.status not in (
+                    "new", "missing"):   # (a path the run lacks is no other work)
                 check.status = "changed"
                 check.detail = (f"models of {depths[0]} and {depths[1]} layers: a step is "
                                 "other work")
@@ -336,7 +337,10 @@ def load_run(path: str | Path, phase: str = "auto", **breakdown_options
     from kimi_perf.layer_breakdown import breakdown
     from kimi_perf.readers import read_trace
 
-    b = breakdown(read_trace(path), phase=phase, **breakdown_options)
+    try:
+        b = breakdown(read_trace(path), phase=phase, **breakdown_options)
+    except NoStepsMatched as exc:   # (named by the trace's file: a .kptrace's is another)
+        raise TraceError(path, exc.problem) from None
     return {TRACE: b}, b.to_json(), None
 
 

@@ -37,14 +37,23 @@ from kimi_perf.names import short_names
 from kimi_perf.trace import json_text
 
 
+class _Console(Console):
+    """Rich's console, but a reader that went away (`| head`) is the command's to handle
+    (rich exits 1, which ``gate`` gives a regression)."""
+
+    def on_broken_pipe(self) -> None:
+        self.quiet = True
+        raise BrokenPipeError
+
+
 def console(stderr: bool = False) -> Console:
     """Rich's console for our output: no markup, since kernel and range names hold brackets
     (``[lambda(int) (instance 1)]``) that rich would take for markup and drop; and wide enough
     that a table piped to a file or a CI log keeps every column (rich would otherwise lay it
     out in 80 columns)."""
-    out = Console(stderr=stderr, markup=False)
+    out = _Console(stderr=stderr, markup=False)
     if not out.is_terminal and "COLUMNS" not in os.environ:
-        out = Console(stderr=stderr, markup=False, width=200)
+        out = _Console(stderr=stderr, markup=False, width=200)
     return out
 
 

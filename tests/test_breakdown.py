@@ -681,6 +681,22 @@ def test_leftover_pattern_types_pair_by_their_mix_of_kernels():
     assert pair_layer_types(layer, other) == [("A", "B"), (None, "A")]
 
 
+def test_a_kernel_sequence_joins_the_column_any_trace_gave_it():
+    """An unrelated first trace's type takes a later trace's by their mix of kernels; a third
+    trace with that later one's kernel sequence joins the same column, not the first trace's
+    other type (wan2.1 before and after, behind a trace of another model)."""
+    from kimi_perf.comparison import aligned_types
+
+    other = _types(("A", "x1", 10, 2500.0, {"gemm": 10}), ("B", "x2", 10, 900.0, {"norm": 10}))
+    # before's B is nearer other's B, which before's A (its very mix) takes
+    before = _types(("A", "w124", 10, 19000.0, {"norm": 10}),
+                    ("B", "w157", 10, 16700.0, {"norm": 8, "gemm": 2}))
+    after = _types(("A", "w157", 10, 19000.0, {"norm": 8, "gemm": 2}))
+    rows = aligned_types({"other": other, "before": before, "after": after})
+    assert {"before": "B", "after": "A"}.items() <= next(
+        r for r in rows if "after" in r).items()
+
+
 def test_types_only_later_traces_have_are_one_column(tmp_path):
     """A type the first trace lacks but two others have (by name, or by kernel sequence) is
     one row of the alignment, not one per trace."""

@@ -346,6 +346,10 @@ def test_gate_breaks_traces_down_over_the_phase_it_is_given(tmp_path):
     bom = tmp_path / "bom.json"
     bom.write_bytes(b"\xef\xbb\xbf" + BASELINE.read_bytes())
     assert runner.invoke(main, ["gate", str(bom), str(BASELINE)]).exit_code == 0
+    # a phase the trace lacks: said of the file given (a .kptrace's trace came from another)
+    none = runner.invoke(main, ["gate", str(trace), str(trace), "--phase", "prefill"])
+    assert none.exit_code == 2
+    assert none.output.startswith(f"kimi-perf: error: {trace}: --phase prefill: no prefill")
 
 
 def test_gate_breaks_traces_down_as_breakdown_does(tmp_path):
@@ -587,11 +591,20 @@ def test_tolerances_are_checked_when_made():
     for empty in ((), "", " , "):
         with pytest.raises(ValueError, match=r"\(not an empty list\)"):
             Tolerances(metrics=empty)
-    for bad in ({"rel_tol": -0.1}, {"rel_tol": float("nan")}, {"alpha": 1.5}):
+    # (alpha 0 or 1: a test that never, or always, rejects; 0 would leave the threshold alone,
+    # stricter than a small alpha, not laxer)
+    for bad in ({"rel_tol": -0.1}, {"rel_tol": float("nan")}, {"alpha": 1.5}, {"alpha": 0},
+                {"alpha": 1}):
         with pytest.raises(ValueError):
             Tolerances(**bad)
-    # a notebook's "kernels,span_us" is the CLI's --metrics: a tuple, not its letters
+    # a notebook's "kernels,span_us" is the CLI's --metrics: a tuple, not its letters; each
+    # metric once, however often named
     assert Tolerances(metrics="kernels, span_us").metrics == ("kernels", "span_us")
+    assert Tolerances(metrics="kernels,span_us,kernels").metrics == ("kernels", "span_us")
+    for alpha in ("0", "1"):
+        result = CliRunner().invoke(main, ["gate", str(BASELINE), str(BASELINE), "--alpha",
+                                           alpha])
+        assert result.exit_code == 2 and "--alpha" in result.output
 
 
 def test_cli_exit_codes_and_update(tmp_path):
@@ -612,8 +625,11 @@ def test_cli_exit_codes_and_update(tmp_path):
     report = json.loads(result.output)
     assert not report["ok"] and {c["metric"] for c in report["checks"]
                                  if c["status"] == "regression"} == {"kernels", "kernels_max"}
-    result = runner.invoke(main, ["gate", str(baseline), str(trace), "--update"])
-    assert result.exit_code == 0
+    result = runner.invoke(main, ["gate", str(baseline), str(trace), "--update", "--format",
+                                  "json"])
+    assert result.exit_code == 0       # the failed gate printed, and the baseline replaced
+    report = json.loads(result.output[: result.output.rindex("}") + 1])
+    assert not report["ok"] and report["updated"] == str(baseline)
     assert runner.invoke(main, ["gate", str(baseline), str(trace)]).exit_code == 0
     created = tmp_path / "new" / "base.json"
     created.parent.mkdir()
@@ -621,6 +637,12 @@ def test_cli_exit_codes_and_update(tmp_path):
     assert runner.invoke(main, ["gate", str(created), str(trace)]).exit_code == 0
     result = runner.invoke(main, ["gate", str(trace), str(baseline), "--update"])
     assert result.exit_code == 2 and "not a trace" in result.output
+    (tmp_path / "other.json").write_text("{}")     # JSON of another kind: not replaced
+    result = runner.invoke(main, ["gate", str(tmp_path / "other.json"), str(trace),
+                                  "--update"])
+    assert result.exit_code == 2 and "other.json: not a kimi-perf baseline (a breakdown " \
+        "JSON) for --update to replace: remove it first" in result.output
+    assert (tmp_path / "other.json").read_text() == "{}"
     (tmp_path / "broken.json").write_text('{"schema": 1, "paths"')
     result = runner.invoke(main, ["gate", str(tmp_path / "broken.json"), str(trace)])
     assert result.exit_code == 2
@@ -925,6 +947,28 @@ def test_steps_of_a_model_of_another_depth_are_other_work(tmp_path):
         ("specialized", "kernels"), ("specialized", "kernels_max")}
     assert all(c.layer_type == "kda" for c in result.failures)
     assert "layers 8 vs 4" in result.run_differences
+
+
+def test_a_path_the_run_lacks_is_missing_whatever_the_models_depth(tmp_path):
+    """Other depth makes a step other work, not a path that is not there: its checks stay
+    missing (and fail), and the CPU-time note names no path that was not checked."""
+    from click.testing import CliRunner
+
+    from kimi_perf.cli import main
+    from kimi_perf.gate import gate_files
+
+    doc = json.loads(BASELINE.read_text())
+    doc["run"]["n_layers"] = 4
+    del doc["paths"]["specialized"]
+    doc["run"]["paths"].pop("specialized", None)
+    alone = tmp_path / "standard_only.json"
+    alone.write_text(json.dumps(doc))
+    result = gate_files(BASELINE, alone, Tolerances(metrics="kernels")).result
+    lost = {c.status for c in result.checks if c.path == "specialized"}
+    assert lost == {"missing"} and not result.ok
+    out = CliRunner().invoke(main, ["gate", str(alone), str(alone)])
+    assert out.exit_code == 0 and "CPU time, noisy" in out.output
+    assert "interpreter" not in out.output           # only the standard path was checked
 
 
 def test_gate_files_is_the_cli_gate_as_a_library_call(tmp_path):
