@@ -60,8 +60,9 @@ def nest_ranges(ranges: Ranges) -> None:
 
     Per group (thread or stream), in (start, -end) order, each range goes on top of the first
     lane whose open ranges, once those that ended before it started are closed, leave one that
-    holds it on top (or none): a stack per lane. Groups whose ranges all nest (push/pop ranges
-    always do) take a vectorized route to the same result; the others run that loop.
+    holds it on top (or none): a stack per lane. Ranges that all nest (push/pop ranges always
+    do) take a vectorized route to the same result; the busy blocks that do not run that
+    loop.
     """
     n = len(ranges)
     ranges.depth = np.zeros(n, np.int32)
@@ -147,17 +148,10 @@ def _nest_nested_groups(ranges: Ranges, order: np.ndarray, group_id: np.ndarray 
     overlap &= ~_compare_chunked(start, by_parent[1:], by_parent[:-1], end, through=order)
     bad[by_parent[1:][overlap]] = True
     del start, end, by_parent, overlap
-    fast = None                    # None: every group nests
-    if group_id is None:
-        if bad.any():
-            return order
-    else:
-        bad_group = np.zeros(int(group_id[-1]) + 1, bool)
-        bad_group[group_id[bad]] = True
-        if bad_group.any():
-            fast = ~bad_group[group_id]
-            pge[~fast] = -1        # the loop's groups: no parent or depth from here
-        del bad_group
+    fast = None                    # None: every range nests
+    if bad.any():
+        fast = _outside_bad_blocks(ranges, order, group_id, bad)
+        pge[~fast] = -1            # the loop's blocks: no parent or depth from here
     del bad
     # Parents, a chunk at a time; ``pge`` is then the depth's pointer, moved in place.
     for lo in range(0, m, _COMPARE_CHUNK):
@@ -192,6 +186,31 @@ def _nest_nested_groups(ranges: Ranges, order: np.ndarray, group_id: np.ndarray 
 _COMPARE_CHUNK = 1 << 16
 
 
+def _outside_bad_blocks(ranges: Ranges, order: np.ndarray, group_id: np.ndarray | None,
+                        bad: np.ndarray) -> np.ndarray:
+    """Which positions of ``order`` lie in no busy block that holds a ``bad`` one. A group's
+    ranges, in (start, -end) order, split into busy blocks where a range starts after every
+    earlier range of the group has ended: no range of one block holds one of another, and
+    the lane loop, every lane closed there, places a block as if it were alone. So one range
+    that overlaps its sibling in part (a child that ends a float's rounding after its
+    parent) sends its block to the loop, not its whole thread."""
+    m = len(order)
+    fast = np.ones(m, bool)
+    if group_id is None:
+        spans = [(0, m)]
+    else:   # (dense ids along ``order``: group g's first position is the g-th start)
+        firsts = np.flatnonzero(np.r_[True, group_id[1:] != group_id[:-1]])
+        lasts = np.r_[firsts[1:], m]
+        held = np.unique(group_id[bad])
+        spans = zip(firsts[held].tolist(), lasts[held].tolist(), strict=True)
+    for lo, hi in spans:
+        rows = order[lo:hi]
+        start, reach = ranges.start[rows], np.maximum.accumulate(ranges.end[rows])
+        block = np.cumsum(np.r_[True, start[1:] > reach[:-1]])
+        fast[lo:hi] = ~np.isin(block, block[bad[lo:hi]])
+    return fast
+
+
 def _compare_chunked(a: np.ndarray, i: np.ndarray, j: np.ndarray,
                      b: np.ndarray | None = None, through: np.ndarray | None = None
                      ) -> np.ndarray:
@@ -209,22 +228,24 @@ def _compare_chunked(a: np.ndarray, i: np.ndarray, j: np.ndarray,
 
 
 def _nest_in_lanes(ranges: Ranges, order: np.ndarray, groups: np.ndarray) -> None:
-    """The lane loop over ``order`` (rows sorted by group, start, -end)."""
-    starts = ranges.start.tolist()
-    ends = ranges.end.tolist()
-    group_list = groups.tolist()
+    """The lane loop over ``order`` (rows sorted by group, start, -end), its stacks of
+    positions in ``order``: only those rows become Python values."""
+    rows = order.tolist()
+    starts = ranges.start[order].tolist()
+    ends = ranges.end[order].tolist()
+    group_list = groups[order].tolist()
     depth = ranges.depth
     parent = ranges.parent
     lane_of = ranges.lane
     current_group = None
     lanes: list[list[int]] = []
-    for i in order.tolist():
-        g = group_list[i]
+    for p, i in enumerate(rows):
+        g = group_list[p]
         if g < 0:
             continue
         if g != current_group:
             current_group, lanes = g, []
-        s, e = starts[i], ends[i]
+        s, e = starts[p], ends[p]
         placed = False
         for lane_index, stack in enumerate(lanes):
             # Close ranges that ended before this one started (they cannot contain it).
@@ -232,14 +253,14 @@ def _nest_in_lanes(ranges: Ranges, order: np.ndarray, groups: np.ndarray) -> Non
                                                           and e <= ends[stack[-1]]):
                 stack.pop()
             if not placed and (not stack or e <= ends[stack[-1]]):
-                parent[i] = stack[-1] if stack else -1
+                parent[i] = rows[stack[-1]] if stack else -1
                 depth[i] = len(stack)
                 lane_of[i] = lane_index
-                stack.append(i)
+                stack.append(p)
                 placed = True
         if not placed:
             lane_of[i] = len(lanes)
-            lanes.append([i])
+            lanes.append([p])
 
 
 def nearest_valid_ancestor(parent: np.ndarray, valid: np.ndarray, rows: np.ndarray

@@ -102,6 +102,44 @@ def test_lanes_nest_properly(case):
             assert nested or a[1] <= b[0] or b[1] <= a[0]
 
 
+@settings(max_examples=300, deadline=None)
+@given(traces())
+def test_nesting_equals_the_lane_loop_over_every_range(case):
+    """The vectorized route and the loop it leaves the overlapping busy blocks to give what
+    the lane loop gives run over every range of every thread."""
+    from kimi_perf.nesting import _nest_in_lanes
+
+    rows, *_ = case
+    if not rows:
+        return
+    ranges = make_ranges(rows)
+    reference = make_ranges(rows)
+    reference.depth[:], reference.parent[:], reference.lane[:] = 0, -1, 0
+    groups = range_groups(reference)
+    _nest_in_lanes(reference, np.lexsort((-reference.end, reference.start, groups)), groups)
+    for column in ("depth", "parent", "lane"):
+        assert getattr(ranges, column).tolist() == getattr(reference, column).tolist(), column
+
+
+def test_one_range_that_overlaps_in_part_sends_its_block_alone_to_the_loop(monkeypatch):
+    """A child that ends just after its parent (float rounding at epoch-µs times): the
+    loop sees that busy block, not the thread's every range."""
+    import kimi_perf.nesting as nesting
+
+    seen = []
+    loop = nesting._nest_in_lanes
+    monkeypatch.setattr(nesting, "_nest_in_lanes",
+                        lambda ranges, order, groups: (seen.append(len(order)),
+                                                       loop(ranges, order, groups)))
+    rows = [(1, 100 * i, 100 * i + 50, PUSHPOP) for i in range(1000)]
+    rows += [(1, 100 * i + 10, 100 * i + 20, PUSHPOP) for i in range(1000)]
+    rows.append((1, 510, 551, PUSHPOP))         # in block 5, past its parent's end
+    ranges = make_ranges(rows)
+    assert seen == [3]
+    assert ranges.lane[-1] == 1 and ranges.lane[:-1].tolist() == [0] * 2000
+    assert ranges.parent[1005] == 5 and ranges.depth[1005] == 1
+
+
 def test_push_pop_ranges_use_one_lane():
     ranges = make_ranges([(1, 0, 100, PUSHPOP), (1, 10, 50, PUSHPOP), (1, 20, 30, PUSHPOP),
                           (1, 60, 90, PUSHPOP)])
