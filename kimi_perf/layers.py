@@ -938,22 +938,26 @@ def assign_types(ops: GpuOps, steps: list[Step], max_variation: int = MAX_VARIAT
                     places.setdefault(signature, set()).add(place)
     if not layers:
         return
+    counts = Counter(signatures)
+    distinct = sorted(dict.fromkeys(signatures), key=lambda sig: -counts[sig])
+    near = _Nearest(distinct, max_variation)
+    row = {signature: r for r, signature in enumerate(distinct)}
+    inner_rows = np.array([row[sig] for sig in inner], np.int64)
     group: dict[tuple, tuple] = {}
     edges: list[tuple] = []         # edge sequences grouped so far, commonest first
-    counts = Counter(signatures)
-    for signature in sorted(dict.fromkeys(signatures), key=lambda sig: -counts[sig]):
+    for signature in distinct:
         group[signature] = signature
         if signature in inner:
             continue
         # near an inner layer's sequence, else near an edge layer's of the same place (a
         # warm-up step's first layer beside the later steps' first layers): its group
-        same_place = [e for e in edges if places[e] & places[signature]]
-        for candidates in (list(inner), same_place):
-            if candidates:
-                closest = min(candidates, key=lambda c: _difference(signature, c))
-                if _difference(signature, closest) <= max_variation:
-                    group[signature] = group.get(closest, closest)   # (inner: its own group)
-                    break
+        same_place = np.array([row[e] for e in edges if places[e] & places[signature]],
+                              np.int64)
+        for candidates in (inner_rows, same_place):
+            if (closest := near.first_within(row[signature], candidates)) is not None:
+                found = distinct[closest]
+                group[signature] = group.get(found, found)   # (inner: its own group)
+                break
         edges.append(signature)
     labels: dict[tuple, str] = {}
     for layer, signature in zip(layers, signatures, strict=True):
@@ -963,16 +967,54 @@ def assign_types(ops: GpuOps, steps: list[Step], max_variation: int = MAX_VARIAT
         layer.type = labels[representative]
 
 
+class _Nearest:
+    """Kernel sequences as counts per kernel name (a sparse row each), to find among many the
+    one nearest a given sequence in one vectorized pass. Two sequences differ by the larger of
+    what each runs and the other does not (a kernel swapped for another counts once):
+    max(len a, len b) - Σ min(a's count, b's) over the names a runs, so only a's columns are
+    read; and by |len a - len b| at least, so longer or shorter ones are passed over first
+    (an eager MoE's layers, each expert's GEMM of its own variant, are thousands of
+    sequences: a pair at a time was quadratic)."""
+
+    def __init__(self, sequences: list[tuple], most: int):
+        from scipy.sparse import csr_matrix
+
+        self.most = most
+        names: dict[int, int] = {}
+        self.columns, self.values, indptr = [], [], [0]
+        for sequence in sequences:
+            kernels, count = np.unique(np.asarray(sequence, np.int64), return_counts=True)
+            self.columns.append(np.array([names.setdefault(k, len(names))
+                                          for k in kernels.tolist()], np.int64))
+            self.values.append(count)
+            indptr.append(indptr[-1] + len(count))
+        self.length = np.array([len(sequence) for sequence in sequences], np.int64)
+        self.matrix = csr_matrix(
+            (np.concatenate(self.values) if sequences else np.zeros(0, np.int64),
+             np.concatenate(self.columns) if sequences else np.zeros(0, np.int64),
+             np.array(indptr)), shape=(len(sequences), max(len(names), 1))).tocsc()
+
+    def first_within(self, row: int, candidates: np.ndarray) -> int | None:
+        """The first of ``candidates`` (rows) nearest ``row``'s sequence, where it differs by
+        at most ``most`` kernels; else None."""
+        candidates = candidates[np.abs(self.length[candidates] - self.length[row])
+                                <= self.most]
+        if not len(candidates):
+            return None
+        # Σ min over row's names, for every sequence at once: its columns' entries, each
+        # capped at row's count, summed per sequence
+        held = self.matrix[:, self.columns[row]]
+        name = np.repeat(np.arange(held.shape[1]), np.diff(held.indptr))
+        common = np.bincount(held.indices, np.minimum(held.data, self.values[row][name]),
+                             minlength=held.shape[0])[candidates]
+        difference = np.maximum(self.length[candidates], self.length[row]) - common
+        nearest = int(np.argmin(difference))    # (the first of equals, as in order)
+        return int(candidates[nearest]) if difference[nearest] <= self.most else None
+
+
 def _type_label(i: int) -> str:
     letters = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
     return letters[i] if i < len(letters) else f"T{i}"
-
-
-def _difference(a: tuple, b: tuple) -> int:
-    """How many kernels two layers' sequences differ by: the larger of what each runs and the
-    other does not (a kernel swapped for another counts once)."""
-    ca, cb = Counter(a), Counter(b)
-    return max(sum((ca - cb).values()), sum((cb - ca).values()))
 
 
 # -- entry point ------------------------------------------------------------------------------

@@ -11,6 +11,8 @@ import sys
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kimi_perf import breakdown, read_trace
 from kimi_perf.classify import classify, load_rules
@@ -834,3 +836,68 @@ def test_most_cuts_of_a_pass_read_as_its_whole_passes():
                            and sum(s["kernels"] for s in result.steps)
                            + result.source["outside_steps"]["ops"] == len(seq) - begin - end)
     assert read_right >= 579
+
+
+def _types_pair_by_pair(steps: list[list[tuple]], most: int) -> list[list[str]]:
+    """``assign_types`` as first written, a pair of sequences at a time (quadratic in the
+    sequences of an eager MoE, each expert's GEMM of its own variant): the reference."""
+    from collections import Counter
+
+    from kimi_perf.layers import _type_label
+
+    def difference(a, b):
+        ca, cb = Counter(a), Counter(b)
+        return max(sum((ca - cb).values()), sum((cb - ca).values()))
+
+    inner, places, flat = {}, {}, []
+    for layers in steps:
+        for i, sig in enumerate(layers):
+            flat.append(sig)
+            if 0 < i < len(layers) - 1:
+                inner.setdefault(sig)
+            for place, at in (("first", i == 0), ("last", i == len(layers) - 1)):
+                if at:
+                    places.setdefault(sig, set()).add(place)
+    counts, group, edges = Counter(flat), {}, []
+    for sig in sorted(dict.fromkeys(flat), key=lambda s: -counts[s]):
+        group[sig] = sig
+        if sig in inner:
+            continue
+        same_place = [e for e in edges if places[e] & places[sig]]
+        for candidates in (list(inner), same_place):
+            if candidates:
+                closest = min(candidates, key=lambda c: difference(sig, c))
+                if difference(sig, closest) <= most:
+                    group[sig] = group.get(closest, closest)
+                    break
+        edges.append(sig)
+    labels: dict = {}
+    return [[labels.setdefault(group[sig], _type_label(len(labels))) for sig in layers]
+            for layers in steps]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.lists(st.lists(st.integers(0, 5), min_size=1, max_size=7).map(tuple),
+                         min_size=1, max_size=6), min_size=1, max_size=5),
+       st.integers(0, 3))
+def test_layer_types_by_sequence_as_pair_by_pair(steps, most):
+    """The vectorized nearest sequence (``_Nearest``) types every layer as comparing the
+    sequences a pair at a time does, ties to the first in order included."""
+    from kimi_perf.layers import Layer, Step, assign_types
+
+    names, built, at = [], [], 0
+    for s, layers in enumerate(steps):
+        step_layers = []
+        for i, sig in enumerate(layers):
+            step_layers.append(Layer(index=i, ops=np.arange(at, at + len(sig))))
+            names += sig
+            at += len(sig)
+        built.append(Step(index=s, device=0, pid=1, name=f"s{s}", ops=np.arange(0),
+                          layers=step_layers))
+
+    class Ops:
+        name = np.array(names, np.int64)
+
+    assign_types(Ops(), built, max_variation=most)
+    got = [[layer.type for layer in step.layers] for step in built]
+    assert got == _types_pair_by_pair(steps, most)
