@@ -9,7 +9,8 @@ duplicate "backtrace" rows double-count kernel time; the reader drops those rows
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import gc
+from dataclasses import dataclass, fields
 
 import numpy as np
 
@@ -28,6 +29,35 @@ class RangeKernelRow:
     kernel_instances: int
     total_ns: int
     kernel: str
+
+
+@dataclass
+class RangeKernelColumns:
+    """``range_kernel_summary``'s rows as columns: string codes for the range and kernel
+    names, -1 where a kernel is in no range (range, style) or has no launching thread (pid,
+    tid). Columns, not a Python object per row: a trace whose every range has a name of its
+    own (``emit_nvtx``'s ``aten::mm, op_id = N``) has millions of rows."""
+
+    range: np.ndarray
+    style: np.ndarray
+    pid: np.ndarray
+    tid: np.ndarray
+    kernel: np.ndarray
+    range_instances: np.ndarray
+    kernel_instances: np.ndarray
+    total_ns: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.kernel)
+
+    def taken(self, rows: np.ndarray) -> RangeKernelColumns:
+        return RangeKernelColumns(*(getattr(self, f.name)[rows] for f in fields(self)))
+
+    @classmethod
+    def joined(cls, parts: list[RangeKernelColumns]) -> RangeKernelColumns:
+        return cls(*(np.concatenate([np.empty(0, np.int64)]
+                                    + [getattr(p, f.name) for p in parts]).astype(np.int64)
+                     for f in fields(cls)))
 
 
 def kernel_launch_pairs(trace: Trace) -> tuple[np.ndarray, np.ndarray]:
@@ -62,7 +92,15 @@ def _launch_points(trace: Trace) -> tuple:
 
 
 def range_kernel_summary(trace: Trace) -> list[RangeKernelRow]:
-    """One row per (range name, style, pid, tid, kernel name), ordered as nsys orders them.
+    """One row per (range name, style, pid, tid, kernel name), ordered as nsys orders them
+    (``range_kernel_columns`` in that order, as rows)."""
+    columns = range_kernel_columns(trace)
+    return _rows(trace, columns.taken(_nsys_order(trace, columns)))
+
+
+def range_kernel_columns(trace: Trace) -> RangeKernelColumns:
+    """One row per (range name, style, pid, tid, kernel name), as columns: the kernels in no
+    range first, then the ranges' rows.
 
     Output rows are codes (range group, kernel name), numbered in that order. ``containing``
     streams the (range, kernel) pairs in chunks that hold every pair of their kernels; each
@@ -76,7 +114,7 @@ def range_kernel_summary(trace: Trace) -> list[RangeKernelRow]:
     r = trace.ranges
     n_k, n_r = len(k), len(r)
     if n_k == 0:
-        return []
+        return RangeKernelColumns.joined([])
     kernel_names, name_id = np.unique(k.name, return_inverse=True)
     name_id = name_id.astype(index_dtype(n_k))
     n_names = len(kernel_names)
@@ -124,16 +162,15 @@ def range_kernel_summary(trace: Trace) -> list[RangeKernelRow]:
                                         (k.end[lone] - k.start[lone])[by_code],
                                         np.ones(len(lone), np.int64)), n_names, kernel_names)
     none = np.full(len(lone_fields[0]), -1)
-    rows = _summary_rows(trace, lone_groups, [none, none, *lone_fields])
+    alone = _columns(lone_groups, [none, none, *lone_fields])
     del lone, launched, lone_gid, lone_code, by_code, in_range, name_id
 
     groups = _groups(_merge_sums(sums, 2), n_names, kernel_names)
     code, ranges = _merge_sums(range_sums, 1)
     groups.range_instances[np.searchsorted(groups.code, code)] = ranges
     del range_gid
-    release_free_memory()   # the chunks' memory, before the rows' objects: see memory.py
-    rows += _summary_rows(trace, groups, range_fields)
-    return _nsys_order(rows)
+    release_free_memory()   # the chunks' memory: see memory.py
+    return RangeKernelColumns.joined([alone, _columns(groups, range_fields)])
 
 
 def _group_ids(columns: tuple[np.ndarray, ...]) -> tuple[np.ndarray, list[np.ndarray]]:
@@ -205,31 +242,52 @@ def _distinct(values: np.ndarray) -> np.ndarray:
     return values[np.r_[True, values[1:] != values[:-1]]] if len(values) else values
 
 
-def _summary_rows(trace: Trace, groups: _Groups, fields: list[np.ndarray]
-                  ) -> list[RangeKernelRow]:
+def _columns(groups: _Groups, group_fields: list[np.ndarray]) -> RangeKernelColumns:
+    """The groups' rows: their (range name, style, pid, tid) fields and figures."""
+    return RangeKernelColumns(*(c[groups.gid] for c in group_fields), groups.kernel_name,
+                              groups.range_instances, groups.kernel_instances, groups.total_ns)
+
+
+def _rows(trace: Trace, columns: RangeKernelColumns) -> list[RangeKernelRow]:
     strings = trace.strings
-    columns = [c[groups.gid].tolist() for c in fields]
     rows = []
-    for n, s, p, t, kn, ri, ki, total in zip(
-            *columns, groups.kernel_name.tolist(), groups.range_instances.tolist(),
-            groups.kernel_instances.tolist(), groups.total_ns.tolist(), strict=True):
-        rows.append(RangeKernelRow(
-            range=strings[n] if n >= 0 else None,
-            style=STYLE_NAMES.get(s) if s >= 0 else None,
-            pid=p if p >= 0 else None, tid=t if t >= 0 else None,
-            range_instances=ri, kernel_instances=ki, total_ns=total, kernel=strings[kn]))
+    collecting = gc.isenabled()
+    gc.disable()     # (a row is no cycle: the collector's passes over millions are waste)
+    try:
+        for n, s, p, t, kn, ri, ki, total in zip(
+                *(getattr(columns, f.name).tolist() for f in fields(columns)), strict=True):
+            rows.append(RangeKernelRow(
+                range=strings[n] if n >= 0 else None,
+                style=STYLE_NAMES.get(s) if s >= 0 else None,
+                pid=p if p >= 0 else None, tid=t if t >= 0 else None,
+                range_instances=ri, kernel_instances=ki, total_ns=total, kernel=strings[kn]))
+    finally:
+        if collecting:
+            gc.enable()
     return rows
 
 
-def _nsys_order(rows: list[RangeKernelRow]) -> list[RangeKernelRow]:
-    # nsys: ORDER BY range name (NULL first), pid, tid, total time descending.
-    rows.sort(key=lambda row: (row.range is not None, row.range or "", row.pid or -1,
-                               row.tid or -1, -row.total_ns, row.kernel))
-    return rows
+def _string_rank(trace: Trace, codes: np.ndarray) -> np.ndarray:
+    """Each code's place among the codes' strings in Python's order (-1 stays -1)."""
+    present = np.unique(codes[codes >= 0])
+    by_text = sorted(range(len(present)), key=lambda i: trace.strings[present[i]])
+    rank = np.empty(len(present), np.int64)
+    rank[by_text] = np.arange(len(present))
+    return np.where(codes >= 0, rank[np.searchsorted(present, np.maximum(codes, 0))]
+                    if len(present) else -1, -1)
+
+
+def _nsys_order(trace: Trace, columns: RangeKernelColumns) -> np.ndarray:
+    """Rows in nsys's order: by range name (NULL first), pid, tid (NULL, or 0, as -1), total
+    time descending, kernel name; equal rows as they came."""
+    c = columns
+    return np.lexsort((_string_rank(trace, c.kernel), -c.total_ns,
+                       np.where(c.tid == 0, -1, c.tid), np.where(c.pid == 0, -1, c.pid),
+                       _string_rank(trace, c.range), c.range >= 0))
 
 
 def _summary_by_lexsort(trace: Trace, range_rows: np.ndarray, kernel_rows: np.ndarray
-                        ) -> list[RangeKernelRow]:
+                        ) -> RangeKernelColumns:
     """``range_kernel_summary`` with one lexsort over every (range, kernel) pair's columns:
     slower, no assumptions (the reference for the fast route)."""
     k = trace.kernels
@@ -274,15 +332,6 @@ def _summary_by_lexsort(trace: Trace, range_rows: np.ndarray, kernel_rows: np.nd
     new_kernel[1:] = (kg[1:] != kg[:-1]) | (kk[1:] != kk[:-1])
     kernel_instances = np.bincount(kg, weights=new_kernel, minlength=n_groups)
 
-    strings = trace.strings
     first = np.flatnonzero(boundary)
-    rows = []
-    for g, i in enumerate(first.tolist()):
-        n, s, p, t, kn = (int(c[i]) for c in cols)
-        rows.append(RangeKernelRow(
-            range=strings[n] if n >= 0 else None,
-            style=STYLE_NAMES.get(s) if s >= 0 else None,
-            pid=p if p >= 0 else None, tid=t if t >= 0 else None,
-            range_instances=int(range_instances[g]), kernel_instances=int(kernel_instances[g]),
-            total_ns=int(totals[g]), kernel=strings[kn]))
-    return _nsys_order(rows)
+    return RangeKernelColumns(*(c[first] for c in cols), range_instances.astype(np.int64),
+                              kernel_instances.astype(np.int64), totals.astype(np.int64))

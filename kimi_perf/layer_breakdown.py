@@ -510,14 +510,22 @@ def repeating_ranges(trace: Trace, most: int = 3) -> list[dict[str, Any]]:
     steps the defaults do not find (a training loop's ``Forward``). Ranges inside layers
     (``computing softmax``) hold too few; the profiler's operator ranges (``cpu_op:``) are
     no steps."""
-    from kimi_perf.attribution import range_kernel_summary
+    from kimi_perf.attribution import range_kernel_columns
 
+    # per range name: its most instances on one thread and style, and all its kernels (from
+    # the summary's columns: a name per range, as emit_nvtx gives them, is millions of rows)
+    summary = range_kernel_columns(trace)
+    named = summary.range >= 0
+    codes, row_code = np.unique(summary.range[named], return_inverse=True)
+    instances = np.zeros(len(codes), np.int64)
+    np.maximum.at(instances, row_code, summary.range_instances[named])
+    kernels = np.bincount(row_code, summary.kernel_instances[named], minlength=len(codes))
     found: dict[str, list[int]] = {}
-    for row in range_kernel_summary(trace):
-        if row.range is not None and not row.range.startswith("cpu_op:"):
-            instances, kernels = found.setdefault(row.range, [0, 0])
-            found[row.range] = [max(instances, row.range_instances),
-                                kernels + row.kernel_instances]
+    for code, n, k in zip(codes.tolist(), instances.tolist(), kernels.tolist(), strict=True):
+        name = trace.strings[code]
+        if not name.startswith("cpu_op:"):   # (one name, one code: merged all the same)
+            was = found.setdefault(name, [0, 0])
+            found[name] = [max(was[0], n), was[1] + int(k)]
     outer = _outermost_instances(trace, [name for name, (n, _) in found.items() if n >= 2])
     found = {name: (outer.get(name, n), k) for name, (n, k) in found.items()}
     ranked = sorted(((n, k, name) for name, (n, k) in found.items()
