@@ -56,20 +56,52 @@ def capture_launches(trace: Trace) -> np.ndarray:
     runs = _captures(trace)
     if not runs:
         return out
-    run_pid = np.array([int(api.pid[r[0]]) for r in runs])
-    run_end = np.array([int(api.end[r[-1]]) for r in runs])
-    run_len = np.array([len(r) for r in runs])
+    flat = np.concatenate(runs)
+    run_len = np.array([len(r) for r in runs], np.int64)
+    run_first = np.r_[0, np.cumsum(run_len)[:-1]]
+    run_pid = api.pid[flat[run_first]].astype(np.int64)
+    run_end = api.end[flat[run_first + run_len - 1]]
     # Replayed kernels grouped by graph launch, each group in GPU start order.
     order = from_graph[np.lexsort((k.start[from_graph], k.api[from_graph]))]
     graph_of = k.api[order]
     cuts = np.flatnonzero(np.r_[True, graph_of[1:] != graph_of[:-1], True])
-    for lo, hi in zip(cuts[:-1].tolist(), cuts[1:].tolist(), strict=True):
-        g = int(graph_of[lo])
-        fits = np.flatnonzero((run_pid == api.pid[g]) & (run_end <= api.start[g])
-                              & (run_len == hi - lo))
-        if len(fits):
-            out[order[lo:hi]] = runs[int(fits[np.argmax(run_end[fits])])]
+    lo, size = cuts[:-1], np.diff(cuts)
+    launch = graph_of[lo]
+    fit = _latest_captures(run_pid, run_end, run_len, api.pid[launch].astype(np.int64),
+                           api.start[launch], size)
+    # Kernel i of a launch is launch call i of its capture.
+    matched = np.repeat(fit, size)
+    within = np.arange(len(order)) - np.repeat(lo, size)
+    keep = matched >= 0
+    out[order[keep]] = flat[run_first[matched[keep]] + within[keep]]
     return out
+
+
+def _latest_captures(run_pid: np.ndarray, run_end: np.ndarray, run_len: np.ndarray,
+                     launch_pid: np.ndarray, launch_start: np.ndarray, size: np.ndarray
+                     ) -> np.ndarray:
+    """Per graph launch, its capture (a run's index, or -1): the latest run of its process
+    that ended before it and launched as many kernels as it ran (the first of equals). For
+    every launch at once: runs sorted by kind (process, length) and end, each launch's (kind,
+    start) placed among them (vLLM's piecewise graphs: thousands of captures, hundreds of
+    thousands of launches)."""
+    pids = np.unique(np.r_[run_pid, launch_pid])
+    span = int(max(run_len.max(), size.max())) + 1
+    kinds, kind = np.unique(np.searchsorted(pids, run_pid) * span + run_len,
+                            return_inverse=True)
+    wanted = np.searchsorted(pids, launch_pid) * span + size
+    at = np.minimum(np.searchsorted(kinds, wanted), len(kinds) - 1)
+    ends = np.unique(run_end)
+    key = kind.ravel() * (len(ends) + 1) + np.searchsorted(ends, run_end) + 1
+    by_key = np.argsort(key, kind="stable")
+    sorted_key = key[by_key]
+    query = at * (len(ends) + 1) + np.searchsorted(ends, launch_start, side="right")
+    pos = np.searchsorted(sorted_key, query, side="right") - 1
+    found = (kinds[at] == wanted) & (pos >= 0)
+    pos = np.maximum(pos, 0)
+    found &= sorted_key[pos] // (len(ends) + 1) == at        # (not a run of a lesser kind)
+    first = np.searchsorted(sorted_key, sorted_key[pos], side="left")
+    return np.where(found, by_key[first], -1)
 
 
 def with_capture(replay: Trace, capture: Trace, replay_file: str | Path | None = None,

@@ -7,6 +7,8 @@ import json
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kimi_perf.errors import TraceError
 from kimi_perf.graphs import capture_launches, with_capture
@@ -285,3 +287,23 @@ def test_copies_that_do_not_match_the_capture_map_nothing(case):
             == [["A", "B"], ["A", "B"]]
         copies = [r for r in step.ops.tolist() if trace.strings[ops.name[r]].startswith("[CUDA")]
         assert len(copies) == (2 if case == "count differs" else 1)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 3), st.integers(0, 40), st.integers(1, 4)),
+                min_size=1, max_size=12),
+       st.lists(st.tuples(st.integers(1, 3), st.integers(0, 50), st.integers(1, 4)),
+                min_size=1, max_size=12))
+def test_each_launch_finds_its_capture_as_one_at_a_time(runs, launches):
+    """The captures of every graph launch found at once equal those found a launch at a
+    time: the latest capture of its process ended by its start, of as many kernels (the
+    first of equals, where captures end together)."""
+    from kimi_perf.graphs import _latest_captures
+
+    run_pid, run_end, run_len = (np.array(c, np.int64) for c in zip(*runs, strict=True))
+    pid, start, size = (np.array(c, np.int64) for c in zip(*launches, strict=True))
+    want = []
+    for p, t, n in launches:
+        fits = np.flatnonzero((run_pid == p) & (run_end <= t) & (run_len == n))
+        want.append(int(fits[np.argmax(run_end[fits])]) if len(fits) else -1)
+    assert _latest_captures(run_pid, run_end, run_len, pid, start, size).tolist() == want
