@@ -242,6 +242,8 @@ class Trace:
     ranges: Ranges = field(default_factory=Ranges.empty)
     api: ApiCalls = field(default_factory=ApiCalls.empty)
     meta: dict[str, Any] = field(default_factory=dict)
+    # names_matching's masks, by pattern, with the string table they were made of
+    _masks: dict = field(default_factory=dict, init=False, compare=False)
 
     def __repr__(self) -> str:
         """What it holds, in one line: not its strings or its metadata's process list."""
@@ -300,9 +302,18 @@ class Trace:
         return min(int(t.start.min()) for t in timed), max(int(t.end.max()) for t in timed)
 
     def names_matching(self, pattern) -> np.ndarray:
-        """Boolean mask over string codes: which strings match a compiled regex (search)."""
-        return np.fromiter((pattern.search(s) is not None for s in self.strings), bool,
+        """Boolean mask over string codes: which strings match a compiled regex (search).
+        Read-only, and kept: the analysis asks for a few patterns, each several times, and a
+        trace with a name per range holds millions of strings."""
+        key = (pattern.pattern, pattern.flags)
+        made = self._masks.get(key)
+        if made is not None and made[0] is self.strings and len(made[1]) == len(self.strings):
+            return made[1]
+        mask = np.fromiter((pattern.search(s) is not None for s in self.strings), bool,
                            count=len(self.strings))
+        mask.flags.writeable = False
+        self._masks[key] = (self.strings, mask)
+        return mask
 
     def save(self, path: str | Path) -> None:
         """Write atomically to one Arrow IPC file (see module docstring)."""

@@ -539,3 +539,21 @@ def test_first_per_key_equals_reference(seed):
     prefer = rng.random(n) < 0.7
     assert _first_per_key(pid, corr, prefer).tolist() == \
         _first_per_key_reference(pid, corr, prefer).tolist()
+
+
+def test_name_masks_are_made_once_per_string_table():
+    """names_matching keeps each pattern's mask (read-only) while the string table is the
+    one it was made of; a table grown or replaced since gets a new one."""
+    import re
+
+    b = TraceBuilder()
+    b.range("decode_step[0]", 0, 10)
+    trace = b.build()
+    pattern = re.compile(r"^decode_step\[")
+    mask = trace.names_matching(pattern)
+    assert mask is trace.names_matching(pattern) and not mask.flags.writeable
+    trace.strings.append("decode_step[1]")
+    grown = trace.names_matching(pattern)
+    assert len(grown) == len(trace.strings) and grown[-1]
+    trace.strings = list(trace.strings)
+    assert trace.names_matching(pattern) is not grown
