@@ -577,10 +577,13 @@ def _run_name(path: Path) -> str:
 @_phase_option
 @click.option("--rules", type=click.Path(path_type=Path), help="extra kernel-class rules")
 @click.option("--update", is_flag=True, help="then store the run as the new baseline")
+@click.option("--strict", is_flag=True, help="fail too where the baseline and the run were "
+              "captured differently (preset, layers, batch, TP, device, ...): a nightly job "
+              "against the wrong baseline")
 @_fail_cleanly
 def gate_cmd(baseline: Path, run: Path, metrics: str, rel_tol: float, alpha: float, fmt: str,
              show_all: bool, path_name: str | None, layers: str, step_regex: str | None,
-             phase: str, rules: Path | None, update: bool) -> None:
+             phase: str, rules: Path | None, update: bool, strict: bool) -> None:
     """Check a run against a stored baseline: exit 1 on a regression (for nightly CI).
 
     BASELINE and RUN: a `kimi-perf trace` run directory or its breakdown.json, a breakdown
@@ -619,7 +622,8 @@ def gate_cmd(baseline: Path, run: Path, metrics: str, rel_tol: float, alpha: flo
             gate_mod.store_baseline(base_file, run_doc)
             click.echo(f"baseline {base_file} replaced from {run}", err=True)
             return
-    gated = gate_mod.gate_files(baseline, run, tolerances, path_name, phase, loaded, **options)
+    gated = gate_mod.gate_files(baseline, run, tolerances, path_name, phase, loaded, strict,
+                                **options)
     result = gated.result
     with _reader_may_leave():
         _print_gate(gated, fmt, show_all, update)

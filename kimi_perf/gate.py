@@ -106,13 +106,14 @@ class Check:
     p_value: float | None     # one-sided Mann-Whitney U, in the direction of the change
     status: str               # ok, regression, improvement, noise, missing, new, changed,
                               # differs (layers a step), fell back (every step of the run's
-                              # path: the baseline's not)
+                              # path: the baseline's not), captured differently (strict)
     detail: str | None = None  # the kernels behind a regression or improvement
     run_layer_type: str | None = None  # the run's name of the type, where it differs
 
     @property
     def fails(self) -> bool:
-        return self.status in ("regression", "missing", "differs", "fell back")
+        return self.status in ("regression", "missing", "differs", "fell back",
+                               "captured differently")
 
 
 @dataclass
@@ -168,13 +169,15 @@ class GatedRun:
 
 def gate_files(baseline: str | Path, run: str | Path, tolerances: Tolerances = Tolerances(),
                path: str | None = None, phase: str = "auto",
-               loaded: dict[Path, tuple] | None = None, **breakdown_options) -> GatedRun:
+               loaded: dict[Path, tuple] | None = None, strict: bool = False,
+               **breakdown_options) -> GatedRun:
     """``gate`` over what two files hold (each a run directory, its ``breakdown.json``, a
     breakdown JSON or a trace, traces broken down over the steps of ``phase``, and as
     ``breakdown_options`` say: ``layers``, ``step_regex``, ``rules``); ``path``: check that
     decode path alone (a trace on either side stands for it). A trace against a run of several
     paths needs ``path``: which one would it stand for? ``loaded``: what ``load_run`` gave for
-    either file already (a trace is not read twice)."""
+    either file already (a trace is not read twice). ``strict``: captures made differently
+    (``run_differences``) fail too, as a nightly job against the wrong baseline should."""
     baseline, run = Path(baseline), Path(run)
     loaded = loaded or {}
     current, run_doc, _ = loaded.get(run) or load_run(run, phase, **breakdown_options)
@@ -210,6 +213,9 @@ def gate_files(baseline: str | Path, run: str | Path, tolerances: Tolerances = T
                 check.detail = (f"models of {depths[0]} and {depths[1]} layers: a step is "
                                 "other work")
     _check_fallbacks(result, base_doc, run_doc, base, current)   # (a failure whatever the depth)
+    if strict and result.run_differences:
+        result.checks.append(Check("run", "capture", "capture", None, None, None, None,
+                                   "captured differently", "; ".join(result.run_differences)))
     return GatedRun(result, base, current, run_doc, base_file)
 
 

@@ -385,7 +385,7 @@ def validation_table(result: dict) -> Table:
 
 
 GATE_STYLES = {"regression": "bold red", "missing": "bold red", "fell back": "bold red",
-               "differs": "bold red",
+               "differs": "bold red", "captured differently": "bold red",
                "improvement": "green",
                "noise": "yellow", "new": "cyan", "changed": "yellow"}
 GATE_HEADLINE_ITEMS = 5
@@ -426,6 +426,7 @@ def gate_headline(result: GateResult) -> str:
         return f"gate: pass ({len(result.checks)} checks)"
     failures = result.failures
     worst = "; ".join(f"{c.path}: {c.detail}" if c.status == "fell back" else
+                      str(c.detail) if c.status == "captured differently" else
                       f"{c.path} {c.layer_type} {result.metric_name(c)} "
                       + (f"{_value(c.baseline)} -> {_value(c.current)}"
                          if c.status in ("regression", "differs") else "missing from the run")
@@ -434,7 +435,8 @@ def gate_headline(result: GateResult) -> str:
     more = len(failures) - GATE_HEADLINE_ITEMS
     counts = Counter(c.status for c in failures)
     said = ", ".join(f"{n} layer count{' differs' if n == 1 else 's differ'}"
-                     if status == "differs" else
+                     if status == "differs" else "the captures differ"
+                     if status == "captured differently" else
                      f"{n} {status}" + ("s" if n > 1 and status == "regression" else "")
                      + (" on every step" if status == "fell back" else "")
                      for status, n in sorted(counts.items(), reverse=True))

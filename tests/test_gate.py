@@ -924,6 +924,30 @@ def test_gate_says_when_baseline_and_run_were_captured_differently(tmp_path):
     assert run_differences(grouped, grouped) == []
 
 
+def test_strict_fails_captures_made_differently(tmp_path):
+    """--strict: a run captured otherwise than its baseline (another batch, say) fails, where
+    without it the line under the table says so and the checks decide."""
+    from click.testing import CliRunner
+
+    from kimi_perf.cli import main
+
+    doc = json.loads(BASELINE.read_text())
+    doc["run"]["batch"] = 3
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps(doc))
+    runner = CliRunner()
+    lax = runner.invoke(main, ["gate", str(BASELINE), str(other), "--metrics", "kernels"])
+    assert lax.exit_code == 0 and "captured differently: batch 2 vs 3" in lax.output
+    strict = runner.invoke(main, ["gate", str(BASELINE), str(other), "--metrics", "kernels",
+                                  "--strict", "--format", "json"])
+    assert strict.exit_code == 1
+    (failed,) = [c for c in json.loads(strict.output)["checks"] if c["status"] != "ok"]
+    assert (failed["status"], failed["detail"]) == ("captured differently", "batch 2 vs 3")
+    said = runner.invoke(main, ["gate", str(BASELINE), str(other), "--strict"])
+    assert "gate: FAIL, the captures differ: batch 2 vs 3" in " ".join(said.output.split())
+    assert runner.invoke(main, ["gate", str(BASELINE), str(BASELINE), "--strict"]).exit_code == 0
+
+
 def test_steps_of_a_model_of_another_depth_are_other_work(tmp_path):
     """A run of half the layers: its steps are other work (no improvement, no regression),
     said so; its layer types still compare, and a layer that gained a launch still fails."""
