@@ -604,8 +604,9 @@ KINETO_HEAD = 1 << 16
 
 
 def _json_not_a_trace(path: Path) -> bool:
-    """A JSON file (gzipped or not) whose head names no Kineto key: a profiler's directory
-    often holds other JSON (a config, a summary) beside its traces."""
+    """A JSON file (gzipped or not) that is neither a list (Chrome's bare event list) nor an
+    object whose head names a Kineto key: a profiler's directory often holds other JSON (a
+    config, a summary) beside its traces."""
     if not path.name.endswith((".json", ".json.gz")):
         return False
     try:
@@ -613,7 +614,8 @@ def _json_not_a_trace(path: Path) -> bool:
             head = f.read(KINETO_HEAD)
     except (OSError, EOFError, zlib.error):
         return False   # unreadable: the reader says why
-    return b'"traceEvents"' not in head and b'"schemaVersion"' not in head
+    return not (head.lstrip(b"\xef\xbb\xbf \t\r\n").startswith(b"[")
+                or b'"traceEvents"' in head or b'"schemaVersion"' in head)
 
 
 def trace_files(paths: list[Path], keep_runs: bool = False,

@@ -308,7 +308,9 @@ class KimiPerfGroup(click.Group):
 
     def invoke(self, ctx: click.Context):
         main_thread = threading.current_thread() is threading.main_thread()
-        handlers = {signal.SIGTERM: _terminate, signal.SIGINT: _interrupt}
+        handlers = {signal.SIGTERM: _terminate}
+        if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+            handlers[signal.SIGINT] = _interrupt   # (not where the caller ignores Ctrl-C)
         previous = {n: signal.signal(n, h) for n, h in handlers.items()} if main_thread else {}
         _signalled.clear()
         try:
@@ -612,28 +614,42 @@ def gate_cmd(baseline: Path, run: Path, metrics: str, rel_tol: float, alpha: flo
         if not gate_mod.has_work(runs):
             raise TraceError(run, "holds no steps and no layers: nothing to store as a baseline")
         if not baseline.exists():
-            gate_mod.store_baseline(baseline, run_doc)
-            click.echo(f"baseline {baseline} created from {run}", err=True)
+            _stored_unchecked(baseline, run_doc, "created", run, fmt, tolerances)
             return
+        try:
+            base_runs, _, base_file = loaded[baseline] = gate_mod.load_run(baseline, phase,
+                                                                            **options)
+        except TraceError as exc:   # (a baseline edited since, say)
+            raise TraceError(baseline, f"{exc.problem}: --update gates against it first; "
+                                       "remove it to store the run there") from None
         # a stored baseline with nothing to check (which gate refuses) is replaced unchecked
-        base_runs, _, base_file = loaded[baseline] = gate_mod.load_run(baseline, phase,
-                                                                        **options)
         if base_file is not None and not gate_mod.has_work(base_runs):
-            gate_mod.store_baseline(base_file, run_doc)
-            click.echo(f"baseline {base_file} replaced from {run}", err=True)
+            _stored_unchecked(base_file, run_doc, "replaced", run, fmt, tolerances)
             return
     gated = gate_mod.gate_files(baseline, run, tolerances, path_name, phase, loaded, strict,
                                 **options)
     result = gated.result
+    if update:   # (stored before it is said: what stdout says was done, was)
+        gate_mod.store_baseline(gated.baseline_file, gated.run_doc)
     with _reader_may_leave():
         _print_gate(gated, fmt, show_all, update)
     if update:
-        gate_mod.store_baseline(gated.baseline_file, gated.run_doc)
         click.echo(f"baseline {gated.baseline_file} updated from {run}"
                    + ("" if result.ok else " (what the gate above failed is now the baseline)"),
                    err=True)
     elif not result.ok:
         sys.exit(1)
+
+
+def _stored_unchecked(baseline: Path, run_doc: dict, how: str, run: Path, fmt: str,
+                      tolerances: gate_mod.Tolerances) -> None:
+    """--update where there was nothing to gate against: stored, and said (in JSON too)."""
+    gate_mod.store_baseline(baseline, run_doc)
+    if fmt == "json":
+        with _reader_may_leave():
+            click.echo(json.dumps({**gate_mod.GateResult([], tolerances).to_json(),
+                                   "updated": str(baseline)}, indent=1, allow_nan=False))
+    click.echo(f"baseline {baseline} {how} from {run}", err=True)
 
 
 def _print_gate(gated: gate_mod.GatedRun, fmt: str, show_all: bool, update: bool) -> None:

@@ -605,6 +605,8 @@ def gate(baseline: dict[str, Breakdown], current: dict[str, Breakdown],
                     patterns_differ([_digest(base, base_type), _digest(cur, cur_type)])):
                 found.append(Check(path, label, "pattern", None, None, None, None, "changed"))
             if (layers := _layers_check(path, label, base, base_type, cur, cur_type)):
+                if windows is not None and layers.status == "differs":
+                    layers.status, layers.detail = "changed", windows   # (other work)
                 found.append(layers)
             for metric in tolerances.metrics:
                 # (steps count kernels too: those outside every layer, a step's prologue and
@@ -852,9 +854,16 @@ def _layers_check(path: str, label: str, base: Breakdown | None, base_type: str 
     if None in counts:
         return None
     b, c = counts
-    return Check(path, label, "layers", b, c, _change(b, c), None,
-                 "ok" if b == c else "differs",
-                 None if b == c else f"{b:g} layers a step in the baseline, {c:g} in the run")
+    if b == c:
+        return Check(path, label, "layers", b, c, 0.0, None, "ok")
+    if base_type != STEP and (_digest(base, base_type) or _digest(cur, cur_type)) and (
+            _layers_per_step(base) == _layers_per_step(cur) is not None):
+        # a type the kernel pattern found: the steps hold as many layers, typed otherwise
+        # (an edge layer of a letter of its own on one side, of a commoner one on the other)
+        return Check(path, label, "layers", b, c, _change(b, c), None, "changed",
+                     "the pattern typed the steps' layers otherwise: as many a step")
+    return Check(path, label, "layers", b, c, _change(b, c), None, "differs",
+                 f"{b:g} layers a step in the baseline, {c:g} in the run")
 
 
 def _type_per_step(b: Breakdown, layer_type: str) -> float | None:

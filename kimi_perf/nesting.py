@@ -205,8 +205,12 @@ def _outside_bad_blocks(ranges: Ranges, order: np.ndarray, group_id: np.ndarray 
         spans = zip(firsts[held].tolist(), lasts[held].tolist(), strict=True)
     for lo, hi in spans:
         rows = order[lo:hi]
-        start, reach = ranges.start[rows], np.maximum.accumulate(ranges.end[rows])
-        block = np.cumsum(np.r_[True, start[1:] > reach[:-1]])
+        start, end = ranges.start[rows], ranges.end[rows]
+        # (a range that ends before it starts may nest under an earlier one: no block begins
+        # where one to come ends by the reach of those before)
+        low = np.minimum.accumulate(np.minimum(start, end)[::-1])[::-1]
+        reach = np.maximum.accumulate(end)
+        block = np.cumsum(np.r_[True, low[1:] > reach[:-1]])
         fast[lo:hi] = ~np.isin(block, block[bad[lo:hi]])
     return fast
 

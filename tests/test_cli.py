@@ -1514,6 +1514,33 @@ def test_a_reader_that_left_changes_no_verdict(tmp_path):
     assert with_reader_gone("info", str(VLLM)) == 141
 
 
+def test_ctrl_c_ignored_by_the_caller_stays_ignored(tmp_path):
+    """A command started with SIGINT ignored (`kimi-perf ... &` from a script) keeps it so,
+    as Python itself does: a Ctrl-C at the terminal does not stop it."""
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-m", "kimi_perf", "info",
+                             str(KINETO / "hta_v100_ddp_rank1_19k_kernels.json.gz")],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    while proc.poll() is None:       # Ctrl-C again and again, until it is done
+        proc.send_signal(signal.SIGINT)
+        time.sleep(0.05)
+    err = proc.stderr.read()
+    assert proc.returncode == 0 and b"interrupted" not in err, err
+
+
+def test_a_directory_of_bare_event_lists_stands_for_them(tmp_path):
+    """Chrome's trace format also allows a bare list of events: a directory of those is a
+    directory of traces, not of other JSON."""
+    events = json.loads(gzip.decompress(VLLM.read_bytes()))["traceEvents"]
+    ranks = tmp_path / "ranks"
+    ranks.mkdir()
+    (ranks / "rank0.json").write_text(json.dumps(events))
+    result = run("info", ranks)
+    assert result.exit_code == 0 and "left out" not in result.output, result.output
+
+
 def test_the_report_says_one_rank_of_a_sharded_preset_ran():
     """k3-tp8 in one process is one rank of TP 8's shapes: the report says both, not TP 1
     alone; a run whose processes are its TP says it once."""

@@ -207,6 +207,36 @@ def test_an_automatic_layer_type_lost_with_layers_fails():
     assert ("B", "missing") not in {(c.layer_type, c.status) for c in gate(base, run).checks}
 
 
+def _in_steps(run: dict, layers_a_step: int) -> None:
+    """Place the synthetic layers in four steps of one device, as a breakdown does, each
+    step of the same work (its kernels, its µs)."""
+    b = run["specialized"]
+    seen: dict[str, int] = {}
+    for row in b.layers:
+        i = seen.get(row["type"], 0)
+        seen[row["type"]] = i + 1
+        row["step"], row["device"] = i % 4, 0
+    for step in b.steps:
+        step.update(device=0, layers=layers_a_step, kernels=27, kernel_us=180.0, span_us=181.0)
+
+
+def test_layers_the_pattern_types_otherwise_are_no_failure():
+    """An edge layer that is a letter of its own in the baseline and of the commoner letter in
+    the run (or the reverse): the steps hold as many layers, so the letter that gained or lost
+    it is changed, not a failure; a step that lost a layer still fails."""
+    base = _automatic({"A": 9, "B": 9}, {"A": KDA[:8], "B": KDA[8:12]}, {"A": "p1", "B": "p2"})
+    run = _automatic({"A": 9}, {"A": KDA[:12]}, {"A": "p1"})
+    _in_steps(base, 3)
+    _in_steps(run, 3)
+    for x, y in ((base, run), (run, base)):
+        result = gate(x, y)
+        assert result.ok, result.failures
+        (a,) = [c for c in result.checks if (c.layer_type, c.metric) == ("A", "layers")]
+        assert a.status == "changed" and "as many a step" in a.detail
+    _in_steps(run, 2)       # (two layers a step hold its twelve: one lost a step)
+    assert {(c.layer_type, c.metric) for c in gate(base, run).failures} >= {("step", "layers")}
+
+
 def test_gate_of_a_real_before_and_after_pair_with_blocks_cut_elsewhere():
     """Two training traces whose windows cut the DiT blocks elsewhere: the blocks (A) hold
     the same cycle of kernels, begun 8 kernels apart, so they are the same layer and checked
@@ -227,10 +257,15 @@ def test_gate_of_a_real_before_and_after_pair_with_blocks_cut_elsewhere():
     assert span["p_value"] < 1e-5 and "idle between kernels +" in span["detail"]
     assert "pattern" not in {m for t, m in checks if t == "A"}   # the same cycle
     assert checks[("A", "kernel_us")]["status"] == "ok"
-    assert {t for (t, _), c in checks.items() if c["status"] == "changed"} == {"B", "C", "step"}
+    assert {t for (t, _), c in checks.items() if c["status"] == "changed"} == {"A", "B", "C",
+                                                                            "step"}
     assert checks[("step", "kernels")]["detail"] == (
         "each device is one step, the profiler's window: 17 layers a step in the baseline, 15 "
         "in the run")
+    # windows of other work: their layers a step do not compare either, the blocks' included
+    assert checks[("A", "layers")]["status"] == checks[("step", "layers")]["status"] == "changed"
+    back = CliRunner().invoke(main, ["gate", str(after), str(before)])
+    assert back.exit_code == 0, back.output
 
 
 def test_a_cycle_cut_elsewhere_is_the_same_layer_under_an_older_digest():
@@ -633,8 +668,21 @@ def test_cli_exit_codes_and_update(tmp_path):
     assert runner.invoke(main, ["gate", str(baseline), str(trace)]).exit_code == 0
     created = tmp_path / "new" / "base.json"
     created.parent.mkdir()
-    assert runner.invoke(main, ["gate", str(created), str(trace), "--update"]).exit_code == 0
+    made = runner.invoke(main, ["gate", str(created), str(trace), "--update", "--format",
+                                "json"])
+    assert made.exit_code == 0       # nothing to gate against: stored, and said in JSON too
+    said = json.loads(made.output[: made.output.rindex("}") + 1])
+    assert said["ok"] and said["checks"] == [] and said["updated"] == str(created)
     assert runner.invoke(main, ["gate", str(created), str(trace)]).exit_code == 0
+    # a baseline edited since (its summaries not its rows'): said, with what to do
+    edited = json.loads(created.read_text())
+    edited["layer_types"][0]["layers"] += 1
+    created.write_text(json.dumps(edited))
+    refused = runner.invoke(main, ["gate", str(created), str(trace), "--update"])
+    assert refused.exit_code == 2 and "--update gates against it first; remove it to store " \
+        "the run there" in refused.output
+    created.unlink()
+    assert runner.invoke(main, ["gate", str(created), str(trace), "--update"]).exit_code == 0
     result = runner.invoke(main, ["gate", str(trace), str(baseline), "--update"])
     assert result.exit_code == 2 and "not a trace" in result.output
     (tmp_path / "other.json").write_text("{}")     # JSON of another kind: not replaced
