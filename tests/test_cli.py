@@ -1509,8 +1509,11 @@ def test_a_reader_that_left_changes_no_verdict(tmp_path):
     assert with_reader_gone("gate", str(BASELINE), str(BASELINE), "--all") == 0
     assert with_reader_gone("gate", str(BASELINE), str(BASELINE), "--format", "json") == 0
     copy = tmp_path / "base.json"
-    shutil.copy(BASELINE, copy)
+    older = json.loads(BASELINE.read_text())
+    older["run"]["date"] = "an older run"
+    copy.write_text(json.dumps(older))
     assert with_reader_gone("gate", str(copy), str(BASELINE), "--update", "--all") == 0
+    assert json.loads(copy.read_text()) == json.loads(BASELINE.read_text())   # stored
     assert with_reader_gone("info", str(VLLM)) == 141
 
 
