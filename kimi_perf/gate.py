@@ -12,7 +12,8 @@ crossed too. Where the samples are too few for the test to reach ``alpha`` at al
 or path the baseline has and the run lacks fails too (the analysis lost it); one the run adds
 is reported. Layers a step (in all, and of each type) must match: a layer lost or added is
 other work, whose figures would pass for a change of speed; a count that differs fails, but
-where the pattern moved layers between letters or the models differ in depth.
+not where it says nothing of the work: the pattern typed as many layers a step otherwise, the
+steps are profiler windows, or the models differ in depth.
 
 Layer types found by the repeating kernel pattern (letters in order of first appearance, not
 range names) are paired by their kernel sequence (its digest), whatever their letters; the types
