@@ -35,8 +35,8 @@ from typing import Any
 
 from kimi_perf import __version__
 from kimi_perf.decode.fallbacks import every_decode_step_fell_back, summarise
-from kimi_perf.errors import NoStepsMatched, TraceError
-from kimi_perf.layer_breakdown import Breakdown, breakdown
+from kimi_perf.errors import TraceError
+from kimi_perf.layer_breakdown import Breakdown, breakdown, breakdown_of_file
 from kimi_perf.names import primed
 from kimi_perf.readers import read_trace
 from kimi_perf.readers.nsys import nsys_cli
@@ -691,11 +691,8 @@ def analyse(files: list[Path], out_dir: Path, layers: str = "auto", phase: str =
     results: dict[str, Breakdown] = {}
     paired = captures or [None] * len(files)
     for f, c, label in zip(files, paired, trace_labels(files), strict=True):
-        try:
-            results[label] = breakdown(read_trace(f, capture=c), layers=layers, phase=phase,
-                                       rules=loaded, step_regex=step_regex)
-        except NoStepsMatched as exc:   # (named by the trace's file: a .kptrace's is another)
-            raise TraceError(f, exc.problem) from None
+        results[label] = breakdown_of_file(f, c, layers=layers, phase=phase, rules=loaded,
+                                           step_regex=step_regex)
     command = ["kimi-perf", "trace", *(a for f in files for a in ("--from", str(f))),
                *(a for c in captures or () for a in ("--capture", str(c))),
                *(("--layers", layers) if layers != "auto" else ()),

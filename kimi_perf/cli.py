@@ -21,8 +21,8 @@ from kimi_perf.attribution import range_kernel_summary
 from kimi_perf.classify import load_rules
 from kimi_perf.comparison import compare, comparison_doc, type_pairs
 from kimi_perf.decode.fallbacks import fell_back_text, paths_that_fell_back
-from kimi_perf.errors import NoStepsMatched, TraceError
-from kimi_perf.layer_breakdown import Breakdown, breakdown, units_word
+from kimi_perf.errors import TraceError
+from kimi_perf.layer_breakdown import Breakdown, breakdown_of_file, units_word
 from kimi_perf.layers import PHASES
 from kimi_perf.readers import read_trace
 from kimi_perf.trace import OP_RANGE, atomic_write_text, json_text
@@ -381,11 +381,8 @@ def _breakdown_of(path: Path, layers: str, rules: Path | None, steps: str | None
     if runs:
         return next(iter(runs.values()))
     layers, steps = _check_layers(layers), _check_steps(steps)
-    try:
-        return breakdown(read_trace(path, capture=capture), layers=layers,
-                         rules=load_rules(rules), step_regex=steps, phase=phase)
-    except NoStepsMatched as exc:
-        raise TraceError(path, exc.problem) from None
+    return breakdown_of_file(path, capture, layers=layers, rules=load_rules(rules),
+                             step_regex=steps, phase=phase)
 
 
 EXAMPLE_TRACE = (Path(__file__).parent / "examples"

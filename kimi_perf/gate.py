@@ -61,7 +61,7 @@ from kimi_perf.comparison import (
     rotation,
 )
 from kimi_perf.decode.fallbacks import fell_back_text, paths_that_fell_back
-from kimi_perf.errors import NoStepsMatched, TraceError
+from kimi_perf.errors import TraceError
 from kimi_perf.layer_breakdown import Breakdown, layer_column
 from kimi_perf.trace import KIMI_PERF_JSON, atomic_write_text, is_int64, json_text
 
@@ -341,13 +341,9 @@ def load_run(path: str | Path, phase: str = "auto", **breakdown_options
         if isinstance(doc, dict) and "layer_types" in doc:
             return {TRACE: _checked(Breakdown.from_json(doc, path), path)}, doc, path
         raise TraceError(path, "neither a kimi-perf run breakdown nor a breakdown JSON")
-    from kimi_perf.layer_breakdown import breakdown
-    from kimi_perf.readers import read_trace
+    from kimi_perf.layer_breakdown import breakdown_of_file
 
-    try:
-        b = breakdown(read_trace(path), phase=phase, **breakdown_options)
-    except NoStepsMatched as exc:   # (named by the trace's file: a .kptrace's is another)
-        raise TraceError(path, exc.problem) from None
+    b = breakdown_of_file(path, phase=phase, **breakdown_options)
     return {TRACE: b}, b.to_json(), None
 
 

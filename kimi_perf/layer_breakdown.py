@@ -378,6 +378,20 @@ def _us_array(ns: np.ndarray) -> np.ndarray:
     return us
 
 
+def breakdown_of_file(path: str | Path, capture: str | Path | None = None, **options
+                      ) -> Breakdown:
+    """``breakdown`` (its ``options``) of the trace ``path`` holds, joined by its graph
+    ``capture`` (``read_trace``); an option that selects nothing is said of ``path`` itself,
+    not of the file its trace came from (a .kptrace's)."""
+    from kimi_perf.errors import NoStepsMatched, TraceError
+    from kimi_perf.readers import read_trace
+
+    try:
+        return breakdown(read_trace(path, capture=capture), **options)
+    except NoStepsMatched as exc:
+        raise TraceError(path, exc.problem) from None
+
+
 def breakdown(trace: Trace, layers: str = "auto", rules: list[Rule] | str | Path | None = None,
               step_regex: str | None = None, phase: str = "auto") -> Breakdown:
     """Steps, layers and layer types of ``trace`` (``breakdown`` in the README).
