@@ -784,6 +784,8 @@ def convert(trace: Path, output: Path, capture: Path | None) -> None:
     then reads the pair as one.
     """
     _not_an_input(output, trace, capture)
+    if output.is_dir():
+        raise TraceError(output, "cannot write: it is a directory")
     if output.suffix != ".kptrace":   # (binary: not for a terminal, nor under another name)
         raise TraceError(output, "convert writes a .kptrace file (Arrow): name it so")
     read_trace(trace, capture=capture).save(output)

@@ -597,11 +597,16 @@ def atomic_write(path: str | Path, write) -> None:
             with open(given, "wb") as f:
                 write(f)
             return
+    except OSError as exc:
+        raise TraceError(given, f"cannot write: {exc.strerror or exc}") from None
+    try:
         # a short temporary name: the target's may already be as long as names go
         fd, tmp = tempfile.mkstemp(prefix=f".{target.name[:32]}.", suffix=".tmp",
                                    dir=target.parent or ".")
     except OSError as exc:
-        raise TraceError(given, f"cannot write: {exc.strerror or exc}") from None
+        # the file itself may exist (/proc/version): the new one is made beside it first
+        raise TraceError(given, f"cannot write: no new file can be made in {target.parent} "
+                                f"({exc.strerror or exc})") from None
     try:
         with os.fdopen(fd, "wb") as f:
             write(f)

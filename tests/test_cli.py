@@ -463,8 +463,12 @@ def test_tables_to_a_file_and_bad_output_paths(tmp_path):
     assert "Per layer type" in text and "\x1b[" not in text   # no terminal colours
     for command in (["breakdown", VLLM, "--format", "json", "-o", tmp_path / "no" / "x.json"],
                     ["breakdown", VLLM, "--format", "json", "-o", tmp_path],
-                    ["convert", VLLM, tmp_path / "no" / "x.kptrace"]):
+                    ["convert", VLLM, tmp_path / "no" / "x.kptrace"],
+                    ["convert", VLLM, tmp_path]):
         _one_line_error(run(*command), "cannot write")
+    # the new file is made beside the target first: where that fails, the message says so
+    _one_line_error(run("breakdown", VLLM, "-o", tmp_path / "no" / "x.txt"),
+                    f"no new file can be made in {tmp_path / 'no'}")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["steps.txt"]
 
 
