@@ -90,8 +90,10 @@ def steps_of_phase(steps: list[Step], phase: str = "auto", file: str | None = No
         said = ", ".join(f"{n} {p}" for p, n in left_out.most_common())
         hint = (f": their names (such as {steps[0].name!r}) do not say their phase"
                 if set(left_out) == {"unknown"} else "")
-        raise NoStepsMatched(file, f"--phase {phase}: no {phase} step among the "
-                                   f"{len(steps)} steps ({said}){hint}")
+        # counted as found, before a step is cut into its forward passes ("device 0 pass 1")
+        found = f"{len(steps)} step" + "s" * (len(steps) != 1)
+        raise NoStepsMatched(file, f"--phase {phase}: no {phase} step among the {found} "
+                                   f"found ({said}){hint}; --phase all takes every step")
     return kept, dict(left_out.most_common())
 
 

@@ -195,12 +195,12 @@ def test_a_phase_no_step_has_is_one_line(tmp_path):
     _vllm_phases_trace().build().save(trace)
     result = CliRunner().invoke(main, ["breakdown", str(trace), "--phase", "prefill"])
     assert result.exit_code == 2 and result.output.count("\n") == 1, result.output
-    assert (f"{trace}: --phase prefill: no prefill step among the 3 steps (2 decode, 1 mixed)"
-            in result.output)
+    assert (f"{trace}: --phase prefill: no prefill step among the 3 steps found "
+            "(2 decode, 1 mixed)" in result.output)
     profiler = TraceBuilder()
     start, _ = profiler.sequence(["gemm"])
     profiler.range("ProfilerStep#4", start - 10, profiler.clock)
-    with pytest.raises(TraceError, match=r"no decode step among the 1 steps \(1 unknown\): "
+    with pytest.raises(TraceError, match=r"no decode step among the 1 step found \(1 unknown\): "
                                          r"their names \(such as 'ProfilerStep#4'\) do not say"):
         breakdown(profiler.build(), phase="decode")
     # without a phase in their names, auto and all keep every step
@@ -252,7 +252,7 @@ def test_every_command_that_breaks_traces_down_takes_the_phase(tmp_path):
     run("report", trace, "--phase", "all", "-o", tmp_path / "r.html", "--plotly-js", "cdn")
     assert "the medians are over all of them" in (tmp_path / "r.html").read_text()
     failed = CliRunner().invoke(main, ["compare", str(trace), str(trace), "--phase", "prefill"])
-    assert failed.exit_code == 2 and "no prefill step among the 3 steps" in failed.output
+    assert failed.exit_code == 2 and "no prefill step among the 3 steps found" in failed.output
 
 
 def test_vllm_decode_breakdown():

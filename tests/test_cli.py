@@ -1144,7 +1144,7 @@ def test_phases_of_real_vllm_traces():
     (step,) = json.loads(run("breakdown", mixed, "--format", "json").output)["steps"]
     assert step["phase"] == "mixed"
     _one_line_error(run("breakdown", mixed, "--phase", "decode"),
-                    "--phase decode: no decode step among the 1 steps (1 mixed)")
+                    "--phase decode: no decode step among the 1 step found (1 mixed); --phase all")
     not_decode = "steps: 1 mixed: every step prefills, so these are not decode figures"
     assert not_decode in " ".join(run("breakdown", mixed).output.split())
     compared = run("compare", VLLM, mixed).output

@@ -223,6 +223,48 @@ def test_tp2_on_gloo_matches_tp1(weights):
     assert sum(1 for layer, n in launches if n == "all_reduce" and layer == 1) == 1
 
 
+def _sleeps(rank: int, seconds: float) -> None:
+    import time
+
+    time.sleep(seconds)
+
+
+_STOPPED_PARENT = """
+import signal, sys
+from kimi_perf.decode.tp import run_on_cpu_ranks
+from tests.test_decode_model import _sleeps
+
+def stop(signum, frame):
+    raise SystemExit(143)
+
+signal.signal(signal.SIGTERM, stop)
+print("started", flush=True)
+run_on_cpu_ranks(2, _sleeps, 600)
+"""
+
+
+def test_ranks_stop_with_the_process_that_started_them():
+    """SIGTERM to the parent alone (`kill PID`, a runner's terminate()): the ranks are
+    stopped with it, not left to finish their work while the parent's exit waits on them
+    (here ten minutes of it)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    parent = subprocess.Popen([sys.executable, "-c", _STOPPED_PARENT], text=True,
+                              cwd=Path(__file__).parent.parent, stdout=subprocess.PIPE)
+    try:
+        assert parent.stdout.readline() == "started\n"
+        time.sleep(5)   # the ranks spawned and running (or still starting: stopped alike)
+        parent.send_signal(signal.SIGTERM)
+        assert parent.wait(timeout=120) == 143
+    finally:
+        parent.kill()
+        parent.wait()
+
+
 def test_fp8_cache_stores_fp8(weights):
     model = K3Model(TINY, weights, dtype=torch.float32)
     state = model.new_state(1, 8, kv_dtype=FP8)

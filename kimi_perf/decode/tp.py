@@ -53,9 +53,30 @@ def _worker(rank: int, world: int, init_file: str, fn: Callable, args: tuple,
 def run_on_cpu_ranks(world: int, fn: Callable, *args) -> list:
     """Run ``fn(rank, *args)`` in ``world`` gloo processes; return each rank's result.
 
-    ``fn`` must be importable (a module-level function) since the ranks are spawned.
+    ``fn`` must be importable (a module-level function) since the ranks are spawned. Where
+    this process stops first (Ctrl-C, SIGTERM to it alone), the ranks are stopped with it:
+    left running, they would hold its exit until they had done all their work.
     """
     with tempfile.TemporaryDirectory(prefix="kimi-perf-tp-") as tmp:
         init_file = os.path.join(tmp, "init")
-        mp.spawn(_worker, args=(world, init_file, fn, args, tmp), nprocs=world, join=True)
+        ranks = mp.start_processes(_worker, args=(world, init_file, fn, args, tmp),
+                                   nprocs=world, join=False)
+        try:
+            while not ranks.join():
+                pass
+        except BaseException:
+            _stop(ranks.processes)
+            raise
         return [torch.load(Path(tmp) / f"rank{r}.pt") for r in range(world)]
+
+
+def _stop(processes: list, grace_s: float = 5.0) -> None:
+    """SIGTERM, then SIGKILL for a rank still alive after ``grace_s``."""
+    for process in processes:
+        if process.is_alive():
+            process.terminate()
+    for process in processes:
+        process.join(grace_s)
+        if process.is_alive():
+            process.kill()
+            process.join()
