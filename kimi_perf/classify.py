@@ -22,6 +22,10 @@ class Rule:
     pattern: re.Pattern
 
 
+# what breakdown's CSV writes a layer's classes with: gemm=3/12.5;norm=1/2.0
+_CSV_MARKS = ";=/"
+
+
 def _parse_rules(text: str, source: str | Path) -> list[Rule]:
     try:
         doc = tomllib.loads(text)
@@ -44,6 +48,10 @@ def _parse_rules(text: str, source: str | Path) -> list[Rule]:
         if not entry["class"].strip() or not entry["pattern"]:
             raise TraceError(source, f"rule {i + 1} has an empty 'class' or 'pattern' (an "
                                      "empty pattern matches every kernel)")
+        if bad := sorted(set(entry["class"]) & set(_CSV_MARKS)):
+            raise TraceError(source, f"rule {i + 1}'s class {entry['class']!r} holds {bad[0]!r}, "
+                                     "which the CSV's classes column separates with "
+                                     f"(use none of {' '.join(_CSV_MARKS)})")
         try:
             pattern = re.compile(entry["pattern"], re.IGNORECASE)
         except re.error as exc:

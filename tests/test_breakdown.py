@@ -312,6 +312,8 @@ def test_user_rules_come_first(tmp_path):
     ("[[rule]]\nclass = 'x'\npattern = 'y'\nbogus = 1\n", "unknown key 'bogus'"),
     ("[[rule]]\nclass = 'x'\npattern = ''\n", "empty 'class' or 'pattern'"),
     ("[[rule]]\nclass = ' '\npattern = 'y'\n", "empty 'class' or 'pattern'"),
+    ("[[rule]]\nclass = 'a;b'\npattern = 'y'\n", "class 'a;b' holds ';', which the CSV"),
+    ("[[rule]]\nclass = 'x=1/2'\npattern = 'y'\n", "holds '/', which the CSV's classes"),
     ("[[rule]]\nclass = 'x'\npattern = 'a?'\n", "pattern 'a?' matches an empty name, so "
                                                  "every kernel"),
     ("[[rule]]\nclass = 'x'\npattern = '.*'\n", "matches an empty name")])
