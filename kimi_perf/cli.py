@@ -339,7 +339,7 @@ def main() -> None:
     """Per-layer kernel counts and µs from nsys and PyTorch-profiler traces."""
 
 
-@main.command()
+@main.command(short_help="Kernels per range, as nsys stats' nvtx_kern_sum report")
 @click.argument("trace", type=click.Path(path_type=Path))
 @click.option("--format", "fmt", type=click.Choice(["csv", "table", "json"]), default="table",
               show_default=True)
@@ -389,7 +389,7 @@ EXAMPLE_TRACE = (Path(__file__).parent / "examples"
                  / "vllm_gptoss20b_decode_fullgraph_mi300x.json.gz")
 
 
-@main.command(name="breakdown")
+@main.command(name="breakdown", short_help="Kernels and µs per step, layer and layer type")
 @click.argument("trace", type=click.Path(path_type=Path), required=False)
 @click.option("--format", "fmt", type=click.Choice(["table", "json", "csv"]), default="table",
               show_default=True)
@@ -429,7 +429,7 @@ def breakdown_cmd(trace: Path | None, fmt: str, layers: str, step_regex: str | N
         _emit(render.breakdown_json(b) if fmt == "json" else render.breakdown_csv(b), output)
 
 
-@main.command(name="compare")
+@main.command(name="compare", short_help="Traces or runs side by side, per layer type")
 @click.argument("a", type=click.Path(path_type=Path))
 @click.argument("b", type=click.Path(path_type=Path), required=False)
 @click.option("--path", "path_name", help="the decode path to take from a run that holds "
@@ -556,7 +556,7 @@ def _run_name(path: Path) -> str:
     return trace_label(path)
 
 
-@main.command(name="gate")
+@main.command(name="gate", short_help="A run against a stored baseline: exit 1 on a regression")
 @click.argument("baseline", type=click.Path(path_type=Path))
 @click.argument("run", type=click.Path(path_type=Path))
 @click.option("--metrics", default=",".join(gate_mod.METRICS), show_default=True,
@@ -688,7 +688,7 @@ def _check_plotly_js(ctx, param, value: str) -> str:
     return value
 
 
-@main.command(name="report")
+@main.command(name="report", short_help="The HTML layer-timeline report of runs or traces")
 @click.argument("inputs", nargs=-1, required=True, type=click.Path(path_type=Path))
 @click.option("--path", "path_name", help="take only this decode path from each run")
 @click.option("--labels", help="names for what the inputs hold, comma-separated, in order "
@@ -772,7 +772,7 @@ def report_cmd(inputs: tuple[Path, ...], path_name: str | None, labels: str | No
     _say_left_out(left_out)
 
 
-@main.command()
+@main.command(short_help="Save a trace as .kptrace: one Arrow file, fast to reload")
 @click.argument("trace", type=click.Path(path_type=Path))
 @click.argument("output", type=click.Path(path_type=Path))
 @_capture_option
@@ -791,7 +791,7 @@ def convert(trace: Path, output: Path, capture: Path | None) -> None:
     read_trace(trace, capture=capture).save(output)
 
 
-@main.command()
+@main.command(short_help="What a trace holds: format, tool, GPUs, event counts")
 @click.argument("trace", type=click.Path(path_type=Path))
 @click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table",
               show_default=True, help="json: {schema, traces: [{file, ...Trace.summary()}]}")
@@ -917,7 +917,7 @@ def _counted(n: int, noun: str) -> str:
     return f"{n:,} {noun}{'s' * (n != 1)}"
 
 
-@main.command(name="floors")
+@main.command(name="floors", short_help="Memory floors per layer and launch: bytes over bandwidth")
 @click.option("--preset", "preset_name", default="k3-tp8", show_default=True,
               help="model shapes: k3, k3-tp8, k3-tp16, tiny")
 @click.option("--tp", type=click.IntRange(1), help="the TP ranks the model is sharded over "
@@ -957,7 +957,7 @@ def floors_cmd(preset_name: str, tp: int | None, batch: int, context: int, weigh
         _emit_tables([render.floors_table(doc), render.floors_headline(doc)], output)
 
 
-@main.command()
+@main.command(short_help="Decode paths against a float64 reference of their weights")
 @click.option("--preset", "preset_name", default="tiny", show_default=True,
               help="model preset of the whole model: tiny or k3 (the float64 reference "
               "cannot check one rank's shapes, k3-tp8 or k3-tp16)")
@@ -1035,7 +1035,7 @@ def validate(preset_name: str, n_layers: int | None, paths: str, steps: int,
         sys.exit(1)
 
 
-@main.command(name="trace")
+@main.command(name="trace", short_help="Capture both decode paths per layer (the main job)")
 @click.option("--from", "from_files", multiple=True, type=click.Path(path_type=Path),
               help="analyse these existing traces instead of capturing (repeatable; a "
               "directory: the traces in it, e.g. one per rank)")

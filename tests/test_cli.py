@@ -437,6 +437,16 @@ def _one_line_error(result, *fragments: str) -> None:
         assert fragment in lines[0]
 
 
+def test_every_command_s_help_line_is_whole():
+    """`kimi-perf --help` lists each command with a line of its own that click has not cut
+    off mid-sentence ("exit 1 on a..."), at 80 columns."""
+    listed = run("--help").output.split("Commands:\n")[1]
+    for name, command in main.commands.items():
+        assert command.short_help and len(command.short_help) <= 60, name
+        assert f"  {name}" in listed and command.short_help in listed, name
+    assert "..." not in listed
+
+
 @pytest.mark.parametrize(("args", "said"), [
     (["breakdown", str(VLLM), "--phase", "decod"], "Invalid value for '--phase'"),
     (["gate", str(VLLM), str(VLLM), "--alpha", "2"], "Invalid value for '--alpha'"),
