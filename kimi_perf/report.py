@@ -185,7 +185,7 @@ def _steps_html(breakdowns: dict[str, Breakdown]) -> str:
             f"<td>{s['gap_us']:.1f}</td></tr>" for s in b.steps[:STEP_ROWS])
         median = {k: float(np.median([s[k] for s in b.steps]))
                   for k in ("kernels", "kernel_us", "span_us", "gap_us")}
-        rows += (f"<tr><th colspan=4>median of {len(b.steps)} steps</th>"
+        rows += (f"<tr><th colspan=4>median of {len(b.steps)} step{'s' * (len(b.steps) != 1)}</th>"
                  f"<td>{count_text(median['kernels'])}</td><td>{median['kernel_us']:.1f}</td>"
                  f"<td>{median['span_us']:.1f}</td><td>{median['gap_us']:.1f}</td></tr>")
         more = len(b.steps) - STEP_ROWS

@@ -765,6 +765,7 @@ def test_report_of_traces_names_each_and_the_gpus_that_ran_it(tmp_path):
             "profiler (Kineto, ROCm) kineto-json; ran on 1 × unnamed GPU (304 SMs))") in text
     assert f"<td>{wan} (" in text
     assert "nsys-sqlite; ran on 2 × GPU not described in the trace)" in text
+    assert "median of 1 step</th>" in text   # vLLM's one step
 
 
 def test_report_compares_the_first_trace_with_each_other(tmp_path):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import gzip
 import json
+import re
 import shutil
 import sqlite3
 from collections import Counter
@@ -618,6 +619,25 @@ def test_a_gzipped_export_reads_as_the_export(tmp_path, monkeypatch):
     with pytest.raises(TraceError, match=r"cut\.sqlite: truncated or corrupt gzip"):
         read_trace(cut)
     assert not any(scratch.iterdir())
+
+
+@pytest.mark.parametrize(("content", "said"), [
+    ("kptrace", "a gzipped .kptrace: gunzip it"),
+    (b"Nothing like a trace\n", "unknown format inside the gzip"),
+    (b"\xef\xbb\xbf  \n{\"traceEvents\": [", "invalid or truncated JSON")])
+def test_what_a_gzip_holds_is_named(tmp_path, content, said):
+    """A gzip of what no reader takes (a .kptrace, which is compressed within; text) says
+    so, rather than calling it JSON that is not UTF-8; gzipped JSON (a BOM and blanks before
+    it) still goes to the Kineto reader, which says what is wrong with it."""
+    from kimi_perf.errors import TraceError
+
+    if content == "kptrace":
+        read_trace(KINETO / "hta_amd_mi250_rocm62_minitoy.json.gz").save(tmp_path / "t.kptrace")
+        content = (tmp_path / "t.kptrace").read_bytes()
+    packed = tmp_path / "packed.gz"
+    packed.write_bytes(gzip.compress(content))
+    with pytest.raises(TraceError, match=r"packed\.gz: " + re.escape(said)):
+        read_trace(packed)
 
 
 @pytest.mark.parametrize("name", ["run%41.sqlite", "run#2.sqlite", "t?x.sqlite", "50%.sqlite"])

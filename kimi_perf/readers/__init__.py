@@ -55,10 +55,9 @@ def read_trace(path: str | Path, capture: str | Path | None = None) -> Trace:
         reader = read_nsys_sqlite
     elif head.startswith(ARROW_MAGIC):
         reader = Trace.load
-    elif head.startswith(GZIP_MAGIC) and _gunzipped_head(path).startswith(SQLITE_MAGIC):
-        reader = _read_gzipped_sqlite
-    elif (head.startswith(GZIP_MAGIC)
-          or head.removeprefix(UTF8_BOM).lstrip()[:1] in (b"{", b"[")):
+    elif head.startswith(GZIP_MAGIC):
+        reader = _gzipped_reader(path)
+    elif head.removeprefix(UTF8_BOM).lstrip()[:1] in (b"{", b"["):
         reader = read_kineto_json
     elif path.suffix in (".nsys-rep", ".qdrep"):    # a format of its own: nsys reads it
         reader = read_nsys_rep
@@ -88,14 +87,23 @@ def read_trace(path: str | Path, capture: str | Path | None = None) -> Trace:
     return trace
 
 
-def _gunzipped_head(path: Path) -> bytes:
-    """The first bytes of a gzip file's content; none where it cannot be read (the reader
-    chosen then says why)."""
+def _gzipped_reader(path: Path):
+    """The reader of what a gzip file holds, by its first bytes: an nsys export or Kineto
+    JSON (also where they cannot be read: the Kineto reader then says why the gzip is bad)."""
     try:
         with gzip.open(path, "rb") as f:
-            return f.read(len(SQLITE_MAGIC))
+            inner = f.read(64)
     except (OSError, EOFError, zlib.error):
-        return b""
+        return read_kineto_json
+    if inner.startswith(SQLITE_MAGIC):
+        return _read_gzipped_sqlite
+    if inner.startswith(ARROW_MAGIC):
+        raise TraceError(path, "a gzipped .kptrace: gunzip it (a .kptrace is compressed "
+                               "within)")
+    if inner.removeprefix(UTF8_BOM).lstrip()[:1] not in (b"", b"{", b"["):
+        raise TraceError(path, "unknown format inside the gzip: expected an nsys SQLite "
+                               "export or a Kineto JSON trace")
+    return read_kineto_json
 
 
 def _read_gzipped_sqlite(path: Path) -> Trace:
