@@ -230,7 +230,7 @@ def _sleeps(rank: int, seconds: float) -> None:
 
 
 _STOPPED_PARENT = """
-import signal, sys
+import signal
 from kimi_perf.decode.tp import run_on_cpu_ranks
 from tests.test_decode_model import _sleeps
 

@@ -57,7 +57,7 @@ def read_trace(path: str | Path, capture: str | Path | None = None) -> Trace:
         reader = Trace.load
     elif head.startswith(GZIP_MAGIC):
         reader = _gzipped_reader(path)
-    elif head.removeprefix(UTF8_BOM).lstrip()[:1] in (b"{", b"["):
+    elif _json_start(head) in (b"{", b"["):
         reader = read_kineto_json
     elif path.suffix in (".nsys-rep", ".qdrep"):    # a format of its own: nsys reads it
         reader = read_nsys_rep
@@ -87,6 +87,11 @@ def read_trace(path: str | Path, capture: str | Path | None = None) -> Trace:
     return trace
 
 
+def _json_start(head: bytes) -> bytes:
+    """The first character of a JSON text's first bytes, past a BOM and blanks."""
+    return head.removeprefix(UTF8_BOM).lstrip()[:1]
+
+
 def _gzipped_reader(path: Path):
     """The reader of what a gzip file holds, by its first bytes: an nsys export or Kineto
     JSON (also where they cannot be read: the Kineto reader then says why the gzip is bad)."""
@@ -100,7 +105,7 @@ def _gzipped_reader(path: Path):
     if inner.startswith(ARROW_MAGIC):
         raise TraceError(path, "a gzipped .kptrace: gunzip it (a .kptrace is compressed "
                                "within)")
-    if inner.removeprefix(UTF8_BOM).lstrip()[:1] not in (b"", b"{", b"["):
+    if _json_start(inner) not in (b"", b"{", b"["):   # (b"": blanks past what was read)
         raise TraceError(path, "unknown format inside the gzip: expected an nsys SQLite "
                                "export or a Kineto JSON trace")
     return read_kineto_json
