@@ -11,6 +11,7 @@ from typing import Any
 
 from rich import box
 from rich.console import Console, ConsoleOptions, RenderResult
+from rich.measure import Measurement
 from rich.table import Table as RichTable
 from rich.text import Text
 
@@ -57,30 +58,82 @@ def console(stderr: bool = False) -> Console:
     return out
 
 
-class Table(RichTable):
-    """A rich table that, where its borders and padding would leave a column narrower than
-    its longest word (a number is one; a ten-column table at 80 columns), is drawn without
-    them, its columns a space apart. Text columns (names, left-justified) fold either way."""
+HEADER_FOLDS = (12, 8, 6)   # widths a number column's header is folded to, in turn
+# Table layouts in the order preferred: (boxed; text columns whole or folded to TEXT_ROOM;
+# a number column's cells whole or broken at spaces; its header whole, broken at spaces or
+# folded). Names whole come before borders, and numbers whole before headers whole.
+LAYOUTS = [(True, "whole", "whole", "whole"), (True, "whole", "whole", "words"),
+           (False, "whole", "whole", "words"),
+           (True, "folded", "whole", "whole"), (True, "folded", "whole", "words"),
+           *((False, "folded", cells, header) for cells in ("whole", "words")
+             for header in ("words", *HEADER_FOLDS))]
 
-    TEXT_ROOM = 12   # what a text column is counted at: it folds to fit
+
+class Table(RichTable):
+    """A rich table laid out so that no number breaks. Number (right-justified) columns are
+    as wide as their widest cell; text columns whole where they fit, else folded. With less
+    room the table gives up, in turn (``LAYOUTS``): borders and padding, whole names, whole
+    header words, whole cells of several numbers ("2 / 2775.0" breaks at its spaces). Where
+    none of that fits, each row is printed as a record, a line per column (as psql's expanded
+    display), rather than folding "10717.7" into "10717." over "7"."""
+
+    TEXT_ROOM = 12   # the width a text column is folded to
 
     def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
         wide = options.update(max_width=1 << 20)
-        need = sum(m.minimum if col.justify == "right" else min(m.minimum, self.TEXT_ROOM)
-                   for col in self.columns
-                   for m in [self._measure_column(console, wide, col)])
-        # its borders, and a character a column to spare: rich's layout shares the shortfall
-        # out unevenly, and a header word cut in two reads badly too
-        if need + 2 * len(self.columns) + 1 <= options.max_width:
-            yield from super().__rich_console__(console, options)
+        texts: list[dict] = []     # a text column's width, whole or folded
+        numbers: dict[int, dict] = {}   # a number column's width by (cells, header)
+        for i, col in enumerate(self.columns):
+            head = Measurement.get(console, wide, col.header)
+            cells = [Measurement.get(console, wide, cell) for cell in col.cells]
+            whole = max([1, *(m.maximum for m in cells)])
+            if col.justify != "right":
+                whole = max(whole, head.minimum)
+                texts.append({"whole": whole, "folded": min(whole, self.TEXT_ROOM)})
+                continue
+            cell_width = {"whole": whole, "words": max([1, *(m.minimum for m in cells)])}
+            head_width = {"whole": head.maximum, "words": head.minimum,
+                          **{fold: min(head.minimum, fold) for fold in HEADER_FOLDS}}
+            numbers[i] = {(c, h): max(cw, hw) for c, cw in cell_width.items()
+                          for h, hw in head_width.items()}
+        n = len(self.columns)
+        for boxed, text, cells, header in LAYOUTS:
+            width = (sum(w[text] for w in texts) + sum(w[cells, header] for w in numbers.values())
+                     + (3 * n + 1 if boxed else n - 1))
+            if width <= options.max_width:
+                break
+        else:
+            yield from self._records(console, options)
             return
+        saved = [col.width for col in self.columns]
         style = self.box, self.show_edge, self.padding, self.pad_edge
-        self.box, self.show_edge, self.padding, self.pad_edge = (box.SIMPLE_HEAD, False,
-                                                                 (0, 0), False)
+        for i, width in numbers.items():
+            self.columns[i].width = width[cells, header]
+        if not boxed:
+            self.box, self.show_edge, self.padding, self.pad_edge = (box.SIMPLE_HEAD, False,
+                                                                     (0, 0), False)
         try:
             yield from super().__rich_console__(console, options)
         finally:
             self.box, self.show_edge, self.padding, self.pad_edge = style
+            for col, width in zip(self.columns, saved, strict=True):
+                col.width = width
+
+    def _records(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        if self.title:
+            yield Text(str(self.title), style="table.title", justify="center")
+        records = RichTable.grid(padding=(0, 1))
+        records.add_column(style="table.header", overflow="fold")
+        records.add_column(overflow="fold")
+        cells = [list(col.cells) for col in self.columns]
+        for i in range(self.row_count):
+            if i:
+                records.add_row()
+            for col, column_cells in zip(self.columns, cells, strict=True):
+                records.add_row(col.header, column_cells[i])
+        yield records
+        if self.caption:
+            yield Text(str(self.caption), style="table.caption", justify="center")
 
 
 def _table(title: str, columns: list[str], left: tuple[str, ...] = ()) -> Table:

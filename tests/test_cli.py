@@ -54,9 +54,9 @@ def test_breakdown_formats(tmp_path):
 
 def test_tables_keep_every_digit():
     """Piped, the tables are laid out wide; in a terminal narrower than a table it drops its
-    borders and padding, so that at 80 columns the ten columns of the steps table keep their
-    numbers whole; narrower still, a cell folds rather than losing digits to an ellipsis
-    ("10717…" instead of 10717.3)."""
+    borders and padding and breaks cells of several numbers at their spaces ("11 / 68.3"), so
+    that at 80 columns the ten columns of the steps table keep their numbers whole; narrower
+    still, each row is a record, a line per column, rather than "10717." over "7"."""
     import io
 
     from rich.console import Console
@@ -75,13 +75,64 @@ def test_tables_keep_every_digit():
     render.print_tables(render.breakdown_tables(b), Console(file=buf, width=80))
     steps, types = buf.getvalue().split("Per layer type: median")[:2]
     row = next(line for line in steps.splitlines() if line.lstrip().startswith("0 "))
-    assert row.split()[1:] == ["execute_", "2", "24", "434", kernel_us, "10743.2", "25.5",
-                               "11", "/", "68.3", "4", "/"]
+    assert row.split()[1:] == ["execute_32_c", "2", "24", "434", kernel_us, "10743.2", "25.5",
+                               "11", "/", "4", "/"]
     assert "│" not in steps and "│ A    │     12 │" in types   # (a table that fits: boxed)
     buf = io.StringIO()
     render.print_tables(render.breakdown_tables(b), Console(file=buf, width=50))
-    narrow = buf.getvalue()
-    assert "…" not in narrow and kernel_us not in narrow   # folded, not cut
+    narrow = buf.getvalue().splitlines()
+    assert f"kernel µs {kernel_us}" in [" ".join(line.split()) for line in narrow]
+    assert "…" not in buf.getvalue()
+
+
+@pytest.mark.parametrize("trace", [
+    VLLM, NSYS / "nsysai_fastvideo_wan2.1_t2v_inference_2xh100_1s.sqlite"], ids=["kineto", "nsys"])
+def test_no_width_breaks_a_number(trace):
+    """At any terminal width, every number of every table comes out whole: each word of a
+    right-justified cell is a word of the output."""
+    import io
+    import re
+
+    from rich.console import Console
+
+    from kimi_perf import render
+    from kimi_perf.layer_breakdown import breakdown
+    from kimi_perf.readers import read_trace
+
+    tables = render.breakdown_tables(breakdown(read_trace(trace)))
+    numbers = {word for table in tables for col in table.columns if col.justify == "right"
+               for cell in col.cells for word in str(cell).split() if word != "/"}
+    assert len(numbers) > 20
+    for width in range(24, 161, 8):
+        buf = io.StringIO()
+        render.print_tables(tables, Console(file=buf, width=width))
+        words = set(re.split(r"[\s│┃]+", buf.getvalue()))
+        assert numbers <= words, (width, sorted(numbers - words)[:5])
+        assert max(len(line) for line in buf.getvalue().splitlines()) <= width
+
+
+def test_names_whole_come_before_borders():
+    """A table whose names fit whole only without borders drops its borders rather than
+    folding the names; where they cannot fit either way, it keeps its borders and folds them."""
+    import io
+
+    from rich.console import Console
+
+    from kimi_perf import render
+
+    def drawn(width: int, name: str) -> str:
+        table = render._table("t", ["#", "kernel", "µs", "kernel B", "µs B"],
+                              left=("kernel", "kernel B"))
+        table.add_row("1", name, "108.3", name, "9831.3")
+        buf = io.StringIO()
+        render.print_tables([table], Console(file=buf, width=width))
+        return buf.getvalue()
+
+    name = "dense_situ_and_mul"   # 18 characters: 48 with the numbers, 64 boxed
+    assert "│" in drawn(64, name) and name in drawn(64, name)
+    assert "│" not in drawn(63, name) and name in drawn(63, name)
+    long_name = "moe_fc1_situ_shared_gate_up" * 2
+    assert "│" in drawn(63, long_name) and long_name not in drawn(63, long_name)
 
 
 def test_layers_option(tmp_path):
