@@ -773,11 +773,12 @@ COPIES_NOTED = 0.25
 
 
 def layers_text(step: dict) -> str:
-    """A step's layers and how they were found ("24 (repeat)"); of a breakdown stored before
-    steps said how, or how many, what it has ("24", "-")."""
+    """A step's layers and how they were found: "24 (ranges)" (NVTX ranges, or the
+    record_function ranges of a PyTorch-profiler trace), "24 (repeat)"; of a breakdown stored
+    before steps said how, or how many, what it has ("24", "-")."""
     count = step.get("layers")
-    return ("-" if count is None else str(count)) + (
-        f" ({step['layer_source']})" if step.get("layer_source") else "")
+    source = {"nvtx": "ranges"}.get(step.get("layer_source"), step.get("layer_source"))
+    return ("-" if count is None else str(count)) + (f" ({source})" if source else "")
 
 
 def replay_note(replays: dict, captures: list[str]) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 
 import numpy as np
@@ -784,6 +785,32 @@ def test_steps_without_layers_say_why():
     vllm = breakdown(read_trace(KINETO / "tracelens_vllm_gptoss20b_decode_fullgraph_mi300x"
                                          ".json.gz"))
     assert not [n for n in step_notes(vllm) if n.startswith("no layers found")]
+
+
+def test_the_layers_column_says_ranges_of_nvtx_and_record_function_layers_alike(tmp_path):
+    """Layers from ranges read "(ranges)", a PyTorch-profiler trace's record_function ranges
+    as an nsys trace's NVTX ranges (not "(nvtx)" of a trace that has no NVTX)."""
+    from kimi_perf.layer_breakdown import layers_text
+
+    def annotation(name, ts, dur):
+        return {"ph": "X", "cat": "user_annotation", "name": name, "ts": ts, "dur": dur,
+                "pid": 1, "tid": 1}
+    events = [annotation("ProfilerStep#1", 0, 100)]
+    for i in range(2):
+        events += [annotation(f"layer[{i}]", 10 + 40 * i, 30),
+                   {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel",
+                    "ts": 12 + 40 * i, "dur": 2, "pid": 1, "tid": 1,
+                    "args": {"correlation": i + 1}},
+                   {"ph": "X", "cat": "kernel", "name": "gemm", "ts": 15 + 40 * i, "dur": 5,
+                    "pid": 0, "tid": 7, "args": {"device": 0, "stream": 7,
+                                                 "correlation": i + 1}}]
+    path = tmp_path / "layers.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    kineto = breakdown(read_trace(path))
+    assert [(s["layers"], s["layer_source"]) for s in kineto.steps] == [(2, "nvtx")]
+    assert layers_text(kineto.steps[0]) == "2 (ranges)"
+    assert layers_text({"layers": 24, "layer_source": "repeat"}) == "24 (repeat)"
+    assert layers_text({"layers": 3}) == "3" and layers_text({}) == "-"
 
 
 def test_work_in_no_step_names_where_it_ran_in_no_range_too():
