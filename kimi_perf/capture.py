@@ -667,15 +667,19 @@ def trace_files(paths: list[Path], keep_runs: bool = False,
 
 def run_document(run_dir: Path, results: dict[str, Breakdown], run_info: dict) -> dict:
     """What ``kimi-perf trace --format json`` prints of a ``capture`` or ``analyse``: the run,
-    each path's (or trace's) breakdown, and the first set against each of the others."""
-    from kimi_perf.comparison import compare
+    each path's (or trace's) breakdown, and the first set against each of the others; of
+    three or more, also every one in one overview, as the table shows them."""
+    from kimi_perf.comparison import compare, overview, overview_json
 
     first, *others = results
-    return {"schema": 1, "run_dir": str(run_dir), "run": run_info,
-            "paths": {k: b.to_json() for k, b in results.items()},
-            "comparisons": [{"a": first, "b": other, "rows": [
-                r.to_json() for r in compare(results[first], results[other])]}
-                for other in others]}
+    doc = {"schema": 1, "run_dir": str(run_dir), "run": run_info,
+           "paths": {k: b.to_json() for k, b in results.items()},
+           "comparisons": [{"a": first, "b": other, "rows": [
+               r.to_json() for r in compare(results[first], results[other])]}
+               for other in others]}
+    if len(results) >= 3:
+        doc["overview"] = overview_json(overview(results))
+    return doc
 
 
 def analyse(files: list[Path], out_dir: Path, layers: str = "auto", phase: str = "auto",

@@ -454,9 +454,7 @@ def compare_cmd(a: Path, b: Path | None, path_name: str | None, fmt: str, layers
     breakdown.json; --path picks the decode path). With A alone, a run: its first two paths
     (standard vs specialized).
     """
-    pair = labels.split(",") if labels is not None else None
-    if pair is not None and (len(pair) != 2 or not all(pair) or pair[0] == pair[1]):
-        raise TraceError(None, f"--labels takes two distinct names, A,B: not {labels!r}")
+    pair = _split_labels(labels, ["A", "B"]) if labels is not None else None
     _not_an_input(output, a, b, rules)
     _no_trace_among([a] if b is None else [a, b])
     from kimi_perf.capture import trace_labels
@@ -486,8 +484,8 @@ def compare_cmd(a: Path, b: Path | None, path_name: str | None, fmt: str, layers
         name_a, name_b = (f"{_run_name(f)}:{name_a}" for f in (a, b))
     two_captures = b is not None and bool(run_a) and bool(run_b)   # (not one run's two paths)
     unlike = gate_mod.run_differences(run_a, run_b) if two_captures else []
-    if labels is not None:
-        name_a, name_b = labels.split(",")
+    if pair is not None:
+        name_a, name_b = pair
     elif name_a == name_b:
         name_b += "'"
     warnings = [fell_back_text(name, reason) for name, reason
@@ -754,10 +752,7 @@ def report_cmd(inputs: tuple[Path, ...], path_name: str | None, labels: str | No
             run_info = info if path_name is None else {**info, "paths": {   # that path's alone
                 p: m for p, m in (info.get("paths") or {}).items() if p == path_name}}
     if labels is not None:
-        names = labels.split(",")
-        if len(names) != len(drawn) or not all(names) or len(set(names)) != len(names):
-            raise TraceError(None, f"--labels takes {len(drawn)} distinct names (for "
-                                   f"{', '.join(drawn)}): not {labels!r}")
+        names = _split_labels(labels, list(drawn))
         renamed = dict(zip(drawn, names, strict=True))
         drawn = dict(zip(names, drawn.values(), strict=True))
         fell_back = {renamed[label]: reason for label, reason in fell_back.items()}
@@ -877,19 +872,30 @@ def _analysed_files(run_dir: Path) -> list[tuple[Path, Path | None]]:
             for f, c in zip(files, captures, strict=True)]
 
 
+def _split_labels(labels: str, of: list[str]) -> list[str]:
+    """``--labels``: a distinct name for each of ``of``, comma-separated, spaces around each
+    dropped."""
+    names = [name.strip() for name in labels.split(",")]
+    if len(names) != len(of) or not all(names) or len(set(names)) != len(names):
+        raise TraceError(None, f"--labels takes {len(of)} distinct names (for "
+                               f"{', '.join(of)}): not {labels!r}")
+    return names
+
+
 def _info(trace: Path, info: dict) -> None:
     click.echo(f"{trace}: {info['format']} from {info['tool']}"
                + (f", schema {info['schema']}" if info["schema"] else ""))
     for capture in info.get("captures") or []:
         click.echo(f"  joined by the graph captures of {capture}")
-    click.echo(f"  kernels {info['kernels']}, memcpy/memset {info['memops']}, ranges "
-               f"{info['ranges']}, API calls {info['api_calls']}")
+    click.echo(f"  {_counted(info['kernels'], 'kernel')}, "
+               f"{_counted(info['memops'], 'memcpy/memset op')}, "
+               f"{_counted(info['ranges'], 'range')}, {_counted(info['api_calls'], 'API call')}")
     if info.get("annotated_ops") and not info["kernels"]:
         click.echo(f"  {_counted(info['annotated_ops'], 'op')} annotated (op: ranges): the "
                    "launches a CPU run of the decode paths makes, which breakdown counts")
     if untimed := info["untimed"]:
         click.echo(f"  left out, without a time: {_counted(untimed['kernels'], 'kernel')}, "
-                   f"{untimed['memops']} memcpy/memset")
+                   f"{_counted(untimed['memops'], 'memcpy/memset op')}")
     if info["span_ns"] is not None:
         processes = info["processes"]
         click.echo(f"  {info['span_ns'] / 1e6:,.3f} ms from first to last event; "
@@ -905,9 +911,9 @@ def _info(trace: Path, info: dict) -> None:
     # GPUs: those the trace describes, and those its kernels ran on (a GPU table may list
     # devices that ran nothing, or be missing).
     for gpu in info["gpus"]:
-        name = gpu["name"] or ("(unnamed)" if gpu["described"] else
-                               "(not described in the trace)")
-        click.echo(f"  GPU {gpu['device']}: {name}"
+        name = (f": {gpu['name']}" if gpu["name"] else " (unnamed)" if gpu["described"]
+                else " (not described in the trace)")
+        click.echo(f"  GPU {gpu['device']}{name}"
                    + (f", {gpu['sm_count']} SMs" if gpu["sm_count"] else "")
                    + (f": {_counted(gpu['kernels'], 'kernel')}" if gpu["kernels"]
                       else ": no kernels"))

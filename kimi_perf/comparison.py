@@ -343,6 +343,22 @@ def overview(breakdowns: dict[str, Breakdown]) -> list[OverviewRow]:
     return rows
 
 
+def overview_json(rows: list[OverviewRow]) -> dict:
+    """What ``overview_table`` shows, as JSON: a row per trace (each column's type by that
+    trace's own name), per layer type (``null``: the step) the spread, slowest over fastest
+    median span, with the slowest trace, and the types marked ``*`` (``differing_patterns``),
+    which have no spread."""
+    return {"rows": [{"label": r.label, "steps": r.steps, "step_us": r.step_us,
+                      "types": {column: None if v is None else
+                                {"kernels": v[0], "span_us": v[1], "name": r.names.get(column),
+                                 "pattern": r.patterns.get(column)}
+                                for column, v in r.types.items()}} for r in rows],
+            "spreads": [{"type": s.type, "fastest_us": s.fastest, "slowest_us": s.slowest,
+                         "ratio": s.ratio, "slowest": s.slowest_label}
+                        for s in spreads(rows)],
+            "patterns_differ": differing_patterns(rows)}
+
+
 def renamed_columns(rows: list[OverviewRow], most: int = 4) -> str | None:
     """Where a trace names a column's type otherwise (its letter paired to another's by the
     kernel sequence, or primed: taken by an earlier trace's type), what it calls it."""

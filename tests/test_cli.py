@@ -165,7 +165,7 @@ def test_convert_and_info(tmp_path):
     assert run("convert", NSYS / "zx3xyy-assignment2-systems__result_2_7B_nvtx__nsys2024.6.2"
                           ".sqlite", out).exit_code == 0
     result = run("info", out)
-    assert result.exit_code == 0 and "kernels 7328" in result.output
+    assert result.exit_code == 0 and "7,328 kernels," in result.output
     assert "NVIDIA A100" in result.output and ": 7,328 kernels" in result.output
     # binary Arrow: never under a trace's or JSON's name, nor to a terminal
     for name in ("q.json", "-", "x.sqlite"):
@@ -344,8 +344,12 @@ def test_info_names_the_gpus_that_ran_kernels():
         api_calls = dict(db.execute("SELECT globalTid / 16777216 % 16777216, count(*) FROM "
                                     "CUPTI_ACTIVITY_KIND_RUNTIME GROUP BY 1"))
     assert per_gpu == {0: 1993, 1: 2017} and per_process == {144: 1993, 145: 2017}
-    assert "GPU 0: (not described in the trace): 1,993 kernels" in two
-    assert "GPU 1: (not described in the trace): 2,017 kernels" in two
+    assert "GPU 0 (not described in the trace): 1,993 kernels" in two
+    assert "GPU 1 (not described in the trace): 2,017 kernels" in two
+    # the counts in one form, each with its noun after it
+    summary = json.loads(run("info", path, "--format", "json").output)["traces"][0]
+    assert (f"  4,010 kernels, {summary['memops']:,} memcpy/memset ops, "
+            f"{summary['ranges']:,} ranges, {sum(api_calls.values()):,} API calls\n" in two)
     assert "2 processes" in two and "ms from first to last event" in two
     # each process, the most kernels first
     assert (f"process 145: 2,017 kernels, {api_calls[145]:,} API calls\n  process 144: 1,993 "
@@ -357,7 +361,7 @@ def test_info_names_the_gpus_that_ran_kernels():
     assert "process 1670242: 1 kernel, 2 API calls" in single
     assert "108 SMs: 1 kernel\n" in single
     one = run("info", VLLM).output
-    assert "GPU 2: (unnamed), 304 SMs: 425 kernels" in one and "GPU 0: (unnamed), 304 SMs: no " \
+    assert "GPU 2 (unnamed), 304 SMs: 425 kernels" in one and "GPU 0 (unnamed), 304 SMs: no " \
         "kernels" in one
 
 
@@ -469,11 +473,11 @@ shutil.copy({str(source)!r}, out)
     monkeypatch.delenv("KIMI_PERF_NSYS", raising=False)
     result = run("info", rep)
     assert result.exit_code == 0, result.output
-    assert "kernels 7328" in result.output
+    assert "7,328 kernels," in result.output
     # the one KIMI_PERF_NSYS names, with none on PATH
     monkeypatch.setenv("PATH", "/usr/bin:/bin")
     monkeypatch.setenv("KIMI_PERF_NSYS", str(fake))
-    assert "kernels 7328" in run("info", rep).output
+    assert "7,328 kernels," in run("info", rep).output
     failing = bindir / "nsys"
     failing.write_text("#!/bin/sh\necho 'cannot open report' >&2\nexit 3\n")
     result = run("info", rep)
@@ -636,7 +640,12 @@ def test_compare_a_run_its_paths_and_labels(tmp_path):
     _one_line_error(run("compare", BASELINE, BASELINE, "--path", "nope"), "has no path 'nope'")
     _one_line_error(run("compare", BASELINE, "--path", "standard"), "--path picks")
     _one_line_error(run("compare", VLLM), "one run of two decode paths")
-    _one_line_error(run("compare", VLLM, VLLM, "--labels", "a,b,c"), "--labels takes two")
+    _one_line_error(run("compare", VLLM, VLLM, "--labels", "a,b,c"),
+                    "--labels takes 2 distinct names (for A, B): not 'a,b,c'")
+    _one_line_error(run("compare", VLLM, VLLM, "--labels", "a, a "), "--labels takes 2")
+    spaced = run("compare", BASELINE, BASELINE, "--path", "specialized", "--labels",
+                 " old , new ", "--format", "json")
+    assert (json.loads(spaced.output)["a"], json.loads(spaced.output)["b"]) == ("old", "new")
     # a run directory; the same path of two runs is labelled by the runs; a CPU run counts ops
     runs = []
     for name in ("monday", "tuesday"):
@@ -714,7 +723,17 @@ def test_trace_from_names_runs_after_their_files_and_compares_each(tmp_path):
     spread = next(line for line in result.output.splitlines() if "slowest / fastest" in line)
     assert re.findall(r"\d+\.\d+×", spread) == ["3.24×"]       # the steps' alone
     assert "may name different layers (no spread)" in " ".join(result.output.split())
-    (first,) = tmp_path.iterdir()
+    # the JSON holds what the table shows
+    doc = json.loads(run(*args[:-1], tmp_path / "json", "--format", "json").output)
+    doc = doc["overview"]
+    assert [r["label"] for r in doc["rows"]] == [f.name.removesuffix(".sqlite") for f in files]
+    assert [(s["type"], round(s["ratio"], 2), s["slowest"]) for s in doc["spreads"]] == [
+        (None, 3.24, "nsysai_fastvideo_wan2.1_t2v_inference_2xh100_1s")]
+    assert doc["patterns_differ"] == ["A", "B", "C"]   # B' is only the last trace's
+    assert "slowest: nsysai_fastvideo_wan2.1_t2v_inference_2xh100_1s (step)" in result.output
+    steps = [r["step_us"] for r in doc["rows"]]
+    assert f"{max(steps) / min(steps):.2f}×" == "3.24×"
+    (first,) = (p for p in tmp_path.iterdir() if p.name != "json")
     assert (first / "report.html").read_text().count(
         "Per layer type: nsysai_fastvideo_wan2.1_train_2xh100_before vs ") == 2
     info = json.loads((first / "run.json").read_text())
@@ -1176,6 +1195,12 @@ def test_three_traces_or_more_are_shown_in_one_table(tmp_path):
     assert result.exit_code == 0, result.output
     assert "Every trace" in result.output and "slowest / fastest" in result.output
     assert "1.00×" in result.output and "slowest:" not in result.output  # copies: no spread
+    doc = json.loads(run("trace", "--from", ranks, "--out", tmp_path / "json", "--format",
+                         "json").output)
+    assert [r["label"] for r in doc["overview"]["rows"]] == ["rank0", "rank1", "rank2"]
+    assert {s["ratio"] for s in doc["overview"]["spreads"]} == {1.0}
+    assert all(s["slowest"] is None for s in doc["overview"]["spreads"])
+    assert {s["type"] for s in doc["overview"]["spreads"]} == {None, "A", "B"}
     assert "Per layer type: rank0 vs" not in result.output  # in the report
     (report,) = out.glob("*/report.html")
     text = report.read_text()
