@@ -25,6 +25,7 @@ from kimi_perf.errors import TraceError
 from kimi_perf.layer_breakdown import Breakdown, breakdown_of_file, units_word
 from kimi_perf.layers import PHASES
 from kimi_perf.readers import read_trace
+from kimi_perf.text import counted
 from kimi_perf.trace import OP_RANGE, atomic_write_text, json_text
 
 LAYERS_HELP = ("auto: per-layer ranges when the trace has them, else the repeating kernel "
@@ -887,27 +888,27 @@ def _info(trace: Path, info: dict) -> None:
                + (f", schema {info['schema']}" if info["schema"] else ""))
     for capture in info.get("captures") or []:
         click.echo(f"  joined by the graph captures of {capture}")
-    click.echo(f"  {_counted(info['kernels'], 'kernel')}, "
-               f"{_counted(info['memops'], 'memcpy/memset op')}, "
-               f"{_counted(info['ranges'], 'range')}, {_counted(info['api_calls'], 'API call')}")
+    click.echo(f"  {counted(info['kernels'], 'kernel')}, "
+               f"{counted(info['memops'], 'memcpy/memset op')}, "
+               f"{counted(info['ranges'], 'range')}, {counted(info['api_calls'], 'API call')}")
     if info.get("annotated_ops") and not info["kernels"]:
-        click.echo(f"  {_counted(info['annotated_ops'], 'op')} annotated (op: ranges): the "
+        click.echo(f"  {counted(info['annotated_ops'], 'op')} annotated (op: ranges): the "
                    "launches a CPU run of the decode paths makes, which breakdown counts")
     if untimed := info["untimed"]:
-        click.echo(f"  left out, without a time: {_counted(untimed['kernels'], 'kernel')}, "
-                   f"{_counted(untimed['memops'], 'memcpy/memset op')}")
+        click.echo(f"  left out, without a time: {counted(untimed['kernels'], 'kernel')}, "
+                   f"{counted(untimed['memops'], 'memcpy/memset op')}")
     if info["span_ns"] is not None:
         processes = info["processes"]
         click.echo(f"  {info['span_ns'] / 1e6:,.3f} ms from first to last event; "
-                   f"{len(processes)} process{'es' if len(processes) != 1 else ''} with GPU "
+                   f"{counted(len(processes), 'process', 'processes')} with GPU "
                    "work or API calls")
         for p in processes[:INFO_PROCESSES]:   # which of a trace's processes launched what
-            click.echo(f"  process {p['pid']}: {_counted(p['kernels'], 'kernel')}, "
-                       f"{_counted(p['api_calls'], 'API call')}")
+            click.echo(f"  process {p['pid']}: {counted(p['kernels'], 'kernel')}, "
+                       f"{counted(p['api_calls'], 'API call')}")
         if len(processes) > INFO_PROCESSES:
             click.echo(f"  and {len(processes) - INFO_PROCESSES} more processes")
         if unowned := info["kernels_without_process"]:
-            click.echo(f"  {_counted(unowned, 'kernel')} with no process recorded")
+            click.echo(f"  {counted(unowned, 'kernel')} with no process recorded")
     # GPUs: those the trace describes, and those its kernels ran on (a GPU table may list
     # devices that ran nothing, or be missing).
     for gpu in info["gpus"]:
@@ -915,12 +916,8 @@ def _info(trace: Path, info: dict) -> None:
                 else " (not described in the trace)")
         click.echo(f"  GPU {gpu['device']}{name}"
                    + (f", {gpu['sm_count']} SMs" if gpu["sm_count"] else "")
-                   + (f": {_counted(gpu['kernels'], 'kernel')}" if gpu["kernels"]
+                   + (f": {counted(gpu['kernels'], 'kernel')}" if gpu["kernels"]
                       else ": no kernels"))
-
-
-def _counted(n: int, noun: str) -> str:
-    return f"{n:,} {noun}{'s' * (n != 1)}"
 
 
 @main.command(name="floors", short_help="Memory floors per layer and launch: bytes over bandwidth")
@@ -1035,8 +1032,7 @@ def validate(preset_name: str, n_layers: int | None, paths: str, steps: int,
             click.echo(f"FAIL {failure}")
         checked = ", ".join(result["paths"])
         click.echo(f"validate: pass ({checked} within bounds)" if result["ok"] else
-                   f"validate: FAIL ({len(result['failures'])} "
-                   f"failure{'s' if len(result['failures']) > 1 else ''}: above)")
+                   f"validate: FAIL ({counted(len(result['failures']), 'failure')}: above)")
     if not result["ok"]:
         sys.exit(1)
 

@@ -35,6 +35,7 @@ from kimi_perf.layers import (
 )
 from kimi_perf.memory import release_free_memory
 from kimi_perf.nesting import range_groups
+from kimi_perf.text import counted
 from kimi_perf.trace import GPU_RANGE, Trace
 
 SCHEMA = 1
@@ -908,7 +909,7 @@ def step_notes(b: Breakdown) -> list[str]:
     if enclosing:
         names = sorted({e["step"] for e in enclosing})
         shown = ", ".join(f"'{n}'" for n in names[:3]) + (", …" if len(names) > 3 else "")
-        notes.append(f"{len(enclosing)} step{'s' if len(enclosing) > 1 else ''} ({shown}) "
+        notes.append(f"{counted(len(enclosing), 'step')} ({shown}) "
                      f"{'are ranges' if len(enclosing) > 1 else 'is a range'} holding "
                      f"{sum(e['encloses'] for e in enclosing)} other step ranges: "
                      f"{'each' if len(enclosing) > 1 else 'it'} counts only the "

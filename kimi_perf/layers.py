@@ -24,6 +24,7 @@ from kimi_perf.errors import NoStepsMatched
 from kimi_perf.graphs import GRAPH_LAUNCH, capture_launches, capture_memory_calls
 from kimi_perf.memory import release_free_memory
 from kimi_perf.nesting import innermost_containing, range_groups, thread_keys
+from kimi_perf.text import counted
 from kimi_perf.trace import GPU_RANGE, OP_RANGE, Trace, index_dtype
 
 # Tried in order; the first pattern that matches a range holding GPU work defines the steps.
@@ -91,7 +92,7 @@ def steps_of_phase(steps: list[Step], phase: str = "auto", file: str | None = No
         hint = (f": their names (such as {steps[0].name!r}) do not say their phase"
                 if set(left_out) == {"unknown"} else "")
         # counted as found, before a step is cut into its forward passes ("device 0 pass 1")
-        found = f"{len(steps)} step" + "s" * (len(steps) != 1)
+        found = counted(len(steps), "step")
         raise NoStepsMatched(file, f"--phase {phase}: no {phase} step among the {found} "
                                    f"found ({said}){hint}; --phase all takes every step")
     return kept, dict(left_out.most_common())

@@ -35,6 +35,7 @@ from kimi_perf.comparison import (
 from kimi_perf.gate import GateResult
 from kimi_perf.layer_breakdown import Breakdown, layer_notes, layers_text, step_notes
 from kimi_perf.names import short_names
+from kimi_perf.text import counted
 from kimi_perf.trace import json_text
 
 
@@ -278,9 +279,8 @@ def typical_layer_table(layer_type: str, sides: dict[str, dict | None],
         if t:
             notes.append(f"{who}{len(t['kernels'])} {unit}, "
                          f"{sum(k['us'] for k in t['kernels']):.1f} µs summed; {t['layers']} of "
-                         f"{sides[label]['layers']} {layer_type} "
-                         f"layer{'s' if sides[label]['layers'] != 1 else ''} ran exactly this "
-                         "sequence")
+                         f"{counted(sides[label]['layers'], layer_type + ' layer')} ran "
+                         "exactly this sequence")
         elif sides[label]:
             notes.append(f"{who}not in this breakdown (written by an older kimi-perf: "
                          "analyse its trace again)")
@@ -413,8 +413,8 @@ def validation_table(result: dict) -> Table:
     bounds = result["bounds"]
     k = result.get("spec_tokens", 0)
     n = result["steps"]
-    steps = (f"{n} verify step{'s' * (n != 1)} of 1+{k} tokens" if k
-             else f"{n} decode step{'s' * (n != 1)}")
+    steps = (f"{counted(n, 'verify step')} of 1+{k} tokens" if k
+             else counted(n, "decode step"))
     table = _table(f"Decode paths vs float64 reference: preset {result['preset']}, "
                    f"{result['dtype']}, {result['kv_cache']} KV cache, batch "
                    f"{result['batch']}, {steps}",

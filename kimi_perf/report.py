@@ -49,6 +49,7 @@ from kimi_perf.layer_breakdown import (
     units_word,
 )
 from kimi_perf.names import demangle, primed, short_names
+from kimi_perf.text import counted
 from kimi_perf.trace import atomic_write_text
 
 CLASS_COLOURS = {
@@ -185,7 +186,7 @@ def _steps_html(breakdowns: dict[str, Breakdown]) -> str:
             f"<td>{s['gap_us']:.1f}</td></tr>" for s in b.steps[:STEP_ROWS])
         median = {k: float(np.median([s[k] for s in b.steps]))
                   for k in ("kernels", "kernel_us", "span_us", "gap_us")}
-        rows += (f"<tr><th colspan=4>median of {len(b.steps)} step{'s' * (len(b.steps) != 1)}</th>"
+        rows += (f"<tr><th colspan=4>median of {counted(len(b.steps), 'step')}</th>"
                  f"<td>{count_text(median['kernels'])}</td><td>{median['kernel_us']:.1f}</td>"
                  f"<td>{median['span_us']:.1f}</td><td>{median['gap_us']:.1f}</td></tr>")
         more = len(b.steps) - STEP_ROWS
@@ -270,7 +271,7 @@ def _typical_html(breakdowns: dict[str, Breakdown]) -> str:
             rows.append("<tr>" + "".join(cells) + "</tr>")
         foot = "<tr><th></th>" + "".join(
             f"<th colspan=2>{len(t['kernels'])} {unit[label]}, {t['layers']} of "
-            f"{sides[label]['layers']} layer{'s' if sides[label]['layers'] != 1 else ''} ran "
+            f"{counted(sides[label]['layers'], 'layer')} ran "
             "exactly these</th>"
             f"<th>{sum(k['us'] for k in t['kernels']):.1f}</th>" if t else
             "<th colspan=3></th>" for label, t in typical.items()) + "</tr>"

@@ -1454,7 +1454,7 @@ def test_inputs_that_cannot_be_read_as_files(tmp_path):
     (tmp_path / "plotly.js").mkdir()
     _one_line_error(run("report", VLLM, "--plotly-js", str(tmp_path / "plotly.js"), "-o",
                         tmp_path / "r.html"), "--plotly-js: a directory")
-    _one_line_error(run("compare", VLLM, VLLM, "--labels", "a,a"), "two distinct names")
+    _one_line_error(run("compare", VLLM, VLLM, "--labels", "a,a"), "2 distinct names")
 
 
 def test_stored_passes_without_their_layer_counts_still_print(tmp_path):
