@@ -682,14 +682,18 @@ def run_document(run_dir: Path, results: dict[str, Breakdown], run_info: dict) -
     return doc
 
 
-def analyse(files: list[Path], out_dir: Path, layers: str = "auto", phase: str = "auto",
-            rules: Path | None = None, plotly_js: str = "inline",
-            step_regex: str | None = None, captures: list[Path] | None = None
+def analyse(files: list[str | Path], out_dir: str | Path, layers: str = "auto",
+            phase: str = "auto", rules: str | Path | None = None, plotly_js: str = "inline",
+            step_regex: str | None = None, captures: list[str | Path | None] | None = None
             ) -> tuple[Path, dict[str, Breakdown], dict]:
     """``--from``: breakdowns of existing traces, labelled by file name (``rules``: a TOML
     file of extra kernel-class rules; ``captures``: one for each trace, the graph captures
-    saved apart from it, see ``read_trace``)."""
+    saved apart from it, see ``read_trace``). Paths may be given as strings."""
     from kimi_perf.classify import load_rules
+
+    files, out_dir = [Path(f) for f in files], Path(out_dir)
+    captures = None if captures is None else [None if c is None else Path(c) for c in captures]
+    rules = None if rules is None else Path(rules)
 
     loaded = load_rules(rules)
     results: dict[str, Breakdown] = {}
@@ -721,11 +725,11 @@ def analyse(files: list[Path], out_dir: Path, layers: str = "auto", phase: str =
 
 def _write_outputs(run_dir: Path, final: Path, run_info: dict, results: dict[str, Breakdown],
                    title: str, plotly_js: str) -> None:
-    from kimi_perf.report import plotly_js_for, write_report
+    from kimi_perf.report import write_report
 
     run_info["report"] = "report.html"     # relative to the run directory, as its traces
-    write_report(run_dir / "report.html", results, title, run_info,
-                 plotly_js_for(plotly_js, final))
+    # (a plotly.min.js of the user's is referred to from run_dir's sibling final alike)
+    write_report(run_dir / "report.html", results, title, run_info, plotly_js)
     atomic_write_text(run_dir / "run.json", json_text(run_info))
     doc = {"schema": 1, "run": run_info, "paths": {k: b.to_json() for k, b in results.items()}}
     atomic_write_text(run_dir / "breakdown.json", json_text(doc))

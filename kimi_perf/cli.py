@@ -716,7 +716,7 @@ def report_cmd(inputs: tuple[Path, ...], path_name: str | None, labels: str | No
     from kimi_perf.capture import trace_labels
     from kimi_perf.report import plotly_js_for, run_info_problem, write_report
 
-    plotly_js = plotly_js_for(plotly_js, output.parent)  # a missing file said before any work
+    plotly_js_for(plotly_js, output.parent)  # a missing file is said before any work
     found, left_out = _traces_in(list(inputs), keep_runs=True)
     inputs = tuple(found)
     _not_an_input(output, *inputs, rules)

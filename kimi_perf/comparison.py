@@ -431,7 +431,7 @@ def ratio_text(v: float | None) -> str:
     return "-" if v is None else f"{v:.2f}" if v == 0 or abs(v) >= 0.1 else f"{v:.2g}"
 
 
-@dataclass
+@dataclass(repr=False)
 class TypePair:
     """One pair of layer types of a comparison: its label, A's type and B's (None where that
     side has none) and, where A and B are the two decode paths (their launches annotated),
@@ -442,6 +442,12 @@ class TypePair:
     a: dict | None
     b: dict | None
     ledger: tuple[bool, list, list[str]] | None = None
+
+    def __repr__(self) -> str:   # not the typical layers the types hold
+        def side(t: dict | None) -> str:
+            return "-" if t is None else f"{t.get('type')} ×{t.get('layers', '?')}"
+        return (f"TypePair({self.label!r}: {side(self.a)} vs {side(self.b)}"
+                + (f", ledger of {len(self.ledger[1])} launches" if self.ledger else "") + ")")
 
     def typical_json(self) -> dict:
         """A's and B's typical layers: B's in A's order where it is the same cycle of kernels

@@ -117,7 +117,7 @@ class Check:
                                "captured differently")
 
 
-@dataclass
+@dataclass(repr=False)
 class GateResult:
     """Every check (``checks``), those that fail (``failures``) and whether none does
     (``ok``). ``run_differences``: how the captures behind the two sides differ (TP 1 vs 2,
@@ -133,6 +133,11 @@ class GateResult:
     fell_back: list[str] = field(default_factory=list)   # and this
     cpu_time_metrics: list[str] = field(default_factory=list)
     op_paths: list[str] = field(default_factory=list)   # paths of CPU runs: ops, not kernels
+
+    def __repr__(self) -> str:   # not every check: a table or to_json shows them
+        failing = Counter(c.status for c in self.failures)
+        return (f"GateResult({'ok' if self.ok else 'FAIL'}, {len(self.checks)} checks"
+                + "".join(f", {n} {status}" for status, n in failing.items()) + ")")
 
     def metric_name(self, check: Check) -> str:
         """A check's metric as tables say it: a CPU run's kernels are the ops it annotates."""
@@ -155,7 +160,7 @@ class GateResult:
         return doc | {"fell_back": self.fell_back, "cpu_time_metrics": self.cpu_time_metrics}
 
 
-@dataclass
+@dataclass(repr=False)
 class GatedRun:
     """What ``gate_files`` read and found: the result, the breakdowns per decode path of both
     sides, the document a baseline of the run holds, and the file the baseline came from
@@ -166,6 +171,11 @@ class GatedRun:
     current: dict[str, Breakdown]
     run_doc: dict
     baseline_file: Path | None
+
+    def __repr__(self) -> str:   # not the breakdowns and run document it holds
+        return (f"GatedRun({self.result!r}, baseline {list(self.baseline)}"
+                + (f" from {self.baseline_file}" if self.baseline_file else "")
+                + f", current {list(self.current)})")
 
 
 def gate_files(baseline: str | Path, run: str | Path, tolerances: Tolerances = Tolerances(),

@@ -252,14 +252,14 @@ class LayerRows(Sequence[dict[str, Any]]):
         return f"LayerRows({len(self)} layers of types {', '.join(self.types) or 'none'})"
 
     def __getitem__(self, i):
-        if isinstance(i, slice):
-            return list(self._rows(*i.indices(len(self))))
+        if isinstance(i, slice):   # as a list slices (a slice's stop of -1 would not)
+            return list(self._rows(np.arange(len(self))[i]))
         i = range(len(self))[i]   # negative indices; IndexError past the end
-        return next(self._rows(i, i + 1, 1))
+        return next(self._rows(slice(i, i + 1)))
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         for lo in range(0, len(self), self._CHUNK):
-            yield from self._rows(lo, min(lo + self._CHUNK, len(self)), 1)
+            yield from self._rows(slice(lo, min(lo + self._CHUNK, len(self))))
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Sequence):
@@ -269,8 +269,7 @@ class LayerRows(Sequence[dict[str, Any]]):
 
     __hash__ = None  # type: ignore[assignment]  # equal to lists, so unhashable like them
 
-    def _rows(self, lo: int, hi: int, stride: int) -> Iterator[dict[str, Any]]:
-        sel = slice(lo, hi, stride)
+    def _rows(self, sel: slice | np.ndarray) -> Iterator[dict[str, Any]]:
         counts, us = self.class_kernels[sel].tolist(), self.class_us[sel].tolist()
         for step, device, index, t, k, ku, su, gu, cnt, u in zip(
                 self.step[sel].tolist(), self.device[sel].tolist(), self.index[sel].tolist(),
@@ -290,7 +289,8 @@ def layer_column(layers: Sequence[dict[str, Any]], name: str, layer_type: str | 
                  ) -> np.ndarray:
     """One figure of every layer (``LAYER_COLUMNS``), or of the layers of one type, in order:
     the column itself for ``LayerRows``, with no dict built per layer; else from the rows (a
-    breakdown read from JSON), a figure a row lacks as NaN; empty for a type no layer has."""
+    breakdown read from JSON), of the same dtype, but float with NaN where a row lacks the
+    figure; empty for a type no layer has."""
     if name not in LAYER_COLUMNS:
         raise ValueError(f"no layer column {name!r} (one of {', '.join(LAYER_COLUMNS)})")
     if isinstance(layers, LayerRows):
@@ -301,8 +301,9 @@ def layer_column(layers: Sequence[dict[str, Any]], name: str, layer_type: str | 
             return view
         code = layers.types.index(layer_type) if layer_type in layers.types else -1
         return values[layers.type_code == code]
-    return np.array([r.get(name) for r in layers if layer_type is None or r["type"] == layer_type],
-                    np.int64 if name in ("step", "device", "index") else np.float64)
+    values = [r.get(name) for r in layers if layer_type is None or r["type"] == layer_type]
+    counts = name in ("step", "device", "index", "kernels")   # as LayerRows holds them
+    return np.array(values, np.int64 if counts and None not in values else np.float64)
 
 
 def _bincount_int(key: np.ndarray, values: np.ndarray, n: int) -> np.ndarray:
@@ -405,6 +406,10 @@ def breakdown(trace: Trace, layers: str = "auto", rules: list[Rule] | str | Path
     which steps count (``kimi_perf.layers.steps_of_phase``; by default the decode steps of a
     trace whose steps are decode and prefill or mixed). The steps left out are counted per
     phase in ``source["steps_left_out"]``."""
+    if not isinstance(trace, Trace):
+        raise TypeError(f"breakdown takes a Trace (read_trace(path)), not {type(trace).__name__}"
+                        + ("; breakdown_of_file(path) reads and breaks down a file"
+                           if isinstance(trace, str | Path) else ""))
     if isinstance(rules, str | Path):
         rules = load_rules(rules)
     ops = GpuOps.of(trace, rules)

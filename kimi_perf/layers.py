@@ -261,7 +261,7 @@ def find_steps(trace: Trace, ops: GpuOps, step_regex: str | None = None) -> list
     range_keys = range_groups(trace.ranges)
     range_keys[trace.ranges.style == GPU_RANGE] = -1
     for pattern in patterns:
-        regex = re.compile(pattern)
+        regex = _compiled(pattern, "step_regex")
         matching = trace.names_matching(regex)[trace.ranges.name] if len(trace.ranges) else \
             np.zeros(0, bool)
         if not matching.any():
@@ -440,12 +440,20 @@ def _device_steps(ops: GpuOps) -> list[Step]:
 
 # -- layers from ranges -------------------------------------------------------------------------
 
+def _compiled(pattern: str, what: str) -> re.Pattern:
+    """A regex the caller gave, or a ValueError that says which and why (not re.error)."""
+    try:
+        return re.compile(pattern)
+    except re.error as exc:
+        raise ValueError(f"{what}: bad regex {pattern!r} ({exc})") from None
+
+
 def layers_from_ranges(trace: Trace, ops: GpuOps, steps: list[Step], layer_regex: str) -> bool:
     """Assign each op to its innermost matching layer range; fill ``steps[*].layers``.
 
     Returns False when no layer range holds any GPU work.
     """
-    regex = re.compile(layer_regex)
+    regex = _compiled(layer_regex, "the layer regex")
     r = trace.ranges
     if len(r) == 0:
         return False

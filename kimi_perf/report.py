@@ -59,6 +59,12 @@ CLASS_COLOURS = {
 }
 
 
+def _plotly_text(name: str) -> str:
+    """A name for plotly's text, which reads a few HTML tags and entities: ``<``, ``>`` and
+    ``&`` escaped, quotes left as they are (plotly would show ``&quot;`` as it is)."""
+    return html.escape(name, quote=False)
+
+
 def _timeline(fig: go.Figure, row: int, timeline: dict | None, label: str) -> None:
     """The breakdown's timeline step: a row per layer, every op a bar coloured by class."""
     if not timeline:
@@ -66,21 +72,21 @@ def _timeline(fig: go.Figure, row: int, timeline: dict | None, label: str) -> No
     readable = short_names(timeline["names"], 400)
     bars: dict[str, dict[str, list]] = {}
     for segment in timeline["segments"]:
-        name = html.escape(segment["label"])
+        name = _plotly_text(segment["label"])
         for op, cls, start_us, dur_us in segment["ops"]:
             bar = bars.setdefault(cls, {"y": [], "base": [], "x": [], "text": []})
             bar["y"].append(name)
             bar["base"].append(start_us)
             bar["x"].append(max(dur_us, 1e-3))
-            bar["text"].append(f"{html.escape(readable[op])}<br>"
-                               f"{html.escape(cls)}, {dur_us:.2f} µs at {start_us:.2f} µs")
+            bar["text"].append(f"{_plotly_text(readable[op])}<br>"
+                               f"{_plotly_text(cls)}, {dur_us:.2f} µs at {start_us:.2f} µs")
     for cls, bar in sorted(bars.items()):
-        fig.add_trace(go.Bar(orientation="h", name=html.escape(cls), legendgroup=cls,
+        fig.add_trace(go.Bar(orientation="h", name=_plotly_text(cls), legendgroup=cls,
                              showlegend=row == 1, marker_color=CLASS_COLOURS.get(cls, "#333333"),
                              y=bar["y"], base=bar["base"], x=bar["x"], hovertext=bar["text"],
                              hoverinfo="text"), row=row, col=1)
-    fig.update_yaxes(autorange="reversed", title_text=html.escape(label), row=row, col=1)
-    fig.update_xaxes(title_text=f"µs into {html.escape(timeline['step'])} (median-span step)",
+    fig.update_yaxes(autorange="reversed", title_text=_plotly_text(label), row=row, col=1)
+    fig.update_xaxes(title_text=f"µs into {_plotly_text(timeline['step'])} (median-span step)",
                      row=row, col=1)
 
 
@@ -99,9 +105,9 @@ def _class_bars(breakdowns: dict[str, Breakdown]) -> go.Figure:
             x, y = [], []
             for label in labels:
                 for t in breakdowns[label].layer_types:
-                    x.append(f"{html.escape(t['type'] or '-')}<br>{html.escape(label)}")
+                    x.append(f"{_plotly_text(t['type'] or '-')}<br>{_plotly_text(label)}")
                     y.append(t["classes"].get(cls, {}).get("us", 0.0))
-            fig.add_trace(go.Bar(name=html.escape(cls), x=x, y=y, legendgroup=cls,
+            fig.add_trace(go.Bar(name=_plotly_text(cls), x=x, y=y, legendgroup=cls,
                                  showlegend=row == 1, marker_color=CLASS_COLOURS.get(cls)),
                           row=row, col=1)
         fig.update_yaxes(title_text="µs", row=row, col=1)
@@ -559,19 +565,23 @@ def write_report(path: str | Path, breakdowns: dict[str, Breakdown], title: str,
                  runs: list[tuple[str, dict]] = (), warnings: list[str] = ()) -> Path:
     """One HTML file (written atomically) from breakdowns alone (their ``timeline`` is drawn).
     ``run``: the run.json of a capture or ``--from``. ``plotly_js``: ``inline`` (the file
-    opens offline; about 5 MB), ``cdn``, or the path of a ``plotly.min.js`` to refer to.
+    opens offline; about 5 MB), ``cdn``, a URL, or the path (from here) of a
+    ``plotly.min.js``, which the report refers to relative to itself (``plotly_js_for``).
     ``runs``: the run information of several runs drawn together, as (name, run.json);
     ``warnings``: said first (of the paths drawn from several inputs whose every step fell
     back: ``run``'s own are said from it)."""
     if plotly_js not in PLOTLY_JS and not plotly_js.endswith(".js"):
         raise ValueError(f"plotly_js: inline, cdn or a path ending in .js, not {plotly_js!r}")
+    if not breakdowns:
+        raise ValueError("write_report: no breakdowns to draw")
     path = Path(path)
+    plotly_js = plotly_js_for(plotly_js, path.parent)
     # A row of about 16 px per layer, so that every layer keeps its label.
     rows_px = [120 + 16 * len((b.timeline or {}).get("segments", ()))
                for b in breakdowns.values()]
     timelines = make_subplots(rows=len(breakdowns), cols=1,
                               vertical_spacing=0.3 / len(breakdowns), row_heights=rows_px,
-                              subplot_titles=[html.escape(t) for t in breakdowns])
+                              subplot_titles=[_plotly_text(t) for t in breakdowns])
     for row, (label, b) in enumerate(breakdowns.items(), start=1):
         _timeline(timelines, row, b.timeline, label)
     timelines.update_layout(barmode="overlay", height=sum(rows_px) + 150,

@@ -50,9 +50,10 @@ OP_RANGE = re.compile(r"^op:")
 RUNTIME, DRIVER, OTHER_API = 0, 1, 2
 
 
-@dataclass
+@dataclass(eq=False)
 class Table:
-    """Equal-length numpy columns. Subclasses declare the columns and their dtypes."""
+    """Equal-length numpy columns. Subclasses declare the columns and their dtypes. Equal
+    only to itself (as a file object is): comparing columns is ``np.array_equal``'s."""
 
     dtypes: ClassVar[dict[str, str]] = {}
     # Integer columns that ``compact`` narrows to int32 where every value fits (``dtypes``
@@ -124,7 +125,7 @@ def index_dtype(n: int) -> type[np.integer]:
     return np.int32 if n <= _INT32.max else np.int64
 
 
-@dataclass(repr=False)
+@dataclass(repr=False, eq=False)
 class Kernels(Table):
     """GPU kernels. ``tid`` and ``api`` (row in ``Trace.api``) come from the launch join."""
 
@@ -147,7 +148,7 @@ class Kernels(Table):
     compact_columns = ("stream", "pid", "tid", "correlation", "graph_id", "graph_node_id", "api")
 
 
-@dataclass(repr=False)
+@dataclass(repr=False, eq=False)
 class MemOps(Table):
     """memcpy / memset on the GPU; ``name`` reads like nsys's ("[CUDA memcpy Host-to-Device]")."""
 
@@ -168,7 +169,7 @@ class MemOps(Table):
     compact_columns = ("stream", "pid", "tid", "correlation", "api")
 
 
-@dataclass(repr=False)
+@dataclass(repr=False, eq=False)
 class Ranges(Table):
     """NVTX ranges and profiler annotations.
 
@@ -200,7 +201,7 @@ class Ranges(Table):
     compact_columns = ("pid", "tid", "stream", "parent")
 
 
-@dataclass(repr=False)
+@dataclass(repr=False, eq=False)
 class ApiCalls(Table):
     """CUDA/HIP runtime and driver API calls (launches among them), by thread."""
 
@@ -223,9 +224,10 @@ TABLES: dict[str, type[Table]] = {
 }
 
 
-@dataclass(repr=False)
+@dataclass(repr=False, eq=False)
 class Trace:
-    """A whole trace: four tables, the string table they index, and metadata.
+    """A whole trace: four tables, the string table they index, and metadata. Equal only to
+    itself (``==`` and ``in`` do not compare its columns).
 
     ``meta`` keys: ``format`` (``nsys-sqlite`` | ``kineto-json``), ``tool`` (profiler and
     version), ``schema`` (export schema version, when known), ``file``, ``gpus`` (list of

@@ -351,6 +351,9 @@ def test_layer_rows_read_as_the_dicts_the_figures_give(name):
     rows = LayerRows(heads, figures, 0, ops.class_labels)
     assert len(rows) == len(want) and list(rows) == want and rows == want
     assert rows[-1] == want[-1] and rows[1:4] == want[1:4] and rows[::5] == want[::5]
+    for backwards in (slice(None, None, -1), slice(3, None, -1), slice(-2, 0, -3),
+                      slice(5, 1, -1), slice(None, -len(want) - 5, -2)):
+        assert rows[backwards] == want[backwards], backwards   # to the start, too
     with pytest.raises(IndexError):
         rows[len(want)]
     b = breakdown(trace)
@@ -370,6 +373,7 @@ def test_layer_rows_read_as_the_dicts_the_figures_give(name):
             from_dicts = [r[column] for r in want if layer_type in (None, r["type"])]
             assert layer_column(rows, column, layer_type).tolist() == from_dicts
             assert layer_column(want, column, layer_type).tolist() == from_dicts
+            assert layer_column(want, column).dtype == layer_column(rows, column).dtype
     with pytest.raises(ValueError, match="read-only"):
         layer_column(rows, "span_us")[0] = 0.0
 
@@ -449,6 +453,43 @@ def test_a_long_step_draws_its_first_ops_and_says_how_many_more(monkeypatch, tmp
     text = write_report(tmp_path / "r.html", {"vllm": b}, "t", plotly_js="cdn").read_text()
     assert f"vllm: the step's first 30 ops are drawn, its {total - 30:,} more are left out" \
         in text
+
+
+def test_plot_text_escapes_what_plotly_reads_and_keeps_quotes(tmp_path):
+    """Names in the plots (hover text, axis and panel titles) are escaped for plotly, which
+    reads <br> and &lt; but shows &quot; as it is: a quote stays a quote, a < cannot open a
+    tag, in the plots as in the tables."""
+    from kimi_perf.report import write_report
+
+    b = breakdown(read_trace(KINETO / "tracelens_vllm_gptoss20b_decode_fullgraph_mi300x"
+                                      ".json.gz"))
+    label = 'run "a" <b>'
+    text = write_report(tmp_path / "r.html", {label: b}, "t", plotly_js="cdn").read_text()
+    head, plots = text.split("<script", 1)
+    assert plots.count('run \\"a\\" &lt;b&gt;"') >= 3 and "&quot;" not in plots
+    assert "<th>trace run &quot;a&quot; &lt;b&gt;</th>" in head   # HTML proper: all escaped
+
+
+def test_library_calls_given_what_they_cannot_take_say_so(tmp_path):
+    """From a notebook: a bad regex is a ValueError naming the argument (not re.error from
+    deep inside), a path where a Trace goes a TypeError naming what reads it, and analyse
+    takes paths as strings, as read_trace does. A Trace is equal only to itself (numpy
+    columns compared element-wise have no one truth value)."""
+    from kimi_perf.capture import analyse
+
+    path = KINETO / "tracelens_vllm_gptoss20b_decode_fullgraph_mi300x.json.gz"
+    trace = read_trace(path)
+    with pytest.raises(ValueError, match=r"step_regex: bad regex '\('"):
+        breakdown(trace, step_regex="(")
+    with pytest.raises(ValueError, match=r"layer regex: bad regex '\('"):
+        breakdown(trace, layers="nvtx:(")
+    with pytest.raises(TypeError, match=r"read_trace\(path\).*breakdown_of_file"):
+        breakdown(str(path))
+    run_dir, results, _ = analyse([str(path)], str(tmp_path), plotly_js="cdn")
+    assert list(results) == [path.name.removesuffix(".json.gz")] and run_dir.parent == tmp_path
+    again = read_trace(path)
+    assert trace == trace and trace != again and again in [trace, again]
+    assert trace.kernels == trace.kernels and trace.kernels != again.kernels
 
 
 def test_typical_layer_of_a_real_trace_and_its_pattern_digest():

@@ -1133,3 +1133,24 @@ def test_compare_and_report_say_when_two_runs_were_captured_differently(tmp_path
         result = CliRunner().invoke(main, command)
         assert result.exit_code == 0, result.output
         assert "batch 2 vs 64" in " ".join(result.output.split())
+
+
+def test_results_read_short_in_a_notebook():
+    """A gate's result and a comparison's type pairs print a line, not the breakdowns and
+    typical layers they hold (152 kB for two wan2.1 traces)."""
+    from kimi_perf.comparison import type_pairs
+    from kimi_perf.gate import gate_files
+
+    before, after = (NSYS / f"nsysai_fastvideo_wan2.1_train_2xh100_{n}.sqlite"
+                     for n in ("before", "after"))
+    gated = gate_files(before, after)
+    assert not gated.result.ok
+    failing = len(gated.result.failures)
+    assert repr(gated.result) == (f"GateResult(FAIL, {len(gated.result.checks)} checks, "
+                                  f"{failing} regression)")
+    assert repr(gated) == f"GatedRun({gated.result!r}, baseline ['trace'], current ['trace'])"
+    stored = gate_files(BASELINE, BASELINE)
+    assert repr(stored).startswith("GatedRun(GateResult(ok, ") and str(BASELINE) in repr(stored)
+    b = Breakdown.from_json(json.loads(BASELINE.read_text())["paths"]["standard"])
+    pairs = type_pairs(b, b)
+    assert repr(pairs[0]).startswith(f"TypePair('{pairs[0].label}': ") and len(repr(pairs)) < 200

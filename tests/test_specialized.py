@@ -555,7 +555,7 @@ def test_trace_command_with_speculative_decoding(tmp_path):
 
 
 def test_report_escapes_names_and_is_written_whole(tmp_path):
-    from kimi_perf import breakdown, read_trace
+    from kimi_perf import TraceError, breakdown, read_trace
     from kimi_perf.report import write_report
     from tests.conftest import KINETO
 
@@ -586,9 +586,21 @@ def test_report_escapes_names_and_is_written_whole(tmp_path):
     assert "<tr><td>A</td><td>12</td><td>17</td>" in small.read_text()
     assert 'src="https://cdn.plot.ly' in small.read_text()
     assert small.stat().st_size < out.stat().st_size / 5
-    shared = write_report(tmp_path / "shared.html", {"a": breakdown(trace)}, "t",
-                          plotly_js="../plotly.min.js")
-    assert '<script charset="utf-8" src="../plotly.min.js">' in shared.read_text()
+    # a plotly.min.js of one's own, given from here (as --plotly-js): referred to from the
+    # report's directory; a missing one refused
+    js = tmp_path / "js" / "plotly.min.js"
+    js.parent.mkdir()
+    js.write_text("// plotly")
+    (tmp_path / "reports").mkdir()
+    shared = write_report(tmp_path / "reports" / "shared.html", {"a": breakdown(trace)}, "t",
+                          plotly_js=str(js))
+    assert '<script charset="utf-8" src="../js/plotly.min.js">' in shared.read_text()
+    with pytest.raises(TraceError, match="--plotly-js: no such file"):
+        write_report(tmp_path / "none.html", {"a": breakdown(trace)}, "t",
+                     plotly_js=str(tmp_path / "none.js"))
+    with pytest.raises(ValueError, match="no breakdowns to draw"):
+        write_report(tmp_path / "none.html", {}, "t")
+    assert not (tmp_path / "none.html").exists()
     with pytest.raises(ValueError, match=r"inline, cdn or a path ending in \.js"):
         write_report(tmp_path / "bad.html", {"a": breakdown(trace)}, "t",
                      plotly_js="nowhere")
