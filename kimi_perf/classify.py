@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import re
 import stat
 import tomllib
@@ -66,6 +67,15 @@ def _parse_rules(text: str, source: str | Path) -> list[Rule]:
 def default_rules() -> list[Rule]:
     text = resources.files("kimi_perf").joinpath("kernel_classes.toml").read_text()
     return _parse_rules(text, "kernel_classes.toml")
+
+
+def rules_said(rules: list[Rule] | None) -> str:
+    """Which kernel-class rules a breakdown used, as its source records them: ``default``, or
+    a digest of the list (two breakdowns by other rules class the same kernels otherwise)."""
+    if rules is None or rules == default_rules():
+        return "default"
+    text = "\n".join(f"{r.cls}\t{r.pattern.pattern}\t{r.pattern.flags}" for r in rules)
+    return "sha256:" + hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
 def load_rules(extra: str | Path | None = None) -> list[Rule]:

@@ -576,8 +576,9 @@ def _run_name(path: Path) -> str:
 @click.option("--rules", type=click.Path(path_type=Path), help="extra kernel-class rules")
 @click.option("--update", is_flag=True, help="then store the run as the new baseline")
 @click.option("--strict", is_flag=True, help="fail too where the baseline and the run were "
-              "captured differently (preset, layers, batch, TP, device, ...): a nightly job "
-              "against the wrong baseline")
+              "captured differently (preset, layers, batch, TP, device, ...) or broken down "
+              "differently (--steps, --layers, --rules): a nightly job against the wrong "
+              "baseline")
 @_fail_cleanly
 def gate_cmd(baseline: Path, run: Path, metrics: str, rel_tol: float, alpha: float, fmt: str,
              show_all: bool, path_name: str | None, layers: str, step_regex: str | None,
@@ -622,6 +623,11 @@ def gate_cmd(baseline: Path, run: Path, metrics: str, rel_tol: float, alpha: flo
         if base_file is not None and not gate_mod.has_work(base_runs):
             _stored_unchecked(base_file, run_doc, "replaced", run, fmt, tolerances)
             return
+        if gate_mod.TRACE in (*base_runs, *runs) and len(base_runs) + len(runs) > 2:
+            # (gate would ask for --path, which --update does not take: it stores the whole run)
+            raise TraceError(baseline, f"holds {_holds(base_runs)} and {run} {_holds(runs)}: "
+                                       "the gate --update makes first cannot pair them; remove "
+                                       "the baseline to store the run there")
     gated = gate_mod.gate_files(baseline, run, tolerances, path_name, phase, loaded, strict,
                                 **options)
     result = gated.result
@@ -635,6 +641,12 @@ def gate_cmd(baseline: Path, run: Path, metrics: str, rel_tol: float, alpha: flo
                    err=True)
     elif not result.ok:
         sys.exit(1)
+
+
+def _holds(runs: dict) -> str:
+    """What a side of the gate holds, in words: one trace's breakdown, or a run's paths."""
+    return ("one trace's breakdown" if set(runs) == {gate_mod.TRACE}
+            else f"the paths {', '.join(runs)}")
 
 
 def _stored_unchecked(baseline: Path, run_doc: dict, how: str, run: Path, fmt: str,
@@ -666,6 +678,10 @@ def _print_gate(gated: gate_mod.GatedRun, fmt: str, show_all: bool, update: bool
         if result.run_differences:
             console.print(gate_mod.captured_differently("the baseline", "the run",
                                                       result.run_differences),
+                          style="bold yellow")
+        if result.breakdown_differences:
+            console.print(gate_mod.broken_down_differently("the baseline", "the run",
+                                                         result.breakdown_differences),
                           style="bold yellow")
         for line in result.fell_back:
             console.print(line, style="bold yellow")
@@ -714,7 +730,7 @@ def report_cmd(inputs: tuple[Path, ...], path_name: str | None, labels: str | No
     failure is made of. Breakdowns are drawn as stored; traces are broken down first.
     """
     from kimi_perf.capture import trace_labels
-    from kimi_perf.report import plotly_js_for, run_info_problem, write_report
+    from kimi_perf.report import plotly_js_for, write_report
 
     plotly_js_for(plotly_js, output.parent)  # a missing file is said before any work
     found, left_out = _traces_in(list(inputs), keep_runs=True)
@@ -735,9 +751,7 @@ def report_cmd(inputs: tuple[Path, ...], path_name: str | None, labels: str | No
         runs, run_doc = loaded.get(i) or _breakdowns_of(file, layers, rules, step_regex, phase,
                                                         labels_of[i])
         info = run_doc.get("run") if run_doc is not None else None
-        if info is not None:
-            if problem := run_info_problem(info):
-                raise TraceError(file / "breakdown.json" if file.is_dir() else file, problem)
+        if info is not None:   # (checked as it was read)
             run_infos.append((_run_name(file), info))
         if run_doc is not None and path_name is not None:
             runs = dict([gate_mod.one_path(file, runs, path_name)])

@@ -62,8 +62,14 @@ from kimi_perf.comparison import (
 )
 from kimi_perf.decode.fallbacks import fell_back_text, paths_that_fell_back
 from kimi_perf.errors import TraceError
-from kimi_perf.layer_breakdown import Breakdown, layer_column
-from kimi_perf.trace import KIMI_PERF_JSON, atomic_write_text, is_int64, json_text
+from kimi_perf.layer_breakdown import Breakdown, layer_column, layer_of_type
+from kimi_perf.trace import (
+    KIMI_PERF_JSON,
+    atomic_write_text,
+    check_not_read_only,
+    is_int64,
+    json_text,
+)
 
 METRICS = ("kernels", "kernel_us", "span_us")
 STEP = "step"  # the pseudo layer type of whole decode steps
@@ -107,14 +113,15 @@ class Check:
     p_value: float | None     # one-sided Mann-Whitney U, in the direction of the change
     status: str               # ok, regression, improvement, noise, missing, new, changed,
                               # differs (layers a step), fell back (every step of the run's
-                              # path: the baseline's not), captured differently (strict)
+                              # path: the baseline's not), captured differently, broken
+                              # down differently (strict)
     detail: str | None = None  # the kernels behind a regression or improvement
     run_layer_type: str | None = None  # the run's name of the type, where it differs
 
     @property
     def fails(self) -> bool:
         return self.status in ("regression", "missing", "differs", "fell back",
-                               "captured differently")
+                               "captured differently", "broken down differently")
 
 
 @dataclass(repr=False)
@@ -122,14 +129,16 @@ class GateResult:
     """Every check (``checks``), those that fail (``failures``) and whether none does
     (``ok``). ``run_differences``: how the captures behind the two sides differ (TP 1 vs 2,
     or steps of other phases: their figures differ for that alone; None from ``gate`` alone,
-    which has no run information to compare); ``fell_back``: the warnings of paths of either
-    side whose every step fell back to the standard path's ops (a run's path that did where
-    the baseline's did not fails a check too); ``cpu_time_metrics``: the checked times that
-    are CPU time (a run on a CPU: noisy and no speed figure)."""
+    which has no run information to compare); ``breakdown_differences``: how their steps and
+    layers were found otherwise (``breakdown_differences``); ``fell_back``: the warnings of
+    paths of either side whose every step fell back to the standard path's ops (a run's path
+    that did where the baseline's did not fails a check too); ``cpu_time_metrics``: the
+    checked times that are CPU time (a run on a CPU: noisy and no speed figure)."""
 
     checks: list[Check]
     tolerances: Tolerances
     run_differences: list[str] | None = None   # set by gate_files, which has the run docs
+    breakdown_differences: list[str] = field(default_factory=list)   # and this
     fell_back: list[str] = field(default_factory=list)   # and this
     cpu_time_metrics: list[str] = field(default_factory=list)
     op_paths: list[str] = field(default_factory=list)   # paths of CPU runs: ops, not kernels
@@ -157,7 +166,8 @@ class GateResult:
                "checks": [asdict(c) for c in self.checks]}
         if self.run_differences is not None:
             doc["run_differences"] = self.run_differences
-        return doc | {"fell_back": self.fell_back, "cpu_time_metrics": self.cpu_time_metrics}
+        return doc | {"breakdown_differences": self.breakdown_differences,
+                      "fell_back": self.fell_back, "cpu_time_metrics": self.cpu_time_metrics}
 
 
 @dataclass(repr=False)
@@ -188,7 +198,8 @@ def gate_files(baseline: str | Path, run: str | Path, tolerances: Tolerances = T
     decode path alone (a trace on either side stands for it). A trace against a run of several
     paths needs ``path``: which one would it stand for? ``loaded``: what ``load_run`` gave for
     either file already (a trace is not read twice). ``strict``: captures made differently
-    (``run_differences``) fail too, as a nightly job against the wrong baseline should."""
+    (``run_differences``) or broken down differently (``breakdown_differences``) fail too, as
+    a nightly job against the wrong baseline should."""
     baseline, run = Path(baseline), Path(run)
     loaded = loaded or {}
     current, run_doc, _ = loaded.get(run) or load_run(run, phase, **breakdown_options)
@@ -201,19 +212,21 @@ def gate_files(baseline: str | Path, run: str | Path, tolerances: Tolerances = T
         base, current = ({path: runs[TRACE]} if set(runs) == {TRACE}
                          else dict([one_path(file, runs, path)])
                          for file, runs in ((baseline, base), (run, current)))
+    for file, runs, what in ((baseline, base, "nothing to check a run against"),
+                             (run, current, "nothing to check against the baseline")):
+        if not has_work(runs):   # (a run that lost every layer would fail as "missing")
+            raise TraceError(file, f"holds no steps and no layers: {what} (a capture "
+                                   "without GPU work?)")
     for file, runs, other in ((baseline, base, current), (run, current, base)):
         if set(other) == {TRACE} and len(runs) > 1:
             raise TraceError(file, f"holds the paths {', '.join(runs)}: choose the one the "
                                    "other side stands for with --path")
-    if not has_work(base):
-        raise TraceError(baseline, "holds no steps and no layers: nothing to check a run "
-                                   "against (a capture without GPU work?)")
     result = gate(base, current, tolerances)
     result.run_differences = (run_differences(base_doc, run_doc)
                               + phase_differences(base, current)
                               + unit_differences(base, current))
     depths = [(d.get("run") or {}).get("n_layers") if isinstance(d, dict) else None
-              for d in (base_doc, run_doc)]
+              for d in (base_doc, run_doc)]   # (load_run checked that "run" is an object)
     if None not in depths and depths[0] != depths[1]:
         # a step of a model of another depth is other work, of other layers; its layers still
         # compare
@@ -224,9 +237,14 @@ def gate_files(baseline: str | Path, run: str | Path, tolerances: Tolerances = T
                 check.detail = (f"models of {depths[0]} and {depths[1]} layers: a step is "
                                 "other work")
     _check_fallbacks(result, base_doc, run_doc, base, current)   # (a failure whatever the depth)
+    result.breakdown_differences = breakdown_differences(base, current)
     if strict and result.run_differences:
         result.checks.append(Check("run", "capture", "capture", None, None, None, None,
                                    "captured differently", "; ".join(result.run_differences)))
+    if strict and result.breakdown_differences:
+        result.checks.append(Check("run", "breakdown", "breakdown", None, None, None, None,
+                                   "broken down differently",
+                                   "; ".join(result.breakdown_differences)))
     return GatedRun(result, base, current, run_doc, base_file)
 
 
@@ -268,6 +286,68 @@ def phase_differences(baseline: dict[str, Breakdown], current: dict[str, Breakdo
     return out
 
 
+STEPS_FOUND_BY = {"range": "step ranges", "graph": "graph launches",
+                  "pass": "forward passes", "device": "each device's window"}
+LAYERS_FROM = {"nvtx": "ranges", "repeat": "the repeating kernel pattern", "none": "nowhere"}
+
+
+def breakdown_differences(baseline: dict[str, Breakdown], current: dict[str, Breakdown]
+                          ) -> list[str]:
+    """Where a decode path's steps or layers were found otherwise on the two sides (``steps
+    found by step ranges vs each device's window``, ``layers from ranges vs the repeating
+    kernel pattern``, another regex for either, other kernel-class rules): their layers are
+    not the same cuts, and their figures differ for that alone. What the sources say: how
+    steps and layers were found always; the options asked for (``--steps``, ``--layers``,
+    ``--rules``) where both breakdowns record them."""
+    out = []
+    for path, base, cur in _paired(baseline, current):
+        found = []
+        by = [b.source.get("steps_found_by") for b in (base, cur)]
+        options = [b.source.get("breakdown_options") or {} for b in (base, cur)]
+        if None not in by and by[0] != by[1]:
+            found.append("steps found by " + " vs ".join(STEPS_FOUND_BY.get(f, f) for f in by))
+        elif by[0] == "range" and all(options):
+            found += _asked("step ranges", *(o.get("steps") for o in options))
+        sources = [_layer_sources(b) for b in (base, cur)]
+        if all(sources) and sources[0] != sources[1]:
+            found.append("layers from " + " vs ".join(
+                " and ".join(LAYERS_FROM.get(x, str(x)) for x in side) for side in sources))
+        elif sources[0] == ["nvtx"] and all(options):
+            found += _asked("layer ranges", *(_layer_regex(o.get("layers")) for o in options))
+        if all(options) and options[0].get("rules") != options[1].get("rules"):
+            found.append(f"kernel-class rules {options[0].get('rules')} vs "
+                         f"{options[1].get('rules')}")
+        if found:
+            out.append(("" if path == TRACE else f"{path}: ") + "; ".join(found))
+    return out
+
+
+def _layer_sources(b: Breakdown) -> list[str]:
+    """Where a breakdown's steps found their layers (``nvtx``, ``repeat``; ``none`` where no
+    step found any); empty where its steps do not say (stored before they did)."""
+    said = {s["layer_source"] for s in b.steps if isinstance(s.get("layer_source"), str)}
+    return sorted(said - {"none"}) or sorted(said)
+
+
+def _asked(what: str, base: str | None, cur: str | None) -> list[str]:
+    """``what`` as the two sides asked for it (None: the default), where they differ."""
+    if base == cur:
+        return []
+    return [f"{what} " + " vs ".join("the default" if r is None else repr(r) for r in (base, cur))]
+
+
+def _layer_regex(layers: str | None) -> str | None:
+    """The regex of layer ranges a ``layers`` option names (None: the default pattern)."""
+    return layers[5:] or None if isinstance(layers, str) and layers.startswith("nvtx:") else None
+
+
+def broken_down_differently(a: str, b: str, differences: list[str]) -> str:
+    """The line that says how two breakdowns found their steps and layers otherwise."""
+    return (f"{a} and {b} were broken down differently: {'; '.join(differences)}: their steps "
+            "and layers are not the same cuts, and their kernels and µs may differ for that "
+            "alone")
+
+
 def unit_differences(baseline: dict[str, Breakdown], current: dict[str, Breakdown]
                      ) -> list[str]:
     """Where one side of a decode path counts a CPU run's ops and the other a GPU's kernels:
@@ -302,9 +382,9 @@ def one_path(file: Path, runs: dict[str, Breakdown], name: str | None
 
 
 def check_storable(file: str | Path) -> None:
-    """Refuse a baseline file ``store_baseline`` must not write: not a .json file, or a
+    """Refuse a baseline file ``store_baseline`` must not write: not a .json file, a
     kimi-perf run directory's breakdown.json (or the directory), whose run.json, traces and
-    report would then describe another run than it."""
+    report would then describe another run than it, or a file made read-only."""
     file = Path(file)
     if file.is_dir() and (file / "breakdown.json").exists():
         file = file / "breakdown.json"
@@ -314,6 +394,7 @@ def check_storable(file: str | Path) -> None:
         raise TraceError(file, "is a kimi-perf run directory's: its run.json and traces would "
                                "no longer match it; keep a baseline as a JSON of its own (a "
                                "copy of the run's breakdown.json)")
+    check_not_read_only(file)   # (before the run is read and gated: minutes, for a trace)
 
 
 def store_baseline(file: str | Path, run_doc: dict) -> None:
@@ -346,6 +427,8 @@ def load_run(path: str | Path, phase: str = "auto", **breakdown_options
         if isinstance(doc, dict) and isinstance(doc.get("paths"), dict) and doc["paths"]:
             if type(doc.get("schema")) is not int or doc["schema"] != 1:
                 raise TraceError(path, "not a kimi-perf run breakdown of schema 1")
+            if doc.get("run") is not None and (problem := run_info_problem(doc["run"])):
+                raise TraceError(path, problem)
             return {name: _checked(Breakdown.from_json(b, path), path)
                     for name, b in doc["paths"].items()}, doc, path
         if isinstance(doc, dict) and "layer_types" in doc:
@@ -355,6 +438,37 @@ def load_run(path: str | Path, phase: str = "auto", **breakdown_options
 
     b = breakdown_of_file(path, phase=phase, **breakdown_options)
     return {TRACE: b}, b.to_json(), None
+
+
+def run_info_problem(run: object) -> str | None:
+    """Why a run's information read back from a file (run.json, or ``run`` in a run's
+    breakdown.json) cannot be drawn, or None."""
+    if not isinstance(run, dict):
+        return "'run' is not an object"
+    for key in ("environment", "request", "paths", "floors"):
+        if run.get(key) is not None and not isinstance(run[key], dict):
+            return f"run.{key} is not an object"
+    gpus = (run.get("environment") or {}).get("gpus")
+    if gpus is not None and not (isinstance(gpus, list)
+                                 and all(isinstance(g, str) for g in gpus)):
+        return "run.environment.gpus is not a list of names"
+    for name, m in (run.get("paths") or {}).items():
+        latency = m.get("step_latency_s") if isinstance(m, dict) else None
+        fallbacks = (m.get("fallbacks") or []) if isinstance(m, dict) else None
+        if not (isinstance(latency, dict) and all(is_finite_number(v) for v in (
+                m.get("decode_tokens_per_s"), m.get("time_to_first_token_s"),
+                latency.get("median"), latency.get("min"), latency.get("max")))
+                and isinstance(m.get("timed", ""), str) and isinstance(fallbacks, list)
+                and all(isinstance(f, str) for f in fallbacks)):
+            return f"run.paths.{name}: its decode metrics are not numbers"
+    floors = run.get("floors")
+    if floors is not None and not (
+            is_finite_number(floors.get("bandwidth_Bps"))
+            and isinstance(floors.get("layer_types"), dict)
+            and all(isinstance(v, dict) and is_finite_number(v.get("floor_us"))
+                    for v in floors["layer_types"].values())):
+        return "run.floors is not {bandwidth_Bps, layer_types: {type: {floor_us}}}"
+    return None
 
 
 def is_kimi_perf_json(path: Path) -> bool:
@@ -452,6 +566,11 @@ def _source_problem(source) -> str | None:
                              and _is_count(outside.get("unlaunched", 0))
                              and _partial_ok(outside.get("partial_passes"))
                              and _in_ranges_ok(outside.get("in_ranges") or []))),
+        ("breakdown_options", "{layers, steps, phase, rules} as strings or null",
+         source.get("breakdown_options") is None or (
+             isinstance(source["breakdown_options"], dict)
+             and all(v is None or isinstance(v, str)
+                     for v in source["breakdown_options"].values()))),
         ("gpus", "[{name, sm_count}]", gpu_list("gpus")),
         ("gpus_ran", "[{name, sm_count}]", gpu_list("gpus_ran")),
         ("captures", "a list of file names", source.get("captures") is None or (
@@ -485,7 +604,7 @@ def _checked(b: Breakdown, path: Path) -> Breakdown:
     if (rows is None or not isinstance(b.layer_types, list)
             or not all(isinstance(t, dict) and isinstance(t.get("type"), str)
                        for t in b.layer_types)
-            or not all(isinstance(r, dict)
+            or not all(isinstance(r, dict) and _is_count(r.get("kernels"))
                        and all(_is_figure(r.get(m)) for m in METRICS)
                        and _classes_ok(r.get("classes")) for r in rows)
             or not all(isinstance(r.get("type"), str) and is_int64(r.get("step"))
@@ -494,11 +613,11 @@ def _checked(b: Breakdown, path: Path) -> Breakdown:
             or not all(r.get("phase") is None or isinstance(r["phase"], str) for r in b.steps)
             or not all(r.get("layers") is None or _is_count(r["layers"]) for r in b.steps)
             or not all(_step_row_ok(r) for r in b.steps)):
-        raise TraceError(path, "breakdown rows lack a type, an index, a device or finite "
-                               "kernels, kernel_us, span_us, gap_us or classes, or a step's "
-                               "phase or range is not a name, its layers or other_thread_ops "
-                               "not a count, or its prologue or epilogue not {kernels, "
-                               "span_us}")
+        raise TraceError(path, "breakdown rows lack a type, an index, a device, a count of "
+                               "kernels or finite kernel_us, span_us, gap_us or classes, or a "
+                               "step's phase or range is not a name, its layers or "
+                               "other_thread_ops not a count, or its prologue or epilogue not "
+                               "{kernels, span_us}")
     if problem := _disagreement(b):
         raise TraceError(path, problem)
     for t in b.layer_types:
@@ -609,8 +728,9 @@ def gate(baseline: dict[str, Breakdown], current: dict[str, Breakdown],
             shifted = base_type in moved or (base_type == STEP and windows is not None)
             found: list[Check] = []
             if None not in (base_type, cur_type) and (
-                    patterns_differ([_digest(base, base_type), _digest(cur, cur_type)])):
-                found.append(Check(path, label, "pattern", None, None, None, None, "changed"))
+                    swap := _kernels_changed(base, base_type, cur, cur_type)):
+                found.append(Check(path, label, "pattern", None, None, None, None, "changed",
+                                   None if swap is True else swap))
             if (layers := _layers_check(path, label, base, base_type, cur, cur_type)):
                 if windows is not None and layers.status == "differs":
                     layers.status, layers.detail = "changed", windows   # (other work)
@@ -634,6 +754,8 @@ def gate(baseline: dict[str, Breakdown], current: dict[str, Breakdown],
             for check in found:
                 if check.status in ("regression", "improvement"):
                     check.detail = (windows if base_type == STEP and windows is not None
+                                    else _step_behind(check, base, cur, pairs)
+                                    if base_type == STEP
                                     else _behind(check, base, cur, base_type, cur_type))
                 if shifted and check.status in ("regression", "improvement", "missing",
                                                 "differs"):
@@ -796,6 +918,64 @@ def _typical(b: Breakdown | None, layer_type: str | None) -> list[dict] | None:
     return ((t or {}).get("typical_layer") or {}).get("kernels")
 
 
+def _largest_behind(check: Check, base: Breakdown, cur: Breakdown, base_type: str,
+                    cur_type: str) -> str | None:
+    """Where a type's largest layers differ, and in which kernel classes: the run's largest
+    layer (for ``kernels``, the median one) against the baseline's ("step 2 layer 5: memcpy
+    +1")."""
+    if not all(_says_where(b) for b in (base, cur)) or None in (base_type, cur_type):
+        return None
+    rows = []
+    for b, t in ((base, base_type), (cur, cur_type)):
+        kernels = layer_column(b.layers, "kernels", t)
+        n = (int(np.argmax(kernels)) if check.metric == "kernels_max"
+             else int(np.argsort(kernels, kind="stable")[(len(kernels) - 1) // 2]))
+        rows.append(layer_of_type(b.layers, t, n))
+    counts = [Counter({c: v["kernels"] for c, v in (r.get("classes") or {}).items()})
+              for r in rows]
+    moved = [(c, counts[1][c] - counts[0][c]) for c in dict.fromkeys([*counts[0], *counts[1]])
+             if counts[1][c] != counts[0][c]]
+    where = (("the largest" if check.metric == "kernels_max" else "the median")
+             + f" layer (step {rows[1]['step']}, layer {rows[1]['index']}"
+             + (f", device {rows[1]['device']}" if rows[1]["device"] > 0 else "") + ")")
+    return f"{where}: " + (", ".join(f"{c} {d:+g}" for c, d in moved) if moved
+                           else "kernels of the same classes")
+
+
+def _kernels_changed(base: Breakdown, base_type: str, cur: Breakdown, cur_type: str
+                     ) -> str | bool:
+    """Whether a pair's typical layers ran other kernels: for types the pattern found, their
+    digests differ; for types ranges named, their kernel sequences do (another GEMM kernel
+    picked, the same count: a swap no count check sees). What changed (``_swapped``) where
+    both typical layers are stored; True where only the digests say so; False: the same."""
+    digests = [_digest(base, base_type), _digest(cur, cur_type)]
+    kb, kc = _typical(base, base_type), _typical(cur, cur_type)
+    if patterns_differ(digests) and (kb is None or kc is None):
+        return True
+    if patterns_differ(digests):   # (the same cycle where digests predate least rotations)
+        return _swapped(kb, aligned_typical({"base": {"kernels": kb}, "cur": {
+            "kernels": kc}})[0]["cur"]["kernels"]) or False
+    if digests != [None, None] or kb is None or kc is None:
+        return False
+    return _swapped(kb, kc) or False
+
+
+def _swapped(kb: list[dict], kc: list[dict]) -> str | None:
+    """The kernels a typical layer gained and lost ("added x ×2; removed y"), or that it ran
+    the same ones in another order; None for the same sequence."""
+    from kimi_perf.names import short_names
+
+    nb, nc = Counter(k["name"] for k in kb), Counter(k["name"] for k in kc)
+    parts = [f"{sign} " + ", ".join(
+        f"{n}" + (f" ×{count}" if count > 1 else "")
+        for n, count in zip(short_names(list(diff), 50), diff.values(), strict=True))
+        for sign, diff in (("added", nc - nb), ("removed", nb - nc)) if diff]
+    if parts:
+        return "; ".join(parts)
+    return ("the same kernels in another order"
+            if [k["name"] for k in kb] != [k["name"] for k in kc] else None)
+
+
 def _behind(check: Check, base: Breakdown | None, cur: Breakdown | None,
             base_type: str | None, cur_type: str | None) -> str | None:
     """The kernels behind a layer type's change, from both typical layers: for counts, those
@@ -805,17 +985,18 @@ def _behind(check: Check, base: Breakdown | None, cur: Breakdown | None,
     from kimi_perf.names import short_names
 
     kb, kc = _typical(base, base_type), _typical(cur, cur_type)
-    if kb is None or kc is None:
+    if (kb is None or kc is None) and check.metric != "kernels_max":
         return None
-    # the same layer cut at another kernel: its launches paired from the baseline's first
-    kc = aligned_typical({"base": {"kernels": kb}, "cur": {"kernels": kc}})[0]["cur"]["kernels"]
+    if kb is not None and kc is not None:
+        # the same layer cut at another kernel: its launches paired from the baseline's first
+        kc = aligned_typical({"base": {"kernels": kb},
+                              "cur": {"kernels": kc}})[0]["cur"]["kernels"]
     if check.metric.startswith("kernels"):
-        nb, nc = Counter(k["name"] for k in kb), Counter(k["name"] for k in kc)
-        parts = [f"{sign} " + ", ".join(
-            f"{n}" + (f" ×{count}" if count > 1 else "")
-            for n, count in zip(short_names(list(diff), 50), diff.values(), strict=True))
-            for sign, diff in (("added", nc - nb), ("removed", nb - nc)) if diff]
-        return "; ".join(parts) or None
+        if kb is not None and kc is not None and (
+                Counter(k["name"] for k in kb) != Counter(k["name"] for k in kc)):
+            return _swapped(kb, kc)
+        # the typical layers ran the same kernels: a few layers changed, the largest said
+        return _largest_behind(check, base, cur, base_type, cur_type)
 
     def by_launch(kernels: list[dict]) -> dict[tuple[str, int], float]:
         seen: Counter = Counter()
@@ -847,6 +1028,55 @@ def _behind(check: Check, base: Breakdown | None, cur: Breakdown | None,
             parts.append(f"idle between {cur.unit} "
                          f"{np.median(gaps[1]) - np.median(gaps[0]):+.1f} µs (median)")
     return "; ".join(filter(None, parts)) if moved or check.metric == "span_us" else None
+
+
+def _step_behind(check: Check, base: Breakdown, cur: Breakdown,
+                 pairs: list[tuple[str | None, str | None]]) -> str | None:
+    """Where a whole step's change lies: the parts of the median step (for ``kernels_max``,
+    the largest) of each side, its prologue, epilogue, the layers of each type and what lies
+    between them, and the (at most three) that moved most in the change's direction."""
+    metric = check.metric.removesuffix("_max")
+    if not all(_says_where(b) for b in (base, cur)):
+        return None
+    sides = []
+    for b, names in ((base, {t: t for t, _ in pairs if t is not None}),
+                     (cur, {c: pair_label(t, c, base) for t, c in pairs if c is not None})):
+        totals = np.array([s[metric] for s in b.steps], np.float64)
+        if check.metric.endswith("_max"):
+            pick = int(np.argmax(totals))
+        else:   # the step of the median figure (of an even count, the lower middle one)
+            pick = int(np.argsort(totals, kind="stable")[(len(totals) - 1) // 2])
+        sides.append(_step_parts(b, b.steps[pick], metric, names))
+    moves = [(sides[1].get(part, 0.0) - sides[0].get(part, 0.0), part)
+             for part in dict.fromkeys([*sides[0], *sides[1]])]
+    sign = 1 if check.status == "regression" else -1   # (kernels and µs alike: more is worse)
+    moved = sorted((m for m in moves if m[0] * sign > 0), key=lambda m: -abs(m[0]))[:3]
+    if not moved:
+        return None
+    unit = f" {cur.unit}" if metric == "kernels" else " µs"
+    return (("the largest" if check.metric.endswith("_max") else "the median") + " step: "
+            + ", ".join(f"{part} " + (f"{delta:+.0f}" if metric == "kernels" else f"{delta:+.1f}")
+                        + unit for delta, part in moved))
+
+
+def _step_parts(b: Breakdown, step: dict, metric: str, names: dict[str, str]
+                ) -> dict[str, float]:
+    """A step's ``metric`` by part: its prologue and epilogue (kernels and span), the layers
+    of each type (named as ``names`` maps the types: a pair's one name), and the rest: the
+    kernels between layers, the kernel µs outside them, the idle time between them."""
+    parts: dict[str, float] = {}
+    for end in ("prologue", "epilogue"):   # (their kernel µs where stored: not always)
+        if _is_figure((step.get(end) or {}).get(metric)):   # (a step built in memory: none)
+            parts[end] = float(step[end][metric])
+    for t in b.layer_types:
+        at = ((layer_column(b.layers, "step", t["type"]) == step["index"])
+              & (layer_column(b.layers, "device", t["type"]) == step["device"]))
+        parts[f"{names.get(t['type'], t['type'])} layers"] = float(
+            layer_column(b.layers, metric, t["type"])[at].sum())
+    rest = float(step[metric]) - sum(parts.values())
+    parts[{"kernels": "between layers", "kernel_us": "outside the layers"}.get(
+        metric, "idle between")] = rest
+    return parts
 
 
 def _layers_check(path: str, label: str, base: Breakdown | None, base_type: str | None,
@@ -882,6 +1112,14 @@ def _type_per_step(b: Breakdown, layer_type: str) -> float | None:
     held = Counter(zip(layer_column(b.layers, "step", layer_type).tolist(),
                        layer_column(b.layers, "device", layer_type).tolist(), strict=True))
     return float(np.median([held[(s.get("index"), s.get("device"))] for s in b.steps]))
+
+
+def _says_where(b: Breakdown) -> bool:
+    """Whether a breakdown's layers and steps say where they ran (a breakdown built in memory
+    may not): the step and device of each."""
+    return all(isinstance(r.get(key), int) for r in b.layers[:1] for key in ("step", "device")
+               ) and all(isinstance(s.get(key), int) for s in b.steps[:1]
+                         for key in ("index", "device"))
 
 
 def _samples(b: Breakdown | None, layer_type: str | None, metric: str) -> np.ndarray | None:

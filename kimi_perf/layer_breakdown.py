@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from kimi_perf.classify import Rule, load_rules
+from kimi_perf.classify import Rule, load_rules, rules_said
 from kimi_perf.graphs import graph_replays
 from kimi_perf.layers import (
     GpuOps,
@@ -306,6 +306,15 @@ def layer_column(layers: Sequence[dict[str, Any]], name: str, layer_type: str | 
     return np.array(values, np.int64 if counts and None not in values else np.float64)
 
 
+def layer_of_type(layers: Sequence[dict[str, Any]], layer_type: str, n: int) -> dict[str, Any]:
+    """The ``n``-th layer of a type, in order (as ``layer_column`` gives its figures), built as
+    one row."""
+    if isinstance(layers, LayerRows):
+        code = layers.types.index(layer_type)
+        return layers[int(np.flatnonzero(layers.type_code == code)[n])]
+    return next(itertools.islice((r for r in layers if r["type"] == layer_type), n, None))
+
+
 def _bincount_int(key: np.ndarray, values: np.ndarray, n: int) -> np.ndarray:
     """Exact int64 sums of ``values`` per ``key`` in [0, n)."""
     if len(values) == 0 or float(np.abs(values.astype(np.float64)).sum()) < 2.0 ** 52:
@@ -503,7 +512,11 @@ def breakdown(trace: Trace, layers: str = "auto", rules: list[Rule] | str | Path
                              **({"pass_ranges": pass_ranges} if pass_ranges else {}),
                              **({"steps_holding_passes": holding_passes}
                                 if holding_passes else {}),
-                             "enclosing_steps": list(enclosing.values())},
+                             "enclosing_steps": list(enclosing.values()),
+                             # (what the gate tells two breakdowns apart by)
+                             "breakdown_options": {"layers": layers, "steps": step_regex,
+                                                   "phase": phase,
+                                                   "rules": rules_said(rules)}},
                      steps=step_rows,
                      layers=layer_rows, layer_types=layer_types, timeline=timeline)
 

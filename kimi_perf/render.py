@@ -439,6 +439,7 @@ def validation_table(result: dict) -> Table:
 
 GATE_STYLES = {"regression": "bold red", "missing": "bold red", "fell back": "bold red",
                "differs": "bold red", "captured differently": "bold red",
+               "broken down differently": "bold red",
                "improvement": "green",
                "noise": "yellow", "new": "cyan", "changed": "yellow"}
 GATE_HEADLINE_ITEMS = 5
@@ -446,6 +447,14 @@ GATE_HEADLINE_ITEMS = 5
 
 def _value(v: float | None) -> str:
     return "-" if v is None else f"{v:,.0f}" if abs(v) >= 1000 else f"{v:.4g}"
+
+
+def _change(v: float | None) -> str:
+    """A relative change: to 0.1%, and a small one that is not nothing to two digits (one
+    kernel more of a step of 4,000 is +0.025%, not +0.0%)."""
+    if v is None:
+        return "-"
+    return f"{v * 100:+.2g}%" if 0 < abs(v) < 0.0005 else f"{v:+.1%}"
 
 
 def gate_table(result: GateResult, show_all: bool = False) -> Table:
@@ -469,7 +478,7 @@ def gate_table(result: GateResult, show_all: bool = False) -> Table:
         layer = c.layer_type + (f" (run: {c.run_layer_type})" if c.run_layer_type else "")
         table.add_row(c.path, layer, result.metric_name(c), _value(c.baseline),
                       _value(c.current),
-                      fmt(c.change, "+.1%"), fmt(c.p_value, ".2g"),
+                      _change(c.change), fmt(c.p_value, ".2g"),
                       Text(c.status, style=style), c.detail or "")
     return table
 
@@ -479,7 +488,8 @@ def gate_headline(result: GateResult) -> str:
         return f"gate: pass ({len(result.checks)} checks)"
     failures = result.failures
     worst = "; ".join(f"{c.path}: {c.detail}" if c.status == "fell back" else
-                      str(c.detail) if c.status == "captured differently" else
+                      str(c.detail) if c.status in ("captured differently",
+                                                    "broken down differently") else
                       f"{c.path} {c.layer_type} {result.metric_name(c)} "
                       + (f"{_value(c.baseline)} -> {_value(c.current)}"
                          if c.status in ("regression", "differs") else "missing from the run")
@@ -489,7 +499,8 @@ def gate_headline(result: GateResult) -> str:
     counts = Counter(c.status for c in failures)
     said = ", ".join(f"{n} layer count{' differs' if n == 1 else 's differ'}"
                      if status == "differs" else "the captures differ"
-                     if status == "captured differently" else
+                     if status == "captured differently" else "the breakdowns differ"
+                     if status == "broken down differently" else
                      f"{n} {status}" + ("s" if n > 1 and status == "regression" else "")
                      + (" on every step" if status == "fell back" else "")
                      for status, n in sorted(counts.items(), reverse=True))

@@ -40,7 +40,7 @@ from kimi_perf.comparison import (
 )
 from kimi_perf.decode.fallbacks import fell_back_text, paths_that_fell_back
 from kimi_perf.errors import TraceError
-from kimi_perf.gate import captured_differently, is_finite_number, run_differences
+from kimi_perf.gate import captured_differently, run_differences
 from kimi_perf.layer_breakdown import (
     Breakdown,
     layer_notes,
@@ -479,37 +479,6 @@ def _run_html(run: dict | None, breakdowns: dict[str, Breakdown]) -> str:
                      "launches each path annotates (one per kernel it would run on a GPU), "
                      f"timed on the CPU{interpreted}.</p>")
     return "".join(parts)
-
-
-def run_info_problem(run: object) -> str | None:
-    """Why a run's information read back from a file (run.json, or ``run`` in a run's
-    breakdown.json) cannot be drawn, or None."""
-    if not isinstance(run, dict):
-        return "'run' is not an object"
-    for key in ("environment", "request", "paths", "floors"):
-        if run.get(key) is not None and not isinstance(run[key], dict):
-            return f"run.{key} is not an object"
-    gpus = (run.get("environment") or {}).get("gpus")
-    if gpus is not None and not (isinstance(gpus, list)
-                                 and all(isinstance(g, str) for g in gpus)):
-        return "run.environment.gpus is not a list of names"
-    for name, m in (run.get("paths") or {}).items():
-        latency = m.get("step_latency_s") if isinstance(m, dict) else None
-        fallbacks = (m.get("fallbacks") or []) if isinstance(m, dict) else None
-        if not (isinstance(latency, dict) and all(is_finite_number(v) for v in (
-                m.get("decode_tokens_per_s"), m.get("time_to_first_token_s"),
-                latency.get("median"), latency.get("min"), latency.get("max")))
-                and isinstance(m.get("timed", ""), str) and isinstance(fallbacks, list)
-                and all(isinstance(f, str) for f in fallbacks)):
-            return f"run.paths.{name}: its decode metrics are not numbers"
-    floors = run.get("floors")
-    if floors is not None and not (
-            is_finite_number(floors.get("bandwidth_Bps"))
-            and isinstance(floors.get("layer_types"), dict)
-            and all(isinstance(v, dict) and is_finite_number(v.get("floor_us"))
-                    for v in floors["layer_types"].values())):
-        return "run.floors is not {bandwidth_Bps, layer_types: {type: {floor_us}}}"
-    return None
 
 
 def _gpus_text(gpus: list[dict]) -> str:

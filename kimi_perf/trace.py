@@ -575,9 +575,9 @@ def _first_line(exc: BaseException) -> str:
 def atomic_write(path: str | Path, write) -> None:
     """Call ``write(binary_file)`` on a temporary file beside ``path``, then rename it over,
     so that a failure leaves no partial file. A symlink is written through (its target
-    replaced), an existing file keeps its permissions, and what is not a regular file (a
-    device such as /dev/null, a pipe, /dev/stdout) is written into directly; ``-`` is
-    stdout."""
+    replaced), an existing file keeps its permissions (one read-only is refused), and what is
+    not a regular file (a device such as /dev/null, a pipe, /dev/stdout) is written into
+    directly; ``-`` is stdout."""
     if str(path) == "-":
         sys.stdout.flush()
         write(sys.stdout.buffer)
@@ -594,6 +594,7 @@ def atomic_write(path: str | Path, write) -> None:
     if st is not None and stat.S_ISDIR(st.st_mode):
         raise TraceError(given, "cannot write: it is a directory")
     target = Path(os.path.realpath(given)) if given.is_symlink() else given
+    check_not_read_only(given)
     try:
         if st is not None and not stat.S_ISREG(st.st_mode):
             with open(given, "wb") as f:
@@ -620,6 +621,17 @@ def atomic_write(path: str | Path, write) -> None:
         if isinstance(exc, OSError):
             raise TraceError(given, f"cannot write: {exc.strerror or exc}") from None
         raise
+
+
+def check_not_read_only(path: Path) -> None:
+    """Refuse an existing regular file made read-only: a rename would replace it all the same
+    (and root writes anything), where a shell's redirection keeps it."""
+    try:
+        st = path.stat()
+    except OSError:
+        return   # (none yet: made anew)
+    if stat.S_ISREG(st.st_mode) and (not st.st_mode & 0o222 or not os.access(path, os.W_OK)):
+        raise TraceError(path, f"cannot write: it is read-only (mode {stat.S_IMODE(st.st_mode):o})")
 
 
 def current_umask() -> int:

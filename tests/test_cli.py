@@ -1402,6 +1402,17 @@ def test_outputs_that_are_no_plain_files(tmp_path):
         ["real.json", "link.json", "pipe", longest.name])
 
 
+def test_a_read_only_output_is_kept(tmp_path):
+    """A file made read-only is not replaced (a rename would, even where root runs us), as a
+    shell's redirection would not write it: one line, exit 2, the file as it was."""
+    kept = tmp_path / "kept.json"
+    kept.write_text("old")
+    kept.chmod(0o444)
+    _one_line_error(run("floors", "--format", "json", "-o", kept),
+                    "cannot write: it is read-only (mode 444)")
+    assert kept.read_text() == "old" and list(tmp_path.iterdir()) == [kept]
+
+
 def test_an_output_that_is_an_input_is_refused(tmp_path, monkeypatch):
     trace = tmp_path / "t.json.gz"
     shutil.copy(VLLM, trace)

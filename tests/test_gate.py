@@ -4,6 +4,7 @@ this repository's own CPU baseline (traces/baselines/tiny-cpu.json)."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -15,11 +16,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kimi_perf import render
+from kimi_perf.classify import Rule, load_rules
 from kimi_perf.cli import EXAMPLE_TRACE, main
-from kimi_perf.gate import Tolerances, gate, load_run, run_differences
-from kimi_perf.layer_breakdown import Breakdown
+from kimi_perf.gate import Tolerances, gate, gate_files, load_run, run_differences
+from kimi_perf.layer_breakdown import Breakdown, breakdown
 from kimi_perf.render import gate_headline
+from kimi_perf.trace import json_text
 from tests.conftest import KINETO, NSYS, REPO
+from tests.test_layers import nvtx_decode_trace
 
 BASELINE = REPO / "traces" / "baselines" / "tiny-cpu.json"
 
@@ -271,13 +275,13 @@ def test_gate_of_a_real_before_and_after_pair_with_blocks_cut_elsewhere():
 def test_a_cycle_cut_elsewhere_is_the_same_layer_under_an_older_digest():
     """A baseline stored when a digest was of the sequence as cut (not its least rotation)
     differs in digest from the run's for the same block: its typical layer says it is the
-    same layer, so its checks stand (noted as a changed pattern) rather than being excused as
-    kernels that moved between letters."""
+    same layer, so its checks stand rather than being excused as kernels that moved between
+    letters, and its pattern is not called changed."""
     before, after = (load_run(NSYS / f"nsysai_fastvideo_wan2.1_train_2xh100_{x}.sqlite")[0]
                      for x in ("before", "after"))
     next(t for t in before["trace"].layer_types if t["type"] == "A")["pattern"] = "0123456789ab"
     checks = {(c.layer_type, c.metric): c.status for c in gate(before, after).checks}
-    assert checks[("A", "pattern")] == "changed" and checks[("A", "span_us")] == "regression"
+    assert ("A", "pattern") not in checks and checks[("A", "span_us")] == "regression"
 
 
 def test_an_older_digest_of_the_same_cut_still_checks_the_layer():
@@ -291,7 +295,7 @@ def test_an_older_digest_of_the_same_cut_still_checks_the_layer():
         if row["type"] == "A":
             row["span_us"] *= 1.3
     checks = {(c.layer_type, c.metric): c.status for c in gate(base, run).checks}
-    assert checks[("A", "span_us")] == "regression" and checks[("A", "pattern")] == "changed"
+    assert checks[("A", "span_us")] == "regression" and ("A", "pattern") not in checks
 
 
 def test_step_windows_compare_only_when_both_sides_are_whole_devices():
@@ -464,6 +468,15 @@ def test_a_change_names_the_kernels_behind_it():
     assert all(c.detail is None for c in gate(base, plain).checks)
 
 
+def _run_from(tmp_path: Path, trace: Path) -> Path:
+    """The run directory `kimi-perf trace --from TRACE` writes."""
+    out = tmp_path / "runs"
+    result = CliRunner().invoke(main, ["trace", "--from", str(trace), "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    (run,) = out.iterdir()
+    return run
+
+
 def test_a_baseline_with_nothing_to_check_is_refused(tmp_path):
     """A baseline captured without GPU work (nsys -t nvtx) would pass every run with 0
     checks, a nightly gate that never fails: it is refused, by the library and the CLI."""
@@ -474,6 +487,18 @@ def test_a_baseline_with_nothing_to_check_is_refused(tmp_path):
     with pytest.raises(ValueError, match="nothing to check"):
         gate({"trace": Breakdown(source={}, steps=[], layers=[], layer_types=[])},
              _run({"kda": 4}, {"kda": KDA}))
+    # nor does a run without GPU work fail as every layer type "missing": it is no run to
+    # check (a trace, or `trace --from` of one), whichever side lacks --path
+    for run in (empty, _run_from(tmp_path, empty)):
+        result = CliRunner().invoke(main, ["gate", str(BASELINE), str(run)])
+        assert result.exit_code == 2 and result.output == (
+            f"kimi-perf: error: {run}: holds no steps and no layers: nothing to check against "
+            "the baseline (a capture without GPU work?)\n")
+    # a trace of nothing against a baseline of two paths: the trace is blamed, not the paths
+    nothing = tmp_path / "nothing.json"
+    nothing.write_text("[]")   # (a Chrome trace of no events)
+    result = CliRunner().invoke(main, ["gate", str(nothing), str(BASELINE)])
+    assert result.exit_code == 2 and f"{nothing}: holds no steps and no layers" in result.output
     # --update replaces a stored baseline that holds nothing, and stores no such run
     stored = tmp_path / "empty.json"
     assert CliRunner().invoke(main, ["gate", str(stored), str(empty), "--update"]).exit_code == 2
@@ -710,6 +735,18 @@ def test_cli_exit_codes_and_update(tmp_path):
     assert result.exit_code == 2 and "--metrics" in result.output
 
 
+def test_update_keeps_a_read_only_baseline(tmp_path):
+    """A baseline made read-only (kept by hand, say) is refused before any work, not replaced."""
+    kept = tmp_path / "kept.json"
+    shutil.copy(BASELINE, kept)
+    kept.chmod(0o444)
+    result = CliRunner().invoke(main, ["gate", str(kept), str(BASELINE), "--update",
+                                       "--metrics", "kernels"])
+    assert result.exit_code == 2 and result.output == (
+        f"kimi-perf: error: {kept}: cannot write: it is read-only (mode 444)\n")
+    assert kept.read_text() == BASELINE.read_text()
+
+
 def test_update_reads_each_file_once(tmp_path, monkeypatch):
     """``gate --update`` checks the run it then stores: the trace is read and broken down
     once, not once to see that it holds work and again to gate it."""
@@ -781,14 +818,14 @@ def test_a_directory_without_a_run_is_refused(tmp_path):
     assert Path(BASELINE).exists()
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(st.data())
 def test_fuzzed_baselines_give_one_line_errors(data):
     """A baseline cut short or with a field changed: the gate runs, or exits 2 with one line
     naming the file, never a traceback."""
     text = BASELINE.read_text()
     doc = json.loads(text)
-    junk = st.sampled_from([None, "9", [], {}, True, -1, 10**6, 10**400])
+    junk = st.sampled_from([None, "9", [], {}, True, -1, 1.5, 1e300, 10**6, 10**400])
     what = data.draw(st.sampled_from(["cut", "layer", "step", "type", "source", "timeline",
                                       "run"]))
     if what == "cut":
@@ -824,6 +861,13 @@ def test_fuzzed_baselines_give_one_line_errors(data):
             op = data.draw(st.sampled_from(data.draw(st.sampled_from(
                 path["timeline"]["segments"]))["ops"]))
             op[data.draw(st.integers(0, 3))] = data.draw(junk)
+        elif data.draw(st.booleans()):   # the run's information, or a field of it
+            key = data.draw(st.sampled_from([None, "n_layers", "tp", "request", "environment",
+                                             "paths", "floors"]))
+            if key is None:
+                doc["run"] = data.draw(junk)
+            else:
+                doc["run"][key] = data.draw(junk)
         else:
             metrics = doc["run"]["paths"]["standard"]
             key = data.draw(st.sampled_from(["decode_tokens_per_s", "step_latency_s",
@@ -888,7 +932,8 @@ def test_malformed_step_notes_are_one_line(tmp_path, key, value):
     ("steps", "layers", "x"), ("steps", "gap_us", "x"), ("steps", "prologue", 0),
     ("steps", "epilogue", {"kernels": 1, "span_us": None}), ("steps", "index", "x"),
     ("steps", "device", None), ("steps", "layer_source", {}), ("layers", "gap_us", []),
-    ("layers", "index", 1.5), ("layers", "step", None)])
+    ("layers", "index", 1.5), ("layers", "step", None), ("layers", "kernels", 1e300),
+    ("layers", "kernels", 1.5), ("steps", "kernels", 2.5)])
 def test_malformed_stored_figures_are_one_line_for_every_command(tmp_path, where, key, value):
     """Every command that reads a stored breakdown checks the figures it prints first."""
     doc = json.loads(BASELINE.read_text())
@@ -901,6 +946,19 @@ def test_malformed_stored_figures_are_one_line_for_every_command(tmp_path, where
         assert result.exit_code == 2 and result.output.count("\n") == 1, (args, result.output)
         assert "bad.json" in result.output
     assert not (tmp_path / "r.html").exists()
+
+
+@pytest.mark.parametrize("run", [[1, 2], "tiny", 3])
+def test_run_information_not_an_object_is_one_line_for_every_command(tmp_path, run):
+    doc = json.loads(BASELINE.read_text())
+    doc["run"] = run
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(doc))
+    for args in (["gate", bad, BASELINE], ["gate", BASELINE, bad], ["compare", bad, BASELINE],
+                 ["breakdown", bad], ["report", bad, "-o", tmp_path / "r.html"]):
+        result = CliRunner().invoke(main, [str(a) for a in args])
+        assert result.exit_code == 2, (args, result.output)
+        assert result.output == "kimi-perf: error: " + str(bad) + ": 'run' is not an object\n"
 
 
 def test_stored_steps_without_their_optional_fields_serve_every_command(tmp_path):
@@ -1124,15 +1182,17 @@ def test_compare_and_report_say_when_two_runs_were_captured_differently(tmp_path
                                      in html_file.read_text())
     alone = CliRunner().invoke(main, ["report", str(other), "-o", str(html_file)])
     assert alone.exit_code == 0 and "<h2>Runs</h2>" not in html_file.read_text()
-    # run information edited by hand: no traceback, and nothing made of what is not there
+    # run information edited by hand: one line naming the field, from every command (a
+    # request that is no object would hide how the captures differ)
     doc["run"]["request"] = "x"
     odd = tmp_path / "odd.json"
     odd.write_text(json.dumps(doc))
     for command in (["compare", str(BASELINE), str(odd), "--path", "specialized"],
-                    ["gate", str(BASELINE), str(odd), "--metrics", "kernels"]):
+                    ["gate", str(BASELINE), str(odd), "--metrics", "kernels"],
+                    ["report", str(odd), "-o", str(html_file)]):
         result = CliRunner().invoke(main, command)
-        assert result.exit_code == 0, result.output
-        assert "batch 2 vs 64" in " ".join(result.output.split())
+        assert result.exit_code == 2 and result.output == (
+            f"kimi-perf: error: {odd}: run.request is not an object\n")
 
 
 def test_results_read_short_in_a_notebook():
@@ -1154,3 +1214,128 @@ def test_results_read_short_in_a_notebook():
     b = Breakdown.from_json(json.loads(BASELINE.read_text())["paths"]["standard"])
     pairs = type_pairs(b, b)
     assert repr(pairs[0]).startswith(f"TypePair('{pairs[0].label}': ") and len(repr(pairs)) < 200
+
+
+def test_gate_says_when_the_sides_were_broken_down_differently(tmp_path):
+    """The same trace broken down by other options: its layers are other cuts (the repeating
+    pattern's letters for the ranges' types: every type "missing"), its steps maybe other
+    ranges, its kernels otherwise classed. The gate says how (JSON `breakdown_differences`),
+    and --strict fails on it alone; the same options on both sides say nothing."""
+    trace = nvtx_decode_trace("layer[{i}]({kind})", steps=3).build()
+
+    def stored(name: str, **options) -> Path:
+        file = tmp_path / f"{name}.json"
+        file.write_text(json_text(breakdown(trace, **options).to_json()))
+        return file
+
+    by_ranges = stored("ranges")
+    extra = [Rule("embedding", re.compile("embedding"))]
+    cases = {stored("repeat", layers="repeat"):
+             "layers from ranges vs the repeating kernel pattern",
+             stored("regex", step_regex="decode_step"): "step ranges the default vs 'decode_step'",
+             stored("layer_regex", layers="nvtx:layer"): "layer ranges the default vs 'layer'",
+             stored("rules", rules=extra + load_rules()): "kernel-class rules default vs sha256:"}
+    for run, said in cases.items():
+        args = ["gate", str(by_ranges), str(run), "--metrics", "kernels"]
+        text = CliRunner().invoke(main, args).output
+        assert (f"the baseline and the run were broken down differently: {said}"
+                in " ".join(text.split())), text
+        strict = CliRunner().invoke(main, [*args, "--strict", "--format", "json"])
+        doc = json.loads(strict.output)
+        assert strict.exit_code == 1 and doc["breakdown_differences"][0].startswith(said)
+        assert [c["status"] for c in doc["checks"] if c["path"] == "run"] == [
+            "broken down differently"]
+    same = CliRunner().invoke(main, ["gate", str(by_ranges), str(stored("again")), "--strict",
+                                     "--format", "json"])
+    assert same.exit_code == 0 and json.loads(same.output)["breakdown_differences"] == []
+
+
+def test_a_kernel_swapped_in_a_named_layer_type_is_said(tmp_path, monkeypatch):
+    """Layer types named by ranges have no pattern digest: another kernel picked for one (as
+    many launches, the same speed) passes every check, and is said (pattern: changed, with
+    the kernels gained and lost), in the table as in JSON."""
+    from tests import test_layers
+
+    def stored(name: str) -> Path:
+        file = tmp_path / f"{name}.json"
+        trace = nvtx_decode_trace("layer[{i}]({kind})", steps=3).build()
+        file.write_text(json_text(breakdown(trace).to_json()))
+        return file
+
+    base, again = stored("base"), stored("again")
+    monkeypatch.setattr(test_layers, "KDA", [
+        "gemm_fb_splitk" if k == "gemm_fb" else k for k in test_layers.KDA])
+    run = stored("run")
+    result = CliRunner().invoke(main, ["gate", str(base), str(run), "--format", "json"])
+    doc = json.loads(result.output)
+    assert result.exit_code == 0 and doc["ok"]
+    assert [(c["layer_type"], c["metric"], c["status"], c["detail"]) for c in doc["checks"]
+            if c["status"] != "ok"] == [("kda", "pattern", "changed",
+                                         "added gemm_fb_splitk; removed gemm_fb")]
+    text = CliRunner().invoke(main, ["gate", str(base), str(run)]).output
+    assert "changed" in text and "added gemm_fb_splitk; removed gemm_fb" in " ".join(
+        text.split())
+    same = CliRunner().invoke(main, ["gate", str(base), str(again), "--format", "json"])
+    assert not [c for c in json.loads(same.output)["checks"] if c["metric"] == "pattern"]
+
+
+def test_one_layer_and_one_step_grown_say_where(tmp_path):
+    """One KDA layer of one step launches one op more: its typical layer is the same, so the
+    largest layer says where it grew and in which class; the step's +1 of 78 says which part
+    of the largest step grew, and its change is not rounded to +0.0%."""
+    doc = json.loads(BASELINE.read_text())
+    spec = doc["paths"]["specialized"]
+    layer = next(r for r in spec["layers"] if r["type"] == "kda" and r["step"] == 1)
+    layer["kernels"] += 1
+    layer["classes"]["norm"]["kernels"] += 1
+    next(s for s in spec["steps"] if s["index"] == 1)["kernels"] += 1
+    run = tmp_path / "run.json"
+    run.write_text(json.dumps(doc))
+    result = gate_files(BASELINE, run, Tolerances(metrics="kernels"), path="specialized").result
+    grown = {(c.layer_type, c.metric): c for c in result.failures}
+    assert set(grown) == {("kda", "kernels_max"), ("step", "kernels_max")}
+    assert grown["kda", "kernels_max"].detail == (
+        f"the largest layer (step 1, layer {layer['index']}): norm +1")
+    assert grown["step", "kernels_max"].detail == "the largest step: kda layers +1 ops"
+    assert render.gate_table(result).row_count == 2
+    assert render._change(grown["step", "kernels_max"].change) == "+1.3%"   # 79 of 78
+    assert render._change(1 / 4010) == "+0.025%" and render._change(0.0) == "+0.0%"
+
+
+def test_update_over_a_baseline_of_another_shape_says_what_to_do(tmp_path):
+    """A baseline of one trace's breakdown and a run of two paths (or the other way): the
+    gate --update makes first cannot pair them, and --path (which the gate's error would ask
+    for) is no answer to --update; it says to remove the baseline, and keeps it."""
+    trace_baseline = tmp_path / "one.json"
+    trace_baseline.write_text(json_text(
+        breakdown(nvtx_decode_trace("layer[{i}]({kind})").build()).to_json()))
+    run_baseline = tmp_path / "two.json"
+    shutil.copy(BASELINE, run_baseline)
+    for baseline, run, holds in (
+            (trace_baseline, BASELINE, "one trace's breakdown and {run} the paths standard, "
+                                       "specialized"),
+            (run_baseline, trace_baseline, "the paths standard, specialized and {run} one "
+                                           "trace's breakdown")):
+        before = baseline.read_text()
+        result = CliRunner().invoke(main, ["gate", str(baseline), str(run), "--update"])
+        assert result.exit_code == 2 and result.output == (
+            f"kimi-perf: error: {baseline}: holds {holds.format(run=run)}: the gate --update "
+            "makes first cannot pair them; remove the baseline to store the run there\n")
+        assert baseline.read_text() == before
+
+
+def test_a_slower_step_says_which_part_of_it(tmp_path):
+    """Each step's epilogue (the LM head after the last layer) 30% of a step slower: the
+    step's span regresses, and its detail places the change in the epilogue, not the
+    layers."""
+    doc = json.loads(BASELINE.read_text())
+    for step in doc["paths"]["specialized"]["steps"]:
+        grown = round(step["span_us"] * 0.3, 3)
+        step["span_us"] += grown
+        step["epilogue"]["span_us"] += grown
+    run = tmp_path / "run.json"
+    run.write_text(json.dumps(doc))
+    result = gate_files(BASELINE, run, Tolerances(metrics="span_us"), path="specialized").result
+    (check,) = result.failures
+    assert (check.layer_type, check.metric, check.status) == ("step", "span_us", "regression")
+    assert check.detail.startswith("the median step: epilogue +") and "layers" not in check.detail
