@@ -70,10 +70,24 @@ def default_rules() -> list[Rule]:
 
 
 def rules_said(rules: list[Rule] | None) -> str:
-    """Which kernel-class rules a breakdown used, as its source records them: ``default``, or
-    a digest of the list (two breakdowns by other rules class the same kernels otherwise)."""
-    if rules is None or rules == default_rules():
+    """Which kernel-class rules a breakdown used, as its source records them: ``default``;
+    ``N extra (sha256:…)``, a digest of the rules put before the defaults (``--rules``: the
+    same file gives the same digest whatever the defaults of the version); or ``custom
+    (sha256:…)``, a list of one's own."""
+    defaults = default_rules()
+    if rules is None or rules == defaults:
         return "default"
+    extra = rules[:len(rules) - len(defaults)]
+    own = rules[len(extra):] == defaults
+    return (f"{len(extra)} extra" if own else "custom") + f" ({_digest(extra if own else rules)})"
+
+
+def default_rules_said() -> str:
+    """A digest of the shipped default rules: which version's defaults classed a trace."""
+    return _digest(default_rules())
+
+
+def _digest(rules: list[Rule]) -> str:
     text = "\n".join(f"{r.cls}\t{r.pattern.pattern}\t{r.pattern.flags}" for r in rules)
     return "sha256:" + hashlib.sha256(text.encode()).hexdigest()[:12]
 

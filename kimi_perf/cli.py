@@ -625,9 +625,13 @@ def gate_cmd(baseline: Path, run: Path, metrics: str, rel_tol: float, alpha: flo
             return
         if gate_mod.TRACE in (*base_runs, *runs) and len(base_runs) + len(runs) > 2:
             # (gate would ask for --path, which --update does not take: it stores the whole run)
-            raise TraceError(baseline, f"holds {_holds(base_runs)} and {run} {_holds(runs)}: "
-                                       "the gate --update makes first cannot pair them; remove "
-                                       "the baseline to store the run there")
+            raise TraceError(baseline, f"holds {_holds(base_runs)}, and {run} holds "
+                                       f"{_holds(runs)}: the gate --update makes first cannot "
+                                       "pair them; " + (
+                                           "remove the baseline to store the run there"
+                                           if set(base_runs) == {gate_mod.TRACE} else
+                                           "give the run's directory to replace every path, "
+                                           "or keep the trace's in a new file"))
     gated = gate_mod.gate_files(baseline, run, tolerances, path_name, phase, loaded, strict,
                                 **options)
     result = gated.result

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -130,7 +131,8 @@ class GateResult:
     (``ok``). ``run_differences``: how the captures behind the two sides differ (TP 1 vs 2,
     or steps of other phases: their figures differ for that alone; None from ``gate`` alone,
     which has no run information to compare); ``breakdown_differences``: how their steps and
-    layers were found otherwise (``breakdown_differences``); ``fell_back``: the warnings of
+    layers were found otherwise (another --steps regex that found other ranges, say; also set
+    by ``gate_files``); ``fell_back``: the warnings of
     paths of either side whose every step fell back to the standard path's ops (a run's path
     that did where the baseline's did not fails a check too); ``cpu_time_metrics``: the
     checked times that are CPU time (a run on a CPU: noisy and no speed figure)."""
@@ -293,12 +295,14 @@ LAYERS_FROM = {"nvtx": "ranges", "repeat": "the repeating kernel pattern", "none
 
 def breakdown_differences(baseline: dict[str, Breakdown], current: dict[str, Breakdown]
                           ) -> list[str]:
-    """Where a decode path's steps or layers were found otherwise on the two sides (``steps
-    found by step ranges vs each device's window``, ``layers from ranges vs the repeating
-    kernel pattern``, another regex for either, other kernel-class rules): their layers are
-    not the same cuts, and their figures differ for that alone. What the sources say: how
-    steps and layers were found always; the options asked for (``--steps``, ``--layers``,
-    ``--rules``) where both breakdowns record them."""
+    """Where a decode path's steps or layers were found otherwise on the two sides: by other
+    means (``steps found by step ranges vs each device's window``, ``layers from ranges vs the
+    repeating kernel pattern``), or by another option (``--steps``, ``--layers nvtx:REGEX``,
+    ``--phase``) that found other ranges (other step names, other layer types or counts a
+    step, steps of other phases: a regex spelled otherwise that finds the same is no
+    difference), or, where the repeating kernel pattern cut the layers (it reads kernel
+    classes), other kernel-class rules. How steps and layers were found the sources always
+    say; the options, where both breakdowns record them (``source.breakdown_options``)."""
     out = []
     for path, base, cur in _paired(baseline, current):
         found = []
@@ -306,20 +310,33 @@ def breakdown_differences(baseline: dict[str, Breakdown], current: dict[str, Bre
         options = [b.source.get("breakdown_options") or {} for b in (base, cur)]
         if None not in by and by[0] != by[1]:
             found.append("steps found by " + " vs ".join(STEPS_FOUND_BY.get(f, f) for f in by))
-        elif by[0] == "range" and all(options):
-            found += _asked("step ranges", *(o.get("steps") for o in options))
+        elif by[0] == "range" and all(options) and _step_names(base) != _step_names(cur):
+            found += _asked("--steps", *(o.get("steps") for o in options))
         sources = [_layer_sources(b) for b in (base, cur)]
         if all(sources) and sources[0] != sources[1]:
             found.append("layers from " + " vs ".join(
                 " and ".join(LAYERS_FROM.get(x, str(x)) for x in side) for side in sources))
-        elif sources[0] == ["nvtx"] and all(options):
-            found += _asked("layer ranges", *(_layer_regex(o.get("layers")) for o in options))
-        if all(options) and options[0].get("rules") != options[1].get("rules"):
-            found.append(f"kernel-class rules {options[0].get('rules')} vs "
-                         f"{options[1].get('rules')}")
+        elif sources[0] == ["nvtx"] and all(options) and _layers_found(base) != _layers_found(cur):
+            found += _asked("--layers", *(o.get("layers") for o in options))
+        if all(options) and phase_differences({path: base}, {path: cur}):
+            found += _asked("--phase", *(o.get("phase") for o in options))
+        if all(options) and "repeat" in (*sources[0], *sources[1]):
+            found += _asked("kernel-class rules", *(o.get("rules") for o in options))
+            found += _asked("default kernel-class rules (another version's)",
+                            *(o.get("default_rules") for o in options))
         if found:
             out.append(("" if path == TRACE else f"{path}: ") + "; ".join(found))
     return out
+
+
+def _step_names(b: Breakdown) -> set[str]:
+    """The names of a breakdown's step ranges, their numbers folded (``decode_step[#]``)."""
+    return {re.sub(r"\d+", "#", s["name"]) for s in b.steps if isinstance(s.get("name"), str)}
+
+
+def _layers_found(b: Breakdown) -> tuple[set[str], float | None]:
+    """What a breakdown's layer ranges found: the layer types, and layers a step."""
+    return {t["type"] for t in b.layer_types}, _layers_per_step(b)
 
 
 def _layer_sources(b: Breakdown) -> list[str]:
@@ -330,22 +347,18 @@ def _layer_sources(b: Breakdown) -> list[str]:
 
 
 def _asked(what: str, base: str | None, cur: str | None) -> list[str]:
-    """``what`` as the two sides asked for it (None: the default), where they differ."""
+    """``what`` as the two sides asked for it (None: the default), where they differ; a
+    regex as typed, in quotes."""
     if base == cur:
         return []
-    return [f"{what} " + " vs ".join("the default" if r is None else repr(r) for r in (base, cur))]
-
-
-def _layer_regex(layers: str | None) -> str | None:
-    """The regex of layer ranges a ``layers`` option names (None: the default pattern)."""
-    return layers[5:] or None if isinstance(layers, str) and layers.startswith("nvtx:") else None
+    return [f"{what} " + " vs ".join("the default" if r is None else f"'{r}'"
+                                     for r in (base, cur))]
 
 
 def broken_down_differently(a: str, b: str, differences: list[str]) -> str:
     """The line that says how two breakdowns found their steps and layers otherwise."""
     return (f"{a} and {b} were broken down differently: {'; '.join(differences)}: their steps "
-            "and layers are not the same cuts, and their kernels and µs may differ for that "
-            "alone")
+            "and layers are other cuts, and their kernels and µs may differ for that alone")
 
 
 def unit_differences(baseline: dict[str, Breakdown], current: dict[str, Breakdown]
@@ -441,8 +454,8 @@ def load_run(path: str | Path, phase: str = "auto", **breakdown_options
 
 
 def run_info_problem(run: object) -> str | None:
-    """Why a run's information read back from a file (run.json, or ``run`` in a run's
-    breakdown.json) cannot be drawn, or None."""
+    """Why a run's information (``run`` in a run's breakdown.json or a baseline: what its
+    run.json holds) cannot be read by the gate, compare and the report, or None."""
     if not isinstance(run, dict):
         return "'run' is not an object"
     for key in ("environment", "request", "paths", "floors"):
@@ -918,28 +931,28 @@ def _typical(b: Breakdown | None, layer_type: str | None) -> list[dict] | None:
     return ((t or {}).get("typical_layer") or {}).get("kernels")
 
 
-def _largest_behind(check: Check, base: Breakdown, cur: Breakdown, base_type: str,
+def _classes_behind(check: Check, base: Breakdown, cur: Breakdown, base_type: str,
                     cur_type: str) -> str | None:
-    """Where a type's largest layers differ, and in which kernel classes: the run's largest
-    layer (for ``kernels``, the median one) against the baseline's ("step 2 layer 5: memcpy
-    +1")."""
-    if not all(_says_where(b) for b in (base, cur)) or None in (base_type, cur_type):
-        return None
-    rows = []
-    for b, t in ((base, base_type), (cur, cur_type)):
-        kernels = layer_column(b.layers, "kernels", t)
-        n = (int(np.argmax(kernels)) if check.metric == "kernels_max"
-             else int(np.argsort(kernels, kind="stable")[(len(kernels) - 1) // 2]))
-        rows.append(layer_of_type(b.layers, t, n))
-    counts = [Counter({c: v["kernels"] for c, v in (r.get("classes") or {}).items()})
-              for r in rows]
+    """In which kernel classes a type's layers grew or shrank, where their typical layers ran
+    the same kernels: for ``kernels_max``, the run's largest layer (named) against the
+    baseline's ("the largest layer (step 2, layer 5): memcpy +1"); for ``kernels``, the
+    medians per class over the type's layers ("median per layer: norm +0.5")."""
+    if check.metric == "kernels_max":
+        if not all(_says_where(b) for b in (base, cur)):
+            return None
+        rows = [layer_of_type(b.layers, t, int(np.argmax(layer_column(b.layers, "kernels", t))))
+                for b, t in ((base, base_type), (cur, cur_type))]
+        classes = [r.get("classes") for r in rows]
+        where = (f"the largest layer (step {rows[1]['step']}, layer {rows[1]['index']}"
+                 + (f", device {rows[1]['device']}" if rows[1]["device"] > 0 else "") + ")")
+    else:
+        classes = [(_layer_type(b, t) or {}).get("classes") for b, t in ((base, base_type),
+                                                                        (cur, cur_type))]
+        where = "median per layer"
+    counts = [Counter({c: v["kernels"] for c, v in (side or {}).items()}) for side in classes]
     moved = [(c, counts[1][c] - counts[0][c]) for c in dict.fromkeys([*counts[0], *counts[1]])
              if counts[1][c] != counts[0][c]]
-    where = (("the largest" if check.metric == "kernels_max" else "the median")
-             + f" layer (step {rows[1]['step']}, layer {rows[1]['index']}"
-             + (f", device {rows[1]['device']}" if rows[1]["device"] > 0 else "") + ")")
-    return f"{where}: " + (", ".join(f"{c} {d:+g}" for c, d in moved) if moved
-                           else "kernels of the same classes")
+    return f"{where}: " + ", ".join(f"{c} {d:+g}" for c, d in moved) if moved else None
 
 
 def _kernels_changed(base: Breakdown, base_type: str, cur: Breakdown, cur_type: str
@@ -966,10 +979,12 @@ def _swapped(kb: list[dict], kc: list[dict]) -> str | None:
     from kimi_perf.names import short_names
 
     nb, nc = Counter(k["name"] for k in kb), Counter(k["name"] for k in kc)
-    parts = [f"{sign} " + ", ".join(
-        f"{n}" + (f" ×{count}" if count > 1 else "")
-        for n, count in zip(short_names(list(diff), 50), diff.values(), strict=True))
-        for sign, diff in (("added", nc - nb), ("removed", nb - nc)) if diff]
+    added, removed = nc - nb, nb - nc
+    # shortened together: two variants of one template read apart (``…~a089``, ``…~1387``)
+    short = dict(zip([*added, *removed], short_names([*added, *removed], 50), strict=True))
+    parts = [f"{sign} " + ", ".join(short[n] + (f" ×{count}" if count > 1 else "")
+                                    for n, count in diff.items())
+             for sign, diff in (("added", added), ("removed", removed)) if diff]
     if parts:
         return "; ".join(parts)
     return ("the same kernels in another order"
@@ -985,8 +1000,6 @@ def _behind(check: Check, base: Breakdown | None, cur: Breakdown | None,
     from kimi_perf.names import short_names
 
     kb, kc = _typical(base, base_type), _typical(cur, cur_type)
-    if (kb is None or kc is None) and check.metric != "kernels_max":
-        return None
     if kb is not None and kc is not None:
         # the same layer cut at another kernel: its launches paired from the baseline's first
         kc = aligned_typical({"base": {"kernels": kb},
@@ -995,8 +1008,10 @@ def _behind(check: Check, base: Breakdown | None, cur: Breakdown | None,
         if kb is not None and kc is not None and (
                 Counter(k["name"] for k in kb) != Counter(k["name"] for k in kc)):
             return _swapped(kb, kc)
-        # the typical layers ran the same kernels: a few layers changed, the largest said
-        return _largest_behind(check, base, cur, base_type, cur_type)
+        # the typical layers ran the same kernels (or are not stored): in which classes
+        return _classes_behind(check, base, cur, base_type, cur_type)
+    if kb is None or kc is None:
+        return None
 
     def by_launch(kernels: list[dict]) -> dict[tuple[str, int], float]:
         seen: Counter = Counter()
@@ -1032,21 +1047,21 @@ def _behind(check: Check, base: Breakdown | None, cur: Breakdown | None,
 
 def _step_behind(check: Check, base: Breakdown, cur: Breakdown,
                  pairs: list[tuple[str | None, str | None]]) -> str | None:
-    """Where a whole step's change lies: the parts of the median step (for ``kernels_max``,
-    the largest) of each side, its prologue, epilogue, the layers of each type and what lies
-    between them, and the (at most three) that moved most in the change's direction."""
+    """Where a whole step's change lies, by part (its prologue, epilogue, the layers of each
+    type and what lies between them): the medians of each part over the steps (for
+    ``kernels_max``, the parts of the largest step), the (at most three) that moved most in
+    the change's direction."""
     metric = check.metric.removesuffix("_max")
     if not all(_says_where(b) for b in (base, cur)):
         return None
+    largest = check.metric.endswith("_max")
     sides = []
     for b, names in ((base, {t: t for t, _ in pairs if t is not None}),
-                     (cur, {c: pair_label(t, c, base) for t, c in pairs if c is not None})):
-        totals = np.array([s[metric] for s in b.steps], np.float64)
-        if check.metric.endswith("_max"):
-            pick = int(np.argmax(totals))
-        else:   # the step of the median figure (of an even count, the lower middle one)
-            pick = int(np.argsort(totals, kind="stable")[(len(totals) - 1) // 2])
-        sides.append(_step_parts(b, b.steps[pick], metric, names))
+                     (cur, {c: _run_type_label(t, c, base) for t, c in pairs if c is not None})):
+        parts = _step_parts(b, metric, names)
+        pick = int(np.argmax([s[metric] for s in b.steps]))
+        sides.append({part: float(v[pick] if largest else np.median(v))
+                      for part, v in parts.items()})
     moves = [(sides[1].get(part, 0.0) - sides[0].get(part, 0.0), part)
              for part in dict.fromkeys([*sides[0], *sides[1]])]
     sign = 1 if check.status == "regression" else -1   # (kernels and µs alike: more is worse)
@@ -1054,28 +1069,40 @@ def _step_behind(check: Check, base: Breakdown, cur: Breakdown,
     if not moved:
         return None
     unit = f" {cur.unit}" if metric == "kernels" else " µs"
-    return (("the largest" if check.metric.endswith("_max") else "the median") + " step: "
-            + ", ".join(f"{part} " + (f"{delta:+.0f}" if metric == "kernels" else f"{delta:+.1f}")
+    return (("the largest step: " if largest else "per step (medians): ")
+            + ", ".join(f"{part} {delta:+.{1 if metric != 'kernels' or delta % 1 else 0}f}"
                         + unit for delta, part in moved))
 
 
-def _step_parts(b: Breakdown, step: dict, metric: str, names: dict[str, str]
-                ) -> dict[str, float]:
-    """A step's ``metric`` by part: its prologue and epilogue (kernels and span), the layers
-    of each type (named as ``names`` maps the types: a pair's one name), and the rest: the
-    kernels between layers, the kernel µs outside them, the idle time between them."""
-    parts: dict[str, float] = {}
+def _run_type_label(base_type: str | None, cur_type: str, base: Breakdown) -> str:
+    """A run's layer type as a pair names it; one only the run has whose letter the baseline
+    gives another type (``-`` in the tables) by its own name, marked as the run's."""
+    label = pair_label(base_type, cur_type, base)
+    return f"the run's {cur_type}" if label == "-" else label
+
+
+def _step_parts(b: Breakdown, metric: str, names: dict[str, str]) -> dict[str, np.ndarray]:
+    """Each step's ``metric`` by part, in the order of ``b.steps``: its prologue and epilogue
+    (where stored), the layers of each type (named as ``names`` maps the types: a pair's one
+    name), and the rest: the kernels between layers, the kernel µs outside them, the idle time
+    between them."""
+    parts: dict[str, np.ndarray] = {}
     for end in ("prologue", "epilogue"):   # (their kernel µs where stored: not always)
-        if _is_figure((step.get(end) or {}).get(metric)):   # (a step built in memory: none)
-            parts[end] = float(step[end][metric])
+        values = [(s.get(end) or {}).get(metric) for s in b.steps]   # (in memory: none)
+        if all(_is_figure(v) for v in values):
+            parts[end] = np.array(values, np.float64)
+    position = {(s["index"], s["device"]): i for i, s in enumerate(b.steps)}
     for t in b.layer_types:
-        at = ((layer_column(b.layers, "step", t["type"]) == step["index"])
-              & (layer_column(b.layers, "device", t["type"]) == step["device"]))
-        parts[f"{names.get(t['type'], t['type'])} layers"] = float(
-            layer_column(b.layers, metric, t["type"])[at].sum())
-    rest = float(step[metric]) - sum(parts.values())
+        at = np.array([position.get(key, -1) for key in zip(
+            layer_column(b.layers, "step", t["type"]).tolist(),
+            layer_column(b.layers, "device", t["type"]).tolist(), strict=True)], np.int64)
+        held = at >= 0
+        parts[f"{names.get(t['type'], t['type'])} layers"] = np.bincount(
+            at[held], weights=layer_column(b.layers, metric, t["type"])[held].astype(np.float64),
+            minlength=len(b.steps))
+    totals = np.array([s[metric] for s in b.steps], np.float64)
     parts[{"kernels": "between layers", "kernel_us": "outside the layers"}.get(
-        metric, "idle between")] = rest
+        metric, "idle between")] = totals - sum(parts.values())
     return parts
 
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from kimi_perf.classify import Rule, load_rules, rules_said
+from kimi_perf.classify import Rule, default_rules_said, load_rules, rules_said
 from kimi_perf.graphs import graph_replays
 from kimi_perf.layers import (
     GpuOps,
@@ -514,9 +514,10 @@ def breakdown(trace: Trace, layers: str = "auto", rules: list[Rule] | str | Path
                                 if holding_passes else {}),
                              "enclosing_steps": list(enclosing.values()),
                              # (what the gate tells two breakdowns apart by)
-                             "breakdown_options": {"layers": layers, "steps": step_regex,
-                                                   "phase": phase,
-                                                   "rules": rules_said(rules)}},
+                             "breakdown_options": {
+                                 "layers": layers, "steps": step_regex, "phase": phase,
+                                 "rules": rules_said(rules),
+                                 "default_rules": default_rules_said()}},
                      steps=step_rows,
                      layers=layer_rows, layer_types=layer_types, timeline=timeline)
 

@@ -451,9 +451,11 @@ def _value(v: float | None) -> str:
 
 def _change(v: float | None) -> str:
     """A relative change: to 0.1%, and a small one that is not nothing to two digits (one
-    kernel more of a step of 4,000 is +0.025%, not +0.0%)."""
+    kernel more of a step of 4,000 is +0.025%, not +0.0%), down to 0.001%."""
     if v is None:
         return "-"
+    if 0 < abs(v) < 1e-5:
+        return f"{'+' if v > 0 else '-'}<0.001%"
     return f"{v * 100:+.2g}%" if 0 < abs(v) < 0.0005 else f"{v:+.1%}"
 
 

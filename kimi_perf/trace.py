@@ -624,14 +624,24 @@ def atomic_write(path: str | Path, write) -> None:
 
 
 def check_not_read_only(path: Path) -> None:
-    """Refuse an existing regular file made read-only: a rename would replace it all the same
-    (and root writes anything), where a shell's redirection keeps it."""
+    """Refuse an existing regular file made read-only, or one this user may not write: a
+    rename would replace it all the same (the directory is what it needs; root writes
+    anything). A file named through /dev or /proc (``/dev/stdout``) is the descriptor a shell
+    opened, and was truncated there already: written as named."""
+    if str(path).startswith(("/dev/", "/proc/")):
+        return
     try:
         st = path.stat()
     except OSError:
         return   # (none yet: made anew)
-    if stat.S_ISREG(st.st_mode) and (not st.st_mode & 0o222 or not os.access(path, os.W_OK)):
-        raise TraceError(path, f"cannot write: it is read-only (mode {stat.S_IMODE(st.st_mode):o})")
+    if not stat.S_ISREG(st.st_mode):
+        return
+    mode = f"mode {stat.S_IMODE(st.st_mode):o}"
+    if not st.st_mode & 0o222:
+        raise TraceError(path, f"cannot write: it is read-only ({mode})")
+    if not os.access(path, os.W_OK):
+        raise TraceError(path, f"cannot write: not writable by this user ({mode}, owner uid "
+                               f"{st.st_uid})")
 
 
 def current_umask() -> int:

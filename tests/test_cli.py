@@ -1411,6 +1411,13 @@ def test_a_read_only_output_is_kept(tmp_path):
     _one_line_error(run("floors", "--format", "json", "-o", kept),
                     "cannot write: it is read-only (mode 444)")
     assert kept.read_text() == "old" and list(tmp_path.iterdir()) == [kept]
+    if os.geteuid() == 0:   # (only root's shell opens it: > kept)
+        # /dev/stdout is the descriptor the shell opened on it, truncated there already
+        with open(kept, "wb") as stdout:
+            out = subprocess.run([sys.executable, "-m", "kimi_perf", "floors", "--format",
+                                  "json", "-o", "/dev/stdout"], stdout=stdout,
+                                 stderr=subprocess.PIPE)
+        assert out.returncode == 0 and json.loads(kept.read_text())["preset"] == "k3-tp8"
 
 
 def test_an_output_that_is_an_input_is_refused(tmp_path, monkeypatch):

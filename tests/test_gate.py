@@ -1217,26 +1217,33 @@ def test_results_read_short_in_a_notebook():
 
 
 def test_gate_says_when_the_sides_were_broken_down_differently(tmp_path):
-    """The same trace broken down by other options: its layers are other cuts (the repeating
-    pattern's letters for the ranges' types: every type "missing"), its steps maybe other
-    ranges, its kernels otherwise classed. The gate says how (JSON `breakdown_differences`),
-    and --strict fails on it alone; the same options on both sides say nothing."""
-    trace = nvtx_decode_trace("layer[{i}]({kind})", steps=3).build()
+    """The same trace broken down by other options: other ranges as steps, other layer ranges
+    (half the layers a step), the repeating pattern's layers for the ranges' (every type
+    "missing"), other kernel-class rules under the pattern (which reads classes). The gate
+    says how (JSON `breakdown_differences`), and --strict fails on it alone. Options that find
+    the same (a regex spelled otherwise, rules where ranges cut the layers) say nothing."""
+    built = nvtx_decode_trace("layer[{i}]({kind})", steps=3)
+    for r in list(built.ranges):   # each step also inside a range of the benchmark's loop
+        if built.strings.values[r["name"]].startswith("decode_step"):
+            built.range("iteration", r["start"] - 5, r["end"] + 5)
+    trace = built.build()
 
     def stored(name: str, **options) -> Path:
         file = tmp_path / f"{name}.json"
         file.write_text(json_text(breakdown(trace, **options).to_json()))
         return file
 
-    by_ranges = stored("ranges")
-    extra = [Rule("embedding", re.compile("embedding"))]
-    cases = {stored("repeat", layers="repeat"):
-             "layers from ranges vs the repeating kernel pattern",
-             stored("regex", step_regex="decode_step"): "step ranges the default vs 'decode_step'",
-             stored("layer_regex", layers="nvtx:layer"): "layer ranges the default vs 'layer'",
-             stored("rules", rules=extra + load_rules()): "kernel-class rules default vs sha256:"}
-    for run, said in cases.items():
-        args = ["gate", str(by_ranges), str(run), "--metrics", "kernels"]
+    by_ranges, by_pattern = stored("ranges"), stored("pattern", layers="repeat")
+    extra = [Rule("embedding", re.compile("embedding")), *load_rules()]
+    cases = {(by_ranges, by_pattern): "layers from ranges vs the repeating kernel pattern",
+             (by_ranges, stored("loop", step_regex="^iteration$")):
+             "--steps the default vs '^iteration$'",
+             (by_ranges, stored("half", layers=r"nvtx:layer\[[0-3]\]")):
+             r"--layers 'auto' vs 'nvtx:layer\[[0-3]\]'",
+             (by_pattern, stored("rules", layers="repeat", rules=extra)):
+             "kernel-class rules 'default' vs '1 extra (sha256:"}
+    for (base, run), said in cases.items():
+        args = ["gate", str(base), str(run), "--metrics", "kernels"]
         text = CliRunner().invoke(main, args).output
         assert (f"the baseline and the run were broken down differently: {said}"
                 in " ".join(text.split())), text
@@ -1245,9 +1252,15 @@ def test_gate_says_when_the_sides_were_broken_down_differently(tmp_path):
         assert strict.exit_code == 1 and doc["breakdown_differences"][0].startswith(said)
         assert [c["status"] for c in doc["checks"] if c["path"] == "run"] == [
             "broken down differently"]
-    same = CliRunner().invoke(main, ["gate", str(by_ranges), str(stored("again")), "--strict",
-                                     "--format", "json"])
-    assert same.exit_code == 0 and json.loads(same.output)["breakdown_differences"] == []
+    for base, run in ((by_ranges, stored("again")),
+                      (by_ranges, stored("spelled", step_regex=r"decode_step\[\d+\]")),
+                      (by_ranges, stored("nvtx", layers=r"nvtx:^layer\[(?P<index>\d+)\]"
+                                                        r"\((?P<type>\w+)\)$")),
+                      (by_ranges, stored("ranges_rules", rules=extra))):
+        same = CliRunner().invoke(main, ["gate", str(base), str(run), "--strict", "--format",
+                                         "json"])
+        assert same.exit_code == 0, (run, same.output)
+        assert json.loads(same.output)["breakdown_differences"] == []
 
 
 def test_a_kernel_swapped_in_a_named_layer_type_is_said(tmp_path, monkeypatch):
@@ -1300,6 +1313,7 @@ def test_one_layer_and_one_step_grown_say_where(tmp_path):
     assert render.gate_table(result).row_count == 2
     assert render._change(grown["step", "kernels_max"].change) == "+1.3%"   # 79 of 78
     assert render._change(1 / 4010) == "+0.025%" and render._change(0.0) == "+0.0%"
+    assert render._change(1e-7) == "+<0.001%" and render._change(-2e-5) == "-0.002%"
 
 
 def test_update_over_a_baseline_of_another_shape_says_what_to_do(tmp_path):
@@ -1311,16 +1325,19 @@ def test_update_over_a_baseline_of_another_shape_says_what_to_do(tmp_path):
         breakdown(nvtx_decode_trace("layer[{i}]({kind})").build()).to_json()))
     run_baseline = tmp_path / "two.json"
     shutil.copy(BASELINE, run_baseline)
-    for baseline, run, holds in (
-            (trace_baseline, BASELINE, "one trace's breakdown and {run} the paths standard, "
-                                       "specialized"),
-            (run_baseline, trace_baseline, "the paths standard, specialized and {run} one "
-                                           "trace's breakdown")):
+    for baseline, run, holds, advice in (
+            (trace_baseline, BASELINE, "one trace's breakdown, and {run} holds the paths "
+                                       "standard, specialized",
+             "remove the baseline to store the run there"),
+            (run_baseline, trace_baseline, "the paths standard, specialized, and {run} holds "
+                                           "one trace's breakdown",
+             "give the run's directory to replace every path, or keep the trace's in a new "
+             "file")):
         before = baseline.read_text()
         result = CliRunner().invoke(main, ["gate", str(baseline), str(run), "--update"])
         assert result.exit_code == 2 and result.output == (
             f"kimi-perf: error: {baseline}: holds {holds.format(run=run)}: the gate --update "
-            "makes first cannot pair them; remove the baseline to store the run there\n")
+            f"makes first cannot pair them; {advice}\n")
         assert baseline.read_text() == before
 
 
@@ -1338,4 +1355,29 @@ def test_a_slower_step_says_which_part_of_it(tmp_path):
     result = gate_files(BASELINE, run, Tolerances(metrics="span_us"), path="specialized").result
     (check,) = result.failures
     assert (check.layer_type, check.metric, check.status) == ("step", "span_us", "regression")
-    assert check.detail.startswith("the median step: epilogue +") and "layers" not in check.detail
+    assert check.detail.startswith("per step (medians): epilogue +")
+    assert "layers" not in check.detail
+
+
+def test_a_grown_median_says_its_classes_and_a_swap_reads_apart():
+    """Half the KDA layers launch one norm more: the median grows by half a kernel, and its
+    detail is the medians per class (the typical layers ran the same kernels). Two variants
+    of one long template, swapped, are shortened together, so that they read apart."""
+    from kimi_perf.gate import _swapped
+
+    base = load_run(BASELINE)[0]
+    run = load_run(BASELINE)[0]
+    spec = run["specialized"]
+    kda = [r for r in spec.layers if r["type"] == "kda"]
+    for row in kda[: len(kda) // 2 + 1]:
+        row["kernels"] += 1
+        row["classes"]["norm"]["kernels"] += 1
+    summary = next(t for t in spec.layer_types if t["type"] == "kda")
+    summary["classes"]["norm"]["kernels"] += 1   # (the median layer's, as breakdown keeps it)
+    checks = {(c.path, c.layer_type, c.metric): c for c in gate(base, run).failures}
+    assert checks["specialized", "kda", "kernels"].detail == "median per layer: norm +1"
+    template = "void cutlass::Kernel2<cutlass_80_tensorop_bf16_s16816gemm_relu_bf16_{}_nn_align8>"
+    before, after = ({"name": template.format(tile), "class": "gemm", "us": 1.0}
+                     for tile in ("64x64_64x4", "128x64_64x3"))
+    added, removed = _swapped([before], [after]).removeprefix("added ").split("; removed ")
+    assert added.startswith("cutlass::Kernel2<…>~") and added != removed   # (each alone: same)
