@@ -441,8 +441,8 @@ def breakdown_cmd(trace: Path | None, fmt: str, layers: str, step_regex: str | N
 @click.option("--steps", "step_regex", help="regex for step ranges")
 @_phase_option
 @click.option("--rules", type=click.Path(path_type=Path), help="extra kernel-class rules")
-@click.option("--labels", help="names for A and B, comma-separated (default: the file names, "
-              "or a run's path names)")
+@click.option("--labels", help="names for A and B, comma-separated (default: the file names "
+              "without the words both share, or a run's path names)")
 @_kernels_option
 @click.option("-o", "--output", type=click.Path(path_type=Path), help="write here, not stdout")
 @_fail_cleanly
@@ -711,7 +711,7 @@ def _check_plotly_js(ctx, param, value: str) -> str:
 @click.argument("inputs", nargs=-1, required=True, type=click.Path(path_type=Path))
 @click.option("--path", "path_name", help="take only this decode path from each run")
 @click.option("--labels", help="names for what the inputs hold, comma-separated, in order "
-              "(default: the file names, or a run's path names)")
+              "(default: the file names without the words all share, or a run's path names)")
 @_layers_option
 @click.option("--steps", "step_regex", help="regex for step ranges")
 @_phase_option

@@ -132,10 +132,10 @@ class GateResult:
     or steps of other phases: their figures differ for that alone; None from ``gate`` alone,
     which has no run information to compare); ``breakdown_differences``: how their steps and
     layers were found otherwise (another --steps regex that found other ranges, say; also set
-    by ``gate_files``); ``fell_back``: the warnings of
-    paths of either side whose every step fell back to the standard path's ops (a run's path
-    that did where the baseline's did not fails a check too); ``cpu_time_metrics``: the
-    checked times that are CPU time (a run on a CPU: noisy and no speed figure)."""
+    by ``gate_files``); ``fell_back``: the warnings of paths of either side whose every step
+    fell back to the standard path's ops (a run's path that did where the baseline's did not
+    fails a check too); ``cpu_time_metrics``: the checked times that are CPU time (a run on a
+    CPU: noisy and no speed figure)."""
 
     checks: list[Check]
     tolerances: Tolerances
@@ -579,7 +579,7 @@ def _source_problem(source) -> str | None:
                              and _is_count(outside.get("unlaunched", 0))
                              and _partial_ok(outside.get("partial_passes"))
                              and _in_ranges_ok(outside.get("in_ranges") or []))),
-        ("breakdown_options", "{layers, steps, phase, rules} as strings or null",
+        ("breakdown_options", "{layers, steps, phase, rules, default_rules} as strings or null",
          source.get("breakdown_options") is None or (
              isinstance(source["breakdown_options"], dict)
              and all(v is None or isinstance(v, str)
