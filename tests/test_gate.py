@@ -912,7 +912,8 @@ def test_a_malformed_typical_layer_is_one_line(tmp_path, typical):
     ("gpus", [{"name": 5, "sm_count": 132}]), ("untimed", {"kernels": -1, "memops": 0}),
     ("steps_holding_passes", [{"step": "s", "passes": 2}]), ("tool", 3),
     ("captures", [1, 2]), ("graph_replays", {"placed_at_capture": 1}),
-    ("graph_replays", "x")])
+    ("graph_replays", "x"), ("breakdown_options", {"steps": 5}),
+    ("breakdown_options", ["auto"])])
 def test_malformed_step_notes_are_one_line(tmp_path, key, value):
     doc = json.loads(BASELINE.read_text())
     doc["paths"]["specialized"]["source"][key] = value
