@@ -582,37 +582,11 @@ def trace_label(path: Path) -> str:
 def trace_labels(paths: list[Path]) -> list[str]:
     """``trace_label`` of each path, distinct: where file names repeat (rank0/trace.json,
     rank1/trace.json) the folder holding each comes first (rank0/trace), and what still
-    repeats gets primes (trace, trace'). Of several, the words all share are left out
-    (``wan2.1_train_before``, ``wan2.1_train_after``: ``before``, ``after``; ``rank0/trace``,
-    ``rank1/trace``: ``rank0``, ``rank1``), where what is left still tells them apart."""
+    repeats gets primes (trace, trace')."""
     labels = [trace_label(p) for p in paths]
     repeated = {label for label in labels if labels.count(label) > 1}
-    return primed(_distinct_words([f"{Path(os.path.abspath(p)).parent.name}/{label}"
-                                   if label in repeated else label
-                                   for p, label in zip(paths, labels, strict=True)]))
-
-
-_WORD_BREAKS = re.compile(r"([-_ /])")   # (kept by split: words and breaks alternate)
-
-
-def _distinct_words(labels: list[str]) -> list[str]:
-    """Labels without the words (runs between ``-_ /``) that all of them begin or end with,
-    where each keeps a word and no two read the same; else the labels as they are."""
-    if len(labels) < 2:
-        return labels
-    words = [_WORD_BREAKS.split(label) for label in labels]
-    shortest = min(map(len, words))
-
-    def shared(sides) -> int:   # leading tokens all share, whole words with their breaks
-        columns = enumerate(zip(*sides, strict=False))
-        n = next((i for i, tokens in columns if len(set(tokens)) > 1), shortest)
-        return n - n % 2
-    head, tail = shared(words), shared([w[::-1] for w in words])
-    for drop_head, drop_tail in ((head, tail), (head, 0), (0, tail)):   # (both, else one)
-        kept = ["".join(w[drop_head:len(w) - drop_tail]) for w in words]
-        if drop_head + drop_tail < shortest and all(kept) and len(set(kept)) == len(kept):
-            return kept
-    return labels
+    return primed([f"{Path(os.path.abspath(p)).parent.name}/{label}" if label in repeated
+                   else label for p, label in zip(paths, labels, strict=True)])
 
 
 def _kimi_perf_run_json(path: Path) -> bool:

@@ -25,7 +25,7 @@ from kimi_perf.errors import TraceError
 from kimi_perf.layer_breakdown import Breakdown, breakdown_of_file, units_word
 from kimi_perf.layers import PHASES
 from kimi_perf.readers import read_trace
-from kimi_perf.text import counted
+from kimi_perf.text import counted, distinct_words
 from kimi_perf.trace import OP_RANGE, atomic_write_text, json_text
 
 LAYERS_HELP = ("auto: per-layer ranges when the trace has them, else the repeating kernel "
@@ -441,8 +441,8 @@ def breakdown_cmd(trace: Path | None, fmt: str, layers: str, step_regex: str | N
 @click.option("--steps", "step_regex", help="regex for step ranges")
 @_phase_option
 @click.option("--rules", type=click.Path(path_type=Path), help="extra kernel-class rules")
-@click.option("--labels", help="names for A and B, comma-separated (default: the file names "
-              "without the words both share, or a run's path names)")
+@click.option("--labels", help="names for A and B, comma-separated (default: the file names, "
+              "in the table without the words both share; or a run's path names)")
 @_kernels_option
 @click.option("-o", "--output", type=click.Path(path_type=Path), help="write here, not stdout")
 @_fail_cleanly
@@ -489,6 +489,14 @@ def compare_cmd(a: Path, b: Path | None, path_name: str | None, fmt: str, layers
         name_a, name_b = pair
     elif name_a == name_b:
         name_b += "'"
+    files_said = []
+    if fmt != "json" and pair is None and b is not None and not (run_a or run_b):
+        # two files' names in the table's headers: the words they share left out (the JSON
+        # keeps the whole names), and which file each label is said under it
+        shown = distinct_words([name_a, name_b])
+        if shown != [name_a, name_b]:
+            files_said = [f"{shown[0]}: {a}; {shown[1]}: {b}"]
+            name_a, name_b = shown
     warnings = [fell_back_text(name, reason) for name, reason
                 in zip((name_a, name_b), fell_back, strict=True) if reason is not None]
     if fmt == "json":
@@ -502,7 +510,7 @@ def compare_cmd(a: Path, b: Path | None, path_name: str | None, fmt: str, layers
     rows = compare(ba, bb)
     unit, unit_b = ba.unit, bb.unit
     tables = [render.comparison_table(rows, name_a, name_b, unit, unit_b),
-              render.comparison_headline(rows, name_a, name_b, unit, unit_b),
+              render.comparison_headline(rows, name_a, name_b, unit, unit_b), *files_said,
               *render.note_lines({name_a: ba, name_b: bb}),
               *([gate_mod.captured_differently(name_a, name_b, unlike)] if unlike else []),
               *warnings]
@@ -711,7 +719,7 @@ def _check_plotly_js(ctx, param, value: str) -> str:
 @click.argument("inputs", nargs=-1, required=True, type=click.Path(path_type=Path))
 @click.option("--path", "path_name", help="take only this decode path from each run")
 @click.option("--labels", help="names for what the inputs hold, comma-separated, in order "
-              "(default: the file names without the words all share, or a run's path names)")
+              "(default: the file names, or a run's path names)")
 @_layers_option
 @click.option("--steps", "step_regex", help="regex for step ranges")
 @_phase_option

@@ -688,7 +688,11 @@ def test_compare_pairs_a_cycle_cut_elsewhere_and_flags_other_kernels(tmp_path):
     before = NSYS / "nsysai_fastvideo_wan2.1_train_2xh100_before.sqlite"
     after = NSYS / "nsysai_fastvideo_wan2.1_train_2xh100_after.sqlite"
     doc = json.loads(run("compare", before, after, "--format", "json").output)
-    assert (doc["a"], doc["b"]) == ("before", "after")   # (the words the names share left out)
+    assert (doc["a"], doc["b"]) == ("nsysai_fastvideo_wan2.1_train_2xh100_before",
+                                    "nsysai_fastvideo_wan2.1_train_2xh100_after")
+    # the table's headers leave out the words the names share, and say which file is which
+    text = " ".join(run("compare", before, after).output.split())
+    assert "Per layer type: before vs after" in text and f"before: {before}; after: {after}" in text
     assert not any(r["pattern_differs"] for r in doc["rows"])
     table = run("compare", before, after, "--kernels").output
     assert "A *" not in table and "the same layer with its boundary 8 kernels later" in table
@@ -716,8 +720,8 @@ def test_trace_from_names_runs_after_their_files_and_compares_each(tmp_path):
     assert result.exit_code == 0, result.output
     # three traces: one table of all of them in the terminal, each pair in the report
     assert "Every trace" in result.output and "slowest / fastest" in result.output
-    for label in ("train_2xh100_before", "train_2xh100_after", "t2v_inference_2xh100_1s"):
-        assert label in result.output   # (the words all names share left out)
+    for f in files:
+        assert f.name.removesuffix(".sqlite") in result.output
     # the pattern types differ between these unrelated traces: no spread of other layers
     spread = next(line for line in result.output.splitlines() if "slowest / fastest" in line)
     assert re.findall(r"\d+\.\d+×", spread) == ["3.24×"]       # the steps' alone
@@ -725,17 +729,16 @@ def test_trace_from_names_runs_after_their_files_and_compares_each(tmp_path):
     # the JSON holds what the table shows
     doc = json.loads(run(*args[:-1], tmp_path / "json", "--format", "json").output)
     doc = doc["overview"]
-    assert [r["label"] for r in doc["rows"]] == ["train_2xh100_before", "train_2xh100_after",
-                                                 "t2v_inference_2xh100_1s"]
+    assert [r["label"] for r in doc["rows"]] == [f.name.removesuffix(".sqlite") for f in files]
     assert [(s["type"], round(s["ratio"], 2), s["slowest"]) for s in doc["spreads"]] == [
-        (None, 3.24, "t2v_inference_2xh100_1s")]
+        (None, 3.24, "nsysai_fastvideo_wan2.1_t2v_inference_2xh100_1s")]
     assert doc["patterns_differ"] == ["A", "B", "C"]   # B' is only the last trace's
-    assert "slowest: t2v_inference_2xh100_1s (step)" in result.output
+    assert "slowest: nsysai_fastvideo_wan2.1_t2v_inference_2xh100_1s (step)" in result.output
     steps = [r["step_us"] for r in doc["rows"]]
     assert f"{max(steps) / min(steps):.2f}×" == "3.24×"
     (first,) = (p for p in tmp_path.iterdir() if p.name != "json")
     assert (first / "report.html").read_text().count(
-        "Per layer type: train_2xh100_before vs ") == 2
+        "Per layer type: nsysai_fastvideo_wan2.1_train_2xh100_before vs ") == 2
     info = json.loads((first / "run.json").read_text())
     assert info["command"].startswith("kimi-perf trace " + " ".join(f"--from {f}" for f in files)
                                       + " --out ")
@@ -1157,11 +1160,10 @@ def test_a_directory_of_traces_stands_for_its_traces(tmp_path):
     assert [Path(f).name for f in info["files"]] == [
         "worker_rank2.pt.trace.json.gz", "worker_rank10.pt.trace.json.gz"]
     assert list(json.loads((run_dir / "breakdown.json").read_text())["paths"]) == [
-        "rank2", "rank10"]
+        "worker_rank2", "worker_rank10"]
     report = tmp_path / "ranks.html"
     assert run("report", ranks, "-o", report, "--plotly-js", "cdn").exit_code == 0
-    assert "Per layer type: rank2 vs rank10" in report.read_text()
-    assert "worker_rank10.pt.trace.json.gz" in report.read_text()   # (each label's file)
+    assert "Per layer type: worker_rank2 vs worker_rank10" in report.read_text()
     empty = tmp_path / "empty"
     empty.mkdir()
     _one_line_error(run("trace", "--from", empty, "--out", out), "holds no trace files")
@@ -1236,7 +1238,7 @@ def test_phases_of_real_vllm_traces():
     not_decode = "steps: 1 mixed: every step prefills, so these are not decode figures"
     assert not_decode in " ".join(run("breakdown", mixed).output.split())
     compared = run("compare", VLLM, mixed).output
-    assert "prefilldecode_piecewise: " + not_decode in compared
+    assert "prefilldecode_piecewise: " + not_decode in compared   # (the label in the table)
     assert compared.count(": steps:") == 1   # the decode trace has nothing to say
 
 
@@ -1285,47 +1287,49 @@ def test_mxfp4_experts_that_a_rank_cannot_hold_are_refused_before_any_work(tmp_p
     assert not (tmp_path / "r").exists()
 
 
-@pytest.mark.parametrize("names, labels", [
-    (["wan2.1_train_before.sqlite", "wan2.1_train_after.sqlite"], ["before", "after"]),
-    (["decode_rank0.json.gz", "decode_rank1.json.gz", "decode_rank2.json.gz"],
-     ["rank0", "rank1", "rank2"]),
-    (["a_decode.sqlite", "b_decode.sqlite"], ["a", "b"]),
-    (["vllm_fullgraph_capture_bs32.json", "vllm_fullgraph.json"],
-     ["fullgraph_capture_bs32", "fullgraph"]),
-    (["run1.sqlite", "run2.sqlite"], ["run1", "run2"]),           # (no whole word shared)
-    (["x.sqlite", "x_y.sqlite"], ["x", "x_y"]),                   # (nothing would be left)
-    (["wan2.1_a.sqlite", "wan2.2_a.sqlite"], ["wan2.1", "wan2.2"]),  # ("." joins a word)
-    (["trace.sqlite"], ["trace"])])
-def test_labels_leave_out_the_words_all_names_share(names, labels):
-    from kimi_perf.capture import trace_labels
+@pytest.mark.parametrize("labels, shown", [
+    (["wan2.1_train_before", "wan2.1_train_after"], ["before", "after"]),
+    (["decode_rank0", "decode_rank1", "decode_rank2"], ["rank0", "rank1", "rank2"]),
+    (["a_decode", "b_decode"], ["a", "b"]),
+    (["rank0/trace", "rank1/trace"], ["rank0", "rank1"]),
+    (["vllm_fullgraph_capture_bs32", "vllm_fullgraph"], ["fullgraph_capture_bs32", "fullgraph"]),
+    (["model_bs_32", "model_bs_64"], ["bs_32", "bs_64"]),     # (never a bare number)
+    (["trace_0", "trace_1"], ["trace_0", "trace_1"]),
+    (["run_2024-01-01", "run_2024-01-02"], ["run_2024-01-01", "run_2024-01-02"]),
+    (["run1", "run2"], ["run1", "run2"]),                     # (no whole word shared)
+    (["wan2.1_a", "wan2.2_a"], ["wan2.1", "wan2.2"]),         # ("." joins a word)
+    (["x", "x"], ["x", "x"]), (["trace"], ["trace"])])
+def test_shown_labels_leave_out_the_words_all_share(labels, shown):
+    from kimi_perf.text import distinct_words
 
-    assert trace_labels([Path(n) for n in names]) == labels
+    assert distinct_words(labels) == shown
 
 
 def test_traces_of_one_name_in_several_folders_are_labelled_by_folder(tmp_path):
     """One trace per rank, each in its rank's folder under the same name: the labels say
-    which rank, not trace, trace', trace'' (and not the name all of them share)."""
+    which rank, not trace, trace', trace''."""
     from kimi_perf.capture import trace_labels
 
     for rank in ("rank0", "rank1"):
         (tmp_path / rank).mkdir()
         shutil.copy(VLLM, tmp_path / rank / "trace.json.gz")
     files = [tmp_path / "rank0" / "trace.json.gz", tmp_path / "rank1" / "trace.json.gz"]
-    assert trace_labels(files) == ["rank0", "rank1"]
+    assert trace_labels(files) == ["rank0/trace", "rank1/trace"]
     links = tmp_path / "links"   # the folders of the paths as given, not of their targets
     for rank in ("rank0", "rank1"):
         (links / rank).mkdir(parents=True)
         (links / rank / "profile.json.gz").symlink_to(VLLM)   # both in the fixtures' folder
-    assert trace_labels(sorted(links.glob("*/profile.json.gz"))) == ["rank0", "rank1"]
+    assert trace_labels(sorted(links.glob("*/profile.json.gz"))) == [
+        "rank0/profile", "rank1/profile"]
     assert trace_labels([files[0], files[0], VLLM]) == [
         "rank0/trace", "rank0/trace'", VLLM.name.removesuffix(".json.gz")]
     doc = json.loads(run("compare", *files, "--format", "json").output)
-    assert (doc["a"], doc["b"]) == ("rank0", "rank1")
+    assert (doc["a"], doc["b"]) == ("rank0/trace", "rank1/trace")
     result = run("trace", "--from", files[0], "--from", files[1], "--out", tmp_path / "runs")
     assert result.exit_code == 0, result.output
     (run_dir,) = (tmp_path / "runs").iterdir()
     stored = json.loads((run_dir / "breakdown.json").read_text())
-    assert list(stored["paths"]) == ["rank0", "rank1"]
+    assert list(stored["paths"]) == ["rank0/trace", "rank1/trace"]
 
 
 def test_trace_from_with_rules_of_ones_own(tmp_path):
