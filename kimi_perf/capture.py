@@ -581,12 +581,20 @@ def trace_label(path: Path) -> str:
 
 def trace_labels(paths: list[Path]) -> list[str]:
     """``trace_label`` of each path, distinct: where file names repeat (rank0/trace.json,
-    rank1/trace.json) the folder holding each comes first (rank0/trace), and what still
+    rank1/trace.json) the folder holding each comes first (rank0/trace), two or three where
+    one does not tell them apart (run_a/rank0/trace, run_b/rank0/trace), and what still
     repeats gets primes (trace, trace')."""
-    labels = [trace_label(p) for p in paths]
-    repeated = {label for label in labels if labels.count(label) > 1}
-    return primed([f"{Path(os.path.abspath(p)).parent.name}/{label}" if label in repeated
-                   else label for p, label in zip(paths, labels, strict=True)])
+    names = [trace_label(p) for p in paths]
+    folders = [Path(os.path.abspath(p)).parent.parts for p in paths]
+    labels = names
+    for depth in (1, 2, 3):
+        repeated = {label for label in labels if labels.count(label) > 1}
+        if depth > 1:   # a folder more only where the folders differ (not one file twice)
+            repeated = {label for label in repeated if len(
+                {f for f, other in zip(folders, labels, strict=True) if other == label}) > 1}
+        labels = ["/".join([*folder[-depth:], name]) if label in repeated else label
+                  for folder, name, label in zip(folders, names, labels, strict=True)]
+    return primed(labels)
 
 
 def _kimi_perf_run_json(path: Path) -> bool:

@@ -1323,6 +1323,11 @@ def test_traces_of_one_name_in_several_folders_are_labelled_by_folder(tmp_path):
         "rank0/profile", "rank1/profile"]
     assert trace_labels([files[0], files[0], VLLM]) == [
         "rank0/trace", "rank0/trace'", VLLM.name.removesuffix(".json.gz")]
+    # one folder does not tell two runs' ranks apart: two do (not rank0/trace, rank0/trace')
+    runs = [tmp_path / run / rank / "trace.json.gz" for run in ("run_a", "run_b")
+            for rank in ("rank0", "rank1")]
+    assert trace_labels(runs) == ["run_a/rank0/trace", "run_a/rank1/trace",
+                                  "run_b/rank0/trace", "run_b/rank1/trace"]
     doc = json.loads(run("compare", *files, "--format", "json").output)
     assert (doc["a"], doc["b"]) == ("rank0/trace", "rank1/trace")
     result = run("trace", "--from", files[0], "--from", files[1], "--out", tmp_path / "runs")
