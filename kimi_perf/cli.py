@@ -1228,8 +1228,13 @@ def trace_cmd(from_files: tuple[Path, ...], captures: tuple[Path, ...], phase: s
         for b, rows in compared:
             if rows:
                 units = (results[a].unit, results[b].unit)
-                console.print(render.comparison_table(rows, a, b, *units))
-                console.print(render.comparison_headline(rows, a, b, *units))
+                # in the table, the words both names share left out (the notes below and
+                # the run's files keep the whole names)
+                shown_a, shown_b = distinct_words([a, b])
+                console.print(render.comparison_table(rows, shown_a, shown_b, *units))
+                console.print(render.comparison_headline(rows, shown_a, shown_b, *units))
+                if (shown_a, shown_b) != (a, b):
+                    console.print(f"{shown_a}: {a}; {shown_b}: {b}")
     if any(rows for _, rows in compared):  # else each trace's own tables say it below
         for line in render.note_lines(results):
             console.print(line)

@@ -712,6 +712,21 @@ def test_compare_pairs_a_cycle_cut_elsewhere_and_flags_other_kernels(tmp_path):
     assert "A *" in table and "it may be another layer there" in table
 
 
+def test_trace_from_two_traces_shows_short_labels_and_keeps_whole_names(tmp_path):
+    """The table of two traces leaves out the words their names share; the run's paths, which
+    gate matches, keep the whole names, and a line says which is which."""
+    files = [NSYS / f"nsysai_fastvideo_wan2.1_train_2xh100_{n}.sqlite" for n in ("before",
+                                                                                 "after")]
+    result = run("trace", *(a for f in files for a in ("--from", f)), "--out", tmp_path)
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.output.split())
+    assert "Per layer type: before vs after" in text
+    whole = [f.name.removesuffix(".sqlite") for f in files]
+    assert f"before: {whole[0]}; after: {whole[1]}" in text
+    (run_dir,) = tmp_path.iterdir()
+    assert list(json.loads((run_dir / "breakdown.json").read_text())["paths"]) == whole
+
+
 def test_trace_from_names_runs_after_their_files_and_compares_each(tmp_path):
     files = [NSYS / f"nsysai_fastvideo_wan2.1_{n}.sqlite"
              for n in ("train_2xh100_before", "train_2xh100_after", "t2v_inference_2xh100_1s")]
