@@ -585,8 +585,8 @@ def _run_name(path: Path) -> str:
 @click.option("--update", is_flag=True, help="then store the run as the new baseline")
 @click.option("--strict", is_flag=True, help="fail too where the baseline and the run were "
               "captured differently (preset, layers, batch, TP, device, ...) or broken down "
-              "differently (--steps, --layers, --rules): a nightly job against the wrong "
-              "baseline")
+              "differently (--steps, --layers, --phase, --rules): a nightly job against the "
+              "wrong baseline")
 @_fail_cleanly
 def gate_cmd(baseline: Path, run: Path, metrics: str, rel_tol: float, alpha: float, fmt: str,
              show_all: bool, path_name: str | None, layers: str, step_regex: str | None,

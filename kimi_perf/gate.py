@@ -1101,8 +1101,11 @@ def _step_parts(b: Breakdown, metric: str, names: dict[str, str]) -> dict[str, n
             at[held], weights=layer_column(b.layers, metric, t["type"])[held].astype(np.float64),
             minlength=len(b.steps))
     totals = np.array([s[metric] for s in b.steps], np.float64)
-    parts[{"kernels": "between layers", "kernel_us": "outside the layers"}.get(
-        metric, "idle between")] = totals - sum(parts.values())
+    # the rest: beside prologue and epilogue, what lies between the layers (their kernels, or
+    # the idle time of a span); without them, all that lies outside the layers
+    rest = ("idle between" if metric == "span_us" else "between layers"
+            if "prologue" in parts else "outside the layers")
+    parts[rest] = totals - sum(parts.values())
     return parts
 
 

@@ -1382,3 +1382,16 @@ def test_a_grown_median_says_its_classes_and_a_swap_reads_apart():
                      for tile in ("64x64_64x4", "128x64_64x3"))
     added, removed = _swapped([before], [after]).removeprefix("added ").split("; removed ")
     assert added.startswith("cutlass::Kernel2<…>~") and added != removed   # (each alone: same)
+
+
+def test_a_launch_between_layers_is_placed_there(tmp_path):
+    """One op more in every step, in no layer and not in its prologue or epilogue: the step's
+    detail places it between the layers."""
+    doc = json.loads(BASELINE.read_text())
+    for step in doc["paths"]["specialized"]["steps"]:
+        step["kernels"] += 1
+    run = tmp_path / "run.json"
+    run.write_text(json.dumps(doc))
+    result = gate_files(BASELINE, run, Tolerances(metrics="kernels"), path="specialized").result
+    assert [c.detail for c in result.failures] == ["per step (medians): between layers +1 ops",
+                                                   "the largest step: between layers +1 ops"]
