@@ -7,6 +7,7 @@ import re
 import stat
 import tomllib
 from dataclasses import dataclass
+from functools import cache
 from importlib import resources
 from pathlib import Path
 
@@ -65,8 +66,14 @@ def _parse_rules(text: str, source: str | Path) -> list[Rule]:
 
 
 def default_rules() -> list[Rule]:
+    return list(_shipped_rules())
+
+
+@cache
+def _shipped_rules() -> tuple[Rule, ...]:
+    # parsed once a process: a breakdown asks for them to class, to say and to digest
     text = resources.files("kimi_perf").joinpath("kernel_classes.toml").read_text()
-    return _parse_rules(text, "kernel_classes.toml")
+    return tuple(_parse_rules(text, "kernel_classes.toml"))
 
 
 def rules_said(rules: list[Rule] | None) -> str:
@@ -84,7 +91,7 @@ def rules_said(rules: list[Rule] | None) -> str:
 
 def default_rules_said() -> str:
     """A digest of the shipped default rules: which version's defaults classed a trace."""
-    return _digest(default_rules())
+    return _digest(list(_shipped_rules()))
 
 
 def _digest(rules: list[Rule]) -> str:

@@ -1222,7 +1222,16 @@ def trace_cmd(from_files: tuple[Path, ...], captures: tuple[Path, ...], phase: s
     if len(labels) >= 3:  # a TP run's ranks, say: every one in one table
         from kimi_perf.comparison import overview
 
-        console.print(render.overview_table(overview(results), unit))
+        rows = overview(results)
+        # the rows without the words every name shares, as compare's table (the JSON, the
+        # notes below and the run's files keep the whole names)
+        shown = distinct_words(labels)
+        if shown != labels:
+            rows = [dataclasses.replace(r, label=s) for r, s in zip(rows, shown, strict=True)]
+        console.print(render.overview_table(rows, unit))
+        if shown != labels:
+            console.print("; ".join(f"{s}: {label}" for s, label in zip(shown, labels,
+                                                                        strict=True)))
         console.print(f"{a} against each of the others: the report, or kimi-perf compare")
     else:
         for b, rows in compared:

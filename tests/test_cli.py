@@ -748,7 +748,13 @@ def test_trace_from_names_runs_after_their_files_and_compares_each(tmp_path):
     assert [(s["type"], round(s["ratio"], 2), s["slowest"]) for s in doc["spreads"]] == [
         (None, 3.24, "nsysai_fastvideo_wan2.1_t2v_inference_2xh100_1s")]
     assert doc["patterns_differ"] == ["A", "B", "C"]   # B' is only the last trace's
-    assert "slowest: nsysai_fastvideo_wan2.1_t2v_inference_2xh100_1s (step)" in result.output
+    # the rows leave out the words every name shares, and a line says which file each is
+    assert "slowest: t2v_inference_2xh100_1s (step)" in result.output
+    shown = ["train_2xh100_before", "train_2xh100_after", "t2v_inference_2xh100_1s"]
+    assert [line.split("│")[1].strip() for line in result.output.splitlines()
+            if line.count("│") > 3][:3] == shown
+    assert "; ".join(f"{s}: {f.name.removesuffix('.sqlite')}" for s, f in zip(
+        shown, files, strict=True)) in " ".join(result.output.split())
     steps = [r["step_us"] for r in doc["rows"]]
     assert f"{max(steps) / min(steps):.2f}×" == "3.24×"
     (first,) = (p for p in tmp_path.iterdir() if p.name != "json")
