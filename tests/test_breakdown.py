@@ -1188,3 +1188,25 @@ def test_the_report_lists_the_steps_of_a_trace_without_layers(tmp_path):
     assert "<td class=name>decode_step[19]</td>" in steps and "decode_step[20]" not in steps
     assert "median of 23 steps</th><td>2</td><td>2.2</td>" in steps
     assert "and 3 more steps (kimi-perf breakdown lists them)." in steps
+
+
+@pytest.mark.parametrize("stored", [False, True])
+def test_breakdown_json_in_chunks_is_the_whole_document(stored):
+    """`breakdown --format json` encodes the layers a chunk at a time (a million-kernel
+    trace's layers as dicts all at once would take some 90 MB): the text is exactly the
+    document's, at any chunk size, from columns or from a stored list, names beyond ASCII
+    escaped as in the whole."""
+    from kimi_perf.render import breakdown_json
+    from kimi_perf.trace import json_text
+
+    b = breakdown(read_trace(NSYS / "jsun-012-assignment2-systems__result__nsys2025.1.3.sqlite"))
+    if stored:   # layers a list of dicts, one type named beyond ASCII
+        doc = json.loads(json_text(b.to_json()))
+        for layer in doc["layers"][::2]:
+            layer["type"] = "attn‮·層"
+        b = Breakdown.from_json(doc)
+    whole = json_text(b.to_json())
+    assert len(b.layers) > 300
+    for chunk in (1, 7, 64, len(b.layers) - 1, len(b.layers)):
+        assert breakdown_json(b, chunk=chunk) == whole
+    assert json.loads(whole)["layers"] == list(b.layers)
