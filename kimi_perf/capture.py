@@ -673,15 +673,17 @@ def trace_files(paths: list[Path], keep_runs: bool = False,
     return out
 
 
-def run_document(run_dir: Path, results: dict[str, Breakdown], run_info: dict) -> dict:
+def run_document(run_dir: Path, results: dict[str, Breakdown], run_info: dict,
+                 lazy_layers: bool = False) -> dict:
     """What ``kimi-perf trace --format json`` prints of a ``capture`` or ``analyse``: the run,
     each path's (or trace's) breakdown, and the first set against each of the others; of
-    three or more, also every one in one overview, as the table shows them."""
+    three or more, also every one in one overview, as the table shows them
+    (``lazy_layers``: see ``Breakdown.to_json``)."""
     from kimi_perf.comparison import compare, overview, overview_json
 
     first, *others = results
     doc = {"schema": 1, "run_dir": str(run_dir), "run": run_info,
-           "paths": {k: b.to_json() for k, b in results.items()},
+           "paths": {k: b.to_json(lazy_layers) for k, b in results.items()},
            "comparisons": [{"a": first, "b": other, "rows": [
                r.to_json() for r in compare(results[first], results[other])]}
                for other in others]}
@@ -739,7 +741,8 @@ def _write_outputs(run_dir: Path, final: Path, run_info: dict, results: dict[str
     # (a plotly.min.js of the user's is referred to from run_dir's sibling final alike)
     write_report(run_dir / "report.html", results, title, run_info, plotly_js)
     atomic_write_text(run_dir / "run.json", json_text(run_info))
-    doc = {"schema": 1, "run": run_info, "paths": {k: b.to_json() for k, b in results.items()}}
+    doc = {"schema": 1, "run": run_info,
+           "paths": {k: b.to_json(lazy_layers=True) for k, b in results.items()}}
     atomic_write_text(run_dir / "breakdown.json", json_text(doc))
 
 

@@ -1212,7 +1212,8 @@ def trace_cmd(from_files: tuple[Path, ...], captures: tuple[Path, ...], phase: s
                 req, progress=lambda text, units: bar.update(task, description=text,
                                                              advance=units))
     if fmt == "json":
-        click.echo(json_text(cap.run_document(run_dir, results, run_info)), nl=False)
+        click.echo(json_text(cap.run_document(run_dir, results, run_info, lazy_layers=True)),
+                   nl=False)
         return
     labels = list(results)
     a = labels[0]

@@ -68,9 +68,12 @@ class Breakdown:
         annotate ("ops")."""
         return "ops" if self.source.get("ops") == "cpu-ops" else "kernels"
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self, lazy_layers: bool = False) -> dict[str, Any]:
+        """The breakdown as JSON's values; ``lazy_layers``: the layers as held (``LayerRows``,
+        which ``json_text`` writes a chunk of rows at a time), not as a list of dicts."""
         doc = {"schema": SCHEMA, "source": self.source, "steps": self.steps,
-               "layers": list(self.layers), "layer_types": self.layer_types}
+               "layers": self.layers if lazy_layers else list(self.layers),
+               "layer_types": self.layer_types}
         if self.timeline is not None:
             doc["timeline"] = self.timeline
         return doc

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import csv
-import dataclasses
 import heapq
 import io
 import os
@@ -195,21 +194,8 @@ def ranges_table(rows: list[RangeKernelRow], limit: int = RANGES_TABLE_ROWS) -> 
     return table
 
 
-def breakdown_json(b: Breakdown, chunk: int = 4096) -> str:
-    """``json_text(b.to_json())``, its layers encoded ``chunk`` at a time: as dicts, the 43k
-    layers of a 1M-kernel trace would take some 90 MB at once."""
-    if len(b.layers) <= chunk:
-        return json_text(b.to_json())
-    head = json_text(dataclasses.replace(b, layers=[]).to_json())
-    slot = '\n "layers": [],\n'   # (a top-level key: the one line of one space's indent)
-    before, after = head.split(slot)
-    parts = [before, '\n "layers": [\n']
-    for lo in range(0, len(b.layers), chunk):
-        # a list's items at the document's top level, one space in: one more inside it
-        items = json_text(b.layers[lo:lo + chunk])[2:-3]
-        parts += [",\n" if lo else "", " ", items.replace("\n", "\n ")]
-    parts += ["\n ],\n", after]
-    return "".join(parts)
+def breakdown_json(b: Breakdown) -> str:
+    return json_text(b.to_json(lazy_layers=True))
 
 
 BREAKDOWN_HEADER = ["step", "device", "layer", "type", "kernels", "kernel_us", "span_us",

@@ -25,6 +25,7 @@ import sys
 import tempfile
 import zlib
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Self
@@ -654,24 +655,60 @@ def atomic_write_text(path: str | Path, text: str) -> None:
     atomic_write(path, lambda f: f.write(text.encode()))
 
 
-def json_text(value: Any) -> str:
+def json_text(value: Any, chunk: int = 4096) -> str:
     """``json.dumps(value, indent=1)`` and a newline, encoded by msgspec: json's ``indent``
     takes its pure-Python encoder, seconds and twice the memory for the 43k layers of a
     1M-kernel trace's breakdown. Characters beyond ASCII are escaped as json escapes them (a
     name with a bidirectional override stays visible). Where msgspec writes otherwise:
     numbers in exponent form (``1e-7`` for ``1e-07``: they read back the same), and NaN or
     infinity, which it writes as ``null`` (valid JSON, where json writes the invalid ``NaN``).
-    What msgspec does not take (a dict keyed by numbers) goes to json."""
+    What msgspec does not take (a dict keyed by numbers) goes to json.
+
+    A sequence that is no list or tuple (a breakdown's ``LayerRows``, whose rows are built
+    as dicts when read) is written as a list, ``chunk`` items at a time: the text is the
+    same, and its items never all exist as Python objects at once."""
     import msgspec
 
+    lazy: list[Sequence] = []
+    slot = f"\x00kimi-perf:{os.getpid()}:{id(lazy)}:"   # (no string of a trace holds it)
+
+    def hook(item: Any) -> Any:
+        if isinstance(item, Sequence) and not isinstance(item, str | bytes):
+            lazy.append(item)
+            return f"{slot}{len(lazy) - 1}"
+        return _builtin_subclass(item)
+
     try:
-        raw = msgspec.json.encode(value, enc_hook=_builtin_subclass)
+        raw = msgspec.json.encode(value, enc_hook=hook)
     except TypeError:
-        return json.dumps(value, indent=1) + "\n"
-    text = msgspec.json.format(raw, indent=1).decode()
-    if not text.isascii():   # (only strings hold such characters: escaped in place)
-        text = _NOT_ASCII.sub(_json_escape, text)
-    return text + "\n"
+        del lazy[:]
+        text = json.dumps(value, indent=1, default=hook)
+    else:
+        text = msgspec.json.format(raw, indent=1).decode()
+        if not text.isascii():   # (only strings hold such characters: escaped in place)
+            text = _NOT_ASCII.sub(_json_escape, text)
+    if not lazy:
+        return text + "\n"
+    parts, done = [], 0
+    for match in re.finditer(re.escape(json.dumps(slot)[:-1]) + r'(\d+)"', text):
+        line = text.rfind("\n", 0, match.start()) + 1
+        indent = len(text[line:match.start()]) - len(text[line:match.start()].lstrip(" "))
+        parts += [text[done:match.start()], *_list_text(lazy[int(match[1])], indent, chunk)]
+        done = match.end()
+    return "".join([*parts, text[done:], "\n"])
+
+
+def _list_text(items: Sequence, indent: int, chunk: int) -> list[str]:
+    """A sequence as ``json_text`` writes a list at a line of ``indent`` spaces, in pieces
+    encoded ``chunk`` items at a time."""
+    if not len(items):
+        return ["[]"]
+    parts = ["[\n"]
+    for lo in range(0, len(items), chunk):
+        # a list's items at the top level are one space in: ``indent`` more in place
+        body = json_text(list(items[lo:lo + chunk]), chunk)[2:-3]
+        parts += [",\n" if lo else "", " " * indent, body.replace("\n", "\n" + " " * indent)]
+    return [*parts, "\n", " " * indent, "]"]
 
 
 _NOT_ASCII = re.compile(r"[^\x00-\x7f]")

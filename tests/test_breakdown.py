@@ -1191,11 +1191,11 @@ def test_the_report_lists_the_steps_of_a_trace_without_layers(tmp_path):
 
 
 @pytest.mark.parametrize("stored", [False, True])
-def test_breakdown_json_in_chunks_is_the_whole_document(stored):
-    """`breakdown --format json` encodes the layers a chunk at a time (a million-kernel
-    trace's layers as dicts all at once would take some 90 MB): the text is exactly the
-    document's, at any chunk size, from columns or from a stored list, names beyond ASCII
-    escaped as in the whole."""
+def test_layers_are_written_to_json_in_chunks_as_the_whole_document(stored):
+    """`breakdown --format json` and a run's breakdown.json write the layers a chunk at a
+    time (a million-kernel trace's layers as dicts all at once would take some 90 MB): the
+    text is exactly the document's, at any chunk size and depth, from columns or from a
+    stored list, names beyond ASCII escaped as in the whole."""
     from kimi_perf.render import breakdown_json
     from kimi_perf.trace import json_text
 
@@ -1203,10 +1203,16 @@ def test_breakdown_json_in_chunks_is_the_whole_document(stored):
     if stored:   # layers a list of dicts, one type named beyond ASCII
         doc = json.loads(json_text(b.to_json()))
         for layer in doc["layers"][::2]:
-            layer["type"] = "attn‮·層"
+            layer["type"] = "attn\u202e·層"
         b = Breakdown.from_json(doc)
     whole = json_text(b.to_json())
-    assert len(b.layers) > 300
+    assert len(b.layers) > 300 and breakdown_json(b) == whole
+    nested = {"run": {"x": 1}, "paths": {"a": b.to_json(), "b": [list(b.layers), [], [0, 1]]}}
     for chunk in (1, 7, 64, len(b.layers) - 1, len(b.layers)):
-        assert breakdown_json(b, chunk=chunk) == whole
+        assert json_text(b.to_json(lazy_layers=True), chunk=chunk) == whole
+        lazy = {"run": {"x": 1}, "paths": {"a": b.to_json(lazy_layers=True),
+                                           "b": [b.layers, range(0), range(2)]}}
+        assert json_text(lazy, chunk=chunk) == json_text(nested)
     assert json.loads(whole)["layers"] == list(b.layers)
+    # a document json's encoder takes (keys that are numbers) is chunked alike
+    assert json_text({1: b.layers}, chunk=5) == json_text({1: list(b.layers)})
