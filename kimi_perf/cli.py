@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import io
 import json
 import math
 import os
@@ -101,9 +102,27 @@ def _not_an_input(output: Path | None, *inputs: Path | None) -> None:
                 continue
 
 
+def _echo(text: str, nl: bool = True) -> None:
+    """``click.echo`` that says when the reader left: a write into a pipe that its reader
+    closes mid-way (`| head`) returns short, and Python's text stream drops the rest without
+    an error (the output cut, exit 0); written here until all of it is, the write after a
+    short one fails, and the command exits 141."""
+    text += "\n" if nl else ""
+    stream = click.get_text_stream("stdout")
+    try:
+        fd = stream.fileno()
+    except (AttributeError, OSError, io.UnsupportedOperation):   # (a test's captured stdout)
+        click.echo(text, nl=False)
+        return
+    stream.flush()
+    left = memoryview(text.encode(stream.encoding or "utf-8", stream.errors or "strict"))
+    while left:
+        left = left[os.write(fd, left):]
+
+
 def _emit(text: str, output: Path | None) -> None:
     if output is None:
-        click.echo(text, nl=False)
+        _echo(text, nl=False)
     else:
         atomic_write_text(output, text)
 
@@ -667,8 +686,8 @@ def _stored_unchecked(baseline: Path, run_doc: dict, how: str, run: Path, fmt: s
     gate_mod.store_baseline(baseline, run_doc)
     if fmt == "json":
         with _reader_may_leave():
-            click.echo(json.dumps({**gate_mod.GateResult([], tolerances).to_json(),
-                                   "updated": str(baseline)}, indent=1, allow_nan=False))
+            _echo(json.dumps({**gate_mod.GateResult([], tolerances).to_json(),
+                              "updated": str(baseline)}, indent=1, allow_nan=False))
     click.echo(f"baseline {baseline} {how} from {run}", err=True)
 
 
@@ -678,7 +697,7 @@ def _print_gate(gated: gate_mod.GatedRun, fmt: str, show_all: bool, update: bool
         doc = result.to_json()
         if update:   # (and exit 0, whatever the verdict)
             doc["updated"] = str(gated.baseline_file)
-        click.echo(json.dumps(doc, indent=1, allow_nan=False))
+        _echo(json.dumps(doc, indent=1, allow_nan=False))
     else:
         console = render.console()
         table = render.gate_table(result, show_all)
@@ -834,9 +853,8 @@ def info(trace: Path, fmt: str) -> None:
     # all read, then said
     summaries = [(file, read_trace(file, capture=c).summary()) for file, c in files]
     if fmt == "json":
-        click.echo(json.dumps({"schema": 1, "traces": [{"file": str(file), **info}
-                                                       for file, info in summaries]},
-                              indent=1))
+        _echo(json.dumps({"schema": 1, "traces": [{"file": str(file), **info}
+                                                  for file, info in summaries]}, indent=1))
     else:
         for file, info in summaries:
             _info(file, info)
@@ -1051,7 +1069,7 @@ def validate(preset_name: str, n_layers: int | None, paths: str, steps: int,
                         dtype=dtype, kv_cache=kv_cache, seed=seed, n_layers=n_layers,
                         spec_tokens=spec_tokens, experts=experts)
     if fmt == "json":
-        click.echo(json.dumps(result, indent=1))
+        _echo(json.dumps(result, indent=1))
     else:
         render.print_tables([render.validation_table(result)])
         for failure in result["failures"]:
@@ -1212,8 +1230,8 @@ def trace_cmd(from_files: tuple[Path, ...], captures: tuple[Path, ...], phase: s
                 req, progress=lambda text, units: bar.update(task, description=text,
                                                              advance=units))
     if fmt == "json":
-        click.echo(json_text(cap.run_document(run_dir, results, run_info, lazy_layers=True)),
-                   nl=False)
+        _echo(json_text(cap.run_document(run_dir, results, run_info, lazy_layers=True)),
+              nl=False)
         return
     labels = list(results)
     a = labels[0]

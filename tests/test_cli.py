@@ -891,6 +891,24 @@ def test_report_compares_the_first_trace_with_each_other(tmp_path):
     assert text.count("(median-span step)") == 3  # ddp: no step has layers to draw
 
 
+def test_a_reader_that_leaves_a_long_output_is_said_by_the_exit_code():
+    """`kimi-perf breakdown TRACE --format json | head -c 10`: the output (1.7 MB) fills the
+    pipe; its reader leaves; the command exits 141, as for a table, and not 0 with its output
+    cut (Python's text stream drops what a short write leaves, without an error)."""
+    command = [sys.executable, "-m", "kimi_perf", "breakdown", "--format", "json",
+               str(NSYS / "jsun-012-assignment2-systems__result__nsys2025.1.3.sqlite")]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, bufsize=0)
+    first = proc.stdout.read(10)
+    proc.stdout.close()
+    stderr = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) == 141 and len(first) == 10
+    assert stderr == "", stderr
+    # read to its end, the same output is whole
+    whole = subprocess.run(command, capture_output=True, timeout=60)
+    assert whole.returncode == 0 and len(whole.stdout) > 1 << 17
+    assert whole.stdout.startswith(first) and whole.stdout.endswith(b"\n")
+
+
 def test_a_reader_that_goes_away_is_no_error():
     """`kimi-perf info TRACE | head -1`: the pipe closes early; no error line, no traceback."""
     proc = subprocess.Popen([sys.executable, "-m", "kimi_perf", "info",
