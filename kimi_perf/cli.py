@@ -27,7 +27,7 @@ from kimi_perf.layer_breakdown import Breakdown, breakdown_of_file, units_word
 from kimi_perf.layers import PHASES
 from kimi_perf.readers import read_trace
 from kimi_perf.text import counted, distinct_words
-from kimi_perf.trace import OP_RANGE, atomic_write_text, json_text
+from kimi_perf.trace import OP_RANGE, WholeWrites, atomic_write_text, json_text
 
 LAYERS_HELP = ("auto: per-layer ranges when the trace has them, else the repeating kernel "
                "pattern; repeat: the pattern only; nvtx or nvtx:REGEX: ranges only (REGEX may "
@@ -103,21 +103,16 @@ def _not_an_input(output: Path | None, *inputs: Path | None) -> None:
 
 
 def _echo(text: str, nl: bool = True) -> None:
-    """``click.echo`` that says when the reader left: a write into a pipe that its reader
-    closes mid-way (`| head`) returns short, and Python's text stream drops the rest without
-    an error (the output cut, exit 0); written here until all of it is, the write after a
-    short one fails, and the command exits 141."""
+    """``click.echo``, whose reader's leaving mid-way (`| head`) the command hears of
+    (``WholeWrites``)."""
     text += "\n" if nl else ""
-    stream = click.get_text_stream("stdout")
     try:
-        fd = stream.fileno()
+        out = WholeWrites(sys.stdout.fileno())
     except (AttributeError, OSError, io.UnsupportedOperation):   # (a test's captured stdout)
         click.echo(text, nl=False)
         return
-    stream.flush()
-    left = memoryview(text.encode(stream.encoding or "utf-8", stream.errors or "strict"))
-    while left:
-        left = left[os.write(fd, left):]
+    sys.stdout.flush()
+    out.write(text.encode(sys.stdout.encoding or "utf-8", sys.stdout.errors or "strict"))
 
 
 def _emit(text: str, output: Path | None) -> None:

@@ -17,6 +17,7 @@ uncompressed Arrow, Parquet and ``.npz``).
 from __future__ import annotations
 
 import errno
+import io
 import json
 import os
 import re
@@ -573,6 +574,30 @@ def _first_line(exc: BaseException) -> str:
     return text.splitlines()[0]
 
 
+class WholeWrites(io.RawIOBase):
+    """A file descriptor as a binary file whose every write is whole: a write into a pipe
+    that its reader closes mid-way (`| head`) returns short, and Python's buffered files drop
+    what is left without an error (the output cut, exit 0); here the write after the short
+    one fails (BrokenPipeError: exit 141). The descriptor stays open."""
+
+    def __init__(self, fd: int):
+        super().__init__()
+        self._fd = fd
+
+    def fileno(self) -> int:
+        return self._fd
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data) -> int:
+        whole = memoryview(data).cast("B")
+        left = whole
+        while left:
+            left = left[os.write(self._fd, left):]
+        return len(whole)
+
+
 def atomic_write(path: str | Path, write) -> None:
     """Call ``write(binary_file)`` on a temporary file beside ``path``, then rename it over,
     so that a failure leaves no partial file. A symlink is written through (its target
@@ -581,8 +606,12 @@ def atomic_write(path: str | Path, write) -> None:
     directly; ``-`` is stdout."""
     if str(path) == "-":
         sys.stdout.flush()
-        write(sys.stdout.buffer)
-        sys.stdout.buffer.flush()
+        try:
+            out = WholeWrites(sys.stdout.fileno())
+        except (AttributeError, OSError, io.UnsupportedOperation):  # (a test's captured output)
+            out = sys.stdout.buffer
+        write(out)
+        out.flush()
         return
     given = Path(path)
     try:
@@ -598,9 +627,11 @@ def atomic_write(path: str | Path, write) -> None:
     check_not_read_only(given)
     try:
         if st is not None and not stat.S_ISREG(st.st_mode):
-            with open(given, "wb") as f:
-                write(f)
+            with open(given, "wb", buffering=0) as f:
+                write(WholeWrites(f.fileno()))
             return
+    except BrokenPipeError:   # (-o /dev/stdout | head: the reader left, as for stdout)
+        raise
     except OSError as exc:
         raise TraceError(given, f"cannot write: {exc.strerror or exc}") from None
     try:
