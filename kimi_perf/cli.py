@@ -495,15 +495,20 @@ def compare_cmd(a: Path, b: Path | None, path_name: str | None, fmt: str, layers
     # a path that fell back on every step ran the standard path's ops under its own name
     fell_back = [paths_that_fell_back((run or {}).get("run")).get(name)
                  for run, name in ((run_a, name_a), (run_b, name_b))]
+    files_said = []
     if b is not None and name_a == name_b and run_a and run_b:  # one path of two runs
-        name_a, name_b = (f"{_run_name(f)}:{name_a}" for f in (a, b))
+        runs = [_run_name(f) for f in (a, b)]
+        if fmt != "json" and pair is None and (shown := distinct_words(runs)) != runs:
+            # run names that differ by their time alone: the time in the headers
+            files_said = [f"{shown[0]}: {a}; {shown[1]}: {b}"]
+            runs = shown
+        name_a, name_b = (f"{run}:{name_a}" for run in runs)
     two_captures = b is not None and bool(run_a) and bool(run_b)   # (not one run's two paths)
     unlike = gate_mod.run_differences(run_a, run_b) if two_captures else []
     if pair is not None:
         name_a, name_b = pair
     elif name_a == name_b:
         name_b += "'"
-    files_said = []
     if fmt != "json" and pair is None and b is not None and not (run_a or run_b):
         # two files' names in the table's headers: the words they share left out (the JSON
         # keeps the whole names), and which file each label is said under it

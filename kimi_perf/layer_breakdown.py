@@ -59,7 +59,8 @@ class Breakdown:
     def __repr__(self) -> str:
         file = Path(self.source["file"]).name + ": " if self.source.get("file") else ""
         types = ", ".join(f"{t.get('type')} ×{t.get('layers', '?')}" for t in self.layer_types)
-        return (f"Breakdown({file}{len(self.steps)} steps, {len(self.layers)} layers"
+        return (f"Breakdown({file}{counted(len(self.steps), 'step')}, "
+                f"{counted(len(self.layers), 'layer')}"
                 f"{' (' + types + ')' if types else ''}, counting {self.unit})")
 
     @property

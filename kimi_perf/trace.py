@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Self
 import numpy as np
 
 from kimi_perf.errors import TraceError
+from kimi_perf.text import counted
 
 # pyarrow is imported where used (save, load): it costs ~25 MB of RSS that reading never needs.
 if TYPE_CHECKING:
@@ -98,7 +99,7 @@ class Table:
                 raise ValueError(f"{type(self).__name__}.{name} has {rows} rows, not {n}")
 
     def __repr__(self) -> str:    # not every value of every column
-        return f"{type(self).__name__}({len(self)} rows)"
+        return f"{type(self).__name__}({counted(len(self), 'row')})"
 
     def columns(self) -> dict[str, np.ndarray]:
         return {name: getattr(self, name) for name in self.dtypes}
@@ -256,8 +257,8 @@ class Trace:
         names = Counter(str(g.get("name")) for g in meta.get("gpus") or [])
         gpus = ", ".join(f"{n}× {name}" if n > 1 else name for name, n in names.items())
         return (f"Trace({Path(meta['file']).name + ', ' if meta.get('file') else ''}{what}: "
-                f"{len(self.kernels)} kernels, {len(self.memops)} memops, "
-                f"{len(self.ranges)} ranges, {len(self.api)} API calls"
+                f"{counted(len(self.kernels), 'kernel')}, {counted(len(self.memops), 'memop')}, "
+                f"{counted(len(self.ranges), 'range')}, {counted(len(self.api), 'API call')}"
                 f"{', GPUs: ' + gpus if gpus else ''})")
 
     def summary(self) -> dict[str, Any]:

@@ -1047,9 +1047,9 @@ def test_a_trace_and_its_breakdown_show_as_one_line_each():
     trace = read_trace(NSYS / "zx3xyy-assignment2-systems__result_2_7B_nvtx__nsys2024.6.2.sqlite")
     text = repr(trace)
     assert text == ("Trace(zx3xyy-assignment2-systems__result_2_7B_nvtx__nsys2024.6.2.sqlite, "
-                    "nsys-sqlite, NVIDIA Nsight Systems 2024.6.2.225: 7328 kernels, 294 memops, "
-                    "516 ranges, 9493 API calls, GPUs: NVIDIA A100-SXM4-80GB)")
-    assert repr(trace.kernels) == "Kernels(7328 rows)"
+                    "nsys-sqlite, NVIDIA Nsight Systems 2024.6.2.225: 7,328 kernels, 294 memops, "
+                    "516 ranges, 9,493 API calls, GPUs: NVIDIA A100-SXM4-80GB)")
+    assert repr(trace.kernels) == "Kernels(7,328 rows)"
     b = breakdown(trace)
     assert repr(b) == ("Breakdown(zx3xyy-assignment2-systems__result_2_7B_nvtx__nsys2024.6.2"
                        ".sqlite: 4 steps, 128 layers (A ×128), counting kernels)")
@@ -1059,6 +1059,8 @@ def test_a_trace_and_its_breakdown_show_as_one_line_each():
     sparse = Breakdown.from_json({"schema": 1, "source": {}, "steps": [], "layers": [],
                                   "layer_types": [{"type": "A"}]})   # hand-written, say
     assert repr(sparse) == "Breakdown(0 steps, 0 layers (A ×?), counting kernels)"
+    one = Breakdown(source={}, steps=[{}], layers=[{}], layer_types=[])
+    assert repr(one) == "Breakdown(1 step, 1 layer, counting kernels)"
 
 
 def test_a_run_document_read_as_one_breakdown_says_how_to_read_it(tmp_path):

@@ -664,6 +664,21 @@ def test_compare_a_run_its_paths_and_labels(tmp_path):
     assert (json.loads(kept.output)["a"], json.loads(kept.output)["b"]) == (
         "cpu-old:specialized", "cpu-new:specialized")
     assert "kda: 9 ops / " in two.output
+    # in the table, runs named by their time alone where the rest of the names is shared
+    for name in ("20261203T064913Z-tiny-b2", "20261203T071135Z-tiny-b2"):
+        (tmp_path / name).mkdir()
+        shutil.copy(BASELINE, tmp_path / name / "breakdown.json")
+    timed = run("compare", tmp_path / "20261203T064913Z-tiny-b2",
+                tmp_path / "20261203T071135Z-tiny-b2", "--path", "specialized")
+    text = " ".join(timed.output.split())
+    assert timed.exit_code == 0 and "20261203T064913Z:specialized vs 20261203T071135Z:specia" \
+        "lized" in text, timed.output
+    assert (f"20261203T064913Z: {tmp_path / '20261203T064913Z-tiny-b2'}; 20261203T071135Z: "
+            f"{tmp_path / '20261203T071135Z-tiny-b2'}") in text
+    timed_json = json.loads(run("compare", tmp_path / "20261203T064913Z-tiny-b2",
+                                tmp_path / "20261203T071135Z-tiny-b2", "--path", "specialized",
+                                "--format", "json").output)
+    assert timed_json["a"] == "20261203T064913Z-tiny-b2:specialized"   # JSON: whole names
     # a breakdown JSON of an older kimi-perf, without the keys added since, still compares
     old = json.loads(BASELINE.read_text())["paths"]["specialized"]
     old["source"].pop("outside_steps", None)

@@ -553,3 +553,26 @@ def test_a_prefill_of_the_last_logits_only(weights, path):
     last = model.forward(verify, last_state, verify=True, last_logits=True)
     assert last.shape == (2, 1, TINY.vocab)
     torch.testing.assert_close(last, whole[:, -1:], rtol=1e-5, atol=1e-5)
+
+
+def test_the_readmes_validate_json_is_what_validate_prints():
+    """The README's sample of `validate --paths standard --format json`: every key and value
+    as printed (the errors within a tenth: another CPU's bf16 kernels round otherwise)."""
+    from pathlib import Path
+
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    said = "(`kimi-perf validate --paths standard --format json`"
+    block = readme[readme.index(said):].split("```json\n", 1)[1].split("```", 1)[0]
+    sample = json.loads(block)
+    printed = json.loads(CliRunner().invoke(main, ["validate", "--paths", "standard",
+                                                   "--format", "json"]).output)
+
+    def close(a, b) -> bool:
+        if isinstance(a, dict):
+            return isinstance(b, dict) and a.keys() == b.keys() and all(close(a[k], b[k])
+                                                                        for k in a)
+        if isinstance(a, float) and not isinstance(b, bool):
+            return isinstance(b, float) and abs(a - b) <= 0.1 * abs(b)
+        return a == b
+
+    assert close(sample, printed), (sample, printed)
