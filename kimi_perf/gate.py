@@ -466,14 +466,18 @@ def run_info_problem(run: object) -> str | None:
                                  and all(isinstance(g, str) for g in gpus)):
         return "run.environment.gpus is not a list of names"
     for name, m in (run.get("paths") or {}).items():
-        latency = m.get("step_latency_s") if isinstance(m, dict) else None
-        fallbacks = (m.get("fallbacks") or []) if isinstance(m, dict) else None
+        if not isinstance(m, dict):
+            return f"run.paths.{name} is not an object"
+        latency = m.get("step_latency_s")
         if not (isinstance(latency, dict) and all(is_finite_number(v) for v in (
                 m.get("decode_tokens_per_s"), m.get("time_to_first_token_s"),
-                latency.get("median"), latency.get("min"), latency.get("max")))
-                and isinstance(m.get("timed", ""), str) and isinstance(fallbacks, list)
-                and all(isinstance(f, str) for f in fallbacks)):
+                latency.get("median"), latency.get("min"), latency.get("max")))):
             return f"run.paths.{name}: its decode metrics are not numbers"
+        if not isinstance(m.get("timed", ""), str):
+            return f"run.paths.{name}.timed is not a text"
+        fallbacks = m.get("fallbacks") or []
+        if not (isinstance(fallbacks, list) and all(isinstance(f, str) for f in fallbacks)):
+            return f"run.paths.{name}.fallbacks is not a list of the steps that fell back"
     floors = run.get("floors")
     if floors is not None and not (
             is_finite_number(floors.get("bandwidth_Bps"))

@@ -45,9 +45,10 @@ def test_gpu_decode_check_plumbing_on_the_cpu(tmp_path):
     """The one-call GPU check, run with tiny shapes on this CPU: it must get to its summary."""
     import json
 
+    # a budget no CPU's pace can spend: every section runs (the budget's skips: below)
     proc = subprocess.run([sys.executable, str(BENCHMARKS / "gpu_decode_check.py"), "--smoke",
-                           "--out", str(tmp_path)], capture_output=True, text=True,
-                          timeout=900)
+                           "--budget-s", "1e6", "--out", str(tmp_path)], capture_output=True,
+                          text=True, timeout=1800)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     results = json.loads((tmp_path / "results.json").read_text())
     assert results["errors"] == []
@@ -103,29 +104,34 @@ def test_gpu_decode_check_plumbing_on_the_cpu(tmp_path):
 
 def test_gpu_check_skips_what_its_budget_cannot_fit(tmp_path):
     """With too little time for the speed runs the check skips them, says so, and still runs
-    what fits (the main job), instead of being killed with nothing written."""
+    what fits (the main job), instead of being killed with nothing written. The budget's
+    clock is held at a time left (this machine's pace would otherwise decide what fits)."""
     import json
 
-    # Under what a speed run or the GEMVs keep for what follows them, whatever this
-    # machine's pace; the correctness run before the main job may take a while and still
-    # leave it a run's minute.
     check = _gpu_check()
-    assert check.RESERVE_AFTER_SPEED_S - 5 >= 2.5 * check.MIN_MAIN_JOB_S
-    proc = subprocess.run([sys.executable, str(BENCHMARKS / "gpu_decode_check.py"), "--smoke",
-                           "--budget-s", str(check.RESERVE_AFTER_SPEED_S - 5), "--out",
-                           str(tmp_path)], capture_output=True, text=True, timeout=600)
+    left = check.RESERVE_AFTER_SPEED_S - 10        # under what a speed run or the GEMVs keep
+    fit = int((left - check.BUDGET_MARGIN_S) // check.MIN_MAIN_JOB_S)
+    assert fit == 2 < len(check.SMOKE_MAIN_JOB_MODES)   # two main-job runs fit, not the third
+    held = (f"import runpy, sys; sys.argv = sys.argv[1:]; g = runpy.run_path(sys.argv[0]); "
+            f"g['Budget'].left = lambda self: {left}; sys.exit(g['main']())")
+    proc = subprocess.run([sys.executable, "-c", held, str(BENCHMARKS / "gpu_decode_check.py"),
+                           "--smoke", "--out", str(tmp_path)], capture_output=True, text=True,
+                          timeout=900)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     results = json.loads((tmp_path / "results.json").read_text())
     assert results["speed"] == {} and "gemv" not in results
+    assert all(r["ok"] for r in results["correctness"].values())   # (not budgeted)
     skipped = [s.split(":")[0] for s in results["skipped"]]
-    assert skipped[:7] == ["standard b1", "specialized b1", "specialized+l2 b1", "standard b2",
-                           "specialized b2", "specialized+grouped b2", "gemv"]
-    assert results["main_job"]["eager"]["returncode"] == 0
-    # the main job's runs that the time left cannot fit at a minute each are skipped, said
-    assert skipped[7:] == [f"kimi-perf trace ({k})" for k in ("eager", "spec3", "mxfp4")
-                           if k not in results["main_job"]]
+    run = [key for key, _ in check.SMOKE_MAIN_JOB_MODES[:fit]]
+    assert skipped == ["standard b1", "specialized b1", "specialized+l2 b1", "standard b2",
+                       "specialized b2", "specialized+grouped b2", "gemv",
+                       *(f"kimi-perf trace ({key})" for key, _ in
+                         check.SMOKE_MAIN_JOB_MODES[fit:])]
+    assert list(results["main_job"]) == run == ["eager", "spec3"]
+    assert all(results["main_job"][key]["returncode"] == 0 for key in run)
     summary = (tmp_path / "summary.md").read_text()
-    assert "skipped standard b1: " in summary and summary in proc.stdout
+    assert f"skipped standard b1: {left} s left of the budget" in summary
+    assert "skipped kimi-perf trace (mxfp4): " in summary and summary in proc.stdout
 
 
 def _gpu_check():

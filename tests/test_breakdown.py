@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 
@@ -798,13 +799,23 @@ def test_breakdowns_stored_before_digests_pair_by_name():
 def test_work_in_no_step_says_whether_it_was_launched_outside_or_never_seen_launched():
     """A CUDA-graph trace whose replayed kernels have no launch record: they are in no step,
     and the note says the trace cannot place them, not that they were launched elsewhere."""
+    import gzip
+
     from kimi_perf.layer_breakdown import step_notes
 
-    b = breakdown(read_trace(KINETO / "hta_trace_diff_test_v100_rank1_cudagraph.json.gz"))
+    path = KINETO / "hta_trace_diff_test_v100_rank1_cudagraph.json.gz"
+    # from the JSON itself: GPU ops whose correlation no runtime call holds (614, 56517 µs)
+    events = json.loads(gzip.decompress(path.read_bytes()))["traceEvents"]
+    launches = {e["args"].get("correlation") for e in events
+                if e.get("cat") in ("cuda_runtime", "cuda_driver") and "args" in e}
+    unlaunched = [e["dur"] for e in events if e.get("cat") in ("kernel", "gpu_memcpy",
+                                                               "gpu_memset")
+                  and e.get("args", {}).get("correlation") not in launches]
+    b = breakdown(read_trace(path))
     outside = b.source["outside_steps"]
-    assert outside["ops"] == outside["unlaunched"] == 614
-    assert "614 more GPU ops (56517.0 µs) ran in no step: the trace holds no launch to place " \
-           "them by" in step_notes(b)
+    assert outside["ops"] == outside["unlaunched"] == len(unlaunched) > 0
+    assert f"{len(unlaunched)} more GPU ops ({sum(unlaunched):.1f} µs) ran in no step: the " \
+           "trace holds no launch to place them by" in step_notes(b)
     b.source["outside_steps"] = {"ops": 10, "kernel_us": 1.0, "unlaunched": 4}
     assert "10 more GPU ops (1.0 µs) ran in no step: 6 launched outside every step's range, 4 " \
            "with no launch in the trace" in step_notes(b)
@@ -858,12 +869,42 @@ def test_work_in_no_step_names_where_it_ran_in_no_range_too():
     """A benchmark whose steps are its 'Forward' ranges: of the work outside them, 659 ops
     ran in its 'Run Benchmark' range and 7,235 (the backward passes' autograd thread) in no
     range at all; the note accounts for every one."""
+    import sqlite3
+
     from kimi_perf.layer_breakdown import step_notes
 
-    b = breakdown(read_trace(NSYS / "jsun-012-assignment2-systems__result__nsys2025.1.3.sqlite"),
-                  step_regex="^Forward$")
-    assert ("7894 more GPU ops (827420.6 µs) ran in no step: launched outside every step's "
-            "range (in 'Run Benchmark' 659; in no range 7235)") in step_notes(b)
+    path = NSYS / "jsun-012-assignment2-systems__result__nsys2025.1.3.sqlite"
+    # from the export itself: each GPU op's launch, outside every 'Forward' range of its
+    # thread, by the outermost range of that thread around it
+    with contextlib.closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True)) as db:
+        outside = dict((name, (ops, ns)) for name, ops, ns in db.execute("""
+            WITH ops AS (
+              SELECT start, end, correlationId, globalPid FROM CUPTI_ACTIVITY_KIND_KERNEL
+              UNION ALL SELECT start, end, correlationId, globalPid
+                FROM CUPTI_ACTIVITY_KIND_MEMCPY
+              UNION ALL SELECT start, end, correlationId, globalPid
+                FROM CUPTI_ACTIVITY_KIND_MEMSET),
+            launched AS (
+              SELECT o.end - o.start AS ns, r.start AS t, r.globalTid AS tid FROM ops o
+              JOIN CUPTI_ACTIVITY_KIND_RUNTIME r ON r.correlationId = o.correlationId
+               AND r.globalTid / 16777216 = o.globalPid / 16777216),
+            ranges AS (
+              SELECT COALESCE(n.text, s.value) AS name, n.start, n.end, n.globalTid
+              FROM NVTX_EVENTS n LEFT JOIN StringIds s ON s.id = n.textId
+              WHERE n.eventType = 59)
+            SELECT (SELECT name FROM ranges g WHERE g.globalTid = l.tid AND g.start <= l.t
+                    AND l.t <= g.end ORDER BY g.start LIMIT 1), COUNT(*), SUM(ns)
+            FROM launched l WHERE NOT EXISTS (
+              SELECT 1 FROM ranges g WHERE g.name = 'Forward' AND g.globalTid = l.tid
+              AND g.start <= l.t AND l.t <= g.end)
+            GROUP BY 1"""))
+    assert set(outside) == {"Run Benchmark", None}
+    ops = sum(n for n, _ in outside.values())
+    us = sum(ns for _, ns in outside.values()) / 1000
+    b = breakdown(read_trace(path), step_regex="^Forward$")
+    assert (f"{ops} more GPU ops ({us:.1f} µs) ran in no step: launched outside every step's "
+            f"range (in 'Run Benchmark' {outside['Run Benchmark'][0]}; in no range "
+            f"{outside[None][0]})") in step_notes(b)
 
 
 def test_a_step_range_holding_other_step_ranges_is_said():

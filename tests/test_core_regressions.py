@@ -143,8 +143,16 @@ def test_nest_ranges_edge_cases(rows):
     assert fast == loop
 
 
+def _fixtures(nsys: slice = slice(None), kineto: slice = slice(None)) -> list[Path]:
+    """Those of the nsys and Kineto fixtures, never none of either (a loop over none
+    would check nothing)."""
+    nsys_files, kineto_files = nsys_fixtures()[nsys], kineto_fixtures()[kineto]
+    assert nsys_files and kineto_files, "fixtures missing: see tests/conftest.py"
+    return nsys_files + kineto_files
+
+
 def test_nest_ranges_on_fixtures_equals_lane_loop():
-    for path in nsys_fixtures() + kineto_fixtures():
+    for path in _fixtures():
         ranges = read_trace(path).ranges
         fast = ranges.depth.tolist(), ranges.parent.tolist(), ranges.lane.tolist()
         assert fast == _nest_by_loop(ranges), path.name
@@ -285,7 +293,7 @@ def _reference_summary(trace):
 
 
 def test_range_kernel_summary_equals_reference_on_fixtures():
-    for path in nsys_fixtures() + kineto_fixtures():
+    for path in _fixtures():
         trace = read_trace(path)
         got = range_kernel_summary(trace)
         assert _rows(got) == _rows(_reference_summary(trace))
@@ -333,7 +341,7 @@ def test_range_kernel_summary_equals_reference(trace):
 
 def test_range_kernel_summary_in_small_chunks_on_fixtures(monkeypatch):
     monkeypatch.setattr(nesting, "_POINT_CHUNK", 97)
-    for path in nsys_fixtures()[:4] + kineto_fixtures()[:4]:
+    for path in _fixtures(slice(4), slice(4)):
         trace = read_trace(path)
         got = range_kernel_summary(trace)
         assert _rows(got) == _rows(_reference_summary(trace))
@@ -377,7 +385,7 @@ def _widened(trace: Trace) -> Trace:
 
 
 def test_compact_and_wide_traces_save_load_and_analyse_alike(tmp_path):
-    for path in nsys_fixtures()[-1:] + kineto_fixtures()[:1]:
+    for path in _fixtures(slice(-1, None), slice(1)):
         trace = read_trace(path)
         assert trace.kernels.correlation.dtype == np.int32
         assert trace.ranges.parent.dtype == np.int32

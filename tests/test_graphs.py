@@ -223,11 +223,12 @@ def _captured_decode(replay_order: list[str] | None = None, captured: int = 4) -
 @pytest.mark.parametrize("captured", [3, 0])
 def test_no_mapping_when_the_capture_does_not_match(captured):
     """A capture of another size (or none in the trace) maps nothing; the layers then come
-    from elsewhere (here: none, two kernels per step are no pattern)."""
+    from elsewhere (here: the repeating kernel pattern, A B twice a step)."""
     trace = _captured_decode(captured=captured).build()
     assert (capture_launches(trace) == -1).all()
     _, steps = segment(trace)
-    assert all(s.layer_source != "nvtx" for s in steps)
+    assert [s.name for s in steps] == ["decode_step[0]", "decode_step[1]"]
+    assert [(s.layer_source, len(s.layers)) for s in steps] == [("repeat", 2)] * 2
 
 
 def _captured_with_copies(copies_at: tuple[int, ...] = (540,), replayed: int = 1,
@@ -267,6 +268,7 @@ def test_replayed_copies_land_in_the_layer_that_captured_them(copies_at, begin_e
     trace = _captured_with_copies(copies_at, begin_end=begin_end).build()
     ops, steps = segment(trace)
     layer = 0 if copies_at == (15,) else 1
+    assert [s.name for s in steps] == ["decode_step[0]", "decode_step[1]"]
     for step in steps:
         names = [sorted(trace.strings[c] for c in ops.name[x.ops]) for x in step.layers]
         assert names[layer] == ["A", "B", "[CUDA memcpy Device-to-Device]"]
@@ -282,6 +284,7 @@ def test_copies_that_do_not_match_the_capture_map_nothing(case):
          else _captured_with_copies((15,), begin_end=False))
     trace = b.build()
     ops, steps = segment(trace)
+    assert [s.name for s in steps] == ["decode_step[0]", "decode_step[1]"]
     for step in steps:
         assert [sorted(trace.strings[c] for c in ops.name[x.ops]) for x in step.layers] \
             == [["A", "B"], ["A", "B"]]
