@@ -40,7 +40,13 @@ from kimi_perf.layer_breakdown import Breakdown, breakdown, breakdown_of_file
 from kimi_perf.names import primed
 from kimi_perf.readers import read_trace
 from kimi_perf.readers.nsys import nsys_cli
-from kimi_perf.trace import atomic_write, atomic_write_text, current_umask, json_text
+from kimi_perf.trace import (
+    atomic_write,
+    atomic_write_text,
+    current_umask,
+    json_text,
+    printable,
+)
 
 PATH_BACKENDS = {"standard": "auto", "specialized": "latency_specialized"}
 
@@ -571,12 +577,12 @@ TRACE_SUFFIXES = (".pt.trace.json.gz", ".trace.json.gz", ".json.gz", ".pt.trace.
 
 def trace_label(path: Path) -> str:
     """A trace's file name without its trace suffix (``wan2.1_after.sqlite``:
-    ``wan2.1_after``)."""
+    ``wan2.1_after``), its control characters written out (``printable``)."""
     name = path.name
     for suffix in TRACE_SUFFIXES:
         if name.endswith(suffix) and len(name) > len(suffix):
-            return name[: -len(suffix)]
-    return name
+            return printable(name[: -len(suffix)])
+    return printable(name)
 
 
 def trace_labels(paths: list[Path]) -> list[str]:
@@ -592,7 +598,8 @@ def trace_labels(paths: list[Path]) -> list[str]:
         if depth > 1:   # a folder more only where the folders differ (not one file twice)
             repeated = {label for label in repeated if len(
                 {f for f, other in zip(folders, labels, strict=True) if other == label}) > 1}
-        labels = ["/".join([*folder[-depth:], name]) if label in repeated else label
+        labels = ["/".join([*map(printable, folder[-depth:]), name]) if label in repeated
+                  else label
                   for folder, name, label in zip(folders, names, labels, strict=True)]
     return primed(labels)
 

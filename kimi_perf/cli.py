@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import datetime
 import functools
 import io
 import json
 import math
 import os
+import shlex
 import signal
 import sys
 import threading
@@ -27,7 +29,7 @@ from kimi_perf.layer_breakdown import Breakdown, breakdown_of_file, units_word
 from kimi_perf.layers import PHASES
 from kimi_perf.readers import read_trace
 from kimi_perf.text import counted, distinct_words
-from kimi_perf.trace import OP_RANGE, WholeWrites, atomic_write_text, json_text
+from kimi_perf.trace import OP_RANGE, WholeWrites, atomic_write_text, json_text, printable
 
 LAYERS_HELP = ("auto: per-layer ranges when the trace has them, else the repeating kernel "
                "pattern; repeat: the pattern only; nvtx or nvtx:REGEX: ranges only (REGEX may "
@@ -131,6 +133,25 @@ def _emit_tables(tables: list, output: Path | None) -> None:
 
 
 TRACE_OPTIONS = ("layers", "step_regex", "phase", "rules")  # how a trace is broken down
+
+
+def _command_said() -> str:
+    """The command as given, from what click parsed of it: ``kimi-perf CMD``, the options the
+    command line gave with their values, then the arguments."""
+    ctx = click.get_current_context()
+    options, arguments = [], []
+    for p in ctx.command.params:
+        if ctx.get_parameter_source(p.name) is not click.core.ParameterSource.COMMANDLINE:
+            continue
+        values = ctx.params[p.name]
+        values = list(values) if isinstance(values, tuple | list) else [values]
+        if isinstance(p, click.Argument):
+            arguments += map(str, values)
+        elif isinstance(p, click.Option) and p.is_flag:
+            options.append(max(p.opts if values[0] else p.secondary_opts, key=len))
+        else:
+            options += [w for v in values for w in (max(p.opts, key=len), str(v))]
+    return shlex.join(["kimi-perf", ctx.info_name, *options, *arguments])
 
 
 def _given(*names: str) -> list[str]:
@@ -578,7 +599,8 @@ def _run_name(path: Path) -> str:
     from kimi_perf.capture import trace_label
 
     if path.is_dir() or path.name == "breakdown.json":
-        return Path(os.path.abspath(path if path.is_dir() else path.parent)).name or str(path)
+        return printable(Path(os.path.abspath(path if path.is_dir() else path.parent)).name
+                         or str(path))
     return trace_label(path)
 
 
@@ -802,6 +824,13 @@ def report_cmd(inputs: tuple[Path, ...], path_name: str | None, labels: str | No
         renamed = dict(zip(drawn, names, strict=True))
         drawn = dict(zip(names, drawn.values(), strict=True))
         fell_back = {renamed[label]: reason for label, reason in fell_back.items()}
+    if run_info is None:   # traces or several inputs: how this report was made
+        from kimi_perf import __version__
+        from kimi_perf.capture import _git_commit
+
+        run_info = {"command": _command_said(), "kimi_perf": __version__,
+                    "git_commit": _git_commit(),
+                    "date": datetime.datetime.now(datetime.UTC).isoformat()}
     write_report(output, drawn, "kimi-perf report: " + ", ".join(drawn), run_info, plotly_js,
                  run_infos if len(inputs) > 1 else [],
                  [fell_back_text(label, reason) for label, reason in fell_back.items()])

@@ -50,7 +50,7 @@ from kimi_perf.layer_breakdown import (
 )
 from kimi_perf.names import demangle, primed, short_names
 from kimi_perf.text import counted
-from kimi_perf.trace import atomic_write_text
+from kimi_perf.trace import atomic_write_text, printable
 
 CLASS_COLOURS = {
     "gemm": "#4c78a8", "attention": "#f58518", "moe": "#54a24b", "router": "#b279a2",
@@ -65,15 +65,30 @@ def _plotly_text(name: str) -> str:
     return html.escape(name, quote=False)
 
 
-def _timeline(fig: go.Figure, row: int, timeline: dict | None, label: str) -> None:
-    """The breakdown's timeline step: a row per layer, every op a bar coloured by class."""
+# Bars in all the report's timelines: plotly draws each as an SVG element, and a browser
+# crawls past some tens of thousands (eight ranks of 10,000 ops each were 33 MB of JSON)
+REPORT_TIMELINE_OPS = 20_000
+
+
+def _timeline(fig: go.Figure, row: int, timeline: dict | None, label: str, most: int,
+              in_legend: set[str]) -> int:
+    """The breakdown's timeline step: a row per layer in time order, every op a bar coloured
+    by class; its first ``most`` ops. A class enters the legend once, in the first row that
+    has it (``in_legend``: those already in). Returns the ops drawn."""
     if not timeline:
-        return
-    readable = short_names(timeline["names"], 400)
+        return 0
+    readable = short_names(timeline["names"], 120)   # (a hover text, not a page)
     bars: dict[str, dict[str, list]] = {}
+    rows: list[str] = []
+    drawn = 0
     for segment in timeline["segments"]:
+        ops = segment["ops"][:most - drawn]
+        if not ops:
+            break
+        drawn += len(ops)
         name = _plotly_text(segment["label"])
-        for op, cls, start_us, dur_us in segment["ops"]:
+        rows.append(name)
+        for op, cls, start_us, dur_us in ops:
             bar = bars.setdefault(cls, {"y": [], "base": [], "x": [], "text": []})
             bar["y"].append(name)
             bar["base"].append(start_us)
@@ -82,12 +97,17 @@ def _timeline(fig: go.Figure, row: int, timeline: dict | None, label: str) -> No
                                f"{_plotly_text(cls)}, {dur_us:.2f} µs at {start_us:.2f} µs")
     for cls, bar in sorted(bars.items()):
         fig.add_trace(go.Bar(orientation="h", name=_plotly_text(cls), legendgroup=cls,
-                             showlegend=row == 1, marker_color=CLASS_COLOURS.get(cls, "#333333"),
+                             showlegend=cls not in in_legend,
+                             marker_color=CLASS_COLOURS.get(cls, "#333333"),
                              y=bar["y"], base=bar["base"], x=bar["x"], hovertext=bar["text"],
                              hoverinfo="text"), row=row, col=1)
-    fig.update_yaxes(autorange="reversed", title_text=_plotly_text(label), row=row, col=1)
+        in_legend.add(cls)
+    # rows in the step's order (plotly's own: as the first class's bars name them)
+    fig.update_yaxes(autorange="reversed", categoryorder="array", categoryarray=rows,
+                     title_text=_plotly_text(label), row=row, col=1)
     fig.update_xaxes(title_text=f"µs into {_plotly_text(timeline['step'])} (median-span step)",
                      row=row, col=1)
+    return drawn
 
 
 def _class_bars(breakdowns: dict[str, Breakdown]) -> go.Figure:
@@ -475,9 +495,15 @@ def _run_html(run: dict | None, breakdowns: dict[str, Breakdown]) -> str:
                        "so its µs are not a speed figure"
                        if "specialized" in metrics and "specialized" not in fell_back else "")
         which = "Run" if len(on_cpu) == len(breakdowns) else e(", ".join(on_cpu)) + " ran"
+        own_process = (run.get("request") or {}).get("backend") == "nsys"
+        cold = ("" if not metrics else
+                "; each path ran in a process of its own under nsys, so its time to first "
+                "token is that process's cold start" if own_process else
+                f"; the first path's time to first token ({e(next(iter(metrics)))}) includes "
+                "the process's cold start, so compare it across runs of one path")
         parts.append(f"<p class=note>{which} on a CPU, with no GPU kernels: <b>ops</b> are the "
                      "launches each path annotates (one per kernel it would run on a GPU), "
-                     f"timed on the CPU{interpreted}.</p>")
+                     f"timed on the CPU{interpreted}{cold}.</p>")
     return "".join(parts)
 
 
@@ -514,18 +540,19 @@ def plotly_js_for(value: str, report_dir: Path) -> str:
                                               Path(report_dir).resolve()))
 
 
-def _missing_timelines_html(breakdowns: dict[str, Breakdown]) -> str:
+def _missing_timelines_html(breakdowns: dict[str, Breakdown], drawn: dict[str, int]) -> str:
     """Which traces' panels stay empty, and why (no step with layers, or a stored breakdown
     without its timeline: written by an older kimi-perf, or edited), and which show only the
-    first ops of their step."""
+    first ops of their step (``drawn``: how many, of each; the breakdown stores a step's
+    first ``TIMELINE_OPS``, and the report draws ``REPORT_TIMELINE_OPS`` in all)."""
     lines = [f"{html.escape(label)}: " + ("no timeline in this breakdown (stored without one)"
                                           if b.layers else "no step with layers to draw")
              for label, b in breakdowns.items() if not b.timeline]
-    lines += [f"{html.escape(label)}: the step's first {drawn:,} ops are drawn, its "
+    lines += [f"{html.escape(label)}: the step's first {drawn[label]:,} ops are drawn, its "
               f"{left:,} more are left out"
-              for label, b in breakdowns.items()
-              if b.timeline and (left := b.timeline.get("ops_left_out"))
-              for drawn in [sum(len(seg["ops"]) for seg in b.timeline["segments"])]]
+              for label, b in breakdowns.items() if b.timeline
+              for left in [b.timeline.get("ops_left_out", 0) + sum(
+                  len(seg["ops"]) for seg in b.timeline["segments"]) - drawn[label]] if left]
     return f"<p class=note>{'; '.join(lines)}.</p>" if lines else ""
 
 
@@ -545,16 +572,32 @@ def write_report(path: str | Path, breakdowns: dict[str, Breakdown], title: str,
         raise ValueError("write_report: no breakdowns to draw")
     path = Path(path)
     plotly_js = plotly_js_for(plotly_js, path.parent)
+    # labels and titles from file names: their control characters written out, as a trace's
+    # names are when read (a right-to-left override would reorder the page's text)
+    title = printable(title)
+    breakdowns = {printable(label): b for label, b in breakdowns.items()}
+    runs = [(printable(name), r) for name, r in runs]
     # A row of about 16 px per layer, so that every layer keeps its label.
     rows_px = [120 + 16 * len((b.timeline or {}).get("segments", ()))
                for b in breakdowns.values()]
     timelines = make_subplots(rows=len(breakdowns), cols=1,
                               vertical_spacing=0.3 / len(breakdowns), row_heights=rows_px,
                               subplot_titles=[_plotly_text(t) for t in breakdowns])
+    drawn_with = [b for b in breakdowns.values() if b.timeline]
+    most = REPORT_TIMELINE_OPS // max(len(drawn_with), 1)
+    in_legend: set[str] = set()
+    first_of_unit: dict[str, int] = {}
+    drawn = {}
     for row, (label, b) in enumerate(breakdowns.items(), start=1):
-        _timeline(timelines, row, b.timeline, label)
+        drawn[label] = _timeline(timelines, row, b.timeline, label, most, in_legend)
+        if b.timeline:   # one time axis for the rows that count alike: bars compare
+            first = first_of_unit.setdefault(b.unit, row)
+            if first != row:
+                timelines.update_xaxes(matches=f"x{first if first > 1 else ''}", row=row,
+                                       col=1)
     timelines.update_layout(barmode="overlay", height=sum(rows_px) + 150,
-                            title="One decode step per trace, a row per layer")
+                            title="One step per trace (of its steps with layers, the one of "
+                                  "median span), a row per layer")
     include = {"inline": True, "cdn": "cdn"}.get(plotly_js, plotly_js)
     parts = [f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{html.escape(title)}"
              f"</title>{STYLE}</head><body><h1>{html.escape(title)}</h1>",
@@ -567,9 +610,11 @@ def write_report(path: str | Path, breakdowns: dict[str, Breakdown], title: str,
              _typical_html(breakdowns),
              _fusions_html(breakdowns),
              "<h2>Timelines</h2>",
-             _missing_timelines_html(breakdowns),
+             _missing_timelines_html(breakdowns, drawn),
              timelines.to_html(full_html=False, include_plotlyjs=include),
-             _class_bars(breakdowns).to_html(full_html=False, include_plotlyjs=False),
+             # (a chart of no layer types would be an empty frame)
+             _class_bars(breakdowns).to_html(full_html=False, include_plotlyjs=False)
+             if any(b.layer_types for b in breakdowns.values()) else "",
              "</body></html>"]
     atomic_write_text(path, "\n".join(parts))
     return path

@@ -556,7 +556,8 @@ KIMI_PERF_JSON = re.compile(rb'(?:\xef\xbb\xbf)?\s*\{\s*"schema"\s*:')
 
 # C0 and C1 controls, and the bidirectional formatting characters (a right-to-left override
 # shows a name's text in another order than it holds)
-CONTROL_CHARACTERS = re.compile(r"[\x00-\x1f\x7f-\x9f\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+CONTROL_CHARACTERS = re.compile(
+    r"[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]")
 
 
 def printable(text: str) -> str:

@@ -1259,3 +1259,75 @@ def test_layers_are_written_to_json_in_chunks_as_the_whole_document(stored):
     assert json.loads(whole)["layers"] == list(b.layers)
     # a document json's encoder takes (keys that are numbers) is chunked alike
     assert json_text({1: b.layers}, chunk=5) == json_text({1: list(b.layers)})
+
+
+def _report_figures(text: str) -> list[dict]:
+    """The plotly figures of a report (cdn plotly.js): each ``Plotly.newPlot`` call's data
+    and layout, read back as JSON."""
+    decoder = json.JSONDecoder()
+    figures = []
+    for call in text.split("Plotly.newPlot(")[1:]:
+        rest = call.split(",", 1)[1].lstrip()           # (the div's id first)
+        data, end = decoder.raw_decode(rest)
+        layout, _ = decoder.raw_decode(rest[end:].lstrip(", \n"))
+        figures.append({"data": data, "layout": layout})
+    return figures
+
+
+def test_report_timelines_draw_a_bounded_number_of_bars_in_step_order(monkeypatch, tmp_path):
+    """Many traces in one report (a TP run's ranks) share REPORT_TIMELINE_OPS bars, each its
+    step's first ops, and the note says how many more; each panel's rows are in the step's
+    order (the prologue first), a class enters the legend once, in the first panel that has
+    it, and panels that count alike share one time axis, so that bars compare."""
+    from kimi_perf import report
+
+    b = breakdown(read_trace(KINETO / "tracelens_vllm_gptoss20b_decode_fullgraph_mi300x.json.gz"))
+    total = sum(len(seg["ops"]) for seg in b.timeline["segments"])
+    monkeypatch.setattr(report, "REPORT_TIMELINE_OPS", 300)
+    ranks = {f"rank{r}": b for r in range(3)}
+    text = report.write_report(tmp_path / "r.html", ranks, "t", plotly_js="cdn").read_text()
+    timelines = _report_figures(text)[0]
+    bars = sum(len(trace["x"]) for trace in timelines["data"])
+    assert bars == 300 == 3 * 100
+    for r in range(3):
+        assert f"rank{r}: the step's first 100 ops are drawn, its {total - 100:,} more are " \
+               "left out" in text
+    layout = timelines["layout"]
+    rows = layout["yaxis"]["categoryarray"]
+    lengths = np.cumsum([len(seg["ops"]) for seg in b.timeline["segments"]])
+    assert rows[:3] == ["prologue", "layer 0 (A)", "layer 1 (B)"]
+    assert len(rows) == np.searchsorted(lengths, 100) + 1     # (the last one cut)
+    assert layout["yaxis2"]["categoryarray"] == rows
+    legend = [trace["name"] for trace in timelines["data"] if trace.get("showlegend", True)]
+    assert sorted(legend) == sorted({trace["name"] for trace in timelines["data"]})
+    assert layout["xaxis2"]["matches"] == layout["xaxis3"]["matches"] == "x"
+    # a panel whose classes the first lacks still names them in the legend
+    cpu = breakdown(read_trace(KINETO / "hta_trace_diff_test_v100_rank1_cudagraph.json.gz"))
+    monkeypatch.setattr(report, "REPORT_TIMELINE_OPS", 20_000)
+    two = report.write_report(tmp_path / "two.html", {"vllm": b, "other": cpu}, "t",
+                              plotly_js="cdn").read_text()
+    data = _report_figures(two)[0]["data"]
+    shown = [(t["name"], t["yaxis"]) for t in data if t.get("showlegend", True)]
+    assert sorted(name for name, _ in shown) == sorted({t["name"] for t in data})
+    assert {t["name"] for t in data if t["yaxis"] == "y2"} - {
+        t["name"] for t in data if t["yaxis"] == "y"} == {name for name, y in shown if y == "y2"}
+    assert {name for name, y in shown if y == "y2"}   # (the case: classes the first lacks)
+
+
+def test_report_labels_and_titles_write_control_characters_out(tmp_path):
+    """A file name holding a right-to-left override (or the Arabic letter mark) labels its
+    trace with the character written out, as a trace's own names are, in the title and
+    the tables alike; a report of no layer types draws no empty class chart."""
+    from kimi_perf.capture import trace_labels
+    from kimi_perf.report import write_report
+
+    assert trace_labels([tmp_path / "x\u202ey.json.gz", tmp_path / "a\u061cb.sqlite"]) == [
+        "x\\u202ey", "a\\u061cb"]
+    b = breakdown(read_trace(KINETO / "tracelens_vllm_gptoss20b_decode_fullgraph_mi300x.json.gz"))
+    text = write_report(tmp_path / "r.html", {"x\u202ey": b}, "kimi-perf: x\u202ey.json",
+                        plotly_js="cdn").read_text()
+    assert "\u202e" not in text and "<title>kimi-perf: x\\u202ey.json</title>" in text
+    none = breakdown(read_trace(KINETO / "hta_a100_80gb_rank0_cudagraph_triton.json.gz"))
+    assert not none.layer_types
+    empty = write_report(tmp_path / "e.html", {"t": none}, "t", plotly_js="cdn").read_text()
+    assert len(_report_figures(empty)) == 1 and "no step with layers to draw" in empty

@@ -894,6 +894,10 @@ def test_report_of_traces_names_each_and_the_gpus_that_ran_it(tmp_path):
     assert f"<td>{wan} (" in text
     assert "nsys-sqlite; ran on 2 × GPU not described in the trace)" in text
     assert "median of 1 step</th>" in text   # vLLM's one step
+    # and how the report was made: the command as given, kimi-perf's version, the date
+    assert (f"<th>command</th><td>kimi-perf report --plotly-js cdn --output {out} {VLLM} "
+            f"{wan}</td>") in text
+    assert "<th>kimi-perf</th><td>0.1.0" in text and "<th>date</th><td>20" in text
 
 
 def test_report_compares_the_first_trace_with_each_other(tmp_path):
@@ -1873,3 +1877,20 @@ def test_info_of_a_cpu_run_counts_its_annotated_ops(tmp_path):
     assert json.loads(run("info", tmp_path / "cpu.kptrace", "--format", "json").output
                       )["traces"][0]["annotated_ops"] == 3
     assert "annotated" not in run("info", VLLM).output
+
+
+@pytest.mark.parametrize("backend, said", [
+    ("torch", "the first path's time to first token (standard) includes the process's cold "
+              "start, so compare it across runs of one path"),
+    ("nsys", "each path ran in a process of its own under nsys, so its time to first token is "
+             "that process's cold start")])
+def test_a_cpu_run_s_report_says_whose_time_to_first_token_is_a_cold_start(tmp_path, backend,
+                                                                           said):
+    from kimi_perf.layer_breakdown import Breakdown
+    from kimi_perf.report import write_report
+
+    doc = json.loads(BASELINE.read_text())
+    doc["run"]["request"]["backend"] = backend
+    paths = {name: Breakdown.from_json(b) for name, b in doc["paths"].items()}
+    text = write_report(tmp_path / "r.html", paths, "t", doc["run"], "cdn").read_text()
+    assert said in text

@@ -474,6 +474,8 @@ def test_trace_command_captures_both_paths(tmp_path):
     assert "<th>preset</th><td>tiny, 4 layers" in report and "<h2>Decode metrics</h2>" in report
     assert "<td>specialized</td><td>SpecializedModel</td>" in report
     assert "Run on a CPU, with no GPU kernels" in report and "<th>standard ops</th>" in report
+    assert "the first path's time to first token (standard) includes the process's cold " \
+           "start" in report
     assert "Typical kda layer: ops in order" in report and "kernels in order" not in report
     assert ">fused_kda_decode</td><td>attention</td>" in report
     assert "Fusions, launch by launch" in report and ">f_b_proj + fused_kda_decode</td>" in report
