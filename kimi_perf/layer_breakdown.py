@@ -683,31 +683,10 @@ def least_rotation(names: list[str]) -> int:
                key=lambda r: names[r:] + names[:r])
 
 
-def layer_type_medians(layer_rows: list[dict]) -> list[dict]:
-    """Per layer type, the median of each figure over all its layers in all steps."""
-    by_type: dict[str, list[dict]] = {}
-    for row in layer_rows:
-        by_type.setdefault(row["type"], []).append(row)
-    out = []
-    for kind, rows in by_type.items():
-        classes = sorted({c for r in rows for c in r["classes"]})
-        out.append({
-            "type": kind, "layers": len(rows),
-            "kernels": _median([r["kernels"] for r in rows]),
-            "kernel_us": _median([r["kernel_us"] for r in rows]),
-            "span_us": _median([r["span_us"] for r in rows]),
-            "gap_us": _median([r["gap_us"] for r in rows]),
-            "classes": {c: {"kernels": _median([r["classes"].get(c, {}).get("kernels", 0)
-                                                for r in rows]),
-                            "us": _median([r["classes"].get(c, {}).get("us", 0.0)
-                                           for r in rows])} for c in classes},
-        })
-    return out
-
-
 def _layer_type_medians(rows: LayerRows) -> list[dict]:
-    """``layer_type_medians`` from the rows' columns: the same medians of the same rounded
-    values, with one numpy median per column."""
+    """Per layer type, the median of each figure over all its layers in all steps (of the
+    rows' rounded values), one numpy median per column (the tests hold it to medians of the
+    rows as dicts)."""
     columns = {"kernels": rows.kernels, "kernel_us": rows.kernel_us, "span_us": rows.span_us,
                "gap_us": rows.gap_us}
     out = []

@@ -337,8 +337,9 @@ def test_layer_rows_read_as_the_dicts_the_figures_give(name):
     ``layer_type_medians`` computes from those dicts."""
     import json
 
-    from kimi_perf.layer_breakdown import LayerRows, SegmentFigures, layer_type_medians
+    from kimi_perf.layer_breakdown import LayerRows, SegmentFigures
     from kimi_perf.layers import segment
+    from tests.test_core_regressions import layer_type_medians
 
     trace = read_trace(KINETO / name)
     ops, steps = segment(trace)

@@ -23,10 +23,10 @@ from kimi_perf.errors import TraceError
 from kimi_perf.layer_breakdown import (
     SegmentFigures,
     _bincount_int,
+    _median,
     _union_length,
     _us,
     _us_array,
-    layer_type_medians,
     segment_stats,
 )
 from kimi_perf.nesting import (
@@ -264,6 +264,29 @@ def test_us_array_rounds_like_us():
     for scale in (10, 10 ** 9, 10 ** 15, 2 ** 62):
         ns = rng.integers(-scale, scale, 5000)
         assert _us_array(ns).tolist() == [_us(v) for v in ns.tolist()]
+
+
+def layer_type_medians(layer_rows: list[dict]) -> list[dict]:
+    """Per layer type, the median of each figure over all its layers in all steps, from the
+    rows as dicts: the reference of the breakdown's medians, taken from its columns."""
+    by_type: dict[str, list[dict]] = {}
+    for row in layer_rows:
+        by_type.setdefault(row["type"], []).append(row)
+    out = []
+    for kind, rows in by_type.items():
+        classes = sorted({c for r in rows for c in r["classes"]})
+        out.append({
+            "type": kind, "layers": len(rows),
+            "kernels": _median([r["kernels"] for r in rows]),
+            "kernel_us": _median([r["kernel_us"] for r in rows]),
+            "span_us": _median([r["span_us"] for r in rows]),
+            "gap_us": _median([r["gap_us"] for r in rows]),
+            "classes": {c: {"kernels": _median([r["classes"].get(c, {}).get("kernels", 0)
+                                                for r in rows]),
+                            "us": _median([r["classes"].get(c, {}).get("us", 0.0)
+                                           for r in rows])} for c in classes},
+        })
+    return out
 
 
 def test_breakdown_layer_type_medians_match_the_dict_version():
