@@ -6,7 +6,8 @@ over depth: every source (completed blocks, then the prefix) gets the logit
 ``(norm_w * proj_w) · v · rsqrt(mean(v²) + eps)``; the mix ``Σ softmax · v`` is RMS-normed.
 
 Tiling: a whole hidden row (BLOCK_H ≥ hidden, a power of two) lives in registers; sources are
-read once each in an online softmax, so the kernel reads ≤ 9 rows and writes 1-2. The
+read once each in an online softmax, so the kernel reads ≤ 9 source rows and the delta, and
+writes up to 3 (prefix, block buffer, output). The
 completed blocks are read in a software-pipelined loop (``STAGES`` rows in flight): the next
 sources' rows load while one is reduced, not one memory round trip per source. (The block a
 call writes is never among those it reads: it is the next one.)

@@ -5,8 +5,9 @@ specialized path launches for its plain projections (``in_proj``, ``qkv_a_g_proj
 ``o_proj``) at 1-4 tokens: the biggest weight streams of a decode step. Written in CuTe DSL
 to find out whether explicit 16-byte vector loads and a K split over a CTA's warps stream W
 closer to HBM bandwidth than Triton's tile loop. The GPU check times both side by side on
-the K3 TP8 shapes; the specialized path does not launch it (yet): that waits for a GPU run in
-which it wins.
+the K3 TP8 shapes; the specialized path launches it only when given its cubins
+(``SpecializedModel(..., gemv=CubinGemv(DIR))``), and the default changes only if a GPU run
+shows it wins.
 
 Tiling (shapes are static: one build per (M, N, K)), one CTA per ``rows`` rows of W::
 

@@ -4,8 +4,8 @@ on the fp32 state, and the gated RMSNorm, in one kernel.
 Grid: (sequence × head, split). The delta rule keeps a head's state S [V=d, K=d] row by row
 apart (row j of the update needs only row j, k, the gates and v[j]), so each program owns BV
 of its rows: it loads them once, keeps them in registers across the step's T tokens (1 for
-decode, 1+k for a speculative verify, which also writes every position's state so the step
-can be rolled back) and stores them once. At K3's d = 128 a split of 8 gives a batch of 1
+decode, 1+k for a speculative verify, which records each position for a replay rather than
+storing its state: see ``RECORD`` below) and stores them once. At K3's d = 128 a split of 8 gives a batch of 1
 (12 heads a rank at TP8) 96 programs, not 12, on 132 SMs.
 
 What each program still needs whole, it computes whole: q and k (conv4 + SiLU + L2 norm over

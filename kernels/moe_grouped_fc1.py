@@ -7,14 +7,14 @@ about 613 distinct experts of 896 (K3), and 40% of what it streams it has stream
 Here the routing comes first (``router_topk``, its own launch: a token's top-k needs its whole
 row of router logits), and then one program per (expert, intermediate block):
 
-- it scans the step's M × top_k expert ids (int32, from L2; SCAN at a time: 1,024 at batch
-  64, 8,192 in a verify step of 64 × 8 tokens) for its expert, and leaves at once if no slot
-  picked it (most programs at small batches: the grid is E wide, so that it never depends on
-  the routing and a CUDA graph keeps it);
+- it scans the step's M × top_k expert ids (int32, from L2: 1,024 at batch 64, 8,192 in a
+  verify step of 64 × 8 tokens; SCAN = 256 at a time) for its expert, and leaves after that
+  scan if no slot picked it (most programs at small batches: the grid is E wide, so that it
+  never depends on the routing and a CUDA graph keeps it);
 - the slots that did, in order, are taken BLOCK_T at a time: slot r of a chunk is the one
   whose running count of hits is r ([BLOCK_T, SCAN] comparisons in registers). An expert
-  picked by more than BLOCK_T tokens streams its weights again per chunk (about 1.7 tokens
-  an expert at batch 64 × top-16 of 896: rare);
+  picked by more than BLOCK_T tokens scans the ids again and streams its weights again per
+  chunk (about 1.7 tokens an expert at batch 64 × top-16 of 896: rare);
 - per K step it loads the expert's gate and up tiles [BLOCK_N, BLOCK_K] once and takes each of
   the chunk's tokens' products with them in fp32, one token at a time: exact fp32 like the
   per-slot kernel, with a GEMV's registers (no tensor cores, which a memory-bound step of one
@@ -145,7 +145,8 @@ def _grouped_fc1_tile(expert, block, x_ptr, w13_ptr, w13s_ptr, ids_ptr, act_ptr,
         tl.store(act_ptr + slot.to(tl.int64)[:, None] * INTER + n[None, :],
                  cast(act, act_ptr.dtype.element_ty, RNE), mask=t_ok[:, None] & n_ok[None, :])
         r0 += BLOCK_T
-        slot, count = _expert_slots(expert, r0, ids_ptr, SLOTS, BLOCK_S, BLOCK_T)
+        if r0 < count:   # the next chunk's slots (after the last, no scan more)
+            slot, count = _expert_slots(expert, r0, ids_ptr, SLOTS, BLOCK_S, BLOCK_T)
 
 
 @triton.jit

@@ -1,8 +1,9 @@
 """Skinny linear layers for decode: y[M, N] = x[M, K] · W[N, K]ᵀ with M (tokens) small.
 
 Decode GEMMs are memory-bound: the kernel's job is to stream W once at full bandwidth. Each
-program owns BLOCK_N output columns for all M rows and walks K in BLOCK_K steps, so every
-weight byte is read exactly once. A program's loads of one step do not wait for the step
+program owns BLOCK_N output columns and walks K in BLOCK_K steps, for all M rows up to
+MAX_BLOCK_M, so every weight byte is read from HBM once (more rows take more row tiles of the
+same columns, which read the block of W again, from L2). A program's loads of one step do not wait for the step
 before: the K loop is software-pipelined (``STAGES`` tiles of W in flight per program, cp.async
 on Hopper), since with one 16-byte load per thread a step, a few hundred programs keep too few
 bytes in flight to cover HBM's latency. Two variants with one contract:

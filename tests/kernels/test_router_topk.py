@@ -3,13 +3,14 @@ import torch
 
 from kimi_perf_kernels.router_topk import router_topk, router_topk_reference
 
-# router_topk launches the device function ``routed_slot`` that the routed experts' first
-# kernel runs in its prologue: one program per (token, slot).
+# router_topk ranks a token's experts with ``_rank_experts``, a program per token: the ranking
+# the routed experts' first kernel runs in its prologue (``routed_slot``, a program per
+# (token, slot): tested through moe_route_fc1_situ in test_moe_experts.py).
 
 
 @pytest.mark.parametrize(("m", "e", "k"), [(1, 16, 4), (1, 896, 6), (3, 100, 16), (2, 16, 1),
                                           (1, 1, 1), (2, 9, 7)])
-def test_routed_slot_matches_topk_reference(m, e, k):
+def test_router_topk_matches_reference(m, e, k):
     gen = torch.Generator().manual_seed(m + e + k)
     logits = torch.randn(m, e + 7, generator=gen)[:, :e]   # a strided view, like the GEMV's
     # (E = 896 on one token only: the interpreter ranks 1024 lanes per program slowly.)
