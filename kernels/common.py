@@ -1,4 +1,5 @@
-"""Helpers shared by the kernels (device functions, not kernels)."""
+"""What the kernels share: device functions (casts, the PDL wait, the interpreter's
+workarounds) and the host's launch switches (``gpu_tiles``, ``programmatic_launch``)."""
 
 from __future__ import annotations
 
@@ -98,7 +99,8 @@ def prefetch_l2(ptrs):
 
 @triton.jit
 def cast(x, dtype: tl.constexpr, EMULATE_RNE: tl.constexpr):
-    """``x.to(dtype)``, rounding to nearest even into bf16 even under the interpreter."""
+    """``x.to(dtype)``, rounding to nearest even into bf16 and fp8 e4m3 (subnormals too) even
+    under the interpreter, whose own casts do not."""
     if EMULATE_RNE and dtype == tl.bfloat16:
         bits = x.to(tl.float32).to(tl.uint32, bitcast=True)
         bits = (bits + (((bits >> 16) & 1) + 0x7FFF)) & 0xFFFF0000

@@ -2,11 +2,11 @@
 on the fp32 state, and the gated RMSNorm, in one kernel.
 
 Grid: (sequence × head, split). The delta rule keeps a head's state S [V=d, K=d] row by row
-apart (row j of the update needs only row j, k, the gates and v[j]), so each program owns BV
-of its rows: it loads them once, keeps them in registers across the step's T tokens (1 for
-decode, 1+k for a speculative verify, which records each position for a replay rather than
-storing its state: see ``RECORD`` below) and stores them once. At K3's d = 128 a split of 8 gives a batch of 1
-(12 heads a rank at TP8) 96 programs, not 12, on 132 SMs.
+apart (row j of the update needs only row j, k, the gates and v[j]), so each program owns BV of
+its rows: it loads them once, keeps them in registers across the step's T tokens (1 for decode,
+1+k for a speculative verify, which records each position for a replay rather than storing its
+state: see ``RECORD`` below) and stores them once. At K3's d = 128 a split of 8 gives a batch of
+1 (12 heads a rank at TP8) 96 programs, not 12, on 132 SMs.
 
 What each program still needs whole, it computes whole: q and k (conv4 + SiLU + L2 norm over
 all d), the f_b projection and the decay gate over K. A decode token's projection is a GEMV
@@ -67,6 +67,8 @@ def kda_decode_kernel(z_ptr, wfb_ptr, f_ptr, dt_bias_ptr, a_log_ptr, conv_w_ptr,
                       F_BLOCK: tl.constexpr, T_PAD: tl.constexpr, F_GIVEN: tl.constexpr,
                       REPLAY: tl.constexpr, RECORD: tl.constexpr, DOT_FP32: tl.constexpr,
                       RNE: tl.constexpr, PDL: tl.constexpr = False):
+    # (T_PAD, the rows of a verify step's f_b product, ``kda_token_rows``, is 1 for a decode
+    # step: the ``T_PAD > 1`` branches are a verify step's)
     after_previous_kernel(PDL)
     pid = tl.program_id(0)                            # (sequence, head)
     split = tl.program_id(1)                          # which BV rows of the head's state

@@ -2,7 +2,8 @@
 latency-bound kernel leaves HBM idle.
 
 Decode at small batch alternates bandwidth-bound GEMVs with kernels that barely touch HBM: the
-KDA recurrence reads a few hundred KB of state, the MLA attention one token's latent cache.
+KDA recurrence reads and writes its state (786 KB at K3 TP8, batch 1), the MLA attention the
+latent cache.
 H200's L2 holds 50 MB, and o_proj's weights at K3 TP8 are 22 MB: read into L2 beside the
 recurrence (``evict_last``: the last lines L2 gives up; ptxas refuses it together with the
 L2-only ``.cg``), o_proj then streams them from L2 instead of HBM. The design plan puts the

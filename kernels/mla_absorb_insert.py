@@ -1,6 +1,7 @@
 """M4: MLA query absorption and latent-cache insert in one launch.
 
-Grid (token blocks, heads × kv_lora blocks + 1). Program (i, p < H · L) absorbs head h's
+Grid (token blocks, heads × kv_lora blocks + 1). Program (i, p < H · L, L = kv_lora / BLOCK_L
+blocks: 8 at K3) absorbs head h's
 no-position query into the latent space for the BLOCK_M tokens of block i, one kv_lora block
 of BLOCK_L columns: ``ql = q_nope · W_UK[h][:, block]`` ([BLOCK_M, nope] × [nope, BLOCK_L],
 a tensor-core dot), and writes that part of ``q̂ = [ql | q_pe]`` (its first block also q_pe).

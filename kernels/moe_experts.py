@@ -14,8 +14,9 @@ with the shared experts computed in the same two launches.
 
 Both stream expert weights once per (token, slot): right for decode where batch × top-k is
 small next to the expert count. The weights may be MXFP4 (as K3's checkpoint stores them):
-0.53 bytes a weight, decoded in registers (``kimi_perf_kernels.mxfp4``). A grouped variant
-that reads each touched expert once for all its tokens pays off at larger batches.
+0.53 bytes a weight, decoded in registers (``kimi_perf_kernels.mxfp4``). The grouped variant,
+which reads each picked expert once for all its tokens (``moe_grouped_fc1``, ``moe_grouped_fc2``),
+is opt-in for larger batches until a GPU run shows where it pays.
 
 Shared experts ride along (``shared=(input, weight, output)``): the grid grows by the column
 tiles of a skinny linear (``skinny_linear.linear_tile``), the shared gate/up + SiTU over h
@@ -43,9 +44,9 @@ from kimi_perf_kernels.router_topk import block_e, routed_slot
 from kimi_perf_kernels.skinny_linear import (
     GEMV_MAX_M,
     STAGES,
-    _situ,
     launch_config,
     linear_tile,
+    situ_activation,
     tiles,
 )
 
@@ -108,7 +109,7 @@ def _routed_fc1_tile(slot, block, x_ptr, w13_ptr, w13s_ptr, logits_ptr, bias_ptr
             up2 += wu.to(tl.float32) * x[None, :]
     gate = tl.sum(gate2, axis=1)
     up = tl.sum(up2, axis=1)
-    act = _situ(gate, up, BETA, BETA_LINEAR)
+    act = situ_activation(gate, up, BETA, BETA_LINEAR)
     tl.store(act_ptr + slot * INTER + n, cast(act, act_ptr.dtype.element_ty, RNE), mask=n_ok)
 
 
@@ -223,15 +224,16 @@ def routed_blocks(mxfp4: bool = False) -> tuple[int, int]:
 
 def shared_tile(m: int, situ: bool, interpreted: bool = False) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K) of the shared experts' tiles: the skinny linear's (the
-    GEMV with SiTU at half the K step), but the GEMM's 64 × 32 (the fused kernel's shared
-    memory is the largest of its branches', and its routed tiles need little)."""
+    GEMV with SiTU at half the K step), but the GEMM's BLOCK_N 64 × BLOCK_K 32 (the fused
+    kernel's shared memory is the largest of its branches', and its routed tiles need
+    little)."""
     block_m, block_n, block_k, _ = launch_config(m, interpreted, situ)
     if m > GEMV_MAX_M and not interpreted:
         block_n, block_k = 64, 32
     return block_m, block_n, block_k
 
 
-def _shared_launch(shared: Shared | None, m: int, situ: bool) -> tuple[list, dict]:
+def shared_launch(shared: Shared | None, m: int, situ: bool) -> tuple[list, dict]:
     """The shared experts' kernel arguments (their program count last) and constexprs."""
     if shared is None:  # fixed constexprs: no recompile per batch size
         return [None, None, None, 0, 0, 0, 0, 0, 0], {
@@ -286,12 +288,12 @@ def _fc1(x, w13, ids, top_k, situ, out, shared=None, logits=None, bias=None, wei
         out = torch.empty(M, top_k, inter, dtype=w13.dtype, device=x.device)
     route = logits is not None
     block_n, block_k = routed_blocks(isinstance(w13, Mxfp4))
-    shared_args, shared_consts = _shared_launch(shared, M, situ=True)
+    shared_args, shared_consts = shared_launch(shared, M, situ=True)
     grid = (M * top_k * triton.cdiv(inter, block_n) + shared_args[-1],)
     moe_route_fc1_situ_kernel[grid](
-        x, *_expert_args(w13, "FC1"), logits, bias, ids, weights, out, M, inter, kdim,
+        x, *expert_args(w13, "FC1"), logits, bias, ids, weights, out, M, inter, kdim,
         logits.shape[1] if route else 0, x.stride(0), logits.stride(0) if route else 0,
-        *_expert_strides(w13), scale, *shared_args, TOP_K=top_k,
+        *expert_strides(w13), scale, *shared_args, TOP_K=top_k,
         BLOCK_E=block_e(logits.shape[1]) if route else 16, BETA=situ[0], BETA_LINEAR=situ[1],
         BLOCK_N=block_n, BLOCK_K=block_k, RNE=INTERPRETED, ROUTE=route,
         MXFP4=isinstance(w13, Mxfp4), **shared_consts, num_warps=8, **launch_options())
@@ -299,7 +301,7 @@ def _fc1(x, w13, ids, top_k, situ, out, shared=None, logits=None, bias=None, wei
 
 
 
-def _expert_args(w: Experts, what: str) -> tuple[torch.Tensor, torch.Tensor]:
+def expert_args(w: Experts, what: str) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernels' two weight pointers: MXFP4's codes and scales, or the weights twice."""
     if isinstance(w, Mxfp4):
         w.check(what)
@@ -307,7 +309,7 @@ def _expert_args(w: Experts, what: str) -> tuple[torch.Tensor, torch.Tensor]:
     return w, w
 
 
-def _expert_strides(w: Experts) -> tuple[int, int, int, int]:
+def expert_strides(w: Experts) -> tuple[int, int, int, int]:
     """(expert, row) strides of the weights (of MXFP4's codes), then of MXFP4's scales."""
     if isinstance(w, Mxfp4):
         return (w.packed.stride(0), w.packed.stride(1), w.scale.stride(0), w.scale.stride(1))
@@ -372,10 +374,10 @@ def _fc2(act, w2, ids, weights, out, shared=None) -> None:
     M, top_k, inter = act.shape
     n = w2.shape[1]
     block_n, block_k = routed_blocks(isinstance(w2, Mxfp4))
-    shared_args, shared_consts = _shared_launch(shared, M, situ=False)
+    shared_args, shared_consts = shared_launch(shared, M, situ=False)
     grid = (M * triton.cdiv(n, block_n) + shared_args[-1],)
     moe_fc2_combine_kernel[grid](
-        act, *_expert_args(w2, "FC2"), ids, weights, out, M, inter, n, *_expert_strides(w2),
+        act, *expert_args(w2, "FC2"), ids, weights, out, M, inter, n, *expert_strides(w2),
         out.stride(0), *shared_args, TOP_K=top_k, BLOCK_N=block_n, BLOCK_K=block_k,
         RNE=INTERPRETED, WEIGHTED=weights is not None, MXFP4=isinstance(w2, Mxfp4),
         **shared_consts, num_warps=8, **launch_options())

@@ -43,13 +43,13 @@ from kimi_perf_kernels.common import INTERPRETED, after_previous_kernel, cast, l
 from kimi_perf_kernels.moe_experts import (
     Experts,
     Shared,
-    _expert_args,
-    _expert_strides,
-    _shared_launch,
+    expert_args,
+    expert_strides,
     routed_blocks,
+    shared_launch,
 )
 from kimi_perf_kernels.mxfp4 import Mxfp4, mxfp4_pairs
-from kimi_perf_kernels.skinny_linear import STAGES, _situ, linear_tile
+from kimi_perf_kernels.skinny_linear import STAGES, linear_tile, situ_activation
 
 BLOCK_T = 4   # the slots of one expert taken at a time
 SCAN = 256    # expert ids scanned at a time
@@ -141,7 +141,7 @@ def _grouped_fc1_tile(expert, block, x_ptr, w13_ptr, w13s_ptr, ids_ptr, act_ptr,
                     u = tl.sum(wu * x[None, :], axis=1)
                 gate += tl.where(r[:, None] == t, g[None, :], 0.0)
                 up += tl.where(r[:, None] == t, u[None, :], 0.0)
-        act = _situ(gate, up, BETA, BETA_LINEAR)
+        act = situ_activation(gate, up, BETA, BETA_LINEAR)
         tl.store(act_ptr + slot.to(tl.int64)[:, None] * INTER + n[None, :],
                  cast(act, act_ptr.dtype.element_ty, RNE), mask=t_ok[:, None] & n_ok[None, :])
         r0 += BLOCK_T
@@ -199,12 +199,12 @@ def moe_grouped_fc1_situ(x: torch.Tensor, w13: Experts, ids: torch.Tensor,
     slots = ExpertSlots(torch.empty(n_experts, M, dtype=torch.int32, device=x.device),
                         torch.empty(n_experts, dtype=torch.int32, device=x.device))
     block_n, block_k = routed_blocks(mxfp4)
-    shared_args, shared_consts = _shared_launch(shared, M, situ=True)
+    shared_args, shared_consts = shared_launch(shared, M, situ=True)
     grid = (n_experts * triton.cdiv(inter, block_n) + shared_args[-1],)
-    codes, scales = _expert_args(w13, "moe_grouped_fc1_situ")
+    codes, scales = expert_args(w13, "moe_grouped_fc1_situ")
     moe_grouped_fc1_situ_kernel[grid](
         x, codes, scales, ids, out, slots.lists, slots.counts, M, M * top_k, inter, kdim,
-        x.stride(0), *_expert_strides(w13),
+        x.stride(0), *expert_strides(w13),
         *shared_args, TOP_K=top_k, BETA=situ[0], BETA_LINEAR=situ[1],
         BLOCK_S=min(triton.next_power_of_2(M * top_k), SCAN), BLOCK_T=BLOCK_T, BLOCK_N=block_n,
         BLOCK_K=block_k, RNE=INTERPRETED, MXFP4=mxfp4, **shared_consts, num_warps=8,

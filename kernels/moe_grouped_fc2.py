@@ -144,12 +144,12 @@ def moe_grouped_fc2(act: torch.Tensor, w2: moe_experts.Experts, slots: ExpertSlo
     block_n, block_k = moe_experts.routed_blocks(mxfp4)
     if not interpreter_tiles():
         block_n, block_k = BLOCK_N, MXFP4_BLOCK_K if mxfp4 else block_k
-    shared_args, shared_consts = moe_experts._shared_launch(shared, M, situ=False)
+    shared_args, shared_consts = moe_experts.shared_launch(shared, M, situ=False)
     grid = (n_experts * triton.cdiv(n, block_n) + shared_args[-1],)
-    codes, scales = moe_experts._expert_args(w2, "moe_grouped_fc2")
+    codes, scales = moe_experts.expert_args(w2, "moe_grouped_fc2")
     moe_grouped_fc2_kernel[grid](
         act, codes, scales, lists, counts, weights, out, M, inter, n,
-        *moe_experts._expert_strides(w2), out.stride(0), *shared_args, TOP_K=top_k,
+        *moe_experts.expert_strides(w2), out.stride(0), *shared_args, TOP_K=top_k,
         BLOCK_T=BLOCK_T, BLOCK_N=block_n, BLOCK_K=block_k, RNE=INTERPRETED, MXFP4=mxfp4,
         **shared_consts, num_warps=8, **launch_options())
     return out

@@ -17,7 +17,7 @@ from kimi_perf_kernels.common import (
     interpreter_tiles,
     launch_options,
 )
-from kimi_perf_kernels.skinny_linear import _situ
+from kimi_perf_kernels.skinny_linear import situ_activation
 
 
 @triton.jit
@@ -30,7 +30,7 @@ def situ_and_mul_kernel(x_ptr, out_ptr, INTER, stride_x, stride_out, BETA: tl.co
     ok = cols < INTER
     gate = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * stride_x + INTER + cols, mask=ok, other=0.0).to(tl.float32)
-    act = _situ(gate, up, BETA, BETA_LINEAR)
+    act = situ_activation(gate, up, BETA, BETA_LINEAR)
     tl.store(out_ptr + row * stride_out + cols, cast(act, out_ptr.dtype.element_ty, RNE),
              mask=ok)
 

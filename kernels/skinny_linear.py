@@ -3,10 +3,10 @@
 Decode GEMMs are memory-bound: the kernel's job is to stream W once at full bandwidth. Each
 program owns BLOCK_N output columns and walks K in BLOCK_K steps, for all M rows up to
 MAX_BLOCK_M, so every weight byte is read from HBM once (more rows take more row tiles of the
-same columns, which read the block of W again, from L2). A program's loads of one step do not wait for the step
-before: the K loop is software-pipelined (``STAGES`` tiles of W in flight per program, cp.async
-on Hopper), since with one 16-byte load per thread a step, a few hundred programs keep too few
-bytes in flight to cover HBM's latency. Two variants with one contract:
+same columns, which read the block of W again, from L2). A program's loads of one step do not
+wait for the step before: the K loop is software-pipelined (``STAGES`` tiles of W in flight per
+program, cp.async on Hopper), since with one 16-byte load per thread a step, a few hundred
+programs keep too few bytes in flight to cover HBM's latency. Two variants with one contract:
 
 - ``gemv`` (M ≤ 4): multiply-accumulate on CUDA cores, products summed elementwise and reduced
   over K once, after the loop (a step is loads and FMAs: no shuffles, no barriers); no
@@ -55,7 +55,7 @@ CHECKED_PREFETCH_BYTES = 8 << 20
 
 
 @triton.jit
-def _situ(gate, up, BETA: tl.constexpr, BETA_LINEAR: tl.constexpr):
+def situ_activation(gate, up, BETA: tl.constexpr, BETA_LINEAR: tl.constexpr):
     # tanh(x) = 2σ(2x) - 1 (no libdevice in the interpreter)
     t_gate = 2.0 * tl.sigmoid(2.0 * gate / BETA) - 1.0
     t_up = 2.0 * tl.sigmoid(2.0 * up / BETA_LINEAR) - 1.0
@@ -79,17 +79,20 @@ def linear_tile(pid, x_ptr, w_ptr, norm_ptr, res_ptr, out_ptr, M, N_OUT, K, stri
     row_ok = rows < M
     col_ok = cols < N_OUT
     ks = tl.arange(0, BLOCK_K)
-    # RMSNorm in the same pass: y[m] = 1/rms[m] · Σ_k (x · norm)[m, k] w[k]
-    sq2 = tl.zeros([BLOCK_M, BLOCK_K], tl.float32)   # GEMV: elementwise, reduced after
-    sq1 = tl.zeros([BLOCK_M], tl.float32)            # GEMM: reduced per K step
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    if USE_DOT:   # (the GEMV's elementwise sums: placeholders here)
-        acc3 = tl.zeros([1, 1, 1], tl.float32)
-        acc3_up = tl.zeros([1, 1, 1], tl.float32)
+    # RMSNorm in the same pass: y[m] = 1/rms[m] · Σ_k (x · norm)[m, k] w[k]. The GEMM sums
+    # per K step (sq1, acc); the GEMV keeps products elementwise and reduces them after the
+    # loop (sq2, acc3). (A constexpr branch is all Triton traces: each sum exists only where
+    # its variant runs.)
+    if USE_DOT:
+        sq1 = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        if SITU:
+            acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     else:
+        sq2 = tl.zeros([BLOCK_M, BLOCK_K], tl.float32)
         acc3 = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], tl.float32)
-        acc3_up = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], tl.float32)
+        if SITU:
+            acc3_up = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], tl.float32)
     for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
         kk = k0 + ks
         k_ok = kk < K
@@ -130,9 +133,10 @@ def linear_tile(pid, x_ptr, w_ptr, norm_ptr, res_ptr, out_ptr, M, N_OUT, K, stri
             sq1 = tl.sum(sq2, axis=1)
         inv_rms = 1.0 / tl.sqrt(sq1 / K + eps)
         acc = acc * inv_rms[:, None]
-        acc_up = acc_up * inv_rms[:, None]
+        if SITU:
+            acc_up = acc_up * inv_rms[:, None]
     if SITU:
-        acc = _situ(acc, acc_up, BETA, BETA_LINEAR)
+        acc = situ_activation(acc, acc_up, BETA, BETA_LINEAR)
     if RESIDUAL:
         acc += tl.load(res_ptr + rows[:, None] * stride_rm + cols[None, :],
                        mask=row_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
@@ -199,7 +203,8 @@ def prefetch_columns(budget: int, k: int, n_out: int, block_n: int, element_size
                      situ: bool) -> int:
     """How many of its first columns of W each program reads into L2 before its PDL wait
     (``PREFETCH_K``): the launch's ``budget`` of bytes shared out over its column blocks, in
-    whole 128-byte lines and a power of two of them (a Triton range), at most all of K."""
+    whole 128-byte lines and a power of two of them (a Triton range), at most K rounded up to
+    a power of two (the columns past K masked)."""
     rows = triton.cdiv(n_out, block_n) * block_n * (2 if situ else 1)
     columns = min(budget // (rows * element_size), triton.next_power_of_2(k))
     lines = columns * element_size // 128

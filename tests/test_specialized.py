@@ -291,8 +291,8 @@ def test_mxfp4_experts_stream_as_mxfp4_and_compute_the_same_math(monkeypatch):
     import kimi_perf_kernels.moe_experts as moe_experts
 
     taken = []
-    expert_args = moe_experts._expert_args
-    monkeypatch.setattr(moe_experts, "_expert_args",
+    expert_args = moe_experts.expert_args
+    monkeypatch.setattr(moe_experts, "expert_args",
                         lambda w, what: taken.append((type(w).__name__, what))
                         or expert_args(w, what))
     result = validate("tiny", ("standard_kernels", "specialized"), steps=2, batch=2,
