@@ -275,10 +275,10 @@ class CubinGemv:
         e, fn = build
         y = torch.empty(m, n, dtype=x.dtype, device=x.device) if out is None else out
         stream = self._cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
+        launch = GemvPlan(m, n, k, e["rows"], e["warps"])   # the build's plan
         with stream:
             args = tuple(self._cupy.uint64(t.data_ptr()) for t in (x, w, y))
-            fn((n // e["rows"],), (LANES * e["warps"],), args,
-               shared_mem=4 * e["warps"] * e["rows"] * m)
+            fn((launch.grid,), (launch.threads,), args, shared_mem=launch.smem_bytes)
         return y
 
 

@@ -516,7 +516,7 @@ class K3Model:
 
     # -- MLPs -----------------------------------------------------------------------------
 
-    def _situ(self, gate_up: torch.Tensor) -> torch.Tensor:
+    def situ_activation(self, gate_up: torch.Tensor) -> torch.Tensor:
         c = self.c
         gate, up = gate_up.float().chunk(2, dim=-1)
         act = (c.situ_beta * torch.tanh(gate / c.situ_beta) * torch.sigmoid(gate)) * (
@@ -528,7 +528,7 @@ class K3Model:
         self.launch("dense_gate_up")
         gu = h @ self.packed[0]["gate_up"].T
         self.launch("dense_situ_and_mul")
-        act = self._situ(gu)
+        act = self.situ_activation(gu)
         self.launch("dense_down")
         out = act @ self.w[m + "down_proj.weight"].T
         return self._all_reduce(out), None
@@ -560,7 +560,7 @@ class K3Model:
         expert_of_row = flat[order]
         self.launch("moe_fc1_situ")
         gate_up = _expert_matmul(latent[order // c.top_k], p["w13"], group_ends, expert_of_row)
-        act = self._situ(gate_up)
+        act = self.situ_activation(gate_up)
         self.launch("moe_fc2")
         down = _expert_matmul(act, p["w2"], group_ends, expert_of_row)
         self.launch("moe_finalize")
@@ -571,7 +571,7 @@ class K3Model:
         self.launch("shared_gate_up")
         gu = tokens @ p["shared_gate_up"].T
         self.launch("shared_situ_and_mul")
-        act = self._situ(gu)
+        act = self.situ_activation(gu)
         self.launch("shared_down")
         shared = act @ self.w[m + "shared_experts.down_proj.weight"].T
         routed = self._all_reduce(routed.to(self.dtype), "latent_all_reduce")
