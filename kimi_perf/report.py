@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import html
 import os
+import textwrap
 import urllib.parse
 from collections import Counter
 from pathlib import Path
@@ -77,7 +78,10 @@ def _timeline(fig: go.Figure, row: int, timeline: dict | None, label: str, most:
     has it (``in_legend``: those already in). Returns the ops drawn."""
     if not timeline:
         return 0
-    readable = short_names(timeline["names"], 120)   # (a hover text, not a page)
+    # a template's arguments tell its kernels apart (the functor of an elementwise kernel):
+    # kept to 400 characters, in lines of 100, so that a hover box stays on the screen
+    readable = ["<br>".join(_plotly_text(line) for line in textwrap.wrap(name, 100))
+                for name in short_names(timeline["names"], 400)]
     bars: dict[str, dict[str, list]] = {}
     rows: list[str] = []
     drawn = 0
@@ -93,7 +97,7 @@ def _timeline(fig: go.Figure, row: int, timeline: dict | None, label: str, most:
             bar["y"].append(name)
             bar["base"].append(start_us)
             bar["x"].append(max(dur_us, 1e-3))
-            bar["text"].append(f"{_plotly_text(readable[op])}<br>"
+            bar["text"].append(f"{readable[op]}<br>"
                                f"{_plotly_text(cls)}, {dur_us:.2f} µs at {start_us:.2f} µs")
     for cls, bar in sorted(bars.items()):
         fig.add_trace(go.Bar(orientation="h", name=_plotly_text(cls), legendgroup=cls,
