@@ -1305,8 +1305,11 @@ def trace_cmd(from_files: tuple[Path, ...], captures: tuple[Path, ...], phase: s
                       "layer must move at least (kimi-perf floors)")
     if on_cpu:
         who = "Run" if len(on_cpu) == len(labels) else ", ".join(on_cpu) + " ran"
+        from kimi_perf.report import cold_start_text
+
+        cold = f"; {said}" if (said := cold_start_text(run_info)) else ""
         console.print(f"{who} on a CPU, with no GPU kernels: 'ops' are the launches each path "
-                      "annotates (one per kernel it would run on a GPU), timed on the CPU.")
+                      f"annotates (one per kernel it would run on a GPU), timed on the CPU{cold}.")
     for path, metrics in run_info.get("paths", {}).items():
         console.print(f"{path}: {metrics['decode_tokens_per_s']:.1f} decode tokens/s (the "
                       "profiled steps' tokens over their summed time), "

@@ -499,16 +499,25 @@ def _run_html(run: dict | None, breakdowns: dict[str, Breakdown]) -> str:
                        "so its µs are not a speed figure"
                        if "specialized" in metrics and "specialized" not in fell_back else "")
         which = "Run" if len(on_cpu) == len(breakdowns) else e(", ".join(on_cpu)) + " ran"
-        own_process = (run.get("request") or {}).get("backend") == "nsys"
-        cold = ("" if not metrics else
-                "; each path ran in a process of its own under nsys, so its time to first "
-                "token is that process's cold start" if own_process else
-                f"; the first path's time to first token ({e(next(iter(metrics)))}) includes "
-                "the process's cold start, so compare it across runs of one path")
+        cold = (f"; {html.escape(said, quote=False)}" if (said := cold_start_text(run))
+                else "")
         parts.append(f"<p class=note>{which} on a CPU, with no GPU kernels: <b>ops</b> are the "
                      "launches each path annotates (one per kernel it would run on a GPU), "
                      f"timed on the CPU{interpreted}{cold}.</p>")
     return "".join(parts)
+
+
+def cold_start_text(run: dict) -> str | None:
+    """Whose time to first token a CPU run's process start is in (None without decode
+    metrics): each path's under nsys (a process each), else the first path's."""
+    metrics = run.get("paths") or {}
+    if not metrics:
+        return None
+    if (run.get("request") or {}).get("backend") == "nsys":
+        return ("each path ran in a process of its own under nsys, so its time to first token "
+                "is that process's cold start")
+    return (f"the first path's time to first token ({next(iter(metrics))}) includes the "
+            "process's cold start, so compare it across runs of one path")
 
 
 def _gpus_text(gpus: list[dict]) -> str:

@@ -876,3 +876,26 @@ def test_trace_runs_the_specialized_path_s_opt_ins(tmp_path):
     assert alone.exit_code == 2 and alone.output.count("\n") == 1
     assert "--group-experts-from: options of the specialized path, which --paths standard " \
            "leaves out" in alone.output
+
+
+def test_trace_command_prints_the_table_metrics_and_where_the_run_is(tmp_path):
+    """The terminal end of the main job: the side-by-side table, each path's decode metrics,
+    what a CPU run's ops are (and whose time to first token is the process's cold start),
+    and the run directory and report it wrote."""
+    from click.testing import CliRunner
+
+    from kimi_perf.cli import main
+
+    result = CliRunner().invoke(main, ["trace", "--layers", "4", "--steps", "1", "--warmup",
+                                       "0", "--context", "3", "--out", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.output.split())
+    assert "kda: 18 ops / " in text and "vs 9 / " in text and "(specialized)" in text
+    assert ("Run on a CPU, with no GPU kernels: 'ops' are the launches each path annotates "
+            "(one per kernel it would run on a GPU), timed on the CPU; the first path's time "
+            "to first token (standard) includes the process's cold start, so compare it "
+            "across runs of one path.") in text
+    assert "standard: " in text and " decode tokens/s (the profiled steps' tokens" in text
+    (run_dir,) = tmp_path.iterdir()
+    assert f"run directory: {run_dir}" in text
+    assert f"report: {run_dir.resolve() / 'report.html'}" in text
