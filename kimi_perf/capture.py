@@ -133,7 +133,7 @@ def environment(device: str) -> dict[str, Any]:
         env["driver"] = _driver_version()
     else:
         env.update(gpus=[], cuda=None, driver=None)
-    env["git_commit"] = _git_commit()
+    env["git_commit"] = git_commit()
     return env
 
 
@@ -146,7 +146,7 @@ def _driver_version() -> str | None:
     return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout else None
 
 
-def _git_commit(checkout: Path | None = None) -> str | None:
+def git_commit(checkout: Path | None = None) -> str | None:
     """The commit of kimi-perf's checkout (or of ``checkout``), ``+uncommitted`` after it when
     tracked files differ from it (the code that ran is not that commit's);
     ``KIMI_PERF_GIT_COMMIT`` where the code runs from a copy of the working tree without its
@@ -727,7 +727,7 @@ def analyse(files: list[str | Path], out_dir: str | Path, layers: str = "auto",
                *(("--plotly-js", plotly_js) if plotly_js != "inline" else ())]
     run_info = {"command": shlex.join(command), "files": [],
                 "date": dt.datetime.now(dt.UTC).isoformat(), "kimi_perf": __version__,
-                "git_commit": _git_commit()}
+                "git_commit": git_commit()}
     with run_directory(out_dir, "from") as (run_dir, final):
         # relative to the run directory: read from any directory, and still found when the
         # run and its traces move together (a repository that keeps both)

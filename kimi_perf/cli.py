@@ -6,7 +6,6 @@ import contextlib
 import dataclasses
 import datetime
 import functools
-import io
 import json
 import math
 import os
@@ -29,7 +28,7 @@ from kimi_perf.layer_breakdown import Breakdown, breakdown_of_file, units_word
 from kimi_perf.layers import PHASES
 from kimi_perf.readers import read_trace
 from kimi_perf.text import counted, distinct_words
-from kimi_perf.trace import OP_RANGE, WholeWrites, atomic_write_text, json_text, printable
+from kimi_perf.trace import OP_RANGE, atomic_write_text, json_text, printable, whole_stdout
 
 LAYERS_HELP = ("auto: per-layer ranges when the trace has them, else the repeating kernel "
                "pattern; repeat: the pattern only; nvtx or nvtx:REGEX: ranges only (REGEX may "
@@ -108,12 +107,9 @@ def _echo(text: str, nl: bool = True) -> None:
     """``click.echo``, whose reader's leaving mid-way (`| head`) the command hears of
     (``WholeWrites``)."""
     text += "\n" if nl else ""
-    try:
-        out = WholeWrites(sys.stdout.fileno())
-    except (AttributeError, OSError, io.UnsupportedOperation):   # (a test's captured stdout)
+    if (out := whole_stdout()) is None:
         click.echo(text, nl=False)
         return
-    sys.stdout.flush()
     out.write(text.encode(sys.stdout.encoding or "utf-8", sys.stdout.errors or "strict"))
 
 
@@ -826,10 +822,10 @@ def report_cmd(inputs: tuple[Path, ...], path_name: str | None, labels: str | No
         fell_back = {renamed[label]: reason for label, reason in fell_back.items()}
     if run_info is None:   # traces or several inputs: how this report was made
         from kimi_perf import __version__
-        from kimi_perf.capture import _git_commit
+        from kimi_perf.capture import git_commit
 
         run_info = {"command": _command_said(), "kimi_perf": __version__,
-                    "git_commit": _git_commit(),
+                    "git_commit": git_commit(),
                     "date": datetime.datetime.now(datetime.UTC).isoformat()}
     write_report(output, drawn, "kimi-perf report: " + ", ".join(drawn), run_info, plotly_js,
                  run_infos if len(inputs) > 1 else [],

@@ -422,7 +422,9 @@ def load_run(path: str | Path, phase: str = "auto", **breakdown_options
     """The breakdowns per decode path of a run (see the module doc), the JSON document that
     stores them (what a baseline file holds), and the JSON file they came from (None for a
     trace, broken down over the steps of ``phase``, and as ``breakdown_options`` say:
-    ``layers``, ``step_regex``, ``rules``, as ``breakdown`` takes them)."""
+    ``layers``, ``step_regex``, ``rules``, as ``breakdown`` takes them). A trace's document
+    holds its layers as columns (``LayerRows``): ``json_text`` writes it as it would the list
+    of dicts, without building them all at once."""
     path = Path(path)
     if path.is_dir():
         path = path / "breakdown.json"
@@ -450,7 +452,7 @@ def load_run(path: str | Path, phase: str = "auto", **breakdown_options
     from kimi_perf.layer_breakdown import breakdown_of_file
 
     b = breakdown_of_file(path, phase=phase, **breakdown_options)
-    return {TRACE: b}, b.to_json(), None
+    return {TRACE: b}, b.to_json(lazy_layers=True), None
 
 
 def run_info_problem(run: object) -> str | None:

@@ -600,6 +600,16 @@ class WholeWrites(io.RawIOBase):
         return len(whole)
 
 
+def whole_stdout() -> WholeWrites | None:
+    """Stdout as ``WholeWrites``, what Python buffered for it flushed first; None where
+    stdout has no descriptor (a test's captured output), for the caller to write as usual."""
+    sys.stdout.flush()
+    try:
+        return WholeWrites(sys.stdout.fileno())
+    except (AttributeError, OSError, io.UnsupportedOperation):
+        return None
+
+
 def atomic_write(path: str | Path, write) -> None:
     """Call ``write(binary_file)`` on a temporary file beside ``path``, then rename it over,
     so that a failure leaves no partial file. A symlink is written through (its target
@@ -607,11 +617,7 @@ def atomic_write(path: str | Path, write) -> None:
     not a regular file (a device such as /dev/null, a pipe, /dev/stdout) is written into
     directly; ``-`` is stdout."""
     if str(path) == "-":
-        sys.stdout.flush()
-        try:
-            out = WholeWrites(sys.stdout.fileno())
-        except (AttributeError, OSError, io.UnsupportedOperation):  # (a test's captured output)
-            out = sys.stdout.buffer
+        out = whole_stdout() or sys.stdout.buffer
         write(out)
         out.flush()
         return

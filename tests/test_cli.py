@@ -1189,10 +1189,10 @@ def test_the_commit_recorded_says_when_the_checkout_differs_from_it(tmp_path, mo
     a run directory say, are not the code); the GPU machine's copy names it from outside."""
     import subprocess
 
-    from kimi_perf.capture import _git_commit
+    from kimi_perf.capture import git_commit
 
     monkeypatch.delenv("KIMI_PERF_GIT_COMMIT", raising=False)
-    assert _git_commit(tmp_path) is None                       # not a checkout
+    assert git_commit(tmp_path) is None                       # not a checkout
     git = ["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t"]
     subprocess.run([*git, "init", "-q"], check=True)
     (tmp_path / "model.py").write_text("a = 1\n")
@@ -1202,11 +1202,11 @@ def test_the_commit_recorded_says_when_the_checkout_differs_from_it(tmp_path, mo
                           check=True).stdout.strip()
     (tmp_path / "traces").mkdir()
     (tmp_path / "traces" / "run.json").write_text("{}")
-    assert _git_commit(tmp_path) == head
+    assert git_commit(tmp_path) == head
     (tmp_path / "model.py").write_text("a = 2\n")
-    assert _git_commit(tmp_path) == head + "+uncommitted"
+    assert git_commit(tmp_path) == head + "+uncommitted"
     monkeypatch.setenv("KIMI_PERF_GIT_COMMIT", "abc+uncommitted")
-    assert _git_commit(tmp_path) == "abc+uncommitted"
+    assert git_commit(tmp_path) == "abc+uncommitted"
 
 
 def test_seeds_beyond_what_torch_takes_are_a_usage_error():

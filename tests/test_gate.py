@@ -691,7 +691,12 @@ def test_cli_exit_codes_and_update(tmp_path):
     result = runner.invoke(main, ["gate", str(trace), str(trace)])
     assert result.exit_code == 0 and "gate: pass" in result.output
     # a baseline with one kernel fewer per layer than the trace has
-    _, doc, _ = load_run(trace)
+    runs, stored, _ = load_run(trace)
+    # the layers are held as columns (LayerRows), and written as the whole list would be
+    text = json_text(stored)
+    assert text == json_text(runs["trace"].to_json())
+    doc = json.loads(text)
+    assert len(doc["layers"]) == len(runs["trace"].layers) > 0
     for t in doc["layer_types"]:
         t["kernels"] -= 1
     for row in doc["layers"]:
@@ -776,7 +781,7 @@ def test_update_reads_each_file_once(tmp_path, monkeypatch):
                         lambda path, phase="auto", **options: reads.append(Path(path))
                         or real(path, phase, **options))
     baseline = tmp_path / "base.json"
-    baseline.write_text(json.dumps(real(EXAMPLE_TRACE)[1]))
+    baseline.write_text(json_text(real(EXAMPLE_TRACE)[1]))
     result = CliRunner().invoke(main, ["gate", str(baseline), str(EXAMPLE_TRACE), "--update"])
     assert result.exit_code == 0 and "updated from" in result.output
     assert sorted(map(str, reads)) == sorted([str(baseline), str(EXAMPLE_TRACE)])
