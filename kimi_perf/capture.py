@@ -159,8 +159,11 @@ def git_commit(checkout: Path | None = None) -> str | None:
                               text=True)
         if head.returncode != 0 or not head.stdout.strip():
             return None
-        clean = subprocess.run(["git", "-C", here, "diff", "--quiet", "HEAD"],
-                               capture_output=True).returncode == 0
+        # status, not diff: told no optional locks, it leaves the index as it is (diff
+        # rewrites it under a lock, which fails a commit made meanwhile in the checkout)
+        status = subprocess.run(["git", "--no-optional-locks", "-C", here, "status",
+                                 "--porcelain", "--untracked-files=no"], capture_output=True)
+        clean = status.returncode == 0 and not status.stdout.strip()
     except OSError:  # no git at all
         return None
     return head.stdout.strip() + ("" if clean else "+uncommitted")

@@ -1203,6 +1203,12 @@ def test_the_commit_recorded_says_when_the_checkout_differs_from_it(tmp_path, mo
     (tmp_path / "traces").mkdir()
     (tmp_path / "traces" / "run.json").write_text("{}")
     assert git_commit(tmp_path) == head
+    # a file touched, not changed: git would refresh (rewrite, under its lock) the index,
+    # which fails a commit made meanwhile in the checkout; the index is left as it was
+    index = (tmp_path / ".git" / "index").read_bytes()
+    os.utime(tmp_path / "model.py", (1000, 1000))
+    assert git_commit(tmp_path) == head
+    assert (tmp_path / ".git" / "index").read_bytes() == index
     (tmp_path / "model.py").write_text("a = 2\n")
     assert git_commit(tmp_path) == head + "+uncommitted"
     monkeypatch.setenv("KIMI_PERF_GIT_COMMIT", "abc+uncommitted")
