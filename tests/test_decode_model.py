@@ -353,6 +353,7 @@ def test_safetensors_checkpoint_with_k3_names(tmp_path, weights, monkeypatch):
     from safetensors.torch import load_file, save_file
 
     from kimi_perf.decode.weights import (
+        checkpoint_name,
         dequantize_mxfp4,
         load_safetensors,
         quantize_mxfp4,
@@ -425,6 +426,24 @@ def test_safetensors_checkpoint_with_k3_names(tmp_path, weights, monkeypatch):
     save_file({**stored, a_log: torch.ones(TINY.kda_heads + 4)}, str(shard))
     with pytest.raises(TraceError, match=f"nonzero past its {TINY.kda_heads} heads"):
         load_safetensors(tmp_path, TINY)
+    save_file(stored, str(shard))
+    # the older layouts vLLM's loader also takes: A_log as [1, 1, heads, 1] (padded or not),
+    # a conv weight as [channels, taps]
+    loaded = load_safetensors(tmp_path, TINY)
+    conv = next(n for n in names if n.endswith("q_conv1d.weight"))
+    conv_shard = next(f for f in tmp_path.glob("*.safetensors") if conv in load_file(str(f)))
+    for padded in (0, 4):
+        save_file({**stored, a_log: torch.cat([stored[a_log].reshape(-1)[:TINY.kda_heads],
+                                               torch.zeros(padded)]).reshape(1, 1, -1, 1)},
+                  str(shard))
+        conv_stored = load_file(str(conv_shard))
+        save_file({**conv_stored, conv: conv_stored[conv].squeeze(1)}, str(conv_shard))
+        older = load_safetensors(tmp_path, TINY)
+        ours_a_log, ours_conv = checkpoint_name(a_log), checkpoint_name(conv)
+        assert torch.equal(older[ours_a_log], loaded[ours_a_log])
+        assert torch.equal(older[ours_conv], loaded[ours_conv])
+        assert older[ours_conv].shape[1] == 1
+        save_file(conv_stored, str(conv_shard))
     save_file(stored, str(shard))
 
     (tmp_path / "model-00002.safetensors").unlink()

@@ -548,6 +548,8 @@ class K3Model:
         chosen = torch.topk(scores + self.w[m + "gate.e_score_correction_bias"], c.top_k,
                             dim=-1).indices
         weights = scores.gather(-1, chosen)
+        # (routed_scale, 1.0 in K3, where vLLM applies it: the latent norm after the experts
+        # cancels any uniform scale)
         weights = weights / weights.sum(-1, keepdim=True) * c.routed_scale
         # Routed experts as grouped GEMMs (vLLM's fused_moe): the (token, slot) rows sorted by
         # expert, each expert's group ending where a device-side histogram says; no host

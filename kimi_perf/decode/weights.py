@@ -316,7 +316,8 @@ def _checkpoint_tensor(directory: Path, name: str, shape: tuple[int, ...],
                        where: Mapping[str, object], read: Callable[[str], torch.Tensor],
                        dtype: torch.dtype) -> torch.Tensor:
     """``name`` from a checkpoint whose tensors ``where`` holds (our names), read by ``read``:
-    MXFP4 routed experts dequantised, K3's padded A_log cut to its heads, its shape checked."""
+    MXFP4 routed experts dequantised, K3's padded A_log cut to its heads, a conv weight
+    without its middle axis given one, its shape checked."""
     from kimi_perf.errors import TraceError
 
     if name in where:
@@ -328,14 +329,17 @@ def _checkpoint_tensor(directory: Path, name: str, shape: tuple[int, ...],
         t = dequantize_mxfp4(read(base + ".weight_packed"), read(base + ".weight_scale"))
     else:
         raise TraceError(directory, f"checkpoint lacks {name}")
-    if name.endswith("A_log") and t.numel() > shape[0]:
-        # K3 pads its per-head A_log to 128 entries with zeros; anything else there would
-        # be another layout (per channel), which dropping the tail would silently misread
+    if name.endswith("A_log") and t.numel() >= shape[0]:
+        # K3 pads its per-head A_log to 128 entries with zeros, stored flat or as
+        # [1, 1, heads, 1] (vLLM takes both); anything else there would be another layout (per
+        # channel), which dropping the tail would silently misread
         t = t.reshape(-1)
         if t[shape[0]:].any():
             raise TraceError(directory, f"{name} has {t.numel()} entries, nonzero past its "
                                         f"{shape[0]} heads: not K3's per-head layout")
         t = t[: shape[0]]
+    if name.endswith("conv1d.weight") and tuple(t.shape) == (shape[0], shape[2]):
+        t = t.unsqueeze(1)    # [channels, taps], as vLLM's loader also takes it
     if tuple(t.shape) != shape:
         raise TraceError(directory, f"{name} has shape {tuple(t.shape)}, expected {shape}")
     return t.to(_storage_dtype(shape, dtype))
