@@ -6,17 +6,21 @@
 1. Environment: GPU, driver, CUDA, torch, triton, date.
 2. Ceilings: device-to-device copy bandwidth (bytes read + written, median of repeats).
 3. Correctness on the GPU: both paths on the tiny preset in float32 against the standard path
-   on the CPU (Triton's float32 dots use tf32 on the GPU: bound 3e-3), logits every step,
-   launched eagerly and replayed from a CUDA graph (decode steps, and speculative verify
-   steps with their rollback), also on MXFP4 experts (both paths' expert kernels stream the
-   codes and scales); and ``kda_decode`` split over programs at K3 TP8 shapes,
-   batch 64, launched 100 times on one arrivals buffer against its reference (the arrival
-   protocol, which the interpreter cannot race).
+   on the CPU (Triton's float32 dots use tf32 on the GPU: bound 3e-3; NaN never passes),
+   logits every step, launched eagerly and replayed from a CUDA graph (decode steps, and
+   speculative verify steps with their rollback); and ``kda_decode`` split over programs at
+   K3 TP8 shapes, batch 64, launched 100 times on one arrivals buffer against its reference
+   (the arrival protocol, which the interpreter cannot race). The opt-ins (grouped experts,
+   PDL, MXFP4 experts: both paths' expert kernels stream the codes and scales) are checked
+   the same way after the headline speed runs, before their own. A failed check is an error
+   of the run, and the summary's first line.
 4. Speed: both paths on k3-tp8 shapes (5 layers: dense, 2 KDA + MoE, 2 gated MLA) at batch 1
    and 64, eager and with CUDA graphs, profiled after warm-up. Per layer type: kernels, kernel
    µs, span µs (under graphs the replayed kernels map back to their capture inside the layer
    ranges: ``kimi_perf.graphs``), and each graph run's steps timed again without the
-   profiler (CUPTI's cost per kernel would favour the path with fewer); per launch of both
+   profiler (CUPTI's cost per kernel would favour the path with fewer; 30 steps at least,
+   their spread the noise), for the paths and each opt-in against the path without it; the
+   greedy tokens of the paths side by side, and the last logits finite; per launch of both
    eager paths, its kernels' µs, and for
    the specialized path against the bytes it must move over the measured bandwidth (its
    memory floor). On a GPU the standard path is ``StandardKernelsModel``, one kernel per
@@ -25,38 +29,46 @@
    64 with its routed experts grouped by expert (``specialized+grouped``); under graphs, at
    both batches, with programmatic dependent launch (``specialized+pdl``), and with it and
    the skinny linears' weight prefetch before the wait (``specialized+pdl+prefetch``,
-   ``CHECKED_PREFETCH_BYTES``); each side by side with it without.
+   ``CHECKED_PREFETCH_BYTES``); each side by side with it without. Both paths run first,
+   under graphs and then eagerly, the opt-ins after.
 5. CuTe DSL against Triton: the CuTe DSL GEMV (``kernels/cute_gemv.py``; its cubins are built
    for sm_90a before the call, since the DSL itself cannot travel) beside the Triton GEMV and
    cuBLAS on the K3 TP8 projections at 1-4 tokens: errors against a float32 product and µs per
    launch, each replayed from a CUDA graph over weight copies that overflow L2 (after the
-   speed runs: a kernel's first GPU run must not cost them). Where the CuTe DSL GEMV passes,
+   speed runs: a kernel's first GPU run must not cost them; without the cubins, Triton and
+   cuBLAS still, on the same shapes). Where the CuTe DSL GEMV passes,
    the specialized path runs again at batch 1 with it (``specialized+cute``), side by side.
 6. The main job as a user runs it: ``kimi-perf trace`` with its GPU defaults, ``--graphs``,
    ``--graphs --spec-tokens 3`` (speculative verify steps of 4 tokens, as vLLM's reported
    tokens/s were measured with speculative decoding), ``--graphs --experts mxfp4`` (K3's own
-   MXFP4 experts) and eager, in that order, as many as the time left fits at a minute each;
-   its per-layer table and run directory kept.
+   MXFP4 experts) and eager, in that order, each given the time left, the next begun where
+   that fits one as long as the last (a minute at least); its per-layer table and run
+   directory kept.
 
 Writes ``results.json``, ``summary.md`` (after every section: a run killed at the device
 call's limit keeps what it measured) under ``--out``, and the evidence behind them (the Kineto
 traces, the main job's run directories) as ``evidence.tar.gz.part0``, ``part1``, ... (at most
 four parts of 15 MiB, also rewritten after every section and every main-job run: the device
-returns at most 8 files, 64 MiB together; a larger archive is cut, with a warning;
-``cat evidence.tar.gz.part* | tar xz`` unpacks them); prints the summary last.
-Sections that would not fit the wall-clock budget (``--budget-s``) are skipped and
-listed, the headline first: graphs before eager runs. Every number is measured in this one
-run.
+returns at most 8 files, 64 MiB together; a larger archive is cut, the least wanted last,
+with a warning; ``cat evidence.tar.gz.part* | tar xz`` unpacks them); prints the summary last.
+Sections that would not fit the wall-clock budget (``--budget-s``, counted from
+``GPU_CHECK_STARTED``, which ``scripts/gpu-check.sh`` sets as the call begins) are skipped
+and listed, the headline first. A hang, or the call's end, leaves the stacks in the log
+(faulthandler). Every number is measured in this one run.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
+import faulthandler
 import gzip
 import json
 import math
 import os
+import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -93,6 +105,8 @@ GEMV_REL_ERR, GEMV_MAX_ERR = 1e-2, 2e-2
 GEMV_S, MIN_MAIN_JOB_S, BUDGET_MARGIN_S = 45, 60, 10
 MAIN_JOB_KEPT_S = 2 * MIN_MAIN_JOB_S + BUDGET_MARGIN_S
 RESERVE_AFTER_SPEED_S = GEMV_S + MAIN_JOB_KEPT_S
+# Steps timed without the profiler (replays of a graph: cheap, and the spread a noise estimate)
+UNPROFILED_STEPS = 30
 # The device call returns at most 8 files of 16 MiB, 64 MiB together, from $OUT:
 # results.json, summary.md, the log, and the evidence in parts (what does not fit is cut).
 EVIDENCE_PART_BYTES, EVIDENCE_PARTS = 15 << 20, 4
@@ -118,15 +132,28 @@ def copy_bandwidth(device: str, mib: int, repeats: int = 10) -> float:
     return 2 * src.numel() * 4 / statistics.median(times[2:])
 
 
-def correctness(device: str, steps: int) -> dict:
-    """Both paths (and the specialized path's grouped experts, its kernels launched with
-    PDL, and both paths' expert kernels on MXFP4 experts) on the GPU against the standard
-    path on the CPU, tiny preset, float32."""
+def worst(errors: list[float]) -> float:
+    """The largest error, NaN where any is one (``max`` passes over a NaN that does not
+    come first, and ``NaN > bound`` is False: NaN must never pass)."""
+    return math.nan if any(math.isnan(e) for e in errors) else max(errors)
+
+
+# The checks of ``correctness``: both paths first; the opt-ins (the specialized path's grouped
+# experts, its kernels launched with PDL, both paths' expert kernels on MXFP4 experts) after
+# the headline speed runs, before their own
+BASE_CHECKS = tuple(PATHS)
+OPT_IN_CHECKS = ("specialized+grouped", "specialized+pdl", "specialized+pdl+prefetch",
+                 "standard+mxfp4", "specialized+mxfp4", "specialized+grouped+mxfp4")
+
+
+def correctness(device: str, steps: int, names=BASE_CHECKS, allows=lambda name: True) -> dict:
+    """``names`` (``BASE_CHECKS``, ``OPT_IN_CHECKS``), each as ``allows(name)`` says, on the
+    GPU against the standard path on the CPU, tiny preset, float32."""
     c = preset("tiny", n_layers=4)
     tokens = torch.randint(0, c.vocab, (2, 4 + steps), generator=torch.Generator()
                            .manual_seed(12))
     by_experts = {}   # the weights, their reference on the CPU, and its logits step by step
-    for experts in ("bf16", "mxfp4"):
+    for experts in {"mxfp4" if "mxfp4" in name else "bf16" for name in names}:
         weights = random_weights(c, seed=11, experts=experts)
         ref = K3Model(c, weights, dtype=torch.float32)
         ref_state = ref.new_state(2, 4 + steps)
@@ -135,8 +162,9 @@ def correctness(device: str, steps: int) -> dict:
                  for t in range(4, 4 + steps)]
         by_experts[experts] = weights, ref, want
     out = {}
-    for name in (*PATHS, "specialized+grouped", "specialized+pdl", "specialized+pdl+prefetch",
-                 "standard+mxfp4", "specialized+mxfp4", "specialized+grouped+mxfp4"):
+    for name in names:
+        if not allows(name):
+            continue
         base, *options = name.split("+")
         experts = "mxfp4" if "mxfp4" in options else "bf16"
         weights, ref, want = by_experts[experts]
@@ -158,9 +186,8 @@ def correctness(device: str, steps: int) -> dict:
             errors += [rel_err(graphed(tokens[:, t: t + 1].to(device))[:, -1].cpu(),
                                want[t - 3].double()) for t in range(4, 4 + steps)]
             errors += graphed_verify_errors(model, ref, tokens[:, :4], device)
-        out[name] = {"max_rel_err": max(errors), "ok": max(errors) < 3e-3 and all(
-            math.isfinite(e) for e in errors)}
-    out["kda_decode split"] = kda_split_stress(device, smoke=device != "cuda")
+        err = worst(errors)
+        out[name] = {"max_rel_err": err, "ok": err < 3e-3}    # (NaN and infinity fail)
     return out
 
 
@@ -223,10 +250,9 @@ def kda_split_stress(device: str, smoke: bool) -> dict:
                 else:
                     r.pending.zero_()
     left = int(arrivals.count_nonzero())
-    worst = max(errors)
-    return {"max_rel_err": worst, "launches": 2 * launches, "conv_state_exact": conv_exact,
-            "arrivals_left": left,
-            "ok": worst < 1e-2 and math.isfinite(worst) and conv_exact and left == 0}
+    err = worst(errors)
+    return {"max_rel_err": err, "launches": 2 * launches, "conv_state_exact": conv_exact,
+            "arrivals_left": left, "ok": err < 1e-2 and conv_exact and left == 0}
 
 
 def graphed_verify_errors(model: K3Model, ref: K3Model, prompt: torch.Tensor, device: str
@@ -257,16 +283,22 @@ def gemv_side_by_side(device: str, cubins: Path | None, bandwidth: float) -> dic
     exceed L2 three times, so that W streams from HBM as in a decode step)."""
     if device != "cuda":
         return {"skipped": "no GPU"}
-    if cubins is None or not (cubins / "manifest.json").exists():
-        return {"skipped": "no cubins: `bash scripts/gpu-check.sh fetch` builds them"}
-    from kimi_perf_kernels.cute_gemv import CubinGemv
+    from kimi_perf_kernels.cute_gemv import CubinGemv, decode_shapes
     from kimi_perf_kernels.skinny_linear import skinny_linear
 
-    cute = CubinGemv(cubins)
+    if cubins is not None and (cubins / "manifest.json").exists():
+        cute = CubinGemv(cubins)
+        builds = sorted((mnk, entry) for mnk, (entry, _) in cute.builds.items())
+        result: dict = {"cute": True}
+    else:   # Triton and cuBLAS still, on the shapes the cubins would have had
+        cute = None
+        builds = sorted(((m, n, k), {"name": name})
+                        for name, (n, k) in decode_shapes("k3-tp8").items() for m in range(1, 5))
+        result = {"cute": "no cubins: `bash scripts/gpu-check.sh fetch` builds them"}
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
     gen = torch.Generator(device="cuda").manual_seed(5)
     rows = []
-    for (m, n, k), (entry, _) in sorted(cute.builds.items()):
+    for (m, n, k), entry in builds:
         copies = max(2, math.ceil(3 * l2 / (n * k * 2)))
         ws = [(torch.randn(n, k, device="cuda", generator=gen) * k ** -0.5).bfloat16()
               for _ in range(copies)]
@@ -275,19 +307,22 @@ def gemv_side_by_side(device: str, cubins: Path | None, bandwidth: float) -> dic
         impls = {"cute": lambda w, y, x=x: cute(x, w, y),
                  "triton": lambda w, y, x=x: skinny_linear(x, w, out=y),
                  "cublas": lambda w, y, x=x: torch.matmul(x, w.T, out=y)}
+        if cute is None:
+            del impls["cute"]
         def errors(y: torch.Tensor, want: torch.Tensor) -> tuple[float, float]:
             """(norm-relative error, largest error over the largest reference value)"""
             diff = (y.double() - want.double()).cpu()
             return (rel_err(y.float().cpu(), want.double().cpu()),
                     float(diff.abs().max() / want.double().abs().max().cpu()))
 
-        row = {"name": entry["name"], "m": m, "n": n, "k": k, "rows": entry["rows"],
-               "warps": entry["warps"], "registers": entry["registers"],
-               "loaded": entry["loaded"],
+        row = {"name": entry["name"], "m": m, "n": n, "k": k,
+               **{key: entry[key] for key in ("rows", "warps", "registers", "loaded")
+                  if key in entry},
                "floor_us": n * k * 2 / bandwidth * 1e6}
         for label, fn in impls.items():
             try:
-                y = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+                # poisoned: an output the kernel leaves unwritten is an error, not an old value
+                y = torch.full((m, n), math.nan, device="cuda", dtype=torch.bfloat16)
                 fn(ws[0], y)
                 torch.cuda.synchronize()
                 row[f"{label}_err"], row[f"{label}_max_err"] = errors(y, want)
@@ -307,18 +342,18 @@ def gemv_side_by_side(device: str, cubins: Path | None, bandwidth: float) -> dic
                     times.append(start.elapsed_time(end) * 1e3 / launches)
                 row[f"{label}_us"] = statistics.median(times[2:])
                 # the graph computed what it was timed for: its last launch's product
-                y.zero_()
+                y.fill_(math.nan)
                 graph.replay()
                 torch.cuda.synchronize()
                 last = x.float() @ ws[(launches - 1) % copies].float().T
-                row[f"{label}_graph_err"] = max(errors(y, last))
+                row[f"{label}_graph_err"] = worst(list(errors(y, last)))
                 del graph
             except Exception as exc:  # the other kernels' numbers still count
                 row[f"{label}_error"] = f"{type(exc).__name__}: {exc}"[:500]
         rows.append(row)
         del ws
         torch.cuda.empty_cache()
-    return {"l2_bytes": l2, "builds": rows}
+    return result | {"l2_bytes": l2, "builds": rows}
 
 
 def gemv_errors(gemv: dict) -> list[str]:
@@ -328,14 +363,17 @@ def gemv_errors(gemv: dict) -> list[str]:
     for r in gemv.get("builds", []):
         for label in ("cute", "triton", "cublas"):
             where = f"gemv {r['name']} M={r['m']} {label}"
+            if f"{label}_err" not in r and f"{label}_error" not in r:
+                continue     # not run (no cubins for the CuTe DSL GEMV)
             if f"{label}_error" in r:
                 out.append(f"{where}: {r[label + '_error']}")
                 continue
-            if r[f"{label}_err"] > GEMV_REL_ERR or r[f"{label}_max_err"] > GEMV_MAX_ERR:
+            # "not <=": a NaN error fails too
+            if not (r[f"{label}_err"] <= GEMV_REL_ERR and r[f"{label}_max_err"] <= GEMV_MAX_ERR):
                 out.append(f"{where}: rel err {r[label + '_err']:.2e} (norm), "
                            f"{r[label + '_max_err']:.2e} (max) > {GEMV_REL_ERR} / "
                            f"{GEMV_MAX_ERR}")
-            if r[f"{label}_graph_err"] > GEMV_MAX_ERR:
+            if not r[f"{label}_graph_err"] <= GEMV_MAX_ERR:
                 out.append(f"{where}: the timed graph's output is off by "
                            f"{r[label + '_graph_err']:.2e}")
     return out
@@ -383,8 +421,8 @@ def speed(path: str, c: K3Config, weights, batch: int, context: int, warmup: int
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
-    before = run_decode(model, prompt, steps=steps, warmup=warmup, cuda_graphs=True) \
-        if graphs and control else None
+    before = run_decode(model, prompt, steps=max(steps, UNPROFILED_STEPS), warmup=warmup,
+                        cuda_graphs=True) if graphs and control else None
     schedule = profiler_schedule(warmup, steps, graphs)
     with torch.profiler.profile(activities=activities, schedule=schedule) as prof:
         run = run_decode(model, prompt, steps=steps, warmup=warmup, after_step=prof.step,
@@ -396,7 +434,11 @@ def speed(path: str, c: K3Config, weights, batch: int, context: int, warmup: int
         trace_file.write_bytes(gzip.compress(raw.read_bytes(), 6))
     trace = read_trace(trace_file)
     b = breakdown(trace)
-    result = {"layer_types": b.layer_types, "step_s": run.step_s[warmup:],
+    result = {"trace": trace_file.name, "layer_types": b.layer_types,
+              "step_s": run.step_s[warmup:],
+              # greedy tokens (the paths' side by side: same weights, same prompt) and whether
+              # the last logits were finite (argmax makes a token of NaN too)
+              "tokens": run.tokens[:, warmup:].tolist(), "logits_finite": run.logits_finite,
               "fallbacks": summarise(getattr(model, "fallbacks", [])),
               # "nvtx" under graphs: the replayed kernels found their capture's layer ranges
               "layer_sources": sorted({s["layer_source"] for s in b.steps}),
@@ -423,8 +465,10 @@ def speed(path: str, c: K3Config, weights, batch: int, context: int, warmup: int
         # The same steps again without the profiler: CUPTI traces every replayed kernel, a
         # cost per kernel that falls hardest on the path with more of them. Host time per
         # step, the device synchronised after each, as ``step_s``.
-        again = run_decode(model, prompt, steps=steps, warmup=warmup, cuda_graphs=True)
+        again = run_decode(model, prompt, steps=max(steps, UNPROFILED_STEPS), warmup=warmup,
+                           cuda_graphs=True)
         result["unprofiled_step_s"] = again.step_s[warmup:]
+        result["logits_finite"] = run.logits_finite and again.logits_finite
         if before is not None:
             result["unprofiled_before_any_profiler_step_s"] = before.step_s[warmup:]
     del model
@@ -435,14 +479,16 @@ def speed(path: str, c: K3Config, weights, batch: int, context: int, warmup: int
 
 class Budget:
     """The check's wall-clock budget (a device call is killed at its limit, with whatever
-    is left unsaved): sections that would not fit are skipped, and say so."""
+    is left unsaved): sections that would not fit are skipped, and say so. ``spent``: what
+    the call spent before this process could start counting (installing, importing)."""
 
-    def __init__(self, seconds: float):
-        self.end = time.monotonic() + seconds
+    def __init__(self, seconds: float, spent: float = 0.0, clock=time.monotonic):
+        self.clock = clock
+        self.end = clock() + seconds - spent
         self.skipped: list[str] = []
 
     def left(self) -> float:
-        return self.end - time.monotonic()
+        return self.end - self.clock()
 
     def allows(self, what: str, need: float) -> bool:
         if self.left() >= need:
@@ -464,24 +510,22 @@ SMOKE_MAIN_JOB_MODES = (("eager", []), ("spec3", ["--spec-tokens", "3"]),
 
 def main_job(out: Path, smoke: bool, budget: Budget, runs: dict, saved) -> None:
     """``kimi-perf trace`` end to end, as a user runs it (smoke: small CPU runs), into
-    ``runs``: of ``MAIN_JOB_MODES``, as many as the time left fits at ``MIN_MAIN_JOB_S``
-    each, sharing it; ``saved()`` after each, so that a run killed or gone wrong loses no
-    other's results."""
-    modes = SMOKE_MAIN_JOB_MODES if smoke else MAIN_JOB_MODES
-    fit = max(0, int((budget.left() - BUDGET_MARGIN_S) // MIN_MAIN_JOB_S))
-    for key, _ in modes[fit:]:
-        budget.skipped.append(f"kimi-perf trace ({key}): {max(budget.left(), 0):.0f} s left "
-                              f"of the budget, {MIN_MAIN_JOB_S} s a run")
-    modes = modes[:fit]
-    for i, (key, options) in enumerate(modes):
+    ``runs``: ``MAIN_JOB_MODES`` in turn, each given all the time left (a share would kill
+    every run that needs more than it), the next begun only where the time left fits one as
+    long as the last (``MIN_MAIN_JOB_S`` at least); ``saved()`` after each, so that a run
+    killed or gone wrong loses no other's results."""
+    need = MIN_MAIN_JOB_S
+    for key, options in SMOKE_MAIN_JOB_MODES if smoke else MAIN_JOB_MODES:
+        if not budget.allows(f"kimi-perf trace ({key})", need + BUDGET_MARGIN_S):
+            continue
         args = [sys.executable, "-m", "kimi_perf", "trace", "--out", str(out / "runs"),
                 "--plotly-js", "cdn", "--format", "json", *options]
         args += ["--layers", "4", "--steps", "1", "--warmup", "0"] if smoke else []
-        share = (budget.left() - BUDGET_MARGIN_S) / (len(modes) - i)
         run = runs[key] = {"command": " ".join(args[1:]), "returncode": None}
+        began = budget.clock()
         try:
             proc = subprocess.run(args, capture_output=True, text=True,
-                                  timeout=max(1.0, min(300, share)))
+                                  timeout=max(1.0, budget.left() - BUDGET_MARGIN_S))
             run.update(returncode=proc.returncode, stderr_tail=proc.stderr[-3000:])
             if proc.returncode == 0:
                 doc = json.loads(proc.stdout)
@@ -494,7 +538,28 @@ def main_job(out: Path, smoke: bool, budget: Budget, runs: dict, saved) -> None:
         except Exception:   # its output unreadable: said, and the other runs go on
             run["returncode"] = run["returncode"] or -1
             run["stderr_tail"] = traceback.format_exc()[-3000:]
+        run["seconds"] = budget.clock() - began
+        need = max(MIN_MAIN_JOB_S, run["seconds"])
         saved()
+
+
+def evidence_files(work: Path, results: dict) -> list[Path]:
+    """What ``work`` holds, in the order it is packed, the most wanted first (an archive over
+    the parts the device returns is cut at its end): the speed runs' traces in the order they
+    ran (the headline first), the main job's run directories in theirs, the rest, and last
+    the normalised traces (``.kptrace``: remade from the raw ones by reading them). Hidden
+    names are left out: a run killed at its limit leaves its unfinished directory so."""
+    files = sorted(p for p in work.rglob("*") if p.is_file() and not any(
+        part.startswith(".") for part in p.relative_to(work).parts))
+    order = [r["trace"] for r in results.get("speed", {}).values() if "trace" in r]
+    order += [Path(r["run_dir"]).name for r in results.get("main_job", {}).values()
+              if r.get("run_dir")]
+
+    def rank(p: Path) -> tuple[int, int]:
+        rel = p.relative_to(work).parts
+        at = next((i for i, name in enumerate(order) if name in rel), len(order))
+        return (p.suffix == ".kptrace", at)
+    return sorted(files, key=rank)      # (stable: by name within a rank)
 
 
 def save(results: dict, out: Path, work: Path) -> None:
@@ -502,7 +567,8 @@ def save(results: dict, out: Path, work: Path) -> None:
     sections), and the evidence so far (``work``: traces and run directories) packed."""
     with tempfile.TemporaryFile() as packed:  # not under out: a kill leaves no partial file
         with tarfile.open(fileobj=packed, mode="w:gz", compresslevel=1) as tar:
-            tar.add(work, arcname="evidence")
+            for file in evidence_files(work, results):
+                tar.add(file, arcname=f"evidence/{file.relative_to(work)}")
         packed.seek(0)
         data = packed.read()
     parts = range(0, max(len(data), 1), EVIDENCE_PART_BYTES)
@@ -521,10 +587,16 @@ def save(results: dict, out: Path, work: Path) -> None:
     _replace(out / "summary.md", render_summary(results).encode())
 
 
+# Temporary files under --out, three folders down: the device returns no file that deep, so
+# one a kill leaves there is not a ninth file, nor one over the 64 MiB
+UNRETURNED = Path(".partial", "not", "returned")
+
+
 def _replace(path: Path, data: bytes) -> None:
-    """Write beside ``path``, then rename over it: a run killed meanwhile leaves the old file
-    whole (the temporary one is not a name the device returns as evidence)."""
-    tmp = path.with_name(f".{path.name}.tmp")
+    """Write a temporary file, then rename it over ``path``: a run killed meanwhile leaves
+    the old file whole."""
+    tmp = path.parent / UNRETURNED / path.name
+    tmp.parent.mkdir(parents=True, exist_ok=True)
     tmp.write_bytes(data)
     os.replace(tmp, path)
 
@@ -549,7 +621,13 @@ def main() -> int:
     parser.add_argument("--budget-s", type=float, default=540,
                         help="wall-clock budget: later sections are skipped rather than killed")
     args = parser.parse_args()
-    budget = Budget(args.budget_s)
+    # the device call's clock began before this process's (wheels installed, torch imported)
+    spent = time.time() - float(os.environ.get("GPU_CHECK_STARTED") or time.time())
+    budget = Budget(args.budget_s, spent=spent)
+    # a hang or a kill at the device call's limit still leaves where it was in the log
+    faulthandler.enable()
+    faulthandler.register(signal.SIGTERM, chain=True)
+    faulthandler.dump_traceback_later(max(1.0, budget.left() + BUDGET_MARGIN_S), exit=False)
     started = time.monotonic()
     args.out.mkdir(parents=True, exist_ok=True)
     work = args.work or Path(tempfile.mkdtemp(prefix="gpu-check-"))
@@ -559,19 +637,30 @@ def main() -> int:
         print("no GPU: run with --smoke for the CPU plumbing check", file=sys.stderr)
         return 2
     results: dict = {"date": dt.datetime.now(dt.UTC).isoformat(),
-                     "environment": environment(device), "errors": [], "warnings": [],
-                     "skipped": budget.skipped}
+                     "environment": environment(device) | device_facts(device, args.cubins),
+                     "errors": [], "warnings": [], "skipped": budget.skipped,
+                     "seconds_before_start": round(spent, 1)}
     results["copy_bandwidth_Bps"] = bandwidth = copy_bandwidth(device, 16 if args.smoke
                                                                else 2048)
     save(results, args.out, work)
     progress(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s", started)
+    checks = results["correctness"] = {}
+    check_steps = 2 if args.smoke else 6
+
+    def check(names, allows=lambda name: True) -> None:
+        try:
+            checks.update(correctness(device, check_steps, names, allows))
+        except Exception:  # keep going: the speed runs are evidence of their own
+            results["errors"].append(traceback.format_exc())
+            print(results["errors"][-1], file=sys.stderr)
+        save(results, args.out, work)
+        progress(f"correctness: {checks}", started)
+
+    check(BASE_CHECKS)
     try:
-        results["correctness"] = correctness(device, 2 if args.smoke else 6)
-    except Exception:  # keep going: the speed runs are evidence of their own
-        results["errors"].append(traceback.format_exc())
-        print(results["errors"][-1], file=sys.stderr)
-    save(results, args.out, work)
-    progress(f"correctness: {results.get('correctness')}", started)
+        checks["kda_decode split"] = kda_split_stress(device, smoke=args.smoke)
+    except Exception:
+        results["errors"].append(f"kda_decode split: {traceback.format_exc()}")
     if args.smoke:
         c, batches, context, steps, warmup = preset("tiny", n_layers=4), (1, 2), 4, 1, 1
     else:
@@ -582,31 +671,51 @@ def main() -> int:
                          "n_layers": c.n_layers, "hash": c.fingerprint(), "context": context,
                          "steps": steps, "warmup": warmup}
     results["speed"] = {}
-    longest = 0.0
-    # The headline first: per-layer µs under CUDA graphs at both batches, then the eager runs
-    # (per launch and memory floors); at batch 1, where GEMVs stream weights, also the L2
-    # prefetch, and at 64, where tokens share experts, the grouped experts, to decide them;
-    # under graphs (whose replay launches as fast as the GPU takes them) also PDL.
-    for graphs in (True, False) if device == "cuda" else (False,):
-        for batch in batches:
-            options = ["specialized+l2" if batch == 1 else "specialized+grouped"]
-            if graphs:   # (eager, the host's launches set the pace)
-                options += ["specialized+pdl", "specialized+pdl+prefetch"]
-            for path in [*PATHS, *options]:
-                key = f"{path} b{batch}{' graphs' if graphs else ''}"
-                if not budget.allows(key, longest + RESERVE_AFTER_SPEED_S):
-                    continue
-                section = time.monotonic()
-                try:
-                    results["speed"][key] = speed(path, c, weights, batch, context, warmup,
+    took: list[float] = []    # each speed run's seconds: the next is admitted by their median
+
+    def typical() -> float:
+        return statistics.median(took) if took else 0.0
+
+    def speed_runs(runs: list[tuple[str, int, bool]], gemv=None) -> None:
+        for path, batch, graphs in runs:
+            key = f"{path} b{batch}{' graphs' if graphs else ''}"
+            if not budget.allows(key, typical() + RESERVE_AFTER_SPEED_S):
+                continue
+            section = time.monotonic()
+            try:
+                r = results["speed"][key] = speed(path, c, weights, batch, context, warmup,
                                                   steps, device, work, bandwidth, graphs,
-                                                  control=not results["speed"])
-                except Exception:
-                    results["errors"].append(f"{key}: {traceback.format_exc()}")
-                    print(results["errors"][-1], file=sys.stderr)
-                longest = max(longest, time.monotonic() - section)
-                save(results, args.out, work)
-                progress(f"speed {key}: {time.monotonic() - section:.1f} s", started)
+                                                  gemv=gemv, control=not results["speed"])
+                if r["logits_finite"] is False:
+                    results["errors"].append(f"{key}: the last decode step's logits are not "
+                                             "all finite")
+                if graphs and device == "cuda" and not r["replayed_kernels_mapped_to_capture"]:
+                    results["warnings"].append(
+                        f"{key}: no replayed kernel mapped back to its capture (its layers "
+                        "are found by their pattern, not the ranges)")
+            except Exception:
+                results["errors"].append(f"{key}: {traceback.format_exc()}")
+                print(results["errors"][-1], file=sys.stderr)
+            took.append(time.monotonic() - section)
+            save(results, args.out, work)
+            progress(f"speed {key}: {took[-1]:.1f} s", started)
+
+    # The headline first: per-layer µs of both paths under CUDA graphs at both batches, then
+    # eager (per launch and memory floors). Then the opt-ins, checked first: at batch 1,
+    # where GEMVs stream weights, the L2 prefetch; at 64, where tokens share experts, the
+    # grouped experts; under graphs (whose replay launches as fast as the GPU takes them)
+    # PDL, and PDL with the weight prefetch before its wait.
+    modes = (True, False) if device == "cuda" else (False,)
+    speed_runs([(path, batch, graphs) for graphs in modes for batch in batches
+                for path in PATHS])
+    check(OPT_IN_CHECKS, lambda name: budget.allows(
+        f"correctness {name}", typical() + RESERVE_AFTER_SPEED_S))
+    speed_runs([(path, batch, graphs) for graphs in modes for batch in batches
+                for path in (["specialized+l2" if batch == 1 else "specialized+grouped"]
+                             + (["specialized+pdl", "specialized+pdl+prefetch"] if graphs
+                                else []))])
+    results["errors"] += [f"correctness {name}: max rel err {r['max_rel_err']:.2e}"
+                          for name, r in checks.items() if not r["ok"]]
     # After the speed runs: a fault in a kernel that has never run on a GPU before would
     # poison this process's CUDA context (the main job runs in processes of its own).
     gemv_ok = False
@@ -616,7 +725,8 @@ def main() -> int:
             errors = gemv_errors(results["gemv"])
             results["errors"] += errors
             results["warnings"] += gemv_warnings(results["gemv"])
-            gemv_ok = "builds" in results["gemv"] and not any(" cute:" in e for e in errors)
+            gemv_ok = results["gemv"].get("cute") is True and not any(
+                " cute:" in e for e in errors)
     except Exception:
         results["errors"].append(f"gemv: {traceback.format_exc()}")
         print(results["errors"][-1], file=sys.stderr)
@@ -625,21 +735,9 @@ def main() -> int:
     if gemv_ok:  # then the specialized path with it, at batch 1, side by side
         from kimi_perf_kernels.cute_gemv import CubinGemv
 
-        cute = CubinGemv(args.cubins)
-        for graphs in (True, False):
-            key = f"specialized+cute b1{' graphs' if graphs else ''}"
-            if not budget.allows(key, longest + MAIN_JOB_KEPT_S):
-                continue
-            try:
-                results["speed"][key] = speed("specialized+cute", c, weights, 1, context,
-                                              warmup, steps, device, work, bandwidth,
-                                              graphs, gemv=cute)
-            except Exception:
-                results["errors"].append(f"{key}: {traceback.format_exc()}")
-                print(results["errors"][-1], file=sys.stderr)
-            save(results, args.out, work)
-            progress(f"speed {key}", started)
-    del weights  # the main job's processes need the GPU memory
+        speed_runs([("specialized+cute", 1, graphs) for graphs in (True, False)],
+                   gemv=CubinGemv(args.cubins))
+    weights = None  # the main job's processes need the GPU memory
     try:  # a fault of a kernel above leaves this process's CUDA context unusable, not theirs
         if device == "cuda":
             torch.cuda.empty_cache()
@@ -655,8 +753,68 @@ def main() -> int:
                           f"{r['stderr_tail']}" for key, r in results["main_job"].items()
                           if r["returncode"] != 0]
     save(results, args.out, work)
+    shutil.rmtree(args.out / UNRETURNED.parts[0], ignore_errors=True)
+    faulthandler.cancel_dump_traceback_later()
     print(render_summary(results))
     return 1 if results["errors"] else 0
+
+
+def device_facts(device: str, cubins: Path | None) -> dict:
+    """What the GPU is beyond its name (read, never set): multiprocessors, L2, memory, the
+    clocks and performance state it ran at, and the versions of what else ran there."""
+    from importlib import metadata
+
+    facts: dict = {}
+    for package in ("numpy", "cupy-cuda13x", "cupy-cuda12x"):
+        with contextlib.suppress(metadata.PackageNotFoundError):
+            facts[package] = metadata.version(package)
+    if cubins is not None and (cubins / "manifest.json").exists():
+        facts["cute_gemv_cubins"] = {k: v for k, v in json.loads(
+            (cubins / "manifest.json").read_text()).items() if k != "kernels"}
+    if device != "cuda":
+        return facts
+    p = torch.cuda.get_device_properties(0)
+    facts.update(sm_count=p.multi_processor_count, l2_bytes=p.L2_cache_size,
+                 memory_bytes=p.total_memory, capability=f"{p.major}.{p.minor}")
+    query = "clocks.sm,clocks.max.sm,clocks.mem,clocks.max.mem,pstate,power.limit"
+    try:
+        smi = subprocess.run(["nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20)
+        if smi.returncode == 0 and smi.stdout.strip():
+            facts["nvidia_smi"] = dict(zip(query.split(","), (
+                v.strip() for v in smi.stdout.splitlines()[0].split(",")), strict=False))
+    except (OSError, subprocess.TimeoutExpired):
+        pass
+    return facts
+
+
+# The runs put side by side (A vs B): the paths, and each opt-in against the path without it
+PAIRS = (("standard", "specialized"), ("specialized", "specialized+l2"),
+         ("specialized", "specialized+grouped"), ("specialized", "specialized+pdl"),
+         ("specialized+pdl", "specialized+pdl+prefetch"), ("specialized", "specialized+cute"))
+
+
+def side_by_side(speed: dict) -> list[tuple[str, str, str, dict, dict]]:
+    """(A, B, run, A's results, B's) for each of ``PAIRS`` that both ran in ``run`` (a batch,
+    eager or under graphs)."""
+    out = []
+    for a, b in PAIRS:
+        for key, ra in speed.items():
+            run = key[len(a) + 1:]
+            if key.startswith(a + " ") and (rb := speed.get(f"{b} {run}")) is not None:
+                out.append((a, b, run, ra, rb))
+    return out
+
+
+def tokens_alike(ra: dict, rb: dict) -> str:
+    """How many greedy tokens two runs of the same weights and prompt share, step by step
+    (bf16 sums in another order may part them where two logits nearly tie)."""
+    ta, tb = ra.get("tokens"), rb.get("tokens")
+    if not ta or not tb or len(ta) != len(tb):
+        return "-"
+    pairs = [(x, y) for row_a, row_b in zip(ta, tb, strict=True)
+             for x, y in zip(row_a, row_b, strict=False)]
+    return f"{sum(x == y for x, y in pairs)}/{len(pairs)}"
 
 
 def render_summary(results: dict) -> str:
@@ -671,6 +829,10 @@ def render_summary(results: dict) -> str:
                      f"{'ok' if r['ok'] else 'FAIL'}")
     lines += ["", "| run | model | layer type | layers | kernels | kernel µs | span µs |",
               "|---|---|---|---:|---:|---:|---:|"]
+    failed = [name for name, r in (results.get("correctness") or {}).items() if not r["ok"]]
+    if failed:
+        lines[1:1] = [f"**CORRECTNESS FAILED: {', '.join(failed)}**: the speed figures of a "
+                      "path that computes otherwise measure nothing worth having"]
     for key, r in results.get("speed", {}).items():
         for t in r["layer_types"]:
             lines.append(f"| {key} | {r['model']} | {t['type']} | {t['layers']} | "
@@ -679,26 +841,16 @@ def render_summary(results: dict) -> str:
               "| A vs B | run | layer type | kernels | span µs | kernels ratio | span ratio |",
               "|---|---|---|---:|---:|---:|---:|"]
     speed = results.get("speed", {})
-    for a, b in (("standard", "specialized"), ("specialized", "specialized+l2"),
-                 ("specialized", "specialized+grouped"), ("specialized", "specialized+pdl"),
-                 ("specialized+pdl", "specialized+pdl+prefetch"),
-                 ("specialized", "specialized+cute")):
-        for key, ra in speed.items():
-            if not key.startswith(a + " "):
+    for a, b, run, ra, rb in side_by_side(speed):
+        b_types = {t["type"]: t for t in rb["layer_types"]}
+        for t in ra["layer_types"]:
+            u = b_types.get(t["type"])
+            if u is None or not u["kernels"] or not u["span_us"]:
                 continue
-            run = key[len(a) + 1:]
-            rb = speed.get(f"{b} {run}")
-            if rb is None:
-                continue
-            b_types = {t["type"]: t for t in rb["layer_types"]}
-            for t in ra["layer_types"]:
-                u = b_types.get(t["type"])
-                if u is None or not u["kernels"] or not u["span_us"]:
-                    continue
-                lines.append(f"| {a} vs {b} | {run} | {t['type']} | {t['kernels']:g} vs "
-                             f"{u['kernels']:g} | {t['span_us']:.1f} vs {u['span_us']:.1f} | "
-                             f"{t['kernels'] / u['kernels']:.2f} | "
-                             f"{t['span_us'] / u['span_us']:.2f} |")
+            lines.append(f"| {a} vs {b} | {run} | {t['type']} | {t['kernels']:g} vs "
+                         f"{u['kernels']:g} | {t['span_us']:.1f} vs {u['span_us']:.1f} | "
+                         f"{t['kernels'] / u['kernels']:.2f} | "
+                         f"{t['span_us'] / u['span_us']:.2f} |")
     lines += ["", "Decode step, median host time with the device synchronised (profiled: under "
               "CUPTI, every launch of an eager run in a range of its own; unprofiled: the "
               "graph runs again without the profiler):", "",
@@ -714,10 +866,8 @@ def render_summary(results: dict) -> str:
                      f"{'-' if clean is None else f'{batch / clean:,.0f}'} | "
                      f"{', '.join(r['layer_sources'])} | "
                      f"{r['replayed_kernels_mapped_to_capture']:,} |")
-    paired = [(key, key.replace("standard", "specialized", 1)) for key in speed
-              if key.startswith("standard ") and speed[key].get("unprofiled_step_s")
-              and (speed.get(key.replace("standard", "specialized", 1)) or {})
-              .get("unprofiled_step_s")]
+    unprofiled = [(a, b, run, ra, rb) for a, b, run, ra, rb in side_by_side(speed)
+                  if ra.get("unprofiled_step_s") and rb.get("unprofiled_step_s")]
     for key, r in speed.items():
         if r.get("unprofiled_before_any_profiler_step_s"):
             first, later = (statistics.median(r[k]) for k in (
@@ -725,13 +875,19 @@ def render_summary(results: dict) -> str:
             lines += ["", f"CUPTI control, {key}: unprofiled step {first * 1e3:.3f} ms before "
                       f"the process's first profiler session, {later * 1e3:.3f} ms after its "
                       f"own (ratio {later / first:.2f}: near 1, no cost left behind)"]
-    if paired:
-        lines += ["", "Unprofiled decode step side by side (ratio: standard over specialized):",
-                  "", "| run | standard ms | specialized ms | ratio |", "|---|---:|---:|---:|"]
-        for a, b in paired:
-            sa, sb = (statistics.median(speed[k]["unprofiled_step_s"]) for k in (a, b))
-            lines.append(f"| {a[len('standard '):]} | {sa * 1e3:.3f} | {sb * 1e3:.3f} | "
-                         f"{sa / sb:.2f} |")
+    if unprofiled:
+        lines += ["", "Unprofiled decode step side by side, this run's graphs replayed without "
+                  "the profiler (ms: median, and min-max over the steps, the noise; ratio: A "
+                  "over B of the medians; tokens: greedy tokens alike, of the profiled steps):",
+                  "", "| A vs B | run | A ms | B ms | ratio | tokens alike |",
+                  "|---|---|---:|---:|---:|---:|"]
+        for a, b, run, ra, rb in unprofiled:
+            sa, sb = (statistics.median(r["unprofiled_step_s"]) for r in (ra, rb))
+            spread = [f"{statistics.median(r['unprofiled_step_s']) * 1e3:.3f} "
+                      f"({min(r['unprofiled_step_s']) * 1e3:.3f}-"
+                      f"{max(r['unprofiled_step_s']) * 1e3:.3f})" for r in (ra, rb)]
+            lines.append(f"| {a} vs {b} | {run} | {spread[0]} | {spread[1]} | {sa / sb:.2f} | "
+                         f"{tokens_alike(ra, rb)} |")
     for key, r in results.get("speed", {}).items():
         if "launches" not in r:
             continue
@@ -771,7 +927,9 @@ def render_summary(results: dict) -> str:
                   "|---|---:|---|---:|---:|---:|---:|---:|---:|---|"]
         for r in gemv["builds"]:
             def us(label: str, r: dict = r) -> str:
-                return f"{r[label + '_us']:.2f}" if label + "_us" in r else "failed"
+                if label + "_us" in r:
+                    return f"{r[label + '_us']:.2f}"
+                return "failed" if label + "_error" in r else "-"
 
             def ratio(label: str, r: dict = r) -> str:
                 if label + "_us" not in r or "cute_us" not in r:

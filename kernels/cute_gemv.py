@@ -219,6 +219,16 @@ def decode_shapes(config="k3-tp8") -> dict[str, tuple[int, int]]:
     return shapes
 
 
+def _dsl_version() -> str | None:
+    """The CuTe DSL release that built the cubins (evidence of a GPU run names it)."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("nvidia-cutlass-dsl")
+    except metadata.PackageNotFoundError:
+        return None
+
+
 def build_cubins(out: Path, shapes: dict[str, tuple[int, int]], ms=(1, 2, 3, 4)) -> dict:
     """Cubins (and their PTX, for a driver too old for the cubin) for every (shape, M), and
     a manifest that CubinGemv loads."""
@@ -234,7 +244,7 @@ def build_cubins(out: Path, shapes: dict[str, tuple[int, int]], ms=(1, 2, 3, 4))
                             "registers": c.registers, "spill_stores": c.spill_stores,
                             "spill_loads": c.spill_loads,
                             **asdict(c.plan)})
-    manifest = {"schema": 1, "arch": ARCH, "kernels": entries}
+    manifest = {"schema": 1, "arch": ARCH, "cutlass_dsl": _dsl_version(), "kernels": entries}
     (out / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
     return manifest
 

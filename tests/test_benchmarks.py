@@ -3,6 +3,7 @@ seconds in all) and print their tables. HTA is never run here (--skip-hta)."""
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -53,6 +54,7 @@ def test_gpu_decode_check_plumbing_on_the_cpu(tmp_path):
     results = json.loads((tmp_path / "results.json").read_text())
     assert results["errors"] == []
     assert all(r["ok"] for r in results["correctness"].values())
+    assert results["seconds_before_start"] == 0    # (no GPU_CHECK_STARTED: run directly)
     assert {"specialized+grouped", "specialized+pdl", "specialized+pdl+prefetch",
             "standard+mxfp4", "specialized+mxfp4", "specialized+grouped+mxfp4"} <= set(
         results["correctness"])
@@ -69,6 +71,11 @@ def test_gpu_decode_check_plumbing_on_the_cpu(tmp_path):
     assert kernels == {"dense": 7, "kda": 9, "mla": 12}
     # on this CPU the standard path runs its PyTorch ops; a GPU runs StandardKernelsModel
     assert speed["standard b1"]["model"] == "K3Model"
+    # both paths first, the opt-ins after (their correctness checked between)
+    assert list(speed)[:4] == ["standard b1", "specialized b1", "standard b2", "specialized b2"]
+    assert all(r["logits_finite"] for r in speed.values())
+    assert speed["standard b1"]["tokens"] == speed["specialized b1"]["tokens"]
+    assert len(speed["standard b2"]["tokens"]) == 2
     assert "| run | model | layer type |" in proc.stdout
     assert "| standard vs specialized | b1 | kda | 18 vs 9 |" in proc.stdout  # side by side
     assert "| specialized vs specialized+l2 | b1 | kda | 9 vs 10 |" in proc.stdout
@@ -97,21 +104,28 @@ def test_gpu_decode_check_plumbing_on_the_cpu(tmp_path):
 
     with tarfile.open(tmp_path / "evidence.tar.gz.part0") as tar:
         names = tar.getnames()
-    assert "evidence/specialized+l2_b1.trace.json.gz" in names
+    # packed the most wanted first (a cut archive loses the end): the speed runs' traces in
+    # the order they ran, then the main job's run directories, their normalised traces last
+    assert names[:len(speed)] == [f"evidence/{r['trace']}" for r in speed.values()]
+    assert names.index(f"evidence/{speed['specialized+l2 b1']['trace']}") < min(
+        i for i, n in enumerate(names) if n.startswith("evidence/runs/"))
+    kptrace = [i for i, n in enumerate(names) if n.endswith(".kptrace")]
+    assert kptrace and min(kptrace) > max(i for i, n in enumerate(names)
+                                          if not n.endswith(".kptrace"))
     runs = [n for n in names if n.startswith("evidence/runs/") and n.endswith("/report.html")]
     assert len(runs) == 3
 
 
 def test_gpu_check_skips_what_its_budget_cannot_fit(tmp_path):
-    """With too little time for the speed runs the check skips them, says so, and still runs
-    what fits (the main job), instead of being killed with nothing written. The budget's
-    clock is held at a time left (this machine's pace would otherwise decide what fits)."""
+    """With too little time for the speed runs the check skips them and the opt-ins' checks,
+    says so, and still runs what fits (the main job), instead of being killed with nothing
+    written. The budget's clock is held at a time left (this machine's pace would otherwise
+    decide what fits)."""
     import json
 
     check = _gpu_check()
     left = check.RESERVE_AFTER_SPEED_S - 10        # under what a speed run or the GEMVs keep
-    fit = int((left - check.BUDGET_MARGIN_S) // check.MIN_MAIN_JOB_S)
-    assert fit == 2 < len(check.SMOKE_MAIN_JOB_MODES)   # two main-job runs fit, not the third
+    assert left > check.MIN_MAIN_JOB_S + check.BUDGET_MARGIN_S   # a main-job run fits
     held = (f"import runpy, sys; sys.argv = sys.argv[1:]; g = runpy.run_path(sys.argv[0]); "
             f"g['Budget'].left = lambda self: {left}; sys.exit(g['main']())")
     proc = subprocess.run([sys.executable, "-c", held, str(BENCHMARKS / "gpu_decode_check.py"),
@@ -120,18 +134,55 @@ def test_gpu_check_skips_what_its_budget_cannot_fit(tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     results = json.loads((tmp_path / "results.json").read_text())
     assert results["speed"] == {} and "gemv" not in results
-    assert all(r["ok"] for r in results["correctness"].values())   # (not budgeted)
+    # both paths' checks are not budgeted (a path is checked before it is timed)
+    assert set(results["correctness"]) == {"standard", "specialized", "kda_decode split"}
+    assert all(r["ok"] for r in results["correctness"].values())
     skipped = [s.split(":")[0] for s in results["skipped"]]
-    run = [key for key, _ in check.SMOKE_MAIN_JOB_MODES[:fit]]
-    assert skipped == ["standard b1", "specialized b1", "specialized+l2 b1", "standard b2",
-                       "specialized b2", "specialized+grouped b2", "gemv",
-                       *(f"kimi-perf trace ({key})" for key, _ in
-                         check.SMOKE_MAIN_JOB_MODES[fit:])]
-    assert list(results["main_job"]) == run == ["eager", "spec3"]
-    assert all(results["main_job"][key]["returncode"] == 0 for key in run)
+    assert skipped == ["standard b1", "specialized b1", "standard b2", "specialized b2",
+                       *(f"correctness {name}" for name in check.OPT_IN_CHECKS),
+                       "specialized+l2 b1", "specialized+grouped b2", "gemv"]
+    assert list(results["main_job"]) == [key for key, _ in check.SMOKE_MAIN_JOB_MODES]
+    assert all(r["returncode"] == 0 for r in results["main_job"].values())
     summary = (tmp_path / "summary.md").read_text()
     assert f"skipped standard b1: {left} s left of the budget" in summary
-    assert "skipped kimi-perf trace (mxfp4): " in summary and summary in proc.stdout
+    assert "skipped correctness specialized+pdl: " in summary and summary in proc.stdout
+
+
+def test_gpu_check_main_job_gives_each_run_the_time_left(monkeypatch, tmp_path):
+    """Each ``kimi-perf trace`` run may take all the time left (a share of it would have
+    killed two runs of 80 s in 140 s), and the next begins only where the time left fits one
+    as long as the last: here, on a clock each run advances by its (made-up) seconds."""
+    import json
+
+    check = _gpu_check()
+    now = [0.0]
+    budget = check.Budget(150 + check.BUDGET_MARGIN_S, clock=lambda: now[0])
+    took = {"graphs": 80.0, "graphs spec3": 65.0}
+    timeouts = []
+
+    def trace(args, timeout, **_):
+        key = next(k for k, options in check.MAIN_JOB_MODES if args[10:] == options)
+        timeouts.append(timeout)
+        now[0] += took[key]
+        doc = {"run_dir": f"runs/{key}", "paths": {}, "run": {"paths": {}}}
+        return subprocess.CompletedProcess(args, 0, json.dumps(doc), "")
+
+    monkeypatch.setattr(check.subprocess, "run", trace)
+    runs: dict = {}
+    check.main_job(tmp_path, False, budget, runs, lambda: None)
+    assert list(runs) == ["graphs"] and timeouts == [150]
+    assert runs["graphs"]["seconds"] == 80.0
+    assert [s.split(":")[0] for s in budget.skipped] == [
+        f"kimi-perf trace ({key})" for key, _ in check.MAIN_JOB_MODES[1:]]
+    assert budget.skipped[0].endswith("80 s left of the budget, 90 s needed")
+    # with the time for two: the second given what the first left
+    now[0] = 0.0
+    budget = check.Budget(170 + check.BUDGET_MARGIN_S, clock=lambda: now[0])
+    timeouts.clear()
+    runs = {}
+    took["graphs"] = 60.0
+    check.main_job(tmp_path, False, budget, runs, lambda: None)
+    assert list(runs) == ["graphs", "graphs spec3"] and timeouts == [170, 110]
 
 
 def _gpu_check():
@@ -294,3 +345,40 @@ def test_gpu_check_summary_sets_unprofiled_graph_steps_side_by_side():
     assert ("CUPTI control, standard b1 graphs: unprofiled step 2.500 ms before the process's "
             "first profiler session, 3.000 ms after its own (ratio 1.20" in summary)
     assert "warning: gemv o_proj M=1 cute" in summary and "error(s)" not in summary
+
+
+def test_gpu_check_lets_no_nan_pass_and_says_a_failed_check_first():
+    """NaN never passes a bound (``NaN > bound`` is False, and ``max`` passes over a NaN that
+    does not come first); a failed correctness check heads the summary; the unprofiled step
+    times of every pair run side by side, with their spread and the tokens they share."""
+    check = _gpu_check()
+    nan = float("nan")
+    assert max([1e-4, nan, 2e-4]) == 2e-4 and math.isnan(check.worst([1e-4, nan, 2e-4]))
+    assert check.worst([1e-4, 2e-4]) == 2e-4
+    good = {"name": "o_proj", "m": 1, "n": 64, "k": 64, "floor_us": 1.0}
+    for label in ("triton", "cublas"):       # no cubins: the CuTe DSL GEMV did not run
+        good |= {f"{label}_err": 1e-3, f"{label}_max_err": 1e-3, f"{label}_graph_err": 1e-3,
+                 f"{label}_us": 2.0}
+    assert check.gemv_errors({"builds": [good]}) == []
+    for key in ("triton_err", "triton_max_err", "triton_graph_err"):
+        assert [e.split(":")[0] for e in check.gemv_errors({"builds": [{**good, key: nan}]})
+                ] == ["gemv o_proj M=1 triton"], key
+    step = {"layer_types": [{"type": "kda", "layers": 2, "kernels": 9, "kernel_us": 50.0,
+                             "span_us": 60.0}], "model": "SpecializedModel",
+            "step_s": [0.002] * 3, "layer_sources": ["nvtx"],
+            "replayed_kernels_mapped_to_capture": 40}
+    speed = {"standard b1 graphs": {**step, "unprofiled_step_s": [0.004, 0.005, 0.0042],
+                                    "tokens": [[1, 2, 3]]},
+             "specialized b1 graphs": {**step, "unprofiled_step_s": [0.002, 0.0021, 0.003],
+                                       "tokens": [[1, 2, 4]]},
+             "specialized+pdl b1 graphs": {**step, "unprofiled_step_s": [0.0019] * 3}}
+    results = {"date": "2026-12-03", "environment": {"gpus": ["NVIDIA H200"], "torch": "2.11"},
+               "copy_bandwidth_Bps": 4.3e12, "errors": [], "speed": speed,
+               "correctness": {"standard": {"max_rel_err": 1e-6, "ok": True},
+                               "specialized+pdl": {"max_rel_err": nan, "ok": False}}}
+    text = check.render_summary(results)
+    assert text.splitlines()[1].startswith("**CORRECTNESS FAILED: specialized+pdl**")
+    assert "| standard vs specialized | b1 graphs | 4.200 (4.000-5.000) | 2.100 (2.000-3.000) " \
+           "| 2.00 | 2/3 |" in text
+    assert "| specialized vs specialized+pdl | b1 graphs | 2.100 (2.000-3.000) | " \
+           "1.900 (1.900-1.900) | 1.11 | - |" in text

@@ -43,6 +43,9 @@ class DecodeRun:
     prefill_s: float
     step_s: list[float] = field(default_factory=list)     # warm-up steps first
     accepted_counts: bool = False
+    # the last step's logits all finite (None: no step): argmax picks a NaN as its token, so
+    # the tokens alone would not show a path that computes NaN
+    logits_finite: bool | None = None
 
 
 def _sync(device: torch.device) -> None:
@@ -187,10 +190,13 @@ def run_decode(model: K3Model, prompt: torch.Tensor, steps: int,
                 # the token after each sequence's accepted prefix: its next step's first
                 next_token = logits[rows, accepted - 1].argmax(-1, keepdim=True)
             else:
-                next_token = step_logits(next_token)[:, -1].argmax(-1, keepdim=True)
+                logits = step_logits(next_token)
+                next_token = logits[:, -1].argmax(-1, keepdim=True)
         _sync(model.device)
         run.step_s.append(time.perf_counter() - start)
         run.tokens[:, step] = kept if verify else next_token[:, 0].cpu()
         if after_step:
             after_step()
+    if warmup + steps:
+        run.logits_finite = bool(torch.isfinite(logits).all())
     return run
