@@ -410,7 +410,8 @@ def _profile(model, req: TraceRequest, device: str, out: Path, done=None) -> dic
     fallbacks = list(getattr(model, "fallbacks", []))
     if not times_unprofiled(device):
         return _metrics(req, device, run.prefill_s, run.step_s[req.warmup:],
-                        decode_tokens(run, req.warmup), fallbacks, type(model).__name__)
+                        decode_tokens(run, req.warmup), fallbacks, type(model).__name__,
+                        logits_finite=run.logits_finite)
     # CUPTI costs time per kernel, most on the path with the most kernels: the metrics come
     # from the same run again (prompt, drafts and acceptance too) with no profiler attached.
     again = run_decode(model, prompt, steps=req.steps, warmup=req.warmup,
@@ -418,7 +419,8 @@ def _profile(model, req: TraceRequest, device: str, out: Path, done=None) -> dic
                        cuda_graphs=req.graphs, spec_tokens=req.spec_tokens, seed=req.seed)
     metrics = _metrics(req, device, again.prefill_s, again.step_s[req.warmup:],
                        decode_tokens(again, req.warmup), fallbacks, type(model).__name__,
-                       timed="without a profiler: the profiled run's steps, run again")
+                       timed="without a profiler: the profiled run's steps, run again",
+                       logits_finite=run.logits_finite and again.logits_finite)
     metrics["profiled_step_latency_s"] = statistics.median(run.step_s[req.warmup:])
     return metrics
 
@@ -504,10 +506,11 @@ def _native_stderr_filtered():
 
 
 def _metrics(req: TraceRequest, device: str, prefill_s: float, steps: list[float],
-             tokens: list[int], fallbacks: list[str], model: str, timed: str | None = None
-             ) -> dict:
+             tokens: list[int], fallbacks: list[str], model: str, timed: str | None = None,
+             logits_finite: bool | None = None) -> dict:
     """The decode metrics of one path, each on its own; ``tokens``: what each step produced
-    over the batch (with speculative decoding, the accepted tokens)."""
+    over the batch (with speculative decoding, the accepted tokens); ``logits_finite``:
+    the last step's logits all finite (``DecodeRun.logits_finite``)."""
     speculative = {"speculative": {
         "spec_tokens": req.spec_tokens,
         "accepted_tokens_per_step": round(sum(tokens) / len(tokens) / req.batch, 3),
@@ -529,6 +532,7 @@ def _metrics(req: TraceRequest, device: str, prefill_s: float, steps: list[float
         # K3Model / StandardKernelsModel: the standard path's PyTorch ops or one kernel a step
         "model": model,
         "ops": "gpu kernels" if device == "cuda" else "cpu: annotated launches",
+        "logits_finite": logits_finite,
         **speculative,
     }
 
@@ -571,7 +575,8 @@ def _capture_path_nsys(path: str, req: TraceRequest, device: str, run_dir: Path
     worker = json.loads(metrics_file.read_text())
     metrics_file.unlink()
     return _metrics(req, device, worker["prefill_s"], worker["step_s"], worker["tokens"],
-                    worker["fallbacks"], worker["model"]), sqlite
+                    worker["fallbacks"], worker["model"],
+                    logits_finite=worker["logits_finite"]), sqlite
 
 
 TRACE_SUFFIXES = (".pt.trace.json.gz", ".trace.json.gz", ".json.gz", ".pt.trace.json",

@@ -1257,6 +1257,7 @@ def trace_cmd(from_files: tuple[Path, ...], captures: tuple[Path, ...], phase: s
     if fmt == "json":
         _echo(json_text(cap.run_document(run_dir, results, run_info, lazy_layers=True)),
               nl=False)
+        _fail_if_not_finite(run_info, run_dir)
         return
     labels = list(results)
     a = labels[0]
@@ -1326,3 +1327,16 @@ def trace_cmd(from_files: tuple[Path, ...], captures: tuple[Path, ...], phase: s
     console.print(f"run directory: {run_dir}  "
                   f"({', '.join(sorted(p.name for p in Path(run_dir).iterdir()))})")
     console.print(f"report: {Path(run_dir).resolve() / run_info['report']}")
+    _fail_if_not_finite(run_info, run_dir)
+
+
+def _fail_if_not_finite(run_info: dict, run_dir: Path) -> None:
+    """A captured path whose last decode step's logits hold a NaN or an infinity computes
+    no usable output (its greedy tokens are argmax's picks of NaN): its figures are written,
+    and the run fails."""
+    if broken := [path for path, m in run_info.get("paths", {}).items()
+                  if m.get("logits_finite") is False]:
+        click.echo(f"kimi-perf: {run_dir}: the last decode step's logits of "
+                   f"{' and '.join(broken)} are not all finite (NaN or infinity): "
+                   "its figures measure a path that computes no usable output", err=True)
+        sys.exit(1)

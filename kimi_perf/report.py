@@ -493,6 +493,10 @@ def _run_html(run: dict | None, breakdowns: dict[str, Breakdown]) -> str:
     fell_back = paths_that_fell_back(run)
     parts += [f"<p class=warn>{e(fell_back_text(path, reason))}.</p>"
               for path, reason in fell_back.items()]
+    parts += [f"<p class=warn>The last decode step's logits of {e(path)} are not all finite "
+              "(NaN or infinity): its figures measure a path that computes no usable "
+              "output.</p>" for path, m in metrics.items()
+              if isinstance(m, dict) and m.get("logits_finite") is False]
     on_cpu = [label for label, b in breakdowns.items() if b.unit == "ops"]
     if on_cpu:
         interpreted = ("; the specialized path's Triton kernels ran in Triton's interpreter, "

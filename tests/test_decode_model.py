@@ -464,6 +464,13 @@ def test_harness_annotates_steps_and_layers_for_the_trace_core(tmp_path, weights
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         run = run_decode(model, prompt, steps=3)
     assert run.tokens.shape == (2, 3) and len(run.step_s) == 3 and run.prefill_s > 0
+    assert run.logits_finite is True
+    # a NaN in the last norm: argmax still makes tokens of the logits, the run says they
+    # were not finite
+    poisoned = K3Model(TINY, {**weights, "model.norm.weight": torch.full_like(
+        weights["model.norm.weight"], float("nan"))})
+    nan_run = run_decode(poisoned, prompt, steps=2)
+    assert nan_run.tokens.shape == (2, 2) and nan_run.logits_finite is False
     path = tmp_path / "decode.json"
     prof.export_chrome_trace(str(path))
     trace = read_trace(path)

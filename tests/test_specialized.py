@@ -501,6 +501,7 @@ def test_trace_command_captures_both_paths(tmp_path):
         assert [s["name"] for s in steps] == ["decode_step[0]", "decode_step[1]"]
         assert all(s["layers"] == 4 and s["layer_source"] == "nvtx" for s in steps)
     assert run["paths"]["specialized"]["fallbacks"] == ["prefill: a prompt of 3 tokens"]
+    assert [m["logits_finite"] for m in run["paths"].values()] == [True, True]
     # a CPU run has no GPU kernels for ranges to attribute: it says so, and where they are
     ranges = CliRunner().invoke(main, ["ranges", str(run_dir / "standard.trace.json.gz")])
     assert ranges.exit_code == 0 and ("no GPU kernels in this trace (a CPU run: its launches "
@@ -654,6 +655,7 @@ def test_trace_with_the_nsys_backend(tmp_path):
         assert [s["name"] for s in bd["steps"]] == ["decode_step[0]", "decode_step[1]"]
         assert {r["range"] for r in bd["source"]["outside_steps"]["in_ranges"]} == {
             "prefill", "warmup_step[…]"}
+        assert doc["run"]["paths"][path]["logits_finite"] is True   # (from the worker)
 
 
 def test_trace_with_two_tp_ranks(tmp_path):
@@ -899,3 +901,36 @@ def test_trace_command_prints_the_table_metrics_and_where_the_run_is(tmp_path):
     (run_dir,) = tmp_path.iterdir()
     assert f"run directory: {run_dir}" in text
     assert f"report: {run_dir.resolve() / 'report.html'}" in text
+
+
+def test_trace_fails_a_path_whose_logits_are_not_finite(tmp_path, monkeypatch):
+    """A path computing NaN still gets its figures written (evidence), but the run says so,
+    in the terminal, run.json and the report, and exits 1: argmax makes a token of NaN too,
+    so tokens/s alone would not show it. Here the specialized path's runs are made to."""
+    import json
+
+    from click.testing import CliRunner
+
+    import kimi_perf.decode.harness as harness
+    from kimi_perf.cli import main
+
+    real = harness.run_decode
+
+    def run_decode(model, *args, **kwargs):
+        run = real(model, *args, **kwargs)
+        if type(model).__name__ == "SpecializedModel":
+            run.logits_finite = False
+        return run
+
+    monkeypatch.setattr(harness, "run_decode", run_decode)
+    result = CliRunner().invoke(main, ["trace", "--layers", "2", "--steps", "1", "--warmup",
+                                       "0", "--context", "3", "--out", str(tmp_path)])
+    assert result.exit_code == 1
+    run_dir = next(p for p in tmp_path.iterdir() if p.is_dir())
+    assert result.output.splitlines()[-1] == (
+        f"kimi-perf: {run_dir}: the last decode step's logits of specialized are not all "
+        "finite (NaN or infinity): its figures measure a path that computes no usable output")
+    run = json.loads((run_dir / "run.json").read_text())
+    assert {p: m["logits_finite"] for p, m in run["paths"].items()} == {
+        "standard": True, "specialized": False}
+    assert "logits of specialized are not all finite" in (run_dir / "report.html").read_text()

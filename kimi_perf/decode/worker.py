@@ -45,7 +45,7 @@ def main(argv: list[str]) -> int:
         json.dump({"prefill_s": run.prefill_s, "step_s": steps,
                    "tokens": decode_tokens(run, request["warmup"]),
                    "fallbacks": list(getattr(model, "fallbacks", [])),
-                   "model": type(model).__name__}, f)
+                   "model": type(model).__name__, "logits_finite": run.logits_finite}, f)
     return 0
 
 
