@@ -114,14 +114,14 @@ class Check:
     p_value: float | None     # one-sided Mann-Whitney U, in the direction of the change
     status: str               # ok, regression, improvement, noise, missing, new, changed,
                               # differs (layers a step), fell back (every step of the run's
-                              # path: the baseline's not), captured differently, broken
-                              # down differently (strict)
+                              # path: the baseline's not), not finite (the run's logits),
+                              # captured differently, broken down differently (strict)
     detail: str | None = None  # the kernels behind a regression or improvement
     run_layer_type: str | None = None  # the run's name of the type, where it differs
 
     @property
     def fails(self) -> bool:
-        return self.status in ("regression", "missing", "differs", "fell back",
+        return self.status in ("regression", "missing", "differs", "fell back", "not finite",
                                "captured differently", "broken down differently")
 
 
@@ -266,6 +266,15 @@ def _check_fallbacks(result: GateResult, base_doc: object, run_doc: object,
                 path, STEP, "decode path", None, None, None, None, "fell back",
                 f"every step ran the standard path's PyTorch ops ({run_fb[run_path]}); the "
                 "baseline's ran its own"))
+    # a path that computed NaN (its run.json says; the trace alone cannot) fails, whatever
+    # its speed
+    metrics = ((run_doc.get("run") or {}).get("paths") or {}) if isinstance(run_doc, dict) \
+        else {}
+    for path in current:
+        if (metrics.get(path) or {}).get("logits_finite") is False:
+            result.checks.append(Check(
+                path, STEP, "decode path", None, None, None, None, "not finite",
+                "the last decode step's logits were not all finite (NaN or infinity)"))
 
 
 def has_work(runs: dict[str, Breakdown]) -> bool:
@@ -480,6 +489,8 @@ def run_info_problem(run: object) -> str | None:
         fallbacks = m.get("fallbacks") or []
         if not (isinstance(fallbacks, list) and all(isinstance(f, str) for f in fallbacks)):
             return f"run.paths.{name}.fallbacks is not a list of the steps that fell back"
+        if m.get("logits_finite") not in (True, False, None):
+            return f"run.paths.{name}.logits_finite is not true, false or null"
     floors = run.get("floors")
     if floors is not None and not (
             is_finite_number(floors.get("bandwidth_Bps"))

@@ -438,6 +438,7 @@ def validation_table(result: dict) -> Table:
 
 
 GATE_STYLES = {"regression": "bold red", "missing": "bold red", "fell back": "bold red",
+               "not finite": "bold red",
                "differs": "bold red", "captured differently": "bold red",
                "broken down differently": "bold red",
                "improvement": "green",
@@ -489,7 +490,7 @@ def gate_headline(result: GateResult) -> str:
     if result.ok:
         return f"gate: pass ({len(result.checks)} checks)"
     failures = result.failures
-    worst = "; ".join(f"{c.path}: {c.detail}" if c.status == "fell back" else
+    worst = "; ".join(f"{c.path}: {c.detail}" if c.status in ("fell back", "not finite") else
                       str(c.detail) if c.status in ("captured differently",
                                                     "broken down differently") else
                       f"{c.path} {c.layer_type} {result.metric_name(c)} "

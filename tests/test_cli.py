@@ -315,6 +315,27 @@ def test_a_path_that_fell_back_on_every_step_is_said_so_by_compare_report_and_ga
         _one_line_error(result, f"{one_path}: run.paths.specialized.fallbacks is not a list")
 
 
+def test_the_gate_fails_a_run_whose_path_computed_logits_not_finite(tmp_path):
+    """A run's path whose last logits held a NaN (its run.json says: the trace cannot) fails
+    the gate whatever its speed, and names it; a value that is no truth is a bad input."""
+    doc = json.loads(BASELINE.read_text())
+    doc["run"]["paths"]["specialized"]["logits_finite"] = False
+    broken = tmp_path / "nan.json"
+    broken.write_text(json.dumps(doc))
+    gated = run("gate", BASELINE, broken, "--metrics", "kernels", "--format", "json")
+    assert gated.exit_code == 1, gated.output
+    (failure,) = [c for c in json.loads(gated.output)["checks"] if c["status"] != "ok"]
+    assert (failure["path"], failure["status"]) == ("specialized", "not finite")
+    said = run("gate", BASELINE, broken, "--metrics", "kernels")
+    assert said.exit_code == 1 and "gate: FAIL, 1 not finite: specialized: the last decode " \
+        "step's logits were not all finite" in " ".join(said.output.split())
+    assert run("gate", broken, BASELINE, "--metrics", "kernels").exit_code == 0  # (baseline's)
+    doc["run"]["paths"]["specialized"]["logits_finite"] = "no"
+    broken.write_text(json.dumps(doc))
+    _one_line_error(run("gate", BASELINE, broken, "--metrics", "kernels"),
+                    f"{broken}: run.paths.specialized.logits_finite is not true, false or null")
+
+
 def test_info_as_json_is_the_library_summary():
     from kimi_perf import read_trace
 
