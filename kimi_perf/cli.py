@@ -9,6 +9,7 @@ import functools
 import json
 import math
 import os
+import re
 import shlex
 import signal
 import sys
@@ -71,10 +72,33 @@ def _fail_cleanly(fn):
             sys.exit(BROKEN_PIPE)
         except OSError as exc:  # a file the command was pointed at, not a bug of ours
             _interrupted_first()
-            where = f"{exc.filename}: " if exc.filename else ""
+            where = f"{printable(str(exc.filename))}: " if exc.filename else ""
             click.echo(f"kimi-perf: error: {where}{exc.strerror or exc}", err=True)
             sys.exit(2)
     return wrapper
+
+
+@contextlib.contextmanager
+def _memory_said(sizes: str):
+    """A run whose buffers (KV cache, activations: ``sizes`` says what asked for them) the
+    machine cannot allocate ends in one line, not torch's traceback. (The weights are
+    checked before any work: ``memory_problem``.)"""
+    try:
+        yield
+    except (MemoryError, RuntimeError) as exc:
+        said = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        if not isinstance(exc, MemoryError) and not any(
+                words in said for words in ("can't allocate", "out of memory")):
+            raise
+        # torch's CPU message leads with its source line; the size asked for is what says
+        asked = re.search(r"tried to allocate (\d+) bytes|tried to allocate ([\d.]+ \w+)",
+                          said, re.IGNORECASE)
+        if asked:
+            size = (f"{int(asked.group(1)) / 1e9:,.1f} GB" if asked.group(1)
+                    else asked.group(2))
+            said = f"an allocation of {size} failed"
+        raise TraceError(None, f"out of memory for {sizes} ({said}): take a smaller "
+                               "batch, context or step count") from None
 
 
 class FiniteFloatRange(click.FloatRange):
@@ -339,6 +363,15 @@ class KimiPerfGroup(click.Group):
             raise self._one_line(exc) from None
 
     def invoke(self, ctx: click.Context):
+        if sys.stdout is None:    # (Python's, where the shell closed it: `>&-`)
+            click.echo("kimi-perf: error: stdout is closed: there is nowhere to write (give "
+                       "the output a file, or /dev/null)", err=True)
+            sys.exit(2)
+        for stream in (sys.stdout, sys.stderr):
+            # what the terminal's encoding cannot write (µs in ASCII) shown as "?", one
+            # character for one (a table's columns stay aligned), not the command's end
+            with contextlib.suppress(AttributeError, ValueError):
+                stream.reconfigure(errors="replace")
         main_thread = threading.current_thread() is threading.main_thread()
         handlers = {signal.SIGTERM: _terminate}
         if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
@@ -1090,9 +1123,10 @@ def validate(preset_name: str, n_layers: int | None, paths: str, steps: int,
                                  holding="with the paths' copies and the float64 reference",
                                  otherwise="take the tiny preset"):
         raise TraceError(None, problem)
-    result = v.validate(preset_name, chosen, steps=steps, batch=batch, prompt=prompt,
-                        dtype=dtype, kv_cache=kv_cache, seed=seed, n_layers=n_layers,
-                        spec_tokens=spec_tokens, experts=experts)
+    with _memory_said(f"batch {batch}, a prompt of {prompt}"):
+        result = v.validate(preset_name, chosen, steps=steps, batch=batch, prompt=prompt,
+                            dtype=dtype, kv_cache=kv_cache, seed=seed, n_layers=n_layers,
+                            spec_tokens=spec_tokens, experts=experts)
     if fmt == "json":
         _echo(json.dumps(result, indent=1))
     else:
@@ -1251,9 +1285,11 @@ def trace_cmd(from_files: tuple[Path, ...], captures: tuple[Path, ...], phase: s
                       TimeElapsedColumn(), console=console, transient=True,
                       disable=not console.is_terminal) as bar:   # a pipe gets no bar
             task = bar.add_task("capturing", total=cap.work_units(req))
-            run_dir, results, run_info = cap.capture(
-                req, progress=lambda text, units: bar.update(task, description=text,
-                                                             advance=units))
+            with _memory_said(f"batch {req.batch}, context {req.context}, "
+                              f"{req.warmup} + {req.steps} steps"):
+                run_dir, results, run_info = cap.capture(
+                    req, progress=lambda text, units: bar.update(task, description=text,
+                                                                 advance=units))
     if fmt == "json":
         _echo(json_text(cap.run_document(run_dir, results, run_info, lazy_layers=True)),
               nl=False)

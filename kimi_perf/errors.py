@@ -4,8 +4,25 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import stat
 from pathlib import Path
+
+# C0 and C1 controls, and the bidirectional formatting characters (a right-to-left override
+# shows a name's text in another order than it holds)
+CONTROL_CHARACTERS = re.compile(
+    r"[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+
+
+def printable(text: str) -> str:
+    """``text`` with its control characters written out (ESC as ``\\x1b``, a right-to-left
+    override as ``\\u202e``): a name from a trace reaches terminals and text files, where an
+    escape sequence in it would act."""
+    if not CONTROL_CHARACTERS.search(text):
+        return text
+    return CONTROL_CHARACTERS.sub(
+        lambda m: f"\\x{ord(m.group()):02x}" if ord(m.group()) < 0x100
+        else f"\\u{ord(m.group()):04x}", text)
 
 
 class TraceError(Exception):
@@ -17,12 +34,13 @@ class TraceError(Exception):
 
     def __init__(self, path: str | Path | None, problem: str):
         self.path = str(path) if path is not None else None
-        # One line, always: library messages (SQLite, JSON) may quote multi-line text.
-        problem = " ".join(problem.split())
+        # One line, always: library messages (SQLite, JSON) may quote multi-line text, and
+        # a file's name may hold a newline or an escape sequence (written out, not acted on)
+        problem = printable(" ".join(problem.split()))
         if len(problem) > self.MAX_PROBLEM:
             problem = problem[: self.MAX_PROBLEM - 1] + "…"
         self.problem = problem
-        super().__init__(f"{self.path}: {problem}" if self.path else problem)
+        super().__init__(f"{printable(self.path)}: {problem}" if self.path else problem)
 
 
 class NoStepsMatched(TraceError):

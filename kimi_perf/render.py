@@ -36,7 +36,7 @@ from kimi_perf.gate import GateResult
 from kimi_perf.layer_breakdown import Breakdown, layer_notes, layers_text, step_notes
 from kimi_perf.names import short_names
 from kimi_perf.text import counted
-from kimi_perf.trace import json_text
+from kimi_perf.trace import json_text, printable
 
 
 class _Console(Console):
@@ -56,6 +56,8 @@ def console(stderr: bool = False) -> Console:
     out = _Console(stderr=stderr, markup=False)
     if not out.is_terminal and "COLUMNS" not in os.environ:
         out = _Console(stderr=stderr, markup=False, width=200)
+    elif out.width < 1:   # COLUMNS=0, which rich takes as it says: nothing would be printed
+        out = _Console(stderr=stderr, markup=False, width=80)
     return out
 
 
@@ -79,6 +81,14 @@ class Table(RichTable):
     display), rather than folding "10717.7" into "10717." over "7"."""
 
     TEXT_ROOM = 12   # the width a text column is folded to
+
+    # Titles and cells may hold a file's name or a rule's class, whose control characters
+    # a terminal would act on: written out (a trace's own names are, as it is read)
+    def __init__(self, *headers, title: str | None = None, **kwargs):
+        super().__init__(*headers, title=None if title is None else printable(title), **kwargs)
+
+    def add_row(self, *cells, **kwargs) -> None:
+        super().add_row(*(printable(c) if isinstance(c, str) else c for c in cells), **kwargs)
 
     def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
         wide = options.update(max_width=1 << 20)

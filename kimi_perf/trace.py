@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Self
 
 import numpy as np
 
-from kimi_perf.errors import TraceError
+from kimi_perf.errors import TraceError, printable
 from kimi_perf.text import counted
 
 # pyarrow is imported where used (save, load): it costs ~25 MB of RSS that reading never needs.
@@ -552,23 +552,6 @@ def _write_ipc(f, table: pa.Table) -> None:
 # kimi-perf's own JSON (a breakdown, or a run's breakdowns) begins with "schema"; a Kineto
 # trace with "schemaVersion" or "traceEvents", if with an object
 KIMI_PERF_JSON = re.compile(rb'(?:\xef\xbb\xbf)?\s*\{\s*"schema"\s*:')
-
-
-# C0 and C1 controls, and the bidirectional formatting characters (a right-to-left override
-# shows a name's text in another order than it holds)
-CONTROL_CHARACTERS = re.compile(
-    r"[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]")
-
-
-def printable(text: str) -> str:
-    """``text`` with its control characters written out (ESC as ``\\x1b``, a right-to-left
-    override as ``\\u202e``): a name from a trace reaches terminals and text files, where an
-    escape sequence in it would act."""
-    if not CONTROL_CHARACTERS.search(text):
-        return text
-    return CONTROL_CHARACTERS.sub(
-        lambda m: f"\\x{ord(m.group()):02x}" if ord(m.group()) < 0x100
-        else f"\\u{ord(m.group()):04x}", text)
 
 
 def _first_line(exc: BaseException) -> str:

@@ -1921,3 +1921,51 @@ def test_a_cpu_run_s_report_says_whose_time_to_first_token_is_a_cold_start(tmp_p
     paths = {name: Breakdown.from_json(b) for name, b in doc["paths"].items()}
     text = write_report(tmp_path / "r.html", paths, "t", doc["run"], "cdn").read_text()
     assert said in text
+
+
+def test_names_with_control_characters_are_written_out_in_errors_and_tables(tmp_path):
+    """A file's name or a rule's class holding a newline or an escape sequence reaches the
+    terminal written out: an error stays one line, a table's title and cells act on nothing."""
+    _one_line_error(run("breakdown", tmp_path / "bad\nname\x1b[31m.json"),
+                    "bad\\x0aname\\x1b[31m.json: ")
+    trace = tmp_path / "esc\x1b[31mred.json.gz"
+    trace.write_bytes(VLLM.read_bytes())
+    rules = tmp_path / "rules.toml"
+    rules.write_text('[[rule]]\nclass = "x\\u001b[31m"\npattern = "attention"\n')
+    shown = run("breakdown", trace, "--rules", rules)
+    assert shown.exit_code == 0, shown.output
+    assert "\x1b" not in shown.output
+    assert "esc\\x1b[31mred.json.gz" in shown.output and "x\\x1b[31m" in shown.output
+
+
+def test_odd_terminals_get_the_output_or_one_line_saying_why():
+    """A closed stdout (`>&-`) is one line and exit 2, not a traceback (or, for a table, a
+    silent exit 0); an ASCII terminal gets µ as "?" rather than UnicodeEncodeError; COLUMNS=0
+    gets a table 80 wide rather than nothing."""
+    command = [sys.executable, "-m", "kimi_perf", "breakdown", str(VLLM)]
+    closed = subprocess.run(command, capture_output=True, text=True,
+                            preexec_fn=lambda: os.close(1))
+    assert closed.returncode == 2 and closed.stderr.splitlines() == [
+        "kimi-perf: error: stdout is closed: there is nowhere to write (give the output a "
+        "file, or /dev/null)"]
+    ascii_out = subprocess.run(command, capture_output=True,
+                               env={**os.environ, "PYTHONIOENCODING": "ascii"})
+    assert ascii_out.returncode == 0, ascii_out.stderr
+    assert b"kernel ?s" in ascii_out.stdout and not ascii_out.stderr
+    narrow = subprocess.run(command, capture_output=True, text=True,
+                            env={**os.environ, "COLUMNS": "0"})
+    assert narrow.returncode == 0 and "Steps:" in narrow.stdout
+    assert max(map(len, narrow.stdout.splitlines())) <= 80
+
+
+def test_buffers_the_machine_cannot_allocate_are_one_line(tmp_path):
+    """Sizes within the options' ranges whose KV cache or activations no machine holds: one
+    line saying what asked for how much (torch's own message leads with its source line),
+    exit 2, and no run directory left."""
+    pytest.importorskip("torch")
+    _one_line_error(run("validate", "--batch", "99999999999999"),
+                    "out of memory for batch 99999999999999, a prompt of 4 (an allocation of ",
+                    " GB failed): take a smaller batch")
+    _one_line_error(run("trace", "--batch", "1000000000", "--out", tmp_path),
+                    "out of memory for batch 1000000000, context ")
+    assert list(tmp_path.iterdir()) == []

@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 from kimi_perf import read_trace
-from kimi_perf.trace import CONTROL_CHARACTERS, DRIVER, GPU_RANGE, Trace
+from kimi_perf.errors import CONTROL_CHARACTERS
+from kimi_perf.trace import DRIVER, GPU_RANGE, Trace
 from tests.conftest import KINETO, NSYS, kineto_fixtures, nsys_fixtures
 
 
