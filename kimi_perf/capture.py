@@ -642,13 +642,15 @@ def _json_not_a_trace(path: Path) -> bool:
 
 
 def trace_files(paths: list[Path], keep_runs: bool = False,
-                left_out: list[Path] | None = None) -> list[Path]:
+                left_out: list[tuple[Path, str]] | None = None) -> list[Path]:
     """``paths`` with each directory replaced by the trace files in it, in natural order
     (rank2 before rank10): a profiler's output directory, one trace per rank or worker, as
-    vLLM's and SGLang's profilers write them. Breakdown JSON files in it are left out, other
-    JSON that is no trace too (added to ``left_out``), and an .nsys-rep beside its SQLite
-    export. A kimi-perf run directory is not a directory of traces: an error, or with
-    ``keep_runs`` kept as it is (``kimi-perf report`` draws it)."""
+    vLLM's and SGLang's profilers write them. Left out (each with why, added to
+    ``left_out``): breakdown JSON files, other JSON that is no trace, and a name of a trace's
+    that is no regular file (a FIFO, a dangling symlink); an .nsys-rep beside its SQLite
+    export is too, silently (its export is the same capture). A kimi-perf run directory is
+    not a directory of traces: an error, or with ``keep_runs`` kept as it is (``kimi-perf
+    report`` draws it)."""
     from kimi_perf.gate import is_kimi_perf_json
 
     def natural(p: Path) -> list:
@@ -668,8 +670,12 @@ def trace_files(paths: list[Path], keep_runs: bool = False,
         if _kimi_perf_run_json(path / "run.json"):
             raise TraceError(path, "a kimi-perf run directory without its breakdown.json (a "
                                    "capture that did not finish, or a file removed since)")
-        named = sorted((f for f in path.iterdir() if f.is_file()
-                        and f.name.endswith(TRACE_SUFFIXES) and not is_kimi_perf_json(f)),
+        entries = [f for f in path.iterdir() if f.name.endswith(TRACE_SUFFIXES)]
+        unread = [(f, "a dangling symlink" if f.is_symlink() and not f.exists() else
+                   "not a regular file") for f in entries if not f.is_file()]
+        stored = [(f, "a kimi-perf breakdown") for f in entries
+                  if f.is_file() and is_kimi_perf_json(f)]
+        named = sorted((f for f in entries if f.is_file() and not is_kimi_perf_json(f)),
                        key=natural)
         other = [f for f in named if _json_not_a_trace(f)]
         found = [f for f in named if f not in other]
@@ -679,7 +685,8 @@ def trace_files(paths: list[Path], keep_runs: bool = False,
                 f"; JSON that is not a trace: {', '.join(f.name for f in other)}"
                 if other else ""))
         if left_out is not None:
-            left_out += other
+            left_out += sorted([*stored, *((f, "JSON that is not a trace") for f in other),
+                                *unread], key=lambda entry: natural(entry[0]))
         # a report nsys has exported (``nsys stats`` leaves X.sqlite beside X.nsys-rep) is
         # one capture: its export is read, and the report is not read again
         exported = {f.name.removesuffix(".sqlite") for f in found if f.suffix == ".sqlite"}

@@ -349,12 +349,22 @@ class KimiPerfGroup(click.Group):
     """The CLI: click's group, its usage errors one line each; an interrupted command says so
     and exits 130 (Ctrl-C) or 143 (SIGTERM), not 1, which ``gate`` gives a regression."""
 
-    @staticmethod
-    def _one_line(exc: click.UsageError) -> UsageErrorLine:
-        where = exc.ctx.command_path if exc.ctx else "kimi-perf"
+    _command: str | None = None   # the command being run, once resolved
+
+    def _one_line(self, exc: click.UsageError) -> UsageErrorLine:
+        # (click's parser raises some errors, an option missing its value, with no context:
+        # their help is the command's all the same)
+        where = (exc.ctx.command_path if exc.ctx else
+                 f"kimi-perf {self._command}" if self._command else "kimi-perf")
         return UsageErrorLine(f"{exc.format_message()} (see {where} --help)")
 
+    def resolve_command(self, ctx: click.Context, args: list[str]):
+        name, command, rest = super().resolve_command(ctx, args)
+        self._command = name
+        return name, command, rest
+
     def make_context(self, *args, **kwargs):
+        self._command = None
         try:
             return super().make_context(*args, **kwargs)
         except click.exceptions.NoArgsIsHelpError:
@@ -919,20 +929,21 @@ def info(trace: Path, fmt: str) -> None:
     _say_left_out(left_out)
 
 
-def _traces_in(paths: list[Path], keep_runs: bool = False) -> tuple[list[Path], list[Path]]:
-    """``capture.trace_files``: the traces of the directories among ``paths``, and the JSON
-    in them that is no trace, left out (``_say_left_out`` once the command is done: an error
+def _traces_in(paths: list[Path], keep_runs: bool = False
+               ) -> tuple[list[Path], list[tuple[Path, str]]]:
+    """``capture.trace_files``: the traces of the directories among ``paths``, and the files
+    in them left out, each with why (``_say_left_out`` once the command is done: an error
     stays one line)."""
     from kimi_perf.capture import trace_files
 
-    left_out: list[Path] = []
+    left_out: list[tuple[Path, str]] = []
     return trace_files(paths, keep_runs, left_out), left_out
 
 
-def _say_left_out(left_out: list[Path]) -> None:
+def _say_left_out(left_out: list[tuple[Path, str]]) -> None:
     if left_out:
-        click.echo("left out, JSON that is not a trace: " + ", ".join(map(str, left_out)),
-                   err=True)
+        click.echo("left out: " + "; ".join(f"{printable(str(f))} ({why})"
+                                            for f, why in left_out), err=True)
 
 
 def _saved_traces(run_dir: Path) -> list[Path]:

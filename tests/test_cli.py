@@ -536,12 +536,15 @@ def test_every_command_s_help_line_is_whole():
     (["floors", "--bandwidth", "nan", "--format", "json"], "'nan' is not a finite number"),
     (["breakdown", str(VLLM), "--no-such-option"], "No such option '--no-such-option'"),
     (["ranges"], "Missing argument 'TRACE'"),
+    (["breakdown", str(VLLM), "-o"], "Option '-o' requires an argument"),
     (["nonsense"], "No such command 'nonsense'"),
     (["--bogus"], "No such option '--bogus'")])
 def test_usage_errors_are_one_line(args, said):
     """A bad option value, an unknown option, a missing argument or an unknown command: one
-    line that says so and where the help is, as for every other bad input."""
-    _one_line_error(run(*args), said, "--help)")
+    line that says so and where the help is (the command's, where a command was named), as
+    for every other bad input."""
+    command = args[0] if args[0] in main.commands else None
+    _one_line_error(run(*args), said, f" {command} --help)" if command else "(see main --help)")
 
 
 def test_tables_to_a_file_and_bad_output_paths(tmp_path):
@@ -1262,9 +1265,14 @@ def test_a_directory_of_traces_stands_for_its_traces(tmp_path):
     assert run("breakdown", VLLM, "--format", "json", "-o",
                ranks / "old.json").exit_code == 0
     out = tmp_path / "runs"
+    os.mkfifo(ranks / "live.json")                                  # no file to read
+    (ranks / "gone.pt.trace.json.gz").symlink_to(tmp_path / "nowhere")
     result = run("trace", "--from", ranks, "--out", out, "--plotly-js", "cdn")
     assert result.exit_code == 0, result.output
-    assert f"left out, JSON that is not a trace: {ranks / 'meta.json'}" in result.output
+    # every file of a trace's name that is not read is said, and why
+    assert (f"left out: {ranks / 'gone.pt.trace.json.gz'} (a dangling symlink); "
+            f"{ranks / 'live.json'} (not a regular file); {ranks / 'meta.json'} (JSON that is "
+            f"not a trace); {ranks / 'old.json'} (a kimi-perf breakdown)") in result.output
     (run_dir,) = out.iterdir()
     info = json.loads((run_dir / "run.json").read_text())
     assert [Path(f).name for f in info["files"]] == [
