@@ -101,6 +101,21 @@ def _memory_said(sizes: str):
                                "batch, context or step count") from None
 
 
+class OutputPath(click.Path):
+    """A file to write: an empty name is none (as a path it would be ".", the directory)."""
+
+    def __init__(self):
+        super().__init__(path_type=Path)
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, str) and not value:
+            self.fail("an empty file name", param, ctx)
+        return super().convert(value, param, ctx)
+
+
+OUTPUT = OutputPath()
+
+
 class FiniteFloatRange(click.FloatRange):
     """A float in range, and a number: nan passes every bound, and inf is no tolerance."""
 
@@ -418,7 +433,7 @@ def main() -> None:
 @click.argument("trace", type=click.Path(path_type=Path))
 @click.option("--format", "fmt", type=click.Choice(["csv", "table", "json"]), default="table",
               show_default=True)
-@click.option("-o", "--output", type=click.Path(path_type=Path), help="write here, not stdout")
+@click.option("-o", "--output", type=OUTPUT, help="write here, not stdout")
 @_fail_cleanly
 def ranges(trace: Path, fmt: str, output: Path | None) -> None:
     """Kernels per range, as `nsys stats --report nvtx_kern_sum` attributes them."""
@@ -478,7 +493,7 @@ EXAMPLE_TRACE = (Path(__file__).parent / "examples"
               "several (standard, specialized, ...)")
 @_capture_option
 @_kernels_option
-@click.option("-o", "--output", type=click.Path(path_type=Path), help="write here, not stdout")
+@click.option("-o", "--output", type=OUTPUT, help="write here, not stdout")
 @_fail_cleanly
 def breakdown_cmd(trace: Path | None, fmt: str, layers: str, step_regex: str | None,
                   phase: str, rules: Path | None, path_name: str | None, capture: Path | None,
@@ -518,7 +533,7 @@ def breakdown_cmd(trace: Path | None, fmt: str, layers: str, step_regex: str | N
 @click.option("--labels", help="names for A and B, comma-separated (default: the file names, "
               "in the table without the words both share; or a run's path names)")
 @_kernels_option
-@click.option("-o", "--output", type=click.Path(path_type=Path), help="write here, not stdout")
+@click.option("-o", "--output", type=OUTPUT, help="write here, not stdout")
 @_fail_cleanly
 def compare_cmd(a: Path, b: Path | None, path_name: str | None, fmt: str, layers: str,
                 step_regex: str | None, phase: str, rules: Path | None, labels: str | None,
@@ -807,7 +822,7 @@ def _check_plotly_js(ctx, param, value: str) -> str:
 @click.option("--plotly-js", default="inline", show_default=True, callback=_check_plotly_js,
               help="the report's plotly.js: inline (opens offline, about 5 MB), cdn, or a "
               "plotly.min.js (a path from here, or a URL) for the report to refer to")
-@click.option("-o", "--output", type=click.Path(path_type=Path), default=Path("report.html"),
+@click.option("-o", "--output", type=OUTPUT, default=Path("report.html"),
               show_default=True)
 @_fail_cleanly
 def report_cmd(inputs: tuple[Path, ...], path_name: str | None, labels: str | None,
@@ -1054,7 +1069,7 @@ def _info(trace: Path, info: dict) -> None:
               help="memory bandwidth, TB/s (H200: about 4.3 measured by a device copy)")
 @click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table",
               show_default=True)
-@click.option("-o", "--output", type=click.Path(path_type=Path), help="write here, not stdout")
+@click.option("-o", "--output", type=OUTPUT, help="write here, not stdout")
 @_fail_cleanly
 def floors_cmd(preset_name: str, tp: int | None, batch: int, context: int, weights: str,
                experts: str, kv_cache: str, spec_tokens: int, bandwidth: float, fmt: str,

@@ -536,6 +536,7 @@ def test_every_command_s_help_line_is_whole():
     (["floors", "--bandwidth", "nan", "--format", "json"], "'nan' is not a finite number"),
     (["breakdown", str(VLLM), "--no-such-option"], "No such option '--no-such-option'"),
     (["ranges"], "Missing argument 'TRACE'"),
+    (["breakdown", str(VLLM), "-o", ""], "Invalid value for '-o' / '--output': an empty file"),
     (["breakdown", str(VLLM), "-o"], "Option '-o' requires an argument"),
     (["nonsense"], "No such command 'nonsense'"),
     (["--bogus"], "No such option '--bogus'")])
