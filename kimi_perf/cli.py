@@ -1025,6 +1025,10 @@ def _info(trace: Path, info: dict) -> None:
     if untimed := info["untimed"]:
         click.echo(f"  left out, without a time: {counted(untimed['kernels'], 'kernel')}, "
                    f"{counted(untimed['memops'], 'memcpy/memset op')}")
+    if duplicates := info.get("duplicates"):
+        click.echo(f"  left out, exact repeats of another event: "
+                   f"{counted(duplicates['kernels'], 'kernel')}, "
+                   f"{counted(duplicates['memops'], 'memcpy/memset op')}")
     if info["span_ns"] is not None:
         processes = info["processes"]
         click.echo(f"  {info['span_ns'] / 1e6:,.3f} ms from first to last event; "

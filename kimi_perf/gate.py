@@ -590,6 +590,7 @@ def _source_problem(source) -> str | None:
          source.get("other_thread_ops") is None or _is_count(source["other_thread_ops"])),
         ("steps_left_out", "{phase: count}", counts("steps_left_out")),
         ("untimed", "{kernels, memops} as counts", counts("untimed")),
+        ("duplicates", "{kernels, memops} as counts", counts("duplicates")),
         ("outside_steps", "{ops, kernel_us, unlaunched, in_ranges, partial_passes: {parts, ops}}",
          outside is None or (isinstance(outside, dict) and _is_count(outside.get("ops"))
                              and _is_figure(outside.get("kernel_us"))

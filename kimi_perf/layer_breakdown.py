@@ -865,6 +865,11 @@ def step_notes(b: Breakdown) -> list[str]:
         notes.append(f"{untimed.get('kernels', 0)} kernels and {untimed.get('memops', 0)} "
                      "memory operations without a time (CUPTI's start and end 0 for work it "
                      "could not time, or a corrupt record) are left out")
+    if duplicates := src.get("duplicates"):
+        notes.append(f"{duplicates.get('kernels', 0)} kernels and "
+                     f"{duplicates.get('memops', 0)} memory operations that repeat another "
+                     "exactly (same name, times, device, stream and correlation) are left "
+                     "out: the work ran once")
     if b.steps and all(s.get("layer_source") == "none" for s in b.steps):
         notes.append("no layers found: no range the default layer pattern matches (--layers "
                      "nvtx:REGEX takes ranges of your own) and no step repeats a kernel "
@@ -984,6 +989,6 @@ def _source(trace: Trace) -> dict:
     return {"file": meta.get("file"), "format": meta.get("format"), "tool": meta.get("tool"),
             "schema": meta.get("schema"), "gpus": meta.get("gpus", []), "gpus_ran": ran,
             "kernels": len(trace.kernels), "memops": len(trace.memops),
-            "ranges": len(trace.ranges), **({"untimed": meta["untimed"]}
-                                            if meta.get("untimed") else {}),
+            "ranges": len(trace.ranges),
+            **{key: meta[key] for key in ("untimed", "duplicates") if meta.get(key)},
             **({"captures": meta["captures"]} if meta.get("captures") else {})}

@@ -478,6 +478,10 @@ def layers_from_ranges(trace: Trace, ops: GpuOps, steps: list[Step], layer_regex
             raise NoStepsMatched(trace.meta.get("file"), f"--layers: the 'index' group "
                                  f"matched {idx!r} in the range {trace.strings[code]!r}: not "
                                  "a layer number")
+        # Layer rows hold int64 indices (and int() refuses 4,300 digits and more).
+        if idx is not None and (len(idx.lstrip("0")) > 19 or int(idx) > np.iinfo(np.int64).max):
+            raise NoStepsMatched(trace.meta.get("file"), f"the range {trace.strings[code]!r} "
+                                 "numbers its layer beyond int64: not a layer number")
         parsed[code] = (int(idx) if idx is not None else None, kind)
 
     for step in steps:

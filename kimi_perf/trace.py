@@ -236,7 +236,8 @@ class Trace:
     version), ``schema`` (export schema version, when known), ``file``, ``gpus`` (list of
     ``{"device", "name", "sm_count"}``), ``processes`` (list of ``{"pid", "name"}``);
     where they apply: ``untimed`` (``{"kernels", "memops"}``: GPU work the trace holds without
-    a usable time, left out of the tables); from a Kineto trace's ``distributedInfo``,
+    a usable time, left out of the tables), ``duplicates`` (likewise: GPU work a Kineto trace
+    holds twice, exact repeats left out); from a Kineto trace's ``distributedInfo``,
     ``rank`` and ``world_size``; ``captures``, the files of graph captures joined to it
     (``graphs.with_capture``).
     """
@@ -264,12 +265,12 @@ class Trace:
     def summary(self) -> dict[str, Any]:
         """What ``kimi-perf info`` prints: format, tool and schema (and ``captures``, the
         files of graph captures joined to it); events of each kind (and GPU work left out
-        for want of a time); the span from the first event to the last (ns, None without
-        events); each process with GPU work or API calls, the most kernels first
-        (``kernels_without_process``: GPU work the trace names no process for); each GPU the
-        trace describes or its kernels ran on (``name`` None where undescribed);
-        ``annotated_ops``: its ``op:`` ranges, the launches a CPU run of the decode paths
-        annotates (what breakdown counts where a trace has no GPU work)."""
+        for want of a time, or as an exact repeat); the span from the first event to the
+        last (ns, None without events); each process with GPU work or API calls, the most
+        kernels first (``kernels_without_process``: GPU work the trace names no process
+        for); each GPU the trace describes or its kernels ran on (``name`` None where
+        undescribed); ``annotated_ops``: its ``op:`` ranges, the launches a CPU run of the
+        decode paths annotates (what breakdown counts where a trace has no GPU work)."""
         m = self.meta
         span = self.span()
 
@@ -288,7 +289,8 @@ class Trace:
             "ranges": len(self.ranges), "api_calls": len(self.api),
             "annotated_ops": int((self.names_matching(OP_RANGE)[self.ranges.name]
                                   & (self.ranges.tid >= 0)).sum()),   # (as breakdown counts)
-            "untimed": m.get("untimed"), "span_ns": span[1] - span[0] if span else None,
+            "untimed": m.get("untimed"), "duplicates": m.get("duplicates"),
+            "span_ns": span[1] - span[0] if span else None,
             "processes": [{"pid": p, "kernels": kernels.get(p, 0), "api_calls": api.get(p, 0)}
                           for p in sorted(pids, key=lambda p: (-kernels.get(p, 0), p))],
             "kernels_without_process": kernels.get(-1, 0),
@@ -425,10 +427,11 @@ class Trace:
             added = [e for e in other.meta.get(key, []) if e.get(id_key) not in known]
             if added:
                 meta[key] = meta.get(key, []) + json.loads(json.dumps(added))
-        if "untimed" in self.meta or "untimed" in other.meta:
-            none = {"kernels": 0, "memops": 0}
-            meta["untimed"] = {k: self.meta.get("untimed", none)[k]
-                               + other.meta.get("untimed", none)[k] for k in none}
+        none = {"kernels": 0, "memops": 0}
+        for key in ("untimed", "duplicates"):
+            if key in self.meta or key in other.meta:
+                meta[key] = {k: self.meta.get(key, none)[k] + other.meta.get(key, none)[k]
+                             for k in none}
         return Trace(strings=table.values, meta=meta, **tables)
 
     def tidy_strings(self) -> None:
@@ -478,7 +481,6 @@ def meta_problem(meta: dict) -> str | None:
     """What is wrong with the types of a trace's ``meta`` (the keys analyses read), if anything:
     a reader or a saved file that gave another type would fail far from here."""
     gpus, processes = meta.get("gpus", []), meta.get("processes", [])
-    untimed = meta.get("untimed", {"kernels": 0, "memops": 0})
     if not (isinstance(gpus, list) and all(
             isinstance(g, dict) and is_int64(g.get("device")) and isinstance(g.get("name"), str)
             and (g.get("sm_count") is None or is_int64(g["sm_count"])) for g in gpus)):
@@ -486,9 +488,11 @@ def meta_problem(meta: dict) -> str | None:
     if not (isinstance(processes, list) and all(
             isinstance(p, dict) and is_int64(p.get("pid")) for p in processes)):
         return "processes is not a list of {pid: int, name}"
-    if not (isinstance(untimed, dict) and all(
-            is_int64(untimed.get(k)) and untimed[k] >= 0 for k in ("kernels", "memops"))):
-        return "untimed is not {kernels: count, memops: count}"
+    for key in ("untimed", "duplicates"):
+        counts = meta.get(key, {"kernels": 0, "memops": 0})
+        if not (isinstance(counts, dict) and all(
+                is_int64(counts.get(k)) and counts[k] >= 0 for k in ("kernels", "memops"))):
+            return f"{key} is not {{kernels: count, memops: count}}"
     captures = meta.get("captures", [])
     if not (isinstance(captures, list) and all(isinstance(c, str) for c in captures)):
         return "captures is not a list of file names"
@@ -523,8 +527,10 @@ def _checksum(table: pa.Table) -> int:
 def _fitting(values, dtype: str, column: str) -> np.ndarray:
     """``values`` as ``dtype``, refusing integers it cannot hold (a cast would wrap them: a
     GPU id of 99999999999 would read as GPU 1215752191)."""
-    values = np.asarray(values)
     target = np.dtype(dtype)
+    if not isinstance(values, np.ndarray) and target.kind == "i":
+        values = _int_list(values, dtype, column)
+    values = np.asarray(values)
     if (values.dtype.kind in "iu" and target.kind == "i" and len(values)
             and (values.dtype.itemsize > target.itemsize or values.dtype.kind == "u")):
         limits = np.iinfo(target)
@@ -532,6 +538,31 @@ def _fitting(values, dtype: str, column: str) -> np.ndarray:
             beyond = values[(values < limits.min) | (values > limits.max)][0]
             raise ValueError(f"{column} holds {beyond}, beyond {dtype}")
     return np.ascontiguousarray(values, dtype=target)
+
+
+def _int_list(values, dtype: str, column: str) -> np.ndarray:
+    """A list of plain values (a reader's replayed events) for an integer column. An integer
+    beyond int64 makes numpy take the whole list as floats or objects, which a cast would
+    wrap (2^63 read as -2^31, with a warning) or fail on without naming the column; so would
+    a None. Such values are refused here, by column."""
+    arr = np.asarray(values)
+    if arr.dtype.kind in "iub":
+        return arr
+    lo, hi = np.iinfo(np.int64).min, np.iinfo(np.int64).max
+    for value in values:    # (only where some value is not an int64 integer)
+        if isinstance(value, int | np.integer):
+            if lo <= value <= hi:
+                continue
+            whole = True
+        else:
+            # a JSON integer beyond int64 may come decoded as a float (-2^63 too, rounded)
+            whole = isinstance(value, float) and value.is_integer()
+            if whole and lo < value < 2**63:
+                continue
+        shown = f"{value:g}" if isinstance(value, float) else repr(value)
+        raise ValueError(f"{column} holds {shown}, "
+                         + (f"beyond {dtype}" if whole else "not an integer"))
+    return arr.astype(np.int64)   # every value a whole number inside int64: exact
 
 
 def _one_row_list(values: pa.Array) -> pa.Array:

@@ -606,6 +606,34 @@ def test_layer_modes_asked_for_by_name_that_find_nothing():
     assert run("breakdown", nccl).exit_code == 0
 
 
+@pytest.mark.parametrize("layer", ["layer[{}](kda)", "model.layers.{}", "layer_{}",
+                                   "{{'Module': 'model.layers.{}'}}"])
+def test_a_layer_number_beyond_int64_is_an_error(tmp_path, layer):
+    """A range numbering its layer past int64 (layer[99999999999999999999999]) is a one-line
+    error naming the file and the range, not an OverflowError's traceback; one just inside
+    (leading zeros do not count) reads."""
+    def doc(index: str) -> dict:
+        events = [{"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#1", "pid": 1,
+                   "tid": 1, "ts": 0, "dur": 100}]
+        for i in range(2):
+            t = 10 + 40 * i
+            events += [
+                {"ph": "X", "cat": "user_annotation", "name": layer.format(index if i else i),
+                 "pid": 1, "tid": 1, "ts": t, "dur": 30},
+                {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "pid": 1,
+                 "tid": 1, "ts": t + 1, "dur": 2, "args": {"correlation": i + 1}},
+                {"ph": "X", "cat": "kernel", "name": "gemm", "pid": 0, "tid": 7, "ts": t + 5,
+                 "dur": 3, "args": {"device": 0, "stream": 7, "correlation": i + 1}}]
+        return {"traceEvents": events}
+
+    path = tmp_path / "layers.json"
+    path.write_text(json.dumps(doc("99999999999999999999999")))
+    _one_line_error(run("breakdown", path), str(path), "the range " + repr(
+        layer.format("99999999999999999999999")), "numbers its layer beyond int64")
+    path.write_text(json.dumps(doc("0009223372036854775807")))
+    assert run("breakdown", path).exit_code == 0
+
+
 def test_a_layer_count_below_two_is_refused():
     """Layer 0 (KDA and the dense MLP) and the last layer (gated MLA) are two layers."""
     for count in ("0", "1"):

@@ -294,8 +294,9 @@ def _no_traceback(*args) -> None:
 
 
 @FUZZ
-@given(key=st.sampled_from(["gpus", "processes", "untimed", "format", "tool", "file", "rank",
-                            "world_size", "captures"]), value=VALUES, data=st.data())
+@given(key=st.sampled_from(["gpus", "processes", "untimed", "duplicates", "format", "tool",
+                            "file", "rank", "world_size", "captures"]), value=VALUES,
+       data=st.data())
 def test_kptrace_metadata_of_any_type(tmp_path, key, value, data):
     """A saved trace's header (which its checksum does not cover) with a field of any type,
     whole or inside a GPU entry: read and analysed, or a one-line error naming the file."""

@@ -516,6 +516,109 @@ def test_kineto_times_that_are_not_numbers_are_an_error(tmp_path, field, value):
         read_trace(path)
 
 
+def _one_kernel_doc(**args) -> dict:
+    """A launch and its kernel, the kernel's ``args`` updated by ``args``, after a plain
+    kernel (with ids of ordinary size beside it, numpy reads a list holding 2^63 as floats)."""
+    return {"traceEvents": [
+        {"ph": "X", "cat": "kernel", "name": "k", "pid": 0, "tid": 7, "ts": 4, "dur": 2,
+         "args": {"correlation": 4, "device": 0, "stream": 7}},
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "pid": 1, "tid": 1,
+         "ts": 8, "dur": 1, "args": {"correlation": 5}},
+        {"ph": "X", "cat": "kernel", "name": "k", "pid": 0, "tid": 7, "ts": 10, "dur": 2,
+         "args": {"correlation": 5, "device": 0, "stream": 7, **args}}]}
+
+
+@pytest.mark.parametrize(("field", "value", "said"), [
+    ("device", 2**31, "Kernels.device holds 2147483648, beyond int32"),
+    ("device", 2**63, "Kernels.device holds 9223372036854775808, beyond int32"),
+    ("device", 2**64 - 1, "Kernels.device holds 18446744073709551615, beyond int32"),
+    ("device", 2**64, "Kernels.device holds 1.84467e+19, beyond int32"),
+    ("device", -(2**63) - 1, "Kernels.device holds -9.22337e+18, beyond int32"),
+    ("device", -(10**23), "Kernels.device holds -1e+23, beyond int32"),
+    ("device", "99999999999999999999999", "Kernels.device holds 99999999999999999999999, "
+                                          "beyond int32"),
+    ("stream", 2**63, "Kernels.stream holds 9223372036854775808, beyond int64"),
+    ("correlation", 2**70, "correlation holds 1180591620717411303424, beyond int64")])
+def test_kineto_ids_beyond_int64_are_an_error(tmp_path, field, value, said):
+    """An id past int64 is refused by its column as one past int32 is: it came as a float
+    (or an object) that a cast wrapped to another GPU with a numpy warning, or failed on
+    naming no column."""
+    import warnings
+
+    from kimi_perf.errors import TraceError
+
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(_one_kernel_doc(**{field: value})))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(TraceError, match=re.escape(said)):
+            read_trace(path)
+
+
+@pytest.mark.parametrize(("args", "said"), [
+    ([1, 2], "'args' is [1, 2], not an object"),
+    ({"correlation": [5]}, "'args.correlation' is [5], not an integer"),
+    ({"correlation": None}, "'args.correlation' is None, not an integer"),
+    ({"device": {"id": 0}}, "'args.device' is {'id': 0}, not an id")])
+def test_kineto_malformed_args_are_named(tmp_path, args, said):
+    """An ``args`` that is no object, or a field in it of a type no id has: the event and
+    the field are named, not a Python error ("'list' object has no attribute 'get'")."""
+    from kimi_perf.errors import TraceError
+
+    doc = _one_kernel_doc()
+    doc["traceEvents"][2]["args"] = args if isinstance(args, list) else {
+        **doc["traceEvents"][2]["args"], **args}
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(doc))
+    with pytest.raises(TraceError, match=r"event 2 \(kernel\) is malformed: \w+Error "
+                                         + re.escape(said)):
+        read_trace(path)
+
+
+def test_kineto_exact_repeats_of_gpu_work_are_left_out_and_counted(tmp_path, monkeypatch):
+    """A kernel or copy the trace holds twice (every field equal: a trace written or merged
+    twice) ran once: counted twice it added time the GPU never spent (kernel µs over the
+    span). Repeats are left out and counted by every read path, said by info and the steps'
+    notes; work differing in any field (another stream, correlation, time) is kept."""
+    from kimi_perf import breakdown
+    from kimi_perf.layer_breakdown import step_notes
+
+    doc = _eager_kineto_doc()
+    events = doc["traceEvents"]
+    kernels = [e for e in events if e["cat"] == "kernel"]
+    copy = {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy HtoD", "pid": 0, "tid": 7,
+            "ts": 1, "dur": 1, "args": {"device": 0, "stream": 7, "correlation": 1,
+                                        "bytes": 64}}
+    events += [copy, json.loads(json.dumps(copy))]
+    events += [json.loads(json.dumps(k)) for k in kernels]        # every kernel again
+    events.append(json.loads(json.dumps(kernels[0])))             # and the first a third time
+    near = [json.loads(json.dumps(kernels[1])) for _ in range(3)]
+    near[0]["args"]["stream"] = 8
+    near[1]["args"]["correlation"] = 999
+    near[2]["dur"] = 4
+    events += near
+    path = tmp_path / "repeated.json"
+    path.write_text(json.dumps(doc))
+    plain = tmp_path / "plain.json"
+    plain.write_text(json.dumps(_eager_kineto_doc()))
+    expected = read_trace(plain)
+    for label, trace in _kineto_paths(path, monkeypatch).items():
+        assert len(trace.kernels) == len(expected.kernels) + 3 and len(trace.memops) == 1, label
+        assert trace.meta["duplicates"] == {"kernels": len(kernels) + 1, "memops": 1}, label
+    trace = read_trace(path)
+    assert trace.summary()["duplicates"] == {"kernels": len(kernels) + 1, "memops": 1}
+    assert f"{len(kernels) + 1} kernels and 1 memory operations that repeat another exactly" \
+        in " ".join(step_notes(breakdown(trace)))
+    assert "duplicates" not in expected.meta
+    from click.testing import CliRunner
+
+    from kimi_perf.cli import main
+
+    said = CliRunner().invoke(main, ["info", str(path)]).output
+    assert (f"left out, exact repeats of another event: {len(kernels) + 1} kernels, "
+            "1 memcpy/memset op\n") in said
+
+
 FUSER = NSYS / "NVIDIA-Fuser__report1__nsys2025.1.1.sqlite"
 
 
@@ -578,6 +681,44 @@ def test_nsys_gpu_ids_beyond_32_bits_are_an_error(tmp_path):
                                          "99999999999"))
 
 
+ATHRUN = NSYS / "Athrun0109-CS336_assignment2__result__nsys2026.2.1.sqlite"
+
+
+def test_nsys_ranges_without_an_end(tmp_path):
+    """An unterminated NVTX range runs to the last NVTX timestamp (as nsys stats does); with
+    no range ending at all that is no time: the table and column are named, not a Python
+    error ("int() argument must be ... not 'NoneType'")."""
+    from kimi_perf.errors import TraceError
+
+    copy = tmp_path / "open.sqlite"
+    copy.write_bytes(ATHRUN.read_bytes())
+    with sqlite3.connect(copy) as db:
+        (last,) = db.execute("SELECT max(end) FROM NVTX_EVENTS").fetchone()
+        db.execute("UPDATE NVTX_EVENTS SET end = NULL WHERE rowid = (SELECT min(rowid) FROM "
+                   "NVTX_EVENTS WHERE eventType = 59)")
+    ranges = read_trace(copy).ranges
+    assert len(ranges) == len(read_trace(ATHRUN).ranges) and ranges.end.max() == last
+    with sqlite3.connect(copy) as db:
+        db.execute("UPDATE NVTX_EVENTS SET end = NULL")
+    with pytest.raises(TraceError, match=r"open\.sqlite: table NVTX_EVENTS: column end is NULL "
+                                         r"in every range"):
+        read_trace(copy)
+
+
+def test_nsys_string_ids_without_their_text_column(tmp_path):
+    """StringIds without its ``value`` column is said as any missing column is, not as a
+    corrupt file ("no such column: value")."""
+    from kimi_perf.errors import TraceError
+
+    copy = tmp_path / "novalue.sqlite"
+    copy.write_bytes(ATHRUN.read_bytes())
+    with sqlite3.connect(copy) as db:
+        db.execute("ALTER TABLE StringIds DROP COLUMN value")
+    with pytest.raises(TraceError, match=r"novalue\.sqlite: table StringIds lacks column\(s\) "
+                                         r"value \(export schema"):
+        read_trace(copy)
+
+
 def test_formats_are_told_by_content_not_name(tmp_path):
     """A Kineto trace named .nsys-rep reads as Kineto (nsys is not asked); an SQLite export
     cut short reads as an error, not as a trace that lacks its last rows."""
@@ -625,7 +766,8 @@ def test_a_gzipped_export_reads_as_the_export(tmp_path, monkeypatch):
 @pytest.mark.parametrize(("content", "said"), [
     ("kptrace", "a gzipped .kptrace: gunzip it"),
     (b"Nothing like a trace\n", "unknown format inside the gzip"),
-    (b"\xef\xbb\xbf  \n{\"traceEvents\": [", "invalid or truncated JSON")])
+    (b"\xef\xbb\xbf  \n{\"traceEvents\": [", "invalid or truncated JSON"),
+    (b"", "a gzip that holds an empty file"), (b" \n\t", "a gzip that holds only blanks")])
 def test_what_a_gzip_holds_is_named(tmp_path, content, said):
     """A gzip of what no reader takes (a .kptrace, which is compressed within; text) says
     so, rather than calling it JSON that is not UTF-8; gzipped JSON (a BOM and blanks before

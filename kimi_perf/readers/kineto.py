@@ -6,7 +6,9 @@ int64 ns. Durations are exact; a float timestamp is what its float64 holds: to t
 values with fractions (1712195495519689.047), which few traces write.
 
 A kernel links to its launching API call by ``args.correlation``; under a CUDA/HIP graph
-every replayed kernel shares the graph launch's correlation.
+every replayed kernel shares the graph launch's correlation. A kernel or copy the trace holds
+twice, equal in every field, ran once: the repeats are left out and counted
+(``meta["duplicates"]``), as work without a time is (``meta["untimed"]``).
 
 How it reads (a 681 MB trace in a few seconds and a few hundred MB): the file is inflated in
 blocks, and the ``traceEvents`` array is cut at event boundaries, each piece decoded with
@@ -248,13 +250,16 @@ def _read_whole(path: Path) -> Trace:
 def _load_bytes(path: Path) -> bytes:
     try:
         raw = path.read_bytes()
-        if raw[:2] == GZIP_MAGIC:
+        gzipped = raw[:2] == GZIP_MAGIC
+        if gzipped:
             raw = gzip.decompress(raw)
     except (OSError, EOFError, zlib.error) as exc:
         raise TraceError(path, f"cannot decompress ({exc})") from None
     raw = raw.removeprefix(UTF8_BOM)
     if not raw or raw.isspace():
-        raise TraceError(path, "empty file")
+        # the file is not empty: what it holds is
+        raise TraceError(path, ("a gzip that holds an empty file" if not raw else
+                                "a gzip that holds only blanks") if gzipped else "empty file")
     return raw
 
 
@@ -508,16 +513,28 @@ class _Builder:
             self.strings.append(value)
         return code
 
-    def _id(self, value) -> int:
-        """pid/tid/device/stream may be ints, numeric strings or labels."""
+    def _id(self, value, field: str) -> int:
+        """pid/tid/device/stream (``field``) may be ints, numeric strings or labels."""
         if isinstance(value, int) and not isinstance(value, bool):
             return value
         if isinstance(value, str) and value.lstrip("-").isdigit():
             return int(value)
         if value is None:
             return -1
+        if isinstance(value, float) and not -(2**63) < value < 2**63:
+            # A JSON integer beyond int64 (decoded as a float): no label but a number out of
+            # range, which the table refuses naming its column.
+            return value
+        if isinstance(value, list | dict):
+            raise TypeError(f"'{field}' is {_shown(value)}, not an id")
         # Labels such as "stream 7 (graph)": a stable synthetic id per label.
         return self.ids.setdefault(value, (1 << 29) + len(self.ids))
+
+    def _arg_id(self, args: dict, key: str, event: dict, fallback: str) -> int:
+        """``args[key]``, or the event's ``fallback`` field where ``args`` lacks it."""
+        if key in args:
+            return self._id(_num(args[key]), f"args.{key}")
+        return self._id(_num(event.get(fallback)), fallback)
 
     def add_piece(self, piece, offset: int) -> int:
         """Add the events of one JSON array (items ``offset``... of traceEvents); returns how
@@ -690,21 +707,21 @@ class _Builder:
             cat = e.get("cat")
             try:
                 if cat == "kernel":
-                    args = _num(e.get("args")) or {}
+                    args = _args(e)
                     self._gpu(cols["k"], e, args)
                 elif cat in ("gpu_memcpy", "gpu_memset"):
-                    args = _num(e.get("args")) or {}
+                    args = _args(e)
                     self._gpu(cols["m"], e, args)
-                    cols["m"]["bytes"].append(int(_num(args.get("bytes", -1)) or -1))
+                    cols["m"]["bytes"].append(_int_arg(args, "bytes") or -1)
                 elif cat in _API_CATEGORIES:
-                    args = _num(e.get("args")) or {}
+                    args = _args(e)
                     a = cols["a"]
                     a["name"].append(code(str(_num(e.get("name", "")))))
                     a["ts"].append(_time(e, "ts"))
                     a["dur"].append(_time(e, "dur"))
-                    a["pid"].append(self._id(_num(e.get("pid"))))
-                    a["tid"].append(self._id(_num(e.get("tid"))))
-                    a["corr"].append(int(_num(args.get("correlation", -1))))
+                    a["pid"].append(self._id(_num(e.get("pid")), "pid"))
+                    a["tid"].append(self._id(_num(e.get("tid")), "tid"))
+                    a["corr"].append(_int_arg(args, "correlation"))
                     a["kind"].append(_API_CATEGORIES[cat])
                 elif cat in _CPU_RANGE_DOMAINS or cat == "gpu_user_annotation" or (
                         cat == "python_function" and isinstance(e.get("name"), str)
@@ -717,15 +734,15 @@ class _Builder:
                     r["ts"].append(_time(e, "ts"))
                     r["dur"].append(_time(e, "dur"))
                     if cat == "gpu_user_annotation":
-                        args = _num(e.get("args")) or {}
-                        r["pid"].append(self._id(_num(e.get("pid"))))
+                        args = _args(e)
+                        r["pid"].append(self._id(_num(e.get("pid")), "pid"))
                         r["tid"].append(-1)
-                        r["device"].append(self._id(_num(args.get("device", e.get("pid")))))
-                        r["stream"].append(self._id(_num(args.get("stream", e.get("tid")))))
+                        r["device"].append(self._arg_id(args, "device", e, "pid"))
+                        r["stream"].append(self._arg_id(args, "stream", e, "tid"))
                         r["style"].append(GPU_RANGE)
                     else:
-                        r["pid"].append(self._id(_num(e.get("pid"))))
-                        r["tid"].append(self._id(_num(e.get("tid"))))
+                        r["pid"].append(self._id(_num(e.get("pid")), "pid"))
+                        r["tid"].append(self._id(_num(e.get("tid")), "tid"))
                         r["device"].append(-1)
                         r["stream"].append(-1)
                         r["style"].append(PUSHPOP)
@@ -737,10 +754,10 @@ class _Builder:
         cols["name"].append(self._code(str(_num(e.get("name", "")))))
         cols["ts"].append(_time(e, "ts"))
         cols["dur"].append(_time(e, "dur"))
-        cols["device"].append(self._id(_num(args.get("device", e.get("pid")))))
-        cols["stream"].append(self._id(_num(args.get("stream", e.get("tid")))))
+        cols["device"].append(self._arg_id(args, "device", e, "pid"))
+        cols["stream"].append(self._arg_id(args, "stream", e, "tid"))
         cols["pid"].append(-1)  # the launching process comes from the API join below
-        cols["corr"].append(int(_num(args.get("correlation", -1))))
+        cols["corr"].append(_int_arg(args, "correlation"))
 
     def finish(self) -> Trace:
         """The four tables. Every table's times are checked first, then the tables are
@@ -756,6 +773,7 @@ class _Builder:
         # GPU work with a negative duration, or none, has no time (the nsys reader's rule):
         # left out and counted, not placed as a zero-length kernel.
         untimed = {name: times[name][1] < 0 for name in ("k", "m")}
+        duplicates = {"k": 0, "m": 0}
         tables = {}
         for name, kind in (("a", ApiCalls), ("k", Kernels), ("m", MemOps), ("r", Ranges)):
             cols = _to_ns(*times.pop(name), base)
@@ -768,6 +786,8 @@ class _Builder:
                         else list(compress(values, kept.tolist())) for col, values in cols.items()}
                 n = int(kept.sum())
             table = kind.from_columns(cols, n, keep_int32=True)
+            if kind in (Kernels, MemOps):
+                table, duplicates[name] = _without_repeats(table)
             # Compacted once complete: GPU work after the launch join has set its pid and tid.
             tables[name] = table if kind in (Kernels, MemOps) else table.compact()
         api, kernels, memops, ranges = (tables[t] for t in ("a", "k", "m", "r"))
@@ -778,6 +798,8 @@ class _Builder:
         if any(mask.any() for mask in untimed.values()):
             meta["untimed"] = {"kernels": int(untimed["k"].sum()),
                                "memops": int(untimed["m"].sum())}
+        if any(duplicates.values()):
+            meta["duplicates"] = {"kernels": duplicates["k"], "memops": duplicates["m"]}
         return Trace(strings=self.strings, kernels=kernels, memops=memops,
                      ranges=ranges, api=api, meta=meta)
 
@@ -793,6 +815,44 @@ class _Builder:
         if len(ts) and max(np.abs(ts).max(), np.abs(dur).max()) > 2**61 / 1000:
             raise TraceError(self.path, "'ts' or 'dur' out of range")
         return ts, dur
+
+
+def _without_repeats(gpu_work: Kernels | MemOps) -> tuple[Kernels | MemOps, int]:
+    """GPU work less the rows that repeat an earlier row in every column (name, times,
+    device, stream, correlation, bytes), and how many: one kernel recorded twice (a trace
+    merged or written twice) ran once, and counted twice it would add time the GPU never
+    spent. Only rows sharing a start with another are compared: usually few."""
+    start = gpu_work.start
+    if len(start) < 2:
+        return gpu_work, 0
+    step = np.diff(start)
+    if (step > 0).all():    # in time order with no two at one start (no sort needed)
+        return gpu_work, 0
+    order = np.argsort(start, kind="stable") if (step < 0).any() else np.arange(len(start))
+    del step
+    ordered = start[order]
+    tie = ordered[1:] == ordered[:-1]
+    if not tie.any():
+        return gpu_work, 0
+    tied = np.zeros(len(start), bool)
+    tied[1:] = tie
+    tied[:-1] |= tie
+    rows = np.sort(order[tied])
+    columns = [values[rows] for values in gpu_work.columns().values()]
+    # Sorted by every column, then by row: each repeat right after the first of its kind.
+    by = np.lexsort([rows, *columns[::-1]])
+    same = np.ones(len(by) - 1, bool)
+    for values in columns:
+        values = values[by]
+        same &= values[1:] == values[:-1]
+    if not same.any():
+        return gpu_work, 0
+    kept = np.ones(len(start), bool)
+    kept[rows[by[1:][same]]] = False
+    n = int(kept.sum())
+    table = type(gpu_work).from_columns(
+        {name: values[kept] for name, values in gpu_work.columns().items()}, n, keep_int32=True)
+    return table, len(start) - n
 
 
 def _range_columns(ev: list, cat: np.ndarray) -> dict[str, np.ndarray]:
@@ -861,6 +921,31 @@ def _time(event: dict, key: str) -> int | float:
     if type(value) not in (int, float):
         raise TypeError(f"'{key}' is {value!r}, not a number")
     return value
+
+
+def _args(event: dict) -> dict:
+    """A replayed event's ``args``: an object, or none (absent, null or empty)."""
+    args = _num(event.get("args"))
+    if not args:
+        return {}
+    if not isinstance(args, dict):
+        raise TypeError(f"'args' is {_shown(args)}, not an object")
+    return args
+
+
+def _int_arg(args: dict, key: str) -> int:
+    """``args[key]`` (-1 when absent) as an integer: a correlation id or a byte count."""
+    value = _num(args.get(key, -1))
+    try:
+        return int(value)
+    except (TypeError, ValueError, OverflowError):  # a list, a label, an infinite float
+        raise ValueError(f"'args.{key}' is {_shown(value)}, not an integer") from None
+
+
+def _shown(value) -> str:
+    """A value as an error message quotes it: its JSON-ish repr, cut short."""
+    text = repr(value)
+    return text if len(text) <= 40 else text[:39] + "…"
 
 
 def _num(value):

@@ -249,6 +249,7 @@ class _NsysReader:
         return {name: data[:, i] for i, name in enumerate(exprs)}
 
     def _load_string_ids(self) -> None:
+        self._require("StringIds", ["id", "value"])
         ids, values = [], []
         for sid, value in self.conn.execute("SELECT id, value FROM StringIds"):
             ids.append(sid)
@@ -463,11 +464,15 @@ class _NsysReader:
         n = len(c["start"])
         texts = self._nvtx_texts(table, cols, where)
         # An unterminated range runs to the last NVTX timestamp (as nsys stats does).
-        if n:
-            bounds = self.conn.execute(
-                f"SELECT min(min(start), min(end)), max(max(start), max(end)) FROM {table} "
-                f"{where}").fetchone()
-            c["end"] = np.where(c["end"] < 0, bounds[1], c["end"])
+        unended = c["end"] < 0
+        if unended.any():
+            last_start, last_end = self.conn.execute(
+                f"SELECT max(start), max(end) FROM {table} {where}").fetchone()
+            if last_end is None:    # not ranges left open at the capture's end: none closed
+                raise TraceError(self.path, f"table {table}: column end is NULL in every "
+                                            "range (no range ends)")
+            last = max(t for t in (last_start, last_end) if t is not None)
+            c["end"] = np.where(unended, last, c["end"])
         pid, tid = _split_global_tid(c["gtid"])
         # A start/end range that ends on another thread cannot hold that thread's launches.
         tid = np.where(c["end_gtid"] >= 0, -1, tid)
