@@ -574,9 +574,11 @@ def _breakdowns_of(path: Path, layers: str, rules: Path | None, steps: str | Non
 
 def _stored(path: Path) -> bool:
     """A kimi-perf run directory or JSON file (a stored breakdown), not a trace (nor a
-    directory of traces)."""
+    directory of traces); a run directory's breakdown.json whatever it holds (``load_run``
+    refuses one that is not ours)."""
     return ((path / "breakdown.json").exists() if path.is_dir()
-            else path.suffix == ".json" and gate_mod.is_kimi_perf_json(path))
+            else gate_mod.is_run_breakdown(path)
+            or (path.suffix == ".json" and gate_mod.is_kimi_perf_json(path)))
 
 
 def _saved_breakdowns(path: Path) -> tuple[dict[str, Breakdown], dict | None]:
