@@ -23,6 +23,7 @@ from kimi_perf import render
 from kimi_perf.attribution import range_kernel_summary
 from kimi_perf.classify import load_rules
 from kimi_perf.comparison import compare, comparison_doc, type_pairs
+from kimi_perf.decode import floors as floors_mod
 from kimi_perf.decode.fallbacks import fell_back_text, paths_that_fell_back
 from kimi_perf.errors import TraceError
 from kimi_perf.layer_breakdown import Breakdown, breakdown_of_file, units_word
@@ -284,7 +285,6 @@ def _sharding(tp: int) -> int | None:
 def _check_layers(value: str) -> str:
     if value in ("auto", "repeat", "nvtx") or value.startswith("nvtx:"):
         if value.startswith("nvtx:"):
-            import re
             try:
                 re.compile(value[5:])
             except re.error as exc:
@@ -307,7 +307,6 @@ def _check_steps(value: str | None) -> str | None:
     """A --steps regex; a bare number is a count given where a regex is wanted (trace's
     --steps is a count without --from), refused rather than matched against names."""
     if value is not None:
-        import re
         if value.strip().isdigit():
             raise TraceError(None, f"--steps takes a regex for the step ranges here, not a "
                                    f"count ({value!r}; a range named {value.strip()} is "
@@ -320,6 +319,9 @@ def _check_steps(value: str | None) -> str | None:
 
 
 INFO_PROCESSES = 8   # processes info lists one by one
+
+
+LONG_NUMBER = re.compile(r"\d{25,}")
 
 
 class UsageErrorLine(click.ClickException):
@@ -371,7 +373,10 @@ class KimiPerfGroup(click.Group):
         # their help is the command's all the same)
         where = (exc.ctx.command_path if exc.ctx else
                  f"kimi-perf {self._command}" if self._command else "kimi-perf")
-        return UsageErrorLine(f"{exc.format_message()} (see {where} --help)")
+        # a number of hundreds of digits given for a count, quoted back, in a few
+        message = LONG_NUMBER.sub(lambda m: f"{m[0][:6]}…({len(m[0])} digits)",
+                                  exc.format_message())
+        return UsageErrorLine(f"{message} (see {where} --help)")
 
     def resolve_command(self, ctx: click.Context, args: list[str]):
         name, command, rest = super().resolve_command(ctx, args)
@@ -632,9 +637,11 @@ def _breakdowns_of(path: Path, layers: str, rules: Path | None, steps: str | Non
 
 def _stored(path: Path) -> bool:
     """A kimi-perf run directory or JSON file (a stored breakdown), not a trace (nor a
-    directory of traces)."""
+    directory of traces); a run directory's breakdown.json whatever it holds (``load_run``
+    refuses one that is not ours)."""
     return ((path / "breakdown.json").exists() if path.is_dir()
-            else path.suffix == ".json" and gate_mod.is_kimi_perf_json(path))
+            else gate_mod.is_run_breakdown(path)
+            or (path.suffix == ".json" and gate_mod.is_kimi_perf_json(path)))
 
 
 def _saved_breakdowns(path: Path) -> tuple[dict[str, Breakdown], dict | None]:
@@ -1057,8 +1064,10 @@ def _info(trace: Path, info: dict) -> None:
               help="model shapes: k3, k3-tp8, k3-tp16, tiny")
 @click.option("--tp", type=click.IntRange(1), help="the TP ranks the model is sharded over "
               "(the k3 and tiny presets: 1 unless given; k3-tpN: N)")
-@click.option("--batch", default=1, show_default=True, type=click.IntRange(1))
-@click.option("--context", default=4096, show_default=True, type=click.IntRange(0),
+@click.option("--batch", default=1, show_default=True,
+              type=click.IntRange(1, floors_mod.MAX_BATCH))
+@click.option("--context", default=4096, show_default=True,
+              type=click.IntRange(0, floors_mod.MAX_CONTEXT),
               help="cached tokens per sequence the gated-MLA layer reads")
 @click.option("--weights", type=click.Choice(["bf16", "fp8", "mxfp4"]), default="bf16",
               show_default=True, help="non-expert weights (and shared experts)")
@@ -1067,9 +1076,11 @@ def _info(trace: Path, info: dict) -> None:
               "mxfp4)")
 @click.option("--kv-cache", type=click.Choice(["bf16", "fp8"]), default="bf16",
               show_default=True)
-@click.option("--spec-tokens", default=0, show_default=True, type=click.IntRange(0),
+@click.option("--spec-tokens", default=0, show_default=True,
+              type=click.IntRange(0, floors_mod.MAX_SPEC_TOKENS),
               help="speculative decoding's draft tokens K: steps verify 1+K tokens per sequence")
-@click.option("--bandwidth", default=4.3, show_default=True, type=FiniteFloatRange(min=0.001),
+@click.option("--bandwidth", default=4.3, show_default=True,
+              type=FiniteFloatRange(0.001, floors_mod.MAX_BANDWIDTH_TBPS),
               help="memory bandwidth, TB/s (H200: about 4.3 measured by a device copy)")
 @click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table",
               show_default=True)
@@ -1086,8 +1097,8 @@ def floors_cmd(preset_name: str, tp: int | None, batch: int, context: int, weigh
     doc = floors(c, batch, context, Storage(weights, experts, kv_cache), bandwidth * 1e12,
                  tokens=1 + spec_tokens)
     doc["preset"] = preset_name
-    if fmt == "json":
-        _emit(json.dumps(doc, indent=1) + "\n", output)
+    if fmt == "json":   # (the options' bounds keep every figure finite: JSON, not Infinity)
+        _emit(json.dumps(doc, indent=1, allow_nan=False) + "\n", output)
     else:
         _emit_tables([render.floors_table(doc), render.floors_headline(doc)], output)
 

@@ -64,6 +64,7 @@ from kimi_perf.comparison import (
 from kimi_perf.decode.fallbacks import fell_back_text, paths_that_fell_back
 from kimi_perf.errors import TraceError
 from kimi_perf.layer_breakdown import Breakdown, layer_column, layer_of_type
+from kimi_perf.text import counted
 from kimi_perf.trace import (
     KIMI_PERF_JSON,
     atomic_write_text,
@@ -412,7 +413,7 @@ def check_storable(file: str | Path) -> None:
         file = file / "breakdown.json"
     if file.is_dir() or file.suffix != ".json":
         raise TraceError(file, "a baseline is a .json file")
-    if file.name == "breakdown.json" and (file.parent / "run.json").exists():
+    if is_run_breakdown(file):
         raise TraceError(file, "is a kimi-perf run directory's: its run.json and traces would "
                                "no longer match it; keep a baseline as a JSON of its own (a "
                                "copy of the run's breakdown.json)")
@@ -435,11 +436,17 @@ def load_run(path: str | Path, phase: str = "auto", **breakdown_options
     holds its layers as columns (``LayerRows``): ``json_text`` writes it as it would the list
     of dicts, without building them all at once."""
     path = Path(path)
-    if path.is_dir():
+    of_run = path.is_dir()
+    if of_run:
         path = path / "breakdown.json"
         if not path.exists():
             raise TraceError(path.parent, "not a kimi-perf run directory (no breakdown.json)")
-    if path.suffix == ".json" and is_kimi_perf_json(path):
+    # a run's breakdown.json is ours whatever it holds: one replaced by other JSON ([], say)
+    # is a broken run, not a trace without GPU work
+    of_run = of_run or is_run_breakdown(path)
+    if of_run and not path.is_file():
+        raise TraceError(path, "not a kimi-perf run breakdown (not a regular file)")
+    if of_run or (path.suffix == ".json" and is_kimi_perf_json(path)):
         try:
             doc = json.loads(path.read_text(encoding="utf-8-sig"))   # a BOM, if any
         except FileNotFoundError:
@@ -453,10 +460,13 @@ def load_run(path: str | Path, phase: str = "auto", **breakdown_options
                 raise TraceError(path, "not a kimi-perf run breakdown of schema 1")
             if doc.get("run") is not None and (problem := run_info_problem(doc["run"])):
                 raise TraceError(path, problem)
-            return {name: _checked(Breakdown.from_json(b, path), path)
+            return {name: _checked(Breakdown.from_json(b, path), path, f"paths.{name}.")
                     for name, b in doc["paths"].items()}, doc, path
         if isinstance(doc, dict) and "layer_types" in doc:
             return {TRACE: _checked(Breakdown.from_json(doc, path), path)}, doc, path
+        if of_run:
+            raise TraceError(path, "not a kimi-perf run breakdown (JSON of another shape: "
+                                   "not {schema: 1, paths: {path: breakdown}})")
         raise TraceError(path, "neither a kimi-perf run breakdown nor a breakdown JSON")
     from kimi_perf.layer_breakdown import breakdown_of_file
 
@@ -501,6 +511,13 @@ def run_info_problem(run: object) -> str | None:
     return None
 
 
+def is_run_breakdown(path: Path) -> bool:
+    """Whether ``path`` is a kimi-perf run directory's breakdown.json (beside its run.json, as
+    ``check_storable`` tells it), which must be a kimi-perf document whatever its first bytes:
+    no trace is stored under that name there."""
+    return path.name == "breakdown.json" and (path.parent / "run.json").exists()
+
+
 def is_kimi_perf_json(path: Path) -> bool:
     """Whether a JSON file is one of ours (a breakdown or a run's breakdowns: they begin with
     ``"schema"``), told from its first bytes, so that a large JSON trace is not parsed twice
@@ -535,16 +552,125 @@ def _is_count(v) -> bool:
     return is_int64(v) and v >= 0
 
 
-def _step_row_ok(r: dict) -> bool:
-    """A step row's fields beyond a layer's that the steps table prints."""
-    return (is_int64(r.get("index")) and is_int64(r.get("device"))
-            and _is_figure(r.get("gap_us"))
-            and isinstance(r.get("name", ""), str)
-            and isinstance(r.get("layer_source", ""), str)
-            and (r.get("other_thread_ops") is None or _is_count(r["other_thread_ops"]))
-            and all(isinstance(r.get(part), dict) and _is_count(r[part].get("kernels"))
-                    and _is_figure(r[part].get("span_us"))
-                    for part in ("prologue", "epilogue")))
+# What each row of a stored breakdown's lists must hold, field by field: (field, kind, the
+# value of a field left out: None where it must be there). KINDS: what a kind is, in words.
+_KINDS = {"count": "a count (an integer >= 0)", "count?": "a count or null",
+          "integer": "an integer", "figure": "a finite number >= 0", "name": "a name",
+          "name?": "a name or null", "classes": "{class: {kernels, us}} of numbers >= 0",
+          "part": "{kernels, span_us} of numbers >= 0"}
+RowFields = tuple[tuple[str, str, str | None], ...]
+_ROW_FIELDS: RowFields = (
+    ("kernels", "count", None), ("kernel_us", "figure", None), ("span_us", "figure", None),
+    ("gap_us", "figure", None), ("classes", "classes", None), ("index", "integer", None),
+    ("device", "integer", None))
+_LAYER_TYPE_FIELDS: RowFields = (("type", "name", None),)
+_LAYER_FIELDS: RowFields = (("type", "name", None), ("step", "integer", None), *_ROW_FIELDS)
+_STEP_FIELDS: RowFields = (
+    *_ROW_FIELDS, ("phase", "name?", None), ("layers", "count?", None), ("name", "name", ""),
+    ("layer_source", "name", ""), ("other_thread_ops", "count?", None),
+    ("prologue", "part", None), ("epilogue", "part", None))
+
+
+def _column_ok(kind: str, values: list) -> bool:
+    """Whether every value of a field is of its kind (``_KINDS``): checked a column at a time
+    by its types and extremes, with no call per value but for the nested kinds."""
+    types = set(map(type, values))   # (bool is a type of its own: no count, no figure)
+    if kind in ("name", "name?"):
+        return types <= ({str, type(None)} if kind == "name?" else {str})
+    if kind in ("count", "count?", "integer"):
+        if not types <= ({int, type(None)} if kind == "count?" else {int}):
+            return False
+        numbers = [v for v in values if v is not None]
+        least = 0 if kind != "integer" else -(2**63)
+        return not numbers or (min(numbers) >= least and max(numbers) < 2**63)
+    if kind == "figure":
+        if not types <= {int, float}:
+            return False
+        try:
+            column = np.array(values, np.float64)
+        except OverflowError:    # an integer literal beyond a float
+            return False
+        return bool(np.isfinite(column).all() and (column >= 0).all())
+    if kind == "classes":   # every class of every row, as columns of their own
+        if not set(map(type, values)) <= {dict}:
+            return False
+        entries = [c for classes in values for c in classes.values()]
+        return set(map(type, entries)) <= {dict} and all(
+            _column_ok("figure", [c.get(figure) for c in entries]) for figure in ("kernels", "us"))
+    return all(isinstance(v, dict) and _is_count(v.get("kernels"))
+               and _is_figure(v.get("span_us")) for v in values)   # a step's part
+
+
+def _rows_problem(b: Breakdown, where: str = "") -> str | None:
+    """The first row of a stored breakdown's layer_types, layers or steps that lacks a field
+    the gate, compare or the report reads, or holds one of another kind, as
+    "{where}steps[3].kernels is -5, not a count", or None. Each field is checked a whole
+    column at a time (40,000 layers in a blink); only a column found bad is gone through
+    value by value, for its first bad row."""
+    for name, rows, fields in (("layer_types", b.layer_types, _LAYER_TYPE_FIELDS),
+                               ("layers", b.layers, _LAYER_FIELDS),
+                               ("steps", b.steps, _STEP_FIELDS)):
+        if not isinstance(rows, list):
+            return f"{where}{name} is {_json_kind(rows)}, not a list"
+        if not set(map(type, rows)) <= {dict}:
+            i = next(i for i, r in enumerate(rows) if not isinstance(r, dict))
+            return f"{where}{name}[{i}] is {_json_kind(rows[i])}, not an object"
+        columns = {key: [r.get(key, absent) for r in rows] for key, _, absent in fields}
+        bad = [(key, kind) for key, kind, _ in fields if not _column_ok(kind, columns[key])]
+        if not bad:
+            continue
+        # the first row with a bad field, and its first bad field, in the order listed
+        i = min(_first_bad(kind, columns[key]) for key, kind in bad)
+        key, kind = next((key, kind) for key, kind in bad
+                         if not _column_ok(kind, [columns[key][i]]))
+        if key not in rows[i]:
+            return f"{where}{name}[{i}] lacks {key} ({_KINDS[kind]})"
+        return f"{where}{name}[{i}].{key}{_inner_problem(key, rows[i][key], _KINDS[kind])}"
+    return None
+
+
+def _first_bad(kind: str, values: list) -> int:
+    """The index of the first value not of its kind in a column that holds one, found by
+    halving (a column check or two dozen, rather than a call per value)."""
+    good, bad = 0, len(values)    # values[:good] are all of the kind; values[:bad] are not
+    while bad - good > 1:
+        middle = (good + bad) // 2
+        good, bad = (middle, bad) if _column_ok(kind, values[:middle]) else (good, middle)
+    return good
+
+
+def _json_kind(value: object) -> str:
+    """A JSON value in a few words for an error: a number or literal as written (cut short),
+    anything else by its kind (a name from the file could hold anything)."""
+    if value is None or isinstance(value, bool):
+        return json.dumps(value)
+    if isinstance(value, int | float):
+        text = repr(value)
+        return text if len(text) <= 24 else text[:23] + "…"
+    return ("a string" if isinstance(value, str) else "a list" if isinstance(value, list)
+            else "an object")
+
+
+def _inner_problem(key: str, value: object, what: str) -> str:
+    """What is wrong with a row's field, from just after its name: within classes, a
+    prologue or an epilogue, the entry and figure that is wrong (``['gemm'].us is -5.0, not
+    ...``), else the field as a whole (`` is "5", not a count``)."""
+    figures = {"classes": (("kernels", "figure"), ("us", "figure")),   # (a median's kernels)
+               "prologue": (("kernels", "count"), ("span_us", "figure")),
+               "epilogue": (("kernels", "count"), ("span_us", "figure"))}.get(key)
+    if figures is None or not isinstance(value, dict):
+        return f" is {_json_kind(value)}, not {what}"
+    entries = list(value.items()) if key == "classes" else [(None, value)]
+    for label, entry in entries:
+        at = f"[{label!r}]" if label is not None else ""
+        if not isinstance(entry, dict):
+            return f"{at} is {_json_kind(entry)}, not {{{', '.join(f for f, _ in figures)}}}"
+        for figure, kind in figures:
+            if figure not in entry:
+                return f"{at} lacks {figure} ({_KINDS[kind]})"
+            if not _column_ok(kind, [entry[figure]]):
+                return f"{at}.{figure} is {_json_kind(entry[figure])}, not {_KINDS[kind]}"
+    return f" is {_json_kind(value)}, not {what}"
 
 
 def _source_problem(source) -> str | None:
@@ -626,30 +752,14 @@ def _in_ranges_ok(in_ranges) -> bool:
         and _is_count(r.get("ops")) for r in in_ranges)
 
 
-def _checked(b: Breakdown, path: Path) -> Breakdown:
-    """A breakdown read from JSON, with the fields the gate and the report read."""
+def _checked(b: Breakdown, path: Path, where: str = "") -> Breakdown:
+    """A breakdown read from JSON, with the fields the gate and the report read; ``where``:
+    the breakdown's place in the file (``paths.standard.``), which a bad row's error names."""
     if problem := _source_problem(b.source):
         raise TraceError(path, problem)
-    rows = [*b.layers, *b.steps] if isinstance(b.layers, list) and isinstance(b.steps, list) \
-        else None
-    if (rows is None or not isinstance(b.layer_types, list)
-            or not all(isinstance(t, dict) and isinstance(t.get("type"), str)
-                       for t in b.layer_types)
-            or not all(isinstance(r, dict) and _is_count(r.get("kernels"))
-                       and all(_is_figure(r.get(m)) for m in METRICS)
-                       and _classes_ok(r.get("classes")) for r in rows)
-            or not all(isinstance(r.get("type"), str) and is_int64(r.get("step"))
-                       and is_int64(r.get("index")) and is_int64(r.get("device"))
-                       and _is_figure(r.get("gap_us")) for r in b.layers)
-            or not all(r.get("phase") is None or isinstance(r["phase"], str) for r in b.steps)
-            or not all(r.get("layers") is None or _is_count(r["layers"]) for r in b.steps)
-            or not all(_step_row_ok(r) for r in b.steps)):
-        raise TraceError(path, "breakdown rows lack a type, an index, a device, a count of "
-                               "kernels or finite kernel_us, span_us, gap_us or classes, or a "
-                               "step's phase or range is not a name, its layers or "
-                               "other_thread_ops not a count, or its prologue or epilogue not "
-                               "{kernels, span_us}")
-    if problem := _disagreement(b):
+    if problem := _rows_problem(b, where):
+        raise TraceError(path, problem)
+    if problem := _disagreement(b, where):
         raise TraceError(path, problem)
     for t in b.layer_types:
         if not _layer_type_figures_ok(t):
@@ -681,11 +791,11 @@ def _checked(b: Breakdown, path: Path) -> Breakdown:
     return b
 
 
-def _disagreement(b: Breakdown) -> str | None:
+def _disagreement(b: Breakdown, where: str = "") -> str | None:
     """Where a stored breakdown's summaries disagree with the rows they summarise (an edited
     or mixed file: compare reads a layer type's summary, the gate its layers): a layer type
-    per type of the layers, its layer count and median kernels theirs, and a step's layer
-    count its layers'."""
+    per type of the layers, its layer count and median kernels theirs, every layer's step
+    among the steps, and a step's layer count its layers'. ``where``: as for ``_checked``."""
     types = Counter(r["type"] for r in b.layers)
     stated = [t["type"] for t in b.layer_types]
     if sorted(stated) != sorted(types):
@@ -698,12 +808,33 @@ def _disagreement(b: Breakdown) -> str | None:
             return (f"layer type {t['type']!r} says {t.get('layers')} layers of median "
                     f"{t.get('kernels')} kernels; its layers are {types[t['type']]} of median "
                     f"{float(np.median(kernels)):g}")
+    if stray := _stray_layer(b, where):
+        return stray
     per_step = Counter((r["step"], r["device"]) for r in b.layers)
     for s in b.steps:
         held = per_step[(s.get("index"), s.get("device"))]
         if s.get("layers") is not None and s["layers"] != held:
             return f"step {s.get('index')} says {s['layers']} layers; {held} layers are in it"
     return None
+
+
+def _stray_layer(b: Breakdown, where: str = "") -> str | None:
+    """The first layer whose step (and device) is none of the breakdown's steps, said, or
+    None: every layer is cut from a step, so a layer without its step is an edited file (its
+    steps emptied, say), whose steps the gate would check as nothing."""
+    steps, devices = layer_column(b.layers, "step"), layer_column(b.layers, "device")
+    if not len(steps):
+        return None
+    # (step, device) pairs, each with its first layer: a few per step, whatever the layers
+    pairs, first = np.unique(np.stack([steps, devices], axis=1), axis=0, return_index=True)
+    held = {(s.get("index"), s.get("device")) for s in b.steps}
+    stray = [(i, s, d) for (s, d), i in zip(pairs.tolist(), first.tolist(), strict=True)
+             if (s, d) not in held]
+    if not stray:
+        return None
+    i, step, device = min(stray)
+    return (f"{where}layers[{i}] is of step {step} on device {device}, which is none of its "
+            f"{counted(len(b.steps), 'step')}")
 
 
 def _classes_ok(classes) -> bool:

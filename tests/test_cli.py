@@ -1171,10 +1171,10 @@ def test_report_command_draws_runs_breakdowns_and_traces(tmp_path):
     (lambda d: d["run"].update(floors={"bandwidth_Bps": 1e12, "layer_types": []}),
      "run.floors is not"),
     (lambda d: d.update(run=[1]), "'run' is not an object"),
-    (lambda d: d["paths"]["standard"]["layers"][0].update(span_us=-1e9),
-     "breakdown rows lack a type"),      # a time below 0 is no figure
-    (lambda d: d["paths"]["standard"]["layers"][0].update(step=10**30),
-     "breakdown rows lack a type"),      # an index no int64 column holds
+    (lambda d: d["paths"]["standard"]["layers"][0].update(span_us=-1e9),   # no figure
+     "paths.standard.layers[0].span_us is -1000000000.0, not a finite number >= 0"),
+    (lambda d: d["paths"]["standard"]["layers"][0].update(step=10**30),  # no int64 index
+     "paths.standard.layers[0].step is 10000000000000000000000…, not an integer"),
     (lambda d: d["paths"]["standard"]["layer_types"][0]["classes"]["gemm"].update(us=-5.0),
      "layer type 'dense': not {layers, kernels"),
     # summaries that disagree with their rows: compare reads the one, the gate the other
@@ -1186,6 +1186,32 @@ def test_report_command_draws_runs_breakdowns_and_traces(tmp_path):
      "layer type 'dense' says 3 layers"),
     (lambda d: d["paths"]["standard"]["steps"][0].update(layers=7),
      "step 0 says 7 layers; 8 layers are in it"),
+    # layers of steps the file does not hold: the gate would check its steps as none
+    (lambda d: d["paths"]["standard"].update(steps=[]),
+     "paths.standard.layers[0] is of step 0 on device -1, which is none of its 0 steps"),
+    (lambda d: d["paths"]["standard"]["layers"][9].update(step=7),
+     "paths.standard.layers[9] is of step 7 on device -1, which is none of its 3 steps"),
+    # a bad row is named by its list, index and field
+    (lambda d: d["paths"]["standard"]["steps"][0].update(kernels=-5),
+     "paths.standard.steps[0].kernels is -5, not a count (an integer >= 0)"),
+    (lambda d: d["paths"]["standard"]["layers"][5].update(kernels=True),
+     "paths.standard.layers[5].kernels is true, not a count (an integer >= 0)"),
+    (lambda d: d["paths"]["standard"]["steps"][1].update(index=2**63),     # no int64
+     f"paths.standard.steps[1].index is {2**63}, not an integer"),
+    (lambda d: d["paths"]["specialized"]["layers"][2].pop("device"),
+     "paths.specialized.layers[2] lacks device (an integer)"),
+    (lambda d: d["paths"]["standard"]["layers"][1]["classes"]["gemm"].update(us="x"),
+     "paths.standard.layers[1].classes['gemm'].us is a string, not a finite number >= 0"),
+    (lambda d: d["paths"]["standard"]["steps"][1]["prologue"].pop("span_us"),
+     "paths.standard.steps[1].prologue lacks span_us (a finite number >= 0)"),
+    (lambda d: d["paths"]["standard"]["steps"][2].update(phase=3),
+     "paths.standard.steps[2].phase is 3, not a name or null"),
+    (lambda d: d["paths"]["standard"]["layers"].__setitem__(4, [1]),
+     "paths.standard.layers[4] is a list, not an object"),
+    (lambda d: d["paths"]["standard"]["layer_types"][0].update(type=None),
+     "paths.standard.layer_types[0].type is null, not a name"),
+    (lambda d: d["paths"]["standard"].update(steps={}),
+     "paths.standard.steps is an object, not a list"),
 ])
 def test_report_command_bad_stored_runs(tmp_path, change, message):
     doc = json.loads(BASELINE.read_text())
@@ -1199,6 +1225,31 @@ def test_report_command_bad_stored_runs(tmp_path, change, message):
         (line,) = result.output.strip().splitlines()
         assert line.startswith(f"kimi-perf: error: {bad}: {message}")
         assert not out.exists()
+
+
+@pytest.mark.parametrize("content", ["[]", "{}", '{"traceEvents": []}', '"x"'])
+def test_a_run_directory_s_breakdown_json_is_kimi_perf_s(tmp_path, content):
+    """A run's breakdown.json replaced by other JSON (a list, Chrome's empty trace) is a broken
+    run, not a trace without GPU work: every command that reads the run says so, on one line,
+    given the directory or the file (beside its run.json); a [] of its own stays a trace."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "run.json").write_text('{"command": "kimi-perf trace"}')
+    bd = run_dir / "breakdown.json"
+    bd.write_text(content)
+    out = tmp_path / "r.html"
+    for given in (run_dir, bd):
+        for args in (["report", given, "-o", out], ["gate", BASELINE, given],
+                     ["gate", given, BASELINE], ["compare", given, BASELINE],
+                     ["breakdown", given]):
+            _one_line_error(run(*args), f"{bd}: not a kimi-perf run breakdown")
+        assert not out.exists()
+    (run_dir / "run.json").unlink()   # a directory holding a breakdown.json is a run still
+    _one_line_error(run("breakdown", run_dir), f"{bd}: not a kimi-perf run breakdown")
+    plain = tmp_path / "events.json"
+    plain.write_text("[]")
+    result = run("breakdown", plain)
+    assert result.exit_code == 0 and "no GPU work in this trace" in result.output
 
 
 def test_report_command_bad_options(tmp_path):

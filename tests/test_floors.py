@@ -121,3 +121,34 @@ def test_a_run_s_floors_are_of_the_layer_types_it_holds():
     doc = floors(two, 1, 4, layer_types=tuple(two.layer_types()))
     assert list(doc["layer_types"]) == ["dense", "mla"]
     assert doc["layer_types"]["mla"] == floors(three, 1, 4)["layer_types"]["mla"]
+
+
+@pytest.mark.parametrize("option", ["--batch", "--context", "--spec-tokens", "--bandwidth"])
+def test_floors_options_are_bounded(option):
+    """A batch, context or draft count of 400 digits (no float holds it) or a bandwidth of
+    1e308 (floors of 0 µs, and Infinity in JSON): one usage line, exit 2, the number cut
+    short; within the bounds every figure is finite, JSON as any parser reads it."""
+    runner = CliRunner()
+    for value in (str(10**400), "1e308", "-1"):
+        result = runner.invoke(main, ["floors", option, value, "--format", "json"])
+        assert result.exit_code == 2, result.output
+        (line,) = result.output.strip().splitlines()
+        assert line.startswith(f"kimi-perf: error: Invalid value for '{option}'")
+        assert len(line) < 200
+
+
+def test_floors_at_the_bounds_stay_finite_and_whole():
+    def refuse(constant: str):
+        raise AssertionError(f"{constant} in floors' JSON")
+
+    runner = CliRunner()
+    for bandwidth in ("0.001", "1000"):
+        result = runner.invoke(main, ["floors", "--preset", "k3", "--batch", "65536",
+                                      "--context", str(2**24), "--spec-tokens", "31",
+                                      "--bandwidth", bandwidth, "--format", "json"])
+        assert result.exit_code == 0, result.output
+        doc = json.loads(result.output, parse_constant=refuse)
+        layers = doc["layer_types"].values()
+        assert all(0 < t["floor_us"] < 1e13 for t in layers)
+        # (bf16 experts, all 896 read) whole numbers below 2^53: no digits of rounding noise
+        assert all(t["bytes"] < 2**53 and t["bytes"] == int(t["bytes"]) for t in layers)

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from kimi_perf import render
 from kimi_perf.classify import Rule, load_rules
 from kimi_perf.cli import EXAMPLE_TRACE, main
+from kimi_perf.errors import TraceError
 from kimi_perf.gate import Tolerances, gate, gate_files, load_run, run_differences
 from kimi_perf.layer_breakdown import Breakdown, breakdown
 from kimi_perf.render import gate_headline
@@ -335,6 +336,53 @@ def test_step_windows_compare_only_when_both_sides_are_whole_devices():
     assert step_statuses()["kernels"] == "improvement"
 
 
+def test_stored_layers_of_steps_not_held_are_refused(tmp_path):
+    """A baseline whose steps were emptied, its layers kept: the gate would check its layers
+    and no step, and breakdown print "no ops" above them; both refuse it (exit 2)."""
+    doc = json.loads(BASELINE.read_text())
+    doc["paths"]["standard"]["steps"] = []
+    bad = tmp_path / "steps_empty.json"
+    bad.write_text(json.dumps(doc))
+    runner = CliRunner()
+    for args in (["gate", bad, BASELINE], ["gate", BASELINE, bad],
+                 ["breakdown", bad, "--path", "standard"]):
+        result = runner.invoke(main, [str(a) for a in args])
+        assert result.exit_code == 2, result.output
+        assert result.output == (f"kimi-perf: error: {bad}: paths.standard.layers[0] is of "
+                                 "step 0 on device -1, which is none of its 0 steps\n")
+
+
+def test_a_bad_row_among_many_is_named(tmp_path):
+    """The rows of a long stored breakdown are checked a column at a time; a bad one is
+    named by its list, index and field, wherever it is, the first of several."""
+    doc = json.loads(BASELINE.read_text())["paths"]["standard"]
+    steps, layers = doc["steps"], doc["layers"]
+    copies = 1700    # 40,800 layers
+    doc["steps"] = [{**s, "index": s["index"] + 3 * k} for k in range(copies) for s in steps]
+    doc["layers"] = [{**r, "step": r["step"] + 3 * k} for k in range(copies) for r in layers]
+    for t in doc["layer_types"]:
+        t["layers"] *= copies
+    file = tmp_path / "long.json"
+
+    def problem() -> str:
+        file.write_text(json.dumps(doc))
+        with pytest.raises(TraceError) as caught:
+            load_run(file)
+        return caught.value.problem
+
+    last = len(doc["layers"]) - 1
+    assert last == 40_799
+    doc["layers"][last] = {**doc["layers"][last], "gap_us": float("nan")}
+    assert problem() == f"layers[{last}].gap_us is nan, not a finite number >= 0"
+    doc["layers"][last - 1] = {**doc["layers"][last - 1], "type": 5}
+    assert problem() == f"layers[{last - 1}].type is 5, not a name"   # the first bad row
+    doc["layers"][last - 1]["type"] = "kda"
+    doc["layers"][last]["gap_us"] = 1.0
+    doc["steps"][-1] = {**doc["steps"][-1], "epilogue": {"kernels": 1.5, "span_us": 1.0}}
+    assert problem() == (f"steps[{len(doc['steps']) - 1}].epilogue.kernels is 1.5, not a "
+                         "count (an integer >= 0)")
+
+
 def test_a_stored_step_without_a_count_of_other_threads_work_is_one_line(tmp_path):
     doc = json.loads(json.dumps(load_run(EXAMPLE_TRACE)[0]["trace"].to_json()))
     doc["steps"][0]["other_thread_ops"] = None   # a count, or absent: null read as absent
@@ -347,7 +395,7 @@ def test_a_stored_step_without_a_count_of_other_threads_work_is_one_line(tmp_pat
                                                                           str(EXAMPLE_TRACE)]):
         result = runner.invoke(main, [*command, str(tmp_path / "bad.json")])
         assert result.exit_code == 2 and result.output.count("\n") == 1, result.output
-        assert "its layers or other_thread_ops not a count" in result.output
+        assert "steps[0].other_thread_ops is a string, not a count or null" in result.output
 
 
 def test_a_stored_count_of_partial_passes_is_checked(tmp_path):

@@ -31,6 +31,12 @@ from kimi_perf.decode.config import K3Config
 # Bytes per parameter; MXFP4: a 4-bit value plus an 8-bit scale per 32.
 DTYPE_BYTES = {"bf16": 2.0, "fp8": 1.0, "mxfp4": 0.5 + 1 / 32}
 H200_COPY_BANDWIDTH = 4.3e12  # bytes/s, the design note's measured device-to-device copy
+# The most ``kimi-perf floors`` takes: well past any decode step, and small enough that every
+# figure stays finite and every byte count below 2^53 (a float's integers, no rounding noise).
+MAX_BATCH = 2**16
+MAX_CONTEXT = 2**24
+MAX_SPEC_TOKENS = 31     # (as validate takes)
+MAX_BANDWIDTH_TBPS = 1000.0
 
 
 @dataclass(frozen=True)
