@@ -690,7 +690,12 @@ def _types(*specs) -> Breakdown:
     layers = [{"step": 0, "device": 0, "index": 2 * i + j, "type": name, "kernels": k,
                "kernel_us": us, "span_us": us, "gap_us": 0.0, "classes": {}}
               for i, (name, _, k, us, *_) in enumerate(specs) for j in range(2)]
-    return Breakdown(source={}, steps=[], layers=layers, layer_types=[
+    kernels, us = (sum(r[key] for r in layers) for key in ("kernels", "span_us"))
+    step = {"index": 0, "device": 0, "name": "decode_step[0]", "phase": "decode",
+            "layers": len(layers), "kernels": kernels, "kernel_us": us, "span_us": us,
+            "gap_us": 0.0, "classes": {}, "layer_source": "pattern",
+            "prologue": {"kernels": 0, "span_us": 0.0}, "epilogue": {"kernels": 0, "span_us": 0.0}}
+    return Breakdown(source={}, steps=[step], layers=layers, layer_types=[
         {"type": name, "layers": 2, "kernels": k, "kernel_us": us, "span_us": us,
          "gap_us": 0.0,
          "classes": {c: {"kernels": n, "us": 1.0} for c, n in (classes[0] if classes else {})
