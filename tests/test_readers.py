@@ -9,6 +9,7 @@ import re
 import shutil
 import sqlite3
 from collections import Counter
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -690,8 +691,7 @@ def test_nsys_ranges_without_an_end(tmp_path):
     error ("int() argument must be ... not 'NoneType'")."""
     from kimi_perf.errors import TraceError
 
-    copy = tmp_path / "open.sqlite"
-    copy.write_bytes(ATHRUN.read_bytes())
+    copy = _athrun_copy(tmp_path / "open.sqlite")
     with sqlite3.connect(copy) as db:
         (last,) = db.execute("SELECT max(end) FROM NVTX_EVENTS").fetchone()
         db.execute("UPDATE NVTX_EVENTS SET end = NULL WHERE rowid = (SELECT min(rowid) FROM "
@@ -705,14 +705,18 @@ def test_nsys_ranges_without_an_end(tmp_path):
         read_trace(copy)
 
 
+def _athrun_copy(path: Path) -> Path:
+    """A copy of the Athrun nsys export to change."""
+    path.write_bytes(ATHRUN.read_bytes())
+    return path
+
+
 def test_nsys_string_ids_without_their_text_column(tmp_path):
     """StringIds without its ``value`` column is said as any missing column is, not as a
     corrupt file ("no such column: value")."""
     from kimi_perf.errors import TraceError
 
-    copy = tmp_path / "novalue.sqlite"
-    copy.write_bytes(ATHRUN.read_bytes())
-    with sqlite3.connect(copy) as db:
+    with sqlite3.connect(copy := _athrun_copy(tmp_path / "novalue.sqlite")) as db:
         db.execute("ALTER TABLE StringIds DROP COLUMN value")
     with pytest.raises(TraceError, match=r"novalue\.sqlite: table StringIds lacks column\(s\) "
                                          r"value \(export schema"):
