@@ -560,6 +560,7 @@ def test_kineto_ids_beyond_int64_are_an_error(tmp_path, field, value, said):
     ([1, 2], "'args' is [1, 2], not an object"),
     ({"correlation": [5]}, "'args.correlation' is [5], not an integer"),
     ({"correlation": None}, "'args.correlation' is None, not an integer"),
+    ({"correlation": 3.5}, "'args.correlation' is 3.5, not an integer"),   # (not cut to 3)
     ({"device": {"id": 0}}, "'args.device' is {'id': 0}, not an id")])
 def test_kineto_malformed_args_are_named(tmp_path, args, said):
     """An ``args`` that is no object, or a field in it of a type no id has: the event and
@@ -841,3 +842,17 @@ def test_summary_of_two_processes_on_two_gpus():
     info = read_trace(NSYS / "nsysai_fastvideo_wan2.1_train_2xh100_before.sqlite").summary()
     assert [g["device"] for g in info["gpus"] if g["kernels"]] == [0, 1]
     assert sum(1 for p in info["processes"] if p["kernels"]) == 2
+
+
+@pytest.mark.parametrize(("content", "said"), [
+    (b"", "empty file"), (b" \n\t\r\n" * 100_000, "holds only blanks (spaces and line breaks)"),
+    (b" " * 70 + b"x", "unknown format")])
+def test_a_file_of_nothing_is_said_so(tmp_path, content, said):
+    """An empty file, or one of blanks alone (past the 64 bytes the format is told from),
+    is said to be that, not an unknown format; blanks before anything else are not."""
+    from kimi_perf.errors import TraceError
+
+    path = tmp_path / "t.json"
+    path.write_bytes(content)
+    with pytest.raises(TraceError, match=r"t\.json: " + re.escape(said)):
+        read_trace(path)

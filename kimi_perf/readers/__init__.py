@@ -61,6 +61,8 @@ def read_trace(path: str | Path, capture: str | Path | None = None) -> Trace:
         reader = read_kineto_json
     elif path.suffix in (".nsys-rep", ".qdrep"):    # a format of its own: nsys reads it
         reader = read_nsys_rep
+    elif head.isspace() and _only_blanks(path):
+        raise TraceError(path, "holds only blanks (spaces and line breaks)")
     else:
         raise TraceError(path, "unknown format: expected an nsys SQLite export, an .nsys-rep, "
                                "a Kineto JSON trace (.json/.json.gz) or a .kptrace")
@@ -90,6 +92,15 @@ def read_trace(path: str | Path, capture: str | Path | None = None) -> Trace:
 def _json_start(head: bytes) -> bytes:
     """The first character of a JSON text's first bytes, past a BOM and blanks."""
     return head.removeprefix(UTF8_BOM).lstrip()[:1]
+
+
+def _only_blanks(path: Path) -> bool:
+    """Whether the whole file is whitespace, read a MB at a time."""
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            if not chunk.isspace():
+                return False
+    return True
 
 
 def _gzipped_reader(path: Path):

@@ -937,6 +937,8 @@ def _int_arg(args: dict, key: str) -> int:
     """``args[key]`` (-1 when absent) as an integer: a correlation id or a byte count."""
     value = _num(args.get(key, -1))
     try:
+        if isinstance(value, float) and not value.is_integer():   # (int() would cut it)
+            raise ValueError
         return int(value)
     except (TypeError, ValueError, OverflowError):  # a list, a label, an infinite float
         raise ValueError(f"'args.{key}' is {_shown(value)}, not an integer") from None
