@@ -148,47 +148,64 @@ OPT_IN_CHECKS = ("specialized+grouped", "specialized+pdl", "specialized+pdl+pref
 
 def correctness(device: str, steps: int, names=BASE_CHECKS, allows=lambda name: True) -> dict:
     """``names`` (``BASE_CHECKS``, ``OPT_IN_CHECKS``), each as ``allows(name)`` says, on the
-    GPU against the standard path on the CPU, tiny preset, float32."""
+    GPU against the standard path on the CPU, tiny preset, float32. A check that raises
+    fails alone (its error kept), the others still run."""
     c = preset("tiny", n_layers=4)
     tokens = torch.randint(0, c.vocab, (2, 4 + steps), generator=torch.Generator()
                            .manual_seed(12))
-    by_experts = {}   # the weights, their reference on the CPU, and its logits step by step
-    for experts in {"mxfp4" if "mxfp4" in name else "bf16" for name in names}:
-        weights = random_weights(c, seed=11, experts=experts)
-        ref = K3Model(c, weights, dtype=torch.float32)
-        ref_state = ref.new_state(2, 4 + steps)
-        want = [ref.forward(tokens[:, :4], ref_state)[:, -1]]
-        want += [ref.forward(tokens[:, t: t + 1], ref_state)[:, -1]
-                 for t in range(4, 4 + steps)]
-        by_experts[experts] = weights, ref, want
+    by_experts: dict = {}   # the weights, their reference on the CPU, and its logits
+
+    def reference(experts: str) -> tuple:
+        if experts not in by_experts:    # (made when first asked: a check skipped costs none)
+            weights = random_weights(c, seed=11, experts=experts)
+            ref = K3Model(c, weights, dtype=torch.float32)
+            ref_state = ref.new_state(2, 4 + steps)
+            want = [ref.forward(tokens[:, :4], ref_state)[:, -1]]
+            want += [ref.forward(tokens[:, t: t + 1], ref_state)[:, -1]
+                     for t in range(4, 4 + steps)]
+            by_experts[experts] = weights, ref, want
+        return by_experts[experts]
+
     out = {}
     for name in names:
         if not allows(name):
             continue
-        base, *options = name.split("+")
-        experts = "mxfp4" if "mxfp4" in options else "bf16"
-        weights, ref, want = by_experts[experts]
-        model = build_model(c, weights, PATHS[base], dtype=torch.float32, device=device,
-                            experts=experts)
-        if "grouped" in options:   # the opt-in grouped experts, on every step
-            model.group_experts_from = 1
-        model.pdl = "pdl" in options
-        model.pdl_prefetch_bytes = CHECKED_PREFETCH_BYTES if "prefetch" in options else 0
-        state = model.new_state(2, 4 + steps)
-        got = [model.forward(tokens[:, :4].to(device), state)[:, -1]]
-        got += [model.forward(tokens[:, t: t + 1].to(device), state)[:, -1]
-                for t in range(4, 4 + steps)]
-        errors = [rel_err(g.cpu(), w.double()) for g, w in zip(got, want, strict=True)]
-        if device == "cuda":  # the same steps replayed from one captured graph
-            state = model.new_state(2, 4 + steps)
-            model.forward(tokens[:, :4].to(device), state)
-            graphed = GraphedDecodeStep(model, state, batch=2)
-            errors += [rel_err(graphed(tokens[:, t: t + 1].to(device))[:, -1].cpu(),
-                               want[t - 3].double()) for t in range(4, 4 + steps)]
-            errors += graphed_verify_errors(model, ref, tokens[:, :4], device)
-        err = worst(errors)
-        out[name] = {"max_rel_err": err, "ok": err < 3e-3}    # (NaN and infinity fail)
+        try:
+            out[name] = check_path(name, c, tokens, steps, device, reference)
+        except Exception as exc:
+            print(f"correctness {name}: {traceback.format_exc()}", file=sys.stderr)
+            out[name] = {"max_rel_err": math.nan, "ok": False,
+                         "error": f"{type(exc).__name__}: {exc}"[:500]}
     return out
+
+
+def check_path(name: str, c: K3Config, tokens: torch.Tensor, steps: int, device: str,
+               reference) -> dict:
+    """One of ``correctness``'s checks: ``name``'s path (and opt-ins) against
+    ``reference(experts)``'s logits, eager and (on a GPU) replayed from graphs."""
+    base, *options = name.split("+")
+    experts = "mxfp4" if "mxfp4" in options else "bf16"
+    weights, ref, want = reference(experts)
+    model = build_model(c, weights, PATHS[base], dtype=torch.float32, device=device,
+                        experts=experts)
+    if "grouped" in options:   # the opt-in grouped experts, on every step
+        model.group_experts_from = 1
+    model.pdl = "pdl" in options
+    model.pdl_prefetch_bytes = CHECKED_PREFETCH_BYTES if "prefetch" in options else 0
+    state = model.new_state(2, 4 + steps)
+    got = [model.forward(tokens[:, :4].to(device), state)[:, -1]]
+    got += [model.forward(tokens[:, t: t + 1].to(device), state)[:, -1]
+            for t in range(4, 4 + steps)]
+    errors = [rel_err(g.cpu(), w.double()) for g, w in zip(got, want, strict=True)]
+    if device == "cuda":  # the same steps replayed from one captured graph
+        state = model.new_state(2, 4 + steps)
+        model.forward(tokens[:, :4].to(device), state)
+        graphed = GraphedDecodeStep(model, state, batch=2)
+        errors += [rel_err(graphed(tokens[:, t: t + 1].to(device))[:, -1].cpu(),
+                           want[t - 3].double()) for t in range(4, 4 + steps)]
+        errors += graphed_verify_errors(model, ref, tokens[:, :4], device)
+    err = worst(errors)
+    return {"max_rel_err": err, "ok": err < 3e-3}    # (NaN and infinity fail)
 
 
 def kda_split_stress(device: str, smoke: bool) -> dict:
@@ -286,15 +303,17 @@ def gemv_side_by_side(device: str, cubins: Path | None, bandwidth: float) -> dic
     from kimi_perf_kernels.cute_gemv import CubinGemv, decode_shapes
     from kimi_perf_kernels.skinny_linear import skinny_linear
 
+    cute, result = None, {"cute": "no cubins: `bash scripts/gpu-check.sh fetch` builds them"}
     if cubins is not None and (cubins / "manifest.json").exists():
-        cute = CubinGemv(cubins)
-        builds = sorted((mnk, entry) for mnk, (entry, _) in cute.builds.items())
-        result: dict = {"cute": True}
-    else:   # Triton and cuBLAS still, on the shapes the cubins would have had
-        cute = None
+        try:
+            cute = CubinGemv(cubins)
+            builds = sorted((mnk, entry) for mnk, (entry, _) in cute.builds.items())
+            result = {"cute": True}
+        except Exception as exc:   # (CuPy, or a cubin no driver here loads)
+            result = {"cute": f"the cubins did not load: {type(exc).__name__}: {exc}"[:500]}
+    if cute is None:   # Triton and cuBLAS still, on the shapes the cubins would have had
         builds = sorted(((m, n, k), {"name": name})
                         for name, (n, k) in decode_shapes("k3-tp8").items() for m in range(1, 5))
-        result = {"cute": "no cubins: `bash scripts/gpu-check.sh fetch` builds them"}
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
     gen = torch.Generator(device="cuda").manual_seed(5)
     rows = []
@@ -527,7 +546,8 @@ def main_job(out: Path, smoke: bool, budget: Budget, runs: dict, saved) -> None:
             proc = subprocess.run(args, capture_output=True, text=True,
                                   timeout=max(1.0, budget.left() - BUDGET_MARGIN_S))
             run.update(returncode=proc.returncode, stderr_tail=proc.stderr[-3000:])
-            if proc.returncode == 0:
+            # (exit 1: a path's logits not finite, the run written all the same)
+            if proc.returncode in (0, 1) and proc.stdout.strip():
                 doc = json.loads(proc.stdout)
                 run["run_dir"] = doc["run_dir"]
                 run["layer_types"] = {path: r["layer_types"] for path, r in doc["paths"].items()}
@@ -672,6 +692,7 @@ def main() -> int:
                          "steps": steps, "warmup": warmup}
     results["speed"] = {}
     took: list[float] = []    # each speed run's seconds: the next is admitted by their median
+    # (runs that failed fast say nothing of how long one takes)
 
     def typical() -> float:
         return statistics.median(took) if took else 0.0
@@ -696,9 +717,11 @@ def main() -> int:
             except Exception:
                 results["errors"].append(f"{key}: {traceback.format_exc()}")
                 print(results["errors"][-1], file=sys.stderr)
-            took.append(time.monotonic() - section)
+            seconds = time.monotonic() - section
+            if key in results["speed"]:
+                took.append(seconds)
             save(results, args.out, work)
-            progress(f"speed {key}: {took[-1]:.1f} s", started)
+            progress(f"speed {key}: {seconds:.1f} s", started)
 
     # The headline first: per-layer µs of both paths under CUDA graphs at both batches, then
     # eager (per launch and memory floors). Then the opt-ins, checked first: at batch 1,
@@ -714,7 +737,8 @@ def main() -> int:
                 for path in (["specialized+l2" if batch == 1 else "specialized+grouped"]
                              + (["specialized+pdl", "specialized+pdl+prefetch"] if graphs
                                 else []))])
-    results["errors"] += [f"correctness {name}: max rel err {r['max_rel_err']:.2e}"
+    results["errors"] += [f"correctness {name}: " + (r.get("error") or
+                                                      f"max rel err {r['max_rel_err']:.2e}")
                           for name, r in checks.items() if not r["ok"]]
     # After the speed runs: a fault in a kernel that has never run on a GPU before would
     # poison this process's CUDA context (the main job runs in processes of its own).

@@ -612,15 +612,6 @@ def trace_labels(paths: list[Path]) -> list[str]:
     return primed(labels)
 
 
-def _kimi_perf_run_json(path: Path) -> bool:
-    """Whether ``path`` is a run.json that ``kimi-perf trace`` wrote (it begins with the
-    command that made the run), not any file of that name."""
-    if not path.is_file():
-        return False
-    with open(path, "rb") as f:
-        return re.match(rb'\s*\{\s*"command"\s*:', f.read(64)) is not None
-
-
 # How far into a JSON file a Kineto trace names its events (or its schema, which the profiler
 # writes first), so that other JSON beside traces in a directory is told apart
 KINETO_HEAD = 1 << 16
@@ -651,7 +642,7 @@ def trace_files(paths: list[Path], keep_runs: bool = False,
     export is too, silently (its export is the same capture). A kimi-perf run directory is
     not a directory of traces: an error, or with ``keep_runs`` kept as it is (``kimi-perf
     report`` draws it)."""
-    from kimi_perf.gate import is_kimi_perf_json
+    from kimi_perf.gate import is_kimi_perf_json, is_kimi_perf_run_json
 
     def natural(p: Path) -> list:
         return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", p.name)]
@@ -667,7 +658,7 @@ def trace_files(paths: list[Path], keep_runs: bool = False,
                 continue
             raise TraceError(path, "a kimi-perf run directory, not a directory of traces: "
                                    "kimi-perf report draws it")
-        if _kimi_perf_run_json(path / "run.json"):
+        if is_kimi_perf_run_json(path / "run.json"):
             raise TraceError(path, "a kimi-perf run directory without its breakdown.json (a "
                                    "capture that did not finish, or a file removed since)")
         entries = [f for f in path.iterdir() if f.name.endswith(TRACE_SUFFIXES)]

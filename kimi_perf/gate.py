@@ -499,7 +499,7 @@ def run_info_problem(run: object) -> str | None:
         fallbacks = m.get("fallbacks") or []
         if not (isinstance(fallbacks, list) and all(isinstance(f, str) for f in fallbacks)):
             return f"run.paths.{name}.fallbacks is not a list of the steps that fell back"
-        if m.get("logits_finite") not in (True, False, None):
+        if not (m.get("logits_finite") is None or isinstance(m["logits_finite"], bool)):
             return f"run.paths.{name}.logits_finite is not true, false or null"
     floors = run.get("floors")
     if floors is not None and not (
@@ -512,10 +512,22 @@ def run_info_problem(run: object) -> str | None:
 
 
 def is_run_breakdown(path: Path) -> bool:
-    """Whether ``path`` is a kimi-perf run directory's breakdown.json (beside its run.json, as
-    ``check_storable`` tells it), which must be a kimi-perf document whatever its first bytes:
+    """Whether ``path`` is a kimi-perf run directory's breakdown.json (beside the run.json
+    ``kimi-perf trace`` wrote), which must be a kimi-perf document whatever its first bytes:
     no trace is stored under that name there."""
-    return path.name == "breakdown.json" and (path.parent / "run.json").exists()
+    return path.name == "breakdown.json" and is_kimi_perf_run_json(path.parent / "run.json")
+
+
+def is_kimi_perf_run_json(path: Path) -> bool:
+    """Whether ``path`` is a run.json that ``kimi-perf trace`` wrote (it begins with the
+    command that made the run), not any file of that name."""
+    if not path.is_file():
+        return False
+    try:
+        with open(path, "rb") as f:
+            return re.match(rb'\s*\{\s*"command"\s*:', f.read(64)) is not None
+    except OSError:
+        return False
 
 
 def is_kimi_perf_json(path: Path) -> bool:

@@ -382,3 +382,16 @@ def test_gpu_check_lets_no_nan_pass_and_says_a_failed_check_first():
            "| 2.00 | 2/3 |" in text
     assert "| specialized vs specialized+pdl | b1 graphs | 2.100 (2.000-3.000) | " \
            "1.900 (1.900-1.900) | 1.11 | - |" in text
+
+
+def test_gpu_check_a_check_that_raises_fails_alone():
+    """A correctness check that raises (an opt-in that does not compile, say) is a failed
+    check with its error, and the others still run and count."""
+    pytest.importorskip("torch")
+    check = _gpu_check()
+    out = check.correctness("cpu", 1, names=("nosuch", "standard"))
+    assert out["standard"]["ok"] and out["standard"]["max_rel_err"] == 0
+    assert not out["nosuch"]["ok"] and math.isnan(out["nosuch"]["max_rel_err"])
+    assert out["nosuch"]["error"] == "KeyError: 'nosuch'"
+    skipped = check.correctness("cpu", 1, names=("standard",), allows=lambda name: False)
+    assert skipped == {}

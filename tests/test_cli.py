@@ -330,10 +330,12 @@ def test_the_gate_fails_a_run_whose_path_computed_logits_not_finite(tmp_path):
     assert said.exit_code == 1 and "gate: FAIL, 1 not finite: specialized: the last decode " \
         "step's logits were not all finite" in " ".join(said.output.split())
     assert run("gate", broken, BASELINE, "--metrics", "kernels").exit_code == 0  # (baseline's)
-    doc["run"]["paths"]["specialized"]["logits_finite"] = "no"
-    broken.write_text(json.dumps(doc))
-    _one_line_error(run("gate", BASELINE, broken, "--metrics", "kernels"),
-                    f"{broken}: run.paths.specialized.logits_finite is not true, false or null")
+    for value in ("no", 0, 1.0):    # (0 == False: a stored 0 would pass unread)
+        doc["run"]["paths"]["specialized"]["logits_finite"] = value
+        broken.write_text(json.dumps(doc))
+        _one_line_error(run("gate", BASELINE, broken, "--metrics", "kernels"),
+                        f"{broken}: run.paths.specialized.logits_finite is not true, false or "
+                        "null")
 
 
 def test_info_as_json_is_the_library_summary():
@@ -1244,6 +1246,10 @@ def test_a_run_directory_s_breakdown_json_is_kimi_perf_s(tmp_path, content):
                      ["breakdown", given]):
             _one_line_error(run(*args), f"{bd}: not a kimi-perf run breakdown")
         assert not out.exists()
+    # another tool's run.json beside it: the file given is read as what it holds (a trace)
+    (run_dir / "run.json").write_text('{"model": "x"}')
+    if content == "[]":
+        assert run("breakdown", bd).exit_code == 0
     (run_dir / "run.json").unlink()   # a directory holding a breakdown.json is a run still
     _one_line_error(run("breakdown", run_dir), f"{bd}: not a kimi-perf run breakdown")
     plain = tmp_path / "events.json"

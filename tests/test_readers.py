@@ -577,6 +577,18 @@ def test_kineto_malformed_args_are_named(tmp_path, args, said):
         read_trace(path)
 
 
+@pytest.mark.parametrize("size", [None, "", -1])
+def test_kineto_copies_of_no_size_read_as_unknown(tmp_path, size):
+    """A copy whose ``bytes`` is null or empty is of unknown size (-1), as one without it."""
+    doc = _one_kernel_doc()
+    doc["traceEvents"].append({"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy HtoD", "pid": 0,
+                               "tid": 7, "ts": 20, "dur": 1,
+                               "args": {"device": 0, "stream": 7, "bytes": size}})
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(doc))
+    assert read_trace(path).memops.bytes.tolist() == [-1]
+
+
 def test_kineto_exact_repeats_of_gpu_work_are_left_out_and_counted(tmp_path, monkeypatch):
     """A kernel or copy the trace holds twice (every field equal: a trace written or merged
     twice) ran once: counted twice it added time the GPU never spent (kernel µs over the
@@ -594,10 +606,13 @@ def test_kineto_exact_repeats_of_gpu_work_are_left_out_and_counted(tmp_path, mon
     events += [copy, json.loads(json.dumps(copy))]
     events += [json.loads(json.dumps(k)) for k in kernels]        # every kernel again
     events.append(json.loads(json.dumps(kernels[0])))             # and the first a third time
-    near = [json.loads(json.dumps(kernels[1])) for _ in range(3)]
+    near = [json.loads(json.dumps(kernels[1])) for _ in range(5)]
     near[0]["args"]["stream"] = 8
     near[1]["args"]["correlation"] = 999
     near[2]["dur"] = 4
+    # work of no duration, alike: two sub-µs launches of one graph replay in a trace of
+    # whole microseconds, not one written twice
+    near[3]["dur"] = near[4]["dur"] = 0
     events += near
     path = tmp_path / "repeated.json"
     path.write_text(json.dumps(doc))
@@ -605,7 +620,7 @@ def test_kineto_exact_repeats_of_gpu_work_are_left_out_and_counted(tmp_path, mon
     plain.write_text(json.dumps(_eager_kineto_doc()))
     expected = read_trace(plain)
     for label, trace in _kineto_paths(path, monkeypatch).items():
-        assert len(trace.kernels) == len(expected.kernels) + 3 and len(trace.memops) == 1, label
+        assert len(trace.kernels) == len(expected.kernels) + 5 and len(trace.memops) == 1, label
         assert trace.meta["duplicates"] == {"kernels": len(kernels) + 1, "memops": 1}, label
     trace = read_trace(path)
     assert trace.summary()["duplicates"] == {"kernels": len(kernels) + 1, "memops": 1}
@@ -687,11 +702,9 @@ ATHRUN = NSYS / "Athrun0109-CS336_assignment2__result__nsys2026.2.1.sqlite"
 
 
 def test_nsys_ranges_without_an_end(tmp_path):
-    """An unterminated NVTX range runs to the last NVTX timestamp (as nsys stats does); with
-    no range ending at all that is no time: the table and column are named, not a Python
-    error ("int() argument must be ... not 'NoneType'")."""
-    from kimi_perf.errors import TraceError
-
+    """An unterminated NVTX range runs to the last NVTX timestamp (as nsys stats does), also
+    where no range ends at all (the last one's start, then), not a Python error ("int()
+    argument must be ... not 'NoneType'")."""
     copy = _athrun_copy(tmp_path / "open.sqlite")
     with sqlite3.connect(copy) as db:
         (last,) = db.execute("SELECT max(end) FROM NVTX_EVENTS").fetchone()
@@ -701,9 +714,11 @@ def test_nsys_ranges_without_an_end(tmp_path):
     assert len(ranges) == len(read_trace(ATHRUN).ranges) and ranges.end.max() == last
     with sqlite3.connect(copy) as db:
         db.execute("UPDATE NVTX_EVENTS SET end = NULL")
-    with pytest.raises(TraceError, match=r"open\.sqlite: table NVTX_EVENTS: column end is NULL "
-                                         r"in every range"):
-        read_trace(copy)
+        (last_start,) = db.execute("SELECT max(start) FROM NVTX_EVENTS").fetchone()
+    open_ranges = read_trace(copy)
+    assert len(open_ranges.ranges) == len(ranges)
+    assert (open_ranges.ranges.end == last_start).all()
+    assert len(open_ranges.kernels) == len(read_trace(ATHRUN).kernels) > 0
 
 
 def _athrun_copy(path: Path) -> Path:

@@ -712,7 +712,8 @@ class _Builder:
                 elif cat in ("gpu_memcpy", "gpu_memset"):
                     args = _args(e)
                     self._gpu(cols["m"], e, args)
-                    cols["m"]["bytes"].append(_int_arg(args, "bytes") or -1)
+                    # (a size not given, or given as null: unknown, -1)
+                    cols["m"]["bytes"].append(_int_arg(args, "bytes", null_ok=True) or -1)
                 elif cat in _API_CATEGORIES:
                     args = _args(e)
                     a = cols["a"]
@@ -821,7 +822,9 @@ def _without_repeats(gpu_work: Kernels | MemOps) -> tuple[Kernels | MemOps, int]
     """GPU work less the rows that repeat an earlier row in every column (name, times,
     device, stream, correlation, bytes), and how many: one kernel recorded twice (a trace
     merged or written twice) ran once, and counted twice it would add time the GPU never
-    spent. Only rows sharing a start with another are compared: usually few."""
+    spent. Only rows sharing a start with another are compared: usually few. Work of no
+    duration is kept whatever repeats it: a trace in whole microseconds writes two short
+    launches of one kernel from one graph replay (one correlation) alike."""
     start = gpu_work.start
     if len(start) < 2:
         return gpu_work, 0
@@ -838,6 +841,9 @@ def _without_repeats(gpu_work: Kernels | MemOps) -> tuple[Kernels | MemOps, int]
     tied[1:] = tie
     tied[:-1] |= tie
     rows = np.sort(order[tied])
+    rows = rows[gpu_work.end[rows] > start[rows]]
+    if len(rows) < 2:
+        return gpu_work, 0
     columns = [values[rows] for values in gpu_work.columns().values()]
     # Sorted by every column, then by row: each repeat right after the first of its kind.
     by = np.lexsort([rows, *columns[::-1]])
@@ -933,9 +939,12 @@ def _args(event: dict) -> dict:
     return args
 
 
-def _int_arg(args: dict, key: str) -> int:
-    """``args[key]`` (-1 when absent) as an integer: a correlation id or a byte count."""
+def _int_arg(args: dict, key: str, null_ok: bool = False) -> int:
+    """``args[key]`` (-1 when absent, and with ``null_ok`` when null or empty) as an
+    integer: a correlation id or a byte count."""
     value = _num(args.get(key, -1))
+    if null_ok and value in (None, ""):
+        return -1
     try:
         if isinstance(value, float) and not value.is_integer():   # (int() would cut it)
             raise ValueError
