@@ -341,7 +341,8 @@ def test_gpu_check_summary_sets_unprofiled_graph_steps_side_by_side():
     summary = check.render_summary(results)
     assert "| standard b1 graphs | 5.000 | 3.000 | 333 | nvtx | 9 |" in summary
     assert "| standard b1 | 10.000 | - | - | nvtx | 9 |" in summary
-    assert "| b1 graphs | 3.000 | 2.000 | 1.50 |" in summary
+    assert ("| standard vs specialized | b1 graphs | 3.000 (3.000-4.000) | 2.000 (2.000-2.000) "
+            "| 1.50 | - |") in summary
     assert ("CUPTI control, standard b1 graphs: unprofiled step 2.500 ms before the process's "
             "first profiler session, 3.000 ms after its own (ratio 1.20" in summary)
     assert "warning: gemv o_proj M=1 cute" in summary and "error(s)" not in summary
