@@ -102,8 +102,9 @@ def _memory_said(sizes: str):
                                "batch, context or step count") from None
 
 
-class OutputPath(click.Path):
-    """A file to write: an empty name is none (as a path it would be ".", the directory)."""
+class NamedPath(click.Path):
+    """A file or directory named on the command line: an empty name names none (as a path
+    it would be ".", the current directory, read or written by mistake)."""
 
     def __init__(self):
         super().__init__(path_type=Path)
@@ -114,7 +115,7 @@ class OutputPath(click.Path):
         return super().convert(value, param, ctx)
 
 
-OUTPUT = OutputPath()
+PATH = NamedPath()
 
 
 class FiniteFloatRange(click.FloatRange):
@@ -228,7 +229,7 @@ def _phase_option(fn):
 
 
 def _capture_option(fn):
-    return click.option("--capture", type=click.Path(path_type=Path),
+    return click.option("--capture", type=PATH,
                         help="a trace of the same process, saved apart, that recorded the "
                         "CUDA/HIP graph captures TRACE replays (vLLM profiles its capture at "
                         "start-up): joined to TRACE, it places replayed kernels in the ranges "
@@ -246,6 +247,14 @@ def _seed_option(fn):
     return click.option("--seed", default=0, show_default=True, type=click.IntRange(0, 2**63 - 1),
                         help="draws the random weights, the prompt and, with --spec-tokens, "
                         "the drafts and their acceptance")(fn)
+
+
+def _kv_cache_option(fn):
+    return click.option("--kv-cache", type=click.Choice(["bf16", "fp8"]), default="bf16",
+                        show_default=True,
+                        help="the latent KV cache's storage: bf16, or fp8 e4m3 with a "
+                        "per-tensor scale (the absorbed query fp8 too), as vLLM's "
+                        "fp8 cache")(fn)
 
 
 def _experts_option(fn):
@@ -435,10 +444,10 @@ def main() -> None:
 
 
 @main.command(short_help="Kernels per range, as nsys stats' nvtx_kern_sum report")
-@click.argument("trace", type=click.Path(path_type=Path))
+@click.argument("trace", type=PATH)
 @click.option("--format", "fmt", type=click.Choice(["csv", "table", "json"]), default="table",
               show_default=True)
-@click.option("-o", "--output", type=OUTPUT, help="write here, not stdout")
+@click.option("-o", "--output", type=PATH, help="write here, not stdout")
 @_fail_cleanly
 def ranges(trace: Path, fmt: str, output: Path | None) -> None:
     """Kernels per range, as `nsys stats --report nvtx_kern_sum` attributes them."""
@@ -485,20 +494,20 @@ EXAMPLE_TRACE = (Path(__file__).parent / "examples"
 
 
 @main.command(name="breakdown", short_help="Kernels and µs per step, layer and layer type")
-@click.argument("trace", type=click.Path(path_type=Path), required=False)
+@click.argument("trace", type=PATH, required=False)
 @click.option("--format", "fmt", type=click.Choice(["table", "json", "csv"]), default="table",
               show_default=True)
 @_layers_option
 @click.option("--steps", "step_regex", help="regex for step ranges (default: decode_step[i], "
               "ProfilerStep#N, vLLM's execute_... annotation)")
 @_phase_option
-@click.option("--rules", type=click.Path(path_type=Path), help="TOML file of extra kernel-class "
+@click.option("--rules", type=PATH, help="TOML file of extra kernel-class "
               "rules, tried before the defaults")
 @click.option("--path", "path_name", help="the decode path to show from a run that holds "
               "several (standard, specialized, ...)")
 @_capture_option
 @_kernels_option
-@click.option("-o", "--output", type=OUTPUT, help="write here, not stdout")
+@click.option("-o", "--output", type=PATH, help="write here, not stdout")
 @_fail_cleanly
 def breakdown_cmd(trace: Path | None, fmt: str, layers: str, step_regex: str | None,
                   phase: str, rules: Path | None, path_name: str | None, capture: Path | None,
@@ -525,8 +534,8 @@ def breakdown_cmd(trace: Path | None, fmt: str, layers: str, step_regex: str | N
 
 
 @main.command(name="compare", short_help="Traces or runs side by side, per layer type")
-@click.argument("a", type=click.Path(path_type=Path))
-@click.argument("b", type=click.Path(path_type=Path), required=False)
+@click.argument("a", type=PATH)
+@click.argument("b", type=PATH, required=False)
 @click.option("--path", "path_name", help="the decode path to take from a run that holds "
               "several (standard, specialized, ...)")
 @click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table",
@@ -534,11 +543,11 @@ def breakdown_cmd(trace: Path | None, fmt: str, layers: str, step_regex: str | N
 @_layers_option
 @click.option("--steps", "step_regex", help="regex for step ranges")
 @_phase_option
-@click.option("--rules", type=click.Path(path_type=Path), help="extra kernel-class rules")
+@click.option("--rules", type=PATH, help="extra kernel-class rules")
 @click.option("--labels", help="names for A and B, comma-separated (default: the file names, "
               "in the table without the words both share; or a run's path names)")
 @_kernels_option
-@click.option("-o", "--output", type=OUTPUT, help="write here, not stdout")
+@click.option("-o", "--output", type=PATH, help="write here, not stdout")
 @_fail_cleanly
 def compare_cmd(a: Path, b: Path | None, path_name: str | None, fmt: str, layers: str,
                 step_regex: str | None, phase: str, rules: Path | None, labels: str | None,
@@ -666,8 +675,8 @@ def _run_name(path: Path) -> str:
 
 
 @main.command(name="gate", short_help="A run against a stored baseline: exit 1 on a regression")
-@click.argument("baseline", type=click.Path(path_type=Path))
-@click.argument("run", type=click.Path(path_type=Path))
+@click.argument("baseline", type=PATH)
+@click.argument("run", type=PATH)
 @click.option("--metrics", default=",".join(gate_mod.METRICS), show_default=True,
               help="what to check: kernels (per layer, exact), kernel_us, span_us")
 @click.option("--rel-tol", default=0.05, show_default=True, type=FiniteFloatRange(0),
@@ -683,7 +692,7 @@ def _run_name(path: Path) -> str:
 @_layers_option
 @click.option("--steps", "step_regex", help="regex for step ranges")
 @_phase_option
-@click.option("--rules", type=click.Path(path_type=Path), help="extra kernel-class rules")
+@click.option("--rules", type=PATH, help="extra kernel-class rules")
 @click.option("--update", is_flag=True, help="then store the run as the new baseline")
 @click.option("--strict", is_flag=True, help="fail too where the baseline and the run were "
               "captured differently (preset, layers, batch, TP, device, ...) or broken down "
@@ -818,18 +827,18 @@ def _check_plotly_js(ctx, param, value: str) -> str:
 
 
 @main.command(name="report", short_help="The HTML layer-timeline report of runs or traces")
-@click.argument("inputs", nargs=-1, required=True, type=click.Path(path_type=Path))
+@click.argument("inputs", nargs=-1, required=True, type=PATH)
 @click.option("--path", "path_name", help="take only this decode path from each run")
 @click.option("--labels", help="names for what the inputs hold, comma-separated, in order "
               "(default: the file names, or a run's path names)")
 @_layers_option
 @click.option("--steps", "step_regex", help="regex for step ranges")
 @_phase_option
-@click.option("--rules", type=click.Path(path_type=Path), help="extra kernel-class rules")
+@click.option("--rules", type=PATH, help="extra kernel-class rules")
 @click.option("--plotly-js", default="inline", show_default=True, callback=_check_plotly_js,
               help="the report's plotly.js: inline (opens offline, about 5 MB), cdn, or a "
               "plotly.min.js (a path from here, or a URL) for the report to refer to")
-@click.option("-o", "--output", type=OUTPUT, default=Path("report.html"),
+@click.option("-o", "--output", type=PATH, default=Path("report.html"),
               show_default=True)
 @_fail_cleanly
 def report_cmd(inputs: tuple[Path, ...], path_name: str | None, labels: str | None,
@@ -904,8 +913,8 @@ def report_cmd(inputs: tuple[Path, ...], path_name: str | None, labels: str | No
 
 
 @main.command(short_help="Save a trace as .kptrace: one Arrow file, fast to reload")
-@click.argument("trace", type=click.Path(path_type=Path))
-@click.argument("output", type=click.Path(path_type=Path))
+@click.argument("trace", type=PATH)
+@click.argument("output", type=PATH)
 @_capture_option
 @_fail_cleanly
 def convert(trace: Path, output: Path, capture: Path | None) -> None:
@@ -923,7 +932,7 @@ def convert(trace: Path, output: Path, capture: Path | None) -> None:
 
 
 @main.command(short_help="What a trace holds: format, tool, GPUs, event counts")
-@click.argument("trace", type=click.Path(path_type=Path))
+@click.argument("trace", type=PATH)
 @click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table",
               show_default=True, help="json: {schema, traces: [{file, ...Trace.summary()}]}")
 @_fail_cleanly
@@ -1074,8 +1083,7 @@ def _info(trace: Path, info: dict) -> None:
 @click.option("--experts", type=click.Choice(["bf16", "fp8", "mxfp4"]), default="bf16",
               show_default=True, help="routed experts (this model: bf16; K3's checkpoint: "
               "mxfp4)")
-@click.option("--kv-cache", type=click.Choice(["bf16", "fp8"]), default="bf16",
-              show_default=True)
+@_kv_cache_option
 @click.option("--spec-tokens", default=0, show_default=True,
               type=click.IntRange(0, floors_mod.MAX_SPEC_TOKENS),
               help="speculative decoding's draft tokens K: steps verify 1+K tokens per sequence")
@@ -1084,7 +1092,7 @@ def _info(trace: Path, info: dict) -> None:
               help="memory bandwidth, TB/s (H200: about 4.3 measured by a device copy)")
 @click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table",
               show_default=True)
-@click.option("-o", "--output", type=OUTPUT, help="write here, not stdout")
+@click.option("-o", "--output", type=PATH, help="write here, not stdout")
 @_fail_cleanly
 def floors_cmd(preset_name: str, tp: int | None, batch: int, context: int, weights: str,
                experts: str, kv_cache: str, spec_tokens: int, bandwidth: float, fmt: str,
@@ -1124,8 +1132,7 @@ def floors_cmd(preset_name: str, tp: int | None, batch: int, context: int, weigh
               help="prompt tokens prefilled before the decode steps")
 @click.option("--dtype", type=click.Choice(["bfloat16", "float32"]), default="bfloat16",
               show_default=True, help="activation and weight dtype of the paths")
-@click.option("--kv-cache", type=click.Choice(["bf16", "fp8"]), default="bf16",
-              show_default=True, help="latent KV cache storage")
+@_kv_cache_option
 @_experts_option
 @_seed_option
 @click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table",
@@ -1182,15 +1189,15 @@ def validate(preset_name: str, n_layers: int | None, paths: str, steps: int,
 
 
 @main.command(name="trace", short_help="Capture both decode paths per layer (the main job)")
-@click.option("--from", "from_files", multiple=True, type=click.Path(path_type=Path),
+@click.option("--from", "from_files", multiple=True, type=PATH,
               help="analyse these existing traces instead of capturing (repeatable; a "
               "directory: the traces in it, e.g. one per rank)")
-@click.option("--capture", "captures", multiple=True, type=click.Path(path_type=Path),
+@click.option("--capture", "captures", multiple=True, type=PATH,
               help="with --from: the graph captures of a --from trace, saved apart (see "
               "kimi-perf breakdown --help); one per --from, in the same order")
 @click.option("--phase", type=click.Choice(PHASES), default="auto", show_default=True,
               help="with --from: which steps count (see kimi-perf breakdown --help)")
-@click.option("--rules", type=click.Path(path_type=Path), help="with --from: a TOML file of "
+@click.option("--rules", type=PATH, help="with --from: a TOML file of "
               "extra kernel-class rules, tried before the defaults")
 @click.option("--preset", "preset_name", help="tiny, k3, k3-tp8, k3-tp16 (default: tiny on a "
               "CPU, k3-tp8 on a GPU)")
@@ -1201,14 +1208,16 @@ def validate(preset_name: str, n_layers: int | None, paths: str, steps: int,
 @click.option("--steps", "steps_arg", help="profiled decode steps; with --from, a regex for "
               "the step ranges")
 @click.option("--warmup", type=click.IntRange(0), help="decode steps before profiling")
-@click.option("--tp", default=1, show_default=True, type=click.IntRange(1))
-@click.option("--paths", default="standard,specialized", show_default=True)
+@click.option("--tp", default=1, show_default=True, type=click.IntRange(1),
+              help="TP ranks: one process each on the CPU (gloo, torch backend), each "
+              "profiling its shard; rank 0's trace is broken down")
+@click.option("--paths", default="standard,specialized", show_default=True,
+              help="the decode paths to capture, comma-separated")
 @click.option("--graphs/--no-graphs", default=False, show_default=True,
               help="replay each decode step as one CUDA graph (GPU only)")
 @click.option("--backend", type=click.Choice(["torch", "nsys"]), default="torch",
               show_default=True, help="profiler")
-@click.option("--kv-cache", type=click.Choice(["bf16", "fp8"]), default="bf16",
-              show_default=True)
+@_kv_cache_option
 @_experts_option
 @click.option("--spec-tokens", default=0, show_default=True, type=click.IntRange(0, 7),
               help="speculative decoding with K synthetic draft tokens: each decode step "
@@ -1222,7 +1231,7 @@ def validate(preset_name: str, n_layers: int | None, paths: str, steps: int,
               "kernels launched with programmatic dependent launch (no launch more; on a CPU "
               "the interpreter runs them as without it)")
 @_seed_option
-@click.option("--out", "out_dir", type=click.Path(path_type=Path), default=Path("traces/runs"),
+@click.option("--out", "out_dir", type=PATH, default=Path("traces/runs"),
               show_default=True, help="parent of the run directory")
 @click.option("--plotly-js", default="inline", show_default=True, callback=_check_plotly_js,
               help="the HTML report's plotly.js: inline (opens offline, about 5 MB), cdn, or "

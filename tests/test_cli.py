@@ -539,6 +539,11 @@ def test_every_command_s_help_line_is_whole():
     (["breakdown", str(VLLM), "--no-such-option"], "No such option '--no-such-option'"),
     (["ranges"], "Missing argument 'TRACE'"),
     (["breakdown", str(VLLM), "-o", ""], "Invalid value for '-o' / '--output': an empty file"),
+    (["breakdown", ""], "Invalid value for '[TRACE]': an empty file name"),
+    (["gate", str(VLLM), ""], "Invalid value for 'RUN': an empty file name"),
+    (["report", str(VLLM), ""], "Invalid value for 'INPUTS...': an empty file name"),
+    (["trace", "--out", ""], "Invalid value for '--out': an empty file name"),
+    (["trace", "--from", ""], "Invalid value for '--from': an empty file name"),
     (["breakdown", str(VLLM), "-o"], "Option '-o' requires an argument"),
     (["nonsense"], "No such command 'nonsense'"),
     (["--bogus"], "No such option '--bogus'")])

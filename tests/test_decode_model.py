@@ -265,6 +265,35 @@ def test_ranks_stop_with_the_process_that_started_them():
         parent.wait()
 
 
+def _rank_fails(rank: int, how: str) -> None:
+    from kimi_perf.errors import TraceError
+
+    if rank == 1:
+        if how == "trace error":
+            raise TraceError("ckpt/model.safetensors", "no tensor named lm_head.weight")
+        if how == "out of memory":
+            raise RuntimeError("[enforce fail at alloc_cpu.cpp:127] DefaultCPUAllocator: can't "
+                               "allocate memory: you tried to allocate 51200000000 bytes.")
+        raise ValueError("a bug of ours")
+
+
+def test_a_rank_failure_is_raised_as_the_rank_raised_it():
+    """A rank's TraceError or allocation failure reaches the CLI as its own one-line error
+    (not torch's ProcessRaisedException with a traceback); anything else stays torch's."""
+    import torch.multiprocessing as mp
+
+    from kimi_perf.decode.tp import run_on_cpu_ranks
+    from kimi_perf.errors import TraceError
+
+    with pytest.raises(TraceError) as raised:
+        run_on_cpu_ranks(2, _rank_fails, "trace error")
+    assert str(raised.value) == "ckpt/model.safetensors: no tensor named lm_head.weight"
+    with pytest.raises(MemoryError, match=r"TP rank 1: .*tried to allocate 51200000000 bytes"):
+        run_on_cpu_ranks(2, _rank_fails, "out of memory")
+    with pytest.raises(mp.ProcessRaisedException, match="ValueError: a bug of ours"):
+        run_on_cpu_ranks(2, _rank_fails, "bug")
+
+
 def test_fp8_cache_stores_fp8(weights):
     model = K3Model(TINY, weights, dtype=torch.float32)
     state = model.new_state(1, 8, kv_dtype=FP8)

@@ -3,6 +3,8 @@ row-parallel outputs (gloo on the CPU, NCCL on GPUs)."""
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import tempfile
 from collections.abc import Callable
@@ -15,6 +17,7 @@ import torch.multiprocessing as mp
 from kimi_perf.decode.config import K3Config
 from kimi_perf.decode.model import K3Model
 from kimi_perf.decode.weights import Weights, shard
+from kimi_perf.errors import TraceError
 
 
 def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
@@ -46,6 +49,9 @@ def _worker(rank: int, world: int, init_file: str, fn: Callable, args: tuple,
                             world_size=world)
     try:
         torch.save(fn(rank, *args), Path(out_dir) / f"rank{rank}.pt")
+    except BaseException as exc:
+        _save_failure(out_dir, rank, exc)
+        raise
     finally:
         dist.destroy_process_group()
 
@@ -55,19 +61,65 @@ def run_on_cpu_ranks(world: int, fn: Callable, *args) -> list:
 
     ``fn`` must be importable (a module-level function) since the ranks are spawned. Where
     this process stops first (Ctrl-C, SIGTERM to it alone), the ranks are stopped with it:
-    left running, they would hold its exit until they had done all their work.
+    left running, they would hold its exit until they had done all their work. A rank that
+    raises a ``TraceError`` or runs out of memory raises it here too, as if this process had
+    (the CLI's one-line errors); any other failure is torch's, with the rank's traceback.
     """
     with tempfile.TemporaryDirectory(prefix="kimi-perf-tp-") as tmp:
         init_file = os.path.join(tmp, "init")
         ranks = mp.start_processes(_worker, args=(world, init_file, fn, args, tmp),
                                    nprocs=world, join=False)
         try:
-            while not ranks.join():
-                pass
+            with _quiet_spawn_log():  # its warning that it stops the other ranks
+                while not ranks.join():
+                    pass
+        except mp.ProcessRaisedException as exc:
+            _stop(ranks.processes)
+            _raise_rank_failure(Path(tmp), exc.error_index)
+            raise
         except BaseException:
             _stop(ranks.processes)
             raise
         return [torch.load(Path(tmp) / f"rank{r}.pt") for r in range(world)]
+
+
+@contextlib.contextmanager
+def _quiet_spawn_log():
+    log = logging.getLogger("torch.multiprocessing.spawn")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
+
+
+def _is_out_of_memory(exc: BaseException) -> bool:
+    return isinstance(exc, MemoryError) or (
+        isinstance(exc, RuntimeError)
+        and any(words in str(exc) for words in ("can't allocate", "out of memory")))
+
+
+def _save_failure(out_dir: str, rank: int, exc: BaseException) -> None:
+    """What the parent re-raises: a ``TraceError``'s file and problem, or an allocation
+    failure's message (exceptions themselves do not all pickle: TraceError's do not)."""
+    if isinstance(exc, TraceError):
+        failure = ("TraceError", exc.path, exc.problem)
+    elif _is_out_of_memory(exc):
+        failure = ("MemoryError", None, str(exc).strip())
+    else:
+        return
+    torch.save(failure, Path(out_dir) / f"rank{rank}.failure.pt")
+
+
+def _raise_rank_failure(tmp: Path, rank: int) -> None:
+    failure_file = tmp / f"rank{rank}.failure.pt"
+    if not failure_file.exists():
+        return
+    kind, path, said = torch.load(failure_file)
+    if kind == "TraceError":
+        raise TraceError(path, said) from None
+    raise MemoryError(f"TP rank {rank}: {said}") from None
 
 
 def _stop(processes: list, grace_s: float = 5.0) -> None:
