@@ -20,7 +20,10 @@
    ranges: ``kimi_perf.graphs``), and each graph run's steps timed again without the
    profiler (CUPTI's cost per kernel would favour the path with fewer; 30 steps at least,
    their spread the noise), for the paths and each opt-in against the path without it; the
-   greedy tokens of the paths side by side, and the last logits finite; per launch of both
+   greedy tokens of the paths side by side, the last logits finite, and each run's first
+   decode step's logits against the standard path's first run at its batch (same weights,
+   prompt and prefill: the paths checked at shapes no reference affords; over
+   ``FIRST_STEP_BOUND`` is an error); per launch of both
    eager paths, its kernels' µs, and for
    the specialized path against the bytes it must move over the measured bandwidth (its
    memory floor). On a GPU the standard path is ``StandardKernelsModel``, one kernel per
@@ -89,7 +92,7 @@ from kimi_perf.decode.fusions import fusion_ledger
 from kimi_perf.decode.harness import GraphedDecodeStep, run_decode
 from kimi_perf.decode.model import K3Model
 from kimi_perf.decode.specialized import SpecializedModel, build_model
-from kimi_perf.decode.validate import rel_err
+from kimi_perf.decode.validate import BOUNDS, rel_err
 from kimi_perf.decode.weights import random_weights
 from kimi_perf.graphs import capture_launches
 from kimi_perf.layer_breakdown import breakdown
@@ -107,6 +110,10 @@ MAIN_JOB_KEPT_S = 2 * MIN_MAIN_JOB_S + BUDGET_MARGIN_S
 RESERVE_AFTER_SPEED_S = GEMV_S + MAIN_JOB_KEPT_S
 # Steps timed without the profiler (replays of a graph: cheap, and the spread a noise estimate)
 UNPROFILED_STEPS = 30
+# A speed run's first decode step against the standard path's at its batch (the same weights,
+# prompt and prefill): two bf16 paths each within validate's bf16 logits bound of the float64
+# reference (measured over 16 steps) are within twice that of each other after one step
+FIRST_STEP_BOUND = 2 * BOUNDS[("bfloat16", "bf16")]["logits"]
 # The device call returns at most 8 files of 16 MiB, 64 MiB together, from $OUT:
 # results.json, summary.md, the log, and the evidence in parts (what does not fit is cut).
 EVIDENCE_PART_BYTES, EVIDENCE_PARTS = 15 << 20, 4
@@ -445,7 +452,7 @@ def speed(path: str, c: K3Config, weights, batch: int, context: int, warmup: int
     schedule = profiler_schedule(warmup, steps, graphs)
     with torch.profiler.profile(activities=activities, schedule=schedule) as prof:
         run = run_decode(model, prompt, steps=steps, warmup=warmup, after_step=prof.step,
-                         cuda_graphs=graphs)
+                         cuda_graphs=graphs, keep_first_logits=True)
     with tempfile.TemporaryDirectory() as tmp:
         raw = Path(tmp) / "t.json"
         prof.export_chrome_trace(str(raw))
@@ -458,6 +465,8 @@ def speed(path: str, c: K3Config, weights, batch: int, context: int, warmup: int
               # greedy tokens (the paths' side by side: same weights, same prompt) and whether
               # the last logits were finite (argmax makes a token of NaN too)
               "tokens": run.tokens[:, warmup:].tolist(), "logits_finite": run.logits_finite,
+              # (a tensor: ``speed_runs`` takes it out, and compares it with the standard's)
+              "first_step_logits": run.first_logits,
               "fallbacks": summarise(getattr(model, "fallbacks", [])),
               # "nvtx" under graphs: the replayed kernels found their capture's layer ranges
               "layer_sources": sorted({s["layer_source"] for s in b.steps}),
@@ -691,6 +700,7 @@ def main() -> int:
                          "n_layers": c.n_layers, "hash": c.fingerprint(), "context": context,
                          "steps": steps, "warmup": warmup}
     results["speed"] = {}
+    standard_first_step: dict[int, torch.Tensor] = {}   # per batch, its first run's
     took: list[float] = []    # each speed run's seconds: the next is admitted by their median
     # (runs that failed fast say nothing of how long one takes)
 
@@ -707,6 +717,15 @@ def main() -> int:
                 r = results["speed"][key] = speed(path, c, weights, batch, context, warmup,
                                                   steps, device, work, bandwidth, graphs,
                                                   gemv=gemv, control=not results["speed"])
+                first = r.pop("first_step_logits")
+                if path == "standard" and batch not in standard_first_step:
+                    standard_first_step[batch] = first
+                elif (want := standard_first_step.get(batch)) is not None:
+                    diff = r["first_step_vs_standard"] = rel_err(first, want.double())
+                    if not diff <= FIRST_STEP_BOUND:    # (NaN fails)
+                        results["errors"].append(
+                            f"{key}: its first decode step's logits differ from the standard "
+                            f"path's by {diff:.3g} (bound {FIRST_STEP_BOUND:g})")
                 if r["logits_finite"] is False:
                     results["errors"].append(f"{key}: the last decode step's logits are not "
                                              "all finite")
@@ -841,6 +860,12 @@ def tokens_alike(ra: dict, rb: dict) -> str:
     return f"{sum(x == y for x, y in pairs)}/{len(pairs)}"
 
 
+def _first_step(diff: float | None) -> str:
+    if diff is None:
+        return "-"
+    return f"{diff:.1e}" + ("" if diff <= FIRST_STEP_BOUND else " FAIL")
+
+
 def render_summary(results: dict) -> str:
     env = results["environment"]
     lines = [f"# Decode paths on {', '.join(env.get('gpus') or ['CPU'])}",
@@ -877,9 +902,12 @@ def render_summary(results: dict) -> str:
                          f"{t['span_us'] / u['span_us']:.2f} |")
     lines += ["", "Decode step, median host time with the device synchronised (profiled: under "
               "CUPTI, every launch of an eager run in a range of its own; unprofiled: the "
-              "graph runs again without the profiler):", "",
-              "| run | step ms, profiled | step ms, unprofiled | decode tokens/s, unprofiled | "
-              "layers from | kernels mapped to a capture |", "|---|---:|---:|---:|---|---:|"]
+              "graph runs again without the profiler); first step vs standard: the first "
+              "decode step's logits against the standard path's first run at that batch "
+              f"(norm-relative; same weights, prompt and prefill; bound {FIRST_STEP_BOUND:g}):",
+              "", "| run | step ms, profiled | step ms, unprofiled | decode tokens/s, unprofiled | "
+              "layers from | kernels mapped to a capture | first step vs standard |",
+              "|---|---:|---:|---:|---|---:|---:|"]
     for key, r in results.get("speed", {}).items():
         step = statistics.median(r["step_s"])
         batch = int(key.split(" b")[1].split()[0])
@@ -889,7 +917,8 @@ def render_summary(results: dict) -> str:
                      f"{'-' if clean is None else f'{clean * 1e3:.3f}'} | "
                      f"{'-' if clean is None else f'{batch / clean:,.0f}'} | "
                      f"{', '.join(r['layer_sources'])} | "
-                     f"{r['replayed_kernels_mapped_to_capture']:,} |")
+                     f"{r['replayed_kernels_mapped_to_capture']:,} | "
+                     f"{_first_step(r.get('first_step_vs_standard'))} |")
     unprofiled = [(a, b, run, ra, rb) for a, b, run, ra, rb in side_by_side(speed)
                   if ra.get("unprofiled_step_s") and rb.get("unprofiled_step_s")]
     for key, r in speed.items():

@@ -75,6 +75,13 @@ def test_gpu_decode_check_plumbing_on_the_cpu(tmp_path):
     assert list(speed)[:4] == ["standard b1", "specialized b1", "standard b2", "specialized b2"]
     assert all(r["logits_finite"] for r in speed.values())
     assert speed["standard b1"]["tokens"] == speed["specialized b1"]["tokens"]
+    # each run's first decode step against the standard path's first run at its batch
+    assert "first_step_vs_standard" not in speed["standard b1"]
+    first_steps = [r["first_step_vs_standard"] for k, r in speed.items()
+                   if not k.startswith("standard ")]
+    bound = _gpu_check().FIRST_STEP_BOUND
+    assert len(first_steps) == 4 and all(0 <= d <= bound for d in first_steps)
+    assert max(first_steps) > 0   # bf16 sums in another order: not bitwise the same
     assert len(speed["standard b2"]["tokens"]) == 2
     assert "| run | model | layer type |" in proc.stdout
     assert "| standard vs specialized | b1 | kda | 18 vs 9 |" in proc.stdout  # side by side
@@ -331,16 +338,21 @@ def test_gpu_check_summary_sets_unprofiled_graph_steps_side_by_side():
                                           "unprofiled_step_s": [0.003, 0.003, 0.004],
                                           "unprofiled_before_any_profiler_step_s": [0.0025]},
                    "specialized b1 graphs": {**run, "step_s": [0.003],
-                                             "unprofiled_step_s": [0.002]},
-                   "standard b1": {**run, "step_s": [0.01]}}}
+                                             "unprofiled_step_s": [0.002],
+                                             "first_step_vs_standard": 0.0123},
+                   "standard b1": {**run, "step_s": [0.01], "first_step_vs_standard": 0.0},
+                   "specialized b1": {**run, "step_s": [0.008],
+                                      "first_step_vs_standard": 0.9}}}
     gemv = {"builds": [{"name": "o_proj", "m": 1, "floor_us": 10.0, "cute_us": 6.0,
                         "triton_us": 9.0, "cublas_us": 11.0}]}
     results["warnings"] = check.gemv_warnings(gemv)
     assert results["warnings"] == ["gemv o_proj M=1 cute: 6.00 µs is under 0.7x the memory "
                                    "floor 10.00 µs"]
     summary = check.render_summary(results)
-    assert "| standard b1 graphs | 5.000 | 3.000 | 333 | nvtx | 9 |" in summary
-    assert "| standard b1 | 10.000 | - | - | nvtx | 9 |" in summary
+    assert "| standard b1 graphs | 5.000 | 3.000 | 333 | nvtx | 9 | - |" in summary
+    assert "| specialized b1 graphs | 3.000 | 2.000 | 500 | nvtx | 9 | 1.2e-02 |" in summary
+    assert "| standard b1 | 10.000 | - | - | nvtx | 9 | 0.0e+00 |" in summary
+    assert "| specialized b1 | 8.000 | - | - | nvtx | 9 | 9.0e-01 FAIL |" in summary
     assert ("| standard vs specialized | b1 graphs | 3.000 (3.000-4.000) | 2.000 (2.000-2.000) "
             "| 1.50 | - |") in summary
     assert ("CUPTI control, standard b1 graphs: unprofiled step 2.500 ms before the process's "

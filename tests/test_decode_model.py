@@ -500,6 +500,12 @@ def test_harness_annotates_steps_and_layers_for_the_trace_core(tmp_path, weights
         weights["model.norm.weight"], float("nan"))})
     nan_run = run_decode(poisoned, prompt, steps=2)
     assert nan_run.tokens.shape == (2, 2) and nan_run.logits_finite is False
+    assert run.first_logits is None and nan_run.first_logits is None   # kept where asked
+    kept = run_decode(model, prompt, steps=2, warmup=1, keep_first_logits=True)
+    assert kept.first_logits.shape == (2, 1, TINY.vocab)
+    # the first (warm-up) step's: its greedy token; the tokens those of the run above
+    assert torch.equal(kept.first_logits[:, -1].argmax(-1), run.tokens[:, 0])
+    assert torch.equal(kept.tokens, run.tokens)
     path = tmp_path / "decode.json"
     prof.export_chrome_trace(str(path))
     trace = read_trace(path)

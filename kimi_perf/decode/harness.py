@@ -46,6 +46,10 @@ class DecodeRun:
     # the last step's logits all finite (None: no step): argmax picks a NaN as its token, so
     # the tokens alone would not show a path that computes NaN
     logits_finite: bool | None = None
+    # the first decode step's logits [B, tokens, vocab] on the host, where asked for: the
+    # prefill is the standard path's in every model, so two paths' first steps start from one
+    # state (the paths side by side at shapes no float64 reference can afford)
+    first_logits: torch.Tensor | None = None
 
 
 def _sync(device: torch.device) -> None:
@@ -139,7 +143,8 @@ def state_tensors(state: DecodeState) -> list[torch.Tensor]:
 def run_decode(model: K3Model, prompt: torch.Tensor, steps: int,
                state: DecodeState | None = None, kv_dtype: torch.dtype | None = None,
                after_step=None, warmup: int = 0,
-               cuda_graphs: bool = False, spec_tokens: int = 0, seed: int = 0) -> DecodeRun:
+               cuda_graphs: bool = False, spec_tokens: int = 0, seed: int = 0,
+               keep_first_logits: bool = False) -> DecodeRun:
     """Greedy decode: prefill ``prompt`` [B, P], then ``warmup`` + ``steps`` decode steps.
 
     ``spec_tokens=k`` decodes speculatively with synthetic drafts: each step verifies 1+k
@@ -153,6 +158,7 @@ def run_decode(model: K3Model, prompt: torch.Tensor, steps: int,
     replays one captured step (``GraphedDecodeStep``; the acceptance runs eagerly after it)
     instead of launching each kernel; the capture comes after the prefill's ``after_step()``,
     in the first decode step's profiler step, so that a profile of the decode steps holds it.
+    ``keep_first_logits``: ``DecodeRun.first_logits``, copied after the first step's timing.
     """
     if not 0 <= spec_tokens <= MAX_SPEC_TOKENS:
         raise ValueError(f"spec_tokens must be between 0 and {MAX_SPEC_TOKENS}")
@@ -195,6 +201,8 @@ def run_decode(model: K3Model, prompt: torch.Tensor, steps: int,
         _sync(model.device)
         run.step_s.append(time.perf_counter() - start)
         run.tokens[:, step] = kept if verify else next_token[:, 0].cpu()
+        if keep_first_logits and step == 0:   # a copy: a graph's output buffer is the
+            run.first_logits = logits.to("cpu", copy=True)  # next replay's
         if after_step:
             after_step()
     if warmup + steps:
