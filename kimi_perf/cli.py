@@ -681,6 +681,9 @@ def _run_name(path: Path) -> str:
               help="what to check: kernels (per layer, exact), kernel_us, span_us")
 @click.option("--rel-tol", default=0.05, show_default=True, type=FiniteFloatRange(0),
               help="a time regresses only past this relative rise of its median")
+@click.option("--abs-tol", default=1.0, show_default=True, type=FiniteFloatRange(0),
+              help="... and past this rise in µs (figures near 0: a kernel under a µs, a "
+              "trace in whole µs)")
 @click.option("--alpha", default=0.01, show_default=True,
               type=FiniteFloatRange(0, 1, min_open=True, max_open=True),
               help="... and when the Mann-Whitney U test's p-value is below this")
@@ -699,17 +702,19 @@ def _run_name(path: Path) -> str:
               "differently (--steps, --layers, --phase, --rules): a nightly job against the "
               "wrong baseline")
 @_fail_cleanly
-def gate_cmd(baseline: Path, run: Path, metrics: str, rel_tol: float, alpha: float, fmt: str,
-             show_all: bool, path_name: str | None, layers: str, step_regex: str | None,
-             phase: str, rules: Path | None, update: bool, strict: bool) -> None:
+def gate_cmd(baseline: Path, run: Path, metrics: str, rel_tol: float, abs_tol: float,
+             alpha: float, fmt: str, show_all: bool, path_name: str | None, layers: str,
+             step_regex: str | None, phase: str, rules: Path | None, update: bool,
+             strict: bool) -> None:
     """Check a run against a stored baseline: exit 1 on a regression (for nightly CI).
 
     BASELINE and RUN: a `kimi-perf trace` run directory or its breakdown.json, a breakdown
     JSON, or a trace. More kernels per layer fail; a slower median fails when it is more than
-    --rel-tol slower and a Mann-Whitney U test over the per-layer samples says it is not noise.
+    --rel-tol and --abs-tol slower and a Mann-Whitney U test over the steps says it is not
+    noise.
     """
     try:
-        tolerances = gate_mod.Tolerances(rel_tol, alpha, metrics=metrics)
+        tolerances = gate_mod.Tolerances(rel_tol, alpha, metrics=metrics, abs_tol_us=abs_tol)
     except ValueError as exc:
         raise TraceError(None, f"--{exc}") from None
     if update and path_name is not None:

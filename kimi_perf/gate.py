@@ -1,14 +1,17 @@
 """Regression gate: a run against a stored baseline, per decode path and layer type.
 
 Kernels per layer are deterministic: a layer type's median or largest count growing fails
-the gate (``kernels`` checks both: one layer with one more kernel is caught). Times are not: a
-time regresses when its median rises by more than ``rel_tol`` *and* a one-sided Mann-Whitney U
-test over the per-layer samples (every layer of the type in every profiled step; every step
-for ``step``, whose kernels also count those outside every layer) gives p < ``alpha``; a rise
-that noise explains passes. The samples of one layer
-across steps are not independent, so the p-value is optimistic: the threshold must be
-crossed too. Where the samples are too few for the test to reach ``alpha`` at all (fewer than
-``min_samples`` a side, or 1 / C(n+m, n) >= alpha), the threshold decides alone. A layer type
+the gate (``kernels`` checks both: one layer with one more kernel is caught; the largest of
+windows of unequal step counts is ``changed``, as work every few steps may fall in one window
+alone). Times are not: a time regresses when its median (of every layer of the type in every
+profiled step) rises by more than ``rel_tol`` and ``abs_tol_us`` *and* a one-sided
+Mann-Whitney U test gives p < ``alpha``; a rise that noise explains passes. The test's
+samples are steps: of a layer type, each step's mean layer (the layers of one step share
+its clocks and host, so they are not independent samples: pooled, noise common to a step
+would pass for a regression); of ``step``, every step, whose kernels also count those
+outside every layer. With too few steps for the test to reach ``alpha`` it takes the layers
+themselves, whose p-value is then optimistic; with too few of those too (fewer than
+``min_samples`` a side, or 1 / C(n+m, n) >= alpha), the thresholds decide alone. A layer type
 or path the baseline has and the run lacks fails too (the analysis lost it); one the run adds
 is reported. Layers a step (in all, and of each type) must match: a layer lost or added is
 other work, whose figures would pass for a change of speed; a count that differs fails, but
@@ -80,14 +83,18 @@ TRACE = "trace"  # the one path of a breakdown that is not a kimi-perf trace run
 
 @dataclass(frozen=True)
 class Tolerances:
-    """When a time regresses: its median rises by more than ``rel_tol`` and the Mann-Whitney
-    U test gives p < ``alpha`` (with ``min_samples`` a side; see the module doc). ``metrics``:
+    """When a time regresses: its median rises by more than ``rel_tol`` and ``abs_tol_us``
+    and the Mann-Whitney U test gives p < ``alpha`` (with ``min_samples`` a side; see the
+    module doc). ``metrics``:
     which of ``METRICS`` to check (a tuple, or a comma-separated string)."""
 
     rel_tol: float = 0.05
     alpha: float = 0.01
     min_samples: int = 5
     metrics: tuple[str, ...] = METRICS
+    # a rise of a time by this much or less passes whatever its ratio (a figure near 0: a
+    # kernel under a µs, a trace in whole µs)
+    abs_tol_us: float = 1.0
 
     def __post_init__(self) -> None:
         metrics = self.metrics
@@ -100,6 +107,8 @@ class Tolerances:
                              + (", ".join(unknown) + ")" if unknown else "an empty list)"))
         if not (math.isfinite(self.rel_tol) and self.rel_tol >= 0):
             raise ValueError(f"rel_tol: a finite number ≥ 0 (not {self.rel_tol})")
+        if not (math.isfinite(self.abs_tol_us) and self.abs_tol_us >= 0):
+            raise ValueError(f"abs_tol_us: a finite number ≥ 0 (not {self.abs_tol_us})")
         if not 0 < self.alpha < 1:   # (0 or 1: a test that always, or never, passes)
             raise ValueError(f"alpha: a probability in (0, 1) (not {self.alpha})")
 
@@ -119,6 +128,7 @@ class Check:
                               # captured differently, broken down differently (strict)
     detail: str | None = None  # the kernels behind a regression or improvement
     run_layer_type: str | None = None  # the run's name of the type, where it differs
+    tested_over: str | None = None   # the test's samples: "steps", or "layers" (too few steps)
 
     @property
     def fails(self) -> bool:
@@ -220,6 +230,10 @@ def gate_files(baseline: str | Path, run: str | Path, tolerances: Tolerances = T
         if not has_work(runs):   # (a run that lost every layer would fail as "missing")
             raise TraceError(file, f"holds no steps and no layers: {what} (a capture "
                                    "without GPU work?)")
+        if empty := [p for p, b in runs.items() if not (b.steps or b.layers)]:
+            # (its capture failed, not its layers: as for a side with nothing at all)
+            raise TraceError(file, f"its path {empty[0]} holds no steps and no layers: "
+                                   f"{what} there (a capture without GPU work?)")
     for file, runs, other in ((baseline, base, current), (run, current, base)):
         if set(other) == {TRACE} and len(runs) > 1:
             raise TraceError(file, f"holds the paths {', '.join(runs)}: choose the one the "
@@ -918,9 +932,11 @@ def gate(baseline: dict[str, Breakdown], current: dict[str, Breakdown],
                     continue  # neither side found steps
                 if metric == "kernels":
                     found += [_kernels(path, label, "kernels", base_s, cur_s, np.median),
-                              _kernels(path, label, "kernels_max", base_s, cur_s, np.max)]
+                              _largest(path, label, base, cur, base_s, cur_s)]
                 else:
-                    check = _time(path, label, metric, base_s, cur_s, tolerances)
+                    check = _time(path, label, metric, base_s, cur_s, tolerances,
+                                  _per_step(base, base_type, metric),
+                                  _per_step(cur, cur_type, metric))
                     if unlike_times and check.status in ("regression", "improvement",
                                                          "noise"):
                         check.status = "changed"
@@ -1336,6 +1352,35 @@ def _change(b: float, c: float) -> float | None:
     return c / b - 1 if b else (0.0 if c == b else None)
 
 
+def _largest(path: str, layer_type: str, base: Breakdown | None, cur: Breakdown | None,
+             base_s: np.ndarray | None, cur_s: np.ndarray | None) -> Check:
+    """``kernels_max``: the largest count. Of windows of unequal step counts a larger one
+    says nothing of the work (what runs every few steps, a cache flush, may fall in the
+    longer window alone): ``changed``, not a regression; the medians still compare."""
+    check = _kernels(path, layer_type, "kernels_max", base_s, cur_s, np.max)
+    windows = [len(b.steps) for b in (base, cur) if b is not None]
+    if check.status == "regression" and len(windows) == 2 and windows[0] != windows[1]:
+        check.status = "changed"
+        check.detail = (f"the largest of {windows[0]} steps in the baseline, of {windows[1]} in "
+                        "the run: work every few steps may fall in one window alone")
+    return check
+
+
+def _per_step(b: Breakdown | None, layer_type: str | None, metric: str) -> np.ndarray | None:
+    """A layer type's figure, one sample a step: the mean of its layers in each step (and
+    device); None for ``step`` (its samples are steps already) or where layers do not say
+    their step."""
+    if b is None or layer_type in (None, STEP) or not _says_where(b):
+        return None
+    values = layer_column(b.layers, metric, layer_type).astype(np.float64)
+    if not values.size:
+        return None
+    where = np.stack([layer_column(b.layers, key, layer_type) for key in ("step", "device")])
+    _, step = np.unique(where, axis=1, return_inverse=True)
+    step = step.ravel()
+    return np.bincount(step, weights=values) / np.bincount(step)
+
+
 def _kernels(path: str, layer_type: str, metric: str, base: np.ndarray | None,
              cur: np.ndarray | None, stat) -> Check:
     if (lacking := _lacking(path, layer_type, metric, base, cur, stat)) is not None:
@@ -1345,24 +1390,37 @@ def _kernels(path: str, layer_type: str, metric: str, base: np.ndarray | None,
     return Check(path, layer_type, metric, b, c, _change(b, c), None, status)
 
 
+def _testable(base: np.ndarray | None, cur: np.ndarray | None, tol: Tolerances) -> bool:
+    """Whether the exact test can reach ``alpha``: its smallest p (all of one side above
+    all of the other) is 1 / C(n+m, n)."""
+    return (base is not None and cur is not None and min(base.size, cur.size) >= tol.min_samples
+            and 1 / math.comb(base.size + cur.size, base.size) < tol.alpha)
+
+
 def _time(path: str, layer_type: str, metric: str, base: np.ndarray | None,
-          cur: np.ndarray | None, tol: Tolerances) -> Check:
+          cur: np.ndarray | None, tol: Tolerances, base_steps: np.ndarray | None = None,
+          cur_steps: np.ndarray | None = None) -> Check:
+    """``base``/``cur``: the samples whose medians are compared (a type's layers, or the
+    steps); ``base_steps``/``cur_steps``: a type's mean layer per step, what the test takes
+    where there are steps enough."""
     if (lacking := _lacking(path, layer_type, metric, base, cur)) is not None:
         return lacking
     b, c = float(np.median(base)), float(np.median(cur))
     change = _change(b, c)
-    if change is not None and abs(change) <= tol.rel_tol:
+    if abs(c - b) <= max(tol.rel_tol * b, tol.abs_tol_us):
         return Check(path, layer_type, metric, b, c, change, None, "ok")
     worse = c > b
-    p_value = None
-    # the smallest p the exact test can give: all of one side above all of the other
-    if (min(base.size, cur.size) >= tol.min_samples
-            and 1 / math.comb(base.size + cur.size, base.size) < tol.alpha):
+    p_value = over = None
+    samples = ((base_steps, cur_steps, "steps") if _testable(base_steps, cur_steps, tol)
+               else (base, cur, "steps" if layer_type == STEP else "layers"))
+    if _testable(samples[0], samples[1], tol):
         from scipy.stats import mannwhitneyu
 
-        p_value = float(mannwhitneyu(cur, base, alternative="greater" if worse else "less")
-                        .pvalue)
+        test_base, test_cur, over = samples
+        p_value = float(mannwhitneyu(test_cur, test_base,
+                                     alternative="greater" if worse else "less").pvalue)
         if p_value >= tol.alpha:
-            return Check(path, layer_type, metric, b, c, change, p_value, "noise")
+            return Check(path, layer_type, metric, b, c, change, p_value, "noise",
+                         tested_over=over)
     return Check(path, layer_type, metric, b, c, change, p_value,
-                 "regression" if worse else "improvement")
+                 "regression" if worse else "improvement", tested_over=over)

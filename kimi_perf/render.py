@@ -475,7 +475,8 @@ def gate_table(result: GateResult, show_all: bool = False) -> Table:
     tol = result.tolerances
     times = [m for m in tol.metrics if m != "kernels"]
     table = _table("Regression gate: medians, baseline vs run" + (
-                   f" (time: > {tol.rel_tol:.0%} and Mann-Whitney p < {tol.alpha:g})"
+                   f" (time: > {tol.rel_tol:.0%} and {tol.abs_tol_us:g} µs, and Mann-Whitney "
+                   f"p < {tol.alpha:g})"
                    if times else " (launches only)"),
                    ["path", "layer", "metric", "baseline", "run", "change", "p", "status",
                     "behind it"],
@@ -491,7 +492,9 @@ def gate_table(result: GateResult, show_all: bool = False) -> Table:
         layer = c.layer_type + (f" (run: {c.run_layer_type})" if c.run_layer_type else "")
         table.add_row(c.path, layer, result.metric_name(c), _value(c.baseline),
                       _value(c.current),
-                      _change(c.change), fmt(c.p_value, ".2g"),
+                      _change(c.change), fmt(c.p_value, ".2g")
+                      # (too few steps: the layers tested, an optimistic p)
+                      + (" (layers)" if c.tested_over == "layers" else ""),
                       Text(c.status, style=style), c.detail or "")
     return table
 

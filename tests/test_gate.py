@@ -574,6 +574,15 @@ def test_a_baseline_with_nothing_to_check_is_refused(tmp_path):
     replaced = CliRunner().invoke(main, ["gate", str(stored), str(BASELINE), "--update"])
     assert replaced.exit_code == 0 and "replaced" in replaced.output
     assert CliRunner().invoke(main, ["gate", str(stored), str(BASELINE)]).exit_code == 0
+    # one path of a run that recorded nothing: its capture failed, not its layers
+    doc = json.loads(BASELINE.read_text())
+    doc["paths"]["specialized"].update(steps=[], layers=[], layer_types=[])
+    one_empty = tmp_path / "one-empty.json"
+    one_empty.write_text(json.dumps(doc))
+    result = CliRunner().invoke(main, ["gate", str(BASELINE), str(one_empty)])
+    assert result.exit_code == 2 and result.output == (
+        f"kimi-perf: error: {one_empty}: its path specialized holds no steps and no layers: "
+        "nothing to check against the baseline there (a capture without GPU work?)\n")
 
 
 def test_steps_of_another_phase_are_a_difference_of_the_runs():
@@ -694,6 +703,80 @@ def test_too_few_samples_for_alpha_fall_back_to_the_threshold():
     check = next(c for c in gate(base, slower, Tolerances(alpha=0.001)).checks
                  if c.metric == "kernel_us" and c.layer_type == "kda")
     assert check.status == "regression" and check.p_value is None
+
+
+def _stepped(us_per_step: np.ndarray, layers_a_step: int, kernels: int = 9) -> dict:
+    """One kda layer type: ``layers_a_step`` layers in each of ``len(us_per_step)`` steps,
+    each layer's kernel µs its step's figure times a per-layer jitter of 1%."""
+    rng = np.random.default_rng(len(us_per_step) * 7 + layers_a_step)
+    layers = [{"type": "kda", "step": i, "device": 0, "index": j, "kernels": kernels,
+               "kernel_us": float(v * rng.normal(1.0, 0.01)), "span_us": float(v)}
+              for i, v in enumerate(us_per_step) for j in range(layers_a_step)]
+    steps = [{"index": i, "device": 0, "layers": layers_a_step, "kernels": kernels
+              * layers_a_step, "kernel_us": float(v) * layers_a_step,
+              "span_us": float(v) * layers_a_step} for i, v in enumerate(us_per_step)]
+    return {"specialized": Breakdown(source={}, steps=steps, layers=layers,
+                                     layer_types=[{"type": "kda"}])}
+
+
+def test_the_test_takes_steps_not_the_layers_they_share():
+    """The layers of one step share its clocks and host: noise common to a step moves them
+    all. 10 steps of 12 layers a side, steps spread over ±9%, the run's 6% slower: pooled,
+    120 layers a side read it as far beyond chance; over the steps it is noise. A rise of
+    20% in every step is a regression, tested over the steps."""
+    from scipy.stats import mannwhitneyu
+
+    per_step = 60.0 * np.array([0.92, 0.95, 0.97, 0.99, 1.0, 1.01, 1.03, 1.05, 1.07, 1.10])
+    base = _stepped(per_step, 12)
+    for factor, status in ((1.06, "noise"), (1.2, "regression")):
+        run = _stepped(per_step[::-1] * factor, 12)
+        check = next(c for c in gate(base, run).checks
+                     if c.layer_type == "kda" and c.metric == "kernel_us")
+        assert (check.status, check.tested_over) == (status, "steps"), factor
+        assert check.change > 0.05
+    pooled = [np.array([r["kernel_us"] for r in b["specialized"].layers])
+              for b in (base, _stepped(per_step[::-1] * 1.06, 12))]
+    assert mannwhitneyu(pooled[1], pooled[0], alternative="greater").pvalue < 1e-6
+    # where steps are too few for the test, the layers are tested (optimistic, said so)
+    few = gate(_stepped(per_step[:3], 12), _stepped(per_step[:3] * 1.2, 12))
+    check = next(c for c in few.checks if c.layer_type == "kda" and c.metric == "kernel_us")
+    assert (check.status, check.tested_over) == ("regression", "layers")
+
+
+def test_a_rise_of_a_microsecond_or_less_is_no_regression():
+    """Figures near 0 (a kernel under a µs, a trace in whole µs): 0.4 -> 1.2 µs is +200% but
+    under the 1 µs absolute tolerance; --abs-tol 0 gates the ratio alone."""
+    steps = np.full(10, 0.4)
+    base, run = _stepped(steps, 4), _stepped(steps * 3, 4)
+    check = next(c for c in gate(base, run).checks
+                 if c.layer_type == "kda" and c.metric == "span_us")
+    assert check.status == "ok" and check.change == pytest.approx(2.0)
+    strict = gate(base, run, Tolerances(abs_tol_us=0.0))
+    assert statuses(strict)[("kda", "span_us")] == "regression"
+    with pytest.raises(ValueError, match="abs_tol_us"):
+        Tolerances(abs_tol_us=-1.0)
+    out = CliRunner().invoke(main, ["gate", str(BASELINE), str(BASELINE), "--abs-tol", "nan"])
+    assert out.exit_code == 2 and "'nan' is not a finite number" in out.output
+
+
+def test_the_largest_count_of_windows_of_unequal_steps_is_no_regression():
+    """Work every 8th step (a copy in one layer, at step 8 here): a window of 10 steps holds
+    it, one of 5 does not. The largest counts differ for that alone (changed, said why);
+    windows of equal steps still fail on it, and the medians compare as ever."""
+    def periodic(steps: int, extra: bool = True) -> dict:
+        run = _stepped(np.full(steps, 60.0), 4)
+        if extra and steps > 8:
+            run["specialized"].layers[8 * 4]["kernels"] += 1   # step 8's first layer
+        return run
+
+    base, run = periodic(5), periodic(10)
+    checks = {c.metric: c for c in gate(base, run).checks if c.layer_type == "kda"}
+    assert checks["kernels_max"].status == "changed"
+    assert "of 5 steps in the baseline, of 10 in the run" in checks["kernels_max"].detail
+    assert checks["kernels"].status == "ok"
+    assert statuses(gate(periodic(10, extra=False), run))[("kda", "kernels_max")] == \
+        "regression"
+    assert statuses(gate(periodic(9), run))[("kda", "kernels_max")] == "ok"
 
 
 def test_paths_are_matched_by_name_and_steps_only_when_found():
