@@ -58,6 +58,15 @@ def _reader_may_leave():
         _stdout_to_devnull()
 
 
+def _help_of_option(exc: TraceError) -> str:
+    """Where an option's value (``--layers bogus``) or options together are the problem, the
+    command's help, as for click's own usage errors."""
+    ctx = click.get_current_context(silent=True)
+    if exc.path is None and exc.problem.startswith("--") and ctx is not None:
+        return f" (see {ctx.command_path} --help)"
+    return ""
+
+
 def _fail_cleanly(fn):
     """Bad input ends in one line on stderr and exit code 2, never a traceback."""
     @functools.wraps(fn)
@@ -66,7 +75,7 @@ def _fail_cleanly(fn):
             return fn(*args, **kwargs)
         except TraceError as exc:
             _interrupted_first()
-            click.echo(f"kimi-perf: error: {exc}", err=True)
+            click.echo(f"kimi-perf: error: {exc}{_help_of_option(exc)}", err=True)
             sys.exit(2)
         except BrokenPipeError:  # the reader went away (`| head`): nothing left to say
             _stdout_to_devnull()
@@ -499,7 +508,8 @@ EXAMPLE_TRACE = (Path(__file__).parent / "examples"
               show_default=True)
 @_layers_option
 @click.option("--steps", "step_regex", help="regex for step ranges (default: decode_step[i], "
-              "ProfilerStep#N, vLLM's execute_... annotation)")
+              "step[i], vLLM's execute_... annotations, execute_model, a layerwise NVTX root "
+              "module, ProfilerStep#N; the first that finds GPU work)")
 @_phase_option
 @click.option("--rules", type=PATH, help="TOML file of extra kernel-class "
               "rules, tried before the defaults")
@@ -1027,8 +1037,9 @@ def _split_labels(labels: str, of: list[str]) -> list[str]:
     dropped."""
     names = [name.strip() for name in labels.split(",")]
     if len(names) != len(of) or not all(names) or len(set(names)) != len(names):
-        raise TraceError(None, f"--labels takes {len(of)} distinct names (for "
-                               f"{', '.join(of)}): not {labels!r}")
+        wanted = "1 name" if len(of) == 1 else f"{len(of)} distinct names"
+        raise TraceError(None, f"--labels takes {wanted} (for {', '.join(of)}): not "
+                               f"{labels!r}")
     return names
 
 
@@ -1163,7 +1174,7 @@ def validate(preset_name: str, n_layers: int | None, paths: str, steps: int,
         raise TraceError(None, f"--paths names a path twice: {paths!r}")
     unknown = [p for p in chosen if p not in v.PATHS]
     if unknown:
-        raise TraceError(None, f"unknown path(s) {', '.join(unknown)} (available: "
+        raise TraceError(None, f"--paths: unknown path(s) {', '.join(unknown)} (available: "
                                f"{', '.join(v.PATHS)})")
     try:
         config = v.whole_model(preset_name, n_layers)

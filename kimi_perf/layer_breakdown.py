@@ -888,8 +888,9 @@ def step_notes(b: Breakdown) -> list[str]:
             steps = (f"the steps are each device's forward passes, found where every "
                      f"{every.removesuffix('or ')}layer also ran the work between two passes "
                      "(final norm, LM head, embedding)")
-        notes.append("no step range the defaults know (decode_step, ProfilerStep#, vLLM's "
-                     "execute_…) and no graph launches: " + steps + (
+        notes.append("no step range the defaults know (decode_step, step, vLLM's execute_…, "
+                     "a layerwise NVTX root module, ProfilerStep#) and no graph launches: "
+                     + steps + (
                          f"; ranges that repeat: {named}: {first} takes "
                          f"{'the first' if len(repeating) > 1 else 'them'} as the steps "
                          "(--steps is a regex searched anywhere in a name; ^…$ matches the "

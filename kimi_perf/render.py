@@ -502,7 +502,9 @@ def gate_table(result: GateResult, show_all: bool = False) -> Table:
 def gate_headline(result: GateResult) -> str:
     if result.ok:
         return f"gate: pass ({len(result.checks)} checks)"
-    failures = result.failures
+    # how the sides differ first: it explains the rest, and a long list would cut it off
+    failures = sorted(result.failures, key=lambda c: c.status not in (
+        "captured differently", "broken down differently"))
     worst = "; ".join(f"{c.path}: {c.detail}" if c.status in ("fell back", "not finite") else
                       str(c.detail) if c.status in ("captured differently",
                                                     "broken down differently") else

@@ -540,6 +540,10 @@ def test_every_command_s_help_line_is_whole():
     (["ranges"], "Missing argument 'TRACE'"),
     (["breakdown", str(VLLM), "-o", ""], "Invalid value for '-o' / '--output': an empty file"),
     (["breakdown", ""], "Invalid value for '[TRACE]': an empty file name"),
+    # values the command checks itself, and options that do not go together
+    (["breakdown", str(VLLM), "--layers", "bogus"], "--layers must be auto, repeat, nvtx"),
+    (["gate", str(VLLM), str(VLLM), "--metrics", "bogus"], "--metrics: choose from kernels"),
+    (["trace", "--from", str(VLLM), "--batch", "2"], "--batch sets up a capture"),
     (["gate", str(VLLM), ""], "Invalid value for 'RUN': an empty file name"),
     (["report", str(VLLM), ""], "Invalid value for 'INPUTS...': an empty file name"),
     (["trace", "--out", ""], "Invalid value for '--out': an empty file name"),

@@ -1206,6 +1206,14 @@ def test_strict_fails_captures_made_differently(tmp_path):
     assert (failed["status"], failed["detail"]) == ("captured differently", "batch 2 vs 3")
     said = runner.invoke(main, ["gate", str(BASELINE), str(other), "--strict"])
     assert "gate: FAIL, the captures differ: batch 2 vs 3" in " ".join(said.output.split())
+    # with regressions too, how the captures differ leads the list: it explains them
+    for step in doc["paths"]["specialized"]["steps"]:
+        step["kernels"] += 1     # a launch outside every layer
+    other.write_text(json.dumps(doc))
+    said = runner.invoke(main, ["gate", str(BASELINE), str(other), "--strict", "--metrics",
+                                "kernels"])
+    assert said.exit_code == 1 and ("gate: FAIL, 2 regressions, the captures differ: batch 2 "
+                                    "vs 3; specialized step ops") in " ".join(said.output.split())
     assert runner.invoke(main, ["gate", str(BASELINE), str(BASELINE), "--strict"]).exit_code == 0
 
 
