@@ -9,7 +9,10 @@ Mann-Whitney U test gives p < ``alpha``; a rise that noise explains passes. The 
 samples are steps: of a layer type, each step's mean layer (the layers of one step share
 its clocks and host, so they are not independent samples: pooled, noise common to a step
 would pass for a regression); of ``step``, every step, whose kernels also count those
-outside every layer. With too few steps for the test to reach ``alpha`` it takes the layers
+outside every layer. Each kernel class's µs in a type's layers (``class_us``) is checked
+with ``kernel_us``, as it is: a small kernel twice as slow, or one class's rise hidden by
+another's fall, leaves the layer's µs within tolerance. With too few steps for the test to
+reach ``alpha`` it takes the layers
 themselves, whose p-value is then optimistic; with too few of those too (fewer than
 ``min_samples`` a side, or 1 / C(n+m, n) >= alpha), the thresholds decide alone. A layer type
 or path the baseline has and the run lacks fails too (the analysis lost it); one the run adds
@@ -66,7 +69,13 @@ from kimi_perf.comparison import (
 )
 from kimi_perf.decode.fallbacks import fell_back_text, paths_that_fell_back
 from kimi_perf.errors import TraceError
-from kimi_perf.layer_breakdown import Breakdown, layer_column, layer_of_type
+from kimi_perf.layer_breakdown import (
+    Breakdown,
+    class_column,
+    layer_classes,
+    layer_column,
+    layer_of_type,
+)
 from kimi_perf.text import counted
 from kimi_perf.trace import (
     KIMI_PERF_JSON,
@@ -78,6 +87,7 @@ from kimi_perf.trace import (
 
 METRICS = ("kernels", "kernel_us", "span_us")
 STEP = "step"  # the pseudo layer type of whole decode steps
+TIMES = ("kernel_us", "span_us", "class_us")   # the checks of times (class_us: kernel_us's)
 TRACE = "trace"  # the one path of a breakdown that is not a kimi-perf trace run
 
 
@@ -129,6 +139,7 @@ class Check:
     detail: str | None = None  # the kernels behind a regression or improvement
     run_layer_type: str | None = None  # the run's name of the type, where it differs
     tested_over: str | None = None   # the test's samples: "steps", or "layers" (too few steps)
+    kernel_class: str | None = None  # metric class_us: the class whose kernel µs it checks
 
     @property
     def fails(self) -> bool:
@@ -162,7 +173,10 @@ class GateResult:
                 + "".join(f", {n} {status}" for status, n in failing.items()) + ")")
 
     def metric_name(self, check: Check) -> str:
-        """A check's metric as tables say it: a CPU run's kernels are the ops it annotates."""
+        """A check's metric as tables say it: a CPU run's kernels are the ops it annotates;
+        a class's kernel µs names the class (``kernel_us (attention)``)."""
+        if check.kernel_class is not None:
+            return f"kernel_us ({check.kernel_class})"
         return (check.metric.replace("kernels", "ops") if check.path in self.op_paths
                 else check.metric)
 
@@ -934,14 +948,16 @@ def gate(baseline: dict[str, Breakdown], current: dict[str, Breakdown],
                     found += [_kernels(path, label, "kernels", base_s, cur_s, np.median),
                               _largest(path, label, base, cur, base_s, cur_s)]
                 else:
-                    check = _time(path, label, metric, base_s, cur_s, tolerances,
-                                  _per_step(base, base_type, metric),
-                                  _per_step(cur, cur_type, metric))
-                    if unlike_times and check.status in ("regression", "improvement",
-                                                         "noise"):
-                        check.status = "changed"
-                    found.append(check)
+                    found.append(_time(path, label, metric, base_s, cur_s, tolerances,
+                                       _per_step(base, base_type, base_s),
+                                       _per_step(cur, cur_type, cur_s)))
+                    if metric == "kernel_us" and base_type != STEP:
+                        found += _class_times(path, label, base, base_type, cur, cur_type,
+                                              tolerances)
             for check in found:
+                if unlike_times and check.metric in TIMES and check.status in (
+                        "regression", "improvement", "noise"):
+                    check.status = "changed"
                 if check.status in ("regression", "improvement"):
                     check.detail = (windows if base_type == STEP and windows is not None
                                     else _step_behind(check, base, cur, pairs)
@@ -1181,6 +1197,9 @@ def _behind(check: Check, base: Breakdown | None, cur: Breakdown | None,
         # the same layer cut at another kernel: its launches paired from the baseline's first
         kc = aligned_typical({"base": {"kernels": kb},
                               "cur": {"kernels": kc}})[0]["cur"]["kernels"]
+        if check.kernel_class is not None:   # (class_us: that class's launches alone)
+            kb, kc = ([k for k in kernels if k.get("class") == check.kernel_class]
+                      for kernels in (kb, kc))
     if check.metric.startswith("kernels"):
         if kb is not None and kc is not None and (
                 Counter(k["name"] for k in kb) != Counter(k["name"] for k in kc)):
@@ -1211,7 +1230,8 @@ def _behind(check: Check, base: Breakdown | None, cur: Breakdown | None,
     parts = [", ".join(f"{name} {delta:+.1f} µs" + (" (new)" if new else " (gone)" if gone
                                                     else "")
                        for name, (delta, _, new, gone) in zip(names, moved, strict=True))]
-    parts.append(f"typical layer {sum(uc.values()) - sum(ub.values()):+.1f} µs in all")
+    of = f"'s {check.kernel_class}" if check.kernel_class else ""
+    parts.append(f"typical layer{of} {sum(uc.values()) - sum(ub.values()):+.1f} µs in all")
     if check.metric == "span_us":
         # a span is its kernels and the idle time between them: say which moved
         gaps = [layer_column(b.layers, "gap_us", t).astype(np.float64)
@@ -1366,19 +1386,39 @@ def _largest(path: str, layer_type: str, base: Breakdown | None, cur: Breakdown 
     return check
 
 
-def _per_step(b: Breakdown | None, layer_type: str | None, metric: str) -> np.ndarray | None:
-    """A layer type's figure, one sample a step: the mean of its layers in each step (and
-    device); None for ``step`` (its samples are steps already) or where layers do not say
-    their step."""
-    if b is None or layer_type in (None, STEP) or not _says_where(b):
-        return None
-    values = layer_column(b.layers, metric, layer_type).astype(np.float64)
-    if not values.size:
+def _per_step(b: Breakdown | None, layer_type: str | None, values: np.ndarray | None
+              ) -> np.ndarray | None:
+    """A figure of a layer type's layers (``values``, in their order), one sample a step: the
+    mean of its layers in each step (and device); None for ``step`` (its samples are steps
+    already) or where layers do not say their step."""
+    if b is None or values is None or layer_type in (None, STEP) or not _says_where(b):
         return None
     where = np.stack([layer_column(b.layers, key, layer_type) for key in ("step", "device")])
     _, step = np.unique(where, axis=1, return_inverse=True)
     step = step.ravel()
     return np.bincount(step, weights=values) / np.bincount(step)
+
+
+def _class_times(path: str, label: str, base: Breakdown | None, base_type: str | None,
+                 cur: Breakdown | None, cur_type: str | None, tol: Tolerances) -> list[Check]:
+    """``class_us``: the kernel µs of each kernel class either side's layers of the type ran
+    (0 in a layer without it), checked as ``kernel_us`` is: a small kernel twice as slow is
+    a few percent of its layer, and one class's rise can hide behind another's fall."""
+    if None in (base, cur, base_type, cur_type):
+        return []
+    checks = []
+    for kernel_class in dict.fromkeys([*layer_classes(base.layers, base_type),
+                                       *layer_classes(cur.layers, cur_type)]):
+        samples = [class_column(b.layers, kernel_class, t)
+                   for b, t in ((base, base_type), (cur, cur_type))]
+        if not all(v.size for v in samples):
+            continue
+        check = _time(path, label, "class_us", *samples, tol,
+                      _per_step(base, base_type, samples[0]),
+                      _per_step(cur, cur_type, samples[1]))
+        check.kernel_class = kernel_class
+        checks.append(check)
+    return checks
 
 
 def _kernels(path: str, layer_type: str, metric: str, base: np.ndarray | None,

@@ -310,6 +310,30 @@ def layer_column(layers: Sequence[dict[str, Any]], name: str, layer_type: str | 
     return np.array(values, np.int64 if counts and None not in values else np.float64)
 
 
+def class_column(layers: Sequence[dict[str, Any]], kernel_class: str, layer_type: str
+                 ) -> np.ndarray:
+    """The µs of one kernel class in every layer of a type, in order (as ``layer_column``
+    gives a figure), 0.0 where a layer ran none of it."""
+    if isinstance(layers, LayerRows):
+        code = layers.types.index(layer_type) if layer_type in layers.types else -1
+        of_type = layers.type_code == code
+        if kernel_class not in layers.labels:
+            return np.zeros(int(of_type.sum()), np.float64)
+        return layers.class_us[of_type, layers.labels.index(kernel_class)].astype(np.float64)
+    return np.array([float(((r.get("classes") or {}).get(kernel_class) or {}).get("us", 0.0))
+                     for r in layers if r["type"] == layer_type], np.float64)
+
+
+def layer_classes(layers: Sequence[dict[str, Any]], layer_type: str) -> list[str]:
+    """The kernel classes the layers of a type ran, sorted."""
+    if isinstance(layers, LayerRows):
+        code = layers.types.index(layer_type) if layer_type in layers.types else -1
+        ran = layers.class_kernels[layers.type_code == code].any(axis=0)
+        return [label for label, r in zip(layers.labels, ran.tolist(), strict=True) if r]
+    return sorted({c for r in layers if r["type"] == layer_type
+                   for c, v in (r.get("classes") or {}).items() if v.get("kernels")})
+
+
 def layer_of_type(layers: Sequence[dict[str, Any]], layer_type: str, n: int) -> dict[str, Any]:
     """The ``n``-th layer of a type, in order (as ``layer_column`` gives its figures), built as
     one row."""

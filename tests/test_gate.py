@@ -779,6 +779,57 @@ def test_the_largest_count_of_windows_of_unequal_steps_is_no_regression():
     assert statuses(gate(periodic(9), run))[("kda", "kernels_max")] == "ok"
 
 
+def _with_classes(attention_us: float, moe_us: float, steps: int = 10) -> dict:
+    """One kda type of 4 layers a step, 10 steps: an attention and a MoE kernel (1% jitter
+    per step), a norm of 2 µs; each layer's kernel µs is the sum of its classes."""
+    rng = np.random.default_rng(5)   # the same jitter for every figure
+    layers = []
+    for i in range(steps):
+        jitter = rng.normal(1.0, 0.01)
+        for j in range(4):
+            classes = {"attention": {"kernels": 1, "us": attention_us * jitter},
+                       "moe": {"kernels": 1, "us": moe_us * jitter},
+                       "norm": {"kernels": 1, "us": 2.0}}
+            total = sum(c["us"] for c in classes.values())
+            layers.append({"type": "kda", "step": i, "device": 0, "index": j, "kernels": 3,
+                           "kernel_us": total, "span_us": total + 1, "classes": classes})
+    per_step = [sum(r["kernel_us"] for r in layers if r["step"] == i) for i in range(steps)]
+    steps_rows = [{"index": i, "device": 0, "layers": 4, "kernels": 12, "kernel_us": v,
+                   "span_us": v + 4} for i, v in enumerate(per_step)]
+    return {"specialized": Breakdown(source={}, steps=steps_rows, layers=layers,
+                                     layer_types=[{"type": "kda"}])}
+
+
+def test_a_class_that_slowed_fails_though_its_layer_did_not():
+    """Attention twice as slow, hidden by a MoE as much faster: the layer's kernel µs is
+    the same, the class's fails (kernel_us (attention), tested over the steps); the MoE's
+    is an improvement. A class's checks come with kernel_us (not with --metrics kernels),
+    and a class that moved by a µs or less passes."""
+    base, run = _with_classes(20.0, 60.0), _with_classes(40.0, 40.0)
+    result = gate(base, run)
+    by = {(c.metric, c.kernel_class): c for c in result.checks if c.layer_type == "kda"}
+    assert by[("kernel_us", None)].status == "ok"
+    attention = by[("class_us", "attention")]
+    assert (attention.status, attention.tested_over) == ("regression", "steps")
+    assert attention.change == pytest.approx(1.0, abs=0.05)
+    assert by[("class_us", "moe")].status == "improvement"
+    assert by[("class_us", "norm")].status == "ok"
+    assert result.metric_name(attention) == "kernel_us (attention)"
+    assert "specialized kda kernel_us (attention) 19.99 -> 39.97" in gate_headline(result)
+    assert not any(c.metric == "class_us" for c in gate(base, run, Tolerances(
+        metrics="kernels")).checks)
+    assert gate(base, _with_classes(20.9, 60.0)).ok     # +0.9 µs: within --abs-tol
+    # behind it: the class's own launches, and its part of the typical layer
+    for b, (att, moe) in ((base, (20.0, 60.0)), (run, (40.0, 40.0))):
+        b["specialized"].layer_types[0]["typical_layer"] = {"layers": 40, "kernels": [
+            {"name": "kda_decode", "class": "attention", "us": att},
+            {"name": "moe_fc1", "class": "moe", "us": moe},
+            {"name": "rms_norm", "class": "norm", "us": 2.0}]}
+    attention = next(c for c in gate(base, run).checks if c.kernel_class == "attention")
+    assert attention.detail == ("kda_decode +20.0 µs; typical layer's attention +20.0 µs in "
+                                "all")
+
+
 def test_paths_are_matched_by_name_and_steps_only_when_found():
     std = {"standard": _breakdown({"kda": 18}, {"kda": KDA})}
     fast = _run({"kda": 9}, {"kda": KDA})
