@@ -11,7 +11,9 @@ its clocks and host, so they are not independent samples: pooled, noise common t
 would pass for a regression); of ``step``, every step, whose kernels also count those
 outside every layer. Each kernel class's µs in a type's layers (``class_us``) is checked
 with ``kernel_us``, as it is: a small kernel twice as slow, or one class's rise hidden by
-another's fall, leaves the layer's µs within tolerance. With too few steps for the test to
+another's fall, leaves the layer's µs within tolerance; so is the one layer (by its index
+in a step) whose median rose most (``layer_kernel_us``), tested at ``alpha`` over the layers
+compared. With too few steps for the test to
 reach ``alpha`` it takes the layers
 themselves, whose p-value is then optimistic; with too few of those too (fewer than
 ``min_samples`` a side, or 1 / C(n+m, n) >= alpha), the thresholds decide alone. A layer type
@@ -87,7 +89,8 @@ from kimi_perf.trace import (
 
 METRICS = ("kernels", "kernel_us", "span_us")
 STEP = "step"  # the pseudo layer type of whole decode steps
-TIMES = ("kernel_us", "span_us", "class_us")   # the checks of times (class_us: kernel_us's)
+# the checks of times (class_us and layer_kernel_us: kernel_us's, by class and by layer)
+TIMES = ("kernel_us", "span_us", "class_us", "layer_kernel_us")
 TRACE = "trace"  # the one path of a breakdown that is not a kimi-perf trace run
 
 
@@ -140,6 +143,7 @@ class Check:
     run_layer_type: str | None = None  # the run's name of the type, where it differs
     tested_over: str | None = None   # the test's samples: "steps", or "layers" (too few steps)
     kernel_class: str | None = None  # metric class_us: the class whose kernel µs it checks
+    layer_index: int | None = None   # metric layer_kernel_us: the layer (its index in a step)
 
     @property
     def fails(self) -> bool:
@@ -177,6 +181,8 @@ class GateResult:
         a class's kernel µs names the class (``kernel_us (attention)``)."""
         if check.kernel_class is not None:
             return f"kernel_us ({check.kernel_class})"
+        if check.layer_index is not None:
+            return f"kernel_us (layer {check.layer_index})"
         return (check.metric.replace("kernels", "ops") if check.path in self.op_paths
                 else check.metric)
 
@@ -954,6 +960,8 @@ def gate(baseline: dict[str, Breakdown], current: dict[str, Breakdown],
                     if metric == "kernel_us" and base_type != STEP:
                         found += _class_times(path, label, base, base_type, cur, cur_type,
                                               tolerances)
+                        found += _layer_time(path, label, base, base_type, cur, cur_type,
+                                             tolerances)
             for check in found:
                 if unlike_times and check.metric in TIMES and check.status in (
                         "regression", "improvement", "noise"):
@@ -1192,6 +1200,8 @@ def _behind(check: Check, base: Breakdown | None, cur: Breakdown | None,
     has moves by all its µs: new or gone), and how much the typical layer moved in all."""
     from kimi_perf.names import short_names
 
+    if check.layer_index is not None:   # one layer, not the typical one: its classes
+        return _layer_classes_behind(check, base, cur, base_type, cur_type)
     kb, kc = _typical(base, base_type), _typical(cur, cur_type)
     if kb is not None and kc is not None:
         # the same layer cut at another kernel: its launches paired from the baseline's first
@@ -1240,6 +1250,23 @@ def _behind(check: Check, base: Breakdown | None, cur: Breakdown | None,
             parts.append(f"idle between {cur.unit} "
                          f"{np.median(gaps[1]) - np.median(gaps[0]):+.1f} µs (median)")
     return "; ".join(filter(None, parts)) if moved or check.metric == "span_us" else None
+
+
+def _layer_classes_behind(check: Check, base: Breakdown, cur: Breakdown, base_type: str,
+                          cur_type: str) -> str | None:
+    """In which kernel classes one layer (``check.layer_index``) moved: the (at most three)
+    whose median µs over the steps moved most in the change's direction."""
+    medians = []
+    for b, t in ((base, base_type), (cur, cur_type)):
+        mine = layer_column(b.layers, "index", t) == check.layer_index
+        medians.append({c: float(np.median(class_column(b.layers, c, t)[mine]))
+                        for c in layer_classes(b.layers, t)})
+    sign = 1 if check.status == "regression" else -1
+    moves = sorted(((medians[1].get(c, 0.0) - medians[0].get(c, 0.0), c)
+                    for c in dict.fromkeys([*medians[0], *medians[1]])),
+                   key=lambda m: -m[0] * sign)
+    moved = [f"{c} {d:+.1f} µs" for d, c in moves[:3] if d * sign > 0]
+    return f"its classes (medians over the steps): {', '.join(moved)}" if moved else None
 
 
 def _step_behind(check: Check, base: Breakdown, cur: Breakdown,
@@ -1421,6 +1448,42 @@ def _class_times(path: str, label: str, base: Breakdown | None, base_type: str |
     return checks
 
 
+def _layer_time(path: str, label: str, base: Breakdown | None, base_type: str | None,
+                cur: Breakdown | None, cur_type: str | None, tol: Tolerances) -> list[Check]:
+    """``layer_kernel_us``: the layer of the type (by its index in a step, held by both sides)
+    whose median kernel µs over the steps rose most, tested over its steps at ``alpha``
+    divided by the layers compared (the largest of many rises is chosen, not drawn). One
+    layer of many twice as slow moves the type's median not at all. No check where the steps
+    are too few for that test: the largest of many noisy ratios would pass for a regression."""
+    if None in (base, cur, base_type, cur_type) or not all(_says_where(b) for b in (base, cur)):
+        return []
+    groups = []    # per side, each layer index's kernel µs over the steps (sorted: no pass
+    for b, t in ((base, base_type), (cur, cur_type)):    # over the layers per index)
+        index = layer_column(b.layers, "index", t)
+        order = np.argsort(index, kind="stable")
+        keys, starts = np.unique(index[order], return_index=True)
+        us = layer_column(b.layers, "kernel_us", t).astype(np.float64)[order]
+        groups.append(dict(zip(keys.tolist(), np.split(us, starts[1:]), strict=True)))
+    shared = sorted(groups[0].keys() & groups[1].keys())
+    if not shared:
+        return []
+    lowered = Tolerances(tol.rel_tol, tol.alpha / len(shared), tol.min_samples, tol.metrics,
+                         tol.abs_tol_us)
+    by_index = [[g[i] for i in shared] for g in groups]
+    if not all(_testable(b, c, lowered) for b, c in zip(*by_index, strict=True)):
+        return []
+    rises = [float(np.median(c) - np.median(b)) for b, c in zip(*by_index, strict=True)]
+    worst = int(np.argmax(rises))
+    check = _time(path, label, "layer_kernel_us", by_index[0][worst], by_index[1][worst],
+                  lowered)
+    if check.status == "improvement":   # (the layer that rose most fell: none rose)
+        check.status = "ok"
+    check.layer_index = shared[worst]
+    if check.tested_over is not None:
+        check.tested_over = "steps"   # (one layer a step: its samples are steps)
+    return [check]
+
+
 def _kernels(path: str, layer_type: str, metric: str, base: np.ndarray | None,
              cur: np.ndarray | None, stat) -> Check:
     if (lacking := _lacking(path, layer_type, metric, base, cur, stat)) is not None:
@@ -1433,8 +1496,10 @@ def _kernels(path: str, layer_type: str, metric: str, base: np.ndarray | None,
 def _testable(base: np.ndarray | None, cur: np.ndarray | None, tol: Tolerances) -> bool:
     """Whether the exact test can reach ``alpha``: its smallest p (all of one side above
     all of the other) is 1 / C(n+m, n)."""
-    return (base is not None and cur is not None and min(base.size, cur.size) >= tol.min_samples
-            and 1 / math.comb(base.size + cur.size, base.size) < tol.alpha)
+    if base is None or cur is None or min(base.size, cur.size) < tol.min_samples:
+        return False
+    n, m = base.size, cur.size   # (in logs: C(n+m, n) of 10^5 layers a side has 60k digits)
+    return math.lgamma(n + m + 1) - math.lgamma(n + 1) - math.lgamma(m + 1) > -math.log(tol.alpha)
 
 
 def _time(path: str, layer_type: str, metric: str, base: np.ndarray | None,

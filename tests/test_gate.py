@@ -830,6 +830,42 @@ def test_a_class_that_slowed_fails_though_its_layer_did_not():
                                 "all")
 
 
+def _layers_noisy(seed: int, steps: int = 10, slow: dict[int, float] | None = None) -> dict:
+    """12 kda layers a step, each layer's µs 60 with 5% noise of its own; ``slow``: a factor
+    for some layers (by index)."""
+    rng = np.random.default_rng(seed)
+    layers = [{"type": "kda", "step": i, "device": 0, "index": j, "kernels": 3,
+               "kernel_us": (us := 60.0 * rng.normal(1.0, 0.05) * (slow or {}).get(j, 1.0)),
+               "span_us": us + 1,
+               "classes": {"attention": {"kernels": 1, "us": us - 40.0},
+                           "moe": {"kernels": 2, "us": 40.0}}}
+              for i in range(steps) for j in range(12)]
+    rows = [{"index": i, "device": 0, "layers": 12, "kernels": 36,
+             "kernel_us": (v := sum(r["kernel_us"] for r in layers if r["step"] == i)),
+             "span_us": v + 12} for i in range(steps)]
+    return {"specialized": Breakdown(source={}, steps=rows, layers=layers,
+                                     layer_types=[{"type": "kda"}])}
+
+
+def test_one_layer_of_many_twice_as_slow_fails_as_that_layer():
+    """Layer 5 of 12 twice as slow in every step: the type's median does not move, the layer
+    does (kernel_us (layer 5), its classes behind it). Of the same work with noise of its
+    own per layer, the largest of 12 rises is tested at alpha / 12: no false alarm over 30
+    reruns. With 3 steps a side there is no such check (the largest of many noisy ratios)."""
+    base = _layers_noisy(0)
+    result = gate(base, _layers_noisy(1, slow={5: 2.0}))
+    by = {c.metric: c for c in result.checks if c.layer_type == "kda"}
+    assert by["kernel_us"].status == "ok"
+    layer = by["layer_kernel_us"]
+    assert (layer.status, layer.layer_index, layer.tested_over) == ("regression", 5, "steps")
+    assert layer.change == pytest.approx(1.0, abs=0.1) and layer.p_value < 0.01 / 12
+    assert result.metric_name(layer) == "kernel_us (layer 5)"
+    assert layer.detail.startswith("its classes (medians over the steps): attention +")
+    assert not any(gate(base, _layers_noisy(seed)).failures for seed in range(2, 32))
+    few = gate(_layers_noisy(0, steps=3), _layers_noisy(1, steps=3, slow={5: 2.0}))
+    assert not any(c.metric == "layer_kernel_us" for c in few.checks)
+
+
 def test_paths_are_matched_by_name_and_steps_only_when_found():
     std = {"standard": _breakdown({"kda": 18}, {"kda": KDA})}
     fast = _run({"kda": 9}, {"kda": KDA})
