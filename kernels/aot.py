@@ -331,7 +331,7 @@ def builds() -> list[Build]:
                                     {**bf16, "cache_ptr": f"*{cache}", "qhat_ptr": f"*{cache}"},
                                     consts), consts,
                          ints={"M": 1, "H": 12, "T": 1, "stride_q": 12 * 192,
-                               "stride_kv": qkv_a_g, **cache_strides}))
+                               "stride_kv": qkv_a_g, "S": 4096, **cache_strides}))
         consts = {"NOPE": 128, "ROPE": 64, "LORA": 512, "BLOCK_ROPE": 64,
                   "FP8": cache != "bf16", "RNE": False}
         out.append(Build(f"mla_concat_insert {cache} cache",
@@ -343,7 +343,7 @@ def builds() -> list[Build]:
                                      "kv_scale": "fp32", "q_scale": "fp32"}, consts), consts,
                          ints={"H": 12, "T": 1, "stride_ql_h": 512, "stride_ql_m": 512,
                                "stride_q": 12 * 192, "stride_kv": 512, "stride_kpe": qkv_a,
-                               **cache_strides}))
+                               "S": 4096, **cache_strides}))
         # row blocks of 16 (decode) and 32 (a verify step's tokens x heads)
         for splits, rb in itertools.product((1, mla_attention.MAX_SPLITS), (16, 32)):
             consts = {"LORA": 512, "ROPE": 64, "BLOCK_ROPE": 64, "RB": rb, "BLOCK_S": 32,

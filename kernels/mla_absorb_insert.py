@@ -9,7 +9,8 @@ So a head's W_UK is read once per block of 16 tokens, not once per token (at bat
 from L2 rather than 100 MB), and a batch of 1 has 96 absorbing programs at K3 TP8 (12 heads
 × 8 blocks), not 12. Program (i, H · L) normalises its tokens' latent KV (RMSNorm of the kv_lora
 part, the rope part as is), quantises it to fp8 with the per-tensor scale when the cache is
-fp8, and stores it at each token's position. An fp8 cache takes an fp8 q̂ (with its own
+fp8, and stores it at each token's position (one of the cache's S rows: past them, nothing;
+see ``write_cache_row``). An fp8 cache takes an fp8 q̂ (with its own
 scale), as the standard path's ``mla_concat_insert`` writes it: ql rounded to bf16 first, as
 the standard path's bmm leaves it.
 """
@@ -34,7 +35,7 @@ BLOCK_M = 16   # tokens a program takes: the tensor cores' smallest tile
 
 @triton.jit
 def mla_absorb_insert_kernel(q_ptr, wuk_ptr, qhat_ptr, kv_ptr, kv_norm_ptr, cache_ptr, pos_ptr,
-                             M, H, T, stride_q, stride_kv, stride_cache_b, stride_cache_s,
+                             M, H, T, S, stride_q, stride_kv, stride_cache_b, stride_cache_s,
                              kv_scale, q_scale, eps, NOPE: tl.constexpr, ROPE: tl.constexpr,
                              LORA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_L: tl.constexpr,
                              BLOCK_ROPE: tl.constexpr, FP8: tl.constexpr,
@@ -77,8 +78,8 @@ def mla_absorb_insert_kernel(q_ptr, wuk_ptr, qhat_ptr, kv_ptr, kv_norm_ptr, cach
                     kv_norm_ptr + lo)
                 kv = cast(kv, kv_ptr.dtype.element_ty, RNE).to(tl.float32)  # the bf16 latent
                 k_pe = tl.load(kv_row + LORA + r, mask=r_ok, other=0.0).to(tl.float32)
-                write_cache_row(cache_ptr, pos_ptr, m, T, stride_cache_b, stride_cache_s, kv,
-                                k_pe, kv_scale, LORA, BLOCK_ROPE, ROPE, FP8, RNE)
+                write_cache_row(cache_ptr, pos_ptr, m, T, S, stride_cache_b, stride_cache_s,
+                                kv, k_pe, kv_scale, LORA, BLOCK_ROPE, ROPE, FP8, RNE)
 
 
 def mla_absorb_insert(q: torch.Tensor, w_uk: torch.Tensor, kv: torch.Tensor,
@@ -86,11 +87,14 @@ def mla_absorb_insert(q: torch.Tensor, w_uk: torch.Tensor, kv: torch.Tensor,
                       tokens_per_seq: int, kv_scale: float, eps: float,
                       qhat: torch.Tensor | None = None, q_scale: float = 1.0) -> torch.Tensor:
     """q [M, H*(nope+rope)], w_uk [H, nope, kv_lora], kv [M, kv_lora+rope] (un-normed),
-    cache [B, S, kv_lora+rope] (written at ``positions`` [M]) -> q̂ [M, H, kv_lora+rope]
-    (fp8, / ``q_scale``, for an fp8 cache)."""
+    cache [B, S, kv_lora+rope] (written at ``positions`` [M], those below S) -> q̂ [M, H,
+    kv_lora+rope] (fp8, / ``q_scale``, for an fp8 cache)."""
     M = q.shape[0]
     H, nope, lora = w_uk.shape
     rope = cache.shape[-1] - lora
+    if not all(n > 0 and n & (n - 1) == 0 for n in (nope, lora)):
+        raise ValueError(f"mla_absorb_insert: nope {nope} and kv_lora {lora} must be powers "
+                         "of two (whole tiles, unmasked)")
     fp8 = cache.dtype == torch.float8_e4m3fn
     if qhat is None:
         qhat = torch.empty(M, H, lora + rope, dtype=cache.dtype if fp8 else q.dtype,
@@ -99,7 +103,8 @@ def mla_absorb_insert(q: torch.Tensor, w_uk: torch.Tensor, kv: torch.Tensor,
         raise ValueError(f"mla_absorb_insert: q̂ of {qhat.dtype} for a {cache.dtype} cache")
     block_l = lora if interpreter_tiles() else min(64, lora)
     mla_absorb_insert_kernel[(triton.cdiv(M, BLOCK_M), H * (lora // block_l) + 1)](
-        q, w_uk, qhat, kv, kv_norm, cache, positions, M, H, tokens_per_seq, q.stride(0),
+        q, w_uk, qhat, kv, kv_norm, cache, positions, M, H, tokens_per_seq, cache.shape[1],
+        q.stride(0),
         kv.stride(0), cache.stride(0), cache.stride(1), kv_scale, q_scale, eps, NOPE=nope,
         ROPE=rope, LORA=lora, BLOCK_M=BLOCK_M, BLOCK_L=block_l,
         BLOCK_ROPE=triton.next_power_of_2(rope), FP8=fp8, DOT_FP32=INTERPRETED, RNE=INTERPRETED,
@@ -119,7 +124,8 @@ def mla_absorb_insert_reference(q, w_uk, kv, kv_norm, cache, positions, tokens_p
                                cache.dtype if fp8 else q.dtype)
     kv_c = kv[:, :lora].float()
     kv_c = (kv_c * torch.rsqrt(kv_c.pow(2).mean(-1, keepdim=True) + eps) * kv_norm).to(kv.dtype)
+    held = positions < cache.shape[1]
     batch = torch.arange(M, device=q.device) // tokens_per_seq
-    cache[batch, positions] = quantised_reference(torch.cat([kv_c, kv[:, lora:]], dim=-1),
-                                                  kv_scale, cache.dtype)
+    cache[batch[held], positions[held]] = quantised_reference(
+        torch.cat([kv_c, kv[:, lora:]], dim=-1), kv_scale, cache.dtype)[held]
     return qhat

@@ -6,8 +6,10 @@ query"): each quantised with its own per-tensor scale (the cache's ``kv_scale``,
 ``q_scale``; vLLM's are 1 unless a checkpoint gives them).
 
 Grid (tokens, heads + 1): programs h < H copy one head's q̂ row, the last one writes the
-cache row. The specialized path does this inside ``mla_absorb_insert`` with the bmm and the
-kv RMSNorm; here both arrive computed.
+cache row; a position past the cache's S rows is not written (a graph-safe step cannot check
+the lengths on the host, and the row would be the next sequence's, or past the tensor). The
+specialized path does this inside ``mla_absorb_insert`` with the bmm and the kv RMSNorm; here
+both arrive computed.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from kimi_perf_kernels.common import INTERPRETED, after_previous_kernel, cast, l
 
 @triton.jit
 def mla_concat_insert_kernel(ql_ptr, q_ptr, kv_ptr, kpe_ptr, cache_ptr, pos_ptr, qhat_ptr, H,
-                             T, stride_ql_h, stride_ql_m, stride_q, stride_kv, stride_kpe,
+                             T, S, stride_ql_h, stride_ql_m, stride_q, stride_kv, stride_kpe,
                              stride_cache_b, stride_cache_s, kv_scale, q_scale,
                              NOPE: tl.constexpr, ROPE: tl.constexpr, LORA: tl.constexpr,
                              BLOCK_ROPE: tl.constexpr, FP8: tl.constexpr, RNE: tl.constexpr,
@@ -42,7 +44,7 @@ def mla_concat_insert_kernel(ql_ptr, q_ptr, kv_ptr, kpe_ptr, cache_ptr, pos_ptr,
     else:
         kv = tl.load(kv_ptr + m * stride_kv + lo).to(tl.float32)
         k_pe = tl.load(kpe_ptr + m * stride_kpe + r, mask=r_ok, other=0.0).to(tl.float32)
-        write_cache_row(cache_ptr, pos_ptr, m, T, stride_cache_b, stride_cache_s, kv, k_pe,
+        write_cache_row(cache_ptr, pos_ptr, m, T, S, stride_cache_b, stride_cache_s, kv, k_pe,
                         kv_scale, LORA, BLOCK_ROPE, ROPE, FP8, RNE)
 
 
@@ -55,18 +57,21 @@ def quantised(x, scale, dtype: tl.constexpr, FP8: tl.constexpr, RNE: tl.constexp
 
 
 @triton.jit
-def write_cache_row(cache_ptr, pos_ptr, m, T, stride_cache_b, stride_cache_s, kv, k_pe,
+def write_cache_row(cache_ptr, pos_ptr, m, T, S, stride_cache_b, stride_cache_s, kv, k_pe,
                     kv_scale, LORA: tl.constexpr, BLOCK_ROPE: tl.constexpr,
                     ROPE: tl.constexpr, FP8: tl.constexpr, RNE: tl.constexpr):
-    """Token m's latent [kv (LORA) | k_pe (ROPE)], fp32, into its cache row at its position;
-    an fp8 cache stores value / kv_scale, clamped to e4m3's ±448."""
+    """Token m's latent [kv (LORA) | k_pe (ROPE)], fp32, into its cache row at its position,
+    where that is one of the cache's S rows; an fp8 cache stores value / kv_scale, clamped to
+    e4m3's ±448."""
     lo = tl.arange(0, LORA)
     r = tl.arange(0, BLOCK_ROPE)
-    slot = (cache_ptr + (m // T).to(tl.int64) * stride_cache_b
-            + tl.load(pos_ptr + m).to(tl.int64) * stride_cache_s)
+    pos = tl.load(pos_ptr + m).to(tl.int64)
+    held = pos < S
+    slot = cache_ptr + (m // T).to(tl.int64) * stride_cache_b + pos * stride_cache_s
     dtype: tl.constexpr = cache_ptr.dtype.element_ty
-    tl.store(slot + lo, quantised(kv, kv_scale, dtype, FP8, RNE))
-    tl.store(slot + LORA + r, quantised(k_pe, kv_scale, dtype, FP8, RNE), mask=r < ROPE)
+    tl.store(slot + lo, quantised(kv, kv_scale, dtype, FP8, RNE), mask=held)
+    tl.store(slot + LORA + r, quantised(k_pe, kv_scale, dtype, FP8, RNE),
+             mask=held & (r < ROPE))
 
 
 def mla_concat_insert(ql: torch.Tensor, q: torch.Tensor, kv_c: torch.Tensor,
@@ -75,7 +80,8 @@ def mla_concat_insert(ql: torch.Tensor, q: torch.Tensor, kv_c: torch.Tensor,
                       q_scale: float = 1.0) -> torch.Tensor:
     """ql [H, M, kv_lora] (the bmm's head-major output), q [M, H·(nope+rope)] (for q_pe),
     kv_c [M, kv_lora] (normed), k_pe [M, rope]; writes cache [B, S, kv_lora+rope] at
-    ``positions`` [M] -> q̂ [M, H, kv_lora+rope] (fp8, / ``q_scale``, for an fp8 cache)."""
+    ``positions`` [M] (those below S) -> q̂ [M, H, kv_lora+rope] (fp8, / ``q_scale``, for an
+    fp8 cache)."""
     H, M, lora = ql.shape
     rope = k_pe.shape[1]
     if cache.shape[-1] != lora + rope or q.shape != (M, H * (nope + rope)):
@@ -87,7 +93,8 @@ def mla_concat_insert(ql: torch.Tensor, q: torch.Tensor, kv_c: torch.Tensor,
     qhat = torch.empty(M, H, lora + rope, dtype=cache.dtype if fp8 else q.dtype,
                        device=q.device)
     mla_concat_insert_kernel[(M, H + 1)](
-        ql, q, kv_c, k_pe, cache, positions, qhat, H, tokens_per_seq, ql.stride(0),
+        ql, q, kv_c, k_pe, cache, positions, qhat, H, tokens_per_seq, cache.shape[1],
+        ql.stride(0),
         ql.stride(1), q.stride(0), kv_c.stride(0), k_pe.stride(0), cache.stride(0),
         cache.stride(1), kv_scale, q_scale, NOPE=nope, ROPE=rope, LORA=lora,
         BLOCK_ROPE=triton.next_power_of_2(rope), FP8=fp8, RNE=INTERPRETED, num_warps=4,
@@ -111,5 +118,6 @@ def mla_concat_insert_reference(ql, q, kv_c, k_pe, cache, positions, tokens_per_
     qhat = quantised_reference(torch.cat([ql.transpose(0, 1), q_pe], dim=-1), q_scale,
                                cache.dtype if fp8 else q.dtype)
     entry = quantised_reference(torch.cat([kv_c, k_pe], dim=-1), kv_scale, cache.dtype)
-    cache[torch.arange(M) // tokens_per_seq, positions] = entry
+    held = positions < cache.shape[1]
+    cache[(torch.arange(M) // tokens_per_seq)[held], positions[held]] = entry[held]
     return qhat

@@ -93,6 +93,9 @@ def mla_uv_gate(o_lat: torch.Tensor, w_uv: torch.Tensor, gate: torch.Tensor,
     splits = o_lat.shape[0] if lse is not None else 1
     M, H, lora = o_lat.shape[-3:]
     v = w_uv.shape[-1]
+    if not all(n > 0 and n & (n - 1) == 0 for n in (lora, v)):
+        raise ValueError(f"mla_uv_gate: kv_lora {lora} and v {v} must be powers of two "
+                         "(whole tiles, unmasked)")
     if out is None:
         out = torch.empty(M, H * v, dtype=dtype or o_lat.dtype, device=o_lat.device)
     block_v = v if interpreter_tiles() else min(64, v)

@@ -129,6 +129,25 @@ def test_cuda_graphs_refuse_a_cpu_model(weights):
         run_decode(model, prompt, steps=1, spec_tokens=3, cuda_graphs=True)
 
 
+def test_a_replay_that_would_pass_the_cache_is_refused_on_the_host():
+    """The graph cannot read the lengths: the replayer counts its own replays (a verify
+    step's full width each) from the length at capture, and refuses the one that would write
+    past the cache, before it replays (here without a GPU: the replay itself is not reached)."""
+    from kimi_perf.decode.harness import GraphedDecodeStep
+
+    step = GraphedDecodeStep.__new__(GraphedDecodeStep)   # (its capture needs a GPU)
+    step.capacity, step.furthest, step.tokens_per_step = 12, 4, 4
+    replayed = []
+    step.tokens = torch.zeros(1, 4, dtype=torch.long)
+    step.graph = type("Graph", (), {"replay": lambda self: replayed.append(1)})()
+    step.state, step.verify_tokens, step.logits = type("State", (), {})(), 4, "logits"
+    assert step(torch.ones(1, 4, dtype=torch.long)) == "logits"    # 4 + 4 <= 12
+    assert step(torch.ones(1, 4, dtype=torch.long)) == "logits"    # 8 + 4 <= 12
+    with pytest.raises(ValueError, match="KV cache holds 12 tokens; this replay needs up to 16"):
+        step(torch.ones(1, 4, dtype=torch.long))
+    assert len(replayed) == 2
+
+
 def test_both_expert_matmuls_agree():
     """The grouped GEMM (bf16 on a GPU, any dtype here) and the per-row gather that CUDA
     graphs of other dtypes use on a GPU compute the same products."""

@@ -93,7 +93,10 @@ class GraphedDecodeStep:
     or 1+k for a speculative verify), captured once as a CUDA graph and replayed on every call:
     tokens go into a static input, logits come out of a static output. The model runs
     graph-safe (no host syncs; the decode state updated in place, a verify step's records
-    too); each call tells ``state`` that a verify step awaits ``accept``."""
+    too); each call tells ``state`` that a verify step awaits ``accept``. A replay checks on
+    the host that its tokens fit the KV cache, counting its own replays from the length at
+    capture (a verify step's full width: at most what it keeps), since the graph cannot read
+    the lengths; steps run otherwise on the same state are not counted."""
 
     def __init__(self, model: K3Model, state: DecodeState, batch: int, layer_hook=None,
                  tokens_per_step: int = 1):
@@ -105,6 +108,9 @@ class GraphedDecodeStep:
         verify = tokens_per_step > 1
         # Graph-safe steps do not check the cache capacity: the warm-up runs must fit in it.
         model.positions(state, GRAPH_WARMUP_RUNS * tokens_per_step)
+        self.capacity = min((kv.shape[1] for kv in state.kv.values()), default=None)
+        self.furthest = int(state.lengths.max())   # (a sync, before the capture)
+        self.tokens_per_step = tokens_per_step
         model.graph_safe = True
         try:
             # The warm-up runs advance the state: put it back before the capture.
@@ -127,6 +133,10 @@ class GraphedDecodeStep:
             model.graph_safe = False
 
     def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
+        if self.capacity is not None and self.furthest + self.tokens_per_step > self.capacity:
+            raise ValueError(f"KV cache holds {self.capacity} tokens; this replay needs up to "
+                             f"{self.furthest + self.tokens_per_step}")
+        self.furthest += self.tokens_per_step
         self.tokens.copy_(tokens)
         self.graph.replay()
         self.state.verify_tokens = self.state.pending_tokens = self.verify_tokens

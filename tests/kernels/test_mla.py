@@ -12,6 +12,7 @@ from kimi_perf_kernels.mla_attention import (
     mla_combine,
     mla_splits,
 )
+from kimi_perf_kernels.mla_concat_insert import mla_concat_insert, mla_concat_insert_reference
 from kimi_perf_kernels.mla_uv_gate import mla_uv_gate, mla_uv_gate_reference
 from tests.kernels.util import assert_close_bf16, assert_close_fp8, poison
 from tests.poisoning import UNPOISONED_EMPTY
@@ -103,6 +104,47 @@ def test_fp8_cache_rows_saturate_at_448():
     rows = cache[torch.arange(M), positions].float()
     assert (rows.abs() == 448).sum() >= 10 and rows.abs().max() == 448
     assert_cache_rows_equal(cache, cache_ref, positions, 1)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, FP8])
+def test_positions_past_the_cache_write_nothing_else(cache_dtype, tiles):
+    """A graph-safe step does not check the lengths on the host: a sequence at its cache's
+    last row writes nothing past it, neither the next sequence's first row nor past the
+    tensor, in either path's insert (the specialized ``mla_absorb_insert``, the standard
+    ``mla_concat_insert``); the rows the cache holds are written as the references write
+    them."""
+    gen = torch.Generator().manual_seed(8)
+    heads, nope, rope, lora, S, batch, tokens = 4, 16, 8, 32, 6, 2, 2
+    M = batch * tokens
+    q = torch.randn(M, heads * (nope + rope), generator=gen).bfloat16()
+    w_uk = (torch.randn(heads, nope, lora, generator=gen) / nope**0.5).bfloat16()
+    kv = torch.randn(M, lora + rope, generator=gen).bfloat16()
+    kv_norm = 1 + 0.1 * torch.randn(lora, generator=gen)
+    ql = torch.randn(heads, M, lora, generator=gen).bfloat16()
+    positions = torch.tensor([5, 6, 2, 3])    # sequence 0's second token: row 6 of 6
+    written = torch.zeros(batch, S, dtype=torch.bool)
+    written[[0, 1, 1], [5, 2, 3]] = True       # the rows of the tokens the cache holds
+    scale = 0.5 if cache_dtype == FP8 else 1.0
+    bits = torch.uint8 if cache_dtype == FP8 else torch.int16
+    for insert, reference in (
+            (lambda c: mla_absorb_insert(q, w_uk, kv, kv_norm, c, positions, tokens, scale,
+                                         1e-5),
+             lambda c: mla_absorb_insert_reference(q, w_uk, kv, kv_norm, c, positions, tokens,
+                                                   scale, 1e-5)),
+            (lambda c: mla_concat_insert(ql, q, kv[:, :lora], kv[:, lora:], c, positions,
+                                         tokens, scale, nope),
+             lambda c: mla_concat_insert_reference(ql, q, kv[:, :lora], kv[:, lora:], c,
+                                                   positions, tokens, scale, nope))):
+        # one tensor holding both caches and a row after them: what an overrun would write
+        store = (torch.randn(batch * S + 1, lora + rope, generator=gen) * 0.5).to(cache_dtype)
+        cache = store[: batch * S].view(batch, S, lora + rope)
+        before = store.clone()
+        insert(cache)
+        want = before[: batch * S].view(batch, S, lora + rope).clone()
+        reference(want)
+        assert torch.equal(store[-1].view(bits), before[-1].view(bits))   # past the tensor
+        assert torch.equal(cache.view(bits)[~written], want.view(bits)[~written])
+        assert_close_q(cache[written], want[written])
 
 
 @pytest.mark.parametrize("splits", [2, 5])
