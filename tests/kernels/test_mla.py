@@ -147,6 +147,19 @@ def test_positions_past_the_cache_write_nothing_else(cache_dtype, tiles):
         assert_close_q(cache[written], want[written])
 
 
+def test_tiles_that_cannot_be_whole_are_refused():
+    """mla_absorb_insert's and mla_uv_gate's tiles are unmasked: a nope, kv_lora or v that is
+    no power of two (K3's 128, 512, 128 are) is refused, not read past."""
+    q, kv = torch.zeros(1, 2 * (24 + 8)).bfloat16(), torch.zeros(1, 32 + 8).bfloat16()
+    cache = torch.zeros(1, 4, 32 + 8).bfloat16()
+    with pytest.raises(ValueError, match="nope 24 and kv_lora 32 must be powers of two"):
+        mla_absorb_insert(q, torch.zeros(2, 24, 32).bfloat16(), kv, torch.ones(32), cache,
+                          torch.tensor([0]), 1, 1.0, 1e-5)
+    with pytest.raises(ValueError, match="kv_lora 32 and v 40 must be powers of two"):
+        mla_uv_gate(torch.zeros(1, 2, 32).bfloat16(), torch.zeros(2, 32, 40).bfloat16(),
+                    torch.zeros(1, 80).bfloat16())
+
+
 @pytest.mark.parametrize("splits", [2, 5])
 @pytest.mark.parametrize("lora", [32, 128])
 def test_attention_split_over_positions(splits, lora, tiles):
