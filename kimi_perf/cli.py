@@ -22,7 +22,13 @@ from kimi_perf import gate as gate_mod
 from kimi_perf import render
 from kimi_perf.attribution import range_kernel_summary
 from kimi_perf.classify import load_rules
-from kimi_perf.comparison import compare, comparison_doc, type_pairs
+from kimi_perf.comparison import (
+    compare,
+    comparison_doc,
+    comparison_notes,
+    sides_notes,
+    type_pairs,
+)
 from kimi_perf.decode import floors as floors_mod
 from kimi_perf.decode.fallbacks import fell_back_text, paths_that_fell_back
 from kimi_perf.errors import TraceError
@@ -617,21 +623,25 @@ def compare_cmd(a: Path, b: Path | None, path_name: str | None, fmt: str, layers
             name_a, name_b = shown
     warnings = [fell_back_text(name, reason) for name, reason
                 in zip((name_a, name_b), fell_back, strict=True) if reason is not None]
+    notes = [*render.note_lines({name_a: ba, name_b: bb}),
+             *sides_notes(ba, bb, name_a, name_b),
+             *([gate_mod.captured_differently(name_a, name_b, unlike)] if unlike else [])]
     if fmt == "json":
         doc = comparison_doc(ba, bb, name_a, name_b, kernels)
         if two_captures:
             doc["run_differences"] = unlike
         if warnings:
             doc["fell_back"] = warnings
+        # what the table says under it, as the JSON's reader would need it too
+        doc["notes"] = [*comparison_notes(compare(ba, bb), name_a, name_b, ba.unit, bb.unit),
+                        *notes]
         _emit(json_text(doc), output)
         return
     rows = compare(ba, bb)
     unit, unit_b = ba.unit, bb.unit
     tables = [render.comparison_table(rows, name_a, name_b, unit, unit_b),
               render.comparison_headline(rows, name_a, name_b, unit, unit_b), *files_said,
-              *render.note_lines({name_a: ba, name_b: bb}),
-              *([gate_mod.captured_differently(name_a, name_b, unlike)] if unlike else []),
-              *warnings]
+              *notes, *warnings]
     for pair in type_pairs(ba, bb, rows) if kernels else ():
         tables.append(render.typical_layer_table(pair.label, {name_a: pair.a, name_b: pair.b},
                                                  units_word((unit, unit_b))))

@@ -13,6 +13,7 @@ import numpy as np
 from kimi_perf.layer_breakdown import Breakdown, layer_column
 
 ALL_LAYERS = "all layers (mean)"
+WHOLE_STEP = "whole step (median)"   # every kernel of a step, whatever its layers
 
 # Said under a comparison whose sides are timed apart (``ComparisonRow.timed_alike``).
 UNLIKE_TIMES = ("no µs ratio between a CPU run's ops and a GPU trace's kernels: host time "
@@ -39,6 +40,9 @@ class ComparisonRow:
     # False for a CPU run's ops against a GPU trace's kernels: host time against GPU time
     # has no ratio worth printing (their counts still compare: one op per kernel).
     timed_alike: bool = True
+    # False for the mean layer of steps cut into other numbers of layers (an eager trace's
+    # ranges against a graph's kernel pattern): not the same unit, no ratio
+    same_layers: bool = True
 
     @property
     def label(self) -> str:
@@ -48,29 +52,44 @@ class ComparisonRow:
     @property
     def span_ratio(self) -> float | None:
         """A's layer time over B's: above 1 means B is faster."""
-        if self.span_us_a is None or not self.span_us_b or not self.timed_alike:
+        if (self.span_us_a is None or not self.span_us_b or not self.timed_alike
+                or not self.same_layers):
             return None
-        return round(self.span_us_a / self.span_us_b, 3)
+        return _significant(self.span_us_a / self.span_us_b)
 
     @property
     def kernel_ratio(self) -> float | None:
-        if self.kernels_a is None or not self.kernels_b:
+        if self.kernels_a is None or not self.kernels_b or not self.same_layers:
             return None
-        return round(self.kernels_a / self.kernels_b, 3)
+        return _significant(self.kernels_a / self.kernels_b)
 
     def to_json(self) -> dict:
+        counted = "steps" if self.type == WHOLE_STEP else "layers"
         return {"type": self.type, "type_b": self.type_b,
-                "a": {"layers": self.layers_a, "kernels": self.kernels_a,
+                "a": {counted: self.layers_a, "kernels": self.kernels_a,
                       "kernel_us": self.kernel_us_a, "span_us": self.span_us_a},
-                "b": {"layers": self.layers_b, "kernels": self.kernels_b,
+                "b": {counted: self.layers_b, "kernels": self.kernels_b,
                       "kernel_us": self.kernel_us_b, "span_us": self.span_us_b},
                 "span_ratio": self.span_ratio, "kernel_ratio": self.kernel_ratio,
                 "pattern_differs": self.pattern_differs}
 
 
+def _significant(v: float) -> float:
+    """A ratio to 4 significant digits (0.002674, not 0.003: a CPU run's interpreted path
+    is hundreds of times slower)."""
+    return float(f"{v:.4g}")
+
+
+def layers_per_step(b: Breakdown) -> float | None:
+    """The median step's layers (None: no steps, or steps that do not count them)."""
+    counts = [s["layers"] for s in b.steps if isinstance(s.get("layers"), int)]
+    return float(statistics.median(counts)) if counts else None
+
+
 def compare(a: Breakdown, b: Breakdown) -> list[ComparisonRow]:
     """Rows for each pair of layer types (``pair_layer_types``; A's order first), then all
-    layers' mean."""
+    layers' mean (no ratios where the steps hold other numbers of layers: other cuts) and the
+    whole step's medians (every kernel of a step, however its layers were found)."""
     types_a = {t["type"]: t for t in a.layer_types}
     types_b = {t["type"]: t for t in b.layer_types}
     rows = []
@@ -82,7 +101,11 @@ def compare(a: Breakdown, b: Breakdown) -> list[ComparisonRow]:
             row.type_b = name_b
         rows.append(row)
     if a.layers or b.layers:
-        rows.append(_row(ALL_LAYERS, _mean(a), _mean(b)))
+        mean = _row(ALL_LAYERS, _mean(a), _mean(b))
+        mean.same_layers = layers_per_step(a) == layers_per_step(b)
+        rows.append(mean)
+    if a.steps or b.steps:
+        rows.append(_row(WHOLE_STEP, _whole_step(a), _whole_step(b)))
     for row in rows:
         row.timed_alike = a.unit == b.unit
     return rows
@@ -220,9 +243,14 @@ PAIRING = ("types found by the repeating kernel pattern pair by their kernel seq
 
 def ratio_note(rows: list[ComparisonRow], label_a: str, label_b: str) -> str:
     """What a comparison's ratios and its last row are, said where they are read."""
+    mean = next((r for r in rows if r.label == ALL_LAYERS), None)
     return (f"ratios: {label_a} over {label_b}, above 1 where {label_b} takes less"
-            + ("; all layers: the mean over every layer, a slow outlier included"
-               if any(r.label == ALL_LAYERS for r in rows) else ""))
+            + ("" if mean is None else "; all layers: the mean over every layer, a slow "
+               "outlier included" if mean.same_layers else "; all layers: no ratio, as the "
+               "steps hold other numbers of layers (cut otherwise: a mean layer is another "
+               "unit on each side)")
+            + ("; whole step: the median step, every kernel of it, its count of steps under "
+               "layers" if any(r.label == WHOLE_STEP for r in rows) else ""))
 
 
 def pairing_note(rows: list[ComparisonRow], label_a: str, label_b: str) -> str | None:
@@ -239,6 +267,20 @@ def pairing_note(rows: list[ComparisonRow], label_a: str, label_b: str) -> str |
         said.append(f"- = {alone.type_b}: a type only {label_b} has, which it calls "
                     f"{alone.type_b} ({label_a}'s {alone.type_b} is another)")
     return "; ".join(said) or None
+
+
+def comparison_notes(rows: list[ComparisonRow], label_a: str, label_b: str,
+                     unit: str = "kernels", unit_b: str | None = None) -> list[str]:
+    """What a comparison's table says under it: its ratios, its pairings, its marks."""
+    notes = [ratio_note(rows, label_a, label_b)]
+    if paired := pairing_note(rows, label_a, label_b):
+        notes.append(paired)
+    if any(r.pattern_differs for r in rows):
+        notes.append(f"* found by the repeating kernel pattern, with another kernel sequence in "
+                     f"{label_b}: it may be another layer there")
+    if unit != (unit_b or unit):
+        notes.append(UNLIKE_TIMES)
+    return notes
 
 
 def rotation(a: list[str], b: list[str]) -> int | None:
@@ -288,6 +330,40 @@ def patterns_differ(patterns) -> bool:
     sequence per trace; None where ranges named it) ran other sequences in some traces: its
     letter (in order of first appearance) may name different layers there."""
     return len(set(patterns) - {None}) > 1
+
+
+def gpus_text(gpus: list[dict]) -> str:
+    """The GPUs that ran a trace's kernels in a few words: "8 × NVIDIA A100 (108 SMs)"."""
+    kinds = Counter((g.get("name") or ("unnamed GPU" if g.get("sm_count") else
+                                       "GPU not described in the trace"), g.get("sm_count"))
+                    for g in gpus)
+    return ", ".join(f"{n} × {name}" + (f" ({sms} SMs)" if sms else "")
+                     for (name, sms), n in kinds.items()) or "no GPU"
+
+
+def sides_notes(a: Breakdown, b: Breakdown, label_a: str, label_b: str) -> list[str]:
+    """What a comparison's two sides are, where it changes how to read its µs: GPUs of
+    another kind (from the kernels each trace ran), or a CPU run's ops."""
+    notes = []
+    ran = [(x.source or {}).get("gpus_ran") or [] for x in (a, b)]
+    if all(ran) and gpus_text(ran[0]) != gpus_text(ran[1]):
+        notes.append(f"{label_a} ran on {gpus_text(ran[0])}, {label_b} on {gpus_text(ran[1])}: "
+                     "their µs differ for that alone")
+    on_cpu = [label for label, x in ((label_a, a), (label_b, b)) if x.unit == "ops"]
+    if on_cpu:
+        notes.append(f"{' and '.join(on_cpu)}: a CPU run's µs are CPU time, noisy and no speed "
+                     "figure (a specialized path's kernels ran in Triton's interpreter); its "
+                     "ops are the launches each path annotates, one per kernel a GPU runs")
+    return notes
+
+
+def _whole_step(b: Breakdown) -> dict | None:
+    """The medians over the steps, its "layers" the steps counted."""
+    if not b.steps:
+        return None
+    return {"layers": len(b.steps),
+            **{k: float(np.median([s[k] for s in b.steps]))
+               for k in ("kernels", "kernel_us", "span_us")}}
 
 
 def _mean(b: Breakdown) -> dict | None:

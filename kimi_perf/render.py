@@ -17,15 +17,13 @@ from rich.text import Text
 
 from kimi_perf.attribution import RangeKernelRow
 from kimi_perf.comparison import (
-    UNLIKE_TIMES,
     ComparisonRow,
     OverviewRow,
     aligned_typical,
+    comparison_notes,
     count_text,
     differing_patterns,
-    pairing_note,
     patterns_differ,
-    ratio_note,
     ratio_text,
     renamed_columns,
     rotation_notes,
@@ -340,15 +338,7 @@ def comparison_table(rows: list[ComparisonRow], label_a: str, label_b: str,
                       count_text(r.kernels_a), fmt(r.span_us_a),
                       str(r.layers_b), count_text(r.kernels_b), fmt(r.span_us_b),
                       ratio_text(r.span_ratio), ratio_text(r.kernel_ratio))
-    notes = [ratio_note(rows, label_a, label_b)]
-    if paired := pairing_note(rows, label_a, label_b):
-        notes.append(paired)
-    if any(r.pattern_differs for r in rows):
-        notes.append(f"* found by the repeating kernel pattern, with another kernel sequence in "
-                     f"{label_b}: it may be another layer there")
-    if unit != unit_b:
-        notes.append(UNLIKE_TIMES)
-    table.caption = "\n".join(notes)
+    table.caption = "\n".join(comparison_notes(rows, label_a, label_b, unit, unit_b))
     return table
 
 
@@ -365,7 +355,7 @@ def comparison_headline(rows: list[ComparisonRow], label_a: str, label_b: str,
     other = "" if unit_b in (None, unit) else f" {unit_b}"
     parts = []
     for r in rows:
-        if r.kernels_a is None or r.kernels_b is None:
+        if r.kernels_a is None or r.kernels_b is None or not r.same_layers:
             continue
         parts.append(f"{r.label}: {count_text(r.kernels_a)} {unit} / {r.span_us_a:.1f} µs "
                      f"({label_a}) vs {count_text(r.kernels_b)}{other} / {r.span_us_b:.1f} µs "

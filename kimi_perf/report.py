@@ -22,19 +22,19 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from kimi_perf.comparison import (
-    UNLIKE_TIMES,
     aligned_types,
     aligned_typical,
     compare,
+    comparison_notes,
     count_text,
     differing_patterns,
+    gpus_text,
     overview,
-    pairing_note,
     patterns_differ,
-    ratio_note,
     ratio_text,
     renamed_columns,
     rotation_notes,
+    sides_notes,
     spreads,
     stragglers,
     type_pairs,
@@ -85,12 +85,17 @@ def _timeline(fig: go.Figure, row: int, timeline: dict | None, label: str, most:
     bars: dict[str, dict[str, list]] = {}
     rows: list[str] = []
     drawn = 0
+    seen: Counter = Counter()
     for segment in timeline["segments"]:
         ops = segment["ops"][:most - drawn]
         if not ops:
             break
         drawn += len(ops)
-        name = _plotly_text(segment["label"])
+        # a row per segment: a label a step holds again (a second forward pass with the same
+        # ranges) gets its ordinal, or plotly would stack both on one row
+        seen[segment["label"]] += 1
+        name = _plotly_text(segment["label"] + (f" #{seen[segment['label']]}"
+                                                if seen[segment["label"]] > 1 else ""))
         rows.append(name)
         for op, cls, start_us, dur_us in ops:
             bar = bars.setdefault(cls, {"y": [], "base": [], "x": [], "text": []})
@@ -184,13 +189,9 @@ def _comparison_html(breakdowns: dict[str, Breakdown]) -> str:
             f"<td>{fmt(r.span_us_b, '.1f')}</td><td>{ratio_text(r.span_ratio)}</td>"
             f"<td>{ratio_text(r.kernel_ratio)}</td></tr>"
             for r in rows)
-        paired = pairing_note(rows, a, b)
-        note = f"<p>{e(ratio_note(rows, a, b))}.</p>"
-        note += f"<p>{e(paired)}.</p>" if paired else ""
-        note += (f"<p>* found by the repeating kernel pattern, with another kernel sequence "
-                 f"in {e(b)}: it may be another layer there.</p>"
-                 if any(r.pattern_differs for r in rows) else "")
-        note += f"<p>{UNLIKE_TIMES}.</p>" if unit[a] != unit[b] else ""
+        note = "".join(f"<p>{e(line)}.</p>" for line in [
+            *comparison_notes(rows, a, b, unit[a], unit[b]),
+            *sides_notes(breakdowns[a], breakdowns[b], a, b)])
         parts.append(f"<h2>Per layer type: {e(a)} vs {e(b)} (medians; µs = layer span)</h2>"
                      f"<table>{head}{body}</table>{note}")
     return "".join(parts)
@@ -441,8 +442,8 @@ def _run_html(run: dict | None, breakdowns: dict[str, Breakdown]) -> str:
     for label, b in breakdowns.items() if "preset" not in run else ():
         src = b.source
         # (a breakdown stored before gpus_ran was recorded: the GPUs its trace described)
-        gpus = (f"ran on {_gpus_text(src['gpus_ran'])}" if "gpus_ran" in src
-                else f"GPUs described: {_gpus_text(src.get('gpus') or [])}")
+        gpus = (f"ran on {gpus_text(src['gpus_ran'])}" if "gpus_ran" in src
+                else f"GPUs described: {gpus_text(src.get('gpus') or [])}")
         items.append((f"trace {label}", f"{src.get('file')} ({src.get('tool')} "
                                         f"{src.get('format')}; {gpus})"
                       + "".join(f", joined by the graph captures of {c}"
@@ -522,15 +523,6 @@ def cold_start_text(run: dict) -> str | None:
                 "is that process's cold start")
     return (f"the first path's time to first token ({next(iter(metrics))}) includes the "
             "process's cold start, so compare it across runs of one path")
-
-
-def _gpus_text(gpus: list[dict]) -> str:
-    """The GPUs that ran a trace's kernels in a few words: "8 × NVIDIA A100 (108 SMs)"."""
-    kinds = Counter((g.get("name") or ("unnamed GPU" if g.get("sm_count") else
-                                       "GPU not described in the trace"), g.get("sm_count"))
-                    for g in gpus)
-    return ", ".join(f"{n} × {name}" + (f" ({sms} SMs)" if sms else "")
-                     for (name, sms), n in kinds.items()) or "no GPU"
 
 
 # Tables wider than the window scroll inside themselves; long names wrap anywhere.

@@ -65,6 +65,43 @@ def test_compare_matches_types_and_computes_ratios():
     assert rows["all layers (mean)"].layers_a == 8
 
 
+def test_compare_adds_whole_steps_and_no_mean_layer_of_other_cuts():
+    """Steps cut into 8 layers on one side and 4 (each two of the other's) on the other: the
+    mean layer is another unit on each side, so its row has no ratios and no headline; the
+    whole step's row compares them as they are. Ratios keep four significant digits (a CPU
+    run's interpreted path: 0.002674, not 0.003)."""
+    from kimi_perf.comparison import ALL_LAYERS, WHOLE_STEP, sides_notes
+    from kimi_perf.render import comparison_headline
+
+    a = breakdown(nvtx_decode_trace("layer[{i}]({kind})", steps=3).build())
+    b = breakdown(nvtx_decode_trace("layer[{i}]({kind})", steps=3).build())
+    for step in b.steps:
+        step["layers"] = 4
+    rows = {r.type: r for r in compare(a, b)}
+    assert rows[ALL_LAYERS].span_ratio is None and rows[ALL_LAYERS].kernel_ratio is None
+    step = rows[WHOLE_STEP]
+    assert (step.layers_a, step.span_ratio, step.kernel_ratio) == (3, 1.0, 1.0)
+    assert step.to_json()["a"]["steps"] == 3
+    assert step.span_us_a == pytest.approx(float(np.median([s["span_us"] for s in a.steps])))
+    headline = comparison_headline(list(rows.values()), "A", "B")
+    assert ALL_LAYERS not in headline and WHOLE_STEP in headline
+    same = {r.type: r for r in compare(a, a)}
+    assert same[ALL_LAYERS].span_ratio == 1.0
+    for layer in b.layers:
+        layer["span_us"] *= 373.94
+    b.layer_types[0]["span_us"] *= 373.94
+    assert {r.type: r for r in compare(a, b)}["kda"].span_ratio == pytest.approx(1 / 373.94,
+                                                                              rel=1e-3)
+    assert len(str({r.type: r for r in compare(a, b)}["kda"].span_ratio)) >= 7   # 0.002674
+    # sides of other GPUs are said; so is a CPU run's
+    a.source["gpus_ran"] = [{"device": 0, "name": "NVIDIA A100", "sm_count": 108}]
+    b.source["gpus_ran"] = [{"device": 0, "name": "AMD MI300X", "sm_count": 304}]
+    assert sides_notes(a, b, "A", "B") == [
+        "A ran on 1 × NVIDIA A100 (108 SMs), B on 1 × AMD MI300X (304 SMs): their µs differ "
+        "for that alone"]
+    assert sides_notes(a, a, "A", "A'") == []
+
+
 def test_overview_of_several_traces_names_the_slowest():
     """A TP run's ranks in one table: per layer type the median span of each, and the
     slowest over the fastest (here rank 1's MLA layers take 1.5 times as long)."""

@@ -701,6 +701,10 @@ def test_compare_a_run_its_paths_and_labels(tmp_path):
     assert (doc["a"], doc["b"]) == ("standard", "specialized")
     kda = next(r for r in doc["rows"] if r["type"] == "kda")
     assert (kda["a"]["kernels"], kda["b"]["kernels"]) == (18, 9)
+    # what the table says under it, the JSON says too: the ratios, and that µs are CPU time
+    assert doc["notes"][0].startswith("ratios: standard over specialized")
+    assert any("a CPU run's µs are CPU time" in note for note in doc["notes"])
+    assert "a CPU run's µs are CPU time" in run("compare", BASELINE).output
     same = run("compare", BASELINE, BASELINE, "--path", "specialized", "--labels", "old,new",
                "--format", "json")
     assert same.exit_code == 0 and json.loads(same.output)["a"] == "old"
@@ -909,6 +913,41 @@ def test_work_of_other_threads_and_outside_every_step(name, other_thread, outsid
     assert (f"{outside} more GPU ops" in table) == (outside > 0)
 
 
+def test_report_gives_each_segment_a_row_of_its_own(tmp_path):
+    """A step that runs its layers twice (two forward passes, the same layer ranges): the
+    timeline keeps a row per segment, the second pass's labels with their ordinal, not
+    stacked on the first's rows."""
+    events, corr, t = [], 1, 0.0
+    for step in range(3):
+        start = t
+        for _ in range(2):
+            for layer in range(2):
+                begin = t
+                for name in ("norm", "gemm"):
+                    events += [{"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel",
+                                "pid": 1, "tid": 1, "ts": t, "dur": 1.0,
+                                "args": {"correlation": corr}},
+                               {"ph": "X", "cat": "kernel", "name": name, "pid": 0, "tid": 7,
+                                "ts": t + 2, "dur": 5.0,
+                                "args": {"device": 0, "stream": 7, "correlation": corr}}]
+                    corr, t = corr + 1, t + 6
+                events.append({"ph": "X", "cat": "user_annotation", "pid": 1, "tid": 1,
+                               "name": f"layer[{layer}](mlp)", "ts": begin,
+                               "dur": t - begin - 0.5})
+                t += 1
+            t += 20
+        events.append({"ph": "X", "cat": "user_annotation", "name": f"decode_step[{step}]",
+                       "pid": 1, "tid": 1, "ts": start - 0.2, "dur": t - start + 0.1})
+        t += 10
+    trace = tmp_path / "twopass.json"
+    trace.write_text(json.dumps({"traceEvents": events}))
+    out = tmp_path / "r.html"
+    assert run("report", trace, "-o", out, "--plotly-js", "cdn").exit_code == 0
+    rows = re.search(r'"categoryarray":\[([^]]*)\]', out.read_text()).group(1)
+    assert json.loads(f"[{rows}]") == ["layer 0 (mlp)", "layer 1 (mlp)", "layer 0 (mlp) #2",
+                                       "layer 1 (mlp) #2"]
+
+
 def test_report_names_what_each_trace_counts(tmp_path):
     """A GPU trace beside a CPU run: kernels for the one, ops for the other, and the CPU note
     names the CPU run."""
@@ -925,7 +964,8 @@ def test_report_names_what_each_trace_counts(tmp_path):
     assert "<th>gpu kernels</th>" in text and "<th>cpu &lt;run&gt; ops</th>" in text
     assert "<th>count ratio</th>" in text and "<th>gpu kernel</th>" in text
     # host µs against GPU µs: no ratio of them, in the report, the table and the rows
-    assert "no µs ratio between a CPU run's ops and a GPU trace's kernels" in text
+    assert "no µs ratio between a CPU run&#x27;s ops and a GPU trace&#x27;s kernels" in text
+    assert "cpu &lt;run&gt;: a CPU run&#x27;s µs are CPU time" in text
     from kimi_perf.comparison import compare
     from kimi_perf.render import comparison_table, tables_text
 
