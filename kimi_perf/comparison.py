@@ -160,9 +160,21 @@ def class_distance(a: dict, b: dict) -> float:
     return shares + 0.1 * abs(math.log(total_a / total_b))
 
 
+def name_overlap(a: dict, b: dict) -> float:
+    """How many kernel names two layer types' typical layers share, 0 to 1 (the Jaccard
+    index of their multisets): a fused layer keeps some of its unfused form's kernels (its
+    attention kernel: sliding-window or full), which tells two layers of one class mix apart.
+    0 where either has no typical layer."""
+    names = [Counter(k["name"] for k in (t.get("typical_layer") or {}).get("kernels") or [])
+             for t in (a, b)]
+    union = sum((names[0] | names[1]).values())
+    return sum((names[0] & names[1]).values()) / union if union else 0.0
+
+
 def leftover_pairs(types_a: list[dict], types_b: list[dict]) -> list[tuple[int, int]]:
     """Pattern types whose sequences differ, paired so that the kernel mixes paired lie
-    closest in all (an optimal assignment of ``class_distance``), ties in order. A layer a
+    closest in all (an optimal assignment of ``class_distance``, and a tenth of how few
+    kernel names they share: ``name_overlap``), ties in order. A layer a
     fused path cut to fewer kernels keeps its mix of classes closer to its own unfused form
     than to another layer's; when one side has a type more (a warm-up layer, say), order
     alone would shift every pair after it."""
@@ -170,7 +182,8 @@ def leftover_pairs(types_a: list[dict], types_b: list[dict]) -> list[tuple[int, 
         return []
     from scipy.optimize import linear_sum_assignment
 
-    cost = np.array([[class_distance(a, b) for b in types_b] for a in types_a])
+    cost = np.array([[class_distance(a, b) + 0.1 * (1 - name_overlap(a, b)) for b in types_b]
+                     for a in types_a])
     # Equal distances pair in order: a nudge far below any real difference of the distances.
     rank = np.abs(np.arange(len(types_a))[:, None] - np.arange(len(types_b))[None, :])
     rows, cols = linear_sum_assignment(cost + 1e-9 * rank)

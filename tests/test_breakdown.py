@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import re
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -100,6 +101,37 @@ def test_compare_adds_whole_steps_and_no_mean_layer_of_other_cuts():
         "A ran on 1 × NVIDIA A100 (108 SMs), B on 1 × AMD MI300X (304 SMs): their µs differ "
         "for that alone"]
     assert sides_notes(a, a, "A", "A'") == []
+
+
+def _layer_type(name: str, digest: str, kernels: list[tuple[str, str]]) -> dict:
+    classes = Counter(cls for _, cls in kernels)
+    return {"type": name, "pattern": digest,
+            "classes": {c: {"kernels": n, "us": float(n)} for c, n in classes.items()},
+            "typical_layer": {"kernels": [{"name": k, "class": c, "us": 1.0}
+                                          for k, c in kernels]}}
+
+
+def test_pattern_types_of_one_class_mix_pair_by_the_kernels_they_share():
+    """Sliding-window and full-attention layers, unfused and fused, the fused trace meeting
+    the full-attention layer first: by class mix alone the two pairings tie exactly, and
+    order would pair sliding with full. The kernel names each fused layer kept from its
+    unfused form (its attention kernels) pair them right, whichever comes first."""
+    from kimi_perf.comparison import pair_types
+
+    tail = [("o_proj_gemm", "gemm"), ("rms_norm_kernel", "norm"), ("router_gemm", "router")]
+    unfused = [("rms_norm_kernel", "norm"), ("qkv_gemm_kernel", "gemm"),
+               ("rotary_embedding_kernel", "rope")]
+    moe = [("topk_softmax", "router"), ("fused_moe_gemm1", "moe"),
+           ("silu_and_mul", "elementwise"), ("fused_moe_gemm2", "moe")]
+    sliding = [("flash_attn_sliding", "attention")]
+    full = [("flash_attn_full_split", "attention"), ("flash_attn_reduce", "attention")]
+    standard = [_layer_type("A", "s1", unfused + sliding + tail + moe),
+                _layer_type("B", "s2", unfused + full + tail + moe)]
+    fused_head, fused_moe = [("fused_rms_qkv_rope_gemm", "rope")], [("fused_moe", "moe")]
+    fused = [_layer_type("A", "f1", fused_head + full + tail + fused_moe),
+             _layer_type("B", "f2", fused_head + sliding + tail + fused_moe)]
+    assert pair_types(standard, fused) == [(0, 1), (1, 0)]
+    assert pair_types(standard, fused[::-1]) == [(0, 0), (1, 1)]
 
 
 def test_overview_of_several_traces_names_the_slowest():
