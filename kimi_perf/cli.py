@@ -31,7 +31,7 @@ from kimi_perf.comparison import (
 )
 from kimi_perf.decode import floors as floors_mod
 from kimi_perf.decode.fallbacks import fell_back_text, paths_that_fell_back
-from kimi_perf.errors import TraceError
+from kimi_perf.errors import TraceError, is_out_of_memory
 from kimi_perf.layer_breakdown import Breakdown, breakdown_of_file, units_word
 from kimi_perf.layers import PHASES
 from kimi_perf.readers import read_trace
@@ -102,10 +102,9 @@ def _memory_said(sizes: str):
     try:
         yield
     except (MemoryError, RuntimeError) as exc:
-        said = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        if not isinstance(exc, MemoryError) and not any(
-                words in said for words in ("can't allocate", "out of memory")):
+        if not is_out_of_memory(exc):
             raise
+        said = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         # torch's CPU message leads with its source line; the size asked for is what says
         asked = re.search(r"tried to allocate (\d+) bytes|tried to allocate ([\d.]+ \w+)",
                           said, re.IGNORECASE)
@@ -626,18 +625,17 @@ def compare_cmd(a: Path, b: Path | None, path_name: str | None, fmt: str, layers
     notes = [*render.note_lines({name_a: ba, name_b: bb}),
              *sides_notes(ba, bb, name_a, name_b),
              *([gate_mod.captured_differently(name_a, name_b, unlike)] if unlike else [])]
+    rows = compare(ba, bb)
     if fmt == "json":
-        doc = comparison_doc(ba, bb, name_a, name_b, kernels)
+        doc = comparison_doc(ba, bb, name_a, name_b, kernels, rows)
         if two_captures:
             doc["run_differences"] = unlike
         if warnings:
             doc["fell_back"] = warnings
         # what the table says under it, as the JSON's reader would need it too
-        doc["notes"] = [*comparison_notes(compare(ba, bb), name_a, name_b, ba.unit, bb.unit),
-                        *notes]
+        doc["notes"] = [*comparison_notes(rows, name_a, name_b, ba.unit, bb.unit), *notes]
         _emit(json_text(doc), output)
         return
-    rows = compare(ba, bb)
     unit, unit_b = ba.unit, bb.unit
     tables = [render.comparison_table(rows, name_a, name_b, unit, unit_b),
               render.comparison_headline(rows, name_a, name_b, unit, unit_b), *files_said,

@@ -43,6 +43,8 @@ class ComparisonRow:
     # False for the mean layer of steps cut into other numbers of layers (an eager trace's
     # ranges against a graph's kernel pattern): not the same unit, no ratio
     same_layers: bool = True
+    steps_a: int | None = None   # the whole step's row: the steps its medians are over
+    steps_b: int | None = None
 
     @property
     def label(self) -> str:
@@ -64,14 +66,16 @@ class ComparisonRow:
         return _significant(self.kernels_a / self.kernels_b)
 
     def to_json(self) -> dict:
-        counted = "steps" if self.type == WHOLE_STEP else "layers"
-        return {"type": self.type, "type_b": self.type_b,
-                "a": {counted: self.layers_a, "kernels": self.kernels_a,
-                      "kernel_us": self.kernel_us_a, "span_us": self.span_us_a},
-                "b": {counted: self.layers_b, "kernels": self.kernels_b,
-                      "kernel_us": self.kernel_us_b, "span_us": self.span_us_b},
+        sides = [{"layers": layers, "kernels": kernels, "kernel_us": kernel_us,
+                  "span_us": span_us, **({"steps": steps} if steps is not None else {})}
+                 for layers, kernels, kernel_us, span_us, steps in (
+                     (self.layers_a, self.kernels_a, self.kernel_us_a, self.span_us_a,
+                      self.steps_a),
+                     (self.layers_b, self.kernels_b, self.kernel_us_b, self.span_us_b,
+                      self.steps_b))]
+        return {"type": self.type, "type_b": self.type_b, "a": sides[0], "b": sides[1],
                 "span_ratio": self.span_ratio, "kernel_ratio": self.kernel_ratio,
-                "pattern_differs": self.pattern_differs}
+                "pattern_differs": self.pattern_differs, "same_layers": self.same_layers}
 
 
 def _significant(v: float) -> float:
@@ -81,9 +85,11 @@ def _significant(v: float) -> float:
 
 
 def layers_per_step(b: Breakdown) -> float | None:
-    """The median step's layers (None: no steps, or steps that do not count them)."""
-    counts = [s["layers"] for s in b.steps if isinstance(s.get("layers"), int)]
-    return float(statistics.median(counts)) if counts else None
+    """The median step's layer count (None: no steps, or a step that does not say)."""
+    counts = [s.get("layers") for s in b.steps]
+    if not counts or None in counts:
+        return None
+    return float(np.median(counts))
 
 
 def compare(a: Breakdown, b: Breakdown) -> list[ComparisonRow]:
@@ -105,7 +111,9 @@ def compare(a: Breakdown, b: Breakdown) -> list[ComparisonRow]:
         mean.same_layers = layers_per_step(a) == layers_per_step(b)
         rows.append(mean)
     if a.steps or b.steps:
-        rows.append(_row(WHOLE_STEP, _whole_step(a), _whole_step(b)))
+        step = _row(WHOLE_STEP, _whole_step(a), _whole_step(b))
+        step.steps_a, step.steps_b = len(a.steps) or None, len(b.steps) or None
+        rows.append(step)
     for row in rows:
         row.timed_alike = a.unit == b.unit
     return rows
@@ -173,8 +181,8 @@ def name_overlap(a: dict, b: dict) -> float:
 
 def leftover_pairs(types_a: list[dict], types_b: list[dict]) -> list[tuple[int, int]]:
     """Pattern types whose sequences differ, paired so that the kernel mixes paired lie
-    closest in all (an optimal assignment of ``class_distance``, and a tenth of how few
-    kernel names they share: ``name_overlap``), ties in order. A layer a
+    closest in all (an optimal assignment of ``class_distance``; a hundredth of how few kernel
+    names they share, ``name_overlap``, decides between mixes alike), ties in order. A layer a
     fused path cut to fewer kernels keeps its mix of classes closer to its own unfused form
     than to another layer's; when one side has a type more (a warm-up layer, say), order
     alone would shift every pair after it."""
@@ -182,7 +190,7 @@ def leftover_pairs(types_a: list[dict], types_b: list[dict]) -> list[tuple[int, 
         return []
     from scipy.optimize import linear_sum_assignment
 
-    cost = np.array([[class_distance(a, b) + 0.1 * (1 - name_overlap(a, b)) for b in types_b]
+    cost = np.array([[class_distance(a, b) + 0.01 * (1 - name_overlap(a, b)) for b in types_b]
                      for a in types_a])
     # Equal distances pair in order: a nudge far below any real difference of the distances.
     rank = np.abs(np.arange(len(types_a))[:, None] - np.arange(len(types_b))[None, :])
@@ -262,8 +270,8 @@ def ratio_note(rows: list[ComparisonRow], label_a: str, label_b: str) -> str:
                "outlier included" if mean.same_layers else "; all layers: no ratio, as the "
                "steps hold other numbers of layers (cut otherwise: a mean layer is another "
                "unit on each side)")
-            + ("; whole step: the median step, every kernel of it, its count of steps under "
-               "layers" if any(r.label == WHOLE_STEP for r in rows) else ""))
+            + ("; whole step: the median step, every kernel of it" if any(
+                r.label == WHOLE_STEP for r in rows) else ""))
 
 
 def pairing_note(rows: list[ComparisonRow], label_a: str, label_b: str) -> str | None:
@@ -371,10 +379,12 @@ def sides_notes(a: Breakdown, b: Breakdown, label_a: str, label_b: str) -> list[
 
 
 def _whole_step(b: Breakdown) -> dict | None:
-    """The medians over the steps, its "layers" the steps counted."""
+    """The medians over the steps, its "layers" the median step's (0 where steps do not
+    say)."""
     if not b.steps:
         return None
-    return {"layers": len(b.steps),
+    layers = layers_per_step(b) or 0
+    return {"layers": int(layers) if float(layers).is_integer() else layers,
             **{k: float(np.median([s[k] for s in b.steps]))
                for k in ("kernels", "kernel_us", "span_us")}}
 
@@ -573,11 +583,11 @@ def type_pairs(a: Breakdown, b: Breakdown, rows: list[ComparisonRow] | None = No
 
 
 def comparison_doc(a: Breakdown, b: Breakdown, name_a: str, name_b: str,
-                   kernels: bool = False) -> dict:
-    """``kimi-perf compare --format json``: the rows; with ``kernels`` each pair's typical
-    layers and, where A and B are the two decode paths, ``fusions``: per layer type the
-    fusion ledger."""
-    rows = compare(a, b)
+                   kernels: bool = False, rows: list[ComparisonRow] | None = None) -> dict:
+    """``kimi-perf compare --format json``: the rows (``compare``'s, unless given); with
+    ``kernels`` each pair's typical layers and, where A and B are the two decode paths,
+    ``fusions``: per layer type the fusion ledger."""
+    rows = rows if rows is not None else compare(a, b)
     doc: dict = {"schema": 1, "a": name_a, "b": name_b, "rows": [r.to_json() for r in rows]}
     if kernels:
         pairs = type_pairs(a, b, rows)

@@ -43,6 +43,14 @@ class TraceError(Exception):
         super().__init__(f"{printable(self.path)}: {problem}" if self.path else problem)
 
 
+def is_out_of_memory(exc: BaseException) -> bool:
+    """An allocation the machine could not make: Python's MemoryError, or torch's (a
+    RuntimeError saying so, on the CPU or a GPU)."""
+    return isinstance(exc, MemoryError) or (
+        isinstance(exc, RuntimeError)
+        and any(words in str(exc) for words in ("can't allocate", "out of memory")))
+
+
 class NoStepsMatched(TraceError):
     """What was asked to select steps or layers matches nothing in the trace: a step regex,
     a ``--phase``, ``--layers repeat`` / ``nvtx`` / a layer-index group that finds no layers."""

@@ -1,22 +1,23 @@
 """Regression gate: a run against a stored baseline, per decode path and layer type.
 
 Kernels per layer are deterministic: a layer type's median or largest count growing fails
-the gate (``kernels`` checks both: one layer with one more kernel is caught; the largest of
-windows of unequal step counts is ``changed``, as work every few steps may fall in one window
-alone). Times are not: a time regresses when its median (of every layer of the type in every
-profiled step) rises by more than ``rel_tol`` and ``abs_tol_us`` *and* a one-sided
-Mann-Whitney U test gives p < ``alpha``; a rise that noise explains passes. The test's
-samples are steps: of a layer type, each step's mean layer (the layers of one step share
-its clocks and host, so they are not independent samples: pooled, noise common to a step
-would pass for a regression); of ``step``, every step, whose kernels also count those
-outside every layer. Each kernel class's µs in a type's layers (``class_us``) is checked
-with ``kernel_us``, as it is: a small kernel twice as slow, or one class's rise hidden by
-another's fall, leaves the layer's µs within tolerance; so is the one layer (by its index
-in a step) whose median rose most (``layer_kernel_us``), tested at ``alpha`` over the layers
-compared. With too few steps for the test to
-reach ``alpha`` it takes the layers
-themselves, whose p-value is then optimistic; with too few of those too (fewer than
-``min_samples`` a side, or 1 / C(n+m, n) >= alpha), the thresholds decide alone. A layer type
+the gate (``kernels`` checks both: one layer with one more kernel is caught; where the run
+profiled more steps, a larger largest is ``changed``, as work every few steps may fall in
+its window alone). Times are not: a time regresses when its median (of every layer of the
+type in every profiled step) rises by more than ``rel_tol`` and ``abs_tol_us`` *and* a
+one-sided Mann-Whitney U test gives p < ``alpha``; a rise that noise explains passes. The
+test's samples are steps: of a layer type, each step's mean layer over all its GPUs (the
+layers of one step share its clocks and host, and its GPUs its collectives' waits, so they
+are not independent samples: pooled, noise common to a step would pass for a regression);
+of ``step``, every step (its GPUs' mean), whose kernels also count those outside every
+layer. Each kernel class's µs in a type's layers (``class_us``) is checked with
+``kernel_us``, as it is, the classes sharing ``alpha``: a small kernel twice as slow, or one
+class's rise hidden by another's fall, leaves the layer's µs within tolerance; so is the one
+layer (by its index in a step) whose median rose most (``layer_kernel_us``), tested at
+``alpha`` over the layers compared. With too few steps for the test to reach ``alpha`` it
+takes the layers themselves, whose p-value is then optimistic; with too few of those too
+(fewer than ``min_samples`` a side, or 1 / C(n+m, n) >= alpha), the thresholds decide
+alone. A layer type
 or path the baseline has and the run lacks fails too (the analysis lost it); one the run adds
 is reported. Layers a step (in all, and of each type) must match: a layer lost or added is
 other work, whose figures would pass for a change of speed; a count that differs fails, but
@@ -53,6 +54,7 @@ path named ``trace``). Baselines are the same files, kept under ``traces/baselin
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -64,6 +66,7 @@ import numpy as np
 
 from kimi_perf.comparison import (
     aligned_typical,
+    layers_per_step,
     pair_label,
     pair_layer_types,
     patterns_differ,
@@ -144,6 +147,8 @@ class Check:
     tested_over: str | None = None   # the test's samples: "steps", or "layers" (too few steps)
     kernel_class: str | None = None  # metric class_us: the class whose kernel µs it checks
     layer_index: int | None = None   # metric layer_kernel_us: the layer (its index in a step)
+    alpha: float | None = None       # the test's alpha, where it is not --alpha (divided among
+                                     # the classes, or the layers, of a type)
 
     @property
     def fails(self) -> bool:
@@ -380,7 +385,7 @@ def _step_names(b: Breakdown) -> set[str]:
 
 def _layers_found(b: Breakdown) -> tuple[set[str], float | None]:
     """What a breakdown's layer ranges found: the layer types, and layers a step."""
-    return {t["type"] for t in b.layer_types}, _layers_per_step(b)
+    return {t["type"] for t in b.layer_types}, layers_per_step(b)
 
 
 def _layer_sources(b: Breakdown) -> list[str]:
@@ -955,8 +960,8 @@ def gate(baseline: dict[str, Breakdown], current: dict[str, Breakdown],
                               _largest(path, label, base, cur, base_s, cur_s)]
                 else:
                     found.append(_time(path, label, metric, base_s, cur_s, tolerances,
-                                       _per_step(base, base_type, base_s),
-                                       _per_step(cur, cur_type, cur_s)))
+                                       _step_means(base_s, _step_groups(base, base_type)),
+                                       _step_means(cur_s, _step_groups(cur, cur_type))))
                     if metric == "kernel_us" and base_type != STEP:
                         found += _class_times(path, label, base, base_type, cur, cur_type,
                                               tolerances)
@@ -1080,8 +1085,8 @@ def _moved(base: Breakdown | None, cur: Breakdown | None,
         gained += names_c - names_b
     moved = {b for b, _ in changed} if lost and lost == gained else set()
     if any(_digest(cur, t["type"]) is not None for t in cur.layer_types):
-        per_step = _layers_per_step(base)
-        same_layers = per_step is not None and per_step == _layers_per_step(cur)
+        per_step = layers_per_step(base)
+        same_layers = per_step is not None and per_step == layers_per_step(cur)
         for b, c in pairs:
             t = _layer_type(base, b)
             if (c is None and t is not None and t.get("pattern") is not None
@@ -1098,7 +1103,7 @@ def _unequal_windows(base: Breakdown | None, cur: Breakdown | None) -> str | Non
     if base is None or cur is None or not (base.source.get("steps_found_by")
                                            == cur.source.get("steps_found_by") == "device"):
         return None
-    layers = _layers_per_step(base), _layers_per_step(cur)
+    layers = layers_per_step(base), layers_per_step(cur)
     if None in layers or layers[0] == layers[1]:
         return None
     return (f"each device is one step, the profiler's window: {layers[0]:g} layers a step in "
@@ -1116,14 +1121,6 @@ def _rotated(base: Breakdown, base_type: str, cur: Breakdown, cur_type: str) -> 
 
 def _layer_type(b: Breakdown, name: str | None) -> dict | None:
     return next((t for t in b.layer_types if t["type"] == name), None)
-
-
-def _layers_per_step(b: Breakdown) -> float | None:
-    """The median step's layer count (None where a step does not say)."""
-    counts = [s.get("layers") for s in b.steps]
-    if not counts or None in counts:
-        return None
-    return float(np.median(counts))
 
 
 def _typical(b: Breakdown | None, layer_type: str | None) -> list[dict] | None:
@@ -1340,7 +1337,7 @@ def _layers_check(path: str, label: str, base: Breakdown | None, base_type: str 
     would otherwise pass for a change of speed (a lost layer as an improvement)."""
     if None in (base, cur, base_type, cur_type):
         return None
-    counts = [_layers_per_step(b) if t == STEP else _type_per_step(b, t)
+    counts = [layers_per_step(b) if t == STEP else _type_per_step(b, t)
               for b, t in ((base, base_type), (cur, cur_type))]
     if None in counts:
         return None
@@ -1348,7 +1345,7 @@ def _layers_check(path: str, label: str, base: Breakdown | None, base_type: str 
     if b == c:
         return Check(path, label, "layers", b, c, 0.0, None, "ok")
     if base_type != STEP and (_digest(base, base_type) or _digest(cur, cur_type)) and (
-            _layers_per_step(base) == _layers_per_step(cur) is not None):
+            layers_per_step(base) == layers_per_step(cur) is not None):
         # a type the kernel pattern found: the steps hold as many layers, typed otherwise
         # (an edge layer of a letter of its own on one side, of a commoner one on the other)
         return Check(path, label, "layers", b, c, _change(b, c), None, "changed",
@@ -1401,29 +1398,46 @@ def _change(b: float, c: float) -> float | None:
 
 def _largest(path: str, layer_type: str, base: Breakdown | None, cur: Breakdown | None,
              base_s: np.ndarray | None, cur_s: np.ndarray | None) -> Check:
-    """``kernels_max``: the largest count. Of windows of unequal step counts a larger one
-    says nothing of the work (what runs every few steps, a cache flush, may fall in the
-    longer window alone): ``changed``, not a regression; the medians still compare."""
+    """``kernels_max``: the largest count. Where the run profiled more steps than the
+    baseline, a larger one says nothing of the work (what runs every few steps, a cache
+    flush, may fall in the longer window alone): ``changed``, not a regression; the medians
+    still compare. (A shorter run's larger count is a regression.)"""
     check = _kernels(path, layer_type, "kernels_max", base_s, cur_s, np.max)
     windows = [len(b.steps) for b in (base, cur) if b is not None]
-    if check.status == "regression" and len(windows) == 2 and windows[0] != windows[1]:
+    if check.status == "regression" and len(windows) == 2 and windows[1] > windows[0]:
         check.status = "changed"
         check.detail = (f"the largest of {windows[0]} steps in the baseline, of {windows[1]} in "
                         "the run: work every few steps may fall in one window alone")
     return check
 
 
-def _per_step(b: Breakdown | None, layer_type: str | None, values: np.ndarray | None
-              ) -> np.ndarray | None:
-    """A figure of a layer type's layers (``values``, in their order), one sample a step: the
-    mean of its layers in each step (and device); None for ``step`` (its samples are steps
-    already) or where layers do not say their step."""
-    if b is None or values is None or layer_type in (None, STEP) or not _says_where(b):
+def _step_groups(b: Breakdown | None, layer_type: str | None) -> np.ndarray | None:
+    """Which step each of a type's layers (or, for ``step``, each step row) is of, as group
+    numbers 0..n-1: the test's samples are steps, all GPUs of one together (they share its
+    host and its collectives' waits, so they are not independent samples either). None where
+    the rows do not say their step."""
+    if b is None or layer_type is None or not _says_where(b):
         return None
-    where = np.stack([layer_column(b.layers, key, layer_type) for key in ("step", "device")])
-    _, step = np.unique(where, axis=1, return_inverse=True)
-    step = step.ravel()
-    return np.bincount(step, weights=values) / np.bincount(step)
+    if layer_type == STEP:
+        step = np.array([s["index"] for s in b.steps], np.int64)
+    else:
+        step = layer_column(b.layers, "step", layer_type)
+    return np.unique(step, return_inverse=True)[1].ravel() if step.size else None
+
+
+def _step_means(values: np.ndarray | None, groups: np.ndarray | None) -> np.ndarray | None:
+    """``values`` (a type's layers', or the step rows', in order) averaged per step."""
+    if values is None or groups is None or not values.size:
+        return None
+    return np.bincount(groups, weights=values) / np.bincount(groups)
+
+
+def _rules_differ(base: Breakdown, cur: Breakdown) -> bool:
+    """Whether the two sides' kernel classes came from other rules (extra ``--rules``, or
+    another version's defaults), where both recorded theirs: a class holds other kernels."""
+    options = [b.source.get("breakdown_options") for b in (base, cur)]
+    return all(options) and any(options[0].get(k) != options[1].get(k)
+                                for k in ("rules", "default_rules"))
 
 
 def _class_times(path: str, label: str, base: Breakdown | None, base_type: str | None,
@@ -1433,17 +1447,27 @@ def _class_times(path: str, label: str, base: Breakdown | None, base_type: str |
     a few percent of its layer, and one class's rise can hide behind another's fall."""
     if None in (base, cur, base_type, cur_type):
         return []
+    classes = list(dict.fromkeys([*layer_classes(base.layers, base_type),
+                                  *layer_classes(cur.layers, cur_type)]))
+    if not classes:
+        return []
+    # one test a class: the type's classes share --alpha (a family of tests, as the layers)
+    lowered = dataclasses.replace(tol, alpha=tol.alpha / len(classes))
+    groups = [_step_groups(b, t) for b, t in ((base, base_type), (cur, cur_type))]
+    other_rules = _rules_differ(base, cur)
     checks = []
-    for kernel_class in dict.fromkeys([*layer_classes(base.layers, base_type),
-                                       *layer_classes(cur.layers, cur_type)]):
+    for kernel_class in classes:
         samples = [class_column(b.layers, kernel_class, t)
                    for b, t in ((base, base_type), (cur, cur_type))]
         if not all(v.size for v in samples):
             continue
-        check = _time(path, label, "class_us", *samples, tol,
-                      _per_step(base, base_type, samples[0]),
-                      _per_step(cur, cur_type, samples[1]))
+        check = _time(path, label, "class_us", *samples, lowered,
+                      *(_step_means(v, g) for v, g in zip(samples, groups, strict=True)))
         check.kernel_class = kernel_class
+        check.alpha = lowered.alpha if len(classes) > 1 else None
+        if other_rules and check.status in ("regression", "improvement", "noise"):
+            check.status = "changed"
+            check.detail = "other kernel-class rules: a class holds other kernels on each side"
         checks.append(check)
     return checks
 
@@ -1457,18 +1481,11 @@ def _layer_time(path: str, label: str, base: Breakdown | None, base_type: str | 
     are too few for that test: the largest of many noisy ratios would pass for a regression."""
     if None in (base, cur, base_type, cur_type) or not all(_says_where(b) for b in (base, cur)):
         return []
-    groups = []    # per side, each layer index's kernel µs over the steps (sorted: no pass
-    for b, t in ((base, base_type), (cur, cur_type)):    # over the layers per index)
-        index = layer_column(b.layers, "index", t)
-        order = np.argsort(index, kind="stable")
-        keys, starts = np.unique(index[order], return_index=True)
-        us = layer_column(b.layers, "kernel_us", t).astype(np.float64)[order]
-        groups.append(dict(zip(keys.tolist(), np.split(us, starts[1:]), strict=True)))
+    groups = [_by_index(b, t) for b, t in ((base, base_type), (cur, cur_type))]
     shared = sorted(groups[0].keys() & groups[1].keys())
-    if not shared:
+    if len(shared) < 2:   # (one layer a step: the type's own check is this one)
         return []
-    lowered = Tolerances(tol.rel_tol, tol.alpha / len(shared), tol.min_samples, tol.metrics,
-                         tol.abs_tol_us)
+    lowered = dataclasses.replace(tol, alpha=tol.alpha / len(shared))
     by_index = [[g[i] for i in shared] for g in groups]
     if not all(_testable(b, c, lowered) for b, c in zip(*by_index, strict=True)):
         return []
@@ -1476,12 +1493,28 @@ def _layer_time(path: str, label: str, base: Breakdown | None, base_type: str | 
     worst = int(np.argmax(rises))
     check = _time(path, label, "layer_kernel_us", by_index[0][worst], by_index[1][worst],
                   lowered)
-    if check.status == "improvement":   # (the layer that rose most fell: none rose)
+    if rises[worst] <= 0:   # (the layer that rose most did not rise: none did)
         check.status = "ok"
-    check.layer_index = shared[worst]
+    check.layer_index, check.alpha = shared[worst], lowered.alpha
     if check.tested_over is not None:
         check.tested_over = "steps"   # (one layer a step: its samples are steps)
     return [check]
+
+
+def _by_index(b: Breakdown, layer_type: str) -> dict[int, np.ndarray]:
+    """Each layer index's kernel µs, one sample a step (its GPUs' mean), in step order."""
+    index = layer_column(b.layers, "index", layer_type)
+    step = layer_column(b.layers, "step", layer_type)
+    if not index.size:
+        return {}
+    step = step - step.min()
+    keys, inverse = np.unique(index * (int(step.max()) + 1) + step, return_inverse=True)
+    inverse = inverse.ravel()
+    us = layer_column(b.layers, "kernel_us", layer_type).astype(np.float64)
+    means = np.bincount(inverse, weights=us) / np.bincount(inverse)
+    of_index = keys // (int(step.max()) + 1)     # (keys sorted: by index, then step)
+    heads, starts = np.unique(of_index, return_index=True)
+    return dict(zip(heads.tolist(), np.split(means, starts[1:]), strict=True))
 
 
 def _kernels(path: str, layer_type: str, metric: str, base: np.ndarray | None,

@@ -484,7 +484,10 @@ def gate_table(result: GateResult, show_all: bool = False) -> Table:
                       _value(c.current),
                       _change(c.change), fmt(c.p_value, ".2g")
                       # (too few steps: the layers tested, an optimistic p)
-                      + (" (layers)" if c.tested_over == "layers" else ""),
+                      + (" (layers)" if c.tested_over == "layers" else "")
+                      # (a family's test: --alpha shared among a type's classes or layers)
+                      + (f" (α {c.alpha:.2g})" if c.alpha is not None and c.p_value is not None
+                         else ""),
                       Text(c.status, style=style), c.detail or "")
     return table
 

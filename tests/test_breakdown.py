@@ -81,8 +81,9 @@ def test_compare_adds_whole_steps_and_no_mean_layer_of_other_cuts():
     rows = {r.type: r for r in compare(a, b)}
     assert rows[ALL_LAYERS].span_ratio is None and rows[ALL_LAYERS].kernel_ratio is None
     step = rows[WHOLE_STEP]
-    assert (step.layers_a, step.span_ratio, step.kernel_ratio) == (3, 1.0, 1.0)
-    assert step.to_json()["a"]["steps"] == 3
+    assert (step.steps_a, step.span_ratio, step.kernel_ratio) == (3, 1.0, 1.0)
+    assert (step.layers_a, step.layers_b) == (8, 4)     # the median step's layers
+    assert step.to_json()["a"]["steps"] == 3 and not rows[ALL_LAYERS].to_json()["same_layers"]
     assert step.span_us_a == pytest.approx(float(np.median([s["span_us"] for s in a.steps])))
     headline = comparison_headline(list(rows.values()), "A", "B")
     assert ALL_LAYERS not in headline and WHOLE_STEP in headline

@@ -743,6 +743,48 @@ def test_the_test_takes_steps_not_the_layers_they_share():
     assert (check.status, check.tested_over) == ("regression", "layers")
 
 
+def test_the_gpus_of_one_step_are_one_sample():
+    """A TP step on 2 GPUs: both share its host and its collectives' waits, so a step is one
+    sample however many GPUs ran it (its layers' mean over both): the 6% rise of steps
+    spreading ±9% is noise here as on one GPU, where 2 samples a step would call it a
+    regression. The whole step's check takes one sample a step too."""
+    per_step = 60.0 * np.array([0.92, 0.95, 0.97, 0.99, 1.0, 1.01, 1.03, 1.05, 1.07, 1.10])
+
+    def on_two_gpus(values: np.ndarray) -> dict:
+        run = _stepped(values, 12)
+        b = run["specialized"]
+        b.layers.extend([{**r, "device": 1} for r in b.layers])
+        b.steps.extend([{**s, "device": 1} for s in b.steps])
+        return run
+
+    base = on_two_gpus(per_step)
+    checks = {(c.layer_type, c.metric): c for c in gate(base, on_two_gpus(
+        per_step[::-1] * 1.06)).checks}
+    for key in (("kda", "kernel_us"), ("step", "kernel_us")):
+        assert (checks[key].status, checks[key].tested_over) == ("noise", "steps"), key
+    from kimi_perf.gate import _step_groups, _step_means
+
+    means = _step_means(np.array([r["kernel_us"] for r in base["specialized"].layers]),
+                        _step_groups(base["specialized"], "kda"))
+    assert means.shape == (10,)
+
+
+def test_a_class_of_other_rules_is_changed_and_a_family_shares_alpha():
+    """Kernel classes from other rules (a --rules file on one side) hold other kernels: a
+    class's checks are changed, not a regression. The classes of a type share --alpha (the
+    table says the α each was tested at)."""
+    base, run = _with_classes(20.0, 60.0), _with_classes(40.0, 40.0)
+    for b, rules in ((base, None), (run, "1 extra (sha256:abc)")):
+        b["specialized"].source["breakdown_options"] = {"rules": rules, "default_rules": "x"}
+    attention = next(c for c in gate(base, run).checks if c.kernel_class == "attention")
+    assert attention.status == "changed" and "other kernel-class rules" in attention.detail
+    base["specialized"].source["breakdown_options"]["rules"] = "1 extra (sha256:abc)"
+    result = gate(base, run)
+    attention = next(c for c in result.checks if c.kernel_class == "attention")
+    assert attention.status == "regression" and attention.alpha == pytest.approx(0.01 / 3)
+    assert "(α 0.0033)" in render.tables_text([render.gate_table(result)])
+
+
 def test_a_rise_of_a_microsecond_or_less_is_no_regression():
     """Figures near 0 (a kernel under a µs, a trace in whole µs): 0.4 -> 1.2 µs is +200% but
     under the 1 µs absolute tolerance; --abs-tol 0 gates the ratio alone."""
@@ -777,6 +819,9 @@ def test_the_largest_count_of_windows_of_unequal_steps_is_no_regression():
     assert statuses(gate(periodic(10, extra=False), run))[("kda", "kernels_max")] == \
         "regression"
     assert statuses(gate(periodic(9), run))[("kda", "kernels_max")] == "ok"
+    # a shorter run's larger count is no window's doing: a regression
+    assert statuses(gate(periodic(20, extra=False), run))[("kda", "kernels_max")] == \
+        "regression"
 
 
 def _with_classes(attention_us: float, moe_us: float, steps: int = 10) -> dict:
@@ -864,6 +909,12 @@ def test_one_layer_of_many_twice_as_slow_fails_as_that_layer():
     assert not any(gate(base, _layers_noisy(seed)).failures for seed in range(2, 32))
     few = gate(_layers_noisy(0, steps=3), _layers_noisy(1, steps=3, slow={5: 2.0}))
     assert not any(c.metric == "layer_kernel_us" for c in few.checks)
+    # a type of one layer a step: its own check is that layer's
+    one = {"specialized": _with_classes(20.0, 60.0)["specialized"]}
+    for r in one["specialized"].layers:
+        r["index"] = 0
+    assert not any(c.metric == "layer_kernel_us" for c in gate(one, one).checks)
+    assert layer.alpha == pytest.approx(0.01 / 12)
 
 
 def test_paths_are_matched_by_name_and_steps_only_when_found():

@@ -108,7 +108,7 @@ class GraphedDecodeStep:
         verify = tokens_per_step > 1
         # Graph-safe steps do not check the cache capacity: the warm-up runs must fit in it.
         model.positions(state, GRAPH_WARMUP_RUNS * tokens_per_step)
-        self.capacity = min((kv.shape[1] for kv in state.kv.values()), default=None)
+        self.capacity = state.kv_capacity
         self.furthest = int(state.lengths.max())   # (a sync, before the capture)
         self.tokens_per_step = tokens_per_step
         model.graph_safe = True

@@ -121,6 +121,11 @@ class DecodeState:
             q_scale=q_scale,
         )
 
+    @property
+    def kv_capacity(self) -> int | None:
+        """Tokens per sequence the latent caches hold (None: no gated-MLA layer)."""
+        return min((kv.shape[1] for kv in self.kv.values()), default=None)
+
     def check_verify(self, tokens: int) -> None:
         if tokens > self.max_verify:
             raise ValueError(f"a verify step of {tokens} tokens per sequence needs a state "
@@ -267,7 +272,7 @@ class K3Model:
     def positions(self, state: DecodeState, T: int) -> torch.Tensor:
         """Cache positions [B, T] of this step's tokens; refuses a step the cache cannot hold
         (unless graph-safe: reading the lengths would wait on the device)."""
-        capacity = min((kv.shape[1] for kv in state.kv.values()), default=None)
+        capacity = state.kv_capacity
         if (capacity is not None and not self.graph_safe
                 and int(state.lengths.max()) + T > capacity):
             raise ValueError(f"KV cache holds {capacity} tokens; this step needs "

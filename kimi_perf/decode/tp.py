@@ -17,7 +17,7 @@ import torch.multiprocessing as mp
 from kimi_perf.decode.config import K3Config
 from kimi_perf.decode.model import K3Model
 from kimi_perf.decode.weights import Weights, shard
-from kimi_perf.errors import TraceError
+from kimi_perf.errors import TraceError, is_out_of_memory
 
 
 def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
@@ -94,18 +94,12 @@ def _quiet_spawn_log():
         log.setLevel(level)
 
 
-def _is_out_of_memory(exc: BaseException) -> bool:
-    return isinstance(exc, MemoryError) or (
-        isinstance(exc, RuntimeError)
-        and any(words in str(exc) for words in ("can't allocate", "out of memory")))
-
-
 def _save_failure(out_dir: str, rank: int, exc: BaseException) -> None:
     """What the parent re-raises: a ``TraceError``'s file and problem, or an allocation
     failure's message (exceptions themselves do not all pickle: TraceError's do not)."""
     if isinstance(exc, TraceError):
         failure = ("TraceError", exc.path, exc.problem)
-    elif _is_out_of_memory(exc):
+    elif is_out_of_memory(exc):
         failure = ("MemoryError", None, str(exc).strip())
     else:
         return

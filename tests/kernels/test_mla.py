@@ -121,9 +121,11 @@ def test_positions_past_the_cache_write_nothing_else(cache_dtype, tiles):
     kv = torch.randn(M, lora + rope, generator=gen).bfloat16()
     kv_norm = 1 + 0.1 * torch.randn(lora, generator=gen)
     ql = torch.randn(heads, M, lora, generator=gen).bfloat16()
-    positions = torch.tensor([5, 6, 2, 3])    # sequence 0's second token: row 6 of 6
+    # each sequence's second token at row 6 of 6: sequence 0's would land in sequence 1's
+    # first row, sequence 1's in the row after the tensor
+    positions = torch.tensor([5, 6, 5, 6])
     written = torch.zeros(batch, S, dtype=torch.bool)
-    written[[0, 1, 1], [5, 2, 3]] = True       # the rows of the tokens the cache holds
+    written[[0, 1], [5, 5]] = True             # the rows of the tokens the cache holds
     scale = 0.5 if cache_dtype == FP8 else 1.0
     bits = torch.uint8 if cache_dtype == FP8 else torch.int16
     for insert, reference in (
