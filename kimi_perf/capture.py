@@ -692,14 +692,25 @@ def run_document(run_dir: Path, results: dict[str, Breakdown], run_info: dict,
     each path's (or trace's) breakdown, and the first set against each of the others; of
     three or more, also every one in one overview, as the table shows them
     (``lazy_layers``: see ``Breakdown.to_json``)."""
-    from kimi_perf.comparison import compare, overview, overview_json
+    from kimi_perf.comparison import (
+        compare,
+        comparison_notes,
+        overview,
+        overview_json,
+        sides_notes,
+    )
 
     first, *others = results
+    comparisons = []
+    for other in others:
+        a, b = results[first], results[other]
+        rows = compare(a, b)
+        comparisons.append({"a": first, "b": other, "rows": [r.to_json() for r in rows],
+                            "notes": [*comparison_notes(rows, first, other, a.unit, b.unit),
+                                      *sides_notes(a, b, first, other)]})
     doc = {"schema": 1, "run_dir": str(run_dir), "run": run_info,
            "paths": {k: b.to_json(lazy_layers) for k, b in results.items()},
-           "comparisons": [{"a": first, "b": other, "rows": [
-               r.to_json() for r in compare(results[first], results[other])]}
-               for other in others]}
+           "comparisons": comparisons}
     if len(results) >= 3:
         doc["overview"] = overview_json(overview(results))
     return doc

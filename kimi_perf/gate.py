@@ -17,12 +17,11 @@ layer (by its index in a step) whose median rose most (``layer_kernel_us``), tes
 ``alpha`` over the layers compared. With too few steps for the test to reach ``alpha`` it
 takes the layers themselves, whose p-value is then optimistic; with too few of those too
 (fewer than ``min_samples`` a side, or 1 / C(n+m, n) >= alpha), the thresholds decide
-alone. A layer type
-or path the baseline has and the run lacks fails too (the analysis lost it); one the run adds
-is reported. Layers a step (in all, and of each type) must match: a layer lost or added is
-other work, whose figures would pass for a change of speed; a count that differs fails, but
-not where it says nothing of the work: the pattern typed as many layers a step otherwise, the
-steps are profiler windows, or the models differ in depth.
+alone. A layer type or path the baseline has and the run lacks fails too (the analysis lost
+it); one the run adds is reported. Layers a step (in all, and of each type) must match: a
+layer lost or added is other work, whose figures would pass for a change of speed; a count
+that differs fails, but not where it says nothing of the work: the pattern typed as many
+layers a step otherwise, the steps are profiler windows, or the models differ in depth.
 
 Layer types found by the repeating kernel pattern (letters in order of first appearance, not
 range names) are paired by their kernel sequence (its digest), whatever their letters; the types

@@ -464,6 +464,8 @@ def test_trace_command_captures_both_paths(tmp_path):
     assert doc["schema"] == 1 and (compared["a"], compared["b"]) == ("standard", "specialized")
     ratios = {r["type"]: r["kernel_ratio"] for r in compared["rows"]}
     assert (ratios["kda"], ratios["mla"]) == (2.0, 2.0)
+    assert compared["notes"][0].startswith("ratios: standard over specialized")
+    assert any("a CPU run's µs are CPU time" in note for note in compared["notes"])
     names = sorted(p.name for p in run_dir.iterdir())
     assert names == ["breakdown.json", "report.html", "run.json", "specialized.kptrace",
                      "specialized.trace.json.gz", "standard.kptrace", "standard.trace.json.gz"]
