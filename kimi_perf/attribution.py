@@ -1,4 +1,5 @@
-"""Kernel-to-range projection, exactly as NVIDIA's ``nsys stats`` report ``nvtx_kern_sum``.
+"""Kernels attributed to the ranges open at their launch, exactly as NVIDIA's ``nsys stats``
+report ``nvtx_kern_sum`` does.
 
 A kernel belongs to every CPU range (push/pop or start/end, of any domain) on the thread that
 launched it whose [start, end] contains the launching API call's [start, end]. Kernels in no

@@ -21,14 +21,12 @@ import itertools
 import json
 import os
 import platform
-import re
 import shlex
 import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
-import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,15 +35,14 @@ from kimi_perf import __version__
 from kimi_perf.decode.fallbacks import every_decode_step_fell_back, summarise
 from kimi_perf.errors import TraceError
 from kimi_perf.layer_breakdown import Breakdown, breakdown, breakdown_of_file
-from kimi_perf.names import primed
 from kimi_perf.readers import read_trace
 from kimi_perf.readers.nsys import nsys_cli
+from kimi_perf.runs import trace_labels
 from kimi_perf.trace import (
     atomic_write,
     atomic_write_text,
     current_umask,
     json_text,
-    printable,
 )
 
 PATH_BACKENDS = {"standard": "auto", "specialized": "latency_specialized"}
@@ -579,135 +576,20 @@ def _capture_path_nsys(path: str, req: TraceRequest, device: str, run_dir: Path
                     logits_finite=worker["logits_finite"]), sqlite
 
 
-TRACE_SUFFIXES = (".pt.trace.json.gz", ".trace.json.gz", ".json.gz", ".pt.trace.json",
-                  ".trace.json", ".json", ".sqlite", ".nsys-rep", ".kptrace")
-
-
-def trace_label(path: Path) -> str:
-    """A trace's file name without its trace suffix (``wan2.1_after.sqlite``:
-    ``wan2.1_after``), its control characters written out (``printable``)."""
-    name = path.name
-    for suffix in TRACE_SUFFIXES:
-        if name.endswith(suffix) and len(name) > len(suffix):
-            return printable(name[: -len(suffix)])
-    return printable(name)
-
-
-def trace_labels(paths: list[Path]) -> list[str]:
-    """``trace_label`` of each path, distinct: where file names repeat (rank0/trace.json,
-    rank1/trace.json) the folder holding each comes first (rank0/trace), two or three where
-    one does not tell them apart (run_a/rank0/trace, run_b/rank0/trace), and what still
-    repeats gets primes (trace, trace')."""
-    names = [trace_label(p) for p in paths]
-    folders = [Path(os.path.abspath(p)).parent.parts for p in paths]
-    labels = names
-    for depth in (1, 2, 3):
-        repeated = {label for label in labels if labels.count(label) > 1}
-        if depth > 1:   # a folder more only where the folders differ (not one file twice)
-            repeated = {label for label in repeated if len(
-                {f for f, other in zip(folders, labels, strict=True) if other == label}) > 1}
-        labels = ["/".join([*map(printable, folder[-depth:]), name]) if label in repeated
-                  else label
-                  for folder, name, label in zip(folders, names, labels, strict=True)]
-    return primed(labels)
-
-
-# How far into a JSON file a Kineto trace names its events (or its schema, which the profiler
-# writes first), so that other JSON beside traces in a directory is told apart
-KINETO_HEAD = 1 << 16
-
-
-def _json_not_a_trace(path: Path) -> bool:
-    """A JSON file (gzipped or not) that is neither a list (Chrome's bare event list) nor an
-    object whose head names a Kineto key: a profiler's directory often holds other JSON (a
-    config, a summary) beside its traces."""
-    if not path.name.endswith((".json", ".json.gz")):
-        return False
-    try:
-        with (gzip.open(path, "rb") if path.name.endswith(".gz") else open(path, "rb")) as f:
-            head = f.read(KINETO_HEAD)
-    except (OSError, EOFError, zlib.error):
-        return False   # unreadable: the reader says why
-    return not (head.lstrip(b"\xef\xbb\xbf \t\r\n").startswith(b"[")
-                or b'"traceEvents"' in head or b'"schemaVersion"' in head)
-
-
-def trace_files(paths: list[Path], keep_runs: bool = False,
-                left_out: list[tuple[Path, str]] | None = None) -> list[Path]:
-    """``paths`` with each directory replaced by the trace files in it, in natural order
-    (rank2 before rank10): a profiler's output directory, one trace per rank or worker, as
-    vLLM's and SGLang's profilers write them. Left out (each with why, added to
-    ``left_out``): breakdown JSON files, other JSON that is no trace, and a name of a trace's
-    that is no regular file (a FIFO, a dangling symlink); an .nsys-rep beside its SQLite
-    export is too, silently (its export is the same capture). A kimi-perf run directory is
-    not a directory of traces: an error, or with ``keep_runs`` kept as it is (``kimi-perf
-    report`` draws it)."""
-    from kimi_perf.gate import is_kimi_perf_json, is_kimi_perf_run_json
-
-    def natural(p: Path) -> list:
-        return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", p.name)]
-
-    out: list[Path] = []
-    for path in paths:
-        if not path.is_dir():
-            out.append(path)
-            continue
-        if (path / "breakdown.json").exists():
-            if keep_runs:
-                out.append(path)
-                continue
-            raise TraceError(path, "a kimi-perf run directory, not a directory of traces: "
-                                   "kimi-perf report draws it")
-        if is_kimi_perf_run_json(path / "run.json"):
-            raise TraceError(path, "a kimi-perf run directory without its breakdown.json (a "
-                                   "capture that did not finish, or a file removed since)")
-        entries = [f for f in path.iterdir() if f.name.endswith(TRACE_SUFFIXES)]
-        unread = [(f, "a dangling symlink" if f.is_symlink() and not f.exists() else
-                   "not a regular file") for f in entries if not f.is_file()]
-        stored = [(f, "a kimi-perf breakdown") for f in entries
-                  if f.is_file() and is_kimi_perf_json(f)]
-        named = sorted((f for f in entries if f.is_file() and not is_kimi_perf_json(f)),
-                       key=natural)
-        other = [f for f in named if _json_not_a_trace(f)]
-        found = [f for f in named if f not in other]
-        if not found:
-            raise TraceError(path, "holds no trace files (" + ", ".join(
-                f"*{s}" for s in TRACE_SUFFIXES[2:]) + ")" + (
-                f"; JSON that is not a trace: {', '.join(f.name for f in other)}"
-                if other else ""))
-        if left_out is not None:
-            left_out += sorted([*stored, *((f, "JSON that is not a trace") for f in other),
-                                *unread], key=lambda entry: natural(entry[0]))
-        # a report nsys has exported (``nsys stats`` leaves X.sqlite beside X.nsys-rep) is
-        # one capture: its export is read, and the report is not read again
-        exported = {f.name.removesuffix(".sqlite") for f in found if f.suffix == ".sqlite"}
-        out += [f for f in found
-                if not (f.suffix == ".nsys-rep" and f.stem in exported)]
-    return out
-
-
 def run_document(run_dir: Path, results: dict[str, Breakdown], run_info: dict,
                  lazy_layers: bool = False) -> dict:
     """What ``kimi-perf trace --format json`` prints of a ``capture`` or ``analyse``: the run,
     each path's (or trace's) breakdown, and the first set against each of the others; of
     three or more, also every one in one overview, as the table shows them
     (``lazy_layers``: see ``Breakdown.to_json``)."""
-    from kimi_perf.comparison import (
-        compare,
-        comparison_notes,
-        overview,
-        overview_json,
-        sides_notes,
-    )
+    from kimi_perf.comparison import Comparison, overview, overview_json
 
     first, *others = results
     comparisons = []
     for other in others:
-        a, b = results[first], results[other]
-        rows = compare(a, b)
-        comparisons.append({"a": first, "b": other, "rows": [r.to_json() for r in rows],
-                            "notes": [*comparison_notes(rows, first, other, a.unit, b.unit),
-                                      *sides_notes(a, b, first, other)]})
+        c = Comparison.of(results[first], results[other], first, other)
+        comparisons.append({"a": first, "b": other, "rows": [r.to_json() for r in c.rows],
+                            "notes": c.notes})
     doc = {"schema": 1, "run_dir": str(run_dir), "run": run_info,
            "paths": {k: b.to_json(lazy_layers) for k, b in results.items()},
            "comparisons": comparisons}

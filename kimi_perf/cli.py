@@ -20,19 +20,17 @@ import click
 
 from kimi_perf import gate as gate_mod
 from kimi_perf import render
+from kimi_perf import runs as runs_mod
 from kimi_perf.attribution import range_kernel_summary
 from kimi_perf.classify import load_rules
 from kimi_perf.comparison import (
-    compare,
-    comparison_doc,
-    comparison_notes,
-    sides_notes,
+    compare_files,
     type_pairs,
 )
 from kimi_perf.decode import floors as floors_mod
 from kimi_perf.decode.fallbacks import fell_back_text, paths_that_fell_back
 from kimi_perf.errors import TraceError, is_out_of_memory
-from kimi_perf.layer_breakdown import Breakdown, breakdown_of_file, units_word
+from kimi_perf.layer_breakdown import note_lines, units_word
 from kimi_perf.layers import PHASES
 from kimi_perf.readers import read_trace
 from kimi_perf.text import counted, distinct_words
@@ -216,7 +214,7 @@ def _given(*names: str) -> list[str]:
 def _no_trace_among(files: list[Path]) -> None:
     """Options that break traces down, given where every input is a stored breakdown, would
     change nothing: say so rather than ignore them."""
-    if (given := _given(*TRACE_OPTIONS)) and all(_stored(f) for f in files):
+    if (given := _given(*TRACE_OPTIONS)) and all(runs_mod.is_stored(f) for f in files):
         verb = "applies" if len(given) == 1 else "apply"
         what = "is a stored breakdown" if len(files) == 1 else "are stored breakdowns"
         raise TraceError(None, f"{', '.join(given)} {verb} to traces, and "
@@ -225,14 +223,6 @@ def _no_trace_among(files: list[Path]) -> None:
 
 def _layers_option(fn):
     return click.option("--layers", default="auto", show_default=True, help=LAYERS_HELP)(fn)
-
-
-def _no_run(files: list[Path]) -> TraceError:
-    """The error for --path where no input is a kimi-perf run."""
-    said = (f"{files[0]} is not one" if len(files) == 1
-            else f"neither {files[0]} nor {files[1]} is one" if len(files) == 2
-            else "no input is one")
-    return TraceError(None, f"--path picks a decode path of a kimi-perf run: {said}")
 
 
 def _phase_option(fn):
@@ -483,26 +473,6 @@ def ranges(trace: Path, fmt: str, output: Path | None) -> None:
         click.echo(f"{trace}: {why}", err=True)
 
 
-def _breakdown_of(path: Path, layers: str, rules: Path | None, steps: str | None,
-                  phase: str, path_name: str | None = None, capture: Path | None = None
-                  ) -> Breakdown:
-    """A trace's breakdown (``capture``: see ``read_trace``), or a saved breakdown JSON as it
-    is (of a run: its one decode path, or the one ``path_name`` names)."""
-    runs, run_doc = _saved_breakdowns(path)
-    if path_name is not None and run_doc is None:
-        raise _no_run([path])
-    if capture is not None and runs:
-        raise TraceError(None, f"--capture joins a trace's graph captures, and {path} is a "
-                               "stored breakdown")
-    if run_doc is not None:
-        return gate_mod.one_path(path, runs, path_name)[1]
-    if runs:
-        return next(iter(runs.values()))
-    layers, steps = _check_layers(layers), _check_steps(steps)
-    return breakdown_of_file(path, capture, layers=layers, rules=load_rules(rules),
-                             step_regex=steps, phase=phase)
-
-
 EXAMPLE_TRACE = (Path(__file__).parent / "examples"
                  / "vllm_gptoss20b_decode_fullgraph_mi300x.json.gz")
 
@@ -539,7 +509,8 @@ def breakdown_cmd(trace: Path | None, fmt: str, layers: str, step_regex: str | N
     trace = trace or EXAMPLE_TRACE
     _not_an_input(output, trace, rules, capture)
     _no_trace_among([trace])
-    b = _breakdown_of(trace, layers, rules, step_regex, phase, path_name, capture)
+    b = runs_mod.load_breakdown(trace, path_name, phase, capture, layers=_check_layers(layers),
+                                rules=rules, step_regex=_check_steps(step_regex))
     if fmt == "table":
         typical = [render.typical_layer_table(t["type"] or "-", {"": t}, b.unit)
                    for t in b.layer_types] if kernels else []
@@ -576,120 +547,26 @@ def compare_cmd(a: Path, b: Path | None, path_name: str | None, fmt: str, layers
     pair = _split_labels(labels, ["A", "B"]) if labels is not None else None
     _not_an_input(output, a, b, rules)
     _no_trace_among([a] if b is None else [a, b])
-    from kimi_perf.capture import trace_labels
-
-    names = trace_labels([a] if b is None else [a, b])
-    runs_a, run_a = _breakdowns_of(a, layers, rules, step_regex, phase, names[0])
-    if b is None:
-        if not run_a or len(runs_a) < 2:
-            raise TraceError(a, "compare takes two traces, or one run of two decode paths")
-        if path_name is not None:
-            raise TraceError(None, "--path picks a decode path from each of two runs; one "
-                                   "run is compared path against path")
-        (name_a, ba), (name_b, bb) = list(runs_a.items())[:2]
-        run_b = run_a
-    else:
-        runs_b, run_b = _breakdowns_of(b, layers, rules, step_regex, phase, names[1])
-        if path_name is not None and run_a is None and run_b is None:
-            raise _no_run([a, b])
-        (name_a, ba), (name_b, bb) = (
-            gate_mod.one_path(f, runs, path_name) if run is not None
-            else next(iter(runs.items())) for f, runs, run in ((a, runs_a, run_a),
-                                                              (b, runs_b, run_b)))
-    # a path that fell back on every step ran the standard path's ops under its own name
-    fell_back = [paths_that_fell_back((run or {}).get("run")).get(name)
-                 for run, name in ((run_a, name_a), (run_b, name_b))]
-    files_said = []
-    if b is not None and name_a == name_b and run_a and run_b:  # one path of two runs
-        runs = [_run_name(f) for f in (a, b)]
-        if fmt != "json" and pair is None and (shown := distinct_words(runs)) != runs:
-            # run names that differ by their time alone: the time in the headers
-            files_said = [f"{shown[0]}: {a}; {shown[1]}: {b}"]
-            runs = shown
-        name_a, name_b = (f"{run}:{name_a}" for run in runs)
-    two_captures = b is not None and bool(run_a) and bool(run_b)   # (not one run's two paths)
-    unlike = gate_mod.run_differences(run_a, run_b) if two_captures else []
-    if pair is not None:
-        name_a, name_b = pair
-    elif name_a == name_b:
-        name_b += "'"
-    if fmt != "json" and pair is None and b is not None and not (run_a or run_b):
-        # two files' names in the table's headers: the words they share left out (the JSON
-        # keeps the whole names), and which file each label is said under it
-        shown = distinct_words([name_a, name_b])
-        if shown != [name_a, name_b]:
-            files_said = [f"{shown[0]}: {a}; {shown[1]}: {b}"]
-            name_a, name_b = shown
-    warnings = [fell_back_text(name, reason) for name, reason
-                in zip((name_a, name_b), fell_back, strict=True) if reason is not None]
-    notes = [*render.note_lines({name_a: ba, name_b: bb}),
-             *sides_notes(ba, bb, name_a, name_b),
-             *([gate_mod.captured_differently(name_a, name_b, unlike)] if unlike else [])]
-    rows = compare(ba, bb)
+    c = compare_files(a, b, path_name, pair, fmt != "json", phase, layers=_check_layers(layers),
+                      rules=rules, step_regex=_check_steps(step_regex))
     if fmt == "json":
-        doc = comparison_doc(ba, bb, name_a, name_b, kernels, rows)
-        if two_captures:
-            doc["run_differences"] = unlike
-        if warnings:
-            doc["fell_back"] = warnings
-        # what the table says under it, as the JSON's reader would need it too
-        doc["notes"] = [*comparison_notes(rows, name_a, name_b, ba.unit, bb.unit), *notes]
-        _emit(json_text(doc), output)
+        _emit(json_text(c.to_json(kernels)), output)
         return
-    unit, unit_b = ba.unit, bb.unit
-    tables = [render.comparison_table(rows, name_a, name_b, unit, unit_b),
-              render.comparison_headline(rows, name_a, name_b, unit, unit_b), *files_said,
-              *notes, *warnings]
-    for pair in type_pairs(ba, bb, rows) if kernels else ():
-        tables.append(render.typical_layer_table(pair.label, {name_a: pair.a, name_b: pair.b},
-                                                 units_word((unit, unit_b))))
-        if pair.ledger is not None:
-            swapped, ledger_rows, left = pair.ledger
-            standard, specialized = (name_b, name_a) if swapped else (name_a, name_b)
-            tables.append(render.fusion_table(pair.label, standard, specialized, ledger_rows,
-                                              left))
+    unit, unit_b = c.a.unit, c.b.unit
+    tables = [render.comparison_table(c.rows, c.label_a, c.label_b, unit, unit_b),
+              render.comparison_headline(c.rows, c.label_a, c.label_b, unit, unit_b),
+              *([c.labels_said] if c.labels_said else []), *c.side_notes, *c.fell_back]
+    for type_pair in type_pairs(c.a, c.b, c.rows) if kernels else ():
+        tables.append(render.typical_layer_table(
+            type_pair.label, {c.label_a: type_pair.a, c.label_b: type_pair.b},
+            units_word((unit, unit_b))))
+        if type_pair.ledger is not None:
+            swapped, ledger_rows, left = type_pair.ledger
+            standard, specialized = ((c.label_b, c.label_a) if swapped
+                                     else (c.label_a, c.label_b))
+            tables.append(render.fusion_table(type_pair.label, standard, specialized,
+                                              ledger_rows, left))
     _emit_tables(tables, output)
-
-
-def _breakdowns_of(path: Path, layers: str, rules: Path | None, steps: str | None, phase: str,
-                   label: str) -> tuple[dict[str, Breakdown], dict | None]:
-    """A `kimi-perf trace` run's breakdowns per decode path (and the JSON document holding
-    them), or the one of a breakdown JSON or a trace, named ``label`` (and None)."""
-    runs, run_doc = _saved_breakdowns(path)
-    if run_doc is not None:
-        return runs, run_doc
-    b = next(iter(runs.values())) if runs else _breakdown_of(path, layers, rules, steps, phase)
-    return {label: b}, None
-
-
-def _stored(path: Path) -> bool:
-    """A kimi-perf run directory or JSON file (a stored breakdown), not a trace (nor a
-    directory of traces); a run directory's breakdown.json whatever it holds (``load_run``
-    refuses one that is not ours)."""
-    return ((path / "breakdown.json").exists() if path.is_dir()
-            else gate_mod.is_run_breakdown(path)
-            or (path.suffix == ".json" and gate_mod.is_kimi_perf_json(path)))
-
-
-def _saved_breakdowns(path: Path) -> tuple[dict[str, Breakdown], dict | None]:
-    """What a kimi-perf run directory or JSON file holds, read once: its breakdowns and, for
-    a run of decode paths, the document holding them; ({}, None) for anything else (a
-    trace)."""
-    if not _stored(path):
-        return {}, None
-    runs, doc, _ = gate_mod.load_run(path)
-    return runs, doc if "paths" in doc else None
-
-
-def _run_name(path: Path) -> str:
-    """A run's name: its directory's (for a run's breakdown.json, the directory holding it);
-    for a run kept as a JSON of its own (a baseline), the file's name without ``.json``."""
-    from kimi_perf.capture import trace_label
-
-    if path.is_dir() or path.name == "breakdown.json":
-        return printable(Path(os.path.abspath(path if path.is_dir() else path.parent)).name
-                         or str(path))
-    return trace_label(path)
 
 
 @main.command(name="gate", short_help="A run against a stored baseline: exit 1 on a regression")
@@ -741,69 +618,28 @@ def gate_cmd(baseline: Path, run: Path, metrics: str, rel_tol: float, abs_tol: f
     # how a trace is broken down, as for `breakdown`
     options = {"layers": _check_layers(layers), "step_regex": _check_steps(step_regex),
                "rules": load_rules(rules)}
-    loaded: dict[Path, tuple] = {}
     if update:
-        if baseline.exists() and not _stored(baseline):
-            raise TraceError(baseline, "--update replaces a baseline JSON, not a trace"
-                             if baseline.suffix != ".json" or baseline.is_dir() else
-                             "not a kimi-perf baseline (a breakdown JSON) for --update to "
-                             "replace: remove it first to store the run there")
-        gate_mod.check_storable(baseline)
-        runs, run_doc, _ = loaded[run] = gate_mod.load_run(run, phase, **options)
-        if not gate_mod.has_work(runs):
-            raise TraceError(run, "holds no steps and no layers: nothing to store as a baseline")
-        if not baseline.exists():
-            _stored_unchecked(baseline, run_doc, "created", run, fmt, tolerances)
+        gated, how = gate_mod.update_baseline(baseline, run, tolerances, phase, strict,
+                                              **options)
+        if gated is None:   # nothing to gate against: stored, and said (in JSON too)
+            if fmt == "json":
+                with _reader_may_leave():
+                    _echo(json.dumps({**gate_mod.GateResult([], tolerances).to_json(),
+                                      "updated": str(baseline)}, indent=1, allow_nan=False))
+            click.echo(f"baseline {baseline} {how} from {run}", err=True)
             return
-        try:
-            base_runs, _, base_file = loaded[baseline] = gate_mod.load_run(baseline, phase,
-                                                                            **options)
-        except TraceError as exc:   # (a baseline edited since, say)
-            raise TraceError(baseline, f"{exc.problem}: --update gates against it first; "
-                                       "remove it to store the run there") from None
-        # a stored baseline with nothing to check (which gate refuses) is replaced unchecked
-        if base_file is not None and not gate_mod.has_work(base_runs):
-            _stored_unchecked(base_file, run_doc, "replaced", run, fmt, tolerances)
-            return
-        if gate_mod.TRACE in (*base_runs, *runs) and len(base_runs) + len(runs) > 2:
-            # (gate would ask for --path, which --update does not take: it stores the whole run)
-            raise TraceError(baseline, f"holds {_holds(base_runs)}, and {run} holds "
-                                       f"{_holds(runs)}: the gate --update makes first cannot "
-                                       "pair them; " + (
-                                           "remove the baseline to store the run there"
-                                           if set(base_runs) == {gate_mod.TRACE} else
-                                           "give the run's directory to replace every path, "
-                                           "or keep the trace's in a new file"))
-    gated = gate_mod.gate_files(baseline, run, tolerances, path_name, phase, loaded, strict,
+        with _reader_may_leave():
+            _print_gate(gated, fmt, show_all, update)
+        click.echo(f"baseline {gated.baseline_file} updated from {run}"
+                   + ("" if gated.result.ok
+                      else " (what the gate above failed is now the baseline)"), err=True)
+        return
+    gated = gate_mod.gate_files(baseline, run, tolerances, path_name, phase, strict=strict,
                                 **options)
-    result = gated.result
-    if update:   # (stored before it is said: what stdout says was done, was)
-        gate_mod.store_baseline(gated.baseline_file, gated.run_doc)
     with _reader_may_leave():
         _print_gate(gated, fmt, show_all, update)
-    if update:
-        click.echo(f"baseline {gated.baseline_file} updated from {run}"
-                   + ("" if result.ok else " (what the gate above failed is now the baseline)"),
-                   err=True)
-    elif not result.ok:
+    if not gated.result.ok:
         sys.exit(1)
-
-
-def _holds(runs: dict) -> str:
-    """What a side of the gate holds, in words: one trace's breakdown, or a run's paths."""
-    return ("one trace's breakdown" if set(runs) == {gate_mod.TRACE}
-            else f"the paths {', '.join(runs)}")
-
-
-def _stored_unchecked(baseline: Path, run_doc: dict, how: str, run: Path, fmt: str,
-                      tolerances: gate_mod.Tolerances) -> None:
-    """--update where there was nothing to gate against: stored, and said (in JSON too)."""
-    gate_mod.store_baseline(baseline, run_doc)
-    if fmt == "json":
-        with _reader_may_leave():
-            _echo(json.dumps({**gate_mod.GateResult([], tolerances).to_json(),
-                              "updated": str(baseline)}, indent=1, allow_nan=False))
-    click.echo(f"baseline {baseline} {how} from {run}", err=True)
 
 
 def _print_gate(gated: gate_mod.GatedRun, fmt: str, show_all: bool, update: bool) -> None:
@@ -819,10 +655,10 @@ def _print_gate(gated: gate_mod.GatedRun, fmt: str, show_all: bool, update: bool
         if table.row_count:
             console.print(table)
         for side, runs in (("baseline", gated.baseline), ("run", gated.current)):
-            for line in render.note_lines({f"{side} {p}": b for p, b in runs.items()}):
+            for line in note_lines({f"{side} {p}": b for p, b in runs.items()}):
                 console.print(line)   # steps left out, say
         if result.run_differences:
-            console.print(gate_mod.captured_differently("the baseline", "the run",
+            console.print(runs_mod.captured_differently("the baseline", "the run",
                                                       result.run_differences),
                           style="bold yellow")
         if result.breakdown_differences:
@@ -833,9 +669,8 @@ def _print_gate(gated: gate_mod.GatedRun, fmt: str, show_all: bool, update: bool
             console.print(line, style="bold yellow")
         if result.cpu_time_metrics:
             interpreted = (" (the specialized path in Triton's interpreter)"
-                           if "specialized" in result.op_paths and not any(
-                               "specialized: every step fell back" in line
-                               for line in result.fell_back) else "")
+                           if "specialized" in result.op_paths
+                           and "specialized" not in result.paths_fell_back else "")
             console.print(f"{', '.join(result.cpu_time_metrics)} of a CPU run are CPU time"
                           f"{interpreted}, noisy and no speed figure: --metrics kernels gates "
                           "the launches alone", style="yellow")
@@ -875,48 +710,18 @@ def report_cmd(inputs: tuple[Path, ...], path_name: str | None, labels: str | No
     --path names: `kimi-perf report BASELINE.json RUN --path specialized` shows what a gate
     failure is made of. Breakdowns are drawn as stored; traces are broken down first.
     """
-    from kimi_perf.capture import trace_labels
-    from kimi_perf.report import plotly_js_for, write_report
+    from kimi_perf.report import plotly_js_for, report_inputs, write_report
 
     plotly_js_for(plotly_js, output.parent)  # a missing file is said before any work
     found, left_out = _traces_in(list(inputs), keep_runs=True)
     inputs = tuple(found)
     _not_an_input(output, *inputs, rules)
     _no_trace_among(list(inputs))
-    # stored inputs first: a --path that no run has is said before any trace is broken down
-    labels_of = trace_labels(list(inputs))
-    loaded = {i: _breakdowns_of(f, layers, rules, step_regex, phase, labels_of[i])
-              for i, f in enumerate(inputs) if _stored(f)}
-    if path_name is not None and not any(doc is not None for _, doc in loaded.values()):
-        raise _no_run(list(inputs))
-    drawn: dict[str, Breakdown] = {}
-    fell_back: dict[str, str] = {}   # drawn paths of several inputs whose every step fell back
-    run_info = None
-    run_infos: list[tuple[str, dict]] = []   # of several runs: what each ran
-    for i, file in enumerate(inputs):
-        runs, run_doc = loaded.get(i) or _breakdowns_of(file, layers, rules, step_regex, phase,
-                                                        labels_of[i])
-        info = run_doc.get("run") if run_doc is not None else None
-        if info is not None:   # (checked as it was read)
-            run_infos.append((_run_name(file), info))
-        if run_doc is not None and path_name is not None:
-            runs = dict([gate_mod.one_path(file, runs, path_name)])
-        fell = paths_that_fell_back(info) if len(inputs) > 1 else {}   # (one run: its own)
-        for name, b in runs.items():
-            label = f"{_run_name(file)}:{name}" if run_doc and len(inputs) > 1 else name
-            while label in drawn:
-                label += "'"
-            drawn[label] = b
-            if name in fell:
-                fell_back[label] = fell[name]
-        if info is not None and len(inputs) == 1:  # the run's own: what ran
-            run_info = info if path_name is None else {**info, "paths": {   # that path's alone
-                p: m for p, m in (info.get("paths") or {}).items() if p == path_name}}
+    got = report_inputs(list(inputs), path_name, phase, layers=_check_layers(layers),
+                        rules=rules, step_regex=_check_steps(step_regex))
     if labels is not None:
-        names = _split_labels(labels, list(drawn))
-        renamed = dict(zip(drawn, names, strict=True))
-        drawn = dict(zip(names, drawn.values(), strict=True))
-        fell_back = {renamed[label]: reason for label, reason in fell_back.items()}
+        got = got.relabelled(_split_labels(labels, list(got.breakdowns)))
+    run_info = got.run
     if run_info is None:   # traces or several inputs: how this report was made
         from kimi_perf import __version__
         from kimi_perf.capture import git_commit
@@ -924,12 +729,10 @@ def report_cmd(inputs: tuple[Path, ...], path_name: str | None, labels: str | No
         run_info = {"command": _command_said(), "kimi_perf": __version__,
                     "git_commit": git_commit(),
                     "date": datetime.datetime.now(datetime.UTC).isoformat()}
-    write_report(output, drawn, "kimi-perf report: " + ", ".join(drawn), run_info, plotly_js,
-                 run_infos if len(inputs) > 1 else [],
-                 [fell_back_text(label, reason) for label, reason in fell_back.items()])
-    for name, info in run_infos[1:] if len(inputs) > 1 else ():
-        if found := gate_mod.run_differences({"run": run_infos[0][1]}, {"run": info}):
-            click.echo(gate_mod.captured_differently(run_infos[0][0], name, found), err=True)
+    write_report(output, got.breakdowns, "kimi-perf report: " + ", ".join(got.breakdowns),
+                 run_info, plotly_js, got.runs, got.warnings)
+    for line in got.captured_differently():
+        click.echo(line, err=True)
     if str(output) != "-":      # the report itself went to stdout
         click.echo(f"report: {output}")
     _say_left_out(left_out)
@@ -985,10 +788,10 @@ def info(trace: Path, fmt: str) -> None:
 
 def _traces_in(paths: list[Path], keep_runs: bool = False
                ) -> tuple[list[Path], list[tuple[Path, str]]]:
-    """``capture.trace_files``: the traces of the directories among ``paths``, and the files
+    """``runs.trace_files``: the traces of the directories among ``paths``, and the files
     in them left out, each with why (``_say_left_out`` once the command is done: an error
     stays one line)."""
-    from kimi_perf.capture import trace_files
+    from kimi_perf.runs import trace_files
 
     left_out: list[tuple[Path, str]] = []
     return trace_files(paths, keep_runs, left_out), left_out
@@ -1308,7 +1111,9 @@ def trace_cmd(from_files: tuple[Path, ...], captures: tuple[Path, ...], phase: s
                                "capture records decode steps only, its launches named by class)")
     if captures and len(captures) != len(from_files):
         raise TraceError(None, f"--capture pairs with --from, one each in the same order: "
-                               f"{len(from_files)} --from, {len(captures)} --capture")
+                               f"{len(from_files)} --from, {len(captures)} --capture (to "
+                               "join one of several alone, `kimi-perf convert TRACE T.kptrace "
+                               "--capture CAPTURE` first, then --from T.kptrace)")
     if captures and (folder := next((f for f in from_files if f.is_dir()), None)):
         raise TraceError(folder, "a directory: --capture pairs with one trace file each")
     if from_files:
@@ -1400,7 +1205,7 @@ def trace_cmd(from_files: tuple[Path, ...], captures: tuple[Path, ...], phase: s
                 if (shown_a, shown_b) != (a, b):
                     console.print(f"{shown_a}: {a}; {shown_b}: {b}")
     if any(rows for _, rows in compared):  # else each trace's own tables say it below
-        for line in render.note_lines(results):
+        for line in note_lines(results):
             console.print(line)
     if not any(rows for _, rows in compared):  # one trace, or none with layers
         for label, b in results.items():

@@ -7,10 +7,23 @@ import math
 import statistics
 from collections import Counter
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
-from kimi_perf.layer_breakdown import Breakdown, layer_column
+from kimi_perf.decode.fallbacks import fell_back_text, paths_that_fell_back
+from kimi_perf.errors import TraceError
+from kimi_perf.layer_breakdown import Breakdown, layer_column, note_lines
+from kimi_perf.runs import (
+    captured_differently,
+    load_paths,
+    no_run,
+    one_path,
+    run_differences,
+    run_name,
+    trace_labels,
+)
+from kimi_perf.text import distinct_words
 
 ALL_LAYERS = "all layers (mean)"
 WHOLE_STEP = "whole step (median)"   # every kernel of a step, whatever its layers
@@ -41,7 +54,8 @@ class ComparisonRow:
     # has no ratio worth printing (their counts still compare: one op per kernel).
     timed_alike: bool = True
     # False for the mean layer of steps cut into other numbers of layers (an eager trace's
-    # ranges against a graph's kernel pattern): not the same unit, no ratio
+    # ranges against a graph's kernel pattern): not the same unit, no ratio; and for whole
+    # steps that are profiler windows holding other numbers of layers (``unequal_windows``)
     same_layers: bool = True
     steps_a: int | None = None   # the whole step's row: the steps its medians are over
     steps_b: int | None = None
@@ -92,10 +106,23 @@ def layers_per_step(b: Breakdown) -> float | None:
     return float(np.median(counts))
 
 
+def unequal_windows(a: Breakdown, b: Breakdown) -> tuple[float, float] | None:
+    """Each side's layers a step, where whole steps do not compare: a step that is all of a
+    device's work (no step range, no graph launch, no forward pass found) is the profiler's
+    window, and windows that hold different numbers of layers ran different work (a 300 ms
+    window of 17 layers against one of 15: their kernels a step differ by the cut alone).
+    Their layers still compare."""
+    if not (a.source.get("steps_found_by") == b.source.get("steps_found_by") == "device"):
+        return None
+    layers = layers_per_step(a), layers_per_step(b)
+    return None if None in layers or layers[0] == layers[1] else layers
+
+
 def compare(a: Breakdown, b: Breakdown) -> list[ComparisonRow]:
     """Rows for each pair of layer types (``pair_layer_types``; A's order first), then all
     layers' mean (no ratios where the steps hold other numbers of layers: other cuts) and the
-    whole step's medians (every kernel of a step, however its layers were found)."""
+    whole step's medians (every kernel of a step, however its layers were found; no ratios
+    where the steps are profiler windows of other numbers of layers)."""
     types_a = {t["type"]: t for t in a.layer_types}
     types_b = {t["type"]: t for t in b.layer_types}
     rows = []
@@ -113,6 +140,7 @@ def compare(a: Breakdown, b: Breakdown) -> list[ComparisonRow]:
     if a.steps or b.steps:
         step = _row(WHOLE_STEP, _whole_step(a), _whole_step(b))
         step.steps_a, step.steps_b = len(a.steps) or None, len(b.steps) or None
+        step.same_layers = unequal_windows(a, b) is None
         rows.append(step)
     for row in rows:
         row.timed_alike = a.unit == b.unit
@@ -265,13 +293,16 @@ PAIRING = ("types found by the repeating kernel pattern pair by their kernel seq
 def ratio_note(rows: list[ComparisonRow], label_a: str, label_b: str) -> str:
     """What a comparison's ratios and its last row are, said where they are read."""
     mean = next((r for r in rows if r.label == ALL_LAYERS), None)
+    step = next((r for r in rows if r.label == WHOLE_STEP), None)
     return (f"ratios: {label_a} over {label_b}, above 1 where {label_b} takes less"
             + ("" if mean is None else "; all layers: the mean over every layer, a slow "
                "outlier included" if mean.same_layers else "; all layers: no ratio, as the "
                "steps hold other numbers of layers (cut otherwise: a mean layer is another "
                "unit on each side)")
-            + ("; whole step: the median step, every kernel of it" if any(
-                r.label == WHOLE_STEP for r in rows) else ""))
+            + ("" if step is None else "; whole step: the median step, every kernel of it"
+               if step.same_layers else "; whole step: no ratio, as each device is one step, "
+               "the profiler's window, and the windows hold other numbers of layers (other "
+               "work)"))
 
 
 def pairing_note(rows: list[ComparisonRow], label_a: str, label_b: str) -> str | None:
@@ -597,3 +628,112 @@ def comparison_doc(a: Breakdown, b: Breakdown, name_a: str, name_b: str,
             doc["fusions"] = fusions
     return doc
 
+
+@dataclass
+class Comparison:
+    """Two breakdowns side by side, with all ``kimi-perf compare`` says of them: ``rows``
+    (``compare``), ``side_notes`` (each side's steps and layers, the sides' GPUs or CPU time,
+    how two captures were made differently), ``fell_back`` (a path whose every step fell back
+    ran the standard path's ops under its own name), ``run_differences`` (of two captures;
+    None where the sides are not two captures) and ``labels_said`` (which file each label
+    shortened from a file name is)."""
+
+    a: Breakdown
+    b: Breakdown
+    label_a: str
+    label_b: str
+    rows: list[ComparisonRow]
+    side_notes: list[str]
+    fell_back: list[str] = dataclasses.field(default_factory=list)
+    run_differences: list[str] | None = None
+    labels_said: str | None = None
+
+    @classmethod
+    def of(cls, a: Breakdown, b: Breakdown, label_a: str = "A", label_b: str = "B",
+           fell_back: list[str] = (), run_differences: list[str] | None = None,
+           labels_said: str | None = None) -> Comparison:
+        notes = [*note_lines({label_a: a, label_b: b}), *sides_notes(a, b, label_a, label_b),
+                 *([captured_differently(label_a, label_b, run_differences)]
+                   if run_differences else [])]
+        return cls(a, b, label_a, label_b, compare(a, b), notes, list(fell_back),
+                   run_differences, labels_said)
+
+    @property
+    def table_notes(self) -> list[str]:
+        """What the table says under it: its ratios, its pairings, its marks."""
+        return comparison_notes(self.rows, self.label_a, self.label_b, self.a.unit, self.b.unit)
+
+    @property
+    def notes(self) -> list[str]:
+        return [*self.table_notes, *self.side_notes]
+
+    def to_json(self, kernels: bool = False) -> dict:
+        """``kimi-perf compare --format json`` (``kernels``: see ``comparison_doc``)."""
+        doc = comparison_doc(self.a, self.b, self.label_a, self.label_b, kernels, self.rows)
+        if self.run_differences is not None:
+            doc["run_differences"] = self.run_differences
+        if self.fell_back:
+            doc["fell_back"] = self.fell_back
+        doc["notes"] = self.notes
+        return doc
+
+    def __repr__(self) -> str:
+        return f"Comparison({self.label_a!r} vs {self.label_b!r}, {len(self.rows)} rows)"
+
+
+def compare_files(a: str | Path, b: str | Path | None = None, path_name: str | None = None,
+                  labels: tuple[str, str] | None = None, short_labels: bool = False,
+                  phase: str = "auto", **breakdown_options) -> Comparison:
+    """``kimi-perf compare A [B]`` as a call. ``a`` and ``b``: traces, breakdown JSON files or
+    ``kimi-perf trace`` runs (``path_name`` picks a run's decode path); ``a`` alone, a run:
+    its first two paths. Traces are broken down over the steps of ``phase`` and as
+    ``breakdown_options`` say (``layers``, ``step_regex``, ``rules``). Labels: ``labels``,
+    else the file names (``short_labels``: without the words both share, as the table
+    shows them) or a run's path names."""
+    a, b = Path(a), None if b is None else Path(b)
+    names = trace_labels([a] if b is None else [a, b])
+    runs_a, run_a = load_paths(a, names[0], phase, **breakdown_options)
+    if b is None:
+        if not run_a or len(runs_a) < 2:
+            raise TraceError(a, "compare takes two traces, or one run of two decode paths")
+        if path_name is not None:
+            raise TraceError(None, "--path picks a decode path from each of two runs; one "
+                                   "run is compared path against path")
+        (name_a, ba), (name_b, bb) = list(runs_a.items())[:2]
+        run_b = run_a
+    else:
+        runs_b, run_b = load_paths(b, names[1], phase, **breakdown_options)
+        if path_name is not None and run_a is None and run_b is None:
+            raise no_run([a, b])
+        (name_a, ba), (name_b, bb) = (
+            one_path(f, runs, path_name) if run is not None else next(iter(runs.items()))
+            for f, runs, run in ((a, runs_a, run_a), (b, runs_b, run_b)))
+    # a path that fell back on every step ran the standard path's ops under its own name
+    fell_back = [paths_that_fell_back((run or {}).get("run")).get(name)
+                 for run, name in ((run_a, name_a), (run_b, name_b))]
+    labels_said = None
+    if b is not None and name_a == name_b and run_a and run_b:  # one path of two runs
+        run_names = [run_name(f) for f in (a, b)]
+        if short_labels and labels is None and (
+                shown := distinct_words(run_names)) != run_names:
+            # run names that differ by their time alone: the time in the headers
+            labels_said = f"{shown[0]}: {a}; {shown[1]}: {b}"
+            run_names = shown
+        name_a, name_b = (f"{run}:{name_a}" for run in run_names)
+    two_captures = b is not None and bool(run_a) and bool(run_b)   # (not one run's two paths)
+    if labels is not None:
+        name_a, name_b = labels
+    elif name_a == name_b:
+        name_b += "'"
+    if short_labels and labels is None and b is not None and not (run_a or run_b):
+        # two files' names: the words they share left out, and which file each label is
+        # said apart
+        shown = distinct_words([name_a, name_b])
+        if shown != [name_a, name_b]:
+            labels_said = f"{shown[0]}: {a}; {shown[1]}: {b}"
+            name_a, name_b = shown
+    return Comparison.of(
+        ba, bb, name_a, name_b,
+        [fell_back_text(name, reason) for name, reason
+         in zip((name_a, name_b), fell_back, strict=True) if reason is not None],
+        run_differences(run_a, run_b) if two_captures else None, labels_said)

@@ -46,15 +46,14 @@ per kernel): for kernel counts the kernels added and removed, for times the (at 
 launches whose µs moved most that way, new or lost ones by all their µs, and the typical
 layer's total change; for a span also the change of the median idle time between its kernels.
 
-A run is what ``kimi-perf trace`` writes (its directory, or the ``breakdown.json`` in it, one
-breakdown per decode path), a breakdown JSON of one trace, or any trace the readers take (one
-path named ``trace``). Baselines are the same files, kept under ``traces/baselines/``.
+A run and a baseline are what ``kimi_perf.runs`` loads: a ``kimi-perf trace`` run (its
+directory or its ``breakdown.json``), a breakdown JSON or any trace. Baselines are kept under
+``traces/baselines/``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import re
 from collections import Counter
@@ -70,6 +69,7 @@ from kimi_perf.comparison import (
     pair_layer_types,
     patterns_differ,
     rotation,
+    unequal_windows,
 )
 from kimi_perf.decode.fallbacks import fell_back_text, paths_that_fell_back
 from kimi_perf.errors import TraceError
@@ -80,20 +80,21 @@ from kimi_perf.layer_breakdown import (
     layer_column,
     layer_of_type,
 )
-from kimi_perf.text import counted
-from kimi_perf.trace import (
-    KIMI_PERF_JSON,
-    atomic_write_text,
-    check_not_read_only,
-    is_int64,
-    json_text,
+from kimi_perf.runs import (
+    TRACE,
+    check_storable,
+    is_figure,
+    is_stored,
+    load_run,
+    one_path,
+    run_differences,
+    store_baseline,
 )
 
 METRICS = ("kernels", "kernel_us", "span_us")
 STEP = "step"  # the pseudo layer type of whole decode steps
 # the checks of times (class_us and layer_kernel_us: kernel_us's, by class and by layer)
 TIMES = ("kernel_us", "span_us", "class_us", "layer_kernel_us")
-TRACE = "trace"  # the one path of a breakdown that is not a kimi-perf trace run
 
 
 @dataclass(frozen=True)
@@ -164,14 +165,15 @@ class GateResult:
     layers were found otherwise (another --steps regex that found other ranges, say; also set
     by ``gate_files``); ``fell_back``: the warnings of paths of either side whose every step
     fell back to the standard path's ops (a run's path that did where the baseline's did not
-    fails a check too); ``cpu_time_metrics``: the checked times that are CPU time (a run on a
-    CPU: noisy and no speed figure)."""
+    fails a check too), and their names (``paths_fell_back``); ``cpu_time_metrics``: the
+    checked times that are CPU time (a run on a CPU: noisy and no speed figure)."""
 
     checks: list[Check]
     tolerances: Tolerances
     run_differences: list[str] | None = None   # set by gate_files, which has the run docs
     breakdown_differences: list[str] = field(default_factory=list)   # and this
     fell_back: list[str] = field(default_factory=list)   # and this
+    paths_fell_back: set[str] = field(default_factory=set)   # (either side's) and this
     cpu_time_metrics: list[str] = field(default_factory=list)
     op_paths: list[str] = field(default_factory=list)   # paths of CPU runs: ops, not kernels
 
@@ -289,6 +291,60 @@ def gate_files(baseline: str | Path, run: str | Path, tolerances: Tolerances = T
     return GatedRun(result, base, current, run_doc, base_file)
 
 
+def update_baseline(baseline: str | Path, run: str | Path,
+                    tolerances: Tolerances = Tolerances(), phase: str = "auto",
+                    strict: bool = False, **breakdown_options) -> tuple[GatedRun | None, str]:
+    """``gate --update``: the run gated against the baseline JSON ``baseline`` (as
+    ``gate_files`` does), then stored there whatever the verdict, and the gate's result with
+    ``"updated"``; or, where there is nothing to gate against (no file yet, or a stored
+    baseline without steps or layers), stored unchecked: (None, ``"created"`` or
+    ``"replaced"``). A trace, a file that is not a kimi-perf baseline, a run with no work, or
+    sides the gate could only pair with a path are refused before anything is written."""
+    baseline, run = Path(baseline), Path(run)
+    if baseline.exists() and not is_stored(baseline):
+        raise TraceError(baseline, "--update replaces a baseline JSON, not a trace"
+                         if baseline.suffix != ".json" or baseline.is_dir() else
+                         "not a kimi-perf baseline (a breakdown JSON) for --update to "
+                         "replace: remove it first to store the run there")
+    check_storable(baseline)
+    loaded: dict[Path, tuple] = {}
+    runs, run_doc, _ = loaded[run] = load_run(run, phase, **breakdown_options)
+    if not has_work(runs):
+        raise TraceError(run, "holds no steps and no layers: nothing to store as a baseline")
+    if not baseline.exists():
+        store_baseline(baseline, run_doc)
+        return None, "created"
+    try:
+        base_runs, _, base_file = loaded[baseline] = load_run(baseline, phase,
+                                                              **breakdown_options)
+    except TraceError as exc:   # (a baseline edited since, say)
+        raise TraceError(baseline, f"{exc.problem}: --update gates against it first; "
+                                   "remove it to store the run there") from None
+    # a stored baseline with nothing to check (which gate refuses) is replaced unchecked
+    if base_file is not None and not has_work(base_runs):
+        store_baseline(base_file, run_doc)
+        return None, "replaced"
+    if TRACE in (*base_runs, *runs) and len(base_runs) + len(runs) > 2:
+        # (gate would ask for a path, which --update does not take: it stores the whole run)
+        raise TraceError(baseline, f"holds {_holds(base_runs)}, and {run} holds "
+                                   f"{_holds(runs)}: the gate --update makes first cannot "
+                                   "pair them; " + (
+                                       "remove the baseline to store the run there"
+                                       if set(base_runs) == {TRACE} else
+                                       "give the run's directory to replace every path, "
+                                       "or keep the trace's in a new file"))
+    gated = gate_files(baseline, run, tolerances, None, phase, loaded, strict,
+                       **breakdown_options)
+    store_baseline(gated.baseline_file, gated.run_doc)
+    return gated, "updated"
+
+
+def _holds(runs: dict) -> str:
+    """What a side of the gate holds, in words: one trace's breakdown, or a run's paths."""
+    return ("one trace's breakdown" if set(runs) == {TRACE}
+            else f"the paths {', '.join(runs)}")
+
+
 def _check_fallbacks(result: GateResult, base_doc: object, run_doc: object,
                      base: dict[str, Breakdown], current: dict[str, Breakdown]) -> None:
     """Paths whose every step fell back ran the standard path's ops under their own name:
@@ -298,6 +354,7 @@ def _check_fallbacks(result: GateResult, base_doc: object, run_doc: object,
     for side, fell, paths in (("baseline", base_fb, base), ("run", run_fb, current)):
         result.fell_back += [f"the {side}'s {fell_back_text(p, fell[p])}" for p in paths
                              if p in fell]
+        result.paths_fell_back |= {p for p in paths if p in fell}
     for path, _, _ in _paired(base, current):   # (a plain trace stands for the run's path)
         run_path = path if path in current else next(iter(current))
         if run_path in run_fb and path not in base_fb:
@@ -430,494 +487,6 @@ def _paired(baseline: dict[str, Breakdown], current: dict[str, Breakdown]
     return [(p, baseline[p], current[p]) for p in baseline if p in current]
 
 
-def one_path(file: Path, runs: dict[str, Breakdown], name: str | None
-             ) -> tuple[str, Breakdown]:
-    """A run's decode path ``name`` (None: its only one), or an error naming the paths."""
-    if name is None and len(runs) == 1:
-        return next(iter(runs.items()))
-    if name is None:
-        raise TraceError(file, f"holds the paths {', '.join(runs)}: choose one with --path")
-    if name not in runs:
-        raise TraceError(file, f"has no path {name!r} (it has {', '.join(runs)})")
-    return name, runs[name]
-
-
-def check_storable(file: str | Path) -> None:
-    """Refuse a baseline file ``store_baseline`` must not write: not a .json file, a
-    kimi-perf run directory's breakdown.json (or the directory), whose run.json, traces and
-    report would then describe another run than it, or a file made read-only."""
-    file = Path(file)
-    if file.is_dir() and (file / "breakdown.json").exists():
-        file = file / "breakdown.json"
-    if file.is_dir() or file.suffix != ".json":
-        raise TraceError(file, "a baseline is a .json file")
-    if is_run_breakdown(file):
-        raise TraceError(file, "is a kimi-perf run directory's: its run.json and traces would "
-                               "no longer match it; keep a baseline as a JSON of its own (a "
-                               "copy of the run's breakdown.json)")
-    check_not_read_only(file)   # (before the run is read and gated: minutes, for a trace)
-
-
-def store_baseline(file: str | Path, run_doc: dict) -> None:
-    """Write a run's document (``load_run``'s second value, ``GatedRun.run_doc``) as the
-    baseline JSON ``file`` (``check_storable``), whole or not at all."""
-    check_storable(file)
-    atomic_write_text(Path(file), json_text(run_doc))
-
-
-def load_run(path: str | Path, phase: str = "auto", **breakdown_options
-             ) -> tuple[dict[str, Breakdown], dict, Path | None]:
-    """The breakdowns per decode path of a run (see the module doc), the JSON document that
-    stores them (what a baseline file holds), and the JSON file they came from (None for a
-    trace, broken down over the steps of ``phase``, and as ``breakdown_options`` say:
-    ``layers``, ``step_regex``, ``rules``, as ``breakdown`` takes them). A trace's document
-    holds its layers as columns (``LayerRows``): ``json_text`` writes it as it would the list
-    of dicts, without building them all at once."""
-    path = Path(path)
-    of_run = path.is_dir()
-    if of_run:
-        path = path / "breakdown.json"
-        if not path.exists():
-            raise TraceError(path.parent, "not a kimi-perf run directory (no breakdown.json)")
-    # a run's breakdown.json is ours whatever it holds: one replaced by other JSON ([], say)
-    # is a broken run, not a trace without GPU work
-    of_run = of_run or is_run_breakdown(path)
-    if of_run and not path.is_file():
-        raise TraceError(path, "not a kimi-perf run breakdown (not a regular file)")
-    if of_run or (path.suffix == ".json" and is_kimi_perf_json(path)):
-        try:
-            doc = json.loads(path.read_text(encoding="utf-8-sig"))   # a BOM, if any
-        except FileNotFoundError:
-            raise TraceError(path, "no such file") from None
-        except OSError as exc:
-            raise TraceError(path, f"cannot read ({exc.strerror or exc})") from None
-        except (ValueError, RecursionError) as exc:  # also an integer of 4,300 digits or more
-            raise TraceError(path, f"not JSON that can be read ({exc})") from None
-        if isinstance(doc, dict) and isinstance(doc.get("paths"), dict) and doc["paths"]:
-            if type(doc.get("schema")) is not int or doc["schema"] != 1:
-                raise TraceError(path, "not a kimi-perf run breakdown of schema 1")
-            if doc.get("run") is not None and (problem := run_info_problem(doc["run"])):
-                raise TraceError(path, problem)
-            return {name: _checked(Breakdown.from_json(b, path), path, f"paths.{name}.")
-                    for name, b in doc["paths"].items()}, doc, path
-        if isinstance(doc, dict) and "layer_types" in doc:
-            return {TRACE: _checked(Breakdown.from_json(doc, path), path)}, doc, path
-        if of_run:
-            raise TraceError(path, "not a kimi-perf run breakdown (JSON of another shape: "
-                                   "not {schema: 1, paths: {path: breakdown}})")
-        raise TraceError(path, "neither a kimi-perf run breakdown nor a breakdown JSON")
-    from kimi_perf.layer_breakdown import breakdown_of_file
-
-    b = breakdown_of_file(path, phase=phase, **breakdown_options)
-    return {TRACE: b}, b.to_json(lazy_layers=True), None
-
-
-def run_info_problem(run: object) -> str | None:
-    """Why a run's information (``run`` in a run's breakdown.json or a baseline: what its
-    run.json holds) cannot be read by the gate, compare and the report, or None."""
-    if not isinstance(run, dict):
-        return "'run' is not an object"
-    for key in ("environment", "request", "paths", "floors"):
-        if run.get(key) is not None and not isinstance(run[key], dict):
-            return f"run.{key} is not an object"
-    gpus = (run.get("environment") or {}).get("gpus")
-    if gpus is not None and not (isinstance(gpus, list)
-                                 and all(isinstance(g, str) for g in gpus)):
-        return "run.environment.gpus is not a list of names"
-    for name, m in (run.get("paths") or {}).items():
-        if not isinstance(m, dict):
-            return f"run.paths.{name} is not an object"
-        latency = m.get("step_latency_s")
-        if not (isinstance(latency, dict) and all(is_finite_number(v) for v in (
-                m.get("decode_tokens_per_s"), m.get("time_to_first_token_s"),
-                latency.get("median"), latency.get("min"), latency.get("max")))):
-            return f"run.paths.{name}: its decode metrics are not numbers"
-        if not isinstance(m.get("timed", ""), str):
-            return f"run.paths.{name}.timed is not a text"
-        fallbacks = m.get("fallbacks") or []
-        if not (isinstance(fallbacks, list) and all(isinstance(f, str) for f in fallbacks)):
-            return f"run.paths.{name}.fallbacks is not a list of the steps that fell back"
-        if not (m.get("logits_finite") is None or isinstance(m["logits_finite"], bool)):
-            return f"run.paths.{name}.logits_finite is not true, false or null"
-    floors = run.get("floors")
-    if floors is not None and not (
-            is_finite_number(floors.get("bandwidth_Bps"))
-            and isinstance(floors.get("layer_types"), dict)
-            and all(isinstance(v, dict) and is_finite_number(v.get("floor_us"))
-                    for v in floors["layer_types"].values())):
-        return "run.floors is not {bandwidth_Bps, layer_types: {type: {floor_us}}}"
-    return None
-
-
-def is_run_breakdown(path: Path) -> bool:
-    """Whether ``path`` is a kimi-perf run directory's breakdown.json (beside the run.json
-    ``kimi-perf trace`` wrote), which must be a kimi-perf document whatever its first bytes:
-    no trace is stored under that name there."""
-    return path.name == "breakdown.json" and is_kimi_perf_run_json(path.parent / "run.json")
-
-
-def is_kimi_perf_run_json(path: Path) -> bool:
-    """Whether ``path`` is a run.json that ``kimi-perf trace`` wrote (it begins with the
-    command that made the run), not any file of that name."""
-    if not path.is_file():
-        return False
-    try:
-        with open(path, "rb") as f:
-            return re.match(rb'\s*\{\s*"command"\s*:', f.read(64)) is not None
-    except OSError:
-        return False
-
-
-def is_kimi_perf_json(path: Path) -> bool:
-    """Whether a JSON file is one of ours (a breakdown or a run's breakdowns: they begin with
-    ``"schema"``), told from its first bytes, so that a large JSON trace is not parsed twice
-    (a Kineto trace begins with ``"schemaVersion"`` or ``"traceEvents"``, if with an
-    object)."""
-    if not path.is_file():      # a pipe would be read in part (and wait for a writer)
-        return False
-    try:
-        with open(path, "rb") as f:
-            head = f.read(256)
-    except OSError:
-        return False
-    return KIMI_PERF_JSON.match(head) is not None
-
-
-def is_finite_number(v) -> bool:
-    """A JSON number of a figure: not a bool, not inf or nan, not an integer beyond a float."""
-    if isinstance(v, bool) or not isinstance(v, int | float):
-        return False
-    try:
-        return math.isfinite(v)
-    except OverflowError:   # an integer literal too large for a float
-        return False
-
-
-def _is_figure(v) -> bool:
-    """A count or a time of a breakdown: a finite number, not below 0."""
-    return is_finite_number(v) and v >= 0
-
-
-def _is_count(v) -> bool:
-    return is_int64(v) and v >= 0
-
-
-# What each row of a stored breakdown's lists must hold, field by field: (field, kind, the
-# value of a field left out: None where it must be there). KINDS: what a kind is, in words.
-_KINDS = {"count": "a count (an integer >= 0)", "count?": "a count or null",
-          "integer": "an integer", "figure": "a finite number >= 0", "name": "a name",
-          "name?": "a name or null", "classes": "{class: {kernels, us}} of numbers >= 0",
-          "part": "{kernels, span_us} of numbers >= 0"}
-RowFields = tuple[tuple[str, str, str | None], ...]
-_ROW_FIELDS: RowFields = (
-    ("kernels", "count", None), ("kernel_us", "figure", None), ("span_us", "figure", None),
-    ("gap_us", "figure", None), ("classes", "classes", None), ("index", "integer", None),
-    ("device", "integer", None))
-_LAYER_TYPE_FIELDS: RowFields = (("type", "name", None),)
-_LAYER_FIELDS: RowFields = (("type", "name", None), ("step", "integer", None), *_ROW_FIELDS)
-_STEP_FIELDS: RowFields = (
-    *_ROW_FIELDS, ("phase", "name?", None), ("layers", "count?", None), ("name", "name", ""),
-    ("layer_source", "name", ""), ("other_thread_ops", "count?", None),
-    ("prologue", "part", None), ("epilogue", "part", None))
-
-
-def _column_ok(kind: str, values: list) -> bool:
-    """Whether every value of a field is of its kind (``_KINDS``): checked a column at a time
-    by its types and extremes, with no call per value but for the nested kinds."""
-    types = set(map(type, values))   # (bool is a type of its own: no count, no figure)
-    if kind in ("name", "name?"):
-        return types <= ({str, type(None)} if kind == "name?" else {str})
-    if kind in ("count", "count?", "integer"):
-        if not types <= ({int, type(None)} if kind == "count?" else {int}):
-            return False
-        numbers = [v for v in values if v is not None]
-        least = 0 if kind != "integer" else -(2**63)
-        return not numbers or (min(numbers) >= least and max(numbers) < 2**63)
-    if kind == "figure":
-        if not types <= {int, float}:
-            return False
-        try:
-            column = np.array(values, np.float64)
-        except OverflowError:    # an integer literal beyond a float
-            return False
-        return bool(np.isfinite(column).all() and (column >= 0).all())
-    if kind == "classes":   # every class of every row, as columns of their own
-        if not set(map(type, values)) <= {dict}:
-            return False
-        entries = [c for classes in values for c in classes.values()]
-        return set(map(type, entries)) <= {dict} and all(
-            _column_ok("figure", [c.get(figure) for c in entries]) for figure in ("kernels", "us"))
-    return all(isinstance(v, dict) and _is_count(v.get("kernels"))
-               and _is_figure(v.get("span_us")) for v in values)   # a step's part
-
-
-def _rows_problem(b: Breakdown, where: str = "") -> str | None:
-    """The first row of a stored breakdown's layer_types, layers or steps that lacks a field
-    the gate, compare or the report reads, or holds one of another kind, as
-    "{where}steps[3].kernels is -5, not a count", or None. Each field is checked a whole
-    column at a time (40,000 layers in a blink); only a column found bad is gone through
-    value by value, for its first bad row."""
-    for name, rows, fields in (("layer_types", b.layer_types, _LAYER_TYPE_FIELDS),
-                               ("layers", b.layers, _LAYER_FIELDS),
-                               ("steps", b.steps, _STEP_FIELDS)):
-        if not isinstance(rows, list):
-            return f"{where}{name} is {_json_kind(rows)}, not a list"
-        if not set(map(type, rows)) <= {dict}:
-            i = next(i for i, r in enumerate(rows) if not isinstance(r, dict))
-            return f"{where}{name}[{i}] is {_json_kind(rows[i])}, not an object"
-        columns = {key: [r.get(key, absent) for r in rows] for key, _, absent in fields}
-        bad = [(key, kind) for key, kind, _ in fields if not _column_ok(kind, columns[key])]
-        if not bad:
-            continue
-        # the first row with a bad field, and its first bad field, in the order listed
-        i = min(_first_bad(kind, columns[key]) for key, kind in bad)
-        key, kind = next((key, kind) for key, kind in bad
-                         if not _column_ok(kind, [columns[key][i]]))
-        if key not in rows[i]:
-            return f"{where}{name}[{i}] lacks {key} ({_KINDS[kind]})"
-        return f"{where}{name}[{i}].{key}{_inner_problem(key, rows[i][key], _KINDS[kind])}"
-    return None
-
-
-def _first_bad(kind: str, values: list) -> int:
-    """The index of the first value not of its kind in a column that holds one, found by
-    halving (a column check or two dozen, rather than a call per value)."""
-    good, bad = 0, len(values)    # values[:good] are all of the kind; values[:bad] are not
-    while bad - good > 1:
-        middle = (good + bad) // 2
-        good, bad = (middle, bad) if _column_ok(kind, values[:middle]) else (good, middle)
-    return good
-
-
-def _json_kind(value: object) -> str:
-    """A JSON value in a few words for an error: a number or literal as written (cut short),
-    anything else by its kind (a name from the file could hold anything)."""
-    if value is None or isinstance(value, bool):
-        return json.dumps(value)
-    if isinstance(value, int | float):
-        text = repr(value)
-        return text if len(text) <= 24 else text[:23] + "…"
-    return ("a string" if isinstance(value, str) else "a list" if isinstance(value, list)
-            else "an object")
-
-
-def _inner_problem(key: str, value: object, what: str) -> str:
-    """What is wrong with a row's field, from just after its name: within classes, a
-    prologue or an epilogue, the entry and figure that is wrong (``['gemm'].us is -5.0, not
-    ...``), else the field as a whole (`` is "5", not a count``)."""
-    figures = {"classes": (("kernels", "figure"), ("us", "figure")),   # (a median's kernels)
-               "prologue": (("kernels", "count"), ("span_us", "figure")),
-               "epilogue": (("kernels", "count"), ("span_us", "figure"))}.get(key)
-    if figures is None or not isinstance(value, dict):
-        return f" is {_json_kind(value)}, not {what}"
-    entries = list(value.items()) if key == "classes" else [(None, value)]
-    for label, entry in entries:
-        at = f"[{label!r}]" if label is not None else ""
-        if not isinstance(entry, dict):
-            return f"{at} is {_json_kind(entry)}, not {{{', '.join(f for f, _ in figures)}}}"
-        for figure, kind in figures:
-            if figure not in entry:
-                return f"{at} lacks {figure} ({_KINDS[kind]})"
-            if not _column_ok(kind, [entry[figure]]):
-                return f"{at}.{figure} is {_json_kind(entry[figure])}, not {_KINDS[kind]}"
-    return f" is {_json_kind(value)}, not {what}"
-
-
-def _source_problem(source) -> str | None:
-    """The first field of ``source`` that the tables and the report print and that is not
-    what they expect, as "source.FIELD is not WHAT", or None."""
-    if not isinstance(source, dict):
-        return "source is not an object"
-
-    def listed(key: str, item) -> bool:
-        value = source.get(key)
-        return value is None or (isinstance(value, list)
-                                 and all(isinstance(v, dict) and item(v) for v in value))
-
-    def counts(key: str) -> bool:
-        value = source.get(key)
-        return value is None or (isinstance(value, dict) and all(
-            isinstance(k, str) and _is_count(n) for k, n in value.items()))
-
-    outside = source.get("outside_steps")
-
-    def gpu_list(key: str) -> bool:
-        gpus = source.get(key)
-        return gpus is None or (isinstance(gpus, list) and all(
-            isinstance(g, dict) and (g.get("name") is None or isinstance(g["name"], str))
-            and (g.get("sm_count") is None or _is_count(g["sm_count"])) for g in gpus))
-
-    fields = [
-        *((key, "a string", source.get(key) is None or isinstance(source[key], str))
-          for key in ("ops", "file", "tool", "format", "steps_found_by")),
-        ("repeating_ranges", "[{range, instances, kernels}]", listed(
-            "repeating_ranges", lambda r: isinstance(r.get("range"), str)
-            and _is_count(r.get("instances")) and _is_count(r.get("kernels")))),
-        ("enclosing_steps", "[{step, encloses, ops}]", listed(
-            "enclosing_steps", lambda e: isinstance(e.get("step"), str)
-            and _is_count(e.get("encloses")) and _is_count(e.get("ops")))),
-        ("pass_ranges", "[{steps, in_ranges}]", listed(
-            "pass_ranges", lambda g: isinstance(g.get("steps"), list)
-            and all(isinstance(n, str) for n in g["steps"]) and _in_ranges_ok(g.get("in_ranges")))),
-        ("steps_holding_passes", "[{step, passes, layers}]", listed(
-            "steps_holding_passes", lambda h: isinstance(h.get("step"), str)
-            and _is_count(h.get("passes")) and _is_count(h.get("layers")))),
-        ("other_thread_ops", "a count",
-         source.get("other_thread_ops") is None or _is_count(source["other_thread_ops"])),
-        ("steps_left_out", "{phase: count}", counts("steps_left_out")),
-        ("untimed", "{kernels, memops} as counts", counts("untimed")),
-        ("duplicates", "{kernels, memops} as counts", counts("duplicates")),
-        ("outside_steps", "{ops, kernel_us, unlaunched, in_ranges, partial_passes: {parts, ops}}",
-         outside is None or (isinstance(outside, dict) and _is_count(outside.get("ops"))
-                             and _is_figure(outside.get("kernel_us"))
-                             and _is_count(outside.get("unlaunched", 0))
-                             and _partial_ok(outside.get("partial_passes"))
-                             and _in_ranges_ok(outside.get("in_ranges") or []))),
-        ("breakdown_options", "{layers, steps, phase, rules, default_rules} as strings or null",
-         source.get("breakdown_options") is None or (
-             isinstance(source["breakdown_options"], dict)
-             and all(v is None or isinstance(v, str)
-                     for v in source["breakdown_options"].values()))),
-        ("gpus", "[{name, sm_count}]", gpu_list("gpus")),
-        ("gpus_ran", "[{name, sm_count}]", gpu_list("gpus_ran")),
-        ("captures", "a list of file names", source.get("captures") is None or (
-            isinstance(source["captures"], list)
-            and all(isinstance(c, str) for c in source["captures"]))),
-        ("graph_replays", "{ops, placed_at_capture} as counts", source.get("graph_replays")
-         is None or (isinstance(source["graph_replays"], dict)
-                     and _is_count(source["graph_replays"].get("ops"))
-                     and _is_count(source["graph_replays"].get("placed_at_capture", 0)))),
-    ]
-    return next((f"source.{key} is not {what}" for key, what, ok in fields if not ok), None)
-
-
-def _partial_ok(partial) -> bool:
-    return partial is None or (isinstance(partial, dict) and _is_count(partial.get("parts"))
-                               and _is_count(partial.get("ops")))
-
-
-def _in_ranges_ok(in_ranges) -> bool:
-    return isinstance(in_ranges, list) and all(
-        isinstance(r, dict) and "range" in r and (r["range"] is None or isinstance(r["range"], str))
-        and _is_count(r.get("ops")) for r in in_ranges)
-
-
-def _checked(b: Breakdown, path: Path, where: str = "") -> Breakdown:
-    """A breakdown read from JSON, with the fields the gate and the report read; ``where``:
-    the breakdown's place in the file (``paths.standard.``), which a bad row's error names."""
-    if problem := _source_problem(b.source):
-        raise TraceError(path, problem)
-    if problem := _rows_problem(b, where):
-        raise TraceError(path, problem)
-    if problem := _disagreement(b, where):
-        raise TraceError(path, problem)
-    for t in b.layer_types:
-        if not _layer_type_figures_ok(t):
-            raise TraceError(path, f"layer type {t['type']!r}: not {{layers, kernels, "
-                                   "kernel_us, span_us, gap_us, classes: {class: {kernels, "
-                                   "us}}} as numbers, and a pattern digest")
-        groups = t.get("two_groups")
-        if groups is not None and not (isinstance(groups, list) and all(
-                isinstance(g, dict) and isinstance(g.get("figure"), str)
-                and _is_figure(g.get("low_us")) and _is_figure(g.get("high_us"))
-                and _is_count(g.get("low_layers")) and isinstance(g.get("high_layers"), list)
-                and all(_is_count(i) for i in g["high_layers"])
-                and isinstance(g.get("median_between", False), bool) for g in groups)):
-            raise TraceError(path, f"layer type {t['type']!r}: two_groups is not [{{figure, "
-                                   "low_us, high_us, low_layers, high_layers: [index]}]")
-        typical = t.get("typical_layer")
-        if typical is not None and not (
-                isinstance(typical, dict) and _is_count(typical.get("layers"))
-                and isinstance(typical.get("kernels"), list)
-                and all(isinstance(k, dict) and isinstance(k.get("name"), str)
-                        and isinstance(k.get("class"), str)
-                        and _is_figure(k.get("us"))
-                        for k in typical["kernels"])):
-            raise TraceError(path, f"layer type {t['type']!r}: typical_layer is not "
-                                   "{layers, kernels: [{name, class, us}]}")
-    if b.timeline is not None and not _timeline_ok(b.timeline):
-        raise TraceError(path, "timeline is not {step, names, segments: [{label, ops: "
-                               "[[name index, class, start µs, µs]]}]}")
-    return b
-
-
-def _disagreement(b: Breakdown, where: str = "") -> str | None:
-    """Where a stored breakdown's summaries disagree with the rows they summarise (an edited
-    or mixed file: compare reads a layer type's summary, the gate its layers): a layer type
-    per type of the layers, its layer count and median kernels theirs, every layer's step
-    among the steps, and a step's layer count its layers'. ``where``: as for ``_checked``."""
-    types = Counter(r["type"] for r in b.layers)
-    stated = [t["type"] for t in b.layer_types]
-    if sorted(stated) != sorted(types):
-        return (f"its layer types ({', '.join(stated) or 'none'}) are not those of its layers "
-                f"({', '.join(types) or 'none'})")
-    for t in b.layer_types:
-        kernels = layer_column(b.layers, "kernels", t["type"])
-        if t.get("layers") != types[t["type"]] or (
-                _is_figure(t.get("kernels")) and t["kernels"] != float(np.median(kernels))):
-            return (f"layer type {t['type']!r} says {t.get('layers')} layers of median "
-                    f"{t.get('kernels')} kernels; its layers are {types[t['type']]} of median "
-                    f"{float(np.median(kernels)):g}")
-    if stray := _stray_layer(b, where):
-        return stray
-    per_step = Counter((r["step"], r["device"]) for r in b.layers)
-    for s in b.steps:
-        held = per_step[(s.get("index"), s.get("device"))]
-        if s.get("layers") is not None and s["layers"] != held:
-            return f"step {s.get('index')} says {s['layers']} layers; {held} layers are in it"
-    return None
-
-
-def _stray_layer(b: Breakdown, where: str = "") -> str | None:
-    """The first layer whose step (and device) is none of the breakdown's steps, said, or
-    None: every layer is cut from a step, so a layer without its step is an edited file (its
-    steps emptied, say), whose steps the gate would check as nothing."""
-    steps, devices = layer_column(b.layers, "step"), layer_column(b.layers, "device")
-    if not len(steps):
-        return None
-    # (step, device) pairs, each with its first layer: a few per step, whatever the layers
-    pairs, first = np.unique(np.stack([steps, devices], axis=1), axis=0, return_index=True)
-    held = {(s.get("index"), s.get("device")) for s in b.steps}
-    stray = [(i, s, d) for (s, d), i in zip(pairs.tolist(), first.tolist(), strict=True)
-             if (s, d) not in held]
-    if not stray:
-        return None
-    i, step, device = min(stray)
-    return (f"{where}layers[{i}] is of step {step} on device {device}, which is none of its "
-            f"{counted(len(b.steps), 'step')}")
-
-
-def _classes_ok(classes) -> bool:
-    return isinstance(classes, dict) and all(
-        isinstance(c, dict) and _is_figure(c.get("kernels"))
-        and _is_figure(c.get("us")) for c in classes.values())
-
-
-def _layer_type_figures_ok(t: dict) -> bool:
-    return (_is_count(t.get("layers"))
-            and all(_is_figure(t.get(m)) for m in (*METRICS, "gap_us"))
-            and _classes_ok(t.get("classes"))
-            and (t.get("pattern") is None or isinstance(t["pattern"], str)))
-
-
-def _timeline_ok(timeline) -> bool:
-    if not isinstance(timeline, dict):
-        return False
-    names, segments = timeline.get("names"), timeline.get("segments")
-    if not (isinstance(timeline.get("step"), str) and isinstance(names, list)
-            and _is_count(timeline.get("ops_left_out", 0))
-            and all(isinstance(n, str) for n in names) and isinstance(segments, list)):
-        return False
-    return all(isinstance(seg, dict) and isinstance(seg.get("label"), str)
-               and isinstance(seg.get("ops"), list)
-               and all(isinstance(op, list) and len(op) == 4 and isinstance(op[0], int)
-                       and not isinstance(op[0], bool) and 0 <= op[0] < len(names)
-                       and isinstance(op[1], str) and is_finite_number(op[2])
-                       and is_finite_number(op[3])
-                       for op in seg["ops"])
-               for seg in segments)
-
-
 def gate(baseline: dict[str, Breakdown], current: dict[str, Breakdown],
          tolerances: Tolerances = Tolerances()) -> GateResult:
     """Every (path, layer type, metric) of the baseline checked against the run. A baseline
@@ -988,72 +557,6 @@ def gate(baseline: dict[str, Breakdown], current: dict[str, Breakdown],
     return GateResult(checks, tolerances, cpu_time_metrics=cpu_times, op_paths=op_paths)
 
 
-# What makes two captures comparable: the model, the step's shape and how it ran.
-RUN_SETTINGS = (("preset", ("preset",)), ("layers", ("n_layers",)),
-                ("model config", ("config_hash",)), ("batch", ("batch",)), ("TP", ("tp",)),
-                ("context", ("context",)), ("warm-up steps", ("warmup_steps",)),
-                ("seed", ("request", "seed")), ("draft tokens", ("spec_tokens",)),
-                ("KV cache", ("request", "kv_cache")), ("experts", ("request", "experts")),
-                ("CUDA graphs", ("request", "graphs")),
-                ("profiler", ("request", "backend")), ("device", ("environment", "device")),
-                ("GPUs", ("environment", "gpus")))
-
-
-# What a capture made before a setting was recorded ran with.
-BEFORE_SETTING = {("spec_tokens",): 0, ("request", "experts"): "bf16"}
-
-
-def run_differences(baseline_doc: dict, run_doc: dict) -> list[str]:
-    """How the captures behind a baseline and a run differ ("TP 1 vs 2"), from their run
-    information; nothing where either side has none (a trace, a breakdown JSON). Kernels
-    and µs of unlike runs differ for reasons no regression explains."""
-    runs = [d.get("run") if isinstance(d, dict) else None for d in (baseline_doc, run_doc)]
-    if not all(isinstance(r, dict) for r in runs):
-        return []
-
-    def setting(run: dict, keys: tuple[str, ...]):
-        for key in keys:
-            run = run.get(key) if isinstance(run, dict) else None
-        return run
-
-    out = []
-    for label, keys in RUN_SETTINGS:
-        # a capture made before speculative decoding (MXFP4 experts) was has no
-        # "spec_tokens" ("experts"): it made none (bf16 ones)
-        base, cur = (setting(r, keys) if setting(r, keys) is not None or "preset" not in r
-                     else BEFORE_SETTING.get(keys) for r in runs)
-        if base is not None and cur is not None and base != cur:
-            out.append(f"{label} {_setting_text(base)} vs {_setting_text(cur)}")
-    if all("preset" in r for r in runs):   # two captures: their specialized path's opt-ins
-        for label, key in OPT_INS:         # (off where a capture predates the option)
-            base, cur = (_opt_in_text(setting(r, ("request", key))) for r in runs)
-            if base != cur:
-                out.append(f"{label} {base} vs {cur}")
-    return out
-
-
-def captured_differently(a: str, b: str, differences: list[str]) -> str:
-    """The line that says how two captures were made differently (``run_differences``)."""
-    return (f"{a} and {b} were captured differently: {'; '.join(differences)}: their kernels "
-            "and µs may differ for that alone")
-
-
-OPT_INS = (("L2 prefetch", "l2_prefetch"), ("experts grouped from", "group_experts_from"),
-           ("PDL", "pdl"))
-
-
-def _opt_in_text(value) -> str:
-    return "off" if value is None or value is False else "on" if value is True else str(value)
-
-
-def _setting_text(value) -> str:
-    if isinstance(value, list):
-        return ", ".join(map(str, value)) or "none"
-    if isinstance(value, bool):
-        return "on" if value else "off"
-    return str(value)
-
-
 def _digest(b: Breakdown | None, layer_type: str | None) -> str | None:
     return ((_layer_type(b, layer_type) if b else None) or {}).get("pattern")
 
@@ -1095,15 +598,9 @@ def _moved(base: Breakdown | None, cur: Breakdown | None,
 
 
 def _unequal_windows(base: Breakdown | None, cur: Breakdown | None) -> str | None:
-    """Why whole steps do not compare, where they do not: a step that is all of a device's
-    work (no step range, no graph launch, no forward pass found) is the profiler's window,
-    and windows that hold different numbers of layers ran different work. Their layers still
-    compare."""
-    if base is None or cur is None or not (base.source.get("steps_found_by")
-                                           == cur.source.get("steps_found_by") == "device"):
-        return None
-    layers = layers_per_step(base), layers_per_step(cur)
-    if None in layers or layers[0] == layers[1]:
+    """Why whole steps do not compare, where they do not (``unequal_windows``)."""
+    layers = None if base is None or cur is None else unequal_windows(base, cur)
+    if layers is None:
         return None
     return (f"each device is one step, the profiler's window: {layers[0]:g} layers a step in "
             f"the baseline, {layers[1]:g} in the run")
@@ -1309,7 +806,7 @@ def _step_parts(b: Breakdown, metric: str, names: dict[str, str]) -> dict[str, n
     parts: dict[str, np.ndarray] = {}
     for end in ("prologue", "epilogue"):   # (their kernel µs where stored: not always)
         values = [(s.get(end) or {}).get(metric) for s in b.steps]   # (in memory: none)
-        if all(_is_figure(v) for v in values):
+        if all(is_figure(v) for v in values):
             parts[end] = np.array(values, np.float64)
     position = {(s["index"], s["device"]): i for i, s in enumerate(b.steps)}
     for t in b.layer_types:

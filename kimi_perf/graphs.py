@@ -252,6 +252,14 @@ def _by_thread(trace: Trace, rows: np.ndarray) -> dict[tuple[int, int], tuple[np
             for a, b in zip(cuts[:-1].tolist(), cuts[1:].tolist(), strict=True) if b > a}
 
 
+def capture_count(trace: Trace) -> int:
+    """How many graph captures the trace records: runs of launches that ran nothing, in a
+    trace that began a capture (elsewhere such launches are a profiler window's edge)."""
+    if not trace.names_matching(BEGIN_CAPTURE)[trace.api.name].any():
+        return 0
+    return len(_captures(trace))
+
+
 def _captures(trace: Trace) -> list[np.ndarray]:
     """Runs of kernel launches that ran nothing, per thread, in time order (API rows)."""
     api = trace.api

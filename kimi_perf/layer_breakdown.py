@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from kimi_perf.classify import Rule, default_rules_said, load_rules, rules_said
-from kimi_perf.graphs import graph_replays
+from kimi_perf.graphs import capture_count, graph_replays
 from kimi_perf.layers import (
     GpuOps,
     Step,
@@ -469,6 +469,10 @@ def breakdown(trace: Trace, layers: str = "auto", rules: list[Rule] | str | Path
     del outside
     replays = (graph_replays(trace, ops.api, ops.scope_api) if ops_kind == "gpu"
                else {"ops": 0})
+    # a profile of graph captures alone (vLLM profiles its capture at start-up apart from
+    # the decode steps that replay it): what it is, for --capture
+    captures = (capture_count(trace) if ops_kind == "gpu" and not replays["ops"]
+                and not trace.meta.get("captures") else 0)
     steps, left_out = steps_of_phase(steps, phase, trace.meta.get("file"))
     enclosing: dict[int, dict[str, Any]] = {}   # per range (a step per device it ran on)
     for s in steps:
@@ -536,6 +540,7 @@ def breakdown(trace: Trace, layers: str = "auto", rules: list[Rule] | str | Path
                              "other_thread_ops": other_thread_ops,
                              "steps_left_out": left_out, "steps_found_by": found_by,
                              **({"graph_replays": replays} if replays["ops"] else {}),
+                             **({"graph_captures": captures} if captures else {}),
                              "repeating_ranges": repeating,
                              **({"pass_ranges": pass_ranges} if pass_ranges else {}),
                              **({"steps_holding_passes": holding_passes}
@@ -839,6 +844,11 @@ def step_notes(b: Breakdown) -> list[str]:
                      "step's range was open are counted in that step (in no layer)")
     if replays := src.get("graph_replays"):
         notes.append(replay_note(replays, src.get("captures") or []))
+    if captures := src.get("graph_captures"):
+        notes.append(f"records {counted(captures, 'graph capture')} and replays none: a "
+                     "profile of the captures, its kernels the runs around them; "
+                     "--capture joins it to the trace that replays the graphs, placing their "
+                     "kernels")
     outside = src.get("outside_steps") or {}
     if outside.get("ops"):
         # breakdowns stored before "unlaunched" was counted said "launched" of all
@@ -954,13 +964,45 @@ def step_notes(b: Breakdown) -> list[str]:
     return notes
 
 
+def note_lines(breakdowns: dict[str, Breakdown]) -> list[str]:
+    """What each breakdown says under its figures, after its label: of its steps
+    (``step_notes``) and its layer types (``layer_notes``)."""
+    return [f"{label}: {note}" for label, b in breakdowns.items()
+            for note in [*step_notes(b), *layer_notes(b)]]
+
+
 def layer_notes(b: Breakdown) -> list[str]:
     """What a breakdown says of its layer types: their two groups, single-layer types."""
     notes = [two_groups_note(t["type"], g) for t in b.layer_types
              for g in t.get("two_groups") or []]
     if lone := lone_types_note(b):
         notes.append(lone)
+    if outsized := outsized_types_note(b):
+        notes.append(outsized)
     return notes
+
+
+OUTSIZED = 10   # a pattern type this many times a median layer's kernels is no layer
+
+
+def outsized_types_note(b: Breakdown) -> str | None:
+    """Where the kernel pattern found types whose layers hold OUTSIZED times the kernels of
+    a median layer or more (1,735 against 22 in a training window): stretches of work it did
+    not cut into layers, which its figures would pass off as layers."""
+    kernels = layer_column(b.layers, "kernels")
+    if not len(kernels):
+        return None
+    median = float(np.median(kernels))
+    big = [t for t in b.layer_types
+           if t.get("pattern") and median and t["kernels"] >= OUTSIZED * median]
+    if not big:
+        return None
+    said = ", ".join(f"{t['type']} ({counted(t['layers'], 'layer')} of {t['kernels']:g})"
+                     for t in big[:4]) + (", …" if len(big) > 4 else "")
+    return (f"types found by the kernel pattern hold {OUTSIZED}× the kernels of a median "
+            f"layer ({median:g}) or more: {said}: stretches of work the pattern did not cut "
+            "into layers, not layers (--steps REGEX on a range that repeats, a forward pass, "
+            "gives steps whose layers repeat)")
 
 
 def lone_types_note(b: Breakdown) -> str | None:

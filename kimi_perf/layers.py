@@ -189,14 +189,15 @@ class GpuOps:
             return None
         # Op names without their "op:" prefix, appended to the trace's string table.
         index = {v: i for i, v in enumerate(trace.strings)}
-        codes = {}
-        for code in np.unique(r.name[rows]).tolist():
+        op_names, of_row = np.unique(r.name[rows], return_inverse=True)
+        bare_codes = np.empty(len(op_names), np.int32)
+        for i, code in enumerate(op_names.tolist()):   # a name at a time, not an op
             bare = trace.strings[code][3:]
             if bare not in index:
                 index[bare] = len(trace.strings)
                 trace.strings.append(bare)
-            codes[code] = index[bare]
-        stripped = np.array([codes[c] for c in r.name[rows].tolist()], np.int32)
+            bare_codes[i] = index[bare]
+        stripped = bare_codes[of_row]
         kernel_class, labels = classify(stripped, trace.strings, rules)
         return cls(name=stripped, start=r.start[rows], end=r.end[rows],
                    device=np.full(len(rows), -1, np.int32), pid=r.pid[rows], tid=r.tid[rows],

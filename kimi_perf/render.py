@@ -188,7 +188,7 @@ def ranges_table(rows: list[RangeKernelRow], limit: int = RANGES_TABLE_ROWS) -> 
     terminal table of tens of thousands of rows takes rich seconds and nobody reads it).
     Kernel names as ``breakdown --kernels`` shows them (demangled, shortened); the CSV and
     JSON keep the trace's, as ``nsys stats`` prints them."""
-    table = _table("Kernels by range (nsys nvtx_kern_sum projection)",
+    table = _table("Kernels by range (as nsys stats --report nvtx_kern_sum)",
                    ["range", "pid", "tid", "ranges", "kernels", "total µs", "kernel"],
                    left=("range", "pid", "tid", "kernel"))
     shown = heapq.nlargest(limit, rows, key=lambda r: r.total_ns)
@@ -340,13 +340,6 @@ def comparison_table(rows: list[ComparisonRow], label_a: str, label_b: str,
                       ratio_text(r.span_ratio), ratio_text(r.kernel_ratio))
     table.caption = "\n".join(comparison_notes(rows, label_a, label_b, unit, unit_b))
     return table
-
-
-def note_lines(breakdowns: dict[str, Breakdown]) -> list[str]:
-    """What each breakdown says under its figures, after its label: of its steps
-    (``step_notes``) and its layer types (``layer_notes``)."""
-    return [f"{label}: {note}" for label, b in breakdowns.items()
-            for note in [*step_notes(b), *layer_notes(b)]]
 
 
 def comparison_headline(rows: list[ComparisonRow], label_a: str, label_b: str,

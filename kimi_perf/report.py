@@ -15,6 +15,7 @@ import os
 import textwrap
 import urllib.parse
 from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -41,7 +42,6 @@ from kimi_perf.comparison import (
 )
 from kimi_perf.decode.fallbacks import fell_back_text, paths_that_fell_back
 from kimi_perf.errors import TraceError
-from kimi_perf.gate import captured_differently, run_differences
 from kimi_perf.layer_breakdown import (
     Breakdown,
     layer_notes,
@@ -50,6 +50,16 @@ from kimi_perf.layer_breakdown import (
     units_word,
 )
 from kimi_perf.names import demangle, primed, short_names
+from kimi_perf.runs import (
+    captured_differently,
+    is_stored,
+    load_paths,
+    no_run,
+    one_path,
+    run_differences,
+    run_name,
+    trace_labels,
+)
 from kimi_perf.text import counted
 from kimi_perf.trace import atomic_write_text, printable
 
@@ -563,6 +573,75 @@ def _missing_timelines_html(breakdowns: dict[str, Breakdown], drawn: dict[str, i
               for left in [b.timeline.get("ops_left_out", 0) + sum(
                   len(seg["ops"]) for seg in b.timeline["segments"]) - drawn[label]] if left]
     return f"<p class=note>{'; '.join(lines)}.</p>" if lines else ""
+
+
+@dataclass
+class ReportInputs:
+    """What ``kimi-perf report`` draws of its inputs: ``breakdowns`` by label (a run's decode
+    paths by name, or ``RUN:path`` of several inputs), ``run`` (one run's run.json, of the
+    path ``--path`` picked alone), ``runs`` (of several runs: each one's name and run.json)
+    and ``fell_back`` (label: why, of drawn paths whose every step fell back, when drawn from
+    several inputs; one run's own says so itself)."""
+
+    breakdowns: dict[str, Breakdown]
+    run: dict | None = None
+    runs: list[tuple[str, dict]] = field(default_factory=list)
+    fell_back: dict[str, str] = field(default_factory=dict)
+
+    def relabelled(self, labels: list[str]) -> ReportInputs:
+        """The same inputs under ``labels``, one for each breakdown, in order."""
+        if len(labels) != len(self.breakdowns) or len(set(labels)) != len(labels):
+            raise ValueError(f"labels: {len(self.breakdowns)} distinct names, not {labels!r}")
+        renamed = dict(zip(self.breakdowns, labels, strict=True))
+        return ReportInputs(dict(zip(labels, self.breakdowns.values(), strict=True)),
+                            self.run, self.runs,
+                            {renamed[label]: why for label, why in self.fell_back.items()})
+
+    @property
+    def warnings(self) -> list[str]:
+        return [fell_back_text(label, reason) for label, reason in self.fell_back.items()]
+
+    def captured_differently(self) -> list[str]:
+        """How each run after the first was captured differently from it, a line each."""
+        first = self.runs[0] if self.runs else None
+        return [captured_differently(first[0], name, found) for name, info in self.runs[1:]
+                if (found := run_differences({"run": first[1]}, {"run": info}))]
+
+
+def report_inputs(inputs: list[str | Path], path_name: str | None = None,
+                  phase: str = "auto", **breakdown_options) -> ReportInputs:
+    """Traces, breakdown JSON files or ``kimi-perf trace`` runs, as ``kimi-perf report`` draws
+    them (``path_name``: each run's path of that name alone); traces broken down over the
+    steps of ``phase`` and as ``breakdown_options`` say (``layers``, ``step_regex``,
+    ``rules``)."""
+    inputs = [Path(f) for f in inputs]
+    # stored inputs first: a path that no run has is said before any trace is broken down
+    labels_of = trace_labels(inputs)
+    loaded = {i: load_paths(f, labels_of[i], phase, **breakdown_options)
+              for i, f in enumerate(inputs) if is_stored(f)}
+    if path_name is not None and not any(doc is not None for _, doc in loaded.values()):
+        raise no_run(inputs)
+    got = ReportInputs({})
+    for i, file in enumerate(inputs):
+        runs, run_doc = (loaded.get(i)
+                         or load_paths(file, labels_of[i], phase, **breakdown_options))
+        info = run_doc.get("run") if run_doc is not None else None
+        if info is not None and len(inputs) > 1:   # (checked as it was read)
+            got.runs.append((run_name(file), info))
+        if run_doc is not None and path_name is not None:
+            runs = dict([one_path(file, runs, path_name)])
+        fell = paths_that_fell_back(info) if len(inputs) > 1 else {}   # (one run: its own)
+        for name, b in runs.items():
+            label = f"{run_name(file)}:{name}" if run_doc and len(inputs) > 1 else name
+            while label in got.breakdowns:
+                label += "'"
+            got.breakdowns[label] = b
+            if name in fell:
+                got.fell_back[label] = fell[name]
+        if info is not None and len(inputs) == 1:  # the run's own: what ran
+            got.run = info if path_name is None else {**info, "paths": {   # that path's alone
+                p: m for p, m in (info.get("paths") or {}).items() if p == path_name}}
+    return got
 
 
 def write_report(path: str | Path, breakdowns: dict[str, Breakdown], title: str,

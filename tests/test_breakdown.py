@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from kimi_perf import breakdown, compare, read_trace
 from kimi_perf.classify import classify, classify_name, default_rules, load_rules
 from kimi_perf.errors import TraceError
-from kimi_perf.layer_breakdown import Breakdown, _union_length
+from kimi_perf.layer_breakdown import Breakdown, _union_length, layer_column
 from tests.conftest import KINETO, NSYS
 from tests.synth import TraceBuilder
 from tests.test_layers import KDA, MLA, k3_like, nvtx_decode_trace
@@ -1026,6 +1026,48 @@ def test_an_enclosing_step_on_two_devices_is_one_note():
     assert (entry["step"], entry["encloses"], entry["ops"]) == ("Benchmark Forward", 2, 2)
 
 
+def test_stretches_the_pattern_did_not_cut_are_said_not_to_be_layers():
+    """jsun's one window (each device one step): the pattern's D holds 1,735 kernels and E
+    1,513 a layer, where a median layer holds about 20: whole stretches of a training step,
+    which the notes say are no layers; cut by its forward passes, no type is outsized, nor
+    in the vLLM decode step, whose two layer types are real layers."""
+    from kimi_perf.layer_breakdown import OUTSIZED, layer_notes
+
+    path = NSYS / "jsun-012-assignment2-systems__result__nsys2025.1.3.sqlite"
+    jsun = breakdown(read_trace(path))
+    median = float(np.median(layer_column(jsun.layers, "kernels")))
+    big = [t["type"] for t in jsun.layer_types if t["kernels"] >= OUTSIZED * median]
+    assert big == ["D", "E"]
+    (note,) = [n for n in layer_notes(jsun) if "stretches of work" in n]
+    assert note.startswith(f"types found by the kernel pattern hold 10× the kernels of a "
+                           f"median layer ({median:g}) or more: D (1 layer of 1735), E (4 "
+                           "layers of 1513)")
+    forward = breakdown(read_trace(path), step_regex="^Forward$")
+    vllm = breakdown(read_trace(KINETO / "tracelens_vllm_gptoss20b_decode_fullgraph_mi300x"
+                                         ".json.gz"))
+    for b in (forward, vllm):
+        assert b.layers and not any("stretches of work" in n for n in layer_notes(b))
+
+
+def test_a_profile_of_graph_captures_alone_says_what_it_is():
+    """vLLM's capture profiled apart: 1 capture, no replay, said (for --capture); the decode
+    trace that replays it, a training window whose last launches ran nothing (no capture
+    begun: the profiler's edge) and the replay joined by its capture say nothing of it."""
+    from kimi_perf.layer_breakdown import step_notes
+
+    capture = KINETO / "tracelens_vllm_gptoss20b_decode_fullgraph_capture_bs32_mi300x.json.gz"
+    alone = breakdown(read_trace(capture))
+    assert alone.source["graph_captures"] == 1
+    assert any(n.startswith("records 1 graph capture and replays none") and "--capture joins"
+               in n for n in step_notes(alone))
+    replay = KINETO / "tracelens_vllm_gptoss20b_decode_fullgraph_mi300x.json.gz"
+    for trace in (read_trace(replay), read_trace(replay, capture=capture),
+                  read_trace(NSYS / "nsysai_fastvideo_wan2.1_train_2xh100_before.sqlite")):
+        b = breakdown(trace)
+        assert "graph_captures" not in b.source
+        assert not any("replays none" in n for n in step_notes(b))
+
+
 def test_steps_per_device_name_the_ranges_that_could_be_the_steps():
     """A training trace without a step range the defaults know: each device is one step, and
     the note names the repeating range that holds most kernels (not the ranges inside
@@ -1394,8 +1436,8 @@ def test_report_labels_and_titles_write_control_characters_out(tmp_path):
     """A file name holding a right-to-left override (or the Arabic letter mark) labels its
     trace with the character written out, as a trace's own names are, in the title and
     the tables alike; a report of no layer types draws no empty class chart."""
-    from kimi_perf.capture import trace_labels
     from kimi_perf.report import write_report
+    from kimi_perf.runs import trace_labels
 
     assert trace_labels([tmp_path / "x\u202ey.json.gz", tmp_path / "a\u061cb.sqlite"]) == [
         "x\\u202ey", "a\\u061cb"]

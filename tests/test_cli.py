@@ -234,7 +234,9 @@ def test_a_capture_that_does_not_join_is_one_line_and_writes_nothing(tmp_path):
             (["trace", "--capture", VLLM_CAPTURE, "--out", out],
              "--capture: for a trace given with --from"),
             (["trace", "--from", VLLM, "--from", VLLM, "--capture", VLLM_CAPTURE, "--out", out],
-             "--capture pairs with --from, one each in the same order: 2 --from, 1 --capture"),
+             "--capture pairs with --from, one each in the same order: 2 --from, 1 --capture "
+             "(to join one of several alone, `kimi-perf convert TRACE T.kptrace --capture "
+             "CAPTURE` first"),
             (["trace", "--from", KINETO, "--capture", VLLM_CAPTURE, "--out", out],
              "a directory: --capture pairs with one trace file each")):
         _one_line_error(run(*args), said)
@@ -1432,7 +1434,7 @@ def test_a_directory_of_traces_stands_for_its_traces(tmp_path):
 def test_a_report_beside_its_export_is_one_capture(tmp_path):
     """`nsys stats` leaves X.sqlite beside X.nsys-rep: a directory of them stands for each
     capture once (its export), and a report not exported yet is still read."""
-    from kimi_perf.capture import trace_files
+    from kimi_perf.runs import trace_files
 
     for name in ("rank0.nsys-rep", "rank0.sqlite", "rank1.nsys-rep"):
         (tmp_path / name).write_bytes(b"")
@@ -1561,7 +1563,7 @@ def test_shown_labels_leave_out_the_words_all_share(labels, shown):
 def test_traces_of_one_name_in_several_folders_are_labelled_by_folder(tmp_path):
     """One trace per rank, each in its rank's folder under the same name: the labels say
     which rank, not trace, trace', trace''."""
-    from kimi_perf.capture import trace_labels
+    from kimi_perf.runs import trace_labels
 
     for rank in ("rank0", "rank1"):
         (tmp_path / rank).mkdir()

@@ -20,9 +20,10 @@ from kimi_perf import render
 from kimi_perf.classify import Rule, load_rules
 from kimi_perf.cli import EXAMPLE_TRACE, main
 from kimi_perf.errors import TraceError
-from kimi_perf.gate import Tolerances, gate, gate_files, load_run, run_differences
+from kimi_perf.gate import Tolerances, gate, gate_files
 from kimi_perf.layer_breakdown import Breakdown, breakdown
 from kimi_perf.render import gate_headline
+from kimi_perf.runs import load_run, run_differences
 from kimi_perf.trace import json_text
 from tests.conftest import KINETO, NSYS, REPO
 from tests.test_layers import nvtx_decode_trace
@@ -1297,7 +1298,7 @@ def test_gate_says_when_baseline_and_run_were_captured_differently(tmp_path):
     bare = CliRunner().invoke(main, ["gate", str(BASELINE), str(BASELINE), "--format", "json"])
     assert json.loads(bare.output)["run_differences"] == []
     # a trace --from run records no capture settings: nothing to set against them
-    from kimi_perf.gate import run_differences
+    from kimi_perf.runs import run_differences
 
     analysed = {"run": {"command": "kimi-perf trace --from x", "files": ["x.sqlite"]}}
     spec = json.loads(BASELINE.read_text())

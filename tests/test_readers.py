@@ -124,6 +124,18 @@ def test_kineto_counts_and_times(fixture_file):
     # Durations survive to the ns, whether the trace wrote integer or fractional µs.
     expected = Counter(round(e["dur"] * 1000) for e in kernels)
     assert Counter((trace.kernels.end - trace.kernels.start).tolist()) == expected
+    # Each kernel keeps its name, GPU and stream with its duration (not only the multiset of
+    # durations: a reader that paired one kernel's name with another's time would fail).
+    k = trace.kernels
+    got = Counter(zip([trace.strings[c] for c in k.name.tolist()],
+                      (k.end - k.start).tolist(), k.device.tolist(), k.stream.tolist(),
+                      strict=True))
+    assert got == Counter((e["name"], round(e["dur"] * 1000), int(e["args"]["device"]),
+                           int(e["args"]["stream"])) for e in kernels)
+    # and its place in time: the kernels in order of their start are the events in order
+    order = np.argsort(k.start, kind="stable")
+    by_start = sorted(kernels, key=lambda e: e["ts"])
+    assert [trace.strings[c] for c in k.name[order].tolist()] == [e["name"] for e in by_start]
     # Every kernel whose correlation has an API event is linked to it.
     api_corr = {e["args"]["correlation"] for e in events if e.get("cat") in
                 ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}

@@ -162,6 +162,13 @@ def test_tiles_that_cannot_be_whole_are_refused():
                     torch.zeros(1, 80).bfloat16())
 
 
+# mla_uv_gate merges the splits in fp32 and multiplies by w_uv at once; its reference takes
+# the merge rounded to bf16 first. The double rounding leaves 11-14% of the outputs more than
+# a bf16 ulp of their own value apart (measured over these tests), all within 3 ulps of the
+# row's scale: a bound of 20% still fails a kernel off by a percent everywhere.
+MERGED_BEYOND_OWN_ULP = 0.2
+
+
 @pytest.mark.parametrize("splits", [2, 5])
 @pytest.mark.parametrize("lora", [32, 128])
 def test_attention_split_over_positions(splits, lora, tiles):
@@ -186,7 +193,8 @@ def test_attention_split_over_positions(splits, lora, tiles):
     out = torch.empty(M, heads * v, dtype=torch.bfloat16)
     poison(out)
     mla_uv_gate(parts, w_uv, gate, out=out, lse=lse)
-    assert_close_bf16(out, mla_uv_gate_reference(want, w_uv, gate), ulps=3)
+    assert_close_bf16(out, mla_uv_gate_reference(want, w_uv, gate), ulps=3,
+                      beyond_own_ulp=MERGED_BEYOND_OWN_ULP)
 
 
 def test_splits_fill_the_gpu_and_stay_one_on_a_cpu(monkeypatch):
@@ -303,7 +311,8 @@ def _check_uv_gate_merge(lse: torch.Tensor, lora: int, v: int, gen: torch.Genera
     poison(out)
     mla_uv_gate(parts, w_uv, gate, out=out, lse=lse)
     merged = (torch.softmax(lse, dim=0)[..., None] * parts).sum(0).bfloat16()
-    assert_close_bf16(out, mla_uv_gate_reference(merged, w_uv, gate), ulps=3)
+    assert_close_bf16(out, mla_uv_gate_reference(merged, w_uv, gate), ulps=3,
+                      beyond_own_ulp=MERGED_BEYOND_OWN_ULP)
 
 
 @pytest.mark.parametrize("splits, tokens", [(3, 20), (40, 2), (64, 1)])

@@ -1,0 +1,134 @@
+"""The library a notebook calls: each command's work as a call, giving what the command
+prints, so that the CLI stays a thin layer over it."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+from click.testing import CliRunner
+
+from kimi_perf import compare_files, load_breakdown
+from kimi_perf.cli import EXAMPLE_TRACE, main
+from kimi_perf.comparison import WHOLE_STEP
+from kimi_perf.errors import TraceError
+from kimi_perf.gate import Tolerances, update_baseline
+from kimi_perf.report import report_inputs
+from kimi_perf.runs import TRACE, load_paths, load_run
+from kimi_perf.trace import json_text
+from tests.conftest import NSYS, REPO
+from tests.test_gate import BASELINE
+
+BEFORE = NSYS / "nsysai_fastvideo_wan2.1_train_2xh100_before.sqlite"
+AFTER = NSYS / "nsysai_fastvideo_wan2.1_train_2xh100_after.sqlite"
+
+
+def _printed(*args) -> dict:
+    result = CliRunner().invoke(main, [*map(str, args), "--format", "json"])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.output)
+
+
+@pytest.mark.parametrize("inputs", [(BEFORE, AFTER), (BASELINE,)], ids=["traces", "run"])
+def test_compare_files_is_what_compare_prints(inputs):
+    compared = compare_files(*inputs)
+    doc = json.loads(json_text(compared.to_json(kernels=True)))
+    assert doc == _printed("compare", *inputs, "--kernels")
+    assert doc["notes"][:len(compared.table_notes)] == compared.table_notes
+    assert [r["type"] for r in doc["rows"]] == [r.type for r in compared.rows]
+    if inputs == (BASELINE,):   # one run: path against path, under the paths' names
+        assert (compared.label_a, compared.label_b) == ("standard", "specialized")
+        assert doc["typical_layers"] and doc["fusions"]
+
+
+def test_profiler_windows_of_other_layers_have_no_whole_step_ratio():
+    """Each device one step (the profiler's window), 17 layers a step against 15: the windows
+    ran other work, so their kernels a step have no ratio (a false 1.12x); the layers do."""
+    compared = compare_files(BEFORE, AFTER)
+    step = next(r for r in compared.rows if r.label == WHOLE_STEP)
+    assert (step.layers_a, step.layers_b) == (17, 15)
+    assert step.kernel_ratio is None and step.span_ratio is None and not step.same_layers
+    assert any("whole step: no ratio" in note for note in compared.table_notes)
+    (a_row,) = [r for r in compared.rows if r.type == "A"]
+    assert a_row.kernel_ratio == 1.0 and a_row.span_ratio is not None
+    same = compare_files(BEFORE, BEFORE)   # the same window on both sides keeps its ratio
+    assert next(r for r in same.rows if r.label == WHOLE_STEP).kernel_ratio == 1.0
+
+
+def test_compare_files_labels_and_short_labels():
+    assert (compare_files(BEFORE, AFTER, labels=("x", "y")).label_a, "y") == ("x", "y")
+    full = compare_files(BEFORE, AFTER)
+    short = compare_files(BEFORE, AFTER, short_labels=True)
+    assert (short.label_a, short.label_b) == ("before", "after")
+    assert full.label_a.endswith("before") and full.label_a != short.label_a
+    assert short.labels_said == f"before: {BEFORE}; after: {AFTER}"
+    with pytest.raises(TraceError, match="one run of two decode paths"):
+        compare_files(BEFORE)
+
+
+def test_load_breakdown_and_load_paths():
+    runs, doc = load_paths(BASELINE)
+    assert set(runs) == {"standard", "specialized"} and doc["schema"] == 1
+    specialized = load_breakdown(BASELINE, "specialized")
+    assert specialized.to_json() == runs["specialized"].to_json()
+    with pytest.raises(TraceError, match="choose one with --path"):
+        load_breakdown(BASELINE)
+    with pytest.raises(TraceError, match="is not one"):
+        load_breakdown(EXAMPLE_TRACE, "specialized")
+    traced, none = load_paths(EXAMPLE_TRACE, "example")
+    assert none is None and list(traced) == ["example"]
+    assert traced["example"].to_json() == load_breakdown(EXAMPLE_TRACE).to_json()
+
+
+def test_report_inputs_is_what_report_draws(tmp_path):
+    got = report_inputs([BASELINE, EXAMPLE_TRACE], path_name="specialized")
+    # a run's path among several inputs is RUN:path; a trace is its file's name
+    assert list(got.breakdowns) == ["tiny-cpu:specialized",
+                                    "vllm_gptoss20b_decode_fullgraph_mi300x"]
+    assert got.run is None and [name for name, _ in got.runs] == ["tiny-cpu"]
+    one = report_inputs([BASELINE])
+    assert list(one.breakdowns) == ["standard", "specialized"] and one.runs == []
+    assert one.run == json.loads(BASELINE.read_text())["run"]
+    renamed = one.relabelled(["std", "spec"])
+    assert list(renamed.breakdowns) == ["std", "spec"]
+    with pytest.raises(ValueError, match="labels"):
+        one.relabelled(["std", "std"])
+    with pytest.raises(TraceError, match="is not one"):
+        report_inputs([EXAMPLE_TRACE], path_name="specialized")
+
+
+def test_update_baseline_creates_gates_then_stores(tmp_path):
+    baseline = tmp_path / "baseline.json"
+    tolerances = Tolerances(metrics="kernels")
+    assert update_baseline(baseline, BASELINE, tolerances) == (None, "created")
+    assert load_run(baseline)[1] == load_run(BASELINE)[1]
+    trace_base = tmp_path / "trace.json"
+    assert update_baseline(trace_base, EXAMPLE_TRACE, tolerances) == (None, "created")
+    gated, how = update_baseline(trace_base, EXAMPLE_TRACE, tolerances)
+    assert how == "updated" and gated.result.ok and set(gated.current) == {TRACE}
+    # a run of two paths cannot be gated against one trace's breakdown without a path
+    with pytest.raises(TraceError, match="cannot pair them"):
+        update_baseline(trace_base, BASELINE, tolerances)
+    copy = tmp_path / "trace.sqlite"
+    shutil.copy(BEFORE, copy)
+    with pytest.raises(TraceError, match="not a trace"):
+        update_baseline(copy, BASELINE, tolerances)
+    assert copy.read_bytes() == BEFORE.read_bytes()   # refused before anything was written
+
+
+def test_the_readmes_library_sample_names_what_exists():
+    """Every name the README's Library sample imports exists where it says, and every
+    attribute it reads of the package is there: a renamed or moved function fails here."""
+    import ast
+    import importlib
+
+    readme = (REPO / "README.md").read_text()
+    section = readme[readme.index("## Library"):readme.index("## Development")]
+    code = section[section.index("```python") + len("```python"):]
+    tree = ast.parse(code[:code.index("```")])
+    imported = [(node.module, alias.name) for node in ast.walk(tree)
+                if isinstance(node, ast.ImportFrom) for alias in node.names]
+    assert len(imported) >= 10
+    for module, name in imported:
+        assert hasattr(importlib.import_module(module), name), f"{module}.{name}"
