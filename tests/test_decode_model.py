@@ -77,7 +77,9 @@ def test_fp8_cache_within_expected_error():
                       seed=7)
     r = result["paths"]["standard"]
     assert result["ok"], result["failures"]
-    assert 1e-3 < r["layer_types"]["mla"]["max_rel_err"] < 0.15
+    # the cache's rounding is there (not a cache kept in fp32), and a few % (the bound's
+    # measured figure, 0.124, was the worst of 8 runs: this one is well under it)
+    assert 1e-3 < r["layer_types"]["mla"]["max_rel_err"] < 0.08
 
 
 def test_many_decode_steps_without_drift(weights):
