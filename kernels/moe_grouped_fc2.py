@@ -32,7 +32,7 @@ from kimi_perf_kernels.common import (
     launch_options,
 )
 from kimi_perf_kernels.moe_grouped_fc1 import BLOCK_T, ExpertSlots
-from kimi_perf_kernels.mxfp4 import Mxfp4, mxfp4_pairs
+from kimi_perf_kernels.mxfp4 import Mxfp4, dequantize, mxfp4_pairs
 from kimi_perf_kernels.skinny_linear import STAGES, linear_tile
 
 # Columns a program takes on a GPU: a [128, BLOCK_K] tile of W2 a K step (128 registers on
@@ -152,4 +152,21 @@ def moe_grouped_fc2(act: torch.Tensor, w2: moe_experts.Experts, slots: ExpertSlo
         *moe_experts.expert_strides(w2), out.stride(0), *shared_args, TOP_K=top_k,
         BLOCK_T=BLOCK_T, BLOCK_N=block_n, BLOCK_K=block_k, RNE=INTERPRETED, MXFP4=mxfp4,
         **shared_consts, num_warps=8, **launch_options())
+    return out
+
+
+def moe_grouped_fc2_reference(act: torch.Tensor, w2: moe_experts.Experts, slots: ExpertSlots,
+                              weights: torch.Tensor) -> torch.Tensor:
+    """``moe_grouped_fc2``'s math as it groups it, in fp32: for each expert, each slot that
+    picked it adds its weight times W2[e] act[slot] into its token's row (``slot // top_k``).
+    Summing by expert, it is the per-slot combine (``moe_experts_reference``) by another
+    route: the two agree to rounding."""
+    M, top_k, inter = act.shape
+    w2 = dequantize(w2) if isinstance(w2, Mxfp4) else w2
+    flat_act, flat_weights = act.reshape(M * top_k, inter).float(), weights.reshape(-1).float()
+    out = torch.zeros(M, w2.shape[1])
+    for e, count in enumerate(slots.counts.tolist()):
+        picked = slots.lists[e, :count].long()
+        out.index_add_(0, picked // top_k,
+                       flat_weights[picked, None] * (flat_act[picked] @ w2[e].float().T))
     return out

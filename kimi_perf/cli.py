@@ -843,6 +843,15 @@ def _analysed_files(run_dir: Path) -> list[tuple[Path, Path | None]]:
             for f, c in zip(files, captures, strict=True)]
 
 
+def _path_names(paths: str) -> tuple[str, ...]:
+    """``--paths``: the decode paths named, comma-separated (spaces around each and empty
+    names dropped), each once."""
+    named = tuple(p for p in (name.strip() for name in paths.split(",")) if p)
+    if len(set(named)) < len(named):
+        raise TraceError(None, f"--paths names a path twice: {paths!r}")
+    return named
+
+
 def _split_labels(labels: str, of: list[str]) -> list[str]:
     """``--labels``: a distinct name for each of ``of``, comma-separated, spaces around each
     dropped."""
@@ -978,11 +987,9 @@ def validate(preset_name: str, n_layers: int | None, paths: str, steps: int,
         raise TraceError(None, f"validate needs torch ({exc}); pip install "
                                "'kimi-perf[model]'") from None
     _preset_config(preset_name)
-    chosen = tuple(p for p in paths.split(",") if p)
+    chosen = _path_names(paths)
     if not chosen:
         raise TraceError(None, f"--paths names no path (available: {', '.join(v.PATHS)})")
-    if len(set(chosen)) < len(chosen):
-        raise TraceError(None, f"--paths names a path twice: {paths!r}")
     unknown = [p for p in chosen if p not in v.PATHS]
     if unknown:
         raise TraceError(None, f"--paths: unknown path(s) {', '.join(unknown)} (available: "
@@ -1096,11 +1103,9 @@ def trace_cmd(from_files: tuple[Path, ...], captures: tuple[Path, ...], phase: s
         raise TraceError(None, f"{', '.join(capture_only)} "
                                f"{'sets' if len(capture_only) == 1 else 'set'} up a capture; "
                                "--from analyses traces already made")
-    named = [p for p in paths.split(",") if p]
-    if len(set(named)) < len(named):
-        raise TraceError(None, f"--paths names a path twice: {paths!r}")
+    named = _path_names(paths)
     opt_ins = _given("l2_prefetch", "group_experts_from", "pdl")
-    if opt_ins and "specialized" not in paths.split(","):
+    if opt_ins and "specialized" not in named:
         raise TraceError(None, f"{', '.join(opt_ins)}: options of the specialized path, which "
                                f"--paths {paths} leaves out")
     if not from_files and captures:
@@ -1144,7 +1149,7 @@ def trace_cmd(from_files: tuple[Path, ...], captures: tuple[Path, ...], phase: s
         if preset_name and n_layers is None:
             overrides["n_layers"] = None  # a chosen preset keeps its own layer count
         req = dataclasses.replace(cap.default_request(torch.cuda.is_available()), **overrides,
-                                  tp=tp, paths=tuple(p for p in paths.split(",") if p),
+                                  tp=tp, paths=named,
                                   graphs=graphs, backend=backend, kv_cache=kv_cache,
                                   experts=experts, spec_tokens=spec_tokens, out_dir=out_dir,
                                   plotly_js=plotly_js, l2_prefetch=l2_prefetch,
@@ -1204,10 +1209,10 @@ def trace_cmd(from_files: tuple[Path, ...], captures: tuple[Path, ...], phase: s
                 console.print(render.comparison_headline(rows, shown_a, shown_b, *units))
                 if (shown_a, shown_b) != (a, b):
                     console.print(f"{shown_a}: {a}; {shown_b}: {b}")
-    if any(rows for _, rows in compared):  # else each trace's own tables say it below
+    if any(rows for _, rows in compared):
         for line in note_lines(results):
             console.print(line)
-    if not any(rows for _, rows in compared):  # one trace, or none with layers
+    else:   # one trace, or none with layers: each one's own tables (and their notes)
         for label, b in results.items():
             console.print(f"{label}:")
             render.print_tables(render.breakdown_tables(b), console)

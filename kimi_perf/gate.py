@@ -524,12 +524,13 @@ def gate(baseline: dict[str, Breakdown], current: dict[str, Breakdown],
                 if base_type == STEP and base_s is None and cur_s is None:
                     continue  # neither side found steps
                 if metric == "kernels":
-                    found += [_kernels(path, label, "kernels", base_s, cur_s, np.median),
+                    found += [_kernel_count_check(path, label, "kernels", base_s, cur_s,
+                                                  np.median),
                               _largest(path, label, base, cur, base_s, cur_s)]
                 else:
-                    found.append(_time(path, label, metric, base_s, cur_s, tolerances,
-                                       _step_means(base_s, _step_groups(base, base_type)),
-                                       _step_means(cur_s, _step_groups(cur, cur_type))))
+                    found.append(_time_check(path, label, metric, base_s, cur_s, tolerances,
+                                             _step_means(base_s, _step_groups(base, base_type)),
+                                             _step_means(cur_s, _step_groups(cur, cur_type))))
                     if metric == "kernel_us" and base_type != STEP:
                         found += _class_times(path, label, base, base_type, cur, cur_type,
                                               tolerances)
@@ -898,7 +899,7 @@ def _largest(path: str, layer_type: str, base: Breakdown | None, cur: Breakdown 
     baseline, a larger one says nothing of the work (what runs every few steps, a cache
     flush, may fall in the longer window alone): ``changed``, not a regression; the medians
     still compare. (A shorter run's larger count is a regression.)"""
-    check = _kernels(path, layer_type, "kernels_max", base_s, cur_s, np.max)
+    check = _kernel_count_check(path, layer_type, "kernels_max", base_s, cur_s, np.max)
     windows = [len(b.steps) for b in (base, cur) if b is not None]
     if check.status == "regression" and len(windows) == 2 and windows[1] > windows[0]:
         check.status = "changed"
@@ -957,8 +958,8 @@ def _class_times(path: str, label: str, base: Breakdown | None, base_type: str |
                    for b, t in ((base, base_type), (cur, cur_type))]
         if not all(v.size for v in samples):
             continue
-        check = _time(path, label, "class_us", *samples, lowered,
-                      *(_step_means(v, g) for v, g in zip(samples, groups, strict=True)))
+        check = _time_check(path, label, "class_us", *samples, lowered,
+                            *(_step_means(v, g) for v, g in zip(samples, groups, strict=True)))
         check.kernel_class = kernel_class
         check.alpha = lowered.alpha if len(classes) > 1 else None
         if other_rules and check.status in ("regression", "improvement", "noise"):
@@ -987,8 +988,8 @@ def _layer_time(path: str, label: str, base: Breakdown | None, base_type: str | 
         return []
     rises = [float(np.median(c) - np.median(b)) for b, c in zip(*by_index, strict=True)]
     worst = int(np.argmax(rises))
-    check = _time(path, label, "layer_kernel_us", by_index[0][worst], by_index[1][worst],
-                  lowered)
+    check = _time_check(path, label, "layer_kernel_us", by_index[0][worst],
+                        by_index[1][worst], lowered)
     if rises[worst] <= 0:   # (the layer that rose most did not rise: none did)
         check.status = "ok"
     check.layer_index, check.alpha = shared[worst], lowered.alpha
@@ -1013,8 +1014,8 @@ def _by_index(b: Breakdown, layer_type: str) -> dict[int, np.ndarray]:
     return dict(zip(heads.tolist(), np.split(means, starts[1:]), strict=True))
 
 
-def _kernels(path: str, layer_type: str, metric: str, base: np.ndarray | None,
-             cur: np.ndarray | None, stat) -> Check:
+def _kernel_count_check(path: str, layer_type: str, metric: str, base: np.ndarray | None,
+                        cur: np.ndarray | None, stat) -> Check:
     if (lacking := _lacking(path, layer_type, metric, base, cur, stat)) is not None:
         return lacking
     b, c = float(stat(base)), float(stat(cur))
@@ -1031,9 +1032,9 @@ def _testable(base: np.ndarray | None, cur: np.ndarray | None, tol: Tolerances) 
     return math.lgamma(n + m + 1) - math.lgamma(n + 1) - math.lgamma(m + 1) > -math.log(tol.alpha)
 
 
-def _time(path: str, layer_type: str, metric: str, base: np.ndarray | None,
-          cur: np.ndarray | None, tol: Tolerances, base_steps: np.ndarray | None = None,
-          cur_steps: np.ndarray | None = None) -> Check:
+def _time_check(path: str, layer_type: str, metric: str, base: np.ndarray | None,
+                cur: np.ndarray | None, tol: Tolerances, base_steps: np.ndarray | None = None,
+                cur_steps: np.ndarray | None = None) -> Check:
     """``base``/``cur``: the samples whose medians are compared (a type's layers, or the
     steps); ``base_steps``/``cur_steps``: a type's mean layer per step, what the test takes
     where there are steps enough."""
