@@ -8,6 +8,7 @@ import copy
 import dataclasses
 import platform
 import sqlite3
+from collections import Counter
 from pathlib import Path
 from types import SimpleNamespace
 from unittest import mock
@@ -38,7 +39,7 @@ from kimi_perf.nesting import (
 )
 from kimi_perf.readers.nsys import _decode_text, _first_per_key, _NsysReader
 from kimi_perf.strings import StringTable
-from kimi_perf.trace import PUSHPOP, STARTEND, TABLES, Trace, compact_ints
+from kimi_perf.trace import GPU_RANGE, PUSHPOP, STARTEND, TABLES, Trace, compact_ints
 from tests.conftest import kineto_fixtures, nsys_fixtures
 from tests.synth import TraceBuilder
 from tests.test_layers import nvtx_decode_trace
@@ -313,6 +314,45 @@ def _reference_summary(trace):
     rows.sort(key=lambda row: (row.range is not None, row.range or "", row.pid or -1,
                                row.tid or -1, -row.total_ns, row.kernel))
     return rows
+
+
+def _containment_by_brute_force(trace) -> tuple[Counter, Counter]:
+    """Per (range name, kernel name), of every kernel with a launch call and every CPU range
+    of the launching thread that contains the call, one at a time: the distinct kernels
+    (a kernel in two ranges of one name counts once) and the ns of every (range, kernel)
+    pair, as nsys sums them."""
+    k, api, r = trace.kernels, trace.api, trace.ranges
+    cpu = r.style != GPU_RANGE
+    kernels, ns = Counter(), Counter()
+    for i in np.flatnonzero(k.api >= 0).tolist():
+        call = k.api[i]
+        inside = cpu & (r.pid == k.pid[i]) & (r.tid == k.tid[i]) \
+            & (r.start <= api.start[call]) & (api.end[call] <= r.end)
+        kernel = trace.strings[k.name[i]]
+        names = [trace.strings[c] for c in r.name[inside].tolist()]
+        for name in set(names):
+            kernels[(name, kernel)] += 1
+        for name in names:
+            ns[(name, kernel)] += int(k.end[i] - k.start[i])
+    return kernels, ns
+
+
+def test_range_kernel_summary_equals_brute_force_containment_on_kineto_fixtures():
+    """Not the production route against another of its own: the Kineto fixtures' ranges
+    (user annotations, CPU ops, nn.Module calls) tested against every launch call, one
+    pair at a time."""
+    checked = 0
+    for path in kineto_fixtures():
+        trace = read_trace(path)
+        kernels, ns = Counter(), Counter()
+        for row in range_kernel_summary(trace):
+            if row.range is not None:   # (a kernel in no range: nothing to contain it)
+                kernels[(row.range, row.kernel)] += row.kernel_instances
+                ns[(row.range, row.kernel)] += row.total_ns
+        want_kernels, want_ns = _containment_by_brute_force(trace)
+        assert kernels == want_kernels and ns == want_ns, path.name
+        checked += len(want_kernels)
+    assert checked > 1000
 
 
 def test_range_kernel_summary_equals_reference_on_fixtures():
