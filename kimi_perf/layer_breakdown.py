@@ -690,18 +690,53 @@ def _typical_layers(trace: Trace, ops: GpuOps, steps) -> dict[str, dict[str, Any
     for t, keys in sequences.items():
         typical, count = Counter(keys).most_common(1)[0]
         rows = np.stack([r for k, r in zip(keys, layer_ops[t], strict=True) if k == typical])
-        median_ns = np.median(ops.end[rows] - ops.start[rows], axis=0)
+        durations = ops.end[rows] - ops.start[rows]
+        median_ns = np.median(durations, axis=0)
         names = np.frombuffer(typical, ops.name.dtype).tolist()
         classes = ops.kernel_class[rows[0]].tolist()
         out[t] = {"layers": count, "kernels": [
             {"name": trace.strings[n], "class": ops.class_labels[c], "us": _us(int(ns))}
             for n, c, ns in zip(names, classes, median_ns.round().tolist(), strict=True)]}
+        if ops.kind == "gpu":   # (a CPU op's time spreads with the host's load)
+            for kernel, spread in zip(out[t]["kernels"], kernel_spreads(durations),
+                                      strict=True):
+                if spread is not None:
+                    kernel["spread_us"] = spread
         if t in by_pattern:
             cycle = [trace.strings[n] for n in names]
             start = least_rotation(cycle)
             out[t]["pattern"] = hashlib.sha1("\0".join(cycle[start:] + cycle[:start]).encode(),
                                              usedforsecurity=False).hexdigest()[:12]
     return out
+
+
+# A GPU kernel whose time over the layers of its type spreads this much (its 90th percentile
+# over its 10th), by a µs or more, does different work in different layers (sliding-window and
+# full attention): one median does not describe it.
+SPREAD = 1.5
+SPREAD_MIN_LAYERS = 4
+
+
+def kernel_spreads(durations: np.ndarray) -> list[list[float] | None]:
+    """Per kernel (a column of ``durations`` [layers, kernels], ns), its [10th, 90th]
+    percentile µs over the layers where they spread SPREAD-fold or more, else None."""
+    if len(durations) < SPREAD_MIN_LAYERS:
+        return [None] * durations.shape[1]
+    low, high = np.percentile(durations, [10, 90], axis=0)
+    wide = (high >= SPREAD * low) & (high - low >= 1000)
+    return [[_us(round(lo)), _us(round(hi))] if w else None
+            for lo, hi, w in zip(low.tolist(), high.tolist(), wide.tolist(), strict=True)]
+
+
+SPREAD_NOTE = ("(a-b): the 10th to 90th percentile of a GPU kernel's µs over the layers, where "
+               "it spreads 1.5-fold or more: its work varies from layer to layer "
+               "(sliding-window and full attention, say), and one median does not describe it")
+
+
+def spread_text(kernel: dict) -> str:
+    """A typical layer's kernel's µs: its median, with its spread where it has one."""
+    spread = kernel.get("spread_us")
+    return f"{kernel['us']:.1f}" + (f" ({spread[0]:.1f}-{spread[1]:.1f})" if spread else "")
 
 
 def least_rotation(names: list[str]) -> int:

@@ -31,7 +31,14 @@ from kimi_perf.comparison import (
     stragglers,
 )
 from kimi_perf.gate import GateResult
-from kimi_perf.layer_breakdown import Breakdown, layer_notes, layers_text, step_notes
+from kimi_perf.layer_breakdown import (
+    SPREAD_NOTE,
+    Breakdown,
+    layer_notes,
+    layers_text,
+    spread_text,
+    step_notes,
+)
 from kimi_perf.names import short_names
 from kimi_perf.text import counted
 from kimi_perf.trace import json_text, printable
@@ -277,7 +284,7 @@ def typical_layer_table(layer_type: str, sides: dict[str, dict | None],
         for label, t in typical.items():
             if t and i < len(t["kernels"]):
                 cells += [names[label][i], t["kernels"][i]["class"],
-                          f"{t['kernels'][i]['us']:.1f}"]
+                          spread_text(t["kernels"][i])]
             else:
                 cells += ["", "", ""]
         table.add_row(*cells)
@@ -295,6 +302,8 @@ def typical_layer_table(layer_type: str, sides: dict[str, dict | None],
         else:
             notes.append(f"{who}no {layer_type} layer")
     notes += rotation_notes(shifts, typical, unit)
+    if any("spread_us" in k for t in typical.values() if t for k in t["kernels"]):
+        notes.append(SPREAD_NOTE)
     if patterns_differ((t or {}).get("pattern") for t in sides.values()):
         notes.append(f"* {layer_type} was found by the repeating kernel pattern, with other "
                      "kernel sequences: the letter may name different layers")

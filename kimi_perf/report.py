@@ -43,9 +43,11 @@ from kimi_perf.comparison import (
 from kimi_perf.decode.fallbacks import fell_back_text, paths_that_fell_back
 from kimi_perf.errors import TraceError
 from kimi_perf.layer_breakdown import (
+    SPREAD_NOTE,
     Breakdown,
     layer_notes,
     layers_text,
+    spread_text,
     step_notes,
     units_word,
 )
@@ -306,7 +308,7 @@ def _typical_html(breakdowns: dict[str, Breakdown]) -> str:
                     k = t["kernels"][i]
                     cells.append(f"<td class=name title=\"{e(whole[label][i])}\">"
                                  f"{e(names[label][i])}</td><td>{e(k['class'])}</td>"
-                                 f"<td>{k['us']:.1f}</td>")
+                                 f"<td>{spread_text(k)}</td>")
                 else:
                     cells.append("<td></td><td></td><td></td>")
             rows.append("<tr>" + "".join(cells) + "</tr>")
@@ -316,8 +318,10 @@ def _typical_html(breakdowns: dict[str, Breakdown]) -> str:
             "exactly these</th>"
             f"<th>{sum(k['us'] for k in t['kernels']):.1f}</th>" if t else
             "<th colspan=3></th>" for label, t in typical.items()) + "</tr>"
-        differ = "".join(f"<p>{e(note)}.</p>" for note in rotation_notes(
-            shifts, typical, _units(breakdowns)))
+        spread = any("spread_us" in k for t in typical.values() if t for k in t["kernels"])
+        differ = "".join(f"<p>{e(note)}.</p>" for note in [
+            *rotation_notes(shifts, typical, _units(breakdowns)),
+            *([SPREAD_NOTE] if spread else [])])
         if patterns_differ((t or {}).get("pattern") for t in sides.values()):
             differ += (f"<p>* {e(layer_type)} was found by the repeating kernel pattern, with "
                        "other kernel sequences: the letter may name different layers.</p>")

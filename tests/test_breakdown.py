@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import re
 from collections import Counter
@@ -1047,6 +1048,38 @@ def test_stretches_the_pattern_did_not_cut_are_said_not_to_be_layers():
                                          ".json.gz"))
     for b in (forward, vllm):
         assert b.layers and not any("stretches of work" in n for n in layer_notes(b))
+
+
+def test_a_kernel_whose_time_spreads_over_the_layers_shows_its_spread():
+    """GPT-OSS's attention in a mixed step: 12 layers at about 130 µs (sliding window) and 12
+    at about 300 (full): the typical layer's median (288) is of the upper group alone, so its
+    10th and 90th percentile come with it, in the table and the report; a steady kernel, a
+    spread under a µs, or under 4 layers gets none."""
+    from rich.console import Console
+
+    from kimi_perf import render
+    from kimi_perf.layer_breakdown import SPREAD_NOTE, kernel_spreads
+    from kimi_perf.render import typical_layer_table
+    from kimi_perf.trace import json_text
+
+    ns = np.array([[1000, 130_000, 5000, 1000]] * 12 + [[1000, 300_000, 5000, 1400]] * 12)
+    assert kernel_spreads(ns) == [None, [130.0, 300.0], None, None]
+    assert kernel_spreads(ns[10:13]) == [None] * 4
+    b = breakdown(read_trace(KINETO / "tracelens_vllm_gptoss20b_prefilldecode_piecewise_mi300x"
+                                      ".json.gz"))
+    (t,) = b.layer_types
+    kernels = t["typical_layer"]["kernels"]
+    (attention,) = [k for k in kernels if k["name"] == "kernel_unified_attention_2d"]
+    low, high = attention["spread_us"]
+    assert low < 140 < 280 < attention["us"] <= high < 320
+    assert "spread_us" not in kernels[0]   # the first norm: steady
+    buf = io.StringIO()
+    render.print_tables([typical_layer_table("A", {"": t})], Console(file=buf, width=200))
+    text = " ".join(buf.getvalue().split())
+    assert f"{attention['us']:.1f} ({low:.1f}-{high:.1f})" in text
+    assert " ".join(SPREAD_NOTE.split()) in text
+    again = Breakdown.from_json(json.loads(json_text(b.to_json())))   # kept as stored
+    assert again.layer_types[0]["typical_layer"]["kernels"] == kernels
 
 
 def test_a_profile_of_graph_captures_alone_says_what_it_is():
