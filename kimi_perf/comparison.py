@@ -690,6 +690,9 @@ def compare_files(a: str | Path, b: str | Path | None = None, path_name: str | N
     ``breakdown_options`` say (``layers``, ``step_regex``, ``rules``). Labels: ``labels``,
     else the file names (``short_labels``: without the words both share, as the table
     shows them) or a run's path names."""
+    if labels is not None and (len(labels) != 2 or not all(labels)
+                               or labels[0] == labels[1]):
+        raise ValueError(f"labels: 2 distinct names, not {labels!r}")
     a, b = Path(a), None if b is None else Path(b)
     names = trace_labels([a] if b is None else [a, b])
     runs_a, run_a = load_paths(a, names[0], phase, **breakdown_options)

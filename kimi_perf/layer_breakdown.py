@@ -89,7 +89,7 @@ class Breakdown:
         if "source" not in doc and isinstance(doc.get("paths"), dict):
             raise TraceError(path, "a run's breakdown.json, a breakdown per decode path: read "
                                    "one with from_json(doc['paths'][path]), or all with "
-                                   "kimi_perf.gate.load_run")
+                                   "kimi_perf.runs.load_run")
         try:
             return cls(source=doc["source"], steps=doc["steps"], layers=doc["layers"],
                        layer_types=doc["layer_types"], timeline=doc.get("timeline"))

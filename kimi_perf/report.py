@@ -419,7 +419,7 @@ def _version_items(run: dict) -> list[tuple[str, object]]:
 
 def _runs_html(runs: list[tuple[str, dict]]) -> str:
     """Several runs drawn together (a baseline and tonight's run): what each ran, a column
-    each, and how each was captured unlike the first (``gate.run_differences``)."""
+    each, and how each was captured unlike the first (``runs.run_differences``)."""
     if len(runs) < 2:
         return ""
     e = html.escape

@@ -157,16 +157,18 @@ def run_info_problem(run: object) -> str | None:
     return None
 
 
-def is_run_breakdown(path: Path) -> bool:
+def is_run_breakdown(path: str | Path) -> bool:
     """Whether ``path`` is a kimi-perf run directory's breakdown.json (beside the run.json
     ``kimi-perf trace`` wrote), which must be a kimi-perf document whatever its first bytes:
     no trace is stored under that name there."""
+    path = Path(path)
     return path.name == "breakdown.json" and is_kimi_perf_run_json(path.parent / "run.json")
 
 
-def is_kimi_perf_run_json(path: Path) -> bool:
+def is_kimi_perf_run_json(path: str | Path) -> bool:
     """Whether ``path`` is a run.json that ``kimi-perf trace`` wrote (it begins with the
     command that made the run), not any file of that name."""
+    path = Path(path)
     if not path.is_file():
         return False
     try:
@@ -176,11 +178,12 @@ def is_kimi_perf_run_json(path: Path) -> bool:
         return False
 
 
-def is_kimi_perf_json(path: Path) -> bool:
+def is_kimi_perf_json(path: str | Path) -> bool:
     """Whether a JSON file is one of ours (a breakdown or a run's breakdowns: they begin with
     ``"schema"``), told from its first bytes, so that a large JSON trace is not parsed twice
     (a Kineto trace begins with ``"schemaVersion"`` or ``"traceEvents"``, if with an
     object)."""
+    path = Path(path)
     if not path.is_file():      # a pipe would be read in part (and wait for a writer)
         return False
     try:
@@ -370,8 +373,8 @@ def _source_problem(source) -> str | None:
         ("steps_holding_passes", "[{step, passes, layers}]", listed(
             "steps_holding_passes", lambda h: isinstance(h.get("step"), str)
             and _is_count(h.get("passes")) and _is_count(h.get("layers")))),
-        ("other_thread_ops", "a count",
-         source.get("other_thread_ops") is None or _is_count(source["other_thread_ops"])),
+        *((key, "a count", source.get(key) is None or _is_count(source[key]))
+          for key in ("other_thread_ops", "graph_captures")),
         ("steps_left_out", "{phase: count}", counts("steps_left_out")),
         ("untimed", "{kernels, memops} as counts", counts("untimed")),
         ("duplicates", "{kernels, memops} as counts", counts("duplicates")),
@@ -440,9 +443,12 @@ def _checked(b: Breakdown, path: Path, where: str = "") -> Breakdown:
                 and all(isinstance(k, dict) and isinstance(k.get("name"), str)
                         and isinstance(k.get("class"), str)
                         and is_figure(k.get("us"))
+                        and (k.get("spread_us") is None or (
+                            isinstance(k["spread_us"], list) and len(k["spread_us"]) == 2
+                            and all(map(is_figure, k["spread_us"]))))
                         for k in typical["kernels"])):
             raise TraceError(path, f"layer type {t['type']!r}: typical_layer is not "
-                                   "{layers, kernels: [{name, class, us}]}")
+                                   "{layers, kernels: [{name, class, us, spread_us?}]}")
     if b.timeline is not None and not _timeline_ok(b.timeline):
         raise TraceError(path, "timeline is not {step, names, segments: [{label, ops: "
                                "[[name index, class, start µs, µs]]}]}")
@@ -666,21 +672,22 @@ TRACE_SUFFIXES = (".pt.trace.json.gz", ".trace.json.gz", ".json.gz", ".pt.trace.
                   ".trace.json", ".json", ".sqlite", ".nsys-rep", ".kptrace")
 
 
-def trace_label(path: Path) -> str:
+def trace_label(path: str | Path) -> str:
     """A trace's file name without its trace suffix (``wan2.1_after.sqlite``:
     ``wan2.1_after``), its control characters written out (``printable``)."""
-    name = path.name
+    name = Path(path).name
     for suffix in TRACE_SUFFIXES:
         if name.endswith(suffix) and len(name) > len(suffix):
             return printable(name[: -len(suffix)])
     return printable(name)
 
 
-def trace_labels(paths: list[Path]) -> list[str]:
+def trace_labels(paths: list[str | Path]) -> list[str]:
     """``trace_label`` of each path, distinct: where file names repeat (rank0/trace.json,
     rank1/trace.json) the folder holding each comes first (rank0/trace), two or three where
     one does not tell them apart (run_a/rank0/trace, run_b/rank0/trace), and what still
     repeats gets primes (trace, trace')."""
+    paths = [Path(p) for p in paths]
     names = [trace_label(p) for p in paths]
     folders = [Path(os.path.abspath(p)).parent.parts for p in paths]
     labels = names
@@ -715,7 +722,7 @@ def _json_not_a_trace(path: Path) -> bool:
                 or b'"traceEvents"' in head or b'"schemaVersion"' in head)
 
 
-def trace_files(paths: list[Path], keep_runs: bool = False,
+def trace_files(paths: list[str | Path], keep_runs: bool = False,
                 left_out: list[tuple[Path, str]] | None = None) -> list[Path]:
     """``paths`` with each directory replaced by the trace files in it, in natural order
     (rank2 before rank10): a profiler's output directory, one trace per rank or worker, as
@@ -729,7 +736,7 @@ def trace_files(paths: list[Path], keep_runs: bool = False,
         return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", p.name)]
 
     out: list[Path] = []
-    for path in paths:
+    for path in map(Path, paths):
         if not path.is_dir():
             out.append(path)
             continue

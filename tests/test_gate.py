@@ -1181,7 +1181,9 @@ def test_fuzzed_baselines_give_one_line_errors(data):
 
 
 @pytest.mark.parametrize("typical", [{"layers": 3}, "x", {"layers": 3, "kernels": [
-    {"name": "k", "class": "gemm", "us": "1"}]}, {"layers": 3, "kernels": [{"name": 5}]}])
+    {"name": "k", "class": "gemm", "us": "1"}]}, {"layers": 3, "kernels": [{"name": 5}]},
+    *({"layers": 3, "kernels": [{"name": "k", "class": "gemm", "us": 1.0, "spread_us": bad}]}
+      for bad in ("x", [1.0], [1.0, "2"], [1.0, -2.0]))])
 def test_a_malformed_typical_layer_is_one_line(tmp_path, typical):
     doc = json.loads(BASELINE.read_text())
     (kda,) = [t for t in doc["paths"]["specialized"]["layer_types"] if t["type"] == "kda"]
@@ -1206,7 +1208,8 @@ def test_a_malformed_typical_layer_is_one_line(tmp_path, typical):
     ("duplicates", {"kernels": "2", "memops": 0}),
     ("steps_holding_passes", [{"step": "s", "passes": 2}]), ("tool", 3),
     ("captures", [1, 2]), ("graph_replays", {"placed_at_capture": 1}),
-    ("graph_replays", "x"), ("breakdown_options", {"steps": 5}),
+    ("graph_replays", "x"), ("graph_captures", "many"), ("graph_captures", [1]),
+    ("breakdown_options", {"steps": 5}),
     ("breakdown_options", ["auto"])])
 def test_malformed_step_notes_are_one_line(tmp_path, key, value):
     doc = json.loads(BASELINE.read_text())
@@ -1405,7 +1408,8 @@ def test_a_path_the_run_lacks_is_missing_whatever_the_models_depth(tmp_path):
 
 def test_gate_files_is_the_cli_gate_as_a_library_call(tmp_path):
     from kimi_perf.errors import TraceError
-    from kimi_perf.gate import gate_files, store_baseline
+    from kimi_perf.gate import gate_files
+    from kimi_perf.runs import store_baseline
 
     gated = gate_files(BASELINE, BASELINE)
     assert gated.result.ok and set(gated.baseline) == {"standard", "specialized"}

@@ -57,7 +57,11 @@ def test_profiler_windows_of_other_layers_have_no_whole_step_ratio():
 
 
 def test_compare_files_labels_and_short_labels():
-    assert (compare_files(BEFORE, AFTER, labels=("x", "y")).label_a, "y") == ("x", "y")
+    labelled = compare_files(BEFORE, AFTER, labels=("x", "y"))
+    assert (labelled.label_a, labelled.label_b) == ("x", "y")
+    for wrong in (("x",), ("x", "x"), ("x", "")):
+        with pytest.raises(ValueError, match="labels: 2 distinct names"):
+            compare_files(BEFORE, AFTER, labels=wrong)
     full = compare_files(BEFORE, AFTER)
     short = compare_files(BEFORE, AFTER, short_labels=True)
     assert (short.label_a, short.label_b) == ("before", "after")
@@ -130,5 +134,34 @@ def test_the_readmes_library_sample_names_what_exists():
     imported = [(node.module, alias.name) for node in ast.walk(tree)
                 if isinstance(node, ast.ImportFrom) for alias in node.names]
     assert len(imported) >= 10
-    for module, name in imported:
-        assert hasattr(importlib.import_module(module), name), f"{module}.{name}"
+    for module, name in imported:   # where it is defined (or the package exports it), not
+        found = importlib.import_module(module)   # a name a module happens to import
+        value = getattr(found, name)
+        if module == "kimi_perf":
+            assert name in found.__all__, name
+        else:
+            assert getattr(value, "__module__", module) == module, f"{module}.{name}"
+
+
+def test_trace_from_json_says_what_compare_says(tmp_path):
+    """`trace --from A B --format json`: its comparison holds compare's rows and every note
+    compare prints of the same two traces (each side's steps too)."""
+    from kimi_perf.capture import analyse, run_document
+
+    run_dir, results, run_info = analyse([BEFORE, AFTER], tmp_path, plotly_js="cdn")
+    (comparison,) = run_document(run_dir, results, run_info)["comparisons"]
+    compared = compare_files(BEFORE, AFTER)
+    assert comparison["notes"] == compared.notes
+    assert comparison["rows"] == [r.to_json() for r in compared.rows]
+    assert any(n.startswith(f"{compared.label_a}: no step range") for n in compared.notes)
+
+
+def test_option_errors_come_before_any_input_is_read(tmp_path):
+    """A bad --layers is said as such, even beside a file that would fail to read: the
+    options are checked first, as for every command."""
+    broken = tmp_path / "broken.json"
+    broken.write_text('{"schema": 1, "paths": {"standard": []}}')
+    for command in ("compare", "report"):
+        result = CliRunner().invoke(main, [command, str(broken), str(BEFORE), "--layers",
+                                           "bogus", "-o", str(tmp_path / "out")])
+        assert result.exit_code == 2 and "--layers must be auto" in result.output, command
