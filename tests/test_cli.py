@@ -293,6 +293,14 @@ def test_a_path_that_fell_back_on_every_step_is_said_so_by_compare_report_and_ga
     assert gate_doc["fell_back"] == [f"the run's {said}"]
     both = run("gate", run_file, run_file, "--metrics", "kernels")
     assert both.exit_code == 0 and f"the baseline's {said}" in " ".join(both.output.split())
+    # its CPU time is the standard path's PyTorch ops, not kernels in Triton's interpreter
+    assert "interpreter" not in both.output
+    from kimi_perf.gate import Tolerances, gate_files
+
+    assert gate_files(run_file, run_file, Tolerances(metrics="kernels")).result \
+        .paths_fell_back == {"specialized"}
+    assert "(the specialized path in Triton's interpreter)" in " ".join(
+        run("gate", BASELINE, BASELINE).output.split())
     # a failure too where the models differ in depth (whose steps' checks are "changed"), and
     # against a plain breakdown of the path (which stands for it without --path)
     doc = json.loads(run_file.read_text())
