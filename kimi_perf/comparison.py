@@ -615,8 +615,9 @@ def type_pairs(a: Breakdown, b: Breakdown, rows: list[ComparisonRow] | None = No
 
 def comparison_doc(a: Breakdown, b: Breakdown, name_a: str, name_b: str,
                    kernels: bool = False, rows: list[ComparisonRow] | None = None) -> dict:
-    """``kimi-perf compare --format json``: the rows (``compare``'s, unless given); with
-    ``kernels`` each pair's typical layers and, where A and B are the two decode paths,
+    """The figures of ``kimi-perf compare --format json`` (``Comparison.to_json`` adds its
+    notes, and how the sides fell back or were captured): the rows (``compare``'s, unless
+    given); with ``kernels`` each pair's typical layers and, where A and B are the two decode paths,
     ``fusions``: per layer type the fusion ledger."""
     rows = rows if rows is not None else compare(a, b)
     doc: dict = {"schema": 1, "a": name_a, "b": name_b, "rows": [r.to_json() for r in rows]}
