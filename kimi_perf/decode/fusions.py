@@ -4,9 +4,10 @@ The two paths compute the same math; the specialized one in fewer, fused launche
 (``specialized.py``'s docstring walks through them). ``REPLACES`` names, per fused launch, the
 standard launches (``model.py`` / ``standard_kernels.py``) whose work it does; those in
 ``SAME`` the two paths make one for one (``o_proj``, ``attn_res_pre``, the all-reduce after
-o_proj). ``fusion_ledger`` sets the two paths' typical layers side by side that way: each fused
-launch's µs against the µs of what it replaced, which is where a fusion shows what it bought,
-launch by launch.
+o_proj); ``SHARED_WITH``, where a second fused launch does part of a standard one's work.
+``tests/test_fusion_reads.py`` holds the map to what the launches read. ``fusion_ledger``
+sets the two paths' typical layers side by side that way: each fused launch's µs against the
+µs of what it replaced, which is where a fusion shows what it bought, launch by launch.
 """
 
 from __future__ import annotations
@@ -47,6 +48,9 @@ REPLACES: dict[str, tuple[str, ...]] = {
 STANDS_IN_FOR = {"router_topk": "moe_fc1_situ_shared_gate_up",
                  "moe_grouped_fc1_situ_shared_gate_up": "moe_fc1_situ_shared_gate_up",
                  "moe_grouped_fc2_shared_down": "moe_fc2_combine_shared_down"}
+# Standard launches whose work a second fused launch does part of; the ledger counts each with
+# the launch that replaces it: the kv half of the q/kv RMSNorm runs in the cache insert.
+SHARED_WITH = {"fused_q_kv_rmsnorm": ("bmm_w_uk_cache_insert",)}
 # Launches both paths make, one for one.
 SAME = ("attn_res_pre", "attn_res_post", "attn_res_final", "o_proj", "all_reduce",
         "mla_decode", "dense_down")
