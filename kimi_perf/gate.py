@@ -14,7 +14,12 @@ layer. Each kernel class's µs in a type's layers (``class_us``) is checked with
 ``kernel_us``, as it is, the classes sharing ``alpha``: a small kernel twice as slow, or one
 class's rise hidden by another's fall, leaves the layer's µs within tolerance; so is the one
 layer (by its index in a step) whose median rose most (``layer_kernel_us``), tested at
-``alpha`` over the layers compared. With too few steps for the test to reach ``alpha`` it
+``alpha`` over the layers compared. Whole steps' span is also checked by its mean
+(``span_us_mean``, with ``span_us``), which decode tokens/s follow: medians are robust to a
+slow step, and so blind to a slowdown of fewer than half the steps (every fourth one stalls);
+the mean fails where it rose beyond the tolerances and a one-sided permutation test of the
+difference of means gives p < ``alpha``, and, outlier-prone, is not checked without steps
+enough for that test. With too few steps for the test to reach ``alpha`` it
 takes the layers themselves, whose p-value is then optimistic; with too few of those too
 (fewer than ``min_samples`` a side, or 1 / C(n+m, n) >= alpha), the thresholds decide
 alone. A layer type or path the baseline has and the run lacks fails too (the analysis lost
@@ -94,7 +99,10 @@ from kimi_perf.runs import (
 METRICS = ("kernels", "kernel_us", "span_us")
 STEP = "step"  # the pseudo layer type of whole decode steps
 # the checks of times (class_us and layer_kernel_us: kernel_us's, by class and by layer)
-TIMES = ("kernel_us", "span_us", "class_us", "layer_kernel_us")
+TIMES = ("kernel_us", "span_us", "class_us", "layer_kernel_us", "span_us_mean")
+# the permutation test's resamples where the splits of the steps are more (seeded: a gate
+# gives one answer for one input)
+MEAN_TEST_RESAMPLES = 20_000
 
 
 @dataclass(frozen=True)
@@ -189,6 +197,8 @@ class GateResult:
             return f"kernel_us ({check.kernel_class})"
         if check.layer_index is not None:
             return f"kernel_us (layer {check.layer_index})"
+        if check.metric == "span_us_mean":
+            return "span_us (mean)"
         return (check.metric.replace("kernels", "ops") if check.path in self.op_paths
                 else check.metric)
 
@@ -531,6 +541,10 @@ def gate(baseline: dict[str, Breakdown], current: dict[str, Breakdown],
                     found.append(_time_check(path, label, metric, base_s, cur_s, tolerances,
                                              _step_means(base_s, _step_groups(base, base_type)),
                                              _step_means(cur_s, _step_groups(cur, cur_type))))
+                    if metric == "span_us" and base_type == STEP and (mean := _mean_check(
+                            path, label, _each_step(base, base_s), _each_step(cur, cur_s),
+                            tolerances)):
+                        found.append(mean)
                     if metric == "kernel_us" and base_type != STEP:
                         found += _class_times(path, label, base, base_type, cur, cur_type,
                                               tolerances)
@@ -725,7 +739,9 @@ def _behind(check: Check, base: Breakdown | None, cur: Breakdown | None,
     moves = [(uc.get(key, 0.0) - ub.get(key, 0.0), key, key not in ub, key not in uc)
              for key in {**ub, **uc}]
     sign = 1 if check.status == "regression" else -1  # times: a regression is slower
-    moved = sorted((m for m in moves if m[0] * sign > 0), key=lambda m: -abs(m[0]))[:3]
+    # (a move that prints as 0.0 is float rounding, not a move; a launch new or gone is)
+    moved = sorted((m for m in moves if m[0] * sign > 0 and (abs(m[0]) >= 0.05 or m[2] or m[3])),
+                   key=lambda m: -abs(m[0]))[:3]
     # a name the layer launches more than once is told apart by its launch: "#2" its second
     repeated = {name for name, i in {**ub, **uc} if i > 0}
     names = [name + (f" #{i + 1}" if full in repeated else "")
@@ -767,27 +783,30 @@ def _step_behind(check: Check, base: Breakdown, cur: Breakdown,
                  pairs: list[tuple[str | None, str | None]]) -> str | None:
     """Where a whole step's change lies, by part (its prologue, epilogue, the layers of each
     type and what lies between them): the medians of each part over the steps (for
-    ``kernels_max``, the parts of the largest step), the (at most three) that moved most in
-    the change's direction."""
-    metric = check.metric.removesuffix("_max")
+    ``span_us_mean``, the means; for ``kernels_max``, the parts of the largest step), the (at
+    most three) that moved most in the change's direction."""
+    metric = check.metric.removesuffix("_max").removesuffix("_mean")
     if not all(_says_where(b) for b in (base, cur)):
         return None
     largest = check.metric.endswith("_max")
+    average = np.mean if check.metric.endswith("_mean") else np.median
     sides = []
     for b, names in ((base, {t: t for t, _ in pairs if t is not None}),
                      (cur, {c: _run_type_label(t, c, base) for t, c in pairs if c is not None})):
         parts = _step_parts(b, metric, names)
         pick = int(np.argmax([s[metric] for s in b.steps]))
-        sides.append({part: float(v[pick] if largest else np.median(v))
+        sides.append({part: float(v[pick] if largest else average(v))
                       for part, v in parts.items()})
     moves = [(sides[1].get(part, 0.0) - sides[0].get(part, 0.0), part)
              for part in dict.fromkeys([*sides[0], *sides[1]])]
     sign = 1 if check.status == "regression" else -1   # (kernels and µs alike: more is worse)
-    moved = sorted((m for m in moves if m[0] * sign > 0), key=lambda m: -abs(m[0]))[:3]
+    # (a move that prints as 0.0 is float rounding, not a move)
+    moved = sorted((m for m in moves if m[0] * sign >= 0.05), key=lambda m: -abs(m[0]))[:3]
     if not moved:
         return None
     unit = f" {cur.unit}" if metric == "kernels" else " µs"
-    return (("the largest step: " if largest else "per step (medians): ")
+    return (("the largest step: " if largest else
+             f"per step ({'means' if average is np.mean else 'medians'}): ")
             + ", ".join(f"{part} {delta:+.{1 if metric != 'kernels' or delta % 1 else 0}f}"
                         + unit for delta, part in moved))
 
@@ -929,6 +948,13 @@ def _step_means(values: np.ndarray | None, groups: np.ndarray | None) -> np.ndar
     return np.bincount(groups, weights=values) / np.bincount(groups)
 
 
+def _each_step(b: Breakdown | None, rows: np.ndarray | None) -> np.ndarray | None:
+    """The step rows' values (``rows``) one per step, its GPUs' mean (the rows as they are
+    where they do not say their step)."""
+    means = _step_means(rows, _step_groups(b, STEP))
+    return rows if means is None else means
+
+
 def _rules_differ(base: Breakdown, cur: Breakdown) -> bool:
     """Whether the two sides' kernel classes came from other rules (extra ``--rules``, or
     another version's defaults), where both recorded theirs: a class holds other kernels."""
@@ -1030,6 +1056,30 @@ def _testable(base: np.ndarray | None, cur: np.ndarray | None, tol: Tolerances) 
         return False
     n, m = base.size, cur.size   # (in logs: C(n+m, n) of 10^5 layers a side has 60k digits)
     return math.lgamma(n + m + 1) - math.lgamma(n + 1) - math.lgamma(m + 1) > -math.log(tol.alpha)
+
+
+def _mean_check(path: str, layer_type: str, base: np.ndarray | None, cur: np.ndarray | None,
+                tol: Tolerances) -> Check | None:
+    """``span_us_mean``: the mean of the steps' spans (``base``, ``cur``: each step's, its
+    GPUs' mean). A regression where it rose by more than the tolerances and a one-sided
+    permutation test of the difference of means gives p < ``alpha``; None without steps
+    enough for that test (one stalled step in few would fail on its ratio alone)."""
+    if not _testable(base, cur, tol):
+        return None
+    b, c = float(np.mean(base)), float(np.mean(cur))
+    change = _change(b, c)
+    if abs(c - b) <= max(tol.rel_tol * b, tol.abs_tol_us):
+        return Check(path, layer_type, "span_us_mean", b, c, change, None, "ok")
+    from scipy.stats import permutation_test
+
+    worse = c > b
+    p_value = float(permutation_test(
+        (cur, base), lambda x, y, axis: np.mean(x, axis=axis) - np.mean(y, axis=axis),
+        vectorized=True, n_resamples=MEAN_TEST_RESAMPLES,
+        alternative="greater" if worse else "less", rng=np.random.default_rng(0)).pvalue)
+    status = "noise" if p_value >= tol.alpha else "regression" if worse else "improvement"
+    return Check(path, layer_type, "span_us_mean", b, c, change, p_value, status,
+                 tested_over="steps")
 
 
 def _time_check(path: str, layer_type: str, metric: str, base: np.ndarray | None,

@@ -770,6 +770,44 @@ def test_the_gpus_of_one_step_are_one_sample():
     assert means.shape == (10,)
 
 
+def test_a_slowdown_of_every_fourth_step_fails_by_the_steps_mean():
+    """Medians are robust to a slow step, and so blind to a slowdown of fewer than half the
+    steps: every fourth step 60% slower leaves the median step where it was and decode
+    tokens/s 13% lower. The steps' mean span (``span_us_mean``, with ``span_us``) catches it,
+    by a permutation test over the steps; one stalled step of 40, however long, is noise;
+    without steps enough for the test there is no such check."""
+    rng = np.random.default_rng(3)
+    base_steps, run_steps = (60.0 * rng.normal(1.0, 0.02, 40) for _ in range(2))
+    base = _stepped(base_steps, 12)
+    slow = run_steps.copy()
+    slow[::4] *= 1.6
+    result = gate(base, _stepped(slow, 12))
+    checks = {(c.layer_type, c.metric): c for c in result.checks}
+    assert checks["step", "span_us"].status == "ok"
+    assert checks["step", "span_us"].change < 0.02
+    mean = checks["step", "span_us_mean"]
+    assert (mean.status, mean.tested_over) == ("regression", "steps")
+    assert mean.p_value < 1e-3 and 0.13 < mean.change < 0.17
+    assert mean.baseline == pytest.approx(12 * base_steps.mean())
+    assert mean.detail.startswith("per step (means): kda layers +") and "idle" not in mean.detail
+    assert result.metric_name(mean) == "span_us (mean)" and not result.ok
+    # the same p on the same input (the test's resamples are seeded)
+    assert next(c for c in gate(base, _stepped(slow, 12)).checks
+                if c.metric == "span_us_mean").p_value == mean.p_value
+    stalled = run_steps.copy()
+    stalled[7] *= 20
+    stall = next(c for c in gate(base, _stepped(stalled, 12)).checks
+                 if c.metric == "span_us_mean")
+    assert stall.change > 0.4 and stall.status == "noise" and stall.p_value > 0.3
+    same = next(c for c in gate(base, _stepped(run_steps, 12)).checks
+                if c.metric == "span_us_mean")
+    assert same.status == "ok"
+    few = gate(_stepped(base_steps[:4], 12), _stepped(slow[:4] * 2, 12))
+    assert "span_us_mean" not in {c.metric for c in few.checks}
+    only_kernels = gate(base, _stepped(slow, 12), Tolerances(metrics="kernels,kernel_us"))
+    assert "span_us_mean" not in {c.metric for c in only_kernels.checks}
+
+
 def test_a_class_of_other_rules_is_changed_and_a_family_shares_alpha():
     """Kernel classes from other rules (a --rules file on one side) hold other kernels: a
     class's checks are changed, not a regression. The classes of a type share --alpha (the
