@@ -276,8 +276,9 @@ def _preset_config(name: str, tp: int | None = None):
 
     try:
         return preset(name, tp=tp)
-    except (KeyError, ValueError) as exc:
-        raise TraceError(None, str(exc.args[0] if exc.args else exc)) from None
+    except (KeyError, ValueError) as exc:   # (an unknown preset; a TP that does not fit it)
+        option = "--preset" if isinstance(exc, KeyError) else "--tp"
+        raise TraceError(None, f"{option}: {exc.args[0] if exc.args else exc}") from None
 
 
 def _mxfp4_fits(config, experts: str) -> None:
@@ -776,7 +777,8 @@ def info(trace: Path, fmt: str) -> None:
         found, left_out = _traces_in([trace])
         files = [(f, None) for f in found]
     # all read, then said
-    summaries = [(file, read_trace(file, capture=c).summary()) for file, c in files]
+    summaries = [(file, {**read_trace(file, capture=c).summary(), "kptrace": _is_kptrace(file)})
+                 for file, c in files]
     if fmt == "json":
         _echo(json.dumps({"schema": 1, "traces": [{"file": str(file), **info}
                                                   for file, info in summaries]}, indent=1))
@@ -863,8 +865,17 @@ def _split_labels(labels: str, of: list[str]) -> list[str]:
     return names
 
 
+def _is_kptrace(file: Path) -> bool:
+    """Whether a trace file is one kimi-perf saved (``convert``, a run's traces)."""
+    from kimi_perf.readers import ARROW_MAGIC
+
+    with open(file, "rb") as f:
+        return f.read(len(ARROW_MAGIC)) == ARROW_MAGIC
+
+
 def _info(trace: Path, info: dict) -> None:
-    click.echo(f"{trace}: {info['format']} from {info['tool']}"
+    saved = "a .kptrace (saved by kimi-perf) of " if info["kptrace"] else ""
+    click.echo(f"{trace}: {saved}{info['format']} from {info['tool']}"
                + (f", schema {info['schema']}" if info["schema"] else ""))
     for capture in info.get("captures") or []:
         click.echo(f"  joined by the graph captures of {capture}")

@@ -55,7 +55,7 @@ class ComparisonRow:
     timed_alike: bool = True
     # False for the mean layer of steps cut into other numbers of layers (an eager trace's
     # ranges against a graph's kernel pattern): not the same unit, no ratio; and for whole
-    # steps that are profiler windows holding other numbers of layers (``unequal_windows``)
+    # steps that hold other numbers of layers (``other_layers_a_step``): other work
     same_layers: bool = True
     steps_a: int | None = None   # the whole step's row: the steps its medians are over
     steps_b: int | None = None
@@ -118,11 +118,34 @@ def unequal_windows(a: Breakdown, b: Breakdown) -> tuple[float, float] | None:
     return None if None in layers or layers[0] == layers[1] else layers
 
 
+def layer_sources(b: Breakdown) -> list[str]:
+    """Where a breakdown's steps found their layers (``nvtx``, ``repeat``; ``none`` where no
+    step found any); empty where its steps do not say (stored before they did)."""
+    said = {s["layer_source"] for s in b.steps if isinstance(s.get("layer_source"), str)}
+    return sorted(said - {"none"}) or sorted(said)
+
+
+def other_layers_a_step(a: Breakdown, b: Breakdown) -> tuple[float, float] | None:
+    """Each side's layers a step, where whole steps ran other work: profiler windows cut
+    elsewhere (``unequal_windows``), or steps whose every layer is a range on both sides
+    and that hold other numbers of them (models of other depths: a run of 4 layers is no 2x
+    leaner than one of 8). Layers found by the kernel pattern on either side may be cut
+    otherwise (a graph's pattern taking two eager layers as one): their steps compare.
+    Their layer types compare either way."""
+    if (windows := unequal_windows(a, b)) is not None:
+        return windows
+    layers = layers_per_step(a), layers_per_step(b)
+    if None in layers or layers[0] == layers[1] or not all(
+            layer_sources(x) == ["nvtx"] for x in (a, b)):
+        return None
+    return layers
+
+
 def compare(a: Breakdown, b: Breakdown) -> list[ComparisonRow]:
     """Rows for each pair of layer types (``pair_layer_types``; A's order first), then all
     layers' mean (no ratios where the steps hold other numbers of layers: other cuts) and the
     whole step's medians (every kernel of a step, however its layers were found; no ratios
-    where the steps are profiler windows of other numbers of layers)."""
+    where the steps hold other numbers of layers: other work)."""
     types_a = {t["type"]: t for t in a.layer_types}
     types_b = {t["type"]: t for t in b.layer_types}
     rows = []
@@ -140,7 +163,7 @@ def compare(a: Breakdown, b: Breakdown) -> list[ComparisonRow]:
     if a.steps or b.steps:
         step = _row(WHOLE_STEP, _whole_step(a), _whole_step(b))
         step.steps_a, step.steps_b = len(a.steps) or None, len(b.steps) or None
-        step.same_layers = unequal_windows(a, b) is None
+        step.same_layers = other_layers_a_step(a, b) is None
         rows.append(step)
     for row in rows:
         row.timed_alike = a.unit == b.unit
@@ -300,9 +323,9 @@ def ratio_note(rows: list[ComparisonRow], label_a: str, label_b: str) -> str:
                "steps hold other numbers of layers (cut otherwise: a mean layer is another "
                "unit on each side)")
             + ("" if step is None else "; whole step: the median step, every kernel of it"
-               if step.same_layers else "; whole step: no ratio, as each device is one step, "
-               "the profiler's window, and the windows hold other numbers of layers (other "
-               "work)"))
+               if step.same_layers else f"; whole step: no ratio, as the steps hold "
+               f"{step.layers_a:g} and {step.layers_b:g} layers: other work (models of other "
+               "depths, each layer a range; or profiler windows cut elsewhere)"))
 
 
 def pairing_note(rows: list[ComparisonRow], label_a: str, label_b: str) -> str | None:
@@ -403,10 +426,22 @@ def sides_notes(a: Breakdown, b: Breakdown, label_a: str, label_b: str) -> list[
                      "their µs differ for that alone")
     on_cpu = [label for label, x in ((label_a, a), (label_b, b)) if x.unit == "ops"]
     if on_cpu:
+        interpreted = (" (a specialized path's kernels ran in Triton's interpreter)"
+                       if any(x.unit == "ops" and _ran_fused_launches(x) for x in (a, b))
+                       else "")
         notes.append(f"{' and '.join(on_cpu)}: a CPU run's µs are CPU time, noisy and no speed "
-                     "figure (a specialized path's kernels ran in Triton's interpreter); its "
-                     "ops are the launches each path annotates, one per kernel a GPU runs")
+                     f"figure{interpreted}; its ops are the launches each path annotates, one "
+                     "per kernel a GPU runs")
     return notes
+
+
+def _ran_fused_launches(b: Breakdown) -> bool:
+    """Whether a CPU run's typical layers hold a launch only the specialized path makes."""
+    from kimi_perf.decode.fusions import SPECIALIZED_LAUNCHES, STANDARD_LAUNCHES
+
+    fused = SPECIALIZED_LAUNCHES - STANDARD_LAUNCHES
+    return any(k["name"] in fused for t in b.layer_types
+               for k in (t.get("typical_layer") or {}).get("kernels", []))
 
 
 def _whole_step(b: Breakdown) -> dict | None:
@@ -441,6 +476,7 @@ class OverviewRow:
     patterns: dict[str, str | None]   # a type found by the kernel pattern: its digest
     unit: str = "kernels"             # "ops" for a CPU run (``Breakdown.unit``)
     names: dict[str, str | None] = dataclasses.field(default_factory=dict)  # its own names
+    layers: float | None = None       # the median step's layers (``layers_per_step``)
 
 
 def differing_patterns(rows: list[OverviewRow]) -> list[str]:
@@ -469,8 +505,20 @@ def overview(breakdowns: dict[str, Breakdown]) -> list[OverviewRow]:
         rows.append(OverviewRow(label, len(spans), step_us, {
             column: (t["kernels"], t["span_us"]) if t else None for column, t in mine.items()},
             {column: (t or {}).get("pattern") for column, t in mine.items()}, b.unit,
-            {column: names_of.get(label) for column, names_of in columns.items()}))
+            {column: names_of.get(label) for column, names_of in columns.items()},
+            layers_per_step(b)))
     return rows
+
+
+STEPS_UNLIKE = ("no spread of whole steps: the traces' steps hold other numbers of layers "
+                "(other models, or layers found otherwise)")
+
+
+def steps_unlike(rows: list[OverviewRow]) -> bool:
+    """Whether the traces' steps hold other numbers of layers (where all say): other models
+    or other cuts, whose whole steps have no spread (a TP run's ranks hold as many)."""
+    counts = {r.layers for r in rows if r.step_us is not None}
+    return None not in counts and len(counts) > 1
 
 
 def overview_json(rows: list[OverviewRow]) -> dict:
@@ -478,7 +526,8 @@ def overview_json(rows: list[OverviewRow]) -> dict:
     trace's own name), per layer type (``null``: the step) the spread, slowest over fastest
     median span, with the slowest trace, and the types marked ``*`` (``differing_patterns``),
     which have no spread."""
-    return {"rows": [{"label": r.label, "steps": r.steps, "step_us": r.step_us,
+    return {"rows": [{"label": r.label, "steps": r.steps,
+                      "step_us": None if r.step_us is None else round(r.step_us, 3),
                       "types": {column: None if v is None else
                                 {"kernels": v[0], "span_us": v[1], "name": r.names.get(column),
                                  "pattern": r.patterns.get(column)}
@@ -522,12 +571,14 @@ class Spread:
 def spreads(rows: list[OverviewRow]) -> list[Spread]:
     """Per layer type and for the step, the fastest and slowest trace's median span. None
     among CPU runs and GPU traces together: their µs differ a thousandfold; none for a type
-    whose kernel sequence differs between traces, which may be different layers."""
+    whose kernel sequence differs between traces, which may be different layers; none for
+    the step where the steps hold other numbers of layers (``steps_unlike``)."""
     if len({r.unit for r in rows}) > 1:
         return []
     unlike = set(differing_patterns(rows))
     out = []
-    for layer_type in [None, *(t for t in (rows[0].types if rows else ()) if t not in unlike)]:
+    for layer_type in [*([] if steps_unlike(rows) else [None]),
+                       *(t for t in (rows[0].types if rows else ()) if t not in unlike)]:
         values = [(r.step_us if layer_type is None else r.types[layer_type][1], r.label)
                   for r in rows
                   if (r.step_us if layer_type is None else r.types[layer_type]) is not None]
@@ -695,6 +746,7 @@ def compare_files(a: str | Path, b: str | Path | None = None, path_name: str | N
                                or labels[0] == labels[1]):
         raise ValueError(f"labels: 2 distinct names, not {labels!r}")
     a, b = Path(a), None if b is None else Path(b)
+    labels_said = None
     names = trace_labels([a] if b is None else [a, b])
     runs_a, run_a = load_paths(a, names[0], phase, **breakdown_options)
     if b is None:
@@ -715,7 +767,6 @@ def compare_files(a: str | Path, b: str | Path | None = None, path_name: str | N
     # a path that fell back on every step ran the standard path's ops under its own name
     fell_back = [paths_that_fell_back((run or {}).get("run")).get(name)
                  for run, name in ((run_a, name_a), (run_b, name_b))]
-    labels_said = None
     if b is not None and name_a == name_b and run_a and run_b:  # one path of two runs
         run_names = [run_name(f) for f in (a, b)]
         if short_labels and labels is None and (
@@ -724,6 +775,11 @@ def compare_files(a: str | Path, b: str | Path | None = None, path_name: str | N
             labels_said = f"{shown[0]}: {a}; {shown[1]}: {b}"
             run_names = shown
         name_a, name_b = (f"{run}:{name_a}" for run in run_names)
+    if b is None and short_labels and labels is None and (
+            shown := distinct_words([name_a, name_b])) != [name_a, name_b]:
+        # a trace --from run's paths are its traces' names: shown as its table shows them
+        labels_said = f"{shown[0]}: {name_a}; {shown[1]}: {name_b}"
+        name_a, name_b = shown
     two_captures = b is not None and bool(run_a) and bool(run_b)   # (not one run's two paths)
     if labels is not None:
         name_a, name_b = labels

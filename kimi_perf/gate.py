@@ -69,6 +69,7 @@ import numpy as np
 
 from kimi_perf.comparison import (
     aligned_typical,
+    layer_sources,
     layers_per_step,
     pair_label,
     pair_layer_types,
@@ -427,7 +428,7 @@ def breakdown_differences(baseline: dict[str, Breakdown], current: dict[str, Bre
             found.append("steps found by " + " vs ".join(STEPS_FOUND_BY.get(f, f) for f in by))
         elif by[0] == "range" and all(options) and _step_names(base) != _step_names(cur):
             found += _asked("--steps", *(o.get("steps") for o in options))
-        sources = [_layer_sources(b) for b in (base, cur)]
+        sources = [layer_sources(b) for b in (base, cur)]
         if all(sources) and sources[0] != sources[1]:
             found.append("layers from " + " vs ".join(
                 " and ".join(LAYERS_FROM.get(x, str(x)) for x in side) for side in sources))
@@ -452,13 +453,6 @@ def _step_names(b: Breakdown) -> set[str]:
 def _layers_found(b: Breakdown) -> tuple[set[str], float | None]:
     """What a breakdown's layer ranges found: the layer types, and layers a step."""
     return {t["type"] for t in b.layer_types}, layers_per_step(b)
-
-
-def _layer_sources(b: Breakdown) -> list[str]:
-    """Where a breakdown's steps found their layers (``nvtx``, ``repeat``; ``none`` where no
-    step found any); empty where its steps do not say (stored before they did)."""
-    said = {s["layer_source"] for s in b.steps if isinstance(s.get("layer_source"), str)}
-    return sorted(said - {"none"}) or sorted(said)
 
 
 def _asked(what: str, base: str | None, cur: str | None) -> list[str]:

@@ -861,7 +861,8 @@ def replay_note(replays: dict, captures: list[str]) -> str:
             f"open where their capture launched them{joined}; the other {ops - placed}"
             ) if placed else f"{ops} GPU ops replayed from CUDA/HIP graphs"
     return (f"{said} have no capture in this trace to place them in the ranges open then (a "
-            "capture profiled apart joins it with breakdown's or convert's --capture)")
+            "capture profiled apart joins it with --capture: breakdown's, convert's or trace "
+            "--from's)")
 
 
 def step_notes(b: Breakdown) -> list[str]:

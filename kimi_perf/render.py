@@ -17,6 +17,7 @@ from rich.text import Text
 
 from kimi_perf.attribution import RangeKernelRow
 from kimi_perf.comparison import (
+    STEPS_UNLIKE,
     ComparisonRow,
     OverviewRow,
     aligned_typical,
@@ -28,9 +29,10 @@ from kimi_perf.comparison import (
     renamed_columns,
     rotation_notes,
     spreads,
+    steps_unlike,
     stragglers,
 )
-from kimi_perf.gate import GateResult
+from kimi_perf.gate import TIMES, GateResult
 from kimi_perf.layer_breakdown import (
     SPREAD_NOTE,
     Breakdown,
@@ -393,6 +395,8 @@ def overview_table(rows: list[OverviewRow], unit: str = "kernels") -> Table:
     if len({r.unit for r in rows}) > 1:
         notes.append("no spread between CPU runs and GPU traces: their µs differ a "
                      "thousandfold")
+    elif steps_unlike(rows):
+        notes.append(STEPS_UNLIKE)
     table.caption = "\n".join(notes)
     return table
 
@@ -491,6 +495,19 @@ def gate_table(result: GateResult, show_all: bool = False) -> Table:
                       + (f" (α {c.alpha:.2g})" if c.alpha is not None and c.p_value is not None
                          else ""),
                       Text(c.status, style=style), c.detail or "")
+    shown = [c for c in result.checks if show_all or c.status != "ok"]
+    notes = []
+    if untested := sum(c.metric in TIMES and c.status in ("regression", "improvement")
+                       and c.p_value is None for c in shown):
+        notes.append(f"p -: {untested} time check{'s' if untested > 1 else ''} with too few "
+                     f"samples for the test to reach α {tol.alpha:g} (fewer than "
+                     f"{tol.min_samples} steps and layers a side, or 1 / C(n+m, n) ≥ α): the "
+                     "thresholds decided alone; profile more steps")
+    if any(c.tested_over == "layers" for c in shown):
+        notes.append("(layers): too few steps for the test, the layers tested: an optimistic "
+                     "p (the layers of a step share its noise)")
+    if notes:
+        table.caption = "\n".join(notes)
     return table
 
 

@@ -23,6 +23,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from kimi_perf.comparison import (
+    STEPS_UNLIKE,
     aligned_types,
     aligned_typical,
     compare,
@@ -37,6 +38,7 @@ from kimi_perf.comparison import (
     rotation_notes,
     sides_notes,
     spreads,
+    steps_unlike,
     stragglers,
     type_pairs,
 )
@@ -229,7 +231,9 @@ def _steps_html(breakdowns: dict[str, Breakdown]) -> str:
             f"<td>{s['gap_us']:.1f}</td></tr>" for s in b.steps[:STEP_ROWS])
         median = {k: float(np.median([s[k] for s in b.steps]))
                   for k in ("kernels", "kernel_us", "span_us", "gap_us")}
-        rows += (f"<tr><th colspan=4>median of {counted(len(b.steps), 'step')}</th>"
+        # (each column's own median: they need not add up, as a step's figures do)
+        rows += (f"<tr><th colspan=4>median of {counted(len(b.steps), 'step')}, each column's"
+                 "</th>"
                  f"<td>{count_text(median['kernels'])}</td><td>{median['kernel_us']:.1f}</td>"
                  f"<td>{median['span_us']:.1f}</td><td>{median['gap_us']:.1f}</td></tr>")
         more = len(b.steps) - STEP_ROWS
@@ -271,6 +275,8 @@ def _overview_html(breakdowns: dict[str, Breakdown]) -> str:
     if len({r.unit for r in rows}) > 1:
         note += ("<p>No spread between CPU runs and GPU traces: their µs differ a "
                  "thousandfold.</p>")
+    elif steps_unlike(rows):
+        note += f"<p>{STEPS_UNLIKE[0].upper() + STEPS_UNLIKE[1:]}.</p>"
     return (f"<h2>Every trace (medians; µs = span, layer {_units(breakdowns)} in brackets)"
             f"</h2><table>{head}{body}{foot}</table>{note}")
 

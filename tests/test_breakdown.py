@@ -68,17 +68,18 @@ def test_compare_matches_types_and_computes_ratios():
 
 
 def test_compare_adds_whole_steps_and_no_mean_layer_of_other_cuts():
-    """Steps cut into 8 layers on one side and 4 (each two of the other's) on the other: the
-    mean layer is another unit on each side, so its row has no ratios and no headline; the
-    whole step's row compares them as they are. Ratios keep four significant digits (a CPU
-    run's interpreted path: 0.002674, not 0.003)."""
-    from kimi_perf.comparison import ALL_LAYERS, WHOLE_STEP, sides_notes
+    """Steps cut into 8 layers on one side (ranges) and 4 (each two of the other's, by the
+    kernel pattern, as a graph's may be) on the other: the mean layer is another unit on each
+    side, so its row has no ratios and no headline; the whole step's row compares them as
+    they are. Ratios keep four significant digits (a CPU run's interpreted path: 0.002674,
+    not 0.003)."""
+    from kimi_perf.comparison import ALL_LAYERS, WHOLE_STEP, ratio_note, sides_notes
     from kimi_perf.render import comparison_headline
 
     a = breakdown(nvtx_decode_trace("layer[{i}]({kind})", steps=3).build())
     b = breakdown(nvtx_decode_trace("layer[{i}]({kind})", steps=3).build())
     for step in b.steps:
-        step["layers"] = 4
+        step["layers"], step["layer_source"] = 4, "repeat"
     rows = {r.type: r for r in compare(a, b)}
     assert rows[ALL_LAYERS].span_ratio is None and rows[ALL_LAYERS].kernel_ratio is None
     step = rows[WHOLE_STEP]
@@ -90,6 +91,16 @@ def test_compare_adds_whole_steps_and_no_mean_layer_of_other_cuts():
     assert ALL_LAYERS not in headline and WHOLE_STEP in headline
     same = {r.type: r for r in compare(a, a)}
     assert same[ALL_LAYERS].span_ratio == 1.0
+    # every layer a range on both sides, 8 a step against 4: models of other depths, whose
+    # steps ran other work (a run of 4 layers is no 2x leaner than one of 8)
+    for step in b.steps:
+        step["layer_source"] = "nvtx"
+    deeper = compare(a, b)
+    step = next(r for r in deeper if r.type == WHOLE_STEP)
+    assert step.span_ratio is None and step.kernel_ratio is None
+    assert step.to_json()["same_layers"] is False
+    assert "whole step: no ratio, as the steps hold 8 and 4 layers: other work (models of " \
+        "other depths" in ratio_note(deeper, "A", "B")
     for layer in b.layers:
         layer["span_us"] *= 373.94
     b.layer_types[0]["span_us"] *= 373.94
@@ -177,6 +188,16 @@ def test_overview_of_several_traces_names_the_slowest():
     rows = overview(ranks)
     assert rows[1].types["mla"] is None
     assert {s.type: s for s in spreads(rows)}["mla"].slowest_label != "rank1"
+    # steps of other numbers of layers (another model's trace among them) have no spread of
+    # whole steps, and the table says why; the layer types keep theirs
+    for step in ranks["rank2"].steps:
+        step["layers"] = 24
+    rows = overview(ranks)
+    assert [s.type for s in spreads(rows)] == ["mla"]   # (kda: patterns differ, above)
+    from kimi_perf.comparison import STEPS_UNLIKE, overview_json
+
+    assert STEPS_UNLIKE in " ".join(tables_text([overview_table(rows)]).split())
+    assert all(round(r["step_us"], 3) == r["step_us"] for r in overview_json(rows)["rows"])
 
 
 def test_overview_columns_say_what_each_trace_calls_their_types(tmp_path):
@@ -1384,7 +1405,7 @@ def test_the_report_lists_the_steps_of_a_trace_without_layers(tmp_path):
     steps = page[page.index("<h2>Steps</h2>"):]
     assert steps.count("<td class=name>decode_step[") == 20
     assert "<td class=name>decode_step[19]</td>" in steps and "decode_step[20]" not in steps
-    assert "median of 23 steps</th><td>2</td><td>2.2</td>" in steps
+    assert "median of 23 steps, each column's</th><td>2</td><td>2.2</td>" in steps
     assert "and 3 more steps (kimi-perf breakdown lists them)." in steps
 
 

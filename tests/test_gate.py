@@ -698,12 +698,29 @@ def test_a_layer_lost_from_every_step_fails_rather_than_speeding_it_up(tmp_path)
 
 def test_too_few_samples_for_alpha_fall_back_to_the_threshold():
     """5 samples a side: the exact test's smallest p is 1/252 > 0.001, so at alpha 0.001 it
-    could never fail anything; the threshold decides instead."""
+    could never fail anything; the threshold decides instead, and the table says so under
+    its header's promise of a test."""
+    from kimi_perf.render import gate_table
+
     base = _run({"kda": 9}, {"kda": KDA[:5]})
     slower = _run({"kda": 9}, {"kda": KDA[:5] * 1.5})
-    check = next(c for c in gate(base, slower, Tolerances(alpha=0.001)).checks
-                 if c.metric == "kernel_us" and c.layer_type == "kda")
+    result = gate(base, slower, Tolerances(alpha=0.001))
+    check = next(c for c in result.checks if c.metric == "kernel_us" and c.layer_type == "kda")
     assert check.status == "regression" and check.p_value is None
+    untested = sum(c.p_value is None and c.status == "regression" for c in result.checks
+                   if c.metric != "kernels")
+    assert gate_table(result).caption.startswith(
+        f"p -: {untested} time checks with too few samples for the test to reach α 0.001")
+    # 40 layers a side in 4 steps: the layers are tested (said), the 4 steps are not
+    tested = gate(_run({"kda": 9}, {"kda": KDA}), _run({"kda": 9}, {"kda": KDA * 1.5}))
+    kda = next(c for c in tested.checks if c.metric == "kernel_us" and c.layer_type == "kda")
+    assert kda.tested_over == "layers" and kda.p_value is not None
+    assert gate_table(tested).caption.split("\n") == [
+        "p -: 2 time checks with too few samples for the test to reach α 0.01 (fewer than 5 "
+        "steps and layers a side, or 1 / C(n+m, n) ≥ α): the thresholds decided alone; "
+        "profile more steps",
+        "(layers): too few steps for the test, the layers tested: an optimistic p (the layers "
+        "of a step share its noise)"]
 
 
 def _stepped(us_per_step: np.ndarray, layers_a_step: int, kernels: int = 9) -> dict:

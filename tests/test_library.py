@@ -154,6 +154,13 @@ def test_trace_from_json_says_what_compare_says(tmp_path):
     assert comparison["notes"] == compared.notes
     assert comparison["rows"] == [r.to_json() for r in compared.rows]
     assert any(n.startswith(f"{compared.label_a}: no step range") for n in compared.notes)
+    # the compare command the run ends with labels its paths (the traces' names) as its
+    # table did, and says which is which
+    again = compare_files(run_dir, short_labels=True)
+    assert (again.label_a, again.label_b) == ("before", "after")
+    assert again.labels_said == f"before: {compared.label_a}; after: {compared.label_b}"
+    assert [r.to_json() for r in again.rows] == comparison["rows"]
+    assert compare_files(BASELINE, short_labels=True).label_a == "standard"
 
 
 def test_option_errors_come_before_any_input_is_read(tmp_path):
