@@ -33,6 +33,8 @@ def _parse_rules(text: str, source: str | Path) -> list[Rule]:
         doc = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise TraceError(source, f"invalid TOML ({exc})") from None
+    except RecursionError:   # (tomllib parses nesting by recursion)
+        raise TraceError(source, "invalid TOML (arrays or tables nested too deep)") from None
     if unknown := sorted(set(doc) - {"rule"}):
         raise TraceError(source, f"unknown table or key {unknown[0]!r}: the file holds "
                                  "[[rule]] entries only")

@@ -471,7 +471,7 @@ def ranges(trace: Path, fmt: str, output: Path | None) -> None:
             why = "no GPU kernels in this trace" + (
                 " (a CPU run: its launches are its op: ranges, which kimi-perf breakdown "
                 "counts)" if cpu_run else "")
-        click.echo(f"{trace}: {why}", err=True)
+        click.echo(f"{printable(str(trace))}: {why}", err=True)
 
 
 EXAMPLE_TRACE = (Path(__file__).parent / "examples"
@@ -627,11 +627,11 @@ def gate_cmd(baseline: Path, run: Path, metrics: str, rel_tol: float, abs_tol: f
                 with _reader_may_leave():
                     _echo(json.dumps({**gate_mod.GateResult([], tolerances).to_json(),
                                       "updated": str(baseline)}, indent=1, allow_nan=False))
-            click.echo(f"baseline {baseline} {how} from {run}", err=True)
+            click.echo(printable(f"baseline {baseline} {how} from {run}"), err=True)
             return
         with _reader_may_leave():
             _print_gate(gated, fmt, show_all, update)
-        click.echo(f"baseline {gated.baseline_file} updated from {run}"
+        click.echo(printable(f"baseline {gated.baseline_file} updated from {run}")
                    + ("" if gated.result.ok
                       else " (what the gate above failed is now the baseline)"), err=True)
         return
@@ -735,7 +735,7 @@ def report_cmd(inputs: tuple[Path, ...], path_name: str | None, labels: str | No
     for line in got.captured_differently():
         click.echo(line, err=True)
     if str(output) != "-":      # the report itself went to stdout
-        click.echo(f"report: {output}")
+        click.echo(printable(f"report: {output}"))
     _say_left_out(left_out)
 
 
@@ -810,7 +810,7 @@ def _saved_traces(run_dir: Path) -> list[Path]:
     lists them; others after, by name)."""
     try:
         ran = list(json.loads((run_dir / "run.json").read_text()).get("paths") or ())
-    except (OSError, ValueError, AttributeError, TypeError):
+    except (OSError, ValueError, AttributeError, TypeError, RecursionError):
         ran = []
     return sorted(run_dir.glob("*.kptrace"), key=lambda f: (
         ran.index(f.stem) if f.stem in ran else len(ran), f.name))
@@ -822,7 +822,7 @@ def _analysed_files(run_dir: Path) -> list[tuple[Path, Path | None]]:
     try:
         doc = json.loads((run_dir / "run.json").read_text())
         files, captures = doc.get("files"), doc.get("captures")
-    except (OSError, ValueError, AttributeError):
+    except (OSError, ValueError, AttributeError, RecursionError):
         files = captures = None
 
     def names(value) -> bool:
@@ -835,10 +835,17 @@ def _analysed_files(run_dir: Path) -> list[tuple[Path, Path | None]]:
         captures = [None] * len(files)
 
     def located(name: str) -> Path:
-        path = (run_dir / name).resolve()   # relative to the run directory
-        if not path.exists():
-            raise TraceError(run_dir / "run.json", f"names the trace {name}, not found "
-                                                   f"(at {path}): moved since the run?")
+        try:
+            path = (run_dir / name).resolve()   # relative to the run directory
+            found = path.exists()
+        except (OSError, ValueError) as exc:   # (a NUL in it, a name too long)
+            why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+            raise TraceError(run_dir / "run.json", f"names a trace by what is no usable path "
+                                                   f"({why}): {name!r}") from None
+        if not found:
+            raise TraceError(run_dir / "run.json", f"names the trace {printable(name)}, not "
+                                                   f"found (at {printable(str(path))}): moved "
+                                                   "since the run?")
         return path
 
     return [(located(f), located(c) if c is not None else None)
@@ -874,11 +881,13 @@ def _is_kptrace(file: Path) -> bool:
 
 
 def _info(trace: Path, info: dict) -> None:
+    # (the trace's own words, and file names, with their control characters written out: an
+    # escape sequence in them would act on the terminal, a line break forge a line)
     saved = "a .kptrace (saved by kimi-perf) of " if info["kptrace"] else ""
-    click.echo(f"{trace}: {saved}{info['format']} from {info['tool']}"
-               + (f", schema {info['schema']}" if info["schema"] else ""))
+    click.echo(printable(f"{trace}: {saved}{info['format']} from {info['tool']}"
+                         + (f", schema {info['schema']}" if info["schema"] else "")))
     for capture in info.get("captures") or []:
-        click.echo(f"  joined by the graph captures of {capture}")
+        click.echo(f"  joined by the graph captures of {printable(str(capture))}")
     click.echo(f"  {counted(info['kernels'], 'kernel')}, "
                f"{counted(info['memops'], 'memcpy/memset op')}, "
                f"{counted(info['ranges'], 'range')}, {counted(info['api_calls'], 'API call')}")
@@ -907,7 +916,7 @@ def _info(trace: Path, info: dict) -> None:
     # GPUs: those the trace describes, and those its kernels ran on (a GPU table may list
     # devices that ran nothing, or be missing).
     for gpu in info["gpus"]:
-        name = (f": {gpu['name']}" if gpu["name"] else " (unnamed)" if gpu["described"]
+        name = (f": {printable(gpu['name'])}" if gpu["name"] else " (unnamed)" if gpu["described"]
                 else " (not described in the trace)")
         click.echo(f"  GPU {gpu['device']}{name}"
                    + (f", {gpu['sm_count']} SMs" if gpu["sm_count"] else "")
@@ -1253,11 +1262,11 @@ def trace_cmd(from_files: tuple[Path, ...], captures: tuple[Path, ...], phase: s
         console.print(fell_back_text(path, reason), style="bold yellow")
     if len(labels) == 2 and compared[0][1]:
         one = unit[:-1] if unit in ("kernels", "ops") else "kernel"
-        console.print(f"{one} by {one}: kimi-perf compare {run_dir} --kernels "
+        console.print(f"{one} by {one}: kimi-perf compare {printable(str(run_dir))} --kernels "
                       "(and the report)")
-    console.print(f"run directory: {run_dir}  "
-                  f"({', '.join(sorted(p.name for p in Path(run_dir).iterdir()))})")
-    console.print(f"report: {Path(run_dir).resolve() / run_info['report']}")
+    console.print(printable(f"run directory: {run_dir}  "
+                            f"({', '.join(sorted(p.name for p in Path(run_dir).iterdir()))})"))
+    console.print(printable(f"report: {Path(run_dir).resolve() / run_info['report']}"))
     _fail_if_not_finite(run_info, run_dir)
 
 

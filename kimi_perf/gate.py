@@ -313,8 +313,10 @@ def update_baseline(baseline: str | Path, run: str | Path,
     sides the gate could only pair with a path are refused before anything is written."""
     baseline, run = Path(baseline), Path(run)
     if baseline.exists() and not is_stored(baseline):
-        raise TraceError(baseline, "--update replaces a baseline JSON, not a trace"
-                         if baseline.suffix != ".json" or baseline.is_dir() else
+        raise TraceError(baseline, "--update replaces a baseline JSON, not a directory"
+                         if baseline.is_dir() else
+                         "--update replaces a baseline JSON, not a trace"
+                         if baseline.suffix != ".json" else
                          "not a kimi-perf baseline (a breakdown JSON) for --update to "
                          "replace: remove it first to store the run there")
     check_storable(baseline)

@@ -462,7 +462,7 @@ def _run_html(run: dict | None, breakdowns: dict[str, Breakdown]) -> str:
     for label, b in breakdowns.items() if "preset" not in run else ():
         src = b.source
         # (a breakdown stored before gpus_ran was recorded: the GPUs its trace described)
-        gpus = (f"ran on {gpus_text(src['gpus_ran'])}" if "gpus_ran" in src
+        gpus = (f"ran on {gpus_text(src['gpus_ran'])}" if src.get("gpus_ran") is not None
                 else f"GPUs described: {gpus_text(src.get('gpus') or [])}")
         items.append((f"trace {label}", f"{src.get('file')} ({src.get('tool')} "
                                         f"{src.get('format')}; {gpus})"

@@ -101,8 +101,10 @@ def load_run(path: str | Path, phase: str = "auto", **breakdown_options
             raise TraceError(path, "no such file") from None
         except OSError as exc:
             raise TraceError(path, f"cannot read ({exc.strerror or exc})") from None
-        except (ValueError, RecursionError) as exc:  # also an integer of 4,300 digits or more
-            raise TraceError(path, f"not JSON that can be read ({exc})") from None
+        except (ValueError, RecursionError) as exc:
+            why = ("a number of more than 4,300 digits" if "integer string conversion"
+                   in str(exc) else str(exc))   # (Python's words say how to lift its limit)
+            raise TraceError(path, f"not JSON that can be read ({why})") from None
         if isinstance(doc, dict) and isinstance(doc.get("paths"), dict) and doc["paths"]:
             if type(doc.get("schema")) is not int or doc["schema"] != 1:
                 raise TraceError(path, "not a kimi-perf run breakdown of schema 1")
@@ -258,8 +260,9 @@ def _column_ok(kind: str, values: list) -> bool:
         entries = [c for classes in values for c in classes.values()]
         return set(map(type, entries)) <= {dict} and all(
             _column_ok("figure", [c.get(figure) for c in entries]) for figure in ("kernels", "us"))
-    return all(isinstance(v, dict) and _is_count(v.get("kernels"))
-               and is_figure(v.get("span_us")) for v in values)   # a step's part
+    return all(isinstance(v, dict) and _is_count(v.get("kernels"))   # a step's part
+               and is_figure(v.get("span_us"))
+               and ("kernel_us" not in v or is_figure(v["kernel_us"])) for v in values)
 
 
 def _rows_problem(b: Breakdown, where: str = "") -> str | None:
@@ -331,6 +334,8 @@ def _inner_problem(key: str, value: object, what: str) -> str:
                 return f"{at} lacks {figure} ({_KINDS[kind]})"
             if not _column_ok(kind, [entry[figure]]):
                 return f"{at}.{figure} is {_json_kind(entry[figure])}, not {_KINDS[kind]}"
+        if key != "classes" and "kernel_us" in entry and not is_figure(entry["kernel_us"]):
+            return f".kernel_us is {_json_kind(entry['kernel_us'])}, not {_KINDS['figure']}"
     return f" is {_json_kind(value)}, not {what}"
 
 

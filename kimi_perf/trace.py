@@ -353,6 +353,10 @@ class Trace:
         raw = (table.schema.metadata or {}).get(b"kimi_perf")
         if raw is None:
             raise TraceError(path, "Arrow file without kimi-perf metadata")
+        if (batches := {c.num_chunks for c in table.columns}) != {1}:
+            # (the columns are read, and checksummed, from one record batch)
+            raise TraceError(path, f"corrupt: {max(batches, default=0)} record batches, where "
+                                   "kimi-perf writes one")
         try:
             header = json.loads(raw)
         except (ValueError, RecursionError) as exc:   # JSONDecodeError is a ValueError

@@ -523,6 +523,13 @@ shutil.copy({str(source)!r}, out)
     failing.write_text("#!/bin/sh\necho 'cannot open report' >&2\nexit 3\n")
     result = run("info", rep)
     assert result.exit_code == 2 and "nsys export failed: cannot open report" in result.output
+    # an export that is no SQLite: said of the .nsys-rep, not of the temporary file gone
+    failing.write_text(f"""#!{sys.executable}
+import sys
+args = sys.argv[1:]
+open(args[args.index("--output") + 1], "w").write("garbage")
+""")
+    _one_line_error(run("info", rep), f"{rep}: its SQLite export: ")
 
 
 def _one_line_error(result, *fragments: str) -> None:
@@ -2134,3 +2141,109 @@ def test_buffers_the_machine_cannot_allocate_are_one_line(tmp_path):
     _one_line_error(run("trace", "--batch", "1000000000", "--out", tmp_path),
                     "out of memory for batch 1000000000, context ")
     assert list(tmp_path.iterdir()) == []
+
+
+# Bad input a sweep of every command found ending in a traceback or raw terminal output; each
+# is now one line naming the file, or written out.
+
+def test_a_stored_breakdown_whose_gpus_ran_is_null_reports(tmp_path):
+    doc = json.loads(BASELINE.read_text())
+    doc["paths"]["standard"]["source"]["gpus_ran"] = None
+    edited = tmp_path / "edited.json"
+    edited.write_text(json.dumps(doc))
+    out = tmp_path / "r.html"
+    result = run("report", BASELINE, edited, "--path", "standard", "--plotly-js", "cdn",
+                 "-o", out)
+    assert result.exit_code == 0, result.output
+    assert "GPUs described: " in out.read_text()
+
+
+def test_rules_nested_too_deep_are_one_line(tmp_path):
+    for text in ("x = " + "[" * 3000 + "]" * 3000, "x = " + "{a = " * 3000 + "1" + "}" * 3000):
+        rules = tmp_path / "deep.toml"
+        rules.write_text(text + "\n")
+        _one_line_error(run("breakdown", VLLM, "--rules", rules), f"{rules}: invalid TOML")
+
+
+def test_a_run_json_nested_too_deep_or_naming_no_path_is_one_line(tmp_path):
+    """info reads a run directory's run.json for the order of its traces, or the traces a
+    `trace --from` run read: a file nested too deep, or a name with a NUL or too long."""
+    from kimi_perf import read_trace
+
+    captured = tmp_path / "captured"
+    captured.mkdir()
+    read_trace(VLLM).save(captured / "standard.kptrace")
+    (captured / "breakdown.json").write_text("{}")
+    (captured / "run.json").write_text("[" * 100_000 + "]" * 100_000)
+    assert run("info", captured).exit_code == 0      # (the order by name, then)
+    analysed = tmp_path / "analysed"
+    analysed.mkdir()
+    (analysed / "breakdown.json").write_text("{}")
+    (analysed / "run.json").write_text('{"files": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    _one_line_error(run("info", analysed), f"{analysed}: a kimi-perf run directory without")
+    for name in ("a\u0000b", "a" * 5000):
+        (analysed / "run.json").write_text(json.dumps({"files": [name]}))
+        _one_line_error(run("info", analysed), f"{analysed / 'run.json'}: names a trace by "
+                        "what is no usable path (")
+
+
+def test_info_writes_out_control_characters_from_the_trace(tmp_path):
+    """An export's product name holding an escape sequence (setting the terminal's title,
+    clearing the screen) and a line break: written out, on one line."""
+    copy = tmp_path / "meta.sqlite"
+    shutil.copy(NSYS / "Athrun0109-CS336_assignment2__result__nsys2026.2.1.sqlite", copy)
+    with contextlib.closing(sqlite3.connect(copy)) as db:
+        db.execute("UPDATE META_DATA_EXPORT SET value = char(27) || ']0;PWNED' || char(7) || "
+                   "value || char(10) || 'fake' WHERE name = 'EXPORT_PRODUCT_NAME'")
+        db.commit()
+    first = run("info", copy).output.splitlines()[0]
+    assert "\x1b" not in first and "\x07" not in first
+    assert "\\x1b]0;PWNED\\x07" in first and "\\x0afake" in first
+
+
+def test_a_kptrace_of_several_record_batches_is_refused(tmp_path):
+    """kimi-perf writes one record batch and reads (and checksums) one: a file of more
+    would be read in part."""
+    import pyarrow as pa
+
+    from kimi_perf import read_trace
+
+    saved = tmp_path / "one.kptrace"
+    read_trace(VLLM).save(saved)
+    with pa.memory_map(str(saved), "r") as source:
+        table = pa.ipc.open_file(source).read_all()
+    doubled = tmp_path / "two.kptrace"
+    with pa.OSFile(str(doubled), "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
+        for batch in (*table.to_batches(), *table.to_batches()):
+            writer.write_batch(batch)
+    _one_line_error(run("info", doubled), f"{doubled}: corrupt: 2 record batches, where "
+                                          "kimi-perf writes one")
+
+
+def test_a_step_part_s_kernel_us_is_checked_when_read(tmp_path):
+    doc = json.loads(BASELINE.read_text())
+    doc["paths"]["standard"]["steps"][1]["prologue"]["kernel_us"] = "5"
+    edited = tmp_path / "edited.json"
+    edited.write_text(json.dumps(doc))
+    _one_line_error(run("gate", BASELINE, edited),
+                    f"{edited}: paths.standard.steps[1].prologue.kernel_us is a string, not ")
+
+
+def test_a_baseline_with_a_number_of_thousands_of_digits_is_said_plainly(tmp_path):
+    doc = BASELINE.read_text()
+    huge = tmp_path / "huge.json"
+    huge.write_text(doc.replace('"schema": 1', '"schema": ' + "9" * 5000, 1))
+    _one_line_error(run("gate", huge, BASELINE),
+                    f"{huge}: not JSON that can be read (a number of more than 4,300 digits)")
+
+
+def test_a_gzipped_breakdown_json_is_said_to_be_one(tmp_path):
+    zipped = tmp_path / "baseline.json.gz"
+    zipped.write_bytes(gzip.compress(BASELINE.read_bytes()))
+    _one_line_error(run("gate", zipped, BASELINE),
+                    f"{zipped}: a gzipped kimi-perf breakdown JSON: gunzip it")
+    # nor is a directory given to --update called a trace
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    _one_line_error(run("gate", folder, BASELINE, "--update"),
+                    f"{folder}: --update replaces a baseline JSON, not a directory")

@@ -116,6 +116,9 @@ def _gzipped_reader(path: Path):
     if inner.startswith(ARROW_MAGIC):
         raise TraceError(path, "a gzipped .kptrace: gunzip it (a .kptrace is compressed "
                                "within)")
+    if KIMI_PERF_JSON.match(inner):
+        raise TraceError(path, "a gzipped kimi-perf breakdown JSON: gunzip it (breakdown, "
+                               "compare, gate and report read it)")
     if _json_start(inner) not in (b"", b"{", b"["):   # (b"": blanks past what was read)
         raise TraceError(path, "unknown format inside the gzip: expected an nsys SQLite "
                                "export or a Kineto JSON trace")

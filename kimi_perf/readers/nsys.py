@@ -152,8 +152,14 @@ def export_nsys_rep(path: str | Path, out_dir: str | Path) -> Path:
 
 
 def read_nsys_rep(path: str | Path) -> Trace:
+    """An .nsys-rep, exported to SQLite by nsys into a temporary directory and read; errors
+    name the .nsys-rep (the export is gone with its directory)."""
     with tempfile.TemporaryDirectory(prefix="kimi-perf-") as tmp:
-        trace = read_nsys_sqlite(export_nsys_rep(path, tmp))
+        exported = export_nsys_rep(path, tmp)
+        try:
+            trace = read_nsys_sqlite(exported)
+        except TraceError as exc:
+            raise TraceError(path, f"its SQLite export: {exc.problem}") from None
     trace.meta["file"] = str(path)
     return trace
 
