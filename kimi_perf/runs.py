@@ -379,7 +379,9 @@ def _source_problem(source) -> str | None:
             "steps_holding_passes", lambda h: isinstance(h.get("step"), str)
             and _is_count(h.get("passes")) and _is_count(h.get("layers")))),
         *((key, "a count", source.get(key) is None or _is_count(source[key]))
-          for key in ("other_thread_ops", "graph_captures")),
+          for key in ("other_thread_ops", "graph_captures", "kernels", "memops", "ranges")),
+        ("schema", "a string or an integer", source.get("schema") is None
+         or isinstance(source["schema"], str) or _is_count(source["schema"])),
         ("steps_left_out", "{phase: count}", counts("steps_left_out")),
         ("untimed", "{kernels, memops} as counts", counts("untimed")),
         ("duplicates", "{kernels, memops} as counts", counts("duplicates")),

@@ -503,6 +503,9 @@ def meta_problem(meta: dict) -> str | None:
     for key in ("format", "tool", "file"):
         if meta.get(key) is not None and not isinstance(meta[key], str):
             return f"{key} is not a string"
+    schema = meta.get("schema")   # (nsys: "3.25.0"; Kineto: its schemaVersion, an integer)
+    if schema is not None and not isinstance(schema, str) and not is_int64(schema):
+        return "schema is not a string or an integer"
     for key in ("rank", "world_size"):
         if meta.get(key) is not None and not is_int64(meta[key]):
             return f"{key} is not an integer"

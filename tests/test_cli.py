@@ -2247,3 +2247,20 @@ def test_a_gzipped_breakdown_json_is_said_to_be_one(tmp_path):
     folder.mkdir()
     _one_line_error(run("gate", folder, BASELINE, "--update"),
                     f"{folder}: --update replaces a baseline JSON, not a directory")
+
+
+def test_a_schema_of_another_kind_is_not_said_or_stored(tmp_path):
+    """A Kineto schemaVersion that is no number or string is left unsaid (it was printed as
+    Python's repr of it); a stored breakdown's source.schema of another kind is refused."""
+    doc = json.loads(gzip.decompress(VLLM.read_bytes()))
+    doc["schemaVersion"] = {"x": [None]}
+    odd = tmp_path / "odd.json"
+    odd.write_text(json.dumps(doc))
+    said = run("info", odd).output.splitlines()[0]
+    assert said.endswith("from PyTorch profiler (Kineto, ROCm)"), said
+    stored = json.loads(BASELINE.read_text())
+    stored["paths"]["standard"]["source"]["schema"] = {"x": [None]}
+    edited = tmp_path / "edited.json"
+    edited.write_text(json.dumps(stored))
+    _one_line_error(run("gate", BASELINE, edited),
+                    f"{edited}: source.schema is not a string or an integer")

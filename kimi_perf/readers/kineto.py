@@ -1070,10 +1070,10 @@ def _metadata(doc: dict, path: Path, hip_calls: bool = False) -> dict:
             gpus.append({"device": device, "name": name if isinstance(name, str) else "",
                          "sm_count": sms if sms is not None and sms >= 0 else None})
     rocm = hip_calls or "roctracer_version" in doc or "hip_runtime_version" in doc
-    schema = _num(doc.get("schemaVersion"))
+    schema = doc.get("schemaVersion")   # (Kineto writes an integer; anything else unsaid)
     meta = {
         "tool": "PyTorch profiler (Kineto" + (", ROCm" if rocm else "") + ")",
-        "schema": str(schema) if schema is not None else None,
+        "schema": str(schema) if type(schema) in (int, str) else None,
         "file": str(path), "gpus": gpus, "processes": [],
     }
     dist = doc.get("distributedInfo")
