@@ -65,6 +65,12 @@ class ComparisonRow:
         """The type as the tables name it: "A", or "A = B" where B names it otherwise."""
         return (self.type or "-") + (f" = {self.type_b}" if self.type_b else "")
 
+    def layers_text(self, side: str) -> str:
+        """A side's layers as a table shows them: a type's, over all the steps; the whole
+        step's, the median step's ("8 a step")."""
+        n = self.layers_a if side == "a" else self.layers_b
+        return f"{n:g} a step" if self.type == WHOLE_STEP and n else str(n)
+
     @property
     def span_ratio(self) -> float | None:
         """A's layer time over B's: above 1 means B is faster."""

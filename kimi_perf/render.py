@@ -345,9 +345,9 @@ def comparison_table(rows: list[ComparisonRow], label_a: str, label_b: str,
     def fmt(v, spec=".1f"):
         return "-" if v is None else format(v, spec)
     for r in rows:
-        table.add_row(r.label + (" *" if r.pattern_differs else ""), str(r.layers_a),
+        table.add_row(r.label + (" *" if r.pattern_differs else ""), r.layers_text("a"),
                       count_text(r.kernels_a), fmt(r.span_us_a),
-                      str(r.layers_b), count_text(r.kernels_b), fmt(r.span_us_b),
+                      r.layers_text("b"), count_text(r.kernels_b), fmt(r.span_us_b),
                       ratio_text(r.span_ratio), ratio_text(r.kernel_ratio))
     table.caption = "\n".join(comparison_notes(rows, label_a, label_b, unit, unit_b))
     return table

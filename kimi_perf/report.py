@@ -197,8 +197,8 @@ def _comparison_html(breakdowns: dict[str, Breakdown]) -> str:
                 f"<th>{counted} ratio</th></tr>")
         body = "".join(
             f"<tr><td>{e(r.label)}{' *' if r.pattern_differs else ''}</td>"
-            f"<td>{r.layers_a}</td><td>{count_text(r.kernels_a)}</td>"
-            f"<td>{fmt(r.span_us_a, '.1f')}</td><td>{r.layers_b}</td>"
+            f"<td>{r.layers_text('a')}</td><td>{count_text(r.kernels_a)}</td>"
+            f"<td>{fmt(r.span_us_a, '.1f')}</td><td>{r.layers_text('b')}</td>"
             f"<td>{count_text(r.kernels_b)}</td>"
             f"<td>{fmt(r.span_us_b, '.1f')}</td><td>{ratio_text(r.span_ratio)}</td>"
             f"<td>{ratio_text(r.kernel_ratio)}</td></tr>"

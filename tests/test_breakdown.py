@@ -85,6 +85,8 @@ def test_compare_adds_whole_steps_and_no_mean_layer_of_other_cuts():
     step = rows[WHOLE_STEP]
     assert (step.steps_a, step.span_ratio, step.kernel_ratio) == (3, 1.0, 1.0)
     assert (step.layers_a, step.layers_b) == (8, 4)     # the median step's layers
+    # shown as such beside the types' rows, which count the layers of all the steps
+    assert (step.layers_text("a"), rows["kda"].layers_text("a")) == ("8 a step", "18")
     assert step.to_json()["a"]["steps"] == 3 and not rows[ALL_LAYERS].to_json()["same_layers"]
     assert step.span_us_a == pytest.approx(float(np.median([s["span_us"] for s in a.steps])))
     headline = comparison_headline(list(rows.values()), "A", "B")
