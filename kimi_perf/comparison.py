@@ -55,7 +55,7 @@ class ComparisonRow:
     timed_alike: bool = True
     # False for the mean layer of steps cut into other numbers of layers (an eager trace's
     # ranges against a graph's kernel pattern): not the same unit, no ratio; and for whole
-    # steps that hold other numbers of layers (``other_layers_a_step``): other work
+    # steps that ran other work (``steps_of_other_work``)
     same_layers: bool = True
     steps_a: int | None = None   # the whole step's row: the steps its medians are over
     steps_b: int | None = None
@@ -131,20 +131,25 @@ def layer_sources(b: Breakdown) -> list[str]:
     return sorted(said - {"none"}) or sorted(said)
 
 
-def other_layers_a_step(a: Breakdown, b: Breakdown) -> tuple[float, float] | None:
-    """Each side's layers a step, where whole steps ran other work: profiler windows cut
-    elsewhere (``unequal_windows``), or steps whose every layer is a range on both sides
-    and that hold other numbers of them (models of other depths: a run of 4 layers is no 2x
-    leaner than one of 8). Layers found by the kernel pattern on either side may be cut
-    otherwise (a graph's pattern taking two eager layers as one): their steps compare.
-    Their layer types compare either way."""
-    if (windows := unequal_windows(a, b)) is not None:
-        return windows
-    layers = layers_per_step(a), layers_per_step(b)
-    if None in layers or layers[0] == layers[1] or not all(
-            layer_sources(x) == ["nvtx"] for x in (a, b)):
-        return None
-    return layers
+def steps_of_other_work(breakdowns: list[Breakdown]) -> bool:
+    """Whether the breakdowns' whole steps ran other work, so that they have no ratio or
+    spread: their steps hold other numbers of layers, and either each device is one step on
+    every side (profiler windows cut elsewhere, ``unequal_windows``) or every layer is a
+    range on every side (models of other depths: a run of 4 layers is no 2x leaner than one
+    of 8). Layers found by the kernel pattern on any side may be cut otherwise (a graph's
+    pattern taking two eager layers as one): those steps compare. Layer types compare either
+    way."""
+    return _other_work([layers_per_step(b) for b in breakdowns],
+                       [b.source.get("steps_found_by") == "device" for b in breakdowns],
+                       [layer_sources(b) == ["nvtx"] for b in breakdowns])
+
+
+def _other_work(layers: list[float | None], windows: list[bool], ranges: list[bool]) -> bool:
+    """``steps_of_other_work``'s rule, of each side's layers a step and whether its steps are
+    profiler windows and its layers ranges."""
+    if None in layers or len(set(layers)) < 2:
+        return False
+    return all(windows) or all(ranges)
 
 
 def compare(a: Breakdown, b: Breakdown) -> list[ComparisonRow]:
@@ -169,7 +174,7 @@ def compare(a: Breakdown, b: Breakdown) -> list[ComparisonRow]:
     if a.steps or b.steps:
         step = _row(WHOLE_STEP, _whole_step(a), _whole_step(b))
         step.steps_a, step.steps_b = len(a.steps) or None, len(b.steps) or None
-        step.same_layers = other_layers_a_step(a, b) is None
+        step.same_layers = not steps_of_other_work([a, b])
         rows.append(step)
     for row in rows:
         row.timed_alike = a.unit == b.unit
@@ -483,6 +488,8 @@ class OverviewRow:
     unit: str = "kernels"             # "ops" for a CPU run (``Breakdown.unit``)
     names: dict[str, str | None] = dataclasses.field(default_factory=dict)  # its own names
     layers: float | None = None       # the median step's layers (``layers_per_step``)
+    windows: bool = False             # its steps each device's work (profiler windows)
+    ranges: bool = False              # its layers all ranges
 
 
 def differing_patterns(rows: list[OverviewRow]) -> list[str]:
@@ -512,19 +519,22 @@ def overview(breakdowns: dict[str, Breakdown]) -> list[OverviewRow]:
             column: (t["kernels"], t["span_us"]) if t else None for column, t in mine.items()},
             {column: (t or {}).get("pattern") for column, t in mine.items()}, b.unit,
             {column: names_of.get(label) for column, names_of in columns.items()},
-            layers_per_step(b)))
+            layers_per_step(b), b.source.get("steps_found_by") == "device",
+            layer_sources(b) == ["nvtx"]))
     return rows
 
 
 STEPS_UNLIKE = ("no spread of whole steps: the traces' steps hold other numbers of layers "
-                "(other models, or layers found otherwise)")
+                "(models of other depths, each layer a range; or profiler windows cut "
+                "elsewhere)")
 
 
 def steps_unlike(rows: list[OverviewRow]) -> bool:
-    """Whether the traces' steps hold other numbers of layers (where all say): other models
-    or other cuts, whose whole steps have no spread (a TP run's ranks hold as many)."""
-    counts = {r.layers for r in rows if r.step_us is not None}
-    return None not in counts and len(counts) > 1
+    """Whether the traces' whole steps ran other work (``steps_of_other_work``'s rule): no
+    spread of them (a TP run's ranks hold as many layers)."""
+    steps = [r for r in rows if r.step_us is not None]
+    return _other_work([r.layers for r in steps], [r.windows for r in steps],
+                       [r.ranges for r in steps])
 
 
 def overview_json(rows: list[OverviewRow]) -> dict:

@@ -102,15 +102,18 @@ STEP = "step"  # the pseudo layer type of whole decode steps
 # the checks of times (class_us and layer_kernel_us: kernel_us's, by class and by layer)
 TIMES = ("kernel_us", "span_us", "class_us", "layer_kernel_us", "span_us_mean")
 # the permutation test's resamples where the splits of the steps are more (seeded: a gate
-# gives one answer for one input)
+# gives one answer for one input), at least 20 / alpha (its smallest p is 1 / (resamples + 1))
+# up to a most; and how many values it draws at once (memory: 2,000 steps a side drew 1.9 GB)
 MEAN_TEST_RESAMPLES = 20_000
+MEAN_TEST_MOST_RESAMPLES = 2_000_000
+MEAN_TEST_BATCH_VALUES = 4_000_000
 
 
 @dataclass(frozen=True)
 class Tolerances:
     """When a time regresses: its median rises by more than ``rel_tol`` and ``abs_tol_us``
     and the Mann-Whitney U test gives p < ``alpha`` (with ``min_samples`` a side; see the
-    module doc). ``metrics``:
+    module doc); whole steps' mean span likewise, by a permutation test. ``metrics``:
     which of ``METRICS`` to check (a tuple, or a comma-separated string)."""
 
     rel_tol: float = 0.05
@@ -146,7 +149,8 @@ class Check:
     baseline: float | None
     current: float | None
     change: float | None      # current / baseline - 1
-    p_value: float | None     # one-sided Mann-Whitney U, in the direction of the change
+    p_value: float | None     # one-sided, in the direction of the change: Mann-Whitney U
+                              # (span_us_mean: a permutation test of the means)
     status: str               # ok, regression, improvement, noise, missing, new, changed,
                               # differs (layers a step), fell back (every step of the run's
                               # path: the baseline's not), not finite (the run's logits),
@@ -1059,8 +1063,15 @@ def _mean_check(path: str, layer_type: str, base: np.ndarray | None, cur: np.nda
     """``span_us_mean``: the mean of the steps' spans (``base``, ``cur``: each step's, its
     GPUs' mean). A regression where it rose by more than the tolerances and a one-sided
     permutation test of the difference of means gives p < ``alpha``; None without steps
-    enough for that test (one stalled step in few would fail on its ratio alone)."""
+    enough for that test (one stalled step in few would fail on its ratio alone), or where
+    the splits of the steps are too many to take all and ``alpha`` too small for the
+    resamples to reach."""
     if not _testable(base, cur, tol):
+        return None
+    resamples = max(MEAN_TEST_RESAMPLES, math.ceil(20 / tol.alpha))
+    splits = math.lgamma(base.size + cur.size + 1) - math.lgamma(base.size + 1) \
+        - math.lgamma(cur.size + 1)
+    if resamples > MEAN_TEST_MOST_RESAMPLES and splits > math.log(MEAN_TEST_MOST_RESAMPLES):
         return None
     b, c = float(np.mean(base)), float(np.mean(cur))
     change = _change(b, c)
@@ -1071,7 +1082,8 @@ def _mean_check(path: str, layer_type: str, base: np.ndarray | None, cur: np.nda
     worse = c > b
     p_value = float(permutation_test(
         (cur, base), lambda x, y, axis: np.mean(x, axis=axis) - np.mean(y, axis=axis),
-        vectorized=True, n_resamples=MEAN_TEST_RESAMPLES,
+        vectorized=True, n_resamples=resamples,
+        batch=max(1, MEAN_TEST_BATCH_VALUES // (base.size + cur.size)),
         alternative="greater" if worse else "less", rng=np.random.default_rng(0)).pvalue)
     status = "noise" if p_value >= tol.alpha else "regression" if worse else "improvement"
     return Check(path, layer_type, "span_us_mean", b, c, change, p_value, status,

@@ -472,7 +472,7 @@ def gate_table(result: GateResult, show_all: bool = False) -> Table:
     times = [m for m in tol.metrics if m != "kernels"]
     table = _table("Regression gate: medians, baseline vs run" + (
                    f" (time: > {tol.rel_tol:.0%} and {tol.abs_tol_us:g} µs, and Mann-Whitney "
-                   f"p < {tol.alpha:g})"
+                   f"p < {tol.alpha:g}; a step's mean span: a permutation test's)"
                    if times else " (launches only)"),
                    ["path", "layer", "metric", "baseline", "run", "change", "p", "status",
                     "behind it"],

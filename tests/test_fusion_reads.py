@@ -2,8 +2,10 @@
 ``kimi_perf/decode/fusions.py``: in one step of each path, every weight and every piece of
 decode state is traced to the launches whose arguments hold it (or a tensor the path packed
 from it). A fused launch must read what the standard launches it replaces read there, and
-nothing the ledger puts elsewhere. A test of the names alone cannot see a fusion filed under the
-wrong launch; this one can."""
+nothing the ledger puts elsewhere. A test of the names alone cannot see a fusion that reads
+weights or state filed under the wrong launch; this one can. The standard launches that read
+neither (``READ_NOTHING``: the activations' SiTU, the MoE's finalize and add, the MLA output
+gate and split merge) it cannot place: only the names test holds those."""
 
 from __future__ import annotations
 
@@ -27,6 +29,13 @@ from tests.poisoning import poison_fresh_buffers  # noqa: E402
 
 SMALL = preset("tiny", n_layers=4)     # layer 0 dense, 1-2 KDA, 3 gated MLA
 BEFORE = "(before the first launch)"   # the embedding lookup, on both paths
+# standard launches whose arguments hold no weight and no state: this check cannot place them
+READ_NOTHING = {"dense_situ_and_mul", "shared_situ_and_mul", "moe_finalize", "moe_add",
+                "gate_sigmoid_mul", "mla_decode_combine"}
+# what a model holds NaN in before any weight is poisoned (a buffer made empty): untraced
+UNTRACED = {"model.prefetch_checksums"}
+# kv_b_proj's rows per head, which the paths split into W_UK and W_UV: a source each
+KV_B_ROWS = {"(W_UK rows)": slice(0, SMALL.qk_nope), "(W_UV rows)": slice(SMALL.qk_nope, None)}
 
 
 @pytest.fixture(scope="module")
@@ -34,9 +43,31 @@ def weights():
     return random_weights(SMALL, seed=3)
 
 
-def _source(weight: str) -> str:
-    """A layer's routed experts are one source: the paths stack them."""
-    return re.sub(r"experts\.\d+\.", "experts.*.", weight)
+def _sources(weights) -> dict[str, list[tuple[str, slice | None]]]:
+    """Each source and what it is: weights, each whole or (kv_b_proj) some rows per head. A
+    layer's routed experts are one source (the paths stack them); kv_b_proj's W_UK rows and
+    W_UV rows two (the paths split them apart, for two launches)."""
+    out = defaultdict(list)
+    for name in weights:
+        if name.endswith("kv_b_proj.weight"):
+            for part, rows in KV_B_ROWS.items():
+                out[f"{name} {part}"].append((name, rows))
+        else:
+            out[re.sub(r"experts\.\d+\.", "experts.*.", name)].append((name, None))
+    return out
+
+
+def _poisoned(weights, parts: list[tuple[str, slice | None]]) -> dict:
+    """The weights with one source's values NaN."""
+    out = dict(weights)
+    for name, rows in parts:
+        w = weights[name].clone()
+        if rows is None:
+            w.fill_(float("nan"))
+        else:
+            w.view(SMALL.mla_heads_local, SMALL.qk_nope + SMALL.v_head, -1)[:, rows] = float("nan")
+        out[name] = w
+    return out
 
 
 def _held_tensors(obj, where: str, depth: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
@@ -69,20 +100,16 @@ def _made_from(make, weights) -> dict[str, set[str]]:
     """Which sources each of a model's storages is made from: each source's weights set to
     NaN in turn, a model built from them, the storages that then hold a NaN noted. Packing,
     slicing, casts and products (the attention residuals' folded query) all carry the NaN."""
-    sources = defaultdict(list)
-    for name in weights:
-        sources[_source(name)].append(name)
     made_from: dict[str, set[str]] = defaultdict(set)
     with pytest.MonkeyPatch.context() as patch:
         # buffers a model makes empty hold NaN from the start, in every build: not made from
-        # any weight
+        # any weight, and untraced (a packed weight padded so would lose its reads: say so)
         poison_fresh_buffers(patch)
         empty = {where for where, flat in _storages(make(weights), "model").values()
                  if _holds_nan(flat)}
-        for source, names in sources.items():
-            poisoned = {n: torch.full_like(w, float("nan")) if n in names else w
-                        for n, w in weights.items()}
-            for where, flat in _storages(make(poisoned), "model").values():
+        assert empty <= UNTRACED, f"holding NaN before any weight is poisoned: {empty}"
+        for source, parts in _sources(weights).items():
+            for where, flat in _storages(make(_poisoned(weights, parts)), "model").values():
                 if where not in empty and _holds_nan(flat):
                     made_from[where].add(source)
     return made_from
@@ -114,7 +141,7 @@ class _LaunchReads(TorchDispatchMode):
 
 def launch_reads(path: str, weights, verify: bool = False, splits: int | None = None
                  ) -> dict[tuple[int, str], set[str]]:
-    """(layer, launch) -> the weights (by ``_source``) and decode state (``state.kv[3]``)
+    """(layer, launch) -> the weights (by ``_sources``) and decode state (``state.kv[3]``)
     its arguments hold, in one decode step of batch 2 after a prompt (or, after a prompt and
     a verify step whose tokens were partly accepted, a verify step of 1 + 3 tokens).
     ``splits``: the MLA attention's splits over the positions (1 on a CPU by default)."""
@@ -196,6 +223,18 @@ def _sources_read(reads: dict) -> set[str]:
     return {s for srcs in reads.values() for s in srcs}
 
 
+def _all_traced(reads: dict, weights) -> None:
+    """Every source and every layer's cache or state was traced to a launch (the check is
+    not empty), and the standard launches that read nothing are the ones expected."""
+    read = _sources_read(reads)
+    assert set(_sources(weights)) <= read, set(_sources(weights)) - read
+    for layer in range(SMALL.n_layers):
+        assert (f"state.kv[{layer}]" if SMALL.is_mla(layer) else f"state.kda[{layer}]") in read
+    names = {name for _, name in reads}
+    read_nothing = {n for n in names if not any(srcs for (_, m), srcs in reads.items() if m == n)}
+    assert read_nothing <= READ_NOTHING, read_nothing - READ_NOTHING
+
+
 @pytest.mark.parametrize("path", ["specialized", "specialized+grouped"])
 def test_each_fused_launch_reads_what_the_launches_it_replaces_read(weights, standard_reads,
                                                                     path):
@@ -204,12 +243,10 @@ def test_each_fused_launch_reads_what_the_launches_it_replaces_read(weights, sta
     specialized = launch_reads(path, weights)
     assert ledger_problems(standard_reads, specialized) == []
     # every weight was traced to a launch on both paths, and the caches and states too
-    weight_sources = {_source(n) for n in weights}
-    assert weight_sources <= _sources_read(standard_reads)
+    _all_traced(standard_reads, weights)
+    _all_traced(specialized, weights)
     assert _sources_read(specialized) == _sources_read(standard_reads)
-    for layer in range(SMALL.n_layers):
-        cache = f"state.kv[{layer}]" if SMALL.is_mla(layer) else f"state.kda[{layer}]"
-        assert cache in _sources_read(standard_reads)
+    assert all(specialized.values())   # every fused launch reads some weight or state
 
 
 def test_the_ledger_holds_for_the_one_kernel_per_step_standard_path(weights):
@@ -218,7 +255,9 @@ def test_the_ledger_holds_for_the_one_kernel_per_step_standard_path(weights):
     standard = launch_reads("standard_kernels", weights, splits=2)
     specialized = launch_reads("specialized", weights, splits=2)
     assert ledger_problems(standard, specialized) == []
-    assert "mla_decode_combine" in {name for _, name in standard}
+    _all_traced(standard, weights)
+    _all_traced(specialized, weights)
+    assert any(name == "mla_decode_combine" for _, name in standard)
 
 
 def test_a_verify_step_reads_alike(weights):
@@ -227,6 +266,8 @@ def test_a_verify_step_reads_alike(weights):
     standard = launch_reads("standard", weights, verify=True)
     specialized = launch_reads("specialized", weights, verify=True)
     assert ledger_problems(standard, specialized) == []
+    _all_traced(standard, weights)
+    _all_traced(specialized, weights)
     kda = {s for (at, name), srcs in specialized.items() if at == 1
            and name == "fused_kda_decode" for s in srcs}
     assert {"state.records[1]", "state.inputs[1]"} <= kda
@@ -243,6 +284,7 @@ def test_the_l2_prefetch_reads_what_o_proj_then_streams(weights, standard_reads)
         assert srcs == {prefix + "o_proj.weight"} == specialized[layer, "o_proj"]
     rest = {k: v for k, v in specialized.items() if k[1] != "l2_prefetch"}
     assert ledger_problems(standard_reads, rest) == []
+    _all_traced(rest, weights)
 
 
 def test_a_fusion_filed_under_the_wrong_launch_is_caught(weights, standard_reads):
@@ -255,3 +297,8 @@ def test_a_fusion_filed_under_the_wrong_launch_is_caught(weights, standard_reads
     assert problems and all("g_proj.weight" in p for p in problems), problems
     unshared = ledger_problems(standard_reads, specialized, shared_with={})
     assert len(unshared) == 1 and "kv_a_layernorm" in unshared[0], unshared
+    # W_UK's and W_UV's launches swapped: both read kv_b_proj, but not the same rows of it
+    swapped = dict(REPLACES, bmm_w_uk_cache_insert=("bmm_w_uv", "q_concat_kv_cache_insert"),
+                   bmm_w_uv_gate=("mla_decode_combine", "bmm_w_uk", "gate_sigmoid_mul"))
+    problems = ledger_problems(standard_reads, specialized, replaces=swapped)
+    assert problems and all("kv_b_proj.weight (W_U" in p for p in problems), problems

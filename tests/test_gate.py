@@ -823,6 +823,24 @@ def test_a_slowdown_of_every_fourth_step_fails_by_the_steps_mean():
     assert "span_us_mean" not in {c.metric for c in few.checks}
     only_kernels = gate(base, _stepped(slow, 12), Tolerances(metrics="kernels,kernel_us"))
     assert "span_us_mean" not in {c.metric for c in only_kernels.checks}
+    # the other way, an improvement
+    back = next(c for c in gate(_stepped(slow, 12), base).checks if c.metric == "span_us_mean")
+    assert back.status == "improvement" and back.p_value < 1e-3 and back.change < -0.1
+    # a step on two GPUs is one sample, their mean: the same verdict and p as on one
+    two = [_stepped(v, 12) for v in (base_steps, slow)]
+    for run in two:
+        b = run["specialized"]
+        b.steps.extend([{**step, "device": 1} for step in b.steps])
+        b.layers.extend([{**layer, "device": 1} for layer in b.layers])
+    on_two = next(c for c in gate(*two).checks if c.metric == "span_us_mean")
+    assert (on_two.status, on_two.p_value) == ("regression", mean.p_value)
+    # an alpha the resamples cannot reach (their smallest p is 1 / (resamples + 1)): more
+    # resamples, up to 2 million; below that, no such check
+    tiny = next(c for c in gate(base, _stepped(run_steps * 2, 12), Tolerances(alpha=1e-5)).checks
+                if c.metric == "span_us_mean")
+    assert tiny.status == "regression" and tiny.p_value < 1e-5
+    assert "span_us_mean" not in {c.metric for c in gate(
+        base, _stepped(run_steps * 2, 12), Tolerances(alpha=1e-7)).checks}
 
 
 def test_a_class_of_other_rules_is_changed_and_a_family_shares_alpha():
