@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime as dt
+import errno
 import gzip
 import importlib.metadata
 import itertools
@@ -23,6 +24,7 @@ import os
 import platform
 import shlex
 import shutil
+import stat
 import statistics
 import subprocess
 import sys
@@ -33,7 +35,7 @@ from typing import Any
 
 from kimi_perf import __version__
 from kimi_perf.decode.fallbacks import every_decode_step_fell_back, summarise
-from kimi_perf.errors import TraceError
+from kimi_perf.errors import TraceError, stat_problem
 from kimi_perf.layer_breakdown import Breakdown, breakdown, breakdown_of_file
 from kimi_perf.readers import read_trace
 from kimi_perf.readers.nsys import nsys_cli
@@ -171,8 +173,12 @@ def run_directory(out_dir: Path, label: str):
     """A new run directory, filled under a hidden temporary name and renamed into place when
     complete: a failed run leaves nothing behind."""
     stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
-    if out_dir.exists() and not out_dir.is_dir():
-        raise TraceError(out_dir, "--out: not a directory")
+    try:
+        if not stat.S_ISDIR(out_dir.stat().st_mode):
+            raise TraceError(out_dir, "--out: not a directory")
+    except OSError as exc:   # (mkdir would say "File exists" of a symlink loop or to nothing)
+        if out_dir.is_symlink() or exc.errno != errno.ENOENT:
+            raise TraceError(out_dir, f"--out: {stat_problem(out_dir, exc)}") from None
     out_dir.mkdir(parents=True, exist_ok=True)
     for n in itertools.count(1):
         final = out_dir / (f"{stamp}-{label}" + (f"-{n}" if n > 1 else ""))

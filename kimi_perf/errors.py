@@ -63,10 +63,17 @@ def input_stat(path: Path) -> os.stat_result:
     try:
         st = path.stat()
     except OSError as exc:
-        problem = ("no such file" if exc.errno == errno.ENOENT else "a symlink loop"
-                   if exc.errno == errno.ELOOP else f"cannot read ({exc.strerror or exc})")
-        raise TraceError(path, problem) from None
+        raise TraceError(path, stat_problem(path, exc)) from None
     if not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode)):
         raise TraceError(path, "not a regular file (a pipe, socket or device): save it to a "
                                "file first")
     return st
+
+
+def stat_problem(path: Path, exc: OSError) -> str:
+    """Why ``path`` could not be looked up (``exc``, from its ``stat``), in words."""
+    if exc.errno == errno.ENOENT:
+        return "a dangling symlink" if path.is_symlink() else "no such file"
+    if exc.errno == errno.ELOOP:
+        return "a symlink loop"
+    return f"cannot read ({exc.strerror or exc})"

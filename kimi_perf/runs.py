@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kimi_perf.errors import TraceError
+from kimi_perf.errors import TraceError, stat_problem
 from kimi_perf.layer_breakdown import Breakdown, breakdown_of_file, layer_column
 from kimi_perf.names import primed
 from kimi_perf.text import counted
@@ -729,6 +729,16 @@ def _json_not_a_trace(path: Path) -> bool:
                 or b'"traceEvents"' in head or b'"schemaVersion"' in head)
 
 
+def _not_a_file(path: Path) -> str:
+    """Why a name in a traces directory is no file to read: a dangling symlink, a symlink
+    loop, or a FIFO, socket or device."""
+    try:
+        path.stat()
+    except OSError as exc:
+        return stat_problem(path, exc)
+    return "not a regular file"
+
+
 def trace_files(paths: list[str | Path], keep_runs: bool = False,
                 left_out: list[tuple[Path, str]] | None = None) -> list[Path]:
     """``paths`` with each directory replaced by the trace files in it, in natural order
@@ -757,8 +767,7 @@ def trace_files(paths: list[str | Path], keep_runs: bool = False,
             raise TraceError(path, "a kimi-perf run directory without its breakdown.json (a "
                                    "capture that did not finish, or a file removed since)")
         entries = [f for f in path.iterdir() if f.name.endswith(TRACE_SUFFIXES)]
-        unread = [(f, "a dangling symlink" if f.is_symlink() and not f.exists() else
-                   "not a regular file") for f in entries if not f.is_file()]
+        unread = [(f, _not_a_file(f)) for f in entries if not f.is_file()]
         stored = [(f, "a kimi-perf breakdown") for f in entries
                   if f.is_file() and is_kimi_perf_json(f)]
         named = sorted((f for f in entries if f.is_file() and not is_kimi_perf_json(f)),

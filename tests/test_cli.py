@@ -1430,12 +1430,14 @@ def test_a_directory_of_traces_stands_for_its_traces(tmp_path):
     out = tmp_path / "runs"
     os.mkfifo(ranks / "live.json")                                  # no file to read
     (ranks / "gone.pt.trace.json.gz").symlink_to(tmp_path / "nowhere")
+    (ranks / "loop.json").symlink_to(ranks / "loop.json")
     result = run("trace", "--from", ranks, "--out", out, "--plotly-js", "cdn")
     assert result.exit_code == 0, result.output
     # every file of a trace's name that is not read is said, and why
     assert (f"left out: {ranks / 'gone.pt.trace.json.gz'} (a dangling symlink); "
-            f"{ranks / 'live.json'} (not a regular file); {ranks / 'meta.json'} (JSON that is "
-            f"not a trace); {ranks / 'old.json'} (a kimi-perf breakdown)") in result.output
+            f"{ranks / 'live.json'} (not a regular file); {ranks / 'loop.json'} (a symlink "
+            f"loop); {ranks / 'meta.json'} (JSON that is not a trace); {ranks / 'old.json'} (a "
+            "kimi-perf breakdown)") in result.output
     (run_dir,) = out.iterdir()
     info = json.loads((run_dir / "run.json").read_text())
     assert [Path(f).name for f in info["files"]] == [
@@ -1550,12 +1552,21 @@ def test_options_that_would_change_nothing_are_refused(tmp_path):
                "--plotly-js", "cdn").exit_code == 0
 
 
-def test_trace_out_that_is_a_file(tmp_path):
+def test_trace_out_that_is_no_directory(tmp_path):
+    """A file, a symlink loop or a symlink to nothing is said to be one (mkdir said "File
+    exists" of the links), and nothing is written."""
     afile = tmp_path / "afile"
     afile.write_text("mine")
     _one_line_error(run("trace", "--from", VLLM, "--out", afile),
                     f"{afile}: --out: not a directory")
     assert afile.read_text() == "mine"
+    loop, dangling = tmp_path / "loop", tmp_path / "dangling"
+    loop.symlink_to(loop)
+    dangling.symlink_to(tmp_path / "nowhere")
+    _one_line_error(run("trace", "--from", VLLM, "--out", loop), f"{loop}: --out: a symlink loop")
+    _one_line_error(run("trace", "--from", VLLM, "--out", dangling),
+                    f"{dangling}: --out: a dangling symlink")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "dangling", "loop"]
 
 
 def test_mxfp4_experts_that_a_rank_cannot_hold_are_refused_before_any_work(tmp_path):
@@ -1759,6 +1770,9 @@ def test_inputs_that_cannot_be_read_as_files(tmp_path):
     loop = tmp_path / "loop"
     loop.symlink_to(loop)
     _one_line_error(run("info", loop), "a symlink loop")
+    dangling = tmp_path / "dangling.json"
+    dangling.symlink_to(tmp_path / "nowhere")
+    _one_line_error(run("info", dangling), f"{dangling}: a dangling symlink")
     runs = tmp_path / "runs"
     runs.mkdir()
     (runs / "breakdown.json").write_text("{}")
