@@ -15,6 +15,7 @@ import signal
 import sys
 import threading
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
@@ -35,6 +36,12 @@ from kimi_perf.layers import PHASES
 from kimi_perf.readers import read_trace
 from kimi_perf.text import counted, distinct_words
 from kimi_perf.trace import OP_RANGE, atomic_write_text, json_text, printable, whole_stdout
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from kimi_perf.capture import TraceRequest
+    from kimi_perf.layer_breakdown import Breakdown
 
 LAYERS_HELP = ("auto: per-layer ranges when the trace has them, else the repeating kernel "
                "pattern; repeat: the pattern only; nvtx or nvtx:REGEX: ranges only (REGEX may "
@@ -1110,37 +1117,12 @@ def trace_cmd(from_files: tuple[Path, ...], captures: tuple[Path, ...], phase: s
     layer type, standard vs specialized.
     """
     from kimi_perf import capture as cap
-    from kimi_perf.comparison import compare as compare_breakdowns
 
     console = render.console(stderr=fmt == "json")
     from kimi_perf.report import plotly_js_for
 
     plotly_js_for(plotly_js, out_dir)  # a missing file is said now, not after the capture
-    capture_only = _given("preset_name", "batch", "context", "warmup", "tp", "paths", "graphs",
-                          "backend", "kv_cache", "experts", "spec_tokens", "l2_prefetch",
-                          "group_experts_from", "pdl", "seed")
-    if from_files and capture_only:
-        raise TraceError(None, f"{', '.join(capture_only)} "
-                               f"{'sets' if len(capture_only) == 1 else 'set'} up a capture; "
-                               "--from analyses traces already made")
-    named = _path_names(paths)
-    opt_ins = _given("l2_prefetch", "group_experts_from", "pdl")
-    if opt_ins and "specialized" not in named:
-        raise TraceError(None, f"{', '.join(opt_ins)}: options of the specialized path, which "
-                               f"--paths {paths} leaves out")
-    if not from_files and captures:
-        raise TraceError(None, "--capture: for a trace given with --from, whose graph captures "
-                               "were profiled apart")
-    if not from_files and (from_only := _given("phase", "rules")):
-        raise TraceError(None, f"{', '.join(from_only)}: for traces given with --from (a "
-                               "capture records decode steps only, its launches named by class)")
-    if captures and len(captures) != len(from_files):
-        raise TraceError(None, f"--capture pairs with --from, one each in the same order: "
-                               f"{len(from_files)} --from, {len(captures)} --capture (to "
-                               "join one of several alone, `kimi-perf convert TRACE T.kptrace "
-                               "--capture CAPTURE` first, then --from T.kptrace)")
-    if captures and (folder := next((f for f in from_files if f.is_dir()), None)):
-        raise TraceError(folder, "a directory: --capture pairs with one trace file each")
+    named = _checked_trace_options(from_files, captures, paths)
     if from_files:
         layers = _check_layers(layers_arg) if layers_arg is not None else "auto"
         found, left_out = _traces_in(list(from_files))
@@ -1177,28 +1159,78 @@ def trace_cmd(from_files: tuple[Path, ...], captures: tuple[Path, ...], phase: s
                                   seed=seed)
         # (again: the preset may be the machine's default, known only now)
         _mxfp4_fits(_preset_config(req.preset, tp=_sharding(req.tp)), req.experts)
-        from rich.progress import (
-            BarColumn,
-            MofNCompleteColumn,
-            Progress,
-            TextColumn,
-            TimeElapsedColumn,
-        )
-
-        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                      TimeElapsedColumn(), console=console, transient=True,
-                      disable=not console.is_terminal) as bar:   # a pipe gets no bar
-            task = bar.add_task("capturing", total=cap.work_units(req))
-            with _memory_said(f"batch {req.batch}, context {req.context}, "
-                              f"{req.warmup} + {req.steps} steps"):
-                run_dir, results, run_info = cap.capture(
-                    req, progress=lambda text, units: bar.update(task, description=text,
-                                                                 advance=units))
+        run_dir, results, run_info = _capture_with_progress(req, console)
     if fmt == "json":
         _echo(json_text(cap.run_document(run_dir, results, run_info, lazy_layers=True)),
               nl=False)
-        _fail_if_not_finite(run_info, run_dir)
-        return
+    else:
+        _print_run(console, run_dir, results, run_info)
+    _fail_if_not_finite(run_info, run_dir)
+
+
+def _checked_trace_options(from_files: tuple[Path, ...], captures: tuple[Path, ...],
+                           paths: str) -> list[str]:
+    """The decode paths ``--paths`` names, once ``trace``'s options that do not go together
+    are refused, before any work: capture options with --from, --from's options without it,
+    opt-ins of a path left out, and --capture files that do not pair with the --from
+    traces."""
+    capture_only = _given("preset_name", "batch", "context", "warmup", "tp", "paths", "graphs",
+                          "backend", "kv_cache", "experts", "spec_tokens", "l2_prefetch",
+                          "group_experts_from", "pdl", "seed")
+    if from_files and capture_only:
+        raise TraceError(None, f"{', '.join(capture_only)} "
+                               f"{'sets' if len(capture_only) == 1 else 'set'} up a capture; "
+                               "--from analyses traces already made")
+    named = _path_names(paths)
+    opt_ins = _given("l2_prefetch", "group_experts_from", "pdl")
+    if opt_ins and "specialized" not in named:
+        raise TraceError(None, f"{', '.join(opt_ins)}: options of the specialized path, which "
+                               f"--paths {paths} leaves out")
+    if not from_files and captures:
+        raise TraceError(None, "--capture: for a trace given with --from, whose graph captures "
+                               "were profiled apart")
+    if not from_files and (from_only := _given("phase", "rules")):
+        raise TraceError(None, f"{', '.join(from_only)}: for traces given with --from (a "
+                               "capture records decode steps only, its launches named by class)")
+    if captures and len(captures) != len(from_files):
+        raise TraceError(None, f"--capture pairs with --from, one each in the same order: "
+                               f"{len(from_files)} --from, {len(captures)} --capture (to "
+                               "join one of several alone, `kimi-perf convert TRACE T.kptrace "
+                               "--capture CAPTURE` first, then --from T.kptrace)")
+    if captures and (folder := next((f for f in from_files if f.is_dir()), None)):
+        raise TraceError(folder, "a directory: --capture pairs with one trace file each")
+    return named
+
+
+def _capture_with_progress(req: TraceRequest, console: Console
+                           ) -> tuple[Path, dict[str, Breakdown], dict]:
+    """``capture.capture(req)`` under a progress bar (on a terminal; a pipe gets none)."""
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+    )
+
+    from kimi_perf import capture as cap
+
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TimeElapsedColumn(), console=console, transient=True,
+                  disable=not console.is_terminal) as bar:
+        task = bar.add_task("capturing", total=cap.work_units(req))
+        with _memory_said(f"batch {req.batch}, context {req.context}, "
+                          f"{req.warmup} + {req.steps} steps"):
+            return cap.capture(req, progress=lambda text, units: bar.update(
+                task, description=text, advance=units))
+
+
+def _print_run(console: Console, run_dir: Path, results: dict[str, Breakdown],
+               run_info: dict) -> None:
+    """``trace``'s terminal summary of a run: the paths side by side (a TP run's ranks in one
+    table), the notes, the floors, each path's decode metrics and where the files are."""
+    from kimi_perf.comparison import compare as compare_breakdowns
+
     labels = list(results)
     a = labels[0]
     compared = [(b, compare_breakdowns(results[a], results[b])) for b in labels[1:]]
@@ -1267,7 +1299,6 @@ def trace_cmd(from_files: tuple[Path, ...], captures: tuple[Path, ...], phase: s
     console.print(printable(f"run directory: {run_dir}  "
                             f"({', '.join(sorted(p.name for p in Path(run_dir).iterdir()))})"))
     console.print(printable(f"report: {Path(run_dir).resolve() / run_info['report']}"))
-    _fail_if_not_finite(run_info, run_dir)
 
 
 def _fail_if_not_finite(run_info: dict, run_dir: Path) -> None:
