@@ -456,17 +456,7 @@ def breakdown(trace: Trace, layers: str = "auto", rules: list[Rule] | str | Path
     # No step range and no graph launch: each device is one step. Say which ranges could be.
     found_by = steps[0].found_by if steps else None
     repeating = repeating_ranges(trace) if found_by == "device" else []
-    # Work no step holds (launched outside the step ranges, or from another thread, such as
-    # a training run's autograd thread) is reported, never silently dropped.
-    outside = np.ones(len(ops), bool)
-    for step in steps:
-        outside[step.ops] = False
-    outside_steps = {"ops": int(outside.sum()),
-                     "kernel_us": _us(int((ops.end[outside] - ops.start[outside]).sum())),
-                     "unlaunched": int((outside & (ops.api < 0)).sum()),
-                     "in_ranges": outermost_ranges(trace, ops,
-                                                   np.flatnonzero(outside & (ops.api >= 0)))}
-    del outside
+    outside_steps = _outside_steps(trace, ops, steps)
     replays = (graph_replays(trace, ops.api, ops.scope_api) if ops_kind == "gpu"
                else {"ops": 0})
     # a profile of graph captures alone (vLLM profiles its capture at start-up apart from
@@ -474,12 +464,7 @@ def breakdown(trace: Trace, layers: str = "auto", rules: list[Rule] | str | Path
     captures = (capture_count(trace) if ops_kind == "gpu" and not replays["ops"]
                 and not trace.meta.get("captures") else 0)
     steps, left_out = steps_of_phase(steps, phase, trace.meta.get("file"))
-    enclosing: dict[int, dict[str, Any]] = {}   # per range (a step per device it ran on)
-    for s in steps:
-        if s.encloses:
-            enclosing.setdefault(s.range_row, {"step": s.name, "index": s.index,
-                                               "device": s.device, "encloses": s.encloses,
-                                               "ops": 0})["ops"] += len(s.ops)
+    enclosing = _enclosing_steps(steps)
     release_free_memory()
     cut = find_layers(trace, ops, steps, layers)
     if cut:   # parts of the forward passes the trace begins or ends within: in no step
@@ -492,13 +477,7 @@ def breakdown(trace: Trace, layers: str = "auto", rules: list[Rule] | str | Path
     if any(step.found_by == "pass" for step in steps):   # the forward passes a device ran
         found_by = "pass"
         pass_ranges = _pass_ranges(trace, ops, steps)
-    # A step range around several forward passes (a benchmark's whole loop) is the user's
-    # step; its passes show in its layer types (the one that ends a pass holds the LM head).
-    holding_passes = [{"step": step.name, "layers": cycle.period, "passes": passes}
-                      for step in steps if step.found_by == "range"
-                      and step.layer_source == "repeat"
-                      and (cycle := layer_cycle(ops, step)) is not None
-                      and (passes := sum(pass_cuts(ops, step, cycle)[1])) > 1]
+    holding_passes = _steps_holding_passes(ops, steps)
     all_layers = [(step, layer) for step in steps for layer in step.layers]
     # Segments: every step, every layer, then the steps' prologues and epilogues.
     segments = [step.ops for step in steps] + [layer.ops for _, layer in all_layers]
@@ -523,18 +502,10 @@ def breakdown(trace: Trace, layers: str = "auto", rules: list[Rule] | str | Path
                                        strict=True):
         row.update(prologue=prologue, epilogue=epilogue)
     layer_rows = LayerRows(layer_heads, figures, n_steps, labels)
-    layer_types = _layer_type_medians(layer_rows)
     # On a CPU an op's time is the host's (Python, the interpreter), whose noise alone splits
     # layers in two: only GPU kernels' times say the layers do different work.
-    groups = two_groups(layer_rows) if ops_kind == "gpu" else {}
-    for t in layer_types:
-        layer = typical.get(t["type"], {})
-        if "pattern" in layer:
-            t["pattern"] = layer.pop("pattern")
-        if layer:
-            t["typical_layer"] = layer
-        if groups.get(t["type"]):
-            t["two_groups"] = groups[t["type"]]
+    layer_types = _layer_types(layer_rows, typical,
+                               two_groups(layer_rows) if ops_kind == "gpu" else {})
     return Breakdown(source={**_source(trace), "ops": ops_kind,
                              "outside_steps": outside_steps,
                              "other_thread_ops": other_thread_ops,
@@ -545,7 +516,7 @@ def breakdown(trace: Trace, layers: str = "auto", rules: list[Rule] | str | Path
                              **({"pass_ranges": pass_ranges} if pass_ranges else {}),
                              **({"steps_holding_passes": holding_passes}
                                 if holding_passes else {}),
-                             "enclosing_steps": list(enclosing.values()),
+                             "enclosing_steps": enclosing,
                              # (what the gate tells two breakdowns apart by)
                              "breakdown_options": {
                                  "layers": layers, "steps": step_regex, "phase": phase,
@@ -553,6 +524,57 @@ def breakdown(trace: Trace, layers: str = "auto", rules: list[Rule] | str | Path
                                  "default_rules": default_rules_said()}},
                      steps=step_rows,
                      layers=layer_rows, layer_types=layer_types, timeline=timeline)
+
+
+def _outside_steps(trace: Trace, ops: GpuOps, steps: list[Step]) -> dict[str, Any]:
+    """The work no step holds (launched outside the step ranges, or with no launch in the
+    trace), reported, never silently dropped: its ops, µs, and the outermost ranges it was
+    launched in."""
+    outside = np.ones(len(ops), bool)
+    for step in steps:
+        outside[step.ops] = False
+    return {"ops": int(outside.sum()),
+            "kernel_us": _us(int((ops.end[outside] - ops.start[outside]).sum())),
+            "unlaunched": int((outside & (ops.api < 0)).sum()),
+            "in_ranges": outermost_ranges(trace, ops, np.flatnonzero(outside & (ops.api >= 0)))}
+
+
+def _enclosing_steps(steps: list[Step]) -> list[dict[str, Any]]:
+    """Step ranges around other step ranges, one entry per range (a step per device it ran
+    on), with the ops they hold between the inner ones."""
+    enclosing: dict[int, dict[str, Any]] = {}
+    for s in steps:
+        if s.encloses:
+            enclosing.setdefault(s.range_row, {"step": s.name, "index": s.index,
+                                               "device": s.device, "encloses": s.encloses,
+                                               "ops": 0})["ops"] += len(s.ops)
+    return list(enclosing.values())
+
+
+def _steps_holding_passes(ops: GpuOps, steps: list[Step]) -> list[dict[str, Any]]:
+    """Step ranges around several forward passes (a benchmark's whole loop): the user's
+    steps, whose passes show in their layer types (the one that ends a pass holds the LM
+    head)."""
+    return [{"step": step.name, "layers": cycle.period, "passes": passes}
+            for step in steps if step.found_by == "range" and step.layer_source == "repeat"
+            and (cycle := layer_cycle(ops, step)) is not None
+            and (passes := sum(pass_cuts(ops, step, cycle)[1])) > 1]
+
+
+def _layer_types(layer_rows: LayerRows, typical: dict[str, dict],
+                 groups: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Each layer type's medians, with its kernel pattern, its typical layer and, where its
+    layers split in two by their time, the two groups."""
+    layer_types = _layer_type_medians(layer_rows)
+    for t in layer_types:
+        layer = typical.get(t["type"], {})
+        if "pattern" in layer:
+            t["pattern"] = layer.pop("pattern")
+        if layer:
+            t["typical_layer"] = layer
+        if groups.get(t["type"]):
+            t["two_groups"] = groups[t["type"]]
+    return layer_types
 
 
 def _pass_ranges(trace: Trace, ops: GpuOps, passes: list[Step]) -> list[dict[str, Any]]:
@@ -885,48 +907,7 @@ def step_notes(b: Breakdown) -> list[str]:
                      "profile of the captures, its kernels the runs around them; "
                      "--capture joins it to the trace that replays the graphs, placing their "
                      "kernels")
-    outside = src.get("outside_steps") or {}
-    if outside.get("ops"):
-        # breakdowns stored before "unlaunched" was counted said "launched" of all
-        unlaunched = outside.get("unlaunched", 0)
-        partial = outside.get("partial_passes") or {}
-        launched = outside["ops"] - unlaunched - partial.get("ops", 0)
-        ranges = outside.get("in_ranges") or []
-        named = ", ".join(f"'{r['range']}' {r['ops']}" for r in ranges
-                          if r.get("range") is not None)
-        unnamed = sum(r["ops"] for r in ranges if r.get("range") is None)
-        where = "; ".join(filter(None, [named and f"in {named}",
-                                        unnamed and f"in no range {unnamed}"]))
-        where = f" ({where})" if where else ""
-        if not unlaunched:
-            why = "launched outside every step's range" + where
-        elif not launched:
-            why = "the trace holds no launch to place them by"
-        else:
-            why = (f"{launched} launched outside every step's range{where}, {unlaunched} with "
-                   "no launch in the trace")
-        if partial:
-            cut = (f"{partial['ops']} in the parts of {partial['parts']} forward passes the "
-                   "trace begins or ends within" if partial["parts"] > 1 else
-                   f"{partial['ops']} in the part of a forward pass the trace begins or ends "
-                   "within")
-            why = cut if not launched and not unlaunched else f"{cut}; {why}"
-        notes.append(f"{outside['ops']} more {work} ({outside['kernel_us']:.1f} µs) ran in no "
-                     f"step: {why}")
-    copies = [(s.get("classes") or {}).get("memcpy") or {} for s in b.steps]
-    copy_us, kernel_us = sum(c.get("us", 0) for c in copies), sum(s["kernel_us"] for s in b.steps)
-    if work == "GPU ops" and kernel_us and copy_us >= COPIES_NOTED * kernel_us:
-        # the steps that hold the most of it, each with its own share (model loading in one
-        # step's prologue is not every step's)
-        most = sorted(((c.get("us", 0), s) for c, s in zip(copies, b.steps, strict=True)
-                       if c.get("us")), key=lambda cs: -cs[0])
-        shares = ", ".join(f"{s.get('name') or s['index']} {us / s['kernel_us']:.0%}"
-                           for us, s in most[:3] if s["kernel_us"])
-        notes.append(f"{copy_us / kernel_us:.0%} of the steps' kernel µs is copies and fills "
-                     f"({sum(c.get('kernels', 0) for c in copies)} of "
-                     f"{sum(s['kernels'] for s in b.steps)} ops, class memcpy; of their own "
-                     f"µs: {shares}{', …' if len(most) > 3 else ''}): the kernel columns "
-                     "count memcpy and memset operations with the kernels")
+    notes += filter(None, (_outside_steps_note(b, work), _copies_note(b, work)))
     if between := _between_layers(b):
         notes.append(f"{between} {work} of steps with layers ran between their layers, in no "
                      "layer and neither before the first nor after the last (counted in their "
@@ -944,28 +925,8 @@ def step_notes(b: Breakdown) -> list[str]:
         notes.append("no layers found: no range the default layer pattern matches (--layers "
                      "nvtx:REGEX takes ranges of your own) and no step repeats a kernel "
                      "pattern; the figures are of whole steps")
-    if src.get("steps_found_by") in ("device", "pass"):
-        repeating = src.get("repeating_ranges") or []
-        named = ", ".join(f"'{r['range']}' ×{r['instances']} ({r['kernels']} kernels)"
-                          for r in repeating)
-        first = f"--steps {shlex.quote('^' + re.escape(repeating[0]['range']) + '$')}" \
-            if repeating else ""
-        if src["steps_found_by"] == "device":
-            steps = "each device is one step"
-        else:
-            periods = sorted({s["layers"] for s in b.steps if isinstance(s.get("layers"), int)})
-            every = "".join(f"{_ordinal(n)} or " for n in periods)
-            steps = (f"the steps are each device's forward passes, found where every "
-                     f"{every.removesuffix('or ')}layer also ran the work between two passes "
-                     "(final norm, LM head, embedding)")
-        notes.append("no step range the defaults know (decode_step, step, vLLM's execute_…, "
-                     "a layerwise NVTX root module, ProfilerStep#) and no graph launches: "
-                     + steps + (
-                         f"; ranges that repeat: {named}: {first} takes "
-                         f"{'the first' if len(repeating) > 1 else 'them'} as the steps "
-                         "(--steps is a regex searched anywhere in a name; ^…$ matches the "
-                         "name alone)"
-                         if repeating else " (--steps REGEX takes ranges of your own)"))
+    if found := _steps_found_note(b):
+        notes.append(found)
     if holding := src.get("steps_holding_passes"):
         named = sorted({(h["step"], h["passes"], h["layers"]) for h in holding})
         shown = ", ".join(f"'{n}' {k} passes of {layers} layers" for n, k, layers in named[:3])
@@ -983,21 +944,111 @@ def step_notes(b: Breakdown) -> list[str]:
                 ("no range" if r["range"] is None else f"'{r['range']}'")
                 + (f" {r['ops']}" if len(g["steps"]) == 1 else "") for r in g["in_ranges"])
             for g in passes[:3]) + ("; …" if len(passes) > 3 else ""))
-    enclosing = src.get("enclosing_steps") or []
-    if enclosing:
-        names = sorted({e["step"] for e in enclosing})
-        shown = ", ".join(f"'{n}'" for n in names[:3]) + (", …" if len(names) > 3 else "")
-        notes.append(f"{counted(len(enclosing), 'step')} ({shown}) "
-                     f"{'are ranges' if len(enclosing) > 1 else 'is a range'} holding "
-                     f"{sum(e['encloses'] for e in enclosing)} other step ranges: "
-                     f"{'each' if len(enclosing) > 1 else 'it'} counts only the "
-                     f"{sum(e['ops'] for e in enclosing)} {work} between them (its span, "
-                     "first to last, takes in theirs: its gap is mostly their time); a "
-                     "--steps regex that matches only the inner ranges (^NAME$) leaves "
-                     f"{'them' if len(enclosing) > 1 else 'it'} out")
+    if enclosing := _enclosing_note(b, work):
+        notes.append(enclosing)
     if phases := phase_note(b):
         notes.append(phases)
     return notes
+
+
+def _outside_steps_note(b: Breakdown, work: str) -> str | None:
+    """The work in no step, and why: launched outside every step's range, with no launch to
+    place it by, or in a pass the trace cuts."""
+    outside = b.source.get("outside_steps") or {}
+    if not outside.get("ops"):
+        return None
+    # breakdowns stored before "unlaunched" was counted said "launched" of all
+    unlaunched = outside.get("unlaunched", 0)
+    partial = outside.get("partial_passes") or {}
+    launched = outside["ops"] - unlaunched - partial.get("ops", 0)
+    ranges = outside.get("in_ranges") or []
+    named = ", ".join(f"'{r['range']}' {r['ops']}" for r in ranges
+                      if r.get("range") is not None)
+    unnamed = sum(r["ops"] for r in ranges if r.get("range") is None)
+    where = "; ".join(filter(None, [named and f"in {named}",
+                                    unnamed and f"in no range {unnamed}"]))
+    where = f" ({where})" if where else ""
+    if not unlaunched:
+        why = "launched outside every step's range" + where
+    elif not launched:
+        why = "the trace holds no launch to place them by"
+    else:
+        why = (f"{launched} launched outside every step's range{where}, {unlaunched} with "
+               "no launch in the trace")
+    if partial:
+        cut = (f"{partial['ops']} in the parts of {partial['parts']} forward passes the "
+               "trace begins or ends within" if partial["parts"] > 1 else
+               f"{partial['ops']} in the part of a forward pass the trace begins or ends "
+               "within")
+        why = cut if not launched and not unlaunched else f"{cut}; {why}"
+    return (f"{outside['ops']} more {work} ({outside['kernel_us']:.1f} µs) ran in no "
+            f"step: {why}")
+
+
+def _copies_note(b: Breakdown, work: str) -> str | None:
+    """Where copies and fills are a large share of the steps' kernel µs, how large."""
+    copies = [(s.get("classes") or {}).get("memcpy") or {} for s in b.steps]
+    copy_us, kernel_us = sum(c.get("us", 0) for c in copies), sum(s["kernel_us"] for s in b.steps)
+    if not (work == "GPU ops" and kernel_us and copy_us >= COPIES_NOTED * kernel_us):
+        return None
+    # the steps that hold the most of it, each with its own share (model loading in one
+    # step's prologue is not every step's)
+    most = sorted(((c.get("us", 0), s) for c, s in zip(copies, b.steps, strict=True)
+                   if c.get("us")), key=lambda cs: -cs[0])
+    shares = ", ".join(f"{s.get('name') or s['index']} {us / s['kernel_us']:.0%}"
+                       for us, s in most[:3] if s["kernel_us"])
+    return (f"{copy_us / kernel_us:.0%} of the steps' kernel µs is copies and fills "
+            f"({sum(c.get('kernels', 0) for c in copies)} of "
+            f"{sum(s['kernels'] for s in b.steps)} ops, class memcpy; of their own "
+            f"µs: {shares}{', …' if len(most) > 3 else ''}): the kernel columns "
+            "count memcpy and memset operations with the kernels")
+
+
+def _steps_found_note(b: Breakdown) -> str | None:
+    """How steps were found where no step range the defaults know was: each device one
+    step, or its forward passes; and the repeating ranges --steps could take."""
+    src = b.source
+    if src.get("steps_found_by") not in ("device", "pass"):
+        return None
+    repeating = src.get("repeating_ranges") or []
+    named = ", ".join(f"'{r['range']}' ×{r['instances']} ({r['kernels']} kernels)"
+                      for r in repeating)
+    first = f"--steps {shlex.quote('^' + re.escape(repeating[0]['range']) + '$')}" \
+        if repeating else ""
+    if src["steps_found_by"] == "device":
+        steps = "each device is one step"
+    else:
+        periods = sorted({s["layers"] for s in b.steps if isinstance(s.get("layers"), int)})
+        every = "".join(f"{_ordinal(n)} or " for n in periods)
+        steps = (f"the steps are each device's forward passes, found where every "
+                 f"{every.removesuffix('or ')}layer also ran the work between two passes "
+                 "(final norm, LM head, embedding)")
+    return ("no step range the defaults know (decode_step, step, vLLM's execute_…, "
+            "a layerwise NVTX root module, ProfilerStep#) and no graph launches: "
+            + steps + (
+                f"; ranges that repeat: {named}: {first} takes "
+                f"{'the first' if len(repeating) > 1 else 'them'} as the steps "
+                "(--steps is a regex searched anywhere in a name; ^…$ matches the "
+                "name alone)"
+                if repeating else " (--steps REGEX takes ranges of your own)"))
+
+
+def _enclosing_note(b: Breakdown, work: str) -> str | None:
+    """Steps that are ranges around other step ranges: what they count."""
+    enclosing = b.source.get("enclosing_steps") or []
+    if not enclosing:
+        return None
+    names = sorted({e["step"] for e in enclosing})
+    shown = ", ".join(f"'{n}'" for n in names[:3]) + (", …" if len(names) > 3 else "")
+    return (f"{counted(len(enclosing), 'step')} ({shown}) "
+            f"{'are ranges' if len(enclosing) > 1 else 'is a range'} holding "
+            f"{sum(e['encloses'] for e in enclosing)} other step ranges: "
+            f"{'each' if len(enclosing) > 1 else 'it'} counts only the "
+            f"{sum(e['ops'] for e in enclosing)} {work} between them (its span, "
+            "first to last, takes in theirs: its gap is mostly their time); a "
+            "--steps regex that matches only the inner ranges (^NAME$) leaves "
+            f"{'them' if len(enclosing) > 1 else 'it'} out")
+
 
 
 def note_lines(breakdowns: dict[str, Breakdown]) -> list[str]:
