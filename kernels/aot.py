@@ -56,54 +56,51 @@ class Build:
 
 
 def builds() -> list[Build]:
-    import torch
+    """Every kernel at the configurations the decode paths launch for a K3 TP8 rank, each way
+    it launches with respect to PDL (``pdl_variants``), then the linears built with PDL and
+    their weights prefetched before the wait."""
+    linears, prefetching = _skinny_linear_builds()
+    out = [*_attn_res_builds(), *linears, *_kda_builds(), *_expert_builds(),
+           *_norm_and_elementwise_builds(), *_mla_builds()]
+    return [variant for build in out for variant in pdl_variants(build)] + prefetching
 
-    from kimi_perf_kernels import (
-        attn_res,
-        gate_sigmoid_mul,
-        kda_decode,
-        l2_prefetch,
-        mla_absorb_insert,
-        mla_attention,
-        mla_concat_insert,
-        mla_uv_gate,
-        moe_experts,
-        moe_grouped_fc1,
-        moe_grouped_fc2,
-        rms_norm,
-        router_topk,
-        situ_and_mul,
-        skinny_linear,
-    )
 
-    # A K3 TP8 rank: hidden 7168; the MoE's latent 3584, router 896 experts (one pass writes
-    # both: rows of 4480), experts' intermediate 384, the shared experts' 768; the KDA's 12
-    # heads of 128 (1536 wide), its input projection 6288 rows; 8 attention-residual blocks.
-    hidden, latent, inter, shared_inter, kda_proj, in_proj = 7168, 3584, 384, 768, 1536, 6288
+# A K3 TP8 rank: hidden 7168; the MoE's latent 3584, router 896 experts (one pass writes both:
+# rows of 4480), experts' intermediate 384, the shared experts' 768; the KDA's 12 heads of 128
+# (1536 wide), its input projection 6288 rows; 8 attention-residual blocks.
+HIDDEN, LATENT, INTER, SHARED_INTER, KDA_PROJ, IN_PROJ = 7168, 3584, 384, 768, 1536, 6288
+QKV_A = 1536 + 512 + 64   # the standard path's row of q_lora + kv_lora + rope
 
-    def moe_ints(m: int, situ: bool, mxfp4: bool, consts: dict) -> dict[str, int]:
-        """The routed experts' FC1 (``situ``) or FC2 integer arguments at these shapes, as
-        the specialized path passes them (the latent and router logits one fp32 row of 4480,
-        FC2's routed latent beside the shared experts' output); the shared experts' where
-        ``consts`` has them."""
-        rows, cols = (2 * inter, latent) if situ else (latent, inter)
-        per_value = 0.5 if mxfp4 else 1   # (MXFP4: a byte of codes per two values)
-        ints = {"M": m, "INTER": inter, "stride_we": int(rows * cols * per_value),
-                "stride_wn": int(cols * per_value), "stride_se": rows * cols // 32 if mxfp4 else 0,
-                "stride_sn": cols // 32 if mxfp4 else 0}
-        if not consts["SHARED"]:   # the standard path's: a row of its own, no shared experts
-            return ints | ({"KDIM": latent, "stride_x": latent} if situ
-                           else {"N": latent, "stride_out": latent}) | dict.fromkeys(
-                ("S_N", "S_K", "stride_sx", "stride_sw", "stride_sout", "SHARED_PROGRAMS"), 0)
-        ints |= ({"KDIM": latent, "stride_x": 896 + latent} if situ
-                 else {"N": latent, "stride_out": latent + hidden})
-        s_n, s_k = (shared_inter, hidden) if situ else (hidden, shared_inter)
-        return ints | {"S_N": s_n, "S_K": s_k, "stride_sx": s_k, "stride_sw": s_k,
-                       "stride_sout": shared_inter if situ else latent + hidden,
-                       "SHARED_PROGRAMS": skinny_linear.tiles(m, s_n, consts["S_BLOCK_M"],
-                                                              consts["S_BLOCK_N"])}
 
-    out = [
+def _moe_ints(m: int, situ: bool, mxfp4: bool, consts: dict) -> dict[str, int]:
+    """The routed experts' FC1 (``situ``) or FC2 integer arguments at these shapes, as
+    the specialized path passes them (the latent and router logits one fp32 row of 4480,
+    FC2's routed latent beside the shared experts' output); the shared experts' where
+    ``consts`` has them."""
+    from kimi_perf_kernels import skinny_linear
+
+    rows, cols = (2 * INTER, LATENT) if situ else (LATENT, INTER)
+    per_value = 0.5 if mxfp4 else 1   # (MXFP4: a byte of codes per two values)
+    ints = {"M": m, "INTER": INTER, "stride_we": int(rows * cols * per_value),
+            "stride_wn": int(cols * per_value), "stride_se": rows * cols // 32 if mxfp4 else 0,
+            "stride_sn": cols // 32 if mxfp4 else 0}
+    if not consts["SHARED"]:   # the standard path's: a row of its own, no shared experts
+        return ints | ({"KDIM": LATENT, "stride_x": LATENT} if situ
+                       else {"N": LATENT, "stride_out": LATENT}) | dict.fromkeys(
+            ("S_N", "S_K", "stride_sx", "stride_sw", "stride_sout", "SHARED_PROGRAMS"), 0)
+    ints |= ({"KDIM": LATENT, "stride_x": 896 + LATENT} if situ
+             else {"N": LATENT, "stride_out": LATENT + HIDDEN})
+    s_n, s_k = (SHARED_INTER, HIDDEN) if situ else (HIDDEN, SHARED_INTER)
+    return ints | {"S_N": s_n, "S_K": s_k, "stride_sx": s_k, "stride_sw": s_k,
+                   "stride_sout": SHARED_INTER if situ else LATENT + HIDDEN,
+                   "SHARED_PROGRAMS": skinny_linear.tiles(m, s_n, consts["S_BLOCK_M"],
+                                                          consts["S_BLOCK_N"])}
+
+
+def _attn_res_builds() -> list[Build]:
+    from kimi_perf_kernels import attn_res
+
+    return [
         Build("attn_res h7168", attn_res.attn_res_kernel,
               {"prefix_ptr": "*bf16", "delta_ptr": "*bf16", "blocks_ptr": "*bf16",
                "qk_ptr": "*fp32", "norm_ptr": "*fp32", "out_ptr": "*bf16", "hidden": "i32",
@@ -113,11 +110,20 @@ def builds() -> list[Build]:
                "RESET": "constexpr", "HAS_NORM": "constexpr", "BLOCK_H": "constexpr"},
               {"HAS_DELTA": True, "RESET": False, "HAS_NORM": True, "BLOCK_H": 8192,
                "RNE": False}, 8,
-              ints={"hidden": hidden, "n_blocks": 3, "write_idx": -1,
-                    "stride_prefix": hidden, "stride_delta": hidden,
-                    "stride_blocks_m": 8 * hidden, "stride_blocks_s": hidden,
-                    "stride_out": hidden}),
+              ints={"hidden": HIDDEN, "n_blocks": 3, "write_idx": -1,
+                    "stride_prefix": HIDDEN, "stride_delta": HIDDEN,
+                    "stride_blocks_m": 8 * HIDDEN, "stride_blocks_s": HIDDEN,
+                    "stride_out": HIDDEN}),
     ]
+
+
+def _skinny_linear_builds() -> tuple[list[Build], list[Build]]:
+    """The skinny linears (GEMV and GEMM tiles), and each also with PDL and its first weights
+    read into L2 before the wait, as the GPU check runs it."""
+    from kimi_perf_kernels import skinny_linear
+
+    out = []
+    prefetching = []   # (built with PDL only: the prefetch comes before its wait)
     linear_sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "norm_ptr": "*fp32", "res_ptr": "*bf16",
                   "out_ptr": "*bf16", "M": "i32", "N_OUT": "i32", "K": "i32",
                   "stride_xm": "i32", "stride_wn": "i32", "stride_rm": "i32",
@@ -125,18 +131,17 @@ def builds() -> list[Build]:
     flags = ["NORM", "SITU", "RESIDUAL", "USE_DOT", "DOT_FP32", "RNE", "BETA", "BETA_LINEAR",
              "BLOCK_M", "BLOCK_N", "BLOCK_K", "PREFETCH_K", "LINE"]
     sig = {**linear_sig, **{f: "constexpr" for f in flags}}
-    prefetching = []   # (built with PDL only: the prefetch comes before its wait)
     # (label, tokens, SiTU, RMSNorm, residual, output columns, K): the KDA input projection,
     # the latent up-projection (norm and the shared experts' output added), the shared
     # experts' gate/up
     for label, m, situ, norm, residual, n_out, k in (
-            ("gemv M=1 in_proj", 1, False, False, False, in_proj, hidden),
-            ("gemv M=4 in_proj", 4, False, False, False, in_proj, hidden),
-            ("gemv M=4 latent_up rmsnorm+residual", 4, False, True, True, hidden, latent),
-            ("gemv M=4 shared gate/up situ", 4, True, False, False, shared_inter, hidden),
-            ("gemm M=16 in_proj", 16, False, False, False, in_proj, hidden),
-            ("gemm M=64 latent_up rmsnorm+residual", 64, False, True, True, hidden, latent),
-            ("gemm M=64 shared gate/up situ", 64, True, False, False, shared_inter, hidden)):
+            ("gemv M=1 in_proj", 1, False, False, False, IN_PROJ, HIDDEN),
+            ("gemv M=4 in_proj", 4, False, False, False, IN_PROJ, HIDDEN),
+            ("gemv M=4 latent_up rmsnorm+residual", 4, False, True, True, HIDDEN, LATENT),
+            ("gemv M=4 shared gate/up situ", 4, True, False, False, SHARED_INTER, HIDDEN),
+            ("gemm M=16 in_proj", 16, False, False, False, IN_PROJ, HIDDEN),
+            ("gemm M=64 latent_up rmsnorm+residual", 64, False, True, True, HIDDEN, LATENT),
+            ("gemm M=64 shared gate/up situ", 64, True, False, False, SHARED_INTER, HIDDEN)):
         block_m, block_n, block_k, warps = skinny_linear.launch_config(m, situ=situ)
         consts = {"NORM": norm, "SITU": situ, "RESIDUAL": residual,
                   "USE_DOT": m > skinny_linear.GEMV_MAX_M, "DOT_FP32": False, "RNE": False,
@@ -154,6 +159,15 @@ def builds() -> list[Build]:
                          {**sig, "PDL": "constexpr"},
                          {**consts, "PDL": True, "PREFETCH_K": prefetch}, warps,
                          ints=ints))
+    return out, prefetching
+
+
+def _kda_builds() -> list[Build]:
+    import torch
+
+    from kimi_perf_kernels import kda_decode
+
+    out = []
     kda_types = {"z_ptr": "*bf16", "wfb_ptr": "*bf16", "conv_ptr": "*bf16",
                  "out_ptr": "*bf16", "inputs_ptr": "*bf16", "arrivals_ptr": "*i32",
                  "pending_ptr": "*i32", "half_ptr": "*i32", "eps": "fp32",
@@ -176,7 +190,7 @@ def builds() -> list[Build]:
         tag = (f" batch {batch}" + (f" verify 1+{tokens - 1}" if tokens > 1 else "")
                + (" replay" if replay and tokens == 1 else "")
                + (f" f given ({f_type})" if f_given else ""))
-        f_row = kda_proj if f_given else in_proj
+        f_row = KDA_PROJ if f_given else IN_PROJ
         out.append(Build(f"kda_decode d128{tag} split {splits}",
                          kda_decode.kda_decode_kernel,
                          _signature(kda_decode.kda_decode_kernel,
@@ -184,16 +198,30 @@ def builds() -> list[Build]:
                          consts,
                          kda_decode.kda_warps(tiles["BV"]),
                          ints={"B": batch, "T": tokens, "H": 12, "T_REC": 8,
-                               "stride_zb": tokens * in_proj, "stride_zt": in_proj,
+                               "stride_zb": tokens * IN_PROJ, "stride_zt": IN_PROJ,
                                "stride_fb": tokens * f_row, "stride_ft": f_row,
-                               "stride_ob": tokens * kda_proj, "stride_ot": kda_proj,
-                               "g_col": 3 * kda_proj, "fa_col": 4 * kda_proj,
-                               "b_col": 4 * kda_proj + 128}))
+                               "stride_ob": tokens * KDA_PROJ, "stride_ot": KDA_PROJ,
+                               "g_col": 3 * KDA_PROJ, "fa_col": 4 * KDA_PROJ,
+                               "b_col": 4 * KDA_PROJ + 128}))
+    return out
+
+
+def _expert_builds() -> list[Build]:
+    """The routed experts (with the shared experts beside them, and the standard path's), the
+    grouped ones, the finalize and the router's top-k."""
+    from kimi_perf_kernels import (
+        moe_experts,
+        moe_grouped_fc1,
+        moe_grouped_fc2,
+        router_topk,
+        skinny_linear,
+    )
+
+    out = []
     routed_types = {"w13_ptr": "*bf16", "ids_ptr": "*i32", "lists_ptr": "*i32",
                     "counts_ptr": "*i32", "act_ptr": "*bf16", "scale": "fp32",
                     "x_ptr": "*bf16", "sx_ptr": "*bf16", "sw_ptr": "*bf16",
                     "sout_ptr": "*bf16", "w2_ptr": "*bf16", "out_ptr": "*bf16"}
-    routed_n, routed_k = moe_experts.routed_blocks()
     # with the shared experts' tiles (GEMV at M <= 4, tl.dot above; M > 64 takes more row
     # tiles of the same size); without them and routing, the standard path's FC1 and
     # per-slot FC2; on bf16 experts and on MXFP4's codes and scales
@@ -226,9 +254,9 @@ def builds() -> list[Build]:
                      f"{weight}s_ptr": "*u8" if mxfp4 else "*bf16"}
             # (the standard FC2 takes each of a token's 16 slots as a token of one slot; its
             # FC1 reads a bf16 latent of its own and no logits)
-            ints = moe_ints(m if shared or situ else 16 * m, situ, mxfp4, consts)
+            ints = _moe_ints(m if shared or situ else 16 * m, situ, mxfp4, consts)
             if situ:
-                ints |= {"E": 896, "stride_l": 896 + latent} if shared else {"E": 0, "stride_l": 0}
+                ints |= {"E": 896, "stride_l": 896 + LATENT} if shared else {"E": 0, "stride_l": 0}
             label = "moe_route_fc1_situ E896 k16 I384" if situ else "moe_fc2_combine N3584 I384"
             label += " MXFP4" if mxfp4 else ""
             out.append(Build(f"{label} {tags[shared]}", kernel,
@@ -249,7 +277,7 @@ def builds() -> list[Build]:
         out.append(Build(f"moe_grouped_fc1_situ E896 k16 I384{tag} +shared M={m}", kernel,
                          _signature(kernel, {**routed_types, "x_ptr": "*fp32", **weight},
                                     consts), consts, 8,
-                         ints=moe_ints(m, True, mxfp4, consts) | {"SLOTS": 16 * m}))
+                         ints=_moe_ints(m, True, mxfp4, consts) | {"SLOTS": 16 * m}))
         block_m, block_n, block_k = moe_experts.shared_tile(m, False)
         consts = {"TOP_K": 16, "BLOCK_T": moe_grouped_fc1.BLOCK_T,
                   "BLOCK_N": moe_grouped_fc2.BLOCK_N,
@@ -262,33 +290,39 @@ def builds() -> list[Build]:
         out.append(Build(f"moe_grouped_fc2 N3584 I384{tag} +shared M={m}", kernel,
                          _signature(kernel, {**routed_types, "out_ptr": "*fp32",
                                              "sout_ptr": "*fp32", **weight}, consts),
-                         consts, 8, ints=moe_ints(m, False, mxfp4, consts)))
+                         consts, 8, ints=_moe_ints(m, False, mxfp4, consts)))
     consts = {"TOP_K": 16, "BLOCK_N": 1024, "RNE": False}
     out.append(Build("moe_finalize k16 N3584", moe_experts.moe_finalize_kernel,
                      _signature(moe_experts.moe_finalize_kernel,
                                 {"per_slot_ptr": "*bf16", "out_ptr": "*bf16"}, consts), consts,
-                     ints={"N": latent}))
+                     ints={"N": LATENT}))
     for zero in (False, True):   # True: zeroing the grouped FC2's rows (opt-in)
         consts = {"K": 16, "BLOCK_E": 1024, "ZERO": zero, "BLOCK_Z": 1024}
         # the standard path's logits a row of their own; the grouped path's beside the latent,
         # its routed latent (zeroed) beside the shared experts' output
-        ints = ({"E": 896, "stride_l": 896 + latent, "ZERO_N": latent,
-                 "stride_zero": latent + hidden} if zero
+        ints = ({"E": 896, "stride_l": 896 + LATENT, "ZERO_N": LATENT,
+                 "stride_zero": LATENT + HIDDEN} if zero
                 else {"E": 896, "stride_l": 896, "ZERO_N": 0, "stride_zero": 0})
         out.append(Build(f"router_topk E896 k16{' +zero' if zero else ''}",
                          router_topk.router_topk_kernel,
                          _signature(router_topk.router_topk_kernel,
                                     {"ids_ptr": "*i32", "scale": "fp32"}, consts), consts,
                          ints=ints))
+    return out
+
+
+def _norm_and_elementwise_builds() -> list[Build]:
+    from kimi_perf_kernels import gate_sigmoid_mul, l2_prefetch, rms_norm, situ_and_mul
+
+    out = []
     # q_lora and kv_lora (the standard path's, of one row of q_lora + kv_lora + rope); the
     # latent; hidden (final norm)
-    qkv_a = 1536 + 512 + 64
-    for width, ints in ((2048, {"N": 1536, "stride_x": qkv_a, "stride_out": 1536, "N2": 512,
-                                "stride_x2": qkv_a, "stride_out2": 512}),
+    for width, ints in ((2048, {"N": 1536, "stride_x": QKV_A, "stride_out": 1536, "N2": 512,
+                                "stride_x2": QKV_A, "stride_out2": 512}),
                         (4096, dict.fromkeys(("N", "stride_x", "stride_out", "N2", "stride_x2",
-                                              "stride_out2"), latent)),
+                                              "stride_out2"), LATENT)),
                         (8192, dict.fromkeys(("N", "stride_x", "stride_out", "N2", "stride_x2",
-                                              "stride_out2"), hidden))):
+                                              "stride_out2"), HIDDEN))):
         consts = {"BLOCK": width, "RNE": False}
         out.append(Build(f"rms_norm {width}", rms_norm.rms_norm_kernel,
                          _signature(rms_norm.rms_norm_kernel,
@@ -298,14 +332,14 @@ def builds() -> list[Build]:
     consts = {"BLOCK": l2_prefetch.BLOCK}
     out.append(Build("l2_prefetch", l2_prefetch.l2_prefetch_kernel,
                      _signature(l2_prefetch.l2_prefetch_kernel, {"ptr": "*bf16"}, consts),
-                     consts, 8, ints={"n": hidden * kda_proj,   # (o_proj's weights)
-                                      "per_program": l2_prefetch.per_program(hidden * kda_proj)}))
+                     consts, 8, ints={"n": HIDDEN * KDA_PROJ,   # (o_proj's weights)
+                                      "per_program": l2_prefetch.per_program(HIDDEN * KDA_PROJ)}))
     consts = {"BETA": 4.0, "BETA_LINEAR": 25.0, "BLOCK": 1024, "RNE": False}
     out.append(Build("situ_and_mul", situ_and_mul.situ_and_mul_kernel,
                      _signature(situ_and_mul.situ_and_mul_kernel,
                                 {"x_ptr": "*bf16", "out_ptr": "*bf16"}, consts), consts,
-                     ints={"INTER": shared_inter, "stride_x": 2 * shared_inter,
-                           "stride_out": shared_inter}))
+                     ints={"INTER": SHARED_INTER, "stride_x": 2 * SHARED_INTER,
+                           "stride_out": SHARED_INTER}))
     consts = {"BLOCK_V": 128, "RNE": False}
     out.append(Build("gate_sigmoid_mul V128", gate_sigmoid_mul.gate_sigmoid_mul_kernel,
                      _signature(gate_sigmoid_mul.gate_sigmoid_mul_kernel,
@@ -313,6 +347,21 @@ def builds() -> list[Build]:
                                 consts), consts, 1,
                      ints={"V": 128, "stride_oh": 128, "stride_om": 128,   # (batch 1)
                            "stride_g": 12 * 128, "stride_out": 12 * 128}))
+    return out
+
+
+def _mla_builds() -> list[Build]:
+    """The gated MLA's kernels: the absorbed query and cache insert, the standard path's
+    concat insert, the attention at each split count and row block, the combine and the
+    up-projection with its gate."""
+    from kimi_perf_kernels import (
+        mla_absorb_insert,
+        mla_attention,
+        mla_concat_insert,
+        mla_uv_gate,
+    )
+
+    out = []
     bf16 = {"q_ptr": "*bf16", "wuk_ptr": "*bf16", "qhat_ptr": "*bf16", "kv_ptr": "*bf16",
             "olat_ptr": "*bf16", "wuv_ptr": "*bf16", "g_ptr": "*bf16", "out_ptr": "*bf16",
             "pos_ptr": "*i64", "kv_scale": "fp32", "q_scale": "fp32", "eps": "fp32",
@@ -342,7 +391,7 @@ def builds() -> list[Build]:
                                      "pos_ptr": "*i64", "qhat_ptr": f"*{cache}",
                                      "kv_scale": "fp32", "q_scale": "fp32"}, consts), consts,
                          ints={"H": 12, "T": 1, "stride_ql_h": 512, "stride_ql_m": 512,
-                               "stride_q": 12 * 192, "stride_kv": 512, "stride_kpe": qkv_a,
+                               "stride_q": 12 * 192, "stride_kv": 512, "stride_kpe": QKV_A,
                                "S": 4096, **cache_strides}))
         # row blocks of 16 (decode) and 32 (a verify step's tokens x heads)
         for splits, rb in itertools.product((1, mla_attention.MAX_SPLITS), (16, 32)):
@@ -371,7 +420,7 @@ def builds() -> list[Build]:
         out.append(Build(f"mla_uv_gate {splits} split(s)", mla_uv_gate.mla_uv_gate_kernel,
                          _signature(mla_uv_gate.mla_uv_gate_kernel, types, consts), consts,
                          ints={"M": 1, "H": 12, "stride_g": qkv_a_g, "stride_out": 12 * 128}))
-    return [variant for build in out for variant in pdl_variants(build)] + prefetching
+    return out
 
 
 # Constexprs the launchers set from INTERPRETED (kernels/common.py): a GPU compiles them False
