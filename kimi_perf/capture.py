@@ -168,18 +168,32 @@ def git_commit(checkout: Path | None = None) -> str | None:
     return head.stdout.strip() + ("" if clean else "+uncommitted")
 
 
+def _out_dir_problem(out_dir: Path, exc: OSError) -> str:
+    """Why ``--out`` could not be made (``exc``, from its ``mkdir``), in words: the first
+    part of it that is no directory (a file, a symlink loop, a symlink to nothing: mkdir says
+    "File exists" of them), else mkdir's own reason."""
+    for part in (*reversed(out_dir.parents), out_dir):
+        try:
+            if stat.S_ISDIR(part.stat().st_mode):
+                continue
+            what = "not a directory"
+        except OSError as inner:
+            if inner.errno not in (errno.ENOENT, errno.ELOOP) or not part.is_symlink():
+                break   # (missing, mkdir makes it; or mkdir's reason says it)
+            what = stat_problem(part, inner)
+        return what if part == out_dir else f"{part} is {what}"
+    return f"cannot create it ({exc.strerror or exc})"
+
+
 @contextlib.contextmanager
 def run_directory(out_dir: Path, label: str):
     """A new run directory, filled under a hidden temporary name and renamed into place when
     complete: a failed run leaves nothing behind."""
     stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
     try:
-        if not stat.S_ISDIR(out_dir.stat().st_mode):
-            raise TraceError(out_dir, "--out: not a directory")
-    except OSError as exc:   # (mkdir would say "File exists" of a symlink loop or to nothing)
-        if out_dir.is_symlink() or exc.errno != errno.ENOENT:
-            raise TraceError(out_dir, f"--out: {stat_problem(out_dir, exc)}") from None
-    out_dir.mkdir(parents=True, exist_ok=True)
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise TraceError(out_dir, f"--out: {_out_dir_problem(out_dir, exc)}") from None
     for n in itertools.count(1):
         final = out_dir / (f"{stamp}-{label}" + (f"-{n}" if n > 1 else ""))
         try:

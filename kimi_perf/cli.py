@@ -1169,11 +1169,11 @@ def trace_cmd(from_files: tuple[Path, ...], captures: tuple[Path, ...], phase: s
 
 
 def _checked_trace_options(from_files: tuple[Path, ...], captures: tuple[Path, ...],
-                           paths: str) -> list[str]:
-    """The decode paths ``--paths`` names, once ``trace``'s options that do not go together
-    are refused, before any work: capture options with --from, --from's options without it,
-    opt-ins of a path left out, and --capture files that do not pair with the --from
-    traces."""
+                           paths: str) -> tuple[str, ...]:
+    """The decode paths ``--paths`` names (``_path_names`` checks them), once ``trace``'s
+    options that do not go together are refused, before any work: capture options with
+    --from, --from's options without it, opt-ins of a path left out, and --capture files that
+    do not pair with the --from traces."""
     capture_only = _given("preset_name", "batch", "context", "warmup", "tp", "paths", "graphs",
                           "backend", "kv_cache", "experts", "spec_tokens", "l2_prefetch",
                           "group_experts_from", "pdl", "seed")

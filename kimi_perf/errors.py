@@ -58,8 +58,9 @@ class NoStepsMatched(TraceError):
 
 def input_stat(path: Path) -> os.stat_result:
     """``path``'s status, or the one-line error of an input that cannot be read as a file or
-    a directory: missing, a symlink loop, unreadable, or a pipe, socket or device (read from
-    once and its format told by content, it would be read in part, or wait forever)."""
+    a directory: missing, a symlink loop or to nothing, unreadable, or a pipe, socket or
+    device (read from once and its format told by content, it would be read in part, or wait
+    forever)."""
     try:
         st = path.stat()
     except OSError as exc:

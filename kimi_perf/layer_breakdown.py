@@ -1050,7 +1050,6 @@ def _enclosing_note(b: Breakdown, work: str) -> str | None:
             f"{'them' if len(enclosing) > 1 else 'it'} out")
 
 
-
 def note_lines(breakdowns: dict[str, Breakdown]) -> list[str]:
     """What each breakdown says under its figures, after its label: of its steps
     (``step_notes``) and its layer types (``layer_notes``)."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import html
 import os
+import stat
 import textwrap
 import urllib.parse
 from collections import Counter
@@ -43,7 +44,7 @@ from kimi_perf.comparison import (
     type_pairs,
 )
 from kimi_perf.decode.fallbacks import fell_back_text, paths_that_fell_back
-from kimi_perf.errors import TraceError
+from kimi_perf.errors import TraceError, stat_problem
 from kimi_perf.layer_breakdown import (
     SPREAD_NOTE,
     Breakdown,
@@ -561,9 +562,13 @@ def plotly_js_for(value: str, report_dir: Path) -> str:
     that directory (so that the report and the file can move together), checked to exist."""
     if value in PLOTLY_JS or "://" in value:
         return value
-    if not Path(value).is_file():
+    try:
+        mode = Path(value).stat().st_mode
+    except OSError as exc:
+        raise TraceError(Path(value), f"--plotly-js: {stat_problem(Path(value), exc)}") from None
+    if not stat.S_ISREG(mode):
         raise TraceError(Path(value), "--plotly-js: " + (
-            "a directory, not a file" if Path(value).is_dir() else "no such file"))
+            "a directory, not a file" if stat.S_ISDIR(mode) else "not a regular file"))
     # As a URL path: a directory named 'a"b' must not end the src attribute.
     return urllib.parse.quote(os.path.relpath(Path(value).resolve(),
                                               Path(report_dir).resolve()))

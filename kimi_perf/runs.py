@@ -731,7 +731,7 @@ def _json_not_a_trace(path: Path) -> bool:
 
 def _not_a_file(path: Path) -> str:
     """Why a name in a traces directory is no file to read: a dangling symlink, a symlink
-    loop, or a FIFO, socket or device."""
+    loop, or something else than a file (a FIFO, socket, device or directory)."""
     try:
         path.stat()
     except OSError as exc:
@@ -745,10 +745,10 @@ def trace_files(paths: list[str | Path], keep_runs: bool = False,
     (rank2 before rank10): a profiler's output directory, one trace per rank or worker, as
     vLLM's and SGLang's profilers write them. Left out (each with why, added to
     ``left_out``): breakdown JSON files, other JSON that is no trace, and a name of a trace's
-    that is no regular file (a FIFO, a dangling symlink); an .nsys-rep beside its SQLite
-    export is too, silently (its export is the same capture). A kimi-perf run directory is
-    not a directory of traces: an error, or with ``keep_runs`` kept as it is (``kimi-perf
-    report`` draws it)."""
+    that is no regular file (a FIFO, a symlink loop or to nothing); an .nsys-rep beside its
+    SQLite export is too, silently (its export is the same capture). A directory where
+    nothing is left says what was left out. A kimi-perf run directory is not a directory of
+    traces: an error, or with ``keep_runs`` kept as it is (``kimi-perf report`` draws it)."""
     def natural(p: Path) -> list:
         return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", p.name)]
 
@@ -774,14 +774,15 @@ def trace_files(paths: list[str | Path], keep_runs: bool = False,
                        key=natural)
         other = [f for f in named if _json_not_a_trace(f)]
         found = [f for f in named if f not in other]
+        passed = sorted([*stored, *((f, "JSON that is not a trace") for f in other), *unread],
+                        key=lambda entry: natural(entry[0]))
         if not found:
             raise TraceError(path, "holds no trace files (" + ", ".join(
                 f"*{s}" for s in TRACE_SUFFIXES[2:]) + ")" + (
-                f"; JSON that is not a trace: {', '.join(f.name for f in other)}"
-                if other else ""))
+                "; left out: " + ", ".join(f"{f.name} ({why})" for f, why in passed)
+                if passed else ""))
         if left_out is not None:
-            left_out += sorted([*stored, *((f, "JSON that is not a trace") for f in other),
-                                *unread], key=lambda entry: natural(entry[0]))
+            left_out += passed
         # a report nsys has exported (``nsys stats`` leaves X.sqlite beside X.nsys-rep) is
         # one capture: its export is read, and the report is not read again
         exported = {f.name.removesuffix(".sqlite") for f in found if f.suffix == ".sqlite"}

@@ -1152,6 +1152,12 @@ def test_plotly_js_of_ones_own_is_referred_to_from_the_run(tmp_path):
     assert '<script charset="utf-8" src="../../plotly.min.js">' in report.read_text()
     _one_line_error(run("trace", "--from", VLLM, "--out", out, "--plotly-js",
                         tmp_path / "none.js"), "none.js: --plotly-js: no such file")
+    (tmp_path / "gone.js").symlink_to(tmp_path / "none.js")
+    _one_line_error(run("trace", "--from", VLLM, "--out", out, "--plotly-js",
+                        tmp_path / "gone.js"), "gone.js: --plotly-js: a dangling symlink")
+    os.mkfifo(tmp_path / "pipe.js")
+    _one_line_error(run("trace", "--from", VLLM, "--out", out, "--plotly-js",
+                        tmp_path / "pipe.js"), "pipe.js: --plotly-js: not a regular file")
     bad = run("trace", "--from", VLLM, "--out", out, "--plotly-js", 'x".js')
     assert bad.exit_code == 2 and "a path or URL ending in .js" in bad.output
     assert len(list(out.iterdir())) == 1
@@ -1453,7 +1459,14 @@ def test_a_directory_of_traces_stands_for_its_traces(tmp_path):
     shutil.copy(ranks / "meta.json", empty)
     _one_line_error(run("trace", "--from", empty, "--out", out),
                     "holds no trace files (*.json.gz, *.pt.trace.json, *.trace.json, *.json, "
-                    "*.sqlite, *.nsys-rep, *.kptrace); JSON that is not a trace: meta.json")
+                    "*.sqlite, *.nsys-rep, *.kptrace); left out: meta.json (JSON that is not "
+                    "a trace)")
+    # what was left out, and why, where nothing is left
+    (empty / "meta.json").unlink()
+    (empty / "gone.json").symlink_to(tmp_path / "nowhere")
+    (empty / "loop.json").symlink_to(empty / "loop.json")
+    _one_line_error(run("trace", "--from", empty, "--out", out),
+                    "; left out: gone.json (a dangling symlink), loop.json (a symlink loop)")
     _one_line_error(run("trace", "--from", run_dir, "--out", out),
                     "a kimi-perf run directory, not a directory of traces")
     assert len(list(out.iterdir())) == 1
@@ -1553,8 +1566,8 @@ def test_options_that_would_change_nothing_are_refused(tmp_path):
 
 
 def test_trace_out_that_is_no_directory(tmp_path):
-    """A file, a symlink loop or a symlink to nothing is said to be one (mkdir said "File
-    exists" of the links), and nothing is written."""
+    """A file, a symlink loop or a symlink to nothing is said to be one, at --out or above
+    it (mkdir said "File exists" of the links), and nothing is written."""
     afile = tmp_path / "afile"
     afile.write_text("mine")
     _one_line_error(run("trace", "--from", VLLM, "--out", afile),
@@ -1566,6 +1579,12 @@ def test_trace_out_that_is_no_directory(tmp_path):
     _one_line_error(run("trace", "--from", VLLM, "--out", loop), f"{loop}: --out: a symlink loop")
     _one_line_error(run("trace", "--from", VLLM, "--out", dangling),
                     f"{dangling}: --out: a dangling symlink")
+    # or the part of it that is (mkdir said "File exists", "Not a directory", or named the
+    # loop by its errno's words)
+    for part, what in ((afile, "not a directory"), (loop, "a symlink loop"),
+                       (dangling, "a dangling symlink")):
+        _one_line_error(run("trace", "--from", VLLM, "--out", part / "runs" / "here"),
+                        f"{part / 'runs' / 'here'}: --out: {part} is {what}")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "dangling", "loop"]
 
 
@@ -1788,7 +1807,7 @@ def test_inputs_that_cannot_be_read_as_files(tmp_path):
                     "a kimi-perf run directory without its breakdown.json")
     (runs / "run.json").write_text('{"name": "any other run.json"}')    # not one of ours
     _one_line_error(run("report", runs, "-o", tmp_path / "r.html"),
-                    "holds no trace files", "JSON that is not a trace: run.json")
+                    "holds no trace files", "left out: run.json (JSON that is not a trace)")
     (tmp_path / "plotly.js").mkdir()
     _one_line_error(run("report", VLLM, "--plotly-js", str(tmp_path / "plotly.js"), "-o",
                         tmp_path / "r.html"), "--plotly-js: a directory")
