@@ -80,8 +80,9 @@ def weight_prefetch_bytes() -> int:
 @triton.jit
 def after_previous_kernel(PDL: tl.constexpr):
     """A PDL kernel's first statement: wait until the kernel before it has finished and its
-    writes are visible (nothing before this reads or writes global memory: ``aot`` checks the
-    PTX), then let the next kernel launch. Its programs then start beside this one's, and
+    writes are visible (nothing before this reads or writes global memory, ``aot`` checks the
+    PTX; only ``prefetch_l2`` of weights, which no kernel writes, may come first), then let
+    the next kernel launch. Its programs then start beside this one's, and
     wait here in turn: two kernels resident at a time, never a chain of them."""
     if PDL:
         tl.extra.cuda.gdc_wait()

@@ -284,9 +284,9 @@ def _silu_conv(w0, w1, w2, w3, x0, x1, x2, x3):
 
 def kda_splits(rows: int, head_dim: int, device: torch.device, tokens: int = 1) -> int:
     """Programs a head's state is split over, for ``rows`` (sequence, head) pairs: rows of
-    MIN_ROWS to MAX_ROWS a program, doubling the split while the grid is under two programs
-    an SM; 1 under the interpreter's whole tiles. Depends on shapes only (a CUDA graph keeps
-    it)."""
+    MIN_ROWS to MAX_ROWS a program (to MAX_VERIFY_ROWS for a verify step's ``tokens``),
+    doubling the split while the grid is under two programs an SM; 1 under the interpreter's
+    whole tiles. Depends on shapes only (a CUDA graph keeps it)."""
     if device.type == "cuda":
         sms = torch.cuda.get_device_properties(device).multi_processor_count
     elif interpreter_tiles():
@@ -384,12 +384,13 @@ def kda_decode(z: torch.Tensor, heads: int, head_dim: int, f_rank: int, w_fb: to
         raise ValueError(f"kda_decode: arrivals must be int32 with at least {B * heads} "
                          f"elements, not {arrivals.dtype} x {arrivals.numel()}")
     tiles = kda_tiles(head_dim, f_rank, splits)
-    if head_dim & (head_dim - 1) or f_rank % tiles["F_BLOCK"] or (
-            T > 1 and f is None and not INTERPRETED and min(tiles["F_BLOCK"], head_dim) < 16):
+    f_block = tiles["F_BLOCK"]
+    if head_dim & (head_dim - 1) or f_rank % f_block or f_block & (f_block - 1) or (
+            T > 1 and f is None and not INTERPRETED and min(f_block, head_dim) < 16):
         # (unmasked slices; a tensor-core product needs 16 at least on a GPU)
         raise ValueError(f"kda_decode: head_dim {head_dim} must be a power of two and f_rank "
-                         f"{f_rank} a multiple of {tiles['F_BLOCK']} (16 or more for a verify "
-                         "step on a GPU)")
+                         f"{f_rank} a multiple of {f_block}, a power of two too (16 or more "
+                         "for a verify step on a GPU)")
     if out is None:
         out = torch.empty(B, T, proj, dtype=z.dtype, device=z.device)
     # (without records the kernel reads none of theirs: any pointers of the types stand in)

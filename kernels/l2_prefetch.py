@@ -9,11 +9,13 @@ recurrence (``evict_last``: the last lines L2 gives up; ptxas refuses it togethe
 L2-only ``.cg``), o_proj then streams them from L2 instead of HBM. The design plan puts the
 same prefetch beside the TP all-reduce.
 
-Grid: PROGRAMS programs, each reading a contiguous span in BLOCK-element steps (8 KB per
-program and step, about 1 MB in flight: what HBM needs to stream near its bandwidth; the
-latency-bound kernel beside it uses a few SMs). The loaded values are summed into one
-checksum per program: a load whose value is never used would be removed by the compiler, and
-the checksums let a test prove that every byte was read.
+Grid: PROGRAMS programs, each reading a contiguous span in BLOCK-element steps (8 KB of bf16
+per program and step, about 1 MB in flight: what HBM needs to stream near its bandwidth). The
+kernel beside it is no few-SM kernel (the KDA decode runs 96 programs at batch 1 on H200's
+132 SMs), so the two share SMs; whether the prefetch pays anyway is what the GPU check
+measures (it is opt-in until then). The loaded values are summed into one checksum per
+program: a load whose value is never used would be removed by the compiler, and the
+checksums let a test prove that every byte was read.
 """
 
 from __future__ import annotations

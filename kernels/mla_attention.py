@@ -150,9 +150,12 @@ def mla_combine_kernel(parts_ptr, lse_ptr, out_ptr, M, H, LORA: tl.constexpr,
     tl.store(out_ptr + (m * H + h) * LORA + ls, cast(o, out_ptr.dtype.element_ty, RNE))
 
 
-# Up to 64 splits: a batch of 1 at 32k positions takes 64 programs, not 16 (too few to stream
-# 37 MB of cache at full bandwidth); each of 256 positions or more, so that a split's partial
-# output (a head's 512 fp32 values, written and read back) stays small next to what it reads.
+# Up to 64 splits: a batch of 1 at 32k positions takes 64 programs (16 are too few to stream
+# 37 MB of cache at full bandwidth); one split per 256 positions of the cache's capacity at
+# most, so that a split's partial output (a head's 512 fp32 values, written and read back)
+# stays small next to what it reads once the cache is full. The count is fixed by shapes (a
+# CUDA graph keeps it), so a cache far from full leaves later splits empty: they read
+# nothing and write a zero partial and an lse of -inf.
 MAX_SPLITS = 64
 MIN_SPLIT_POSITIONS = 256
 
@@ -167,8 +170,8 @@ def mla_row_block(rows: int) -> int:
 def mla_splits(batch: int, tokens: int, heads: int, capacity: int,
                device: torch.device) -> int:
     """Position splits for a step of ``batch`` sequences of ``tokens`` each: enough programs
-    to give every SM one, chunks of at least 256 cache positions; 1 on a CPU. Depends on
-    shapes only, so a CUDA graph keeps it."""
+    to give every SM one, at most one per 256 positions of the cache's ``capacity``; 1 on a
+    CPU. Depends on shapes only, so a CUDA graph keeps it."""
     if device.type != "cuda":
         return 1
     sms = torch.cuda.get_device_properties(device).multi_processor_count
@@ -185,7 +188,13 @@ def mla_attention(qhat: torch.Tensor, cache: torch.Tensor, positions: torch.Tens
     [splits, M, H, kv_lora], lse [splits, M, H] fp32). With one split parts[0] is the output
     (in ``dtype``: the model's, which an fp8 q̂ needs said; else q̂'s) and lse is None; with
     more, parts are fp32 partial outputs for ``mla_combine`` (or ``mla_uv_gate``) to merge. An
-    fp8 cache takes an fp8 q̂ (its values times ``q_scale``), a bf16 cache a bf16 one."""
+    fp8 cache takes an fp8 q̂ (its values times ``q_scale``), a bf16 cache a bf16 one.
+
+    Every position must be inside the cache (< S): a row reads positions 0 to its own, with
+    no clamp at S (the inserts drop a row past S, but a clamp here costs the fp8 cache's
+    32-row tile, at 255 registers, its last ones: it spills). On the host, the model refuses
+    an eager step the cache cannot hold (``positions``), and ``GraphedDecodeStep`` a
+    replay."""
     M, H, width = qhat.shape
     fp8 = cache.dtype == torch.float8_e4m3fn
     if not 1 <= splits <= MAX_SPLITS:

@@ -119,5 +119,6 @@ def mla_concat_insert_reference(ql, q, kv_c, k_pe, cache, positions, tokens_per_
                                cache.dtype if fp8 else q.dtype)
     entry = quantised_reference(torch.cat([kv_c, k_pe], dim=-1), kv_scale, cache.dtype)
     held = positions < cache.shape[1]
-    cache[(torch.arange(M) // tokens_per_seq)[held], positions[held]] = entry[held]
+    cache[(torch.arange(M, device=cache.device) // tokens_per_seq)[held],
+          positions[held]] = entry[held]
     return qhat

@@ -88,7 +88,7 @@ def dequantize(w: Mxfp4) -> torch.Tensor:
     codes = torch.stack([w.packed & 0x0F, w.packed >> 4], dim=-1).flatten(-2).long()
     values = E2M1.to(w.device)[codes]
     factors = torch.pow(2.0, w.scale.float() - 127.0).repeat_interleave(GROUP, dim=-1)
-    return values * factors[..., : values.shape[-1]]   # (a checkpoint's last group may be short)
+    return values * factors   # (whole groups: ``Mxfp4.check`` refuses any other K)
 
 
 def quantize(w: torch.Tensor) -> Mxfp4:

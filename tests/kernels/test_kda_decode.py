@@ -216,9 +216,11 @@ def test_kda_decode_refuses_bad_splits_and_arrivals():
                             ({"arrivals": torch.zeros(2)}, "must be int32")):
         with pytest.raises(ValueError, match=message):
             kda_decode(z, conv_state=conv_state, state=state, **kwargs, **params)
-    # a head_dim the tiles cannot take whole, an f_rank that a GPU's 64-wide slices overrun
+    # a head_dim the tiles cannot take whole, an f_rank that a GPU's 64-wide slices overrun,
+    # or one under 64 that is no power of two (its one slice could not be a tile)
     for d, f_rank, message in ((24, 16, "head_dim 24 must be a power of two"),
-                               (16, 96, "f_rank 96 a multiple of 64")):
+                               (16, 96, "f_rank 96 a multiple of 64"),
+                               (16, 48, "f_rank 48 a multiple of 48, a power of two too")):
         z, params, conv_state, state = inputs(1, 1, 2, d, f_rank, 3)
         with gpu_tiles(), pytest.raises(ValueError, match=message):
             kda_decode(z, conv_state=conv_state, state=state, splits=1, **params)
