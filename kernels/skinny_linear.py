@@ -116,6 +116,8 @@ def linear_tile(pid, x_ptr, w_ptr, norm_ptr, res_ptr, out_ptr, M, N_OUT, K, stri
                 if SITU:
                     acc_up += tl.dot(x, tl.trans(w_up.to(tl.float32)), input_precision="ieee")
             else:
+                # the tensor cores take the weights' dtype: an fp32 x (normed) is rounded to
+                # it here, as the standard path's RMSNorm writes bf16; the GEMV keeps fp32
                 xb = x.to(w.dtype)
                 acc += tl.dot(xb, tl.trans(w))
                 if SITU:
