@@ -1,10 +1,10 @@
 """M4: MLA query absorption and latent-cache insert in one launch.
 
 Grid (token blocks, heads × kv_lora blocks + 1). Program (i, p < H · L, L = kv_lora / BLOCK_L
-blocks: 8 at K3) absorbs head h's
-no-position query into the latent space for the BLOCK_M tokens of block i, one kv_lora block
-of BLOCK_L columns: ``ql = q_nope · W_UK[h][:, block]`` ([BLOCK_M, nope] × [nope, BLOCK_L],
-a tensor-core dot), and writes that part of ``q̂ = [ql | q_pe]`` (its first block also q_pe).
+blocks: 8 at K3) absorbs head h = p // L's no-position query into the latent space for the
+BLOCK_M tokens of block i, one kv_lora block (p mod L) of BLOCK_L columns:
+``ql = q_nope · W_UK[h][:, block]`` ([BLOCK_M, nope] × [nope, BLOCK_L], a tensor-core dot),
+and writes that part of ``q̂ = [ql | q_pe]`` (its first block also q_pe).
 So a head's W_UK is read once per block of 16 tokens, not once per token (at batch 64: 6 MB
 from L2 rather than 100 MB), and a batch of 1 has 96 absorbing programs at K3 TP8 (12 heads
 × 8 blocks), not 12. Program (i, H · L) normalises its tokens' latent KV (RMSNorm of the kv_lora
