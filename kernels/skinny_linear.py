@@ -219,8 +219,12 @@ def launch_config(m: int, interpreted: bool = False, situ: bool = False
     without spilling on sm_90a (``python -m kimi_perf_kernels.aot`` checks them: the GEMV
     about 110 registers at 4 tokens, its elementwise sums [BLOCK_M, BLOCK_N, BLOCK_K] the
     most of them, so with SiTU's two weight tiles it takes half the K step); rows beyond
-    MAX_BLOCK_M (a verify step of a large batch) take more row tiles. The interpreter pays per
-    program and per op, not per element: it gets big column tiles."""
+    MAX_BLOCK_M (a verify step of a large batch) take more row tiles. 32 columns a program
+    give K3 TP8's projections grids of one to two programs an SM (o_proj's 7168 columns 224
+    programs, the KDA input projection's 6288 197, on H200's 132 SMs): chosen for registers
+    and a full grid, not yet tuned on a GPU (the GPU check's per-launch µs against the
+    memory floors says where they fall short). The interpreter pays per program and per op,
+    not per element: it gets big column tiles."""
     block_m = triton.next_power_of_2(m) if m <= GEMV_MAX_M else \
         min(MAX_BLOCK_M, max(16, triton.next_power_of_2(m)))
     if interpreted:
