@@ -3,7 +3,9 @@ import torch
 
 from kimi_perf_kernels.moe_experts import (
     moe_experts_reference,
+    moe_fc1_situ,
     moe_fc2_combine,
+    moe_finalize,
     moe_route_fc1_situ,
 )
 from kimi_perf_kernels.router_topk import router_topk_reference
@@ -81,3 +83,27 @@ def test_shared_experts_that_do_not_fit_are_refused():
     with pytest.raises(ValueError, match="shared experts"):
         moe_fc2_combine(act, w2, ids, weights,
                         shared=(torch.randn(2, 6), torch.randn(8, 5), torch.empty(2, 8)))
+
+
+def test_layouts_the_per_slot_kernels_would_misread_are_refused():
+    """The per-slot kernels index ids, act, weights and per-slot outputs by their element and
+    x, the logits and FC2's output by a row stride: a transposed or strided view of them is
+    refused, not read wrong."""
+    x = torch.randn(2, 8)
+    w13, w2 = torch.randn(4, 16, 8), torch.randn(4, 8, 8)
+    logits, bias = torch.randn(2, 4), torch.zeros(4)
+    act, ids, weights = moe_route_fc1_situ(x, w13, logits, bias, 2, 1.0, (4.0, 25.0))
+    with pytest.raises(ValueError, match="FC1: router logits must have contiguous rows"):
+        moe_route_fc1_situ(x, w13, logits.t().contiguous().t(), bias, 2, 1.0, (4.0, 25.0))
+    with pytest.raises(ValueError, match="FC1: ids must be contiguous"):
+        moe_fc1_situ(x, w13, ids.t().contiguous().t(), (4.0, 25.0))
+    with pytest.raises(ValueError, match="FC1: act must be contiguous"):
+        moe_fc1_situ(x, w13, ids, (4.0, 25.0), out=torch.empty(2, 8, 4)[:, ::2])
+    with pytest.raises(ValueError, match="FC2: act must be contiguous"):
+        moe_fc2_combine(act.transpose(0, 1).contiguous().transpose(0, 1), w2, ids, weights)
+    with pytest.raises(ValueError, match="FC2: weights must be contiguous"):
+        moe_fc2_combine(act, w2, ids, weights.t().contiguous().t())
+    with pytest.raises(ValueError, match="FC2: out must have contiguous rows"):
+        moe_fc2_combine(act, w2, ids, weights, out=torch.empty(8, 2).t())
+    with pytest.raises(ValueError, match="moe_finalize: per-slot outputs must be contiguous"):
+        moe_finalize(torch.randn(2, 8, 2).transpose(1, 2), weights, torch.float32)
