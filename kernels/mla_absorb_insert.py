@@ -124,7 +124,7 @@ def mla_absorb_insert_reference(q, w_uk, kv, kv_norm, cache, positions, tokens_p
                                cache.dtype if fp8 else q.dtype)
     kv_c = kv[:, :lora].float()
     kv_c = (kv_c * torch.rsqrt(kv_c.pow(2).mean(-1, keepdim=True) + eps) * kv_norm).to(kv.dtype)
-    held = positions < cache.shape[1]
+    held = (positions >= 0) & (positions < cache.shape[1])
     batch = torch.arange(M, device=q.device) // tokens_per_seq
     cache[batch[held], positions[held]] = quantised_reference(
         torch.cat([kv_c, kv[:, lora:]], dim=-1), kv_scale, cache.dtype)[held]

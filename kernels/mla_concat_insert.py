@@ -61,12 +61,13 @@ def write_cache_row(cache_ptr, pos_ptr, m, T, S, stride_cache_b, stride_cache_s,
                     kv_scale, LORA: tl.constexpr, BLOCK_ROPE: tl.constexpr,
                     ROPE: tl.constexpr, FP8: tl.constexpr, RNE: tl.constexpr):
     """Token m's latent [kv (LORA) | k_pe (ROPE)], fp32, into its cache row at its position,
-    where that is one of the cache's S rows; an fp8 cache stores value / kv_scale, clamped to
-    e4m3's ±448."""
+    where that is one of the cache's S rows (a negative one, vLLM's padding slot, writes
+    nothing, as the attention reads nothing for it); an fp8 cache stores value / kv_scale,
+    clamped to e4m3's ±448."""
     lo = tl.arange(0, LORA)
     r = tl.arange(0, BLOCK_ROPE)
     pos = tl.load(pos_ptr + m).to(tl.int64)
-    held = pos < S
+    held = (pos >= 0) & (pos < S)
     slot = cache_ptr + (m // T).to(tl.int64) * stride_cache_b + pos * stride_cache_s
     dtype: tl.constexpr = cache_ptr.dtype.element_ty
     tl.store(slot + lo, quantised(kv, kv_scale, dtype, FP8, RNE), mask=held)
@@ -118,7 +119,7 @@ def mla_concat_insert_reference(ql, q, kv_c, k_pe, cache, positions, tokens_per_
     qhat = quantised_reference(torch.cat([ql.transpose(0, 1), q_pe], dim=-1), q_scale,
                                cache.dtype if fp8 else q.dtype)
     entry = quantised_reference(torch.cat([kv_c, k_pe], dim=-1), kv_scale, cache.dtype)
-    held = positions < cache.shape[1]
+    held = (positions >= 0) & (positions < cache.shape[1])
     cache[(torch.arange(M, device=cache.device) // tokens_per_seq)[held],
           positions[held]] = entry[held]
     return qhat

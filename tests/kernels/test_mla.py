@@ -106,13 +106,18 @@ def test_fp8_cache_rows_saturate_at_448():
     assert_cache_rows_equal(cache, cache_ref, positions, 1)
 
 
+# each sequence's second token at row 6 of 6: sequence 0's would land in sequence 1's first
+# row, sequence 1's in the row after the tensor; or each one's first token at -1, vLLM's
+# padding slot: sequence 1's would land in sequence 0's last row, sequence 0's before the
+# tensor
+@pytest.mark.parametrize(("positions", "held"), [([5, 6, 5, 6], 5), ([-1, 0, -1, 0], 0)])
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, FP8])
-def test_positions_past_the_cache_write_nothing_else(cache_dtype, tiles):
-    """A graph-safe step does not check the lengths on the host: a sequence at its cache's
-    last row writes nothing past it, neither the next sequence's first row nor past the
-    tensor, in either path's insert (the specialized ``mla_absorb_insert``, the standard
-    ``mla_concat_insert``); the rows the cache holds are written as the references write
-    them."""
+def test_positions_outside_the_cache_write_nothing_else(cache_dtype, positions, held, tiles):
+    """A graph-safe step does not check the lengths on the host: a token at a position past
+    its cache's last row, or at a negative one, writes nothing, neither a neighbouring
+    sequence's row nor outside the tensor, in either path's insert (the specialized
+    ``mla_absorb_insert``, the standard ``mla_concat_insert``); the rows the cache holds are
+    written as the references write them."""
     gen = torch.Generator().manual_seed(8)
     heads, nope, rope, lora, S, batch, tokens = 4, 16, 8, 32, 6, 2, 2
     M = batch * tokens
@@ -121,11 +126,9 @@ def test_positions_past_the_cache_write_nothing_else(cache_dtype, tiles):
     kv = torch.randn(M, lora + rope, generator=gen).bfloat16()
     kv_norm = 1 + 0.1 * torch.randn(lora, generator=gen)
     ql = torch.randn(heads, M, lora, generator=gen).bfloat16()
-    # each sequence's second token at row 6 of 6: sequence 0's would land in sequence 1's
-    # first row, sequence 1's in the row after the tensor
-    positions = torch.tensor([5, 6, 5, 6])
+    positions = torch.tensor(positions)
     written = torch.zeros(batch, S, dtype=torch.bool)
-    written[[0, 1], [5, 5]] = True             # the rows of the tokens the cache holds
+    written[[0, 1], [held, held]] = True       # the rows of the tokens the cache holds
     scale = 0.5 if cache_dtype == FP8 else 1.0
     bits = torch.uint8 if cache_dtype == FP8 else torch.int16
     for insert, reference in (
@@ -137,14 +140,16 @@ def test_positions_past_the_cache_write_nothing_else(cache_dtype, tiles):
                                          tokens, scale, nope),
              lambda c: mla_concat_insert_reference(ql, q, kv[:, :lora], kv[:, lora:], c,
                                                    positions, tokens, scale, nope))):
-        # one tensor holding both caches and a row after them: what an overrun would write
-        store = (torch.randn(batch * S + 1, lora + rope, generator=gen) * 0.5).to(cache_dtype)
-        cache = store[: batch * S].view(batch, S, lora + rope)
+        # one tensor holding both caches and a row before and after them: what an overrun
+        # would write
+        store = (torch.randn(batch * S + 2, lora + rope, generator=gen) * 0.5).to(cache_dtype)
+        cache = store[1: batch * S + 1].view(batch, S, lora + rope)
         before = store.clone()
         insert(cache)
-        want = before[: batch * S].view(batch, S, lora + rope).clone()
+        want = before[1: batch * S + 1].view(batch, S, lora + rope).clone()
         reference(want)
-        assert torch.equal(store[-1].view(bits), before[-1].view(bits))   # past the tensor
+        for outside in (0, -1):   # before and past the tensor
+            assert torch.equal(store[outside].view(bits), before[outside].view(bits))
         assert torch.equal(cache.view(bits)[~written], want.view(bits)[~written])
         assert_close_q(cache[written], want[written])
 
