@@ -9,8 +9,8 @@ So a head's W_UK is read once per block of 16 tokens, not once per token (at bat
 from L2 rather than 100 MB), and a batch of 1 has 96 absorbing programs at K3 TP8 (12 heads
 × 8 blocks), not 12. Program (i, H · L) normalises its tokens' latent KV (RMSNorm of the kv_lora
 part, the rope part as is), quantises it to fp8 with the per-tensor scale when the cache is
-fp8, and stores it at each token's position (one of the cache's S rows: past them, nothing;
-see ``write_cache_row``). An fp8 cache takes an fp8 q̂ (with its own
+fp8, and stores it at each token's position (one of the cache's S rows: past them or at a
+negative one, nothing; see ``write_cache_row``). An fp8 cache takes an fp8 q̂ (with its own
 scale), as the standard path's ``mla_concat_insert`` writes it: ql rounded to bf16 first, as
 the standard path's bmm leaves it.
 """
