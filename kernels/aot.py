@@ -43,6 +43,12 @@ from triton.compiler import ASTSource
 
 TARGET = GPUTarget("cuda", 90, 32)
 
+# A K3 TP8 rank: hidden 7168; the MoE's latent 3584, router 896 experts (one pass writes both:
+# rows of 4480), experts' intermediate 384, the shared experts' 768; the KDA's 12 heads of 128
+# (1536 wide), its input projection 6288 rows; 8 attention-residual blocks.
+HIDDEN, LATENT, INTER, SHARED_INTER, KDA_PROJ, IN_PROJ = 7168, 3584, 384, 768, 1536, 6288
+QKV_A = 1536 + 512 + 64   # the standard path's row of q_lora + kv_lora + rope
+
 
 @dataclass
 class Build:
@@ -63,13 +69,6 @@ def builds() -> list[Build]:
     out = [*_attn_res_builds(), *linears, *_kda_builds(), *_expert_builds(),
            *_norm_and_elementwise_builds(), *_mla_builds()]
     return [variant for build in out for variant in pdl_variants(build)] + prefetching
-
-
-# A K3 TP8 rank: hidden 7168; the MoE's latent 3584, router 896 experts (one pass writes both:
-# rows of 4480), experts' intermediate 384, the shared experts' 768; the KDA's 12 heads of 128
-# (1536 wide), its input projection 6288 rows; 8 attention-residual blocks.
-HIDDEN, LATENT, INTER, SHARED_INTER, KDA_PROJ, IN_PROJ = 7168, 3584, 384, 768, 1536, 6288
-QKV_A = 1536 + 512 + 64   # the standard path's row of q_lora + kv_lora + rope
 
 
 def _moe_ints(m: int, situ: bool, mxfp4: bool, consts: dict) -> dict[str, int]:
