@@ -56,6 +56,11 @@ class NoStepsMatched(TraceError):
     a ``--phase``, ``--layers repeat`` / ``nvtx`` / a layer-index group that finds no layers."""
 
 
+class NoGpuWork(TraceError):
+    """A trace with nothing to break down: no kernel or memcpy/memset with a time, and no
+    ``op:`` ranges of a decode run on a CPU (a profile whose GPU activity was not recorded)."""
+
+
 def input_stat(path: Path) -> os.stat_result:
     """``path``'s status, or the one-line error of an input that cannot be read as a file or
     a directory: missing, a symlink loop or to nothing, unreadable, or a pipe, socket or

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from kimi_perf.classify import Rule, default_rules_said, load_rules, rules_said
+from kimi_perf.errors import NoGpuWork, NoStepsMatched, TraceError
 from kimi_perf.graphs import capture_count, graph_replays
 from kimi_perf.layers import (
     GpuOps,
@@ -81,8 +82,6 @@ class Breakdown:
 
     @classmethod
     def from_json(cls, doc: dict[str, Any], path: str | Path = "breakdown") -> Breakdown:
-        from kimi_perf.errors import TraceError
-
         if not isinstance(doc, dict) or type(doc.get("schema")) is not int \
                 or doc["schema"] != SCHEMA:
             raise TraceError(path, f"not a kimi-perf breakdown of schema {SCHEMA}")
@@ -422,13 +421,12 @@ def breakdown_of_file(path: str | Path, capture: str | Path | None = None, **opt
     """``breakdown`` (its ``options``) of the trace ``path`` holds, joined by its graph
     ``capture`` (``read_trace``); an option that selects nothing is said of ``path`` itself,
     not of the file its trace came from (a .kptrace's)."""
-    from kimi_perf.errors import NoStepsMatched, TraceError
     from kimi_perf.readers import read_trace
 
     try:
         return breakdown(read_trace(path, capture=capture), **options)
-    except NoStepsMatched as exc:
-        raise TraceError(path, exc.problem) from None
+    except (NoStepsMatched, NoGpuWork) as exc:
+        raise type(exc)(path, exc.problem) from None
 
 
 def breakdown(trace: Trace, layers: str = "auto", rules: list[Rule] | str | Path | None = None,
@@ -450,6 +448,8 @@ def breakdown(trace: Trace, layers: str = "auto", rules: list[Rule] | str | Path
     if isinstance(rules, str | Path):
         rules = load_rules(rules)
     ops = GpuOps.of(trace, rules)
+    if not len(ops):
+        raise NoGpuWork(trace.meta.get("file"), _no_gpu_work_problem(trace))
     release_free_memory()
     steps = find_steps(trace, ops, step_regex)
     labels, ops_kind = ops.class_labels, ops.kind
@@ -524,6 +524,19 @@ def breakdown(trace: Trace, layers: str = "auto", rules: list[Rule] | str | Path
                                  "default_rules": default_rules_said()}},
                      steps=step_rows,
                      layers=layer_rows, layer_types=layer_types, timeline=timeline)
+
+
+def _no_gpu_work_problem(trace: Trace) -> str:
+    """Why a trace has nothing to break down, and what it does hold: an empty table would
+    pass for a result (a profile that recorded no GPU activity)."""
+    untimed = trace.meta.get("untimed") or {}
+    untimed = untimed.get("kernels", 0) + untimed.get("memops", 0)
+    held = [f"{counted(untimed, 'GPU op')} without a time"] if untimed else []
+    held += [counted(n, what) for n, what in ((len(trace.ranges), "range"),
+                                               (len(trace.api), "API call")) if n]
+    return ("no GPU work in this trace: no kernel or memcpy/memset, and no op: ranges of a "
+            "decode run on a CPU; nothing to break down (it holds "
+            + (", ".join(held) or "no events") + ")")
 
 
 def _outside_steps(trace: Trace, ops: GpuOps, steps: list[Step]) -> dict[str, Any]:

@@ -15,8 +15,13 @@ from hypothesis import strategies as st
 
 from kimi_perf import breakdown, compare, read_trace
 from kimi_perf.classify import classify, classify_name, default_rules, load_rules
-from kimi_perf.errors import TraceError
-from kimi_perf.layer_breakdown import Breakdown, _union_length, layer_column
+from kimi_perf.errors import NoGpuWork, TraceError
+from kimi_perf.layer_breakdown import (
+    Breakdown,
+    _union_length,
+    breakdown_of_file,
+    layer_column,
+)
 from tests.conftest import KINETO, NSYS
 from tests.synth import TraceBuilder
 from tests.test_layers import KDA, MLA, k3_like, nvtx_decode_trace
@@ -52,6 +57,31 @@ def test_breakdown_json_shape_and_figures():
     step = doc["steps"][0]
     assert step["layers"] == 8 and step["prologue"]["kernels"] == 1
     assert step["kernels"] == 8 * len(KDA) - 2 * len(KDA) + 2 * len(MLA) + 2
+
+
+def test_a_trace_without_gpu_work_is_an_error_saying_what_it_holds(tmp_path):
+    """No kernel, memcpy/memset or op: range: nothing to break down (a profile that recorded
+    no GPU activity), said with what the trace does hold, not an empty table that passes for
+    a result. Work without a time counts as none, and is named."""
+    b = TraceBuilder()
+    b.range("decode_step[0]", 0, 500)
+    b.call("cudaLaunchKernel", 10, 20)
+    trace = b.build()
+    with pytest.raises(NoGpuWork, match=r"no GPU work in this trace: .* \(it holds 1 range, "
+                       r"1 API call\)$"):
+        breakdown(trace)
+    trace.meta["untimed"] = {"kernels": 2, "memops": 1}
+    with pytest.raises(NoGpuWork, match=r"\(it holds 3 GPU ops without a time, 1 range"):
+        breakdown(trace)
+    # A decode run on a CPU has no GPU work but its op: ranges: those are broken down.
+    b.range("op:rms_norm", 100, 200)
+    assert breakdown(b.build()).source["ops"] == "cpu-ops"
+    path = tmp_path / "nothing.json"
+    path.write_text('{"traceEvents": [{"ph": "X", "cat": "cpu_op", "name": "aten::mm", '
+                    '"pid": 1, "tid": 1, "ts": 1, "dur": 2}]}')
+    with pytest.raises(NoGpuWork, match=r"\(it holds 1 range\)$") as raised:
+        breakdown_of_file(path)
+    assert raised.value.path == str(path)
 
 
 def test_compare_matches_types_and_computes_ratios():

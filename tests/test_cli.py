@@ -473,12 +473,18 @@ def test_gzipped_json_that_is_not_kineto(tmp_path):
     p.write_bytes(gzip.compress(b"[1, 2, 3]"))
     result = run("breakdown", p, "--format", "json")
     assert result.exit_code == 2 and "holds no event objects" in result.output
-    # An empty event list is a valid, empty trace: the table says there is no GPU work.
+    # An empty event list reads, but holds nothing to break down: an empty table would pass
+    # for a result, so every command that breaks it down says so and writes nothing.
     p.write_bytes(gzip.compress(b"[]"))
-    result = run("breakdown", p, "--format", "json")
-    assert result.exit_code == 0 and json.loads(result.output)["steps"] == []
-    assert "no GPU work in this trace" in run("breakdown", p).output
-    assert "list: no GPU work in this trace" in run("compare", p, VLLM).output
+    no_work = f"{p}: no GPU work in this trace: no kernel or memcpy/memset, and no op: ranges"
+    out = tmp_path / "out"
+    for args in (["breakdown", p, "--format", "json"], ["breakdown", p], ["compare", p, VLLM],
+                 ["compare", VLLM, p], ["report", p, "-o", out / "r.html"],
+                 ["trace", "--from", p, "--out", out]):
+        _one_line_error(run(*args), no_work)
+        assert "(it holds no events)" in run(*args).output
+    assert not out.exists()
+    assert run("info", p).exit_code == 0   # info describes it: 0 kernels
 
 
 def test_nsys_rep_without_nsys_says_how_to_get_it(tmp_path, monkeypatch):
@@ -1331,14 +1337,13 @@ def test_a_run_directory_s_breakdown_json_is_kimi_perf_s(tmp_path, content):
         assert not out.exists()
     # another tool's run.json beside it: the file given is read as what it holds (a trace)
     (run_dir / "run.json").write_text('{"model": "x"}')
-    if content == "[]":
-        assert run("breakdown", bd).exit_code == 0
+    if content == "[]":   # (an empty trace: nothing to break down, said as such)
+        _one_line_error(run("breakdown", bd), f"{bd}: no GPU work in this trace")
     (run_dir / "run.json").unlink()   # a directory holding a breakdown.json is a run still
     _one_line_error(run("breakdown", run_dir), f"{bd}: not a kimi-perf run breakdown")
     plain = tmp_path / "events.json"
     plain.write_text("[]")
-    result = run("breakdown", plain)
-    assert result.exit_code == 0 and "no GPU work in this trace" in result.output
+    _one_line_error(run("breakdown", plain), f"{plain}: no GPU work in this trace")
 
 
 def test_report_command_bad_options(tmp_path):

@@ -548,24 +548,31 @@ def test_a_baseline_with_nothing_to_check_is_refused(tmp_path):
     """A baseline captured without GPU work (nsys -t nvtx) would pass every run with 0
     checks, a nightly gate that never fails: it is refused, by the library and the CLI."""
     empty = NSYS / "IhorAtlanov-assignment2-systems__result__nsys2025.6.1_NO_CUDA.sqlite"
-    result = CliRunner().invoke(main, ["gate", str(empty), str(empty)])
+    hollow = tmp_path / "hollow.json"   # stored by hand, or before breakdown refused one
+    hollow.write_text(json.dumps({"schema": 1, "source": {}, "steps": [], "layers": [],
+                                  "layer_types": []}))
+    result = CliRunner().invoke(main, ["gate", str(hollow), str(BASELINE), "--path",
+                                       "specialized"])
     assert result.exit_code == 2 and result.output.count("\n") == 1
-    assert f"{empty}: holds no steps and no layers: nothing to check" in result.output
+    assert f"{hollow}: holds no steps and no layers: nothing to check" in result.output
     with pytest.raises(ValueError, match="nothing to check"):
         gate({"trace": Breakdown(source={}, steps=[], layers=[], layer_types=[])},
              _run({"kda": 4}, {"kda": KDA}))
-    # nor does a run without GPU work fail as every layer type "missing": it is no run to
-    # check (a trace, or `trace --from` of one), whichever side lacks --path
-    for run in (empty, _run_from(tmp_path, empty)):
-        result = CliRunner().invoke(main, ["gate", str(BASELINE), str(run)])
-        assert result.exit_code == 2 and result.output == (
-            f"kimi-perf: error: {run}: holds no steps and no layers: nothing to check against "
-            "the baseline (a capture without GPU work?)\n")
-    # a trace of nothing against a baseline of two paths: the trace is blamed, not the paths
+    # nor does a run without GPU work fail as every layer type "missing": a trace without
+    # any has nothing to break down (nor does `trace --from` make a run of one), on either side
     nothing = tmp_path / "nothing.json"
     nothing.write_text("[]")   # (a Chrome trace of no events)
-    result = CliRunner().invoke(main, ["gate", str(nothing), str(BASELINE)])
-    assert result.exit_code == 2 and f"{nothing}: holds no steps and no layers" in result.output
+    for trace in (empty, nothing):
+        for args in ([BASELINE, trace], [trace, BASELINE], [trace, trace]):
+            result = CliRunner().invoke(main, ["gate", *map(str, args)])
+            assert result.exit_code == 2 and result.output.startswith(
+                f"kimi-perf: error: {trace}: no GPU work in this trace"), result.output
+    # nor is a breakdown stored without steps a run to check
+    result = CliRunner().invoke(main, ["gate", str(BASELINE), str(hollow), "--path",
+                                       "specialized"])
+    assert result.exit_code == 2 and result.output == (
+        f"kimi-perf: error: {hollow}: holds no steps and no layers: nothing to check against "
+        "the baseline (a capture without GPU work?)\n")
     # --update replaces a stored baseline that holds nothing, and stores no such run
     stored = tmp_path / "empty.json"
     assert CliRunner().invoke(main, ["gate", str(stored), str(empty), "--update"]).exit_code == 2
