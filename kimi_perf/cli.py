@@ -738,7 +738,7 @@ def report_cmd(inputs: tuple[Path, ...], path_name: str | None, labels: str | No
                     "git_commit": git_commit(),
                     "date": datetime.datetime.now(datetime.UTC).isoformat()}
     write_report(output, got.breakdowns, "kimi-perf report: " + ", ".join(got.breakdowns),
-                 run_info, plotly_js, got.runs, got.warnings)
+                 run_info, plotly_js, got.runs, got.fell_back)
     for line in got.captured_differently():
         click.echo(line, err=True)
     if str(output) != "-":      # the report itself went to stdout
@@ -1233,7 +1233,10 @@ def _print_run(console: Console, run_dir: Path, results: dict[str, Breakdown],
 
     labels = list(results)
     a = labels[0]
-    compared = [(b, compare_breakdowns(results[a], results[b])) for b in labels[1:]]
+    fell_back = paths_that_fell_back(run_info)
+    compared = [(b, compare_breakdowns(results[a], results[b],
+                                       fell_back=a in fell_back or b in fell_back))
+                for b in labels[1:]]
     on_cpu = [label for label, b in results.items() if b.unit == "ops"]
     unit = units_word(b.unit for b in results.values())
     if len(labels) >= 3:  # a TP run's ranks, say: every one in one table
@@ -1258,7 +1261,8 @@ def _print_run(console: Console, run_dir: Path, results: dict[str, Breakdown],
                 # the run's files keep the whole names)
                 shown_a, shown_b = distinct_words([a, b])
                 console.print(render.comparison_table(rows, shown_a, shown_b, *units))
-                console.print(render.comparison_headline(rows, shown_a, shown_b, *units))
+                if headline := render.comparison_headline(rows, shown_a, shown_b, *units):
+                    console.print(headline)
                 if (shown_a, shown_b) != (a, b):
                     console.print(f"{shown_a}: {a}; {shown_b}: {b}")
     if any(rows for _, rows in compared):
@@ -1290,7 +1294,7 @@ def _print_run(console: Console, run_dir: Path, results: dict[str, Breakdown],
                          if (spec := metrics.get("speculative")) else "")
                       + (f"; fell back: {'; '.join(metrics['fallbacks'])}"
                          if metrics["fallbacks"] else ""))
-    for path, reason in paths_that_fell_back(run_info).items():
+    for path, reason in fell_back.items():
         console.print(fell_back_text(path, reason), style="bold yellow")
     if len(labels) == 2 and compared[0][1]:
         one = unit[:-1] if unit in ("kernels", "ops") else "kernel"

@@ -59,6 +59,9 @@ class ComparisonRow:
     same_layers: bool = True
     steps_a: int | None = None   # the whole step's row: the steps its medians are over
     steps_b: int | None = None
+    # A side whose every step fell back ran the standard path's ops under its own name: its
+    # figures stand, but a ratio would credit (or blame) the path for work it never ran.
+    fell_back: bool = False
 
     @property
     def label(self) -> str:
@@ -75,13 +78,14 @@ class ComparisonRow:
     def span_ratio(self) -> float | None:
         """A's layer time over B's: above 1 means B is faster."""
         if (self.span_us_a is None or not self.span_us_b or not self.timed_alike
-                or not self.same_layers):
+                or not self.same_layers or self.fell_back):
             return None
         return _significant(self.span_us_a / self.span_us_b)
 
     @property
     def kernel_ratio(self) -> float | None:
-        if self.kernels_a is None or not self.kernels_b or not self.same_layers:
+        if (self.kernels_a is None or not self.kernels_b or not self.same_layers
+                or self.fell_back):
             return None
         return _significant(self.kernels_a / self.kernels_b)
 
@@ -152,11 +156,12 @@ def _other_work(layers: list[float | None], windows: list[bool], ranges: list[bo
     return all(windows) or all(ranges)
 
 
-def compare(a: Breakdown, b: Breakdown) -> list[ComparisonRow]:
+def compare(a: Breakdown, b: Breakdown, fell_back: bool = False) -> list[ComparisonRow]:
     """Rows for each pair of layer types (``pair_layer_types``; A's order first), then all
     layers' mean (no ratios where the steps hold other numbers of layers: other cuts) and the
     whole step's medians (every kernel of a step, however its layers were found; no ratios
-    where the steps hold other numbers of layers: other work)."""
+    where the steps hold other numbers of layers: other work). ``fell_back``: a side is a
+    decode path whose every step fell back to the standard path (no ratios)."""
     types_a = {t["type"]: t for t in a.layer_types}
     types_b = {t["type"]: t for t in b.layer_types}
     rows = []
@@ -178,6 +183,7 @@ def compare(a: Breakdown, b: Breakdown) -> list[ComparisonRow]:
         rows.append(step)
     for row in rows:
         row.timed_alike = a.unit == b.unit
+        row.fell_back = fell_back
     return rows
 
 
@@ -326,6 +332,9 @@ PAIRING = ("types found by the repeating kernel pattern pair by their kernel seq
 
 def ratio_note(rows: list[ComparisonRow], label_a: str, label_b: str) -> str:
     """What a comparison's ratios and its last row are, said where they are read."""
+    if any(r.fell_back for r in rows):
+        return ("no ratios: a path fell back to the standard path on every step (said below), "
+                "so both sides ran the standard path's ops")
     mean = next((r for r in rows if r.label == ALL_LAYERS), None)
     step = next((r for r in rows if r.label == WHOLE_STEP), None)
     return (f"ratios: {label_a} over {label_b}, above 1 where {label_b} takes less"
@@ -723,8 +732,8 @@ class Comparison:
         notes = [*note_lines({label_a: a, label_b: b}), *sides_notes(a, b, label_a, label_b),
                  *([captured_differently(label_a, label_b, run_differences)]
                    if run_differences else [])]
-        return cls(a, b, label_a, label_b, compare(a, b), notes, list(fell_back),
-                   run_differences, labels_said)
+        return cls(a, b, label_a, label_b, compare(a, b, fell_back=bool(fell_back)), notes,
+                   list(fell_back), run_differences, labels_said)
 
     @property
     def table_notes(self) -> list[str]:

@@ -355,11 +355,12 @@ def comparison_table(rows: list[ComparisonRow], label_a: str, label_b: str,
 
 def comparison_headline(rows: list[ComparisonRow], label_a: str, label_b: str,
                         unit: str = "kernels", unit_b: str | None = None) -> str:
-    """The one-line summary: '23 kernels / 130 µs vs 13 / 69 µs' per layer type."""
+    """The one-line summary: '23 kernels / 130 µs vs 13 / 69 µs' per layer type (none of a
+    path that fell back on every step: both sides would be the standard path's)."""
     other = "" if unit_b in (None, unit) else f" {unit_b}"
     parts = []
     for r in rows:
-        if r.kernels_a is None or r.kernels_b is None or not r.same_layers:
+        if r.kernels_a is None or r.kernels_b is None or not r.same_layers or r.fell_back:
             continue
         parts.append(f"{r.label}: {count_text(r.kernels_a)} {unit} / {r.span_us_a:.1f} µs "
                      f"({label_a}) vs {count_text(r.kernels_b)}{other} / {r.span_us_b:.1f} µs "

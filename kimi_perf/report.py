@@ -16,6 +16,7 @@ import stat
 import textwrap
 import urllib.parse
 from collections import Counter
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -165,7 +166,8 @@ def _units(breakdowns: dict[str, Breakdown]) -> str:
     return units_word(b.unit for b in breakdowns.values())
 
 
-def _comparison_html(breakdowns: dict[str, Breakdown]) -> str:
+def _comparison_html(breakdowns: dict[str, Breakdown], fell_back: Collection[str] = ()
+                     ) -> str:
     """The first trace against each of the others, per layer type; and the work of each
     trace that fell in no step."""
     labels = list(breakdowns)
@@ -190,7 +192,7 @@ def _comparison_html(breakdowns: dict[str, Breakdown]) -> str:
     def fmt(v, spec):
         return "-" if v is None else format(v, spec)
     for b in labels[1:]:
-        rows = compare(breakdowns[a], breakdowns[b])
+        rows = compare(breakdowns[a], breakdowns[b], fell_back=a in fell_back or b in fell_back)
         counted = unit[a] if unit[a] == unit[b] else "count"
         head = (f"<tr><th>layer type</th><th>{e(a)} layers</th><th>{e(a)} {unit[a]}</th>"
                 f"<th>{e(a)} µs</th><th>{e(b)} layers</th><th>{e(b)} {unit[b]}</th>"
@@ -612,10 +614,6 @@ class ReportInputs:
                             self.run, self.runs,
                             {renamed[label]: why for label, why in self.fell_back.items()})
 
-    @property
-    def warnings(self) -> list[str]:
-        return [fell_back_text(label, reason) for label, reason in self.fell_back.items()]
-
     def captured_differently(self) -> list[str]:
         """How each run after the first was captured differently from it, a line each."""
         first = self.runs[0] if self.runs else None
@@ -661,14 +659,15 @@ def report_inputs(inputs: list[str | Path], path_name: str | None = None,
 
 def write_report(path: str | Path, breakdowns: dict[str, Breakdown], title: str,
                  run: dict | None = None, plotly_js: str = "inline",
-                 runs: list[tuple[str, dict]] = (), warnings: list[str] = ()) -> Path:
+                 runs: list[tuple[str, dict]] = (), fell_back: dict[str, str] | None = None
+                 ) -> Path:
     """One HTML file (written atomically) from breakdowns alone (their ``timeline`` is drawn).
     ``run``: the run.json of a capture or ``--from``. ``plotly_js``: ``inline`` (the file
     opens offline; about 5 MB), ``cdn``, a URL, or the path (from here) of a
     ``plotly.min.js``, which the report refers to relative to itself (``plotly_js_for``).
     ``runs``: the run information of several runs drawn together, as (name, run.json);
-    ``warnings``: said first (of the paths drawn from several inputs whose every step fell
-    back: ``run``'s own are said from it)."""
+    ``fell_back``: label: why, of the paths drawn from several inputs whose every step fell
+    back, said first (``run``'s own are said from it); neither gets a ratio."""
     if plotly_js not in PLOTLY_JS and not plotly_js.endswith(".js"):
         raise ValueError(f"plotly_js: inline, cdn or a path ending in .js, not {plotly_js!r}")
     if not breakdowns:
@@ -680,6 +679,8 @@ def write_report(path: str | Path, breakdowns: dict[str, Breakdown], title: str,
     title = printable(title)
     breakdowns = {printable(label): b for label, b in breakdowns.items()}
     runs = [(printable(name), r) for name, r in runs]
+    fell_back = {printable(label): why for label, why in (fell_back or {}).items()}
+    fallen = {*fell_back, *map(printable, paths_that_fell_back(run))}
     # A row of about 16 px per layer, so that every layer keeps its label.
     rows_px = [120 + 16 * len((b.timeline or {}).get("segments", ()))
                for b in breakdowns.values()]
@@ -705,10 +706,11 @@ def write_report(path: str | Path, breakdowns: dict[str, Breakdown], title: str,
     parts = [f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{html.escape(title)}"
              f"</title>{STYLE}</head><body><h1>{html.escape(title)}</h1>",
              _run_html(run, breakdowns),
-             "".join(f"<p class=warn>{html.escape(w)}.</p>" for w in warnings),
+             "".join(f"<p class=warn>{html.escape(fell_back_text(label, why))}.</p>"
+                     for label, why in fell_back.items()),
              _runs_html(list(runs)),
              _overview_html(breakdowns),
-             _comparison_html(breakdowns),
+             _comparison_html(breakdowns, fallen),
              _steps_html(breakdowns),
              _typical_html(breakdowns),
              _fusions_html(breakdowns),

@@ -270,17 +270,39 @@ def test_a_path_that_fell_back_on_every_step_is_said_so_by_compare_report_and_ga
             "64): its figures are the standard path's, not its own kernels'")
     table = run("compare", run_file)
     assert table.exit_code == 0 and said in " ".join(table.output.split())
+    # its figures stand (what ran), but no ratio credits the path with the standard's work
+    no_ratios = "no ratios: a path fell back to the standard path on every step"
+    assert no_ratios in " ".join(table.output.split())
     doc = json.loads(run("compare", run_file, "--format", "json").output)
     assert doc["fell_back"] == [said]
-    assert "fell_back" not in json.loads(run("compare", BASELINE,
-                                             "--format", "json").output)
+    assert all(r["span_ratio"] is None and r["kernel_ratio"] is None for r in doc["rows"])
+    assert all(r["b"]["span_us"] > 0 for r in doc["rows"])
+    plain = json.loads(run("compare", BASELINE, "--format", "json").output)
+    assert "fell_back" not in plain and all(r["span_ratio"] for r in plain["rows"])
     report = tmp_path / "r.html"
     assert run("report", run_file, "-o", report).exit_code == 0
     page = report.read_text()
     assert f"<p class=warn>{html.escape(said)}.</p>" in page
     assert "Triton kernels ran in Triton's interpreter" not in page
+    assert no_ratios in page and "<p>ratios:" not in page
     assert run("report", BASELINE, run_file, "--path", "specialized", "-o", report).exit_code == 0
-    assert f"fell_back:{html.escape(said)}.</p>" in report.read_text()
+    page = report.read_text()
+    assert f"fell_back:{html.escape(said)}.</p>" in page and no_ratios in page
+    # trace's own summary of such a run
+    from rich.console import Console
+
+    from kimi_perf.cli import _print_run
+    from kimi_perf.layer_breakdown import Breakdown
+
+    stored = json.loads(run_file.read_text())
+    console = Console(record=True, width=400)
+    _print_run(console, tmp_path, {name: Breakdown.from_json(b) for name, b
+                                   in stored["paths"].items()}, stored["run"])
+    printed = console.export_text()
+    assert no_ratios in printed and said in " ".join(printed.split())
+    kda = next(line for line in printed.splitlines() if line.startswith("│ kda"))
+    assert [cell.strip() for cell in kda.split("│")[-3:-1]] == ["-", "-"], kda
+    assert "(standard) vs" not in printed   # no headline of one path against itself
     drawn = run("report", run_file, VLLM, "--path", "specialized", "--labels", "run,vllm",
                 "-o", report)
     assert drawn.exit_code == 0, drawn.output
