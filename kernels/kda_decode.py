@@ -410,7 +410,9 @@ def kda_decode(z: torch.Tensor, heads: int, head_dim: int, f_rank: int, w_fb: to
 
 def kda_tiles(head_dim: int, f_rank: int, splits: int) -> dict[str, int]:
     """BV (state rows a program: head_dim / splits) and F_BLOCK (f_b columns a slice: 64 on
-    a GPU, the whole rank under the interpreter's tiles)."""
+    a GPU, the whole rank under the interpreter's tiles). K3's whole rank of 128 in one slice
+    spills the batch-64 replay build on sm_90a; 32 takes it to 254 registers, of 255, in twice
+    the slices."""
     return {"BV": head_dim // splits,
             "F_BLOCK": f_rank if interpreter_tiles() else min(64, f_rank)}
 

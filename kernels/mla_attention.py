@@ -214,6 +214,9 @@ def mla_attention(qhat: torch.Tensor, cache: torch.Tensor, positions: torch.Tens
     rope = width - kv_lora
     rows = tokens_per_seq * H
     rb = mla_row_block(rows)
+    # BLOCK_S 32 positions a pass: the one size at which all eight sm_90a builds (bf16 or fp8
+    # cache, 16 or 32 rows, 1 or 64 splits) spill nothing (ptxas, K3 TP8): 64 spills the fp8
+    # 32-row tile and 16 the bf16 16-row one.
     mla_attention_kernel[(M // tokens_per_seq, triton.cdiv(rows, rb), splits)](
         qhat, cache, positions, parts, lse if lse is not None else parts, M, H, tokens_per_seq,
         cache.stride(0), cache.stride(1), kv_scale if fp8 else 1.0, q_scale if fp8 else 1.0,

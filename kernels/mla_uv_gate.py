@@ -100,6 +100,8 @@ def mla_uv_gate(o_lat: torch.Tensor, w_uv: torch.Tensor, gate: torch.Tensor,
         out = torch.empty(M, H * v, dtype=dtype or o_lat.dtype, device=o_lat.device)
     block_v = v if interpreter_tiles() else min(64, v)
     block_m = merge_block(splits) if splits > 1 else BLOCK_M
+    # BLOCK_L 64 of K3's 512 latent columns a pass: with 4 or more splits the partials' and
+    # W_UV's tiles take 80 KiB of shared memory on sm_90a, two programs an SM; 128 takes 160.
     mla_uv_gate_kernel[(triton.cdiv(M, block_m), H, triton.cdiv(v, block_v))](
         o_lat, lse if lse is not None else o_lat, w_uv, gate, out, M, H, gate.stride(0),
         out.stride(0), LORA=lora, V=v, BLOCK_M=block_m, BLOCK_V=block_v,

@@ -216,7 +216,11 @@ def moe_fc2_combine_kernel(act_ptr, w2_ptr, w2s_ptr, ids_ptr, weights_ptr, out_p
 
 def routed_blocks(mxfp4: bool = False) -> tuple[int, int]:
     """(BLOCK_N, BLOCK_K) of the routed tiles: MXFP4's twice as deep, so that a row of a
-    tile is 64 bytes of codes (bf16's is 128)."""
+    tile is 64 bytes of codes (bf16's is 128). BLOCK_N 32 for the grid at batch 1 (K3 TP8):
+    FC1's 16 slots × 384 / 32 = 192 programs for H200's 132 SMs, where 64 would leave SMs
+    idle (96). FC2 takes the same size untuned (3584 / 32 = 112 programs beside the shared
+    experts' tiles): no size from 16 to 64 spills on sm_90a, so only a GPU sweep can settle
+    it."""
     if interpreter_tiles():
         return 256, 256
     return (32, 128) if mxfp4 else (32, 64)
