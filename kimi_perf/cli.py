@@ -1230,6 +1230,7 @@ def _print_run(console: Console, run_dir: Path, results: dict[str, Breakdown],
     """``trace``'s terminal summary of a run: the paths side by side (a TP run's ranks in one
     table), the notes, the floors, each path's decode metrics and where the files are."""
     from kimi_perf.comparison import compare as compare_breakdowns
+    from kimi_perf.comparison import sides_notes
 
     labels = list(results)
     a = labels[0]
@@ -1265,6 +1266,9 @@ def _print_run(console: Console, run_dir: Path, results: dict[str, Breakdown],
                     console.print(headline)
                 if (shown_a, shown_b) != (a, b):
                     console.print(f"{shown_a}: {a}; {shown_b}: {b}")
+                if not on_cpu:   # (a CPU run's line comes below, for every path)
+                    for line in sides_notes(results[a], results[b], a, b):
+                        console.print(line)   # GPUs of another kind, as compare says
     if any(rows for _, rows in compared):
         for line in note_lines(results):
             console.print(line)

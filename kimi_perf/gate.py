@@ -69,6 +69,7 @@ import numpy as np
 
 from kimi_perf.comparison import (
     aligned_typical,
+    gpus_text,
     layer_sources,
     layers_per_step,
     pair_label,
@@ -280,9 +281,12 @@ def gate_files(baseline: str | Path, run: str | Path, tolerances: Tolerances = T
             raise TraceError(file, f"holds the paths {', '.join(runs)}: choose the one the "
                                    "other side stands for with --path")
     result = gate(base, current, tolerances)
-    result.run_differences = (run_differences(base_doc, run_doc)
-                              + phase_differences(base, current)
-                              + unit_differences(base, current))
+    captured = run_differences(base_doc, run_doc)
+    result.run_differences = (captured + phase_differences(base, current)
+                              + unit_differences(base, current)
+                              # (two captures' GPUs their run information already said)
+                              + ([] if any(d.startswith("GPUs ") for d in captured)
+                                 else gpu_differences(base, current)))
     depths = [(d.get("run") or {}).get("n_layers") if isinstance(d, dict) else None
               for d in (base_doc, run_doc)]   # (load_run checked that "run" is an object)
     if None not in depths and depths[0] != depths[1]:
@@ -412,7 +416,7 @@ def phase_differences(baseline: dict[str, Breakdown], current: dict[str, Breakdo
 
 STEPS_FOUND_BY = {"range": "step ranges", "graph": "graph launches",
                   "pass": "forward passes", "device": "each device's window"}
-LAYERS_FROM = {"nvtx": "ranges", "repeat": "the repeating kernel pattern", "none": "nowhere"}
+LAYERS_FROM = {"nvtx": "ranges", "repeat": "the repeating kernel pattern"}
 
 
 def breakdown_differences(baseline: dict[str, Breakdown], current: dict[str, Breakdown]
@@ -436,8 +440,7 @@ def breakdown_differences(baseline: dict[str, Breakdown], current: dict[str, Bre
             found += _asked("--steps", *(o.get("steps") for o in options))
         sources = [layer_sources(b) for b in (base, cur)]
         if all(sources) and sources[0] != sources[1]:
-            found.append("layers from " + " vs ".join(
-                " and ".join(LAYERS_FROM.get(x, str(x)) for x in side) for side in sources))
+            found.append(_layers_found_by(sources))
         elif sources[0] == ["nvtx"] and all(options) and _layers_found(base) != _layers_found(cur):
             found += _asked("--layers", *(o.get("layers") for o in options))
         if all(options) and phase_differences({path: base}, {path: cur}):
@@ -449,6 +452,17 @@ def breakdown_differences(baseline: dict[str, Breakdown], current: dict[str, Bre
         if found:
             out.append(("" if path == TRACE else f"{path}: ") + "; ".join(found))
     return out
+
+
+def _layers_found_by(sources: list[list[str]]) -> str:
+    """How two sides found their layers (``layer_sources``: ``none``, a side that found
+    none), said: "layers from ranges vs the repeating kernel pattern", "no layers found vs
+    layers from ranges"."""
+    said = [None if side == ["none"] else " and ".join(LAYERS_FROM.get(x, str(x)) for x in side)
+            for side in sources]
+    if None not in said:
+        return "layers from " + " vs ".join(said)
+    return " vs ".join("no layers found" if x is None else f"layers from {x}" for x in said)
 
 
 def _step_names(b: Breakdown) -> set[str]:
@@ -486,6 +500,19 @@ def unit_differences(baseline: dict[str, Breakdown], current: dict[str, Breakdow
     return [("" if path == TRACE else f"{path}: ")
             + f"{counted[base.unit]} vs {counted[cur.unit]}"
             for path, base, cur in _paired(baseline, current) if base.unit != cur.unit]
+
+
+def gpu_differences(baseline: dict[str, Breakdown], current: dict[str, Breakdown]
+                    ) -> list[str]:
+    """Where a decode path's kernels ran on GPUs of another kind on the two sides, from the
+    traces themselves (``source.gpus_ran``): a trace has no run information to say it, and
+    its µs differ for that alone."""
+    out = []
+    for path, base, cur in _paired(baseline, current):
+        ran = [gpus_text(g) if (g := b.source.get("gpus_ran")) else None for b in (base, cur)]
+        if None not in ran and ran[0] != ran[1]:
+            out.append(("" if path == TRACE else f"{path}: ") + f"ran on {ran[0]} vs {ran[1]}")
+    return out
 
 
 def _paired(baseline: dict[str, Breakdown], current: dict[str, Breakdown]

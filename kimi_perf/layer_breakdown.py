@@ -1004,17 +1004,20 @@ def _copies_note(b: Breakdown, work: str) -> str | None:
     copy_us, kernel_us = sum(c.get("us", 0) for c in copies), sum(s["kernel_us"] for s in b.steps)
     if not (work == "GPU ops" and kernel_us and copy_us >= COPIES_NOTED * kernel_us):
         return None
-    # the steps that hold the most of it, each with its own share (model loading in one
-    # step's prologue is not every step's)
-    most = sorted(((c.get("us", 0), s) for c, s in zip(copies, b.steps, strict=True)
-                   if c.get("us")), key=lambda cs: -cs[0])
-    shares = ", ".join(f"{s.get('name') or s['index']} {us / s['kernel_us']:.0%}"
-                       for us, s in most[:3] if s["kernel_us"])
+    # the steps that hold the most of it, each with its share of its own kernel µs (model
+    # loading in one step's prologue is not every step's); those mostly of other work aside
+    most = sorted(((us, s) for c, s in zip(copies, b.steps, strict=True)
+                   if (us := c.get("us", 0)) >= COPIES_NOTED * s["kernel_us"] > 0),
+                  key=lambda us_step: -us_step[0])
+    shares = ", ".join(f"{s.get('name') or s['index']} ({us / s['kernel_us']:.0%}"
+                       + (" of its kernel µs)" if i == 0 else ")")
+                       for i, (us, s) in enumerate(most[:3]))
     return (f"{copy_us / kernel_us:.0%} of the steps' kernel µs is copies and fills "
             f"({sum(c.get('kernels', 0) for c in copies)} of "
-            f"{sum(s['kernels'] for s in b.steps)} ops, class memcpy; of their own "
-            f"µs: {shares}{', …' if len(most) > 3 else ''}): the kernel columns "
-            "count memcpy and memset operations with the kernels")
+            f"{sum(s['kernels'] for s in b.steps)} ops, class memcpy"
+            + (f"; most in {shares}"
+               f"{', …' if len(most) > 3 else ''}" if shares else "")
+            + "): the kernel columns count memcpy and memset operations with the kernels")
 
 
 def _steps_found_note(b: Breakdown) -> str | None:
@@ -1024,8 +1027,9 @@ def _steps_found_note(b: Breakdown) -> str | None:
     if src.get("steps_found_by") not in ("device", "pass"):
         return None
     repeating = src.get("repeating_ranges") or []
-    named = ", ".join(f"'{r['range']}' ×{r['instances']} ({r['kernels']} kernels)"
-                      for r in repeating)
+    # (kernels as ranges counts them: the steps' columns add copies and fills)
+    named = ", ".join(f"'{r['range']}' ×{r['instances']} ({r['kernels']} kernels, copies and "
+                      "fills aside)" for r in repeating)
     first = f"--steps {shlex.quote('^' + re.escape(repeating[0]['range']) + '$')}" \
         if repeating else ""
     if src["steps_found_by"] == "device":

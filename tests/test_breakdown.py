@@ -1170,8 +1170,13 @@ def test_steps_per_device_name_the_ranges_that_could_be_the_steps():
     assert jsun.source["steps_found_by"] == "device"
     assert jsun.source["repeating_ranges"] == [
         {"range": "Forward", "instances": 15, "kernels": 10380}]
-    assert any("each device is one step; ranges that repeat: 'Forward' ×15 (10380 kernels): "
-               "--steps '^Forward$' takes them as the steps" in n for n in step_notes(jsun))
+    assert any("each device is one step; ranges that repeat: 'Forward' ×15 (10380 kernels, "
+               "copies and fills aside): --steps '^Forward$' takes them as the steps" in n
+               for n in step_notes(jsun))
+    # the steps it makes count the copies and fills too: 10380 kernels and 540 of those
+    steps = breakdown(read_trace(NSYS / "jsun-012-assignment2-systems__result__nsys2025.1.3"
+                                 ".sqlite"), step_regex="^Forward$").steps
+    assert len(steps) == 15 and sum(s["kernels"] for s in steps) == 10380 + 540
     # the benchmark's 'measure|forward' and 'warmup|forward' each ran twice, but each time
     # within itself (a wrapper's range around the model's of one name): once each, no steps
     alexnet = breakdown(read_trace(KINETO / "hta_a100_alexnet_cuda_sync.json.gz"))
@@ -1289,8 +1294,8 @@ def test_steps_mostly_copies_are_said():
     assert sum(s["kernels"] for s in b.steps) == sum(counts.values())
     assert memops == 926 and sum(counts.values()) == 4368   # (the figures the note says)
     assert ("98% of the steps' kernel µs is copies and fills (926 of 4368 ops, class memcpy; "
-            "of their own µs: device 0 98%, device 1 98%): the kernel columns count memcpy and "
-            "memset operations with the kernels") in step_notes(b)
+            "most in device 0 (98% of its kernel µs), device 1 (98%)): the kernel columns count "
+            "memcpy and memset operations with the kernels") in step_notes(b)
     vllm = breakdown(read_trace(KINETO / "tracelens_vllm_gptoss20b_decode_fullgraph_mi300x"
                                          ".json.gz"))
     assert not any("copies and fills" in n for n in step_notes(vllm))

@@ -2324,3 +2324,16 @@ def test_a_schema_of_another_kind_is_not_said_or_stored(tmp_path):
     edited.write_text(json.dumps(stored))
     _one_line_error(run("gate", BASELINE, edited),
                     f"{edited}: source.schema is not a string or an integer")
+
+
+def test_trace_from_two_traces_of_other_gpus_says_so(tmp_path):
+    """trace --from prints what compare prints under its table: that the sides' kernels ran
+    on GPUs of another kind, whose µs differ for that alone."""
+    a = NSYS / "zx3xyy-assignment2-systems__result_2_7B_nvtx__nsys2024.6.2.sqlite"
+    b = NSYS / "Athrun0109-CS336_assignment2__result__nsys2026.2.1.sqlite"
+    said = "on 1 × NVIDIA A100-SXM4-80GB (108 SMs)"
+    for args in (["trace", "--from", a, "--from", b, "--out", tmp_path], ["compare", a, b]):
+        result = run(*args)
+        assert result.exit_code == 0, result.output
+        assert said in " ".join(result.output.split()) and "their µs differ for that alone" in \
+            " ".join(result.output.split())

@@ -544,6 +544,27 @@ def _run_from(tmp_path: Path, trace: Path) -> Path:
     return run
 
 
+def test_traces_of_other_gpus_are_said_to_be_captured_differently():
+    """A trace carries no run information, but its kernels say which GPUs ran them: an A100
+    baseline against a V100 run differs for that alone, which the gate says (and --strict
+    fails by itself), as compare does; and a side where no layers were found is said so."""
+    control = KINETO / "hta_trace_diff_control_a100_rank3.json.gz"
+    test = KINETO / "hta_trace_diff_test_v100_rank1_cudagraph.json.gz"
+    ran = ("ran on 1 × NVIDIA A100-PG509-200 (108 SMs) vs 1 × Tesla V100-SXM2-16GB (80 SMs)")
+    text = " ".join(CliRunner().invoke(main, ["gate", str(control), str(test)]).output.split())
+    assert f"the baseline and the run were captured differently: {ran}" in text
+    assert ("broken down differently: no layers found vs layers from the repeating kernel "
+            "pattern") in text
+    strict = CliRunner().invoke(main, ["gate", str(control), str(test), "--strict",
+                                       "--format", "json"])
+    doc = json.loads(strict.output)
+    assert strict.exit_code == 1 and doc["run_differences"] == [ran]
+    assert "captured differently" in [c["status"] for c in doc["checks"] if c["path"] == "run"]
+    same = json.loads(CliRunner().invoke(main, ["gate", str(control), str(control),
+                                                "--format", "json"]).output)
+    assert same["run_differences"] == [] and same["breakdown_differences"] == []
+
+
 def test_a_baseline_with_nothing_to_check_is_refused(tmp_path):
     """A baseline captured without GPU work (nsys -t nvtx) would pass every run with 0
     checks, a nightly gate that never fails: it is refused, by the library and the CLI."""
@@ -606,7 +627,8 @@ def test_steps_of_another_phase_are_a_difference_of_the_runs():
     # steps that name no phase (a profiler's own) say nothing of the work: no difference
     unnamed = KINETO / "hta_a100_alexnet_cuda_sync.json.gz"
     assert gate_files(decode, unnamed, Tolerances(metrics="kernels")).result \
-        .run_differences == []
+        .run_differences == ["ran on 1 × unnamed GPU (304 SMs) vs 1 × NVIDIA A100-PG509-200 "
+                             "(108 SMs)"]   # (an MI300X against an A100: that alone)
 
 
 def test_a_cpu_run_s_ops_against_gpu_kernels_times_nothing_and_counts_launches():
