@@ -34,7 +34,7 @@ from kimi_perf.errors import TraceError, is_out_of_memory
 from kimi_perf.layer_breakdown import note_lines, units_word
 from kimi_perf.layers import PHASES
 from kimi_perf.readers import read_trace
-from kimi_perf.text import counted, distinct_words
+from kimi_perf.text import counted, distinct_words, header_labels
 from kimi_perf.trace import OP_RANGE, atomic_write_text, json_text, printable, whole_stdout
 
 if TYPE_CHECKING:
@@ -1258,9 +1258,9 @@ def _print_run(console: Console, run_dir: Path, results: dict[str, Breakdown],
         for b, rows in compared:
             if rows:
                 units = (results[a].unit, results[b].unit)
-                # in the table, the words both names share left out (the notes below and
-                # the run's files keep the whole names)
-                shown_a, shown_b = distinct_words([a, b])
+                # in the table, the words both names share left out, or numbers for names
+                # too long (the notes below and the run's files keep the whole names)
+                shown_a, shown_b = header_labels([a, b])
                 console.print(render.comparison_table(rows, shown_a, shown_b, *units))
                 if headline := render.comparison_headline(rows, shown_a, shown_b, *units):
                     console.print(headline)

@@ -23,7 +23,7 @@ from kimi_perf.runs import (
     run_name,
     trace_labels,
 )
-from kimi_perf.text import distinct_words
+from kimi_perf.text import distinct_words, header_labels
 
 ALL_LAYERS = "all layers (mean)"
 WHOLE_STEP = "whole step (median)"   # every kernel of a step, whatever its layers
@@ -792,6 +792,10 @@ def compare_files(a: str | Path, b: str | Path | None = None, path_name: str | N
     # a path that fell back on every step ran the standard path's ops under its own name
     fell_back = [paths_that_fell_back((run or {}).get("run")).get(name)
                  for run, name in ((run_a, name_a), (run_b, name_b))]
+    # what each side is, where its label is a number: its name, file, or run and path
+    whole = ([name_a, name_b] if b is None else
+             [str(f) if run is None else f"{f} ({name})"
+              for f, run, name in ((a, run_a, name_a), (b, run_b, name_b))])
     if b is not None and name_a == name_b and run_a and run_b:  # one path of two runs
         run_names = [run_name(f) for f in (a, b)]
         if short_labels and labels is None and (
@@ -817,6 +821,11 @@ def compare_files(a: str | Path, b: str | Path | None = None, path_name: str | N
         if shown != [name_a, name_b]:
             labels_said = f"{shown[0]}: {a}; {shown[1]}: {b}"
             name_a, name_b = shown
+    if short_labels and labels is None and (
+            numbered := header_labels([name_a, name_b])) == ["#1", "#2"]:
+        # still too long for the headers, or one name twice
+        labels_said = f"#1: {whole[0]}; #2: {whole[1]}"
+        name_a, name_b = numbered
     return Comparison.of(
         ba, bb, name_a, name_b,
         [fell_back_text(name, reason) for name, reason

@@ -46,3 +46,18 @@ def distinct_words(labels: list[str]) -> list[str]:
 
 
 _LETTER = re.compile(r"[^\W\d_]")
+
+
+LABEL_MOST = 24   # characters of a column header's label: a longer one wraps, a few a line
+
+
+def header_labels(labels: list[str]) -> list[str]:
+    """``labels`` for a table's column headers: ``distinct_words``, or "#1", "#2", … where one
+    is still longer than LABEL_MOST characters or they are one name twice (``x`` and ``x'``:
+    one file given twice). Beside the table, say what each label is."""
+    shown = distinct_words(labels)
+    twice = len({label.removesuffix("'") for label in labels}) < len(labels)
+    if twice or max(map(len, shown), default=0) > LABEL_MOST:
+        return [f"#{i}" for i in range(1, len(labels) + 1)]
+    return shown
+

@@ -791,17 +791,26 @@ def test_compare_a_run_its_paths_and_labels(tmp_path):
     assert (json.loads(kept.output)["a"], json.loads(kept.output)["b"]) == (
         "cpu-old:specialized", "cpu-new:specialized")
     assert "kda: 9 ops / " in two.output
-    # in the table, runs named by their time alone where the rest of the names is shared
-    for name in ("20261203T064913Z-tiny-b2", "20261203T071135Z-tiny-b2"):
+    # in the table, runs named by their time alone where the rest of the names is shared;
+    # and where that is still too long for a column's header, numbered, each said below
+    for name in ("0643Z-tiny-b2", "0711Z-tiny-b2", "20261203T064913Z-tiny-b2",
+                 "20261203T071135Z-tiny-b2"):
         (tmp_path / name).mkdir()
         shutil.copy(BASELINE, tmp_path / name / "breakdown.json")
+    timed = run("compare", tmp_path / "0643Z-tiny-b2", tmp_path / "0711Z-tiny-b2", "--path",
+                "specialized")
+    text = " ".join(timed.output.split())
+    assert timed.exit_code == 0 and "0643Z:specialized vs 0711Z:specialized" in text, text
+    assert (f"0643Z: {tmp_path / '0643Z-tiny-b2'}; 0711Z: {tmp_path / '0711Z-tiny-b2'}") in text
     timed = run("compare", tmp_path / "20261203T064913Z-tiny-b2",
                 tmp_path / "20261203T071135Z-tiny-b2", "--path", "specialized")
     text = " ".join(timed.output.split())
-    assert timed.exit_code == 0 and "20261203T064913Z:specialized vs 20261203T071135Z:specia" \
-        "lized" in text, timed.output
-    assert (f"20261203T064913Z: {tmp_path / '20261203T064913Z-tiny-b2'}; 20261203T071135Z: "
-            f"{tmp_path / '20261203T071135Z-tiny-b2'}") in text
+    assert timed.exit_code == 0 and "Per layer type: #1 vs #2" in text, timed.output
+    assert (f"#1: {tmp_path / '20261203T064913Z-tiny-b2'} (specialized); #2: "
+            f"{tmp_path / '20261203T071135Z-tiny-b2'} (specialized)") in text
+    # one file twice: numbered too, not x and x'
+    twice = " ".join(run("compare", VLLM, VLLM).output.split())
+    assert "Per layer type: #1 vs #2" in twice and f"#1: {VLLM}; #2: {VLLM}" in twice
     timed_json = json.loads(run("compare", tmp_path / "20261203T064913Z-tiny-b2",
                                 tmp_path / "20261203T071135Z-tiny-b2", "--path", "specialized",
                                 "--format", "json").output)
