@@ -814,31 +814,44 @@ def _step_behind(check: Check, base: Breakdown, cur: Breakdown,
     """Where a whole step's change lies, by part (its prologue, epilogue, the layers of each
     type and what lies between them): the medians of each part over the steps (for
     ``span_us_mean``, the means; for ``kernels_max``, the parts of the largest step), the (at
-    most three) that moved most in the change's direction."""
+    most three) that moved most in the change's direction, and beside them a part that moved
+    the other way by as much as the step (which the change's net alone would hide: 434 → 423
+    kernels as B layers -216 and A layers +204). A part a side holds in some of its steps only
+    says in how many (its median over the steps is no step's)."""
     metric = check.metric.removesuffix("_max").removesuffix("_mean")
     if not all(_says_where(b) for b in (base, cur)):
         return None
     largest = check.metric.endswith("_max")
     average = np.mean if check.metric.endswith("_mean") else np.median
-    sides = []
+    sides, partial = [], {}
     for b, names in ((base, {t: t for t, _ in pairs if t is not None}),
                      (cur, {c: _run_type_label(t, c, base) for t, c in pairs if c is not None})):
         parts = _step_parts(b, metric, names)
         pick = int(np.argmax([s[metric] for s in b.steps]))
         sides.append({part: float(v[pick] if largest else average(v))
                       for part, v in parts.items()})
+        for part, v in parts.items():
+            if not largest and part.endswith(" layers") and 0 < (held := int(np.count_nonzero(
+                    v))) < len(v):
+                partial.setdefault(part, []).append(
+                    f"{held} of {len(v)} steps{' in the run' if b is cur else ''}")
     moves = [(sides[1].get(part, 0.0) - sides[0].get(part, 0.0), part)
              for part in dict.fromkeys([*sides[0], *sides[1]])]
     sign = 1 if check.status == "regression" else -1   # (kernels and µs alike: more is worse)
+    net = abs((check.current or 0.0) - (check.baseline or 0.0))
     # (a move that prints as 0.0 is float rounding, not a move)
     moved = sorted((m for m in moves if m[0] * sign >= 0.05), key=lambda m: -abs(m[0]))[:3]
     if not moved:
         return None
+    against = [m for m in moves if -m[0] * sign >= max(net, 0.05)]
+    shown = sorted([*moved, *sorted(against, key=lambda m: -abs(m[0]))[:1]],
+                   key=lambda m: -abs(m[0]))
     unit = f" {cur.unit}" if metric == "kernels" else " µs"
     return (("the largest step: " if largest else
              f"per step ({'means' if average is np.mean else 'medians'}): ")
             + ", ".join(f"{part} {delta:+.{1 if metric != 'kernels' or delta % 1 else 0}f}"
-                        + unit for delta, part in moved))
+                        + unit + (f" (in {', '.join(partial[part])})" if part in partial
+                                  else "") for delta, part in shown))
 
 
 def _run_type_label(base_type: str | None, cur_type: str, base: Breakdown) -> str:

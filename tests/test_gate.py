@@ -565,6 +565,28 @@ def test_traces_of_other_gpus_are_said_to_be_captured_differently():
     assert same["run_differences"] == [] and same["breakdown_differences"] == []
 
 
+def test_a_step_s_change_is_explained_both_ways_and_parts_of_some_steps_say_so():
+    """A step of 434 kernels against one of 423 (vLLM decode against prefill + decode): its
+    B layers lost 216, its A layers gained 204; both said, not -216 as if it explained -11.
+    A layer type the run holds in some of its steps only says in how many (its median over
+    the steps is no step's)."""
+    decode, mixed = (KINETO / f"tracelens_vllm_gptoss20b_{x}_mi300x.json.gz"
+                     for x in ("decode_fullgraph", "prefilldecode_piecewise"))
+    checks = {c.metric: c for c in gate_files(decode, mixed).result.checks
+              if c.layer_type == "step"}
+    assert (checks["kernels"].baseline, checks["kernels"].current) == (434, 423)
+    assert checks["kernels"].detail == ("per step (medians): B layers -216 kernels, "
+                                        "A layers +204 kernels")
+    control = KINETO / "hta_trace_diff_control_a100_rank3.json.gz"
+    test = KINETO / "hta_trace_diff_test_v100_rank1_cudagraph.json.gz"
+    checks = {c.metric: c for c in gate_files(control, test).result.checks
+              if c.layer_type == "step"}
+    assert checks["kernels"].detail.startswith(
+        "per step (medians): D layers +458 kernels (in 4 of 6 steps in the run), C layers "
+        "+252.5 kernels (in 3 of 6 steps in the run)")
+    assert "steps in the run" not in checks["kernels_max"].detail   # (one step's own parts)
+
+
 def test_a_baseline_with_nothing_to_check_is_refused(tmp_path):
     """A baseline captured without GPU work (nsys -t nvtx) would pass every run with 0
     checks, a nightly gate that never fails: it is refused, by the library and the CLI."""
