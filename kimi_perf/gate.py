@@ -553,8 +553,10 @@ def gate(baseline: dict[str, Breakdown], current: dict[str, Breakdown],
                 found.append(Check(path, label, "pattern", None, None, None, None, "changed",
                                    None if swap is True else swap))
             if (layers := _layers_check(path, label, base, base_type, cur, cur_type)):
-                if windows is not None and layers.status == "differs":
-                    layers.status, layers.detail = "changed", windows   # (other work)
+                if windows is not None and layers.status == "differs":   # (other work)
+                    layers.status = "changed"
+                    layers.detail = windows if base_type == STEP else _window_holds(
+                        layers, unequal_windows(base, cur))
                 found.append(layers)
             for metric in tolerances.metrics:
                 # (steps count kernels too: those outside every layer, a step's prologue and
@@ -592,6 +594,9 @@ def gate(baseline: dict[str, Breakdown], current: dict[str, Breakdown],
                 if shifted and check.status in ("regression", "improvement", "missing",
                                                 "differs"):
                     check.status = "changed"
+                elif base_type == STEP and windows is not None and check.status in (
+                        "ok", "noise"):   # (a window's span is the window's, whatever ran)
+                    check.status, check.detail = "changed", windows
                 if cur_type not in (None, label):
                     check.run_layer_type = cur_type
             checks += found
@@ -649,6 +654,14 @@ def _unequal_windows(base: Breakdown | None, cur: Breakdown | None) -> str | Non
         return None
     return (f"each device is one step, the profiler's window: {layers[0]:g} layers a step in "
             f"the baseline, {layers[1]:g} in the run")
+
+
+def _window_holds(layers: Check, in_all: tuple[float, float]) -> str:
+    """A layer type's ``layers`` check where the profiler's windows hold other work: its own
+    count a step on each side, with the windows' layers in all."""
+    return (f"each device is one step, the profiler's window: {layers.baseline:g} of these a "
+            f"step in the baseline, {layers.current:g} in the run ({in_all[0]:g} and "
+            f"{in_all[1]:g} layers in all)")
 
 
 def _rotated(base: Breakdown, base_type: str, cur: Breakdown, cur_type: str) -> bool:

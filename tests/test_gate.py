@@ -274,7 +274,13 @@ def test_gate_of_a_real_before_and_after_pair_with_blocks_cut_elsewhere():
         "each device is one step, the profiler's window: 17 layers a step in the baseline, 15 "
         "in the run")
     # windows of other work: their layers a step do not compare either, the blocks' included
+    # (each row says its own count), nor does any step check: a window's span is the window's
     assert checks[("A", "layers")]["status"] == checks[("step", "layers")]["status"] == "changed"
+    assert checks[("A", "layers")]["detail"] == (
+        "each device is one step, the profiler's window: 16 of these a step in the baseline, 15 "
+        "in the run (17 and 15 layers in all)")
+    assert {c["status"] for (t, _), c in checks.items() if t == "step"} == {"changed"}
+    assert abs(checks[("step", "span_us")]["change"]) < 1e-4   # (299,255 against 299,260 µs)
     back = CliRunner().invoke(main, ["gate", str(after), str(before)])
     assert back.exit_code == 0, back.output
 
