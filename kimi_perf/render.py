@@ -536,7 +536,8 @@ def gate_headline(result: GateResult) -> str:
                      + (" on every step" if status == "fell back" else "")
                      for status, n in sorted(counts.items(), reverse=True))
     return (f"gate: FAIL, {said}: {worst}"
-            + (f"; and {more} more (the table lists them)" if more > 0 else ""))
+            + (f"; and {more} more (the table lists {'it' if more == 1 else 'them'})" if more > 0
+               else ""))
 
 
 def floors_table(doc: dict) -> Table:
