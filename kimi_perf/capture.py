@@ -259,6 +259,8 @@ def capture(req: TraceRequest, progress=None) -> tuple[Path, dict[str, Breakdown
                                  holding="with the ranks' sharded, packed copies"
                                  if req.tp > 1 else "with the model's packed copy"):
         raise TraceError(None, problem)
+    if problem := _decode_memory_problem(req, config, device, need_of(config)):
+        raise TraceError(None, problem)
     with run_directory(req.out_dir, f"{req.preset}-b{req.batch}") as (run_dir, final):
         run_info, results = _capture_all(req, config, device, run_dir, final, progress)
     return final, results, run_info
@@ -296,8 +298,45 @@ def memory_problem(config, preset_name: str, device: str, need_of=None,
             f"{instead}")
 
 
+def decode_bytes(req: TraceRequest, config) -> int:
+    """About what a capture holds beside its weights at its largest, over its TP ranks: each
+    rank's decode state (the caches, for the prompt and every step: ``DecodeState.bytes_of``)
+    and its prefill of the prompt through a gated-MLA layer (fp32 scores over the prompt for
+    each head, three times over as masked and softmaxed, and the fp32 copy of the cache)."""
+    from kimi_perf.decode.harness import GRAPH_WARMUP_RUNS
+    from kimi_perf.decode.model import DecodeState
+
+    rank = config.shard(req.tp) if req.tp > 1 else config
+    width = 1 + req.spec_tokens
+    steps = req.warmup + req.steps + (GRAPH_WARMUP_RUNS if req.graphs else 0)
+    state = DecodeState.bytes_of(rank, req.batch, req.context + steps * width,
+                                 1 if req.kv_cache == "fp8" else 2, 2,
+                                 width if req.spec_tokens else 0)
+    b, t = req.batch, req.context
+    has_mla = any(rank.is_mla(i) for i in range(rank.n_layers))
+    prefill = b * t * (t * (3 * 4 * rank.mla_heads_local + 2) + 4 * rank.kv_cache_dim) \
+        if has_mla else 0
+    return req.tp * (state + prefill)
+
+
+def _decode_memory_problem(req: TraceRequest, config, device: str, weights: int) -> str | None:
+    """Why a capture's caches and prefill (``decode_bytes``) cannot fit beside its weights,
+    said before any work: a cache too large for the machine fills its memory page by page
+    until the out-of-memory killer ends the process, with no error to say so."""
+    free = available_memory(device)
+    need = decode_bytes(req, config)
+    if free is None or weights + need <= free:
+        return None
+    return (f"out of memory for batch {req.batch}, context {req.context}, {req.warmup} + "
+            f"{req.steps} steps: the KV caches and the prompt's attention take about "
+            f"{_size(need)} beside about {_size(weights)} for the weights, and "
+            f"{'the GPU' if device == 'cuda' else 'this machine'} has {_size(free)} free: "
+            "take a smaller batch, context or step count")
+
+
 def _size(n: int) -> str:
-    return f"{n / 1e9:.1f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB"
+    return (f"{n / 1e12:,.1f} TB" if n >= 1e12 else f"{n / 1e9:.1f} GB" if n >= 1e9
+            else f"{n / 1e6:.1f} MB")
 
 
 def available_memory(device: str) -> int | None:

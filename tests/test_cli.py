@@ -2212,6 +2212,35 @@ def test_buffers_the_machine_cannot_allocate_are_one_line(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_cache_the_machine_cannot_hold_is_refused_before_any_work(tmp_path, monkeypatch):
+    """A context within the option's range whose KV cache and prefill pass the free memory:
+    such a cache fills memory page by page, and the out-of-memory killer ended the process
+    (exit 137, an empty run directory left). Said in one line before any work instead, from
+    the state's bytes, which are what DecodeState.empty allocates."""
+    torch = pytest.importorskip("torch")
+    from kimi_perf import capture
+    from kimi_perf.decode.config import preset
+    from kimi_perf.decode.model import FP8, DecodeState
+
+    for name, tp, kv, verify in (("tiny", 1, torch.bfloat16, 0), ("tiny", 2, FP8, 4),
+                                 ("k3-tp16", 1, FP8, 0)):
+        c = preset(name, n_layers=4).shard(tp) if tp > 1 else preset(name, n_layers=4)
+        state = DecodeState.empty(c, 3, 40, kv, torch.bfloat16, max_verify=verify)
+        held = [t for group in (state.kda, state.conv, state.kv, state.records, state.inputs)
+                for t in group.values()]
+        assert DecodeState.bytes_of(c, 3, 40, kv.itemsize, 2, verify) == sum(
+            t.numel() * t.element_size() for t in held), name
+    monkeypatch.setattr(capture, "available_memory", lambda device: 10**9)
+    out = tmp_path / "runs"
+    _one_line_error(run("trace", "--context", "16777216", "--layers", "2", "--out", out),
+                    "out of memory for batch 2, context 16777216, 1 + 3 steps: the KV caches "
+                    "and the prompt's attention take about ", "and this machine has 1.0 GB "
+                    "free: take a smaller batch, context or step count")
+    assert not out.exists()
+    assert run("trace", "--context", "16", "--layers", "2", "--steps", "1", "--paths",
+               "standard", "--out", out).exit_code == 0   # what fits still runs
+
+
 # Bad input a sweep of every command found ending in a traceback or raw terminal output; each
 # is now one line naming the file, or written out.
 

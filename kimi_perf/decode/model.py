@@ -121,6 +121,22 @@ class DecodeState:
             q_scale=q_scale,
         )
 
+    @staticmethod
+    def bytes_of(c: K3Config, batch: int, max_len: int, kv_bytes: int, dtype_bytes: int,
+                 max_verify: int = 0) -> int:
+        """The bytes ``empty`` allocates for these sizes (``kv_bytes``, ``dtype_bytes``: an
+        element of the latent cache and of the model's dtype): checked before a run starts,
+        as a cache the machine cannot hold fills its memory page by page, for the
+        out-of-memory killer to end, not an error."""
+        h, d = c.kda_heads_local, c.kda_head_dim
+        kda_layers = sum(not c.is_mla(i) for i in range(c.n_layers))
+        per_kda = batch * h * d * d * 4 + batch * 3 * h * d * (c.conv_size - 1) * dtype_bytes
+        if max_verify:   # the records (fp32) and inputs of a verify step, two of each
+            per_kda += 2 * batch * h * max_verify * 3 * d * 4
+            per_kda += 2 * batch * max_verify * 3 * h * d * dtype_bytes
+        mla_layers = c.n_layers - kda_layers
+        return kda_layers * per_kda + mla_layers * batch * max_len * c.kv_cache_dim * kv_bytes
+
     @property
     def kv_capacity(self) -> int | None:
         """Tokens per sequence the latent caches hold (None: no gated-MLA layer)."""
