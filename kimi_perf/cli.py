@@ -1231,6 +1231,7 @@ def _print_run(console: Console, run_dir: Path, results: dict[str, Breakdown],
     table), the notes, the floors, each path's decode metrics and where the files are."""
     from kimi_perf.comparison import compare as compare_breakdowns
     from kimi_perf.comparison import sides_notes
+    from kimi_perf.report import capture_said, cold_start_text
 
     labels = list(results)
     a = labels[0]
@@ -1240,6 +1241,8 @@ def _print_run(console: Console, run_dir: Path, results: dict[str, Breakdown],
                 for b in labels[1:]]
     on_cpu = [label for label, b in results.items() if b.unit == "ops"]
     unit = units_word(b.unit for b in results.values())
+    if said := capture_said(run_info):   # (the counts below depend on it: opt-ins add launches)
+        console.print(f"captured: {said}")
     if len(labels) >= 3:  # a TP run's ranks, say: every one in one table
         from kimi_perf.comparison import overview
 
@@ -1282,8 +1285,6 @@ def _print_run(console: Console, run_dir: Path, results: dict[str, Breakdown],
                       "layer must move at least (kimi-perf floors)")
     if on_cpu:
         who = "Run" if len(on_cpu) == len(labels) else ", ".join(on_cpu) + " ran"
-        from kimi_perf.report import cold_start_text
-
         cold = f"; {said}" if (said := cold_start_text(run_info)) else ""
         console.print(f"{who} on a CPU, with no GPU kernels: 'ops' are the launches each path "
                       f"annotates (one per kernel it would run on a GPU), timed on the CPU{cold}.")

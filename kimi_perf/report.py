@@ -417,6 +417,14 @@ def _capture_items(run: dict) -> list[tuple[str, object]]:
     return items
 
 
+def capture_said(run: dict) -> str | None:
+    """How a capture was made, on one line (what the report's first table says but the seed
+    and the versions); None for a run of traces analysed (``trace --from``)."""
+    shown = [(what, v) for what, v in _capture_items(run) if v is not None and what not in (
+        "seed", "driver, CUDA", "python, torch, triton")]
+    return "; ".join(f"{what} {v}" for what, v in shown) or None
+
+
 def _version_items(run: dict) -> list[tuple[str, object]]:
     env = run.get("environment") or {}
     commit = env.get("git_commit") or run.get("git_commit")

@@ -303,6 +303,9 @@ def test_a_path_that_fell_back_on_every_step_is_said_so_by_compare_report_and_ga
     kda = next(line for line in printed.splitlines() if line.startswith("│ kda"))
     assert [cell.strip() for cell in kda.split("│")[-3:-1]] == ["-", "-"], kda
     assert "(standard) vs" not in printed   # no headline of one path against itself
+    # first, how it was captured (opt-ins add launches: the counts depend on it)
+    assert printed.startswith("captured: preset tiny, 8 layers (config ")
+    assert "specialized path's opt-ins none; device cpu" in printed.splitlines()[0]
     drawn = run("report", run_file, VLLM, "--path", "specialized", "--labels", "run,vllm",
                 "-o", report)
     assert drawn.exit_code == 0, drawn.output
