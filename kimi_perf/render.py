@@ -423,7 +423,8 @@ def validation_table(result: dict) -> Table:
     steps = (f"{counted(n, 'verify step')} of 1+{k} tokens" if k
              else counted(n, "decode step"))
     table = _table(f"Decode paths vs float64 reference: preset {result['preset']}, "
-                   f"{result['dtype']}, {result['kv_cache']} KV cache, batch "
+                   f"{counted(result['n_layers'], 'layer')}, {result['dtype']}, "
+                   f"{result['kv_cache']} KV cache, {result['experts']} experts, batch "
                    f"{result['batch']}, {steps}",
                    ["path", "layer type", "max error", "bound", "launches/layer"],
                    left=("path", "layer type"))

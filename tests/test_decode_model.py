@@ -349,7 +349,9 @@ def test_validate_cli(tmp_path):
     spec = CliRunner().invoke(main, ["validate", "--steps", "2", "--paths", "standard",
                                      "--spec-tokens", "2"])
     assert spec.exit_code == 0, spec.output
-    assert "2 verify steps of 1+2 tokens" in spec.output
+    # the title says what was checked: the depth and the experts' storage too
+    assert ("preset tiny, 8 layers, bfloat16, bf16 KV cache, bf16 experts, batch 2, 2 verify "
+            "steps of 1+2 tokens") in " ".join(spec.output.split())
     assert spec.output.rstrip().endswith("validate: pass (standard within bounds)")
     too_many = CliRunner().invoke(main, ["validate", "--spec-tokens", "1000000"])
     assert too_many.exit_code == 2 and too_many.output.count("\n") == 1
