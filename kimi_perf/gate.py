@@ -298,6 +298,13 @@ def gate_files(baseline: str | Path, run: str | Path, tolerances: Tolerances = T
                 check.status = "changed"
                 check.detail = (f"models of {depths[0]} and {depths[1]} layers: a step is "
                                 "other work")
+            elif (check.status in ("new", "missing") and check.layer_type != STEP
+                  and check.path in base and check.path in current):
+                # a layer type one depth has and the other not (2 layers: no KDA layer)
+                lacking = "run" if check.status == "missing" else "baseline"
+                check.detail = (f"models of {depths[0]} and {depths[1]} layers: the "
+                                f"{lacking}'s has no {check.layer_type} layer")
+                check.status = "changed"
     _check_fallbacks(result, base_doc, run_doc, base, current)   # (a failure whatever the depth)
     result.breakdown_differences = breakdown_differences(base, current)
     if strict and result.run_differences:

@@ -1512,6 +1512,24 @@ def test_steps_of_a_model_of_another_depth_are_other_work(tmp_path):
         ("specialized", "kernels"), ("specialized", "kernels_max")}
     assert all(c.layer_type == "kda" for c in result.failures)
     assert "layers 8 vs 4" in result.run_differences
+    # a model of 2 layers has no KDA layer: no layer type "missing" from it, but changed
+    doc = json.loads(BASELINE.read_text())
+    doc["run"]["n_layers"] = 2
+    for name, path in doc["paths"].items():
+        path["layers"] = [x for x in path["layers"] if x["type"] != "kda"]
+        path["layer_types"] = [t for t in path["layer_types"] if t["type"] != "kda"]
+        for step in path["steps"]:
+            step["layers"] = sum(x["step"] == step["index"] for x in path["layers"])
+    two = tmp_path / "two.json"
+    two.write_text(json.dumps(doc))
+    for base, run, lacking in ((BASELINE, two, "run"), (two, BASELINE, "baseline")):
+        result = gate_files(base, run, Tolerances(metrics="kernels")).result
+        kda = [c for c in result.checks if c.layer_type == "kda"]
+        assert kda and {(c.status, c.detail) for c in kda} == {
+            ("changed", f"models of {8 if lacking == 'run' else 2} and "
+                        f"{2 if lacking == 'run' else 8} layers: the {lacking}'s has no kda "
+                        "layer")}
+        assert result.ok
 
 
 def test_a_path_the_run_lacks_is_missing_whatever_the_models_depth(tmp_path):
