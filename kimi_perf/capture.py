@@ -377,9 +377,12 @@ def _capture_all(req: TraceRequest, config, device: str, run_dir: Path, final: P
         "date": dt.datetime.now(dt.UTC).isoformat(),
         "environment": environment(device), "paths": {},
         # what a layer of one rank must move at least, and its time at an H200's bandwidth:
-        # the floor a GPU run's per-layer µs are held against (kimi-perf floors)
+        # the floor a GPU run's per-layer µs are held against (kimi-perf floors), its
+        # attention over the cache the median profiled step reads (the prompt and the steps
+        # before it, its own tokens included)
         "floors": floors(config.shard(req.tp) if req.tp > 1 else config, req.batch,
-                         req.context, Storage(experts=req.experts, kv_cache=req.kv_cache),
+                         req.context + (req.warmup + req.steps // 2 + 1) * (1 + req.spec_tokens),
+                         Storage(experts=req.experts, kv_cache=req.kv_cache),
                          tokens=1 + req.spec_tokens,
                          layer_types=tuple(t for t in ("kda", "mla", "dense")
                                            if t in config.layer_types())),

@@ -490,7 +490,9 @@ def test_trace_command_captures_both_paths(tmp_path):
     assert run["report"] == "report.html"        # relative to the run directory, as its traces
     from kimi_perf.decode.floors import floors  # the floors of the run's shapes, recorded
 
-    assert run["floors"] == json.loads(json.dumps(floors(SMALL, run["batch"], run["context"])))
+    # (over the cache the median profiled step reads: the prompt, the steps to it, its own)
+    read = run["context"] + run["warmup_steps"] + run["decode_steps"] // 2 + 1
+    assert run["floors"] == json.loads(json.dumps(floors(SMALL, run["batch"], read)))
     for path, launches in (("standard", {"kda": 18, "mla": 24}),
                            ("specialized", {"kda": 9, "mla": 12})):
         types = {t["type"]: t for t in saved["paths"][path]["layer_types"]}
@@ -540,7 +542,8 @@ def test_trace_command_with_speculative_decoding(tmp_path):
     doc = json.loads(result.output)
     run = doc["run"]
     assert run["spec_tokens"] == 3 and "--spec-tokens 3" in run["command"]
-    assert run["floors"] == json.loads(json.dumps(floors(SMALL, 2, 3, tokens=4)))
+    # the median of 2 steps of 4 tokens a sequence reads the 3 of the prompt and 2 x 4
+    assert run["floors"] == json.loads(json.dumps(floors(SMALL, 2, 3 + 2 * 4, tokens=4)))
     for path, launches in (("standard", {"kda": 18, "mla": 24}),
                            ("specialized", {"kda": 9, "mla": 12})):
         types = {t["type"]: t for t in doc["paths"][path]["layer_types"]}
