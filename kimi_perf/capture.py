@@ -34,7 +34,12 @@ from pathlib import Path
 from typing import Any
 
 from kimi_perf import __version__
-from kimi_perf.decode.fallbacks import every_decode_step_fell_back, summarise
+from kimi_perf.decode.fallbacks import (
+    every_decode_step_fell_back,
+    fell_back_text,
+    paths_that_fell_back,
+    summarise,
+)
 from kimi_perf.errors import TraceError, stat_problem
 from kimi_perf.layer_breakdown import Breakdown, breakdown, breakdown_of_file
 from kimi_perf.readers import read_trace
@@ -302,7 +307,8 @@ def decode_bytes(req: TraceRequest, config) -> int:
     """About what a capture holds beside its weights at its largest, over its TP ranks: each
     rank's decode state (the caches, for the prompt and every step: ``DecodeState.bytes_of``)
     and its prefill of the prompt through a gated-MLA layer (fp32 scores over the prompt for
-    each head, three times over as masked and softmaxed, and the fp32 copy of the cache)."""
+    each head, three times over as masked and softmaxed, and the fp32 copy of the cache), or
+    with CUDA graphs the state twice (``GraphedDecodeStep`` saves it while warming up)."""
     from kimi_perf.decode.harness import GRAPH_WARMUP_RUNS
     from kimi_perf.decode.model import DecodeState
 
@@ -316,7 +322,8 @@ def decode_bytes(req: TraceRequest, config) -> int:
     has_mla = any(rank.is_mla(i) for i in range(rank.n_layers))
     prefill = b * t * (t * (3 * 4 * rank.mla_heads_local + 2) + 4 * rank.kv_cache_dim) \
         if has_mla else 0
-    return req.tp * (state + prefill)
+    # CUDA graphs: after the prefill, the graph's warm-up saves a copy of the whole state
+    return req.tp * max(state + prefill, 2 * state if req.graphs else 0)
 
 
 def _decode_memory_problem(req: TraceRequest, config, device: str, weights: int) -> str | None:
@@ -378,10 +385,10 @@ def _capture_all(req: TraceRequest, config, device: str, run_dir: Path, final: P
         "environment": environment(device), "paths": {},
         # what a layer of one rank must move at least, and its time at an H200's bandwidth:
         # the floor a GPU run's per-layer µs are held against (kimi-perf floors), its
-        # attention over the cache the median profiled step reads (the prompt and the steps
-        # before it, its own tokens included)
+        # attention over the cache the median profiled step reads at least: the prompt, a
+        # token of each step before it (a verify step keeps 1 to 1+k), its own 1+k
         "floors": floors(config.shard(req.tp) if req.tp > 1 else config, req.batch,
-                         req.context + (req.warmup + req.steps // 2 + 1) * (1 + req.spec_tokens),
+                         req.context + req.warmup + req.steps // 2 + 1 + req.spec_tokens,
                          Storage(experts=req.experts, kv_cache=req.kv_cache),
                          tokens=1 + req.spec_tokens,
                          layer_types=tuple(t for t in ("kda", "mla", "dense")
@@ -647,11 +654,15 @@ def run_document(run_dir: Path, results: dict[str, Breakdown], run_info: dict,
     from kimi_perf.comparison import Comparison, overview, overview_json
 
     first, *others = results
+    fell_back = paths_that_fell_back(run_info)
     comparisons = []
     for other in others:
-        c = Comparison.of(results[first], results[other], first, other)
+        c = Comparison.of(results[first], results[other], first, other,
+                          [fell_back_text(p, why) for p, why in fell_back.items()
+                           if p in (first, other)])
         comparisons.append({"a": first, "b": other, "rows": [r.to_json() for r in c.rows],
-                            "notes": c.notes})
+                            "notes": c.notes, **({"fell_back": c.fell_back} if c.fell_back
+                                                 else {})})
     doc = {"schema": 1, "run_dir": str(run_dir), "run": run_info,
            "paths": {k: b.to_json(lazy_layers) for k, b in results.items()},
            "comparisons": comparisons}

@@ -561,8 +561,9 @@ def compare_cmd(a: Path, b: Path | None, path_name: str | None, fmt: str, layers
         _emit(json_text(c.to_json(kernels)), output)
         return
     unit, unit_b = c.a.unit, c.b.unit
+    headline = render.comparison_headline(c.rows, c.label_a, c.label_b, unit, unit_b)
     tables = [render.comparison_table(c.rows, c.label_a, c.label_b, unit, unit_b),
-              render.comparison_headline(c.rows, c.label_a, c.label_b, unit, unit_b),
+              *([headline] if headline else []),
               *([c.labels_said] if c.labels_said else []), *c.side_notes, *c.fell_back]
     for type_pair in type_pairs(c.a, c.b, c.rows) if kernels else ():
         tables.append(render.typical_layer_table(
@@ -738,7 +739,7 @@ def report_cmd(inputs: tuple[Path, ...], path_name: str | None, labels: str | No
                     "git_commit": git_commit(),
                     "date": datetime.datetime.now(datetime.UTC).isoformat()}
     write_report(output, got.breakdowns, "kimi-perf report: " + ", ".join(got.breakdowns),
-                 run_info, plotly_js, got.runs, got.fell_back)
+                 run_info, plotly_js, got.runs, got.fell_back, got.no_ratios)
     for line in got.captured_differently():
         click.echo(line, err=True)
     if str(output) != "-":      # the report itself went to stdout

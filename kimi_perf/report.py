@@ -606,12 +606,14 @@ class ReportInputs:
     paths by name, or ``RUN:path`` of several inputs), ``run`` (one run's run.json, of the
     path ``--path`` picked alone), ``runs`` (of several runs: each one's name and run.json)
     and ``fell_back`` (label: why, of drawn paths whose every step fell back, when drawn from
-    several inputs; one run's own says so itself)."""
+    several inputs; one run's own says so itself); ``no_ratios``: the labels of every drawn
+    path whose every step fell back, one run's own too (their comparisons get no ratio)."""
 
     breakdowns: dict[str, Breakdown]
     run: dict | None = None
     runs: list[tuple[str, dict]] = field(default_factory=list)
     fell_back: dict[str, str] = field(default_factory=dict)
+    no_ratios: set[str] = field(default_factory=set)
 
     def relabelled(self, labels: list[str]) -> ReportInputs:
         """The same inputs under ``labels``, one for each breakdown, in order."""
@@ -620,7 +622,8 @@ class ReportInputs:
         renamed = dict(zip(self.breakdowns, labels, strict=True))
         return ReportInputs(dict(zip(labels, self.breakdowns.values(), strict=True)),
                             self.run, self.runs,
-                            {renamed[label]: why for label, why in self.fell_back.items()})
+                            {renamed[label]: why for label, why in self.fell_back.items()},
+                            {renamed[label] for label in self.no_ratios})
 
     def captured_differently(self) -> list[str]:
         """How each run after the first was captured differently from it, a line each."""
@@ -651,14 +654,16 @@ def report_inputs(inputs: list[str | Path], path_name: str | None = None,
             got.runs.append((run_name(file), info))
         if run_doc is not None and path_name is not None:
             runs = dict([one_path(file, runs, path_name)])
-        fell = paths_that_fell_back(info) if len(inputs) > 1 else {}   # (one run: its own)
+        fell = paths_that_fell_back(info)
         for name, b in runs.items():
             label = f"{run_name(file)}:{name}" if run_doc and len(inputs) > 1 else name
             while label in got.breakdowns:
                 label += "'"
             got.breakdowns[label] = b
             if name in fell:
-                got.fell_back[label] = fell[name]
+                got.no_ratios.add(label)
+                if len(inputs) > 1:   # (one run says its own)
+                    got.fell_back[label] = fell[name]
         if info is not None and len(inputs) == 1:  # the run's own: what ran
             got.run = info if path_name is None else {**info, "paths": {   # that path's alone
                 p: m for p, m in (info.get("paths") or {}).items() if p == path_name}}
@@ -667,15 +672,16 @@ def report_inputs(inputs: list[str | Path], path_name: str | None = None,
 
 def write_report(path: str | Path, breakdowns: dict[str, Breakdown], title: str,
                  run: dict | None = None, plotly_js: str = "inline",
-                 runs: list[tuple[str, dict]] = (), fell_back: dict[str, str] | None = None
-                 ) -> Path:
+                 runs: list[tuple[str, dict]] = (), fell_back: dict[str, str] | None = None,
+                 no_ratios: Collection[str] = ()) -> Path:
     """One HTML file (written atomically) from breakdowns alone (their ``timeline`` is drawn).
     ``run``: the run.json of a capture or ``--from``. ``plotly_js``: ``inline`` (the file
     opens offline; about 5 MB), ``cdn``, a URL, or the path (from here) of a
     ``plotly.min.js``, which the report refers to relative to itself (``plotly_js_for``).
     ``runs``: the run information of several runs drawn together, as (name, run.json);
     ``fell_back``: label: why, of the paths drawn from several inputs whose every step fell
-    back, said first (``run``'s own are said from it); neither gets a ratio."""
+    back, said first (``run``'s own are said from it); neither gets a ratio, nor do the
+    labels of ``no_ratios`` (a run's own paths that fell back, under labels of its own)."""
     if plotly_js not in PLOTLY_JS and not plotly_js.endswith(".js"):
         raise ValueError(f"plotly_js: inline, cdn or a path ending in .js, not {plotly_js!r}")
     if not breakdowns:
@@ -688,7 +694,7 @@ def write_report(path: str | Path, breakdowns: dict[str, Breakdown], title: str,
     breakdowns = {printable(label): b for label, b in breakdowns.items()}
     runs = [(printable(name), r) for name, r in runs]
     fell_back = {printable(label): why for label, why in (fell_back or {}).items()}
-    fallen = {*fell_back, *map(printable, paths_that_fell_back(run))}
+    fallen = {*fell_back, *map(printable, [*no_ratios, *paths_that_fell_back(run)])}
     # A row of about 16 px per layer, so that every layer keeps its label.
     rows_px = [120 + 16 * len((b.timeline or {}).get("segments", ()))
                for b in breakdowns.values()]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import gzip
 import html
@@ -303,6 +304,17 @@ def test_a_path_that_fell_back_on_every_step_is_said_so_by_compare_report_and_ga
     kda = next(line for line in printed.splitlines() if line.startswith("│ kda"))
     assert [cell.strip() for cell in kda.split("│")[-3:-1]] == ["-", "-"], kda
     assert "(standard) vs" not in printed   # no headline of one path against itself
+    # trace --format json's comparison likewise, and a report under labels of its own
+    from kimi_perf.capture import run_document
+
+    (compared,) = run_document(tmp_path, {name: Breakdown.from_json(b) for name, b
+                                          in stored["paths"].items()},
+                               stored["run"])["comparisons"]
+    assert compared["fell_back"] == [said] and no_ratios in " ".join(compared["notes"])
+    assert all(r["span_ratio"] is None and r["kernel_ratio"] is None for r in compared["rows"])
+    assert run("report", run_file, "--labels", "std,spec", "-o", report).exit_code == 0
+    page = report.read_text()
+    assert no_ratios in page and "<p>ratios:" not in page
     # first, how it was captured (opt-ins add launches: the counts depend on it)
     assert printed.startswith("captured: preset tiny, 8 layers (config ")
     assert "specialized path's opt-ins none; device cpu" in printed.splitlines()[0]
@@ -2242,6 +2254,12 @@ def test_a_cache_the_machine_cannot_hold_is_refused_before_any_work(tmp_path, mo
     assert not out.exists()
     assert run("trace", "--context", "16", "--layers", "2", "--steps", "1", "--paths",
                "standard", "--out", out).exit_code == 0   # what fits still runs
+    # CUDA graphs save a copy of the whole state while warming up: twice the state at least
+    request = capture.default_request(False)
+    graphed = dataclasses.replace(request, graphs=True)
+    tiny = preset("tiny")
+    state = DecodeState.bytes_of(tiny, 2, 8 + (1 + 3 + 2), 2, 2)   # (2 graph warm-up runs)
+    assert capture.decode_bytes(graphed, tiny) >= 2 * state > capture.decode_bytes(request, tiny)
 
 
 # Bad input a sweep of every command found ending in a traceback or raw terminal output; each

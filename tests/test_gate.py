@@ -1514,14 +1514,13 @@ def test_steps_of_a_model_of_another_depth_are_other_work(tmp_path):
     assert "layers 8 vs 4" in result.run_differences
     # a model of 2 layers has no KDA layer: no layer type "missing" from it, but changed
     doc = json.loads(BASELINE.read_text())
-    doc["run"]["n_layers"] = 2
-    for name, path in doc["paths"].items():
+    for path in doc["paths"].values():
         path["layers"] = [x for x in path["layers"] if x["type"] != "kda"]
         path["layer_types"] = [t for t in path["layer_types"] if t["type"] != "kda"]
         for step in path["steps"]:
             step["layers"] = sum(x["step"] == step["index"] for x in path["layers"])
     two = tmp_path / "two.json"
-    two.write_text(json.dumps(doc))
+    two.write_text(json.dumps(doc | {"run": doc["run"] | {"n_layers": 2}}))
     for base, run, lacking in ((BASELINE, two, "run"), (two, BASELINE, "baseline")):
         result = gate_files(base, run, Tolerances(metrics="kernels")).result
         kda = [c for c in result.checks if c.layer_type == "kda"]
@@ -1530,6 +1529,12 @@ def test_steps_of_a_model_of_another_depth_are_other_work(tmp_path):
                         f"{2 if lacking == 'run' else 8} layers: the {lacking}'s has no kda "
                         "layer")}
         assert result.ok
+    # but a model of 16 layers holds KDA layers: lost ones are missing, whatever the depths
+    sixteen = tmp_path / "sixteen.json"
+    sixteen.write_text(json.dumps(doc | {"run": doc["run"] | {"n_layers": 16}}))
+    result = gate_files(BASELINE, sixteen, Tolerances(metrics="kernels")).result
+    assert {c.status for c in result.checks if c.layer_type == "kda"} == {"missing"}
+    assert not result.ok
 
 
 def test_a_path_the_run_lacks_is_missing_whatever_the_models_depth(tmp_path):

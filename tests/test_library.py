@@ -134,13 +134,27 @@ def test_the_readmes_library_sample_names_what_exists():
     imported = [(node.module, alias.name) for node in ast.walk(tree)
                 if isinstance(node, ast.ImportFrom) for alias in node.names]
     assert len(imported) >= 10
+    functions = {}
     for module, name in imported:   # where it is defined (or the package exports it), not
         found = importlib.import_module(module)   # a name a module happens to import
         value = getattr(found, name)
+        functions[name] = value
         if module == "kimi_perf":
             assert name in found.__all__, name
         else:
             assert getattr(value, "__module__", module) == module, f"{module}.{name}"
+    # every keyword the sample passes is one its function takes (a parameter renamed or
+    # removed fails here, not in a reader's notebook)
+    import inspect
+
+    calls = [node for node in ast.walk(tree) if isinstance(node, ast.Call)
+             and isinstance(node.func, ast.Name) and node.func.id in functions]
+    assert any(call.keywords for call in calls)
+    for call in calls:
+        taken = inspect.signature(functions[call.func.id]).parameters
+        for keyword in call.keywords:
+            assert keyword.arg in taken or any(
+                p.kind is p.VAR_KEYWORD for p in taken.values()), (call.func.id, keyword.arg)
 
 
 def test_trace_from_json_says_what_compare_says(tmp_path):
