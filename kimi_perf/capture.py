@@ -309,15 +309,13 @@ def decode_bytes(req: TraceRequest, config) -> int:
     and its prefill of the prompt through a gated-MLA layer (fp32 scores over the prompt for
     each head, three times over as masked and softmaxed, and the fp32 copy of the cache), or
     with CUDA graphs the state twice (``GraphedDecodeStep`` saves it while warming up)."""
-    from kimi_perf.decode.harness import GRAPH_WARMUP_RUNS
+    from kimi_perf.decode.harness import cache_tokens
     from kimi_perf.decode.model import DecodeState
 
     rank = config.shard(req.tp) if req.tp > 1 else config
-    width = 1 + req.spec_tokens
-    steps = req.warmup + req.steps + (GRAPH_WARMUP_RUNS if req.graphs else 0)
-    state = DecodeState.bytes_of(rank, req.batch, req.context + steps * width,
-                                 1 if req.kv_cache == "fp8" else 2, 2,
-                                 width if req.spec_tokens else 0)
+    tokens = cache_tokens(req.context, req.warmup + req.steps, req.spec_tokens, req.graphs)
+    state = DecodeState.bytes_of(rank, req.batch, tokens, 1 if req.kv_cache == "fp8" else 2, 2,
+                                 1 + req.spec_tokens if req.spec_tokens else 0)
     b, t = req.batch, req.context
     has_mla = any(rank.is_mla(i) for i in range(rank.n_layers))
     prefill = b * t * (t * (3 * 4 * rank.mla_heads_local + 2) + 4 * rank.kv_cache_dim) \

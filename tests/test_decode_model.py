@@ -529,7 +529,7 @@ def test_spec_decode_harness(weights):
     verified tokens it accepted, counted as its decode tokens; the state holds exactly
     those."""
     from kimi_perf.capture import decode_tokens
-    from kimi_perf.decode.harness import run_decode
+    from kimi_perf.decode.harness import cache_tokens, run_decode
 
     model = K3Model(TINY, weights)
     prompt = torch.randint(0, TINY.vocab, (3, 4), generator=torch.Generator().manual_seed(8))
@@ -541,9 +541,14 @@ def test_spec_decode_harness(weights):
     assert state.lengths.tolist() == (4 + run.tokens.sum(1)).tolist()
     # the decode tokens of the profiled steps: what each accepted, warm-up left out
     assert decode_tokens(run, 1) == run.tokens[:, 1:].sum(0).tolist()
-    again = run_decode(K3Model(TINY, weights), prompt, steps=4, warmup=1, spec_tokens=3,
-                       seed=1)
+    fresh, sized = K3Model(TINY, weights), []
+    new_state = fresh.new_state
+    fresh.new_state = lambda batch, max_len, **kw: sized.append(max_len) or new_state(
+        batch, max_len, **kw)
+    again = run_decode(fresh, prompt, steps=4, warmup=1, spec_tokens=3, seed=1)
     assert torch.equal(again.tokens, run.tokens)                 # seeded
+    # the cache it builds holds the prompt and 1+3 for each step, as the memory check counts
+    assert sized == [cache_tokens(4, 5, 3, False)] == [4 + 5 * 4]
     with pytest.raises(ValueError, match="between 0 and 7"):
         run_decode(model, prompt, steps=1, spec_tokens=8)
     # Each step starts from the token after the sequence's accepted prefix: the argmax of the

@@ -150,6 +150,15 @@ def state_tensors(state: DecodeState) -> list[torch.Tensor]:
             *state.records.values(), *state.inputs.values(), *spec]
 
 
+def cache_tokens(prompt_len: int, steps: int, spec_tokens: int, cuda_graphs: bool) -> int:
+    """The tokens per sequence a ``run_decode`` cache must hold: the prompt and 1+k for each
+    of its ``steps`` (warm-up included) and, with CUDA graphs, each eager warm-up run of the
+    captured step (it writes the cache before the capture does). The capture's memory check
+    sizes the caches with it before it builds any."""
+    spare = GRAPH_WARMUP_RUNS if cuda_graphs else 0
+    return prompt_len + (steps + spare) * (1 + spec_tokens)
+
+
 def run_decode(model: K3Model, prompt: torch.Tensor, steps: int,
                state: DecodeState | None = None, kv_dtype: torch.dtype | None = None,
                after_step=None, warmup: int = 0,
@@ -175,9 +184,9 @@ def run_decode(model: K3Model, prompt: torch.Tensor, steps: int,
     batch, prompt_len = prompt.shape
     width = 1 + spec_tokens                    # tokens per sequence in each decode step
     verify = spec_tokens > 0
-    spare = GRAPH_WARMUP_RUNS if cuda_graphs else 0
-    state = state or model.new_state(batch, prompt_len + (warmup + steps + spare) * width,
-                                     kv_dtype=kv_dtype, max_verify=width if verify else 0)
+    state = state or model.new_state(
+        batch, cache_tokens(prompt_len, warmup + steps, spec_tokens, cuda_graphs),
+        kv_dtype=kv_dtype, max_verify=width if verify else 0)
     hook = _layer_hook(model)
     logits, prefill_s = _prefill(model, prompt, state)
     next_token = logits[:, -1].argmax(-1, keepdim=True)
