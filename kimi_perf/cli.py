@@ -581,8 +581,8 @@ def compare_cmd(a: Path, b: Path | None, path_name: str | None, fmt: str, layers
 @main.command(name="gate", short_help="A run against a stored baseline: exit 1 on a regression")
 @click.argument("baseline", type=PATH)
 @click.argument("run", type=PATH)
-@click.option("--metrics", default=",".join(gate_mod.METRICS), show_default=True,
-              help="what to check: kernels (per layer, exact), kernel_us, span_us")
+@click.option("--metrics", help="what to check: kernels (per layer, exact), kernel_us, "
+              "span_us  [default: all three; kernels alone where both sides are CPU runs]")
 @click.option("--rel-tol", default=0.05, show_default=True, type=FiniteFloatRange(0),
               help="a time regresses only past this relative rise of its median")
 @click.option("--abs-tol", default=1.0, show_default=True, type=FiniteFloatRange(0),
@@ -606,7 +606,7 @@ def compare_cmd(a: Path, b: Path | None, path_name: str | None, fmt: str, layers
               "differently (--steps, --layers, --phase, --rules): a nightly job against the "
               "wrong baseline")
 @_fail_cleanly
-def gate_cmd(baseline: Path, run: Path, metrics: str, rel_tol: float, abs_tol: float,
+def gate_cmd(baseline: Path, run: Path, metrics: str | None, rel_tol: float, abs_tol: float,
              alpha: float, fmt: str, show_all: bool, path_name: str | None, layers: str,
              step_regex: str | None, phase: str, rules: Path | None, update: bool,
              strict: bool) -> None:
@@ -683,6 +683,11 @@ def _print_gate(gated: gate_mod.GatedRun, fmt: str, show_all: bool, update: bool
             console.print(f"{', '.join(result.cpu_time_metrics)} of a CPU run are CPU time"
                           f"{interpreted}, noisy and no speed figure: --metrics kernels gates "
                           "the launches alone", style="yellow")
+        if result.cpu_times_left_out:
+            named = ",".join(result.tolerances.metrics)
+            console.print(f"{', '.join(result.cpu_times_left_out)} of CPU runs not checked "
+                          f"(CPU time, noisy and no speed figure): --metrics {named} checks "
+                          "them", style="yellow")
         console.print(render.gate_headline(result))
 
 

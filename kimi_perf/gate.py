@@ -115,18 +115,23 @@ class Tolerances:
     """When a time regresses: its median rises by more than ``rel_tol`` and ``abs_tol_us``
     and the Mann-Whitney U test gives p < ``alpha`` (with ``min_samples`` a side; see the
     module doc); whole steps' mean span likewise, by a permutation test. ``metrics``:
-    which of ``METRICS`` to check (a tuple, or a comma-separated string)."""
+    which of ``METRICS`` to check (a tuple, or a comma-separated string); None, the default,
+    checks all of them, except on a path whose two sides are CPU runs: its ops alone, as its
+    times are CPU time, which moves by more than any tolerance between two runs of the same
+    code (``cpu_times`` False; naming the metrics checks a CPU run's times too)."""
 
     rel_tol: float = 0.05
     alpha: float = 0.01
     min_samples: int = 5
-    metrics: tuple[str, ...] = METRICS
+    metrics: tuple[str, ...] | None = None
     # a rise of a time by this much or less passes whatever its ratio (a figure near 0: a
     # kernel under a µs, a trace in whole µs)
     abs_tol_us: float = 1.0
+    cpu_times: bool = field(init=False)
 
     def __post_init__(self) -> None:
-        metrics = self.metrics
+        object.__setattr__(self, "cpu_times", self.metrics is not None)
+        metrics = METRICS if self.metrics is None else self.metrics
         if isinstance(metrics, str):
             metrics = tuple(m.strip() for m in metrics.split(",") if m.strip())
         object.__setattr__(self, "metrics", tuple(dict.fromkeys(metrics)))   # each once
@@ -180,7 +185,8 @@ class GateResult:
     by ``gate_files``); ``fell_back``: the warnings of paths of either side whose every step
     fell back to the standard path's ops (a run's path that did where the baseline's did not
     fails a check too), and their names (``paths_fell_back``); ``cpu_time_metrics``: the
-    checked times that are CPU time (a run on a CPU: noisy and no speed figure)."""
+    checked times that are CPU time (a run on a CPU: noisy and no speed figure), and
+    ``cpu_times_left_out``: the times of CPU runs left unchecked (``Tolerances.cpu_times``)."""
 
     checks: list[Check]
     tolerances: Tolerances
@@ -189,6 +195,7 @@ class GateResult:
     fell_back: list[str] = field(default_factory=list)   # and this
     paths_fell_back: set[str] = field(default_factory=set)   # (either side's) and this
     cpu_time_metrics: list[str] = field(default_factory=list)
+    cpu_times_left_out: list[str] = field(default_factory=list)
     op_paths: list[str] = field(default_factory=list)   # paths of CPU runs: ops, not kernels
 
     def __repr__(self) -> str:   # not every check: a table or to_json shows them
@@ -222,7 +229,8 @@ class GateResult:
         if self.run_differences is not None:
             doc["run_differences"] = self.run_differences
         return doc | {"breakdown_differences": self.breakdown_differences,
-                      "fell_back": self.fell_back, "cpu_time_metrics": self.cpu_time_metrics}
+                      "fell_back": self.fell_back, "cpu_time_metrics": self.cpu_time_metrics,
+                      "cpu_times_left_out": self.cpu_times_left_out}
 
 
 @dataclass(repr=False)
@@ -555,8 +563,13 @@ def gate(baseline: dict[str, Breakdown], current: dict[str, Breakdown],
         # a plain trace against one path: compare them, whatever the name
         current = {next(iter(baseline)): next(iter(current.values()))}
     checks: list[Check] = []
+    op_paths = [p for p in dict.fromkeys([*baseline, *current])
+                if all(b.unit == "ops" for b in (baseline.get(p), current.get(p)) if b)]
+    times = [m for m in tolerances.metrics if m != "kernels"]
     for path in [*baseline, *(p for p in current if p not in baseline)]:
         base, cur = baseline.get(path), current.get(path)
+        metrics = (tolerances.metrics if tolerances.cpu_times or path not in op_paths
+                   else ("kernels",))
         pairs = pair_layer_types(base, cur)
         # CPU ops against GPU kernels: host time against GPU time
         unlike_times = base is not None and cur is not None and base.unit != cur.unit
@@ -579,7 +592,7 @@ def gate(baseline: dict[str, Breakdown], current: dict[str, Breakdown],
                     layers.detail = windows if base_type == STEP else _window_holds(
                         layers, unequal_windows(base, cur))
                 found.append(layers)
-            for metric in tolerances.metrics:
+            for metric in metrics:
                 # (steps count kernels too: those outside every layer, a step's prologue and
                 # epilogue, are in no layer type)
                 base_s = _samples(base, base_type, metric)
@@ -621,11 +634,13 @@ def gate(baseline: dict[str, Breakdown], current: dict[str, Breakdown],
                 if cur_type not in (None, label):
                     check.run_layer_type = cur_type
             checks += found
-    cpu_times = [m for m in tolerances.metrics if m != "kernels"] if any(
-        b.unit == "ops" for b in (*baseline.values(), *current.values())) else []
-    op_paths = [p for p in dict.fromkeys([*baseline, *current])
-                if all(b.unit == "ops" for b in (baseline.get(p), current.get(p)) if b)]
-    return GateResult(checks, tolerances, cpu_time_metrics=cpu_times, op_paths=op_paths)
+    # a path with a CPU side whose times were checked (a CPU run against a GPU's, say)
+    cpu_checked = any((tolerances.cpu_times or p not in op_paths)
+                      and any(b.unit == "ops" for b in (baseline.get(p), current.get(p)) if b)
+                      for p in dict.fromkeys([*baseline, *current]))
+    return GateResult(checks, tolerances, op_paths=op_paths,
+                      cpu_time_metrics=times if cpu_checked else [],
+                      cpu_times_left_out=[] if tolerances.cpu_times or not op_paths else times)
 
 
 def _digest(b: Breakdown | None, layer_type: str | None) -> str | None:

@@ -471,7 +471,7 @@ def _change(v: float | None) -> str:
 def gate_table(result: GateResult, show_all: bool = False) -> Table:
     """The gate's checks (all of them, or those that are not plain ok)."""
     tol = result.tolerances
-    times = [m for m in tol.metrics if m != "kernels"]
+    times = any(c.metric in TIMES for c in result.checks)
     table = _table("Regression gate: medians, baseline vs run" + (
                    f" (time: > {tol.rel_tol:.0%} and {tol.abs_tol_us:g} µs, and Mann-Whitney "
                    f"p < {tol.alpha:g}; a step's mean span: a permutation test's)"

@@ -331,7 +331,7 @@ def test_a_path_that_fell_back_on_every_step_is_said_so_by_compare_report_and_ga
     (failure,) = [c for c in gate_doc["checks"] if c["status"] != "ok"]
     assert (failure["path"], failure["status"]) == ("specialized", "fell back")
     assert gate_doc["fell_back"] == [f"the run's {said}"]
-    both = run("gate", run_file, run_file, "--metrics", "kernels")
+    both = run("gate", run_file, run_file, "--metrics", "kernels,kernel_us")
     assert both.exit_code == 0 and f"the baseline's {said}" in " ".join(both.output.split())
     # its CPU time is the standard path's PyTorch ops, not kernels in Triton's interpreter
     assert "interpreter" not in both.output
@@ -339,8 +339,9 @@ def test_a_path_that_fell_back_on_every_step_is_said_so_by_compare_report_and_ga
 
     assert gate_files(run_file, run_file, Tolerances(metrics="kernels")).result \
         .paths_fell_back == {"specialized"}
+    assert "kernel_us of a CPU run are CPU time, noisy" in " ".join(both.output.split())
     assert "(the specialized path in Triton's interpreter)" in " ".join(
-        run("gate", BASELINE, BASELINE).output.split())
+        run("gate", BASELINE, BASELINE, "--metrics", "kernels,kernel_us").output.split())
     # a failure too where the models differ in depth (whose steps' checks are "changed"), and
     # against a plain breakdown of the path (which stands for it without --path)
     doc = json.loads(run_file.read_text())

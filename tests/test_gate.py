@@ -66,6 +66,31 @@ def test_same_run_passes():
     assert len(result.checks) == 2 * 4 + 4
 
 
+def test_a_cpu_runs_times_are_left_out_unless_named():
+    """Two CPU runs of the same code differ in CPU time by more than any tolerance: by
+    default their ops alone are checked (a slower CPU run passes, an op more fails), and
+    naming the metrics checks the times too. A GPU run's times are checked by default."""
+    def cpu(kernels, us):
+        run = _run(kernels, us)
+        run["specialized"].source["ops"] = "cpu-ops"
+        return run
+
+    base = cpu({"kda": 9, "mla": 12}, {"kda": KDA, "mla": MLA})
+    slower = cpu({"kda": 9, "mla": 12}, {"kda": KDA * 1.5, "mla": MLA})
+    result = gate(base, slower)
+    assert result.ok and {c.metric for c in result.checks} == {"kernels", "kernels_max"}
+    assert result.cpu_times_left_out == ["kernel_us", "span_us"]
+    assert result.cpu_time_metrics == [] and "launches only" in render.gate_table(result).title
+    more = gate(base, cpu({"kda": 10, "mla": 12}, {"kda": KDA, "mla": MLA}))
+    assert statuses(more)[("kda", "kernels")] == "regression" and not more.ok
+    named = gate(base, slower, Tolerances(metrics="kernels,kernel_us,span_us"))
+    assert statuses(named)[("kda", "kernel_us")] == "regression" and not named.ok
+    assert named.cpu_time_metrics == ["kernel_us", "span_us"] and not named.cpu_times_left_out
+    gpu = gate(_run({"kda": 9, "mla": 12}, {"kda": KDA, "mla": MLA}),
+               _run({"kda": 9, "mla": 12}, {"kda": KDA * 1.5, "mla": MLA}))
+    assert statuses(gpu)[("kda", "kernel_us")] == "regression" and not gpu.cpu_times_left_out
+
+
 def test_a_launch_outside_every_layer_fails_at_the_step():
     """A kernel added to a step's prologue or epilogue is in no layer type: the step's kernel
     count catches it."""
@@ -1189,7 +1214,8 @@ def test_update_reads_each_file_once(tmp_path, monkeypatch):
 
 def test_this_repository_keeps_its_launch_counts(tmp_path):
     """Nightly-CI use on this CPU: a fresh `kimi-perf trace` has the launches per layer that
-    the committed baseline has (the µs of a CPU run are not a speed figure: kernels only)."""
+    the committed baseline has (the µs of a CPU run are not a speed figure: by default the
+    gate checks its ops alone)."""
     pytest.importorskip("torch")
     runner = CliRunner()
     result = runner.invoke(main, ["trace", "--layers", "4", "--steps", "1", "--warmup", "0",
@@ -1197,9 +1223,9 @@ def test_this_repository_keeps_its_launch_counts(tmp_path):
                                   "json"])
     assert result.exit_code == 0, result.output
     run_dir = next(p for p in tmp_path.iterdir() if p.is_dir())
-    result = runner.invoke(main, ["gate", str(BASELINE), str(run_dir), "--metrics", "kernels",
-                                  "--all"])
+    result = runner.invoke(main, ["gate", str(BASELINE), str(run_dir), "--all"])
     assert result.exit_code == 0, result.output
+    assert "kernel_us, span_us of CPU runs not checked" in result.output
     # median and largest kernels and layers a step, 2 paths × (3 layer types + the steps)
     assert "gate: pass (24 checks)" in result.output
     assert "baseline vs run (launches only)" in result.output   # no time criterion
@@ -1410,8 +1436,8 @@ def test_stored_steps_without_their_optional_fields_serve_every_command(tmp_path
 
 def test_gate_says_when_baseline_and_run_were_captured_differently(tmp_path):
     """A run at TP 2 and batch 1 against the TP 1, batch 2 baseline: its all-reduces are no
-    regression of the code, and the gate says what differs (text and JSON). The CPU
-    baseline's µs checks say they are CPU time."""
+    regression of the code, and the gate says what differs (text and JSON). A CPU run's µs
+    are CPU time: left unchecked by default, and said to be CPU time where named."""
     doc = json.loads(BASELINE.read_text())
     doc["run"]["tp"], doc["run"]["batch"] = 2, 1
     doc["run"]["request"]["graphs"] = True
@@ -1423,7 +1449,12 @@ def test_gate_says_when_baseline_and_run_were_captured_differently(tmp_path):
     text = " ".join(CliRunner().invoke(main, ["gate", str(BASELINE), str(other)]).output.split())
     assert ("the baseline and the run were captured differently: batch 2 vs 1; TP 1 vs 2; "
             "CUDA graphs off vs on") in text
-    assert "kernel_us, span_us of a CPU run are CPU time" in text
+    assert ("kernel_us, span_us of CPU runs not checked (CPU time, noisy and no speed figure): "
+            "--metrics kernels,kernel_us,span_us checks them") in text
+    named = " ".join(CliRunner().invoke(main, ["gate", str(BASELINE), str(other), "--metrics",
+                                               "kernels,kernel_us,span_us"]).output.split())
+    assert "kernel_us, span_us of a CPU run are CPU time" in named
+    assert "not checked" not in named
     same = CliRunner().invoke(main, ["gate", str(BASELINE), str(BASELINE), "--metrics",
                                      "kernels"])
     assert same.exit_code == 0 and "captured differently" not in same.output
@@ -1569,9 +1600,12 @@ def test_gate_files_is_the_cli_gate_as_a_library_call(tmp_path):
     assert gated.result.run_differences == []   # compared: none
     alone = gate(gated.baseline, gated.current)
     assert alone.run_differences is None and "run_differences" not in alone.to_json()
-    # the stored baseline is a CPU run: its times are CPU time, which the result says
-    assert gated.result.cpu_time_metrics == ["kernel_us", "span_us"]
-    assert gated.result.to_json()["cpu_time_metrics"] == ["kernel_us", "span_us"]
+    # the stored baseline is a CPU run: its times are CPU time, left out unless named
+    assert gated.result.cpu_time_metrics == [] and not gated.result.tolerances.cpu_times
+    assert gated.result.to_json()["cpu_times_left_out"] == ["kernel_us", "span_us"]
+    named = gate_files(BASELINE, BASELINE, Tolerances(metrics="kernels,kernel_us,span_us"))
+    assert named.result.to_json()["cpu_time_metrics"] == ["kernel_us", "span_us"]
+    assert named.result.cpu_times_left_out == []
     assert gated.baseline_file == BASELINE and gated.run_doc["paths"]
     only = gate_files(BASELINE, BASELINE, Tolerances(metrics="kernels"), path="standard")
     assert {c.path for c in only.result.checks} == {"standard"}
