@@ -16,7 +16,7 @@ import stat
 import textwrap
 import urllib.parse
 from collections import Counter
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -166,10 +166,20 @@ def _units(breakdowns: dict[str, Breakdown]) -> str:
     return units_word(b.unit for b in breakdowns.values())
 
 
-def _comparison_html(breakdowns: dict[str, Breakdown], fell_back: Collection[str] = ()
-                     ) -> str:
-    """The first trace against each of the others, per layer type; and the work of each
-    trace that fell in no step."""
+def report_pairs(breakdowns: dict[str, Breakdown],
+                 pairs: Sequence[tuple[str, str]] | None = None) -> list[tuple[str, str]]:
+    """The comparisons a report draws: ``pairs`` where given (``ReportInputs.pairs``), else
+    the first trace against each of the others."""
+    if pairs is not None:
+        return list(pairs)
+    labels = list(breakdowns)
+    return [(labels[0], other) for other in labels[1:]]
+
+
+def _comparison_html(breakdowns: dict[str, Breakdown], pairs: list[tuple[str, str]],
+                     fell_back: Collection[str] = ()) -> str:
+    """Each pair of traces (``report_pairs``), per layer type; and the work of each trace
+    that fell in no step."""
     labels = list(breakdowns)
     unit = {label: b.unit for label, b in breakdowns.items()}
     e = html.escape
@@ -191,7 +201,7 @@ def _comparison_html(breakdowns: dict[str, Breakdown], fell_back: Collection[str
 
     def fmt(v, spec):
         return "-" if v is None else format(v, spec)
-    for b in labels[1:]:
+    for a, b in pairs:
         rows = compare(breakdowns[a], breakdowns[b], fell_back=a in fell_back or b in fell_back)
         counted = unit[a] if unit[a] == unit[b] else "count"
         head = (f"<tr><th>layer type</th><th>{e(a)} layers</th><th>{e(a)} {unit[a]}</th>"
@@ -346,20 +356,20 @@ def _typical_html(breakdowns: dict[str, Breakdown]) -> str:
             "layers (hover a name for the whole of it).</p>" + "".join(parts))
 
 
-def _fusions_html(breakdowns: dict[str, Breakdown]) -> str:
-    """Where the first trace and another are the two decode paths of this repository (their
-    launches annotated: a CPU run, say), each fused launch against the standard launches whose
-    work it does, per layer type (``kimi_perf.decode.fusions``), paired as compare pairs them."""
+def _fusions_html(breakdowns: dict[str, Breakdown], pairs: list[tuple[str, str]]) -> str:
+    """Where a pair of traces (``report_pairs``) is the two decode paths of this repository
+    (their launches annotated: a CPU run, say), each fused launch against the standard
+    launches whose work it does, per layer type (``kimi_perf.decode.fusions``), paired as
+    compare pairs them."""
     e = html.escape
-    labels = list(breakdowns)
     parts = []
-    for other in labels[1:]:
-        for pair in type_pairs(breakdowns[labels[0]], breakdowns[other]):
+    for first, other in pairs:
+        for pair in type_pairs(breakdowns[first], breakdowns[other]):
             if pair.a is None or pair.ledger is None:
                 continue
             t = pair.a
             swapped, rows, left = pair.ledger
-            standard, specialized = (other, labels[0]) if swapped else (labels[0], other)
+            standard, specialized = (other, first) if swapped else (first, other)
             body = "".join(
                 f"<tr><td class=name>{e(r.launch)}</td><td>{r.us:.1f}</td>"
                 f"<td class=name>{e(' + '.join(r.replaces) or '(new work)')}</td>"
@@ -607,13 +617,16 @@ class ReportInputs:
     path ``--path`` picked alone), ``runs`` (of several runs: each one's name and run.json)
     and ``fell_back`` (label: why, of drawn paths whose every step fell back, when drawn from
     several inputs; one run's own says so itself); ``no_ratios``: the labels of every drawn
-    path whose every step fell back, one run's own too (their comparisons get no ratio)."""
+    path whose every step fell back, one run's own too (their comparisons get no ratio);
+    ``pairs``: the comparisons to draw, where not the first against each other
+    (``input_pairs``)."""
 
     breakdowns: dict[str, Breakdown]
     run: dict | None = None
     runs: list[tuple[str, dict]] = field(default_factory=list)
     fell_back: dict[str, str] = field(default_factory=dict)
     no_ratios: set[str] = field(default_factory=set)
+    pairs: list[tuple[str, str]] | None = None
 
     def relabelled(self, labels: list[str]) -> ReportInputs:
         """The same inputs under ``labels``, one for each breakdown, in order."""
@@ -623,7 +636,9 @@ class ReportInputs:
         return ReportInputs(dict(zip(labels, self.breakdowns.values(), strict=True)),
                             self.run, self.runs,
                             {renamed[label]: why for label, why in self.fell_back.items()},
-                            {renamed[label] for label in self.no_ratios})
+                            {renamed[label] for label in self.no_ratios},
+                            None if self.pairs is None
+                            else [(renamed[a], renamed[b]) for a, b in self.pairs])
 
     def captured_differently(self) -> list[str]:
         """How each run after the first was captured differently from it, a line each."""
@@ -646,6 +661,7 @@ def report_inputs(inputs: list[str | Path], path_name: str | None = None,
     if path_name is not None and not any(doc is not None for _, doc in loaded.values()):
         raise no_run(inputs)
     got = ReportInputs({})
+    drawn: list[dict[str, str]] = []   # of each input: its paths' labels by name
     for i, file in enumerate(inputs):
         runs, run_doc = (loaded.get(i)
                          or load_paths(file, labels_of[i], phase, **breakdown_options))
@@ -655,11 +671,13 @@ def report_inputs(inputs: list[str | Path], path_name: str | None = None,
         if run_doc is not None and path_name is not None:
             runs = dict([one_path(file, runs, path_name)])
         fell = paths_that_fell_back(info)
+        drawn.append({})
         for name, b in runs.items():
             label = f"{run_name(file)}:{name}" if run_doc and len(inputs) > 1 else name
             while label in got.breakdowns:
                 label += "'"
             got.breakdowns[label] = b
+            drawn[-1][name] = label
             if name in fell:
                 got.no_ratios.add(label)
                 if len(inputs) > 1:   # (one run says its own)
@@ -667,13 +685,38 @@ def report_inputs(inputs: list[str | Path], path_name: str | None = None,
         if info is not None and len(inputs) == 1:  # the run's own: what ran
             got.run = info if path_name is None else {**info, "paths": {   # that path's alone
                 p: m for p, m in (info.get("paths") or {}).items() if p == path_name}}
+    got.pairs = input_pairs(drawn)
     return got
+
+
+def input_pairs(drawn: list[dict[str, str]]) -> list[tuple[str, str]] | None:
+    """The comparisons of several inputs of which one holds more than a path (``drawn``: of
+    each input, its paths' labels by path name): each input's first path against its
+    others (a run's standard path against its specialized one), and each path against the
+    same path of the first input that has it (the baseline's specialized path against the
+    run's); an input of one path that no earlier input names against the first of all.
+    None (the first against each other) where every input holds one path."""
+    if len(drawn) < 2 or all(len(paths) < 2 for paths in drawn):
+        return None
+    first = next(iter(drawn[0].values()))
+    pairs, earlier = [], {}
+    for paths in drawn:
+        labels = list(paths.values())
+        pairs += [(labels[0], other) for other in labels[1:]]
+        for name, label in paths.items():
+            if name in earlier:
+                pairs.append((earlier[name], label))
+            elif len(paths) == 1 and label != first:
+                pairs.append((first, label))
+            earlier.setdefault(name, label)
+    return pairs
 
 
 def write_report(path: str | Path, breakdowns: dict[str, Breakdown], title: str,
                  run: dict | None = None, plotly_js: str = "inline",
                  runs: list[tuple[str, dict]] = (), fell_back: dict[str, str] | None = None,
-                 no_ratios: Collection[str] = ()) -> Path:
+                 no_ratios: Collection[str] = (),
+                 pairs: Sequence[tuple[str, str]] | None = None) -> Path:
     """One HTML file (written atomically) from breakdowns alone (their ``timeline`` is drawn).
     ``run``: the run.json of a capture or ``--from``. ``plotly_js``: ``inline`` (the file
     opens offline; about 5 MB), ``cdn``, a URL, or the path (from here) of a
@@ -681,7 +724,8 @@ def write_report(path: str | Path, breakdowns: dict[str, Breakdown], title: str,
     ``runs``: the run information of several runs drawn together, as (name, run.json);
     ``fell_back``: label: why, of the paths drawn from several inputs whose every step fell
     back, said first (``run``'s own are said from it); neither gets a ratio, nor do the
-    labels of ``no_ratios`` (a run's own paths that fell back, under labels of its own)."""
+    labels of ``no_ratios`` (a run's own paths that fell back, under labels of its own).
+    ``pairs``: the comparisons to draw, by label (default: the first against each other)."""
     if plotly_js not in PLOTLY_JS and not plotly_js.endswith(".js"):
         raise ValueError(f"plotly_js: inline, cdn or a path ending in .js, not {plotly_js!r}")
     if not breakdowns:
@@ -691,7 +735,10 @@ def write_report(path: str | Path, breakdowns: dict[str, Breakdown], title: str,
     # labels and titles from file names: their control characters written out, as a trace's
     # names are when read (a right-to-left override would reorder the page's text)
     title = printable(title)
+    pairs = [(printable(a), printable(b)) for a, b in report_pairs(breakdowns, pairs)]
     breakdowns = {printable(label): b for label, b in breakdowns.items()}
+    if unknown := {label for pair in pairs for label in pair} - set(breakdowns):
+        raise ValueError(f"pairs: no breakdown is labelled {', '.join(sorted(unknown))}")
     runs = [(printable(name), r) for name, r in runs]
     fell_back = {printable(label): why for label, why in (fell_back or {}).items()}
     fallen = {*fell_back, *map(printable, [*no_ratios, *paths_that_fell_back(run)])}
@@ -724,10 +771,10 @@ def write_report(path: str | Path, breakdowns: dict[str, Breakdown], title: str,
                      for label, why in fell_back.items()),
              _runs_html(list(runs)),
              _overview_html(breakdowns),
-             _comparison_html(breakdowns, fallen),
+             _comparison_html(breakdowns, pairs, fallen),
              _steps_html(breakdowns),
              _typical_html(breakdowns),
-             _fusions_html(breakdowns),
+             _fusions_html(breakdowns, pairs),
              "<h2>Timelines</h2>",
              _missing_timelines_html(breakdowns, drawn),
              timelines.to_html(full_html=False, include_plotlyjs=include),

@@ -1271,6 +1271,22 @@ def test_report_command_draws_runs_breakdowns_and_traces(tmp_path):
     text = out.read_text()
     assert "Per layer type: tiny-cpu:specialized vs nightly:specialized" in text
     assert "<th>standard" not in text and "decode tokens/s" not in text
+    # both paths of two runs: each run's paths against each other and each path against
+    # the same path of the first run (not the first run's standard path against everything);
+    # each run's fusions against its own standard path, under labels of its own too
+    out = tmp_path / "runs.html"
+    result = run("report", BASELINE, later, "-o", out, "--plotly-js", "cdn", "--labels",
+                 "std,spec,std2,spec2")
+    assert result.exit_code == 0, result.output
+    drawn = re.findall(r"<h2>Per layer type: (\S+) vs (\S+) \(", out.read_text())
+    assert drawn == [("std", "spec"), ("std2", "spec2"), ("std", "std2"), ("spec", "spec2")]
+    assert re.findall(r"<h3>kda: each (\S+) launch against the (\S+) launches",
+                      out.read_text()) == [("spec", "std"), ("spec2", "std2")]
+    from kimi_perf.report import input_pairs
+
+    assert input_pairs([{"standard": "a"}, {"trace": "b"}]) is None   # one path each
+    assert input_pairs([{"standard": "a", "specialized": "b"}, {"trace": "t"},
+                        {"specialized": "c"}]) == [("a", "b"), ("a", "t"), ("b", "c")]
 
     traced = tmp_path / "vllm.json"
     assert run("breakdown", VLLM, "--format", "json", "-o", traced).exit_code == 0
