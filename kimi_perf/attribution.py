@@ -3,9 +3,12 @@ report ``nvtx_kern_sum`` does.
 
 A kernel belongs to every CPU range (push/pop or start/end, of any domain) on the thread that
 launched it whose [start, end] contains the launching API call's [start, end]. Kernels in no
-range are summarised under an empty range name, like nsys does. The one deliberate difference:
-nsys joins kernels to *every* API row with the same correlation id, so old exports with
-duplicate "backtrace" rows double-count kernel time; the reader drops those rows first.
+range are summarised under an empty range name, like nsys does. Two deliberate differences,
+both where nsys counts a kernel's time twice beside a count of one kernel: nsys joins kernels
+to *every* API row with the same correlation id, so old exports with duplicate "backtrace"
+rows double-count kernel time (the reader drops those rows first); and it sums a kernel's
+time once per range that holds it, so ranges nested in ranges of the same name (a PyTorch op
+calling itself, ``aten::sum`` in ``aten::sum``) count it once per level (here: once a row).
 """
 
 from __future__ import annotations
@@ -105,11 +108,12 @@ def range_kernel_columns(trace: Trace) -> RangeKernelColumns:
 
     Output rows are codes (range group, kernel name), numbered in that order. ``containing``
     streams the (range, kernel) pairs in chunks that hold every pair of their kernels; each
-    chunk is reduced at once: its sorted (code, kernel) keys give each code's kernel time (per
-    pair, as nsys sums it) and its distinct kernels (a kernel inside two ranges of one group
-    counts once); its distinct (range, kernel name) keys count each code's ranges, once the
-    range can come in no later chunk (until then the key is carried). Per-code sums and the
-    keys of the few ranges that span chunks outlive a chunk, never all the pairs.
+    chunk is reduced at once: its sorted (code, kernel) keys give each code's distinct
+    kernels and their time (a kernel inside two nested ranges of one group counts once; nsys
+    sums its time once per range, twice, beside a count of one); its distinct (range, kernel
+    name) keys count each code's ranges, once the range can come in no later chunk (until
+    then the key is carried). Per-code sums and the keys of the few ranges that span chunks
+    outlive a chunk, never all the pairs.
     """
     k = trace.kernels
     r = trace.ranges
@@ -141,7 +145,8 @@ def range_kernel_columns(trace: Trace) -> RangeKernelColumns:
                       + kernel_rows)
         new_kernel = np.r_[True, key[1:] != key[:-1]]
         code, kernel = np.divmod(key, n_k)
-        sums.append(_sums_by_code(code, k.end[kernel] - k.start[kernel], new_kernel))
+        sums.append(_sums_by_code(code, (k.end[kernel] - k.start[kernel]) * new_kernel,
+                                  new_kernel))
         del key, new_kernel, code, kernel
         key = _distinct(np.concatenate([carried, range_rows * n_names + names]))
         done = r.end[key // n_names] < later_end
@@ -321,7 +326,6 @@ def _summary_by_lexsort(trace: Trace, range_rows: np.ndarray, kernel_rows: np.nd
         boundary[1:] |= c[1:] != c[:-1]
     group = np.cumsum(boundary) - 1
     n_groups = int(group[-1]) + 1 if len(group) else 0
-    totals = np.bincount(group, weights=duration[kernels_sorted], minlength=n_groups)
     new_range = boundary.copy()
     new_range[1:] |= ranges_sorted[1:] != ranges_sorted[:-1]
     range_instances = np.bincount(group, weights=new_range & (ranges_sorted >= 0),
@@ -332,6 +336,7 @@ def _summary_by_lexsort(trace: Trace, range_rows: np.ndarray, kernel_rows: np.nd
     new_kernel = np.ones(len(ksort), bool)
     new_kernel[1:] = (kg[1:] != kg[:-1]) | (kk[1:] != kk[:-1])
     kernel_instances = np.bincount(kg, weights=new_kernel, minlength=n_groups)
+    totals = np.bincount(kg, weights=duration[kk] * new_kernel, minlength=n_groups)
 
     first = np.flatnonzero(boundary)
     return RangeKernelColumns(*(c[first] for c in cols), range_instances.astype(np.int64),

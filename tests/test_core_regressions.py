@@ -319,8 +319,7 @@ def _reference_summary(trace):
 def _containment_by_brute_force(trace) -> tuple[Counter, Counter]:
     """Per (range name, kernel name), of every kernel with a launch call and every CPU range
     of the launching thread that contains the call, one at a time: the distinct kernels
-    (a kernel in two ranges of one name counts once) and the ns of every (range, kernel)
-    pair, as nsys sums them."""
+    and their ns (a kernel in two ranges of one name counts once)."""
     k, api, r = trace.kernels, trace.api, trace.ranges
     cpu = r.style != GPU_RANGE
     kernels, ns = Counter(), Counter()
@@ -332,7 +331,6 @@ def _containment_by_brute_force(trace) -> tuple[Counter, Counter]:
         names = [trace.strings[c] for c in r.name[inside].tolist()]
         for name in set(names):
             kernels[(name, kernel)] += 1
-        for name in names:
             ns[(name, kernel)] += int(k.end[i] - k.start[i])
     return kernels, ns
 
@@ -411,6 +409,9 @@ def test_range_kernel_summary_in_small_chunks_on_fixtures(monkeypatch):
 
 
 def test_range_kernel_summary_counts_nested_same_name_ranges():
+    """A kernel inside two nested ranges of one name is one kernel of the row, and its time
+    counts once (nsys's nvtx_kern_sum sums it once per range: 10 + 10 + 30 beside a count of
+    2 kernels, a total no kernel ran)."""
     b = TraceBuilder()
     b.range("fwd", 0, 100)
     b.range("fwd", 10, 90)      # nested, same name: 2 range instances, 1 kernel instance each
@@ -420,7 +421,12 @@ def test_range_kernel_summary_counts_nested_same_name_ranges():
     b.launch("gemm", 400, 410, 3000, 3005)  # outside every range
     rows = {(r.range, r.kernel): r for r in range_kernel_summary(b.build())}
     fwd = rows[("fwd", "gemm")]
-    assert (fwd.range_instances, fwd.kernel_instances, fwd.total_ns) == (3, 2, 10 + 10 + 30)
+    assert (fwd.range_instances, fwd.kernel_instances, fwd.total_ns) == (3, 2, 10 + 30)
+    from kimi_perf import attribution
+
+    trace = b.build()
+    reference = attribution._rows(trace, _summary_by_lexsort(trace, *kernel_launch_pairs(trace)))
+    assert {(r.range, r.kernel): r.total_ns for r in reference}[("fwd", "gemm")] == 40
     lone = rows[(None, "gemm")]
     assert (lone.range_instances, lone.kernel_instances, lone.total_ns) == (0, 1, 5)
 
