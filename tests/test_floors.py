@@ -13,6 +13,7 @@ from kimi_perf.decode.config import preset
 from kimi_perf.decode.floors import Storage, expected_experts, launch_bytes, layer_floor_us
 
 TP8 = preset("k3-tp8")
+TP16 = preset("k3-tp16")
 MXFP4 = Storage(experts="mxfp4", kv_cache="fp8")
 
 
@@ -75,9 +76,16 @@ def test_floors_command():
     assert "floor per layer: kda 69.3 µs" in table.output and "mla 62.9 µs" in table.output
     doc = json.loads(runner.invoke(main, ["floors", "--preset", "k3", "--tp", "16", "--batch",
                                           "64", "--format", "json"]).output)
-    assert doc["tp"] == 16 and doc["expected_experts"] == 613.2
+    assert doc["tp"] == 16 and doc["expected_experts"] == round(expected_experts(TP16, 64), 6)
     kda = doc["layer_types"]["kda"]
     assert kda["bytes"] == sum(v["bytes"] for v in kda["launches"].values())
+    # whole bytes in every launch, at batch 1 (16 experts read) as at 64 (613.2, expected)
+    for batch in ("1", "64"):
+        doc = json.loads(runner.invoke(main, ["floors", "--batch", batch, "--format",
+                                              "json"]).output)
+        for t in doc["layer_types"].values():
+            assert all(type(v["bytes"]) is int for v in t["launches"].values())
+    assert doc["expected_experts"] != round(doc["expected_experts"], 2)   # not cut to 47.15
     for args, message in ((["--preset", "k4"], "unknown preset 'k4'"),
                           (["--preset", "k3", "--tp", "7"], "TP 7 does not divide the model: "
                            "kda_heads=96 does not split over 7 ranks")):
@@ -105,7 +113,7 @@ def test_a_speculative_verify_step_routes_every_token_and_records_every_position
     out = CliRunner().invoke(main, ["floors", "--batch", "2", "--spec-tokens", "3",
                                     "--format", "json"])
     doc = json.loads(out.output)
-    assert doc["tokens"] == 4 and doc["expected_experts"] == round(expected_experts(TP8, 8), 2)
+    assert doc["tokens"] == 4 and doc["expected_experts"] == round(expected_experts(TP8, 8), 6)
     table = CliRunner().invoke(main, ["floors", "--batch", "2", "--spec-tokens", "3"]).output
     assert "batch 2 verifying 4 tokens each" in " ".join(table.split())
 

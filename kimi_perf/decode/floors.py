@@ -127,10 +127,13 @@ def floors(c: K3Config, batch: int, context: int, storage: Storage = Storage(),
     out = {"schema": 1, "config_hash": c.fingerprint(), "tp": c.tp, "batch": batch,
            "tokens": tokens, "context": context, "storage": storage.__dict__,
            "bandwidth_Bps": bandwidth,
-           "expected_experts": round(expected_experts(c, batch * tokens), 2),
+           # (to 6 decimals: past them, the float's rounding noise)
+           "expected_experts": round(expected_experts(c, batch * tokens), 6),
            "layer_types": {}}
     for t in layer_types:
-        launches = launch_bytes(c, t, batch, context, storage, tokens)
+        # whole bytes: the experts' are an expectation (a float, with its rounding noise)
+        launches = {name: round(b) for name, b in
+                    launch_bytes(c, t, batch, context, storage, tokens).items()}
         total = sum(launches.values())
         out["layer_types"][t] = {
             "launches": {name: {"bytes": b, "floor_us": round(b / bandwidth * 1e6, 3)}
