@@ -899,6 +899,8 @@ def _info(trace: Path, info: dict) -> None:
     saved = "a .kptrace (saved by kimi-perf) of " if info["kptrace"] else ""
     click.echo(printable(f"{trace}: {saved}{info['format']} from {info['tool']}"
                          + (f", schema {info['schema']}" if info["schema"] else "")))
+    if info.get("converted_from"):
+        click.echo(printable(f"  saved from {info['converted_from']}"))
     for capture in info.get("captures") or []:
         click.echo(f"  joined by the graph captures of {printable(str(capture))}")
     click.echo(f"  {counted(info['kernels'], 'kernel')}, "

@@ -1151,12 +1151,15 @@ def _source(trace: Trace) -> dict:
     """Where the figures come from: the file, its format and tool, the GPUs the trace
     describes (``gpus``: a trace's GPU table may list devices that ran nothing) and those that
     ran its kernels (``gpus_ran``, as described where they are); ``captures``, the files of
-    graph captures joined to it, where there were."""
+    graph captures joined to it, where there were; ``converted_from``: of a ``.kptrace``, the
+    trace it was saved from."""
     meta = trace.meta
     described = {g.get("device"): g for g in meta.get("gpus", [])}
     ran = [described.get(d) or {"device": d, "name": None, "sm_count": None}
            for d in np.unique(trace.kernels.device).tolist()]
-    return {"file": meta.get("file"), "format": meta.get("format"), "tool": meta.get("tool"),
+    return {"file": meta.get("file"),
+            **({"converted_from": meta["converted_from"]} if meta.get("converted_from") else {}),
+            "format": meta.get("format"), "tool": meta.get("tool"),
             "schema": meta.get("schema"), "gpus": meta.get("gpus", []), "gpus_ran": ran,
             "kernels": len(trace.kernels), "memops": len(trace.memops),
             "ranges": len(trace.ranges),

@@ -264,7 +264,8 @@ class Trace:
 
     def summary(self) -> dict[str, Any]:
         """What ``kimi-perf info`` prints: format, tool and schema (and ``captures``, the
-        files of graph captures joined to it); events of each kind (and GPU work left out
+        files of graph captures joined to it; ``converted_from``, of a ``.kptrace``, the
+        trace it was saved from); events of each kind (and GPU work left out
         for want of a time, or as an exact repeat); the span from the first event to the
         last (ns, None without events); each process with GPU work or API calls, the most
         kernels first (``kernels_without_process``: GPU work the trace names no process
@@ -284,7 +285,7 @@ class Trace:
         described = {gpu.get("device"): gpu for gpu in m.get("gpus", [])}
         return {
             "format": m.get("format"), "tool": m.get("tool"), "schema": m.get("schema"),
-            "captures": m.get("captures", []),
+            "captures": m.get("captures", []), "converted_from": m.get("converted_from"),
             "kernels": len(self.kernels), "memops": len(self.memops),
             "ranges": len(self.ranges), "api_calls": len(self.api),
             "annotated_ops": int((self.names_matching(OP_RANGE)[self.ranges.name]
@@ -395,6 +396,10 @@ class Trace:
             except ValueError as exc:
                 raise TraceError(path, f"corrupt: {exc}") from None
         strings = column("strings").to_pylist()
+        # the file read is this one; the trace it was saved from (its format's) is kept
+        if meta.get("file") not in (None, str(path)) and meta.get("converted_from") is None:
+            meta["converted_from"] = meta["file"]
+        meta["file"] = str(path)
         trace = cls(strings=strings, meta=meta, **tables)
         if problem := trace.reference_problem():
             raise TraceError(path, f"corrupt: {problem}")
@@ -500,7 +505,7 @@ def meta_problem(meta: dict) -> str | None:
     captures = meta.get("captures", [])
     if not (isinstance(captures, list) and all(isinstance(c, str) for c in captures)):
         return "captures is not a list of file names"
-    for key in ("format", "tool", "file"):
+    for key in ("format", "tool", "file", "converted_from"):
         if meta.get(key) is not None and not isinstance(meta[key], str):
             return f"{key} is not a string"
     schema = meta.get("schema")   # (nsys: "3.25.0"; Kineto: its schemaVersion, an integer)

@@ -186,7 +186,13 @@ def test_kptrace_round_trip(tmp_path):
     trace.save(out)
     again = read_trace(out)
     assert isinstance(again, Trace)
-    assert again.strings == trace.strings and again.meta == trace.meta
+    # the file read is the saved one; the trace it was saved from is kept beside it
+    assert again.strings == trace.strings and again.meta == {
+        **trace.meta, "file": str(out), "converted_from": trace.meta["file"]}
+    moved = tmp_path / "moved.kptrace"
+    again.save(moved)   # saved again: still from the export
+    assert read_trace(moved).meta["converted_from"] == trace.meta["file"]
+    moved.unlink()
     for table in ("kernels", "memops", "ranges", "api"):
         for col, values in getattr(trace, table).columns().items():
             np.testing.assert_array_equal(getattr(getattr(again, table), col), values)

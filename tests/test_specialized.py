@@ -500,7 +500,9 @@ def test_trace_command_captures_both_paths(tmp_path):
         # the trace where it is once the run directory has its name, as its saved copy says
         where = str(run_dir / f"{path}.trace.json.gz")
         assert saved["paths"][path]["source"]["file"] == where
-        assert Trace.load(run_dir / f"{path}.kptrace").meta["file"] == where
+        saved_meta = Trace.load(run_dir / f"{path}.kptrace").meta
+        assert (saved_meta["file"], saved_meta["converted_from"]) == (
+            str(run_dir / f"{path}.kptrace"), where)
         steps = saved["paths"][path]["steps"]
         assert [s["name"] for s in steps] == ["decode_step[0]", "decode_step[1]"]
         assert all(s["layers"] == 4 and s["layer_source"] == "nvtx" for s in steps)
