@@ -32,6 +32,10 @@ class RangeKernelRow:
     range_instances: int
     kernel_instances: int
     total_ns: int
+    avg_ns: float
+    min_ns: int
+    max_ns: int
+    stddev_ns: float     # the sample standard deviation (n - 1), as nsys's; 0 for one kernel
     kernel: str
 
 
@@ -50,6 +54,10 @@ class RangeKernelColumns:
     range_instances: np.ndarray
     kernel_instances: np.ndarray
     total_ns: np.ndarray
+    avg_ns: np.ndarray       # float64, as stddev_ns
+    min_ns: np.ndarray
+    max_ns: np.ndarray
+    stddev_ns: np.ndarray
 
     def __len__(self) -> int:
         return len(self.kernel)
@@ -59,9 +67,13 @@ class RangeKernelColumns:
 
     @classmethod
     def joined(cls, parts: list[RangeKernelColumns]) -> RangeKernelColumns:
-        return cls(*(np.concatenate([np.empty(0, np.int64)]
-                                    + [getattr(p, f.name) for p in parts]).astype(np.int64)
+        return cls(*(np.concatenate([np.empty(0, _FLOAT_FIELDS.get(f.name, np.int64))]
+                                    + [getattr(p, f.name) for p in parts]
+                                    ).astype(_FLOAT_FIELDS.get(f.name, np.int64))
                      for f in fields(cls)))
+
+
+_FLOAT_FIELDS = {"avg_ns": np.float64, "stddev_ns": np.float64}
 
 
 def kernel_launch_pairs(trace: Trace) -> tuple[np.ndarray, np.ndarray]:
@@ -108,12 +120,13 @@ def range_kernel_columns(trace: Trace) -> RangeKernelColumns:
 
     Output rows are codes (range group, kernel name), numbered in that order. ``containing``
     streams the (range, kernel) pairs in chunks that hold every pair of their kernels; each
-    chunk is reduced at once: its sorted (code, kernel) keys give each code's distinct
-    kernels and their time (a kernel inside two nested ranges of one group counts once; nsys
-    sums its time once per range, twice, beside a count of one); its distinct (range, kernel
-    name) keys count each code's ranges, once the range can come in no later chunk (until
-    then the key is carried). Per-code sums and the keys of the few ranges that span chunks
-    outlive a chunk, never all the pairs.
+    chunk is reduced at once: its distinct (code, kernel) keys give each code's distinct
+    kernels and the figures of their durations (a kernel inside two nested ranges of one
+    group counts once; nsys sums its time once per range, twice, beside a count of one);
+    its distinct (range, kernel name) keys count each code's ranges, once the range can come
+    in no later chunk (until then the key is carried). Per-code figures and the keys of the
+    few ranges that span chunks outlive a chunk, never all the pairs (so no median, which
+    would need every duration of a code at once).
     """
     k = trace.kernels
     r = trace.ranges
@@ -131,7 +144,7 @@ def range_kernel_columns(trace: Trace) -> RangeKernelColumns:
         return _summary_by_lexsort(trace, *kernel_launch_pairs(trace))
 
     in_range = np.zeros(n_k, bool)
-    sums, range_sums = [], []
+    stats, range_sums = [], []
     carried = np.empty(0, np.int64)    # (range, kernel name) keys of ranges still open
     for range_rows, kernel_rows, later_end in containing_chunks(r, *_launch_points(trace)):
         # A pair's pid and tid are its kernel's; groups take its range's. They agree unless
@@ -143,11 +156,11 @@ def range_kernel_columns(trace: Trace) -> RangeKernelColumns:
         names = name_id[kernel_rows]
         key = np.sort((range_gid[range_rows].astype(np.int64) * n_names + names) * n_k
                       + kernel_rows)
-        new_kernel = np.r_[True, key[1:] != key[:-1]]
-        code, kernel = np.divmod(key, n_k)
-        sums.append(_sums_by_code(code, (k.end[kernel] - k.start[kernel]) * new_kernel,
-                                  new_kernel))
-        del key, new_kernel, code, kernel
+        code, kernel = np.divmod(_distinct(key), n_k)   # (sorted by code, as stats take)
+        stats.append(_kernel_stats(code, k.end[kernel] - k.start[kernel]))
+        if len(stats) == _MERGE_EVERY:   # (a code recurs in chunk after chunk: held once)
+            stats = [_merged_stats(stats)]
+        del key, code, kernel
         key = _distinct(np.concatenate([carried, range_rows * n_names + names]))
         done = r.end[key // n_names] < later_end
         range_sums.append(_range_counts(key[done], range_gid, n_names))
@@ -164,14 +177,13 @@ def range_kernel_columns(trace: Trace) -> RangeKernelColumns:
                                         np.where(launched, k.tid[lone], -1)))
     lone_code = lone_gid * n_names + name_id[lone]
     by_code = np.argsort(lone_code, kind="stable")
-    lone_groups = _groups(_sums_by_code(lone_code[by_code],
-                                        (k.end[lone] - k.start[lone])[by_code],
-                                        np.ones(len(lone), np.int64)), n_names, kernel_names)
+    lone_groups = _groups(_kernel_stats(lone_code[by_code], (k.end - k.start)[lone[by_code]]),
+                          n_names, kernel_names)
     none = np.full(len(lone_fields[0]), -1)
     alone = _columns(lone_groups, [none, none, *lone_fields])
     del lone, launched, lone_gid, lone_code, by_code, in_range, name_id
 
-    groups = _groups(_merge_sums(sums, 2), n_names, kernel_names)
+    groups = _groups(_merged_stats(stats), n_names, kernel_names)
     code, ranges = _merge_sums(range_sums, 1)
     groups.range_instances[np.searchsorted(groups.code, code)] = ranges
     del range_gid
@@ -223,6 +235,70 @@ def _range_counts(keys: np.ndarray, range_gid: np.ndarray, n_names: int) -> _Sum
     return _sums_by_code(code, np.ones(len(code), np.int64))
 
 
+# chunks' figures held apart before they are merged into one
+_MERGE_EVERY = 16
+
+
+@dataclass
+class _KernelStats:
+    """Per code (ascending), of its distinct kernels: the count and the figures of their
+    durations, as nsys's nvtx_kern_sum reports them (``spread``: the sum of squared
+    deviations from the mean, which chunks merge exactly; ``stddev`` is the sample one)."""
+
+    code: np.ndarray
+    count: np.ndarray
+    total: np.ndarray
+    min: np.ndarray
+    max: np.ndarray
+    spread: np.ndarray
+
+    @property
+    def avg(self) -> np.ndarray:
+        return self.total / np.maximum(self.count, 1)
+
+    @property
+    def stddev(self) -> np.ndarray:   # (n - 1, as nsys's; 0 for one kernel)
+        return np.sqrt(self.spread / np.maximum(self.count - 1, 1))
+
+
+def _kernel_stats(code: np.ndarray, duration: np.ndarray) -> _KernelStats:
+    """The figures of each run of equal, ascending ``code`` (a duration per kernel)."""
+    if len(code) == 0:
+        empty_i = np.empty(0, np.int64)
+        return _KernelStats(empty_i, empty_i, empty_i, empty_i, empty_i, np.empty(0))
+    duration = duration.astype(np.int64, copy=False)
+    first = np.flatnonzero(np.r_[True, code[1:] != code[:-1]])
+    count = np.diff(np.r_[first, len(code)])
+    total = np.add.reduceat(duration, first)
+    # (about each run's mean: no cancellation, as a sum of squares would have)
+    spread = np.add.reduceat((duration - np.repeat(total / count, count)) ** 2, first)
+    return _KernelStats(code[first].astype(np.int64), count, total,
+                        np.minimum.reduceat(duration, first),
+                        np.maximum.reduceat(duration, first), spread)
+
+
+def _merged_stats(parts: list[_KernelStats]) -> _KernelStats:
+    """Several chunks' figures as one (a code may recur): counts, sums and ends add up or
+    reduce; spreads merge as Chan et al. merge them, each part's about its own mean plus
+    its count times its mean's squared distance from the whole's."""
+    if not parts:
+        return _kernel_stats(np.empty(0, np.int64), np.empty(0, np.int64))
+    code, count, total, low, high, spread = (
+        np.concatenate([getattr(p, f) for p in parts])
+        for f in ("code", "count", "total", "min", "max", "spread"))
+    parts.clear()
+    order = np.argsort(code, kind="stable")
+    code, count, total, low, high, spread = (c[order] for c in (code, count, total, low, high,
+                                                                 spread))
+    first = np.flatnonzero(np.r_[True, code[1:] != code[:-1]])
+    whole_count = np.add.reduceat(count, first)
+    whole_total = np.add.reduceat(total, first)
+    whole_mean = np.repeat(whole_total / whole_count, np.diff(np.r_[first, len(code)]))
+    spread = np.add.reduceat(spread + count * (total / count - whole_mean) ** 2, first)
+    return _KernelStats(code[first], whole_count, whole_total, np.minimum.reduceat(low, first),
+                        np.maximum.reduceat(high, first), spread)
+
+
 @dataclass
 class _Groups:
     """Output rows in (group id, kernel name) order and their figures."""
@@ -230,16 +306,14 @@ class _Groups:
     code: np.ndarray              # group id * n_names + kernel name id, ascending
     gid: np.ndarray
     kernel_name: np.ndarray       # string code
-    total_ns: np.ndarray
-    kernel_instances: np.ndarray
+    stats: _KernelStats
     range_instances: np.ndarray
 
 
-def _groups(sums: _Sums, n_names: int, kernel_names: np.ndarray) -> _Groups:
-    code, total, count = sums
-    gid, name = np.divmod(code, n_names)
-    return _Groups(code=code, gid=gid, kernel_name=kernel_names[name], total_ns=total,
-                   kernel_instances=count, range_instances=np.zeros(len(code), np.int64))
+def _groups(stats: _KernelStats, n_names: int, kernel_names: np.ndarray) -> _Groups:
+    gid, name = np.divmod(stats.code, n_names)
+    return _Groups(code=stats.code, gid=gid, kernel_name=kernel_names[name], stats=stats,
+                   range_instances=np.zeros(len(stats.code), np.int64))
 
 
 def _distinct(values: np.ndarray) -> np.ndarray:
@@ -250,8 +324,10 @@ def _distinct(values: np.ndarray) -> np.ndarray:
 
 def _columns(groups: _Groups, group_fields: list[np.ndarray]) -> RangeKernelColumns:
     """The groups' rows: their (range name, style, pid, tid) fields and figures."""
+    st = groups.stats
     return RangeKernelColumns(*(c[groups.gid] for c in group_fields), groups.kernel_name,
-                              groups.range_instances, groups.kernel_instances, groups.total_ns)
+                              groups.range_instances, st.count, st.total, st.avg, st.min,
+                              st.max, st.stddev)
 
 
 def _rows(trace: Trace, columns: RangeKernelColumns) -> list[RangeKernelRow]:
@@ -260,13 +336,14 @@ def _rows(trace: Trace, columns: RangeKernelColumns) -> list[RangeKernelRow]:
     collecting = gc.isenabled()
     gc.disable()     # (a row is no cycle: the collector's passes over millions are waste)
     try:
-        for n, s, p, t, kn, ri, ki, total in zip(
+        for n, s, p, t, kn, ri, ki, total, avg, low, high, sd in zip(
                 *(getattr(columns, f.name).tolist() for f in fields(columns)), strict=True):
             rows.append(RangeKernelRow(
                 range=strings[n] if n >= 0 else None,
                 style=STYLE_NAMES.get(s) if s >= 0 else None,
                 pid=p if p >= 0 else None, tid=t if t >= 0 else None,
-                range_instances=ri, kernel_instances=ki, total_ns=total, kernel=strings[kn]))
+                range_instances=ri, kernel_instances=ki, total_ns=total, avg_ns=avg,
+                min_ns=low, max_ns=high, stddev_ns=sd, kernel=strings[kn]))
     finally:
         if collecting:
             gc.enable()
@@ -335,9 +412,8 @@ def _summary_by_lexsort(trace: Trace, range_rows: np.ndarray, kernel_rows: np.nd
     kg, kk = group[ksort], kernels_sorted[ksort]
     new_kernel = np.ones(len(ksort), bool)
     new_kernel[1:] = (kg[1:] != kg[:-1]) | (kk[1:] != kk[:-1])
-    kernel_instances = np.bincount(kg, weights=new_kernel, minlength=n_groups)
-    totals = np.bincount(kg, weights=duration[kk] * new_kernel, minlength=n_groups)
+    st = _kernel_stats(kg[new_kernel], duration[kk[new_kernel]])
 
     first = np.flatnonzero(boundary)
     return RangeKernelColumns(*(c[first] for c in cols), range_instances.astype(np.int64),
-                              kernel_instances.astype(np.int64), totals.astype(np.int64))
+                              st.count, st.total, st.avg, st.min, st.max, st.stddev)

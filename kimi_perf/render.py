@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import decimal
 import heapq
 import io
 import os
@@ -163,8 +164,9 @@ def _table(title: str, columns: list[str], left: tuple[str, ...] = ()) -> Table:
     return table
 
 
-RANGES_HEADER = ["range", "pid", "tid", "range_instances", "kernel_instances", "total_ns",
-                 "kernel"]
+# nvtx_kern_sum's columns, in its order, but its median (see attribution.py)
+RANGES_HEADER = ["range", "style", "pid", "tid", "range_instances", "kernel_instances",
+                 "total_ns", "avg_ns", "min_ns", "max_ns", "stddev_ns", "kernel"]
 
 
 def _csv(header: list[str], rows: list[list[Any]]) -> str:
@@ -180,13 +182,26 @@ def _blank(value) -> Any:
 
 
 def ranges_csv(rows: list[RangeKernelRow]) -> str:
-    return _csv(RANGES_HEADER, [[_blank(r.range), _blank(r.pid), _blank(r.tid),
-                                 r.range_instances, r.kernel_instances, r.total_ns, r.kernel]
-                                for r in rows])
+    return _csv(RANGES_HEADER, [[_blank(r.range), _blank(r.style), _blank(r.pid),
+                                 _blank(r.tid), r.range_instances, r.kernel_instances,
+                                 r.total_ns, _tenth(r.avg_ns), r.min_ns, r.max_ns,
+                                 _tenth(r.stddev_ns), r.kernel] for r in rows])
+
+
+def _tenth(value: float) -> str:
+    """To a tenth, as nsys's reports round (SQLite's ``round(x, 1)``): the float's shortest
+    decimal, half away from zero; 195711 / 60 is 3261.9, where ``f"{x:.1f}"`` rounds the
+    binary value just under 3261.85 down."""
+    return str(decimal.Decimal(repr(value)).quantize(decimal.Decimal("0.1"),
+                                                      decimal.ROUND_HALF_UP))
 
 
 def ranges_json(rows: list[RangeKernelRow]) -> str:
-    return json_text({"schema": 1, "rows": [r.__dict__ for r in rows]})
+    """The rows; ``unlaunched_kernels``: kernels whose launch call the trace lacks (their
+    rows have no range and no pid: the ranges open at their launch are unknown)."""
+    unlaunched = sum(r.kernel_instances for r in rows if r.range is None and r.pid is None)
+    return json_text({"schema": 1, "unlaunched_kernels": unlaunched,
+                      "rows": [r.__dict__ for r in rows]})
 
 
 RANGES_TABLE_ROWS = 100
@@ -198,17 +213,35 @@ def ranges_table(rows: list[RangeKernelRow], limit: int = RANGES_TABLE_ROWS) -> 
     Kernel names as ``breakdown --kernels`` shows them (demangled, shortened); the CSV and
     JSON keep the trace's, as ``nsys stats`` prints them."""
     table = _table("Kernels by range (as nsys stats --report nvtx_kern_sum)",
-                   ["range", "pid", "tid", "ranges", "kernels", "total µs", "kernel"],
+                   ["range", "pid", "tid", "ranges", "kernels", "total µs", "avg µs",
+                    "max µs", "kernel"],
                    left=("range", "pid", "tid", "kernel"))
     shown = heapq.nlargest(limit, rows, key=lambda r: r.total_ns)
     for r, kernel in zip(shown, short_names([r.kernel for r in shown], 60), strict=True):
-        table.add_row(_blank(r.range) or "(none)", str(_blank(r.pid)), str(_blank(r.tid)),
+        table.add_row(_blank(r.range) or ("(none)" if r.pid is not None else UNLAUNCHED),
+                      str(_blank(r.pid)), str(_blank(r.tid)),
                       str(r.range_instances), str(r.kernel_instances),
-                      f"{r.total_ns / 1000:.1f}", kernel)
+                      f"{r.total_ns / 1000:.1f}", f"{r.avg_ns / 1000:.2f}",
+                      f"{r.max_ns / 1000:.2f}", kernel)
+    notes = []
     if len(shown) < len(rows):
-        table.caption = (f"the {len(shown)} of {len(rows):,} rows with the most kernel time; "
-                         "--format csv or json for all")
+        notes.append(f"the {len(shown)} of {len(rows):,} rows with the most kernel time; "
+                     "--format csv or json for all")
+    if unlaunched := sum(r.kernel_instances for r in rows if r.range is None and r.pid is None):
+        notes.append(unlaunched_note(unlaunched))
+    table.caption = "\n".join(notes) or None
     return table
+
+
+# the range of kernels whose launch call the trace lacks (CSV and JSON: no range, no pid)
+UNLAUNCHED = "(launch not in trace)"
+
+
+def unlaunched_note(kernels: int) -> str:
+    return (f"{counted(kernels, 'kernel')} whose launch call the trace does not hold (launched "
+            "before the profile began, or by a CUDA graph whose launch it lacks): the ranges "
+            f"open at their launch are unknown, so they are listed as {UNLAUNCHED}, not as "
+            "outside every range")
 
 
 def breakdown_json(b: Breakdown) -> str:

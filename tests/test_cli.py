@@ -2140,10 +2140,25 @@ def test_ranges_says_why_its_table_is_empty():
     trace = NSYS / "IhorAtlanov-assignment2-systems__result__nsys2025.6.1_NO_CUDA.sqlite"
     result = run("ranges", trace, "--format", "csv")
     assert result.exit_code == 0
-    assert result.output.splitlines()[0].startswith("range,pid,tid")
+    assert result.output.splitlines()[0].startswith("range,style,pid,tid")
     assert f"{trace.name}: no GPU kernels in this trace" in result.output
     assert "a CPU run" not in result.output
     assert "no GPU kernels" not in run("ranges", VLLM, "--format", "csv").output
+
+
+def test_ranges_says_which_kernels_lack_their_launch():
+    """Kernels whose launch call the trace lacks (a profile begun after their launch) are
+    not outside every range: the ranges open at their launch are unknown. The table lists
+    them apart and says so; the JSON counts them; the CSV keeps nsys's empty range and pid."""
+    trace = KINETO / "hta_a100_80gb_rank0_cudagraph_triton.json.gz"
+    table = " ".join(run("ranges", trace).output.split())
+    assert "(launch not in trace)" in table
+    assert ("705 kernels whose launch call the trace does not hold (launched before the "
+            "profile began, or by a CUDA graph whose launch it lacks)") in table
+    doc = json.loads(run("ranges", trace, "--format", "json").output)
+    assert doc["unlaunched_kernels"] == 705 == sum(
+        r["kernel_instances"] for r in doc["rows"] if r["pid"] is None)
+    assert "launch not in trace" not in run("ranges", VLLM).output
 
 
 def test_ranges_table_shows_kernel_names_as_breakdown_does():

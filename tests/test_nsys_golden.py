@@ -28,8 +28,9 @@ def golden_for(stem: str, report: str = "nvtx_kern_sum") -> tuple[str, str] | No
 
 
 def golden_rows(text: str) -> list[tuple[str, ...]]:
-    return [(r["NVTX Range"], r["PID"], r["TID"], r["NVTX Inst"], r["Kern Inst"],
-             r["Total Time (ns)"], r["Kernel Name"]) for r in csv.DictReader(io.StringIO(text))]
+    return [(r["NVTX Range"], r["Style"], r["PID"], r["TID"], r["NVTX Inst"], r["Kern Inst"],
+             r["Total Time (ns)"], r["Avg (ns)"], r["Min (ns)"], r["Max (ns)"],
+             r["StdDev (ns)"], r["Kernel Name"]) for r in csv.DictReader(io.StringIO(text))]
 
 
 def our_rows(path) -> tuple[list[str], list[tuple[str, ...]]]:
@@ -53,17 +54,20 @@ def test_ranges_match_nsys_stats_exactly(fixture_file):
     text, _ = golden_for(fixture_file.stem)
     expected = golden_rows(text)
     header, rows = our_rows(fixture_file)
-    assert header == ["range", "pid", "tid", "range_instances", "kernel_instances", "total_ns",
-                      "kernel"]
+    # every column of NVIDIA's report but its median, in its order, to the character
+    assert header == ["range", "style", "pid", "tid", "range_instances", "kernel_instances",
+                      "total_ns", "avg_ns", "min_ns", "max_ns", "stddev_ns", "kernel"]
     assert len(rows) == len(expected)
     assert sorted(rows) == sorted(expected)
     # Same order as nsys where nsys's order is total: by range name, pid, tid, total desc.
-    key = [(r[0], int(r[1] or -1), int(r[2] or -1)) for r in rows]
+    key = [(r[0], int(r[2] or -1), int(r[3] or -1)) for r in rows]
     assert key == sorted(key)
 
 
 def test_saxpy_reports_the_correct_total_where_nsys_double_counts():
-    """The reference double-counts (duplicate backtrace rows in the runtime table)."""
+    """The reference double-counts (duplicate backtrace rows in the runtime table): its
+    total is twice the kernels' and its standard deviation that of each duration twice; its
+    mean, median and ends are the kernels' own."""
     path = NSYS / f"{SAXPY}.sqlite"
     (expected,) = golden_rows(golden_for(SAXPY)[0])
     _, rows = our_rows(path)
@@ -71,6 +75,10 @@ def test_saxpy_reports_the_correct_total_where_nsys_double_counts():
     kern_sum = next(csv.DictReader(io.StringIO(
         (NSYS / "golden" / SAXPY / "cuda_gpu_kern_sum.csv").read_text())))
     true_total = int(kern_sum["Total Time (ns)"])
-    assert ours[:5] == expected[:5] and ours[6] == expected[6]
-    assert int(ours[5]) == true_total == 88573480
-    assert int(expected[5]) == 2 * true_total
+    assert ours[:6] == expected[:6] and ours[7:10] == expected[7:10]
+    assert ours[11] == expected[11]
+    assert int(ours[6]) == true_total == 88573480
+    assert int(expected[6]) == 2 * true_total
+    n = int(ours[5])   # the same durations twice over: a sum of squares twice, over 2n - 1
+    assert float(expected[10]) == pytest.approx(
+        float(ours[10]) * ((2 * (n - 1)) / (2 * n - 1)) ** 0.5, abs=0.1)
