@@ -350,6 +350,9 @@ class Trace:
             # read out of bounds
             table.validate(full=True)
         except (pa.ArrowException, OSError) as exc:
+            if _lacks_its_end(path):   # (Arrow says "Not an Arrow file" of a cut one)
+                raise TraceError(path, "truncated: an Arrow file that lacks its end (a copy "
+                                       "or download cut short?)") from None
             raise TraceError(path, f"not a readable kimi-perf trace ({_first_line(exc)})") from None
         raw = (table.schema.metadata or {}).get(b"kimi_perf")
         if raw is None:
@@ -515,6 +518,20 @@ def meta_problem(meta: dict) -> str | None:
         if meta.get(key) is not None and not is_int64(meta[key]):
             return f"{key} is not an integer"
     return None
+
+
+def _lacks_its_end(path: str | Path) -> bool:
+    """Whether a file begins as an Arrow IPC file does (``ARROW1``) but does not end so."""
+    magic = b"ARROW1"
+    try:
+        with open(path, "rb") as f:
+            if f.read(len(magic)) != magic:
+                return False
+            f.seek(0, os.SEEK_END)
+            f.seek(max(f.tell() - len(magic), 0))
+            return f.read() != magic
+    except OSError:
+        return False
 
 
 def _checksum(table: pa.Table) -> int:

@@ -240,6 +240,21 @@ def test_kptrace_byte_mutations(tmp_path_factory, data):
     read_and_analyse(path)
 
 
+def test_a_truncated_kptrace_is_said_to_be(tmp_path):
+    """A .kptrace cut short (a copy or download stopped) is said to be truncated, as a cut
+    SQLite or JSON file is, not "Not an Arrow file"."""
+    import pytest
+
+    saved = tmp_path / "whole.kptrace"
+    read_trace(KINETO_GRAPH).save(saved)
+    raw = saved.read_bytes()
+    for keep in (len(raw) // 2, len(raw) - 1, 10):
+        cut = tmp_path / "cut.kptrace"
+        cut.write_bytes(raw[:keep])
+        with pytest.raises(TraceError, match="truncated: an Arrow file that lacks its end"):
+            read_trace(cut)
+
+
 def test_kptrace_checksum_and_references(tmp_path):
     """A value changed in a saved trace fails its checksum; a trace whose checksum matches
     still has every name and launch checked to point inside it."""
