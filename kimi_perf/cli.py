@@ -789,16 +789,31 @@ def info(trace: Path, fmt: str) -> None:
     elif trace.is_dir():
         found, left_out = _traces_in([trace])
         files = [(f, None) for f in found]
-    # all read, then said
-    summaries = [(file, {**read_trace(file, capture=c).summary(), "kptrace": _is_kptrace(file)})
-                 for file, c in files]
+    # all read, then said; of a directory, a file that cannot be read is said after those
+    # that can (a rank's trace cut short hides no other rank's), and the exit is still 2
+    summaries, unreadable = [], []
+    for file, c in files:
+        try:
+            summaries.append((file, {**read_trace(file, capture=c).summary(),
+                                     "kptrace": _is_kptrace(file)}))
+        except TraceError as exc:
+            if file == trace:
+                raise
+            unreadable.append(exc)
     if fmt == "json":
         _echo(json.dumps({"schema": 1, "traces": [{"file": str(file), **info}
-                                                  for file, info in summaries]}, indent=1))
+                                                  for file, info in summaries],
+                          **({"unreadable": [{"file": str(exc.path), "problem": exc.problem}
+                                             for exc in unreadable]} if unreadable else {})},
+                         indent=1))
     else:
         for file, info in summaries:
             _info(file, info)
     _say_left_out(left_out)
+    for exc in unreadable:
+        click.echo(f"kimi-perf: error: {exc}", err=True)
+    if unreadable:
+        sys.exit(2)
 
 
 def _traces_in(paths: list[Path], keep_runs: bool = False

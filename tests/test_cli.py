@@ -1911,6 +1911,20 @@ def test_info_of_a_directory_of_traces_tells_each(tmp_path):
                                              str(ranks / "rank10.json.gz")]
     (tmp_path / "empty").mkdir()
     _one_line_error(run("info", tmp_path / "empty"), "holds no trace files")
+    # one rank's trace cut short hides no other's: those read are told, it is one line after
+    # them, and the exit is 2 (JSON: the readable ones, and what kept the other out)
+    (ranks / "rank5.json.gz").write_bytes(VLLM.read_bytes()[:2000])
+    result = run("info", ranks)
+    assert result.exit_code == 2
+    lines = result.output.splitlines()
+    assert [line.split(":")[0] for line in lines if not line.startswith(" ")] == [
+        str(ranks / "rank2.json.gz"), str(ranks / "rank10.json.gz"), "kimi-perf"]
+    assert lines[-1].startswith(f"kimi-perf: error: {ranks / 'rank5.json.gz'}: truncated")
+    doc = run("info", ranks, "--format", "json")
+    assert doc.exit_code == 2
+    body = json.loads(doc.output[:doc.output.rindex("}") + 1])
+    assert len(body["traces"]) == 2 and body["unreadable"][0]["file"] == str(
+        ranks / "rank5.json.gz")
 
 
 def test_info_of_a_run_directory_tells_each_of_its_traces(tmp_path):

@@ -253,7 +253,9 @@ def _load_bytes(path: Path) -> bytes:
         gzipped = raw[:2] == GZIP_MAGIC
         if gzipped:
             raw = gzip.decompress(raw)
-    except (OSError, EOFError, zlib.error) as exc:
+    except EOFError as exc:   # (the stream ends before its end marker: cut short)
+        raise TraceError(path, f"truncated gzip ({exc})") from None
+    except (OSError, zlib.error) as exc:
         raise TraceError(path, f"cannot decompress ({exc})") from None
     raw = raw.removeprefix(UTF8_BOM)
     if not raw or raw.isspace():
