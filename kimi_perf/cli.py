@@ -918,6 +918,13 @@ def _info(trace: Path, info: dict) -> None:
         click.echo(printable(f"  saved from {info['converted_from']}"))
     for capture in info.get("captures") or []:
         click.echo(f"  joined by the graph captures of {printable(str(capture))}")
+    if replay := info.get("replay"):   # (the counts and span below hold the captures' too)
+        span = (f", {replay['span_ns'] / 1e6:,.3f} ms from first to last event"
+                if replay["span_ns"] is not None else "")
+        click.echo(f"  the replay alone: {counted(replay['kernels'], 'kernel')}, "
+                   f"{counted(replay['memops'], 'memcpy/memset op')}, "
+                   f"{counted(replay['ranges'], 'range')}, "
+                   f"{counted(replay['api_calls'], 'API call')}{span}; with its captures:")
     click.echo(f"  {counted(info['kernels'], 'kernel')}, "
                f"{counted(info['memops'], 'memcpy/memset op')}, "
                f"{counted(info['ranges'], 'range')}, {counted(info['api_calls'], 'API call')}")

@@ -34,7 +34,7 @@ import numpy as np
 
 from kimi_perf.errors import TraceError
 from kimi_perf.nesting import nest_ranges
-from kimi_perf.trace import Trace
+from kimi_perf.trace import TABLES, Trace
 
 GRAPH_LAUNCH = re.compile(r"^(cuda|hip|cu)GraphLaunch")
 KERNEL_LAUNCH = re.compile(r"^(?:cuda|hip|cu)\w*Launch\w*Kernel")
@@ -139,6 +139,9 @@ def with_capture(replay: Trace, capture: Trace, replay_file: str | Path | None =
                                        "process, ended before the launch, that launched as "
                                        "many kernels as the replay ran)")
     joined.meta["captures"] = [*replay.meta.get("captures", []), str(capture_file)]
+    # the replay's own rows come first in each table: what info tells apart
+    joined.meta["replay_rows"] = replay.meta.get("replay_rows") or {
+        name: len(getattr(replay, name)) for name in TABLES}
     return joined
 
 

@@ -264,8 +264,9 @@ class Trace:
 
     def summary(self) -> dict[str, Any]:
         """What ``kimi-perf info`` prints: format, tool and schema (and ``captures``, the
-        files of graph captures joined to it; ``converted_from``, of a ``.kptrace``, the
-        trace it was saved from); events of each kind (and GPU work left out
+        files of graph captures joined to it, and ``replay``, what the replay alone holds:
+        its events and span; ``converted_from``, of a ``.kptrace``, the trace it was saved
+        from); events of each kind (and GPU work left out
         for want of a time, or as an exact repeat); the span from the first event to the
         last (ns, None without events); each process with GPU work or API calls, the most
         kernels first (``kernels_without_process``: GPU work the trace names no process
@@ -274,6 +275,7 @@ class Trace:
         decode paths annotates (what breakdown counts where a trace has no GPU work)."""
         m = self.meta
         span = self.span()
+        replay = m.get("replay_rows")
 
         def per(column: np.ndarray) -> dict[int, int]:
             values, counts = np.unique(column, return_counts=True)
@@ -286,6 +288,11 @@ class Trace:
         return {
             "format": m.get("format"), "tool": m.get("tool"), "schema": m.get("schema"),
             "captures": m.get("captures", []), "converted_from": m.get("converted_from"),
+            # a replay joined by its captures' profile: what the replay alone holds
+            "replay": None if replay is None else {
+                "kernels": replay["kernels"], "memops": replay["memops"],
+                "ranges": replay["ranges"], "api_calls": replay["api"],
+                "span_ns": (lambda s: s[1] - s[0] if s else None)(self.span(replay))},
             "kernels": len(self.kernels), "memops": len(self.memops),
             "ranges": len(self.ranges), "api_calls": len(self.api),
             "annotated_ops": int((self.names_matching(OP_RANGE)[self.ranges.name]
@@ -302,12 +309,18 @@ class Trace:
                      for d in sorted(set(described) | set(ran), key=lambda d: (d is None, d))],
         }
 
-    def span(self) -> tuple[int, int] | None:
-        """The first start and the last end of its events (ns); None without events."""
-        timed = [t for t in (self.kernels, self.memops, self.ranges, self.api) if len(t)]
-        if not timed:
+    def span(self, rows: dict[str, int] | None = None) -> tuple[int, int] | None:
+        """The first start and the last end of its events (ns), or of the first ``rows`` of
+        each table (``meta["replay_rows"]``: a replay's own, before a capture joined it);
+        None without events."""
+        parts = [getattr(self, t) for t in TABLES]
+        starts_ends = [(t.start[:n], t.end[:n]) for t, n in zip(
+            parts, [len(t) if rows is None else rows[name] for name, t in zip(
+                TABLES, parts, strict=True)], strict=True) if n]
+        if not starts_ends:
             return None
-        return min(int(t.start.min()) for t in timed), max(int(t.end.max()) for t in timed)
+        return (min(int(start.min()) for start, _ in starts_ends),
+                max(int(end.max()) for _, end in starts_ends))
 
     def names_matching(self, pattern) -> np.ndarray:
         """Boolean mask over string codes: which strings match a compiled regex (search).
@@ -470,7 +483,13 @@ class Trace:
 
     def reference_problem(self) -> str | None:
         """What points outside the trace, if anything: a name not among the strings, a launch
-        or parent range not among the rows (-1, unknown, aside)."""
+        or parent range not among the rows (-1, unknown, aside), a replay's rows
+        (``meta["replay_rows"]``) past a table's."""
+        replay = self.meta.get("replay_rows")
+        for table_name in TABLES if replay is not None else ():
+            if replay[table_name] > len(getattr(self, table_name)):
+                return (f"replay_rows: {replay[table_name]} {table_name}, of "
+                        f"{len(getattr(self, table_name))}")
         bounds = {"name": (0, len(self.strings)), "domain": (0, len(self.strings)),
                   "api": (-1, len(self.api)), "parent": (-1, len(self.ranges))}
         for table_name in TABLES:
@@ -505,6 +524,10 @@ def meta_problem(meta: dict) -> str | None:
         if not (isinstance(counts, dict) and all(
                 is_int64(counts.get(k)) and counts[k] >= 0 for k in ("kernels", "memops"))):
             return f"{key} is not {{kernels: count, memops: count}}"
+    replay = meta.get("replay_rows")
+    if replay is not None and not (isinstance(replay, dict) and all(
+            is_int64(replay.get(t)) and replay[t] >= 0 for t in TABLES)):
+        return f"replay_rows is not {{{', '.join(f'{t}: count' for t in TABLES)}}}"
     captures = meta.get("captures", [])
     if not (isinstance(captures, list) and all(isinstance(c, str) for c in captures)):
         return "captures is not a list of file names"

@@ -208,6 +208,15 @@ def test_a_capture_saved_apart_joins_breakdown_convert_and_trace_from(tmp_path):
     assert run("convert", VLLM, joined, "--capture", VLLM_CAPTURE).exit_code == 0
     assert f"joined by the graph captures of {VLLM_CAPTURE}\n" in run("info", joined).output
     assert "graph captures" not in run("info", VLLM).output
+    # the counts and span of the joined trace hold the capture's profile too (188 s of it):
+    # the replay's own are told apart, equal to the replay read alone
+    alone = json.loads(run("info", VLLM, "--format", "json").output)["traces"][0]
+    told = json.loads(run("info", joined, "--format", "json").output)["traces"][0]
+    assert told["replay"] == {k: alone[k] for k in ("kernels", "memops", "ranges",
+                                                   "api_calls", "span_ns")}
+    assert told["span_ns"] > 1000 * alone["span_ns"] and alone["replay"] is None
+    assert "the replay alone: 425 kernels, 9 memcpy/memset ops, 102 ranges, 20 API calls, " \
+           "19.114 ms from first to last event; with its captures:" in run("info", joined).output
     again = run("breakdown", joined, "--layers", PIECES, "--format", "json")
     assert json.loads(again.output)["layer_types"] == doc["layer_types"]
     traced = run("trace", "--from", VLLM, "--capture", VLLM_CAPTURE, "--layers", PIECES,

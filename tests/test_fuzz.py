@@ -255,6 +255,15 @@ def test_a_truncated_kptrace_is_said_to_be(tmp_path):
             read_trace(cut)
 
 
+def test_a_kptrace_whose_replay_rows_pass_its_tables_is_corrupt(tmp_path):
+    import pytest
+
+    def change(table, header):
+        header["meta"]["replay_rows"] = {"kernels": 10**9, "memops": 0, "ranges": 0, "api": 0}
+    with pytest.raises(TraceError, match=r"corrupt: replay_rows: 1000000000 kernels, of \d+"):
+        read_trace(_kptrace_with(tmp_path, change))
+
+
 def test_kptrace_checksum_and_references(tmp_path):
     """A value changed in a saved trace fails its checksum; a trace whose checksum matches
     still has every name and launch checked to point inside it."""
@@ -316,7 +325,8 @@ def _no_traceback(*args) -> None:
 
 @FUZZ
 @given(key=st.sampled_from(["gpus", "processes", "untimed", "duplicates", "format", "tool",
-                            "file", "rank", "world_size", "captures"]), value=VALUES,
+                            "file", "rank", "world_size", "captures", "replay_rows",
+                            "converted_from"]), value=VALUES,
        data=st.data())
 def test_kptrace_metadata_of_any_type(tmp_path, key, value, data):
     """A saved trace's header (which its checksum does not cover) with a field of any type,
