@@ -227,7 +227,7 @@ def capture(req: TraceRequest, progress=None) -> tuple[Path, dict[str, Breakdown
     import torch
 
     from kimi_perf.decode import choose_triton_backend
-    from kimi_perf.decode.config import preset
+    from kimi_perf.decode.config import preset, resharded
     from kimi_perf.decode.weights import weight_bytes
 
     choose_triton_backend()   # before the profiler or anything else imports triton
@@ -246,8 +246,7 @@ def capture(req: TraceRequest, progress=None) -> tuple[Path, dict[str, Breakdown
                                f"(choose from {', '.join(PATH_BACKENDS)})")
     config = preset(req.preset, n_layers=req.n_layers)
     if req.tp != 1 and config.tp != 1:   # one rank's shapes, sharded again: before any work
-        raise TraceError(None, f"{req.preset} is already sharded over {config.tp} ranks: for "
-                               f"TP {req.tp} use --preset k3 --tp {req.tp}")
+        raise TraceError(None, resharded(req.preset, config, req.tp))
     if req.tp != 1:
         try:
             config.shard(req.tp)   # each rank shards it again: refused here, before any work

@@ -740,6 +740,9 @@ def test_floors_of_a_sharded_preset_at_another_tp_is_refused(tmp_path):
     not_a_dir.write_text("")
     _one_line_error(run("trace", "--preset", "k3-tp8", "--tp", "2", "--out", not_a_dir),
                     "k3-tp8 is already sharded over 8 ranks: for TP 2 use --preset k3 --tp 2")
+    # (no TP that does not divide the model is suggested)
+    _one_line_error(run("floors", "--tp", "1000"), "k3-tp8 is already sharded over 8 ranks, "
+                    "and TP 1000 does not divide the model: kda_heads=96 does not split")
     _one_line_error(run("floors", "--preset", "k4"),
                     "unknown preset 'k4' (choose from k3, k3-tp8, k3-tp16, tiny)")
     at_8 = json.loads(run("floors", "--preset", "k3", "--tp", "8", "--format", "json").output)

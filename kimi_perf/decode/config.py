@@ -137,8 +137,18 @@ def preset(name: str, n_layers: int | None = None, tp: int | None = None) -> K3C
     if n_layers is not None:
         config = dataclasses.replace(config, n_layers=n_layers)
     if tp is not None and tp != config.tp:
-        if config.tp != 1:   # one rank's shapes: another TP is another preset's sharding
-            raise ValueError(f"{name} is already sharded over {config.tp} ranks: for TP {tp} "
-                             f"use --preset k3 --tp {tp}")
+        if config.tp != 1:
+            raise ValueError(resharded(name, config, tp))
         config = config.shard(tp)
     return config
+
+
+def resharded(name: str, config: K3Config, tp: int) -> str:
+    """Why a preset of one rank's shapes takes no other TP: another TP is another sharding
+    of the whole model (``--preset k3 --tp N``), where it divides the model."""
+    try:
+        dataclasses.replace(config, tp=1).shard(tp)
+    except ValueError as exc:
+        return f"{name} is already sharded over {config.tp} ranks, and {exc}"
+    return (f"{name} is already sharded over {config.tp} ranks: for TP {tp} use --preset k3 "
+            f"--tp {tp}")
