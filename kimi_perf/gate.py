@@ -289,12 +289,14 @@ def gate_files(baseline: str | Path, run: str | Path, tolerances: Tolerances = T
             raise TraceError(file, f"holds the paths {', '.join(runs)}: choose the one the "
                                    "other side stands for with --path")
     result = gate(base, current, tolerances)
-    captured = run_differences(base_doc, run_doc)
-    result.run_differences = (captured + phase_differences(base, current)
+    # two captures whose run information records their GPUs say so (run_differences)
+    gpus_recorded = all(isinstance(d, dict) and isinstance(d.get("run"), dict)
+                        and (d["run"].get("environment") or {}).get("gpus") is not None
+                        for d in (base_doc, run_doc))
+    result.run_differences = (run_differences(base_doc, run_doc)
+                              + phase_differences(base, current)
                               + unit_differences(base, current)
-                              # (two captures' GPUs their run information already said)
-                              + ([] if any(d.startswith("GPUs ") for d in captured)
-                                 else gpu_differences(base, current)))
+                              + ([] if gpus_recorded else gpu_differences(base, current)))
     depths = [(d.get("run") or {}).get("n_layers") if isinstance(d, dict) else None
               for d in (base_doc, run_doc)]   # (load_run checked that "run" is an object)
     if None not in depths and depths[0] != depths[1]:

@@ -575,7 +575,7 @@ def _run_from(tmp_path: Path, trace: Path) -> Path:
     return run
 
 
-def test_traces_of_other_gpus_are_said_to_be_captured_differently():
+def test_traces_of_other_gpus_are_said_to_be_captured_differently(tmp_path):
     """A trace carries no run information, but its kernels say which GPUs ran them: an A100
     baseline against a V100 run differs for that alone, which the gate says (and --strict
     fails by itself), as compare does; and a side where no layers were found is said so."""
@@ -594,6 +594,24 @@ def test_traces_of_other_gpus_are_said_to_be_captured_differently():
     same = json.loads(CliRunner().invoke(main, ["gate", str(control), str(control),
                                                 "--format", "json"]).output)
     assert same["run_differences"] == [] and same["breakdown_differences"] == []
+    # two captures whose run information names their GPUs: said once, from it (not again
+    # from their kernels); one that does not name them: from the kernels
+    docs = []
+    for name in ("H100", "H200"):
+        doc = json.loads(BASELINE.read_text())
+        doc["run"]["environment"]["gpus"] = [name]
+        for b in doc["paths"].values():
+            b["source"]["gpus_ran"] = [{"device": 0, "name": name, "sm_count": 132}]
+        docs.append(tmp_path / f"{name}.json")
+        docs[-1].write_text(json.dumps(doc))
+    said = gate_files(docs[0], docs[1], Tolerances(metrics="kernels")).result.run_differences
+    assert said == ["GPUs H100 vs H200"]
+    doc = json.loads(docs[0].read_text())
+    del doc["run"]["environment"]["gpus"]
+    docs[0].write_text(json.dumps(doc))
+    said = gate_files(docs[0], docs[1], Tolerances(metrics="kernels")).result.run_differences
+    assert said == [f"{p}: ran on 1 × H100 (132 SMs) vs 1 × H200 (132 SMs)"
+                    for p in ("standard", "specialized")]
 
 
 def test_a_step_s_change_is_explained_both_ways_and_parts_of_some_steps_say_so():
