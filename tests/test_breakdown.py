@@ -415,6 +415,7 @@ def test_vllm_decode_breakdown():
     ("void flash::flash_fwd_splitkv_kernel<Flash_fwd_kernel_traits<128>>", "attention"),
     ("fused_recurrent_kda_fwd_kernel", "attention"),
     ("void vllm::fused_add_rms_norm_kernel<c10::BFloat16, 8>", "norm"),
+    ("final_norm", "norm"),                       # the decode paths' own, by name
     ("void vllm::rotary_embedding_kernel<c10::BFloat16, true>", "rope"),
     ("nvjet_tst_192x192_64x4_2x1_v_bz_coopB_TNN", "gemm"),
     ("Cijk_Alik_Bljk_BBS_BH_Bias_HA_S_SAV_UserArgs_MT32x32x256_MI16x16x1", "gemm"),
