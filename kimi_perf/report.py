@@ -136,11 +136,15 @@ def _timeline(fig: go.Figure, row: int, timeline: dict | None, label: str, most:
 
 
 def _class_bars(breakdowns: dict[str, Breakdown]) -> go.Figure:
-    """Median µs per layer type by kernel class, stacked. CPU runs and GPU traces get a panel
-    each: their µs differ a thousandfold, and on one axis the GPU's bars would not show."""
-    panels = {unit: [label for label, b in breakdowns.items() if b.unit == unit]
-              for unit in dict.fromkeys(b.unit for b in breakdowns.values())}
-    titles = [("GPU traces" if unit == "kernels" else "CPU runs") for unit in panels]
+    """Median µs per layer type by kernel class, stacked. GPU traces share a panel; each
+    CPU run's path gets one of its own: a CPU's µs and a GPU's differ a thousandfold, and a
+    path in Triton's interpreter takes hundreds of times a PyTorch path's CPU time, so that
+    on one axis the other's bars would not show."""
+    panels = {"GPU traces": [label for label, b in breakdowns.items() if b.unit == "kernels"]}
+    panels = {**({} if not panels["GPU traces"] else panels),
+              **{f"CPU run: {label} (CPU time)": [label]
+                 for label, b in breakdowns.items() if b.unit != "kernels"}}
+    titles = [_plotly_text(title) for title in panels]
     fig = make_subplots(rows=len(panels) or 1, cols=1, vertical_spacing=0.15,
                         subplot_titles=titles if len(panels) > 1 else None)
     classes = sorted({c for b in breakdowns.values() for t in b.layer_types
@@ -363,11 +367,13 @@ def _fusions_html(breakdowns: dict[str, Breakdown], pairs: list[tuple[str, str]]
     compare pairs them."""
     e = html.escape
     parts = []
+    on_cpu = False
     for first, other in pairs:
         for pair in type_pairs(breakdowns[first], breakdowns[other]):
             if pair.a is None or pair.ledger is None:
                 continue
             t = pair.a
+            on_cpu |= "ops" in (breakdowns[first].unit, breakdowns[other].unit)
             swapped, rows, left = pair.ledger
             standard, specialized = (other, first) if swapped else (first, other)
             body = "".join(
@@ -389,7 +395,11 @@ def _fusions_html(breakdowns: dict[str, Breakdown], pairs: list[tuple[str, str]]
         return ""
     return ("<h2>Fusions, launch by launch</h2><p>Median µs in each path's typical layer; "
             "ratio: what was replaced over what replaced it (above 1: the fusion is faster)."
-            "</p>" + "".join(parts))
+            "</p>" + ("<p class=warn>On a CPU run these µs are CPU time, and the specialized "
+                      "path's launches ran in Triton's interpreter, hundreds of times slower "
+                      "than a GPU runs them: the ratios are no speed figure; the tables say "
+                      "which launches replace which.</p>" if on_cpu else "")
+            + "".join(parts))
 
 
 def _capture_items(run: dict) -> list[tuple[str, object]]:
@@ -755,7 +765,9 @@ def write_report(path: str | Path, breakdowns: dict[str, Breakdown], title: str,
     drawn = {}
     for row, (label, b) in enumerate(breakdowns.items(), start=1):
         drawn[label] = _timeline(timelines, row, b.timeline, label, most, in_legend)
-        if b.timeline:   # one time axis for the rows that count alike: bars compare
+        # one time axis for the GPU traces: bars compare (a CPU run's rows keep their own:
+        # CPU time, and its specialized path's is the interpreter's)
+        if b.timeline and b.unit == "kernels":
             first = first_of_unit.setdefault(b.unit, row)
             if first != row:
                 timelines.update_xaxes(matches=f"x{first if first > 1 else ''}", row=row,
@@ -764,6 +776,14 @@ def write_report(path: str | Path, breakdowns: dict[str, Breakdown], title: str,
                             title="One step per trace (of its steps with layers, the one of "
                                   "median span), a row per layer")
     include = {"inline": True, "cdn": "cdn"}.get(plotly_js, plotly_js)
+    # (a chart with nothing to draw would be an empty frame: left out; plotly.js comes with
+    # the first chart drawn)
+    figures = [figure for figure, drawing in (
+        (timelines, any(drawn.values())),
+        (_class_bars(breakdowns), any(b.layer_types for b in breakdowns.values())))
+        if drawing]
+    charts = [figure.to_html(full_html=False, include_plotlyjs=include if i == 0 else False)
+              for i, figure in enumerate(figures)]
     parts = [f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{html.escape(title)}"
              f"</title>{STYLE}</head><body><h1>{html.escape(title)}</h1>",
              _run_html(run, breakdowns),
@@ -777,10 +797,7 @@ def write_report(path: str | Path, breakdowns: dict[str, Breakdown], title: str,
              _fusions_html(breakdowns, pairs),
              "<h2>Timelines</h2>",
              _missing_timelines_html(breakdowns, drawn),
-             timelines.to_html(full_html=False, include_plotlyjs=include),
-             # (a chart of no layer types would be an empty frame)
-             _class_bars(breakdowns).to_html(full_html=False, include_plotlyjs=False)
-             if any(b.layer_types for b in breakdowns.values()) else "",
+             *charts,
              "</body></html>"]
     atomic_write_text(path, "\n".join(parts))
     return path

@@ -1550,4 +1550,6 @@ def test_report_labels_and_titles_write_control_characters_out(tmp_path):
     none = breakdown(read_trace(KINETO / "hta_a100_80gb_rank0_cudagraph_triton.json.gz"))
     assert not none.layer_types
     empty = write_report(tmp_path / "e.html", {"t": none}, "t", plotly_js="cdn").read_text()
-    assert len(_report_figures(empty)) == 1 and "no step with layers to draw" in empty
+    # (nor an empty timeline: no plotly.js either, with nothing to draw)
+    assert len(_report_figures(empty)) == 0 and "no step with layers to draw" in empty
+    assert "plot.ly" not in empty

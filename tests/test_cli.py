@@ -1073,8 +1073,9 @@ def test_report_names_what_each_trace_counts(tmp_path):
     only_gpu = write_report(tmp_path / "g.html", {"gpu": Breakdown.from_json(doc)},
                             "gpu").read_text()
     assert "on a CPU" not in only_gpu and "<h2>Kernel by kernel</h2>" in only_gpu
-    # the class bars: a panel for the GPU trace and one for the CPU run, each on its own axis
-    assert '"text":"GPU traces"' in text and '"text":"CPU runs"' in text
+    # the class bars: a panel for the GPU traces and one for each CPU run's path, each on
+    # its own axis
+    assert '"text":"GPU traces"' in text and '"text":"CPU run: cpu &lt;run&gt; (CPU time)"' in text
     assert '"yaxis2"' in text and '"yaxis2"' not in only_gpu.split("Median µs per layer")[-1]
 
 
@@ -1294,6 +1295,12 @@ def test_report_command_draws_runs_breakdowns_and_traces(tmp_path):
     assert drawn == [("std", "spec"), ("std2", "spec2"), ("std", "std2"), ("spec", "spec2")]
     assert re.findall(r"<h3>kda: each (\S+) launch against the (\S+) launches",
                       out.read_text()) == [("spec", "std"), ("spec2", "std2")]
+    # CPU runs: each path's rows on a time axis of its own (the interpreter's µs are hundreds
+    # of times PyTorch's: on one axis the standard path's bars would not show), and the
+    # fusions' ratios said to be no speed figure
+    page = out.read_text()
+    assert '"matches"' not in page and "the ratios are no speed figure" in page
+    assert page.count('"text":"CPU run: ') == 4
     from kimi_perf.report import input_pairs
 
     assert input_pairs([{"standard": "a"}, {"trace": "b"}]) is None   # one path each
