@@ -262,9 +262,10 @@ def _steps_html(breakdowns: dict[str, Breakdown]) -> str:
     return "<h2>Steps</h2>" + "".join(parts) if parts else ""
 
 
-def _overview_html(breakdowns: dict[str, Breakdown]) -> str:
+def _overview_html(breakdowns: dict[str, Breakdown], of_paths: bool = False) -> str:
     """Three traces or more (a TP run's ranks, say): every one in one table, with the spread
-    of each layer type's span and the slowest trace."""
+    of each layer type's span and the slowest trace; ``of_paths``: the traces are the decode
+    paths of several runs, whose spread would set one path against another (no spread)."""
     if len(breakdowns) < 3:
         return ""
     e = html.escape
@@ -279,20 +280,22 @@ def _overview_html(breakdowns: dict[str, Breakdown]) -> str:
         f"<td>{'-' if r.step_us is None else f'{r.step_us:.1f}'}</td>" + "".join(
             f"<td>{v[1]:.1f} ({count_text(v[0])})</td>" if v else "<td>-</td>"
             for v in r.types.values()) + "</tr>" for r in rows)
-    foot = "<tr><th>slowest / fastest</th><th></th>" + "".join(
+    foot = "" if of_paths else "<tr><th>slowest / fastest</th><th></th>" + "".join(
         f"<th>{spread[t].ratio:.2f}×</th>" if t in spread and spread[t].ratio
         else "<th>-</th>" for t in [None, *types]) + "</tr>"
-    note = "".join(f"<p>slowest: {e(label)} ({e(', '.join(what))})</p>"
-                   for label, what in stragglers(list(spread.values())).items())
+    note = "<p>No spread or slowest trace: these are the decode paths of several runs, " \
+        "compared pair by pair below.</p>" if of_paths else "".join(
+            f"<p>slowest: {e(label)} ({e(', '.join(what))})</p>"
+            for label, what in stragglers(list(spread.values())).items())
     if differ:
         note += ("<p>* found by the repeating kernel pattern, with other kernel sequences in "
                  "some traces: the letter may name different layers (no spread).</p>")
     if renamed := renamed_columns(rows, most=len(types)):
         note += f"<p>{e(renamed[0].upper() + renamed[1:])}.</p>"
-    if len({r.unit for r in rows}) > 1:
+    if len({r.unit for r in rows}) > 1 and not of_paths:
         note += ("<p>No spread between CPU runs and GPU traces: their µs differ a "
                  "thousandfold.</p>")
-    elif steps_unlike(rows):
+    elif steps_unlike(rows) and not of_paths:
         note += f"<p>{STEPS_UNLIKE[0].upper() + STEPS_UNLIKE[1:]}.</p>"
     return (f"<h2>Every trace (medians; µs = span, layer {_units(breakdowns)} in brackets)"
             f"</h2><table>{head}{body}{foot}</table>{note}")
@@ -745,6 +748,7 @@ def write_report(path: str | Path, breakdowns: dict[str, Breakdown], title: str,
     # labels and titles from file names: their control characters written out, as a trace's
     # names are when read (a right-to-left override would reorder the page's text)
     title = printable(title)
+    of_paths = pairs is not None
     pairs = [(printable(a), printable(b)) for a, b in report_pairs(breakdowns, pairs)]
     breakdowns = {printable(label): b for label, b in breakdowns.items()}
     if unknown := {label for pair in pairs for label in pair} - set(breakdowns):
@@ -790,7 +794,7 @@ def write_report(path: str | Path, breakdowns: dict[str, Breakdown], title: str,
              "".join(f"<p class=warn>{html.escape(fell_back_text(label, why))}.</p>"
                      for label, why in fell_back.items()),
              _runs_html(list(runs)),
-             _overview_html(breakdowns),
+             _overview_html(breakdowns, of_paths),
              _comparison_html(breakdowns, pairs, fallen),
              _steps_html(breakdowns),
              _typical_html(breakdowns),
