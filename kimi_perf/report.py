@@ -301,6 +301,11 @@ def _overview_html(breakdowns: dict[str, Breakdown], of_paths: bool = False) -> 
             f"</h2><table>{head}{body}{foot}</table>{note}")
 
 
+# rows of a typical layer's table (a type the repeating pattern cut from stretches of
+# unlike work can hold thousands: a megabyte of table no one reads)
+TYPICAL_ROWS = 300
+
+
 def _typical_html(breakdowns: dict[str, Breakdown]) -> str:
     """Per layer type, its typical layer in every trace side by side: kernels in order, each
     with its class and median µs (the full name on hover)."""
@@ -327,7 +332,8 @@ def _typical_html(breakdowns: dict[str, Breakdown]) -> str:
                  for label, t in typical.items()}
         names = {label: short_names(w, 100) for label, w in whole.items()}  # demangled once
         rows = []
-        for i in range(max(len(n) for n in names.values())):
+        longest = max(len(n) for n in names.values())
+        for i in range(min(longest, TYPICAL_ROWS)):
             cells = [f"<td>{i + 1}</td>"]
             for label, t in typical.items():
                 if t and i < len(t["kernels"]):
@@ -338,6 +344,10 @@ def _typical_html(breakdowns: dict[str, Breakdown]) -> str:
                 else:
                     cells.append("<td></td><td></td><td></td>")
             rows.append("<tr>" + "".join(cells) + "</tr>")
+        if longest > TYPICAL_ROWS:   # (a "layer" of thousands: a stretch, not a layer)
+            rows.append(f"<tr><td colspan={1 + 3 * len(typical)}>… {longest - TYPICAL_ROWS:,} "
+                        "more (kimi-perf breakdown --kernels lists them all; the totals "
+                        "below count them)</td></tr>")
         foot = "<tr><th></th>" + "".join(
             f"<th colspan=2>{len(t['kernels'])} {unit[label]}, {t['layers']} of "
             f"{counted(sides[label]['layers'], 'layer')} ran "

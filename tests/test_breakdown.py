@@ -1534,6 +1534,22 @@ def test_report_timelines_draw_a_bounded_number_of_bars_in_step_order(monkeypatc
     assert {name for name, y in shown if y == "y2"}   # (the case: classes the first lacks)
 
 
+def test_a_typical_layer_of_thousands_is_cut_in_the_report(tmp_path):
+    """A type the repeating pattern cut from stretches of unlike work holds thousands of
+    kernels: the report lists its first TYPICAL_ROWS and says how many more (a megabyte of
+    table otherwise); its totals still count them all."""
+    from kimi_perf.report import TYPICAL_ROWS, write_report
+
+    b = breakdown(read_trace(NSYS / "jsun-012-assignment2-systems__result__nsys2025.1.3.sqlite"))
+    longest = max(len(t["typical_layer"]["kernels"]) for t in b.layer_types)
+    assert longest > TYPICAL_ROWS
+    text = write_report(tmp_path / "r.html", {"jsun": b}, "t", plotly_js="cdn").read_text()
+    assert f"… {longest - TYPICAL_ROWS:,} more (kimi-perf breakdown --kernels lists them all" \
+        in text
+    assert f"<td>{TYPICAL_ROWS}</td>" in text and f"<td>{TYPICAL_ROWS + 1}</td>" not in text
+    assert f"<th colspan=2>{longest} kernels," in text
+
+
 def test_report_labels_and_titles_write_control_characters_out(tmp_path):
     """A file name holding a right-to-left override (or the Arabic letter mark) labels its
     trace with the character written out, as a trace's own names are, in the title and
