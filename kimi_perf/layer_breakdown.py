@@ -669,9 +669,10 @@ TIMELINE_OPS = 10_000
 
 def _timeline(trace: Trace, ops: GpuOps, steps) -> dict[str, Any] | None:
     """One step to draw op by op (the report's timeline), so that drawing needs no trace: of
-    the steps with layers, the one of median span; its prologue, layers and epilogue, each op
-    as [index into ``names``, class, µs from the step's first op, µs]. Of a step of more
-    than ``TIMELINE_OPS`` ops, the first so many (``ops_left_out``: how many more)."""
+    the steps with layers, the one of median span; its prologue, layers, the ops that ran
+    between its layers (in no layer: another thread's, say) and its epilogue, each op as
+    [index into ``names``, class, µs from the step's first op, µs]. Of a step of more than
+    ``TIMELINE_OPS`` ops, the first so many (``ops_left_out``: how many more)."""
     steps = [s for s in steps if s.layers]
     if not steps:
         return None
@@ -679,8 +680,10 @@ def _timeline(trace: Trace, ops: GpuOps, steps) -> dict[str, Any] | None:
     step = steps[int(np.argsort(spans, kind="stable")[len(spans) // 2])]
     t0 = ops.start[step.ops].min()
     parts = [("prologue", step.prologue)] + [
-        (f"layer {layer.index} ({layer.type})", layer.ops) for layer in step.layers] + [
-        ("epilogue", step.epilogue)]
+        (f"layer {layer.index} ({layer.type})", layer.ops) for layer in step.layers]
+    between = step.ops[~np.isin(step.ops, np.concatenate([rows for _, rows in parts]
+                                                          + [step.epilogue]))]
+    parts += [("between layers", between), ("epilogue", step.epilogue)]
     room, left_out = TIMELINE_OPS, 0
     for i, (label, rows) in enumerate(parts):
         left_out += max(0, len(rows) - room)

@@ -562,6 +562,19 @@ def test_timeline_is_the_median_span_step_op_by_op():
     assert again.timeline == timeline
 
 
+def test_the_timeline_step_holds_every_op_of_its_step():
+    """Work between the layers (of the step's other threads: 5,866 of 7,622 ops here) is
+    drawn too, on a row of its own, or the timeline's gaps read as an idle GPU."""
+    trace = read_trace(NSYS / "zx3xyy-assignment2-systems__result_2_7B_nvtx__nsys2024.6.2.sqlite")
+    b = breakdown(trace, layers="nvtx:^scaled dot product attention$")
+    timeline = b.timeline
+    step = next(s for s in b.steps if s["name"] == timeline["step"])
+    segments = {seg["label"]: len(seg["ops"]) for seg in timeline["segments"]}
+    assert sum(segments.values()) + timeline.get("ops_left_out", 0) == step["kernels"]
+    assert segments["between layers"] == 5866
+    assert list(segments)[-2:] == ["between layers", "epilogue"]
+
+
 def test_a_long_step_draws_its_first_ops_and_says_how_many_more(monkeypatch, tmp_path):
     """A step of more ops than a report can draw (a training step, a profiler's window):
     the timeline keeps the first TIMELINE_OPS, cut inside a layer where it falls, names only
