@@ -642,7 +642,8 @@ class ReportInputs:
     several inputs; one run's own says so itself); ``no_ratios``: the labels of every drawn
     path whose every step fell back, one run's own too (their comparisons get no ratio);
     ``pairs``: the comparisons to draw, where not the first against each other
-    (``input_pairs``)."""
+    (``input_pairs``); ``run_labels``: of each of ``runs``, the labels of its paths drawn
+    (a run of one drawn path takes that path's label when relabelled)."""
 
     breakdowns: dict[str, Breakdown]
     run: dict | None = None
@@ -650,18 +651,22 @@ class ReportInputs:
     fell_back: dict[str, str] = field(default_factory=dict)
     no_ratios: set[str] = field(default_factory=set)
     pairs: list[tuple[str, str]] | None = None
+    run_labels: list[list[str]] = field(default_factory=list)
 
     def relabelled(self, labels: list[str]) -> ReportInputs:
         """The same inputs under ``labels``, one for each breakdown, in order."""
         if len(labels) != len(self.breakdowns) or len(set(labels)) != len(labels):
             raise ValueError(f"labels: {len(self.breakdowns)} distinct names, not {labels!r}")
         renamed = dict(zip(self.breakdowns, labels, strict=True))
+        runs = [(renamed[drawn[0]] if len(drawn) == 1 else name, info)
+                for (name, info), drawn in zip(self.runs, self.run_labels, strict=True)]
         return ReportInputs(dict(zip(labels, self.breakdowns.values(), strict=True)),
-                            self.run, self.runs,
+                            self.run, runs,
                             {renamed[label]: why for label, why in self.fell_back.items()},
                             {renamed[label] for label in self.no_ratios},
                             None if self.pairs is None
-                            else [(renamed[a], renamed[b]) for a, b in self.pairs])
+                            else [(renamed[a], renamed[b]) for a, b in self.pairs],
+                            [[renamed[label] for label in drawn] for drawn in self.run_labels])
 
     def captured_differently(self) -> list[str]:
         """How each run after the first was captured differently from it, a line each."""
@@ -689,8 +694,6 @@ def report_inputs(inputs: list[str | Path], path_name: str | None = None,
         runs, run_doc = (loaded.get(i)
                          or load_paths(file, labels_of[i], phase, **breakdown_options))
         info = run_doc.get("run") if run_doc is not None else None
-        if info is not None and len(inputs) > 1:   # (checked as it was read)
-            got.runs.append((run_name(file), info))
         if run_doc is not None and path_name is not None:
             runs = dict([one_path(file, runs, path_name)])
         fell = paths_that_fell_back(info)
@@ -705,6 +708,9 @@ def report_inputs(inputs: list[str | Path], path_name: str | None = None,
                 got.no_ratios.add(label)
                 if len(inputs) > 1:   # (one run says its own)
                     got.fell_back[label] = fell[name]
+        if info is not None and len(inputs) > 1:   # (checked as it was read)
+            got.runs.append((run_name(file), info))
+            got.run_labels.append(list(drawn[-1].values()))
         if info is not None and len(inputs) == 1:  # the run's own: what ran
             got.run = info if path_name is None else {**info, "paths": {   # that path's alone
                 p: m for p, m in (info.get("paths") or {}).items() if p == path_name}}

@@ -1284,6 +1284,18 @@ def test_report_command_draws_runs_breakdowns_and_traces(tmp_path):
     text = out.read_text()
     assert "Per layer type: tiny-cpu:specialized vs nightly:specialized" in text
     assert "<th>standard" not in text and "decode tokens/s" not in text
+    # one path of each run, relabelled: the runs' table and how they were captured
+    # differently take the labels too
+    other = tmp_path / "other"
+    other.mkdir()
+    doc["run"]["batch"] = 64
+    (other / "breakdown.json").write_text(json.dumps(doc))
+    result = run("report", BASELINE, other, "--path", "specialized", "--labels", "base,new",
+                 "-o", out, "--plotly-js", "cdn")
+    assert result.exit_code == 0, result.output
+    assert "base and new were captured differently: batch 2 vs 64" in result.output
+    runs_table = out.read_text().split("<h2>Runs</h2>")[1].split("</table>")[0]
+    assert "<th>base</th>" in runs_table and "<th>new</th>" in runs_table
     # both paths of two runs: each run's paths against each other and each path against
     # the same path of the first run (not the first run's standard path against everything);
     # each run's fusions against its own standard path, under labels of its own too
