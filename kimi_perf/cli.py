@@ -800,6 +800,8 @@ def info(trace: Path, fmt: str) -> None:
             if file == trace:
                 raise
             unreadable.append(exc)
+    if unreadable and not summaries:   # nothing to tell: the first problem, one line
+        raise unreadable[0]
     if fmt == "json":
         _echo(json.dumps({"schema": 1, "traces": [{"file": str(file), **info}
                                                   for file, info in summaries],
