@@ -281,12 +281,12 @@ def _merged_stats(parts: list[_KernelStats]) -> _KernelStats:
     """Several chunks' figures as one (a code may recur): counts, sums and ends add up or
     reduce; spreads merge as Chan et al. merge them, each part's about its own mean plus
     its count times its mean's squared distance from the whole's."""
-    if not parts:
-        return _kernel_stats(np.empty(0, np.int64), np.empty(0, np.int64))
     code, count, total, low, high, spread = (
-        np.concatenate([getattr(p, f) for p in parts])
+        np.concatenate([np.empty(0, np.int64), *(getattr(p, f) for p in parts)])
         for f in ("code", "count", "total", "min", "max", "spread"))
     parts.clear()
+    if not len(code):
+        return _kernel_stats(code, code)
     order = np.argsort(code, kind="stable")
     code, count, total, low, high, spread = (c[order] for c in (code, count, total, low, high,
                                                                  spread))

@@ -684,7 +684,7 @@ def _print_gate(gated: gate_mod.GatedRun, fmt: str, show_all: bool, update: bool
                           f"{interpreted}, noisy and no speed figure: --metrics kernels gates "
                           "the launches alone", style="yellow")
         if result.cpu_times_left_out:
-            named = ",".join(result.tolerances.metrics)
+            named = ",".join(result.tolerances.checked)
             console.print(f"{', '.join(result.cpu_times_left_out)} of CPU runs not checked "
                           f"(CPU time, noisy and no speed figure): --metrics {named} checks "
                           "them", style="yellow")

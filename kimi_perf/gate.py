@@ -116,9 +116,10 @@ class Tolerances:
     and the Mann-Whitney U test gives p < ``alpha`` (with ``min_samples`` a side; see the
     module doc); whole steps' mean span likewise, by a permutation test. ``metrics``:
     which of ``METRICS`` to check (a tuple, or a comma-separated string); None, the default,
-    checks all of them, except on a path whose two sides are CPU runs: its ops alone, as its
-    times are CPU time, which moves by more than any tolerance between two runs of the same
-    code (``cpu_times`` False; naming the metrics checks a CPU run's times too)."""
+    checks all of them (``checked``), except on a path whose two sides are CPU runs: its
+    ops alone, as its times are CPU time, which moves by more than any tolerance between two
+    runs of the same code (``cpu_times``: whether they are checked; naming the metrics
+    checks a CPU run's times too)."""
 
     rel_tol: float = 0.05
     alpha: float = 0.01
@@ -127,16 +128,23 @@ class Tolerances:
     # a rise of a time by this much or less passes whatever its ratio (a figure near 0: a
     # kernel under a µs, a trace in whole µs)
     abs_tol_us: float = 1.0
-    cpu_times: bool = field(init=False)
+
+    @property
+    def checked(self) -> tuple[str, ...]:
+        return METRICS if self.metrics is None else self.metrics
+
+    @property
+    def cpu_times(self) -> bool:
+        return self.metrics is not None
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "cpu_times", self.metrics is not None)
-        metrics = METRICS if self.metrics is None else self.metrics
+        metrics = self.metrics
         if isinstance(metrics, str):
             metrics = tuple(m.strip() for m in metrics.split(",") if m.strip())
-        object.__setattr__(self, "metrics", tuple(dict.fromkeys(metrics)))   # each once
-        unknown = [str(m) for m in self.metrics if m not in METRICS]
-        if unknown or not self.metrics:
+        if metrics is not None:
+            object.__setattr__(self, "metrics", tuple(dict.fromkeys(metrics)))  # each once
+        unknown = [str(m) for m in self.checked if m not in METRICS]
+        if unknown or not self.checked:
             raise ValueError(f"metrics: choose from {', '.join(METRICS)}, one or more (not "
                              + (", ".join(unknown) + ")" if unknown else "an empty list)"))
         if not (math.isfinite(self.rel_tol) and self.rel_tol >= 0):
@@ -289,14 +297,16 @@ def gate_files(baseline: str | Path, run: str | Path, tolerances: Tolerances = T
             raise TraceError(file, f"holds the paths {', '.join(runs)}: choose the one the "
                                    "other side stands for with --path")
     result = gate(base, current, tolerances)
-    # two captures whose run information records their GPUs say so (run_differences)
-    gpus_recorded = all(isinstance(d, dict) and isinstance(d.get("run"), dict)
-                        and (d["run"].get("environment") or {}).get("gpus") is not None
-                        for d in (base_doc, run_doc))
+    # two captures whose run information records other GPUs say so (run_differences); the
+    # kernels' GPUs are compared otherwise (the same names, other SM counts: a MIG slice)
+    recorded = [env.get("gpus") if isinstance(env := (d.get("run") or {}).get("environment")
+                                                      if isinstance(d, dict) else None, dict)
+                else None for d in (base_doc, run_doc)]
+    gpus_said = None not in recorded and recorded[0] != recorded[1]
     result.run_differences = (run_differences(base_doc, run_doc)
                               + phase_differences(base, current)
                               + unit_differences(base, current)
-                              + ([] if gpus_recorded else gpu_differences(base, current)))
+                              + ([] if gpus_said else gpu_differences(base, current)))
     depths = [(d.get("run") or {}).get("n_layers") if isinstance(d, dict) else None
               for d in (base_doc, run_doc)]   # (load_run checked that "run" is an object)
     if None not in depths and depths[0] != depths[1]:
@@ -567,10 +577,10 @@ def gate(baseline: dict[str, Breakdown], current: dict[str, Breakdown],
     checks: list[Check] = []
     op_paths = [p for p in dict.fromkeys([*baseline, *current])
                 if all(b.unit == "ops" for b in (baseline.get(p), current.get(p)) if b)]
-    times = [m for m in tolerances.metrics if m != "kernels"]
+    times = [m for m in tolerances.checked if m != "kernels"]
     for path in [*baseline, *(p for p in current if p not in baseline)]:
         base, cur = baseline.get(path), current.get(path)
-        metrics = (tolerances.metrics if tolerances.cpu_times or path not in op_paths
+        metrics = (tolerances.checked if tolerances.cpu_times or path not in op_paths
                    else ("kernels",))
         pairs = pair_layer_types(base, cur)
         # CPU ops against GPU kernels: host time against GPU time
@@ -640,9 +650,11 @@ def gate(baseline: dict[str, Breakdown], current: dict[str, Breakdown],
     cpu_checked = any((tolerances.cpu_times or p not in op_paths)
                       and any(b.unit == "ops" for b in (baseline.get(p), current.get(p)) if b)
                       for p in dict.fromkeys([*baseline, *current]))
+    # (a path one side lacks is missing or new, whatever its unit: no times left out)
+    both_cpu = [p for p in op_paths if p in baseline and p in current]
     return GateResult(checks, tolerances, op_paths=op_paths,
                       cpu_time_metrics=times if cpu_checked else [],
-                      cpu_times_left_out=[] if tolerances.cpu_times or not op_paths else times)
+                      cpu_times_left_out=[] if tolerances.cpu_times or not both_cpu else times)
 
 
 def _digest(b: Breakdown | None, layer_type: str | None) -> str | None:

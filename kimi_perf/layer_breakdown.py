@@ -669,8 +669,8 @@ TIMELINE_OPS = 10_000
 
 def _timeline(trace: Trace, ops: GpuOps, steps) -> dict[str, Any] | None:
     """One step to draw op by op (the report's timeline), so that drawing needs no trace: of
-    the steps with layers, the one of median span; its prologue, layers, the ops that ran
-    between its layers (in no layer: another thread's, say) and its epilogue, each op as
+    the steps with layers, the one of median span; its prologue, layers, epilogue and the
+    ops that ran between its layers (in no layer: another thread's, say), each op as
     [index into ``names``, class, µs from the step's first op, µs]. Of a step of more than
     ``TIMELINE_OPS`` ops, the first so many (``ops_left_out``: how many more)."""
     steps = [s for s in steps if s.layers]
@@ -683,7 +683,7 @@ def _timeline(trace: Trace, ops: GpuOps, steps) -> dict[str, Any] | None:
         (f"layer {layer.index} ({layer.type})", layer.ops) for layer in step.layers]
     between = step.ops[~np.isin(step.ops, np.concatenate([rows for _, rows in parts]
                                                           + [step.epilogue]))]
-    parts += [("between layers", between), ("epilogue", step.epilogue)]
+    parts += [("epilogue", step.epilogue), ("between layers", between)]
     room, left_out = TIMELINE_OPS, 0
     for i, (label, rows) in enumerate(parts):
         left_out += max(0, len(rows) - room)

@@ -146,7 +146,8 @@ def _class_bars(breakdowns: dict[str, Breakdown]) -> go.Figure:
                  for label, b in breakdowns.items() if b.unit != "kernels"}}
     titles = [_plotly_text(title) for title in panels]
     fig = make_subplots(rows=len(panels) or 1, cols=1, vertical_spacing=0.15,
-                        subplot_titles=titles if len(panels) > 1 else None)
+                        subplot_titles=titles if len(panels) > 1 or "GPU traces" not in panels
+                        else None)
     classes = sorted({c for b in breakdowns.values() for t in b.layer_types
                       for c in t["classes"]})
     for row, labels in enumerate(panels.values(), start=1):
@@ -283,7 +284,7 @@ def _overview_html(breakdowns: dict[str, Breakdown], of_paths: bool = False) -> 
     foot = "" if of_paths else "<tr><th>slowest / fastest</th><th></th>" + "".join(
         f"<th>{spread[t].ratio:.2f}×</th>" if t in spread and spread[t].ratio
         else "<th>-</th>" for t in [None, *types]) + "</tr>"
-    note = "<p>No spread or slowest trace: these are the decode paths of several runs, " \
+    note = "<p>No spread or slowest trace: these include the decode paths of runs, " \
         "compared pair by pair below.</p>" if of_paths else "".join(
             f"<p>slowest: {e(label)} ({e(', '.join(what))})</p>"
             for label, what in stragglers(list(spread.values())).items())
@@ -658,15 +659,17 @@ class ReportInputs:
         if len(labels) != len(self.breakdowns) or len(set(labels)) != len(labels):
             raise ValueError(f"labels: {len(self.breakdowns)} distinct names, not {labels!r}")
         renamed = dict(zip(self.breakdowns, labels, strict=True))
+        run_labels = (self.run_labels if len(self.run_labels) == len(self.runs)
+                      else [[] for _ in self.runs])   # (inputs made by hand: names kept)
         runs = [(renamed[drawn[0]] if len(drawn) == 1 else name, info)
-                for (name, info), drawn in zip(self.runs, self.run_labels, strict=True)]
+                for (name, info), drawn in zip(self.runs, run_labels, strict=True)]
         return ReportInputs(dict(zip(labels, self.breakdowns.values(), strict=True)),
                             self.run, runs,
                             {renamed[label]: why for label, why in self.fell_back.items()},
                             {renamed[label] for label in self.no_ratios},
                             None if self.pairs is None
                             else [(renamed[a], renamed[b]) for a, b in self.pairs],
-                            [[renamed[label] for label in drawn] for drawn in self.run_labels])
+                            [[renamed[label] for label in drawn] for drawn in run_labels])
 
     def captured_differently(self) -> list[str]:
         """How each run after the first was captured differently from it, a line each."""
@@ -723,20 +726,21 @@ def input_pairs(drawn: list[dict[str, str]]) -> list[tuple[str, str]] | None:
     each input, its paths' labels by path name): each input's first path against its
     others (a run's standard path against its specialized one), and each path against the
     same path of the first input that has it (the baseline's specialized path against the
-    run's); an input of one path that no earlier input names against the first of all.
+    run's); each path of an input that shares no path with an earlier one (a trace, beside
+    runs) against the first of all.
     None (the first against each other) where every input holds one path."""
     if len(drawn) < 2 or all(len(paths) < 2 for paths in drawn):
         return None
     first = next(iter(drawn[0].values()))
     pairs, earlier = [], {}
-    for paths in drawn:
+    for i, paths in enumerate(drawn):
         labels = list(paths.values())
         pairs += [(labels[0], other) for other in labels[1:]]
+        if i and not any(name in earlier for name in paths):   # (a trace beside runs, say)
+            pairs += [(first, label) for label in labels]
         for name, label in paths.items():
             if name in earlier:
                 pairs.append((earlier[name], label))
-            elif len(paths) == 1 and label != first:
-                pairs.append((first, label))
             earlier.setdefault(name, label)
     return pairs
 

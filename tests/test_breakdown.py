@@ -572,7 +572,7 @@ def test_the_timeline_step_holds_every_op_of_its_step():
     segments = {seg["label"]: len(seg["ops"]) for seg in timeline["segments"]}
     assert sum(segments.values()) + timeline.get("ops_left_out", 0) == step["kernels"]
     assert segments["between layers"] == 5866
-    assert list(segments)[-2:] == ["between layers", "epilogue"]
+    assert list(segments)[-2:] == ["epilogue", "between layers"]
 
 
 def test_a_long_step_draws_its_first_ops_and_says_how_many_more(monkeypatch, tmp_path):

@@ -1315,13 +1315,16 @@ def test_report_command_draws_runs_breakdowns_and_traces(tmp_path):
     # the four paths in one table, but no spread or slowest: that would set paths apart
     assert "<h2>Every trace" in page
     assert "slowest / fastest" not in page and "<p>slowest:" not in page
-    assert "No spread or slowest trace: these are the decode paths of several runs" in page
+    assert "No spread or slowest trace: these include the decode paths of runs" in page
     assert page.count('"text":"CPU run: ') == 4
     from kimi_perf.report import input_pairs
 
     assert input_pairs([{"standard": "a"}, {"trace": "b"}]) is None   # one path each
     assert input_pairs([{"standard": "a", "specialized": "b"}, {"trace": "t"},
                         {"specialized": "c"}]) == [("a", "b"), ("a", "t"), ("b", "c")]
+    # a trace first, a run after it: the trace against each of the run's paths too
+    assert input_pairs([{"trace": "t"}, {"standard": "a", "specialized": "b"}]) == [
+        ("a", "b"), ("t", "a"), ("t", "b")]
 
     traced = tmp_path / "vllm.json"
     assert run("breakdown", VLLM, "--format", "json", "-o", traced).exit_code == 0

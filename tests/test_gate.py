@@ -89,6 +89,16 @@ def test_a_cpu_runs_times_are_left_out_unless_named():
     gpu = gate(_run({"kda": 9, "mla": 12}, {"kda": KDA, "mla": MLA}),
                _run({"kda": 9, "mla": 12}, {"kda": KDA * 1.5, "mla": MLA}))
     assert statuses(gpu)[("kda", "kernel_us")] == "regression" and not gpu.cpu_times_left_out
+    # a path the run lacks is missing, not a CPU run whose times were left out
+    lost = gate(base, {"standard": slower["specialized"]})
+    assert lost.cpu_times_left_out == [] and not lost.ok
+    # the default is no metrics named: kept so through replace() and a JSON round trip
+    import dataclasses
+
+    tol = dataclasses.replace(Tolerances(), alpha=0.001)
+    assert not tol.cpu_times and tol.checked == ("kernels", "kernel_us", "span_us")
+    assert Tolerances(**result.to_json()["tolerances"]) == Tolerances()
+    assert result.to_json()["tolerances"]["metrics"] is None
 
 
 def test_a_launch_outside_every_layer_fails_at_the_step():
@@ -606,6 +616,13 @@ def test_traces_of_other_gpus_are_said_to_be_captured_differently(tmp_path):
         docs[-1].write_text(json.dumps(doc))
     said = gate_files(docs[0], docs[1], Tolerances(metrics="kernels")).result.run_differences
     assert said == ["GPUs H100 vs H200"]
+    # the same names recorded, other GPUs ran the kernels (a MIG slice's SMs, say): from them
+    doc = json.loads(docs[1].read_text())
+    doc["run"]["environment"]["gpus"] = ["H100"]
+    docs[1].write_text(json.dumps(doc))
+    said = gate_files(docs[0], docs[1], Tolerances(metrics="kernels")).result.run_differences
+    assert said == [f"{p}: ran on 1 × H100 (132 SMs) vs 1 × H200 (132 SMs)"
+                    for p in ("standard", "specialized")]
     doc = json.loads(docs[0].read_text())
     del doc["run"]["environment"]["gpus"]
     docs[0].write_text(json.dumps(doc))
