@@ -490,9 +490,21 @@ def _runs_html(runs: list[tuple[str, dict]]) -> str:
         f"<p class=note>{e(captured_differently(first, name, found))}.</p>"
         for name, r in others
         if (found := run_differences({"run": first_run}, {"run": r})))
+    # each run's decode metrics, path by path (a baseline's tokens/s beside tonight's)
+    measured = "".join(
+        f"<tr><td>{e(name)}</td><td>{e(str(path))}</td>"
+        f"<td>{m['decode_tokens_per_s']:.1f}</td>"
+        f"<td>{m['time_to_first_token_s'] * 1e3:.1f}</td>"
+        f"<td>{m['step_latency_s']['median'] * 1e3:.2f}</td>"
+        f"<td>{e(str(m.get('timed') or '-'))}</td></tr>"
+        for name, r in runs for path, m in (r.get("paths") or {}).items())
+    metrics = ("<h3>Decode metrics</h3><table><tr><th>run</th><th>path</th>"
+               "<th>decode tokens/s</th><th>time to first token, ms</th>"
+               "<th>step, ms (median)</th><th>timed</th></tr>"
+               f"{measured}</table>" if measured else "")
     return ("<h2>Runs</h2><table class=info><tr><th></th>"
             + "".join(f"<th>{e(name)}</th>" for name, _ in runs)
-            + f"</tr>{body}</table>{notes}")
+            + f"</tr>{body}</table>{notes}{metrics}")
 
 
 def _run_html(run: dict | None, breakdowns: dict[str, Breakdown]) -> str:
@@ -712,7 +724,9 @@ def report_inputs(inputs: list[str | Path], path_name: str | None = None,
                 if len(inputs) > 1:   # (one run says its own)
                     got.fell_back[label] = fell[name]
         if info is not None and len(inputs) > 1:   # (checked as it was read)
-            got.runs.append((run_name(file), info))
+            got.runs.append((run_name(file), info if path_name is None else {
+                **info, "paths": {p: m for p, m in (info.get("paths") or {}).items()
+                                  if p == path_name}}))   # (the drawn path's metrics alone)
             got.run_labels.append(list(drawn[-1].values()))
         if info is not None and len(inputs) == 1:  # the run's own: what ran
             got.run = info if path_name is None else {**info, "paths": {   # that path's alone

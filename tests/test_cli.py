@@ -1283,7 +1283,9 @@ def test_report_command_draws_runs_breakdowns_and_traces(tmp_path):
     assert result.exit_code == 0, result.output
     text = out.read_text()
     assert "Per layer type: tiny-cpu:specialized vs nightly:specialized" in text
-    assert "<th>standard" not in text and "decode tokens/s" not in text
+    # the drawn path's alone: no standard path's column, nor its decode metrics
+    assert "<th>standard" not in text and "<td>standard</td>" not in text
+    assert "<h3>Decode metrics</h3>" in text and "<h2>Decode metrics</h2>" not in text
     # one path of each run, relabelled: the runs' table and how they were captured
     # differently take the labels too
     other = tmp_path / "other"
@@ -1296,6 +1298,12 @@ def test_report_command_draws_runs_breakdowns_and_traces(tmp_path):
     assert "base and new were captured differently: batch 2 vs 64" in result.output
     runs_table = out.read_text().split("<h2>Runs</h2>")[1].split("</table>")[0]
     assert "<th>base</th>" in runs_table and "<th>new</th>" in runs_table
+    # and each run's decode metrics of the drawn path, a row each
+    measured = out.read_text().split("<h3>Decode metrics</h3>")[1].split("</table>")[0]
+    tokens = json.loads(BASELINE.read_text())["run"]["paths"]["specialized"][
+        "decode_tokens_per_s"]
+    assert re.findall(r"<tr><td>(\w+)</td><td>(\w+)</td><td>([\d.]+)</td>", measured) == [
+        ("base", "specialized", f"{tokens:.1f}"), ("new", "specialized", f"{tokens:.1f}")]
     # both paths of two runs: each run's paths against each other and each path against
     # the same path of the first run (not the first run's standard path against everything);
     # each run's fusions against its own standard path, under labels of its own too
