@@ -744,7 +744,8 @@ def report_cmd(inputs: tuple[Path, ...], path_name: str | None, labels: str | No
                     "git_commit": git_commit(),
                     "date": datetime.datetime.now(datetime.UTC).isoformat()}
     write_report(output, got.breakdowns, "kimi-perf report: " + ", ".join(got.breakdowns),
-                 run_info, plotly_js, got.runs, got.fell_back, got.no_ratios, got.pairs)
+                 run_info, plotly_js, got.runs, got.fell_back, got.no_ratios, got.pairs,
+                 got.of_paths)
     for line in got.captured_differently():
         click.echo(line, err=True)
     if str(output) != "-":      # the report itself went to stdout

@@ -577,11 +577,13 @@ def gate(baseline: dict[str, Breakdown], current: dict[str, Breakdown],
     checks: list[Check] = []
     op_paths = [p for p in dict.fromkeys([*baseline, *current])
                 if all(b.unit == "ops" for b in (baseline.get(p), current.get(p)) if b)]
+    # the one rule for CPU time (Tolerances.cpu_times): a path of CPU runs alone is checked on
+    # its ops unless the metrics were named
+    ops_alone = [] if tolerances.cpu_times else op_paths
     times = [m for m in tolerances.checked if m != "kernels"]
     for path in [*baseline, *(p for p in current if p not in baseline)]:
         base, cur = baseline.get(path), current.get(path)
-        metrics = (tolerances.checked if tolerances.cpu_times or path not in op_paths
-                   else ("kernels",))
+        metrics = ("kernels",) if path in ops_alone else tolerances.checked
         pairs = pair_layer_types(base, cur)
         # CPU ops against GPU kernels: host time against GPU time
         unlike_times = base is not None and cur is not None and base.unit != cur.unit
@@ -647,14 +649,14 @@ def gate(baseline: dict[str, Breakdown], current: dict[str, Breakdown],
                     check.run_layer_type = cur_type
             checks += found
     # a path with a CPU side whose times were checked (a CPU run against a GPU's, say)
-    cpu_checked = any((tolerances.cpu_times or p not in op_paths)
+    cpu_checked = any(p not in ops_alone
                       and any(b.unit == "ops" for b in (baseline.get(p), current.get(p)) if b)
                       for p in dict.fromkeys([*baseline, *current]))
     # (a path one side lacks is missing or new, whatever its unit: no times left out)
-    both_cpu = [p for p in op_paths if p in baseline and p in current]
+    left_out = any(p in baseline and p in current for p in ops_alone)
     return GateResult(checks, tolerances, op_paths=op_paths,
                       cpu_time_metrics=times if cpu_checked else [],
-                      cpu_times_left_out=[] if tolerances.cpu_times or not both_cpu else times)
+                      cpu_times_left_out=times if left_out else [])
 
 
 def _digest(b: Breakdown | None, layer_type: str | None) -> str | None:

@@ -656,7 +656,8 @@ class ReportInputs:
     path whose every step fell back, one run's own too (their comparisons get no ratio);
     ``pairs``: the comparisons to draw, where not the first against each other
     (``input_pairs``); ``run_labels``: of each of ``runs``, the labels of its paths drawn
-    (a run of one drawn path takes that path's label when relabelled)."""
+    (a run of one drawn path takes that path's label when relabelled); ``of_paths``: the
+    breakdowns include different decode paths of runs (no spread is drawn across them)."""
 
     breakdowns: dict[str, Breakdown]
     run: dict | None = None
@@ -665,6 +666,7 @@ class ReportInputs:
     no_ratios: set[str] = field(default_factory=set)
     pairs: list[tuple[str, str]] | None = None
     run_labels: list[list[str]] = field(default_factory=list)
+    of_paths: bool = False
 
     def relabelled(self, labels: list[str]) -> ReportInputs:
         """The same inputs under ``labels``, one for each breakdown, in order."""
@@ -681,7 +683,8 @@ class ReportInputs:
                             {renamed[label] for label in self.no_ratios},
                             None if self.pairs is None
                             else [(renamed[a], renamed[b]) for a, b in self.pairs],
-                            [[renamed[label] for label in drawn] for drawn in run_labels])
+                            [[renamed[label] for label in drawn] for drawn in run_labels],
+                            self.of_paths)
 
     def captured_differently(self) -> list[str]:
         """How each run after the first was captured differently from it, a line each."""
@@ -732,6 +735,7 @@ def report_inputs(inputs: list[str | Path], path_name: str | None = None,
             got.run = info if path_name is None else {**info, "paths": {   # that path's alone
                 p: m for p, m in (info.get("paths") or {}).items() if p == path_name}}
     got.pairs = input_pairs(drawn)
+    got.of_paths = len(drawn) > 1 and any(len(paths) > 1 for paths in drawn)
     return got
 
 
@@ -763,7 +767,8 @@ def write_report(path: str | Path, breakdowns: dict[str, Breakdown], title: str,
                  run: dict | None = None, plotly_js: str = "inline",
                  runs: list[tuple[str, dict]] = (), fell_back: dict[str, str] | None = None,
                  no_ratios: Collection[str] = (),
-                 pairs: Sequence[tuple[str, str]] | None = None) -> Path:
+                 pairs: Sequence[tuple[str, str]] | None = None, of_paths: bool = False
+                 ) -> Path:
     """One HTML file (written atomically) from breakdowns alone (their ``timeline`` is drawn).
     ``run``: the run.json of a capture or ``--from``. ``plotly_js``: ``inline`` (the file
     opens offline; about 5 MB), ``cdn``, a URL, or the path (from here) of a
@@ -772,7 +777,9 @@ def write_report(path: str | Path, breakdowns: dict[str, Breakdown], title: str,
     ``fell_back``: label: why, of the paths drawn from several inputs whose every step fell
     back, said first (``run``'s own are said from it); neither gets a ratio, nor do the
     labels of ``no_ratios`` (a run's own paths that fell back, under labels of its own).
-    ``pairs``: the comparisons to draw, by label (default: the first against each other)."""
+    ``pairs``: the comparisons to draw, by label (default: the first against each other);
+    ``of_paths``: the breakdowns include different decode paths of runs, so no spread nor
+    slowest trace is drawn across them (``ReportInputs.of_paths``)."""
     if plotly_js not in PLOTLY_JS and not plotly_js.endswith(".js"):
         raise ValueError(f"plotly_js: inline, cdn or a path ending in .js, not {plotly_js!r}")
     if not breakdowns:
@@ -782,7 +789,6 @@ def write_report(path: str | Path, breakdowns: dict[str, Breakdown], title: str,
     # labels and titles from file names: their control characters written out, as a trace's
     # names are when read (a right-to-left override would reorder the page's text)
     title = printable(title)
-    of_paths = pairs is not None
     pairs = [(printable(a), printable(b)) for a, b in report_pairs(breakdowns, pairs)]
     breakdowns = {printable(label): b for label, b in breakdowns.items()}
     if unknown := {label for pair in pairs for label in pair} - set(breakdowns):

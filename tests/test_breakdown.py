@@ -1547,6 +1547,24 @@ def test_report_timelines_draw_a_bounded_number_of_bars_in_step_order(monkeypatc
     assert {name for name, y in shown if y == "y2"}   # (the case: classes the first lacks)
 
 
+def test_a_reports_spread_across_traces_is_left_out_only_when_said_to_be_of_paths(tmp_path):
+    """A library caller drawing ranks with pairs of its own keeps the spread and slowest rank
+    (the pairs choose comparisons, not what the traces are); ``of_paths`` leaves them out."""
+    from kimi_perf.report import write_report
+
+    b = breakdown(read_trace(KINETO / "tracelens_vllm_gptoss20b_decode_fullgraph_mi300x.json.gz"))
+    ranks = {f"rank{r}": b for r in range(3)}
+    pairs = [("rank0", "rank1"), ("rank0", "rank2"), ("rank1", "rank2")]
+    own = write_report(tmp_path / "r.html", ranks, "t", plotly_js="cdn",
+                       pairs=pairs).read_text()
+    assert "<th>slowest / fastest</th>" in own and "No spread or slowest" not in own
+    assert own.count("<h2>Per layer type: rank") == 3
+    paths = write_report(tmp_path / "p.html", ranks, "t", plotly_js="cdn", pairs=pairs,
+                         of_paths=True).read_text()
+    assert "slowest / fastest" not in paths
+    assert "No spread or slowest trace: these include the decode paths of runs" in paths
+
+
 def test_a_typical_layer_of_thousands_is_cut_in_the_report(tmp_path):
     """A type the repeating pattern cut from stretches of unlike work holds thousands of
     kernels: the report lists its first TYPICAL_ROWS and says how many more (a megabyte of
