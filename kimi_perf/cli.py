@@ -724,7 +724,7 @@ def report_cmd(inputs: tuple[Path, ...], path_name: str | None, labels: str | No
     --path names: `kimi-perf report BASELINE.json RUN --path specialized` shows what a gate
     failure is made of. Breakdowns are drawn as stored; traces are broken down first.
     """
-    from kimi_perf.report import plotly_js_for, report_inputs, write_report
+    from kimi_perf.report import plotly_js_for, report_inputs
 
     plotly_js_for(plotly_js, output.parent)  # a missing file is said before any work
     found, left_out = _traces_in(list(inputs), keep_runs=True)
@@ -743,9 +743,7 @@ def report_cmd(inputs: tuple[Path, ...], path_name: str | None, labels: str | No
         run_info = {"command": _command_said(), "kimi_perf": __version__,
                     "git_commit": git_commit(),
                     "date": datetime.datetime.now(datetime.UTC).isoformat()}
-    write_report(output, got.breakdowns, "kimi-perf report: " + ", ".join(got.breakdowns),
-                 run_info, plotly_js, got.runs, got.fell_back, got.no_ratios, got.pairs,
-                 got.of_paths)
+    got.write(output, "kimi-perf report: " + ", ".join(got.breakdowns), plotly_js, run_info)
     for line in got.captured_differently():
         click.echo(line, err=True)
     if str(output) != "-":      # the report itself went to stdout

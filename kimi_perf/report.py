@@ -686,6 +686,13 @@ class ReportInputs:
                             [[renamed[label] for label in drawn] for drawn in run_labels],
                             self.of_paths)
 
+    def write(self, path: str | Path, title: str, plotly_js: str = "inline",
+              run: dict | None = None) -> Path:
+        """``write_report`` of these inputs (``run``: drawn in place of ``self.run``)."""
+        return write_report(path, self.breakdowns, title, self.run if run is None else run,
+                            plotly_js, self.runs, self.fell_back, self.no_ratios, self.pairs,
+                            self.of_paths)
+
     def captured_differently(self) -> list[str]:
         """How each run after the first was captured differently from it, a line each."""
         first = self.runs[0] if self.runs else None

@@ -100,6 +100,14 @@ def test_report_inputs_is_what_report_draws(tmp_path):
         one.relabelled(["std", "std"])
     with pytest.raises(TraceError, match="is not one"):
         report_inputs([EXAMPLE_TRACE], path_name="specialized")
+    # a run's two paths beside a trace: decode paths (no spread across them), kept by
+    # relabelled(), and write() draws it as the command does
+    both = report_inputs([BASELINE, EXAMPLE_TRACE, EXAMPLE_TRACE])
+    assert both.of_paths and not got.of_paths and not one.of_paths
+    assert both.relabelled(["a", "b", "c", "d"]).of_paths
+    page = both.write(tmp_path / "r.html", "t", plotly_js="cdn").read_text()
+    assert "No spread or slowest trace" in page and "slowest / fastest" not in page
+    assert one.write(tmp_path / "one.html", "t", plotly_js="cdn").exists()
 
 
 def test_update_baseline_creates_gates_then_stores(tmp_path):
