@@ -66,7 +66,7 @@ from kimi_perf.runs import (
     run_name,
     trace_labels,
 )
-from kimi_perf.text import counted
+from kimi_perf.text import counted, distinct_words
 from kimi_perf.trace import atomic_write_text, printable
 
 CLASS_COLOURS = {
@@ -181,6 +181,17 @@ def report_pairs(breakdowns: dict[str, Breakdown],
     return [(labels[0], other) for other in labels[1:]]
 
 
+def _headers(labels: list[str]) -> tuple[list[str], str]:
+    """Labels for a table's headers, without the words all of them share
+    (``distinct_words``: each one's name fills three columns), and, where that shortened them,
+    a line saying which trace each one is."""
+    shown = distinct_words(labels)
+    if shown == labels:
+        return labels, ""
+    said = "; ".join(f"{short}: {label}" for short, label in zip(shown, labels, strict=True))
+    return shown, f"<p>{html.escape(said)}</p>"
+
+
 def _comparison_html(breakdowns: dict[str, Breakdown], pairs: list[tuple[str, str]],
                      fell_back: Collection[str] = ()) -> str:
     """Each pair of traces (``report_pairs``), per layer type; and the work of each trace
@@ -206,11 +217,13 @@ def _comparison_html(breakdowns: dict[str, Breakdown], pairs: list[tuple[str, st
 
     def fmt(v, spec):
         return "-" if v is None else format(v, spec)
-    for a, b in pairs:
-        rows = compare(breakdowns[a], breakdowns[b], fell_back=a in fell_back or b in fell_back)
-        counted = unit[a] if unit[a] == unit[b] else "count"
-        head = (f"<tr><th>layer type</th><th>{e(a)} layers</th><th>{e(a)} {unit[a]}</th>"
-                f"<th>{e(a)} µs</th><th>{e(b)} layers</th><th>{e(b)} {unit[b]}</th>"
+    for label_a, label_b in pairs:
+        rows = compare(breakdowns[label_a], breakdowns[label_b],
+                       fell_back=label_a in fell_back or label_b in fell_back)
+        counted = unit[label_a] if unit[label_a] == unit[label_b] else "count"
+        (a, b), said = _headers([label_a, label_b])
+        head = (f"<tr><th>layer type</th><th>{e(a)} layers</th><th>{e(a)} {unit[label_a]}</th>"
+                f"<th>{e(a)} µs</th><th>{e(b)} layers</th><th>{e(b)} {unit[label_b]}</th>"
                 f"<th>{e(b)} µs</th><th>µs ratio</th>"
                 f"<th>{counted} ratio</th></tr>")
         body = "".join(
@@ -222,10 +235,10 @@ def _comparison_html(breakdowns: dict[str, Breakdown], pairs: list[tuple[str, st
             f"<td>{ratio_text(r.kernel_ratio)}</td></tr>"
             for r in rows)
         note = "".join(f"<p>{e(line)}.</p>" for line in [
-            *comparison_notes(rows, a, b, unit[a], unit[b]),
-            *sides_notes(breakdowns[a], breakdowns[b], a, b)])
+            *comparison_notes(rows, a, b, unit[label_a], unit[label_b]),
+            *sides_notes(breakdowns[label_a], breakdowns[label_b], a, b)])
         parts.append(f"<h2>Per layer type: {e(a)} vs {e(b)} (medians; µs = layer span)</h2>"
-                     f"<table>{head}{body}</table>{note}")
+                     f"{said}<table>{head}{body}</table>{note}")
     return "".join(parts)
 
 
@@ -312,21 +325,24 @@ def _typical_html(breakdowns: dict[str, Breakdown]) -> str:
     with its class and median µs (the full name on hover)."""
     unit = {label: b.unit for label, b in breakdowns.items()}
     e = html.escape
+    shown, said = _headers(list(breakdowns))
+    short = dict(zip(breakdowns, shown, strict=True))
     parts = []
     for names_of in aligned_types(breakdowns):   # paired as compare and the gate pair them
         sides = {label: next((t for t in b.layer_types if t["type"] == names_of.get(label)),
                              None) for label, b in breakdowns.items()}
         layer_type = next(iter(names_of.values()))
-        called = "; ".join(f"{label} calls it {name}" for label, name in names_of.items()
-                           if name != layer_type)
+        called = "; ".join(f"{short[label]} calls it {name}"
+                           for label, name in names_of.items() if name != layer_type)
         if next(iter(breakdowns)) not in names_of:   # a type the first trace lacks
-            called = "; ".join(filter(None, [f"only in {', '.join(names_of)}", called]))
+            called = "; ".join(filter(None, [f"only in {', '.join(map(short.get, names_of))}",
+                                             called]))
         typical, shifts = aligned_typical({label: (t or {}).get("typical_layer")
                                            for label, t in sides.items()})
         if not any(typical.values()):
             continue
         head = "<tr><th>#</th>" + "".join(
-            f"<th>{e(label)} {unit[label][:-1]}</th><th>class</th><th>µs</th>"
+            f"<th>{e(short[label])} {unit[label][:-1]}</th><th>class</th><th>µs</th>"
             for label in sides
         ) + "</tr>"
         whole = {label: demangle([k["name"] for k in t["kernels"]]) if t else []
@@ -371,7 +387,7 @@ def _typical_html(breakdowns: dict[str, Breakdown]) -> str:
         _units(breakdowns), "Kernel by kernel (op by op on a CPU)")
     return (f"<h2>{heading}</h2><p>Each layer type's typical layer: the sequence of "
             f"{_units(breakdowns)} most of its layers ran, each with its median µs over those "
-            "layers (hover a name for the whole of it).</p>" + "".join(parts))
+            "layers (hover a name for the whole of it).</p>" + said + "".join(parts))
 
 
 def _fusions_html(breakdowns: dict[str, Breakdown], pairs: list[tuple[str, str]]) -> str:

@@ -1565,6 +1565,25 @@ def test_a_reports_spread_across_traces_is_left_out_only_when_said_to_be_of_path
     assert "No spread or slowest trace: these include the decode paths of runs" in paths
 
 
+def test_report_headers_drop_the_words_every_label_shares_and_say_what_each_is(tmp_path):
+    """Two traces named alike: each comparison and typical-layer header names them by the
+    words that tell them apart (a whole file name fills three columns), and a line says
+    which file each short name is; labels that share no words are left as they are."""
+    from kimi_perf.report import write_report
+
+    b = breakdown(read_trace(KINETO / "tracelens_vllm_gptoss20b_decode_fullgraph_mi300x.json.gz"))
+    long = {"vllm_gptoss_decode_before_mi300x": b, "vllm_gptoss_decode_after_mi300x": b}
+    page = write_report(tmp_path / "r.html", long, "t", plotly_js="cdn").read_text()
+    said = ("<p>before: vllm_gptoss_decode_before_mi300x; "
+            "after: vllm_gptoss_decode_after_mi300x</p>")
+    assert "<h2>Per layer type: before vs after (medians; µs = layer span)</h2>" + said in page
+    assert "<th>before layers</th>" in page and "<th>after µs</th>" in page
+    assert "<th>before kernel</th><th>class</th>" in page and page.count(said) == 2
+    plain = write_report(tmp_path / "p.html", {"base": b, "new": b}, "t",
+                         plotly_js="cdn").read_text()
+    assert "<th>base layers</th>" in plain and not re.search(r"<p>base: [^<]*; new: ", plain)
+
+
 def test_a_typical_layer_of_thousands_is_cut_in_the_report(tmp_path):
     """A type the repeating pattern cut from stretches of unlike work holds thousands of
     kernels: the report lists its first TYPICAL_ROWS and says how many more (a megabyte of
