@@ -607,13 +607,17 @@ def _run_html(run: dict | None, breakdowns: dict[str, Breakdown]) -> str:
 
 def cold_start_text(run: dict) -> str | None:
     """Whose time to first token a CPU run's process start is in (None without decode
-    metrics): each path's under nsys (a process each), else the first path's."""
+    metrics): each path's under nsys (a process each) or TP (processes of its ranks), else
+    the first path's."""
     metrics = run.get("paths") or {}
     if not metrics:
         return None
     if (run.get("request") or {}).get("backend") == "nsys":
         return ("each path ran in a process of its own under nsys, so its time to first token "
                 "is that process's cold start")
+    if isinstance(tp := run.get("tp"), int) and tp > 1:
+        return (f"each path ran in {tp} processes of its own (its TP ranks), so its time to "
+                "first token is their cold start")
     return (f"the first path's time to first token ({next(iter(metrics))}) includes the "
             "process's cold start, so compare it across runs of one path")
 

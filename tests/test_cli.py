@@ -2254,18 +2254,21 @@ def test_info_of_a_cpu_run_counts_its_annotated_ops(tmp_path):
     assert "annotated" not in run("info", VLLM).output
 
 
-@pytest.mark.parametrize("backend, said", [
-    ("torch", "the first path's time to first token (standard) includes the process's cold "
-              "start, so compare it across runs of one path"),
-    ("nsys", "each path ran in a process of its own under nsys, so its time to first token is "
-             "that process's cold start")])
+@pytest.mark.parametrize("backend, tp, said", [
+    ("torch", 1, "the first path's time to first token (standard) includes the process's cold "
+                 "start, so compare it across runs of one path"),
+    ("nsys", 1, "each path ran in a process of its own under nsys, so its time to first token "
+                "is that process's cold start"),
+    ("torch", 2, "each path ran in 2 processes of its own (its TP ranks), so its time to first "
+                 "token is their cold start")])
 def test_a_cpu_run_s_report_says_whose_time_to_first_token_is_a_cold_start(tmp_path, backend,
-                                                                           said):
+                                                                           tp, said):
     from kimi_perf.layer_breakdown import Breakdown
     from kimi_perf.report import write_report
 
     doc = json.loads(BASELINE.read_text())
     doc["run"]["request"]["backend"] = backend
+    doc["run"]["tp"] = tp
     paths = {name: Breakdown.from_json(b) for name, b in doc["paths"].items()}
     text = write_report(tmp_path / "r.html", paths, "t", doc["run"], "cdn").read_text()
     assert said in text

@@ -296,6 +296,25 @@ def test_a_rank_failure_is_raised_as_the_rank_raised_it():
         run_on_cpu_ranks(2, _rank_fails, "bug")
 
 
+def _threads(rank: int) -> int:
+    return torch.get_num_threads()
+
+
+def test_cpu_ranks_share_the_threads_of_the_process_that_starts_them():
+    """Each rank a share of the cores, not all of them: two ranks with every core each timed
+    their contention (a TP 2 step four times as long on two cores)."""
+    from kimi_perf.decode.tp import run_on_cpu_ranks
+
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(4)
+        assert run_on_cpu_ranks(2, _threads) == [2, 2]
+        torch.set_num_threads(1)
+        assert run_on_cpu_ranks(2, _threads) == [1, 1]   # (never none)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_fp8_cache_stores_fp8(weights):
     model = K3Model(TINY, weights, dtype=torch.float32)
     state = model.new_state(1, 8, kv_dtype=FP8)

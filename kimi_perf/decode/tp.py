@@ -44,7 +44,10 @@ def rank_model(full: Weights, c: K3Config, rank: int, dtype: torch.dtype,
 
 
 def _worker(rank: int, world: int, init_file: str, fn: Callable, args: tuple,
-            out_dir: str) -> None:
+            out_dir: str, threads: int) -> None:
+    # the ranks share this machine's cores: each one with all of them, they time each
+    # other's contention (a TP 2 step four times as long on two cores)
+    torch.set_num_threads(threads)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                             world_size=world)
     try:
@@ -59,7 +62,8 @@ def _worker(rank: int, world: int, init_file: str, fn: Callable, args: tuple,
 def run_on_cpu_ranks(world: int, fn: Callable, *args) -> list:
     """Run ``fn(rank, *args)`` in ``world`` gloo processes; return each rank's result.
 
-    ``fn`` must be importable (a module-level function) since the ranks are spawned. Where
+    ``fn`` must be importable (a module-level function) since the ranks are spawned; each
+    rank gets an equal share of this process's threads (``torch.get_num_threads``). Where
     this process stops first (Ctrl-C, SIGTERM to it alone), the ranks are stopped with it:
     left running, they would hold its exit until they had done all their work. A rank that
     raises a ``TraceError`` or runs out of memory raises it here too, as if this process had
@@ -67,7 +71,8 @@ def run_on_cpu_ranks(world: int, fn: Callable, *args) -> list:
     """
     with tempfile.TemporaryDirectory(prefix="kimi-perf-tp-") as tmp:
         init_file = os.path.join(tmp, "init")
-        ranks = mp.start_processes(_worker, args=(world, init_file, fn, args, tmp),
+        threads = max(1, torch.get_num_threads() // world)
+        ranks = mp.start_processes(_worker, args=(world, init_file, fn, args, tmp, threads),
                                    nprocs=world, join=False)
         try:
             with _quiet_spawn_log():  # its warning that it stops the other ranks
