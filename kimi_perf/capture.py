@@ -24,6 +24,7 @@ import os
 import platform
 import shlex
 import shutil
+import signal
 import stat
 import statistics
 import subprocess
@@ -609,6 +610,29 @@ def nsys_binary() -> str:
     return nsys
 
 
+# seconds nsys has, once told to stop, to stop the process it profiles and write its report
+NSYS_STOP_S = 60
+
+
+def _run_nsys(step: list[str]) -> subprocess.CompletedProcess:
+    """An nsys command to its end. Where this process stops first (Ctrl-C, SIGTERM to it
+    alone), nsys is sent SIGINT, which stops the process it profiles: killed, nsys would die
+    alone, as its launcher has put that process in a session of its own, where it would run
+    on to the end of its steps (SIGKILL only after NSYS_STOP_S)."""
+    with subprocess.Popen(step, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          errors="replace") as nsys:
+        try:
+            out, err = nsys.communicate()
+        except BaseException:
+            nsys.send_signal(signal.SIGINT)
+            try:
+                nsys.communicate(timeout=NSYS_STOP_S)
+            except BaseException:   # (not stopped in time, or a second signal)
+                nsys.kill()
+            raise
+    return subprocess.CompletedProcess(step, nsys.returncode, out, err)
+
+
 def _capture_path_nsys(path: str, req: TraceRequest, device: str, run_dir: Path
                        ) -> tuple[dict, Path]:
     """The path in its own process under ``nsys profile`` (NVTX, and CUDA on a GPU), then
@@ -630,11 +654,14 @@ def _capture_path_nsys(path: str, req: TraceRequest, device: str, run_dir: Path
             str(metrics_file)]
     for step in (cmd, [nsys, "export", "--type", "sqlite", "--force-overwrite=true", "-o",
                        str(sqlite), str(rep)]):
-        result = subprocess.run(step, capture_output=True, text=True, errors="replace")
+        result = _run_nsys(step)
         if result.returncode != 0:
             lines = (result.stderr or result.stdout).strip().splitlines()
             raise TraceError(None, f"nsys {step[1]} failed for the {path} path: "
                                    + (lines[-1] if lines else f"exit {result.returncode}"))
+    if not metrics_file.exists():   # (its process stopped early: nsys itself exited 0)
+        raise TraceError(None, f"nsys profile ended before the {path} path had run its steps "
+                               "(the profiled process was stopped, or never started)")
     worker = json.loads(metrics_file.read_text())
     metrics_file.unlink()
     return _metrics(req, device, worker["prefill_s"], worker["step_s"], worker["tokens"],

@@ -13,7 +13,7 @@ import numpy as np
 
 from kimi_perf.decode.fallbacks import fell_back_text, paths_that_fell_back
 from kimi_perf.errors import TraceError
-from kimi_perf.layer_breakdown import Breakdown, layer_column, note_lines
+from kimi_perf.layer_breakdown import Breakdown, layer_column, note_lines, units_word
 from kimi_perf.runs import (
     captured_differently,
     load_paths,
@@ -330,8 +330,10 @@ PAIRING = ("types found by the repeating kernel pattern pair by their kernel seq
            "left over by their mix of kernels per class, marked * where the sequences differ")
 
 
-def ratio_note(rows: list[ComparisonRow], label_a: str, label_b: str) -> str:
-    """What a comparison's ratios and its last row are, said where they are read."""
+def ratio_note(rows: list[ComparisonRow], label_a: str, label_b: str,
+               units: str = "kernels") -> str:
+    """What a comparison's ratios and its last row are, said where they are read
+    (``units``: what the two sides count, ``units_word``)."""
     if any(r.fell_back for r in rows):
         return ("no ratios: a path fell back to the standard path on every step (said below), "
                 "so both sides ran the standard path's ops")
@@ -342,7 +344,7 @@ def ratio_note(rows: list[ComparisonRow], label_a: str, label_b: str) -> str:
                "outlier included" if mean.same_layers else "; all layers: no ratio, as the "
                "steps hold other numbers of layers (cut otherwise: a mean layer is another "
                "unit on each side)")
-            + ("" if step is None else "; whole step: the median step, every kernel of it"
+            + ("" if step is None else f"; whole step: the median step, all its {units}"
                if step.same_layers else f"; whole step: no ratio, as the steps hold "
                f"{step.layers_a:g} and {step.layers_b:g} layers: other work (models of other "
                "depths, each layer a range; or profiler windows cut elsewhere)"))
@@ -367,7 +369,7 @@ def pairing_note(rows: list[ComparisonRow], label_a: str, label_b: str) -> str |
 def comparison_notes(rows: list[ComparisonRow], label_a: str, label_b: str,
                      unit: str = "kernels", unit_b: str | None = None) -> list[str]:
     """What a comparison's table says under it: its ratios, its pairings, its marks."""
-    notes = [ratio_note(rows, label_a, label_b)]
+    notes = [ratio_note(rows, label_a, label_b, units_word([unit, unit_b or unit]))]
     if paired := pairing_note(rows, label_a, label_b):
         notes.append(paired)
     if any(r.pattern_differs for r in rows):

@@ -786,6 +786,7 @@ def test_compare_a_run_its_paths_and_labels(tmp_path):
     assert (kda["a"]["kernels"], kda["b"]["kernels"]) == (18, 9)
     # what the table says under it, the JSON says too: the ratios, and that µs are CPU time
     assert doc["notes"][0].startswith("ratios: standard over specialized")
+    assert "whole step: the median step, all its ops" in doc["notes"][0]   # (not kernels)
     assert any("a CPU run's µs are CPU time" in note for note in doc["notes"])
     assert "a CPU run's µs are CPU time" in run("compare", BASELINE).output
     same = run("compare", BASELINE, BASELINE, "--path", "specialized", "--labels", "old,new",

@@ -5,8 +5,10 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -668,6 +670,116 @@ def test_trace_with_the_nsys_backend(tmp_path):
         assert {r["range"] for r in bd["source"]["outside_steps"]["in_ranges"]} == {
             "prefill", "warmup_step[…]"}
         assert doc["run"]["paths"][path]["logits_finite"] is True   # (from the worker)
+
+
+def _processes_naming(*texts: str) -> list[int]:
+    """The processes whose command line holds each of ``texts``."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and all(text in (proc / "cmdline").read_bytes().decode(
+                    errors="replace") for text in texts):
+                found.append(int(proc.name))
+        except OSError:   # (ended meanwhile)
+            continue
+    return found
+
+
+def _wait_for(condition, seconds: float) -> bool:
+    import time
+
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
+    return True
+
+
+# What nsys profile does with the process it profiles: its launcher puts it in a session of
+# its own (so that killing nsys leaves it running), and SIGINT to nsys stops it.
+FAKE_NSYS = """
+import signal, subprocess, sys
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"],
+                         start_new_session=True)
+open(sys.argv[2], "w").write(str(child.pid))
+signal.signal(signal.SIGINT, lambda signum, frame: child.terminate())
+child.wait()
+"""
+
+STOPPED_CAPTURE = """
+import signal, sys
+from kimi_perf.capture import _run_nsys
+
+def stop(signum, frame):
+    raise SystemExit(143)
+
+signal.signal(signal.SIGTERM, stop)
+_run_nsys([sys.executable, sys.argv[1], "profile", sys.argv[2]])
+"""
+
+
+def test_nsys_stopped_with_kimi_perf_stops_the_process_it_profiles(tmp_path):
+    """SIGTERM to kimi-perf alone while nsys profiles a path: nsys is told to stop (SIGINT),
+    which stops the profiled process; killed instead, nsys would leave it running on."""
+    fake = tmp_path / "nsys.py"
+    fake.write_text(FAKE_NSYS)
+    pid_file = tmp_path / "profiled.pid"
+    parent = subprocess.Popen([sys.executable, "-c", STOPPED_CAPTURE, str(fake), str(pid_file)],
+                              cwd=Path(__file__).parent.parent)
+    try:
+        assert _wait_for(lambda: pid_file.exists() and pid_file.read_text(), 60)
+        profiled = int(pid_file.read_text())
+        parent.send_signal(signal.SIGTERM)
+        assert parent.wait(timeout=60) == 143
+        assert _wait_for(lambda: not Path(f"/proc/{profiled}").exists(), 30), \
+            "the profiled process outlived kimi-perf"
+    finally:
+        parent.kill()
+        parent.wait()
+
+
+def test_an_nsys_that_ran_no_steps_is_a_one_line_error(tmp_path, monkeypatch):
+    """nsys exiting 0 without the path having run (its process stopped by a signal nsys
+    passed on, or an nsys that ran nothing): said so, not a missing temporary file."""
+    from click.testing import CliRunner
+
+    from kimi_perf.cli import main
+
+    monkeypatch.setenv("KIMI_PERF_NSYS", shutil.which("true"))
+    result = CliRunner().invoke(main, ["trace", "--backend", "nsys", "--layers", "2",
+                                       "--steps", "1", "--out", str(tmp_path)])
+    assert result.exit_code == 2
+    assert result.output.strip().splitlines() == [
+        "kimi-perf: error: nsys profile ended before the standard path had run its steps (the "
+        "profiled process was stopped, or never started)"]
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.skipif(NSYS is None, reason="no Nsight Systems CLI (scripts/install-nsys.sh)")
+def test_a_terminated_nsys_capture_leaves_no_process_and_no_run(tmp_path):
+    """The same with the real nsys: `kimi-perf trace --backend nsys` sent SIGTERM while a
+    path runs exits 143, its run directory removed, and no process of it runs on."""
+    out = tmp_path / "runs"
+    trace = subprocess.Popen(
+        [sys.executable, "-m", "kimi_perf", "trace", "--backend", "nsys", "--layers", "2",
+         "--steps", "100000", "--out", str(out)], cwd=Path(__file__).parent.parent,
+        env={**os.environ, "KIMI_PERF_NSYS": NSYS}, stderr=subprocess.PIPE, text=True)
+    try:
+        # nsys profile and the process it profiles: both name the worker and its metrics
+        # file, in the run directory being written
+        assert _wait_for(lambda: len(_processes_naming(str(out), "kimi_perf.decode.worker"))
+                         >= 2, 300)
+        trace.send_signal(signal.SIGTERM)
+        assert trace.wait(timeout=120) == 143
+        assert trace.stderr.read().strip() == "kimi-perf: terminated"
+        assert _wait_for(lambda: not _processes_naming(str(out)), 60), [
+            (Path(f"/proc/{pid}/cmdline").read_bytes()[:200]) for pid in _processes_naming(
+                str(out))]
+        assert list(out.iterdir()) == []
+    finally:
+        trace.kill()
+        trace.wait()
 
 
 def test_trace_with_two_tp_ranks(tmp_path):
