@@ -242,8 +242,10 @@ def capture(req: TraceRequest, progress=None) -> tuple[Path, dict[str, Breakdown
     if req.graphs and not on_gpu:
         raise TraceError(None, "--graphs needs a GPU: CUDA graphs capture GPU work")
     unknown = [p for p in req.paths if p not in PATH_BACKENDS]
-    if unknown or not req.paths:
-        raise TraceError(None, f"--paths: unknown path(s) {', '.join(unknown) or '(none given)'} "
+    if not req.paths:
+        raise TraceError(None, f"--paths names no path (choose from {', '.join(PATH_BACKENDS)})")
+    if unknown:
+        raise TraceError(None, f"--paths: unknown path(s) {', '.join(unknown)} "
                                f"(choose from {', '.join(PATH_BACKENDS)})")
     config = preset(req.preset, n_layers=req.n_layers)
     if req.tp != 1 and config.tp != 1:   # one rank's shapes, sharded again: before any work

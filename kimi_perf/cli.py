@@ -912,7 +912,9 @@ def _is_kptrace(file: Path) -> bool:
 def _info(trace: Path, info: dict) -> None:
     # (the trace's own words, and file names, with their control characters written out: an
     # escape sequence in them would act on the terminal, a line break forge a line)
-    saved = "a .kptrace (saved by kimi-perf) of " if info["kptrace"] else ""
+    saved = ("a .kptrace (saved by kimi-perf) of " if info["kptrace"]
+             else f"a {trace.suffix} read through its SQLite export: "
+             if trace.suffix in (".nsys-rep", ".qdrep") else "")
     click.echo(printable(f"{trace}: {saved}{info['format']} from {info['tool']}"
                          + (f", schema {info['schema']}" if info["schema"] else "")))
     if info.get("converted_from"):

@@ -568,6 +568,8 @@ shutil.copy({str(source)!r}, out)
     result = run("info", rep)
     assert result.exit_code == 0, result.output
     assert "7,328 kernels," in result.output
+    assert result.output.startswith(f"{rep}: a .nsys-rep read through its SQLite export: "
+                                    "nsys-sqlite from NVIDIA Nsight Systems 2024.6.2")
     # the one KIMI_PERF_NSYS names, with none on PATH
     monkeypatch.setenv("PATH", "/usr/bin:/bin")
     monkeypatch.setenv("KIMI_PERF_NSYS", str(fake))
@@ -771,6 +773,9 @@ def test_trace_and_validate_check_the_preset_as_floors_does(tmp_path, monkeypatc
     # an option's bad value names the command's help, as click's own usage errors do
     _one_line_error(run("trace", "--paths", "foo", "--out", not_a_dir),
                     "--paths: unknown path(s) foo (choose from standard, specialized) (see ",
+                    " trace --help)")
+    _one_line_error(run("trace", "--paths", "", "--out", not_a_dir),
+                    "--paths names no path (choose from standard, specialized) (see ",
                     " trace --help)")
 
 
