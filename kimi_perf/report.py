@@ -181,15 +181,18 @@ def report_pairs(breakdowns: dict[str, Breakdown],
     return [(labels[0], other) for other in labels[1:]]
 
 
-def _headers(labels: list[str]) -> tuple[list[str], str]:
-    """Labels for a table's headers, without the words all of them share
-    (``distinct_words``: each one's name fills three columns), and, where that shortened them,
-    a line saying which trace each one is."""
-    shown = distinct_words(labels)
-    if shown == labels:
-        return labels, ""
-    said = "; ".join(f"{short}: {label}" for short, label in zip(shown, labels, strict=True))
-    return shown, f"<p>{html.escape(said)}</p>"
+def _short_labels(labels: list[str]) -> dict[str, str]:
+    """Each label as the tables' headers show it: without the words all of a report's labels
+    share (``distinct_words``: each name fills three columns), one name for a trace in every
+    table of the report."""
+    return dict(zip(labels, distinct_words(labels), strict=True))
+
+
+def _said(short: dict[str, str], labels: list[str]) -> str:
+    """A line saying which trace each of ``labels``' short names is (none where no name was
+    shortened)."""
+    said = "; ".join(f"{short[label]}: {label}" for label in labels if short[label] != label)
+    return f"<p>{html.escape(said)}</p>" if said else ""
 
 
 def _comparison_html(breakdowns: dict[str, Breakdown], pairs: list[tuple[str, str]],
@@ -198,6 +201,7 @@ def _comparison_html(breakdowns: dict[str, Breakdown], pairs: list[tuple[str, st
     that fell in no step."""
     labels = list(breakdowns)
     unit = {label: b.unit for label, b in breakdowns.items()}
+    short = _short_labels(labels)
     e = html.escape
     parts = []
     for label in labels:
@@ -221,7 +225,7 @@ def _comparison_html(breakdowns: dict[str, Breakdown], pairs: list[tuple[str, st
         rows = compare(breakdowns[label_a], breakdowns[label_b],
                        fell_back=label_a in fell_back or label_b in fell_back)
         counted = unit[label_a] if unit[label_a] == unit[label_b] else "count"
-        (a, b), said = _headers([label_a, label_b])
+        a, b, said = short[label_a], short[label_b], _said(short, [label_a, label_b])
         head = (f"<tr><th>layer type</th><th>{e(a)} layers</th><th>{e(a)} {unit[label_a]}</th>"
                 f"<th>{e(a)} µs</th><th>{e(b)} layers</th><th>{e(b)} {unit[label_b]}</th>"
                 f"<th>{e(b)} µs</th><th>µs ratio</th>"
@@ -325,8 +329,7 @@ def _typical_html(breakdowns: dict[str, Breakdown]) -> str:
     with its class and median µs (the full name on hover)."""
     unit = {label: b.unit for label, b in breakdowns.items()}
     e = html.escape
-    shown, said = _headers(list(breakdowns))
-    short = dict(zip(breakdowns, shown, strict=True))
+    short = _short_labels(list(breakdowns))
     parts = []
     for names_of in aligned_types(breakdowns):   # paired as compare and the gate pair them
         sides = {label: next((t for t in b.layer_types if t["type"] == names_of.get(label)),
@@ -387,7 +390,8 @@ def _typical_html(breakdowns: dict[str, Breakdown]) -> str:
         _units(breakdowns), "Kernel by kernel (op by op on a CPU)")
     return (f"<h2>{heading}</h2><p>Each layer type's typical layer: the sequence of "
             f"{_units(breakdowns)} most of its layers ran, each with its median µs over those "
-            "layers (hover a name for the whole of it).</p>" + said + "".join(parts))
+            "layers (hover a name for the whole of it).</p>"
+            + _said(short, list(breakdowns)) + "".join(parts))
 
 
 def _fusions_html(breakdowns: dict[str, Breakdown], pairs: list[tuple[str, str]]) -> str:

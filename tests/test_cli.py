@@ -959,8 +959,11 @@ def test_trace_from_names_runs_after_their_files_and_compares_each(tmp_path):
     windows = [_median_device_span_us(f) for f in files]
     assert [r["step_us"] for r in doc["rows"]] == pytest.approx(windows, abs=0.1)
     (first,) = (p for p in tmp_path.iterdir() if p.name != "json")
-    assert (first / "report.html").read_text().count(
-        "Per layer type: nsysai_fastvideo_wan2.1_train_2xh100_before vs ") == 2
+    # the report's headers name each trace as the table does, in every one of its tables
+    page = (first / "report.html").read_text()
+    assert page.count("Per layer type: train_2xh100_before vs ") == 2
+    assert ("<p>train_2xh100_before: nsysai_fastvideo_wan2.1_train_2xh100_before; "
+            "train_2xh100_after: nsysai_fastvideo_wan2.1_train_2xh100_after</p>") in page
     info = json.loads((first / "run.json").read_text())
     assert info["command"].startswith("kimi-perf trace " + " ".join(f"--from {f}" for f in files)
                                       + " --out ")
@@ -1572,7 +1575,8 @@ def test_a_directory_of_traces_stands_for_its_traces(tmp_path):
         "worker_rank2", "worker_rank10"]
     report = tmp_path / "ranks.html"
     assert run("report", ranks, "-o", report, "--plotly-js", "cdn").exit_code == 0
-    assert "Per layer type: worker_rank2 vs worker_rank10" in report.read_text()
+    assert ("Per layer type: rank2 vs rank10 (medians; µs = layer span)</h2>"
+            "<p>rank2: worker_rank2; rank10: worker_rank10</p>") in report.read_text()
     empty = tmp_path / "empty"
     empty.mkdir()
     _one_line_error(run("trace", "--from", empty, "--out", out), "holds no trace files")
