@@ -620,13 +620,17 @@ def _run_nsys(step: list[str]) -> subprocess.CompletedProcess:
     """An nsys command to its end. Where this process stops first (Ctrl-C, SIGTERM to it
     alone), nsys is sent SIGINT, which stops the process it profiles: killed, nsys would die
     alone, as its launcher has put that process in a session of its own, where it would run
-    on to the end of its steps (SIGKILL only after NSYS_STOP_S)."""
+    on to the end of its steps (SIGKILL only after NSYS_STOP_S, or a second signal). nsys
+    runs in a process group of its own, so that the SIGINT it gets is this one alone (a
+    terminal's Ctrl-C and then ours would be two)."""
     with subprocess.Popen(step, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                          errors="replace") as nsys:
+                          errors="replace", process_group=0) as nsys:
         try:
             out, err = nsys.communicate()
         except BaseException:
             nsys.send_signal(signal.SIGINT)
+            print(f"kimi-perf: stopping nsys and the process it profiles (at most "
+                  f"{NSYS_STOP_S} s; a second signal kills nsys alone)", file=sys.stderr)
             try:
                 nsys.communicate(timeout=NSYS_STOP_S)
             except BaseException:   # (not stopped in time, or a second signal)
@@ -661,9 +665,9 @@ def _capture_path_nsys(path: str, req: TraceRequest, device: str, run_dir: Path
             lines = (result.stderr or result.stdout).strip().splitlines()
             raise TraceError(None, f"nsys {step[1]} failed for the {path} path: "
                                    + (lines[-1] if lines else f"exit {result.returncode}"))
-    if not metrics_file.exists():   # (its process stopped early: nsys itself exited 0)
-        raise TraceError(None, f"nsys profile ended before the {path} path had run its steps "
-                               "(the profiled process was stopped, or never started)")
+        if step is cmd and not metrics_file.exists():   # (nsys exited 0 all the same)
+            raise TraceError(None, f"nsys profile ended before the {path} path had run its "
+                                   "steps (the profiled process was stopped, or never started)")
     worker = json.loads(metrics_file.read_text())
     metrics_file.unlink()
     return _metrics(req, device, worker["prefill_s"], worker["step_s"], worker["tokens"],

@@ -743,7 +743,8 @@ def report_cmd(inputs: tuple[Path, ...], path_name: str | None, labels: str | No
         run_info = {"command": _command_said(), "kimi_perf": __version__,
                     "git_commit": git_commit(),
                     "date": datetime.datetime.now(datetime.UTC).isoformat()}
-    got.write(output, "kimi-perf report: " + ", ".join(got.breakdowns), plotly_js, run_info)
+    got.write(output, "kimi-perf report: " + ", ".join(got.breakdowns), plotly_js=plotly_js,
+              run=run_info)
     for line in got.captured_differently():
         click.echo(line, err=True)
     if str(output) != "-":      # the report itself went to stdout
@@ -794,7 +795,7 @@ def info(trace: Path, fmt: str) -> None:
     for file, c in files:
         try:
             summaries.append((file, {**read_trace(file, capture=c).summary(),
-                                     "kptrace": _is_kptrace(file)}))
+                                     **_read_how(file)}))
         except TraceError as exc:
             if file == trace:
                 raise
@@ -901,12 +902,17 @@ def _split_labels(labels: str, of: list[str]) -> list[str]:
     return names
 
 
-def _is_kptrace(file: Path) -> bool:
-    """Whether a trace file is one kimi-perf saved (``convert``, a run's traces)."""
-    from kimi_perf.readers import ARROW_MAGIC
+def _read_how(file: Path) -> dict[str, bool]:
+    """How a trace file was read, as ``info`` says it: ``kptrace``, one kimi-perf saved
+    (``convert``, a run's traces); ``exported_by_nsys``, an nsys report read through the
+    SQLite export nsys made of it (an export named .nsys-rep is read as itself)."""
+    from kimi_perf.readers import ARROW_MAGIC, GZIP_MAGIC, SQLITE_MAGIC
 
     with open(file, "rb") as f:
-        return f.read(len(ARROW_MAGIC)) == ARROW_MAGIC
+        head = f.read(64)
+    return {"kptrace": head.startswith(ARROW_MAGIC),
+            "exported_by_nsys": file.suffix in (".nsys-rep", ".qdrep") and not any(
+                head.startswith(m) for m in (ARROW_MAGIC, GZIP_MAGIC, SQLITE_MAGIC))}
 
 
 def _info(trace: Path, info: dict) -> None:
@@ -914,7 +920,7 @@ def _info(trace: Path, info: dict) -> None:
     # escape sequence in them would act on the terminal, a line break forge a line)
     saved = ("a .kptrace (saved by kimi-perf) of " if info["kptrace"]
              else f"a {trace.suffix} read through its SQLite export: "
-             if trace.suffix in (".nsys-rep", ".qdrep") else "")
+             if info.get("exported_by_nsys") else "")
     click.echo(printable(f"{trace}: {saved}{info['format']} from {info['tool']}"
                          + (f", schema {info['schema']}" if info["schema"] else "")))
     if info.get("converted_from"):

@@ -710,9 +710,11 @@ class ReportInputs:
                             [[renamed[label] for label in drawn] for drawn in run_labels],
                             self.of_paths)
 
-    def write(self, path: str | Path, title: str, plotly_js: str = "inline",
+    def write(self, path: str | Path, title: str, *, plotly_js: str = "inline",
               run: dict | None = None) -> Path:
-        """``write_report`` of these inputs (``run``: drawn in place of ``self.run``)."""
+        """``write_report`` of these inputs: what to compare, fell-back paths without a
+        ratio, no spread across decode paths (``run``: drawn in place of ``self.run``; the
+        command gives one saying how the report was made where ``self.run`` is None)."""
         return write_report(path, self.breakdowns, title, self.run if run is None else run,
                             plotly_js, self.runs, self.fell_back, self.no_ratios, self.pairs,
                             self.of_paths)

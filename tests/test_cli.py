@@ -408,7 +408,7 @@ def test_info_as_json_is_the_library_summary():
     assert doc == {"schema": 1, "traces": [{"file": str(path),
                                             **json.loads(json.dumps(
                                                 read_trace(path).summary())),
-                                            "kptrace": False}]}
+                                            "kptrace": False, "exported_by_nsys": False}]}
     with contextlib.closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True)) as db:
         per_device = [n for _, n in db.execute("SELECT deviceId, COUNT(*) FROM "
                                                "CUPTI_ACTIVITY_KIND_KERNEL GROUP BY 1")]
@@ -570,6 +570,12 @@ shutil.copy({str(source)!r}, out)
     assert "7,328 kernels," in result.output
     assert result.output.startswith(f"{rep}: a .nsys-rep read through its SQLite export: "
                                     "nsys-sqlite from NVIDIA Nsight Systems 2024.6.2")
+    assert json.loads(run("info", rep, "--format", "json").output)["traces"][0][
+        "exported_by_nsys"]
+    # an SQLite export named .nsys-rep is read as itself, and said so
+    named = tmp_path / "export.nsys-rep"
+    named.write_bytes(source.read_bytes())
+    assert run("info", named).output.startswith(f"{named}: nsys-sqlite from ")
     # the one KIMI_PERF_NSYS names, with none on PATH
     monkeypatch.setenv("PATH", "/usr/bin:/bin")
     monkeypatch.setenv("KIMI_PERF_NSYS", str(fake))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -702,10 +703,17 @@ FAKE_NSYS = """
 import signal, subprocess, sys
 child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"],
                          start_new_session=True)
-open(sys.argv[2], "w").write(str(child.pid))
 signal.signal(signal.SIGINT, lambda signum, frame: child.terminate())
+open(sys.argv[2], "w").write(str(child.pid))
 child.wait()
 """
+
+
+def _kill(pids) -> None:
+    """What a failed test left running (a 2-core CI machine would carry it to the end)."""
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
 
 STOPPED_CAPTURE = """
 import signal, sys
@@ -737,6 +745,8 @@ def test_nsys_stopped_with_kimi_perf_stops_the_process_it_profiles(tmp_path):
     finally:
         parent.kill()
         parent.wait()
+        if pid_file.exists() and pid_file.read_text():
+            _kill([int(pid_file.read_text())])
 
 
 def test_an_nsys_that_ran_no_steps_is_a_one_line_error(tmp_path, monkeypatch):
@@ -757,22 +767,30 @@ def test_an_nsys_that_ran_no_steps_is_a_one_line_error(tmp_path, monkeypatch):
 
 
 @pytest.mark.skipif(NSYS is None, reason="no Nsight Systems CLI (scripts/install-nsys.sh)")
-def test_a_terminated_nsys_capture_leaves_no_process_and_no_run(tmp_path):
-    """The same with the real nsys: `kimi-perf trace --backend nsys` sent SIGTERM while a
-    path runs exits 143, its run directory removed, and no process of it runs on."""
+@pytest.mark.parametrize("stop, code, said", [
+    ("SIGTERM to kimi-perf", 143, "kimi-perf: terminated"),
+    ("Ctrl-C", 130, "kimi-perf: interrupted")])
+def test_a_stopped_nsys_capture_leaves_no_process_and_no_run(tmp_path, stop, code, said):
+    """The same with the real nsys: `kimi-perf trace --backend nsys` stopped while a path
+    runs, by SIGTERM to it alone or by a terminal's Ctrl-C (SIGINT to its process group),
+    exits as stopped, its run directory removed, and no process of it runs on."""
     out = tmp_path / "runs"
     trace = subprocess.Popen(
         [sys.executable, "-m", "kimi_perf", "trace", "--backend", "nsys", "--layers", "2",
          "--steps", "100000", "--out", str(out)], cwd=Path(__file__).parent.parent,
-        env={**os.environ, "KIMI_PERF_NSYS": NSYS}, stderr=subprocess.PIPE, text=True)
+        env={**os.environ, "KIMI_PERF_NSYS": NSYS}, stderr=subprocess.PIPE, text=True,
+        process_group=0)   # (a group of its own, as a terminal's foreground job)
     try:
         # nsys profile and the process it profiles: both name the worker and its metrics
         # file, in the run directory being written
         assert _wait_for(lambda: len(_processes_naming(str(out), "kimi_perf.decode.worker"))
                          >= 2, 300)
-        trace.send_signal(signal.SIGTERM)
-        assert trace.wait(timeout=120) == 143
-        assert trace.stderr.read().strip() == "kimi-perf: terminated"
+        if stop == "Ctrl-C":
+            os.killpg(trace.pid, signal.SIGINT)
+        else:
+            trace.send_signal(signal.SIGTERM)
+        assert trace.wait(timeout=120) == code
+        assert trace.stderr.read().strip().splitlines()[-1] == said
         assert _wait_for(lambda: not _processes_naming(str(out)), 60), [
             (Path(f"/proc/{pid}/cmdline").read_bytes()[:200]) for pid in _processes_naming(
                 str(out))]
@@ -780,7 +798,7 @@ def test_a_terminated_nsys_capture_leaves_no_process_and_no_run(tmp_path):
     finally:
         trace.kill()
         trace.wait()
-
+        _kill(_processes_naming(str(out)))
 
 def test_trace_with_two_tp_ranks(tmp_path):
     """--tp 2: a gloo process per rank, each profiled; rank 0's trace shows the all-reduces."""
