@@ -119,12 +119,17 @@ def command_line(req: TraceRequest) -> str:
     return shlex.join(args)
 
 
-def environment(device: str) -> dict[str, Any]:
+def environment(device: str, tp: int = 1) -> dict[str, Any]:
+    """What ran the capture: device, versions, platform, GPUs, driver, commit, and
+    ``cpu_threads``, the threads torch ran with in each profiled process (a CPU run's times
+    depend on them: each TP rank's share)."""
     import torch
+
+    from kimi_perf.decode.tp import rank_threads
 
     env: dict[str, Any] = {"device": device, "python": platform.python_version(),
                            "torch": torch.__version__, "kimi_perf": __version__,
-                           "platform": platform.platform()}
+                           "platform": platform.platform(), "cpu_threads": rank_threads(tp)}
     # triton's version without importing it (the interpreter is chosen before that), from
     # whichever distribution installs it (triton, pytorch-triton, pytorch-triton-rocm)
     try:
@@ -382,7 +387,7 @@ def _capture_all(req: TraceRequest, config, device: str, run_dir: Path, final: P
         "context": req.context, "decode_steps": req.steps,
         "warmup_steps": req.warmup, "spec_tokens": req.spec_tokens,
         "date": dt.datetime.now(dt.UTC).isoformat(),
-        "environment": environment(device), "paths": {},
+        "environment": environment(device, req.tp), "paths": {},
         # what a layer of one rank must move at least, and its time at an H200's bandwidth:
         # the floor a GPU run's per-layer µs are held against (kimi-perf floors), its
         # attention over the cache the median profiled step reads at least: the prompt, a

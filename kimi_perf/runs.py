@@ -547,7 +547,11 @@ RUN_SETTINGS = (("preset", ("preset",)), ("layers", ("n_layers",)),
                 ("KV cache", ("request", "kv_cache")), ("experts", ("request", "experts")),
                 ("CUDA graphs", ("request", "graphs")),
                 ("profiler", ("request", "backend")), ("device", ("environment", "device")),
-                ("GPUs", ("environment", "gpus")))
+                ("GPUs", ("environment", "gpus")),
+                ("CPU threads", ("environment", "cpu_threads")))
+
+# Settings that move a CPU run's figures alone (a GPU's kernels do not wait on host threads).
+CPU_SETTINGS = {("environment", "cpu_threads")}
 
 
 # What a capture made before a setting was recorded ran with.
@@ -568,7 +572,10 @@ def run_differences(baseline_doc: dict, run_doc: dict) -> list[str]:
         return run
 
     out = []
+    on_cpu = all(setting(r, ("environment", "device")) == "cpu" for r in runs)
     for label, keys in RUN_SETTINGS:
+        if keys in CPU_SETTINGS and not on_cpu:
+            continue
         # a capture made before speculative decoding (MXFP4 experts) was has no
         # "spec_tokens" ("experts"): it made none (bf16 ones)
         base, cur = (setting(r, keys) if setting(r, keys) is not None or "preset" not in r

@@ -631,6 +631,24 @@ def test_traces_of_other_gpus_are_said_to_be_captured_differently(tmp_path):
                     for p in ("standard", "specialized")]
 
 
+def test_cpu_runs_with_other_thread_counts_are_said_to_be_captured_differently():
+    """A CPU run's times depend on the threads torch ran with (a TP rank's share of them):
+    two CPU runs that differ in them are said to; GPU runs are not (their kernels do not
+    wait on host threads), nor a capture that predates the record."""
+    def run(device: str, threads: int | None) -> dict:
+        doc = json.loads(BASELINE.read_text())
+        doc["run"]["environment"]["device"] = device
+        doc["run"]["environment"].pop("cpu_threads", None)
+        if threads is not None:
+            doc["run"]["environment"]["cpu_threads"] = threads
+        return doc
+
+    assert run_differences(run("cpu", 2), run("cpu", 1)) == ["CPU threads 2 vs 1"]
+    assert run_differences(run("cpu", 2), run("cpu", 2)) == []
+    assert run_differences(run("cpu", None), run("cpu", 1)) == []
+    assert run_differences(run("cuda", 16), run("cuda", 8)) == []
+
+
 def test_a_step_s_change_is_explained_both_ways_and_parts_of_some_steps_say_so():
     """A step of 434 kernels against one of 423 (vLLM decode against prefill + decode): its
     B layers lost 216, its A layers gained 204; both said, not -216 as if it explained -11.

@@ -489,6 +489,7 @@ def test_trace_command_captures_both_paths(tmp_path):
     assert saved["schema"] == 1 and set(saved["paths"]) == {"standard", "specialized"}
     run = json.loads((run_dir / "run.json").read_text())
     assert run["preset"] == "tiny" and run["n_layers"] == 4 and run["environment"]["torch"]
+    assert run["environment"]["cpu_threads"] == torch.get_num_threads()
     assert run["tp"] == run["rank_shapes_tp"] == 1
     assert run["report"] == "report.html"        # relative to the run directory, as its traces
     from kimi_perf.decode.floors import floors  # the floors of the run's shapes, recorded
@@ -818,6 +819,7 @@ def test_trace_with_two_tp_ranks(tmp_path):
     assert {f"{p}.rank{r}.trace.json.gz" for p in ("standard", "specialized")
             for r in (0, 1)} <= names
     assert doc["run"]["tp"] == 2 and len(doc["run"]["paths"]["standard"]["ranks"]) == 2
+    assert doc["run"]["environment"]["cpu_threads"] == max(1, torch.get_num_threads() // 2)
     for path, launches, collectives in (("standard", {"kda": 21, "mla": 27}, 3),
                                         ("specialized", {"kda": 11, "mla": 14}, 2)):
         types = {t["type"]: t for t in doc["paths"][path]["layer_types"]}

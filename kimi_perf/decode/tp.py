@@ -43,6 +43,11 @@ def rank_model(full: Weights, c: K3Config, rank: int, dtype: torch.dtype,
                        device=device, all_reduce=all_reduce_sum if tp > 1 else None, **options)
 
 
+def rank_threads(world: int) -> int:
+    """The threads each of ``world`` CPU ranks runs with: an equal share of this process's."""
+    return max(1, torch.get_num_threads() // world)
+
+
 def _worker(rank: int, world: int, init_file: str, fn: Callable, args: tuple,
             out_dir: str, threads: int) -> None:
     # the ranks share this machine's cores: each one with all of them, they time each
@@ -71,7 +76,7 @@ def run_on_cpu_ranks(world: int, fn: Callable, *args) -> list:
     """
     with tempfile.TemporaryDirectory(prefix="kimi-perf-tp-") as tmp:
         init_file = os.path.join(tmp, "init")
-        threads = max(1, torch.get_num_threads() // world)
+        threads = rank_threads(world)
         ranks = mp.start_processes(_worker, args=(world, init_file, fn, args, tmp, threads),
                                    nprocs=world, join=False)
         try:
