@@ -9,15 +9,18 @@ import os
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from kimi_perf.decode.config import K3Config
-from kimi_perf.decode.model import K3Model
-from kimi_perf.decode.weights import Weights, shard
 from kimi_perf.errors import TraceError, is_out_of_memory
+
+if TYPE_CHECKING:   # (the model chooses Triton's interpreter: not where threads are counted)
+    from kimi_perf.decode.config import K3Config
+    from kimi_perf.decode.model import K3Model
+    from kimi_perf.decode.weights import Weights
 
 
 def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
@@ -36,6 +39,7 @@ def rank_model(full: Weights, c: K3Config, rank: int, dtype: torch.dtype,
     """This rank's model of either path (``c`` is the full config; it is sharded here);
     ``options``: the specialized path's opt-ins (``build_model``)."""
     from kimi_perf.decode.specialized import build_model
+    from kimi_perf.decode.weights import shard
 
     tp = dist.get_world_size()
     sharded = c.shard(tp)
