@@ -794,8 +794,7 @@ def info(trace: Path, fmt: str) -> None:
     summaries, unreadable = [], []
     for file, c in files:
         try:
-            summaries.append((file, {**read_trace(file, capture=c).summary(),
-                                     **_read_how(file)}))
+            summaries.append((file, read_trace(file, capture=c).summary()))
         except TraceError as exc:
             if file == trace:
                 raise
@@ -902,29 +901,18 @@ def _split_labels(labels: str, of: list[str]) -> list[str]:
     return names
 
 
-def _read_how(file: Path) -> dict[str, bool]:
-    """How a trace file was read, as ``info`` says it: ``kptrace``, one kimi-perf saved
-    (``convert``, a run's traces); ``exported_by_nsys``, an nsys report read through the
-    SQLite export nsys made of it (an export named .nsys-rep is read as itself)."""
-    from kimi_perf.readers import ARROW_MAGIC, GZIP_MAGIC, SQLITE_MAGIC
-
-    with open(file, "rb") as f:
-        head = f.read(64)
-    return {"kptrace": head.startswith(ARROW_MAGIC),
-            "exported_by_nsys": file.suffix in (".nsys-rep", ".qdrep") and not any(
-                head.startswith(m) for m in (ARROW_MAGIC, GZIP_MAGIC, SQLITE_MAGIC))}
-
-
 def _info(trace: Path, info: dict) -> None:
     # (the trace's own words, and file names, with their control characters written out: an
     # escape sequence in them would act on the terminal, a line break forge a line)
     saved = ("a .kptrace (saved by kimi-perf) of " if info["kptrace"]
              else f"a {trace.suffix} read through its SQLite export: "
-             if info.get("exported_by_nsys") else "")
+             if info["exported_by_nsys"] else "")
     click.echo(printable(f"{trace}: {saved}{info['format']} from {info['tool']}"
                          + (f", schema {info['schema']}" if info["schema"] else "")))
     if info.get("converted_from"):
-        click.echo(printable(f"  saved from {info['converted_from']}"))
+        click.echo(printable(f"  saved from {info['converted_from']}"
+                             + (" (read through its SQLite export)"
+                                if info["exported_by_nsys"] else "")))
     for capture in info.get("captures") or []:
         click.echo(f"  joined by the graph captures of {printable(str(capture))}")
     if replay := info.get("replay"):   # (the counts and span below hold the captures' too)

@@ -265,14 +265,16 @@ class Trace:
     def summary(self) -> dict[str, Any]:
         """What ``kimi-perf info`` prints: format, tool and schema (and ``captures``, the
         files of graph captures joined to it, and ``replay``, what the replay alone holds:
-        its events and span; ``converted_from``, of a ``.kptrace``, the trace it was saved
-        from); events of each kind (and GPU work left out
-        for want of a time, or as an exact repeat); the span from the first event to the
-        last (ns, None without events); each process with GPU work or API calls, the most
-        kernels first (``kernels_without_process``: GPU work the trace names no process
-        for); each GPU the trace describes or its kernels ran on (``name`` None where
-        undescribed); ``annotated_ops``: its ``op:`` ranges, the launches a CPU run of the
-        decode paths annotates (what breakdown counts where a trace has no GPU work)."""
+        its events and span; ``kptrace``, whether it was read from a ``.kptrace``, and
+        ``converted_from``, the trace that was saved from; ``exported_by_nsys``, whether it
+        is an ``.nsys-rep`` read through the SQLite export nsys made of it, or saved from
+        one); events of each kind (and GPU work left out for want of a time, or as an exact
+        repeat); the span from the first event to the last (ns, None without events); each
+        process with GPU work or API calls, the most kernels first
+        (``kernels_without_process``: GPU work the trace names no process for); each GPU the
+        trace describes or its kernels ran on (``name`` None where undescribed);
+        ``annotated_ops``: its ``op:`` ranges, the launches a CPU run of the decode paths
+        annotates (what breakdown counts where a trace has no GPU work)."""
         m = self.meta
         span = self.span()
         replay = m.get("replay_rows")
@@ -287,7 +289,9 @@ class Trace:
         described = {gpu.get("device"): gpu for gpu in m.get("gpus", [])}
         return {
             "format": m.get("format"), "tool": m.get("tool"), "schema": m.get("schema"),
-            "captures": m.get("captures", []), "converted_from": m.get("converted_from"),
+            "captures": m.get("captures", []), "kptrace": m.get("kptrace", False),
+            "converted_from": m.get("converted_from"),
+            "exported_by_nsys": m.get("exported_by_nsys", False),
             # a replay joined by its captures' profile: what the replay alone holds
             "replay": None if replay is None else {
                 "kernels": replay["kernels"], "memops": replay["memops"],
@@ -416,6 +420,7 @@ class Trace:
         if meta.get("file") not in (None, str(path)) and meta.get("converted_from") is None:
             meta["converted_from"] = meta["file"]
         meta["file"] = str(path)
+        meta["kptrace"] = True
         trace = cls(strings=strings, meta=meta, **tables)
         if problem := trace.reference_problem():
             raise TraceError(path, f"corrupt: {problem}")
@@ -534,6 +539,9 @@ def meta_problem(meta: dict) -> str | None:
     for key in ("format", "tool", "file", "converted_from"):
         if meta.get(key) is not None and not isinstance(meta[key], str):
             return f"{key} is not a string"
+    for key in ("kptrace", "exported_by_nsys"):
+        if not isinstance(meta.get(key, False), bool):
+            return f"{key} is not true or false"
     schema = meta.get("schema")   # (nsys: "3.25.0"; Kineto: its schemaVersion, an integer)
     if schema is not None and not isinstance(schema, str) and not is_int64(schema):
         return "schema is not a string or an integer"

@@ -407,8 +407,8 @@ def test_info_as_json_is_the_library_summary():
     doc = json.loads(result.output)
     assert doc == {"schema": 1, "traces": [{"file": str(path),
                                             **json.loads(json.dumps(
-                                                read_trace(path).summary())),
-                                            "kptrace": False, "exported_by_nsys": False}]}
+                                                read_trace(path).summary()))}]}
+    assert doc["traces"][0]["kptrace"] is doc["traces"][0]["exported_by_nsys"] is False
     with contextlib.closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True)) as db:
         per_device = [n for _, n in db.execute("SELECT deviceId, COUNT(*) FROM "
                                                "CUPTI_ACTIVITY_KIND_KERNEL GROUP BY 1")]
@@ -572,6 +572,14 @@ shutil.copy({str(source)!r}, out)
                                     "nsys-sqlite from NVIDIA Nsight Systems 2024.6.2")
     assert json.loads(run("info", rep, "--format", "json").output)["traces"][0][
         "exported_by_nsys"]
+    # a .kptrace saved from it says both: the reader marks the trace, not `info` the file
+    saved = tmp_path / "run.kptrace"
+    assert run("convert", rep, saved).exit_code == 0
+    lines = run("info", saved).output.splitlines()
+    assert lines[0].startswith(f"{saved}: a .kptrace (saved by kimi-perf) of nsys-sqlite ")
+    assert lines[1] == f"  saved from {rep} (read through its SQLite export)"
+    said = json.loads(run("info", saved, "--format", "json").output)["traces"][0]
+    assert said["kptrace"] is said["exported_by_nsys"] is True
     # an SQLite export named .nsys-rep is read as itself, and said so
     named = tmp_path / "export.nsys-rep"
     named.write_bytes(source.read_bytes())

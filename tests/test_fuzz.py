@@ -326,7 +326,8 @@ def _no_traceback(*args) -> None:
 @FUZZ
 @given(key=st.sampled_from(["gpus", "processes", "untimed", "duplicates", "format", "tool",
                             "file", "rank", "world_size", "captures", "replay_rows",
-                            "converted_from"]), value=VALUES,
+                            "converted_from", "kptrace", "exported_by_nsys"]),
+       value=VALUES,
        data=st.data())
 def test_kptrace_metadata_of_any_type(tmp_path, key, value, data):
     """A saved trace's header (which its checksum does not cover) with a field of any type,

@@ -188,7 +188,8 @@ def test_kptrace_round_trip(tmp_path):
     assert isinstance(again, Trace)
     # the file read is the saved one; the trace it was saved from is kept beside it
     assert again.strings == trace.strings and again.meta == {
-        **trace.meta, "file": str(out), "converted_from": trace.meta["file"]}
+        **trace.meta, "file": str(out), "converted_from": trace.meta["file"], "kptrace": True}
+    assert not trace.summary()["kptrace"] and again.summary()["kptrace"]
     moved = tmp_path / "moved.kptrace"
     again.save(moved)   # saved again: still from the export
     assert read_trace(moved).meta["converted_from"] == trace.meta["file"]

@@ -161,6 +161,7 @@ def read_nsys_rep(path: str | Path) -> Trace:
         except TraceError as exc:
             raise TraceError(path, f"its SQLite export: {exc.problem}") from None
     trace.meta["file"] = str(path)
+    trace.meta["exported_by_nsys"] = True   # (kept by a .kptrace saved from it)
     return trace
 
 
