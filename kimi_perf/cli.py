@@ -35,10 +35,11 @@ from kimi_perf.layer_breakdown import note_lines, units_word
 from kimi_perf.layers import PHASES
 from kimi_perf.readers import read_trace
 from kimi_perf.text import counted, distinct_words, header_labels
-from kimi_perf.trace import OP_RANGE, atomic_write_text, json_text, printable, whole_stdout
+from kimi_perf.trace import atomic_write_text, json_text, printable, whole_stdout
 
 if TYPE_CHECKING:
     from rich.console import Console
+    from rich.table import Table
 
     from kimi_perf.capture import TraceRequest
     from kimi_perf.layer_breakdown import Breakdown
@@ -474,7 +475,7 @@ def ranges(trace: Path, fmt: str, output: Path | None) -> None:
         if len(read.kernels):
             why = "no range holds a kernel"
         else:
-            cpu_run = read.names_matching(OP_RANGE)[read.ranges.name].any()
+            cpu_run = not len(read.memops) and len(read.annotated_ops())
             why = "no GPU kernels in this trace" + (
                 " (a CPU run: its launches are its op: ranges, which kimi-perf breakdown "
                 "counts)" if cpu_run else "")
@@ -601,6 +602,8 @@ def compare_cmd(a: Path, b: Path | None, path_name: str | None, fmt: str, layers
 @_phase_option
 @click.option("--rules", type=PATH, help="extra kernel-class rules")
 @click.option("--update", is_flag=True, help="then store the run as the new baseline")
+@click.option("-o", "--output", type=PATH, help="write the verdict here (the table as text, "
+              "or the JSON), not stdout; nothing where the gate cannot run (exit 2)")
 @click.option("--strict", is_flag=True, help="fail too where the baseline and the run were "
               "captured differently (preset, layers, batch, TP, device, ...) or broken down "
               "differently (--steps, --layers, --phase, --rules): a nightly job against the "
@@ -609,7 +612,7 @@ def compare_cmd(a: Path, b: Path | None, path_name: str | None, fmt: str, layers
 def gate_cmd(baseline: Path, run: Path, metrics: str | None, rel_tol: float, abs_tol: float,
              alpha: float, fmt: str, show_all: bool, path_name: str | None, layers: str,
              step_regex: str | None, phase: str, rules: Path | None, update: bool,
-             strict: bool) -> None:
+             strict: bool, output: Path | None) -> None:
     """Check a run against a stored baseline: exit 1 on a regression (for nightly CI).
 
     BASELINE and RUN: a `kimi-perf trace` run directory or its breakdown.json, a breakdown
@@ -624,6 +627,7 @@ def gate_cmd(baseline: Path, run: Path, metrics: str | None, rel_tol: float, abs
     if update and path_name is not None:
         raise TraceError(None, "--update stores the whole run: it takes no --path")
     _no_trace_among([baseline, run])
+    _not_an_input(output, baseline, run, rules)
     # how a trace is broken down, as for `breakdown`
     options = {"layers": _check_layers(layers), "step_regex": _check_steps(step_regex),
                "rules": load_rules(rules)}
@@ -633,12 +637,13 @@ def gate_cmd(baseline: Path, run: Path, metrics: str | None, rel_tol: float, abs
         if gated is None:   # nothing to gate against: stored, and said (in JSON too)
             if fmt == "json":
                 with _reader_may_leave():
-                    _echo(json.dumps({**gate_mod.GateResult([], tolerances).to_json(),
-                                      "updated": str(baseline)}, indent=1, allow_nan=False))
+                    _emit(json.dumps({**gate_mod.GateResult([], tolerances).to_json(),
+                                      "updated": str(baseline)}, indent=1, allow_nan=False)
+                          + "\n", output)
             click.echo(printable(f"baseline {baseline} {how} from {run}"), err=True)
             return
         with _reader_may_leave():
-            _print_gate(gated, fmt, show_all, update)
+            _print_gate(gated, fmt, show_all, update, output)
         click.echo(printable(f"baseline {gated.baseline_file} updated from {run}")
                    + ("" if gated.result.ok
                       else " (what the gate above failed is now the baseline)"), err=True)
@@ -646,49 +651,54 @@ def gate_cmd(baseline: Path, run: Path, metrics: str | None, rel_tol: float, abs
     gated = gate_mod.gate_files(baseline, run, tolerances, path_name, phase, strict=strict,
                                 **options)
     with _reader_may_leave():
-        _print_gate(gated, fmt, show_all, update)
+        _print_gate(gated, fmt, show_all, update, output)
     if not gated.result.ok:
         sys.exit(1)
 
 
-def _print_gate(gated: gate_mod.GatedRun, fmt: str, show_all: bool, update: bool) -> None:
+def _print_gate(gated: gate_mod.GatedRun, fmt: str, show_all: bool, update: bool,
+                output: Path | None) -> None:
     result = gated.result
     if fmt == "json":
         doc = result.to_json()
         if update:   # (and exit 0, whatever the verdict)
             doc["updated"] = str(gated.baseline_file)
-        _echo(json.dumps(doc, indent=1, allow_nan=False))
-    else:
-        console = render.console()
-        table = render.gate_table(result, show_all)
-        if table.row_count:
-            console.print(table)
-        for side, runs in (("baseline", gated.baseline), ("run", gated.current)):
-            for line in note_lines({f"{side} {p}": b for p, b in runs.items()}):
-                console.print(line)   # steps left out, say
-        if result.run_differences:
-            console.print(runs_mod.captured_differently("the baseline", "the run",
-                                                      result.run_differences),
-                          style="bold yellow")
-        if result.breakdown_differences:
-            console.print(gate_mod.broken_down_differently("the baseline", "the run",
-                                                         result.breakdown_differences),
-                          style="bold yellow")
-        for line in result.fell_back:
-            console.print(line, style="bold yellow")
-        if result.cpu_time_metrics:
-            interpreted = (" (the specialized path in Triton's interpreter)"
-                           if "specialized" in result.op_paths
-                           and "specialized" not in result.paths_fell_back else "")
-            console.print(f"{', '.join(result.cpu_time_metrics)} of a CPU run are CPU time"
-                          f"{interpreted}, noisy and no speed figure: --metrics kernels gates "
-                          "the launches alone", style="yellow")
-        if result.cpu_times_left_out:
-            named = ",".join(result.tolerances.checked)
-            console.print(f"{', '.join(result.cpu_times_left_out)} of CPU runs not checked "
-                          f"(CPU time, noisy and no speed figure): --metrics {named} checks "
-                          "them", style="yellow")
-        console.print(render.gate_headline(result))
+        _emit(json.dumps(doc, indent=1, allow_nan=False) + "\n", output)
+        return
+    said: list[tuple[Table | str, str | None]] = []   # what to print, each with its style
+    table = render.gate_table(result, show_all)
+    if table.row_count:
+        said.append((table, None))
+    for side, runs in (("baseline", gated.baseline), ("run", gated.current)):
+        said += [(line, None) for line in note_lines({f"{side} {p}": b
+                                                     for p, b in runs.items()})]
+    if result.run_differences:
+        said.append((runs_mod.captured_differently("the baseline", "the run",
+                                                   result.run_differences), "bold yellow"))
+    if result.breakdown_differences:
+        said.append((gate_mod.broken_down_differently("the baseline", "the run",
+                                                      result.breakdown_differences),
+                     "bold yellow"))
+    said += [(line, "bold yellow") for line in result.fell_back]
+    if result.cpu_time_metrics:
+        interpreted = (" (the specialized path in Triton's interpreter)"
+                       if "specialized" in result.op_paths
+                       and "specialized" not in result.paths_fell_back else "")
+        said.append((f"{', '.join(result.cpu_time_metrics)} of a CPU run are CPU time"
+                     f"{interpreted}, noisy and no speed figure: --metrics kernels gates the "
+                     "launches alone", "yellow"))
+    if result.cpu_times_left_out:
+        named = ",".join(result.tolerances.checked)
+        said.append((f"{', '.join(result.cpu_times_left_out)} of CPU runs not checked (CPU "
+                     f"time, noisy and no speed figure): --metrics {named} checks them",
+                     "yellow"))
+    said.append((render.gate_headline(result), None))
+    if output is not None:
+        atomic_write_text(output, render.tables_text([part for part, _ in said]))
+        return
+    console = render.console()
+    for part, style in said:
+        console.print(part, style=style)
 
 
 def _check_plotly_js(ctx, param, value: str) -> str:
@@ -925,7 +935,7 @@ def _info(trace: Path, info: dict) -> None:
     click.echo(f"  {counted(info['kernels'], 'kernel')}, "
                f"{counted(info['memops'], 'memcpy/memset op')}, "
                f"{counted(info['ranges'], 'range')}, {counted(info['api_calls'], 'API call')}")
-    if info.get("annotated_ops") and not info["kernels"]:
+    if info.get("annotated_ops") and not info["kernels"] and not info["memops"]:
         click.echo(f"  {counted(info['annotated_ops'], 'op')} annotated (op: ranges): the "
                    "launches a CPU run of the decode paths makes, which breakdown counts")
     if untimed := info["untimed"]:
@@ -941,7 +951,8 @@ def _info(trace: Path, info: dict) -> None:
                    f"{counted(len(processes), 'process', 'processes')} with GPU "
                    "work or API calls")
         for p in processes[:INFO_PROCESSES]:   # which of a trace's processes launched what
-            click.echo(f"  process {p['pid']}: {counted(p['kernels'], 'kernel')}, "
+            name = f" ({printable(p['name'])})" if p["name"] else ""
+            click.echo(f"  process {p['pid']}{name}: {counted(p['kernels'], 'kernel')}, "
                        f"{counted(p['api_calls'], 'API call')}")
         if len(processes) > INFO_PROCESSES:
             click.echo(f"  and {len(processes) - INFO_PROCESSES} more processes")

@@ -25,7 +25,7 @@ from kimi_perf.graphs import GRAPH_LAUNCH, capture_launches, capture_memory_call
 from kimi_perf.memory import release_free_memory
 from kimi_perf.nesting import innermost_containing, range_groups, thread_keys
 from kimi_perf.text import counted
-from kimi_perf.trace import GPU_RANGE, OP_RANGE, Trace, index_dtype
+from kimi_perf.trace import GPU_RANGE, Trace, index_dtype
 
 # Tried in order; the first pattern that matches a range holding GPU work defines the steps.
 STEP_PATTERNS = [
@@ -181,10 +181,7 @@ class GpuOps:
     @classmethod
     def _cpu_ops(cls, trace: Trace, rules: list[Rule]) -> GpuOps | None:
         r = trace.ranges
-        if len(r) == 0:
-            return None
-        is_op = trace.names_matching(OP_RANGE)[r.name] & (r.tid >= 0)
-        rows = np.flatnonzero(is_op)
+        rows = trace.annotated_ops()
         if len(rows) == 0:
             return None
         # Op names without their "op:" prefix, appended to the trace's string table.

@@ -546,19 +546,30 @@ def gate_table(result: GateResult, show_all: bool = False) -> Table:
     return table
 
 
+# characters of a check's detail the headline keeps (the table has it whole): a line a CI
+# log or a mail can show, where a detail may list every kernel two traces do not share
+GATE_HEADLINE_DETAIL = 100
+
+
+def _clipped(text: str) -> str:
+    return text if len(text) <= GATE_HEADLINE_DETAIL else (
+        text[:GATE_HEADLINE_DETAIL - 1].rstrip(" ,;") + "…")
+
+
 def gate_headline(result: GateResult) -> str:
     if result.ok:
         return f"gate: pass ({len(result.checks)} checks)"
     # how the sides differ first: it explains the rest, and a long list would cut it off
     failures = sorted(result.failures, key=lambda c: c.status not in (
         "captured differently", "broken down differently"))
-    worst = "; ".join(f"{c.path}: {c.detail}" if c.status in ("fell back", "not finite") else
-                      str(c.detail) if c.status in ("captured differently",
-                                                    "broken down differently") else
+    worst = "; ".join(f"{c.path}: {_clipped(c.detail)}" if c.status in ("fell back",
+                                                                      "not finite") else
+                      _clipped(str(c.detail)) if c.status in ("captured differently",
+                                                              "broken down differently") else
                       f"{c.path} {c.layer_type} {result.metric_name(c)} "
                       + (f"{_value(c.baseline)} -> {_value(c.current)}"
                          if c.status in ("regression", "differs") else "missing from the run")
-                      + (f" ({c.detail})" if c.detail else "")
+                      + (f" ({_clipped(c.detail)})" if c.detail else "")
                       for c in failures[:GATE_HEADLINE_ITEMS])
     more = len(failures) - GATE_HEADLINE_ITEMS
     counts = Counter(c.status for c in failures)

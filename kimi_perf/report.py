@@ -184,7 +184,7 @@ def report_pairs(breakdowns: dict[str, Breakdown],
 def _short_labels(labels: list[str]) -> dict[str, str]:
     """Each label as the tables' headers show it: without the words all of a report's labels
     share (``distinct_words``: each name fills three columns), one name for a trace in every
-    table of the report."""
+    table that sets traces side by side (sections of one trace, or prose, name it in full)."""
     return dict(zip(labels, distinct_words(labels), strict=True))
 
 

@@ -25,6 +25,7 @@ import numpy as np
 from kimi_perf.errors import TraceError, stat_problem
 from kimi_perf.layer_breakdown import Breakdown, breakdown_of_file, layer_column
 from kimi_perf.names import primed
+from kimi_perf.readers.nsys import NSYS_REPORTS
 from kimi_perf.text import counted
 from kimi_perf.trace import (
     KIMI_PERF_JSON,
@@ -683,7 +684,8 @@ def run_name(path: str | Path) -> str:
 
 
 TRACE_SUFFIXES = (".pt.trace.json.gz", ".trace.json.gz", ".json.gz", ".pt.trace.json",
-                  ".trace.json", ".json", ".sqlite", ".nsys-rep", ".kptrace")
+                  ".trace.json", ".json", ".sqlite", ".sqlite.gz", ".nsys-rep", ".qdrep",
+                  ".kptrace")
 
 
 def trace_label(path: str | Path) -> str:
@@ -792,7 +794,8 @@ def trace_files(paths: list[str | Path], keep_runs: bool = False,
             left_out += passed
         # a report nsys has exported (``nsys stats`` leaves X.sqlite beside X.nsys-rep) is
         # one capture: its export is read, and the report is not read again
-        exported = {f.name.removesuffix(".sqlite") for f in found if f.suffix == ".sqlite"}
+        exported = {f.name.removesuffix(".gz").removesuffix(".sqlite") for f in found
+                    if f.name.endswith((".sqlite", ".sqlite.gz"))}
         out += [f for f in found
-                if not (f.suffix == ".nsys-rep" and f.stem in exported)]
+                if not (f.suffix in NSYS_REPORTS and f.stem in exported)]
     return out

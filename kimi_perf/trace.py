@@ -40,6 +40,7 @@ from kimi_perf.text import counted
 if TYPE_CHECKING:
     import pyarrow as pa
 
+ARROW_MAGIC = b"ARROW1"   # how an Arrow IPC file (a .kptrace) begins and ends
 FORMAT_VERSION = 1
 
 # Range styles.
@@ -235,11 +236,14 @@ class Trace:
     ``meta`` keys: ``format`` (``nsys-sqlite`` | ``kineto-json``), ``tool`` (profiler and
     version), ``schema`` (export schema version, when known), ``file``, ``gpus`` (list of
     ``{"device", "name", "sm_count"}``), ``processes`` (list of ``{"pid", "name"}``);
-    where they apply: ``untimed`` (``{"kernels", "memops"}``: GPU work the trace holds without
+    where they apply: ``kptrace`` (read from a ``.kptrace``; ``converted_from``, the trace
+    that was saved from), ``exported_by_nsys`` (an ``.nsys-rep`` read through nsys's SQLite
+    export), ``untimed`` (``{"kernels", "memops"}``: GPU work the trace holds without
     a usable time, left out of the tables), ``duplicates`` (likewise: GPU work a Kineto trace
     holds twice, exact repeats left out); from a Kineto trace's ``distributedInfo``,
     ``rank`` and ``world_size``; ``captures``, the files of graph captures joined to it
-    (``graphs.with_capture``).
+    (``graphs.with_capture``) and ``replay_rows``, the rows of each table that are the
+    replay's own.
     """
 
     strings: list[str]
@@ -274,7 +278,8 @@ class Trace:
         (``kernels_without_process``: GPU work the trace names no process for); each GPU the
         trace describes or its kernels ran on (``name`` None where undescribed);
         ``annotated_ops``: its ``op:`` ranges, the launches a CPU run of the decode paths
-        annotates (what breakdown counts where a trace has no GPU work)."""
+        annotates (what breakdown counts where a trace has no GPU work). A process's
+        ``name`` is the one the trace gives it (nsys's), else None."""
         m = self.meta
         span = self.span()
         replay = m.get("replay_rows")
@@ -287,6 +292,8 @@ class Trace:
         pids = {p for p in (*kernels, *api, *per(self.memops.pid)) if p >= 0}
         ran = per(self.kernels.device)
         described = {gpu.get("device"): gpu for gpu in m.get("gpus", [])}
+        named = {p["pid"]: p["name"] for p in m.get("processes", [])
+                 if isinstance(p.get("name"), str) and p["name"]}
         return {
             "format": m.get("format"), "tool": m.get("tool"), "schema": m.get("schema"),
             "captures": m.get("captures", []), "kptrace": m.get("kptrace", False),
@@ -299,11 +306,11 @@ class Trace:
                 "span_ns": (lambda s: s[1] - s[0] if s else None)(self.span(replay))},
             "kernels": len(self.kernels), "memops": len(self.memops),
             "ranges": len(self.ranges), "api_calls": len(self.api),
-            "annotated_ops": int((self.names_matching(OP_RANGE)[self.ranges.name]
-                                  & (self.ranges.tid >= 0)).sum()),   # (as breakdown counts)
+            "annotated_ops": len(self.annotated_ops()),
             "untimed": m.get("untimed"), "duplicates": m.get("duplicates"),
             "span_ns": span[1] - span[0] if span else None,
-            "processes": [{"pid": p, "kernels": kernels.get(p, 0), "api_calls": api.get(p, 0)}
+            "processes": [{"pid": p, "name": named.get(p), "kernels": kernels.get(p, 0),
+                           "api_calls": api.get(p, 0)}
                           for p in sorted(pids, key=lambda p: (-kernels.get(p, 0), p))],
             "kernels_without_process": kernels.get(-1, 0),
             "gpus": [{"device": d, "name": described.get(d, {}).get("name"),
@@ -325,6 +332,13 @@ class Trace:
             return None
         return (min(int(start.min()) for start, _ in starts_ends),
                 max(int(end.max()) for _, end in starts_ends))
+
+    def annotated_ops(self) -> np.ndarray:
+        """Rows of its ``op:`` ranges on a CPU thread: the launches a CPU run of the decode
+        paths annotates, which breakdown counts where the trace holds no GPU work (no kernel
+        and no memop)."""
+        return np.flatnonzero(self.names_matching(OP_RANGE)[self.ranges.name]
+                              & (self.ranges.tid >= 0))
 
     def names_matching(self, pattern) -> np.ndarray:
         """Boolean mask over string codes: which strings match a compiled regex (search).
@@ -482,9 +496,9 @@ class Trace:
             self.strings = [s for s, keep in zip(self.strings, used.tolist(), strict=True)
                             if keep]
         self.strings = [printable(s) for s in self.strings]
-        for gpu in self.meta.get("gpus") or []:
-            if isinstance(gpu.get("name"), str):
-                gpu["name"] = printable(gpu["name"])
+        for described in [*(self.meta.get("gpus") or []), *(self.meta.get("processes") or [])]:
+            if isinstance(described.get("name"), str):
+                described["name"] = printable(described["name"])
 
     def reference_problem(self) -> str | None:
         """What points outside the trace, if anything: a name not among the strings, a launch
@@ -542,7 +556,7 @@ def meta_problem(meta: dict) -> str | None:
     for key in ("kptrace", "exported_by_nsys"):
         if not isinstance(meta.get(key, False), bool):
             return f"{key} is not true or false"
-    schema = meta.get("schema")   # (nsys: "3.25.0"; Kineto: its schemaVersion, an integer)
+    schema = meta.get("schema")   # (nsys: "3.25.0"; Kineto: "1", its schemaVersion)
     if schema is not None and not isinstance(schema, str) and not is_int64(schema):
         return "schema is not a string or an integer"
     for key in ("rank", "world_size"):
@@ -553,14 +567,13 @@ def meta_problem(meta: dict) -> str | None:
 
 def _lacks_its_end(path: str | Path) -> bool:
     """Whether a file begins as an Arrow IPC file does (``ARROW1``) but does not end so."""
-    magic = b"ARROW1"
     try:
         with open(path, "rb") as f:
-            if f.read(len(magic)) != magic:
+            if f.read(len(ARROW_MAGIC)) != ARROW_MAGIC:
                 return False
             f.seek(0, os.SEEK_END)
-            f.seek(max(f.tell() - len(magic), 0))
-            return f.read() != magic
+            f.seek(max(f.tell() - len(ARROW_MAGIC), 0))
+            return f.read() != ARROW_MAGIC
     except OSError:
         return False
 

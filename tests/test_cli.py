@@ -413,6 +413,12 @@ def test_info_as_json_is_the_library_summary():
         per_device = [n for _, n in db.execute("SELECT deviceId, COUNT(*) FROM "
                                                "CUPTI_ACTIVITY_KIND_KERNEL GROUP BY 1")]
     assert [g["kernels"] for g in doc["traces"][0]["gpus"]] == per_device == [1993, 2017]
+    # each process by the name nsys recorded for it
+    with contextlib.closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True)) as db:
+        names = dict(db.execute("SELECT pid, name FROM PROCESSES"))
+    processes = doc["traces"][0]["processes"]
+    assert [(p["pid"], p["name"]) for p in processes] == [(145, names[145]), (144, names[144])]
+    assert "  process 145 (python3): 2,017 kernels" in run("info", path).output
     bad = run("info", NSYS / "no-such.sqlite", "--format", "json")
     assert bad.exit_code == 2 and bad.output.count("\n") == 1
 
@@ -440,8 +446,8 @@ def test_info_names_the_gpus_that_ran_kernels():
             f"{summary['ranges']:,} ranges, {sum(api_calls.values()):,} API calls\n" in two)
     assert "2 processes" in two and "ms from first to last event" in two
     # each process, the most kernels first
-    assert (f"process 145: 2,017 kernels, {api_calls[145]:,} API calls\n  process 144: 1,993 "
-            "kernels") in two
+    assert (f"process 145 (python3): 2,017 kernels, {api_calls[145]:,} API calls\n  process 144 "
+            "(python3): 1,993 kernels") in two
     graphed = run("info", KINETO / "hta_a100_80gb_rank0_cudagraph_triton.json.gz").output
     assert "1 process with GPU work" in graphed and "process 4515: 5,375 kernels" in graphed
     assert "705 kernels with no process recorded" in graphed
@@ -1597,8 +1603,8 @@ def test_a_directory_of_traces_stands_for_its_traces(tmp_path):
     shutil.copy(ranks / "meta.json", empty)
     _one_line_error(run("trace", "--from", empty, "--out", out),
                     "holds no trace files (*.json.gz, *.pt.trace.json, *.trace.json, *.json, "
-                    "*.sqlite, *.nsys-rep, *.kptrace); left out: meta.json (JSON that is not "
-                    "a trace)")
+                    "*.sqlite, *.sqlite.gz, *.nsys-rep, *.qdrep, *.kptrace); left out: "
+                    "meta.json (JSON that is not a trace)")
     # what was left out, and why, where nothing is left
     (empty / "meta.json").unlink()
     (empty / "gone.json").symlink_to(tmp_path / "nowhere")
@@ -1615,9 +1621,28 @@ def test_a_report_beside_its_export_is_one_capture(tmp_path):
     capture once (its export), and a report not exported yet is still read."""
     from kimi_perf.runs import trace_files
 
-    for name in ("rank0.nsys-rep", "rank0.sqlite", "rank1.nsys-rep"):
+    for name in ("rank0.nsys-rep", "rank0.sqlite", "rank1.nsys-rep", "rank2.qdrep",
+                 "rank2.sqlite.gz", "rank3.qdrep"):
         (tmp_path / name).write_bytes(b"")
-    assert [f.name for f in trace_files([tmp_path])] == ["rank0.sqlite", "rank1.nsys-rep"]
+    assert [f.name for f in trace_files([tmp_path])] == [
+        "rank0.sqlite", "rank1.nsys-rep", "rank2.sqlite.gz", "rank3.qdrep"]
+
+
+def test_a_directory_holds_every_kind_of_trace_file_read_trace_reads(tmp_path):
+    """A gzipped nsys export (as exports are shared) and a .qdrep (an nsys report's name
+    before 2021.4) read on their own: in a directory too, each labelled without its suffix."""
+    from kimi_perf.runs import trace_labels
+
+    source = NSYS / "NVIDIA-Fuser__report1__nsys2025.1.1.sqlite"
+    ranks = tmp_path / "ranks"
+    ranks.mkdir()
+    (ranks / "rank0.sqlite.gz").write_bytes(gzip.compress(source.read_bytes()))
+    shutil.copy(source, ranks / "rank1.qdrep")   # an export under a report's name: read as one
+    doc = json.loads(run("info", ranks, "--format", "json").output)
+    assert [Path(t["file"]).name for t in doc["traces"]] == ["rank0.sqlite.gz", "rank1.qdrep"]
+    assert doc["traces"][0]["kernels"] == doc["traces"][1]["kernels"] > 0
+    assert trace_labels([ranks / "rank0.sqlite.gz", ranks / "rank1.qdrep"]) == ["rank0",
+                                                                                  "rank1"]
 
 
 def test_three_traces_or_more_are_shown_in_one_table(tmp_path):
@@ -2276,6 +2301,16 @@ def test_info_of_a_cpu_run_counts_its_annotated_ops(tmp_path):
     assert json.loads(run("info", tmp_path / "cpu.kptrace", "--format", "json").output
                       )["traces"][0]["annotated_ops"] == 3
     assert "annotated" not in run("info", VLLM).output
+    # with GPU work beside them (a memcpy alone), breakdown counts that: info says so too
+    b.call("cudaMemcpyAsync", 50, 60)
+    b.memop("Memcpy HtoD", 500, 600, correlation=len(b.api))
+    with_copy = b.build()
+    with_copy.save(tmp_path / "copy.kptrace")
+    from kimi_perf.layers import GpuOps
+
+    assert GpuOps.of(with_copy).kind == "gpu"
+    said = run("info", tmp_path / "copy.kptrace").output
+    assert "1 memcpy/memset op" in said and "annotated" not in said
 
 
 @pytest.mark.parametrize("backend, tp, said", [

@@ -320,6 +320,34 @@ def test_gate_of_a_real_before_and_after_pair_with_blocks_cut_elsewhere():
     assert back.exit_code == 0, back.output
 
 
+def test_gate_writes_its_verdict_to_a_file_or_nothing(tmp_path):
+    """`gate -o FILE`: the verdict a CI job keeps, the JSON or the table as text, written
+    whole (exit 1 on a regression all the same); where the gate cannot run (exit 2), no file,
+    not an empty one for the job to choke on."""
+    before, after = (NSYS / f"nsysai_fastvideo_wan2.1_train_2xh100_{x}.sqlite"
+                     for x in ("before", "after"))
+    out = tmp_path / "gate.json"
+    result = CliRunner().invoke(main, ["gate", str(before), str(after), "--format", "json",
+                                       "-o", str(out)])
+    assert result.exit_code == 1 and result.output == ""
+    said = CliRunner().invoke(main, ["gate", str(before), str(after), "--format", "json"])
+    assert json.loads(out.read_text()) == json.loads(said.output)
+    text = tmp_path / "gate.txt"
+    result = CliRunner().invoke(main, ["gate", str(before), str(after), "-o", str(text)])
+    assert result.exit_code == 1 and result.output == ""
+    lines = text.read_text().splitlines()
+    assert lines[-1].startswith("gate: FAIL, 1 regression") and any(
+        "span_us" in line for line in lines)
+    broken = tmp_path / "broken.json"
+    broken.write_text("{")
+    missing = tmp_path / "never.json"
+    result = CliRunner().invoke(main, ["gate", str(broken), str(after), "--format", "json",
+                                       "-o", str(missing)])
+    assert result.exit_code == 2 and not missing.exists()
+    result = CliRunner().invoke(main, ["gate", str(before), str(after), "-o", str(before)])
+    assert result.exit_code == 2 and "is an input of this command" in result.output
+
+
 def _long_kernel_spacing_us(path) -> float:
     """The median time from one kernel of over 1 ms to the next on its device, from the
     SQLite export directly."""
@@ -572,6 +600,16 @@ def test_a_change_names_the_kernels_behind_it():
     assert back["kernel_us"].detail == ("kda -10.0 µs, gemm<float> #2 -8.0 µs, copy -1.0 µs "
                                         "(gone); typical layer -18.5 µs in all")
     assert "(added copy)" in gate_headline(gate(base, run))
+    # a detail naming many launches is cut short in the headline (one line for a CI log);
+    # the table keeps it whole
+    many = _run({"kda": 5}, {"kda": KDA * 1.3})
+    _typical(many, "kda", [(f"void fused_kernel_{i}<float, 128>(int)", 3.0) for i in range(40)])
+    failed = gate(base, many)
+    detail = next(c.detail for c in failed.checks if c.metric == "kernels")
+    assert len(detail) > 1000 and detail.startswith("added ")
+    headline = gate_headline(failed)
+    assert f"({detail[:60]}" in headline and detail not in headline and "…)" in headline
+    assert len(headline) < 800   # five checks at most, each detail under 100 characters
     plain = _run({"kda": 5}, {"kda": KDA * 1.3})      # no typical layers: nothing to name
     assert all(c.detail is None for c in gate(base, plain).checks)
 
@@ -946,6 +984,17 @@ def test_a_slowdown_of_every_fourth_step_fails_by_the_steps_mean():
     # the same p on the same input (the test's resamples are seeded)
     assert next(c for c in gate(base, _stepped(slow, 12)).checks
                 if c.metric == "span_us_mean").p_value == mean.p_value
+    # the GPU default's profiled steps are enough to find it; 10 a side were not
+    from kimi_perf.capture import default_request
+
+    n = default_request(True).steps
+    by_steps = {}
+    for steps in (10, n):
+        short = slow[:steps]
+        by_steps[steps] = next(c for c in gate(_stepped(base_steps[:steps], 12),
+                                               _stepped(short, 12)).checks
+                               if c.metric == "span_us_mean")
+    assert by_steps[n].status == "regression" and by_steps[10].status == "noise"
     stalled = run_steps.copy()
     stalled[7] *= 20
     stall = next(c for c in gate(base, _stepped(stalled, 12)).checks

@@ -183,6 +183,11 @@ def test_trace_from_json_says_what_compare_says(tmp_path):
     assert again.labels_said == f"before: {compared.label_a}; after: {compared.label_b}"
     assert [r.to_json() for r in again.rows] == comparison["rows"]
     assert compare_files(BASELINE, short_labels=True).label_a == "standard"
+    # captures as --capture gives them, one per trace: else a TraceError before any work
+    for captures in ([None], [BEFORE], [BEFORE, None]):
+        with pytest.raises(TraceError, match="captures: one file for each of the 2 traces"):
+            analyse([BEFORE, AFTER], tmp_path / "none", captures=captures, plotly_js="cdn")
+    assert not (tmp_path / "none").exists()
 
 
 def test_option_errors_come_before_any_input_is_read(tmp_path):

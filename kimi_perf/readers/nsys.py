@@ -56,6 +56,9 @@ MEMCPY_KINDS = {
     11: "Unified Host-to-Device", 12: "Unified Device-to-Host", 13: "Unified Device-to-Device",
 }
 
+# an nsys report's suffixes (.qdrep: its name before nsys 2021.4), which nsys alone reads
+NSYS_REPORTS = (".nsys-rep", ".qdrep")
+
 _FETCH_BLOCK = 1 << 16
 _TEXT_SEPARATOR = 0x1F    # ASCII unit separator: joins a text column's values
 _INT_LITERAL = re.compile(r"-?\d{1,18}")
