@@ -303,7 +303,9 @@ def gate_files(baseline: str | Path, run: str | Path, tolerances: Tolerances = T
                                                       if isinstance(d, dict) else None, dict)
                 else None for d in (base_doc, run_doc)]
     gpus_said = None not in recorded and recorded[0] != recorded[1]
-    result.run_differences = (run_differences(base_doc, run_doc)
+    # (a CPU run's threads move its times alone: where only its ops are gated, they pass)
+    result.run_differences = (run_differences(base_doc, run_doc,
+                                              cpu_times=bool(result.cpu_time_metrics))
                               + phase_differences(base, current)
                               + unit_differences(base, current)
                               + ([] if gpus_said else gpu_differences(base, current)))
@@ -639,6 +641,9 @@ def gate(baseline: dict[str, Breakdown], current: dict[str, Breakdown],
                                     else _step_behind(check, base, cur, pairs)
                                     if base_type == STEP
                                     else _behind(check, base, cur, base_type, cur_type))
+                elif (check.status == "new" and check.metric == "kernels" and base_type is None
+                      and cur_type not in (None, STEP)):
+                    check.detail = _nearest_type(base, cur, cur_type)
                 if shifted and check.status in ("regression", "improvement", "missing",
                                                 "differs"):
                     check.status = "changed"
@@ -912,11 +917,71 @@ def _step_behind(check: Check, base: Breakdown, cur: Breakdown,
     shown = sorted([*moved, *sorted(against, key=lambda m: -abs(m[0]))[:1]],
                    key=lambda m: -abs(m[0]))
     unit = f" {cur.unit}" if metric == "kernels" else " µs"
-    return (("the largest step: " if largest else
-             f"per step ({'means' if average is np.mean else 'medians'}): ")
+    named = _step_kernels_swapped(base, cur, largest) if metric == "kernels" else None
+    return ((f"in its layers: {named}; " if named else "")
+            + ("the largest step: " if largest else
+               f"per step ({'means' if average is np.mean else 'medians'}): ")
             + ", ".join(f"{part} {delta:+.{1 if metric != 'kernels' or delta % 1 else 0}f}"
                         + unit + (f" (in {', '.join(partial[part])})" if part in partial
                                   else "") for delta, part in shown))
+
+
+def _nearest_type(base: Breakdown | None, cur: Breakdown, cur_type: str) -> str | None:
+    """A layer type only the run has, against the baseline's type whose typical layer runs
+    the kernels most like its own ("the baseline's A, added x"): a kernel added to some
+    layers makes them a type of their own. None where no typical layers are stored or none
+    shares a kernel with it."""
+    kc = _typical(cur, cur_type)
+    if base is None or kc is None:
+        return None
+    names = Counter(k["name"] for k in kc)
+    apart = []
+    for t in base.layer_types:
+        if (kb := _typical(base, t["type"])) is not None:
+            theirs = Counter(k["name"] for k in kb)
+            apart.append((sum(((names - theirs) + (theirs - names)).values()), t["type"], kb))
+    if not apart:
+        return None
+    distance, nearest, kb = min(apart, key=lambda a: a[0])
+    if distance >= len(kc) + len(kb):   # nothing shared
+        return None
+    return f"the baseline's {nearest}, {_swapped(kb, kc) or 'the same kernels'}"
+
+
+# kernel names a step's layers may have gained or lost for the gate to name them: more is other
+# work (a step of prefill against one of decode), which the parts of the step say better
+STEP_KERNELS_NAMED = 3
+
+
+def _step_kernels_swapped(base: Breakdown, cur: Breakdown, largest: bool) -> str | None:
+    """The kernels a step's layers gained and lost ("added x ×4"), each side's step taken as
+    its typical layers times the layers of each type a step holds (the median step's counts,
+    or the largest step's): a kernel added to some layers only makes them a layer type of
+    their own, so that no type's count names it. None where a type has no typical layer
+    stored, or the two sides' steps run the same kernels, or more than
+    ``STEP_KERNELS_NAMED`` kernel names differ."""
+    sides = []
+    for b in (base, cur):
+        pick = int(np.argmax([s["kernels"] for s in b.steps]))
+        position = {(s["index"], s["device"]): i for i, s in enumerate(b.steps)}
+        names: Counter = Counter()
+        for t in b.layer_types:
+            typical = _typical(b, t["type"])
+            if typical is None:
+                return None
+            at = np.array([position.get(key, -1) for key in zip(
+                layer_column(b.layers, "step", t["type"]).tolist(),
+                layer_column(b.layers, "device", t["type"]).tolist(), strict=True)], np.int64)
+            per_step = np.bincount(at[at >= 0], minlength=len(b.steps))
+            layers = int(per_step[pick] if largest else round(float(np.median(per_step))))
+            for k in typical:
+                names[k["name"]] += layers
+        sides.append(names)
+    added, removed = sides[1] - sides[0], sides[0] - sides[1]
+    if not 0 < len(added) + len(removed) <= STEP_KERNELS_NAMED:
+        return None   # the same kernels, or other work altogether (prefill against decode)
+    return _swapped([{"name": n} for n in sides[0].elements()],
+                    [{"name": n} for n in sides[1].elements()])
 
 
 def _run_type_label(base_type: str | None, cur_type: str, base: Breakdown) -> str:

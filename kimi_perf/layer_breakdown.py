@@ -123,16 +123,11 @@ def phase_note(b: Breakdown) -> str | None:
     return f"steps: {said}; the medians are over all of them ({keep})"
 
 
-def segment_stats(ops: GpuOps, rows: np.ndarray, classes: np.ndarray, labels: list[str]
-                  ) -> dict[str, Any]:
-    """Counts and µs for a set of GPU ops: summed op time, span (first start to last end),
-    and gap (span minus the time at least one op runs)."""
-    return SegmentFigures.of(ops, [rows], classes, labels).stats(labels)[0]
-
-
 @dataclass
 class SegmentFigures:
-    """``segment_stats`` for many segments (sets of GPU ops) at once, in ns and per class.
+    """Counts and µs of many segments (sets of GPU ops) at once, in ns and per class: summed
+    op time, span (first start to last end), and gap (span minus the time at least one op
+    runs).
 
     Figures are numpy arrays with one entry (row) per segment, int64 but for ``class_us``;
     ``class_*`` are [segment, class code] matrices.
@@ -144,7 +139,7 @@ class SegmentFigures:
     busy_ns: np.ndarray
     class_kernels: np.ndarray
     class_ns: np.ndarray
-    class_us: np.ndarray     # class_ns as segment_stats rounds it; 0.0 where a class has no op
+    class_us: np.ndarray     # class_ns as stats() rounds it; 0.0 where a class has no op
 
     @classmethod
     def of(cls, ops: GpuOps, segments: list[np.ndarray], classes: np.ndarray,
@@ -191,7 +186,7 @@ class SegmentFigures:
 
     def stats(self, labels: list[str], heads: list[dict[str, Any]] | None = None
               ) -> list[dict[str, Any]]:
-        """``segment_stats`` dicts (classes sorted by label) for the first segments: one per
+        """Dicts of a segment's figures (classes sorted by label) for the first segments: one per
         head, each added to its head's keys (all segments without heads)."""
         n = len(self.kernels) if heads is None else len(heads)
         rows = heads if heads is not None else [{} for _ in range(n)]
@@ -1005,8 +1000,13 @@ def _copies_note(b: Breakdown, work: str) -> str | None:
     """Where copies and fills are a large share of the steps' kernel µs, how large."""
     copies = [(s.get("classes") or {}).get("memcpy") or {} for s in b.steps]
     copy_us, kernel_us = sum(c.get("us", 0) for c in copies), sum(s["kernel_us"] for s in b.steps)
-    if not (work == "GPU ops" and kernel_us and copy_us >= COPIES_NOTED * kernel_us):
+    copy_ops = sum(c.get("kernels", 0) for c in copies)
+    if work != "GPU ops" or not copy_ops:
         return None
+    if not (kernel_us and copy_us >= COPIES_NOTED * kernel_us):   # a count, not a share
+        return (f"the kernel columns count memcpy and memset operations with the kernels: "
+                f"{copy_ops} of the steps' {sum(s['kernels'] for s in b.steps)} ops "
+                f"({_share_text(copy_us, kernel_us)} of their kernel µs), class memcpy")
     # the steps that hold the most of it, each with its share of its own kernel µs (model
     # loading in one step's prologue is not every step's); those mostly of other work aside
     most = sorted(((us, s) for c, s in zip(copies, b.steps, strict=True)
@@ -1016,11 +1016,15 @@ def _copies_note(b: Breakdown, work: str) -> str | None:
                        + (" of its kernel µs)" if i == 0 else ")")
                        for i, (us, s) in enumerate(most[:3]))
     return (f"{copy_us / kernel_us:.0%} of the steps' kernel µs is copies and fills "
-            f"({sum(c.get('kernels', 0) for c in copies)} of "
-            f"{sum(s['kernels'] for s in b.steps)} ops, class memcpy"
+            f"({copy_ops} of {sum(s['kernels'] for s in b.steps)} ops, class memcpy"
             + (f"; most in {shares}"
                f"{', …' if len(most) > 3 else ''}" if shares else "")
             + "): the kernel columns count memcpy and memset operations with the kernels")
+
+
+def _share_text(part: float, whole: float) -> str:
+    share = part / whole if whole else 0.0
+    return f"{share:.0%}" if share >= 0.01 or share == 0 else "under 1%"
 
 
 def _steps_found_note(b: Breakdown) -> str | None:

@@ -1030,27 +1030,11 @@ def _type_label(i: int) -> str:
     return letters[i] if i < len(letters) else f"T{i}"
 
 
-# -- entry point ------------------------------------------------------------------------------
-
-def segment(trace: Trace, layers: str = "auto", step_regex: str | None = None,
-            rules: list[Rule] | None = None, phase: str = "auto") -> tuple[GpuOps, list[Step]]:
-    """Steps (of ``phase``: see ``steps_of_phase``) with their layers. ``layers``: ``auto``
-    (per-layer ranges when the trace has them, else the repeating pattern), ``nvtx`` /
-    ``nvtx:REGEX`` (ranges only), ``repeat``. The parts of forward passes a trace begins or
-    ends within are in no step (``breakdown`` counts them: ``find_layers``)."""
-    ops = GpuOps.of(trace, rules)
-    # Each stage's temporaries go back before the next stage's (see kimi_perf/memory.py).
-    release_free_memory()
-    steps, _ = steps_of_phase(find_steps(trace, ops, step_regex), phase,
-                              trace.meta.get("file"))
-    release_free_memory()
-    find_layers(trace, ops, steps, layers)
-    return ops, steps
-
-
 def find_layers(trace: Trace, ops: GpuOps, steps: list[Step], layers: str = "auto"
                 ) -> list[Step]:
-    """Each step's layers and their types, in place (``layers``: see ``segment``). A mode
+    """Each step's layers and their types, in place (``layers``: ``auto``, per-layer ranges
+    when the trace has them, else the repeating pattern; ``nvtx`` / ``nvtx:REGEX``, ranges
+    only; ``repeat``). A mode
     asked for by name that finds no layer in any step is an error, as an unmatched step
     regex is; ``auto`` may find none. Where a device's step splits into forward passes
     (``passes_from_layer_cycle``), the parts of passes the trace begins or ends within are

@@ -445,18 +445,20 @@ def _capture_items(run: dict) -> list[tuple[str, object]]:
         request = run.get("request") or {}
         items += [("preset", f"{run['preset']}, {run.get('n_layers')} layers (config "
                              f"{run.get('config_hash')})"),
-                  ("batch, TP, context", f"{run.get('batch')}, {run.get('tp')}"
+                  ("batch", run.get("batch")),
+                  ("TP", f"{run.get('tp')}"
                    + (f" (one rank of TP {shapes}'s shapes)"
                       if (shapes := run.get("rank_shapes_tp", run.get("tp"))) != run.get("tp")
-                      else "") + f", {run.get('context')} tokens"),
+                      else "")),
+                  ("context", f"{run.get('context')} tokens"),
                   ("decode steps", f"{run.get('decode_steps')} profiled after "
                                    f"{run.get('warmup_steps')} warm-up"
                                    + (f"; each a speculative verify of 1+{k} tokens per "
                                       "sequence" if (k := run.get("spec_tokens")) else "")),
                   ("seed", request.get("seed")),
-                  ("CUDA graphs, profiler, KV cache, experts",
-                   f"{'on' if request.get('graphs') else 'off'}, {request.get('backend')}, "
-                   f"{request.get('kv_cache')}, {request.get('experts', 'bf16')}")]
+                  ("CUDA graphs", "on" if request.get("graphs") else "off"),
+                  ("profiler", request.get("backend")), ("KV cache", request.get("kv_cache")),
+                  ("experts", request.get("experts", "bf16"))]
         opt_ins = [name for name, on in (
             ("L2 prefetch of o_proj's weights", request.get("l2_prefetch")),
             (f"experts grouped from {request.get('group_experts_from')} tokens",
@@ -465,6 +467,7 @@ def _capture_items(run: dict) -> list[tuple[str, object]]:
         items.append(("specialized path's opt-ins", ", ".join(opt_ins) or "none"))
         gpus = env.get("gpus") or []
         items += [("device", ", ".join(gpus) if gpus else env.get("device")),
+                  ("CPU threads", None if gpus else env.get("cpu_threads")),
                   ("driver, CUDA", f"{env.get('driver')}, {env.get('cuda')}" if gpus else None),
                   ("python, torch, triton", f"{env.get('python')}, {env.get('torch')}, "
                                             f"{env.get('triton')}")]

@@ -559,10 +559,12 @@ CPU_SETTINGS = {("environment", "cpu_threads")}
 BEFORE_SETTING = {("spec_tokens",): 0, ("request", "experts"): "bf16"}
 
 
-def run_differences(baseline_doc: dict, run_doc: dict) -> list[str]:
+def run_differences(baseline_doc: dict, run_doc: dict, cpu_times: bool = True) -> list[str]:
     """How the captures behind a baseline and a run differ ("TP 1 vs 2"), from their run
     information; nothing where either side has none (a trace, a breakdown JSON). Kernels
-    and µs of unlike runs differ for reasons no regression explains."""
+    and µs of unlike runs differ for reasons no regression explains. ``cpu_times``: whether
+    the times of CPU runs are read, else the settings that move those alone (``CPU_SETTINGS``)
+    are not compared."""
     runs = [d.get("run") if isinstance(d, dict) else None for d in (baseline_doc, run_doc)]
     if not all(isinstance(r, dict) for r in runs):
         return []
@@ -575,7 +577,7 @@ def run_differences(baseline_doc: dict, run_doc: dict) -> list[str]:
     out = []
     on_cpu = all(setting(r, ("environment", "device")) == "cpu" for r in runs)
     for label, keys in RUN_SETTINGS:
-        if keys in CPU_SETTINGS and not on_cpu:
+        if keys in CPU_SETTINGS and not (on_cpu and cpu_times):
             continue
         # a capture made before speculative decoding (MXFP4 experts) was has no
         # "spec_tokens" ("experts"): it made none (bf16 ones)

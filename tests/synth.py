@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from kimi_perf.classify import Rule
+from kimi_perf.layers import GpuOps, Step, find_layers, find_steps, steps_of_phase
 from kimi_perf.nesting import nest_ranges
 from kimi_perf.strings import StringTable
 from kimi_perf.trace import PUSHPOP, ApiCalls, Kernels, MemOps, Ranges, Trace
@@ -80,3 +82,14 @@ class TraceBuilder:
             gpu_work.tid[hit] = api.tid[gpu_work.api[hit]]
         nest_ranges(trace.ranges)
         return trace
+
+
+def segment(trace: Trace, layers: str = "auto", step_regex: str | None = None,
+            rules: list[Rule] | None = None, phase: str = "auto") -> tuple[GpuOps, list[Step]]:
+    """Steps (of ``phase``) with their layers, as ``breakdown`` finds them before it sums
+    them up: for tests that look at the steps and layers themselves."""
+    ops = GpuOps.of(trace, rules)
+    steps, _ = steps_of_phase(find_steps(trace, ops, step_regex), phase,
+                              trace.meta.get("file"))
+    find_layers(trace, ops, steps, layers)
+    return ops, steps

@@ -469,7 +469,7 @@ def test_layer_rows_read_as_the_dicts_the_figures_give(name):
     import json
 
     from kimi_perf.layer_breakdown import LayerRows, SegmentFigures
-    from kimi_perf.layers import segment
+    from tests.synth import segment
     from tests.test_core_regressions import layer_type_medians
 
     trace = read_trace(KINETO / name)
@@ -1313,6 +1313,13 @@ def test_steps_mostly_copies_are_said():
     vllm = breakdown(read_trace(KINETO / "tracelens_vllm_gptoss20b_decode_fullgraph_mi300x"
                                          ".json.gz"))
     assert not any("copies and fills" in n for n in step_notes(vllm))
+    # a few copies, a small share: counted all the same, and said (info counts them apart:
+    # 425 kernels and 9 memcpy/memset ops; the steps' column 434)
+    summary = read_trace(KINETO / "tracelens_vllm_gptoss20b_decode_fullgraph_mi300x"
+                                  ".json.gz").summary()
+    assert (summary["kernels"], summary["memops"]) == (425, 9)
+    assert ("the kernel columns count memcpy and memset operations with the kernels: 9 of the "
+            "steps' 434 ops (under 1% of their kernel µs), class memcpy") in step_notes(vllm)
 
 
 def test_a_trace_and_its_breakdown_show_as_one_line_each():

@@ -327,6 +327,10 @@ def test_a_path_that_fell_back_on_every_step_is_said_so_by_compare_report_and_ga
     # first, how it was captured (opt-ins add launches: the counts depend on it)
     assert printed.startswith("captured: preset tiny, 8 layers (config ")
     assert "specialized path's opt-ins none; device cpu" in printed.splitlines()[0]
+    # each setting beside its value
+    assert "; batch 2; TP 1; context 8 tokens; " in printed.splitlines()[0]
+    assert ("; CUDA graphs off; profiler torch; KV cache bf16; experts bf16; "
+            in printed.splitlines()[0])
     drawn = run("report", run_file, VLLM, "--path", "specialized", "--labels", "run,vllm",
                 "-o", report)
     assert drawn.exit_code == 0, drawn.output
@@ -2180,11 +2184,11 @@ def test_the_report_says_one_rank_of_a_sharded_preset_ran():
 
     run = {"preset": "k3-tp8", "n_layers": 4, "config_hash": "abc", "batch": 1, "tp": 1,
            "rank_shapes_tp": 8, "context": 64, "decode_steps": 8, "warmup_steps": 2}
-    assert "1, 1 (one rank of TP 8&#x27;s shapes), 64 tokens" in _run_html(run, {})
+    assert "<tr><th>TP</th><td>1 (one rank of TP 8&#x27;s shapes)</td></tr>" in _run_html(run, {})
     run.update(preset="k3", tp=8)
-    assert "1, 8, 64 tokens" in _run_html(run, {})
+    assert "<tr><th>TP</th><td>8</td></tr>" in _run_html(run, {})
     del run["rank_shapes_tp"]          # a run.json from before the field
-    assert "1, 8, 64 tokens" in _run_html(run, {})
+    assert "<tr><th>TP</th><td>8</td></tr>" in _run_html(run, {})
     # the specialized path's opt-ins, said where the run says what ran
     assert "<th>specialized path&#x27;s opt-ins</th><td>none</td>" in _run_html(run, {})
     run["request"] = {"l2_prefetch": False, "group_experts_from": 16, "pdl": True}

@@ -28,7 +28,6 @@ from kimi_perf.layer_breakdown import (
     _union_length,
     _us,
     _us_array,
-    segment_stats,
 )
 from kimi_perf.nesting import (
     _nest_in_lanes,
@@ -235,8 +234,8 @@ def _segment_figures_equal_per_segment_reference(seed, origin):
     got = SegmentFigures.of(ops, segments, classes, labels).stats(labels)
     assert got == [_segment_stats_reference(start, end, rows, classes, labels)
                    for rows in segments]
-    for rows in segments:
-        assert segment_stats(ops, rows, classes, labels) == \
+    for rows in segments:   # one at a time, as many
+        assert SegmentFigures.of(ops, [rows], classes, labels).stats(labels)[0] == \
             _segment_stats_reference(start, end, rows, classes, labels)
 
 

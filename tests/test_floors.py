@@ -10,7 +10,7 @@ from click.testing import CliRunner
 
 from kimi_perf.cli import main
 from kimi_perf.decode.config import preset
-from kimi_perf.decode.floors import Storage, expected_experts, launch_bytes, layer_floor_us
+from kimi_perf.decode.floors import Storage, expected_experts, floors, launch_bytes
 
 TP8 = preset("k3-tp8")
 TP16 = preset("k3-tp16")
@@ -38,8 +38,8 @@ def test_floors_match_the_design_notes_table(layer_type, storage, batch, weights
     state = _state_bytes(layer_type, launches)
     assert (sum(launches.values()) - state) / 1e6 == pytest.approx(weights_mb, rel=2.5e-3)
     assert state / 1e6 == pytest.approx(state_mb, rel=5e-3)
-    assert layer_floor_us(TP8, layer_type, batch, 4096, storage) == pytest.approx(floor,
-                                                                                  abs=0.25)
+    assert floors(TP8, batch, 4096, storage)["layer_types"][layer_type]["floor_us"] == \
+        pytest.approx(floor, abs=0.25)
 
 
 def test_expected_experts_under_uniform_top_k():

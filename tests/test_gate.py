@@ -669,7 +669,7 @@ def test_traces_of_other_gpus_are_said_to_be_captured_differently(tmp_path):
                     for p in ("standard", "specialized")]
 
 
-def test_cpu_runs_with_other_thread_counts_are_said_to_be_captured_differently():
+def test_cpu_runs_with_other_thread_counts_are_said_to_be_captured_differently(tmp_path):
     """A CPU run's times depend on the threads torch ran with (a TP rank's share of them):
     two CPU runs that differ in them are said to; GPU runs are not (their kernels do not
     wait on host threads), nor a capture that predates the record."""
@@ -685,6 +685,17 @@ def test_cpu_runs_with_other_thread_counts_are_said_to_be_captured_differently()
     assert run_differences(run("cpu", 2), run("cpu", 2)) == []
     assert run_differences(run("cpu", None), run("cpu", 1)) == []
     assert run_differences(run("cuda", 16), run("cuda", 8)) == []
+    assert run_differences(run("cpu", 2), run("cpu", 1), cpu_times=False) == []
+    # the gate of a CPU run's ops alone (its default): threads move no op, and --strict
+    # passes; where its times are checked too, they are captured differently
+    docs = [tmp_path / "base.json", tmp_path / "run.json"]
+    for doc, threads in zip(docs, (4, 2), strict=True):
+        doc.write_text(json.dumps(run("cpu", threads)))
+    ops_only = gate_files(*docs, strict=True).result
+    assert ops_only.ok and ops_only.run_differences == [] and ops_only.cpu_times_left_out
+    timed = gate_files(*docs, Tolerances(metrics="kernels,kernel_us"), strict=True).result
+    assert timed.run_differences == ["CPU threads 4 vs 2"]
+    assert "captured differently" in {c.status for c in timed.failures}
 
 
 def test_a_step_s_change_is_explained_both_ways_and_parts_of_some_steps_say_so():
@@ -1744,13 +1755,14 @@ def test_compare_and_report_say_when_two_runs_were_captured_differently(tmp_path
     like = CliRunner().invoke(main, ["compare", str(BASELINE), str(BASELINE), "--path",
                                      "specialized", "--format", "json"])
     assert json.loads(like.output)["run_differences"] == []
-    # the stored baseline predates --experts: it ran bf16 experts
-    assert "experts" not in json.loads(BASELINE.read_text())["run"]["request"]
+    # a capture that predates --experts ran bf16 experts
+    before = json.loads(BASELINE.read_text())
+    del before["run"]["request"]["experts"]
     mxfp4 = json.loads(BASELINE.read_text())
     mxfp4["run"]["request"]["experts"] = "mxfp4"
-    assert run_differences(json.loads(BASELINE.read_text()), mxfp4) == ["experts bf16 vs mxfp4"]
+    assert run_differences(before, mxfp4) == ["experts bf16 vs mxfp4"]
     mxfp4["run"]["request"]["experts"] = "bf16"
-    assert run_differences(json.loads(BASELINE.read_text()), mxfp4) == []
+    assert run_differences(before, mxfp4) == []
     one = CliRunner().invoke(main, ["compare", str(BASELINE), "--format", "json"])
     assert "run_differences" not in json.loads(one.output)
     html_file = tmp_path / "r.html"
@@ -1766,8 +1778,9 @@ def test_compare_and_report_say_when_two_runs_were_captured_differently(tmp_path
     # what each run ran, a column each; the rows that differ in bold, none left all blank
     assert ("<h2>Runs</h2><table class=info><tr><th></th><th>tiny-cpu</th><th>other</th>"
             "<th>third</th></tr>") in report
-    assert ("<tr class=differs><th>batch, TP, context</th><td>2, 1, 8 tokens</td>"
-            "<td>64, 1, 8 tokens</td><td>2, 1, 8 tokens</td></tr>") in report
+    assert ("<tr class=differs><th>batch</th><td>2</td><td>64</td><td>2</td></tr>"
+            "<tr><th>TP</th><td>1</td><td>1</td><td>1</td></tr>"
+            "<tr><th>context</th><td>8 tokens</td>") in report
     assert "<tr><th>decode steps</th><td>3 profiled after 1 warm-up</td>" in report
     assert "driver, CUDA" not in report          # CPU runs: no driver to show
     assert "<tr><th>seed</th><td>0</td><td>0</td><td>0</td></tr>" in report
@@ -1989,3 +2002,45 @@ def test_a_launch_between_layers_is_placed_there(tmp_path):
     result = gate_files(BASELINE, run, Tolerances(metrics="kernels"), path="specialized").result
     assert [c.detail for c in result.failures] == ["per step (medians): between layers +1 ops",
                                                    "the largest step: between layers +1 ops"]
+
+
+def test_a_kernel_added_to_some_layers_is_named(tmp_path):
+    """A kernel added to every other layer makes those layers a type of their own, which
+    the baseline lacks: no type's count names the kernel. The new type says which of the
+    baseline's it is like and what it added, and the step's kernels say what its layers
+    gained in all (typical layers times the layers a step holds)."""
+    from tests.synth import TraceBuilder
+
+    layer = ["rmsnorm", "gemm_qkv", "attention", "gemm_o", "rmsnorm", "gemm_up", "silu_mul",
+             "gemm_down"]
+
+    def stored(name: str, extra_in) -> Path:
+        b = TraceBuilder()
+        for s in range(4):
+            step_start = b.clock
+            for i in range(8):
+                start, end = b.sequence(layer + (["extra_kernel"] if extra_in(i) else []))
+                b.range(f"layer[{i}]", start - 10, end)
+            b.range(f"decode_step[{s}]", step_start - 20, b.clock)
+            b.clock += 5000
+        file = tmp_path / f"{name}.json"
+        file.write_text(json_text(breakdown(b.build()).to_json()))
+        return file
+
+    base = stored("base", lambda i: False)
+    for run, added in ((stored("odd", lambda i: i % 2), "added extra_kernel ×4"),
+                       (stored("third", lambda i: i == 3), "added extra_kernel")):
+        result = gate_files(base, run, Tolerances(metrics="kernels")).result
+        checks = {(c.layer_type, c.metric): c for c in result.checks}
+        new = [c for c in result.checks if c.status == "new" and c.metric == "kernels"]
+        assert [c.detail for c in new] == ["the baseline's A, added extra_kernel"], run
+        step = checks["step", "kernels"]
+        assert step.status == "regression"
+        assert step.detail.startswith(f"in its layers: {added}; per step (medians): "), (
+            step.detail)
+        assert checks["step", "kernels_max"].detail.startswith(
+            f"in its layers: {added}; the largest step: ")
+        assert f"(in its layers: {added};" in gate_headline(result)
+    # where the steps' layers run the same kernels, nothing is named
+    again = gate_files(base, stored("again", lambda i: False)).result
+    assert again.ok and all(c.detail is None for c in again.checks if c.layer_type == "step")

@@ -12,10 +12,9 @@ from hypothesis import strategies as st
 
 from kimi_perf.errors import TraceError
 from kimi_perf.graphs import capture_launches, with_capture
-from kimi_perf.layers import segment
 from kimi_perf.readers import read_trace
 from tests.conftest import FIXTURES
-from tests.synth import TraceBuilder
+from tests.synth import TraceBuilder, segment
 
 KINETO = FIXTURES / "kineto"
 CAPTURE = KINETO / "tracelens_vllm_gptoss20b_decode_fullgraph_capture_bs32_mi300x.json.gz"

@@ -21,11 +21,10 @@ from kimi_perf.layers import (
     attending,
     find_repeats,
     generic_ops,
-    segment,
     step_phase,
 )
 from tests.conftest import KINETO, NSYS
-from tests.synth import TraceBuilder
+from tests.synth import TraceBuilder, segment
 
 KDA = ["attn_res_mix", "rmsnorm", "gemm_in_proj", "gemm_fb", "kda_conv_recurrent_norm",
        "gemm_o_proj", "nccl_allreduce", "attn_res_mix", "rmsnorm", "gemm_router",

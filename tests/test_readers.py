@@ -422,7 +422,7 @@ def test_kineto_module_calls_are_ranges_and_layers(tmp_path, monkeypatch):
     assert [n for n in names if n.startswith("nn.Module")] == [
         f"nn.Module: {cls}_{i}" for i in range(4) for cls in ("LlamaDecoderLayer", "Linear")]
     assert not any("_call_impl" in n for n in names)
-    from kimi_perf.layers import segment
+    from tests.synth import segment
 
     _, (step,) = segment(trace)
     assert step.name == "ProfilerStep#7" and step.layer_source == "nvtx"

@@ -108,14 +108,6 @@ SAME_BYTES = {"moe_grouped_fc1_situ_shared_gate_up": "moe_fc1_situ_shared_gate_u
               "moe_grouped_fc2_shared_down": "moe_fc2_combine_shared_down"}
 
 
-def layer_floor_us(c: K3Config, layer_type: str, batch: int, context: int,
-                   storage: Storage = Storage(),
-                   bandwidth: float = H200_COPY_BANDWIDTH, tokens: int = 1) -> float:
-    """The layer's bytes over ``bandwidth`` (bytes/s), in µs."""
-    return sum(launch_bytes(c, layer_type, batch, context, storage, tokens).values()
-               ) / bandwidth * 1e6
-
-
 def floors(c: K3Config, batch: int, context: int, storage: Storage = Storage(),
            bandwidth: float = H200_COPY_BANDWIDTH, tokens: int = 1,
            layer_types: tuple[str, ...] = ("kda", "mla", "dense")) -> dict:
