@@ -536,16 +536,24 @@ def overview(breakdowns: dict[str, Breakdown]) -> list[OverviewRow]:
 
 
 STEPS_UNLIKE = ("no spread of whole steps: the traces' steps hold other numbers of layers "
-                "(models of other depths, each layer a range; or profiler windows cut "
-                "elsewhere)")
+                "(models of other depths, each layer a range, or of no layer alike; or "
+                "profiler windows cut elsewhere)")
 
 
 def steps_unlike(rows: list[OverviewRow]) -> bool:
-    """Whether the traces' whole steps ran other work (``steps_of_other_work``'s rule): no
-    spread of them (a TP run's ranks hold as many layers)."""
+    """Whether the traces' whole steps ran other work (``steps_of_other_work``'s rule; and
+    steps of other numbers of layers where no layer type runs the same kernels in two
+    traces: other models, whatever cut their layers): no spread of them (a TP run's ranks
+    hold as many layers, of the same kernels)."""
     steps = [r for r in rows if r.step_us is not None]
-    return _other_work([r.layers for r in steps], [r.windows for r in steps],
-                       [r.ranges for r in steps])
+    if _other_work([r.layers for r in steps], [r.windows for r in steps],
+                   [r.ranges for r in steps]):
+        return True
+    unlike = set(differing_patterns(rows))
+    alike = [t for t in (rows[0].types if rows else ())
+             if t not in unlike and sum(r.types[t] is not None for r in rows) >= 2]
+    return not alike and None not in {r.layers for r in steps} and len(
+        {r.layers for r in steps}) > 1
 
 
 def overview_json(rows: list[OverviewRow]) -> dict:

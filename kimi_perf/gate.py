@@ -316,7 +316,10 @@ def gate_files(baseline: str | Path, run: str | Path, tolerances: Tolerances = T
         # compare
         for check in result.checks:
             if (check.layer_type == STEP or check.metric == "layers") and check.status not in (
-                    "new", "missing"):   # (a path the run lacks is no other work)
+                    "new", "missing") and not (check.layer_type != STEP
+                                               and check.metric == "layers"
+                                               and check.baseline == check.current):
+                # (a path the run lacks is no other work; a type's count alike is alike)
                 check.status = "changed"
                 check.detail = (f"models of {depths[0]} and {depths[1]} layers: a step is "
                                 "other work")
@@ -570,7 +573,10 @@ def _paired(baseline: dict[str, Breakdown], current: dict[str, Breakdown]
 def gate(baseline: dict[str, Breakdown], current: dict[str, Breakdown],
          tolerances: Tolerances = Tolerances()) -> GateResult:
     """Every (path, layer type, metric) of the baseline checked against the run. A baseline
-    without steps or layers has nothing to check: a ValueError."""
+    without steps or layers has nothing to check: a ValueError. The breakdowns alone: what
+    the runs' information says (``gate_files``: how each was captured, models of other
+    depths, which steps fell back) is not read, so two models of other depths differ here
+    in their layers a step, where ``gate_files`` says they are other models."""
     if not has_work(baseline):
         raise ValueError("the baseline holds no steps and no layers: nothing to check")
     if len(baseline) == 1 and len(current) == 1 and TRACE in (*baseline, *current):

@@ -79,6 +79,12 @@ LAYOUTS = [(True, "whole", "whole", "whole"), (True, "whole", "whole", "words"),
            *((False, "folded", cells, header) for cells in ("whole", "words")
              for header in ("words", *HEADER_FOLDS))]
 
+# For a table read for its names: where they must fold, numbers first break at their spaces
+NAMES_FIRST_LAYOUTS = [*(layout for layout in LAYOUTS if layout[1] == "whole"),
+                       *((boxed, "folded", "words", header) for boxed in (True, False)
+                         for header in ("whole", "words", *HEADER_FOLDS)),
+                       *(layout for layout in LAYOUTS if layout[1:3] == ("folded", "whole"))]
+
 
 class Table(RichTable):
     """A rich table laid out so that no number breaks. Number (right-justified) columns are
@@ -89,11 +95,17 @@ class Table(RichTable):
     display), rather than folding "10717.7" into "10717." over "7"."""
 
     TEXT_ROOM = 12   # the width a text column is folded to
+    SHORT_TEXT = 16  # a text column no wider keeps its width where others fold (a class)
 
-    # Titles and cells may hold a file's name or a rule's class, whose control characters
-    # a terminal would act on: written out (a trace's own names are, as it is read)
-    def __init__(self, *headers, title: str | None = None, **kwargs):
-        super().__init__(*headers, title=None if title is None else printable(title), **kwargs)
+    def __init__(self, *headers, title: str | None = None, names_first: bool = False,
+                 **kwargs):
+        super().__init__(*headers, title=None if title is None else printable(title),
+                         **kwargs)
+        # names_first: a kernel's name is what a typical layer's table is read for
+        self.layouts = NAMES_FIRST_LAYOUTS if names_first else LAYOUTS
+
+    # (titles and cells may hold a file's name or a rule's class, whose control characters
+    # a terminal would act on: written out, as a trace's own names are as it is read)
 
     def add_row(self, *cells, **kwargs) -> None:
         super().add_row(*(printable(c) if isinstance(c, str) else c for c in cells), **kwargs)
@@ -116,7 +128,7 @@ class Table(RichTable):
             numbers[i] = {(c, h): max(cw, hw) for c, cw in cell_width.items()
                           for h, hw in head_width.items()}
         n = len(self.columns)
-        for boxed, text, cells, header in LAYOUTS:
+        for boxed, text, cells, header in self.layouts:
             width = (sum(w[text] for w in texts) + sum(w[cells, header] for w in numbers.values())
                      + (3 * n + 1 if boxed else n - 1))
             if width <= options.max_width:
@@ -128,6 +140,11 @@ class Table(RichTable):
         style = self.box, self.show_edge, self.padding, self.pad_edge
         for i, width in numbers.items():
             self.columns[i].width = width[cells, header]
+        if text == "folded":   # the room left to the long names: short ones keep their width
+            for col, w in zip((c for i, c in enumerate(self.columns) if i not in numbers),
+                              texts, strict=True):
+                if w["whole"] <= self.SHORT_TEXT:
+                    col.width = w["whole"]
         if not boxed:
             self.box, self.show_edge, self.padding, self.pad_edge = (box.SIMPLE_HEAD, False,
                                                                      (0, 0), False)
@@ -306,7 +323,8 @@ def typical_layer_table(layer_type: str, sides: dict[str, dict | None],
     typical, shifts = aligned_typical({label: (t or {}).get("typical_layer")
                                        for label, t in sides.items()})
     width = 80 if len(sides) == 1 else 60
-    table = Table(title=f"Typical {layer_type} layer: {unit} in order, median µs")
+    table = Table(title=f"Typical {layer_type} layer: {unit} in order, median µs",
+                  names_first=True)
     table.add_column("#", justify="right")
     for label in sides:
         table.add_column(label if len(sides) > 1 else unit[:-1], overflow="fold")

@@ -288,13 +288,14 @@ def _overview_html(breakdowns: dict[str, Breakdown], of_paths: bool = False) -> 
         return ""
     e = html.escape
     rows = overview(breakdowns)
+    short = _short_labels(list(breakdowns))   # (as the tables below name them)
     types = list(rows[0].types)
     differ = differing_patterns(rows)
     spread = {s.type: s for s in spreads(rows)}
     head = "<tr><th>trace</th><th>steps</th><th>step µs</th>" + "".join(
         f"<th>{e(t or '-')}{' *' if t in differ else ''} µs</th>" for t in types) + "</tr>"
     body = "".join(
-        f"<tr><td>{e(r.label)}</td><td>{r.steps}</td>"
+        f"<tr><td>{e(short[r.label])}</td><td>{r.steps}</td>"
         f"<td>{'-' if r.step_us is None else f'{r.step_us:.1f}'}</td>" + "".join(
             f"<td>{v[1]:.1f} ({count_text(v[0])})</td>" if v else "<td>-</td>"
             for v in r.types.values()) + "</tr>" for r in rows)
@@ -303,8 +304,9 @@ def _overview_html(breakdowns: dict[str, Breakdown], of_paths: bool = False) -> 
         else "<th>-</th>" for t in [None, *types]) + "</tr>"
     note = "<p>No spread or slowest trace: these include the decode paths of runs, " \
         "compared pair by pair below.</p>" if of_paths else "".join(
-            f"<p>slowest: {e(label)} ({e(', '.join(what))})</p>"
+            f"<p>slowest: {e(short[label])} ({e(', '.join(what))})</p>"
             for label, what in stragglers(list(spread.values())).items())
+    note = _said(short, list(breakdowns)) + note
     if differ:
         note += ("<p>* found by the repeating kernel pattern, with other kernel sequences in "
                  "some traces: the letter may name different layers (no spread).</p>")
@@ -372,7 +374,7 @@ def _typical_html(breakdowns: dict[str, Breakdown]) -> str:
             f"<th colspan=2>{len(t['kernels'])} {unit[label]}, {t['layers']} of "
             f"{counted(sides[label]['layers'], 'layer')} ran "
             "exactly these</th>"
-            f"<th>{sum(k['us'] for k in t['kernels']):.1f}</th>" if t else
+            f"<th>{sum(k['us'] for k in t['kernels']):.1f} µs summed</th>" if t else
             "<th colspan=3></th>" for label, t in typical.items()) + "</tr>"
         spread = any("spread_us" in k for t in typical.values() if t for k in t["kernels"])
         differ = "".join(f"<p>{e(note)}.</p>" for note in [

@@ -259,7 +259,7 @@ class Trace:
         """What it holds, in one line: not its strings or its metadata's process list."""
         meta = self.meta
         what = ", ".join(str(meta[k]) for k in ("format", "tool") if meta.get(k))
-        names = Counter(str(g.get("name")) for g in meta.get("gpus") or [])
+        names = Counter(str(g.get("name") or "unnamed") for g in meta.get("gpus") or [])
         gpus = ", ".join(f"{n}× {name}" if n > 1 else name for name, n in names.items())
         return (f"Trace({Path(meta['file']).name + ', ' if meta.get('file') else ''}{what}: "
                 f"{counted(len(self.kernels), 'kernel')}, {counted(len(self.memops), 'memop')}, "

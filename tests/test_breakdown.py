@@ -1337,6 +1337,8 @@ def test_a_trace_and_its_breakdown_show_as_one_line_each():
     assert repr(b.layers) == "LayerRows(128 layers of types A)"
     many = read_trace(KINETO / "hta_a100_alexnet_cuda_sync.json.gz")
     assert repr(many).endswith("GPUs: 8× NVIDIA A100-PG509-200)")
+    unnamed = read_trace(KINETO / "tracelens_vllm_gptoss20b_decode_fullgraph_mi300x.json.gz")
+    assert repr(unnamed).endswith("GPUs: 8× unnamed)")   # (ROCm's, by SM count alone)
     sparse = Breakdown.from_json({"schema": 1, "source": {}, "steps": [], "layers": [],
                                   "layer_types": [{"type": "A"}]})   # hand-written, say
     assert repr(sparse) == "Breakdown(0 steps, 0 layers (A ×?), counting kernels)"

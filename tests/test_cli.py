@@ -1649,6 +1649,22 @@ def test_a_directory_holds_every_kind_of_trace_file_read_trace_reads(tmp_path):
                                                                                   "rank1"]
 
 
+def test_traces_of_unlike_models_have_no_straggler(tmp_path):
+    """Three traces of other models (a vLLM decode step, a mixed prefill step, a training
+    forward pass of 2.7B parameters), their layers cut by the kernel pattern, 24, 24 and 32
+    a step, no type running the same kernels in two: no spread of their steps, no slowest
+    (it read 78.3× and named the training run as the straggler)."""
+    traces = [KINETO / f"tracelens_vllm_gptoss20b_{x}_mi300x.json.gz"
+              for x in ("decode_fullgraph", "prefilldecode_piecewise")]
+    traces.append(NSYS / "zx3xyy-assignment2-systems__result_2_7B_nvtx__nsys2024.6.2.sqlite")
+    result = run("trace", *(a for t in traces for a in ("--from", t)), "--out", tmp_path,
+                 "--plotly-js", "cdn", "--format", "json")
+    assert result.exit_code == 0, result.output
+    overview = json.loads(result.output)["overview"]
+    assert len({r["step_us"] for r in overview["rows"]}) == 3
+    assert overview["spreads"] == [] and overview["patterns_differ"]
+
+
 def test_three_traces_or_more_are_shown_in_one_table(tmp_path):
     """`trace --from` with a TP run's ranks: one table of every trace with the spread, in the
     terminal and the report."""
@@ -1671,6 +1687,16 @@ def test_three_traces_or_more_are_shown_in_one_table(tmp_path):
     (report,) = out.glob("*/report.html")
     text = report.read_text()
     assert "<h2>Every trace" in text and "Per layer type: rank0 vs rank2" in text
+    # long names: the table of every trace names each as the pairs' tables do, and says so
+    named = tmp_path / "named"
+    named.mkdir()
+    for rank in range(3):
+        shutil.copy(VLLM, named / f"decode_worker_rank{rank}.json.gz")
+    report = tmp_path / "named.html"
+    assert run("report", named, "-o", report, "--plotly-js", "cdn").exit_code == 0
+    every = report.read_text().split("<h2>Every trace")[1].split("<h2>")[0]
+    assert "<tr><td>rank0</td>" in every and "decode_worker_rank0</td>" not in every
+    assert "<p>rank0: decode_worker_rank0; rank1: decode_worker_rank1; rank2: " in every
 
 
 def test_compare_says_what_each_side_counts(tmp_path):

@@ -1656,6 +1656,10 @@ def test_steps_of_a_model_of_another_depth_are_other_work(tmp_path):
         ("specialized", "kernels"), ("specialized", "kernels_max")}
     assert all(c.layer_type == "kda" for c in result.failures)
     assert "layers 8 vs 4" in result.run_differences
+    # a type of as many layers a step in both (layer 0's dense MLP) is no other work
+    dense = next(c for c in result.checks if (c.path, c.layer_type, c.metric) == (
+        "specialized", "dense", "layers"))
+    assert (dense.baseline, dense.current, dense.status) == (1, 1, "ok")
     # a model of 2 layers has no KDA layer: no layer type "missing" from it, but changed
     doc = json.loads(BASELINE.read_text())
     for path in doc["paths"].values():
