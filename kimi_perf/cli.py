@@ -628,6 +628,11 @@ def gate_cmd(baseline: Path, run: Path, metrics: str | None, rel_tol: float, abs
         raise TraceError(None, "--update stores the whole run: it takes no --path")
     _no_trace_among([baseline, run])
     _not_an_input(output, baseline, run, rules)
+    if output is not None and str(output) != "-":   # (checked before --update stores a file)
+        if os.path.abspath(output) == os.path.abspath(baseline):
+            raise TraceError(output, "is the baseline: -o writes the verdict elsewhere")
+        if not output.parent.is_dir():
+            raise TraceError(output, "cannot write: no such directory")
     # how a trace is broken down, as for `breakdown`
     options = {"layers": _check_layers(layers), "step_regex": _check_steps(step_regex),
                "rules": load_rules(rules)}
@@ -635,12 +640,15 @@ def gate_cmd(baseline: Path, run: Path, metrics: str | None, rel_tol: float, abs
         gated, how = gate_mod.update_baseline(baseline, run, tolerances, phase, strict,
                                               **options)
         if gated is None:   # nothing to gate against: stored, and said (in JSON too)
+            stored = printable(f"baseline {baseline} {how} from {run}")
             if fmt == "json":
                 with _reader_may_leave():
                     _emit(json.dumps({**gate_mod.GateResult([], tolerances).to_json(),
                                       "updated": str(baseline)}, indent=1, allow_nan=False)
                           + "\n", output)
-            click.echo(printable(f"baseline {baseline} {how} from {run}"), err=True)
+            elif output is not None and str(output) != "-":   # (the verdict file is there)
+                atomic_write_text(output, stored + "\n")
+            click.echo(stored, err=True)
             return
         with _reader_may_leave():
             _print_gate(gated, fmt, show_all, update, output)

@@ -549,11 +549,12 @@ def steps_unlike(rows: list[OverviewRow]) -> bool:
     if _other_work([r.layers for r in steps], [r.windows for r in steps],
                    [r.ranges for r in steps]):
         return True
-    unlike = set(differing_patterns(rows))
-    alike = [t for t in (rows[0].types if rows else ())
-             if t not in unlike and sum(r.types[t] is not None for r in rows) >= 2]
-    return not alike and None not in {r.layers for r in steps} and len(
-        {r.layers for r in steps}) > 1
+    def alike(layer_type: str) -> bool:   # the same kernels in two traces at least
+        held = Counter(r.patterns.get(layer_type) for r in rows if r.types[layer_type])
+        return any(n >= 2 for n in held.values())   # (None: named by ranges, alike by name)
+
+    return (not any(alike(t) for t in (rows[0].types if rows else ()))
+            and None not in {r.layers for r in steps} and len({r.layers for r in steps}) > 1)
 
 
 def overview_json(rows: list[OverviewRow]) -> dict:

@@ -935,8 +935,8 @@ def _step_behind(check: Check, base: Breakdown, cur: Breakdown,
 def _nearest_type(base: Breakdown | None, cur: Breakdown, cur_type: str) -> str | None:
     """A layer type only the run has, against the baseline's type whose typical layer runs
     the kernels most like its own ("the baseline's A, added x"): a kernel added to some
-    layers makes them a type of their own. None where no typical layers are stored or none
-    shares a kernel with it."""
+    layers makes them a type of their own. None where no typical layers are stored, or where
+    the nearest shares no more than half of the kernels of the larger (a new type)."""
     kc = _typical(cur, cur_type)
     if base is None or kc is None:
         return None
@@ -949,8 +949,9 @@ def _nearest_type(base: Breakdown | None, cur: Breakdown, cur_type: str) -> str 
     if not apart:
         return None
     distance, nearest, kb = min(apart, key=lambda a: a[0])
-    if distance >= len(kc) + len(kb):   # nothing shared
-        return None
+    shared = (len(kc) + len(kb) - distance) // 2
+    if 2 * shared <= max(len(kc), len(kb)):
+        return None   # most of one is not the other's: a type of its own
     return f"the baseline's {nearest}, {_swapped(kb, kc) or 'the same kernels'}"
 
 
@@ -969,19 +970,26 @@ def _step_kernels_swapped(base: Breakdown, cur: Breakdown, largest: bool) -> str
     sides = []
     for b in (base, cur):
         pick = int(np.argmax([s["kernels"] for s in b.steps]))
-        position = {(s["index"], s["device"]): i for i, s in enumerate(b.steps)}
         names: Counter = Counter()
+        in_layers = np.zeros(len(b.steps))   # each step's kernels in its layers
         for t in b.layer_types:
             typical = _typical(b, t["type"])
             if typical is None:
                 return None
-            at = np.array([position.get(key, -1) for key in zip(
-                layer_column(b.layers, "step", t["type"]).tolist(),
-                layer_column(b.layers, "device", t["type"]).tolist(), strict=True)], np.int64)
-            per_step = np.bincount(at[at >= 0], minlength=len(b.steps))
-            layers = int(per_step[pick] if largest else round(float(np.median(per_step))))
+            at = _step_of_each_layer(b, t["type"])
+            held = at >= 0
+            per_step = np.bincount(at[held], minlength=len(b.steps))
+            in_layers += np.bincount(at[held], weights=layer_column(
+                b.layers, "kernels", t["type"])[held].astype(np.float64), minlength=len(b.steps))
+            layers = float(per_step[pick] if largest else np.median(per_step))
+            if not layers.is_integer():
+                return None   # (a type in half the steps: no step holds the median's)
             for k in typical:
-                names[k["name"]] += layers
+                names[k["name"]] += int(layers)
+        # the typical layers must make the step's layers' kernels, as counted: else layers of
+        # a type run other kernels (some with an extra one), and the names would miscount
+        if sum(names.values()) != (in_layers[pick] if largest else np.median(in_layers)):
+            return None
         sides.append(names)
     added, removed = sides[1] - sides[0], sides[0] - sides[1]
     if not 0 < len(added) + len(removed) <= STEP_KERNELS_NAMED:
@@ -1007,11 +1015,8 @@ def _step_parts(b: Breakdown, metric: str, names: dict[str, str]) -> dict[str, n
         values = [(s.get(end) or {}).get(metric) for s in b.steps]   # (in memory: none)
         if all(is_figure(v) for v in values):
             parts[end] = np.array(values, np.float64)
-    position = {(s["index"], s["device"]): i for i, s in enumerate(b.steps)}
     for t in b.layer_types:
-        at = np.array([position.get(key, -1) for key in zip(
-            layer_column(b.layers, "step", t["type"]).tolist(),
-            layer_column(b.layers, "device", t["type"]).tolist(), strict=True)], np.int64)
+        at = _step_of_each_layer(b, t["type"])
         held = at >= 0
         parts[f"{names.get(t['type'], t['type'])} layers"] = np.bincount(
             at[held], weights=layer_column(b.layers, metric, t["type"])[held].astype(np.float64),
@@ -1055,9 +1060,17 @@ def _type_per_step(b: Breakdown, layer_type: str) -> float | None:
     if not b.steps or not all(isinstance(r.get("step"), int) and isinstance(r.get("device"), int)
                               for r in b.layers[:1]):
         return None
-    held = Counter(zip(layer_column(b.layers, "step", layer_type).tolist(),
-                       layer_column(b.layers, "device", layer_type).tolist(), strict=True))
-    return float(np.median([held[(s.get("index"), s.get("device"))] for s in b.steps]))
+    at = _step_of_each_layer(b, layer_type)
+    return float(np.median(np.bincount(at[at >= 0], minlength=len(b.steps))))
+
+
+def _step_of_each_layer(b: Breakdown, layer_type: str) -> np.ndarray:
+    """Each layer of the type's step, as its position in ``b.steps`` (-1: a step not there);
+    the breakdown must say where its layers ran (``_says_where``)."""
+    position = {(s["index"], s["device"]): i for i, s in enumerate(b.steps)}
+    return np.array([position.get(key, -1) for key in zip(
+        layer_column(b.layers, "step", layer_type).tolist(),
+        layer_column(b.layers, "device", layer_type).tolist(), strict=True)], np.int64)
 
 
 def _says_where(b: Breakdown) -> bool:

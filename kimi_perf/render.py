@@ -80,10 +80,10 @@ LAYOUTS = [(True, "whole", "whole", "whole"), (True, "whole", "whole", "words"),
              for header in ("words", *HEADER_FOLDS))]
 
 # For a table read for its names: where they must fold, numbers first break at their spaces
+# (where those do not fit, neither would the same layouts with numbers whole)
 NAMES_FIRST_LAYOUTS = [*(layout for layout in LAYOUTS if layout[1] == "whole"),
                        *((boxed, "folded", "words", header) for boxed in (True, False)
-                         for header in ("whole", "words", *HEADER_FOLDS)),
-                       *(layout for layout in LAYOUTS if layout[1:3] == ("folded", "whole"))]
+                         for header in ("whole", "words", *HEADER_FOLDS))]
 
 
 class Table(RichTable):
@@ -120,7 +120,9 @@ class Table(RichTable):
             whole = max([1, *(m.maximum for m in cells)])
             if col.justify != "right":
                 whole = max(whole, head.minimum)
-                texts.append({"whole": whole, "folded": min(whole, self.TEXT_ROOM)})
+                # (folded: a short one, a class, keeps its width: the room is the names')
+                texts.append({"whole": whole, "folded": whole if whole <= self.SHORT_TEXT
+                              else self.TEXT_ROOM})
                 continue
             cell_width = {"whole": whole, "words": max([1, *(m.minimum for m in cells)])}
             head_width = {"whole": head.maximum, "words": head.minimum,
@@ -143,7 +145,7 @@ class Table(RichTable):
         if text == "folded":   # the room left to the long names: short ones keep their width
             for col, w in zip((c for i, c in enumerate(self.columns) if i not in numbers),
                               texts, strict=True):
-                if w["whole"] <= self.SHORT_TEXT:
+                if w["whole"] == w["folded"]:
                     col.width = w["whole"]
         if not boxed:
             self.box, self.show_edge, self.padding, self.pad_edge = (box.SIMPLE_HEAD, False,
@@ -346,7 +348,8 @@ def typical_layer_table(layer_type: str, sides: dict[str, dict | None],
         who = f"{label}: " if len(sides) > 1 else ""
         if t:
             notes.append(f"{who}{len(t['kernels'])} {unit}, "
-                         f"{sum(k['us'] for k in t['kernels']):.1f} µs summed; {t['layers']} of "
+                         f"{sum(k['us'] for k in t['kernels']):.1f} µs, their medians summed; "
+                         f"{t['layers']} of "
                          f"{counted(sides[label]['layers'], layer_type + ' layer')} ran "
                          "exactly this sequence")
         elif sides[label]:

@@ -267,8 +267,8 @@ def _steps_html(breakdowns: dict[str, Breakdown]) -> str:
         median = {k: float(np.median([s[k] for s in b.steps]))
                   for k in ("kernels", "kernel_us", "span_us", "gap_us")}
         # (each column's own median: they need not add up, as a step's figures do)
-        rows += (f"<tr><th colspan=4>median of {counted(len(b.steps), 'step')}, each column's"
-                 "</th>"
+        rows += (f"<tr><th colspan=4>median of {counted(len(b.steps), 'step')} (each "
+                 "column's own)</th>"
                  f"<td>{count_text(median['kernels'])}</td><td>{median['kernel_us']:.1f}</td>"
                  f"<td>{median['span_us']:.1f}</td><td>{median['gap_us']:.1f}</td></tr>")
         more = len(b.steps) - STEP_ROWS
@@ -374,7 +374,7 @@ def _typical_html(breakdowns: dict[str, Breakdown]) -> str:
             f"<th colspan=2>{len(t['kernels'])} {unit[label]}, {t['layers']} of "
             f"{counted(sides[label]['layers'], 'layer')} ran "
             "exactly these</th>"
-            f"<th>{sum(k['us'] for k in t['kernels']):.1f} µs summed</th>" if t else
+            f"<th>{sum(k['us'] for k in t['kernels']):.1f} µs, medians summed</th>" if t else
             "<th colspan=3></th>" for label, t in typical.items()) + "</tr>"
         spread = any("spread_us" in k for t in typical.values() if t for k in t["kernels"])
         differ = "".join(f"<p>{e(note)}.</p>" for note in [

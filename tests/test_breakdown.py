@@ -179,6 +179,24 @@ def test_pattern_types_of_one_class_mix_pair_by_the_kernels_they_share():
     assert pair_types(standard, fused[::-1]) == [(0, 0), (1, 1)]
 
 
+def test_one_odd_rank_is_still_a_straggler():
+    """Steps of other numbers of layers, found by the kernel pattern, compare where a layer
+    type runs the same kernels in two traces at least (a TP run's ranks, one cut otherwise,
+    and slow: named); not where no type does (other models: no step spread)."""
+    from kimi_perf.comparison import OverviewRow, spreads, steps_unlike, stragglers
+
+    def ranks(digest_of) -> list[OverviewRow]:
+        return [OverviewRow(f"rank{i}", 10, 5000.0 * (1.5 if i == 7 else 1), {"A": (12, 100.0)},
+                            {"A": digest_of(i)}, layers=48.0 if i == 7 else 24.0)
+                for i in range(8)]
+
+    one_odd = ranks(lambda i: "odd" if i == 7 else "same")
+    assert not steps_unlike(one_odd)
+    assert stragglers(spreads(one_odd)) == {"rank7": ["step"]}
+    all_unlike = ranks(lambda i: f"model{i}")
+    assert steps_unlike(all_unlike) and spreads(all_unlike) == []
+
+
 def test_overview_of_several_traces_names_the_slowest():
     """A TP run's ranks in one table: per layer type the median span of each, and the
     slowest over the fastest (here rank 1's MLA layers take 1.5 times as long)."""
@@ -1471,7 +1489,7 @@ def test_the_report_lists_the_steps_of_a_trace_without_layers(tmp_path):
     steps = page[page.index("<h2>Steps</h2>"):]
     assert steps.count("<td class=name>decode_step[") == 20
     assert "<td class=name>decode_step[19]</td>" in steps and "decode_step[20]" not in steps
-    assert "median of 23 steps, each column's</th><td>2</td><td>2.2</td>" in steps
+    assert "median of 23 steps (each column's own)</th><td>2</td><td>2.2</td>" in steps
     assert "and 3 more steps (kimi-perf breakdown lists them)." in steps
 
 

@@ -113,6 +113,37 @@ def test_no_width_breaks_a_number(trace):
         assert max(len(line) for line in buf.getvalue().splitlines()) <= width
 
 
+def test_a_typical_layer_side_by_side_keeps_its_names_readable():
+    """Two typical layers side by side (`compare --kernels`) where the names must fold: the
+    µs with a spread ("111.1 (90.9-164.0)") break at their space before the names fold
+    further, a class keeps its width, and no number breaks at any width."""
+    import io
+    import re
+
+    from rich.console import Console
+
+    from kimi_perf import render
+    from kimi_perf.layer_breakdown import breakdown
+    from kimi_perf.readers import read_trace
+
+    sides = {x: breakdown(read_trace(NSYS / f"nsysai_fastvideo_wan2.1_train_2xh100_{x}.sqlite"))
+             for x in ("before", "after")}
+    table = render.typical_layer_table("A", {x: next(t for t in b.layer_types
+                                                     if t["type"] == "A")
+                                             for x, b in sides.items()})
+    numbers = {word for col in table.columns if col.justify == "right" for cell in col.cells
+               for word in str(cell).split()}
+    assert any(word.startswith("(") for word in numbers)   # spreads among them
+    for width in range(60, 161, 10):
+        buf = io.StringIO()
+        render.print_tables([table], Console(file=buf, width=width))
+        words = set(re.split(r"[\s│┃]+", buf.getvalue()))
+        assert numbers <= words, (width, sorted(numbers - words)[:5])
+    buf = io.StringIO()
+    render.print_tables([table], Console(file=buf, width=120))
+    assert "│ at::native::elementwi │ elementwise   │" in buf.getvalue()   # 15 wide before
+
+
 def test_names_whole_come_before_borders():
     """A table whose names fit whole only without borders drops its borders rather than
     folding the names; where they cannot fit either way, it keeps its borders and folds them."""
@@ -1124,7 +1155,7 @@ def test_report_of_traces_names_each_and_the_gpus_that_ran_it(tmp_path):
             "profiler (Kineto, ROCm) kineto-json; ran on 1 × unnamed GPU (304 SMs))") in text
     assert f"<td>{wan} (" in text
     assert "nsys-sqlite; ran on 2 × GPU not described in the trace)" in text
-    assert "median of 1 step, each column's</th>" in text   # vLLM's one step
+    assert "median of 1 step (each column's own)</th>" in text   # vLLM's one step
     # and how the report was made: the command as given, kimi-perf's version, the date
     assert (f"<th>command</th><td>kimi-perf report --plotly-js cdn --output {out} {VLLM} "
             f"{wan}</td>") in text

@@ -346,6 +346,22 @@ def test_gate_writes_its_verdict_to_a_file_or_nothing(tmp_path):
     assert result.exit_code == 2 and not missing.exists()
     result = CliRunner().invoke(main, ["gate", str(before), str(after), "-o", str(before)])
     assert result.exit_code == 2 and "is an input of this command" in result.output
+    # with --update: -o checked before the baseline is stored (not the baseline itself, not
+    # into a folder that is not there); a baseline created says so in the verdict file too
+    stored = tmp_path / "base.json"
+    result = CliRunner().invoke(main, ["gate", "--update", str(stored), str(BASELINE), "-o",
+                                       str(stored), "--format", "json"])
+    assert result.exit_code == 2 and "is the baseline" in result.output
+    assert not stored.exists()
+    result = CliRunner().invoke(main, ["gate", "--update", str(stored), str(BASELINE), "-o",
+                                       str(tmp_path / "nowhere" / "gate.txt")])
+    assert result.exit_code == 2 and "no such directory" in result.output
+    assert not stored.exists()
+    verdict = tmp_path / "verdict.txt"
+    result = CliRunner().invoke(main, ["gate", "--update", str(stored), str(BASELINE), "-o",
+                                       str(verdict)])
+    assert result.exit_code == 0 and stored.exists()
+    assert verdict.read_text() == f"baseline {stored} created from {BASELINE}\n"
 
 
 def _long_kernel_spacing_us(path) -> float:
@@ -2018,13 +2034,13 @@ def test_a_kernel_added_to_some_layers_is_named(tmp_path):
     layer = ["rmsnorm", "gemm_qkv", "attention", "gemm_o", "rmsnorm", "gemm_up", "silu_mul",
              "gemm_down"]
 
-    def stored(name: str, extra_in) -> Path:
+    def stored(name: str, extra_in, kernels=lambda i: layer, typed: str = "") -> Path:
         b = TraceBuilder()
         for s in range(4):
             step_start = b.clock
             for i in range(8):
-                start, end = b.sequence(layer + (["extra_kernel"] if extra_in(i) else []))
-                b.range(f"layer[{i}]", start - 10, end)
+                start, end = b.sequence(kernels(i) + (["extra_kernel"] if extra_in(i) else []))
+                b.range(f"layer[{i}]{typed}", start - 10, end)
             b.range(f"decode_step[{s}]", step_start - 20, b.clock)
             b.clock += 5000
         file = tmp_path / f"{name}.json"
@@ -2048,3 +2064,16 @@ def test_a_kernel_added_to_some_layers_is_named(tmp_path):
     # where the steps' layers run the same kernels, nothing is named
     again = gate_files(base, stored("again", lambda i: False)).result
     assert again.ok and all(c.detail is None for c in again.checks if c.layer_type == "step")
+    # a new type that shares a kernel or two with the baseline's is no variant of one
+    moe = ["rmsnorm", "router", "moe_up", "moe_act", "moe_down", "moe_combine"]
+    other = stored("moe", lambda i: False, lambda i: moe if i % 2 else layer)
+    assert [c.detail for c in gate_files(base, other, Tolerances(metrics="kernels")
+                                         ).result.checks
+            if c.status == "new" and c.metric == "kernels"] == [None]
+    # layers of one type that run other kernels (3 of 8 with one more, then 5 of 8): the
+    # typical layers do not make the step's kernels, so no names are counted off them
+    three, five = (stored(f"named{n}", lambda i, n=n: i < n, typed="(attn)") for n in (3, 5))
+    step = next(c for c in gate_files(three, five, Tolerances(metrics="kernels")).result.checks
+                if (c.layer_type, c.metric) == ("step", "kernels"))
+    assert step.status == "regression" and step.detail == (
+        "per step (medians): attn layers +2 kernels")
