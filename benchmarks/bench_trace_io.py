@@ -189,8 +189,10 @@ def _check(trace: Trace, loaded: Loaded, label: str) -> None:
     expected = trace_columns(trace)
     bad = [k for k, v in expected.items()
            if k not in columns or columns[k].dtype != v.dtype or not np.array_equal(columns[k], v)]
-    # (Trace.load names the file it read, and keeps the one the trace was saved from)
-    saved_from = {k: v for k, v in meta.items() if k not in ("file", "converted_from")}
+    # (Trace.load names the file it read, keeps the one the trace was saved from, and marks
+    # it read from a .kptrace)
+    saved_from = {k: v for k, v in meta.items() if k not in ("file", "converted_from",
+                                                             "kptrace")}
     if meta.get("converted_from", meta.get("file")) != trace.meta.get("file"):
         bad.append("meta.file")
     if bad or strings != trace.strings or saved_from != {
