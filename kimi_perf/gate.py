@@ -1055,10 +1055,9 @@ def _layers_check(path: str, label: str, base: Breakdown | None, base_type: str 
 
 
 def _type_per_step(b: Breakdown, layer_type: str) -> float | None:
-    """The median step's count of layers of the type (None: no steps, or layers that do not
-    say theirs: a breakdown built in memory without them)."""
-    if not b.steps or not all(isinstance(r.get("step"), int) and isinstance(r.get("device"), int)
-                              for r in b.layers[:1]):
+    """The median step's count of layers of the type (None: no steps, or layers and steps
+    that do not say where they ran: a breakdown built in memory without it)."""
+    if not b.steps or not _says_where(b):
         return None
     at = _step_of_each_layer(b, layer_type)
     return float(np.median(np.bincount(at[at >= 0], minlength=len(b.steps))))

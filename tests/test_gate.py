@@ -961,6 +961,19 @@ def test_the_test_takes_steps_not_the_layers_they_share():
     assert (check.status, check.tested_over) == ("regression", "layers")
 
 
+def test_steps_built_in_memory_without_where_they_ran_gate_without_their_counts():
+    """A breakdown built in a notebook may leave out the steps' index and device: the
+    layers-a-step check is then left out (no count), not a KeyError."""
+    per_step = 60.0 * np.ones(10)
+    base, run = _stepped(per_step, 12), _stepped(per_step * 1.2, 12)
+    for b in (base, run):
+        for step in b["specialized"].steps:
+            del step["index"], step["device"]
+    checks = {(c.layer_type, c.metric): c for c in gate(base, run).checks}
+    assert ("kda", "layers") not in checks
+    assert checks[("kda", "kernel_us")].status == "regression"
+
+
 def test_the_gpus_of_one_step_are_one_sample():
     """A TP step on 2 GPUs: both share its host and its collectives' waits, so a step is one
     sample however many GPUs ran it (its layers' mean over both): the 6% rise of steps
