@@ -456,6 +456,10 @@ def test_info_as_json_is_the_library_summary():
     assert "  process 145 (python3): 2,017 kernels" in run("info", path).output
     bad = run("info", NSYS / "no-such.sqlite", "--format", "json")
     assert bad.exit_code == 2 and bad.output.count("\n") == 1
+    # and by the name a PyTorch profiler trace gives it (vLLM's engine core)
+    vllm = KINETO / "tracelens_vllm_gptoss20b_decode_fullgraph_capture_bs32_mi300x.json.gz"
+    assert "  process 851 (VLLM::EngineCore): 7 kernels, 3,128 API calls" in run(
+        "info", vllm).output
 
 
 def test_info_names_the_gpus_that_ran_kernels():
@@ -484,10 +488,10 @@ def test_info_names_the_gpus_that_ran_kernels():
     assert (f"process 145 (python3): 2,017 kernels, {api_calls[145]:,} API calls\n  process 144 "
             "(python3): 1,993 kernels") in two
     graphed = run("info", KINETO / "hta_a100_80gb_rank0_cudagraph_triton.json.gz").output
-    assert "1 process with GPU work" in graphed and "process 4515: 5,375 kernels" in graphed
+    assert "1 process with GPU work" in graphed and "process 4515 (pyper:trainer:0:0): 5,375 kernels" in graphed
     assert "705 kernels with no process recorded" in graphed
     single = run("info", KINETO / "hta_a100_triton_example.json.gz").output
-    assert "process 1670242: 1 kernel, 2 API calls" in single
+    assert "process 1670242 (python3.10): 1 kernel, 2 API calls" in single
     assert "108 SMs: 1 kernel\n" in single
     one = run("info", VLLM).output
     assert "GPU 2 (unnamed), 304 SMs: 425 kernels" in one and "GPU 0 (unnamed), 304 SMs: no " \

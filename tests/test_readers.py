@@ -353,6 +353,13 @@ def _tricky_kineto_doc() -> dict:
          "ts": 103, "dur": 5, "args": {"device": 0}},
         {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "pid": 5, "tid": "main thread",
          "ts": 110, "dur": 1},
+        # process names: one that is not text, the first one said, a later one, the GPU's
+        # lane (named after the process by Kineto) and a label for a pid
+        {"ph": "M", "name": "process_name", "pid": "5", "args": {"name": ["x"]}},
+        {"ph": "M", "name": "process_name", "pid": "5", "args": {"name": 'engine‹1› }, {"'}},
+        {"ph": "M", "name": "process_name", "pid": 5, "tid": 0, "args": {"name": "later"}},
+        {"ph": "M", "name": "process_name", "pid": 0, "args": {"name": "engine"}},
+        {"ph": "M", "name": "process_name", "pid": "Spans", "args": {"name": "spans"}},
     ]
     return {"schemaVersion": 1, "deviceProperties": [{"id": 0, "name": "G", "numSms": 2}],
             "traceEvents": events, "traceName": "a]b}, {c", "INFO": [["]"], "x]"]}
@@ -378,6 +385,7 @@ def test_kineto_reader_tricky_text(layout, tmp_path, monkeypatch):
     assert trace.ranges.style.tolist() == [0, 0, GPU_RANGE, 0]
     assert trace.ranges.tid[3] == 1 << 29  # the label got a synthetic id
     assert trace.meta["gpus"] == [{"device": 0, "name": "G", "sm_count": 2}]
+    assert trace.meta["processes"] == [{"pid": 5, "name": 'engine‹1› }, {"'}]
 
 
 def _eager_kineto_doc(n_layers: int = 4) -> dict:

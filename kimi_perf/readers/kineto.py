@@ -35,7 +35,7 @@ import zlib
 from itertools import chain, compress
 from operator import attrgetter
 from pathlib import Path
-from typing import Any, Union
+from typing import Any, ClassVar, Union
 
 import msgspec
 import numpy as np
@@ -80,6 +80,9 @@ _CAT_CODES = {
     "user_annotation": _USER_RANGE, "cpu_op": _CPU_OP, "gpu_user_annotation": _GPU_RANGE,
     "python_function": _MODULE_CALL,  # only the module calls: see add_fast
 }
+# Metadata events' category in the vectorized pass: false, so that the filters drop them; not a
+# string, so that no "X" event's category can be it.
+_METADATA = 0
 _RENAMED = {"corr": "correlation"}  # builder column -> table column
 _COLUMNS = {
     "a": ("name", "ts", "dur", "pid", "tid", "corr", "kind"),
@@ -128,13 +131,23 @@ class _Complete(msgspec.Struct, tag_field="ph", tag="X", gc=False):
     args: _Args | None = None
 
 
+class _Metadata(msgspec.Struct, tag_field="ph", tag="M", gc=False):
+    """A metadata ("M") event, for the names of processes (``process_name``: ``args.name``).
+    Any type is taken: what is not a name is left out, never a reason to replay."""
+
+    cat: ClassVar = _METADATA   # a class attribute: the category the vectorized pass sets aside
+    name: Any = None
+    pid: Any = None
+    args: Any = None
+
+
 # Every other Chrome-trace phase: no fields decoded at all. An unknown phase fails validation
 # (generic replay for that piece).
 _OTHER_PHASES = tuple(
     msgspec.defstruct(f"_Phase{ord(p)}", [], tag_field="ph", tag=p, gc=False, module=__name__,
                       namespace={"cat": None})  # a class attribute: no category, no filter pass
-    for p in "BEiIbneSTpFstfPNODMVvRcC()")
-_FastEvent = Union[(_Complete, *_OTHER_PHASES)]
+    for p in "BEiIbneSTpFstfPNODVvRcC()")
+_FastEvent = Union[(_Complete, _Metadata, *_OTHER_PHASES)]
 _META_FIELDS = ("deviceProperties", "distributedInfo", "schemaVersion", "roctracer_version",
                 "hip_runtime_version")
 
@@ -152,6 +165,7 @@ class _Doc(_Meta, gc=False):
 
 
 _FAST_EVENTS = msgspec.json.Decoder(list[_FastEvent])
+_FAST_CATEGORIES = {**_CAT_CODES, _METADATA: _METADATA}
 _FAST_DOC = msgspec.json.Decoder(_Doc | list[_FastEvent])
 _META = msgspec.json.Decoder(_Meta)
 _GENERIC = msgspec.json.Decoder()
@@ -507,6 +521,7 @@ class _Builder:
         # Items of the event list that are objects, and that are not: a list of numbers is
         # no trace.
         self.objects = self.non_objects = 0
+        self.process_names: dict[int, str] = {}
 
     def _code(self, value: str) -> int:
         code = self.codes.get(value)
@@ -565,8 +580,12 @@ class _Builder:
 
     def add_fast(self, items: list) -> None:
         self.objects += len(items)
-        category = _CAT_CODES.get
+        category = _FAST_CATEGORIES.get
         cats = [category(e.cat) for e in items]
+        if _METADATA in cats:
+            for e, c in zip(items, cats, strict=True):
+                if c == _METADATA:
+                    self._name_process(e.name, e.pid, e.args)
         if _MODULE_CALL in cats:
             cats = [None if c == _MODULE_CALL and not e.name.startswith(_MODULE_CALL_PREFIX)
                     else c for c, e in zip(cats, items, strict=True)]
@@ -704,6 +723,8 @@ class _Builder:
                 self.non_objects += 1
                 continue
             self.objects += 1
+            if e.get("ph") == "M":
+                self._name_process(e.get("name"), e.get("pid"), e.get("args"))
             if e.get("ph") != "X":
                 continue
             cat = e.get("cat")
@@ -753,6 +774,14 @@ class _Builder:
                 raise TraceError(self.path, f"event {i} ({cat}) is malformed: "
                                             f"{type(exc).__name__} {exc}") from None
 
+    def _name_process(self, event: Any, pid: Any, args: Any) -> None:
+        """A ``process_name`` metadata event: the process's name (the first one said), where
+        the pid is an id of its own (an int, or digits) and the name is text."""
+        pid = int(pid) if isinstance(pid, str) and pid.lstrip("-").isdigit() else pid
+        if (event == "process_name" and is_int64(pid) and isinstance(args, dict)
+                and isinstance(name := args.get("name"), str) and name):
+            self.process_names.setdefault(pid, name)
+
     def _gpu(self, cols: dict, e: dict, args: dict) -> None:
         cols["name"].append(self._code(str(_num(e.get("name", "")))))
         cols["ts"].append(_time(e, "ts"))
@@ -797,7 +826,13 @@ class _Builder:
         for gpu_work in (kernels, memops):
             _link_by_correlation(api, gpu_work)
             gpu_work.compact()
-        meta = {"format": "kineto-json"}
+        # Named: the processes that called the runtime or annotated. Kineto names the GPUs'
+        # lanes (their pids the device ids) after the process too.
+        launched = set(np.unique(api.pid).tolist()) | set(np.unique(
+            ranges.pid[ranges.style != GPU_RANGE]).tolist())
+        meta = {"format": "kineto-json", "processes": [
+            {"pid": pid, "name": name} for pid, name in sorted(self.process_names.items())
+            if pid in launched]}
         if any(mask.any() for mask in untimed.values()):
             meta["untimed"] = {"kernels": int(untimed["k"].sum()),
                                "memops": int(untimed["m"].sum())}
@@ -1076,7 +1111,7 @@ def _metadata(doc: dict, path: Path, hip_calls: bool = False) -> dict:
     meta = {
         "tool": "PyTorch profiler (Kineto" + (", ROCm" if rocm else "") + ")",
         "schema": str(schema) if type(schema) in (int, str) else None,
-        "file": str(path), "gpus": gpus, "processes": [],
+        "file": str(path), "gpus": gpus,
     }
     dist = doc.get("distributedInfo")
     if isinstance(dist, dict) and "rank" in dist:
