@@ -27,6 +27,7 @@ from kimi_perf.layers import (
     find_layers,
     find_steps,
     layer_cycle,
+    layer_like_ranges,
     outermost_names,
     outermost_ranges,
     pass_cuts,
@@ -462,6 +463,9 @@ def breakdown(trace: Trace, layers: str = "auto", rules: list[Rule] | str | Path
     enclosing = _enclosing_steps(steps)
     release_free_memory()
     cut = find_layers(trace, ops, steps, layers)
+    # ranges named like layers, but not as the default pattern spells them: why none was taken
+    layer_like = (layer_like_ranges(trace) if layers == "auto"
+                  and not any(step.layer_source == "nvtx" for step in steps) else None)
     if cut:   # parts of the forward passes the trace begins or ends within: in no step
         rows = np.concatenate([part.ops for part in cut])
         outside_steps["ops"] += len(rows)
@@ -512,6 +516,7 @@ def breakdown(trace: Trace, layers: str = "auto", rules: list[Rule] | str | Path
                              **({"steps_holding_passes": holding_passes}
                                 if holding_passes else {}),
                              "enclosing_steps": enclosing,
+                             **({"layer_like_ranges": layer_like} if layer_like else {}),
                              # (what the gate tells two breakdowns apart by)
                              "breakdown_options": {
                                  "layers": layers, "steps": step_regex, "phase": phase,
@@ -936,6 +941,14 @@ def step_notes(b: Breakdown) -> list[str]:
         notes.append("no layers found: no range the default layer pattern matches (--layers "
                      "nvtx:REGEX takes ranges of your own) and no step repeats a kernel "
                      "pattern; the figures are of whole steps")
+    if like := src.get("layer_like_ranges"):
+        shown = ", ".join(f"'{name}'" for name in like["names"])
+        more = ", …" if like["count"] > len(like["names"]) else ""
+        notes.append(f"{counted(like['count'], 'range name')} like a layer's ({shown}{more}) "
+                     "but not as the default layer pattern spells them (layer[3](kda), "
+                     "layers.3, DecoderLayer_3: in lower case, a type of letters, digits, _ "
+                     "and -), so the layers are the kernel pattern's: --layers 'nvtx:REGEX' "
+                     "takes the ranges (its groups 'index' and 'type' their index and type)")
     if found := _steps_found_note(b):
         notes.append(found)
     if holding := src.get("steps_holding_passes"):

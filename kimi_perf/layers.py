@@ -114,6 +114,23 @@ DEFAULT_LAYER_PATTERN = (
     r"|^nn\.Module: \w*(?:DecoderLayer|TransformerBlock)_\d+$"
 )
 
+# Range names that look like a layer's but that DEFAULT_LAYER_PATTERN does not take: another
+# case ("Layer 3"), a type of other characters ("layer[3](moe.shared)"). A trace whose layers
+# then come from the kernel pattern says so; sub-modules ("layers.3.mlp") are no layers.
+LAYER_LIKE = re.compile(r"^(?:[\w.]*\.)?(?:\w*decoderlayer|\w*transformerblock|layers?|blocks?)"
+                        r"(?:\[\d+\]|[._ ]?\d+)(?!\.\w)", re.IGNORECASE)
+
+
+def layer_like_ranges(trace: Trace, most: int = 3) -> dict | None:
+    """The range names that look like layers but that the default layer pattern does not
+    take (``LAYER_LIKE``): the first ``most`` and how many; None where there are none."""
+    codes = np.unique(trace.ranges.name)
+    default = trace.names_matching(_compiled(DEFAULT_LAYER_PATTERN, "the layer regex"))
+    codes = codes[trace.names_matching(LAYER_LIKE)[codes] & ~default[codes]]
+    if not len(codes):
+        return None
+    return {"names": [trace.strings[c] for c in codes[:most].tolist()], "count": len(codes)}
+
 
 @dataclass
 class GpuOps:

@@ -376,6 +376,11 @@ def _source_problem(source) -> str | None:
         ("pass_ranges", "[{steps, in_ranges}]", listed(
             "pass_ranges", lambda g: isinstance(g.get("steps"), list)
             and all(isinstance(n, str) for n in g["steps"]) and _in_ranges_ok(g.get("in_ranges")))),
+        ("layer_like_ranges", "{names: [string], count}", (
+            like := source.get("layer_like_ranges")) is None or (
+            isinstance(like, dict) and _is_count(like.get("count"))
+            and isinstance(like.get("names"), list)
+            and all(isinstance(n, str) for n in like["names"]))),
         ("steps_holding_passes", "[{step, passes, layers}]", listed(
             "steps_holding_passes", lambda h: isinstance(h.get("step"), str)
             and _is_count(h.get("passes")) and _is_count(h.get("layers")))),

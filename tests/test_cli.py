@@ -488,7 +488,8 @@ def test_info_names_the_gpus_that_ran_kernels():
     assert (f"process 145 (python3): 2,017 kernels, {api_calls[145]:,} API calls\n  process 144 "
             "(python3): 1,993 kernels") in two
     graphed = run("info", KINETO / "hta_a100_80gb_rank0_cudagraph_triton.json.gz").output
-    assert "1 process with GPU work" in graphed and "process 4515 (pyper:trainer:0:0): 5,375 kernels" in graphed
+    assert "1 process with GPU work" in graphed
+    assert "process 4515 (pyper:trainer:0:0): 5,375 kernels" in graphed
     assert "705 kernels with no process recorded" in graphed
     single = run("info", KINETO / "hta_a100_triton_example.json.gz").output
     assert "process 1670242 (python3.10): 1 kernel, 2 API calls" in single

@@ -453,6 +453,31 @@ def test_nvtx_regex_option_and_repeat_fallback():
     assert step.layer_source == "repeat" and len(step.layers) == 8
 
 
+@pytest.mark.parametrize("spelling", ["Layer {i} ({kind})", "layer[{i}]({kind}.attn)",
+                                      "layer[{i}](a<b>&c)", "decoderlayer_{i}"])
+def test_ranges_named_like_layers_in_another_spelling_are_said(spelling):
+    """Layer ranges the default pattern does not take (another case, a type of other
+    characters) leave the layers to the kernel pattern: the breakdown names them and says
+    --layers nvtx:REGEX takes them; sub-modules and other names are not said."""
+    from kimi_perf.layer_breakdown import step_notes
+    from kimi_perf.runs import _source_problem
+
+    b = breakdown(nvtx_decode_trace(spelling, steps=2).build())
+    assert {s["layer_source"] for s in b.steps} == {"repeat"}
+    like = b.source["layer_like_ranges"]
+    assert like["count"] == 8 and len(like["names"]) == 3   # 8 layers' names, 3 shown
+    assert set(like["names"]) <= {spelling.format(i=i, kind=k) for i in range(8)
+                                  for k in ("kda", "mla")}
+    said = next(n for n in step_notes(b) if "range names like a layer's" in n)
+    assert said.startswith(f"8 range names like a layer's ('{like['names'][0]}'")
+    assert "--layers 'nvtx:REGEX' takes the ranges" in said
+    assert _source_problem(b.source) is None   # (stored, it reads back)
+    assert _source_problem({**b.source, "layer_like_ranges": {"names": [1], "count": 8}})
+    for other in ("blk{i}-{kind}", "model.layers.{i}.mlp", "layer[{i}]({kind})"):
+        assert "layer_like_ranges" not in breakdown(
+            nvtx_decode_trace(other, steps=1).build()).source, other
+
+
 def test_graph_launches_become_steps():
     b = TraceBuilder()
     seq = [k for layer in k3_like(4) for k in layer]
