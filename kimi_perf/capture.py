@@ -43,6 +43,7 @@ from kimi_perf.decode.fallbacks import (
 )
 from kimi_perf.errors import TraceError, stat_problem
 from kimi_perf.layer_breakdown import Breakdown, breakdown, breakdown_of_file
+from kimi_perf.memory import address_space_capped
 from kimi_perf.readers import read_trace
 from kimi_perf.readers.nsys import nsys_cli
 from kimi_perf.runs import trace_labels
@@ -273,10 +274,16 @@ def capture(req: TraceRequest, progress=None) -> tuple[Path, dict[str, Breakdown
                                  holding="with the ranks' sharded, packed copies"
                                  if req.tp > 1 else "with the model's packed copy"):
         raise TraceError(None, problem)
-    if problem := _decode_memory_problem(req, config, device, need_of(config)):
+    if problem := decode_memory_problem(
+            decode_bytes(req, config, activations=device == "cpu"), need_of(config), device,
+            f"batch {req.batch}, context {req.context}, {req.warmup} + {req.steps} steps"):
         raise TraceError(None, problem)
     with run_directory(req.out_dir, f"{req.preset}-b{req.batch}") as (run_dir, final):
-        run_info, results = _capture_all(req, config, device, run_dir, final, progress)
+        # (the nsys backend's processes run under nsys, which maps more than it uses)
+        cap = (available_memory(device) if device == "cpu" and req.backend == "torch"
+               else None)
+        with address_space_capped(cap):
+            run_info, results = _capture_all(req, config, device, run_dir, final, progress)
     return final, results, run_info
 
 
@@ -312,12 +319,11 @@ def memory_problem(config, preset_name: str, device: str, need_of=None,
             f"{instead}")
 
 
-def decode_bytes(req: TraceRequest, config) -> int:
+def decode_bytes(req: TraceRequest, config, activations: bool = True) -> int:
     """About what a capture holds beside its weights at its largest, over its TP ranks: each
     rank's decode state (the caches, for the prompt and every step: ``DecodeState.bytes_of``)
-    and its prefill of the prompt through a gated-MLA layer (fp32 scores over the prompt for
-    each head, three times over as masked and softmaxed, and the fp32 copy of the cache), or
-    with CUDA graphs the state twice (``GraphedDecodeStep`` saves it while warming up)."""
+    and its prefill (``prefill_bytes``; ``activations``: with its activations), or with CUDA
+    graphs the state twice (``GraphedDecodeStep`` saves it while warming up)."""
     from kimi_perf.decode.harness import cache_tokens
     from kimi_perf.decode.model import DecodeState
 
@@ -325,27 +331,41 @@ def decode_bytes(req: TraceRequest, config) -> int:
     tokens = cache_tokens(req.context, req.warmup + req.steps, req.spec_tokens, req.graphs)
     state = DecodeState.bytes_of(rank, req.batch, tokens, 1 if req.kv_cache == "fp8" else 2, 2,
                                  1 + req.spec_tokens if req.spec_tokens else 0)
-    b, t = req.batch, req.context
-    has_mla = any(rank.is_mla(i) for i in range(rank.n_layers))
-    prefill = b * t * (t * (3 * 4 * rank.mla_heads_local + 2) + 4 * rank.kv_cache_dim) \
-        if has_mla else 0
+    prefill = prefill_bytes(rank, req.batch, req.context, 1 + req.spec_tokens, activations)
     # CUDA graphs: after the prefill, the graph's warm-up saves a copy of the whole state
     return req.tp * max(state + prefill, 2 * state if req.graphs else 0)
 
 
-def _decode_memory_problem(req: TraceRequest, config, device: str, weights: int) -> str | None:
-    """Why a capture's caches and prefill (``decode_bytes``) cannot fit beside its weights,
+def prefill_bytes(config, batch: int, prompt: int, step_tokens: int = 1,
+                  activations: bool = True) -> int:
+    """About what the standard path's prefill of ``batch`` prompts of ``prompt`` tokens holds
+    at its peak beside the caches: a gated-MLA layer's attention over the prompt (fp32
+    scores for each head, three times over as masked and softmaxed, and the fp32 copy of the
+    cache) and, with ``activations``, its activations (``forward_bytes``; a decode step's of
+    ``step_tokens`` a sequence where that is more: fitted on the CPU, whose out-of-memory
+    killer they are checked against; a GPU's out of memory is an error said in one line)."""
+    from kimi_perf.decode.model import forward_bytes
+
+    b, t = batch, prompt
+    has_mla = any(config.is_mla(i) for i in range(config.n_layers))
+    scores = b * t * (t * (3 * 4 * config.mla_heads_local + 2) + 4 * config.kv_cache_dim) \
+        if has_mla else 0
+    return scores + (forward_bytes(config, b * max(t, step_tokens)) if activations else 0)
+
+
+def decode_memory_problem(need: int, weights: int, device: str, sizes: str,
+                          smaller: str = "batch, context or step count") -> str | None:
+    """Why a run's caches and activations (``need`` bytes) cannot fit beside its weights,
     said before any work: a cache too large for the machine fills its memory page by page
-    until the out-of-memory killer ends the process, with no error to say so."""
+    until the out-of-memory killer ends the process, with no error to say so. ``sizes``:
+    the run's sizes, as the message names them; ``smaller``: what to make smaller."""
     free = available_memory(device)
-    need = decode_bytes(req, config)
     if free is None or weights + need <= free:
         return None
-    return (f"out of memory for batch {req.batch}, context {req.context}, {req.warmup} + "
-            f"{req.steps} steps: the KV caches and the prompt's attention take about "
-            f"{_size(need)} beside about {_size(weights)} for the weights, and "
+    return (f"out of memory for {sizes}: the KV caches and the prompt's activations take "
+            f"about {_size(need)} beside about {_size(weights)} for the weights, and "
             f"{'the GPU' if device == 'cuda' else 'this machine'} has {_size(free)} free: "
-            "take a smaller batch, context or step count")
+            f"take a smaller {smaller}")
 
 
 def _size(n: int) -> str:

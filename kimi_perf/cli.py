@@ -1037,8 +1037,9 @@ def floors_cmd(preset_name: str, tp: int | None, batch: int, context: int, weigh
               "back the rest (the specialized path's kernels take K up to 7; beyond, it "
               "falls back and says so)")
 @click.option("--batch", default=2, show_default=True, type=click.IntRange(1))
-@click.option("--prompt", default=4, show_default=True, type=click.IntRange(1),
-              help="prompt tokens prefilled before the decode steps")
+@click.option("--prompt", "--context", "prompt", default=4, show_default=True,
+              type=click.IntRange(1), help="prompt tokens prefilled before the decode steps "
+              "(--context, as trace names them)")
 @click.option("--dtype", type=click.Choice(["bfloat16", "float32"]), default="bfloat16",
               show_default=True, help="activation and weight dtype of the paths")
 @_kv_cache_option
@@ -1072,13 +1073,19 @@ def validate(preset_name: str, n_layers: int | None, paths: str, steps: int,
     except ValueError as exc:
         raise TraceError(None, str(exc)) from None
     _mxfp4_fits(config, experts)
-    from kimi_perf.capture import memory_problem
+    from kimi_perf.capture import available_memory, decode_memory_problem, memory_problem
+    from kimi_perf.memory import address_space_capped
 
     if problem := memory_problem(config, preset_name, "cpu", need_of=v.memory_need(dtype),
                                  holding="with the paths' copies and the float64 reference",
                                  otherwise="take the tiny preset"):
         raise TraceError(None, problem)
-    with _memory_said(f"batch {batch}, a prompt of {prompt}"):
+    sizes = f"batch {batch}, a prompt of {prompt}, {steps} steps"
+    if problem := decode_memory_problem(
+            v.decode_need(config, batch, prompt, steps, dtype, kv_cache, spec_tokens),
+            v.memory_need(dtype)(config), "cpu", sizes, smaller="batch, prompt or step count"):
+        raise TraceError(None, problem)
+    with _memory_said(sizes), address_space_capped(available_memory("cpu")):
         result = v.validate(preset_name, chosen, steps=steps, batch=batch, prompt=prompt,
                             dtype=dtype, kv_cache=kv_cache, seed=seed, n_layers=n_layers,
                             spec_tokens=spec_tokens, experts=experts)

@@ -1,4 +1,5 @@
-"""Hand freed heap memory back to the operating system between the trace core's phases.
+"""Memory: hand freed heap memory back to the operating system between the trace core's
+phases, and cap a CPU run's address space at what the machine has free.
 
 glibc keeps the memory numpy frees for later allocations, and after a large temporary it also
 raises its mmap threshold, so later arrays of that size come from the heap too. After a phase
@@ -10,9 +11,11 @@ the heap, not only its top. Where the C library is not glibc this does nothing.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
-from collections.abc import Callable
+import resource
+from collections.abc import Callable, Iterator
 
 
 @functools.cache
@@ -28,3 +31,35 @@ def release_free_memory() -> None:
     trim = _malloc_trim()
     if trim is not None:
         trim(0)
+
+
+@contextlib.contextmanager
+def address_space_capped(free: int | None) -> Iterator[None]:
+    """While the block runs, this process's address space (and its children's, started
+    then) is capped at what it maps now plus ``free`` bytes, the memory free for it: a CPU
+    run that outgrows the machine then fails an allocation, which is said in one line, where
+    the out-of-memory killer would end it without a word (the estimates checked before a
+    run are about). Nothing where ``free`` is None or this is no Linux; never for CUDA,
+    which maps far more address space than it uses."""
+    mapped = _mapped_bytes()
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    cap = None if free is None or mapped is None else mapped + free
+    if cap is not None and hard != resource.RLIM_INFINITY:
+        cap = min(cap, hard)
+    if cap is None or (soft != resource.RLIM_INFINITY and soft <= cap):
+        yield
+        return
+    resource.setrlimit(resource.RLIMIT_AS, (cap, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+
+
+def _mapped_bytes() -> int | None:
+    """The process's address space now (VmSize), or None where /proc does not say."""
+    with contextlib.suppress(OSError, ValueError, IndexError), open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmSize:"):
+                return int(line.split()[1]) * 1024
+    return None

@@ -99,6 +99,9 @@ class Table(RichTable):
 
     def __init__(self, *headers, title: str | None = None, names_first: bool = False,
                  **kwargs):
+        # the notes under a table read as text, from the left (centred, each line of a
+        # several-line note began elsewhere)
+        kwargs.setdefault("caption_justify", "left")
         super().__init__(*headers, title=None if title is None else printable(title),
                          **kwargs)
         # names_first: a kernel's name is what a typical layer's table is read for
@@ -171,7 +174,7 @@ class Table(RichTable):
                 records.add_row(col.header, column_cells[i])
         yield records
         if self.caption:
-            yield Text(str(self.caption), style="table.caption", justify="center")
+            yield Text(str(self.caption), style="table.caption", justify="left")
 
 
 def _table(title: str, columns: list[str], left: tuple[str, ...] = ()) -> Table:
@@ -620,8 +623,12 @@ def floors_table(doc: dict) -> Table:
             table.add_row(kind, name, f"{launch['bytes'] / 1e6:,.2f}",
                           f"{launch['floor_us']:.2f}")
         table.add_row(kind, Text("all", style="bold"), f"{t['bytes'] / 1e6:,.2f}",
-                      Text(f"{t['floor_us']:.1f}", style="bold"), end_section=True)
-    table.caption = (f"routed experts read per step: {doc['expected_experts']:g} (the distinct "
+                      Text(f"{t['floor_us']:.2f}", style="bold"), end_section=True)
+    table.caption = (f"MB: 10^6 bytes one rank reads or writes a step at least (its TP "
+                     f"{doc['tp']} shard); floor µs: those bytes at {doc['bandwidth_Bps'] / 1e12:g}"
+                     " TB/s; the two attention-residual launches a layer (a few hidden-size "
+                     "vectors) left out\n"
+                     f"routed experts read per step: {doc['expected_experts']:g} (the distinct "
                      "experts of uniform top-k); dense: layer 0 (KDA + dense MLP)")
     return table
 

@@ -365,6 +365,10 @@ def test_validate_cli(tmp_path):
     assert {"max_rel_err", "launches"} <= set(std["layer_types"]["kda"])
     assert std["layer_types"]["dense"]["launches"] < std["layer_types"]["kda"]["launches"]
     assert "logits_max_rel_err" in std
+    # the prompt's length by trace's name for it too
+    context = CliRunner().invoke(main, ["validate", "--paths", "standard", "--context", "3",
+                                        "--steps", "1", "--batch", "1", "--format", "json"])
+    assert json.loads(context.output)["prompt"] == 3
     spec = CliRunner().invoke(main, ["validate", "--steps", "2", "--paths", "standard",
                                      "--spec-tokens", "2"])
     assert spec.exit_code == 0, spec.output

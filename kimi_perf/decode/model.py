@@ -184,6 +184,17 @@ class DecodeState:
         self.verify_tokens = 0
 
 
+def forward_bytes(c: K3Config, tokens: int) -> int:
+    """About what the standard path's forward holds in activations at least, for ``tokens``
+    tokens (sequences × positions: a prefill's): a token's fp32 values of 24 hidden widths
+    and 4 dense-MLP intermediates. Fitted to a prefill's peak memory on the CPU (2026-12-05):
+    0.55 to 1.4 times the peaks measured for the tiny preset and variants with one or two
+    widths doubled or more (hidden, dense, routed and shared experts, heads; the peak is that
+    of one layer's phase, so widths do not add up, and it moves by a quarter from run to
+    run). A gated-MLA layer's scores over the prompt come on top (quadratic in it)."""
+    return 4 * tokens * (24 * c.hidden + 4 * c.dense_intermediate_local)
+
+
 class K3Model:
     """The standard decode path for one tensor-parallel rank."""
 

@@ -10,7 +10,7 @@ import torch
 
 from kimi_perf.decode.config import K3Config, preset
 from kimi_perf.decode.fallbacks import every_decode_step_fell_back, summarise
-from kimi_perf.decode.model import FP8, K3Model
+from kimi_perf.decode.model import FP8, DecodeState, K3Model
 from kimi_perf.decode.reference import Observer, ReferenceModel
 from kimi_perf.decode.weights import random_weights, weight_bytes
 
@@ -178,6 +178,23 @@ def memory_need(dtype: str):
         return (weight_bytes(c) + 2 * weight_bytes(c, DTYPES[dtype])
                 + weight_bytes(c, torch.float64))
     return need
+
+
+def decode_need(c: K3Config, batch: int, prompt: int, steps: int, dtype: str, kv_cache: str,
+                spec_tokens: int = 0) -> int:
+    """About what a validation holds beside its weights, at most: the path's caches and the
+    reference's (every value float64), the token ids, the path's layer outputs over the
+    prompt (fp32, kept for the reference to check) and the path's prefill
+    (``prefill_bytes``). One path at a time: each is dropped before the next."""
+    from kimi_perf.capture import prefill_bytes
+
+    width = 1 + spec_tokens
+    tokens = prompt + steps * width
+    path = DecodeState.bytes_of(c, batch, tokens, 1 if kv_cache == "fp8" else 2,
+                                DTYPES[dtype].itemsize, width if spec_tokens else 0)
+    reference = DecodeState.bytes_of(c, batch, tokens, 8, 8)
+    seen = 2 * c.n_layers * batch * prompt * c.hidden * 4
+    return path + reference + 8 * batch * tokens + seen + prefill_bytes(c, batch, prompt, width)
 
 
 def whole_model(preset_name: str, n_layers: int | None = None) -> K3Config:
