@@ -101,10 +101,10 @@ def _fail_cleanly(fn):
 
 
 @contextlib.contextmanager
-def _memory_said(sizes: str):
-    """A run whose buffers (KV cache, activations: ``sizes`` says what asked for them) the
-    machine cannot allocate ends in one line, not torch's traceback. (The weights are
-    checked before any work: ``memory_problem``.)"""
+def _memory_said(sizes: str, smaller: str = "batch, context or step count"):
+    """A run whose buffers (KV cache, activations: ``sizes`` says what asked for them; to
+    make ``smaller``) the machine cannot allocate ends in one line, not torch's traceback.
+    (The weights are checked before any work: ``memory_problem``.)"""
     try:
         yield
     except (MemoryError, RuntimeError) as exc:
@@ -119,7 +119,7 @@ def _memory_said(sizes: str):
                     else asked.group(2))
             said = f"an allocation of {size} failed"
         raise TraceError(None, f"out of memory for {sizes} ({said}): take a smaller "
-                               "batch, context or step count") from None
+                               f"{smaller}") from None
 
 
 class NamedPath(click.Path):
@@ -1056,6 +1056,8 @@ def validate(preset_name: str, n_layers: int | None, paths: str, steps: int,
     Exit code 1 when an error exceeds its bound for the dtype.
     """
     try:
+        import torch
+
         from kimi_perf.decode import validate as v
     except ImportError as exc:
         raise TraceError(None, f"validate needs torch ({exc}); pip install "
@@ -1080,12 +1082,15 @@ def validate(preset_name: str, n_layers: int | None, paths: str, steps: int,
                                  holding="with the paths' copies and the float64 reference",
                                  otherwise="take the tiny preset"):
         raise TraceError(None, problem)
-    sizes = f"batch {batch}, a prompt of {prompt}, {steps} steps"
+    sizes = f"batch {batch}, a prompt of {prompt}, {counted(steps, 'step')}"
+    smaller = "batch, prompt or step count"
     if problem := decode_memory_problem(
             v.decode_need(config, batch, prompt, steps, dtype, kv_cache, spec_tokens),
-            v.memory_need(dtype)(config), "cpu", sizes, smaller="batch, prompt or step count"):
+            v.memory_need(dtype)(config), "cpu", sizes, smaller):
         raise TraceError(None, problem)
-    with _memory_said(sizes), address_space_capped(available_memory("cpu")):
+    # (the paths run on the CPU; a GPU's driver maps more than it uses: no cap beside one)
+    cap = None if torch.cuda.is_available() else available_memory("cpu")
+    with _memory_said(sizes, smaller), address_space_capped(cap):
         result = v.validate(preset_name, chosen, steps=steps, batch=batch, prompt=prompt,
                             dtype=dtype, kv_cache=kv_cache, seed=seed, n_layers=n_layers,
                             spec_tokens=spec_tokens, experts=experts)

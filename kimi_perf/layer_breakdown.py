@@ -944,11 +944,13 @@ def step_notes(b: Breakdown) -> list[str]:
     if like := src.get("layer_like_ranges"):
         shown = ", ".join(f"'{name}'" for name in like["names"])
         more = ", …" if like["count"] > len(like["names"]) else ""
+        found = ("so the layers are the kernel pattern's" if any(
+            s.get("layer_source") == "repeat" for s in b.steps) else "so no layer was taken")
         notes.append(f"{counted(like['count'], 'range name')} like a layer's ({shown}{more}) "
                      "but not as the default layer pattern spells them (layer[3](kda), "
-                     "layers.3, DecoderLayer_3: in lower case, a type of letters, digits, _ "
-                     "and -), so the layers are the kernel pattern's: --layers 'nvtx:REGEX' "
-                     "takes the ranges (its groups 'index' and 'type' their index and type)")
+                     "layers.3, DecoderLayer_3, in that case; a type of letters, digits, _ and "
+                     f"-), {found}: --layers 'nvtx:REGEX' takes the ranges (its groups 'index' "
+                     "and 'type' their index and type)")
     if found := _steps_found_note(b):
         notes.append(found)
     if holding := src.get("steps_holding_passes"):

@@ -118,7 +118,7 @@ DEFAULT_LAYER_PATTERN = (
 # case ("Layer 3"), a type of other characters ("layer[3](moe.shared)"). A trace whose layers
 # then come from the kernel pattern says so; sub-modules ("layers.3.mlp") are no layers.
 LAYER_LIKE = re.compile(r"^(?:[\w.]*\.)?(?:\w*decoderlayer|\w*transformerblock|layers?|blocks?)"
-                        r"(?:\[\d+\]|[._ ]?\d+)(?!\.\w)", re.IGNORECASE)
+                        r"(?:\[\d+\]|[._ ]?\d+)(?!\w|\.\w)", re.IGNORECASE)
 
 
 def layer_like_ranges(trace: Trace, most: int = 3) -> dict | None:

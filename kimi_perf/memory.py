@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
-import resource
+import os
 from collections.abc import Callable, Iterator
 
 
@@ -33,20 +33,34 @@ def release_free_memory() -> None:
         trim(0)
 
 
+# Address space a thread maps but does not use: glibc's malloc arena (64 MiB reserved) and its
+# stack (8 MiB). torch starts its intra-op and inter-op threads, up to one each a core, lazily:
+# inside a capped run, so the cap leaves room for them.
+THREAD_RESERVE = 72 << 20
+
+
 @contextlib.contextmanager
 def address_space_capped(free: int | None) -> Iterator[None]:
-    """While the block runs, this process's address space (and its children's, started
-    then) is capped at what it maps now plus ``free`` bytes, the memory free for it: a CPU
-    run that outgrows the machine then fails an allocation, which is said in one line, where
-    the out-of-memory killer would end it without a word (the estimates checked before a
-    run are about). Nothing where ``free`` is None or this is no Linux; never for CUDA,
-    which maps far more address space than it uses."""
+    """While the block runs, this process's address space (and that of a process it starts
+    then, each its own) is capped at what it maps now, plus ``free`` bytes (the memory free
+    for it), plus what threads reserve (``THREAD_RESERVE``, two a core): a CPU run that
+    outgrows the machine then fails an allocation, which is said in one line, where the
+    out-of-memory killer would end it without a word (the estimates checked before a run
+    are about). Nothing where ``free`` is None or this is no Linux; never for CUDA, which
+    maps far more address space than it uses."""
+    try:
+        import resource
+    except ImportError:   # (no such module off Unix)
+        resource = None
     mapped = _mapped_bytes()
+    if resource is None or free is None or mapped is None:
+        yield
+        return
     soft, hard = resource.getrlimit(resource.RLIMIT_AS)
-    cap = None if free is None or mapped is None else mapped + free
-    if cap is not None and hard != resource.RLIM_INFINITY:
+    cap = mapped + free + 2 * (os.cpu_count() or 1) * THREAD_RESERVE
+    if hard != resource.RLIM_INFINITY:
         cap = min(cap, hard)
-    if cap is None or (soft != resource.RLIM_INFINITY and soft <= cap):
+    if soft != resource.RLIM_INFINITY and soft <= cap:
         yield
         return
     resource.setrlimit(resource.RLIMIT_AS, (cap, hard))

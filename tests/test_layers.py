@@ -473,6 +473,11 @@ def test_ranges_named_like_layers_in_another_spelling_are_said(spelling):
     assert "--layers 'nvtx:REGEX' takes the ranges" in said
     assert _source_problem(b.source) is None   # (stored, it reads back)
     assert _source_problem({**b.source, "layer_like_ranges": {"names": [1], "count": 8}})
+    from kimi_perf.layers import LAYER_LIKE
+
+    for name in ("model.layers.12.mlp", "blocks.10.attn", "encoder.layer.11.output",
+                 "Layer3Norm", "layer_1_norm"):     # sub-modules and other names: not said
+        assert LAYER_LIKE.search(name) is None, name
     for other in ("blk{i}-{kind}", "model.layers.{i}.mlp", "layer[{i}]({kind})"):
         assert "layer_like_ranges" not in breakdown(
             nvtx_decode_trace(other, steps=1).build()).source, other

@@ -360,6 +360,8 @@ def _tricky_kineto_doc() -> dict:
         {"ph": "M", "name": "process_name", "pid": 5, "tid": 0, "args": {"name": "later"}},
         {"ph": "M", "name": "process_name", "pid": 0, "args": {"name": "engine"}},
         {"ph": "M", "name": "process_name", "pid": "Spans", "args": {"name": "spans"}},
+        {"ph": "M", "name": "process_name", "pid": "²", "args": {"name": "a digit, no int"}},
+        {"ph": "M", "name": "thread_name", "pid": "--5", "args": {"name": "no pid"}},
     ]
     return {"schemaVersion": 1, "deviceProperties": [{"id": 0, "name": "G", "numSms": 2}],
             "traceEvents": events, "traceName": "a]b}, {c", "INFO": [["]"], "x]"]}

@@ -183,7 +183,8 @@ def memory_need(dtype: str):
 def decode_need(c: K3Config, batch: int, prompt: int, steps: int, dtype: str, kv_cache: str,
                 spec_tokens: int = 0) -> int:
     """About what a validation holds beside its weights, at most: the path's caches and the
-    reference's (every value float64), the token ids, the path's layer outputs over the
+    reference's (every value float64: its KDA states too; and one gated-MLA layer's keys and
+    values decompressed over the cache), the token ids, the path's layer outputs over the
     prompt (fp32, kept for the reference to check) and the path's prefill
     (``prefill_bytes``). One path at a time: each is dropped before the next."""
     from kimi_perf.capture import prefill_bytes
@@ -192,7 +193,10 @@ def decode_need(c: K3Config, batch: int, prompt: int, steps: int, dtype: str, kv
     tokens = prompt + steps * width
     path = DecodeState.bytes_of(c, batch, tokens, 1 if kv_cache == "fp8" else 2,
                                 DTYPES[dtype].itemsize, width if spec_tokens else 0)
-    reference = DecodeState.bytes_of(c, batch, tokens, 8, 8)
+    kda_layers = sum(not c.is_mla(i) for i in range(c.n_layers))
+    reference = (DecodeState.bytes_of(c, batch, tokens, 8, 8)   # (its KDA states at fp32)
+                 + kda_layers * batch * c.kda_heads * c.kda_head_dim ** 2 * 4
+                 + batch * tokens * c.mla_heads * (c.qk_nope + c.v_head) * 8)
     seen = 2 * c.n_layers * batch * prompt * c.hidden * 4
     return path + reference + 8 * batch * tokens + seen + prefill_bytes(c, batch, prompt, width)
 

@@ -777,9 +777,12 @@ class _Builder:
     def _name_process(self, event: Any, pid: Any, args: Any) -> None:
         """A ``process_name`` metadata event: the process's name (the first one said), where
         the pid is an id of its own (an int, or digits) and the name is text."""
-        pid = int(pid) if isinstance(pid, str) and pid.lstrip("-").isdigit() else pid
-        if (event == "process_name" and is_int64(pid) and isinstance(args, dict)
-                and isinstance(name := args.get("name"), str) and name):
+        if event != "process_name":
+            return
+        if isinstance(pid, str):   # digits only: "²" is a digit but no int
+            pid = int(pid) if re.fullmatch(r"-?[0-9]+", pid) else None
+        if is_int64(pid) and isinstance(args, dict) and isinstance(
+                name := args.get("name"), str) and name:
             self.process_names.setdefault(pid, name)
 
     def _gpu(self, cols: dict, e: dict, args: dict) -> None:
