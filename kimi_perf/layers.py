@@ -125,8 +125,10 @@ def layer_like_ranges(trace: Trace, most: int = 3) -> dict | None:
     """The range names that look like layers but that the default layer pattern does not
     take (``LAYER_LIKE``): the first ``most`` and how many; None where there are none."""
     codes = np.unique(trace.ranges.name)
-    default = trace.names_matching(_compiled(DEFAULT_LAYER_PATTERN, "the layer regex"))
-    codes = codes[trace.names_matching(LAYER_LIKE)[codes] & ~default[codes]]
+    codes = codes[~trace.names_matching(_compiled(DEFAULT_LAYER_PATTERN, "the layer regex"))[codes]]
+    # Only the ranges' names: a trace's strings are mostly kernel names, which are no layers.
+    codes = codes[np.fromiter((LAYER_LIKE.search(trace.strings[c]) is not None
+                               for c in codes.tolist()), bool, count=len(codes))]
     if not len(codes):
         return None
     return {"names": [trace.strings[c] for c in codes[:most].tolist()], "count": len(codes)}

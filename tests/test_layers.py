@@ -483,6 +483,20 @@ def test_ranges_named_like_layers_in_another_spelling_are_said(spelling):
             nvtx_decode_trace(other, steps=1).build()).source, other
 
 
+def test_kernels_named_like_layers_are_not_said_as_ranges():
+    """Only range names are read as layer-like: a kernel named "Layer_3" is no range, and the
+    trace's strings (mostly kernel names) are not all run through LAYER_LIKE."""
+    from kimi_perf.layers import LAYER_LIKE, layer_like_ranges
+
+    b = nvtx_decode_trace("blk{i}-{kind}", steps=1)
+    b.sequence(["Layer_3", "DecoderLayer 4"])
+    trace = b.build()
+    assert layer_like_ranges(trace) is None
+    assert not any(key[0] == LAYER_LIKE.pattern for key in trace._masks)
+    b.range("Layer 9", b.clock - 10, b.clock)
+    assert layer_like_ranges(b.build()) == {"names": ["Layer 9"], "count": 1}
+
+
 def test_graph_launches_become_steps():
     b = TraceBuilder()
     seq = [k for layer in k3_like(4) for k in layer]
