@@ -735,7 +735,12 @@ def analyse(files: list[str | Path], out_dir: str | Path, layers: str = "auto",
     """``--from``: breakdowns of existing traces, labelled by file name (``rules``: a TOML
     file of extra kernel-class rules; ``captures``: one for each trace, as ``--capture``
     gives them, the graph captures saved apart from it, see ``read_trace``). Paths may be
-    given as strings."""
+    given as strings, a list of them: the run directory, its ``breakdown.json``, ``run.json``
+    and report, is made in ``out_dir``; returned with the breakdowns by label and the run
+    information (as ``run.json`` holds it)."""
+    if isinstance(files, (str, Path)):   # (iterated, a path would be read a letter a file)
+        raise TypeError(f"files: a list of traces, not one {type(files).__name__} ({files!r}): "
+                        "[file]")
     from kimi_perf.classify import load_rules
 
     files, out_dir = [Path(f) for f in files], Path(out_dir)

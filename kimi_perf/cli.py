@@ -26,6 +26,7 @@ from kimi_perf.attribution import range_kernel_summary
 from kimi_perf.classify import load_rules
 from kimi_perf.comparison import (
     compare_files,
+    compute_units,
     type_pairs,
 )
 from kimi_perf.decode import floors as floors_mod
@@ -248,6 +249,34 @@ def _capture_option(fn):
                         "open at capture")(fn)
 
 
+def _steps_option(fn):
+    return click.option("--steps", "step_regex", help="regex for step ranges (default: "
+                        "decode_step[i], step[i], vLLM's execute_... annotations, "
+                        "execute_model, a layerwise NVTX root module, ProfilerStep#N; the "
+                        "first that finds GPU work)")(fn)
+
+
+def _rules_option(fn):
+    return click.option("--rules", type=PATH, help="TOML file of extra kernel-class rules, "
+                        "tried before the defaults")(fn)
+
+
+def _format_option(choices: list[str]):
+    """--format of a command that writes with -o: what the -o file's suffix names where it is
+    not given (``-o gate.json``: JSON, not a table in a .json file); ``_format_of`` picks."""
+    named = ", ".join(f".{c}" for c in choices if c != "table")
+    return click.option("--format", "fmt", type=click.Choice(choices),
+                        help=f"[default: table, or what -o's suffix names: {named}]")
+
+
+def _format_of(fmt: str | None, output: Path | None, choices: tuple[str, ...]) -> str:
+    """--format as given, else the format the -o file's suffix names, else table."""
+    if fmt is not None:
+        return fmt
+    suffix = output.suffix.lower().removeprefix(".") if output is not None else ""
+    return suffix if suffix in choices and suffix != "table" else "table"
+
+
 def _kernels_option(fn):
     return click.option("--kernels", is_flag=True, help="also each layer type's typical "
                         "layer, kernel by kernel: its kernels in order with their median "
@@ -458,12 +487,12 @@ def main() -> None:
 
 @main.command(short_help="Kernels per range, as nsys stats' nvtx_kern_sum report")
 @click.argument("trace", type=PATH)
-@click.option("--format", "fmt", type=click.Choice(["csv", "table", "json"]), default="table",
-              show_default=True)
+@_format_option(["csv", "table", "json"])
 @click.option("-o", "--output", type=PATH, help="write here, not stdout")
 @_fail_cleanly
-def ranges(trace: Path, fmt: str, output: Path | None) -> None:
+def ranges(trace: Path, fmt: str | None, output: Path | None) -> None:
     """Kernels per range, as `nsys stats --report nvtx_kern_sum` attributes them."""
+    fmt = _format_of(fmt, output, ("csv", "json"))
     _not_an_input(output, trace)
     read = read_trace(trace)
     rows = range_kernel_summary(read)
@@ -488,22 +517,18 @@ EXAMPLE_TRACE = (Path(__file__).parent / "examples"
 
 @main.command(name="breakdown", short_help="Kernels and µs per step, layer and layer type")
 @click.argument("trace", type=PATH, required=False)
-@click.option("--format", "fmt", type=click.Choice(["table", "json", "csv"]), default="table",
-              show_default=True)
+@_format_option(["table", "json", "csv"])
 @_layers_option
-@click.option("--steps", "step_regex", help="regex for step ranges (default: decode_step[i], "
-              "step[i], vLLM's execute_... annotations, execute_model, a layerwise NVTX root "
-              "module, ProfilerStep#N; the first that finds GPU work)")
+@_steps_option
 @_phase_option
-@click.option("--rules", type=PATH, help="TOML file of extra kernel-class "
-              "rules, tried before the defaults")
+@_rules_option
 @click.option("--path", "path_name", help="the decode path to show from a run that holds "
               "several (standard, specialized, ...)")
 @_capture_option
 @_kernels_option
 @click.option("-o", "--output", type=PATH, help="write here, not stdout")
 @_fail_cleanly
-def breakdown_cmd(trace: Path | None, fmt: str, layers: str, step_regex: str | None,
+def breakdown_cmd(trace: Path | None, fmt: str | None, layers: str, step_regex: str | None,
                   phase: str, rules: Path | None, path_name: str | None, capture: Path | None,
                   kernels: bool, output: Path | None) -> None:
     """Per step and layer: kernels, kernel µs, span µs, gap µs, per class; medians per type.
@@ -511,8 +536,12 @@ def breakdown_cmd(trace: Path | None, fmt: str, layers: str, step_regex: str | N
     Without TRACE, analyses the embedded example: one vLLM GPT-OSS-20B decode step under a
     full HIP graph (see kimi_perf/examples/README.md).
     """
+    given, fmt = fmt, _format_of(fmt, output, ("json", "csv"))
     if kernels and fmt != "table":
-        raise TraceError(None, f"--kernels adds tables to the table format; --format {fmt} "
+        chosen = (f"--format {fmt}" if given else
+                  f"-o {output} writes {fmt.upper()} (its suffix; --format table keeps the "
+                  "tables), which")
+        raise TraceError(None, f"--kernels adds tables to the table format; {chosen} "
                                + ("holds each layer type's typical layer already" if fmt == "json"
                                   else "writes a row per layer"))
     trace = trace or EXAMPLE_TRACE
@@ -533,18 +562,17 @@ def breakdown_cmd(trace: Path | None, fmt: str, layers: str, step_regex: str | N
 @click.argument("b", type=PATH, required=False)
 @click.option("--path", "path_name", help="the decode path to take from a run that holds "
               "several (standard, specialized, ...)")
-@click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table",
-              show_default=True)
+@_format_option(["table", "json"])
 @_layers_option
-@click.option("--steps", "step_regex", help="regex for step ranges")
+@_steps_option
 @_phase_option
-@click.option("--rules", type=PATH, help="extra kernel-class rules")
+@_rules_option
 @click.option("--labels", help="names for A and B, comma-separated (default: the file names, "
               "in the table without the words both share; or a run's path names)")
 @_kernels_option
 @click.option("-o", "--output", type=PATH, help="write here, not stdout")
 @_fail_cleanly
-def compare_cmd(a: Path, b: Path | None, path_name: str | None, fmt: str, layers: str,
+def compare_cmd(a: Path, b: Path | None, path_name: str | None, fmt: str | None, layers: str,
                 step_regex: str | None, phase: str, rules: Path | None, labels: str | None,
                 kernels: bool, output: Path | None) -> None:
     """A and B side by side per layer type.
@@ -553,6 +581,7 @@ def compare_cmd(a: Path, b: Path | None, path_name: str | None, fmt: str, layers
     breakdown.json; --path picks the decode path). With A alone, a run: its first two paths
     (standard vs specialized).
     """
+    fmt = _format_of(fmt, output, ("json",))
     pair = _split_labels(labels, ["A", "B"]) if labels is not None else None
     _not_an_input(output, a, b, rules)
     _no_trace_among([a] if b is None else [a, b])
@@ -592,15 +621,14 @@ def compare_cmd(a: Path, b: Path | None, path_name: str | None, fmt: str, layers
 @click.option("--alpha", default=0.01, show_default=True,
               type=FiniteFloatRange(0, 1, min_open=True, max_open=True),
               help="... and when the Mann-Whitney U test's p-value is below this")
-@click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table",
-              show_default=True)
+@_format_option(["table", "json"])
 @click.option("--all", "show_all", is_flag=True, help="list the checks that pass too")
 @click.option("--path", "path_name", help="check only this decode path (a trace given for "
               "BASELINE or RUN stands for it)")
 @_layers_option
-@click.option("--steps", "step_regex", help="regex for step ranges")
+@_steps_option
 @_phase_option
-@click.option("--rules", type=PATH, help="extra kernel-class rules")
+@_rules_option
 @click.option("--update", is_flag=True, help="then store the run as the new baseline")
 @click.option("-o", "--output", type=PATH, help="write the verdict here (the table as text, "
               "or the JSON), not stdout; nothing where the gate cannot run (exit 2)")
@@ -610,7 +638,7 @@ def compare_cmd(a: Path, b: Path | None, path_name: str | None, fmt: str, layers
               "wrong baseline")
 @_fail_cleanly
 def gate_cmd(baseline: Path, run: Path, metrics: str | None, rel_tol: float, abs_tol: float,
-             alpha: float, fmt: str, show_all: bool, path_name: str | None, layers: str,
+             alpha: float, fmt: str | None, show_all: bool, path_name: str | None, layers: str,
              step_regex: str | None, phase: str, rules: Path | None, update: bool,
              strict: bool, output: Path | None) -> None:
     """Check a run against a stored baseline: exit 1 on a regression (for nightly CI).
@@ -619,7 +647,13 @@ def gate_cmd(baseline: Path, run: Path, metrics: str | None, rel_tol: float, abs
     JSON, or a trace. More kernels per layer fail; a slower median fails when it is more than
     --rel-tol and --abs-tol slower and a Mann-Whitney U test over the steps says it is not
     noise.
+
+    Exit 0: passed (with --update: stored, whatever the verdict); 1: a check failed (with
+    --strict, a run captured or broken down differently too, which --update then does not
+    store); 2: the gate could not run (a file missing or unreadable, options that do not go
+    together).
     """
+    fmt = _format_of(fmt, output, ("json",))
     try:
         tolerances = gate_mod.Tolerances(rel_tol, alpha, metrics=metrics, abs_tol_us=abs_tol)
     except ValueError as exc:
@@ -643,7 +677,9 @@ def gate_cmd(baseline: Path, run: Path, metrics: str | None, rel_tol: float, abs
             stored = printable(f"baseline {baseline} {how} from {run}")
             if fmt == "json":
                 with _reader_may_leave():
-                    _emit(json.dumps({**gate_mod.GateResult([], tolerances).to_json(),
+                    nothing = gate_mod.GateResult([], tolerances)
+                    _emit(json.dumps({**nothing.to_json(), "headline": stored,
+                                      "baseline_file": str(baseline), "run_file": str(run),
                                       "updated": str(baseline)}, indent=1, allow_nan=False)
                           + "\n", output)
             elif output is not None and str(output) != "-":   # (the verdict file is there)
@@ -651,7 +687,11 @@ def gate_cmd(baseline: Path, run: Path, metrics: str | None, rel_tol: float, abs
             click.echo(stored, err=True)
             return
         with _reader_may_leave():
-            _print_gate(gated, fmt, show_all, update, output)
+            _print_gate(gated, fmt, show_all, how, output, (baseline, run))
+        if how == "not updated":   # --strict, another capture: the baseline kept, a failure
+            click.echo(printable(f"baseline {gated.baseline_file} not updated from {run}: "
+                                 "captured or broken down differently (--strict)"), err=True)
+            sys.exit(1)
         click.echo(printable(f"baseline {gated.baseline_file} updated from {run}")
                    + ("" if gated.result.ok
                       else " (what the gate above failed is now the baseline)"), err=True)
@@ -659,18 +699,29 @@ def gate_cmd(baseline: Path, run: Path, metrics: str | None, rel_tol: float, abs
     gated = gate_mod.gate_files(baseline, run, tolerances, path_name, phase, strict=strict,
                                 **options)
     with _reader_may_leave():
-        _print_gate(gated, fmt, show_all, update, output)
+        _print_gate(gated, fmt, show_all, None, output, (baseline, run))
     if not gated.result.ok:
         sys.exit(1)
 
 
-def _print_gate(gated: gate_mod.GatedRun, fmt: str, show_all: bool, update: bool,
-                output: Path | None) -> None:
+def _print_gate(gated: gate_mod.GatedRun, fmt: str, show_all: bool, update: str | None,
+                output: Path | None, files: tuple[Path, Path]) -> None:
+    """The verdict as a table or JSON, to stdout or ``output``; ``update``: what --update
+    did ("updated" or "not updated"), None without it."""
+    _write_gate(gated, fmt, show_all, update, output, files)
+    if output is not None and str(output) != "-":
+        # the verdict's file holds the whole of it; a CI log still gets its last line
+        click.echo(printable(f"{render.gate_headline(gated.result)} (in {output})"), err=True)
+
+
+def _write_gate(gated: gate_mod.GatedRun, fmt: str, show_all: bool, update: str | None,
+                output: Path | None, files: tuple[Path, Path]) -> None:
     result = gated.result
     if fmt == "json":
-        doc = result.to_json()
-        if update:   # (and exit 0, whatever the verdict)
-            doc["updated"] = str(gated.baseline_file)
+        doc = result.to_json() | {"headline": render.gate_headline(result),
+                                  "baseline_file": str(files[0]), "run_file": str(files[1])}
+        if update is not None:   # (stored: exit 0, whatever the verdict)
+            doc["updated"] = str(gated.baseline_file) if update == "updated" else None
         _emit(json.dumps(doc, indent=1, allow_nan=False) + "\n", output)
         return
     said: list[tuple[Table | str, str | None]] = []   # what to print, each with its style
@@ -710,9 +761,12 @@ def _print_gate(gated: gate_mod.GatedRun, fmt: str, show_all: bool, update: bool
 
 
 def _check_plotly_js(ctx, param, value: str) -> str:
-    if (value not in ("inline", "cdn") and not value.endswith(".js")) or any(
-            c in value for c in "\"<>"):
+    if value not in ("inline", "cdn") and not value.endswith(".js"):
         raise click.BadParameter(f"inline, cdn, or a path or URL ending in .js, not {value!r}")
+    if quoted := sorted({c for c in value if c in "\"<>"}):
+        # (the page's <script src="..."> holds it as it is)
+        raise click.BadParameter(f"{value!r} holds {' '.join(quoted)}, which the report's "
+                                 "script tag cannot: rename or move the file")
     return value
 
 
@@ -722,14 +776,14 @@ def _check_plotly_js(ctx, param, value: str) -> str:
 @click.option("--labels", help="names for what the inputs hold, comma-separated, in order "
               "(default: the file names, or a run's path names)")
 @_layers_option
-@click.option("--steps", "step_regex", help="regex for step ranges")
+@_steps_option
 @_phase_option
-@click.option("--rules", type=PATH, help="extra kernel-class rules")
+@_rules_option
 @click.option("--plotly-js", default="inline", show_default=True, callback=_check_plotly_js,
               help="the report's plotly.js: inline (opens offline, about 5 MB), cdn, or a "
               "plotly.min.js (a path from here, or a URL) for the report to refer to")
 @click.option("-o", "--output", type=PATH, default=Path("report.html"),
-              show_default=True)
+              show_default=True, help="the HTML file to write (- for stdout)")
 @_fail_cleanly
 def report_cmd(inputs: tuple[Path, ...], path_name: str | None, labels: str | None,
                layers: str, step_regex: str | None, phase: str, rules: Path | None,
@@ -748,6 +802,13 @@ def report_cmd(inputs: tuple[Path, ...], path_name: str | None, labels: str | No
     found, left_out = _traces_in(list(inputs), keep_runs=True)
     inputs = tuple(found)
     _not_an_input(output, *inputs, rules)
+    seen: dict[str, Path] = {}
+    for file in inputs:   # (drawn twice, its ratios are all 1: a slip, most likely)
+        read = file / "breakdown.json" if file.is_dir() else file   # (a run: what is read)
+        if (first := seen.setdefault(os.path.realpath(read), file)) is not file:
+            twice = (f"{file} read twice" if str(file) == str(first)
+                     else f"{file} is {first}")
+            click.echo(printable(f"note: {twice}: drawn against itself"), err=True)
     _no_trace_among(list(inputs))
     got = report_inputs(list(inputs), path_name, phase, layers=_check_layers(layers),
                         rules=rules, step_regex=_check_steps(step_regex))
@@ -955,7 +1016,9 @@ def _info(trace: Path, info: dict) -> None:
                    f"{counted(duplicates['memops'], 'memcpy/memset op')}")
     if info["span_ns"] is not None:
         processes = info["processes"]
-        click.echo(f"  {info['span_ns'] / 1e6:,.3f} ms from first to last event; "
+        gpu = (f" (GPU work: {info['gpu_span_ns'] / 1e6:,.3f} ms)"
+               if info["gpu_span_ns"] is not None else "")
+        click.echo(f"  {info['span_ns'] / 1e6:,.3f} ms from first to last event{gpu}; "
                    f"{counted(len(processes), 'process', 'processes')} with GPU "
                    "work or API calls")
         for p in processes[:INFO_PROCESSES]:   # which of a trace's processes launched what
@@ -972,7 +1035,8 @@ def _info(trace: Path, info: dict) -> None:
         name = (f": {printable(gpu['name'])}" if gpu["name"] else " (unnamed)" if gpu["described"]
                 else " (not described in the trace)")
         click.echo(f"  GPU {gpu['device']}{name}"
-                   + (f", {gpu['sm_count']} SMs" if gpu["sm_count"] else "")
+                   + (f", {gpu['sm_count']} {compute_units(info['tool'])}"
+                      if gpu["sm_count"] else "")
                    + (f": {counted(gpu['kernels'], 'kernel')}" if gpu["kernels"]
                       else ": no kernels"))
 
@@ -999,15 +1063,15 @@ def _info(trace: Path, info: dict) -> None:
 @click.option("--bandwidth", default=4.3, show_default=True,
               type=FiniteFloatRange(0.001, floors_mod.MAX_BANDWIDTH_TBPS),
               help="memory bandwidth, TB/s (H200: about 4.3 measured by a device copy)")
-@click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table",
-              show_default=True)
+@_format_option(["table", "json"])
 @click.option("-o", "--output", type=PATH, help="write here, not stdout")
 @_fail_cleanly
 def floors_cmd(preset_name: str, tp: int | None, batch: int, context: int, weights: str,
-               experts: str, kv_cache: str, spec_tokens: int, bandwidth: float, fmt: str,
+               experts: str, kv_cache: str, spec_tokens: int, bandwidth: float, fmt: str | None,
                output: Path | None) -> None:
     """Memory floors per layer and per launch: the bytes a decode step must move at least,
     over a bandwidth (no GPU needed): what the measured µs of a layer are held against."""
+    fmt = _format_of(fmt, output, ("json",))
     from kimi_perf.decode.floors import Storage, floors
 
     c = _preset_config(preset_name, tp=tp)
@@ -1150,7 +1214,7 @@ def validate(preset_name: str, n_layers: int | None, paths: str, steps: int,
               "kernels launched with programmatic dependent launch (no launch more; on a CPU "
               "the interpreter runs them as without it)")
 @_seed_option
-@click.option("--out", "out_dir", type=PATH, default=Path("traces/runs"),
+@click.option("-o", "--out", "out_dir", type=PATH, default=Path("traces/runs"),
               show_default=True, help="parent of the run directory")
 @click.option("--plotly-js", default="inline", show_default=True, callback=_check_plotly_js,
               help="the HTML report's plotly.js: inline (opens offline, about 5 MB), cdn, or "
@@ -1180,6 +1244,10 @@ def trace_cmd(from_files: tuple[Path, ...], captures: tuple[Path, ...], phase: s
     from kimi_perf.report import plotly_js_for
 
     plotly_js_for(plotly_js, out_dir)  # a missing file is said now, not after the capture
+    if out_dir.suffix.lower() in FILE_SUFFIXES and not out_dir.is_dir():
+        # (every other command's -o is a file: `trace -o run.json` is likely meant as one)
+        raise TraceError(out_dir, "-o/--out is the folder the run directory is made in (its "
+                                  "run.json, breakdown.json, report and traces), not a file")
     named = _checked_trace_options(from_files, captures, paths)
     if from_files:
         layers = _check_layers(layers_arg) if layers_arg is not None else "auto"
@@ -1224,6 +1292,22 @@ def trace_cmd(from_files: tuple[Path, ...], captures: tuple[Path, ...], phase: s
     else:
         _print_run(console, run_dir, results, run_info)
     _fail_if_not_finite(run_info, run_dir)
+
+
+# Suffixes of the files other commands write with -o: a trace --out named so is a slip.
+FILE_SUFFIXES = {".json", ".csv", ".html", ".txt", ".kptrace", ".gz"}
+
+
+def ranks_crowded(run_info: dict, cores: int | None = None) -> str | None:
+    """Where a CPU run's --tp ranks outnumber the machine's cores, which they then share: a
+    rank's µs count the time it waited for a core (and the collectives' waits with it)."""
+    cores = cores or os.cpu_count() or 1
+    tp = run_info.get("tp")
+    on_cpu = (run_info.get("environment") or {}).get("device") == "cpu"
+    if not (on_cpu and isinstance(tp, int) and tp > cores):
+        return None
+    return (f"{tp} ranks on {cores} cores: each rank waits its turn for one, and its µs count "
+            "the wait (the ops, each rank's launches, are as on a GPU)")
 
 
 def _checked_trace_options(from_files: tuple[Path, ...], captures: tuple[Path, ...],
@@ -1301,6 +1385,8 @@ def _print_run(console: Console, run_dir: Path, results: dict[str, Breakdown],
     unit = units_word(b.unit for b in results.values())
     if said := capture_said(run_info):   # (the counts below depend on it: opt-ins add launches)
         console.print(f"captured: {said}")
+    if crowded := ranks_crowded(run_info):
+        console.print(crowded, style="yellow")
     if len(labels) >= 3:  # a TP run's ranks, say: every one in one table
         from kimi_perf.comparison import overview
 

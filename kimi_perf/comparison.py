@@ -22,6 +22,7 @@ from kimi_perf.runs import (
     run_differences,
     run_name,
     trace_labels,
+    without_shared_date,
 )
 from kimi_perf.text import distinct_words, header_labels
 
@@ -162,6 +163,10 @@ def compare(a: Breakdown, b: Breakdown, fell_back: bool = False) -> list[Compari
     whole step's medians (every kernel of a step, however its layers were found; no ratios
     where the steps hold other numbers of layers: other work). ``fell_back``: a side is a
     decode path whose every step fell back to the standard path (no ratios)."""
+    if not (isinstance(a, Breakdown) and isinstance(b, Breakdown)):
+        raise TypeError("compare takes two Breakdowns (breakdown(trace), load_breakdown(file)); "
+                        f"not {type(a).__name__} and {type(b).__name__}: compare_files takes "
+                        "files")
     types_a = {t["type"]: t for t in a.layer_types}
     types_b = {t["type"]: t for t in b.layer_types}
     rows = []
@@ -429,13 +434,24 @@ def patterns_differ(patterns) -> bool:
     return len(set(patterns) - {None}) > 1
 
 
-def gpus_text(gpus: list[dict]) -> str:
-    """The GPUs that ran a trace's kernels in a few words: "8 × NVIDIA A100 (108 SMs)"."""
-    kinds = Counter((g.get("name") or ("unnamed GPU" if g.get("sm_count") else
-                                       "GPU not described in the trace"), g.get("sm_count"))
-                    for g in gpus)
-    return ", ".join(f"{n} × {name}" + (f" ({sms} SMs)" if sms else "")
-                     for (name, sms), n in kinds.items()) or "no GPU"
+def compute_units(tool: str | None) -> str:
+    """What a trace's GPUs count as ``sm_count``: an AMD GPU's compute units (a ROCm trace,
+    its tool said so by the reader) or NVIDIA's streaming multiprocessors."""
+    return "CUs" if tool and "ROCm" in tool else "SMs"
+
+
+def gpu_kinds(gpus: list[dict]) -> Counter:
+    """How many GPUs of each (name, SM count): what tells two traces' GPUs apart."""
+    return Counter((g.get("name") or ("unnamed GPU" if g.get("sm_count") else
+                                      "GPU not described in the trace"), g.get("sm_count"))
+                   for g in gpus)
+
+
+def gpus_text(gpus: list[dict], tool: str | None = None) -> str:
+    """The GPUs that ran a trace's kernels in a few words: "8 × NVIDIA A100 (108 SMs)"
+    (CUs for a ROCm trace: ``tool``)."""
+    return ", ".join(f"{n} × {name}" + (f" ({sms} {compute_units(tool)})" if sms else "")
+                     for (name, sms), n in gpu_kinds(gpus).items()) or "no GPU"
 
 
 def sides_notes(a: Breakdown, b: Breakdown, label_a: str, label_b: str) -> list[str]:
@@ -443,8 +459,10 @@ def sides_notes(a: Breakdown, b: Breakdown, label_a: str, label_b: str) -> list[
     another kind (from the kernels each trace ran), or a CPU run's ops."""
     notes = []
     ran = [(x.source or {}).get("gpus_ran") or [] for x in (a, b)]
-    if all(ran) and gpus_text(ran[0]) != gpus_text(ran[1]):
-        notes.append(f"{label_a} ran on {gpus_text(ran[0])}, {label_b} on {gpus_text(ran[1])}: "
+    if all(ran) and gpu_kinds(ran[0]) != gpu_kinds(ran[1]):
+        said = [gpus_text(g, (x.source or {}).get("tool")) for g, x in zip(ran, (a, b),
+                                                                           strict=True)]
+        notes.append(f"{label_a} ran on {said[0]}, {label_b} on {said[1]}: "
                      "their µs differ for that alone")
     on_cpu = [label for label, x in ((label_a, a), (label_b, b)) if x.unit == "ops"]
     if on_cpu:
@@ -740,6 +758,11 @@ class Comparison:
     def of(cls, a: Breakdown, b: Breakdown, label_a: str = "A", label_b: str = "B",
            fell_back: list[str] = (), run_differences: list[str] | None = None,
            labels_said: str | None = None) -> Comparison:
+        """The comparison of two breakdowns as ``compare`` prints it: its rows (``compare``),
+        labelled ``label_a`` and ``label_b``, and the notes under its table (what each side
+        counts, GPUs of another kind, ``run_differences``: how two captures were made unlike;
+        ``fell_back``: the lines of paths that fell back, kept apart; ``labels_said``: which
+        file a short label is)."""
         notes = [*note_lines({label_a: a, label_b: b}), *sides_notes(a, b, label_a, label_b),
                  *([captured_differently(label_a, label_b, run_differences)]
                    if run_differences else [])]
@@ -787,7 +810,9 @@ def compare_files(a: str | Path, b: str | Path | None = None, path_name: str | N
     runs_a, run_a = load_paths(a, names[0], phase, **breakdown_options)
     if b is None:
         if not run_a or len(runs_a) < 2:
-            raise TraceError(a, "compare takes two traces, or one run of two decode paths")
+            raise TraceError(a, "compare takes two traces, or one run of two decode paths"
+                             + (f": this run holds the {next(iter(runs_a))} path alone"
+                                if run_a else ""))
         if path_name is not None:
             raise TraceError(None, "--path picks a decode path from each of two runs; one "
                                    "run is compared path against path")
@@ -797,6 +822,11 @@ def compare_files(a: str | Path, b: str | Path | None = None, path_name: str | N
         runs_b, run_b = load_paths(b, names[1], phase, **breakdown_options)
         if path_name is not None and run_a is None and run_b is None:
             raise no_run([a, b])
+        if path_name is None and run_a is not None and run_b is not None:
+            # a run of one path against a run that holds it too: that path, the one to compare
+            alone = [next(iter(r)) for r in (runs_a, runs_b) if len(r) == 1]
+            if alone and alone[0] in runs_a and alone[0] in runs_b:
+                path_name = alone[0]
         (name_a, ba), (name_b, bb) = (
             one_path(f, runs, path_name) if run is not None else next(iter(runs.items()))
             for f, runs, run in ((a, runs_a, run_a), (b, runs_b, run_b)))
@@ -810,7 +840,7 @@ def compare_files(a: str | Path, b: str | Path | None = None, path_name: str | N
     if b is not None and name_a == name_b and run_a and run_b:  # one path of two runs
         run_names = [run_name(f) for f in (a, b)]
         if short_labels and labels is None and (
-                shown := distinct_words(run_names)) != run_names:
+                shown := distinct_words(without_shared_date(run_names))) != run_names:
             # run names that differ by their time alone: the time in the headers
             labels_said = f"{shown[0]}: {a}; {shown[1]}: {b}"
             run_names = shown

@@ -69,6 +69,7 @@ import numpy as np
 
 from kimi_perf.comparison import (
     aligned_typical,
+    gpu_kinds,
     gpus_text,
     layer_sources,
     layers_per_step,
@@ -89,6 +90,7 @@ from kimi_perf.layer_breakdown import (
 )
 from kimi_perf.runs import (
     TRACE,
+    captured_path,
     check_storable,
     is_figure,
     is_stored,
@@ -155,6 +157,11 @@ class Tolerances:
             raise ValueError(f"alpha: a probability in (0, 1) (not {self.alpha})")
 
 
+# The statuses of a check that fail the gate.
+FAILING = ("regression", "missing", "differs", "fell back", "not finite", "captured differently",
+           "broken down differently")
+
+
 @dataclass
 class Check:
     path: str
@@ -179,8 +186,7 @@ class Check:
 
     @property
     def fails(self) -> bool:
-        return self.status in ("regression", "missing", "differs", "fell back", "not finite",
-                               "captured differently", "broken down differently")
+        return self.status in FAILING
 
 
 @dataclass(repr=False)
@@ -232,8 +238,11 @@ class GateResult:
         return not self.failures
 
     def to_json(self) -> dict:
-        doc = {"schema": 1, "ok": self.ok, "tolerances": asdict(self.tolerances),
-               "checks": [asdict(c) for c in self.checks]}
+        """The verdict as JSON: ``ok``, how many checks ``failed`` and every check, each with
+        whether it ``fails`` (the statuses that do are ``FAILING``)."""
+        doc = {"schema": 1, "ok": self.ok, "failed": len(self.failures),
+               "tolerances": asdict(self.tolerances),
+               "checks": [asdict(c) | {"fails": c.fails} for c in self.checks]}
         if self.run_differences is not None:
             doc["run_differences"] = self.run_differences
         return doc | {"breakdown_differences": self.breakdown_differences,
@@ -271,15 +280,25 @@ def gate_files(baseline: str | Path, run: str | Path, tolerances: Tolerances = T
     either file already (a trace is not read twice). ``strict``: captures made differently
     (``run_differences``) or broken down differently (``breakdown_differences``) fail too, as
     a nightly job against the wrong baseline should."""
+    if not isinstance(tolerances, Tolerances):   # (a rel_tol given in its place, say)
+        raise TypeError(f"tolerances: a Tolerances, not {type(tolerances).__name__} "
+                        f"({tolerances!r}): Tolerances(rel_tol=..., alpha=..., metrics=...)")
     baseline, run = Path(baseline), Path(run)
     loaded = loaded or {}
     current, run_doc, _ = loaded.get(run) or load_run(run, phase, **breakdown_options)
     base, base_doc, base_file = (loaded.get(baseline)
                                  or load_run(baseline, phase, **breakdown_options))
+    paths_differ = []
     if path is not None:
         if set(base) == set(current) == {TRACE}:
             raise TraceError(None, f"--path picks a decode path of a kimi-perf run: neither "
                                    f"{baseline} nor {run} is one")
+        # a run's trace of another path (specialized.kptrace --path standard: a typo in a
+        # nightly job) is a capture of other work
+        held = [captured_path(file) if set(runs) == {TRACE} else path
+                for file, runs in ((baseline, base), (run, current))]
+        if None not in held and held[0] != held[1]:
+            paths_differ = [f"decode path {held[0]} vs {held[1]}"]
         base, current = ({path: runs[TRACE]} if set(runs) == {TRACE}
                          else dict([one_path(file, runs, path)])
                          for file, runs in ((baseline, base), (run, current)))
@@ -304,8 +323,10 @@ def gate_files(baseline: str | Path, run: str | Path, tolerances: Tolerances = T
                 else None for d in (base_doc, run_doc)]
     gpus_said = None not in recorded and recorded[0] != recorded[1]
     # (a CPU run's threads move its times alone: where only its ops are gated, they pass)
-    result.run_differences = (run_differences(base_doc, run_doc,
-                                              cpu_times=bool(result.cpu_time_metrics))
+    result.run_differences = (paths_differ
+                              + run_differences(base_doc, run_doc,
+                                                cpu_times=bool(result.cpu_time_metrics),
+                                                paths=path is None)
                               + phase_differences(base, current)
                               + unit_differences(base, current)
                               + ([] if gpus_said else gpu_differences(base, current)))
@@ -361,7 +382,8 @@ def update_baseline(baseline: str | Path, run: str | Path,
                     strict: bool = False, **breakdown_options) -> tuple[GatedRun | None, str]:
     """``gate --update``: the run gated against the baseline JSON ``baseline`` (as
     ``gate_files`` does), then stored there whatever the verdict, and the gate's result with
-    ``"updated"``; or, where there is nothing to gate against (no file yet, or a stored
+    ``"updated"`` (with ``strict``, a run captured or broken down differently is not stored:
+    ``"not updated"``); or, where there is nothing to gate against (no file yet, or a stored
     baseline without steps or layers), stored unchecked: (None, ``"created"`` or
     ``"replaced"``). A trace, a file that is not a kimi-perf baseline, a run with no work, or
     sides the gate could only pair with a path are refused before anything is written."""
@@ -402,6 +424,9 @@ def update_baseline(baseline: str | Path, run: str | Path,
                                        "or keep the trace's in a new file"))
     gated = gate_files(baseline, run, tolerances, None, phase, loaded, strict,
                        **breakdown_options)
+    if strict and (gated.result.run_differences or gated.result.breakdown_differences):
+        # (--strict: a run of another capture is no baseline of this job; kept as it was)
+        return gated, "not updated"
     store_baseline(gated.baseline_file, gated.run_doc)
     return gated, "updated"
 
@@ -555,9 +580,11 @@ def gpu_differences(baseline: dict[str, Breakdown], current: dict[str, Breakdown
     its µs differ for that alone."""
     out = []
     for path, base, cur in _paired(baseline, current):
-        ran = [gpus_text(g) if (g := b.source.get("gpus_ran")) else None for b in (base, cur)]
-        if None not in ran and ran[0] != ran[1]:
-            out.append(("" if path == TRACE else f"{path}: ") + f"ran on {ran[0]} vs {ran[1]}")
+        ran = [b.source.get("gpus_ran") for b in (base, cur)]
+        if all(ran) and gpu_kinds(ran[0]) != gpu_kinds(ran[1]):
+            said = [gpus_text(g, b.source.get("tool")) for g, b in zip(ran, (base, cur),
+                                                                       strict=True)]
+            out.append(("" if path == TRACE else f"{path}: ") + f"ran on {said[0]} vs {said[1]}")
     return out
 
 

@@ -14,7 +14,7 @@ from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -39,6 +39,9 @@ from kimi_perf.memory import release_free_memory
 from kimi_perf.nesting import range_groups
 from kimi_perf.text import counted
 from kimi_perf.trace import GPU_RANGE, Trace
+
+if TYPE_CHECKING:
+    import pyarrow as pa
 
 SCHEMA = 1
 _BATCH_ROWS = 1 << 16
@@ -70,6 +73,43 @@ class Breakdown:
         """What the figures count: GPU kernels, or on a CPU run the launches the decode paths
         annotate ("ops")."""
         return "ops" if self.source.get("ops") == "cpu-ops" else "kernels"
+
+    def layers_table(self) -> pa.Table:
+        """Its layers, a row each, as an Arrow table, for a notebook (``.to_pandas()``):
+        ``LAYER_COLUMNS``, ``type``, and per kernel class ``kernels:<class>`` and ``us:<class>``
+        (0 where a layer ran none). The same of a breakdown made here and of one read from
+        JSON; made here, from its columns, with no dict built per layer."""
+        import pyarrow as pa
+
+        layers = self.layers
+        if isinstance(layers, LayerRows):
+            columns = {name: getattr(layers, name) for name in LAYER_COLUMNS}
+            types, codes = layers.types, layers.type_code
+            ran = layers.class_kernels.any(axis=0)   # (classes no layer ran: as JSON keeps)
+            classes = [c for c, r in zip(layers.labels, ran.tolist(), strict=True) if r]
+            kernels, us = layers.class_kernels[:, ran], layers.class_us[:, ran]
+        else:
+            columns = {name: layer_column(layers, name) for name in LAYER_COLUMNS}
+            types = list(dict.fromkeys(r["type"] for r in layers))
+            codes = np.array([types.index(r["type"]) for r in layers], np.int32)
+            classes = sorted({c for r in layers for c in (r.get("classes") or {})})
+            ran = [[(r.get("classes") or {}).get(c) or {} for c in classes] for r in layers]
+            kernels = np.array([[c.get("kernels", 0) for c in row] for row in ran],
+                               np.int64).reshape(len(layers), len(classes))
+            us = np.array([[c.get("us", 0.0) for c in row] for row in ran],
+                          np.float64).reshape(len(layers), len(classes))
+        type_column = pa.DictionaryArray.from_arrays(pa.array(codes, pa.int32()),
+                                                     pa.array(types, pa.string()))
+        counts = {"step", "device", "index", "kernels"}
+        return pa.table({**{k: np.asarray(columns[k], np.int64) for k in ("step", "device",
+                                                                            "index")},
+                         "type": type_column,
+                         **{k: np.asarray(columns[k], np.int64 if k in counts else np.float64)
+                            for k in LAYER_COLUMNS[3:]},
+                         **{f"kernels:{c}": np.asarray(kernels[:, i], np.int64)
+                            for i, c in enumerate(classes)},
+                         **{f"us:{c}": np.asarray(us[:, i], np.float64)
+                            for i, c in enumerate(classes)}})
 
     def to_json(self, lazy_layers: bool = False) -> dict[str, Any]:
         """The breakdown as JSON's values; ``lazy_layers``: the layers as held (``LayerRows``,
@@ -900,7 +940,8 @@ def replay_note(replays: dict, captures: list[str]) -> str:
             ) if placed else f"{ops} GPU ops replayed from CUDA/HIP graphs"
     return (f"{said} have no capture in this trace to place them in the ranges open then (a "
             "capture profiled apart joins it with --capture: breakdown's, convert's or trace "
-            "--from's)")
+            "--from's; the .kptrace convert --capture saves reads as the pair for compare, "
+            "gate and report)")
 
 
 def step_notes(b: Breakdown) -> list[str]:
@@ -1062,8 +1103,10 @@ def _steps_found_note(b: Breakdown) -> str | None:
         steps = (f"the steps are each device's forward passes, found where every "
                  f"{every.removesuffix('or ')}layer also ran the work between two passes "
                  "(final norm, LM head, embedding)")
+    # (a range of such a name may be there, on a thread that launched nothing: not a step)
     return ("no step range the defaults know (decode_step, step, vLLM's execute_…, "
-            "a layerwise NVTX root module, ProfilerStep#) and no graph launches: "
+            "a layerwise NVTX root module, ProfilerStep#) around launches of GPU work, and "
+            "no graph launches: "
             + steps + (
                 f"; ranges that repeat: {named}: {first} takes "
                 f"{'the first' if len(repeating) > 1 else 'them'} as the steps "

@@ -65,6 +65,7 @@ from kimi_perf.runs import (
     run_differences,
     run_name,
     trace_labels,
+    without_shared_date,
 )
 from kimi_perf.text import counted, distinct_words
 from kimi_perf.trace import atomic_write_text, printable
@@ -145,7 +146,10 @@ def _class_bars(breakdowns: dict[str, Breakdown]) -> go.Figure:
               **{f"CPU run: {label} (CPU time)": [label]
                  for label, b in breakdowns.items() if b.unit != "kernels"}}
     titles = [_plotly_text(title) for title in panels]
-    fig = make_subplots(rows=len(panels) or 1, cols=1, vertical_spacing=0.15,
+    rows = len(panels) or 1
+    # a gap of PANEL_GAP px between panels of PANEL_PX each, in the figure's fractions (a
+    # fraction of its own grew with the panels, past what plotly allows at 8 of them)
+    fig = make_subplots(rows=rows, cols=1, vertical_spacing=PANEL_GAP / (PANEL_PX * rows),
                         subplot_titles=titles if len(panels) > 1 or "GPU traces" not in panels
                         else None)
     classes = sorted({c for b in breakdowns.values() for t in b.layer_types
@@ -162,8 +166,11 @@ def _class_bars(breakdowns: dict[str, Breakdown]) -> go.Figure:
                           row=row, col=1)
         fig.update_yaxes(title_text="µs", row=row, col=1)
     fig.update_layout(barmode="stack", title="Median µs per layer, by kernel class",
-                      height=450 * max(len(panels), 1))
+                      height=PANEL_PX * rows)
     return fig
+
+
+PANEL_PX, PANEL_GAP = 450, 100   # the class chart's height a panel, and the gap between two
 
 
 def _units(breakdowns: dict[str, Breakdown]) -> str:
@@ -184,8 +191,9 @@ def report_pairs(breakdowns: dict[str, Breakdown],
 def _short_labels(labels: list[str]) -> dict[str, str]:
     """Each label as the tables' headers show it: without the words all of a report's labels
     share (``distinct_words``: each name fills three columns), one name for a trace in every
-    table that sets traces side by side (sections of one trace, or prose, name it in full)."""
-    return dict(zip(labels, distinct_words(labels), strict=True))
+    table that sets traces side by side (sections of one trace, or prose, name it in full);
+    runs of one day without their date (``without_shared_date``)."""
+    return dict(zip(labels, distinct_words(without_shared_date(labels)), strict=True))
 
 
 def _said(short: dict[str, str], labels: list[str]) -> str:
@@ -544,8 +552,9 @@ def _run_html(run: dict | None, breakdowns: dict[str, Breakdown]) -> str:
     for label, b in breakdowns.items() if "preset" not in run else ():
         src = b.source
         # (a breakdown stored before gpus_ran was recorded: the GPUs its trace described)
-        gpus = (f"ran on {gpus_text(src['gpus_ran'])}" if src.get("gpus_ran") is not None
-                else f"GPUs described: {gpus_text(src.get('gpus') or [])}")
+        gpus = (f"ran on {gpus_text(src['gpus_ran'], src.get('tool'))}"
+                if src.get("gpus_ran") is not None
+                else f"GPUs described: {gpus_text(src.get('gpus') or [], src.get('tool'))}")
         items.append((f"trace {label}", f"{src.get('file')} ({src.get('tool')} "
                                         f"{src.get('format')}; {gpus})"
                       + "".join(f", joined by the graph captures of {c}"

@@ -31,8 +31,10 @@ from kimi_perf.trace import (
     KIMI_PERF_JSON,
     atomic_write_text,
     check_not_read_only,
+    file_identity,
     is_int64,
     json_text,
+    kptrace_source,
     printable,
 )
 
@@ -84,6 +86,7 @@ def load_run(path: str | Path, phase: str = "auto", **breakdown_options
     ``layers``, ``step_regex``, ``rules``, as ``breakdown`` takes them). A trace's document
     holds its layers as columns (``LayerRows``): ``json_text`` writes it as it would the list
     of dicts, without building them all at once."""
+    check_breakdown_options(breakdown_options)
     path = Path(path)
     of_run = path.is_dir()
     if of_run:
@@ -109,7 +112,10 @@ def load_run(path: str | Path, phase: str = "auto", **breakdown_options
         if isinstance(doc, dict) and isinstance(doc.get("paths"), dict) and doc["paths"]:
             if type(doc.get("schema")) is not int or doc["schema"] != 1:
                 raise TraceError(path, "not a kimi-perf run breakdown of schema 1")
-            if doc.get("run") is not None and (problem := run_info_problem(doc["run"])):
+            if "run" not in doc:   # (kimi-perf trace writes it: how the run was captured)
+                raise TraceError(path, "a run breakdown without its run information ('run': "
+                                       "what its run.json holds), which the gate checks")
+            if problem := run_info_problem(doc["run"]):
                 raise TraceError(path, problem)
             return {name: _checked(Breakdown.from_json(b, path), path, f"paths.{name}.")
                     for name, b in doc["paths"].items()}, doc, path
@@ -123,6 +129,18 @@ def load_run(path: str | Path, phase: str = "auto", **breakdown_options
     return {TRACE: b}, b.to_json(lazy_layers=True), None
 
 
+# What load_run passes to breakdown for a trace (how ``breakdown`` breaks it down).
+BREAKDOWN_OPTIONS = {"layers", "step_regex", "rules"}
+
+
+def check_breakdown_options(options: dict) -> None:
+    """Refuse an option ``breakdown`` does not take: a stored breakdown reads none of them,
+    so a misspelt one (``layres=``) would pass unnoticed where the input is JSON."""
+    if unknown := sorted(set(options) - BREAKDOWN_OPTIONS):
+        raise TypeError(f"unknown breakdown option {', '.join(unknown)} (one of "
+                        f"{', '.join(sorted(BREAKDOWN_OPTIONS))})")
+
+
 def run_info_problem(run: object) -> str | None:
     """Why a run's information (``run`` in a run's breakdown.json or a baseline: what its
     run.json holds) cannot be read by the gate, compare and the report, or None."""
@@ -131,6 +149,12 @@ def run_info_problem(run: object) -> str | None:
     for key in ("environment", "request", "paths", "floors"):
         if run.get(key) is not None and not isinstance(run[key], dict):
             return f"run.{key} is not an object"
+    for keys, kind in RUN_SETTING_KINDS.items():
+        value = run
+        for key in keys:
+            value = value.get(key) if isinstance(value, dict) else None
+        if value is not None and not kind[0](value):
+            return f"run.{'.'.join(keys)} is not {kind[1]}"
     gpus = (run.get("environment") or {}).get("gpus")
     if gpus is not None and not (isinstance(gpus, list)
                                  and all(isinstance(g, str) for g in gpus)):
@@ -160,6 +184,29 @@ def run_info_problem(run: object) -> str | None:
     return None
 
 
+def _count(value) -> bool:
+    return type(value) is int and value >= 0
+
+
+def _text(value) -> bool:
+    return isinstance(value, str)
+
+
+# What each setting ``run_differences`` compares must be, where a run records it: a count
+# stored as "two" would compare unlike every number and pass for a difference of capture.
+RUN_SETTING_KINDS = {
+    **{keys: (_count, "a whole number") for keys in (
+        ("n_layers",), ("batch",), ("tp",), ("context",), ("warmup_steps",), ("spec_tokens",),
+        ("request", "seed"), ("environment", "cpu_threads"))},
+    **{keys: (_text, "a text") for keys in (
+        ("preset",), ("config_hash",), ("request", "kv_cache"), ("request", "experts"),
+        ("request", "backend"), ("environment", "device"))},
+    ("request", "graphs"): (lambda v: isinstance(v, bool), "true or false"),
+    ("request", "paths"): (lambda v: isinstance(v, list) and all(map(_text, v)),
+                           "a list of path names"),
+}
+
+
 def is_run_breakdown(path: str | Path) -> bool:
     """Whether ``path`` is a kimi-perf run directory's breakdown.json (beside the run.json
     ``kimi-perf trace`` wrote), which must be a kimi-perf document whatever its first bytes:
@@ -179,6 +226,23 @@ def is_kimi_perf_run_json(path: str | Path) -> bool:
             return re.match(rb'\s*\{\s*"command"\s*:', f.read(64)) is not None
     except OSError:
         return False
+
+
+def captured_path(trace_file: str | Path) -> str | None:
+    """The decode path a trace in a ``kimi-perf trace`` run directory holds, told by its name
+    (``specialized.kptrace``, ``standard.rank0.trace.json.gz``: a path the run captured, then
+    a dot), or None for any other file."""
+    trace_file = Path(trace_file)
+    run_json = trace_file.parent / "run.json"
+    if not (trace_file.is_file() and is_kimi_perf_run_json(run_json)):
+        return None
+    try:
+        paths = (json.loads(run_json.read_text(encoding="utf-8")).get("request") or {}).get(
+            "paths")
+    except (OSError, ValueError, AttributeError, RecursionError):
+        return None
+    name = trace_file.name.split(".", 1)[0]
+    return name if isinstance(paths, list) and name in paths else None
 
 
 def is_kimi_perf_json(path: str | Path) -> bool:
@@ -564,12 +628,14 @@ CPU_SETTINGS = {("environment", "cpu_threads")}
 BEFORE_SETTING = {("spec_tokens",): 0, ("request", "experts"): "bf16"}
 
 
-def run_differences(baseline_doc: dict, run_doc: dict, cpu_times: bool = True) -> list[str]:
+def run_differences(baseline_doc: dict, run_doc: dict, cpu_times: bool = True,
+                    paths: bool = False) -> list[str]:
     """How the captures behind a baseline and a run differ ("TP 1 vs 2"), from their run
     information; nothing where either side has none (a trace, a breakdown JSON). Kernels
     and µs of unlike runs differ for reasons no regression explains. ``cpu_times``: whether
     the times of CPU runs are read, else the settings that move those alone (``CPU_SETTINGS``)
-    are not compared."""
+    are not compared; ``paths``: whether the decode paths captured are (the whole runs are
+    compared, not a path of each)."""
     runs = [d.get("run") if isinstance(d, dict) else None for d in (baseline_doc, run_doc)]
     if not all(isinstance(r, dict) for r in runs):
         return []
@@ -590,6 +656,11 @@ def run_differences(baseline_doc: dict, run_doc: dict, cpu_times: bool = True) -
                      else BEFORE_SETTING.get(keys) for r in runs)
         if base is not None and cur is not None and base != cur:
             out.append(f"{label} {_setting_text(base)} vs {_setting_text(cur)}")
+    paths_run = [setting(r, ("request", "paths")) for r in runs]
+    if paths and None not in paths_run and sorted(paths_run[0]) != sorted(paths_run[1]):
+        # (paired by name: their order is no difference)
+        out.append(f"decode paths {_setting_text(paths_run[0])} vs "
+                   f"{_setting_text(paths_run[1])}")
     if all("preset" in r for r in runs):   # two captures: their specialized path's opt-ins
         for label, key in OPT_INS:         # (off where a capture predates the option)
             base, cur = (_opt_in_text(setting(r, ("request", key))) for r in runs)
@@ -645,6 +716,7 @@ def load_paths(path: str | Path, label: str = TRACE, phase: str = "auto", **brea
     """A ``kimi-perf trace`` run's breakdowns per decode path and the document holding them;
     or the one breakdown of a breakdown JSON or a trace (broken down over the steps of
     ``phase``, as ``breakdown_options`` say), named ``label``, and None."""
+    check_breakdown_options(breakdown_options)
     runs, run_doc = stored_breakdowns(path)
     if run_doc is not None:
         return runs, run_doc
@@ -658,6 +730,7 @@ def load_breakdown(path: str | Path, path_name: str | None = None, phase: str = 
     """One breakdown: a run's decode path ``path_name`` (None: its only one), a breakdown
     JSON's, or a trace's, broken down over the steps of ``phase`` and as ``breakdown_options``
     say (``capture``: its graph captures saved apart, see ``read_trace``)."""
+    check_breakdown_options(breakdown_options)
     path = Path(path)
     runs, run_doc = stored_breakdowns(path)
     if path_name is not None and run_doc is None:
@@ -678,6 +751,19 @@ def no_run(files: list[Path]) -> TraceError:
             else f"neither {files[0]} nor {files[1]} is one" if len(files) == 2
             else "no input is one")
     return TraceError(None, f"--path picks a decode path of a kimi-perf run: {said}")
+
+
+_RUN_DATE = re.compile(r"^\d{8}T(?=\d{6}Z)")   # a run directory's date (trace's UTC stamp)
+
+
+def without_shared_date(names: list[str]) -> list[str]:
+    """Run names without the date of their time stamps where all are of one day
+    (``20261205T023819Z-tiny-b2``: ``023819Z-tiny-b2``), short enough for a column header
+    beside a path's name."""
+    dates = {m.group() if (m := _RUN_DATE.match(n)) else None for n in names}
+    if len(dates) != 1 or None in dates:
+        return names
+    return [n[len(next(iter(dates))):] for n in names]
 
 
 def run_name(path: str | Path) -> str:
@@ -761,8 +847,9 @@ def trace_files(paths: list[str | Path], keep_runs: bool = False,
     (rank2 before rank10): a profiler's output directory, one trace per rank or worker, as
     vLLM's and SGLang's profilers write them. Left out (each with why, added to
     ``left_out``): breakdown JSON files, other JSON that is no trace, and a name of a trace's
-    that is no regular file (a FIFO, a symlink loop or to nothing); an .nsys-rep beside its
-    SQLite export is too, silently (its export is the same capture). A directory where
+    that is no regular file (a FIFO, a symlink loop or to nothing), and a trace beside the
+    ``.kptrace`` saved from it (the same capture); an .nsys-rep beside its SQLite export is
+    too, silently (its export is the same capture). A directory where
     nothing is left says what was left out. A kimi-perf run directory is not a directory of
     traces: an error, or with ``keep_runs`` kept as it is (``kimi-perf report`` draws it)."""
     def natural(p: Path) -> list:
@@ -797,12 +884,22 @@ def trace_files(paths: list[str | Path], keep_runs: bool = False,
                 f"*{s}" for s in TRACE_SUFFIXES[2:]) + ")" + (
                 "; left out: " + ", ".join(f"{f.name} ({why})" for f, why in passed)
                 if passed else ""))
+        # a trace saved as a .kptrace beside it (kimi-perf convert) is one capture: the
+        # .kptrace is read (the faster, and with any graph capture joined), the trace is not
+        saved = {(source.get("name"), source.get("size")): (source, f) for f in found
+                 if f.suffix == ".kptrace" and (source := kptrace_source(f)) is not None}
+        copies = []
+        for f in found:
+            source, kptrace = saved.get((f.name, f.stat().st_size), (None, None))
+            if kptrace is not None and f.suffix != ".kptrace" and file_identity(f) == source:
+                copies.append((f, f"saved as {kptrace.name} beside it"))
         if left_out is not None:
-            left_out += passed
+            left_out += passed + copies
         # a report nsys has exported (``nsys stats`` leaves X.sqlite beside X.nsys-rep) is
         # one capture: its export is read, and the report is not read again
         exported = {f.name.removesuffix(".gz").removesuffix(".sqlite") for f in found
                     if f.name.endswith((".sqlite", ".sqlite.gz"))}
         out += [f for f in found
-                if not (f.suffix in NSYS_REPORTS and f.stem in exported)]
+                if not (f.suffix in NSYS_REPORTS and f.stem in exported)
+                and f not in dict(copies)]
     return out

@@ -309,6 +309,7 @@ class Trace:
             "annotated_ops": len(self.annotated_ops()),
             "untimed": m.get("untimed"), "duplicates": m.get("duplicates"),
             "span_ns": span[1] - span[0] if span else None,
+            "gpu_span_ns": self.gpu_span_ns(),
             "processes": [{"pid": p, "name": named.get(p), "kernels": kernels.get(p, 0),
                            "api_calls": api.get(p, 0)}
                           for p in sorted(pids, key=lambda p: (-kernels.get(p, 0), p))],
@@ -332,6 +333,28 @@ class Trace:
             return None
         return (min(int(start.min()) for start, _ in starts_ends),
                 max(int(end.max()) for _, end in starts_ends))
+
+    def to_arrow(self, table: str) -> pa.Table:
+        """One of its tables (``kernels``, ``memops``, ``ranges``, ``api``) as an Arrow table,
+        for a notebook (``.to_pandas()``): its columns as they are, ``name`` decoded (a
+        dictionary over the trace's strings: no string copied per event)."""
+        import pyarrow as pa
+
+        if table not in TABLES:
+            raise ValueError(f"no table {table!r} (one of {', '.join(TABLES)})")
+        columns = getattr(self, table).columns()
+        names = pa.array(self.strings, pa.large_string())
+        return pa.table({col: pa.DictionaryArray.from_arrays(pa.array(values), names)
+                         if col == "name" else values for col, values in columns.items()})
+
+    def gpu_span_ns(self) -> int | None:
+        """From the first GPU op's start to the last one's end (kernels and memcpy/memset):
+        of a trace whose CPU events reach far beyond its GPU work (an annotation left open
+        for seconds), the part that matters; None without GPU work."""
+        ops = [t for t in (self.kernels, self.memops) if len(t)]
+        if not ops:
+            return None
+        return (max(int(t.end.max()) for t in ops) - min(int(t.start.min()) for t in ops))
 
     def annotated_ops(self) -> np.ndarray:
         """Rows of its ``op:`` ranges on a CPU thread: the launches a CPU run of the decode
@@ -366,7 +389,14 @@ class Trace:
         names.append("strings")
         arrays.append(_one_row_list(pa.array(self.strings, type=pa.large_string())))
         table = pa.Table.from_arrays(arrays, names=names)
-        header = {"version": FORMAT_VERSION, "meta": self.meta, "crc32": _checksum(table)}
+        # the trace it was read from, as a path from anywhere: the file is read from elsewhere
+        meta = {**self.meta, **{key: os.path.abspath(self.meta[key]) for key in (
+            "file", "converted_from") if isinstance(self.meta.get(key), str)
+            and os.path.exists(self.meta[key])}}
+        header = {"version": FORMAT_VERSION, "meta": meta, "crc32": _checksum(table)}
+        source = self.meta.get("converted_from") or self.meta.get("file")
+        if isinstance(source, str) and (made := file_identity(source)) is not None:
+            header["source"] = made   # which file it holds: a directory reads them once
         table = table.replace_schema_metadata({"kimi_perf": json.dumps(header)})
         atomic_write(path, lambda f: _write_ipc(f, table))
 
@@ -519,6 +549,44 @@ class Trace:
                         lo <= values.min() and values.max() < hi):
                     return f"{table_name}.{col} refers outside [{lo}, {hi})"
         return None
+
+
+def file_identity(path: str | Path) -> dict | None:
+    """What tells a trace file from another of its name: its name, size and a digest of its
+    first and last 64 KiB (a copy or a move keeps them; a new export under the old name
+    does not); None where it cannot be read."""
+    import hashlib
+
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            digest = hashlib.blake2b(f.read(IDENTITY_BYTES), digest_size=16)
+            f.seek(max(size - IDENTITY_BYTES, 0))
+            digest.update(f.read(IDENTITY_BYTES))
+    except OSError:
+        return None
+    return {"name": Path(path).name, "size": size, "digest": digest.hexdigest()}
+
+
+IDENTITY_BYTES = 64 << 10
+
+
+def kptrace_source(path: str | Path) -> dict | None:
+    """The identity (``file_identity``) of the trace a ``.kptrace`` was saved from, read from
+    its header alone; None where it has none (saved before it was kept, or from a trace
+    gone by then) or cannot be read (``Trace.load`` then says why)."""
+    import pyarrow as pa
+
+    try:
+        with pa.memory_map(str(path), "r") as source:
+            raw = (pa.ipc.open_file(source).schema.metadata or {}).get(b"kimi_perf")
+        made = json.loads(raw).get("source") if raw is not None else None
+    except (pa.ArrowException, OSError, ValueError, TypeError, AttributeError, RecursionError):
+        return None
+    if not (isinstance(made, dict) and isinstance(made.get("name"), str)
+            and is_int64(made.get("size")) and isinstance(made.get("digest"), str)):
+        return None   # (a header edited by hand: no identity, not an error)
+    return made
 
 
 def is_int64(v: object) -> bool:

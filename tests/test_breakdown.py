@@ -145,6 +145,12 @@ def test_compare_adds_whole_steps_and_no_mean_layer_of_other_cuts():
     assert sides_notes(a, b, "A", "B") == [
         "A ran on 1 × NVIDIA A100 (108 SMs), B on 1 × AMD MI300X (304 SMs): their µs differ "
         "for that alone"]
+    b.source["tool"] = "PyTorch profiler (Kineto, ROCm)"   # an AMD GPU's are compute units
+    assert sides_notes(a, b, "A", "B")[0].startswith(
+        "A ran on 1 × NVIDIA A100 (108 SMs), B on 1 × AMD MI300X (304 CUs)")
+    # the same GPUs, one side's tool said otherwise (stored before ROCm was told): alike
+    a.source["gpus_ran"] = b.source["gpus_ran"]
+    assert sides_notes(a, b, "A", "B") == []
     assert sides_notes(a, a, "A", "A'") == []
 
 
@@ -1211,6 +1217,11 @@ def test_steps_per_device_name_the_ranges_that_could_be_the_steps():
     assert len(steps) == 15 and sum(s["kernels"] for s in steps) == 10380 + 540
     # the benchmark's 'measure|forward' and 'warmup|forward' each ran twice, but each time
     # within itself (a wrapper's range around the model's of one name): once each, no steps
+    # a ProfilerStep#1 on a thread that launched nothing (its duration 13 s) is no step
+    example = breakdown(read_trace(KINETO / "hta_a100_triton_example.json.gz"))
+    assert example.source["steps_found_by"] == "device" and any(
+        "ProfilerStep#) around launches of GPU work, and no graph launches: each device is "
+        "one step" in n for n in step_notes(example))
     alexnet = breakdown(read_trace(KINETO / "hta_a100_alexnet_cuda_sync.json.gz"))
     assert alexnet.source["repeating_ranges"] == []
     assert not any("ranges that repeat" in n for n in step_notes(alexnet))

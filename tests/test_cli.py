@@ -223,8 +223,8 @@ def test_a_capture_saved_apart_joins_breakdown_convert_and_trace_from(tmp_path):
     said = " ".join(run("breakdown", VLLM).output.split())
     assert ("421 GPU ops replayed from CUDA/HIP graphs have no capture in this trace to place "
             "them in the ranges open then (a capture profiled apart joins it with --capture: "
-            "breakdown's, convert's or trace --from's)"
-            in said)
+            "breakdown's, convert's or trace --from's; the .kptrace convert --capture saves "
+            "reads as the pair for compare, gate and report)" in said)
     said = " ".join(run("breakdown", VLLM, "--capture", VLLM_CAPTURE).output.split())
     assert ("421 GPU ops replayed from CUDA/HIP graphs are placed in the ranges open where "
             f"their capture launched them (joined from {VLLM_CAPTURE})") in said
@@ -495,7 +495,7 @@ def test_info_names_the_gpus_that_ran_kernels():
     assert "process 1670242 (python3.10): 1 kernel, 2 API calls" in single
     assert "108 SMs: 1 kernel\n" in single
     one = run("info", VLLM).output
-    assert "GPU 2 (unnamed), 304 SMs: 425 kernels" in one and "GPU 0 (unnamed), 304 SMs: no " \
+    assert "GPU 2 (unnamed), 304 CUs: 425 kernels" in one and "GPU 0 (unnamed), 304 CUs: no " \
         "kernels" in one
 
 
@@ -682,9 +682,11 @@ def test_every_command_s_help_line_is_whole():
     (["trace", "--from", str(VLLM), "--batch", "2"], "--batch sets up a capture"),
     (["gate", str(VLLM), ""], "Invalid value for 'RUN': an empty file name"),
     (["report", str(VLLM), ""], "Invalid value for 'INPUTS...': an empty file name"),
-    (["trace", "--out", ""], "Invalid value for '--out': an empty file name"),
+    (["trace", "--out", ""], "Invalid value for '-o' / '--out': an empty file name"),
     (["trace", "--from", ""], "Invalid value for '--from': an empty file name"),
     (["breakdown", str(VLLM), "-o"], "Option '-o' requires an argument"),
+    (["report", str(VLLM), "--plotly-js", 'js/a"b.js'],
+     "'js/a\"b.js' holds \", which the report's script tag cannot: rename or move the file"),
     (["nonsense"], "No such command 'nonsense'"),
     (["--bogus"], "No such option '--bogus'")])
 def test_usage_errors_are_one_line(args, said):
@@ -861,6 +863,15 @@ def test_compare_a_run_its_paths_and_labels(tmp_path):
     _one_line_error(run("compare", BASELINE, BASELINE, "--path", "nope"), "has no path 'nope'")
     _one_line_error(run("compare", BASELINE, "--path", "standard"), "--path picks")
     _one_line_error(run("compare", VLLM), "one run of two decode paths")
+    # a run of one path: what it holds is said; beside a run holding it too, that path
+    alone = json.loads(BASELINE.read_text())
+    del alone["paths"]["specialized"]
+    (tmp_path / "standard-only.json").write_text(json.dumps(alone))
+    _one_line_error(run("compare", tmp_path / "standard-only.json"),
+                    "one run of two decode paths: this run holds the standard path alone")
+    picked = run("compare", tmp_path / "standard-only.json", BASELINE, "--format", "json")
+    assert picked.exit_code == 0, picked.output
+    assert json.loads(picked.output)["b"] == "tiny-cpu:standard"
     _one_line_error(run("compare", VLLM, VLLM, "--labels", "a,b,c"),
                     "--labels takes 2 distinct names (for A, B): not 'a,b,c'")
     _one_line_error(run("compare", VLLM, VLLM, "--labels", "a, a "), "--labels takes 2")
@@ -888,7 +899,7 @@ def test_compare_a_run_its_paths_and_labels(tmp_path):
     # in the table, runs named by their time alone where the rest of the names is shared;
     # and where that is still too long for a column's header, numbered, each said below
     for name in ("0643Z-tiny-b2", "0711Z-tiny-b2", "20261203T064913Z-tiny-b2",
-                 "20261203T071135Z-tiny-b2"):
+                 "20261203T071135Z-tiny-b2", "20261204T071135Z-tiny-b2"):
         (tmp_path / name).mkdir()
         shutil.copy(BASELINE, tmp_path / name / "breakdown.json")
     timed = run("compare", tmp_path / "0643Z-tiny-b2", tmp_path / "0711Z-tiny-b2", "--path",
@@ -896,12 +907,19 @@ def test_compare_a_run_its_paths_and_labels(tmp_path):
     text = " ".join(timed.output.split())
     assert timed.exit_code == 0 and "0643Z:specialized vs 0711Z:specialized" in text, text
     assert (f"0643Z: {tmp_path / '0643Z-tiny-b2'}; 0711Z: {tmp_path / '0711Z-tiny-b2'}") in text
+    # trace's names (a UTC time stamp): of one day, without their date
     timed = run("compare", tmp_path / "20261203T064913Z-tiny-b2",
                 tmp_path / "20261203T071135Z-tiny-b2", "--path", "specialized")
     text = " ".join(timed.output.split())
+    assert timed.exit_code == 0 and "064913Z:specialized vs 071135Z:specialized" in text, text
+    assert (f"064913Z: {tmp_path / '20261203T064913Z-tiny-b2'}; 071135Z: "
+            f"{tmp_path / '20261203T071135Z-tiny-b2'}") in text
+    timed = run("compare", tmp_path / "20261203T064913Z-tiny-b2",
+                tmp_path / "20261204T071135Z-tiny-b2", "--path", "specialized")
+    text = " ".join(timed.output.split())
     assert timed.exit_code == 0 and "Per layer type: #1 vs #2" in text, timed.output
     assert (f"#1: {tmp_path / '20261203T064913Z-tiny-b2'} (specialized); #2: "
-            f"{tmp_path / '20261203T071135Z-tiny-b2'} (specialized)") in text
+            f"{tmp_path / '20261204T071135Z-tiny-b2'} (specialized)") in text
     # one file twice: numbered too, not x and x'
     twice = " ".join(run("compare", VLLM, VLLM).output.split())
     assert "Per layer type: #1 vs #2" in twice and f"#1: {VLLM}; #2: {VLLM}" in twice
@@ -962,10 +980,14 @@ def test_trace_from_two_traces_shows_short_labels_and_keeps_whole_names(tmp_path
     gate matches, keep the whole names, and a line says which is which."""
     files = [NSYS / f"nsysai_fastvideo_wan2.1_train_2xh100_{n}.sqlite" for n in ("before",
                                                                                  "after")]
-    result = run("trace", *(a for f in files for a in ("--from", f)), "--out", tmp_path)
+    result = run("trace", *(a for f in files for a in ("--from", f)), "-o", tmp_path)
     assert result.exit_code == 0, result.output
     text = " ".join(result.output.split())
     assert "Per layer type: before vs after" in text
+    # -o is the folder the run is made in, as --out: a file's name there is refused
+    _one_line_error(run("trace", "--from", files[0], "-o", tmp_path / "run.json"),
+                    "-o/--out is the folder the run directory is made in")
+    assert not (tmp_path / "run.json").exists()
     whole = [f.name.removesuffix(".sqlite") for f in files]
     assert f"before: {whole[0]}; after: {whole[1]}" in text
     (run_dir,) = tmp_path.iterdir()
@@ -1157,7 +1179,7 @@ def test_report_of_traces_names_each_and_the_gpus_that_ran_it(tmp_path):
     assert run("report", VLLM, wan, "-o", out, "--plotly-js", "cdn").exit_code == 0
     text = out.read_text()
     assert (f"<th>trace {VLLM.name.removesuffix('.json.gz')}</th><td>{VLLM} (PyTorch "
-            "profiler (Kineto, ROCm) kineto-json; ran on 1 × unnamed GPU (304 SMs))") in text
+            "profiler (Kineto, ROCm) kineto-json; ran on 1 × unnamed GPU (304 CUs))") in text
     assert f"<td>{wan} (" in text
     assert "nsys-sqlite; ran on 2 × GPU not described in the trace)" in text
     assert "median of 1 step (each column's own)</th>" in text   # vLLM's one step
@@ -1294,7 +1316,7 @@ def test_plotly_js_of_ones_own_is_referred_to_from_the_run(tmp_path):
     _one_line_error(run("trace", "--from", VLLM, "--out", out, "--plotly-js",
                         tmp_path / "pipe.js"), "pipe.js: --plotly-js: not a regular file")
     bad = run("trace", "--from", VLLM, "--out", out, "--plotly-js", 'x".js')
-    assert bad.exit_code == 2 and "a path or URL ending in .js" in bad.output
+    assert bad.exit_code == 2 and "holds \", which the report's script tag cannot" in bad.output
     assert len(list(out.iterdir())) == 1
 
 
@@ -1320,6 +1342,19 @@ def test_report_command_draws_runs_breakdowns_and_traces(tmp_path):
     assert "Per layer type: standard vs specialized" in text
     assert "kimi-perf trace" in text and "decode tokens/s" in text  # the run's own info
     assert "Fusions, launch by launch" in text
+    assert "read twice" not in result.stderr
+    # one file twice (or by another name, or a run and its breakdown.json): drawn, and said
+    # to be itself
+    (tmp_path / "alias.json").symlink_to(BASELINE)
+    (tmp_path / "run").mkdir()
+    shutil.copy(BASELINE, tmp_path / "run" / "breakdown.json")
+    twice = run("report", BASELINE, BASELINE, tmp_path / "alias.json", tmp_path / "run",
+                tmp_path / "run" / "breakdown.json", "-o", out, "--plotly-js", "cdn")
+    assert twice.exit_code == 0 and twice.stderr.splitlines() == [
+        f"note: {BASELINE} read twice: drawn against itself",
+        f"note: {tmp_path / 'alias.json'} is {BASELINE}: drawn against itself",
+        f"note: {tmp_path / 'run' / 'breakdown.json'} is {tmp_path / 'run'}: drawn against "
+        "itself"]
     # one path of the run: its decode metrics alone
     one = tmp_path / "one.html"
     assert run("report", BASELINE, "--path", "specialized", "-o", one, "--plotly-js",
@@ -1666,6 +1701,62 @@ def test_a_report_beside_its_export_is_one_capture(tmp_path):
         (tmp_path / name).write_bytes(b"")
     assert [f.name for f in trace_files([tmp_path])] == [
         "rank0.sqlite", "rank1.nsys-rep", "rank2.sqlite.gz", "rank3.qdrep"]
+
+
+def test_output_suffix_names_the_format_where_none_is_given(tmp_path):
+    """`-o x.json` writes JSON and `-o x.csv` CSV (not a box-drawn table in a .csv file);
+    --format given wins, and a suffix no format has is a table."""
+    trace = NSYS / "NVIDIA-Fuser__report1__nsys2025.1.1.sqlite"
+    assert run("ranges", trace, "-o", tmp_path / "r.CSV").exit_code == 0
+    assert (tmp_path / "r.CSV").read_text().startswith("range,style,pid,tid,")
+    assert run("ranges", trace, "-o", tmp_path / "r.json").exit_code == 0
+    assert json.loads((tmp_path / "r.json").read_text())["schema"] == 1
+    assert run("ranges", trace, "-o", tmp_path / "r.json", "--format", "csv").exit_code == 0
+    assert (tmp_path / "r.json").read_text().startswith("range,style,pid,tid,")
+    assert run("ranges", trace, "-o", tmp_path / "r.txt").exit_code == 0
+    assert "Kernels by range" in (tmp_path / "r.txt").read_text().splitlines()[0]
+    from tests.test_gate import BASELINE
+
+    for command in (["breakdown", trace], ["compare", BASELINE], ["gate", BASELINE, BASELINE],
+                    ["floors"]):
+        out = tmp_path / f"{command[0]}.json"
+        said = run(*command, "-o", out)
+        assert said.exit_code == 0 and json.loads(out.read_text())["schema"] == 1, command
+        assert run(*command, "-o", out, "--format", "table").exit_code == 0
+        assert not out.read_text().startswith("{"), command   # the table, as asked
+    # --kernels' tables with a suffix that names JSON: said which gave the format
+    _one_line_error(run("breakdown", trace, "--kernels", "-o", tmp_path / "k.json"),
+                    f"-o {tmp_path / 'k.json'} writes JSON (its suffix; --format table keeps the "
+                    "tables)")
+    assert run("breakdown", trace, "--kernels", "-o", tmp_path / "k.json", "--format",
+               "table").exit_code == 0
+
+
+def test_a_trace_beside_its_kptrace_is_one_capture(tmp_path):
+    """`kimi-perf convert X.sqlite X.kptrace` in a directory of ranks: the directory stands for
+    that capture once (the .kptrace), not as two ranks of one trace; the trace is said to be
+    left out, and a trace saved elsewhere, or another rank, is still read."""
+    ranks = tmp_path / "ranks"
+    ranks.mkdir()
+    for rank, name in enumerate(("nsysai_fastvideo_wan2.1_train_2xh100_before.sqlite",
+                                 "nsysai_fastvideo_wan2.1_train_2xh100_after.sqlite")):
+        shutil.copy(NSYS / name, ranks / f"rank{rank}.sqlite")
+    assert run("convert", ranks / "rank0.sqlite", ranks / "rank0.kptrace").exit_code == 0
+    assert run("convert", ranks / "rank1.sqlite", tmp_path / "rank1.kptrace").exit_code == 0
+    said = run("info", ranks, "--format", "json")
+    doc = json.loads(said.stdout)
+    assert [Path(t["file"]).name for t in doc["traces"]] == ["rank0.kptrace", "rank1.sqlite"]
+    assert said.stderr == f"left out: {ranks / 'rank0.sqlite'} (saved as rank0.kptrace beside it)\n"
+    # the directory moved (or copied): still one capture, told by the file's own bytes
+    moved = tmp_path / "moved"
+    shutil.copytree(ranks, moved)
+    doc = json.loads(run("info", moved, "--format", "json").stdout)
+    assert [Path(t["file"]).name for t in doc["traces"]] == ["rank0.kptrace", "rank1.sqlite"]
+    # exported again under its name since: another capture, both read
+    shutil.copy(NSYS / "NVIDIA-Fuser__report1__nsys2025.1.1.sqlite", moved / "rank0.sqlite")
+    said = run("info", moved, "--format", "json")
+    assert [Path(t["file"]).name for t in json.loads(said.stdout)["traces"]] == [
+        "rank0.kptrace", "rank0.sqlite", "rank1.sqlite"] and said.stderr == ""
 
 
 def test_a_directory_holds_every_kind_of_trace_file_read_trace_reads(tmp_path):
@@ -2704,3 +2795,50 @@ def test_trace_from_two_traces_of_other_gpus_says_so(tmp_path):
         assert result.exit_code == 0, result.output
         assert said in " ".join(result.output.split()) and "their µs differ for that alone" in \
             " ".join(result.output.split())
+
+
+def test_cpu_ranks_that_outnumber_the_cores_are_said():
+    """trace --tp 4 on 2 cores: the ranks share them, and their µs count the waits; said under
+    the captured line, not of a GPU run or ranks enough cores for."""
+    from kimi_perf.cli import ranks_crowded
+
+    cpu = {"tp": 4, "environment": {"device": "cpu"}}
+    assert ranks_crowded(cpu, cores=2) == (
+        "4 ranks on 2 cores: each rank waits its turn for one, and its µs count the wait (the "
+        "ops, each rank's launches, are as on a GPU)")
+    assert ranks_crowded(cpu, cores=4) is None
+    assert ranks_crowded({"tp": 4, "environment": {"device": "cuda"}}, cores=2) is None
+    assert ranks_crowded({"command": "kimi-perf trace --from x"}, cores=1) is None
+
+
+def test_report_of_two_runs_of_one_day_labels_them_by_time(tmp_path):
+    """trace's run names (a UTC stamp) of one day: the report's headers show their times, and
+    a line says which run each is."""
+    from tests.test_gate import BASELINE
+
+    for name in ("20261205T023819Z-tiny-b2", "20261205T023900Z-tiny-b2"):
+        (tmp_path / name).mkdir()
+        shutil.copy(BASELINE, tmp_path / name / "breakdown.json")
+    out = tmp_path / "r.html"
+    assert run("report", tmp_path / "20261205T023819Z-tiny-b2",
+               tmp_path / "20261205T023900Z-tiny-b2", "--path", "standard", "-o", out,
+               "--plotly-js", "cdn").exit_code == 0
+    text = out.read_text()
+    assert "Per layer type: 023819Z vs 023900Z" in text
+    assert ("023819Z: 20261205T023819Z-tiny-b2:standard; 023900Z: "
+            "20261205T023900Z-tiny-b2:standard") in text
+
+
+def test_class_chart_of_many_cpu_paths_draws_a_panel_each():
+    """Each CPU run's path is a panel of its own in the class chart: ten of them (five runs
+    side by side) are drawn, each PANEL_PX tall, where a gap fixed as a share of the figure
+    made plotly refuse any eight or more."""
+    from kimi_perf.report import PANEL_PX, _class_bars
+    from kimi_perf.runs import load_run
+    from tests.test_gate import BASELINE
+
+    paths, _, _ = load_run(BASELINE)
+    many = {f"{run}:{name}": b for run in range(5) for name, b in paths.items()}
+    fig = _class_bars(many)
+    assert fig.layout.height == PANEL_PX * 10
+    assert len(fig.layout.annotations) == 10    # a title a panel

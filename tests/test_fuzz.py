@@ -346,6 +346,29 @@ def test_kptrace_metadata_of_any_type(tmp_path, key, value, data):
 
 
 @FUZZ
+@given(value=VALUES, field=st.sampled_from([None, "name", "size", "digest"]))
+def test_kptrace_source_of_any_type(tmp_path, value, field):
+    """The identity of the trace a .kptrace was saved from (which a directory reads once), of
+    any type, whole or a field of it: the directory is read, a trace beside it too."""
+    import shutil
+
+    from kimi_perf.runs import trace_files
+
+    def change(table, header):
+        if field is None:
+            header["source"] = value
+        else:
+            header["source"][field] = value
+    bad = _kptrace_with(tmp_path, change)
+    folder = tmp_path / "ranks"
+    folder.mkdir(exist_ok=True)
+    shutil.copy(bad, folder / "rank0.kptrace")
+    shutil.copy(KINETO_SMALL, folder / KINETO_SMALL.name)
+    assert len(trace_files([folder])) == 2
+    _no_traceback("info", folder)
+
+
+@FUZZ
 @given(column=st.sampled_from(["kernels.pid", "kernels.start", "memops.end", "ranges.name",
                                "api.tid"]),
        how=st.sampled_from(["shorten", "lengthen", "nulls", "float"]))

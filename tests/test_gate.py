@@ -329,12 +329,25 @@ def test_gate_writes_its_verdict_to_a_file_or_nothing(tmp_path):
     out = tmp_path / "gate.json"
     result = CliRunner().invoke(main, ["gate", str(before), str(after), "--format", "json",
                                        "-o", str(out)])
-    assert result.exit_code == 1 and result.output == ""
+    # stdout empty; the log still gets the verdict's last line, and where the rest is
+    assert result.exit_code == 1 and result.stdout == ""
+    assert result.stderr.startswith("gate: FAIL, 1 regression") and result.stderr.endswith(
+        f" (in {out})\n")
     said = CliRunner().invoke(main, ["gate", str(before), str(after), "--format", "json"])
-    assert json.loads(out.read_text()) == json.loads(said.output)
+    doc = json.loads(out.read_text())
+    assert doc == json.loads(said.output)
+    # what a CI job reads without knowing the statuses: which checks fail, and what was gated
+    assert doc["failed"] == sum(c["fails"] for c in doc["checks"]) == 1
+    assert [c["status"] for c in doc["checks"] if c["fails"]] == ["regression"]
+    assert doc["headline"] == result.stderr.removesuffix(f" (in {out})\n")
+    assert (doc["baseline_file"], doc["run_file"]) == (str(before), str(after))
     text = tmp_path / "gate.txt"
     result = CliRunner().invoke(main, ["gate", str(before), str(after), "-o", str(text)])
-    assert result.exit_code == 1 and result.output == ""
+    assert result.exit_code == 1 and result.stdout == ""
+    # a file that cannot be written: said, and no verdict line naming it
+    unwritable = CliRunner().invoke(main, ["gate", str(before), str(after), "-o",
+                                           "/proc/gate.json"])
+    assert unwritable.exit_code == 2 and "gate:" not in unwritable.stderr, unwritable.stderr
     lines = text.read_text().splitlines()
     assert lines[-1].startswith("gate: FAIL, 1 regression") and any(
         "span_us" in line for line in lines)
@@ -798,7 +811,7 @@ def test_steps_of_another_phase_are_a_difference_of_the_runs():
     # steps that name no phase (a profiler's own) say nothing of the work: no difference
     unnamed = KINETO / "hta_a100_alexnet_cuda_sync.json.gz"
     assert gate_files(decode, unnamed, Tolerances(metrics="kernels")).result \
-        .run_differences == ["ran on 1 × unnamed GPU (304 SMs) vs 1 × NVIDIA A100-PG509-200 "
+        .run_differences == ["ran on 1 × unnamed GPU (304 CUs) vs 1 × NVIDIA A100-PG509-200 "
                              "(108 SMs)"]   # (an MI300X against an A100: that alone)
 
 
@@ -1288,6 +1301,7 @@ def test_cli_exit_codes_and_update(tmp_path):
     assert made.exit_code == 0       # nothing to gate against: stored, and said in JSON too
     said = json.loads(made.output[: made.output.rindex("}") + 1])
     assert said["ok"] and said["checks"] == [] and said["updated"] == str(created)
+    assert said["headline"] == f"baseline {created} created from {trace}" and said["failed"] == 0
     assert runner.invoke(main, ["gate", str(created), str(trace)]).exit_code == 0
     # a baseline edited since (its summaries not its rows'): said, with what to do
     edited = json.loads(created.read_text())
@@ -1660,6 +1674,107 @@ def test_strict_fails_captures_made_differently(tmp_path):
     assert said.exit_code == 1 and ("gate: FAIL, 2 regressions, the captures differ: batch 2 "
                                     "vs 3; specialized step ops") in " ".join(said.output.split())
     assert runner.invoke(main, ["gate", str(BASELINE), str(BASELINE), "--strict"]).exit_code == 0
+
+
+def test_strict_fails_a_run_of_other_paths_or_a_trace_of_another_path(tmp_path):
+    """The paths captured are part of the capture: a run of the standard path alone against
+    a baseline of both says so (a missing path explained), and fails with --strict, as does a
+    run of both against a baseline of one; a run's trace of one path given for another with
+    --path (specialized.kptrace --path standard: a typo in a nightly job) is said likewise."""
+    from kimi_perf.gate import gate_files
+    from kimi_perf.layer_breakdown import breakdown_of_file
+    from kimi_perf.runs import captured_path
+
+    doc = json.loads(BASELINE.read_text())
+    doc["run"]["request"]["paths"] = ["standard"]
+    del doc["paths"]["specialized"]
+    one = tmp_path / "one.json"
+    one.write_text(json.dumps(doc))
+    lax = gate_files(BASELINE, one, Tolerances(metrics="kernels")).result
+    assert lax.run_differences == ["decode paths standard, specialized vs standard"]
+    assert {(c.path, c.status) for c in lax.failures} == {("specialized", "missing")}
+    strict = gate_files(one, BASELINE, Tolerances(metrics="kernels"), strict=True).result
+    assert [(c.status, c.detail) for c in strict.failures] == [
+        ("captured differently", "decode paths standard vs standard, specialized")]
+    # one path of each: the paths beside it are no difference
+    assert gate_files(BASELINE, one, Tolerances(metrics="kernels"), path="standard",
+                      strict=True).result.ok
+
+    trace = NSYS / "nsysai_fastvideo_wan2.1_train_2xh100_before.sqlite"
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "run.json").write_text(json.dumps({"command": "kimi-perf trace", "request": {
+        "paths": ["standard", "specialized"]}}))
+    for name in ("standard", "specialized"):
+        (run_dir / f"{name}.sqlite").symlink_to(trace)
+    base = tmp_path / "base.json"
+    base.write_text(json.dumps({"schema": 1, "run": {}, "paths": {
+        "standard": breakdown_of_file(trace).to_json()}}))
+    assert [captured_path(run_dir / f"{n}.sqlite") for n in ("standard", "specialized")] == [
+        "standard", "specialized"]
+    assert captured_path(trace) is None and captured_path(run_dir / "run.json") is None
+    right = gate_files(base, run_dir / "standard.sqlite", path="standard", strict=True).result
+    assert right.ok and right.run_differences == []
+    wrong = gate_files(base, run_dir / "specialized.sqlite", path="standard", strict=True)
+    assert [(c.status, c.detail) for c in wrong.result.failures] == [
+        ("captured differently", "decode path standard vs specialized")]
+
+
+def test_a_run_breakdown_checks_its_run_information(tmp_path):
+    """A run's settings are what the gate compares: a count stored as a word, or a run
+    breakdown without its run information, is refused by name, not compared as unlike
+    (or left unchecked, a --strict job passing against a baseline it cannot check)."""
+    from kimi_perf.runs import load_run
+
+    for edit, said in ((lambda r: r.update(tp="two"), "run.tp is not a whole number"),
+                       (lambda r: r.update(batch=True), "run.batch is not a whole number"),
+                       (lambda r: r["request"].update(seed=-1),
+                        "run.request.seed is not a whole number"),
+                       (lambda r: r.update(preset=8), "run.preset is not a text"),
+                       (lambda r: r["request"].update(graphs="no"),
+                        "run.request.graphs is not true or false"),
+                       (lambda r: r["request"].update(paths="standard"),
+                        "run.request.paths is not a list of path names")):
+        doc = json.loads(BASELINE.read_text())
+        edit(doc["run"])
+        bad = tmp_path / "bad.json"
+        bad.write_text(json.dumps(doc))
+        with pytest.raises(TraceError) as caught:
+            load_run(bad)
+        assert str(caught.value) == f"{bad}: {said}"
+    doc = json.loads(BASELINE.read_text())
+    del doc["run"]
+    bad.write_text(json.dumps(doc))
+    said = CliRunner().invoke(main, ["gate", str(bad), str(BASELINE), "--strict"])
+    assert said.exit_code == 2 and said.output.strip() == (
+        f"kimi-perf: error: {bad}: a run breakdown without its run information ('run': what its "
+        "run.json holds), which the gate checks")
+
+
+def test_update_strict_keeps_a_baseline_of_another_capture(tmp_path):
+    """gate --update --strict: a run captured otherwise is not stored over the baseline
+    (exit 1, said), where --update alone stores it whatever the verdict."""
+    doc = json.loads(BASELINE.read_text())
+    doc["run"]["tp"] = 2
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps(doc))
+    stored = tmp_path / "baseline.json"
+    shutil.copy(BASELINE, stored)
+    before = stored.read_bytes()
+    strict = CliRunner().invoke(main, ["gate", "--update", "--strict", str(stored), str(other),
+                                       "--metrics", "kernels"])
+    assert strict.exit_code == 1 and stored.read_bytes() == before
+    assert strict.stderr.strip() == (f"baseline {stored} not updated from {other}: captured "
+                                     "or broken down differently (--strict)")
+    said = CliRunner().invoke(main, ["gate", "--update", "--strict", str(stored), str(other),
+                                     "--metrics", "kernels", "--format", "json"])
+    doc = json.loads(said.stdout)
+    assert said.exit_code == 1 and doc["updated"] is None and not doc["ok"]
+    assert stored.read_bytes() == before
+    lax = CliRunner().invoke(main, ["gate", "--update", str(stored), str(other), "--metrics",
+                                    "kernels", "--format", "json"])
+    assert lax.exit_code == 0 and json.loads(stored.read_text())["run"]["tp"] == 2
+    assert json.loads(lax.stdout)["updated"] == str(stored)
 
 
 def test_steps_of_a_model_of_another_depth_are_other_work(tmp_path):

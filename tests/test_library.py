@@ -199,3 +199,58 @@ def test_option_errors_come_before_any_input_is_read(tmp_path):
         result = CliRunner().invoke(main, [command, str(broken), str(BEFORE), "--layers",
                                            "bogus", "-o", str(tmp_path / "out")])
         assert result.exit_code == 2 and "--layers must be auto" in result.output, command
+
+
+def test_arrow_tables_for_a_notebook():
+    """A trace's tables as Arrow, names decoded; a breakdown's layers as a table, the same
+    whether it was made here (from its columns) or read back from JSON."""
+    from kimi_perf import breakdown, read_trace
+    from kimi_perf.layer_breakdown import Breakdown
+
+    trace = read_trace(NSYS / "jsun-012-assignment2-systems__result__nsys2025.1.3.sqlite")
+    kernels = trace.to_arrow("kernels")
+    assert kernels.num_rows == len(trace.kernels)
+    assert kernels.column("name").to_pylist()[:50] == [trace.strings[c] for c in
+                                                      trace.kernels.name[:50].tolist()]
+    assert kernels.column("start").to_numpy().tolist() == trace.kernels.start.tolist()
+    with pytest.raises(ValueError, match="no table 'kernel' \\(one of kernels, memops"):
+        trace.to_arrow("kernel")
+    b = breakdown(trace)
+    table = b.layers_table()
+    assert table.num_rows == len(b.layers) > 0
+    first = table.slice(0, 1).to_pylist()[0]
+    layer = b.layers[0]
+    assert {k: first[k] for k in ("step", "index", "type", "kernels", "span_us")} == {
+        k: layer[k] for k in ("step", "index", "type", "kernels", "span_us")}
+    for cls, ran in layer["classes"].items():
+        assert (first[f"kernels:{cls}"], first[f"us:{cls}"]) == (ran["kernels"], ran["us"])
+    read_back = Breakdown.from_json(json.loads(json_text(b.to_json())), "x")
+    assert read_back.layers_table().equals(table)
+    stored = load_run(BASELINE)[0]["specialized"].layers_table()
+    assert set(stored.column("type").to_pylist()) == {"dense", "kda", "mla"}
+
+
+def test_library_calls_given_the_wrong_kind_say_so():
+    """The mistakes a notebook makes first: a rel_tol where Tolerances goes, traces where
+    compare takes breakdowns, one path where a list goes, a misspelt breakdown option (which
+    a stored breakdown would otherwise ignore): a TypeError saying what goes there."""
+    from kimi_perf import compare, read_trace
+    from kimi_perf.capture import analyse
+    from kimi_perf.gate import gate_files
+
+    with pytest.raises(TypeError, match=r"tolerances: a Tolerances, not float \(0\.1\)"):
+        gate_files(BASELINE, BASELINE, 0.1)
+    trace = read_trace(NSYS / "jsun-012-assignment2-systems__result__nsys2025.1.3.sqlite")
+    with pytest.raises(TypeError, match=r"compare takes two Breakdowns .* not Trace and Trace"):
+        compare(trace, trace)
+    with pytest.raises(TypeError, match="files: a list of traces, not one str"):
+        analyse(str(NSYS / "jsun-012-assignment2-systems__result__nsys2025.1.3.sqlite"), "x")
+    for call in (lambda: load_run(BASELINE, layres="repeat"),
+                 lambda: load_breakdown(BASELINE, "standard", layres="repeat"),
+                 lambda: compare_files(BASELINE, path_name=None, layres="repeat"),
+                 lambda: report_inputs([BASELINE], layres="repeat"),
+                 lambda: gate_files(BASELINE, BASELINE, layres="repeat")):
+        with pytest.raises(TypeError, match=r"unknown breakdown option layres \(one of layers, "
+                                            r"rules, step_regex\)"):
+            call()
+    assert load_run(BASELINE, layers="repeat")[0]   # (a known one: a stored run reads none)

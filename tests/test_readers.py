@@ -200,6 +200,17 @@ def test_kptrace_round_trip(tmp_path):
     assert list(tmp_path.iterdir()) == [out]
 
 
+def test_kptrace_says_whence_it_came_from_anywhere(tmp_path, monkeypatch):
+    """A trace read by a relative path is saved with the path from the root: info on the
+    .kptrace, run from another directory, names the trace it was saved from."""
+    (tmp_path / "t.sqlite").symlink_to(NSYS / "jsun-012-assignment2-systems__result__"
+                                              "nsys2025.1.3.sqlite")
+    monkeypatch.chdir(tmp_path)
+    read_trace("t.sqlite").save("t.kptrace")
+    monkeypatch.chdir("/")
+    assert read_trace(tmp_path / "t.kptrace").meta["converted_from"] == str(tmp_path / "t.sqlite")
+
+
 @pytest.mark.parametrize("fixture_file", nsys_fixtures() + kineto_fixtures(),
                          ids=lambda p: p.name)
 def test_every_string_kept_is_a_name_the_tables_use(fixture_file):
@@ -883,6 +894,12 @@ def test_summary_accounts_for_every_kernel(fixture_file):
     assert counts == sorted(counts, reverse=True)
     if len(trace.kernels):
         assert info["span_ns"] >= int(trace.kernels.end.max() - trace.kernels.start.min())
+        work = [t for t in (trace.kernels, trace.memops) if len(t)]
+        assert info["gpu_span_ns"] == (max(int(t.end.max()) for t in work)
+                                       - min(int(t.start.min()) for t in work))
+        assert info["gpu_span_ns"] <= info["span_ns"]
+    else:
+        assert info["gpu_span_ns"] is None or len(trace.memops)
 
 
 def test_summary_of_two_processes_on_two_gpus():
