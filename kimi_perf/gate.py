@@ -280,9 +280,7 @@ def gate_files(baseline: str | Path, run: str | Path, tolerances: Tolerances = T
     either file already (a trace is not read twice). ``strict``: captures made differently
     (``run_differences``) or broken down differently (``breakdown_differences``) fail too, as
     a nightly job against the wrong baseline should."""
-    if not isinstance(tolerances, Tolerances):   # (a rel_tol given in its place, say)
-        raise TypeError(f"tolerances: a Tolerances, not {type(tolerances).__name__} "
-                        f"({tolerances!r}): Tolerances(rel_tol=..., alpha=..., metrics=...)")
+    _check_tolerances(tolerances)
     baseline, run = Path(baseline), Path(run)
     loaded = loaded or {}
     current, run_doc, _ = loaded.get(run) or load_run(run, phase, **breakdown_options)
@@ -365,6 +363,12 @@ def gate_files(baseline: str | Path, run: str | Path, tolerances: Tolerances = T
     return GatedRun(result, base, current, run_doc, base_file)
 
 
+def _check_tolerances(tolerances: object) -> None:
+    if not isinstance(tolerances, Tolerances):   # (a rel_tol given in its place, say)
+        raise TypeError(f"tolerances: a Tolerances, not {type(tolerances).__name__} "
+                        f"({tolerances!r}): Tolerances(rel_tol=..., alpha=..., metrics=...)")
+
+
 def _model_holds(doc: dict, layer_type: str) -> bool:
     """Whether the model a capture ran (its run information's preset and depth) holds layers
     of ``layer_type``; True where that cannot be told (a lost layer type is then missing)."""
@@ -387,6 +391,7 @@ def update_baseline(baseline: str | Path, run: str | Path,
     baseline without steps or layers), stored unchecked: (None, ``"created"`` or
     ``"replaced"``). A trace, a file that is not a kimi-perf baseline, a run with no work, or
     sides the gate could only pair with a path are refused before anything is written."""
+    _check_tolerances(tolerances)
     baseline, run = Path(baseline), Path(run)
     if baseline.exists() and not is_stored(baseline):
         raise TraceError(baseline, "--update replaces a baseline JSON, not a directory"

@@ -139,6 +139,9 @@ def with_capture(replay: Trace, capture: Trace, replay_file: str | Path | None =
                                        "process, ended before the launch, that launched as "
                                        "many kernels as the replay ran)")
     joined.meta["captures"] = [*replay.meta.get("captures", []), str(capture_file)]
+    if capture.meta.get("source_identity") is not None:   # (a directory reads it once)
+        joined.meta["capture_identities"] = [*replay.meta.get("capture_identities", []),
+                                             capture.meta["source_identity"]]
     # the replay's own rows come first in each table: what info tells apart
     joined.meta["replay_rows"] = replay.meta.get("replay_rows") or {
         name: len(getattr(replay, name)) for name in TABLES}

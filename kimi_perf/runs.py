@@ -34,7 +34,7 @@ from kimi_perf.trace import (
     file_identity,
     is_int64,
     json_text,
-    kptrace_source,
+    kptrace_sources,
     printable,
 )
 
@@ -761,7 +761,7 @@ def without_shared_date(names: list[str]) -> list[str]:
     (``20261205T023819Z-tiny-b2``: ``023819Z-tiny-b2``), short enough for a column header
     beside a path's name."""
     dates = {m.group() if (m := _RUN_DATE.match(n)) else None for n in names}
-    if len(dates) != 1 or None in dates:
+    if len(names) < 2 or len(dates) != 1 or None in dates:   # (one name: nothing to set apart)
         return names
     return [n[len(next(iter(dates))):] for n in names]
 
@@ -841,6 +841,49 @@ def _not_a_file(path: Path) -> str:
     return "not a regular file"
 
 
+def _saved_beside(found: list[Path]) -> dict[Path, str]:
+    """Of a directory's trace files, those a ``.kptrace`` beside them holds already, each with
+    why (a capture read twice would count as two ranks): the trace it was saved from (and
+    that trace's nsys export, where it was an .nsys-rep), the graph captures joined to it, and
+    another ``.kptrace`` of the same source. Told by the identities the ``.kptrace`` keeps
+    (``file_identity``: a moved or copied directory still matches; a new export under the old
+    name does not)."""
+    held: dict[tuple, tuple[Path, str]] = {}   # what each .kptrace holds: how, and which
+    out: dict[Path, str] = {}
+    for f in (f for f in found if f.suffix == ".kptrace"):
+        source, captures = kptrace_sources(f)
+        if source is not None and _key(source) in held:
+            out[f] = f"the same capture as {held[_key(source)][0].name}"
+            continue
+        for identity, how in ((source, "saved as"), *((c, "joined into") for c in captures)):
+            if identity is not None:
+                held.setdefault(_key(identity), (f, how))
+    named = {key[:2] for key in held}   # (a file is hashed only where a name and size match)
+    for f in found:
+        if f.suffix == ".kptrace" or f in out or (f.name, _size(f)) not in named:
+            continue
+        if (identity := file_identity(f)) is None or _key(identity) not in held:
+            continue
+        kptrace, how = held[_key(identity)]
+        out[f] = f"{how} {kptrace.name} beside it"
+        if f.suffix in NSYS_REPORTS:   # its export too, where nsys left it beside it
+            for export in (f.with_suffix(".sqlite"), f.with_suffix(".sqlite.gz")):
+                if export in found:
+                    out[export] = f"the export of {f.name}, saved as {kptrace.name}"
+    return out
+
+
+def _size(f: Path) -> int | None:
+    try:
+        return f.stat().st_size
+    except OSError:
+        return None
+
+
+def _key(identity: dict) -> tuple:
+    return identity["name"], identity["size"], identity["digest"]
+
+
 def trace_files(paths: list[str | Path], keep_runs: bool = False,
                 left_out: list[tuple[Path, str]] | None = None) -> list[Path]:
     """``paths`` with each directory replaced by the trace files in it, in natural order
@@ -884,22 +927,13 @@ def trace_files(paths: list[str | Path], keep_runs: bool = False,
                 f"*{s}" for s in TRACE_SUFFIXES[2:]) + ")" + (
                 "; left out: " + ", ".join(f"{f.name} ({why})" for f, why in passed)
                 if passed else ""))
-        # a trace saved as a .kptrace beside it (kimi-perf convert) is one capture: the
-        # .kptrace is read (the faster, and with any graph capture joined), the trace is not
-        saved = {(source.get("name"), source.get("size")): (source, f) for f in found
-                 if f.suffix == ".kptrace" and (source := kptrace_source(f)) is not None}
-        copies = []
-        for f in found:
-            source, kptrace = saved.get((f.name, f.stat().st_size), (None, None))
-            if kptrace is not None and f.suffix != ".kptrace" and file_identity(f) == source:
-                copies.append((f, f"saved as {kptrace.name} beside it"))
+        copies = _saved_beside(found)
         if left_out is not None:
-            left_out += passed + copies
+            left_out += passed + sorted(copies.items(), key=lambda entry: natural(entry[0]))
         # a report nsys has exported (``nsys stats`` leaves X.sqlite beside X.nsys-rep) is
         # one capture: its export is read, and the report is not read again
         exported = {f.name.removesuffix(".gz").removesuffix(".sqlite") for f in found
                     if f.name.endswith((".sqlite", ".sqlite.gz"))}
         out += [f for f in found
-                if not (f.suffix in NSYS_REPORTS and f.stem in exported)
-                and f not in dict(copies)]
+                if not (f.suffix in NSYS_REPORTS and f.stem in exported) and f not in copies]
     return out

@@ -336,8 +336,9 @@ class Trace:
 
     def to_arrow(self, table: str) -> pa.Table:
         """One of its tables (``kernels``, ``memops``, ``ranges``, ``api``) as an Arrow table,
-        for a notebook (``.to_pandas()``): its columns as they are, ``name`` decoded (a
-        dictionary over the trace's strings: no string copied per event)."""
+        for a notebook (``.to_pandas()``, with pandas installed): its columns as they are,
+        ``name`` (and a range's ``domain``) decoded (a dictionary over the trace's strings: no
+        string copied per event)."""
         import pyarrow as pa
 
         if table not in TABLES:
@@ -345,7 +346,8 @@ class Trace:
         columns = getattr(self, table).columns()
         names = pa.array(self.strings, pa.large_string())
         return pa.table({col: pa.DictionaryArray.from_arrays(pa.array(values), names)
-                         if col == "name" else values for col, values in columns.items()})
+                         if col in ("name", "domain") else values
+                         for col, values in columns.items()})
 
     def gpu_span_ns(self) -> int | None:
         """From the first GPU op's start to the last one's end (kernels and memcpy/memset):
@@ -394,9 +396,6 @@ class Trace:
             "file", "converted_from") if isinstance(self.meta.get(key), str)
             and os.path.exists(self.meta[key])}}
         header = {"version": FORMAT_VERSION, "meta": meta, "crc32": _checksum(table)}
-        source = self.meta.get("converted_from") or self.meta.get("file")
-        if isinstance(source, str) and (made := file_identity(source)) is not None:
-            header["source"] = made   # which file it holds: a directory reads them once
         table = table.replace_schema_metadata({"kimi_perf": json.dumps(header)})
         atomic_write(path, lambda f: _write_ipc(f, table))
 
@@ -554,10 +553,12 @@ class Trace:
 def file_identity(path: str | Path) -> dict | None:
     """What tells a trace file from another of its name: its name, size and a digest of its
     first and last 64 KiB (a copy or a move keeps them; a new export under the old name
-    does not); None where it cannot be read."""
+    does not); None where it is no regular file or cannot be read."""
     import hashlib
 
     try:
+        if not stat.S_ISREG(os.stat(path).st_mode):   # (a FIFO would wait for a writer)
+            return None
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
             digest = hashlib.blake2b(f.read(IDENTITY_BYTES), digest_size=16)
@@ -571,22 +572,31 @@ def file_identity(path: str | Path) -> dict | None:
 IDENTITY_BYTES = 64 << 10
 
 
-def kptrace_source(path: str | Path) -> dict | None:
-    """The identity (``file_identity``) of the trace a ``.kptrace`` was saved from, read from
-    its header alone; None where it has none (saved before it was kept, or from a trace
-    gone by then) or cannot be read (``Trace.load`` then says why)."""
+def kptrace_sources(path: str | Path) -> tuple[dict | None, list[dict]]:
+    """The identities (``file_identity``) of the trace a ``.kptrace`` was saved from and of
+    the graph captures joined to it, read from its header alone (its ``source_identity`` and
+    ``capture_identities``); none where it has none (saved before they were kept) or cannot
+    be read (``Trace.load`` then says why)."""
     import pyarrow as pa
 
     try:
         with pa.memory_map(str(path), "r") as source:
             raw = (pa.ipc.open_file(source).schema.metadata or {}).get(b"kimi_perf")
-        made = json.loads(raw).get("source") if raw is not None else None
+        meta = json.loads(raw).get("meta") if raw is not None else None
     except (pa.ArrowException, OSError, ValueError, TypeError, AttributeError, RecursionError):
-        return None
-    if not (isinstance(made, dict) and isinstance(made.get("name"), str)
-            and is_int64(made.get("size")) and isinstance(made.get("digest"), str)):
-        return None   # (a header edited by hand: no identity, not an error)
-    return made
+        return None, []
+    if not isinstance(meta, dict):
+        return None, []
+    captures = meta.get("capture_identities")
+    return (meta.get("source_identity") if _is_identity(meta.get("source_identity")) else None,
+            [c for c in captures if _is_identity(c)] if isinstance(captures, list) else [])
+
+
+def _is_identity(made: object) -> bool:
+    """Whether a header's identity has the shape ``file_identity`` gives (one edited by hand
+    is no identity, and no error)."""
+    return (isinstance(made, dict) and isinstance(made.get("name"), str)
+            and is_int64(made.get("size")) and isinstance(made.get("digest"), str))
 
 
 def is_int64(v: object) -> bool:

@@ -1759,6 +1759,43 @@ def test_a_trace_beside_its_kptrace_is_one_capture(tmp_path):
         "rank0.kptrace", "rank0.sqlite", "rank1.sqlite"] and said.stderr == ""
 
 
+def test_a_kptrace_stands_for_its_captures_export_and_copies(tmp_path):
+    """What a .kptrace holds is read once from a directory: the graph captures convert
+    --capture joined to it, the export of the .nsys-rep it was saved from, and a second
+    .kptrace of the same trace; a .kptrace saved again from one whose trace was exported anew
+    since keeps the old trace's identity, so the new export is read."""
+    from kimi_perf.runs import trace_files
+
+    folder = tmp_path / "decode"
+    folder.mkdir()
+    shutil.copy(VLLM, folder / "decode.json.gz")
+    shutil.copy(VLLM_CAPTURE, folder / "capture.json.gz")
+    assert run("convert", folder / "decode.json.gz", folder / "decode.kptrace", "--capture",
+               folder / "capture.json.gz").exit_code == 0
+    assert run("convert", folder / "decode.kptrace", folder / "again.kptrace").exit_code == 0
+    left: list = []
+    assert [f.name for f in trace_files([folder], left_out=left)] == ["again.kptrace"]
+    assert sorted((f.name, why) for f, why in left) == [
+        ("capture.json.gz", "joined into again.kptrace beside it"),
+        ("decode.json.gz", "saved as again.kptrace beside it"),
+        ("decode.kptrace", "the same capture as again.kptrace")]
+    # an .nsys-rep (here an export under a report's name, read as itself) and its export
+    reports = tmp_path / "reports"
+    reports.mkdir()
+    source = NSYS / "NVIDIA-Fuser__report1__nsys2025.1.1.sqlite"
+    for name in ("run.nsys-rep", "run.sqlite"):
+        shutil.copy(source, reports / name)
+    assert run("convert", reports / "run.nsys-rep", reports / "run.kptrace").exit_code == 0
+    assert [f.name for f in trace_files([reports])] == ["run.kptrace"]
+    # exported anew since: a .kptrace saved again keeps the first one's identity
+    shutil.copy(NSYS / "jsun-012-assignment2-systems__result__nsys2025.1.3.sqlite",
+                reports / "run.sqlite")
+    (reports / "run.nsys-rep").unlink()
+    assert run("convert", reports / "run.kptrace", reports / "resaved.kptrace").exit_code == 0
+    (reports / "run.kptrace").unlink()
+    assert [f.name for f in trace_files([reports])] == ["resaved.kptrace", "run.sqlite"]
+
+
 def test_a_directory_holds_every_kind_of_trace_file_read_trace_reads(tmp_path):
     """A gzipped nsys export (as exports are shared) and a .qdrep (an nsys report's name
     before 2021.4) read on their own: in a directory too, each labelled without its suffix."""
@@ -2825,6 +2862,9 @@ def test_report_of_two_runs_of_one_day_labels_them_by_time(tmp_path):
                "--plotly-js", "cdn").exit_code == 0
     text = out.read_text()
     assert "Per layer type: 023819Z vs 023900Z" in text
+    from kimi_perf.runs import without_shared_date
+
+    assert without_shared_date(["20261205T023819Z-from"]) == ["20261205T023819Z-from"]
     assert ("023819Z: 20261205T023819Z-tiny-b2:standard; 023900Z: "
             "20261205T023900Z-tiny-b2:standard") in text
 

@@ -326,7 +326,8 @@ def _no_traceback(*args) -> None:
 @FUZZ
 @given(key=st.sampled_from(["gpus", "processes", "untimed", "duplicates", "format", "tool",
                             "file", "rank", "world_size", "captures", "replay_rows",
-                            "converted_from", "kptrace", "exported_by_nsys"]),
+                            "converted_from", "kptrace", "exported_by_nsys",
+                            "source_identity", "capture_identities"]),
        value=VALUES,
        data=st.data())
 def test_kptrace_metadata_of_any_type(tmp_path, key, value, data):
@@ -346,25 +347,30 @@ def test_kptrace_metadata_of_any_type(tmp_path, key, value, data):
 
 
 @FUZZ
-@given(value=VALUES, field=st.sampled_from([None, "name", "size", "digest"]))
-def test_kptrace_source_of_any_type(tmp_path, value, field):
-    """The identity of the trace a .kptrace was saved from (which a directory reads once), of
-    any type, whole or a field of it: the directory is read, a trace beside it too."""
+@given(value=VALUES, key=st.sampled_from(["source_identity", "capture_identities"]),
+       field=st.sampled_from([None, "name", "size", "digest"]))
+def test_kptrace_source_of_any_type(tmp_path, value, key, field):
+    """The identities of the trace a .kptrace was saved from and of its captures (which a
+    directory reads once), of any type, whole or a field of one: the directory is read, a
+    trace beside it too."""
     import shutil
 
     from kimi_perf.runs import trace_files
 
     def change(table, header):
+        meta = header["meta"]
+        meta["capture_identities"] = [{"name": "capture.json", "size": 1, "digest": "00"}]
         if field is None:
-            header["source"] = value
+            meta[key] = value
         else:
-            header["source"][field] = value
+            (meta[key][0] if key == "capture_identities" else meta[key])[field] = value
     bad = _kptrace_with(tmp_path, change)
     folder = tmp_path / "ranks"
     folder.mkdir(exist_ok=True)
     shutil.copy(bad, folder / "rank0.kptrace")
     shutil.copy(KINETO_SMALL, folder / KINETO_SMALL.name)
-    assert len(trace_files([folder])) == 2
+    # (the trace it was saved from, told by an identity left whole, is read once)
+    assert len(trace_files([folder])) == (1 if key == "capture_identities" else 2)
     _no_traceback("info", folder)
 
 

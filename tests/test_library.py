@@ -215,6 +215,9 @@ def test_arrow_tables_for_a_notebook():
     assert kernels.column("start").to_numpy().tolist() == trace.kernels.start.tolist()
     with pytest.raises(ValueError, match="no table 'kernel' \\(one of kernels, memops"):
         trace.to_arrow("kernel")
+    ranges = trace.to_arrow("ranges")   # a range's domain is a string too
+    assert ranges.column("domain").to_pylist()[:20] == [trace.strings[c] for c in
+                                                       trace.ranges.domain[:20].tolist()]
     b = breakdown(trace)
     table = b.layers_table()
     assert table.num_rows == len(b.layers) > 0

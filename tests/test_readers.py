@@ -920,3 +920,15 @@ def test_a_file_of_nothing_is_said_so(tmp_path, content, said):
     path.write_bytes(content)
     with pytest.raises(TraceError, match=r"t\.json: " + re.escape(said)):
         read_trace(path)
+
+
+def test_gpu_span_is_the_gpu_works_own():
+    """HTA's triton example: one kernel of 1.76 µs, and a ProfilerStep annotation on a thread
+    that launched nothing, lasting 13 s: the events span 13 s, the GPU work the kernel."""
+    trace = read_trace(KINETO / "hta_a100_triton_example.json.gz")
+    info = trace.summary()
+    (duration,) = (trace.kernels.end - trace.kernels.start).tolist()
+    assert info["gpu_span_ns"] == duration == 1760
+    assert info["span_ns"] > 13e9
+    assert read_trace(NSYS / "IhorAtlanov-assignment2-systems__result__nsys2025.6.1_NO_CUDA"
+                                 ".sqlite").summary()["gpu_span_ns"] is None

@@ -14,7 +14,7 @@ from kimi_perf.memory import release_free_memory
 from kimi_perf.nesting import nest_ranges
 from kimi_perf.readers.kineto import GZIP_MAGIC, UTF8_BOM, read_kineto_json
 from kimi_perf.readers.nsys import NSYS_REPORTS, SQLITE_MAGIC, read_nsys_rep, read_nsys_sqlite
-from kimi_perf.trace import ARROW_MAGIC, KIMI_PERF_JSON, Trace, meta_problem
+from kimi_perf.trace import ARROW_MAGIC, KIMI_PERF_JSON, Trace, file_identity, meta_problem
 
 __all__ = ["read_trace"]
 
@@ -66,7 +66,11 @@ def read_trace(path: str | Path, capture: str | Path | None = None) -> Trace:
                                "a Kineto JSON trace (.json/.json.gz) or a .kptrace")
     try:
         trace = reader(path)
-        if reader is not Trace.load:
+        if reader != Trace.load:   # (a bound method: equal, never the same object)
+            # which file this is, kept when it is saved as a .kptrace: a directory holding
+            # both reads the capture once (a .kptrace keeps its source's)
+            if (identity := file_identity(path)) is not None:
+                trace.meta["source_identity"] = identity
             release_free_memory()   # the reader's temporaries: see kimi_perf/memory.py
             nest_ranges(trace.ranges)
             trace.tidy_strings()
