@@ -1301,7 +1301,9 @@ FILE_SUFFIXES = {".json", ".csv", ".html", ".txt", ".kptrace", ".gz"}
 def ranks_crowded(run_info: dict, cores: int | None = None) -> str | None:
     """Where a CPU run's --tp ranks outnumber the machine's cores, which they then share: a
     rank's µs count the time it waited for a core (and the collectives' waits with it)."""
-    cores = cores or len(os.sched_getaffinity(0))   # (the cores this process may use)
+    # the cores this process may use (macOS has no affinity: all of them)
+    cores = cores or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                      else os.cpu_count() or 1)
     tp = run_info.get("tp")
     on_cpu = (run_info.get("environment") or {}).get("device") == "cpu"
     if not (on_cpu and isinstance(tp, int) and tp > cores):

@@ -858,6 +858,8 @@ def _saved_beside(found: list[Path]) -> dict[Path, str]:
         for identity, how in ((source, "saved as"), *((c, "joined into") for c in captures)):
             if identity is not None:
                 held.setdefault(_key(identity), (f, how))
+    if not held:   # (no .kptrace, or none that says what it holds: nothing to stat)
+        return out
     named = {key[:2] for key in held}   # (a file is hashed only where a name and size match)
     for f in found:
         if f.suffix == ".kptrace" or f in out or (f.name, _size(f)) not in named:

@@ -2848,6 +2848,16 @@ def test_cpu_ranks_that_outnumber_the_cores_are_said():
     assert ranks_crowded({"command": "kimi-perf trace --from x"}, cores=1) is None
 
 
+def test_crowded_ranks_count_the_cores_without_an_affinity(monkeypatch):
+    """Where the OS has no CPU affinity (macOS), the machine's cores are counted."""
+    from kimi_perf.cli import ranks_crowded
+
+    monkeypatch.delattr(os, "sched_getaffinity", raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    assert ranks_crowded({"tp": 4, "environment": {"device": "cpu"}}).startswith(
+        "4 ranks on 2 cores")
+
+
 def test_report_of_two_runs_of_one_day_labels_them_by_time(tmp_path):
     """trace's run names (a UTC stamp) of one day: the report's headers show their times, and
     a line says which run each is."""
