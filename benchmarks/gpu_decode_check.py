@@ -92,7 +92,7 @@ from kimi_perf.decode.fusions import fusion_ledger
 from kimi_perf.decode.harness import GraphedDecodeStep, run_decode
 from kimi_perf.decode.model import K3Model
 from kimi_perf.decode.specialized import SpecializedModel, build_model
-from kimi_perf.decode.validate import BOUNDS, rel_err
+from kimi_perf.decode.validate import rel_err
 from kimi_perf.decode.weights import random_weights
 from kimi_perf.graphs import capture_launches
 from kimi_perf.layer_breakdown import breakdown
@@ -111,9 +111,12 @@ RESERVE_AFTER_SPEED_S = GEMV_S + MAIN_JOB_KEPT_S
 # Steps timed without the profiler (replays of a graph: cheap, and the spread a noise estimate)
 UNPROFILED_STEPS = 30
 # A speed run's first decode step against the standard path's at its batch (the same weights,
-# prompt and prefill): two bf16 paths each within validate's bf16 logits bound of the float64
-# reference (measured over 16 steps) are within twice that of each other after one step
-FIRST_STEP_BOUND = 2 * BOUNDS[("bfloat16", "bf16")]["logits"]
+# prompt and prefill), each run on its own: two bf16 paths each within 0.11 of the float64
+# reference's logits, end to end, are within twice that of each other after one step. 0.11:
+# validate's logits drift at the tiny preset's 8 layers, 0.066 at worst over 16 steps (seeds
+# 0-11), with room; drift grows with the depth, and the check runs 5 layers by default (a
+# deeper --layers may need more)
+FIRST_STEP_BOUND = 2 * 0.11
 # The device call returns at most 8 files of 16 MiB, 64 MiB together, from $OUT:
 # results.json, summary.md, the log, and the evidence in parts (what does not fit is cut).
 EVIDENCE_PART_BYTES, EVIDENCE_PARTS = 15 << 20, 4

@@ -45,7 +45,7 @@ from kimi_perf.errors import TraceError, stat_problem
 from kimi_perf.layer_breakdown import Breakdown, breakdown, breakdown_of_file
 from kimi_perf.memory import address_space_capped
 from kimi_perf.readers import read_trace
-from kimi_perf.readers.nsys import nsys_cli
+from kimi_perf.readers.nsys import has_nvtx_ranges, nsys_cli, nsys_failure
 from kimi_perf.runs import trace_labels
 from kimi_perf.trace import (
     atomic_write,
@@ -83,9 +83,11 @@ class TraceRequest:
     pdl: bool = False
 
 
-def path_options(req: TraceRequest) -> dict:
-    """``build_model``'s options of the request: the experts' storage (both paths) and the
-    specialized path's opt-ins (the standard path ignores them)."""
+def path_options(req: TraceRequest, path: str) -> dict:
+    """``build_model``'s options of the request for ``path``: the experts' storage (every
+    path) and the specialized path's opt-ins (the standard path has none)."""
+    if PATH_BACKENDS[path] != "latency_specialized":
+        return {"experts": req.experts}
     return {"experts": req.experts, "l2_prefetch": req.l2_prefetch,
             "group_experts_from": req.group_experts_from, "pdl": req.pdl}
 
@@ -202,11 +204,19 @@ def _out_dir_problem(out_dir: Path, exc: OSError) -> str:
 @contextlib.contextmanager
 def run_directory(out_dir: Path, label: str):
     """A new run directory, filled under a hidden temporary name and renamed into place when
-    complete: a failed run leaves nothing behind."""
+    complete: a failed run leaves nothing behind (nor the folders made for ``out_dir``)."""
     stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
+    made = [d for d in (out_dir, *out_dir.parents) if not d.exists()]   # (deepest first)
+
+    def remove_made() -> None:   # (what this run made, where still empty)
+        for empty in made:
+            with contextlib.suppress(OSError):
+                empty.rmdir()
+
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
+        remove_made()   # (a name too long for the last folder: its parents were made)
         raise TraceError(out_dir, f"--out: {_out_dir_problem(out_dir, exc)}") from None
     for n in itertools.count(1):
         final = out_dir / (f"{stamp}-{label}" + (f"-{n}" if n > 1 else ""))
@@ -224,6 +234,7 @@ def run_directory(out_dir: Path, label: str):
         shutil.rmtree(partial, ignore_errors=True)
         with contextlib.suppress(OSError):
             final.rmdir()
+        remove_made()
         raise
 
 
@@ -441,16 +452,22 @@ def _capture_all(req: TraceRequest, config, device: str, run_dir: Path, final: P
             from kimi_perf.decode.specialized import build_model
 
             model = build_model(config, weights, PATH_BACKENDS[path], device=device,
-                                **path_options(req))
+                                **path_options(req, path))
             trace_file = run_dir / f"{path}.trace.json.gz"
             metrics = _profile(model, req, device, trace_file, done)
             del model    # (its packed weights: not held while the next path's are made)
-        trace = read_trace(trace_file)
-        # where the trace will be (the run directory is filled under a temporary name), from
-        # any directory: as its saved copy and its breakdown name it
-        trace.meta["file"] = str(final.resolve() / trace_file.name)
-        trace.save(run_dir / f"{path}.kptrace")
-        results[path] = breakdown(trace)
+        try:
+            trace = read_trace(trace_file)
+            # where the trace will be (the run directory is filled under a temporary name),
+            # from any directory: as its saved copy and its breakdown name it
+            trace.meta["file"] = str(final.resolve() / trace_file.name)
+            trace.save(run_dir / f"{path}.kptrace")
+            results[path] = breakdown(trace)
+        except TraceError as exc:   # (its file goes with the run: named as the path's)
+            if exc.path is None or Path(exc.path).parent not in (run_dir, final.resolve()):
+                raise
+            raise TraceError(None, f"the {path} path's {Path(exc.path).name} (removed with the "
+                                   f"unfinished run): {exc.problem}") from None
         del trace
         run_info["paths"][path] = metrics
     _write_outputs(run_dir, final, run_info, results,
@@ -573,7 +590,7 @@ def _rank_profile(rank: int, weights, config, req: TraceRequest, path: str, run_
     from kimi_perf.decode.tp import rank_model
 
     model = rank_model(weights, config, rank, torch.bfloat16,
-                       decode_backend=PATH_BACKENDS[path], **path_options(req))
+                       decode_backend=PATH_BACKENDS[path], **path_options(req, path))
     return _profile(model, req, "cpu", Path(run_dir) / f"{path}.rank{rank}.trace.json.gz")
 
 
@@ -677,7 +694,7 @@ def _capture_path_nsys(path: str, req: TraceRequest, device: str, run_dir: Path
     request = {"preset": req.preset, "n_layers": req.n_layers, "seed": req.seed,
                "batch": req.batch, "context": req.context, "steps": req.steps,
                "warmup": req.warmup, "kv_cache": req.kv_cache, "graphs": req.graphs,
-               "spec_tokens": req.spec_tokens, **path_options(req)}
+               "spec_tokens": req.spec_tokens, "options": path_options(req, path)}
     traced = "nvtx,cuda" if device == "cuda" else "nvtx"
     cmd = [nsys, "profile", f"--trace={traced}", "--sample=none", "--cpuctxsw=none",
            "--force-overwrite=true", "-o", str(rep.with_suffix(""))]
@@ -689,17 +706,38 @@ def _capture_path_nsys(path: str, req: TraceRequest, device: str, run_dir: Path
                        str(sqlite), str(rep)]):
         result = _run_nsys(step)
         if result.returncode != 0:
-            lines = (result.stderr or result.stdout).strip().splitlines()
-            raise TraceError(None, f"nsys {step[1]} failed for the {path} path: "
-                                   + (lines[-1] if lines else f"exit {result.returncode}"))
+            if "Traceback (most recent call last)" in (result.stderr or ""):
+                # a bug, not bad input: what the profiled program printed, then the line
+                print(result.stderr.rstrip(), file=sys.stderr)
+            raise TraceError(None, f"the {path} path: {nsys_failure(result)}")
         if step is cmd and not metrics_file.exists():   # (nsys exited 0 all the same)
             raise TraceError(None, f"nsys profile ended before the {path} path had run its "
                                    "steps (the profiled process was stopped, or never started)")
+    if not sqlite.exists():
+        raise TraceError(None, f"the {path} path: {nsys} export exited 0 but wrote no SQLite "
+                               "export")
     worker = json.loads(metrics_file.read_text())
     metrics_file.unlink()
+    if not has_nvtx_ranges(sqlite):
+        raise TraceError(None, f"the {path} path: nsys recorded none of its NVTX ranges"
+                               + _nvtx_hint(worker["nvtx"]))
     return _metrics(req, device, worker["prefill_s"], worker["step_s"], worker["tokens"],
                     worker["fallbacks"], worker["model"],
                     logits_finite=worker["logits_finite"]), sqlite
+
+
+def _nvtx_hint(binding: str) -> str:
+    """Why nsys heard no range from the ``nvtx`` package release that recorded them (the
+    worker names it; on a GPU, torch's binding)."""
+    try:
+        release = tuple(int(part) for part in binding.split(".")[:3])
+    except ValueError:   # (torch.cuda.nvtx, or a release the worker could not name)
+        return ""
+    if release >= (0, 2, 12):
+        return (f" (nvtx {binding} is installed: from 0.2.12 the nvtx package switches itself "
+                "off under nsys 2023.4, docs/nsys-on-a-cpu.md; pip install nvtx==0.2.11)")
+    return f" (nvtx {binding} is installed; kimi-perf is tested with 0.2.11)" \
+        if release != (0, 2, 11) else ""
 
 
 def run_document(run_dir: Path, results: dict[str, Breakdown], run_info: dict,

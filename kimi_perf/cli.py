@@ -270,10 +270,14 @@ def _format_option(choices: list[str]):
 
 
 def _format_of(fmt: str | None, output: Path | None, choices: tuple[str, ...]) -> str:
-    """--format as given, else the format the -o file's suffix names, else table."""
+    """--format as given, else the format the -o file's suffix names, else table; a suffix
+    naming a format the command lacks (floors has no CSV) is an error, not a table in it."""
     if fmt is not None:
         return fmt
     suffix = output.suffix.lower().removeprefix(".") if output is not None else ""
+    if suffix in ("csv", "json") and suffix not in choices:
+        raise TraceError(None, f"-o {output.name}: no {suffix} format here (table or "
+                               f"{', '.join(choices)}): give --format, or another name")
     return suffix if suffix in choices and suffix != "table" else "table"
 
 
@@ -482,7 +486,13 @@ class KimiPerfGroup(click.Group):
 @click.group(cls=KimiPerfGroup)
 @click.version_option(package_name="kimi-perf")
 def main() -> None:
-    """Per-layer kernel counts and µs from nsys and PyTorch-profiler traces."""
+    """Per-layer kernel counts and µs from nsys and PyTorch-profiler traces.
+
+    A TRACE is an nsys SQLite export (.sqlite, .sqlite.gz), an nsys report (.nsys-rep,
+    .qdrep: exported by the Nsight Systems CLI, KIMI_PERF_NSYS or nsys on PATH, unless an
+    export no older is beside it), a PyTorch-profiler trace (Kineto JSON, .json, .json.gz) or a
+    .kptrace; where a command takes a directory, the traces in it.
+    """
 
 
 @main.command(short_help="Kernels per range, as nsys stats' nvtx_kern_sum report")
@@ -1109,16 +1119,24 @@ def floors_cmd(preset_name: str, tp: int | None, batch: int, context: int, weigh
 @_kv_cache_option
 @_experts_option
 @_seed_option
-@click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table",
-              show_default=True)
+@_format_option(["table", "json"])
+@click.option("-o", "--output", type=PATH, help="write here, not stdout (the verdict's line "
+              "also on stderr)")
 @_fail_cleanly
 def validate(preset_name: str, n_layers: int | None, paths: str, steps: int,
              spec_tokens: int, batch: int, prompt: int, dtype: str, kv_cache: str,
-             experts: str, seed: int, fmt: str) -> None:
-    """Check decode paths against a float64 reference of the same weights (CPU is enough).
+             experts: str, seed: int, fmt: str | None, output: Path | None) -> None:
+    """Check decode paths against a float64 reference of the same weights (CPU is enough):
+    each layer on the path's own inputs, bounded at any depth, and the whole model's drift.
 
     Exit code 1 when an error exceeds its bound for the dtype.
     """
+    fmt = _format_of(fmt, output, ("json",))
+    if output is not None and str(output) != "-":   # (said before the run, not after it)
+        if not output.parent.is_dir():
+            raise TraceError(output, "cannot write: no such directory")
+        if output.is_dir():
+            raise TraceError(output, "cannot write: it is a directory")
     try:
         import torch
 
@@ -1158,15 +1176,21 @@ def validate(preset_name: str, n_layers: int | None, paths: str, steps: int,
         result = v.validate(preset_name, chosen, steps=steps, batch=batch, prompt=prompt,
                             dtype=dtype, kv_cache=kv_cache, seed=seed, n_layers=n_layers,
                             spec_tokens=spec_tokens, experts=experts)
+    checked = ", ".join(result["paths"])
+    verdict = (f"validate: pass ({checked} within bounds)" if result["ok"] else
+               f"validate: FAIL ({counted(len(result['failures']), 'failure')}: above)")
     if fmt == "json":
-        _echo(json.dumps(result, indent=1))
+        _emit(json.dumps(result, indent=1) + "\n", output)
     else:
-        render.print_tables([render.validation_table(result)])
-        for failure in result["failures"]:
-            click.echo(f"FAIL {failure}")
-        checked = ", ".join(result["paths"])
-        click.echo(f"validate: pass ({checked} within bounds)" if result["ok"] else
-                   f"validate: FAIL ({counted(len(result['failures']), 'failure')}: above)")
+        lines = [*(f"FAIL {failure}" for failure in result["failures"]), verdict]
+        if output is None:
+            render.print_tables([render.validation_table(result)])
+            click.echo("\n".join(lines))
+        else:
+            _emit(render.tables_text([render.validation_table(result)]) + "\n".join(lines)
+                  + "\n", output)
+    if output is not None and str(output) != "-":
+        click.echo(verdict.replace("above", f"in {output}"), err=True)
     if not result["ok"]:
         sys.exit(1)
 
@@ -1199,7 +1223,9 @@ def validate(preset_name: str, n_layers: int | None, paths: str, steps: int,
 @click.option("--graphs/--no-graphs", default=False, show_default=True,
               help="replay each decode step as one CUDA graph (GPU only)")
 @click.option("--backend", type=click.Choice(["torch", "nsys"]), default="torch",
-              show_default=True, help="profiler")
+              show_default=True, help="profiler: torch (Kineto JSON) or nsys (Nsight "
+              "Systems: KIMI_PERF_NSYS, else nsys on PATH; scripts/install-nsys.sh installs "
+              "its CLI on Debian)")
 @_kv_cache_option
 @_experts_option
 @click.option("--spec-tokens", default=0, show_default=True, type=click.IntRange(0, 7),
@@ -1375,7 +1401,7 @@ def _print_run(console: Console, run_dir: Path, results: dict[str, Breakdown],
     table), the notes, the floors, each path's decode metrics and where the files are."""
     from kimi_perf.comparison import compare as compare_breakdowns
     from kimi_perf.comparison import sides_notes
-    from kimi_perf.report import capture_said, cold_start_text
+    from kimi_perf.report import capture_said, first_forward_text
 
     labels = list(results)
     a = labels[0]
@@ -1431,9 +1457,9 @@ def _print_run(console: Console, run_dir: Path, results: dict[str, Breakdown],
                       "layer must move at least (kimi-perf floors)")
     if on_cpu:
         who = "Run" if len(on_cpu) == len(labels) else ", ".join(on_cpu) + " ran"
-        cold = f"; {said}" if (said := cold_start_text(run_info)) else ""
+        first = f"; {said}" if (said := first_forward_text(run_info)) else ""
         console.print(f"{who} on a CPU, with no GPU kernels: 'ops' are the launches each path "
-                      f"annotates (one per kernel it would run on a GPU), timed on the CPU{cold}.")
+                      f"annotates (one per kernel it would run on a GPU), timed on the CPU{first}.")
     for path, metrics in run_info.get("paths", {}).items():
         console.print(f"{path}: {metrics['decode_tokens_per_s']:.1f} decode tokens/s (the "
                       "profiled steps' tokens over their summed time), "

@@ -456,7 +456,8 @@ def gpus_text(gpus: list[dict], tool: str | None = None) -> str:
 
 def sides_notes(a: Breakdown, b: Breakdown, label_a: str, label_b: str) -> list[str]:
     """What a comparison's two sides are, where it changes how to read its µs: GPUs of
-    another kind (from the kernels each trace ran), or a CPU run's ops."""
+    another kind (from the kernels each trace ran), steps of other phases (decode against
+    prefill or mixed steps), or a CPU run's ops."""
     notes = []
     ran = [(x.source or {}).get("gpus_ran") or [] for x in (a, b)]
     if all(ran) and gpu_kinds(ran[0]) != gpu_kinds(ran[1]):
@@ -464,6 +465,10 @@ def sides_notes(a: Breakdown, b: Breakdown, label_a: str, label_b: str) -> list[
                                                                            strict=True)]
         notes.append(f"{label_a} ran on {said[0]}, {label_b} on {said[1]}: "
                      "their µs differ for that alone")
+    phases = [sorted({s.get("phase") for s in x.steps} - {None, "unknown"}) for x in (a, b)]
+    if all(phases) and phases[0] != phases[1]:
+        notes.append(f"{label_a}'s steps are {'/'.join(phases[0])}, {label_b}'s "
+                     f"{'/'.join(phases[1])}: their µs differ for that alone")
     on_cpu = [label for label, x in ((label_a, a), (label_b, b)) if x.unit == "ops"]
     if on_cpu:
         interpreted = (" (a specialized path's kernels ran in Triton's interpreter)"

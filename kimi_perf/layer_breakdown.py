@@ -808,7 +808,8 @@ def kernel_spreads(durations: np.ndarray) -> list[list[float] | None]:
 
 SPREAD_NOTE = ("(a-b): the 10th to 90th percentile of a GPU kernel's µs over the layers, where "
                "it spreads 1.5-fold or more: its work varies from layer to layer "
-               "(sliding-window and full attention, say), and one median does not describe it")
+               "(sliding-window against full attention, MoE experts as routing loads them), "
+               "and one median does not describe it")
 
 
 def spread_text(kernel: dict) -> str:
@@ -938,10 +939,15 @@ def replay_note(replays: dict, captures: list[str]) -> str:
     said = (f"{placed} of {ops} GPU ops replayed from CUDA/HIP graphs are placed in the ranges "
             f"open where their capture launched them{joined}; the other {ops - placed}"
             ) if placed else f"{ops} GPU ops replayed from CUDA/HIP graphs"
-    return (f"{said} have no capture in this trace to place them in the ranges open then (a "
-            "capture profiled apart joins it with --capture: breakdown's, convert's or trace "
-            "--from's; the .kptrace convert --capture saves reads as the pair for compare, "
-            "gate and report)")
+    where = "in this trace or the captures joined" if captures else "in this trace"
+    said += (f" have no capture {where} to place them in the ranges open then: they count "
+             "where their graph launch ran (layers found by the kernels' repeating pattern "
+             "are still found)")
+    if captures:
+        return said
+    return (f"{said}. Where the capture ran inside per-layer ranges and was profiled apart, "
+            "--capture joins it (breakdown's, convert's or trace --from's; convert --capture "
+            "saves the pair as one .kptrace, which compare, gate and report read)")
 
 
 def step_notes(b: Breakdown) -> list[str]:

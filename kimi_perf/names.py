@@ -49,7 +49,8 @@ def primed(labels: list[str]) -> list[str]:
 
 def short_names(names: list[str], width: int = 80) -> list[str]:
     """Each name demangled, without a leading ``void `` and its argument list; then, while it
-    is wider than ``width``, its innermost template arguments folded to ``<…>``; finally cut
+    is wider than ``width``, its innermost template arguments folded to ``<…>`` (keeping the
+    operation they name: ``<…MulFunctor>``); finally cut
     in the middle (its head and its tail kept). Different names that would read the same end
     in a digest of the whole name instead (``…~3f2a``)."""
     full = demangle(names)
@@ -67,11 +68,12 @@ def _shorten(name: str, width: int) -> str:
 
 
 def _fold_templates(name: str, width: int) -> str:
-    """The innermost template argument lists folded to ``<…>``, a level at a time (a list's
-    level is one more than its highest inner list's), until the name is at most ``width``
-    wide or nothing is left to fold. One pass: what folding a level saves is known from each
-    list of that level alone, since its inner lists are folded by then. A ``<`` or ``>`` that
-    closes no list (``operator<``) is a character like any other."""
+    """The innermost template argument lists folded to ``<…>`` (``_folded``), a level at a
+    time (a list's level is one more than its highest inner list's), until the name is at
+    most ``width`` wide or nothing is left to fold. One pass: what folding a level saves is
+    known from each list of that level alone, since its inner lists are folded by then (a
+    level more where the operations ``_folded`` keeps make it too wide). A ``<`` or ``>``
+    that closes no list (``operator<``) is a character like any other."""
     lists: list[tuple[int, int, int]] = []  # (open, close, level)
     saved_at_level: list[int] = [0]
     # each open list: its position, its inner lists' highest level, their length, their count
@@ -96,12 +98,37 @@ def _fold_templates(name: str, width: int) -> str:
     while over > 0 and level + 1 < len(saved_at_level):
         level += 1
         over -= saved_at_level[level]
+    lists.sort()
+    folded = _fold_to(name, lists, level)
+    # (the operations kept make a fold longer than `<…>`: a level more where it is too wide)
+    while len(folded) > width and level + 1 < len(saved_at_level):
+        level += 1
+        folded = _fold_to(name, lists, level)
+    return folded
+
+
+def _fold_to(name: str, lists: list[tuple[int, int, int]], level: int) -> str:
+    """``name`` with its template argument lists up to ``level`` folded (``lists`` sorted)."""
     parts, end = [], 0
-    for start, close, list_level in sorted(lists):
+    for start, close, list_level in lists:
         if list_level <= level and start >= end:  # outermost of those folded
-            parts += [name[end:start], "<…>"]
+            parts += [name[end:start], _folded(name[start: close + 1])]
             end = close + 1
     return "".join(parts) + name[end:]
+
+
+# What an argument list says a kernel does, where its name does not (PyTorch's elementwise
+# and reduce kernels, ck_tile's kentry): its last functor, op or pass (MulFunctor,
+# CUDAFunctorOnOther_add, sum_functor, MeanOps, Rmsnorm2dFwd) or the kernel function a lambda
+# is scoped in (silu_kernel), kept when the list is folded; not CUTLASS's operator class nor
+# the ReduceOp that wraps every reduction's ops
+_OPERATION = re.compile(r"\b(?!OpClass|ReduceOp\b)[A-Za-z]\w*?(?:[Ff]unctor\w*|Ops?|Fwd|Bwd)\b"
+                        r"|\b\w+_kernel(?:_cuda)?(?=\()")
+
+
+def _folded(arguments: str) -> str:
+    said = _OPERATION.findall(arguments)
+    return f"<…{said[-1]}>" if said else "<…>"
 
 
 def _cut(name: str, width: int) -> str:

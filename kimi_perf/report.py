@@ -615,29 +615,30 @@ def _run_html(run: dict | None, breakdowns: dict[str, Breakdown]) -> str:
                        "so its µs are not a speed figure"
                        if "specialized" in metrics and "specialized" not in fell_back else "")
         which = "Run" if len(on_cpu) == len(breakdowns) else e(", ".join(on_cpu)) + " ran"
-        cold = (f"; {html.escape(said, quote=False)}" if (said := cold_start_text(run))
-                else "")
+        first = (f"; {html.escape(said, quote=False)}" if (said := first_forward_text(run))
+                 else "")
         parts.append(f"<p class=note>{which} on a CPU, with no GPU kernels: <b>ops</b> are the "
                      "launches each path annotates (one per kernel it would run on a GPU), "
-                     f"timed on the CPU{interpreted}{cold}.</p>")
+                     f"timed on the CPU{interpreted}{first}.</p>")
     return "".join(parts)
 
 
-def cold_start_text(run: dict) -> str | None:
-    """Whose time to first token a CPU run's process start is in (None without decode
-    metrics): each path's under nsys (a process each) or TP (processes of its ranks), else
-    the first path's."""
+def first_forward_text(run: dict) -> str | None:
+    """Whose time to first token is a process's first forward pass, first-call costs and
+    all (None without decode metrics): each path's under nsys (a process each) or TP
+    (processes of its ranks), else the first path's."""
     metrics = run.get("paths") or {}
     if not metrics:
         return None
     if (run.get("request") or {}).get("backend") == "nsys":
         return ("each path ran in a process of its own under nsys, so its time to first token "
-                "is that process's cold start")
+                "is that process's first forward pass, first-call costs and all")
     if isinstance(tp := run.get("tp"), int) and tp > 1:
         return (f"each path ran in {tp} processes of its own (its TP ranks), so its time to "
-                "first token is their cold start")
-    return (f"the first path's time to first token ({next(iter(metrics))}) includes the "
-            "process's cold start, so compare it across runs of one path")
+                "first token is their first forward pass, first-call costs and all")
+    return (f"the first path's time to first token ({next(iter(metrics))}) is the process's "
+            "first forward pass, first-call costs and all, so compare it across runs of one "
+            "path")
 
 
 # Tables wider than the window scroll inside themselves; long names wrap anywhere.

@@ -25,7 +25,7 @@ import numpy as np
 from kimi_perf.errors import TraceError, stat_problem
 from kimi_perf.layer_breakdown import Breakdown, breakdown_of_file, layer_column
 from kimi_perf.names import primed
-from kimi_perf.readers.nsys import NSYS_REPORTS
+from kimi_perf.readers.nsys import NSYS_REPORTS, is_stale_export
 from kimi_perf.text import counted
 from kimi_perf.trace import (
     KIMI_PERF_JSON,
@@ -894,7 +894,8 @@ def trace_files(paths: list[str | Path], keep_runs: bool = False,
     ``left_out``): breakdown JSON files, other JSON that is no trace, and a name of a trace's
     that is no regular file (a FIFO, a symlink loop or to nothing), and a trace beside the
     ``.kptrace`` saved from it (the same capture); an .nsys-rep beside its SQLite export is
-    too, silently (its export is the same capture). A directory where
+    too, silently (its export is the same capture), or the export where it is older than the
+    report (an earlier capture's). A directory where
     nothing is left says what was left out. A kimi-perf run directory is not a directory of
     traces: an error, or with ``keep_runs`` kept as it is (``kimi-perf report`` draws it)."""
     def natural(p: Path) -> list:
@@ -930,12 +931,22 @@ def trace_files(paths: list[str | Path], keep_runs: bool = False,
                 "; left out: " + ", ".join(f"{f.name} ({why})" for f, why in passed)
                 if passed else ""))
         copies = _saved_beside(found)
-        if left_out is not None:
-            left_out += passed + sorted(copies.items(), key=lambda entry: natural(entry[0]))
         # a report nsys has exported (``nsys stats`` leaves X.sqlite beside X.nsys-rep) is
-        # one capture: its export is read, and the report is not read again
-        exported = {f.name.removesuffix(".gz").removesuffix(".sqlite") for f in found
-                    if f.name.endswith((".sqlite", ".sqlite.gz"))}
-        out += [f for f in found
-                if not (f.suffix in NSYS_REPORTS and f.stem in exported) and f not in copies]
+        # one capture: its export is read, and the report is not read again; an export
+        # older than its report is an earlier capture's (``nsys profile -f true`` again):
+        # the report is read (exported again), as ``nsys stats`` does
+        exports = {f.name.removesuffix(".gz").removesuffix(".sqlite"): f for f in found
+                   if f.name.endswith((".sqlite", ".sqlite.gz"))}
+        reports = {f: exports[f.stem] for f in found
+                   if f.suffix in NSYS_REPORTS and f.stem in exports}
+        stale = {export: f"older than {report.name}, an earlier capture's export: the "
+                         "report is read"
+                 for report, export in reports.items()
+                 if report not in copies and export not in copies
+                 and is_stale_export(export, report)}
+        exported = {report for report, export in reports.items() if export not in stale}
+        if left_out is not None:
+            left_out += passed + sorted([*copies.items(), *stale.items()],
+                                        key=lambda entry: natural(entry[0]))
+        out += [f for f in found if f not in exported and f not in stale and f not in copies]
     return out

@@ -11,6 +11,11 @@
 # and the importer needs libssh (package libssh-4).
 set -euo pipefail
 
+case ${1:-} in
+  -h|--help) sed -n '2,/^set -euo/p' "$0" | sed -e '$d' -e 's/^# \{0,1\}//'; exit 0 ;;
+  -*) echo "install-nsys: unknown option $1 (usage: scripts/install-nsys.sh [PREFIX])" >&2
+      exit 2 ;;
+esac
 prefix=${1:-$HOME/.cache/kimi-perf/nsys}
 wrapper=$prefix/bin/nsys
 if [ -x "$wrapper" ] && "$wrapper" --version >/dev/null 2>&1; then
@@ -23,9 +28,10 @@ sources=/etc/apt/sources.list.d/debian.sources
 apt_dir=$prefix/apt
 mkdir -p "$apt_dir/lists/partial" "$apt_dir/cache/archives/partial" "$apt_dir/sources.d" \
   "$prefix/debs" "$prefix/root"
-# The system's own entries, with every component, plus the testing suite that has 2023.4.
+# The system's own entries, with every component, plus (in the first entry, the archive's
+# own: a security archive's suites are named otherwise) the suite that has 2023.4.
 sed -e 's/^Components:.*/Components: main contrib non-free non-free-firmware/' \
-    -e 's/^Suites: \([a-z]*\) \(.*\)/Suites: \1 \2 trixie/' \
+    -e '0,/^Suites:/{/^Suites:.*\btrixie\b/!s/^Suites:.*/& trixie/}' \
     "$sources" > "$apt_dir/sources.d/debian.sources"
 : > "$apt_dir/sources.list"
 cat > "$apt_dir/apt.conf" <<EOF

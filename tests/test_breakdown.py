@@ -447,6 +447,28 @@ def test_vllm_decode_breakdown():
     ("void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>",
      "elementwise"),
     ("my_custom_thing", "other"),
+    # FlashInfer's kernels beside its attention (SGLang's defaults), by module
+    ("void flashinfer::norm::FusedAddRMSNormKernel<8u, __nv_bfloat16>", "norm"),
+    ("void flashinfer::BatchQKApplyRotaryPosIdsCosSinCacheKernel<true, 128u>", "rope"),
+    ("void flashinfer::activation::act_and_mul_kernel<__nv_bfloat16, &silu>", "elementwise"),
+    ("void flashinfer::sampling::TopKTopPSamplingFromProbKernel<1024u>", "elementwise"),
+    ("void flashinfer::BatchDecodeWithPagedKVCacheKernel<PosEncodingMode(0)>", "attention"),
+    # Triton's decode and extend attention (SGLang, vLLM's TRITON_MLA), TensorRT-LLM's XQA
+    ("_fwd_grouped_kernel_stage1", "attention"), ("_fwd_kernel_stage2", "attention"),
+    ("_fwd_grouped_kernel_stage1_rope", "attention"), ("_fwd_kernel", "attention"),
+    ("void xqa::kernel_mha<__nv_bfloat16>", "attention"),
+    # Inductor's fused RMSNorm; routing and grouped GEMMs of MoE launches
+    ("triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0", "norm"),
+    ("triton_poi_fused_add_mul_0", "elementwise"),
+    ("moe_fused_gate_kernel<float, 256>", "router"),
+    ("count_and_sort_expert_tokens_kernel<int>", "router"),
+    ("void deep_gemm::fp8_gemm_kernel<7168u, 4096u, 128u, (deep_gemm::GemmType)1>", "moe"),
+    ("void deep_gemm::fp8_gemm_kernel<7168u, 4096u, 128u, (deep_gemm::GemmType)0>", "gemm"),
+    ("void deep_gemm::fp8_gemm_kernel<7168u, 4096u, 128u, (deep_gemm::GemmType)3>", "moe"),
+    ("void deep_gemm::sm90_m_grouped_fp8_gemm_masked_1d2d_impl<128u>", "moe"),
+    ("num_grouped_tokens_kernel", "other"),        # (no m_grouped inside a word)
+    ("_fwd_kernel_alibi", "attention"),
+    ("triton_per_fused__to_copy_abs_add_amax_clamp_div_mean_mul_pow_reciprocal_1", "norm"),
 ])
 def test_default_kernel_classes(name, cls):
     assert classify_name(name, default_rules()) == cls

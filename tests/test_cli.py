@@ -222,9 +222,11 @@ def test_a_capture_saved_apart_joins_breakdown_convert_and_trace_from(tmp_path):
     _one_line_error(only_replay, "no range matching its regex holds a kernel launch of a step")
     said = " ".join(run("breakdown", VLLM).output.split())
     assert ("421 GPU ops replayed from CUDA/HIP graphs have no capture in this trace to place "
-            "them in the ranges open then (a capture profiled apart joins it with --capture: "
-            "breakdown's, convert's or trace --from's; the .kptrace convert --capture saves "
-            "reads as the pair for compare, gate and report)" in said)
+            "them in the ranges open then: they count where their graph launch ran (layers "
+            "found by the kernels' repeating pattern are still found). Where the capture ran "
+            "inside per-layer ranges and was profiled apart, --capture joins it (breakdown's, "
+            "convert's or trace --from's; convert --capture saves the pair as one .kptrace, "
+            "which compare, gate and report read)" in said)
     said = " ".join(run("breakdown", VLLM, "--capture", VLLM_CAPTURE).output.split())
     assert ("421 GPU ops replayed from CUDA/HIP graphs are placed in the ranges open where "
             f"their capture launched them (joined from {VLLM_CAPTURE})") in said
@@ -637,7 +639,7 @@ shutil.copy({str(source)!r}, out)
     failing = bindir / "nsys"
     failing.write_text("#!/bin/sh\necho 'cannot open report' >&2\nexit 3\n")
     result = run("info", rep)
-    assert result.exit_code == 2 and "nsys export failed: cannot open report" in result.output
+    _one_line_error(result, f"{rep}: {fake} export exited 3: cannot open report")
     # an export that is no SQLite: said of the .nsys-rep, not of the temporary file gone
     failing.write_text(f"""#!{sys.executable}
 import sys
@@ -645,6 +647,113 @@ args = sys.argv[1:]
 open(args[args.index("--output") + 1], "w").write("garbage")
 """)
     _one_line_error(run("info", rep), f"{rep}: its SQLite export: ")
+
+
+def _fake_nsys(bindir: Path, export_of: Path | None) -> Path:
+    """A stand-in `nsys` on PATH whose `nsys export` copies ``export_of`` (None: writes
+    nothing and exits 0) and records each report it exported."""
+    bindir.mkdir(exist_ok=True)
+    fake = bindir / "nsys"
+    fake.write_text(f"""#!{sys.executable}
+import shutil, sys
+args = sys.argv[1:]
+with open({str(bindir / "exported")!r}, "a") as log:
+    print(args[-1], file=log)
+if {str(export_of) if export_of else None!r}:
+    shutil.copy({str(export_of)!r}, args[args.index("--output") + 1])
+""")
+    fake.chmod(0o755)
+    return fake
+
+
+def test_nsys_reports_are_told_by_content_and_their_fresh_exports_read(tmp_path, monkeypatch):
+    """An Nsight Systems report is read however it is named (it begins with nsys's own
+    header), through the nsys a bare KIMI_PERF_NSYS names on PATH; a report's SQLite
+    export beside it is read instead where it is no older, as `nsys stats` does, and an
+    older one (an earlier capture's) is not read in its place."""
+    source = NSYS / "zx3xyy-assignment2-systems__result_2_7B_nvtx__nsys2024.6.2.sqlite"
+    fake = _fake_nsys(tmp_path / "bin", source)
+    monkeypatch.setenv("PATH", f"{fake.parent}:/usr/bin:/bin")
+    monkeypatch.setenv("KIMI_PERF_NSYS", "nsys")
+    report = b"NVIDIA Tegra Profiler Report 2023@4@4@54 ..."
+    for name in ("renamed.sqlite", "no-suffix"):
+        (tmp_path / name).write_bytes(report)
+        result = run("info", tmp_path / name)
+        assert result.exit_code == 0 and "7,328 kernels," in result.output, result.output
+    assert (fake.parent / "exported").read_text().split() == [
+        str(tmp_path / "renamed.sqlite"), str(tmp_path / "no-suffix")]
+    # with no nsys at all: the export beside the report, as fresh as it, is read
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    monkeypatch.delenv("KIMI_PERF_NSYS")
+    captured = tmp_path / "capture"
+    captured.mkdir()
+    rep, export = captured / "run.nsys-rep", captured / "run.sqlite"
+    rep.write_bytes(report)
+    shutil.copy(source, export)
+    os.utime(rep, (1_000, 1_000))
+    said = run("info", rep).output   # said of the report, read through its export
+    assert said.startswith(f"{rep}: a .nsys-rep read through its SQLite export: nsys-sqlite ")
+    assert "7,328 kernels," in said
+    os.utime(export, (999, 999))   # a moment older (a folder copied without its times)
+    assert "7,328 kernels," in run("info", rep).output
+    bad = tmp_path / "bad.nsys-rep"
+    bad.write_bytes(report)
+    (tmp_path / "bad.sqlite").write_bytes(b"SQLite format 3\x00" + bytes(84))
+    _one_line_error(run("info", bad), f"{bad}: its SQLite export beside it, bad.sqlite: ")
+    # older than the report: an earlier capture's, which nsys must not be taken for
+    os.utime(export, (500, 500))
+    _one_line_error(run("info", rep), f"{rep}: reading an Nsight Systems report needs the "
+                    "Nsight Systems CLI", "(run.sqlite beside it is older than the report, an "
+                    "earlier capture's export: pass it to read that)")
+    # a directory reads the report (exported again) and says it left the old export out
+    monkeypatch.setenv("PATH", f"{fake.parent}:/usr/bin:/bin")
+    (fake.parent / "exported").unlink()
+    result = CliRunner().invoke(main, ["info", str(captured)])
+    assert result.exit_code == 0 and "7,328 kernels," in result.stdout, result.output
+    assert (fake.parent / "exported").read_text().split() == [str(rep)]
+    assert result.stderr.strip() == (f"left out: {export} (older than run.nsys-rep, an "
+                                     "earlier capture's export: the report is read)")
+    os.utime(export, (2_000, 2_000))   # exported since: the export alone is read
+    result = CliRunner().invoke(main, ["info", str(captured)])
+    assert result.exit_code == 0 and result.stderr == "", result.output
+    assert result.stdout.startswith(f"{export}: nsys-sqlite from ")
+
+
+def test_nsys_failures_say_why_in_a_line(tmp_path, monkeypatch):
+    """What an nsys command that failed says: the program it profiled killed (nsys exits
+    128 + the signal), nsys's own complaint rather than its usage lines, what the profiled
+    Python program raised; an export that wrote nothing; a KIMI_PERF_NSYS that is no
+    command."""
+    from kimi_perf.readers.nsys import nsys_failure
+
+    def failed(code: int, stderr: str = "") -> str:
+        return nsys_failure(subprocess.CompletedProcess(["/opt/nsys", "profile", "-o", "x"],
+                                                        code, "Generated:\n  x.nsys-rep\n",
+                                                        stderr))
+
+    assert failed(137) == ("/opt/nsys profile exited 137: the profiled program was killed by "
+                           "SIGKILL (the out-of-memory killer sends it where memory runs out)")
+    assert failed(-15) == "/opt/nsys profile exited -15: it was killed by SIGTERM"
+    assert failed(1, "unrecognised option '--cpuctxsw=none'\n\nusage: nsys profile [<args>]"
+                     "\nTry 'nsys profile --help' for more information.\n") == (
+        "/opt/nsys profile exited 1: unrecognised option '--cpuctxsw=none'")
+    assert failed(1, "loading\nTraceback (most recent call last):\n  File \"<string>\", "
+                     "line 1\nRuntimeError: boom\n") == (
+        "/opt/nsys profile exited 1: the profiled program raised RuntimeError: boom")
+    assert failed(3) == "/opt/nsys profile exited 3"   # (stdout's progress is no reason)
+    assert failed(1, "Traceback (most recent call last):\n  File \"w.py\", line 2\n    "
+                     "raise ValueError('two\\nlines')\nValueError: two\nlines\n") == (
+        "/opt/nsys profile exited 1: the profiled program raised ValueError: two")
+    rep = tmp_path / "run.nsys-rep"
+    rep.write_bytes(b"NVIDIA Tegra Profiler Report")
+    fake = _fake_nsys(tmp_path / "bin", None)
+    monkeypatch.setenv("KIMI_PERF_NSYS", str(fake))
+    _one_line_error(run("info", rep), f"{rep}: {fake} export exited 0 but wrote no SQLite "
+                    "export")
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    monkeypatch.setenv("KIMI_PERF_NSYS", "nsys")
+    _one_line_error(run("info", rep), "KIMI_PERF_NSYS=nsys: not an executable file (nor a "
+                    "command on PATH)")
 
 
 def _one_line_error(result, *fragments: str) -> None:
@@ -1730,6 +1839,13 @@ def test_output_suffix_names_the_format_where_none_is_given(tmp_path):
                     "tables)")
     assert run("breakdown", trace, "--kernels", "-o", tmp_path / "k.json", "--format",
                "table").exit_code == 0
+    # a suffix naming a format the command lacks: refused, not a table in a .csv file
+    for command in (["compare", BASELINE], ["gate", BASELINE, BASELINE], ["floors"]):
+        _one_line_error(run(*command, "-o", tmp_path / "x.csv"),
+                        "-o x.csv: no csv format here (table or json): give --format, or "
+                        "another name")
+    assert not (tmp_path / "x.csv").exists()
+    assert run("floors", "-o", tmp_path / "x.csv", "--format", "table").exit_code == 0
 
 
 def test_a_trace_beside_its_kptrace_is_one_capture(tmp_path):
@@ -1811,6 +1927,17 @@ def test_a_directory_holds_every_kind_of_trace_file_read_trace_reads(tmp_path):
     assert doc["traces"][0]["kernels"] == doc["traces"][1]["kernels"] > 0
     assert trace_labels([ranks / "rank0.sqlite.gz", ranks / "rank1.qdrep"]) == ["rank0",
                                                                                   "rank1"]
+
+
+def test_compare_says_when_the_sides_steps_are_other_phases():
+    """A decode step against a mixed prefill step: said once, beside the ratios, as other
+    GPUs are; two decode traces say nothing of it."""
+    decode, mixed = (KINETO / f"tracelens_vllm_gptoss20b_{x}_mi300x.json.gz"
+                     for x in ("decode_fullgraph", "prefilldecode_piecewise"))
+    said = " ".join(run("compare", decode, mixed).output.split())
+    assert ("decode_fullgraph's steps are decode, prefilldecode_piecewise's mixed: their µs "
+            "differ for that alone") in said
+    assert "differ for that alone" not in run("compare", decode, decode).output
 
 
 def test_traces_of_unlike_models_have_no_straggler(tmp_path):
@@ -2284,7 +2411,7 @@ def test_a_signal_mid_run_leaves_nothing_and_is_no_regression(tmp_path, monkeypa
     before = signal.getsignal(signal.SIGTERM)
     result = run("trace", "--from", VLLM, "--out", out)
     assert result.exit_code == code and f"kimi-perf: {said}" in result.output
-    assert list(out.iterdir()) == []
+    assert not out.exists()   # (nor the folder made for it)
     assert signal.getsignal(signal.SIGTERM) is before   # the handler was put back
 
 
@@ -2310,7 +2437,7 @@ def test_an_error_while_a_signal_unwinds_is_the_signal_s(tmp_path, monkeypatch, 
     result = run("trace", "--from", VLLM, "--out", out)
     assert result.exit_code == code, result.output
     assert result.output.strip() == f"kimi-perf: {said}"
-    assert list(out.iterdir()) == []
+    assert not out.exists()
 
 
 def test_a_reader_that_left_changes_no_verdict(tmp_path):
@@ -2508,14 +2635,16 @@ def test_info_of_a_cpu_run_counts_its_annotated_ops(tmp_path):
 
 
 @pytest.mark.parametrize("backend, tp, said", [
-    ("torch", 1, "the first path's time to first token (standard) includes the process's cold "
-                 "start, so compare it across runs of one path"),
+    ("torch", 1, "the first path's time to first token (standard) is the process's first "
+                 "forward pass, first-call costs and all, so compare it across runs of one "
+                 "path"),
     ("nsys", 1, "each path ran in a process of its own under nsys, so its time to first token "
-                "is that process's cold start"),
+                "is that process's first forward pass, first-call costs and all"),
     ("torch", 2, "each path ran in 2 processes of its own (its TP ranks), so its time to first "
-                 "token is their cold start")])
-def test_a_cpu_run_s_report_says_whose_time_to_first_token_is_a_cold_start(tmp_path, backend,
-                                                                           tp, said):
+                 "token is their first forward pass, first-call costs and all")])
+def test_a_cpu_run_s_report_says_whose_time_to_first_token_is_a_first_forward(tmp_path,
+                                                                             backend, tp,
+                                                                             said):
     from kimi_perf.layer_breakdown import Breakdown
     from kimi_perf.report import write_report
 

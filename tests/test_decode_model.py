@@ -42,6 +42,9 @@ def test_presets_have_k3_structure():
     # The packed KDA projection per rank, as vLLM's low-latency GEMM table lists it.
     assert (tp8.in_proj_rows, tp16.in_proj_rows) == (6288, 3216)
     assert preset("k3", n_layers=8).n_layers == 8
+    for n in (1, 0, -3):   # (layer 0 has the dense MLP, the last is gated MLA)
+        with pytest.raises(ValueError, match=f"n_layers: 2 or more .* not {n}$"):
+            preset("k3", n_layers=n)
     assert preset("k3", tp=8) == tp8 and preset("k3-tp8", tp=8) == tp8
     with pytest.raises(ValueError, match="k3-tp8 is already sharded over 8 ranks"):
         preset("k3-tp8", tp=2)     # not the whole model at TP 2 under the TP8 name
@@ -66,7 +69,8 @@ def test_bf16_path_within_its_bounds_and_launch_counts():
     result = validate(paths=("standard",), dtype="bfloat16", steps=8, batch=4, seed=5)
     assert result["ok"], result["failures"]
     r = result["paths"]["standard"]
-    assert 1e-3 < r["layer_types"]["kda"]["max_rel_err"] < 0.15  # bf16 rounding is there
+    # bf16 rounding is there, and well within the bound (0.012 on this machine; 0.04)
+    assert 1e-3 < r["layer_types"]["kda"]["max_rel_err"] < 0.025
     assert r["layer_types"]["kda"]["launches"] == 18
     assert r["layer_types"]["mla"]["launches"] == 24
 
@@ -78,8 +82,8 @@ def test_fp8_cache_within_expected_error():
     r = result["paths"]["standard"]
     assert result["ok"], result["failures"]
     # the cache's rounding is there (not a cache kept in fp32), and a few % (the bound's
-    # measured figure, 0.124, was the worst of 8 runs: this one is well under it)
-    assert 1e-3 < r["layer_types"]["mla"]["max_rel_err"] < 0.08
+    # measured figure, 0.075, was the worst of 18 runs: this one is well under it)
+    assert 1e-3 < r["layer_types"]["mla"]["max_rel_err"] < 0.07
 
 
 def test_many_decode_steps_without_drift(weights):
@@ -173,8 +177,9 @@ def test_accept_keeps_exactly_the_accepted_tokens():
     step are refused. A model whose layer 0 would be gated MLA is no K3 model."""
     two = dataclasses.replace(TINY, n_layers=2)
     assert [two.layer_type(i) for i in range(2)] == ["dense", "mla"]
-    for wrong in ({"n_layers": 1}, {"full_attn_every": 1}):
-        with pytest.raises(ValueError, match=r"layer 0 \(KDA and the dense MLP\) would be"):
+    for wrong, said in (({"n_layers": 1}, r"n_layers: 2 or more \(layer 0 has the dense MLP"),
+                        ({"full_attn_every": 1}, r"layer 0 \(KDA and the dense MLP\) would be")):
+        with pytest.raises(ValueError, match=said):
             dataclasses.replace(TINY, **wrong)
     model = K3Model(two, random_weights(two, seed=3), dtype=torch.float32)
     state = model.new_state(2, 16, max_verify=4)
@@ -338,6 +343,69 @@ def test_validate_verify_steps_against_the_reference():
     assert r["logits_max_rel_err"] < 1e-4
 
 
+def test_validate_checks_each_layer_on_the_path_s_inputs_at_any_depth():
+    """Each layer is checked on the path's own inputs (the reference goes on from the
+    path's outputs), so a bf16 path within its bounds at 8 layers stays within them at 40;
+    the drift of the whole model, the two each run on its own, grows with the depth past
+    any bound (random weights amplify rounding), and is reported beside it."""
+    result = validate(paths=("standard",), steps=2, batch=1, n_layers=40)
+    assert result["ok"], result["failures"]
+    kda = result["paths"]["standard"]["layer_types"]["kda"]
+    assert kda["max_rel_err"] < result["bounds"]["layer"] < kda["drift_max_rel_err"]
+    shallow = validate(paths=("standard",), steps=2, batch=1)["paths"]["standard"]
+    assert shallow["layer_types"]["kda"]["drift_max_rel_err"] < kda["drift_max_rel_err"]
+
+
+def test_validate_names_the_layer_type_that_is_wrong(monkeypatch):
+    """An error in the gated-MLA layers alone (1% on each one's output) fails those layers
+    only: the KDA layers above them, given the path's inputs, still agree in float32,
+    where the drift of the whole model spreads it to every layer after the first MLA."""
+    from kimi_perf.decode.reference import ReferenceModel
+
+    mla = ReferenceModel._mla
+    monkeypatch.setattr(ReferenceModel, "_mla", lambda self, i, x: 1.01 * mla(self, i, x))
+    result = validate(paths=("standard",), dtype="float32", steps=2, batch=2)
+    assert [f.split(":")[0] for f in result["failures"]] == ["standard mla layers"]
+    r = result["paths"]["standard"]
+    assert r["layer_types"]["mla"]["max_rel_err"] == pytest.approx(0.0099, abs=2e-4)
+    assert r["layer_types"]["kda"]["max_rel_err"] < 1e-4 < r["layer_types"]["kda"][
+        "drift_max_rel_err"]
+
+
+def test_validate_bounds_a_kda_layer_by_its_own_rounding_beside_an_fp8_cache(monkeypatch):
+    """An fp8 cache loosens the gated-MLA layers' bound alone: a 0.1% error in the KDA
+    attention (layer 0's too) fails in float32 beside it, as without it."""
+    from kimi_perf.decode.reference import ReferenceModel
+
+    kda = ReferenceModel._kda
+    monkeypatch.setattr(ReferenceModel, "_kda", lambda self, i, x: 1.001 * kda(self, i, x))
+    result = validate(paths=("standard",), dtype="float32", kv_cache="fp8", steps=2, batch=2)
+    assert result["bounds"]["layer"] == 1e-4 < result["bounds"]["mla_layer"]
+    assert [f.split(":")[0] for f in result["failures"]] == ["standard dense layers",
+                                                             "standard kda layers"]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_validate_catches_a_router_without_its_correction_bias(monkeypatch, dtype):
+    """A path whose router drops the correction bias picks experts the reference ranks
+    below its own k-th best: the routing gap fails, in bf16 too."""
+    from kimi_perf.decode import validate as v
+
+    make_path = v.make_path
+
+    def unbiased(*args, **kwargs):
+        model = make_path(*args, **kwargs)
+        for name in model.w:
+            if name.endswith("e_score_correction_bias"):
+                model.w[name] = torch.zeros_like(model.w[name])
+        return model
+
+    monkeypatch.setattr(v, "make_path", unbiased)
+    result = validate(paths=("standard",), dtype=dtype, steps=2, batch=2)
+    assert [f.split(":")[0] for f in result["failures"]] == ["standard routing gap"]
+    assert result["paths"]["standard"]["routing_max_gap"] > 2 * result["bounds"]["routing_gap"]
+
+
 def test_validate_verify_catches_a_wrong_rollback(monkeypatch):
     """The check can fail: a rollback to the last verified token, not the last accepted one,
     leaves the KDA state ahead of the reference's."""
@@ -376,6 +444,18 @@ def test_validate_cli(tmp_path):
     assert ("preset tiny, 8 layers, bfloat16, bf16 KV cache, bf16 experts, batch 2, 2 verify "
             "steps of 1+2 tokens") in " ".join(spec.output.split())
     assert spec.output.rstrip().endswith("validate: pass (standard within bounds)")
+    # -o: the table or JSON there, the verdict on stderr too; a folder that is none, said
+    # before the run
+    out = tmp_path / "v.json"
+    written = CliRunner().invoke(main, ["validate", "--paths", "standard", "--steps", "1",
+                                        "-o", str(out)])
+    assert written.exit_code == 0 and json.loads(out.read_text())["ok"]
+    assert written.stderr == "validate: pass (standard within bounds)\n"
+    for where, said in ((tmp_path, "cannot write: it is a directory"),
+                        (tmp_path / "no" / "v.txt", "cannot write: no such directory")):
+        refused = CliRunner().invoke(main, ["validate", "-o", str(where)])
+        assert refused.exit_code == 2 and refused.output == (
+            f"kimi-perf: error: {where}: {said}\n")
     too_many = CliRunner().invoke(main, ["validate", "--spec-tokens", "1000000"])
     assert too_many.exit_code == 2 and too_many.output.count("\n") == 1
     assert "'--spec-tokens': 1000000 is not in the range 0<=x<=31" in too_many.output
@@ -475,6 +555,15 @@ def test_safetensors_checkpoint_with_k3_names(tmp_path, weights, monkeypatch):
     assert len(reads) == len(set(reads)) == sum(
         2 if ".experts." in name else 1 for name in weight_shapes(four))
 
+    # a checkpoint folder that is not there, or a file, or holds none: said which
+    for given, said in ((tmp_path / "missing", "no such directory"),
+                        (shard_file := next(tmp_path.glob("*.safetensors")), "not a directory"),
+                        (tmp_path / "empty", "no *.safetensors files")):
+        if given.name == "empty":
+            given.mkdir()
+        with pytest.raises(TraceError, match=f"^{re.escape(str(given))}: {re.escape(said)}"):
+            load_safetensors(given, TINY)
+    assert shard_file.exists()
     # A_log per channel (nonzero past the heads) is not K3's layout: an error, not a misread
     a_log = next(n for n in names if n.endswith("A_log"))
     shard = next(f for f in tmp_path.glob("*.safetensors") if a_log in load_file(str(f)))
@@ -505,7 +594,7 @@ def test_safetensors_checkpoint_with_k3_names(tmp_path, weights, monkeypatch):
     (tmp_path / "model-00002.safetensors").unlink()
     with pytest.raises(TraceError, match="checkpoint lacks"):
         load_safetensors(tmp_path, TINY)
-    with pytest.raises(TraceError, match=r"no \*\.safetensors"):
+    with pytest.raises(TraceError, match="nowhere: no such directory"):
         load_safetensors(tmp_path / "nowhere", TINY)
 
 
@@ -650,9 +739,9 @@ def test_a_prefill_of_the_last_logits_only(weights, path):
 
 def test_the_readmes_validate_json_is_what_validate_prints():
     """The README's sample of `validate --paths standard --format json`: every key and value
-    as printed, the errors within a factor of 2 (another CPU's bf16 kernels round otherwise:
-    on one machine of this project the gated-MLA error read 0.040 against the sample's 0.044,
-    and the routing gap 0.0086 against 0.0063)."""
+    as printed, the bounds exactly, the errors within a factor of 2 or 0.002 (another CPU's
+    bf16 kernels round otherwise: on one machine of this project an end-to-end gated-MLA
+    error read 0.040 against a sample's 0.044, and a routing gap 0.0086 against 0.0063)."""
     from pathlib import Path
 
     readme = (Path(__file__).parents[1] / "README.md").read_text()
@@ -667,9 +756,11 @@ def test_the_readmes_validate_json_is_what_validate_prints():
             return isinstance(b, dict) and a.keys() == b.keys() and all(close(a[k], b[k])
                                                                         for k in a)
         if isinstance(a, float) and not isinstance(b, bool):
-            return isinstance(b, float) and (a == b or 0.5 * b <= a <= 2 * b)
+            # (a figure near 0, the routing gap where rounding tipped no choice, by 0.002)
+            return isinstance(b, float) and (0.5 * b <= a <= 2 * b or abs(a - b) < 0.002)
         return a == b
 
+    assert sample["bounds"] == printed["bounds"]
     assert close(sample, printed), (sample, printed)
 
 

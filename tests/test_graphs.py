@@ -309,3 +309,20 @@ def test_each_launch_finds_its_capture_as_one_at_a_time(runs, launches):
         fits = np.flatnonzero((run_pid == p) & (run_end <= t) & (run_len == n))
         want.append(int(fits[np.argmax(run_end[fits])]) if len(fits) else -1)
     assert _latest_captures(run_pid, run_end, run_len, pid, start, size).tolist() == want
+
+
+def test_the_replay_note_says_what_a_capture_would_change():
+    """Replays none of whose captures is in the trace: where they count, and how a capture
+    profiled apart joins; some left unplaced by the captures already joined: said of those,
+    not advised again."""
+    from kimi_perf.layer_breakdown import replay_note
+
+    alone = replay_note({"ops": 10, "placed_at_capture": 0}, [])
+    assert alone.startswith("10 GPU ops replayed from CUDA/HIP graphs have no capture in this "
+                            "trace to place them") and "--capture joins it" in alone
+    joined = replay_note({"ops": 10, "placed_at_capture": 4}, ["cap.json"])
+    assert joined == ("4 of 10 GPU ops replayed from CUDA/HIP graphs are placed in the ranges "
+                      "open where their capture launched them (joined from cap.json); the "
+                      "other 6 have no capture in this trace or the captures joined to place "
+                      "them in the ranges open then: they count where their graph launch ran "
+                      "(layers found by the kernels' repeating pattern are still found)")

@@ -27,10 +27,41 @@ def test_arguments_and_void_go_and_templates_fold_until_the_name_fits():
     assert short_names([FILL], 100) == [
         "at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<…>, "
         "at::detail::Array<…> >"]
-    assert short_names([FILL], 60) == ["at::native::vectorized_elementwise_kernel<…>"]
+    # folded whole, the list keeps the operation it names (what tells PyTorch's kernels apart)
+    assert short_names([FILL], 60) == ["at::native::vectorized_elementwise_kernel<…FillFunctor>"]
     # no fold is short enough: cut in the middle, head and tail kept, to exactly the width
-    assert short_names([FILL], 30) == ["at::native::vector…e_kernel<…>"]
+    assert short_names([FILL], 30) == ["at::native::vector…illFunctor>"]
     assert len(short_names(["x" * 100], 20)[0]) == 20
+
+
+def test_a_folded_list_keeps_the_operation_it_names():
+    """PyTorch's reduce and elementwise kernels and ck_tile's kentry say what they compute
+    only in their template arguments: a fold keeps the last functor, op or pass there, and
+    folds a level more where that makes the name too wide."""
+    mean = ("void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float, "
+            "at::native::MeanOps<float, float, float, float>, unsigned int, float, 4> >"
+            "(at::native::ReduceOp<float, at::native::MeanOps<float, float, float, float>, "
+            "unsigned int, float, 4>)")
+    assert short_names([mean], 100) == [
+        "at::native::reduce_kernel<512, 1, at::native::ReduceOp<…MeanOps> >"]
+    assert short_names([mean, mean.replace("MeanOps", "MaxOps")], 60) == [
+        "at::native::reduce_kernel<…MeanOps>", "at::native::reduce_kernel<…MaxOps>"]
+    assert short_names(["ck_tile::kentry<1, ck_tile::Rmsnorm2dFwd<ck_tile::Pipeline<float>>, "
+                        "ck_tile::Rmsnorm2dFwd::Kargs>"], 40) == [
+        "ck_tile::kentry<…Rmsnorm2dFwd>"]
+    assert short_names(["gemm<float, Tile<128, 64>>"], 10) == ["gemm<…>"]   # none named
+    # add's functor, a lambda's kernel, not CUTLASS's operator class
+    add = ("void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctorOnOther_add"
+           "<float>, at::detail::Array<char*, 2> >(int)")
+    silu = ("void at::native::vectorized_elementwise_kernel<4, at::native::(anonymous namespace)"
+            "::silu_kernel(at::TensorIteratorBase&)::{lambda(float)#1}, at::detail::Array<char*,"
+            " 2> >(int)")
+    gemm = ("cutlass::Kernel2<cutlass::gemm::kernel::GemmUniversal<cutlass::gemm::GemmShape<128,"
+            " 128, 32>, cutlass::arch::OpClassTensorOp>>")
+    assert short_names([add, silu, gemm], 70) == [
+        "at::native::vectorized_elementwise_kernel<…CUDAFunctorOnOther_add>",
+        "at::native::vectorized_elementwise_kernel<…silu_kernel>",
+        "cutlass::Kernel2<cutlass::gemm::kernel::GemmUniversal<…>>"]
 
 
 def test_different_names_never_read_the_same():

@@ -329,6 +329,20 @@ def test_mxfp4_experts_are_refused_where_they_cannot_be(weights):
     assert plain.expert_weights(1, "w13") is plain.packed[1]["w13"]
 
 
+def test_build_model_refuses_an_option_its_path_does_not_take(weights):
+    """The specialized path's opt-ins given to the standard path, or the standard path's
+    ops to the specialized one, are refused by name, not dropped: a notebook asking for
+    PDL would otherwise measure the standard path as if it had it."""
+    for given, named in (({"pdl": True}, "pdl"), ({"l2_prefetch": True}, "l2_prefetch"),
+                         ({"group_experts_from": 4}, "group_experts_from"),
+                         ({"pdl": True, "l2_prefetch": True}, "l2_prefetch, pdl")):
+        with pytest.raises(ValueError, match=f"^{named}: the latency-specialized path's "):
+            build_model(SMALL, weights, **given)
+    with pytest.raises(ValueError, match="standard_ops chooses how the standard path"):
+        build_model(SMALL, weights, "latency_specialized", standard_ops="torch")
+    assert build_model(SMALL, weights, pdl=False).__class__.__name__ == "K3Model"
+
+
 def test_validate_specialized_verify_steps():
     """Speculative verify steps of 1+3 tokens through the fused kernels, rolled back to a
     per-sequence accepted prefix, against the float64 reference; a verify of 1+8 tokens is
@@ -479,8 +493,8 @@ def test_trace_command_captures_both_paths(tmp_path):
     assert "<th>preset</th><td>tiny, 4 layers" in report and "<h2>Decode metrics</h2>" in report
     assert "<td>specialized</td><td>SpecializedModel</td>" in report
     assert "Run on a CPU, with no GPU kernels" in report and "<th>standard ops</th>" in report
-    assert "the first path's time to first token (standard) includes the process's cold " \
-           "start" in report
+    assert "the first path's time to first token (standard) is the process's first forward " \
+           "pass" in report
     assert "Typical kda layer: ops in order" in report and "kernels in order" not in report
     assert ">fused_kda_decode</td><td>attention</td>" in report
     assert "Fusions, launch by launch" in report and ">f_b_proj + fused_kda_decode</td>" in report
@@ -767,6 +781,56 @@ def test_an_nsys_that_ran_no_steps_is_a_one_line_error(tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []
 
 
+# An nsys whose profiled program ran (its metrics written as the worker writes them, with
+# the nvtx release it names) and whose export holds no NVTX range, or is no database; or
+# whose program was killed (nsys exits 128 + 9), as the out-of-memory killer would.
+FAILING_NSYS = """#!{python}
+import json, sqlite3, sys
+args = sys.argv[1:]
+if "{how}" == "killed" and args[0] == "profile":
+    sys.exit(137)
+if args[0] == "profile":
+    open(args[args.index("-o") + 1] + ".nsys-rep", "w").write("report")
+    json.dump({{"prefill_s": 0.1, "step_s": [0.1], "tokens": [2], "fallbacks": [],
+               "model": "K3Model", "logits_finite": True, "nvtx": "0.2.12"}},
+              open(args[-1], "w"))
+elif "{how}" == "garbage":
+    open(args[args.index("-o") + 1], "w").write("not an export")
+else:
+    sqlite3.connect(args[args.index("-o") + 1]).execute("CREATE TABLE StringIds(id, value)")
+"""
+
+
+@pytest.mark.parametrize("how, said", [
+    ("rangeless", "the standard path: nsys recorded none of its NVTX ranges (nvtx 0.2.12 is "
+                  "installed: from 0.2.12 the nvtx package switches itself off under nsys "
+                  "2023.4, docs/nsys-on-a-cpu.md; pip install nvtx==0.2.11)"),
+    ("killed", "the standard path: {nsys} profile exited 137: the profiled program was killed "
+               "by SIGKILL (the out-of-memory killer sends it where memory runs out)"),
+    ("garbage", "the standard path's standard.sqlite (removed with the unfinished run): unknown "
+                "format: ")])
+def test_a_failed_nsys_capture_says_why_and_leaves_nothing(tmp_path, monkeypatch, how, said):
+    """A capture whose process was killed, whose NVTX ranges nsys did not hear (an nvtx
+    release that switches itself off), or whose export is unreadable (named as the path's:
+    the file goes with the run): one line that says so, and no run directory, nor the
+    folders made for --out."""
+    from click.testing import CliRunner
+
+    from kimi_perf.cli import main
+
+    fake = tmp_path / "nsys"
+    fake.write_text(FAILING_NSYS.format(python=sys.executable, how=how))
+    fake.chmod(0o755)
+    monkeypatch.setenv("KIMI_PERF_NSYS", str(fake))
+    out = tmp_path / "made" / "runs"
+    result = CliRunner().invoke(main, ["trace", "--backend", "nsys", "--layers", "2",
+                                       "--steps", "1", "--paths", "standard", "--out", str(out)])
+    assert result.exit_code == 2
+    (line,) = result.output.strip().splitlines()
+    assert line.startswith("kimi-perf: error: " + said.format(nsys=fake)), line
+    assert sorted(tmp_path.iterdir()) == [fake]
+
+
 @pytest.mark.skipif(NSYS is None, reason="no Nsight Systems CLI (scripts/install-nsys.sh)")
 @pytest.mark.parametrize("stop, code, said", [
     ("SIGTERM to kimi-perf", 143, "kimi-perf: terminated"),
@@ -795,7 +859,7 @@ def test_a_stopped_nsys_capture_leaves_no_process_and_no_run(tmp_path, stop, cod
         assert _wait_for(lambda: not _processes_naming(str(out)), 60), [
             (Path(f"/proc/{pid}/cmdline").read_bytes()[:200]) for pid in _processes_naming(
                 str(out))]
-        assert list(out.iterdir()) == []
+        assert not out.exists()   # (nor the folder made for it)
     finally:
         trace.kill()
         trace.wait()
@@ -1026,7 +1090,7 @@ def test_trace_runs_the_specialized_path_s_opt_ins(tmp_path):
 
 def test_trace_command_prints_the_table_metrics_and_where_the_run_is(tmp_path):
     """The terminal end of the main job: the side-by-side table, each path's decode metrics,
-    what a CPU run's ops are (and whose time to first token is the process's cold start),
+    what a CPU run's ops are (and whose time to first token is the process's first forward pass),
     and the run directory and report it wrote."""
     from click.testing import CliRunner
 
@@ -1039,8 +1103,8 @@ def test_trace_command_prints_the_table_metrics_and_where_the_run_is(tmp_path):
     assert "kda: 18 ops / " in text and "vs 9 / " in text and "(specialized)" in text
     assert ("Run on a CPU, with no GPU kernels: 'ops' are the launches each path annotates "
             "(one per kernel it would run on a GPU), timed on the CPU; the first path's time "
-            "to first token (standard) includes the process's cold start, so compare it "
-            "across runs of one path.") in text
+            "to first token (standard) is the process's first forward pass, first-call costs "
+            "and all, so compare it across runs of one path.") in text
     assert "standard: " in text and " decode tokens/s (the profiled steps' tokens" in text
     (run_dir,) = tmp_path.iterdir()
     assert f"run directory: {run_dir}" in text

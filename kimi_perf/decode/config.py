@@ -47,11 +47,13 @@ class K3Config:
 
     def __post_init__(self) -> None:
         # Layer 0 is KDA attention and the dense MLP (``dense``); the last layer is gated MLA.
+        if self.n_layers < 2:
+            raise ValueError(f"n_layers: 2 or more (layer 0 has the dense MLP, the last is "
+                             f"gated MLA), not {self.n_layers}")
         if self.is_mla(0):
-            raise ValueError(f"layer 0 (KDA and the dense MLP) would be gated MLA: it takes "
-                             f"2 layers or more (not {self.n_layers}) and full attention at "
-                             f"most every 2nd layer (full_attn_every 2 or more, not "
-                             f"{self.full_attn_every})")
+            raise ValueError(f"layer 0 (KDA and the dense MLP) would be gated MLA: full "
+                             f"attention takes at most every 2nd layer (full_attn_every 2 or "
+                             f"more, not {self.full_attn_every})")
 
     def layer_types(self) -> list[str]:
         """The layer types the model holds, in order of first appearance."""

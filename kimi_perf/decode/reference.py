@@ -88,13 +88,19 @@ class ReferenceModel:
         return self.w[name]
 
     def step(self, tokens: torch.Tensor, observer: Observer | None = None,
-             routing: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
+             routing: dict[int, torch.Tensor] | None = None,
+             follow: Observer | None = None) -> torch.Tensor:
         """Logits [B, vocab] for one new token per sequence ([B] ids).
 
         ``routing`` (layer -> [B, top_k] expert ids) makes the reference use a path's expert
         choice: top-k is discrete, and a near tie that bf16 rounding tips the other way would
         otherwise swamp every later comparison. How far the path's choice is from the
         reference's own is recorded in ``observer.routing_gap``.
+
+        ``follow`` (a path's attention and MLP outputs per layer, [B, hidden]) makes the
+        reference go on from the path's outputs rather than its own after each layer: every
+        layer then sees the path's inputs, and what ``observer`` records is that layer's own
+        error, not the rounding of the layers below it grown through the depth.
         """
         c, eps = self.c, self.c.rms_eps
         prefix = self.W("model.embed_tokens.weight")[tokens]
@@ -112,6 +118,10 @@ class ReferenceModel:
                              ".weight"), self.W(p + "self_attention_res_proj.weight"), eps)
             x = rms_norm(x, self.W(p + "input_layernorm.weight"), eps)
             a = self._mla(i, x) if c.is_mla(i) else self._kda(i, x)
+            if observer is not None:
+                observer.attn_out[i] = a
+            if follow is not None:
+                a = follow.attn_out[i].to(F64)
             prefix = a if boundary else prefix + a
             n_done = math.ceil(i / c.attn_res_block) + int(boundary)
             h = attn_res_mix([*blocks[:n_done], prefix], self.W(p + "mlp_res_norm.weight"),
@@ -120,12 +130,11 @@ class ReferenceModel:
             forced = routing.get(i) if routing else None
             m, chosen, gap = self._dense(h) if i == 0 else self._moe(i, h, forced)
             if observer is not None:
-                observer.attn_out[i] = a
                 observer.mlp_out[i] = m
                 if chosen is not None:
                     observer.experts[i] = chosen
                     observer.routing_gap[i] = gap
-            delta = m
+            delta = m if follow is None else follow.mlp_out[i].to(F64)
         prefix = prefix + delta
         out = attn_res_mix([*blocks, prefix], self.W("model.output_attn_res_norm.weight"),
                            self.W("model.output_attn_res_proj.weight"), eps)

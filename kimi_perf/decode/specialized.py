@@ -274,7 +274,11 @@ def build_model(c: K3Config, weights: Weights, decode_backend: str = "auto",
 
     ``standard_ops``: how the standard path runs its decode steps: ``kernels``, one kernel per
     step as vLLM launches them (``StandardKernelsModel``; the default on a GPU), or ``torch``,
-    PyTorch ops (the default on a CPU, where Triton runs in its interpreter)."""
+    PyTorch ops (the default on a CPU, where Triton runs in its interpreter). An option the
+    chosen path does not take is a ValueError (not ignored)."""
+    if decode_backend == "latency_specialized" and standard_ops is not None:
+        raise ValueError("standard_ops chooses how the standard path (decode_backend='auto') "
+                         "runs; the latency-specialized path has its own kernels")
     if decode_backend == "latency_specialized":
         return SpecializedModel(c, weights, dtype=dtype, device=device, all_reduce=all_reduce,
                                 l2_prefetch=l2_prefetch, group_experts_from=group_experts_from,
@@ -282,6 +286,12 @@ def build_model(c: K3Config, weights: Weights, decode_backend: str = "auto",
     if decode_backend != "auto":
         raise ValueError(f"decode_backend must be auto or latency_specialized, not "
                          f"{decode_backend!r}")
+    opted = [name for name, given in (("l2_prefetch", l2_prefetch), ("pdl", pdl),
+                                      ("group_experts_from", group_experts_from is not None))
+             if given]
+    if opted:
+        raise ValueError(f"{', '.join(opted)}: the latency-specialized path's opt-ins "
+                         "(decode_backend='latency_specialized'); the standard path has none")
     if standard_ops is None:
         standard_ops = "kernels" if torch.device(device).type == "cuda" else "torch"
     if standard_ops == "kernels":

@@ -37,7 +37,7 @@ def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
 def rank_model(full: Weights, c: K3Config, rank: int, dtype: torch.dtype,
                device: str = "cpu", decode_backend: str = "auto", **options) -> K3Model:
     """This rank's model of either path (``c`` is the full config; it is sharded here);
-    ``options``: the specialized path's opt-ins (``build_model``)."""
+    ``options``: ``build_model``'s, the path's own (``capture.path_options``)."""
     from kimi_perf.decode.specialized import build_model
     from kimi_perf.decode.weights import shard
 

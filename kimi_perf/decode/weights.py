@@ -285,6 +285,9 @@ def load_safetensors(directory: str | Path, c: K3Config,
     from kimi_perf.errors import TraceError
 
     directory = Path(directory)
+    if not directory.is_dir():
+        raise TraceError(directory, "no such directory" if not directory.exists() else
+                                    "not a directory (a checkpoint is a folder of *.safetensors)")
     files = sorted(directory.glob("*.safetensors"))
     if not files:
         raise TraceError(directory, "no *.safetensors files")

@@ -5,18 +5,26 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import sys
 
 import torch
 
-from kimi_perf.capture import decode_tokens
+from kimi_perf.capture import PATH_BACKENDS, decode_tokens
 from kimi_perf.decode.annotate import NVTX
 from kimi_perf.decode.config import preset
 from kimi_perf.decode.harness import run_decode
 from kimi_perf.decode.model import FP8
 from kimi_perf.decode.specialized import build_model
 from kimi_perf.decode.weights import random_weights
+
+
+def nvtx_release() -> str:
+    try:
+        return importlib.metadata.version("nvtx")
+    except importlib.metadata.PackageNotFoundError:   # (imported from a folder of its own)
+        return "unknown"
 
 
 def main(argv: list[str]) -> int:
@@ -26,12 +34,10 @@ def main(argv: list[str]) -> int:
         return 2
     device = "cuda" if torch.cuda.is_available() else "cpu"
     config = preset(request["preset"], n_layers=request["n_layers"])
+    options = request["options"]    # (capture.path_options: this path's)
     weights = random_weights(config, seed=request["seed"], device=device,
-                             experts=request["experts"])
-    backend = {"standard": "auto", "specialized": "latency_specialized"}[path]
-    model = build_model(config, weights, backend, device=device, experts=request["experts"],
-                        l2_prefetch=request["l2_prefetch"],
-                        group_experts_from=request["group_experts_from"], pdl=request["pdl"])
+                             experts=options["experts"])
+    model = build_model(config, weights, PATH_BACKENDS[path], device=device, **options)
     model.annotate_ops = device == "cpu"
     gen = torch.Generator().manual_seed(request["seed"] + 1)
     prompt = torch.randint(0, config.vocab, (request["batch"], request["context"]),
@@ -45,7 +51,10 @@ def main(argv: list[str]) -> int:
         json.dump({"prefill_s": run.prefill_s, "step_s": steps,
                    "tokens": decode_tokens(run, request["warmup"]),
                    "fallbacks": list(getattr(model, "fallbacks", [])),
-                   "model": type(model).__name__, "logits_finite": run.logits_finite}, f)
+                   "model": type(model).__name__, "logits_finite": run.logits_finite,
+                   # what recorded the ranges: a release of the nvtx package that nsys may
+                   # not hear (docs/nsys-on-a-cpu.md)
+                   "nvtx": "torch.cuda.nvtx" if device == "cuda" else nvtx_release()}, f)
     return 0
 
 

@@ -13,7 +13,13 @@ from kimi_perf.errors import TraceError, input_stat
 from kimi_perf.memory import release_free_memory
 from kimi_perf.nesting import nest_ranges
 from kimi_perf.readers.kineto import GZIP_MAGIC, UTF8_BOM, read_kineto_json
-from kimi_perf.readers.nsys import NSYS_REPORTS, SQLITE_MAGIC, read_nsys_rep, read_nsys_sqlite
+from kimi_perf.readers.nsys import (
+    NSYS_REPORT_MAGIC,
+    NSYS_REPORTS,
+    SQLITE_MAGIC,
+    read_nsys_rep,
+    read_nsys_sqlite,
+)
 from kimi_perf.trace import ARROW_MAGIC, KIMI_PERF_JSON, Trace, file_identity, meta_problem
 
 __all__ = ["read_trace"]
@@ -57,7 +63,7 @@ def read_trace(path: str | Path, capture: str | Path | None = None) -> Trace:
         reader = _gzipped_reader(path)
     elif _json_start(head) in (b"{", b"["):
         reader = read_kineto_json
-    elif path.suffix in NSYS_REPORTS:    # a format of its own: nsys reads it
+    elif path.suffix in NSYS_REPORTS or head.startswith(NSYS_REPORT_MAGIC):   # nsys reads it
         reader = read_nsys_rep
     elif head.isspace() and _only_blanks(path):
         raise TraceError(path, "holds only blanks (spaces and line breaks)")

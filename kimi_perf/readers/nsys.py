@@ -11,9 +11,11 @@ names in some exports, NVTX ranges without a registered string) are read row by 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
+import signal
 import sqlite3
 import subprocess
 import tempfile
@@ -56,8 +58,10 @@ MEMCPY_KINDS = {
     11: "Unified Host-to-Device", 12: "Unified Device-to-Host", 13: "Unified Device-to-Device",
 }
 
-# an nsys report's suffixes (.qdrep: its name before nsys 2021.4), which nsys alone reads
+# an nsys report's suffixes (.qdrep: its name before nsys 2021.4), which nsys alone reads,
+# and how a report begins (nsys reads it under any name)
 NSYS_REPORTS = (".nsys-rep", ".qdrep")
+NSYS_REPORT_MAGIC = b"NVIDIA Tegra Profiler Report"
 
 _FETCH_BLOCK = 1 << 16
 _TEXT_SEPARATOR = 0x1F    # ASCII unit separator: joins a text column's values
@@ -122,14 +126,54 @@ def _sqlite_size(header: bytes) -> int | None:
 
 
 def nsys_cli() -> str | None:
-    """The Nsight Systems CLI: ``KIMI_PERF_NSYS``, else ``nsys`` on PATH, else None. A
-    ``KIMI_PERF_NSYS`` that names no program is an error, not a fallback."""
+    """The Nsight Systems CLI: ``KIMI_PERF_NSYS`` (a path, or a command name looked up on
+    PATH), else ``nsys`` on PATH, else None. A ``KIMI_PERF_NSYS`` that names no program is an
+    error, not a fallback."""
     given = os.environ.get("KIMI_PERF_NSYS")
     if not given:
         return shutil.which("nsys")
-    if not (os.path.isfile(given) and os.access(given, os.X_OK)):
-        raise TraceError(None, f"KIMI_PERF_NSYS={given}: not an executable file")
-    return given
+    if os.path.isfile(given) and os.access(given, os.X_OK):
+        return given
+    if os.sep not in given and (found := shutil.which(given)) is not None:
+        return found
+    raise TraceError(None, f"KIMI_PERF_NSYS={given}: not an executable file"
+                           + ("" if os.sep in given else " (nor a command on PATH)"))
+
+
+ERROR_WORDS = re.compile(r"error|unrecogni[sz]ed|invalid|unknown|cannot|failed", re.IGNORECASE)
+
+
+def nsys_failure(result: subprocess.CompletedProcess) -> str:
+    """Why an nsys command failed, in a line: the profiled program killed by a signal (nsys
+    exits 128 + its number), the exception the profiled Python program raised, or nsys's
+    own complaint (an option this release lacks; its usage lines left out); always the
+    command that ran and its exit code."""
+    command = f"{result.args[0]} {result.args[1]}"
+    code = result.returncode
+    lines = [line.rstrip() for line in (result.stderr or "").splitlines() if line.strip()]
+    if not lines:   # (some releases print their errors with the progress, on stdout)
+        lines = [line.rstrip() for line in (result.stdout or "").splitlines()
+                 if ERROR_WORDS.search(line)]
+    tracebacks = [i for i, line in enumerate(lines)
+                  if line.startswith("Traceback (most recent call last)")]
+    if code < 0 or code > 128:
+        number = -code if code < 0 else code - 128
+        try:
+            name = signal.Signals(number).name
+        except ValueError:
+            name = f"signal {number}"
+        whose = "it was" if code < 0 else "the profiled program was"
+        why = f"{whose} killed by {name}" + (
+            " (the out-of-memory killer sends it where memory runs out)"
+            if number == signal.SIGKILL else "")
+    elif tracebacks:   # the exception's line: the first not indented after the frames
+        raised = [line for line in lines[tracebacks[-1] + 1:] if not line[0].isspace()]
+        why = "the profiled program raised " + (raised[0] if raised else "an exception")
+    else:
+        said = [line.strip() for line in lines if not line.startswith(("Try '", "usage:"))]
+        errors = [line for line in said if ERROR_WORDS.search(line)]
+        why = (errors or said or [""])[-1]
+    return f"{command} exited {code}" + (f": {why}" if why else "")
 
 
 def export_nsys_rep(path: str | Path, out_dir: str | Path) -> Path:
@@ -140,23 +184,83 @@ def export_nsys_rep(path: str | Path, out_dir: str | Path) -> Path:
     except TraceError as exc:
         raise TraceError(path, f"cannot export: {exc.problem}") from None
     if nsys is None:
-        raise TraceError(path, "reading .nsys-rep needs the Nsight Systems CLI ('nsys') on PATH "
-                               "or in KIMI_PERF_NSYS; install it, or run 'nsys export --type "
-                               "sqlite' where it is installed and pass the .sqlite file")
+        raise TraceError(path, "reading an Nsight Systems report needs the Nsight Systems CLI "
+                               "('nsys') on PATH or in KIMI_PERF_NSYS; install it, or run "
+                               "'nsys export --type sqlite' where it is installed and pass the "
+                               ".sqlite file" + _stale_export_note(path))
     out = Path(out_dir) / (path.stem + ".sqlite")
     cmd = [nsys, "export", "--type", "sqlite", "--force-overwrite", "true",
            "--output", str(out), str(path)]
     result = subprocess.run(cmd, capture_output=True, text=True, errors="replace")
-    if result.returncode != 0 or not out.exists():
-        detail = (result.stderr or result.stdout).strip().splitlines()
-        raise TraceError(path, "nsys export failed: " + (detail[-1] if detail else
-                                                          f"exit code {result.returncode}"))
+    if result.returncode != 0:
+        raise TraceError(path, nsys_failure(result))
+    if not out.exists():
+        raise TraceError(path, f"{nsys} export exited 0 but wrote no SQLite export")
     return out
 
 
+def has_nvtx_ranges(export: str | Path) -> bool:
+    """Whether an nsys SQLite export holds an NVTX range (push/pop or start/end); True where
+    it cannot be asked (no database: its reader says what the file is)."""
+    uri = Path(export).absolute().as_uri() + "?mode=ro"
+    try:
+        with contextlib.closing(sqlite3.connect(uri, uri=True)) as conn:
+            tables = {row[0] for row in conn.execute(
+                "SELECT name FROM sqlite_master WHERE type='table'")}
+            return "NVTX_EVENTS" in tables and conn.execute(
+                "SELECT 1 FROM NVTX_EVENTS WHERE eventType IN (?, ?, ?, ?) LIMIT 1",
+                (NVTX_PUSHPOP, NVTX_STARTEND, NVTXT_PUSHPOP, NVTXT_STARTEND),
+            ).fetchone() is not None
+    except sqlite3.DatabaseError:
+        return True
+
+
+# How much older than its report an export beside it may be and still be its export: a
+# folder copied without its times (cp -r) writes the two a moment apart, in either order;
+# an earlier capture's export is older by at least the minutes of a capture.
+EXPORT_AGE_SLACK_S = 2.0
+
+
+def is_stale_export(export: Path, report: Path) -> bool:
+    """An export older than the report beside it: an earlier capture's (``nsys profile -f
+    true`` again), which ``nsys stats`` exports anew rather than read."""
+    return export.stat().st_mtime + EXPORT_AGE_SLACK_S < report.stat().st_mtime
+
+
+def fresh_export(report: Path) -> Path | None:
+    """The SQLite export nsys leaves beside a report (``X.sqlite`` beside ``X.nsys-rep``, as
+    ``nsys stats`` writes it), where it is not stale (``is_stale_export``): what ``nsys
+    stats`` reads instead of exporting again."""
+    if report.suffix not in NSYS_REPORTS:
+        return None
+    export = report.with_suffix(".sqlite")
+    try:
+        return None if is_stale_export(export, report) else export
+    except OSError:
+        return None
+
+
+def _stale_export_note(report: Path) -> str:
+    export = report.with_suffix(".sqlite")
+    if report.suffix not in NSYS_REPORTS or not export.is_file():
+        return ""
+    return (f" ({export.name} beside it is older than the report, an earlier capture's "
+            "export: pass it to read that)")
+
+
 def read_nsys_rep(path: str | Path) -> Trace:
-    """An .nsys-rep, exported to SQLite by nsys into a temporary directory and read; errors
-    name the .nsys-rep (the export is gone with its directory)."""
+    """An nsys report: the SQLite export beside it where that is its own (``fresh_export``),
+    else exported by nsys into a temporary directory and read; errors name the report."""
+    path = Path(path)
+    if (export := fresh_export(path)) is not None:
+        try:
+            trace = read_nsys_sqlite(export)
+        except TraceError as exc:
+            raise TraceError(path, f"its SQLite export beside it, {export.name}: "
+                                   f"{exc.problem}") from None
+        trace.meta["file"] = str(path)
+        trace.meta["exported_by_nsys"] = True
+        return trace
     with tempfile.TemporaryDirectory(prefix="kimi-perf-") as tmp:
         exported = export_nsys_rep(path, tmp)
         try:
