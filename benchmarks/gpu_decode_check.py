@@ -79,6 +79,7 @@ import tarfile
 import tempfile
 import time
 import traceback
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -106,6 +107,9 @@ GEMV_REL_ERR, GEMV_MAX_ERR = 1e-2, 2e-2
 # What the GEMVs and one main-job run need at least, a margin for writing the results, and
 # the seconds kept for what follows the speed runs: the GEMVs, then two main-job runs.
 GEMV_S, MIN_MAIN_JOB_S, BUDGET_MARGIN_S = 45, 60, 10
+# how far apart the unprofiled step times before and after a profiler session may be for the
+# summary to call CUPTI's cost gone
+CUPTI_TOLERANCE = 0.05
 MAIN_JOB_KEPT_S = 2 * MIN_MAIN_JOB_S + BUDGET_MARGIN_S
 RESERVE_AFTER_SPEED_S = GEMV_S + MAIN_JOB_KEPT_S
 # Steps timed without the profiler (replays of a graph: cheap, and the spread a noise estimate)
@@ -316,9 +320,9 @@ def gemv_side_by_side(device: str, cubins: Path | None, bandwidth: float) -> dic
     cute, result = None, {"cute": "no cubins: `bash scripts/gpu-check.sh fetch` builds them"}
     if cubins is not None and (cubins / "manifest.json").exists():
         try:
-            cute = CubinGemv(cubins)
-            builds = sorted((mnk, entry) for mnk, (entry, _) in cute.builds.items())
-            result = {"cute": True}
+            loaded = CubinGemv(cubins)
+            builds = sorted((mnk, entry) for mnk, (entry, _) in loaded.builds.items())
+            cute, result = loaded, {"cute": True}   # (set once its builds are read)
         except Exception as exc:   # (CuPy, or a cubin no driver here loads)
             result = {"cute": f"the cubins did not load: {type(exc).__name__}: {exc}"[:500]}
     if cute is None:   # Triton and cuBLAS still, on the shapes the cubins would have had
@@ -419,13 +423,26 @@ def gemv_warnings(gemv: dict) -> list[str]:
 
 def launch_floors_bytes(c: K3Config, batch: int, context: int) -> dict[str, float]:
     """Bytes each specialized launch must move at least (``kimi_perf.decode.floors``; experts
-    in bf16, as this model stores them), over every layer type: a launch name that two types
-    share (o_proj) takes the larger."""
-    out: dict[str, float] = {}
-    for layer_type in ("dense", "kda", "mla"):
+    in bf16, as this model stores them), a call on average: a launch name that layer types
+    share (o_proj) weighs each type's bytes by its layers, as its measured µs a call are the
+    mean over every call."""
+    layers = Counter(c.layer_type(i) for i in range(c.n_layers))
+    total: dict[str, float] = {}
+    calls: Counter = Counter()
+    for layer_type, n in layers.items():
         for name, b in launch_bytes(c, layer_type, batch, context).items():
-            out[name] = max(out.get(name, 0.0), b)
+            total[name] = total.get(name, 0.0) + n * b
+            calls[name] += n
+    out = {name: total[name] / calls[name] for name in total}
     return out | {alias: out[name] for alias, name in SAME_BYTES.items() if name in out}
+
+
+def op_calls(trace) -> Counter:
+    """How many times each ``op:NAME`` range ran (its calls), by NAME: a launch's kernels
+    per call are its kernels' time over these (``range_kernel_summary`` counts the ranges
+    that ran each kernel, which for a launch of two kernels by layer type is neither)."""
+    rows = trace.annotated_ops()
+    return Counter(trace.strings[code][3:] for code in trace.ranges.name[rows].tolist())
 
 
 def speed(path: str, c: K3Config, weights, batch: int, context: int, warmup: int, steps: int,
@@ -478,14 +495,14 @@ def speed(path: str, c: K3Config, weights, batch: int, context: int, warmup: int
     if not graphs:  # per launch, both paths; memory floors for the specialized one
         floors = (launch_floors_bytes(c, batch, context) if isinstance(model, SpecializedModel)
                   else {})
+        calls = op_calls(trace)
         per_launch: dict[str, dict] = {}
         for row in range_kernel_summary(trace):
             if not row.range or not row.range.startswith("op:"):
                 continue
             name = row.range[3:]
-            entry = per_launch.setdefault(name, {"kernel_ns": 0, "ranges": 0})
+            entry = per_launch.setdefault(name, {"kernel_ns": 0, "ranges": calls[name]})
             entry["kernel_ns"] += row.total_ns
-            entry["ranges"] = max(entry["ranges"], row.range_instances)
         for name, entry in per_launch.items():
             per_call = entry["kernel_ns"] / max(entry["ranges"], 1) / 1e3
             floor = floors[name] / bandwidth * 1e6 if name in floors else None
@@ -650,7 +667,9 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--cubins", type=Path, help="cute_gemv's cubins and manifest")
-    parser.add_argument("--budget-s", type=float, default=540,
+    # 330 s: a device call of about 6 minutes, so that a session's 15 minutes of device time
+    # (the machine's start counted) leave room to run it again
+    parser.add_argument("--budget-s", type=float, default=330,
                         help="wall-clock budget: later sections are skipped rather than killed")
     args = parser.parse_args()
     # the device call's clock began before this process's (wheels installed, torch imported)
@@ -668,10 +687,24 @@ def main() -> int:
     if not args.smoke and device != "cuda":
         print("no GPU: run with --smoke for the CPU plumbing check", file=sys.stderr)
         return 2
-    results: dict = {"date": dt.datetime.now(dt.UTC).isoformat(),
-                     "environment": environment(device) | device_facts(device, args.cubins),
+    results: dict = {"date": dt.datetime.now(dt.UTC).isoformat(), "environment": {},
                      "errors": [], "warnings": [], "skipped": budget.skipped,
                      "seconds_before_start": round(spent, 1)}
+    try:
+        return run_sections(args, budget, results, work, device, started)
+    except Exception:   # (a section's own failures are caught in it: this is the check's)
+        results["errors"].append(f"the check stopped: {traceback.format_exc()}")
+        print(results["errors"][-1], file=sys.stderr)
+        with contextlib.suppress(Exception):   # results.json first: the summary may not render
+            save(results, args.out, work)
+        return 1
+
+
+def run_sections(args: argparse.Namespace, budget: Budget, results: dict, work: Path,
+                 device: str, started: float) -> int:
+    """Every section in turn, ``results`` saved after each: the environment, copy bandwidth,
+    correctness, the speed runs and opt-ins, the GEMV side by side and the main job."""
+    results["environment"] = environment(device) | device_facts(device, args.cubins)
     results["copy_bandwidth_Bps"] = bandwidth = copy_bandwidth(device, 16 if args.smoke
                                                                else 2048)
     save(results, args.out, work)
@@ -928,9 +961,13 @@ def render_summary(results: dict) -> str:
         if r.get("unprofiled_before_any_profiler_step_s"):
             first, later = (statistics.median(r[k]) for k in (
                 "unprofiled_before_any_profiler_step_s", "unprofiled_step_s"))
+            ratio = later / first
+            verdict = ("within 5%: no cost left behind" if abs(ratio - 1) <= CUPTI_TOLERANCE
+                       else "over 5% apart: a cost left behind, or noise; the unprofiled "
+                       "step times after a profiler session may be off by as much")
             lines += ["", f"CUPTI control, {key}: unprofiled step {first * 1e3:.3f} ms before "
                       f"the process's first profiler session, {later * 1e3:.3f} ms after its "
-                      f"own (ratio {later / first:.2f}: near 1, no cost left behind)"]
+                      f"own (ratio {ratio:.2f}: {verdict})"]
     if unprofiled:
         lines += ["", "Unprofiled decode step side by side, this run's graphs replayed without "
                   "the profiler (ms: median, and min-max over the steps, the noise; ratio: A "

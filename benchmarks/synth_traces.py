@@ -394,10 +394,38 @@ def build_run(kernels: int, ranges: int, layers_per_step: int = LAYERS_PER_STEP,
 # -- shared file plumbing ----------------------------------------------------------------------
 
 def banner(title: str, versions: str) -> str:
-    """A benchmark's first line (rich markup): what, when, on which machine, with what."""
+    """A benchmark's first line (rich markup): what, when, on which machine (its CPU model,
+    the cores this process may use, its memory), with what, at which commit of kimi-perf."""
+    from kimi_perf.capture import git_commit
+
     stamp = datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
-    return (f"[bold]{title}[/] {stamp} — {platform.system()} {platform.machine()}, "
-            f"{os.cpu_count()} CPUs, Python {platform.python_version()}, {versions}")
+    cores = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+             else os.cpu_count())
+    return (f"[bold]{title}[/] {stamp} — {platform.system()} {platform.machine()} "
+            f"({_cpu_model()}), {cores} cores, {_memory_gib()}, Python "
+            f"{platform.python_version()}, {versions}, kimi-perf {git_commit() or '?'}")
+
+
+def _cpu_model() -> str:
+    """The CPU's model name (Linux's /proc/cpuinfo; elsewhere what platform says)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "CPU model unknown"
+
+
+def _memory_gib() -> str:
+    """The machine's memory (Linux's /proc/meminfo), or "memory unknown"."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return f"{int(line.split()[1]) / 2**20:.0f} GiB"
+    except (OSError, ValueError, IndexError):
+        pass
+    return "memory unknown"
 
 
 def _write_atomically(path: Path, write: Callable[[Path], None]) -> None:

@@ -19,7 +19,13 @@ import torch
 import triton
 import triton.language as tl
 
-from kimi_perf_kernels.common import INTERPRETED, after_previous_kernel, cast, launch_options
+from kimi_perf_kernels.common import (
+    INTERPRETED,
+    after_previous_kernel,
+    cast,
+    check_layout,
+    launch_options,
+)
 
 STAGES = tl.constexpr(4)
 
@@ -79,6 +85,15 @@ def attn_res(prefix: torch.Tensor, delta: torch.Tensor | None, blocks: torch.Ten
     """prefix [M, h] (updated in place), delta [M, h] or None, blocks [M, S, h] (written in
     place at ``write_idx`` >= 0), qk = norm_w * proj_w [h] fp32, norm [h] or None."""
     M, hidden = prefix.shape
+    if write_idx >= blocks.shape[1] or n_blocks > blocks.shape[1]:
+        raise ValueError(f"attn_res: blocks {n_blocks} (writing {write_idx}) of "
+                         f"{blocks.shape[1]}")
+    if blocks.shape[::2] != (M, hidden) or (delta is not None and delta.shape != prefix.shape):
+        raise ValueError(f"attn_res: blocks {tuple(blocks.shape)} and delta "
+                         f"{None if delta is None else tuple(delta.shape)} for a prefix "
+                         f"{tuple(prefix.shape)}")
+    check_layout("attn_res", {"qk": qk, "norm": norm},
+                 {"prefix": prefix, "delta": delta, "blocks": blocks})
     out = torch.empty_like(prefix)
     delta_arg = delta if delta is not None else prefix
     attn_res_kernel[(M,)](

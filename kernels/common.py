@@ -1,5 +1,6 @@
 """What the kernels share: device functions (casts, the PDL wait, the interpreter's
-workarounds) and the host's launch switches (``gpu_tiles``, ``programmatic_launch``)."""
+workarounds), the host's launch switches (``gpu_tiles``, ``programmatic_launch``) and its
+check of the layouts the kernels read (``check_layout``)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import contextlib
 import os
 from collections.abc import Iterator
 
+import torch
 import triton
 import triton.language as tl
 
@@ -77,6 +79,19 @@ def weight_prefetch_bytes() -> int:
     return 0 if INTERPRETED else _prefetch_bytes
 
 
+def check_layout(what: str, whole: dict[str, torch.Tensor | None],
+                 rows: dict[str, torch.Tensor | None]) -> None:
+    """Kernels index ``whole`` tensors by their element and ``rows`` by a row stride with
+    contiguous columns: any other layout would be read wrong, not refused, so it is refused
+    here, on the host."""
+    for name, t in whole.items():
+        if t is not None and not t.is_contiguous():
+            raise ValueError(f"{what}: {name} must be contiguous")
+    for name, t in rows.items():
+        if t is not None and t.stride(-1) != 1:
+            raise ValueError(f"{what}: {name} must have contiguous rows")
+
+
 @triton.jit
 def after_previous_kernel(PDL: tl.constexpr):
     """A PDL kernel's first statement: wait until the kernel before it has finished and its
@@ -119,7 +134,7 @@ def cast(x, dtype: tl.constexpr, EMULATE_RNE: tl.constexpr):
 
 
 @triton.jit
-def sigmoid(x):
+def stable_sigmoid(x):
     """1 / (1 + e^-x) from e^-|x|, which cannot overflow: a long-memory decay gate's argument
     runs to -100 and beyond, where e^-x is inf (the interpreter warns of it)."""
     e = tl.exp(-tl.abs(x))

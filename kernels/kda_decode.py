@@ -49,7 +49,7 @@ from kimi_perf_kernels.common import (
     cast,
     interpreter_tiles,
     launch_options,
-    sigmoid,
+    stable_sigmoid,
 )
 
 STAGES = tl.constexpr(2)  # the next f_b slice loads while one is used
@@ -135,7 +135,7 @@ def kda_decode_kernel(z_ptr, wfb_ptr, f_ptr, dt_bias_ptr, a_log_ptr, conv_w_ptr,
                                input_precision="ieee")
             else:
                 f_all = tl.dot(f_a, w_t, f_all)       # bf16 products, exact in fp32
-        decay_all = tl.exp(lower_bound * sigmoid(a * (f_all + dt_bias[None, :])))
+        decay_all = tl.exp(lower_bound * stable_sigmoid(a * (f_all + dt_bias[None, :])))
     for t in range(0, T):
         z = zb + t * stride_zt
         qn = tl.load(z + q_ch)
@@ -165,7 +165,7 @@ def kda_decode_kernel(z_ptr, wfb_ptr, f_ptr, dt_bias_ptr, a_log_ptr, conv_w_ptr,
         if F_GIVEN:
             f = dt_bias + tl.load(f_ptr + b * stride_fb + t * stride_ft + h * D + i).to(
                 tl.float32)
-            decay = tl.exp(lower_bound * sigmoid(a * f))
+            decay = tl.exp(lower_bound * stable_sigmoid(a * f))
         elif T_PAD > 1:
             decay = tl.sum(tl.where(tok[:, None] == t, decay_all, 0.0), axis=0)   # row t
         else:
@@ -174,7 +174,7 @@ def kda_decode_kernel(z_ptr, wfb_ptr, f_ptr, dt_bias_ptr, a_log_ptr, conv_w_ptr,
                 f_a = tl.load(z + fa_col + r0 + r).to(tl.float32)
                 w = tl.load(wfb_ptr + (h * D + i)[:, None] * F_RANK + r0 + r[None, :])
                 f += tl.sum(w.to(tl.float32) * f_a[None, :], axis=1)
-            decay = tl.exp(lower_bound * sigmoid(a * f))
+            decay = tl.exp(lower_bound * stable_sigmoid(a * f))
         beta = tl.sigmoid(tl.load(z + b_col + h).to(tl.float32))
         S = S * decay[None, :]
         u = beta * (v - tl.sum(S * k[None, :], axis=1))
@@ -411,8 +411,7 @@ def kda_decode(z: torch.Tensor, heads: int, head_dim: int, f_rank: int, w_fb: to
 def kda_tiles(head_dim: int, f_rank: int, splits: int) -> dict[str, int]:
     """BV (state rows a program: head_dim / splits) and F_BLOCK (f_b columns a slice: 64 on
     a GPU, the whole rank under the interpreter's tiles). K3's whole rank of 128 in one slice
-    spills the batch-64 replay build on sm_90a; 32 takes it to 254 registers, of 255, in twice
-    the slices."""
+    spills the batch-64 replay build on sm_90a; two slices of 64 do not (the AOT check)."""
     return {"BV": head_dim // splits,
             "F_BLOCK": f_rank if interpreter_tiles() else min(64, f_rank)}
 

@@ -36,7 +36,7 @@ def per_program(n: int) -> int:
 @triton.jit
 def l2_prefetch_kernel(ptr, n, per_program, checksum_ptr, BLOCK: tl.constexpr):
     pid = tl.program_id(0)
-    start = pid * per_program
+    start = pid.to(tl.int64) * per_program   # (a tensor of 2^31 elements or more)
     end = tl.minimum(start + per_program, n)
     acc = tl.zeros([BLOCK], tl.float32)
     for i in range(start, end, BLOCK):

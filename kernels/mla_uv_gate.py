@@ -25,6 +25,7 @@ from kimi_perf_kernels.common import (
     INTERPRETED,
     after_previous_kernel,
     cast,
+    check_layout,
     interpreter_tiles,
     launch_options,
 )
@@ -96,6 +97,11 @@ def mla_uv_gate(o_lat: torch.Tensor, w_uv: torch.Tensor, gate: torch.Tensor,
     if not all(n > 0 and n & (n - 1) == 0 for n in (lora, v)):
         raise ValueError(f"mla_uv_gate: kv_lora {lora} and v {v} must be powers of two "
                          "(whole tiles, unmasked)")
+    if tuple(w_uv.shape) != (H, lora, v) or tuple(gate.shape) != (M, H * v):
+        raise ValueError(f"mla_uv_gate: w_uv {tuple(w_uv.shape)} and gate {tuple(gate.shape)} "
+                         f"for o_lat of {M} rows, {H} heads, kv_lora {lora}")
+    check_layout("mla_uv_gate", {"o_lat": o_lat, "w_uv": w_uv, "lse": lse},
+                 {"gate": gate, "out": out})
     if out is None:
         out = torch.empty(M, H * v, dtype=dtype or o_lat.dtype, device=o_lat.device)
     block_v = v if interpreter_tiles() else min(64, v)

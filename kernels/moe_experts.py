@@ -36,6 +36,7 @@ from kimi_perf_kernels.common import (
     INTERPRETED,
     after_previous_kernel,
     cast,
+    check_layout,
     interpreter_tiles,
     launch_options,
 )
@@ -290,8 +291,8 @@ def _fc1(x, w13, ids, top_k, situ, out, shared=None, logits=None, bias=None, wei
     inter = two_i // 2
     if out is None:
         out = torch.empty(M, top_k, inter, dtype=w13.dtype, device=x.device)
-    _laid_out_as_read("routed experts' FC1", {"ids": ids, "act": out, "weights": weights},
-                      {"x": x, "router logits": logits})
+    check_layout("routed experts' FC1", {"ids": ids, "act": out, "weights": weights},
+                 {"x": x, "router logits": logits})
     route = logits is not None
     block_n, block_k = routed_blocks(isinstance(w13, Mxfp4))
     shared_args, shared_consts = shared_launch(shared, M, situ=True)
@@ -304,19 +305,6 @@ def _fc1(x, w13, ids, top_k, situ, out, shared=None, logits=None, bias=None, wei
         BLOCK_N=block_n, BLOCK_K=block_k, RNE=INTERPRETED, ROUTE=route,
         MXFP4=isinstance(w13, Mxfp4), **shared_consts, num_warps=8, **launch_options())
     return out
-
-
-def _laid_out_as_read(what: str, whole: dict[str, torch.Tensor | None],
-                      rows: dict[str, torch.Tensor | None]) -> None:
-    """The per-slot kernels index ``whole`` tensors by their element (``slot * INTER``) and
-    ``rows`` by a row stride with contiguous columns: any other layout would be read wrong,
-    not refused, so it is refused here."""
-    for name, t in whole.items():
-        if t is not None and not t.is_contiguous():
-            raise ValueError(f"{what}: {name} must be contiguous")
-    for name, t in rows.items():
-        if t is not None and t.stride(-1) != 1:
-            raise ValueError(f"{what}: {name} must have contiguous rows")
 
 
 def expert_args(w: Experts, what: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -380,7 +368,7 @@ def moe_finalize(per_slot: torch.Tensor, weights: torch.Tensor, dtype: torch.dty
     """The standard path's weighted sum over the slots (vLLM's ``moe_sum``): per_slot
     [M, top_k, N], weights [M, top_k] fp32 -> [M, N] in ``dtype``, summed in fp32."""
     M, top_k, n = per_slot.shape
-    _laid_out_as_read("moe_finalize", {"per-slot outputs": per_slot, "weights": weights}, {})
+    check_layout("moe_finalize", {"per-slot outputs": per_slot, "weights": weights}, {})
     out = torch.empty(M, n, dtype=dtype, device=per_slot.device)
     block = 4096 if interpreter_tiles() else 1024
     moe_finalize_kernel[(M, triton.cdiv(n, block))](per_slot, weights, out, n, TOP_K=top_k,
@@ -392,8 +380,8 @@ def moe_finalize(per_slot: torch.Tensor, weights: torch.Tensor, dtype: torch.dty
 def _fc2(act, w2, ids, weights, out, shared=None) -> None:
     M, top_k, inter = act.shape
     n = w2.shape[1]
-    _laid_out_as_read("routed experts' FC2", {"act": act, "ids": ids, "weights": weights},
-                      {"out": out})
+    check_layout("routed experts' FC2", {"act": act, "ids": ids, "weights": weights},
+                 {"out": out})
     block_n, block_k = routed_blocks(isinstance(w2, Mxfp4))
     shared_args, shared_consts = shared_launch(shared, M, situ=False)
     grid = (M * triton.cdiv(n, block_n) + shared_args[-1],)

@@ -40,6 +40,7 @@ from kimi_perf_kernels.common import (
     INTERPRETED,
     after_previous_kernel,
     cast,
+    check_layout,
     interpreter_tiles,
     launch_options,
     prefetch_l2,
@@ -116,8 +117,9 @@ def linear_tile(pid, x_ptr, w_ptr, norm_ptr, res_ptr, out_ptr, M, N_OUT, K, stri
                 if SITU:
                     acc_up += tl.dot(x, tl.trans(w_up.to(tl.float32)), input_precision="ieee")
             else:
-                # the tensor cores take the weights' dtype: an fp32 x (normed) is rounded to
-                # it here, as the standard path's RMSNorm writes bf16; the GEMV keeps fp32
+                # the tensor cores take the weights' dtype: x · norm is rounded to it here,
+                # before 1/rms (applied to the sums): a rounding of the size the standard
+                # path's bf16 RMSNorm output has, not of the same values; the GEMV keeps fp32
                 xb = x.to(w.dtype)
                 acc += tl.dot(xb, tl.trans(w))
                 if SITU:
@@ -180,7 +182,14 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor, norm: torch.Tensor | None = 
                   eps: float = 1e-5) -> torch.Tensor:
     """x [M, K], w [N, K] -> [M, N] (or [M, N/2] with ``situ=(beta, beta_linear)``)."""
     M, K = x.shape
+    if w.dim() != 2 or w.shape[1] != K:
+        raise ValueError(f"skinny_linear: w {tuple(w.shape)} for x {tuple(x.shape)} (w [N, K])")
+    if situ and w.shape[0] % 2:
+        raise ValueError(f"skinny_linear: SiTU takes w's gate and up rows, an even number, not "
+                         f"{w.shape[0]}")
     n_out = w.shape[0] // 2 if situ else w.shape[0]
+    check_layout("skinny_linear", {"norm": norm},
+                 {"x": x, "w": w, "residual": residual, "out": out})
     if out is None:
         out = torch.empty(M, n_out, dtype=out_dtype or x.dtype, device=x.device)
     use_dot = M > GEMV_MAX_M

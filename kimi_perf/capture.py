@@ -485,9 +485,11 @@ def work_units(req: TraceRequest) -> int:
     return len(req.paths) * (1 + req.warmup + req.steps)
 
 
-def _profile(model, req: TraceRequest, device: str, out: Path, done=None) -> dict:
+def _profile(model, req: TraceRequest, device: str, out: Path, done=None, ready=None) -> dict:
     """Prefill, warm-up and decode steps under the PyTorch profiler; the Kineto trace of the
-    decode steps goes to ``out``."""
+    decode steps goes to ``out``. ``ready``: called once the profiler runs, before the
+    prefill's timer starts (TP ranks meet there: a rank's time to first token would count
+    the others' start-up otherwise)."""
     import torch
 
     from kimi_perf.decode.harness import run_decode
@@ -508,6 +510,8 @@ def _profile(model, req: TraceRequest, device: str, out: Path, done=None) -> dic
             prof.step()
             if done:
                 done()
+        if ready:
+            ready()
         run = run_decode(model, prompt, steps=req.steps, warmup=req.warmup,
                          kv_dtype=FP8 if req.kv_cache == "fp8" else None,
                          after_step=after_step, cuda_graphs=req.graphs,
@@ -591,7 +595,8 @@ def _rank_profile(rank: int, weights, config, req: TraceRequest, path: str, run_
 
     model = rank_model(weights, config, rank, torch.bfloat16,
                        decode_backend=PATH_BACKENDS[path], **path_options(req, path))
-    return _profile(model, req, "cpu", Path(run_dir) / f"{path}.rank{rank}.trace.json.gz")
+    return _profile(model, req, "cpu", Path(run_dir) / f"{path}.rank{rank}.trace.json.gz",
+                    ready=torch.distributed.barrier)
 
 
 @contextlib.contextmanager

@@ -151,11 +151,14 @@ class FiniteFloatRange(click.FloatRange):
 
 def _not_an_input(output: Path | None, *inputs: Path | None) -> None:
     """Refuse an output that is one of the command's inputs (a run directory stands for its
-    breakdown.json and run.json): writing it would destroy what is being read."""
+    breakdown.json and run.json, a trace in one for the run.json read with it): writing it
+    would destroy what is being read."""
     if output is None or str(output) == "-" or not output.exists():
         return
     for given in filter(None, inputs):
-        read = [given / "breakdown.json", given / "run.json"] if given.is_dir() else [given]
+        read = ([given / "breakdown.json", given / "run.json"] if given.is_dir()
+                else [given, given.parent / "run.json"] if runs_mod.captured_path(given) is not None
+                else [given])
         for file in read:
             try:
                 if os.path.samefile(output, file):
@@ -578,7 +581,8 @@ def breakdown_cmd(trace: Path | None, fmt: str | None, layers: str, step_regex: 
 @_phase_option
 @_rules_option
 @click.option("--labels", help="names for A and B, comma-separated (default: the file names, "
-              "in the table without the words both share; or a run's path names)")
+              "in the table without the words both share, or #1 and #2 where still long, "
+              "said under it; or a run's path names)")
 @_kernels_option
 @click.option("-o", "--output", type=PATH, help="write here, not stdout")
 @_fail_cleanly
@@ -641,7 +645,8 @@ def compare_cmd(a: Path, b: Path | None, path_name: str | None, fmt: str | None,
 @_rules_option
 @click.option("--update", is_flag=True, help="then store the run as the new baseline")
 @click.option("-o", "--output", type=PATH, help="write the verdict here (the table as text, "
-              "or the JSON), not stdout; nothing where the gate cannot run (exit 2)")
+              "or the JSON), not stdout; where the gate cannot run (exit 2), none: an earlier "
+              "verdict there is removed")
 @click.option("--strict", is_flag=True, help="fail too where the baseline and the run were "
               "captured differently (preset, layers, batch, TP, device, ...) or broken down "
               "differently (--steps, --layers, --phase, --rules): a nightly job against the "
@@ -664,19 +669,44 @@ def gate_cmd(baseline: Path, run: Path, metrics: str | None, rel_tol: float, abs
     together).
     """
     fmt = _format_of(fmt, output, ("json",))
-    try:
-        tolerances = gate_mod.Tolerances(rel_tol, alpha, metrics=metrics, abs_tol_us=abs_tol)
-    except ValueError as exc:
-        raise TraceError(None, f"--{exc}") from None
-    if update and path_name is not None:
-        raise TraceError(None, "--update stores the whole run: it takes no --path")
-    _no_trace_among([baseline, run])
     _not_an_input(output, baseline, run, rules)
     if output is not None and str(output) != "-":   # (checked before --update stores a file)
         if os.path.abspath(output) == os.path.abspath(baseline):
             raise TraceError(output, "is the baseline: -o writes the verdict elsewhere")
         if not output.parent.is_dir():
             raise TraceError(output, "cannot write: no such directory")
+    with _no_earlier_verdict(output):
+        try:
+            tolerances = gate_mod.Tolerances(rel_tol, alpha, metrics=metrics,
+                                             abs_tol_us=abs_tol)
+        except ValueError as exc:
+            raise TraceError(None, f"--{exc}") from None
+        if update and path_name is not None:
+            raise TraceError(None, "--update stores the whole run: it takes no --path")
+        _no_trace_among([baseline, run])
+        _gate(baseline, run, tolerances, fmt, show_all, path_name, layers, step_regex, phase,
+              rules, update, strict, output)
+
+
+@contextlib.contextmanager
+def _no_earlier_verdict(output: Path | None):
+    """A gate that cannot run removes the verdict file an earlier one left at ``-o``, so that
+    a job reading it does not take last night's pass for tonight's."""
+    try:
+        yield
+    except (TraceError, OSError) as exc:
+        if isinstance(exc, BrokenPipeError):   # (the verdict written, its reader gone)
+            raise
+        if output is not None and str(output) != "-":
+            with contextlib.suppress(OSError):
+                output.unlink(missing_ok=True)
+        raise
+
+
+def _gate(baseline: Path, run: Path, tolerances: gate_mod.Tolerances, fmt: str,
+          show_all: bool, path_name: str | None, layers: str, step_regex: str | None,
+          phase: str, rules: Path | None, update: bool, strict: bool, output: Path | None
+          ) -> None:
     # how a trace is broken down, as for `breakdown`
     options = {"layers": _check_layers(layers), "step_regex": _check_steps(step_regex),
                "rules": load_rules(rules)}
@@ -706,6 +736,9 @@ def gate_cmd(baseline: Path, run: Path, metrics: str | None, rel_tol: float, abs
                    + ("" if gated.result.ok
                       else " (what the gate above failed is now the baseline)"), err=True)
         return
+    if not baseline.exists() and not baseline.is_symlink():   # (a dangling link: its reader)
+        raise TraceError(baseline, "no such baseline (a first run stores one: kimi-perf gate "
+                                   "--update BASELINE RUN)")
     gated = gate_mod.gate_files(baseline, run, tolerances, path_name, phase, strict=strict,
                                 **options)
     with _reader_may_leave():
@@ -727,9 +760,13 @@ def _print_gate(gated: gate_mod.GatedRun, fmt: str, show_all: bool, update: str 
 def _write_gate(gated: gate_mod.GatedRun, fmt: str, show_all: bool, update: str | None,
                 output: Path | None, files: tuple[Path, Path]) -> None:
     result = gated.result
+    # what each side's breakdown says of itself (mixed steps, replayed graphs, ...)
+    notes = {side: note_lines({f"{side} {p}": b for p, b in runs.items()})
+             for side, runs in (("baseline", gated.baseline), ("run", gated.current))}
     if fmt == "json":
         doc = result.to_json() | {"headline": render.gate_headline(result),
-                                  "baseline_file": str(files[0]), "run_file": str(files[1])}
+                                  "baseline_file": str(files[0]), "run_file": str(files[1]),
+                                  "notes": notes}
         if update is not None:   # (stored: exit 0, whatever the verdict)
             doc["updated"] = str(gated.baseline_file) if update == "updated" else None
         _emit(json.dumps(doc, indent=1, allow_nan=False) + "\n", output)
@@ -738,9 +775,7 @@ def _write_gate(gated: gate_mod.GatedRun, fmt: str, show_all: bool, update: str 
     table = render.gate_table(result, show_all)
     if table.row_count:
         said.append((table, None))
-    for side, runs in (("baseline", gated.baseline), ("run", gated.current)):
-        said += [(line, None) for line in note_lines({f"{side} {p}": b
-                                                     for p, b in runs.items()})]
+    said += [(line, None) for lines in notes.values() for line in lines]
     if result.run_differences:
         said.append((runs_mod.captured_differently("the baseline", "the run",
                                                    result.run_differences), "bold yellow"))
@@ -761,13 +796,16 @@ def _write_gate(gated: gate_mod.GatedRun, fmt: str, show_all: bool, update: str 
         said.append((f"{', '.join(result.cpu_times_left_out)} of CPU runs not checked (CPU "
                      f"time, noisy and no speed figure): --metrics {named} checks them",
                      "yellow"))
-    said.append((render.gate_headline(result), None))
+    # the verdict's line last and whole, however long: a CI log's last line
+    headline = render.gate_headline(result)
     if output is not None:
-        atomic_write_text(output, render.tables_text([part for part, _ in said]))
+        atomic_write_text(output, render.tables_text([part for part, _ in said]) + headline
+                          + "\n")
         return
     console = render.console()
     for part, style in said:
         console.print(part, style=style)
+    console.print(headline, soft_wrap=True)
 
 
 def _check_plotly_js(ctx, param, value: str) -> str:
@@ -1397,11 +1435,12 @@ def _capture_with_progress(req: TraceRequest, console: Console
 
 def _print_run(console: Console, run_dir: Path, results: dict[str, Breakdown],
                run_info: dict) -> None:
-    """``trace``'s terminal summary of a run: the paths side by side (a TP run's ranks in one
-    table), the notes, the floors, each path's decode metrics and where the files are."""
+    """``trace``'s terminal summary of a run: the paths side by side (three or more: in one
+    table), the notes, the floors, each path's decode metrics (a TP run's: rank 0's, and
+    which rank was slowest) and where the files are."""
     from kimi_perf.comparison import compare as compare_breakdowns
     from kimi_perf.comparison import sides_notes
-    from kimi_perf.report import capture_said, first_forward_text
+    from kimi_perf.report import capture_said, first_forward_text, ranks_text
 
     labels = list(results)
     a = labels[0]
@@ -1415,7 +1454,7 @@ def _print_run(console: Console, run_dir: Path, results: dict[str, Breakdown],
         console.print(f"captured: {said}")
     if crowded := ranks_crowded(run_info):
         console.print(crowded, style="yellow")
-    if len(labels) >= 3:  # a TP run's ranks, say: every one in one table
+    if len(labels) >= 3:  # every one in one table
         from kimi_perf.comparison import overview
 
         rows = overview(results)
@@ -1467,10 +1506,13 @@ def _print_run(console: Console, run_dir: Path, results: dict[str, Breakdown],
                       f"step {metrics['step_latency_s']['median'] * 1e3:.1f} ms median "
                       f"({metrics['timed']}); ops: {metrics['ops']}"
                       + (f"; {spec['accepted_tokens_per_step']} of 1+{spec['spec_tokens']} "
-                         "tokens accepted per sequence and step (synthetic)"
+                         "tokens accepted per sequence and step (synthetic: a uniform 1 to "
+                         f"1+{spec['spec_tokens']}, the verified token counted, drafting free)"
                          if (spec := metrics.get("speculative")) else "")
                       + (f"; fell back: {'; '.join(metrics['fallbacks'])}"
                          if metrics["fallbacks"] else ""))
+    if said := ranks_text(run_info):
+        console.print(said + ".")
     for path, reason in fell_back.items():
         console.print(fell_back_text(path, reason), style="bold yellow")
     if len(labels) == 2 and compared[0][1]:

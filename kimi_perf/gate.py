@@ -88,9 +88,11 @@ from kimi_perf.layer_breakdown import (
     layer_column,
     layer_of_type,
 )
+from kimi_perf.layers import decode_requests
 from kimi_perf.runs import (
     TRACE,
     captured_path,
+    captured_run,
     check_storable,
     is_figure,
     is_stored,
@@ -283,7 +285,7 @@ def gate_files(baseline: str | Path, run: str | Path, tolerances: Tolerances = T
     _check_tolerances(tolerances)
     baseline, run = Path(baseline), Path(run)
     loaded = loaded or {}
-    current, run_doc, _ = loaded.get(run) or load_run(run, phase, **breakdown_options)
+    current, run_doc, run_file = loaded.get(run) or load_run(run, phase, **breakdown_options)
     base, base_doc, base_file = (loaded.get(baseline)
                                  or load_run(baseline, phase, **breakdown_options))
     paths_differ = []
@@ -314,22 +316,30 @@ def gate_files(baseline: str | Path, run: str | Path, tolerances: Tolerances = T
             raise TraceError(file, f"holds the paths {', '.join(runs)}: choose the one the "
                                    "other side stands for with --path")
     result = gate(base, current, tolerances)
+    # how each side was captured: a trace in a run directory as its run.json says (compared
+    # alone: the documents, what --update stores, stay load_run's)
+    base_info, run_info = (captured_run(file) or doc if json_file is None else doc
+                           for file, json_file, doc in ((baseline, base_file, base_doc),
+                                                        (run, run_file, run_doc)))
     # two captures whose run information records other GPUs say so (run_differences); the
     # kernels' GPUs are compared otherwise (the same names, other SM counts: a MIG slice)
     recorded = [env.get("gpus") if isinstance(env := (d.get("run") or {}).get("environment")
                                                       if isinstance(d, dict) else None, dict)
-                else None for d in (base_doc, run_doc)]
+                else None for d in (base_info, run_info)]
     gpus_said = None not in recorded and recorded[0] != recorded[1]
     # (a CPU run's threads move its times alone: where only its ops are gated, they pass)
     result.run_differences = (paths_differ
-                              + run_differences(base_doc, run_doc,
+                              + run_differences(base_info, run_info,
                                                 cpu_times=bool(result.cpu_time_metrics),
                                                 paths=path is None)
                               + phase_differences(base, current)
+                              + request_differences(base, current)
                               + unit_differences(base, current)
-                              + ([] if gpus_said else gpu_differences(base, current)))
+                              + ([] if gpus_said else gpu_differences(base, current))
+                              + settings_unknown(base_info, run_info,
+                                                 (base_file is None, run_file is None)))
     depths = [(d.get("run") or {}).get("n_layers") if isinstance(d, dict) else None
-              for d in (base_doc, run_doc)]   # (load_run checked that "run" is an object)
+              for d in (base_info, run_info)]   # (load_run checked that "run" is an object)
     if None not in depths and depths[0] != depths[1]:
         # a step of a model of another depth is other work, of other layers; its layers still
         # compare
@@ -344,14 +354,14 @@ def gate_files(baseline: str | Path, run: str | Path, tolerances: Tolerances = T
                                 "other work")
             elif (check.status in ("new", "missing") and check.layer_type != STEP
                   and check.path in base and check.path in current
-                  and not _model_holds(run_doc if check.status == "missing" else base_doc,
+                  and not _model_holds(run_info if check.status == "missing" else base_info,
                                        check.layer_type)):
                 # a layer type one depth has and the other not (2 layers: no KDA layer)
                 lacking = "run" if check.status == "missing" else "baseline"
                 check.detail = (f"models of {depths[0]} and {depths[1]} layers: the "
                                 f"{lacking}'s has no {check.layer_type} layer")
                 check.status = "changed"
-    _check_fallbacks(result, base_doc, run_doc, base, current)   # (a failure whatever the depth)
+    _check_fallbacks(result, base_info, run_info, base, current)   # (whatever the depths)
     result.breakdown_differences = breakdown_differences(base, current)
     if strict and result.run_differences:
         result.checks.append(Check("run", "capture", "capture", None, None, None, None,
@@ -473,6 +483,37 @@ def _check_fallbacks(result: GateResult, base_doc: object, run_doc: object,
 def has_work(runs: dict[str, Breakdown]) -> bool:
     """Whether any decode path holds a step or a layer: something to check."""
     return any(b.steps or b.layers for b in runs.values())
+
+
+def settings_unknown(base_doc: object, run_doc: object, traces: tuple[bool, bool]
+                     ) -> list[str]:
+    """Where one side records how it was captured (a run's preset, batch, TP and GPU) and the
+    other, a trace given as it is (``traces``: which sides are), does not: what no gate could
+    compare, a difference under --strict, as a nightly job given the wrong file is. (A
+    stored breakdown without them is a baseline kept so on purpose.)"""
+    said = [isinstance(d, dict) and isinstance(d.get("run"), dict) for d in (base_doc,
+                                                                            run_doc)]
+    if said[0] == said[1] or not traces[1 if said[0] else 0]:
+        return []
+    lacking = "run" if said[0] else "baseline"
+    return [f"the {lacking} records no capture settings (a trace of its own): preset, batch, "
+            "TP and GPU not compared"]
+
+
+def request_differences(baseline: dict[str, Breakdown], current: dict[str, Breakdown]
+                        ) -> list[str]:
+    """Where the steps of a path name other numbers of decode requests on the two sides, the
+    count most of a side's steps name (vLLM's annotation: "decode requests a step 32 vs 64",
+    another batch; a request that finished within the window is no difference), as
+    ``phase_differences`` compares their phases."""
+    out = []
+    for path, base, cur in _paired(baseline, current):
+        counts = [Counter(n for s in b.steps if (n := decode_requests(s.get("name") or "")))
+                  for b in (base, cur)]
+        if all(counts) and (most := [c.most_common(1)[0][0] for c in counts])[0] != most[1]:
+            out.append(("" if path == TRACE else f"{path}: ")
+                       + f"decode requests a step {most[0]} vs {most[1]}")
+    return out
 
 
 def phase_differences(baseline: dict[str, Breakdown], current: dict[str, Breakdown]
@@ -640,7 +681,8 @@ def gate(baseline: dict[str, Breakdown], current: dict[str, Breakdown],
                     swap := _kernels_changed(base, base_type, cur, cur_type)):
                 found.append(Check(path, label, "pattern", None, None, None, None, "changed",
                                    None if swap is True else swap))
-            if (layers := _layers_check(path, label, base, base_type, cur, cur_type)):
+            layers = _layers_check(path, label, base, base_type, cur, cur_type)
+            if layers is not None:
                 if windows is not None and layers.status == "differs":   # (other work)
                     layers.status = "changed"
                     layers.detail = windows if base_type == STEP else _window_holds(
@@ -690,6 +732,14 @@ def gate(baseline: dict[str, Breakdown], current: dict[str, Breakdown],
                     check.status, check.detail = "changed", windows
                 if cur_type not in (None, label):
                     check.run_layer_type = cur_type
+            if base_type == STEP and layers is not None and layers.status == "differs":
+                # a step that lost (gained) layers is other work: not faster (slower) for it;
+                # the layers' check fails
+                for check in found:
+                    if check.status in ("regression", "improvement"):
+                        check.status = "changed"
+                        check.detail = f"{layers.detail}: other work" + (
+                            f"; {check.detail}" if check.detail else "")
             checks += found
     # a path with a CPU side whose times were checked (a CPU run against a GPU's, say)
     cpu_checked = any(p not in ops_alone
@@ -1067,8 +1117,16 @@ def _layers_check(path: str, label: str, base: Breakdown | None, base_type: str 
     """Layers a step (the median step's; of a layer type, those of the type), where both
     sides have them: a layer lost or added is other work, whose steps' and layers' figures
     would otherwise pass for a change of speed (a lost layer as an improvement)."""
-    if None in (base, cur, base_type, cur_type):
+    if base is None or cur is None or (base_type, cur_type) == (None, None):
         return None
+    if None in (base_type, cur_type):
+        # a type one side lacks: its layers a step, missing or new (with its kernels')
+        had = _type_per_step(base, base_type) if cur_type is None else _type_per_step(
+            cur, cur_type)
+        if not had or not (layers_per_step(base) and layers_per_step(cur)):
+            return None   # (in fewer than half the steps, or steps that do not say)
+        return (Check(path, label, "layers", had, 0.0, -1.0, None, "missing") if cur_type is None
+                else Check(path, label, "layers", 0.0, had, None, None, "new"))
     counts = [layers_per_step(b) if t == STEP else _type_per_step(b, t)
               for b, t in ((base, base_type), (cur, cur_type))]
     if None in counts:

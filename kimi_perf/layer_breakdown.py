@@ -927,6 +927,13 @@ def layers_text(step: dict) -> str:
     return ("-" if count is None else str(count)) + (f" ({source})" if source else "")
 
 
+def step_part_text(step: dict, part: str) -> str:
+    """A step's ``prologue`` or ``epilogue`` as tables show it: "kernels / span µs" ("-" of
+    a breakdown stored before steps held them)."""
+    p = step.get(part)
+    return f"{p['kernels']} / {p['span_us']:.1f}" if isinstance(p, dict) else "-"
+
+
 def replay_note(replays: dict, captures: list[str]) -> str:
     """What a breakdown says of the GPU ops graph launches ran: how many were placed where
     their capture launched them (joined from ``captures``: files, with ``--capture``), and

@@ -67,6 +67,14 @@ def step_phase(name: str) -> str | None:
             else "decode" if decode else None)
 
 
+def decode_requests(name: str) -> int | None:
+    """The decode requests a step's name says it ran (vLLM's ``..._generation_32``: 32, and 0
+    for a step that prefills alone; our ``decode_step[i]`` does not say: its run.json has the
+    batch); None where the name says nothing of them."""
+    m = _VLLM_STEP_REQUESTS.match(name)
+    return int(m[2]) if m is not None else None
+
+
 def steps_of_phase(steps: list[Step], phase: str = "auto", file: str | None = None
                    ) -> tuple[list[Step], dict[str, int]]:
     """The steps of one phase, and how many steps of each other phase were left out

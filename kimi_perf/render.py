@@ -41,6 +41,7 @@ from kimi_perf.layer_breakdown import (
     layers_text,
     spread_text,
     step_notes,
+    step_part_text,
 )
 from kimi_perf.names import short_names
 from kimi_perf.text import counted
@@ -297,8 +298,7 @@ def breakdown_tables(b: Breakdown) -> list[Table]:
                       layers_text(s),
                       str(s["kernels"]), f"{s['kernel_us']:.1f}", f"{s['span_us']:.1f}",
                       f"{s['gap_us']:.1f}",
-                      f"{s['prologue']['kernels']} / {s['prologue']['span_us']:.1f}",
-                      f"{s['epilogue']['kernels']} / {s['epilogue']['span_us']:.1f}")
+                      step_part_text(s, "prologue"), step_part_text(s, "epilogue"))
     steps.caption = "\n".join(step_notes(b)) or None
     tables = [steps]
     if not b.layer_types:
@@ -487,8 +487,7 @@ def validation_table(result: dict) -> Table:
                    left=("path", "layer type"))
     for path, r in result["paths"].items():
         for kind, v in r["layer_types"].items():
-            bound = bounds["mla_layer" if kind == "mla" else "layer"]
-            table.add_row(path, kind, f"{v['max_rel_err']:.3g}", f"{bound:.3g}",
+            table.add_row(path, kind, f"{v['max_rel_err']:.3g}", f"{v['bound']:.3g}",
                           f"{v['drift_max_rel_err']:.3g}", str(v["launches"]))
         table.add_row(path, "logits", f"{r['logits_max_rel_err']:.3g}",
                       f"{bounds['logits']:.3g}", f"{r['logits_drift_max_rel_err']:.3g}", "")
@@ -535,7 +534,7 @@ def gate_table(result: GateResult, show_all: bool = False) -> Table:
     times = any(c.metric in TIMES for c in result.checks)
     table = _table("Regression gate: medians, baseline vs run" + (
                    f" (time: > {tol.rel_tol:.0%} and {tol.abs_tol_us:g} µs, and Mann-Whitney "
-                   f"p < {tol.alpha:g}; a step's mean span: a permutation test's)"
+                   f"p < {tol.alpha:g}; for a step's mean span, a permutation test's p)"
                    if times else " (launches only)"),
                    ["path", "layer", "metric", "baseline", "run", "change", "p", "status",
                     "behind it"],

@@ -53,11 +53,13 @@ from kimi_perf.layer_breakdown import (
     layers_text,
     spread_text,
     step_notes,
+    step_part_text,
     units_word,
 )
 from kimi_perf.names import demangle, primed, short_names
 from kimi_perf.runs import (
     captured_differently,
+    is_finite_number,
     is_stored,
     load_paths,
     no_run,
@@ -223,8 +225,9 @@ def _comparison_html(breakdowns: dict[str, Breakdown], pairs: list[tuple[str, st
             f"<td>{t['span_us']:.1f}</td><td>{t['gap_us']:.1f}</td></tr>"
             for t in breakdowns[a].layer_types)
         parts.append(f"<h2>Per layer type: {e(a)} (medians over layers and steps)</h2>"
-                     f"<table><tr><th>layer type</th><th>layers</th><th>{unit[a]}</th>"
-                     "<th>kernel µs</th><th>span µs</th><th>gap µs</th></tr>"
+                     f"<table><tr><th>layer type</th><th>layers (all steps)</th>"
+                     f"<th>{unit[a]}</th><th>{unit[a][:-1]} µs</th><th>span µs</th>"
+                     "<th>gap µs</th></tr>"
                      f"{body}</table>")
 
     def fmt(v, spec):
@@ -247,6 +250,8 @@ def _comparison_html(breakdowns: dict[str, Breakdown], pairs: list[tuple[str, st
             f"<td>{ratio_text(r.kernel_ratio)}</td></tr>"
             for r in rows)
         note = "".join(f"<p>{e(line)}.</p>" for line in [
+            "layers: a type's count over all the steps profiled (one a step over 3 steps "
+            "reads 3); the whole step's row, a step's",
             *comparison_notes(rows, a, b, unit[label_a], unit[label_b]),
             *sides_notes(breakdowns[label_a], breakdowns[label_b], a, b)])
         parts.append(f"<h2>Per layer type: {e(a)} vs {e(b)} (medians; µs = layer span)</h2>"
@@ -271,21 +276,28 @@ def _steps_html(breakdowns: dict[str, Breakdown]) -> str:
             f"<td>{'cpu' if unit == 'ops' and s['device'] < 0 else s['device']}</td>"
             f"<td>{e(layers_text(s))}</td><td>{s['kernels']}</td>"
             f"<td>{s['kernel_us']:.1f}</td><td>{s['span_us']:.1f}</td>"
-            f"<td>{s['gap_us']:.1f}</td></tr>" for s in b.steps[:STEP_ROWS])
+            f"<td>{s['gap_us']:.1f}</td>"
+            + "".join(f"<td>{step_part_text(s, part)}</td>" for part in ("prologue",
+                                                                          "epilogue"))
+            + "</tr>" for s in b.steps[:STEP_ROWS])
         median = {k: float(np.median([s[k] for s in b.steps]))
                   for k in ("kernels", "kernel_us", "span_us", "gap_us")}
         # (each column's own median: they need not add up, as a step's figures do)
         rows += (f"<tr><th colspan=4>median of {counted(len(b.steps), 'step')} (each "
                  "column's own)</th>"
                  f"<td>{count_text(median['kernels'])}</td><td>{median['kernel_us']:.1f}</td>"
-                 f"<td>{median['span_us']:.1f}</td><td>{median['gap_us']:.1f}</td></tr>")
+                 f"<td>{median['span_us']:.1f}</td><td>{median['gap_us']:.1f}</td>"
+                 "<td></td><td></td></tr>")
         more = len(b.steps) - STEP_ROWS
         parts.append(f"<h3>{e(label)}</h3><table><tr><th>step</th><th>range</th>"
                      f"<th>device</th><th>layers</th><th>{unit}</th><th>{unit[:-1]} µs</th>"
-                     f"<th>span µs</th><th>gap µs</th></tr>{rows}</table>"
+                     f"<th>span µs</th><th>gap µs</th><th>prologue {unit} / span µs</th>"
+                     f"<th>epilogue {unit} / span µs</th></tr>{rows}</table>"
                      + (f"<p>and {more} more steps (kimi-perf breakdown lists them).</p>"
                         if more > 0 else ""))
-    return "<h2>Steps</h2>" + "".join(parts) if parts else ""
+    return ("<h2>Steps</h2><p>A step's prologue: its kernels before its first layer (and "
+            "their span), its epilogue: those after its last (the logits, a sampler); gap µs: "
+            "the idle time between its kernels.</p>" + "".join(parts) if parts else "")
 
 
 def _overview_html(breakdowns: dict[str, Breakdown], of_paths: bool = False) -> str:
@@ -529,12 +541,21 @@ def _runs_html(runs: list[tuple[str, dict]]) -> str:
         f"<td>{m['decode_tokens_per_s']:.1f}</td>"
         f"<td>{m['time_to_first_token_s'] * 1e3:.1f}</td>"
         f"<td>{m['step_latency_s']['median'] * 1e3:.2f}</td>"
-        f"<td>{e(str(m.get('timed') or '-'))}</td></tr>"
+        f"<td>{e(str(m.get('timed') or '-'))}</td>"
+        f"<td>{e('; '.join(m.get('fallbacks') or []) or '-')}</td></tr>"
         for name, r in runs for path, m in (r.get("paths") or {}).items())
+    # whose time to first token is a process's first forward pass: a run each, or once
+    # where every run says the same
+    first = {name: said for name, r in runs if (said := first_forward_text(r))}
+    first_said = ([f"In each run, {next(iter(first.values()))}"]
+                  if len(first) == len(runs) and len(set(first.values())) == 1
+                  else [f"{name}: {said}" for name, said in first.items()])
     metrics = ("<h3>Decode metrics</h3><table><tr><th>run</th><th>path</th>"
                "<th>decode tokens/s</th><th>time to first token, ms</th>"
-               "<th>step, ms (median)</th><th>timed</th></tr>"
-               f"{measured}</table>" if measured else "")
+               "<th>step, ms (median)</th><th>timed</th><th>calls that fell back</th></tr>"
+               f"{measured}</table>" + "".join(f"<p class=note>{e(said, quote=False)}.</p>"
+                                              for said in first_said)
+               if measured else "")
     return ("<h2>Runs</h2><table class=info><tr><th></th>"
             + "".join(f"<th>{e(name)}</th>" for name, _ in runs)
             + f"</tr>{body}</table>{notes}{metrics}")
@@ -593,8 +614,12 @@ def _run_html(run: dict | None, breakdowns: dict[str, Breakdown]) -> str:
                                  for path, v in accepted.items())
             parts.append("<p>Speculative decoding with synthetic drafts: each step verifies "
                          "1+k tokens per sequence and accepts a seeded random 1..1+k of them "
-                         "(not a draft model's acceptance); decode tokens/s counts the "
-                         f"accepted tokens. Accepted per sequence per step: {per_path}.</p>")
+                         "(not a draft model's acceptance: uniform, a mean of 1 + k/2; 1 "
+                         "is no draft accepted), and drafting costs nothing here; decode "
+                         "tokens/s counts the accepted tokens. Accepted per sequence per "
+                         f"step: {per_path}.</p>")
+    if said := ranks_text(run):
+        parts.append(f"<p class=note>{e(said, quote=False)}.</p>")
     floors = run.get("floors")
     if floors and env.get("gpus"):
         per_type = ", ".join(f"{e(t)} {v['floor_us']:.1f} µs"
@@ -625,12 +650,16 @@ def _run_html(run: dict | None, breakdowns: dict[str, Breakdown]) -> str:
 
 def first_forward_text(run: dict) -> str | None:
     """Whose time to first token is a process's first forward pass, first-call costs and
-    all (None without decode metrics): each path's under nsys (a process each) or TP
-    (processes of its ranks), else the first path's."""
+    all: each path's under nsys (a process each) or TP (processes of its ranks), else the
+    first path's. None without decode metrics, or of a GPU run with the torch backend, whose
+    metrics come from the profiled steps run again, the prefill with them."""
     metrics = run.get("paths") or {}
     if not metrics:
         return None
-    if (run.get("request") or {}).get("backend") == "nsys":
+    nsys = (run.get("request") or {}).get("backend") == "nsys"
+    if (run.get("environment") or {}).get("device") != "cpu" and not nsys:
+        return None   # (a GPU's metrics: the profiled steps run again, the prefill with them)
+    if nsys:
         return ("each path ran in a process of its own under nsys, so its time to first token "
                 "is that process's first forward pass, first-call costs and all")
     if isinstance(tp := run.get("tp"), int) and tp > 1:
@@ -639,6 +668,27 @@ def first_forward_text(run: dict) -> str | None:
     return (f"the first path's time to first token ({next(iter(metrics))}) is the process's "
             "first forward pass, first-call costs and all, so compare it across runs of one "
             "path")
+
+
+def ranks_text(run: dict) -> str | None:
+    """Whose figures a TP run shows (rank 0's), where every rank's are, and each path's
+    slowest rank, at whose pace the group moves (None for a run of one rank)."""
+    tp = run.get("tp")
+    if not (isinstance(tp, int) and tp > 1):
+        return None
+    slowest = []
+    for path, m in (run.get("paths") or {}).items():
+        ranks = m.get("ranks") if isinstance(m, dict) else None
+        medians = [(r.get("step_latency_s") or {}).get("median") if isinstance(r, dict)
+                   else None for r in (ranks if isinstance(ranks, list) else [])]
+        if len(medians) > 1 and all(is_finite_number(v) for v in medians):  # (as stored)
+            worst = max(range(len(medians)), key=medians.__getitem__)
+            slowest.append(f"{path} rank {worst}, {medians[worst] * 1e3:.1f} ms (rank 0: "
+                           f"{medians[0] * 1e3:.1f} ms)")
+    return (f"TP {tp}: the tables and metrics are rank 0's (its trace broken down); every "
+            "rank's decode metrics are in run.json (paths.PATH.ranks), its trace in "
+            "PATH.rankN.trace.json.gz, and its collectives' µs count its wait for the others"
+            + (f"; the slowest rank's median step: {'; '.join(slowest)}" if slowest else ""))
 
 
 # Tables wider than the window scroll inside themselves; long names wrap anywhere.
@@ -650,6 +700,16 @@ STYLE = ("<style>body{font-family:sans-serif;margin:1.5em}table{border-collapse:
          "p.note{background:#fff6d5;padding:.5em}p.warn{background:#ffd9d9;padding:.5em;"
          "font-weight:bold}tr.differs td{font-weight:bold}</style>")
 PLOTLY_JS = ("inline", "cdn")
+
+
+def _no_plotly_html(plotly_js: str) -> str:
+    """A line the page shows where plotly.js, which it refers to, did not load (offline, or
+    a copy moved away): its charts would be blank frames, unexplained."""
+    where = "plotly's CDN" if plotly_js == "cdn" else plotly_js
+    return ("<p class=warn id=no-plotly hidden>The charts above are blank: plotly.js did not "
+            f"load from {html.escape(where)} (offline?). A report rendered without --plotly-js "
+            "carries it and opens offline.</p><script>if (typeof Plotly === 'undefined') "
+            "document.getElementById('no-plotly').hidden = false;</script>")
 
 
 def plotly_js_for(value: str, report_dir: Path) -> str:
@@ -865,8 +925,8 @@ def write_report(path: str | Path, breakdowns: dict[str, Breakdown], title: str,
                 timelines.update_xaxes(matches=f"x{first if first > 1 else ''}", row=row,
                                        col=1)
     timelines.update_layout(barmode="overlay", height=sum(rows_px) + 150,
-                            title="One step per trace (of its steps with layers, the one of "
-                                  "median span), a row per layer")
+                            title="One step of each path or trace (of its steps with layers, "
+                                  "the one of median span), a row per layer")
     include = {"inline": True, "cdn": "cdn"}.get(plotly_js, plotly_js)
     # (a chart with nothing to draw would be an empty frame: left out; plotly.js comes with
     # the first chart drawn)
@@ -890,6 +950,7 @@ def write_report(path: str | Path, breakdowns: dict[str, Breakdown], title: str,
              "<h2>Timelines</h2>",
              _missing_timelines_html(breakdowns, drawn),
              *charts,
+             *([] if include is True or not charts else [_no_plotly_html(plotly_js)]),
              "</body></html>"]
     atomic_write_text(path, "\n".join(parts))
     return path

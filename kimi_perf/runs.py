@@ -245,6 +245,19 @@ def captured_path(trace_file: str | Path) -> str | None:
     return name if isinstance(paths, list) and name in paths else None
 
 
+def captured_run(trace_file: str | Path) -> dict | None:
+    """A document holding the run information (``{"run": ...}``, as a run's breakdown.json
+    holds it) of the ``kimi-perf trace`` run whose directory holds the trace of one of its
+    paths (``captured_path``); None for any other file."""
+    if captured_path(trace_file) is None:
+        return None
+    try:
+        info = json.loads((Path(trace_file).parent / "run.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError):
+        return None
+    return {"run": info} if isinstance(info, dict) and not run_info_problem(info) else None
+
+
 def is_kimi_perf_json(path: str | Path) -> bool:
     """Whether a JSON file is one of ours (a breakdown or a run's breakdowns: they begin with
     ``"schema"``), told from its first bytes, so that a large JSON trace is not parsed twice

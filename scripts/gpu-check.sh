@@ -7,7 +7,8 @@
 #   bash scripts/gpu-check.sh run [ARGS...]  # there, in one call that carries .whl:
 #                                            #   results.json, summary.md, log.txt and the
 #                                            #   traces and run directories packed in parts
-#                                            #   (evidence.tar.gz.part*) -> $OUT
+#                                            #   (evidence.tar.gz.part*) -> $OUT; give the
+#                                            #   call timeout_s 360 (the budget, 330 s, + 30)
 #
 # The GPU machine has Python 3.12 with torch, triton, numpy, pyarrow, click and rich, and no
 # network: msgspec, plotly (with the narwhals it needs; packaging is there) and nvtx travel

@@ -356,7 +356,8 @@ def test_gpu_check_summary_sets_unprofiled_graph_steps_side_by_side():
     assert ("| standard vs specialized | b1 graphs | 3.000 (3.000-4.000) | 2.000 (2.000-2.000) "
             "| 1.50 | - |") in summary
     assert ("CUPTI control, standard b1 graphs: unprofiled step 2.500 ms before the process's "
-            "first profiler session, 3.000 ms after its own (ratio 1.20" in summary)
+            "first profiler session, 3.000 ms after its own (ratio 1.20: over 5% apart: a "
+            "cost left behind, or noise;" in summary)   # (near 1 it says no cost is left)
     assert "warning: gemv o_proj M=1 cute" in summary and "error(s)" not in summary
 
 
@@ -408,3 +409,28 @@ def test_gpu_check_a_check_that_raises_fails_alone():
     assert out["nosuch"]["error"] == "KeyError: 'nosuch'"
     skipped = check.correctness("cpu", 1, names=("standard",), allows=lambda name: False)
     assert skipped == {}
+
+
+def test_the_gpu_check_counts_a_launch_s_calls_and_weighs_its_floor_by_them():
+    """A launch's µs a call are its kernels' time over its ``op:`` ranges (a launch that runs
+    one kernel in KDA layers and another in MLA layers: not over the ranges of the commoner
+    kernel), and its floor is the call-weighted mean of its layer types' bytes."""
+    pytest.importorskip("torch")
+    from kimi_perf.decode.config import preset
+    from kimi_perf.decode.floors import launch_bytes
+    from tests.synth import TraceBuilder
+
+    check = _gpu_check()
+    b = TraceBuilder()
+    for kind in ("kda", "kda", "kda", "mla"):
+        start, end = b.sequence([f"gemm_o_proj_{kind}"])
+        b.range("op:o_proj", start - 5, end)
+    start, end = b.sequence(["norm", "gemm"])
+    b.range("op:final", start - 5, end)
+    assert check.op_calls(b.build()) == {"o_proj": 4, "final": 1}
+    c = preset("tiny")
+    layers = [c.layer_type(i) for i in range(c.n_layers)]
+    per_type = {t: launch_bytes(c, t, 2, 16).get("o_proj") for t in set(layers)}
+    want = sum(per_type[t] for t in layers) / len(layers)
+    assert len(set(per_type.values())) > 1   # (else the weighting would not show)
+    assert check.launch_floors_bytes(c, 2, 16)["o_proj"] == pytest.approx(want)

@@ -3021,3 +3021,94 @@ def test_class_chart_of_many_cpu_paths_draws_a_panel_each():
     fig = _class_bars(many)
     assert fig.layout.height == PANEL_PX * 10
     assert len(fig.layout.annotations) == 10    # a title a panel
+
+
+def test_a_report_of_several_runs_keeps_each_run_s_caveats(tmp_path):
+    """Runs drawn together keep what a run's own page says: whose time to first token is a
+    first forward pass, and the calls that fell back; each trace's steps keep their
+    prologue and epilogue; a single CPU trace's table says op µs; a page that refers to
+    plotly.js says so where it did not load."""
+    from kimi_perf.layer_breakdown import Breakdown
+    from kimi_perf.report import write_report
+
+    doc = json.loads(BASELINE.read_text())
+    run_info = doc["run"]
+    paths = {f"{run}:{name}": Breakdown.from_json(b) for run in ("a", "b")
+             for name, b in doc["paths"].items()}
+    text = write_report(tmp_path / "r.html", paths, "t", None, "cdn",
+                        runs=[("a", run_info), ("b", run_info)]).read_text()
+    assert "<th>calls that fell back</th>" in text
+    said = run_info["paths"]["specialized"]["fallbacks"][0]
+    assert text.count(f"<td>{html.escape(said)}</td>") == 2
+    assert ("In each run, the first path's time to first token (standard) is the "
+            "process's first forward pass") in text
+    step = doc["paths"]["standard"]["steps"][0]
+    assert (f"<td>{step['epilogue']['kernels']} / {step['epilogue']['span_us']:.1f}</td>"
+            in text and "<th>epilogue ops / span µs</th>" in text)
+    assert "id=no-plotly hidden" in text
+    # a GPU run's metrics come from its steps run again, the prefill with them: no such note
+    from kimi_perf.report import first_forward_text
+
+    gpu = run_info | {"environment": run_info["environment"] | {"device": "cuda"}}
+    assert first_forward_text(gpu) is None
+    text = write_report(tmp_path / "g.html", paths, "t", None, "cdn",
+                        runs=[("a", gpu), ("b", gpu)]).read_text()
+    assert "first forward pass" not in text
+    one = write_report(tmp_path / "one.html", {"standard": paths["a:standard"]}, "t",
+                       plotly_js="inline").read_text()
+    assert "<th>op µs</th>" in one and "<th>kernel µs</th>" not in one
+    assert "no-plotly" not in one
+
+
+def test_a_tp_run_says_its_figures_are_rank_0_s_and_names_the_slowest_rank():
+    """A TP run's tables and metrics are rank 0's: said, with each path's slowest rank by its
+    median step (the group moves at its pace) and where every rank's figures are."""
+    from kimi_perf.report import ranks_text
+
+    doc = json.loads(BASELINE.read_text())
+    run_info = doc["run"]
+    assert ranks_text(run_info) is None   # (one rank)
+    standard = run_info["paths"]["standard"]
+    slower = json.loads(json.dumps(standard))
+    slower["step_latency_s"]["median"] = 2 * standard["step_latency_s"]["median"]
+    tp = run_info | {"tp": 2, "paths": {"standard": standard | {"ranks": [standard, slower]}}}
+    said = ranks_text(tp)
+    median = standard["step_latency_s"]["median"] * 1e3
+    assert said.startswith("TP 2: the tables and metrics are rank 0's")
+    assert said.endswith(f"the slowest rank's median step: standard rank 1, {2 * median:.1f} "
+                         f"ms (rank 0: {median:.1f} ms)")
+
+
+def test_tp_ranks_meet_before_the_prefill_s_timer_starts(monkeypatch, tmp_path):
+    """``_profile(ready=...)`` calls it once the profiler runs and before the decode harness
+    (whose prefill the time to first token is): a TP rank's barrier, so that a rank's first
+    token does not count another's start-up."""
+    from kimi_perf import capture
+    from kimi_perf.decode import harness
+
+    calls = []
+
+    class Stop(Exception):
+        pass
+
+    def run_decode(*args, **kwargs):
+        calls.append("run_decode")
+        raise Stop
+
+    monkeypatch.setattr(harness, "run_decode", run_decode)
+    model = type("M", (), {"c": type("C", (), {"vocab": 8})()})()
+    req = capture.TraceRequest("tiny", None, batch=1, context=2, steps=1, warmup=0)
+    with pytest.raises(Stop):
+        capture._profile(model, req, "cpu", tmp_path / "t.json.gz",
+                         ready=lambda: calls.append("ready"))
+    assert calls == ["ready", "run_decode"]
+    # and a TP rank's profile meets the others there
+    import torch
+
+    from kimi_perf.decode import tp
+
+    given = {}
+    monkeypatch.setattr(tp, "rank_model", lambda *args, **kwargs: model)
+    monkeypatch.setattr(capture, "_profile", lambda *args, **kwargs: given.update(kwargs))
+    capture._rank_profile(0, {}, None, req, "standard", str(tmp_path))
+    assert given == {"ready": torch.distributed.barrier}

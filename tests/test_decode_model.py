@@ -381,6 +381,8 @@ def test_validate_bounds_a_kda_layer_by_its_own_rounding_beside_an_fp8_cache(mon
     monkeypatch.setattr(ReferenceModel, "_kda", lambda self, i, x: 1.001 * kda(self, i, x))
     result = validate(paths=("standard",), dtype="float32", kv_cache="fp8", steps=2, batch=2)
     assert result["bounds"]["layer"] == 1e-4 < result["bounds"]["mla_layer"]
+    assert {kind: v["bound"] for kind, v in result["paths"]["standard"]["layer_types"].items()
+            } == {"dense": 1e-4, "kda": 1e-4, "mla": result["bounds"]["mla_layer"]}
     assert [f.split(":")[0] for f in result["failures"]] == ["standard dense layers",
                                                              "standard kda layers"]
 
@@ -783,3 +785,34 @@ def test_the_seed_draws_the_weights_and_the_drafts(weights):
     first, other_first = runs[0].first_logits, runs[2].first_logits
     torch.testing.assert_close(first[:, 0], other_first[:, 0], rtol=1e-5, atol=1e-5)
     assert (first[:, 1:] - other_first[:, 1:]).abs().amax() > 0.1
+
+
+def test_accept_takes_counts_from_the_host_for_a_state_on_any_device():
+    """``accept`` moves a host tensor of counts to the state's device (a GPU's state given
+    CPU counts was a device mismatch), and the KDA records it folds are fp32 whatever the
+    default dtype."""
+    from kimi_perf.decode.model import DecodeState
+
+    c = preset("tiny")
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        state = DecodeState.empty(c, 2, 16, torch.bfloat16, torch.bfloat16, max_verify=4)
+    finally:
+        torch.set_default_dtype(default)
+    assert {r.dtype for r in state.records.values()} == {torch.float32}
+    state.advance(4, verify=True)
+    counts = torch.tensor([1, 3], dtype=torch.int32)
+    moved = []
+    real_to = torch.Tensor.to
+
+    def to(self, *args, **kwargs):
+        if self is counts:
+            moved.append(args)
+        return real_to(self, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch.Tensor, "to", to)
+        state.accept(counts)
+    assert moved == [(state.pending.device,)]
+    assert state.pending.tolist() == [1, 3] and state.lengths.tolist() == [1, 3]

@@ -357,6 +357,19 @@ def test_gate_writes_its_verdict_to_a_file_or_nothing(tmp_path):
     result = CliRunner().invoke(main, ["gate", str(broken), str(after), "--format", "json",
                                        "-o", str(missing)])
     assert result.exit_code == 2 and not missing.exists()
+    # last night's verdict is not left for the job to read as tonight's, whatever stopped
+    # the gate: an input, or an option
+    for args in ([str(before), str(broken)], [str(before), str(tmp_path / "gone.sqlite")],
+                 [str(before), str(after), "--metrics", "bogus"],
+                 [str(BASELINE), str(BASELINE), "--layers", "8"]):
+        assert out.is_file()
+        result = CliRunner().invoke(main, ["gate", *args, "--format", "json", "-o", str(out)])
+        assert result.exit_code == 2 and not out.exists(), result.output
+        CliRunner().invoke(main, ["gate", str(before), str(after), "-o", str(out)])
+    # the table's verdict line is one line, however long, in the file and on stdout
+    assert lines[-1] == doc["headline"] and len(lines[-1]) > 100
+    said = CliRunner().invoke(main, ["gate", str(before), str(after)], env={"COLUMNS": "60"})
+    assert said.stdout.splitlines()[-1] == lines[-1]
     result = CliRunner().invoke(main, ["gate", str(before), str(after), "-o", str(before)])
     assert result.exit_code == 2 and "is an input of this command" in result.output
     # with --update: -o checked before the baseline is stored (not the baseline itself, not
@@ -418,17 +431,23 @@ def test_an_older_digest_of_the_same_cut_still_checks_the_layer():
 
 def test_step_windows_compare_only_when_both_sides_are_whole_devices():
     """Whole-device steps holding 17 and 15 layers are not compared; a run whose steps are
-    ranges is (the windows' note would misname its steps), and so is a side whose steps do
-    not say how many layers they hold."""
+    ranges is (the windows' note would misname its steps: its steps lost layers, other
+    work), and so is a side whose steps do not say how many layers they hold."""
     before, after = (load_run(NSYS / f"nsysai_fastvideo_wan2.1_train_2xh100_{x}.sqlite")[0]
                      for x in ("before", "after"))
 
+    def step_checks():
+        return {c.metric: c for c in gate(before, after).checks if c.layer_type == "step"}
+
     def step_statuses():
-        return {c.metric: c.status for c in gate(before, after).checks
-                if c.layer_type == "step"}
+        return {metric: c.status for metric, c in step_checks().items()}
     assert step_statuses()["kernels"] == "changed"
+    assert "window" in step_checks()["kernels"].detail
     after["trace"].source["steps_found_by"] = "range"
-    assert step_statuses()["kernels"] == "improvement"
+    assert step_statuses() | {"layers": "differs"} == step_statuses()
+    assert step_checks()["kernels"].detail.startswith(
+        "17 layers a step in the baseline, 15 in the run: other work; per step (medians): ")
+    assert step_statuses()["kernels"] == "changed"
     after["trace"].source["steps_found_by"] = "device"
     for step in after["trace"].steps:
         step["layers"] = None
@@ -727,6 +746,33 @@ def test_cpu_runs_with_other_thread_counts_are_said_to_be_captured_differently(t
     assert "captured differently" in {c.status for c in timed.failures}
 
 
+def test_a_layer_type_dropped_from_every_step_is_missing_not_a_faster_step(tmp_path):
+    """A run whose steps lost every gated-MLA layer: the type's kernels and layers a step
+    are missing (failures), and the steps' fewer kernels and µs are other work, no
+    improvement."""
+    doc = json.loads(BASELINE.read_text())
+    path = doc["paths"]["specialized"]
+    dropped = [r for r in path["layers"] if r["type"] == "mla"]
+    path["layers"] = [r for r in path["layers"] if r["type"] != "mla"]
+    path["layer_types"] = [t for t in path["layer_types"] if t["type"] != "mla"]
+    for step in path["steps"]:
+        gone = [r for r in dropped if r["step"] == step["index"]]
+        step["layers"] -= len(gone)
+        step["kernels"] -= sum(r["kernels"] for r in gone)
+        step["span_us"] -= sum(r["span_us"] for r in gone)
+    (short := tmp_path / "no_mla.json").write_text(json.dumps(doc))
+    result = gate_files(BASELINE, short, Tolerances(metrics="kernels,span_us")).result
+    checks = {(c.layer_type, c.metric): c for c in result.checks if c.path == "specialized"}
+    mla = [r["step"] for r in dropped]
+    assert (checks[("mla", "layers")].status, checks[("mla", "layers")].baseline) == (
+        "missing", max(mla.count(s) for s in set(mla)))
+    assert checks[("mla", "kernels")].status == "missing"
+    assert checks[("step", "layers")].status == "differs"
+    for metric in ("kernels", "span_us"):
+        assert checks[("step", metric)].status == "changed"
+        assert "other work" in checks[("step", metric)].detail
+
+
 def test_a_step_s_change_is_explained_both_ways_and_parts_of_some_steps_say_so():
     """A step of 434 kernels against one of 423 (vLLM decode against prefill + decode): its
     B layers lost 216, its A layers gained 204; both said, not -216 as if it explained -11.
@@ -743,9 +789,11 @@ def test_a_step_s_change_is_explained_both_ways_and_parts_of_some_steps_say_so()
     test = KINETO / "hta_trace_diff_test_v100_rank1_cudagraph.json.gz"
     checks = {c.metric: c for c in gate_files(control, test).result.checks
               if c.layer_type == "step"}
+    assert checks["kernels"].status == "changed"   # (steps of 0 and 2 layers: other work)
     assert checks["kernels"].detail.startswith(
-        "per step (medians): D layers +458 kernels (in 4 of 6 steps in the run), C layers "
-        "+252.5 kernels (in 3 of 6 steps in the run)")
+        "0 layers a step in the baseline, 2 in the run: other work; per step (medians): D "
+        "layers +458 kernels (in 4 of 6 steps in the run), C layers +252.5 kernels (in 3 of 6 "
+        "steps in the run)")
     assert "steps in the run" not in checks["kernels_max"].detail   # (one step's own parts)
 
 
@@ -806,7 +854,8 @@ def test_steps_of_another_phase_are_a_difference_of_the_runs():
     decode, mixed = (KINETO / f"tracelens_vllm_gptoss20b_{x}_mi300x.json.gz"
                      for x in ("decode_fullgraph", "prefilldecode_piecewise"))
     gated = gate_files(decode, mixed, Tolerances(metrics="kernels"))
-    assert gated.result.run_differences == ["steps decode vs mixed"]
+    assert gated.result.run_differences == ["steps decode vs mixed",
+                                            "decode requests a step 32 vs 37"]
     assert gate_files(decode, decode).result.run_differences == []
     # steps that name no phase (a profiler's own) say nothing of the work: no difference
     unnamed = KINETO / "hta_a100_alexnet_cuda_sync.json.gz"
@@ -836,7 +885,10 @@ def test_a_cpu_run_s_ops_against_gpu_kernels_times_nothing_and_counts_launches()
     # this repository's CPU baseline against a GPU trace (another model: its times unlike)
     trace = KINETO / "tracelens_vllm_gptoss20b_decode_fullgraph_mi300x.json.gz"
     gated = gate_files(BASELINE, trace, path="specialized")
-    assert gated.result.run_differences == ["specialized: a CPU run's ops vs GPU kernels"]
+    assert gated.result.run_differences == [
+        "specialized: a CPU run's ops vs GPU kernels",
+        "the run records no capture settings (a trace of its own): preset, "
+        "batch, TP and GPU not compared"]
     assert {c.status for c in gated.result.checks if c.layer_type == "step"
             and c.metric.endswith("_us")} == {"changed"}
     assert gate_files(trace, trace).result.run_differences == []
@@ -900,7 +952,7 @@ def test_a_layer_lost_from_every_step_fails_rather_than_speeding_it_up(tmp_path)
     assert {c.status for c in result.failures} == {"differs"}
     steps = {c.metric: c.status for c in result.checks
              if c.path == "specialized" and c.layer_type == "step"}
-    assert steps["kernels"] == "improvement"          # what alone would have passed it
+    assert steps["kernels"] == "changed"   # (no improvement: other work; it alone would pass)
     out = CliRunner().invoke(main, ["gate", str(BASELINE), str(short), "--metrics", "kernels"])
     assert out.exit_code == 1
     assert "gate: FAIL, 2 layer counts differ: specialized kda layers 5 -> 4" in " ".join(
@@ -2205,3 +2257,91 @@ def test_a_kernel_added_to_some_layers_is_named(tmp_path):
                 if (c.layer_type, c.metric) == ("step", "kernels"))
     assert step.status == "regression" and step.detail == (
         "per step (medians): attn layers +2 kernels")
+
+
+def test_strict_fails_where_one_side_records_no_capture_settings_or_another_batch(tmp_path):
+    """A run's baseline against a bare trace (a nightly job given the wrong file) cannot
+    compare preset, batch, TP or GPU: a difference, a failure under --strict. A trace in a
+    run directory was captured as its run.json says; vLLM's step annotation says its decode
+    requests a step (another batch: a difference)."""
+    import gzip
+
+    from click.testing import CliRunner
+
+    trace = tmp_path / "bare.sqlite"
+    shutil.copy(NSYS / "nsysai_fastvideo_wan2.1_train_2xh100_before.sqlite", trace)
+    run_doc = json.loads(BASELINE.read_text())
+    (base := tmp_path / "base.json").write_text(json.dumps(
+        run_doc | {"paths": {"standard": load_run(trace)[0]["trace"].to_json()}}))
+    unknown = ("the run records no capture settings (a trace of its own): "
+               "preset, batch, TP and GPU not compared")
+    lax = gate_files(base, trace, path="standard").result
+    assert lax.ok and lax.run_differences == [unknown]
+    strict = gate_files(base, trace, path="standard", strict=True).result
+    assert [(c.status, c.detail) for c in strict.failures] == [("captured differently",
+                                                                 unknown)]
+    out = CliRunner().invoke(main, ["gate", str(base), str(trace), "--path", "standard",
+                                    "--strict"])
+    assert out.exit_code == 1 and "captured differently" in out.output
+    # the same trace in a run directory whose run.json says batch 4
+    (run_dir := tmp_path / "run").mkdir()
+    (run_dir / "run.json").write_text(json.dumps(
+        run_doc["run"] | {"batch": 4}))
+    shutil.copy(trace, run_dir / "standard.sqlite")
+    in_run = gate_files(base, run_dir / "standard.sqlite", path="standard").result
+    assert in_run.run_differences == [f"batch {run_doc['run']['batch']} vs 4"]
+    # a baseline stored from that trace keeps its breakdown (not the run.json compared), and
+    # a stored breakdown without settings is no difference: the next night passes --strict
+    stored = tmp_path / "stored.json"
+    for _ in range(2):
+        out = CliRunner().invoke(main, ["gate", "--update", str(stored),
+                                        str(run_dir / "standard.sqlite")])
+        assert out.exit_code == 0, out.output
+    assert "layer_types" in json.loads(stored.read_text())
+    out = CliRunner().invoke(main, ["gate", str(stored), str(run_dir / "standard.sqlite"),
+                                    "--strict"])
+    assert out.exit_code == 0, out.output
+    # -o on the run.json read beside a trace is refused, not overwritten (nor removed)
+    out = CliRunner().invoke(main, ["gate", str(tmp_path / "none.json"),
+                                    str(run_dir / "standard.sqlite"), "-o",
+                                    str(run_dir / "run.json")])
+    assert out.exit_code == 2 and "is an input of this command" in out.output
+    assert (run_dir / "run.json").is_file()
+    # vLLM's annotation: 32 decode requests a step against 64
+    with gzip.open(EXAMPLE_TRACE, "rt") as f:
+        text = f.read()
+    (b64 := tmp_path / "b64.json").write_text(text.replace("generation_32(", "generation_64("))
+    assert gate_files(EXAMPLE_TRACE, b64).result.run_differences == [
+        "decode requests a step 32 vs 64"]
+    # the count most steps name: a request that finished within the window is no difference
+    from kimi_perf.gate import request_differences
+
+    def steps(*counts):
+        return {"trace": Breakdown(source={}, layers=[], layer_types=[], steps=[
+            {"name": f"execute_context_0(0)_generation_{n}({n})"} for n in counts])}
+    assert request_differences(steps(32, 32, 31), steps(32, 32)) == []
+    assert request_differences(steps(32, 32, 31), steps(64, 64, 32)) == [
+        "decode requests a step 32 vs 64"]
+    assert gate_files(EXAMPLE_TRACE, EXAMPLE_TRACE).result.run_differences == []
+
+
+def test_the_json_verdict_keeps_what_each_side_says_of_itself():
+    """`--format json` keeps the notes the table prints under it (a mixed step's figures are
+    no decode figures, graph replays, ...), each side's apart."""
+    mixed = KINETO / "tracelens_vllm_gptoss20b_prefilldecode_piecewise_mi300x.json.gz"
+    table = CliRunner().invoke(main, ["gate", str(mixed), str(mixed)]).stdout
+    doc = json.loads(CliRunner().invoke(main, ["gate", str(mixed), str(mixed), "--format",
+                                               "json"]).stdout)
+    assert set(doc["notes"]) == {"baseline", "run"}
+    assert doc["notes"]["run"] and any("mixed" in line for line in doc["notes"]["run"])
+    for line in doc["notes"]["baseline"] + doc["notes"]["run"]:
+        assert " ".join(line.split()) in " ".join(table.split())
+
+
+def test_a_missing_baseline_is_named_as_the_baseline(tmp_path):
+    """A first nightly run without a baseline is told it is the baseline that is missing and
+    how to store one, not "no such file" of an unnamed input."""
+    result = CliRunner().invoke(main, ["gate", str(tmp_path / "base.json"), str(BASELINE)])
+    assert result.exit_code == 2 and result.output == (
+        f"kimi-perf: error: {tmp_path / 'base.json'}: no such baseline (a first run stores "
+        "one: kimi-perf gate --update BASELINE RUN)\n")

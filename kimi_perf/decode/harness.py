@@ -113,8 +113,10 @@ class GraphedDecodeStep:
         self.tokens_per_step = tokens_per_step
         model.graph_safe = True
         try:
-            # The warm-up runs advance the state: put it back before the capture.
+            # The warm-up runs advance the state: put it back before the capture (and its
+            # host counters after it: the capture's step has not run)
             saved = [t.clone() for t in state_tensors(state)]
+            counters = state.verify_tokens, state.pending_tokens
             side = torch.cuda.Stream(device)
             side.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(side):
@@ -129,6 +131,7 @@ class GraphedDecodeStep:
                 self.logits = model.forward(self.tokens, state, verify=verify,
                                             layer_hook=layer_hook)
             self.verify_tokens = state.verify_tokens
+            state.verify_tokens, state.pending_tokens = counters
         finally:
             model.graph_safe = False
 

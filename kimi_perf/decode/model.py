@@ -111,7 +111,8 @@ class DecodeState:
                 for i in range(c.n_layers) if c.is_mla(i)},
             kv_scale=kv_scale,
             lengths=torch.zeros(batch, dtype=torch.long, device=device),
-            records={i: torch.zeros(2, batch, h, max_verify, 3, d, device=device)
+            records={i: torch.zeros(2, batch, h, max_verify, 3, d, dtype=torch.float32,
+                                    device=device)
                      for i in kda_layers if spec},
             inputs={i: torch.zeros(2, batch, max_verify, 3 * h * d, dtype=dtype, device=device)
                     for i in kda_layers if spec},
@@ -178,7 +179,7 @@ class DecodeState:
                              f"{accepted.tolist()}")
         # (on a GPU clamped rather than checked, which would wait for the device: a count
         # past the step would replay another step's records, or another head's)
-        accepted = accepted.clamp(1, self.verify_tokens)
+        accepted = accepted.to(self.pending.device).clamp(1, self.verify_tokens)
         self.pending.copy_(accepted)
         self.lengths.add_(accepted - self.verify_tokens)
         self.verify_tokens = 0
@@ -396,7 +397,6 @@ class K3Model:
     def _kda(self, i: int, x: torch.Tensor, state: DecodeState, verify: bool) -> torch.Tensor:
         c = self.c
         a = layer_prefix(i) + "self_attn."
-        _B, _T, _ = x.shape
         H, d = c.kda_heads_local, c.kda_head_dim
         proj = H * d
         self.launch("in_proj_qkvgfab")

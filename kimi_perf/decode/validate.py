@@ -262,7 +262,8 @@ def validate(preset_name: str = "tiny", paths: tuple[str, ...] = DEFAULT_PATHS, 
     failures = []
     for path, r in results.items():
         for kind, v in r["layer_types"].items():
-            if v["max_rel_err"] > (bound := layer_bound(bounds, kind)):
+            v["bound"] = bound = layer_bound(bounds, kind)
+            if v["max_rel_err"] > bound:
                 failures.append(f"{path} {kind} layers: {v['max_rel_err']:.3g} > {bound:.3g}")
         if r["logits_max_rel_err"] > bounds["logits"]:
             failures.append(f"{path} logits: {r['logits_max_rel_err']:.3g} > "

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kimi_perf_kernels.common import INTERPRETED, cast, sigmoid
+from kimi_perf_kernels.common import INTERPRETED, cast, stable_sigmoid
 
 
 @triton.jit
@@ -41,10 +41,10 @@ def test_cast_rounds_to_nearest_even_as_torch_does(dtype):
 @triton.jit
 def _sigmoid_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    tl.store(out_ptr + offs, sigmoid(tl.load(x_ptr + offs, mask=offs < n)), mask=offs < n)
+    tl.store(out_ptr + offs, stable_sigmoid(tl.load(x_ptr + offs, mask=offs < n)), mask=offs < n)
 
 
-def test_sigmoid_is_exact_far_out_and_never_overflows():
+def test_stable_sigmoid_is_exact_far_out_and_never_overflows():
     import warnings
 
     x = torch.cat([torch.linspace(-200, 200, 4001), torch.tensor([-1e30, 1e30, 0.0])])
@@ -231,3 +231,36 @@ def test_every_k3_build_gives_each_integer_argument_its_value():
     for build in aot.builds():
         ints = {name for name, kind in build.signature.items() if kind in ("i32", "i64")}
         assert ints == set(build.ints or {}), build.label
+
+
+def test_the_wrappers_refuse_a_layout_their_kernels_would_misread():
+    """A weight of another K, a transposed operand, a gate of other rows, a block past the
+    attention residuals' last: refused on the host, where the kernel would read them wrong
+    (or past the end) without a word."""
+    from kimi_perf_kernels.attn_res import attn_res
+    from kimi_perf_kernels.mla_uv_gate import mla_uv_gate
+    from kimi_perf_kernels.skinny_linear import skinny_linear
+
+    x = torch.randn(2, 64).bfloat16()
+    with pytest.raises(ValueError, match=r"w \(32, 48\) for x \(2, 64\)"):
+        skinny_linear(x, torch.randn(32, 48).bfloat16())
+    with pytest.raises(ValueError, match="w must have contiguous rows"):
+        skinny_linear(x, torch.randn(64, 32).bfloat16().t())
+    with pytest.raises(ValueError, match="an even number, not 33"):
+        skinny_linear(x, torch.randn(33, 64).bfloat16(), situ=(4.0, 25.0))
+    o_lat, w_uv = torch.randn(3, 2, 32).bfloat16(), torch.randn(2, 32, 16).bfloat16()
+    with pytest.raises(ValueError, match="gate \\(2, 32\\) for o_lat of 3 rows"):
+        mla_uv_gate(o_lat, w_uv, torch.randn(2, 32).bfloat16())
+    with pytest.raises(ValueError, match="w_uv must be contiguous"):
+        mla_uv_gate(o_lat, torch.randn(2, 16, 32).bfloat16().transpose(1, 2),
+                    torch.randn(3, 32).bfloat16())
+    prefix = torch.randn(2, 64).bfloat16()
+    with pytest.raises(ValueError, match=r"blocks 2 \(writing 4\) of 4"):
+        attn_res(prefix, None, torch.randn(2, 4, 64).bfloat16(), 2, 4, torch.randn(64), None,
+                 1e-5)
+    with pytest.raises(ValueError, match=r"blocks 5 \(writing 1\) of 4"):
+        attn_res(prefix, None, torch.randn(2, 4, 64).bfloat16(), 5, 1, torch.randn(64), None,
+                 1e-5)
+    with pytest.raises(ValueError, match=r"blocks \(2, 4, 32\) and delta None"):
+        attn_res(prefix, None, torch.randn(2, 4, 32).bfloat16(), 2, 1, torch.randn(64), None,
+                 1e-5)
