@@ -924,7 +924,8 @@ def trace_files(paths: list[str | Path], keep_runs: bool = False,
                 out.append(path)
                 continue
             raise TraceError(path, "a kimi-perf run directory, not a directory of traces: "
-                                   "kimi-perf report draws it")
+                                   "kimi-perf report draws it (or give its traces one by one, "
+                                   "a TP run's ranks side by side)")
         if is_kimi_perf_run_json(path / "run.json"):
             raise TraceError(path, "a kimi-perf run directory without its breakdown.json (a "
                                    "capture that did not finish, or a file removed since)")
