@@ -962,8 +962,10 @@ def render_summary(results: dict) -> str:
             first, later = (statistics.median(r[k]) for k in (
                 "unprofiled_before_any_profiler_step_s", "unprofiled_step_s"))
             ratio = later / first
-            verdict = ("within 5%: no cost left behind" if abs(ratio - 1) <= CUPTI_TOLERANCE
-                       else "over 5% apart: a cost left behind, or noise; the unprofiled "
+            apart = f"{CUPTI_TOLERANCE:.0%}"
+            verdict = (f"within {apart}: no cost left behind"
+                       if abs(ratio - 1) <= CUPTI_TOLERANCE
+                       else f"over {apart} apart: a cost left behind, or noise; the unprofiled "
                        "step times after a profiler session may be off by as much")
             lines += ["", f"CUPTI control, {key}: unprofiled step {first * 1e3:.3f} ms before "
                       f"the process's first profiler session, {later * 1e3:.3f} ms after its "

@@ -645,8 +645,9 @@ def compare_cmd(a: Path, b: Path | None, path_name: str | None, fmt: str | None,
 @_rules_option
 @click.option("--update", is_flag=True, help="then store the run as the new baseline")
 @click.option("-o", "--output", type=PATH, help="write the verdict here (the table as text, "
-              "or the JSON), not stdout; where the gate cannot run (exit 2), none: an earlier "
-              "verdict there is removed")
+              "or the JSON), not stdout; where the gate cannot run with its inputs and "
+              "options (exit 2), none: an earlier verdict there is removed (a usage error, "
+              "an unknown option say, stops it before it starts)")
 @click.option("--strict", is_flag=True, help="fail too where the baseline and the run were "
               "captured differently (preset, layers, batch, TP, device, ...) or broken down "
               "differently (--steps, --layers, --phase, --rules): a nightly job against the "

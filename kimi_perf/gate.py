@@ -331,7 +331,9 @@ def gate_files(baseline: str | Path, run: str | Path, tolerances: Tolerances = T
     result.run_differences = (paths_differ
                               + run_differences(base_info, run_info,
                                                 cpu_times=bool(result.cpu_time_metrics),
-                                                paths=path is None)
+                                                # (a trace is one path, whatever its run's)
+                                                paths=path is None and None not in (
+                                                    base_file, run_file))
                               + phase_differences(base, current)
                               + request_differences(base, current)
                               + unit_differences(base, current)
@@ -488,31 +490,32 @@ def has_work(runs: dict[str, Breakdown]) -> bool:
 def settings_unknown(base_doc: object, run_doc: object, traces: tuple[bool, bool]
                      ) -> list[str]:
     """Where one side records how it was captured (a run's preset, batch, TP and GPU) and the
-    other, a trace given as it is (``traces``: which sides are), does not: what no gate could
-    compare, a difference under --strict, as a nightly job given the wrong file is. (A
-    stored breakdown without them is a baseline kept so on purpose.)"""
+    other does not: what no gate could compare, a difference under --strict, as a nightly
+    job given the wrong file is. A baseline that is a stored breakdown without them
+    (``traces``: which sides are traces given as they are) is kept so on purpose."""
     said = [isinstance(d, dict) and isinstance(d.get("run"), dict) for d in (base_doc,
                                                                             run_doc)]
-    if said[0] == said[1] or not traces[1 if said[0] else 0]:
+    if said[0] == said[1] or (said[1] and not traces[0]):
         return []
     lacking = "run" if said[0] else "baseline"
-    return [f"the {lacking} records no capture settings (a trace of its own): preset, batch, "
+    what = "a trace" if traces[1 if said[0] else 0] else "a breakdown"
+    return [f"the {lacking} records no capture settings ({what} of its own): preset, batch, "
             "TP and GPU not compared"]
 
 
 def request_differences(baseline: dict[str, Breakdown], current: dict[str, Breakdown]
                         ) -> list[str]:
     """Where the steps of a path name other numbers of decode requests on the two sides, the
-    count most of a side's steps name (vLLM's annotation: "decode requests a step 32 vs 64",
-    another batch; a request that finished within the window is no difference), as
-    ``phase_differences`` compares their phases."""
+    largest count a side's steps name, its batch before any request finished (vLLM's
+    annotation: "decode requests a step 32 vs 64", another batch; requests that finished
+    within the window are no difference), as ``phase_differences`` compares their phases."""
     out = []
     for path, base, cur in _paired(baseline, current):
-        counts = [Counter(n for s in b.steps if (n := decode_requests(s.get("name") or "")))
-                  for b in (base, cur)]
-        if all(counts) and (most := [c.most_common(1)[0][0] for c in counts])[0] != most[1]:
+        batches = [max((n for s in b.steps if (n := decode_requests(s.get("name") or ""))),
+                       default=None) for b in (base, cur)]
+        if None not in batches and batches[0] != batches[1]:
             out.append(("" if path == TRACE else f"{path}: ")
-                       + f"decode requests a step {most[0]} vs {most[1]}")
+                       + f"decode requests a step {batches[0]} vs {batches[1]}")
     return out
 
 

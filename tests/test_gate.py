@@ -2301,6 +2301,15 @@ def test_strict_fails_where_one_side_records_no_capture_settings_or_another_batc
     out = CliRunner().invoke(main, ["gate", str(stored), str(run_dir / "standard.sqlite"),
                                     "--strict"])
     assert out.exit_code == 0, out.output
+    # (a stored breakdown given as the run, where the baseline records its settings, is not)
+    assert gate_files(base, stored, path="standard").result.run_differences == [
+        unknown.replace("a trace of its own", "a breakdown of its own")]
+    # a trace is one path: the other paths its run captured are no difference
+    one_path = json.loads(base.read_text())
+    one_path["run"]["request"]["paths"] = ["standard"]
+    (single := tmp_path / "single.json").write_text(json.dumps(one_path))
+    assert not any("decode paths" in d for d in gate_files(
+        single, run_dir / "standard.sqlite").result.run_differences)
     # -o on the run.json read beside a trace is refused, not overwritten (nor removed)
     out = CliRunner().invoke(main, ["gate", str(tmp_path / "none.json"),
                                     str(run_dir / "standard.sqlite"), "-o",
@@ -2320,6 +2329,7 @@ def test_strict_fails_where_one_side_records_no_capture_settings_or_another_batc
         return {"trace": Breakdown(source={}, layers=[], layer_types=[], steps=[
             {"name": f"execute_context_0(0)_generation_{n}({n})"} for n in counts])}
     assert request_differences(steps(32, 32, 31), steps(32, 32)) == []
+    assert request_differences(steps(32, 32, 31, 31, 31), steps(32, 32, 32, 31, 31)) == []
     assert request_differences(steps(32, 32, 31), steps(64, 64, 32)) == [
         "decode requests a step 32 vs 64"]
     assert gate_files(EXAMPLE_TRACE, EXAMPLE_TRACE).result.run_differences == []
