@@ -3083,6 +3083,7 @@ def test_tp_ranks_meet_before_the_prefill_s_timer_starts(monkeypatch, tmp_path):
     """``_profile(ready=...)`` calls it once the profiler runs and before the decode harness
     (whose prefill the time to first token is): a TP rank's barrier, so that a rank's first
     token does not count another's start-up."""
+    pytest.importorskip("torch")
     from kimi_perf import capture
     from kimi_perf.decode import harness
 
