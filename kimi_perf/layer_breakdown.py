@@ -712,23 +712,29 @@ def _timeline(trace: Trace, ops: GpuOps, steps) -> dict[str, Any] | None:
     the steps with layers, the one of median span; its prologue, layers, epilogue and the
     ops that ran between its layers (in no layer: another thread's, say), each op as
     [index into ``names``, class, µs from the step's first op, µs]. Of a step of more than
-    ``TIMELINE_OPS`` ops, the first so many (``ops_left_out``: how many more)."""
-    steps = [s for s in steps if s.layers]
-    if not steps:
+    ``TIMELINE_OPS`` ops, the first so many (``ops_left_out``: how many more).
+
+    Where no step has layers (a trace of other work: training, a benchmark), of all the steps
+    the one of median span, its first ``TIMELINE_OPS`` ops a segment per stream in the order
+    the streams start (``by_stream``): what overlapped what."""
+    with_layers = [s for s in steps if s.layers]
+    candidates = with_layers or [s for s in steps if len(s.ops)]
+    if not candidates:
         return None
-    spans = [int(ops.end[s.ops].max() - ops.start[s.ops].min()) for s in steps]
-    step = steps[int(np.argsort(spans, kind="stable")[len(spans) // 2])]
+    spans = [int(ops.end[s.ops].max() - ops.start[s.ops].min()) for s in candidates]
+    step = candidates[int(np.argsort(spans, kind="stable")[len(spans) // 2])]
     t0 = ops.start[step.ops].min()
-    parts = [("prologue", step.prologue)] + [
-        (f"layer {layer.index} ({layer.type})", layer.ops) for layer in step.layers]
-    between = step.ops[~np.isin(step.ops, np.concatenate([rows for _, rows in parts]
-                                                          + [step.epilogue]))]
-    parts += [("epilogue", step.epilogue), ("between layers", between)]
-    room, left_out = TIMELINE_OPS, 0
-    for i, (label, rows) in enumerate(parts):
-        left_out += max(0, len(rows) - room)
-        parts[i] = (label, rows[:room])
-        room -= len(parts[i][1])
+    if with_layers:
+        parts = _layer_parts(step)
+        room, left_out = TIMELINE_OPS, 0
+        for i, (label, rows) in enumerate(parts):
+            left_out += max(0, len(rows) - room)
+            parts[i] = (label, rows[:room])
+            room -= len(parts[i][1])
+    else:
+        rows = step.ops[:TIMELINE_OPS]   # (in GPU start order: the first in time)
+        left_out = len(step.ops) - len(rows)
+        parts = _stream_parts(ops, rows)
     codes = np.unique(np.concatenate([ops.name[rows] for _, rows in parts]))
     segments = []
     for label, rows in parts:
@@ -741,7 +747,28 @@ def _timeline(trace: Trace, ops: GpuOps, steps) -> dict[str, Any] | None:
         segments.append({"label": label, "ops": [
             list(op) for op in zip(names, classes, starts, durations, strict=True)]})
     return {"step": step.name, "names": [trace.strings[c] for c in codes.tolist()],
-            "segments": segments, **({"ops_left_out": left_out} if left_out else {})}
+            "segments": segments, **({"ops_left_out": left_out} if left_out else {}),
+            **({} if with_layers else {"by_stream": True})}
+
+
+def _layer_parts(step) -> list[tuple[str, np.ndarray]]:
+    """A step's rows by segment: prologue, each layer, epilogue, and the ops between its
+    layers (in none of them)."""
+    parts = [("prologue", step.prologue)] + [
+        (f"layer {layer.index} ({layer.type})", layer.ops) for layer in step.layers]
+    between = step.ops[~np.isin(step.ops, np.concatenate([rows for _, rows in parts]
+                                                          + [step.epilogue]))]
+    return [*parts, ("epilogue", step.epilogue), ("between layers", between)]
+
+
+def _stream_parts(ops: GpuOps, rows: np.ndarray) -> list[tuple[str, np.ndarray]]:
+    """``rows`` (of one step: one device; in start order) by stream, the streams in the order
+    of their first op; CPU ops (no stream) as one segment."""
+    if ops.kind != "gpu":
+        return [("ops", rows)]
+    streams, first = np.unique(ops.stream[rows], return_index=True)
+    return [(f"stream {stream}", rows[ops.stream[rows] == stream])
+            for stream in streams[np.argsort(first)].tolist()]
 
 
 def _typical_layers(trace: Trace, ops: GpuOps, steps) -> dict[str, dict[str, Any]]:

@@ -156,6 +156,7 @@ class GpuOps:
     start: np.ndarray
     end: np.ndarray
     device: np.ndarray
+    stream: np.ndarray           # -1 for CPU ops
     pid: np.ndarray
     tid: np.ndarray
     api: np.ndarray
@@ -200,7 +201,8 @@ class GpuOps:
             scope_tid = np.where(is_captured, trace.api.tid[np.where(is_captured, scope_api, 0)],
                                  tid)
         return cls(name=names, start=cat([k.start, m.start]), end=cat([k.end, m.end]),
-                   device=cat([k.device, m.device]), pid=cat([k.pid, m.pid]), tid=tid,
+                   device=cat([k.device, m.device]), stream=cat([k.stream, m.stream]),
+                   pid=cat([k.pid, m.pid]), tid=tid,
                    api=api, launch_start=launch_start, launch_end=launch_end,
                    scope_api=scope_api, scope_start=scope_start, scope_end=scope_end,
                    scope_tid=scope_tid, kernel_class=kernel_class, class_labels=labels)
@@ -224,7 +226,8 @@ class GpuOps:
         stripped = bare_codes[of_row]
         kernel_class, labels = classify(stripped, trace.strings, rules)
         return cls(name=stripped, start=r.start[rows], end=r.end[rows],
-                   device=np.full(len(rows), -1, np.int32), pid=r.pid[rows], tid=r.tid[rows],
+                   device=np.full(len(rows), -1, np.int32),
+                   stream=np.full(len(rows), -1, np.int64), pid=r.pid[rows], tid=r.tid[rows],
                    api=rows.astype(np.int64), launch_start=r.start[rows],
                    launch_end=r.end[rows], scope_api=rows.astype(np.int64),
                    scope_start=r.start[rows], scope_end=r.end[rows], scope_tid=r.tid[rows],

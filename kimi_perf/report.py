@@ -92,9 +92,10 @@ REPORT_TIMELINE_OPS = 20_000
 
 def _timeline(fig: go.Figure, row: int, timeline: dict | None, label: str, most: int,
               in_legend: set[str]) -> int:
-    """The breakdown's timeline step: a row per layer in time order, every op a bar coloured
-    by class; its first ``most`` ops. A class enters the legend once, in the first row that
-    has it (``in_legend``: those already in). Returns the ops drawn."""
+    """The breakdown's timeline step: a row per layer in time order (where no layer was
+    found, a row per stream), every op a bar coloured by class; its first ``most`` ops. A
+    class enters the legend once, in the first row that has it (``in_legend``: those already
+    in). Returns the ops drawn."""
     if not timeline:
         return 0
     # a template's arguments tell its kernels apart (the functor of an elementwise kernel):
@@ -133,8 +134,9 @@ def _timeline(fig: go.Figure, row: int, timeline: dict | None, label: str, most:
     # rows in the step's order (plotly's own: as the first class's bars name them)
     fig.update_yaxes(autorange="reversed", categoryorder="array", categoryarray=rows,
                      title_text=_plotly_text(label), row=row, col=1)
-    fig.update_xaxes(title_text=f"µs into {_plotly_text(timeline['step'])} (median-span step)",
-                     row=row, col=1)
+    how = "; no layer found: a row per stream" if timeline.get("by_stream") else ""
+    fig.update_xaxes(title_text=f"µs into {_plotly_text(timeline['step'])} (median-span step"
+                                f"{how})", row=row, col=1)
     return drawn
 
 
@@ -730,12 +732,12 @@ def plotly_js_for(value: str, report_dir: Path) -> str:
 
 
 def _missing_timelines_html(breakdowns: dict[str, Breakdown], drawn: dict[str, int]) -> str:
-    """Which traces' panels stay empty, and why (no step with layers, or a stored breakdown
-    without its timeline: written by an older kimi-perf, or edited), and which show only the
+    """Which traces' panels stay empty (a stored breakdown without its timeline: written by
+    an older kimi-perf, which drew steps with layers only, or edited), and which show only the
     first ops of their step (``drawn``: how many, of each; the breakdown stores a step's
     first ``TIMELINE_OPS``, and the report draws ``REPORT_TIMELINE_OPS`` in all)."""
-    lines = [f"{html.escape(label)}: " + ("no timeline in this breakdown (stored without one)"
-                                          if b.layers else "no step with layers to draw")
+    lines = [f"{html.escape(label)}: no timeline in this breakdown (stored without one"
+             + ("" if b.layers else ": an older kimi-perf drew steps with layers only") + ")"
              for label, b in breakdowns.items() if not b.timeline]
     lines += [f"{html.escape(label)}: the step's first {drawn[label]:,} ops are drawn, its "
               f"{left:,} more are left out"
@@ -926,7 +928,8 @@ def write_report(path: str | Path, breakdowns: dict[str, Breakdown], title: str,
                                        col=1)
     timelines.update_layout(barmode="overlay", height=sum(rows_px) + 150,
                             title="One step of each path or trace (of its steps with layers, "
-                                  "the one of median span), a row per layer")
+                                  "the one of median span), a row per layer (per stream where "
+                                  "no layer was found)")
     include = {"inline": True, "cdn": "cdn"}.get(plotly_js, plotly_js)
     # (a chart with nothing to draw would be an empty frame: left out; plotly.js comes with
     # the first chart drawn)

@@ -541,7 +541,8 @@ def _checked(b: Breakdown, path: Path, where: str = "") -> Breakdown:
                                    "{layers, kernels: [{name, class, us, spread_us?}]}")
     if b.timeline is not None and not _timeline_ok(b.timeline):
         raise TraceError(path, "timeline is not {step, names, segments: [{label, ops: "
-                               "[[name index, class, start µs, µs]]}]}")
+                               "[[name index, class, start µs, µs]]}], ops_left_out?, "
+                               "by_stream?}")
     return b
 
 
@@ -610,6 +611,7 @@ def _timeline_ok(timeline) -> bool:
     names, segments = timeline.get("names"), timeline.get("segments")
     if not (isinstance(timeline.get("step"), str) and isinstance(names, list)
             and _is_count(timeline.get("ops_left_out", 0))
+            and isinstance(timeline.get("by_stream", False), bool)
             and all(isinstance(n, str) for n in names) and isinstance(segments, list)):
         return False
     return all(isinstance(seg, dict) and isinstance(seg.get("label"), str)

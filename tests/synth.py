@@ -30,13 +30,13 @@ class TraceBuilder:
 
     def launch(self, kernel: str, api_start: int, api_end: int, gpu_start: int, gpu_end: int,
                pid: int = 1, tid: int = 1, device: int = 0, correlation: int | None = None,
-               api_name: str = "cudaLaunchKernel") -> None:
+               api_name: str = "cudaLaunchKernel", stream: int = 7) -> None:
         corr = correlation if correlation is not None else len(self.api) + 1
         if correlation is None or not any(a["correlation"] == corr for a in self.api):
             self.api.append(dict(name=self.strings.code(api_name), start=api_start,
                                  end=api_end, pid=pid, tid=tid, correlation=corr, kind=0))
         self.kernels.append(dict(name=self.strings.code(kernel), start=gpu_start, end=gpu_end,
-                                 device=device, stream=7, pid=pid, correlation=corr))
+                                 device=device, stream=stream, pid=pid, correlation=corr))
 
     def memop(self, name: str, gpu_start: int, gpu_end: int, correlation: int, pid: int = 1,
               device: int = 0) -> None:

@@ -1674,8 +1674,53 @@ def test_report_labels_and_titles_write_control_characters_out(tmp_path):
                         plotly_js="cdn").read_text()
     assert "\u202e" not in text and "<title>kimi-perf: x\\u202ey.json</title>" in text
     none = breakdown(read_trace(KINETO / "hta_a100_80gb_rank0_cudagraph_triton.json.gz"))
-    assert not none.layer_types
+    assert not none.layer_types and none.timeline["by_stream"]
+    layerless = write_report(tmp_path / "l.html", {"t": none}, "t", plotly_js="cdn").read_text()
+    assert len(_report_figures(layerless)) == 1          # the timeline, no class chart
+    # a breakdown stored without a timeline (an older kimi-perf's): no empty timeline either,
+    # and no plotly.js, with nothing to draw
+    none.timeline = None
     empty = write_report(tmp_path / "e.html", {"t": none}, "t", plotly_js="cdn").read_text()
-    # (nor an empty timeline: no plotly.js either, with nothing to draw)
-    assert len(_report_figures(empty)) == 0 and "no step with layers to draw" in empty
-    assert "plot.ly" not in empty
+    assert len(_report_figures(empty)) == 0 and "plot.ly" not in empty
+    assert "t: no timeline in this breakdown (stored without one: an older kimi-perf drew " \
+        "steps with layers only)." in empty
+
+
+def test_a_step_without_layers_is_drawn_a_row_per_stream(tmp_path):
+    """A trace where no layer is found (training, NCCL next to compute) still gets its
+    timeline: the median-span step, a row per stream in the order the streams start (the
+    collectives' stream beside the compute's shows what overlapped), every op of the step."""
+    from kimi_perf.report import write_report
+
+    b = breakdown(read_trace(KINETO / "hta_a100_nccl_ddp_gpu_user_annotation.json.gz"))
+    timeline = b.timeline
+    assert not b.layer_types and timeline["by_stream"]
+    spans = sorted((s["span_us"], s["name"]) for s in b.steps)
+    assert timeline["step"] == spans[len(spans) // 2][1]
+    step = next(s for s in b.steps if s["name"] == timeline["step"])
+    segments = {seg["label"]: seg["ops"] for seg in timeline["segments"]}
+    assert list(segments) == ["stream 7", "stream 40"]
+    assert sum(map(len, segments.values())) == step["kernels"]
+    assert {timeline["names"][op[0]][:5] for op in segments["stream 40"]} == {"ncclK"}
+    for ops in segments.values():                  # each row in time order, from the step's start
+        assert [op[2] for op in ops] == sorted(op[2] for op in ops)
+    assert min(op[2] for ops in segments.values() for op in ops) == 0
+    text = write_report(tmp_path / "r.html", {"ddp": b}, "t", plotly_js="cdn").read_text()
+    assert "no layer found: a row per stream" in text and "no timeline" not in text
+
+
+def test_a_layerless_steps_streams_are_drawn_in_the_order_they_start():
+    """The rows follow the streams' first ops, not their ids (a copy stream that starts the
+    step is its first row), and each row holds its own stream's ops only."""
+    b = TraceBuilder()
+    b.launch("copy_a", 0, 10, 100, 160, stream=13)
+    b.launch("gemm_b", 20, 30, 150, 400, stream=7)
+    b.launch("gemm_c", 40, 50, 420, 700, stream=7)
+    b.launch("copy_d", 60, 70, 710, 760, stream=13)
+    b.range("step", 0, 80)
+    timeline = breakdown(b.build(), step_regex="^step$").timeline
+    rows = {seg["label"]: [(timeline["names"][op[0]], op[2]) for op in seg["ops"]]
+            for seg in timeline["segments"]}
+    assert timeline["by_stream"] and list(rows) == ["stream 13", "stream 7"]
+    assert rows == {"stream 13": [("copy_a", 0.0), ("copy_d", 0.61)],
+                    "stream 7": [("gemm_b", 0.05), ("gemm_c", 0.32)]}

@@ -1574,6 +1574,9 @@ def test_report_command_draws_runs_breakdowns_and_traces(tmp_path):
                                                                       "ops": [[3, "gemm", 0,
                                                                                1]]}]}),
      "timeline is not {step, names, segments"),
+    (lambda d: d["paths"]["standard"]["timeline"].update(by_stream="no"),
+     "timeline is not {step, names, segments: [{label, ops: [[name index, class, start µs, "
+     "µs]]}], ops_left_out?, by_stream?}"),
     (lambda d: d["run"]["paths"]["standard"].update(decode_tokens_per_s="fast"),
      "run.paths.standard: its decode metrics are not numbers"),
     (lambda d: d["run"]["paths"]["standard"].update(fallbacks="none"),
