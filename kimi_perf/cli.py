@@ -648,6 +648,9 @@ def compare_cmd(a: Path, b: Path | None, path_name: str | None, fmt: str | None,
               "or the JSON), not stdout; where the gate cannot run with its inputs and "
               "options (exit 2), none: an earlier verdict there is removed (a usage error, "
               "an unknown option say, stops it before it starts)")
+@click.option("--junit", type=PATH, help="also write the verdict as JUnit XML here (a test "
+              "case per check, for a CI server's test report); removed where the gate cannot "
+              "run, as -o is")
 @click.option("--strict", is_flag=True, help="fail too where the baseline and the run were "
               "captured differently (preset, layers, batch, TP, device, ...) or broken down "
               "differently (--steps, --layers, --phase, --rules): a nightly job against the "
@@ -656,7 +659,7 @@ def compare_cmd(a: Path, b: Path | None, path_name: str | None, fmt: str | None,
 def gate_cmd(baseline: Path, run: Path, metrics: str | None, rel_tol: float, abs_tol: float,
              alpha: float, fmt: str | None, show_all: bool, path_name: str | None, layers: str,
              step_regex: str | None, phase: str, rules: Path | None, update: bool,
-             strict: bool, output: Path | None) -> None:
+             strict: bool, output: Path | None, junit: Path | None) -> None:
     """Check a run against a stored baseline: exit 1 on a regression (for nightly CI).
 
     BASELINE and RUN: a `kimi-perf trace` run directory or its breakdown.json, a breakdown
@@ -670,13 +673,19 @@ def gate_cmd(baseline: Path, run: Path, metrics: str | None, rel_tol: float, abs
     together).
     """
     fmt = _format_of(fmt, output, ("json",))
-    _not_an_input(output, baseline, run, rules)
-    if output is not None and str(output) != "-":   # (checked before --update stores a file)
-        if os.path.abspath(output) == os.path.abspath(baseline):
-            raise TraceError(output, "is the baseline: -o writes the verdict elsewhere")
-        if not output.parent.is_dir():
-            raise TraceError(output, "cannot write: no such directory")
-    with _no_earlier_verdict(output):
+    if junit is not None and str(junit) == "-":
+        raise TraceError(None, "--junit takes a file to write, not - (-o - is stdout's)")
+    verdicts = [(option, file) for option, file in (("-o", output), ("--junit", junit))
+                if file is not None and str(file) != "-"]
+    for option, file in verdicts:   # (checked before --update stores a file)
+        _not_an_input(file, baseline, run, rules)
+        if os.path.abspath(file) == os.path.abspath(baseline):
+            raise TraceError(file, f"is the baseline: {option} writes the verdict elsewhere")
+        if not file.parent.is_dir():
+            raise TraceError(file, "cannot write: no such directory")
+    if len(verdicts) == 2 and os.path.abspath(output) == os.path.abspath(junit):
+        raise TraceError(junit, "is -o's file too: --junit writes the XML elsewhere")
+    with _no_earlier_verdict(*(file for _, file in verdicts)):
         try:
             tolerances = gate_mod.Tolerances(rel_tol, alpha, metrics=metrics,
                                              abs_tol_us=abs_tol)
@@ -686,28 +695,28 @@ def gate_cmd(baseline: Path, run: Path, metrics: str | None, rel_tol: float, abs
             raise TraceError(None, "--update stores the whole run: it takes no --path")
         _no_trace_among([baseline, run])
         _gate(baseline, run, tolerances, fmt, show_all, path_name, layers, step_regex, phase,
-              rules, update, strict, output)
+              rules, update, strict, output, junit)
 
 
 @contextlib.contextmanager
-def _no_earlier_verdict(output: Path | None):
-    """A gate that cannot run removes the verdict file an earlier one left at ``-o``, so that
-    a job reading it does not take last night's pass for tonight's."""
+def _no_earlier_verdict(*files: Path):
+    """A gate that cannot run removes the verdict files an earlier one left (``-o``,
+    ``--junit``), so that a job reading them does not take last night's pass for tonight's."""
     try:
         yield
     except (TraceError, OSError) as exc:
         if isinstance(exc, BrokenPipeError):   # (the verdict written, its reader gone)
             raise
-        if output is not None and str(output) != "-":
+        for file in files:
             with contextlib.suppress(OSError):
-                output.unlink(missing_ok=True)
+                file.unlink(missing_ok=True)
         raise
 
 
 def _gate(baseline: Path, run: Path, tolerances: gate_mod.Tolerances, fmt: str,
           show_all: bool, path_name: str | None, layers: str, step_regex: str | None,
-          phase: str, rules: Path | None, update: bool, strict: bool, output: Path | None
-          ) -> None:
+          phase: str, rules: Path | None, update: bool, strict: bool, output: Path | None,
+          junit: Path | None) -> None:
     # how a trace is broken down, as for `breakdown`
     options = {"layers": _check_layers(layers), "step_regex": _check_steps(step_regex),
                "rules": load_rules(rules)}
@@ -725,10 +734,13 @@ def _gate(baseline: Path, run: Path, tolerances: gate_mod.Tolerances, fmt: str,
                           + "\n", output)
             elif output is not None and str(output) != "-":   # (the verdict file is there)
                 atomic_write_text(output, stored + "\n")
+            if junit is not None:   # (no check: a suite of none, saying why)
+                atomic_write_text(junit, render.gate_junit(
+                    gate_mod.GateResult([], tolerances), (str(baseline), str(run)), stored))
             click.echo(stored, err=True)
             return
         with _reader_may_leave():
-            _print_gate(gated, fmt, show_all, how, output, (baseline, run))
+            _print_gate(gated, fmt, show_all, how, output, junit, (baseline, run))
         if how == "not updated":   # --strict, another capture: the baseline kept, a failure
             click.echo(printable(f"baseline {gated.baseline_file} not updated from {run}: "
                                  "captured or broken down differently (--strict)"), err=True)
@@ -743,15 +755,21 @@ def _gate(baseline: Path, run: Path, tolerances: gate_mod.Tolerances, fmt: str,
     gated = gate_mod.gate_files(baseline, run, tolerances, path_name, phase, strict=strict,
                                 **options)
     with _reader_may_leave():
-        _print_gate(gated, fmt, show_all, None, output, (baseline, run))
+        _print_gate(gated, fmt, show_all, None, output, junit, (baseline, run))
     if not gated.result.ok:
         sys.exit(1)
 
 
 def _print_gate(gated: gate_mod.GatedRun, fmt: str, show_all: bool, update: str | None,
-                output: Path | None, files: tuple[Path, Path]) -> None:
-    """The verdict as a table or JSON, to stdout or ``output``; ``update``: what --update
-    did ("updated" or "not updated"), None without it."""
+                output: Path | None, junit: Path | None, files: tuple[Path, Path]) -> None:
+    """The verdict as a table or JSON, to stdout or ``output``, and as JUnit XML to
+    ``junit``; ``update``: what --update did ("updated" or "not updated"), None without
+    it."""
+    if junit is not None:   # (first: a reader of stdout that leaves does not stop it)
+        atomic_write_text(junit, render.gate_junit(
+            gated.result, (str(files[0]), str(files[1])),
+            render.tables_text([part for part, _ in _gate_said(gated, show_all)])
+            + render.gate_headline(gated.result)))
     _write_gate(gated, fmt, show_all, update, output, files)
     if output is not None and str(output) != "-":
         # the verdict's file holds the whole of it; a CI log still gets its last line
@@ -761,17 +779,39 @@ def _print_gate(gated: gate_mod.GatedRun, fmt: str, show_all: bool, update: str 
 def _write_gate(gated: gate_mod.GatedRun, fmt: str, show_all: bool, update: str | None,
                 output: Path | None, files: tuple[Path, Path]) -> None:
     result = gated.result
-    # what each side's breakdown says of itself (mixed steps, replayed graphs, ...)
-    notes = {side: note_lines({f"{side} {p}": b for p, b in runs.items()})
-             for side, runs in (("baseline", gated.baseline), ("run", gated.current))}
     if fmt == "json":
         doc = result.to_json() | {"headline": render.gate_headline(result),
                                   "baseline_file": str(files[0]), "run_file": str(files[1]),
-                                  "notes": notes}
+                                  "notes": _gate_notes(gated)}
         if update is not None:   # (stored: exit 0, whatever the verdict)
             doc["updated"] = str(gated.baseline_file) if update == "updated" else None
         _emit(json.dumps(doc, indent=1, allow_nan=False) + "\n", output)
         return
+    said = _gate_said(gated, show_all)
+    # the verdict's line last and whole, however long: a CI log's last line
+    headline = render.gate_headline(result)
+    if output is not None:
+        atomic_write_text(output, render.tables_text([part for part, _ in said]) + headline
+                          + "\n")
+        return
+    console = render.console()
+    for part, style in said:
+        console.print(part, style=style)
+    console.print(headline, soft_wrap=True)
+
+
+def _gate_notes(gated: gate_mod.GatedRun) -> dict[str, list[str]]:
+    """What each side's breakdown says of itself (mixed steps, replayed graphs, ...)."""
+    return {side: note_lines({f"{side} {p}": b for p, b in runs.items()})
+            for side, runs in (("baseline", gated.baseline), ("run", gated.current))}
+
+
+def _gate_said(gated: gate_mod.GatedRun, show_all: bool
+               ) -> list[tuple[Table | str, str | None]]:
+    """The table verdict but its last line: the checks, each side's notes and how the sides
+    differ, each with its style."""
+    result = gated.result
+    notes = _gate_notes(gated)
     said: list[tuple[Table | str, str | None]] = []   # what to print, each with its style
     table = render.gate_table(result, show_all)
     if table.row_count:
@@ -797,16 +837,7 @@ def _write_gate(gated: gate_mod.GatedRun, fmt: str, show_all: bool, update: str 
         said.append((f"{', '.join(result.cpu_times_left_out)} of CPU runs not checked (CPU "
                      f"time, noisy and no speed figure): --metrics {named} checks them",
                      "yellow"))
-    # the verdict's line last and whole, however long: a CI log's last line
-    headline = render.gate_headline(result)
-    if output is not None:
-        atomic_write_text(output, render.tables_text([part for part, _ in said]) + headline
-                          + "\n")
-        return
-    console = render.console()
-    for part, style in said:
-        console.print(part, style=style)
-    console.print(headline, soft_wrap=True)
+    return said
 
 
 def _check_plotly_js(ctx, param, value: str) -> str:

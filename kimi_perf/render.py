@@ -7,7 +7,10 @@ import decimal
 import heapq
 import io
 import os
+import re
+import xml.etree.ElementTree as ET
 from collections import Counter
+from dataclasses import asdict
 from typing import Any
 
 from rich import box
@@ -610,6 +613,59 @@ def gate_headline(result: GateResult) -> str:
     return (f"gate: FAIL, {said}: {worst}"
             + (f"; and {more} more (the table lists {'it' if more == 1 else 'them'})" if more > 0
                else ""))
+
+
+# What XML 1.0 cannot hold once ``printable`` has written out the control characters: lone
+# surrogates and the two non-characters (a name decoded from a broken trace may hold them)
+NOT_XML = re.compile("[\ud800-\udfff\ufffe\uffff]")
+
+
+def _xml_text(text: object) -> str:
+    """``text`` as XML can hold it, its line breaks kept (a verdict is lines)."""
+    return NOT_XML.sub(lambda m: f"\\u{ord(m.group()):04x}",
+                       "\n".join(map(printable, str(text).split("\n"))))
+
+
+def gate_junit(result: GateResult, files: tuple[str, str], verdict: str) -> str:
+    """The verdict as JUnit XML, which CI servers (Jenkins, GitLab, GitHub's test reporters)
+    show as tests: a test case per check, ``PATH.LAYER_TYPE`` its class and the metric its
+    name (the same every night, so that a server follows a check's history); a failing check
+    is a ``failure`` of its status, with what is behind it; a check that passes with a status
+    other than ok (noise, improvement, new, changed) says it in the case's output. The files
+    and tolerances are the suite's properties, ``verdict`` (the table as text) its output."""
+    failures = len(result.failures)
+    suites = ET.Element("testsuites", name="kimi-perf gate", tests=str(len(result.checks)),
+                        failures=str(failures), errors="0")
+    suite = ET.SubElement(suites, "testsuite", name="kimi-perf gate",
+                          tests=str(len(result.checks)), failures=str(failures), errors="0",
+                          skipped="0", time="0")
+    properties = ET.SubElement(suite, "properties")
+    tol = result.tolerances
+    said = {"baseline": files[0], "run": files[1], **asdict(tol),
+            "metrics": ",".join(tol.checked) if tol.metrics is not None
+            else "default (kernels alone where both sides are CPU runs)"}
+    for name, value in said.items():
+        ET.SubElement(properties, "property", name=name, value=_xml_text(value))
+    for c in result.checks:
+        case = ET.SubElement(suite, "testcase", classname=_xml_text(f"{c.path}.{c.layer_type}"),
+                             name=_xml_text(result.metric_name(c)), time="0")
+        extras = [text for text in (
+            c.change is not None and _change(c.change),
+            c.p_value is not None and f"p {c.p_value:.2g}",
+            c.run_layer_type and f"the run's type {c.run_layer_type}") if text]
+        line = c.status + (f": {_value(c.baseline)} -> {_value(c.current)}"
+                           if (c.baseline, c.current) != (None, None) else "") + (
+            f" ({', '.join(extras)})" if extras else "")
+        if c.fails:
+            failure = ET.SubElement(case, "failure", type=_xml_text(c.status),
+                                    message=_xml_text(line))
+            failure.text = _xml_text(c.detail or line)
+        elif c.status != "ok":
+            ET.SubElement(case, "system-out").text = _xml_text(
+                line + (f"; {c.detail}" if c.detail else ""))
+    ET.SubElement(suite, "system-out").text = _xml_text(verdict)
+    ET.indent(suites, space=" ")
+    return ET.tostring(suites, encoding="unicode", xml_declaration=True) + "\n"
 
 
 def floors_table(doc: dict) -> Table:

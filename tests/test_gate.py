@@ -390,6 +390,96 @@ def test_gate_writes_its_verdict_to_a_file_or_nothing(tmp_path):
     assert verdict.read_text() == f"baseline {stored} created from {BASELINE}\n"
 
 
+def test_gate_writes_junit_for_a_ci_servers_test_report(tmp_path):
+    """`--junit FILE`: a test case per check (PATH.TYPE and the metric, unique, so that a CI
+    server follows each check night to night), the failing ones failures of their status
+    with what is behind them, the files and tolerances as properties and the whole table as
+    the suite's output; written beside the usual verdict (exit 1 all the same), removed
+    where the gate cannot run, and never over an input or -o's file."""
+    import xml.etree.ElementTree as ET
+
+    before, after = (NSYS / f"nsysai_fastvideo_wan2.1_train_2xh100_{x}.sqlite"
+                     for x in ("before", "after"))
+    junit, out = tmp_path / "gate.xml", tmp_path / "gate.json"
+    result = CliRunner().invoke(main, ["gate", str(before), str(after), "--junit", str(junit),
+                                       "--format", "json", "-o", str(out)])
+    assert result.exit_code == 1, result.output
+    doc = json.loads(out.read_text())
+    suites = ET.parse(junit).getroot()
+    (suite,) = suites.findall("testsuite")
+    cases = suite.findall("testcase")
+    assert suites.get("tests") == suite.get("tests") == str(len(doc["checks"])) == str(len(cases))
+    assert suites.get("failures") == suite.get("failures") == str(doc["failed"]) == "1"
+    names = [(case.get("classname"), case.get("name")) for case in cases]
+    assert len(set(names)) == len(names) and ("trace.A", "kernel_us (gemm)") in names
+    failed = [(case.get("classname"), case.get("name"), case.find("failure"))
+              for case in cases if case.find("failure") is not None]
+    ((where, metric, failure),) = failed
+    check = next(c for c in doc["checks"] if c["fails"])
+    assert (where, metric) == (f"{check['path']}.{check['layer_type']}", check["metric"])
+    assert failure.get("type") == "regression" and failure.text == check["detail"]
+    assert failure.get("message").startswith("regression: 16,724 -> 19,030 (+13.8%, p ")
+    # a check that passes with news (noise, changed) says so in its own output
+    noisy = next(case for case in cases if case.get("name") == "kernel_us (communication)")
+    assert noisy.find("system-out").text.startswith("noise: 434.7 -> 396.8 (-8.7%, p 0.64")
+    plain = next(case for case in cases if case.get("name") == "kernel_us (gemm)")
+    assert len(plain) == 0
+    said = {p.get("name"): p.get("value") for p in suite.find("properties")}
+    assert (said["baseline"], said["run"], said["rel_tol"]) == (str(before), str(after), "0.05")
+    assert suite.find("system-out").text.splitlines()[-1] == doc["headline"]
+    # the gate cannot run: last night's XML goes, as -o's verdict does
+    broken = tmp_path / "broken.json"
+    broken.write_text("{")
+    result = CliRunner().invoke(main, ["gate", str(before), str(broken), "--junit", str(junit)])
+    assert result.exit_code == 2 and not junit.exists()
+    for args, problem in (([str(before), str(after), "-o", str(out), "--junit", str(out)],
+                           "is -o's file too"),
+                          ([str(before), str(after), "--junit", str(before)],
+                           "is an input of this command"),
+                          ([str(before), str(after), "--junit", "-"], "not - (-o - is"),
+                          ([str(before), str(after), "--junit", str(tmp_path / "no" / "x.xml")],
+                           "no such directory")):
+        result = CliRunner().invoke(main, ["gate", *args])
+        assert result.exit_code == 2 and problem in result.output, result.output
+    assert before.is_file()
+    # a first run: stored, a suite of no checks that says so
+    stored = tmp_path / "base.json"
+    result = CliRunner().invoke(main, ["gate", "--update", str(stored), str(BASELINE),
+                                       "--junit", str(junit)])
+    assert result.exit_code == 0 and stored.exists()
+    suite = ET.parse(junit).getroot().find("testsuite")
+    assert suite.get("tests") == "0" and suite.find("system-out").text == (
+        f"baseline {stored} created from {BASELINE}")
+    for update in ([], ["--update"]):   # gated, and gated then stored
+        junit.unlink()
+        result = CliRunner().invoke(main, ["gate", *update, str(stored), str(BASELINE),
+                                           "--junit", str(junit)])
+        assert result.exit_code == 0, result.output
+        suite = ET.parse(junit).getroot().find("testsuite")
+        assert int(suite.get("tests")) > 0 and suite.get("failures") == "0"
+
+
+def test_junit_holds_any_name_as_well_formed_xml():
+    """Kernel names reach the XML: markup is escaped, and what XML 1.0 cannot hold (an
+    escape sequence, a lone surrogate from a broken trace) is written out."""
+    import xml.etree.ElementTree as ET
+
+    from kimi_perf.gate import Check, GateResult
+
+    name = "void f<int, (b)0>() & \x1b[31m red \ud800 \u202e"
+    checks = [Check("standard", "kda", "kernel_us", 10.0, 20.0, 1.0, 0.001, "regression",
+                    detail=f"{name} +10 µs"),
+              Check("standard", name, "kernels", 3, 3, 0.0, None, "ok")]
+    text = render.gate_junit(GateResult(checks, Tolerances()), ("a<b>.json", "run"), name)
+    root = ET.fromstring(text.encode())
+    failure = root.find(".//failure")
+    written = "void f<int, (b)0>() & \\x1b[31m red \\ud800 \\u202e"
+    assert failure.text == f"{written} +10 µs"
+    assert root.findall(".//testcase")[1].get("classname") == f"standard.{written}"
+    assert root.find(".//property").get("value") == "a<b>.json"
+    assert root.find("testsuite/system-out").text == written
+
+
 def _long_kernel_spacing_us(path) -> float:
     """The median time from one kernel of over 1 ms to the next on its device, from the
     SQLite export directly."""
