@@ -371,6 +371,11 @@ def pairing_note(rows: list[ComparisonRow], label_a: str, label_b: str) -> str |
     return "; ".join(said) or None
 
 
+# what the comparison tables' layers columns count (their other columns are medians)
+LAYERS_COLUMN = ("layers: a type's count over all the steps profiled (one a step over 3 steps "
+                 "reads 3); the whole step's row, a step's")
+
+
 def comparison_notes(rows: list[ComparisonRow], label_a: str, label_b: str,
                      unit: str = "kernels", unit_b: str | None = None) -> list[str]:
     """What a comparison's table says under it: its ratios, its pairings, its marks."""

@@ -21,6 +21,7 @@ from rich.text import Text
 
 from kimi_perf.attribution import RangeKernelRow
 from kimi_perf.comparison import (
+    LAYERS_COLUMN,
     STEPS_UNLIKE,
     ComparisonRow,
     OverviewRow,
@@ -312,7 +313,8 @@ def breakdown_tables(b: Breakdown) -> list[Table]:
     for t in b.layer_types:
         types.add_row(t["type"] or "-", str(t["layers"]), count_text(t["kernels"]),
                       f"{t['kernel_us']:.1f}", f"{t['span_us']:.1f}", f"{t['gap_us']:.1f}")
-    types.caption = "\n".join(layer_notes(b)) or None
+    types.caption = "\n".join(["layers: a type's count over all the steps profiled",
+                               *layer_notes(b)])
     tables.append(types)
     classes = _table(f"Per layer type and kernel class: median {unit} / µs",
                      ["class", *(t["type"] or "-" for t in b.layer_types)], left=("class",))
@@ -409,7 +411,8 @@ def comparison_table(rows: list[ComparisonRow], label_a: str, label_b: str,
                       count_text(r.kernels_a), fmt(r.span_us_a),
                       r.layers_text("b"), count_text(r.kernels_b), fmt(r.span_us_b),
                       ratio_text(r.span_ratio), ratio_text(r.kernel_ratio))
-    table.caption = "\n".join(comparison_notes(rows, label_a, label_b, unit, unit_b))
+    table.caption = "\n".join([LAYERS_COLUMN,
+                               *comparison_notes(rows, label_a, label_b, unit, unit_b)])
     return table
 
 

@@ -25,6 +25,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from kimi_perf.comparison import (
+    LAYERS_COLUMN,
     STEPS_UNLIKE,
     aligned_types,
     aligned_typical,
@@ -252,9 +253,7 @@ def _comparison_html(breakdowns: dict[str, Breakdown], pairs: list[tuple[str, st
             f"<td>{ratio_text(r.kernel_ratio)}</td></tr>"
             for r in rows)
         note = "".join(f"<p>{e(line)}.</p>" for line in [
-            "layers: a type's count over all the steps profiled (one a step over 3 steps "
-            "reads 3); the whole step's row, a step's",
-            *comparison_notes(rows, a, b, unit[label_a], unit[label_b]),
+            LAYERS_COLUMN, *comparison_notes(rows, a, b, unit[label_a], unit[label_b]),
             *sides_notes(breakdowns[label_a], breakdowns[label_b], a, b)])
         parts.append(f"<h2>Per layer type: {e(a)} vs {e(b)} (medians; µs = layer span)</h2>"
                      f"{said}<table>{head}{body}</table>{note}")

@@ -80,6 +80,8 @@ def test_tables_keep_every_digit():
     assert row.split()[1:] == ["execute_32_c", "2", "24", "434", kernel_us, "10743.2", "25.5",
                                "11", "/", "4", "/"]
     assert "│" not in steps and "│ A    │     12 │" in types   # (a table that fits: boxed)
+    # the count that is no median says so (the terminal's tables as the report's)
+    assert "layers: a type's count over all the steps profiled" in types
     buf = io.StringIO()
     render.print_tables(render.breakdown_tables(b), Console(file=buf, width=50))
     narrow = buf.getvalue().splitlines()
@@ -1032,6 +1034,8 @@ def test_compare_a_run_its_paths_and_labels(tmp_path):
     # one file twice: numbered too, not x and x'
     twice = " ".join(run("compare", VLLM, VLLM).output.split())
     assert "Per layer type: #1 vs #2" in twice and f"#1: {VLLM}; #2: {VLLM}" in twice
+    assert "layers: a type's count over all the steps profiled (one a step over 3 steps " \
+        "reads 3); the whole step's row, a step's" in twice
     timed_json = json.loads(run("compare", tmp_path / "20261203T064913Z-tiny-b2",
                                 tmp_path / "20261203T071135Z-tiny-b2", "--path", "specialized",
                                 "--format", "json").output)
