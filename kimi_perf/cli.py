@@ -878,6 +878,10 @@ def report_cmd(inputs: tuple[Path, ...], path_name: str | None, labels: str | No
     """
     from kimi_perf.report import plotly_js_for, report_inputs
 
+    if (suffix := output.suffix.lower()) in (".csv", ".json", ".txt", ".kptrace", ".sqlite"):
+        # (HTML in a file named for another format: a slip, which -o elsewhere honours)
+        raise TraceError(None, f"-o {output.name}: the report is HTML, not {suffix[1:]}: "
+                               "name it .html")
     plotly_js_for(plotly_js, output.parent)  # a missing file is said before any work
     found, left_out = _traces_in(list(inputs), keep_runs=True)
     inputs = tuple(found)

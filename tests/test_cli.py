@@ -1572,6 +1572,18 @@ def test_report_command_draws_runs_breakdowns_and_traces(tmp_path):
     assert "stored: no timeline in this breakdown (stored without one)" in text
 
 
+def test_report_refuses_a_name_of_another_format(tmp_path):
+    """The report is HTML whatever -o says: a name of another format (a slip for the
+    breakdown's JSON, or the terminal's text) is refused before any work, nothing written."""
+    for name in ("r.txt", "r.JSON", "r.csv"):
+        result = run("report", VLLM, "-o", tmp_path / name)
+        assert result.exit_code == 2 and result.output == (
+            f"kimi-perf: error: -o {name}: the report is HTML, not "
+            f"{name[2:].lower()}: name it .html\n")
+        assert not (tmp_path / name).exists()
+    assert run("report", VLLM, "-o", tmp_path / "r", "--plotly-js", "cdn").exit_code == 0
+
+
 @pytest.mark.parametrize("change, message", [
     (lambda d: d["paths"]["standard"].update(timeline={"step": "s", "names": ["k"],
                                                         "segments": [{"label": "l",
