@@ -318,9 +318,10 @@ def gate_files(baseline: str | Path, run: str | Path, tolerances: Tolerances = T
     result = gate(base, current, tolerances)
     # how each side was captured: a trace in a run directory as its run.json says (compared
     # alone: the documents, what --update stores, stay load_run's)
-    base_info, run_info = (captured_run(file) or doc if json_file is None else doc
-                           for file, json_file, doc in ((baseline, base_file, base_doc),
-                                                        (run, run_file, run_doc)))
+    base_info, run_info = (_trace_info(file, runs) or doc if json_file is None else doc
+                           for file, json_file, doc, runs in (
+                               (baseline, base_file, base_doc, base),
+                               (run, run_file, run_doc, current)))
     # two captures whose run information records other GPUs say so (run_differences); the
     # kernels' GPUs are compared otherwise (the same names, other SM counts: a MIG slice)
     recorded = [env.get("gpus") if isinstance(env := (d.get("run") or {}).get("environment")
@@ -373,6 +374,19 @@ def gate_files(baseline: str | Path, run: str | Path, tolerances: Tolerances = T
                                    "broken down differently",
                                    "; ".join(result.breakdown_differences)))
     return GatedRun(result, base, current, run_doc, base_file)
+
+
+def _trace_info(file: Path, runs: dict[str, Breakdown]) -> dict | None:
+    """The run information of a trace in a run directory (``captured_run``); where the trace
+    is keyed as a trace (no --path), its path's metrics keyed so too, so that what its run
+    says of that path (every step fell back, logits not finite) is matched to it."""
+    info = captured_run(file)
+    if info is None or set(runs) != {TRACE}:
+        return info
+    paths = info["run"].get("paths")
+    held = captured_path(file)
+    return {"run": {**info["run"], "paths": {TRACE: paths[held]} if isinstance(paths, dict)
+                                                                   and held in paths else {}}}
 
 
 def _check_tolerances(tolerances: object) -> None:

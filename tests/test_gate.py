@@ -1862,6 +1862,31 @@ def test_strict_fails_a_run_of_other_paths_or_a_trace_of_another_path(tmp_path):
         ("captured differently", "decode path standard vs specialized")]
 
 
+def test_a_trace_in_a_run_directory_brings_what_its_run_says_of_its_path(tmp_path):
+    """A run's trace gated without --path (keyed as a trace) is still its path: where its
+    run.json says that path fell back on every step, or computed logits not finite, the gate
+    fails it as it fails the run; what the run says of its other path is not its."""
+    trace = NSYS / "nsysai_fastvideo_wan2.1_train_2xh100_before.sqlite"
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    info = json.loads(BASELINE.read_text())["run"]
+    info["paths"]["standard"]["logits_finite"] = False
+    info["paths"]["specialized"].update(every_step_fell_back=True,
+                                        fallbacks=["decode_step[0..7]: batch 65 > 64"])
+    (run_dir / "run.json").write_text(json.dumps(info))
+    for name in ("standard", "specialized"):
+        (run_dir / f"{name}.sqlite").symlink_to(trace)
+    tolerances = Tolerances(metrics="kernels")
+    fell = gate_files(trace, run_dir / "specialized.sqlite", tolerances).result
+    assert [(c.path, c.status) for c in fell.failures] == [("trace", "fell back")]
+    assert fell.fell_back == ["the run's trace: every step fell back to the standard path's "
+                              "PyTorch ops (batch 65 > 64): its figures are the standard "
+                              "path's, not its own kernels'"]
+    nan = gate_files(trace, run_dir / "standard.sqlite", tolerances).result
+    assert [(c.path, c.status) for c in nan.failures] == [("trace", "not finite")]
+    assert gate_files(trace, trace, tolerances).result.ok   # (a trace of no run: nothing)
+
+
 def test_a_run_breakdown_checks_its_run_information(tmp_path):
     """A run's settings are what the gate compares: a count stored as a word, or a run
     breakdown without its run information, is refused by name, not compared as unlike
