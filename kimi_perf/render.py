@@ -37,7 +37,7 @@ from kimi_perf.comparison import (
     steps_unlike,
     stragglers,
 )
-from kimi_perf.gate import TIMES, GateResult
+from kimi_perf.gate import TIMES, Check, GateResult
 from kimi_perf.layer_breakdown import (
     SPREAD_NOTE,
     Breakdown,
@@ -595,21 +595,36 @@ def gate_headline(result: GateResult) -> str:
     # how the sides differ first: it explains the rest, and a long list would cut it off
     failures = sorted(result.failures, key=lambda c: c.status not in (
         "captured differently", "broken down differently"))
-    worst = "; ".join(f"{c.path}: {_clipped(c.detail)}" if c.status in ("fell back",
-                                                                      "not finite") else
-                      _clipped(str(c.detail)) if c.status in ("captured differently",
-                                                              "broken down differently") else
-                      f"{c.path} {c.layer_type} {result.metric_name(c)} "
-                      + (f"{_value(c.baseline)} -> {_value(c.current)}"
-                         if c.status in ("regression", "differs") else "missing from the run")
-                      + (f" ({_clipped(c.detail)})" if c.detail else "")
-                      for c in failures[:GATE_HEADLINE_ITEMS])
-    more = len(failures) - GATE_HEADLINE_ITEMS
+    # a layer type (or a path) the run lost fails each of its checks: one item, naming them
+    lost: dict[tuple[str, str], list[Check]] = {}
+    items: list[str | tuple[str, str]] = []
+    for c in failures:
+        if c.status == "missing":
+            if (c.path, c.layer_type) not in lost:
+                items.append((c.path, c.layer_type))
+            lost.setdefault((c.path, c.layer_type), []).append(c)
+        else:
+            items.append(f"{c.path}: {_clipped(c.detail)}" if c.status in ("fell back",
+                                                                         "not finite") else
+                         _clipped(str(c.detail)) if c.status in ("captured differently",
+                                                                 "broken down differently")
+                         else f"{c.path} {c.layer_type} {result.metric_name(c)} "
+                         f"{_value(c.baseline)} -> {_value(c.current)}"
+                         + (f" ({_clipped(c.detail)})" if c.detail else ""))
+    said_items = [item if isinstance(item, str) else
+                  f"{item[0]} {item[1]} missing from the run ("
+                  + ", ".join(result.metric_name(c) for c in lost[item])
+                  + "".join(f"; {_clipped(c.detail)}" for c in lost[item][:1] if c.detail)
+                  + ")" for item in items]
+    worst = "; ".join(said_items[:GATE_HEADLINE_ITEMS])
+    more = len(said_items) - GATE_HEADLINE_ITEMS
     counts = Counter(c.status for c in failures)
     said = ", ".join(f"{n} layer count{' differs' if n == 1 else 's differ'}"
                      if status == "differs" else "the captures differ"
                      if status == "captured differently" else "the breakdowns differ"
                      if status == "broken down differently" else
+                     f"{len(lost)} missing" + (f" ({n} checks)" if n > len(lost) else "")
+                     if status == "missing" else
                      f"{n} {status}" + ("s" if n > 1 and status == "regression" else "")
                      + (" on every step" if status == "fell back" else "")
                      for status, n in sorted(counts.items(), reverse=True))

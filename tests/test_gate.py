@@ -858,6 +858,11 @@ def test_a_layer_type_dropped_from_every_step_is_missing_not_a_faster_step(tmp_p
         "missing", max(mla.count(s) for s in set(mla)))
     assert checks[("mla", "kernels")].status == "missing"
     assert checks[("step", "layers")].status == "differs"
+    # the lost type is one item of the verdict's line, its checks named (not four of five)
+    assert gate_headline(result) == (
+        "gate: FAIL, 1 missing (4 checks), 1 layer count differs: specialized mla missing from "
+        "the run (layers, ops, ops_max, span_us); specialized step layers 8 -> 6 (8 layers a "
+        "step in the baseline, 6 in the run)")
     for metric in ("kernels", "span_us"):
         assert checks[("step", metric)].status == "changed"
         assert "other work" in checks[("step", metric)].detail
