@@ -153,19 +153,24 @@ def _not_an_input(output: Path | None, *inputs: Path | None) -> None:
     """Refuse an output that is one of the command's inputs (a run directory stands for its
     breakdown.json and run.json, a trace in one for the run.json read with it): writing it
     would destroy what is being read."""
+    if (given := _input_it_is(output, *inputs)) is not None:
+        raise TraceError(output, f"is an input of this command ({given}): writing it would "
+                                 "destroy it")
+
+
+def _input_it_is(output: Path | None, *inputs: Path | None) -> Path | None:
+    """The input (as given) that ``output`` is, or that holds it; None if none."""
     if output is None or str(output) == "-" or not output.exists():
-        return
+        return None
     for given in filter(None, inputs):
         read = ([given / "breakdown.json", given / "run.json"] if given.is_dir()
                 else [given, given.parent / "run.json"] if runs_mod.captured_path(given) is not None
                 else [given])
         for file in read:
-            try:
+            with contextlib.suppress(OSError):
                 if os.path.samefile(output, file):
-                    raise TraceError(output, f"is an input of this command ({given}): writing "
-                                             "it would destroy it")
-            except OSError:
-                continue
+                    return given
+    return None
 
 
 def _echo(text: str, nl: bool = True) -> None:
@@ -672,20 +677,27 @@ def gate_cmd(baseline: Path, run: Path, metrics: str | None, rel_tol: float, abs
     store); 2: the gate could not run (a file missing or unreadable, options that do not go
     together).
     """
-    fmt = _format_of(fmt, output, ("json",))
-    if junit is not None and str(junit) == "-":
-        raise TraceError(None, "--junit takes a file to write, not - (-o - is stdout's)")
     verdicts = [(option, file) for option, file in (("-o", output), ("--junit", junit))
                 if file is not None and str(file) != "-"]
-    for option, file in verdicts:   # (checked before --update stores a file)
-        _not_an_input(file, baseline, run, rules)
-        if os.path.abspath(file) == os.path.abspath(baseline):
-            raise TraceError(file, f"is the baseline: {option} writes the verdict elsewhere")
-        if not file.parent.is_dir():
-            raise TraceError(file, "cannot write: no such directory")
-    if len(verdicts) == 2 and os.path.abspath(output) == os.path.abspath(junit):
-        raise TraceError(junit, "is -o's file too: --junit writes the XML elsewhere")
-    with _no_earlier_verdict(*(file for _, file in verdicts)):
+    # an earlier verdict goes whatever stops the gate, but never a file that is an input, the
+    # baseline or a directory (each refused below)
+    stale = [file for _, file in verdicts if _input_it_is(file, baseline, run, rules) is None
+             and not _same_file(file, baseline) and not file.is_dir()]
+    with _no_earlier_verdict(*stale):
+        fmt = _format_of(fmt, output, ("json",))
+        if junit is not None and str(junit) == "-":
+            raise TraceError(None, "--junit takes a file to write, not - (-o - is stdout's)")
+        for option, file in verdicts:   # (checked before --update stores a file)
+            _not_an_input(file, baseline, run, rules)
+            if _same_file(file, baseline):
+                raise TraceError(file, f"is the baseline: {option} writes the verdict "
+                                       "elsewhere")
+            if file.is_dir():
+                raise TraceError(file, "cannot write: it is a directory")
+            if not file.parent.is_dir():
+                raise TraceError(file, "cannot write: no such directory")
+        if len(verdicts) == 2 and _same_file(output, junit):
+            raise TraceError(junit, "is -o's file too: --junit writes the XML elsewhere")
         try:
             tolerances = gate_mod.Tolerances(rel_tol, alpha, metrics=metrics,
                                              abs_tol_us=abs_tol)
@@ -696,6 +708,11 @@ def gate_cmd(baseline: Path, run: Path, metrics: str | None, rel_tol: float, abs
         _no_trace_among([baseline, run])
         _gate(baseline, run, tolerances, fmt, show_all, path_name, layers, step_regex, phase,
               rules, update, strict, output, junit)
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    """Whether two paths name one file, through links too (either may not exist yet)."""
+    return os.path.realpath(a) == os.path.realpath(b)
 
 
 @contextlib.contextmanager

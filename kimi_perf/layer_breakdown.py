@@ -763,12 +763,18 @@ def _layer_parts(step) -> list[tuple[str, np.ndarray]]:
 
 def _stream_parts(ops: GpuOps, rows: np.ndarray) -> list[tuple[str, np.ndarray]]:
     """``rows`` (of one step: one device; in start order) by stream, the streams in the order
-    of their first op; CPU ops (no stream) as one segment."""
+    of their first op (of processes sharing the device, by process and stream: each has its
+    own stream 7); CPU ops (no stream) as one segment."""
     if ops.kind != "gpu":
         return [("ops", rows)]
-    streams, first = np.unique(ops.stream[rows], return_index=True)
-    return [(f"stream {stream}", rows[ops.stream[rows] == stream])
-            for stream in streams[np.argsort(first)].tolist()]
+    pids = ops.pid[rows].astype(np.int64)
+    several = len(np.unique(pids)) > 1
+    keys = np.stack([pids, ops.stream[rows]], axis=1)
+    lanes, first, of_row = np.unique(keys, axis=0, return_index=True, return_inverse=True)
+    of_row = of_row.ravel()
+    return [((f"pid {pid} " if several else "")
+             + (f"stream {stream}" if stream >= 0 else "no stream"), rows[of_row == lane])
+            for lane in np.argsort(first).tolist() for pid, stream in [lanes[lane].tolist()]]
 
 
 def _typical_layers(trace: Trace, ops: GpuOps, steps) -> dict[str, dict[str, Any]]:

@@ -107,10 +107,9 @@ def _timeline(fig: go.Figure, row: int, timeline: dict | None, label: str, most:
     rows: list[str] = []
     drawn = 0
     seen: Counter = Counter()
-    for segment in timeline["segments"]:
-        ops = segment["ops"][:most - drawn]
+    for segment, ops in zip(timeline["segments"], _first_ops(timeline, most), strict=True):
         if not ops:
-            break
+            continue
         drawn += len(ops)
         # a row per segment: a label a step holds again (a second forward pass with the same
         # ranges) gets its ordinal, or plotly would stack both on one row
@@ -139,6 +138,35 @@ def _timeline(fig: go.Figure, row: int, timeline: dict | None, label: str, most:
     fig.update_xaxes(title_text=f"µs into {_plotly_text(timeline['step'])} (median-span step"
                                 f"{how})", row=row, col=1)
     return drawn
+
+
+def _first_ops(timeline: dict, most: int) -> list[list]:
+    """Of each segment, the ops among the timeline's first ``most``: its segments in turn
+    (a step's layers follow one another), or where they are streams (``by_stream``), which
+    run side by side, the first in time, whatever their stream."""
+    segments = [seg["ops"] for seg in timeline["segments"]]
+    if not timeline.get("by_stream"):
+        kept = []
+        for ops in segments:
+            kept.append(ops[:max(most, 0)])
+            most -= len(kept[-1])
+        return kept
+    starts = np.concatenate([np.array([op[2] for op in ops], float) for ops in segments]
+                            + [np.empty(0)])
+    if len(starts) <= most:
+        return segments
+    if most <= 0:
+        return [[] for _ in segments]
+    cut = np.sort(starts)[most - 1]
+    # every op that starts before the cut, then of those at it as many as leave room (each
+    # row stays in time order: its ops at the cut come after those before it)
+    kept = [[op for op in ops if op[2] < cut] for ops in segments]
+    room = most - sum(map(len, kept))
+    for ops, held in zip(segments, kept, strict=True):
+        at = [op for op in ops if op[2] == cut][:room]
+        room -= len(at)
+        held += at
+    return kept
 
 
 def _class_bars(breakdowns: dict[str, Breakdown]) -> go.Figure:
@@ -918,9 +946,11 @@ def write_report(path: str | Path, breakdowns: dict[str, Breakdown], title: str,
     drawn = {}
     for row, (label, b) in enumerate(breakdowns.items(), start=1):
         drawn[label] = _timeline(timelines, row, b.timeline, label, most, in_legend)
-        # one time axis for the GPU traces: bars compare (a CPU run's rows keep their own:
-        # CPU time, and its specialized path's is the interpreter's)
-        if b.timeline and b.unit == "kernels":
+        # one time axis for the GPU traces' layers: bars compare (a CPU run's rows keep their
+        # own: CPU time, and its specialized path's is the interpreter's; so does a step of
+        # other work, drawn by stream: a training step's hundreds of ms would squash a decode
+        # step's bars)
+        if b.timeline and b.unit == "kernels" and not b.timeline.get("by_stream"):
             first = first_of_unit.setdefault(b.unit, row)
             if first != row:
                 timelines.update_xaxes(matches=f"x{first if first > 1 else ''}", row=row,

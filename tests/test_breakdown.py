@@ -1695,9 +1695,9 @@ def test_a_step_without_layers_is_drawn_a_row_per_stream(tmp_path):
     b = breakdown(read_trace(KINETO / "hta_a100_nccl_ddp_gpu_user_annotation.json.gz"))
     timeline = b.timeline
     assert not b.layer_types and timeline["by_stream"]
-    spans = sorted((s["span_us"], s["name"]) for s in b.steps)
-    assert timeline["step"] == spans[len(spans) // 2][1]
     step = next(s for s in b.steps if s["name"] == timeline["step"])
+    spans = sorted(s["span_us"] for s in b.steps)
+    assert step["span_us"] == spans[len(spans) // 2]
     segments = {seg["label"]: seg["ops"] for seg in timeline["segments"]}
     assert list(segments) == ["stream 7", "stream 40"]
     assert sum(map(len, segments.values())) == step["kernels"]
@@ -1707,6 +1707,72 @@ def test_a_step_without_layers_is_drawn_a_row_per_stream(tmp_path):
     assert min(op[2] for ops in segments.values() for op in ops) == 0
     text = write_report(tmp_path / "r.html", {"ddp": b}, "t", plotly_js="cdn").read_text()
     assert "no layer found: a row per stream" in text and "no timeline" not in text
+
+
+def test_a_report_short_of_bars_draws_a_layerless_steps_first_ops_in_time(tmp_path):
+    """A report of several traces draws each step's first ops: a step's layers in turn, but
+    its streams side by side, so that a stream starting late in the step still has its row
+    (spending the bars stream by stream drew one stream and no row for the NCCL one)."""
+    from kimi_perf.report import _first_ops
+
+    by_stream = {"by_stream": True, "segments": [
+        {"label": "stream 7", "ops": [[0, "gemm", 0.0, 5.0], [0, "gemm", 6.0, 5.0],
+                                      [0, "gemm", 12.0, 5.0]]},
+        {"label": "stream 14", "ops": [[1, "communication", 1.0, 20.0],
+                                       [1, "communication", 6.0, 1.0]]}]}
+    gemms, nccl = (seg["ops"] for seg in by_stream["segments"])
+    assert _first_ops(by_stream, 2) == [gemms[:1], nccl[:1]]
+    assert _first_ops(by_stream, 3) == [gemms[:2], nccl[:1]]   # (of two at 6 µs, the first)
+    assert _first_ops(by_stream, 4) == [gemms[:2], nccl]
+    assert _first_ops(by_stream, 9) == [seg["ops"] for seg in by_stream["segments"]]
+    layers = {"segments": by_stream["segments"]}      # a step's layers: in turn
+    assert _first_ops(layers, 4) == [by_stream["segments"][0]["ops"],
+                                     by_stream["segments"][1]["ops"][:1]]
+    # a trace's NCCL stream starts 181 ms into a step of 4,458 ops: drawn among 4,000
+    from kimi_perf.report import write_report
+
+    b = breakdown(read_trace(KINETO / "hta_v100_ddp_rank1_19k_kernels.json.gz"))
+    rows = [seg["label"] for seg in b.timeline["segments"]]
+    assert rows == ["stream 7", "stream 14"]
+    kept = _first_ops(b.timeline, 4000)
+    assert sum(map(len, kept)) == 4000 and all(kept)
+    latest = max(op[2] for ops in kept for op in ops)
+    assert all(op[2] >= latest for seg in b.timeline["segments"] for op in seg["ops"]
+               if op not in kept[b.timeline["segments"].index(seg)])
+    # five of it in one report: 4,000 bars each, the NCCL stream's row in every panel
+    text = write_report(tmp_path / "r.html", {f"rank{i}": b for i in range(5)}, "t",
+                        plotly_js="cdn").read_text()
+    assert text.count('"stream 14"') >= 5
+
+
+def test_processes_sharing_a_device_have_a_row_per_stream_each():
+    """Two processes on one GPU (no step range: the device is the step) each have their own
+    stream 7: a row each, not one row of both."""
+    b = TraceBuilder()
+    b.launch("gemm_a", 0, 10, 100, 300, pid=1)
+    b.launch("gemm_b", 20, 30, 150, 400, pid=2)
+    b.launch("gemm_c", 40, 50, 420, 700, pid=1)
+    timeline = breakdown(b.build()).timeline
+    rows = {seg["label"]: [timeline["names"][op[0]] for op in seg["ops"]]
+            for seg in timeline["segments"]}
+    assert rows == {"pid 1 stream 7": ["gemm_a", "gemm_c"], "pid 2 stream 7": ["gemm_b"]}
+
+
+def test_an_older_kinetos_stream_lanes_are_their_streams(tmp_path):
+    """An older Kineto names a kernel's lane "tid": "stream 7" where its args hold no stream:
+    that is stream 7 (a made-up id would label the timeline's row "stream 536870912"); a
+    kernel of no stream at all is drawn as such."""
+    events = [{"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": 5, "pid": 0,
+               **({"tid": tid} if tid is not None else {}), "args": {"device": 0}}
+              for name, ts, tid in (("gemm", 10, "stream 7"), ("copy", 12, " stream 13 "),
+                                    ("norm", 20, "stream 7"), ("odd", 30, None))]
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    trace = read_trace(path)
+    assert trace.kernels.stream.tolist() == [7, 13, 7, -1]
+    timeline = breakdown(trace).timeline
+    assert [seg["label"] for seg in timeline["segments"]] == ["stream 7", "stream 13",
+                                                              "no stream"]
 
 
 def test_a_layerless_steps_streams_are_drawn_in_the_order_they_start():

@@ -448,10 +448,34 @@ def test_gate_writes_junit_for_a_ci_servers_test_report(tmp_path):
                                        "--junit", str(junit)])
     assert result.exit_code == 0 and stored.exists()
     suite = ET.parse(junit).getroot().find("testsuite")
-    assert suite.get("tests") == "0" and suite.find("system-out").text == (
-        f"baseline {stored} created from {BASELINE}")
+    # (one passing case: a CI server fails a report of no tests)
+    (case,) = suite.findall("testcase")
+    said = f"baseline {stored} created from {BASELINE}"
+    assert (case.get("classname"), case.get("name"), suite.get("tests")) == (
+        "baseline", "stored", "1")
+    assert case.find("system-out").text == suite.find("system-out").text == said
+    # a verdict file that cannot be written stops the gate before --update stores anything,
+    # and an earlier verdict beside it goes, whichever file stopped it
+    stored_bytes = stored.read_bytes()
+    (tmp_path / "dir").mkdir()
+    for args, problem in ((["--junit", str(tmp_path / "dir")], "it is a directory"),
+                          (["-o", str(tmp_path / "dir"), "--junit", str(junit)],
+                           "it is a directory"),
+                          (["-o", str(tmp_path / "no" / "g.json"), "--junit", str(junit)],
+                           "no such directory")):
+        junit.write_text("last night's")
+        result = CliRunner().invoke(main, ["gate", "--update", str(stored), str(after),
+                                           *args])
+        assert result.exit_code == 2 and problem in result.output, result.output
+        assert stored.read_bytes() == stored_bytes and (tmp_path / "dir").is_dir()
+        assert junit.exists() == (str(junit) not in args)   # (removed where it was given)
+    link = tmp_path / "link.xml"
+    link.symlink_to(junit)
+    result = CliRunner().invoke(main, ["gate", str(stored), str(BASELINE), "-o", str(link),
+                                       "--junit", str(junit)])
+    assert result.exit_code == 2 and "is -o's file too" in result.output
     for update in ([], ["--update"]):   # gated, and gated then stored
-        junit.unlink()
+        junit.unlink(missing_ok=True)
         result = CliRunner().invoke(main, ["gate", *update, str(stored), str(BASELINE),
                                            "--junit", str(junit)])
         assert result.exit_code == 0, result.output
@@ -470,6 +494,11 @@ def test_junit_holds_any_name_as_well_formed_xml():
     checks = [Check("standard", "kda", "kernel_us", 10.0, 20.0, 1.0, 0.001, "regression",
                     detail=f"{name} +10 µs"),
               Check("standard", name, "kernels", 3, 3, 0.0, None, "ok")]
+    # (a path that fell back and computed NaN: two checks of one metric, told apart by
+    # status; a dot in a type's name is no package of its own)
+    checks += [Check("specialized", "step", "decode path", None, None, None, None, status)
+               for status in ("fell back", "not finite")]
+    checks += [Check("specialized", "model.layers.0", "kernels", 3, 3, 0.0, None, "ok")] * 2
     text = render.gate_junit(GateResult(checks, Tolerances()), ("a<b>.json", "run"), name)
     root = ET.fromstring(text.encode())
     failure = root.find(".//failure")
@@ -478,6 +507,11 @@ def test_junit_holds_any_name_as_well_formed_xml():
     assert root.findall(".//testcase")[1].get("classname") == f"standard.{written}"
     assert root.find(".//property").get("value") == "a<b>.json"
     assert root.find("testsuite/system-out").text == written
+    assert [(case.get("classname"), case.get("name"))
+            for case in root.findall(".//testcase")[2:]] == [
+        ("specialized.step", "decode path (fell back)"),
+        ("specialized.step", "decode path (not finite)"),
+        ("specialized.model_layers_0", "kernels"), ("specialized.model_layers_0", "kernels #2")]
 
 
 def _long_kernel_spacing_us(path) -> float:

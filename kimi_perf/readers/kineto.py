@@ -103,6 +103,8 @@ _NOT_WS = re.compile(rb"[^ \t\n\r]")
 # A boundary between two events: "}" "," whitespace "{" (the "{" may be in the next block).
 _NEXT_EVENT = re.compile(rb"[ \t\n\r]*(?:\{|\Z)")
 HIP_CALL = re.compile(r"^hip[A-Z]")   # hipLaunchKernel, hipMemcpyWithStream, ...
+# an older Kineto's GPU lane, "tid": "stream 7", where args hold no stream: stream 7
+STREAM_LABEL = re.compile(r"\s*stream (\d{1,18})\s*")
 
 # -- typed decoding: only the fields used ---------------------------------------------------------
 
@@ -544,14 +546,18 @@ class _Builder:
             return value
         if isinstance(value, list | dict):
             raise TypeError(f"'{field}' is {_shown(value)}, not an id")
-        # Labels such as "stream 7 (graph)": a stable synthetic id per label.
+        # Other labels ("stream 7 (graph)", a thread's name): a stable synthetic id per label.
         return self.ids.setdefault(value, (1 << 29) + len(self.ids))
 
     def _arg_id(self, args: dict, key: str, event: dict, fallback: str) -> int:
         """``args[key]``, or the event's ``fallback`` field where ``args`` lacks it."""
         if key in args:
             return self._id(_num(args[key]), f"args.{key}")
-        return self._id(_num(event.get(fallback)), fallback)
+        value = event.get(fallback)
+        if key == "stream" and isinstance(value, str) and (
+                lane := STREAM_LABEL.fullmatch(value)):
+            return int(lane.group(1))
+        return self._id(_num(value), fallback)
 
     def add_piece(self, piece, offset: int) -> int:
         """Add the events of one JSON array (items ``offset``... of traceEvents); returns how
