@@ -506,20 +506,38 @@ def main() -> None:
 @main.command(short_help="Kernels per range, as nsys stats' nvtx_kern_sum report")
 @click.argument("trace", type=PATH)
 @_format_option(["csv", "table", "json"])
+@click.option("--match", "pattern", help="only the ranges whose name this regex finds "
+              "(Python's re.search: 'FlashAttn', '^decode')")
+@click.option("--top", default=render.RANGES_TABLE_ROWS, show_default=True,
+              type=click.IntRange(1), help="the table's rows: those with the most kernel "
+              "time (CSV and JSON: all)")
 @click.option("-o", "--output", type=PATH, help="write here, not stdout")
 @_fail_cleanly
-def ranges(trace: Path, fmt: str | None, output: Path | None) -> None:
+def ranges(trace: Path, fmt: str | None, pattern: str | None, top: int,
+           output: Path | None) -> None:
     """Kernels per range, as `nsys stats --report nvtx_kern_sum` attributes them."""
     fmt = _format_of(fmt, output, ("csv", "json"))
     _not_an_input(output, trace)
+    try:
+        wanted = re.compile(pattern) if pattern is not None else None
+    except re.error as exc:
+        raise TraceError(None, f"--match: bad regex ({exc})") from None
     read = read_trace(trace)
     rows = range_kernel_summary(read)
+    if wanted is not None:
+        rows = [r for r in rows if r.range is not None and wanted.search(r.range)]
     if fmt == "table":
-        _emit_tables([render.ranges_table(rows)], output)
+        _emit_tables([render.ranges_table(rows, top, str(trace))], output)
     else:
-        _emit(render.ranges_csv(rows) if fmt == "csv" else render.ranges_json(rows), output)
-    if not rows:   # (an empty table alone would look like a failure to read)
-        if len(read.kernels):
+        _emit(render.ranges_csv(rows) if fmt == "csv"
+              else render.ranges_json(rows, str(trace)), output)
+    if not len(read.ranges) and len(read.kernels):   # (every row "(none)", said why)
+        click.echo(f"{printable(str(trace))}: this trace holds no ranges (NVTX, "
+                   "record_function): every kernel is in none", err=True)
+    elif not rows:   # (an empty table alone would look like a failure to read)
+        if wanted is not None:
+            why = f"no range that --match {pattern!r} finds holds a kernel"
+        elif len(read.kernels):
             why = "no range holds a kernel"
         else:
             cpu_run = not len(read.memops) and len(read.annotated_ops())
@@ -947,49 +965,62 @@ def convert(trace: Path, output: Path, capture: Path | None) -> None:
     if output.is_dir():
         raise TraceError(output, "cannot write: it is a directory")
     if output.suffix != ".kptrace":   # (binary: not for a terminal, nor under another name)
-        raise TraceError(output, "convert writes a .kptrace file (Arrow): name it so")
-    read_trace(trace, capture=capture).save(output)
+        raise TraceError(output, "convert writes a .kptrace file (Arrow): name it so (lower "
+                                 "case: directories are searched for *.kptrace)")
+    read = read_trace(trace, capture=capture)
+    read.save(output)
+    click.echo(printable(f"wrote {output}: {counted(len(read.kernels), 'kernel')}, "
+                         f"{counted(len(read.memops), 'memcpy/memset op')}, "
+                         f"{counted(len(read.ranges), 'range')}, "
+                         f"{counted(len(read.api), 'API call')}"), err=True)
 
 
-@main.command(short_help="What a trace holds: format, tool, GPUs, event counts")
-@click.argument("trace", type=PATH)
-@click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table",
-              show_default=True, help="json: {schema, traces: [{file, ...Trace.summary()}]}")
+@main.command(short_help="What traces hold: format, tool, GPUs, event counts")
+@click.argument("traces", nargs=-1, required=True, type=PATH)
+@click.option("--format", "fmt", type=click.Choice(["table", "json"]),
+              help="json: {schema, traces: [{file, ...Trace.summary()}]}  [default: table, or "
+              "what -o's suffix names]")
+@click.option("-o", "--output", type=PATH, help="write here, not stdout")
 @_fail_cleanly
-def info(trace: Path, fmt: str) -> None:
-    """What a trace holds: format, tool, GPUs, and how many events of each kind. Of a
+def info(traces: tuple[Path, ...], fmt: str | None, output: Path | None) -> None:
+    """What traces hold: format, tool, GPUs, and how many events of each kind. Of a
     `kimi-perf trace` run directory: each of its saved traces (one per decode path), or of a
     `trace --from` run, the traces it was made from; of a directory of traces (a profiler's,
     one per rank), each."""
-
-    files: list[tuple[Path, Path | None]] = [(trace, None)]   # each with its graph captures
-    left_out: list[Path] = []
-    if trace.is_dir() and (trace / "breakdown.json").is_file():
-        files = [(f, None) for f in _saved_traces(trace)] or _analysed_files(trace)
-    elif trace.is_dir():
-        found, left_out = _traces_in([trace])
-        files = [(f, None) for f in found]
-    # all read, then said; of a directory, a file that cannot be read is said after those
-    # that can (a rank's trace cut short hides no other rank's), and the exit is still 2
+    fmt = _format_of(fmt, output, ("json",))
+    _not_an_input(output, *traces)
+    files: list[tuple[Path, Path | None]] = []   # each with its graph captures
+    left_out: list[tuple[Path, str]] = []
+    for trace in traces:
+        if trace.is_dir() and (trace / "breakdown.json").is_file():
+            files += [(f, None) for f in _saved_traces(trace)] or _analysed_files(trace)
+        elif trace.is_dir():
+            found, left = _traces_in([trace])
+            files += [(f, None) for f in found]
+            left_out += left
+        else:
+            files.append((trace, None))
+    # all read, then said; a file that cannot be read is said after those that can (a rank's
+    # trace cut short hides no other rank's), and the exit is still 2
     summaries, unreadable = [], []
     for file, c in files:
         try:
             summaries.append((file, read_trace(file, capture=c).summary()))
         except TraceError as exc:
-            if file == trace:
+            if len(files) == 1:
                 raise
             unreadable.append(exc)
     if unreadable and not summaries:   # nothing to tell: the first problem, one line
         raise unreadable[0]
     if fmt == "json":
-        _echo(json.dumps({"schema": 1, "traces": [{"file": str(file), **info}
+        _emit(json.dumps({"schema": 1, "traces": [{"file": str(file), **info}
                                                   for file, info in summaries],
                           **({"unreadable": [{"file": str(exc.path), "problem": exc.problem}
                                              for exc in unreadable]} if unreadable else {})},
-                         indent=1))
+                         indent=1) + "\n", output)
     else:
-        for file, info in summaries:
-            _info(file, info)
+        _emit("".join(line + "\n" for file, info in summaries
+                      for line in _info_lines(file, info)), output)
     _say_left_out(left_out)
     for exc in unreadable:
         click.echo(f"kimi-perf: error: {exc}", err=True)
@@ -1081,65 +1112,80 @@ def _split_labels(labels: str, of: list[str]) -> list[str]:
     return names
 
 
-def _info(trace: Path, info: dict) -> None:
+def _info_lines(trace: Path, info: dict) -> list[str]:
+    """What ``info`` says of one trace, a line each."""
+    lines = []
     # (the trace's own words, and file names, with their control characters written out: an
     # escape sequence in them would act on the terminal, a line break forge a line)
     saved = ("a .kptrace (saved by kimi-perf) of " if info["kptrace"]
              else f"a {trace.suffix} read through its SQLite export: "
              if info["exported_by_nsys"] else "")
-    click.echo(printable(f"{trace}: {saved}{info['format']} from {info['tool']}"
-                         + (f", schema {info['schema']}" if info["schema"] else "")))
+    lines.append(printable(f"{trace}: {saved}{info['format']} from {info['tool']}"
+                           + (f", schema {info['schema']}" if info["schema"] else "")))
     if info.get("converted_from"):
-        click.echo(printable(f"  saved from {info['converted_from']}"
-                             + (" (read through its SQLite export)"
-                                if info["exported_by_nsys"] else "")))
+        lines.append(printable(f"  saved from {info['converted_from']}"
+                               + (" (read through its SQLite export)"
+                                  if info["exported_by_nsys"] else "")))
     for capture in info.get("captures") or []:
-        click.echo(f"  joined by the graph captures of {printable(str(capture))}")
+        lines.append(f"  joined by the graph captures of {printable(str(capture))}")
     if replay := info.get("replay"):   # (the counts and span below hold the captures' too)
         span = (f", {replay['span_ns'] / 1e6:,.3f} ms from first to last event"
                 if replay["span_ns"] is not None else "")
-        click.echo(f"  the replay alone: {counted(replay['kernels'], 'kernel')}, "
-                   f"{counted(replay['memops'], 'memcpy/memset op')}, "
-                   f"{counted(replay['ranges'], 'range')}, "
-                   f"{counted(replay['api_calls'], 'API call')}{span}; with its captures:")
-    click.echo(f"  {counted(info['kernels'], 'kernel')}, "
-               f"{counted(info['memops'], 'memcpy/memset op')}, "
-               f"{counted(info['ranges'], 'range')}, {counted(info['api_calls'], 'API call')}")
+        gpu = (f" (GPU work: {replay['gpu_span_ns'] / 1e6:,.3f} ms)"
+               if replay.get("gpu_span_ns") is not None else "")
+        lines.append(f"  the replay alone: {counted(replay['kernels'], 'kernel')}, "
+                     f"{counted(replay['memops'], 'memcpy/memset op')}, "
+                     f"{counted(replay['ranges'], 'range')}, "
+                     f"{counted(replay['api_calls'], 'API call')}{span}{gpu}; with its "
+                     "captures (profiled apart, at another time: the span below is "
+                     "both's):")
+    lines.append(f"  {counted(info['kernels'], 'kernel')}, "
+                 f"{counted(info['memops'], 'memcpy/memset op')}, "
+                 f"{counted(info['ranges'], 'range')}, "
+                 f"{counted(info['api_calls'], 'API call')}")
+    if info["kernels"]:
+        graphs = (f"; {counted(info['graph_kernels'], 'kernel')} replayed by "
+                  f"{counted(info['graph_launches'], 'graph launch', 'graph launches')}"
+                  if info["graph_launches"] else "")
+        lines.append(f"  kernel time {info['kernel_ns'] / 1e6:,.3f} ms in all, on "
+                     f"{counted(info['streams'], 'stream')}{graphs}")
     if info.get("annotated_ops") and not info["kernels"] and not info["memops"]:
-        click.echo(f"  {counted(info['annotated_ops'], 'op')} annotated (op: ranges): the "
-                   "launches a CPU run of the decode paths makes, which breakdown counts")
+        lines.append(f"  {counted(info['annotated_ops'], 'op')} annotated (op: ranges): the "
+                     "launches a CPU run of the decode paths makes, which breakdown counts")
     if untimed := info["untimed"]:
-        click.echo(f"  left out, without a time: {counted(untimed['kernels'], 'kernel')}, "
-                   f"{counted(untimed['memops'], 'memcpy/memset op')}")
+        lines.append(f"  left out, without a time: {counted(untimed['kernels'], 'kernel')}, "
+                     f"{counted(untimed['memops'], 'memcpy/memset op')}")
     if duplicates := info.get("duplicates"):
-        click.echo(f"  left out, exact repeats of another event: "
-                   f"{counted(duplicates['kernels'], 'kernel')}, "
-                   f"{counted(duplicates['memops'], 'memcpy/memset op')}")
+        lines.append(f"  left out, exact repeats of another event: "
+                     f"{counted(duplicates['kernels'], 'kernel')}, "
+                     f"{counted(duplicates['memops'], 'memcpy/memset op')}")
     if info["span_ns"] is not None:
         processes = info["processes"]
         gpu = (f" (GPU work: {info['gpu_span_ns'] / 1e6:,.3f} ms)"
                if info["gpu_span_ns"] is not None else "")
-        click.echo(f"  {info['span_ns'] / 1e6:,.3f} ms from first to last event{gpu}; "
-                   f"{counted(len(processes), 'process', 'processes')} with GPU "
-                   "work or API calls")
+        lines.append(f"  {info['span_ns'] / 1e6:,.3f} ms from first to last event{gpu}; "
+                     f"{counted(len(processes), 'process', 'processes')} with GPU "
+                     "work or API calls")
         for p in processes[:INFO_PROCESSES]:   # which of a trace's processes launched what
             name = f" ({printable(p['name'])})" if p["name"] else ""
-            click.echo(f"  process {p['pid']}{name}: {counted(p['kernels'], 'kernel')}, "
-                       f"{counted(p['api_calls'], 'API call')}")
+            lines.append(f"  process {p['pid']}{name}: {counted(p['kernels'], 'kernel')}, "
+                         f"{counted(p['api_calls'], 'API call')}")
         if len(processes) > INFO_PROCESSES:
-            click.echo(f"  and {len(processes) - INFO_PROCESSES} more processes")
+            lines.append(f"  and {len(processes) - INFO_PROCESSES} more processes")
         if unowned := info["kernels_without_process"]:
-            click.echo(f"  {counted(unowned, 'kernel')} with no process recorded")
+            lines.append(f"  {counted(unowned, 'kernel')} whose launching call the trace does "
+                         "not hold (no process to name)")
     # GPUs: those the trace describes, and those its kernels ran on (a GPU table may list
     # devices that ran nothing, or be missing).
     for gpu in info["gpus"]:
         name = (f": {printable(gpu['name'])}" if gpu["name"] else " (unnamed)" if gpu["described"]
                 else " (not described in the trace)")
-        click.echo(f"  GPU {gpu['device']}{name}"
-                   + (f", {gpu['sm_count']} {compute_units(info['tool'])}"
-                      if gpu["sm_count"] else "")
-                   + (f": {counted(gpu['kernels'], 'kernel')}" if gpu["kernels"]
-                      else ": no kernels"))
+        lines.append(f"  GPU {gpu['device']}{name}"
+                     + (f", {gpu['sm_count']} {compute_units(info['tool'])}"
+                        if gpu["sm_count"] else "")
+                     + (f": {counted(gpu['kernels'], 'kernel')}" if gpu["kernels"]
+                        else ": no kernels"))
+    return lines
 
 
 @main.command(name="floors", short_help="Memory floors per layer and launch: bytes over bandwidth")

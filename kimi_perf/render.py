@@ -223,23 +223,27 @@ def _tenth(value: float) -> str:
                                                       decimal.ROUND_HALF_UP))
 
 
-def ranges_json(rows: list[RangeKernelRow]) -> str:
+def ranges_json(rows: list[RangeKernelRow], file: str | None = None) -> str:
     """The rows; ``unlaunched_kernels``: kernels whose launch call the trace lacks (their
-    rows have no range and no pid: the ranges open at their launch are unknown)."""
+    rows have no range and no pid: the ranges open at their launch are unknown); ``file``:
+    the trace's."""
     unlaunched = sum(r.kernel_instances for r in rows if r.range is None and r.pid is None)
-    return json_text({"schema": 1, "unlaunched_kernels": unlaunched,
-                      "rows": [r.__dict__ for r in rows]})
+    return json_text({"schema": 1, **({"file": file} if file is not None else {}),
+                      "unlaunched_kernels": unlaunched, "rows": [r.__dict__ for r in rows]})
 
 
 RANGES_TABLE_ROWS = 100
 
 
-def ranges_table(rows: list[RangeKernelRow], limit: int = RANGES_TABLE_ROWS) -> Table:
+def ranges_table(rows: list[RangeKernelRow], limit: int = RANGES_TABLE_ROWS,
+                 file: str | None = None) -> Table:
     """The rows with the most kernel time (all of them: ``--format csv`` or ``json``; a
     terminal table of tens of thousands of rows takes rich seconds and nobody reads it).
     Kernel names as ``breakdown --kernels`` shows them (demangled, shortened); the CSV and
-    JSON keep the trace's, as ``nsys stats`` prints them."""
-    table = _table("Kernels by range (as nsys stats --report nvtx_kern_sum)",
+    JSON keep the trace's, as ``nsys stats`` prints them. ``file``: the trace's, in the
+    title."""
+    table = _table("Kernels by range" + (f": {file}" if file is not None else "")
+                   + " (as nsys stats --report nvtx_kern_sum)",
                    ["range", "pid", "tid", "ranges", "kernels", "total µs", "avg µs",
                     "max µs", "kernel"],
                    left=("range", "pid", "tid", "kernel"))
@@ -252,8 +256,8 @@ def ranges_table(rows: list[RangeKernelRow], limit: int = RANGES_TABLE_ROWS) -> 
                       f"{r.max_ns / 1000:.2f}", kernel)
     notes = []
     if len(shown) < len(rows):
-        notes.append(f"the {len(shown)} of {len(rows):,} rows with the most kernel time; "
-                     "--format csv or json for all")
+        notes.append(f"the {len(shown)} of {len(rows):,} rows with the most kernel time "
+                     "(--top N); --format csv or json for all")
     if unlaunched := sum(r.kernel_instances for r in rows if r.range is None and r.pid is None):
         notes.append(unlaunched_note(unlaunched))
     table.caption = "\n".join(notes) or None

@@ -279,7 +279,13 @@ class Trace:
         trace describes or its kernels ran on (``name`` None where undescribed);
         ``annotated_ops``: its ``op:`` ranges, the launches a CPU run of the decode paths
         annotates (what breakdown counts where a trace has no GPU work). A process's
-        ``name`` is the one the trace gives it (nsys's), else None."""
+        ``name`` is the one the trace gives it (nsys's), else None. ``kernel_ns``: the
+        kernels' time added up; ``streams``: the GPU streams its GPU work ran on (by device);
+        ``graph_launches``: its CUDA/HIP graph launch calls, ``graph_kernels``: the kernels
+        they launched (replayed from graphs). ``kernels_without_process``: kernels whose
+        launching call the trace does not hold, so no process to name."""
+        from kimi_perf.graphs import GRAPH_LAUNCH
+
         m = self.meta
         span = self.span()
         replay = m.get("replay_rows")
@@ -289,6 +295,8 @@ class Trace:
             return dict(zip(values.tolist(), counts.tolist(), strict=True))
 
         kernels, api = per(self.kernels.pid), per(self.api.pid)
+        graph_calls = self.names_matching(GRAPH_LAUNCH)[self.api.name]
+        launched = self.kernels.api >= 0
         pids = {p for p in (*kernels, *api, *per(self.memops.pid)) if p >= 0}
         ran = per(self.kernels.device)
         described = {gpu.get("device"): gpu for gpu in m.get("gpus", [])}
@@ -303,13 +311,21 @@ class Trace:
             "replay": None if replay is None else {
                 "kernels": replay["kernels"], "memops": replay["memops"],
                 "ranges": replay["ranges"], "api_calls": replay["api"],
-                "span_ns": (lambda s: s[1] - s[0] if s else None)(self.span(replay))},
+                "span_ns": (lambda s: s[1] - s[0] if s else None)(self.span(replay)),
+                "gpu_span_ns": self.gpu_span_ns(replay)},
             "kernels": len(self.kernels), "memops": len(self.memops),
             "ranges": len(self.ranges), "api_calls": len(self.api),
             "annotated_ops": len(self.annotated_ops()),
             "untimed": m.get("untimed"), "duplicates": m.get("duplicates"),
             "span_ns": span[1] - span[0] if span else None,
             "gpu_span_ns": self.gpu_span_ns(),
+            "kernel_ns": int((self.kernels.end - self.kernels.start).sum()),
+            "streams": len(np.unique(np.stack([
+                np.concatenate([t.device.astype(np.int64) for t in (self.kernels, self.memops)]),
+                np.concatenate([t.stream for t in (self.kernels, self.memops)])]), axis=1).T),
+            "graph_launches": int(graph_calls.sum()),
+            "graph_kernels": int(graph_calls[self.kernels.api[launched]].sum())
+            if len(graph_calls) else 0,
             "processes": [{"pid": p, "name": named.get(p), "kernels": kernels.get(p, 0),
                            "api_calls": api.get(p, 0)}
                           for p in sorted(pids, key=lambda p: (-kernels.get(p, 0), p))],
@@ -349,14 +365,17 @@ class Trace:
                          if col in ("name", "domain") else values
                          for col, values in columns.items()})
 
-    def gpu_span_ns(self) -> int | None:
+    def gpu_span_ns(self, rows: dict[str, int] | None = None) -> int | None:
         """From the first GPU op's start to the last one's end (kernels and memcpy/memset):
         of a trace whose CPU events reach far beyond its GPU work (an annotation left open
-        for seconds), the part that matters; None without GPU work."""
-        ops = [t for t in (self.kernels, self.memops) if len(t)]
+        for seconds), the part that matters; of the first ``rows`` of each table (a replay's
+        own, as ``span``); None without GPU work."""
+        ops = [(t.start[:n], t.end[:n]) for t, n in (
+            (t, len(t) if rows is None else rows[name])
+            for name, t in (("kernels", self.kernels), ("memops", self.memops))) if n]
         if not ops:
             return None
-        return (max(int(t.end.max()) for t in ops) - min(int(t.start.min()) for t in ops))
+        return (max(int(end.max()) for _, end in ops) - min(int(start.min()) for start, _ in ops))
 
     def annotated_ops(self) -> np.ndarray:
         """Rows of its ``op:`` ranges on a CPU thread: the launches a CPU run of the decode

@@ -197,8 +197,11 @@ def test_compare_traces_and_saved_breakdowns(tmp_path):
 
 def test_convert_and_info(tmp_path):
     out = tmp_path / "x.kptrace"
-    assert run("convert", NSYS / "zx3xyy-assignment2-systems__result_2_7B_nvtx__nsys2024.6.2"
-                          ".sqlite", out).exit_code == 0
+    converted = run("convert", NSYS / "zx3xyy-assignment2-systems__result_2_7B_nvtx__nsys2024.6.2"
+                                      ".sqlite", out)
+    # (what was written, on stderr: stdout stays empty for a pipe)
+    assert converted.exit_code == 0 and converted.stdout == ""
+    assert converted.stderr.startswith(f"wrote {out}: 7,328 kernels, ")
     result = run("info", out)
     assert result.exit_code == 0 and "7,328 kernels," in result.output
     assert "NVIDIA A100" in result.output and ": 7,328 kernels" in result.output
@@ -248,10 +251,13 @@ def test_a_capture_saved_apart_joins_breakdown_convert_and_trace_from(tmp_path):
     alone = json.loads(run("info", VLLM, "--format", "json").output)["traces"][0]
     told = json.loads(run("info", joined, "--format", "json").output)["traces"][0]
     assert told["replay"] == {k: alone[k] for k in ("kernels", "memops", "ranges",
-                                                   "api_calls", "span_ns")}
+                                                   "api_calls", "span_ns", "gpu_span_ns")}
     assert told["span_ns"] > 1000 * alone["span_ns"] and alone["replay"] is None
+    # (the replay's own GPU span beside it: the joined one is three minutes of start-up)
     assert "the replay alone: 425 kernels, 9 memcpy/memset ops, 102 ranges, 20 API calls, " \
-           "19.114 ms from first to last event; with its captures:" in run("info", joined).output
+           "19.114 ms from first to last event (GPU work: 10.743 ms); with its captures " \
+           "(profiled apart, at another time: the span below is both's):" in run(
+               "info", joined).output
     again = run("breakdown", joined, "--layers", PIECES, "--format", "json")
     assert json.loads(again.output)["layer_types"] == doc["layer_types"]
     traced = run("trace", "--from", VLLM, "--capture", VLLM_CAPTURE, "--layers", PIECES,
@@ -466,6 +472,31 @@ def test_info_as_json_is_the_library_summary():
         "info", vllm).output
 
 
+def test_info_takes_several_traces_and_writes_where_o_says(tmp_path):
+    """`info a b` (a shell's glob) says each in turn; one that cannot be read is said after
+    the others, exit 2; -o writes the text, or the JSON its suffix names, atomically."""
+    athrun = NSYS / "Athrun0109-CS336_assignment2__result__nsys2026.2.1.sqlite"
+    both = run("info", VLLM, athrun)
+    assert both.exit_code == 0
+    assert both.output == run("info", VLLM).output + run("info", athrun).output
+    summary = json.loads(run("info", athrun, "--format", "json").output)["traces"][0]
+    assert (summary["kernel_ns"], summary["streams"], summary["graph_launches"]) == (
+        34869183, 1, 0)
+    assert "  kernel time 34.869 ms in all, on 1 stream\n" in both.output
+    broken = tmp_path / "broken.json"
+    broken.write_text("{")
+    partly = run("info", VLLM, broken, athrun)
+    assert partly.exit_code == 2 and partly.stdout == both.output
+    assert partly.stderr.startswith(f"kimi-perf: error: {broken}: ")
+    _one_line_error(run("info", broken), f"{broken}: ")
+    text, doc = tmp_path / "info.txt", tmp_path / "info.json"
+    assert run("info", VLLM, athrun, "-o", text).exit_code == 0
+    assert text.read_text() == both.output
+    assert run("info", VLLM, athrun, "-o", doc).exit_code == 0
+    assert [t["file"] for t in json.loads(doc.read_text())["traces"]] == [str(VLLM), str(athrun)]
+    assert run("info", VLLM, "-o", VLLM).exit_code == 2 and VLLM.is_file()
+
+
 def test_info_names_the_gpus_that_ran_kernels():
     """The GPUs kernels ran on, also where the trace describes none (this nsys export has no
     GPU table), and which of those it describes ran nothing."""
@@ -494,7 +525,11 @@ def test_info_names_the_gpus_that_ran_kernels():
     graphed = run("info", KINETO / "hta_a100_80gb_rank0_cudagraph_triton.json.gz").output
     assert "1 process with GPU work" in graphed
     assert "process 4515 (pyper:trainer:0:0): 5,375 kernels" in graphed
-    assert "705 kernels with no process recorded" in graphed
+    assert "705 kernels whose launching call the trace does not hold (no process to name)" \
+        in graphed
+    # what a decode trace is made of: kernel time, streams, graph replays
+    assert "kernel time 401.445 ms in all, on 6 streams; 135 kernels replayed by 70 graph " \
+        "launches\n" in graphed
     single = run("info", KINETO / "hta_a100_triton_example.json.gz").output
     assert "process 1670242 (python3.10): 1 kernel, 2 API calls" in single
     assert "108 SMs: 1 kernel\n" in single
@@ -837,9 +872,39 @@ def test_names_keep_their_brackets_in_tables(tmp_path):
     assert "[param|pytorch.model.alex_net|0|0|0|measure|forward]" in out.read_text()
     assert run("ranges", jsun, "-o", out).exit_code == 0
     text = out.read_text()
-    assert "rows with the most kernel time; --format csv or json for all" in text
+    assert "rows with the most kernel time (--top N); --format csv or json for all" in text
     csv_rows = run("ranges", jsun, "--format", "csv").output.splitlines()[1:]
     assert "[lambda" in "".join(csv_rows) and len(csv_rows) > 100
+
+
+def test_ranges_names_its_trace_and_keeps_the_ranges_asked_for(tmp_path):
+    """A saved table or JSON says which trace it is of; --match keeps the ranges a regex
+    finds (emit_nvtx names every call apart: 'FlashAttnFunc, seq = 47575, ...'), in every
+    format; --top sizes the table; a trace of no ranges at all says so."""
+    trainer = NSYS / "nsysai_fastvideo_wan2.1_train_2xh100_before.sqlite"
+    doc = json.loads(run("ranges", trainer, "--format", "json").output)
+    picked = json.loads(run("ranges", trainer, "--format", "json", "--match",
+                            "^FlashAttnFunc").output)
+    assert doc["file"] == picked["file"] == str(trainer)
+    assert picked["rows"] == [r for r in doc["rows"]
+                              if (r["range"] or "").startswith("FlashAttnFunc")]
+    assert len(picked["rows"]) == 66
+    csv = run("ranges", trainer, "--format", "csv", "--match", "^FlashAttnFunc").output
+    assert len(csv.splitlines()) == 1 + 66
+    table = run("ranges", trainer, "--match", "^FlashAttnFunc", "--top", "3")
+    text = " ".join(table.output.split())
+    assert f"Kernels by range: {trainer} (as nsys stats" in text
+    assert "the 3 of 66 rows with the most kernel time (--top N)" in text
+    assert text.count("FlashAttnFunc, seq =") == 3
+    _one_line_error(run("ranges", trainer, "--match", "("), "--match: bad regex")
+    none = run("ranges", trainer, "--match", "^no such range")
+    assert none.exit_code == 0 and none.stderr == (
+        f"{trainer}: no range that --match '^no such range' finds holds a kernel\n")
+    clover = NSYS / "hpcgroup-pipit__perlmutter-cloverleaf-cuda__nsys2024.5.1.sqlite"
+    plain = run("ranges", clover)
+    assert plain.exit_code == 0 and plain.stderr == (
+        f"{clover}: this trace holds no ranges (NVTX, record_function): every kernel is in "
+        "none\n")
 
 
 def test_steps_regex_that_is_bad_or_matches_nothing(tmp_path):
