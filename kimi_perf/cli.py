@@ -666,7 +666,9 @@ def compare_cmd(a: Path, b: Path | None, path_name: str | None, fmt: str | None,
 @_steps_option
 @_phase_option
 @_rules_option
-@click.option("--update", is_flag=True, help="then store the run as the new baseline")
+@click.option("--update", is_flag=True, help="then store the run as the new baseline, with "
+              "the tolerances given (or those it kept): later gates use them unless given "
+              "others")
 @click.option("-o", "--output", type=PATH, help="write the verdict here (the table as text, "
               "or the JSON), not stdout; where the gate cannot run with its inputs and "
               "options (exit 2), none: an earlier verdict there is removed (a usage error, "
@@ -716,16 +718,25 @@ def gate_cmd(baseline: Path, run: Path, metrics: str | None, rel_tol: float, abs
                 raise TraceError(file, "cannot write: no such directory")
         if len(verdicts) == 2 and _same_file(output, junit):
             raise TraceError(junit, "is -o's file too: --junit writes the XML elsewhere")
+        # the options given, over what the baseline keeps (gate --update stored them);
+        # none given: the baseline's, else the defaults (None)
+        source = click.get_current_context().get_parameter_source
+        given = {key: value for option, key, value in (
+            ("rel_tol", "rel_tol", rel_tol), ("abs_tol", "abs_tol_us", abs_tol),
+            ("alpha", "alpha", alpha), ("metrics", "metrics", metrics))
+            if source(option) is click.core.ParameterSource.COMMANDLINE}
+        kept = {key: value for key, value in gate_mod.baseline_tolerances(baseline).items()
+                if key not in given} if given else {}
         try:
-            tolerances = gate_mod.Tolerances(rel_tol, alpha, metrics=metrics,
-                                             abs_tol_us=abs_tol)
+            gate_mod.Tolerances(**given)   # (each option checked before any work)
+            tolerances = gate_mod.Tolerances(**kept, **given) if given else None
         except ValueError as exc:
             raise TraceError(None, f"--{exc}") from None
         if update and path_name is not None:
             raise TraceError(None, "--update stores the whole run: it takes no --path")
         _no_trace_among([baseline, run])
-        _gate(baseline, run, tolerances, fmt, show_all, path_name, layers, step_regex, phase,
-              rules, update, strict, output, junit)
+        _gate(baseline, run, tolerances, kept, fmt, show_all, path_name, layers, step_regex,
+              phase, rules, update, strict, output, junit)
 
 
 def _same_file(a: Path, b: Path) -> bool:
@@ -748,10 +759,12 @@ def _no_earlier_verdict(*files: Path):
         raise
 
 
-def _gate(baseline: Path, run: Path, tolerances: gate_mod.Tolerances, fmt: str,
-          show_all: bool, path_name: str | None, layers: str, step_regex: str | None,
-          phase: str, rules: Path | None, update: bool, strict: bool, output: Path | None,
-          junit: Path | None) -> None:
+def _gate(baseline: Path, run: Path, tolerances: gate_mod.Tolerances | None, kept: dict,
+          fmt: str, show_all: bool, path_name: str | None, layers: str,
+          step_regex: str | None, phase: str, rules: Path | None, update: bool, strict: bool,
+          output: Path | None, junit: Path | None) -> None:
+    """``kept``: the baseline's settings beside the options given (``tolerances``: both;
+    None, no option given: the baseline's, which ``gate_files`` reads itself)."""
     # how a trace is broken down, as for `breakdown`
     options = {"layers": _check_layers(layers), "step_regex": _check_steps(step_regex),
                "rules": load_rules(rules)}
@@ -762,7 +775,7 @@ def _gate(baseline: Path, run: Path, tolerances: gate_mod.Tolerances, fmt: str,
             stored = printable(f"baseline {baseline} {how} from {run}")
             if fmt == "json":
                 with _reader_may_leave():
-                    nothing = gate_mod.GateResult([], tolerances)
+                    nothing = gate_mod.GateResult([], tolerances or gate_mod.Tolerances())
                     _emit(json.dumps({**nothing.to_json(), "headline": stored,
                                       "baseline_file": str(baseline), "run_file": str(run),
                                       "updated": str(baseline)}, indent=1, allow_nan=False)
@@ -771,9 +784,11 @@ def _gate(baseline: Path, run: Path, tolerances: gate_mod.Tolerances, fmt: str,
                 atomic_write_text(output, stored + "\n")
             if junit is not None:   # (no check: a suite of none, saying why)
                 atomic_write_text(junit, render.gate_junit(
-                    gate_mod.GateResult([], tolerances), (str(baseline), str(run)), stored))
+                    gate_mod.GateResult([], tolerances or gate_mod.Tolerances()),
+                    (str(baseline), str(run)), stored))
             click.echo(stored, err=True)
             return
+        gated.result.stored_tolerances = gated.result.stored_tolerances or kept
         with _reader_may_leave():
             _print_gate(gated, fmt, show_all, how, output, junit, (baseline, run))
         if how == "not updated":   # --strict, another capture: the baseline kept, a failure
@@ -789,6 +804,7 @@ def _gate(baseline: Path, run: Path, tolerances: gate_mod.Tolerances, fmt: str,
                                    "--update BASELINE RUN)")
     gated = gate_mod.gate_files(baseline, run, tolerances, path_name, phase, strict=strict,
                                 **options)
+    gated.result.stored_tolerances = gated.result.stored_tolerances or kept
     with _reader_may_leave():
         _print_gate(gated, fmt, show_all, None, output, junit, (baseline, run))
     if not gated.result.ok:
@@ -867,6 +883,12 @@ def _gate_said(gated: gate_mod.GatedRun, show_all: bool
         said.append((f"{', '.join(result.cpu_time_metrics)} of a CPU run are CPU time"
                      f"{interpreted}, noisy and no speed figure: --metrics kernels gates the "
                      "launches alone", "yellow"))
+    if result.stored_tolerances:
+        said.append(("tolerances the baseline keeps (gate --update stored them): "
+                     + ", ".join(f"{key} {value}" for key, value
+                                 in result.stored_tolerances.items())
+                     + " (--rel-tol, --abs-tol, --alpha, --metrics given override them)",
+                     None))
     if result.cpu_times_left_out:
         named = ",".join(result.tolerances.checked)
         said.append((f"{', '.join(result.cpu_times_left_out)} of CPU runs not checked (CPU "

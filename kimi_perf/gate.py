@@ -59,6 +59,7 @@ directory or its ``breakdown.json``), a breakdown JSON or any trace. Baselines a
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import re
 from collections import Counter
@@ -100,6 +101,7 @@ from kimi_perf.runs import (
     one_path,
     run_differences,
     store_baseline,
+    stored_tolerances_problem,
 )
 
 METRICS = ("kernels", "kernel_us", "span_us")
@@ -213,6 +215,8 @@ class GateResult:
     cpu_time_metrics: list[str] = field(default_factory=list)
     cpu_times_left_out: list[str] = field(default_factory=list)
     op_paths: list[str] = field(default_factory=list)   # paths of CPU runs: ops, not kernels
+    # the settings the baseline kept (gate --update stored them), where they were used
+    stored_tolerances: dict = field(default_factory=dict)
 
     def __repr__(self) -> str:   # not every check: a table or to_json shows them
         failing = Counter(c.status for c in self.failures)
@@ -247,6 +251,8 @@ class GateResult:
                "checks": [asdict(c) | {"fails": c.fails} for c in self.checks]}
         if self.run_differences is not None:
             doc["run_differences"] = self.run_differences
+        if self.stored_tolerances:
+            doc["stored_tolerances"] = self.stored_tolerances
         return doc | {"breakdown_differences": self.breakdown_differences,
                       "fell_back": self.fell_back, "cpu_time_metrics": self.cpu_time_metrics,
                       "cpu_times_left_out": self.cpu_times_left_out}
@@ -270,7 +276,7 @@ class GatedRun:
                 + f", current {list(self.current)})")
 
 
-def gate_files(baseline: str | Path, run: str | Path, tolerances: Tolerances = Tolerances(),
+def gate_files(baseline: str | Path, run: str | Path, tolerances: Tolerances | None = None,
                path: str | None = None, phase: str = "auto",
                loaded: dict[Path, tuple] | None = None, strict: bool = False,
                **breakdown_options) -> GatedRun:
@@ -281,13 +287,18 @@ def gate_files(baseline: str | Path, run: str | Path, tolerances: Tolerances = T
     paths needs ``path``: which one would it stand for? ``loaded``: what ``load_run`` gave for
     either file already (a trace is not read twice). ``strict``: captures made differently
     (``run_differences``) or broken down differently (``breakdown_differences``) fail too, as
-    a nightly job against the wrong baseline should."""
-    _check_tolerances(tolerances)
+    a nightly job against the wrong baseline should. ``tolerances`` None: those the
+    baseline keeps (``update_baseline`` with tolerances stores them), else the defaults."""
+    if tolerances is not None:
+        _check_tolerances(tolerances)
     baseline, run = Path(baseline), Path(run)
     loaded = loaded or {}
     current, run_doc, run_file = loaded.get(run) or load_run(run, phase, **breakdown_options)
     base, base_doc, base_file = (loaded.get(baseline)
                                  or load_run(baseline, phase, **breakdown_options))
+    stored = (base_doc.get("gate_tolerances") or {}) if tolerances is None else {}
+    if tolerances is None:
+        tolerances = kept_tolerances(baseline, base_doc)
     paths_differ = []
     if path is not None:
         if set(base) == set(current) == {TRACE}:
@@ -316,6 +327,7 @@ def gate_files(baseline: str | Path, run: str | Path, tolerances: Tolerances = T
             raise TraceError(file, f"holds the paths {', '.join(runs)}: choose the one the "
                                    "other side stands for with --path")
     result = gate(base, current, tolerances)
+    result.stored_tolerances = stored
     # how each side was captured: a trace in a run directory as its run.json says (compared
     # alone: the documents, what --update stores, stay load_run's)
     base_info, run_info = (_trace_info(file, runs) or doc if json_file is None else doc
@@ -389,6 +401,39 @@ def _trace_info(file: Path, runs: dict[str, Breakdown]) -> dict | None:
                                                                    and held in paths else {}}}
 
 
+def kept_tolerances(baseline: str | Path, doc: object) -> Tolerances:
+    """The tolerances a baseline's document keeps (``gate_tolerances``, checked by
+    ``load_run``), over the defaults; a setting out of range (a metric's name) is the
+    baseline's problem."""
+    kept = (doc.get("gate_tolerances") if isinstance(doc, dict) else None) or {}
+    try:
+        return Tolerances(**kept)
+    except ValueError as exc:
+        raise TraceError(baseline, f"gate_tolerances.{exc}") from None
+
+
+def baseline_tolerances(baseline: str | Path) -> dict:
+    """The settings a baseline file keeps (``gate_tolerances``), read leniently: {} where it
+    keeps none, is no stored baseline or cannot be read (``gate_files`` says why)."""
+    path = Path(baseline)
+    path = path / "breakdown.json" if path.is_dir() else path
+    if not is_stored(path):
+        return {}
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8-sig"))
+    except (OSError, ValueError, RecursionError):
+        return {}
+    kept = doc.get("gate_tolerances") if isinstance(doc, dict) else None
+    return kept if isinstance(kept, dict) and not stored_tolerances_problem(kept) else {}
+
+
+def tolerance_settings(tolerances: Tolerances) -> dict:
+    """What a baseline keeps of the tolerances (``gate_tolerances``): the gate's options."""
+    return {"rel_tol": tolerances.rel_tol, "abs_tol_us": tolerances.abs_tol_us,
+            "alpha": tolerances.alpha,
+            **({"metrics": ",".join(tolerances.metrics)} if tolerances.metrics else {})}
+
+
 def _check_tolerances(tolerances: object) -> None:
     if not isinstance(tolerances, Tolerances):   # (a rel_tol given in its place, say)
         raise TypeError(f"tolerances: a Tolerances, not {type(tolerances).__name__} "
@@ -408,7 +453,7 @@ def _model_holds(doc: dict, layer_type: str) -> bool:
 
 
 def update_baseline(baseline: str | Path, run: str | Path,
-                    tolerances: Tolerances = Tolerances(), phase: str = "auto",
+                    tolerances: Tolerances | None = None, phase: str = "auto",
                     strict: bool = False, **breakdown_options) -> tuple[GatedRun | None, str]:
     """``gate --update``: the run gated against the baseline JSON ``baseline`` (as
     ``gate_files`` does), then stored there whatever the verdict, and the gate's result with
@@ -416,8 +461,13 @@ def update_baseline(baseline: str | Path, run: str | Path,
     ``"not updated"``); or, where there is nothing to gate against (no file yet, or a stored
     baseline without steps or layers), stored unchecked: (None, ``"created"`` or
     ``"replaced"``). A trace, a file that is not a kimi-perf baseline, a run with no work, or
-    sides the gate could only pair with a path are refused before anything is written."""
-    _check_tolerances(tolerances)
+    sides the gate could only pair with a path are refused before anything is written.
+
+    ``tolerances`` given are stored with the run (``gate_tolerances``): the gates against it
+    use them unless given others; None: those the baseline kept, kept again (none: the
+    defaults, nothing stored)."""
+    if tolerances is not None:
+        _check_tolerances(tolerances)
     baseline, run = Path(baseline), Path(run)
     if baseline.exists() and not is_stored(baseline):
         raise TraceError(baseline, "--update replaces a baseline JSON, not a directory"
@@ -432,17 +482,19 @@ def update_baseline(baseline: str | Path, run: str | Path,
     if not has_work(runs):
         raise TraceError(run, "holds no steps and no layers: nothing to store as a baseline")
     if not baseline.exists():
-        store_baseline(baseline, run_doc)
+        store_baseline(baseline, _keeping(run_doc, tolerances, None))
         return None, "created"
     try:
-        base_runs, _, base_file = loaded[baseline] = load_run(baseline, phase,
-                                                              **breakdown_options)
+        base_runs, base_doc, base_file = loaded[baseline] = load_run(baseline, phase,
+                                                                     **breakdown_options)
+        if tolerances is None:   # (checked before anything is written)
+            kept_tolerances(baseline, base_doc)
     except TraceError as exc:   # (a baseline edited since, say)
         raise TraceError(baseline, f"{exc.problem}: --update gates against it first; "
                                    "remove it to store the run there") from None
     # a stored baseline with nothing to check (which gate refuses) is replaced unchecked
     if base_file is not None and not has_work(base_runs):
-        store_baseline(base_file, run_doc)
+        store_baseline(base_file, _keeping(run_doc, tolerances, base_doc))
         return None, "replaced"
     if TRACE in (*base_runs, *runs) and len(base_runs) + len(runs) > 2:
         # (gate would ask for a path, which --update does not take: it stores the whole run)
@@ -458,8 +510,17 @@ def update_baseline(baseline: str | Path, run: str | Path,
     if strict and (gated.result.run_differences or gated.result.breakdown_differences):
         # (--strict: a run of another capture is no baseline of this job; kept as it was)
         return gated, "not updated"
-    store_baseline(gated.baseline_file, gated.run_doc)
+    store_baseline(gated.baseline_file, _keeping(gated.run_doc, tolerances, base_doc))
     return gated, "updated"
+
+
+def _keeping(run_doc: dict, tolerances: Tolerances | None, base_doc: object) -> dict:
+    """The run's document to store, with the tolerances given (or the old baseline's)."""
+    kept = (tolerance_settings(tolerances) if tolerances is not None
+            else base_doc.get("gate_tolerances") if isinstance(base_doc, dict) else None)
+    # (a run that was itself a baseline: its settings are not this baseline's)
+    doc = {key: value for key, value in run_doc.items() if key != "gate_tolerances"}
+    return {**doc, "gate_tolerances": kept} if kept else doc
 
 
 def _holds(runs: dict) -> str:

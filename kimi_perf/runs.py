@@ -109,6 +109,9 @@ def load_run(path: str | Path, phase: str = "auto", **breakdown_options
             why = ("a number of more than 4,300 digits" if "integer string conversion"
                    in str(exc) else str(exc))   # (Python's words say how to lift its limit)
             raise TraceError(path, f"not JSON that can be read ({why})") from None
+        if isinstance(doc, dict) and (problem := stored_tolerances_problem(
+                doc.get("gate_tolerances"))):
+            raise TraceError(path, problem)
         if isinstance(doc, dict) and isinstance(doc.get("paths"), dict) and doc["paths"]:
             if type(doc.get("schema")) is not int or doc["schema"] != 1:
                 raise TraceError(path, "not a kimi-perf run breakdown of schema 1")
@@ -139,6 +142,27 @@ def check_breakdown_options(options: dict) -> None:
     if unknown := sorted(set(options) - BREAKDOWN_OPTIONS):
         raise TypeError(f"unknown breakdown option {', '.join(unknown)} (one of "
                         f"{', '.join(sorted(BREAKDOWN_OPTIONS))})")
+
+
+# The gate's settings a baseline keeps (``gate --update`` with them given): its options
+STORED_TOLERANCES = ("rel_tol", "abs_tol_us", "alpha", "metrics")
+
+
+def stored_tolerances_problem(value: object) -> str | None:
+    """Why a baseline's ``gate_tolerances`` cannot be read, or None (absent: None too)."""
+    if value is None:
+        return None
+    if not isinstance(value, dict) or set(value) - set(STORED_TOLERANCES):
+        return (f"gate_tolerances is not an object of {', '.join(STORED_TOLERANCES)} (the "
+                "gate's settings gate --update stored)")
+    for key in ("rel_tol", "abs_tol_us"):
+        if key in value and not (is_finite_number(value[key]) and value[key] >= 0):
+            return f"gate_tolerances.{key} is not a finite number >= 0"
+    if "alpha" in value and not (is_finite_number(value["alpha"]) and 0 < value["alpha"] < 1):
+        return "gate_tolerances.alpha is not a probability in (0, 1)"
+    if "metrics" in value and not isinstance(value["metrics"], str):
+        return "gate_tolerances.metrics is not a text (kernels,kernel_us,span_us)"
+    return None
 
 
 def run_info_problem(run: object) -> str | None:

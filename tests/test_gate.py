@@ -483,6 +483,59 @@ def test_gate_writes_junit_for_a_ci_servers_test_report(tmp_path):
         assert int(suite.get("tests")) > 0 and suite.get("failures") == "0"
 
 
+def test_a_baseline_keeps_the_tolerances_it_was_stored_with(tmp_path):
+    """`gate --update` with tolerances stores them with the run: the nightly gates against it
+    use them without repeating the options (a job that forgot --rel-tol 0.2 failed), an
+    option given overrides its own setting alone, a later --update keeps them, and the
+    verdict says which it used; what a baseline keeps is checked as it is read."""
+    before, after = (NSYS / f"nsysai_fastvideo_wan2.1_train_2xh100_{x}.sqlite"
+                     for x in ("before", "after"))
+    stored = tmp_path / "base.json"
+    made = CliRunner().invoke(main, ["gate", "--update", str(stored), str(before),
+                                     "--rel-tol", "0.2"])
+    assert made.exit_code == 0, made.output
+    kept = {"rel_tol": 0.2, "abs_tol_us": 1.0, "alpha": 0.01}
+    assert json.loads(stored.read_text())["gate_tolerances"] == kept
+    # the +13.8% span that fails at 5% passes at the 20% the baseline keeps
+    said = CliRunner().invoke(main, ["gate", str(stored), str(after)])
+    assert said.exit_code == 0, said.output
+    text = " ".join(said.output.split())
+    assert "tolerances the baseline keeps (gate --update stored them): rel_tol 0.2, " \
+        "abs_tol_us 1.0, alpha 0.01 (--rel-tol, --abs-tol, --alpha, --metrics given " \
+        "override them)" in text
+    assert "(time: > 20% and 1 µs" in text
+    strict = CliRunner().invoke(main, ["gate", str(stored), str(after), "--rel-tol", "0.05",
+                                       "--format", "json"])
+    doc = json.loads(strict.output)
+    assert strict.exit_code == 1 and doc["tolerances"]["rel_tol"] == 0.05
+    assert doc["stored_tolerances"] == {"abs_tol_us": 1.0, "alpha": 0.01}   # those it used
+    plain = json.loads(CliRunner().invoke(main, ["gate", str(stored), str(after), "--format",
+                                                 "json"]).output)
+    assert plain["stored_tolerances"] == kept and plain["tolerances"]["rel_tol"] == 0.2
+    # --update keeps them (and stores an option given over them)
+    assert CliRunner().invoke(main, ["gate", "--update", str(stored), str(before)]
+                              ).exit_code == 0
+    assert json.loads(stored.read_text())["gate_tolerances"] == kept
+    assert CliRunner().invoke(main, ["gate", "--update", str(stored), str(before), "--metrics",
+                                     "kernels"]).exit_code == 0
+    assert json.loads(stored.read_text())["gate_tolerances"] == {**kept, "metrics": "kernels"}
+    # the library alike: None, the baseline's
+    assert gate_files(stored, after).result.tolerances == Tolerances(0.2, metrics="kernels")
+    assert gate_files(stored, after, Tolerances()).result.stored_tolerances == {}
+    # a baseline that keeps what the gate cannot use is refused, named
+    doc = json.loads(stored.read_text())
+    for bad, problem in (({"rel_tol": "high"}, "gate_tolerances.rel_tol is not a finite "
+                                              "number >= 0"),
+                         ({"alpha": 1.0}, "gate_tolerances.alpha is not a probability"),
+                         ({"speed": 1}, "gate_tolerances is not an object of rel_tol"),
+                         ({"metrics": "kernels,latency"}, "gate_tolerances.metrics: choose "
+                                                          "from kernels")):
+        (tmp_path / "bad.json").write_text(json.dumps({**doc, "gate_tolerances": bad}))
+        result = CliRunner().invoke(main, ["gate", str(tmp_path / "bad.json"), str(after)])
+        assert result.exit_code == 2 and result.output.startswith(
+            f"kimi-perf: error: {tmp_path / 'bad.json'}: {problem}"), result.output
+
+
 def test_junit_holds_any_name_as_well_formed_xml():
     """Kernel names reach the XML: markup is escaped, and what XML 1.0 cannot hold (an
     escape sequence, a lone surrogate from a broken trace) is written out."""
@@ -1594,7 +1647,9 @@ def test_this_repository_keeps_its_launch_counts(tmp_path):
     shutil.copy(run_dir / "breakdown.json", copy)
     result = runner.invoke(main, ["gate", str(copy), str(old), "--update", "--metrics",
                                   "kernels"])
-    assert result.exit_code == 0 and json.loads(copy.read_text()) == doc
+    assert result.exit_code == 0 and json.loads(copy.read_text()) == {
+        **doc, "gate_tolerances": {"rel_tol": 0.05, "abs_tol_us": 1.0, "alpha": 0.01,
+                                   "metrics": "kernels"}}   # (with the tolerances given)
     assert "(what the gate above failed is now the baseline)" in result.output
 
 

@@ -114,7 +114,11 @@ def test_update_baseline_creates_gates_then_stores(tmp_path):
     baseline = tmp_path / "baseline.json"
     tolerances = Tolerances(metrics="kernels")
     assert update_baseline(baseline, BASELINE, tolerances) == (None, "created")
-    assert load_run(baseline)[1] == load_run(BASELINE)[1]
+    # the run, and the tolerances it was stored with (the gates against it use them)
+    assert load_run(baseline)[1] == {**load_run(BASELINE)[1], "gate_tolerances": {
+        "rel_tol": 0.05, "abs_tol_us": 1.0, "alpha": 0.01, "metrics": "kernels"}}
+    assert update_baseline(tmp_path / "plain.json", BASELINE) == (None, "created")
+    assert load_run(tmp_path / "plain.json")[1] == load_run(BASELINE)[1]
     trace_base = tmp_path / "trace.json"
     assert update_baseline(trace_base, EXAMPLE_TRACE, tolerances) == (None, "created")
     gated, how = update_baseline(trace_base, EXAMPLE_TRACE, tolerances)
