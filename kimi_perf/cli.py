@@ -535,7 +535,7 @@ def ranges(trace: Path, fmt: str | None, pattern: str | None, top: int,
         click.echo(f"{printable(str(trace))}: this trace holds no ranges (NVTX, "
                    "record_function): every kernel is in none", err=True)
     elif not rows:   # (an empty table alone would look like a failure to read)
-        if wanted is not None:
+        if wanted is not None and len(read.kernels):
             why = f"no range that --match {pattern!r} finds holds a kernel"
         elif len(read.kernels):
             why = "no range holds a kernel"
@@ -649,13 +649,16 @@ def compare_cmd(a: Path, b: Path | None, path_name: str | None, fmt: str | None,
 @click.argument("baseline", type=PATH)
 @click.argument("run", type=PATH)
 @click.option("--metrics", help="what to check: kernels (per layer, exact), kernel_us, "
-              "span_us  [default: all three; kernels alone where both sides are CPU runs]")
-@click.option("--rel-tol", default=0.05, show_default=True, type=FiniteFloatRange(0),
+              "span_us  [default: what the baseline keeps, else all three; kernels alone "
+              "where both sides are CPU runs]")
+@click.option("--rel-tol", default=0.05, show_default="0.05, or what the baseline keeps",
+              type=FiniteFloatRange(0),
               help="a time regresses only past this relative rise of its median")
-@click.option("--abs-tol", default=1.0, show_default=True, type=FiniteFloatRange(0),
+@click.option("--abs-tol", default=1.0, show_default="1, or what the baseline keeps",
+              type=FiniteFloatRange(0),
               help="... and past this rise in µs (figures near 0: a kernel under a µs, a "
               "trace in whole µs)")
-@click.option("--alpha", default=0.01, show_default=True,
+@click.option("--alpha", default=0.01, show_default="0.01, or what the baseline keeps",
               type=FiniteFloatRange(0, 1, min_open=True, max_open=True),
               help="... and when the Mann-Whitney U test's p-value is below this")
 @_format_option(["table", "json"])
@@ -724,9 +727,11 @@ def gate_cmd(baseline: Path, run: Path, metrics: str | None, rel_tol: float, abs
         given = {key: value for option, key, value in (
             ("rel_tol", "rel_tol", rel_tol), ("abs_tol", "abs_tol_us", abs_tol),
             ("alpha", "alpha", alpha), ("metrics", "metrics", metrics))
-            if source(option) is click.core.ParameterSource.COMMANDLINE}
-        kept = {key: value for key, value in gate_mod.baseline_tolerances(baseline).items()
-                if key not in given} if given else {}
+            if source(option) not in (click.core.ParameterSource.DEFAULT, None)}
+        stored = gate_mod.baseline_tolerances(baseline) if given else {}
+        if stored:   # (a setting the gate cannot use is the baseline's, named)
+            gate_mod.kept_tolerances(baseline, {"gate_tolerances": stored})
+        kept = {key: value for key, value in stored.items() if key not in given}
         try:
             gate_mod.Tolerances(**given)   # (each option checked before any work)
             tolerances = gate_mod.Tolerances(**kept, **given) if given else None
@@ -773,9 +778,12 @@ def _gate(baseline: Path, run: Path, tolerances: gate_mod.Tolerances | None, kep
                                               **options)
         if gated is None:   # nothing to gate against: stored, and said (in JSON too)
             stored = printable(f"baseline {baseline} {how} from {run}")
+            # (the tolerances it keeps now: those given, or the old baseline's)
+            keeps = gate_mod.baseline_tolerances(baseline)
+            nothing = gate_mod.GateResult([], gate_mod.Tolerances(**keeps),
+                                          stored_tolerances=keeps)
             if fmt == "json":
                 with _reader_may_leave():
-                    nothing = gate_mod.GateResult([], tolerances or gate_mod.Tolerances())
                     _emit(json.dumps({**nothing.to_json(), "headline": stored,
                                       "baseline_file": str(baseline), "run_file": str(run),
                                       "updated": str(baseline)}, indent=1, allow_nan=False)
@@ -783,9 +791,8 @@ def _gate(baseline: Path, run: Path, tolerances: gate_mod.Tolerances | None, kep
             elif output is not None and str(output) != "-":   # (the verdict file is there)
                 atomic_write_text(output, stored + "\n")
             if junit is not None:   # (no check: a suite of none, saying why)
-                atomic_write_text(junit, render.gate_junit(
-                    gate_mod.GateResult([], tolerances or gate_mod.Tolerances()),
-                    (str(baseline), str(run)), stored))
+                atomic_write_text(junit, render.gate_junit(nothing, (str(baseline), str(run)),
+                                                           stored))
             click.echo(stored, err=True)
             return
         gated.result.stored_tolerances = gated.result.stored_tolerances or kept
@@ -884,11 +891,12 @@ def _gate_said(gated: gate_mod.GatedRun, show_all: bool
                      f"{interpreted}, noisy and no speed figure: --metrics kernels gates the "
                      "launches alone", "yellow"))
     if result.stored_tolerances:
-        said.append(("tolerances the baseline keeps (gate --update stored them): "
-                     + ", ".join(f"{key} {value}" for key, value
-                                 in result.stored_tolerances.items())
-                     + " (--rel-tol, --abs-tol, --alpha, --metrics given override them)",
-                     None))
+        settings = gate_mod.tolerance_settings(result.tolerances)   # (as the gate read them)
+        said.append((printable(
+            "tolerances the baseline keeps (gate --update stored them): "
+            + ", ".join(f"{key} {settings[key]}" for key in result.stored_tolerances
+                        if key in settings)
+            + " (--rel-tol, --abs-tol, --alpha, --metrics given override them)"), None))
     if result.cpu_times_left_out:
         named = ",".join(result.tolerances.checked)
         said.append((f"{', '.join(result.cpu_times_left_out)} of CPU runs not checked (CPU "
@@ -1010,26 +1018,33 @@ def info(traces: tuple[Path, ...], fmt: str | None, output: Path | None) -> None
     `trace --from` run, the traces it was made from; of a directory of traces (a profiler's,
     one per rank), each."""
     fmt = _format_of(fmt, output, ("json",))
-    _not_an_input(output, *traces)
     files: list[tuple[Path, Path | None]] = []   # each with its graph captures
     left_out: list[tuple[Path, str]] = []
+    # all read, then said; an input that cannot be read is said after those that can (a
+    # rank's trace cut short hides no other rank's), and the exit is still 2
+    unreadable: list[TraceError] = []
     for trace in traces:
-        if trace.is_dir() and (trace / "breakdown.json").is_file():
-            files += [(f, None) for f in _saved_traces(trace)] or _analysed_files(trace)
-        elif trace.is_dir():
-            found, left = _traces_in([trace])
-            files += [(f, None) for f in found]
-            left_out += left
-        else:
-            files.append((trace, None))
-    # all read, then said; a file that cannot be read is said after those that can (a rank's
-    # trace cut short hides no other rank's), and the exit is still 2
-    summaries, unreadable = [], []
+        try:
+            if trace.is_dir() and (trace / "breakdown.json").is_file():
+                files += [(f, None) for f in _saved_traces(trace)] or _analysed_files(trace)
+            elif trace.is_dir():
+                found, left = _traces_in([trace])
+                files += [(f, None) for f in found]
+                left_out += left
+            else:
+                files.append((trace, None))
+        except TraceError as exc:
+            if len(traces) == 1:
+                raise
+            unreadable.append(exc)
+    # (a directory's traces too: -o among them would destroy one)
+    _not_an_input(output, *traces, *(f for f, _ in files), *(c for _, c in files if c))
+    summaries = []
     for file, c in files:
         try:
             summaries.append((file, read_trace(file, capture=c).summary()))
         except TraceError as exc:
-            if len(files) == 1:
+            if len(files) == 1 and not unreadable:
                 raise
             unreadable.append(exc)
     if unreadable and not summaries:   # nothing to tell: the first problem, one line
@@ -1153,7 +1168,8 @@ def _info_lines(trace: Path, info: dict) -> list[str]:
     if replay := info.get("replay"):   # (the counts and span below hold the captures' too)
         span = (f", {replay['span_ns'] / 1e6:,.3f} ms from first to last event"
                 if replay["span_ns"] is not None else "")
-        gpu = (f" (GPU work: {replay['gpu_span_ns'] / 1e6:,.3f} ms)"
+        gpu = (f" (GPU work: {replay['gpu_span_ns'] / 1e6:,.3f} ms, kernel time "
+               f"{replay['kernel_ns'] / 1e6:,.3f} ms)"
                if replay.get("gpu_span_ns") is not None else "")
         lines.append(f"  the replay alone: {counted(replay['kernels'], 'kernel')}, "
                      f"{counted(replay['memops'], 'memcpy/memset op')}, "
@@ -1165,10 +1181,13 @@ def _info_lines(trace: Path, info: dict) -> list[str]:
                  f"{counted(info['memops'], 'memcpy/memset op')}, "
                  f"{counted(info['ranges'], 'range')}, "
                  f"{counted(info['api_calls'], 'API call')}")
-    if info["kernels"]:
-        graphs = (f"; {counted(info['graph_kernels'], 'kernel')} replayed by "
-                  f"{counted(info['graph_launches'], 'graph launch', 'graph launches')}"
-                  if info["graph_launches"] else "")
+    if info["kernels"] or info["memops"] or info["graph_launches"]:
+        launches = counted(info["graph_launches"], "graph launch", "graph launches")
+        graphs = ("" if not info["graph_launches"]
+                  else f"; {counted(info['graph_kernels'], 'kernel')} replayed by {launches}"
+                  if info["graph_kernels"] else
+                  f"; {launches}, none of their kernels in the trace (nsys --cuda-graph-trace="
+                  "graph records a graph's launch, not its kernels: node traces them)")
         lines.append(f"  kernel time {info['kernel_ns'] / 1e6:,.3f} ms in all, on "
                      f"{counted(info['streams'], 'stream')}{graphs}")
     if info.get("annotated_ops") and not info["kernels"] and not info["memops"]:
@@ -1194,9 +1213,12 @@ def _info_lines(trace: Path, info: dict) -> list[str]:
                          f"{counted(p['api_calls'], 'API call')}")
         if len(processes) > INFO_PROCESSES:
             lines.append(f"  and {len(processes) - INFO_PROCESSES} more processes")
-        if unowned := info["kernels_without_process"]:
-            lines.append(f"  {counted(unowned, 'kernel')} whose launching call the trace does "
-                         "not hold (no process to name)")
+        if unlaunched := info["unlaunched_kernels"]:
+            lines.append(f"  {counted(unlaunched, 'kernel')} whose launching call the trace "
+                         "does not hold (launched before the profile began, or by a graph "
+                         "launch it lacks)")
+        if (unowned := info["kernels_without_process"]) and unowned != unlaunched:
+            lines.append(f"  {counted(unowned, 'kernel')} with no process recorded")
     # GPUs: those the trace describes, and those its kernels ran on (a GPU table may list
     # devices that ran nothing, or be missing).
     for gpu in info["gpus"]:

@@ -428,9 +428,10 @@ def baseline_tolerances(baseline: str | Path) -> dict:
 
 
 def tolerance_settings(tolerances: Tolerances) -> dict:
-    """What a baseline keeps of the tolerances (``gate_tolerances``): the gate's options."""
-    return {"rel_tol": tolerances.rel_tol, "abs_tol_us": tolerances.abs_tol_us,
-            "alpha": tolerances.alpha,
+    """What a baseline keeps of the tolerances (``gate_tolerances``): the gate's options
+    (``min_samples``, the library's alone, is not kept)."""
+    return {"rel_tol": float(tolerances.rel_tol), "abs_tol_us": float(tolerances.abs_tol_us),
+            "alpha": float(tolerances.alpha),
             **({"metrics": ",".join(tolerances.metrics)} if tolerances.metrics else {})}
 
 

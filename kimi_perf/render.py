@@ -668,6 +668,8 @@ def gate_junit(result: GateResult, files: tuple[str, str], verdict: str) -> str:
     said = {"baseline": files[0], "run": files[1], **asdict(tol),
             "metrics": ",".join(tol.checked) if tol.metrics is not None
             else "default (kernels alone where both sides are CPU runs)"}
+    if result.stored_tolerances:   # (those of the settings above the baseline kept)
+        said["kept_by_baseline"] = ",".join(result.stored_tolerances)
     for name, value in said.items():
         ET.SubElement(properties, "property", name=name, value=_xml_text(value))
     named: Counter = Counter()

@@ -283,7 +283,10 @@ class Trace:
         kernels' time added up; ``streams``: the GPU streams its GPU work ran on (by device);
         ``graph_launches``: its CUDA/HIP graph launch calls, ``graph_kernels``: the kernels
         they launched (replayed from graphs). ``kernels_without_process``: kernels whose
-        launching call the trace does not hold, so no process to name."""
+        launching call the trace does not hold, so no process to name (of a Kineto trace;
+        nsys names each kernel's process); ``unlaunched_kernels``: kernels whose launching
+        call the trace does not hold (launched before the profile began, or by a graph launch
+        it lacks)."""
         from kimi_perf.graphs import GRAPH_LAUNCH
 
         m = self.meta
@@ -312,7 +315,9 @@ class Trace:
                 "kernels": replay["kernels"], "memops": replay["memops"],
                 "ranges": replay["ranges"], "api_calls": replay["api"],
                 "span_ns": (lambda s: s[1] - s[0] if s else None)(self.span(replay)),
-                "gpu_span_ns": self.gpu_span_ns(replay)},
+                "gpu_span_ns": self.gpu_span_ns(replay),
+                "kernel_ns": int((self.kernels.end[:replay["kernels"]]
+                                  - self.kernels.start[:replay["kernels"]]).sum())},
             "kernels": len(self.kernels), "memops": len(self.memops),
             "ranges": len(self.ranges), "api_calls": len(self.api),
             "annotated_ops": len(self.annotated_ops()),
@@ -320,9 +325,7 @@ class Trace:
             "span_ns": span[1] - span[0] if span else None,
             "gpu_span_ns": self.gpu_span_ns(),
             "kernel_ns": int((self.kernels.end - self.kernels.start).sum()),
-            "streams": len(np.unique(np.stack([
-                np.concatenate([t.device.astype(np.int64) for t in (self.kernels, self.memops)]),
-                np.concatenate([t.stream for t in (self.kernels, self.memops)])]), axis=1).T),
+            "streams": self._streams(),
             "graph_launches": int(graph_calls.sum()),
             "graph_kernels": int(graph_calls[self.kernels.api[launched]].sum())
             if len(graph_calls) else 0,
@@ -330,12 +333,26 @@ class Trace:
                            "api_calls": api.get(p, 0)}
                           for p in sorted(pids, key=lambda p: (-kernels.get(p, 0), p))],
             "kernels_without_process": kernels.get(-1, 0),
+            "unlaunched_kernels": int((~launched).sum()),
             "gpus": [{"device": d, "name": described.get(d, {}).get("name"),
                       "described": d in described,
                       "sm_count": described.get(d, {}).get("sm_count"),
                       "kernels": ran.get(d, 0)}
                      for d in sorted(set(described) | set(ran), key=lambda d: (d is None, d))],
         }
+
+    def _streams(self) -> int:
+        """The streams its GPU work ran on: by process, device and stream (each process has
+        its own stream 7), a kernel of no known process on a stream a process has counted
+        with that one."""
+        gpu = (self.kernels, self.memops)
+        lanes = np.stack([np.concatenate([t.pid for t in gpu]).astype(np.int64),
+                          np.concatenate([t.device for t in gpu]).astype(np.int64),
+                          np.concatenate([t.stream for t in gpu])], axis=1)
+        known = np.unique(lanes[lanes[:, 0] >= 0], axis=0)
+        unowned = np.unique(lanes[lanes[:, 0] < 0][:, 1:], axis=0)
+        held = {tuple(lane) for lane in known[:, 1:].tolist()}
+        return len(known) + sum(tuple(lane) not in held for lane in unowned.tolist())
 
     def span(self, rows: dict[str, int] | None = None) -> tuple[int, int] | None:
         """The first start and the last end of its events (ns), or of the first ``rows`` of

@@ -250,12 +250,13 @@ def test_a_capture_saved_apart_joins_breakdown_convert_and_trace_from(tmp_path):
     # the replay's own are told apart, equal to the replay read alone
     alone = json.loads(run("info", VLLM, "--format", "json").output)["traces"][0]
     told = json.loads(run("info", joined, "--format", "json").output)["traces"][0]
-    assert told["replay"] == {k: alone[k] for k in ("kernels", "memops", "ranges",
-                                                   "api_calls", "span_ns", "gpu_span_ns")}
+    assert told["replay"] == {k: alone[k] for k in ("kernels", "memops", "ranges", "api_calls",
+                                                   "span_ns", "gpu_span_ns", "kernel_ns")}
     assert told["span_ns"] > 1000 * alone["span_ns"] and alone["replay"] is None
     # (the replay's own GPU span beside it: the joined one is three minutes of start-up)
     assert "the replay alone: 425 kernels, 9 memcpy/memset ops, 102 ranges, 20 API calls, " \
-           "19.114 ms from first to last event (GPU work: 10.743 ms); with its captures " \
+           "19.114 ms from first to last event (GPU work: 10.743 ms, kernel time 10.675 " \
+           "ms); with its captures " \
            "(profiled apart, at another time: the span below is both's):" in run(
                "info", joined).output
     again = run("breakdown", joined, "--layers", PIECES, "--format", "json")
@@ -494,7 +495,45 @@ def test_info_takes_several_traces_and_writes_where_o_says(tmp_path):
     assert text.read_text() == both.output
     assert run("info", VLLM, athrun, "-o", doc).exit_code == 0
     assert [t["file"] for t in json.loads(doc.read_text())["traces"]] == [str(VLLM), str(athrun)]
-    assert run("info", VLLM, "-o", VLLM).exit_code == 2 and VLLM.is_file()
+    # never over an input, nor over a trace of a directory given (as report refuses)
+    ranks = tmp_path / "ranks"
+    ranks.mkdir()
+    shutil.copy(VLLM, ranks / "rank0.json.gz")
+    kept = (ranks / "rank0.json.gz").read_bytes()
+    for args in ((ranks / "rank0.json.gz",), (ranks,), (athrun, ranks)):
+        _one_line_error(run("info", *args, "-o", ranks / "rank0.json.gz"),
+                        "is an input of this command")
+        assert (ranks / "rank0.json.gz").read_bytes() == kept
+    # an input that is no trace at all (an empty directory) is said after the others too
+    (tmp_path / "empty").mkdir()
+    mixed = run("info", tmp_path / "empty", athrun)
+    assert mixed.exit_code == 2 and mixed.stdout == run("info", athrun).output
+    assert mixed.stderr.startswith(f"kimi-perf: error: {tmp_path / 'empty'}: ")
+
+
+def test_info_counts_each_process_s_streams_and_the_kernels_it_cannot_place():
+    """Two processes on one GPU each have their own stream 7 (two streams, not one); a kernel
+    of no known process on a stream a process has is that stream; a kernel whose launching
+    call the trace lacks (an nsys trace names its process all the same) is counted as such."""
+    from kimi_perf.trace import Trace
+    from tests.synth import TraceBuilder
+
+    b = TraceBuilder()
+    b.launch("gemm_a", 0, 10, 100, 300, pid=1)
+    b.launch("gemm_b", 20, 30, 150, 400, pid=2)
+    b.launch("gemm_c", 40, 50, 420, 700, pid=1, stream=9)
+    trace: Trace = b.build()
+    assert trace.summary()["streams"] == 3
+    # the t2v window begins mid-step: 1,810 kernels launched before it (nsys: own process)
+    t2v = NSYS / "nsysai_fastvideo_wan2.1_t2v_inference_2xh100_1s.sqlite"
+    with contextlib.closing(sqlite3.connect(f"file:{t2v}?mode=ro", uri=True)) as db:
+        (unlaunched,) = db.execute(
+            "SELECT COUNT(*) FROM CUPTI_ACTIVITY_KIND_KERNEL k WHERE NOT EXISTS (SELECT 1 FROM "
+            "CUPTI_ACTIVITY_KIND_RUNTIME r WHERE r.correlationId = k.correlationId AND "
+            "r.globalTid / 16777216 % 16777216 = k.globalPid / 16777216 % 16777216)").fetchone()
+    summary = json.loads(run("info", t2v, "--format", "json").output)["traces"][0]
+    assert summary["unlaunched_kernels"] == unlaunched == 1810
+    assert summary["kernels_without_process"] == 0 and summary["streams"] == 2
 
 
 def test_info_names_the_gpus_that_ran_kernels():
@@ -525,8 +564,9 @@ def test_info_names_the_gpus_that_ran_kernels():
     graphed = run("info", KINETO / "hta_a100_80gb_rank0_cudagraph_triton.json.gz").output
     assert "1 process with GPU work" in graphed
     assert "process 4515 (pyper:trainer:0:0): 5,375 kernels" in graphed
-    assert "705 kernels whose launching call the trace does not hold (no process to name)" \
-        in graphed
+    assert "705 kernels whose launching call the trace does not hold (launched before the " \
+        "profile began, or by a graph launch it lacks)\n" in graphed
+    assert "no process recorded" not in graphed     # (the same kernels: said once)
     # what a decode trace is made of: kernel time, streams, graph replays
     assert "kernel time 401.445 ms in all, on 6 streams; 135 kernels replayed by 70 graph " \
         "launches\n" in graphed

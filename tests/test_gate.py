@@ -531,9 +531,31 @@ def test_a_baseline_keeps_the_tolerances_it_was_stored_with(tmp_path):
                          ({"metrics": "kernels,latency"}, "gate_tolerances.metrics: choose "
                                                           "from kernels")):
         (tmp_path / "bad.json").write_text(json.dumps({**doc, "gate_tolerances": bad}))
-        result = CliRunner().invoke(main, ["gate", str(tmp_path / "bad.json"), str(after)])
-        assert result.exit_code == 2 and result.output.startswith(
-            f"kimi-perf: error: {tmp_path / 'bad.json'}: {problem}"), result.output
+        for options in ([], ["--rel-tol", "0.1"]):   # (the baseline's, whatever was given)
+            result = CliRunner().invoke(main, ["gate", str(tmp_path / "bad.json"), str(after),
+                                               *options])
+            assert result.exit_code == 2 and result.output.startswith(
+                f"kimi-perf: error: {tmp_path / 'bad.json'}: {problem}"), result.output
+    # what a first run stores is what its verdict says; the note writes a setting as the
+    # gate read it (a name with a control character in it: written out, or normalised)
+    first = CliRunner().invoke(main, ["gate", "--update", str(tmp_path / "new.json"), str(before),
+                                      "--rel-tol", "0.3", "--format", "json"])
+    said = json.loads(first.stdout)
+    assert said["tolerances"]["rel_tol"] == 0.3 and said["stored_tolerances"]["rel_tol"] == 0.3
+    (tmp_path / "odd.json").write_text(json.dumps({**doc, "gate_tolerances": {
+        "metrics": "\u0085kernels\x1f"}}))
+    odd = CliRunner().invoke(main, ["gate", str(tmp_path / "odd.json"), str(after)])
+    assert "\x1f" not in odd.output and "\u0085" not in odd.output
+    assert "(gate --update stored them): metrics kernels (--rel-tol" in " ".join(
+        odd.output.split())
+    import xml.etree.ElementTree as ET
+
+    junit = tmp_path / "g.xml"
+    CliRunner().invoke(main, ["gate", str(stored), str(after), "--rel-tol", "0.1", "--junit",
+                              str(junit)])
+    properties = {p.get("name"): p.get("value") for p in ET.parse(junit).iter("property")}
+    assert properties["kept_by_baseline"] == "abs_tol_us,alpha,metrics"
+    assert properties["rel_tol"] == "0.1"
 
 
 def test_junit_holds_any_name_as_well_formed_xml():
