@@ -599,7 +599,8 @@ def gate_headline(result: GateResult) -> str:
     # how the sides differ first: it explains the rest, and a long list would cut it off
     failures = sorted(result.failures, key=lambda c: c.status not in (
         "captured differently", "broken down differently"))
-    # a layer type (or a path) the run lost fails each of its checks: one item, naming them
+    # a layer type the run lost fails each of its checks: one item, naming them (a lost
+    # path: an item per type)
     lost: dict[tuple[str, str], list[Check]] = {}
     items: list[str | tuple[str, str]] = []
     for c in failures:

@@ -558,6 +558,28 @@ def test_a_baseline_keeps_the_tolerances_it_was_stored_with(tmp_path):
     assert properties["rel_tol"] == "0.1"
 
 
+def test_a_gpu_trace_that_lost_a_layer_type_says_it_once():
+    """The README's line: a GPU trace's lost type fails its layers, both kernel counts and
+    both times, one item of the verdict naming the five."""
+    from kimi_perf.layer_breakdown import Breakdown
+    from kimi_perf.readers import read_trace
+
+    b = breakdown(read_trace(KINETO / "tracelens_vllm_gptoss20b_decode_fullgraph_mi300x.json.gz"))
+    doc = json.loads(json.dumps(b.to_json()))
+    gone = [r for r in doc["layers"] if r["type"] == "B"]
+    doc["layers"] = [r for r in doc["layers"] if r["type"] != "B"]
+    doc["layer_types"] = [t for t in doc["layer_types"] if t["type"] != "B"]
+    for step in doc["steps"]:
+        lost = [r for r in gone if r["step"] == step["index"]]
+        step["layers"] -= len(lost)
+        step["kernels"] -= sum(r["kernels"] for r in lost)
+    result = gate({"specialized": b}, {"specialized": Breakdown.from_json(doc)})
+    assert gate_headline(result) == (
+        "gate: FAIL, 1 missing (5 checks), 1 layer count differs: specialized B missing from "
+        "the run (layers, kernels, kernels_max, kernel_us, span_us); specialized step layers "
+        "24 -> 12 (24 layers a step in the baseline, 12 in the run)")
+
+
 def test_junit_holds_any_name_as_well_formed_xml():
     """Kernel names reach the XML: markup is escaped, and what XML 1.0 cannot hold (an
     escape sequence, a lone surrogate from a broken trace) is written out."""
