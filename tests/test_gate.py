@@ -566,13 +566,7 @@ def test_a_gpu_trace_that_lost_a_layer_type_says_it_once():
 
     b = breakdown(read_trace(KINETO / "tracelens_vllm_gptoss20b_decode_fullgraph_mi300x.json.gz"))
     doc = json.loads(json.dumps(b.to_json()))
-    gone = [r for r in doc["layers"] if r["type"] == "B"]
-    doc["layers"] = [r for r in doc["layers"] if r["type"] != "B"]
-    doc["layer_types"] = [t for t in doc["layer_types"] if t["type"] != "B"]
-    for step in doc["steps"]:
-        lost = [r for r in gone if r["step"] == step["index"]]
-        step["layers"] -= len(lost)
-        step["kernels"] -= sum(r["kernels"] for r in lost)
+    _drop_layer_type(doc, "B")
     result = gate({"specialized": b}, {"specialized": Breakdown.from_json(doc)})
     assert gate_headline(result) == (
         "gate: FAIL, 1 missing (5 checks), 1 layer count differs: specialized B missing from "
@@ -967,20 +961,26 @@ def test_cpu_runs_with_other_thread_counts_are_said_to_be_captured_differently(t
     assert "captured differently" in {c.status for c in timed.failures}
 
 
+def _drop_layer_type(b: dict, layer_type: str) -> list[dict]:
+    """A stored breakdown ``b`` (its JSON) as if its steps had not run the type's layers:
+    their rows, types and share of each step gone. Returns the rows dropped."""
+    dropped = [r for r in b["layers"] if r["type"] == layer_type]
+    b["layers"] = [r for r in b["layers"] if r["type"] != layer_type]
+    b["layer_types"] = [t for t in b["layer_types"] if t["type"] != layer_type]
+    for step in b["steps"]:
+        gone = [r for r in dropped if r["step"] == step["index"]]
+        step["layers"] -= len(gone)
+        step["kernels"] -= sum(r["kernels"] for r in gone)
+        step["span_us"] -= sum(r["span_us"] for r in gone)
+    return dropped
+
+
 def test_a_layer_type_dropped_from_every_step_is_missing_not_a_faster_step(tmp_path):
     """A run whose steps lost every gated-MLA layer: the type's kernels and layers a step
     are missing (failures), and the steps' fewer kernels and µs are other work, no
     improvement."""
     doc = json.loads(BASELINE.read_text())
-    path = doc["paths"]["specialized"]
-    dropped = [r for r in path["layers"] if r["type"] == "mla"]
-    path["layers"] = [r for r in path["layers"] if r["type"] != "mla"]
-    path["layer_types"] = [t for t in path["layer_types"] if t["type"] != "mla"]
-    for step in path["steps"]:
-        gone = [r for r in dropped if r["step"] == step["index"]]
-        step["layers"] -= len(gone)
-        step["kernels"] -= sum(r["kernels"] for r in gone)
-        step["span_us"] -= sum(r["span_us"] for r in gone)
+    dropped = _drop_layer_type(doc["paths"]["specialized"], "mla")
     (short := tmp_path / "no_mla.json").write_text(json.dumps(doc))
     result = gate_files(BASELINE, short, Tolerances(metrics="kernels,span_us")).result
     checks = {(c.layer_type, c.metric): c for c in result.checks if c.path == "specialized"}
