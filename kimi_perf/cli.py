@@ -672,6 +672,10 @@ def compare_cmd(a: Path, b: Path | None, path_name: str | None, fmt: str | None,
 @click.option("--update", is_flag=True, help="then store the run as the new baseline, with "
               "the tolerances given (or those it kept): later gates use them unless given "
               "others")
+@click.option("--spread-from", "spread_from", type=PATH, multiple=True, help="with --update: "
+              "another run of RUN's code, captured alike (twice or more): the baseline keeps "
+              "how much the times move run to run, and later gates pass a time within that "
+              "spread as noise (a baseline stored without it keeps none)")
 @click.option("-o", "--output", type=PATH, help="write the verdict here (the table as text, "
               "or the JSON), not stdout; where the gate cannot run with its inputs and "
               "options (exit 2), none: an earlier verdict there is removed (a usage error, "
@@ -687,7 +691,8 @@ def compare_cmd(a: Path, b: Path | None, path_name: str | None, fmt: str | None,
 def gate_cmd(baseline: Path, run: Path, metrics: str | None, rel_tol: float, abs_tol: float,
              alpha: float, fmt: str | None, show_all: bool, path_name: str | None, layers: str,
              step_regex: str | None, phase: str, rules: Path | None, update: bool,
-             strict: bool, output: Path | None, junit: Path | None) -> None:
+             spread_from: tuple[Path, ...], strict: bool, output: Path | None,
+             junit: Path | None) -> None:
     """Check a run against a stored baseline: exit 1 on a regression (for nightly CI).
 
     BASELINE and RUN: a `kimi-perf trace` run directory or its breakdown.json, a breakdown
@@ -704,14 +709,15 @@ def gate_cmd(baseline: Path, run: Path, metrics: str | None, rel_tol: float, abs
                 if file is not None and str(file) != "-"]
     # an earlier verdict goes whatever stops the gate, but never a file that is an input, the
     # baseline or a directory (each refused below)
-    stale = [file for _, file in verdicts if _input_it_is(file, baseline, run, rules) is None
+    inputs = (baseline, run, rules, *spread_from)
+    stale = [file for _, file in verdicts if _input_it_is(file, *inputs) is None
              and not _same_file(file, baseline) and not file.is_dir()]
     with _no_earlier_verdict(*stale):
         fmt = _format_of(fmt, output, ("json",))
         if junit is not None and str(junit) == "-":
             raise TraceError(None, "--junit takes a file to write, not - (-o - is stdout's)")
         for option, file in verdicts:   # (checked before --update stores a file)
-            _not_an_input(file, baseline, run, rules)
+            _not_an_input(file, *inputs)
             if _same_file(file, baseline):
                 raise TraceError(file, f"is the baseline: {option} writes the verdict "
                                        "elsewhere")
@@ -739,9 +745,12 @@ def gate_cmd(baseline: Path, run: Path, metrics: str | None, rel_tol: float, abs
             raise TraceError(None, f"--{exc}") from None
         if update and path_name is not None:
             raise TraceError(None, "--update stores the whole run: it takes no --path")
-        _no_trace_among([baseline, run])
+        if spread_from and not update:
+            raise TraceError(None, "--spread-from goes with --update: the spread of the runs "
+                                   "is stored with the baseline")
+        _no_trace_among([baseline, run, *spread_from])
         _gate(baseline, run, tolerances, kept, fmt, show_all, path_name, layers, step_regex,
-              phase, rules, update, strict, output, junit)
+              phase, rules, update, spread_from, strict, output, junit)
 
 
 def _same_file(a: Path, b: Path) -> bool:
@@ -766,8 +775,9 @@ def _no_earlier_verdict(*files: Path):
 
 def _gate(baseline: Path, run: Path, tolerances: gate_mod.Tolerances | None, kept: dict,
           fmt: str, show_all: bool, path_name: str | None, layers: str,
-          step_regex: str | None, phase: str, rules: Path | None, update: bool, strict: bool,
-          output: Path | None, junit: Path | None) -> None:
+          step_regex: str | None, phase: str, rules: Path | None, update: bool,
+          spread_from: tuple[Path, ...], strict: bool, output: Path | None,
+          junit: Path | None) -> None:
     """``kept``: the baseline's settings beside the options given (``tolerances``: both;
     None, no option given: the baseline's, which ``gate_files`` reads itself)."""
     # how a trace is broken down, as for `breakdown`
@@ -775,9 +785,11 @@ def _gate(baseline: Path, run: Path, tolerances: gate_mod.Tolerances | None, kep
                "rules": load_rules(rules)}
     if update:
         gated, how = gate_mod.update_baseline(baseline, run, tolerances, phase, strict,
-                                              **options)
+                                              spread_from, **options)
+        spread = (f" with the spread of {len(spread_from) + 1} runs" if spread_from
+                  and how != "not updated" else "")
         if gated is None:   # nothing to gate against: stored, and said (in JSON too)
-            stored = printable(f"baseline {baseline} {how} from {run}")
+            stored = printable(f"baseline {baseline} {how} from {run}{spread}")
             # (the tolerances it keeps now: those given, or the old baseline's)
             keeps = gate_mod.baseline_tolerances(baseline)
             nothing = gate_mod.GateResult([], gate_mod.Tolerances(**keeps),
@@ -802,7 +814,7 @@ def _gate(baseline: Path, run: Path, tolerances: gate_mod.Tolerances | None, kep
             click.echo(printable(f"baseline {gated.baseline_file} not updated from {run}: "
                                  "captured or broken down differently (--strict)"), err=True)
             sys.exit(1)
-        click.echo(printable(f"baseline {gated.baseline_file} updated from {run}")
+        click.echo(printable(f"baseline {gated.baseline_file} updated from {run}{spread}")
                    + ("" if gated.result.ok
                       else " (what the gate above failed is now the baseline)"), err=True)
         return
@@ -897,6 +909,11 @@ def _gate_said(gated: gate_mod.GatedRun, show_all: bool
             + ", ".join(f"{key} {settings[key]}" for key in result.stored_tolerances
                         if key in settings)
             + " (--rel-tol, --abs-tol, --alpha, --metrics given override them)"), None))
+    if result.spread_runs:
+        within = sum(c.tested_over == "runs" and c.status == "noise" for c in result.checks)
+        said.append((f"the baseline keeps the spread of its {result.spread_runs} runs (gate "
+                     "--update --spread-from): a time past the tolerances fails only past that "
+                     "spread too" + (f" ({within} within it: noise)" if within else ""), None))
     if result.cpu_times_left_out:
         named = ",".join(result.tolerances.checked)
         said.append((f"{', '.join(result.cpu_times_left_out)} of CPU runs not checked (CPU "

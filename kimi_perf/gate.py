@@ -22,8 +22,11 @@ difference of means gives p < ``alpha``, and, outlier-prone, is not checked with
 enough for that test. With too few steps for the test to reach ``alpha`` it
 takes the layers themselves, whose p-value is then optimistic; with too few of those too
 (fewer than ``min_samples`` a side, or 1 / C(n+m, n) >= alpha), the thresholds decide
-alone. A layer type or path the baseline has and the run lacks fails too (the analysis lost
-it); one the run adds is reported. Layers a step (in all, and of each type) must match: a
+alone. Where the baseline keeps the spread of several runs of its code (``run_spread``:
+``spread_of_runs``), a time past all that is tested against that spread too (noise a run's
+steps share: its clocks, its host), and passes within it (``_within_spread``). A layer type
+or path the baseline has and the run lacks fails too (the analysis lost it); one the run adds
+is reported. Layers a step (in all, and of each type) must match: a
 layer lost or added is other work, whose figures would pass for a change of speed; a count
 that differs fails, but not where it says nothing of the work: the pattern typed as many
 layers a step otherwise, the steps are profiler windows, or the models differ in depth.
@@ -61,8 +64,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import re
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -91,6 +96,8 @@ from kimi_perf.layer_breakdown import (
 )
 from kimi_perf.layers import decode_requests
 from kimi_perf.runs import (
+    SPREAD_FEWEST_RUNS,
+    SPREAD_METRICS,
     TRACE,
     captured_path,
     captured_run,
@@ -217,6 +224,8 @@ class GateResult:
     op_paths: list[str] = field(default_factory=list)   # paths of CPU runs: ops, not kernels
     # the settings the baseline kept (gate --update stored them), where they were used
     stored_tolerances: dict = field(default_factory=dict)
+    spread_runs: int = 0   # the runs whose spread the baseline keeps (gate --update
+                           # --spread-from), where it has one
 
     def __repr__(self) -> str:   # not every check: a table or to_json shows them
         failing = Counter(c.status for c in self.failures)
@@ -253,6 +262,8 @@ class GateResult:
             doc["run_differences"] = self.run_differences
         if self.stored_tolerances:
             doc["stored_tolerances"] = self.stored_tolerances
+        if self.spread_runs:
+            doc["spread_runs"] = self.spread_runs
         return doc | {"breakdown_differences": self.breakdown_differences,
                       "fell_back": self.fell_back, "cpu_time_metrics": self.cpu_time_metrics,
                       "cpu_times_left_out": self.cpu_times_left_out}
@@ -297,6 +308,7 @@ def gate_files(baseline: str | Path, run: str | Path, tolerances: Tolerances | N
     base, base_doc, base_file = (loaded.get(baseline)
                                  or load_run(baseline, phase, **breakdown_options))
     stored = (base_doc.get("gate_tolerances") or {}) if tolerances is None else {}
+    base_keys = set(base)
     if tolerances is None:
         tolerances = kept_tolerances(baseline, base_doc)
     paths_differ = []
@@ -328,6 +340,10 @@ def gate_files(baseline: str | Path, run: str | Path, tolerances: Tolerances | N
                                    "other side stands for with --path")
     result = gate(base, current, tolerances)
     result.stored_tolerances = stored
+    if isinstance(base_doc, dict) and base_doc.get("run_spread"):
+        # (a baseline stored from a trace keys its figures so, whatever --path named)
+        _within_spread(result, base_doc["run_spread"], TRACE if set(base_keys) == {TRACE}
+                       else None)
     # how each side was captured: a trace in a run directory as its run.json says (compared
     # alone: the documents, what --update stores, stay load_run's)
     base_info, run_info = (_trace_info(file, runs) or doc if json_file is None else doc
@@ -455,7 +471,8 @@ def _model_holds(doc: dict, layer_type: str) -> bool:
 
 def update_baseline(baseline: str | Path, run: str | Path,
                     tolerances: Tolerances | None = None, phase: str = "auto",
-                    strict: bool = False, **breakdown_options) -> tuple[GatedRun | None, str]:
+                    strict: bool = False, spread_from: Sequence[str | Path] = (),
+                    **breakdown_options) -> tuple[GatedRun | None, str]:
     """``gate --update``: the run gated against the baseline JSON ``baseline`` (as
     ``gate_files`` does), then stored there whatever the verdict, and the gate's result with
     ``"updated"`` (with ``strict``, a run captured or broken down differently is not stored:
@@ -466,7 +483,9 @@ def update_baseline(baseline: str | Path, run: str | Path,
 
     ``tolerances`` given are stored with the run (``gate_tolerances``): the gates against it
     use them unless given others; None: those the baseline kept, kept again (none: the
-    defaults, nothing stored)."""
+    defaults, nothing stored). ``spread_from``: other runs of the run's code (two or more),
+    whose spread with it is stored (``run_spread``: ``spread_of_runs``); without them, a
+    spread the baseline kept goes (it was of other runs' code)."""
     if tolerances is not None:
         _check_tolerances(tolerances)
     baseline, run = Path(baseline), Path(run)
@@ -482,8 +501,10 @@ def update_baseline(baseline: str | Path, run: str | Path,
     runs, run_doc, _ = loaded[run] = load_run(run, phase, **breakdown_options)
     if not has_work(runs):
         raise TraceError(run, "holds no steps and no layers: nothing to store as a baseline")
+    spread = (spread_of_runs(run, spread_from, tolerances, phase, loaded, **breakdown_options)
+              if spread_from else None)   # (before anything is written)
     if not baseline.exists():
-        store_baseline(baseline, _keeping(run_doc, tolerances, None))
+        store_baseline(baseline, _keeping(run_doc, tolerances, None, spread))
         return None, "created"
     try:
         base_runs, base_doc, base_file = loaded[baseline] = load_run(baseline, phase,
@@ -495,7 +516,7 @@ def update_baseline(baseline: str | Path, run: str | Path,
                                    "remove it to store the run there") from None
     # a stored baseline with nothing to check (which gate refuses) is replaced unchecked
     if base_file is not None and not has_work(base_runs):
-        store_baseline(base_file, _keeping(run_doc, tolerances, base_doc))
+        store_baseline(base_file, _keeping(run_doc, tolerances, base_doc, spread))
         return None, "replaced"
     if TRACE in (*base_runs, *runs) and len(base_runs) + len(runs) > 2:
         # (gate would ask for a path, which --update does not take: it stores the whole run)
@@ -511,17 +532,123 @@ def update_baseline(baseline: str | Path, run: str | Path,
     if strict and (gated.result.run_differences or gated.result.breakdown_differences):
         # (--strict: a run of another capture is no baseline of this job; kept as it was)
         return gated, "not updated"
-    store_baseline(gated.baseline_file, _keeping(gated.run_doc, tolerances, base_doc))
+    store_baseline(gated.baseline_file, _keeping(gated.run_doc, tolerances, base_doc, spread))
     return gated, "updated"
 
 
-def _keeping(run_doc: dict, tolerances: Tolerances | None, base_doc: object) -> dict:
-    """The run's document to store, with the tolerances given (or the old baseline's)."""
+def _keeping(run_doc: dict, tolerances: Tolerances | None, base_doc: object,
+             spread: dict | None) -> dict:
+    """The run's document to store, with the tolerances given (or the old baseline's) and
+    the spread of its runs, if any."""
     kept = (tolerance_settings(tolerances) if tolerances is not None
             else base_doc.get("gate_tolerances") if isinstance(base_doc, dict) else None)
-    # (a run that was itself a baseline: its settings are not this baseline's)
-    doc = {key: value for key, value in run_doc.items() if key != "gate_tolerances"}
-    return {**doc, "gate_tolerances": kept} if kept else doc
+    # (a run that was itself a baseline: its settings and spread are not this baseline's)
+    doc = {key: value for key, value in run_doc.items()
+           if key not in ("gate_tolerances", "run_spread")}
+    return doc | ({"gate_tolerances": kept} if kept else {}) | (
+        {"run_spread": spread} if spread else {})
+
+
+# The statuses a run of the stored run's code may have against it, its times aside: the
+# same work (a kernel more, a layer type lost or a path fallen back is other work)
+SAME_WORK = ("ok", "noise")
+
+
+def spread_of_runs(run: str | Path, others: Sequence[str | Path],
+                   tolerances: Tolerances | None = None, phase: str = "auto",
+                   loaded: dict[Path, tuple] | None = None, **breakdown_options) -> dict:
+    """What a baseline keeps of how much its times move run to run (``run_spread``): each
+    time figure the gate checks (``SPREAD_METRICS``: a layer type's and a step's medians,
+    each kernel class's µs, the steps' mean span) as ``run`` and each of ``others`` (runs of
+    the same code, captured alike: two or more) have it, as gating each against ``run`` finds
+    it. A gate within one run's steps cannot see such noise (a GPU's clocks, the host, where
+    the memory landed: each run's steps share it); ``gate_files`` then passes a time
+    within the spread of the runs (``_within_spread``). Another run of other work (a kernel
+    more, a layer type lost, every step fallen back, captured or broken down otherwise) is
+    refused, named. Figures not every run has are left out."""
+    run = Path(run)
+    others = [Path(o) for o in others]
+    if len(others) + 1 < SPREAD_FEWEST_RUNS:
+        raise TraceError(None, f"the spread of runs takes {SPREAD_FEWEST_RUNS - 1} runs or "
+                               f"more besides {run} (a spread of two says next to nothing)")
+    seen = {os.path.realpath(run)}
+    for other in others:   # (through links: the same run twice is no spread)
+        if os.path.realpath(other) in seen:
+            raise TraceError(other, "given twice among the runs of the spread")
+        seen.add(os.path.realpath(other))
+    # every time, CPU time too (what is checked is the gate's choice, later)
+    tolerances = dataclasses.replace(tolerances or Tolerances(), metrics=METRICS)
+    loaded = {} if loaded is None else loaded
+    figures: dict[tuple, list[float]] = {}
+    for other in others:
+        gated = gate_files(run, other, tolerances, None, phase, loaded, strict=True,
+                           **breakdown_options)
+        result = gated.result
+        other_work = [f"{c.path} {c.layer_type} {result.metric_name(c)}: {c.status}"
+                      + (f" ({c.detail})" if c.detail else "") for c in result.checks
+                      if c.status not in SAME_WORK
+                      and not (c.metric in TIMES and c.status in ("regression", "improvement"))]
+        if other_work:
+            raise TraceError(other, f"not a run of {run}'s work ({other_work[0]}): its times "
+                                    "say nothing of how that run's move")
+        for c in result.checks:
+            if (c.metric in SPREAD_METRICS and c.layer_index is None
+                    and None not in (c.baseline, c.current)):
+                figures.setdefault((c.path, c.layer_type, c.metric, c.kernel_class, None),
+                                   [c.baseline]).append(c.current)
+        # each layer's (layer_kernel_us checks the one that rose most, whichever it is)
+        stored = _layer_medians(gated.baseline)
+        for key, value in _layer_medians(gated.current).items():
+            if key in stored:
+                figures.setdefault(key, [stored[key]]).append(value)
+    return {"runs": [str(run), *map(str, others)],
+            "figures": [{"path": path, "layer_type": layer_type, "metric": metric,
+                         **({"kernel_class": kernel_class} if kernel_class is not None else {}),
+                         **({"layer_index": index} if index is not None else {}),
+                         "values": values}
+                        for (path, layer_type, metric, kernel_class, index), values
+                        in figures.items() if len(values) == len(others) + 1]}
+
+
+def _layer_medians(runs: dict[str, Breakdown]) -> dict[tuple, float]:
+    """Each layer's (by its index in a step) median kernel µs over the steps, per path and
+    layer type: the figure ``layer_kernel_us`` checks, keyed as ``_within_spread`` finds it."""
+    return {(path, t["type"], "layer_kernel_us", None, index): float(np.median(samples))
+            for path, b in runs.items() if _says_where(b) for t in b.layer_types
+            for index, samples in _by_index(b, t["type"]).items()}
+
+
+def _within_spread(result: GateResult, spread: dict, path: str | None) -> None:
+    """A time check that regressed (or improved) against the baseline, tested against the
+    spread of the baseline's runs too: one-sided, a t prediction interval for one more run
+    (the run's figure against the runs' mean, ``sd · sqrt(1 + 1/n)``, n - 1 degrees of
+    freedom); p ≥ the check's alpha: noise. ``path``: the one the stored figures are keyed
+    by (a baseline of one trace's), else each check's own."""
+    from scipy.stats import t as t_dist
+
+    figures = {(f["path"], f["layer_type"], f["metric"], f.get("kernel_class"),
+                f.get("layer_index")): f["values"] for f in spread["figures"]}
+    result.spread_runs = len(spread["runs"])
+    for c in result.checks:
+        if c.status not in ("regression", "improvement"):
+            continue
+        values = figures.get((path or c.path, c.layer_type, c.metric, c.kernel_class,
+                              c.layer_index))
+        if values is None or c.current is None:
+            continue
+        runs = np.asarray(values, dtype=float)
+        sd = float(np.std(runs, ddof=1))
+        if not sd > 0:   # (runs that agree to the ns: no spread to pass anything)
+            continue
+        score = (c.current - float(np.mean(runs))) / (sd * math.sqrt(1 + 1 / runs.size))
+        worse = c.status == "regression"
+        c.p_value = float(t_dist.sf(score, runs.size - 1) if worse
+                          else t_dist.cdf(score, runs.size - 1))
+        c.tested_over = "runs"
+        if c.p_value >= (c.alpha or result.tolerances.alpha):
+            c.status = "noise"
+            c.detail = (f"within the spread of the baseline's {runs.size} runs (mean "
+                        f"{np.mean(runs):.4g}, sd {sd:.2g})")
 
 
 def _holds(runs: dict) -> str:

@@ -562,7 +562,8 @@ def gate_table(result: GateResult, show_all: bool = False) -> Table:
                       _value(c.current),
                       _change(c.change), fmt(c.p_value, ".2g")
                       # (too few steps: the layers tested, an optimistic p)
-                      + (" (layers)" if c.tested_over == "layers" else "")
+                      + (f" ({c.tested_over})" if c.tested_over in ("layers", "runs")
+                         else "")
                       # (a family's test: --alpha shared among a type's classes or layers)
                       + (f" (α {c.alpha:.2g})" if c.alpha is not None and c.p_value is not None
                          else ""),
@@ -578,6 +579,9 @@ def gate_table(result: GateResult, show_all: bool = False) -> Table:
     if any(c.tested_over == "layers" for c in shown):
         notes.append("(layers): too few steps for the test, the layers tested: an optimistic "
                      "p (the layers of a step share its noise)")
+    if any(c.tested_over == "runs" for c in shown):
+        notes.append(f"(runs): the run's figure tested against the spread of the baseline's "
+                     f"{result.spread_runs} runs (a t prediction interval for one run more)")
     if notes:
         table.caption = "\n".join(notes)
     return table
@@ -671,6 +675,8 @@ def gate_junit(result: GateResult, files: tuple[str, str], verdict: str) -> str:
             else "default (kernels alone where both sides are CPU runs)"}
     if result.stored_tolerances:   # (those of the settings above the baseline kept)
         said["kept_by_baseline"] = ",".join(result.stored_tolerances)
+    if result.spread_runs:
+        said["spread_runs"] = result.spread_runs
     for name, value in said.items():
         ET.SubElement(properties, "property", name=name, value=_xml_text(value))
     named: Counter = Counter()

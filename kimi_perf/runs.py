@@ -110,7 +110,7 @@ def load_run(path: str | Path, phase: str = "auto", **breakdown_options
                    in str(exc) else str(exc))   # (Python's words say how to lift its limit)
             raise TraceError(path, f"not JSON that can be read ({why})") from None
         if isinstance(doc, dict) and (problem := stored_tolerances_problem(
-                doc.get("gate_tolerances"))):
+                doc.get("gate_tolerances")) or run_spread_problem(doc.get("run_spread"))):
             raise TraceError(path, problem)
         if isinstance(doc, dict) and isinstance(doc.get("paths"), dict) and doc["paths"]:
             if type(doc.get("schema")) is not int or doc["schema"] != 1:
@@ -162,6 +162,37 @@ def stored_tolerances_problem(value: object) -> str | None:
         return "gate_tolerances.alpha is not a probability in (0, 1)"
     if "metrics" in value and not isinstance(value["metrics"], str):
         return "gate_tolerances.metrics is not a text (kernels,kernel_us,span_us)"
+    return None
+
+
+# The times a baseline keeps the spread of, run to run (``gate --update --spread-from``):
+# a layer type's and a step's medians, each class's and each layer's kernel µs, the steps'
+# mean span
+SPREAD_METRICS = ("kernel_us", "span_us", "class_us", "layer_kernel_us", "span_us_mean")
+SPREAD_FEWEST_RUNS = 3   # the stored run and two more: two runs' spread says next to nothing
+
+
+def run_spread_problem(value: object) -> str | None:
+    """Why a baseline's ``run_spread`` cannot be read, or None (absent: None too)."""
+    if value is None:
+        return None
+    if not (isinstance(value, dict) and isinstance(runs := value.get("runs"), list)
+            and len(runs) >= SPREAD_FEWEST_RUNS and all(isinstance(r, str) for r in runs)
+            and isinstance(figures := value.get("figures"), list)):
+        return (f"run_spread is not an object of runs (the names of {SPREAD_FEWEST_RUNS} or "
+                "more) and figures (what gate --update --spread-from stored)")
+    for i, f in enumerate(figures):
+        if not (isinstance(f, dict) and set(f) <= {"path", "layer_type", "metric",
+                                                   "kernel_class", "layer_index", "values"}
+                and all(isinstance(f.get(k), str) for k in ("path", "layer_type"))
+                and f.get("metric") in SPREAD_METRICS
+                and isinstance(f.get("kernel_class", ""), str)
+                and type(f.get("layer_index", 0)) is int
+                and isinstance(values := f.get("values"), list) and len(values) == len(runs)
+                and all(is_finite_number(v) for v in values)):
+            return (f"run_spread.figures[{i}] is not an object of a path, layer_type, metric "
+                    f"({', '.join(SPREAD_METRICS)}) and a finite value for each of its "
+                    f"{len(runs)} runs")
     return None
 
 

@@ -2608,3 +2608,139 @@ def test_a_missing_baseline_is_named_as_the_baseline(tmp_path):
     assert result.exit_code == 2 and result.output == (
         f"kimi-perf: error: {tmp_path / 'base.json'}: no such baseline (a first run stores "
         "one: kimi-perf gate --update BASELINE RUN)\n")
+
+
+def _scaled(row: dict, factor: float) -> None:
+    """Every time of a stored step or layer row times ``factor`` (its classes' µs too)."""
+    for key, value in row.items():
+        if key.endswith("_us") and isinstance(value, float | int):
+            row[key] = value * factor
+        elif key == "classes":
+            for figures in value.values():
+                figures["us"] *= factor
+        elif isinstance(value, dict):
+            _scaled(value, factor)
+
+
+def _nightly_runs(tmp_path: Path, factors: dict[str, float], n_layers: int = 8) -> None:
+    """Breakdown JSONs ``NAME.json`` of one decode trace (12 steps) as runs of the same code
+    on a noisy machine: each run's times ``factors[NAME]`` times the trace's (its clocks, its
+    host), each step's 1% of its own more."""
+    doc = breakdown(nvtx_decode_trace("layer[{i}]({kind})", steps=12, n_layers=n_layers)
+                    .build()).to_json()
+    rng = np.random.default_rng(7)
+    for name, factor in factors.items():
+        run = json.loads(json.dumps(doc))
+        per_step = factor * rng.normal(1.0, 0.01, len(run["steps"]))
+        for row in run["steps"]:
+            _scaled(row, per_step[row["index"]])
+        for row in run["layers"]:
+            _scaled(row, per_step[row["step"]])
+        (tmp_path / f"{name}.json").write_text(json.dumps(run))
+
+
+def test_a_baseline_keeps_the_spread_of_several_runs_and_passes_a_run_within_it(tmp_path):
+    """Runs of one code move by a few % run to run (clocks, the host): every step of a run
+    shares it, so the test over one run's steps reads a +7% run as a regression far beyond
+    chance. `gate --update --spread-from` stores the spread of several runs; a later run
+    within it is noise (tested against it, said so), one past it still fails, and so does a
+    kernel more, which no spread explains."""
+    _nightly_runs(tmp_path, {"r1": 1.0, "r2": 1.04, "r3": 0.97, "r4": 1.06, "r5": 0.99,
+                             "night": 1.07, "slow": 1.3})
+    files = {name: str(tmp_path / f"{name}.json") for name in
+             ("r1", "r2", "r3", "r4", "r5", "night", "slow")}
+    one, spread = tmp_path / "one.json", tmp_path / "spread.json"
+    assert CliRunner().invoke(main, ["gate", "--update", str(one), files["r1"]]).exit_code == 0
+    alone = CliRunner().invoke(main, ["gate", str(one), files["night"], "--format", "json"])
+    assert alone.exit_code == 1 and "spread_runs" not in json.loads(alone.stdout)
+    stored = CliRunner().invoke(main, ["gate", "--update", str(spread), files["r1"],
+                                       *(x for r in ("r2", "r3", "r4", "r5")
+                                         for x in ("--spread-from", files[r]))])
+    assert stored.exit_code == 0, stored.output
+    assert stored.stderr.strip() == f"baseline {spread} created from {files['r1']} with the " \
+                                    "spread of 5 runs"
+    kept = json.loads(spread.read_text())["run_spread"]
+    assert kept["runs"] == [files[r] for r in ("r1", "r2", "r3", "r4", "r5")]
+    figures = {(f["layer_type"], f["metric"], f.get("kernel_class"), f.get("layer_index")):
+               f["values"] for f in kept["figures"]}
+    # the stored run's figure first: the step's median span as the gate of r1 has it
+    step_span = figures["step", "span_us", None, None]
+    assert step_span[0] == pytest.approx(np.median(
+        [s["span_us"] for s in json.loads(Path(files["r1"]).read_text())["steps"]]))
+    assert len(step_span) == 5 and np.std(step_span) / np.mean(step_span) > 0.02
+    assert ("kda", "class_us", "moe", None) in figures and ("mla", "layer_kernel_us", None,
+                                                            3) in figures
+    night = CliRunner().invoke(main, ["gate", str(spread), files["night"], "--format",
+                                      "json"])
+    doc = json.loads(night.stdout)
+    assert night.exit_code == 0 and doc["ok"] and doc["spread_runs"] == 5, night.output
+    moved = [c for c in doc["checks"] if c["tested_over"] == "runs"]
+    assert moved and {c["status"] for c in moved} == {"noise"}
+    assert all(c["p_value"] >= 0.01 and c["change"] > 0.05 for c in moved)
+    assert {(c["layer_type"], c["metric"]) for c in moved} >= {("kda", "kernel_us"),
+                                                              ("step", "span_us_mean")}
+    assert "within the spread of the baseline's 5 runs (mean" in moved[0]["detail"]
+    table = CliRunner().invoke(main, ["gate", str(spread), files["night"], "--all"])
+    text = " ".join(table.output.split())
+    assert "(runs)" in text and "the baseline keeps the spread of its 5 runs (gate --update " \
+        "--spread-from): a time past the tolerances fails only past that spread too (" in text
+    slow = CliRunner().invoke(main, ["gate", str(spread), files["slow"], "--format", "json",
+                                     "--junit", str(tmp_path / "g.xml")])
+    doc = json.loads(slow.stdout)
+    assert slow.exit_code == 1
+    failed = {(c["layer_type"], c["metric"]) for c in doc["checks"] if c["fails"]}
+    assert {("kda", "kernel_us"), ("step", "span_us"), ("mla", "layer_kernel_us")} <= failed
+    assert all(c["tested_over"] == "runs" and c["p_value"] < 0.01 for c in doc["checks"]
+               if c["fails"])
+    import xml.etree.ElementTree as ET
+
+    properties = {p.get("name"): p.get("value")
+                  for p in ET.parse(tmp_path / "g.xml").iter("property")}
+    assert properties["spread_runs"] == "5"
+    # the library alike; a later --update without --spread-from keeps no spread (of other
+    # runs' code)
+    assert gate_files(spread, files["night"]).result.ok
+    assert not gate_files(one, files["night"]).result.ok
+    assert CliRunner().invoke(main, ["gate", "--update", str(spread), files["r2"]]
+                              ).exit_code == 0
+    assert "run_spread" not in json.loads(spread.read_text())
+
+
+def test_the_spread_of_runs_takes_runs_of_the_same_work_alone(tmp_path):
+    """What --spread-from refuses, one line and nothing written: without --update, fewer than
+    two runs, a run given twice, a run of other work (layers a step lost); a stored spread
+    that cannot be read is named."""
+    _nightly_runs(tmp_path, {"r1": 1.0, "r2": 1.02, "r3": 0.99})
+    _nightly_runs(tmp_path, {"shallow": 1.0}, n_layers=4)
+    r1, r2, r3, shallow = (str(tmp_path / f"{n}.json") for n in ("r1", "r2", "r3", "shallow"))
+    base = tmp_path / "base.json"
+    for args, said in (
+            ([str(base), r1, "--spread-from", r2, "--spread-from", r3],
+             "--spread-from goes with --update"),
+            (["--update", str(base), r1, "--spread-from", r2],
+             "the spread of runs takes 2 runs or more besides"),
+            (["--update", str(base), r1, "--spread-from", r2, "--spread-from", r2],
+             f"{r2}: given twice among the runs of the spread"),
+            (["--update", str(base), r1, "--spread-from", r2, "--spread-from", r1],
+             f"{r1}: given twice among the runs of the spread"),
+            (["--update", str(base), r1, "--spread-from", r2, "--spread-from", shallow],
+             f"{shallow}: not a run of {r1}'s work (trace ")):
+        result = CliRunner().invoke(main, ["gate", *args])
+        assert result.exit_code == 2 and len(result.output.strip().splitlines()) == 1
+        assert said in result.output, result.output
+        assert not base.exists()
+    assert CliRunner().invoke(main, ["gate", "--update", str(base), r1, "--spread-from", r2,
+                                     "--spread-from", r3]).exit_code == 0
+    doc = json.loads(base.read_text())
+    for bad, problem in (({"runs": ["a", "b"], "figures": []}, "run_spread is not an object "
+                                                                "of runs"),
+                         ({**doc["run_spread"], "figures": [{"path": "trace"}]},
+                          "run_spread.figures[0] is not an object of a path"),
+                         ({**doc["run_spread"], "figures": [{
+                             **doc["run_spread"]["figures"][0], "values": [1.0, 2.0]}]},
+                          "a finite value for each of its 3 runs")):
+        (tmp_path / "bad.json").write_text(json.dumps({**doc, "run_spread": bad}))
+        result = CliRunner().invoke(main, ["gate", str(tmp_path / "bad.json"), r2])
+        assert result.exit_code == 2 and result.output.startswith(
+            f"kimi-perf: error: {tmp_path / 'bad.json'}: run_spread") and problem in \
+            result.output and len(result.output.splitlines()) == 1, result.output
