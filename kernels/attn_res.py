@@ -92,8 +92,11 @@ def attn_res(prefix: torch.Tensor, delta: torch.Tensor | None, blocks: torch.Ten
         raise ValueError(f"attn_res: blocks {tuple(blocks.shape)} and delta "
                          f"{None if delta is None else tuple(delta.shape)} for a prefix "
                          f"{tuple(prefix.shape)}")
+    if blocks.dim() != 3:
+        raise ValueError(f"attn_res: blocks {tuple(blocks.shape)} is not [M, S, h]")
     check_layout("attn_res", {"qk": qk, "norm": norm},
-                 {"prefix": prefix, "delta": delta, "blocks": blocks})
+                 {"prefix": prefix, "delta": delta, "blocks": blocks},
+                 {"qk": (hidden,), "norm": (hidden,)})
     out = torch.empty_like(prefix)
     delta_arg = delta if delta is not None else prefix
     attn_res_kernel[(M,)](

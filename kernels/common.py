@@ -80,16 +80,30 @@ def weight_prefetch_bytes() -> int:
 
 
 def check_layout(what: str, whole: dict[str, torch.Tensor | None],
-                 rows: dict[str, torch.Tensor | None]) -> None:
+                 rows: dict[str, torch.Tensor | None],
+                 shapes: dict[str, tuple[int, ...]] | None = None,
+                 dtypes: dict[str, tuple[torch.dtype, ...]] | None = None) -> None:
     """Kernels index ``whole`` tensors by their element and ``rows`` by a row stride with
-    contiguous columns: any other layout would be read wrong, not refused, so it is refused
-    here, on the host."""
+    contiguous columns, each tensor of the shape (``shapes``) and dtype (``dtypes``) the
+    kernel reads, all on one device: anything else would be read wrong (past a tensor's end,
+    a strided view's other elements), not refused, so it is refused here, on the host."""
+    tensors = {name: t for name, t in (whole | rows).items() if t is not None}
+    if len(devices := {str(t.device) for t in tensors.values()}) > 1:
+        raise ValueError(f"{what}: tensors on {' and '.join(sorted(devices))}: one device")
     for name, t in whole.items():
         if t is not None and not t.is_contiguous():
             raise ValueError(f"{what}: {name} must be contiguous")
     for name, t in rows.items():
         if t is not None and t.stride(-1) != 1:
             raise ValueError(f"{what}: {name} must have contiguous rows")
+    for name, shape in (shapes or {}).items():
+        if name in tensors and tuple(tensors[name].shape) != tuple(shape):
+            raise ValueError(f"{what}: {name} is {list(tensors[name].shape)}, not "
+                             f"{list(shape)}")
+    for name, kinds in (dtypes or {}).items():
+        if name in tensors and tensors[name].dtype not in kinds:
+            raise ValueError(f"{what}: {name} is {tensors[name].dtype}, not "
+                             f"{' or '.join(map(str, kinds))}")
 
 
 @triton.jit

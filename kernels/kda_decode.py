@@ -47,6 +47,7 @@ from kimi_perf_kernels.common import (
     INTERPRETED,
     after_previous_kernel,
     cast,
+    check_layout,
     interpreter_tiles,
     launch_options,
     stable_sigmoid,
@@ -360,13 +361,25 @@ def kda_decode(z: torch.Tensor, heads: int, head_dim: int, f_rank: int, w_fb: to
     one each, and one a failed launch left nonzero must be zeroed again); ``splits``:
     programs a head (a power of two dividing d; ``kda_splits`` when None).
     """
-    B, T, _ = z.shape
+    B, T, width = z.shape
     proj = heads * head_dim
-    if z.stride(-1) != 1 or not conv_state.is_contiguous() or not state.is_contiguous():
-        raise ValueError("kda_decode needs row-major z, conv_state and state")
+    if width < 4 * proj + f_rank + heads:
+        raise ValueError(f"kda_decode: z's {width} columns cannot hold q|k|v|g|f_a|b "
+                         f"({4 * proj + f_rank + heads})")
     if f is not None and (f.shape != (B, T, proj) or f.stride(2) != 1):
         raise ValueError(f"kda_decode: f {tuple(f.shape)} must be [B, T, H*d] = "
                          f"{(B, T, proj)} with contiguous rows")
+    # (w_fb is read only without f)
+    check_layout("kda_decode", {"w_fb": None if f is not None else w_fb, "dt_bias": dt_bias,
+                                "a_log": a_log, "conv_w": conv_w, "o_norm": o_norm,
+                                "conv_state": conv_state, "state": state,
+                                "arrivals": arrivals},
+                 {"z": z, "out": out},
+                 {"w_fb": (proj, f_rank), "dt_bias": (proj,), "a_log": (heads,),
+                  "conv_w": (3 * proj, 4), "o_norm": (head_dim,),
+                  "conv_state": (B, 3 * proj, 3), "state": (B, heads, head_dim, head_dim),
+                  "out": (B, T, proj)},
+                 {"state": (torch.float32,)})
     if records is not None:
         records.check(B, heads, head_dim, conv_state.dtype)
     if record and (records is None or records.records.shape[3] < T):

@@ -24,6 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kimi_perf_kernels.common import check_layout
+
 PROGRAMS = 128
 BLOCK = 4096
 
@@ -49,10 +51,10 @@ def l2_prefetch_kernel(ptr, n, per_program, checksum_ptr, BLOCK: tl.constexpr):
 def l2_prefetch(weight: torch.Tensor, checksums: torch.Tensor | None = None) -> torch.Tensor:
     """Read ``weight`` (contiguous) through L2; returns the per-program checksums [PROGRAMS]
     (their sum is the sum of ``weight``'s elements)."""
-    if not weight.is_contiguous():
-        raise ValueError("l2_prefetch needs a contiguous tensor")
     if checksums is None:
         checksums = torch.empty(PROGRAMS, dtype=torch.float32, device=weight.device)
+    check_layout("l2_prefetch", {"weight": weight, "checksums": checksums}, {},
+                 {"checksums": (PROGRAMS,)}, {"checksums": (torch.float32,)})
     n = weight.numel()
     l2_prefetch_kernel[(PROGRAMS,)](weight, n, per_program(n), checksums, BLOCK=BLOCK,
                                     num_warps=8)

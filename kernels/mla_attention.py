@@ -34,9 +34,11 @@ from kimi_perf_kernels.common import (
     INTERPRETED,
     after_previous_kernel,
     cast,
+    check_layout,
     interpreter_tiles,
     launch_options,
 )
+from kimi_perf_kernels.mla_concat_insert import check_cache
 
 
 @triton.jit
@@ -199,8 +201,10 @@ def mla_attention(qhat: torch.Tensor, cache: torch.Tensor, positions: torch.Tens
     fp8 = cache.dtype == torch.float8_e4m3fn
     if not 1 <= splits <= MAX_SPLITS:
         raise ValueError(f"mla_attention: {splits} splits (1 to {MAX_SPLITS})")
-    if M % tokens_per_seq:
-        raise ValueError(f"mla_attention: {M} tokens are not sequences of {tokens_per_seq}")
+    if not 0 < kv_lora < width:
+        raise ValueError(f"mla_attention: kv_lora {kv_lora} of q̂'s {width} columns")
+    check_cache("mla_attention", cache, positions, M, tokens_per_seq, width)
+    check_layout("mla_attention", {"qhat": qhat}, {})
     if fp8 != (qhat.dtype == torch.float8_e4m3fn):
         raise ValueError(f"mla_attention: a {qhat.dtype} q̂ for a {cache.dtype} cache (an fp8 "
                          "cache takes an fp8 q̂, any other cache one in the model's dtype)")
@@ -229,6 +233,8 @@ def mla_attention(qhat: torch.Tensor, cache: torch.Tensor, positions: torch.Tens
 def mla_combine(parts: torch.Tensor, lse: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Split partial outputs [splits, M, H, kv_lora] -> [M, H, kv_lora] in ``dtype``."""
     splits, M, H, lora = parts.shape
+    check_layout("mla_combine", {"parts": parts, "lse": lse}, {}, {"lse": (splits, M, H)},
+                 {"parts": (torch.float32,), "lse": (torch.float32,)})
     out = torch.empty(M, H, lora, dtype=dtype, device=parts.device)
     mla_combine_kernel[(M, H)](parts, lse, out, M, H, LORA=lora, SPLITS=splits,
                                BLOCK_SPLITS=max(2, triton.next_power_of_2(splits)),

@@ -91,6 +91,9 @@ def mla_uv_gate(o_lat: torch.Tensor, w_uv: torch.Tensor, gate: torch.Tensor,
     """o_lat [M, H, kv_lora], w_uv [H, kv_lora, v], gate [M, H*v] -> [M, H*v] (in o_lat's
     dtype, or ``dtype``). Or o_lat = ``mla_attention``'s split partials [splits, M, H,
     kv_lora] with their ``lse``, merged on the way out."""
+    if o_lat.dim() != (3 if lse is None else 4):
+        raise ValueError(f"mla_uv_gate: o_lat {tuple(o_lat.shape)} is not [M, H, kv_lora]"
+                         + (" (lse given: [splits, M, H, kv_lora])" if lse is not None else ""))
     splits = o_lat.shape[0] if lse is not None else 1
     M, H, lora = o_lat.shape[-3:]
     v = w_uv.shape[-1]
@@ -101,7 +104,8 @@ def mla_uv_gate(o_lat: torch.Tensor, w_uv: torch.Tensor, gate: torch.Tensor,
         raise ValueError(f"mla_uv_gate: w_uv {tuple(w_uv.shape)} and gate {tuple(gate.shape)} "
                          f"for o_lat of {M} rows, {H} heads, kv_lora {lora}")
     check_layout("mla_uv_gate", {"o_lat": o_lat, "w_uv": w_uv, "lse": lse},
-                 {"gate": gate, "out": out})
+                 {"gate": gate, "out": out}, {"lse": (splits, M, H), "out": (M, H * v)},
+                 {"lse": (torch.float32,)})
     if out is None:
         out = torch.empty(M, H * v, dtype=dtype or o_lat.dtype, device=o_lat.device)
     block_v = v if interpreter_tiles() else min(64, v)

@@ -287,12 +287,18 @@ def moe_fc1_situ(x: torch.Tensor, w13: Experts, ids: torch.Tensor,
 def _fc1(x, w13, ids, top_k, situ, out, shared=None, logits=None, bias=None, weights=None,
          scale=1.0) -> torch.Tensor:
     M = x.shape[0]
-    _, two_i, kdim = w13.shape
+    n_experts, two_i, kdim = w13.shape
     inter = two_i // 2
+    if two_i % 2:
+        raise ValueError(f"routed experts' FC1: w13's {two_i} rows are not gate over up")
     if out is None:
         out = torch.empty(M, top_k, inter, dtype=w13.dtype, device=x.device)
-    check_layout("routed experts' FC1", {"ids": ids, "act": out, "weights": weights},
-                 {"x": x, "router logits": logits})
+    check_layout("routed experts' FC1", {"ids": ids, "act": out, "weights": weights,
+                                         "bias": bias},
+                 {"x": x, "router logits": logits, "w13": _plain(w13)},
+                 {"x": (M, kdim), "router logits": (M, n_experts), "bias": (n_experts,),
+                  "ids": (M, top_k), "weights": (M, top_k), "act": (M, top_k, inter)},
+                 {"ids": (torch.int32,), "weights": (torch.float32,)})
     route = logits is not None
     block_n, block_k = routed_blocks(isinstance(w13, Mxfp4))
     shared_args, shared_consts = shared_launch(shared, M, situ=True)
@@ -305,6 +311,11 @@ def _fc1(x, w13, ids, top_k, situ, out, shared=None, logits=None, bias=None, wei
         BLOCK_N=block_n, BLOCK_K=block_k, RNE=INTERPRETED, ROUTE=route,
         MXFP4=isinstance(w13, Mxfp4), **shared_consts, num_warps=8, **launch_options())
     return out
+
+
+def _plain(w: Experts) -> torch.Tensor | None:
+    """Experts' weights as a tensor whose layout ``check_layout`` checks (MXFP4's: ``check``)."""
+    return None if isinstance(w, Mxfp4) else w
 
 
 def expert_args(w: Experts, what: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -368,7 +379,8 @@ def moe_finalize(per_slot: torch.Tensor, weights: torch.Tensor, dtype: torch.dty
     """The standard path's weighted sum over the slots (vLLM's ``moe_sum``): per_slot
     [M, top_k, N], weights [M, top_k] fp32 -> [M, N] in ``dtype``, summed in fp32."""
     M, top_k, n = per_slot.shape
-    check_layout("moe_finalize", {"per-slot outputs": per_slot, "weights": weights}, {})
+    check_layout("moe_finalize", {"per-slot outputs": per_slot, "weights": weights}, {},
+                 {"weights": (M, top_k)}, {"weights": (torch.float32,)})
     out = torch.empty(M, n, dtype=dtype, device=per_slot.device)
     block = 4096 if interpreter_tiles() else 1024
     moe_finalize_kernel[(M, triton.cdiv(n, block))](per_slot, weights, out, n, TOP_K=top_k,
@@ -380,8 +392,13 @@ def moe_finalize(per_slot: torch.Tensor, weights: torch.Tensor, dtype: torch.dty
 def _fc2(act, w2, ids, weights, out, shared=None) -> None:
     M, top_k, inter = act.shape
     n = w2.shape[1]
+    if w2.shape[2] != inter:
+        raise ValueError(f"routed experts' FC2: w2 {tuple(w2.shape)} for act of {inter} "
+                         "columns")
     check_layout("routed experts' FC2", {"act": act, "ids": ids, "weights": weights},
-                 {"out": out})
+                 {"out": out, "w2": _plain(w2)},
+                 {"ids": (M, top_k), "weights": (M, top_k), "out": (M, n)},
+                 {"ids": (torch.int32,), "weights": (torch.float32,)})
     block_n, block_k = routed_blocks(isinstance(w2, Mxfp4))
     shared_args, shared_consts = shared_launch(shared, M, situ=False)
     grid = (M * triton.cdiv(n, block_n) + shared_args[-1],)

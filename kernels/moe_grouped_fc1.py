@@ -189,6 +189,8 @@ def moe_grouped_fc1_situ(x: torch.Tensor, w13: Experts, ids: torch.Tensor,
     mxfp4 = isinstance(w13, Mxfp4)
     if ids.dtype != torch.int32 or not ids.is_contiguous():
         raise ValueError("moe_grouped_fc1_situ: the expert ids must be contiguous int32")
+    if two_i % 2:
+        raise ValueError(f"moe_grouped_fc1_situ: w13's {two_i} rows are not gate over up")
     if x.shape != (M, kdim) or x.stride(1) != 1 or (not mxfp4 and w13.stride(2) != 1):
         raise ValueError(f"moe_grouped_fc1_situ: latent {tuple(x.shape)} and experts "
                          f"{tuple(w13.shape)} do not fit {M} tokens (rows contiguous)")

@@ -132,8 +132,8 @@ def moe_grouped_fc2(act: torch.Tensor, w2: moe_experts.Experts, slots: ExpertSlo
     lists, counts = slots
     if lists.shape != (n_experts, M) or counts.shape != (n_experts,) \
             or lists.dtype != torch.int32 or counts.dtype != torch.int32 \
-            or not lists.is_contiguous() or weights.shape != (M, top_k) \
-            or not weights.is_contiguous():
+            or not lists.is_contiguous() or not counts.is_contiguous() \
+            or weights.shape != (M, top_k) or not weights.is_contiguous():
         raise ValueError(f"moe_grouped_fc2: the slots of {n_experts} experts ([E, {M}] and "
                          f"[E] int32) and contiguous weights [{M}, {top_k}]")
     if not act.is_contiguous() or w2.shape[2] != inter or (not mxfp4 and w2.stride(2) != 1):

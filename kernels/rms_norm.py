@@ -12,7 +12,13 @@ import torch
 import triton
 import triton.language as tl
 
-from kimi_perf_kernels.common import INTERPRETED, after_previous_kernel, cast, launch_options
+from kimi_perf_kernels.common import (
+    INTERPRETED,
+    after_previous_kernel,
+    cast,
+    check_layout,
+    launch_options,
+)
 
 
 @triton.jit
@@ -55,6 +61,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
             raise ValueError("rms_norm: both tensors need the same number of rows")
         outs.append(torch.empty(t.shape, dtype=out_dtype or t.dtype, device=t.device))
     (x2, w2), out2 = (tensors[-1], outs[-1])
+    check_layout("rms_norm", {"weight": weight, "weight2": w2}, {"x": x, "x2": x2})
     rms_norm_kernel[(x.shape[0], len(tensors))](
         x, weight, outs[0], x.shape[1], x.stride(0), outs[0].stride(0), x2, w2, out2,
         x2.shape[1], x2.stride(0), out2.stride(0), eps,

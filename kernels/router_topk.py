@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 from triton.runtime.jit import constexpr_function
 
-from kimi_perf_kernels.common import after_previous_kernel, launch_options
+from kimi_perf_kernels.common import after_previous_kernel, check_layout, launch_options
 
 
 @constexpr_function
@@ -94,6 +94,8 @@ def router_topk(logits: torch.Tensor, bias: torch.Tensor, k: int, scale: float =
         raise ValueError(f"router_topk: top-{k} of {n_experts} experts, contiguous rows")
     if zero is not None and (zero.shape[0] != M or zero.stride(1) != 1):
         raise ValueError(f"router_topk: zero must be [{M}, N] with contiguous rows")
+    check_layout("router_topk", {"bias": bias}, {"logits": logits, "zero": zero},
+                 {"bias": (n_experts,)})
     ids = torch.empty(M, k, dtype=torch.int32, device=logits.device)
     weights = torch.empty(M, k, dtype=torch.float32, device=logits.device)
     router_topk_kernel[(M,)](logits, bias, ids, weights, zero, n_experts, logits.stride(0),

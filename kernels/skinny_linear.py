@@ -189,7 +189,8 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor, norm: torch.Tensor | None = 
                          f"{w.shape[0]}")
     n_out = w.shape[0] // 2 if situ else w.shape[0]
     check_layout("skinny_linear", {"norm": norm},
-                 {"x": x, "w": w, "residual": residual, "out": out})
+                 {"x": x, "w": w, "residual": residual, "out": out},
+                 {"norm": (K,), "residual": (M, n_out), "out": (M, n_out)})
     if out is None:
         out = torch.empty(M, n_out, dtype=out_dtype or x.dtype, device=x.device)
     use_dot = M > GEMV_MAX_M
