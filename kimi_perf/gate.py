@@ -62,6 +62,7 @@ directory or its ``breakdown.json``), a breakdown JSON or any trace. Baselines a
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
 import os
@@ -107,6 +108,7 @@ from kimi_perf.runs import (
     load_run,
     one_path,
     run_differences,
+    run_spread_problem,
     store_baseline,
     stored_tolerances_problem,
 )
@@ -431,6 +433,19 @@ def kept_tolerances(baseline: str | Path, doc: object) -> Tolerances:
 def baseline_tolerances(baseline: str | Path) -> dict:
     """The settings a baseline file keeps (``gate_tolerances``), read leniently: {} where it
     keeps none, is no stored baseline or cannot be read (``gate_files`` says why)."""
+    kept = _stored_doc(baseline).get("gate_tolerances")
+    return kept if isinstance(kept, dict) and not stored_tolerances_problem(kept) else {}
+
+
+def baseline_spread_runs(baseline: str | Path) -> int:
+    """How many runs' spread a baseline file keeps (``run_spread``), read leniently: 0 where
+    it keeps none, is no stored baseline or cannot be read."""
+    spread = _stored_doc(baseline).get("run_spread")
+    return len(spread["runs"]) if spread and not run_spread_problem(spread) else 0
+
+
+def _stored_doc(baseline: str | Path) -> dict:
+    """A stored baseline's document, or {} (none there, not one, unreadable)."""
     path = Path(baseline)
     path = path / "breakdown.json" if path.is_dir() else path
     if not is_stored(path):
@@ -439,8 +454,7 @@ def baseline_tolerances(baseline: str | Path) -> dict:
         doc = json.loads(path.read_text(encoding="utf-8-sig"))
     except (OSError, ValueError, RecursionError):
         return {}
-    kept = doc.get("gate_tolerances") if isinstance(doc, dict) else None
-    return kept if isinstance(kept, dict) and not stored_tolerances_problem(kept) else {}
+    return doc if isinstance(doc, dict) else {}
 
 
 def tolerance_settings(tolerances: Tolerances) -> dict:
@@ -483,7 +497,7 @@ def update_baseline(baseline: str | Path, run: str | Path,
 
     ``tolerances`` given are stored with the run (``gate_tolerances``): the gates against it
     use them unless given others; None: those the baseline kept, kept again (none: the
-    defaults, nothing stored). ``spread_from``: other runs of the run's code (two or more),
+    defaults, nothing stored). ``spread_from``: other runs of the run's code (four or more),
     whose spread with it is stored (``run_spread``: ``spread_of_runs``); without them, a
     spread the baseline kept goes (it was of other runs' code)."""
     if tolerances is not None:
@@ -501,6 +515,10 @@ def update_baseline(baseline: str | Path, run: str | Path,
     runs, run_doc, _ = loaded[run] = load_run(run, phase, **breakdown_options)
     if not has_work(runs):
         raise TraceError(run, "holds no steps and no layers: nothing to store as a baseline")
+    for other in ([] if isinstance(spread_from, str | Path) else spread_from):
+        if baseline.exists() and _run_identity(Path(other)) == _run_identity(baseline):
+            raise TraceError(other, "is the baseline: a run of the code it replaces, not of "
+                                    f"{run}'s")
     spread = (spread_of_runs(run, spread_from, tolerances, phase, loaded, **breakdown_options)
               if spread_from else None)   # (before anything is written)
     if not baseline.exists():
@@ -549,44 +567,52 @@ def _keeping(run_doc: dict, tolerances: Tolerances | None, base_doc: object,
         {"run_spread": spread} if spread else {})
 
 
-# The statuses a run of the stored run's code may have against it, its times aside: the
-# same work (a kernel more, a layer type lost or a path fallen back is other work)
-SAME_WORK = ("ok", "noise")
-
-
 def spread_of_runs(run: str | Path, others: Sequence[str | Path],
                    tolerances: Tolerances | None = None, phase: str = "auto",
                    loaded: dict[Path, tuple] | None = None, **breakdown_options) -> dict:
     """What a baseline keeps of how much its times move run to run (``run_spread``): each
     time figure the gate checks (``SPREAD_METRICS``: a layer type's and a step's medians,
-    each kernel class's µs, the steps' mean span) as ``run`` and each of ``others`` (runs of
-    the same code, captured alike: two or more) have it, as gating each against ``run`` finds
-    it. A gate within one run's steps cannot see such noise (a GPU's clocks, the host, where
-    the memory landed: each run's steps share it); ``gate_files`` then passes a time
-    within the spread of the runs (``_within_spread``). Another run of other work (a kernel
-    more, a layer type lost, every step fallen back, captured or broken down otherwise) is
-    refused, named. Figures not every run has are left out."""
+    each kernel class's and each layer's kernel µs, the steps' mean span) as ``run`` and each
+    of ``others`` (runs of the same code, captured alike: ``SPREAD_FEWEST_RUNS`` in all at
+    least) have it, as gating each against ``run`` finds and pairs it. A gate within one
+    run's steps cannot see such noise (a GPU's clocks, the host, where the memory landed:
+    each run's steps share it); ``gate_files`` then tests a time against the spread too
+    (``_within_spread``). A run of other work (a kernel more, a layer type lost, every step
+    fallen back, captured or broken down otherwise) is refused, named, as is one given twice
+    (a directory and its breakdown.json, a copy). Figures not every run has are left out."""
+    if isinstance(others, str | Path):   # (one run's name is no list of runs' names)
+        raise TypeError(f"others: a list of runs, not {others!r}")
     run = Path(run)
     others = [Path(o) for o in others]
     if len(others) + 1 < SPREAD_FEWEST_RUNS:
         raise TraceError(None, f"the spread of runs takes {SPREAD_FEWEST_RUNS - 1} runs or "
-                               f"more besides {run} (a spread of two says next to nothing)")
-    seen = {os.path.realpath(run)}
-    for other in others:   # (through links: the same run twice is no spread)
-        if os.path.realpath(other) in seen:
-            raise TraceError(other, "given twice among the runs of the spread")
-        seen.add(os.path.realpath(other))
+                               f"more besides {run} (with fewer, a run-to-run deviation of "
+                               "8 sd or more passes at alpha 0.01)")
+    seen = {_run_identity(run): run}
+    for other in others:
+        if (twin := seen.get(identity := _run_identity(other))) is not None:
+            raise TraceError(other, f"is the run {twin} given again (the same run twice is "
+                                    "no spread)")
+        seen[identity] = other
     # every time, CPU time too (what is checked is the gate's choice, later)
     tolerances = dataclasses.replace(tolerances or Tolerances(), metrics=METRICS)
     loaded = {} if loaded is None else loaded
     figures: dict[tuple, list[float]] = {}
     for other in others:
+        runs = loaded.setdefault(run, load_run(run, phase, **breakdown_options))[0]
+        more = loaded.setdefault(other, load_run(other, phase, **breakdown_options))[0]
+        if TRACE in (*runs, *more) and len(runs) + len(more) > 2:
+            raise TraceError(other, f"holds {_holds(more)}, and {run} {_holds(runs)}: runs "
+                                    "of one code hold the same paths")
         gated = gate_files(run, other, tolerances, None, phase, loaded, strict=True,
                            **breakdown_options)
         result = gated.result
+        if differences := (result.run_differences or []) + result.breakdown_differences:
+            raise TraceError(other, f"captured or broken down otherwise than {run} "
+                                    f"({'; '.join(differences)}): no run of its code")
         other_work = [f"{c.path} {c.layer_type} {result.metric_name(c)}: {c.status}"
                       + (f" ({c.detail})" if c.detail else "") for c in result.checks
-                      if c.status not in SAME_WORK
+                      if c.status not in ("ok", "noise")
                       and not (c.metric in TIMES and c.status in ("regression", "improvement"))]
         if other_work:
             raise TraceError(other, f"not a run of {run}'s work ({other_work[0]}): its times "
@@ -596,11 +622,23 @@ def spread_of_runs(run: str | Path, others: Sequence[str | Path],
                     and None not in (c.baseline, c.current)):
                 figures.setdefault((c.path, c.layer_type, c.metric, c.kernel_class, None),
                                    [c.baseline]).append(c.current)
-        # each layer's (layer_kernel_us checks the one that rose most, whichever it is)
-        stored = _layer_medians(gated.baseline)
-        for key, value in _layer_medians(gated.current).items():
-            if key in stored:
-                figures.setdefault(key, [stored[key]]).append(value)
+        # each layer's (layer_kernel_us checks the one that rose most, whichever it is), of
+        # the types as the gate paired them (their letters may differ)
+        run_type = {(c.path, c.layer_type): c.run_layer_type or c.layer_type
+                    for c in result.checks if c.metric == "kernel_us" and c.layer_type != STEP
+                    and c.kernel_class is None and c.layer_index is None}
+        for path, base_b, cur_b in _paired(gated.baseline, gated.current):
+            if not all(_says_where(b) for b in (base_b, cur_b)):
+                continue
+            for (check_path, layer_type), named in run_type.items():
+                if check_path != path:
+                    continue
+                theirs = _by_index(cur_b, named)
+                for index, samples in _by_index(base_b, layer_type).items():
+                    if index in theirs:
+                        figures.setdefault(
+                            (path, layer_type, "layer_kernel_us", None, index),
+                            [float(np.median(samples))]).append(float(np.median(theirs[index])))
     return {"runs": [str(run), *map(str, others)],
             "figures": [{"path": path, "layer_type": layer_type, "metric": metric,
                          **({"kernel_class": kernel_class} if kernel_class is not None else {}),
@@ -610,45 +648,65 @@ def spread_of_runs(run: str | Path, others: Sequence[str | Path],
                         in figures.items() if len(values) == len(others) + 1]}
 
 
-def _layer_medians(runs: dict[str, Breakdown]) -> dict[tuple, float]:
-    """Each layer's (by its index in a step) median kernel µs over the steps, per path and
-    layer type: the figure ``layer_kernel_us`` checks, keyed as ``_within_spread`` finds it."""
-    return {(path, t["type"], "layer_kernel_us", None, index): float(np.median(samples))
-            for path, b in runs.items() if _says_where(b) for t in b.layer_types
-            for index, samples in _by_index(b, t["type"]).items()}
+def _run_identity(path: Path) -> tuple:
+    """What makes two names one run: the file read (a run directory's breakdown.json,
+    through links), and its bytes (a copy)."""
+    file = path / "breakdown.json" if path.is_dir() else path
+    try:
+        digest = hashlib.sha256()
+        with open(file, "rb") as f:
+            while block := f.read(1 << 20):
+                digest.update(block)
+        return ("bytes", digest.hexdigest())
+    except OSError:   # (load_run says why)
+        return ("file", os.path.realpath(file))
 
 
 def _within_spread(result: GateResult, spread: dict, path: str | None) -> None:
     """A time check that regressed (or improved) against the baseline, tested against the
     spread of the baseline's runs too: one-sided, a t prediction interval for one more run
     (the run's figure against the runs' mean, ``sd · sqrt(1 + 1/n)``, n - 1 degrees of
-    freedom); p ≥ the check's alpha: noise. ``path``: the one the stored figures are keyed
-    by (a baseline of one trace's), else each check's own."""
+    freedom); p ≥ the check's alpha: noise. A kernel class's or a layer's figure is tested as
+    its share of its type's kernel µs (in each run and in this one): the factor a run's noise
+    moves all of a run's kernels by cancels, where the class's or layer's alpha (a share of
+    ``alpha``) would leave a wide interval of few runs wider still. ``path``: the one the
+    stored figures are keyed by (a baseline of one trace's), else each check's own."""
     from scipy.stats import t as t_dist
 
     figures = {(f["path"], f["layer_type"], f["metric"], f.get("kernel_class"),
-                f.get("layer_index")): f["values"] for f in spread["figures"]}
+                f.get("layer_index")): np.asarray(f["values"], dtype=float)
+               for f in spread["figures"]}
     result.spread_runs = len(spread["runs"])
+    type_us = {(c.path, c.layer_type): c.current for c in result.checks
+               if c.metric == "kernel_us" and c.kernel_class is None and c.layer_index is None}
     for c in result.checks:
-        if c.status not in ("regression", "improvement"):
+        if c.status not in ("regression", "improvement") or c.current is None:
             continue
-        values = figures.get((path or c.path, c.layer_type, c.metric, c.kernel_class,
-                              c.layer_index))
-        if values is None or c.current is None:
+        key = (path or c.path, c.layer_type, c.metric, c.kernel_class, c.layer_index)
+        if (runs := figures.get(key)) is None:
             continue
-        runs = np.asarray(values, dtype=float)
-        sd = float(np.std(runs, ddof=1))
-        if not sd > 0:   # (runs that agree to the ns: no spread to pass anything)
-            continue
-        score = (c.current - float(np.mean(runs))) / (sd * math.sqrt(1 + 1 / runs.size))
-        worse = c.status == "regression"
-        c.p_value = float(t_dist.sf(score, runs.size - 1) if worse
-                          else t_dist.cdf(score, runs.size - 1))
+        current, share = c.current, None
+        if c.metric in ("class_us", "layer_kernel_us"):
+            whole = figures.get((key[0], c.layer_type, "kernel_us", None, None))
+            if whole is None or not type_us.get((c.path, c.layer_type)) or not np.all(whole > 0):
+                continue
+            runs, current = runs / whole, current / type_us[c.path, c.layer_type]
+            share = f"of its share of the {c.layer_type} layers' kernel µs: {current:.4g}, "
+        mean, sd = float(np.mean(runs)), float(np.std(runs, ddof=1))
+        if not sd > 0:   # (runs that agree to the last digit: none but the same passes)
+            if not math.isclose(current, mean, rel_tol=1e-9):
+                continue
+            c.p_value = 1.0
+        else:
+            score = (current - mean) / (sd * math.sqrt(1 + 1 / runs.size))
+            c.p_value = float(t_dist.sf(score, runs.size - 1) if c.status == "regression"
+                              else t_dist.cdf(score, runs.size - 1))
         c.tested_over = "runs"
         if c.p_value >= (c.alpha or result.tolerances.alpha):
             c.status = "noise"
-            c.detail = (f"within the spread of the baseline's {runs.size} runs (mean "
-                        f"{np.mean(runs):.4g}, sd {sd:.2g})")
+            c.detail = (f"within the spread of the baseline's {runs.size} runs ("
+                        + (f"{share}the runs' " if share else "")
+                        + f"mean {mean:.4g}, sd {sd:.2g})")
 
 
 def _holds(runs: dict) -> str:

@@ -169,7 +169,8 @@ def stored_tolerances_problem(value: object) -> str | None:
 # a layer type's and a step's medians, each class's and each layer's kernel µs, the steps'
 # mean span
 SPREAD_METRICS = ("kernel_us", "span_us", "class_us", "layer_kernel_us", "span_us_mean")
-SPREAD_FEWEST_RUNS = 3   # the stored run and two more: two runs' spread says next to nothing
+SPREAD_FEWEST_RUNS = 5   # the stored run and four more: with three, t(2) passes a run 8 sd
+                         # off at alpha 0.01
 
 
 def run_spread_problem(value: object) -> str | None:
@@ -181,18 +182,28 @@ def run_spread_problem(value: object) -> str | None:
             and isinstance(figures := value.get("figures"), list)):
         return (f"run_spread is not an object of runs (the names of {SPREAD_FEWEST_RUNS} or "
                 "more) and figures (what gate --update --spread-from stored)")
+    keys = set()
     for i, f in enumerate(figures):
         if not (isinstance(f, dict) and set(f) <= {"path", "layer_type", "metric",
                                                    "kernel_class", "layer_index", "values"}
                 and all(isinstance(f.get(k), str) for k in ("path", "layer_type"))
                 and f.get("metric") in SPREAD_METRICS
+                # (a class's name for class_us alone, a layer's index for layer_kernel_us)
                 and isinstance(f.get("kernel_class", ""), str)
+                and ("kernel_class" in f) == (f["metric"] == "class_us")
                 and type(f.get("layer_index", 0)) is int
+                and ("layer_index" in f) == (f["metric"] == "layer_kernel_us")
                 and isinstance(values := f.get("values"), list) and len(values) == len(runs)
                 and all(is_finite_number(v) for v in values)):
             return (f"run_spread.figures[{i}] is not an object of a path, layer_type, metric "
-                    f"({', '.join(SPREAD_METRICS)}) and a finite value for each of its "
+                    f"({', '.join(SPREAD_METRICS)}; a kernel_class for class_us, a "
+                    "layer_index for layer_kernel_us) and a finite value for each of its "
                     f"{len(runs)} runs")
+        key = tuple(f.get(k) for k in ("path", "layer_type", "metric", "kernel_class",
+                                       "layer_index"))
+        if key in keys:
+            return f"run_spread.figures[{i}] is a figure of an earlier one's again"
+        keys.add(key)
     return None
 
 

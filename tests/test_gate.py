@@ -20,7 +20,7 @@ from kimi_perf import render
 from kimi_perf.classify import Rule, load_rules
 from kimi_perf.cli import EXAMPLE_TRACE, main
 from kimi_perf.errors import TraceError
-from kimi_perf.gate import Tolerances, gate, gate_files
+from kimi_perf.gate import Tolerances, gate, gate_files, update_baseline
 from kimi_perf.layer_breakdown import Breakdown, breakdown
 from kimi_perf.render import gate_headline
 from kimi_perf.runs import load_run, run_differences
@@ -2622,10 +2622,12 @@ def _scaled(row: dict, factor: float) -> None:
             _scaled(value, factor)
 
 
-def _nightly_runs(tmp_path: Path, factors: dict[str, float], n_layers: int = 8) -> None:
+def _nightly_runs(tmp_path: Path, factors: dict[str, float], n_layers: int = 8,
+                  slower_layer: float = 1.0) -> None:
     """Breakdown JSONs ``NAME.json`` of one decode trace (12 steps) as runs of the same code
     on a noisy machine: each run's times ``factors[NAME]`` times the trace's (its clocks, its
-    host), each step's 1% of its own more."""
+    host), each step's 1% of its own more, each layer's 0.3%; the first layer of each step
+    ``slower_layer`` times slower still."""
     doc = breakdown(nvtx_decode_trace("layer[{i}]({kind})", steps=12, n_layers=n_layers)
                     .build()).to_json()
     rng = np.random.default_rng(7)
@@ -2634,8 +2636,9 @@ def _nightly_runs(tmp_path: Path, factors: dict[str, float], n_layers: int = 8) 
         per_step = factor * rng.normal(1.0, 0.01, len(run["steps"]))
         for row in run["steps"]:
             _scaled(row, per_step[row["index"]])
-        for row in run["layers"]:
-            _scaled(row, per_step[row["step"]])
+        for row in run["layers"]:   # (and each layer by 0.3% of its own)
+            _scaled(row, per_step[row["step"]] * rng.normal(1.0, 0.003)
+                    * (slower_layer if row["index"] == 0 else 1))
         (tmp_path / f"{name}.json").write_text(json.dumps(run))
 
 
@@ -2683,13 +2686,16 @@ def test_a_baseline_keeps_the_spread_of_several_runs_and_passes_a_run_within_it(
     table = CliRunner().invoke(main, ["gate", str(spread), files["night"], "--all"])
     text = " ".join(table.output.split())
     assert "(runs)" in text and "the baseline keeps the spread of its 5 runs (gate --update " \
-        "--spread-from): a time past the tolerances fails only past that spread too (" in text
+        "--spread-from): a time past the tolerances and its steps' test is tested against that " \
+        "spread too, where it holds the figure (" in text
     slow = CliRunner().invoke(main, ["gate", str(spread), files["slow"], "--format", "json",
                                      "--junit", str(tmp_path / "g.xml")])
     doc = json.loads(slow.stdout)
     assert slow.exit_code == 1
     failed = {(c["layer_type"], c["metric"]) for c in doc["checks"] if c["fails"]}
-    assert {("kda", "kernel_us"), ("step", "span_us"), ("mla", "layer_kernel_us")} <= failed
+    assert {("kda", "kernel_us"), ("step", "span_us"), ("mla", "span_us")} <= failed
+    # (every kernel 30% slower: each class's and layer's share of its type's µs is as ever)
+    assert not {("kda", "class_us"), ("mla", "layer_kernel_us")} & failed
     assert all(c["tested_over"] == "runs" and c["p_value"] < 0.01 for c in doc["checks"]
                if c["fails"])
     import xml.etree.ElementTree as ET
@@ -2701,36 +2707,61 @@ def test_a_baseline_keeps_the_spread_of_several_runs_and_passes_a_run_within_it(
     # runs' code)
     assert gate_files(spread, files["night"]).result.ok
     assert not gate_files(one, files["night"]).result.ok
-    assert CliRunner().invoke(main, ["gate", "--update", str(spread), files["r2"]]
-                              ).exit_code == 0
-    assert "run_spread" not in json.loads(spread.read_text())
+    # one layer 30% slower in a run within the spread fails: a class's or a layer's figure is
+    # tested as its share of its type's µs, which a run's noise does not move
+    _nightly_runs(tmp_path, {"layer0": 1.02}, slower_layer=1.3)
+    layer = gate_files(spread, tmp_path / "layer0.json").result
+    failed = {(c.layer_type, c.metric, c.layer_index): c for c in layer.failures}
+    check = failed["kda", "layer_kernel_us", 0]
+    assert (check.tested_over, check.change > 0.25) == ("runs", True)
+    assert ("kda", "kernel_us", None) not in failed   # (a type of 6 layers: +5%, noise)
+    # a later --update without --spread-from keeps no spread (of other runs' code), and says so
+    dropped = CliRunner().invoke(main, ["gate", "--update", str(spread), files["r2"]])
+    assert dropped.exit_code == 0 and "run_spread" not in json.loads(spread.read_text())
+    assert "(the spread of 5 runs it kept is not kept: it was of the old code's runs; " \
+        "--spread-from stores a new one)" in " ".join(dropped.stderr.split())
 
 
 def test_the_spread_of_runs_takes_runs_of_the_same_work_alone(tmp_path):
     """What --spread-from refuses, one line and nothing written: without --update, fewer than
     two runs, a run given twice, a run of other work (layers a step lost); a stored spread
     that cannot be read is named."""
-    _nightly_runs(tmp_path, {"r1": 1.0, "r2": 1.02, "r3": 0.99})
+    _nightly_runs(tmp_path, {"r1": 1.0, "r2": 1.02, "r3": 0.99, "r4": 1.01, "r5": 0.98})
     _nightly_runs(tmp_path, {"shallow": 1.0}, n_layers=4)
-    r1, r2, r3, shallow = (str(tmp_path / f"{n}.json") for n in ("r1", "r2", "r3", "shallow"))
+    r1, r2, r3, r4, r5, shallow = (str(tmp_path / f"{n}.json")
+                                   for n in ("r1", "r2", "r3", "r4", "r5", "shallow"))
+    shutil.copy(r2, tmp_path / "copy.json")
     base = tmp_path / "base.json"
+
+    def spread(*runs):
+        return [x for r in runs for x in ("--spread-from", r)]
+
     for args, said in (
-            ([str(base), r1, "--spread-from", r2, "--spread-from", r3],
-             "--spread-from goes with --update"),
-            (["--update", str(base), r1, "--spread-from", r2],
-             "the spread of runs takes 2 runs or more besides"),
-            (["--update", str(base), r1, "--spread-from", r2, "--spread-from", r2],
-             f"{r2}: given twice among the runs of the spread"),
-            (["--update", str(base), r1, "--spread-from", r2, "--spread-from", r1],
-             f"{r1}: given twice among the runs of the spread"),
-            (["--update", str(base), r1, "--spread-from", r2, "--spread-from", shallow],
+            ([str(base), r1, *spread(r2, r3, r4, r5)], "--spread-from goes with --update"),
+            (["--update", str(base), r1, *spread(r2, r3, r4)],
+             "the spread of runs takes 4 runs or more besides"),
+            (["--update", str(base), r1, *spread(r2, r3, r4, r2)],
+             f"{r2}: is the run {r2} given again"),
+            (["--update", str(base), r1, *spread(r2, r3, r4, r1)],
+             f"{r1}: is the run {r1} given again"),
+            (["--update", str(base), r1, *spread(r2, r3, r4, str(tmp_path / "copy.json"))],
+             f"{tmp_path / 'copy.json'}: is the run {r2} given again"),
+            (["--update", str(base), r1, *spread(r2, r3, r4, shallow)],
              f"{shallow}: not a run of {r1}'s work (trace ")):
         result = CliRunner().invoke(main, ["gate", *args])
         assert result.exit_code == 2 and len(result.output.strip().splitlines()) == 1
         assert said in result.output, result.output
         assert not base.exists()
-    assert CliRunner().invoke(main, ["gate", "--update", str(base), r1, "--spread-from", r2,
-                                     "--spread-from", r3]).exit_code == 0
+    with pytest.raises(TypeError, match="others: a list of runs"):
+        update_baseline(base, r1, spread_from=r2)
+    assert CliRunner().invoke(main, ["gate", "--update", str(base), r1,
+                                     *spread(r2, r3, r4, r5)]).exit_code == 0
+    # the baseline's own file among the runs: a run of the code it replaces
+    kept = base.read_bytes()
+    again = CliRunner().invoke(main, ["gate", "--update", str(base), r2,
+                                      *spread(r3, r4, r5, str(base))])
+    assert again.exit_code == 2 and f"{base}: is the baseline" in again.output
+    assert base.read_bytes() == kept
     doc = json.loads(base.read_text())
     for bad, problem in (({"runs": ["a", "b"], "figures": []}, "run_spread is not an object "
                                                                 "of runs"),
@@ -2738,7 +2769,12 @@ def test_the_spread_of_runs_takes_runs_of_the_same_work_alone(tmp_path):
                           "run_spread.figures[0] is not an object of a path"),
                          ({**doc["run_spread"], "figures": [{
                              **doc["run_spread"]["figures"][0], "values": [1.0, 2.0]}]},
-                          "a finite value for each of its 3 runs")):
+                          "a finite value for each of its 5 runs"),
+                         ({**doc["run_spread"], "figures": [{
+                             **doc["run_spread"]["figures"][0], "layer_index": 2}]},
+                          "a layer_index for layer_kernel_us"),
+                         ({**doc["run_spread"], "figures": doc["run_spread"]["figures"][:1] * 2},
+                          "run_spread.figures[1] is a figure of an earlier one's again")):
         (tmp_path / "bad.json").write_text(json.dumps({**doc, "run_spread": bad}))
         result = CliRunner().invoke(main, ["gate", str(tmp_path / "bad.json"), r2])
         assert result.exit_code == 2 and result.output.startswith(
