@@ -50,7 +50,6 @@ from kimi_perf.runs import trace_labels
 from kimi_perf.trace import (
     atomic_write,
     atomic_write_text,
-    current_umask,
     json_text,
 )
 
@@ -203,8 +202,11 @@ def _out_dir_problem(out_dir: Path, exc: OSError) -> str:
 
 @contextlib.contextmanager
 def run_directory(out_dir: Path, label: str):
-    """A new run directory, filled under a hidden temporary name and renamed into place when
-    complete: a failed run leaves nothing behind (nor the folders made for ``out_dir``)."""
+    """A new run directory, filled under a hidden name (``.NAME.partial``, which reserves NAME:
+    two runs of one second never clash) and renamed into place when complete: a failed run
+    leaves nothing behind (nor the folders made for ``out_dir``), and one killed outright
+    (SIGKILL, the out-of-memory killer) its hidden partial alone, never a directory that
+    passes for a finished run (``traces/runs/*/``)."""
     stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
     made = [d for d in (out_dir, *out_dir.parents) if not d.exists()]   # (deepest first)
 
@@ -220,20 +222,22 @@ def run_directory(out_dir: Path, label: str):
         raise TraceError(out_dir, f"--out: {_out_dir_problem(out_dir, exc)}") from None
     for n in itertools.count(1):
         final = out_dir / (f"{stamp}-{label}" + (f"-{n}" if n > 1 else ""))
+        partial = out_dir / f".{final.name}.partial"
+        if final.exists() or final.is_symlink():
+            continue
         try:
-            final.mkdir()  # reserves the name (exclusive): two runs of one second never clash
+            partial.mkdir()   # (exclusive: the reservation)
             break
         except FileExistsError:
             continue
-    partial = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=out_dir))
+        except OSError as exc:
+            remove_made()
+            raise TraceError(out_dir, f"--out: {_out_dir_problem(out_dir, exc)}") from None
     try:
         yield partial, final
-        partial.chmod(0o777 & ~current_umask())  # mkdtemp's 0700 is for the partial run only
-        partial.rename(final)  # over the reserved, still empty directory
+        partial.rename(final)
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
-        with contextlib.suppress(OSError):
-            final.rmdir()
         remove_made()
         raise
 

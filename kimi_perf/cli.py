@@ -139,6 +139,13 @@ class NamedPath(click.Path):
 PATH = NamedPath()
 
 
+class Count(click.IntRange):
+    """A whole number in range, said so when it is not one (click's words: "not a valid
+    integer range")."""
+
+    name = "integer"
+
+
 class FiniteFloatRange(click.FloatRange):
     """A float in range, and a number: nan passes every bound, and inf is no tolerance."""
 
@@ -297,7 +304,7 @@ def _kernels_option(fn):
 
 def _seed_option(fn):
     # (seed + 1 draws the prompt: both fit torch's 64-bit generator seed)
-    return click.option("--seed", default=0, show_default=True, type=click.IntRange(0, 2**63 - 1),
+    return click.option("--seed", default=0, show_default=True, type=Count(0, 2**63 - 1),
                         help="draws the random weights, the prompt and, with --spec-tokens, "
                         "the drafts and their acceptance")(fn)
 
@@ -356,14 +363,21 @@ def _check_layers(value: str) -> str:
     raise TraceError(None, f"--layers must be auto, repeat, nvtx or nvtx:REGEX, not {value!r}")
 
 
-def _count_of(option: str, value: str | None, what: str, least: int = 1) -> int | None:
-    """A capture's count (``least`` or more), from an option that takes a pattern with
+def _count_of(option: str, value: str | None, what: str, least: int = 1,
+              most: int | None = None) -> int | None:
+    """A capture's count (``least`` to ``most``), from an option that takes a pattern with
     --from."""
     if value is None:
         return None
-    if not value.isdecimal() or int(value) < least:
+    if not (value.isascii() and value.isdecimal()) or int(value) < least or (
+            most is not None and int(value) > most):
         raise TraceError(None, f"{option} takes {what}, not {value!r}")
     return int(value)
+
+
+# The most layers a capture or a check builds: K3 has 93; a model of more would be no decode
+# model anyone runs, and its weights' table alone (a row a tensor) takes minutes to lay out.
+MAX_LAYERS = 1024
 
 
 def _check_steps(value: str | None) -> str | None:
@@ -509,7 +523,7 @@ def main() -> None:
 @click.option("--match", "pattern", help="only the ranges whose name this regex finds "
               "(Python's re.search: 'FlashAttn', '^decode')")
 @click.option("--top", default=render.RANGES_TABLE_ROWS, show_default=True,
-              type=click.IntRange(1), help="the table's rows: those with the most kernel "
+              type=Count(1), help="the table's rows: those with the most kernel "
               "time (CSV and JSON: all)")
 @click.option("-o", "--output", type=PATH, help="write here, not stdout")
 @_fail_cleanly
@@ -673,7 +687,7 @@ def compare_cmd(a: Path, b: Path | None, path_name: str | None, fmt: str | None,
               "the tolerances given (or those it kept): later gates use them unless given "
               "others")
 @click.option("--spread-from", "spread_from", type=PATH, multiple=True, help="with --update: "
-              "another run of RUN's code, captured alike (twice or more): the baseline keeps "
+              "another run of RUN's code, captured alike (four or more): the baseline keeps "
               "how much the times move run to run, and later gates pass a time within that "
               "spread as noise (a baseline stored without it keeps none)")
 @click.option("-o", "--output", type=PATH, help="write the verdict here (the table as text, "
@@ -784,10 +798,13 @@ def _gate(baseline: Path, run: Path, tolerances: gate_mod.Tolerances | None, kep
     options = {"layers": _check_layers(layers), "step_regex": _check_steps(step_regex),
                "rules": load_rules(rules)}
     if update:
+        dropped = gate_mod.baseline_spread_runs(baseline) if not spread_from else 0
         gated, how = gate_mod.update_baseline(baseline, run, tolerances, phase, strict,
                                               spread_from, **options)
         spread = (f" with the spread of {len(spread_from) + 1} runs" if spread_from
-                  and how != "not updated" else "")
+                  else f" (the spread of {dropped} runs it kept is not kept: it was of the "
+                       "old code's runs; --spread-from stores a new one)" if dropped
+                  else "") if how != "not updated" else ""
         if gated is None:   # nothing to gate against: stored, and said (in JSON too)
             stored = printable(f"baseline {baseline} {how} from {run}{spread}")
             # (the tolerances it keeps now: those given, or the old baseline's)
@@ -912,8 +929,9 @@ def _gate_said(gated: gate_mod.GatedRun, show_all: bool
     if result.spread_runs:
         within = sum(c.tested_over == "runs" and c.status == "noise" for c in result.checks)
         said.append((f"the baseline keeps the spread of its {result.spread_runs} runs (gate "
-                     "--update --spread-from): a time past the tolerances fails only past that "
-                     "spread too" + (f" ({within} within it: noise)" if within else ""), None))
+                     "--update --spread-from): a time past the tolerances and its steps' test "
+                     "is tested against that spread too, where it holds the figure"
+                     + (f" ({within} within it: noise)" if within else ""), None))
     if result.cpu_times_left_out:
         named = ",".join(result.tolerances.checked)
         said.append((f"{', '.join(result.cpu_times_left_out)} of CPU runs not checked (CPU "
@@ -1252,12 +1270,12 @@ def _info_lines(trace: Path, info: dict) -> list[str]:
 @main.command(name="floors", short_help="Memory floors per layer and launch: bytes over bandwidth")
 @click.option("--preset", "preset_name", default="k3-tp8", show_default=True,
               help="model shapes: k3, k3-tp8, k3-tp16, tiny")
-@click.option("--tp", type=click.IntRange(1), help="the TP ranks the model is sharded over "
+@click.option("--tp", type=Count(1), help="the TP ranks the model is sharded over "
               "(the k3 and tiny presets: 1 unless given; k3-tpN: N)")
 @click.option("--batch", default=1, show_default=True,
-              type=click.IntRange(1, floors_mod.MAX_BATCH))
+              type=Count(1, floors_mod.MAX_BATCH))
 @click.option("--context", default=4096, show_default=True,
-              type=click.IntRange(0, floors_mod.MAX_CONTEXT),
+              type=Count(0, floors_mod.MAX_CONTEXT),
               help="cached tokens per sequence the gated-MLA layer reads")
 @click.option("--weights", type=click.Choice(["bf16", "fp8", "mxfp4"]), default="bf16",
               show_default=True, help="non-expert weights (and shared experts)")
@@ -1266,7 +1284,7 @@ def _info_lines(trace: Path, info: dict) -> list[str]:
               "mxfp4)")
 @_kv_cache_option
 @click.option("--spec-tokens", default=0, show_default=True,
-              type=click.IntRange(0, floors_mod.MAX_SPEC_TOKENS),
+              type=Count(0, floors_mod.MAX_SPEC_TOKENS),
               help="speculative decoding's draft tokens K: steps verify 1+K tokens per sequence")
 @click.option("--bandwidth", default=4.3, show_default=True,
               type=FiniteFloatRange(0.001, floors_mod.MAX_BANDWIDTH_TBPS),
@@ -1296,21 +1314,23 @@ def floors_cmd(preset_name: str, tp: int | None, batch: int, context: int, weigh
 @click.option("--preset", "preset_name", default="tiny", show_default=True,
               help="model preset of the whole model: tiny or k3 (the float64 reference "
               "cannot check one rank's shapes, k3-tp8 or k3-tp16)")
-@click.option("--layers", "n_layers", type=click.IntRange(2),
-              help="override the preset's layer count (2 or more: layer 0 has the dense MLP, "
-              "the last the gated MLA)")
+@click.option("--layers", "n_layers", type=Count(2, MAX_LAYERS),
+              help=f"override the preset's layer count (2 to {MAX_LAYERS}: layer 0 has the "
+              "dense MLP, the last the gated MLA)")
 @click.option("--paths", default="standard,specialized", show_default=True,
               help="comma-separated decode paths to check: standard, standard_kernels (the "
               "standard path one kernel per step, as on a GPU), specialized")
-@click.option("--steps", default=8, show_default=True, type=click.IntRange(1))
-@click.option("--spec-tokens", default=0, show_default=True, type=click.IntRange(0, 31),
+@click.option("--steps", default=8, show_default=True, type=Count(1),
+              help="decode steps checked after the prompt")
+@click.option("--spec-tokens", default=0, show_default=True, type=Count(0, 31),
               help="speculative decoding with K draft tokens: each decode step verifies 1+K "
               "tokens per sequence, then accepts a seeded random 1..1+K of them and rolls "
               "back the rest (the specialized path's kernels take K up to 7; beyond, it "
               "falls back and says so)")
-@click.option("--batch", default=2, show_default=True, type=click.IntRange(1))
+@click.option("--batch", default=2, show_default=True, type=Count(1),
+              help="sequences per decode step")
 @click.option("--prompt", "--context", "prompt", default=4, show_default=True,
-              type=click.IntRange(1), help="prompt tokens prefilled before the decode steps "
+              type=Count(1), help="prompt tokens prefilled before the decode steps "
               "(--context, as trace names them)")
 @click.option("--dtype", type=click.Choice(["bfloat16", "float32"]), default="bfloat16",
               show_default=True, help="activation and weight dtype of the paths")
@@ -1406,14 +1426,18 @@ def validate(preset_name: str, n_layers: int | None, paths: str, steps: int,
               "extra kernel-class rules, tried before the defaults")
 @click.option("--preset", "preset_name", help="tiny, k3, k3-tp8, k3-tp16 (default: tiny on a "
               "CPU, k3-tp8 on a GPU)")
-@click.option("--layers", "layers_arg", help="layer count (default: the preset's; 4 on a "
-              "GPU); with --from, how layers are found: auto, repeat, nvtx or nvtx:REGEX")
-@click.option("--batch", type=click.IntRange(1), help="sequences per decode step")
-@click.option("--context", type=click.IntRange(1), help="prompt tokens before decoding")
-@click.option("--steps", "steps_arg", help="profiled decode steps; with --from, a regex for "
-              "the step ranges")
-@click.option("--warmup", type=click.IntRange(0), help="decode steps before profiling")
-@click.option("--tp", default=1, show_default=True, type=click.IntRange(1),
+@click.option("--layers", "layers_arg", help=f"layer count, 2 to {MAX_LAYERS} (default: the "
+              "preset's own; with no --preset on a GPU, 4 of k3-tp8's); with --from, how "
+              "layers are found: auto, repeat, nvtx or nvtx:REGEX")
+@click.option("--batch", type=Count(1), help="sequences per decode step (default: 2 on a CPU, "
+              "1 on a GPU)")
+@click.option("--context", type=Count(1), help="prompt tokens before decoding (default: 8 on "
+              "a CPU, 512 on a GPU)")
+@click.option("--steps", "steps_arg", help="profiled decode steps (default: 3 on a CPU, 20 on "
+              "a GPU); with --from, a regex for the step ranges")
+@click.option("--warmup", type=Count(0), help="decode steps before profiling (default: 1 on "
+              "a CPU, 3 on a GPU)")
+@click.option("--tp", default=1, show_default=True, type=Count(1),
               help="TP ranks: one process each on the CPU (gloo, torch backend), each "
               "profiling its shard; rank 0's trace is broken down")
 @click.option("--paths", default="standard,specialized", show_default=True,
@@ -1426,12 +1450,12 @@ def validate(preset_name: str, n_layers: int | None, paths: str, steps: int,
               "its CLI on Debian)")
 @_kv_cache_option
 @_experts_option
-@click.option("--spec-tokens", default=0, show_default=True, type=click.IntRange(0, 7),
+@click.option("--spec-tokens", default=0, show_default=True, type=Count(0, 7),
               help="speculative decoding with K synthetic draft tokens: each decode step "
               "verifies 1+K tokens per sequence and accepts a seeded random 1..1+K")
 @click.option("--l2-prefetch", is_flag=True, help="the specialized path's opt-in: o_proj's "
               "weights read into L2 beside the attention (one launch more per layer)")
-@click.option("--group-experts-from", type=click.IntRange(1), help="the specialized path's "
+@click.option("--group-experts-from", type=Count(1), help="the specialized path's "
               "opt-in: from this many tokens a step on, route first and run the routed "
               "experts grouped by expert (one launch more per MoE layer)")
 @click.option("--pdl", is_flag=True, help="the specialized path's opt-in (GPU, sm_90+): its "
@@ -1468,6 +1492,9 @@ def trace_cmd(from_files: tuple[Path, ...], captures: tuple[Path, ...], phase: s
     from kimi_perf.report import plotly_js_for
 
     plotly_js_for(plotly_js, out_dir)  # a missing file is said now, not after the capture
+    if str(out_dir) == "-":   # (-o - is stdout for every other command)
+        raise TraceError(None, "-o/--out is the folder the run directory is made in, not "
+                               "stdout: --format json prints the run's document")
     if out_dir.suffix.lower() in FILE_SUFFIXES and not out_dir.is_dir():
         # (every other command's -o is a file: `trace -o run.json` is likely meant as one)
         raise TraceError(out_dir, "-o/--out is the folder the run directory is made in (its "
@@ -1476,6 +1503,10 @@ def trace_cmd(from_files: tuple[Path, ...], captures: tuple[Path, ...], phase: s
     if from_files:
         layers = _check_layers(layers_arg) if layers_arg is not None else "auto"
         found, left_out = _traces_in(list(from_files))
+        seen: dict[str, Path] = {}
+        for file in found:   # (a trace against itself: every ratio 1.00, no comparison)
+            if (twin := seen.setdefault(os.path.realpath(file), file)) is not file:
+                raise TraceError(file, f"is {twin} given again: --from takes each trace once")
         run_dir, results, run_info = cap.analyse(found, out_dir,
                                                  layers=layers, phase=phase, rules=rules,
                                                  step_regex=_check_steps(steps_arg),
@@ -1483,9 +1514,9 @@ def trace_cmd(from_files: tuple[Path, ...], captures: tuple[Path, ...], phase: s
                                                  captures=list(captures) or None)
         _say_left_out(left_out)   # (the run written: no error line follows)
     else:
-        n_layers = _count_of("--layers", layers_arg, "a layer count of 2 or more (layer 0 has "
-                             "the dense MLP, the last the gated MLA; with --from: how layers "
-                             "are found)", least=2)
+        n_layers = _count_of("--layers", layers_arg, f"a layer count of 2 to {MAX_LAYERS} "
+                             "(layer 0 has the dense MLP, the last the gated MLA; with --from: "
+                             "how layers are found)", least=2, most=MAX_LAYERS)
         steps = _count_of("--steps", steps_arg, "a count of decode steps of 1 or more (with "
                           "--from: a regex for the step ranges)")
         if preset_name is not None:   # said before torch is loaded
@@ -1515,7 +1546,7 @@ def trace_cmd(from_files: tuple[Path, ...], captures: tuple[Path, ...], phase: s
               nl=False)
     else:
         _print_run(console, run_dir, results, run_info)
-    _fail_if_not_finite(run_info, run_dir)
+    _fail_if_unusable(run_info, run_dir)
 
 
 # Suffixes of the files other commands write with -o: a trace --out named so is a slip.
@@ -1684,13 +1715,20 @@ def _print_run(console: Console, run_dir: Path, results: dict[str, Breakdown],
     console.print(printable(f"report: {Path(run_dir).resolve() / run_info['report']}"))
 
 
-def _fail_if_not_finite(run_info: dict, run_dir: Path) -> None:
+def _fail_if_unusable(run_info: dict, run_dir: Path) -> None:
     """A captured path whose last decode step's logits hold a NaN or an infinity computes
-    no usable output (its greedy tokens are argmax's picks of NaN): its figures are written,
-    and the run fails."""
+    no usable output (its greedy tokens are argmax's picks of NaN); one whose every step fell
+    back to the standard path's ops (a batch over 64) ran none of its kernels, and the run
+    compares the standard path with itself. Their figures are written, and the run fails (as
+    ``validate`` does), so that a job does not take it for a comparison."""
+    said = []
     if broken := [path for path, m in run_info.get("paths", {}).items()
                   if m.get("logits_finite") is False]:
-        click.echo(f"kimi-perf: {run_dir}: the last decode step's logits of "
-                   f"{' and '.join(broken)} are not all finite (NaN or infinity): "
-                   "its figures measure a path that computes no usable output", err=True)
+        said.append(f"the last decode step's logits of {' and '.join(broken)} are not all "
+                    "finite (NaN or infinity): its figures measure a path that computes no "
+                    "usable output")
+    said += [f"{fell_back_text(path, reason)}: none of its kernels ran"
+             for path, reason in paths_that_fell_back(run_info).items()]
+    if said:
+        click.echo(printable(f"kimi-perf: {run_dir}: {'; '.join(said)}"), err=True)
         sys.exit(1)

@@ -372,8 +372,8 @@ def pairing_note(rows: list[ComparisonRow], label_a: str, label_b: str) -> str |
 
 
 # what the comparison tables' layers columns count (their other columns are medians)
-LAYERS_COLUMN = ("layers: a type's count over all the steps profiled (one a step over 3 steps "
-                 "reads 3); the whole step's row, a step's")
+LAYERS_COLUMN = ("layers: how many of the type all the steps profiled hold (one in each of 3 "
+                 "steps: 3); the step row's, how many one step holds")
 
 
 def comparison_notes(rows: list[ComparisonRow], label_a: str, label_b: str,

@@ -317,7 +317,7 @@ def breakdown_tables(b: Breakdown) -> list[Table]:
     for t in b.layer_types:
         types.add_row(t["type"] or "-", str(t["layers"]), count_text(t["kernels"]),
                       f"{t['kernel_us']:.1f}", f"{t['span_us']:.1f}", f"{t['gap_us']:.1f}")
-    types.caption = "\n".join(["layers: a type's count over all the steps profiled",
+    types.caption = "\n".join(["layers: how many of the type all the steps profiled hold",
                                *layer_notes(b)])
     tables.append(types)
     classes = _table(f"Per layer type and kernel class: median {unit} / µs",

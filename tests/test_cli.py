@@ -81,7 +81,7 @@ def test_tables_keep_every_digit():
                                "11", "/", "4", "/"]
     assert "│" not in steps and "│ A    │     12 │" in types   # (a table that fits: boxed)
     # the count that is no median says so (the terminal's tables as the report's)
-    assert "layers: a type's count over all the steps profiled" in types
+    assert "layers: how many of the type all the steps profiled hold" in " ".join(types.split())
     buf = io.StringIO()
     render.print_tables(render.breakdown_tables(b), Console(file=buf, width=50))
     narrow = buf.getvalue().splitlines()
@@ -313,7 +313,8 @@ def _fell_back_run(tmp_path: Path) -> Path:
     return path
 
 
-def test_a_path_that_fell_back_on_every_step_is_said_so_by_compare_report_and_gate(tmp_path):
+def test_a_path_that_fell_back_on_every_step_is_said_so_by_compare_report_and_gate(tmp_path,
+                                                                                 capsys):
     """Its µs beside the standard path's would read as a speed-up of its own: compare and
     the report say whose ops they are, and the gate fails a run whose path fell back where
     the baseline's did not."""
@@ -373,6 +374,15 @@ def test_a_path_that_fell_back_on_every_step_is_said_so_by_compare_report_and_ga
     assert "; batch 2; TP 1; context 8 tokens; " in printed.splitlines()[0]
     assert ("; CUDA graphs off; profiler torch; KV cache bf16; experts bf16; "
             in printed.splitlines()[0])
+    # trace itself fails such a run, once written: it compares the standard path with itself
+    from kimi_perf.cli import _fail_if_unusable
+
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exited:
+        _fail_if_unusable(stored["run"], tmp_path)
+    assert exited.value.code == 1
+    assert capsys.readouterr().err == f"kimi-perf: {tmp_path}: {said}: none of its kernels ran\n"
+    _fail_if_unusable(json.loads(BASELINE.read_text())["run"], tmp_path)   # (passes)
     drawn = run("report", run_file, VLLM, "--path", "specialized", "--labels", "run,vllm",
                 "-o", report)
     assert drawn.exit_code == 0, drawn.output
@@ -999,15 +1009,19 @@ def test_a_layer_number_beyond_int64_is_an_error(tmp_path, layer):
     assert run("breakdown", path).exit_code == 0
 
 
-def test_a_layer_count_below_two_is_refused():
-    """Layer 0 (KDA and the dense MLP) and the last layer (gated MLA) are two layers."""
-    for count in ("0", "1"):
+def test_a_layer_count_below_two_or_beyond_any_model_is_refused():
+    """Layer 0 (KDA and the dense MLP) and the last layer (gated MLA) are two layers; a
+    million layers is refused at once, not after minutes laying out their weights' table (and
+    gigabytes of memory) to say they do not fit. A count that is no whole number says so."""
+    for count in ("0", "1", "1025", "1000000", "99999999999999999999999"):
         _one_line_error(run("validate", "--layers", count),
-                        f"Invalid value for '--layers': {count} is not in the range x>=2",
-                        "validate --help)")
+                        f"Invalid value for '--layers': {count} is not in the range "
+                        "2<=x<=1024", "validate --help)")
         _one_line_error(run("trace", "--layers", count), "--layers takes a layer count of 2 "
-                        "or more (layer 0 has the dense MLP, the last the gated MLA; with "
+                        "to 1024 (layer 0 has the dense MLP, the last the gated MLA; with "
                         f"--from: how layers are found), not '{count}'")
+    _one_line_error(run("trace", "--batch", "1.5"),
+                    "Invalid value for '--batch': '1.5' is not a valid integer.")
 
 
 def test_floors_of_a_sharded_preset_at_another_tp_is_refused(tmp_path):
@@ -1139,8 +1153,8 @@ def test_compare_a_run_its_paths_and_labels(tmp_path):
     # one file twice: numbered too, not x and x'
     twice = " ".join(run("compare", VLLM, VLLM).output.split())
     assert "Per layer type: #1 vs #2" in twice and f"#1: {VLLM}; #2: {VLLM}" in twice
-    assert "layers: a type's count over all the steps profiled (one a step over 3 steps " \
-        "reads 3); the whole step's row, a step's" in twice
+    assert "layers: how many of the type all the steps profiled hold (one in each of 3 " \
+        "steps: 3); the step row's, how many one step holds" in twice
     timed_json = json.loads(run("compare", tmp_path / "20261203T064913Z-tiny-b2",
                                 tmp_path / "20261203T071135Z-tiny-b2", "--path", "specialized",
                                 "--format", "json").output)
@@ -1206,6 +1220,12 @@ def test_trace_from_two_traces_shows_short_labels_and_keeps_whole_names(tmp_path
     _one_line_error(run("trace", "--from", files[0], "-o", tmp_path / "run.json"),
                     "-o/--out is the folder the run directory is made in")
     assert not (tmp_path / "run.json").exists()
+    # nor stdout's -, which no folder is made for; a trace given twice is no comparison
+    _one_line_error(run("trace", "--from", files[0], "-o", "-"),
+                    "-o/--out is the folder the run directory is made in, not stdout")
+    assert not Path("-").exists()
+    _one_line_error(run("trace", "--from", files[0], "--from", files[0], "-o", tmp_path),
+                    f"{files[0]}: is {files[0]} given again: --from takes each trace once")
     whole = [f.name.removesuffix(".sqlite") for f in files]
     assert f"before: {whole[0]}; after: {whole[1]}" in text
     (run_dir,) = tmp_path.iterdir()
@@ -1274,7 +1294,8 @@ def test_trace_from_names_runs_after_their_files_and_compares_each(tmp_path):
 
 def test_run_directories_of_the_same_second_never_collide(tmp_path, monkeypatch):
     """Runs stamped with the same second: each reserves its name when it starts ("-2" for
-    the second), and a run that fails leaves nothing, its reservation included."""
+    the second: its hidden partial does), and a run that fails leaves nothing, its
+    reservation included."""
     from kimi_perf import capture
 
     class FrozenClock(datetime.datetime):
@@ -1294,6 +1315,17 @@ def test_run_directories_of_the_same_second_never_collide(tmp_path, monkeypatch)
                                                      "20261130T120000Z-from-2")
     assert sorted(p.name for p in tmp_path.iterdir()) == [first_final.name, second_final.name]
     assert (first_final / "a").read_text() == "1" and (second_final / "b").read_text() == "2"
+    # a run killed outright (SIGKILL: no cleanup) leaves its hidden partial alone, no directory
+    # a glob of finished runs (traces/runs/*/) would take for one; the next run passes it by
+    killed = capture.run_directory(tmp_path, "from")
+    partial, final = killed.__enter__()
+    (partial / "run.json").write_text("{}")
+    assert not final.exists() and partial.name == f".{final.name}.partial"
+    with capture.run_directory(tmp_path, "from") as (_, after):
+        pass
+    assert after.name == "20261130T120000Z-from-4"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        partial.name, first_final.name, second_final.name, after.name]   # (the dot sorts first)
 
 
 @pytest.mark.parametrize("name, other_thread, outside", [
