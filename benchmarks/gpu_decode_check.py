@@ -575,7 +575,8 @@ def main_job(out: Path, smoke: bool, budget: Budget, runs: dict, saved) -> None:
             proc = subprocess.run(args, capture_output=True, text=True,
                                   timeout=max(1.0, budget.left() - BUDGET_MARGIN_S))
             run.update(returncode=proc.returncode, stderr_tail=proc.stderr[-3000:])
-            # (exit 1: a path's logits not finite, the run written all the same)
+            # (exit 1: a path's logits not finite, or its every step fell back: the run is
+            # written all the same)
             if proc.returncode in (0, 1) and proc.stdout.strip():
                 doc = json.loads(proc.stdout)
                 run["run_dir"] = doc["run_dir"]

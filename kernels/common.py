@@ -86,23 +86,32 @@ def check_layout(what: str, whole: dict[str, torch.Tensor | None],
     """Kernels index ``whole`` tensors by their element and ``rows`` by a row stride with
     contiguous columns, each tensor of the shape (``shapes``) and dtype (``dtypes``) the
     kernel reads, all on one device: anything else would be read wrong (past a tensor's end,
-    a strided view's other elements), not refused, so it is refused here, on the host."""
-    tensors = {name: t for name, t in (whole | rows).items() if t is not None}
-    if len(devices := {str(t.device) for t in tensors.values()}) > 1:
-        raise ValueError(f"{what}: tensors on {' and '.join(sorted(devices))}: one device")
-    for name, t in whole.items():
-        if t is not None and not t.is_contiguous():
-            raise ValueError(f"{what}: {name} must be contiguous")
-    for name, t in rows.items():
-        if t is not None and t.stride(-1) != 1:
-            raise ValueError(f"{what}: {name} must have contiguous rows")
+    a strided view's other elements), not refused, so it is refused here, on the host. (Each
+    eager launch pays this: a few µs of Python, no allocation.)"""
+    device = None
+    for kind, tensors in (("be contiguous", whole), ("have contiguous rows", rows)):
+        for name, t in tensors.items():
+            if t is None:
+                continue
+            if device is None:
+                device = t.device
+            elif t.device != device:
+                raise ValueError(f"{what}: tensors on {device} and {t.device} ({name}): one "
+                                 "device")
+            if not (t.is_contiguous() if tensors is whole else t.stride(-1) == 1):
+                raise ValueError(f"{what}: {name} must {kind}")
+    for checks in (shapes or {}, dtypes or {}):
+        for name in checks:
+            if name not in whole and name not in rows:   # (a misspelt name checks nothing)
+                raise TypeError(f"check_layout: {what} names no tensor {name!r}")
     for name, shape in (shapes or {}).items():
-        if name in tensors and tuple(tensors[name].shape) != tuple(shape):
-            raise ValueError(f"{what}: {name} is {list(tensors[name].shape)}, not "
-                             f"{list(shape)}")
+        t = whole.get(name) if name in whole else rows.get(name)
+        if t is not None and tuple(t.shape) != tuple(shape):
+            raise ValueError(f"{what}: {name} is {list(t.shape)}, not {list(shape)}")
     for name, kinds in (dtypes or {}).items():
-        if name in tensors and tensors[name].dtype not in kinds:
-            raise ValueError(f"{what}: {name} is {tensors[name].dtype}, not "
+        t = whole.get(name) if name in whole else rows.get(name)
+        if t is not None and t.dtype not in kinds:
+            raise ValueError(f"{what}: {name} is {t.dtype}, not "
                              f"{' or '.join(map(str, kinds))}")
 
 

@@ -25,7 +25,6 @@ from kimi_perf_kernels.common import (
     INTERPRETED,
     after_previous_kernel,
     cast,
-    check_layout,
     interpreter_tiles,
     launch_options,
 )
@@ -107,10 +106,10 @@ def mla_absorb_insert(q: torch.Tensor, w_uk: torch.Tensor, kv: torch.Tensor,
                            device=q.device)
     elif qhat.dtype != (cache.dtype if fp8 else q.dtype):
         raise ValueError(f"mla_absorb_insert: q̂ of {qhat.dtype} for a {cache.dtype} cache")
-    check_cache("mla_absorb_insert", cache, positions, M, tokens_per_seq, lora + rope)
-    check_layout("mla_absorb_insert", {"w_uk": w_uk, "kv_norm": kv_norm, "qhat": qhat},
-                 {"q": q, "kv": kv}, {"q": (M, H * (nope + rope)), "kv": (M, lora + rope),
-                                      "kv_norm": (lora,), "qhat": (M, H, lora + rope)})
+    check_cache("mla_absorb_insert", cache, positions, M, tokens_per_seq, lora + rope,
+                {"w_uk": w_uk, "kv_norm": kv_norm, "qhat": qhat}, {"q": q, "kv": kv},
+                {"q": (M, H * (nope + rope)), "kv": (M, lora + rope), "kv_norm": (lora,),
+                 "qhat": (M, H, lora + rope)})
     block_l = lora if interpreter_tiles() else min(64, lora)
     mla_absorb_insert_kernel[(triton.cdiv(M, BLOCK_M), H * (lora // block_l) + 1)](
         q, w_uk, qhat, kv, kv_norm, cache, positions, M, H, tokens_per_seq, cache.shape[1],

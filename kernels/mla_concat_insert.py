@@ -82,16 +82,20 @@ def write_cache_row(cache_ptr, pos_ptr, m, T, S, stride_cache_b, stride_cache_s,
 
 
 def check_cache(what: str, cache: torch.Tensor, positions: torch.Tensor, tokens: int,
-                tokens_per_seq: int, width: int) -> None:
+                tokens_per_seq: int, width: int, whole: dict | None = None,
+                rows: dict | None = None, shapes: dict | None = None) -> None:
     """The latent cache [B, S, width] and the ``tokens`` positions a kernel reads or writes
     it at: a row of B for each sequence of ``tokens_per_seq`` tokens (fewer would be written
-    past the cache's end), rows contiguous, positions packed integers."""
+    past the cache's end), rows contiguous, positions packed integers; checked with the
+    kernel's other tensors (``whole``, ``rows``, ``shapes``: as ``check_layout`` takes
+    them)."""
     if tokens_per_seq < 1 or tokens % tokens_per_seq:
         raise ValueError(f"{what}: {tokens} tokens are not sequences of {tokens_per_seq}")
     if cache.dim() != 3 or cache.shape[2] != width or cache.shape[0] < tokens // tokens_per_seq:
         raise ValueError(f"{what}: cache {list(cache.shape)} is not [B >= "
                          f"{tokens // tokens_per_seq} sequences, S, {width}]")
-    check_layout(what, {"positions": positions}, {"cache": cache}, {"positions": (tokens,)},
+    check_layout(what, {"positions": positions, **(whole or {})},
+                 {"cache": cache, **(rows or {})}, {"positions": (tokens,), **(shapes or {})},
                  {"positions": (torch.int32, torch.int64)})
 
 
@@ -108,9 +112,9 @@ def mla_concat_insert(ql: torch.Tensor, q: torch.Tensor, kv_c: torch.Tensor,
     if cache.shape[-1] != lora + rope or q.shape != (M, H * (nope + rope)):
         raise ValueError(f"mla_concat_insert: q̂ parts {tuple(ql.shape)}, q "
                          f"{tuple(q.shape)} and cache {tuple(cache.shape)} do not fit")
-    check_cache("mla_concat_insert", cache, positions, M, tokens_per_seq, lora + rope)
-    check_layout("mla_concat_insert", {}, {"ql": ql, "q": q, "kv_c": kv_c, "k_pe": k_pe},
-                 {"kv_c": (M, lora), "k_pe": (M, rope)})
+    check_cache("mla_concat_insert", cache, positions, M, tokens_per_seq, lora + rope, {},
+                {"ql": ql, "q": q, "kv_c": kv_c, "k_pe": k_pe},
+                {"kv_c": (M, lora), "k_pe": (M, rope)})
     fp8 = cache.dtype == torch.float8_e4m3fn
     qhat = torch.empty(M, H, lora + rope, dtype=cache.dtype if fp8 else q.dtype,
                        device=q.device)

@@ -227,19 +227,26 @@ def run_directory(out_dir: Path, label: str):
             continue
         try:
             partial.mkdir()   # (exclusive: the reservation)
-            break
         except FileExistsError:
             continue
         except OSError as exc:
             remove_made()
             raise TraceError(out_dir, f"--out: {_out_dir_problem(out_dir, exc)}") from None
+        # (a run of the name that renamed its partial into place after the look above)
+        if not (final.exists() or final.is_symlink()):
+            break
+        partial.rmdir()
     try:
         yield partial, final
-        partial.rename(final)
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         remove_made()
         raise
+    try:
+        partial.rename(final)
+    except OSError as exc:   # (the name made by other hands meanwhile: the run is kept)
+        raise TraceError(final, f"cannot take the run's name ({exc.strerror or exc}): the run "
+                                f"is kept in {partial}") from None
 
 
 def capture(req: TraceRequest, progress=None) -> tuple[Path, dict[str, Breakdown], dict]:
@@ -820,6 +827,12 @@ def analyse(files: list[str | Path], out_dir: str | Path, layers: str = "auto",
         if captures:
             run_info["captures"] = [os.path.relpath(c.resolve(), final.resolve())
                                     for c in captures]
+        for b, file, capture_file in zip(results.values(), run_info["files"],
+                                         run_info.get("captures") or paired, strict=True):
+            # (the breakdowns name them so too: not relative to where trace ran)
+            b.source["file"] = file
+            if capture_file is not None and b.source.get("captures"):
+                b.source["captures"] = [capture_file]
         _write_outputs(run_dir, final, run_info, results,
                        "kimi-perf: " + ", ".join(f.name for f in files), plotly_js)
     return final, results, run_info

@@ -1329,9 +1329,9 @@ def floors_cmd(preset_name: str, tp: int | None, batch: int, context: int, weigh
               "falls back and says so)")
 @click.option("--batch", default=2, show_default=True, type=Count(1),
               help="sequences per decode step")
-@click.option("--prompt", "--context", "prompt", default=4, show_default=True,
-              type=Count(1), help="prompt tokens prefilled before the decode steps "
-              "(--context, as trace names them)")
+@click.option("--prompt", "--context", "prompts", multiple=True, type=Count(1),
+              help="prompt tokens prefilled before the decode steps (--context, as trace "
+              "names them)  [default: 4]")
 @click.option("--dtype", type=click.Choice(["bfloat16", "float32"]), default="bfloat16",
               show_default=True, help="activation and weight dtype of the paths")
 @_kv_cache_option
@@ -1342,13 +1342,18 @@ def floors_cmd(preset_name: str, tp: int | None, batch: int, context: int, weigh
               "also on stderr)")
 @_fail_cleanly
 def validate(preset_name: str, n_layers: int | None, paths: str, steps: int,
-             spec_tokens: int, batch: int, prompt: int, dtype: str, kv_cache: str,
-             experts: str, seed: int, fmt: str | None, output: Path | None) -> None:
+             spec_tokens: int, batch: int, prompts: tuple[int, ...], dtype: str,
+             kv_cache: str, experts: str, seed: int, fmt: str | None,
+             output: Path | None) -> None:
     """Check decode paths against a float64 reference of the same weights (CPU is enough):
     each layer on the path's own inputs, bounded at any depth, and the whole model's drift.
 
     Exit code 1 when an error exceeds its bound for the dtype.
     """
+    if len(prompts) > 1:   # (two names of one option: the last would win without a word)
+        raise TraceError(None, "--prompt and --context are one option (the prompt's tokens): "
+                               f"give it once, not {len(prompts)} times")
+    prompt = prompts[0] if prompts else 4
     fmt = _format_of(fmt, output, ("json",))
     if output is not None and str(output) != "-":   # (said before the run, not after it)
         if not output.parent.is_dir():
@@ -1727,7 +1732,7 @@ def _fail_if_unusable(run_info: dict, run_dir: Path) -> None:
         said.append(f"the last decode step's logits of {' and '.join(broken)} are not all "
                     "finite (NaN or infinity): its figures measure a path that computes no "
                     "usable output")
-    said += [f"{fell_back_text(path, reason)}: none of its kernels ran"
+    said += [fell_back_text(path, reason)
              for path, reason in paths_that_fell_back(run_info).items()]
     if said:
         click.echo(printable(f"kimi-perf: {run_dir}: {'; '.join(said)}"), err=True)

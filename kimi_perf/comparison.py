@@ -340,8 +340,8 @@ def ratio_note(rows: list[ComparisonRow], label_a: str, label_b: str,
     """What a comparison's ratios and its last row are, said where they are read
     (``units``: what the two sides count, ``units_word``)."""
     if any(r.fell_back for r in rows):
-        return ("no ratios: a path fell back to the standard path on every step (said below), "
-                "so both sides ran the standard path's ops")
+        return ("no ratios: a path fell back to the standard path on every step (as its "
+                "warning says), so its figures are the standard path's ops, not its kernels'")
     mean = next((r for r in rows if r.label == ALL_LAYERS), None)
     step = next((r for r in rows if r.label == WHOLE_STEP), None)
     return (f"ratios: {label_a} over {label_b}, above 1 where {label_b} takes less"

@@ -516,7 +516,8 @@ def update_baseline(baseline: str | Path, run: str | Path,
     if not has_work(runs):
         raise TraceError(run, "holds no steps and no layers: nothing to store as a baseline")
     for other in ([] if isinstance(spread_from, str | Path) else spread_from):
-        if baseline.exists() and _run_identity(Path(other)) == _run_identity(baseline):
+        # (its file, not its bytes: a run it was stored from may well be one of these runs)
+        if os.path.realpath(other) == os.path.realpath(baseline):
             raise TraceError(other, "is the baseline: a run of the code it replaces, not of "
                                     f"{run}'s")
     spread = (spread_of_runs(run, spread_from, tolerances, phase, loaded, **breakdown_options)
@@ -586,8 +587,8 @@ def spread_of_runs(run: str | Path, others: Sequence[str | Path],
     others = [Path(o) for o in others]
     if len(others) + 1 < SPREAD_FEWEST_RUNS:
         raise TraceError(None, f"the spread of runs takes {SPREAD_FEWEST_RUNS - 1} runs or "
-                               f"more besides {run} (with fewer, a run-to-run deviation of "
-                               "8 sd or more passes at alpha 0.01)")
+                               f"more besides {run} (at alpha 0.01, three runs pass a run 8 sd "
+                               "off their mean, four one 5 sd off)")
     seen = {_run_identity(run): run}
     for other in others:
         if (twin := seen.get(identity := _run_identity(other))) is not None:
@@ -599,8 +600,10 @@ def spread_of_runs(run: str | Path, others: Sequence[str | Path],
     loaded = {} if loaded is None else loaded
     figures: dict[tuple, list[float]] = {}
     for other in others:
-        runs = loaded.setdefault(run, load_run(run, phase, **breakdown_options))[0]
-        more = loaded.setdefault(other, load_run(other, phase, **breakdown_options))[0]
+        for file in (run, other):   # (each read once: gate_files takes them from here)
+            if file not in loaded:
+                loaded[file] = load_run(file, phase, **breakdown_options)
+        runs, more = loaded[run][0], loaded[other][0]
         if TRACE in (*runs, *more) and len(runs) + len(more) > 2:
             raise TraceError(other, f"holds {_holds(more)}, and {run} {_holds(runs)}: runs "
                                     "of one code hold the same paths")
@@ -693,7 +696,9 @@ def _within_spread(result: GateResult, spread: dict, path: str | None) -> None:
             runs, current = runs / whole, current / type_us[c.path, c.layer_type]
             share = f"of its share of the {c.layer_type} layers' kernel µs: {current:.4g}, "
         mean, sd = float(np.mean(runs)), float(np.std(runs, ddof=1))
-        if not sd > 0:   # (runs that agree to the last digit: none but the same passes)
+        if not sd > 0:
+            # runs that agree to the last digit (a type's one class: a share of 1): this run's
+            # figure the same is within them (its type's check decides), any other past them
             if not math.isclose(current, mean, rel_tol=1e-9):
                 continue
             c.p_value = 1.0

@@ -603,12 +603,18 @@ def gate_headline(result: GateResult) -> str:
     # how the sides differ first: it explains the rest, and a long list would cut it off
     failures = sorted(result.failures, key=lambda c: c.status not in (
         "captured differently", "broken down differently"))
-    # a layer type the run lost fails each of its checks: one item, naming them (a lost
-    # path: an item per type)
+    # a layer type the run lost fails each of its checks: one item, naming them; a path it
+    # lost (each of its checks missing) one item, naming its types
+    lost_paths = {c.path for c in failures if c.status == "missing"} - {
+        c.path for c in result.checks if c.status != "missing"}
     lost: dict[tuple[str, str], list[Check]] = {}
     items: list[str | tuple[str, str]] = []
     for c in failures:
-        if c.status == "missing":
+        if c.status == "missing" and c.path in lost_paths:
+            if (c.path, "") not in lost:
+                items.append((c.path, ""))
+            lost.setdefault((c.path, ""), []).append(c)
+        elif c.status == "missing":
             if (c.path, c.layer_type) not in lost:
                 items.append((c.path, c.layer_type))
             lost.setdefault((c.path, c.layer_type), []).append(c)
@@ -621,6 +627,9 @@ def gate_headline(result: GateResult) -> str:
                          f"{_value(c.baseline)} -> {_value(c.current)}"
                          + (f" ({_clipped(c.detail)})" if c.detail else ""))
     said_items = [item if isinstance(item, str) else
+                  f"the path {item[0]} missing from the run (its "
+                  + ", ".join(dict.fromkeys(c.layer_type for c in lost[item])) + ")"
+                  if not item[1] else
                   f"{item[0]} {item[1]} missing from the run ("
                   + ", ".join(result.metric_name(c) for c in lost[item])
                   + "".join(f"; {_clipped(c.detail)}" for c in lost[item][:1] if c.detail)

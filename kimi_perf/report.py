@@ -605,8 +605,10 @@ def _run_html(run: dict | None, breakdowns: dict[str, Breakdown]) -> str:
         gpus = (f"ran on {gpus_text(src['gpus_ran'], src.get('tool'))}"
                 if src.get("gpus_ran") is not None
                 else f"GPUs described: {gpus_text(src.get('gpus') or [], src.get('tool'))}")
+        # (a trace --from run's files: from its run directory, as its run.json has them)
+        where = ", from the run directory" if run.get("files") else ""
         items.append((f"trace {label}", f"{src.get('file')} ({src.get('tool')} "
-                                        f"{src.get('format')}; {gpus})"
+                                        f"{src.get('format')}{where}; {gpus})"
                       + "".join(f", joined by the graph captures of {c}"
                                 for c in src.get("captures") or [])))
     items += _version_items(run)
@@ -694,9 +696,13 @@ def first_forward_text(run: dict) -> str | None:
     if isinstance(tp := run.get("tp"), int) and tp > 1:
         return (f"each path ran in {tp} processes of its own (its TP ranks), so its time to "
                 "first token is their first forward pass, first-call costs and all")
-    return (f"the first path's time to first token ({next(iter(metrics))}) is the process's "
-            "first forward pass, first-call costs and all, so compare it across runs of one "
-            "path")
+    # (the run's first path as it ran, whatever --path drew: another's is no first call)
+    ran = (run.get("request") or {}).get("paths")
+    first = ran[0] if isinstance(ran, list) and ran else next(iter(metrics))
+    if first not in metrics:
+        return None
+    return (f"the first path's time to first token ({first}) is the process's first forward "
+            "pass, first-call costs and all, so compare it across runs of one path")
 
 
 def ranks_text(run: dict) -> str | None:
@@ -845,6 +851,12 @@ def report_inputs(inputs: list[str | Path], path_name: str | None = None,
         raise no_run(inputs)
     got = ReportInputs({})
     drawn: list[dict[str, str]] = []   # of each input: its paths' labels by name
+    # runs of one name (a copy elsewhere: two nights' runs/<same stamp>) named by their path
+    # (one file twice keeps its name, primed)
+    names = [run_name(f) for f in inputs]
+    real = [os.path.realpath(f) for f in inputs]
+    names = [printable(str(f)) if len({r for r, m in zip(real, names, strict=True) if m == n})
+             > 1 else n for f, n in zip(inputs, names, strict=True)]
     for i, file in enumerate(inputs):
         runs, run_doc = (loaded.get(i)
                          or load_paths(file, labels_of[i], phase, **breakdown_options))
@@ -854,7 +866,7 @@ def report_inputs(inputs: list[str | Path], path_name: str | None = None,
         fell = paths_that_fell_back(info)
         drawn.append({})
         for name, b in runs.items():
-            label = f"{run_name(file)}:{name}" if run_doc and len(inputs) > 1 else name
+            label = f"{names[i]}:{name}" if run_doc and len(inputs) > 1 else name
             while label in got.breakdowns:
                 label += "'"
             got.breakdowns[label] = b
@@ -864,7 +876,7 @@ def report_inputs(inputs: list[str | Path], path_name: str | None = None,
                 if len(inputs) > 1:   # (one run says its own)
                     got.fell_back[label] = fell[name]
         if info is not None and len(inputs) > 1:   # (checked as it was read)
-            got.runs.append((run_name(file), info if path_name is None else {
+            got.runs.append((names[i], info if path_name is None else {
                 **info, "paths": {p: m for p, m in (info.get("paths") or {}).items()
                                   if p == path_name}}))   # (the drawn path's metrics alone)
             got.run_labels.append(list(drawn[-1].values()))

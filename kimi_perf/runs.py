@@ -169,8 +169,8 @@ def stored_tolerances_problem(value: object) -> str | None:
 # a layer type's and a step's medians, each class's and each layer's kernel µs, the steps'
 # mean span
 SPREAD_METRICS = ("kernel_us", "span_us", "class_us", "layer_kernel_us", "span_us_mean")
-SPREAD_FEWEST_RUNS = 5   # the stored run and four more: with three, t(2) passes a run 8 sd
-                         # off at alpha 0.01
+SPREAD_FEWEST_RUNS = 5   # the stored run and four more: at alpha 0.01, three runs pass a run
+                         # 8 sd off their mean, four one 5 sd off
 
 
 def run_spread_problem(value: object) -> str | None:

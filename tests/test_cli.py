@@ -269,9 +269,14 @@ def test_a_capture_saved_apart_joins_breakdown_convert_and_trace_from(tmp_path):
     assert b["layer_types"] == doc["layer_types"]
     assert f"--capture {VLLM_CAPTURE}" in run_doc["run"]["command"]
     assert [Path(c).name for c in run_doc["run"]["captures"]] == [VLLM_CAPTURE.name]
-    assert b["source"]["captures"] == doc["source"]["captures"] == [str(VLLM_CAPTURE)]
+    assert doc["source"]["captures"] == [str(VLLM_CAPTURE)]
+    # the run's breakdown names its files as its run.json does: from its run directory
+    assert b["source"]["captures"] == run_doc["run"]["captures"]
+    assert b["source"]["file"] == run_doc["run"]["files"][0]
+    assert (Path(run_doc["run_dir"]) / b["source"]["file"]).resolve() == VLLM.resolve()
     html_report = (Path(run_doc["run_dir"]) / "report.html").read_text()
-    assert f"joined by the graph captures of {VLLM_CAPTURE}" in html_report
+    assert f"joined by the graph captures of {run_doc['run']['captures'][0]}" in html_report
+    assert "kineto-json, from the run directory; ran on" in html_report
     # info of the run reads the trace as the run did, joined by its captures
     said = run("info", run_doc["run_dir"]).output
     assert said.startswith(f"{VLLM}: ") and f"graph captures of {VLLM_CAPTURE}\n" in said
@@ -381,7 +386,7 @@ def test_a_path_that_fell_back_on_every_step_is_said_so_by_compare_report_and_ga
     with pytest.raises(SystemExit) as exited:
         _fail_if_unusable(stored["run"], tmp_path)
     assert exited.value.code == 1
-    assert capsys.readouterr().err == f"kimi-perf: {tmp_path}: {said}: none of its kernels ran\n"
+    assert capsys.readouterr().err == f"kimi-perf: {tmp_path}: {said}\n"
     _fail_if_unusable(json.loads(BASELINE.read_text())["run"], tmp_path)   # (passes)
     drawn = run("report", run_file, VLLM, "--path", "specialized", "--labels", "run,vllm",
                 "-o", report)
@@ -1022,6 +1027,9 @@ def test_a_layer_count_below_two_or_beyond_any_model_is_refused():
                         f"--from: how layers are found), not '{count}'")
     _one_line_error(run("trace", "--batch", "1.5"),
                     "Invalid value for '--batch': '1.5' is not a valid integer.")
+    # validate's --prompt and --context are one option: both given, the last would win unsaid
+    _one_line_error(run("validate", "--prompt", "3", "--context", "5"),
+                    "--prompt and --context are one option (the prompt's tokens): give it once")
 
 
 def test_floors_of_a_sharded_preset_at_another_tp_is_refused(tmp_path):
@@ -1326,6 +1334,15 @@ def test_run_directories_of_the_same_second_never_collide(tmp_path, monkeypatch)
     assert after.name == "20261130T120000Z-from-4"
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         partial.name, first_final.name, second_final.name, after.name]   # (the dot sorts first)
+    # a name taken meanwhile by other hands: the finished run is kept where it is, and said
+    taken = capture.run_directory(tmp_path, "from")
+    partial, final = taken.__enter__()
+    (partial / "run.json").write_text("{}")
+    final.mkdir()
+    (final / "theirs").write_text("")
+    with pytest.raises(TraceError, match=r"cannot take the run's name .*: the run is kept in"):
+        taken.__exit__(None, None, None)
+    assert (partial / "run.json").exists() and (final / "theirs").exists()
 
 
 @pytest.mark.parametrize("name, other_thread, outside", [
@@ -3207,6 +3224,22 @@ def test_a_report_of_several_runs_keeps_each_run_s_caveats(tmp_path):
 
     gpu = run_info | {"environment": run_info["environment"] | {"device": "cuda"}}
     assert first_forward_text(gpu) is None
+    # the run's first path as it ran, whatever --path drew: the second path's is no first call
+    second = run_info | {"paths": {"specialized": run_info["paths"]["specialized"]}}
+    assert first_forward_text(second) is None
+    first = run_info | {"paths": {"standard": run_info["paths"]["standard"]}}
+    assert "(standard) is the process's first forward pass" in first_forward_text(first)
+    # two runs of one name (copies elsewhere) are each named by their path as given
+    for copy in ("x", "y"):
+        (tmp_path / copy).mkdir()
+        shutil.copy(BASELINE, tmp_path / copy / BASELINE.name)
+    named = run("report", tmp_path / "x" / BASELINE.name, tmp_path / "y" / BASELINE.name,
+                "--path", "specialized", "-o", tmp_path / "two.html")
+    assert named.exit_code == 0, named.output
+    page = (tmp_path / "two.html").read_text()
+    assert all(html.escape(f"{tmp_path / c / BASELINE.name}:specialized") in page
+               for c in ("x", "y"))
+    assert "tiny-cpu:specialized" not in page
     text = write_report(tmp_path / "g.html", paths, "t", None, "cdn",
                         runs=[("a", gpu), ("b", gpu)]).read_text()
     assert "first forward pass" not in text

@@ -468,7 +468,7 @@ def test_validate_cli(tmp_path):
     twice = CliRunner().invoke(main, ["validate", "--paths", "standard,standard"])
     assert twice.exit_code == 2 and "--paths names a path twice" in twice.output
     one = CliRunner().invoke(main, ["validate", "--layers", "1"])    # layer 0 dense and MLA
-    assert one.exit_code == 2 and "1 is not in the range x>=2" in one.output
+    assert one.exit_code == 2 and "1 is not in the range 2<=x<=1024" in one.output
     for rank in ("k3-tp8", "k3-tp16"):   # one line, before minutes of weights
         sharded = CliRunner().invoke(main, ["validate", "--preset", rank])
         assert sharded.exit_code == 2 and sharded.output.count("\n") == 1, sharded.output

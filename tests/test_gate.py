@@ -1147,7 +1147,12 @@ def test_a_layer_type_or_path_the_run_lost_fails():
     assert {c.status for c in lost.failures} == {"missing"}
     assert {c.layer_type for c in lost.failures} == {"mla"}
     two = {**base, "standard": _breakdown({"kda": 18}, {"kda": KDA})}
-    assert not gate(two, base).ok                     # the run lacks the standard path
+    lost_path = gate(two, base)                       # the run lacks the standard path
+    assert not lost_path.ok and {c.path for c in lost_path.failures} == {"standard"}
+    # the verdict's line says the path once, not an item per layer type and its steps
+    assert gate_headline(lost_path).startswith(
+        "gate: FAIL, 1 missing (8 checks): the path standard missing from the run (its kda, "
+        "step)"), gate_headline(lost_path)
     new = gate(base, two)                             # the run adds one: reported, passes
     assert new.ok and {c.status for c in new.checks if c.path == "standard"} == {"new"}
 
@@ -2724,8 +2729,9 @@ def test_a_baseline_keeps_the_spread_of_several_runs_and_passes_a_run_within_it(
 
 def test_the_spread_of_runs_takes_runs_of_the_same_work_alone(tmp_path):
     """What --spread-from refuses, one line and nothing written: without --update, fewer than
-    two runs, a run given twice, a run of other work (layers a step lost); a stored spread
-    that cannot be read is named."""
+    four runs, a run given twice (or a copy), a run of other work (layers a step lost), the
+    baseline's own file (not a run it was stored from); a stored spread that cannot be read
+    is named."""
     _nightly_runs(tmp_path, {"r1": 1.0, "r2": 1.02, "r3": 0.99, "r4": 1.01, "r5": 0.98})
     _nightly_runs(tmp_path, {"shallow": 1.0}, n_layers=4)
     r1, r2, r3, r4, r5, shallow = (str(tmp_path / f"{n}.json")
@@ -2756,7 +2762,10 @@ def test_the_spread_of_runs_takes_runs_of_the_same_work_alone(tmp_path):
         update_baseline(base, r1, spread_from=r2)
     assert CliRunner().invoke(main, ["gate", "--update", str(base), r1,
                                      *spread(r2, r3, r4, r5)]).exit_code == 0
-    # the baseline's own file among the runs: a run of the code it replaces
+    # the baseline's own file among the runs: a run of the code it replaces; a run it was
+    # stored from (the same bytes) is a run of this code
+    assert CliRunner().invoke(main, ["gate", "--update", str(base), r2,
+                                     *spread(r1, r3, r4, r5)]).exit_code == 0
     kept = base.read_bytes()
     again = CliRunner().invoke(main, ["gate", "--update", str(base), r2,
                                       *spread(r3, r4, r5, str(base))])

@@ -253,7 +253,19 @@ def test_a_layout_the_kernel_would_read_wrong_is_refused(call, said):
 
 def test_tensors_on_two_devices_are_refused():
     """A kernel reads every pointer on its launch's device: one tensor elsewhere is another
-    device's address (the meta device stands in for a GPU here)."""
-    with pytest.raises(ValueError, match=r"rms_norm: tensors on cpu and meta: one device"):
-        check_layout("rms_norm", {"weight": torch.empty(4, device="meta")},
-                     {"x": torch.randn(2, 4)})
+    device's address (the meta device stands in for a GPU here), whichever of the wrapper's
+    tensors it is."""
+    with pytest.raises(ValueError, match=r"rms_norm: tensors on meta and cpu \(x\): one "):
+        rms_norm(torch.randn(2, 4), torch.empty(4, device="meta"), 1e-6)
+    for changed in ({"qhat": MLA["qhat"].to("meta")}, {"cache": MLA["cache"].to("meta")},
+                    {"positions": MLA["positions"].to("meta")}):
+        with pytest.raises(ValueError, match=r"mla_attention: tensors on .* one device"):
+            _attention(MLA, **changed)
+    with pytest.raises(ValueError, match=r"kda_decode: tensors on cpu and meta \(f\)"):
+        _kda(f=torch.empty(1, 1, 32, device="meta"))
+
+
+def test_a_shape_of_no_tensor_given_is_a_mistake_of_the_wrapper():
+    """A misspelt name in ``shapes`` or ``dtypes`` would check nothing without a word."""
+    with pytest.raises(TypeError, match="check_layout: rms_norm names no tensor 'wieght'"):
+        check_layout("rms_norm", {"weight": torch.randn(4)}, {}, {"wieght": (4,)})
