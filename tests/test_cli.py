@@ -1957,6 +1957,9 @@ def test_a_directory_of_traces_stands_for_its_traces(tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()
     _one_line_error(run("trace", "--from", empty, "--out", out), "holds no trace files")
+    # a folder of runs (traces/runs) says what it holds
+    _one_line_error(run("report", out, "-o", tmp_path / "o.html"), "holds no trace files",
+                    f"it holds 1 kimi-perf run directory: give it ({out / '*'}/)")
     shutil.copy(ranks / "meta.json", empty)
     _one_line_error(run("trace", "--from", empty, "--out", out),
                     "holds no trace files (*.json.gz, *.pt.trace.json, *.trace.json, *.json, "
