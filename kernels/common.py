@@ -96,8 +96,8 @@ def check_layout(what: str, whole: dict[str, torch.Tensor | None],
             if device is None:
                 device = t.device
             elif t.device != device:
-                raise ValueError(f"{what}: tensors on {device} and {t.device} ({name}): one "
-                                 "device")
+                raise ValueError(f"{what}: {name} is on {t.device}, the others on {device}: "
+                                 "all must be on one device")
             if not (t.is_contiguous() if tensors is whole else t.stride(-1) == 1):
                 raise ValueError(f"{what}: {name} must {kind}")
     for checks in (shapes or {}, dtypes or {}):

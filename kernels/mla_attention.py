@@ -202,7 +202,8 @@ def mla_attention(qhat: torch.Tensor, cache: torch.Tensor, positions: torch.Tens
     if not 1 <= splits <= MAX_SPLITS:
         raise ValueError(f"mla_attention: {splits} splits (1 to {MAX_SPLITS})")
     if not 0 < kv_lora < width:
-        raise ValueError(f"mla_attention: kv_lora {kv_lora} of q̂'s {width} columns")
+        raise ValueError(f"mla_attention: kv_lora {kv_lora} must be below q̂'s {width} "
+                         "columns (kv_lora + rope)")
     check_cache("mla_attention", cache, positions, M, tokens_per_seq, width, {"qhat": qhat})
     if fp8 != (qhat.dtype == torch.float8_e4m3fn):
         raise ValueError(f"mla_attention: a {qhat.dtype} q̂ for a {cache.dtype} cache (an fp8 "

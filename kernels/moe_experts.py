@@ -290,7 +290,8 @@ def _fc1(x, w13, ids, top_k, situ, out, shared=None, logits=None, bias=None, wei
     n_experts, two_i, kdim = w13.shape
     inter = two_i // 2
     if two_i % 2:
-        raise ValueError(f"routed experts' FC1: w13's {two_i} rows are not gate over up")
+        raise ValueError(f"routed experts' FC1: w13's {two_i} rows do not split into gate "
+                         "and up halves")
     if out is None:
         out = torch.empty(M, top_k, inter, dtype=w13.dtype, device=x.device)
     check_layout("routed experts' FC1", {"ids": ids, "act": out, "weights": weights,

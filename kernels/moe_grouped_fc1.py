@@ -190,7 +190,8 @@ def moe_grouped_fc1_situ(x: torch.Tensor, w13: Experts, ids: torch.Tensor,
     if ids.dtype != torch.int32 or not ids.is_contiguous():
         raise ValueError("moe_grouped_fc1_situ: the expert ids must be contiguous int32")
     if two_i % 2:
-        raise ValueError(f"moe_grouped_fc1_situ: w13's {two_i} rows are not gate over up")
+        raise ValueError(f"moe_grouped_fc1_situ: w13's {two_i} rows do not split into gate "
+                         "and up halves")
     if x.shape != (M, kdim) or x.stride(1) != 1 or (not mxfp4 and w13.stride(2) != 1):
         raise ValueError(f"moe_grouped_fc1_situ: latent {tuple(x.shape)} and experts "
                          f"{tuple(w13.shape)} do not fit {M} tokens (rows contiguous)")

@@ -1511,7 +1511,8 @@ def trace_cmd(from_files: tuple[Path, ...], captures: tuple[Path, ...], phase: s
         seen: dict[str, Path] = {}
         for file in found:   # (a trace against itself: every ratio 1.00, no comparison)
             if (twin := seen.setdefault(os.path.realpath(file), file)) is not file:
-                raise TraceError(file, f"is {twin} given again: --from takes each trace once")
+                raise TraceError(file, f"given twice (also as {twin}): --from takes each "
+                                       "trace once")
         run_dir, results, run_info = cap.analyse(found, out_dir,
                                                  layers=layers, phase=phase, rules=rules,
                                                  step_regex=_check_steps(steps_arg),

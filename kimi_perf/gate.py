@@ -592,8 +592,8 @@ def spread_of_runs(run: str | Path, others: Sequence[str | Path],
     seen = {_run_identity(run): run}
     for other in others:
         if (twin := seen.get(identity := _run_identity(other))) is not None:
-            raise TraceError(other, f"is the run {twin} given again (the same run twice is "
-                                    "no spread)")
+            raise TraceError(other, f"given twice (also as {twin}): the same run twice is no "
+                                    "spread")
         seen[identity] = other
     # every time, CPU time too (what is checked is the gate's choice, later)
     tolerances = dataclasses.replace(tolerances or Tolerances(), metrics=METRICS)
@@ -619,7 +619,7 @@ def spread_of_runs(run: str | Path, others: Sequence[str | Path],
                       and not (c.metric in TIMES and c.status in ("regression", "improvement"))]
         if other_work:
             raise TraceError(other, f"not a run of {run}'s work ({other_work[0]}): its times "
-                                    "say nothing of how that run's move")
+                                    f"say nothing of how {run}'s times move")
         for c in result.checks:
             if (c.metric in SPREAD_METRICS and c.layer_index is None
                     and None not in (c.baseline, c.current)):

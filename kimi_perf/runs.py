@@ -1009,13 +1009,16 @@ def trace_files(paths: list[str | Path], keep_runs: bool = False,
                         key=lambda entry: natural(entry[0]))
         if not found:
             # (traces/runs: its runs are folders of their own, given each, DIR/*/)
-            runs = sum((d / "breakdown.json").is_file() for d in path.iterdir() if d.is_dir())
+            runs = sum((d / "breakdown.json").is_file() for d in path.iterdir()
+                       if d.is_dir() and not d.name.startswith("."))
             raise TraceError(path, "holds no trace files (" + ", ".join(
                 f"*{s}" for s in TRACE_SUFFIXES[2:]) + ")" + (
                 "; left out: " + ", ".join(f"{f.name} ({why})" for f, why in passed)
                 if passed else "") + (
-                f"; it holds {runs} kimi-perf run director{'y' if runs == 1 else 'ies'}: give "
-                f"{'it' if runs == 1 else 'them'} ({path / '*'}/)" if runs else ""))
+                f"; it holds {runs} kimi-perf run director{'y' if runs == 1 else 'ies'}: "
+                + (f"give {'it' if runs == 1 else 'them'} ({path / '*'}/)" if keep_runs
+                   else f"kimi-perf report {path / '*'}/ draws "
+                   f"{'it' if runs == 1 else 'them'}") if runs else ""))
         copies = _saved_beside(found)
         # a report nsys has exported (``nsys stats`` leaves X.sqlite beside X.nsys-rep) is
         # one capture: its export is read, and the report is not read again; an export

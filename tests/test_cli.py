@@ -1233,7 +1233,8 @@ def test_trace_from_two_traces_shows_short_labels_and_keeps_whole_names(tmp_path
                     "-o/--out is the folder the run directory is made in, not stdout")
     assert not Path("-").exists()
     _one_line_error(run("trace", "--from", files[0], "--from", files[0], "-o", tmp_path),
-                    f"{files[0]}: is {files[0]} given again: --from takes each trace once")
+                    f"{files[0]}: given twice (also as {files[0]}): --from takes each trace "
+                    "once")
     whole = [f.name.removesuffix(".sqlite") for f in files]
     assert f"before: {whole[0]}; after: {whole[1]}" in text
     (run_dir,) = tmp_path.iterdir()
@@ -1960,6 +1961,9 @@ def test_a_directory_of_traces_stands_for_its_traces(tmp_path):
     # a folder of runs (traces/runs) says what it holds
     _one_line_error(run("report", out, "-o", tmp_path / "o.html"), "holds no trace files",
                     f"it holds 1 kimi-perf run directory: give it ({out / '*'}/)")
+    _one_line_error(run("trace", "--from", out, "-o", tmp_path / "runs2"),
+                    f"it holds 1 kimi-perf run directory: kimi-perf report {out / '*'}/ draws "
+                    "it")
     shutil.copy(ranks / "meta.json", empty)
     _one_line_error(run("trace", "--from", empty, "--out", out),
                     "holds no trace files (*.json.gz, *.pt.trace.json, *.trace.json, *.json, "

@@ -2747,11 +2747,11 @@ def test_the_spread_of_runs_takes_runs_of_the_same_work_alone(tmp_path):
             (["--update", str(base), r1, *spread(r2, r3, r4)],
              "the spread of runs takes 4 runs or more besides"),
             (["--update", str(base), r1, *spread(r2, r3, r4, r2)],
-             f"{r2}: is the run {r2} given again"),
+             f"{r2}: given twice (also as {r2})"),
             (["--update", str(base), r1, *spread(r2, r3, r4, r1)],
-             f"{r1}: is the run {r1} given again"),
+             f"{r1}: given twice (also as {r1})"),
             (["--update", str(base), r1, *spread(r2, r3, r4, str(tmp_path / "copy.json"))],
-             f"{tmp_path / 'copy.json'}: is the run {r2} given again"),
+             f"{tmp_path / 'copy.json'}: given twice (also as {r2})"),
             (["--update", str(base), r1, *spread(r2, r3, r4, shallow)],
              f"{shallow}: not a run of {r1}'s work (trace ")):
         result = CliRunner().invoke(main, ["gate", *args])

@@ -255,13 +255,13 @@ def test_tensors_on_two_devices_are_refused():
     """A kernel reads every pointer on its launch's device: one tensor elsewhere is another
     device's address (the meta device stands in for a GPU here), whichever of the wrapper's
     tensors it is."""
-    with pytest.raises(ValueError, match=r"rms_norm: tensors on meta and cpu \(x\): one "):
+    with pytest.raises(ValueError, match=r"rms_norm: x is on cpu, the others on meta: all "):
         rms_norm(torch.randn(2, 4), torch.empty(4, device="meta"), 1e-6)
     for changed in ({"qhat": MLA["qhat"].to("meta")}, {"cache": MLA["cache"].to("meta")},
                     {"positions": MLA["positions"].to("meta")}):
-        with pytest.raises(ValueError, match=r"mla_attention: tensors on .* one device"):
+        with pytest.raises(ValueError, match=r"mla_attention: .* all must be on one device"):
             _attention(MLA, **changed)
-    with pytest.raises(ValueError, match=r"kda_decode: tensors on cpu and meta \(f\)"):
+    with pytest.raises(ValueError, match=r"kda_decode: f is on meta, the others on cpu"):
         _kda(f=torch.empty(1, 1, 32, device="meta"))
 
 
