@@ -344,7 +344,7 @@ def gate_files(baseline: str | Path, run: str | Path, tolerances: Tolerances | N
     result.stored_tolerances = stored
     if isinstance(base_doc, dict) and base_doc.get("run_spread"):
         # (a baseline stored from a trace keys its figures so, whatever --path named)
-        _within_spread(result, base_doc["run_spread"], TRACE if set(base_keys) == {TRACE}
+        _within_spread(result, base_doc["run_spread"], TRACE if base_keys == {TRACE}
                        else None)
     # how each side was captured: a trace in a run directory as its run.json says (compared
     # alone: the documents, what --update stores, stay load_run's)
@@ -589,12 +589,10 @@ def spread_of_runs(run: str | Path, others: Sequence[str | Path],
         raise TraceError(None, f"the spread of runs takes {SPREAD_FEWEST_RUNS - 1} runs or "
                                f"more besides {run} (at alpha 0.01, three runs pass a run 8 sd "
                                "off their mean, four one 5 sd off)")
-    seen = {_run_identity(run): run}
-    for other in others:
-        if (twin := seen.get(identity := _run_identity(other))) is not None:
+    for i, other in enumerate(others):
+        if (twin := next((o for o in (run, *others[:i]) if _same_run(o, other)), None)):
             raise TraceError(other, f"given twice (also as {twin}): the same run twice is no "
                                     "spread")
-        seen[identity] = other
     # every time, CPU time too (what is checked is the gate's choice, later)
     tolerances = dataclasses.replace(tolerances or Tolerances(), metrics=METRICS)
     loaded = {} if loaded is None else loaded
@@ -651,18 +649,27 @@ def spread_of_runs(run: str | Path, others: Sequence[str | Path],
                         in figures.items() if len(values) == len(others) + 1]}
 
 
-def _run_identity(path: Path) -> tuple:
-    """What makes two names one run: the file read (a run directory's breakdown.json,
-    through links), and its bytes (a copy)."""
-    file = path / "breakdown.json" if path.is_dir() else path
+def _same_run(a: Path, b: Path) -> bool:
+    """Whether two names are one run: the file read (a run directory's breakdown.json,
+    through links), or a copy of it (its bytes, read only where the sizes agree: a trace may
+    be gigabytes)."""
+    a, b = (p / "breakdown.json" if p.is_dir() else p for p in (a, b))
     try:
-        digest = hashlib.sha256()
-        with open(file, "rb") as f:
-            while block := f.read(1 << 20):
-                digest.update(block)
-        return ("bytes", digest.hexdigest())
+        if os.path.samefile(a, b):
+            return True
+        if a.stat().st_size != b.stat().st_size:
+            return False
+        return _file_digest(a) == _file_digest(b)
     except OSError:   # (load_run says why)
-        return ("file", os.path.realpath(file))
+        return False
+
+
+def _file_digest(file: Path) -> str:
+    digest = hashlib.sha256()
+    with open(file, "rb") as f:
+        while block := f.read(1 << 20):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def _within_spread(result: GateResult, spread: dict, path: str | None) -> None:
