@@ -378,8 +378,10 @@ LAYERS_COLUMN = ("layers: how many of the type all the steps profiled hold (one 
 
 def comparison_notes(rows: list[ComparisonRow], label_a: str, label_b: str,
                      unit: str = "kernels", unit_b: str | None = None) -> list[str]:
-    """What a comparison's table says under it: its ratios, its pairings, its marks."""
-    notes = [ratio_note(rows, label_a, label_b, units_word([unit, unit_b or unit]))]
+    """What a comparison's table says under it: its ratios, what its layers columns count, its
+    pairings, its marks."""
+    notes = [ratio_note(rows, label_a, label_b, units_word([unit, unit_b or unit])),
+             LAYERS_COLUMN]
     if paired := pairing_note(rows, label_a, label_b):
         notes.append(paired)
     if any(r.pattern_differs for r in rows):

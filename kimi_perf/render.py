@@ -21,7 +21,6 @@ from rich.text import Text
 
 from kimi_perf.attribution import RangeKernelRow
 from kimi_perf.comparison import (
-    LAYERS_COLUMN,
     STEPS_UNLIKE,
     ComparisonRow,
     OverviewRow,
@@ -415,8 +414,7 @@ def comparison_table(rows: list[ComparisonRow], label_a: str, label_b: str,
                       count_text(r.kernels_a), fmt(r.span_us_a),
                       r.layers_text("b"), count_text(r.kernels_b), fmt(r.span_us_b),
                       ratio_text(r.span_ratio), ratio_text(r.kernel_ratio))
-    table.caption = "\n".join([LAYERS_COLUMN,
-                               *comparison_notes(rows, label_a, label_b, unit, unit_b)])
+    table.caption = "\n".join(comparison_notes(rows, label_a, label_b, unit, unit_b))
     return table
 
 

@@ -25,7 +25,6 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from kimi_perf.comparison import (
-    LAYERS_COLUMN,
     STEPS_UNLIKE,
     aligned_types,
     aligned_typical,
@@ -70,7 +69,7 @@ from kimi_perf.runs import (
     trace_labels,
     without_shared_date,
 )
-from kimi_perf.text import counted, distinct_words
+from kimi_perf.text import counted, header_labels
 from kimi_perf.trace import atomic_write_text, printable
 
 CLASS_COLOURS = {
@@ -223,10 +222,13 @@ def report_pairs(breakdowns: dict[str, Breakdown],
 
 def _short_labels(labels: list[str]) -> dict[str, str]:
     """Each label as the tables' headers show it: without the words all of a report's labels
-    share (``distinct_words``: each name fills three columns), one name for a trace in every
-    table that sets traces side by side (sections of one trace, or prose, name it in full);
-    runs of one day without their date (``without_shared_date``)."""
-    return dict(zip(labels, distinct_words(without_shared_date(labels)), strict=True))
+    share, or numbered where one is still long (``header_labels``: each name fills three
+    columns), one name for a trace in every table that sets traces side by side (sections of
+    one trace, or prose, name it in full); runs of one day without their date
+    (``without_shared_date``). A label alone is kept whole."""
+    if len(labels) < 2:
+        return dict(zip(labels, labels, strict=True))
+    return dict(zip(labels, header_labels(without_shared_date(labels)), strict=True))
 
 
 def _said(short: dict[str, str], labels: list[str]) -> str:
@@ -281,7 +283,7 @@ def _comparison_html(breakdowns: dict[str, Breakdown], pairs: list[tuple[str, st
             f"<td>{ratio_text(r.kernel_ratio)}</td></tr>"
             for r in rows)
         note = "".join(f"<p>{e(line)}.</p>" for line in [
-            LAYERS_COLUMN, *comparison_notes(rows, a, b, unit[label_a], unit[label_b]),
+            *comparison_notes(rows, a, b, unit[label_a], unit[label_b]),
             *sides_notes(breakdowns[label_a], breakdowns[label_b], a, b)])
         parts.append(f"<h2>Per layer type: {e(a)} vs {e(b)} (medians; µs = layer span)</h2>"
                      f"{said}<table>{head}{body}</table>{note}")

@@ -1093,6 +1093,7 @@ def test_compare_a_run_its_paths_and_labels(tmp_path):
     assert doc["notes"][0].startswith("ratios: standard over specialized")
     assert "whole step: the median step, all its ops" in doc["notes"][0]   # (not kernels)
     assert any("a CPU run's µs are CPU time" in note for note in doc["notes"])
+    assert doc["notes"][1].startswith("layers: how many of the type all the steps profiled")
     assert "a CPU run's µs are CPU time" in run("compare", BASELINE).output
     same = run("compare", BASELINE, BASELINE, "--path", "specialized", "--labels", "old,new",
                "--format", "json")
@@ -3309,3 +3310,21 @@ def test_tp_ranks_meet_before_the_prefill_s_timer_starts(monkeypatch, tmp_path):
     monkeypatch.setattr(capture, "_profile", lambda *args, **kwargs: given.update(kwargs))
     capture._rank_profile(0, {}, None, req, "standard", str(tmp_path))
     assert given == {"ready": torch.distributed.barrier}
+
+
+def test_report_numbers_labels_still_long_without_their_shared_words(tmp_path):
+    """Two traces whose names stay long once the words both share are left out: the tables'
+    headers number them, as compare does (three columns a trace), and a line says which is
+    which."""
+    a = tmp_path / "vllm_fullgraph_batch32_mi300x_rocm62_eager_attention.json.gz"
+    b = tmp_path / "vllm_fullgraph_capture_batch32_h100_cuda128_flash_attention.json.gz"
+    shutil.copy(VLLM, a)
+    shutil.copy(VLLM_CAPTURE, b)
+    out = tmp_path / "r.html"
+    result = run("report", a, b, "-o", out, "--plotly-js", "cdn")
+    assert result.exit_code == 0, result.output
+    text = out.read_text()
+    assert "Per layer type: #1 vs #2" in text
+    assert ("#1: vllm_fullgraph_batch32_mi300x_rocm62_eager_attention; "
+            "#2: vllm_fullgraph_capture_batch32_h100_cuda128_flash_attention") in text
+    assert "<th>#1 kernel</th>" in text   # (the typical layers' table)
