@@ -603,6 +603,10 @@ def breakdown_cmd(trace: Path | None, fmt: str | None, layers: str, step_regex: 
         typical = [render.typical_layer_table(t["type"] or "-", {"": t}, b.unit)
                    for t in b.layer_types] if kernels else []
         _emit_tables(render.breakdown_tables(b) + typical, output)
+    elif fmt == "csv" and not b.layers:   # (a header alone would pass for a result)
+        raise TraceError(trace, f"no layers found in its {counted(len(b.steps), 'step')}: the "
+                                "CSV holds a row per layer; --format json or the table gives "
+                                "the steps")
     else:
         _emit(render.breakdown_json(b) if fmt == "json" else render.breakdown_csv(b), output)
 

@@ -84,6 +84,14 @@ class ComparisonRow:
         return _significant(self.span_us_a / self.span_us_b)
 
     @property
+    def kernel_us_ratio(self) -> float | None:
+        """A's kernel time over B's (the span less the idle time between kernels)."""
+        if (self.kernel_us_a is None or not self.kernel_us_b or not self.timed_alike
+                or not self.same_layers or self.fell_back):
+            return None
+        return _significant(self.kernel_us_a / self.kernel_us_b)
+
+    @property
     def kernel_ratio(self) -> float | None:
         if (self.kernels_a is None or not self.kernels_b or not self.same_layers
                 or self.fell_back):
@@ -99,7 +107,8 @@ class ComparisonRow:
                      (self.layers_b, self.kernels_b, self.kernel_us_b, self.span_us_b,
                       self.steps_b))]
         return {"type": self.type, "type_b": self.type_b, "a": sides[0], "b": sides[1],
-                "span_ratio": self.span_ratio, "kernel_ratio": self.kernel_ratio,
+                "span_ratio": self.span_ratio, "kernel_us_ratio": self.kernel_us_ratio,
+                "kernel_ratio": self.kernel_ratio,
                 "pattern_differs": self.pattern_differs, "same_layers": self.same_layers}
 
 
@@ -139,11 +148,12 @@ def layer_sources(b: Breakdown) -> list[str]:
 def steps_of_other_work(breakdowns: list[Breakdown]) -> bool:
     """Whether the breakdowns' whole steps ran other work, so that they have no ratio or
     spread: their steps hold other numbers of layers, and either each device is one step on
-    every side (profiler windows cut elsewhere, ``unequal_windows``) or every layer is a
-    range on every side (models of other depths: a run of 4 layers is no 2x leaner than one
-    of 8). Layers found by the kernel pattern on any side may be cut otherwise (a graph's
-    pattern taking two eager layers as one): those steps compare. Layer types compare either
-    way."""
+    some side (a profiler window, cut anywhere: against another window, ``unequal_windows``,
+    or against forward passes, a window holding many) or every layer is a range on every
+    side (models of other depths: a run of 4 layers is no 2x leaner than one of 8). Layers
+    found by the kernel pattern on any side may be cut otherwise (a graph's pattern taking
+    two eager layers as one): steps found by ranges or graph launches then compare. Layer
+    types compare either way."""
     return _other_work([layers_per_step(b) for b in breakdowns],
                        [b.source.get("steps_found_by") == "device" for b in breakdowns],
                        [layer_sources(b) == ["nvtx"] for b in breakdowns])
@@ -154,7 +164,7 @@ def _other_work(layers: list[float | None], windows: list[bool], ranges: list[bo
     profiler windows and its layers ranges."""
     if None in layers or len(set(layers)) < 2:
         return False
-    return all(windows) or all(ranges)
+    return any(windows) or all(ranges)
 
 
 def compare(a: Breakdown, b: Breakdown, fell_back: bool = False) -> list[ComparisonRow]:
@@ -324,10 +334,14 @@ def _row(name: str, ta: dict | None, tb: dict | None) -> ComparisonRow:
     def pick(t, key):
         return t[key] if t else None
     patterns = ((ta or {}).get("pattern"), (tb or {}).get("pattern"))
+    # a letter paired by name with a type that keeps no kernel sequence (layers of ranges
+    # lettered by their kernels, or a breakdown stored before sequences were kept): the same
+    # letter, not shown to be the same layer
+    by_letter = ta is not None and tb is not None and (None in patterns) and any(patterns)
     return ComparisonRow(name, ta["layers"] if ta else 0, pick(ta, "kernels"),
                          pick(ta, "kernel_us"), pick(ta, "span_us"),
                          tb["layers"] if tb else 0, pick(tb, "kernels"), pick(tb, "kernel_us"),
-                         pick(tb, "span_us"), patterns_differ(patterns))
+                         pick(tb, "span_us"), patterns_differ(patterns) or by_letter)
 
 
 # How two traces' layer types were paired, for the notes under a comparison.
@@ -349,10 +363,17 @@ def ratio_note(rows: list[ComparisonRow], label_a: str, label_b: str,
                "outlier included" if mean.same_layers else "; all layers: no ratio, as the "
                "steps hold other numbers of layers (cut otherwise: a mean layer is another "
                "unit on each side)")
-            + ("" if step is None else f"; whole step: the median step, all its {units}"
-               if step.same_layers else f"; whole step: no ratio, as the steps hold "
-               f"{step.layers_a:g} and {step.layers_b:g} layers: other work (models of other "
-               "depths, each layer a range; or profiler windows cut elsewhere)"))
+            + ("" if step is None else f"; whole step: the median step{_of_steps(step)}, "
+               f"all its {units}" if step.same_layers else f"; whole step: no ratio, as the "
+               f"steps hold {step.layers_a:g} and {step.layers_b:g} layers: other work (models "
+               "of other depths, each layer a range; or a profiler window, cut anywhere)"))
+
+
+def _of_steps(step: ComparisonRow) -> str:
+    """How many steps each side's whole-step medians are over, where the sides differ."""
+    if step.steps_a == step.steps_b:
+        return ""
+    return f" (of {step.steps_a or 0} and of {step.steps_b or 0} steps)"
 
 
 def pairing_note(rows: list[ComparisonRow], label_a: str, label_b: str) -> str | None:
@@ -386,10 +407,34 @@ def comparison_notes(rows: list[ComparisonRow], label_a: str, label_b: str,
         notes.append(paired)
     if any(r.pattern_differs for r in rows):
         notes.append(f"* found by the repeating kernel pattern, with another kernel sequence in "
-                     f"{label_b}: it may be another layer there")
+                     f"{label_b}, or paired by its letter with a type that keeps none (layers of "
+                     "ranges lettered by their kernels, or a breakdown stored before sequences "
+                     "were kept): it may be another layer there")
+    if idle := idle_note(rows):
+        notes.append(idle)
     if unit != (unit_b or unit):
         notes.append(UNLIKE_TIMES)
     return notes
+
+
+# how far (as a ratio) a row's span ratio may lie from its kernel-time ratio before the note
+# says that the idle time between kernels made the difference
+IDLE_APART = 1.05
+
+
+def idle_note(rows: list[ComparisonRow], most: int = 3) -> str | None:
+    """The rows whose µs ratio (of spans) lies IDLE_APART or more from the ratio of their
+    kernels' time: the difference is idle time between kernels (launch gaps, a sync), which
+    the spans hold and the kernels' µs do not."""
+    apart = [r for r in rows if r.span_ratio and r.kernel_us_ratio
+             and max(r.span_ratio / r.kernel_us_ratio,
+                     r.kernel_us_ratio / r.span_ratio) >= IDLE_APART]
+    if not apart:
+        return None
+    said = "; ".join(f"{r.label}: {r.span_ratio:.3g}, kernel µs {r.kernel_us_ratio:.3g}"
+                     for r in apart[:most]) + ("; …" if len(apart) > most else "")
+    return ("µs ratios the kernels' time does not explain (the rest is idle time between "
+            f"kernels: launch gaps, syncs), against the ratio of kernel µs: {said}")
 
 
 def rotation(a: list[str], b: list[str]) -> int | None:
@@ -566,8 +611,8 @@ def overview(breakdowns: dict[str, Breakdown]) -> list[OverviewRow]:
 
 
 STEPS_UNLIKE = ("no spread of whole steps: the traces' steps hold other numbers of layers "
-                "(models of other depths, each layer a range, or of no layer alike; or "
-                "profiler windows cut elsewhere)")
+                "(models of other depths, each layer a range, or of no layer alike; or a "
+                "profiler window, cut anywhere)")
 
 
 def steps_unlike(rows: list[OverviewRow]) -> bool:

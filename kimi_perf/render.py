@@ -427,7 +427,8 @@ def comparison_headline(rows: list[ComparisonRow], label_a: str, label_b: str,
     for r in rows:
         if r.kernels_a is None or r.kernels_b is None or not r.same_layers or r.fell_back:
             continue
-        parts.append(f"{r.label}: {count_text(r.kernels_a)} {unit} / {r.span_us_a:.1f} µs "
+        mark = " *" if r.pattern_differs else ""
+        parts.append(f"{r.label}{mark}: {count_text(r.kernels_a)} {unit} / {r.span_us_a:.1f} µs "
                      f"({label_a}) vs {count_text(r.kernels_b)}{other} / {r.span_us_b:.1f} µs "
                      f"({label_b})")
     return "\n".join(parts)

@@ -908,8 +908,11 @@ def _json_not_a_trace(path: Path) -> bool:
             head = f.read(KINETO_HEAD)
     except (OSError, EOFError, zlib.error):
         return False   # unreadable: the reader says why
-    return not (head.lstrip(b"\xef\xbb\xbf \t\r\n").startswith(b"[")
-                or b'"traceEvents"' in head or b'"schemaVersion"' in head)
+    head = head.lstrip(b"\xef\xbb\xbf \t\r\n")
+    if not head:
+        return False   # empty (a rank that crashed before writing): the reader says so
+    return not (head.startswith(b"[") or b'"traceEvents"' in head
+                or b'"schemaVersion"' in head)
 
 
 def _not_a_file(path: Path) -> str:

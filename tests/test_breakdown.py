@@ -991,6 +991,26 @@ def test_breakdowns_stored_before_digests_pair_by_name():
     assert pair_layer_types(old, new) == [("A", "A"), ("B", "B")]
 
 
+def test_a_letter_paired_with_a_type_that_keeps_no_sequence_is_marked():
+    """Layers of ranges lettered by their kernels (``--layers nvtx:REGEX`` without a type
+    group) keep no kernel sequence: their A pairs by letter with the other side's pattern type
+    A, another model's layer of twice the kernels, marked * (it read 1.33x unmarked), in the
+    table, the notes and the summary line; types of kept sequences alike stay unmarked."""
+    from kimi_perf.comparison import comparison_notes
+    from kimi_perf.render import comparison_headline
+
+    ranges = _types(("A", None, 11, 1919.3))
+    pattern = _types(("A", "d1", 22, 1447.1))
+    rows = compare(ranges, pattern)
+    assert rows[0].label == "A" and rows[0].pattern_differs
+    assert any(note.startswith("* found by the repeating kernel pattern, with another kernel "
+                               "sequence in B, or paired by its letter with a type that keeps "
+                               "none") for note in comparison_notes(rows, "A", "B"))
+    assert comparison_headline(rows, "A", "B").startswith("A *: 11 kernels")
+    assert not compare(pattern, _types(("A", "d1", 22, 1400.0)))[0].pattern_differs
+    assert not compare(ranges, _types(("A", None, 11, 1900.0)))[0].pattern_differs
+
+
 
 def test_work_in_no_step_says_whether_it_was_launched_outside_or_never_seen_launched():
     """A CUDA-graph trace whose replayed kernels have no launch record: they are in no step,

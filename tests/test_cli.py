@@ -1212,7 +1212,7 @@ def test_compare_pairs_a_cycle_cut_elsewhere_and_flags_other_kernels(tmp_path):
     doc = json.loads(run("compare", before, tmp_path / "changed.json", "--format",
                          "json").output)
     assert {r["type"] for r in doc["rows"] if r["pattern_differs"]} == {"A"}
-    table = run("compare", before, tmp_path / "changed.json").output
+    table = " ".join(run("compare", before, tmp_path / "changed.json").output.split())
     assert "A *" in table and "it may be another layer there" in table
 
 
@@ -3328,3 +3328,37 @@ def test_report_numbers_labels_still_long_without_their_shared_words(tmp_path):
     assert ("#1: vllm_fullgraph_batch32_mi300x_rocm62_eager_attention; "
             "#2: vllm_fullgraph_capture_batch32_h100_cuda128_flash_attention") in text
     assert "<th>#1 kernel</th>" in text   # (the typical layers' table)
+
+
+def test_breakdown_csv_of_a_trace_without_layers_is_refused(tmp_path):
+    """The CSV holds a row per layer: of a trace where none is found (DDP training) it was
+    a header alone, exit 0, that passed for a result; now an error that points to the steps,
+    and no file."""
+    trace = KINETO / "hta_a100_nccl_ddp_gpu_user_annotation.json.gz"
+    out = tmp_path / "out.csv"
+    _one_line_error(run("breakdown", trace, "-o", out), str(trace),
+                    "no layers found in its 3 steps: the CSV holds a row per layer; --format "
+                    "json or the table gives the steps")
+    assert not out.exists()
+    assert run("breakdown", trace, "--format", "json").exit_code == 0
+    rows = run("breakdown", VLLM, "--format", "csv").output.splitlines()
+    assert len(rows) == 25 and rows[0].startswith("step,device,layer,type")
+
+
+def test_an_empty_rank_in_a_directory_is_an_error_not_left_out(tmp_path):
+    """A rank that crashed leaves a trace file of 0 bytes (or a gzip of nothing): in a
+    directory of ranks it was left out as "JSON that is not a trace", exit 0, and the
+    summary covered the other ranks alone; it is an empty file, as given alone."""
+    import gzip
+
+    ranks = tmp_path / "ranks"
+    ranks.mkdir()
+    shutil.copy(VLLM, ranks / "rank0.json.gz")
+    (ranks / "rank1.json.gz").write_bytes(gzip.compress(b""))
+    (ranks / "rank2.json").write_text("\n")
+    result = run("info", ranks)   # (rank 0 described, each unreadable rank a line)
+    assert result.exit_code == 2 and result.stderr.strip().splitlines() == [
+        f"kimi-perf: error: {ranks / 'rank1.json.gz'}: a gzip that holds an empty file",
+        f"kimi-perf: error: {ranks / 'rank2.json'}: holds only blanks (spaces and line "
+        "breaks)"]
+    _one_line_error(run("breakdown", ranks / "rank1.json.gz"), "a gzip that holds an empty")

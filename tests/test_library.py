@@ -11,7 +11,7 @@ from click.testing import CliRunner
 
 from kimi_perf import compare_files, load_breakdown
 from kimi_perf.cli import EXAMPLE_TRACE, main
-from kimi_perf.comparison import WHOLE_STEP
+from kimi_perf.comparison import WHOLE_STEP, compare, ratio_note
 from kimi_perf.errors import TraceError
 from kimi_perf.gate import Tolerances, update_baseline
 from kimi_perf.report import report_inputs
@@ -261,3 +261,46 @@ def test_library_calls_given_the_wrong_kind_say_so():
                                             r"rules, step_regex\)"):
             call()
     assert load_run(BASELINE, layers="repeat")[0]   # (a known one: a stored run reads none)
+
+
+def test_a_profiler_window_against_forward_passes_has_no_whole_step_ratio():
+    """One trace broken down twice, its 15 forward passes as the steps against the whole
+    profiler window as one step (375 layers against 12): no whole-step ratio (it read 0.027,
+    the window's many passes against one), and the note says over how many steps each
+    side's medians are."""
+    import dataclasses
+
+    from kimi_perf import breakdown, read_trace
+
+    trace = read_trace(NSYS / "jsun-012-assignment2-systems__result__nsys2025.1.3.sqlite")
+    passes, window = breakdown(trace, step_regex="^Forward$"), breakdown(trace)
+    rows = compare(passes, window)
+    step = next(r for r in rows if r.label == WHOLE_STEP)
+    assert (step.layers_a, step.layers_b, step.steps_a, step.steps_b) == (12, 375, 15, 1)
+    assert step.kernel_ratio is None and step.span_ratio is None
+    assert "whole step: no ratio, as the steps hold 12 and 375 layers" in ratio_note(
+        rows, "A", "B")
+    same = compare(passes, passes)
+    assert "whole step: the median step, all its kernels" in ratio_note(same, "A", "B")
+    fewer = compare(passes, dataclasses.replace(passes, steps=passes.steps[:5]))
+    assert next(r for r in fewer if r.label == WHOLE_STEP).kernel_ratio is not None
+    assert ("whole step: the median step (of 15 and of 5 steps), all its kernels"
+            in ratio_note(fewer, "A", "B"))
+
+
+def test_a_span_ratio_the_kernels_time_does_not_explain_is_said():
+    """wan2.1's training layers before and after: the same 157 kernels, 0.998 of the time,
+    yet 0.879 of the span: the note says the rest is idle time between kernels (the table
+    shows spans alone), and JSON has the kernel-time ratio."""
+    from kimi_perf.comparison import idle_note
+
+    compared = compare_files(BEFORE, AFTER)
+    (a_row,) = [r for r in compared.rows if r.type == "A"]
+    assert (a_row.span_ratio, a_row.kernel_us_ratio) == (pytest.approx(0.879, abs=5e-4),
+                                                         pytest.approx(0.998, abs=5e-4))
+    assert a_row.to_json()["kernel_us_ratio"] == a_row.kernel_us_ratio
+    assert idle_note(compared.rows) == (
+        "µs ratios the kernels' time does not explain (the rest is idle time between kernels: "
+        "launch gaps, syncs), against the ratio of kernel µs: A: 0.879, kernel µs 0.998")
+    assert idle_note(compared.rows) in compared.table_notes
+    assert idle_note(compare_files(BEFORE, BEFORE).rows) is None
