@@ -125,18 +125,28 @@ def _memory_said(sizes: str, smaller: str = "batch, context or step count"):
 
 class NamedPath(click.Path):
     """A file or directory named on the command line: an empty name names none (as a path
-    it would be ".", the current directory, read or written by mistake)."""
+    it would be ".", the current directory, read or written by mistake); a name ending in /
+    names a directory (a Path drops the /: a file of that name would be read, or written
+    where a directory was meant). ``file``: a file to write, which such a name cannot be."""
 
-    def __init__(self):
+    def __init__(self, file: bool = False):
         super().__init__(path_type=Path)
+        self.file = file
 
     def convert(self, value, param, ctx):
         if isinstance(value, str) and not value:
             self.fail("an empty file name", param, ctx)
+        if isinstance(value, str) and value.endswith("/") and value.strip("/"):
+            if self.file:
+                self.fail(f"{value}: names a directory (its trailing /), not a file to write",
+                          param, ctx)
+            if os.path.lexists(value.rstrip("/")) and not os.path.isdir(value):
+                self.fail(f"{value}: not a directory, as its trailing / says", param, ctx)
         return super().convert(value, param, ctx)
 
 
 PATH = NamedPath()
+OUTPUT_FILE = NamedPath(file=True)
 
 
 class Count(click.IntRange):
@@ -284,13 +294,19 @@ def _format_option(choices: list[str]):
                         help=f"[default: table, or what -o's suffix names: {named}]")
 
 
+# Suffixes of files that hold something else than a table (kimi-perf's reports and
+# .kptrace, traces): -o of a command that cannot write it is refused, not given a table
+NOT_TABLES = ("csv", "json", "html", "kptrace", "sqlite", "gz", "nsys-rep", "qdrep")
+
+
 def _format_of(fmt: str | None, output: Path | None, choices: tuple[str, ...]) -> str:
     """--format as given, else the format the -o file's suffix names, else table; a suffix
-    naming a format the command lacks (floors has no CSV) is an error, not a table in it."""
+    naming a format the command lacks (floors has no CSV, compare no HTML: the run's report
+    it would overwrite) is an error, not a table in it."""
     if fmt is not None:
         return fmt
     suffix = output.suffix.lower().removeprefix(".") if output is not None else ""
-    if suffix in ("csv", "json") and suffix not in choices:
+    if suffix in NOT_TABLES and suffix not in choices:
         raise TraceError(None, f"-o {output.name}: no {suffix} format here (table or "
                                f"{', '.join(choices)}): give --format, or another name")
     return suffix if suffix in choices and suffix != "table" else "table"
@@ -525,7 +541,7 @@ def main() -> None:
 @click.option("--top", default=render.RANGES_TABLE_ROWS, show_default=True,
               type=Count(1), help="the table's rows: those with the most kernel "
               "time (CSV and JSON: all)")
-@click.option("-o", "--output", type=PATH, help="write here, not stdout")
+@click.option("-o", "--output", type=OUTPUT_FILE, help="write here, not stdout")
 @_fail_cleanly
 def ranges(trace: Path, fmt: str | None, pattern: str | None, top: int,
            output: Path | None) -> None:
@@ -576,7 +592,7 @@ EXAMPLE_TRACE = (Path(__file__).parent / "examples"
               "several (standard, specialized, ...)")
 @_capture_option
 @_kernels_option
-@click.option("-o", "--output", type=PATH, help="write here, not stdout")
+@click.option("-o", "--output", type=OUTPUT_FILE, help="write here, not stdout")
 @_fail_cleanly
 def breakdown_cmd(trace: Path | None, fmt: str | None, layers: str, step_regex: str | None,
                   phase: str, rules: Path | None, path_name: str | None, capture: Path | None,
@@ -625,7 +641,7 @@ def breakdown_cmd(trace: Path | None, fmt: str | None, layers: str, step_regex: 
               "in the table without the words both share, or #1 and #2 where still long, "
               "said under it; or a run's path names)")
 @_kernels_option
-@click.option("-o", "--output", type=PATH, help="write here, not stdout")
+@click.option("-o", "--output", type=OUTPUT_FILE, help="write here, not stdout")
 @_fail_cleanly
 def compare_cmd(a: Path, b: Path | None, path_name: str | None, fmt: str | None, layers: str,
                 step_regex: str | None, phase: str, rules: Path | None, labels: str | None,
@@ -694,11 +710,11 @@ def compare_cmd(a: Path, b: Path | None, path_name: str | None, fmt: str | None,
               "another run of RUN's code, captured alike (four or more): the baseline keeps "
               "how much the times move run to run, and later gates pass a time within that "
               "spread as noise (a baseline stored without it keeps none)")
-@click.option("-o", "--output", type=PATH, help="write the verdict here (the table as text, "
+@click.option("-o", "--output", type=OUTPUT_FILE, help="write the verdict here (the table as text, "
               "or the JSON), not stdout; where the gate cannot run with its inputs and "
               "options (exit 2), none: an earlier verdict there is removed (a usage error, "
               "an unknown option say, stops it before it starts)")
-@click.option("--junit", type=PATH, help="also write the verdict as JUnit XML here (a test "
+@click.option("--junit", type=OUTPUT_FILE, help="also write the verdict as JUnit XML here (a test "
               "case per check, for a CI server's test report); removed where the gate cannot "
               "run, as -o is")
 @click.option("--strict", is_flag=True, help="fail too where the baseline and the run were "
@@ -966,7 +982,7 @@ def _check_plotly_js(ctx, param, value: str) -> str:
 @click.option("--plotly-js", default="inline", show_default=True, callback=_check_plotly_js,
               help="the report's plotly.js: inline (opens offline, about 5 MB), cdn, or a "
               "plotly.min.js (a path from here, or a URL) for the report to refer to")
-@click.option("-o", "--output", type=PATH, default=Path("report.html"),
+@click.option("-o", "--output", type=OUTPUT_FILE, default=Path("report.html"),
               show_default=True, help="the HTML file to write (- for stdout)")
 @_fail_cleanly
 def report_cmd(inputs: tuple[Path, ...], path_name: str | None, labels: str | None,
@@ -1021,7 +1037,7 @@ def report_cmd(inputs: tuple[Path, ...], path_name: str | None, labels: str | No
 
 @main.command(short_help="Save a trace as .kptrace: one Arrow file, fast to reload")
 @click.argument("trace", type=PATH)
-@click.argument("output", type=PATH)
+@click.argument("output", type=OUTPUT_FILE)
 @_capture_option
 @_fail_cleanly
 def convert(trace: Path, output: Path, capture: Path | None) -> None:
@@ -1049,7 +1065,7 @@ def convert(trace: Path, output: Path, capture: Path | None) -> None:
 @click.option("--format", "fmt", type=click.Choice(["table", "json"]),
               help="json: {schema, traces: [{file, ...Trace.summary()}]}  [default: table, or "
               "what -o's suffix names]")
-@click.option("-o", "--output", type=PATH, help="write here, not stdout")
+@click.option("-o", "--output", type=OUTPUT_FILE, help="write here, not stdout")
 @_fail_cleanly
 def info(traces: tuple[Path, ...], fmt: str | None, output: Path | None) -> None:
     """What traces hold: format, tool, GPUs, and how many events of each kind. Of a
@@ -1232,10 +1248,10 @@ def _info_lines(trace: Path, info: dict) -> list[str]:
     if info.get("annotated_ops") and not info["kernels"] and not info["memops"]:
         lines.append(f"  {counted(info['annotated_ops'], 'op')} annotated (op: ranges): the "
                      "launches a CPU run of the decode paths makes, which breakdown counts")
-    if untimed := info["untimed"]:
+    if (untimed := info["untimed"])["kernels"] or untimed["memops"]:
         lines.append(f"  left out, without a time: {counted(untimed['kernels'], 'kernel')}, "
                      f"{counted(untimed['memops'], 'memcpy/memset op')}")
-    if duplicates := info.get("duplicates"):
+    if (duplicates := info["duplicates"])["kernels"] or duplicates["memops"]:
         lines.append(f"  left out, exact repeats of another event: "
                      f"{counted(duplicates['kernels'], 'kernel')}, "
                      f"{counted(duplicates['memops'], 'memcpy/memset op')}")
@@ -1294,7 +1310,7 @@ def _info_lines(trace: Path, info: dict) -> list[str]:
               type=FiniteFloatRange(0.001, floors_mod.MAX_BANDWIDTH_TBPS),
               help="memory bandwidth, TB/s (H200: about 4.3 measured by a device copy)")
 @_format_option(["table", "json"])
-@click.option("-o", "--output", type=PATH, help="write here, not stdout")
+@click.option("-o", "--output", type=OUTPUT_FILE, help="write here, not stdout")
 @_fail_cleanly
 def floors_cmd(preset_name: str, tp: int | None, batch: int, context: int, weights: str,
                experts: str, kv_cache: str, spec_tokens: int, bandwidth: float, fmt: str | None,
@@ -1342,7 +1358,7 @@ def floors_cmd(preset_name: str, tp: int | None, batch: int, context: int, weigh
 @_experts_option
 @_seed_option
 @_format_option(["table", "json"])
-@click.option("-o", "--output", type=PATH, help="write here, not stdout (the verdict's line "
+@click.option("-o", "--output", type=OUTPUT_FILE, help="write here, not stdout (the verdict's line "
               "also on stderr)")
 @_fail_cleanly
 def validate(preset_name: str, n_layers: int | None, paths: str, steps: int,

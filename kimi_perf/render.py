@@ -727,14 +727,14 @@ def floors_table(doc: dict) -> Table:
     table = _table(f"Memory floors per layer: {doc['preset']} (TP {doc['tp']}), batch "
                    f"{doc['batch']}{verify}, context {doc['context']}, weights {st['weights']}, "
                    f"experts {st['experts']}, KV {st['kv_cache']}, "
-                   f"{doc['bandwidth_Bps'] / 1e12:.2f} TB/s",
+                   f"{doc['bandwidth_Bps'] / 1e12:g} TB/s",
                    ["layer", "launch", "MB", "floor µs"], left=("layer", "launch"))
     for kind, t in doc["layer_types"].items():
         for name, launch in t["launches"].items():
             table.add_row(kind, name, f"{launch['bytes'] / 1e6:,.2f}",
-                          f"{launch['floor_us']:.2f}")
+                          f"{launch['floor_us']:,.2f}")
         table.add_row(kind, Text("all", style="bold"), f"{t['bytes'] / 1e6:,.2f}",
-                      Text(f"{t['floor_us']:.2f}", style="bold"), end_section=True)
+                      Text(f"{t['floor_us']:,.2f}", style="bold"), end_section=True)
     table.caption = (f"MB: 10^6 bytes one rank reads or writes a step at least (its TP "
                      f"{doc['tp']} shard); floor µs: those bytes at {doc['bandwidth_Bps'] / 1e12:g}"
                      " TB/s; the two attention-residual launches a layer (a few hidden-size "

@@ -321,7 +321,9 @@ class Trace:
             "kernels": len(self.kernels), "memops": len(self.memops),
             "ranges": len(self.ranges), "api_calls": len(self.api),
             "annotated_ops": len(self.annotated_ops()),
-            "untimed": m.get("untimed"), "duplicates": m.get("duplicates"),
+            # (counts where there are none too: a reader of ["untimed"]["kernels"] gets 0)
+            **{key: {"kernels": 0, "memops": 0, **(m.get(key) or {})}
+               for key in ("untimed", "duplicates")},
             "span_ns": span[1] - span[0] if span else None,
             "gpu_span_ns": self.gpu_span_ns(),
             "kernel_ns": int((self.kernels.end - self.kernels.start).sum()),

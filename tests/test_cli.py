@@ -470,6 +470,10 @@ def test_info_as_json_is_the_library_summary():
                                             **json.loads(json.dumps(
                                                 read_trace(path).summary()))}]}
     assert doc["traces"][0]["kptrace"] is doc["traces"][0]["exported_by_nsys"] is False
+    # counts where there are none too (a reader of ["untimed"]["kernels"] got null)
+    assert doc["traces"][0]["untimed"] == doc["traces"][0]["duplicates"] == {"kernels": 0,
+                                                                            "memops": 0}
+    assert "left out" not in run("info", path).output
     with contextlib.closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True)) as db:
         per_device = [n for _, n in db.execute("SELECT deviceId, COUNT(*) FROM "
                                                "CUPTI_ACTIVITY_KIND_KERNEL GROUP BY 1")]
@@ -516,7 +520,7 @@ def test_info_takes_several_traces_and_writes_where_o_says(tmp_path):
     shutil.copy(VLLM, ranks / "rank0.json.gz")
     kept = (ranks / "rank0.json.gz").read_bytes()
     for args in ((ranks / "rank0.json.gz",), (ranks,), (athrun, ranks)):
-        _one_line_error(run("info", *args, "-o", ranks / "rank0.json.gz"),
+        _one_line_error(run("info", *args, "-o", ranks / "rank0.json.gz", "--format", "json"),
                         "is an input of this command")
         assert (ranks / "rank0.json.gz").read_bytes() == kept
     # an input that is no trace at all (an empty directory) is said after the others too
@@ -2027,6 +2031,14 @@ def test_output_suffix_names_the_format_where_none_is_given(tmp_path):
                         "another name")
     assert not (tmp_path / "x.csv").exists()
     assert run("floors", "-o", tmp_path / "x.csv", "--format", "table").exit_code == 0
+    # nor a table in the run's report.html, a .kptrace or a trace's name (compare -o
+    # RUN/report.html replaced the report with the terminal's table)
+    for name in ("report.html", "cmp.kptrace", "t.sqlite", "t.json.gz", "t.nsys-rep"):
+        suffix = name.split(".", 1)[1].removeprefix("json.")
+        _one_line_error(run("compare", BASELINE, "-o", tmp_path / name),
+                        f"-o {name}: no {suffix} format here (table or json)")
+        assert not (tmp_path / name).exists()
+    assert run("ranges", trace, "-o", tmp_path / "r.txt").exit_code == 0   # (any other: table)
 
 
 def test_a_trace_beside_its_kptrace_is_one_capture(tmp_path):
@@ -2426,8 +2438,11 @@ def test_an_output_that_is_an_input_is_refused(tmp_path, monkeypatch):
     shutil.copy(VLLM, trace)
     rules = tmp_path / "rules.toml"
     rules.write_text("")
-    for args in (["breakdown", trace, "-o", trace], ["ranges", trace, "-o", trace],
-                 ["compare", trace, VLLM, "-o", trace], ["convert", trace, trace],
+    # (--format json: without it, a .gz is refused for its suffix alone, no table's)
+    for args in (["breakdown", trace, "-o", trace, "--format", "json"],
+                 ["ranges", trace, "-o", trace, "--format", "json"],
+                 ["compare", trace, VLLM, "-o", trace, "--format", "json"],
+                 ["convert", trace, trace],
                  ["report", trace, "-o", trace], ["breakdown", trace, "--rules", rules,
                                                  "-o", rules]):
         _one_line_error(run(*args), "is an input of this command")
@@ -3362,3 +3377,27 @@ def test_an_empty_rank_in_a_directory_is_an_error_not_left_out(tmp_path):
         f"kimi-perf: error: {ranks / 'rank2.json'}: holds only blanks (spaces and line "
         "breaks)"]
     _one_line_error(run("breakdown", ranks / "rank1.json.gz"), "a gzip that holds an empty")
+
+
+def test_a_name_ending_in_a_slash_names_a_directory(tmp_path):
+    """`-o results/` wrote a file named results (a Path drops the /); a trace named with a
+    trailing / was read as the file. Now both are refused, and trace's --out, a folder, still
+    takes one."""
+    out = tmp_path / "results"
+    for command in (["ranges", VLLM], ["breakdown", VLLM], ["info", VLLM], ["floors"]):
+        _one_line_error(run(*command, "-o", f"{out}/"),
+                        f"{out}/: names a directory (its trailing /), not a file to write")
+        assert not out.exists()
+    _one_line_error(run("convert", VLLM, f"{out}/"), "names a directory (its trailing /)")
+    _one_line_error(run("info", f"{VLLM}/"), f"{VLLM}/: not a directory, as its trailing / "
+                                              "says")
+    _one_line_error(run("report", f"{VLLM}/", "-o", tmp_path / "r.html"),
+                    "not a directory, as its trailing / says")
+    assert run("info", f"{KINETO}/").exit_code == 0   # (a directory of traces, as it says)
+
+
+def test_floors_title_says_the_bandwidth_given():
+    """--bandwidth 0.001 was titled 0.00 TB/s while the caption said 0.001."""
+    text = " ".join(run("floors", "--bandwidth", "0.001").output.split())
+    assert "KV bf16, 0.001 TB/s" in text and "0.00 TB/s" not in text
+    assert "KV bf16, 4.3 TB/s" in " ".join(run("floors").output.split())

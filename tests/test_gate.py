@@ -370,7 +370,8 @@ def test_gate_writes_its_verdict_to_a_file_or_nothing(tmp_path):
     assert lines[-1] == doc["headline"] and len(lines[-1]) > 100
     said = CliRunner().invoke(main, ["gate", str(before), str(after)], env={"COLUMNS": "60"})
     assert said.stdout.splitlines()[-1] == lines[-1]
-    result = CliRunner().invoke(main, ["gate", str(before), str(after), "-o", str(before)])
+    result = CliRunner().invoke(main, ["gate", str(before), str(after), "-o", str(before),
+                                       "--format", "json"])   # (a .sqlite: no table there)
     assert result.exit_code == 2 and "is an input of this command" in result.output
     # with --update: -o checked before the baseline is stored (not the baseline itself, not
     # into a folder that is not there); a baseline created says so in the verdict file too
