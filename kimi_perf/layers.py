@@ -587,7 +587,7 @@ def find_repeats(seq: np.ndarray, classes: np.ndarray | None = None,
     kinds = seq if classes is None else classes
     if generic is not None:
         kinds = np.where(generic, -1 - seq, kinds)   # (names negative, beside class codes)
-    prologue = kinds[: lo[0]]
+    prologue, epilogue = kinds[: lo[0]], kinds[hi[-1] + 1:]
     gaps = [kinds[hi[i - 1] + 1: lo[i]] for i in range(1, count)]
     splits_of: dict[bytes, tuple[int, int]] = {}    # the gaps of a step repeat: split each once
     for gap in gaps:
@@ -603,13 +603,13 @@ def find_repeats(seq: np.ndarray, classes: np.ndarray | None = None,
     first_head = 0
     for i, (gap, (split, matched)) in enumerate(zip(gaps, splits, strict=True), start=1):
         if not matched:
-            split = min(typical_tail, len(gap))
+            split = (min(typical_tail, len(gap)) if matched_tails or len(splits_of) > 1
+                     else _tail_of(gap, epilogue))
         starts[i] = hi[i - 1] + 1 + split
         tails.append(gap[:split])
         first_head = max(first_head, matched)
     starts[0] = lo[0] - first_head
     ends = np.r_[starts[1:], 0].astype(np.int64)
-    epilogue = kinds[hi[-1] + 1:]
     distinct_tails = {t.tobytes(): t for t in tails}.values()
     ends[-1] = hi[-1] + 1 + max(_match_forward(epilogue, 0, t) for t in distinct_tails)
     if (ends - starts).sum() < min_coverage * n:
@@ -651,6 +651,18 @@ def _layer_count(candidates: list[tuple[int, int, np.ndarray, np.ndarray]],
         if 2 <= k <= MAX_PARTS_PER_LAYER and (between == k).all() and attends(fewer_lo):
             holding.append(candidate)
     return max(holding, key=lambda c: (c[0], c[1])) if holding else best
+
+
+def _tail_of(gap: np.ndarray, epilogue: np.ndarray) -> int:
+    """Where every gap is this one and its head is not in the prologue (layer 0 has none
+    before its core), how much of ``gap`` is the tail of the layer before: the part the
+    epilogue begins with, as the last layer's tail is there (an eager layer's last GEMM, of
+    one kernel name with its others, outside the cores; it began the next layer); none where
+    the epilogue begins otherwise. (Gaps that differ, passes joined with the work between
+    them, keep their heads.)"""
+    most = min(len(gap), len(epilogue))
+    unequal = np.flatnonzero(gap[:most] != epilogue[:most])
+    return int(unequal[0]) if len(unequal) else most
 
 
 def _head_split(gap: np.ndarray, prologue: np.ndarray) -> tuple[int, int]:

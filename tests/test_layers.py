@@ -133,6 +133,28 @@ def test_an_eager_layer_begins_at_its_norm_not_at_the_residual_add_before_it(n_l
     np.testing.assert_array_equal(by_class.starts[1:], starts[1:] - 1)
 
 
+@pytest.mark.parametrize("n_layers", [3, 8, 32])
+def test_a_layer_whose_gemms_share_one_kernel_ends_at_its_last_gemm(n_layers):
+    """An eager Llama at batch 1: its four projections run one cuBLAS GEMV kernel, so the
+    layers' cores run from the norm to the activation, and between two cores lies the down
+    projection alone, which the prologue (the embedding's gather) does not end with: no
+    head of the next layer, but the tail of this one. Each layer began one GEMV early (8 of
+    9 kernels in layer 0, the last layer's GEMV taken into the epilogue)."""
+    layer = ["rms_norm_kernel", "gemv2T_kernel_val", "rotary_embedding_kernel",
+             "flash_fwd_splitkv_kernel", "gemv2T_kernel_val", "fused_add_rms_norm_kernel",
+             "gemv2T_kernel_val", "act_and_mul_kernel", "gemv2T_kernel_val"]
+    sequence = ["embedding_gather_kernel", *(layer * n_layers), "fused_add_rms_norm_kernel",
+                "gemm_lm_head", "argmax_kernel"]
+    strings = sorted(set(sequence))
+    seq = np.array([strings.index(n) for n in sequence])
+    classes, labels = classify(seq, strings, load_rules())
+    split = find_repeats(seq, classes, attending(classes, labels),
+                         generic=generic_ops(classes, labels))
+    starts = 1 + len(layer) * np.arange(n_layers)
+    np.testing.assert_array_equal(split.starts, starts)
+    np.testing.assert_array_equal(split.ends, starts + len(layer))
+
+
 @pytest.mark.parametrize("n_layers", [3, 8, 24])
 @pytest.mark.parametrize("router", [["softmax_warp_forward", "gatherTopK"],
                                     ["gatherTopK", "softmax_warp_forward"]])
