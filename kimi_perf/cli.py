@@ -127,11 +127,13 @@ class NamedPath(click.Path):
     """A file or directory named on the command line: an empty name names none (as a path
     it would be ".", the current directory, read or written by mistake); a name ending in /
     names a directory (a Path drops the /: a file of that name would be read, or written
-    where a directory was meant). ``file``: a file to write, which such a name cannot be."""
+    where a directory was meant). ``file``: a file to write, which such a name cannot be;
+    ``placed``: in a folder that is there, not a directory itself (said before the work;
+    gate's verdicts are checked by the gate, which first removes last night's)."""
 
-    def __init__(self, file: bool = False):
+    def __init__(self, file: bool = False, placed: bool = False):
         super().__init__(path_type=Path)
-        self.file = file
+        self.file, self.placed = file, placed
 
     def convert(self, value, param, ctx):
         if isinstance(value, str) and not value:
@@ -142,11 +144,18 @@ class NamedPath(click.Path):
                           param, ctx)
             if os.path.lexists(value.rstrip("/")) and not os.path.isdir(value):
                 self.fail(f"{value}: not a directory, as its trailing / says", param, ctx)
+        if self.placed and isinstance(value, str) and value != "-":
+            # said before the work (a trace read for a minute, then nowhere to write)
+            if os.path.isdir(value):
+                self.fail(f"{value}: cannot write: it is a directory", param, ctx)
+            if not os.path.isdir(os.path.dirname(value) or "."):
+                self.fail(f"{value}: cannot write: no such directory", param, ctx)
         return super().convert(value, param, ctx)
 
 
 PATH = NamedPath()
-OUTPUT_FILE = NamedPath(file=True)
+OUTPUT_FILE = NamedPath(file=True, placed=True)
+VERDICT_FILE = NamedPath(file=True)
 
 
 class Count(click.IntRange):
@@ -710,11 +719,11 @@ def compare_cmd(a: Path, b: Path | None, path_name: str | None, fmt: str | None,
               "another run of RUN's code, captured alike (four or more): the baseline keeps "
               "how much the times move run to run, and later gates pass a time within that "
               "spread as noise (a baseline stored without it keeps none)")
-@click.option("-o", "--output", type=OUTPUT_FILE, help="write the verdict here (the table as text, "
-              "or the JSON), not stdout; where the gate cannot run with its inputs and "
+@click.option("-o", "--output", type=VERDICT_FILE, help="write the verdict here (the table as "
+              "text, or the JSON), not stdout; where the gate cannot run with its inputs and "
               "options (exit 2), none: an earlier verdict there is removed (a usage error, "
               "an unknown option say, stops it before it starts)")
-@click.option("--junit", type=OUTPUT_FILE, help="also write the verdict as JUnit XML here (a test "
+@click.option("--junit", type=VERDICT_FILE, help="also write the verdict as JUnit XML here (a test "
               "case per check, for a CI server's test report); removed where the gate cannot "
               "run, as -o is")
 @click.option("--strict", is_flag=True, help="fail too where the baseline and the run were "
@@ -1047,8 +1056,6 @@ def convert(trace: Path, output: Path, capture: Path | None) -> None:
     then reads the pair as one.
     """
     _not_an_input(output, trace, capture)
-    if output.is_dir():
-        raise TraceError(output, "cannot write: it is a directory")
     if output.suffix != ".kptrace":   # (binary: not for a terminal, nor under another name)
         raise TraceError(output, "convert writes a .kptrace file (Arrow): name it so (lower "
                                  "case: directories are searched for *.kptrace)")
@@ -1243,8 +1250,8 @@ def _info_lines(trace: Path, info: dict) -> list[str]:
                   if info["graph_kernels"] else
                   f"; {launches}, none of their kernels in the trace (nsys --cuda-graph-trace="
                   "graph records a graph's launch, not its kernels: node traces them)")
-        lines.append(f"  kernel time {info['kernel_ns'] / 1e6:,.3f} ms in all, on "
-                     f"{counted(info['streams'], 'stream')}{graphs}")
+        lines.append(f"  kernel time {info['kernel_ns'] / 1e6:,.3f} ms in all; GPU work "
+                     f"(kernels, copies) on {counted(info['streams'], 'stream')}{graphs}")
     if info.get("annotated_ops") and not info["kernels"] and not info["memops"]:
         lines.append(f"  {counted(info['annotated_ops'], 'op')} annotated (op: ranges): the "
                      "launches a CPU run of the decode paths makes, which breakdown counts")
@@ -1375,11 +1382,6 @@ def validate(preset_name: str, n_layers: int | None, paths: str, steps: int,
                                f"give it once, not {len(prompts)} times")
     prompt = prompts[0] if prompts else 4
     fmt = _format_of(fmt, output, ("json",))
-    if output is not None and str(output) != "-":   # (said before the run, not after it)
-        if not output.parent.is_dir():
-            raise TraceError(output, "cannot write: no such directory")
-        if output.is_dir():
-            raise TraceError(output, "cannot write: it is a directory")
     try:
         import torch
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import statistics
 from collections import Counter
 from dataclasses import dataclass
@@ -99,8 +100,10 @@ class ComparisonRow:
         return _significant(self.kernels_a / self.kernels_b)
 
     def to_json(self) -> dict:
-        sides = [{"layers": layers, "kernels": kernels, "kernel_us": kernel_us,
-                  "span_us": span_us, **({"steps": steps} if steps is not None else {})}
+        def us(v: float | None) -> float | None:   # (a median of two steps: 299255.18149999995)
+            return None if v is None else round(v, 3)
+        sides = [{"layers": layers, "kernels": kernels, "kernel_us": us(kernel_us),
+                  "span_us": us(span_us), **({"steps": steps} if steps is not None else {})}
                  for layers, kernels, kernel_us, span_us, steps in (
                      (self.layers_a, self.kernels_a, self.kernel_us_a, self.span_us_a,
                       self.steps_a),
@@ -782,7 +785,9 @@ def comparison_doc(a: Breakdown, b: Breakdown, name_a: str, name_b: str,
     given); with ``kernels`` each pair's typical layers and, where A and B are the two decode paths,
     ``fusions``: per layer type the fusion ledger."""
     rows = rows if rows is not None else compare(a, b)
-    doc: dict = {"schema": 1, "a": name_a, "b": name_b, "rows": [r.to_json() for r in rows]}
+    doc: dict = {"schema": 1, "a": name_a, "b": name_b,
+                 "units": {"a": a.unit, "b": b.unit},   # (a CPU run's: ops, CPU time)
+                 "rows": [r.to_json() for r in rows]}
     if kernels:
         pairs = type_pairs(a, b, rows)
         doc["typical_layers"] = {p.label: p.typical_json() for p in pairs}
@@ -810,6 +815,7 @@ class Comparison:
     fell_back: list[str] = dataclasses.field(default_factory=list)
     run_differences: list[str] | None = None
     labels_said: str | None = None
+    inputs: tuple[str, str] | None = None   # what each side is: its file, or run (path)
 
     @classmethod
     def of(cls, a: Breakdown, b: Breakdown, label_a: str = "A", label_b: str = "B",
@@ -842,6 +848,8 @@ class Comparison:
             doc["run_differences"] = self.run_differences
         if self.fell_back:
             doc["fell_back"] = self.fell_back
+        if self.inputs is not None:
+            doc["inputs"] = dict(zip(("a", "b"), self.inputs, strict=True))
         doc["notes"] = self.notes
         return doc
 
@@ -894,6 +902,8 @@ def compare_files(a: str | Path, b: str | Path | None = None, path_name: str | N
     whole = ([name_a, name_b] if b is None else
              [str(f) if run is None else f"{f} ({name})"
               for f, run, name in ((a, run_a, name_a), (b, run_b, name_b))])
+    inputs = (f"{a} ({name_a})", f"{a} ({name_b})") if b is None else tuple(whole)
+    itself = b is not None and (run_a is None or name_a == name_b) and _one_file(a, b)
     if b is not None and name_a == name_b and run_a and run_b:  # one path of two runs
         run_names = [run_name(f) for f in (a, b)]
         if short_labels and labels is None and (
@@ -924,8 +934,22 @@ def compare_files(a: str | Path, b: str | Path | None = None, path_name: str | N
         # still too long for the headers, or one name twice
         labels_said = f"#1: {whole[0]}; #2: {whole[1]}"
         name_a, name_b = numbered
-    return Comparison.of(
+    compared = Comparison.of(
         ba, bb, name_a, name_b,
         [fell_back_text(name, reason) for name, reason
          in zip((name_a, name_b), fell_back, strict=True) if reason is not None],
         run_differences(run_a, run_b) if two_captures else None, labels_said)
+    compared.inputs = inputs
+    if itself:   # (every ratio 1: a slip, most likely)
+        compared.side_notes.insert(0, f"{compared.label_a} and {compared.label_b} are one "
+                                      f"file ({a}): compared with itself")
+    return compared
+
+
+def _one_file(a: Path, b: Path) -> bool:
+    """Whether two inputs are one file (a run directory: its breakdown.json), by any name."""
+    read = [f / "breakdown.json" if f.is_dir() else f for f in (a, b)]
+    try:
+        return os.path.samefile(*read)
+    except OSError:
+        return False

@@ -502,7 +502,8 @@ def test_info_takes_several_traces_and_writes_where_o_says(tmp_path):
     summary = json.loads(run("info", athrun, "--format", "json").output)["traces"][0]
     assert (summary["kernel_ns"], summary["streams"], summary["graph_launches"]) == (
         34869183, 1, 0)
-    assert "  kernel time 34.869 ms in all, on 1 stream\n" in both.output
+    assert "  kernel time 34.869 ms in all; GPU work (kernels, copies) on 1 stream\n" in \
+        both.output
     broken = tmp_path / "broken.json"
     broken.write_text("{")
     partly = run("info", VLLM, broken, athrun)
@@ -587,8 +588,8 @@ def test_info_names_the_gpus_that_ran_kernels():
         "profile began, or by a graph launch it lacks)\n" in graphed
     assert "no process recorded" not in graphed     # (the same kernels: said once)
     # what a decode trace is made of: kernel time, streams, graph replays
-    assert "kernel time 401.445 ms in all, on 6 streams; 135 kernels replayed by 70 graph " \
-        "launches\n" in graphed
+    assert ("kernel time 401.445 ms in all; GPU work (kernels, copies) on 6 streams; 135 "
+            "kernels replayed by 70 graph launches\n") in graphed
     single = run("info", KINETO / "hta_a100_triton_example.json.gz").output
     assert "process 1670242 (python3.10): 1 kernel, 2 API calls" in single
     assert "108 SMs: 1 kernel\n" in single
@@ -670,11 +671,11 @@ def test_gzipped_json_that_is_not_kineto(tmp_path):
     no_work = f"{p}: no GPU work in this trace: no kernel or memcpy/memset, and no op: ranges"
     out = tmp_path / "out"
     for args in (["breakdown", p, "--format", "json"], ["breakdown", p], ["compare", p, VLLM],
-                 ["compare", VLLM, p], ["report", p, "-o", out / "r.html"],
+                 ["compare", VLLM, p], ["report", p, "-o", tmp_path / "r.html"],
                  ["trace", "--from", p, "--out", out]):
         _one_line_error(run(*args), no_work)
         assert "(it holds no events)" in run(*args).output
-    assert not out.exists()
+    assert not out.exists() and not (tmp_path / "r.html").exists()
     assert run("info", p).exit_code == 0   # info describes it: 0 kernels
 
 
@@ -914,9 +915,9 @@ def test_tables_to_a_file_and_bad_output_paths(tmp_path):
                     ["convert", VLLM, tmp_path / "no" / "x.kptrace"],
                     ["convert", VLLM, tmp_path]):
         _one_line_error(run(*command), "cannot write")
-    # the new file is made beside the target first: where that fails, the message says so
+    # a folder that is not there: said before the trace is read
     _one_line_error(run("breakdown", VLLM, "-o", tmp_path / "no" / "x.txt"),
-                    f"no new file can be made in {tmp_path / 'no'}")
+                    f"{tmp_path / 'no' / 'x.txt'}: cannot write: no such directory")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["steps.txt"]
 
 
@@ -1098,6 +1099,11 @@ def test_compare_a_run_its_paths_and_labels(tmp_path):
     assert "whole step: the median step, all its ops" in doc["notes"][0]   # (not kernels)
     assert any("a CPU run's µs are CPU time" in note for note in doc["notes"])
     assert doc["notes"][1].startswith("layers: how many of the type all the steps profiled")
+    # what each side is and counts (the text's lines say it; the JSON did not)
+    assert doc["units"] == {"a": "ops", "b": "ops"}
+    assert doc["inputs"] == {"a": f"{BASELINE} (standard)", "b": f"{BASELINE} (specialized)"}
+    step = doc["rows"][-1]["a"]
+    assert all(v == round(v, 3) for v in (step["kernel_us"], step["span_us"]))
     assert "a CPU run's µs are CPU time" in run("compare", BASELINE).output
     same = run("compare", BASELINE, BASELINE, "--path", "specialized", "--labels", "old,new",
                "--format", "json")
@@ -3401,3 +3407,22 @@ def test_floors_title_says_the_bandwidth_given():
     text = " ".join(run("floors", "--bandwidth", "0.001").output.split())
     assert "KV bf16, 0.001 TB/s" in text and "0.00 TB/s" not in text
     assert "KV bf16, 4.3 TB/s" in " ".join(run("floors").output.split())
+
+
+def test_an_output_nowhere_to_write_is_said_before_the_trace_is_read(tmp_path, monkeypatch):
+    """-o in a folder that is not there (or a directory) was found out after the whole trace
+    was read: minutes for a large export. Now said first: the trace is never read."""
+    from kimi_perf import runs
+
+    def unread(*args, **kwargs):
+        raise AssertionError("read before its output was checked")
+
+    monkeypatch.setattr(runs, "load_breakdown", unread)
+    monkeypatch.setattr(cli, "read_trace", unread)
+    nowhere = tmp_path / "no" / "x.json"
+    for args in (["convert", VLLM, tmp_path / "no" / "x.kptrace"],
+                 ["breakdown", VLLM, "-o", nowhere], ["compare", VLLM, VLLM, "-o", nowhere],
+                 ["report", VLLM, "-o", tmp_path / "no" / "r.html"]):
+        _one_line_error(run(*args), "cannot write: no such directory")
+    _one_line_error(run("breakdown", VLLM, "-o", tmp_path), f"{tmp_path}: cannot write: it is "
+                                                             "a directory")

@@ -304,3 +304,24 @@ def test_a_span_ratio_the_kernels_time_does_not_explain_is_said():
         "launch gaps, syncs), against the ratio of kernel µs: A: 0.879, kernel µs 0.998")
     assert idle_note(compared.rows) in compared.table_notes
     assert idle_note(compare_files(BEFORE, BEFORE).rows) is None
+
+
+def test_one_file_compared_with_itself_says_so(tmp_path):
+    """compare S S (by any name: a symlink, a run and its breakdown.json) printed every
+    ratio 1.00 without a word; a line says the sides are one file. One run's two paths, or
+    two copies, are no such slip."""
+    link = tmp_path / "link.sqlite"
+    link.symlink_to(BEFORE)
+    for a, b in ((BEFORE, BEFORE), (BEFORE, link)):
+        compared = compare_files(a, b)
+        assert compared.side_notes[0] == (f"{compared.label_a} and {compared.label_b} are one "
+                                          f"file ({a}): compared with itself")
+        assert compared.side_notes[0] in compared.to_json()["notes"]
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "breakdown.json").symlink_to(BASELINE)
+    assert "compared with itself" in compare_files(run_dir, BASELINE, "standard").side_notes[0]
+    copy = tmp_path / "copy.sqlite"
+    shutil.copy(BEFORE, copy)
+    for compared in (compare_files(BEFORE, copy), compare_files(BASELINE)):
+        assert not any("compared with itself" in note for note in compared.side_notes)

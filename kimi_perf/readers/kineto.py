@@ -746,7 +746,7 @@ class _Builder:
                 elif cat in _API_CATEGORIES:
                     args = _args(e)
                     a = cols["a"]
-                    a["name"].append(code(str(_num(e.get("name", "")))))
+                    a["name"].append(code(_name(e)))
                     a["ts"].append(_time(e, "ts"))
                     a["dur"].append(_time(e, "dur"))
                     a["pid"].append(self._id(_num(e.get("pid")), "pid"))
@@ -758,7 +758,7 @@ class _Builder:
                         and e["name"].startswith(_MODULE_CALL_PREFIX)):
                     r = cols["r"]
                     domain = _CPU_RANGE_DOMAINS.get(cat, "")
-                    name = str(_num(e.get("name", "")))
+                    name = _name(e)
                     r["name"].append(code(f"{domain}:{name}" if domain else name))
                     r["domain"].append(code(domain))
                     r["ts"].append(_time(e, "ts"))
@@ -776,9 +776,11 @@ class _Builder:
                         r["device"].append(-1)
                         r["stream"].append(-1)
                         r["style"].append(PUSHPOP)
-            except (KeyError, TypeError, ValueError) as exc:
-                raise TraceError(self.path, f"event {i} ({cat}) is malformed: "
-                                            f"{type(exc).__name__} {exc}") from None
+            except KeyError as exc:
+                raise TraceError(self.path, f"event {i} ({cat}) is malformed: no {exc}") \
+                    from None
+            except (TypeError, ValueError) as exc:
+                raise TraceError(self.path, f"event {i} ({cat}) is malformed: {exc}") from None
 
     def _name_process(self, event: Any, pid: Any, args: Any) -> None:
         """A ``process_name`` metadata event: the process's name (the first one said), where
@@ -792,7 +794,7 @@ class _Builder:
             self.process_names.setdefault(pid, name)
 
     def _gpu(self, cols: dict, e: dict, args: dict) -> None:
-        cols["name"].append(self._code(str(_num(e.get("name", "")))))
+        cols["name"].append(self._code(_name(e)))
         cols["ts"].append(_time(e, "ts"))
         cols["dur"].append(_time(e, "dur"))
         cols["device"].append(self._arg_id(args, "device", e, "pid"))
@@ -972,6 +974,15 @@ def _time(event: dict, key: str) -> int | float:
     value = _num(event[key] if key == "ts" else event.get(key, -1))
     if type(value) not in (int, float):
         raise TypeError(f"'{key}' is {value!r}, not a number")
+    return value
+
+
+def _name(event: dict) -> str:
+    """A replayed event's ``name``: text ("" when absent; null or a number is no name, which
+    a table would show as "None" or "5")."""
+    value = event.get("name", "")
+    if not isinstance(value, str):
+        raise TypeError(f"'name' is {_shown(value)}, not text")
     return value
 
 
