@@ -1052,10 +1052,14 @@ def report_cmd(inputs: tuple[Path, ...], path_name: str | None, labels: str | No
 def convert(trace: Path, output: Path, capture: Path | None) -> None:
     """Save any trace in kimi-perf's own format (.kptrace: one Arrow file, fast to reload).
 
-    With --capture, the trace saved is TRACE joined by its graph captures: every command
-    then reads the pair as one.
+    OUTPUT is named *.kptrace (lower case: directories are searched for it). With
+    --capture, the trace saved is TRACE joined by its graph captures: every command then
+    reads the pair as one.
     """
     _not_an_input(output, trace, capture)
+    if trace.is_dir():   # (one trace a .kptrace: a run's, or a folder's, each by its name)
+        raise TraceError(trace, "is a directory: convert saves one trace file (kimi-perf info "
+                                "names the traces a directory or run holds)")
     if output.suffix != ".kptrace":   # (binary: not for a terminal, nor under another name)
         raise TraceError(output, "convert writes a .kptrace file (Arrow): name it so (lower "
                                  "case: directories are searched for *.kptrace)")

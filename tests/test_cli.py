@@ -2356,6 +2356,8 @@ def test_a_folder_of_traces_is_not_a_stored_breakdown(tmp_path):
     assert result.exit_code == 0, result.output
     _one_line_error(run("compare", folder, folder, "--layers", "repeat"),
                     f"{folder}: is a directory, not a trace file")
+    _one_line_error(run("convert", folder, tmp_path / "x.kptrace"),   # (it takes no run)
+                    f"{folder}: is a directory: convert saves one trace file")
 
 
 
