@@ -33,6 +33,10 @@ def range_groups(ranges: Ranges) -> np.ndarray:
 
 
 def _thread_key(pid: np.ndarray, tid: np.ndarray) -> np.ndarray:
+    """pid << 31 | tid where both fit (pid below 2^30, tid below 2^31: below 2^61), else a
+    61-bit hash of the pair with bit 61 set: a key of each pair alone, whichever arrays it
+    comes in (ranges, kernels), so that threads whose ids differ above those bits are never
+    one (masked, tid 5 and 5 + 2^31 were); stream keys set bit 62."""
     # In place: one int64 temporary besides the result, for arrays of every range or kernel.
     key = pid.astype(np.int64)
     key &= 0x3FFFFFFF
@@ -40,7 +44,22 @@ def _thread_key(pid: np.ndarray, tid: np.ndarray) -> np.ndarray:
     low = tid.astype(np.int64)
     low &= 0x7FFFFFFF
     key |= low
+    wide = (pid < 0) | (pid > 0x3FFFFFFF) | (tid < 0) | (tid > 0x7FFFFFFF)
+    if wide.any():
+        key[wide] = _pair_hash(pid[wide], tid[wide])
     return key
+
+
+def _pair_hash(pid: np.ndarray, tid: np.ndarray) -> np.ndarray:
+    """splitmix64 of (pid, tid), its top 61 bits with bit 61 set (2^61 to 2^62 - 1)."""
+    with np.errstate(over="ignore"):
+        x = pid.astype(np.int64).view(np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+        x ^= tid.astype(np.int64).view(np.uint64)
+        for shift, factor in ((30, 0xBF58476D1CE4E5B9), (27, 0x94D049BB133111EB)):
+            x ^= x >> np.uint64(shift)
+            x *= np.uint64(factor)
+        x ^= x >> np.uint64(31)
+    return ((x >> np.uint64(3)) | np.uint64(1 << 61)).view(np.int64)
 
 
 def _stream_key(device: np.ndarray, stream: np.ndarray) -> np.ndarray:

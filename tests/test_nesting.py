@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -154,3 +157,31 @@ def test_push_pop_ranges_use_one_lane():
 def test_overlapping_start_end_ranges_get_their_own_lane():
     ranges = make_ranges([(1, 0, 50, STARTEND), (1, 40, 90, STARTEND)])
     assert sorted(ranges.lane.tolist()) == [0, 1]
+
+
+@pytest.mark.parametrize(("pid", "tid"), [(1, 5 + 2**31), (7 + 2**30, 5), (1, 5 + 2**40)])
+def test_threads_whose_ids_differ_above_the_key_s_bits_are_not_one(tmp_path, pid, tid):
+    """Thread keys packed pid and tid into 30 + 31 bits: a kernel launched from tid 5 + 2^31
+    fell in a range of tid 5 (ranges listed it there, breakdown counted it in the step).
+    Ids that do not fit are hashed as a pair, the same in every array."""
+    from kimi_perf import range_kernel_summary, read_trace
+
+    def call(p, t, ts, corr):
+        return {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "pid": p,
+                "tid": t, "ts": ts, "dur": 5, "args": {"correlation": corr}}
+
+    def kernel(name, ts, corr):
+        return {"ph": "X", "cat": "kernel", "name": name, "pid": 0, "tid": 7, "ts": ts,
+                "dur": 3, "args": {"correlation": corr, "device": 0, "stream": 7}}
+
+    events = [{"ph": "X", "cat": "user_annotation", "name": "decode_step[0]", "pid": 1,
+               "tid": 5, "ts": 100, "dur": 100},
+              call(1, 5, 110, 1), call(pid, tid, 120, 2),
+              kernel("in_range", 130, 1), kernel("other_thread", 141, 2)]
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    rows = {r.kernel: r.range for r in range_kernel_summary(read_trace(path))}
+    assert rows == {"in_range": "decode_step[0]", "other_thread": None}
+    keys = thread_keys(np.array([1, 1, pid, pid]), np.array([5, 5, tid, tid]))
+    assert keys[0] == keys[1] and keys[2] == keys[3] and keys[0] != keys[2]
+    assert keys.min() >= 0 and keys.max() < 1 << 62   # (below the streams' keys)
