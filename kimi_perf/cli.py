@@ -1074,7 +1074,7 @@ def convert(trace: Path, output: Path, capture: Path | None) -> None:
 @main.command(short_help="What traces hold: format, tool, GPUs, event counts")
 @click.argument("traces", nargs=-1, required=True, type=PATH)
 @click.option("--format", "fmt", type=click.Choice(["table", "json"]),
-              help="json: {schema, traces: [{file, ...Trace.summary()}]}  [default: table, or "
+              help="json: {schema, traces: [{file, ...each trace's summary}]}  [default: table, or "
               "what -o's suffix names]")
 @click.option("-o", "--output", type=OUTPUT_FILE, help="write here, not stdout")
 @_fail_cleanly
@@ -1304,7 +1304,7 @@ def _info_lines(trace: Path, info: dict) -> list[str]:
 @click.option("--tp", type=Count(1), help="the TP ranks the model is sharded over "
               "(the k3 and tiny presets: 1 unless given; k3-tpN: N)")
 @click.option("--batch", default=1, show_default=True,
-              type=Count(1, floors_mod.MAX_BATCH))
+              type=Count(1, floors_mod.MAX_BATCH), help="sequences per decode step")
 @click.option("--context", default=4096, show_default=True,
               type=Count(0, floors_mod.MAX_CONTEXT),
               help="cached tokens per sequence the gated-MLA layer reads")
