@@ -409,6 +409,9 @@ def _check_steps(value: str | None) -> str | None:
     """A --steps regex; a bare number is a count given where a regex is wanted (trace's
     --steps is a count without --from), refused rather than matched against names."""
     if value is not None:
+        if not value:   # (it read as no --steps: the default's steps, without a word)
+            raise TraceError(None, "--steps '': an empty regex finds every range: name the "
+                                   "step ranges, or leave --steps out for the default's")
         if value.strip().isdigit():
             raise TraceError(None, f"--steps takes a regex for the step ranges here, not a "
                                    f"count ({value!r}; a range named {value.strip()} is "

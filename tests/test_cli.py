@@ -969,6 +969,12 @@ def test_ranges_names_its_trace_and_keeps_the_ranges_asked_for(tmp_path):
 
 def test_steps_regex_that_is_bad_or_matches_nothing(tmp_path):
     _one_line_error(run("breakdown", VLLM, "--steps", "("), "--steps: bad regex")
+    # empty: it read as no --steps (the default's steps, without a word)
+    for args in (["breakdown", VLLM], ["compare", VLLM, VLLM],
+                 ["trace", "--from", VLLM, "-o", tmp_path / "runs"]):
+        _one_line_error(run(*args, "--steps", ""), "--steps '': an empty regex finds every "
+                                                    "range")
+    assert not (tmp_path / "runs").exists()
     # the regex as given, to copy back (not Python's repr, which doubles backslashes)
     _one_line_error(run("breakdown", VLLM, "--steps", r"^no_such\(step"), str(VLLM),
                     r"no range matching --steps '^no_such\(step' holds a kernel launch")
