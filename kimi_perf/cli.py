@@ -138,18 +138,21 @@ class NamedPath(click.Path):
     def convert(self, value, param, ctx):
         if isinstance(value, str) and not value:
             self.fail("an empty file name", param, ctx)
-        if isinstance(value, str) and value.endswith("/") and value.strip("/"):
+        if not isinstance(value, str):
+            return super().convert(value, param, ctx)
+        said = printable(value)   # (a newline in it would split the error's line)
+        if value.endswith("/") and value.strip("/"):
             if self.file:
-                self.fail(f"{value}: names a directory (its trailing /), not a file to write",
+                self.fail(f"{said}: names a directory (its trailing /), not a file to write",
                           param, ctx)
             if os.path.lexists(value.rstrip("/")) and not os.path.isdir(value):
-                self.fail(f"{value}: not a directory, as its trailing / says", param, ctx)
-        if self.placed and isinstance(value, str) and value != "-":
+                self.fail(f"{said}: not a directory, as its trailing / says", param, ctx)
+        if self.placed and value != "-":
             # said before the work (a trace read for a minute, then nowhere to write)
             if os.path.isdir(value):
-                self.fail(f"{value}: cannot write: it is a directory", param, ctx)
+                self.fail(f"{said}: cannot write: it is a directory", param, ctx)
             if not os.path.isdir(os.path.dirname(value) or "."):
-                self.fail(f"{value}: cannot write: no such directory", param, ctx)
+                self.fail(f"{said}: cannot write: no such directory", param, ctx)
         return super().convert(value, param, ctx)
 
 
@@ -316,8 +319,11 @@ def _format_of(fmt: str | None, output: Path | None, choices: tuple[str, ...]) -
         return fmt
     suffix = output.suffix.lower().removeprefix(".") if output is not None else ""
     if suffix in NOT_TABLES and suffix not in choices:
+        # (--format table would write the table over a report, a .kptrace or a trace)
+        advice = "give --format, or another name" if suffix in ("csv", "json") else \
+            "name the file otherwise"
         raise TraceError(None, f"-o {output.name}: no {suffix} format here (table or "
-                               f"{', '.join(choices)}): give --format, or another name")
+                               f"{', '.join(choices)}): {advice}")
     return suffix if suffix in choices and suffix != "table" else "table"
 
 

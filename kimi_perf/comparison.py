@@ -49,6 +49,10 @@ class ComparisonRow:
     # A type found by the repeating pattern in both, with another kernel sequence in B: its
     # letter may name another layer there (letters follow the order of first appearance).
     pattern_differs: bool = False
+    # A letter paired by name with a type that keeps no kernel sequence (layers of ranges
+    # lettered by their kernels, or a breakdown stored before sequences were kept): the same
+    # letter, not shown to be the same layer.
+    by_letter: bool = False
     type_b: str | None = None   # B's name of the type, where it differs (``pair_layer_types``)
     name_a: str | None = None   # the type's name in A and in B (None: that side has none)
     name_b: str | None = None
@@ -64,6 +68,11 @@ class ComparisonRow:
     # A side whose every step fell back ran the standard path's ops under its own name: its
     # figures stand, but a ratio would credit (or blame) the path for work it never ran.
     fell_back: bool = False
+
+    @property
+    def marked(self) -> bool:
+        """Whether the tables mark the row * (it may pair another layer)."""
+        return self.pattern_differs or self.by_letter
 
     @property
     def label(self) -> str:
@@ -86,7 +95,8 @@ class ComparisonRow:
 
     @property
     def kernel_us_ratio(self) -> float | None:
-        """A's kernel time over B's (the span less the idle time between kernels)."""
+        """A's kernel time over B's: its kernels' µs summed (the span less the idle time
+        between them, or more than the span where streams overlap)."""
         if (self.kernel_us_a is None or not self.kernel_us_b or not self.timed_alike
                 or not self.same_layers or self.fell_back):
             return None
@@ -112,7 +122,8 @@ class ComparisonRow:
         return {"type": self.type, "type_b": self.type_b, "a": sides[0], "b": sides[1],
                 "span_ratio": self.span_ratio, "kernel_us_ratio": self.kernel_us_ratio,
                 "kernel_ratio": self.kernel_ratio,
-                "pattern_differs": self.pattern_differs, "same_layers": self.same_layers}
+                "pattern_differs": self.pattern_differs, "paired_by_letter": self.by_letter,
+                "same_layers": self.same_layers}
 
 
 def _significant(v: float) -> float:
@@ -151,11 +162,11 @@ def layer_sources(b: Breakdown) -> list[str]:
 def steps_of_other_work(breakdowns: list[Breakdown]) -> bool:
     """Whether the breakdowns' whole steps ran other work, so that they have no ratio or
     spread: their steps hold other numbers of layers, and either each device is one step on
-    some side (a profiler window, cut anywhere: against another window, ``unequal_windows``,
-    or against forward passes, a window holding many) or every layer is a range on every
-    side (models of other depths: a run of 4 layers is no 2x leaner than one of 8). Layers
-    found by the kernel pattern on any side may be cut otherwise (a graph's pattern taking
-    two eager layers as one): steps found by ranges or graph launches then compare. Layer
+    every side (profiler windows cut elsewhere, ``unequal_windows``), or on one side, holding
+    more layers than the other's steps (a window of many forward passes against one), or
+    every layer is a range on every side (models of other depths: a run of 4 layers is no 2x
+    leaner than one of 8). Layers found by the kernel pattern on any side may be cut
+    otherwise (a graph's pattern taking two eager layers as one): those steps compare. Layer
     types compare either way."""
     return _other_work([layers_per_step(b) for b in breakdowns],
                        [b.source.get("steps_found_by") == "device" for b in breakdowns],
@@ -167,7 +178,10 @@ def _other_work(layers: list[float | None], windows: list[bool], ranges: list[bo
     profiler windows and its layers ranges."""
     if None in layers or len(set(layers)) < 2:
         return False
-    return any(windows) or all(ranges)
+    # a window against steps found otherwise holding fewer layers than it: many passes, or
+    # one and more (fewer: a graph's pattern may take two eager layers as one)
+    return (all(windows) or all(ranges)
+            or any(w and n > min(layers) for w, n in zip(windows, layers, strict=True)))
 
 
 def compare(a: Breakdown, b: Breakdown, fell_back: bool = False) -> list[ComparisonRow]:
@@ -337,14 +351,19 @@ def _row(name: str, ta: dict | None, tb: dict | None) -> ComparisonRow:
     def pick(t, key):
         return t[key] if t else None
     patterns = ((ta or {}).get("pattern"), (tb or {}).get("pattern"))
-    # a letter paired by name with a type that keeps no kernel sequence (layers of ranges
-    # lettered by their kernels, or a breakdown stored before sequences were kept): the same
-    # letter, not shown to be the same layer
-    by_letter = ta is not None and tb is not None and (None in patterns) and any(patterns)
-    return ComparisonRow(name, ta["layers"] if ta else 0, pick(ta, "kernels"),
-                         pick(ta, "kernel_us"), pick(ta, "span_us"),
-                         tb["layers"] if tb else 0, pick(tb, "kernels"), pick(tb, "kernel_us"),
-                         pick(tb, "span_us"), patterns_differ(patterns) or by_letter)
+    row = ComparisonRow(name, ta["layers"] if ta else 0, pick(ta, "kernels"),
+                        pick(ta, "kernel_us"), pick(ta, "span_us"),
+                        tb["layers"] if tb else 0, pick(tb, "kernels"), pick(tb, "kernel_us"),
+                        pick(tb, "span_us"), patterns_differ(patterns))
+    row.by_letter = ta is not None and tb is not None and paired_by_letter(patterns)
+    return row
+
+
+def paired_by_letter(patterns) -> bool:
+    """Whether types of one letter were paired though some keep a kernel sequence and others
+    none (``ComparisonRow.by_letter``)."""
+    held = set(patterns)
+    return None in held and len(held) > 1
 
 
 # How two traces' layer types were paired, for the notes under a comparison.
@@ -410,11 +429,14 @@ def comparison_notes(rows: list[ComparisonRow], label_a: str, label_b: str,
         notes.append(paired)
     if any(r.pattern_differs for r in rows):
         notes.append(f"* found by the repeating kernel pattern, with another kernel sequence in "
-                     f"{label_b}, or paired by its letter with a type that keeps none (layers of "
-                     "ranges lettered by their kernels, or a breakdown stored before sequences "
-                     "were kept): it may be another layer there")
-    if idle := idle_note(rows):
-        notes.append(idle)
+                     f"{label_b}: it may be another layer there")
+    if lettered := [r.label for r in rows if r.by_letter]:
+        notes.append(f"* {', '.join(lettered)}: paired by letter alone, one side keeping no "
+                     "kernel sequence (layers of ranges lettered by their kernels, or a "
+                     "breakdown stored before sequences were kept): it may be another layer "
+                     "there")
+    if unit == (unit_b or unit) == "kernels" and (idle := idle_note(rows)):
+        notes.append(idle)   # (a CPU run's ops: its spans hold the host's work between them)
     if unit != (unit_b or unit):
         notes.append(UNLIKE_TIMES)
     return notes
@@ -428,8 +450,11 @@ IDLE_APART = 1.05
 def idle_note(rows: list[ComparisonRow], most: int = 3) -> str | None:
     """The rows whose µs ratio (of spans) lies IDLE_APART or more from the ratio of their
     kernels' time: the difference is idle time between kernels (launch gaps, a sync), which
-    the spans hold and the kernels' µs do not."""
+    the spans hold and the kernels' µs do not. Not rows whose kernels overlap on a side (their
+    µs add up past the span: streams at once), where the spans' difference is not idle time
+    alone."""
     apart = [r for r in rows if r.span_ratio and r.kernel_us_ratio
+             and r.kernel_us_a <= r.span_us_a and r.kernel_us_b <= r.span_us_b
              and max(r.span_ratio / r.kernel_us_ratio,
                      r.kernel_us_ratio / r.span_ratio) >= IDLE_APART]
     if not apart:
@@ -583,9 +608,12 @@ class OverviewRow:
 
 def differing_patterns(rows: list[OverviewRow]) -> list[str]:
     """Types found by the repeating kernel pattern whose kernel sequence differs between
-    traces: their letter may name different layers."""
+    traces, or that some traces keep none of (``paired_by_letter``): their letter may name
+    different layers."""
     types = rows[0].types if rows else {}
-    return [t for t in types if patterns_differ(r.patterns[t] for r in rows if r.types[t])]
+    return [t for t in types
+            if patterns_differ(held := [r.patterns[t] for r in rows if r.types[t]])
+            or paired_by_letter(held)]
 
 
 def overview(breakdowns: dict[str, Breakdown]) -> list[OverviewRow]:

@@ -562,7 +562,10 @@ def find_repeats(seq: np.ndarray, classes: np.ndarray | None = None,
     layer 0), so each gap is split where its longest suffix that the prologue ends with
     begins. Matching uses kernel classes (``classes``, same length as ``seq``) where given,
     because the first layer often runs a variant kernel (a plain norm where later layers fuse
-    the residual add); but ops whose class says nothing of their role (``generic``: a mask of
+    the residual add). Where the prologue ends with no gap's head (layer 0 has none) and the
+    gaps are alike, each gap is the tail of the layer before, as far as the epilogue begins
+    with it (an eager Llama's projections, one GEMV kernel, leave its down projection outside
+    the cores). Ops whose class says nothing of their role (``generic``: a mask of
     the elementwise and copy ops, ``GENERIC_CLASSES``) match by name, or an eager model, all
     elementwise kernels and GEMMs, would match almost any suffix (its residual add taken for
     the embedding's gather). ``layers``: how many layers there are, when known (a forward
@@ -598,13 +601,19 @@ def find_repeats(seq: np.ndarray, classes: np.ndarray | None = None,
     # the other gaps have: tails end a layer the same way whatever its type.
     matched_tails = [split for split, matched in splits if matched]
     typical_tail = Counter(matched_tails).most_common(1)[0][0] if matched_tails else 0
+    # No gap's head in a prologue there is (layer 0 runs none), the gaps all alike and two at
+    # least (one gap is alike by itself): each is the tail of the layer before, as far as the
+    # epilogue begins with it (``_tail_of``). A step that begins at layer 0's core (a window
+    # cut after its norm) has no prologue to tell by: its gaps keep their heads.
+    tails_by_epilogue = (not matched_tails and lo[0] > 0 and len(gaps) >= 2
+                         and len(splits_of) == 1)
     starts = np.empty(count, np.int64)
     tails = []
     first_head = 0
     for i, (gap, (split, matched)) in enumerate(zip(gaps, splits, strict=True), start=1):
         if not matched:
-            split = (min(typical_tail, len(gap)) if matched_tails or len(splits_of) > 1
-                     else _tail_of(gap, epilogue))
+            split = (_tail_of(gap, epilogue) if tails_by_epilogue
+                     else min(typical_tail, len(gap)))
         starts[i] = hi[i - 1] + 1 + split
         tails.append(gap[:split])
         first_head = max(first_head, matched)
@@ -659,7 +668,7 @@ def _tail_of(gap: np.ndarray, epilogue: np.ndarray) -> int:
     epilogue begins with, as the last layer's tail is there (an eager layer's last GEMM, of
     one kernel name with its others, outside the cores; it began the next layer); none where
     the epilogue begins otherwise. (Gaps that differ, passes joined with the work between
-    them, keep their heads.)"""
+    them, keep their heads; see ``find_repeats``.)"""
     most = min(len(gap), len(epilogue))
     unequal = np.flatnonzero(gap[:most] != epilogue[:most])
     return int(unequal[0]) if len(unequal) else most

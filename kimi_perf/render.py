@@ -410,7 +410,7 @@ def comparison_table(rows: list[ComparisonRow], label_a: str, label_b: str,
     def fmt(v, spec=".1f"):
         return "-" if v is None else format(v, spec)
     for r in rows:
-        table.add_row(r.label + (" *" if r.pattern_differs else ""), r.layers_text("a"),
+        table.add_row(r.label + (" *" if r.marked else ""), r.layers_text("a"),
                       count_text(r.kernels_a), fmt(r.span_us_a),
                       r.layers_text("b"), count_text(r.kernels_b), fmt(r.span_us_b),
                       ratio_text(r.span_ratio), ratio_text(r.kernel_ratio))
@@ -427,7 +427,7 @@ def comparison_headline(rows: list[ComparisonRow], label_a: str, label_b: str,
     for r in rows:
         if r.kernels_a is None or r.kernels_b is None or not r.same_layers or r.fell_back:
             continue
-        mark = " *" if r.pattern_differs else ""
+        mark = " *" if r.marked else ""
         parts.append(f"{r.label}{mark}: {count_text(r.kernels_a)} {unit} / {r.span_us_a:.1f} µs "
                      f"({label_a}) vs {count_text(r.kernels_b)}{other} / {r.span_us_b:.1f} µs "
                      f"({label_b})")
@@ -456,7 +456,8 @@ def overview_table(rows: list[OverviewRow], unit: str = "kernels") -> Table:
              for label, what in stragglers(list(spread.values())).items()]
     if differ:
         notes.append("* found by the repeating kernel pattern, with other kernel sequences in "
-                     "some traces: the letter may name different layers (no spread)")
+                     "some traces (or none kept: paired by letter alone): the letter may name "
+                     "different layers (no spread)")
     if renamed := renamed_columns(rows):
         notes.append(renamed)
     if len({r.unit for r in rows}) > 1:

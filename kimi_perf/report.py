@@ -220,13 +220,14 @@ def report_pairs(breakdowns: dict[str, Breakdown],
     return [(labels[0], other) for other in labels[1:]]
 
 
-def _short_labels(labels: list[str]) -> dict[str, str]:
+def _short_labels(labels: list[str], labelled: bool = False) -> dict[str, str]:
     """Each label as the tables' headers show it: without the words all of a report's labels
     share, or numbered where one is still long (``header_labels``: each name fills three
     columns), one name for a trace in every table that sets traces side by side (sections of
     one trace, or prose, name it in full); runs of one day without their date
-    (``without_shared_date``). A label alone is kept whole."""
-    if len(labels) < 2:
+    (``without_shared_date``). A label alone is kept whole, and so are labels of the
+    user's own (``--labels``: as compare keeps them)."""
+    if len(labels) < 2 or labelled:
         return dict(zip(labels, labels, strict=True))
     return dict(zip(labels, header_labels(without_shared_date(labels)), strict=True))
 
@@ -239,12 +240,13 @@ def _said(short: dict[str, str], labels: list[str]) -> str:
 
 
 def _comparison_html(breakdowns: dict[str, Breakdown], pairs: list[tuple[str, str]],
-                     fell_back: Collection[str] = ()) -> str:
+                     fell_back: Collection[str] = (), short: dict[str, str] | None = None
+                     ) -> str:
     """Each pair of traces (``report_pairs``), per layer type; and the work of each trace
     that fell in no step."""
     labels = list(breakdowns)
     unit = {label: b.unit for label, b in breakdowns.items()}
-    short = _short_labels(labels)
+    short = short or _short_labels(labels)
     e = html.escape
     parts = []
     for label in labels:
@@ -275,7 +277,7 @@ def _comparison_html(breakdowns: dict[str, Breakdown], pairs: list[tuple[str, st
                 f"<th>{e(b)} µs</th><th>µs ratio</th>"
                 f"<th>{counted} ratio</th></tr>")
         body = "".join(
-            f"<tr><td>{e(r.label)}{' *' if r.pattern_differs else ''}</td>"
+            f"<tr><td>{e(r.label)}{' *' if r.marked else ''}</td>"
             f"<td>{r.layers_text('a')}</td><td>{count_text(r.kernels_a)}</td>"
             f"<td>{fmt(r.span_us_a, '.1f')}</td><td>{r.layers_text('b')}</td>"
             f"<td>{count_text(r.kernels_b)}</td>"
@@ -331,7 +333,8 @@ def _steps_html(breakdowns: dict[str, Breakdown]) -> str:
             "the idle time between its kernels.</p>" + "".join(parts) if parts else "")
 
 
-def _overview_html(breakdowns: dict[str, Breakdown], of_paths: bool = False) -> str:
+def _overview_html(breakdowns: dict[str, Breakdown], of_paths: bool = False,
+                   short: dict[str, str] | None = None) -> str:
     """Three traces or more (a TP run's ranks, say): every one in one table, with the spread
     of each layer type's span and the slowest trace; ``of_paths``: the traces are the decode
     paths of several runs, whose spread would set one path against another (no spread)."""
@@ -339,7 +342,7 @@ def _overview_html(breakdowns: dict[str, Breakdown], of_paths: bool = False) -> 
         return ""
     e = html.escape
     rows = overview(breakdowns)
-    short = _short_labels(list(breakdowns))   # (as the tables below name them)
+    short = short or _short_labels(list(breakdowns))   # (as the tables below name them)
     types = list(rows[0].types)
     differ = differing_patterns(rows)
     spread = {s.type: s for s in spreads(rows)}
@@ -360,7 +363,8 @@ def _overview_html(breakdowns: dict[str, Breakdown], of_paths: bool = False) -> 
     note = _said(short, list(breakdowns)) + note
     if differ:
         note += ("<p>* found by the repeating kernel pattern, with other kernel sequences in "
-                 "some traces: the letter may name different layers (no spread).</p>")
+                 "some traces (or none kept: paired by letter alone): the letter may name "
+                 "different layers (no spread).</p>")
     if renamed := renamed_columns(rows, most=len(types)):
         note += f"<p>{e(renamed[0].upper() + renamed[1:])}.</p>"
     if len({r.unit for r in rows}) > 1 and not of_paths:
@@ -377,12 +381,13 @@ def _overview_html(breakdowns: dict[str, Breakdown], of_paths: bool = False) -> 
 TYPICAL_ROWS = 300
 
 
-def _typical_html(breakdowns: dict[str, Breakdown]) -> str:
+def _typical_html(breakdowns: dict[str, Breakdown], short: dict[str, str] | None = None
+                  ) -> str:
     """Per layer type, its typical layer in every trace side by side: kernels in order, each
     with its class and median µs (the full name on hover)."""
     unit = {label: b.unit for label, b in breakdowns.items()}
     e = html.escape
-    short = _short_labels(list(breakdowns))
+    short = short or _short_labels(list(breakdowns))
     parts = []
     for names_of in aligned_types(breakdowns):   # paired as compare and the gate pair them
         sides = {label: next((t for t in b.layer_types if t["type"] == names_of.get(label)),
@@ -803,6 +808,7 @@ class ReportInputs:
     pairs: list[tuple[str, str]] | None = None
     run_labels: list[list[str]] = field(default_factory=list)
     of_paths: bool = False
+    labelled: bool = False   # relabelled: the user's own labels (kept whole in the tables)
 
     def relabelled(self, labels: list[str]) -> ReportInputs:
         """The same inputs under ``labels``, one for each breakdown, in order."""
@@ -820,7 +826,7 @@ class ReportInputs:
                             None if self.pairs is None
                             else [(renamed[a], renamed[b]) for a, b in self.pairs],
                             [[renamed[label] for label in drawn] for drawn in run_labels],
-                            self.of_paths)
+                            self.of_paths, labelled=True)
 
     def write(self, path: str | Path, title: str, *, plotly_js: str = "inline",
               run: dict | None = None) -> Path:
@@ -829,7 +835,7 @@ class ReportInputs:
         command gives one saying how the report was made where ``self.run`` is None)."""
         return write_report(path, self.breakdowns, title, self.run if run is None else run,
                             plotly_js, self.runs, self.fell_back, self.no_ratios, self.pairs,
-                            self.of_paths)
+                            self.of_paths, self.labelled)
 
     def captured_differently(self) -> list[str]:
         """How each run after the first was captured differently from it, a line each."""
@@ -918,8 +924,8 @@ def write_report(path: str | Path, breakdowns: dict[str, Breakdown], title: str,
                  run: dict | None = None, plotly_js: str = "inline",
                  runs: list[tuple[str, dict]] = (), fell_back: dict[str, str] | None = None,
                  no_ratios: Collection[str] = (),
-                 pairs: Sequence[tuple[str, str]] | None = None, of_paths: bool = False
-                 ) -> Path:
+                 pairs: Sequence[tuple[str, str]] | None = None, of_paths: bool = False,
+                 labelled: bool = False) -> Path:
     """One HTML file (written atomically) from breakdowns alone (their ``timeline`` is drawn).
     ``run``: the run.json of a capture or ``--from``. ``plotly_js``: ``inline`` (the file
     opens offline; about 5 MB), ``cdn``, a URL, or the path (from here) of a
@@ -930,7 +936,8 @@ def write_report(path: str | Path, breakdowns: dict[str, Breakdown], title: str,
     labels of ``no_ratios`` (a run's own paths that fell back, under labels of its own).
     ``pairs``: the comparisons to draw, by label (default: the first against each other);
     ``of_paths``: the breakdowns include different decode paths of runs, so no spread nor
-    slowest trace is drawn across them (``ReportInputs.of_paths``)."""
+    slowest trace is drawn across them (``ReportInputs.of_paths``); ``labelled``: the labels
+    are the user's own, kept whole in the tables (``--labels``)."""
     if plotly_js not in PLOTLY_JS and not plotly_js.endswith(".js"):
         raise ValueError(f"plotly_js: inline, cdn or a path ending in .js, not {plotly_js!r}")
     if not breakdowns:
@@ -982,16 +989,17 @@ def write_report(path: str | Path, breakdowns: dict[str, Breakdown], title: str,
         if drawing]
     charts = [figure.to_html(full_html=False, include_plotlyjs=include if i == 0 else False)
               for i, figure in enumerate(figures)]
+    short = _short_labels(list(breakdowns), labelled)
     parts = [f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{html.escape(title)}"
              f"</title>{STYLE}</head><body><h1>{html.escape(title)}</h1>",
              _run_html(run, breakdowns),
              "".join(f"<p class=warn>{html.escape(fell_back_text(label, why))}.</p>"
                      for label, why in fell_back.items()),
              _runs_html(list(runs)),
-             _overview_html(breakdowns, of_paths),
-             _comparison_html(breakdowns, pairs, fallen),
+             _overview_html(breakdowns, of_paths, short),
+             _comparison_html(breakdowns, pairs, fallen, short),
              _steps_html(breakdowns),
-             _typical_html(breakdowns),
+             _typical_html(breakdowns, short),
              _fusions_html(breakdowns, pairs),
              "<h2>Timelines</h2>",
              _missing_timelines_html(breakdowns, drawn),

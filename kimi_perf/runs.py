@@ -897,22 +897,25 @@ def trace_labels(paths: list[str | Path]) -> list[str]:
 KINETO_HEAD = 1 << 16
 
 
-def _json_not_a_trace(path: Path) -> bool:
-    """A JSON file (gzipped or not) that is neither a list (Chrome's bare event list) nor an
-    object whose head names a Kineto key: a profiler's directory often holds other JSON (a
-    config, a summary) beside its traces."""
+def _json_not_a_trace(path: Path) -> str | None:
+    """Why a JSON file (gzipped or not) is no trace, where it is neither a list (Chrome's
+    bare event list) nor an object whose head names a Kineto key: a profiler's directory
+    often holds other JSON (a config, a summary) beside its traces. An empty one is a trace
+    cut short where its name says trace (gzipped, or ``*.trace.json``: a rank that crashed
+    before writing, which the reader says), else left out as empty (a summary not written)."""
     if not path.name.endswith((".json", ".json.gz")):
-        return False
+        return None
     try:
         with (gzip.open(path, "rb") if path.name.endswith(".gz") else open(path, "rb")) as f:
             head = f.read(KINETO_HEAD)
     except (OSError, EOFError, zlib.error):
-        return False   # unreadable: the reader says why
+        return None   # unreadable: the reader says why
     head = head.lstrip(b"\xef\xbb\xbf \t\r\n")
     if not head:
-        return False   # empty (a rank that crashed before writing): the reader says so
-    return not (head.startswith(b"[") or b'"traceEvents"' in head
-                or b'"schemaVersion"' in head)
+        return None if path.name.endswith((".gz", ".trace.json")) else "an empty file"
+    if head.startswith(b"[") or b'"traceEvents"' in head or b'"schemaVersion"' in head:
+        return None
+    return "JSON that is not a trace"
 
 
 def _not_a_file(path: Path) -> str:
@@ -1006,10 +1009,9 @@ def trace_files(paths: list[str | Path], keep_runs: bool = False,
                   if f.is_file() and is_kimi_perf_json(f)]
         named = sorted((f for f in entries if f.is_file() and not is_kimi_perf_json(f)),
                        key=natural)
-        other = [f for f in named if _json_not_a_trace(f)]
+        other = {f: why for f in named if (why := _json_not_a_trace(f)) is not None}
         found = [f for f in named if f not in other]
-        passed = sorted([*stored, *((f, "JSON that is not a trace") for f in other), *unread],
-                        key=lambda entry: natural(entry[0]))
+        passed = sorted([*stored, *other.items(), *unread], key=lambda entry: natural(entry[0]))
         if not found:
             # (traces/runs: its runs are folders of their own, given each, DIR/*/)
             runs = sum((d / "breakdown.json").is_file() for d in path.iterdir()

@@ -1002,13 +1002,22 @@ def test_a_letter_paired_with_a_type_that_keeps_no_sequence_is_marked():
     ranges = _types(("A", None, 11, 1919.3))
     pattern = _types(("A", "d1", 22, 1447.1))
     rows = compare(ranges, pattern)
-    assert rows[0].label == "A" and rows[0].pattern_differs
-    assert any(note.startswith("* found by the repeating kernel pattern, with another kernel "
-                               "sequence in B, or paired by its letter with a type that keeps "
-                               "none") for note in comparison_notes(rows, "A", "B"))
+    assert rows[0].label == "A" and rows[0].marked and rows[0].by_letter
+    assert not rows[0].pattern_differs   # (no sequence of A's to differ)
+    assert rows[0].to_json()["paired_by_letter"] is True
+    notes = comparison_notes(rows, "A", "B")
+    assert "* A: paired by letter alone, one side keeping no kernel sequence (layers of ranges " \
+        "lettered by their kernels, or a breakdown stored before sequences were kept): it may " \
+        "be another layer there" in notes
+    assert not any(n.startswith("* found by the repeating kernel pattern") for n in notes)
     assert comparison_headline(rows, "A", "B").startswith("A *: 11 kernels")
-    assert not compare(pattern, _types(("A", "d1", 22, 1400.0)))[0].pattern_differs
-    assert not compare(ranges, _types(("A", None, 11, 1900.0)))[0].pattern_differs
+    assert not compare(pattern, _types(("A", "d1", 22, 1400.0)))[0].marked
+    assert not compare(ranges, _types(("A", None, 11, 1900.0)))[0].marked
+    # in the table of every trace too (three traces)
+    from kimi_perf.comparison import differing_patterns, overview
+
+    assert differing_patterns(overview({"a": pattern, "b": ranges, "c": pattern})) == ["A"]
+    assert differing_patterns(overview({"a": pattern, "b": pattern, "c": pattern})) == []
 
 
 

@@ -2048,7 +2048,8 @@ def test_output_suffix_names_the_format_where_none_is_given(tmp_path):
     for name in ("report.html", "cmp.kptrace", "t.sqlite", "t.json.gz", "t.nsys-rep"):
         suffix = name.split(".", 1)[1].removeprefix("json.")
         _one_line_error(run("compare", BASELINE, "-o", tmp_path / name),
-                        f"-o {name}: no {suffix} format here (table or json)")
+                        f"-o {name}: no {suffix} format here (table or json): name the file "
+                        "otherwise")   # (--format table would write over the report)
         assert not (tmp_path / name).exists()
     assert run("ranges", trace, "-o", tmp_path / "r.txt").exit_code == 0   # (any other: table)
 
@@ -3357,6 +3358,12 @@ def test_report_numbers_labels_still_long_without_their_shared_words(tmp_path):
     assert ("#1: vllm_fullgraph_batch32_mi300x_rocm62_eager_attention; "
             "#2: vllm_fullgraph_capture_batch32_h100_cuda128_flash_attention") in text
     assert "<th>#1 kernel</th>" in text   # (the typical layers' table)
+    # labels of the user's own are kept whole, as compare keeps them
+    assert run("report", a, b, "-o", out, "--plotly-js", "cdn", "--labels",
+               "baseline_vllm_0_6_rocm_mi300x,candidate").exit_code == 0
+    text = out.read_text()
+    assert "Per layer type: baseline_vllm_0_6_rocm_mi300x vs candidate" in text
+    assert "<th>#1" not in text and "<th>candidate kernel</th>" in text
 
 
 def test_breakdown_csv_of_a_trace_without_layers_is_refused(tmp_path):
@@ -3377,19 +3384,23 @@ def test_breakdown_csv_of_a_trace_without_layers_is_refused(tmp_path):
 def test_an_empty_rank_in_a_directory_is_an_error_not_left_out(tmp_path):
     """A rank that crashed leaves a trace file of 0 bytes (or a gzip of nothing): in a
     directory of ranks it was left out as "JSON that is not a trace", exit 0, and the
-    summary covered the other ranks alone; it is an empty file, as given alone."""
+    summary covered the other ranks alone; it is an empty trace, as given alone. An empty
+    plain .json (a summary not written) is left out, said to be empty."""
     import gzip
 
     ranks = tmp_path / "ranks"
     ranks.mkdir()
     shutil.copy(VLLM, ranks / "rank0.json.gz")
     (ranks / "rank1.json.gz").write_bytes(gzip.compress(b""))
-    (ranks / "rank2.json").write_text("\n")
+    (ranks / "rank2.pt.trace.json").write_text("\n")
+    (ranks / "summary.json").write_text("")
     result = run("info", ranks)   # (rank 0 described, each unreadable rank a line)
-    assert result.exit_code == 2 and result.stderr.strip().splitlines() == [
+    assert result.exit_code == 2
+    assert result.stderr.strip().splitlines() == [
+        f"left out: {ranks / 'summary.json'} (an empty file)",
         f"kimi-perf: error: {ranks / 'rank1.json.gz'}: a gzip that holds an empty file",
-        f"kimi-perf: error: {ranks / 'rank2.json'}: holds only blanks (spaces and line "
-        "breaks)"]
+        f"kimi-perf: error: {ranks / 'rank2.pt.trace.json'}: holds only blanks (spaces and "
+        "line breaks)"]
     _one_line_error(run("breakdown", ranks / "rank1.json.gz"), "a gzip that holds an empty")
 
 
@@ -3408,6 +3419,9 @@ def test_a_name_ending_in_a_slash_names_a_directory(tmp_path):
     _one_line_error(run("report", f"{VLLM}/", "-o", tmp_path / "r.html"),
                     "not a directory, as its trailing / says")
     assert run("info", f"{KINETO}/").exit_code == 0   # (a directory of traces, as it says)
+    # a newline in the name is written out: the error stays one line
+    _one_line_error(run("breakdown", VLLM, "-o", "no\nwhere/x.txt"),
+                    "no\\x0awhere/x.txt: cannot write: no such directory")
 
 
 def test_floors_title_says_the_bandwidth_given():

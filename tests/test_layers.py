@@ -155,6 +155,24 @@ def test_a_layer_whose_gemms_share_one_kernel_ends_at_its_last_gemm(n_layers):
     np.testing.assert_array_equal(split.ends, starts + len(layer))
 
 
+def test_a_window_that_begins_at_layer_0_s_core_keeps_the_layers_heads():
+    """A profiler window cut after layer 0's norm: no prologue to tell a head by, and an
+    epilogue that begins with the next layer's norm. Each later layer still begins at its
+    norm (the gap is the next layer's head, not this one's tail)."""
+    norm = ["fused_add_rms_norm_kernel"]
+    layer = [*norm, "gemm_qkv", "rotary_embedding_kernel", "flash_fwd_kernel", "gemm_o",
+             "fused_add_rms_norm_kernel", "gemm_gate_up", "act_and_mul_kernel", "gemm_down"]
+    sequence = layer[1:] + layer * 3 + norm
+    strings = sorted(set(sequence))
+    seq = np.array([strings.index(n) for n in sequence])
+    classes, labels = classify(seq, strings, load_rules())
+    split = find_repeats(seq, classes, attending(classes, labels),
+                         generic=generic_ops(classes, labels))
+    later = len(layer) - 1 + len(layer) * np.arange(3)
+    np.testing.assert_array_equal(split.starts[1:], later)
+    assert [sequence[i] for i in split.starts[1:]] == norm * 3
+
+
 @pytest.mark.parametrize("n_layers", [3, 8, 24])
 @pytest.mark.parametrize("router", [["softmax_warp_forward", "gatherTopK"],
                                     ["gatherTopK", "softmax_warp_forward"]])

@@ -282,6 +282,12 @@ def test_a_profiler_window_against_forward_passes_has_no_whole_step_ratio():
         rows, "A", "B")
     same = compare(passes, passes)
     assert "whole step: the median step, all its kernels" in ratio_note(same, "A", "B")
+    # a window holding fewer layers than the passes: a graph's pattern taking two eager
+    # layers as one, say; those steps compare
+    from kimi_perf.comparison import _other_work
+
+    assert not _other_work([6, 12], [True, False], [False, True])
+    assert _other_work([24, 12], [True, False], [False, True])
     fewer = compare(passes, dataclasses.replace(passes, steps=passes.steps[:5]))
     assert next(r for r in fewer if r.label == WHOLE_STEP).kernel_ratio is not None
     assert ("whole step: the median step (of 15 and of 5 steps), all its kernels"
@@ -304,6 +310,15 @@ def test_a_span_ratio_the_kernels_time_does_not_explain_is_said():
         "launch gaps, syncs), against the ratio of kernel µs: A: 0.879, kernel µs 0.998")
     assert idle_note(compared.rows) in compared.table_notes
     assert idle_note(compare_files(BEFORE, BEFORE).rows) is None
+    # not where a side's kernels overlap on streams (their µs summed past the span: the
+    # spans' difference is no idle time alone), nor of a CPU run's ops
+    kineto = NSYS.parent / "kineto"
+    overlapped = compare_files(kineto / "hta_trace_diff_test_v100_rank1_cudagraph.json.gz",
+                               kineto / "hta_trace_diff_control_a100_rank3.json.gz")
+    step = next(r for r in overlapped.rows if r.label == WHOLE_STEP)
+    assert step.kernel_us_b > step.span_us_b and step.span_ratio and step.kernel_us_ratio
+    assert not any("does not explain" in note for note in overlapped.table_notes)
+    assert not any("does not explain" in note for note in compare_files(BASELINE).table_notes)
 
 
 def test_one_file_compared_with_itself_says_so(tmp_path):
