@@ -2,7 +2,8 @@
 
 Library entry points (the CLI is a thin layer over these)::
 
-    from kimi_perf import read_trace, breakdown, compare, compare_files, load_breakdown
+    from kimi_perf import (breakdown, breakdown_of_file, compare_files, load_breakdown,
+                           read_trace)
     trace = read_trace("decode.sqlite")          # or .nsys-rep, Kineto .json(.gz), .kptrace
     b = breakdown(trace)                          # steps, layers, per-type medians
     b = breakdown_of_file("decode.sqlite")        # the same, read and broken down at once

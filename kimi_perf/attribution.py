@@ -110,6 +110,9 @@ def _launch_points(trace: Trace) -> tuple:
 def range_kernel_summary(trace: Trace) -> list[RangeKernelRow]:
     """One row per (range name, style, pid, tid, kernel name), ordered as nsys orders them
     (``range_kernel_columns`` in that order, as rows)."""
+    if not isinstance(trace, Trace):
+        raise TypeError(f"range_kernel_summary takes a Trace (read_trace(path)), not "
+                        f"{type(trace).__name__}")
     columns = range_kernel_columns(trace)
     return _rows(trace, columns.taken(_nsys_order(trace, columns)))
 

@@ -46,7 +46,7 @@ from kimi_perf.layer_breakdown import Breakdown, breakdown, breakdown_of_file
 from kimi_perf.memory import address_space_capped
 from kimi_perf.readers import read_trace
 from kimi_perf.readers.nsys import has_nvtx_ranges, nsys_cli, nsys_failure
-from kimi_perf.runs import trace_labels
+from kimi_perf.runs import trace_files, trace_labels
 from kimi_perf.trace import (
     atomic_write,
     atomic_write_text,
@@ -798,6 +798,14 @@ def analyse(files: list[str | Path], out_dir: str | Path, layers: str = "auto",
     from kimi_perf.classify import load_rules
 
     files, out_dir = [Path(f) for f in files], Path(out_dir)
+    if captures is None:   # (a directory: its traces, as trace --from takes them)
+        files = trace_files(files)
+    if not files:
+        raise ValueError("files: one trace or more, not an empty list")
+    seen: dict[str, Path] = {}
+    for file in files:   # (a trace against itself: every ratio 1.00, no comparison)
+        if (twin := seen.setdefault(os.path.realpath(file), file)) is not file:
+            raise TraceError(file, f"given twice (also as {twin}): each trace once")
     if captures is not None and (len(captures) != len(files) or None in captures):
         raise TraceError(None, f"captures: one file for each of the {len(files)} traces, "
                                f"as --capture gives them: not {captures!r}")

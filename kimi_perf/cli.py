@@ -786,15 +786,12 @@ def gate_cmd(baseline: Path, run: Path, metrics: str | None, rel_tol: float, abs
             ("rel_tol", "rel_tol", rel_tol), ("abs_tol", "abs_tol_us", abs_tol),
             ("alpha", "alpha", alpha), ("metrics", "metrics", metrics))
             if source(option) not in (click.core.ParameterSource.DEFAULT, None)}
-        stored = gate_mod.baseline_tolerances(baseline) if given else {}
-        if stored:   # (a setting the gate cannot use is the baseline's, named)
-            gate_mod.kept_tolerances(baseline, {"gate_tolerances": stored})
-        kept = {key: value for key, value in stored.items() if key not in given}
-        try:
-            gate_mod.Tolerances(**given)   # (each option checked before any work)
-            tolerances = gate_mod.Tolerances(**kept, **given) if given else None
+        try:   # (each option checked before any work)
+            tolerances = gate_mod.tolerances_over(baseline, given) if given else None
         except ValueError as exc:
             raise TraceError(None, f"--{exc}") from None
+        kept = {key: value for key, value in gate_mod.baseline_tolerances(baseline).items()
+                if key not in given} if given else {}
         if update and path_name is not None:
             raise TraceError(None, "--update stores the whole run: it takes no --path")
         if spread_from and not update:

@@ -68,9 +68,10 @@ import math
 import os
 import re
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -168,6 +169,8 @@ class Tolerances:
             raise ValueError(f"abs_tol_us: a finite number ≥ 0 (not {self.abs_tol_us})")
         if not 0 < self.alpha < 1:   # (0 or 1: a test that always, or never, passes)
             raise ValueError(f"alpha: a probability in (0, 1) (not {self.alpha})")
+        if type(self.min_samples) is not int or self.min_samples < 2:   # (a test of one: none)
+            raise ValueError(f"min_samples: an integer ≥ 2 (not {self.min_samples!r})")
 
 
 # The statuses of a check that fail the gate.
@@ -302,9 +305,8 @@ def gate_files(baseline: str | Path, run: str | Path, tolerances: Tolerances | N
     (``run_differences``) or broken down differently (``breakdown_differences``) fail too, as
     a nightly job against the wrong baseline should. ``tolerances`` None: those the
     baseline keeps (``update_baseline`` with tolerances stores them), else the defaults."""
-    if tolerances is not None:
-        _check_tolerances(tolerances)
     baseline, run = Path(baseline), Path(run)
+    tolerances = _tolerances_of(baseline, tolerances)
     loaded = loaded or {}
     current, run_doc, run_file = loaded.get(run) or load_run(run, phase, **breakdown_options)
     base, base_doc, base_file = (loaded.get(baseline)
@@ -465,10 +467,29 @@ def tolerance_settings(tolerances: Tolerances) -> dict:
             **({"metrics": ",".join(tolerances.metrics)} if tolerances.metrics else {})}
 
 
-def _check_tolerances(tolerances: object) -> None:
-    if not isinstance(tolerances, Tolerances):   # (a rel_tol given in its place, say)
-        raise TypeError(f"tolerances: a Tolerances, not {type(tolerances).__name__} "
-                        f"({tolerances!r}): Tolerances(rel_tol=..., alpha=..., metrics=...)")
+def tolerances_over(baseline: str | Path, settings: Mapping[str, Any]) -> Tolerances:
+    """``settings`` (``rel_tol``, ``abs_tol_us``, ``alpha``, ``metrics``, ``min_samples``)
+    over those the baseline keeps (``gate --update`` stored them), over the defaults: what
+    ``kimi-perf gate``'s options make of them (``--rel-tol 0.1`` keeps the baseline's
+    metrics). A setting out of range is a ValueError naming it."""
+    kept = baseline_tolerances(baseline) if settings else {}
+    if kept:   # (a setting the gate cannot use is the baseline's, named)
+        kept_tolerances(baseline, {"gate_tolerances": kept})
+    Tolerances(**settings)   # (the settings' own problem said as theirs)
+    return Tolerances(**{**kept, **settings})
+
+
+def _tolerances_of(baseline: Path, tolerances: object) -> Tolerances | None:
+    """``gate_files``' and ``update_baseline``'s ``tolerances``: a Tolerances as given (every
+    setting), a dict of settings over the baseline's (``tolerances_over``), or None."""
+    if isinstance(tolerances, Mapping):
+        return tolerances_over(baseline, tolerances)
+    if tolerances is not None and not isinstance(tolerances, Tolerances):
+        # (a rel_tol given in its place, say)
+        raise TypeError(f"tolerances: a Tolerances or a dict of settings, not "
+                        f"{type(tolerances).__name__} ({tolerances!r}): Tolerances(rel_tol=..., "
+                        "alpha=..., metrics=...), or {'rel_tol': 0.1} over the baseline's")
+    return tolerances
 
 
 def _model_holds(doc: dict, layer_type: str) -> bool:
@@ -500,9 +521,8 @@ def update_baseline(baseline: str | Path, run: str | Path,
     defaults, nothing stored). ``spread_from``: other runs of the run's code (four or more),
     whose spread with it is stored (``run_spread``: ``spread_of_runs``); without them, a
     spread the baseline kept goes (it was of other runs' code)."""
-    if tolerances is not None:
-        _check_tolerances(tolerances)
     baseline, run = Path(baseline), Path(run)
+    tolerances = _tolerances_of(baseline, tolerances)
     if baseline.exists() and not is_stored(baseline):
         raise TraceError(baseline, "--update replaces a baseline JSON, not a directory"
                          if baseline.is_dir() else
@@ -926,6 +946,15 @@ def gate(baseline: dict[str, Breakdown], current: dict[str, Breakdown],
     the runs' information says (``gate_files``: how each was captured, models of other
     depths, which steps fell back) is not read, so two models of other depths differ here
     in their layers a step, where ``gate_files`` says they are other models."""
+    for side, runs in (("baseline", baseline), ("current", current)):
+        if not (isinstance(runs, dict) and all(isinstance(b, Breakdown)
+                                               for b in runs.values())):
+            raise TypeError(f"{side}: Breakdowns by path ({{'standard': breakdown}}, as "
+                            f"load_run gives them), not {type(runs).__name__}: gate_files "
+                            "takes files")
+    if not isinstance(tolerances, Tolerances):   # (a rel_tol given in its place, say)
+        raise TypeError(f"tolerances: a Tolerances, not {type(tolerances).__name__} "
+                        f"({tolerances!r}): Tolerances(rel_tol=..., alpha=..., metrics=...)")
     if not has_work(baseline):
         raise ValueError("the baseline holds no steps and no layers: nothing to check")
     if len(baseline) == 1 and len(current) == 1 and TRACE in (*baseline, *current):

@@ -481,6 +481,8 @@ def breakdown(trace: Trace, layers: str = "auto", rules: list[Rule] | str | Path
         raise TypeError(f"breakdown takes a Trace (read_trace(path)), not {type(trace).__name__}"
                         + ("; breakdown_of_file(path) reads and breaks down a file"
                            if isinstance(trace, str | Path) else ""))
+    if not isinstance(layers, str):
+        raise TypeError(f"layers: auto, repeat, nvtx or nvtx:REGEX, not {layers!r}")
     if isinstance(rules, str | Path):
         rules = load_rules(rules)
     ops = GpuOps.of(trace, rules)

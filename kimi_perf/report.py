@@ -66,6 +66,7 @@ from kimi_perf.runs import (
     one_path,
     run_differences,
     run_name,
+    trace_files,
     trace_labels,
     without_shared_date,
 )
@@ -810,6 +811,10 @@ class ReportInputs:
     of_paths: bool = False
     labelled: bool = False   # relabelled: the user's own labels (kept whole in the tables)
 
+    def __repr__(self) -> str:   # (a line in a notebook, not every breakdown it holds)
+        runs = f", {len(self.runs)} runs" if self.runs else ""
+        return f"ReportInputs({', '.join(self.breakdowns) or 'nothing'}{runs})"
+
     def relabelled(self, labels: list[str]) -> ReportInputs:
         """The same inputs under ``labels``, one for each breakdown, in order."""
         if len(labels) != len(self.breakdowns) or len(set(labels)) != len(labels):
@@ -849,8 +854,11 @@ def report_inputs(inputs: list[str | Path], path_name: str | None = None,
     """Traces, breakdown JSON files or ``kimi-perf trace`` runs, as ``kimi-perf report`` draws
     them (``path_name``: each run's path of that name alone); traces broken down over the
     steps of ``phase`` and as ``breakdown_options`` say (``layers``, ``step_regex``,
-    ``rules``)."""
-    inputs = [Path(f) for f in inputs]
+    ``rules``); a directory of traces stands for them (``trace_files``)."""
+    if isinstance(inputs, (str, Path)):   # (iterated, a path would be read a letter a file)
+        raise TypeError(f"inputs: a list of files, not one {type(inputs).__name__} "
+                        f"({inputs!r}): [file]")
+    inputs = trace_files([Path(f) for f in inputs], keep_runs=True)
     # stored inputs first: a path that no run has is said before any trace is broken down
     labels_of = trace_labels(inputs)
     loaded = {i: load_paths(f, labels_of[i], phase, **breakdown_options)
@@ -938,6 +946,10 @@ def write_report(path: str | Path, breakdowns: dict[str, Breakdown], title: str,
     ``of_paths``: the breakdowns include different decode paths of runs, so no spread nor
     slowest trace is drawn across them (``ReportInputs.of_paths``); ``labelled``: the labels
     are the user's own, kept whole in the tables (``--labels``)."""
+    if not (isinstance(breakdowns, dict) and all(isinstance(b, Breakdown)
+                                                 for b in breakdowns.values())):
+        raise TypeError(f"breakdowns: Breakdowns by label ({{'a': breakdown}}), not "
+                        f"{type(breakdowns).__name__}: report_inputs(files).write draws files")
     if plotly_js not in PLOTLY_JS and not plotly_js.endswith(".js"):
         raise ValueError(f"plotly_js: inline, cdn or a path ending in .js, not {plotly_js!r}")
     if not breakdowns:

@@ -16,6 +16,7 @@ uncompressed Arrow, Parquet and ``.npz``).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import io
 import json
@@ -372,16 +373,20 @@ class Trace:
     def to_arrow(self, table: str) -> pa.Table:
         """One of its tables (``kernels``, ``memops``, ``ranges``, ``api``) as an Arrow table,
         for a notebook (``.to_pandas()``, with pandas installed): its columns as they are,
-        ``name`` (and a range's ``domain``) decoded (a dictionary over the trace's strings: no
-        string copied per event)."""
+        ``name`` (and a range's ``domain``) decoded: a dictionary of the strings the column
+        uses (no string copied per event; a pandas categorical, whose groupby lists no name
+        of another table's)."""
         import pyarrow as pa
 
         if table not in TABLES:
             raise ValueError(f"no table {table!r} (one of {', '.join(TABLES)})")
         columns = getattr(self, table).columns()
-        names = pa.array(self.strings, pa.large_string())
-        return pa.table({col: pa.DictionaryArray.from_arrays(pa.array(values), names)
-                         if col in ("name", "domain") else values
+
+        def decoded(codes: np.ndarray) -> pa.DictionaryArray:
+            used, indices = np.unique(codes, return_inverse=True)
+            names = pa.array([self.strings[c] for c in used.tolist()], pa.large_string())
+            return pa.DictionaryArray.from_arrays(pa.array(indices.astype(np.int32)), names)
+        return pa.table({col: decoded(values) if col in ("name", "domain") else values
                          for col, values in columns.items()})
 
     def gpu_span_ns(self, rows: dict[str, int] | None = None) -> int | None:
@@ -418,8 +423,19 @@ class Trace:
         return mask
 
     def save(self, path: str | Path) -> None:
-        """Write atomically to one Arrow IPC file (see module docstring)."""
+        """Write atomically to one Arrow IPC file (see module docstring), named ``*.kptrace``
+        (directories are searched for that name; Arrow under a trace's name is read as no
+        trace), and not over the trace it was read from."""
         import pyarrow as pa
+
+        if not str(path).endswith(".kptrace"):
+            raise ValueError(f"{path}: a .kptrace file (Arrow) is named so")
+        source = [self.meta.get(key) for key in ("file", "converted_from", "captures")]
+        for read in filter(None, [*source[:2], *(source[2] or ())]):
+            with contextlib.suppress(OSError, TypeError):
+                if os.path.samefile(path, read):
+                    raise ValueError(f"{path}: the trace this was read from: saving it there "
+                                     "would destroy it")
 
         arrays, names = [], []
         for table_name in TABLES:

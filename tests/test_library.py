@@ -217,6 +217,11 @@ def test_arrow_tables_for_a_notebook():
     assert kernels.column("name").to_pylist()[:50] == [trace.strings[c] for c in
                                                       trace.kernels.name[:50].tolist()]
     assert kernels.column("start").to_numpy().tolist() == trace.kernels.start.tolist()
+    # its dictionary holds the kernels' names alone (it held every string of the trace: a
+    # pandas groupby listed every range name, with 0)
+    names = set(kernels.column("name").to_pylist())
+    assert sorted(kernels.column("name").combine_chunks().dictionary.to_pylist()) == sorted(
+        names) and len(names) < len(trace.strings)
     with pytest.raises(ValueError, match="no table 'kernel' \\(one of kernels, memops"):
         trace.to_arrow("kernel")
     ranges = trace.to_arrow("ranges")   # a range's domain is a string too
@@ -241,12 +246,33 @@ def test_library_calls_given_the_wrong_kind_say_so():
     """The mistakes a notebook makes first: a rel_tol where Tolerances goes, traces where
     compare takes breakdowns, one path where a list goes, a misspelt breakdown option (which
     a stored breakdown would otherwise ignore): a TypeError saying what goes there."""
-    from kimi_perf import compare, read_trace
+    from kimi_perf import breakdown, compare, read_trace
     from kimi_perf.capture import analyse
     from kimi_perf.gate import gate_files
 
-    with pytest.raises(TypeError, match=r"tolerances: a Tolerances, not float \(0\.1\)"):
+    with pytest.raises(TypeError, match=r"tolerances: a Tolerances or a dict of settings, "
+                                        r"not float \(0\.1\)"):
         gate_files(BASELINE, BASELINE, 0.1)
+    from kimi_perf import range_kernel_summary
+    from kimi_perf.gate import gate
+    from kimi_perf.report import write_report
+
+    runs = load_run(BASELINE)[0]
+    with pytest.raises(TypeError, match=r"tolerances: a Tolerances, not float \(0\.1\)"):
+        gate(runs, runs, 0.1)
+    with pytest.raises(TypeError, match=r"baseline: Breakdowns by path .* not str: gate_files "
+                                        r"takes files"):
+        gate(str(BASELINE), runs)
+    with pytest.raises(TypeError, match=r"range_kernel_summary takes a Trace .* not str"):
+        range_kernel_summary(str(BEFORE))
+    with pytest.raises(TypeError, match="inputs: a list of files, not one str"):
+        report_inputs(str(BASELINE))
+    with pytest.raises(TypeError, match="breakdowns: Breakdowns by label"):
+        write_report("r.html", {"a": read_trace(BEFORE)}, "t")
+    with pytest.raises(TypeError, match="layers: auto, repeat, nvtx or nvtx:REGEX, not None"):
+        breakdown(read_trace(BEFORE), layers=None)
+    with pytest.raises(ValueError, match=r"min_samples: an integer ≥ 2 \(not '5'\)"):
+        Tolerances(min_samples="5")
     trace = read_trace(NSYS / "jsun-012-assignment2-systems__result__nsys2025.1.3.sqlite")
     with pytest.raises(TypeError, match=r"compare takes two Breakdowns .* not Trace and Trace"):
         compare(trace, trace)
@@ -340,3 +366,55 @@ def test_one_file_compared_with_itself_says_so(tmp_path):
     shutil.copy(BEFORE, copy)
     for compared in (compare_files(BEFORE, copy), compare_files(BASELINE)):
         assert not any("compared with itself" in note for note in compared.side_notes)
+
+
+def test_gate_files_given_settings_keeps_the_baseline_s_others(tmp_path):
+    """gate_files(base, run, Tolerances(rel_tol=0.1)) used the defaults for every other
+    setting, where `kimi-perf gate --rel-tol 0.1` keeps the metrics the baseline stored: the
+    verdicts could differ. A dict of settings goes over the baseline's, as the options do."""
+    from kimi_perf.gate import gate_files, tolerances_over
+
+    stored = tmp_path / "b.json"
+    result = CliRunner().invoke(main, ["gate", "--update", str(stored), str(BASELINE),
+                                       "--metrics", "kernels,kernel_us"])
+    assert result.exit_code == 0, result.output
+    over = tolerances_over(stored, {"rel_tol": 0.1})
+    assert (over.rel_tol, over.metrics) == (0.1, ("kernels", "kernel_us"))
+    gated = gate_files(stored, BASELINE, {"rel_tol": 0.1})
+    assert gated.result.tolerances == over
+    printed = _printed("gate", stored, BASELINE, "--rel-tol", "0.1")
+    assert printed["tolerances"]["metrics"] == ["kernels", "kernel_us"]
+    assert gate_files(stored, BASELINE, Tolerances(rel_tol=0.1)).result.tolerances.metrics is None
+    with pytest.raises(ValueError, match="rel_tol: a finite number"):
+        tolerances_over(stored, {"rel_tol": -1})
+
+
+def test_library_inputs_are_taken_as_their_commands_take_them(tmp_path):
+    """A directory of traces stands for them in report_inputs and analyse, as report and
+    trace --from take it; analyse refuses a trace given twice, as trace --from does; a
+    Trace is saved as a .kptrace, never over the trace it was read from."""
+    from kimi_perf import read_trace
+    from kimi_perf.capture import analyse
+
+    ranks = tmp_path / "ranks"
+    ranks.mkdir()
+    for rank in (0, 1):
+        shutil.copy(EXAMPLE_TRACE, ranks / f"rank{rank}.json.gz")
+    assert list(report_inputs([ranks]).breakdowns) == ["rank0", "rank1"]
+    _, breakdowns, _ = analyse([ranks], tmp_path / "runs", plotly_js="cdn")
+    assert list(breakdowns) == ["rank0", "rank1"]
+    with pytest.raises(TraceError, match="given twice"):
+        analyse([ranks / "rank0.json.gz", ranks / "rank0.json.gz"], tmp_path / "runs")
+    with pytest.raises(ValueError, match="one trace or more"):
+        analyse([], tmp_path / "runs")
+    trace = read_trace(ranks / "rank0.json.gz")
+    with pytest.raises(ValueError, match=r"a \.kptrace file"):
+        trace.save(tmp_path / "x.json")
+    with pytest.raises(ValueError, match=r"a \.kptrace file"):   # (over its own trace)
+        trace.save(ranks / "rank0.json.gz")
+    kept = (ranks / "rank0.json.gz").read_bytes()
+    assert kept == EXAMPLE_TRACE.read_bytes()
+    trace.save(tmp_path / "x.kptrace")
+    saved = read_trace(tmp_path / "x.kptrace")
+    with pytest.raises(ValueError, match="the trace this was read from"):
+        saved.save(tmp_path / "x.kptrace")
