@@ -47,6 +47,7 @@ from kimi_perf.memory import address_space_capped
 from kimi_perf.readers import read_trace
 from kimi_perf.readers.nsys import has_nvtx_ranges, nsys_cli, nsys_failure
 from kimi_perf.runs import trace_files, trace_labels
+from kimi_perf.text import also_as
 from kimi_perf.trace import (
     atomic_write,
     atomic_write_text,
@@ -805,7 +806,7 @@ def analyse(files: list[str | Path], out_dir: str | Path, layers: str = "auto",
     seen: dict[str, Path] = {}
     for file in files:   # (a trace against itself: every ratio 1.00, no comparison)
         if (twin := seen.setdefault(os.path.realpath(file), file)) is not file:
-            raise TraceError(file, f"given twice (also as {twin}): each trace once")
+            raise TraceError(file, f"given twice{also_as(file, twin)}: each trace once")
     if captures is not None and (len(captures) != len(files) or None in captures):
         raise TraceError(None, f"captures: one file for each of the {len(files)} traces, "
                                f"as --capture gives them: not {captures!r}")

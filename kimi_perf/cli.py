@@ -35,7 +35,7 @@ from kimi_perf.errors import TraceError, is_out_of_memory
 from kimi_perf.layer_breakdown import note_lines, units_word
 from kimi_perf.layers import PHASES
 from kimi_perf.readers import read_trace
-from kimi_perf.text import counted, distinct_words, header_labels
+from kimi_perf.text import also_as, counted, distinct_words, header_labels
 from kimi_perf.trace import atomic_write_text, json_text, printable, whole_stdout
 
 if TYPE_CHECKING:
@@ -306,24 +306,29 @@ def _format_option(choices: list[str]):
                         help=f"[default: table, or what -o's suffix names: {named}]")
 
 
-# Suffixes of files that hold something else than a table (kimi-perf's reports and
-# .kptrace, traces): -o of a command that cannot write it is refused, not given a table
-NOT_TABLES = ("csv", "json", "html", "kptrace", "sqlite", "gz", "nsys-rep", "qdrep")
+# Suffixes of what these commands never write: a report (report's), a .kptrace (convert's)
+# and traces. -o so named is refused whatever --format says: a table, or JSON, there would
+# replace a run's report or a capture, or pass for one.
+NOT_WRITTEN = {"html": "a report (kimi-perf report writes one)",
+               "kptrace": "a .kptrace (kimi-perf convert writes one)",
+               **dict.fromkeys(("sqlite", "gz", "nsys-rep", "qdrep"), "a trace's name")}
 
 
 def _format_of(fmt: str | None, output: Path | None, choices: tuple[str, ...]) -> str:
     """--format as given, else the format the -o file's suffix names, else table; a suffix
-    naming a format the command lacks (floors has no CSV, compare no HTML: the run's report
-    it would overwrite) is an error, not a table in it."""
+    naming a format the command lacks (floors has no CSV) is an error, not a table in it, and
+    a report's, a .kptrace's or a trace's suffix (``NOT_WRITTEN``) whatever the format."""
+    suffix = output.suffix.lower().removeprefix(".") if output is not None else ""
+    if suffix in NOT_WRITTEN:
+        raise TraceError(None, f"-o {output.name}: {NOT_WRITTEN[suffix]}, not what this "
+                               "command writes: name the file otherwise")
     if fmt is not None:
         return fmt
-    suffix = output.suffix.lower().removeprefix(".") if output is not None else ""
-    if suffix in NOT_TABLES and suffix not in choices:
-        # (--format table would write the table over a report, a .kptrace or a trace)
-        advice = "give --format, or another name" if suffix in ("csv", "json") else \
-            "name the file otherwise"
-        raise TraceError(None, f"-o {output.name}: no {suffix} format here (table or "
-                               f"{', '.join(choices)}): {advice}")
+    if suffix in ("csv", "json") and suffix not in choices:
+        formats = ["table", *(c for c in choices if c != "table")]
+        raise TraceError(None, f"-o {output.name}: no {suffix} format here "
+                               f"({', '.join(formats[:-1])} or {formats[-1]}): give --format, "
+                               "or another name")
     return suffix if suffix in choices and suffix != "table" else "table"
 
 
@@ -1543,7 +1548,7 @@ def trace_cmd(from_files: tuple[Path, ...], captures: tuple[Path, ...], phase: s
         seen: dict[str, Path] = {}
         for file in found:   # (a trace against itself: every ratio 1.00, no comparison)
             if (twin := seen.setdefault(os.path.realpath(file), file)) is not file:
-                raise TraceError(file, f"given twice (also as {twin}): --from takes each "
+                raise TraceError(file, f"given twice{also_as(file, twin)}: --from takes each "
                                        "trace once")
         run_dir, results, run_info = cap.analyse(found, out_dir,
                                                  layers=layers, phase=phase, rules=rules,

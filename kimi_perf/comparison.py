@@ -415,7 +415,7 @@ def pairing_note(rows: list[ComparisonRow], label_a: str, label_b: str) -> str |
 
 
 # what the comparison tables' layers columns count (their other columns are medians)
-LAYERS_COLUMN = ("layers: how many of the type all the steps profiled hold (one in each of 3 "
+LAYERS_COLUMN = ("layers: how many of the type all the steps profiled hold (say, one in each of 3 "
                  "steps: 3); the step row's, how many one step holds")
 
 

@@ -113,6 +113,7 @@ from kimi_perf.runs import (
     store_baseline,
     stored_tolerances_problem,
 )
+from kimi_perf.text import also_as
 
 METRICS = ("kernels", "kernel_us", "span_us")
 STEP = "step"  # the pseudo layer type of whole decode steps
@@ -306,12 +307,16 @@ def gate_files(baseline: str | Path, run: str | Path, tolerances: Tolerances | N
     a nightly job against the wrong baseline should. ``tolerances`` None: those the
     baseline keeps (``update_baseline`` with tolerances stores them), else the defaults."""
     baseline, run = Path(baseline), Path(run)
+    given = dict(tolerances) if isinstance(tolerances, Mapping) else None
     tolerances = _tolerances_of(baseline, tolerances)
     loaded = loaded or {}
     current, run_doc, run_file = loaded.get(run) or load_run(run, phase, **breakdown_options)
     base, base_doc, base_file = (loaded.get(baseline)
                                  or load_run(baseline, phase, **breakdown_options))
-    stored = (base_doc.get("gate_tolerances") or {}) if tolerances is None else {}
+    # the settings the baseline's policy gave (the verdict says which, as gate's does)
+    stored = ({} if tolerances is not None and given is None else
+              {key: value for key, value in (base_doc.get("gate_tolerances") or {}).items()
+               if key not in (given or {})})
     base_keys = set(base)
     if tolerances is None:
         tolerances = kept_tolerances(baseline, base_doc)
@@ -472,7 +477,10 @@ def tolerances_over(baseline: str | Path, settings: Mapping[str, Any]) -> Tolera
     over those the baseline keeps (``gate --update`` stored them), over the defaults: what
     ``kimi-perf gate``'s options make of them (``--rel-tol 0.1`` keeps the baseline's
     metrics). A setting out of range is a ValueError naming it."""
-    kept = baseline_tolerances(baseline) if settings else {}
+    if unknown := sorted(set(settings) - {f.name for f in dataclasses.fields(Tolerances)}):
+        raise TypeError(f"tolerances: no setting {', '.join(map(repr, unknown))} (one of "
+                        f"{', '.join(f.name for f in dataclasses.fields(Tolerances))})")
+    kept = baseline_tolerances(baseline)   # (no settings given: the baseline's, as None)
     if kept:   # (a setting the gate cannot use is the baseline's, named)
         kept_tolerances(baseline, {"gate_tolerances": kept})
     Tolerances(**settings)   # (the settings' own problem said as theirs)
@@ -611,7 +619,7 @@ def spread_of_runs(run: str | Path, others: Sequence[str | Path],
                                "off their mean, four one 5 sd off)")
     for i, other in enumerate(others):
         if (twin := next((o for o in (run, *others[:i]) if _same_run(o, other)), None)):
-            raise TraceError(other, f"given twice (also as {twin}): the same run twice is no "
+            raise TraceError(other, f"given twice{also_as(other, twin)}: the same run twice is no "
                                     "spread")
     # every time, CPU time too (what is checked is the gate's choice, later)
     tolerances = dataclasses.replace(tolerances or Tolerances(), metrics=METRICS)

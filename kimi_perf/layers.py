@@ -283,7 +283,10 @@ class Step:
 # -- steps -------------------------------------------------------------------------------------
 
 def find_steps(trace: Trace, ops: GpuOps, step_regex: str | None = None) -> list[Step]:
-    patterns = [step_regex] if step_regex else STEP_PATTERNS
+    if step_regex == "":   # (read as none, it gave the default's steps without a word)
+        raise ValueError("step_regex: an empty regex finds every range: name the step "
+                         "ranges, or None for the default's")
+    patterns = [step_regex] if step_regex is not None else STEP_PATTERNS
     launch_start, launch_end = ops.launch_start, ops.launch_end
     keys = thread_keys(ops.pid, np.where(ops.api >= 0, ops.tid, -1))
     range_keys = range_groups(trace.ranges)

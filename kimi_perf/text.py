@@ -61,3 +61,8 @@ def header_labels(labels: list[str]) -> list[str]:
         return [f"#{i}" for i in range(1, len(labels) + 1)]
     return shown
 
+
+def also_as(given: object, twin: object) -> str:
+    """How a file given twice was given the first time, where it was named otherwise (" (also
+    as X)"; nothing where the two names are one)."""
+    return "" if str(given) == str(twin) else f" (also as {twin})"

@@ -518,12 +518,12 @@ def test_info_takes_several_traces_and_writes_where_o_says(tmp_path):
     # never over an input, nor over a trace of a directory given (as report refuses)
     ranks = tmp_path / "ranks"
     ranks.mkdir()
-    shutil.copy(VLLM, ranks / "rank0.json.gz")
-    kept = (ranks / "rank0.json.gz").read_bytes()
-    for args in ((ranks / "rank0.json.gz",), (ranks,), (athrun, ranks)):
-        _one_line_error(run("info", *args, "-o", ranks / "rank0.json.gz", "--format", "json"),
+    (ranks / "rank0.json").write_bytes(gzip.decompress(VLLM.read_bytes()))
+    kept = (ranks / "rank0.json").read_bytes()
+    for args in ((ranks / "rank0.json",), (ranks,), (athrun, ranks)):
+        _one_line_error(run("info", *args, "-o", ranks / "rank0.json", "--format", "json"),
                         "is an input of this command")
-        assert (ranks / "rank0.json.gz").read_bytes() == kept
+        assert (ranks / "rank0.json").read_bytes() == kept
     # an input that is no trace at all (an empty directory) is said after the others too
     (tmp_path / "empty").mkdir()
     mixed = run("info", tmp_path / "empty", athrun)
@@ -1178,7 +1178,7 @@ def test_compare_a_run_its_paths_and_labels(tmp_path):
     # one file twice: numbered too, not x and x'
     twice = " ".join(run("compare", VLLM, VLLM).output.split())
     assert "Per layer type: #1 vs #2" in twice and f"#1: {VLLM}; #2: {VLLM}" in twice
-    assert "layers: how many of the type all the steps profiled hold (one in each of 3 " \
+    assert "layers: how many of the type all the steps profiled hold (say, one in each of 3 " \
         "steps: 3); the step row's, how many one step holds" in twice
     timed_json = json.loads(run("compare", tmp_path / "20261203T064913Z-tiny-b2",
                                 tmp_path / "20261203T071135Z-tiny-b2", "--path", "specialized",
@@ -1250,8 +1250,10 @@ def test_trace_from_two_traces_shows_short_labels_and_keeps_whole_names(tmp_path
                     "-o/--out is the folder the run directory is made in, not stdout")
     assert not Path("-").exists()
     _one_line_error(run("trace", "--from", files[0], "--from", files[0], "-o", tmp_path),
-                    f"{files[0]}: given twice (also as {files[0]}): --from takes each trace "
-                    "once")
+                    f"{files[0]}: given twice: --from takes each trace once")
+    _one_line_error(run("trace", "--from", files[0], "--from", Path(os.path.relpath(files[0])),
+                        "-o", tmp_path),   # (by another name: said which)
+                    f"given twice (also as {files[0]}): --from takes each trace once")
     whole = [f.name.removesuffix(".sqlite") for f in files]
     assert f"before: {whole[0]}; after: {whole[1]}" in text
     (run_dir,) = tmp_path.iterdir()
@@ -2045,11 +2047,14 @@ def test_output_suffix_names_the_format_where_none_is_given(tmp_path):
     assert run("floors", "-o", tmp_path / "x.csv", "--format", "table").exit_code == 0
     # nor a table in the run's report.html, a .kptrace or a trace's name (compare -o
     # RUN/report.html replaced the report with the terminal's table)
-    for name in ("report.html", "cmp.kptrace", "t.sqlite", "t.json.gz", "t.nsys-rep"):
-        suffix = name.split(".", 1)[1].removeprefix("json.")
-        _one_line_error(run("compare", BASELINE, "-o", tmp_path / name),
-                        f"-o {name}: no {suffix} format here (table or json): name the file "
-                        "otherwise")   # (--format table would write over the report)
+    for name, what in (("report.html", "a report (kimi-perf report writes one)"),
+                       ("cmp.kptrace", "a .kptrace (kimi-perf convert writes one)"),
+                       ("t.sqlite", "a trace's name"), ("t.json.gz", "a trace's name"),
+                       ("t.nsys-rep", "a trace's name")):
+        for fmt in ([], ["--format", "table"], ["--format", "json"]):   # (whatever format)
+            _one_line_error(run("compare", BASELINE, "-o", tmp_path / name, *fmt),
+                            f"-o {name}: {what}, not what this command writes: name the "
+                            "file otherwise")
         assert not (tmp_path / name).exists()
     assert run("ranges", trace, "-o", tmp_path / "r.txt").exit_code == 0   # (any other: table)
 
@@ -2449,27 +2454,30 @@ def test_a_read_only_output_is_kept(tmp_path):
 
 
 def test_an_output_that_is_an_input_is_refused(tmp_path, monkeypatch):
-    trace = tmp_path / "t.json.gz"
-    shutil.copy(VLLM, trace)
+    trace = tmp_path / "t.json"   # (a .gz is refused as -o for its suffix alone)
+    trace.write_bytes(gzip.decompress(VLLM.read_bytes()))
     rules = tmp_path / "rules.toml"
     rules.write_text("")
-    # (--format json: without it, a .gz is refused for its suffix alone, no table's)
+    gz = tmp_path / "t.json.gz"   # (report's -o: an HTML name is refused if not .html)
+    shutil.copy(VLLM, gz)
+    # (--format json: without it, a .json gets JSON, and a table's input check is the same)
     for args in (["breakdown", trace, "-o", trace, "--format", "json"],
                  ["ranges", trace, "-o", trace, "--format", "json"],
                  ["compare", trace, VLLM, "-o", trace, "--format", "json"],
                  ["convert", trace, trace],
-                 ["report", trace, "-o", trace], ["breakdown", trace, "--rules", rules,
-                                                 "-o", rules]):
+                 ["report", gz, "-o", gz], ["breakdown", trace, "--rules", rules,
+                                            "-o", rules]):
         _one_line_error(run(*args), "is an input of this command")
-    assert trace.read_bytes() == VLLM.read_bytes() and rules.read_text() == ""
+    assert trace.read_bytes() == gzip.decompress(VLLM.read_bytes()) and rules.read_text() == ""
+    assert gz.read_bytes() == VLLM.read_bytes()
 
     # without TRACE, breakdown reads the embedded example (a copy here): an input too
-    example = tmp_path / "example.json.gz"
-    shutil.copy(VLLM, example)
+    example = tmp_path / "example.json"
+    example.write_bytes(gzip.decompress(VLLM.read_bytes()))
     monkeypatch.setattr(cli, "EXAMPLE_TRACE", example)
     _one_line_error(run("breakdown", "--format", "json", "-o", example),
                     "is an input of this command")
-    assert example.read_bytes() == VLLM.read_bytes()
+    assert example.read_bytes() == gzip.decompress(VLLM.read_bytes())
 
 
 def test_inputs_that_cannot_be_read_as_files(tmp_path):

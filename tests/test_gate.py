@@ -371,8 +371,9 @@ def test_gate_writes_its_verdict_to_a_file_or_nothing(tmp_path):
     said = CliRunner().invoke(main, ["gate", str(before), str(after)], env={"COLUMNS": "60"})
     assert said.stdout.splitlines()[-1] == lines[-1]
     result = CliRunner().invoke(main, ["gate", str(before), str(after), "-o", str(before),
-                                       "--format", "json"])   # (a .sqlite: no table there)
-    assert result.exit_code == 2 and "is an input of this command" in result.output
+                                       "--format", "json"])   # (a trace's name: never -o)
+    assert result.exit_code == 2 and "a trace's name, not what this command writes" in \
+        result.output
     # with --update: -o checked before the baseline is stored (not the baseline itself, not
     # into a folder that is not there); a baseline created says so in the verdict file too
     stored = tmp_path / "base.json"
@@ -2748,9 +2749,9 @@ def test_the_spread_of_runs_takes_runs_of_the_same_work_alone(tmp_path):
             (["--update", str(base), r1, *spread(r2, r3, r4)],
              "the spread of runs takes 4 runs or more besides"),
             (["--update", str(base), r1, *spread(r2, r3, r4, r2)],
-             f"{r2}: given twice (also as {r2})"),
+             f"{r2}: given twice: the same run twice"),
             (["--update", str(base), r1, *spread(r2, r3, r4, r1)],
-             f"{r1}: given twice (also as {r1})"),
+             f"{r1}: given twice: the same run twice"),
             (["--update", str(base), r1, *spread(r2, r3, r4, str(tmp_path / "copy.json"))],
              f"{tmp_path / 'copy.json'}: given twice (also as {r2})"),
             (["--update", str(base), r1, *spread(r2, r3, r4, shallow)],

@@ -273,6 +273,8 @@ def test_library_calls_given_the_wrong_kind_say_so():
         breakdown(read_trace(BEFORE), layers=None)
     with pytest.raises(ValueError, match=r"min_samples: an integer ≥ 2 \(not '5'\)"):
         Tolerances(min_samples="5")
+    with pytest.raises(ValueError, match="step_regex: an empty regex finds every range"):
+        breakdown(read_trace(BEFORE), step_regex="")
     trace = read_trace(NSYS / "jsun-012-assignment2-systems__result__nsys2025.1.3.sqlite")
     with pytest.raises(TypeError, match=r"compare takes two Breakdowns .* not Trace and Trace"):
         compare(trace, trace)
@@ -384,9 +386,19 @@ def test_gate_files_given_settings_keeps_the_baseline_s_others(tmp_path):
     assert gated.result.tolerances == over
     printed = _printed("gate", stored, BASELINE, "--rel-tol", "0.1")
     assert printed["tolerances"]["metrics"] == ["kernels", "kernel_us"]
+    # the verdict says which settings the baseline's policy gave, as gate's does
+    assert gated.result.stored_tolerances == {
+        key: value for key, value in printed["stored_tolerances"].items()}
+    assert "metrics" in gated.result.stored_tolerances
+    assert "rel_tol" not in gated.result.stored_tolerances
+    # none given: the baseline's (as None), never the defaults over its policy
+    assert gate_files(stored, BASELINE, {}).result.tolerances == gate_files(
+        stored, BASELINE).result.tolerances == tolerances_over(stored, {})
     assert gate_files(stored, BASELINE, Tolerances(rel_tol=0.1)).result.tolerances.metrics is None
     with pytest.raises(ValueError, match="rel_tol: a finite number"):
         tolerances_over(stored, {"rel_tol": -1})
+    with pytest.raises(TypeError, match=r"tolerances: no setting 'rel-tol' \(one of rel_tol, "):
+        gate_files(stored, BASELINE, {"rel-tol": 0.1})
 
 
 def test_library_inputs_are_taken_as_their_commands_take_them(tmp_path):

@@ -557,8 +557,9 @@ def test_kineto_times_that_are_not_numbers_are_an_error(tmp_path, field, value):
     event[field] = value
     path = tmp_path / "t.json"
     path.write_text(json.dumps({"traceEvents": [event]}))
+    shown = re.escape(json.dumps(value))   # (as the JSON holds it: "12", null)
     with pytest.raises(TraceError, match=rf"event 0 \(kernel\) is malformed: "
-                                         rf"'{field}' is {value!r}, not a number"):
+                                         rf"'{field}' is {shown}, not a number"):
         read_trace(path)
 
 
@@ -575,7 +576,7 @@ def test_kineto_names_that_are_not_text_are_an_error(tmp_path, cat, value):
     path = tmp_path / "t.json"
     path.write_text(json.dumps({"traceEvents": [event]}))
     with pytest.raises(TraceError, match=rf"event 0 \({cat}\) is malformed: 'name' is "
-                                         + re.escape(f"{value!r}, not text")):
+                                         + re.escape(f"{json.dumps(value)}, not text")):
         read_trace(path)
     del event["name"]   # (absent: no name, as before)
     path.write_text(json.dumps({"traceEvents": [event]}))
@@ -624,9 +625,9 @@ def test_kineto_ids_beyond_int64_are_an_error(tmp_path, field, value, said):
 @pytest.mark.parametrize(("args", "said"), [
     ([1, 2], "'args' is [1, 2], not an object"),
     ({"correlation": [5]}, "'args.correlation' is [5], not an integer"),
-    ({"correlation": None}, "'args.correlation' is None, not an integer"),
+    ({"correlation": None}, "'args.correlation' is null, not an integer"),
     ({"correlation": 3.5}, "'args.correlation' is 3.5, not an integer"),   # (not cut to 3)
-    ({"device": {"id": 0}}, "'args.device' is {'id': 0}, not an id")])
+    ({"device": {"id": 0}}, "'args.device' is {\"id\": 0}, not an id")])
 def test_kineto_malformed_args_are_named(tmp_path, args, said):
     """An ``args`` that is no object, or a field in it of a type no id has: the event and
     the field are named, not a Python error ("'list' object has no attribute 'get'")."""

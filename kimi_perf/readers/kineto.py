@@ -973,7 +973,7 @@ def _time(event: dict, key: str) -> int | float:
     time)."""
     value = _num(event[key] if key == "ts" else event.get(key, -1))
     if type(value) not in (int, float):
-        raise TypeError(f"'{key}' is {value!r}, not a number")
+        raise TypeError(f"'{key}' is {_shown(value)}, not a number")
     return value
 
 
@@ -1011,8 +1011,11 @@ def _int_arg(args: dict, key: str, null_ok: bool = False) -> int:
 
 
 def _shown(value) -> str:
-    """A value as an error message quotes it: its JSON-ish repr, cut short."""
-    text = repr(value)
+    """A value as an error message quotes it: as the JSON holds it (null, "10"), cut short."""
+    try:
+        text = json.dumps(value, ensure_ascii=False)
+    except (TypeError, ValueError):   # (not JSON's: shown as Python has it)
+        text = repr(value)
     return text if len(text) <= 40 else text[:39] + "…"
 
 
