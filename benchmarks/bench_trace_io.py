@@ -227,17 +227,20 @@ def _best(fn: Callable[[], Any], repeat: int) -> tuple[float, Any]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--kernels", type=int, default=None,
+    positive = synth_traces.positive_int
+    p.add_argument("--kernels", type=positive, default=None,
                    help="kernels in the synthetic nsys trace (default 1,000,000; --quick: 20,000)")
-    p.add_argument("--ranges", type=int, default=None,
+    p.add_argument("--ranges", type=positive, default=None,
                    help="NVTX ranges in it (default 150,000; --quick: 3,000)")
-    p.add_argument("--layers", type=int, default=synth_traces.LAYERS_PER_STEP,
+    p.add_argument("--layers", type=positive, default=synth_traces.LAYERS_PER_STEP,
                    help="layers per decode step")
-    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="work dir (traces are reused)")
-    p.add_argument("--repeat", type=int, default=None,
-                   help="runs per measurement, the best is kept (default 3; --quick: 1)")
+    p.add_argument("--out", type=synth_traces.work_dir, default=DEFAULT_OUT,
+                   help="work dir (traces are reused)")
+    p.add_argument("--repeat", type=positive, default=None,
+                   help="runs per measurement, the best is kept (default 3; --quick: 2, the "
+                        "first of which may be cold)")
     p.add_argument("--quick", action="store_true",
-                   help="small default sizes, one run each: a smoke test")
+                   help="small default sizes, two runs each: a smoke test")
     p.add_argument("--skip-hta", action="store_true",
                    help="accepted for symmetry with bench_trace_core.py (no HTA here)")
     args = p.parse_args(argv)
@@ -247,7 +250,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.ranges is None:
         args.ranges = 3_000 if args.quick else 150_000
     if args.repeat is None:
-        args.repeat = 1 if args.quick else 3
+        args.repeat = 2 if args.quick else 3
     return args
 
 

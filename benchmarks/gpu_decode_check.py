@@ -349,7 +349,8 @@ def gemv_side_by_side(device: str, cubins: Path | None, bandwidth: float) -> dic
                     float(diff.abs().max() / want.double().abs().max().cpu()))
 
         row = {"name": entry["name"], "m": m, "n": n, "k": k,
-               **{key: entry[key] for key in ("rows", "warps", "registers", "loaded")
+               **{key: entry[key] for key in ("rows", "warps", "registers", "loaded",
+                                              "spill_stores", "spill_loads", "ptxas_warnings")
                   if key in entry},
                "floor_us": n * k * 2 / bandwidth * 1e6}
         for label, fn in impls.items():
@@ -414,11 +415,23 @@ def gemv_errors(gemv: dict) -> list[str]:
 
 def gemv_warnings(gemv: dict) -> list[str]:
     """Times well under the memory floor: a graph that did not run the kernel, or weights
-    read in part from L2 (the floor is a copy's read + write bandwidth, a GEMV only reads)."""
-    return [f"gemv {r['name']} M={r['m']} {label}: {r[label + '_us']:.2f} µs is under 0.7x "
-            f"the memory floor {r['floor_us']:.2f} µs"
-            for r in gemv.get("builds", []) for label in ("cute", "triton", "cublas")
-            if f"{label}_us" in r and r[f"{label}_us"] < 0.7 * r["floor_us"]]
+    read in part from L2 (the floor is a copy's read + write bandwidth, a GEMV only reads);
+    and a cubin that ptxas said spills or loses performance (it travels all the same: its
+    time is measured beside the others)."""
+    floors = [f"gemv {r['name']} M={r['m']} {label}: {r[label + '_us']:.2f} µs is under 0.7x "
+              f"the memory floor {r['floor_us']:.2f} µs"
+              for r in gemv.get("builds", []) for label in ("cute", "triton", "cublas")
+              if f"{label}_us" in r and r[f"{label}_us"] < 0.7 * r["floor_us"]]
+    builds = [f"gemv {r['name']} M={r['m']} cute: {note}" for r in gemv.get("builds", [])
+              for note in _cubin_notes(r)]
+    return floors + builds
+
+
+def _cubin_notes(row: dict) -> list[str]:
+    """What ptxas said of a CuTe DSL cubin's build that its time should be read with."""
+    spills = (row.get("spill_stores") or 0, row.get("spill_loads") or 0)
+    return ([f"its cubin spills ({spills[0]} B stored, {spills[1]} B loaded)"] if any(spills)
+            else []) + [f"ptxas: {w}" for w in row.get("ptxas_warnings") or ()]
 
 
 def launch_floors_bytes(c: K3Config, batch: int, context: int) -> dict[str, float]:
@@ -577,7 +590,9 @@ def main_job(out: Path, smoke: bool, budget: Budget, runs: dict, saved) -> None:
             run.update(returncode=proc.returncode, stderr_tail=proc.stderr[-3000:])
             # (exit 1: a path's logits not finite, or its every step fell back: the run is
             # written all the same)
-            if proc.returncode in (0, 1) and proc.stdout.strip():
+            if proc.returncode in (0, 1):
+                if not proc.stdout.strip():
+                    raise ValueError("it printed no JSON on stdout")
                 doc = json.loads(proc.stdout)
                 run["run_dir"] = doc["run_dir"]
                 run["layer_types"] = {path: r["layer_types"] for path, r in doc["paths"].items()}
@@ -586,11 +601,19 @@ def main_job(out: Path, smoke: bool, budget: Budget, runs: dict, saved) -> None:
         except subprocess.TimeoutExpired as exc:
             run["stderr_tail"] = f"timed out: {exc}"
         except Exception:   # its output unreadable: said, and the other runs go on
-            run["returncode"] = run["returncode"] or -1
-            run["stderr_tail"] = traceback.format_exc()[-3000:]
+            run["unreadable"] = traceback.format_exc()[-3000:]
         run["seconds"] = budget.clock() - began
         need = max(MIN_MAIN_JOB_S, run["seconds"])
         saved()
+
+
+def main_job_error(key: str, run: dict) -> str:
+    """A run that failed, or whose result could not be read (exit 0 all the same)."""
+    what = ("could not be started" if run["returncode"] is None
+            else f"exited {run['returncode']}")
+    if "unreadable" in run:
+        what += f", its output unreadable: {run['unreadable']}"
+    return f"kimi-perf trace ({key}) {what}; stderr: {run.get('stderr_tail', '')}"
 
 
 def evidence_files(work: Path, results: dict) -> list[Path]:
@@ -673,8 +696,15 @@ def main() -> int:
     parser.add_argument("--budget-s", type=float, default=330,
                         help="wall-clock budget: later sections are skipped rather than killed")
     args = parser.parse_args()
+    if args.out.exists() and not args.out.is_dir():
+        parser.error(f"--out {str(args.out)!r} is a file, not a folder")
     # the device call's clock began before this process's (wheels installed, torch imported)
-    spent = time.time() - float(os.environ.get("GPU_CHECK_STARTED") or time.time())
+    started_at = os.environ.get("GPU_CHECK_STARTED") or str(time.time())
+    try:
+        spent = time.time() - float(started_at)
+    except ValueError:
+        parser.error(f"GPU_CHECK_STARTED={started_at!r}: not seconds since the epoch "
+                     "(scripts/gpu-check.sh sets it: date +%s.%N)")
     budget = Budget(args.budget_s, spent=spent)
     # a hang or a kill at the device call's limit still leaves where it was in the log
     faulthandler.enable()
@@ -725,8 +755,13 @@ def run_sections(args: argparse.Namespace, budget: Budget, results: dict, work: 
     check(BASE_CHECKS)
     try:
         checks["kda_decode split"] = kda_split_stress(device, smoke=args.smoke)
-    except Exception:
+    except Exception as exc:   # a check that did not run did not pass: it heads the summary
+        checks["kda_decode split"] = {"max_rel_err": math.nan, "ok": False,
+                                      "error": f"{type(exc).__name__}: {exc}"}
         results["errors"].append(f"kda_decode split: {traceback.format_exc()}")
+        print(results["errors"][-1], file=sys.stderr)
+    save(results, args.out, work)
+    progress(f"kda_decode split: {checks['kda_decode split']}", started)
     if args.smoke:
         c, batches, context, steps, warmup = preset("tiny", n_layers=4), (1, 2), 4, 1, 1
     else:
@@ -829,9 +864,8 @@ def run_sections(args: argparse.Namespace, budget: Budget, results: dict, work: 
         progress(f"kimi-perf trace: {list(results['main_job'])}", started)
 
     main_job(work, args.smoke, budget, results["main_job"], saved)
-    results["errors"] += [f"kimi-perf trace ({key}) exited {r['returncode']}: "
-                          f"{r['stderr_tail']}" for key, r in results["main_job"].items()
-                          if r["returncode"] != 0]
+    results["errors"] += [main_job_error(key, r) for key, r in results["main_job"].items()
+                          if r["returncode"] != 0 or "unreadable" in r]
     save(results, args.out, work)
     shutil.rmtree(args.out / UNRETURNED.parts[0], ignore_errors=True)
     faulthandler.cancel_dump_traceback_later()
@@ -1024,7 +1058,8 @@ def render_summary(results: dict) -> str:
         for r in gemv["builds"]:
             def us(label: str, r: dict = r) -> str:
                 if label + "_us" in r:
-                    return f"{r[label + '_us']:.2f}"
+                    marked = label == "cute" and _cubin_notes(r)
+                    return f"{r[label + '_us']:.2f}" + (" (see warnings)" if marked else "")
                 return "failed" if label + "_error" in r else "-"
 
             def ratio(label: str, r: dict = r) -> str:
@@ -1040,7 +1075,8 @@ def render_summary(results: dict) -> str:
     elif gemv:
         lines += ["", f"GEMV side by side: skipped ({gemv.get('skipped')})"]
     for key, r in results.get("main_job", {}).items():
-        lines += ["", f"kimi-perf trace ({key}): exit {r['returncode']}"]
+        lines += ["", f"kimi-perf trace ({key}): exit {r['returncode']}"
+                  + (", its output unreadable" if "unreadable" in r else "")]
         if r.get("decode_tokens_per_s"):
             accepted = " (accepted tokens, synthetic acceptance)" if "spec" in key else ""
             lines += [f"  decode tokens/s{accepted}: " + ", ".join(

@@ -17,6 +17,7 @@ complete and can be reused.
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import gzip
 import json
@@ -392,6 +393,25 @@ def build_run(kernels: int, ranges: int, layers_per_step: int = LAYERS_PER_STEP,
 
 
 # -- shared file plumbing ----------------------------------------------------------------------
+
+def positive_int(text: str) -> int:
+    """An argparse type: a count of one or more (a trace of -5 kernels was generated)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not 1 or more")
+    return value
+
+
+def work_dir(text: str) -> Path:
+    """An argparse type: a folder the traces go in (made where missing), not a file."""
+    path = Path(text)
+    if path.exists() and not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is a file, not a folder")
+    return path
+
 
 def banner(title: str, versions: str) -> str:
     """A benchmark's first line (rich markup): what, when, on which machine (its CPU model,

@@ -50,6 +50,7 @@ LANES = 32
 VEC = 8  # bf16 per 16-byte load
 MAX_M = 4
 ARCH = "sm_90a"
+CUBIN_MS = tuple(range(1, MAX_M + 1))   # the cubins' token counts (aot compiles each)
 
 
 @dataclass(frozen=True)
@@ -99,6 +100,7 @@ class CompiledGemv:
     registers: int          # from ptxas, as are the spills
     spill_stores: int
     spill_loads: int
+    ptxas_warnings: list[str]   # its performance-loss notes (``aot.performance_warnings``)
 
 
 def _cute_gemv_jit():
@@ -199,8 +201,10 @@ def compile_gemv(m: int, n: int, k: int) -> CompiledGemv:
     regs, spills = _PTXAS_REGS.search(report), _PTXAS_SPILLS.search(report)
     if regs is None or spills is None:
         raise RuntimeError(f"cute_gemv: no ptxas report in the compiler's output: {report[-300:]}")
+    from kimi_perf_kernels.aot import performance_warnings
+
     return CompiledGemv(p, entry.group(1), ptx, cubin, int(regs.group(1)),
-                        int(spills.group(1)), int(spills.group(2)))
+                        int(spills.group(1)), int(spills.group(2)), performance_warnings(report))
 
 
 def decode_shapes(config="k3-tp8") -> dict[str, tuple[int, int]]:
@@ -229,7 +233,7 @@ def _dsl_version() -> str | None:
         return None
 
 
-def build_cubins(out: Path, shapes: dict[str, tuple[int, int]], ms=(1, 2, 3, 4)) -> dict:
+def build_cubins(out: Path, shapes: dict[str, tuple[int, int]], ms=CUBIN_MS) -> dict:
     """Cubins (and their PTX, for a driver too old for the cubin) for every (shape, M), and
     a manifest that CubinGemv loads."""
     out.mkdir(parents=True, exist_ok=True)
@@ -242,7 +246,7 @@ def build_cubins(out: Path, shapes: dict[str, tuple[int, int]], ms=(1, 2, 3, 4))
             (out / f"{file}.ptx").write_text(c.ptx)
             entries.append({"name": name, "file": file, "kernel": c.kernel,
                             "registers": c.registers, "spill_stores": c.spill_stores,
-                            "spill_loads": c.spill_loads,
+                            "spill_loads": c.spill_loads, "ptxas_warnings": c.ptxas_warnings,
                             **asdict(c.plan)})
     manifest = {"schema": 1, "arch": ARCH, "cutlass_dsl": _dsl_version(), "kernels": entries}
     (out / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")

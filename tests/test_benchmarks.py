@@ -3,7 +3,9 @@ seconds in all) and print their tables. HTA is never run here (--skip-hta)."""
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,11 +15,11 @@ import pytest
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
 
-def _run(script: str, out: Path) -> str:
+def _run(script: str, out: Path, *options: str, returncode: int = 0) -> str:
     proc = subprocess.run(
-        [sys.executable, str(BENCHMARKS / script), "--quick", "--skip-hta", "--out", str(out)],
-        capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+        [sys.executable, str(BENCHMARKS / script), "--quick", "--skip-hta", "--out", str(out),
+         *options], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == returncode, proc.stdout[-2000:] + proc.stderr[-2000:]
     return proc.stdout
 
 
@@ -33,6 +35,63 @@ def test_bench_trace_core_quick(out: Path) -> None:
     # The synthetic traces read back as generated: steps, layers, no kernel outside a range.
     assert text.count("as generated") == 2, text
     assert "not measured (--skip-hta)" in text
+
+
+def test_bench_trace_core_fails_a_trace_read_otherwise_than_generated(out: Path,
+                                                                      tmp_path: Path) -> None:
+    """The sanity check is the run's verdict: a trace read back otherwise than its generator
+    wrote it (here, its total kernel time) exits 1 and says what differs (it printed the
+    counts that matched, and exited 0). Two rounds: medians, and the verdicts say so."""
+    _run("bench_trace_core.py", out)
+    for meta in out.glob("*.meta"):
+        (tmp_path / meta.name).write_text(meta.read_text())
+        trace = meta.with_suffix("")
+        (tmp_path / trace.name).symlink_to(trace)
+    sqlite_meta = next(tmp_path.glob("*.sqlite.meta"))
+    info = json.loads(sqlite_meta.read_text())
+    info["kernel_ns"] += 1
+    sqlite_meta.write_text(json.dumps(info))
+    text = " ".join(_run("bench_trace_core.py", tmp_path, "--repeat", "2",
+                         returncode=1).split())   # (lines wrapped at 132 columns)
+    assert f"read otherwise than generated: {info['kernel_ns'] - 1:,} ns of kernel time, " \
+           f"not {info['kernel_ns']:,}" in text
+    assert text.count("as generated") == 1 and "medians of 2 rounds" in text
+    assert "target (all 2 rounds)" in text and "(rounds " in text
+
+
+def test_bench_trace_core_verdicts_say_how_many_rounds_met_the_target() -> None:
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        import bench_trace_core as core
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    assert core.verdict([2.9], lambda x: x < 3) == "[green]meets target[/]"
+    assert core.verdict([3.1, 2.9, 3.0], lambda x: x < 3) == \
+        "[yellow]meets target in 1 of 3 rounds[/]"
+    assert core.verdict([3.1, 3.2], lambda x: x < 3) == "[red]misses target[/] (all 2 rounds)"
+    rounds = [{"phases": {"read": t, "breakdown": 1.0}, "rss_read": 5, "rss_peak": p}
+              for t, p in ((1.0, 10), (3.0, 30), (2.0, 20))]
+    got = core.medians(rounds)
+    assert got["phases"] == {"read": 2.0, "breakdown": 1.0} and got["rss_peak"] == 20
+    assert core.total(got) == 3.0 and got["rounds"] == rounds
+    assert core.medians([*rounds, {"error": "exit 1"}]) == {"error": "exit 1"}
+
+
+@pytest.mark.parametrize("script", ["bench_trace_core.py", "bench_trace_io.py"])
+@pytest.mark.parametrize("option, said", [("--kernels=0", "0 is not 1 or more"),
+                                          ("--repeat=-1", "-1 is not 1 or more"),
+                                          ("--layers=x", "'x' is not a whole number"),
+                                          ("--out=FILE", "is a file, not a folder")])
+def test_benchmarks_refuse_bad_options(script: str, option: str, said: str,
+                                       tmp_path: Path) -> None:
+    """A count under 1 generated a trace of -5 kernels and read it back "as generated"; an
+    --out that is a file, a repeat of 0: tracebacks."""
+    (tmp_path / "FILE").write_text("")
+    option = option.replace("FILE", str(tmp_path / "FILE"))
+    proc = subprocess.run([sys.executable, str(BENCHMARKS / script), option],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert said in proc.stderr.splitlines()[-1]
 
 
 def test_bench_trace_io_quick(out: Path) -> None:
@@ -434,3 +493,92 @@ def test_the_gpu_check_counts_a_launch_s_calls_and_weighs_its_floor_by_them():
     want = sum(per_type[t] for t in layers) / len(layers)
     assert len(set(per_type.values())) > 1   # (else the weighting would not show)
     assert check.launch_floors_bytes(c, 2, 16)["o_proj"] == pytest.approx(want)
+
+
+def test_gpu_check_says_a_main_job_run_whose_output_is_unreadable(monkeypatch, tmp_path):
+    """A ``kimi-perf trace`` run that exits 0 and prints nothing, or what is not its JSON,
+    is an error of the check (it passed as a run without tokens/s), and a run that could not
+    be started says so; the others still run."""
+    check = _gpu_check()
+    printed = iter(["", "not json", '{"run_dir": "runs/x", "paths": {}, "run": {"paths": {}}}'])
+
+    def trace(args, **_):
+        return subprocess.CompletedProcess(args, 0, next(printed), "the stderr tail")
+
+    monkeypatch.setattr(check.subprocess, "run", trace)
+    monkeypatch.setattr(check, "MAIN_JOB_MODES", check.MAIN_JOB_MODES[:3])
+    runs: dict = {}
+    check.main_job(tmp_path, False, check.Budget(3000), runs, lambda: None)
+    errors = [check.main_job_error(key, r) for key, r in runs.items()
+              if r["returncode"] != 0 or "unreadable" in r]
+    first, second = (key for key, _ in check.MAIN_JOB_MODES[:2])
+    assert [e.split(",")[0] for e in errors] == [f"kimi-perf trace ({first}) exited 0",
+                                                 f"kimi-perf trace ({second}) exited 0"]
+    assert "it printed no JSON on stdout" in errors[0] and "JSONDecodeError" in errors[1]
+    assert all(e.endswith("stderr: the stderr tail") for e in errors)
+    assert check.main_job_error("eager", {"returncode": None, "unreadable": "OSError"}) \
+        .startswith("kimi-perf trace (eager) could not be started, its output unreadable")
+    results = {"date": "2026-12-05", "environment": {"torch": "2.11"},
+               "copy_bandwidth_Bps": 4.3e12, "errors": errors, "main_job": runs}
+    assert f"kimi-perf trace ({first}): exit 0, its output unreadable" in \
+        check.render_summary(results)
+
+
+def test_gpu_check_heads_its_summary_with_a_stress_check_that_raised(monkeypatch, tmp_path):
+    """The KDA split stress check raising is a failed check (it was an error at the end of
+    the summary, and no progress line), saved before the speed runs."""
+    pytest.importorskip("torch")
+    check = _gpu_check()
+
+    def raises(*_, **__):
+        raise RuntimeError("no such tile")
+
+    def stop(*_, **__):
+        raise SystemExit("stopped after the checks")
+
+    monkeypatch.setattr(check, "kda_split_stress", raises)
+    monkeypatch.setattr(check, "correctness", lambda *_, **__: {})
+    monkeypatch.setattr(check, "preset", stop)
+    monkeypatch.setattr(check, "copy_bandwidth", lambda *_: 1e12)
+    results = {"date": "2026-12-05", "errors": [], "warnings": [], "skipped": []}
+    args = check.argparse.Namespace(smoke=True, out=tmp_path / "out", cubins=None)
+    (tmp_path / "out").mkdir()
+    with pytest.raises(SystemExit):
+        check.run_sections(args, check.Budget(300), results, tmp_path, "cpu", 0.0)
+    split = results["correctness"]["kda_decode split"]
+    assert not split["ok"] and split["error"] == "RuntimeError: no such tile"
+    assert check.render_summary(results).splitlines()[1].startswith(
+        "**CORRECTNESS FAILED: kda_decode split**")
+    saved = (tmp_path / "out" / "results.json").read_text()
+    assert '"kda_decode split"' in saved
+
+
+def test_gpu_check_flags_a_cubin_that_spills_beside_its_time():
+    """A CuTe DSL cubin that ptxas said spills or loses performance travels to the GPU and is
+    timed: its time is marked in the GEMV table and the warnings say why."""
+    check = _gpu_check()
+    row = {"name": "o_proj", "m": 2, "n": 64, "k": 64, "floor_us": 1.0, "cute_us": 2.0,
+           "triton_us": 3.0, "spill_stores": 16, "spill_loads": 8,
+           "ptxas_warnings": ["C7515: wgmma serialized"]}
+    assert check.gemv_warnings({"builds": [row]}) == [
+        "gemv o_proj M=2 cute: its cubin spills (16 B stored, 8 B loaded)",
+        "gemv o_proj M=2 cute: ptxas: C7515: wgmma serialized"]
+    clean = {**row, "spill_stores": 0, "spill_loads": 0, "ptxas_warnings": []}
+    assert check.gemv_warnings({"builds": [clean]}) == []
+    results = {"date": "2026-12-05", "environment": {"torch": "2.11"},
+               "copy_bandwidth_Bps": 4.3e12, "errors": [], "gemv": {"builds": [row]}}
+    assert "| o_proj | 2 | 64×64 | 2.00 (see warnings) | 3.00 |" in check.render_summary(results)
+
+
+@pytest.mark.parametrize("argv, env, message", [
+    (["--out", "FILE"], {}, "--out"),
+    (["--out", "DIR", "--smoke"], {"GPU_CHECK_STARTED": "yesterday"}, "GPU_CHECK_STARTED"),
+])
+def test_gpu_check_refuses_bad_arguments_in_a_line(tmp_path, argv, env, message):
+    (tmp_path / "FILE").write_text("x")
+    argv = [str(tmp_path / a) if a in ("FILE", "DIR") else a for a in argv]
+    proc = subprocess.run([sys.executable, str(BENCHMARKS / "gpu_decode_check.py"), *argv],
+                          capture_output=True, text=True, env={**os.environ, **env},
+                          timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert message in proc.stderr.strip().splitlines()[-1]

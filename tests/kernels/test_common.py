@@ -264,3 +264,90 @@ def test_the_wrappers_refuse_a_layout_their_kernels_would_misread():
     with pytest.raises(ValueError, match=r"blocks \(2, 4, 32\) and delta None"):
         attn_res(prefix, None, torch.randn(2, 4, 32).bfloat16(), 2, 1, torch.randn(64), None,
                  1e-5)
+
+
+# ptxas -v's note as it prints it for the skinny linear's GEMM with its RMSNorm
+C7515 = ("ptxas info    : (C7515) Potential Performance Loss: wgmma.mma_async instructions are "
+         "serialized due to non wgmma instructions defining accumulator registers of a wgmma "
+         "between start and end of the pipeline stage in the function 'skinny_linear_kernel'")
+
+
+def test_the_aot_check_fails_unpipelined_streams_and_unknown_performance_warnings():
+    """The compile check itself fails (not a test beside it) a K3 build of a streaming kernel
+    with no cp.async in flight, and a ptxas performance warning other than the known ones;
+    the tiny preset's builds (one K step) and kda_decode with its f projection given stream
+    nothing worth keeping in flight."""
+    from kimi_perf_kernels import aot
+
+    def row(label, copies=4, warnings=()):
+        return {"kernel": label, "async_copies": copies, "ptxas_warnings": list(warnings)}
+
+    rows = [row("skinny_linear gemv M=1 in_proj", 0), row("mla_attention tiny (bf16)", 0),
+            row("kda_decode batch 1 f given (bf16)", 0), row("rms_norm K3", 0),
+            row("attn_res K3")]
+    assert aot.not_pipelined(rows) == ["skinny_linear gemv M=1 in_proj"]
+    warning = aot.performance_warnings(C7515)
+    assert warning == ["C7515: wgmma.mma_async instructions are serialized due to non wgmma "
+                       "instructions defining accumulator registers of a wgmma between start "
+                       "and end of the pipeline stage"]
+    assert aot.performance_warnings("ptxas info    : Used 80 registers") == []
+    known = row("skinny_linear gemm M=64 latent_up rmsnorm+residual PDL", warnings=warning)
+    assert aot.unexpected_slow([known]) == []
+    for other in (row("skinny_linear gemm M=64 latent_up residual", warnings=warning),
+                  row("moe_fc2_combine K3", warnings=warning),
+                  row("skinny_linear gemm M=64 rmsnorm", warnings=["C7510: other"])):
+        assert aot.unexpected_slow([other]) == [f"{other['kernel']}: "
+                                                f"{other['ptxas_warnings'][0]}"]
+
+
+def test_the_aot_check_refuses_what_it_cannot_do_before_compiling(tmp_path):
+    """Under the interpreter (every build would fail on its own line), or with --json where
+    it cannot be written (found after minutes of compiling, with a traceback): one line, exit
+    2; the JSON itself is written whole or not at all."""
+    from kimi_perf_kernels import aot
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    for extra, argv, said in (
+            ({"TRITON_INTERPRET": "1"}, [], "TRITON_INTERPRET is set"),
+            ({}, ["--json", str(tmp_path / "no" / "x.json")], "no folder"),
+            ({}, ["--json", str(tmp_path)], "a directory, not a file")):
+        proc = subprocess.run([sys.executable, "-m", "kimi_perf_kernels.aot", *argv],
+                              capture_output=True, text=True, env={**env, **extra}, timeout=120)
+        assert proc.returncode == 2 and proc.stdout == "", proc.stdout + proc.stderr
+        assert len(proc.stderr.splitlines()) == 1 and said in proc.stderr
+    out = tmp_path / "aot.json"
+    aot.write_json(out, {"kernels": []})
+    assert json.loads(out.read_text()) == {"kernels": []}
+    assert [p.name for p in tmp_path.iterdir()] == ["aot.json"]
+
+
+def test_the_aot_check_compiles_every_cubin_the_gpu_check_launches():
+    """The CuTe DSL GEMV's cubins are built for 1 to 4 tokens and all of them launch on the
+    GPU: the compile check's rows are the same (M, N, K)s (it compiled M = 1 and 4 only)."""
+    import importlib.util
+    from types import SimpleNamespace
+
+    from kimi_perf_kernels import aot, cute_gemv
+
+    if importlib.util.find_spec("cutlass") is None:
+        pytest.skip("CuTe DSL is not installed (the cute extra)")
+    compiled = []
+
+    def compile_gemv(m, n, k):     # what a build gives, without the seconds of building it
+        compiled.append((m, n, k))
+        plan = SimpleNamespace(warps=4, smem_bytes=0)
+        return SimpleNamespace(plan=plan, registers=40, spill_stores=0, spill_loads=0,
+                               ptx="", cubin=b"x", ptxas_warnings=[])
+
+    real = cute_gemv.compile_gemv
+    try:
+        cute_gemv.compile_gemv = compile_gemv
+        failed: list[str] = []
+        rows = aot.cute_dsl_rows(failed)
+    finally:
+        cute_gemv.compile_gemv = real
+    shipped = {(m, n, k) for n, k in cute_gemv.decode_shapes("k3-tp8").values()
+               for m in cute_gemv.CUBIN_MS}
+    assert failed == [] and set(compiled) == shipped and len(rows) == len(shipped)
+    assert cute_gemv.CUBIN_MS == (1, 2, 3, 4)
+    assert all("ptxas_warnings" in r for r in rows)
