@@ -668,6 +668,7 @@ def spread_of_runs(run: str | Path, others: Sequence[str | Path],
                         figures.setdefault(
                             (path, layer_type, "layer_kernel_us", None, index),
                             [float(np.median(samples))]).append(float(np.median(theirs[index])))
+    _no_twins([run, *others], [v for v in figures.values() if len(v) == len(others) + 1])
     return {"runs": [str(run), *map(str, others)],
             "figures": [{"path": path, "layer_type": layer_type, "metric": metric,
                          **({"kernel_class": kernel_class} if kernel_class is not None else {}),
@@ -675,6 +676,21 @@ def spread_of_runs(run: str | Path, others: Sequence[str | Path],
                          "values": values}
                         for (path, layer_type, metric, kernel_class, index), values
                         in figures.items() if len(values) == len(others) + 1]}
+
+
+def _no_twins(names: list[Path], values: list[list[float]]) -> None:
+    """Two runs whose every figure agrees to the last digit are one run given twice under
+    other names (a run directory and its trace, a breakdown of it, a gzipped or re-indented
+    copy): runs of a GPU, or of a CPU, never agree so (``_same_run`` catches the same file
+    and byte-identical copies before anything is read)."""
+    if not values:
+        return
+    for j, later in enumerate(names):
+        for i in range(j):
+            if all(v[i] == v[j] for v in values):
+                raise TraceError(later, f"has {names[i]}'s times to the last digit in every "
+                                        f"one of its {len(values)} figures: one run given "
+                                        "twice, under another name, is no spread")
 
 
 def _same_run(a: Path, b: Path) -> bool:
@@ -1610,8 +1626,8 @@ def _layer_time(path: str, label: str, base: Breakdown | None, base_type: str | 
     worst = int(np.argmax(rises))
     check = _time_check(path, label, "layer_kernel_us", by_index[0][worst],
                         by_index[1][worst], lowered)
-    if rises[worst] <= 0:   # (the layer that rose most did not rise: none did)
-        check.status = "ok"
+    if rises[worst] <= 0:   # (the layer that rose most did not rise: none did; no test)
+        check.status, check.p_value, check.tested_over = "ok", None, None
     check.layer_index, check.alpha = shared[worst], lowered.alpha
     if check.tested_over is not None:
         check.tested_over = "steps"   # (one layer a step: its samples are steps)

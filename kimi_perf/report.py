@@ -140,6 +140,16 @@ def _timeline(fig: go.Figure, row: int, timeline: dict | None, label: str, most:
     return drawn
 
 
+# Timelines share a time axis where their steps' extents are within this factor of each other.
+SHARED_AXIS_SPANS = 10.0
+
+
+def _timeline_extent(timeline: dict) -> float:
+    """Where a drawn step's last op ends (µs from its start)."""
+    return max((op[2] + op[3] for seg in timeline["segments"] for op in seg["ops"]),
+               default=0.0)
+
+
 def _first_ops(timeline: dict, most: int) -> list[list]:
     """Of each segment, the ops among the timeline's first ``most``: its segments in turn
     (a step's layers follow one another), or where they are streams (``by_stream``), which
@@ -391,14 +401,16 @@ def _typical_html(breakdowns: dict[str, Breakdown], short: dict[str, str] | None
     short = short or _short_labels(list(breakdowns))
     parts = []
     for names_of in aligned_types(breakdowns):   # paired as compare and the gate pair them
+        # the traces that hold the type, alone (with many traces, a type two hold had a
+        # column triplet for each, empty)
         sides = {label: next((t for t in b.layer_types if t["type"] == names_of.get(label)),
-                             None) for label, b in breakdowns.items()}
+                             None) for label, b in breakdowns.items() if label in names_of}
         layer_type = next(iter(names_of.values()))
         called = "; ".join(f"{short[label]} calls it {name}"
                            for label, name in names_of.items() if name != layer_type)
-        if next(iter(breakdowns)) not in names_of:   # a type the first trace lacks
-            called = "; ".join(filter(None, [f"only in {', '.join(map(short.get, names_of))}",
-                                             called]))
+        if len(names_of) < len(breakdowns):   # a type not every trace holds
+            held = [short[label] for label in breakdowns if label in names_of]
+            called = "; ".join(filter(None, [f"only in {', '.join(held)}", called]))
         typical, shifts = aligned_typical({label: (t or {}).get("typical_layer")
                                            for label, t in sides.items()})
         if not any(typical.values()):
@@ -975,17 +987,22 @@ def write_report(path: str | Path, breakdowns: dict[str, Breakdown], title: str,
     drawn_with = [b for b in breakdowns.values() if b.timeline]
     most = REPORT_TIMELINE_OPS // max(len(drawn_with), 1)
     in_legend: set[str] = set()
-    first_of_unit: dict[str, int] = {}
+    shared: list[tuple[int, float]] = []   # each shared time axis: its first row, its extent
     drawn = {}
     for row, (label, b) in enumerate(breakdowns.items(), start=1):
         drawn[label] = _timeline(timelines, row, b.timeline, label, most, in_legend)
-        # one time axis for the GPU traces' layers: bars compare (a CPU run's rows keep their
-        # own: CPU time, and its specialized path's is the interpreter's; so does a step of
-        # other work, drawn by stream: a training step's hundreds of ms would squash a decode
-        # step's bars)
+        # one time axis for GPU traces' layers whose steps last alike: bars compare (a CPU
+        # run's rows keep their own: CPU time, and its specialized path's is the
+        # interpreter's; so does a step of other work, drawn by stream, and a step 10x as long
+        # or short as the axis's first: a 13 s window would squash a 0.3 ms decode step)
         if b.timeline and b.unit == "kernels" and not b.timeline.get("by_stream"):
-            first = first_of_unit.setdefault(b.unit, row)
-            if first != row:
+            extent = _timeline_extent(b.timeline)
+            first = next((first for first, span in shared
+                          if span / SHARED_AXIS_SPANS <= extent <= span * SHARED_AXIS_SPANS),
+                         None)
+            if first is None:
+                shared.append((row, extent))
+            else:
                 timelines.update_xaxes(matches=f"x{first if first > 1 else ''}", row=row,
                                        col=1)
     timelines.update_layout(barmode="overlay", height=sum(rows_px) + 150,

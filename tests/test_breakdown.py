@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import io
 import json
 import re
@@ -698,6 +699,9 @@ def test_ratios_keep_two_significant_digits_below_a_tenth():
 
     assert [ratio_text(v) for v in (None, 0, 2.004, 0.1, 0.0041, -0.05)] == [
         "-", "0.00", "2.00", "0.10", "0.0041", "-0.05"]
+    # a ratio kept to four significant digits shows them, no more (28160.00 read as exact)
+    assert [ratio_text(v) for v in (28160.0, 1203.0, 123.4, 99.5)] == [
+        "28,160", "1,203", "123.4", "99.50"]
 
 
 def test_kernel_counts_read_whole_or_to_one_decimal():
@@ -958,6 +962,14 @@ def test_types_only_later_traces_have_are_one_column(tmp_path):
                         plotly_js="cdn").read_text()
     assert "Typical kda layer (only in r1, r2)" in html
     assert "Typical A layer (only in r1, r2; r2 calls it B)" in html
+    # a type the first holds but not every trace: said too, and the table's columns are of
+    # the traces that hold it (each label heads a column once per table)
+    r3 = _types(("kda", None, 9, 20.0))
+    html = write_report(tmp_path / "r3.html", {"r0": r0, "r1": r1, "r2": r2, "r3": r3}, "t",
+                        plotly_js="cdn").read_text()
+    assert "Typical mlp layer (only in r0, r1, r2)" in html
+    table = html.split("Typical mlp layer", 1)[1].split("</table>", 1)[0]
+    assert [f"<th>{r} " in table for r in ("r0", "r1", "r2", "r3")] == [True, True, True, False]
 
 
 def test_a_type_only_a_has_shows_none_of_bs(tmp_path):
@@ -1634,6 +1646,16 @@ def test_report_timelines_draw_a_bounded_number_of_bars_in_step_order(monkeypatc
     assert {t["name"] for t in data if t["yaxis"] == "y2"} - {
         t["name"] for t in data if t["yaxis"] == "y"} == {name for name, y in shown if y == "y2"}
     assert {name for name, y in shown if y == "y2"}   # (the case: classes the first lacks)
+    # a step 10x as long or short as the first's gets an axis of its own, and shares it with
+    # the steps that last alike (a 13 s window squashed a 0.3 ms decode step to 0.002%)
+    long_step = copy.deepcopy(b)
+    for seg in long_step.timeline["segments"]:
+        seg["ops"] = [[op, cls, 100 * start, 100 * dur] for op, cls, start, dur in seg["ops"]]
+    mixed = {"decode": b, "window": long_step, "decode2": b, "window2": long_step}
+    layout = _report_figures(report.write_report(tmp_path / "m.html", mixed, "t",
+                                                 plotly_js="cdn").read_text())[0]["layout"]
+    assert "matches" not in layout["xaxis2"] and layout["xaxis3"]["matches"] == "x"
+    assert layout["xaxis4"]["matches"] == "x2"
 
 
 def test_a_reports_spread_across_traces_is_left_out_only_when_said_to_be_of_paths(tmp_path):

@@ -1831,6 +1831,11 @@ def test_report_command_bad_stored_runs(tmp_path, change, message):
         (line,) = result.output.strip().splitlines()
         assert line.startswith(f"kimi-perf: error: {bad}: {message}")
         assert not out.exists()
+    # a file of that name from before stays as it was (the README says so: a nightly job
+    # checks the exit status); gate's verdicts are removed instead
+    out.write_text("last night's report")
+    assert run("report", BASELINE, bad, "-o", out).exit_code != 0
+    assert out.read_text() == "last night's report"
 
 
 @pytest.mark.parametrize("content", ["[]", "{}", '{"traceEvents": []}', '"x"'])
@@ -3375,7 +3380,10 @@ def test_report_numbers_labels_still_long_without_their_shared_words(tmp_path):
                "baseline_vllm_0_6_rocm_mi300x,candidate").exit_code == 0
     text = out.read_text()
     assert "Per layer type: baseline_vllm_0_6_rocm_mi300x vs candidate" in text
-    assert "<th>#1" not in text and "<th>candidate kernel</th>" in text
+    # (the typical layers' tables: the candidate holds none of the first's types, so they
+    # have its columns no more)
+    assert "<th>#1" not in text and "<th>baseline_vllm_0_6_rocm_mi300x kernel</th>" in text
+    assert "(only in baseline_vllm_0_6_rocm_mi300x)" in text
 
 
 def test_breakdown_csv_of_a_trace_without_layers_is_refused(tmp_path):

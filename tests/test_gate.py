@@ -1511,6 +1511,11 @@ def test_one_layer_of_many_twice_as_slow_fails_as_that_layer():
         r["index"] = 0
     assert not any(c.metric == "layer_kernel_us" for c in gate(one, one).checks)
     assert layer.alpha == pytest.approx(0.01 / 12)
+    # every layer faster: the one that "rose most" fell, no test made of it (its p was
+    # shown beside "ok": 0.0011, the test of a fall)
+    faster = gate(base, _layers_noisy(1, slow=dict.fromkeys(range(12), 0.5)))
+    fell = next(c for c in faster.checks if c.metric == "layer_kernel_us")
+    assert (fell.status, fell.p_value, fell.tested_over) == ("ok", None, None)
 
 
 def test_paths_are_matched_by_name_and_steps_only_when_found():
@@ -2739,6 +2744,9 @@ def test_the_spread_of_runs_takes_runs_of_the_same_work_alone(tmp_path):
     r1, r2, r3, r4, r5, shallow = (str(tmp_path / f"{n}.json")
                                    for n in ("r1", "r2", "r3", "r4", "r5", "shallow"))
     shutil.copy(r2, tmp_path / "copy.json")
+    for name in ("r1", "r2"):
+        again = json.dumps(json.loads((tmp_path / f"{name}.json").read_text()), indent=2)
+        (tmp_path / f"{name}.again.json").write_text(again)
     base = tmp_path / "base.json"
 
     def spread(*runs):
@@ -2754,6 +2762,13 @@ def test_the_spread_of_runs_takes_runs_of_the_same_work_alone(tmp_path):
              f"{r1}: given twice: the same run twice"),
             (["--update", str(base), r1, *spread(r2, r3, r4, str(tmp_path / "copy.json"))],
              f"{tmp_path / 'copy.json'}: given twice (also as {r2})"),
+            # the same run under another name: re-indented (not a copy of its bytes), or r1
+            # itself so (the run the spread is of)
+            (["--update", str(base), r1, *spread(r2, r3, r4, str(tmp_path / "r2.again.json"))],
+             f"{tmp_path / 'r2.again.json'}: has {r2}'s times to the last digit in every one "
+             "of its "),
+            (["--update", str(base), r1, *spread(r2, r3, r4, str(tmp_path / "r1.again.json"))],
+             f"{tmp_path / 'r1.again.json'}: has {r1}'s times"),
             (["--update", str(base), r1, *spread(r2, r3, r4, shallow)],
              f"{shallow}: not a run of {r1}'s work (trace ")):
         result = CliRunner().invoke(main, ["gate", *args])
