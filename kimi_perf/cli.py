@@ -345,10 +345,10 @@ def _seed_option(fn):
                         "the drafts and their acceptance")(fn)
 
 
-def _kv_cache_option(fn):
+def _kv_cache_option(fn, bf16: str = "bf16"):
     return click.option("--kv-cache", type=click.Choice(["bf16", "fp8"]), default="bf16",
                         show_default=True,
-                        help="the latent KV cache's storage: bf16, or fp8 e4m3 with a "
+                        help=f"the latent KV cache's storage: {bf16}, or fp8 e4m3 with a "
                         "per-tensor scale (the absorbed query fp8 too), as vLLM's "
                         "fp8 cache")(fn)
 
@@ -1376,7 +1376,8 @@ def floors_cmd(preset_name: str, tp: int | None, batch: int, context: int, weigh
               "names them)  [default: 4]")
 @click.option("--dtype", type=click.Choice(["bfloat16", "float32"]), default="bfloat16",
               show_default=True, help="activation and weight dtype of the paths")
-@_kv_cache_option
+@functools.partial(_kv_cache_option, bf16="the paths' dtype (bf16; float32 with --dtype "
+                   "float32)")
 @_experts_option
 @_seed_option
 @_format_option(["table", "json"])
@@ -1397,6 +1398,11 @@ def validate(preset_name: str, n_layers: int | None, paths: str, steps: int,
                                f"give it once, not {len(prompts)} times")
     prompt = prompts[0] if prompts else 4
     fmt = _format_of(fmt, output, ("json",))
+    # The paths run on the CPU, their Triton kernels in the interpreter: chosen before
+    # anything imports triton, with a GPU present too (its compiled kernels take no CPU
+    # tensors)
+    if "triton" not in sys.modules:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
     try:
         import torch
 
@@ -1439,8 +1445,8 @@ def validate(preset_name: str, n_layers: int | None, paths: str, steps: int,
     checked = ", ".join(result["paths"])
     verdict = (f"validate: pass ({checked} within bounds)" if result["ok"] else
                f"validate: FAIL ({counted(len(result['failures']), 'failure')}: above)")
-    if fmt == "json":
-        _emit(json.dumps(result, indent=1) + "\n", output)
+    if fmt == "json":   # (an error that is not a number: null)
+        _emit(json.dumps(_numbers_or_null(result), indent=1, allow_nan=False) + "\n", output)
     else:
         lines = [*(f"FAIL {failure}" for failure in result["failures"]), verdict]
         if output is None:
@@ -1453,6 +1459,16 @@ def validate(preset_name: str, n_layers: int | None, paths: str, steps: int,
         click.echo(verdict.replace("above", f"in {output}"), err=True)
     if not result["ok"]:
         sys.exit(1)
+
+
+def _numbers_or_null(doc):
+    """A result's NaNs and infinities as JSON's null (json.dumps writes NaN, which is no
+    JSON)."""
+    if isinstance(doc, dict):
+        return {k: _numbers_or_null(v) for k, v in doc.items()}
+    if isinstance(doc, list):
+        return [_numbers_or_null(v) for v in doc]
+    return None if isinstance(doc, float) and not math.isfinite(doc) else doc
 
 
 @main.command(name="trace", short_help="Capture both decode paths per layer (the main job)")

@@ -493,21 +493,30 @@ def validation_table(result: dict) -> Table:
                    f"{counted(result['n_layers'], 'layer')}, {result['dtype']}, "
                    f"{result['kv_cache']} KV cache, {result['experts']} experts, batch "
                    f"{result['batch']}, {steps}",
-                   ["path", "layer type", "max error", "bound", "drift", "launches/layer"],
+                   ["path", "layer type", "max error", "bound", "one sequence", "bound",
+                    "drift", "launches/layer"],
                    left=("path", "layer type"))
     for path, r in result["paths"].items():
         for kind, v in r["layer_types"].items():
             table.add_row(path, kind, f"{v['max_rel_err']:.3g}", f"{v['bound']:.3g}",
+                          f"{v['sequence_max_rel_err']:.3g}", f"{v['sequence_bound']:.3g}",
                           f"{v['drift_max_rel_err']:.3g}", str(v["launches"]))
         table.add_row(path, "logits", f"{r['logits_max_rel_err']:.3g}",
-                      f"{bounds['logits']:.3g}", f"{r['logits_drift_max_rel_err']:.3g}", "")
+                      f"{bounds['logits']:.3g}", f"{r['logits_sequence_max_rel_err']:.3g}",
+                      f"{bounds['logits_sequence']:.3g}",
+                      f"{r['logits_drift_max_rel_err']:.3g}", "")
+        invalid = r["routing_invalid"]
         table.add_row(path, "routing gap", f"{r['routing_max_gap']:.3g}",
-                      f"{bounds['routing_gap']:.3g}", "", "")
-    notes = ["max error: relative, ‖out − ref‖ / ‖ref‖, of each layer given the path's own "
-             "inputs (the reference goes on from the path's outputs); drift: the same of the "
-             "path and the reference each run on its own, rounding grown through the depth "
-             "(not bounded: random weights amplify it); routing gap: how far below its own "
-             "k-th best score the reference found the path's top-k choice"]
+                      f"{bounds['routing_gap']:.3g}",
+                      f"{invalid} not a top-k" if invalid else "", "", "", "")
+    notes = ["max error: relative, ‖out − ref‖ / ‖ref‖ over the batch, of each layer given the "
+             "path's own inputs (the reference goes on from the path's outputs), at the decode "
+             "steps; one sequence: the same of each sequence alone, at the prompt's positions "
+             "too (its bound looser: one sequence's rounding has a long tail); drift: the "
+             "batch's of the path and the reference each run on its own, rounding grown "
+             "through the depth (not bounded: random weights amplify it); routing gap: how far "
+             "below its own k-th best score the reference found the path's top-k choice (k "
+             "distinct experts asked of each)"]
     notes += [f"{path} fell back to the standard path's PyTorch ops: "
               f"{'; '.join(r['fallbacks'])}"
               for path, r in result["paths"].items() if r.get("fallbacks")]

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import os
 import re
+import subprocess
+import sys
 
 import pytest
 
@@ -189,6 +193,14 @@ def test_accept_keeps_exactly_the_accepted_tokens():
                            ([2], "a count per sequence")):
         with pytest.raises(ValueError, match=message):   # (the next step would replay them)
             state.accept(torch.tensor(wrong))
+    # not whole counts: a TypeError before the state changes (torch's cast error came after
+    # the pending counts were overwritten; a list, an AttributeError)
+    for wrong in (torch.tensor([1.5, 2.0]), [2, 4], torch.tensor([True, True])):
+        with pytest.raises(TypeError, match="a tensor of whole counts"):
+            state.accept(wrong)
+    assert state.verify_tokens == 4
+    with pytest.raises(ValueError, match="forward: 3 sequences for a state of 2"):
+        model.forward(torch.ones(3, 1, dtype=torch.long), state)
     state.accept(torch.tensor([2, 4]))
     assert state.lengths.tolist() == [5, 7]
     with pytest.raises(ValueError, match="follows a verify step"):
@@ -365,7 +377,8 @@ def test_validate_names_the_layer_type_that_is_wrong(monkeypatch):
     mla = ReferenceModel._mla
     monkeypatch.setattr(ReferenceModel, "_mla", lambda self, i, x: 1.01 * mla(self, i, x))
     result = validate(paths=("standard",), dtype="float32", steps=2, batch=2)
-    assert [f.split(":")[0] for f in result["failures"]] == ["standard mla layers"]
+    assert [f.split(":")[0] for f in result["failures"]] == [
+        "standard mla layers", "standard mla layers, one sequence"]
     r = result["paths"]["standard"]
     assert r["layer_types"]["mla"]["max_rel_err"] == pytest.approx(0.0099, abs=2e-4)
     assert r["layer_types"]["kda"]["max_rel_err"] < 1e-4 < r["layer_types"]["kda"][
@@ -383,8 +396,9 @@ def test_validate_bounds_a_kda_layer_by_its_own_rounding_beside_an_fp8_cache(mon
     assert result["bounds"]["layer"] == 1e-4 < result["bounds"]["mla_layer"]
     assert {kind: v["bound"] for kind, v in result["paths"]["standard"]["layer_types"].items()
             } == {"dense": 1e-4, "kda": 1e-4, "mla": result["bounds"]["mla_layer"]}
-    assert [f.split(":")[0] for f in result["failures"]] == ["standard dense layers",
-                                                             "standard kda layers"]
+    assert [f.split(":")[0] for f in result["failures"]] == [
+        "standard dense layers", "standard dense layers, one sequence", "standard kda layers",
+        "standard kda layers, one sequence"]
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -420,6 +434,130 @@ def test_validate_verify_catches_a_wrong_rollback(monkeypatch):
                       spec_tokens=3)
     assert not result["ok"]
     assert any(f.startswith("standard kda layers") for f in result["failures"])
+
+
+def test_validate_fails_outputs_that_are_not_numbers(monkeypatch):
+    """A path whose KDA layers give NaN on the decode steps fails every bound they reach (it
+    passed with every error 0: ``max(0.0, nan)`` is 0.0 and ``nan > bound`` is False), and
+    the JSON says null, not NaN (which is no JSON)."""
+    from kimi_perf.decode.model import K3Model
+
+    kda = K3Model._kda
+
+    def not_a_number(self, i, x, state, verify):
+        out = kda(self, i, x, state, verify)
+        return torch.full_like(out, float("nan")) if x.shape[1] == 1 else out
+
+    monkeypatch.setattr(K3Model, "_kda", not_a_number)
+    result = validate(paths=("standard",), steps=2)
+    assert not result["ok"]
+    kda_row = result["paths"]["standard"]["layer_types"]["kda"]
+    assert math.isnan(kda_row["max_rel_err"]) and kda_row["max_at"].startswith("decode step 0")
+    assert any(f.startswith("standard kda layers: nan > 0.04 (at decode step 0, layer 1 ")
+               for f in result["failures"]), result["failures"]
+    printed = CliRunner().invoke(main, ["validate", "--paths", "standard", "--steps", "2",
+                                        "--format", "json"])
+    assert printed.exit_code == 1
+    doc = json.loads(printed.output)       # (strict JSON: no NaN)
+    assert doc["paths"]["standard"]["layer_types"]["kda"]["max_rel_err"] is None
+
+
+def test_validate_fails_a_top_k_that_repeats_an_expert(monkeypatch):
+    """A router that fills every slot with its best expert sent each token to one expert of
+    k, and passed: each forced score is the best, so no gap, and the reference computed the
+    MoE on the path's ids (in float32 every error under 1e-6). k distinct experts that exist
+    are asked of every choice."""
+    from kimi_perf.decode.model import K3Model
+
+    moe = K3Model._moe
+    topk = torch.topk
+
+    def repeating(input, k, dim=-1, **kwargs):
+        values, indices = topk(input, k, dim=dim, **kwargs)
+        return torch.return_types.topk((values, indices[..., :1].expand_as(indices)))
+
+    def one_expert(self, i, h):
+        monkeypatch.setattr(torch, "topk", repeating)
+        try:
+            return moe(self, i, h)
+        finally:
+            monkeypatch.setattr(torch, "topk", topk)
+
+    monkeypatch.setattr(K3Model, "_moe", one_expert)
+    result = validate(paths=("standard",), dtype="float32", steps=2, batch=2)
+    r = result["paths"]["standard"]
+    # 7 MoE layers, 2 sequences, the prompt's 4 positions and 2 steps
+    assert r["routing_invalid"] == 7 * 2 * 6
+    # (the reference routes those its own way: the layers' MoE outputs differ too)
+    assert [f.split(":")[0] for f in result["failures"]] == [
+        "standard kda layers", "standard kda layers, one sequence", "standard mla layers",
+        "standard mla layers, one sequence", "standard routing"]
+    assert result["failures"][-1] == ("standard routing: 84 top-k choice(s) of a token chose "
+                                      "an expert twice or one that does not exist")
+
+
+def test_validate_checks_the_prompt_and_each_sequence_alone(monkeypatch):
+    """The prompt's positions are checked, each sequence on its own (a prefill 3x off passed:
+    the reference ran over the prompt and its outputs were dropped), and so is every decode
+    step: 10% off in the last of 16 sequences passed, the batch's norm shrinking it 4x (in
+    float32: bf16's bound for one sequence is looser, its rounding's tail long)."""
+    from kimi_perf.decode.model import K3Model
+
+    mla = K3Model._mla
+
+    def wrong_prefill(self, i, x, state, positions):
+        out = mla(self, i, x, state, positions)
+        return 3 * out if x.shape[1] > 1 and state.max_verify == 0 else out
+
+    monkeypatch.setattr(K3Model, "_mla", wrong_prefill)
+    result = validate(paths=("standard",), steps=2, batch=2, prompt=4)
+    # (the batch's error is of the decode steps: the prompt's positions, each sequence's)
+    assert [f.split(":")[0] for f in result["failures"]] == ["standard mla layers, one sequence"]
+    assert re.search(r": 2\.0\d > 0\.05 \(at prompt position \d, layer [37] attention, "
+                     r"sequence \d\)$", result["failures"][0]), result["failures"]
+    monkeypatch.setattr(K3Model, "_mla", mla)
+    kda = K3Model._kda
+
+    def last_sequence_off(self, i, x, state, verify):
+        out = kda(self, i, x, state, verify).clone()
+        out[-1] *= 1.1
+        return out
+
+    monkeypatch.setattr(K3Model, "_kda", last_sequence_off)
+    result = validate(paths=("standard",), dtype="float32", steps=1, batch=16, prompt=1)
+    kda_row = result["paths"]["standard"]["layer_types"]["kda"]
+    assert kda_row["sequence_max_rel_err"] == pytest.approx(0.1, rel=0.05)
+    assert kda_row["sequence_max_at"].endswith("attention, sequence 15")
+    assert kda_row["max_rel_err"] < 0.04     # (the batch's: about 0.1 / √16)
+    assert "standard kda layers, one sequence" in [f.split(":")[0] for f in result["failures"]]
+
+
+def test_validate_says_a_float32_run_s_cache_is_float32():
+    """``--kv-cache bf16`` is the paths' dtype: a float32 run's cache is float32, and its
+    title said bf16."""
+    printed = CliRunner().invoke(main, ["validate", "--paths", "standard", "--steps", "1",
+                                        "--batch", "1", "--dtype", "float32"])
+    assert printed.exit_code == 0, printed.output
+    assert "float32, float32 KV cache" in " ".join(printed.output.split())
+    assert "the paths' dtype (bf16; float32 with --dtype float32)" in " ".join(
+        CliRunner().invoke(main, ["validate", "--help"]).output.split())
+
+
+def test_validate_runs_the_kernels_in_the_interpreter_beside_a_gpu():
+    """validate runs the paths on the CPU: with a GPU present, the specialized path's Triton
+    kernels would be compiled for it and handed CPU tensors; the command chooses the
+    interpreter before triton is imported."""
+    script = ("import sys, torch\n"
+              "torch.cuda.is_available = lambda: True\n"
+              "from kimi_perf.cli import main\n"
+              "sys.argv = ['kimi-perf', 'validate', '--paths', 'specialized', '--steps', '1',"
+              " '--batch', '1', '--prompt', '1']\n"
+              "main()\n")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          env=env, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert proc.stdout.rstrip().endswith("validate: pass (specialized within bounds)")
 
 
 def test_validate_cli(tmp_path):
@@ -762,8 +900,19 @@ def test_the_readmes_validate_json_is_what_validate_prints():
             return isinstance(b, float) and (0.5 * b <= a <= 2 * b or abs(a - b) < 0.002)
         return a == b
 
+    def where(doc):
+        """Where each maximum was, as its form (another CPU's rounding may put it elsewhere):
+        "decode step 3, layer 6 attention", "prompt position 0, ..., sequence 1"."""
+        if isinstance(doc, dict):
+            return {k: (re.fullmatch(r"(decode step \d+|prompt position \d+)"
+                                     r"(, layer \d+ (attention|MLP))?(, sequence \d+)?", v)
+                        is not None) if k.endswith("_at") else where(v)
+                    for k, v in doc.items()}
+        return doc
+
     assert sample["bounds"] == printed["bounds"]
-    assert close(sample, printed), (sample, printed)
+    assert close(where(sample), where(printed)), (sample, printed)
+    assert "True" in str(where(sample)) and "False" not in str(where(sample))
 
 
 def test_the_seed_draws_the_weights_and_the_drafts(weights):

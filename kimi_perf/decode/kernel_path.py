@@ -18,7 +18,7 @@ import os
 import torch
 
 from kimi_perf.decode.config import K3Config
-from kimi_perf.decode.model import DecodeState, K3Model
+from kimi_perf.decode.model import DecodeState, K3Model, check_batch
 from kimi_perf.decode.reference import Observer
 from kimi_perf.decode.weights import (
     Weights,
@@ -147,6 +147,7 @@ class KernelPathModel(K3Model):
         """A step the kernels take (``forward`` has checked that they do)."""
         c = self.c
         B, T = tokens.shape
+        check_batch(tokens, state)
         if verify:
             state.check_verify(T)
         M = B * T

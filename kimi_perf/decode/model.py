@@ -170,6 +170,10 @@ class DecodeState:
         """
         if not self.verify_tokens:
             raise ValueError("accept() follows a verify step (forward with verify=True)")
+        if not isinstance(accepted, torch.Tensor) or accepted.is_floating_point() \
+                or accepted.dtype == torch.bool:
+            raise TypeError("accept() takes a tensor of whole counts, one per sequence, not "
+                            f"{getattr(accepted, 'dtype', type(accepted).__name__)}")
         if accepted.shape != self.pending.shape:
             raise ValueError(f"accept() takes a count per sequence: {tuple(accepted.shape)} "
                              f"for a batch of {len(self.pending)}")
@@ -183,6 +187,13 @@ class DecodeState:
         self.pending.copy_(accepted)
         self.lengths.add_(accepted - self.verify_tokens)
         self.verify_tokens = 0
+
+
+def check_batch(tokens: torch.Tensor, state: DecodeState) -> None:
+    """A step's tokens [B, T] are of the state's B sequences (a torch size error, else)."""
+    if len(tokens) != len(state.lengths):
+        raise ValueError(f"forward: {len(tokens)} sequences for a state of "
+                         f"{len(state.lengths)} (new_state(batch, ...))")
 
 
 def forward_bytes(c: K3Config, tokens: int) -> int:
@@ -333,6 +344,7 @@ class K3Model:
         """
         c = self.c
         B, T = tokens.shape
+        check_batch(tokens, state)
         if verify:
             state.check_verify(T)
         positions = self.positions(state, T)                                       # [B, T]
