@@ -180,14 +180,29 @@ def _first_ops(timeline: dict, most: int) -> list[list]:
 
 
 def _class_bars(breakdowns: dict[str, Breakdown]) -> go.Figure:
-    """Median µs per layer type by kernel class, stacked. GPU traces share a panel; each
+    """Median µs per layer type by kernel class, stacked. GPU traces whose layers take alike
+    (the largest type's µs within ``SHARED_AXIS_SPANS`` of each other) share a panel; each
     CPU run's path gets one of its own: a CPU's µs and a GPU's differ a thousandfold, and a
     path in Triton's interpreter takes hundreds of times a PyTorch path's CPU time, so that
-    on one axis the other's bars would not show."""
-    panels = {"GPU traces": [label for label, b in breakdowns.items() if b.unit == "kernels"]}
-    panels = {**({} if not panels["GPU traces"] else panels),
-              **{f"CPU run: {label} (CPU time)": [label]
-                 for label, b in breakdowns.items() if b.unit != "kernels"}}
+    on one axis the other's bars would not show (nor a 58 µs decode layer's beside a 5 ms
+    training block's)."""
+    groups: list[tuple[float, list[str]]] = []
+    for label, b in breakdowns.items():
+        if b.unit != "kernels":
+            continue
+        size = max((sum(c["us"] for c in t["classes"].values()) for t in b.layer_types),
+                   default=0.0)
+        group = next((g for g in groups if g[0] / SHARED_AXIS_SPANS <= size
+                      <= g[0] * SHARED_AXIS_SPANS), None)
+        if group is None:
+            groups.append((size, [label]))
+        else:
+            group[1].append(label)
+    panels = {("GPU traces" if i == 0 else f"GPU traces on a scale of their own "
+               f"({SHARED_AXIS_SPANS:g}x apart): {', '.join(labels)}"): labels
+              for i, (_, labels) in enumerate(groups)}
+    panels |= {f"CPU run: {label} (CPU time)": [label]
+               for label, b in breakdowns.items() if b.unit != "kernels"}
     titles = [_plotly_text(title) for title in panels]
     rows = len(panels) or 1
     # a gap of PANEL_GAP px between panels of PANEL_PX each, in the figure's fractions (a

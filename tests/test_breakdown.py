@@ -1656,6 +1656,14 @@ def test_report_timelines_draw_a_bounded_number_of_bars_in_step_order(monkeypatc
                                                  plotly_js="cdn").read_text())[0]["layout"]
     assert "matches" not in layout["xaxis2"] and layout["xaxis3"]["matches"] == "x"
     assert layout["xaxis4"]["matches"] == "x2"
+    # so in the class chart: layers 100x as long are a panel of their own
+    for t in long_step.layer_types:
+        for figures in t["classes"].values():
+            figures["us"] *= 100
+    fig = report._class_bars(mixed)
+    assert [a.text for a in fig.layout.annotations] == [
+        "GPU traces", "GPU traces on a scale of their own (10x apart): window, window2"]
+    assert {trace.xaxis for trace in fig.data if any("window" in x for x in trace.x)} == {"x2"}
 
 
 def test_a_reports_spread_across_traces_is_left_out_only_when_said_to_be_of_paths(tmp_path):
