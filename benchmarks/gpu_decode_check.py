@@ -599,6 +599,7 @@ def main_job(out: Path, smoke: bool, budget: Budget, runs: dict, saved) -> None:
                 run["decode_tokens_per_s"] = {path: m["decode_tokens_per_s"]
                                               for path, m in doc["run"]["paths"].items()}
         except subprocess.TimeoutExpired as exc:
+            run["timed_out"] = True
             run["stderr_tail"] = f"timed out: {exc}"
         except Exception:   # its output unreadable: said, and the other runs go on
             run["unreadable"] = traceback.format_exc()[-3000:]
@@ -609,8 +610,8 @@ def main_job(out: Path, smoke: bool, budget: Budget, runs: dict, saved) -> None:
 
 def main_job_error(key: str, run: dict) -> str:
     """A run that failed, or whose result could not be read (exit 0 all the same)."""
-    what = ("could not be started" if run["returncode"] is None
-            else f"exited {run['returncode']}")
+    what = ("timed out" if run.get("timed_out") else "could not be started"
+            if run["returncode"] is None else f"exited {run['returncode']}")
     if "unreadable" in run:
         what += f", its output unreadable: {run['unreadable']}"
     return f"kimi-perf trace ({key}) {what}; stderr: {run.get('stderr_tail', '')}"

@@ -765,24 +765,26 @@ def cute_dsl_rows(failed: list[str]) -> list[dict]:
 
 def json_file_problem(text: str) -> str | None:
     """Why --json cannot be written (checked before the minutes of compiling), or None."""
+    from kimi_perf.errors import TraceError
+    from kimi_perf.trace import check_not_read_only
+
     path = Path(text)
-    if text.endswith("/") or path.is_dir():
+    if not text or text.endswith("/") or path.is_dir():
         return "a directory, not a file"
     if not path.parent.is_dir():
         return f"no folder {str(path.parent)!r}"
+    if not os.access(path.parent, os.W_OK):   # (the file is made beside, then renamed)
+        return f"no file can be made in {str(path.parent)!r}"
+    try:
+        check_not_read_only(path)
+    except TraceError as exc:
+        return str(exc).partition(": ")[2]
     return None
-
-
-def write_json(path: Path, doc: dict) -> None:
-    """Written whole or not at all (a temporary file beside it, renamed)."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(doc, indent=1) + "\n")
-    tmp.replace(path)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
-    parser.add_argument("--json", type=Path, help="write the table as JSON here")
+    parser.add_argument("--json", help="write the table as JSON here")
     parser.add_argument("--record", type=Path, help=argparse.SUPPRESS)  # launched_builds' run
     args = parser.parse_args(argv)
     if args.record:
@@ -792,8 +794,8 @@ def main(argv: list[str] | None = None) -> int:
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         problem = ("TRITON_INTERPRET is set: the interpreter replaces the compiler (run it "
                    "with env -u TRITON_INTERPRET)")
-    elif args.json and (why := json_file_problem(str(args.json))):
-        problem = f"--json {str(args.json)!r}: {why}"
+    elif args.json is not None and (why := json_file_problem(args.json)):
+        problem = f"--json {args.json!r}: {why}"
     if problem:
         print(f"kimi_perf_kernels.aot: {problem}", file=sys.stderr)
         return 2
@@ -825,9 +827,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"SPILLS {label}")
     for label in unpipelined:
         print(f"NOT PIPELINED {label}: streams at K3 with no cp.async in flight")
-    if args.json:
-        write_json(args.json, {"target": "sm_90a", "triton": triton.__version__,
-                               "kernels": rows})
+    if args.json is not None:   # (whole or not at all: a temporary file, renamed)
+        from kimi_perf.trace import atomic_write_text
+
+        atomic_write_text(args.json, json.dumps({"target": "sm_90a", "triton":
+                                                  triton.__version__, "kernels": rows},
+                                                 indent=1) + "\n")
     warned = sum(bool(r["ptxas_warnings"]) for r in rows)
     print(f"{len(rows)} compiled, {len(failed)} failed, {len(spills)} spilling, "
           f"{len(unpipelined)} not pipelined, {warned} with a ptxas performance warning "

@@ -88,6 +88,9 @@ def attn_res(prefix: torch.Tensor, delta: torch.Tensor | None, blocks: torch.Ten
     if write_idx >= blocks.shape[1] or n_blocks > blocks.shape[1]:
         raise ValueError(f"attn_res: blocks {n_blocks} (writing {write_idx}) of "
                          f"{blocks.shape[1]}")
+    if 0 <= write_idx < n_blocks:   # (its programs would read a block others are writing)
+        raise ValueError(f"attn_res: block {write_idx} is written and among the {n_blocks} "
+                         "read: a call writes the block after those it reads")
     if blocks.shape[::2] != (M, hidden) or (delta is not None and delta.shape != prefix.shape):
         raise ValueError(f"attn_res: blocks {tuple(blocks.shape)} and delta "
                          f"{None if delta is None else tuple(delta.shape)} for a prefix "

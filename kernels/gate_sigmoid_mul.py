@@ -12,7 +12,13 @@ import torch
 import triton
 import triton.language as tl
 
-from kimi_perf_kernels.common import INTERPRETED, after_previous_kernel, cast, launch_options
+from kimi_perf_kernels.common import (
+    INTERPRETED,
+    after_previous_kernel,
+    cast,
+    check_layout,
+    launch_options,
+)
 
 
 @triton.jit
@@ -36,6 +42,7 @@ def gate_sigmoid_mul(o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     if gate.shape != (M, H * V) or o.stride(2) != 1 or gate.stride(1) != 1:
         raise ValueError(f"gate_sigmoid_mul: o {tuple(o.shape)} and gate "
                          f"{tuple(gate.shape)} do not fit")
+    check_layout("gate_sigmoid_mul", {}, {"o": o, "gate": gate})   # (one device)
     out = torch.empty(M, H * V, dtype=o.dtype, device=o.device)
     gate_sigmoid_mul_kernel[(M, H)](
         o, gate, out, V, o.stride(0), o.stride(1), gate.stride(0), out.stride(0),

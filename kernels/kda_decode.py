@@ -308,7 +308,9 @@ class KdaRecords(NamedTuple):
     delta-rule correction u (u = beta (v - S k), S already decayed); ``inputs`` [2, B, T, 3Hd]
     (the conv state's dtype): every position's conv inputs; ``pending`` [B] int32: how many
     positions of the last verify step each sequence accepted and the state has not folded in
-    yet (0: none); ``half`` [1] int32: the half that holds them.
+    yet (0: none; at most T); ``half`` [1] int32: the half that holds them (0 or 1). The
+    kernel reads both on the device, unchecked (``DecodeState.accept`` clamps the counts to
+    the step): a count past T would replay another head's records.
     """
 
     records: torch.Tensor

@@ -96,7 +96,9 @@ def check_cache(what: str, cache: torch.Tensor, positions: torch.Tensor, tokens:
                          f"{tokens // tokens_per_seq} sequences, S, {width}]")
     check_layout(what, {"positions": positions, **(whole or {})},
                  {"cache": cache, **(rows or {})}, {"positions": (tokens,), **(shapes or {})},
-                 {"positions": (torch.int32, torch.int64)})
+                 # (fp8 is e4m3, scaled: another fp8 would be stored unscaled, kv_scale unseen)
+                 {"positions": (torch.int32, torch.int64),
+                  "cache": (torch.bfloat16, torch.float32, torch.float8_e4m3fn)})
 
 
 def mla_concat_insert(ql: torch.Tensor, q: torch.Tensor, kv_c: torch.Tensor,

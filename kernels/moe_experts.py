@@ -24,6 +24,11 @@ beside FC1 and the shared down-projection beside FC2. Their tiles take the grid'
 program ids, so they start in the first wave and run beside the routed ones, as a second
 stream would run them, without the stream's fork and join and without two launches of their
 own.
+
+Expert ids (``ids``, or what ``moe_route_fc1_situ`` writes) are a token's top-k: k distinct
+experts in [0, E), as ``router_topk`` gives them. They are not checked (a check would read
+them back from the device, which a CUDA graph forbids): an id past E reads another tensor's
+memory (`kimi-perf validate` fails a path whose top-k is not one, ``routing_invalid``).
 """
 
 from __future__ import annotations

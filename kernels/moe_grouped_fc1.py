@@ -180,7 +180,9 @@ def moe_grouped_fc1_situ(x: torch.Tensor, w13: Experts, ids: torch.Tensor,
                          situ: tuple[float, float], out: torch.Tensor | None = None,
                          shared: Shared | None = None
                          ) -> tuple[torch.Tensor, ExpertSlots]:
-    """x [M, K] (latent), w13 [E, 2I, K] (or MXFP4), ids [M, top_k] int32 (``router_topk``)
+    """x [M, K] (latent), w13 [E, 2I, K] (or MXFP4), ids [M, top_k] int32 (``router_topk``:
+    k distinct experts in [0, E) a token, unchecked, as ``moe_experts`` says; an expert twice
+    would count a token twice, past its list's M slots)
     -> (act [M, top_k, I] in w13's dtype, as ``moe_route_fc1_situ`` makes it, and each
     expert's slots for ``moe_grouped_fc2``); ``shared`` as there."""
     M, top_k = ids.shape

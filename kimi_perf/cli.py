@@ -1446,7 +1446,7 @@ def validate(preset_name: str, n_layers: int | None, paths: str, steps: int,
     verdict = (f"validate: pass ({checked} within bounds)" if result["ok"] else
                f"validate: FAIL ({counted(len(result['failures']), 'failure')}: above)")
     if fmt == "json":   # (an error that is not a number: null)
-        _emit(json.dumps(_numbers_or_null(result), indent=1, allow_nan=False) + "\n", output)
+        _emit(json_text(result), output)
     else:
         lines = [*(f"FAIL {failure}" for failure in result["failures"]), verdict]
         if output is None:
@@ -1459,16 +1459,6 @@ def validate(preset_name: str, n_layers: int | None, paths: str, steps: int,
         click.echo(verdict.replace("above", f"in {output}"), err=True)
     if not result["ok"]:
         sys.exit(1)
-
-
-def _numbers_or_null(doc):
-    """A result's NaNs and infinities as JSON's null (json.dumps writes NaN, which is no
-    JSON)."""
-    if isinstance(doc, dict):
-        return {k: _numbers_or_null(v) for k, v in doc.items()}
-    if isinstance(doc, list):
-        return [_numbers_or_null(v) for v in doc]
-    return None if isinstance(doc, float) and not math.isfinite(doc) else doc
 
 
 @main.command(name="trace", short_help="Capture both decode paths per layer (the main job)")

@@ -754,6 +754,7 @@ def ratio_text(v: float | None) -> str:
     to its four significant digits (28,160, not 28160.00: ``_significant`` kept four)."""
     if v is None:
         return "-"
+    v = float(f"{v:.4g}")   # (99.999 read 100.00, 999.96 1000.0)
     if abs(v) >= 1000:
         return f"{v:,.0f}"
     if abs(v) >= 100:

@@ -144,6 +144,22 @@ def _timeline(fig: go.Figure, row: int, timeline: dict | None, label: str, most:
 SHARED_AXIS_SPANS = 10.0
 
 
+def alike_groups(sizes: dict[str, float]) -> list[list[str]]:
+    """The labels in groups whose sizes are all within ``SHARED_AXIS_SPANS`` of each other
+    (the smallest and the largest of a group, not each against its first: 1, 9 and 0.11
+    would be one group), in order of first appearance; a size of 0 with those of 0."""
+    groups: list[tuple[float, float, list[str]]] = []
+    for label, size in sizes.items():
+        for i, (low, high, labels) in enumerate(groups):
+            lo, hi = min(low, size), max(high, size)
+            if (hi == 0) or (lo > 0 and hi / lo <= SHARED_AXIS_SPANS):
+                groups[i] = (lo, hi, [*labels, label])
+                break
+        else:
+            groups.append((size, size, [label]))
+    return [labels for _, _, labels in groups]
+
+
 def _timeline_extent(timeline: dict) -> float:
     """Where a drawn step's last op ends (µs from its start)."""
     return max((op[2] + op[3] for seg in timeline["segments"] for op in seg["ops"]),
@@ -186,21 +202,13 @@ def _class_bars(breakdowns: dict[str, Breakdown]) -> go.Figure:
     path in Triton's interpreter takes hundreds of times a PyTorch path's CPU time, so that
     on one axis the other's bars would not show (nor a 58 µs decode layer's beside a 5 ms
     training block's)."""
-    groups: list[tuple[float, list[str]]] = []
-    for label, b in breakdowns.items():
-        if b.unit != "kernels":
-            continue
-        size = max((sum(c["us"] for c in t["classes"].values()) for t in b.layer_types),
+    groups = alike_groups({
+        label: max((sum(c["us"] for c in t["classes"].values()) for t in b.layer_types),
                    default=0.0)
-        group = next((g for g in groups if g[0] / SHARED_AXIS_SPANS <= size
-                      <= g[0] * SHARED_AXIS_SPANS), None)
-        if group is None:
-            groups.append((size, [label]))
-        else:
-            group[1].append(label)
+        for label, b in breakdowns.items() if b.unit == "kernels"})
     panels = {("GPU traces" if i == 0 else f"GPU traces on a scale of their own "
                f"({SHARED_AXIS_SPANS:g}x apart): {', '.join(labels)}"): labels
-              for i, (_, labels) in enumerate(groups)}
+              for i, labels in enumerate(groups)}
     panels |= {f"CPU run: {label} (CPU time)": [label]
                for label, b in breakdowns.items() if b.unit != "kernels"}
     titles = [_plotly_text(title) for title in panels]
@@ -1002,24 +1010,20 @@ def write_report(path: str | Path, breakdowns: dict[str, Breakdown], title: str,
     drawn_with = [b for b in breakdowns.values() if b.timeline]
     most = REPORT_TIMELINE_OPS // max(len(drawn_with), 1)
     in_legend: set[str] = set()
-    shared: list[tuple[int, float]] = []   # each shared time axis: its first row, its extent
-    drawn = {}
-    for row, (label, b) in enumerate(breakdowns.items(), start=1):
-        drawn[label] = _timeline(timelines, row, b.timeline, label, most, in_legend)
-        # one time axis for GPU traces' layers whose steps last alike: bars compare (a CPU
-        # run's rows keep their own: CPU time, and its specialized path's is the
-        # interpreter's; so does a step of other work, drawn by stream, and a step 10x as long
-        # or short as the axis's first: a 13 s window would squash a 0.3 ms decode step)
-        if b.timeline and b.unit == "kernels" and not b.timeline.get("by_stream"):
-            extent = _timeline_extent(b.timeline)
-            first = next((first for first, span in shared
-                          if span / SHARED_AXIS_SPANS <= extent <= span * SHARED_AXIS_SPANS),
-                         None)
-            if first is None:
-                shared.append((row, extent))
-            else:
-                timelines.update_xaxes(matches=f"x{first if first > 1 else ''}", row=row,
-                                       col=1)
+    drawn = {label: _timeline(timelines, row, b.timeline, label, most, in_legend)
+             for row, (label, b) in enumerate(breakdowns.items(), start=1)}
+    # one time axis for GPU traces' layers whose steps last alike: bars compare (a CPU run's
+    # rows keep their own: CPU time, and its specialized path's is the interpreter's; so does
+    # a step of other work, drawn by stream, and steps 10x apart: a 13 s window would squash
+    # a 0.3 ms decode step)
+    row_of = {label: row for row, label in enumerate(breakdowns, start=1)}
+    for labels in alike_groups({
+            label: _timeline_extent(b.timeline) for label, b in breakdowns.items()
+            if b.timeline and b.unit == "kernels" and not b.timeline.get("by_stream")}):
+        first = row_of[labels[0]]
+        for label in labels[1:]:
+            timelines.update_xaxes(matches=f"x{first if first > 1 else ''}",
+                                   row=row_of[label], col=1)
     timelines.update_layout(barmode="overlay", height=sum(rows_px) + 150,
                             title="One step of each path or trace (of its steps with layers, "
                                   "the one of median span), a row per layer (per stream where "

@@ -518,6 +518,9 @@ def test_gpu_check_says_a_main_job_run_whose_output_is_unreadable(monkeypatch, t
     assert all(e.endswith("stderr: the stderr tail") for e in errors)
     assert check.main_job_error("eager", {"returncode": None, "unreadable": "OSError"}) \
         .startswith("kimi-perf trace (eager) could not be started, its output unreadable")
+    assert check.main_job_error("eager", {"returncode": None, "timed_out": True,
+                                          "stderr_tail": "timed out: after 90 s"}) == \
+        "kimi-perf trace (eager) timed out; stderr: timed out: after 90 s"
     results = {"date": "2026-12-05", "environment": {"torch": "2.11"},
                "copy_bandwidth_Bps": 4.3e12, "errors": errors, "main_job": runs}
     assert f"kimi-perf trace ({first}): exit 0, its output unreadable" in \

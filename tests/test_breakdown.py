@@ -700,8 +700,8 @@ def test_ratios_keep_two_significant_digits_below_a_tenth():
     assert [ratio_text(v) for v in (None, 0, 2.004, 0.1, 0.0041, -0.05)] == [
         "-", "0.00", "2.00", "0.10", "0.0041", "-0.05"]
     # a ratio kept to four significant digits shows them, no more (28160.00 read as exact)
-    assert [ratio_text(v) for v in (28160.0, 1203.0, 123.4, 99.5)] == [
-        "28,160", "1,203", "123.4", "99.50"]
+    assert [ratio_text(v) for v in (28160.0, 1203.0, 123.4, 99.5, 99.999, 999.96)] == [
+        "28,160", "1,203", "123.4", "99.50", "100.0", "1,000"]
 
 
 def test_kernel_counts_read_whole_or_to_one_decimal():
@@ -1656,6 +1656,9 @@ def test_report_timelines_draw_a_bounded_number_of_bars_in_step_order(monkeypatc
                                                  plotly_js="cdn").read_text())[0]["layout"]
     assert "matches" not in layout["xaxis2"] and layout["xaxis3"]["matches"] == "x"
     assert layout["xaxis4"]["matches"] == "x2"
+    # a group is its smallest and largest within 10x, whatever came first
+    assert report.alike_groups({"a": 1.0, "b": 9.0, "c": 0.11, "d": 0.0, "e": 0.0}) == [
+        ["a", "b"], ["c"], ["d", "e"]]
     # so in the class chart: layers 100x as long are a panel of their own
     for t in long_step.layer_types:
         for figures in t["classes"].values():

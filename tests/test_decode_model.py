@@ -449,6 +449,8 @@ def test_validate_fails_outputs_that_are_not_numbers(monkeypatch):
         return torch.full_like(out, float("nan")) if x.shape[1] == 1 else out
 
     monkeypatch.setattr(K3Model, "_kda", not_a_number)
+    with pytest.raises(ValueError, match="steps: 1 or more decode steps, not 0"):
+        validate(paths=("standard",), steps=0)     # (a KeyError: nothing was checked)
     result = validate(paths=("standard",), steps=2)
     assert not result["ok"]
     kda_row = result["paths"]["standard"]["layer_types"]["kda"]

@@ -339,6 +339,8 @@ def validate(preset_name: str = "tiny", paths: tuple[str, ...] = DEFAULT_PATHS, 
     kernel paths stream them as MXFP4 (the reference computes on the same values)."""
     if spec_tokens < 0:
         raise ValueError(f"spec_tokens takes 0 or more draft tokens, not {spec_tokens}")
+    if steps < 1:   # (the bounds are of the decode steps: none would check no path)
+        raise ValueError(f"steps: 1 or more decode steps, not {steps}")
     run = ValidationRun(whole_model(preset_name, n_layers), batch, prompt, steps, dtype,
                         kv_cache, seed, spec_tokens, experts)
     bounds = BOUNDS[(dtype, kv_cache)]

@@ -262,7 +262,7 @@ def test_the_wrappers_refuse_a_layout_their_kernels_would_misread():
         attn_res(prefix, None, torch.randn(2, 4, 64).bfloat16(), 5, 1, torch.randn(64), None,
                  1e-5)
     with pytest.raises(ValueError, match=r"blocks \(2, 4, 32\) and delta None"):
-        attn_res(prefix, None, torch.randn(2, 4, 32).bfloat16(), 2, 1, torch.randn(64), None,
+        attn_res(prefix, None, torch.randn(2, 4, 32).bfloat16(), 1, 1, torch.randn(64), None,
                  1e-5)
 
 
@@ -307,18 +307,21 @@ def test_the_aot_check_refuses_what_it_cannot_do_before_compiling(tmp_path):
     from kimi_perf_kernels import aot
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    locked = tmp_path / "locked.json"
+    locked.write_text("{}")
+    locked.chmod(0o444)
     for extra, argv, said in (
             ({"TRITON_INTERPRET": "1"}, [], "TRITON_INTERPRET is set"),
             ({}, ["--json", str(tmp_path / "no" / "x.json")], "no folder"),
-            ({}, ["--json", str(tmp_path)], "a directory, not a file")):
+            ({}, ["--json", str(tmp_path)], "a directory, not a file"),
+            ({}, ["--json", str(tmp_path / "new") + "/"], "a directory, not a file"),
+            ({}, ["--json", str(locked)], "cannot write: it is read-only (mode 444)")):
         proc = subprocess.run([sys.executable, "-m", "kimi_perf_kernels.aot", *argv],
                               capture_output=True, text=True, env={**env, **extra}, timeout=120)
         assert proc.returncode == 2 and proc.stdout == "", proc.stdout + proc.stderr
         assert len(proc.stderr.splitlines()) == 1 and said in proc.stderr
-    out = tmp_path / "aot.json"
-    aot.write_json(out, {"kernels": []})
-    assert json.loads(out.read_text()) == {"kernels": []}
-    assert [p.name for p in tmp_path.iterdir()] == ["aot.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["locked.json"]   # (nothing made)
+    assert aot.json_file_problem(str(tmp_path / "aot.json")) is None
 
 
 def test_the_aot_check_compiles_every_cubin_the_gpu_check_launches():

@@ -10,6 +10,7 @@ import torch
 
 from kimi_perf_kernels.attn_res import attn_res
 from kimi_perf_kernels.common import check_layout
+from kimi_perf_kernels.gate_sigmoid_mul import gate_sigmoid_mul
 from kimi_perf_kernels.kda_decode import kda_decode
 from kimi_perf_kernels.l2_prefetch import l2_prefetch
 from kimi_perf_kernels.mla_absorb_insert import mla_absorb_insert
@@ -129,6 +130,15 @@ CASES = [
     ("attn_res qk [h/2]",
      lambda: attn_res(torch.randn(M, 32), None, torch.randn(M, 3, 32), 2, -1, torch.randn(16),
                       None, 1e-6), "qk is [16], not [32]"),
+    ("attn_res writing a block it reads",
+     lambda: attn_res(torch.randn(M, 32), None, torch.randn(M, 3, 32), 2, 1,
+                      torch.randn(32), None, 1e-6), "block 1 is written and among the 2 read"),
+    ("mla_attention fp8 e5m2 cache (kv_scale unseen)",
+     lambda: _attention(MLA, cache=MLA["cache"].to(torch.float8_e5m2)),
+     "cache is torch.float8_e5m2, not torch.bfloat16 or torch.float32 or "
+     "torch.float8_e4m3fn"),
+    ("mla_absorb_insert fp16 cache",
+     lambda: _absorb(MLA, cache=MLA["cache"].half()), "cache is torch.float16, not"),
     ("attn_res blocks 4-D",
      lambda: attn_res(torch.randn(M, 32), None, torch.randn(M, 3, 32, 1), 2, -1,
                       torch.randn(32), None, 1e-6), "is not [M, S, h]"),
@@ -263,6 +273,9 @@ def test_tensors_on_two_devices_are_refused():
             _attention(MLA, **changed)
     with pytest.raises(ValueError, match=r"kda_decode: f is on meta, the others on cpu"):
         _kda(f=torch.empty(1, 1, 32, device="meta"))
+    # (a standard-path kernel that checked its shapes alone)
+    with pytest.raises(ValueError, match=r"gate_sigmoid_mul: gate is on meta"):
+        gate_sigmoid_mul(torch.randn(2, 3, 8), torch.empty(3, 16, device="meta"))
 
 
 def test_a_shape_of_no_tensor_given_is_a_mistake_of_the_wrapper():

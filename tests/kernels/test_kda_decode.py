@@ -36,10 +36,12 @@ def inputs(batch, tokens, heads, d, f_rank, seed):
 
 
 # (with a GPU's tiles: the last two split a head over 4 programs and take the f_b
-# projection in two slices of 64, as a GEMV for a decode token and a product for a verify)
+# projection in two slices of 64, as a GEMV for a decode token and a product for a verify;
+# the last, a K3 TP8 rank's 12 heads of 128 and f_rank 128, over 8 programs a head)
 @pytest.mark.parametrize(("batch", "tokens", "heads", "d", "f_rank"),
                          [(1, 1, 2, 16, 16), (3, 1, 4, 32, 16), (2, 4, 2, 16, 32),
-                          (2, 2, 2, 64, 32), (1, 1, 2, 64, 128), (1, 3, 2, 64, 128)])
+                          (2, 2, 2, 64, 32), (1, 1, 2, 64, 128), (1, 3, 2, 64, 128),
+                          (1, 1, 12, 128, 128)])
 def test_kda_decode_matches_reference(batch, tokens, heads, d, f_rank, tiles):
     z, params, conv_state, state = inputs(batch, tokens, heads, d, f_rank, batch + tokens)
     conv_ref, state_ref = conv_state.clone(), state.clone()

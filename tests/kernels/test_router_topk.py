@@ -9,7 +9,7 @@ from kimi_perf_kernels.router_topk import router_topk, router_topk_reference
 
 
 @pytest.mark.parametrize(("m", "e", "k"), [(1, 16, 4), (1, 896, 6), (3, 100, 16), (2, 16, 1),
-                                          (1, 1, 1), (2, 9, 7)])
+                                          (1, 1, 1), (2, 9, 7), (2, 896, 16)])   # (K3: 16 of 896)
 def test_router_topk_matches_reference(m, e, k):
     gen = torch.Generator().manual_seed(m + e + k)
     logits = torch.randn(m, e + 7, generator=gen)[:, :e]   # a strided view, like the GEMV's

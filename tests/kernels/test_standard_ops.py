@@ -56,11 +56,13 @@ def test_moe_finalize_over_several_column_blocks(tiles):
     assert_close_bf16(moe_finalize(per_slot, weights, torch.bfloat16), want, ulps=1)
 
 
-def test_gate_sigmoid_mul_reads_head_major():
+@pytest.mark.parametrize("v", [40, 128])    # no power of two; K3's heads of 128
+def test_gate_sigmoid_mul_reads_head_major(v):
     gen = torch.Generator().manual_seed(3)
-    o = torch.randn(6, 4, 40, generator=gen).bfloat16()    # [H, M, V]; V no power of two
-    gate = torch.randn(4, 6 * 40, generator=gen).bfloat16()
-    assert_close_bf16(gate_sigmoid_mul(o, gate), gate_sigmoid_mul_reference(o, gate), ulps=1)
+    o = torch.randn(6, 4, v, generator=gen).bfloat16()     # [H, M, V]
+    gate = torch.randn(4, 6 * v, generator=gen).bfloat16()
+    out = gate_sigmoid_mul(o, gate)
+    assert_close_bf16(out, gate_sigmoid_mul_reference(o, gate), ulps=1)
     with pytest.raises(ValueError, match="gate_sigmoid_mul"):
         gate_sigmoid_mul(o, gate[:, :-1])
 
