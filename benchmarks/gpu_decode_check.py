@@ -286,6 +286,65 @@ def kda_split_stress(device: str, smoke: bool) -> dict:
             "arrivals_left": left, "ok": err < 1e-2 and conv_exact and left == 0}
 
 
+# A bf16 kernel's output against its float32 reference, norm-relative (its inputs the same)
+KERNEL_REL_ERR = 1e-2
+
+
+def kernel_references(device: str, smoke: bool) -> dict[str, dict]:
+    """The kernels whose numerics on a GPU the interpreter never runs (its dots take fp32;
+    a GPU's tensor cores take bf16 or fp8 operands): ``mla_attention`` over a bf16 and an fp8
+    cache, split as this GPU splits a batch of 1 and merged by ``mla_uv_gate``, and the
+    skinny linear's GEMM with its RMSNorm and residual (wgmma, x·norm rounded to bf16), at K3
+    TP8 shapes (tiny with --smoke), each against its reference in float32 on the CPU. The
+    two paths share these kernels: comparing the paths cannot see an error of theirs."""
+    from kimi_perf_kernels.mla_attention import (
+        mla_attention,
+        mla_attention_reference,
+        mla_splits,
+    )
+    from kimi_perf_kernels.mla_uv_gate import mla_uv_gate, mla_uv_gate_reference
+    from kimi_perf_kernels.skinny_linear import skinny_linear
+
+    gen = torch.Generator(device=device).manual_seed(21)
+
+    def randn(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen, device=device) * scale
+
+    heads, lora, rope, v, seq = (2, 32, 8, 16, 40) if smoke else (12, 512, 64, 128, 4096)
+    out = {}
+    for name, fp8 in (("mla_attention bf16 cache", False), ("mla_attention fp8 cache", True)):
+        dtype = torch.float8_e4m3fn if fp8 else torch.bfloat16
+        scale, q_scale = (0.5, 0.25) if fp8 else (1.0, 1.0)
+        qhat = randn(1, heads, lora + rope, scale=4 if fp8 else 1).to(dtype)
+        cache = randn(1, seq, lora + rope, scale=2 if fp8 else 0.5).to(dtype)
+        positions = torch.full((1,), seq - 1, device=device)
+        sm_scale = (128 + rope) ** -0.5
+        # (on a CPU one split: three, so that the merge of --smoke runs too)
+        splits = 3 if smoke else mla_splits(1, 1, heads, seq, torch.device(device))
+        parts, lse = mla_attention(qhat, cache, positions, 1, lora, scale, sm_scale, splits,
+                                   q_scale=q_scale, dtype=torch.bfloat16)
+        w_uv = randn(heads, lora, v, scale=lora ** -0.5).bfloat16()
+        gate = randn(1, heads * v).bfloat16()
+        got = mla_uv_gate(parts if lse is not None else parts[0], w_uv, gate, lse=lse,
+                          dtype=torch.bfloat16)
+        merged = mla_attention_reference(qhat.cpu(), cache.cpu(), positions.cpu(), 1, scale,
+                                         sm_scale, lora, q_scale, torch.float32)
+        want = mla_uv_gate_reference(merged, w_uv.cpu(), gate.cpu())
+        err = rel_err(got.float().cpu(), want.double())
+        out[name] = {"max_rel_err": err, "splits": splits, "ok": err < KERNEL_REL_ERR}
+    m, n, k = (8, 64, 128) if smoke else (64, 7168, 3584)   # (latent_up at a verify's 64)
+    x, w = randn(m, k).bfloat16(), randn(n, k, scale=k ** -0.5).bfloat16()
+    norm, residual = 1 + 0.1 * randn(k), randn(m, n).bfloat16()
+    got = skinny_linear(x, w, norm=norm, residual=residual)
+    xf = x.float().cpu()
+    want = ((xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5) * norm.cpu())
+            @ w.float().cpu().T + residual.float().cpu())
+    err = rel_err(got.float().cpu(), want.double())
+    out["skinny_linear gemm rmsnorm+residual"] = {"max_rel_err": err,
+                                                   "ok": err < KERNEL_REL_ERR}
+    return out
+
+
 def graphed_verify_errors(model: K3Model, ref: K3Model, prompt: torch.Tensor, device: str
                           ) -> list[float]:
     """Two speculative verify steps of 4 tokens, each replayed from one captured graph and
@@ -763,6 +822,17 @@ def run_sections(args: argparse.Namespace, budget: Budget, results: dict, work: 
         print(results["errors"][-1], file=sys.stderr)
     save(results, args.out, work)
     progress(f"kda_decode split: {checks['kda_decode split']}", started)
+    try:
+        checks.update(kernel_references(device, smoke=args.smoke))
+    except Exception as exc:   # (did not run: did not pass)
+        checks["kernel references"] = {"max_rel_err": math.nan, "ok": False,
+                                       "error": f"{type(exc).__name__}: {exc}"}
+        results["errors"].append(f"kernel references: {traceback.format_exc()}")
+        print(results["errors"][-1], file=sys.stderr)
+    save(results, args.out, work)
+    progress("kernel references: " + ", ".join(
+        f"{name} {r['max_rel_err']:.2e}" for name, r in checks.items()
+        if name.startswith(("mla_attention", "skinny_linear", "kernel references"))), started)
     if args.smoke:
         c, batches, context, steps, warmup = preset("tiny", n_layers=4), (1, 2), 4, 1, 1
     else:

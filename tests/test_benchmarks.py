@@ -585,3 +585,23 @@ def test_gpu_check_refuses_bad_arguments_in_a_line(tmp_path, argv, env, message)
                           timeout=120)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert message in proc.stderr.strip().splitlines()[-1]
+
+
+def test_gpu_check_sets_the_shared_kernels_against_their_references(monkeypatch):
+    """The kernels both paths share (attention, the merge, the GEMM with its norm), each
+    against its float32 reference: in the interpreter here, on a GPU's tensor cores there,
+    which comparing the paths cannot check; a kernel 5% off fails."""
+    pytest.importorskip("torch")
+    check = _gpu_check()
+    got = check.kernel_references("cpu", smoke=True)
+    assert set(got) == {"mla_attention bf16 cache", "mla_attention fp8 cache",
+                        "skinny_linear gemm rmsnorm+residual"}
+    assert all(r["ok"] and r["max_rel_err"] < 5e-3 for r in got.values()), got
+    assert got["mla_attention fp8 cache"]["splits"] == 3
+    import kimi_perf_kernels.mla_uv_gate as uv
+
+    real = uv.mla_uv_gate
+    monkeypatch.setattr(uv, "mla_uv_gate", lambda *a, **k: real(*a, **k) * 1.05)
+    off = check.kernel_references("cpu", smoke=True)
+    assert [name for name, r in off.items() if not r["ok"]] == [
+        "mla_attention bf16 cache", "mla_attention fp8 cache"]
