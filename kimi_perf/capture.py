@@ -46,7 +46,7 @@ from kimi_perf.layer_breakdown import Breakdown, breakdown, breakdown_of_file
 from kimi_perf.memory import address_space_capped
 from kimi_perf.readers import read_trace
 from kimi_perf.readers.nsys import has_nvtx_ranges, nsys_cli, nsys_failure
-from kimi_perf.runs import trace_files, trace_labels
+from kimi_perf.runs import same_capture, trace_files, trace_labels
 from kimi_perf.text import also_as
 from kimi_perf.trace import (
     atomic_write,
@@ -807,6 +807,8 @@ def analyse(files: list[str | Path], out_dir: str | Path, layers: str = "auto",
     for file in files:   # (a trace against itself: every ratio 1.00, no comparison)
         if (twin := seen.setdefault(os.path.realpath(file), file)) is not file:
             raise TraceError(file, f"given twice{also_as(file, twin)}: each trace once")
+    if (again := same_capture(files)) is not None:
+        raise TraceError(again[0], f"given twice ({again[1]}): each capture once")
     if captures is not None and (len(captures) != len(files) or None in captures):
         raise TraceError(None, f"captures: one file for each of the {len(files)} traces, "
                                f"as --capture gives them: not {captures!r}")

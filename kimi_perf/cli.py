@@ -395,6 +395,9 @@ def _check_layers(value: str) -> str:
                 re.compile(value[5:])
             except re.error as exc:
                 raise TraceError(None, f"--layers: bad regex ({exc})") from None
+            if value[5:] and re.search(value[5:], ""):   # (nvtx: alone is the default's)
+                raise TraceError(None, f"--layers {value!r}: the regex matches an empty "
+                                       "name, so every range: name the layer ranges")
         return value
     raise TraceError(None, f"--layers must be auto, repeat, nvtx or nvtx:REGEX, not {value!r}")
 
@@ -431,6 +434,9 @@ def _check_steps(value: str | None) -> str | None:
             re.compile(value)
         except re.error as exc:
             raise TraceError(None, f"--steps: bad regex ({exc})") from None
+        if re.search(value, ""):   # ('.*': every op range a step of one op)
+            raise TraceError(None, f"--steps {value!r}: the regex matches an empty name, so "
+                                   "every range: name the step ranges")
     return value
 
 
@@ -1550,12 +1556,20 @@ def trace_cmd(from_files: tuple[Path, ...], captures: tuple[Path, ...], phase: s
     named = _checked_trace_options(from_files, captures, paths)
     if from_files:
         layers = _check_layers(layers_arg) if layers_arg is not None else "auto"
-        found, left_out = _traces_in(list(from_files))
         seen: dict[str, Path] = {}
+        for given in from_files:   # (a folder given twice: named, not a trace in it)
+            if (twin := seen.setdefault(os.path.realpath(given), given)) is not given:
+                raise TraceError(given, f"given twice{also_as(given, twin)}: --from takes "
+                                        "each trace once")
+        found, left_out = _traces_in(list(from_files))
+        seen = {}
         for file in found:   # (a trace against itself: every ratio 1.00, no comparison)
             if (twin := seen.setdefault(os.path.realpath(file), file)) is not file:
                 raise TraceError(file, f"given twice{also_as(file, twin)}: --from takes each "
                                        "trace once")
+        if (again := runs_mod.same_capture(found)) is not None:
+            raise TraceError(again[0], f"given twice ({again[1]}): --from takes each capture "
+                                       "once")
         run_dir, results, run_info = cap.analyse(found, out_dir,
                                                  layers=layers, phase=phase, rules=rules,
                                                  step_regex=_check_steps(steps_arg),
@@ -1594,6 +1608,12 @@ def trace_cmd(from_files: tuple[Path, ...], captures: tuple[Path, ...], phase: s
         _echo(json_text(cap.run_document(run_dir, results, run_info, lazy_layers=True)),
               nl=False)
     else:
+        if from_files:   # (the terminal's names: the run's are from its run directory)
+            for b, file, capture in zip(results.values(), found, captures or [None] * len(found),
+                                        strict=True):
+                b.source["file"] = str(file)
+                if capture is not None and b.source.get("captures"):
+                    b.source["captures"] = [str(capture)]
         _print_run(console, run_dir, results, run_info)
     _fail_if_unusable(run_info, run_dir)
 

@@ -286,6 +286,9 @@ def find_steps(trace: Trace, ops: GpuOps, step_regex: str | None = None) -> list
     if step_regex == "":   # (read as none, it gave the default's steps without a word)
         raise ValueError("step_regex: an empty regex finds every range: name the step "
                          "ranges, or None for the default's")
+    if step_regex is not None and _compiled(step_regex, "step_regex").search(""):
+        raise ValueError(f"step_regex {step_regex!r} matches an empty name, so every range: "
+                         "name the step ranges")   # ('.*': every op range a step)
     patterns = [step_regex] if step_regex is not None else STEP_PATTERNS
     launch_start, launch_end = ops.launch_start, ops.launch_end
     keys = thread_keys(ops.pid, np.where(ops.api >= 0, ops.tid, -1))
@@ -1102,6 +1105,9 @@ def find_layers(trace: Trace, ops: GpuOps, steps: list[Step], layers: str = "aut
                                  "kernel pattern (no layers found)")
     elif layers == "nvtx" or layers.startswith("nvtx:"):
         regex = layers[5:] or DEFAULT_LAYER_PATTERN
+        if _compiled(regex, "layer regex").search(""):   # ('.*': every range a layer)
+            raise ValueError(f"layers {layers!r}: the regex matches an empty name, so every "
+                             "range: name the layer ranges")
         if not layers_from_ranges(trace, ops, steps, regex) and steps:
             said = "its regex" if layers[5:] else "the default layer pattern"
             raise NoStepsMatched(trace.meta.get("file"), f"--layers {layers}: no range "

@@ -339,7 +339,7 @@ def _steps_html(breakdowns: dict[str, Breakdown]) -> str:
             continue
         unit = b.unit
         rows = "".join(
-            f"<tr><td>{s['index']}</td><td class=name>{e(str(s.get('name') or ''))}</td>"
+            f"<tr><td>{s['index']}</td><td class=name>{_shown(s.get('name') or '')}</td>"
             f"<td>{'cpu' if unit == 'ops' and s['device'] < 0 else s['device']}</td>"
             f"<td>{e(layers_text(s))}</td><td>{s['kernels']}</td>"
             f"<td>{s['kernel_us']:.1f}</td><td>{s['span_us']:.1f}</td>"
@@ -576,6 +576,13 @@ def capture_said(run: dict) -> str | None:
     return "; ".join(f"{what} {v}" for what, v in shown) or None
 
 
+def _shown(value: object) -> str:
+    """A value from a trace or a run (a range's name, a file's, the command) in a cell:
+    escaped, its control characters written out (a newline or a right-to-left override in a
+    file name would break or reorder the page's text)."""
+    return html.escape(printable(str(value)))
+
+
 def _version_items(run: dict) -> list[tuple[str, object]]:
     env = run.get("environment") or {}
     commit = env.get("git_commit") or run.get("git_commit")
@@ -600,7 +607,7 @@ def _runs_html(runs: list[tuple[str, dict]]) -> str:
     body = "".join(
         f"<tr{' class=differs' if len({str(c.get(k)) for c in columns}) > 1 else ''}>"
         f"<th>{e(k)}</th>" + "".join(
-            f"<td>{e(str(c[k])) if c.get(k) is not None else '-'}</td>" for c in columns)
+            f"<td>{_shown(c[k]) if c.get(k) is not None else '-'}</td>" for c in columns)
         + "</tr>" for k in rows)
     (first, first_run), *others = runs
     notes = "".join(
@@ -656,7 +663,7 @@ def _run_html(run: dict | None, breakdowns: dict[str, Breakdown]) -> str:
                                 for c in src.get("captures") or [])))
     items += _version_items(run)
     parts = ["<table class=info>" + "".join(
-        f"<tr><th>{e(k)}</th><td>{e(str(v))}</td></tr>" for k, v in items if v is not None)
+        f"<tr><th>{e(k)}</th><td>{_shown(v)}</td></tr>" for k, v in items if v is not None)
         + "</table>"]
     metrics = run.get("paths") or {}
     if metrics:

@@ -928,6 +928,25 @@ def _not_a_file(path: Path) -> str:
     return "not a regular file"
 
 
+def same_capture(files: list[Path]) -> tuple[Path, str] | None:
+    """The first of ``files`` that is a capture another of them holds already, and why (a
+    .kptrace and the trace it was saved from, another .kptrace of that trace, an .nsys-rep
+    and the export nsys left beside it, not older than it): as a directory's traces are told
+    apart (``trace_files``), for traces given one by one."""
+    found = [Path(f) for f in files]
+    copies = _saved_beside(found)
+    for f in found:
+        if f.suffix not in NSYS_REPORTS:
+            continue
+        for export in (f.with_suffix(".sqlite"), f.with_suffix(".sqlite.gz")):
+            if export in found and not is_stale_export(export, f):
+                later = export if found.index(export) > found.index(f) else f
+                copies.setdefault(later, f"the export of {f.name}" if later == export
+                                  else f"the report exported as {export.name}")
+    later = [f for f in found if f in copies]
+    return (later[0], copies[later[0]]) if later else None
+
+
 def _saved_beside(found: list[Path]) -> dict[Path, str]:
     """Of a directory's trace files, those a ``.kptrace`` beside them holds already, each with
     why (a capture read twice would count as two ranks): the trace it was saved from (and
@@ -1013,9 +1032,13 @@ def trace_files(paths: list[str | Path], keep_runs: bool = False,
         found = [f for f in named if f not in other]
         passed = sorted([*stored, *other.items(), *unread], key=lambda entry: natural(entry[0]))
         if not found:
-            # (traces/runs: its runs are folders of their own, given each, DIR/*/)
-            runs = sum((d / "breakdown.json").is_file() for d in path.iterdir()
-                       if d.is_dir() and not d.name.startswith("."))
+            # (traces/runs: its runs are folders of their own, given each, DIR/*/; so are a
+            # job's ranks, a folder each)
+            folders = [d for d in path.iterdir() if d.is_dir() and not d.name.startswith(".")]
+            runs = sum((d / "breakdown.json").is_file() for d in folders)
+            ranks = [d.name for d in sorted(folders, key=natural)
+                     if not (d / "breakdown.json").is_file()
+                     and any(f.name.endswith(TRACE_SUFFIXES) for f in d.iterdir())]
             raise TraceError(path, "holds no trace files (" + ", ".join(
                 f"*{s}" for s in TRACE_SUFFIXES[2:]) + ")" + (
                 "; left out: " + ", ".join(f"{f.name} ({why})" for f, why in passed)
@@ -1023,7 +1046,9 @@ def trace_files(paths: list[str | Path], keep_runs: bool = False,
                 f"; it holds {runs} kimi-perf run director{'y' if runs == 1 else 'ies'}: "
                 + (f"give {'it' if runs == 1 else 'them'} ({path / '*'}/)" if keep_runs
                    else f"kimi-perf report {path / '*'}/ draws "
-                   f"{'it' if runs == 1 else 'them'}") if runs else ""))
+                   f"{'it' if runs == 1 else 'them'}") if runs else "") + (
+                f"; its folders {', '.join(ranks[:3])}{', ...' if len(ranks) > 3 else ''} "
+                "hold traces: give each" if ranks and not runs else ""))
         copies = _saved_beside(found)
         # a report nsys has exported (``nsys stats`` leaves X.sqlite beside X.nsys-rep) is
         # one capture: its export is read, and the report is not read again; an export

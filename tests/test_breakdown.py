@@ -1735,6 +1735,23 @@ def test_report_labels_and_titles_write_control_characters_out(tmp_path):
     text = write_report(tmp_path / "r.html", {"x\u202ey": b}, "kimi-perf: x\u202ey.json",
                         plotly_js="cdn").read_text()
     assert "\u202e" not in text and "<title>kimi-perf: x\\u202ey.json</title>" in text
+    # the run's own rows too: the file a trace --from read, and the command that named it
+    # (the label was written out, the file and the command were not)
+    import shutil
+
+    from click.testing import CliRunner
+
+    from kimi_perf.cli import main
+
+    weird = tmp_path / "weird"
+    weird.mkdir()
+    shutil.copy(KINETO / "tracelens_vllm_gptoss20b_decode_fullgraph_mi300x.json.gz",
+                weird / "a\u202eb\nc.json.gz")
+    done = CliRunner().invoke(main, ["trace", "--from", str(weird), "--out",
+                                     str(tmp_path / "runs"), "--plotly-js", "cdn"])
+    assert done.exit_code == 0, done.output
+    page = next((tmp_path / "runs").glob("*/report.html")).read_text()
+    assert "\u202e" not in page and "a\\u202eb\\x0ac.json.gz" in page
     none = breakdown(read_trace(KINETO / "hta_a100_80gb_rank0_cudagraph_triton.json.gz"))
     assert not none.layer_types and none.timeline["by_stream"]
     layerless = write_report(tmp_path / "l.html", {"t": none}, "t", plotly_js="cdn").read_text()

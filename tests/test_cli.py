@@ -974,7 +974,17 @@ def test_steps_regex_that_is_bad_or_matches_nothing(tmp_path):
                  ["trace", "--from", VLLM, "-o", tmp_path / "runs"]):
         _one_line_error(run(*args, "--steps", ""), "--steps '': an empty regex finds every "
                                                     "range")
+        # nor one that matches an empty name ('.*' made every op range a step of one op),
+        # as --rules refuses a pattern that does
+        _one_line_error(run(*args, "--steps", ".*"), "--steps '.*': the regex matches an "
+                                                      "empty name, so every range")
+        _one_line_error(run(*args, "--layers", "nvtx:.*|x"), "--layers 'nvtx:.*|x': the "
+                        "regex matches an empty name")
     assert not (tmp_path / "runs").exists()
+    with pytest.raises(ValueError, match="step_regex 'a\\|' matches an empty name"):
+        from kimi_perf.layer_breakdown import breakdown_of_file
+
+        breakdown_of_file(VLLM, step_regex="a|")
     # the regex as given, to copy back (not Python's repr, which doubles backslashes)
     _one_line_error(run("breakdown", VLLM, "--steps", r"^no_such\(step"), str(VLLM),
                     r"no range matching --steps '^no_such\(step' holds a kernel launch")
@@ -1254,9 +1264,33 @@ def test_trace_from_two_traces_shows_short_labels_and_keeps_whole_names(tmp_path
     _one_line_error(run("trace", "--from", files[0], "--from", Path(os.path.relpath(files[0])),
                         "-o", tmp_path),   # (by another name: said which)
                     f"given twice (also as {files[0]}): --from takes each trace once")
+    # one capture under two names: an .nsys-rep and the export nsys left beside it, a
+    # .kptrace and the trace it was saved from (a folder of them took them as one capture;
+    # given one by one, they were compared with each other: every ratio 1.00); a folder
+    # given twice is named, not a trace in it
+    twins = tmp_path / "twins"
+    twins.mkdir()
+    shutil.copy(files[0], twins / "x.sqlite")
+    (twins / "x.nsys-rep").write_bytes(b"a report")
+    os.utime(twins / "x.nsys-rep", (1, 1))        # (older than its export: one capture)
+    assert run("convert", twins / "x.sqlite", twins / "x.kptrace").exit_code == 0
+    for pair, said in (((twins / "x.nsys-rep", twins / "x.sqlite"), "the export of x.nsys-rep"),
+                       ((twins / "x.kptrace", twins / "x.sqlite"), "saved as x.kptrace")):
+        _one_line_error(run("trace", *(a for f in pair for a in ("--from", f)), "-o",
+                            tmp_path / "none"), f"given twice ({said}")
+    _one_line_error(run("trace", "--from", twins, "--from", twins, "-o", tmp_path / "none"),
+                    f"{twins}: given twice: --from takes each trace once")
+    assert not (tmp_path / "none").exists()
+    # the terminal names a trace as given (run.json names it from the run directory: a path
+    # the terminal's directory does not have)
+    one = run("trace", "--from", files[0], "-o", tmp_path / "one")
+    assert one.exit_code == 0 and f"Steps: {files[0]}" in one.output.replace("\n", "")
+    (one_dir,) = (tmp_path / "one").iterdir()
+    said = json.loads((one_dir / "run.json").read_text())["files"]
+    assert said == [os.path.relpath(files[0], one_dir)]
     whole = [f.name.removesuffix(".sqlite") for f in files]
     assert f"before: {whole[0]}; after: {whole[1]}" in text
-    (run_dir,) = tmp_path.iterdir()
+    (run_dir,) = tmp_path.glob("*-from")
     assert list(json.loads((run_dir / "breakdown.json").read_text())["paths"]) == whole
 
 
@@ -1982,6 +2016,13 @@ def test_a_directory_of_traces_stands_for_its_traces(tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()
     _one_line_error(run("trace", "--from", empty, "--out", out), "holds no trace files")
+    # a job's ranks a folder each: said, each to be given
+    job = tmp_path / "job"
+    for rank in ("rank10", "rank2"):
+        (job / rank).mkdir(parents=True)
+        shutil.copy(next(ranks.glob("*.json.gz")), job / rank)
+    _one_line_error(run("trace", "--from", job, "--out", out),
+                    "holds no trace files", "; its folders rank2, rank10 hold traces: give each")
     # a folder of runs (traces/runs) says what it holds
     _one_line_error(run("report", out, "-o", tmp_path / "o.html"), "holds no trace files",
                     f"it holds 1 kimi-perf run directory: give it ({out / '*'}/)")
