@@ -661,9 +661,10 @@ def not_pipelined(rows: list[dict]) -> list[str]:
 
 
 # Builds ptxas warns of a performance loss in, and why; any other warning fails the check.
-# The skinny linear's GEMM with its RMSNorm multiplies x by the norm weight in registers each
-# K step, and wgmma's A operand so defined serialises the wgmmas (C7515); scaling W's tile
-# instead (no warning) costs 40 more registers: which is faster is for a GPU to say.
+# The skinny linear's GEMM with its RMSNorm: ptxas serialises its wgmmas (C7515, "non wgmma
+# instructions defining accumulator registers"); only the builds with the norm warn, so the
+# cause is inferred to be x scaled by the norm weight in registers each K step. Scaling W's
+# tile instead (no warning) costs 40 more registers: which is faster is for a GPU to say.
 KNOWN_SLOW = {"skinny_linear gemm": ("rmsnorm", "C7515")}
 
 
