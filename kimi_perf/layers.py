@@ -95,11 +95,15 @@ def steps_of_phase(steps: list[Step], phase: str = "auto", file: str | None = No
     left_out = Counter(p or "unknown" for p in phases if p != wanted)
     if not steps:
         raise NoStepsMatched(file, f"--phase {phase}: the trace has no steps")
+    if not kept and steps[0].found_by == "device":
+        raise NoStepsMatched(file, f"--phase {phase}: the trace has no step ranges or graph "
+                                   "launches (each device's work is one step, cut into forward "
+                                   "passes where its layers repeat), so no step says its "
+                                   "phase; --phase all takes every step")
     if not kept:
         said = ", ".join(f"{n} {p}" for p, n in left_out.most_common())
         hint = (f": their names (such as {steps[0].name!r}) do not say their phase"
                 if set(left_out) == {"unknown"} else "")
-        # counted as found, before a step is cut into its forward passes ("device 0 pass 1")
         found = counted(len(steps), "step")
         raise NoStepsMatched(file, f"--phase {phase}: no {phase} step among the {found} "
                                    f"found ({said}){hint}; --phase all takes every step")

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from kimi_perf import breakdown, read_trace
 from kimi_perf.classify import classify, load_rules
+from kimi_perf.errors import TraceError
 from kimi_perf.layers import (
     DEFAULT_LAYER_PATTERN,
     attending,
@@ -688,6 +689,12 @@ def test_a_device_that_ran_the_model_several_times_has_a_step_per_forward_pass(m
     assert any(f"the steps are each device's forward passes, found where every "
                f"{len(layers)}th layer also ran the work between two passes" in n
                for n in step_notes(b))
+    # no name says a pass's phase: --phase says so, not "no decode step among the 1 step"
+    with pytest.raises(TraceError, match=r"--phase decode: the trace has no step ranges or graph "
+                                         r"launches \(each device's work is one step, cut into "
+                                         r"forward passes where its layers repeat\), so no step "
+                                         r"says its phase; --phase all takes every step$"):
+        breakdown(trace, phase="decode")
 
 
 MOE = [*LLAMA[:6], "gemm_router", "topk", "moe_experts", *LLAMA[6:]]
