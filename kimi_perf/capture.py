@@ -41,12 +41,12 @@ from kimi_perf.decode.fallbacks import (
     paths_that_fell_back,
     summarise,
 )
-from kimi_perf.errors import TraceError, stat_problem
+from kimi_perf.errors import TraceError, argument, stat_problem
 from kimi_perf.layer_breakdown import Breakdown, breakdown, breakdown_of_file
 from kimi_perf.memory import address_space_capped
 from kimi_perf.readers import read_trace
 from kimi_perf.readers.nsys import has_nvtx_ranges, nsys_cli, nsys_failure
-from kimi_perf.runs import same_capture, trace_files, trace_labels
+from kimi_perf.runs import path_list, same_capture, trace_files, trace_labels
 from kimi_perf.text import also_as
 from kimi_perf.trace import (
     atomic_write,
@@ -220,7 +220,8 @@ def run_directory(out_dir: Path, label: str):
         out_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         remove_made()   # (a name too long for the last folder: its parents were made)
-        raise TraceError(out_dir, f"--out: {_out_dir_problem(out_dir, exc)}") from None
+        raise TraceError(out_dir, f"{argument('--out', 'out_dir')}: "
+                                  f"{_out_dir_problem(out_dir, exc)}") from None
     for n in itertools.count(1):
         final = out_dir / (f"{stamp}-{label}" + (f"-{n}" if n > 1 else ""))
         partial = out_dir / f".{final.name}.partial"
@@ -232,7 +233,8 @@ def run_directory(out_dir: Path, label: str):
             continue
         except OSError as exc:
             remove_made()
-            raise TraceError(out_dir, f"--out: {_out_dir_problem(out_dir, exc)}") from None
+            raise TraceError(out_dir, f"{argument('--out', 'out_dir')}: "
+                                      f"{_out_dir_problem(out_dir, exc)}") from None
         # (a run of the name that renamed its partial into place after the look above)
         if not (final.exists() or final.is_symlink()):
             break
@@ -264,20 +266,23 @@ def capture(req: TraceRequest, progress=None) -> tuple[Path, dict[str, Breakdown
 
     choose_triton_backend()   # before the profiler or anything else imports triton
     if req.tp != 1 and (torch.cuda.is_available() or req.backend != "torch"):
-        raise TraceError(None, "--tp > 1 captures CPU ranks over gloo with the torch backend; "
-                               "GPU ranks (NCCL) and nsys are not supported yet")
+        raise TraceError(None, f"{argument('--tp', 'tp')} > 1 captures CPU ranks over gloo "
+                               "with the torch backend; GPU ranks (NCCL) and nsys are not "
+                               "supported yet")
     if req.backend == "nsys":
         nsys_binary()  # fail before any work when there is none
     on_gpu = torch.cuda.is_available()
     device = "cuda" if on_gpu else "cpu"
     if req.graphs and not on_gpu:
-        raise TraceError(None, "--graphs needs a GPU: CUDA graphs capture GPU work")
+        raise TraceError(None, f"{argument('--graphs', 'graphs')} needs a GPU: CUDA graphs "
+                               "capture GPU work")
     unknown = [p for p in req.paths if p not in PATH_BACKENDS]
     if not req.paths:
-        raise TraceError(None, f"--paths names no path (choose from {', '.join(PATH_BACKENDS)})")
+        raise TraceError(None, f"{argument('--paths', 'paths')} names no path (choose from "
+                               f"{', '.join(PATH_BACKENDS)})")
     if unknown:
-        raise TraceError(None, f"--paths: unknown path(s) {', '.join(unknown)} "
-                               f"(choose from {', '.join(PATH_BACKENDS)})")
+        raise TraceError(None, f"{argument('--paths', 'paths')}: unknown path(s) "
+                               f"{', '.join(unknown)} (choose from {', '.join(PATH_BACKENDS)})")
     config = preset(req.preset, n_layers=req.n_layers)
     if req.tp != 1 and config.tp != 1:   # one rank's shapes, sharded again: before any work
         raise TraceError(None, resharded(req.preset, config, req.tp))
@@ -332,8 +337,9 @@ def memory_problem(config, preset_name: str, device: str, need_of=None,
     if free is None or need <= free:
         return None
     least = need_of(dataclasses.replace(config, n_layers=2))
-    instead = (f"take fewer --layers (2 need about {_size(least)})" if least <= free
-               else otherwise or ("take one rank's shapes (--preset k3-tp8 or k3-tp16)"
+    instead = (f"take fewer {argument('--layers', 'n_layers')} (2 need about {_size(least)})"
+               if least <= free else otherwise or (
+                   f"take one rank's shapes ({argument('--preset', 'preset')} k3-tp8 or k3-tp16)"
                                   if config.tp == 1
                                   else "take a smaller preset, or a machine with more memory"))
     return (f"{preset_name} with {config.n_layers} layers: {_size(weight_bytes(config))} of "
@@ -667,9 +673,9 @@ def _metrics(req: TraceRequest, device: str, prefill_s: float, steps: list[float
 def nsys_binary() -> str:
     nsys = nsys_cli()
     if not nsys:
-        raise TraceError(None, "--backend nsys needs the Nsight Systems CLI: put nsys on PATH "
-                               "or set KIMI_PERF_NSYS (scripts/install-nsys.sh installs one "
-                               "on Debian)")
+        raise TraceError(None, f"{argument('--backend', 'backend', 'nsys')} needs the Nsight "
+                               "Systems CLI: put nsys on PATH or set KIMI_PERF_NSYS "
+                               "(scripts/install-nsys.sh installs one on Debian)")
     return nsys
 
 
@@ -784,7 +790,8 @@ def run_document(run_dir: Path, results: dict[str, Breakdown], run_info: dict,
 
 
 def analyse(files: list[str | Path], out_dir: str | Path, layers: str = "auto",
-            phase: str = "auto", rules: str | Path | None = None, plotly_js: str = "inline",
+            phase: str = "auto", rules: str | Path | None = None,
+            plotly_js: str | Path = "inline",
             step_regex: str | None = None, captures: list[str | Path] | None = None
             ) -> tuple[Path, dict[str, Breakdown], dict]:
     """``--from``: breakdowns of existing traces, labelled by file name (``rules``: a TOML
@@ -793,12 +800,10 @@ def analyse(files: list[str | Path], out_dir: str | Path, layers: str = "auto",
     given as strings, a list of them: the run directory, its ``breakdown.json``, ``run.json``
     and report, is made in ``out_dir``; returned with the breakdowns by label and the run
     information (as ``run.json`` holds it)."""
-    if isinstance(files, (str, Path)):   # (iterated, a path would be read a letter a file)
-        raise TypeError(f"files: a list of traces, not one {type(files).__name__} ({files!r}): "
-                        "[file]")
     from kimi_perf.classify import load_rules
 
-    files, out_dir = [Path(f) for f in files], Path(out_dir)
+    files = path_list(files, "files", "traces")
+    out_dir, plotly_js = Path(out_dir), str(plotly_js)
     if captures is None:   # (a directory: its traces, as trace --from takes them)
         files = trace_files(files)
     if not files:
@@ -811,7 +816,7 @@ def analyse(files: list[str | Path], out_dir: str | Path, layers: str = "auto",
         raise TraceError(again[0], f"given twice ({again[1]}): each capture once")
     if captures is not None and (len(captures) != len(files) or None in captures):
         raise TraceError(None, f"captures: one file for each of the {len(files)} traces, "
-                               f"as --capture gives them: not {captures!r}")
+                               f"in their order: not {captures!r}")
     captures = None if captures is None else [Path(c) for c in captures]
     rules = None if rules is None else Path(rules)
 

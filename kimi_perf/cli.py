@@ -31,7 +31,7 @@ from kimi_perf.comparison import (
 )
 from kimi_perf.decode import floors as floors_mod
 from kimi_perf.decode.fallbacks import fell_back_text, paths_that_fell_back
-from kimi_perf.errors import TraceError, is_out_of_memory
+from kimi_perf.errors import COMMAND_LINE, TraceError, is_out_of_memory
 from kimi_perf.layer_breakdown import note_lines, units_word
 from kimi_perf.layers import PHASES
 from kimi_perf.readers import read_trace
@@ -530,6 +530,7 @@ class KimiPerfGroup(click.Group):
             handlers[signal.SIGINT] = _interrupt   # (not where the caller ignores Ctrl-C)
         previous = {n: signal.signal(n, h) for n, h in handlers.items()} if main_thread else {}
         _signalled.clear()
+        on_command_line = COMMAND_LINE.set(True)   # (errors name options, not parameters)
         try:
             try:
                 return super().invoke(ctx)
@@ -545,6 +546,7 @@ class KimiPerfGroup(click.Group):
             click.echo("kimi-perf: terminated", err=True)
             sys.exit(143)
         finally:
+            COMMAND_LINE.reset(on_command_line)
             for number, handler in previous.items():
                 if handler is not None:   # None: a handler not set from Python
                     signal.signal(number, handler)

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from kimi_perf.decode.fallbacks import fell_back_text, paths_that_fell_back
-from kimi_perf.errors import TraceError
+from kimi_perf.errors import TraceError, argument, path_argument
 from kimi_perf.layer_breakdown import Breakdown, layer_column, note_lines, units_word
 from kimi_perf.runs import (
     captured_differently,
@@ -184,16 +184,28 @@ def _other_work(layers: list[float | None], windows: list[bool], ranges: list[bo
             or any(w and n > min(layers) for w, n in zip(windows, layers, strict=True)))
 
 
+def two_breakdowns(what: str, a: object, b: object) -> None:
+    """A TypeError, saying what goes there, where ``what`` (a function) is given other than
+    two Breakdowns: files, traces, a run's breakdowns by path."""
+    if isinstance(a, Breakdown) and isinstance(b, Breakdown):
+        return
+    kinds = {type(a).__name__, type(b).__name__}
+    hint = ("compare_files takes files" if {"str", "PosixPath", "WindowsPath"} & kinds else
+            "breakdown(trace) breaks a trace down" if "Trace" in kinds else
+            "of a run's breakdowns by path (load_run's), give one: runs['specialized']"
+            if "dict" in kinds else "")
+    raise TypeError(f"{what} takes two Breakdowns (breakdown(trace), load_breakdown(file)), "
+                    f"not {type(a).__name__} and {type(b).__name__}" + (f": {hint}" if hint
+                                                                         else ""))
+
+
 def compare(a: Breakdown, b: Breakdown, fell_back: bool = False) -> list[ComparisonRow]:
     """Rows for each pair of layer types (``pair_layer_types``; A's order first), then all
     layers' mean (no ratios where the steps hold other numbers of layers: other cuts) and the
     whole step's medians (every kernel of a step, however its layers were found; no ratios
     where the steps hold other numbers of layers: other work). ``fell_back``: a side is a
     decode path whose every step fell back to the standard path (no ratios)."""
-    if not (isinstance(a, Breakdown) and isinstance(b, Breakdown)):
-        raise TypeError("compare takes two Breakdowns (breakdown(trace), load_breakdown(file)); "
-                        f"not {type(a).__name__} and {type(b).__name__}: compare_files takes "
-                        "files")
+    two_breakdowns("compare", a, b)
     types_a = {t["type"]: t for t in a.layer_types}
     types_b = {t["type"]: t for t in b.layer_types}
     rows = []
@@ -802,6 +814,7 @@ def type_pairs(a: Breakdown, b: Breakdown, rows: list[ComparisonRow] | None = No
     """The pairs ``compare`` makes, each with both types and its fusion ledger, if any."""
     from kimi_perf.decode.fusions import ledger_of
 
+    two_breakdowns("type_pairs", a, b)
     types_a = {t["type"]: t for t in a.layer_types}
     types_b = {t["type"]: t for t in b.layer_types}
     pairs = []
@@ -862,6 +875,7 @@ class Comparison:
         counts, GPUs of another kind, ``run_differences``: how two captures were made unlike;
         ``fell_back``: the lines of paths that fell back, kept apart; ``labels_said``: which
         file a short label is)."""
+        two_breakdowns("Comparison.of", a, b)
         notes = [*note_lines({label_a: a, label_b: b}), *sides_notes(a, b, label_a, label_b),
                  *([captured_differently(label_a, label_b, run_differences)]
                    if run_differences else [])]
@@ -905,7 +919,7 @@ def compare_files(a: str | Path, b: str | Path | None = None, path_name: str | N
     if labels is not None and (len(labels) != 2 or not all(labels)
                                or labels[0] == labels[1]):
         raise ValueError(f"labels: 2 distinct names, not {labels!r}")
-    a, b = Path(a), None if b is None else Path(b)
+    a, b = path_argument(a, "a"), None if b is None else path_argument(b, "b")
     labels_said = None
     names = trace_labels([a] if b is None else [a, b])
     runs_a, run_a = load_paths(a, names[0], phase, **breakdown_options)
@@ -915,8 +929,8 @@ def compare_files(a: str | Path, b: str | Path | None = None, path_name: str | N
                              + (f": this run holds the {next(iter(runs_a))} path alone"
                                 if run_a else ""))
         if path_name is not None:
-            raise TraceError(None, "--path picks a decode path from each of two runs; one "
-                                   "run is compared path against path")
+            raise TraceError(None, f"{argument('--path', 'path_name')} picks a decode path from "
+                                   "each of two runs; one run is compared path against path")
         (name_a, ba), (name_b, bb) = list(runs_a.items())[:2]
         run_b = run_a
     else:

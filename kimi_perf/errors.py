@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextvars
 import errno
 import os
 import re
@@ -23,6 +24,32 @@ def printable(text: str) -> str:
     return CONTROL_CHARACTERS.sub(
         lambda m: f"\\x{ord(m.group()):02x}" if ord(m.group()) < 0x100
         else f"\\u{ord(m.group()):04x}", text)
+
+
+# Whether a command of the CLI is running (it sets this): an error names what was given as
+# the command line spells it there (--phase prefill), and as a call does elsewhere
+# (phase='prefill'): a notebook has no --phase to change.
+COMMAND_LINE: contextvars.ContextVar[bool] = contextvars.ContextVar("command_line",
+                                                                    default=False)
+_NOTHING = object()
+
+
+def argument(option: str, parameter: str, value: object = _NOTHING) -> str:
+    """An argument as an error names it: ``--phase prefill`` on the command line (its value
+    as given there), ``phase='prefill'`` in a call; with no value, ``--phase`` or ``phase``."""
+    if COMMAND_LINE.get():
+        return option if value is _NOTHING else f"{option} {value}"
+    return parameter if value is _NOTHING else f"{parameter}={value!r}"
+
+
+def path_argument(value: object, parameter: str) -> Path:
+    """``value`` as a Path, or a TypeError naming the ``parameter`` where it is no path (a
+    number, None, a list of them: one file goes there)."""
+    if isinstance(value, str | os.PathLike):
+        return Path(value)
+    said = ("a list: one file goes there" if isinstance(value, list | tuple)
+            else type(value).__name__)
+    raise TypeError(f"{parameter}: a file's path (a str or Path), not {said}")
 
 
 class TraceError(Exception):

@@ -88,7 +88,7 @@ from kimi_perf.comparison import (
     unequal_windows,
 )
 from kimi_perf.decode.fallbacks import fell_back_text, paths_that_fell_back
-from kimi_perf.errors import TraceError
+from kimi_perf.errors import TraceError, argument
 from kimi_perf.layer_breakdown import (
     Breakdown,
     class_column,
@@ -107,7 +107,9 @@ from kimi_perf.runs import (
     is_figure,
     is_stored,
     load_run,
+    no_run,
     one_path,
+    path_list,
     run_differences,
     run_spread_problem,
     store_baseline,
@@ -323,8 +325,7 @@ def gate_files(baseline: str | Path, run: str | Path, tolerances: Tolerances | N
     paths_differ = []
     if path is not None:
         if set(base) == set(current) == {TRACE}:
-            raise TraceError(None, f"--path picks a decode path of a kimi-perf run: neither "
-                                   f"{baseline} nor {run} is one")
+            raise no_run([baseline, run], "path")
         # a run's trace of another path (specialized.kptrace --path standard: a typo in a
         # nightly job) is a capture of other work
         held = [captured_path(file) if set(runs) == {TRACE} else path
@@ -332,7 +333,7 @@ def gate_files(baseline: str | Path, run: str | Path, tolerances: Tolerances | N
         if None not in held and held[0] != held[1]:
             paths_differ = [f"decode path {held[0]} vs {held[1]}"]
         base, current = ({path: runs[TRACE]} if set(runs) == {TRACE}
-                         else dict([one_path(file, runs, path)])
+                         else dict([one_path(file, runs, path, "path")])
                          for file, runs in ((baseline, base), (run, current)))
     for file, runs, what in ((baseline, base, "nothing to check a run against"),
                              (run, current, "nothing to check against the baseline")):
@@ -346,7 +347,7 @@ def gate_files(baseline: str | Path, run: str | Path, tolerances: Tolerances | N
     for file, runs, other in ((baseline, base, current), (run, current, base)):
         if set(other) == {TRACE} and len(runs) > 1:
             raise TraceError(file, f"holds the paths {', '.join(runs)}: choose the one the "
-                                   "other side stands for with --path")
+                                   f"other side stands for with {argument('--path', 'path')}")
     result = gate(base, current, tolerances)
     result.stored_tolerances = stored
     if isinstance(base_doc, dict) and base_doc.get("run_spread"):
@@ -532,18 +533,19 @@ def update_baseline(baseline: str | Path, run: str | Path,
     baseline, run = Path(baseline), Path(run)
     tolerances = _tolerances_of(baseline, tolerances)
     if baseline.exists() and not is_stored(baseline):
-        raise TraceError(baseline, "--update replaces a baseline JSON, not a directory"
+        update = argument("--update", "update_baseline")
+        raise TraceError(baseline, f"{update} replaces a baseline JSON, not a directory"
                          if baseline.is_dir() else
-                         "--update replaces a baseline JSON, not a trace"
+                         f"{update} replaces a baseline JSON, not a trace"
                          if baseline.suffix != ".json" else
-                         "not a kimi-perf baseline (a breakdown JSON) for --update to "
+                         f"not a kimi-perf baseline (a breakdown JSON) for {update} to "
                          "replace: remove it first to store the run there")
     check_storable(baseline)
     loaded: dict[Path, tuple] = {}
     runs, run_doc, _ = loaded[run] = load_run(run, phase, **breakdown_options)
     if not has_work(runs):
         raise TraceError(run, "holds no steps and no layers: nothing to store as a baseline")
-    for other in ([] if isinstance(spread_from, str | Path) else spread_from):
+    for other in path_list(spread_from or (), "spread_from", "runs"):
         # (its file, not its bytes: a run it was stored from may well be one of these runs)
         if os.path.realpath(other) == os.path.realpath(baseline):
             raise TraceError(other, "is the baseline: a run of the code it replaces, not of "
@@ -559,8 +561,9 @@ def update_baseline(baseline: str | Path, run: str | Path,
         if tolerances is None:   # (checked before anything is written)
             kept_tolerances(baseline, base_doc)
     except TraceError as exc:   # (a baseline edited since, say)
-        raise TraceError(baseline, f"{exc.problem}: --update gates against it first; "
-                                   "remove it to store the run there") from None
+        raise TraceError(baseline, f"{exc.problem}: {argument('--update', 'update_baseline')} "
+                                   "gates against it first; remove it to store the run "
+                                   "there") from None
     # a stored baseline with nothing to check (which gate refuses) is replaced unchecked
     if base_file is not None and not has_work(base_runs):
         store_baseline(base_file, _keeping(run_doc, tolerances, base_doc, spread))
@@ -568,8 +571,9 @@ def update_baseline(baseline: str | Path, run: str | Path,
     if TRACE in (*base_runs, *runs) and len(base_runs) + len(runs) > 2:
         # (gate would ask for a path, which --update does not take: it stores the whole run)
         raise TraceError(baseline, f"holds {_holds(base_runs)}, and {run} holds "
-                                   f"{_holds(runs)}: the gate --update makes first cannot "
-                                   "pair them; " + (
+                                   f"{_holds(runs)}: the gate that "
+                                   f"{argument('--update', 'update_baseline')} makes first "
+                                   "cannot pair them; " + (
                                        "remove the baseline to store the run there"
                                        if set(base_runs) == {TRACE} else
                                        "give the run's directory to replace every path, "
@@ -609,10 +613,7 @@ def spread_of_runs(run: str | Path, others: Sequence[str | Path],
     (``_within_spread``). A run of other work (a kernel more, a layer type lost, every step
     fallen back, captured or broken down otherwise) is refused, named, as is one given twice
     (a directory and its breakdown.json, a copy). Figures not every run has are left out."""
-    if isinstance(others, str | Path):   # (one run's name is no list of runs' names)
-        raise TypeError(f"others: a list of runs, not {others!r}")
-    run = Path(run)
-    others = [Path(o) for o in others]
+    run, others = Path(run), path_list(others, "others", "runs")
     if len(others) + 1 < SPREAD_FEWEST_RUNS:
         raise TraceError(None, f"the spread of runs takes {SPREAD_FEWEST_RUNS - 1} runs or "
                                f"more besides {run} (at alpha 0.01, three runs pass a run 8 sd "

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kimi_perf.errors import TraceError
+from kimi_perf.errors import TraceError, argument
 from kimi_perf.nesting import nest_ranges
 from kimi_perf.trace import TABLES, Trace
 
@@ -120,7 +120,8 @@ def with_capture(replay: Trace, capture: Trace, replay_file: str | Path | None =
     capture_file = capture_file if capture_file is not None else capture.meta.get("file")
     if not len(_graph_kernels(replay)):
         swapped = (" but records graph captures: the capture, given as the trace? (the "
-                   "trace is the replay, --capture its capture)" if _captures(replay) else
+                   f"trace is the replay, {argument('--capture', 'capture')} its capture)"
+                   if _captures(replay) else
                    ": there is no graph replay for a capture to place")
         raise TraceError(replay_file, "runs no kernel from a graph launch" + swapped)
     if not _captures(capture):

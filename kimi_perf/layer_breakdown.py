@@ -293,7 +293,10 @@ class LayerRows(Sequence[dict[str, Any]]):
     def __getitem__(self, i):
         if isinstance(i, slice):   # as a list slices (a slice's stop of -1 would not)
             return list(self._rows(np.arange(len(self))[i]))
-        i = range(len(self))[i]   # negative indices; IndexError past the end
+        try:
+            i = range(len(self))[i]   # negative indices
+        except IndexError:
+            raise IndexError(f"layer {i} of {len(self)}: out of range") from None
         return next(self._rows(slice(i, i + 1)))
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
@@ -330,6 +333,8 @@ def layer_column(layers: Sequence[dict[str, Any]], name: str, layer_type: str | 
     the column itself for ``LayerRows``, with no dict built per layer; else from the rows (a
     breakdown read from JSON), of the same dtype, but float with NaN where a row lacks the
     figure; empty for a type no layer has."""
+    if isinstance(layers, Breakdown):
+        raise TypeError("layer_column takes a breakdown's layers (b.layers), not the Breakdown")
     if name not in LAYER_COLUMNS:
         raise ValueError(f"no layer column {name!r} (one of {', '.join(LAYER_COLUMNS)})")
     if isinstance(layers, LayerRows):
@@ -452,15 +457,17 @@ def _us_array(ns: np.ndarray) -> np.ndarray:
     return us
 
 
-def breakdown_of_file(path: str | Path, capture: str | Path | None = None, **options
-                      ) -> Breakdown:
-    """``breakdown`` (its ``options``) of the trace ``path`` holds, joined by its graph
+def breakdown_of_file(path: str | Path, capture: str | Path | None = None, layers: str = "auto",
+                      rules: list[Rule] | str | Path | None = None,
+                      step_regex: str | None = None, phase: str = "auto") -> Breakdown:
+    """``breakdown`` (its options) of the trace ``path`` holds, joined by its graph
     ``capture`` (``read_trace``); an option that selects nothing is said of ``path`` itself,
     not of the file its trace came from (a .kptrace's)."""
     from kimi_perf.readers import read_trace
 
     try:
-        return breakdown(read_trace(path, capture=capture), **options)
+        return breakdown(read_trace(path, capture=capture), layers=layers, rules=rules,
+                         step_regex=step_regex, phase=phase)
     except (NoStepsMatched, NoGpuWork) as exc:
         raise type(exc)(path, exc.problem) from None
 
@@ -485,6 +492,9 @@ def breakdown(trace: Trace, layers: str = "auto", rules: list[Rule] | str | Path
         raise TypeError(f"layers: auto, repeat, nvtx or nvtx:REGEX, not {layers!r}")
     if isinstance(rules, str | Path):
         rules = load_rules(rules)
+    elif rules is not None and not (isinstance(rules, list)
+                                    and all(isinstance(r, Rule) for r in rules)):
+        raise TypeError(f"rules: load_rules' list, or a TOML file's path, not {rules!r}")
     ops = GpuOps.of(trace, rules)
     if not len(ops):
         raise NoGpuWork(trace.meta.get("file"), _no_gpu_work_problem(trace))

@@ -20,7 +20,7 @@ from typing import NamedTuple
 import numpy as np
 
 from kimi_perf.classify import Rule, classify, load_rules
-from kimi_perf.errors import NoStepsMatched
+from kimi_perf.errors import COMMAND_LINE, NoStepsMatched, argument
 from kimi_perf.graphs import GRAPH_LAUNCH, capture_launches, capture_memory_calls
 from kimi_perf.memory import release_free_memory
 from kimi_perf.nesting import innermost_containing, range_groups, thread_keys
@@ -93,20 +93,21 @@ def steps_of_phase(steps: list[Step], phase: str = "auto", file: str | None = No
     wanted = "decode" if phase == "auto" else phase
     kept = [step for step, p in zip(steps, phases, strict=True) if p == wanted]
     left_out = Counter(p or "unknown" for p in phases if p != wanted)
+    asked, every = argument("--phase", "phase", phase), argument("--phase", "phase", "all")
     if not steps:
-        raise NoStepsMatched(file, f"--phase {phase}: the trace has no steps")
+        raise NoStepsMatched(file, f"{asked}: the trace has no steps")
     if not kept and steps[0].found_by == "device":
-        raise NoStepsMatched(file, f"--phase {phase}: the trace has no step ranges or graph "
-                                   "launches (each device's work is one step, cut into forward "
-                                   "passes where its layers repeat), so no step says its "
-                                   "phase; --phase all takes every step")
+        raise NoStepsMatched(file, f"{asked}: the trace has no step ranges or graph launches "
+                                   "(each device's work is one step, cut into forward passes "
+                                   "where its layers repeat), so no step says its phase; "
+                                   f"{every} takes every step")
     if not kept:
         said = ", ".join(f"{n} {p}" for p, n in left_out.most_common())
         hint = (f": their names (such as {steps[0].name!r}) do not say their phase"
                 if set(left_out) == {"unknown"} else "")
         found = counted(len(steps), "step")
-        raise NoStepsMatched(file, f"--phase {phase}: no {phase} step among the {found} "
-                                   f"found ({said}){hint}; --phase all takes every step")
+        raise NoStepsMatched(file, f"{asked}: no {phase} step among the {found} found "
+                                   f"({said}){hint}; {every} takes every step")
     return kept, dict(left_out.most_common())
 
 
@@ -326,7 +327,9 @@ def find_steps(trace: Trace, ops: GpuOps, step_regex: str | None = None) -> list
         return steps
     if step_regex:
         raise NoStepsMatched(trace.meta.get("file"),
-                             f"no range matching --steps '{step_regex}' holds a kernel launch")
+                             "no range matching "
+                             + (f"--steps '{step_regex}'" if COMMAND_LINE.get()
+                                else f"step_regex={step_regex!r}") + " holds a kernel launch")
     graph_steps = _graph_launch_steps(trace, ops)
     if graph_steps:
         return graph_steps
@@ -513,9 +516,9 @@ def layers_from_ranges(trace: Trace, ops: GpuOps, steps: list[Step], layer_regex
             idx = next((g for g in m.groups() if g and g.isdigit()), None)
         kind = next((v for k, v in groups.items() if k.startswith("type") and v), "")
         if idx is not None and not idx.isdecimal():
-            raise NoStepsMatched(trace.meta.get("file"), f"--layers: the 'index' group "
-                                 f"matched {idx!r} in the range {trace.strings[code]!r}: not "
-                                 "a layer number")
+            raise NoStepsMatched(trace.meta.get("file"), f"{argument('--layers', 'layers')}: the "
+                                 f"'index' group matched {idx!r} in the range "
+                                 f"{trace.strings[code]!r}: not a layer number")
         # Layer rows hold int64 indices (and int() refuses 4,300 digits and more).
         if idx is not None and (len(idx.lstrip("0")) > 19 or int(idx) > np.iinfo(np.int64).max):
             raise NoStepsMatched(trace.meta.get("file"), f"the range {trace.strings[code]!r} "
@@ -1105,8 +1108,8 @@ def find_layers(trace: Trace, ops: GpuOps, steps: list[Step], layers: str = "aut
             layers_from_repeats(ops, steps)
     elif layers == "repeat":
         if not layers_from_repeats(ops, steps) and steps:
-            raise NoStepsMatched(trace.meta.get("file"), "--layers repeat: no step repeats a "
-                                 "kernel pattern (no layers found)")
+            raise NoStepsMatched(trace.meta.get("file"), f"{argument('--layers', 'layers', layers)}"
+                                 ": no step repeats a kernel pattern (no layers found)")
     elif layers == "nvtx" or layers.startswith("nvtx:"):
         regex = layers[5:] or DEFAULT_LAYER_PATTERN
         if _compiled(regex, "layer regex").search(""):   # ('.*': every range a layer)
@@ -1114,8 +1117,8 @@ def find_layers(trace: Trace, ops: GpuOps, steps: list[Step], layers: str = "aut
                              "range: name the layer ranges")
         if not layers_from_ranges(trace, ops, steps, regex) and steps:
             said = "its regex" if layers[5:] else "the default layer pattern"
-            raise NoStepsMatched(trace.meta.get("file"), f"--layers {layers}: no range "
-                                 f"matching {said} holds a kernel launch of a step")
+            raise NoStepsMatched(trace.meta.get("file"), f"{argument('--layers', 'layers', layers)}"
+                                 f": no range matching {said} holds a kernel launch of a step")
     else:
         raise ValueError(f"unknown layer mode {layers!r}: use auto, repeat, nvtx or nvtx:REGEX")
     release_free_memory()

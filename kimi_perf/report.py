@@ -45,7 +45,7 @@ from kimi_perf.comparison import (
     type_pairs,
 )
 from kimi_perf.decode.fallbacks import fell_back_text, paths_that_fell_back
-from kimi_perf.errors import TraceError, stat_problem
+from kimi_perf.errors import TraceError, argument, stat_problem
 from kimi_perf.layer_breakdown import (
     SPREAD_NOTE,
     Breakdown,
@@ -64,6 +64,7 @@ from kimi_perf.runs import (
     load_paths,
     no_run,
     one_path,
+    path_list,
     run_differences,
     run_name,
     trace_files,
@@ -805,9 +806,10 @@ def plotly_js_for(value: str, report_dir: Path) -> str:
     try:
         mode = Path(value).stat().st_mode
     except OSError as exc:
-        raise TraceError(Path(value), f"--plotly-js: {stat_problem(Path(value), exc)}") from None
+        raise TraceError(Path(value), f"{argument('--plotly-js', 'plotly_js')}: "
+                                      f"{stat_problem(Path(value), exc)}") from None
     if not stat.S_ISREG(mode):
-        raise TraceError(Path(value), "--plotly-js: " + (
+        raise TraceError(Path(value), f"{argument('--plotly-js', 'plotly_js')}: " + (
             "a directory, not a file" if stat.S_ISDIR(mode) else "not a regular file"))
     # As a URL path: a directory named 'a"b' must not end the src attribute.
     return urllib.parse.quote(os.path.relpath(Path(value).resolve(),
@@ -875,7 +877,7 @@ class ReportInputs:
                             [[renamed[label] for label in drawn] for drawn in run_labels],
                             self.of_paths, labelled=True)
 
-    def write(self, path: str | Path, title: str, *, plotly_js: str = "inline",
+    def write(self, path: str | Path, title: str, *, plotly_js: str | Path = "inline",
               run: dict | None = None) -> Path:
         """``write_report`` of these inputs: what to compare, fell-back paths without a
         ratio, no spread across decode paths (``run``: drawn in place of ``self.run``; the
@@ -897,10 +899,7 @@ def report_inputs(inputs: list[str | Path], path_name: str | None = None,
     them (``path_name``: each run's path of that name alone); traces broken down over the
     steps of ``phase`` and as ``breakdown_options`` say (``layers``, ``step_regex``,
     ``rules``); a directory of traces stands for them (``trace_files``)."""
-    if isinstance(inputs, (str, Path)):   # (iterated, a path would be read a letter a file)
-        raise TypeError(f"inputs: a list of files, not one {type(inputs).__name__} "
-                        f"({inputs!r}): [file]")
-    inputs = trace_files([Path(f) for f in inputs], keep_runs=True)
+    inputs = trace_files(path_list(inputs, "inputs", "files"), keep_runs=True)
     # stored inputs first: a path that no run has is said before any trace is broken down
     labels_of = trace_labels(inputs)
     loaded = {i: load_paths(f, labels_of[i], phase, **breakdown_options)
@@ -971,7 +970,7 @@ def input_pairs(drawn: list[dict[str, str]]) -> list[tuple[str, str]] | None:
 
 
 def write_report(path: str | Path, breakdowns: dict[str, Breakdown], title: str,
-                 run: dict | None = None, plotly_js: str = "inline",
+                 run: dict | None = None, plotly_js: str | Path = "inline",
                  runs: list[tuple[str, dict]] = (), fell_back: dict[str, str] | None = None,
                  no_ratios: Collection[str] = (),
                  pairs: Sequence[tuple[str, str]] | None = None, of_paths: bool = False,
@@ -988,10 +987,15 @@ def write_report(path: str | Path, breakdowns: dict[str, Breakdown], title: str,
     ``of_paths``: the breakdowns include different decode paths of runs, so no spread nor
     slowest trace is drawn across them (``ReportInputs.of_paths``); ``labelled``: the labels
     are the user's own, kept whole in the tables (``--labels``)."""
-    if not (isinstance(breakdowns, dict) and all(isinstance(b, Breakdown)
-                                                 for b in breakdowns.values())):
+    if not isinstance(breakdowns, dict):
         raise TypeError(f"breakdowns: Breakdowns by label ({{'a': breakdown}}), not "
                         f"{type(breakdowns).__name__}: report_inputs(files).write draws files")
+    if wrong := next((v for v in breakdowns.values() if not isinstance(v, Breakdown)), None):
+        raise TypeError(f"breakdowns: Breakdowns by label, not a {type(wrong).__name__} "
+                        "(breakdown(trace) breaks a trace down)")
+    if not isinstance(plotly_js, str | Path):
+        raise TypeError(f"plotly_js: inline, cdn, a URL or a .js path, not {plotly_js!r}")
+    plotly_js = str(plotly_js)
     if plotly_js not in PLOTLY_JS and not plotly_js.endswith(".js"):
         raise ValueError(f"plotly_js: inline, cdn or a path ending in .js, not {plotly_js!r}")
     if not breakdowns:

@@ -18,11 +18,12 @@ import os
 import re
 import zlib
 from collections import Counter
+from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
 
-from kimi_perf.errors import TraceError, stat_problem
+from kimi_perf.errors import TraceError, argument, path_argument, stat_problem
 from kimi_perf.layer_breakdown import Breakdown, breakdown_of_file, layer_column
 from kimi_perf.names import primed
 from kimi_perf.readers.nsys import NSYS_REPORTS, is_stale_export
@@ -43,13 +44,15 @@ TRACE = "trace"  # the one path of a breakdown that is not a kimi-perf trace run
 LAYER_TYPE_FIGURES = ("kernels", "kernel_us", "span_us", "gap_us")
 
 
-def one_path(file: Path, runs: dict[str, Breakdown], name: str | None
-             ) -> tuple[str, Breakdown]:
-    """A run's decode path ``name`` (None: its only one), or an error naming the paths."""
+def one_path(file: Path, runs: dict[str, Breakdown], name: str | None,
+             parameter: str = "path_name") -> tuple[str, Breakdown]:
+    """A run's decode path ``name`` (None: its only one), or an error naming the paths (and
+    the argument that picks one, ``--path`` or the call's ``parameter``)."""
     if name is None and len(runs) == 1:
         return next(iter(runs.items()))
     if name is None:
-        raise TraceError(file, f"holds the paths {', '.join(runs)}: choose one with --path")
+        raise TraceError(file, f"holds the paths {', '.join(runs)}: choose one with "
+                               f"{argument('--path', parameter)}")
     if name not in runs:
         raise TraceError(file, f"has no path {name!r} (it has {', '.join(runs)})")
     return name, runs[name]
@@ -74,6 +77,15 @@ def check_storable(file: str | Path) -> None:
 def store_baseline(file: str | Path, run_doc: dict) -> None:
     """Write a run's document (``load_run``'s second value, ``GatedRun.run_doc``) as the
     baseline JSON ``file`` (``check_storable``), whole or not at all."""
+    if not (isinstance(run_doc, dict) and (
+            (isinstance(run_doc.get("paths"), dict) and "run" in run_doc)
+            or "layer_types" in run_doc)):
+        said = ("load_run's first value (the breakdowns by path): its second is the document"
+                if isinstance(run_doc, dict) and run_doc
+                and all(isinstance(v, Breakdown) for v in run_doc.values())
+                else f"a {type(run_doc).__name__} of another shape")
+        raise TypeError(f"run_doc: a run's document (load_run(run)[1], GatedRun.run_doc), not "
+                        f"{said}")
     check_storable(file)
     atomic_write_text(Path(file), json_text(run_doc))
 
@@ -87,7 +99,7 @@ def load_run(path: str | Path, phase: str = "auto", **breakdown_options
     holds its layers as columns (``LayerRows``): ``json_text`` writes it as it would the list
     of dicts, without building them all at once."""
     check_breakdown_options(breakdown_options)
-    path = Path(path)
+    path = path_argument(path, "path")
     of_run = path.is_dir()
     if of_run:
         path = path / "breakdown.json"
@@ -812,13 +824,13 @@ def load_breakdown(path: str | Path, path_name: str | None = None, phase: str = 
     JSON's, or a trace's, broken down over the steps of ``phase`` and as ``breakdown_options``
     say (``capture``: its graph captures saved apart, see ``read_trace``)."""
     check_breakdown_options(breakdown_options)
-    path = Path(path)
+    path = path_argument(path, "path")
     runs, run_doc = stored_breakdowns(path)
     if path_name is not None and run_doc is None:
         raise no_run([path])
     if capture is not None and runs:
-        raise TraceError(None, f"--capture joins a trace's graph captures, and {path} is a "
-                               "stored breakdown")
+        raise TraceError(None, f"{argument('--capture', 'capture')} joins a trace's graph "
+                               f"captures, and {path} is a stored breakdown")
     if run_doc is not None:
         return one_path(path, runs, path_name)[1]
     if runs:
@@ -826,12 +838,14 @@ def load_breakdown(path: str | Path, path_name: str | None = None, phase: str = 
     return breakdown_of_file(path, capture, phase=phase, **breakdown_options)
 
 
-def no_run(files: list[Path]) -> TraceError:
-    """The error for a decode path asked of inputs none of which is a kimi-perf run."""
+def no_run(files: list[Path], parameter: str = "path_name") -> TraceError:
+    """The error for a decode path asked (by ``--path``, or the call's ``parameter``) of
+    inputs none of which is a kimi-perf run."""
     said = (f"{files[0]} is not one" if len(files) == 1
             else f"neither {files[0]} nor {files[1]} is one" if len(files) == 2
             else "no input is one")
-    return TraceError(None, f"--path picks a decode path of a kimi-perf run: {said}")
+    return TraceError(None, f"{argument('--path', parameter)} picks a decode path of a kimi-perf "
+                            f"run: {said}")
 
 
 _RUN_DATE = re.compile(r"^\d{8}T(?=\d{6}Z)")   # a run directory's date (trace's UTC stamp)
@@ -992,6 +1006,16 @@ def _key(identity: dict) -> tuple:
     return identity["name"], identity["size"], identity["digest"]
 
 
+def path_list(paths: Iterable[str | Path], parameter: str, what: str) -> list[Path]:
+    """``paths`` as a list of Paths; one path given where a list goes is a TypeError naming
+    the ``parameter`` and ``what`` goes there (iterated, a path would be read a letter a
+    file)."""
+    if isinstance(paths, str | Path):
+        raise TypeError(f"{parameter}: a list of {what}, not one {type(paths).__name__} "
+                        f"({str(paths)!r}): give [{str(paths)!r}]")
+    return [Path(p) for p in paths]
+
+
 def trace_files(paths: list[str | Path], keep_runs: bool = False,
                 left_out: list[tuple[Path, str]] | None = None) -> list[Path]:
     """``paths`` with each directory replaced by the trace files in it, in natural order
@@ -1008,7 +1032,7 @@ def trace_files(paths: list[str | Path], keep_runs: bool = False,
         return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", p.name)]
 
     out: list[Path] = []
-    for path in map(Path, paths):
+    for path in path_list(paths, "paths", "traces and folders"):
         if not path.is_dir():
             out.append(path)
             continue

@@ -378,7 +378,7 @@ def test_phase_hints_at_the_edges():
     note = phase_note(breakdown(b.build()))
     assert note == ("steps: 1 prefill, 1 mixed; the medians are over all of them (--phase "
                     "prefill or mixed keeps one phase)")
-    with pytest.raises(TraceError, match="--phase decode: the trace has no steps"):
+    with pytest.raises(TraceError, match="phase='decode': the trace has no steps"):
         steps_of_phase([], "decode", "t")
     assert steps_of_phase([], "auto") == ([], {})
 

@@ -2409,7 +2409,7 @@ def test_update_over_a_baseline_of_another_shape_says_what_to_do(tmp_path):
         before = baseline.read_text()
         result = CliRunner().invoke(main, ["gate", str(baseline), str(run), "--update"])
         assert result.exit_code == 2 and result.output == (
-            f"kimi-perf: error: {baseline}: holds {holds.format(run=run)}: the gate --update "
+            f"kimi-perf: error: {baseline}: holds {holds.format(run=run)}: the gate that --update "
             f"makes first cannot pair them; {advice}\n")
         assert baseline.read_text() == before
 
@@ -2775,7 +2775,7 @@ def test_the_spread_of_runs_takes_runs_of_the_same_work_alone(tmp_path):
         assert result.exit_code == 2 and len(result.output.strip().splitlines()) == 1
         assert said in result.output, result.output
         assert not base.exists()
-    with pytest.raises(TypeError, match="others: a list of runs"):
+    with pytest.raises(TypeError, match="spread_from: a list of runs, not one str"):
         update_baseline(base, r1, spread_from=r2)
     assert CliRunner().invoke(main, ["gate", "--update", str(base), r1,
                                      *spread(r2, r3, r4, r5)]).exit_code == 0

@@ -690,10 +690,10 @@ def test_a_device_that_ran_the_model_several_times_has_a_step_per_forward_pass(m
                f"{len(layers)}th layer also ran the work between two passes" in n
                for n in step_notes(b))
     # no name says a pass's phase: --phase says so, not "no decode step among the 1 step"
-    with pytest.raises(TraceError, match=r"--phase decode: the trace has no step ranges or graph "
+    with pytest.raises(TraceError, match=r"phase='decode': the trace has no step ranges or graph "
                                          r"launches \(each device's work is one step, cut into "
                                          r"forward passes where its layers repeat\), so no step "
-                                         r"says its phase; --phase all takes every step$"):
+                                         r"says its phase; phase='all' takes every step$"):
         breakdown(trace, phase="decode")
 
 

@@ -76,7 +76,7 @@ def test_load_breakdown_and_load_paths():
     assert set(runs) == {"standard", "specialized"} and doc["schema"] == 1
     specialized = load_breakdown(BASELINE, "specialized")
     assert specialized.to_json() == runs["specialized"].to_json()
-    with pytest.raises(TraceError, match="choose one with --path"):
+    with pytest.raises(TraceError, match=r"choose one with path_name$"):
         load_breakdown(BASELINE)
     with pytest.raises(TraceError, match="is not one"):
         load_breakdown(EXAMPLE_TRACE, "specialized")
@@ -242,13 +242,16 @@ def test_arrow_tables_for_a_notebook():
     assert set(stored.column("type").to_pylist()) == {"dense", "kda", "mla"}
 
 
-def test_library_calls_given_the_wrong_kind_say_so():
+def test_library_calls_given_the_wrong_kind_say_so(tmp_path):
     """The mistakes a notebook makes first: a rel_tol where Tolerances goes, traces where
     compare takes breakdowns, one path where a list goes, a misspelt breakdown option (which
     a stored breakdown would otherwise ignore): a TypeError saying what goes there."""
-    from kimi_perf import breakdown, compare, read_trace
+    from kimi_perf import breakdown, breakdown_of_file, compare, read_trace
     from kimi_perf.capture import analyse
+    from kimi_perf.comparison import Comparison, type_pairs
     from kimi_perf.gate import gate_files
+    from kimi_perf.layer_breakdown import layer_column
+    from kimi_perf.runs import store_baseline, trace_files
 
     with pytest.raises(TypeError, match=r"tolerances: a Tolerances or a dict of settings, "
                                         r"not float \(0\.1\)"):
@@ -289,6 +292,38 @@ def test_library_calls_given_the_wrong_kind_say_so():
                                             r"rules, step_regex\)"):
             call()
     assert load_run(BASELINE, layers="repeat")[0]   # (a known one: a stored run reads none)
+    # more of the wrong kinds, each a TypeError that says what goes there, from the call
+    # itself (not an AttributeError from deep inside, nor one naming another function)
+    b = breakdown(trace)
+    for call, said in (
+            (lambda: type_pairs(trace, trace), r"type_pairs takes two Breakdowns .* not Trace "
+                                               r"and Trace: breakdown\(trace\) breaks"),
+            (lambda: Comparison.of(runs, runs), r"Comparison.of takes two Breakdowns .* not "
+                                                r"dict and dict: .* runs\['specialized'\]"),
+            (lambda: read_trace(None), r"path: a file's path \(a str or Path\), not NoneType"),
+            (lambda: read_trace(BEFORE, capture=3), r"capture: a file's path .* not int"),
+            (lambda: compare_files([BEFORE, AFTER]), "a: a file's path .* not a list: one file"),
+            (lambda: load_breakdown(7), "path: a file's path"),
+            (lambda: breakdown(trace, rules=5), r"rules: load_rules' list, or a TOML file's "
+                                                r"path, not 5"),
+            (lambda: layer_column(b, "span_us"), r"layer_column takes a breakdown's layers "
+                                                 r"\(b.layers\), not the Breakdown"),
+            (lambda: breakdown_of_file(BEFORE, layer="auto"),
+             "breakdown_of_file.. got an unexpected keyword argument 'layer'"),
+            (lambda: trace_files(str(NSYS)), r"paths: a list of traces and folders, not one "
+                                             r"str \('.*'\): give \['.*'\]"),
+            (lambda: write_report(tmp_path / "r.html", {"a": trace}, "t"),
+             r"breakdowns: Breakdowns by label, not a Trace \(breakdown\(trace\)"),
+            (lambda: store_baseline(tmp_path / "x.json", runs), r"run_doc: a run's document .* not "
+                                                     r"load_run's first value"),
+            (lambda: store_baseline(tmp_path / "x.json", {"a": 1}),
+             r"run_doc: .* not a dict of another shape")):
+        with pytest.raises(TypeError, match=said):
+            call()
+    assert not list(tmp_path.iterdir())
+    with pytest.raises(IndexError, match=f"layer {len(b.layers)} of {len(b.layers)}: out of "
+                                         "range"):
+        b.layers[len(b.layers)]
 
 
 def test_a_profiler_window_against_forward_passes_has_no_whole_step_ratio():
@@ -430,3 +465,37 @@ def test_library_inputs_are_taken_as_their_commands_take_them(tmp_path):
     saved = read_trace(tmp_path / "x.kptrace")
     with pytest.raises(ValueError, match="the trace this was read from"):
         saved.save(tmp_path / "x.kptrace")
+
+
+def test_errors_name_a_calls_arguments_where_the_command_line_names_options(tmp_path):
+    """A notebook has no --phase to change: an error of a call names its argument as the call
+    spells it (phase='prefill'), and the same error on the command line the option; after a
+    command, calls name arguments again."""
+    from kimi_perf import breakdown, read_trace
+    from kimi_perf.gate import gate_files
+    from kimi_perf.report import write_report
+
+    trace = read_trace(BEFORE)
+    calls = ((lambda: breakdown(trace, phase="prefill"), "phase='prefill': the trace has no",
+              ["breakdown", BEFORE, "--phase", "prefill"], "--phase prefill: the trace has no"),
+             (lambda: breakdown(trace, step_regex="zzzz"), "no range matching "
+              "step_regex='zzzz' holds", ["breakdown", BEFORE, "--steps", "zzzz"],
+              "no range matching --steps 'zzzz' holds"),
+             (lambda: breakdown(trace, layers="nvtx:zzz"), "layers='nvtx:zzz': no range",
+              ["breakdown", BEFORE, "--layers", "nvtx:zzz"], "--layers nvtx:zzz: no range"),
+             (lambda: load_breakdown(BASELINE), "choose one with path_name",
+              ["breakdown", BASELINE], "choose one with --path"),
+             (lambda: gate_files(BEFORE, AFTER, path="standard"), "path picks a decode path",
+              ["gate", BEFORE, AFTER, "--path", "standard"], "--path picks a decode path"),
+             (lambda: write_report(tmp_path / "r.html", {"a": breakdown(trace)}, "t",
+                                   plotly_js=str(tmp_path / "none.js")),
+              "plotly_js: no such file", None, None))
+    for call, said, command, said_there in calls:
+        with pytest.raises(TraceError) as raised:
+            call()
+        assert said in str(raised.value) and " --" not in str(raised.value), raised.value
+        if command is not None:
+            result = CliRunner().invoke(main, [*map(str, command)])
+            assert result.exit_code == 2 and said_there in result.output, result.output
+    with pytest.raises(TraceError, match="phase='prefill'"):   # (the command is over)
+        breakdown(trace, phase="prefill")

@@ -624,7 +624,7 @@ def test_report_escapes_names_and_is_written_whole(tmp_path):
     shared = write_report(tmp_path / "reports" / "shared.html", {"a": breakdown(trace)}, "t",
                           plotly_js=str(js))
     assert '<script charset="utf-8" src="../js/plotly.min.js">' in shared.read_text()
-    with pytest.raises(TraceError, match="--plotly-js: no such file"):
+    with pytest.raises(TraceError, match="plotly_js: no such file"):
         write_report(tmp_path / "none.html", {"a": breakdown(trace)}, "t",
                      plotly_js=str(tmp_path / "none.js"))
     with pytest.raises(ValueError, match="no breakdowns to draw"):

@@ -7,6 +7,8 @@ import hashlib
 import json
 from dataclasses import dataclass
 
+from kimi_perf.errors import argument
+
 
 @dataclass(frozen=True)
 class K3Config:
@@ -152,5 +154,5 @@ def resharded(name: str, config: K3Config, tp: int) -> str:
         dataclasses.replace(config, tp=1).shard(tp)
     except ValueError as exc:
         return f"{name} is already sharded over {config.tp} ranks, and {exc}"
-    return (f"{name} is already sharded over {config.tp} ranks: for TP {tp} use --preset k3 "
-            f"--tp {tp}")
+    return (f"{name} is already sharded over {config.tp} ranks: for TP {tp} use "
+            f"{argument('--preset', 'preset', 'k3')} {argument('--tp', 'tp', tp)}")

@@ -9,7 +9,7 @@ import tempfile
 import zlib
 from pathlib import Path
 
-from kimi_perf.errors import TraceError, input_stat
+from kimi_perf.errors import COMMAND_LINE, TraceError, input_stat, path_argument
 from kimi_perf.memory import release_free_memory
 from kimi_perf.nesting import nest_ranges
 from kimi_perf.readers.kineto import GZIP_MAGIC, UTF8_BOM, read_kineto_json
@@ -34,15 +34,18 @@ def read_trace(path: str | Path, capture: str | Path | None = None) -> Trace:
 
     Raises ``TraceError`` (one line: file and problem) for anything it cannot read.
     """
+    path = path_argument(path, "path")
     if capture is not None:
         from kimi_perf.graphs import with_capture
 
+        capture = path_argument(capture, "capture")
         return with_capture(read_trace(path), read_trace(capture), path, capture)
-    path = Path(path)
     if stat.S_ISDIR(input_stat(path).st_mode):
         if (path / "breakdown.json").exists():
-            raise TraceError(path, "a kimi-perf run directory, not a trace file (`kimi-perf "
-                                   "info` names the traces it holds or was made from)")
+            raise TraceError(path, "a kimi-perf run directory, not a trace file (" + (
+                "`kimi-perf info` names" if COMMAND_LINE.get() else
+                "kimi_perf.runs.load_paths reads its breakdowns; its run.json names")
+                + " the traces it holds or was made from)")
         raise TraceError(path, "is a directory, not a trace file, and not a kimi-perf run "
                                "(no breakdown.json in it)")
     try:
