@@ -36,7 +36,7 @@ from kimi_perf.layer_breakdown import note_lines, units_word
 from kimi_perf.layers import PHASES
 from kimi_perf.readers import read_trace
 from kimi_perf.text import also_as, counted, distinct_words, header_labels
-from kimi_perf.trace import atomic_write_text, json_text, printable, whole_stdout
+from kimi_perf.trace import GPU_RANGE, atomic_write_text, json_text, printable, whole_stdout
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -592,9 +592,14 @@ def ranges(trace: Path, fmt: str | None, pattern: str | None, top: int,
     else:
         _emit(render.ranges_csv(rows) if fmt == "csv"
               else render.ranges_json(rows, str(trace)), output)
-    if not len(read.ranges) and len(read.kernels):   # (every row "(none)", said why)
+    on_streams = int((read.ranges.style == GPU_RANGE).sum())
+    if len(read.ranges) == on_streams and len(read.kernels):   # (every row "(none)": why)
         click.echo(f"{printable(str(trace))}: this trace holds no ranges (NVTX, "
-                   "record_function): every kernel is in none", err=True)
+                   "record_function): every kernel is in none" + (
+                       f" (its {counted(on_streams, 'range')} of GPU streams, Kineto's "
+                       "gpu_user_annotation, are not what kernels are attributed by: the "
+                       "ranges open on the thread that launched them)" if on_streams else ""),
+                   err=True)
     elif not rows:   # (an empty table alone would look like a failure to read)
         if wanted is not None and len(read.kernels):
             why = f"no range that --match {pattern!r} finds holds a kernel"

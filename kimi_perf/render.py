@@ -240,15 +240,20 @@ def ranges_table(rows: list[RangeKernelRow], limit: int = RANGES_TABLE_ROWS,
     terminal table of tens of thousands of rows takes rich seconds and nobody reads it).
     Kernel names as ``breakdown --kernels`` shows them (demangled, shortened); the CSV and
     JSON keep the trace's, as ``nsys stats`` prints them. ``file``: the trace's, in the
-    title."""
+    title. A range without a name reads "(unnamed)", not "(none)" (in no range); a style
+    column where the rows shown are of more than one (a PushPop and a StartEnd range of one
+    name on one thread are rows apart)."""
+    shown = heapq.nlargest(limit, rows, key=lambda r: r.total_ns)
+    styles = len({r.style for r in shown if r.style is not None}) > 1
     table = _table("Kernels by range" + (f": {file}" if file is not None else "")
                    + " (as nsys stats --report nvtx_kern_sum)",
-                   ["range", "pid", "tid", "ranges", "kernels", "total µs", "avg µs",
-                    "max µs", "kernel"],
-                   left=("range", "pid", "tid", "kernel"))
-    shown = heapq.nlargest(limit, rows, key=lambda r: r.total_ns)
+                   ["range", *(["style"] if styles else []), "pid", "tid", "ranges",
+                    "kernels", "total µs", "avg µs", "max µs", "kernel"],
+                   left=("range", "style", "pid", "tid", "kernel"))
     for r, kernel in zip(shown, short_names([r.kernel for r in shown], 60), strict=True):
-        table.add_row(_blank(r.range) or ("(none)" if r.pid is not None else UNLAUNCHED),
+        name = ("(unnamed)" if r.range == "" else r.range if r.range is not None
+                else "(none)" if r.pid is not None else UNLAUNCHED)
+        table.add_row(name, *([r.style or ""] if styles else []),
                       str(_blank(r.pid)), str(_blank(r.tid)),
                       str(r.range_instances), str(r.kernel_instances),
                       f"{r.total_ns / 1000:.1f}", f"{r.avg_ns / 1000:.2f}",

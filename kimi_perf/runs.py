@@ -916,7 +916,8 @@ def _json_not_a_trace(path: Path) -> str | None:
     bare event list) nor an object whose head names a Kineto key: a profiler's directory
     often holds other JSON (a config, a summary) beside its traces. An empty one is a trace
     cut short where its name says trace (gzipped, or ``*.trace.json``: a rank that crashed
-    before writing, which the reader says), else left out as empty (a summary not written)."""
+    before writing, which the reader says), else left out as empty (a summary not written),
+    unless ``trace_files`` finds it named as a trace beside it is."""
     if not path.name.endswith((".json", ".json.gz")):
         return None
     try:
@@ -930,6 +931,12 @@ def _json_not_a_trace(path: Path) -> str | None:
     if head.startswith(b"[") or b'"traceEvents"' in head or b'"schemaVersion"' in head:
         return None
     return "JSON that is not a trace"
+
+
+def _digitless(label: str) -> str:
+    """A trace's label without its digits: the shape that a job's ranks share (rank0,
+    rank12; worker_3.1733)."""
+    return re.sub(r"\d+", "", label)
 
 
 def _not_a_file(path: Path) -> str:
@@ -1053,6 +1060,12 @@ def trace_files(paths: list[str | Path], keep_runs: bool = False,
         named = sorted((f for f in entries if f.is_file() and not is_kimi_perf_json(f)),
                        key=natural)
         other = {f: why for f in named if (why := _json_not_a_trace(f)) is not None}
+        # an empty JSON named as a trace beside it is (rank1.json by rank0.json.gz): a rank
+        # that crashed before writing, read (the reader says so), not left out as a summary
+        shapes = {_digitless(trace_label(f)) for f in named if f not in other}
+        for f in [f for f, why in other.items() if why == "an empty file"]:
+            if _digitless(trace_label(f)) in shapes:
+                del other[f]
         found = [f for f in named if f not in other]
         passed = sorted([*stored, *other.items(), *unread], key=lambda entry: natural(entry[0]))
         if not found:

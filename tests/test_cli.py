@@ -967,6 +967,42 @@ def test_ranges_names_its_trace_and_keeps_the_ranges_asked_for(tmp_path):
         "none\n")
 
 
+def test_ranges_table_tells_unnamed_ranges_styles_and_stream_annotations_apart(tmp_path):
+    """A range without a name read "(none)", as kernels in no range do; a PushPop and a
+    StartEnd range of one name on one thread read as one row twice (the style column shows
+    where the rows have two styles); a trace whose only ranges are on GPU streams (Kineto's
+    gpu_user_annotation) said nothing of why every kernel is in none."""
+    from kimi_perf.trace import GPU_RANGE, STARTEND
+    from tests.synth import TraceBuilder
+
+    b = TraceBuilder()
+    for name, style in (("", 0), ("step", 0), ("step", STARTEND)):
+        start, end = b.sequence(["gemm"])
+        b.range(name, start - 10, end + 10, style=style)
+    b.sequence(["outside"])
+    b.build().save(tmp_path / "t.kptrace")
+    table = run("ranges", tmp_path / "t.kptrace")
+    assert table.exit_code == 0, table.output
+    rows = sorted(tuple(cell.strip() for cell in line.split("│")[1:3])
+                  for line in table.output.splitlines() if line.startswith("│"))
+    assert rows == [("(none)", ""), ("(unnamed)", "PushPop"), ("step", "PushPop"),
+                    ("step", "StartEnd")], rows
+    one_style = TraceBuilder()
+    start, end = one_style.sequence(["gemm"])
+    one_style.range("step", start - 10, end + 10)
+    one_style.build().save(tmp_path / "one.kptrace")
+    assert "style" not in run("ranges", tmp_path / "one.kptrace").output
+    streams = TraceBuilder()
+    start, end = streams.sequence(["gemm"])
+    streams.range("annotation", start, end + 300, style=GPU_RANGE)
+    streams.build().save(tmp_path / "s.kptrace")
+    said = run("ranges", tmp_path / "s.kptrace")
+    assert said.exit_code == 0 and said.stderr == (
+        f"{tmp_path / 's.kptrace'}: this trace holds no ranges (NVTX, record_function): every "
+        "kernel is in none (its 1 range of GPU streams, Kineto's gpu_user_annotation, are not "
+        "what kernels are attributed by: the ranges open on the thread that launched them)\n")
+
+
 def test_steps_regex_that_is_bad_or_matches_nothing(tmp_path):
     _one_line_error(run("breakdown", VLLM, "--steps", "("), "--steps: bad regex")
     # empty: it read as no --steps (the default's steps, without a word)
@@ -3446,7 +3482,8 @@ def test_an_empty_rank_in_a_directory_is_an_error_not_left_out(tmp_path):
     """A rank that crashed leaves a trace file of 0 bytes (or a gzip of nothing): in a
     directory of ranks it was left out as "JSON that is not a trace", exit 0, and the
     summary covered the other ranks alone; it is an empty trace, as given alone. An empty
-    plain .json (a summary not written) is left out, said to be empty."""
+    plain .json (a summary not written) is left out, said to be empty, unless it is named as
+    a trace beside it is (rank3.json by rank0.json.gz: it was left out, exit 0)."""
     import gzip
 
     ranks = tmp_path / "ranks"
@@ -3454,6 +3491,7 @@ def test_an_empty_rank_in_a_directory_is_an_error_not_left_out(tmp_path):
     shutil.copy(VLLM, ranks / "rank0.json.gz")
     (ranks / "rank1.json.gz").write_bytes(gzip.compress(b""))
     (ranks / "rank2.pt.trace.json").write_text("\n")
+    (ranks / "rank3.json").write_text("")
     (ranks / "summary.json").write_text("")
     result = run("info", ranks)   # (rank 0 described, each unreadable rank a line)
     assert result.exit_code == 2
@@ -3461,7 +3499,7 @@ def test_an_empty_rank_in_a_directory_is_an_error_not_left_out(tmp_path):
         f"left out: {ranks / 'summary.json'} (an empty file)",
         f"kimi-perf: error: {ranks / 'rank1.json.gz'}: a gzip that holds an empty file",
         f"kimi-perf: error: {ranks / 'rank2.pt.trace.json'}: holds only blanks (spaces and "
-        "line breaks)"]
+        "line breaks)", f"kimi-perf: error: {ranks / 'rank3.json'}: empty file"]
     _one_line_error(run("breakdown", ranks / "rank1.json.gz"), "a gzip that holds an empty")
 
 
