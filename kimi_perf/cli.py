@@ -592,6 +592,9 @@ def ranges(trace: Path, fmt: str | None, pattern: str | None, top: int,
     else:
         _emit(render.ranges_csv(rows) if fmt == "csv"
               else render.ranges_json(rows, str(trace)), output)
+    if untimed := read.meta.get("untimed_ranges"):   # (a step of them would be missing)
+        click.echo(f"{printable(str(trace))}: {counted(untimed, 'range')} without a time (a "
+                   "missing or negative dur) left out, holding no kernel", err=True)
     on_streams = int((read.ranges.style == GPU_RANGE).sum())
     if len(read.ranges) == on_streams and len(read.kernels):   # (every row "(none)": why)
         click.echo(f"{printable(str(trace))}: this trace holds no ranges (NVTX, "
@@ -1286,6 +1289,9 @@ def _info_lines(trace: Path, info: dict) -> list[str]:
     if (untimed := info["untimed"])["kernels"] or untimed["memops"]:
         lines.append(f"  left out, without a time: {counted(untimed['kernels'], 'kernel')}, "
                      f"{counted(untimed['memops'], 'memcpy/memset op')}")
+    if info["untimed_ranges"]:
+        lines.append(f"  left out, without a time: {counted(info['untimed_ranges'], 'range')} "
+                     "(a missing or negative dur)")
     if (duplicates := info["duplicates"])["kernels"] or duplicates["memops"]:
         lines.append(f"  left out, exact repeats of another event: "
                      f"{counted(duplicates['kernels'], 'kernel')}, "

@@ -1031,6 +1031,9 @@ def step_notes(b: Breakdown) -> list[str]:
         notes.append(f"{untimed.get('kernels', 0)} kernels and {untimed.get('memops', 0)} "
                      "memory operations without a time (CUPTI's start and end 0 for work it "
                      "could not time, or a corrupt record) are left out")
+    if untimed_ranges := src.get("untimed_ranges"):
+        notes.append(f"{counted(untimed_ranges, 'range')} without a time (a missing or "
+                     "negative dur) left out: no step or layer is one of them")
     if duplicates := src.get("duplicates"):
         notes.append(f"{duplicates.get('kernels', 0)} kernels and "
                      f"{duplicates.get('memops', 0)} memory operations that repeat another "
@@ -1286,5 +1289,6 @@ def _source(trace: Trace) -> dict:
             "schema": meta.get("schema"), "gpus": meta.get("gpus", []), "gpus_ran": ran,
             "kernels": len(trace.kernels), "memops": len(trace.memops),
             "ranges": len(trace.ranges),
-            **{key: meta[key] for key in ("untimed", "duplicates") if meta.get(key)},
+            **{key: meta[key] for key in ("untimed", "untimed_ranges", "duplicates")
+               if meta.get(key)},
             **({"captures": meta["captures"]} if meta.get("captures") else {})}

@@ -545,6 +545,8 @@ def _source_problem(source) -> str | None:
          or isinstance(source["schema"], str) or _is_count(source["schema"])),
         ("steps_left_out", "{phase: count}", counts("steps_left_out")),
         ("untimed", "{kernels, memops} as counts", counts("untimed")),
+        ("untimed_ranges", "a count", source.get("untimed_ranges") is None
+         or _is_count(source["untimed_ranges"])),
         ("duplicates", "{kernels, memops} as counts", counts("duplicates")),
         ("outside_steps", "{ops, kernel_us, unlaunched, in_ranges, partial_passes: {parts, ops}}",
          outside is None or (isinstance(outside, dict) and _is_count(outside.get("ops"))

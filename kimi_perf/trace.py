@@ -240,7 +240,8 @@ class Trace:
     where they apply: ``kptrace`` (read from a ``.kptrace``; ``converted_from``, the trace
     that was saved from), ``exported_by_nsys`` (an ``.nsys-rep`` read through nsys's SQLite
     export), ``untimed`` (``{"kernels", "memops"}``: GPU work the trace holds without
-    a usable time, left out of the tables), ``duplicates`` (likewise: GPU work a Kineto trace
+    a usable time, left out of the tables), ``untimed_ranges`` (a count: ranges a Kineto trace
+    holds with a missing or negative ``dur``, left out), ``duplicates`` (GPU work a Kineto trace
     holds twice, exact repeats left out); from a Kineto trace's ``distributedInfo``,
     ``rank`` and ``world_size``; ``captures``, the files of graph captures joined to it
     (``graphs.with_capture``) and ``replay_rows``, the rows of each table that are the
@@ -325,6 +326,7 @@ class Trace:
             # (counts where there are none too: a reader of ["untimed"]["kernels"] gets 0)
             **{key: {"kernels": 0, "memops": 0, **(m.get(key) or {})}
                for key in ("untimed", "duplicates")},
+            "untimed_ranges": m.get("untimed_ranges", 0),
             "span_ns": span[1] - span[0] if span else None,
             "gpu_span_ns": self.gpu_span_ns(),
             "kernel_ns": int((self.kernels.end - self.kernels.start).sum()),
@@ -559,6 +561,8 @@ class Trace:
             if key in self.meta or key in other.meta:
                 meta[key] = {k: self.meta.get(key, none)[k] + other.meta.get(key, none)[k]
                              for k in none}
+        if ranges := self.meta.get("untimed_ranges", 0) + other.meta.get("untimed_ranges", 0):
+            meta["untimed_ranges"] = ranges
         return Trace(strings=table.values, meta=meta, **tables)
 
     def tidy_strings(self) -> None:
@@ -670,6 +674,8 @@ def meta_problem(meta: dict) -> str | None:
     if not (isinstance(processes, list) and all(
             isinstance(p, dict) and is_int64(p.get("pid")) for p in processes)):
         return "processes is not a list of {pid: int, name}"
+    if not (is_int64(meta.get("untimed_ranges", 0)) and meta.get("untimed_ranges", 0) >= 0):
+        return "untimed_ranges is not a count"
     for key in ("untimed", "duplicates"):
         counts = meta.get(key, {"kernels": 0, "memops": 0})
         if not (isinstance(counts, dict) and all(

@@ -324,9 +324,9 @@ def _no_traceback(*args) -> None:
 
 
 @FUZZ
-@given(key=st.sampled_from(["gpus", "processes", "untimed", "duplicates", "format", "tool",
-                            "file", "rank", "world_size", "captures", "replay_rows",
-                            "converted_from", "kptrace", "exported_by_nsys",
+@given(key=st.sampled_from(["gpus", "processes", "untimed", "untimed_ranges", "duplicates",
+                            "format", "tool", "file", "rank", "world_size", "captures",
+                            "replay_rows", "converted_from", "kptrace", "exported_by_nsys",
                             "source_identity", "capture_identities"]),
        value=VALUES,
        data=st.data())

@@ -1809,6 +1809,7 @@ def test_a_malformed_typical_layer_is_one_line(tmp_path, typical):
     ("outside_steps", {"ops": 3, "kernel_us": 1.0, "in_ranges": "prefill"}),
     ("outside_steps", {"ops": 3, "kernel_us": 1.0, "in_ranges": [{"ops": 3}]}),
     ("gpus", [{"name": 5, "sm_count": 132}]), ("untimed", {"kernels": -1, "memops": 0}),
+    ("untimed_ranges", -2),
     ("duplicates", {"kernels": "2", "memops": 0}),
     ("steps_holding_passes", [{"step": "s", "passes": 2}]), ("tool", 3),
     ("captures", [1, 2]), ("graph_replays", {"placed_at_capture": 1}),

@@ -546,6 +546,51 @@ def test_kineto_gpu_work_with_a_negative_duration_is_left_out_and_counted(tmp_pa
         step_notes(breakdown(read_trace(path))))
 
 
+def test_kineto_ranges_with_a_negative_duration_are_left_out_and_counted(tmp_path,
+                                                                         monkeypatch):
+    """A range whose duration is negative or missing was kept with no time: it held no
+    kernel, so a step of it vanished from ranges' rows and breakdown's steps without a word.
+    Now it is left out and counted (every reader path alike), and said: info, ranges,
+    breakdown's notes; a .kptrace keeps the count."""
+    from click.testing import CliRunner
+
+    from kimi_perf import breakdown
+    from kimi_perf.cli import main
+    from kimi_perf.layer_breakdown import step_notes
+
+    events = []
+    for step, dur in enumerate((100, -5, None, 100)):
+        ts = 1000 * step
+        events.append({"ph": "X", "cat": "user_annotation", "name": f"ProfilerStep#{step}",
+                       "pid": 1, "tid": 1, "ts": ts, "dur": dur})
+        events.append({"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "pid": 1,
+                       "tid": 1, "ts": ts + 10, "dur": 5, "args": {"correlation": step + 1}})
+        events.append({"ph": "X", "cat": "kernel", "name": "gemm", "pid": 0, "tid": 7,
+                       "ts": ts + 20, "dur": 30, "args": {"correlation": step + 1,
+                                                          "device": 0, "stream": 7}})
+    del events[6]["dur"]
+    path = tmp_path / "steps.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    for label, trace in _kineto_paths(path, monkeypatch).items():
+        names = [trace.strings[n] for n in trace.ranges.name.tolist()]
+        assert names == ["ProfilerStep#0", "ProfilerStep#3"], label
+        assert trace.meta["untimed_ranges"] == 2 and "untimed" not in trace.meta, label
+    trace = read_trace(path)
+    assert trace.summary()["untimed_ranges"] == 2
+    trace.save(tmp_path / "steps.kptrace")
+    assert read_trace(tmp_path / "steps.kptrace").meta["untimed_ranges"] == 2
+    assert "2 ranges without a time (a missing or negative dur) left out: no step or layer is " \
+           "one of them" in step_notes(breakdown(trace))
+    run = CliRunner().invoke(main, ["info", str(path)])
+    assert "left out, without a time: 2 ranges (a missing or negative dur)" in run.output
+    run = CliRunner().invoke(main, ["ranges", str(path), "--format", "csv"])
+    assert run.exit_code == 0 and run.stderr == (
+        f"{path}: 2 ranges without a time (a missing or negative dur) left out, holding no "
+        "kernel\n")
+    assert [line.split(",")[0] for line in run.stdout.splitlines()[1:]] == [
+        "", "ProfilerStep#0", "ProfilerStep#3"]
+
+
 @pytest.mark.parametrize(("field", "value"), [("ts", True), ("ts", "12"), ("dur", False),
                                               ("dur", "3"), ("dur", None)])
 def test_kineto_times_that_are_not_numbers_are_an_error(tmp_path, field, value):

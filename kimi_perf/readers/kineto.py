@@ -814,8 +814,9 @@ class _Builder:
         firsts = [ts[0] for ts, _ in times.values() if len(ts)]
         base = int(min(firsts)) if firsts else 0
         # GPU work with a negative duration, or none, has no time (the nsys reader's rule):
-        # left out and counted, not placed as a zero-length kernel.
-        untimed = {name: times[name][1] < 0 for name in ("k", "m")}
+        # left out and counted, not placed as a zero-length kernel; so is a range (a step
+        # range of no time would hold no kernel, and its step be lost without a word).
+        untimed = {name: times[name][1] < 0 for name in ("k", "m", "r")}
         duplicates = {"k": 0, "m": 0}
         tables = {}
         for name, kind in (("a", ApiCalls), ("k", Kernels), ("m", MemOps), ("r", Ranges)):
@@ -844,9 +845,11 @@ class _Builder:
         meta = {"format": "kineto-json", "processes": [
             {"pid": pid, "name": name} for pid, name in sorted(self.process_names.items())
             if pid in launched]}
-        if any(mask.any() for mask in untimed.values()):
+        if untimed["k"].any() or untimed["m"].any():
             meta["untimed"] = {"kernels": int(untimed["k"].sum()),
                                "memops": int(untimed["m"].sum())}
+        if untimed["r"].any():
+            meta["untimed_ranges"] = int(untimed["r"].sum())
         if any(duplicates.values()):
             meta["duplicates"] = {"kernels": duplicates["k"], "memops": duplicates["m"]}
         return Trace(strings=self.strings, kernels=kernels, memops=memops,
@@ -1075,7 +1078,8 @@ def _to_ns(ts: np.ndarray, dur: np.ndarray, base: int) -> dict[str, np.ndarray]:
     """µs (int or float) -> int64 ns, exact for integers and to the ns for floats: offsets
     from a common integer base keep float64 precise at epoch-sized timestamps. ``ts`` and
     ``dur`` are used up (scaled in place: no float copies of the largest columns). A negative
-    ``dur`` (a host event's: GPU work's is left out before) ends where it starts."""
+    ``dur`` (an API call's: GPU work's and ranges' are left out before) ends where it
+    starts."""
     ts -= base
     ts *= 1000.0
     start = np.rint(ts, out=ts).astype(np.int64)
