@@ -182,7 +182,7 @@ def test_accept_keeps_exactly_the_accepted_tokens():
     two = dataclasses.replace(TINY, n_layers=2)
     assert [two.layer_type(i) for i in range(2)] == ["dense", "mla"]
     for wrong, said in (({"n_layers": 1}, r"n_layers: 2 or more \(layer 0 has the dense MLP"),
-                        ({"full_attn_every": 1}, r"layer 0 \(KDA and the dense MLP\) would be")):
+                        ({"full_attn_every": 1}, r"full_attn_every: 2 or more .* not 1$")):
         with pytest.raises(ValueError, match=said):
             dataclasses.replace(TINY, **wrong)
     model = K3Model(two, random_weights(two, seed=3), dtype=torch.float32)
@@ -738,6 +738,120 @@ def test_safetensors_checkpoint_with_k3_names(tmp_path, weights, monkeypatch):
         load_safetensors(tmp_path, TINY)
     with pytest.raises(TraceError, match="nowhere: no such directory"):
         load_safetensors(tmp_path / "nowhere", TINY)
+
+
+def test_a_rank_s_config_loads_no_checkpoint_and_weights_must_fit_the_config(tmp_path, weights):
+    """A checkpoint holds the whole model: loading it for one rank's config (which took its
+    full-size tensors) is refused by name, and weights of other shapes than the config's
+    are refused at the first such tensor, not deep in a matmul (a negative dimension)."""
+    from safetensors.torch import save_file
+
+    from kimi_perf.decode.specialized import build_model
+    from kimi_perf.decode.weights import load_safetensors, shard
+
+    save_file({n: t.contiguous() for n, t in weights.items()}, str(tmp_path / "m.safetensors"))
+    tp2 = preset("tiny", tp=2)
+    for config in (tp2, PRESETS["k3-tp8"]):
+        with pytest.raises(ValueError, match=r"^c: the whole model's config \(tp=1\), not one "
+                                             rf"rank's \(tp={config.tp}\); shard\(weights"):
+            load_safetensors(tmp_path, config)
+    q = "model.layers.0.self_attn.q_proj.weight"
+    for config, given, got, expected in ((tp2, weights, (128, 256), (64, 256)),
+                                         (TINY, shard(weights, tp2, 1), (64, 256), (128, 256))):
+        for path in ("auto", "latency_specialized"):
+            with pytest.raises(ValueError, match=rf"^weights: {re.escape(q)} has shape "
+                                                 rf"{re.escape(str(got))}, expected "
+                                                 rf"{re.escape(str(expected))}"):
+                build_model(config, given, path)
+    with pytest.raises(ValueError, match=r"one rank's shapes at TP 2: shard\(weights"):
+        K3Model(tp2, weights)
+    with pytest.raises(ValueError, match=r"^weights: no lm_head\.weight$"):
+        K3Model(TINY, {n: t for n, t in weights.items() if n != "lm_head.weight"})
+    assert build_model(tp2, shard(weights, tp2, 1)).c == tp2
+
+
+def test_checkpoint_tensors_in_a_dtype_or_layout_the_loader_cannot_read(tmp_path):
+    """A plain tensor stored as integers or fp8 (a quantized one without its scale) is not
+    cast to floats, MXFP4 codes that are not uint8 or scales of the wrong shape are not left
+    to torch: each a TraceError naming the checkpoint, the tensor and what is wrong."""
+    from safetensors.torch import save_file
+
+    from kimi_perf.decode.weights import load_safetensors, quantize_mxfp4
+    from kimi_perf.errors import TraceError
+
+    two = dataclasses.replace(TINY, n_layers=2)
+    good = {n: t.contiguous() for n, t in random_weights(two, seed=1).items()}
+    expert = "model.layers.1.mlp.experts.3.w1"
+    packed, scale = quantize_mxfp4(good.pop(expert + ".weight"))
+    good |= {expert + ".weight_packed": packed, expert + ".weight_scale": scale}
+    file = tmp_path / "model.safetensors"
+    save_file(good, str(file))
+    assert load_safetensors(tmp_path, two)[expert + ".weight"].shape == (64, 128)
+    o_proj = "model.layers.0.self_attn.o_proj.weight"
+    for name, stored, said in (
+            (o_proj, good[o_proj].to(torch.int32),
+             f"{o_proj} is torch.int32, not a float tensor (bf16, fp16, fp32; quantized only "
+             "as MXFP4 weight_packed and weight_scale)"),
+            (o_proj, good[o_proj].to(torch.float8_e4m3fn), f"{o_proj} is torch.float8_e4m3fn"),
+            (expert + ".weight_packed", packed.float(),
+             f"{expert}: MXFP4 weights need uint8 codes [..., N, K/2] and scales [..., N, K/32]"
+             " with K a multiple of 32, rows contiguous (codes (64, 64) torch.float32"),
+            (expert + ".weight_scale", scale[:, :2].contiguous(),
+             rf"{re.escape(expert)}: MXFP4 weights need .* scales \(64, 2\) torch\.uint8\)$")):
+        save_file({**good, name: stored}, str(file))
+        with pytest.raises(TraceError, match=f"^{re.escape(str(tmp_path))}: "
+                                             f"{said if said.endswith('$') else re.escape(said)}"):
+            load_safetensors(tmp_path, two)
+
+
+def test_forward_refuses_token_ids_outside_the_vocabulary_and_empty_steps(weights):
+    """Negative ids (the embedding would take them from its end), ids past the vocabulary
+    and a step of no tokens are refused on either path before any work."""
+    from kimi_perf.decode.validate import make_path
+
+    for path in ("standard", "specialized"):
+        model = make_path(path, TINY, weights, torch.float32)
+        state = model.new_state(2, 4)
+        for tokens, said in (
+                (torch.tensor([[1], [-1]]), r"token ids are 0\.\.511, not -1\.\.1$"),
+                (torch.tensor([[511], [512]]), r"token ids .* not 511\.\.512$"),
+                (torch.zeros(2, 0, dtype=torch.long), r"no tokens \(tokens \[B, T\] of shape "
+                                                      r"\(2, 0\)\): a step takes")):
+            with pytest.raises(ValueError, match=f"^forward: {said}"):
+                model.forward(tokens, state)
+        assert state.lengths.tolist() == [0, 0]
+
+
+def test_config_and_build_options_that_make_no_sense_are_refused(weights):
+    """No ranks, gated MLA at every 0th layer (a division by zero), experts grouped from 0
+    tokens (every step: what 1 says), experts='mxfp4' on the PyTorch ops with values MXFP4
+    cannot hold (the kernel paths refuse them): each a ValueError naming the argument."""
+    from kimi_perf.decode.config import MXFP4_GROUP, K3Config
+    from kimi_perf.decode.specialized import build_model
+    from kimi_perf.decode.weights import mxfp4_experts
+    from kimi_perf_kernels import mxfp4
+
+    for make in (lambda: preset("k3", tp=0), lambda: preset("k3-tp8", tp=-1),
+                 lambda: K3Config(tp=0), lambda: TINY.shard(0)):
+        with pytest.raises(ValueError, match=r"^tp: 1 or more ranks, not (0|-1)$"):
+            make()
+    for every in (0, -4):
+        with pytest.raises(ValueError, match=rf"^full_attn_every: 2 or more .*, not {every}$"):
+            K3Config(full_attn_every=every)
+    for given in (0, -3):
+        with pytest.raises(ValueError, match=rf"^group_experts_from: a token count of 1 or "
+                                             rf"more .*, not {given}$"):
+            build_model(TINY, weights, "latency_specialized", group_experts_from=given)
+    for standard_ops in ("torch", "kernels"):
+        with pytest.raises(ValueError, match=r"^experts='mxfp4': layer 1's routed experts "
+                                             r"\(w13\) hold values MXFP4 cannot"):
+            build_model(TINY, weights, standard_ops=standard_ops, experts="mxfp4")
+    rounded = mxfp4_experts(weights)
+    assert type(build_model(TINY, rounded, standard_ops="torch", experts="mxfp4")) is K3Model
+    tp4 = TINY.shard(4)
+    with pytest.raises(ValueError, match=r"intermediate per rank is 16 \(at TP 4\)$"):
+        random_weights(tp4, experts="mxfp4")
+    assert MXFP4_GROUP == mxfp4.GROUP   # (the floors' check holds it without torch)
 
 
 def test_harness_annotates_steps_and_layers_for_the_trace_core(tmp_path, weights):

@@ -4,6 +4,8 @@ rank, 4.3 TB/s), which was worked out by hand, apart from this code."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 from click.testing import CliRunner
@@ -160,3 +162,25 @@ def test_floors_at_the_bounds_stay_finite_and_whole():
         assert all(0 < t["floor_us"] < 1e13 for t in layers)
         # (bf16 experts, all 896 read) whole numbers below 2^53: no digits of rounding noise
         assert all(t["bytes"] < 2**53 and t["bytes"] == int(t["bytes"]) for t in layers)
+
+
+def test_floors_refuse_mxfp4_experts_a_rank_cannot_store():
+    """MXFP4 experts where a rank's expert inputs are not whole groups of 32 (tiny at TP 4:
+    16 per rank) have no floors, as trace refuses them: the same one line, exit 2; the
+    floors still import no torch."""
+    result = CliRunner().invoke(main, ["floors", "--preset", "tiny", "--tp", "4",
+                                       "--experts", "mxfp4"])
+    assert result.exit_code == 2, result.output
+    (line,) = result.output.splitlines()
+    assert line.startswith("kimi-perf: error: --experts mxfp4: MXFP4 experts need their "
+                           "inputs in groups of 32: the routed experts' intermediate per rank "
+                           "is 16 (at TP 4)")
+    from kimi_perf.errors import TraceError
+
+    with pytest.raises(TraceError, match=r"^experts='mxfp4': MXFP4 experts need"):
+        floors(preset("tiny", tp=4), 1, 4, Storage(experts="mxfp4"))
+    assert floors(preset("tiny", tp=2), 1, 4, Storage(experts="mxfp4"))["tp"] == 2
+    imported = subprocess.run(
+        [sys.executable, "-c", "import sys, kimi_perf.decode.floors; "
+         "print('torch' in sys.modules)"], capture_output=True, text=True, check=True)
+    assert imported.stdout == "False\n"

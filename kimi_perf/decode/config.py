@@ -52,10 +52,10 @@ class K3Config:
         if self.n_layers < 2:
             raise ValueError(f"n_layers: 2 or more (layer 0 has the dense MLP, the last is "
                              f"gated MLA), not {self.n_layers}")
-        if self.is_mla(0):
-            raise ValueError(f"layer 0 (KDA and the dense MLP) would be gated MLA: full "
-                             f"attention takes at most every 2nd layer (full_attn_every 2 or "
-                             f"more, not {self.full_attn_every})")
+        if self.full_attn_every < 2:    # (at 1, layer 0 would be gated MLA too)
+            raise ValueError(f"full_attn_every: 2 or more (gated MLA at every n-th layer; "
+                             f"layer 0 is KDA with the dense MLP), not {self.full_attn_every}")
+        check_tp(self.tp)
 
     def layer_types(self) -> list[str]:
         """The layer types the model holds, in order of first appearance."""
@@ -105,6 +105,7 @@ class K3Config:
         return self.kv_lora + self.qk_rope
 
     def shard(self, tp: int) -> K3Config:
+        check_tp(tp)
         for name, size in (("kda_heads", self.kda_heads), ("mla_heads", self.mla_heads),
                            ("moe_intermediate", self.moe_intermediate),
                            ("shared_intermediate", self.shared_intermediate),
@@ -117,6 +118,28 @@ class K3Config:
     def fingerprint(self) -> str:
         text = json.dumps(dataclasses.asdict(self), sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def check_tp(tp: int) -> None:
+    if tp < 1:
+        raise ValueError(f"tp: 1 or more ranks, not {tp}")
+
+
+# Values per E8M0 scale of MXFP4 (``kimi_perf_kernels.mxfp4.GROUP``; here without torch, for
+# the floors).
+MXFP4_GROUP = 32
+
+
+def mxfp4_problem(c: K3Config) -> str | None:
+    """Why a rank of ``c`` cannot hold its routed experts as MXFP4, or None: each expert
+    matrix's input (the latent for W1/W3, the rank's share of the intermediate for W2) must
+    be whole groups of 32."""
+    for what, k in (("latent", c.latent), ("routed experts' intermediate per rank",
+                                           c.moe_intermediate_local)):
+        if k % MXFP4_GROUP:
+            return (f"MXFP4 experts need their inputs in groups of {MXFP4_GROUP}: the {what} "
+                    f"is {k}" + (f" (at TP {c.tp})" if c.tp > 1 else ""))
+    return None
 
 
 TINY = K3Config(
@@ -138,6 +161,8 @@ def preset(name: str, n_layers: int | None = None, tp: int | None = None) -> K3C
     if name not in PRESETS:
         raise KeyError(f"unknown preset {name!r} (choose from {', '.join(PRESETS)})")
     config = PRESETS[name]
+    if tp is not None:
+        check_tp(tp)
     if n_layers is not None:
         config = dataclasses.replace(config, n_layers=n_layers)
     if tp is not None and tp != config.tp:

@@ -20,12 +20,7 @@ import torch
 from kimi_perf.decode.config import K3Config
 from kimi_perf.decode.model import DecodeState, K3Model, check_batch
 from kimi_perf.decode.reference import Observer
-from kimi_perf.decode.weights import (
-    Weights,
-    check_expert_storage,
-    layer_prefix,
-    mxfp4_problem,
-)
+from kimi_perf.decode.weights import Weights, layer_prefix
 
 # Without a GPU the kernels need Triton's interpreter (importing the model chose it, unless
 # triton was imported first).
@@ -46,9 +41,8 @@ MAX_VERIFY_TOKENS = 8
 class KernelPathModel(K3Model):
     def __init__(self, c: K3Config, weights: Weights, dtype: torch.dtype = torch.bfloat16,
                  device: torch.device | str = "cpu", all_reduce=None, experts: str = "bf16"):
-        super().__init__(c, weights, dtype=dtype, device=device, all_reduce=all_reduce)
-        self.experts = experts
-        self._pack_experts()
+        super().__init__(c, weights, dtype=dtype, device=device, all_reduce=all_reduce,
+                         experts=experts)
         self.fallbacks: list[str] = []
         self.calls = 0
         # Splits of the MLA attention over the cache positions; None: by the GPU's size
@@ -73,33 +67,10 @@ class KernelPathModel(K3Model):
         self.final_qk = (self.w["model.output_attn_res_norm.weight"]
                          * self.w["model.output_attn_res_proj.weight"].float().reshape(-1))
 
-    def _pack_experts(self) -> None:
-        """With ``experts="mxfp4"``: each MoE layer's routed experts also as MXFP4 codes and
-        scales (``w13_mxfp4``, ``w2_mxfp4``), which the expert launches stream: 0.53 bytes a
-        weight. The weights must hold MXFP4 values (``weights.mxfp4_experts``, or a checkpoint
-        loaded from MXFP4), so that packing them loses nothing; the stacks in the model's
-        dtype stay for the steps that fall back to PyTorch ops."""
-        check_expert_storage(self.experts)
-        if self.experts == "bf16":
-            return
-        if problem := mxfp4_problem(self.c):
-            raise ValueError(problem)
-        for i in range(1, self.c.n_layers):
-            p = self.packed[i]
-            for name in ("w13", "w2"):
-                stack = p[name]
-                e, n, k = stack.shape
-                q = mxfp4.Mxfp4(stack.new_empty(e, n, k // 2, dtype=torch.uint8),
-                                stack.new_empty(e, n, k // mxfp4.GROUP, dtype=torch.uint8),
-                                self.dtype)
-                for expert in range(e):   # one at a time: a K3 layer's stack is 2.5e9 values
-                    one = mxfp4.quantize(stack[expert])
-                    if not torch.equal(mxfp4.dequantize(one), stack[expert].float()):
-                        raise ValueError(f"experts='mxfp4': layer {i}'s routed experts "
-                                         f"({name}) hold values MXFP4 cannot; round them "
-                                         "first (weights.mxfp4_experts)")
-                    q.packed[expert], q.scale[expert] = one.packed, one.scale
-                p[name + "_mxfp4"] = q
+    def keep_codes(self, i: int, name: str, codes: mxfp4.Mxfp4) -> None:
+        """The MXFP4 codes and scales the expert launches stream (0.53 bytes a weight); the
+        stacks in the model's dtype stay for the steps that fall back to PyTorch ops."""
+        self.packed[i][name + "_mxfp4"] = codes
 
     def expert_weights(self, i: int, name: str) -> torch.Tensor | mxfp4.Mxfp4:
         """Layer i's routed experts ``w13`` or ``w2`` as the expert launches stream them."""
@@ -147,7 +118,7 @@ class KernelPathModel(K3Model):
         """A step the kernels take (``forward`` has checked that they do)."""
         c = self.c
         B, T = tokens.shape
-        check_batch(tokens, state)
+        check_batch(tokens, state, c.vocab, self.graph_safe)
         if verify:
             state.check_verify(T)
         M = B * T

@@ -46,6 +46,7 @@ import contextlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -54,9 +55,19 @@ from kimi_perf.decode import choose_triton_backend
 from kimi_perf.decode.annotate import annotate
 from kimi_perf.decode.config import K3Config
 from kimi_perf.decode.reference import Observer
-from kimi_perf.decode.weights import Weights, layer_prefix
+from kimi_perf.decode.weights import (
+    Weights,
+    check_expert_storage,
+    check_weight_shapes,
+    layer_prefix,
+    mxfp4_codes,
+    mxfp4_problem,
+)
 
 choose_triton_backend()    # before anything that runs the model can import triton
+
+if TYPE_CHECKING:
+    from kimi_perf_kernels.mxfp4 import Mxfp4
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -189,11 +200,24 @@ class DecodeState:
         self.verify_tokens = 0
 
 
-def check_batch(tokens: torch.Tensor, state: DecodeState) -> None:
-    """A step's tokens [B, T] are of the state's B sequences (a torch size error, else)."""
+def check_batch(tokens: torch.Tensor, state: DecodeState, vocab: int, graph_safe: bool
+                ) -> None:
+    """A step's tokens [B, T] are of the state's B sequences, at least one each (a torch size
+    error, else), and, where they are on the CPU and the step is not graph-safe, ids of the
+    vocabulary: the embedding would take a negative id from its end. On a GPU reading them
+    is a kernel more in the step and a wait on the device (which a CUDA graph's capture
+    forbids): they are left unchecked there, so that a traced step runs its own kernels
+    alone."""
     if len(tokens) != len(state.lengths):
         raise ValueError(f"forward: {len(tokens)} sequences for a state of "
                          f"{len(state.lengths)} (new_state(batch, ...))")
+    if tokens.numel() == 0:
+        raise ValueError(f"forward: no tokens (tokens [B, T] of shape {tuple(tokens.shape)}): "
+                         "a step takes at least one per sequence")
+    if tokens.device.type == "cpu" and not graph_safe:
+        low, high = (int(end) for end in torch.aminmax(tokens))
+        if low < 0 or high >= vocab:
+            raise ValueError(f"forward: token ids are 0..{vocab - 1}, not {low}..{high}")
 
 
 def forward_bytes(c: K3Config, tokens: int) -> int:
@@ -211,8 +235,12 @@ class K3Model:
     """The standard decode path for one tensor-parallel rank."""
 
     def __init__(self, c: K3Config, weights: Weights, dtype: torch.dtype = torch.bfloat16,
-                 device: torch.device | str = "cpu", all_reduce: Callable | None = None):
+                 device: torch.device | str = "cpu", all_reduce: Callable | None = None,
+                 experts: str = "bf16"):
+        check_expert_storage(experts)
+        check_weight_shapes(c, weights)
         self.c = c
+        self.experts = experts
         self.dtype = dtype
         self.device = torch.device(device)
         self.all_reduce = all_reduce
@@ -232,6 +260,7 @@ class K3Model:
         w = {k: v.to(self.device) for k, v in weights.items()}
         self.w = {k: (v.to(dtype) if v.dim() == 2 else v) for k, v in w.items()}
         self._pack()
+        self._pack_experts()
 
     # -- weights as the kernels want them --------------------------------------------------
 
@@ -273,6 +302,23 @@ class K3Model:
                     for n in ("w1", "w2", "w3"):
                         del self.w[m + f"experts.{e}.{n}.weight"]
             self.packed[i] = p
+
+    def _pack_experts(self) -> None:
+        """With ``experts="mxfp4"``: each MoE layer's routed experts checked to hold MXFP4
+        values (``weights.mxfp4_experts``, or a checkpoint loaded from MXFP4), as the kernel
+        paths check them where they pack them; ``keep_codes`` takes the codes."""
+        if self.experts == "bf16":
+            return
+        if problem := mxfp4_problem(self.c):
+            raise ValueError(problem)
+        for i in range(1, self.c.n_layers):
+            for name in ("w13", "w2"):
+                self.keep_codes(i, name, mxfp4_codes(
+                    self.packed[i][name], f"layer {i}'s routed experts ({name})"))
+
+    def keep_codes(self, i: int, name: str, codes: Mxfp4) -> None:
+        """Layer i's routed experts ``name`` as MXFP4 codes: the PyTorch ops compute on the
+        stacks in the model's dtype (their values MXFP4's), and keep none."""
 
     # -- bookkeeping ----------------------------------------------------------------------
 
@@ -344,7 +390,7 @@ class K3Model:
         """
         c = self.c
         B, T = tokens.shape
-        check_batch(tokens, state)
+        check_batch(tokens, state, c.vocab, self.graph_safe)
         if verify:
             state.check_verify(T)
         positions = self.positions(state, T)                                       # [B, T]

@@ -76,7 +76,7 @@ from kimi_perf.decode.config import K3Config
 from kimi_perf.decode.kernel_path import KernelPathModel
 from kimi_perf.decode.model import DecodeState, K3Model
 from kimi_perf.decode.standard_kernels import StandardKernelsModel
-from kimi_perf.decode.weights import Weights, check_expert_storage, layer_prefix
+from kimi_perf.decode.weights import Weights, layer_prefix
 from kimi_perf_kernels.l2_prefetch import PROGRAMS, l2_prefetch
 from kimi_perf_kernels.mla_absorb_insert import mla_absorb_insert
 from kimi_perf_kernels.mla_attention import mla_attention
@@ -93,6 +93,10 @@ class SpecializedModel(KernelPathModel):
                  device: torch.device | str = "cpu", all_reduce=None, l2_prefetch: bool = False,
                  gemv=None, group_experts_from: int | None = None, pdl: bool = False,
                  pdl_prefetch_bytes: int = 0, experts: str = "bf16"):
+        if group_experts_from is not None and group_experts_from < 1:
+            raise ValueError(f"group_experts_from: a token count of 1 or more (from that "
+                             f"many tokens a step on, the routed experts run grouped by "
+                             f"expert), not {group_experts_from}")
         super().__init__(c, weights, dtype=dtype, device=device, all_reduce=all_reduce,
                          experts=experts)
         # Opt-in until a GPU run shows it pays (benchmarks/gpu_decode_check.py measures both):
@@ -269,8 +273,8 @@ def build_model(c: K3Config, weights: Weights, decode_backend: str = "auto",
     """``auto`` keeps the standard path; ``latency_specialized`` selects the fused one, with
     its opt-ins ``l2_prefetch``, ``group_experts_from`` and ``pdl`` (``SpecializedModel``; the
     standard path has none). ``experts="mxfp4"``: the kernel paths' expert launches stream
-    the routed experts as MXFP4 (the weights must hold MXFP4 values: ``mxfp4_experts``); the
-    PyTorch ops compute on the same values.
+    the routed experts as MXFP4; the PyTorch ops compute on the same values (the weights must
+    hold MXFP4 values, ``mxfp4_experts``: every path refuses others).
 
     ``standard_ops``: how the standard path runs its decode steps: ``kernels``, one kernel per
     step as vLLM launches them (``StandardKernelsModel``; the default on a GPU), or ``torch``,
@@ -299,5 +303,5 @@ def build_model(c: K3Config, weights: Weights, decode_backend: str = "auto",
                                     all_reduce=all_reduce, experts=experts)
     if standard_ops != "torch":
         raise ValueError(f"standard_ops must be kernels or torch, not {standard_ops!r}")
-    check_expert_storage(experts)
-    return K3Model(c, weights, dtype=dtype, device=device, all_reduce=all_reduce)
+    return K3Model(c, weights, dtype=dtype, device=device, all_reduce=all_reduce,
+                   experts=experts)

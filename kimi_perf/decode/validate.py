@@ -122,7 +122,7 @@ def within(value: float, bound: float) -> bool:
 def make_path(name: str, c: K3Config, weights, dtype: torch.dtype, experts: str = "bf16"
               ) -> K3Model:
     if name == "standard":
-        return K3Model(c, weights, dtype=dtype)
+        return K3Model(c, weights, dtype=dtype, experts=experts)
     if name == "standard_kernels":
         from kimi_perf.decode.standard_kernels import StandardKernelsModel
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from kimi_perf.decode import choose_triton_backend
-from kimi_perf.decode.config import K3Config
+from kimi_perf.decode.config import K3Config, mxfp4_problem
 
 choose_triton_backend()    # before kimi_perf_kernels imports triton (model imports this first)
 
@@ -116,6 +116,8 @@ def random_weights(c: K3Config, seed: int = 0, dtype: torch.dtype = torch.bfloat
     ``device``: a K3 rank's experts are too large to draw whole and then cut.
     """
     check_expert_storage(experts)
+    if experts == "mxfp4" and (problem := mxfp4_problem(c)):
+        raise ValueError(problem)
     gen = torch.Generator(device=device).manual_seed(seed)
     shapes = weight_shapes(c) if c.tp == 1 else local_weight_shapes(c)
     out: Weights = {}
@@ -124,18 +126,6 @@ def random_weights(c: K3Config, seed: int = 0, dtype: torch.dtype = torch.bfloat
         if experts == "mxfp4" and is_routed_expert(name):   # (one at a time: no second copy)
             out[name] = _mxfp4_values(out[name])
     return out
-
-
-def mxfp4_problem(c: K3Config) -> str | None:
-    """Why a rank of ``c`` cannot hold its routed experts as MXFP4, or None: each expert
-    matrix's input (the latent for W1/W3, the rank's share of the intermediate for W2) must
-    be whole groups of 32."""
-    for what, k in (("latent", c.latent), ("routed experts' intermediate per rank",
-                                           c.moe_intermediate_local)):
-        if k % mxfp4.GROUP:
-            return (f"MXFP4 experts need their inputs in groups of {mxfp4.GROUP}: the {what} "
-                    f"is {k}" + (f" (at TP {c.tp})" if c.tp > 1 else ""))
-    return None
 
 
 def is_routed_expert(name: str) -> bool:
@@ -154,6 +144,36 @@ def mxfp4_experts(weights: Weights) -> Weights:
 
 def _mxfp4_values(t: torch.Tensor) -> torch.Tensor:
     return mxfp4.dequantize(mxfp4.quantize(t)).to(t.dtype)
+
+
+def mxfp4_codes(stack: torch.Tensor, what: str) -> mxfp4.Mxfp4:
+    """Routed experts ``stack`` [E, N, K] as MXFP4 codes and scales, one expert at a time (a
+    K3 layer's stack is 2.5e9 values); a ValueError naming ``what`` where the stack holds
+    values MXFP4 cannot (packing them would lose them)."""
+    e, n, k = stack.shape
+    q = mxfp4.Mxfp4(stack.new_empty(e, n, k // 2, dtype=torch.uint8),
+                    stack.new_empty(e, n, k // mxfp4.GROUP, dtype=torch.uint8), stack.dtype)
+    for expert in range(e):
+        one = mxfp4.quantize(stack[expert])
+        if not torch.equal(mxfp4.dequantize(one), stack[expert].float()):
+            raise ValueError(f"experts='mxfp4': {what} hold values MXFP4 cannot; round them "
+                             "first (weights.mxfp4_experts)")
+        q.packed[expert], q.scale[expert] = one.packed, one.scale
+    return q
+
+
+def check_weight_shapes(c: K3Config, weights: Mapping[str, torch.Tensor]) -> None:
+    """A ValueError naming the first tensor of ``c`` that ``weights`` lacks or holds in
+    another shape (one rank's shapes where ``c.tp`` > 1): said here, not deep in a kernel."""
+    shapes = weight_shapes(c) if c.tp == 1 else local_weight_shapes(c)
+    for name, expected in shapes.items():
+        if name not in weights:
+            raise ValueError(f"weights: no {name}")
+        if tuple(weights[name].shape) != expected:
+            rank = (f" (one rank's shapes at TP {c.tp}: shard(weights, config, rank) cuts "
+                    "them from the whole model's)" if c.tp > 1 else "")
+            raise ValueError(f"weights: {name} has shape {tuple(weights[name].shape)}, "
+                             f"expected {expected}{rank}")
 
 
 def local_weight_shapes(c: K3Config) -> dict[str, tuple[int, ...]]:
@@ -284,6 +304,10 @@ def load_safetensors(directory: str | Path, c: K3Config,
 
     from kimi_perf.errors import TraceError
 
+    if c.tp > 1:   # (a checkpoint holds the whole model; weight_shapes are its shapes)
+        raise ValueError(f"c: the whole model's config (tp=1), not one rank's (tp={c.tp}); "
+                         "shard(weights, config, rank) cuts a rank's weights from the whole "
+                         "model's")
     directory = Path(directory)
     if not directory.is_dir():
         raise TraceError(directory, "no such directory" if not directory.exists() else
@@ -325,11 +349,22 @@ def _checkpoint_tensor(directory: Path, name: str, shape: tuple[int, ...],
 
     if name in where:
         t = read(name)
+        # an integer or 8-bit tensor is a quantized one, whose scale this name does not read:
+        # cast, it would load as its codes
+        if t.dtype not in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
+            raise TraceError(directory, f"{name} is {t.dtype}, not a float tensor (bf16, fp16, "
+                                        "fp32; quantized only as MXFP4 weight_packed and "
+                                        "weight_scale)")
     elif name.endswith(".weight") and name[:-7] + ".weight_packed" in where:
         base = name[:-7]
         if base + ".weight_scale" not in where:
             raise TraceError(directory, f"checkpoint lacks {base}.weight_scale")
-        t = dequantize_mxfp4(read(base + ".weight_packed"), read(base + ".weight_scale"))
+        q = mxfp4.Mxfp4(read(base + ".weight_packed"), read(base + ".weight_scale"))
+        try:
+            q.check(base)
+        except ValueError as exc:
+            raise TraceError(directory, str(exc)) from None
+        t = mxfp4.dequantize(q)
     else:
         raise TraceError(directory, f"checkpoint lacks {name}")
     if name.endswith("A_log") and t.numel() >= shape[0]:
