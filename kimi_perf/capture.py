@@ -801,8 +801,10 @@ def analyse(files: list[str | Path], out_dir: str | Path, layers: str = "auto",
     and report, is made in ``out_dir``; returned with the breakdowns by label and the run
     information (as ``run.json`` holds it)."""
     from kimi_perf.classify import load_rules
+    from kimi_perf.report import check_plotly_js
 
     files = path_list(files, "files", "traces")
+    check_plotly_js(plotly_js)   # (before any trace is broken down)
     out_dir, plotly_js = Path(out_dir), str(plotly_js)
     if captures is None:   # (a directory: its traces, as trace --from takes them)
         files = trace_files(files)

@@ -592,17 +592,21 @@ def ranges(trace: Path, fmt: str | None, pattern: str | None, top: int,
     else:
         _emit(render.ranges_csv(rows) if fmt == "csv"
               else render.ranges_json(rows, str(trace)), output)
+    on_streams = int((read.ranges.style == GPU_RANGE).sum())
+    in_none = len(read.ranges) == on_streams and len(read.kernels)   # (every row "(none)")
     if untimed := read.meta.get("untimed_ranges"):   # (a step of them would be missing)
         click.echo(f"{printable(str(trace))}: {counted(untimed, 'range')} without a time (a "
-                   "missing or negative dur) left out, holding no kernel", err=True)
-    on_streams = int((read.ranges.style == GPU_RANGE).sum())
-    if len(read.ranges) == on_streams and len(read.kernels):   # (every row "(none)": why)
-        click.echo(f"{printable(str(trace))}: this trace holds no ranges (NVTX, "
-                   "record_function): every kernel is in none" + (
-                       f" (its {counted(on_streams, 'range')} of GPU streams, Kineto's "
-                       "gpu_user_annotation, are not what kernels are attributed by: the "
-                       "ranges open on the thread that launched them)" if on_streams else ""),
+                   "missing or negative dur) left out, holding no kernel"
+                   + (": every kernel is in none" if in_none and not on_streams else ""),
                    err=True)
+    if in_none and (on_streams or not untimed):   # (why every row is "(none)")
+        said = ("no ranges (NVTX, record_function)" if not untimed
+                else "no other ranges on a thread")
+        click.echo(f"{printable(str(trace))}: this trace holds {said}: every kernel is in "
+                   "none" + (f" (GPU streams' ranges, Kineto's gpu_user_annotation: "
+                             f"{on_streams} here, are not what kernels are attributed by, "
+                             "the ranges open on the thread that launched them)"
+                             if on_streams else ""), err=True)
     elif not rows:   # (an empty table alone would look like a failure to read)
         if wanted is not None and len(read.kernels):
             why = f"no range that --match {pattern!r} finds holds a kernel"
@@ -714,7 +718,7 @@ def compare_cmd(a: Path, b: Path | None, path_name: str | None, fmt: str | None,
             standard, specialized = ((c.label_b, c.label_a) if swapped
                                      else (c.label_a, c.label_b))
             tables.append(render.fusion_table(type_pair.label, standard, specialized,
-                                              ledger_rows, left))
+                                              ledger_rows, left, "ops" in (unit, unit_b)))
     _emit_tables(tables, output)
 
 

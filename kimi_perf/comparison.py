@@ -22,6 +22,7 @@ from kimi_perf.runs import (
     one_path,
     run_differences,
     run_name,
+    same_capture,
     trace_labels,
     without_shared_date,
 )
@@ -990,9 +991,18 @@ def compare_files(a: str | Path, b: str | Path | None = None, path_name: str | N
          in zip((name_a, name_b), fell_back, strict=True) if reason is not None],
         run_differences(run_a, run_b) if two_captures else None, labels_said)
     compared.inputs = inputs
+    if b is None and len(runs_a) > 2:   # (a --from run of three traces or more)
+        compared.side_notes.insert(0, f"{a} holds {len(runs_a)} paths: compared are its first "
+                                      f"two, {', '.join(list(runs_a)[2:5])}"
+                                      f"{', …' if len(runs_a) > 5 else ''} left out (its report "
+                                      "sets the first against each of the others)")
     if itself:   # (every ratio 1: a slip, most likely)
         compared.side_notes.insert(0, f"{compared.label_a} and {compared.label_b} are one "
                                       f"file ({a}): compared with itself")
+    elif b is not None and not (run_a or run_b) and (twin := same_capture([a, b])):
+        compared.side_notes.insert(0, f"{compared.label_a} and {compared.label_b} are one "
+                                      f"capture ({twin[0].name}: {twin[1]}): compared with "
+                                      "itself")
     return compared
 
 

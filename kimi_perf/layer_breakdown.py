@@ -6,6 +6,7 @@ README; new keys may be added within a schema version, existing ones keep their 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import itertools
 import re
@@ -472,6 +473,19 @@ def breakdown_of_file(path: str | Path, capture: str | Path | None = None, layer
         raise type(exc)(path, exc.problem) from None
 
 
+@contextlib.contextmanager
+def _said_untimed_ranges(trace: Trace) -> Iterator[None]:
+    """A step or layer asked for and not found says so of the trace's ranges without a time
+    (left out on reading: a step range among them would be why)."""
+    try:
+        yield
+    except NoStepsMatched as exc:
+        if not (untimed := trace.meta.get("untimed_ranges")):
+            raise
+        raise NoStepsMatched(exc.path, f"{exc.problem} ({counted(untimed, 'range')} without a "
+                                       "time, a missing or negative dur, left out)") from None
+
+
 def breakdown(trace: Trace, layers: str = "auto", rules: list[Rule] | str | Path | None = None,
               step_regex: str | None = None, phase: str = "auto") -> Breakdown:
     """Steps, layers and layer types of ``trace`` (``breakdown`` in the README).
@@ -499,7 +513,8 @@ def breakdown(trace: Trace, layers: str = "auto", rules: list[Rule] | str | Path
     if not len(ops):
         raise NoGpuWork(trace.meta.get("file"), _no_gpu_work_problem(trace))
     release_free_memory()
-    steps = find_steps(trace, ops, step_regex)
+    with _said_untimed_ranges(trace):
+        steps = find_steps(trace, ops, step_regex)
     labels, ops_kind = ops.class_labels, ops.kind
     # No step range and no graph launch: each device is one step. Say which ranges could be.
     found_by = steps[0].found_by if steps else None
@@ -511,10 +526,12 @@ def breakdown(trace: Trace, layers: str = "auto", rules: list[Rule] | str | Path
     # the decode steps that replay it): what it is, for --capture
     captures = (capture_count(trace) if ops_kind == "gpu" and not replays["ops"]
                 and not trace.meta.get("captures") else 0)
-    steps, left_out = steps_of_phase(steps, phase, trace.meta.get("file"))
+    with _said_untimed_ranges(trace):
+        steps, left_out = steps_of_phase(steps, phase, trace.meta.get("file"))
     enclosing = _enclosing_steps(steps)
     release_free_memory()
-    cut = find_layers(trace, ops, steps, layers)
+    with _said_untimed_ranges(trace):
+        cut = find_layers(trace, ops, steps, layers)
     # ranges named like layers, but not as the default pattern spells them: why none was taken
     layer_like = (layer_like_ranges(trace) if layers == "auto"
                   and not any(step.layer_source == "nvtx" for step in steps) else None)

@@ -384,9 +384,10 @@ def typical_layer_table(layer_type: str, sides: dict[str, dict | None],
 
 
 def fusion_table(layer_type: str, standard: str, specialized: str, rows: list,
-                 left: list[str]) -> Table:
+                 left: list[str], on_cpu: bool = False) -> Table:
     """``kimi_perf.decode.fusions.fusion_ledger``'s rows: each launch of the specialized path
-    against the standard launches whose work it does."""
+    against the standard launches whose work it does (``on_cpu``: a CPU run's, whose µs are
+    host time and the interpreter's: its ratios are no speed figure)."""
     table = _table(f"{layer_type}: each {specialized} launch against the {standard} launches "
                    "it replaces (median µs)",
                    [f"{specialized} launch", "µs", f"replaces ({standard})", "their µs",
@@ -396,7 +397,10 @@ def fusion_table(layer_type: str, standard: str, specialized: str, rows: list,
                       f"{r.replaced_us:.1f}", ratio_text(r.ratio))
     replaced = sum(len(r.replaces) for r in rows)
     notes = [f"{len(rows)} launches for {replaced}: {sum(r.us for r in rows):.1f} µs for "
-             f"{sum(r.replaced_us for r in rows):.1f} µs (ratio above 1: the fusion is faster)"]
+             f"{sum(r.replaced_us for r in rows):.1f} µs " + (
+                 "(a CPU run: its µs are CPU time, the specialized launches in Triton's "
+                 "interpreter, so the ratios are no speed figure; the rows say which launches "
+                 "replace which)" if on_cpu else "(ratio above 1: the fusion is faster)")]
     if left:
         notes.append(f"{standard} launches no {specialized} launch took: {', '.join(left)}")
     table.caption = "\n".join(notes)
@@ -433,7 +437,8 @@ def comparison_headline(rows: list[ComparisonRow], label_a: str, label_b: str,
         if r.kernels_a is None or r.kernels_b is None or not r.same_layers or r.fell_back:
             continue
         mark = " *" if r.marked else ""
-        parts.append(f"{r.label}{mark}: {count_text(r.kernels_a)} {unit} / {r.span_us_a:.1f} µs "
+        said = unit[:-1] if r.kernels_a == 1 else unit   # (1 kernel, not 1 kernels)
+        parts.append(f"{r.label}{mark}: {count_text(r.kernels_a)} {said} / {r.span_us_a:.1f} µs "
                      f"({label_a}) vs {count_text(r.kernels_b)}{other} / {r.span_us_b:.1f} µs "
                      f"({label_b})")
     return "\n".join(parts)

@@ -798,6 +798,17 @@ def _no_plotly_html(plotly_js: str) -> str:
             "document.getElementById('no-plotly').hidden = false;</script>")
 
 
+def check_plotly_js(plotly_js: object) -> None:
+    """A TypeError or ValueError where ``plotly_js`` is not inline, cdn, a URL, or a path
+    ending in .js (a ``Path`` is a file's, even one named cdn)."""
+    if not isinstance(plotly_js, str | Path):
+        raise TypeError(f"plotly_js: inline, cdn, a URL or a .js path, not {plotly_js!r}")
+    if ((isinstance(plotly_js, Path) or plotly_js not in PLOTLY_JS)
+            and not str(plotly_js).endswith(".js")):
+        raise ValueError(f"plotly_js: inline, cdn or a path ending in .js, not "
+                         f"{str(plotly_js)!r}")
+
+
 def plotly_js_for(value: str, report_dir: Path) -> str:
     """``--plotly-js`` as a report in ``report_dir`` refers to it: a local file relative to
     that directory (so that the report and the file can move together), checked to exist."""
@@ -993,11 +1004,8 @@ def write_report(path: str | Path, breakdowns: dict[str, Breakdown], title: str,
     if wrong := next((v for v in breakdowns.values() if not isinstance(v, Breakdown)), None):
         raise TypeError(f"breakdowns: Breakdowns by label, not a {type(wrong).__name__} "
                         "(breakdown(trace) breaks a trace down)")
-    if not isinstance(plotly_js, str | Path):
-        raise TypeError(f"plotly_js: inline, cdn, a URL or a .js path, not {plotly_js!r}")
-    plotly_js = str(plotly_js)
-    if plotly_js not in PLOTLY_JS and not plotly_js.endswith(".js"):
-        raise ValueError(f"plotly_js: inline, cdn or a path ending in .js, not {plotly_js!r}")
+    check_plotly_js(plotly_js)
+    plotly_js = str(plotly_js)   # (a Path ends in .js: never read as inline or cdn)
     if not breakdowns:
         raise ValueError("write_report: no breakdowns to draw")
     path = Path(path)

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kimi_perf.errors import TraceError, argument, path_argument, stat_problem
+from kimi_perf.errors import COMMAND_LINE, TraceError, argument, path_argument, stat_problem
 from kimi_perf.layer_breakdown import Breakdown, breakdown_of_file, layer_column
 from kimi_perf.names import primed
 from kimi_perf.readers.nsys import NSYS_REPORTS, is_stale_export
@@ -935,6 +935,11 @@ def _json_not_a_trace(path: Path) -> str | None:
     return "JSON that is not a trace"
 
 
+def _report_cmd(args: str) -> str:
+    """What draws kimi-perf runs: the command on the command line, the call elsewhere."""
+    return f"kimi-perf report{args}" if COMMAND_LINE.get() else "report_inputs"
+
+
 def _digitless(label: str) -> str:
     """A trace's label without its digits: the shape that a job's ranks share (rank0,
     rank12; worker_3.1733)."""
@@ -954,10 +959,18 @@ def _not_a_file(path: Path) -> str:
 def same_capture(files: list[Path]) -> tuple[Path, str] | None:
     """The first of ``files`` that is a capture another of them holds already, and why (a
     .kptrace and the trace it was saved from, another .kptrace of that trace, an .nsys-rep
-    and the export nsys left beside it, not older than it): as a directory's traces are told
-    apart (``trace_files``), for traces given one by one."""
+    and the export nsys left beside it, not older than it, a copy of another: the same size
+    and ends, ``file_identity``, which no two ranks' traces share): as a directory's traces
+    are told apart (``trace_files``), for traces given one by one."""
     found = [Path(f) for f in files]
     copies = _saved_beside(found)
+    bytes_of: dict[tuple, Path] = {}
+    for f in found:
+        if (made := file_identity(f)) is not None:
+            first = bytes_of.setdefault((made["size"], made["digest"]), f)
+            if first != f:
+                copies.setdefault(f, f"a copy of {first.name}" if first.name != f.name
+                                  else f"a copy of {first}")
     for f in found:
         if f.suffix not in NSYS_REPORTS:
             continue
@@ -996,7 +1009,8 @@ def _saved_beside(found: list[Path]) -> dict[Path, str]:
         if (identity := file_identity(f)) is None or _key(identity) not in held:
             continue
         kptrace, how = held[_key(identity)]
-        out[f] = f"{how} {kptrace.name} beside it"
+        out[f] = (f"{how} {kptrace.name} beside it" if kptrace.parent == f.parent
+                  else f"{how} {kptrace}")
         if f.suffix in NSYS_REPORTS:   # its export too, where nsys left it beside it
             for export in (f.with_suffix(".sqlite"), f.with_suffix(".sqlite.gz")):
                 if export in found:
@@ -1050,7 +1064,7 @@ def trace_files(paths: list[str | Path], keep_runs: bool = False,
                 out.append(path)
                 continue
             raise TraceError(path, "a kimi-perf run directory, not a directory of traces: "
-                                   "kimi-perf report draws it (or give its traces one by one, "
+                                   f"{_report_cmd('')} draws it (or give its traces one by one, "
                                    "a TP run's ranks side by side)")
         if is_kimi_perf_run_json(path / "run.json"):
             raise TraceError(path, "a kimi-perf run directory without its breakdown.json (a "
@@ -1062,11 +1076,13 @@ def trace_files(paths: list[str | Path], keep_runs: bool = False,
         named = sorted((f for f in entries if f.is_file() and not is_kimi_perf_json(f)),
                        key=natural)
         other = {f: why for f in named if (why := _json_not_a_trace(f)) is not None}
-        # an empty JSON named as a trace beside it is (rank1.json by rank0.json.gz): a rank
-        # that crashed before writing, read (the reader says so), not left out as a summary
-        shapes = {_digitless(trace_label(f)) for f in named if f not in other}
+        # an empty JSON named as a JSON trace beside it is (rank1.json by rank0.json.gz),
+        # numbered as the ranks are: a rank that crashed before writing, read (the reader
+        # says so), not left out as a summary
+        shapes = {_digitless(trace_label(f)) for f in named
+                  if f not in other and f.name.endswith((".json", ".json.gz"))}
         for f in [f for f, why in other.items() if why == "an empty file"]:
-            if _digitless(trace_label(f)) in shapes:
+            if re.search(r"\d", f.name) and _digitless(trace_label(f)) in shapes:
                 del other[f]
         found = [f for f in named if f not in other]
         passed = sorted([*stored, *other.items(), *unread], key=lambda entry: natural(entry[0]))
@@ -1078,14 +1094,14 @@ def trace_files(paths: list[str | Path], keep_runs: bool = False,
             ranks = [d.name for d in sorted(folders, key=natural)
                      if not (d / "breakdown.json").is_file()
                      and any(f.name.endswith(TRACE_SUFFIXES) for f in d.iterdir())]
+            draws = _report_cmd(" " + str(path / "*") + "/") + " draws"
             raise TraceError(path, "holds no trace files (" + ", ".join(
                 f"*{s}" for s in TRACE_SUFFIXES[2:]) + ")" + (
                 "; left out: " + ", ".join(f"{f.name} ({why})" for f, why in passed)
                 if passed else "") + (
                 f"; it holds {runs} kimi-perf run director{'y' if runs == 1 else 'ies'}: "
                 + (f"give {'it' if runs == 1 else 'them'} ({path / '*'}/)" if keep_runs
-                   else f"kimi-perf report {path / '*'}/ draws "
-                   f"{'it' if runs == 1 else 'them'}") if runs else "") + (
+                   else f"{draws} {'it' if runs == 1 else 'them'}") if runs else "") + (
                 f"; its folders {', '.join(ranks[:3])}{', ...' if len(ranks) > 3 else ''} "
                 "hold traces: give each" if ranks and not runs else ""))
         copies = _saved_beside(found)

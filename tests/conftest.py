@@ -25,6 +25,16 @@ def poisoned_empty(monkeypatch):
     poison_fresh_buffers(monkeypatch)
 
 
+def rank_copy(source: Path, target: Path, rank: int) -> Path:
+    """A gzipped ``source`` trace as another rank's capture of the same work: a plain copy is
+    the same capture (its bytes; --from refuses it), so it is gzipped again with another
+    timestamp in its header."""
+    import gzip
+
+    target.write_bytes(gzip.compress(gzip.decompress(source.read_bytes()), mtime=rank + 1))
+    return target
+
+
 def nsys_fixtures() -> list[Path]:
     return sorted(NSYS.glob("*.sqlite"))
 

@@ -23,7 +23,7 @@ from click.testing import CliRunner
 from kimi_perf import cli
 from kimi_perf.cli import main
 from kimi_perf.errors import TraceError
-from tests.conftest import KINETO, NSYS, REPO
+from tests.conftest import KINETO, NSYS, REPO, rank_copy
 from tests.test_layers import nvtx_decode_trace
 
 VLLM = KINETO / "tracelens_vllm_gptoss20b_decode_fullgraph_mi300x.json.gz"
@@ -999,8 +999,8 @@ def test_ranges_table_tells_unnamed_ranges_styles_and_stream_annotations_apart(t
     said = run("ranges", tmp_path / "s.kptrace")
     assert said.exit_code == 0 and said.stderr == (
         f"{tmp_path / 's.kptrace'}: this trace holds no ranges (NVTX, record_function): every "
-        "kernel is in none (its 1 range of GPU streams, Kineto's gpu_user_annotation, are not "
-        "what kernels are attributed by: the ranges open on the thread that launched them)\n")
+        "kernel is in none (GPU streams' ranges, Kineto's gpu_user_annotation: 1 here, are not "
+        "what kernels are attributed by, the ranges open on the thread that launched them)\n")
 
 
 def test_steps_regex_that_is_bad_or_matches_nothing(tmp_path):
@@ -2023,7 +2023,7 @@ def test_a_directory_of_traces_stands_for_its_traces(tmp_path):
     ranks = tmp_path / "profile"
     ranks.mkdir()
     for rank in (10, 2):
-        shutil.copy(VLLM, ranks / f"worker_rank{rank}.pt.trace.json.gz")
+        rank_copy(VLLM, ranks / f"worker_rank{rank}.pt.trace.json.gz", rank)
     (ranks / "notes.txt").write_text("not a trace")
     (ranks / "meta.json").write_text('{"model": "x", "events": []}')   # JSON, not a trace
     assert run("breakdown", VLLM, "--format", "json", "-o",
@@ -2255,7 +2255,7 @@ def test_three_traces_or_more_are_shown_in_one_table(tmp_path):
     ranks = tmp_path / "ranks"
     ranks.mkdir()
     for rank in range(3):
-        shutil.copy(VLLM, ranks / f"rank{rank}.json.gz")
+        rank_copy(VLLM, ranks / f"rank{rank}.json.gz", rank)
     out = tmp_path / "runs"
     result = run("trace", "--from", ranks, "--out", out, "--plotly-js", "cdn")
     assert result.exit_code == 0, result.output
@@ -2400,7 +2400,7 @@ def test_traces_of_one_name_in_several_folders_are_labelled_by_folder(tmp_path):
 
     for rank in ("rank0", "rank1"):
         (tmp_path / rank).mkdir()
-        shutil.copy(VLLM, tmp_path / rank / "trace.json.gz")
+        rank_copy(VLLM, tmp_path / rank / "trace.json.gz", int(rank[-1]))
     files = [tmp_path / "rank0" / "trace.json.gz", tmp_path / "rank1" / "trace.json.gz"]
     assert trace_labels(files) == ["rank0/trace", "rank1/trace"]
     links = tmp_path / "links"   # the folders of the paths as given, not of their targets
@@ -2620,7 +2620,7 @@ def test_info_of_a_directory_of_traces_tells_each(tmp_path):
     ranks = tmp_path / "ranks"
     ranks.mkdir()
     for rank in (10, 2):
-        shutil.copy(VLLM, ranks / f"rank{rank}.json.gz")
+        rank_copy(VLLM, ranks / f"rank{rank}.json.gz", rank)
     result = run("info", ranks)
     assert result.exit_code == 0, result.output
     assert [line.split(":")[0] for line in result.output.splitlines()
@@ -3493,14 +3493,25 @@ def test_an_empty_rank_in_a_directory_is_an_error_not_left_out(tmp_path):
     (ranks / "rank2.pt.trace.json").write_text("\n")
     (ranks / "rank3.json").write_text("")
     (ranks / "summary.json").write_text("")
+    (ranks / "rank.json").write_text("")   # (no number: not one of the ranks)
     result = run("info", ranks)   # (rank 0 described, each unreadable rank a line)
     assert result.exit_code == 2
     assert result.stderr.strip().splitlines() == [
-        f"left out: {ranks / 'summary.json'} (an empty file)",
+        f"left out: {ranks / 'rank.json'} (an empty file); {ranks / 'summary.json'} (an "
+        "empty file)",
         f"kimi-perf: error: {ranks / 'rank1.json.gz'}: a gzip that holds an empty file",
         f"kimi-perf: error: {ranks / 'rank2.pt.trace.json'}: holds only blanks (spaces and "
         "line breaks)", f"kimi-perf: error: {ranks / 'rank3.json'}: empty file"]
     _one_line_error(run("breakdown", ranks / "rank1.json.gz"), "a gzip that holds an empty")
+    # nsys's report1.sqlite beside an empty report2.json: a rank leaves its job's format, so
+    # only JSON traces name the ranks
+    nsys = tmp_path / "nsys"
+    nsys.mkdir()
+    shutil.copy(NSYS / "NVIDIA-Fuser__report1__nsys2025.1.1.sqlite", nsys / "report1.sqlite")
+    (nsys / "report2.json").write_text("")
+    result = run("info", nsys)
+    assert result.exit_code == 0 and result.stderr == (
+        f"left out: {nsys / 'report2.json'} (an empty file)\n")
 
 
 def test_a_name_ending_in_a_slash_names_a_directory(tmp_path):

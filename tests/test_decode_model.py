@@ -805,8 +805,9 @@ def test_checkpoint_tensors_in_a_dtype_or_layout_the_loader_cannot_read(tmp_path
 
 
 def test_forward_refuses_token_ids_outside_the_vocabulary_and_empty_steps(weights):
-    """Negative ids (the embedding would take them from its end), ids past the vocabulary
-    and a step of no tokens are refused on either path before any work."""
+    """Negative ids (the embedding would take them from its end), ids past the vocabulary,
+    a step of no tokens, and tokens of another shape or type are refused on either path
+    before any work."""
     from kimi_perf.decode.validate import make_path
 
     for path in ("standard", "specialized"):
@@ -816,7 +817,13 @@ def test_forward_refuses_token_ids_outside_the_vocabulary_and_empty_steps(weight
                 (torch.tensor([[1], [-1]]), r"token ids are 0\.\.511, not -1\.\.1$"),
                 (torch.tensor([[511], [512]]), r"token ids .* not 511\.\.512$"),
                 (torch.zeros(2, 0, dtype=torch.long), r"no tokens \(tokens \[B, T\] of shape "
-                                                      r"\(2, 0\)\): a step takes")):
+                                                      r"\(2, 0\)\): a step takes"),
+                # a shape or type not of ids: said, not a torch unpacking or indexing error
+                (torch.tensor([1, 2]), r"tokens are integer ids \[B, T\], not of shape \(2,\) "
+                                       r"and torch.int64$"),
+                (torch.ones(2, 1), r"tokens are integer ids .* not of shape \(2, 1\) and "
+                                   r"torch.float32$"),
+                ([[1], [2]], r"tokens are integer ids \[B, T\], not a list$")):
             with pytest.raises(ValueError, match=f"^forward: {said}"):
                 model.forward(tokens, state)
         assert state.lengths.tolist() == [0, 0]

@@ -665,7 +665,8 @@ def _passes(layers: list[list[str]], passes: int, prologue: list[str], epilogue:
 
 
 @pytest.mark.parametrize(("model", "passes"), [("llama", 2), ("llama", 4), ("k3", 3)])
-def test_a_device_that_ran_the_model_several_times_has_a_step_per_forward_pass(model, passes):
+def test_a_device_that_ran_the_model_several_times_has_a_step_per_forward_pass(model, passes,
+                                                                               tmp_path):
     """No step range, no graph launch: the forward passes are the steps, each with its
     embedding for prologue and its final norm and LM head for epilogue, where the layer
     types show them (one layer in every pass that also ran the work between two)."""
@@ -695,6 +696,15 @@ def test_a_device_that_ran_the_model_several_times_has_a_step_per_forward_pass(m
                                          r"forward passes where its layers repeat\), so no step "
                                          r"says its phase; phase='all' takes every step$"):
         breakdown(trace, phase="decode")
+    from click.testing import CliRunner
+
+    from kimi_perf.cli import main
+
+    trace.save(tmp_path / "passes.kptrace")   # (the command line says its option)
+    said = CliRunner().invoke(main, ["breakdown", str(tmp_path / "passes.kptrace"), "--phase",
+                                     "decode"])
+    assert said.exit_code == 2 and said.output.endswith(
+        "so no step says its phase; --phase all takes every step\n"), said.output
 
 
 MOE = [*LLAMA[:6], "gemm_router", "topk", "moe_experts", *LLAMA[6:]]

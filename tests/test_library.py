@@ -17,7 +17,7 @@ from kimi_perf.gate import Tolerances, update_baseline
 from kimi_perf.report import report_inputs
 from kimi_perf.runs import TRACE, load_paths, load_run
 from kimi_perf.trace import json_text
-from tests.conftest import NSYS, REPO
+from tests.conftest import NSYS, REPO, rank_copy
 from tests.test_gate import BASELINE
 
 BEFORE = NSYS / "nsysai_fastvideo_wan2.1_train_2xh100_before.sqlite"
@@ -320,6 +320,8 @@ def test_library_calls_given_the_wrong_kind_say_so(tmp_path):
              r"run_doc: .* not a dict of another shape")):
         with pytest.raises(TypeError, match=said):
             call()
+    with pytest.raises(TypeError, match=r"plotly_js: inline, cdn, a URL or a \.js path, not 5"):
+        analyse([BEFORE], tmp_path / "runs", plotly_js=5)   # (before any breakdown)
     assert not list(tmp_path.iterdir())
     with pytest.raises(IndexError, match=f"layer {len(b.layers)} of {len(b.layers)}: out of "
                                          "range"):
@@ -386,8 +388,8 @@ def test_a_span_ratio_the_kernels_time_does_not_explain_is_said():
 
 def test_one_file_compared_with_itself_says_so(tmp_path):
     """compare S S (by any name: a symlink, a run and its breakdown.json) printed every
-    ratio 1.00 without a word; a line says the sides are one file. One run's two paths, or
-    two copies, are no such slip."""
+    ratio 1.00 without a word; a line says the sides are one file, or one capture (a copy).
+    One run's two paths are no such slip."""
     link = tmp_path / "link.sqlite"
     link.symlink_to(BEFORE)
     for a, b in ((BEFORE, BEFORE), (BEFORE, link)):
@@ -399,10 +401,13 @@ def test_one_file_compared_with_itself_says_so(tmp_path):
     run_dir.mkdir()
     (run_dir / "breakdown.json").symlink_to(BASELINE)
     assert "compared with itself" in compare_files(run_dir, BASELINE, "standard").side_notes[0]
-    copy = tmp_path / "copy.sqlite"
+    assert not any("compared with itself" in note for note in compare_files(BASELINE).side_notes)
+    copy = tmp_path / "copy.sqlite"   # (one capture by two files: said as such)
     shutil.copy(BEFORE, copy)
-    for compared in (compare_files(BEFORE, copy), compare_files(BASELINE)):
-        assert not any("compared with itself" in note for note in compared.side_notes)
+    compared = compare_files(BEFORE, copy)
+    assert compared.side_notes[0] == (f"{compared.label_a} and {compared.label_b} are one "
+                                      f"capture (copy.sqlite: a copy of {BEFORE.name}): "
+                                      "compared with itself")
 
 
 def test_gate_files_given_settings_keeps_the_baseline_s_others(tmp_path):
@@ -446,7 +451,7 @@ def test_library_inputs_are_taken_as_their_commands_take_them(tmp_path):
     ranks = tmp_path / "ranks"
     ranks.mkdir()
     for rank in (0, 1):
-        shutil.copy(EXAMPLE_TRACE, ranks / f"rank{rank}.json.gz")
+        rank_copy(EXAMPLE_TRACE, ranks / f"rank{rank}.json.gz", rank)
     assert list(report_inputs([ranks]).breakdowns) == ["rank0", "rank1"]
     _, breakdowns, _ = analyse([ranks], tmp_path / "runs", plotly_js="cdn")
     assert list(breakdowns) == ["rank0", "rank1"]
@@ -460,7 +465,7 @@ def test_library_inputs_are_taken_as_their_commands_take_them(tmp_path):
     with pytest.raises(ValueError, match=r"a \.kptrace file"):   # (over its own trace)
         trace.save(ranks / "rank0.json.gz")
     kept = (ranks / "rank0.json.gz").read_bytes()
-    assert kept == EXAMPLE_TRACE.read_bytes()
+    assert kept == rank_copy(EXAMPLE_TRACE, tmp_path / "again.json.gz", 0).read_bytes()
     trace.save(tmp_path / "x.kptrace")
     saved = read_trace(tmp_path / "x.kptrace")
     with pytest.raises(ValueError, match="the trace this was read from"):
@@ -499,3 +504,50 @@ def test_errors_name_a_calls_arguments_where_the_command_line_names_options(tmp_
             assert result.exit_code == 2 and said_there in result.output, result.output
     with pytest.raises(TraceError, match="phase='prefill'"):   # (the command is over)
         breakdown(trace, phase="prefill")
+    # a run directory among traces: the call that draws it, where the command line names
+    # the command
+    from kimi_perf.capture import analyse
+    from kimi_perf.runs import trace_files
+    from tests.conftest import KINETO
+
+    run_dir = analyse([KINETO / "hta_a100_triton_example.json.gz"], tmp_path / "runs")[0]
+    with pytest.raises(TraceError, match="not a directory of traces: report_inputs draws it"):
+        trace_files([run_dir])
+    said = CliRunner().invoke(main, ["trace", "--from", str(run_dir), "-o",
+                                     str(tmp_path / "again")])
+    assert said.exit_code == 2 and "kimi-perf report draws it" in said.output
+
+
+def test_compare_says_one_capture_under_two_names_and_the_paths_it_left_out(tmp_path):
+    """A trace against a copy of it, or against the .kptrace saved from it elsewhere, read
+    every ratio 1.00 without a word (one file by two names was said); trace --from took three
+    copies as three ranks; compare of a --from run of three traces dropped the third
+    silently; a CPU run's fusion ledger read 'above 1: the fusion is faster'."""
+    from kimi_perf.capture import analyse
+    from tests.conftest import KINETO
+
+    source = KINETO / "hta_a100_triton_example.json.gz"
+    shutil.copy(source, tmp_path / "a.json.gz")
+    shutil.copy(source, tmp_path / "b.json.gz")
+    compared = compare_files(tmp_path / "a.json.gz", tmp_path / "b.json.gz")
+    assert compared.notes.count("a and b are one capture (b.json.gz: a copy of a.json.gz): "
+                                "compared with itself") == 1
+    (tmp_path / "saved").mkdir()
+    assert CliRunner().invoke(main, ["convert", str(source),
+                                     str(tmp_path / "saved" / "t.kptrace")]).exit_code == 0
+    compared = compare_files(source, tmp_path / "saved" / "t.kptrace")
+    assert (f"saved as {tmp_path / 'saved' / 't.kptrace'}): compared with itself"
+            in " ".join(compared.notes))   # (not "beside it": it is elsewhere)
+    with pytest.raises(TraceError, match=r"b\.json\.gz: given twice \(a copy of a\.json\.gz\)"):
+        analyse([tmp_path / "a.json.gz", tmp_path / "b.json.gz"], tmp_path / "runs")
+    others = [KINETO / "hta_amd_mi250_rocm62_minitoy.json.gz",
+              KINETO / "hta_v100_ns_resolution_gpu_user_annotation.json.gz"]
+    run_dir, results, _ = analyse([source, *others], tmp_path / "runs")
+    third = list(results)[2]
+    note = compare_files(run_dir).notes
+    assert (f"{run_dir} holds 3 paths: compared are its first two, {third} left out (its "
+            "report sets the first against each of the others)") in note
+    ledger = CliRunner().invoke(main, ["compare", str(BASELINE), "--kernels"]).output
+    assert "a CPU run: its µs are CPU time, the specialized launches in Triton's" in " ".join(
+        ledger.split())
+    assert "the fusion is faster" not in ledger

@@ -589,6 +589,20 @@ def test_kineto_ranges_with_a_negative_duration_are_left_out_and_counted(tmp_pat
         "kernel\n")
     assert [line.split(",")[0] for line in run.stdout.splitlines()[1:]] == [
         "", "ProfilerStep#0", "ProfilerStep#3"]
+    # every step range without a time: what finds no step says why, and ranges says once why
+    # every kernel is in none
+    for event in events:
+        if event["cat"] == "user_annotation":
+            event["dur"] = -1
+    path.write_text(json.dumps({"traceEvents": events}))
+    run = CliRunner().invoke(main, ["breakdown", str(path), "--steps", "ProfilerStep"])
+    assert run.exit_code == 2 and run.output == (
+        f"kimi-perf: error: {path}: no range matching --steps 'ProfilerStep' holds a kernel "
+        "launch (4 ranges without a time, a missing or negative dur, left out)\n")
+    run = CliRunner().invoke(main, ["ranges", str(path)])
+    assert run.exit_code == 0 and run.stderr == (
+        f"{path}: 4 ranges without a time (a missing or negative dur) left out, holding no "
+        "kernel: every kernel is in none\n")
 
 
 @pytest.mark.parametrize(("field", "value"), [("ts", True), ("ts", "12"), ("dur", False),

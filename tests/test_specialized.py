@@ -624,6 +624,12 @@ def test_report_escapes_names_and_is_written_whole(tmp_path):
     shared = write_report(tmp_path / "reports" / "shared.html", {"a": breakdown(trace)}, "t",
                           plotly_js=str(js))
     assert '<script charset="utf-8" src="../js/plotly.min.js">' in shared.read_text()
+    as_path = write_report(tmp_path / "reports" / "path.html", {"a": breakdown(trace)}, "t",
+                           plotly_js=js)   # (a Path, as the README has it)
+    assert '<script charset="utf-8" src="../js/plotly.min.js">' in as_path.read_text()
+    with pytest.raises(ValueError, match=r"plotly_js: inline, cdn or a path ending in \.js, not "
+                                         "'cdn'"):   # (a Path is a file's: not the mode)
+        write_report(tmp_path / "cdn.html", {"a": breakdown(trace)}, "t", plotly_js=Path("cdn"))
     with pytest.raises(TraceError, match="plotly_js: no such file"):
         write_report(tmp_path / "none.html", {"a": breakdown(trace)}, "t",
                      plotly_js=str(tmp_path / "none.js"))

@@ -18,7 +18,7 @@ import os
 import torch
 
 from kimi_perf.decode.config import K3Config
-from kimi_perf.decode.model import DecodeState, K3Model, check_batch
+from kimi_perf.decode.model import DecodeState, K3Model, check_batch, check_tokens
 from kimi_perf.decode.reference import Observer
 from kimi_perf.decode.weights import Weights, layer_prefix
 
@@ -101,6 +101,7 @@ class KernelPathModel(K3Model):
     def forward(self, tokens: torch.Tensor, state: DecodeState, observer: Observer | None = None,
                 verify: bool = False, layer_hook=None,
                 last_logits: bool = False) -> torch.Tensor:
+        check_tokens(tokens)   # (before unsupported reads its shape)
         call = self.calls
         self.calls += 1
         reason = self.unsupported(tokens, verify)

@@ -200,6 +200,16 @@ class DecodeState:
         self.verify_tokens = 0
 
 
+def check_tokens(tokens: object) -> None:
+    """A step's tokens are a tensor [B, T] of integer ids (its shape and type alone: no read
+    of the values, so graph-safe)."""
+    if not (isinstance(tokens, torch.Tensor) and tokens.dim() == 2
+            and not tokens.dtype.is_floating_point and tokens.dtype != torch.bool):
+        said = (f"of shape {tuple(tokens.shape)} and {tokens.dtype}"
+                if isinstance(tokens, torch.Tensor) else f"a {type(tokens).__name__}")
+        raise ValueError(f"forward: tokens are integer ids [B, T], not {said}")
+
+
 def check_batch(tokens: torch.Tensor, state: DecodeState, vocab: int, graph_safe: bool
                 ) -> None:
     """A step's tokens [B, T] are of the state's B sequences, at least one each (a torch size
@@ -389,6 +399,7 @@ class K3Model:
         them (a K3 prompt's logits for every position take B·T·655 kB).
         """
         c = self.c
+        check_tokens(tokens)
         B, T = tokens.shape
         check_batch(tokens, state, c.vocab, self.graph_safe)
         if verify:
