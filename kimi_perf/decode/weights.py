@@ -170,7 +170,7 @@ def check_weight_shapes(c: K3Config, weights: Mapping[str, torch.Tensor]) -> Non
         if name not in weights:
             raise ValueError(f"weights: no {name}")
         if tuple(weights[name].shape) != expected:
-            rank = (f" (one rank's shapes at TP {c.tp}: shard(weights, config, rank) cuts "
+            rank = (f" (one rank's shapes at TP {c.tp}: shard(weights, rank_config, rank) cuts "
                     "them from the whole model's)" if c.tp > 1 else "")
             raise ValueError(f"weights: {name} has shape {tuple(weights[name].shape)}, "
                              f"expected {expected}{rank}")
@@ -306,7 +306,7 @@ def load_safetensors(directory: str | Path, c: K3Config,
 
     if c.tp > 1:   # (a checkpoint holds the whole model; weight_shapes are its shapes)
         raise ValueError(f"c: the whole model's config (tp=1), not one rank's (tp={c.tp}); "
-                         "shard(weights, config, rank) cuts a rank's weights from the whole "
+                         "shard(weights, rank_config, rank) cuts a rank's weights from the whole "
                          "model's")
     directory = Path(directory)
     if not directory.is_dir():
