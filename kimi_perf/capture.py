@@ -41,12 +41,12 @@ from kimi_perf.decode.fallbacks import (
     paths_that_fell_back,
     summarise,
 )
-from kimi_perf.errors import TraceError, argument, stat_problem
+from kimi_perf.errors import TraceError, argument, path_list, stat_problem
 from kimi_perf.layer_breakdown import Breakdown, breakdown, breakdown_of_file
 from kimi_perf.memory import address_space_capped
 from kimi_perf.readers import read_trace
 from kimi_perf.readers.nsys import has_nvtx_ranges, nsys_cli, nsys_failure
-from kimi_perf.runs import path_list, same_capture, trace_files, trace_labels
+from kimi_perf.runs import same_capture, trace_files, trace_labels
 from kimi_perf.text import also_as
 from kimi_perf.trace import (
     atomic_write,

@@ -1,4 +1,5 @@
-"""The one error type that the CLI turns into a one-line message and exit code 2."""
+"""The one error type that the CLI turns into a one-line message and exit code 2, and how
+errors name what was given: a call's arguments, the command line's options, paths."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import errno
 import os
 import re
 import stat
+from collections.abc import Iterable
 from pathlib import Path
 
 # C0 and C1 controls, and the bidirectional formatting characters (a right-to-left override
@@ -50,6 +52,16 @@ def path_argument(value: object, parameter: str) -> Path:
     said = ("a list: one file goes there" if isinstance(value, list | tuple)
             else type(value).__name__)
     raise TypeError(f"{parameter}: a file's path (a str or Path), not {said}")
+
+
+def path_list(paths: Iterable[str | Path], parameter: str, what: str) -> list[Path]:
+    """``paths`` as a list of Paths; one path given where a list goes is a TypeError naming
+    the ``parameter`` and ``what`` goes there (iterated, a path would be read a letter a
+    file)."""
+    if isinstance(paths, str | Path):
+        raise TypeError(f"{parameter}: a list of {what}, not one {type(paths).__name__} "
+                        f"({str(paths)!r}): give [{str(paths)!r}]")
+    return [Path(p) for p in paths]
 
 
 class TraceError(Exception):

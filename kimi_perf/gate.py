@@ -88,7 +88,7 @@ from kimi_perf.comparison import (
     unequal_windows,
 )
 from kimi_perf.decode.fallbacks import fell_back_text, paths_that_fell_back
-from kimi_perf.errors import TraceError, argument
+from kimi_perf.errors import TraceError, argument, path_list
 from kimi_perf.layer_breakdown import (
     Breakdown,
     class_column,
@@ -109,7 +109,6 @@ from kimi_perf.runs import (
     load_run,
     no_run,
     one_path,
-    path_list,
     run_differences,
     run_spread_problem,
     store_baseline,

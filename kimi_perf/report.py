@@ -45,7 +45,7 @@ from kimi_perf.comparison import (
     type_pairs,
 )
 from kimi_perf.decode.fallbacks import fell_back_text, paths_that_fell_back
-from kimi_perf.errors import TraceError, argument, stat_problem
+from kimi_perf.errors import TraceError, argument, path_list, stat_problem
 from kimi_perf.layer_breakdown import (
     SPREAD_NOTE,
     Breakdown,
@@ -64,7 +64,6 @@ from kimi_perf.runs import (
     load_paths,
     no_run,
     one_path,
-    path_list,
     run_differences,
     run_name,
     trace_files,

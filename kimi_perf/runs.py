@@ -18,12 +18,18 @@ import os
 import re
 import zlib
 from collections import Counter
-from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
 
-from kimi_perf.errors import COMMAND_LINE, TraceError, argument, path_argument, stat_problem
+from kimi_perf.errors import (
+    COMMAND_LINE,
+    TraceError,
+    argument,
+    path_argument,
+    path_list,
+    stat_problem,
+)
 from kimi_perf.layer_breakdown import Breakdown, breakdown_of_file, layer_column
 from kimi_perf.names import primed
 from kimi_perf.readers.nsys import NSYS_REPORTS, is_stale_export
@@ -1027,16 +1033,6 @@ def _size(f: Path) -> int | None:
 
 def _key(identity: dict) -> tuple:
     return identity["name"], identity["size"], identity["digest"]
-
-
-def path_list(paths: Iterable[str | Path], parameter: str, what: str) -> list[Path]:
-    """``paths`` as a list of Paths; one path given where a list goes is a TypeError naming
-    the ``parameter`` and ``what`` goes there (iterated, a path would be read a letter a
-    file)."""
-    if isinstance(paths, str | Path):
-        raise TypeError(f"{parameter}: a list of {what}, not one {type(paths).__name__} "
-                        f"({str(paths)!r}): give [{str(paths)!r}]")
-    return [Path(p) for p in paths]
 
 
 def trace_files(paths: list[str | Path], keep_runs: bool = False,
