@@ -376,7 +376,7 @@ def _preset_config(name: str, tp: int | None = None):
 def _mxfp4_fits(config, experts: str) -> None:
     """``--experts mxfp4`` where a rank's expert matrices are not whole groups of 32 values
     (``tiny --tp 4``): a one-line error before any work."""
-    from kimi_perf.decode.weights import mxfp4_problem
+    from kimi_perf.decode.config import mxfp4_problem  # (no torch: floors checks it too)
 
     if experts == "mxfp4" and (problem := mxfp4_problem(config)):
         raise TraceError(None, f"--experts mxfp4: {problem}")
@@ -1366,6 +1366,7 @@ def floors_cmd(preset_name: str, tp: int | None, batch: int, context: int, weigh
     from kimi_perf.decode.floors import Storage, floors
 
     c = _preset_config(preset_name, tp=tp)
+    _mxfp4_fits(c, experts)
     doc = floors(c, batch, context, Storage(weights, experts, kv_cache), bandwidth * 1e12,
                  tokens=1 + spec_tokens)
     doc["preset"] = preset_name

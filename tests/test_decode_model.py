@@ -819,14 +819,36 @@ def test_forward_refuses_token_ids_outside_the_vocabulary_and_empty_steps(weight
                 (torch.zeros(2, 0, dtype=torch.long), r"no tokens \(tokens \[B, T\] of shape "
                                                       r"\(2, 0\)\): a step takes"),
                 # a shape or type not of ids: said, not a torch unpacking or indexing error
-                (torch.tensor([1, 2]), r"tokens are integer ids \[B, T\], not of shape \(2,\) "
-                                       r"and torch.int64$"),
-                (torch.ones(2, 1), r"tokens are integer ids .* not of shape \(2, 1\) and "
-                                   r"torch.float32$"),
-                ([[1], [2]], r"tokens are integer ids \[B, T\], not a list$")):
+                (torch.tensor([1, 2]), r"tokens are int64 or int32 ids \[B, T\], not of shape "
+                                       r"\(2,\) and torch.int64$"),
+                (torch.ones(2, 1), r"tokens .* not of shape \(2, 1\) and torch.float32$"),
+                ([[1], [2]], r"tokens are int64 or int32 ids \[B, T\], not a list$"),
+                # (uint8 would index as a mask; int16 torch refuses to index with)
+                (torch.tensor([[1], [2]], dtype=torch.uint8), r"tokens .* torch.uint8$"),
+                (torch.tensor([[1], [2]], dtype=torch.int16), r"tokens .* torch.int16$")):
             with pytest.raises(ValueError, match=f"^forward: {said}"):
                 model.forward(tokens, state)
         assert state.lengths.tolist() == [0, 0]
+        model.forward(torch.tensor([[1], [2]], dtype=torch.int32), state)   # (int32 ids too)
+        assert state.lengths.tolist() == [1, 1]
+
+
+def test_a_graph_safe_step_reads_no_token_id(weights, monkeypatch):
+    """The ids' check reads them (a wait on the device): a graph-safe step, which a CUDA
+    graph captures, must not."""
+    from kimi_perf.decode.validate import make_path
+
+    for path in ("standard", "specialized"):
+        model = make_path(path, TINY, weights, torch.float32)
+        state = model.new_state(2, 4)
+        model.graph_safe = True
+
+        def read(*args, **kwargs):
+            raise AssertionError("a graph-safe step read its token ids")
+
+        with monkeypatch.context() as patched:
+            patched.setattr(torch, "aminmax", read)
+            model.forward(torch.tensor([[1], [2]]), state)
 
 
 def test_config_and_build_options_that_make_no_sense_are_refused(weights):
@@ -854,7 +876,14 @@ def test_config_and_build_options_that_make_no_sense_are_refused(weights):
                                              r"\(w13\) hold values MXFP4 cannot"):
             build_model(TINY, weights, standard_ops=standard_ops, experts="mxfp4")
     rounded = mxfp4_experts(weights)
-    assert type(build_model(TINY, rounded, standard_ops="torch", experts="mxfp4")) is K3Model
+    torch_ops = build_model(TINY, rounded, standard_ops="torch", experts="mxfp4")
+    assert type(torch_ops) is K3Model   # checked, and no codes kept (it computes on bf16)
+    assert not any(k.endswith("_mxfp4") for p in torch_ops.packed.values() for k in p)
+    kernels = build_model(TINY, rounded, standard_ops="kernels", experts="mxfp4")
+    assert all(f"{n}_mxfp4" in kernels.packed[i] for i in range(1, TINY.n_layers)
+               for n in ("w13", "w2"))
+    with pytest.raises(ValueError, match=r"^MXFP4 experts need .* 16 \(at TP 4\)$"):
+        K3Model(TINY.shard(4), {}, experts="mxfp4")   # (before any weight is looked at)
     tp4 = TINY.shard(4)
     with pytest.raises(ValueError, match=r"intermediate per rank is 16 \(at TP 4\)$"):
         random_weights(tp4, experts="mxfp4")

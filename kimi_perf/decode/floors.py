@@ -27,7 +27,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kimi_perf.decode.config import K3Config, mxfp4_problem
-from kimi_perf.errors import TraceError, argument
 
 # Bytes per parameter; MXFP4: a 4-bit value plus an 8-bit scale per 32.
 DTYPE_BYTES = {"bf16": 2.0, "fp8": 1.0, "mxfp4": 0.5 + 1 / 32}
@@ -119,7 +118,7 @@ def floors(c: K3Config, batch: int, context: int, storage: Storage = Storage(),
         raise ValueError(f"a step holds at least one token per sequence, not {tokens}")
     # the floors of experts no rank can store (as trace and validate refuse them)
     if storage.experts == "mxfp4" and (problem := mxfp4_problem(c)):
-        raise TraceError(None, f"{argument('--experts', 'experts', 'mxfp4')}: {problem}")
+        raise ValueError(f"storage.experts='mxfp4': {problem}")
     out = {"schema": 1, "config_hash": c.fingerprint(), "tp": c.tp, "batch": batch,
            "tokens": tokens, "context": context, "storage": storage.__dict__,
            "bandwidth_Bps": bandwidth,

@@ -67,6 +67,8 @@ class KernelPathModel(K3Model):
         self.final_qk = (self.w["model.output_attn_res_norm.weight"]
                          * self.w["model.output_attn_res_proj.weight"].float().reshape(-1))
 
+    keeps_mxfp4_codes = True
+
     def keep_codes(self, i: int, name: str, codes: mxfp4.Mxfp4) -> None:
         """The MXFP4 codes and scales the expert launches stream (0.53 bytes a weight); the
         stacks in the model's dtype stay for the steps that fall back to PyTorch ops."""

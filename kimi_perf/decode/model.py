@@ -201,13 +201,14 @@ class DecodeState:
 
 
 def check_tokens(tokens: object) -> None:
-    """A step's tokens are a tensor [B, T] of integer ids (its shape and type alone: no read
-    of the values, so graph-safe)."""
+    """A step's tokens are a tensor [B, T] of int64 or int32 ids, the index types the
+    embedding takes (uint8 would index as a mask), by its shape and type alone: no read of
+    the values, so graph-safe."""
     if not (isinstance(tokens, torch.Tensor) and tokens.dim() == 2
-            and not tokens.dtype.is_floating_point and tokens.dtype != torch.bool):
+            and tokens.dtype in (torch.int64, torch.int32)):
         said = (f"of shape {tuple(tokens.shape)} and {tokens.dtype}"
                 if isinstance(tokens, torch.Tensor) else f"a {type(tokens).__name__}")
-        raise ValueError(f"forward: tokens are integer ids [B, T], not {said}")
+        raise ValueError(f"forward: tokens are int64 or int32 ids [B, T], not {said}")
 
 
 def check_batch(tokens: torch.Tensor, state: DecodeState, vocab: int, graph_safe: bool
@@ -248,6 +249,8 @@ class K3Model:
                  device: torch.device | str = "cpu", all_reduce: Callable | None = None,
                  experts: str = "bf16"):
         check_expert_storage(experts)
+        if experts == "mxfp4" and (problem := mxfp4_problem(c)):
+            raise ValueError(problem)   # (before any weight moves)
         check_weight_shapes(c, weights)
         self.c = c
         self.experts = experts
@@ -313,22 +316,26 @@ class K3Model:
                         del self.w[m + f"experts.{e}.{n}.weight"]
             self.packed[i] = p
 
+    # Whether the path streams MXFP4 experts as codes (the kernel paths); the PyTorch ops
+    # compute on the stacks in the model's dtype, their values MXFP4's, and keep none.
+    keeps_mxfp4_codes = False
+
     def _pack_experts(self) -> None:
         """With ``experts="mxfp4"``: each MoE layer's routed experts checked to hold MXFP4
-        values (``weights.mxfp4_experts``, or a checkpoint loaded from MXFP4), as the kernel
-        paths check them where they pack them; ``keep_codes`` takes the codes."""
+        values (``weights.mxfp4_experts``, or a checkpoint loaded from MXFP4), as every path
+        checks them; a path that ``keeps_mxfp4_codes`` takes the codes (``keep_codes``)."""
         if self.experts == "bf16":
             return
-        if problem := mxfp4_problem(self.c):
-            raise ValueError(problem)
         for i in range(1, self.c.n_layers):
             for name in ("w13", "w2"):
-                self.keep_codes(i, name, mxfp4_codes(
-                    self.packed[i][name], f"layer {i}'s routed experts ({name})"))
+                codes = mxfp4_codes(self.packed[i][name], f"layer {i}'s routed experts "
+                                    f"({name})", keep=self.keeps_mxfp4_codes)
+                if codes is not None:
+                    self.keep_codes(i, name, codes)
 
     def keep_codes(self, i: int, name: str, codes: Mxfp4) -> None:
-        """Layer i's routed experts ``name`` as MXFP4 codes: the PyTorch ops compute on the
-        stacks in the model's dtype (their values MXFP4's), and keep none."""
+        """Layer i's routed experts ``name`` as MXFP4 codes (``keeps_mxfp4_codes``)."""
+        raise NotImplementedError
 
     # -- bookkeeping ----------------------------------------------------------------------
 

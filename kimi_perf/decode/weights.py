@@ -146,19 +146,22 @@ def _mxfp4_values(t: torch.Tensor) -> torch.Tensor:
     return mxfp4.dequantize(mxfp4.quantize(t)).to(t.dtype)
 
 
-def mxfp4_codes(stack: torch.Tensor, what: str) -> mxfp4.Mxfp4:
+def mxfp4_codes(stack: torch.Tensor, what: str, keep: bool = True) -> mxfp4.Mxfp4 | None:
     """Routed experts ``stack`` [E, N, K] as MXFP4 codes and scales, one expert at a time (a
     K3 layer's stack is 2.5e9 values); a ValueError naming ``what`` where the stack holds
-    values MXFP4 cannot (packing them would lose them)."""
+    values MXFP4 cannot (packing them would lose them). ``keep=False``: checked alone, no
+    codes stored (None)."""
     e, n, k = stack.shape
     q = mxfp4.Mxfp4(stack.new_empty(e, n, k // 2, dtype=torch.uint8),
-                    stack.new_empty(e, n, k // mxfp4.GROUP, dtype=torch.uint8), stack.dtype)
+                    stack.new_empty(e, n, k // mxfp4.GROUP, dtype=torch.uint8),
+                    stack.dtype) if keep else None
     for expert in range(e):
         one = mxfp4.quantize(stack[expert])
         if not torch.equal(mxfp4.dequantize(one), stack[expert].float()):
             raise ValueError(f"experts='mxfp4': {what} hold values MXFP4 cannot; round them "
                              "first (weights.mxfp4_experts)")
-        q.packed[expert], q.scale[expert] = one.packed, one.scale
+        if q is not None:
+            q.packed[expert], q.scale[expert] = one.packed, one.scale
     return q
 
 
