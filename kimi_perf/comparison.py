@@ -27,6 +27,7 @@ from kimi_perf.runs import (
     without_shared_date,
 )
 from kimi_perf.text import distinct_words, header_labels
+from kimi_perf.trace import Trace
 
 ALL_LAYERS = "all layers (mean)"
 WHOLE_STEP = "whole step (median)"   # every kernel of a step, whatever its layers
@@ -190,11 +191,13 @@ def two_breakdowns(what: str, a: object, b: object) -> None:
     two Breakdowns: files, traces, a run's breakdowns by path."""
     if isinstance(a, Breakdown) and isinstance(b, Breakdown):
         return
-    kinds = {type(a).__name__, type(b).__name__}
-    hint = ("compare_files takes files" if {"str", "PosixPath", "WindowsPath"} & kinds else
-            "breakdown(trace) breaks a trace down" if "Trace" in kinds else
+    def given(kind) -> bool:
+        return isinstance(a, kind) or isinstance(b, kind)
+
+    hint = ("compare_files takes files" if given(str | os.PathLike) else
+            "breakdown(trace) breaks a trace down" if given(Trace) else
             "of a run's breakdowns by path (load_run's), give one: runs['specialized']"
-            if "dict" in kinds else "")
+            if given(dict) else "")
     raise TypeError(f"{what} takes two Breakdowns (breakdown(trace), load_breakdown(file)), "
                     f"not {type(a).__name__} and {type(b).__name__}" + (f": {hint}" if hint
                                                                          else ""))
