@@ -12,6 +12,7 @@ import os
 import re
 import shlex
 import signal
+import stat
 import sys
 import threading
 from pathlib import Path
@@ -36,7 +37,14 @@ from kimi_perf.layer_breakdown import note_lines, units_word
 from kimi_perf.layers import PHASES
 from kimi_perf.readers import read_trace
 from kimi_perf.text import also_as, counted, distinct_words, header_labels
-from kimi_perf.trace import GPU_RANGE, atomic_write_text, json_text, printable, whole_stdout
+from kimi_perf.trace import (
+    GPU_RANGE,
+    atomic_write_text,
+    check_not_read_only,
+    json_text,
+    printable,
+    whole_stdout,
+)
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -320,13 +328,13 @@ def _format_of(fmt: str | None, output: Path | None, choices: tuple[str, ...]) -
     a report's, a .kptrace's or a trace's suffix (``NOT_WRITTEN``) whatever the format."""
     suffix = output.suffix.lower().removeprefix(".") if output is not None else ""
     if suffix in NOT_WRITTEN:
-        raise TraceError(None, f"-o {output.name}: {NOT_WRITTEN[suffix]}, not what this "
+        raise TraceError(None, f"-o {printable(str(output))}: {NOT_WRITTEN[suffix]}, not what this "
                                "command writes: name the file otherwise")
     if fmt is not None:
         return fmt
     if suffix in ("csv", "json") and suffix not in choices:
         formats = ["table", *(c for c in choices if c != "table")]
-        raise TraceError(None, f"-o {output.name}: no {suffix} format here "
+        raise TraceError(None, f"-o {printable(str(output))}: no {suffix} format here "
                                f"({', '.join(formats[:-1])} or {formats[-1]}): give --format, "
                                "or another name")
     return suffix if suffix in choices and suffix != "table" else "table"
@@ -756,7 +764,7 @@ def compare_cmd(a: Path, b: Path | None, path_name: str | None, fmt: str | None,
 @click.option("-o", "--output", type=VERDICT_FILE, help="write the verdict here (the table as "
               "text, or the JSON), not stdout; where the gate cannot run with its inputs and "
               "options (exit 2), none: an earlier verdict there is removed (a usage error, "
-              "an unknown option say, stops it before it starts)")
+              "an unknown option or a name refused, .xml say, stops it before it starts)")
 @click.option("--junit", type=VERDICT_FILE, help="also write the verdict as JUnit XML here (a test "
               "case per check, for a CI server's test report); removed where the gate cannot "
               "run, as -o is")
@@ -782,6 +790,18 @@ def gate_cmd(baseline: Path, run: Path, metrics: str | None, rel_tol: float, abs
     store); 2: the gate could not run (a file missing or unreadable, options that do not go
     together).
     """
+    # names of what the verdict files are not: refused, and left alone (a run's report.html)
+    fmt = _format_of(fmt, output, ("json",))
+    if output is not None and output.suffix.lower() == ".xml":
+        raise TraceError(None, f"-o {printable(str(output))}: -o writes the table or the "
+                               "JSON; --junit writes the XML")
+    if junit is not None and str(junit) == "-":
+        raise TraceError(None, "--junit takes a file to write, not - (-o - is stdout's)")
+    if junit is not None and (suffix := junit.suffix.lower()[1:]) in (*NOT_WRITTEN, "json",
+                                                                      "csv"):
+        named = NOT_WRITTEN.get(suffix, f"a .{suffix}")
+        raise TraceError(None, f"--junit {printable(str(junit))}: {named}, not what "
+                               "--junit writes (XML): name the file otherwise")
     verdicts = [(option, file) for option, file in (("-o", output), ("--junit", junit))
                 if file is not None and str(file) != "-"]
     # an earlier verdict goes whatever stops the gate, but never a file that is an input, the
@@ -790,9 +810,6 @@ def gate_cmd(baseline: Path, run: Path, metrics: str | None, rel_tol: float, abs
     stale = [file for _, file in verdicts if _input_it_is(file, *inputs) is None
              and not _same_file(file, baseline) and not file.is_dir()]
     with _no_earlier_verdict(*stale):
-        fmt = _format_of(fmt, output, ("json",))
-        if junit is not None and str(junit) == "-":
-            raise TraceError(None, "--junit takes a file to write, not - (-o - is stdout's)")
         for option, file in verdicts:   # (checked before --update stores a file)
             _not_an_input(file, *inputs)
             if _same_file(file, baseline):
@@ -842,9 +859,18 @@ def _no_earlier_verdict(*files: Path):
         if isinstance(exc, BrokenPipeError):   # (the verdict written, its reader gone)
             raise
         for file in files:
-            with contextlib.suppress(OSError):
-                file.unlink(missing_ok=True)
+            with contextlib.suppress(OSError, TraceError):
+                _remove_verdict(file)
         raise
+
+
+def _remove_verdict(file: Path) -> None:
+    """Remove a verdict file as it would be written: a symlink's target (the link kept, to be
+    written through again); never a device or pipe (/dev/null), nor a file made read-only."""
+    target = Path(os.path.realpath(file, strict=True))
+    if stat.S_ISREG(target.lstat().st_mode):
+        check_not_read_only(target)
+        target.unlink()
 
 
 def _gate(baseline: Path, run: Path, tolerances: gate_mod.Tolerances | None, kept: dict,
@@ -1040,8 +1066,8 @@ def report_cmd(inputs: tuple[Path, ...], path_name: str | None, labels: str | No
 
     if (suffix := output.suffix.lower()) in (".csv", ".json", ".txt", ".kptrace", ".sqlite"):
         # (HTML in a file named for another format: a slip, which -o elsewhere honours)
-        raise TraceError(None, f"-o {output.name}: the report is HTML, not {suffix[1:]}: "
-                               "name it .html")
+        raise TraceError(None, f"-o {printable(str(output))}: the report is HTML, not "
+                               f"{suffix[1:]}: name it .html")
     plotly_js_for(plotly_js, output.parent)  # a missing file is said before any work
     found, left_out = _traces_in(list(inputs), keep_runs=True)
     inputs = tuple(found)

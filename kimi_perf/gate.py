@@ -322,6 +322,13 @@ def gate_files(baseline: str | Path, run: str | Path, tolerances: Tolerances | N
     if tolerances is None:
         tolerances = kept_tolerances(baseline, base_doc)
     paths_differ = []
+    if path is None:
+        # a run's trace against a run of several paths stands for the path it captured
+        # (RUN/specialized.kptrace: its name and run.json say which), as --path would name it
+        for file, runs, other in ((baseline, base, current), (run, current, base)):
+            if set(runs) == {TRACE} and len(other) > 1 and (held := captured_path(file)) in other:
+                path = held
+    whole = {baseline: base, run: current}   # (before --path takes one path of each)
     if path is not None:
         if set(base) == set(current) == {TRACE}:
             raise no_run([baseline, run], "path")
@@ -331,12 +338,16 @@ def gate_files(baseline: str | Path, run: str | Path, tolerances: Tolerances | N
                 for file, runs in ((baseline, base), (run, current))]
         if None not in held and held[0] != held[1]:
             paths_differ = [f"decode path {held[0]} vs {held[1]}"]
-        base, current = ({path: runs[TRACE]} if set(runs) == {TRACE}
-                         else dict([one_path(file, runs, path, "path")])
-                         for file, runs in ((baseline, base), (run, current)))
+        base = ({path: base[TRACE]} if set(base) == {TRACE}
+                else dict([one_path(baseline, base, path, "path")]))
+        # a path of the baseline's that the run lost fails as missing, as it does where no
+        # --path is given (a name that only a trace stood for is a typo: said)
+        current = ({path: current[TRACE]} if set(current) == {TRACE}
+                   else {} if path not in current and path in whole[baseline]
+                   else dict([one_path(run, current, path, "path")]))
     for file, runs, what in ((baseline, base, "nothing to check a run against"),
                              (run, current, "nothing to check against the baseline")):
-        if not has_work(runs):   # (a run that lost every layer would fail as "missing")
+        if not has_work(whole[file]):   # (a run that lost every layer would fail as "missing")
             raise TraceError(file, f"holds no steps and no layers: {what} (a capture "
                                    "without GPU work?)")
         if empty := [p for p, b in runs.items() if not (b.steps or b.layers)]:

@@ -131,7 +131,9 @@ def load_run(path: str | Path, phase: str = "auto", **breakdown_options
                 doc.get("gate_tolerances")) or run_spread_problem(doc.get("run_spread"))):
             raise TraceError(path, problem)
         if isinstance(doc, dict) and isinstance(doc.get("paths"), dict) and doc["paths"]:
-            if type(doc.get("schema")) is not int or doc["schema"] != 1:
+            if "schema" not in doc:
+                raise TraceError(path, "a kimi-perf run breakdown without its 'schema' (1)")
+            if type(doc["schema"]) is not int or doc["schema"] != 1:
                 raise TraceError(path, "not a kimi-perf run breakdown of schema 1")
             if "run" not in doc:   # (kimi-perf trace writes it: how the run was captured)
                 raise TraceError(path, "a run breakdown without its run information ('run': "
@@ -258,6 +260,8 @@ def run_info_problem(run: object) -> str | None:
             return f"run.paths.{name}.fallbacks is not a list of the steps that fell back"
         if not (m.get("logits_finite") is None or isinstance(m["logits_finite"], bool)):
             return f"run.paths.{name}.logits_finite is not true, false or null"
+        if not isinstance(m.get("every_step_fell_back", False), bool):
+            return f"run.paths.{name}.every_step_fell_back is not true or false"
     floors = run.get("floors")
     if floors is not None and not (
             is_finite_number(floors.get("bandwidth_Bps"))

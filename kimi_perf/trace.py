@@ -791,9 +791,11 @@ def _write_ipc(f, table: pa.Table) -> None:
         writer.write_table(table)
 
 
-# kimi-perf's own JSON (a breakdown, or a run's breakdowns) begins with "schema"; a Kineto
-# trace with "schemaVersion" or "traceEvents", if with an object
-KIMI_PERF_JSON = re.compile(rb'(?:\xef\xbb\xbf)?\s*\{\s*"schema"\s*:')
+# kimi-perf's own JSON (a breakdown, or a run's breakdowns) begins with "schema", or, its
+# keys sorted or moved (a baseline edited, json.dump(sort_keys=True)), with another of its; a
+# Kineto trace with "schemaVersion" or "traceEvents", if with an object
+KIMI_PERF_JSON = re.compile(
+    rb'(?:\xef\xbb\xbf)?\s*\{\s*"(?:schema|gate_tolerances|layer_types|paths|run)"\s*:')
 
 
 def _first_line(exc: BaseException) -> str:

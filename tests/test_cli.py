@@ -434,6 +434,11 @@ def test_a_path_that_fell_back_on_every_step_is_said_so_by_compare_report_and_ga
     for args in (("gate", BASELINE, one_path), ("compare", one_path, BASELINE)):
         result = run(*args, "--metrics", "kernels") if args[0] == "gate" else run(*args)
         _one_line_error(result, f"{one_path}: run.paths.specialized.fallbacks is not a list")
+    # nor a text for a truth: "yes" is no True, and the "fell back" check went unmade
+    doc["run"]["paths"]["specialized"].update(fallbacks=[], every_step_fell_back="yes")
+    one_path.write_text(json.dumps(doc))
+    _one_line_error(run("gate", BASELINE, one_path, "--metrics", "kernels"),
+                    f"{one_path}: run.paths.specialized.every_step_fell_back is not true or false")
 
 
 def test_the_gate_fails_a_run_whose_path_computed_logits_not_finite(tmp_path):
@@ -1822,7 +1827,7 @@ def test_report_refuses_a_name_of_another_format(tmp_path):
     for name in ("r.txt", "r.JSON", "r.csv"):
         result = run("report", VLLM, "-o", tmp_path / name)
         assert result.exit_code == 2 and result.output == (
-            f"kimi-perf: error: -o {name}: the report is HTML, not "
+            f"kimi-perf: error: -o {tmp_path / name}: the report is HTML, not "
             f"{name[2:].lower()}: name it .html\n")
         assert not (tmp_path / name).exists()
     assert run("report", VLLM, "-o", tmp_path / "r", "--plotly-js", "cdn").exit_code == 0
@@ -2123,7 +2128,8 @@ def test_output_suffix_names_the_format_where_none_is_given(tmp_path):
     # a suffix naming a format the command lacks: refused, not a table in a .csv file
     for command in (["compare", BASELINE], ["gate", BASELINE, BASELINE], ["floors"]):
         _one_line_error(run(*command, "-o", tmp_path / "x.csv"),
-                        "-o x.csv: no csv format here (table or json): give --format, or "
+                        f"-o {tmp_path / 'x.csv'}: no csv format here (table or json): give "
+                        "--format, or "
                         "another name")
     assert not (tmp_path / "x.csv").exists()
     assert run("floors", "-o", tmp_path / "x.csv", "--format", "table").exit_code == 0
@@ -2135,7 +2141,8 @@ def test_output_suffix_names_the_format_where_none_is_given(tmp_path):
                        ("t.nsys-rep", "a trace's name")):
         for fmt in ([], ["--format", "table"], ["--format", "json"]):   # (whatever format)
             _one_line_error(run("compare", BASELINE, "-o", tmp_path / name, *fmt),
-                            f"-o {name}: {what}, not what this command writes: name the "
+                            f"-o {tmp_path / name}: {what}, not what this command writes: "
+                            "name the "
                             "file otherwise")
         assert not (tmp_path / name).exists()
     assert run("ranges", trace, "-o", tmp_path / "r.txt").exit_code == 0   # (any other: table)

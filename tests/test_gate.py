@@ -434,10 +434,11 @@ def test_gate_writes_junit_for_a_ci_servers_test_report(tmp_path):
     broken.write_text("{")
     result = CliRunner().invoke(main, ["gate", str(before), str(broken), "--junit", str(junit)])
     assert result.exit_code == 2 and not junit.exists()
-    for args, problem in (([str(before), str(after), "-o", str(out), "--junit", str(out)],
+    both = str(tmp_path / "verdict.txt")
+    for args, problem in (([str(before), str(after), "-o", both, "--junit", both],
                            "is -o's file too"),
                           ([str(before), str(after), "--junit", str(before)],
-                           "is an input of this command"),
+                           "a trace's name, not what --junit writes"),
                           ([str(before), str(after), "--junit", "-"], "not - (-o - is"),
                           ([str(before), str(after), "--junit", str(tmp_path / "no" / "x.xml")],
                            "no such directory")):
@@ -471,7 +472,7 @@ def test_gate_writes_junit_for_a_ci_servers_test_report(tmp_path):
         assert result.exit_code == 2 and problem in result.output, result.output
         assert stored.read_bytes() == stored_bytes and (tmp_path / "dir").is_dir()
         assert junit.exists() == (str(junit) not in args)   # (removed where it was given)
-    link = tmp_path / "link.xml"
+    link = tmp_path / "link.txt"
     link.symlink_to(junit)
     result = CliRunner().invoke(main, ["gate", str(stored), str(BASELINE), "-o", str(link),
                                        "--junit", str(junit)])
@@ -761,6 +762,118 @@ def test_gate_one_path_of_a_run_against_one_trace(tmp_path):
     assert f"{BASELINE}: has no path 'fused' (it has standard, specialized)" in lacking.output
     update = runner.invoke(main, ["gate", str(one), str(one), "--path", "x", "--update"])
     assert update.exit_code == 2 and "--update stores the whole run" in update.output
+
+
+def test_a_runs_trace_stands_for_its_path_and_a_path_the_run_lost_fails(tmp_path):
+    """A run's trace against a baseline of several paths is the path it captured (its name
+    and run.json say which: `--path` need not repeat it); any other trace still asks. With
+    --path, a path of the baseline's that the run lost fails as missing, as without --path
+    (it stopped the gate, exit 2, no verdict written); a name no side has is still refused."""
+    from kimi_perf.layer_breakdown import breakdown_of_file
+
+    trace = NSYS / "nsysai_fastvideo_wan2.1_train_2xh100_before.sqlite"
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "run.json").write_text(json.dumps({"command": "kimi-perf trace", "request": {
+        "paths": ["standard", "specialized"]}}))
+    (run_dir / "specialized.sqlite").symlink_to(trace)
+    stored = breakdown_of_file(trace).to_json()
+    base = tmp_path / "base.json"
+    base.write_text(json.dumps({"schema": 1, "run": {}, "paths": {"standard": stored,
+                                                                  "specialized": stored}}))
+    gated = gate_files(base, run_dir / "specialized.sqlite", Tolerances(metrics="kernels"))
+    assert gated.result.ok and {c.path for c in gated.result.checks} == {"specialized"}
+    with pytest.raises(TraceError, match="choose the one the other side stands for"):
+        gate_files(base, trace, Tolerances(metrics="kernels"))
+
+    doc = json.loads(BASELINE.read_text())
+    del doc["paths"]["specialized"]
+    lost = tmp_path / "lost.json"
+    lost.write_text(json.dumps(doc))
+    verdict = tmp_path / "verdict.json"
+    result = CliRunner().invoke(main, ["gate", str(BASELINE), str(lost), "--path",
+                                       "specialized", "-o", str(verdict)])
+    assert result.exit_code == 1, result.output
+    checks = json.loads(verdict.read_text())["checks"]
+    assert {(c["path"], c["status"]) for c in checks} == {("specialized", "missing")}
+    plain = tmp_path / "plain.json"
+    plain.write_text(json.dumps(doc["paths"]["standard"]))
+    typo = CliRunner().invoke(main, ["gate", str(plain), str(lost), "--path", "fused"])
+    assert typo.exit_code == 2 and typo.output == (
+        f"kimi-perf: error: {lost}: has no path 'fused' (it has standard)\n")
+
+
+def test_a_gate_that_cannot_run_removes_a_verdict_only_where_it_would_write_one(tmp_path):
+    """The verdict a gate that cannot run removes is the file it would have replaced: a
+    symlink's target (the link kept), never a pipe or device (/dev/null, which root could
+    unlink) nor a file made read-only (refused, then deleted all the same)."""
+    import os
+    import stat
+
+    missing = str(tmp_path / "no-baseline.json")
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    result = CliRunner().invoke(main, ["gate", missing, str(BASELINE), "-o", str(fifo)])
+    assert result.exit_code == 2 and stat.S_ISFIFO(fifo.lstat().st_mode)
+    kept = tmp_path / "kept.json"
+    kept.write_text("last night's")
+    kept.chmod(0o444)
+    result = CliRunner().invoke(main, ["gate", str(BASELINE), str(BASELINE), "-o", str(kept)])
+    assert result.exit_code == 2 and "it is read-only" in result.output
+    assert kept.read_text() == "last night's"
+    target, link = tmp_path / "target.xml", tmp_path / "link.xml"
+    target.write_text("last night's")
+    link.symlink_to(target)
+    result = CliRunner().invoke(main, ["gate", missing, str(BASELINE), "--junit", str(link)])
+    assert result.exit_code == 2 and link.is_symlink() and not target.exists()
+
+
+def test_the_verdict_files_are_named_for_what_they_hold(tmp_path):
+    """--junit refuses the names -o refuses (a run's report or trace: it replaced them) and
+    a .json or .csv; -o refuses .xml, which --junit writes (-o gate.xml wrote the table)."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "report.html").write_text("the run's report")
+    for option, name, said in (
+            ("--junit", run_dir / "report.html", "a report (kimi-perf report writes one)"),
+            ("--junit", tmp_path / "t.kptrace", "a .kptrace (kimi-perf convert writes one)"),
+            ("--junit", tmp_path / "t.sqlite", "a trace's name"),
+            ("--junit", tmp_path / "g.json", "a .json")):
+        result = CliRunner().invoke(main, ["gate", str(BASELINE), str(BASELINE), option,
+                                           str(name)])
+        assert result.exit_code == 2 and result.output == (
+            f"kimi-perf: error: --junit {name}: {said}, not what --junit writes (XML): name "
+            "the file otherwise (see main gate --help)\n")
+    assert (run_dir / "report.html").read_text() == "the run's report"
+    result = CliRunner().invoke(main, ["gate", str(BASELINE), str(BASELINE), "-o",
+                                       str(tmp_path / "g.xml")])
+    assert result.exit_code == 2 and result.output == (
+        f"kimi-perf: error: -o {tmp_path / 'g.xml'}: -o writes the table or the JSON; "
+        "--junit writes the XML\n")
+    assert not list(tmp_path.glob("*.*"))
+
+
+def test_a_baseline_whose_keys_were_sorted_is_still_a_baseline(tmp_path):
+    """A baseline edited and dumped with its keys sorted (`schema` no longer first) is read
+    as a baseline, not as a trace ("not a Chrome/Kineto trace"); one whose `schema` was lost
+    says so."""
+    doc = json.loads(BASELINE.read_text())
+    resorted = tmp_path / "sorted.json"
+    resorted.write_text(json.dumps(doc, sort_keys=True, indent=1))
+    assert gate_files(resorted, BASELINE, Tolerances(metrics="kernels")).result.ok
+    plain = tmp_path / "plain.json"
+    plain.write_text(json.dumps(doc["paths"]["standard"], sort_keys=True))
+    assert set(load_run(plain)[0]) == {"trace"}
+    del doc["schema"]
+    lost = tmp_path / "lost.json"
+    lost.write_text(json.dumps(doc))
+    with pytest.raises(TraceError, match=r"a kimi-perf run breakdown without its 'schema' \(1\)"):
+        load_run(lost)
+    moved = tmp_path / "moved.json"   # (a breakdown whose first key is none of those told)
+    moved.write_text(json.dumps({"steps": [], **doc["paths"]["standard"]}))
+    with pytest.raises(TraceError, match=r"not a Chrome/Kineto trace; a kimi-perf breakdown "
+                                         r"\(it holds 'layer_types'\) begins with its 'schema'"):
+        load_run(moved)
 
 
 def test_gate_breaks_traces_down_over_the_phase_it_is_given(tmp_path):

@@ -213,6 +213,15 @@ def _repeats_trace_events(raw: bytes) -> bool:
     return repeated
 
 
+def _no_trace_events(path: Path, doc: dict) -> TraceError:
+    """No trace: said so, and where the object is a kimi-perf breakdown but for the
+    ``schema`` it begins with (one edited by hand), said so too."""
+    ours = next((key for key in ("paths", "layer_types") if key in doc), None)
+    return TraceError(path, "JSON without a 'traceEvents' list: not a Chrome/Kineto trace" + (
+        f"; a kimi-perf breakdown (it holds '{ours}') begins with its 'schema'" if ours
+        else ""))
+
+
 def _read_whole(path: Path) -> Trace:
     raw = _load_bytes(path)
     if not _valid_utf8(raw):
@@ -231,8 +240,7 @@ def _read_whole(path: Path) -> Trace:
     if doc is not None:
         if isinstance(doc, _Doc):
             if doc.traceEvents is msgspec.UNSET:
-                raise TraceError(path, "JSON without a 'traceEvents' list: not a "
-                                       "Chrome/Kineto trace")
+                raise _no_trace_events(path, _GENERIC.decode(raw))
             events, meta = doc.traceEvents, _meta_dict(doc)
         else:
             events, meta = doc, {}
@@ -252,7 +260,7 @@ def _read_whole(path: Path) -> Trace:
     if isinstance(doc, dict):
         events = doc.get("traceEvents")
         if not isinstance(events, list):
-            raise TraceError(path, "JSON without a 'traceEvents' list: not a Chrome/Kineto trace")
+            raise _no_trace_events(path, doc)
     elif isinstance(doc, list):
         events, doc = doc, {}
     else:
