@@ -231,10 +231,10 @@ def run_directory(out_dir: Path, label: str):
             partial.mkdir()   # (exclusive: the reservation)
         except FileExistsError:
             continue
-        except OSError as exc:
+        except OSError as exc:   # (--out is a directory here: made, or there already)
             remove_made()
-            raise TraceError(out_dir, f"{argument('--out', 'out_dir')}: "
-                                      f"{_out_dir_problem(out_dir, exc)}") from None
+            raise TraceError(out_dir, f"{argument('--out', 'out_dir')}: cannot create a run "
+                                      f"directory in it ({exc.strerror or exc})") from None
         # (a run of the name that renamed its partial into place after the look above)
         if not (final.exists() or final.is_symlink()):
             break
@@ -245,6 +245,9 @@ def run_directory(out_dir: Path, label: str):
         shutil.rmtree(partial, ignore_errors=True)
         remove_made()
         raise
+    if final.exists() or final.is_symlink():   # (a rename would replace an empty directory)
+        raise TraceError(final, f"made by other hands during the run: the run is kept in "
+                                f"{partial}")
     try:
         partial.rename(final)
     except OSError as exc:   # (the name made by other hands meanwhile: the run is kept)

@@ -1566,7 +1566,8 @@ def validate(preset_name: str, n_layers: int | None, paths: str, steps: int,
               help="the HTML report's plotly.js: inline (opens offline, about 5 MB), cdn, or "
               "a plotly.min.js (a path from here, or a URL) for the report to refer to")
 @click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table",
-              show_default=True)
+              show_default=True, help="what is printed: the tables, or the run's document "
+              "as JSON (what the run directory's files hold; the run is written either way)")
 @_fail_cleanly
 def trace_cmd(from_files: tuple[Path, ...], captures: tuple[Path, ...], phase: str,
               rules: Path | None,
@@ -1604,7 +1605,7 @@ def trace_cmd(from_files: tuple[Path, ...], captures: tuple[Path, ...], phase: s
         for given in from_files:   # (a folder given twice: named, not a trace in it)
             if (twin := seen.setdefault(os.path.realpath(given), given)) is not given:
                 raise TraceError(given, f"given twice{also_as(given, twin)}: --from takes "
-                                        "each trace once")
+                                        f"each {'folder' if given.is_dir() else 'trace'} once")
         found, left_out = _traces_in(list(from_files))
         seen = {}
         for file in found:   # (a trace against itself: every ratio 1.00, no comparison)
@@ -1662,8 +1663,10 @@ def trace_cmd(from_files: tuple[Path, ...], captures: tuple[Path, ...], phase: s
     _fail_if_unusable(run_info, run_dir)
 
 
-# Suffixes of the files other commands write with -o: a trace --out named so is a slip.
-FILE_SUFFIXES = {".json", ".csv", ".html", ".txt", ".kptrace", ".gz"}
+# Suffixes of the files other commands write with -o, and of traces: a trace --out named so
+# is a slip (and a folder of a trace's name would pass for one)
+FILE_SUFFIXES = {".json", ".csv", ".html", ".txt", ".xml", ".kptrace", ".gz", ".sqlite",
+                 ".nsys-rep", ".qdrep"}
 
 
 def ranks_crowded(run_info: dict, cores: int | None = None) -> str | None:
@@ -1821,8 +1824,9 @@ def _print_run(console: Console, run_dir: Path, results: dict[str, Breakdown],
         console.print(fell_back_text(path, reason), style="bold yellow")
     if len(labels) == 2 and compared[0][1]:
         one = unit[:-1] if unit in ("kernels", "ops") else "kernel"
-        console.print(f"{one} by {one}: kimi-perf compare {printable(str(run_dir))} --kernels "
-                      "(and the report)")
+        # (quoted as a shell needs it: the line is for pasting)
+        console.print(f"{one} by {one}: kimi-perf compare {printable(shlex.quote(str(run_dir)))}"
+                      " --kernels (and the report)")
     console.print(printable(f"run directory: {run_dir}  "
                             f"({', '.join(sorted(p.name for p in Path(run_dir).iterdir()))})"))
     console.print(printable(f"report: {Path(run_dir).resolve() / run_info['report']}"))

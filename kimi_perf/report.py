@@ -544,7 +544,7 @@ def _capture_items(run: dict) -> list[tuple[str, object]]:
                    + (f" (one rank of TP {shapes}'s shapes)"
                       if (shapes := run.get("rank_shapes_tp", run.get("tp"))) != run.get("tp")
                       else "")),
-                  ("context", f"{run.get('context')} tokens"),
+                  ("context", _tokens(run.get("context"))),
                   ("decode steps", f"{run.get('decode_steps')} profiled after "
                                    f"{run.get('warmup_steps')} warm-up"
                                    + (f"; each a speculative verify of 1+{k} tokens per "
@@ -555,10 +555,11 @@ def _capture_items(run: dict) -> list[tuple[str, object]]:
                   ("experts", request.get("experts", "bf16"))]
         opt_ins = [name for name, on in (
             ("L2 prefetch of o_proj's weights", request.get("l2_prefetch")),
-            (f"experts grouped from {request.get('group_experts_from')} tokens",
+            (f"experts grouped from {_tokens(request.get('group_experts_from'))}",
              request.get("group_experts_from") is not None),
             ("programmatic dependent launch", request.get("pdl"))) if on]
-        items.append(("specialized path's opt-ins", ", ".join(opt_ins) or "none"))
+        if "specialized" in (request.get("paths") or ["specialized"]):   # (else none to say)
+            items.append(("specialized path's opt-ins", ", ".join(opt_ins) or "none"))
         gpus = env.get("gpus") or []
         items += [("device", ", ".join(gpus) if gpus else env.get("device")),
                   ("CPU threads", None if gpus else env.get("cpu_threads")),
@@ -566,6 +567,10 @@ def _capture_items(run: dict) -> list[tuple[str, object]]:
                   ("python, torch, triton", f"{env.get('python')}, {env.get('torch')}, "
                                             f"{env.get('triton')}")]
     return items
+
+
+def _tokens(n: object) -> str:
+    return counted(n, "token") if isinstance(n, int) else f"{n} tokens"
 
 
 def capture_said(run: dict) -> str | None:

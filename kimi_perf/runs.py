@@ -35,6 +35,7 @@ from kimi_perf.names import primed
 from kimi_perf.readers.nsys import NSYS_REPORTS, is_stale_export
 from kimi_perf.text import counted
 from kimi_perf.trace import (
+    ARROW_MAGIC,
     KIMI_PERF_JSON,
     atomic_write_text,
     check_not_read_only,
@@ -942,6 +943,8 @@ def _json_not_a_trace(path: Path) -> str | None:
         return None if path.name.endswith((".gz", ".trace.json")) else "an empty file"
     if head.startswith(b"[") or b'"traceEvents"' in head or b'"schemaVersion"' in head:
         return None
+    if head.startswith(ARROW_MAGIC):
+        return "a .kptrace under a JSON name: name it *.kptrace"
     return "JSON that is not a trace"
 
 

@@ -42,7 +42,9 @@ if TYPE_CHECKING:
     import pyarrow as pa
 
 ARROW_MAGIC = b"ARROW1"   # how an Arrow IPC file (a .kptrace) begins and ends
-FORMAT_VERSION = 1
+# 2: the header's checksum covers its metadata too (``meta_crc32``); 1 is still read
+FORMAT_VERSION = 2
+READ_VERSIONS = (1, 2)
 
 # Range styles.
 PUSHPOP, STARTEND, GPU_RANGE = 0, 1, 2
@@ -432,12 +434,16 @@ class Trace:
 
         if not str(path).endswith(".kptrace"):
             raise ValueError(f"{path}: a .kptrace file (Arrow) is named so")
+        if not (target := os.path.realpath(path)).endswith(".kptrace"):
+            raise TraceError(path, f"a symlink to {target}, which is not named .kptrace: "
+                                   "saving through it would replace that file")
         source = [self.meta.get(key) for key in ("file", "converted_from", "captures")]
         for read in filter(None, [*source[:2], *(source[2] or ())]):
             with contextlib.suppress(OSError, TypeError):
                 if os.path.samefile(path, read):
-                    raise ValueError(f"{path}: the trace this was read from: saving it there "
-                                     "would destroy it")
+                    raise TraceError(path, "a trace this one was read from" + (
+                        f" ({read})" if str(read) != str(path) else "") + ": saving over it "
+                        "would destroy it")
 
         arrays, names = [], []
         for table_name in TABLES:
@@ -447,11 +453,17 @@ class Trace:
         names.append("strings")
         arrays.append(_one_row_list(pa.array(self.strings, type=pa.large_string())))
         table = pa.Table.from_arrays(arrays, names=names)
-        # the trace it was read from, as a path from anywhere: the file is read from elsewhere
-        meta = {**self.meta, **{key: os.path.abspath(self.meta[key]) for key in (
-            "file", "converted_from") if isinstance(self.meta.get(key), str)
-            and os.path.exists(self.meta[key])}}
-        header = {"version": FORMAT_VERSION, "meta": meta, "crc32": _checksum(table)}
+        # the traces it was read from, as paths from anywhere: the file is read from elsewhere
+        def from_root(file: object) -> object:
+            return (os.path.abspath(file) if isinstance(file, str) and os.path.exists(file)
+                    else file)
+
+        meta = {**self.meta, **{key: from_root(self.meta[key]) for key in (
+            "file", "converted_from") if key in self.meta}}
+        if isinstance(meta.get("captures"), list):
+            meta["captures"] = [from_root(c) for c in meta["captures"]]
+        header = {"version": FORMAT_VERSION, "meta": meta, "crc32": _checksum(table),
+                  "meta_crc32": _meta_checksum(meta)}
         table = table.replace_schema_metadata({"kimi_perf": json.dumps(header)})
         atomic_write(path, lambda f: _write_ipc(f, table))
 
@@ -481,16 +493,30 @@ class Trace:
             header = json.loads(raw)
         except (ValueError, RecursionError) as exc:   # JSONDecodeError is a ValueError
             raise TraceError(path, f"corrupt kimi-perf metadata ({_first_line(exc)})") from None
-        if not isinstance(header, dict) or header.get("version") != FORMAT_VERSION:
-            version = header.get("version") if isinstance(header, dict) else None
+        if not isinstance(header, dict):
+            raise TraceError(path, "corrupt kimi-perf metadata (not an object)")
+        version = header.get("version")
+        if type(version) is not int:   # (true and 1.0 are no version)
+            raise TraceError(path, "corrupt kimi-perf metadata (" + (
+                f"its format version is {json.dumps(version)}, not a whole number)"
+                if "version" in header else "no format version)"))
+        if version not in READ_VERSIONS:
             raise TraceError(path, f"kimi-perf trace format {version} is not supported (this "
-                                   f"version reads {FORMAT_VERSION})")
+                                   f"version reads {' and '.join(map(str, READ_VERSIONS))})")
         meta = header.get("meta")
-        if "crc32" in header and header["crc32"] != _checksum(table):
-            raise TraceError(path, "corrupt: its contents do not match their checksum")
         if not isinstance(meta, dict):
             raise TraceError(path, "kimi-perf trace without its metadata")
-        if problem := meta_problem(meta):   # the checksum covers the columns, not the header
+        # every version has the columns' checksum; from 2 on, the metadata's too
+        for key, crc in (("crc32", lambda: _checksum(table)),
+                         *([("meta_crc32", lambda: _meta_checksum(meta))] if version >= 2
+                           else [])):
+            if key not in header:
+                raise TraceError(path, f"corrupt kimi-perf metadata (no checksum {key})")
+            if header[key] != crc():
+                raise TraceError(path, "corrupt: its " + ("contents" if key == "crc32" else
+                                                          "metadata") + " do not match their "
+                                       "checksum")
+        if problem := meta_problem(meta):
             raise TraceError(path, f"corrupt metadata: {problem}")
 
         def column(name: str) -> pa.Array:
@@ -523,6 +549,11 @@ class Trace:
         trace = cls(strings=strings, meta=meta, **tables)
         if problem := trace.reference_problem():
             raise TraceError(path, f"corrupt: {problem}")
+        for name in ("kernels", "memops"):   # (the readers keep no other: "untimed")
+            work = getattr(trace, name)
+            if (untimed := int(((work.start < 0) | (work.end < work.start)).sum())):
+                raise TraceError(path, f"corrupt: {counted(untimed, name[:-1])} with an "
+                                       "end before the start, or a start before 0")
         trace.tidy_strings()   # a file saved before readers tidied them
         return trace
 
@@ -733,6 +764,11 @@ def _checksum(table: pa.Table) -> int:
             column = values.to_numpy(zero_copy_only=False)
             crc = zlib.crc32(column.astype(column.dtype.newbyteorder("<"), copy=False), crc)
     return crc
+
+
+def _meta_checksum(meta: dict) -> int:
+    """CRC-32 of a saved trace's metadata, as JSON with its keys sorted (as it reads back)."""
+    return zlib.crc32(json.dumps(meta, sort_keys=True).encode())
 
 
 def _fitting(values, dtype: str, column: str) -> np.ndarray:

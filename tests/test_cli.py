@@ -215,6 +215,39 @@ def test_convert_and_info(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["x.kptrace"]
 
 
+def test_convert_never_saves_over_what_it_read(tmp_path, monkeypatch):
+    """A .kptrace joined by its capture, saved again over that capture: a one-line error from
+    any directory (the captures are kept as paths from the root; it was a traceback where
+    convert ran, a silent overwrite elsewhere); nor through a .kptrace symlink to a trace."""
+    import shutil
+
+    shutil.copy(VLLM_CAPTURE, tmp_path / "cap.json.gz")
+    monkeypatch.chdir(tmp_path)
+    assert run("convert", "cap.json.gz", "cap.kptrace").exit_code == 0
+    assert run("convert", VLLM, "joined.kptrace", "--capture", "cap.kptrace").exit_code == 0
+    before = (tmp_path / "cap.kptrace").read_bytes()
+    for where in (tmp_path, Path("/")):
+        monkeypatch.chdir(where)
+        _one_line_error(run("convert", tmp_path / "joined.kptrace", tmp_path / "cap.kptrace"),
+                        f"{tmp_path / 'cap.kptrace'}: a trace this one was read from",
+                        "saving over it would destroy it")
+    assert (tmp_path / "cap.kptrace").read_bytes() == before
+    assert json.loads(run("info", tmp_path / "joined.kptrace", "--format", "json").output)[
+        "traces"][0]["captures"] == [str(tmp_path / "cap.kptrace")]
+    (tmp_path / "link.kptrace").symlink_to(tmp_path / "cap.json.gz")
+    gzipped = (tmp_path / "cap.json.gz").read_bytes()
+    _one_line_error(run("convert", VLLM, tmp_path / "link.kptrace"),
+                    f"a symlink to {tmp_path / 'cap.json.gz'}, which is not named .kptrace")
+    assert (tmp_path / "cap.json.gz").read_bytes() == gzipped
+    # a .kptrace renamed .json in a folder of traces is said to be one, not "not a trace"
+    (tmp_path / "ranks").mkdir()
+    shutil.copy(tmp_path / "cap.kptrace", tmp_path / "ranks" / "rank1.json")
+    shutil.copy(VLLM, tmp_path / "ranks")
+    said = run("info", tmp_path / "ranks").output
+    assert (f"left out: {tmp_path / 'ranks' / 'rank1.json'} (a .kptrace under a JSON name: "
+            "name it *.kptrace)") in said
+
+
 VLLM_CAPTURE = KINETO / "tracelens_vllm_gptoss20b_decode_fullgraph_capture_bs32_mi300x.json.gz"
 PIECES = r"nvtx:^## Call CompiledFxGraph (?P<type>\w+) ##$"   # vLLM's piecewise regions
 
@@ -377,6 +410,16 @@ def test_a_path_that_fell_back_on_every_step_is_said_so_by_compare_report_and_ga
     assert "specialized path's opt-ins none; device cpu" in printed.splitlines()[0]
     # each setting beside its value
     assert "; batch 2; TP 1; context 8 tokens; " in printed.splitlines()[0]
+    # a run of the standard path alone has no opt-ins to say; one token is one token
+    from kimi_perf.report import capture_said
+
+    alone = json.loads(json.dumps(stored["run"]))
+    alone["request"].update(paths=["standard"], group_experts_from=1)
+    alone["context"] = 1
+    said_alone = capture_said(alone)
+    assert "opt-ins" not in said_alone and "; context 1 token; " in said_alone
+    alone["request"]["paths"] = ["standard", "specialized"]
+    assert "opt-ins experts grouped from 1 token; " in capture_said(alone)
     assert ("; CUDA graphs off; profiler torch; KV cache bf16; experts bf16; "
             in printed.splitlines()[0])
     # trace itself fails such a run, once written: it compares the standard path with itself
@@ -1293,9 +1336,10 @@ def test_trace_from_two_traces_shows_short_labels_and_keeps_whole_names(tmp_path
     text = " ".join(result.output.split())
     assert "Per layer type: before vs after" in text
     # -o is the folder the run is made in, as --out: a file's name there is refused
-    _one_line_error(run("trace", "--from", files[0], "-o", tmp_path / "run.json"),
-                    "-o/--out is the folder the run directory is made in")
-    assert not (tmp_path / "run.json").exists()
+    for name in ("run.json", "run.sqlite", "x.nsys-rep", "v.xml"):  # (a folder named as a
+        _one_line_error(run("trace", "--from", files[0], "-o", tmp_path / name),  # trace too)
+                        "-o/--out is the folder the run directory is made in")
+        assert not (tmp_path / name).exists()
     # nor stdout's -, which no folder is made for; a trace given twice is no comparison
     _one_line_error(run("trace", "--from", files[0], "-o", "-"),
                     "-o/--out is the folder the run directory is made in, not stdout")
@@ -1320,7 +1364,7 @@ def test_trace_from_two_traces_shows_short_labels_and_keeps_whole_names(tmp_path
         _one_line_error(run("trace", *(a for f in pair for a in ("--from", f)), "-o",
                             tmp_path / "none"), f"given twice ({said}")
     _one_line_error(run("trace", "--from", twins, "--from", twins, "-o", tmp_path / "none"),
-                    f"{twins}: given twice: --from takes each trace once")
+                    f"{twins}: given twice: --from takes each folder once")
     assert not (tmp_path / "none").exists()
     # the terminal names a trace as given (run.json names it from the run directory: a path
     # the terminal's directory does not have)
@@ -1435,9 +1479,39 @@ def test_run_directories_of_the_same_second_never_collide(tmp_path, monkeypatch)
     (partial / "run.json").write_text("{}")
     final.mkdir()
     (final / "theirs").write_text("")
-    with pytest.raises(TraceError, match=r"cannot take the run's name .*: the run is kept in"):
+    with pytest.raises(TraceError, match=r"made by other hands during the run: the run is kept"):
         taken.__exit__(None, None, None)
     assert (partial / "run.json").exists() and (final / "theirs").exists()
+    # an empty one too (a rename replaces an empty directory without a word), or a file
+    for theirs in ("empty", "file"):
+        taken = capture.run_directory(tmp_path, "from")
+        partial, final = taken.__enter__()
+        (partial / "run.json").write_text("{}")
+        final.mkdir() if theirs == "empty" else final.write_text("theirs")
+        with pytest.raises(TraceError, match=f"{final}: made by other hands during the run: "
+                                             f"the run is kept in {partial}"):
+            taken.__exit__(None, None, None)
+        assert (partial / "run.json").exists() and final.exists()
+
+
+def test_a_run_directory_that_cannot_be_made_in_out_says_so(tmp_path, monkeypatch):
+    """--out there already, but read-only (a read-only mount, where root is refused too):
+    the run directory in it cannot be made, not --out itself (it said "cannot create it")."""
+    import errno
+
+    from kimi_perf import capture
+
+    made = Path.mkdir
+
+    def read_only(self, *args, **kwargs):
+        if self.name.endswith(".partial"):
+            raise OSError(errno.EROFS, "Read-only file system", str(self))
+        return made(self, *args, **kwargs)
+    monkeypatch.setattr(Path, "mkdir", read_only)
+    with pytest.raises(TraceError) as said, capture.run_directory(tmp_path, "tiny"):
+        pass
+    assert str(said.value) == (f"{tmp_path}: out_dir: cannot create a run directory in it "
+                               "(Read-only file system)")   # (the library's argument)
 
 
 @pytest.mark.parametrize("name, other_thread, outside", [

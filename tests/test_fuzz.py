@@ -291,12 +291,64 @@ def test_kptrace_checksum_and_references(tmp_path):
         read_trace(path)
 
 
+def test_kptrace_header_is_checked_and_checksummed(tmp_path):
+    """The header's format version is a whole number this version reads, its checksums are
+    there, and from version 2 on the metadata's matches (a GPU's name changed by a byte was
+    read as written); a version-1 file, without one, is still read. A file whose checksums
+    match but whose kernels end before they start is corrupt too (it printed negative time)."""
+    import pyarrow as pa
+    import pytest
+
+    good = tmp_path / "good.kptrace"
+    read_trace(KINETO_SMALL).save(good)
+
+    def header_changed(change) -> object:   # (the checksums left as they were)
+        with pa.memory_map(str(good)) as source:
+            table = pa.ipc.open_file(source).read_all()
+        header = json.loads(table.schema.metadata[b"kimi_perf"])
+        header = change(header) or header
+        table = table.replace_schema_metadata({"kimi_perf": json.dumps(header)})
+        bad = tmp_path / "bad.kptrace"
+        with pa.OSFile(str(bad), "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
+            writer.write_table(table)
+        return bad
+
+    for change, said in (
+            (lambda h: h.update(version="2"), r'\(its format version is "2", not a whole'),
+            (lambda h: h.update(version=True), r"\(its format version is true, not a whole"),
+            (lambda h: h.update(version=2.0), r"\(its format version is 2.0, not a whole"),
+            (lambda h: h.__delitem__("version"), r"\(no format version\)"),
+            (lambda h: [h], r"corrupt kimi-perf metadata \(not an object\)"),
+            (lambda h: h.update(version=3), "format 3 is not supported .this version reads 1 "
+                                            "and 2."),
+            (lambda h: h.__delitem__("crc32"), r"\(no checksum crc32\)"),
+            (lambda h: h.__delitem__("meta_crc32"), r"\(no checksum meta_crc32\)"),
+            (lambda h: h["meta"]["gpus"][0].update(name="G/"),
+             "corrupt: its metadata do not match their checksum")):
+        with pytest.raises(TraceError, match=said):
+            read_trace(header_changed(change))
+
+    def version_1(header):
+        header["version"] = 1
+        del header["meta_crc32"]
+    assert len(read_trace(header_changed(version_1)).kernels) == len(read_trace(good).kernels)
+
+    def end_before_start(table, header):
+        column = table.column("kernels.end").chunk(0).values.to_numpy().copy()
+        column[0] = -5
+        lists = pa.LargeListArray.from_arrays(pa.array([0, len(column)], pa.int64()),
+                                              pa.array(column))
+        return table.set_column(table.column_names.index("kernels.end"), "kernels.end", lists)
+    with pytest.raises(TraceError, match="corrupt: 1 kernel with an end before the start"):
+        read_trace(_kptrace_with(tmp_path, end_before_start))
+
+
 def _kptrace_with(tmp_path, change) -> object:
     """The small Kineto fixture saved as a .kptrace, its table changed by ``change(table,
-    header)`` (the header's checksum then recomputed, as a careful forger would)."""
+    header)`` (the header's checksums then recomputed, as a careful forger would)."""
     import pyarrow as pa
 
-    from kimi_perf.trace import _checksum
+    from kimi_perf.trace import _checksum, _meta_checksum
 
     good = tmp_path / "good.kptrace"
     read_trace(KINETO_SMALL).save(good)
@@ -304,7 +356,7 @@ def _kptrace_with(tmp_path, change) -> object:
         table = pa.ipc.open_file(source).read_all()
     header = json.loads(table.schema.metadata[b"kimi_perf"])
     table = change(table, header) or table
-    header["crc32"] = _checksum(table)
+    header["crc32"], header["meta_crc32"] = _checksum(table), _meta_checksum(header["meta"])
     table = table.replace_schema_metadata({"kimi_perf": json.dumps(header)})
     bad = tmp_path / "bad.kptrace"
     with pa.OSFile(str(bad), "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
@@ -331,8 +383,9 @@ def _no_traceback(*args) -> None:
        value=VALUES,
        data=st.data())
 def test_kptrace_metadata_of_any_type(tmp_path, key, value, data):
-    """A saved trace's header (which its checksum does not cover) with a field of any type,
-    whole or inside a GPU entry: read and analysed, or a one-line error naming the file."""
+    """A saved trace's header with a field of any type (its checksum made to match, as a
+    careful forger would), whole or inside a GPU entry: read and analysed, or a one-line error
+    naming the file."""
     def change(table, header):
         meta = header["meta"]
         if key == "gpus" and data.draw(st.booleans()):

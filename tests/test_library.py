@@ -468,7 +468,7 @@ def test_library_inputs_are_taken_as_their_commands_take_them(tmp_path):
     assert kept == rank_copy(EXAMPLE_TRACE, tmp_path / "again.json.gz", 0).read_bytes()
     trace.save(tmp_path / "x.kptrace")
     saved = read_trace(tmp_path / "x.kptrace")
-    with pytest.raises(ValueError, match="the trace this was read from"):
+    with pytest.raises(TraceError, match="a trace this one was read from: saving over it"):
         saved.save(tmp_path / "x.kptrace")
 
 
