@@ -1457,8 +1457,17 @@ def _layers_check(path: str, label: str, base: Breakdown | None, base_type: str 
     """Layers a step (the median step's; of a layer type, those of the type), where both
     sides have them: a layer lost or added is other work, whose steps' and layers' figures
     would otherwise pass for a change of speed (a lost layer as an improvement)."""
-    if base is None or cur is None or (base_type, cur_type) == (None, None):
+    if (base_type, cur_type) == (None, None) or (base, cur) == (None, None):
         return None
+    if base is None or cur is None:
+        # a path one side lacks: its layers a step, missing or new as its other figures are
+        # (a JUnit case that fails, rather than one that vanishes from the report)
+        b, t = (base, base_type) if cur is None else (cur, cur_type)
+        had = layers_per_step(b) if t == STEP else _type_per_step(b, t)
+        if not had:
+            return None
+        return (Check(path, label, "layers", had, 0.0, -1.0, None, "missing") if cur is None
+                else Check(path, label, "layers", 0.0, had, None, None, "new"))
     if None in (base_type, cur_type):
         # a type one side lacks: its layers a step, missing or new (with its kernels')
         had = _type_per_step(base, base_type) if cur_type is None else _type_per_step(

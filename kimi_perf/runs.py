@@ -284,7 +284,7 @@ def _text(value) -> bool:
 # What each setting ``run_differences`` compares must be, where a run records it: a count
 # stored as "two" would compare unlike every number and pass for a difference of capture.
 RUN_SETTING_KINDS = {
-    **{keys: (_count, "a whole number") for keys in (
+    **{keys: (_count, "a whole number, 0 or more") for keys in (
         ("n_layers",), ("batch",), ("tp",), ("context",), ("warmup_steps",), ("spec_tokens",),
         ("request", "seed"), ("environment", "cpu_threads"))},
     **{keys: (_text, "a text") for keys in (

@@ -796,6 +796,9 @@ def test_a_runs_trace_stands_for_its_path_and_a_path_the_run_lost_fails(tmp_path
     assert result.exit_code == 1, result.output
     checks = json.loads(verdict.read_text())["checks"]
     assert {(c["path"], c["status"]) for c in checks} == {("specialized", "missing")}
+    # its layers a step too, as a type lost is (a JUnit case of the path's failed, not gone)
+    assert {c["layer_type"] for c in checks if c["metric"] == "layers"} == {
+        "dense", "kda", "mla", "step"}
     plain = tmp_path / "plain.json"
     plain.write_text(json.dumps(doc["paths"]["standard"]))
     typo = CliRunner().invoke(main, ["gate", str(plain), str(lost), "--path", "fused"])
@@ -2157,10 +2160,11 @@ def test_a_run_breakdown_checks_its_run_information(tmp_path):
     (or left unchecked, a --strict job passing against a baseline it cannot check)."""
     from kimi_perf.runs import load_run
 
-    for edit, said in ((lambda r: r.update(tp="two"), "run.tp is not a whole number"),
-                       (lambda r: r.update(batch=True), "run.batch is not a whole number"),
-                       (lambda r: r["request"].update(seed=-1),
-                        "run.request.seed is not a whole number"),
+    for edit, said in ((lambda r: r.update(tp="two"), "run.tp is not a whole number, 0 or more"),
+                       (lambda r: r.update(batch=True),
+                        "run.batch is not a whole number, 0 or more"),
+                       (lambda r: r["request"].update(seed=-1),   # (said: -1 is a whole number)
+                        "run.request.seed is not a whole number, 0 or more"),
                        (lambda r: r.update(preset=8), "run.preset is not a text"),
                        (lambda r: r["request"].update(graphs="no"),
                         "run.request.graphs is not true or false"),
