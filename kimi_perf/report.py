@@ -618,7 +618,7 @@ def _runs_html(runs: list[tuple[str, dict]]) -> str:
     notes = "".join(
         f"<p class=note>{e(captured_differently(first, name, found))}.</p>"
         for name, r in others
-        if (found := run_differences({"run": first_run}, {"run": r})))
+        if (found := run_differences({"run": first_run}, {"run": r}, paths=True)))
     # each run's decode metrics, path by path (a baseline's tokens/s beside tonight's)
     measured = "".join(
         f"<tr><td>{e(name)}</td><td>{e(str(path))}</td>"
@@ -905,7 +905,7 @@ class ReportInputs:
         """How each run after the first was captured differently from it, a line each."""
         first = self.runs[0] if self.runs else None
         return [captured_differently(first[0], name, found) for name, info in self.runs[1:]
-                if (found := run_differences({"run": first[1]}, {"run": info}))]
+                if (found := run_differences({"run": first[1]}, {"run": info}, paths=True))]
 
 
 def report_inputs(inputs: list[str | Path], path_name: str | None = None,
@@ -948,9 +948,12 @@ def report_inputs(inputs: list[str | Path], path_name: str | None = None,
                 if len(inputs) > 1:   # (one run says its own)
                     got.fell_back[label] = fell[name]
         if info is not None and len(inputs) > 1:   # (checked as it was read)
+            # the drawn path's metrics alone, and its name alone as what was captured (the
+            # runs' other paths, not drawn, are no difference between them)
             got.runs.append((names[i], info if path_name is None else {
                 **info, "paths": {p: m for p, m in (info.get("paths") or {}).items()
-                                  if p == path_name}}))   # (the drawn path's metrics alone)
+                                  if p == path_name},
+                "request": {**(info.get("request") or {}), "paths": [path_name]}}))
             got.run_labels.append(list(drawn[-1].values()))
         if info is not None and len(inputs) == 1:  # the run's own: what ran
             got.run = info if path_name is None else {**info, "paths": {   # that path's alone

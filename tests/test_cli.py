@@ -1836,6 +1836,20 @@ def test_report_command_draws_runs_breakdowns_and_traces(tmp_path):
                  "-o", out, "--plotly-js", "cdn")
     assert result.exit_code == 0, result.output
     assert "base and new were captured differently: batch 2 vs 64" in result.output
+    # whole runs of other decode paths say so too (as gate does); one path of each need not
+    doc["run"]["batch"] = 2
+    doc["run"]["request"]["paths"] = ["specialized"]
+    doc["paths"] = {"specialized": doc["paths"]["specialized"]}
+    (other / "breakdown.json").write_text(json.dumps(doc))
+    elsewhere = tmp_path / "whole.html"
+    whole = run("report", BASELINE, other, "-o", elsewhere, "--plotly-js", "cdn")
+    assert ("were captured differently: decode paths standard, specialized vs specialized"
+            in " ".join(whole.output.split())), whole.output
+    assert "decode paths standard, specialized vs specialized" in elsewhere.read_text()
+    one = run("report", BASELINE, other, "--path", "specialized", "-o", elsewhere, "--plotly-js",
+              "cdn")
+    assert one.exit_code == 0 and "captured differently" not in one.output
+    assert "captured differently" not in elsewhere.read_text()   # (the page says as stderr)
     runs_table = out.read_text().split("<h2>Runs</h2>")[1].split("</table>")[0]
     assert "<th>base</th>" in runs_table and "<th>new</th>" in runs_table
     # and each run's decode metrics of the drawn path, a row each
