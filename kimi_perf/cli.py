@@ -908,7 +908,8 @@ def _gate(baseline: Path, run: Path, tolerances: gate_mod.Tolerances | None, kep
             if junit is not None:   # (no check: a suite of none, saying why)
                 atomic_write_text(junit, render.gate_junit(nothing, (str(baseline), str(run)),
                                                            stored))
-            click.echo(stored, err=True)
+            written = output is not None and str(output) != "-"
+            click.echo(stored + (printable(f" (in {output})") if written else ""), err=True)
             return
         gated.result.stored_tolerances = gated.result.stored_tolerances or kept
         with _reader_may_leave():

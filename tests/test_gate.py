@@ -390,6 +390,8 @@ def test_gate_writes_its_verdict_to_a_file_or_nothing(tmp_path):
                                        str(verdict)])
     assert result.exit_code == 0 and stored.exists()
     assert verdict.read_text() == f"baseline {stored} created from {BASELINE}\n"
+    # and stderr says where the verdict went, as a gate's line does
+    assert result.stderr == f"baseline {stored} created from {BASELINE} (in {verdict})\n"
 
 
 def test_gate_writes_junit_for_a_ci_servers_test_report(tmp_path):
