@@ -1106,7 +1106,13 @@ def trace_files(paths: list[str | Path], keep_runs: bool = False,
                 + (f"give {'it' if runs == 1 else 'them'} ({path / '*'}/)" if keep_runs
                    else f"{draws} {'it' if runs == 1 else 'them'}") if runs else "") + (
                 f"; its folders {', '.join(ranks[:3])}{', ...' if len(ranks) > 3 else ''} "
-                "hold traces: give each" if ranks and not runs else ""))
+                "hold traces: give each" if ranks and not runs else "") + (
+                f"; {', '.join(killed[:2])}{', ...' if len(killed) > 2 else ''}: "
+                + ("a run being written, or killed before it finished (then remove it)"
+                   if len(killed) == 1 else "runs being written, or killed before they "
+                   "finished (then remove them)") if (killed := sorted(
+                    d.name for d in path.iterdir() if d.is_dir()
+                    and d.name.startswith(".") and d.name.endswith(".partial"))) else ""))
         copies = _saved_beside(found)
         # a report nsys has exported (``nsys stats`` leaves X.sqlite beside X.nsys-rep) is
         # one capture: its export is read, and the report is not read again; an export

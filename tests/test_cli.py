@@ -1494,6 +1494,16 @@ def test_run_directories_of_the_same_second_never_collide(tmp_path, monkeypatch)
         assert (partial / "run.json").exists() and final.exists()
 
 
+def test_a_folder_of_a_killed_runs_partial_says_what_it_is(tmp_path):
+    """A run killed outright leaves its hidden partial alone: a folder holding nothing else
+    says what it is (it said "holds no trace files", the partial unseen)."""
+    (tmp_path / ".20261206T000000Z-tiny.partial").mkdir()
+    for command in (["info", tmp_path], ["trace", "--from", tmp_path, "-o", tmp_path / "o"]):
+        _one_line_error(run(*command), f"{tmp_path}: holds no trace files (",
+                        "; .20261206T000000Z-tiny.partial: a run being written, or killed "
+                        "before it finished (then remove it)")
+
+
 def test_a_run_directory_that_cannot_be_made_in_out_says_so(tmp_path, monkeypatch):
     """--out there already, but read-only (a read-only mount, where root is refused too):
     the run directory in it cannot be made, not --out itself (it said "cannot create it")."""
