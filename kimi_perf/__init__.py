@@ -11,14 +11,37 @@ Library entry points (the CLI is a thin layer over these)::
     compare_files("a.sqlite", "b.sqlite").to_json()          # `kimi-perf compare`, as a call
 """
 
-from kimi_perf.attribution import range_kernel_summary
-from kimi_perf.comparison import compare, compare_files
-from kimi_perf.errors import TraceError
-from kimi_perf.layer_breakdown import Breakdown, breakdown, breakdown_of_file
-from kimi_perf.readers import read_trace
-from kimi_perf.runs import load_breakdown
-from kimi_perf.trace import Trace
+import importlib
+from typing import TYPE_CHECKING
+
+# each name from its module when first used: the command's entry point imports this package
+# before it can say an interruption as a command does (kimi_perf.__main__)
+_EXPORTS = {"range_kernel_summary": "attribution", "compare": "comparison",
+            "compare_files": "comparison", "TraceError": "errors", "Breakdown": "layer_breakdown",
+            "breakdown": "layer_breakdown", "breakdown_of_file": "layer_breakdown",
+            "read_trace": "readers", "load_breakdown": "runs", "Trace": "trace"}
+
+if TYPE_CHECKING:
+    from kimi_perf.attribution import range_kernel_summary
+    from kimi_perf.comparison import compare, compare_files
+    from kimi_perf.errors import TraceError
+    from kimi_perf.layer_breakdown import Breakdown, breakdown, breakdown_of_file
+    from kimi_perf.readers import read_trace
+    from kimi_perf.runs import load_breakdown
+    from kimi_perf.trace import Trace
 
 __all__ = ["Breakdown", "Trace", "TraceError", "breakdown", "breakdown_of_file", "compare",
            "compare_files", "load_breakdown", "range_kernel_summary", "read_trace"]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'kimi_perf' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"kimi_perf.{_EXPORTS[name]}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

@@ -40,6 +40,28 @@ def test_python_dash_m_entry_point():
         assert command in out.stdout
 
 
+def test_an_interruption_while_the_cli_is_imported_is_said_as_one(monkeypatch, capsys):
+    """Ctrl-C in the first few tenths of a second, while numpy and the readers are imported:
+    `kimi-perf: interrupted`, exit 130, as during a command (it was a traceback of the
+    import); the package itself imports its exports when first used, so that the entry
+    point catches it."""
+    import types
+
+    from kimi_perf.__main__ import main as entry
+
+    class Interrupted(types.ModuleType):
+        def __getattr__(self, name):
+            raise KeyboardInterrupt
+    monkeypatch.setitem(sys.modules, "kimi_perf.cli", Interrupted("kimi_perf.cli"))
+    with pytest.raises(SystemExit) as stopped:
+        entry()
+    assert stopped.value.code == 130 and capsys.readouterr().err == "kimi-perf: interrupted\n"
+    light = subprocess.run([sys.executable, "-c", "import sys, kimi_perf; print(sorted(m for m "
+                            "in sys.modules if m.startswith(('numpy', 'kimi_perf.'))))"],
+                           capture_output=True, text=True, check=True)
+    assert light.stdout == "[]\n"
+
+
 def test_breakdown_formats(tmp_path):
     result = run("breakdown", VLLM, "--format", "json")
     assert result.exit_code == 0, result.output
