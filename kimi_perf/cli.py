@@ -656,8 +656,8 @@ def breakdown_cmd(trace: Path | None, fmt: str | None, layers: str, step_regex: 
     given, fmt = fmt, _format_of(fmt, output, ("json", "csv"))
     if kernels and fmt != "table":
         chosen = (f"--format {fmt}" if given else
-                  f"-o {output} writes {fmt.upper()} (its suffix; --format table keeps the "
-                  "tables), which")
+                  f"-o {printable(str(output))} writes {fmt.upper()} (its suffix; --format "
+                  "table keeps the tables), which")
         raise TraceError(None, f"--kernels adds tables to the table format; {chosen} "
                                + ("holds each layer type's typical layer already" if fmt == "json"
                                   else "writes a row per layer"))
@@ -866,8 +866,18 @@ def _no_earlier_verdict(*files: Path):
 
 def _remove_verdict(file: Path) -> None:
     """Remove a verdict file as it would be written: a symlink's target (the link kept, to be
-    written through again); never a device or pipe (/dev/null), nor a file made read-only."""
-    target = Path(os.path.realpath(file, strict=True))
+    written through again); never a device or pipe (/dev/null), nor what a name through /dev
+    or /proc stands for (/dev/stdout: the file a shell's `>> log` opened), nor a file made
+    read-only."""
+    target = Path(os.path.abspath(file))
+    for _ in range(40):   # (link by link: one through /proc leads into a shell's files)
+        if str(target).startswith(("/dev/", "/proc/")):
+            return
+        if not target.is_symlink():
+            break
+        target = Path(os.path.abspath(target.parent / os.readlink(target)))
+    else:
+        return   # (a loop)
     if stat.S_ISREG(target.lstat().st_mode):
         check_not_read_only(target)
         target.unlink()

@@ -17,6 +17,7 @@ from kimi_perf.errors import TraceError, argument, path_argument
 from kimi_perf.layer_breakdown import Breakdown, layer_column, note_lines, units_word
 from kimi_perf.runs import (
     captured_differently,
+    captured_path,
     load_paths,
     no_run,
     one_path,
@@ -946,6 +947,11 @@ def compare_files(a: str | Path, b: str | Path | None = None, path_name: str | N
             alone = [next(iter(r)) for r in (runs_a, runs_b) if len(r) == 1]
             if alone and alone[0] in runs_a and alone[0] in runs_b:
                 path_name = alone[0]
+        if path_name is None and (run_a is None) != (run_b is None):
+            # a run's trace (RUN/specialized.kptrace) against a run: the path it captured
+            traced, runs = (a, runs_b) if run_a is None else (b, runs_a)
+            if (held := captured_path(traced)) in runs:
+                path_name = held
         (name_a, ba), (name_b, bb) = (
             one_path(f, runs, path_name) if run is not None else next(iter(runs.items()))
             for f, runs, run in ((a, runs_a, run_a), (b, runs_b, run_b)))

@@ -301,8 +301,9 @@ def gate_files(baseline: str | Path, run: str | Path, tolerances: Tolerances | N
     """``gate`` over what two files hold (each a run directory, its ``breakdown.json``, a
     breakdown JSON or a trace, traces broken down over the steps of ``phase``, and as
     ``breakdown_options`` say: ``layers``, ``step_regex``, ``rules``); ``path``: check that
-    decode path alone (a trace on either side stands for it). A trace against a run of several
-    paths needs ``path``: which one would it stand for? ``loaded``: what ``load_run`` gave for
+    decode path alone (a trace on either side stands for it). A run's trace stands for the
+    path it captured; another trace against a run of several paths needs ``path``: which one
+    would it stand for? ``loaded``: what ``load_run`` gave for
     either file already (a trace is not read twice). ``strict``: captures made differently
     (``run_differences``) or broken down differently (``breakdown_differences``) fail too, as
     a nightly job against the wrong baseline should. ``tolerances`` None: those the
@@ -322,28 +323,35 @@ def gate_files(baseline: str | Path, run: str | Path, tolerances: Tolerances | N
     if tolerances is None:
         tolerances = kept_tolerances(baseline, base_doc)
     paths_differ = []
+    held = [captured_path(file) if set(runs) == {TRACE} else None
+            for file, runs in ((baseline, base), (run, current))]
     if path is None:
-        # a run's trace against a run of several paths stands for the path it captured
-        # (RUN/specialized.kptrace: its name and run.json say which), as --path would name it
-        for file, runs, other in ((baseline, base, current), (run, current, base)):
-            if set(runs) == {TRACE} and len(other) > 1 and (held := captured_path(file)) in other:
-                path = held
+        # a run's trace (RUN/specialized.kptrace: its name and run.json say which path it
+        # captured) against a run stands for that path, as --path would name it; against a
+        # run of one other path, for that one, and the paths captured differ
+        for captured, other in ((held[0], current), (held[1], base)):
+            if captured is not None and set(other) != {TRACE}:
+                path = (captured if captured in other
+                        else next(iter(other)) if len(other) == 1 else None)
+        if None not in held and held[0] != held[1]:   # (two runs' traces of other paths)
+            paths_differ = [f"decode path {held[0]} vs {held[1]}"]
     whole = {baseline: base, run: current}   # (before --path takes one path of each)
     if path is not None:
         if set(base) == set(current) == {TRACE}:
             raise no_run([baseline, run], "path")
         # a run's trace of another path (specialized.kptrace --path standard: a typo in a
         # nightly job) is a capture of other work
-        held = [captured_path(file) if set(runs) == {TRACE} else path
-                for file, runs in ((baseline, base), (run, current))]
-        if None not in held and held[0] != held[1]:
-            paths_differ = [f"decode path {held[0]} vs {held[1]}"]
+        named = [captured or (path if set(runs) != {TRACE} else None)
+                 for captured, runs in zip(held, (base, current), strict=True)]
+        if None not in named and named[0] != named[1]:
+            paths_differ = [f"decode path {named[0]} vs {named[1]}"]
         base = ({path: base[TRACE]} if set(base) == {TRACE}
                 else dict([one_path(baseline, base, path, "path")]))
         # a path of the baseline's that the run lost fails as missing, as it does where no
-        # --path is given (a name that only a trace stood for is a typo: said)
+        # --path is given (a name that only a plain trace stood for is a typo: said)
         current = ({path: current[TRACE]} if set(current) == {TRACE}
-                   else {} if path not in current and path in whole[baseline]
+                   else {} if path not in current and (path in whole[baseline]
+                                                       or held[0] == path)
                    else dict([one_path(run, current, path, "path")]))
     for file, runs, what in ((baseline, base, "nothing to check a run against"),
                              (run, current, "nothing to check against the baseline")):
@@ -1466,8 +1474,8 @@ def _layers_check(path: str, label: str, base: Breakdown | None, base_type: str 
         had = layers_per_step(b) if t == STEP else _type_per_step(b, t)
         if not had:
             return None
-        return (Check(path, label, "layers", had, 0.0, -1.0, None, "missing") if cur is None
-                else Check(path, label, "layers", 0.0, had, None, None, "new"))
+        return (Check(path, label, "layers", had, None, None, None, "missing") if cur is None
+                else Check(path, label, "layers", None, had, None, None, "new"))
     if None in (base_type, cur_type):
         # a type one side lacks: its layers a step, missing or new (with its kernels')
         had = _type_per_step(base, base_type) if cur_type is None else _type_per_step(

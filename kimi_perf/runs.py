@@ -37,6 +37,7 @@ from kimi_perf.text import counted
 from kimi_perf.trace import (
     ARROW_MAGIC,
     KIMI_PERF_JSON,
+    KIMI_PERF_JSON_MOVED,
     atomic_write_text,
     check_not_read_only,
     file_identity,
@@ -349,18 +350,25 @@ def captured_run(trace_file: str | Path) -> dict | None:
 
 def is_kimi_perf_json(path: str | Path) -> bool:
     """Whether a JSON file is one of ours (a breakdown or a run's breakdowns: they begin with
-    ``"schema"``), told from its first bytes, so that a large JSON trace is not parsed twice
-    (a Kineto trace begins with ``"schemaVersion"`` or ``"traceEvents"``, if with an
-    object)."""
+    ``"schema"``, or, their keys moved, with another of theirs and no Kineto key after it),
+    told from its first bytes, so that a large JSON trace is not parsed twice (a Kineto trace
+    begins with ``"schemaVersion"`` or ``"traceEvents"``, if with an object)."""
     path = Path(path)
     if not path.is_file():      # a pipe would be read in part (and wait for a writer)
         return False
     try:
         with open(path, "rb") as f:
             head = f.read(256)
+            if KIMI_PERF_JSON.match(head):
+                return True
+            # keys moved (a baseline re-dumped with its keys sorted): ours where no Kineto
+            # key follows ({"run": "nightly", "traceEvents": ...} is a trace)
+            if not KIMI_PERF_JSON_MOVED.match(head):
+                return False
+            head += f.read(KINETO_HEAD)
     except OSError:
         return False
-    return KIMI_PERF_JSON.match(head) is not None
+    return b'"traceEvents"' not in head and b'"schemaVersion"' not in head
 
 
 def is_finite_number(v) -> bool:

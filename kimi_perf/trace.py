@@ -436,7 +436,7 @@ class Trace:
             raise ValueError(f"{path}: a .kptrace file (Arrow) is named so")
         if not (target := os.path.realpath(path)).endswith(".kptrace"):
             raise TraceError(path, f"a symlink to {target}, which is not named .kptrace: "
-                                   "saving through it would replace that file")
+                                   "saving through it would write there")
         source = [self.meta.get(key) for key in ("file", "converted_from", "captures")]
         for read in filter(None, [*source[:2], *(source[2] or ())]):
             with contextlib.suppress(OSError, TypeError):
@@ -506,11 +506,13 @@ class Trace:
         meta = header.get("meta")
         if not isinstance(meta, dict):
             raise TraceError(path, "kimi-perf trace without its metadata")
-        # every version has the columns' checksum; from 2 on, the metadata's too
+        # from version 2 on, the columns' checksum and the metadata's are there (files of
+        # version 1 were saved for a while without the columns')
         for key, crc in (("crc32", lambda: _checksum(table)),
-                         *([("meta_crc32", lambda: _meta_checksum(meta))] if version >= 2
-                           else [])):
+                         ("meta_crc32", lambda: _meta_checksum(meta))):
             if key not in header:
+                if version == 1:
+                    continue
                 raise TraceError(path, f"corrupt kimi-perf metadata (no checksum {key})")
             if header[key] != crc():
                 raise TraceError(path, "corrupt: its " + ("contents" if key == "crc32" else
@@ -551,9 +553,9 @@ class Trace:
             raise TraceError(path, f"corrupt: {problem}")
         for name in ("kernels", "memops"):   # (the readers keep no other: "untimed")
             work = getattr(trace, name)
-            if (untimed := int(((work.start < 0) | (work.end < work.start)).sum())):
+            if (untimed := int((work.end < work.start).sum())):
                 raise TraceError(path, f"corrupt: {counted(untimed, name[:-1])} with an "
-                                       "end before the start, or a start before 0")
+                                       "end before the start")
         trace.tidy_strings()   # a file saved before readers tidied them
         return trace
 
@@ -767,8 +769,9 @@ def _checksum(table: pa.Table) -> int:
 
 
 def _meta_checksum(meta: dict) -> int:
-    """CRC-32 of a saved trace's metadata, as JSON with its keys sorted (as it reads back)."""
-    return zlib.crc32(json.dumps(meta, sort_keys=True).encode())
+    """CRC-32 of a saved trace's metadata as it reads back (JSON's: its keys texts, then
+    sorted, so that the order a reader keeps them in does not matter)."""
+    return zlib.crc32(json.dumps(json.loads(json.dumps(meta)), sort_keys=True).encode())
 
 
 def _fitting(values, dtype: str, column: str) -> np.ndarray:
@@ -827,11 +830,14 @@ def _write_ipc(f, table: pa.Table) -> None:
         writer.write_table(table)
 
 
-# kimi-perf's own JSON (a breakdown, or a run's breakdowns) begins with "schema", or, its
-# keys sorted or moved (a baseline edited, json.dump(sort_keys=True)), with another of its; a
-# Kineto trace with "schemaVersion" or "traceEvents", if with an object
-KIMI_PERF_JSON = re.compile(
-    rb'(?:\xef\xbb\xbf)?\s*\{\s*"(?:schema|gate_tolerances|layer_types|paths|run)"\s*:')
+# kimi-perf's own JSON (a breakdown, or a run's breakdowns) begins with "schema"; a Kineto
+# trace with "schemaVersion" or "traceEvents", if with an object
+KIMI_PERF_JSON = re.compile(rb'(?:\xef\xbb\xbf)?\s*\{\s*"schema"\s*:')
+# ... or, its keys sorted or moved (a baseline edited, json.dump(sort_keys=True)), with
+# another of its keys, where no Kineto key follows (``runs.is_kimi_perf_json``)
+KIMI_PERF_JSON_MOVED = re.compile(
+    rb'(?:\xef\xbb\xbf)?\s*\{\s*"(?:gate_tolerances|layer_types|layers|paths|run|run_spread|source'
+    rb'|steps|timeline)"\s*:')
 
 
 def _first_line(exc: BaseException) -> str:
@@ -885,6 +891,15 @@ def atomic_write(path: str | Path, write) -> None:
         out.flush()
         return
     given = Path(path)
+    if (fd := named_descriptor(given)) is not None:
+        # (a shell's `>> log`: the file behind it is written at its end, never replaced)
+        try:
+            write(WholeWrites(fd))
+        except BrokenPipeError:
+            raise
+        except OSError as exc:
+            raise TraceError(given, f"cannot write: {exc.strerror or exc}") from None
+        return
     try:
         st = given.stat()          # through links: /dev/stdout is one to a pipe, say
     except FileNotFoundError:
@@ -924,6 +939,18 @@ def atomic_write(path: str | Path, write) -> None:
         if isinstance(exc, OSError):
             raise TraceError(given, f"cannot write: {exc.strerror or exc}") from None
         raise
+
+
+_DESCRIPTOR = re.compile(r"/dev/(?:std(?P<std>out|err)|fd/(?P<fd>\d+))|/proc/self/fd/(?P<proc>\d+)")
+
+
+def named_descriptor(path: str | Path) -> int | None:
+    """The open file descriptor a path names (/dev/stdout, /dev/fd/3, /proc/self/fd/1), or
+    None: written into as it is open, not reopened (which truncates a shell's `>> log`)
+    nor replaced (the log's earlier lines lost)."""
+    if (m := _DESCRIPTOR.fullmatch(str(path))) is None:
+        return None
+    return {"out": 1, "err": 2}[m["std"]] if m["std"] else int(m["fd"] or m["proc"])
 
 
 def check_not_read_only(path: Path) -> None:

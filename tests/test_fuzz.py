@@ -294,8 +294,9 @@ def test_kptrace_checksum_and_references(tmp_path):
 def test_kptrace_header_is_checked_and_checksummed(tmp_path):
     """The header's format version is a whole number this version reads, its checksums are
     there, and from version 2 on the metadata's matches (a GPU's name changed by a byte was
-    read as written); a version-1 file, without one, is still read. A file whose checksums
-    match but whose kernels end before they start is corrupt too (it printed negative time)."""
+    read as written); a version-1 file, without them, is still read. A file whose checksums
+    match but whose kernels end before they start is corrupt too (it printed negative time);
+    one whose kernels start before 0 is not (a Kineto trace's clock may)."""
     import pyarrow as pa
     import pytest
 
@@ -333,14 +334,35 @@ def test_kptrace_header_is_checked_and_checksummed(tmp_path):
         del header["meta_crc32"]
     assert len(read_trace(header_changed(version_1)).kernels) == len(read_trace(good).kernels)
 
+    def version_1_unchecked(header):   # (saved before the columns had a checksum too)
+        version_1(header)
+        del header["crc32"]
+    assert len(read_trace(header_changed(version_1_unchecked)).kernels) == len(
+        read_trace(good).kernels)
+    # metadata whose keys JSON makes texts (a notebook's {2: .., 10: ..}) saves and reads back
+    trace = read_trace(KINETO_SMALL)
+    trace.meta["per_rank"] = {2: "a", 10: "b", "x": "c"}
+    trace.save(tmp_path / "keys.kptrace")
+    assert read_trace(tmp_path / "keys.kptrace").meta["per_rank"] == {"2": "a", "10": "b",
+                                                                      "x": "c"}
+
     def end_before_start(table, header):
         column = table.column("kernels.end").chunk(0).values.to_numpy().copy()
         column[0] = -5
         lists = pa.LargeListArray.from_arrays(pa.array([0, len(column)], pa.int64()),
                                               pa.array(column))
         return table.set_column(table.column_names.index("kernels.end"), "kernels.end", lists)
-    with pytest.raises(TraceError, match="corrupt: 1 kernel with an end before the start"):
+    with pytest.raises(TraceError, match=r"corrupt: 1 kernel with an end before the start$"):
         read_trace(_kptrace_with(tmp_path, end_before_start))
+
+    def before_0(table, header):   # (every kernel before the clock's 0)
+        for name in ("kernels.start", "kernels.end"):
+            column = table.column(name).chunk(0).values.to_numpy() - 2**62
+            lists = pa.LargeListArray.from_arrays(pa.array([0, len(column)], pa.int64()),
+                                                  pa.array(column))
+            table = table.set_column(table.column_names.index(name), name, lists)
+        return table
+    assert (read_trace(_kptrace_with(tmp_path, before_0)).kernels.start < 0).all()
 
 
 def _kptrace_with(tmp_path, change) -> object:

@@ -437,10 +437,14 @@ def test_gate_writes_junit_for_a_ci_servers_test_report(tmp_path):
     result = CliRunner().invoke(main, ["gate", str(before), str(broken), "--junit", str(junit)])
     assert result.exit_code == 2 and not junit.exists()
     both = str(tmp_path / "verdict.txt")
+    rules = tmp_path / "rules.toml"
+    rules.write_text('[[rule]]\nclass = "mine"\npattern = "gemm"\n')
     for args, problem in (([str(before), str(after), "-o", both, "--junit", both],
                            "is -o's file too"),
                           ([str(before), str(after), "--junit", str(before)],
                            "a trace's name, not what --junit writes"),
+                          ([str(before), str(after), "--rules", str(rules), "--junit",
+                            str(rules)], "is an input of this command"),
                           ([str(before), str(after), "--junit", "-"], "not - (-o - is"),
                           ([str(before), str(after), "--junit", str(tmp_path / "no" / "x.xml")],
                            "no such directory")):
@@ -787,6 +791,27 @@ def test_a_runs_trace_stands_for_its_path_and_a_path_the_run_lost_fails(tmp_path
     assert gated.result.ok and {c.path for c in gated.result.checks} == {"specialized"}
     with pytest.raises(TraceError, match="choose the one the other side stands for"):
         gate_files(base, trace, Tolerances(metrics="kernels"))
+    from kimi_perf import compare_files
+
+    # (compare pairs it so too)
+    assert compare_files(base, run_dir / "specialized.sqlite").to_json()["inputs"]["a"] == (
+        f"{base} (specialized)")
+    # against a run of another single path it stands for that one, and the paths differ (it
+    # passed as the standard path, --strict too); a run's two traces of other paths likewise
+    standard_only = tmp_path / "standard.json"
+    standard_only.write_text(json.dumps({"schema": 1, "run": {}, "paths": {"standard": stored}}))
+    other = gate_files(standard_only, run_dir / "specialized.sqlite",
+                       Tolerances(metrics="kernels"), strict=True).result
+    assert [(c.status, c.detail) for c in other.failures] == [
+        ("captured differently", "decode path standard vs specialized")]
+    (run_dir / "standard.sqlite").symlink_to(trace)
+    assert gate_files(run_dir / "standard.sqlite", run_dir / "specialized.sqlite",
+                      Tolerances(metrics="kernels")).result.run_differences == [
+        "decode path standard vs specialized"]
+    # --path: a run's trace as the baseline holds its path, which a run that lost it fails
+    lost_path = gate_files(run_dir / "specialized.sqlite", standard_only,
+                           Tolerances(metrics="kernels"), path="specialized").result
+    assert {(c.path, c.status) for c in lost_path.failures} == {("specialized", "missing")}
 
     doc = json.loads(BASELINE.read_text())
     del doc["paths"]["specialized"]
@@ -833,6 +858,24 @@ def test_a_gate_that_cannot_run_removes_a_verdict_only_where_it_would_write_one(
     assert result.exit_code == 2 and link.is_symlink() and not target.exists()
 
 
+def test_a_verdict_to_dev_stdout_goes_into_the_log_a_shell_opened(tmp_path):
+    """`gate ... -o /dev/stdout >> ci.log`: the verdict is written at the log's end (it
+    replaced the log), and a gate that cannot run leaves the log alone (it deleted it)."""
+    import subprocess
+    import sys
+
+    log = tmp_path / "ci.log"
+    log.write_text("an earlier step's line\n")
+    for baseline, code in ((BASELINE, 0), (tmp_path / "none.json", 2)):
+        with open(log, "ab") as appended:
+            done = subprocess.run([sys.executable, "-m", "kimi_perf", "gate", str(baseline),
+                                   str(BASELINE), "-o", "/dev/stdout"], stdout=appended,
+                                  stderr=subprocess.PIPE, text=True)
+        assert done.returncode == code, done.stderr
+        assert log.read_text().startswith("an earlier step's line\n")
+        assert log.read_text().endswith("\ngate: pass (24 checks)\n")
+
+
 def test_the_verdict_files_are_named_for_what_they_hold(tmp_path):
     """--junit refuses the names -o refuses (a run's report or trace: it replaced them) and
     a .json or .csv; -o refuses .xml, which --junit writes (-o gate.xml wrote the table)."""
@@ -874,11 +917,26 @@ def test_a_baseline_whose_keys_were_sorted_is_still_a_baseline(tmp_path):
     lost.write_text(json.dumps(doc))
     with pytest.raises(TraceError, match=r"a kimi-perf run breakdown without its 'schema' \(1\)"):
         load_run(lost)
-    moved = tmp_path / "moved.json"   # (a breakdown whose first key is none of those told)
+    moved = tmp_path / "moved.json"   # (its keys in another order, its schema kept)
     moved.write_text(json.dumps({"steps": [], **doc["paths"]["standard"]}))
-    with pytest.raises(TraceError, match=r"not a Chrome/Kineto trace; a kimi-perf breakdown "
-                                         r"\(it holds 'layer_types'\) begins with its 'schema'"):
-        load_run(moved)
+    assert set(load_run(moved)[0]) == {"trace"}
+    lost_plain = tmp_path / "lost_plain.json"
+    lost_plain.write_text(json.dumps({k: v for k, v in doc["paths"]["standard"].items()
+                                      if k != "schema"}))
+    with pytest.raises(TraceError, match="not a kimi-perf breakdown of schema 1"):
+        load_run(lost_plain)
+    # a Kineto trace that begins with a key of ours is still a trace
+    import gzip
+
+    from kimi_perf.readers import read_trace
+
+    trace_doc = json.loads(gzip.decompress(EXAMPLE_TRACE.read_bytes()))
+    for key in ("run", "paths", "steps"):
+        kineto = tmp_path / f"{key}.json"
+        kineto.write_text(json.dumps({key: "nightly-42", **trace_doc}))
+        assert set(load_run(kineto)[0]) == {"trace"} and load_run(kineto)[2] is None
+    with pytest.raises(TraceError, match="a kimi-perf breakdown JSON, not a trace"):
+        read_trace(resorted)
 
 
 def test_gate_breaks_traces_down_over_the_phase_it_is_given(tmp_path):

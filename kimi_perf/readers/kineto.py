@@ -217,6 +217,9 @@ def _no_trace_events(path: Path, doc: dict) -> TraceError:
     """No trace: said so, and where the object is a kimi-perf breakdown but for the
     ``schema`` it begins with (one edited by hand), said so too."""
     ours = next((key for key in ("paths", "layer_types") if key in doc), None)
+    if ours and "schema" in doc:   # (its keys moved: as runs.is_kimi_perf_json reads it)
+        return TraceError(path, "a kimi-perf breakdown JSON, not a trace (breakdown, compare, "
+                                "gate and report read it)")
     return TraceError(path, "JSON without a 'traceEvents' list: not a Chrome/Kineto trace" + (
         f"; a kimi-perf breakdown (it holds '{ours}') begins with its 'schema'" if ours
         else ""))
