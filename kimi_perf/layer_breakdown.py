@@ -615,10 +615,34 @@ def _outside_steps(trace: Trace, ops: GpuOps, steps: list[Step]) -> dict[str, An
     outside = np.ones(len(ops), bool)
     for step in steps:
         outside[step.ops] = False
-    return {"ops": int(outside.sum()),
-            "kernel_us": _us(int((ops.end[outside] - ops.start[outside]).sum())),
-            "unlaunched": int((outside & (ops.api < 0)).sum()),
-            "in_ranges": outermost_ranges(trace, ops, np.flatnonzero(outside & (ops.api >= 0)))}
+    launched = np.flatnonzero(outside & (ops.api >= 0))
+    found = {"ops": int(outside.sum()),
+             "kernel_us": _us(int((ops.end[outside] - ops.start[outside]).sum())),
+             "unlaunched": int((outside & (ops.api < 0)).sum()),
+             "in_ranges": outermost_ranges(trace, ops, launched)}
+    if during := _launched_during_overlapping_steps(trace, ops, steps, launched):
+        found["during_overlapping_steps"] = during
+    return found
+
+
+def _launched_during_overlapping_steps(trace: Trace, ops: GpuOps, steps: list[Step],
+                                       launched: np.ndarray) -> int:
+    """Of the ops outside every step, those launched (by another thread: a step holds its own
+    thread's) while a step range of their process was open: left out because that process's
+    step ranges overlap, so that no one step's window is theirs (``layers``' rule)."""
+    rows = np.unique([s.range_row for s in steps if s.range_row >= 0]).astype(np.int64)
+    if not len(rows) or not len(launched):
+        return 0
+    r, count = trace.ranges, 0
+    for pid in np.unique(r.pid[rows]).tolist():
+        mine = rows[r.pid[rows] == pid]
+        mine = mine[np.argsort(r.start[mine], kind="stable")]
+        reach = np.maximum.accumulate(r.end[mine])   # (the latest end open by each start)
+        theirs = launched[ops.pid[launched] == pid]
+        start, end = trace.api.start[ops.api[theirs]], trace.api.end[ops.api[theirs]]
+        at = np.searchsorted(r.start[mine], start, side="right") - 1
+        count += int(((at >= 0) & (reach[np.maximum(at, 0)] >= end)).sum())
+    return count
 
 
 def _enclosing_steps(steps: list[Step]) -> list[dict[str, Any]]:
@@ -951,10 +975,13 @@ def two_groups(rows: LayerRows, min_ratio: float = 1.5, min_share: float = 0.25,
             if gaps.max() < min_ratio or high - low < min_of_span * span:
                 continue
             median = float(np.median(values))
+            counts = rows.class_kernels[sel, c]
             found.append({"figure": figure, "low_us": _us_round(low),
                           "high_us": _us_round(high), "low_layers": best,
                           "high_layers": sorted(index[ranked[best:]].tolist()),
-                          "median_between": bool(v[best - 1] < median < v[best])})
+                          "median_between": bool(v[best - 1] < median < v[best]),
+                          # (a type of other layers: ranges of two kinds under one name)
+                          "kernels": [int(counts.min()), int(counts.max())]})
         out[kind] = sorted(found, key=lambda g: g["low_us"] - g["high_us"])
     return out
 
@@ -1060,6 +1087,14 @@ def step_notes(b: Breakdown) -> list[str]:
         notes.append("no layers found: no range the default layer pattern matches (--layers "
                      "nvtx:REGEX takes ranges of your own) and no step repeats a kernel "
                      "pattern; the figures are of whole steps")
+    elif bare := [s for s in b.steps if s.get("layer_source") == "none"]:
+        # (eager steps with layer ranges, graph replays without: the types are of the first)
+        names = [s.get("name") or f"step {s.get('index')}" for s in bare]
+        shown = ", ".join(map(str, names[:3])) + (", …" if len(names) > 3 else "")
+        notes.append(f"{len(bare)} of {counted(len(b.steps), 'step')} "
+                     f"{'holds' if len(bare) == 1 else 'hold'} no layers ({shown}): "
+                     "their work is in no layer type, and the per-type figures are of the "
+                     "other steps' layers alone")
     if like := src.get("layer_like_ranges"):
         shown = ", ".join(f"'{name}'" for name in like["names"])
         more = ", …" if like["count"] > len(like["names"]) else ""
@@ -1113,21 +1148,27 @@ def _outside_steps_note(b: Breakdown, work: str) -> str | None:
     where = "; ".join(filter(None, [named and f"in {named}",
                                     unnamed and f"in no range {unnamed}"]))
     where = f" ({where})" if where else ""
+    outside_ranges = "launched outside every step's range"
+    if during := outside.get("during_overlapping_steps"):
+        # (by another thread while a step was open: not outside every step's range)
+        outside_ranges = "launched outside their own threads' step ranges"
+        where += (f", {during} of them while another thread's step range was open (the "
+                  "process's step ranges overlap, so that no one step is theirs)")
     if not unlaunched:
-        why = "launched outside every step's range" + where
+        why = outside_ranges + where
     elif not launched:
         why = "the trace holds no launch to place them by"
     else:
-        why = (f"{launched} launched outside every step's range{where}, {unlaunched} with "
-               "no launch in the trace")
+        why = (f"{launched} {outside_ranges}{where}, {unlaunched} with no launch in the "
+               "trace")
     if partial:
         cut = (f"{partial['ops']} in the parts of {partial['parts']} forward passes the "
                "trace begins or ends within" if partial["parts"] > 1 else
                f"{partial['ops']} in the part of a forward pass the trace begins or ends "
                "within")
         why = cut if not launched and not unlaunched else f"{cut}; {why}"
-    return (f"{outside['ops']} more {work} ({outside['kernel_us']:.1f} µs) ran in no "
-            f"step: {why}")
+    return (f"{outside['ops']} more {work if outside['ops'] != 1 else work[:-1]} "
+            f"({outside['kernel_us']:.1f} µs) ran in no step: {why}")
 
 
 def _copies_note(b: Breakdown, work: str) -> str | None:
@@ -1254,11 +1295,18 @@ def outsized_types_note(b: Breakdown) -> str | None:
 def lone_types_note(b: Breakdown) -> str | None:
     """Where the kernel pattern found types of one layer each in a breakdown of several
     steps (a training step's kernels vary from one step to the next): say that their
-    figures are of single layers, not medians."""
+    figures are of single layers, not medians; in one step whose every type is so, that
+    nothing repeated (its "layers" may be two passes of a model: a warm-up and a timed one)."""
+    pattern = [t["type"] for t in b.layer_types if t.get("pattern")]
     lone = [t["type"] for t in b.layer_types if t.get("pattern") and t["layers"] == 1]
-    if len(b.steps) < 2 or len(lone) < 2:
+    if len(lone) < 2 or (len(b.steps) < 2 and lone != pattern):
         return None
     named = ", ".join(lone[:6]) + (", …" if len(lone) > 6 else "")
+    if len(b.steps) < 2:
+        return (f"the {len(lone)} types found by the kernel pattern ({named}) hold one layer "
+                "each: nothing repeated in the step, so these layers may be whole passes or "
+                "phases of the work, not a model's layers (per-layer ranges: --layers "
+                "nvtx:REGEX)")
     return (f"{len(lone)} types found by the kernel pattern ({named}) hold one layer each in "
             f"{len(b.steps)} steps: no layer repeats across the steps, so their figures are "
             "of single layers (per-layer ranges give steadier layers: --layers nvtx:REGEX)")
@@ -1272,10 +1320,13 @@ def two_groups_note(kind: str, group: dict[str, Any]) -> str:
     if len(high) > 2 and len(steps) == 1 and (step := steps.pop()) > 1:
         which += f": every {_ordinal(step)}"
     neither = "the median is of neither; " if group.get("median_between") else ""
+    fewest, most = group.get("kernels") or (None, None)
+    why = ("the same kernels doing different work, such as sliding-window and full attention"
+           if fewest == most else f"its layers run {fewest} to {most} of these kernels: "
+           "other work, such as layers of two kinds under one type")
     return (f"{kind or '-'}: {group['figure']} µs in two groups by layer: "
             f"{group['low_us']:.1f} µs in {group['low_layers']} layers, "
-            f"{group['high_us']:.1f} µs in {len(high)} (layers {which}); {neither}the same "
-            "kernels doing different work, such as sliding-window and full attention")
+            f"{group['high_us']:.1f} µs in {len(high)} (layers {which}); {neither}{why}")
 
 
 def _ordinal(n: int) -> str:

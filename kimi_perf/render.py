@@ -66,11 +66,18 @@ def console(stderr: bool = False) -> Console:
     that a table piped to a file or a CI log keeps every column (rich would otherwise lay it
     out in 80 columns)."""
     out = _Console(stderr=stderr, markup=False)
-    if not out.is_terminal and "COLUMNS" not in os.environ:
+    if not out.is_terminal and _columns() is None:
         out = _Console(stderr=stderr, markup=False, width=200)
     elif out.width < 1:   # COLUMNS=0, which rich takes as it says: nothing would be printed
         out = _Console(stderr=stderr, markup=False, width=80)
     return out
+
+
+def _columns() -> int | None:
+    """COLUMNS where it is a width (0 too, laid out 80 wide); None where it is unset or no
+    number (``abc``, ``-5``: rich takes those as 80, where output piped is 200 wide)."""
+    given = os.environ.get("COLUMNS", "").strip()
+    return int(given) if given.isdigit() else None
 
 
 HEADER_FOLDS = (12, 8, 6)   # widths a number column's header is folded to, in turn
@@ -486,9 +493,10 @@ def print_tables(tables: list[Table | str], out: Console | None = None) -> None:
 
 
 def tables_text(tables: list[Table | str]) -> str:
-    """The tables as plain text (``-o`` with the table format)."""
+    """The tables as plain text (``-o`` with the table format), as wide as output piped is."""
     buf = io.StringIO()
-    print_tables(tables, Console(file=buf, width=200, markup=False, color_system=None,
+    width = _columns() or (200 if _columns() is None else 80)
+    print_tables(tables, Console(file=buf, width=width, markup=False, color_system=None,
                                  highlight=False))
     return buf.getvalue()
 

@@ -571,6 +571,7 @@ def _source_problem(source) -> str | None:
          outside is None or (isinstance(outside, dict) and _is_count(outside.get("ops"))
                              and is_figure(outside.get("kernel_us"))
                              and _is_count(outside.get("unlaunched", 0))
+                             and _is_count(outside.get("during_overlapping_steps", 0))
                              and _partial_ok(outside.get("partial_passes"))
                              and _in_ranges_ok(outside.get("in_ranges") or []))),
         ("breakdown_options", "{layers, steps, phase, rules, default_rules} as strings or null",
@@ -622,9 +623,14 @@ def _checked(b: Breakdown, path: Path, where: str = "") -> Breakdown:
                 and is_figure(g.get("low_us")) and is_figure(g.get("high_us"))
                 and _is_count(g.get("low_layers")) and isinstance(g.get("high_layers"), list)
                 and all(_is_count(i) for i in g["high_layers"])
-                and isinstance(g.get("median_between", False), bool) for g in groups)):
+                and isinstance(g.get("median_between", False), bool)
+                and (g.get("kernels") is None or (
+                    isinstance(g["kernels"], list) and len(g["kernels"]) == 2
+                    and all(_is_count(k) for k in g["kernels"])
+                    and g["kernels"][0] <= g["kernels"][1])) for g in groups)):
             raise TraceError(path, f"layer type {t['type']!r}: two_groups is not [{{figure, "
-                                   "low_us, high_us, low_layers, high_layers: [index]}]")
+                                   "low_us, high_us, low_layers, high_layers: [index], "
+                                   "kernels: [fewest, most]}]")
         typical = t.get("typical_layer")
         if typical is not None and not (
                 isinstance(typical, dict) and _is_count(typical.get("layers"))

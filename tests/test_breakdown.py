@@ -781,11 +781,17 @@ def test_a_layer_type_whose_layers_fall_in_two_groups_says_so(tmp_path):
     assert t["classes"]["attention"]["us"] == 150.0      # the median: of neither group
     (group,) = t["two_groups"]
     assert group == {"figure": "attention", "low_us": 100.0, "high_us": 200.0,
-                     "low_layers": 4, "high_layers": [1, 3, 5, 7], "median_between": True}
+                     "low_layers": 4, "high_layers": [1, 3, 5, 7], "median_between": True,
+                     "kernels": [1, 1]}
     note = two_groups_note(t["type"], group)
-    assert note.startswith("A: attention µs in two groups by layer: 100.0 µs in 4 layers, "
-                           "200.0 µs in 4 (layers 1, 3, 5, 7: every 2nd); the median is of "
-                           "neither;")
+    assert note == ("A: attention µs in two groups by layer: 100.0 µs in 4 layers, 200.0 µs in "
+                    "4 (layers 1, 3, 5, 7: every 2nd); the median is of neither; the same "
+                    "kernels doing different work, such as sliding-window and full attention")
+    # layers that run other counts of the class's kernels are not said to run the same ones
+    # (a type of ranges of two names: softmax and attention scores)
+    assert two_groups_note(t["type"], {**group, "kernels": [3, 5]}).endswith(
+        "the median is of neither; its layers run 3 to 5 of these kernels: other work, such "
+        "as layers of two kinds under one type")
     assert note in " ".join(tables_text(breakdown_tables(b)).split())
     html = write_report(tmp_path / "r.html", {"x": b}, "t", plotly_js="cdn").read_text()
     assert "attention µs in two groups by layer" in html
@@ -830,6 +836,13 @@ def test_pattern_types_of_one_layer_each_are_said_to_be_single_layers():
     repeated = breakdown(_alternating_attention(200, layer_ranges=False).build())
     assert [(t["layers"], len(t["pattern"])) for t in repeated.layer_types] == [(16, 12)]
     assert lone_types_note(repeated) is None
+    # one step whose every pattern type holds one layer: nothing repeated (AlexNet's warm-up
+    # pass and timed pass, 38 and 40 kernels, read as two "layers" without a word)
+    alexnet = breakdown(read_trace(KINETO / "hta_a100_alexnet_cuda_sync.json.gz"))
+    assert len(alexnet.steps) == 1 and [t["layers"] for t in alexnet.layer_types] == [1, 1]
+    assert lone_types_note(alexnet).startswith(
+        "the 2 types found by the kernel pattern (A, B) hold one layer each: nothing repeated "
+        "in the step, so these layers may be whole passes")
 
 
 def test_compare_pairs_pattern_types_by_their_kernels_whatever_their_letters(tmp_path):

@@ -3117,6 +3117,14 @@ def test_odd_terminals_get_the_output_or_one_line_saying_why():
                             env={**os.environ, "COLUMNS": "0"})
     assert narrow.returncode == 0 and "Steps:" in narrow.stdout
     assert max(map(len, narrow.stdout.splitlines())) <= 80
+    # COLUMNS sets -o's width as a pipe's (-o - is stdout); no number is no COLUMNS (it was 80)
+    widths = {}
+    for columns, output in (("60", []), ("60", ["-o", "-"]), ("abc", []), ("-5", ["-o", "-"])):
+        done = subprocess.run([*command, *output], capture_output=True, text=True,
+                              env={**os.environ, "COLUMNS": columns})
+        widths[(columns, bool(output))] = max(map(len, done.stdout.splitlines()))
+    assert widths[("60", False)] == widths[("60", True)] == 60
+    assert widths[("abc", False)] == widths[("-5", True)] > 100
 
 
 def test_buffers_the_machine_cannot_allocate_are_one_line(tmp_path):

@@ -307,6 +307,13 @@ def test_a_step_without_layer_ranges_leaves_the_others_theirs():
     assert [(s.name, s.layer_source, len(s.layers)) for s in steps] == [
         ("decode_step[0]", "none", 0), ("decode_step[1]", "nvtx", 8),
         ("decode_step[2]", "nvtx", 8)]
+    # and says so: the per-type figures are of the other steps (it was a "(none)" in the
+    # steps table alone, as eager steps with layer ranges and graph replays without would be)
+    from kimi_perf.layer_breakdown import breakdown, step_notes
+
+    assert ("1 of 3 steps holds no layers (decode_step[0]): their work is in no layer type, "
+            "and the per-type figures are of the other steps' layers alone"
+            in step_notes(breakdown(b.build())))
 
 
 @pytest.mark.parametrize("spelling", ["layers.{i}", "model.layers.{i}", "layer_{i}",
@@ -588,7 +595,19 @@ def test_overlapping_step_ranges_borrow_nothing():
     trace = _steps_with_a_second_thread(overlap=True).build()
     _, steps = segment(trace)
     assert all(s.other_thread_ops == 0 for s in steps)
-    assert breakdown(trace).source["outside_steps"]["ops"] == 4
+    outside = breakdown(trace).source["outside_steps"]
+    assert outside["ops"] == 4
+    # and says why: not "launched outside every step's range", which they were not
+    assert outside["during_overlapping_steps"] == 4
+    from kimi_perf.layer_breakdown import step_notes
+
+    (note,) = [n for n in step_notes(breakdown(trace)) if "ran in no step" in n]
+    assert note.endswith("ran in no step: launched outside their own threads' step ranges "
+                         "(in no range 4), 4 of them while another thread's step range was "
+                         "open (the process's step ranges overlap, so that no one step is "
+                         "theirs)")
+    assert "during_overlapping_steps" not in breakdown(
+        _steps_with_a_second_thread().build()).source["outside_steps"]
 
 
 NSYS_CLI = os.environ.get("KIMI_PERF_NSYS") or shutil.which("nsys")
