@@ -205,12 +205,12 @@ def _class_bars(breakdowns: dict[str, Breakdown]) -> go.Figure:
     groups = alike_groups({
         label: max((sum(c["us"] for c in t["classes"].values()) for t in b.layer_types),
                    default=0.0)
-        for label, b in breakdowns.items() if b.unit == "kernels"})
+        for label, b in breakdowns.items() if b.unit == "kernels" and b.layer_types})
     panels = {("GPU traces" if i == 0 else f"GPU traces on a scale of their own "
                f"({SHARED_AXIS_SPANS:g}x apart): {', '.join(labels)}"): labels
               for i, labels in enumerate(groups)}
-    panels |= {f"CPU run: {label} (CPU time)": [label]
-               for label, b in breakdowns.items() if b.unit != "kernels"}
+    panels |= {f"CPU run: {label} (CPU time)": [label]   # (a trace of no layers: no bars)
+               for label, b in breakdowns.items() if b.unit != "kernels" and b.layer_types}
     titles = [_plotly_text(title) for title in panels]
     rows = len(panels) or 1
     # a gap of PANEL_GAP px between panels of PANEL_PX each, in the figure's fractions (a
@@ -281,7 +281,7 @@ def _comparison_html(breakdowns: dict[str, Breakdown], pairs: list[tuple[str, st
     labels = list(breakdowns)
     unit = {label: b.unit for label, b in breakdowns.items()}
     short = short or _short_labels(labels)
-    e = html.escape
+    e = _escaped
     parts = []
     for label in labels:
         b = breakdowns[label]
@@ -332,7 +332,7 @@ STEP_ROWS = 20   # steps listed per trace; the rest are counted (kimi-perf break
 def _steps_html(breakdowns: dict[str, Breakdown]) -> str:
     """Each trace's steps, as breakdown's steps table has them (its first STEP_ROWS), with
     their median: a trace where no layer was found still has its figures here."""
-    e = html.escape
+    e = _escaped
     parts = []
     for label, b in breakdowns.items():
         if not b.steps:
@@ -374,7 +374,7 @@ def _overview_html(breakdowns: dict[str, Breakdown], of_paths: bool = False,
     paths of several runs, whose spread would set one path against another (no spread)."""
     if len(breakdowns) < 3:
         return ""
-    e = html.escape
+    e = _escaped
     rows = overview(breakdowns)
     short = short or _short_labels(list(breakdowns))   # (as the tables below name them)
     types = list(rows[0].types)
@@ -420,7 +420,7 @@ def _typical_html(breakdowns: dict[str, Breakdown], short: dict[str, str] | None
     """Per layer type, its typical layer in every trace side by side: kernels in order, each
     with its class and median µs (the full name on hover)."""
     unit = {label: b.unit for label, b in breakdowns.items()}
-    e = html.escape
+    e = _escaped
     short = short or _short_labels(list(breakdowns))
     parts = []
     for names_of in aligned_types(breakdowns):   # paired as compare and the gate pair them
@@ -493,7 +493,7 @@ def _fusions_html(breakdowns: dict[str, Breakdown], pairs: list[tuple[str, str]]
     (their launches annotated: a CPU run, say), each fused launch against the standard
     launches whose work it does, per layer type (``kimi_perf.decode.fusions``), paired as
     compare pairs them."""
-    e = html.escape
+    e = _escaped
     parts = []
     on_cpu = False
     for first, other in pairs:
@@ -581,11 +581,18 @@ def capture_said(run: dict) -> str | None:
     return "; ".join(f"{what} {v}" for what, v in shown) or None
 
 
+def _escaped(text: str, quote: bool = True) -> str:
+    """Text of a trace's, a run's or a file's in the page: escaped, its control characters
+    written out (a right-to-left override in a stored baseline's text would reorder the
+    page's)."""
+    return html.escape(printable(text), quote=quote)
+
+
 def _shown(value: object) -> str:
     """A value from a trace or a run (a range's name, a file's, the command) in a cell:
     escaped, its control characters written out (a newline or a right-to-left override in a
     file name would break or reorder the page's text)."""
-    return html.escape(printable(str(value)))
+    return _escaped(str(value))
 
 
 def _version_items(run: dict) -> list[tuple[str, object]]:
@@ -602,7 +609,7 @@ def _runs_html(runs: list[tuple[str, dict]]) -> str:
     each, and how each was captured unlike the first (``runs.run_differences``)."""
     if len(runs) < 2:
         return ""
-    e = html.escape
+    e = _escaped
     # (the same run twice: told apart as the drawn labels are)
     runs = list(zip(primed([name for name, _ in runs]), (r for _, r in runs), strict=True))
     columns = [dict(_capture_items(r) + _version_items(r)) for _, r in runs]
@@ -618,7 +625,8 @@ def _runs_html(runs: list[tuple[str, dict]]) -> str:
     notes = "".join(
         f"<p class=note>{e(captured_differently(first, name, found))}.</p>"
         for name, r in others
-        if (found := run_differences({"run": first_run}, {"run": r}, paths=True)))
+        if (found := run_differences({"run": first_run}, {"run": r},
+                                     paths="paths_drawn" not in r)))
     # each run's decode metrics, path by path (a baseline's tokens/s beside tonight's)
     measured = "".join(
         f"<tr><td>{e(name)}</td><td>{e(str(path))}</td>"
@@ -649,7 +657,7 @@ def _run_html(run: dict | None, breakdowns: dict[str, Breakdown]) -> str:
     """What ran and where: the request, the machine and the versions of a capture; of
     traces analysed (``--from``, a report of traces or stored breakdowns), each trace and the
     GPUs that ran its kernels. Then each path's decode metrics, and a CPU run's caveat."""
-    e = html.escape
+    e = _escaped
     run = run or {}
     env = run.get("environment") or {}
     items = _capture_items(run)
@@ -751,7 +759,8 @@ def first_forward_text(run: dict) -> str | None:
     if isinstance(tp := run.get("tp"), int) and tp > 1:
         return (f"each path ran in {tp} processes of its own (its TP ranks), so its time to "
                 "first token is their first forward pass, first-call costs and all")
-    # (the run's first path as it ran, whatever --path drew: another's is no first call)
+    # (the run's first path as it ran, whatever --path drew: another's is no first call, and
+    # a run whose first path is not drawn has none to say)
     ran = (run.get("request") or {}).get("paths")
     first = ran[0] if isinstance(ran, list) and ran else next(iter(metrics))
     if first not in metrics:
@@ -905,7 +914,8 @@ class ReportInputs:
         """How each run after the first was captured differently from it, a line each."""
         first = self.runs[0] if self.runs else None
         return [captured_differently(first[0], name, found) for name, info in self.runs[1:]
-                if (found := run_differences({"run": first[1]}, {"run": info}, paths=True))]
+                if (found := run_differences({"run": first[1]}, {"run": info},
+                                             paths="paths_drawn" not in info))]
 
 
 def report_inputs(inputs: list[str | Path], path_name: str | None = None,
@@ -948,12 +958,11 @@ def report_inputs(inputs: list[str | Path], path_name: str | None = None,
                 if len(inputs) > 1:   # (one run says its own)
                     got.fell_back[label] = fell[name]
         if info is not None and len(inputs) > 1:   # (checked as it was read)
-            # the drawn path's metrics alone, and its name alone as what was captured (the
-            # runs' other paths, not drawn, are no difference between them)
+            # the drawn path's metrics alone; ``paths_drawn``: the runs' other paths, not
+            # drawn, are no difference between them (what ran, and in which order, is kept)
             got.runs.append((names[i], info if path_name is None else {
                 **info, "paths": {p: m for p, m in (info.get("paths") or {}).items()
-                                  if p == path_name},
-                "request": {**(info.get("request") or {}), "paths": [path_name]}}))
+                                  if p == path_name}, "paths_drawn": [path_name]}))
             got.run_labels.append(list(drawn[-1].values()))
         if info is not None and len(inputs) == 1:  # the run's own: what ran
             got.run = info if path_name is None else {**info, "paths": {   # that path's alone
@@ -1067,7 +1076,7 @@ def write_report(path: str | Path, breakdowns: dict[str, Breakdown], title: str,
     parts = [f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{html.escape(title)}"
              f"</title>{STYLE}</head><body><h1>{html.escape(title)}</h1>",
              _run_html(run, breakdowns),
-             "".join(f"<p class=warn>{html.escape(fell_back_text(label, why))}.</p>"
+             "".join(f"<p class=warn>{_escaped(fell_back_text(label, why))}.</p>"
                      for label, why in fell_back.items()),
              _runs_html(list(runs)),
              _overview_html(breakdowns, of_paths, short),

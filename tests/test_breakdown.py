@@ -23,7 +23,7 @@ from kimi_perf.layer_breakdown import (
     breakdown_of_file,
     layer_column,
 )
-from tests.conftest import KINETO, NSYS
+from tests.conftest import KINETO, NSYS, REPO
 from tests.synth import TraceBuilder
 from tests.test_layers import KDA, MLA, k3_like, nvtx_decode_trace
 
@@ -1680,6 +1680,11 @@ def test_report_timelines_draw_a_bounded_number_of_bars_in_step_order(monkeypatc
     assert [a.text for a in fig.layout.annotations] == [
         "GPU traces", "GPU traces on a scale of their own (10x apart): window, window2"]
     assert {trace.xaxis for trace in fig.data if any("window" in x for x in trace.x)} == {"x2"}
+    # a trace of no layers has no bars: no panel of its own "10x apart" (an empty half chart)
+    layerless = breakdown(read_trace(KINETO / "hta_v100_ddp_rank1_19k_kernels.json.gz"))
+    assert not layerless.layer_types
+    fig = report._class_bars({"decode": b, "training": layerless})
+    assert not fig.layout.annotations and {trace.xaxis for trace in fig.data} == {"x"}
 
 
 def test_a_reports_spread_across_traces_is_left_out_only_when_said_to_be_of_paths(tmp_path):
@@ -1765,6 +1770,18 @@ def test_report_labels_and_titles_write_control_characters_out(tmp_path):
     assert done.exit_code == 0, done.output
     page = next((tmp_path / "runs").glob("*/report.html")).read_text()
     assert "\u202e" not in page and "a\\u202eb\\x0ac.json.gz" in page
+    # and a stored run's own texts (a baseline is a file of another's): its model, what was
+    # timed, its fallbacks
+    doc = json.loads((REPO / "traces" / "baselines" / "tiny-cpu.json").read_text())
+    doc["run"]["paths"]["specialized"].update(model="Spec\u202eM", timed="all\u202e steps",
+                                               fallbacks=["decode_step[0]: \u202e<x>"])
+    stored = tmp_path / "stored.json"
+    stored.write_text(json.dumps(doc))
+    drawn = CliRunner().invoke(main, ["report", str(stored), "-o", str(tmp_path / "s.html"),
+                                      "--plotly-js", "cdn"])
+    assert drawn.exit_code == 0, drawn.output
+    page = (tmp_path / "s.html").read_text()
+    assert "\u202e" not in page and "Spec\\u202eM" in page and "\\u202e&lt;x&gt;" in page
     none = breakdown(read_trace(KINETO / "hta_a100_80gb_rank0_cudagraph_triton.json.gz"))
     assert not none.layer_types and none.timeline["by_stream"]
     layerless = write_report(tmp_path / "l.html", {"t": none}, "t", plotly_js="cdn").read_text()

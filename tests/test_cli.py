@@ -1882,6 +1882,13 @@ def test_report_command_draws_runs_breakdowns_and_traces(tmp_path):
               "cdn")
     assert one.exit_code == 0 and "captured differently" not in one.output
     assert "captured differently" not in elsewhere.read_text()   # (the page says as stderr)
+    # the specialized path drawn alone of runs that ran the standard path first: its time to
+    # first token is no first call (the page said it was, naming the drawn path)
+    from kimi_perf.report import first_forward_text, report_inputs
+
+    drawn = report_inputs([BASELINE, later], "specialized")
+    assert [first_forward_text(info) for _, info in drawn.runs] == [None, None]
+    assert "standard" in first_forward_text(report_inputs([BASELINE, later]).runs[0][1])
     runs_table = out.read_text().split("<h2>Runs</h2>")[1].split("</table>")[0]
     assert "<th>base</th>" in runs_table and "<th>new</th>" in runs_table
     # and each run's decode metrics of the drawn path, a row each
