@@ -12,7 +12,8 @@ Library entry points (the CLI is a thin layer over these)::
 """
 
 import importlib
-from typing import TYPE_CHECKING
+
+TYPE_CHECKING = False   # (typing's own: importing typing takes most of this file's time)
 
 # each name from its module when first used: the command's entry point imports this package
 # before it can say an interruption as a command does (kimi_perf.__main__)
@@ -36,12 +37,23 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name: str):
-    if name not in _EXPORTS:
+    """An export, or a module of the package (``kimi_perf.runs`` after ``import kimi_perf``,
+    as before the exports were imported when first used)."""
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(f"kimi_perf.{_EXPORTS[name]}"), name)
+    elif not name.startswith("_") and _module_named(name):
+        value = importlib.import_module(f"kimi_perf.{name}")
+    else:
         raise AttributeError(f"module 'kimi_perf' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"kimi_perf.{_EXPORTS[name]}"), name)
     globals()[name] = value
     return value
 
 
 def __dir__() -> list[str]:
     return sorted({*globals(), *__all__})
+
+
+def _module_named(name: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(f"kimi_perf.{name}") is not None

@@ -42,6 +42,7 @@ from kimi_perf.trace import (
     atomic_write_text,
     check_not_read_only,
     json_text,
+    named_descriptor,
     printable,
     whole_stdout,
 )
@@ -866,21 +867,21 @@ def _no_earlier_verdict(*files: Path):
 
 def _remove_verdict(file: Path) -> None:
     """Remove a verdict file as it would be written: a symlink's target (the link kept, to be
-    written through again); never a device or pipe (/dev/null), nor what a name through /dev
-    or /proc stands for (/dev/stdout: the file a shell's `>> log` opened), nor a file made
-    read-only."""
-    target = Path(os.path.abspath(file))
-    for _ in range(40):   # (link by link: one through /proc leads into a shell's files)
-        if str(target).startswith(("/dev/", "/proc/")):
+    written through again); never a device or pipe (/dev/null), nor what a descriptor's name
+    stands for (/dev/stdout: the file a shell's `>> log` opened), nor a file made read-only."""
+    current = Path(os.path.realpath(file.parent)) / file.name
+    for _ in range(40):   # (link by link: /dev/stdout leads through /proc into a shell's files)
+        if named_descriptor(current) is not None:
             return
-        if not target.is_symlink():
+        if not current.is_symlink():
             break
-        target = Path(os.path.abspath(target.parent / os.readlink(target)))
+        target = Path(os.readlink(current))
+        current = Path(os.path.realpath(current.parent / target.parent)) / target.name
     else:
         return   # (a loop)
-    if stat.S_ISREG(target.lstat().st_mode):
-        check_not_read_only(target)
-        target.unlink()
+    if stat.S_ISREG(current.lstat().st_mode):
+        check_not_read_only(current)
+        current.unlink()
 
 
 def _gate(baseline: Path, run: Path, tolerances: gate_mod.Tolerances | None, kept: dict,
@@ -1107,7 +1108,7 @@ def report_cmd(inputs: tuple[Path, ...], path_name: str | None, labels: str | No
               run=run_info)
     for line in got.captured_differently():
         click.echo(line, err=True)
-    if str(output) != "-":      # the report itself went to stdout
+    if str(output) != "-" and named_descriptor(output) is None:   # (the report went there)
         click.echo(printable(f"report: {output}"))
     _say_left_out(left_out)
 

@@ -975,13 +975,16 @@ def two_groups(rows: LayerRows, min_ratio: float = 1.5, min_share: float = 0.25,
             if gaps.max() < min_ratio or high - low < min_of_span * span:
                 continue
             median = float(np.median(values))
-            counts = rows.class_kernels[sel, c]
+            # (each layer's count its median over the steps, as its µs are: one step's
+            # extra kernel makes no layer of another kind)
+            counts = np.array([np.median(n) for n in np.split(
+                rows.class_kernels[sel, c][order], cuts)])
             found.append({"figure": figure, "low_us": _us_round(low),
                           "high_us": _us_round(high), "low_layers": best,
                           "high_layers": sorted(index[ranked[best:]].tolist()),
                           "median_between": bool(v[best - 1] < median < v[best]),
                           # (a type of other layers: ranges of two kinds under one name)
-                          "kernels": [int(counts.min()), int(counts.max())]})
+                          "kernels": [int(np.floor(counts.min())), int(np.ceil(counts.max()))]})
         out[kind] = sorted(found, key=lambda g: g["low_us"] - g["high_us"])
     return out
 
@@ -1093,8 +1096,8 @@ def step_notes(b: Breakdown) -> list[str]:
         shown = ", ".join(map(str, names[:3])) + (", …" if len(names) > 3 else "")
         notes.append(f"{len(bare)} of {counted(len(b.steps), 'step')} "
                      f"{'holds' if len(bare) == 1 else 'hold'} no layers ({shown}): "
-                     "their work is in no layer type, and the per-type figures are of the "
-                     "other steps' layers alone")
+                     f"{'its' if len(bare) == 1 else 'their'} work is in no layer type, and "
+                     "the per-type figures are of the other steps' layers alone")
     if like := src.get("layer_like_ranges"):
         shown = ", ".join(f"'{name}'" for name in like["names"])
         more = ", …" if like["count"] > len(like["names"]) else ""

@@ -77,7 +77,7 @@ def _columns() -> int | None:
     """COLUMNS where it is a width (0 too, laid out 80 wide); None where it is unset or no
     number (``abc``, ``-5``: rich takes those as 80, where output piped is 200 wide)."""
     given = os.environ.get("COLUMNS", "").strip()
-    return int(given) if given.isdigit() else None
+    return int(given) if given.isascii() and given.isdigit() else None
 
 
 HEADER_FOLDS = (12, 8, 6)   # widths a number column's header is folded to, in turn

@@ -36,13 +36,14 @@ from kimi_perf.readers.nsys import NSYS_REPORTS, is_stale_export
 from kimi_perf.text import counted
 from kimi_perf.trace import (
     ARROW_MAGIC,
-    KIMI_PERF_JSON,
-    KIMI_PERF_JSON_MOVED,
+    KIMI_PERF_HEAD,
     atomic_write_text,
     check_not_read_only,
     file_identity,
     is_int64,
     json_text,
+    kimi_perf_head,
+    kimi_perf_head_read,
     kptrace_sources,
     printable,
 )
@@ -359,16 +360,11 @@ def is_kimi_perf_json(path: str | Path) -> bool:
     try:
         with open(path, "rb") as f:
             head = f.read(256)
-            if KIMI_PERF_JSON.match(head):
-                return True
-            # keys moved (a baseline re-dumped with its keys sorted): ours where no Kineto
-            # key follows ({"run": "nightly", "traceEvents": ...} is a trace)
-            if not KIMI_PERF_JSON_MOVED.match(head):
-                return False
-            head += f.read(KINETO_HEAD)
+            if (ours := kimi_perf_head(head)) is None:   # (its keys moved, or a trace's)
+                ours = kimi_perf_head_read(head + f.read(KIMI_PERF_HEAD))
     except OSError:
         return False
-    return b'"traceEvents"' not in head and b'"schemaVersion"' not in head
+    return ours
 
 
 def is_finite_number(v) -> bool:
@@ -567,11 +563,13 @@ def _source_problem(source) -> str | None:
         ("untimed_ranges", "a count", source.get("untimed_ranges") is None
          or _is_count(source["untimed_ranges"])),
         ("duplicates", "{kernels, memops} as counts", counts("duplicates")),
-        ("outside_steps", "{ops, kernel_us, unlaunched, in_ranges, partial_passes: {parts, ops}}",
+        ("outside_steps", "{ops, kernel_us, unlaunched, during_overlapping_steps, in_ranges, "
+         "partial_passes: {parts, ops}}",
          outside is None or (isinstance(outside, dict) and _is_count(outside.get("ops"))
                              and is_figure(outside.get("kernel_us"))
                              and _is_count(outside.get("unlaunched", 0))
                              and _is_count(outside.get("during_overlapping_steps", 0))
+                             and outside.get("during_overlapping_steps", 0) <= outside["ops"]
                              and _partial_ok(outside.get("partial_passes"))
                              and _in_ranges_ok(outside.get("in_ranges") or []))),
         ("breakdown_options", "{layers, steps, phase, rules, default_rules} as strings or null",
@@ -1121,12 +1119,13 @@ def trace_files(paths: list[str | Path], keep_runs: bool = False,
                    else f"{draws} {'it' if runs == 1 else 'them'}") if runs else "") + (
                 f"; its folders {', '.join(ranks[:3])}{', ...' if len(ranks) > 3 else ''} "
                 "hold traces: give each" if ranks and not runs else "") + (
-                f"; {', '.join(killed[:2])}{', ...' if len(killed) > 2 else ''}: "
-                + ("a run being written, or killed before it finished (then remove it)"
-                   if len(killed) == 1 else "runs being written, or killed before they "
-                   "finished (then remove them)") if (killed := sorted(
-                    d.name for d in path.iterdir() if d.is_dir()
-                    and d.name.startswith(".") and d.name.endswith(".partial"))) else ""))
+                "".join(f"; {d.name}: " + (
+                    "a finished run kept there, its name taken by other hands (give it a "
+                    "name of its own)" if (d / "breakdown.json").is_file() else
+                    "a run being written, or killed before it finished (then remove it)")
+                    for d in sorted(d for d in path.iterdir() if d.is_dir()
+                                    and d.name.startswith(".") and d.name.endswith(".partial"))
+                    [:3])))
         copies = _saved_beside(found)
         # a report nsys has exported (``nsys stats`` leaves X.sqlite beside X.nsys-rep) is
         # one capture: its export is read, and the report is not read again; an export

@@ -834,10 +834,28 @@ def _write_ipc(f, table: pa.Table) -> None:
 # trace with "schemaVersion" or "traceEvents", if with an object
 KIMI_PERF_JSON = re.compile(rb'(?:\xef\xbb\xbf)?\s*\{\s*"schema"\s*:')
 # ... or, its keys sorted or moved (a baseline edited, json.dump(sort_keys=True)), with
-# another of its keys, where no Kineto key follows (``runs.is_kimi_perf_json``)
+# another of its keys, where no Kineto key follows (``kimi_perf_head``)
 KIMI_PERF_JSON_MOVED = re.compile(
-    rb'(?:\xef\xbb\xbf)?\s*\{\s*"(?:gate_tolerances|layer_types|layers|paths|run|run_spread|source'
-    rb'|steps|timeline)"\s*:')
+    rb'(?:\xef\xbb\xbf)?\s*\{\s*"(?:comparisons|gate_tolerances|layer_types|layers|overview|paths'
+    rb'|run|run_dir|run_spread|source|steps|timeline)"\s*:')
+
+
+def kimi_perf_head(head: bytes) -> bool | None:
+    """Whether a JSON file's first bytes are kimi-perf's own JSON: True, False, or None
+    where its keys were moved and the first 64 KiB must say whether a Kineto key follows
+    (``KIMI_PERF_JSON_MOVED``; read them, then ``kimi_perf_head_read``)."""
+    if KIMI_PERF_JSON.match(head):
+        return True
+    return None if KIMI_PERF_JSON_MOVED.match(head) else False
+
+
+def kimi_perf_head_read(head: bytes) -> bool:
+    """``kimi_perf_head`` of the first 64 KiB of a file whose keys were moved: ours where no
+    Kineto key is among them ({"run": "nightly", "traceEvents": ...} is a trace)."""
+    return b'"traceEvents"' not in head and b'"schemaVersion"' not in head
+
+
+KIMI_PERF_HEAD = 1 << 16   # the bytes kimi_perf_head_read takes
 
 
 def _first_line(exc: BaseException) -> str:
@@ -897,6 +915,8 @@ def atomic_write(path: str | Path, write) -> None:
             write(WholeWrites(fd))
         except BrokenPipeError:
             raise
+        except OverflowError:   # (/dev/fd/99999999999999999999)
+            raise TraceError(given, "cannot write: no such descriptor") from None
         except OSError as exc:
             raise TraceError(given, f"cannot write: {exc.strerror or exc}") from None
         return
@@ -941,13 +961,15 @@ def atomic_write(path: str | Path, write) -> None:
         raise
 
 
-_DESCRIPTOR = re.compile(r"/dev/(?:std(?P<std>out|err)|fd/(?P<fd>\d+))|/proc/self/fd/(?P<proc>\d+)")
+_DESCRIPTOR = re.compile(
+    r"/dev/(?:std(?P<std>out|err)|fd/(?P<fd>\d+))|/proc/(?:self|\d+)/fd/(?P<proc>\d+)")
 
 
 def named_descriptor(path: str | Path) -> int | None:
     """The open file descriptor a path names (/dev/stdout, /dev/fd/3, /proc/self/fd/1), or
     None: written into as it is open, not reopened (which truncates a shell's `>> log`)
-    nor replaced (the log's earlier lines lost)."""
+    nor replaced (the log's earlier lines lost). (/proc/PID/fd/N is this process's where
+    /proc/self/fd resolves so.)"""
     if (m := _DESCRIPTOR.fullmatch(str(path))) is None:
         return None
     return {"out": 1, "err": 2}[m["std"]] if m["std"] else int(m["fd"] or m["proc"])

@@ -60,6 +60,11 @@ def test_an_interruption_while_the_cli_is_imported_is_said_as_one(monkeypatch, c
                             "in sys.modules if m.startswith(('numpy', 'kimi_perf.'))))"],
                            capture_output=True, text=True, check=True)
     assert light.stdout == "[]\n"
+    # its modules are still its attributes, as when its exports came with it
+    modules = subprocess.run([sys.executable, "-c", "import kimi_perf; print(kimi_perf.runs"
+                              ".load_paths.__name__, kimi_perf.Trace.__name__)"],
+                             capture_output=True, text=True, check=True)
+    assert modules.stdout == "load_paths Trace\n"
 
 
 def test_breakdown_formats(tmp_path):
@@ -1524,6 +1529,10 @@ def test_a_folder_of_a_killed_runs_partial_says_what_it_is(tmp_path):
         _one_line_error(run(*command), f"{tmp_path}: holds no trace files (",
                         "; .20261206T000000Z-tiny.partial: a run being written, or killed "
                         "before it finished (then remove it)")
+    # one that finished, kept there as its name was taken meanwhile: not to be removed
+    (tmp_path / ".20261206T000000Z-tiny.partial" / "breakdown.json").write_text("{}")
+    _one_line_error(run("info", tmp_path), "; .20261206T000000Z-tiny.partial: a finished run "
+                    "kept there, its name taken by other hands (give it a name of its own)")
 
 
 def test_a_run_directory_that_cannot_be_made_in_out_says_so(tmp_path, monkeypatch):
@@ -1946,6 +1955,16 @@ def test_report_command_draws_runs_breakdowns_and_traces(tmp_path):
     text = out.read_text()
     assert text.count("(median-span step)") == 1
     assert "stored: no timeline in this breakdown (stored without one)" in text
+
+
+def test_a_report_to_dev_stdout_is_the_page_alone(tmp_path):
+    """`report -o /dev/stdout > r.html`: the page, without the "report: FILE" line after it
+    (the line said where the page went, which was stdout too)."""
+    page = tmp_path / "r.html"
+    with open(page, "wb") as out:
+        subprocess.run([sys.executable, "-m", "kimi_perf", "report", str(BASELINE), "-o",
+                        "/dev/stdout", "--plotly-js", "cdn"], stdout=out, check=True)
+    assert page.read_text().rstrip().endswith("</html>")
 
 
 def test_report_refuses_a_name_of_another_format(tmp_path):

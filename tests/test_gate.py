@@ -856,6 +856,29 @@ def test_a_gate_that_cannot_run_removes_a_verdict_only_where_it_would_write_one(
     link.symlink_to(target)
     result = CliRunner().invoke(main, ["gate", missing, str(BASELINE), "--junit", str(link)])
     assert result.exit_code == 2 and link.is_symlink() and not target.exists()
+    # a link's `..` through a linked folder: the file the verdict went to, not a name's
+    # neighbour (out -> real/sub, out/v.txt -> ../v.txt: real/v.txt)
+    (tmp_path / "real" / "sub").mkdir(parents=True)
+    (tmp_path / "out").symlink_to(tmp_path / "real" / "sub")
+    (tmp_path / "real" / "sub" / "v.txt").symlink_to(Path("..") / "v.txt")
+    decoy = tmp_path / "v.txt"
+    decoy.write_text("not a verdict")
+    written = tmp_path / "out" / "v.txt"
+    assert CliRunner().invoke(main, ["gate", str(BASELINE), str(BASELINE), "-o",
+                                     str(written)]).exit_code == 0
+    assert (tmp_path / "real" / "v.txt").is_file()
+    assert CliRunner().invoke(main, ["gate", missing, str(BASELINE), "-o",
+                                     str(written)]).exit_code == 2
+    assert not (tmp_path / "real" / "v.txt").exists() and decoy.read_text() == "not a verdict"
+    # a file under /dev that is a file (/dev/shm): removed as any other
+    if Path("/dev/shm").is_dir() and os.access("/dev/shm", os.W_OK):
+        shm = Path(f"/dev/shm/kimi-perf-test-{os.getpid()}.txt")
+        shm.write_text("last night's")
+        try:
+            CliRunner().invoke(main, ["gate", missing, str(BASELINE), "-o", str(shm)])
+            assert not shm.exists()
+        finally:
+            shm.unlink(missing_ok=True)
 
 
 def test_a_verdict_to_dev_stdout_goes_into_the_log_a_shell_opened(tmp_path):
@@ -874,6 +897,16 @@ def test_a_verdict_to_dev_stdout_goes_into_the_log_a_shell_opened(tmp_path):
         assert done.returncode == code, done.stderr
         assert log.read_text().startswith("an earlier step's line\n")
         assert log.read_text().endswith("\ngate: pass (24 checks)\n")
+
+
+def test_a_descriptor_that_is_none_is_a_one_line_error(tmp_path):
+    """-o /dev/fd/N of no descriptor (N past any integer the system takes): a one-line
+    error, exit 2 (an OverflowError's traceback, and the gate's exit 1, a regression)."""
+    for command in (["info", str(EXAMPLE_TRACE)], ["gate", str(BASELINE), str(BASELINE)]):
+        result = CliRunner().invoke(main, [*command, "-o", "/dev/fd/99999999999999999999"])
+        assert result.exit_code == 2 and result.output == (
+            "kimi-perf: error: /dev/fd/99999999999999999999: cannot write: no such "
+            "descriptor\n"), result.output
 
 
 def test_the_verdict_files_are_named_for_what_they_hold(tmp_path):
@@ -937,6 +970,16 @@ def test_a_baseline_whose_keys_were_sorted_is_still_a_baseline(tmp_path):
         assert set(load_run(kineto)[0]) == {"trace"} and load_run(kineto)[2] is None
     with pytest.raises(TraceError, match="a kimi-perf breakdown JSON, not a trace"):
         read_trace(resorted)
+    zipped = tmp_path / "sorted.json.gz"
+    zipped.write_bytes(gzip.compress(resorted.read_bytes()))
+    with pytest.raises(TraceError, match="a gzipped kimi-perf breakdown JSON: gunzip it"):
+        read_trace(zipped)
+    # a run's document as trace --format json prints it, its keys sorted, is one too
+    document = tmp_path / "document.json"
+    document.write_text(json.dumps({**json.loads(BASELINE.read_text()), "run_dir": "x",
+                                    "comparisons": []}, sort_keys=True))
+    assert next(iter(json.loads(document.read_text()))) == "comparisons"
+    assert gate_files(document, BASELINE, Tolerances(metrics="kernels")).result.ok
 
 
 def test_gate_breaks_traces_down_over_the_phase_it_is_given(tmp_path):

@@ -311,7 +311,7 @@ def test_a_step_without_layer_ranges_leaves_the_others_theirs():
     # steps table alone, as eager steps with layer ranges and graph replays without would be)
     from kimi_perf.layer_breakdown import breakdown, step_notes
 
-    assert ("1 of 3 steps holds no layers (decode_step[0]): their work is in no layer type, "
+    assert ("1 of 3 steps holds no layers (decode_step[0]): its work is in no layer type, "
             "and the per-type figures are of the other steps' layers alone"
             in step_notes(breakdown(b.build())))
 

@@ -20,7 +20,16 @@ from kimi_perf.readers.nsys import (
     read_nsys_rep,
     read_nsys_sqlite,
 )
-from kimi_perf.trace import ARROW_MAGIC, KIMI_PERF_JSON, Trace, file_identity, meta_problem
+from kimi_perf.trace import (
+    ARROW_MAGIC,
+    KIMI_PERF_HEAD,
+    KIMI_PERF_JSON,
+    Trace,
+    file_identity,
+    kimi_perf_head,
+    kimi_perf_head_read,
+    meta_problem,
+)
 
 __all__ = ["read_trace"]
 
@@ -120,6 +129,9 @@ def _gzipped_reader(path: Path):
     try:
         with gzip.open(path, "rb") as f:
             inner = f.read(64)
+            if (ours := kimi_perf_head(inner)) is None:   # (its keys moved, or a trace's)
+                inner += f.read(KIMI_PERF_HEAD)
+                ours = kimi_perf_head_read(inner)
     except (OSError, EOFError, zlib.error):
         return read_kineto_json
     if inner.startswith(SQLITE_MAGIC):
@@ -127,7 +139,7 @@ def _gzipped_reader(path: Path):
     if inner.startswith(ARROW_MAGIC):
         raise TraceError(path, "a gzipped .kptrace: gunzip it (a .kptrace is compressed "
                                "within)")
-    if KIMI_PERF_JSON.match(inner):
+    if ours:
         raise TraceError(path, "a gzipped kimi-perf breakdown JSON: gunzip it (breakdown, "
                                "compare, gate and report read it)")
     if _json_start(inner) not in (b"", b"{", b"["):   # (b"": blanks past what was read)
