@@ -1462,9 +1462,9 @@ def validate(preset_name: str, n_layers: int | None, paths: str, steps: int,
     fmt = _format_of(fmt, output, ("json",))
     # The paths run on the CPU, their Triton kernels in the interpreter: chosen before
     # anything imports triton, with a GPU present too (its compiled kernels take no CPU
-    # tensors)
+    # tensors), whatever TRITON_INTERPRET says (0 failed after the standard path ran)
     if "triton" not in sys.modules:
-        os.environ.setdefault("TRITON_INTERPRET", "1")
+        os.environ["TRITON_INTERPRET"] = "1"
     try:
         import torch
 
@@ -1660,6 +1660,10 @@ def trace_cmd(from_files: tuple[Path, ...], captures: tuple[Path, ...], phase: s
                                   seed=seed)
         # (again: the preset may be the machine's default, known only now)
         _mxfp4_fits(_preset_config(req.preset, tp=_sharding(req.tp)), req.experts)
+        from kimi_perf.decode import interpreter_problem
+
+        if problem := interpreter_problem(torch.cuda.is_available()):
+            raise TraceError(None, problem)
         run_dir, results, run_info = _capture_with_progress(req, console)
     if fmt == "json":
         _echo(json_text(cap.run_document(run_dir, results, run_info, lazy_layers=True)),

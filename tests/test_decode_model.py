@@ -341,6 +341,26 @@ def test_fp8_cache_stores_fp8(weights):
     assert cache[:, 3:].float().abs().sum() == 0
 
 
+def test_triton_interpret_of_another_value_is_said_before_any_work(tmp_path, monkeypatch):
+    """TRITON_INTERPRET=0 on a machine without a GPU: trace says so in one line before any
+    path runs (the kernel paths' ImportError came as a traceback after the standard path
+    had run); validate, whose paths run on the CPU whatever the machine, takes the
+    interpreter all the same."""
+    if torch.cuda.is_available():
+        pytest.skip("a GPU runs the kernels compiled")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    said = CliRunner().invoke(main, ["trace", "--paths", "standard", "--layers", "2",
+                                     "--steps", "1", "--warmup", "0", "-o", str(tmp_path)])
+    assert said.exit_code == 2 and said.output == (
+        "kimi-perf: error: TRITON_INTERPRET=0: without a GPU the decode paths' kernels run in "
+        "Triton's interpreter: unset it, or set it to 1\n") and not list(tmp_path.iterdir())
+    checked = subprocess.run([sys.executable, "-m", "kimi_perf", "validate", "--paths",
+                              "specialized", "--layers", "2", "--steps", "1", "--batch", "1"],
+                             capture_output=True, text=True,
+                             env={**os.environ, "TRITON_INTERPRET": "0"})
+    assert checked.returncode == 0 and "validate: pass" in checked.stdout, checked.stderr
+
+
 def test_validate_verify_steps_against_the_reference():
     """Every step a verify of 1+3 tokens, a different accepted prefix per sequence: each
     position's outputs match the reference, which rolls back per sequence as the path does."""
@@ -420,6 +440,10 @@ def test_validate_catches_a_router_without_its_correction_bias(monkeypatch, dtyp
     result = validate(paths=("standard",), dtype=dtype, steps=2, batch=2)
     assert [f.split(":")[0] for f in result["failures"]] == ["standard routing gap"]
     assert result["paths"]["standard"]["routing_max_gap"] > 2 * result["bounds"]["routing_gap"]
+    # and where the worst gap was: a layer with routed experts, a sequence, in the line too
+    at = result["paths"]["standard"]["routing_max_gap_at"]
+    assert re.fullmatch(r"(prompt position|decode step) \d+, layer [1-7], sequence [01]", at)
+    assert result["failures"][0].endswith(f"(at {at})")
 
 
 def test_validate_verify_catches_a_wrong_rollback(monkeypatch):
@@ -464,6 +488,28 @@ def test_validate_fails_outputs_that_are_not_numbers(monkeypatch):
     assert doc["paths"]["standard"]["layer_types"]["kda"]["max_rel_err"] is None
 
 
+def test_validate_says_where_an_infinity_came_first(monkeypatch):
+    """An infinity in layer 1's attention output (KDA) is said there, as inf: the reference
+    follows it into a NaN a sub-layer on, which took its place (nan, at the MLP)."""
+    from kimi_perf.decode.model import K3Model
+    from kimi_perf.decode.validate import Worst
+
+    worst = Worst()
+    for errors, where in (([0.1], "a"), ([math.inf], "b"), ([math.nan], "c"), ([9.0], "d")):
+        worst.see(errors, where, per_sequence=False)
+    assert (worst.value, worst.at) == (math.inf, "b")
+    kda = K3Model._kda
+
+    def infinite(self, i, x, state, verify):
+        out = kda(self, i, x, state, verify)
+        return torch.full_like(out, math.inf) if x.shape[1] == 1 and i == 1 else out
+
+    monkeypatch.setattr(K3Model, "_kda", infinite)
+    kda_row = validate(paths=("standard",), steps=1)["paths"]["standard"]["layer_types"]["kda"]
+    assert kda_row["max_rel_err"] == math.inf
+    assert kda_row["max_at"] == "decode step 0, layer 1 attention"
+
+
 def test_validate_fails_a_top_k_that_repeats_an_expert(monkeypatch):
     """A router that fills every slot with its best expert sent each token to one expert of
     k, and passed: each forced score is the best, so no gap, and the reference computed the
@@ -495,7 +541,9 @@ def test_validate_fails_a_top_k_that_repeats_an_expert(monkeypatch):
         "standard kda layers", "standard kda layers, one sequence", "standard mla layers",
         "standard mla layers, one sequence", "standard routing"]
     assert result["failures"][-1] == ("standard routing: 84 top-k choice(s) of a token chose "
-                                      "an expert twice or one that does not exist")
+                                      "an expert twice or one that does not exist (the first "
+                                      "at prompt position 0, layer 1, sequence 0)")
+    assert r["routing_invalid_at"] == "prompt position 0, layer 1, sequence 0"
 
 
 def test_validate_checks_the_prompt_and_each_sequence_alone(monkeypatch):
@@ -612,7 +660,7 @@ def test_validate_cli(tmp_path):
     for rank in ("k3-tp8", "k3-tp16"):   # one line, before minutes of weights
         sharded = CliRunner().invoke(main, ["validate", "--preset", rank])
         assert sharded.exit_code == 2 and sharded.output.count("\n") == 1, sharded.output
-        assert f"{rank} holds one rank's shapes" in sharded.output
+        assert f"error: --preset {rank}: one rank's shapes" in sharded.output
 
 
 def _released_name(name: str) -> str:
@@ -1056,8 +1104,9 @@ def test_the_readmes_validate_json_is_what_validate_prints():
         """Where each maximum was, as its form (another CPU's rounding may put it elsewhere):
         "decode step 3, layer 6 attention", "prompt position 0, ..., sequence 1"."""
         if isinstance(doc, dict):
-            return {k: (re.fullmatch(r"(decode step \d+|prompt position \d+)"
-                                     r"(, layer \d+ (attention|MLP))?(, sequence \d+)?", v)
+            return {k: ((v is None and k.startswith("routing_")) or re.fullmatch(
+                            r"(decode step \d+|prompt position \d+)"
+                            r"(, layer \d+( attention| MLP)?)?(, sequence \d+)?", v)
                         is not None) if k.endswith("_at") else where(v)
                     for k, v in doc.items()}
         return doc

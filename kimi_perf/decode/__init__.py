@@ -12,6 +12,17 @@ import os
 import sys
 
 
+def interpreter_problem(cuda: bool) -> str | None:
+    """Why the decode paths cannot run: without a GPU their Triton kernels need Triton's
+    interpreter, which TRITON_INTERPRET set to another value refuses (said before any work,
+    not as an ImportError after the standard path ran)."""
+    interpret = os.environ.get("TRITON_INTERPRET")
+    if cuda or interpret in (None, "1"):
+        return None
+    return (f"TRITON_INTERPRET={interpret}: without a GPU the decode paths' kernels run in "
+            "Triton's interpreter: unset it, or set it to 1")
+
+
 def choose_triton_backend() -> None:
     """Without a GPU, the Triton kernels of the specialized path run in Triton's interpreter,
     which must be chosen before anything (torch.profiler included) imports triton. Called on

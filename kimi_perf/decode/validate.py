@@ -14,6 +14,7 @@ from kimi_perf.decode.fallbacks import every_decode_step_fell_back, summarise
 from kimi_perf.decode.model import FP8, DecodeState, K3Model
 from kimi_perf.decode.reference import Observer, ReferenceModel
 from kimi_perf.decode.weights import random_weights, weight_bytes
+from kimi_perf.errors import argument
 
 # standard_kernels: the standard path's steps as one kernel each, as it runs on a GPU
 PATHS = ("standard", "standard_kernels", "specialized")
@@ -100,15 +101,17 @@ def row_errors(out: torch.Tensor, ref: torch.Tensor) -> list[float]:
 
 @dataclass
 class Worst:
-    """The largest error seen and where. A NaN, once seen, stays: a path whose outputs are
-    not numbers fails every bound (``max`` would pass over it, ``>`` is False for it)."""
+    """The largest error seen and where. A NaN or an infinity, once seen, stays with where it
+    was: a path whose outputs are not numbers fails every bound (``max`` would pass over a
+    NaN, ``>`` is False for it), and the first not finite is where it went wrong (the
+    reference follows the path's infinity into a NaN a sub-layer on)."""
 
     value: float = 0.0
     at: str = ""
 
     def see(self, errors: list[float], where: str, per_sequence: bool = True) -> None:
         for b, err in enumerate(errors):
-            if math.isnan(self.value):
+            if not math.isfinite(self.value):
                 return
             if math.isnan(err) or err > self.value:
                 self.value = err
@@ -189,7 +192,7 @@ def validate_path(path: str, run: ValidationRun) -> dict:
     # the batch's norm would shrink as 1/√B, a wrong prefill).
     errors: dict[str, dict[str, Worst]] = {"layer": {}, "drift": {}, "sequence": {}}
     gap = Worst()
-    invalid = 0
+    invalid, invalid_at = 0, []   # (how many, and where the first was)
 
     def see(how: str, kind: str, out: torch.Tensor, ref: torch.Tensor, where: str,
             decode: bool) -> None:
@@ -212,10 +215,14 @@ def validate_path(path: str, run: ValidationRun) -> dict:
                     see(how, c.layer_type(i), outs[:, t], torch.cat(refs_out),
                         f"{where}, layer {i} {part}", decode)
             see(how, "logits", logits[:, t], want, where, decode)
-            if how == "layer":
-                gap.see([g for e in expected for g in e.routing_gap.values()], where,
-                        per_sequence=False)
-                invalid += sum(n for e in expected for n in e.routing_invalid.values())
+            if how == "layer":   # (expected: a reference per sequence; by layer, each)
+                for b, e in enumerate(expected):
+                    for i, g in e.routing_gap.items():
+                        gap.see([g], f"{where}, layer {i}, sequence {b}", per_sequence=False)
+                    for i, n in e.routing_invalid.items():
+                        if n and not invalid_at:
+                            invalid_at.append(f"{where}, layer {i}, sequence {b}")
+                        invalid += n
 
     # The prompt through the path (the standard path always), checked position by position
     # as the decode steps are: a wrong prefill is a wrong cache for every step after it.
@@ -264,7 +271,9 @@ def validate_path(path: str, run: ValidationRun) -> dict:
                         for kind in sorted(errors["layer"]) if kind != "logits"},
         **figures("logits", "logits_"),
         "routing_max_gap": round(gap.value, 6),
+        "routing_max_gap_at": gap.at or None,   # (None: no choice fell below)
         "routing_invalid": invalid,
+        "routing_invalid_at": invalid_at[0] if invalid_at else None,
     }
     if hasattr(model, "fallbacks"):
         result["fallbacks"] = summarise(model.fallbacks)
@@ -320,8 +329,9 @@ def whole_model(preset_name: str, n_layers: int | None = None) -> K3Config:
     k3-tp8's take minutes)."""
     config = preset(preset_name, n_layers=n_layers)
     if config.tp != 1:
-        raise ValueError(f"{preset_name} holds one rank's shapes of {config.tp}, and the "
-                         "float64 reference runs the whole model: validate tiny or k3")
+        raise ValueError(f"{argument('--preset', 'preset_name', preset_name)}: one rank's "
+                         f"shapes of {config.tp}, and the float64 reference runs the whole "
+                         "model: validate tiny or k3")
     return config
 
 
@@ -363,10 +373,11 @@ def validate(preset_name: str = "tiny", paths: tuple[str, ...] = DEFAULT_PATHS, 
                                 f"{sequence_bound:.3g} (at {v[f'{prefix}sequence_max_at']})")
         if not within(r["routing_max_gap"], bounds["routing_gap"]):
             failures.append(f"{path} routing gap: {r['routing_max_gap']:.3g} > "
-                            f"{bounds['routing_gap']:.3g}")
+                            f"{bounds['routing_gap']:.3g} (at {r['routing_max_gap_at']})")
         if r["routing_invalid"]:
             failures.append(f"{path} routing: {r['routing_invalid']} top-k choice(s) of a "
-                            "token chose an expert twice or one that does not exist")
+                            "token chose an expert twice or one that does not exist (the "
+                            f"first at {r['routing_invalid_at']})")
         if r.get("every_step_fell_back"):
             failures.append(f"{path}: every decode step fell back to the standard path's "
                             f"PyTorch ops ({r['fallbacks'][-1].partition(': ')[2]}): none "
