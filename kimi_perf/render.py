@@ -526,7 +526,8 @@ def validation_table(result: dict) -> Table:
         invalid = r["routing_invalid"]
         table.add_row(path, "routing gap", f"{r['routing_max_gap']:.3g}",
                       f"{bounds['routing_gap']:.3g}",
-                      f"{invalid} not a top-k" if invalid else "", "", "", "")
+                      f"{invalid} invalid (an expert twice, or none such)" if invalid else "",
+                      "", "", "")
     notes = ["max error: relative, ‖out − ref‖ / ‖ref‖ over the batch, of each layer given the "
              "path's own inputs (the reference goes on from the path's outputs), at the decode "
              "steps; one sequence: the same of each sequence alone, at the prompt's positions "

@@ -544,6 +544,10 @@ def test_validate_fails_a_top_k_that_repeats_an_expert(monkeypatch):
                                       "an expert twice or one that does not exist (the first "
                                       "at prompt position 0, layer 1, sequence 0)")
     assert r["routing_invalid_at"] == "prompt position 0, layer 1, sequence 0"
+    from kimi_perf.render import tables_text, validation_table
+
+    assert "84 invalid (an expert twice, or none such)" in tables_text([
+        validation_table(result)])
 
 
 def test_validate_checks_the_prompt_and_each_sequence_alone(monkeypatch):
