@@ -41,7 +41,7 @@ def __getattr__(name: str):
     as before the exports were imported when first used)."""
     if name in _EXPORTS:
         value = getattr(importlib.import_module(f"kimi_perf.{_EXPORTS[name]}"), name)
-    elif not name.startswith("_") and _module_named(name):
+    elif name.isidentifier() and not name.startswith("_") and _module_named(name):
         value = importlib.import_module(f"kimi_perf.{name}")
     else:
         raise AttributeError(f"module 'kimi_perf' has no attribute {name!r}")

@@ -975,16 +975,16 @@ def two_groups(rows: LayerRows, min_ratio: float = 1.5, min_share: float = 0.25,
             if gaps.max() < min_ratio or high - low < min_of_span * span:
                 continue
             median = float(np.median(values))
-            # (each layer's count its median over the steps, as its µs are: one step's
-            # extra kernel makes no layer of another kind)
-            counts = np.array([np.median(n) for n in np.split(
+            # (each layer's count its median over the steps, the lower of two middle ones:
+            # one step's extra kernel makes no layer of another kind, of two steps too)
+            counts = np.array([np.percentile(n, 50, method="lower") for n in np.split(
                 rows.class_kernels[sel, c][order], cuts)])
             found.append({"figure": figure, "low_us": _us_round(low),
                           "high_us": _us_round(high), "low_layers": best,
                           "high_layers": sorted(index[ranked[best:]].tolist()),
                           "median_between": bool(v[best - 1] < median < v[best]),
                           # (a type of other layers: ranges of two kinds under one name)
-                          "kernels": [int(np.floor(counts.min())), int(np.ceil(counts.max()))]})
+                          "kernels": [int(counts.min()), int(counts.max())]})
         out[kind] = sorted(found, key=lambda g: g["low_us"] - g["high_us"])
     return out
 

@@ -83,7 +83,7 @@ CLASS_COLOURS = {
 def _plotly_text(name: str) -> str:
     """A name for plotly's text, which reads a few HTML tags and entities: ``<``, ``>`` and
     ``&`` escaped, quotes left as they are (plotly would show ``&quot;`` as it is)."""
-    return html.escape(name, quote=False)
+    return _escaped(name, quote=False)
 
 
 # Bars in all the report's timelines: plotly draws each as an SVG element, and a browser
@@ -270,7 +270,7 @@ def _said(short: dict[str, str], labels: list[str]) -> str:
     """A line saying which trace each of ``labels``' short names is (none where no name was
     shortened)."""
     said = "; ".join(f"{short[label]}: {label}" for label in labels if short[label] != label)
-    return f"<p>{html.escape(said)}</p>" if said else ""
+    return f"<p>{_escaped(said)}</p>" if said else ""
 
 
 def _comparison_html(breakdowns: dict[str, Breakdown], pairs: list[tuple[str, str]],
@@ -558,7 +558,8 @@ def _capture_items(run: dict) -> list[tuple[str, object]]:
             (f"experts grouped from {_tokens(request.get('group_experts_from'))}",
              request.get("group_experts_from") is not None),
             ("programmatic dependent launch", request.get("pdl"))) if on]
-        if "specialized" in (request.get("paths") or ["specialized"]):   # (else none to say)
+        # (its opt-ins where it ran, and is drawn: else none to say)
+        if "specialized" in (run.get("paths_drawn") or request.get("paths") or ["specialized"]):
             items.append(("specialized path's opt-ins", ", ".join(opt_ins) or "none"))
         gpus = env.get("gpus") or []
         items += [("device", ", ".join(gpus) if gpus else env.get("device")),
@@ -734,7 +735,7 @@ def _run_html(run: dict | None, breakdowns: dict[str, Breakdown]) -> str:
                        "so its µs are not a speed figure"
                        if "specialized" in metrics and "specialized" not in fell_back else "")
         which = "Run" if len(on_cpu) == len(breakdowns) else e(", ".join(on_cpu)) + " ran"
-        first = (f"; {html.escape(said, quote=False)}" if (said := first_forward_text(run))
+        first = (f"; {_escaped(said, quote=False)}" if (said := first_forward_text(run))
                  else "")
         parts.append(f"<p class=note>{which} on a CPU, with no GPU kernels: <b>ops</b> are the "
                      "launches each path annotates (one per kernel it would run on a GPU), "
@@ -806,7 +807,7 @@ def _no_plotly_html(plotly_js: str) -> str:
     a copy moved away): its charts would be blank frames, unexplained."""
     where = "plotly's CDN" if plotly_js == "cdn" else plotly_js
     return ("<p class=warn id=no-plotly hidden>The charts above are blank: plotly.js did not "
-            f"load from {html.escape(where)} (offline?). A report rendered without --plotly-js "
+            f"load from {_escaped(where)} (offline?). A report rendered without --plotly-js "
             "carries it and opens offline.</p><script>if (typeof Plotly === 'undefined') "
             "document.getElementById('no-plotly').hidden = false;</script>")
 
@@ -845,10 +846,10 @@ def _missing_timelines_html(breakdowns: dict[str, Breakdown], drawn: dict[str, i
     an older kimi-perf, which drew steps with layers only, or edited), and which show only the
     first ops of their step (``drawn``: how many, of each; the breakdown stores a step's
     first ``TIMELINE_OPS``, and the report draws ``REPORT_TIMELINE_OPS`` in all)."""
-    lines = [f"{html.escape(label)}: no timeline in this breakdown (stored without one"
+    lines = [f"{_escaped(label)}: no timeline in this breakdown (stored without one"
              + ("" if b.layers else ": an older kimi-perf drew steps with layers only") + ")"
              for label, b in breakdowns.items() if not b.timeline]
-    lines += [f"{html.escape(label)}: the step's first {drawn[label]:,} ops are drawn, its "
+    lines += [f"{_escaped(label)}: the step's first {drawn[label]:,} ops are drawn, its "
               f"{left:,} more are left out"
               for label, b in breakdowns.items() if b.timeline
               for left in [b.timeline.get("ops_left_out", 0) + sum(
@@ -960,9 +961,13 @@ def report_inputs(inputs: list[str | Path], path_name: str | None = None,
         if info is not None and len(inputs) > 1:   # (checked as it was read)
             # the drawn path's metrics alone; ``paths_drawn``: the runs' other paths, not
             # drawn, are no difference between them (what ran, and in which order, is kept)
+            # (a run stored without request.paths ran its paths in their stored order)
+            request = info.get("request") or {}
             got.runs.append((names[i], info if path_name is None else {
                 **info, "paths": {p: m for p, m in (info.get("paths") or {}).items()
-                                  if p == path_name}, "paths_drawn": [path_name]}))
+                                  if p == path_name}, "paths_drawn": [path_name],
+                "request": {**request, "paths": request.get("paths")
+                            or list(info.get("paths") or {})}}))
             got.run_labels.append(list(drawn[-1].values()))
         if info is not None and len(inputs) == 1:  # the run's own: what ran
             got.run = info if path_name is None else {**info, "paths": {   # that path's alone
@@ -1073,8 +1078,8 @@ def write_report(path: str | Path, breakdowns: dict[str, Breakdown], title: str,
     charts = [figure.to_html(full_html=False, include_plotlyjs=include if i == 0 else False)
               for i, figure in enumerate(figures)]
     short = _short_labels(list(breakdowns), labelled)
-    parts = [f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{html.escape(title)}"
-             f"</title>{STYLE}</head><body><h1>{html.escape(title)}</h1>",
+    parts = [f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{_escaped(title)}"
+             f"</title>{STYLE}</head><body><h1>{_escaped(title)}</h1>",
              _run_html(run, breakdowns),
              "".join(f"<p class=warn>{_escaped(fell_back_text(label, why))}.</p>"
                      for label, why in fell_back.items()),

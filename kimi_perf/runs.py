@@ -936,6 +936,28 @@ def trace_labels(paths: list[str | Path]) -> list[str]:
 KINETO_HEAD = 1 << 16
 
 
+def _partials_said(path: Path) -> str:
+    """What the hidden partials of runs in a folder are (``capture.run_directory``): finished
+    runs kept there, their names taken meanwhile (said first: not to be removed), and runs
+    being written or killed before they finished."""
+    partials = sorted(d for d in path.iterdir() if d.is_dir() and d.name.startswith(".")
+                      and d.name.endswith(".partial"))
+    finished = [d.name for d in partials if (d / "breakdown.json").is_file()]
+    unfinished = [d.name for d in partials if d.name not in finished]
+
+    def named(names: list[str]) -> str:
+        return ", ".join(names[:2]) + (f" and {len(names) - 2} more" if len(names) > 2 else "")
+    one = len(finished) == 1
+    return (f"; {named(finished)}: {'a finished run' if one else 'finished runs'} kept there, "
+            f"{'its name' if one else 'their names'} taken meanwhile (give "
+            f"{'it a name of its' if one else 'them names of their'} own)" if finished
+            else "") + (
+        f"; {named(unfinished)}: " + ("a run being written, or killed before it finished "
+                                      "(then remove it)" if len(unfinished) == 1 else
+                                      "runs being written, or killed before they finished "
+                                      "(then remove them)") if unfinished else "")
+
+
 def _json_not_a_trace(path: Path) -> str | None:
     """Why a JSON file (gzipped or not) is no trace, where it is neither a list (Chrome's
     bare event list) nor an object whose head names a Kineto key: a profiler's directory
@@ -1119,13 +1141,7 @@ def trace_files(paths: list[str | Path], keep_runs: bool = False,
                    else f"{draws} {'it' if runs == 1 else 'them'}") if runs else "") + (
                 f"; its folders {', '.join(ranks[:3])}{', ...' if len(ranks) > 3 else ''} "
                 "hold traces: give each" if ranks and not runs else "") + (
-                "".join(f"; {d.name}: " + (
-                    "a finished run kept there, its name taken by other hands (give it a "
-                    "name of its own)" if (d / "breakdown.json").is_file() else
-                    "a run being written, or killed before it finished (then remove it)")
-                    for d in sorted(d for d in path.iterdir() if d.is_dir()
-                                    and d.name.startswith(".") and d.name.endswith(".partial"))
-                    [:3])))
+                _partials_said(path)))
         copies = _saved_beside(found)
         # a report nsys has exported (``nsys stats`` leaves X.sqlite beside X.nsys-rep) is
         # one capture: its export is read, and the report is not read again; an export

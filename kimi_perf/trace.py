@@ -962,15 +962,18 @@ def atomic_write(path: str | Path, write) -> None:
 
 
 _DESCRIPTOR = re.compile(
-    r"/dev/(?:std(?P<std>out|err)|fd/(?P<fd>\d+))|/proc/(?:self|\d+)/fd/(?P<proc>\d+)")
+    r"/dev/(?:std(?P<std>out|err)|fd/(?P<fd>\d+))"
+    r"|/proc/(?:self|thread-self|(?P<pid>\d+)(?:/task/\d+)?)/fd/(?P<proc>\d+)")
 
 
 def named_descriptor(path: str | Path) -> int | None:
-    """The open file descriptor a path names (/dev/stdout, /dev/fd/3, /proc/self/fd/1), or
-    None: written into as it is open, not reopened (which truncates a shell's `>> log`)
-    nor replaced (the log's earlier lines lost). (/proc/PID/fd/N is this process's where
-    /proc/self/fd resolves so.)"""
+    """The open file descriptor of this process a path names (/dev/stdout, /dev/fd/3,
+    /proc/self/fd/1, /proc/thread-self/fd/1, or /proc/PID/fd/1 and /proc/PID/task/TID/fd/1
+    of its own PID, as those resolve), or None: written into as it is open, not reopened
+    (which truncates a shell's `>> log`) nor replaced (the log's earlier lines lost)."""
     if (m := _DESCRIPTOR.fullmatch(str(path))) is None:
+        return None
+    if m["pid"] is not None and int(m["pid"]) != os.getpid():   # (another's: a file)
         return None
     return {"out": 1, "err": 2}[m["std"]] if m["std"] else int(m["fd"] or m["proc"])
 
@@ -978,9 +981,9 @@ def named_descriptor(path: str | Path) -> int | None:
 def check_not_read_only(path: Path) -> None:
     """Refuse an existing regular file made read-only, or one this user may not write: a
     rename would replace it all the same (the directory is what it needs; root writes
-    anything). A file named through /dev or /proc (``/dev/stdout``) is the descriptor a shell
-    opened, and was truncated there already: written as named."""
-    if str(path).startswith(("/dev/", "/proc/")):
+    anything). A descriptor's name (``/dev/stdout``, ``named_descriptor``) is what a shell
+    opened: written into as it is."""
+    if named_descriptor(path) is not None:
         return
     try:
         st = path.stat()

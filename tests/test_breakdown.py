@@ -800,6 +800,27 @@ def test_a_layer_type_whose_layers_fall_in_two_groups_says_so(tmp_path):
     assert "two_groups" not in breakdown(_alternating_attention(105).build()).layer_types[0]
 
 
+def test_two_groups_count_each_layers_kernels_as_its_median_over_the_steps():
+    """A layer that runs one kernel more in one step of two is no layer of another kind: its
+    count is the lower of its two middle ones (1.5, rounded out, said "1 to 2")."""
+    from types import SimpleNamespace
+
+    from kimi_perf.layer_breakdown import two_groups
+
+    n = 8   # layers, alternating 10 and 30 µs of attention, in 2 steps
+    index = np.tile(np.arange(n), 2)
+    kernels = np.ones((2 * n, 1), np.int64)
+    kernels[3, 0] = 2   # layer 3, step 0: a kernel more
+    rows = SimpleNamespace(types=["A"], type_code=np.zeros(2 * n, np.int64), index=index,
+                           span_us=np.full(2 * n, 100.0), labels=["attention"],
+                           class_us=np.where(index % 2, 30.0, 10.0)[:, None],
+                           class_kernels=kernels)
+    (group,) = two_groups(rows)["A"]
+    assert group["high_layers"] == [1, 3, 5, 7] and group["kernels"] == [1, 1]
+    kernels[3 + n, 0] = 2   # in both steps: its count is 2
+    assert two_groups(rows)["A"][0]["kernels"] == [1, 2]
+
+
 def test_two_groups_of_real_vllm_prefill_layers():
     mixed = KINETO / "tracelens_vllm_gptoss20b_prefilldecode_piecewise_mi300x.json.gz"
     (t,) = breakdown(read_trace(mixed)).layer_types
@@ -1775,6 +1796,10 @@ def test_report_labels_and_titles_write_control_characters_out(tmp_path):
     doc = json.loads((REPO / "traces" / "baselines" / "tiny-cpu.json").read_text())
     doc["run"]["paths"]["specialized"].update(model="Spec\u202eM", timed="all\u202e steps",
                                                fallbacks=["decode_step[0]: \u202e<x>"])
+    # (and a path's name, which the first-call caveat names: "st\u202ed")
+    doc["paths"]["st\u202ed"] = doc["paths"].pop("standard")
+    doc["run"]["paths"]["st\u202ed"] = doc["run"]["paths"].pop("standard")
+    doc["run"]["request"]["paths"][0] = "st\u202ed"
     stored = tmp_path / "stored.json"
     stored.write_text(json.dumps(doc))
     drawn = CliRunner().invoke(main, ["report", str(stored), "-o", str(tmp_path / "s.html"),

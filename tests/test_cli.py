@@ -1532,7 +1532,19 @@ def test_a_folder_of_a_killed_runs_partial_says_what_it_is(tmp_path):
     # one that finished, kept there as its name was taken meanwhile: not to be removed
     (tmp_path / ".20261206T000000Z-tiny.partial" / "breakdown.json").write_text("{}")
     _one_line_error(run("info", tmp_path), "; .20261206T000000Z-tiny.partial: a finished run "
-                    "kept there, its name taken by other hands (give it a name of its own)")
+                    "kept there, its name taken meanwhile (give it a name of its own)")
+    # said first, before those being written or killed (the line is cut at 300 characters)
+    for day in range(1, 4):
+        (tmp_path / f".2026120{day}T000000Z-tiny.partial").mkdir()
+    said = run("info", tmp_path).output
+    assert ("; .20261206T000000Z-tiny.partial: a finished run kept there, its name taken "
+            "meanwhile (give it a name of its own); .20261201T000000Z-tiny.partial, ") in said
+    from kimi_perf.runs import _partials_said
+
+    assert _partials_said(tmp_path).endswith("; .20261201T000000Z-tiny.partial, "
+                                             ".20261202T000000Z-tiny.partial and 1 more: runs "
+                                             "being written, or killed before they finished "
+                                             "(then remove them)")
 
 
 def test_a_run_directory_that_cannot_be_made_in_out_says_so(tmp_path, monkeypatch):
@@ -1897,6 +1909,11 @@ def test_report_command_draws_runs_breakdowns_and_traces(tmp_path):
 
     drawn = report_inputs([BASELINE, later], "specialized")
     assert [first_forward_text(info) for _, info in drawn.runs] == [None, None]
+    unsaid = json.loads(BASELINE.read_text())   # (a run stored without request.paths ran
+    del unsaid["run"]["request"]["paths"]       # its paths in their stored order)
+    (tmp_path / "unsaid.json").write_text(json.dumps(unsaid))
+    drawn = report_inputs([tmp_path / "unsaid.json", later], "specialized")
+    assert first_forward_text(drawn.runs[0][1]) is None
     assert "standard" in first_forward_text(report_inputs([BASELINE, later]).runs[0][1])
     runs_table = out.read_text().split("<h2>Runs</h2>")[1].split("</table>")[0]
     assert "<th>base</th>" in runs_table and "<th>new</th>" in runs_table

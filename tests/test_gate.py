@@ -870,33 +870,47 @@ def test_a_gate_that_cannot_run_removes_a_verdict_only_where_it_would_write_one(
     assert CliRunner().invoke(main, ["gate", missing, str(BASELINE), "-o",
                                      str(written)]).exit_code == 2
     assert not (tmp_path / "real" / "v.txt").exists() and decoy.read_text() == "not a verdict"
-    # a file under /dev that is a file (/dev/shm): removed as any other
+    # a file under /dev that is a file (/dev/shm): removed as any other, and kept as any
+    # other where it was made read-only
     if Path("/dev/shm").is_dir() and os.access("/dev/shm", os.W_OK):
         shm = Path(f"/dev/shm/kimi-perf-test-{os.getpid()}.txt")
         shm.write_text("last night's")
         try:
             CliRunner().invoke(main, ["gate", missing, str(BASELINE), "-o", str(shm)])
             assert not shm.exists()
+            shm.write_text("last night's")
+            shm.chmod(0o444)
+            CliRunner().invoke(main, ["gate", missing, str(BASELINE), "-o", str(shm)])
+            assert shm.read_text() == "last night's"
         finally:
             shm.unlink(missing_ok=True)
 
 
 def test_a_verdict_to_dev_stdout_goes_into_the_log_a_shell_opened(tmp_path):
     """`gate ... -o /dev/stdout >> ci.log`: the verdict is written at the log's end (it
-    replaced the log), and a gate that cannot run leaves the log alone (it deleted it)."""
+    replaced the log), and a gate that cannot run leaves the log alone (it deleted it); so
+    with /proc/self/fd/1 and /proc/thread-self/fd/1."""
+    import os
     import subprocess
     import sys
 
-    log = tmp_path / "ci.log"
-    log.write_text("an earlier step's line\n")
-    for baseline, code in ((BASELINE, 0), (tmp_path / "none.json", 2)):
-        with open(log, "ab") as appended:
-            done = subprocess.run([sys.executable, "-m", "kimi_perf", "gate", str(baseline),
-                                   str(BASELINE), "-o", "/dev/stdout"], stdout=appended,
-                                  stderr=subprocess.PIPE, text=True)
-        assert done.returncode == code, done.stderr
-        assert log.read_text().startswith("an earlier step's line\n")
-        assert log.read_text().endswith("\ngate: pass (24 checks)\n")
+    for name in ("/dev/stdout", "/proc/self/fd/1", "/proc/thread-self/fd/1"):
+        log = tmp_path / "ci.log"
+        log.write_text("an earlier step's line\n")
+        for baseline, code in ((BASELINE, 0), (tmp_path / "none.json", 2)):
+            with open(log, "ab") as appended:
+                done = subprocess.run([sys.executable, "-m", "kimi_perf", "gate", str(baseline),
+                                       str(BASELINE), "-o", name], stdout=appended,
+                                      stderr=subprocess.PIPE, text=True)
+            assert done.returncode == code, (name, done.stderr)
+            assert log.read_text().startswith("an earlier step's line\n"), name
+            assert log.read_text().endswith("\ngate: pass (24 checks)\n"), name
+    # another process's descriptor is a file of its own, not this one's
+    from kimi_perf.trace import named_descriptor
+
+    assert [named_descriptor(n) for n in ("/dev/stderr", "/dev/fd/7", f"/proc/{os.getpid()}"
+                                          "/task/9/fd/3", "/proc/1/fd/1", "/dev/fdx")] == [
+        2, 7, 3, None if os.getpid() != 1 else 1, None]
 
 
 def test_a_descriptor_that_is_none_is_a_one_line_error(tmp_path):
