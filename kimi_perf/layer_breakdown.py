@@ -639,7 +639,7 @@ def _launched_during_overlapping_steps(trace: Trace, ops: GpuOps, steps: list[St
         mine = mine[np.argsort(r.start[mine], kind="stable")]
         reach = np.maximum.accumulate(r.end[mine])   # (the latest end open by each start)
         theirs = launched[ops.pid[launched] == pid]
-        start, end = trace.api.start[ops.api[theirs]], trace.api.end[ops.api[theirs]]
+        start, end = ops.launch_start[theirs], ops.launch_end[theirs]   # (a CPU op's own)
         at = np.searchsorted(r.start[mine], start, side="right") - 1
         count += int(((at >= 0) & (reach[np.maximum(at, 0)] >= end)).sum())
     return count
