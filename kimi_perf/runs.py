@@ -36,7 +36,7 @@ from kimi_perf.readers.nsys import NSYS_REPORTS, is_stale_export
 from kimi_perf.text import counted
 from kimi_perf.trace import (
     ARROW_MAGIC,
-    KIMI_PERF_HEAD,
+    JSON_HEAD,
     atomic_write_text,
     check_not_read_only,
     file_identity,
@@ -361,7 +361,7 @@ def is_kimi_perf_json(path: str | Path) -> bool:
         with open(path, "rb") as f:
             head = f.read(256)
             if (ours := kimi_perf_head(head)) is None:   # (its keys moved, or a trace's)
-                ours = kimi_perf_head_read(head + f.read(KIMI_PERF_HEAD))
+                ours = kimi_perf_head_read(head + f.read(JSON_HEAD))
     except OSError:
         return False
     return ours
@@ -931,11 +931,6 @@ def trace_labels(paths: list[str | Path]) -> list[str]:
     return primed(labels)
 
 
-# How far into a JSON file a Kineto trace names its events (or its schema, which the profiler
-# writes first), so that other JSON beside traces in a directory is told apart
-KINETO_HEAD = 1 << 16
-
-
 def _partials_said(path: Path) -> str:
     """What the hidden partials of runs in a folder are (``capture.run_directory``): finished
     runs kept there, their names taken meanwhile (said first: not to be removed), and runs
@@ -969,7 +964,7 @@ def _json_not_a_trace(path: Path) -> str | None:
         return None
     try:
         with (gzip.open(path, "rb") if path.name.endswith(".gz") else open(path, "rb")) as f:
-            head = f.read(KINETO_HEAD)
+            head = f.read(JSON_HEAD)
     except (OSError, EOFError, zlib.error):
         return None   # unreadable: the reader says why
     head = head.lstrip(b"\xef\xbb\xbf \t\r\n")

@@ -855,7 +855,10 @@ def kimi_perf_head_read(head: bytes) -> bool:
     return b'"traceEvents"' not in head and b'"schemaVersion"' not in head
 
 
-KIMI_PERF_HEAD = 1 << 16   # the bytes kimi_perf_head_read takes
+# How far into a JSON file its keys are looked for: ours (kimi_perf_head_read), or a Kineto
+# trace's (the profiler writes its schema first), so that other JSON beside traces in a
+# directory is told apart
+JSON_HEAD = 1 << 16
 
 
 def _first_line(exc: BaseException) -> str:
@@ -911,14 +914,7 @@ def atomic_write(path: str | Path, write) -> None:
     given = Path(path)
     if (fd := named_descriptor(given)) is not None:
         # (a shell's `>> log`: the file behind it is written at its end, never replaced)
-        try:
-            write(WholeWrites(fd))
-        except BrokenPipeError:
-            raise
-        except OverflowError:   # (/dev/fd/99999999999999999999)
-            raise TraceError(given, "cannot write: no such descriptor") from None
-        except OSError as exc:
-            raise TraceError(given, f"cannot write: {exc.strerror or exc}") from None
+        _write_into(given, write, fd)
         return
     try:
         st = given.stat()          # through links: /dev/stdout is one to a pipe, say
@@ -931,15 +927,9 @@ def atomic_write(path: str | Path, write) -> None:
         raise TraceError(given, "cannot write: it is a directory")
     target = Path(os.path.realpath(given)) if given.is_symlink() else given
     check_not_read_only(given)
-    try:
-        if st is not None and not stat.S_ISREG(st.st_mode):
-            with open(given, "wb", buffering=0) as f:
-                write(WholeWrites(f.fileno()))
-            return
-    except BrokenPipeError:   # (-o /dev/stdout | head: the reader left, as for stdout)
-        raise
-    except OSError as exc:
-        raise TraceError(given, f"cannot write: {exc.strerror or exc}") from None
+    if st is not None and not stat.S_ISREG(st.st_mode):
+        _write_into(given, write)
+        return
     try:
         # a short temporary name: the target's may already be as long as names go
         fd, tmp = tempfile.mkstemp(prefix=f".{target.name[:32]}.", suffix=".tmp",
@@ -959,6 +949,23 @@ def atomic_write(path: str | Path, write) -> None:
         if isinstance(exc, OSError):
             raise TraceError(given, f"cannot write: {exc.strerror or exc}") from None
         raise
+
+
+def _write_into(given: Path, write, fd: int | None = None) -> None:
+    """Write into what is open at ``fd``, or into ``given`` opened (a pipe, a device), as it
+    stands: nothing made beside it, nothing replaced."""
+    try:
+        if fd is not None:
+            write(WholeWrites(fd))
+        else:
+            with open(given, "wb", buffering=0) as f:
+                write(WholeWrites(f.fileno()))
+    except BrokenPipeError:   # (-o /dev/stdout | head: the reader left, as for stdout)
+        raise
+    except OverflowError:   # (/dev/fd/99999999999999999999)
+        raise TraceError(given, "cannot write: no such descriptor") from None
+    except OSError as exc:
+        raise TraceError(given, f"cannot write: {exc.strerror or exc}") from None
 
 
 _DESCRIPTOR = re.compile(

@@ -22,7 +22,7 @@ from kimi_perf.readers.nsys import (
 )
 from kimi_perf.trace import (
     ARROW_MAGIC,
-    KIMI_PERF_HEAD,
+    JSON_HEAD,
     KIMI_PERF_JSON,
     Trace,
     file_identity,
@@ -130,7 +130,7 @@ def _gzipped_reader(path: Path):
         with gzip.open(path, "rb") as f:
             inner = f.read(64)
             if (ours := kimi_perf_head(inner)) is None:   # (its keys moved, or a trace's)
-                inner += f.read(KIMI_PERF_HEAD)
+                inner += f.read(JSON_HEAD)
                 ours = kimi_perf_head_read(inner)
     except (OSError, EOFError, zlib.error):
         return read_kineto_json
