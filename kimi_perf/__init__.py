@@ -18,21 +18,23 @@ TYPE_CHECKING = False   # (typing's own: importing typing takes most of this fil
 # each name from its module when first used: the command's entry point imports this package
 # before it can say an interruption as a command does (kimi_perf.__main__)
 _EXPORTS = {"range_kernel_summary": "attribution", "compare": "comparison",
-            "compare_files": "comparison", "TraceError": "errors", "Breakdown": "layer_breakdown",
+            "compare_files": "comparison", "TraceError": "errors", "NoGpuWork": "errors",
+            "NoStepsMatched": "errors", "Breakdown": "layer_breakdown",
             "breakdown": "layer_breakdown", "breakdown_of_file": "layer_breakdown",
             "read_trace": "readers", "load_breakdown": "runs", "Trace": "trace"}
 
 if TYPE_CHECKING:
     from kimi_perf.attribution import range_kernel_summary
     from kimi_perf.comparison import compare, compare_files
-    from kimi_perf.errors import TraceError
+    from kimi_perf.errors import NoGpuWork, NoStepsMatched, TraceError
     from kimi_perf.layer_breakdown import Breakdown, breakdown, breakdown_of_file
     from kimi_perf.readers import read_trace
     from kimi_perf.runs import load_breakdown
     from kimi_perf.trace import Trace
 
-__all__ = ["Breakdown", "Trace", "TraceError", "breakdown", "breakdown_of_file", "compare",
-           "compare_files", "load_breakdown", "range_kernel_summary", "read_trace"]
+__all__ = ["Breakdown", "NoGpuWork", "NoStepsMatched", "Trace", "TraceError", "breakdown",
+           "breakdown_of_file", "compare", "compare_files", "load_breakdown",
+           "range_kernel_summary", "read_trace"]
 __version__ = "0.1.0"
 
 
@@ -50,7 +52,12 @@ def __getattr__(name: str):
 
 
 def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+    """The exports and the package's modules (``kimi_perf.runs``, ``kimi_perf.gate``, ...),
+    for completion: not what this file imports for itself."""
+    import pkgutil
+
+    return sorted({*__all__, "__version__",
+                   *(m.name for m in pkgutil.iter_modules(__path__) if not m.name.startswith("_"))})
 
 
 def _module_named(name: str) -> bool:

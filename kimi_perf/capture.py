@@ -41,7 +41,7 @@ from kimi_perf.decode.fallbacks import (
     paths_that_fell_back,
     summarise,
 )
-from kimi_perf.errors import TraceError, argument, path_list, stat_problem
+from kimi_perf.errors import TraceError, argument, path_argument, path_list, stat_problem
 from kimi_perf.layer_breakdown import Breakdown, breakdown, breakdown_of_file
 from kimi_perf.memory import address_space_capped
 from kimi_perf.readers import read_trace
@@ -369,20 +369,24 @@ def decode_bytes(req: TraceRequest, config, activations: bool = True) -> int:
 
 
 def prefill_bytes(config, batch: int, prompt: int, step_tokens: int = 1,
-                  activations: bool = True) -> int:
+                  activations: bool = True, whole: bool = False) -> int:
     """About what the standard path's prefill of ``batch`` prompts of ``prompt`` tokens holds
     at its peak beside the caches: a gated-MLA layer's attention over the prompt (fp32
     scores for each head, three times over as masked and softmaxed, and the fp32 copy of the
     cache) and, with ``activations``, its activations (``forward_bytes``; a decode step's of
     ``step_tokens`` a sequence where that is more: fitted on the CPU, whose out-of-memory
-    killer they are checked against; a GPU's out of memory is an error said in one line)."""
+    killer they are checked against; a GPU's out of memory is an error said in one line).
+    The prompts go through ``prefill_rows`` sequences at a time, as the harness takes them
+    (``whole``: all at once, as validate's prefill)."""
+    from kimi_perf.decode.harness import prefill_rows
     from kimi_perf.decode.model import forward_bytes
 
-    b, t = batch, prompt
+    b, t = batch if whole else prefill_rows(batch, prompt), prompt
     has_mla = any(config.is_mla(i) for i in range(config.n_layers))
     scores = b * t * (t * (3 * 4 * config.mla_heads_local + 2) + 4 * config.kv_cache_dim) \
         if has_mla else 0
-    return scores + (forward_bytes(config, b * max(t, step_tokens)) if activations else 0)
+    return scores + (forward_bytes(config, max(b * t, batch * step_tokens)) if activations
+                     else 0)
 
 
 def decode_memory_problem(need: int, weights: int, device: str, sizes: str,
@@ -808,7 +812,7 @@ def analyse(files: list[str | Path], out_dir: str | Path, layers: str = "auto",
 
     files = path_list(files, "files", "traces")
     check_plotly_js(plotly_js)   # (before any trace is broken down)
-    out_dir, plotly_js = Path(out_dir), str(plotly_js)
+    out_dir, plotly_js = path_argument(out_dir, "out_dir"), str(plotly_js)
     if captures is None:   # (a directory: its traces, as trace --from takes them)
         files = trace_files(files)
     if not files:

@@ -49,7 +49,6 @@ from kimi_perf.trace import (
 
 if TYPE_CHECKING:
     from rich.console import Console
-    from rich.table import Table
 
     from kimi_perf.capture import TraceRequest
     from kimi_perf.layer_breakdown import Breakdown
@@ -727,7 +726,8 @@ def compare_cmd(a: Path, b: Path | None, path_name: str | None, fmt: str | None,
             standard, specialized = ((c.label_b, c.label_a) if swapped
                                      else (c.label_a, c.label_b))
             tables.append(render.fusion_table(type_pair.label, standard, specialized,
-                                              ledger_rows, left, "ops" in (unit, unit_b)))
+                                              ledger_rows, left, "ops" in (unit, unit_b),
+                                              specialized_first=swapped))
     _emit_tables(tables, output)
 
 
@@ -924,7 +924,7 @@ def _gate(baseline: Path, run: Path, tolerances: gate_mod.Tolerances | None, kep
             return
         gated.result.stored_tolerances = gated.result.stored_tolerances or kept
         with _reader_may_leave():
-            _print_gate(gated, fmt, show_all, how, output, junit, (baseline, run))
+            _print_gate(gated, fmt, show_all, how, output, junit)
         if how == "not updated":   # --strict, another capture: the baseline kept, a failure
             click.echo(printable(f"baseline {gated.baseline_file} not updated from {run}: "
                                  "captured or broken down differently (--strict)"), err=True)
@@ -940,102 +940,43 @@ def _gate(baseline: Path, run: Path, tolerances: gate_mod.Tolerances | None, kep
                                 **options)
     gated.result.stored_tolerances = gated.result.stored_tolerances or kept
     with _reader_may_leave():
-        _print_gate(gated, fmt, show_all, None, output, junit, (baseline, run))
+        _print_gate(gated, fmt, show_all, None, output, junit)
     if not gated.result.ok:
         sys.exit(1)
 
 
 def _print_gate(gated: gate_mod.GatedRun, fmt: str, show_all: bool, update: str | None,
-                output: Path | None, junit: Path | None, files: tuple[Path, Path]) -> None:
+                output: Path | None, junit: Path | None) -> None:
     """The verdict as a table or JSON, to stdout or ``output``, and as JUnit XML to
     ``junit``; ``update``: what --update did ("updated" or "not updated"), None without
     it."""
     if junit is not None:   # (first: a reader of stdout that leaves does not stop it)
         atomic_write_text(junit, render.gate_junit(
-            gated.result, (str(files[0]), str(files[1])),
-            render.tables_text([part for part, _ in _gate_said(gated, show_all)])
-            + render.gate_headline(gated.result)))
-    _write_gate(gated, fmt, show_all, update, output, files)
+            gated.result, (str(gated.files[0]), str(gated.files[1])),
+            render.gate_text(gated, show_all)))
+    _write_gate(gated, fmt, show_all, update, output)
     if output is not None and str(output) != "-":
         # the verdict's file holds the whole of it; a CI log still gets its last line
         click.echo(printable(f"{render.gate_headline(gated.result)} (in {output})"), err=True)
 
 
 def _write_gate(gated: gate_mod.GatedRun, fmt: str, show_all: bool, update: str | None,
-                output: Path | None, files: tuple[Path, Path]) -> None:
-    result = gated.result
+                output: Path | None) -> None:
     if fmt == "json":
-        doc = result.to_json() | {"headline": render.gate_headline(result),
-                                  "baseline_file": str(files[0]), "run_file": str(files[1]),
-                                  "notes": _gate_notes(gated)}
+        doc = render.gate_document(gated)
         if update is not None:   # (stored: exit 0, whatever the verdict)
             doc["updated"] = str(gated.baseline_file) if update == "updated" else None
         _emit(json.dumps(doc, indent=1, allow_nan=False) + "\n", output)
         return
-    said = _gate_said(gated, show_all)
-    # the verdict's line last and whole, however long: a CI log's last line
-    headline = render.gate_headline(result)
     if output is not None:
-        atomic_write_text(output, render.tables_text([part for part, _ in said]) + headline
-                          + "\n")
+        atomic_write_text(output, render.gate_text(gated, show_all) + "\n")
         return
+    # the verdict's line last and whole, however long: a CI log's last line
+    headline = render.gate_headline(gated.result)
     console = render.console()
-    for part, style in said:
+    for part, style in render.gate_said(gated, show_all):
         console.print(part, style=style)
     console.print(headline, soft_wrap=True)
-
-
-def _gate_notes(gated: gate_mod.GatedRun) -> dict[str, list[str]]:
-    """What each side's breakdown says of itself (mixed steps, replayed graphs, ...)."""
-    return {side: note_lines({f"{side} {p}": b for p, b in runs.items()})
-            for side, runs in (("baseline", gated.baseline), ("run", gated.current))}
-
-
-def _gate_said(gated: gate_mod.GatedRun, show_all: bool
-               ) -> list[tuple[Table | str, str | None]]:
-    """The table verdict but its last line: the checks, each side's notes and how the sides
-    differ, each with its style."""
-    result = gated.result
-    notes = _gate_notes(gated)
-    said: list[tuple[Table | str, str | None]] = []   # what to print, each with its style
-    table = render.gate_table(result, show_all)
-    if table.row_count:
-        said.append((table, None))
-    said += [(line, None) for lines in notes.values() for line in lines]
-    if result.run_differences:
-        said.append((runs_mod.captured_differently("the baseline", "the run",
-                                                   result.run_differences), "bold yellow"))
-    if result.breakdown_differences:
-        said.append((gate_mod.broken_down_differently("the baseline", "the run",
-                                                      result.breakdown_differences),
-                     "bold yellow"))
-    said += [(line, "bold yellow") for line in result.fell_back]
-    if result.cpu_time_metrics:
-        interpreted = (" (the specialized path in Triton's interpreter)"
-                       if "specialized" in result.op_paths
-                       and "specialized" not in result.paths_fell_back else "")
-        said.append((f"{', '.join(result.cpu_time_metrics)} of a CPU run are CPU time"
-                     f"{interpreted}, noisy and no speed figure: --metrics kernels gates the "
-                     "launches alone", "yellow"))
-    if result.stored_tolerances:
-        settings = gate_mod.tolerance_settings(result.tolerances)   # (as the gate read them)
-        said.append((printable(
-            "tolerances the baseline keeps (gate --update stored them): "
-            + ", ".join(f"{key} {settings[key]}" for key in result.stored_tolerances
-                        if key in settings)
-            + " (--rel-tol, --abs-tol, --alpha, --metrics given override them)"), None))
-    if result.spread_runs:
-        within = sum(c.tested_over == "runs" and c.status == "noise" for c in result.checks)
-        said.append((f"the baseline keeps the spread of its {result.spread_runs} runs (gate "
-                     "--update --spread-from): a time past the tolerances and its steps' test "
-                     "is tested against that spread too, where it holds the figure"
-                     + (f" ({within} within it: noise)" if within else ""), None))
-    if result.cpu_times_left_out:
-        named = ",".join(result.tolerances.checked)
-        said.append((f"{', '.join(result.cpu_times_left_out)} of CPU runs not checked (CPU "
-                     f"time, noisy and no speed figure): --metrics {named} checks them",
-                     "yellow"))
-    return said
 
 
 def _check_plotly_js(ctx, param, value: str) -> str:

@@ -776,7 +776,7 @@ def ratio_text(v: float | None) -> str:
         return f"{v:,.0f}"
     if abs(v) >= 100:
         return f"{v:.1f}"
-    return f"{v:.2f}" if v == 0 or abs(v) >= 0.1 else f"{v:.2g}"
+    return f"{v:.2f}" if v == 0 or abs(v) >= 0.1 else f"{v:#.2g}"
 
 
 @dataclass(repr=False)
@@ -810,6 +810,8 @@ class TypePair:
         swapped, rows, left = self.ledger
         return {"standard": name_b if swapped else name_a,
                 "specialized": name_a if swapped else name_b,
+                # (a ratio the other way round from the comparison's where A is specialized)
+                "ratio_of": "replaced_us / us",
                 "launches": [{**dataclasses.asdict(r), "ratio": r.ratio} for r in rows],
                 "unmatched_standard": left}
 
@@ -921,6 +923,10 @@ def compare_files(a: str | Path, b: str | Path | None = None, path_name: str | N
     ``breakdown_options`` say (``layers``, ``step_regex``, ``rules``). Labels: ``labels``,
     else the file names (``short_labels``: without the words both share, as the table
     shows them) or a run's path names."""
+    if labels is not None and not (isinstance(labels, list | tuple)
+                                   and all(isinstance(label, str) for label in labels)):
+        raise TypeError(f"labels: a tuple of two names, not {type(labels).__name__} "
+                        f"{labels!r}")
     if labels is not None and (len(labels) != 2 or not all(labels)
                                or labels[0] == labels[1]):
         raise ValueError(f"labels: 2 distinct names, not {labels!r}")

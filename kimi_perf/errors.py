@@ -61,7 +61,7 @@ def path_list(paths: Iterable[str | Path], parameter: str, what: str) -> list[Pa
     if isinstance(paths, str | Path):
         raise TypeError(f"{parameter}: a list of {what}, not one {type(paths).__name__} "
                         f"({str(paths)!r}): give [{str(paths)!r}]")
-    return [Path(p) for p in paths]
+    return [path_argument(p, f"{parameter}[{i}]") for i, p in enumerate(paths)]
 
 
 class TraceError(Exception):

@@ -65,6 +65,7 @@ import dataclasses
 import hashlib
 import json
 import math
+import numbers
 import os
 import re
 from collections import Counter
@@ -88,13 +89,14 @@ from kimi_perf.comparison import (
     unequal_windows,
 )
 from kimi_perf.decode.fallbacks import fell_back_text, paths_that_fell_back
-from kimi_perf.errors import TraceError, argument, path_list
+from kimi_perf.errors import TraceError, argument, path_argument, path_list
 from kimi_perf.layer_breakdown import (
     Breakdown,
     class_column,
     layer_classes,
     layer_column,
     layer_of_type,
+    note_lines,
 )
 from kimi_perf.layers import decode_requests
 from kimi_perf.runs import (
@@ -103,6 +105,7 @@ from kimi_perf.runs import (
     TRACE,
     captured_path,
     captured_run,
+    check_breakdown_options,
     check_storable,
     is_figure,
     is_stored,
@@ -165,6 +168,12 @@ class Tolerances:
         if unknown or not self.checked:
             raise ValueError(f"metrics: choose from {', '.join(METRICS)}, one or more (not "
                              + (", ".join(unknown) + ")" if unknown else "an empty list)"))
+        for name in ("rel_tol", "abs_tol_us", "alpha"):
+            if not isinstance(value := getattr(self, name), numbers.Real) \
+                    or isinstance(value, bool):
+                raise TypeError(f"{name}: a number, not {type(value).__name__} {value!r}")
+            if type(value) not in (int, float):   # (numpy's: JSON takes Python's)
+                object.__setattr__(self, name, float(value))
         if not (math.isfinite(self.rel_tol) and self.rel_tol >= 0):
             raise ValueError(f"rel_tol: a finite number ≥ 0 (not {self.rel_tol})")
         if not (math.isfinite(self.abs_tol_us) and self.abs_tol_us >= 0):
@@ -237,7 +246,8 @@ class GateResult:
     def __repr__(self) -> str:   # not every check: a table or to_json shows them
         failing = Counter(c.status for c in self.failures)
         return (f"GateResult({'ok' if self.ok else 'FAIL'}, {len(self.checks)} checks"
-                + "".join(f", {n} {status}" for status, n in failing.items()) + ")")
+                + "".join(f", {n} {status}" + ("s" if n > 1 and status == "regression" else "")
+                          for status, n in failing.items()) + ")")
 
     def metric_name(self, check: Check) -> str:
         """A check's metric as tables say it: a CPU run's kernels are the ops it annotates;
@@ -279,14 +289,22 @@ class GateResult:
 @dataclass(repr=False)
 class GatedRun:
     """What ``gate_files`` read and found: the result, the breakdowns per decode path of both
-    sides, the document a baseline of the run holds, and the file the baseline came from
-    (None for a trace, which ``store_baseline`` cannot replace)."""
+    sides, the document a baseline of the run holds, the file the baseline came from (None
+    for a trace, which ``store_baseline`` cannot replace), and the baseline and run as
+    given. ``render.gate_text`` and ``render.gate_document`` say it as the command does."""
 
     result: GateResult
     baseline: dict[str, Breakdown]
     current: dict[str, Breakdown]
     run_doc: dict
     baseline_file: Path | None
+    files: tuple[Path, Path]
+
+    def notes(self) -> dict[str, list[str]]:
+        """What each side's breakdowns say of themselves (mixed steps, replayed graphs, ...),
+        by side: ``baseline`` and ``run``."""
+        return {side: note_lines({f"{side} {p}": b for p, b in runs.items()})
+                for side, runs in (("baseline", self.baseline), ("run", self.current))}
 
     def __repr__(self) -> str:   # not the breakdowns and run document it holds
         return (f"GatedRun({self.result!r}, baseline {list(self.baseline)}"
@@ -294,21 +312,25 @@ class GatedRun:
                 + f", current {list(self.current)})")
 
 
-def gate_files(baseline: str | Path, run: str | Path, tolerances: Tolerances | None = None,
-               path: str | None = None, phase: str = "auto",
+def gate_files(baseline: str | Path, run: str | Path,
+               tolerances: Tolerances | Mapping[str, Any] | None = None,
+               path_name: str | None = None, phase: str = "auto",
                loaded: dict[Path, tuple] | None = None, strict: bool = False,
                **breakdown_options) -> GatedRun:
     """``gate`` over what two files hold (each a run directory, its ``breakdown.json``, a
     breakdown JSON or a trace, traces broken down over the steps of ``phase``, and as
-    ``breakdown_options`` say: ``layers``, ``step_regex``, ``rules``); ``path``: check that
-    decode path alone (a trace on either side stands for it). A run's trace stands for the
-    path it captured; another trace against a run of several paths needs ``path``: which one
-    would it stand for? ``loaded``: what ``load_run`` gave for
-    either file already (a trace is not read twice). ``strict``: captures made differently
-    (``run_differences``) or broken down differently (``breakdown_differences``) fail too, as
-    a nightly job against the wrong baseline should. ``tolerances`` None: those the
-    baseline keeps (``update_baseline`` with tolerances stores them), else the defaults."""
-    baseline, run = Path(baseline), Path(run)
+    ``breakdown_options`` say: ``layers``, ``step_regex``, ``rules``); ``path_name``: check
+    that decode path alone (a trace on either side stands for it), as ``compare_files`` and
+    ``load_breakdown`` take it. A run's trace stands for the path it captured; another trace
+    against a run of several paths needs ``path_name``: which one would it stand for?
+    ``loaded``: what ``load_run`` gave for either file already (a trace is not read twice).
+    ``strict``: captures made differently (``run_differences``) or broken down differently
+    (``breakdown_differences``) fail too, as a nightly job against the wrong baseline should.
+    ``tolerances``: a ``Tolerances``, or a dict of its fields (``{"rel_tol": 0.1}``); None:
+    those the baseline keeps (``update_baseline`` with tolerances stores them), else the
+    defaults."""
+    check_breakdown_options(breakdown_options)
+    baseline, run = path_argument(baseline, "baseline"), path_argument(run, "run")
     given = dict(tolerances) if isinstance(tolerances, Mapping) else None
     tolerances = _tolerances_of(baseline, tolerances)
     loaded = loaded or {}
@@ -325,34 +347,34 @@ def gate_files(baseline: str | Path, run: str | Path, tolerances: Tolerances | N
     paths_differ = []
     held = [captured_path(file) if set(runs) == {TRACE} else None
             for file, runs in ((baseline, base), (run, current))]
-    if path is None:
+    if path_name is None:
         # a run's trace (RUN/specialized.kptrace: its name and run.json say which path it
         # captured) against a run stands for that path, as --path would name it; against a
         # run of one other path, for that one, and the paths captured differ
         for captured, other in ((held[0], current), (held[1], base)):
             if captured is not None and set(other) != {TRACE}:
-                path = (captured if captured in other
+                path_name = (captured if captured in other
                         else next(iter(other)) if len(other) == 1 else None)
         if None not in held and held[0] != held[1]:   # (two runs' traces of other paths)
             paths_differ = [f"decode path {held[0]} vs {held[1]}"]
     whole = {baseline: base, run: current}   # (before --path takes one path of each)
-    if path is not None:
+    if path_name is not None:
         if set(base) == set(current) == {TRACE}:
-            raise no_run([baseline, run], "path")
+            raise no_run([baseline, run])
         # a run's trace of another path (specialized.kptrace --path standard: a typo in a
         # nightly job) is a capture of other work
-        named = [captured or (path if set(runs) != {TRACE} else None)
+        named = [captured or (path_name if set(runs) != {TRACE} else None)
                  for captured, runs in zip(held, (base, current), strict=True)]
         if None not in named and named[0] != named[1]:
             paths_differ = [f"decode path {named[0]} vs {named[1]}"]
-        base = ({path: base[TRACE]} if set(base) == {TRACE}
-                else dict([one_path(baseline, base, path, "path")]))
+        base = ({path_name: base[TRACE]} if set(base) == {TRACE}
+                else dict([one_path(baseline, base, path_name, "path_name")]))
         # a path of the baseline's that the run lost fails as missing, as it does where no
         # --path is given (a name that only a plain trace stood for is a typo: said)
-        current = ({path: current[TRACE]} if set(current) == {TRACE}
-                   else {} if path not in current and (path in whole[baseline]
-                                                       or held[0] == path)
-                   else dict([one_path(run, current, path, "path")]))
+        current = ({path_name: current[TRACE]} if set(current) == {TRACE}
+                   else {} if path_name not in current and (path_name in whole[baseline]
+                                                            or held[0] == path_name)
+                   else dict([one_path(run, current, path_name, "path_name")]))
     for file, runs, what in ((baseline, base, "nothing to check a run against"),
                              (run, current, "nothing to check against the baseline")):
         if not has_work(whole[file]):   # (a run that lost every layer would fail as "missing")
@@ -365,7 +387,7 @@ def gate_files(baseline: str | Path, run: str | Path, tolerances: Tolerances | N
     for file, runs, other in ((baseline, base, current), (run, current, base)):
         if set(other) == {TRACE} and len(runs) > 1:
             raise TraceError(file, f"holds the paths {', '.join(runs)}: choose the one the "
-                                   f"other side stands for with {argument('--path', 'path')}")
+                                   f"other side stands for with {argument('--path', 'path_name')}")
     result = gate(base, current, tolerances)
     result.stored_tolerances = stored
     if isinstance(base_doc, dict) and base_doc.get("run_spread"):
@@ -389,7 +411,7 @@ def gate_files(baseline: str | Path, run: str | Path, tolerances: Tolerances | N
                               + run_differences(base_info, run_info,
                                                 cpu_times=bool(result.cpu_time_metrics),
                                                 # (a trace is one path, whatever its run's)
-                                                paths=path is None and None not in (
+                                                paths=path_name is None and None not in (
                                                     base_file, run_file))
                               + phase_differences(base, current)
                               + request_differences(base, current)
@@ -429,7 +451,7 @@ def gate_files(baseline: str | Path, run: str | Path, tolerances: Tolerances | N
         result.checks.append(Check("run", "breakdown", "breakdown", None, None, None, None,
                                    "broken down differently",
                                    "; ".join(result.breakdown_differences)))
-    return GatedRun(result, base, current, run_doc, base_file)
+    return GatedRun(result, base, current, run_doc, base_file, (baseline, run))
 
 
 def _trace_info(file: Path, runs: dict[str, Breakdown]) -> dict | None:
@@ -532,7 +554,7 @@ def _model_holds(doc: dict, layer_type: str) -> bool:
 
 
 def update_baseline(baseline: str | Path, run: str | Path,
-                    tolerances: Tolerances | None = None, phase: str = "auto",
+                    tolerances: Tolerances | Mapping[str, Any] | None = None, phase: str = "auto",
                     strict: bool = False, spread_from: Sequence[str | Path] = (),
                     **breakdown_options) -> tuple[GatedRun | None, str]:
     """``gate --update``: the run gated against the baseline JSON ``baseline`` (as
@@ -548,7 +570,7 @@ def update_baseline(baseline: str | Path, run: str | Path,
     defaults, nothing stored). ``spread_from``: other runs of the run's code (four or more),
     whose spread with it is stored (``run_spread``: ``spread_of_runs``); without them, a
     spread the baseline kept goes (it was of other runs' code)."""
-    baseline, run = Path(baseline), Path(run)
+    baseline, run = path_argument(baseline, "baseline"), path_argument(run, "run")
     tolerances = _tolerances_of(baseline, tolerances)
     if baseline.exists() and not is_stored(baseline):
         update = argument("--update", "update_baseline")

@@ -14,7 +14,7 @@ import shlex
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePath
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -84,7 +84,7 @@ class Breakdown:
 
         layers = self.layers
         if isinstance(layers, LayerRows):
-            columns = {name: getattr(layers, name) for name in LAYER_COLUMNS}
+            columns = {name: layer_column(layers, name) for name in LAYER_COLUMNS}
             types, codes = layers.types, layers.type_code
             ran = layers.class_kernels.any(axis=0)   # (classes no layer ran: as JSON keeps)
             classes = [c for c, r in zip(layers.labels, ran.tolist(), strict=True) if r]
@@ -123,19 +123,32 @@ class Breakdown:
         return doc
 
     @classmethod
-    def from_json(cls, doc: dict[str, Any], path: str | Path = "breakdown") -> Breakdown:
+    def from_json(cls, doc: dict[str, Any], file: str | Path = "breakdown",
+                  where: str = "") -> Breakdown:
+        """The breakdown a parsed breakdown JSON holds (``to_json``'s, ``breakdown --format
+        json``'s), checked as the gate and the report read it: a field missing or of another
+        kind is a TraceError naming ``file`` (where the JSON came from) and the field, after
+        ``where`` (its place in the file: ``paths.standard.``). ``load_breakdown`` and
+        ``load_run`` read files."""
+        # (runs reads breakdowns: not imported with this module)
+        from kimi_perf.runs import checked_breakdown
+
+        if isinstance(doc, str | bytes | PurePath):
+            raise TypeError(f"doc: a breakdown's parsed JSON (a dict), not a "
+                            f"{type(doc).__name__}: load_breakdown(file) reads a file")
         if not isinstance(doc, dict) or type(doc.get("schema")) is not int \
                 or doc["schema"] != SCHEMA:
-            raise TraceError(path, f"not a kimi-perf breakdown of schema {SCHEMA}")
+            raise TraceError(file, f"not a kimi-perf breakdown of schema {SCHEMA}")
         if "source" not in doc and isinstance(doc.get("paths"), dict):
-            raise TraceError(path, "a run's breakdown.json, a breakdown per decode path: read "
+            raise TraceError(file, "a run's breakdown.json, a breakdown per decode path: read "
                                    "one with from_json(doc['paths'][path]), or all with "
                                    "kimi_perf.runs.load_run")
         try:
-            return cls(source=doc["source"], steps=doc["steps"], layers=doc["layers"],
-                       layer_types=doc["layer_types"], timeline=doc.get("timeline"))
+            b = cls(source=doc["source"], steps=doc["steps"], layers=doc["layers"],
+                    layer_types=doc["layer_types"], timeline=doc.get("timeline"))
         except KeyError as exc:
-            raise TraceError(path, f"breakdown lacks {exc.args[0]!r}") from None
+            raise TraceError(file, f"breakdown lacks {exc.args[0]!r}") from None
+        return checked_breakdown(b, Path(file), where)
 
 
 def units_word(units) -> str:
@@ -270,8 +283,9 @@ class LayerRows(Sequence[dict[str, Any]]):
                  first: int, labels: list[str]):
         n = len(heads)
         types: dict[str, int] = {}
-        self.step, self.device, self.index = (np.array([h[i] for h in heads], np.int64)
-                                              for i in range(3))
+        # (the layer's index in its step not as ``index``: a sequence's method of that name)
+        self.step, self.device, self.layer_index = (
+            np.array([h[i] for h in heads], np.int64) for i in range(3))
         self.type_code = np.array([types.setdefault(h[3], len(types)) for h in heads],
                                   np.int32)
         self.types = list(types)
@@ -294,6 +308,9 @@ class LayerRows(Sequence[dict[str, Any]]):
     def __getitem__(self, i):
         if isinstance(i, slice):   # as a list slices (a slice's stop of -1 would not)
             return list(self._rows(np.arange(len(self))[i]))
+        if isinstance(i, str):   # (a row's field: layer_column gives a column)
+            raise TypeError(f"layers[{i!r}]: the layers are rows, indexed by number "
+                            "(layer_column(layers, NAME) gives a figure's column)")
         try:
             i = range(len(self))[i]   # negative indices
         except IndexError:
@@ -315,7 +332,7 @@ class LayerRows(Sequence[dict[str, Any]]):
     def _rows(self, sel: slice | np.ndarray) -> Iterator[dict[str, Any]]:
         counts, us = self.class_kernels[sel].tolist(), self.class_us[sel].tolist()
         for step, device, index, t, k, ku, su, gu, cnt, u in zip(
-                self.step[sel].tolist(), self.device[sel].tolist(), self.index[sel].tolist(),
+                self.step[sel].tolist(), self.device[sel].tolist(), self.layer_index[sel].tolist(),
                 self.type_code[sel].tolist(), self.kernels[sel].tolist(),
                 self.kernel_us[sel].tolist(), self.span_us[sel].tolist(),
                 self.gap_us[sel].tolist(), counts, us, strict=True):
@@ -339,7 +356,7 @@ def layer_column(layers: Sequence[dict[str, Any]], name: str, layer_type: str | 
     if name not in LAYER_COLUMNS:
         raise ValueError(f"no layer column {name!r} (one of {', '.join(LAYER_COLUMNS)})")
     if isinstance(layers, LayerRows):
-        values = getattr(layers, name)
+        values = getattr(layers, "layer_index" if name == "index" else name)
         if layer_type is None:
             view = values.view()
             view.flags.writeable = False    # the breakdown's own column: read, not written
@@ -951,7 +968,7 @@ def two_groups(rows: LayerRows, min_ratio: float = 1.5, min_share: float = 0.25,
     out: dict[str, list[dict[str, Any]]] = {}
     for code, kind in enumerate(rows.types):
         sel = np.flatnonzero(rows.type_code == code)
-        index, where = np.unique(rows.index[sel], return_inverse=True)
+        index, where = np.unique(rows.layer_index[sel], return_inverse=True)
         if len(index) < 4:
             continue
         order = np.argsort(where, kind="stable")
@@ -1218,7 +1235,9 @@ def _steps_found_note(b: Breakdown) -> str | None:
     first = f"--steps {shlex.quote('^' + re.escape(repeating[0]['range']) + '$')}" \
         if repeating else ""
     if src["steps_found_by"] == "device":
-        steps = "each device is one step"
+        steps = "each device is one step" + (
+            " (each process, on a device processes share)"
+            if any(" pid " in str(s.get("name")) for s in b.steps) else "")
     else:
         periods = sorted({s["layers"] for s in b.steps if isinstance(s.get("layers"), int)})
         every = "".join(f"{_ordinal(n)} or " for n in periods)

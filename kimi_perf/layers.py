@@ -468,14 +468,25 @@ def _graph_launch_steps(trace: Trace, ops: GpuOps) -> list[Step]:
 
 
 def _device_steps(ops: GpuOps) -> list[Step]:
+    """A step per device, or per process on a device that several processes' work shares
+    (their kernels interleave: one step of both would hold neither's layers)."""
     if len(ops) == 0:
         return []
     steps = []
     for dev in np.unique(ops.device).tolist():
-        rows = np.flatnonzero(ops.device == dev)
-        rows = rows[np.argsort(ops.start[rows], kind="stable")]
-        steps.append(Step(index=0, device=dev, pid=int(ops.pid[rows[0]]),
-                          name=f"device {dev}", ops=rows, found_by="device"))
+        on_device = np.flatnonzero(ops.device == dev)
+        pids = np.unique(ops.pid[on_device]).tolist()
+        for pid in pids:
+            rows = on_device[ops.pid[on_device] == pid] if len(pids) > 1 else on_device
+            rows = rows[np.argsort(ops.start[rows], kind="stable")]
+            steps.append(Step(index=0, device=dev, pid=int(ops.pid[rows[0]]),
+                              name=f"device {dev}" + (f" pid {pid}" if len(pids) > 1 else ""),
+                              ops=rows, found_by="device"))
+    steps.sort(key=lambda s: (s.device, int(ops.start[s.ops[0]])))
+    per_device: Counter = Counter()
+    for s in steps:
+        s.index = per_device[s.device]
+        per_device[s.device] += 1
     return steps
 
 
@@ -1120,7 +1131,7 @@ def find_layers(trace: Trace, ops: GpuOps, steps: list[Step], layers: str = "aut
             raise NoStepsMatched(trace.meta.get("file"), f"{argument('--layers', 'layers', layers)}"
                                  f": no range matching {said} holds a kernel launch of a step")
     else:
-        raise ValueError(f"unknown layer mode {layers!r}: use auto, repeat, nvtx or nvtx:REGEX")
+        raise ValueError(f"layers: auto, repeat, nvtx or nvtx:REGEX, not {layers!r}")
     release_free_memory()
     assign_types(ops, steps)
     if steps and steps[0].found_by == "device":

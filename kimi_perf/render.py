@@ -36,7 +36,14 @@ from kimi_perf.comparison import (
     steps_unlike,
     stragglers,
 )
-from kimi_perf.gate import TIMES, Check, GateResult
+from kimi_perf.gate import (
+    TIMES,
+    Check,
+    GatedRun,
+    GateResult,
+    broken_down_differently,
+    tolerance_settings,
+)
 from kimi_perf.layer_breakdown import (
     SPREAD_NOTE,
     Breakdown,
@@ -47,6 +54,7 @@ from kimi_perf.layer_breakdown import (
     step_part_text,
 )
 from kimi_perf.names import short_names
+from kimi_perf.runs import captured_differently
 from kimi_perf.text import counted
 from kimi_perf.trace import json_text, printable
 
@@ -391,12 +399,15 @@ def typical_layer_table(layer_type: str, sides: dict[str, dict | None],
 
 
 def fusion_table(layer_type: str, standard: str, specialized: str, rows: list,
-                 left: list[str], on_cpu: bool = False) -> Table:
+                 left: list[str], on_cpu: bool = False, specialized_first: bool = False
+                 ) -> Table:
     """``kimi_perf.decode.fusions.fusion_ledger``'s rows: each launch of the specialized path
     against the standard launches whose work it does (``on_cpu``: a CPU run's, whose µs are
-    host time and the interpreter's: its ratios are no speed figure)."""
+    host time and the interpreter's: its ratios are no speed figure). Its ratio is always
+    what was replaced over what replaced it; ``specialized_first``: the comparison above it
+    has the specialized path as A, its ratios the other way round, which the note says."""
     table = _table(f"{layer_type}: each {specialized} launch against the {standard} launches "
-                   "it replaces (median µs)",
+                   "it replaces (each launch's median µs: their sums are no layer's span)",
                    [f"{specialized} launch", "µs", f"replaces ({standard})", "their µs",
                     "ratio"], left=(f"{specialized} launch", f"replaces ({standard})"))
     for r in rows:
@@ -404,10 +415,13 @@ def fusion_table(layer_type: str, standard: str, specialized: str, rows: list,
                       f"{r.replaced_us:.1f}", ratio_text(r.ratio))
     replaced = sum(len(r.replaces) for r in rows)
     notes = [f"{len(rows)} launches for {replaced}: {sum(r.us for r in rows):.1f} µs for "
-             f"{sum(r.replaced_us for r in rows):.1f} µs " + (
-                 "(a CPU run: its µs are CPU time, the specialized launches in Triton's "
-                 "interpreter, so the ratios are no speed figure; the rows say which launches "
-                 "replace which)" if on_cpu else "(ratio above 1: the fusion is faster)")]
+             f"{sum(r.replaced_us for r in rows):.1f} µs; ratio: their µs over its, " + (
+                 f"{standard} over {specialized} (the other way round from the ratios above), "
+                 if specialized_first else "") + (
+                 "above 1 where the launch takes less (a CPU run: its µs are CPU time, the "
+                 "specialized launches in Triton's interpreter, so the ratios are no speed "
+                 "figure; the rows say which launches replace which)" if on_cpu
+                 else "above 1: the fusion is faster")]
     if left:
         notes.append(f"{standard} launches no {specialized} launch took: {', '.join(left)}")
     table.caption = "\n".join(notes)
@@ -677,6 +691,67 @@ def gate_headline(result: GateResult) -> str:
     return (f"gate: FAIL, {said}: {worst}"
             + (f"; and {more} more (the table lists {'it' if more == 1 else 'them'})" if more > 0
                else ""))
+
+
+def gate_said(gated: GatedRun, show_all: bool = False) -> list[tuple[Table | str, str | None]]:
+    """The table verdict but its last line (``gate_headline``): the checks (``show_all``:
+    those that passed as well), each side's notes and how the sides differ, each with its
+    style, as ``kimi-perf gate`` prints them."""
+    result = gated.result
+    notes = gated.notes()
+    said: list[tuple[Table | str, str | None]] = []   # what to print, each with its style
+    table = gate_table(result, show_all)
+    if table.row_count:
+        said.append((table, None))
+    said += [(line, None) for lines in notes.values() for line in lines]
+    if result.run_differences:
+        said.append((captured_differently("the baseline", "the run",
+                                                   result.run_differences), "bold yellow"))
+    if result.breakdown_differences:
+        said.append((broken_down_differently("the baseline", "the run",
+                                             result.breakdown_differences), "bold yellow"))
+    said += [(line, "bold yellow") for line in result.fell_back]
+    if result.cpu_time_metrics:
+        interpreted = (" (the specialized path in Triton's interpreter)"
+                       if "specialized" in result.op_paths
+                       and "specialized" not in result.paths_fell_back else "")
+        said.append((f"{', '.join(result.cpu_time_metrics)} of a CPU run are CPU time"
+                     f"{interpreted}, noisy and no speed figure: --metrics kernels gates the "
+                     "launches alone", "yellow"))
+    if result.stored_tolerances:
+        settings = tolerance_settings(result.tolerances)   # (as the gate read them)
+        said.append((printable(
+            "tolerances the baseline keeps (gate --update stored them): "
+            + ", ".join(f"{key} {settings[key]}" for key in result.stored_tolerances
+                        if key in settings)
+            + " (--rel-tol, --abs-tol, --alpha, --metrics given override them)"), None))
+    if result.spread_runs:
+        within = sum(c.tested_over == "runs" and c.status == "noise" for c in result.checks)
+        said.append((f"the baseline keeps the spread of its {result.spread_runs} runs (gate "
+                     "--update --spread-from): a time past the tolerances and its steps' test "
+                     "is tested against that spread too, where it holds the figure"
+                     + (f" ({within} within it: noise)" if within else ""), None))
+    if result.cpu_times_left_out:
+        named = ",".join(result.tolerances.checked)
+        said.append((f"{', '.join(result.cpu_times_left_out)} of CPU runs not checked (CPU "
+                     f"time, noisy and no speed figure): --metrics {named} checks them",
+                     "yellow"))
+    return said
+
+
+def gate_text(gated: GatedRun, show_all: bool = False) -> str:
+    """The verdict as text, its headline last: what ``kimi-perf gate -o FILE`` writes (but
+    its last newline), and the output of ``--junit``'s suite."""
+    return tables_text([part for part, _ in gate_said(gated, show_all)]) + gate_headline(
+        gated.result)
+
+
+def gate_document(gated: GatedRun) -> dict[str, Any]:
+    """The verdict as ``kimi-perf gate --format json`` prints it: ``GateResult.to_json``,
+    its headline, the files as given and each side's notes."""
+    return gated.result.to_json() | {"headline": gate_headline(gated.result),
+                                     "baseline_file": str(gated.files[0]),
+                                     "run_file": str(gated.files[1]), "notes": gated.notes()}
 
 
 # What XML 1.0 cannot hold once ``printable`` has written out the control characters: lone

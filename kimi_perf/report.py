@@ -45,7 +45,7 @@ from kimi_perf.comparison import (
     type_pairs,
 )
 from kimi_perf.decode.fallbacks import fell_back_text, paths_that_fell_back
-from kimi_perf.errors import TraceError, argument, path_list, stat_problem
+from kimi_perf.errors import TraceError, argument, path_argument, path_list, stat_problem
 from kimi_perf.layer_breakdown import (
     SPREAD_NOTE,
     Breakdown,
@@ -1029,7 +1029,9 @@ def write_report(path: str | Path, breakdowns: dict[str, Breakdown], title: str,
     plotly_js = str(plotly_js)   # (a Path ends in .js: never read as inline or cdn)
     if not breakdowns:
         raise ValueError("write_report: no breakdowns to draw")
-    path = Path(path)
+    path = path_argument(path, "path")
+    if not isinstance(title, str):
+        raise TypeError(f"title: the page's title (a str), not {type(title).__name__}")
     plotly_js = plotly_js_for(plotly_js, path.parent)
     # labels and titles from file names: their control characters written out, as a trace's
     # names are when read (a right-to-left override would reorder the page's text)

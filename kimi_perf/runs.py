@@ -95,6 +95,7 @@ def store_baseline(file: str | Path, run_doc: dict) -> None:
                 else f"a {type(run_doc).__name__} of another shape")
         raise TypeError(f"run_doc: a run's document (load_run(run)[1], GatedRun.run_doc), not "
                         f"{said}")
+    file = path_argument(file, "file")
     check_storable(file)
     atomic_write_text(Path(file), json_text(run_doc))
 
@@ -143,10 +144,10 @@ def load_run(path: str | Path, phase: str = "auto", **breakdown_options
                                        "what its run.json holds), which the gate checks")
             if problem := run_info_problem(doc["run"]):
                 raise TraceError(path, problem)
-            return {name: _checked(Breakdown.from_json(b, path), path, f"paths.{name}.")
+            return {name: Breakdown.from_json(b, path, f"paths.{name}.")
                     for name, b in doc["paths"].items()}, doc, path
         if isinstance(doc, dict) and "layer_types" in doc:
-            return {TRACE: _checked(Breakdown.from_json(doc, path), path)}, doc, path
+            return {TRACE: Breakdown.from_json(doc, path)}, doc, path
         if of_run:
             raise TraceError(path, "not a kimi-perf run breakdown (JSON of another shape: "
                                    "not {schema: 1, paths: {path: breakdown}})")
@@ -164,7 +165,8 @@ def check_breakdown_options(options: dict) -> None:
     so a misspelt one (``layres=``) would pass unnoticed where the input is JSON."""
     if unknown := sorted(set(options) - BREAKDOWN_OPTIONS):
         raise TypeError(f"unknown breakdown option {', '.join(unknown)} (one of "
-                        f"{', '.join(sorted(BREAKDOWN_OPTIONS))})")
+                        f"{', '.join(sorted(BREAKDOWN_OPTIONS))})"
+                        + ("; path_name picks the decode path" if "path" in unknown else ""))
 
 
 # The gate's settings a baseline keeps (``gate --update`` with them given): its options
@@ -601,7 +603,7 @@ def _in_ranges_ok(in_ranges) -> bool:
         and _is_count(r.get("ops")) for r in in_ranges)
 
 
-def _checked(b: Breakdown, path: Path, where: str = "") -> Breakdown:
+def checked_breakdown(b: Breakdown, path: Path, where: str = "") -> Breakdown:
     """A breakdown read from JSON, with the fields the gate and the report read; ``where``:
     the breakdown's place in the file (``paths.standard.``), which a bad row's error names."""
     if problem := _source_problem(b.source):
@@ -653,7 +655,8 @@ def _disagreement(b: Breakdown, where: str = "") -> str | None:
     """Where a stored breakdown's summaries disagree with the rows they summarise (an edited
     or mixed file: compare reads a layer type's summary, the gate its layers): a layer type
     per type of the layers, its layer count and median kernels theirs, every layer's step
-    among the steps, and a step's layer count its layers'. ``where``: as for ``_checked``."""
+    among the steps, and a step's layer count its layers'. ``where``: as for
+    ``checked_breakdown``."""
     types = Counter(r["type"] for r in b.layers)
     stated = [t["type"] for t in b.layer_types]
     if sorted(stated) != sorted(types):
@@ -835,6 +838,7 @@ def load_paths(path: str | Path, label: str = TRACE, phase: str = "auto", **brea
     or the one breakdown of a breakdown JSON or a trace (broken down over the steps of
     ``phase``, as ``breakdown_options`` say), named ``label``, and None."""
     check_breakdown_options(breakdown_options)
+    path = path_argument(path, "path")
     runs, run_doc = stored_breakdowns(path)
     if run_doc is not None:
         return runs, run_doc

@@ -254,6 +254,59 @@ def test_gpu_check_main_job_gives_each_run_the_time_left(monkeypatch, tmp_path):
     assert list(runs) == ["graphs", "graphs spec3"] and timeouts == [170, 110]
 
 
+def test_gpu_check_admits_the_paths_a_pair_at_a_time(monkeypatch, tmp_path):
+    """Both paths' runs at a batch and mode are admitted together: where the time left fits
+    one run but not two, neither runs (the standard path's alone compared with nothing, and
+    its time went to no comparison); batch 1 first, under graphs and then eagerly. Here on a
+    clock each run advances by 30 s, every other section taking none."""
+    import argparse
+    import time
+    import types
+
+    import torch
+
+    check = _gpu_check()
+    now = [0.0]
+    ran = []
+
+    def speed(path, c, weights_of, batch, context, warmup, steps, device, out, bandwidth,
+              graphs, gemv=None, control=False):
+        now[0] += 30
+        ran.append(f"{path} b{batch}{' graphs' if graphs else ''}")
+        return {"first_step_logits": torch.ones(3), "logits_finite": True,
+                "replayed_kernels_mapped_to_capture": 1}
+
+    for name, value in {
+            "speed": speed, "environment": lambda device: {}, "device_facts": lambda *a: {},
+            "copy_bandwidth": lambda *a: 1e12, "kernel_references": lambda *a, **k: {},
+            "correctness": lambda device, steps, names, allows=lambda n: True: {
+                n: {"ok": True, "max_rel_err": 0.0} for n in names if allows(n)},
+            "kda_split_stress": lambda *a, **k: {"ok": True, "max_rel_err": 0.0},
+            "gemv_side_by_side": lambda *a: {"skipped": "stand-in"},
+            "main_job": lambda *a: None, "save": lambda *a: None,
+            "render_summary": lambda results: ""}.items():
+        monkeypatch.setattr(check, name, value)
+    # the sections' own clock too (a run's seconds decide what fits after it)
+    monkeypatch.setattr(check, "time", types.SimpleNamespace(
+        monotonic=lambda: now[0], perf_counter=lambda: now[0], time=time.time))
+    # the first pair fits, then 160 s are left: one run (30 + 115 kept) would fit, two not
+    left = 30 + check.RESERVE_AFTER_SPEED_S + 15
+    budget = check.Budget(60 + left, clock=lambda: now[0])
+    args = argparse.Namespace(smoke=False, layers=5, context=64, steps=2, warmup=1,
+                              cubins=None, out=tmp_path)
+    results = {"errors": [], "warnings": [], "skipped": budget.skipped}
+    assert check.run_sections(args, budget, results, tmp_path, "cuda", 0.0) == 0
+    assert ran[:2] == ["standard b1 graphs", "specialized b1 graphs"]
+    assert not any(key.startswith(("standard", "specialized ")) for key in ran[2:])
+    assert results["skipped"][:2] == [
+        f"standard b1: {left:.0f} s left of the budget, "
+        f"{2 * 30 + check.RESERVE_AFTER_SPEED_S:.0f} s needed",
+        "specialized b1: skipped with standard b1, beside which it runs"]
+    assert [s.split(":")[0] for s in results["skipped"][2:6]] == [
+        "standard b64 graphs", "specialized b64 graphs", "standard b64", "specialized b64"]
+    assert ran[2:] == ["specialized+l2 b1 graphs"]   # (the opt-ins, each beside a run made)
+
+
 def _gpu_check():
     import importlib.util
 
@@ -275,8 +328,8 @@ def test_gpu_check_runs_the_specialized_path_with_the_opt_in_gemv(tmp_path):
 
     c = preset("tiny", n_layers=2)
     gemv = RecordingGemv(decode_shapes(c))
-    r = _gpu_check().speed("specialized+cute", c, random_weights(c, seed=1), 1, 4, 1, 1, "cpu",
-                           tmp_path, 1e11, False, gemv=gemv)
+    r = _gpu_check().speed("specialized+cute", c, lambda: random_weights(c, seed=1), 1, 4, 1,
+                           1, "cpu", tmp_path, 1e11, False, gemv=gemv)
     assert r["model"] == "SpecializedModel" and gemv.calls
     # layer 0 (KDA, dense MLP) and the last, gated MLA: the launches of the path without it
     assert {t["type"]: t["kernels"] for t in r["layer_types"]} == {"dense": 7, "mla": 12}

@@ -698,7 +698,9 @@ def test_ratios_keep_two_significant_digits_below_a_tenth():
     from kimi_perf.comparison import ratio_text
 
     assert [ratio_text(v) for v in (None, 0, 2.004, 0.1, 0.0041, -0.05)] == [
-        "-", "0.00", "2.00", "0.10", "0.0041", "-0.05"]
+        "-", "0.00", "2.00", "0.10", "0.0041", "-0.050"]
+    # its trailing zero kept: 0.01 would read as exactly a hundredth
+    assert [ratio_text(v) for v in (0.0103, 0.004963, 0.001963)] == ["0.010", "0.0050", "0.0020"]
     # a ratio kept to four significant digits shows them, no more (28160.00 read as exact)
     assert [ratio_text(v) for v in (28160.0, 1203.0, 123.4, 99.5, 99.999, 999.96)] == [
         "28,160", "1,203", "123.4", "99.50", "100.0", "1,000"]
@@ -811,7 +813,7 @@ def test_two_groups_count_each_layers_kernels_as_its_median_over_the_steps():
     index = np.tile(np.arange(n), 2)
     kernels = np.ones((2 * n, 1), np.int64)
     kernels[3, 0] = 2   # layer 3, step 0: a kernel more
-    rows = SimpleNamespace(types=["A"], type_code=np.zeros(2 * n, np.int64), index=index,
+    rows = SimpleNamespace(types=["A"], type_code=np.zeros(2 * n, np.int64), layer_index=index,
                            span_us=np.full(2 * n, 100.0), labels=["attention"],
                            class_us=np.where(index % 2, 30.0, 10.0)[:, None],
                            class_kernels=kernels)
@@ -1465,8 +1467,7 @@ def test_a_trace_and_its_breakdown_show_as_one_line_each():
     assert repr(many).endswith("GPUs: 8× NVIDIA A100-PG509-200)")
     unnamed = read_trace(KINETO / "tracelens_vllm_gptoss20b_decode_fullgraph_mi300x.json.gz")
     assert repr(unnamed).endswith("GPUs: 8× unnamed)")   # (ROCm's, by SM count alone)
-    sparse = Breakdown.from_json({"schema": 1, "source": {}, "steps": [], "layers": [],
-                                  "layer_types": [{"type": "A"}]})   # hand-written, say
+    sparse = Breakdown(source={}, steps=[], layers=[], layer_types=[{"type": "A"}])
     assert repr(sparse) == "Breakdown(0 steps, 0 layers (A ×?), counting kernels)"
     one = Breakdown(source={}, steps=[{}], layers=[{}], layer_types=[])
     assert repr(one) == "Breakdown(1 step, 1 layer, counting kernels)"
@@ -1613,8 +1614,10 @@ def test_layers_are_written_to_json_in_chunks_as_the_whole_document(stored):
     b = breakdown(read_trace(NSYS / "jsun-012-assignment2-systems__result__nsys2025.1.3.sqlite"))
     if stored:   # layers a list of dicts, one type named beyond ASCII
         doc = json.loads(json_text(b.to_json()))
-        for layer in doc["layers"][::2]:
-            layer["type"] = "attn\u202e·層"
+        renamed = doc["layers"][0]["type"]
+        for row in doc["layers"] + doc["layer_types"]:
+            if row["type"] == renamed:
+                row["type"] = "attn\u202e·層"
         b = Breakdown.from_json(doc)
     whole = json_text(b.to_json())
     assert len(b.layers) > 300 and breakdown_json(b) == whole
@@ -1880,16 +1883,19 @@ def test_a_report_short_of_bars_draws_a_layerless_steps_first_ops_in_time(tmp_pa
 
 
 def test_processes_sharing_a_device_have_a_row_per_stream_each():
-    """Two processes on one GPU (no step range: the device is the step) each have their own
-    stream 7: a row each, not one row of both."""
+    """Two processes on one GPU (no step range) are a step each, each its own stream 7: the
+    timeline's step (of median span) draws its own process's row, not one row of both."""
     b = TraceBuilder()
     b.launch("gemm_a", 0, 10, 100, 300, pid=1)
     b.launch("gemm_b", 20, 30, 150, 400, pid=2)
     b.launch("gemm_c", 40, 50, 420, 700, pid=1)
-    timeline = breakdown(b.build()).timeline
+    broken_down = breakdown(b.build())
+    assert [(s["name"], s["kernels"]) for s in broken_down.steps] == [
+        ("device 0 pid 1", 2), ("device 0 pid 2", 1)]
+    timeline = broken_down.timeline
     rows = {seg["label"]: [timeline["names"][op[0]] for op in seg["ops"]]
             for seg in timeline["segments"]}
-    assert rows == {"pid 1 stream 7": ["gemm_a", "gemm_c"], "pid 2 stream 7": ["gemm_b"]}
+    assert rows == {"stream 7": ["gemm_a", "gemm_c"]}
 
 
 def test_an_older_kinetos_stream_lanes_are_their_streams(tmp_path):
@@ -1924,3 +1930,31 @@ def test_a_layerless_steps_streams_are_drawn_in_the_order_they_start():
     assert timeline["by_stream"] and list(rows) == ["stream 13", "stream 7"]
     assert rows == {"stream 13": [("copy_a", 0.0), ("copy_d", 0.61)],
                     "stream 7": [("gemm_b", 0.05), ("gemm_c", 0.32)]}
+
+
+def test_processes_sharing_a_device_are_steps_of_their_own(tmp_path):
+    """Two processes' work on one GPU (a real two-rank trace with its second rank moved onto
+    device 0): a step each, each with its 17 layers, as on two devices; one step of both
+    interleaved held 5,299 kernels in a span shorter than their time, and no layer."""
+    import shutil
+    import sqlite3
+
+    from kimi_perf.layer_breakdown import step_notes
+
+    shared = tmp_path / "shared.sqlite"
+    shutil.copyfile(NSYS / "nsysai_fastvideo_wan2.1_train_2xh100_before.sqlite", shared)
+    shared.chmod(0o644)
+    with contextlib.closing(sqlite3.connect(shared)) as db, db:
+        for table in ("KERNEL", "MEMCPY", "MEMSET"):
+            db.execute(f"UPDATE CUPTI_ACTIVITY_KIND_{table} SET deviceId = 0")
+    apart = breakdown(read_trace(NSYS / "nsysai_fastvideo_wan2.1_train_2xh100_before.sqlite"))
+    b = breakdown(read_trace(shared))
+    assert [(s["device"], s["index"]) for s in b.steps] == [(0, 0), (0, 1)]
+    assert sorted(s["name"].split(" pid ")[1] for s in b.steps) == sorted(
+        str(s["pid"]) for s in apart.steps)
+    assert sorted(s["kernels"] for s in b.steps) == sorted(s["kernels"] for s in apart.steps)
+    assert [s["layers"] for s in b.steps] == [17, 17]
+    assert all(s["span_us"] >= s["kernel_us"] for s in b.steps)
+    assert any("each device is one step (each process, on a device processes share)" in n
+               for n in step_notes(b))
+    assert not any("(each process" in n for n in step_notes(apart))

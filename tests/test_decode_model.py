@@ -1081,6 +1081,43 @@ def test_a_prefill_of_the_last_logits_only(weights, path):
     torch.testing.assert_close(last, whole[:, -1:], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("path", ["standard", "specialized"])
+def test_a_prefill_in_chunks_of_sequences_is_the_prefill_at_once(weights, path, monkeypatch):
+    """The harness's prefill takes PREFILL_CHUNK_TOKENS at a time, whole sequences (batch
+    64's prompts of 1024 tokens at once held some 50 GB of activations): each chunk writes its
+    sequences' caches and states through views of the run's, so the logits, the decode steps
+    after it and the state are those of one prefill of all; the specialized path says its
+    prefill fell back once."""
+    from kimi_perf.decode import harness
+    from kimi_perf.decode.fallbacks import summarise
+    from kimi_perf.decode.validate import make_path
+
+    prompt = torch.randint(0, TINY.vocab, (5, 6), generator=torch.Generator().manual_seed(9))
+    runs, states = [], []
+    for chunk in (10**6, 12):   # all at once; two sequences a call, then the last alone
+        monkeypatch.setattr(harness, "PREFILL_CHUNK_TOKENS", chunk)
+        model = make_path(path, TINY, weights, torch.float32)
+        state = model.new_state(5, 6 + 3, max_verify=3)
+        runs.append(harness.run_decode(model, prompt, steps=2, state=state,
+                                       keep_first_logits=True))
+        states.append(state)
+        if path == "specialized":
+            assert [f for f in summarise(model.fallbacks) if f.startswith("prefill")] == [
+                "prefill: a prompt of 6 tokens"]
+    monkeypatch.undo()
+    assert harness.prefill_rows(5, 6) == 5 and harness.prefill_rows(64, 1024) == 8
+    assert harness.prefill_rows(2, 10**5) == 1
+    (run, at_once), (state, state_at_once) = runs[::-1], states[::-1]
+    assert torch.equal(run.tokens, at_once.tokens)
+    # (float32 sums of 2 rows and of 5 round alike within a few ulps, not bitwise)
+    torch.testing.assert_close(run.first_logits, at_once.first_logits, rtol=1e-4, atol=1e-4)
+    for group in ("kda", "conv", "kv", "records", "inputs"):
+        for i, t in getattr(state, group).items():
+            torch.testing.assert_close(t, getattr(state_at_once, group)[i], rtol=1e-4,
+                                       atol=1e-4)
+    assert torch.equal(state.lengths, state_at_once.lengths)
+
+
 def test_the_readmes_validate_json_is_what_validate_prints():
     """The README's sample of `validate --paths standard --format json`: every key and value
     as printed, the bounds exactly, the errors within a factor of 2 or 0.002 (another CPU's

@@ -810,7 +810,7 @@ def test_a_runs_trace_stands_for_its_path_and_a_path_the_run_lost_fails(tmp_path
         "decode path standard vs specialized"]
     # --path: a run's trace as the baseline holds its path, which a run that lost it fails
     lost_path = gate_files(run_dir / "specialized.sqlite", standard_only,
-                           Tolerances(metrics="kernels"), path="specialized").result
+                           Tolerances(metrics="kernels"), path_name="specialized").result
     assert {(c.path, c.status) for c in lost_path.failures} == {("specialized", "missing")}
 
     doc = json.loads(BASELINE.read_text())
@@ -1345,7 +1345,7 @@ def test_a_cpu_run_s_ops_against_gpu_kernels_times_nothing_and_counts_launches()
     assert {c.status for c in alike} == {"ok"}
     # this repository's CPU baseline against a GPU trace (another model: its times unlike)
     trace = KINETO / "tracelens_vllm_gptoss20b_decode_fullgraph_mi300x.json.gz"
-    gated = gate_files(BASELINE, trace, path="specialized")
+    gated = gate_files(BASELINE, trace, path_name="specialized")
     assert gated.result.run_differences == [
         "specialized: a CPU run's ops vs GPU kernels",
         "the run records no capture settings (a trace of its own): preset, "
@@ -2223,7 +2223,7 @@ def test_strict_fails_a_run_of_other_paths_or_a_trace_of_another_path(tmp_path):
     assert [(c.status, c.detail) for c in strict.failures] == [
         ("captured differently", "decode paths standard vs standard, specialized")]
     # one path of each: the paths beside it are no difference
-    assert gate_files(BASELINE, one, Tolerances(metrics="kernels"), path="standard",
+    assert gate_files(BASELINE, one, Tolerances(metrics="kernels"), path_name="standard",
                       strict=True).result.ok
 
     trace = NSYS / "nsysai_fastvideo_wan2.1_train_2xh100_before.sqlite"
@@ -2239,9 +2239,9 @@ def test_strict_fails_a_run_of_other_paths_or_a_trace_of_another_path(tmp_path):
     assert [captured_path(run_dir / f"{n}.sqlite") for n in ("standard", "specialized")] == [
         "standard", "specialized"]
     assert captured_path(trace) is None and captured_path(run_dir / "run.json") is None
-    right = gate_files(base, run_dir / "standard.sqlite", path="standard", strict=True).result
+    right = gate_files(base, run_dir / "standard.sqlite", path_name="standard", strict=True).result
     assert right.ok and right.run_differences == []
-    wrong = gate_files(base, run_dir / "specialized.sqlite", path="standard", strict=True)
+    wrong = gate_files(base, run_dir / "specialized.sqlite", path_name="standard", strict=True)
     assert [(c.status, c.detail) for c in wrong.result.failures] == [
         ("captured differently", "decode path standard vs specialized")]
 
@@ -2420,13 +2420,13 @@ def test_gate_files_is_the_cli_gate_as_a_library_call(tmp_path):
     assert named.result.to_json()["cpu_time_metrics"] == ["kernel_us", "span_us"]
     assert named.result.cpu_times_left_out == []
     assert gated.baseline_file == BASELINE and gated.run_doc["paths"]
-    only = gate_files(BASELINE, BASELINE, Tolerances(metrics="kernels"), path="standard")
+    only = gate_files(BASELINE, BASELINE, Tolerances(metrics="kernels"), path_name="standard")
     assert {c.path for c in only.result.checks} == {"standard"}
     assert only.result.cpu_time_metrics == []
     with pytest.raises(TraceError, match="holds the paths standard, specialized: choose"):
         gate_files(EXAMPLE_TRACE, BASELINE)
     with pytest.raises(TraceError, match=r"neither .* nor .* is one"):
-        gate_files(EXAMPLE_TRACE, EXAMPLE_TRACE, path="standard")
+        gate_files(EXAMPLE_TRACE, EXAMPLE_TRACE, path_name="standard")
     changed = json.loads(BASELINE.read_text())
     changed["run"]["batch"] += 1
     store_baseline(tmp_path / "b.json", changed)
@@ -2612,7 +2612,8 @@ def test_one_layer_and_one_step_grown_say_where(tmp_path):
     next(s for s in spec["steps"] if s["index"] == 1)["kernels"] += 1
     run = tmp_path / "run.json"
     run.write_text(json.dumps(doc))
-    result = gate_files(BASELINE, run, Tolerances(metrics="kernels"), path="specialized").result
+    result = gate_files(BASELINE, run, Tolerances(metrics="kernels"),
+                        path_name="specialized").result
     grown = {(c.layer_type, c.metric): c for c in result.failures}
     assert set(grown) == {("kda", "kernels_max"), ("step", "kernels_max")}
     assert grown["kda", "kernels_max"].detail == (
@@ -2660,7 +2661,8 @@ def test_a_slower_step_says_which_part_of_it(tmp_path):
         step["epilogue"]["span_us"] += grown
     run = tmp_path / "run.json"
     run.write_text(json.dumps(doc))
-    result = gate_files(BASELINE, run, Tolerances(metrics="span_us"), path="specialized").result
+    result = gate_files(BASELINE, run, Tolerances(metrics="span_us"),
+                        path_name="specialized").result
     (check,) = result.failures
     assert (check.layer_type, check.metric, check.status) == ("step", "span_us", "regression")
     assert check.detail.startswith("per step (medians): epilogue +")
@@ -2699,7 +2701,8 @@ def test_a_launch_between_layers_is_placed_there(tmp_path):
         step["kernels"] += 1
     run = tmp_path / "run.json"
     run.write_text(json.dumps(doc))
-    result = gate_files(BASELINE, run, Tolerances(metrics="kernels"), path="specialized").result
+    result = gate_files(BASELINE, run, Tolerances(metrics="kernels"),
+                        path_name="specialized").result
     assert [c.detail for c in result.failures] == ["per step (medians): between layers +1 ops",
                                                    "the largest step: between layers +1 ops"]
 
@@ -2775,9 +2778,9 @@ def test_strict_fails_where_one_side_records_no_capture_settings_or_another_batc
         run_doc | {"paths": {"standard": load_run(trace)[0]["trace"].to_json()}}))
     unknown = ("the run records no capture settings (a trace of its own): "
                "preset, batch, TP and GPU not compared")
-    lax = gate_files(base, trace, path="standard").result
+    lax = gate_files(base, trace, path_name="standard").result
     assert lax.ok and lax.run_differences == [unknown]
-    strict = gate_files(base, trace, path="standard", strict=True).result
+    strict = gate_files(base, trace, path_name="standard", strict=True).result
     assert [(c.status, c.detail) for c in strict.failures] == [("captured differently",
                                                                  unknown)]
     out = CliRunner().invoke(main, ["gate", str(base), str(trace), "--path", "standard",
@@ -2788,7 +2791,7 @@ def test_strict_fails_where_one_side_records_no_capture_settings_or_another_batc
     (run_dir / "run.json").write_text(json.dumps(
         run_doc["run"] | {"batch": 4}))
     shutil.copy(trace, run_dir / "standard.sqlite")
-    in_run = gate_files(base, run_dir / "standard.sqlite", path="standard").result
+    in_run = gate_files(base, run_dir / "standard.sqlite", path_name="standard").result
     assert in_run.run_differences == [f"batch {run_doc['run']['batch']} vs 4"]
     # a baseline stored from that trace keeps its breakdown (not the run.json compared), and
     # a stored breakdown without settings is no difference: the next night passes --strict
@@ -2802,7 +2805,7 @@ def test_strict_fails_where_one_side_records_no_capture_settings_or_another_batc
                                     "--strict"])
     assert out.exit_code == 0, out.output
     # (a stored breakdown given as the run, where the baseline records its settings, is not)
-    assert gate_files(base, stored, path="standard").result.run_differences == [
+    assert gate_files(base, stored, path_name="standard").result.run_differences == [
         unknown.replace("a trace of its own", "a breakdown of its own")]
     # a trace is one path: the other paths its run captured are no difference
     one_path = json.loads(base.read_text())

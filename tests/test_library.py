@@ -490,7 +490,8 @@ def test_errors_name_a_calls_arguments_where_the_command_line_names_options(tmp_
               ["breakdown", BEFORE, "--layers", "nvtx:zzz"], "--layers nvtx:zzz: no range"),
              (lambda: load_breakdown(BASELINE), "choose one with path_name",
               ["breakdown", BASELINE], "choose one with --path"),
-             (lambda: gate_files(BEFORE, AFTER, path="standard"), "path picks a decode path",
+             (lambda: gate_files(BEFORE, AFTER, path_name="standard"),
+              "path_name picks a decode path",
               ["gate", BEFORE, AFTER, "--path", "standard"], "--path picks a decode path"),
              (lambda: write_report(tmp_path / "r.html", {"a": breakdown(trace)}, "t",
                                    plotly_js=str(tmp_path / "none.js")),
@@ -551,3 +552,122 @@ def test_compare_says_one_capture_under_two_names_and_the_paths_it_left_out(tmp_
     assert "a CPU run: its µs are CPU time, the specialized launches in Triton's" in " ".join(
         ledger.split())
     assert "the fusion is faster" not in ledger
+
+
+def test_every_call_taking_files_says_what_goes_there(tmp_path):
+    """A number or a list where a file's path goes, in each call that takes files: a
+    TypeError naming the argument (it was pathlib's "expected str, bytes or os.PathLike")."""
+    from kimi_perf.capture import analyse
+    from kimi_perf.gate import gate_files
+    from kimi_perf.report import write_report
+    from kimi_perf.runs import store_baseline
+
+    runs, doc, _ = load_run(BASELINE)
+    for call, said in (
+            (lambda: gate_files(5, BASELINE), "baseline: a file's path .* not int"),
+            (lambda: gate_files(BASELINE, [BASELINE]), "run: a file's path .* not a list"),
+            (lambda: update_baseline(5, BASELINE), "baseline: a file's path .* not int"),
+            (lambda: update_baseline(tmp_path / "b.json", 5), "run: a file's path .* not int"),
+            (lambda: load_paths(5), "path: a file's path .* not int"),
+            (lambda: store_baseline(5, doc), "file: a file's path .* not int"),
+            (lambda: write_report(5, runs, "t"), "path: a file's path .* not int"),
+            (lambda: write_report(tmp_path / "r.html", runs, None),
+             "title: the page's title .* not NoneType"),
+            (lambda: report_inputs([BASELINE, 5]), r"inputs\[1\]: a file's path .* not int"),
+            (lambda: analyse([5], tmp_path), r"files\[0\]: a file's path .* not int"),
+            (lambda: analyse([BEFORE], 5), "out_dir: a file's path .* not int"),
+            (lambda: compare_files(BEFORE, AFTER, labels="xy"),
+             "labels: a tuple of two names, not str 'xy'")):
+        with pytest.raises(TypeError, match=said):
+            call()
+    assert not list(tmp_path.iterdir())
+
+
+def test_gate_files_takes_the_path_by_the_name_compare_files_does():
+    from kimi_perf.gate import gate_files
+
+    gated = gate_files(BASELINE, BASELINE, Tolerances(metrics="kernels"),
+                       path_name="specialized")
+    assert set(gated.baseline) == set(gated.current) == {"specialized"}
+    assert gated.files == (BASELINE, BASELINE)
+    with pytest.raises(TypeError, match=r"unknown breakdown option path \(one of layers, rules, "
+                                        r"step_regex\); path_name picks the decode path"):
+        gate_files(BASELINE, BASELINE, path="specialized")
+
+
+def test_gate_text_and_document_are_what_gate_writes(tmp_path):
+    """What `gate -o FILE`, `--format json` and `--junit` write, as calls (the text was the
+    command's own, so that a notebook's JUnit suite had no output)."""
+    from kimi_perf.gate import gate_files
+    from kimi_perf.render import gate_document, gate_junit, gate_text
+
+    base = tmp_path / "base.json"
+    update_baseline(base, BASELINE)
+    text, doc, xml = tmp_path / "v.txt", tmp_path / "v.json", tmp_path / "v.xml"
+    for args in (["-o", text, "--junit", xml], ["--format", "json", "-o", doc]):
+        result = CliRunner().invoke(main, ["gate", str(base), str(BASELINE), "--rel-tol", "0.1",
+                                           *map(str, args)])
+        assert result.exit_code == 0, result.output
+    gated = gate_files(base, BASELINE, {"rel_tol": 0.1})
+    assert text.read_text() == gate_text(gated) + "\n"
+    assert "gate: pass" in gate_text(gated) and "of CPU runs not checked" in gate_text(gated)
+    assert json.loads(doc.read_text()) == json.loads(json.dumps(gate_document(gated)))
+    assert xml.read_text() == gate_junit(gated.result, (str(base), str(BASELINE)),
+                                         gate_text(gated))
+
+
+def test_breakdown_from_json_checks_what_it_reads():
+    """Breakdown.from_json checks a document as load_run does (layers of another kind were
+    taken, and failed later as an AttributeError), and says that a file is read elsewhere."""
+    from kimi_perf import Breakdown
+
+    doc = json.loads(BASELINE.read_text())["paths"]["standard"]
+    assert len(Breakdown.from_json(doc).layers) == len(doc["layers"])
+    for field, value, said in (("layers", "oops", "layers is a string, not a list"),
+                               ("steps", [{"kernels": -5}], r"steps\[0\]")):
+        with pytest.raises(TraceError, match=f"^x.json: paths.standard.{said}"):
+            Breakdown.from_json(doc | {field: value}, "x.json", "paths.standard.")
+    with pytest.raises(TypeError, match=r"doc: .* not a str: load_breakdown\(file\) reads"):
+        Breakdown.from_json(str(BASELINE))
+
+
+def test_layer_rows_are_a_sequence_with_columns_by_layer_column():
+    """b.layers of a breakdown made here: a Sequence whose index() is the sequence's (a
+    column named index hid it), the same as a stored breakdown's list; a field's name as
+    an index says where the column is."""
+    from kimi_perf import breakdown_of_file
+    from kimi_perf.layer_breakdown import layer_column
+
+    b = breakdown_of_file(BEFORE)
+    assert b.layers.index(b.layers[3]) == 3 and b.layers.count(b.layers[0]) == 1
+    assert layer_column(b.layers, "index").tolist() == [r["index"] for r in b.layers]
+    assert b.layers_table().column("index").to_pylist() == [r["index"] for r in b.layers]
+    with pytest.raises(TypeError, match=r"layers\['type'\]: the layers are rows, indexed by "
+                                        r"number \(layer_column"):
+        b.layers["type"]
+
+
+def test_the_package_completes_to_its_exports_and_modules():
+    import kimi_perf
+    from kimi_perf.errors import NoGpuWork, NoStepsMatched
+
+    names = dir(kimi_perf)
+    assert {"runs", "gate", "report", "capture", "comparison", "breakdown"} <= set(names)
+    assert not {"importlib", "TYPE_CHECKING", "_module_named"} & set(names)
+    assert (kimi_perf.NoGpuWork, kimi_perf.NoStepsMatched) == (NoGpuWork, NoStepsMatched)
+
+
+def test_tolerances_of_another_kind_and_a_plural_repr():
+    import numpy as np
+
+    from kimi_perf.gate import Check, GateResult
+
+    with pytest.raises(TypeError, match="rel_tol: a number, not str 'x'"):
+        Tolerances(rel_tol="x")
+    with pytest.raises(TypeError, match="alpha: a number, not bool True"):
+        Tolerances(alpha=True)
+    kept = Tolerances(rel_tol=np.float32(0.25))
+    assert type(kept.rel_tol) is float and json.dumps(kept.rel_tol) == "0.25"
+    checks = [Check("standard", "kda", metric, 1.0, 2.0, 1.0, 0.001, "regression")
+              for metric in ("kernels", "span_us")]
+    assert repr(GateResult(checks, Tolerances())) == "GateResult(FAIL, 2 checks, 2 regressions)"

@@ -23,6 +23,8 @@ def summarise(fallbacks: list[str]) -> list[str]:
         name, _, reason = entry.partition(": ")
         m = _INDEXED.match(name)
         where, index = (m["range"], int(m["index"])) if m else (name, None)
+        if merged and index is None and merged[-1] == (where, None, None, reason):
+            continue   # (one call in parts: a prefill, a chunk of sequences at a time)
         if merged and index is not None:
             last_where, first, last, last_reason = merged[-1]
             if (last_where, last_reason) == (where, reason) and last == index - 1:

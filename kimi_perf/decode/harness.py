@@ -25,6 +25,10 @@ from kimi_perf.decode.model import DecodeState, K3Model
 # Eager runs before a capture: they compile the Triton kernels and set up cuBLAS workspaces,
 # neither of which may happen inside a capture.
 GRAPH_WARMUP_RUNS = 2
+# Tokens a prefill takes in one forward call, whole sequences at a time: the activations of
+# batch 64's prompts of 1024 tokens at once (some 50 GB) would not fit a GPU beside K3's
+# weights, and each sequence's are its own (a token attends to its sequence alone).
+PREFILL_CHUNK_TOKENS = 8192
 # Draft tokens a speculative step verifies at most: 1+7 tokens per sequence is what the
 # specialized path's kernels take (kimi_perf.decode.kernel_path.MAX_VERIFY_TOKENS).
 MAX_SPEC_TOKENS = 7
@@ -74,15 +78,27 @@ def _call(model: K3Model, name: str, traced: bool = True):
         model.call_name = None
 
 
+def prefill_rows(batch: int, prompt: int) -> int:
+    """The sequences one forward call of a prefill takes: as many as ``PREFILL_CHUNK_TOKENS``
+    hold, one at least (a sequence is never cut)."""
+    return max(1, min(batch, PREFILL_CHUNK_TOKENS // max(prompt, 1)))
+
+
 def _prefill(model: K3Model, prompt: torch.Tensor, state: DecodeState
              ) -> tuple[torch.Tensor, float]:
-    """The prompt through the model (the standard path): its last position's logits and the
-    seconds taken."""
+    """The prompt through the model (the standard path), ``prefill_rows`` sequences a call:
+    its last position's logits and the seconds taken."""
+    tokens = prompt.to(model.device)
+    rows = prefill_rows(*tokens.shape)
     # Timed inside its range: a profiler's first range (nsys loads its NVTX injection then)
     # costs the profiler's start, not the prefill.
     with _call(model, "prefill"):
         start = time.perf_counter()
-        logits = model.forward(prompt.to(model.device), state, last_logits=True)
+        logits = torch.cat([
+            model.forward(tokens[lo: lo + rows],
+                          state if rows >= len(tokens) else state.rows(lo, lo + rows),
+                          last_logits=True)
+            for lo in range(0, len(tokens), rows)])
         _sync(model.device)
         elapsed = time.perf_counter() - start
     return logits, elapsed

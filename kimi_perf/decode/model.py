@@ -43,6 +43,7 @@ dense_down, all_reduce*``.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -148,6 +149,18 @@ class DecodeState:
             per_kda += 2 * batch * max_verify * 3 * h * d * dtype_bytes
         mla_layers = c.n_layers - kda_layers
         return kda_layers * per_kda + mla_layers * batch * max_len * c.kv_cache_dim * kv_bytes
+
+    def rows(self, lo: int, hi: int) -> DecodeState:
+        """Sequences ``lo:hi`` as a state of their own whose tensors are views of this one's:
+        a step through it updates those sequences here (every step writes its state in
+        place), as a prefill in chunks of sequences does."""
+        return dataclasses.replace(
+            self, kda={i: t[lo:hi] for i, t in self.kda.items()},
+            conv={i: t[lo:hi] for i, t in self.conv.items()},
+            kv={i: t[lo:hi] for i, t in self.kv.items()}, lengths=self.lengths[lo:hi],
+            records={i: t[:, lo:hi] for i, t in self.records.items()},
+            inputs={i: t[:, lo:hi] for i, t in self.inputs.items()},
+            pending=None if self.pending is None else self.pending[lo:hi])
 
     @property
     def kv_capacity(self) -> int | None:

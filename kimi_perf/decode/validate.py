@@ -320,7 +320,7 @@ def decode_need(c: K3Config, batch: int, prompt: int, steps: int, dtype: str, kv
                  + batch * tokens * c.mla_heads * (c.qk_nope + c.v_head) * 8)
     seen = 2 * c.n_layers * batch * prompt * c.hidden * 4
     return (path + 2 * reference + 8 * batch * tokens + seen
-            + prefill_bytes(c, batch, prompt, width))
+            + prefill_bytes(c, batch, prompt, width, whole=True))
 
 
 def whole_model(preset_name: str, n_layers: int | None = None) -> K3Config:
