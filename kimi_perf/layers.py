@@ -442,10 +442,7 @@ def _steps_from_groups(trace: Trace, ops: GpuOps, group: np.ndarray, op_rows: np
         steps.append(Step(index=0, device=int(dev[lo]), pid=int(ops.pid[members[0]]),
                           name=label, ops=members, range_row=-1 if names else gid))
     steps.sort(key=lambda s: (s.device, int(ops.start[s.ops[0]])))
-    per_device: Counter = Counter()
-    for s in steps:
-        s.index = per_device[s.device]
-        per_device[s.device] += 1
+    _number_per_device(steps)
     return steps
 
 
@@ -469,25 +466,38 @@ def _graph_launch_steps(trace: Trace, ops: GpuOps) -> list[Step]:
 
 def _device_steps(ops: GpuOps) -> list[Step]:
     """A step per device, or per process on a device that several processes' work shares
-    (their kernels interleave: one step of both would hold neither's layers)."""
+    (their kernels interleave: one step of both would hold neither's layers). Work whose
+    process the trace does not know (pid -1: a Kineto kernel launched before the profiler's
+    window) goes with the device's process that ran the most."""
     if len(ops) == 0:
         return []
     steps = []
     for dev in np.unique(ops.device).tolist():
         on_device = np.flatnonzero(ops.device == dev)
-        pids = np.unique(ops.pid[on_device]).tolist()
-        for pid in pids:
-            rows = on_device[ops.pid[on_device] == pid] if len(pids) > 1 else on_device
+        pid_of = ops.pid[on_device]
+        known, counts = np.unique(pid_of[pid_of >= 0], return_counts=True)
+        if len(known) < 2:
+            groups = [(None, on_device)]
+        else:
+            most = known[np.argmax(counts)]
+            groups = [(int(pid), on_device[(pid_of == pid) | ((pid_of < 0) & (pid == most))])
+                      for pid in known.tolist()]
+        for pid, rows in groups:
             rows = rows[np.argsort(ops.start[rows], kind="stable")]
             steps.append(Step(index=0, device=dev, pid=int(ops.pid[rows[0]]),
-                              name=f"device {dev}" + (f" pid {pid}" if len(pids) > 1 else ""),
+                              name=f"device {dev}" + (f" pid {pid}" if pid is not None else ""),
                               ops=rows, found_by="device"))
     steps.sort(key=lambda s: (s.device, int(ops.start[s.ops[0]])))
+    _number_per_device(steps)
+    return steps
+
+
+def _number_per_device(steps: list[Step]) -> None:
+    """Each step's index: its place among its device's steps, in the list's order."""
     per_device: Counter = Counter()
     for s in steps:
         s.index = per_device[s.device]
         per_device[s.device] += 1
-    return steps
 
 
 # -- layers from ranges -------------------------------------------------------------------------
@@ -1141,6 +1151,7 @@ def find_layers(trace: Trace, ops: GpuOps, steps: list[Step], layers: str = "aut
             found = [p for step, passes in zip(steps, split, strict=True)
                      for p in (passes or [step])]
             steps[:] = [p for p in found if p.found_by != "partial pass"]
+            _number_per_device(steps)   # (each process's passes on a device it shares)
             for step in steps:      # named again together: a pass's layers are new
                 for layer in step.layers:
                     layer.type = ""

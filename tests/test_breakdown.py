@@ -1958,3 +1958,42 @@ def test_processes_sharing_a_device_are_steps_of_their_own(tmp_path):
     assert any("each device is one step (each process, on a device processes share)" in n
                for n in step_notes(b))
     assert not any("(each process" in n for n in step_notes(apart))
+
+
+def test_passes_of_processes_sharing_a_device_are_numbered_apart():
+    """Each process's forward passes on a device they share: steps numbered apart on the
+    device (both numbered from 0, their layers were each other's, and the breakdown's JSON
+    no longer read back); kernels whose process the trace lacks (pid -1, launched before the
+    window) stay with the device's process, not a step of their own."""
+    import json
+
+    from kimi_perf import Breakdown
+    from kimi_perf.trace import json_text
+
+    llama = ["rmsnorm", "gemm_qkv", "rope", "flash_fwd", "gemm_o", "add_rmsnorm", "gemm_up",
+             "silu_mul", "gemm_down"]
+    b = TraceBuilder()
+
+    def run(names, pid):
+        for name in names:
+            t = b.clock
+            b.launch(name, t, t + 50, t + 200, t + 1200, pid=pid)
+            b.clock += 1100
+    for pid in (1, 2):
+        run(["memcpy_weights_h2d"] * 3, pid)
+        for _ in range(3):
+            for part in (["embedding"], *[llama] * 8,
+                         ["add_rmsnorm", "gemm_lm_head", "argmax", "copy_tokens"]):
+                run(part, pid)
+            b.clock += 20_000
+    passes = breakdown(b.build())
+    assert [(s["name"], s["index"], s["layers"]) for s in passes.steps] == [
+        (f"device 0 pid {pid} pass {k}", 3 * (pid - 1) + k, 8) for pid in (1, 2)
+        for k in range(3)]
+    assert Breakdown.from_json(json.loads(json_text(passes.to_json()))).steps == passes.steps
+    orphans = TraceBuilder()
+    orphans.sequence(llama * 8)
+    for kernel in orphans.kernels[:2]:
+        kernel["pid"] = -1
+    assert [(s["name"], s["kernels"], s["layers"]) for s in breakdown(orphans.build()).steps
+            ] == [("device 0", 72, 8)]

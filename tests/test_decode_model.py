@@ -1118,6 +1118,25 @@ def test_a_prefill_in_chunks_of_sequences_is_the_prefill_at_once(weights, path, 
     assert torch.equal(state.lengths, state_at_once.lengths)
 
 
+def test_a_prefill_in_chunks_says_why_it_fell_back_of_the_whole_prompt(monkeypatch):
+    """Chunks of 81 and 19 sequences: the prefill fell back once, for the batch asked (not
+    'batch 70 > 64' and 'a prompt of 4 tokens', a chunk's each); an empty batch is said as
+    the model says it, not as torch.cat's empty list."""
+    from kimi_perf.decode import harness
+    from kimi_perf.decode.fallbacks import summarise
+    from kimi_perf.decode.specialized import build_model
+
+    c = preset("tiny", n_layers=2)
+    model = build_model(c, random_weights(c, seed=0), "latency_specialized")
+    monkeypatch.setattr(harness, "PREFILL_CHUNK_TOKENS", 70 * 4)
+    harness.run_decode(model, torch.randint(0, c.vocab, (100, 4)), steps=1)
+    assert summarise(model.fallbacks) == ["prefill: batch 100 > 64",
+                                          "decode_step[0]: batch 100 > 64"]
+    with pytest.raises(ValueError, match=r"forward: no tokens \(tokens \[B, T\] of shape "
+                                         r"\(0, 4\)\)"):
+        harness.run_decode(model, torch.zeros(0, 4, dtype=torch.long), steps=1)
+
+
 def test_the_readmes_validate_json_is_what_validate_prints():
     """The README's sample of `validate --paths standard --format json`: every key and value
     as printed, the bounds exactly, the errors within a factor of 2 or 0.002 (another CPU's

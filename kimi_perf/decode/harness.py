@@ -87,9 +87,13 @@ def prefill_rows(batch: int, prompt: int) -> int:
 def _prefill(model: K3Model, prompt: torch.Tensor, state: DecodeState
              ) -> tuple[torch.Tensor, float]:
     """The prompt through the model (the standard path), ``prefill_rows`` sequences a call:
-    its last position's logits and the seconds taken."""
+    its last position's logits and the seconds taken. A path that says which calls fell back
+    (``fallbacks``) says it of the prefill once, of the whole prompt (of each chunk it would
+    name the chunk's batch, and its chunks' sizes apart)."""
     tokens = prompt.to(model.device)
     rows = prefill_rows(*tokens.shape)
+    fallbacks = getattr(model, "fallbacks", None)
+    said = len(fallbacks) if fallbacks is not None else 0
     # Timed inside its range: a profiler's first range (nsys loads its NVTX injection then)
     # costs the profiler's start, not the prefill.
     with _call(model, "prefill"):
@@ -98,9 +102,13 @@ def _prefill(model: K3Model, prompt: torch.Tensor, state: DecodeState
             model.forward(tokens[lo: lo + rows],
                           state if rows >= len(tokens) else state.rows(lo, lo + rows),
                           last_logits=True)
-            for lo in range(0, len(tokens), rows)])
+            # (an empty batch as one call: the model says what is wrong with it)
+            for lo in range(0, len(tokens), rows) or [0]])
         _sync(model.device)
         elapsed = time.perf_counter() - start
+    if fallbacks is not None and len(fallbacks) > said:
+        del fallbacks[said:]
+        fallbacks.append(f"prefill: {model.unsupported(tokens, False)}")
     return logits, elapsed
 
 
