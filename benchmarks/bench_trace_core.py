@@ -38,22 +38,26 @@ Run = tuple[str, str, synth_traces.Generated, dict[str, Any]]
 
 
 def medians(rounds: list[dict[str, Any]]) -> dict[str, Any]:
-    """One tool's rounds as one result: each phase's and each RSS's median, every round kept
-    (``rounds``) for the verdicts; the first error if any round failed."""
+    """One tool's rounds as one result: each phase's, the total's and each RSS's median, every
+    round kept (``rounds``) for the verdicts; the first error if any round failed. The total is
+    the median of the rounds' totals, not a sum of the phases' medians (a round slow in one
+    phase and another slow in the next would hide in those)."""
     failed = [r for r in rounds if "error" in r]
     if failed:
         return failed[0]
     result = dict(rounds[0])
     result["phases"] = {phase: statistics.median(r["phases"][phase] for r in rounds)
                         for phase in rounds[0]["phases"]}
-    for key in ("rss_read", "rss_peak"):
+    result["total"] = statistics.median(total(r) for r in rounds)
+    for key in ("rss_base", "rss_read", "rss_peak"):
         result[key] = statistics.median(r[key] for r in rounds)
     result["rounds"] = rounds
     return result
 
 
 def total(result: dict[str, Any]) -> float:
-    return sum(result["phases"].values())
+    """A round's seconds over its phases, or the rounds' median (``medians``)."""
+    return result["total"] if "total" in result else sum(result["phases"].values())
 
 
 def verdict(values: list[float], meets: Callable[[float], bool]) -> str:
@@ -200,11 +204,11 @@ def show_timings(console: Console, runs: list[Run], repeat: int) -> None:
                   + (f"; medians of {repeat} rounds)" if repeat > 1 else ")"),
                   title_justify="left")
     for col in ("tool", "trace", "read", "attribute", "breakdown", "total", "kernels/s",
-                "RSS after read", "peak RSS", "peak / file"):
+                "RSS before", "RSS after read", "peak RSS", "peak / file"):
         table.add_column(col, justify="left" if col in ("tool", "trace") else "right")
     for name, label, gen, result in runs:
         if "error" in result:
-            table.add_row(name, label, "[red]failed[/]", *[""] * 7)
+            table.add_row(name, label, "[red]failed[/]", *[""] * 8)
             continue
         phases = result["phases"]
         size = gen.info["file_bytes"]
@@ -213,15 +217,16 @@ def show_timings(console: Console, runs: list[Run], repeat: int) -> None:
             name, label, f"{phases['read']:.2f}",
             f"{phases['attribute']:.2f}" if "attribute" in phases else "—",
             f"{phases['breakdown']:.2f}", f"[bold]{total(result):.2f}[/]",
-            f"{result['kernels'] / total(result):,.0f}", _mb(result["rss_read"]),
-            _mb(result["rss_peak"]), ratio)
+            f"{result['kernels'] / total(result):,.0f}", _mb(result["rss_base"]),
+            _mb(result["rss_read"]), _mb(result["rss_peak"]), ratio)
     console.print(table)
     console.print("[dim]read: read_trace (kimi-perf) or TraceAnalysis(trace_dir) (HTA); "
                   "attribute: range_kernel_summary (nsys-exact kernel→range projection); "
                   "breakdown: breakdown() (steps, layers, classes) or "
-                  "get_gpu_kernel_breakdown(visualize=False). kernels/s = kernels / total. "
-                  "RSS = high-water mark (VmHWM) of the worker, interpreter and imports included "
-                  "(after read: before attribute).[/]")
+                  "get_gpu_kernel_breakdown(visualize=False); total: the median of the rounds' "
+                  "totals. kernels/s = kernels / total. RSS = high-water mark (VmHWM) of the "
+                  "worker, interpreter and imports included (before: the tool imported, nothing "
+                  "read; after read: before attribute).[/]")
 
 
 def show_ratios(console: Console, runs: list[Run], nsys: synth_traces.Generated,
@@ -262,6 +267,9 @@ def show_ratios(console: Console, runs: list[Run], nsys: synth_traces.Generated,
         line = (f"  kimi-perf peak RSS / file size, {label}: [bold]{mem:.2f}×[/] "
                 f"({_mb(result['rss_peak'])} / {_mb(size)}; target < {MEMORY_TARGET:.0f}×)"
                 f"{spread(mems)} {verdict(mems, lambda x: x < MEMORY_TARGET)}")
+        # what the reading itself took, the interpreter and imports aside
+        line += (f"; {(result['rss_peak'] - result['rss_base']) / size:.2f}× of it above the "
+                 f"{_mb(result['rss_base'])} held before the read")
         if "raw_bytes" in gen.info:
             line += f"; {result['rss_peak'] / gen.info['raw_bytes']:.2f}× the uncompressed JSON"
         console.print(line)

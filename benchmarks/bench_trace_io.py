@@ -5,9 +5,9 @@
 
 The trace is the synthetic nsys export of bench_trace_core.py (same sizes, same work dir, reused),
 read once with ``read_trace``. Every format stores the same columns (four tables, the string
-table, the metadata) and must load back equal. Times are the best of ``--repeat`` runs on a
-file that is in the page cache; "load + scan" also touches every value, which a memory-mapped
-load otherwise defers. See benchmarks/README.md.
+table, the metadata) and must load back equal. Times are the median (and range) of
+``--repeat`` runs on a file that is in the page cache; "load + scan" also touches every value,
+which a memory-mapped load otherwise defers. See benchmarks/README.md.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -200,29 +201,37 @@ def _check(trace: Trace, loaded: Loaded, label: str) -> None:
         raise SystemExit(f"{label}: reloaded trace differs ({', '.join(bad) or 'strings/meta'})")
 
 
-def _load_and_scan(load: Callable[[], Loaded], repeat: int) -> tuple[float, float]:
-    """The load and the load + scan of the same repetitions (after one untimed load, so that
-    no side is timed cold): the best repetition's two times, so that the second is never
-    the smaller."""
+def _load_and_scan(load: Callable[[], Loaded], repeat: int) -> tuple[list[float], list[float]]:
+    """The loads and the loads + scans of the same repetitions (after one untimed load, so
+    that no side is timed cold), in seconds."""
     load()
-    best = (float("inf"), float("inf"))
+    loads, scans = [], []
     for _ in range(repeat):
         started = time.perf_counter()
         columns = load()[0]
         loaded = time.perf_counter()
         _scan(columns)
-        best = min(best, (time.perf_counter() - started, loaded - started))
-    return best[1], best[0]
+        scans.append(time.perf_counter() - started)
+        loads.append(loaded - started)
+    return loads, scans
 
 
-def _best(fn: Callable[[], Any], repeat: int) -> tuple[float, Any]:
-    best, result = float("inf"), None
+def _timed(fn: Callable[[], Any], repeat: int) -> tuple[list[float], Any]:
+    """``fn``'s seconds in each of ``repeat`` runs, and its last result."""
+    times, result = [], None
     for _ in range(repeat):
         result = None   # (the last result freed before the next is made: one in memory)
         started = time.perf_counter()
         result = fn()
-        best = min(best, time.perf_counter() - started)
-    return best, result
+        times.append(time.perf_counter() - started)
+    return times, result
+
+
+def _ms(times: list[float], spread: bool = False) -> str:
+    """The median in milliseconds; ``spread``: the runs' range too, where there are several."""
+    said = f"{statistics.median(times) * 1e3:,.1f}"
+    return said + (f" ({min(times) * 1e3:,.1f}–{max(times) * 1e3:,.1f})"
+                   if spread and len(times) > 1 else "")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -237,8 +246,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", type=synth_traces.work_dir, default=DEFAULT_OUT,
                    help="work dir (traces are reused)")
     p.add_argument("--repeat", type=positive, default=None,
-                   help="runs per measurement, the best is kept (default 3; --quick: 2, the "
-                        "first of which may be cold)")
+                   help="runs per measurement: their median and range (default 5; --quick: "
+                        "2)")
     p.add_argument("--quick", action="store_true",
                    help="small default sizes, two runs each: a smoke test")
     p.add_argument("--skip-hta", action="store_true",
@@ -250,7 +259,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.ranges is None:
         args.ranges = 3_000 if args.quick else 150_000
     if args.repeat is None:
-        args.repeat = 2 if args.quick else 3
+        args.repeat = 2 if args.quick else 5
     return args
 
 
@@ -262,18 +271,21 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out.resolve()
     with console.status("generating / reusing the synthetic nsys trace..."):
         source = synth_traces.ensure_nsys(out, args.kernels, args.ranges, args.layers)
-    read_s, trace = _best(lambda: read_trace(source.path), args.repeat)   # (the first: cold)
+    read_trace(source.path)   # (untimed: the file into the page cache, as the others' are)
+    reads, trace = _timed(lambda: read_trace(source.path), args.repeat)
+    read_s = statistics.median(reads)
     n = len(trace.kernels)
     rows = sum(len(getattr(trace, name)) for name in TABLES)
     console.print(f"source: {source.path.name} ({source.info['file_bytes'] / 1e6:,.1f} MB), "
                   f"{n:,} kernels, {len(trace.api):,} API calls, {len(trace.ranges):,} ranges, "
-                  f"{len(trace.strings):,} strings; read_trace {read_s:.2f} s "
+                  f"{len(trace.strings):,} strings; read_trace {_ms(reads, True)} ms "
                   f"({n / read_s:,.0f} kernels/s)")
 
     io_dir = out / "trace-io"
     io_dir.mkdir(parents=True, exist_ok=True)
-    table = Table(title=f"Trace save / reload ({rows:,} rows in 4 tables; best of "
-                        f"{args.repeat}; s)", title_justify="left")
+    table = Table(title=f"Trace save / reload ({rows:,} rows in 4 tables; ms, the median of "
+                        f"{args.repeat} runs, and for load + scan their range)",
+                  title_justify="left")
     for col in ("format", "size", "vs Arrow", "write", "load", "load + scan", "kernels/s",
                 "vs read_trace", "note"):
         table.add_column(col, justify="left" if col in ("format", "note") else "right")
@@ -281,18 +293,20 @@ def main(argv: list[str] | None = None) -> int:
     for fmt in FORMATS:
         path = io_dir / f"trace{fmt.suffix}"
         _remove(path)
-        write_s, _ = _best(lambda fmt=fmt, path=path: fmt.write(trace, path), args.repeat)
+        writes, _ = _timed(lambda fmt=fmt, path=path: fmt.write(trace, path), args.repeat)
         size = _size(path)
         arrow_size = arrow_size or size
         _check(trace, fmt.load(path), fmt.label)
-        load_s, scan_s = _load_and_scan(lambda fmt=fmt, path=path: fmt.load(path), args.repeat)
+        loads, scans = _load_and_scan(lambda fmt=fmt, path=path: fmt.load(path), args.repeat)
+        scan_s = statistics.median(scans)
         table.add_row(fmt.label, f"{size / 1e6:,.1f} MB", f"{size / arrow_size:.2f}×",
-                      f"{write_s:.3f}", f"{load_s:.3f}", f"{scan_s:.3f}",
-                      f"{n / scan_s:,.0f}", f"{read_s / scan_s:,.0f}× faster", fmt.note)
+                      _ms(writes), _ms(loads), _ms(scans, True), f"{n / scan_s:,.0f}",
+                      f"{read_s / scan_s:,.0f}× faster", fmt.note)
         _remove(path)
     console.print(table)
     console.print("[dim]kernels/s = kernels / (load + scan); vs read_trace = reading the nsys "
-                  "SQLite export again instead. Every format reloads equal to the original.[/]")
+                  "SQLite export again instead (medians of each). Every format reloads equal to "
+                  "the original.[/]")
     return 0
 
 

@@ -69,11 +69,12 @@ def test_bench_trace_core_verdicts_say_how_many_rounds_met_the_target() -> None:
     assert core.verdict([3.1, 2.9, 3.0], lambda x: x < 3) == \
         "[yellow]meets target in 1 of 3 rounds[/]"
     assert core.verdict([3.1, 3.2], lambda x: x < 3) == "[red]misses target[/] (all 2 rounds)"
-    rounds = [{"phases": {"read": t, "breakdown": 1.0}, "rss_read": 5, "rss_peak": p}
-              for t, p in ((1.0, 10), (3.0, 30), (2.0, 20))]
+    rounds = [{"phases": {"read": t, "breakdown": b}, "rss_base": 4, "rss_read": 5, "rss_peak": p}
+              for t, b, p in ((1.0, 9.0, 10), (3.0, 1.0, 30), (2.0, 1.0, 20))]
     got = core.medians(rounds)
     assert got["phases"] == {"read": 2.0, "breakdown": 1.0} and got["rss_peak"] == 20
-    assert core.total(got) == 3.0 and got["rounds"] == rounds
+    # the median of the rounds' totals (10, 4, 3), not the phases' medians summed (3)
+    assert core.total(got) == 4.0 and got["rounds"] == rounds and got["rss_base"] == 4
     assert core.medians([*rounds, {"error": "exit 1"}]) == {"error": "exit 1"}
 
 
