@@ -267,7 +267,7 @@ def show_ratios(console: Console, runs: list[Run], nsys: synth_traces.Generated,
         line = (f"  kimi-perf peak RSS / file size, {label}: [bold]{mem:.2f}×[/] "
                 f"({_mb(result['rss_peak'])} / {_mb(size)}; target < {MEMORY_TARGET:.0f}×)"
                 f"{spread(mems)} {verdict(mems, lambda x: x < MEMORY_TARGET)}")
-        # what the reading itself took, the interpreter and imports aside
+        # what the read, attribution and breakdown took, the interpreter and imports aside
         line += (f"; {(result['rss_peak'] - result['rss_base']) / size:.2f}× of it above the "
                  f"{_mb(result['rss_base'])} held before the read")
         if "raw_bytes" in gen.info:

@@ -484,7 +484,9 @@ def _device_steps(ops: GpuOps) -> list[Step]:
                       for pid in known.tolist()]
         for pid, rows in groups:
             rows = rows[np.argsort(ops.start[rows], kind="stable")]
-            steps.append(Step(index=0, device=dev, pid=int(ops.pid[rows[0]]),
+            # (its process, not that of its first op: work of no known process may come first)
+            steps.append(Step(index=0, device=dev,
+                              pid=pid if pid is not None else int(known[0]) if len(known) else -1,
                               name=f"device {dev}" + (f" pid {pid}" if pid is not None else ""),
                               ops=rows, found_by="device"))
     steps.sort(key=lambda s: (s.device, int(ops.start[s.ops[0]])))

@@ -1995,5 +1995,6 @@ def test_passes_of_processes_sharing_a_device_are_numbered_apart():
     orphans.sequence(llama * 8)
     for kernel in orphans.kernels[:2]:
         kernel["pid"] = -1
-    assert [(s["name"], s["kernels"], s["layers"]) for s in breakdown(orphans.build()).steps
-            ] == [("device 0", 72, 8)]
+    steps = breakdown(orphans.build()).steps
+    assert [(s["name"], s["kernels"], s["layers"]) for s in steps] == [("device 0", 72, 8)]
+    assert steps[0]["pid"] == orphans.kernels[2]["pid"] != -1   # (its process: not -1)

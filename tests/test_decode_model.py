@@ -1119,9 +1119,10 @@ def test_a_prefill_in_chunks_of_sequences_is_the_prefill_at_once(weights, path, 
 
 
 def test_a_prefill_in_chunks_says_why_it_fell_back_of_the_whole_prompt(monkeypatch):
-    """Chunks of 81 and 19 sequences: the prefill fell back once, for the batch asked (not
-    'batch 70 > 64' and 'a prompt of 4 tokens', a chunk's each); an empty batch is said as
-    the model says it, not as torch.cat's empty list."""
+    """Chunks of 70 and 30 sequences: the prefill fell back once, for the batch asked (not
+    'batch 70 > 64' and 'a prompt of 4 tokens', a chunk's each); of a one-token prompt the
+    chunk of 30 runs the kernels, and the entry says how many calls fell back; an empty
+    batch is said as the model says it, not as torch.cat's empty list."""
     from kimi_perf.decode import harness
     from kimi_perf.decode.fallbacks import summarise
     from kimi_perf.decode.specialized import build_model
@@ -1132,6 +1133,10 @@ def test_a_prefill_in_chunks_says_why_it_fell_back_of_the_whole_prompt(monkeypat
     harness.run_decode(model, torch.randint(0, c.vocab, (100, 4)), steps=1)
     assert summarise(model.fallbacks) == ["prefill: batch 100 > 64",
                                           "decode_step[0]: batch 100 > 64"]
+    model.fallbacks.clear()
+    monkeypatch.setattr(harness, "PREFILL_CHUNK_TOKENS", 70)
+    harness.run_decode(model, torch.randint(0, c.vocab, (100, 1)), steps=1)
+    assert model.fallbacks[0] == "prefill: 1 of its 2 calls (70 sequences each): batch 70 > 64"
     with pytest.raises(ValueError, match=r"forward: no tokens \(tokens \[B, T\] of shape "
                                          r"\(0, 4\)\)"):
         harness.run_decode(model, torch.zeros(0, 4, dtype=torch.long), steps=1)

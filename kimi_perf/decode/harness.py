@@ -89,7 +89,8 @@ def _prefill(model: K3Model, prompt: torch.Tensor, state: DecodeState
     """The prompt through the model (the standard path), ``prefill_rows`` sequences a call:
     its last position's logits and the seconds taken. A path that says which calls fell back
     (``fallbacks``) says it of the prefill once, of the whole prompt (of each chunk it would
-    name the chunk's batch, and its chunks' sizes apart)."""
+    name the chunk's batch, and its chunks' sizes apart), or, where some of its calls did not
+    fall back (a one-token prompt's last chunk of 64 sequences or fewer), how many did."""
     tokens = prompt.to(model.device)
     rows = prefill_rows(*tokens.shape)
     fallbacks = getattr(model, "fallbacks", None)
@@ -107,8 +108,13 @@ def _prefill(model: K3Model, prompt: torch.Tensor, state: DecodeState
         _sync(model.device)
         elapsed = time.perf_counter() - start
     if fallbacks is not None and len(fallbacks) > said:
+        calls = max(1, -(-len(tokens) // rows))
+        fell_back = [entry.partition(": ")[2] for entry in fallbacks[said:]]
         del fallbacks[said:]
-        fallbacks.append(f"prefill: {model.unsupported(tokens, False)}")
+        fallbacks.append(
+            f"prefill: {model.unsupported(tokens, False)}" if len(fell_back) == calls else
+            f"prefill: {len(fell_back)} of its {calls} calls ({rows} sequences each): "
+            + "; ".join(dict.fromkeys(fell_back)))
     return logits, elapsed
 
 
