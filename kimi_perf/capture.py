@@ -301,9 +301,13 @@ def capture(req: TraceRequest, progress=None) -> tuple[Path, dict[str, Breakdown
     per_byte = MEMORY_PER_WEIGHT_BYTE + (0.27 if req.experts == "mxfp4" else 0)
     need_of = (lambda c: (1 + per_byte) * weight_bytes(c)) if req.tp > 1 else (
         lambda c: per_byte * weight_bytes(c))
+    # (under --tp the parent holds the whole checkpoint: one rank's shapes run without it)
+    alone = (f"run one rank's shapes alone ({argument('--preset', 'preset')} k3-tp8 or "
+             f"k3-tp16, without {argument('--tp', 'tp')})" if req.tp > 1 else None)
     if problem := memory_problem(config, req.preset, device, need_of=need_of,
                                  holding="with the ranks' sharded, packed copies"
-                                 if req.tp > 1 else "with the model's packed copy"):
+                                 if req.tp > 1 else "with the model's packed copy",
+                                 otherwise=alone):
         raise TraceError(None, problem)
     if problem := decode_memory_problem(
             decode_bytes(req, config, activations=device == "cpu"), need_of(config), device,

@@ -1090,9 +1090,9 @@ def convert(trace: Path, output: Path, capture: Path | None) -> None:
 @_fail_cleanly
 def info(traces: tuple[Path, ...], fmt: str | None, output: Path | None) -> None:
     """What traces hold: format, tool, GPUs, and how many events of each kind. Of a
-    `kimi-perf trace` run directory: each of its saved traces (one per decode path), or of a
-    `trace --from` run, the traces it was made from; of a directory of traces (a profiler's,
-    one per rank), each."""
+    `kimi-perf trace` run directory: each of its saved traces (one per decode path; of a
+    --tp run, every rank's), or of a `trace --from` run, the traces it was made from; of a
+    directory of traces (a profiler's, one per rank), each."""
     fmt = _format_of(fmt, output, ("json",))
     files: list[tuple[Path, Path | None]] = []   # each with its graph captures
     left_out: list[tuple[Path, str]] = []
@@ -1160,13 +1160,19 @@ def _say_left_out(left_out: list[tuple[Path, str]]) -> None:
 
 def _saved_traces(run_dir: Path) -> list[Path]:
     """A capture's saved traces, in the order its paths ran (standard first, as run.json
-    lists them; others after, by name)."""
+    lists them; others after, by name), each path's normalised trace (rank 0's) followed,
+    in a ``--tp`` run, by the raw traces of its other ranks (each named whether there or
+    not: one missing is said, as an unreadable one is)."""
     try:
-        ran = list(json.loads((run_dir / "run.json").read_text()).get("paths") or ())
+        doc = json.loads((run_dir / "run.json").read_text())
+        ran = list(doc.get("paths") or ())
+        tp = doc["tp"] if type(doc.get("tp")) is int else 1
     except (OSError, ValueError, AttributeError, TypeError, RecursionError):
-        ran = []
-    return sorted(run_dir.glob("*.kptrace"), key=lambda f: (
+        ran, tp = [], 1
+    saved = sorted(run_dir.glob("*.kptrace"), key=lambda f: (
         ran.index(f.stem) if f.stem in ran else len(ran), f.name))
+    return [t for f in saved for t in (
+        f, *(run_dir / f"{f.stem}.rank{r}.trace.json.gz" for r in range(1, min(tp, 1024))))]
 
 
 def _analysed_files(run_dir: Path) -> list[tuple[Path, Path | None]]:

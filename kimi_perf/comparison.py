@@ -626,11 +626,35 @@ class OverviewRow:
 def differing_patterns(rows: list[OverviewRow]) -> list[str]:
     """Types found by the repeating kernel pattern whose kernel sequence differs between
     traces, or that some traces keep none of (``paired_by_letter``): their letter may name
-    different layers."""
+    different layers; and types named by ranges whose layers run other numbers of kernels in
+    different traces (a decode path's ``kda`` beside another's: other work under one name)."""
     types = rows[0].types if rows else {}
     return [t for t in types
             if patterns_differ(held := [r.patterns[t] for r in rows if r.types[t]])
-            or paired_by_letter(held)]
+            or paired_by_letter(held) or t in counts_differ(rows)]
+
+
+def counts_differ(rows: list[OverviewRow]) -> list[str]:
+    """Types named by ranges (no kernel pattern kept) whose layers run other numbers of
+    kernels in different traces: other work under one name."""
+    return [t for t in (rows[0].types if rows else {})
+            if not any(r.patterns[t] for r in rows if r.types[t])
+            and len({r.types[t][0] for r in rows if r.types[t]}) > 1]
+
+
+def differing_note(rows: list[OverviewRow]) -> str | None:
+    """What the ``*`` of ``differing_patterns`` means for the types it marks, or None."""
+    differ = differing_patterns(rows)
+    named = [t for t in differ if t in counts_differ(rows)]
+    said = []
+    if len(named) < len(differ):
+        said.append("found by the repeating kernel pattern, with other kernel sequences in "
+                    "some traces (or none kept: paired by letter alone): the letter may name "
+                    "different layers")
+    if named:
+        said.append(f"{', '.join(named)}: named alike by ranges, whose layers run other "
+                    "numbers of kernels in some traces: other work under one name")
+    return "* " + "; ".join(said) + " (no spread)" if said else None
 
 
 def overview(breakdowns: dict[str, Breakdown]) -> list[OverviewRow]:
@@ -660,7 +684,8 @@ def overview(breakdowns: dict[str, Breakdown]) -> list[OverviewRow]:
 
 STEPS_UNLIKE = ("no spread of whole steps: the traces' steps hold other numbers of layers "
                 "(models of other depths, each layer a range, or of no layer alike; or a "
-                "profiler window, cut anywhere)")
+                "profiler window, cut anywhere), or layers of one name that run other numbers "
+                "of kernels")
 
 
 def steps_unlike(rows: list[OverviewRow]) -> bool:
@@ -670,7 +695,7 @@ def steps_unlike(rows: list[OverviewRow]) -> bool:
     hold as many layers, of the same kernels)."""
     steps = [r for r in rows if r.step_us is not None]
     if _other_work([r.layers for r in steps], [r.windows for r in steps],
-                   [r.ranges for r in steps]):
+                   [r.ranges for r in steps]) or counts_differ(rows):
         return True
     def alike(layer_type: str) -> bool:   # the same kernels in two traces at least
         held = Counter(r.patterns.get(layer_type) for r in rows if r.types[layer_type])
@@ -1011,6 +1036,16 @@ def compare_files(a: str | Path, b: str | Path | None = None, path_name: str | N
                                       f"two, {', '.join(list(runs_a)[2:5])}"
                                       f"{', …' if len(runs_a) > 5 else ''} left out (its report "
                                       "sets the first against each of the others)")
+    # a --tp run's breakdowns are its rank 0's (as its table and report say)
+    ranks = [f"{label} is rank 0's of TP {tp}" for label, run in (
+        (compared.label_a, run_a), (compared.label_b, run_b)) if (tp := (
+            (run or {}).get("run") or {}).get("tp")) and type(tp) is int and tp > 1]
+    if ranks:
+        compared.side_notes.append(("; ".join(dict.fromkeys(ranks)) if b is not None or
+                                    len(ranks) < 2 else
+                                    f"both are rank 0's of TP {run_a['run']['tp']}")
+                                   + " (every rank's trace: PATH.rankN.trace.json.gz, "
+                                   "trace --from sets them side by side)")
     if itself:   # (every ratio 1: a slip, most likely)
         compared.side_notes.insert(0, f"{compared.label_a} and {compared.label_b} are one "
                                       f"file ({a}): compared with itself")

@@ -27,6 +27,7 @@ from kimi_perf.comparison import (
     aligned_typical,
     comparison_notes,
     count_text,
+    differing_note,
     differing_patterns,
     patterns_differ,
     ratio_text,
@@ -485,10 +486,8 @@ def overview_table(rows: list[OverviewRow], unit: str = "kernels") -> Table:
         for t in [None, *types]), style="bold")
     notes = [f"slowest: {label} ({', '.join(what)})"
              for label, what in stragglers(list(spread.values())).items()]
-    if differ:
-        notes.append("* found by the repeating kernel pattern, with other kernel sequences in "
-                     "some traces (or none kept: paired by letter alone): the letter may name "
-                     "different layers (no spread)")
+    if said := differing_note(rows):
+        notes.append(said)
     if renamed := renamed_columns(rows):
         notes.append(renamed)
     if len({r.unit for r in rows}) > 1:

@@ -31,6 +31,7 @@ from kimi_perf.comparison import (
     compare,
     comparison_notes,
     count_text,
+    differing_note,
     differing_patterns,
     gpus_text,
     overview,
@@ -395,10 +396,8 @@ def _overview_html(breakdowns: dict[str, Breakdown], of_paths: bool = False,
             f"<p>slowest: {e(short[label])} ({e(', '.join(what))})</p>"
             for label, what in stragglers(list(spread.values())).items())
     note = _said(short, list(breakdowns)) + note
-    if differ:
-        note += ("<p>* found by the repeating kernel pattern, with other kernel sequences in "
-                 "some traces (or none kept: paired by letter alone): the letter may name "
-                 "different layers (no spread).</p>")
+    if said := differing_note(rows):
+        note += f"<p>{e(said)}.</p>"
     if renamed := renamed_columns(rows, most=len(types)):
         note += f"<p>{e(renamed[0].upper() + renamed[1:])}.</p>"
     if len({r.unit for r in rows}) > 1 and not of_paths:
@@ -783,8 +782,8 @@ def ranks_text(run: dict) -> str | None:
                    else None for r in (ranks if isinstance(ranks, list) else [])]
         if len(medians) > 1 and all(is_finite_number(v) for v in medians):  # (as stored)
             worst = max(range(len(medians)), key=medians.__getitem__)
-            slowest.append(f"{path} rank {worst}, {medians[worst] * 1e3:.1f} ms (rank 0: "
-                           f"{medians[0] * 1e3:.1f} ms)")
+            slowest.append(f"{path} rank {worst}, {medians[worst] * 1e3:.1f} ms" + (
+                f" (rank 0: {medians[0] * 1e3:.1f} ms)" if worst else ""))
     return (f"TP {tp}: the tables and metrics are rank 0's (its trace broken down); every "
             "rank's decode metrics are in run.json (paths.PATH.ranks), its trace in "
             "PATH.rankN.trace.json.gz, and its collectives' µs count its wait for the others"

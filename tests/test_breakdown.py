@@ -204,6 +204,33 @@ def test_one_odd_rank_is_still_a_straggler():
     assert steps_unlike(all_unlike) and spreads(all_unlike) == []
 
 
+def test_layers_of_one_name_running_other_kernels_have_no_spread():
+    """Two ranks of each of the two decode paths in one overview: their kda layers, named by
+    ranges alike, run 21 ops against 11: other work under one name, marked and given no
+    spread (it read "slowest / fastest 94.76x", the specialized path's rank 1 the
+    straggler); nor are their whole steps spread."""
+    from kimi_perf.comparison import (
+        OverviewRow,
+        counts_differ,
+        differing_note,
+        spreads,
+        steps_unlike,
+    )
+
+    rows = [OverviewRow(f"{path}.rank{r}", 3, step * (1 + r / 100), {"kda": (ops, us)},
+                        {"kda": None}, layers=8.0)
+            for path, step, ops, us in (("standard", 54519.9, 21, 7033.6),
+                                        ("specialized", 4784088.3, 11, 657659.2))
+            for r in (0, 1)]
+    assert counts_differ(rows) == ["kda"] and steps_unlike(rows) and spreads(rows) == []
+    assert differing_note(rows) == (
+        "* kda: named alike by ranges, whose layers run other numbers of kernels in some "
+        "traces: other work under one name (no spread)")
+    same = rows[:2]   # one path's ranks: alike, spread
+    assert counts_differ(same) == [] and differing_note(same) is None
+    assert {s.type for s in spreads(same)} == {None, "kda"}
+
+
 def test_overview_of_several_traces_names_the_slowest():
     """A TP run's ranks in one table: per layer type the median span of each, and the
     slowest over the fastest (here rank 1's MLA layers take 1.5 times as long)."""

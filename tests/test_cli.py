@@ -2832,6 +2832,20 @@ def test_info_of_a_run_directory_tells_each_of_its_traces(tmp_path):
     headers = [line.partition(":")[0] for line in run("info", tmp_path).output.splitlines()
                if not line.startswith(" ")]
     assert headers == [f"{tmp_path / name}.kptrace" for name in ("standard", "specialized")]
+    # a --tp run: each path's other ranks' traces after its own (rank 0's, normalised); one
+    # missing said as an unreadable one is (the run looked whole)
+    import shutil
+
+    (tmp_path / "run.json").write_text(json.dumps({"tp": 2, "paths": {"standard": {},
+                                                                      "specialized": {}}}))
+    shutil.copyfile(VLLM, tmp_path / "standard.rank1.trace.json.gz")
+    result = run("info", tmp_path)
+    headers = [line.partition(":")[0] for line in result.stdout.splitlines()
+               if not line.startswith(" ")]
+    assert headers == [str(tmp_path / name) for name in (
+        "standard.kptrace", "standard.rank1.trace.json.gz", "specialized.kptrace")]
+    assert result.exit_code == 2 and result.stderr.strip() == (
+        f"kimi-perf: error: {tmp_path / 'specialized.rank1.trace.json.gz'}: no such file")
 
 
 def test_info_of_a_from_run_tells_the_traces_it_analysed(tmp_path, monkeypatch):
@@ -3015,6 +3029,9 @@ def test_a_model_that_cannot_fit_is_refused_before_any_work(tmp_path, monkeypatc
     monkeypatch.setattr(capture, "available_memory", lambda device: four)
     _one_line_error(run("trace", "--preset", "k3", "--layers", "2", "--out", out),
                     "take one rank's shapes (--preset k3-tp8 or k3-tp16)")
+    # under --tp, those presets are refused (already sharded): one rank's shapes without it
+    _one_line_error(run("trace", "--preset", "k3", "--layers", "2", "--tp", "2", "--out", out),
+                    "run one rank's shapes alone (--preset k3-tp8 or k3-tp16, without --tp)")
     # on a GPU, one rank's shapes that even at two layers do not fit: a smaller preset
     monkeypatch.setattr(capture, "available_memory", lambda device: 10**9)
     assert capture.memory_problem(preset("k3-tp8", n_layers=4), "k3-tp8", "cuda") == (
@@ -3576,6 +3593,9 @@ def test_a_tp_run_says_its_figures_are_rank_0_s_and_names_the_slowest_rank():
     assert said.startswith("TP 2: the tables and metrics are rank 0's")
     assert said.endswith(f"the slowest rank's median step: standard rank 1, {2 * median:.1f} "
                          f"ms (rank 0: {median:.1f} ms)")
+    # rank 0 the slowest: not set beside itself
+    tp["paths"]["standard"]["ranks"] = [slower, standard]
+    assert ranks_text(tp).endswith(f"standard rank 0, {2 * median:.1f} ms")
 
 
 def test_tp_ranks_meet_before_the_prefill_s_timer_starts(monkeypatch, tmp_path):

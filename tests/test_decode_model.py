@@ -7,6 +7,7 @@ import json
 import math
 import os
 import re
+import signal
 import subprocess
 import sys
 
@@ -293,6 +294,8 @@ def _rank_fails(rank: int, how: str) -> None:
         if how == "out of memory":
             raise RuntimeError("[enforce fail at alloc_cpu.cpp:127] DefaultCPUAllocator: can't "
                                "allocate memory: you tried to allocate 51200000000 bytes.")
+        if how == "killed":   # (the out-of-memory killer's way)
+            os.kill(os.getpid(), signal.SIGKILL)
         raise ValueError("a bug of ours")
 
 
@@ -311,6 +314,10 @@ def test_a_rank_failure_is_raised_as_the_rank_raised_it():
         run_on_cpu_ranks(2, _rank_fails, "out of memory")
     with pytest.raises(mp.ProcessRaisedException, match="ValueError: a bug of ours"):
         run_on_cpu_ranks(2, _rank_fails, "bug")
+    # a rank killed raises nothing: said in a line too (it was torch's traceback)
+    with pytest.raises(TraceError, match=r"^TP rank 1 exited: killed by SIGKILL \(the "
+                                         r"out-of-memory killer sends it"):
+        run_on_cpu_ranks(2, _rank_fails, "killed")
 
 
 def _threads(rank: int) -> int:

@@ -671,3 +671,17 @@ def test_tolerances_of_another_kind_and_a_plural_repr():
     checks = [Check("standard", "kda", metric, 1.0, 2.0, 1.0, 0.001, "regression")
               for metric in ("kernels", "span_us")]
     assert repr(GateResult(checks, Tolerances())) == "GateResult(FAIL, 2 checks, 2 regressions)"
+
+
+def test_compare_of_a_tp_run_says_its_figures_are_rank_0_s(tmp_path):
+    """A --tp run's breakdowns are its rank 0's: compare says so, as trace and the report do
+    (it said nothing, as if the run were of one process)."""
+    doc = json.loads(BASELINE.read_text())
+    doc["run"]["tp"] = 2
+    tp_run = tmp_path / "tp.json"
+    tp_run.write_text(json.dumps(doc))
+    said = "both are rank 0's of TP 2 (every rank's trace: PATH.rankN.trace.json.gz"
+    assert any(note.startswith(said) for note in compare_files(tp_run).notes)
+    against = compare_files(BASELINE, tp_run, path_name="specialized").notes
+    assert any(note.startswith("tp:specialized is rank 0's of TP 2") for note in against)
+    assert not any("rank 0's" in note for note in compare_files(BASELINE).notes)

@@ -76,7 +76,8 @@ def run_on_cpu_ranks(world: int, fn: Callable, *args) -> list:
     this process stops first (Ctrl-C, SIGTERM to it alone), the ranks are stopped with it:
     left running, they would hold its exit until they had done all their work. A rank that
     raises a ``TraceError`` or runs out of memory raises it here too, as if this process had
-    (the CLI's one-line errors); any other failure is torch's, with the rank's traceback.
+    (the CLI's one-line errors), and so does one killed (a ``TraceError`` saying by what);
+    any other failure is torch's, with the rank's traceback.
     """
     with tempfile.TemporaryDirectory(prefix="kimi-perf-tp-") as tmp:
         init_file = os.path.join(tmp, "init")
@@ -91,6 +92,13 @@ def run_on_cpu_ranks(world: int, fn: Callable, *args) -> list:
             _stop(ranks.processes)
             _raise_rank_failure(Path(tmp), exc.error_index)
             raise
+        except mp.ProcessExitedException as exc:   # (a signal: nothing raised to say)
+            _stop(ranks.processes)
+            how = (f"killed by {exc.signal_name}" + (
+                " (the out-of-memory killer sends it where memory runs out)"
+                if exc.signal_name == "SIGKILL" else "") if exc.signal_name
+                else f"exit code {exc.exit_code}")
+            raise TraceError(None, f"TP rank {exc.error_index} exited: {how}") from None
         except BaseException:
             _stop(ranks.processes)
             raise
