@@ -634,12 +634,22 @@ def differing_patterns(rows: list[OverviewRow]) -> list[str]:
             or paired_by_letter(held) or t in counts_differ(rows)]
 
 
+# How many times the kernels of one type's median layer in another trace make other work:
+# ranks of one run differ by a kernel or two at most (a median between two counts, a copy)
+OTHER_WORK_KERNELS = 1.25
+
+
 def counts_differ(rows: list[OverviewRow]) -> list[str]:
-    """Types named by ranges (no kernel pattern kept) whose layers run other numbers of
-    kernels in different traces: other work under one name."""
-    return [t for t in (rows[0].types if rows else {})
-            if not any(r.patterns[t] for r in rows if r.types[t])
-            and len({r.types[t][0] for r in rows if r.types[t]}) > 1]
+    """Types named by ranges (no kernel pattern kept) whose median layers run
+    ``OTHER_WORK_KERNELS`` times as many kernels in one trace as in another: other work
+    under one name (two decode paths' ``kda``), where a TP run's ranks run about as many."""
+    out = []
+    for t in rows[0].types if rows else {}:
+        counts = [r.types[t][0] for r in rows if r.types[t]]
+        if counts and not any(r.patterns[t] for r in rows if r.types[t]) \
+                and max(counts) > OTHER_WORK_KERNELS * max(min(counts), 1):
+            out.append(t)
+    return out
 
 
 def differing_note(rows: list[OverviewRow]) -> str | None:
