@@ -1724,6 +1724,8 @@ def _print_run(console: Console, run_dir: Path, results: dict[str, Breakdown],
         console.print(f"captured: {said}")
     if crowded := ranks_crowded(run_info):
         console.print(crowded, style="yellow")
+    if missing := runs_mod.ranks_missing(labels):   # (a folder of a job's traces, one gone)
+        console.print(missing, style="yellow")
     if len(labels) >= 3:  # every one in one table
         from kimi_perf.comparison import overview
 

@@ -935,6 +935,30 @@ def trace_labels(paths: list[str | Path]) -> list[str]:
     return primed(labels)
 
 
+_RANK = re.compile(r"(?i)(?<![a-z])rank[_-]?(\d+)")
+
+
+def ranks_missing(labels: list[str]) -> str | None:
+    """Where traces named by rank (``rank0``, ``standard.rank1``, ``trace_rank-3``) skip one
+    or more rank numbers (0 to the highest given, per name otherwise alike), which: a rank
+    whose trace went missing would otherwise pass unsaid; None where none is missing or a
+    name has no rank."""
+    groups: dict[tuple[str, str], set[int]] = {}
+    for label in labels:
+        m = next((m for m in _RANK.finditer(label)), None)
+        if m is None:
+            return None
+        groups.setdefault((label[:m.start(1)], label[m.end(1):]), set()).add(int(m[1]))
+    said = []
+    for (head, tail), ranks in groups.items():
+        gone = sorted(set(range(max(ranks) + 1)) - ranks)
+        if gone and max(ranks) < 4096:   # (a number that big names no rank of a job)
+            shown = ", ".join(map(str, gone[:5])) + (", …" if len(gone) > 5 else "")
+            said.append(f"{head}{{{shown}}}{tail}")
+    return (f"ranks missing among the traces: {'; '.join(said)} (of 0 to the highest given)"
+            if said else None)
+
+
 def _partials_said(path: Path) -> str:
     """What the hidden partials of runs in a folder are (``capture.run_directory``): finished
     runs kept there, their names taken meanwhile (said first: not to be removed), and runs

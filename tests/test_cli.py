@@ -3756,3 +3756,21 @@ def test_an_output_nowhere_to_write_is_said_before_the_trace_is_read(tmp_path, m
         _one_line_error(run(*args), "cannot write: no such directory")
     _one_line_error(run("breakdown", VLLM, "-o", tmp_path), f"{tmp_path}: cannot write: it is "
                                                              "a directory")
+
+
+def test_a_folder_of_ranks_missing_one_says_which(tmp_path):
+    """A job's folder of rank traces with rank 1's gone: said (it read as a plain rank0 vs
+    rank2 table, nothing missing)."""
+    from kimi_perf.runs import ranks_missing
+
+    folder = tmp_path / "job"
+    folder.mkdir()
+    for rank in (0, 2):
+        rank_copy(VLLM, folder / f"rank{rank}.json.gz", rank)
+    result = run("trace", "--from", folder, "-o", tmp_path / "runs")
+    assert result.exit_code == 0, result.output
+    assert "ranks missing among the traces: rank{1} (of 0 to the highest given)" in result.output
+    assert ranks_missing(["standard.rank0", "standard.rank1", "specialized.rank1"]) == (
+        "ranks missing among the traces: specialized.rank{0} (of 0 to the highest given)")
+    assert ranks_missing(["rank0", "rank1"]) is None and ranks_missing(["a", "rank1"]) is None
+    assert ranks_missing(["frank1", "rank0"]) is None   # (a word holding "rank": no rank)
