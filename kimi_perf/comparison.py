@@ -634,20 +634,23 @@ def differing_patterns(rows: list[OverviewRow]) -> list[str]:
             or paired_by_letter(held) or t in counts_differ(rows)]
 
 
-# How many times the kernels of one type's median layer in another trace make other work:
-# ranks of one run differ by a kernel or two at most (a median between two counts, a copy)
-OTHER_WORK_KERNELS = 1.25
+# How many times the kernels of one type's median layer in another trace, and two more at
+# least, make other work: ranks of one run differ by a kernel at most (a median between two
+# counts, a copy); two decode paths' dense layers by 11 against 9
+OTHER_WORK_KERNELS = 1.15
 
 
 def counts_differ(rows: list[OverviewRow]) -> list[str]:
     """Types named by ranges (no kernel pattern kept) whose median layers run
-    ``OTHER_WORK_KERNELS`` times as many kernels in one trace as in another: other work
-    under one name (two decode paths' ``kda``), where a TP run's ranks run about as many."""
+    ``OTHER_WORK_KERNELS`` times as many kernels in one trace as in another, and two more at
+    least: other work under one name (two decode paths' ``kda``), where a TP run's ranks run
+    about as many."""
     out = []
     for t in rows[0].types if rows else {}:
         counts = [r.types[t][0] for r in rows if r.types[t]]
         if counts and not any(r.patterns[t] for r in rows if r.types[t]) \
-                and max(counts) > OTHER_WORK_KERNELS * max(min(counts), 1):
+                and max(counts) - min(counts) >= 2 \
+                and max(counts) > OTHER_WORK_KERNELS * min(counts):
             out.append(t)
     return out
 
@@ -662,8 +665,9 @@ def differing_note(rows: list[OverviewRow]) -> str | None:
                     "some traces (or none kept: paired by letter alone): the letter may name "
                     "different layers")
     if named:
+        unit = units_word(r.unit for r in rows)
         said.append(f"{', '.join(named)}: named alike by ranges, whose layers run other "
-                    "numbers of kernels in some traces: other work under one name")
+                    f"numbers of {unit} in some traces: other work under one name")
     return "* " + "; ".join(said) + " (no spread)" if said else None
 
 
@@ -695,7 +699,7 @@ def overview(breakdowns: dict[str, Breakdown]) -> list[OverviewRow]:
 STEPS_UNLIKE = ("no spread of whole steps: the traces' steps hold other numbers of layers "
                 "(models of other depths, each layer a range, or of no layer alike; or a "
                 "profiler window, cut anywhere), or layers of one name that run other numbers "
-                "of kernels")
+                "of kernels or ops")
 
 
 def steps_unlike(rows: list[OverviewRow]) -> bool:

@@ -218,13 +218,13 @@ def test_layers_of_one_name_running_other_kernels_have_no_spread():
     )
 
     rows = [OverviewRow(f"{path}.rank{r}", 3, step * (1 + r / 100), {"kda": (ops, us)},
-                        {"kda": None}, layers=8.0)
+                        {"kda": None}, unit="ops", layers=8.0)
             for path, step, ops, us in (("standard", 54519.9, 21, 7033.6),
                                         ("specialized", 4784088.3, 11, 657659.2))
             for r in (0, 1)]
     assert counts_differ(rows) == ["kda"] and steps_unlike(rows) and spreads(rows) == []
     assert differing_note(rows) == (
-        "* kda: named alike by ranges, whose layers run other numbers of kernels in some "
+        "* kda: named alike by ranges, whose layers run other numbers of ops in some "
         "traces: other work under one name (no spread)")
     same = rows[:2]   # one path's ranks: alike, spread
     assert counts_differ(same) == [] and differing_note(same) is None
@@ -232,6 +232,10 @@ def test_layers_of_one_name_running_other_kernels_have_no_spread():
     # ranks of one run whose medians differ by a kernel or a half: still alike
     same[1].types["kda"] = (22.5, 7040.0)
     assert counts_differ(same) == [] and {s.type for s in spreads(same)} == {None, "kda"}
+    # two decode paths' dense layers, 11 ops against 9: other work (its spread read 56x)
+    same[0].types["kda"], same[1].types["kda"] = (11, 4324.0), (9, 241485.8)
+    assert counts_differ(same) == ["kda"] and spreads(same) == []
+    assert "whose layers run other numbers of ops" in differing_note(same)
 
 
 def test_overview_of_several_traces_names_the_slowest():
