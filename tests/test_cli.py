@@ -3254,12 +3254,14 @@ def test_a_run_beyond_its_estimate_fails_an_allocation_not_the_machine(monkeypat
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="measured in /proc")
 def test_what_the_prefill_holds_is_about_what_it_measures():
     """The prefill's estimate (activations and caches) against the peak memory a prefill
-    measures in a process of its own, tiny with two widths doubled: within 0.5 to 1.6 times
+    measures in a process of its own, tiny with two widths doubled: within 0.5 to 2 times
     (what the estimate misses, the address-space cap catches; it was 0.3 times, counting the
-    caches and attention scores alone). glibc's malloc raises its mmap threshold as large
-    blocks are freed, and keeps the later ones past their free: the peak then moved from 1.1
-    to 2.3 GB run to run (a CI run failed on it); with the threshold fixed each large block
-    goes back at its free, and the peak is what the prefill holds (0.70 GB, to 1%)."""
+    caches and attention scores alone; over, it refuses a run that would fit). glibc's malloc
+    raises its mmap threshold as large blocks are freed, and keeps the later ones past their
+    free: the peak then moved from 1.1 to 2.3 GB run to run (a CI run failed on it); with the
+    threshold fixed each large block goes back at its free, and the peak is what the prefill
+    holds, to 1% run to run, but not machine to machine: taken whole, 0.70 GB on one, 0.55 GB
+    on another (2026-12-06; chunked, 0.34 GB against an estimate of 0.59 GB)."""
     pytest.importorskip("torch")
     code = (
         "import dataclasses, torch\n"
@@ -3288,7 +3290,7 @@ def test_what_the_prefill_holds_is_about_what_it_measures():
     c = dataclasses.replace(preset("tiny"), hidden=512, top_k=8)
     estimate = prefill_bytes(c, 1000, 16) + DecodeState.bytes_of(
         c, 1000, cache_tokens(16, 1, 0, False), 2, 2)
-    assert 0.5 * measured <= estimate <= 1.6 * measured, (estimate, measured)
+    assert 0.5 * measured <= estimate <= 2 * measured, (estimate, measured)
 
 
 def test_a_cache_the_machine_cannot_hold_is_refused_before_any_work(tmp_path, monkeypatch):
