@@ -46,7 +46,7 @@ from kimi_perf.layer_breakdown import Breakdown, breakdown, breakdown_of_file
 from kimi_perf.memory import address_space_capped
 from kimi_perf.readers import read_trace
 from kimi_perf.readers.nsys import has_nvtx_ranges, nsys_cli, nsys_failure
-from kimi_perf.runs import same_capture, trace_files, trace_labels
+from kimi_perf.runs import missing_rank_labels, same_capture, trace_files, trace_labels
 from kimi_perf.text import also_as
 from kimi_perf.trace import (
     atomic_write,
@@ -778,9 +778,10 @@ def run_document(run_dir: Path, results: dict[str, Breakdown], run_info: dict,
                  lazy_layers: bool = False) -> dict:
     """What ``kimi-perf trace --format json`` prints of a ``capture`` or ``analyse``: the run,
     each path's (or trace's) breakdown, and the first set against each of the others; of
-    three or more, also every one in one overview, as the table shows them
-    (``lazy_layers``: see ``Breakdown.to_json``)."""
-    from kimi_perf.comparison import Comparison, overview, overview_json
+    three or more, or any of several devices (``overview_wanted``), also every one in one
+    overview, as the table shows them; which ranks' traces are missing, where some are
+    (``missing_rank_labels``) (``lazy_layers``: see ``Breakdown.to_json``)."""
+    from kimi_perf.comparison import Comparison, overview, overview_json, overview_wanted
 
     first, *others = results
     fell_back = paths_that_fell_back(run_info)
@@ -795,7 +796,9 @@ def run_document(run_dir: Path, results: dict[str, Breakdown], run_info: dict,
     doc = {"schema": 1, "run_dir": str(run_dir), "run": run_info,
            "paths": {k: b.to_json(lazy_layers) for k, b in results.items()},
            "comparisons": comparisons}
-    if len(results) >= 3:
+    if missing := missing_rank_labels(list(results)):   # (a job's folder, a rank's trace gone)
+        doc["ranks_missing"] = missing
+    if overview_wanted(results):
         doc["overview"] = overview_json(overview(results))
     return doc
 

@@ -28,6 +28,8 @@ from kimi_perf.classify import load_rules
 from kimi_perf.comparison import (
     compare_files,
     compute_units,
+    overview,
+    overview_wanted,
     type_pairs,
 )
 from kimi_perf.decode import floors as floors_mod
@@ -1727,18 +1729,7 @@ def _print_run(console: Console, run_dir: Path, results: dict[str, Breakdown],
     if missing := runs_mod.ranks_missing(labels):   # (a folder of a job's traces, one gone)
         console.print(missing, style="yellow")
     if len(labels) >= 3:  # every one in one table
-        from kimi_perf.comparison import overview
-
-        rows = overview(results)
-        # the rows without the words every name shares, as compare's table (the JSON, the
-        # notes below and the run's files keep the whole names)
-        shown = distinct_words(labels)
-        if shown != labels:
-            rows = [dataclasses.replace(r, label=s) for r, s in zip(rows, shown, strict=True)]
-        console.print(render.overview_table(rows, unit))
-        if shown != labels:
-            console.print("; ".join(f"{s}: {label}" for s, label in zip(shown, labels,
-                                                                        strict=True)))
+        _print_overview(console, results, unit)
         console.print(f"{a} against each of the others: the report, or kimi-perf compare")
     else:
         for b, rows in compared:
@@ -1755,6 +1746,9 @@ def _print_run(console: Console, run_dir: Path, results: dict[str, Breakdown],
                 if not on_cpu:   # (a CPU run's line comes below, for every path)
                     for line in sides_notes(results[a], results[b], a, b):
                         console.print(line)   # GPUs of another kind, as compare says
+        if len(labels) == 2 and compared[0][1] and overview_wanted(results):
+            # (their devices: which rank is slow; the names said above)
+            _print_overview(console, results, unit, legend=False)
     if any(rows for _, rows in compared):
         for line in note_lines(results):
             console.print(line)
@@ -1795,6 +1789,24 @@ def _print_run(console: Console, run_dir: Path, results: dict[str, Breakdown],
     console.print(printable(f"run directory: {run_dir}  "
                             f"({', '.join(sorted(p.name for p in Path(run_dir).iterdir()))})"))
     console.print(printable(f"report: {Path(run_dir).resolve() / run_info['report']}"))
+
+
+def _print_overview(console: Console, results: dict[str, Breakdown], unit: str,
+                    legend: bool = True) -> None:
+    """Every trace in one table (a row per device of a trace of several), its rows without
+    the words every name shares, as compare's table (the JSON, the notes below and the run's
+    files keep the whole names), and (``legend``) a line saying which is which."""
+    rows = overview(results)
+    labels = list(results)
+    shown = distinct_words(labels)
+    if shown != labels:
+        short = dict(zip(labels, shown, strict=True))
+        rows = [dataclasses.replace(r, trace=short[r.trace], label=short[r.trace] + (
+            "" if r.device is None else f" device {r.device}")) for r in rows]
+    console.print(render.overview_table(rows, unit))
+    if legend and shown != labels:
+        console.print("; ".join(f"{s}: {label}" for s, label in zip(shown, labels,
+                                                                    strict=True)))
 
 
 def _fail_if_unusable(run_info: dict, run_dir: Path) -> None:

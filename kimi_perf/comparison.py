@@ -137,7 +137,11 @@ def _significant(v: float) -> float:
 
 def layers_per_step(b: Breakdown) -> float | None:
     """The median step's layer count (None: no steps, or a step that does not say)."""
-    counts = [s.get("layers") for s in b.steps]
+    return _median_layers(b.steps)
+
+
+def _median_layers(steps: list[dict]) -> float | None:
+    counts = [s.get("layers") for s in steps]
     if not counts or None in counts:
         return None
     return float(np.median(counts))
@@ -554,7 +558,7 @@ def gpus_text(gpus: list[dict], tool: str | None = None) -> str:
 def sides_notes(a: Breakdown, b: Breakdown, label_a: str, label_b: str) -> list[str]:
     """What a comparison's two sides are, where it changes how to read its µs: GPUs of
     another kind (from the kernels each trace ran), steps of other phases (decode against
-    prefill or mixed steps), or a CPU run's ops."""
+    prefill or mixed steps), a CPU run's ops, or a side's layers on several devices."""
     notes = []
     ran = [(x.source or {}).get("gpus_ran") or [] for x in (a, b)]
     if all(ran) and gpu_kinds(ran[0]) != gpu_kinds(ran[1]):
@@ -574,6 +578,11 @@ def sides_notes(a: Breakdown, b: Breakdown, label_a: str, label_b: str) -> list[
         notes.append(f"{' and '.join(on_cpu)}: a CPU run's µs are CPU time, noisy and no speed "
                      f"figure{interpreted}; its ops are the launches each path annotates, one "
                      "per kernel a GPU runs")
+    for label, x in ((label_a, a), (label_b, b)):
+        if devices := device_figures(x):   # (one file of a whole TP job)
+            notes.append(f"{label}'s layers ran on {len(devices)} devices: its figures are "
+                         "medians over all of them (kimi-perf breakdown, or trace --from, "
+                         "shows each device's)")
     return notes
 
 
@@ -621,6 +630,8 @@ class OverviewRow:
     layers: float | None = None       # the median step's layers (``layers_per_step``)
     windows: bool = False             # its steps each device's work (profiler windows)
     ranges: bool = False              # its layers all ranges
+    trace: str = ""                   # the trace's label (``label``: with its device's)
+    device: int | None = None         # the device of a trace of several, or None
 
 
 def differing_patterns(rows: list[OverviewRow]) -> list[str]:
@@ -666,15 +677,18 @@ def differing_note(rows: list[OverviewRow]) -> str | None:
                     "different layers")
     if named:
         unit = units_word(r.unit for r in rows)
+        where = "on some devices" if of_devices(rows) else "in some traces"
         said.append(f"{', '.join(named)}: named alike by ranges, whose layers run other "
-                    f"numbers of {unit} in some traces: other work under one name")
+                    f"numbers of {unit} {where}: other work under one name")
     return "* " + "; ".join(said) + " (no spread)" if said else None
 
 
 def overview(breakdowns: dict[str, Breakdown]) -> list[OverviewRow]:
     """Every trace in one table, a row each, the layer types as the first trace names them
     (``aligned_types``; then the types only others have): the view of a TP run's ranks
-    (which rank is slow, and in what)."""
+    (which rank is slow, and in what). A trace whose steps ran on several devices (one nsys
+    file of a whole TP job) is a row per device (``device_figures``), labelled ``device N``
+    where it is the only trace: its medians over all of them would mix the ranks."""
     columns: dict[str, dict[str, str]] = {}
     for names_of in aligned_types(breakdowns):
         column = next(iter(names_of.values()))
@@ -683,23 +697,71 @@ def overview(breakdowns: dict[str, Breakdown]) -> list[OverviewRow]:
         columns[column] = names_of
     rows = []
     for label, b in breakdowns.items():
-        by_type = {t["type"]: t for t in b.layer_types}
-        spans = [s["span_us"] for s in b.steps]
-        step_us = statistics.median(spans) if spans else None
-        mine = {column: by_type.get(names_of.get(label)) for column, names_of in columns.items()}
-        rows.append(OverviewRow(label, len(spans), step_us, {
-            column: (t["kernels"], t["span_us"]) if t else None for column, t in mine.items()},
-            {column: (t or {}).get("pattern") for column, t in mine.items()}, b.unit,
-            {column: names_of.get(label) for column, names_of in columns.items()},
-            layers_per_step(b), b.source.get("steps_found_by") == "device",
-            layer_sources(b) == ["nvtx"]))
+        names = {column: names_of.get(label) for column, names_of in columns.items()}
+        patterns = {t["type"]: t.get("pattern") for t in b.layer_types}
+        parts = device_figures(b) or {None: (b.steps, {
+            t["type"]: (t["kernels"], t["span_us"]) for t in b.layer_types})}
+        for device, (steps, figures) in parts.items():
+            spans = [s["span_us"] for s in steps]
+            shown = (label if device is None else f"device {device}" if len(breakdowns) == 1
+                     else f"{label} device {device}")
+            rows.append(OverviewRow(
+                shown, len(spans), statistics.median(spans) if spans else None,
+                {column: figures.get(name) for column, name in names.items()},
+                {column: patterns.get(name) for column, name in names.items()}, b.unit, names,
+                _median_layers(steps),
+                b.source.get("steps_found_by") == "device", layer_sources(b) == ["nvtx"],
+                label, device))
     return rows
+
+
+def device_figures(b: Breakdown) -> dict[int, tuple[list[dict], dict[str, tuple[float, float]]]]:
+    """Where a breakdown's layers ran on two devices or more: per device, its steps and per
+    layer type the median kernels and span of its layers there (as ``layer_types`` takes
+    them over all); empty for a breakdown whose layers ran on one device, or that has none
+    (a device that ran no layer, a peer copy's, is no rank of the model's: left out)."""
+    devices = sorted({d for d in layer_column(b.layers, "device").tolist() if d == d})
+    if len(devices) < 2:   # (d == d: not a NaN, a stored layer without its device)
+        return {}
+    out: dict[int, tuple[list[dict], dict[str, tuple[float, float]]]] = {
+        d: ([s for s in b.steps if s["device"] == d], {}) for d in devices}
+    for t in b.layer_types:
+        on = layer_column(b.layers, "device", t["type"])
+        kernels = layer_column(b.layers, "kernels", t["type"])
+        spans = layer_column(b.layers, "span_us", t["type"])
+        for d in devices:
+            if (here := on == d).any():
+                out[d][1][t["type"]] = (round(float(np.median(kernels[here])), 3),
+                                        round(float(np.median(spans[here])), 3))
+    return out
 
 
 STEPS_UNLIKE = ("no spread of whole steps: the traces' steps hold other numbers of layers "
                 "(models of other depths, each layer a range, or of no layer alike; or a "
                 "profiler window, cut anywhere), or layers of one name that run other numbers "
                 "of kernels or ops")
+# (one trace's devices: one job's)
+DEVICE_STEPS_UNLIKE = ("no spread of whole steps: the devices' steps hold other numbers of "
+                       "layers (pipeline stages, each device's own layers; or each device's "
+                       "work a step, the profiler's window, cut anywhere), or layers of one "
+                       "name that run other numbers of kernels or ops")
+
+
+def of_devices(rows: list[OverviewRow]) -> bool:
+    """Whether the rows are one trace's devices (``overview`` of a trace of several)."""
+    return bool(rows) and len({r.trace for r in rows}) == 1 and rows[0].device is not None
+
+
+def steps_unlike_note(rows: list[OverviewRow]) -> str:
+    """Why there is no spread of the rows' whole steps (``steps_unlike``), as said of traces
+    or of one trace's devices."""
+    return DEVICE_STEPS_UNLIKE if of_devices(rows) else STEPS_UNLIKE
+
+
+def overview_wanted(breakdowns: dict[str, Breakdown]) -> bool:
+    """Whether the traces get the table of every one (``overview``): three or more, or any
+    whose layers ran on several devices (a row per device: which rank is slow)."""
+    return len(breakdowns) >= 3 or any(device_figures(b) for b in breakdowns.values())
 
 
 def steps_unlike(rows: list[OverviewRow]) -> bool:
@@ -720,11 +782,12 @@ def steps_unlike(rows: list[OverviewRow]) -> bool:
 
 
 def overview_json(rows: list[OverviewRow]) -> dict:
-    """What ``overview_table`` shows, as JSON: a row per trace (each column's type by that
-    trace's own name), per layer type (``null``: the step) the spread, slowest over fastest
+    """What ``overview_table`` shows, as JSON: a row per trace, or per device of a trace of
+    several (``label``; ``trace``, ``device``: whose; each column's type by that trace's own
+    name), per layer type (``null``: the step) the spread, slowest over fastest
     median span, with the slowest trace, and the types marked ``*`` (``differing_patterns``),
     which have no spread."""
-    return {"rows": [{"label": r.label, "steps": r.steps,
+    return {"rows": [{"label": r.label, "trace": r.trace, "device": r.device, "steps": r.steps,
                       "step_us": None if r.step_us is None else round(r.step_us, 3),
                       "types": {column: None if v is None else
                                 {"kernels": v[0], "span_us": v[1], "name": r.names.get(column),
@@ -741,8 +804,8 @@ def renamed_columns(rows: list[OverviewRow], most: int = 4) -> str | None:
     kernel sequence, or primed: taken by an earlier trace's type), what it calls it."""
     said = []
     for column in rows[0].types if rows else {}:
-        others = [f"{r.names[column]} in {r.label}" for r in rows
-                  if r.names.get(column) not in (None, column)]
+        others = list(dict.fromkeys(f"{r.names[column]} in {r.trace or r.label}" for r in rows
+                                    if r.names.get(column) not in (None, column)))
         if others:
             said.append(f"{column} is {', '.join(others)}")
     if not said:
@@ -754,7 +817,7 @@ def renamed_columns(rows: list[OverviewRow], most: int = 4) -> str | None:
 @dataclass
 class Spread:
     """A layer type's (or the step's: type None) median span across traces, and the slowest
-    trace (the first of equals; None when all are equal)."""
+    trace (the first of equals; None where the ratio is under 1.005, shown as 1.00)."""
 
     type: str | None
     fastest: float
@@ -783,7 +846,9 @@ def spreads(rows: list[OverviewRow]) -> list[Spread]:
         if len(values) >= 2:
             fast = min(v for v, _ in values)
             slow, label = max(values, key=lambda v: v[0])   # the first of equals
-            out.append(Spread(layer_type, fast, slow, label if slow > fast else None))
+            # (no slowest where the ratio shows as 1.00: two ranks 0.1% apart, noise)
+            out.append(Spread(layer_type, fast, slow,
+                              label if slow > fast and slow >= 1.005 * fast else None))
     return out
 
 

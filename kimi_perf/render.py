@@ -21,20 +21,23 @@ from rich.text import Text
 
 from kimi_perf.attribution import RangeKernelRow
 from kimi_perf.comparison import (
-    STEPS_UNLIKE,
     ComparisonRow,
     OverviewRow,
     aligned_typical,
     comparison_notes,
     count_text,
+    device_figures,
     differing_note,
     differing_patterns,
+    of_devices,
+    overview,
     patterns_differ,
     ratio_text,
     renamed_columns,
     rotation_notes,
     spreads,
     steps_unlike,
+    steps_unlike_note,
     stragglers,
 )
 from kimi_perf.gate import (
@@ -347,6 +350,8 @@ def breakdown_tables(b: Breakdown) -> list[Table]:
         classes.add_row(c, *(f"{count_text(x['kernels'])} / {x['us']:.1f}" if x else ""
                              for x in cells))
     tables.append(classes)
+    if device_figures(b):   # (one file of a TP job: which rank is slow, and in what)
+        tables.append(overview_table(overview({"trace": b}), unit))
     return tables
 
 
@@ -467,15 +472,16 @@ def comparison_headline(rows: list[ComparisonRow], label_a: str, label_b: str,
 
 
 def overview_table(rows: list[OverviewRow], unit: str = "kernels") -> Table:
-    """Several traces (a TP run's ranks, say), a row each: the median step span and each
-    layer type's median layer span and count; then the spread, slowest over fastest, and
-    (below) which trace was slowest."""
+    """Several traces (a TP run's ranks, say), or one trace's devices, a row each
+    (``overview``): the median step span and each layer type's median layer span and count;
+    then the spread, slowest over fastest, and (below) which was slowest."""
     types = list(rows[0].types) if rows else []
     differ = differing_patterns(rows)
-    table = _table(f"Every trace (medians; µs = span, layer {unit} in brackets)",
-                   ["trace", "steps", "step µs",
+    what = "device" if of_devices(rows) else "trace"
+    table = _table(f"Every {what} (medians; µs = span, layer {unit} in brackets)",
+                   [what, "steps", "step µs",
                     *(f"{t or '-'}{' *' if t in differ else ''} µs" for t in types)],
-                   left=("trace",))
+                   left=(what,))
     for r in rows:
         cells = [f"{v[1]:.1f} ({count_text(v[0])})" if v else "-" for v in r.types.values()]
         table.add_row(r.label, str(r.steps), "-" if r.step_us is None else f"{r.step_us:.1f}",
@@ -494,7 +500,7 @@ def overview_table(rows: list[OverviewRow], unit: str = "kernels") -> Table:
         notes.append("no spread between CPU runs and GPU traces: their µs differ a "
                      "thousandfold")
     elif steps_unlike(rows):
-        notes.append(STEPS_UNLIKE)
+        notes.append(steps_unlike_note(rows))
     table.caption = "\n".join(notes)
     return table
 

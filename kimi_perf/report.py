@@ -25,7 +25,6 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from kimi_perf.comparison import (
-    STEPS_UNLIKE,
     aligned_types,
     aligned_typical,
     compare,
@@ -35,6 +34,7 @@ from kimi_perf.comparison import (
     differing_patterns,
     gpus_text,
     overview,
+    overview_wanted,
     patterns_differ,
     ratio_text,
     renamed_columns,
@@ -42,6 +42,7 @@ from kimi_perf.comparison import (
     sides_notes,
     spreads,
     steps_unlike,
+    steps_unlike_note,
     stragglers,
     type_pairs,
 )
@@ -65,6 +66,7 @@ from kimi_perf.runs import (
     load_paths,
     no_run,
     one_path,
+    ranks_missing,
     run_differences,
     run_name,
     trace_files,
@@ -370,21 +372,27 @@ def _steps_html(breakdowns: dict[str, Breakdown]) -> str:
 
 def _overview_html(breakdowns: dict[str, Breakdown], of_paths: bool = False,
                    short: dict[str, str] | None = None) -> str:
-    """Three traces or more (a TP run's ranks, say): every one in one table, with the spread
-    of each layer type's span and the slowest trace; ``of_paths``: the traces are the decode
-    paths of several runs, whose spread would set one path against another (no spread)."""
-    if len(breakdowns) < 3:
+    """Three traces or more (a TP run's ranks, say), or any of several devices
+    (``overview_wanted``): every one in one table (``overview``), a row per device of those,
+    with the spread of each layer type's span and the slowest trace;
+    ``of_paths``: the traces are the decode paths of several runs, whose spread would set one
+    path against another (no spread)."""
+    if not overview_wanted(breakdowns):
         return ""
     e = _escaped
     rows = overview(breakdowns)
     short = short or _short_labels(list(breakdowns))   # (as the tables below name them)
+    # each row's name: its trace's short name (and its device); one trace's rows are devices
+    named = {r.label: r.label if len(breakdowns) == 1 else short[r.trace] + (
+        "" if r.device is None else f" device {r.device}") for r in rows}
+    what = "device" if len(breakdowns) == 1 else "trace"
     types = list(rows[0].types)
     differ = differing_patterns(rows)
     spread = {s.type: s for s in spreads(rows)}
-    head = "<tr><th>trace</th><th>steps</th><th>step µs</th>" + "".join(
+    head = f"<tr><th>{what}</th><th>steps</th><th>step µs</th>" + "".join(
         f"<th>{e(t or '-')}{' *' if t in differ else ''} µs</th>" for t in types) + "</tr>"
     body = "".join(
-        f"<tr><td>{e(short[r.label])}</td><td>{r.steps}</td>"
+        f"<tr><td>{e(named[r.label])}</td><td>{r.steps}</td>"
         f"<td>{'-' if r.step_us is None else f'{r.step_us:.1f}'}</td>" + "".join(
             f"<td>{v[1]:.1f} ({count_text(v[0])})</td>" if v else "<td>-</td>"
             for v in r.types.values()) + "</tr>" for r in rows)
@@ -393,8 +401,8 @@ def _overview_html(breakdowns: dict[str, Breakdown], of_paths: bool = False,
         else "<th>-</th>" for t in [None, *types]) + "</tr>"
     note = "<p>No spread or slowest trace: these include the decode paths of runs, " \
         "compared pair by pair below.</p>" if of_paths else "".join(
-            f"<p>slowest: {e(short[label])} ({e(', '.join(what))})</p>"
-            for label, what in stragglers(list(spread.values())).items())
+            f"<p>slowest: {e(named[label])} ({e(', '.join(slow))})</p>"
+            for label, slow in stragglers(list(spread.values())).items())
     note = _said(short, list(breakdowns)) + note
     if said := differing_note(rows):
         note += f"<p>{e(said)}.</p>"
@@ -404,8 +412,9 @@ def _overview_html(breakdowns: dict[str, Breakdown], of_paths: bool = False,
         note += ("<p>No spread between CPU runs and GPU traces: their µs differ a "
                  "thousandfold.</p>")
     elif steps_unlike(rows) and not of_paths:
-        note += f"<p>{STEPS_UNLIKE[0].upper() + STEPS_UNLIKE[1:]}.</p>"
-    return (f"<h2>Every trace (medians; µs = span, layer {_units(breakdowns)} in brackets)"
+        said = steps_unlike_note(rows)
+        note += f"<p>{said[0].upper() + said[1:]}.</p>"
+    return (f"<h2>Every {what} (medians; µs = span, layer {_units(breakdowns)} in brackets)"
             f"</h2><table>{head}{body}{foot}</table>{note}")
 
 
@@ -1084,6 +1093,9 @@ def write_report(path: str | Path, breakdowns: dict[str, Breakdown], title: str,
              _run_html(run, breakdowns),
              "".join(f"<p class=warn>{_escaped(fell_back_text(label, why))}.</p>"
                      for label, why in fell_back.items()),
+             # (a job's folder of rank traces, one gone)
+             "".join(f"<p class=warn>{_escaped(missing)}.</p>"
+                     for missing in [ranks_missing(list(breakdowns))] if missing),
              _runs_html(list(runs)),
              _overview_html(breakdowns, of_paths, short),
              _comparison_html(breakdowns, pairs, fallen, short),

@@ -938,25 +938,34 @@ def trace_labels(paths: list[str | Path]) -> list[str]:
 _RANK = re.compile(r"(?i)(?<![a-z])rank[_-]?(\d+)")
 
 
-def ranks_missing(labels: list[str]) -> str | None:
+def missing_ranks(labels: list[str]) -> dict[tuple[str, str], list[int]]:
     """Where traces named by rank (``rank0``, ``standard.rank1``, ``trace_rank-3``) skip one
-    or more rank numbers (0 to the highest given, per name otherwise alike), which: a rank
-    whose trace went missing would otherwise pass unsaid; None where none is missing or a
-    name has no rank."""
+    or more rank numbers (0 to the highest given, per name otherwise alike): per name, the
+    words before and after its rank number, the numbers missing; empty where none is missing
+    or a name has no rank."""
     groups: dict[tuple[str, str], set[int]] = {}
     for label in labels:
-        m = next((m for m in _RANK.finditer(label)), None)
-        if m is None:
-            return None
+        if (m := _RANK.search(label)) is None:
+            return {}
         groups.setdefault((label[:m.start(1)], label[m.end(1):]), set()).add(int(m[1]))
-    said = []
-    for (head, tail), ranks in groups.items():
-        gone = sorted(set(range(max(ranks) + 1)) - ranks)
-        if gone and max(ranks) < 4096:   # (a number that big names no rank of a job)
-            shown = ", ".join(map(str, gone[:5])) + (", …" if len(gone) > 5 else "")
-            said.append(f"{head}{{{shown}}}{tail}")
+    return {name: gone for name, ranks in groups.items()
+            # (a number that big names no rank of a job)
+            if (gone := sorted(set(range(max(ranks) + 1)) - ranks)) and max(ranks) < 4096}
+
+
+def ranks_missing(labels: list[str]) -> str | None:
+    """``missing_ranks`` as a line (a rank whose trace went missing would otherwise pass
+    unsaid), or None."""
+    said = [f"{head}{{{', '.join(map(str, gone[:5])) + (', …' if len(gone) > 5 else '')}}}"
+            f"{tail}" for (head, tail), gone in missing_ranks(labels).items()]
     return (f"ranks missing among the traces: {'; '.join(said)} (of 0 to the highest given)"
             if said else None)
+
+
+def missing_rank_labels(labels: list[str]) -> list[str]:
+    """The labels the traces of ``missing_ranks`` would have had (``rank1``)."""
+    return [f"{head}{rank}{tail}" for (head, tail), gone in missing_ranks(labels).items()
+            for rank in gone]
 
 
 def _partials_said(path: Path) -> str:

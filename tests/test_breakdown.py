@@ -23,6 +23,7 @@ from kimi_perf.layer_breakdown import (
     breakdown_of_file,
     layer_column,
 )
+from kimi_perf.trace import Trace
 from tests.conftest import KINETO, NSYS, REPO
 from tests.synth import TraceBuilder
 from tests.test_layers import KDA, MLA, k3_like, nvtx_decode_trace
@@ -307,8 +308,11 @@ def test_overview_columns_say_what_each_trace_calls_their_types(tmp_path):
     names = ("train_2xh100_before", "train_2xh100_after", "t2v_inference_2xh100_1s")
     rows = overview({n: breakdown(read_trace(NSYS / f"nsysai_fastvideo_wan2.1_{n}.sqlite"))
                      for n in names})
+    # each trace's two devices a row (torchrun's two ranks in one file)
+    assert [r.label for r in rows] == [f"{n} device {d}" for n in names for d in (0, 1)]
+    assert [(r.trace, r.device) for r in rows] == [(n, d) for n in names for d in (0, 1)]
     assert list(rows[0].types) == ["A", "B", "C", "B'"]
-    assert [rows[2].names[c] for c in rows[0].types] == ["A", "C", "D", "B"]
+    assert [rows[4].names[c] for c in rows[0].types] == ["A", "C", "D", "B"]
     note = renamed_columns(rows, most=6)
     assert note == ("columns name a type as the first trace that has it does: B is C in "
                     "t2v_inference_2xh100_1s; C is D in t2v_inference_2xh100_1s; B' is B in "
@@ -323,6 +327,166 @@ def test_overview_columns_say_what_each_trace_calls_their_types(tmp_path):
         plotly_js="cdn").read_text()
     assert "<p>Columns name a type as the first trace that has it does: B is C in " in report
     assert "B&#x27; is B in t2v_inference_2xh100_1s.</p>" in report
+
+
+def two_device_trace(slow_mla: float = 2.0, layers: tuple[int, int] = (4, 4)) -> Trace:
+    """Two ranks of a TP job in one file (as ``nsys profile torchrun`` writes it): process 1
+    on device 0, process 2 on device 1, each 3 decode steps of ``layers`` layers with ranges;
+    device 1 runs its MLA kernels ``slow_mla`` times as long."""
+    b = TraceBuilder()
+    for device, pid in ((0, 1), (1, 2)):
+        for s in range(3):
+            step_start = b.clock
+            for i, kernels in enumerate(k3_like(layers[device])):
+                kind = "mla" if "mla_decode" in kernels else "kda"
+                first = b.clock
+                for name in kernels:
+                    us = 1000 * (slow_mla if device == 1 and kind == "mla" else 1)
+                    t = b.clock
+                    b.launch(name, t, t + 50, t + 200, t + 200 + int(us), pid=pid, tid=pid,
+                             device=device)
+                    b.clock += int(us) + 100
+                b.range(f"layer[{i}]({kind})", first - 10, b.clock, pid=pid, tid=pid)
+            b.range(f"decode_step[{s}]", step_start - 20, b.clock, pid=pid, tid=pid)
+            b.clock += 5000
+    return b.build()
+
+
+def test_a_trace_of_two_devices_is_a_row_per_device():
+    """One file of a two-rank job whose rank 1 runs its MLA layers twice as long: its
+    medians over both devices mix the ranks (a 1.5x MLA, no straggler); a row per device
+    names device 1 the slowest in mla and the step, the figures those of each device's own
+    layers; the terminal's tables, the report and the run's JSON show it."""
+    from kimi_perf.comparison import device_figures, overview, overview_json, spreads
+    from kimi_perf.render import breakdown_tables, overview_table, tables_text
+
+    b = breakdown(two_device_trace())
+    assert sorted({s["device"] for s in b.steps}) == [0, 1] and len(b.steps) == 6
+    figures = device_figures(b)
+    assert list(figures) == [0, 1]
+    for device, (steps, per_type) in figures.items():
+        assert [s["device"] for s in steps] == [device] * 3
+        for t in ("kda", "mla"):   # each device's own layers' medians, from the rows
+            mine = [r for r in b.layers if r["device"] == device and r["type"] == t]
+            assert per_type[t] == (pytest.approx(np.median([r["kernels"] for r in mine])),
+                                   pytest.approx(np.median([r["span_us"] for r in mine])))
+    mla_ratio = figures[1][1]["mla"][1] / figures[0][1]["mla"][1]   # (the gaps not doubled)
+    assert mla_ratio == pytest.approx(2.0, rel=0.06)
+    whole = next(t for t in b.layer_types if t["type"] == "mla")   # the ranks mixed
+    assert whole["span_us"] == pytest.approx((figures[0][1]["mla"][1]
+                                              + figures[1][1]["mla"][1]) / 2)
+    rows = overview({"job": b})
+    assert [(r.label, r.trace, r.device, r.steps) for r in rows] == [
+        ("device 0", "job", 0, 3), ("device 1", "job", 1, 3)]
+    spread = {s.type: s for s in spreads(rows)}
+    assert spread["mla"].slowest_label == "device 1"
+    assert spread["mla"].ratio == pytest.approx(mla_ratio, abs=0.001)
+    assert spread[None].slowest_label == "device 1" and spread["kda"].ratio == 1.0
+    assert device_figures(breakdown(nvtx_decode_trace("layer[{i}]({kind})").build())) == {}
+    text = " ".join(tables_text(breakdown_tables(b)).split())
+    assert "Every device (medians; µs = span, layer kernels in brackets)" in text
+    assert "slowest: device 1 (step, mla)" in text
+    json_rows = overview_json(rows)["rows"]
+    assert [(r["label"], r["trace"], r["device"]) for r in json_rows] == [
+        ("device 0", "job", 0), ("device 1", "job", 1)]
+    # read back from JSON (layers a list of dicts): the same rows
+    again = Breakdown.from_json(json.loads(json.dumps(b.to_json())))
+    assert overview({"job": again}) == rows
+    # a device that ran no layer (a peer copy's, a stray kernel) is no rank: no row of its own
+    stray = nvtx_decode_trace("layer[{i}]({kind})")
+    stray.launch("peer_copy_kernel", 10, 20, 30, 40, device=1)
+    lone = breakdown(stray.build())
+    assert {s["device"] for s in lone.steps} == {0, 1} and device_figures(lone) == {}
+    assert [r.device for r in overview({"one": lone, "two": lone, "three": lone})] == [None] * 3
+    # one trace's devices whose steps hold other layers: said of devices, not of traces
+    from kimi_perf.comparison import DEVICE_STEPS_UNLIKE
+
+    uneven = overview({"job": breakdown(two_device_trace(layers=(4, 8)))})
+    assert [r.layers for r in uneven] == [4, 8] and None not in {s.type for s in spreads(uneven)}
+    assert DEVICE_STEPS_UNLIKE in " ".join(tables_text([overview_table(uneven)]).split())
+    # several traces: a row per device of the one that has several
+    others = overview({"one": breakdown(nvtx_decode_trace("layer[{i}]({kind})").build()),
+                       "job": b, "two": breakdown(nvtx_decode_trace("layer[{i}]({kind})")
+                                                  .build())})
+    assert [r.label for r in others] == ["one", "job device 0", "job device 1", "two"]
+    assert [r.device for r in others] == [None, 0, 1, None]
+
+
+def test_a_trace_of_two_devices_gets_its_device_table_in_the_report_and_the_run(tmp_path):
+    """``trace --from`` one file of two devices: the report's table of every device, the run
+    JSON's overview, the terminal's table."""
+    from click.testing import CliRunner
+
+    from kimi_perf.capture import analyse, run_document
+    from kimi_perf.cli import main
+
+    trace = two_device_trace()
+    b = breakdown(trace)
+    trace_file = tmp_path / "job.kptrace"
+    trace.save(trace_file)
+    run_dir, results, run_info = analyse([trace_file], tmp_path / "runs", plotly_js="cdn")
+    html = (run_dir / run_info["report"]).read_text()
+    assert "<h2>Every device (medians; µs = span, layer kernels in brackets)</h2>" in html
+    assert "<tr><th>device</th>" in html and "<p>slowest: device 1 (step, mla)</p>" in html
+    doc = run_document(run_dir, results, run_info)
+    assert [r["label"] for r in doc["overview"]["rows"]] == ["device 0", "device 1"]
+    assert b.steps == results["job"].steps
+    out = CliRunner().invoke(main, ["trace", "--from", str(trace_file), "-o",
+                                    str(tmp_path / "cli")])
+    assert out.exit_code == 0, out.output
+    assert "slowest: device 1 (step, mla)" in " ".join(out.output.split())
+
+
+def test_two_traces_of_two_devices_each_get_the_table_of_every_device(tmp_path):
+    """A before/after pair of whole TP jobs (each one file of two devices): the terminal shows
+    the pair's table and then a row per device of each; the JSON and the report hold it;
+    compare says that each side's figures pool its devices."""
+    from click.testing import CliRunner
+
+    from kimi_perf.cli import main
+
+    before, after = tmp_path / "before.kptrace", tmp_path / "after.kptrace"
+    two_device_trace(slow_mla=1.0).save(before)
+    two_device_trace(slow_mla=2.0).save(after)
+    out = CliRunner().invoke(main, ["trace", "--from", str(before), "--from", str(after), "-o",
+                                    str(tmp_path / "runs")])
+    assert out.exit_code == 0, out.output
+    text = " ".join(out.output.split())
+    assert text.index("Per layer type: before vs after") < text.index("Every trace")
+    assert "slowest: after device 1 (step, mla)" in text
+    assert "before's layers ran on 2 devices: its figures are medians over all of them" in text
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    assert "<td>after device 1</td>" in (run_dir / "report.html").read_text()
+    doc = json.loads(CliRunner().invoke(main, [
+        "trace", "--from", str(before), "--from", str(after), "-o", str(tmp_path / "json"),
+        "--format", "json"]).output)
+    assert [(r["trace"], r["device"]) for r in doc["overview"]["rows"]] == [
+        ("before", 0), ("before", 1), ("after", 0), ("after", 1)]
+    compared = CliRunner().invoke(main, ["compare", str(before), str(after)])
+    assert "after's layers ran on 2 devices" in " ".join(compared.output.split())
+    # one device each: no such table, no such note
+    one = tmp_path / "one.kptrace"
+    nvtx_decode_trace("layer[{i}]({kind})").build().save(one)
+    other = tmp_path / "other.kptrace"
+    nvtx_decode_trace("layer[{i}]({kind})", steps=3).build().save(other)
+    plain = CliRunner().invoke(main, ["trace", "--from", str(one), "--from", str(other), "-o",
+                                      str(tmp_path / "plain")])
+    assert plain.exit_code == 0 and "Every" not in plain.output
+    single = CliRunner().invoke(main, ["compare", str(one), str(other)])
+    assert single.exit_code == 0 and "devices" not in single.output
+
+
+def test_a_spread_of_equals_names_no_slowest():
+    """Two ranks 0.4% apart show 1.00x: neither is the slowest (it named one on noise); 0.6%
+    apart shows 1.01x, and names it."""
+    from kimi_perf.comparison import OverviewRow, spreads
+
+    def rows(slower: float) -> list[OverviewRow]:
+        return [OverviewRow(f"rank{i}", 3, 1000.0 * (slower if i else 1), {"A": (5, 100.0)},
+                            {"A": "same"}, layers=4.0) for i in (0, 1)]
+
+    assert [s.slowest_label for s in spreads(rows(1.004))] == [None, None]
+    assert [s.slowest_label for s in spreads(rows(1.006))] == ["rank1", None]
 
 
 def test_the_comparison_legend_says_what_a_type_only_the_other_side_has_is():

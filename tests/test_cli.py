@@ -1406,16 +1406,14 @@ def test_trace_from_two_traces_shows_short_labels_and_keeps_whole_names(tmp_path
     assert list(json.loads((run_dir / "breakdown.json").read_text())["paths"]) == whole
 
 
-def _median_device_span_us(path: Path) -> float:
-    """The median over an nsys export's devices of the time from its first GPU op's start
+def _device_spans_us(path: Path) -> list[float]:
+    """Per device of an nsys export, in device order, the time from its first GPU op's start
     to its last one's end, read with SQL."""
-    import statistics
-
     ops = " UNION ALL ".join(f"SELECT deviceId, start, end FROM CUPTI_ACTIVITY_KIND_{kind}"
                              for kind in ("KERNEL", "MEMCPY", "MEMSET"))
     with contextlib.closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True)) as db:
-        spans = db.execute(f"SELECT MAX(end) - MIN(start) FROM ({ops}) GROUP BY deviceId")
-        return statistics.median(ns for (ns,) in spans) / 1000
+        return [ns / 1000 for (ns,) in db.execute(
+            f"SELECT MAX(end) - MIN(start) FROM ({ops}) GROUP BY deviceId ORDER BY deviceId")]
 
 
 def test_trace_from_names_runs_after_their_files_and_compares_each(tmp_path):
@@ -1429,28 +1427,31 @@ def test_trace_from_names_runs_after_their_files_and_compares_each(tmp_path):
     for f in files:
         assert f.name.removesuffix(".sqlite") in result.output
     # the pattern types differ between these unrelated traces: no spread of other layers;
-    # nor of their steps (each device's window), which hold other numbers of layers
+    # nor of their steps (each device's window), which hold other numbers of layers; B',
+    # only the inference trace's, spreads between its two devices (torchrun's two ranks)
     spread = next(line for line in result.output.splitlines() if "slowest / fastest" in line)
-    assert re.findall(r"\d+\.\d+×", spread) == []
+    assert re.findall(r"[-\d.]+×|-", spread.split("│", 3)[3]) == ["-"] * 4 + ["1.00×"]
     said = " ".join(result.output.split())
     from kimi_perf.comparison import STEPS_UNLIKE
 
     assert "may name different layers (no spread)" in said and STEPS_UNLIKE in said
-    assert "slowest:" not in said
-    # the JSON holds what the table shows
+    assert "slowest:" not in said   # (its devices 0.1% apart: noise, no straggler)
+    # the JSON holds what the table shows: a row per device of each trace
     doc = json.loads(run(*args[:-1], tmp_path / "json", "--format", "json").output)
     doc = doc["overview"]
-    assert [r["label"] for r in doc["rows"]] == [f.name.removesuffix(".sqlite") for f in files]
-    assert doc["spreads"] == []
+    assert [(r["label"], r["trace"], r["device"]) for r in doc["rows"]] == [
+        (f"{f.name.removesuffix('.sqlite')} device {d}", f.name.removesuffix(".sqlite"), d)
+        for f in files for d in (0, 1)]
+    assert [s["type"] for s in doc["spreads"]] == ["B'"]
     assert doc["patterns_differ"] == ["A", "B", "C"]   # B' is only the last trace's
     # the rows leave out the words every name shares, and a line says which file each is
     shown = ["train_2xh100_before", "train_2xh100_after", "t2v_inference_2xh100_1s"]
     assert [line.split("│")[1].strip() for line in result.output.splitlines()
-            if line.count("│") > 3][:3] == shown
+            if line.count("│") > 3][:6] == [f"{s} device {d}" for s in shown for d in (0, 1)]
     assert "; ".join(f"{s}: {f.name.removesuffix('.sqlite')}" for s, f in zip(
         shown, files, strict=True)) in " ".join(result.output.split())
-    # each device is one step, the profiler's window: from the exports, its span's median
-    windows = [_median_device_span_us(f) for f in files]
+    # each device is one step, the profiler's window: from the exports, its span
+    windows = [us for f in files for us in _device_spans_us(f)]
     assert [r["step_us"] for r in doc["rows"]] == pytest.approx(windows, abs=0.1)
     (first,) = (p for p in tmp_path.iterdir() if p.name != "json")
     # the report's headers name each trace as the table does, in every one of its tables
@@ -3771,7 +3772,20 @@ def test_a_folder_of_ranks_missing_one_says_which(tmp_path):
         rank_copy(VLLM, folder / f"rank{rank}.json.gz", rank)
     result = run("trace", "--from", folder, "-o", tmp_path / "runs")
     assert result.exit_code == 0, result.output
-    assert "ranks missing among the traces: rank{1} (of 0 to the highest given)" in result.output
+    said = "ranks missing among the traces: rank{1} (of 0 to the highest given)"
+    assert said in result.output
+    (run_dir,) = (tmp_path / "runs").iterdir()   # the report says it, the JSON lists them
+    assert f"<p class=warn>{said}.</p>" in (run_dir / "report.html").read_text()
+    doc = json.loads(run("trace", "--from", folder, "-o", tmp_path / "json", "--format",
+                         "json").output)
+    assert doc["ranks_missing"] == ["rank1"]
+    assert "ranks_missing" not in json.loads(run("trace", "--from", folder / "rank0.json.gz",
+                                                 "-o", tmp_path / "one", "--format",
+                                                 "json").output)
+    from kimi_perf.runs import missing_rank_labels
+
+    assert missing_rank_labels(["a.rank0", "a.rank3", "b.rank1"]) == [
+        "a.rank1", "a.rank2", "b.rank0"]
     assert ranks_missing(["standard.rank0", "standard.rank1", "specialized.rank1"]) == (
         "ranks missing among the traces: specialized.rank{0} (of 0 to the highest given)")
     assert ranks_missing(["rank0", "rank1"]) is None and ranks_missing(["a", "rank1"]) is None
