@@ -778,10 +778,16 @@ def run_document(run_dir: Path, results: dict[str, Breakdown], run_info: dict,
                  lazy_layers: bool = False) -> dict:
     """What ``kimi-perf trace --format json`` prints of a ``capture`` or ``analyse``: the run,
     each path's (or trace's) breakdown, and the first set against each of the others; of
-    three or more, or any of several devices (``overview_wanted``), also every one in one
-    overview, as the table shows them; which ranks' traces are missing, where some are
+    three or more, also every one in one overview, as the table shows them (a row per device
+    of a trace of several); of fewer, each trace of several devices its own
+    (``device_overviews``); which ranks' traces are missing, where some are
     (``missing_rank_labels``) (``lazy_layers``: see ``Breakdown.to_json``)."""
-    from kimi_perf.comparison import Comparison, overview, overview_json, overview_wanted
+    from kimi_perf.comparison import (
+        Comparison,
+        device_overviews,
+        overview,
+        overview_json,
+    )
 
     first, *others = results
     fell_back = paths_that_fell_back(run_info)
@@ -798,8 +804,10 @@ def run_document(run_dir: Path, results: dict[str, Breakdown], run_info: dict,
            "comparisons": comparisons}
     if missing := missing_rank_labels(list(results)):   # (a job's folder, a rank's trace gone)
         doc["ranks_missing"] = missing
-    if overview_wanted(results):
+    if len(results) >= 3:
         doc["overview"] = overview_json(overview(results))
+    if devices := device_overviews(results):   # (one file of a TP job: which rank is slow)
+        doc["devices"] = {label: overview_json(rows) for label, rows in devices.items()}
     return doc
 
 

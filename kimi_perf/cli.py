@@ -28,8 +28,8 @@ from kimi_perf.classify import load_rules
 from kimi_perf.comparison import (
     compare_files,
     compute_units,
+    device_overviews,
     overview,
-    overview_wanted,
     type_pairs,
 )
 from kimi_perf.decode import floors as floors_mod
@@ -1708,8 +1708,9 @@ def _capture_with_progress(req: TraceRequest, console: Console
 def _print_run(console: Console, run_dir: Path, results: dict[str, Breakdown],
                run_info: dict) -> None:
     """``trace``'s terminal summary of a run: the paths side by side (three or more: in one
-    table), the notes, the floors, each path's decode metrics (a TP run's: rank 0's, and
-    which rank was slowest) and where the files are."""
+    table; a pair, then each one's devices where it ran on several), the notes, the floors,
+    each path's decode metrics (a TP run's: rank 0's, and which rank was slowest) and where
+    the files are."""
     from kimi_perf.comparison import compare as compare_breakdowns
     from kimi_perf.comparison import sides_notes
     from kimi_perf.report import capture_said, first_forward_text, ranks_text
@@ -1746,9 +1747,10 @@ def _print_run(console: Console, run_dir: Path, results: dict[str, Breakdown],
                 if not on_cpu:   # (a CPU run's line comes below, for every path)
                     for line in sides_notes(results[a], results[b], a, b):
                         console.print(line)   # GPUs of another kind, as compare says
-        if len(labels) == 2 and compared[0][1] and overview_wanted(results):
-            # (their devices: which rank is slow; the names said above)
-            _print_overview(console, results, unit, legend=False)
+        if compared and compared[0][1]:   # (a pair of TP jobs: which rank of each is slow)
+            shown = dict(zip(labels, header_labels(labels), strict=True))
+            for label, rows in device_overviews(results).items():
+                console.print(render.overview_table(rows, unit, of=shown[label]))
     if any(rows for _, rows in compared):
         for line in note_lines(results):
             console.print(line)
@@ -1791,11 +1793,10 @@ def _print_run(console: Console, run_dir: Path, results: dict[str, Breakdown],
     console.print(printable(f"report: {Path(run_dir).resolve() / run_info['report']}"))
 
 
-def _print_overview(console: Console, results: dict[str, Breakdown], unit: str,
-                    legend: bool = True) -> None:
+def _print_overview(console: Console, results: dict[str, Breakdown], unit: str) -> None:
     """Every trace in one table (a row per device of a trace of several), its rows without
     the words every name shares, as compare's table (the JSON, the notes below and the run's
-    files keep the whole names), and (``legend``) a line saying which is which."""
+    files keep the whole names), and a line saying which is which."""
     rows = overview(results)
     labels = list(results)
     shown = distinct_words(labels)
@@ -1804,7 +1805,7 @@ def _print_overview(console: Console, results: dict[str, Breakdown], unit: str,
         rows = [dataclasses.replace(r, trace=short[r.trace], label=short[r.trace] + (
             "" if r.device is None else f" device {r.device}")) for r in rows]
     console.print(render.overview_table(rows, unit))
-    if legend and shown != labels:
+    if shown != labels:
         console.print("; ".join(f"{s}: {label}" for s, label in zip(shown, labels,
                                                                     strict=True)))
 

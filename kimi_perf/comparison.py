@@ -579,10 +579,10 @@ def sides_notes(a: Breakdown, b: Breakdown, label_a: str, label_b: str) -> list[
                      f"figure{interpreted}; its ops are the launches each path annotates, one "
                      "per kernel a GPU runs")
     for label, x in ((label_a, a), (label_b, b)):
-        if devices := device_figures(x):   # (one file of a whole TP job)
+        if len(devices := layer_devices(x)) >= 2:   # (one file of a whole TP job)
             notes.append(f"{label}'s layers ran on {len(devices)} devices: its figures are "
-                         "medians over all of them (kimi-perf breakdown, or trace --from, "
-                         "shows each device's)")
+                         "medians over all of them (each device's: kimi-perf breakdown, trace "
+                         "--from, the report)")
     return notes
 
 
@@ -720,8 +720,8 @@ def device_figures(b: Breakdown) -> dict[int, tuple[list[dict], dict[str, tuple[
     layer type the median kernels and span of its layers there (as ``layer_types`` takes
     them over all); empty for a breakdown whose layers ran on one device, or that has none
     (a device that ran no layer, a peer copy's, is no rank of the model's: left out)."""
-    devices = sorted({d for d in layer_column(b.layers, "device").tolist() if d == d})
-    if len(devices) < 2:   # (d == d: not a NaN, a stored layer without its device)
+    devices = layer_devices(b)
+    if len(devices) < 2:
         return {}
     out: dict[int, tuple[list[dict], dict[str, tuple[float, float]]]] = {
         d: ([s for s in b.steps if s["device"] == d], {}) for d in devices}
@@ -758,10 +758,23 @@ def steps_unlike_note(rows: list[OverviewRow]) -> str:
     return DEVICE_STEPS_UNLIKE if of_devices(rows) else STEPS_UNLIKE
 
 
-def overview_wanted(breakdowns: dict[str, Breakdown]) -> bool:
-    """Whether the traces get the table of every one (``overview``): three or more, or any
-    whose layers ran on several devices (a row per device: which rank is slow)."""
-    return len(breakdowns) >= 3 or any(device_figures(b) for b in breakdowns.values())
+def layer_devices(b: Breakdown) -> list[int]:
+    """The devices a breakdown's layers ran on, in order (a stored layer without its device
+    counts none)."""
+    column = layer_column(b.layers, "device")
+    return [int(d) for d in np.unique(column[~np.isnan(column)] if column.dtype.kind == "f"
+                                      else column)]
+
+
+def device_overviews(breakdowns: dict[str, Breakdown]) -> dict[str, list[OverviewRow]]:
+    """Of one trace or two (a before/after pair of TP jobs, each one file), each whose layers
+    ran on several devices: its devices' rows (``overview``), spread among themselves, which
+    rank is slow (a spread over both jobs' devices would be the pair's difference); three or
+    more have one ``overview``, a row per device of those."""
+    if len(breakdowns) >= 3:
+        return {}
+    return {label: overview({label: b}) for label, b in breakdowns.items()
+            if len(layer_devices(b)) >= 2}
 
 
 def steps_unlike(rows: list[OverviewRow]) -> bool:
@@ -817,7 +830,7 @@ def renamed_columns(rows: list[OverviewRow], most: int = 4) -> str | None:
 @dataclass
 class Spread:
     """A layer type's (or the step's: type None) median span across traces, and the slowest
-    trace (the first of equals; None where the ratio is under 1.005, shown as 1.00)."""
+    trace (the first of equals; None where the ratio shows as 1.00)."""
 
     type: str | None
     fastest: float
@@ -846,9 +859,10 @@ def spreads(rows: list[OverviewRow]) -> list[Spread]:
         if len(values) >= 2:
             fast = min(v for v, _ in values)
             slow, label = max(values, key=lambda v: v[0])   # the first of equals
-            # (no slowest where the ratio shows as 1.00: two ranks 0.1% apart, noise)
-            out.append(Spread(layer_type, fast, slow,
-                              label if slow > fast and slow >= 1.005 * fast else None))
+            spread = Spread(layer_type, fast, slow, label if slow > fast else None)
+            if spread.ratio is not None and f"{spread.ratio:.2f}" == "1.00":
+                spread.slowest_label = None   # (two ranks 0.1% apart: noise, no straggler)
+            out.append(spread)
     return out
 
 

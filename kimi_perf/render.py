@@ -26,11 +26,10 @@ from kimi_perf.comparison import (
     aligned_typical,
     comparison_notes,
     count_text,
-    device_figures,
+    device_overviews,
     differing_note,
     differing_patterns,
     of_devices,
-    overview,
     patterns_differ,
     ratio_text,
     renamed_columns,
@@ -350,8 +349,8 @@ def breakdown_tables(b: Breakdown) -> list[Table]:
         classes.add_row(c, *(f"{count_text(x['kernels'])} / {x['us']:.1f}" if x else ""
                              for x in cells))
     tables.append(classes)
-    if device_figures(b):   # (one file of a TP job: which rank is slow, and in what)
-        tables.append(overview_table(overview({"trace": b}), unit))
+    if devices := device_overviews({"trace": b}):   # (one file of a TP job: which rank is slow)
+        tables.append(overview_table(devices["trace"], unit))
     return tables
 
 
@@ -471,14 +470,17 @@ def comparison_headline(rows: list[ComparisonRow], label_a: str, label_b: str,
     return "\n".join(parts)
 
 
-def overview_table(rows: list[OverviewRow], unit: str = "kernels") -> Table:
-    """Several traces (a TP run's ranks, say), or one trace's devices, a row each
-    (``overview``): the median step span and each layer type's median layer span and count;
-    then the spread, slowest over fastest, and (below) which was slowest."""
+def overview_table(rows: list[OverviewRow], unit: str = "kernels", of: str | None = None
+                   ) -> Table:
+    """Several traces (a TP run's ranks, say), or one trace's devices (``of``: which trace,
+    where the title names it), a row each (``overview``): the median step span and each layer
+    type's median layer span and count; then the spread, slowest over fastest, and (below)
+    which was slowest."""
     types = list(rows[0].types) if rows else []
     differ = differing_patterns(rows)
     what = "device" if of_devices(rows) else "trace"
-    table = _table(f"Every {what} (medians; µs = span, layer {unit} in brackets)",
+    table = _table(f"Every {what}{f' of {of}' if of else ''} (medians; µs = span, layer "
+                   f"{unit} in brackets)",
                    [what, "steps", "step µs",
                     *(f"{t or '-'}{' *' if t in differ else ''} µs" for t in types)],
                    left=(what,))

@@ -25,16 +25,18 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from kimi_perf.comparison import (
+    OverviewRow,
     aligned_types,
     aligned_typical,
     compare,
     comparison_notes,
     count_text,
+    device_overviews,
     differing_note,
     differing_patterns,
     gpus_text,
+    of_devices,
     overview,
-    overview_wanted,
     patterns_differ,
     ratio_text,
     renamed_columns,
@@ -372,20 +374,30 @@ def _steps_html(breakdowns: dict[str, Breakdown]) -> str:
 
 def _overview_html(breakdowns: dict[str, Breakdown], of_paths: bool = False,
                    short: dict[str, str] | None = None) -> str:
-    """Three traces or more (a TP run's ranks, say), or any of several devices
-    (``overview_wanted``): every one in one table (``overview``), a row per device of those,
-    with the spread of each layer type's span and the slowest trace;
-    ``of_paths``: the traces are the decode paths of several runs, whose spread would set one
-    path against another (no spread)."""
-    if not overview_wanted(breakdowns):
-        return ""
-    e = _escaped
-    rows = overview(breakdowns)
+    """Three traces or more (a TP run's ranks, say): every one in one table (``overview``; a
+    row per device of a trace of several), with the spread of each layer type's span and the
+    slowest trace; ``of_paths``: the traces are the decode paths of several runs, whose spread
+    would set one path against another (no spread). Of fewer, each trace of several devices
+    gets its own table of them (``device_overviews``)."""
     short = short or _short_labels(list(breakdowns))   # (as the tables below name them)
+    if len(breakdowns) >= 3:
+        return _overview_rows_html(overview(breakdowns), breakdowns, short, of_paths)
+    return "".join(_overview_rows_html(rows, {label: breakdowns[label]}, short, of=(
+        short[label] if len(breakdowns) > 1 else None))
+        for label, rows in device_overviews(breakdowns).items())
+
+
+def _overview_rows_html(rows: list[OverviewRow], breakdowns: dict[str, Breakdown],
+                        short: dict[str, str], of_paths: bool = False, of: str | None = None
+                        ) -> str:
+    """``overview``'s rows of ``breakdowns`` as a table, with its notes (``of``: the trace
+    whose devices they are, where the title names it)."""
+    e = _escaped
+    devices = of_devices(rows)
     # each row's name: its trace's short name (and its device); one trace's rows are devices
-    named = {r.label: r.label if len(breakdowns) == 1 else short[r.trace] + (
+    named = {r.label: r.label if devices else short[r.trace] + (
         "" if r.device is None else f" device {r.device}") for r in rows}
-    what = "device" if len(breakdowns) == 1 else "trace"
+    what = "device" if devices else "trace"
     types = list(rows[0].types)
     differ = differing_patterns(rows)
     spread = {s.type: s for s in spreads(rows)}
@@ -403,7 +415,8 @@ def _overview_html(breakdowns: dict[str, Breakdown], of_paths: bool = False,
         "compared pair by pair below.</p>" if of_paths else "".join(
             f"<p>slowest: {e(named[label])} ({e(', '.join(slow))})</p>"
             for label, slow in stragglers(list(spread.values())).items())
-    note = _said(short, list(breakdowns)) + note
+    if not devices:
+        note = _said(short, list(breakdowns)) + note
     if said := differing_note(rows):
         note += f"<p>{e(said)}.</p>"
     if renamed := renamed_columns(rows, most=len(types)):
@@ -414,7 +427,8 @@ def _overview_html(breakdowns: dict[str, Breakdown], of_paths: bool = False,
     elif steps_unlike(rows) and not of_paths:
         said = steps_unlike_note(rows)
         note += f"<p>{said[0].upper() + said[1:]}.</p>"
-    return (f"<h2>Every {what} (medians; µs = span, layer {_units(breakdowns)} in brackets)"
+    title = f"Every {what}" + (f" of {e(of)}" if of else "")
+    return (f"<h2>{title} (medians; µs = span, layer {_units(breakdowns)} in brackets)"
             f"</h2><table>{head}{body}{foot}</table>{note}")
 
 

@@ -429,7 +429,8 @@ def test_a_trace_of_two_devices_gets_its_device_table_in_the_report_and_the_run(
     assert "<h2>Every device (medians; µs = span, layer kernels in brackets)</h2>" in html
     assert "<tr><th>device</th>" in html and "<p>slowest: device 1 (step, mla)</p>" in html
     doc = run_document(run_dir, results, run_info)
-    assert [r["label"] for r in doc["overview"]["rows"]] == ["device 0", "device 1"]
+    assert [r["label"] for r in doc["devices"]["job"]["rows"]] == ["device 0", "device 1"]
+    assert "overview" not in doc
     assert b.steps == results["job"].steps
     out = CliRunner().invoke(main, ["trace", "--from", str(trace_file), "-o",
                                     str(tmp_path / "cli")])
@@ -438,9 +439,11 @@ def test_a_trace_of_two_devices_gets_its_device_table_in_the_report_and_the_run(
 
 
 def test_two_traces_of_two_devices_each_get_the_table_of_every_device(tmp_path):
-    """A before/after pair of whole TP jobs (each one file of two devices): the terminal shows
-    the pair's table and then a row per device of each; the JSON and the report hold it;
-    compare says that each side's figures pool its devices."""
+    """A before/after pair of whole TP jobs (each one file of two devices), the after's rank 1
+    slow in MLA: the terminal shows the pair's table and then each job's devices, spread
+    among themselves (one table of both jobs' devices named the after's rank the slowest by
+    the pair's difference alone); the JSON and the report hold them; compare says that each
+    side's figures pool its devices."""
     from click.testing import CliRunner
 
     from kimi_perf.cli import main
@@ -452,16 +455,21 @@ def test_two_traces_of_two_devices_each_get_the_table_of_every_device(tmp_path):
                                     str(tmp_path / "runs")])
     assert out.exit_code == 0, out.output
     text = " ".join(out.output.split())
-    assert text.index("Per layer type: before vs after") < text.index("Every trace")
-    assert "slowest: after device 1 (step, mla)" in text
+    assert (text.index("Per layer type: before vs after") < text.index("Every device of before")
+            < text.index("Every device of after") and "Every trace" not in text)
+    assert text.count("slowest: ") == 1 and "slowest: device 1 (step, mla)" in text
     assert "before's layers ran on 2 devices: its figures are medians over all of them" in text
     (run_dir,) = (tmp_path / "runs").iterdir()
-    assert "<td>after device 1</td>" in (run_dir / "report.html").read_text()
+    page = (run_dir / "report.html").read_text()
+    assert "<h2>Every device of before (" in page and "<h2>Every device of after (" in page
+    assert page.count("<p>slowest: ") == 1
     doc = json.loads(CliRunner().invoke(main, [
         "trace", "--from", str(before), "--from", str(after), "-o", str(tmp_path / "json"),
         "--format", "json"]).output)
-    assert [(r["trace"], r["device"]) for r in doc["overview"]["rows"]] == [
-        ("before", 0), ("before", 1), ("after", 0), ("after", 1)]
+    assert list(doc["devices"]) == ["before", "after"] and "overview" not in doc
+    assert [s["slowest"] for s in doc["devices"]["after"]["spreads"]] == [
+        "device 1", None, "device 1"]
+    assert {s["slowest"] for s in doc["devices"]["before"]["spreads"]} == {None}
     compared = CliRunner().invoke(main, ["compare", str(before), str(after)])
     assert "after's layers ran on 2 devices" in " ".join(compared.output.split())
     # one device each: no such table, no such note
@@ -477,8 +485,8 @@ def test_two_traces_of_two_devices_each_get_the_table_of_every_device(tmp_path):
 
 
 def test_a_spread_of_equals_names_no_slowest():
-    """Two ranks 0.4% apart show 1.00x: neither is the slowest (it named one on noise); 0.6%
-    apart shows 1.01x, and names it."""
+    """Two ranks 0.4% apart show 1.00x: neither is the slowest (it named one on noise), nor at
+    0.5% (shown 1.00x too); 0.6% apart shows 1.01x, and names it."""
     from kimi_perf.comparison import OverviewRow, spreads
 
     def rows(slower: float) -> list[OverviewRow]:
@@ -486,7 +494,9 @@ def test_a_spread_of_equals_names_no_slowest():
                             {"A": "same"}, layers=4.0) for i in (0, 1)]
 
     assert [s.slowest_label for s in spreads(rows(1.004))] == [None, None]
+    assert [s.slowest_label for s in spreads(rows(1.005))] == [None, None]   # (shows 1.00)
     assert [s.slowest_label for s in spreads(rows(1.006))] == ["rank1", None]
+    assert f"{spreads(rows(1.006))[0].ratio:.2f}" == "1.01"
 
 
 def test_the_comparison_legend_says_what_a_type_only_the_other_side_has_is():
