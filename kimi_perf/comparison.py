@@ -686,7 +686,7 @@ def differing_note(rows: list[OverviewRow]) -> str | None:
 def overview(breakdowns: dict[str, Breakdown]) -> list[OverviewRow]:
     """Every trace in one table, a row each, the layer types as the first trace names them
     (``aligned_types``; then the types only others have): the view of a TP run's ranks
-    (which rank is slow, and in what). A trace whose steps ran on several devices (one nsys
+    (which rank is slow, and in what). A trace whose layers ran on several devices (one nsys
     file of a whole TP job) is a row per device (``device_figures``), labelled ``device N``
     where it is the only trace: its medians over all of them would mix the ranks."""
     columns: dict[str, dict[str, str]] = {}
