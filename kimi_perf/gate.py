@@ -14,7 +14,10 @@ layer. Each kernel class's µs in a type's layers (``class_us``) is checked with
 ``kernel_us``, as it is, the classes sharing ``alpha``: a small kernel twice as slow, or one
 class's rise hidden by another's fall, leaves the layer's µs within tolerance; so is the one
 layer (by its index in a step) whose median rose most (``layer_kernel_us``), tested at
-``alpha`` over the layers compared. Whole steps' span is also checked by its mean
+``alpha`` over the layers compared. A job whose layers ran on several devices (a TP job's
+one trace) has them pooled in those figures, where one slow rank of eight hides: each device
+is checked on its own too (``kernel_us_device``, ``span_us_device``, the devices sharing
+``alpha``; ``_device_checks``). Whole steps' span is also checked by its mean
 (``span_us_mean``, with ``span_us``), which decode tokens/s follow: medians are robust to a
 slow step, and so blind to a slowdown of fewer than half the steps (every fourth one stalls);
 the mean fails where it rose beyond the tolerances and a one-sided permutation test of the
@@ -63,6 +66,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import itertools
 import json
 import math
 import numbers
@@ -80,6 +84,7 @@ from kimi_perf.comparison import (
     aligned_typical,
     gpu_kinds,
     gpus_text,
+    layer_devices,
     layer_sources,
     layers_per_step,
     pair_label,
@@ -121,8 +126,10 @@ from kimi_perf.text import also_as
 
 METRICS = ("kernels", "kernel_us", "span_us")
 STEP = "step"  # the pseudo layer type of whole decode steps
+# the checks of each device of a job of several (kernel_us's and span_us's, device by device)
+DEVICE_METRICS = ("kernel_us_device", "span_us_device")
 # the checks of times (class_us and layer_kernel_us: kernel_us's, by class and by layer)
-TIMES = ("kernel_us", "span_us", "class_us", "layer_kernel_us", "span_us_mean")
+TIMES = ("kernel_us", "span_us", "class_us", "layer_kernel_us", "span_us_mean", *DEVICE_METRICS)
 # the permutation test's resamples where the splits of the steps are more (seeded: a gate
 # gives one answer for one input), at least 20 / alpha (its smallest p is 1 / (resamples + 1))
 # up to a most; and how many values it draws at once (memory: 2,000 steps a side drew 1.9 GB)
@@ -209,7 +216,9 @@ class Check:
     kernel_class: str | None = None  # metric class_us: the class whose kernel µs it checks
     layer_index: int | None = None   # metric layer_kernel_us: the layer (its index in a step)
     alpha: float | None = None       # the test's alpha, where it is not --alpha (divided among
-                                     # the classes, or the layers, of a type)
+                                     # the classes, the layers, or the devices, of a type)
+    device: int | None = None        # a device's check: the run's device its figures are of
+    baseline_device: int | None = None   # and the baseline's paired with it
 
     @property
     def fails(self) -> bool:
@@ -258,6 +267,8 @@ class GateResult:
             return f"kernel_us (layer {check.layer_index})"
         if check.metric == "span_us_mean":
             return "span_us (mean)"
+        if check.metric in DEVICE_METRICS:
+            return f"{check.metric.removesuffix('_device')} (device {check.device})"
         return (check.metric.replace("kernels", "ops") if check.path in self.op_paths
                 else check.metric)
 
@@ -388,12 +399,11 @@ def gate_files(baseline: str | Path, run: str | Path,
         if set(other) == {TRACE} and len(runs) > 1:
             raise TraceError(file, f"holds the paths {', '.join(runs)}: choose the one the "
                                    f"other side stands for with {argument('--path', 'path_name')}")
-    result = gate(base, current, tolerances)
+    # (a baseline stored from a trace keys its figures so, whatever --path named)
+    result = gate(base, current, tolerances,
+                  base_doc.get("run_spread") if isinstance(base_doc, dict) else None,
+                  TRACE if base_keys == {TRACE} else None)
     result.stored_tolerances = stored
-    if isinstance(base_doc, dict) and base_doc.get("run_spread"):
-        # (a baseline stored from a trace keys its figures so, whatever --path named)
-        _within_spread(result, base_doc["run_spread"], TRACE if base_keys == {TRACE}
-                       else None)
     # how each side was captured: a trace in a run directory as its run.json says (compared
     # alone: the documents, what --update stores, stay load_run's)
     base_info, run_info = (_trace_info(file, runs) or doc if json_file is None else doc
@@ -690,7 +700,7 @@ def spread_of_runs(run: str | Path, others: Sequence[str | Path],
         for c in result.checks:
             if (c.metric in SPREAD_METRICS and c.layer_index is None
                     and None not in (c.baseline, c.current)):
-                figures.setdefault((c.path, c.layer_type, c.metric, c.kernel_class, None),
+                figures.setdefault((c.path, c.layer_type, c.metric, c.kernel_class, None, None),
                                    [c.baseline]).append(c.current)
         # each layer's (layer_kernel_us checks the one that rose most, whichever it is), of
         # the types as the gate paired them (their letters may differ)
@@ -707,15 +717,29 @@ def spread_of_runs(run: str | Path, others: Sequence[str | Path],
                 for index, samples in _by_index(base_b, layer_type).items():
                     if index in theirs:
                         figures.setdefault(
-                            (path, layer_type, "layer_kernel_us", None, index),
+                            (path, layer_type, "layer_kernel_us", None, index, None),
                             [float(np.median(samples))]).append(float(np.median(theirs[index])))
+            # each device's, of a job of several (its checks test the one that moved most)
+            types = [(t, named) for (p, t), named in run_type.items() if p == path]
+            devices = device_pairs(base_b, cur_b)
+            for (layer_type, named), metric in itertools.product(
+                    [*types, (STEP, STEP)], ("kernel_us", "span_us")):
+                ours = _by_device(base_b, layer_type, metric) if devices else {}
+                theirs = _by_device(cur_b, named, metric) if devices else {}
+                for base_device, cur_device in devices:
+                    if base_device in ours and cur_device in theirs:
+                        figures.setdefault(
+                            (path, layer_type, f"{metric}_device", None, None, base_device),
+                            [float(np.median(ours[base_device][0]))]).append(
+                            float(np.median(theirs[cur_device][0])))
     _no_twins([run, *others], [v for v in figures.values() if len(v) == len(others) + 1])
     return {"runs": [str(run), *map(str, others)],
             "figures": [{"path": path, "layer_type": layer_type, "metric": metric,
                          **({"kernel_class": kernel_class} if kernel_class is not None else {}),
                          **({"layer_index": index} if index is not None else {}),
+                         **({"device": device} if device is not None else {}),
                          "values": values}
-                        for (path, layer_type, metric, kernel_class, index), values
+                        for (path, layer_type, metric, kernel_class, index, device), values
                         in figures.items() if len(values) == len(others) + 1]}
 
 
@@ -764,12 +788,14 @@ def _within_spread(result: GateResult, spread: dict, path: str | None) -> None:
     freedom); p ≥ the check's alpha: noise. A kernel class's or a layer's figure is tested as
     its share of its type's kernel µs (in each run and in this one): the factor a run's noise
     moves all of a run's kernels by cancels, where the class's or layer's alpha (a share of
-    ``alpha``) would leave a wide interval of few runs wider still. ``path``: the one the
+    ``alpha``) would leave a wide interval of few runs wider still. A device's figure is
+    tested against its device's runs; a spread stored without them (before the gate checked
+    each device) lends its pooled figure's, scaled to the device's. ``path``: the one the
     stored figures are keyed by (a baseline of one trace's), else each check's own."""
     from scipy.stats import t as t_dist
 
     figures = {(f["path"], f["layer_type"], f["metric"], f.get("kernel_class"),
-                f.get("layer_index")): np.asarray(f["values"], dtype=float)
+                f.get("layer_index"), f.get("device")): np.asarray(f["values"], dtype=float)
                for f in spread["figures"]}
     result.spread_runs = len(spread["runs"])
     type_us = {(c.path, c.layer_type): c.current for c in result.checks
@@ -777,12 +803,19 @@ def _within_spread(result: GateResult, spread: dict, path: str | None) -> None:
     for c in result.checks:
         if c.status not in ("regression", "improvement") or c.current is None:
             continue
-        key = (path or c.path, c.layer_type, c.metric, c.kernel_class, c.layer_index)
-        if (runs := figures.get(key)) is None:
+        key = (path or c.path, c.layer_type, c.metric, c.kernel_class, c.layer_index,
+               c.baseline_device)
+        runs, scaled = figures.get(key), False
+        if runs is None and c.metric in DEVICE_METRICS and c.baseline:
+            pooled = figures.get((key[0], c.layer_type, c.metric.removesuffix("_device"), None,
+                                  None, None))
+            if pooled is not None and pooled[0] > 0:   # (pooled[0]: the stored run's)
+                runs, scaled = pooled * (c.baseline / pooled[0]), True
+        if runs is None:
             continue
         current, share = c.current, None
         if c.metric in ("class_us", "layer_kernel_us"):
-            whole = figures.get((key[0], c.layer_type, "kernel_us", None, None))
+            whole = figures.get((key[0], c.layer_type, "kernel_us", None, None, None))
             if whole is None or not type_us.get((c.path, c.layer_type)) or not np.all(whole > 0):
                 continue
             runs, current = runs / whole, current / type_us[c.path, c.layer_type]
@@ -803,7 +836,10 @@ def _within_spread(result: GateResult, spread: dict, path: str | None) -> None:
             c.status = "noise"
             c.detail = (f"within the spread of the baseline's {runs.size} runs ("
                         + (f"{share}the runs' " if share else "")
-                        + f"mean {mean:.4g}, sd {sd:.2g})")
+                        + f"mean {mean:.4g}, sd {sd:.2g})"
+                        + ("; of the runs' figure over all devices, scaled to this one's: the "
+                           "baseline keeps no spread of each device's (gate --update "
+                           "--spread-from again keeps it)" if scaled else ""))
 
 
 def _holds(runs: dict) -> str:
@@ -1005,12 +1041,16 @@ def _paired(baseline: dict[str, Breakdown], current: dict[str, Breakdown]
 
 
 def gate(baseline: dict[str, Breakdown], current: dict[str, Breakdown],
-         tolerances: Tolerances = Tolerances()) -> GateResult:
+         tolerances: Tolerances = Tolerances(), run_spread: dict | None = None,
+         spread_path: str | None = None) -> GateResult:
     """Every (path, layer type, metric) of the baseline checked against the run. A baseline
     without steps or layers has nothing to check: a ValueError. The breakdowns alone: what
     the runs' information says (``gate_files``: how each was captured, models of other
     depths, which steps fell back) is not read, so two models of other depths differ here
-    in their layers a step, where ``gate_files`` says they are other models."""
+    in their layers a step, where ``gate_files`` says they are other models. ``run_spread``:
+    the spread of the baseline's runs (``spread_of_runs``), a time past the tolerances
+    tested against it too; ``spread_path``: the path its figures are keyed by, where it is
+    not each check's own (``TRACE``: a baseline of one trace's)."""
     for side, runs in (("baseline", baseline), ("current", current)):
         if not (isinstance(runs, dict) and all(isinstance(b, Breakdown)
                                                for b in runs.values())):
@@ -1022,10 +1062,13 @@ def gate(baseline: dict[str, Breakdown], current: dict[str, Breakdown],
                         f"({tolerances!r}): Tolerances(rel_tol=..., alpha=..., metrics=...)")
     if not has_work(baseline):
         raise ValueError("the baseline holds no steps and no layers: nothing to check")
+    if problem := run_spread_problem(run_spread):
+        raise ValueError(problem)
     if len(baseline) == 1 and len(current) == 1 and TRACE in (*baseline, *current):
         # a plain trace against one path: compare them, whatever the name
         current = {next(iter(baseline)): next(iter(current.values()))}
     checks: list[Check] = []
+    paired_devices: dict[str, list[tuple[int, int]]] = {}
     op_paths = [p for p in dict.fromkeys([*baseline, *current])
                 if all(b.unit == "ops" for b in (baseline.get(p), current.get(p)) if b)]
     # the one rule for CPU time (Tolerances.cpu_times): a path of CPU runs alone is checked on
@@ -1043,6 +1086,7 @@ def gate(baseline: dict[str, Breakdown], current: dict[str, Breakdown],
         # waiver here: a layer whose range is gone is the regression `layers` is for; depths
         # are waived where run.json says them, in gate_files)
         windows = _unequal_windows(base, cur)
+        devices = paired_devices[path] = device_pairs(base, cur)
         for base_type, cur_type in [*pairs, (STEP, STEP)]:
             label = pair_label(base_type, cur_type, base)
             shifted = base_type in moved or (base_type == STEP and windows is not None)
@@ -1070,9 +1114,14 @@ def gate(baseline: dict[str, Breakdown], current: dict[str, Breakdown],
                                                   np.median),
                               _largest(path, label, base, cur, base_s, cur_s)]
                 else:
+                    base_steps = _step_means(base_s, _step_groups(base, base_type))
+                    cur_steps = _step_means(cur_s, _step_groups(cur, cur_type))
                     found.append(_time_check(path, label, metric, base_s, cur_s, tolerances,
-                                             _step_means(base_s, _step_groups(base, base_type)),
-                                             _step_means(cur_s, _step_groups(cur, cur_type))))
+                                             base_steps, cur_steps))
+                    if devices and None not in (base_type, cur_type):
+                        found += _device_checks(path, label, metric, base, base_type, cur,
+                                                cur_type, tolerances, devices, not _testable(
+                                                    base_steps, cur_steps, tolerances))
                     if metric == "span_us" and base_type == STEP and (mean := _mean_check(
                             path, label, _each_step(base, base_s), _each_step(cur, cur_s),
                             tolerances)):
@@ -1086,7 +1135,10 @@ def gate(baseline: dict[str, Breakdown], current: dict[str, Breakdown],
                 if unlike_times and check.metric in TIMES and check.status in (
                         "regression", "improvement", "noise"):
                     check.status = "changed"
-                if check.status in ("regression", "improvement"):
+                if check.status in ("regression", "improvement") and (
+                        check.metric in DEVICE_METRICS):   # (``_shown_devices`` says its own)
+                    check.detail = windows if base_type == STEP else None
+                elif check.status in ("regression", "improvement"):
                     check.detail = (windows if base_type == STEP and windows is not None
                                     else _step_behind(check, base, cur, pairs)
                                     if base_type == STEP
@@ -1117,9 +1169,13 @@ def gate(baseline: dict[str, Breakdown], current: dict[str, Breakdown],
                       for p in dict.fromkeys([*baseline, *current]))
     # (a path one side lacks is missing or new, whatever its unit: no times left out)
     left_out = any(p in baseline and p in current for p in ops_alone)
-    return GateResult(checks, tolerances, op_paths=op_paths,
-                      cpu_time_metrics=times if cpu_checked else [],
-                      cpu_times_left_out=times if left_out else [])
+    result = GateResult(checks, tolerances, op_paths=op_paths,
+                        cpu_time_metrics=times if cpu_checked else [],
+                        cpu_times_left_out=times if left_out else [])
+    if run_spread:
+        _within_spread(result, run_spread, spread_path)
+    result.checks = _shown_devices(result.checks, paired_devices)
+    return result
 
 
 def _digest(b: Breakdown | None, layer_type: str | None) -> str | None:
@@ -1698,6 +1754,109 @@ def _by_index(b: Breakdown, layer_type: str) -> dict[int, np.ndarray]:
     of_index = keys // (int(step.max()) + 1)     # (keys sorted: by index, then step)
     heads, starts = np.unique(of_index, return_index=True)
     return dict(zip(heads.tolist(), np.split(means, starts[1:]), strict=True))
+
+
+def device_pairs(base: Breakdown | None, cur: Breakdown | None) -> list[tuple[int, int]]:
+    """The devices of a job of several (a TP job's one trace), the baseline's and the run's
+    paired in order (their ranks), where both sides' layers ran on as many devices, two or
+    more, and say where; none otherwise (a job of another size is captured differently)."""
+    if base is None or cur is None or not (_says_where(base) and _says_where(cur)):
+        return []
+    ours, theirs = layer_devices(base), layer_devices(cur)
+    return list(zip(ours, theirs, strict=True)) if len(ours) == len(theirs) >= 2 else []
+
+
+def _by_device(b: Breakdown, layer_type: str, metric: str
+               ) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+    """A type's (or the steps') figures on each device, and their mean per step there (what
+    the test takes, as ``_step_means``)."""
+    if layer_type == STEP:
+        device = np.array([s["device"] for s in b.steps], np.float64)
+        values = np.array([s[metric] for s in b.steps], np.float64)
+        step = np.arange(len(b.steps))
+    else:
+        device = layer_column(b.layers, "device", layer_type).astype(np.float64)
+        values = layer_column(b.layers, metric, layer_type).astype(np.float64)
+        step = layer_column(b.layers, "step", layer_type)
+    out = {}
+    for d in np.unique(device[~np.isnan(device)]):   # (a stored row may lack its device)
+        here = device == d
+        out[int(d)] = (values[here], _step_means(
+            values[here], np.unique(step[here], return_inverse=True)[1].ravel()))
+    return out
+
+
+def _device_checks(path: str, label: str, metric: str, base: Breakdown, base_type: str,
+                   cur: Breakdown, cur_type: str, tol: Tolerances,
+                   devices: list[tuple[int, int]], by_layers: bool) -> list[Check]:
+    """``METRIC_device``: each device's figures against its pair's (``device_pairs``), tested
+    as ``_time_check`` tests the whole's, at ``alpha`` shared among the devices: one rank of
+    eight slower by a fifth moves the figures over all of them by little or nothing. A device
+    that ran the type on one side alone is ``missing`` (``new``). None where a device's steps
+    are too few for the test at that alpha (``by_layers``, where the whole's are too: its
+    layers), as the largest of several ratios no test decides would pass for a regression.
+    ``_shown_devices`` keeps one of them."""
+    shared = dataclasses.replace(tol, alpha=tol.alpha / len(devices))
+    ours, theirs = _by_device(base, base_type, metric), _by_device(cur, cur_type, metric)
+    pairs = [(b, c, ours.get(b, (None, None)), theirs.get(c, (None, None))) for b, c in devices]
+    if not all(_testable(mine[1], other[1], shared)
+               or (by_layers and _testable(mine[0], other[0], shared))
+               for *_, mine, other in pairs if mine[0] is not None and other[0] is not None):
+        return []
+    checks = []
+    for base_device, cur_device, (base_s, base_steps), (cur_s, cur_steps) in pairs:
+        if base_s is None and cur_s is None:
+            continue
+        check = _time_check(path, label, f"{metric}_device", base_s, cur_s, shared, base_steps,
+                            cur_steps)
+        check.device, check.baseline_device, check.alpha = cur_device, base_device, shared.alpha
+        checks.append(check)
+    return checks
+
+
+# which device's check a type's shows: the first status of these there is, else the device
+# whose figure moved most
+DEVICE_SHOWN = ("missing", "regression", "new", "improvement")
+
+
+def _shown_devices(checks: list[Check], devices: dict[str, list[tuple[int, int]]]
+                   ) -> list[Check]:
+    """Each (path, type, metric)'s device checks as one, in the place of the first: the
+    device missing, else the one that regressed most, new, improved most, else moved most
+    (tested against the spread first, where the baseline keeps one), its detail saying its
+    rank and how the others' medians moved."""
+    groups: dict[tuple[str, str, str], list[Check]] = {}
+    for c in checks:
+        if c.metric in DEVICE_METRICS:
+            groups.setdefault((c.path, c.layer_type, c.metric), []).append(c)
+    out = []
+    for c in checks:
+        if c.metric not in DEVICE_METRICS:
+            out.append(c)
+        elif (group := groups.pop((c.path, c.layer_type, c.metric), None)) is not None:
+            out.append(_shown_device(group, devices[c.path]))
+    return out
+
+
+def _shown_device(group: list[Check], devices: list[tuple[int, int]]) -> Check:
+    def rise(c: Check) -> float:
+        return math.inf if c.change is None else c.change
+
+    shown = next((pick(at, key=rise) for status in DEVICE_SHOWN
+                  if (at := [c for c in group if c.status == status])
+                  for pick in [min if status == "improvement" else max]),
+                 None) or max(group, key=lambda c: abs(rise(c)))
+    rank = [d for _, d in devices].index(shown.device)
+    others = [c.change for c in group if c is not shown and c.change is not None]
+    said = ((f"device {shown.device} of {len(devices)}" if shown.device == rank
+             else f"device {shown.device}, rank {rank} of {len(devices)}")
+            + (f" (the baseline's device {shown.baseline_device})"
+               if shown.baseline_device != shown.device else "")
+            + (f"; the others' medians moved {min(others):+.1%}"
+               + (f" to {max(others):+.1%}" if f"{min(others):+.1%}" != f"{max(others):+.1%}"
+                  else "") if others else ""))
+    shown.detail = said + (f"; {shown.detail}" if shown.detail else "")
+    return shown
 
 
 def _kernel_count_check(path: str, layer_type: str, metric: str, base: np.ndarray | None,

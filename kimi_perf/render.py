@@ -40,6 +40,7 @@ from kimi_perf.comparison import (
     stragglers,
 )
 from kimi_perf.gate import (
+    DEVICE_METRICS,
     TIMES,
     Check,
     GatedRun,
@@ -649,9 +650,10 @@ def _clipped(text: str) -> str:
 def gate_headline(result: GateResult) -> str:
     if result.ok:
         return f"gate: pass ({len(result.checks)} checks)"
-    # how the sides differ first: it explains the rest, and a long list would cut it off
-    failures = sorted(result.failures, key=lambda c: c.status not in (
-        "captured differently", "broken down differently"))
+    # how the sides differ first: it explains the rest, and a long list would cut it off;
+    # each device's last (where the whole regressed, its devices did too)
+    failures = sorted(result.failures, key=lambda c: (c.status not in (
+        "captured differently", "broken down differently"), c.metric in DEVICE_METRICS))
     # a layer type the run lost fails each of its checks: one item, naming them; a path it
     # lost (each of its checks missing) one item, naming its types
     lost_paths = {c.path for c in failures if c.status == "missing"} - {
@@ -802,7 +804,10 @@ def gate_junit(result: GateResult, files: tuple[str, str], verdict: str) -> str:
     for c in result.checks:
         # (a dot splits a class name into packages: the path's and the type's are one each)
         where = ".".join(part.replace(".", "_") for part in (c.path, c.layer_type))
-        name = result.metric_name(c) + (f" ({c.status})" if c.metric == "decode path" else "")
+        # (a device's check named alike whichever device it shows: a server follows it)
+        name = (f"{c.metric.removesuffix('_device')} (each device)" if c.metric in DEVICE_METRICS
+                else result.metric_name(c) + (f" ({c.status})" if c.metric == "decode path"
+                                              else ""))
         named[where, name] += 1
         if named[where, name] > 1:   # (types only the run has, say, all named "-")
             name = f"{name} #{named[where, name]}"

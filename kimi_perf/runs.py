@@ -194,6 +194,9 @@ def stored_tolerances_problem(value: object) -> str | None:
 # a layer type's and a step's medians, each class's and each layer's kernel µs, the steps'
 # mean span
 SPREAD_METRICS = ("kernel_us", "span_us", "class_us", "layer_kernel_us", "span_us_mean")
+# each device's medians of a job of several (the gate's per-device checks), by the stored
+# run's device
+SPREAD_DEVICE_METRICS = ("kernel_us_device", "span_us_device")
 SPREAD_FEWEST_RUNS = 5   # the stored run and four more: at alpha 0.01, three runs pass a run
                          # 8 sd off their mean, four one 5 sd off
 
@@ -210,22 +213,26 @@ def run_spread_problem(value: object) -> str | None:
     keys = set()
     for i, f in enumerate(figures):
         if not (isinstance(f, dict) and set(f) <= {"path", "layer_type", "metric",
-                                                   "kernel_class", "layer_index", "values"}
+                                                   "kernel_class", "layer_index", "device",
+                                                   "values"}
                 and all(isinstance(f.get(k), str) for k in ("path", "layer_type"))
-                and f.get("metric") in SPREAD_METRICS
+                and f.get("metric") in (*SPREAD_METRICS, *SPREAD_DEVICE_METRICS)
                 # (a class's name for class_us alone, a layer's index for layer_kernel_us)
                 and isinstance(f.get("kernel_class", ""), str)
                 and ("kernel_class" in f) == (f["metric"] == "class_us")
                 and type(f.get("layer_index", 0)) is int
                 and ("layer_index" in f) == (f["metric"] == "layer_kernel_us")
+                and type(f.get("device", 0)) is int
+                and ("device" in f) == (f["metric"] in SPREAD_DEVICE_METRICS)
                 and isinstance(values := f.get("values"), list) and len(values) == len(runs)
                 and all(is_finite_number(v) for v in values)):
             return (f"run_spread.figures[{i}] is not an object of a path, layer_type, metric "
-                    f"({', '.join(SPREAD_METRICS)}; a kernel_class for class_us, a "
-                    "layer_index for layer_kernel_us) and a finite value for each of its "
+                    f"({', '.join((*SPREAD_METRICS, *SPREAD_DEVICE_METRICS))}; a "
+                    "kernel_class for class_us, a layer_index for layer_kernel_us, a device "
+                    "for a device's) and a finite value for each of its "
                     f"{len(runs)} runs")
         key = tuple(f.get(k) for k in ("path", "layer_type", "metric", "kernel_class",
-                                       "layer_index"))
+                                       "layer_index", "device"))
         if key in keys:
             return f"run_spread.figures[{i}] is a figure of an earlier one's again"
         keys.add(key)

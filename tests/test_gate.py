@@ -20,13 +20,15 @@ from kimi_perf import render
 from kimi_perf.classify import Rule, load_rules
 from kimi_perf.cli import EXAMPLE_TRACE, main
 from kimi_perf.errors import TraceError
-from kimi_perf.gate import Tolerances, gate, gate_files, update_baseline
+from kimi_perf.gate import Tolerances, gate, gate_files, spread_of_runs, update_baseline
 from kimi_perf.layer_breakdown import Breakdown, breakdown
+from kimi_perf.readers import read_trace
 from kimi_perf.render import gate_headline
-from kimi_perf.runs import load_run, run_differences
-from kimi_perf.trace import json_text
+from kimi_perf.runs import load_run, run_differences, run_spread_problem
+from kimi_perf.trace import Trace, json_text
 from tests.conftest import KINETO, NSYS, REPO
-from tests.test_layers import nvtx_decode_trace
+from tests.synth import TraceBuilder
+from tests.test_layers import k3_like, nvtx_decode_trace
 
 BASELINE = REPO / "traces" / "baselines" / "tiny-cpu.json"
 
@@ -293,7 +295,13 @@ def test_gate_of_a_real_before_and_after_pair_with_blocks_cut_elsewhere():
     result = CliRunner().invoke(main, ["gate", str(before), str(after), "--format", "json"])
     assert result.exit_code == 1, result.output
     checks = {(c["layer_type"], c["metric"]): c for c in json.loads(result.output)["checks"]}
-    assert [k for k, c in checks.items() if c["status"] == "regression"] == [("A", "span_us")]
+    assert [k for k, c in checks.items() if c["status"] == "regression"] == [
+        ("A", "span_us"), ("A", "span_us_device")]
+    # each of the two devices is slower: the one slower most shown, the other's rise said
+    device = checks[("A", "span_us_device")]
+    assert (device["device"], device["baseline_device"]) == (0, 0) and device["change"] > 0.13
+    assert re.fullmatch(r"device 0 of 2; the others' medians moved \+1\d\.\d%",
+                        device["detail"])
     span = checks[("A", "span_us")]
     # against the export itself: the median spacing of the blocks' >1 ms attention kernels
     spacing = [_long_kernel_spacing_us(trace) for trace in (before, after)]
@@ -331,14 +339,14 @@ def test_gate_writes_its_verdict_to_a_file_or_nothing(tmp_path):
                                        "-o", str(out)])
     # stdout empty; the log still gets the verdict's last line, and where the rest is
     assert result.exit_code == 1 and result.stdout == ""
-    assert result.stderr.startswith("gate: FAIL, 1 regression") and result.stderr.endswith(
-        f" (in {out})\n")
+    assert result.stderr.startswith("gate: FAIL, 2 regressions: trace A span_us 16,724 -> "
+                                    "19,030") and result.stderr.endswith(f" (in {out})\n")
     said = CliRunner().invoke(main, ["gate", str(before), str(after), "--format", "json"])
     doc = json.loads(out.read_text())
     assert doc == json.loads(said.output)
     # what a CI job reads without knowing the statuses: which checks fail, and what was gated
-    assert doc["failed"] == sum(c["fails"] for c in doc["checks"]) == 1
-    assert [c["status"] for c in doc["checks"] if c["fails"]] == ["regression"]
+    assert doc["failed"] == sum(c["fails"] for c in doc["checks"]) == 2
+    assert [c["status"] for c in doc["checks"] if c["fails"]] == ["regression"] * 2
     assert doc["headline"] == result.stderr.removesuffix(f" (in {out})\n")
     assert (doc["baseline_file"], doc["run_file"]) == (str(before), str(after))
     text = tmp_path / "gate.txt"
@@ -349,7 +357,7 @@ def test_gate_writes_its_verdict_to_a_file_or_nothing(tmp_path):
                                            "/proc/gate.json"])
     assert unwritable.exit_code == 2 and "gate:" not in unwritable.stderr, unwritable.stderr
     lines = text.read_text().splitlines()
-    assert lines[-1].startswith("gate: FAIL, 1 regression") and any(
+    assert lines[-1].startswith("gate: FAIL, 2 regressions") and any(
         "span_us" in line for line in lines)
     broken = tmp_path / "broken.json"
     broken.write_text("{")
@@ -413,12 +421,13 @@ def test_gate_writes_junit_for_a_ci_servers_test_report(tmp_path):
     (suite,) = suites.findall("testsuite")
     cases = suite.findall("testcase")
     assert suites.get("tests") == suite.get("tests") == str(len(doc["checks"])) == str(len(cases))
-    assert suites.get("failures") == suite.get("failures") == str(doc["failed"]) == "1"
+    assert suites.get("failures") == suite.get("failures") == str(doc["failed"]) == "2"
     names = [(case.get("classname"), case.get("name")) for case in cases]
     assert len(set(names)) == len(names) and ("trace.A", "kernel_us (gemm)") in names
     failed = [(case.get("classname"), case.get("name"), case.find("failure"))
               for case in cases if case.find("failure") is not None]
-    ((where, metric, failure),) = failed
+    ((where, metric, failure), (_, each_device, _)) = failed
+    assert each_device == "span_us (each device)"   # (device 0's, named alike every night)
     check = next(c for c in doc["checks"] if c["fails"])
     assert (where, metric) == (f"{check['path']}.{check['layer_type']}", check["metric"])
     assert failure.get("type") == "regression" and failure.text == check["detail"]
@@ -2513,9 +2522,9 @@ def test_results_read_short_in_a_notebook():
                      for n in ("before", "after"))
     gated = gate_files(before, after)
     assert not gated.result.ok
-    failing = len(gated.result.failures)
+    assert len(gated.result.failures) == 2   # (the blocks' span, and device 0's)
     assert repr(gated.result) == (f"GateResult(FAIL, {len(gated.result.checks)} checks, "
-                                  f"{failing} regression)")
+                                  "2 regressions)")
     assert repr(gated) == f"GatedRun({gated.result!r}, baseline ['trace'], current ['trace'])"
     stored = gate_files(BASELINE, BASELINE)
     assert repr(stored).startswith("GatedRun(GateResult(ok, ") and str(BASELINE) in repr(stored)
@@ -3044,3 +3053,224 @@ def test_the_spread_of_runs_takes_runs_of_the_same_work_alone(tmp_path):
         assert result.exit_code == 2 and result.output.startswith(
             f"kimi-perf: error: {tmp_path / 'bad.json'}: run_spread") and problem in \
             result.output and len(result.output.splitlines()) == 1, result.output
+
+
+def tp_job_trace(seed: int, factor: float = 1.0, slow: dict[int, float] | None = None,
+                 devices: int = 4, first_device: int = 0, steps: int = 12) -> Trace:
+    """One file of a TP job (as ``nsys profile torchrun`` writes it): a process per device,
+    each ``steps`` decode steps of 4 layers with ranges, each step's kernels 1% of noise of
+    their own; every kernel ``factor`` times as long (a run's clocks), those of each rank in
+    ``slow`` (a device's index among the job's) its factor more (a straggler)."""
+    rng = np.random.default_rng(seed)
+    b = TraceBuilder()
+    for rank in range(devices):
+        device, pid = first_device + rank, rank + 1
+        for s in range(steps):
+            step_start, noise = b.clock, rng.normal(1.0, 0.01)
+            for i, kernels in enumerate(k3_like(4)):
+                first = b.clock
+                for name in kernels:
+                    us = 1000 * factor * noise * (slow or {}).get(rank, 1.0)
+                    t = b.clock
+                    b.launch(name, t, t + 50, t + 200, t + 200 + int(us), pid=pid, tid=pid,
+                             device=device)
+                    b.clock += int(us) + 100
+                b.range(f"layer[{i}]({'mla' if 'mla_decode' in kernels else 'kda'})",
+                        first - 10, b.clock, pid=pid, tid=pid)
+            b.range(f"decode_step[{s}]", step_start - 20, b.clock, pid=pid, tid=pid)
+            b.clock += 5000
+    return b.build()
+
+
+def test_one_slow_rank_of_a_tp_job_fails_the_gate_where_the_medians_of_all_pass(tmp_path):
+    """A TP job's one trace: every figure pools its devices (a step's mean layer over its
+    GPUs), so one rank of four 20% slower moves the medians by nothing and the step's mean
+    by 5%: the pooled checks pass. Each device checked on its own (at alpha / 4) fails that
+    rank, named; a job alike passes; devices of other ids pair by rank."""
+    from scipy.stats import mannwhitneyu
+
+    from kimi_perf.render import gate_junit, gate_table, tables_text
+
+    base = breakdown(tp_job_trace(0))
+    slow = breakdown(tp_job_trace(1, slow={2: 1.2}))
+    result = gate({"trace": base}, {"trace": slow})
+    checks = {(c.layer_type, c.metric): c for c in result.checks}
+    for layer_type in ("kda", "mla", "step"):
+        assert checks[layer_type, "span_us"].status == "ok"
+        device = checks[layer_type, "span_us_device"]
+        assert device.status == "regression" and (device.device, device.baseline_device) == (2, 2)
+        assert device.alpha == pytest.approx(0.01 / 4) and device.p_value < device.alpha
+        assert device.change == pytest.approx(0.2, abs=0.02)
+        assert device.detail.startswith("device 2 of 4; the others' medians moved ")
+        assert result.metric_name(device) == "span_us (device 2)"
+    assert checks["kda", "kernel_us_device"].status == "regression"
+    # the figures and the test are the device's own: its layers' median, its steps' means
+    mine = [[r for r in b.layers if r["device"] == 2 and r["type"] == "kda"]
+            for b in (base, slow)]
+    kda = checks["kda", "span_us_device"]
+    assert (kda.baseline, kda.current) == tuple(
+        pytest.approx(np.median([r["span_us"] for r in rows])) for rows in mine)
+    means = [[np.mean([r["span_us"] for r in rows if r["step"] == s])
+              for s in sorted({r["step"] for r in rows})] for rows in mine]
+    assert kda.p_value == pytest.approx(mannwhitneyu(means[1], means[0],
+                                                     alternative="greater").pvalue)
+    assert not result.ok and {c.metric for c in result.failures} == {"kernel_us_device",
+                                                                      "span_us_device"}
+    text = " ".join(tables_text([gate_table(result)]).split())
+    assert "span_us (device 2)" in text and "│ regression │ device 2 of 4;" in text
+    assert "kda span_us (device 2)" in gate_headline(result)
+    # JUnit names the check alike whichever device it shows (a server follows its history)
+    junit = gate_junit(result, ("a", "b"), "")
+    assert 'name="span_us (each device)"' in junit and "(device 2)" not in junit.split(
+        "<system-out>")[0].split("<testcase")[-1]
+    doc = result.to_json()
+    assert {(c["device"], c["baseline_device"]) for c in doc["checks"]
+            if c["metric"] == "span_us_device"} == {(2, 2)}
+    # a job alike passes: each device's check shows the one that moved most, ok
+    same = gate({"trace": base}, {"trace": breakdown(tp_job_trace(1))})
+    assert same.ok and {c.status for c in same.checks if c.metric in (
+        "span_us_device", "kernel_us_device")} <= {"ok", "noise"}
+    # one faster rank: an improvement, that rank's
+    fast = gate({"trace": base}, {"trace": breakdown(tp_job_trace(1, slow={1: 0.8}))})
+    assert {(c.status, c.device) for c in fast.checks if c.metric == "span_us_device"} == {
+        ("improvement", 1)}
+    # the run's job on GPUs 4..7: paired by rank, the baseline's device said
+    moved = gate({"trace": base}, {"trace": breakdown(tp_job_trace(1, slow={2: 1.2},
+                                                                   first_device=4))})
+    kda = next(c for c in moved.checks if (c.layer_type, c.metric) == ("kda", "span_us_device"))
+    assert (kda.device, kda.baseline_device, kda.status) == (6, 2, "regression")
+    assert kda.detail.startswith("device 6, rank 2 of 4 (the baseline's device 2); the "
+                                 "others'")
+    # one device against a job of four (another TP), or both of one device: no device checks
+    lone = breakdown(tp_job_trace(1, devices=1))
+    for pair in ((base, lone), (lone, base), (lone, lone)):
+        assert not {c.metric for c in gate({"trace": pair[0]}, {"trace": pair[1]}).checks} & {
+            "span_us_device", "kernel_us_device"}
+    # stored (layers a list of dicts, read back) alike
+    again = Breakdown.from_json(json.loads(json.dumps(slow.to_json())))
+    assert [(c.metric, c.device, c.status) for c in gate({"trace": base},
+                                                         {"trace": again}).checks] == [
+        (c.metric, c.device, c.status) for c in result.checks]
+
+
+def test_a_tp_jobs_spread_of_runs_keeps_each_devices_figures(tmp_path):
+    """A baseline of a TP job stored with the spread of its runs keeps each device's medians
+    (by the stored run's device): a night whose every rank is 7% slower (its clocks) is
+    within the spread, device checks too; one whose rank 3 is 30% slower fails on it."""
+    files = {}
+    for name, seed, factor, slow in (("r1", 0, 1.0, None), ("r2", 1, 1.04, None),
+                                     ("r3", 2, 0.97, None), ("r4", 3, 1.06, None),
+                                     ("r5", 4, 0.99, None), ("night", 5, 1.07, None),
+                                     ("slow", 6, 1.0, {3: 1.3})):
+        files[name] = tmp_path / f"{name}.kptrace"
+        tp_job_trace(seed, factor, slow).save(files[name])
+    spread = spread_of_runs(files["r1"], [files[r] for r in ("r2", "r3", "r4", "r5")])
+    devices = {(f["layer_type"], f["metric"], f["device"]): f["values"]
+               for f in spread["figures"] if "device" in f}
+    assert set(devices) == {(t, m, d) for t in ("kda", "mla", "step")
+                            for m in ("kernel_us_device", "span_us_device") for d in range(4)}
+    r1 = breakdown(read_trace(files["r1"]))
+    assert devices["mla", "span_us_device", 3][0] == pytest.approx(np.median(
+        [r["span_us"] for r in r1.layers if r["device"] == 3 and r["type"] == "mla"]))
+    assert run_spread_problem(spread) is None
+    baseline = tmp_path / "base.json"
+    update_baseline(baseline, files["r1"], spread_from=[files[r] for r in ("r2", "r3", "r4",
+                                                                          "r5")])
+    assert json.loads(baseline.read_text())["run_spread"]["figures"] == spread["figures"]
+    night = gate_files(baseline, files["night"]).result
+    assert night.ok, night
+    within = [c for c in night.checks if c.metric == "span_us_device" and c.tested_over == "runs"]
+    assert within and {c.status for c in within} == {"noise"}
+    slow = gate_files(baseline, files["slow"]).result
+    assert {(c.layer_type, c.metric, c.device) for c in slow.failures} >= {
+        ("mla", "span_us_device", 3), ("step", "span_us_device", 3)}
+    # a device's figure without its device (or a device on another figure) is refused
+    for figure in ({"path": "trace", "layer_type": "mla", "metric": "span_us_device",
+                    "values": [1.0] * 5},
+                   {"path": "trace", "layer_type": "mla", "metric": "span_us", "device": 0,
+                    "values": [1.0] * 5}):
+        assert run_spread_problem({"runs": list("abcde"), "figures": [figure]}).startswith(
+            "run_spread.figures[0] is not an object of a path")
+
+
+def _job_of_steps(device_steps: dict[int, list[float]]) -> dict[str, Breakdown]:
+    """A job of one kda layer a step on each device, each step's figures given by device."""
+    layers = [{"type": "kda", "step": s, "device": d, "index": 0, "kernels": 9,
+               "kernel_us": v, "span_us": v} for d, values in device_steps.items()
+              for s, v in enumerate(values)]
+    steps = [{"index": s, "device": d, "layers": 1, "kernels": 9, "kernel_us": v,
+              "span_us": v} for d, values in device_steps.items() for s, v in enumerate(values)]
+    return {"trace": Breakdown(source={}, steps=steps, layers=layers,
+                               layer_types=[{"type": "kda"}])}
+
+
+def test_each_device_is_tested_at_alpha_shared_among_the_devices():
+    """Device 1's six steps 20% slower but two of them below the baseline's slowest: the
+    exact Mann-Whitney p is 4/924 (0.0043). Of two devices (α 0.005 each) a regression; of
+    four (α 0.0025) noise: the largest of more devices' rises is picked, not drawn. Five
+    steps a side cannot reach α/4 (1/252): no device checks, as a ratio no test decides
+    would pass for a regression; a device that lost its layers is missing."""
+    steady = [100.0, 101.0, 102.0, 103.0, 104.0, 122.5]
+    slower = [120.0, 121.0, 123.0, 124.0, 125.0, 126.0]
+    for devices, status in ((2, "regression"), (4, "noise")):
+        base = _job_of_steps({d: steady for d in range(devices)})
+        run = _job_of_steps({d: slower if d == 1 else steady for d in range(devices)})
+        result = gate(base, run)
+        (check,) = [c for c in result.checks if (c.layer_type, c.metric)
+                    == ("kda", "span_us_device")]
+        assert check.p_value == pytest.approx(4 / 924) and check.alpha == 0.01 / devices
+        assert (check.status, check.device, check.tested_over) == (status, 1, "steps")
+        assert check.change == pytest.approx(123.5 / 102.5 - 1)
+    few = gate(_job_of_steps({d: steady[:5] for d in range(4)}),
+               _job_of_steps({d: slower[:5] if d == 1 else steady[:5] for d in range(4)}))
+    assert not [c for c in few.checks if c.metric in ("span_us_device", "kernel_us_device")]
+    lost = _job_of_steps({d: steady for d in range(4)})["trace"]
+    lost.layers = [r for r in lost.layers if r["device"] != 3] + [
+        {"type": "mla", "step": s, "device": 3, "index": 0, "kernels": 9, "kernel_us": 1.0,
+         "span_us": 1.0} for s in range(6)]   # (the rank ran other layers: still 4 devices)
+    result = gate(_job_of_steps({d: steady for d in range(4)}), {"trace": lost})
+    (check,) = [c for c in result.checks if (c.layer_type, c.metric) == ("kda", "span_us_device")]
+    assert (check.status, check.device, check.current) == ("missing", 3, None) and check.fails
+    assert check.detail == "device 3 of 4; the others' medians moved +0.0%"
+
+
+def test_a_device_past_its_own_spread_fails_though_another_moved_more_within_its(tmp_path):
+    """Rank 0 moves from run to run by ±10%, rank 1 not at all: a night with rank 0 12%
+    slower and rank 1 10% slower has rank 0 within its spread and rank 1 far past its own.
+    Each device is tested against its spread before one is shown: rank 1 fails. A spread
+    stored before the gate checked each device lends its figure over all devices, scaled,
+    said so; a run on other GPUs is tested against the spread of the baseline's device it
+    pairs with."""
+    files = {}
+    for name, seed, slow in (("r1", 0, {0: 1.0}), ("r2", 1, {0: 0.92}), ("r3", 2, {0: 1.1}),
+                             ("r4", 3, {0: 0.95}), ("r5", 4, {0: 1.06}),
+                             ("night", 5, {0: 1.12, 1: 1.10})):
+        files[name] = tmp_path / f"{name}.kptrace"
+        tp_job_trace(seed, slow=slow, devices=2).save(files[name])
+    baseline = tmp_path / "base.json"
+    update_baseline(baseline, files["r1"], spread_from=[files[r] for r in ("r2", "r3", "r4",
+                                                                          "r5")])
+    night = gate_files(baseline, files["night"]).result
+    failed = {(c.layer_type, c.metric, c.device) for c in night.failures}
+    assert ("kda", "span_us_device", 1) in failed and ("step", "span_us_device", 1) in failed
+    assert all(c.tested_over == "runs" for c in night.failures)
+    # a spread stored without each device's figures: the pooled one's, scaled to the device
+    doc = json.loads(baseline.read_text())
+    doc["run_spread"]["figures"] = [f for f in doc["run_spread"]["figures"] if "device" not in f]
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps(doc))
+    files["clocks"] = tmp_path / "clocks.kptrace"
+    tp_job_trace(6, factor=1.07, devices=2).save(files["clocks"])
+    assert not gate_files(baseline, files["clocks"]).result.ok   # (rank 1 never moved)
+    result = gate_files(old, files["clocks"]).result
+    scaled = [c for c in result.checks if c.metric == "span_us_device" and c.tested_over == "runs"]
+    assert result.ok and scaled and {c.status for c in scaled} == {"noise"}
+    assert all("of the runs' figure over all devices, scaled to this one's" in c.detail
+               for c in scaled)
+    # the night's job on GPUs 4 and 5: each tested against its baseline device's spread
+    files["moved"] = tmp_path / "moved.kptrace"
+    tp_job_trace(5, slow={0: 1.12, 1: 1.10}, devices=2, first_device=4).save(files["moved"])
+    moved = gate_files(baseline, files["moved"]).result
+    assert {(c.layer_type, c.metric, c.device, c.baseline_device) for c in moved.failures} >= {
+        ("kda", "span_us_device", 5, 1)}
+    assert all("scaled" not in (c.detail or "") for c in moved.checks)
