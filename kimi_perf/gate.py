@@ -218,7 +218,8 @@ class Check:
     alpha: float | None = None       # the test's alpha, where it is not --alpha (divided among
                                      # the classes, the layers, or the devices, of a type)
     device: int | None = None        # a device's check: the run's device its figures are of
-    baseline_device: int | None = None   # and the baseline's paired with it
+    baseline_device: int | None = None   # and the baseline's paired with it (None: a device
+                                         # of one side alone, its layers lost or new)
 
     @property
     def fails(self) -> bool:
@@ -268,7 +269,8 @@ class GateResult:
         if check.metric == "span_us_mean":
             return "span_us (mean)"
         if check.metric in DEVICE_METRICS:
-            return f"{check.metric.removesuffix('_device')} (device {check.device})"
+            device = check.device if check.device is not None else check.baseline_device
+            return f"{check.metric.removesuffix('_device')} (device {device})"
         return (check.metric.replace("kernels", "ops") if check.path in self.op_paths
                 else check.metric)
 
@@ -655,7 +657,8 @@ def spread_of_runs(run: str | Path, others: Sequence[str | Path],
                    loaded: dict[Path, tuple] | None = None, **breakdown_options) -> dict:
     """What a baseline keeps of how much its times move run to run (``run_spread``): each
     time figure the gate checks (``SPREAD_METRICS``: a layer type's and a step's medians,
-    each kernel class's and each layer's kernel µs, the steps' mean span) as ``run`` and each
+    each kernel class's and each layer's kernel µs, the steps' mean span; and each device's
+    medians of a job of several, ``SPREAD_DEVICE_METRICS``) as ``run`` and each
     of ``others`` (runs of the same code, captured alike: ``SPREAD_FEWEST_RUNS`` in all at
     least) have it, as gating each against ``run`` finds and pairs it. A gate within one
     run's steps cannot see such noise (a GPU's clocks, the host, where the memory landed:
@@ -798,6 +801,11 @@ def _within_spread(result: GateResult, spread: dict, path: str | None) -> None:
                 f.get("layer_index"), f.get("device")): np.asarray(f["values"], dtype=float)
                for f in spread["figures"]}
     result.spread_runs = len(spread["runs"])
+    # (where a device's figure is not kept: lent its type's over all devices, said so)
+    lent = ("of the runs' figure over all devices, scaled to this device's: "
+            + ("the spread keeps no figure of this device's" if any(
+                "device" in f for f in spread["figures"]) else "the baseline keeps no spread of "
+               "each device's (gate --update --spread-from again keeps it)"))
     type_us = {(c.path, c.layer_type): c.current for c in result.checks
                if c.metric == "kernel_us" and c.kernel_class is None and c.layer_index is None}
     for c in result.checks:
@@ -836,10 +844,9 @@ def _within_spread(result: GateResult, spread: dict, path: str | None) -> None:
             c.status = "noise"
             c.detail = (f"within the spread of the baseline's {runs.size} runs ("
                         + (f"{share}the runs' " if share else "")
-                        + f"mean {mean:.4g}, sd {sd:.2g})"
-                        + ("; of the runs' figure over all devices, scaled to this one's: the "
-                           "baseline keeps no spread of each device's (gate --update "
-                           "--spread-from again keeps it)" if scaled else ""))
+                        + f"mean {mean:.4g}, sd {sd:.2g})" + (f"; {lent}" if scaled else ""))
+        elif scaled:
+            c.detail = lent + (f"; {c.detail}" if c.detail else "")
 
 
 def _holds(runs: dict) -> str:
@@ -1062,6 +1069,9 @@ def gate(baseline: dict[str, Breakdown], current: dict[str, Breakdown],
                         f"({tolerances!r}): Tolerances(rel_tol=..., alpha=..., metrics=...)")
     if not has_work(baseline):
         raise ValueError("the baseline holds no steps and no layers: nothing to check")
+    if run_spread is not None and not isinstance(run_spread, dict):
+        raise TypeError(f"run_spread: a baseline's run_spread (a dict), not "
+                        f"{type(run_spread).__name__}")
     if problem := run_spread_problem(run_spread):
         raise ValueError(problem)
     if len(baseline) == 1 and len(current) == 1 and TRACE in (*baseline, *current):
@@ -1756,14 +1766,21 @@ def _by_index(b: Breakdown, layer_type: str) -> dict[int, np.ndarray]:
     return dict(zip(heads.tolist(), np.split(means, starts[1:]), strict=True))
 
 
-def device_pairs(base: Breakdown | None, cur: Breakdown | None) -> list[tuple[int, int]]:
-    """The devices of a job of several (a TP job's one trace), the baseline's and the run's
-    paired in order (their ranks), where both sides' layers ran on as many devices, two or
-    more, and say where; none otherwise (a job of another size is captured differently)."""
+def device_pairs(base: Breakdown | None, cur: Breakdown | None
+                 ) -> list[tuple[int | None, int | None]]:
+    """The devices of a job of several (a TP job's one trace) whose layers ran there, where
+    both sides' ran on two or more and say where: the baseline's and the run's paired in order
+    of their ids (their ranks) where they are as many, else by id, a device of one side alone
+    paired with None (a rank whose layers were lost); none otherwise."""
     if base is None or cur is None or not (_says_where(base) and _says_where(cur)):
         return []
     ours, theirs = layer_devices(base), layer_devices(cur)
-    return list(zip(ours, theirs, strict=True)) if len(ours) == len(theirs) >= 2 else []
+    if min(len(ours), len(theirs)) < 2:
+        return []
+    if len(ours) == len(theirs):
+        return list(zip(ours, theirs, strict=True))
+    return [(d if d in ours else None, d if d in theirs else None)
+            for d in sorted({*ours, *theirs})]
 
 
 def _by_device(b: Breakdown, layer_type: str, metric: str
@@ -1788,24 +1805,25 @@ def _by_device(b: Breakdown, layer_type: str, metric: str
 
 def _device_checks(path: str, label: str, metric: str, base: Breakdown, base_type: str,
                    cur: Breakdown, cur_type: str, tol: Tolerances,
-                   devices: list[tuple[int, int]], by_layers: bool) -> list[Check]:
+                   devices: list[tuple[int | None, int | None]], by_layers: bool
+                   ) -> list[Check]:
     """``METRIC_device``: each device's figures against its pair's (``device_pairs``), tested
     as ``_time_check`` tests the whole's, at ``alpha`` shared among the devices: one rank of
     eight slower by a fifth moves the figures over all of them by little or nothing. A device
-    that ran the type on one side alone is ``missing`` (``new``). None where a device's steps
-    are too few for the test at that alpha (``by_layers``, where the whole's are too: its
-    layers), as the largest of several ratios no test decides would pass for a regression.
-    ``_shown_devices`` keeps one of them."""
+    that ran the type on one side alone is ``missing`` (``new``), whatever its steps. The
+    times of none where a device's steps are too few for the test at that alpha
+    (``by_layers``, where the whole's are too: its layers), as the largest of several ratios no
+    test decides would pass for a regression. ``_shown_devices`` keeps one of them."""
     shared = dataclasses.replace(tol, alpha=tol.alpha / len(devices))
     ours, theirs = _by_device(base, base_type, metric), _by_device(cur, cur_type, metric)
     pairs = [(b, c, ours.get(b, (None, None)), theirs.get(c, (None, None))) for b, c in devices]
-    if not all(_testable(mine[1], other[1], shared)
-               or (by_layers and _testable(mine[0], other[0], shared))
-               for *_, mine, other in pairs if mine[0] is not None and other[0] is not None):
-        return []
+    timed = all(_testable(mine[1], other[1], shared)
+                or (by_layers and _testable(mine[0], other[0], shared))
+                for *_, mine, other in pairs if mine[0] is not None and other[0] is not None)
     checks = []
     for base_device, cur_device, (base_s, base_steps), (cur_s, cur_steps) in pairs:
-        if base_s is None and cur_s is None:
+        if (base_s is None and cur_s is None) or (
+                not timed and base_s is not None and cur_s is not None):
             continue
         check = _time_check(path, label, f"{metric}_device", base_s, cur_s, shared, base_steps,
                             cur_steps)
@@ -1819,12 +1837,12 @@ def _device_checks(path: str, label: str, metric: str, base: Breakdown, base_typ
 DEVICE_SHOWN = ("missing", "regression", "new", "improvement")
 
 
-def _shown_devices(checks: list[Check], devices: dict[str, list[tuple[int, int]]]
-                   ) -> list[Check]:
+def _shown_devices(checks: list[Check],
+                   devices: dict[str, list[tuple[int | None, int | None]]]) -> list[Check]:
     """Each (path, type, metric)'s device checks as one, in the place of the first: the
     device missing, else the one that regressed most, new, improved most, else moved most
     (tested against the spread first, where the baseline keeps one), its detail saying its
-    rank and how the others' medians moved."""
+    rank, how the others' medians moved and which others are missing, regressed and so on."""
     groups: dict[tuple[str, str, str], list[Check]] = {}
     for c in checks:
         if c.metric in DEVICE_METRICS:
@@ -1838,7 +1856,8 @@ def _shown_devices(checks: list[Check], devices: dict[str, list[tuple[int, int]]
     return out
 
 
-def _shown_device(group: list[Check], devices: list[tuple[int, int]]) -> Check:
+def _shown_device(group: list[Check], devices: list[tuple[int | None, int | None]]
+                  ) -> Check:
     def rise(c: Check) -> float:
         return math.inf if c.change is None else c.change
 
@@ -1846,15 +1865,23 @@ def _shown_device(group: list[Check], devices: list[tuple[int, int]]) -> Check:
                   if (at := [c for c in group if c.status == status])
                   for pick in [min if status == "improvement" else max]),
                  None) or max(group, key=lambda c: abs(rise(c)))
-    rank = [d for _, d in devices].index(shown.device)
-    others = [c.change for c in group if c is not shown and c.change is not None]
-    said = ((f"device {shown.device} of {len(devices)}" if shown.device == rank
-             else f"device {shown.device}, rank {rank} of {len(devices)}")
-            + (f" (the baseline's device {shown.baseline_device})"
-               if shown.baseline_device != shown.device else "")
-            + (f"; the others' medians moved {min(others):+.1%}"
-               + (f" to {max(others):+.1%}" if f"{min(others):+.1%}" != f"{max(others):+.1%}"
-                  else "") if others else ""))
+    rank = devices.index((shown.baseline_device, shown.device))
+    device = shown.device if shown.device is not None else shown.baseline_device
+    said = (f"device {device} of {len(devices)}" if device == rank
+            else f"device {device}, rank {rank} of {len(devices)}")
+    if None not in (shown.baseline_device, shown.device) and (
+            shown.baseline_device != shown.device):
+        said += f" (the baseline's device {shown.baseline_device})"
+    if shown.status in ("missing", "new"):
+        said += f" ran none of these in the {'run' if shown.status == 'missing' else 'baseline'}"
+    if moved := [c.change for c in group if c is not shown and c.change is not None]:
+        low, high = f"{min(moved):+.1%}", f"{max(moved):+.1%}"
+        said += f"; the others' medians moved {low}" + (f" to {high}" if high != low else "")
+    for status in DEVICE_SHOWN:   # (the others the one shown stands for)
+        if also := [c.device if c.device is not None else c.baseline_device for c in group
+                    if c is not shown and c.status == status]:
+            said += f"; {status} too: device{'s' if len(also) > 1 else ''} " + ", ".join(
+                map(str, also))
     shown.detail = said + (f"; {shown.detail}" if shown.detail else "")
     return shown
 

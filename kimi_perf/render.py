@@ -665,7 +665,8 @@ def gate_headline(result: GateResult) -> str:
             if (c.path, "") not in lost:
                 items.append((c.path, ""))
             lost.setdefault((c.path, ""), []).append(c)
-        elif c.status == "missing":
+        elif c.status == "missing" and c.metric not in DEVICE_METRICS:
+            # (a device that lost a type's layers is an item of its own: the others run them)
             if (c.path, c.layer_type) not in lost:
                 items.append((c.path, c.layer_type))
             lost.setdefault((c.path, c.layer_type), []).append(c)
@@ -688,11 +689,14 @@ def gate_headline(result: GateResult) -> str:
     worst = "; ".join(said_items[:GATE_HEADLINE_ITEMS])
     more = len(said_items) - GATE_HEADLINE_ITEMS
     counts = Counter(c.status for c in failures)
+    # (what is missing: each type or path lost, and each device that lost a type)
+    missing = len(lost) + sum(c.status == "missing" and c.metric in DEVICE_METRICS
+                              for c in failures)
     said = ", ".join(f"{n} layer count{' differs' if n == 1 else 's differ'}"
                      if status == "differs" else "the captures differ"
                      if status == "captured differently" else "the breakdowns differ"
                      if status == "broken down differently" else
-                     f"{len(lost)} missing" + (f" ({n} checks)" if n > len(lost) else "")
+                     f"{missing} missing" + (f" ({n} checks)" if n > missing else "")
                      if status == "missing" else
                      f"{n} {status}" + ("s" if n > 1 and status == "regression" else "")
                      + (" on every step" if status == "fell back" else "")

@@ -4,6 +4,7 @@ this repository's own CPU baseline (traces/baselines/tiny-cpu.json)."""
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import re
 import shutil
@@ -300,8 +301,8 @@ def test_gate_of_a_real_before_and_after_pair_with_blocks_cut_elsewhere():
     # each of the two devices is slower: the one slower most shown, the other's rise said
     device = checks[("A", "span_us_device")]
     assert (device["device"], device["baseline_device"]) == (0, 0) and device["change"] > 0.13
-    assert re.fullmatch(r"device 0 of 2; the others' medians moved \+1\d\.\d%",
-                        device["detail"])
+    assert re.fullmatch(r"device 0 of 2; the others' medians moved \+1\d\.\d%; regression "
+                        "too: device 1", device["detail"])
     span = checks[("A", "span_us")]
     # against the export itself: the median spacing of the blocks' >1 ms attention kernels
     spacing = [_long_kernel_spacing_us(trace) for trace in (before, after)]
@@ -3193,13 +3194,17 @@ def test_a_tp_jobs_spread_of_runs_keeps_each_devices_figures(tmp_path):
             "run_spread.figures[0] is not an object of a path")
 
 
-def _job_of_steps(device_steps: dict[int, list[float]]) -> dict[str, Breakdown]:
-    """A job of one kda layer a step on each device, each step's figures given by device."""
-    layers = [{"type": "kda", "step": s, "device": d, "index": 0, "kernels": 9,
-               "kernel_us": v, "span_us": v} for d, values in device_steps.items()
-              for s, v in enumerate(values)]
-    steps = [{"index": s, "device": d, "layers": 1, "kernels": 9, "kernel_us": v,
-              "span_us": v} for d, values in device_steps.items() for s, v in enumerate(values)]
+def _job_of_steps(device_steps: dict[int, list[float]], layers_a_step: int = 1
+                  ) -> dict[str, Breakdown]:
+    """A job of ``layers_a_step`` kda layers a step on each device, each step's figures given
+    by device (its layers' 0.1% apart)."""
+    layers = [{"type": "kda", "step": s, "device": d, "index": i, "kernels": 9,
+               "kernel_us": v * (1 + i / 1000), "span_us": v * (1 + i / 1000)}
+              for d, values in device_steps.items() for s, v in enumerate(values)
+              for i in range(layers_a_step)]
+    steps = [{"index": s, "device": d, "layers": layers_a_step, "kernels": 9 * layers_a_step,
+              "kernel_us": v * layers_a_step, "span_us": v * layers_a_step}
+             for d, values in device_steps.items() for s, v in enumerate(values)]
     return {"trace": Breakdown(source={}, steps=steps, layers=layers,
                                layer_types=[{"type": "kda"}])}
 
@@ -3231,7 +3236,57 @@ def test_each_device_is_tested_at_alpha_shared_among_the_devices():
     result = gate(_job_of_steps({d: steady for d in range(4)}), {"trace": lost})
     (check,) = [c for c in result.checks if (c.layer_type, c.metric) == ("kda", "span_us_device")]
     assert (check.status, check.device, check.current) == ("missing", 3, None) and check.fails
-    assert check.detail == "device 3 of 4; the others' medians moved +0.0%"
+    assert check.detail == "device 3 of 4 ran none of these in the run; the others' medians " \
+                           "moved +0.0%"
+    # the headline says the device lost them, not the type (the others still run it)
+    assert gate_headline(result).startswith(
+        "gate: FAIL, 2 missing: trace kda kernel_us (device 3) 102.5 -> - (device 3 of 4 ran "
+        "none of these in the run")
+    # whatever its steps: five a side, too few to time the devices, still say it
+    few_lost = {"trace": copy.deepcopy(lost)}
+    few_lost["trace"].layers = [r for r in lost.layers if r["step"] < 5]
+    few_lost["trace"].steps = [r for r in lost.steps if r["index"] < 5]
+    assert {(c.layer_type, c.metric, c.status, c.device) for c in gate(
+        _job_of_steps({d: steady[:5] for d in range(4)}), few_lost).checks
+        if c.metric.endswith("_device")} == {("kda", "kernel_us_device", "missing", 3),
+                                             ("kda", "span_us_device", "missing", 3)}
+    # a device missing is shown before one that regressed, which the detail names
+    slow_lost = copy.deepcopy(lost)
+    for r in slow_lost.layers:
+        if r["device"] == 1 and r["type"] == "kda":
+            r["span_us"] = r["kernel_us"] = r["span_us"] * 1.3
+    (check,) = [c for c in gate(_job_of_steps({d: steady for d in range(4)}),
+                                {"trace": slow_lost}).checks
+                if (c.layer_type, c.metric) == ("kda", "span_us_device")]
+    assert (check.status, check.device) == ("missing", 3)
+    assert check.detail.endswith("; regression too: device 1")
+    # a rank whose layers were all lost (4 devices to 3): paired by id, the fourth missing
+    three = gate(_job_of_steps({d: steady for d in range(4)}),
+                 _job_of_steps({d: steady for d in range(3)}))
+    assert {(c.layer_type, c.metric, c.device, c.baseline_device) for c in three.failures} == {
+        (t, m, None, 3) for t in ("kda", "step") for m in ("kernel_us_device",
+                                                            "span_us_device")}
+    assert gate_headline(three).startswith("gate: FAIL, 4 missing: trace kda kernel_us (device "
+                                           "3) 102.5 -> - (device 3 of 4 ran none of these")
+    # one more: new, said (no failure)
+    five = gate(_job_of_steps({d: steady for d in range(4)}),
+                _job_of_steps({d: steady for d in range(5)}))
+    assert five.ok and {(c.status, c.device, c.baseline_device) for c in five.checks
+                        if c.metric == "span_us_device"} == {("new", 4, None)}
+    # too few steps a side for the whole's test (two): its devices' layers are tested, as its own
+    windows = gate(_job_of_steps({d: [100.0, 101.0] for d in range(4)}, layers_a_step=8),
+                   _job_of_steps({d: [120.0, 121.0] if d == 2 else [100.0, 101.0]
+                                  for d in range(4)}, layers_a_step=8))
+    (check,) = [c for c in windows.checks if (c.layer_type, c.metric) == ("kda", "span_us_device")]
+    assert (check.status, check.device, check.tested_over) == ("regression", 2, "layers")
+    assert check.p_value < 0.0025 == check.alpha
+    # a spread that is none: said, as a baseline's would be
+    with pytest.raises(TypeError, match="run_spread: a baseline's run_spread"):
+        gate(_job_of_steps({0: steady, 1: steady}), _job_of_steps({0: steady, 1: steady}),
+             run_spread=[])
+    with pytest.raises(ValueError, match="run_spread is not an object of runs"):
+        gate(_job_of_steps({0: steady, 1: steady}), _job_of_steps({0: steady, 1: steady}),
+             run_spread={"runs": ["a"]})
 
 
 def test_a_device_past_its_own_spread_fails_though_another_moved_more_within_its(tmp_path):
@@ -3265,8 +3320,9 @@ def test_a_device_past_its_own_spread_fails_though_another_moved_more_within_its
     result = gate_files(old, files["clocks"]).result
     scaled = [c for c in result.checks if c.metric == "span_us_device" and c.tested_over == "runs"]
     assert result.ok and scaled and {c.status for c in scaled} == {"noise"}
-    assert all("of the runs' figure over all devices, scaled to this one's" in c.detail
-               for c in scaled)
+    assert all("of the runs' figure over all devices, scaled to this device's: the baseline "
+               "keeps no spread of each device's (gate --update --spread-from again keeps it)"
+               in c.detail for c in scaled)
     # the night's job on GPUs 4 and 5: each tested against its baseline device's spread
     files["moved"] = tmp_path / "moved.kptrace"
     tp_job_trace(5, slow={0: 1.12, 1: 1.10}, devices=2, first_device=4).save(files["moved"])
