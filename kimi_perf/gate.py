@@ -1578,7 +1578,10 @@ def _layers_check(path: str, label: str, base: Breakdown | None, base_type: str 
         return None
     b, c = counts
     if b == c:
-        return Check(path, label, "layers", b, c, 0.0, None, "ok")
+        # (the median over every device's steps: one rank of four that lost a layer a step
+        # moves it not at all)
+        return _device_layers_check(path, label, base, base_type, cur, cur_type, b) or Check(
+            path, label, "layers", b, c, 0.0, None, "ok")
     if base_type != STEP and (_digest(base, base_type) or _digest(cur, cur_type)) and (
             layers_per_step(base) == layers_per_step(cur) is not None):
         # a type the kernel pattern found: the steps hold as many layers, typed otherwise
@@ -1587,6 +1590,44 @@ def _layers_check(path: str, label: str, base: Breakdown | None, base_type: str 
                      "the pattern typed the steps' layers otherwise: as many a step")
     return Check(path, label, "layers", b, c, _change(b, c), None, "differs",
                  f"{b:g} layers a step in the baseline, {c:g} in the run")
+
+
+def _device_layers_check(path: str, label: str, base: Breakdown, base_type: str,
+                         cur: Breakdown, cur_type: str, whole: float) -> Check | None:
+    """A device of a job of several whose steps hold other numbers of layers (of the type)
+    than its pair's: ``differs``, the first such device (None where none does, or the pattern
+    typed the device's layers otherwise, as many a step)."""
+    pairs = [(b, c) for b, c in device_pairs(base, cur) if None not in (b, c)]
+    if not pairs:
+        return None
+    ours, theirs = _device_layer_counts(base, base_type), _device_layer_counts(cur, cur_type)
+    steps = ((_device_layer_counts(base, STEP), _device_layer_counts(cur, STEP))
+             if base_type != STEP and (_digest(base, base_type) or _digest(cur, cur_type))
+             else None)
+    for base_device, cur_device in pairs:
+        x, y = ours.get(base_device), theirs.get(cur_device)
+        if None in (x, y) or x == y or (steps and steps[0].get(base_device) == steps[1].get(
+                cur_device) is not None):
+            continue
+        return Check(path, label, "layers", x, y, _change(x, y), None, "differs",
+                     f"device {cur_device}: {x:g} layers a step in the baseline, {y:g} in the "
+                     f"run (the median step of every device: {whole:g} in both)",
+                     device=cur_device, baseline_device=base_device)
+    return None
+
+
+def _device_layer_counts(b: Breakdown, layer_type: str) -> dict[int, float]:
+    """Each device's median step's count of layers (of the type; of ``STEP``, all); empty
+    where a step does not say its count."""
+    device = np.array([s["device"] for s in b.steps], np.int64)
+    if layer_type == STEP:
+        if any(s.get("layers") is None for s in b.steps):
+            return {}
+        counts = np.array([s["layers"] for s in b.steps], np.float64)
+    else:
+        at = _step_of_each_layer(b, layer_type)
+        counts = np.bincount(at[at >= 0], minlength=len(b.steps)).astype(np.float64)
+    return {int(d): float(np.median(counts[device == d])) for d in np.unique(device)}
 
 
 def _type_per_step(b: Breakdown, layer_type: str) -> float | None:

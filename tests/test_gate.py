@@ -3194,16 +3194,18 @@ def test_a_tp_jobs_spread_of_runs_keeps_each_devices_figures(tmp_path):
             "run_spread.figures[0] is not an object of a path")
 
 
-def _job_of_steps(device_steps: dict[int, list[float]], layers_a_step: int = 1
-                  ) -> dict[str, Breakdown]:
-    """A job of ``layers_a_step`` kda layers a step on each device, each step's figures given
-    by device (its layers' 0.1% apart)."""
+def _job_of_steps(device_steps: dict[int, list[float]],
+                  layers_a_step: int | dict[int, int] = 1) -> dict[str, Breakdown]:
+    """A job of ``layers_a_step`` kda layers a step on each device (or by device), each
+    step's figures given by device (its layers' 0.1% apart)."""
+    held = {d: layers_a_step if isinstance(layers_a_step, int) else layers_a_step[d]
+            for d in device_steps}
     layers = [{"type": "kda", "step": s, "device": d, "index": i, "kernels": 9,
                "kernel_us": v * (1 + i / 1000), "span_us": v * (1 + i / 1000)}
               for d, values in device_steps.items() for s, v in enumerate(values)
-              for i in range(layers_a_step)]
-    steps = [{"index": s, "device": d, "layers": layers_a_step, "kernels": 9 * layers_a_step,
-              "kernel_us": v * layers_a_step, "span_us": v * layers_a_step}
+              for i in range(held[d])]
+    steps = [{"index": s, "device": d, "layers": held[d], "kernels": 9 * held[d],
+              "kernel_us": v * held[d], "span_us": v * held[d]}
              for d, values in device_steps.items() for s, v in enumerate(values)]
     return {"trace": Breakdown(source={}, steps=steps, layers=layers,
                                layer_types=[{"type": "kda"}])}
@@ -3239,9 +3241,11 @@ def test_each_device_is_tested_at_alpha_shared_among_the_devices():
     assert check.detail == "device 3 of 4 ran none of these in the run; the others' medians " \
                            "moved +0.0%"
     # the headline says the device lost them, not the type (the others still run it)
-    assert gate_headline(result).startswith(
-        "gate: FAIL, 2 missing: trace kda kernel_us (device 3) 102.5 -> - (device 3 of 4 ran "
-        "none of these in the run")
+    headline = gate_headline(result)
+    assert headline.startswith("gate: FAIL, 2 missing, 1 layer count differs: trace kda layers "
+                               "1 -> 0 (device 3: 1 layers a step in the baseline, 0 i")
+    assert "; trace kda kernel_us (device 3) 102.5 -> - (device 3 of 4 ran none of these in the " \
+           "run" in headline
     # whatever its steps: five a side, too few to time the devices, still say it
     few_lost = {"trace": copy.deepcopy(lost)}
     few_lost["trace"].layers = [r for r in lost.layers if r["step"] < 5]
@@ -3330,3 +3334,26 @@ def test_a_device_past_its_own_spread_fails_though_another_moved_more_within_its
     assert {(c.layer_type, c.metric, c.device, c.baseline_device) for c in moved.failures} >= {
         ("kda", "span_us_device", 5, 1)}
     assert all("scaled" not in (c.detail or "") for c in moved.checks)
+
+
+def test_a_rank_that_lost_a_layer_a_step_is_other_work():
+    """One rank of four whose steps hold 2 layers where the baseline's held 3: the median
+    step over every device still holds 3, and the rank's steps read 33% faster. Its layers a
+    step differ, said of it, and its steps' times are other work (changed), not an
+    improvement."""
+    steps = [100.0, 101.0, 102.0, 103.0, 104.0, 105.0]
+    base = _job_of_steps({d: steps for d in range(4)}, layers_a_step=3)
+    run = _job_of_steps({d: steps for d in range(4)}, layers_a_step={0: 3, 1: 3, 2: 2, 3: 3})
+    result = gate(base, run)
+    checks = {(c.layer_type, c.metric): c for c in result.checks}
+    for layer_type in ("kda", "step"):
+        layers = checks[layer_type, "layers"]
+        assert (layers.baseline, layers.current, layers.status) == (3, 2, "differs")
+        assert (layers.device, layers.baseline_device) == (2, 2)
+        assert layers.detail == ("device 2: 3 layers a step in the baseline, 2 in the run (the "
+                                 "median step of every device: 3 in both)")
+    device_step = checks["step", "span_us_device"]
+    assert device_step.status == "changed" and device_step.device == 2
+    assert device_step.change == pytest.approx(-1 / 3, abs=0.01)
+    assert "other work" in device_step.detail
+    assert not gate(base, _job_of_steps({d: steps for d in range(4)}, layers_a_step=3)).failures
