@@ -719,6 +719,10 @@ def compare_cmd(a: Path, b: Path | None, path_name: str | None, fmt: str | None,
     tables = [render.comparison_table(c.rows, c.label_a, c.label_b, unit, unit_b),
               *([headline] if headline else []),
               *([c.labels_said] if c.labels_said else []), *c.side_notes, *c.fell_back]
+    # (a side that is one file of a TP job: which of its ranks is slow)
+    sides = {c.label_a: c.a, c.label_b: c.b}
+    tables += [render.overview_table(rows, units_word([sides[label].unit]), of=label)
+               for label, rows in c.devices.items()]
     for type_pair in type_pairs(c.a, c.b, c.rows) if kernels else ():
         tables.append(render.typical_layer_table(
             type_pair.label, {c.label_a: type_pair.a, c.label_b: type_pair.b},

@@ -581,8 +581,8 @@ def sides_notes(a: Breakdown, b: Breakdown, label_a: str, label_b: str) -> list[
     for label, x in ((label_a, a), (label_b, b)):
         if len(devices := layer_devices(x)) >= 2:   # (one file of a whole TP job)
             notes.append(f"{label}'s layers ran on {len(devices)} devices: its figures are "
-                         "medians over all of them (each device's: kimi-perf breakdown, trace "
-                         "--from, the report)")
+                         "medians over all of them (each device's: its table of every "
+                         "device)")
     return notes
 
 
@@ -1025,8 +1025,16 @@ class Comparison:
             doc["fell_back"] = self.fell_back
         if self.inputs is not None:
             doc["inputs"] = dict(zip(("a", "b"), self.inputs, strict=True))
+        if devices := self.devices:
+            doc["devices"] = {label: overview_json(rows) for label, rows in devices.items()}
         doc["notes"] = self.notes
         return doc
+
+    @property
+    def devices(self) -> dict[str, list[OverviewRow]]:
+        """Each side whose layers ran on several devices (one file of a TP job): its devices'
+        rows, spread among themselves (``device_overviews``), by its label."""
+        return device_overviews({self.label_a: self.a, self.label_b: self.b})
 
     def __repr__(self) -> str:
         return f"Comparison({self.label_a!r} vs {self.label_b!r}, {len(self.rows)} rows)"

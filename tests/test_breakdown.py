@@ -471,7 +471,20 @@ def test_two_traces_of_two_devices_each_get_the_table_of_every_device(tmp_path):
         "device 1", None, "device 1"]
     assert {s["slowest"] for s in doc["devices"]["before"]["spreads"]} == {None}
     compared = CliRunner().invoke(main, ["compare", str(before), str(after)])
-    assert "after's layers ran on 2 devices" in " ".join(compared.output.split())
+    said = " ".join(compared.output.split())
+    assert ("after's layers ran on 2 devices: its figures are medians over all of them (each "
+            "device's: its table of every device)") in said
+    # compare shows each job's devices too, after the pair's table, as trace --from does
+    assert (said.index("Per layer type: before vs after") < said.index("Every device of before")
+            < said.index("Every device of after") and "slowest: device 1 (step, mla)" in said)
+    from kimi_perf.comparison import compare_files, overview_json
+
+    c = compare_files(before, after)
+    compared = json.loads(CliRunner().invoke(main, ["compare", str(before), str(after),
+                                                    "--format", "json"]).output)
+    assert compared["devices"] == {label: json.loads(json.dumps(overview_json(rows)))
+                                   for label, rows in c.devices.items()}
+    assert compared["devices"]["after"] == doc["devices"]["after"]
     # one device each: no such table, no such note
     one = tmp_path / "one.kptrace"
     nvtx_decode_trace("layer[{i}]({kind})").build().save(one)
@@ -482,6 +495,8 @@ def test_two_traces_of_two_devices_each_get_the_table_of_every_device(tmp_path):
     assert plain.exit_code == 0 and "Every" not in plain.output
     single = CliRunner().invoke(main, ["compare", str(one), str(other)])
     assert single.exit_code == 0 and "devices" not in single.output
+    assert "devices" not in json.loads(CliRunner().invoke(main, [
+        "compare", str(one), str(other), "--format", "json"]).output)
 
 
 def test_a_spread_of_equals_names_no_slowest():
