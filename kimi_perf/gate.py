@@ -136,6 +136,9 @@ TIMES = ("kernel_us", "span_us", "class_us", "layer_kernel_us", "span_us_mean", 
 MEAN_TEST_RESAMPLES = 20_000
 MEAN_TEST_MOST_RESAMPLES = 2_000_000
 MEAN_TEST_BATCH_VALUES = 4_000_000
+# the splits of two samples up to which the U test is exact, ties or not (where values tie, by
+# taking every split: 0.04 s for 3,432, seven values a side)
+EXACT_TEST_SPLITS = 5_000
 
 
 @dataclass(frozen=True)
@@ -252,6 +255,9 @@ class GateResult:
     stored_tolerances: dict = field(default_factory=dict)
     spread_runs: int = 0   # the runs whose spread the baseline keeps (gate --update
                            # --spread-from), where it has one
+    # the types (path and type) whose times have no check of each device: too few steps a
+    # device for the test at alpha over their devices, and how many devices
+    devices_untimed: dict[str, int] = field(default_factory=dict)
 
     def __repr__(self) -> str:   # not every check: a table or to_json shows them
         failing = Counter(c.status for c in self.failures)
@@ -287,7 +293,8 @@ class GateResult:
         whether it ``fails`` (the statuses that do are ``FAILING``)."""
         doc = {"schema": 1, "ok": self.ok, "failed": len(self.failures),
                "tolerances": asdict(self.tolerances),
-               "checks": [asdict(c) | {"fails": c.fails} for c in self.checks]}
+               "checks": [asdict(c) | {"fails": c.fails} for c in self.checks],
+               "devices_untimed": self.devices_untimed}
         if self.run_differences is not None:
             doc["run_differences"] = self.run_differences
         if self.stored_tolerances:
@@ -792,9 +799,12 @@ def _within_spread(result: GateResult, spread: dict, path: str | None) -> None:
     its share of its type's kernel µs (in each run and in this one): the factor a run's noise
     moves all of a run's kernels by cancels, where the class's or layer's alpha (a share of
     ``alpha``) would leave a wide interval of few runs wider still. A device's figure is
-    tested against its device's runs; a spread stored without them (before the gate checked
-    each device) lends its pooled figure's, scaled to the device's. ``path``: the one the
-    stored figures are keyed by (a baseline of one trace's), else each check's own."""
+    tested as its share of the type's figure over all devices (its median over the pooled
+    median), against its device's runs: a run's noise moves every device (its clocks, its
+    host) and cancels there, where a straggler's share moves; a spread stored without them
+    (before the gate checked each device) lends its pooled figure, scaled to the device's.
+    ``path``: the one the stored figures are keyed by (a baseline of one trace's), else each
+    check's own."""
     from scipy.stats import t as t_dist
 
     figures = {(f["path"], f["layer_type"], f["metric"], f.get("kernel_class"),
@@ -806,8 +816,11 @@ def _within_spread(result: GateResult, spread: dict, path: str | None) -> None:
             + ("the spread keeps no figure of this device's" if any(
                 "device" in f for f in spread["figures"]) else "the baseline keeps no spread of "
                "each device's (gate --update --spread-from again keeps it)"))
-    type_us = {(c.path, c.layer_type): c.current for c in result.checks
-               if c.metric == "kernel_us" and c.kernel_class is None and c.layer_index is None}
+    pooled_now = {(c.path, c.layer_type, c.metric): c.current for c in result.checks
+                  if c.metric in ("kernel_us", "span_us") and c.kernel_class is None
+                  and c.layer_index is None}
+    type_us = {(path, layer_type): us for (path, layer_type, metric), us in pooled_now.items()
+               if metric == "kernel_us"}
     for c in result.checks:
         if c.status not in ("regression", "improvement") or c.current is None:
             continue
@@ -828,6 +841,14 @@ def _within_spread(result: GateResult, spread: dict, path: str | None) -> None:
                 continue
             runs, current = runs / whole, current / type_us[c.path, c.layer_type]
             share = f"of its share of the {c.layer_type} layers' kernel µs: {current:.4g}, "
+        elif c.metric in DEVICE_METRICS and not scaled:
+            metric = c.metric.removesuffix("_device")
+            whole = figures.get((key[0], c.layer_type, metric, None, None, None))
+            if whole is not None and pooled_now.get((c.path, c.layer_type, metric)) and np.all(
+                    whole > 0):
+                runs, current = runs / whole, current / pooled_now[c.path, c.layer_type, metric]
+                share = (f"of its share of the {c.layer_type} {metric} over all devices: "
+                         f"{current:.4g}, ")
         mean, sd = float(np.mean(runs)), float(np.std(runs, ddof=1))
         if not sd > 0:
             # runs that agree to the last digit (a type's one class: a share of 1): this run's
@@ -1078,7 +1099,8 @@ def gate(baseline: dict[str, Breakdown], current: dict[str, Breakdown],
         # a plain trace against one path: compare them, whatever the name
         current = {next(iter(baseline)): next(iter(current.values()))}
     checks: list[Check] = []
-    paired_devices: dict[str, list[tuple[int, int]]] = {}
+    paired_devices: dict[str, list[tuple[int | None, int | None]]] = {}
+    untimed: dict[str, int] = {}
     op_paths = [p for p in dict.fromkeys([*baseline, *current])
                 if all(b.unit == "ops" for b in (baseline.get(p), current.get(p)) if b)]
     # the one rule for CPU time (Tolerances.cpu_times): a path of CPU runs alone is checked on
@@ -1129,9 +1151,12 @@ def gate(baseline: dict[str, Breakdown], current: dict[str, Breakdown],
                     found.append(_time_check(path, label, metric, base_s, cur_s, tolerances,
                                              base_steps, cur_steps))
                     if devices and None not in (base_type, cur_type):
-                        found += _device_checks(path, label, metric, base, base_type, cur,
-                                                cur_type, tolerances, devices, not _testable(
-                                                    base_steps, cur_steps, tolerances))
+                        each = _device_checks(path, label, metric, base, base_type, cur,
+                                              cur_type, tolerances, devices, not _testable(
+                                                  base_steps, cur_steps, tolerances))
+                        found += each
+                        if not any(c.status not in ("missing", "new") for c in each):
+                            untimed[f"{path} {label}"] = len(devices)
                     if metric == "span_us" and base_type == STEP and (mean := _mean_check(
                             path, label, _each_step(base, base_s), _each_step(cur, cur_s),
                             tolerances)):
@@ -1185,6 +1210,7 @@ def gate(baseline: dict[str, Breakdown], current: dict[str, Breakdown],
     if run_spread:
         _within_spread(result, run_spread, spread_path)
     result.checks = _shown_devices(result.checks, paired_devices)
+    result.devices_untimed = untimed
     return result
 
 
@@ -1810,13 +1836,14 @@ def _by_index(b: Breakdown, layer_type: str) -> dict[int, np.ndarray]:
 def device_pairs(base: Breakdown | None, cur: Breakdown | None
                  ) -> list[tuple[int | None, int | None]]:
     """The devices of a job of several (a TP job's one trace) whose layers ran there, where
-    both sides' ran on two or more and say where: the baseline's and the run's paired in order
-    of their ids (their ranks) where they are as many, else by id, a device of one side alone
-    paired with None (a rank whose layers were lost); none otherwise."""
+    either side's ran on two or more and both say where: the baseline's and the run's paired
+    in order of their ids (their ranks) where they are as many, else by id, a device of one
+    side alone paired with None (a rank whose layers were lost, down to one); none
+    otherwise."""
     if base is None or cur is None or not (_says_where(base) and _says_where(cur)):
         return []
     ours, theirs = layer_devices(base), layer_devices(cur)
-    if min(len(ours), len(theirs)) < 2:
+    if max(len(ours), len(theirs)) < 2 or min(len(ours), len(theirs)) < 1:
         return []
     if len(ours) == len(theirs):
         return list(zip(ours, theirs, strict=True))
@@ -1916,7 +1943,7 @@ def _shown_device(group: list[Check], devices: list[tuple[int | None, int | None
     if shown.status in ("missing", "new"):
         said += f" ran none of these in the {'run' if shown.status == 'missing' else 'baseline'}"
     if moved := [c.change for c in group if c is not shown and c.change is not None]:
-        low, high = f"{min(moved):+.1%}", f"{max(moved):+.1%}"
+        low, high = (f"{x:+.1%}".replace("-0.0%", "+0.0%") for x in (min(moved), max(moved)))
         said += f"; the others' medians moved {low}" + (f" to {high}" if high != low else "")
     for status in DEVICE_SHOWN:   # (the others the one shown stands for)
         if also := [c.device if c.device is not None else c.baseline_device for c in group
@@ -1943,6 +1970,22 @@ def _testable(base: np.ndarray | None, cur: np.ndarray | None, tol: Tolerances) 
         return False
     n, m = base.size, cur.size   # (in logs: C(n+m, n) of 10^5 layers a side has 60k digits)
     return math.lgamma(n + m + 1) - math.lgamma(n + 1) - math.lgamma(m + 1) > -math.log(tol.alpha)
+
+
+def _u_test(cur: np.ndarray, base: np.ndarray, worse: bool) -> float:
+    """The one-sided Mann-Whitney U test's p: exact where the splits of the samples are at
+    most ``EXACT_TEST_SPLITS`` (values that tie: every split taken). scipy's default takes a
+    normal approximation wherever two values tie, as figures in whole µs often do: six steps
+    a side, all above the other side's, read p 0.0025 for a tie where the exact p is 1/924."""
+    from scipy.stats import PermutationMethod, mannwhitneyu
+
+    splits = (math.lgamma(cur.size + base.size + 1) - math.lgamma(cur.size + 1)
+              - math.lgamma(base.size + 1))
+    ties = np.unique(np.concatenate([cur, base])).size < cur.size + base.size
+    method = ("auto" if splits > math.log(EXACT_TEST_SPLITS) else
+              PermutationMethod(n_resamples=EXACT_TEST_SPLITS) if ties else "exact")
+    return float(mannwhitneyu(cur, base, alternative="greater" if worse else "less",
+                              method=method).pvalue)
 
 
 def _mean_check(path: str, layer_type: str, base: np.ndarray | None, cur: np.ndarray | None,
@@ -1994,11 +2037,8 @@ def _time_check(path: str, layer_type: str, metric: str, base: np.ndarray | None
     samples = ((base_steps, cur_steps, "steps") if _testable(base_steps, cur_steps, tol)
                else (base, cur, "steps" if layer_type == STEP else "layers"))
     if _testable(samples[0], samples[1], tol):
-        from scipy.stats import mannwhitneyu
-
         test_base, test_cur, over = samples
-        p_value = float(mannwhitneyu(test_cur, test_base,
-                                     alternative="greater" if worse else "less").pvalue)
+        p_value = _u_test(test_cur, test_base, worse)
         if p_value >= tol.alpha:
             return Check(path, layer_type, metric, b, c, change, p_value, "noise",
                          tested_over=over)

@@ -659,14 +659,19 @@ def gate_headline(result: GateResult) -> str:
     lost_paths = {c.path for c in failures if c.status == "missing"} - {
         c.path for c in result.checks if c.status != "missing"}
     lost: dict[tuple[str, str], list[Check]] = {}
-    items: list[str | tuple[str, str]] = []
+    # a device that lost layers (a rank lost: each type's figures of it): one item, naming them
+    devices_lost: dict[tuple[str, int | None], list[Check]] = {}
+    items: list[str | tuple[str, str] | tuple[str, int | None]] = []
     for c in failures:
-        if c.status == "missing" and c.path in lost_paths:
+        if c.status == "missing" and c.metric in DEVICE_METRICS:
+            if (c.path, c.baseline_device) not in devices_lost:
+                items.append((c.path, c.baseline_device))
+            devices_lost.setdefault((c.path, c.baseline_device), []).append(c)
+        elif c.status == "missing" and c.path in lost_paths:
             if (c.path, "") not in lost:
                 items.append((c.path, ""))
             lost.setdefault((c.path, ""), []).append(c)
-        elif c.status == "missing" and c.metric not in DEVICE_METRICS:
-            # (a device that lost a type's layers is an item of its own: the others run them)
+        elif c.status == "missing":
             if (c.path, c.layer_type) not in lost:
                 items.append((c.path, c.layer_type))
             lost.setdefault((c.path, c.layer_type), []).append(c)
@@ -679,6 +684,7 @@ def gate_headline(result: GateResult) -> str:
                          f"{_value(c.baseline)} -> {_value(c.current)}"
                          + (f" ({_clipped(c.detail)})" if c.detail else ""))
     said_items = [item if isinstance(item, str) else
+                  _device_lost(item, devices_lost[item]) if item in devices_lost else
                   f"the path {item[0]} missing from the run (its "
                   + ", ".join(dict.fromkeys(c.layer_type for c in lost[item])) + ")"
                   if not item[1] else
@@ -690,8 +696,7 @@ def gate_headline(result: GateResult) -> str:
     more = len(said_items) - GATE_HEADLINE_ITEMS
     counts = Counter(c.status for c in failures)
     # (what is missing: each type or path lost, and each device that lost a type)
-    missing = len(lost) + sum(c.status == "missing" and c.metric in DEVICE_METRICS
-                              for c in failures)
+    missing = len(lost) + len(devices_lost)
     said = ", ".join(f"{n} layer count{' differs' if n == 1 else 's differ'}"
                      if status == "differs" else "the captures differ"
                      if status == "captured differently" else "the breakdowns differ"
@@ -706,6 +711,17 @@ def gate_headline(result: GateResult) -> str:
                else ""))
 
 
+def _device_lost(where: tuple[str, int | None], checks: list[Check]) -> str:
+    """A device of the baseline's that ran none of some layers in the run, in words."""
+    types = [t for t in dict.fromkeys(c.layer_type for c in checks) if t != "step"]
+    return (f"{where[0]} device {where[1]}: "
+            # (its steps lost too: the rank's every layer)
+            + ("no layers" if any(c.layer_type == "step" for c in checks)
+               else f"no {', '.join(types)} layers")
+            + " in the run (" + ", ".join(f"{c.layer_type} {c.metric.removesuffix('_device')}"
+                                          for c in checks) + ")")
+
+
 def gate_said(gated: GatedRun, show_all: bool = False) -> list[tuple[Table | str, str | None]]:
     """The table verdict but its last line (``gate_headline``): the checks (``show_all``:
     those that passed as well), each side's notes and how the sides differ, each with its
@@ -717,6 +733,10 @@ def gate_said(gated: GatedRun, show_all: bool = False) -> list[tuple[Table | str
     if table.row_count:
         said.append((table, None))
     said += [(line, None) for lines in notes.values() for line in lines]
+    if untimed := result.devices_untimed:
+        said.append(("no check of each device's times for " + ", ".join(
+            f"{where} ({n} devices)" for where, n in untimed.items()) + ": too few steps a "
+            "device for the test at --alpha over the devices (profile more steps)", "yellow"))
     if result.run_differences:
         said.append((captured_differently("the baseline", "the run",
                                                    result.run_differences), "bold yellow"))

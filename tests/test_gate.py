@@ -3142,11 +3142,15 @@ def test_one_slow_rank_of_a_tp_job_fails_the_gate_where_the_medians_of_all_pass(
     assert (kda.device, kda.baseline_device, kda.status) == (6, 2, "regression")
     assert kda.detail.startswith("device 6, rank 2 of 4 (the baseline's device 2); the "
                                  "others'")
-    # one device against a job of four (another TP), or both of one device: no device checks
+    # a job of four against one device: the three others missing (a new device each the other
+    # way round); both of one device: no device checks
     lone = breakdown(tp_job_trace(1, devices=1))
-    for pair in ((base, lone), (lone, base), (lone, lone)):
-        assert not {c.metric for c in gate({"trace": pair[0]}, {"trace": pair[1]}).checks} & {
-            "span_us_device", "kernel_us_device"}
+    for pair, said in (((base, lone), {("missing", None, 1)}), ((lone, base), {("new", 1, None)}),
+                       ((lone, lone), set())):
+        checks = [c for c in gate({"trace": pair[0]}, {"trace": pair[1]}).checks
+                  if c.metric in ("span_us_device", "kernel_us_device")]
+        assert {(c.status, c.device, c.baseline_device) for c in checks} == said
+        assert all(c.detail.endswith(f"{c.status} too: devices 2, 3") for c in checks)
     # stored (layers a list of dicts, read back) alike
     again = Breakdown.from_json(json.loads(json.dumps(slow.to_json())))
     assert [(c.metric, c.device, c.status) for c in gate({"trace": base},
@@ -3228,9 +3232,25 @@ def test_each_device_is_tested_at_alpha_shared_among_the_devices():
         assert check.p_value == pytest.approx(4 / 924) and check.alpha == 0.01 / devices
         assert (check.status, check.device, check.tested_over) == (status, 1, "steps")
         assert check.change == pytest.approx(123.5 / 102.5 - 1)
+    # figures that tie (a trace in whole µs): the test still exact, not scipy's normal
+    # approximation (p 0.0025 for six steps a side all above the other side's, exact 1/924)
+    tied = gate(_job_of_steps({d: [100.0, 100.0, 102.0, 103.0, 104.0, 105.0] for d in range(2)}),
+                _job_of_steps({0: [100.0, 100.0, 102.0, 103.0, 104.0, 105.0],
+                               1: [120.0, 120.0, 121.0, 123.0, 124.0, 125.0]}))
+    (check,) = [c for c in tied.checks if (c.layer_type, c.metric) == ("kda", "span_us_device")]
+    assert check.p_value == pytest.approx(1 / 924) and check.status == "regression"
     few = gate(_job_of_steps({d: steady[:5] for d in range(4)}),
                _job_of_steps({d: slower[:5] if d == 1 else steady[:5] for d in range(4)}))
     assert not [c for c in few.checks if c.metric in ("span_us_device", "kernel_us_device")]
+    assert few.devices_untimed == {"trace kda": 4, "trace step": 4}   # (said: profile more)
+    assert few.to_json()["devices_untimed"] == {"trace kda": 4, "trace step": 4}
+    from kimi_perf.gate import GatedRun
+    from kimi_perf.render import gate_text
+
+    said = " ".join(gate_text(GatedRun(few, {}, {}, {}, None, (Path("a"), Path("b")))).split())
+    assert ("no check of each device's times for trace kda (4 devices), trace step (4 devices): "
+            "too few steps a device for the test at --alpha over the devices (profile more "
+            "steps)") in said
     lost = _job_of_steps({d: steady for d in range(4)})["trace"]
     lost.layers = [r for r in lost.layers if r["device"] != 3] + [
         {"type": "mla", "step": s, "device": 3, "index": 0, "kernels": 9, "kernel_us": 1.0,
@@ -3242,10 +3262,10 @@ def test_each_device_is_tested_at_alpha_shared_among_the_devices():
                            "moved +0.0%"
     # the headline says the device lost them, not the type (the others still run it)
     headline = gate_headline(result)
-    assert headline.startswith("gate: FAIL, 2 missing, 1 layer count differs: trace kda layers "
-                               "1 -> 0 (device 3: 1 layers a step in the baseline, 0 i")
-    assert "; trace kda kernel_us (device 3) 102.5 -> - (device 3 of 4 ran none of these in the " \
-           "run" in headline
+    assert headline.startswith("gate: FAIL, 1 missing (2 checks), 1 layer count differs: trace "
+                               "kda layers 1 -> 0 (device 3: 1 layers a step in the baseline, 0 i")
+    assert headline.endswith("; trace device 3: no kda layers in the run (kda kernel_us, kda "
+                             "span_us)")
     # whatever its steps: five a side, too few to time the devices, still say it
     few_lost = {"trace": copy.deepcopy(lost)}
     few_lost["trace"].layers = [r for r in lost.layers if r["step"] < 5]
@@ -3270,8 +3290,11 @@ def test_each_device_is_tested_at_alpha_shared_among_the_devices():
     assert {(c.layer_type, c.metric, c.device, c.baseline_device) for c in three.failures} == {
         (t, m, None, 3) for t in ("kda", "step") for m in ("kernel_us_device",
                                                             "span_us_device")}
-    assert gate_headline(three).startswith("gate: FAIL, 4 missing: trace kda kernel_us (device "
-                                           "3) 102.5 -> - (device 3 of 4 ran none of these")
+    assert gate_headline(three) == ("gate: FAIL, 1 missing (4 checks): trace device 3: no "
+                                    "layers in the run (kda kernel_us, kda span_us, step "
+                                    "kernel_us, step span_us)")
+    assert next(c for c in three.failures).detail.startswith("device 3 of 4 ran none of these "
+                                                             "in the run")
     # one more: new, said (no failure)
     five = gate(_job_of_steps({d: steady for d in range(4)}),
                 _job_of_steps({d: steady for d in range(5)}))
@@ -3294,42 +3317,49 @@ def test_each_device_is_tested_at_alpha_shared_among_the_devices():
 
 
 def test_a_device_past_its_own_spread_fails_though_another_moved_more_within_its(tmp_path):
-    """Rank 0 moves from run to run by ±10%, rank 1 not at all: a night with rank 0 12%
-    slower and rank 1 10% slower has rank 0 within its spread and rank 1 far past its own.
-    Each device is tested against its spread before one is shown: rank 1 fails. A spread
-    stored before the gate checked each device lends its figure over all devices, scaled,
-    said so; a run on other GPUs is tested against the spread of the baseline's device it
-    pairs with."""
+    """Rank 0 of four moves from run to run by ±10% on its own, the others not at all: a
+    night with rank 0 12% slower and rank 1 10% slower has rank 0 within its spread and rank
+    1 far past its own. Each device is tested against its spread (its share of the figure
+    over all devices) before one is shown: rank 1 fails. Every rank 7% slower (the night's
+    clocks) moves no rank's share: no device fails, while the figures over all devices do
+    (the runs never moved so). A spread stored before the gate checked each device lends its
+    figure over all devices, scaled, said so; a run on other GPUs is tested against the
+    spread of the baseline's device it pairs with."""
     files = {}
-    for name, seed, slow in (("r1", 0, {0: 1.0}), ("r2", 1, {0: 0.92}), ("r3", 2, {0: 1.1}),
-                             ("r4", 3, {0: 0.95}), ("r5", 4, {0: 1.06}),
-                             ("night", 5, {0: 1.12, 1: 1.10})):
+    for name, seed, factor, slow in (
+            ("r1", 0, 1.0, {0: 1.0}), ("r2", 1, 1.0, {0: 0.92}), ("r3", 2, 1.0, {0: 1.1}),
+            ("r4", 3, 1.0, {0: 0.95}), ("r5", 4, 1.0, {0: 1.06}),
+            ("night", 5, 1.0, {0: 1.12, 1: 1.10}), ("clocks", 6, 1.07, None)):
         files[name] = tmp_path / f"{name}.kptrace"
-        tp_job_trace(seed, slow=slow, devices=2).save(files[name])
+        tp_job_trace(seed, factor, slow=slow).save(files[name])
     baseline = tmp_path / "base.json"
     update_baseline(baseline, files["r1"], spread_from=[files[r] for r in ("r2", "r3", "r4",
                                                                           "r5")])
     night = gate_files(baseline, files["night"]).result
-    failed = {(c.layer_type, c.metric, c.device) for c in night.failures}
-    assert ("kda", "span_us_device", 1) in failed and ("step", "span_us_device", 1) in failed
-    assert all(c.tested_over == "runs" for c in night.failures)
+    shown = {(c.layer_type, c.metric): c for c in night.checks if c.metric == "span_us_device"}
+    for layer_type in ("kda", "step"):
+        check = shown[layer_type, "span_us_device"]
+        assert (check.status, check.device, check.tested_over) == ("regression", 1, "runs")
+        assert check.p_value < check.alpha == 0.01 / 4
+    assert {c.metric for c in night.failures} <= {"span_us_device", "kernel_us_device"}
+    clocks = gate_files(baseline, files["clocks"]).result
+    devices = [c for c in clocks.checks if c.metric in ("span_us_device", "kernel_us_device")]
+    assert devices and all(c.status == "noise" and c.tested_over == "runs"
+                           and "of its share of the " in c.detail for c in devices)
+    assert ("kda", "span_us") in {(c.layer_type, c.metric) for c in clocks.failures}
     # a spread stored without each device's figures: the pooled one's, scaled to the device
     doc = json.loads(baseline.read_text())
     doc["run_spread"]["figures"] = [f for f in doc["run_spread"]["figures"] if "device" not in f]
     old = tmp_path / "old.json"
     old.write_text(json.dumps(doc))
-    files["clocks"] = tmp_path / "clocks.kptrace"
-    tp_job_trace(6, factor=1.07, devices=2).save(files["clocks"])
-    assert not gate_files(baseline, files["clocks"]).result.ok   # (rank 1 never moved)
-    result = gate_files(old, files["clocks"]).result
-    scaled = [c for c in result.checks if c.metric == "span_us_device" and c.tested_over == "runs"]
-    assert result.ok and scaled and {c.status for c in scaled} == {"noise"}
-    assert all("of the runs' figure over all devices, scaled to this device's: the baseline "
-               "keeps no spread of each device's (gate --update --spread-from again keeps it)"
-               in c.detail for c in scaled)
-    # the night's job on GPUs 4 and 5: each tested against its baseline device's spread
+    lent = [c for c in gate_files(old, files["clocks"]).result.checks
+            if c.metric == "span_us_device" and c.tested_over == "runs"]
+    assert lent and all("of the runs' figure over all devices, scaled to this device's: the "
+                        "baseline keeps no spread of each device's (gate --update --spread-from "
+                        "again keeps it)" in c.detail for c in lent)
+    # the night's job on GPUs 4 to 7: each tested against its baseline device's spread
     files["moved"] = tmp_path / "moved.kptrace"
-    tp_job_trace(5, slow={0: 1.12, 1: 1.10}, devices=2, first_device=4).save(files["moved"])
+    tp_job_trace(5, slow={0: 1.12, 1: 1.10}, first_device=4).save(files["moved"])
     moved = gate_files(baseline, files["moved"]).result
     assert {(c.layer_type, c.metric, c.device, c.baseline_device) for c in moved.failures} >= {
         ("kda", "span_us_device", 5, 1)}
