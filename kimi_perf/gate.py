@@ -799,13 +799,14 @@ def _within_spread(result: GateResult, spread: dict, path: str | None) -> None:
     its share of its type's kernel µs (in each run and in this one): the factor a run's noise
     moves all of a run's kernels by cancels, where the class's or layer's alpha (a share of
     ``alpha``) would leave a wide interval of few runs wider still. A device's figure is
-    tested as its share of the type's figure over all devices (its median over the pooled
-    median), against its device's runs: a run's noise moves every device (its clocks, its
-    host) and cancels there, where a straggler's share moves; a spread stored without them
-    (before the gate checked each device) lends its pooled figure, scaled to the device's.
+    tested against its device's runs as it is and as its share of the type's figure over all
+    devices (its median over the pooled median), and is noise within both: a run's noise
+    moves every device (its clocks, its host) and cancels in the share, where a straggler's
+    share moves (over two devices, by half its slowdown, and the other's noise with it); a
+    spread stored without them (before the gate checked each device) lends its pooled
+    figure, scaled to the device's.
     ``path``: the one the stored figures are keyed by (a baseline of one trace's), else each
     check's own."""
-    from scipy.stats import t as t_dist
 
     figures = {(f["path"], f["layer_type"], f["metric"], f.get("kernel_class"),
                 f.get("layer_index"), f.get("device")): np.asarray(f["values"], dtype=float)
@@ -834,40 +835,52 @@ def _within_spread(result: GateResult, spread: dict, path: str | None) -> None:
                 runs, scaled = pooled * (c.baseline / pooled[0]), True
         if runs is None:
             continue
-        current, share = c.current, None
+        # (the tests, each of runs, this run's figure and what it is of: a share, or itself)
+        tests: list[tuple[np.ndarray, float, str | None]] = [(runs, c.current, None)]
         if c.metric in ("class_us", "layer_kernel_us"):
             whole = figures.get((key[0], c.layer_type, "kernel_us", None, None, None))
             if whole is None or not type_us.get((c.path, c.layer_type)) or not np.all(whole > 0):
                 continue
-            runs, current = runs / whole, current / type_us[c.path, c.layer_type]
-            share = f"of its share of the {c.layer_type} layers' kernel µs: {current:.4g}, "
+            current = c.current / type_us[c.path, c.layer_type]
+            tests = [(runs / whole, current, f"of its share of the {c.layer_type} layers' "
+                                             f"kernel µs: {current:.4g}, ")]
         elif c.metric in DEVICE_METRICS and not scaled:
+            # its share too: past either fails (a share over two devices moves by half a
+            # straggler's slowdown, and with the other's noise; a run's clocks move the figure)
             metric = c.metric.removesuffix("_device")
             whole = figures.get((key[0], c.layer_type, metric, None, None, None))
             if whole is not None and pooled_now.get((c.path, c.layer_type, metric)) and np.all(
                     whole > 0):
-                runs, current = runs / whole, current / pooled_now[c.path, c.layer_type, metric]
-                share = (f"of its share of the {c.layer_type} {metric} over all devices: "
-                         f"{current:.4g}, ")
-        mean, sd = float(np.mean(runs)), float(np.std(runs, ddof=1))
-        if not sd > 0:
-            # runs that agree to the last digit (a type's one class: a share of 1): this run's
-            # figure the same is within them (its type's check decides), any other past them
-            if not math.isclose(current, mean, rel_tol=1e-9):
-                continue
-            c.p_value = 1.0
-        else:
-            score = (current - mean) / (sd * math.sqrt(1 + 1 / runs.size))
-            c.p_value = float(t_dist.sf(score, runs.size - 1) if c.status == "regression"
-                              else t_dist.cdf(score, runs.size - 1))
-        c.tested_over = "runs"
+                current = c.current / pooled_now[c.path, c.layer_type, metric]
+                tests.append((runs / whole, current, f"of its share of the {c.layer_type} "
+                                                     f"{metric} over all devices: {current:.4g}, "))
+        tested = [(_spread_p(r, x, c.status == "regression"), r, share) for r, x, share in tests]
+        if any(p is None for p, _, _ in tested):
+            continue   # (runs that agree to the last digit, and a figure past them)
+        p_value, runs, share = min(tested, key=lambda t: t[0])
+        c.p_value, c.tested_over = p_value, "runs"
         if c.p_value >= (c.alpha or result.tolerances.alpha):
             c.status = "noise"
             c.detail = (f"within the spread of the baseline's {runs.size} runs ("
                         + (f"{share}the runs' " if share else "")
-                        + f"mean {mean:.4g}, sd {sd:.2g})" + (f"; {lent}" if scaled else ""))
+                        + f"mean {np.mean(runs):.4g}, sd {np.std(runs, ddof=1):.2g})"
+                        + (f"; {lent}" if scaled else ""))
         elif scaled:
             c.detail = lent + (f"; {c.detail}" if c.detail else "")
+
+
+def _spread_p(runs: np.ndarray, current: float, worse: bool) -> float | None:
+    """One-sided p of a t prediction interval for one run more: ``current`` against the runs'
+    mean, ``sd · sqrt(1 + 1/n)``, n - 1 degrees of freedom. Runs that agree to the last digit
+    (a type's one class: a share of 1): 1 where this run's figure is the same (its type's
+    check decides), None where it is not (past them)."""
+    from scipy.stats import t as t_dist
+
+    mean, sd = float(np.mean(runs)), float(np.std(runs, ddof=1))
+    if not sd > 0:
+        return 1.0 if math.isclose(current, mean, rel_tol=1e-9) else None
+    score = (current - mean) / (sd * math.sqrt(1 + 1 / runs.size))
+    return float(t_dist.sf(score, runs.size - 1) if worse else t_dist.cdf(score, runs.size - 1))
 
 
 def _holds(runs: dict) -> str:
@@ -1151,11 +1164,11 @@ def gate(baseline: dict[str, Breakdown], current: dict[str, Breakdown],
                     found.append(_time_check(path, label, metric, base_s, cur_s, tolerances,
                                              base_steps, cur_steps))
                     if devices and None not in (base_type, cur_type):
-                        each = _device_checks(path, label, metric, base, base_type, cur,
-                                              cur_type, tolerances, devices, not _testable(
-                                                  base_steps, cur_steps, tolerances))
+                        each, timed = _device_checks(
+                            path, label, metric, base, base_type, cur, cur_type, tolerances,
+                            devices, not _testable(base_steps, cur_steps, tolerances))
                         found += each
-                        if not any(c.status not in ("missing", "new") for c in each):
+                        if not timed:
                             untimed[f"{path} {label}"] = len(devices)
                     if metric == "span_us" and base_type == STEP and (mean := _mean_check(
                             path, label, _each_step(base, base_s), _each_step(cur, cur_s),
@@ -1847,6 +1860,11 @@ def device_pairs(base: Breakdown | None, cur: Breakdown | None
         return []
     if len(ours) == len(theirs):
         return list(zip(ours, theirs, strict=True))
+    # (a job of one device on a GPU the other has not: its rank 0)
+    if len(ours) == 1 and ours[0] not in theirs:
+        return [(ours[0], theirs[0]), *((None, d) for d in theirs[1:])]
+    if len(theirs) == 1 and theirs[0] not in ours:
+        return [(ours[0], theirs[0]), *((d, None) for d in ours[1:])]
     return [(d if d in ours else None, d if d in theirs else None)
             for d in sorted({*ours, *theirs})]
 
@@ -1874,20 +1892,22 @@ def _by_device(b: Breakdown, layer_type: str, metric: str
 def _device_checks(path: str, label: str, metric: str, base: Breakdown, base_type: str,
                    cur: Breakdown, cur_type: str, tol: Tolerances,
                    devices: list[tuple[int | None, int | None]], by_layers: bool
-                   ) -> list[Check]:
+                   ) -> tuple[list[Check], bool]:
     """``METRIC_device``: each device's figures against its pair's (``device_pairs``), tested
     as ``_time_check`` tests the whole's, at ``alpha`` shared among the devices: one rank of
     eight slower by a fifth moves the figures over all of them by little or nothing. A device
     that ran the type on one side alone is ``missing`` (``new``), whatever its steps. The
     times of none where a device's steps are too few for the test at that alpha
     (``by_layers``, where the whole's are too: its layers), as the largest of several ratios no
-    test decides would pass for a regression. ``_shown_devices`` keeps one of them."""
+    test decides would pass for a regression. ``_shown_devices`` keeps one of them. And
+    whether the times were checked (False: devices on both sides whose steps are too few)."""
     shared = dataclasses.replace(tol, alpha=tol.alpha / len(devices))
     ours, theirs = _by_device(base, base_type, metric), _by_device(cur, cur_type, metric)
     pairs = [(b, c, ours.get(b, (None, None)), theirs.get(c, (None, None))) for b, c in devices]
+    both = [(mine, other) for *_, mine, other in pairs
+            if mine[0] is not None and other[0] is not None]
     timed = all(_testable(mine[1], other[1], shared)
-                or (by_layers and _testable(mine[0], other[0], shared))
-                for *_, mine, other in pairs if mine[0] is not None and other[0] is not None)
+                or (by_layers and _testable(mine[0], other[0], shared)) for mine, other in both)
     checks = []
     for base_device, cur_device, (base_s, base_steps), (cur_s, cur_steps) in pairs:
         if (base_s is None and cur_s is None) or (
@@ -1897,7 +1917,7 @@ def _device_checks(path: str, label: str, metric: str, base: Breakdown, base_typ
                             cur_steps)
         check.device, check.baseline_device, check.alpha = cur_device, base_device, shared.alpha
         checks.append(check)
-    return checks
+    return checks, timed or not both
 
 
 # which device's check a type's shows: the first status of these there is, else the device

@@ -3151,6 +3151,12 @@ def test_one_slow_rank_of_a_tp_job_fails_the_gate_where_the_medians_of_all_pass(
                   if c.metric in ("span_us_device", "kernel_us_device")]
         assert {(c.status, c.device, c.baseline_device) for c in checks} == said
         assert all(c.detail.endswith(f"{c.status} too: devices 2, 3") for c in checks)
+    # a job of one device on another GPU (5): its rank 0, the others missing, all timed
+    other_gpu = gate({"trace": base}, {"trace": breakdown(tp_job_trace(1, devices=1,
+                                                                       first_device=5))})
+    shown = [c for c in other_gpu.checks if c.metric == "span_us_device"]
+    assert {(c.status, c.device, c.baseline_device) for c in shown} == {("missing", None, 1)}
+    assert other_gpu.devices_untimed == {}
     # stored (layers a list of dicts, read back) alike
     again = Breakdown.from_json(json.loads(json.dumps(slow.to_json())))
     assert [(c.metric, c.device, c.status) for c in gate({"trace": base},
@@ -3161,12 +3167,14 @@ def test_one_slow_rank_of_a_tp_job_fails_the_gate_where_the_medians_of_all_pass(
 def test_a_tp_jobs_spread_of_runs_keeps_each_devices_figures(tmp_path):
     """A baseline of a TP job stored with the spread of its runs keeps each device's medians
     (by the stored run's device): a night whose every rank is 7% slower (its clocks) is
-    within the spread, device checks too; one whose rank 3 is 30% slower fails on it."""
+    within the spread, device checks too; one whose rank 3 is 30% slower fails on it, and so
+    does one whose rank 3 is 12% slower: within its own runs' spread of clocks (±4%), past that
+    of its share of the figure over all devices, which the clocks move not at all."""
     files = {}
     for name, seed, factor, slow in (("r1", 0, 1.0, None), ("r2", 1, 1.04, None),
                                      ("r3", 2, 0.97, None), ("r4", 3, 1.06, None),
                                      ("r5", 4, 0.99, None), ("night", 5, 1.07, None),
-                                     ("slow", 6, 1.0, {3: 1.3})):
+                                     ("slow", 6, 1.0, {3: 1.3}), ("rank", 7, 1.0, {3: 1.12})):
         files[name] = tmp_path / f"{name}.kptrace"
         tp_job_trace(seed, factor, slow).save(files[name])
     spread = spread_of_runs(files["r1"], [files[r] for r in ("r2", "r3", "r4", "r5")])
@@ -3189,6 +3197,13 @@ def test_a_tp_jobs_spread_of_runs_keeps_each_devices_figures(tmp_path):
     slow = gate_files(baseline, files["slow"]).result
     assert {(c.layer_type, c.metric, c.device) for c in slow.failures} >= {
         ("mla", "span_us_device", 3), ("step", "span_us_device", 3)}
+    rank = gate_files(baseline, files["rank"]).result
+    kda = next(c for c in rank.checks if (c.layer_type, c.metric) == ("kda", "span_us_device"))
+    assert (kda.status, kda.device, kda.tested_over) == ("regression", 3, "runs")
+    from kimi_perf.gate import _spread_p
+
+    runs = np.array(devices["kda", "span_us_device", 3])
+    assert _spread_p(runs, kda.current, True) > kda.alpha > kda.p_value   # (its share's p)
     # a device's figure without its device (or a device on another figure) is refused
     for figure in ({"path": "trace", "layer_type": "mla", "metric": "span_us_device",
                     "values": [1.0] * 5},
@@ -3319,12 +3334,12 @@ def test_each_device_is_tested_at_alpha_shared_among_the_devices():
 def test_a_device_past_its_own_spread_fails_though_another_moved_more_within_its(tmp_path):
     """Rank 0 of four moves from run to run by ±10% on its own, the others not at all: a
     night with rank 0 12% slower and rank 1 10% slower has rank 0 within its spread and rank
-    1 far past its own. Each device is tested against its spread (its share of the figure
-    over all devices) before one is shown: rank 1 fails. Every rank 7% slower (the night's
-    clocks) moves no rank's share: no device fails, while the figures over all devices do
-    (the runs never moved so). A spread stored before the gate checked each device lends its
-    figure over all devices, scaled, said so; a run on other GPUs is tested against the
-    spread of the baseline's device it pairs with."""
+    1 far past its own. Each device is tested against its spread before one is shown: rank 1
+    fails. So it does of two devices, whose share of the figure over both moves by half a
+    straggler's slowdown, and with the other's noise: its own figure is past its runs. A
+    spread stored before the gate checked each device lends its figure over all devices,
+    scaled, said so; a run on other GPUs is tested against the spread of the baseline's
+    device it pairs with."""
     files = {}
     for name, seed, factor, slow in (
             ("r1", 0, 1.0, {0: 1.0}), ("r2", 1, 1.0, {0: 0.92}), ("r3", 2, 1.0, {0: 1.1}),
@@ -3342,11 +3357,16 @@ def test_a_device_past_its_own_spread_fails_though_another_moved_more_within_its
         assert (check.status, check.device, check.tested_over) == ("regression", 1, "runs")
         assert check.p_value < check.alpha == 0.01 / 4
     assert {c.metric for c in night.failures} <= {"span_us_device", "kernel_us_device"}
-    clocks = gate_files(baseline, files["clocks"]).result
-    devices = [c for c in clocks.checks if c.metric in ("span_us_device", "kernel_us_device")]
-    assert devices and all(c.status == "noise" and c.tested_over == "runs"
-                           and "of its share of the " in c.detail for c in devices)
-    assert ("kda", "span_us") in {(c.layer_type, c.metric) for c in clocks.failures}
+    pair = {}
+    for name, seed, slow in (("p1", 0, {0: 1.0}), ("p2", 1, {0: 0.92}), ("p3", 2, {0: 1.1}),
+                             ("p4", 3, {0: 0.95}), ("p5", 4, {0: 1.06}), ("pn", 5, {1: 1.2})):
+        pair[name] = tmp_path / f"{name}.kptrace"
+        tp_job_trace(seed, slow=slow, devices=2).save(pair[name])
+    two = tmp_path / "two.json"
+    update_baseline(two, pair["p1"], spread_from=[pair[r] for r in ("p2", "p3", "p4", "p5")])
+    slow_rank = [c for c in gate_files(two, pair["pn"]).result.failures
+                 if (c.layer_type, c.metric) == ("kda", "span_us_device")]
+    assert [(c.device, c.tested_over) for c in slow_rank] == [(1, "runs")]
     # a spread stored without each device's figures: the pooled one's, scaled to the device
     doc = json.loads(baseline.read_text())
     doc["run_spread"]["figures"] = [f for f in doc["run_spread"]["figures"] if "device" not in f]
