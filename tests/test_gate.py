@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
+import math
 import re
 import shutil
 import tempfile
@@ -3088,7 +3089,6 @@ def test_one_slow_rank_of_a_tp_job_fails_the_gate_where_the_medians_of_all_pass(
     GPUs), so one rank of four 20% slower moves the medians by nothing and the step's mean
     by 5%: the pooled checks pass. Each device checked on its own (at alpha / 4) fails that
     rank, named; a job alike passes; devices of other ids pair by rank."""
-    from scipy.stats import mannwhitneyu
 
     from kimi_perf.render import gate_junit, gate_table, tables_text
 
@@ -3113,8 +3113,11 @@ def test_one_slow_rank_of_a_tp_job_fails_the_gate_where_the_medians_of_all_pass(
         pytest.approx(np.median([r["span_us"] for r in rows])) for rows in mine)
     means = [[np.mean([r["span_us"] for r in rows if r["step"] == s])
               for s in sorted({r["step"] for r in rows})] for rows in mine]
-    assert kda.p_value == pytest.approx(mannwhitneyu(means[1], means[0],
-                                                     alternative="greater").pvalue)
+    # (every step of the run's device slower than every one of the baseline's: exact p, one
+    # split of all C(n+m, n))
+    assert min(means[1]) > max(means[0])
+    assert kda.p_value == pytest.approx(1 / math.comb(len(means[0]) + len(means[1]),
+                                                      len(means[0])))
     assert not result.ok and {c.metric for c in result.failures} == {"kernel_us_device",
                                                                       "span_us_device"}
     text = " ".join(tables_text([gate_table(result)]).split())
@@ -3228,6 +3231,57 @@ def _job_of_steps(device_steps: dict[int, list[float]],
              for d, values in device_steps.items() for s, v in enumerate(values)]
     return {"trace": Breakdown(source={}, steps=steps, layers=layers,
                                layer_types=[{"type": "kda"}])}
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 6), min_size=2, max_size=7),
+       st.lists(st.integers(0, 6), min_size=2, max_size=7), st.booleans())
+def test_the_u_test_is_exact_ties_and_all(cur, base, worse):
+    """Its p is the share of all splits of the pooled values whose U is as extreme as the
+    one observed (midranks where values tie), counted here split by split."""
+    from itertools import combinations
+
+    from scipy.stats import rankdata
+
+    from kimi_perf.gate import _u_test
+
+    pooled = np.array(cur + base, dtype=float)
+    ranks = rankdata(pooled)
+    observed = ranks[:len(cur)].sum()
+    sums = np.array([ranks[list(split)].sum() for split in combinations(range(pooled.size),
+                                                                         len(cur))])
+    as_extreme = sums >= observed - 1e-9 if worse else sums <= observed + 1e-9
+    assert _u_test(pooled[:len(cur)], pooled[len(cur):], worse) == pytest.approx(
+        as_extreme.mean(), rel=1e-12)
+
+
+def test_the_u_test_reaches_alpha_where_its_approximation_cannot():
+    """Eight steps a side, all of one above the other's, two tied: the exact p is 1/12,870;
+    scipy's normal approximation (which it takes where values tie) reads 0.00047, so at α
+    0.00025 (0.001 over four devices) a rank's every step slower could never fail. Three
+    against 300: exact 1/C(303, 3), the approximation 0.0015. Past the exact test's work
+    (150 steps a side) the approximation, good there."""
+    from scipy.stats import mannwhitneyu
+
+    from kimi_perf.gate import _u_test
+
+    steady = [100.0, 100.0, 101.0, 102.0, 103.0, 104.0, 105.0, 106.0]
+    slower = [120.0, 120.0, 121.0, 122.0, 123.0, 124.0, 125.0, 126.0]
+    assert mannwhitneyu(slower, steady, alternative="greater").pvalue > 0.00025
+    result = gate(_job_of_steps({d: steady for d in range(4)}),
+                  _job_of_steps({d: slower if d == 1 else steady for d in range(4)}),
+                  Tolerances(alpha=0.001))
+    (check,) = [c for c in result.checks if (c.layer_type, c.metric)
+                == ("kda", "span_us_device")]
+    assert check.p_value == pytest.approx(1 / 12_870) and check.status == "regression"
+    few, many = np.array([1.0, 1.0, 2.0]), np.arange(300.0) + 10
+    assert _u_test(many, few, True) == _u_test(few, many, False) == pytest.approx(
+        1 / 4_590_551)
+    assert _u_test(few, many, True) == pytest.approx(1.0)
+    rng = np.random.default_rng(0)
+    base, cur = rng.normal(100, 1, 150), rng.normal(100.3, 1, 150)
+    assert _u_test(cur, base, True) == mannwhitneyu(cur, base, alternative="greater",
+                                                    method="asymptotic").pvalue
 
 
 def test_each_device_is_tested_at_alpha_shared_among_the_devices():
