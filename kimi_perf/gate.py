@@ -223,6 +223,8 @@ class Check:
     device: int | None = None        # a device's check: the run's device its figures are of
     baseline_device: int | None = None   # and the baseline's paired with it (None: a device
                                          # of one side alone, its layers lost or new)
+    others: list[Check] = field(default_factory=list)   # a device's check shown for its type's:
+                                                        # the other devices' (``_shown_devices``)
 
     @property
     def fails(self) -> bool:
@@ -293,7 +295,8 @@ class GateResult:
         whether it ``fails`` (the statuses that do are ``FAILING``)."""
         doc = {"schema": 1, "ok": self.ok, "failed": len(self.failures),
                "tolerances": asdict(self.tolerances),
-               "checks": [asdict(c) | {"fails": c.fails} for c in self.checks],
+               "checks": [asdict(c) | {"fails": c.fails, "others": [
+                   asdict(o) | {"fails": o.fails} for o in c.others]} for c in self.checks],
                "devices_untimed": self.devices_untimed}
         if self.run_differences is not None:
             doc["run_differences"] = self.run_differences
@@ -1971,6 +1974,7 @@ def _shown_device(group: list[Check], devices: list[tuple[int | None, int | None
             said += f"; {status} too: device{'s' if len(also) > 1 else ''} " + ", ".join(
                 map(str, also))
     shown.detail = said + (f"; {shown.detail}" if shown.detail else "")
+    shown.others = [c for c in group if c is not shown]
     return shown
 
 

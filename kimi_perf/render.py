@@ -664,9 +664,11 @@ def gate_headline(result: GateResult) -> str:
     items: list[str | tuple[str, str] | tuple[str, int | None]] = []
     for c in failures:
         if c.status == "missing" and c.metric in DEVICE_METRICS:
-            if (c.path, c.baseline_device) not in devices_lost:
-                items.append((c.path, c.baseline_device))
-            devices_lost.setdefault((c.path, c.baseline_device), []).append(c)
+            # (the check shown for a type's devices stands for others lost too: each an item)
+            for d in [c, *(o for o in c.others if o.status == "missing")]:
+                if (d.path, d.baseline_device) not in devices_lost:
+                    items.append((d.path, d.baseline_device))
+                devices_lost.setdefault((d.path, d.baseline_device), []).append(d)
         elif c.status == "missing" and c.path in lost_paths:
             if (c.path, "") not in lost:
                 items.append((c.path, ""))
@@ -694,7 +696,8 @@ def gate_headline(result: GateResult) -> str:
                   + ")" for item in items]
     worst = "; ".join(said_items[:GATE_HEADLINE_ITEMS])
     more = len(said_items) - GATE_HEADLINE_ITEMS
-    counts = Counter(c.status for c in failures)
+    counts = Counter(d.status for c in failures
+                     for d in [c, *(o for o in c.others if o.status == "missing")])
     # (what is missing: each type or path lost, and each device that lost a type)
     missing = len(lost) + len(devices_lost)
     said = ", ".join(f"{n} layer count{' differs' if n == 1 else 's differ'}"

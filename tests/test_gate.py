@@ -3364,6 +3364,20 @@ def test_each_device_is_tested_at_alpha_shared_among_the_devices():
                                     "kernel_us, step span_us)")
     assert next(c for c in three.failures).detail.startswith("device 3 of 4 ran none of these "
                                                              "in the run")
+    # two ranks lost (4 devices to 2): each its own item, though one check a type shows them;
+    # JSON holds every device's check (the others' in the shown one's)
+    two = gate(_job_of_steps({d: steady for d in range(4)}),
+               _job_of_steps({d: steady for d in range(2)}))
+    assert gate_headline(two) == (
+        "gate: FAIL, 2 missing (8 checks): trace device 2: no layers in the run (kda kernel_us, "
+        "kda span_us, step kernel_us, step span_us); trace device 3: no layers in the run (kda "
+        "kernel_us, kda span_us, step kernel_us, step span_us)")
+    shown = next(c for c in two.to_json()["checks"] if (c["layer_type"], c["metric"])
+                 == ("kda", "span_us_device"))
+    assert (shown["baseline_device"], shown["status"]) == (2, "missing")
+    assert [(o["device"], o["baseline_device"], o["status"], o["fails"]) for o in
+            shown["others"]] == [(0, 0, "ok", False), (1, 1, "ok", False),
+                                 (None, 3, "missing", True)]
     # one more: new, said (no failure)
     five = gate(_job_of_steps({d: steady for d in range(4)}),
                 _job_of_steps({d: steady for d in range(5)}))
