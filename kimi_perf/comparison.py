@@ -66,8 +66,10 @@ class ComparisonRow:
     # ranges against a graph's kernel pattern): not the same unit, no ratio; and for whole
     # steps that ran other work (``steps_of_other_work``)
     same_layers: bool = True
-    steps_a: int | None = None   # the whole step's row: the steps its medians are over
-    steps_b: int | None = None
+    steps_a: int | None = None   # the whole step's row: the steps its medians are over (a
+    steps_b: int | None = None   # TP job's: each device's step one)
+    step_devices_a: int = 1      # and the devices they ran on
+    step_devices_b: int = 1
     # A side whose every step fell back ran the standard path's ops under its own name: its
     # figures stand, but a ratio would credit (or blame) the path for work it never ran.
     fell_back: bool = False
@@ -116,12 +118,13 @@ class ComparisonRow:
         def us(v: float | None) -> float | None:   # (a median of two steps: 299255.18149999995)
             return None if v is None else round(v, 3)
         sides = [{"layers": layers, "kernels": kernels, "kernel_us": us(kernel_us),
-                  "span_us": us(span_us), **({"steps": steps} if steps is not None else {})}
-                 for layers, kernels, kernel_us, span_us, steps in (
+                  "span_us": us(span_us), **({"steps": steps} if steps is not None else {}),
+                  **({"step_devices": devices} if devices > 1 else {})}
+                 for layers, kernels, kernel_us, span_us, steps, devices in (
                      (self.layers_a, self.kernels_a, self.kernel_us_a, self.span_us_a,
-                      self.steps_a),
+                      self.steps_a, self.step_devices_a),
                      (self.layers_b, self.kernels_b, self.kernel_us_b, self.span_us_b,
-                      self.steps_b))]
+                      self.steps_b, self.step_devices_b))]
         return {"type": self.type, "type_b": self.type_b, "a": sides[0], "b": sides[1],
                 "span_ratio": self.span_ratio, "kernel_us_ratio": self.kernel_us_ratio,
                 "kernel_ratio": self.kernel_ratio,
@@ -232,6 +235,8 @@ def compare(a: Breakdown, b: Breakdown, fell_back: bool = False) -> list[Compari
     if a.steps or b.steps:
         step = _row(WHOLE_STEP, _whole_step(a), _whole_step(b))
         step.steps_a, step.steps_b = len(a.steps) or None, len(b.steps) or None
+        step.step_devices_a, step.step_devices_b = (
+            max(1, len({s.get("device") for s in x.steps} - {None})) for x in (a, b))
         step.same_layers = not steps_of_other_work([a, b])
         rows.append(step)
     for row in rows:
@@ -413,10 +418,18 @@ def ratio_note(rows: list[ComparisonRow], label_a: str, label_b: str,
 
 
 def _of_steps(step: ComparisonRow) -> str:
-    """How many steps each side's whole-step medians are over, where the sides differ."""
-    if step.steps_a == step.steps_b:
+    """How many steps each side's whole-step medians are over, where the sides differ (a TP
+    job's: each device's step one, "12 steps × 4 devices", not 48 steps)."""
+    sides = [(steps or 0, devices) for steps, devices in (
+        (step.steps_a, step.step_devices_a), (step.steps_b, step.step_devices_b))]
+    if sides[0] == sides[1]:
         return ""
-    return f" (of {step.steps_a or 0} and of {step.steps_b or 0} steps)"
+    if sides[0][1] == sides[1][1] == 1:
+        return f" (of {sides[0][0]} and of {sides[1][0]} steps)"
+    a, b = (f"{steps} steps" if devices == 1 else
+            f"{steps / devices:g} steps × {devices} devices" if steps % devices == 0 else
+            f"{steps} steps of {devices} devices" for steps, devices in sides)
+    return f" (of {a} and of {b})"
 
 
 def pairing_note(rows: list[ComparisonRow], label_a: str, label_b: str) -> str | None:

@@ -352,6 +352,24 @@ def two_device_trace(slow_mla: float = 2.0, layers: tuple[int, int] = (4, 4)) ->
     return b.build()
 
 
+def test_compare_counts_a_tp_jobs_steps_a_device_each():
+    """A two-rank job's three steps against one rank's: the whole step's medians are over
+    each device's steps (six against three), said as 3 steps × 2 devices, not 6 steps."""
+    from kimi_perf.comparison import WHOLE_STEP, ratio_note
+
+    job = breakdown(two_device_trace(slow_mla=1.0))
+    rank = copy.deepcopy(job)
+    rank.steps = [s for s in rank.steps if s["device"] == 0]
+    rank.layers = [r for r in rank.layers if r["device"] == 0]
+    rows = compare(job, rank)
+    step = next(r for r in rows if r.type == WHOLE_STEP)
+    assert (step.steps_a, step.step_devices_a, step.steps_b, step.step_devices_b) == (6, 2, 3, 1)
+    assert "the median step (of 3 steps × 2 devices and of 3 steps)" in ratio_note(rows, "A", "B")
+    assert (step.to_json()["a"]["step_devices"], "step_devices" in step.to_json()["b"]) == (
+        2, False)
+    assert "(of" not in ratio_note(compare(job, job), "A", "B")
+
+
 def test_a_trace_of_two_devices_is_a_row_per_device():
     """One file of a two-rank job whose rank 1 runs its MLA layers twice as long: its
     medians over both devices mix the ranks (a 1.5x MLA, no straggler); a row per device
