@@ -446,7 +446,7 @@ def gate_files(baseline: str | Path, run: str | Path,
     if None not in depths and depths[0] != depths[1]:
         # a step of a model of another depth is other work, of other layers; its layers still
         # compare
-        for check in result.checks:
+        for check in [d for c in result.checks for d in (c, *c.others)]:
             if (check.layer_type == STEP or check.metric == "layers") and check.status not in (
                     "new", "missing") and not (check.layer_type != STEP
                                                and check.metric == "layers"
@@ -1853,21 +1853,17 @@ def device_pairs(base: Breakdown | None, cur: Breakdown | None
                  ) -> list[tuple[int | None, int | None]]:
     """The devices of a job of several (a TP job's one trace) whose layers ran there, where
     either side's ran on two or more and both say where: the baseline's and the run's paired
-    in order of their ids (their ranks) where they are as many, else by id, a device of one
-    side alone paired with None (a rank whose layers were lost, down to one); none
+    in order of their ids (their ranks) where they are as many or on GPUs none of the other
+    side's (a TP-4 job on GPUs 4-7 against one on 0-3, or of one GPU), else by id; a device
+    of one side alone paired with None (a rank whose layers were lost, down to one); none
     otherwise."""
     if base is None or cur is None or not (_says_where(base) and _says_where(cur)):
         return []
     ours, theirs = layer_devices(base), layer_devices(cur)
     if max(len(ours), len(theirs)) < 2 or min(len(ours), len(theirs)) < 1:
         return []
-    if len(ours) == len(theirs):
-        return list(zip(ours, theirs, strict=True))
-    # (a job of one device on a GPU the other has not: its rank 0)
-    if len(ours) == 1 and ours[0] not in theirs:
-        return [(ours[0], theirs[0]), *((None, d) for d in theirs[1:])]
-    if len(theirs) == 1 and theirs[0] not in ours:
-        return [(ours[0], theirs[0]), *((d, None) for d in ours[1:])]
+    if len(ours) == len(theirs) or not set(ours) & set(theirs):
+        return list(itertools.zip_longest(ours, theirs))
     return [(d if d in ours else None, d if d in theirs else None)
             for d in sorted({*ours, *theirs})]
 
@@ -1902,8 +1898,9 @@ def _device_checks(path: str, label: str, metric: str, base: Breakdown, base_typ
     that ran the type on one side alone is ``missing`` (``new``), whatever its steps. The
     times of none where a device's steps are too few for the test at that alpha
     (``by_layers``, where the whole's are too: its layers), as the largest of several ratios no
-    test decides would pass for a regression. ``_shown_devices`` keeps one of them. And
-    whether the times were checked (False: devices on both sides whose steps are too few)."""
+    test decides would pass for a regression (``_shown_devices`` keeps each lost and one of
+    the others). And whether the times were checked (False: devices on both sides whose steps
+    are too few)."""
     shared = dataclasses.replace(tol, alpha=tol.alpha / len(devices))
     ours, theirs = _by_device(base, base_type, metric), _by_device(cur, cur_type, metric)
     pairs = [(b, c, ours.get(b, (None, None)), theirs.get(c, (None, None))) for b, c in devices]
@@ -1925,15 +1922,17 @@ def _device_checks(path: str, label: str, metric: str, base: Breakdown, base_typ
 
 # which device's check a type's shows: the first status of these there is, else the device
 # whose figure moved most
-DEVICE_SHOWN = ("missing", "regression", "new", "improvement")
+DEVICE_SHOWN = ("regression", "new", "improvement")
 
 
 def _shown_devices(checks: list[Check],
                    devices: dict[str, list[tuple[int | None, int | None]]]) -> list[Check]:
-    """Each (path, type, metric)'s device checks as one, in the place of the first: the
-    device missing, else the one that regressed most, new, improved most, else moved most
-    (tested against the spread first, where the baseline keeps one), its detail saying its
-    rank, how the others' medians moved and which others are missing, regressed and so on."""
+    """Each (path, type, metric)'s device checks, in the place of the first: each device
+    the run lost its own (a rank lost is a failure of its own: a row, a headline item, a
+    JUnit case), the others as one: the device that regressed most, else new, improved most,
+    else moved most (tested against the spread first, where the baseline keeps one), its
+    detail saying its rank, how the others' medians moved and which others regressed and so
+    on, its ``others`` their checks."""
     groups: dict[tuple[str, str, str], list[Check]] = {}
     for c in checks:
         if c.metric in DEVICE_METRICS:
@@ -1943,8 +1942,25 @@ def _shown_devices(checks: list[Check],
         if c.metric not in DEVICE_METRICS:
             out.append(c)
         elif (group := groups.pop((c.path, c.layer_type, c.metric), None)) is not None:
-            out.append(_shown_device(group, devices[c.path]))
+            for lost in (d for d in group if d.status == "missing"):
+                lost.detail = (f"{_device_said(lost, devices[c.path])} ran none of these in "
+                               "the run")
+                out.append(lost)
+            if ran := [d for d in group if d.status != "missing"]:
+                out.append(_shown_device(ran, devices[c.path]))
     return out
+
+
+def _device_said(check: Check, devices: list[tuple[int | None, int | None]]) -> str:
+    """``device 6, rank 2 of 4``: a device check's device and, where they differ, its rank:
+    its place among its side's devices (the run's, or the baseline's for one the run lost;
+    pairs by id are the union of both sides')."""
+    device = check.device if check.device is not None else check.baseline_device
+    side = [pair[check.device is not None] for pair in devices
+            if pair[check.device is not None] is not None]
+    rank = side.index(device)
+    return (f"device {device} of {len(side)}" if device == rank
+            else f"device {device}, rank {rank} of {len(side)}")
 
 
 def _shown_device(group: list[Check], devices: list[tuple[int | None, int | None]]
@@ -1956,21 +1972,17 @@ def _shown_device(group: list[Check], devices: list[tuple[int | None, int | None
                   if (at := [c for c in group if c.status == status])
                   for pick in [min if status == "improvement" else max]),
                  None) or max(group, key=lambda c: abs(rise(c)))
-    rank = devices.index((shown.baseline_device, shown.device))
-    device = shown.device if shown.device is not None else shown.baseline_device
-    said = (f"device {device} of {len(devices)}" if device == rank
-            else f"device {device}, rank {rank} of {len(devices)}")
+    said = _device_said(shown, devices)
     if None not in (shown.baseline_device, shown.device) and (
             shown.baseline_device != shown.device):
         said += f" (the baseline's device {shown.baseline_device})"
-    if shown.status in ("missing", "new"):
-        said += f" ran none of these in the {'run' if shown.status == 'missing' else 'baseline'}"
+    if shown.status == "new":
+        said += " ran none of these in the baseline"
     if moved := [c.change for c in group if c is not shown and c.change is not None]:
         low, high = (f"{x:+.1%}".replace("-0.0%", "+0.0%") for x in (min(moved), max(moved)))
         said += f"; the others' medians moved {low}" + (f" to {high}" if high != low else "")
     for status in DEVICE_SHOWN:   # (the others the one shown stands for)
-        if also := [c.device if c.device is not None else c.baseline_device for c in group
-                    if c is not shown and c.status == status]:
+        if also := [c.device for c in group if c is not shown and c.status == status]:
             said += f"; {status} too: device{'s' if len(also) > 1 else ''} " + ", ".join(
                 map(str, also))
     shown.detail = said + (f"; {shown.detail}" if shown.detail else "")

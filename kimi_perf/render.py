@@ -664,11 +664,9 @@ def gate_headline(result: GateResult) -> str:
     items: list[str | tuple[str, str] | tuple[str, int | None]] = []
     for c in failures:
         if c.status == "missing" and c.metric in DEVICE_METRICS:
-            # (the check shown for a type's devices stands for others lost too: each an item)
-            for d in [c, *(o for o in c.others if o.status == "missing")]:
-                if (d.path, d.baseline_device) not in devices_lost:
-                    items.append((d.path, d.baseline_device))
-                devices_lost.setdefault((d.path, d.baseline_device), []).append(d)
+            if (c.path, c.baseline_device) not in devices_lost:
+                items.append((c.path, c.baseline_device))
+            devices_lost.setdefault((c.path, c.baseline_device), []).append(c)
         elif c.status == "missing" and c.path in lost_paths:
             if (c.path, "") not in lost:
                 items.append((c.path, ""))
@@ -696,8 +694,7 @@ def gate_headline(result: GateResult) -> str:
                   + ")" for item in items]
     worst = "; ".join(said_items[:GATE_HEADLINE_ITEMS])
     more = len(said_items) - GATE_HEADLINE_ITEMS
-    counts = Counter(d.status for c in failures
-                     for d in [c, *(o for o in c.others if o.status == "missing")])
+    counts = Counter(c.status for c in failures)
     # (what is missing: each type or path lost, and each device that lost a type)
     missing = len(lost) + len(devices_lost)
     said = ", ".join(f"{n} layer count{' differs' if n == 1 else 's differ'}"
@@ -832,7 +829,9 @@ def gate_junit(result: GateResult, files: tuple[str, str], verdict: str) -> str:
         # (a dot splits a class name into packages: the path's and the type's are one each)
         where = ".".join(part.replace(".", "_") for part in (c.path, c.layer_type))
         # (a device's check named alike whichever device it shows: a server follows it)
-        name = (f"{c.metric.removesuffix('_device')} (each device)" if c.metric in DEVICE_METRICS
+        # (a device lost its own case, named for it; the others one, whichever it shows)
+        name = (f"{c.metric.removesuffix('_device')} (each device)"
+                if c.metric in DEVICE_METRICS and c.status != "missing"
                 else result.metric_name(c) + (f" ({c.status})" if c.metric == "decode path"
                                               else ""))
         named[where, name] += 1

@@ -3145,20 +3145,24 @@ def test_one_slow_rank_of_a_tp_job_fails_the_gate_where_the_medians_of_all_pass(
     assert (kda.device, kda.baseline_device, kda.status) == (6, 2, "regression")
     assert kda.detail.startswith("device 6, rank 2 of 4 (the baseline's device 2); the "
                                  "others'")
-    # a job of four against one device: the three others missing (a new device each the other
-    # way round); both of one device: no device checks
+    # a job of four against one device: the three others missing, each its own check (a new
+    # device each the other way round, shown as one); both of one device: no device checks
     lone = breakdown(tp_job_trace(1, devices=1))
-    for pair, said in (((base, lone), {("missing", None, 1)}), ((lone, base), {("new", 1, None)}),
-                       ((lone, lone), set())):
+    for pair, said in (((base, lone), {("missing", None, 1), ("missing", None, 2),
+                                       ("missing", None, 3), ("ok", 0, 0)}),
+                       ((lone, base), {("new", 1, None)}), ((lone, lone), set())):
         checks = [c for c in gate({"trace": pair[0]}, {"trace": pair[1]}).checks
                   if c.metric in ("span_us_device", "kernel_us_device")]
         assert {(c.status, c.device, c.baseline_device) for c in checks} == said
-        assert all(c.detail.endswith(f"{c.status} too: devices 2, 3") for c in checks)
+        assert all(c.detail == f"device {c.baseline_device} of 4 ran none of these in the run"
+                   if c.status == "missing" else c.status == "ok"
+                   or c.detail.endswith("new too: devices 2, 3") for c in checks)
     # a job of one device on another GPU (5): its rank 0, the others missing, all timed
     other_gpu = gate({"trace": base}, {"trace": breakdown(tp_job_trace(1, devices=1,
                                                                        first_device=5))})
     shown = [c for c in other_gpu.checks if c.metric == "span_us_device"]
-    assert {(c.status, c.device, c.baseline_device) for c in shown} == {("missing", None, 1)}
+    assert {(c.status, c.device, c.baseline_device) for c in shown} == {
+        ("missing", None, 1), ("missing", None, 2), ("missing", None, 3), ("ok", 5, 0)}
     assert other_gpu.devices_untimed == {}
     # stored (layers a list of dicts, read back) alike
     again = Breakdown.from_json(json.loads(json.dumps(slow.to_json())))
@@ -3231,6 +3235,26 @@ def _job_of_steps(device_steps: dict[int, list[float]],
              for d, values in device_steps.items() for s, v in enumerate(values)]
     return {"trace": Breakdown(source={}, steps=steps, layers=layers,
                                layer_types=[{"type": "kda"}])}
+
+
+def test_a_model_of_another_depth_makes_every_devices_step_other_work(tmp_path):
+    """Runs of 8 and 4 layers: a step is other work, for each device as for the whole; the
+    devices behind the check shown (its ``others``) say so too, not the regression their
+    steps' times would be."""
+    files = [tmp_path / "base.json", tmp_path / "run.json"]
+    steady = [100.0, 100.5, 101.0, 101.5, 102.0, 102.5]
+    slow = [130.0, 131.0, 132.0, 133.0, 134.0, 135.0]
+    loaded = {files[0]: (_job_of_steps({d: steady for d in range(4)}), {"run": {"n_layers": 8}},
+                         None),
+              files[1]: (_job_of_steps({0: steady, 1: slow, 2: [v + 10 for v in slow],
+                                        3: steady}), {"run": {"n_layers": 4}}, None)}
+    result = gate_files(*files, loaded=loaded).result
+    steps = [c for c in result.checks if (c.layer_type, c.metric) == ("step", "span_us_device")]
+    assert [(d.device, d.status) for c in steps for d in (c, *c.others)] == [
+        (2, "changed"), (0, "changed"), (1, "changed"), (3, "changed")]
+    # (a check that passes stands for none that fails: the one shown is the worst)
+    assert not [o for c in result.to_json()["checks"] if not c["fails"] for o in c["others"]
+                if o["fails"]]
 
 
 @settings(max_examples=60, deadline=None)
@@ -3325,10 +3349,11 @@ def test_each_device_is_tested_at_alpha_shared_among_the_devices():
         {"type": "mla", "step": s, "device": 3, "index": 0, "kernels": 9, "kernel_us": 1.0,
          "span_us": 1.0} for s in range(6)]   # (the rank ran other layers: still 4 devices)
     result = gate(_job_of_steps({d: steady for d in range(4)}), {"trace": lost})
-    (check,) = [c for c in result.checks if (c.layer_type, c.metric) == ("kda", "span_us_device")]
+    check, ran = [c for c in result.checks if (c.layer_type, c.metric) == ("kda", "span_us_device")]
     assert (check.status, check.device, check.current) == ("missing", 3, None) and check.fails
-    assert check.detail == "device 3 of 4 ran none of these in the run; the others' medians " \
-                           "moved +0.0%"
+    assert check.detail == "device 3 of 4 ran none of these in the run"
+    # (the devices that ran it: one check, as ever)
+    assert ran.status == "ok" and [o.device for o in ran.others] == [1, 2]
     # the headline says the device lost them, not the type (the others still run it)
     headline = gate_headline(result)
     assert headline.startswith("gate: FAIL, 1 missing (2 checks), 1 layer count differs: trace "
@@ -3343,16 +3368,16 @@ def test_each_device_is_tested_at_alpha_shared_among_the_devices():
         _job_of_steps({d: steady[:5] for d in range(4)}), few_lost).checks
         if c.metric.endswith("_device")} == {("kda", "kernel_us_device", "missing", 3),
                                              ("kda", "span_us_device", "missing", 3)}
-    # a device missing is shown before one that regressed, which the detail names
+    # a device lost and one that regressed: each a failure of its own, both in the headline
     slow_lost = copy.deepcopy(lost)
     for r in slow_lost.layers:
         if r["device"] == 1 and r["type"] == "kda":
             r["span_us"] = r["kernel_us"] = r["span_us"] * 1.3
-    (check,) = [c for c in gate(_job_of_steps({d: steady for d in range(4)}),
-                                {"trace": slow_lost}).checks
-                if (c.layer_type, c.metric) == ("kda", "span_us_device")]
-    assert (check.status, check.device) == ("missing", 3)
-    assert check.detail.endswith("; regression too: device 1")
+    both = gate(_job_of_steps({d: steady for d in range(4)}), {"trace": slow_lost})
+    assert [(c.status, c.device, c.baseline_device) for c in both.checks
+            if (c.layer_type, c.metric) == ("kda", "span_us_device")] == [
+        ("missing", 3, 3), ("regression", 1, 1)]
+    assert "trace kda span_us (device 1) 102.5 -> 133.2" in gate_headline(both)
     # a rank whose layers were all lost (4 devices to 3): paired by id, the fourth missing
     three = gate(_job_of_steps({d: steady for d in range(4)}),
                  _job_of_steps({d: steady for d in range(3)}))
@@ -3362,22 +3387,45 @@ def test_each_device_is_tested_at_alpha_shared_among_the_devices():
     assert gate_headline(three) == ("gate: FAIL, 1 missing (4 checks): trace device 3: no "
                                     "layers in the run (kda kernel_us, kda span_us, step "
                                     "kernel_us, step span_us)")
-    assert next(c for c in three.failures).detail.startswith("device 3 of 4 ran none of these "
-                                                             "in the run")
-    # two ranks lost (4 devices to 2): each its own item, though one check a type shows them;
-    # JSON holds every device's check (the others' in the shown one's)
+    # two ranks lost (4 devices to 2): each its own checks and headline item; JSON holds every
+    # device's check (those of the devices that ran it in the one shown for them)
     two = gate(_job_of_steps({d: steady for d in range(4)}),
                _job_of_steps({d: steady for d in range(2)}))
     assert gate_headline(two) == (
         "gate: FAIL, 2 missing (8 checks): trace device 2: no layers in the run (kda kernel_us, "
         "kda span_us, step kernel_us, step span_us); trace device 3: no layers in the run (kda "
         "kernel_us, kda span_us, step kernel_us, step span_us)")
-    shown = next(c for c in two.to_json()["checks"] if (c["layer_type"], c["metric"])
-                 == ("kda", "span_us_device"))
-    assert (shown["baseline_device"], shown["status"]) == (2, "missing")
-    assert [(o["device"], o["baseline_device"], o["status"], o["fails"]) for o in
-            shown["others"]] == [(0, 0, "ok", False), (1, 1, "ok", False),
-                                 (None, 3, "missing", True)]
+    doc = two.to_json()
+    assert doc["failed"] == 8 == len(two.failures)
+    assert [(c["device"], c["baseline_device"], c["status"], c["fails"],
+             [(o["device"], o["status"]) for o in c["others"]]) for c in doc["checks"]
+            if (c["layer_type"], c["metric"]) == ("kda", "span_us_device")] == [
+        (None, 2, "missing", True, []), (None, 3, "missing", True, []),
+        (0, 0, "ok", False, [(1, "ok")])]
+    from kimi_perf.render import gate_junit
+
+    junit = gate_junit(two, ("a", "b"), "")
+    assert junit.count('name="span_us (device 2)"') == junit.count(
+        'name="span_us (device 3)"') == 2 and 'failures="8"' in junit
+    # a job of three on other GPUs (4 to 6): its ranks in order, the fourth lost, not seven
+    # devices each missing or new; a rank is its place among its side's devices
+    slowest = [130.0, 131.0, 132.0, 133.0, 134.0, 135.0]
+    moved = gate(_job_of_steps({d: steady for d in range(4)}),
+                 _job_of_steps({d: slowest if d == 5 else steady for d in range(4, 7)}))
+    lost_one, shown = [c for c in moved.checks
+                       if (c.layer_type, c.metric) == ("kda", "span_us_device")]
+    assert (lost_one.status, lost_one.baseline_device, lost_one.device) == ("missing", 3, None)
+    assert (shown.status, shown.baseline_device, shown.device) == ("regression", 1, 5)
+    assert [(o.baseline_device, o.device, o.status) for o in shown.others] == [
+        (0, 4, "ok"), (2, 6, "ok")]
+    assert shown.detail.startswith("device 5, rank 1 of 3 (the baseline's device 1); the "
+                                   "others' medians moved +0.0%")
+    assert gate_headline(moved) == (
+        "gate: FAIL, 4 regressions, 1 missing (4 checks): trace device 3: no layers in the run "
+        "(kda kernel_us, kda span_us, step kernel_us, step span_us); " + "; ".join(
+            f"trace {t} {m} (device 5) 102.5 -> 132.5 (device 5, rank 1 of 3 (the baseline's "
+            "device 1); the others' medians moved +0.0%)" for t in ("kda", "step")
+            for m in ("kernel_us", "span_us")))
     # one more: new, said (no failure)
     five = gate(_job_of_steps({d: steady for d in range(4)}),
                 _job_of_steps({d: steady for d in range(5)}))
