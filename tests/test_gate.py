@@ -3302,6 +3302,11 @@ def test_the_u_test_reaches_alpha_where_its_approximation_cannot():
     assert _u_test(many, few, True) == _u_test(few, many, False) == pytest.approx(
         1 / 4_590_551)
     assert _u_test(few, many, True) == pytest.approx(1.0)
+    # three against 100,000, above all but one: 7 of the C(100003, 3) splits sum their ranks
+    # as high (from the top: 2+3+4 at most 9), counting only the values ranked that high
+    huge = np.arange(100_000.0)
+    assert _u_test(np.array([99_998.5, 99_998.6, 99_998.7]), huge, True) == pytest.approx(
+        7 / math.comb(100_003, 3), rel=1e-9)
     rng = np.random.default_rng(0)
     base, cur = rng.normal(100, 1, 150), rng.normal(100.3, 1, 150)
     assert _u_test(cur, base, True) == mannwhitneyu(cur, base, alternative="greater",
