@@ -30,6 +30,7 @@ from kimi_perf.comparison import (
     differing_note,
     differing_patterns,
     of_devices,
+    overview_json,
     patterns_differ,
     ratio_text,
     renamed_columns,
@@ -299,7 +300,12 @@ def unlaunched_note(kernels: int) -> str:
 
 
 def breakdown_json(b: Breakdown) -> str:
-    return json_text(b.to_json(lazy_layers=True))
+    """The breakdown's JSON and, of one trace of a TP job, its devices' table (``devices``:
+    each device's figures and which rank is slowest, as the table's ``Every device``)."""
+    doc = b.to_json(lazy_layers=True)
+    if devices := device_overviews({"trace": b}):
+        doc["devices"] = overview_json(devices["trace"])
+    return json_text(doc)
 
 
 BREAKDOWN_HEADER = ["step", "device", "layer", "type", "kernels", "kernel_us", "span_us",

@@ -352,6 +352,29 @@ def two_device_trace(slow_mla: float = 2.0, layers: tuple[int, int] = (4, 4)) ->
     return b.build()
 
 
+def test_breakdown_json_of_a_tp_job_holds_its_devices(tmp_path):
+    """``breakdown --format json`` of one file of a two-rank job holds the table of every
+    device (which rank is slowest) beside the pooled figures, as the table format shows it;
+    the file still reads back as a breakdown (the gate's baseline); one device: no key."""
+    from click.testing import CliRunner
+
+    from kimi_perf.cli import main
+    from kimi_perf.layer_breakdown import Breakdown
+
+    job = tmp_path / "job.kptrace"
+    two_device_trace(slow_mla=2.0).save(job)
+    out = CliRunner().invoke(main, ["breakdown", str(job), "--format", "json"])
+    assert out.exit_code == 0, out.output
+    doc = json.loads(out.output)
+    assert [r["label"] for r in doc["devices"]["rows"]] == ["device 0", "device 1"]
+    assert [s["slowest"] for s in doc["devices"]["spreads"]][:1] == ["device 1"]
+    assert len(Breakdown.from_json(doc).steps) == 6
+    single = tmp_path / "one.kptrace"
+    nvtx_decode_trace("layer[{i}]({kind})").build().save(single)
+    assert "devices" not in json.loads(CliRunner().invoke(
+        main, ["breakdown", str(single), "--format", "json"]).output)
+
+
 def test_compare_counts_a_tp_jobs_steps_a_device_each():
     """A two-rank job's three steps against one rank's: the whole step's medians are over
     each device's steps (six against three), said as 3 steps × 2 devices, not 6 steps."""
