@@ -1182,6 +1182,7 @@ def gate(baseline: dict[str, Breakdown], current: dict[str, Breakdown],
                                               tolerances)
                         found += _layer_time(path, label, base, base_type, cur, cur_type,
                                              tolerances)
+            why_moved = _moved_why(base, base_type, cur_type) if base_type in moved else None
             for check in found:
                 if unlike_times and check.metric in TIMES and check.status in (
                         "regression", "improvement", "noise"):
@@ -1200,6 +1201,9 @@ def gate(baseline: dict[str, Breakdown], current: dict[str, Breakdown],
                 if shifted and check.status in ("regression", "improvement", "missing",
                                                 "differs"):
                     check.status = "changed"
+                    if why_moved is not None:   # (once a type)
+                        check.detail = why_moved + (f"; {check.detail}" if check.detail else "")
+                        why_moved = None
                 elif base_type == STEP and windows is not None and check.status in (
                         "ok", "noise"):   # (a window's span is the window's, whatever ran)
                     check.status, check.detail = "changed", windows
@@ -1268,6 +1272,18 @@ def _moved(base: Breakdown | None, cur: Breakdown | None,
                     and (same_layers or t["layers"] <= len(base.steps))):
                 moved.add(b)
     return moved
+
+
+def _moved_why(base: Breakdown, base_type: str, cur_type: str | None) -> str:
+    """Why a pattern type's checks are ``changed`` (``_moved``), in words."""
+    if cur_type is not None:
+        return ("the kernel pattern started its layers elsewhere: the kernels this type's "
+                "typical layer lost, others gained")
+    held = (_layer_type(base, base_type) or {}).get("layers", 0)
+    return ("the kernel pattern found none in the run, " + (
+        "whose steps hold as many layers: its layers went to other types"
+        if held > len(base.steps) else "where the baseline held one a step at most: an edge "
+        "of the pattern"))
 
 
 def _unequal_windows(base: Breakdown | None, cur: Breakdown | None) -> str | None:

@@ -181,6 +181,29 @@ def test_a_changed_automatic_layer_type_does_not_fail_but_its_steps_do():
             if c.layer_type != "step" and c.status != "ok"} >= {
         ("A", "pattern", "changed"), ("A", "kernels", "changed"), ("A", "kernel_us", "changed"),
         ("C", "kernels", "changed")}
+    # why, said once a type (its first check)
+    said = [(c.layer_type, c.detail) for c in result.checks
+            if c.detail and c.detail.startswith("the kernel pattern")]
+    assert said == [(t, why) for t, why in (
+        ("A", "the kernel pattern started its layers elsewhere: the kernels this type's typical "
+              "layer lost, others gained; added k9, k10, k11"),
+        ("B", "the kernel pattern started its layers elsewhere: the kernels this type's typical "
+              "layer lost, others gained; removed k9, k10, k11"),
+        ("C", "the kernel pattern found none in the run, where the baseline held one a step at "
+              "most: an edge of the pattern"))]
+    # a type of two layers a step the run lacks, its steps holding as many layers: changed too
+    two_a_step = _automatic({"A": 9, "B": 12, "C": 3}, {"A": KDA, "B": MLA, "C": KDA[:8]},
+                            {"A": "p1", "B": "p2", "C": "p3"},
+                            {"A": KERNELS[:9], "B": KERNELS[9:], "C": ["c0", "c1", "c2"]})
+    others = _automatic({"A": 12, "B": 9}, {"A": KDA, "B": KDA[:20]}, {"A": "p1", "B": "p2"},
+                        {"A": KERNELS[:9], "B": KERNELS[9:]})
+    for side in (two_a_step, others):
+        for step in side["specialized"].steps:
+            step["layers"] = 15
+    first = next(c for c in gate(two_a_step, others).checks if c.layer_type == "C")
+    assert (first.status, first.detail) == ("changed", "the kernel pattern found none in the "
+                                            "run, whose steps hold as many layers: its layers "
+                                            "went to other types")
     for step in run["specialized"].steps:
         step["kernels"] = 9 + 12 + 3 + 1   # one more than the baseline's steps
     assert [(c.layer_type, c.metric) for c in gate(base, run).failures] == [
