@@ -70,6 +70,8 @@ class ComparisonRow:
     steps_b: int | None = None   # TP job's: each device's step one)
     step_devices_a: int = 1      # and the devices they ran on
     step_devices_b: int = 1
+    steps_even_a: bool = True    # (each device as many steps)
+    steps_even_b: bool = True
     # A side whose every step fell back ran the standard path's ops under its own name: its
     # figures stand, but a ratio would credit (or blame) the path for work it never ran.
     fell_back: bool = False
@@ -235,8 +237,10 @@ def compare(a: Breakdown, b: Breakdown, fell_back: bool = False) -> list[Compari
     if a.steps or b.steps:
         step = _row(WHOLE_STEP, _whole_step(a), _whole_step(b))
         step.steps_a, step.steps_b = len(a.steps) or None, len(b.steps) or None
-        step.step_devices_a, step.step_devices_b = (
-            max(1, len({s.get("device") for s in x.steps} - {None})) for x in (a, b))
+        (step.step_devices_a, step.steps_even_a), (step.step_devices_b, step.steps_even_b) = (
+            (max(1, len(each)), len(set(each.values())) <= 1) for each in (
+                Counter(s["device"] for s in x.steps if s.get("device") is not None)
+                for x in (a, b)))
         step.same_layers = not steps_of_other_work([a, b])
         rows.append(step)
     for row in rows:
@@ -420,15 +424,16 @@ def ratio_note(rows: list[ComparisonRow], label_a: str, label_b: str,
 def _of_steps(step: ComparisonRow) -> str:
     """How many steps each side's whole-step medians are over, where the sides differ (a TP
     job's: each device's step one, "12 steps × 4 devices", not 48 steps)."""
-    sides = [(steps or 0, devices) for steps, devices in (
-        (step.steps_a, step.step_devices_a), (step.steps_b, step.step_devices_b))]
+    sides = [(steps or 0, devices, even) for steps, devices, even in (
+        (step.steps_a, step.step_devices_a, step.steps_even_a),
+        (step.steps_b, step.step_devices_b, step.steps_even_b))]
     if sides[0] == sides[1]:
         return ""
     if sides[0][1] == sides[1][1] == 1:
         return f" (of {sides[0][0]} and of {sides[1][0]} steps)"
     a, b = (f"{steps} steps" if devices == 1 else
-            f"{steps / devices:g} steps × {devices} devices" if steps % devices == 0 else
-            f"{steps} steps of {devices} devices" for steps, devices in sides)
+            f"{steps // devices} steps × {devices} devices" if even else
+            f"{steps} steps of {devices} devices" for steps, devices, even in sides)
     return f" (of {a} and of {b})"
 
 

@@ -1959,8 +1959,7 @@ def _shown_devices(checks: list[Check],
             out.append(c)
         elif (group := groups.pop((c.path, c.layer_type, c.metric), None)) is not None:
             for lost in (d for d in group if d.status == "missing"):
-                lost.detail = (f"{_device_said(lost, devices[c.path])} ran none of these in "
-                               "the run")
+                lost.detail = _device_said(lost, devices[c.path]) + " ran none of these in the run"
                 out.append(lost)
             if ran := [d for d in group if d.status != "missing"]:
                 out.append(_shown_device(ran, devices[c.path]))
@@ -1976,7 +1975,10 @@ def _device_said(check: Check, devices: list[tuple[int | None, int | None]]) -> 
             if pair[check.device is not None] is not None]
     rank = side.index(device)
     return (f"device {device} of {len(side)}" if device == rank
-            else f"device {device}, rank {rank} of {len(side)}")
+            else f"device {device}, rank {rank} of {len(side)}") + (
+        f" (the baseline's device {check.baseline_device})"
+        if None not in (check.device, check.baseline_device)
+        and check.device != check.baseline_device else "")
 
 
 def _shown_device(group: list[Check], devices: list[tuple[int | None, int | None]]
@@ -1989,9 +1991,6 @@ def _shown_device(group: list[Check], devices: list[tuple[int | None, int | None
                   for pick in [min if status == "improvement" else max]),
                  None) or max(group, key=lambda c: abs(rise(c)))
     said = _device_said(shown, devices)
-    if None not in (shown.baseline_device, shown.device) and (
-            shown.baseline_device != shown.device):
-        said += f" (the baseline's device {shown.baseline_device})"
     if shown.status == "new":
         said += " ran none of these in the baseline"
     if moved := [c.change for c in group if c is not shown and c.change is not None]:
@@ -2052,7 +2051,9 @@ def _u_test(cur: np.ndarray, base: np.ndarray, worse: bool) -> float:
     ways[0, 0] = 1.0
     for rank in counted:
         ways[1:, rank:] += ways[:-1, :observed + 1 - rank]   # (numpy: as if copied first)
-    return min(1.0, float(ways[k].sum()) / math.comb(ranks.size, k))
+    # (in logs: the splits of 100 values among 48,800 are past a float; math.log takes the int)
+    return min(1.0, math.exp(math.log(float(ways[k].sum()))
+                             - math.log(math.comb(ranks.size, k))))
 
 
 def _mean_check(path: str, layer_type: str, base: np.ndarray | None, cur: np.ndarray | None,

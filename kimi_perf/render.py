@@ -670,9 +670,11 @@ def gate_headline(result: GateResult) -> str:
     items: list[str | tuple[str, str] | tuple[str, int | None]] = []
     for c in failures:
         if c.status == "missing" and c.metric in DEVICE_METRICS:
-            if (c.path, c.baseline_device) not in devices_lost:
-                items.append((c.path, c.baseline_device))
-            devices_lost.setdefault((c.path, c.baseline_device), []).append(c)
+            # (named as the table names it: the run's device, where the run has it)
+            where = (c.path, c.device if c.device is not None else c.baseline_device)
+            if where not in devices_lost:
+                items.append(where)
+            devices_lost.setdefault(where, []).append(c)
         elif c.status == "missing" and c.path in lost_paths:
             if (c.path, "") not in lost:
                 items.append((c.path, ""))

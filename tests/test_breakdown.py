@@ -391,6 +391,11 @@ def test_compare_counts_a_tp_jobs_steps_a_device_each():
     assert (step.to_json()["a"]["step_devices"], "step_devices" in step.to_json()["b"]) == (
         2, False)
     assert "(of" not in ratio_note(compare(job, job), "A", "B")
+    # a window cut short on one rank (3 steps and 1): not "2 steps × 2 devices"
+    short = copy.deepcopy(job)
+    short.steps = [s for s in short.steps if s["device"] == 0 or s["index"] == 0]
+    assert "(of 4 steps of 2 devices and of 3 steps)" in ratio_note(compare(short, rank), "A",
+                                                                    "B")
 
 
 def test_a_trace_of_two_devices_is_a_row_per_device():

@@ -3328,6 +3328,11 @@ def test_the_u_test_reaches_alpha_where_its_approximation_cannot():
     # three against 100,000, above all but one: 7 of the C(100003, 3) splits sum their ranks
     # as high (from the top: 2+3+4 at most 9), counting only the values ranked that high
     huge = np.arange(100_000.0)
+    # 100 layers below 48,800 whole-µs ones of three values: one split of C(48900, 100),
+    # past a float (1e311)
+    tied = np.repeat([100.0, 101.0, 102.0], [16_000, 16_400, 16_400])
+    assert _u_test(np.linspace(89.0, 91.0, 100), tied, False) == pytest.approx(
+        1 / math.comb(48_900, 100), rel=1e-9)
     assert _u_test(np.array([99_998.5, 99_998.6, 99_998.7]), huge, True) == pytest.approx(
         7 / math.comb(100_003, 3), rel=1e-9)
     rng = np.random.default_rng(0)
@@ -3454,6 +3459,20 @@ def test_each_device_is_tested_at_alpha_shared_among_the_devices():
             f"trace {t} {m} (device 5) 102.5 -> 132.5 (device 5, rank 1 of 3 (the baseline's "
             "device 1); the others' medians moved +0.0%)" for t in ("kda", "step")
             for m in ("kernel_us", "span_us")))
+    # the run on GPUs 4 to 7, its rank 3 (device 7) lost its kda layers: named device 7 in the
+    # headline as in the table, the baseline's device said
+    elsewhere = _job_of_steps({d: steady for d in range(4, 8)})["trace"]
+    elsewhere.layers = [r for r in elsewhere.layers if r["device"] != 7] + [
+        {"type": "mla", "step": s, "device": 7, "index": 0, "kernels": 9, "kernel_us": 1.0,
+         "span_us": 1.0} for s in range(6)]
+    far = gate(_job_of_steps({d: steady for d in range(4)}), {"trace": elsewhere})
+    lost_far = next(c for c in far.checks if (c.layer_type, c.metric, c.status)
+                    == ("kda", "span_us_device", "missing"))
+    assert (far.metric_name(lost_far), lost_far.detail) == (
+        "span_us (device 7)", "device 7, rank 3 of 4 (the baseline's device 3) ran none of these "
+                              "in the run")
+    assert gate_headline(far).endswith("; trace device 7: no kda layers in the run (kda "
+                                       "kernel_us, kda span_us)")
     # one more: new, said (no failure)
     five = gate(_job_of_steps({d: steady for d in range(4)}),
                 _job_of_steps({d: steady for d in range(5)}))
