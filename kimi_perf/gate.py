@@ -703,8 +703,10 @@ def spread_of_runs(run: str | Path, others: Sequence[str | Path],
         if differences := (result.run_differences or []) + result.breakdown_differences:
             raise TraceError(other, f"captured or broken down otherwise than {run} "
                                     f"({'; '.join(differences)}): no run of its code")
+        # (each device's too: a device new behind the one shown for its type's devices)
         other_work = [f"{c.path} {c.layer_type} {result.metric_name(c)}: {c.status}"
-                      + (f" ({c.detail})" if c.detail else "") for c in result.checks
+                      + (f" ({c.detail})" if c.detail else "")
+                      for c in (d for shown in result.checks for d in (shown, *shown.others))
                       if c.status not in ("ok", "noise")
                       and not (c.metric in TIMES and c.status in ("regression", "improvement"))]
         if other_work:

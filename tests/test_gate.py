@@ -3234,6 +3234,17 @@ def test_a_tp_jobs_spread_of_runs_keeps_each_devices_figures(tmp_path):
 
     runs = np.array(devices["kda", "span_us_device", 3])
     assert _spread_p(runs, kda.current, True) > kda.alpha > kda.p_value   # (its share's p)
+    # a run of one device more is other work, though its type's devices show a slow rank (of
+    # breakdowns that do not say their GPUs: no capture that differs says it first)
+    steady = [100.0, 100.5, 101.0, 101.5, 102.0, 102.5]
+    runs = [tmp_path / f"{name}.json" for name in ("j1", "j2", "j3", "j4", "extra")]
+    loaded = {f: (_job_of_steps({d: [v * (1 + i / 100) for v in steady] for d in range(4)}),
+                  {}, None) for i, f in enumerate(runs[:4])}
+    loaded[runs[4]] = (_job_of_steps({d: [v * 1.3 for v in steady] if d == 1 else steady
+                                      for d in range(5)}), {}, None)
+    with pytest.raises(TraceError, match=r"not a run of .*'s work \(trace \w+ \w+_us \(device "
+                                         r"4\): new"):
+        spread_of_runs(runs[0], runs[1:], loaded=loaded)
     # a device's figure without its device (or a device on another figure) is refused
     for figure in ({"path": "trace", "layer_type": "mla", "metric": "span_us_device",
                     "values": [1.0] * 5},
