@@ -849,7 +849,10 @@ def gate_junit(result: GateResult, files: tuple[str, str], verdict: str) -> str:
                              name=_xml_text(name), time="0")
         extras = [text for text in (
             c.change is not None and _change(c.change),
-            c.p_value is not None and f"p {c.p_value:.2g}",
+            # (as the table says it: what was tested, at which alpha)
+            c.p_value is not None and f"p {c.p_value:.2g}" + (
+                f" ({c.tested_over})" if c.tested_over in ("layers", "runs") else "") + (
+                f" (α {c.alpha:.2g})" if c.alpha is not None else ""),
             c.run_layer_type and f"the run's type {c.run_layer_type}") if text]
         line = c.status + (f": {_value(c.baseline)} -> {_value(c.current)}"
                            if (c.baseline, c.current) != (None, None) else "") + (

@@ -3496,6 +3496,11 @@ def test_each_device_is_tested_at_alpha_shared_among_the_devices():
     (check,) = [c for c in windows.checks if (c.layer_type, c.metric) == ("kda", "span_us_device")]
     assert (check.status, check.device, check.tested_over) == ("regression", 2, "layers")
     assert check.p_value < 0.0025 == check.alpha
+    # JUnit says the p as the table does: its samples the layers, at α over the devices
+    from kimi_perf.render import gate_junit
+
+    assert re.search(r'message="regression: [\d,.]+ -&gt; [\d,.]+ \(\+[\d.]+%, p [\d.e-]+ '
+                     r'\(layers\) \(α 0.0025\)\)"', gate_junit(windows, ("a", "b"), ""))
     # a spread that is none: said, as a baseline's would be
     with pytest.raises(TypeError, match="run_spread: a baseline's run_spread"):
         gate(_job_of_steps({0: steady, 1: steady}), _job_of_steps({0: steady, 1: steady}),
