@@ -882,12 +882,14 @@ def floors_table(doc: dict) -> Table:
                    f"experts {st['experts']}, KV {st['kv_cache']}, "
                    f"{doc['bandwidth_Bps'] / 1e12:g} TB/s",
                    ["layer", "launch", "MB", "floor µs"], left=("layer", "launch"))
+    def figure(v: float) -> str:   # (a small model's launches: 0.0041 MB, not 0.00)
+        return f"{v:,.2f}" if v == 0 or abs(v) >= 0.1 else f"{v:.2g}"
+
     for kind, t in doc["layer_types"].items():
         for name, launch in t["launches"].items():
-            table.add_row(kind, name, f"{launch['bytes'] / 1e6:,.2f}",
-                          f"{launch['floor_us']:,.2f}")
-        table.add_row(kind, Text("all", style="bold"), f"{t['bytes'] / 1e6:,.2f}",
-                      Text(f"{t['floor_us']:,.2f}", style="bold"), end_section=True)
+            table.add_row(kind, name, figure(launch["bytes"] / 1e6), figure(launch["floor_us"]))
+        table.add_row(kind, Text("all", style="bold"), figure(t["bytes"] / 1e6),
+                      Text(figure(t["floor_us"]), style="bold"), end_section=True)
     table.caption = (f"MB: 10^6 bytes one rank reads or writes a step at least (its TP "
                      f"{doc['tp']} shard); floor µs: those bytes at {doc['bandwidth_Bps'] / 1e12:g}"
                      " TB/s; the two attention-residual launches a layer (a few hidden-size "

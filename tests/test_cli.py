@@ -3742,6 +3742,15 @@ def test_floors_title_says_the_bandwidth_given():
     assert "KV bf16, 4.3 TB/s" in " ".join(run("floors").output.split())
 
 
+def test_floors_of_a_small_model_say_its_small_launches():
+    """tiny's launches read kilobytes: each figure says them (0.0041 MB), none 0.00."""
+    text = run("floors", "--preset", "tiny").output
+    assert "│ 0.0041 │" in text and "0.00 " not in text
+    doc = json.loads(run("floors", "--preset", "tiny", "--format", "json").output)
+    mb = doc["layer_types"]["mla"]["launches"]["bmm_w_uv_gate"]["bytes"] / 1e6
+    assert f"{mb:.2g}" == "0.0041"
+
+
 def test_an_output_nowhere_to_write_is_said_before_the_trace_is_read(tmp_path, monkeypatch):
     """-o in a folder that is not there (or a directory) was found out after the whole trace
     was read: minutes for a large export. Now said first: the trace is never read."""
