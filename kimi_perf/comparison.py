@@ -237,10 +237,10 @@ def compare(a: Breakdown, b: Breakdown, fell_back: bool = False) -> list[Compari
     if a.steps or b.steps:
         step = _row(WHOLE_STEP, _whole_step(a), _whole_step(b))
         step.steps_a, step.steps_b = len(a.steps) or None, len(b.steps) or None
+        # (steps that do not all say their device: counted as steps alone)
         (step.step_devices_a, step.steps_even_a), (step.step_devices_b, step.steps_even_b) = (
-            (max(1, len(each)), len(set(each.values())) <= 1) for each in (
-                Counter(s["device"] for s in x.steps if s.get("device") is not None)
-                for x in (a, b)))
+            (1, True) if None in each else (max(1, len(each)), len(set(each.values())) <= 1)
+            for each in (Counter(s.get("device") for s in x.steps) for x in (a, b)))
         step.same_layers = not steps_of_other_work([a, b])
         rows.append(step)
     for row in rows:

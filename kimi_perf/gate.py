@@ -45,7 +45,7 @@ Where the kernels such pairs' typical layers lost are exactly the ones the other
 pattern has started the layers elsewhere (a kernel moved from one letter to the next), so their
 checks are shown as ``changed`` and do not fail; the whole steps, checked as ever, catch a
 kernel added or a step slowed. So is a type the run lacks while its steps hold as many layers as
-the baseline's, or that held one layer a step at most. Any other change of kernels (another GEMM
+the baseline's, or that held no more layers than steps. Any other change of kernels (another GEMM
 kernel picked, one unfused into two) is checked as usual. Whole steps that are each device's
 work on both sides (no step range, graph launch or forward pass found) are the profiler's
 windows: holding different numbers of layers, they ran different work, and their checks are
@@ -1203,14 +1203,15 @@ def gate(baseline: dict[str, Breakdown], current: dict[str, Breakdown],
                 if shifted and check.status in ("regression", "improvement", "missing",
                                                 "differs"):
                     check.status = "changed"
-                    if why_moved is not None:   # (once a type)
-                        check.detail = why_moved + (f"; {check.detail}" if check.detail else "")
-                        why_moved = None
                 elif base_type == STEP and windows is not None and check.status in (
                         "ok", "noise"):   # (a window's span is the window's, whatever ran)
                     check.status, check.detail = "changed", windows
                 if cur_type not in (None, label):
                     check.run_layer_type = cur_type
+            # why, once a type: on its first check changed (its pattern's, where it has one)
+            if why_moved is not None and (first := next(
+                    (c for c in found if c.status == "changed"), None)) is not None:
+                first.detail = why_moved + (f"; {first.detail}" if first.detail else "")
             if base_type == STEP and layers is not None and layers.status == "differs":
                 # a step that lost (gained) layers is other work: not faster (slower) for it;
                 # the layers' check fails
@@ -1246,7 +1247,7 @@ def _moved(base: Breakdown | None, cur: Breakdown | None,
     elsewhere (see the module doc): of the pairs whose kernel sequences differ, the kernels
     their typical layers lost are the ones the others gained (a kernel moved from one letter
     to the next); a pattern type the run lacks, while the run has pattern types, where the
-    run's steps hold as many layers as the baseline's or it held one layer a step at most."""
+    run's steps hold as many layers as the baseline's or it held no more layers than steps."""
     if base is None or cur is None:
         return set()
     # (a digest stored before digests were of the least rotation may differ for the same
@@ -1284,8 +1285,8 @@ def _moved_why(base: Breakdown, base_type: str, cur_type: str | None) -> str:
     held = (_layer_type(base, base_type) or {}).get("layers", 0)
     return ("the kernel pattern found none in the run, " + (
         "whose steps hold as many layers: its layers went to other types"
-        if held > len(base.steps) else "where the baseline held one a step at most: an edge "
-        "of the pattern"))
+        if held > len(base.steps) else "where the baseline held no more of them than steps: "
+        "an edge of the pattern"))
 
 
 def _unequal_windows(base: Breakdown | None, cur: Breakdown | None) -> str | None:

@@ -6,6 +6,7 @@ import csv
 import decimal
 import heapq
 import io
+import math
 import os
 import re
 import xml.etree.ElementTree as ET
@@ -883,13 +884,17 @@ def floors_table(doc: dict) -> Table:
                    f"{doc['bandwidth_Bps'] / 1e12:g} TB/s",
                    ["layer", "launch", "MB", "floor µs"], left=("layer", "launch"))
     def figure(v: float) -> str:   # (a small model's launches: 0.0041 MB, not 0.00)
-        return f"{v:,.2f}" if v == 0 or abs(v) >= 0.1 else f"{v:.2g}"
+        return (f"{v:,.2f}" if v == 0 or abs(v) >= 0.1
+                else f"{v:.{1 - math.floor(math.log10(abs(v)))}f}")   # (two digits: 0.010)
+
+    def floor_us(held: dict) -> float:   # (the JSON's is rounded to the ns: 0.003)
+        return held["bytes"] / doc["bandwidth_Bps"] * 1e6
 
     for kind, t in doc["layer_types"].items():
         for name, launch in t["launches"].items():
-            table.add_row(kind, name, figure(launch["bytes"] / 1e6), figure(launch["floor_us"]))
+            table.add_row(kind, name, figure(launch["bytes"] / 1e6), figure(floor_us(launch)))
         table.add_row(kind, Text("all", style="bold"), figure(t["bytes"] / 1e6),
-                      Text(figure(t["floor_us"]), style="bold"), end_section=True)
+                      Text(figure(floor_us(t)), style="bold"), end_section=True)
     table.caption = (f"MB: 10^6 bytes one rank reads or writes a step at least (its TP "
                      f"{doc['tp']} shard); floor µs: those bytes at {doc['bandwidth_Bps'] / 1e12:g}"
                      " TB/s; the two attention-residual launches a layer (a few hidden-size "

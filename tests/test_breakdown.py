@@ -396,6 +396,10 @@ def test_compare_counts_a_tp_jobs_steps_a_device_each():
     short.steps = [s for s in short.steps if s["device"] == 0 or s["index"] == 0]
     assert "(of 4 steps of 2 devices and of 3 steps)" in ratio_note(compare(short, rank), "A",
                                                                     "B")
+    # steps that do not all say their device: counted as steps
+    unsaid = copy.deepcopy(job)
+    unsaid.steps.append({k: v for k, v in unsaid.steps[0].items() if k != "device"})
+    assert "(of 7 and of 3 steps)" in ratio_note(compare(unsaid, rank), "A", "B")
 
 
 def test_a_trace_of_two_devices_is_a_row_per_device():

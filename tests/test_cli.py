@@ -3746,6 +3746,7 @@ def test_floors_of_a_small_model_say_its_small_launches():
     """tiny's launches read kilobytes: each figure says them (0.0041 MB), none 0.00."""
     text = run("floors", "--preset", "tiny").output
     assert "│ 0.0041 │" in text and "0.00 " not in text
+    assert " 0.00095 │" in text   # (its floor µs from the bytes: the JSON's is 0.001)
     doc = json.loads(run("floors", "--preset", "tiny", "--format", "json").output)
     mb = doc["layer_types"]["mla"]["launches"]["bmm_w_uv_gate"]["bytes"] / 1e6
     assert f"{mb:.2g}" == "0.0041"

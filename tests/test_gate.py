@@ -189,8 +189,19 @@ def test_a_changed_automatic_layer_type_does_not_fail_but_its_steps_do():
               "layer lost, others gained; added k9, k10, k11"),
         ("B", "the kernel pattern started its layers elsewhere: the kernels this type's typical "
               "layer lost, others gained; removed k9, k10, k11"),
-        ("C", "the kernel pattern found none in the run, where the baseline held one a step at "
-              "most: an edge of the pattern"))]
+        ("C", "the kernel pattern found none in the run, where the baseline held no more of "
+              "them than steps: an edge of the pattern"))]
+    # one kernel each way, as many kernels at the same speed: only the pattern checks change,
+    # and say why
+    swapped = _automatic({"A": 9, "B": 12}, {"A": KDA, "B": MLA}, {"A": "p3", "B": "p4"},
+                         {"A": [*KERNELS[:8], "k9"], "B": ["k8", *KERNELS[10:]]})
+    base_ab = _automatic({"A": 9, "B": 12}, {"A": KDA, "B": MLA}, {"A": "p1", "B": "p2"},
+                         {"A": KERNELS[:9], "B": KERNELS[9:]})
+    assert [(c.layer_type, c.detail) for c in gate(base_ab, swapped).checks
+            if c.status == "changed"] == [
+        (t, "the kernel pattern started its layers elsewhere: the kernels this type's typical "
+            f"layer lost, others gained; {said}")
+        for t, said in (("A", "added k9; removed k8"), ("B", "added k8; removed k9"))]
     # a type of two layers a step the run lacks, its steps holding as many layers: changed too
     two_a_step = _automatic({"A": 9, "B": 12, "C": 3}, {"A": KDA, "B": MLA, "C": KDA[:8]},
                             {"A": "p1", "B": "p2", "C": "p3"},
