@@ -696,11 +696,12 @@ NSYS_STOP_S = 60
 
 def _run_nsys(step: list[str]) -> subprocess.CompletedProcess:
     """An nsys command to its end. Where this process stops first (Ctrl-C, SIGTERM to it
-    alone), nsys is sent SIGINT, which stops the process it profiles: killed, nsys would die
-    alone, as its launcher has put that process in a session of its own, where it would run
-    on to the end of its steps (SIGKILL only after NSYS_STOP_S, or a second signal). nsys
-    runs in a process group of its own, so that the SIGINT it gets is this one alone (a
-    terminal's Ctrl-C and then ours would be two)."""
+    alone), nsys is sent SIGINT, which stops the process it profiles and writes its report:
+    killed, nsys would die alone, as its launcher has put that process in a session of its
+    own (SIGKILL only after NSYS_STOP_S, or a second signal; the worker then stops itself
+    once this process has exited, ``worker.stop_when_gone``). nsys runs in a process group
+    of its own, so that the SIGINT it gets is this one alone (a terminal's Ctrl-C and then
+    ours would be two)."""
     with subprocess.Popen(step, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                           errors="replace", process_group=0) as nsys:
         try:
@@ -708,7 +709,7 @@ def _run_nsys(step: list[str]) -> subprocess.CompletedProcess:
         except BaseException:
             nsys.send_signal(signal.SIGINT)
             print(f"kimi-perf: stopping nsys and the process it profiles (at most "
-                  f"{NSYS_STOP_S} s; a second signal kills nsys alone)", file=sys.stderr)
+                  f"{NSYS_STOP_S} s; a second signal kills nsys at once)", file=sys.stderr)
             try:
                 nsys.communicate(timeout=NSYS_STOP_S)
             except BaseException:   # (not stopped in time, or a second signal)
@@ -735,7 +736,7 @@ def _capture_path_nsys(path: str, req: TraceRequest, device: str, run_dir: Path
     if req.graphs:
         cmd.append("--cuda-graph-trace=node")
     cmd += [sys.executable, "-m", "kimi_perf.decode.worker", json.dumps(request), path,
-            str(metrics_file)]
+            str(metrics_file), str(os.getpid())]
     for step in (cmd, [nsys, "export", "--type", "sqlite", "--force-overwrite=true", "-o",
                        str(sqlite), str(rep)]):
         result = _run_nsys(step)

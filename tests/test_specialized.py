@@ -795,7 +795,7 @@ if args[0] == "profile":
     open(args[args.index("-o") + 1] + ".nsys-rep", "w").write("report")
     json.dump({{"prefill_s": 0.1, "step_s": [0.1], "tokens": [2], "fallbacks": [],
                "model": "K3Model", "logits_finite": True, "nvtx": "0.2.12"}},
-              open(args[-1], "w"))
+              open(args[-2], "w"))
 elif "{how}" == "garbage":
     open(args[args.index("-o") + 1], "w").write("not an export")
 else:
@@ -842,30 +842,59 @@ def test_a_stopped_nsys_capture_leaves_no_process_and_no_run(tmp_path, stop, cod
     runs, by SIGTERM to it alone or by a terminal's Ctrl-C (SIGINT to its process group),
     exits as stopped, its run directory removed, and no process of it runs on."""
     out = tmp_path / "runs"
-    trace = subprocess.Popen(
-        [sys.executable, "-m", "kimi_perf", "trace", "--backend", "nsys", "--layers", "2",
-         "--steps", "100000", "--out", str(out)], cwd=Path(__file__).parent.parent,
-        env={**os.environ, "KIMI_PERF_NSYS": NSYS}, stderr=subprocess.PIPE, text=True,
-        process_group=0)   # (a group of its own, as a terminal's foreground job)
+    trace = _nsys_capture_running(out)
     try:
-        # nsys profile and the process it profiles: both name the worker and its metrics
-        # file, in the run directory being written
-        assert _wait_for(lambda: len(_processes_naming(str(out), "kimi_perf.decode.worker"))
-                         >= 2, 300)
         if stop == "Ctrl-C":
             os.killpg(trace.pid, signal.SIGINT)
         else:
             trace.send_signal(signal.SIGTERM)
         assert trace.wait(timeout=120) == code
         assert trace.stderr.read().strip().splitlines()[-1] == said
-        assert _wait_for(lambda: not _processes_naming(str(out)), 60), [
-            (Path(f"/proc/{pid}/cmdline").read_bytes()[:200]) for pid in _processes_naming(
-                str(out))]
+        assert _wait_for(lambda: not _processes_naming(str(out)), 60), _commands(out)
         assert not out.exists()   # (nor the folder made for it)
     finally:
         trace.kill()
         trace.wait()
         _kill(_processes_naming(str(out)))
+
+
+@pytest.mark.skipif(NSYS is None, reason="no Nsight Systems CLI (scripts/install-nsys.sh)")
+def test_a_killed_nsys_capture_leaves_no_process(tmp_path):
+    """kimi-perf SIGKILLed while nsys profiles a path (or killing an nsys that would not
+    stop): the profiled process, in a session of its own, sees kimi-perf gone and stops
+    itself, and nsys ends with it."""
+    out = tmp_path / "runs"
+    trace = _nsys_capture_running(out)
+    try:
+        trace.kill()
+        assert trace.wait(timeout=60) == -signal.SIGKILL
+        assert _wait_for(lambda: not _processes_naming(str(out)), 60), _commands(out)
+    finally:
+        _kill(_processes_naming(str(out)))
+
+
+def _nsys_capture_running(out: Path) -> subprocess.Popen:
+    """`kimi-perf trace --backend nsys` with steps for hours, once nsys profile and the
+    process it profiles both run (both name the worker and its metrics file, in the run
+    directory being written)."""
+    trace = subprocess.Popen(
+        [sys.executable, "-m", "kimi_perf", "trace", "--backend", "nsys", "--layers", "2",
+         "--steps", "100000", "--out", str(out)], cwd=Path(__file__).parent.parent,
+        env={**os.environ, "KIMI_PERF_NSYS": NSYS}, stderr=subprocess.PIPE, text=True,
+        process_group=0)   # (a group of its own, as a terminal's foreground job)
+    if not _wait_for(lambda: len(_processes_naming(str(out), "kimi_perf.decode.worker")) >= 2,
+                     300):
+        trace.kill()
+        trace.wait()
+        _kill(_processes_naming(str(out)))
+        pytest.fail(f"no nsys capture running after 300 s: {trace.stderr.read()[-2000:]}")
+    return trace
+
+
+def _commands(out: Path) -> list[bytes]:
+    """The command lines of the processes still naming ``out``, for a failed assertion."""
+    return [Path(f"/proc/{pid}/cmdline").read_bytes()[:200]
+            for pid in _processes_naming(str(out))]
 
 def test_trace_with_two_tp_ranks(tmp_path):
     """--tp 2: a gloo process per rank, each profiled; rank 0's trace shows the all-reduces."""

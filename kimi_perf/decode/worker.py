@@ -1,13 +1,16 @@
 """One decode path run for ``kimi-perf trace --backend nsys``, inside ``nsys profile``.
 
-    python -m kimi_perf.decode.worker REQUEST_JSON PATH METRICS_JSON
+    python -m kimi_perf.decode.worker REQUEST_JSON PATH METRICS_JSON KIMI_PERF_PID
 """
 
 from __future__ import annotations
 
 import importlib.metadata
 import json
+import os
+import select
 import sys
+import threading
 
 import torch
 
@@ -27,8 +30,27 @@ def nvtx_release() -> str:
         return "unknown"
 
 
+def stop_when_gone(pid: int) -> None:
+    """Exit once process ``pid`` (the kimi-perf that asked for this run) has: nsys's launcher
+    puts this process in a session of its own, so that nothing else stops it where kimi-perf
+    is killed, or kills an nsys that would not stop (its steps could run for hours)."""
+    def watch() -> None:
+        try:
+            gone = os.pidfd_open(pid)
+        except ProcessLookupError:
+            pass
+        else:   # (readable once the process has exited, reaped or not)
+            select.select([gone], [], [])
+        print(f"kimi-perf (process {pid}) that asked for this run has exited: stopping",
+              file=sys.stderr, flush=True)
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True, name="stop-when-kimi-perf-is-gone").start()
+
+
 def main(argv: list[str]) -> int:
     request, path, metrics_out = json.loads(argv[0]), argv[1], argv[2]
+    stop_when_gone(int(argv[3]))
     if NVTX is None:
         print("no NVTX binding: on a CPU, pip install nvtx==0.2.11", file=sys.stderr)
         return 2
