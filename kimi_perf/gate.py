@@ -171,7 +171,10 @@ class Tolerances:
     def __post_init__(self) -> None:
         metrics = self.metrics
         if isinstance(metrics, str):
-            metrics = tuple(m.strip() for m in metrics.split(",") if m.strip())
+            named = tuple(m.strip() for m in metrics.split(","))
+            if any(named) and not all(named):   # (a stray comma: a name left out?)
+                raise ValueError(f"metrics: names between commas, none empty (not {metrics!r})")
+            metrics = tuple(filter(None, named))
         if metrics is not None:
             object.__setattr__(self, "metrics", tuple(dict.fromkeys(metrics)))  # each once
         unknown = [str(m) for m in self.checked if m not in METRICS]

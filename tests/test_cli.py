@@ -960,6 +960,8 @@ def test_every_command_s_help_line_is_whole():
     # values the command checks itself, and options that do not go together
     (["breakdown", str(VLLM), "--layers", "bogus"], "--layers must be auto, repeat, nvtx"),
     (["gate", str(VLLM), str(VLLM), "--metrics", "bogus"], "--metrics: choose from kernels"),
+    (["gate", str(VLLM), str(VLLM), "--metrics", "kernels,"],
+     "--metrics: names between commas, none empty (not 'kernels,')"),
     (["trace", "--from", str(VLLM), "--batch", "2"], "--batch sets up a capture"),
     (["gate", str(VLLM), ""], "Invalid value for 'RUN': an empty file name"),
     (["report", str(VLLM), ""], "Invalid value for 'INPUTS...': an empty file name"),

@@ -1817,6 +1817,9 @@ def test_tolerances_are_checked_when_made():
     for empty in ((), "", " , "):
         with pytest.raises(ValueError, match=r"\(not an empty list\)"):
             Tolerances(metrics=empty)
+    for stray in ("kernels,", "kernels,,span_us", ", kernels"):
+        with pytest.raises(ValueError, match=r"names between commas, none empty \(not '"):
+            Tolerances(metrics=stray)
     # (alpha 0 or 1: a test that never, or always, rejects; 0 would leave the threshold alone,
     # stricter than a small alpha, not laxer)
     for bad in ({"rel_tol": -0.1}, {"rel_tol": float("nan")}, {"alpha": 1.5}, {"alpha": 0},
