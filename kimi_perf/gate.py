@@ -233,6 +233,11 @@ class Check:
     def fails(self) -> bool:
         return self.status in FAILING
 
+    def to_json(self) -> dict:
+        """The check as JSON, with whether it ``fails``, without its ``others``."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if f.name != "others"} | {"fails": self.fails}
+
 
 @dataclass(repr=False)
 class GateResult:
@@ -298,8 +303,8 @@ class GateResult:
         whether it ``fails`` (the statuses that do are ``FAILING``)."""
         doc = {"schema": 1, "ok": self.ok, "failed": len(self.failures),
                "tolerances": asdict(self.tolerances),
-               "checks": [asdict(c) | {"fails": c.fails, "others": [
-                   asdict(o) | {"fails": o.fails} for o in c.others]} for c in self.checks],
+               "checks": [c.to_json() | {"others": [o.to_json() for o in c.others]}
+                          for c in self.checks],
                "devices_untimed": self.devices_untimed}
         if self.run_differences is not None:
             doc["run_differences"] = self.run_differences

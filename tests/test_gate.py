@@ -3460,6 +3460,9 @@ def test_each_device_is_tested_at_alpha_shared_among_the_devices():
             if (c["layer_type"], c["metric"]) == ("kda", "span_us_device")] == [
         (None, 2, "missing", True, []), (None, 3, "missing", True, []),
         (0, 0, "ok", False, [(1, "ok")])]
+    # (each of the others as a check is, its fails said, no list of its own)
+    assert [set(o) for c in doc["checks"] for o in c["others"]] == [
+        set(doc["checks"][0]) - {"others"}] * sum(len(c["others"]) for c in doc["checks"])
     from kimi_perf.render import gate_junit
 
     junit = gate_junit(two, ("a", "b"), "")
