@@ -420,9 +420,10 @@ def gate_files(baseline: str | Path, run: str | Path,
             raise TraceError(file, f"holds the paths {', '.join(runs)}: choose the one the "
                                    f"other side stands for with {argument('--path', 'path_name')}")
     # (a baseline stored from a trace keys its figures so, whatever --path named)
-    result = gate(base, current, tolerances,
-                  base_doc.get("run_spread") if isinstance(base_doc, dict) else None,
-                  TRACE if base_keys == {TRACE} else None)
+    result, devices = _device_by_device(
+        base, current, tolerances,
+        base_doc.get("run_spread") if isinstance(base_doc, dict) else None,
+        TRACE if base_keys == {TRACE} else None)
     result.stored_tolerances = stored
     # how each side was captured: a trace in a run directory as its run.json says (compared
     # alone: the documents, what --update stores, stay load_run's)
@@ -454,7 +455,7 @@ def gate_files(baseline: str | Path, run: str | Path,
     if None not in depths and depths[0] != depths[1]:
         # a step of a model of another depth is other work, of other layers; its layers still
         # compare
-        for check in [d for c in result.checks for d in (c, *c.others)]:
+        for check in result.checks:
             if (check.layer_type == STEP or check.metric == "layers") and check.status not in (
                     "new", "missing") and not (check.layer_type != STEP
                                                and check.metric == "layers"
@@ -473,6 +474,7 @@ def gate_files(baseline: str | Path, run: str | Path,
                                 f"{lacking}'s has no {check.layer_type} layer")
                 check.status = "changed"
     _check_fallbacks(result, base_info, run_info, base, current)   # (whatever the depths)
+    result.checks = _shown_devices(result.checks, devices)   # (each status final)
     result.breakdown_differences = breakdown_differences(base, current)
     if strict and result.run_differences:
         result.checks.append(Check("run", "capture", "capture", None, None, None, None,
@@ -1105,6 +1107,16 @@ def gate(baseline: dict[str, Breakdown], current: dict[str, Breakdown],
     the spread of the baseline's runs (``spread_of_runs``), a time past the tolerances
     tested against it too; ``spread_path``: the path its figures are keyed by, where it is
     not each check's own (``TRACE``: a baseline of one trace's)."""
+    result, devices = _device_by_device(baseline, current, tolerances, run_spread, spread_path)
+    result.checks = _shown_devices(result.checks, devices)
+    return result
+
+
+def _device_by_device(baseline: dict[str, Breakdown], current: dict[str, Breakdown],
+                      tolerances: Tolerances, run_spread: dict | None, spread_path: str | None
+                      ) -> tuple[GateResult, dict[str, list[tuple[int | None, int | None]]]]:
+    """``gate``'s checks, each device's its own (not yet folded into one a type, as
+    ``_shown_devices`` does, once every status is final), and each path's device pairs."""
     for side, runs in (("baseline", baseline), ("current", current)):
         if not (isinstance(runs, dict) and all(isinstance(b, Breakdown)
                                                for b in runs.values())):
@@ -1240,9 +1252,8 @@ def gate(baseline: dict[str, Breakdown], current: dict[str, Breakdown],
                         cpu_times_left_out=times if left_out else [])
     if run_spread:
         _within_spread(result, run_spread, spread_path)
-    result.checks = _shown_devices(result.checks, paired_devices)
     result.devices_untimed = untimed
-    return result
+    return result, paired_devices
 
 
 def _digest(b: Breakdown | None, layer_type: str | None) -> str | None:

@@ -3300,6 +3300,10 @@ def test_a_model_of_another_depth_makes_every_devices_step_other_work(tmp_path):
     steps = [c for c in result.checks if (c.layer_type, c.metric) == ("step", "span_us_device")]
     assert [(d.device, d.status) for c in steps for d in (c, *c.others)] == [
         (2, "changed"), (0, "changed"), (1, "changed"), (3, "changed")]
+    # (the one shown still says which device it is, and how the others moved)
+    assert [c.detail for c in steps] == [
+        "device 2 of 4; the others' medians moved +0.0% to +30.9%; models of 8 and 4 layers: "
+        "a step is other work"]
     # (a check that passes stands for none that fails: the one shown is the worst)
     assert not [o for c in result.to_json()["checks"] if not c["fails"] for o in c["others"]
                 if o["fails"]]
