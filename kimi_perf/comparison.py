@@ -27,6 +27,7 @@ from kimi_perf.runs import (
     trace_labels,
     without_shared_date,
 )
+from kimi_perf.stats import can_reach, u_test
 from kimi_perf.text import distinct_words, header_labels
 from kimi_perf.trace import Trace
 
@@ -650,6 +651,9 @@ class OverviewRow:
     ranges: bool = False              # its layers all ranges
     trace: str = ""                   # the trace's label (``label``: with its device's)
     device: int | None = None         # the device of a trace of several, or None
+    # the spans the medians are of, by column (None: the steps'), which ``spreads`` tests
+    samples: dict[str | None, np.ndarray] = dataclasses.field(default_factory=dict,
+                                                              compare=False, repr=False)
 
 
 def differing_patterns(rows: list[OverviewRow]) -> list[str]:
@@ -723,14 +727,27 @@ def overview(breakdowns: dict[str, Breakdown]) -> list[OverviewRow]:
             spans = [s["span_us"] for s in steps]
             shown = (label if device is None else f"device {device}" if len(breakdowns) == 1
                      else f"{label} device {device}")
+            layer_spans = _layer_spans(b, device)
             rows.append(OverviewRow(
                 shown, len(spans), statistics.median(spans) if spans else None,
                 {column: figures.get(name) for column, name in names.items()},
                 {column: patterns.get(name) for column, name in names.items()}, b.unit, names,
                 _median_layers(steps),
                 b.source.get("steps_found_by") == "device", layer_sources(b) == ["nvtx"],
-                label, device))
+                label, device,
+                {None: np.array(spans, float)} | {column: layer_spans[name] for column, name
+                                                  in names.items() if name in layer_spans}))
     return rows
+
+
+def _layer_spans(b: Breakdown, device: int | None) -> dict[str, np.ndarray]:
+    """Per layer type, the spans of its layers (on ``device``, where it is one of several)."""
+    out = {}
+    for t in b.layer_types:
+        spans = layer_column(b.layers, "span_us", t["type"])
+        out[t["type"]] = spans if device is None else spans[
+            layer_column(b.layers, "device", t["type"]) == device]
+    return out
 
 
 def device_figures(b: Breakdown) -> dict[int, tuple[list[dict], dict[str, tuple[float, float]]]]:
@@ -825,8 +842,8 @@ def overview_json(rows: list[OverviewRow]) -> dict:
                                  "pattern": r.patterns.get(column)}
                                 for column, v in r.types.items()}} for r in rows],
             "spreads": [{"type": s.type, "fastest_us": s.fastest, "slowest_us": s.slowest,
-                         "ratio": s.ratio, "slowest": s.slowest_label}
-                        for s in spreads(rows)],
+                         "ratio": s.ratio, "slowest": s.slowest_label, "p_value": s.p_value,
+                         "alpha": s.alpha} for s in spreads(rows)],
             "patterns_differ": differing_patterns(rows)}
 
 
@@ -845,19 +862,34 @@ def renamed_columns(rows: list[OverviewRow], most: int = 4) -> str | None:
             + "; ".join(said[:most]) + ("; …" if len(said) > most else ""))
 
 
+# the chance, over every pair of rows, that ``spreads`` names a slowest trace where the rows'
+# spans differ by noise alone (divided among the pairs: the slowest and fastest of 16 ranks
+# are the farthest apart of 120 pairs)
+STRAGGLER_ALPHA = 0.01
+
+
 @dataclass
 class Spread:
     """A layer type's (or the step's: type None) median span across traces, and the slowest
-    trace (the first of equals; None where the ratio shows as 1.00)."""
+    trace (the first of equals; None where the ratio shows as 1.00, or where its spans are
+    not above the fastest's beyond noise: ``p_value``, of a one-sided U test of them, not
+    below ``alpha``; None where the test could not reach it, too few spans)."""
 
     type: str | None
     fastest: float
     slowest: float
     slowest_label: str | None
+    p_value: float | None = None
+    alpha: float | None = None
 
     @property
     def ratio(self) -> float | None:
         return round(self.slowest / self.fastest, 3) if self.fastest else None
+
+    @property
+    def noise(self) -> bool:
+        """Whether the slowest's spans were tested and are not above the fastest's."""
+        return self.p_value is not None and self.p_value >= self.alpha
 
 
 def spreads(rows: list[OverviewRow]) -> list[Spread]:
@@ -871,17 +903,45 @@ def spreads(rows: list[OverviewRow]) -> list[Spread]:
     out = []
     for layer_type in [*([] if steps_unlike(rows) else [None]),
                        *(t for t in (rows[0].types if rows else ()) if t not in unlike)]:
-        values = [(r.step_us if layer_type is None else r.types[layer_type][1], r.label)
+        values = [(r.step_us if layer_type is None else r.types[layer_type][1], r)
                   for r in rows
                   if (r.step_us if layer_type is None else r.types[layer_type]) is not None]
         if len(values) >= 2:
-            fast = min(v for v, _ in values)
-            slow, label = max(values, key=lambda v: v[0])   # the first of equals
-            spread = Spread(layer_type, fast, slow, label if slow > fast else None)
+            fast, fastest = min(values, key=lambda v: v[0])
+            slow, slowest = max(values, key=lambda v: v[0])   # the first of equals
+            spread = Spread(layer_type, fast, slow, slowest.label if slow > fast else None)
             if spread.ratio is not None and f"{spread.ratio:.2f}" == "1.00":
                 spread.slowest_label = None   # (two ranks 0.1% apart: noise, no straggler)
+            elif spread.slowest_label is not None:
+                _test_slowest(spread, slowest.samples.get(layer_type),
+                              fastest.samples.get(layer_type), math.comb(len(values), 2))
             out.append(spread)
     return out
+
+
+def _test_slowest(spread: Spread, slow: np.ndarray | None, fast: np.ndarray | None,
+                  pairs: int) -> None:
+    """The slowest trace named only where its spans are above the fastest's beyond noise
+    (one-sided U test at ``STRAGGLER_ALPHA`` over the rows' ``pairs``), where a test of so
+    many spans can say."""
+    alpha = STRAGGLER_ALPHA / pairs
+    if slow is None or fast is None or not can_reach(slow.size, fast.size, alpha):
+        return
+    spread.p_value, spread.alpha = u_test(slow, fast, worse=True), alpha
+    if spread.noise:
+        spread.slowest_label = None
+
+
+def noise_note(spread: list[Spread]) -> str | None:
+    """The spreads whose slowest was not named as its spans are within noise of the
+    fastest's, said with their p."""
+    noisy = [s for s in spread if s.noise]
+    if not noisy:
+        return None
+    return ("no slowest named where its spans are within noise of the fastest's (one-sided U "
+            f"test, α {STRAGGLER_ALPHA} shared among the pairs of rows): " + ", ".join(
+                f"{'step' if s.type is None else s.type} {s.ratio:.2f}× (p {s.p_value:.2g})"
+                for s in noisy))
 
 
 def stragglers(spread: list[Spread]) -> dict[str, list[str]]:

@@ -30,6 +30,7 @@ from kimi_perf.comparison import (
     device_overviews,
     differing_note,
     differing_patterns,
+    noise_note,
     of_devices,
     overview_json,
     patterns_differ,
@@ -502,6 +503,8 @@ def overview_table(rows: list[OverviewRow], unit: str = "kernels", of: str | Non
         for t in [None, *types]), style="bold")
     notes = [f"slowest: {label} ({', '.join(what)})"
              for label, what in stragglers(list(spread.values())).items()]
+    if noisy := noise_note(list(spread.values())):
+        notes.append(noisy)
     if said := differing_note(rows):
         notes.append(said)
     if renamed := renamed_columns(rows):

@@ -35,6 +35,7 @@ from kimi_perf.comparison import (
     differing_note,
     differing_patterns,
     gpus_text,
+    noise_note,
     of_devices,
     overview,
     patterns_differ,
@@ -415,6 +416,8 @@ def _overview_rows_html(rows: list[OverviewRow], breakdowns: dict[str, Breakdown
         "compared pair by pair below.</p>" if of_paths else "".join(
             f"<p>slowest: {e(named[label])} ({e(', '.join(slow))})</p>"
             for label, slow in stragglers(list(spread.values())).items())
+    if (noisy := noise_note(list(spread.values()))) and not of_paths:
+        note += f"<p>{e(noisy[0].upper() + noisy[1:])}.</p>"
     if not devices:
         note = _said(short, list(breakdowns)) + note
     if said := differing_note(rows):

@@ -250,6 +250,8 @@ def test_overview_of_several_traces_names_the_slowest():
         for t in b.layer_types:
             if t["type"] == "mla":
                 t["span_us"] *= mla_scale
+        # (and its layers' spans, that the spread's test reads)
+        b.layers.span_us[b.layers.type_code == b.layers.types.index("mla")] *= mla_scale
         for step in b.steps:
             step["span_us"] += rank
         ranks[f"rank{rank}"] = b
@@ -329,10 +331,12 @@ def test_overview_columns_say_what_each_trace_calls_their_types(tmp_path):
     assert "B&#x27; is B in t2v_inference_2xh100_1s.</p>" in report
 
 
-def two_device_trace(slow_mla: float = 2.0, layers: tuple[int, int] = (4, 4)) -> Trace:
+def two_device_trace(slow_mla: float = 2.0, layers: tuple[int, int] = (4, 4),
+                     scale=lambda device, step, layer: 1.0) -> Trace:
     """Two ranks of a TP job in one file (as ``nsys profile torchrun`` writes it): process 1
     on device 0, process 2 on device 1, each 3 decode steps of ``layers`` layers with ranges;
-    device 1 runs its MLA kernels ``slow_mla`` times as long."""
+    device 1 runs its MLA kernels ``slow_mla`` times as long; each layer's kernels ``scale``
+    times as long too (by device, step and layer)."""
     b = TraceBuilder()
     for device, pid in ((0, 1), (1, 2)):
         for s in range(3):
@@ -341,7 +345,8 @@ def two_device_trace(slow_mla: float = 2.0, layers: tuple[int, int] = (4, 4)) ->
                 kind = "mla" if "mla_decode" in kernels else "kda"
                 first = b.clock
                 for name in kernels:
-                    us = 1000 * (slow_mla if device == 1 and kind == "mla" else 1)
+                    us = 1000 * (slow_mla if device == 1 and kind == "mla" else 1) * scale(
+                        device, s, i)
                     t = b.clock
                     b.launch(name, t, t + 50, t + 200, t + 200 + int(us), pid=pid, tid=pid,
                              device=device)
@@ -460,6 +465,50 @@ def test_a_trace_of_two_devices_is_a_row_per_device():
                                                   .build())})
     assert [r.label for r in others] == ["one", "job device 0", "job device 1", "two"]
     assert [r.device for r in others] == [None, 0, 1, None]
+
+
+def test_a_slowest_within_noise_is_not_named(tmp_path):
+    """Two ranks whose layers' spans spread ±20% and one runs 2% longer: its KDA and MLA
+    medians 1.02× (it named it the slowest on noise); a one-sided U test of its layers'
+    spans against the fastest's says noise (p 0.07 and 0.2 at α 0.01): no slowest, said
+    with its p in the table, the report and JSON. Its three steps, too few to test, are
+    named as before, and 30% longer layers are named beyond noise."""
+    from html import escape as html_escape
+
+    from kimi_perf.capture import analyse
+    from kimi_perf.comparison import STRAGGLER_ALPHA, overview, overview_json, spreads
+    from kimi_perf.render import overview_table, tables_text
+
+    levels = [0.8, 0.9, 1.0, 1.1, 1.2]
+
+    def job(slower: float) -> Trace:
+        return two_device_trace(1.0, (16, 16), lambda device, step, layer: levels[
+            (step * 16 + layer) % 5] * (slower if device else 1))
+
+    rows = overview({"job": breakdown(job(1.02))})
+    assert [r.samples["kda"].size for r in rows] == [36, 36]
+    spread = {s.type: s for s in spreads(rows)}
+    assert [(t, f"{spread[t].ratio:.2f}", spread[t].slowest_label) for t in spread] == [
+        (None, "1.02", "device 1"), ("kda", "1.02", None), ("mla", "1.02", None)]
+    assert spread[None].p_value is None   # (3 steps against 3: no test reaches α)
+    assert spread["kda"].p_value == pytest.approx(0.0698, abs=1e-4) and spread["kda"].noise
+    assert spread["mla"].p_value == pytest.approx(0.199, abs=1e-3)
+    said = (f"no slowest named where its spans are within noise of the fastest's (one-sided U "
+            f"test, α {STRAGGLER_ALPHA} shared among the pairs of rows): kda 1.02× (p 0.07), "
+            "mla 1.02× (p 0.2)")
+    text = " ".join(tables_text([overview_table(rows)]).split())
+    assert "slowest: device 1 (step)" in text and said in text
+    assert [(s["type"], s["slowest"], s["alpha"]) for s in overview_json(rows)["spreads"]] == [
+        (None, "device 1", None), ("kda", None, 0.01), ("mla", None, 0.01)]
+    trace_file = tmp_path / "job.kptrace"
+    job(1.02).save(trace_file)
+    run_dir, _, run_info = analyse([trace_file], tmp_path / "runs", plotly_js="cdn")
+    html = (run_dir / run_info["report"]).read_text()
+    assert f"<p>{html_escape(said[0].upper() + said[1:])}.</p>" in html
+    # 30% longer: beyond noise, named
+    slow = {s.type: s for s in spreads(overview({"job": breakdown(job(1.3))}))}
+    assert [slow[t].slowest_label for t in slow] == ["device 1"] * 3
+    assert slow["kda"].p_value < 1e-8 and not slow["kda"].noise
 
 
 def test_a_trace_of_two_devices_gets_its_device_table_in_the_report_and_the_run(tmp_path):

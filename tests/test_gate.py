@@ -3319,7 +3319,7 @@ def test_the_u_test_is_exact_ties_and_all(cur, base, worse):
 
     from scipy.stats import rankdata
 
-    from kimi_perf.gate import _u_test
+    from kimi_perf.stats import u_test
 
     pooled = np.array(cur + base, dtype=float)
     ranks = rankdata(pooled)
@@ -3327,7 +3327,7 @@ def test_the_u_test_is_exact_ties_and_all(cur, base, worse):
     sums = np.array([ranks[list(split)].sum() for split in combinations(range(pooled.size),
                                                                          len(cur))])
     as_extreme = sums >= observed - 1e-9 if worse else sums <= observed + 1e-9
-    assert _u_test(pooled[:len(cur)], pooled[len(cur):], worse) == pytest.approx(
+    assert u_test(pooled[:len(cur)], pooled[len(cur):], worse) == pytest.approx(
         as_extreme.mean(), rel=1e-12)
 
 
@@ -3339,7 +3339,7 @@ def test_the_u_test_reaches_alpha_where_its_approximation_cannot():
     (150 steps a side) the approximation, good there."""
     from scipy.stats import mannwhitneyu
 
-    from kimi_perf.gate import _u_test
+    from kimi_perf.stats import u_test
 
     steady = [100.0, 100.0, 101.0, 102.0, 103.0, 104.0, 105.0, 106.0]
     slower = [120.0, 120.0, 121.0, 122.0, 123.0, 124.0, 125.0, 126.0]
@@ -3351,22 +3351,22 @@ def test_the_u_test_reaches_alpha_where_its_approximation_cannot():
                 == ("kda", "span_us_device")]
     assert check.p_value == pytest.approx(1 / 12_870) and check.status == "regression"
     few, many = np.array([1.0, 1.0, 2.0]), np.arange(300.0) + 10
-    assert _u_test(many, few, True) == _u_test(few, many, False) == pytest.approx(
+    assert u_test(many, few, True) == u_test(few, many, False) == pytest.approx(
         1 / 4_590_551)
-    assert _u_test(few, many, True) == pytest.approx(1.0)
+    assert u_test(few, many, True) == pytest.approx(1.0)
     # three against 100,000, above all but one: 7 of the C(100003, 3) splits sum their ranks
     # as high (from the top: 2+3+4 at most 9), counting only the values ranked that high
     huge = np.arange(100_000.0)
     # 100 layers below 48,800 whole-µs ones of three values: one split of C(48900, 100),
     # past a float (1e311)
     tied = np.repeat([100.0, 101.0, 102.0], [16_000, 16_400, 16_400])
-    assert _u_test(np.linspace(89.0, 91.0, 100), tied, False) == pytest.approx(
+    assert u_test(np.linspace(89.0, 91.0, 100), tied, False) == pytest.approx(
         1 / math.comb(48_900, 100), rel=1e-9)
-    assert _u_test(np.array([99_998.5, 99_998.6, 99_998.7]), huge, True) == pytest.approx(
+    assert u_test(np.array([99_998.5, 99_998.6, 99_998.7]), huge, True) == pytest.approx(
         7 / math.comb(100_003, 3), rel=1e-9)
     rng = np.random.default_rng(0)
     base, cur = rng.normal(100, 1, 150), rng.normal(100.3, 1, 150)
-    assert _u_test(cur, base, True) == mannwhitneyu(cur, base, alternative="greater",
+    assert u_test(cur, base, True) == mannwhitneyu(cur, base, alternative="greater",
                                                     method="asymptotic").pvalue
 
 
