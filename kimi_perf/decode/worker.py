@@ -5,22 +5,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import json
 import os
 import select
 import sys
 import threading
-
-import torch
-
-from kimi_perf.capture import PATH_BACKENDS, decode_tokens
-from kimi_perf.decode.annotate import NVTX
-from kimi_perf.decode.config import preset
-from kimi_perf.decode.harness import run_decode
-from kimi_perf.decode.model import FP8
-from kimi_perf.decode.specialized import build_model
-from kimi_perf.decode.weights import random_weights
 
 
 def nvtx_release() -> str:
@@ -33,16 +24,21 @@ def nvtx_release() -> str:
 def stop_when_gone(pid: int) -> None:
     """Exit once process ``pid`` (the kimi-perf that asked for this run) has: nsys's launcher
     puts this process in a session of its own, so that nothing else stops it where kimi-perf
-    is killed, or kills an nsys that would not stop (its steps could run for hours)."""
+    is killed, or kills an nsys that would not stop (its steps could run for hours). Started
+    before torch is imported (seconds in which the pid could be another's); no watch where the
+    kernel has no pidfd (Linux before 5.3)."""
     def watch() -> None:
         try:
             gone = os.pidfd_open(pid)
         except ProcessLookupError:
             pass
+        except (OSError, AttributeError):
+            return
         else:   # (readable once the process has exited, reaped or not)
             select.select([gone], [], [])
-        print(f"kimi-perf (process {pid}) that asked for this run has exited: stopping",
-              file=sys.stderr, flush=True)
+        with contextlib.suppress(OSError):   # (stderr a pipe no one reads now)
+            print(f"kimi-perf (process {pid}) that asked for this run has exited: stopping",
+                  file=sys.stderr, flush=True)
         os._exit(1)
 
     threading.Thread(target=watch, daemon=True, name="stop-when-kimi-perf-is-gone").start()
@@ -51,6 +47,16 @@ def stop_when_gone(pid: int) -> None:
 def main(argv: list[str]) -> int:
     request, path, metrics_out = json.loads(argv[0]), argv[1], argv[2]
     stop_when_gone(int(argv[3]))
+    import torch
+
+    from kimi_perf.capture import PATH_BACKENDS, decode_tokens
+    from kimi_perf.decode.annotate import NVTX
+    from kimi_perf.decode.config import preset
+    from kimi_perf.decode.harness import run_decode
+    from kimi_perf.decode.model import FP8
+    from kimi_perf.decode.specialized import build_model
+    from kimi_perf.decode.weights import random_weights
+
     if NVTX is None:
         print("no NVTX binding: on a CPU, pip install nvtx==0.2.11", file=sys.stderr)
         return 2
