@@ -14,7 +14,13 @@ import numpy as np
 
 from kimi_perf.decode.fallbacks import fell_back_text, paths_that_fell_back
 from kimi_perf.errors import TraceError, argument, path_argument
-from kimi_perf.layer_breakdown import Breakdown, layer_column, note_lines, units_word
+from kimi_perf.layer_breakdown import (
+    Breakdown,
+    LayerRows,
+    layer_column,
+    note_lines,
+    units_word,
+)
 from kimi_perf.runs import (
     captured_differently,
     captured_path,
@@ -651,9 +657,10 @@ class OverviewRow:
     ranges: bool = False              # its layers all ranges
     trace: str = ""                   # the trace's label (``label``: with its device's)
     device: int | None = None         # the device of a trace of several, or None
-    # the spans the medians are of, by column (None: the steps'), which ``spreads`` tests
-    samples: dict[str | None, np.ndarray] = dataclasses.field(default_factory=dict,
-                                                              compare=False, repr=False)
+    # the spans the medians are of, by column (None: the steps'), which ``spreads`` tests: a
+    # type's layers' each step's mean, and one by one (``span_samples``)
+    samples: dict[str | None, tuple[np.ndarray, np.ndarray]] = dataclasses.field(
+        default_factory=dict, compare=False, repr=False)
 
 
 def differing_patterns(rows: list[OverviewRow]) -> list[str]:
@@ -723,11 +730,11 @@ def overview(breakdowns: dict[str, Breakdown]) -> list[OverviewRow]:
         patterns = {t["type"]: t.get("pattern") for t in b.layer_types}
         parts = device_figures(b) or {None: (b.steps, {
             t["type"]: (t["kernels"], t["span_us"]) for t in b.layer_types})}
+        samples = span_samples(b, list(parts))
         for device, (steps, figures) in parts.items():
             spans = [s["span_us"] for s in steps]
             shown = (label if device is None else f"device {device}" if len(breakdowns) == 1
                      else f"{label} device {device}")
-            layer_spans = _layer_spans(b, device)
             rows.append(OverviewRow(
                 shown, len(spans), statistics.median(spans) if spans else None,
                 {column: figures.get(name) for column, name in names.items()},
@@ -735,18 +742,32 @@ def overview(breakdowns: dict[str, Breakdown]) -> list[OverviewRow]:
                 _median_layers(steps),
                 b.source.get("steps_found_by") == "device", layer_sources(b) == ["nvtx"],
                 label, device,
-                {None: np.array(spans, float)} | {column: layer_spans[name] for column, name
-                                                  in names.items() if name in layer_spans}))
+                {None: (np.array(spans, float), np.empty(0))} | {
+                    column: samples[device][name] for column, name in names.items()
+                    if name in samples[device]}))
     return rows
 
 
-def _layer_spans(b: Breakdown, device: int | None) -> dict[str, np.ndarray]:
-    """Per layer type, the spans of its layers (on ``device``, where it is one of several)."""
-    out = {}
-    for t in b.layer_types:
-        spans = layer_column(b.layers, "span_us", t["type"])
-        out[t["type"]] = spans if device is None else spans[
-            layer_column(b.layers, "device", t["type"]) == device]
+def span_samples(b: Breakdown, devices: list[int | None]
+                 ) -> dict[int | None, dict[str, tuple[np.ndarray, np.ndarray]]]:
+    """Per device (None: every device's) and layer type, its layers' spans: each step's mean
+    (the layers of a step share its noise: a clock, a busy neighbour) and one by one. Each
+    column read once, whatever the devices and types (a breakdown read from JSON holds its
+    layers as dicts)."""
+    layers = b.layers
+    kinds = (np.array(layers.types, object)[layers.type_code] if isinstance(layers, LayerRows)
+             else np.array([r["type"] for r in layers], object))
+    device, step, span = (layer_column(layers, c) for c in ("device", "step", "span_us"))
+    out: dict[int | None, dict[str, tuple[np.ndarray, np.ndarray]]] = {}
+    for d in devices:
+        on = np.ones(span.size, bool) if d is None else device == d
+        out[d] = {}
+        for t in b.layer_types:
+            mine = on & (kinds == t["type"])
+            _, of_step = np.unique(step[mine], return_inverse=True)
+            counts = np.bincount(of_step)
+            out[d][t["type"]] = (np.bincount(of_step, span[mine])[counts > 0]
+                                 / counts[counts > 0], span[mine])
     return out
 
 
@@ -843,7 +864,8 @@ def overview_json(rows: list[OverviewRow]) -> dict:
                                 for column, v in r.types.items()}} for r in rows],
             "spreads": [{"type": s.type, "fastest_us": s.fastest, "slowest_us": s.slowest,
                          "ratio": s.ratio, "slowest": s.slowest_label, "p_value": s.p_value,
-                         "alpha": s.alpha} for s in spreads(rows)],
+                         "alpha": s.alpha, "tested_over": s.tested_over}
+                        for s in spreads(rows)],
             "patterns_differ": differing_patterns(rows)}
 
 
@@ -862,9 +884,9 @@ def renamed_columns(rows: list[OverviewRow], most: int = 4) -> str | None:
             + "; ".join(said[:most]) + ("; …" if len(said) > most else ""))
 
 
-# the chance, over every pair of rows, that ``spreads`` names a slowest trace where the rows'
-# spans differ by noise alone (divided among the pairs: the slowest and fastest of 16 ranks
-# are the farthest apart of 120 pairs)
+# the chance that ``spreads`` names a slowest trace where the rows' spans differ by noise
+# alone (divided among the ordered pairs of rows: the slowest and fastest of 16 ranks are the
+# farthest apart of 240, the test's direction picked from the data too)
 STRAGGLER_ALPHA = 0.01
 
 
@@ -881,6 +903,7 @@ class Spread:
     slowest_label: str | None
     p_value: float | None = None
     alpha: float | None = None
+    tested_over: str | None = None   # "steps" (each step's mean), or "layers" (too few steps)
 
     @property
     def ratio(self) -> float | None:
@@ -912,24 +935,30 @@ def spreads(rows: list[OverviewRow]) -> list[Spread]:
             spread = Spread(layer_type, fast, slow, slowest.label if slow > fast else None)
             if spread.ratio is not None and f"{spread.ratio:.2f}" == "1.00":
                 spread.slowest_label = None   # (two ranks 0.1% apart: noise, no straggler)
-            elif spread.slowest_label is not None:
+            elif spread.slowest_label is not None and spread.ratio is not None:
                 _test_slowest(spread, slowest.samples.get(layer_type),
-                              fastest.samples.get(layer_type), math.comb(len(values), 2))
+                              fastest.samples.get(layer_type), len(values))
             out.append(spread)
     return out
 
 
-def _test_slowest(spread: Spread, slow: np.ndarray | None, fast: np.ndarray | None,
-                  pairs: int) -> None:
-    """The slowest trace named only where its spans are above the fastest's beyond noise
-    (one-sided U test at ``STRAGGLER_ALPHA`` over the rows' ``pairs``), where a test of so
-    many spans can say."""
-    alpha = STRAGGLER_ALPHA / pairs
-    if slow is None or fast is None or not can_reach(slow.size, fast.size, alpha):
+def _test_slowest(spread: Spread, slow: tuple[np.ndarray, np.ndarray] | None,
+                  fast: tuple[np.ndarray, np.ndarray] | None, rows: int) -> None:
+    """The slowest trace named only where its spans are above the fastest's beyond noise:
+    a one-sided U test of its steps' (each step's mean of the type's layers) against the
+    fastest's, or of their layers' where too few steps reach alpha, where a test of so many
+    can say. Alpha: ``STRAGGLER_ALPHA`` over the ordered pairs of rows (which is slowest
+    and which fastest is picked from the data, and so is the test's direction)."""
+    alpha = STRAGGLER_ALPHA / math.perm(rows, 2)
+    if slow is None or fast is None:
         return
-    spread.p_value, spread.alpha = u_test(slow, fast, worse=True), alpha
-    if spread.noise:
-        spread.slowest_label = None
+    for over, mine, theirs in zip(("steps", "layers"), slow, fast, strict=True):
+        if can_reach(mine.size, theirs.size, alpha):
+            spread.p_value, spread.alpha = u_test(mine, theirs, worse=True), alpha
+            spread.tested_over = over
+            if spread.noise:
+                spread.slowest_label = None
+            return
 
 
 def noise_note(spread: list[Spread]) -> str | None:
@@ -939,9 +968,39 @@ def noise_note(spread: list[Spread]) -> str | None:
     if not noisy:
         return None
     return ("no slowest named where its spans are within noise of the fastest's (one-sided U "
-            f"test, α {STRAGGLER_ALPHA} shared among the pairs of rows): " + ", ".join(
-                f"{'step' if s.type is None else s.type} {s.ratio:.2f}× (p {s.p_value:.2g})"
-                for s in noisy))
+            f"test, α {STRAGGLER_ALPHA} shared among the ordered pairs of rows): "
+            + ", ".join(
+                f"{'step' if s.type is None else s.type} {s.ratio:.2f}× (p {s.p_value:.2g} "
+                f"over {s.tested_over})" for s in noisy))
+
+
+def overview_notes(rows: list[OverviewRow], spread: list[Spread],
+                   named: dict[str, str] | None = None, most: int = 4,
+                   of_paths: bool = False) -> list[str]:
+    """What the table of ``overview``'s rows says under it, a line each: which row was
+    slowest in what (``named``: a row's name where it is shown otherwise), the spreads
+    within noise, the types marked * and the columns renamed (``most`` of them), why there
+    is no spread where there is none (``of_paths``: the rows are the decode paths of runs,
+    which have none)."""
+    named = named or {}
+    notes = (["no spread or slowest trace: these include the decode paths of runs, compared "
+              "pair by pair below"] if of_paths else
+             [f"slowest: {named.get(label, label)} ({', '.join(what)})"
+              for label, what in stragglers(spread).items()])
+    if not of_paths and (noisy := noise_note(spread)):
+        notes.append(noisy)
+    if said := differing_note(rows):
+        notes.append(said)
+    if renamed := renamed_columns(rows, most):
+        notes.append(renamed)
+    if of_paths:
+        return notes
+    if len({r.unit for r in rows}) > 1:
+        notes.append("no spread between CPU runs and GPU traces: their µs differ a "
+                     "thousandfold")
+    elif steps_unlike(rows):
+        notes.append(steps_unlike_note(rows))
+    return notes
 
 
 def stragglers(spread: list[Spread]) -> dict[str, list[str]]:

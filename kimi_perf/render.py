@@ -28,19 +28,14 @@ from kimi_perf.comparison import (
     comparison_notes,
     count_text,
     device_overviews,
-    differing_note,
     differing_patterns,
-    noise_note,
     of_devices,
     overview_json,
+    overview_notes,
     patterns_differ,
     ratio_text,
-    renamed_columns,
     rotation_notes,
     spreads,
-    steps_unlike,
-    steps_unlike_note,
-    stragglers,
 )
 from kimi_perf.gate import (
     DEVICE_METRICS,
@@ -501,20 +496,7 @@ def overview_table(rows: list[OverviewRow], unit: str = "kernels", of: str | Non
     table.add_row("slowest / fastest", "", *(
         f"{spread[t].ratio:.2f}×" if t in spread and spread[t].ratio else "-"
         for t in [None, *types]), style="bold")
-    notes = [f"slowest: {label} ({', '.join(what)})"
-             for label, what in stragglers(list(spread.values())).items()]
-    if noisy := noise_note(list(spread.values())):
-        notes.append(noisy)
-    if said := differing_note(rows):
-        notes.append(said)
-    if renamed := renamed_columns(rows):
-        notes.append(renamed)
-    if len({r.unit for r in rows}) > 1:
-        notes.append("no spread between CPU runs and GPU traces: their µs differ a "
-                     "thousandfold")
-    elif steps_unlike(rows):
-        notes.append(steps_unlike_note(rows))
-    table.caption = "\n".join(notes)
+    table.caption = "\n".join(overview_notes(rows, list(spread.values())))
     return table
 
 

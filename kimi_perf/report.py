@@ -32,21 +32,16 @@ from kimi_perf.comparison import (
     comparison_notes,
     count_text,
     device_overviews,
-    differing_note,
     differing_patterns,
     gpus_text,
-    noise_note,
     of_devices,
     overview,
+    overview_notes,
     patterns_differ,
     ratio_text,
-    renamed_columns,
     rotation_notes,
     sides_notes,
     spreads,
-    steps_unlike,
-    steps_unlike_note,
-    stragglers,
     type_pairs,
 )
 from kimi_perf.decode.fallbacks import fell_back_text, paths_that_fell_back
@@ -412,24 +407,10 @@ def _overview_rows_html(rows: list[OverviewRow], breakdowns: dict[str, Breakdown
     foot = "" if of_paths else "<tr><th>slowest / fastest</th><th></th>" + "".join(
         f"<th>{spread[t].ratio:.2f}×</th>" if t in spread and spread[t].ratio
         else "<th>-</th>" for t in [None, *types]) + "</tr>"
-    note = "<p>No spread or slowest trace: these include the decode paths of runs, " \
-        "compared pair by pair below.</p>" if of_paths else "".join(
-            f"<p>slowest: {e(named[label])} ({e(', '.join(slow))})</p>"
-            for label, slow in stragglers(list(spread.values())).items())
-    if (noisy := noise_note(list(spread.values()))) and not of_paths:
-        note += f"<p>{e(noisy[0].upper() + noisy[1:])}.</p>"
+    note = "".join(f"<p>{e(said[0].upper() + said[1:])}.</p>" for said in overview_notes(
+        rows, list(spread.values()), named, len(types), of_paths))
     if not devices:
         note = _said(short, list(breakdowns)) + note
-    if said := differing_note(rows):
-        note += f"<p>{e(said)}.</p>"
-    if renamed := renamed_columns(rows, most=len(types)):
-        note += f"<p>{e(renamed[0].upper() + renamed[1:])}.</p>"
-    if len({r.unit for r in rows}) > 1 and not of_paths:
-        note += ("<p>No spread between CPU runs and GPU traces: their µs differ a "
-                 "thousandfold.</p>")
-    elif steps_unlike(rows) and not of_paths:
-        said = steps_unlike_note(rows)
-        note += f"<p>{said[0].upper() + said[1:]}.</p>"
     title = f"Every {what}" + (f" of {e(of)}" if of else "")
     return (f"<h2>{title} (medians; µs = span, layer {_units(breakdowns)} in brackets)"
             f"</h2><table>{head}{body}{foot}</table>{note}")

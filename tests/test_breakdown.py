@@ -332,14 +332,14 @@ def test_overview_columns_say_what_each_trace_calls_their_types(tmp_path):
 
 
 def two_device_trace(slow_mla: float = 2.0, layers: tuple[int, int] = (4, 4),
-                     scale=lambda device, step, layer: 1.0) -> Trace:
+                     scale=lambda device, step, layer: 1.0, steps: int = 3) -> Trace:
     """Two ranks of a TP job in one file (as ``nsys profile torchrun`` writes it): process 1
-    on device 0, process 2 on device 1, each 3 decode steps of ``layers`` layers with ranges;
-    device 1 runs its MLA kernels ``slow_mla`` times as long; each layer's kernels ``scale``
-    times as long too (by device, step and layer)."""
+    on device 0, process 2 on device 1, each ``steps`` decode steps of ``layers`` layers with
+    ranges; device 1 runs its MLA kernels ``slow_mla`` times as long; each layer's kernels
+    ``scale`` times as long too (by device, step and layer)."""
     b = TraceBuilder()
     for device, pid in ((0, 1), (1, 2)):
-        for s in range(3):
+        for s in range(steps):
             step_start = b.clock
             for i, kernels in enumerate(k3_like(layers[device])):
                 kind = "mla" if "mla_decode" in kernels else "kda"
@@ -470,9 +470,10 @@ def test_a_trace_of_two_devices_is_a_row_per_device():
 def test_a_slowest_within_noise_is_not_named(tmp_path):
     """Two ranks whose layers' spans spread ±20% and one runs 2% longer: its KDA and MLA
     medians 1.02× (it named it the slowest on noise); a one-sided U test of its layers'
-    spans against the fastest's says noise (p 0.07 and 0.2 at α 0.01): no slowest, said
-    with its p in the table, the report and JSON. Its three steps, too few to test, are
-    named as before, and 30% longer layers are named beyond noise."""
+    spans against the fastest's (three steps too few to test) says noise, p 0.07 and 0.2
+    at α 0.005 (0.01 over the two ordered pairs): no slowest, said with its p in the table,
+    the report and JSON. Its three steps, too few to test, are named as before, and 30%
+    longer layers are named beyond noise."""
     from html import escape as html_escape
 
     from kimi_perf.capture import analyse
@@ -486,20 +487,24 @@ def test_a_slowest_within_noise_is_not_named(tmp_path):
             (step * 16 + layer) % 5] * (slower if device else 1))
 
     rows = overview({"job": breakdown(job(1.02))})
-    assert [r.samples["kda"].size for r in rows] == [36, 36]
+    assert [tuple(a.size for a in r.samples["kda"]) for r in rows] == [(3, 36), (3, 36)]
     spread = {s.type: s for s in spreads(rows)}
-    assert [(t, f"{spread[t].ratio:.2f}", spread[t].slowest_label) for t in spread] == [
-        (None, "1.02", "device 1"), ("kda", "1.02", None), ("mla", "1.02", None)]
+    assert [(t, f"{spread[t].ratio:.2f}", spread[t].slowest_label, spread[t].tested_over)
+            for t in spread] == [(None, "1.02", "device 1", None),
+                                 ("kda", "1.02", None, "layers"), ("mla", "1.02", None, "layers")]
     assert spread[None].p_value is None   # (3 steps against 3: no test reaches α)
     assert spread["kda"].p_value == pytest.approx(0.0698, abs=1e-4) and spread["kda"].noise
     assert spread["mla"].p_value == pytest.approx(0.199, abs=1e-3)
     said = (f"no slowest named where its spans are within noise of the fastest's (one-sided U "
-            f"test, α {STRAGGLER_ALPHA} shared among the pairs of rows): kda 1.02× (p 0.07), "
-            "mla 1.02× (p 0.2)")
+            f"test, α {STRAGGLER_ALPHA} shared among the ordered pairs of rows): kda 1.02× (p "
+            "0.07 "
+            "over layers), mla 1.02× (p 0.2 over layers)")
     text = " ".join(tables_text([overview_table(rows)]).split())
     assert "slowest: device 1 (step)" in text and said in text
-    assert [(s["type"], s["slowest"], s["alpha"]) for s in overview_json(rows)["spreads"]] == [
-        (None, "device 1", None), ("kda", None, 0.01), ("mla", None, 0.01)]
+    assert [(s["type"], s["slowest"], s["alpha"], s["tested_over"])
+            for s in overview_json(rows)["spreads"]] == [
+        (None, "device 1", None, None), ("kda", None, 0.005, "layers"),
+        ("mla", None, 0.005, "layers")]
     trace_file = tmp_path / "job.kptrace"
     job(1.02).save(trace_file)
     run_dir, _, run_info = analyse([trace_file], tmp_path / "runs", plotly_js="cdn")
@@ -509,6 +514,38 @@ def test_a_slowest_within_noise_is_not_named(tmp_path):
     slow = {s.type: s for s in spreads(overview({"job": breakdown(job(1.3))}))}
     assert [slow[t].slowest_label for t in slow] == ["device 1"] * 3
     assert slow["kda"].p_value < 1e-8 and not slow["kda"].noise
+
+
+def test_a_slowest_is_tested_over_its_steps_where_they_are_enough():
+    """Twelve steps a device, each step's layers sharing that step's noise (±3%, a clock):
+    the layers of one step are no independent samples. Device 1 is 1.5% slower by chance;
+    over its 96 layers the U test reads p 0.001, a straggler; over its 12 steps (each step's
+    mean of a type's layers), p 0.12: noise, no slowest."""
+    from kimi_perf.comparison import overview, spreads
+    from kimi_perf.stats import u_test
+
+    noise = 1 + 0.03 * np.random.default_rng(1).standard_normal((2, 12))
+    rows = overview({"job": breakdown(two_device_trace(
+        1.0, (8, 8), lambda device, step, layer: noise[device, step], steps=12))})
+    spread = {s.type: s for s in spreads(rows)}
+    assert [(f"{s.ratio:.3f}", s.slowest_label, s.tested_over) for s in spread.values()] == [
+        ("1.015", None, "steps")] * 3
+    assert spread["kda"].p_value == pytest.approx(0.118, abs=1e-3)
+    slow, fast = sorted(rows, key=lambda r: -r.types["kda"][1])
+    assert u_test(slow.samples["kda"][1], fast.samples["kda"][1], True) < spread["kda"].alpha
+
+
+def test_a_spread_from_a_zero_median_is_named_untested():
+    """A type whose fastest median is 0 µs (whole µs, a tiny kernel): no ratio, and its
+    slowest named without a test (the note formatted the ratio: a TypeError)."""
+    from kimi_perf.comparison import OverviewRow, noise_note, spreads
+
+    rows = [OverviewRow(f"rank{i}", 3, None, {"A": (1, float(i))}, {"A": "same"},
+                        samples={"A": (np.zeros(3), np.array([0.0] * 10 + [1.0] * 10))})
+            for i in (0, 1)]
+    (spread,) = spreads(rows)
+    assert (spread.ratio, spread.slowest_label, spread.p_value) == (None, "rank1", None)
+    assert noise_note([spread]) is None
 
 
 def test_a_trace_of_two_devices_gets_its_device_table_in_the_report_and_the_run(tmp_path):
@@ -526,7 +563,7 @@ def test_a_trace_of_two_devices_gets_its_device_table_in_the_report_and_the_run(
     run_dir, results, run_info = analyse([trace_file], tmp_path / "runs", plotly_js="cdn")
     html = (run_dir / run_info["report"]).read_text()
     assert "<h2>Every device (medians; µs = span, layer kernels in brackets)</h2>" in html
-    assert "<tr><th>device</th>" in html and "<p>slowest: device 1 (step, mla)</p>" in html
+    assert "<tr><th>device</th>" in html and "<p>Slowest: device 1 (step, mla).</p>" in html
     doc = run_document(run_dir, results, run_info)
     assert [r["label"] for r in doc["devices"]["job"]["rows"]] == ["device 0", "device 1"]
     assert "overview" not in doc
@@ -561,7 +598,7 @@ def test_two_traces_of_two_devices_each_get_the_table_of_every_device(tmp_path):
     (run_dir,) = (tmp_path / "runs").iterdir()
     page = (run_dir / "report.html").read_text()
     assert "<h2>Every device of before (" in page and "<h2>Every device of after (" in page
-    assert page.count("<p>slowest: ") == 1
+    assert page.count("<p>Slowest: ") == 1
     doc = json.loads(CliRunner().invoke(main, [
         "trace", "--from", str(before), "--from", str(after), "-o", str(tmp_path / "json"),
         "--format", "json"]).output)

@@ -1944,7 +1944,7 @@ def test_report_command_draws_runs_breakdowns_and_traces(tmp_path):
     assert '"matches"' not in page and "the ratios are no speed figure" in page
     # the four paths in one table, but no spread or slowest: that would set paths apart
     assert "<h2>Every trace" in page
-    assert "slowest / fastest" not in page and "<p>slowest:" not in page
+    assert "slowest / fastest" not in page and "<p>Slowest:" not in page
     assert "No spread or slowest trace: these include the decode paths of runs" in page
     assert page.count('"text":"CPU run: ') == 4
     from kimi_perf.report import input_pairs
