@@ -764,9 +764,10 @@ def span_samples(b: Breakdown, devices: list[int | None]
         out[d] = {}
         for t in b.layer_types:
             mine = on & (kinds == t["type"])
-            _, of_step = np.unique(step[mine], return_inverse=True)
+            stepped = mine & ~np.isnan(step) if step.dtype.kind == "f" else mine   # (said)
+            _, of_step = np.unique(step[stepped], return_inverse=True)
             counts = np.bincount(of_step)
-            out[d][t["type"]] = (np.bincount(of_step, span[mine])[counts > 0]
+            out[d][t["type"]] = (np.bincount(of_step, span[stepped])[counts > 0]
                                  / counts[counts > 0], span[mine])
     return out
 
@@ -935,7 +936,7 @@ def spreads(rows: list[OverviewRow]) -> list[Spread]:
             spread = Spread(layer_type, fast, slow, slowest.label if slow > fast else None)
             if spread.ratio is not None and f"{spread.ratio:.2f}" == "1.00":
                 spread.slowest_label = None   # (two ranks 0.1% apart: noise, no straggler)
-            elif spread.slowest_label is not None and spread.ratio is not None:
+            elif spread.slowest_label is not None:   # (a fastest median of 0 µs too)
                 _test_slowest(spread, slowest.samples.get(layer_type),
                               fastest.samples.get(layer_type), len(values))
             out.append(spread)
@@ -970,8 +971,9 @@ def noise_note(spread: list[Spread]) -> str | None:
     return ("no slowest named where its spans are within noise of the fastest's (one-sided U "
             f"test, α {STRAGGLER_ALPHA} shared among the ordered pairs of rows): "
             + ", ".join(
-                f"{'step' if s.type is None else s.type} {s.ratio:.2f}× (p {s.p_value:.2g} "
-                f"over {s.tested_over})" for s in noisy))
+                f"{'step' if s.type is None else s.type} "
+                + (f"{ratio_text(s.ratio)}×" if s.ratio is not None else "from a median of 0")
+                + f" (p {s.p_value:.2g} over {s.tested_over})" for s in noisy))
 
 
 def overview_notes(rows: list[OverviewRow], spread: list[Spread],

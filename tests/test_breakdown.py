@@ -535,17 +535,25 @@ def test_a_slowest_is_tested_over_its_steps_where_they_are_enough():
     assert u_test(slow.samples["kda"][1], fast.samples["kda"][1], True) < spread["kda"].alpha
 
 
-def test_a_spread_from_a_zero_median_is_named_untested():
+def test_a_spread_from_a_zero_median_is_tested_too():
     """A type whose fastest median is 0 µs (whole µs, a tiny kernel): no ratio, and its
-    slowest named without a test (the note formatted the ratio: a TypeError)."""
-    from kimi_perf.comparison import OverviewRow, noise_note, spreads
+    slowest still tested (where it was named on noise, and the note's ratio a TypeError);
+    its layers with no step (a breakdown built in code) count among its layers, not as one
+    step of their own."""
+    from kimi_perf.comparison import OverviewRow, noise_note, span_samples, spreads
 
     rows = [OverviewRow(f"rank{i}", 3, None, {"A": (1, float(i))}, {"A": "same"},
                         samples={"A": (np.zeros(3), np.array([0.0] * 10 + [1.0] * 10))})
             for i in (0, 1)]
     (spread,) = spreads(rows)
-    assert (spread.ratio, spread.slowest_label, spread.p_value) == (None, "rank1", None)
-    assert noise_note([spread]) is None
+    assert (spread.ratio, spread.slowest_label, spread.tested_over) == (None, None, "layers")
+    assert noise_note([spread]).endswith(
+        f"A from a median of 0 (p {spread.p_value:.2g} over layers)")
+    b = Breakdown(source={}, steps=[], layers=[
+        {"type": "A", "step": s, "device": 0, "span_us": float(s)} for s in (0, 0, 1, 1)] + [
+        {"type": "A", "device": 0, "span_us": 9.0}], layer_types=[{"type": "A"}])
+    by_step, by_layer = span_samples(b, [0])[0]["A"]
+    assert by_step.tolist() == [0.0, 1.0] and by_layer.tolist() == [0, 0, 1, 1, 9]
 
 
 def test_a_trace_of_two_devices_gets_its_device_table_in_the_report_and_the_run(tmp_path):

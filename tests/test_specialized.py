@@ -858,42 +858,6 @@ def test_a_stopped_nsys_capture_leaves_no_process_and_no_run(tmp_path, stop, cod
         _kill(_processes_naming(str(out)))
 
 
-WATCHING_WORKER = """
-import sys, time
-from kimi_perf.decode.worker import stop_when_gone
-stop_when_gone(int(sys.argv[1]))
-print("watching", flush=True)
-time.sleep(600)
-"""
-
-
-@pytest.mark.parametrize("asker_end, stderr", [
-    ("reaped", "read"), ("unreaped", "read"),
-    ("reaped", "closed")])   # (its print fails: a pipe no one reads; it exits all the same)
-def test_the_nsys_worker_stops_once_kimi_perf_has_exited(asker_end, stderr):
-    """The process nsys profiles, in a session of its own, watches the kimi-perf that asked
-    for it and exits once that has, reaped or not yet, whatever becomes of its stderr."""
-    asker = subprocess.Popen(["sleep", "600"])
-    worker = subprocess.Popen([sys.executable, "-c", WATCHING_WORKER, str(asker.pid)],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              start_new_session=True, cwd=Path(__file__).parent.parent)
-    try:
-        assert worker.stdout.readline() == "watching\n"
-        if stderr == "closed":
-            worker.stderr.close()
-        asker.kill()
-        if asker_end == "reaped":
-            asker.wait()
-        assert worker.wait(timeout=30) == 1
-        if stderr == "read":
-            assert worker.stderr.read() == (f"kimi-perf (process {asker.pid}) that asked for "
-                                            "this run has exited: stopping\n")
-    finally:
-        for process in (asker, worker):
-            process.kill()
-            process.wait()
-
-
 @pytest.mark.skipif(NSYS is None, reason="no Nsight Systems CLI (scripts/install-nsys.sh)")
 def test_a_killed_nsys_capture_leaves_no_process(tmp_path):
     """kimi-perf SIGKILLed while nsys profiles a path (or killing an nsys that would not

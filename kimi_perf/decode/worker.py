@@ -27,14 +27,15 @@ def stop_when_gone(pid: int) -> None:
     is killed, or kills an nsys that would not stop (its steps could run for hours). Started
     before torch is imported (seconds in which the pid could be another's); no watch where the
     kernel has no pidfd (Linux before 5.3)."""
+    try:
+        gone = os.pidfd_open(pid)
+    except ProcessLookupError:
+        gone = None
+    except (OSError, AttributeError):
+        return
+
     def watch() -> None:
-        try:
-            gone = os.pidfd_open(pid)
-        except ProcessLookupError:
-            pass
-        except (OSError, AttributeError):
-            return
-        else:   # (readable once the process has exited, reaped or not)
+        if gone is not None:   # (readable once the process has exited, reaped or not)
             select.select([gone], [], [])
         with contextlib.suppress(OSError):   # (stderr a pipe no one reads now)
             print(f"kimi-perf (process {pid}) that asked for this run has exited: stopping",
