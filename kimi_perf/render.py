@@ -494,7 +494,7 @@ def overview_table(rows: list[OverviewRow], unit: str = "kernels", of: str | Non
                       *cells)
     spread = {s.type: s for s in spreads(rows)}
     table.add_row("slowest / fastest", "", *(
-        f"{spread[t].ratio:.2f}×" if t in spread and spread[t].ratio else "-"
+        f"{ratio_text(spread[t].ratio)}×" if t in spread and spread[t].ratio else "-"
         for t in [None, *types]), style="bold")
     table.caption = "\n".join(overview_notes(rows, list(spread.values())))
     return table

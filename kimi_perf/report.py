@@ -405,7 +405,7 @@ def _overview_rows_html(rows: list[OverviewRow], breakdowns: dict[str, Breakdown
             f"<td>{v[1]:.1f} ({count_text(v[0])})</td>" if v else "<td>-</td>"
             for v in r.types.values()) + "</tr>" for r in rows)
     foot = "" if of_paths else "<tr><th>slowest / fastest</th><th></th>" + "".join(
-        f"<th>{spread[t].ratio:.2f}×</th>" if t in spread and spread[t].ratio
+        f"<th>{ratio_text(spread[t].ratio)}×</th>" if t in spread and spread[t].ratio
         else "<th>-</th>" for t in [None, *types]) + "</tr>"
     note = "".join(f"<p>{e(said[0].upper() + said[1:])}.</p>" for said in overview_notes(
         rows, list(spread.values()), named, len(types), of_paths))

@@ -549,6 +549,12 @@ def test_a_spread_from_a_zero_median_is_tested_too():
     assert (spread.ratio, spread.slowest_label, spread.tested_over) == (None, None, "layers")
     assert noise_note([spread]).endswith(
         f"A from a median of 0 (p {spread.p_value:.2g} over layers)")
+    # (beyond noise: named, no ratio)
+    for i, row in enumerate(rows):
+        row.samples["A"] = (np.zeros(3) + i, np.full(20, float(i)))
+    (named,) = spreads(rows)
+    assert (named.ratio, named.slowest_label) == (None, "rank1")
+    assert named.p_value < named.alpha and noise_note([named]) is None
     b = Breakdown(source={}, steps=[], layers=[
         {"type": "A", "step": s, "device": 0, "span_us": float(s)} for s in (0, 0, 1, 1)] + [
         {"type": "A", "device": 0, "span_us": 9.0}], layer_types=[{"type": "A"}])
