@@ -712,12 +712,14 @@ def differing_note(rows: list[OverviewRow]) -> str | None:
     return "* " + "; ".join(said) + " (no spread)" if said else None
 
 
-def overview(breakdowns: dict[str, Breakdown]) -> list[OverviewRow]:
+def overview(breakdowns: dict[str, Breakdown], tested: bool = True) -> list[OverviewRow]:
     """Every trace in one table, a row each, the layer types as the first trace names them
     (``aligned_types``; then the types only others have): the view of a TP run's ranks
     (which rank is slow, and in what). A trace whose layers ran on several devices (one nsys
     file of a whole TP job) is a row per device (``device_figures``), labelled ``device N``
-    where it is the only trace: its medians over all of them would mix the ranks."""
+    where it is the only trace: its medians over all of them would mix the ranks.
+    ``tested``: each row keeps the spans its layer types' medians are of, which ``spreads``
+    tests (not where no spread is drawn: the decode paths of several runs)."""
     columns: dict[str, dict[str, str]] = {}
     for names_of in aligned_types(breakdowns):
         column = next(iter(names_of.values()))
@@ -730,7 +732,7 @@ def overview(breakdowns: dict[str, Breakdown]) -> list[OverviewRow]:
         patterns = {t["type"]: t.get("pattern") for t in b.layer_types}
         parts = device_figures(b) or {None: (b.steps, {
             t["type"]: (t["kernels"], t["span_us"]) for t in b.layer_types})}
-        samples = span_samples(b, list(parts))
+        samples = span_samples(b, list(parts)) if tested else {d: {} for d in parts}
         for device, (steps, figures) in parts.items():
             spans = [s["span_us"] for s in steps]
             shown = (label if device is None else f"device {device}" if len(breakdowns) == 1
@@ -742,7 +744,7 @@ def overview(breakdowns: dict[str, Breakdown]) -> list[OverviewRow]:
                 _median_layers(steps),
                 b.source.get("steps_found_by") == "device", layer_sources(b) == ["nvtx"],
                 label, device,
-                {None: (np.array(spans, float), np.empty(0))} | {
+                ({None: (np.array(spans, float), np.empty(0))} if tested else {}) | {
                     column: samples[device][name] for column, name in names.items()
                     if name in samples[device]}))
     return rows

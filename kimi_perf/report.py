@@ -77,7 +77,7 @@ from kimi_perf.trace import atomic_write_text, printable
 CLASS_COLOURS = {
     "gemm": "#4c78a8", "attention": "#f58518", "moe": "#54a24b", "router": "#b279a2",
     "norm": "#eeca3b", "rope": "#9d755d", "elementwise": "#bab0ac", "communication": "#e45756",
-    "memcpy": "#72b7b2", "other": "#7f7f7f",
+    "memcpy": "#72b7b2", "conv": "#ff9da6", "other": "#7f7f7f",
 }
 
 
@@ -377,7 +377,8 @@ def _overview_html(breakdowns: dict[str, Breakdown], of_paths: bool = False,
     gets its own table of them (``device_overviews``)."""
     short = short or _short_labels(list(breakdowns))   # (as the tables below name them)
     if len(breakdowns) >= 3:
-        return _overview_rows_html(overview(breakdowns), breakdowns, short, of_paths)
+        return _overview_rows_html(overview(breakdowns, tested=not of_paths), breakdowns,
+                                   short, of_paths)
     return "".join(_overview_rows_html(rows, {label: breakdowns[label]}, short, of=(
         short[label] if len(breakdowns) > 1 else None))
         for label, rows in device_overviews(breakdowns).items())
@@ -396,7 +397,7 @@ def _overview_rows_html(rows: list[OverviewRow], breakdowns: dict[str, Breakdown
     what = "device" if devices else "trace"
     types = list(rows[0].types)
     differ = differing_patterns(rows)
-    spread = {s.type: s for s in spreads(rows)}
+    spread = {} if of_paths else {s.type: s for s in spreads(rows)}
     head = f"<tr><th>{what}</th><th>steps</th><th>step µs</th>" + "".join(
         f"<th>{e(t or '-')}{' *' if t in differ else ''} µs</th>" for t in types) + "</tr>"
     body = "".join(

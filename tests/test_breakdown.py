@@ -843,6 +843,33 @@ def test_vllm_decode_breakdown():
     ("num_grouped_tokens_kernel", "other"),        # (no m_grouped inside a word)
     ("_fwd_kernel_alibi", "attention"),
     ("triton_per_fused__to_copy_abs_add_amax_clamp_div_mean_mul_pow_reciprocal_1", "norm"),
+    # convolutions (the fixtures' AlexNet and Wan2.1): cuDNN's engines, implicit GEMMs and
+    # layout transforms; not a convert, a causal conv1d (attention), an Inductor pointwise
+    ("void cudnn::detail::dgrad_engine<float, 512, 6, 5, 3, 3, 3, false>(int, int)", "conv"),
+    ("void wgrad_alg0_engine<float, 128, 6, 7, 3, 3, 5, false, 512>(int, int)", "conv"),
+    ("sm80_xmma_fprop_implicit_gemm_indexed_tf32f32_tf32f32_f32_nhwckrsc_nchw", "conv"),
+    ("cudnn_infer_volta_scudnn_128x64_relu_small_nn_v1", "conv"),
+    ("void cutlass_cudnn_infer::Kernel<cutlass_tensorop_s1688dgrad_optimized_tf32>", "conv"),
+    ("void cudnn::ops::nchwToNhwcKernel<float, float, float, false, true>", "conv"),
+    ("void cudnn::winograd_nonfused::winogradForwardData4x4<float, float>", "conv"),
+    ("void at::native::im2col_kernel<float>", "conv"),
+    ("triton_tem_fused_convolution_0", "conv"),
+    ("triton_poi_fused_convolution_relu_0", "elementwise"),
+    ("void at::native::vectorized_elementwise_kernel<4, at::native::convert_kernel>",
+     "elementwise"),
+    ("void causal_conv1d_update_kernel<128, 4>", "attention"),
+    ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3", "attention"),
+    ("void cudnn::bn_fw_tr_1C11_kernel_NCHW<float, float, int, 512, true, 1>", "norm"),
+    # LayerNorm's backward, pooling, nvFuser's pointwise and persistent kernels
+    ("void at::native::GammaBetaBackwardCUDAKernel<float, float>(long, long)", "norm"),
+    ("void at::native::max_pool_forward_nchw<float, float>(int, float const*)", "elementwise"),
+    ("void at::native::adaptive_average_pool<float>(float const*, float*)", "elementwise"),
+    ("<unnamed>::nvfuser_pointwise_f0_c1_r0_g0(<unnamed>::Tensor<float, 2, 2>)", "elementwise"),
+    ("<unnamed>::nvfuser_inner_persistent_f1_c1_r0_g2(<unnamed>::Tensor<float, 2, 2>)",
+     "elementwise"),
+    # a radix sort or scan stays other (a sampler's top-p as often as a router's)
+    ("void cub::DeviceRadixSortOnesweepKernel<cub::DeviceRadixSortPolicy<long, int>>", "other"),
+    ("void cub::DeviceScanKernel<cub::AgentScanPolicy<128, 15, int>>", "other"),
 ])
 def test_default_kernel_classes(name, cls):
     assert classify_name(name, default_rules()) == cls
@@ -1920,9 +1947,10 @@ def test_a_log_softmax_is_no_attention_and_a_sort_no_router():
 def test_recommender_and_conv_kernels_are_no_moe_and_no_gemm():
     """Words inside other names: fbgemm_gpu's kernels (its namespace holds "gemm") are not
     GEMMs, nor is an embedding bag that takes fbgemm_gpu::FixedDivisor; its permutes of
-    sparse features and a cutlass convolution's Permute iterators are no MoE token permute,
-    which vLLM's, SGLang's and TransformerEngine's still are. TensorRT-LLM's MoE finalize
-    is no routing, and DeepEP's dispatch is communication."""
+    sparse features (pooled embeddings: no pooling) and a cutlass convolution's Permute
+    iterators are no MoE token permute, which vLLM's, SGLang's and TransformerEngine's still
+    are (the convolution is conv). TensorRT-LLM's MoE finalize is no routing, and DeepEP's
+    dispatch is communication."""
     from kimi_perf.classify import classify, load_rules
 
     names = {
@@ -1937,7 +1965,7 @@ def test_recommender_and_conv_kernels_are_no_moe_and_no_gemm():
         "const*, float*, long, long, long)": "other",
         "_ZN19cutlass_cudnn_train6KernelINS_4conv6kernel23ImplicitGemmConvolutionINS1_11thread"
         "block22ImplicitGemmMultistageINS_4gemm9GemmShapeILi128ELi128ELi32EEENS4_20Permute"
-        "EEEEEvNT_6ParamsE": "gemm",
+        "EEEEEvNT_6ParamsE": "conv",
         "void vllm::moe::moe_permute_kernel<c10::BFloat16>(c10::BFloat16 const*)": "moe",
         "_permute_tokens_kernel": "moe",
         "ep_unpermute_kernel": "moe",
@@ -2084,7 +2112,8 @@ def test_report_timelines_draw_a_bounded_number_of_bars_in_step_order(monkeypatc
     assert not fig.layout.annotations and {trace.xaxis for trace in fig.data} == {"x"}
 
 
-def test_a_reports_spread_across_traces_is_left_out_only_when_said_to_be_of_paths(tmp_path):
+def test_a_reports_spread_across_traces_is_left_out_only_when_said_to_be_of_paths(
+        tmp_path, monkeypatch):
     """A library caller drawing ranks with pairs of its own keeps the spread and slowest rank
     (the pairs choose comparisons, not what the traces are); ``of_paths`` leaves them out."""
     from kimi_perf.report import write_report
@@ -2096,10 +2125,20 @@ def test_a_reports_spread_across_traces_is_left_out_only_when_said_to_be_of_path
                        pairs=pairs).read_text()
     assert "<th>slowest / fastest</th>" in own and "No spread or slowest" not in own
     assert own.count("<h2>Per layer type: rank") == 3
+    # no spread drawn: none tested, nor the spans it would test read
+    from kimi_perf import comparison
+    from kimi_perf import report as report_module
+
+    def untested(*args):
+        raise AssertionError("span samples read for the decode paths of runs")
+
+    monkeypatch.setattr(comparison, "span_samples", untested)
+    monkeypatch.setattr(report_module, "spreads", untested)
     paths = write_report(tmp_path / "p.html", ranks, "t", plotly_js="cdn", pairs=pairs,
                          of_paths=True).read_text()
     assert "slowest / fastest" not in paths
     assert "No spread or slowest trace: these include the decode paths of runs" in paths
+    assert all(not row.samples for row in comparison.overview(ranks, tested=False))
 
 
 def test_report_headers_drop_the_words_every_label_shares_and_say_what_each_is(tmp_path):
