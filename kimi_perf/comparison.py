@@ -261,8 +261,9 @@ def pair_types(types_a: list[dict], types_b: list[dict]
     """Two lists of layer types (``layer_types`` entries) paired, as positions in each (None
     for a type one side lacks), A's order first, then B's unpaired types.
 
-    Types named by ranges pair by name. Types found by the repeating kernel pattern (letters
-    in order of first appearance, each with its sequence's digest) pair by digest, whatever
+    Types named by ranges pair by name. Types lettered by their kernel sequence (by the
+    repeating kernel pattern, or of ranges that name no type: letters in order of first
+    appearance, each with its sequence's digest) pair by digest, whatever
     their letters (a type B finds first takes the letter A there); the ones left over pair by
     their kernels per class (``leftover_pairs``), as ``patterns_differ`` then says. A side
     without any digest (a breakdown stored before there were digests) pairs by name
@@ -404,8 +405,9 @@ def paired_by_letter(patterns) -> bool:
 
 
 # How two traces' layer types were paired, for the notes under a comparison.
-PAIRING = ("types found by the repeating kernel pattern pair by their kernel sequence; those "
-           "left over by their mix of kernels per class, marked * where the sequences differ")
+PAIRING = ("types lettered by their kernel sequence (the repeating kernel pattern's, or ranges' "
+           "that name no type) pair by it; those left over by their mix of kernels per class, "
+           "marked * where the sequences differ")
 
 
 def ratio_note(rows: list[ComparisonRow], label_a: str, label_b: str,
@@ -474,13 +476,12 @@ def comparison_notes(rows: list[ComparisonRow], label_a: str, label_b: str,
     if paired := pairing_note(rows, label_a, label_b):
         notes.append(paired)
     if any(r.pattern_differs for r in rows):
-        notes.append(f"* found by the repeating kernel pattern, with another kernel sequence in "
+        notes.append(f"* lettered by its kernel sequence, with another kernel sequence in "
                      f"{label_b}: it may be another layer there")
     if lettered := [r.label for r in rows if r.by_letter]:
         notes.append(f"* {', '.join(lettered)}: paired by letter alone, one side keeping no "
-                     "kernel sequence (layers of ranges lettered by their kernels, or a "
-                     "breakdown stored before sequences were kept): it may be another layer "
-                     "there")
+                     "kernel sequence (a breakdown stored before sequences were kept): it may "
+                     "be another layer there")
     if unit == (unit_b or unit) == "kernels" and (idle := idle_note(rows)):
         notes.append(idle)   # (a CPU run's ops: its spans hold the host's work between them)
     if unit != (unit_b or unit):
@@ -649,7 +650,7 @@ class OverviewRow:
     steps: int
     step_us: float | None
     types: dict[str, tuple[float, float] | None]
-    patterns: dict[str, str | None]   # a type found by the kernel pattern: its digest
+    patterns: dict[str, str | None]   # a type lettered by its kernel sequence: its digest
     unit: str = "kernels"             # "ops" for a CPU run (``Breakdown.unit``)
     names: dict[str, str | None] = dataclasses.field(default_factory=dict)  # its own names
     layers: float | None = None       # the median step's layers (``layers_per_step``)
@@ -664,7 +665,7 @@ class OverviewRow:
 
 
 def differing_patterns(rows: list[OverviewRow]) -> list[str]:
-    """Types found by the repeating kernel pattern whose kernel sequence differs between
+    """Types lettered by their kernel sequence whose kernel sequence differs between
     traces, or that some traces keep none of (``paired_by_letter``): their letter may name
     different layers; and types named by ranges whose layers run other numbers of kernels in
     different traces (a decode path's ``kda`` beside another's: other work under one name)."""
@@ -701,7 +702,7 @@ def differing_note(rows: list[OverviewRow]) -> str | None:
     named = [t for t in differ if t in counts_differ(rows)]
     said = []
     if len(named) < len(differ):
-        said.append("found by the repeating kernel pattern, with other kernel sequences in "
+        said.append("lettered by their kernel sequence, with other kernel sequences in "
                     "some traces (or none kept: paired by letter alone): the letter may name "
                     "different layers")
     if named:

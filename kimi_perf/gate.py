@@ -34,8 +34,9 @@ layer lost or added is other work, whose figures would pass for a change of spee
 that differs fails, but not where it says nothing of the work: the pattern typed as many
 layers a step otherwise, the steps are profiler windows, or the models differ in depth.
 
-Layer types found by the repeating kernel pattern (letters in order of first appearance, not
-range names) are paired by their kernel sequence (its digest), whatever their letters; the types
+Layer types lettered by their kernel sequence (found by the repeating kernel pattern, or of
+ranges that name no type: letters in order of first appearance) are paired by their kernel
+sequence (its digest), whatever their letters; the types
 left over are paired by their mix of kernels per class (``kimi_perf.comparison.pair_layer_types``,
 as ``compare`` pairs them). A sequence is a cycle (its digest is of its least rotation): the
 same kernels cut at another kernel are the same layer, checked as usual (a block's span and
@@ -102,6 +103,7 @@ from kimi_perf.layer_breakdown import (
     layer_column,
     layer_of_type,
     note_lines,
+    pattern_found,
 )
 from kimi_perf.layers import decode_requests
 from kimi_perf.runs import (
@@ -1265,8 +1267,8 @@ def _moved(base: Breakdown | None, cur: Breakdown | None,
     their typical layers lost are the ones the others gained (a kernel moved from one letter
     to the next); a pattern type the run lacks, while the run has pattern types, where the
     run's steps hold as many layers as the baseline's or it held no more layers than steps."""
-    if base is None or cur is None:
-        return set()
+    if base is None or cur is None or not any(map(pattern_found, (base, cur))):
+        return set()   # (ranges cut both sides' layers: no kernel moved by a pattern)
     # (a digest stored before digests were of the least rotation may differ for the same
     # cycle cut elsewhere: such a pair is the same layer, its checks stand)
     changed = [(b, c) for b, c in pairs if b is not None and c is not None

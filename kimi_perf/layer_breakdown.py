@@ -852,21 +852,21 @@ def _typical_layers(trace: Trace, ops: GpuOps, steps) -> dict[str, dict[str, Any
     kernel with its median µs over the layers that ran exactly that sequence (how a layer's
     time splits, kernel by kernel: the view that proves a fusion).
 
-    For a type found by the repeating kernel pattern also ``pattern``, a digest of that
-    sequence: the letters (A, B, ...) follow the order of first appearance, so two traces'
-    "A" are the same layer only when their digests agree (``compare``, ``gate``). The digest is
-    of the sequence's least rotation: a pattern that cut the same cycle of kernels at another
-    kernel (the layers start at the attention in one trace, at a norm in the other) found the
-    same layer."""
+    For a type lettered by its kernel sequence (found by the repeating kernel pattern, or of
+    ranges that name no type) also ``pattern``, a digest of that sequence: the letters (A, B,
+    ...) follow the order of first appearance, so two traces' "A" are the same layer only when
+    their digests agree (``compare``, ``gate``). The digest is of the sequence's least
+    rotation: a pattern that cut the same cycle of kernels at another kernel (the layers start
+    at the attention in one trace, at a norm in the other) found the same layer."""
     sequences: dict[str, list[bytes]] = {}   # the name codes' bytes: 4-8 B per op
     layer_ops: dict[str, list[np.ndarray]] = {}
-    by_pattern = set()
+    lettered = set()
     for step in steps:
         for layer in step.layers:
             sequences.setdefault(layer.type, []).append(ops.name[layer.ops].tobytes())
             layer_ops.setdefault(layer.type, []).append(layer.ops)
-            if step.layer_source == "repeat":
-                by_pattern.add(layer.type)
+            if layer.lettered:
+                lettered.add(layer.type)
     out = {}
     for t, keys in sequences.items():
         typical, count = Counter(keys).most_common(1)[0]
@@ -883,7 +883,7 @@ def _typical_layers(trace: Trace, ops: GpuOps, steps) -> dict[str, dict[str, Any
                                       strict=True):
                 if spread is not None:
                     kernel["spread_us"] = spread
-        if t in by_pattern:
+        if t in lettered:
             cycle = [trace.strings[n] for n in names]
             start = least_rotation(cycle)
             out[t]["pattern"] = hashlib.sha1("\0".join(cycle[start:] + cycle[:start]).encode(),
@@ -1294,12 +1294,21 @@ def layer_notes(b: Breakdown) -> list[str]:
 OUTSIZED = 10   # a pattern type this many times a median layer's kernels is no layer
 
 
+def pattern_found(b: Breakdown) -> bool:
+    """Whether its types that keep a kernel sequence (``pattern``) may have been found by the
+    repeating kernel pattern: a step found its layers so, or the steps do not say (stored
+    before they did); not where every layer is a range (those of ranges that name no type
+    are lettered by their kernels too)."""
+    said = {s.get("layer_source") for s in b.steps}
+    return "repeat" in said or "nvtx" not in said
+
+
 def outsized_types_note(b: Breakdown) -> str | None:
     """Where the kernel pattern found types whose layers hold OUTSIZED times the kernels of
     a median layer or more (1,735 against 22 in a training window): stretches of work it did
     not cut into layers, which its figures would pass off as layers."""
     kernels = layer_column(b.layers, "kernels")
-    if not len(kernels):
+    if not len(kernels) or not pattern_found(b):
         return None
     median = float(np.median(kernels))
     big = [t for t in b.layer_types
@@ -1319,6 +1328,8 @@ def lone_types_note(b: Breakdown) -> str | None:
     steps (a training step's kernels vary from one step to the next): say that their
     figures are of single layers, not medians; in one step whose every type is so, that
     nothing repeated (its "layers" may be two passes of a model: a warm-up and a timed one)."""
+    if not pattern_found(b):
+        return None
     pattern = [t["type"] for t in b.layer_types if t.get("pattern")]
     lone = [t["type"] for t in b.layer_types if t.get("pattern") and t["layers"] == 1]
     if len(lone) < 2 or (len(b.steps) < 2 and lone != pattern):

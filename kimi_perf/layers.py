@@ -256,6 +256,7 @@ class Layer:
     index: int
     ops: np.ndarray           # rows of GpuOps, in GPU start order
     type: str = ""
+    lettered: bool = False    # its type a letter for its kernel sequence (``assign_types``)
 
 
 @dataclass
@@ -1064,7 +1065,7 @@ def assign_types(ops: GpuOps, steps: list[Step], max_variation: int = MAX_VARIAT
         representative = group[signature]
         if representative not in labels:
             labels[representative] = _type_label(len(labels))
-        layer.type = labels[representative]
+        layer.type, layer.lettered = labels[representative], True
 
 
 class _Nearest:

@@ -401,7 +401,7 @@ def typical_layer_table(layer_type: str, sides: dict[str, dict | None],
     if any("spread_us" in k for t in typical.values() if t for k in t["kernels"]):
         notes.append(SPREAD_NOTE)
     if patterns_differ((t or {}).get("pattern") for t in sides.values()):
-        notes.append(f"* {layer_type} was found by the repeating kernel pattern, with other "
+        notes.append(f"* {layer_type} was lettered by its kernel sequence, with other "
                      "kernel sequences: the letter may name different layers")
     table.caption = "\n".join(notes)
     return table

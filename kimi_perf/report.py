@@ -480,7 +480,7 @@ def _typical_html(breakdowns: dict[str, Breakdown], short: dict[str, str] | None
             *rotation_notes(shifts, typical, _units(breakdowns)),
             *([SPREAD_NOTE] if spread else [])])
         if patterns_differ((t or {}).get("pattern") for t in sides.values()):
-            differ += (f"<p>* {e(layer_type)} was found by the repeating kernel pattern, with "
+            differ += (f"<p>* {e(layer_type)} was lettered by its kernel sequence, with "
                        "other kernel sequences: the letter may name different layers.</p>")
         parts.append(f"<h3>Typical {e(layer_type)} layer{f' ({e(called)})' if called else ''}: "
                      f"{_units(breakdowns)} in order, median µs</h3><table>{head}"

@@ -674,7 +674,7 @@ def test_the_comparison_legend_says_what_a_type_only_the_other_side_has_is():
     rows = compare(a, b)
     assert [r.label for r in rows][:4] == ["A", "B = C", "C = D", "- = B"]
     note = pairing_note(rows, "x", "y")
-    assert note.startswith("B = C: the type x calls B, y calls C (types found")
+    assert note.startswith("B = C: the type x calls B, y calls C (types lettered")
     assert note.endswith("; - = B: a type only y has, which it calls B (x's B is another)")
 
 
@@ -1289,15 +1289,16 @@ def test_compare_pairs_pattern_types_by_their_kernels_whatever_their_letters(tmp
     assert [(r.label, r.span_ratio, r.pattern_differs) for r in rows[:2]] == [
         ("A = B", 1.0, False), ("B = A", 1.0, False)]
     text = tables_text([comparison_table(rows, "x", "y")])
-    assert "A = B" in text and ("the type x calls A, y calls B (types found by the repeating "
-                                "kernel pattern pair by their kernel sequence; those left over "
-                                "by their mix of kernels per class, marked * where the "
-                                "sequences differ)") in " ".join(text.split())
+    assert "A = B" in text and ("the type x calls A, y calls B (types lettered by their kernel "
+                                "sequence (the repeating kernel pattern's, or ranges' that name "
+                                "no type) pair by it; those left over by their mix of kernels "
+                                "per class, marked * where the sequences differ)"
+                                ) in " ".join(text.split())
     # the legend names a pair the table has, not letters that may be either side's types
     renamed = Breakdown.from_json(json.loads(json.dumps(doc).replace('"type": "A"',
                                                                      '"type": "E"')))
     text = " ".join(tables_text([comparison_table(compare(a, renamed), "x", "y")]).split())
-    assert "A = E: the type x calls A, y calls E (types found" in text and "A = B" not in text
+    assert "A = E: the type x calls A, y calls E (types lettered" in text and "A = B" not in text
     (tmp_path / "b.json").write_text(json.dumps(swapped))
     out = CliRunner().invoke(main, ["compare", str(vllm), str(tmp_path / "b.json"),
                                     "--kernels", "--format", "json"]).output
@@ -1440,10 +1441,10 @@ def test_breakdowns_stored_before_digests_pair_by_name():
 
 
 def test_a_letter_paired_with_a_type_that_keeps_no_sequence_is_marked():
-    """Layers of ranges lettered by their kernels (``--layers nvtx:REGEX`` without a type
-    group) keep no kernel sequence: their A pairs by letter with the other side's pattern type
-    A, another model's layer of twice the kernels, marked * (it read 1.33x unmarked), in the
-    table, the notes and the summary line; types of kept sequences alike stay unmarked."""
+    """A breakdown stored before kernel sequences were kept: its A pairs by letter with the
+    other side's pattern type A, another model's layer of twice the kernels, marked * (it read
+    1.33x unmarked), in the table, the notes and the summary line; types of kept sequences
+    alike stay unmarked."""
     from kimi_perf.comparison import comparison_notes
     from kimi_perf.render import comparison_headline
 
@@ -1454,10 +1455,9 @@ def test_a_letter_paired_with_a_type_that_keeps_no_sequence_is_marked():
     assert not rows[0].pattern_differs   # (no sequence of A's to differ)
     assert rows[0].to_json()["paired_by_letter"] is True
     notes = comparison_notes(rows, "A", "B")
-    assert "* A: paired by letter alone, one side keeping no kernel sequence (layers of ranges " \
-        "lettered by their kernels, or a breakdown stored before sequences were kept): it may " \
-        "be another layer there" in notes
-    assert not any(n.startswith("* found by the repeating kernel pattern") for n in notes)
+    assert "* A: paired by letter alone, one side keeping no kernel sequence (a breakdown " \
+        "stored before sequences were kept): it may be another layer there" in notes
+    assert not any(n.startswith("* lettered by its kernel sequence") for n in notes)
     assert comparison_headline(rows, "A", "B").startswith("A *: 11 kernels")
     assert not compare(pattern, _types(("A", "d1", 22, 1400.0)))[0].marked
     assert not compare(ranges, _types(("A", None, 11, 1900.0)))[0].marked
@@ -1467,6 +1467,55 @@ def test_a_letter_paired_with_a_type_that_keeps_no_sequence_is_marked():
     assert differing_patterns(overview({"a": pattern, "b": ranges, "c": pattern})) == ["A"]
     assert differing_patterns(overview({"a": pattern, "b": pattern, "c": pattern})) == []
 
+
+
+ATTENTION_LAYER = ["rms_norm", "qkv_gemm", "flash_attn_fwd", "o_proj_gemm"]
+MOE_LAYER = ["rms_norm", "topk_router", "fused_moe_kernel", "moe_combine"]
+
+
+def _untyped_layers(kinds: list[list[str]], steps: int = 3) -> Breakdown:
+    """Steps of layer ranges that name no type (``layer[3]``), each running its kernels
+    (an MoE layer's four times as long as an attention layer's)."""
+    b = TraceBuilder()
+    for s in range(steps):
+        step_start = b.clock
+        for i, kernels in enumerate(kinds):
+            start, end = b.sequence(kernels, duration=4000 if "fused_moe_kernel" in kernels
+                                    else 1000)
+            b.range(f"layer[{i}]", start - 10, end)
+        b.range(f"decode_step[{s}]", step_start - 20, b.clock)
+        b.clock += 5000
+    return breakdown(b.build())
+
+
+def test_layer_ranges_that_name_no_type_pair_by_their_kernel_sequence_not_their_letter():
+    """Layer ranges that name no type (layer[3]; vLLM's layerwise module ranges) are lettered
+    by their kernels in order of first appearance: two traces that meet their attention and
+    MoE layers in another order pair like with like by their sequences' digests (A paired with
+    A set an attention layer against an MoE one, 0.23x, unmarked); a sequence that changed (a
+    norm fused into the GEMM) is marked *. No note of the kernel pattern's is said of them,
+    nor does the gate take their kernels for moved by the pattern."""
+    from kimi_perf.gate import _moved
+    from kimi_perf.layer_breakdown import lone_types_note, outsized_types_note
+
+    a = _untyped_layers([ATTENTION_LAYER, MOE_LAYER] * 2)
+    assert [t["type"] for t in a.layer_types] == ["A", "B"]
+    assert all(t["pattern"] for t in a.layer_types)
+    rows = compare(a, _untyped_layers([MOE_LAYER, ATTENTION_LAYER] * 2))
+    assert [(r.label, r.span_ratio, r.marked) for r in rows[:2]] == [
+        ("A = B", 1.0, False), ("B = A", 1.0, False)]
+    fused = compare(a, _untyped_layers([["fused_norm_qkv_gemm", *ATTENTION_LAYER[2:]],
+                                        MOE_LAYER] * 2))
+    assert [(r.label, r.pattern_differs, r.marked) for r in fused[:2]] == [
+        ("A", True, True), ("B", False, False)]
+    # one step of two types of one layer each; one type 10x the other's kernels
+    assert lone_types_note(_untyped_layers([ATTENTION_LAYER, MOE_LAYER], steps=1)) is None
+    assert outsized_types_note(_untyped_layers([ATTENTION_LAYER] * 3 + [MOE_LAYER * 10])) \
+        is None
+    # the norm moved from the MoE layer's range to the end of the attention layer's: a change
+    # of the ranges, not of where a pattern cut
+    moved = _untyped_layers([[*ATTENTION_LAYER, "rms_norm"], MOE_LAYER[1:]] * 2)
+    assert _moved(a, moved, [("A", "A"), ("B", "B")]) == set()
 
 
 def test_work_in_no_step_says_whether_it_was_launched_outside_or_never_seen_launched():
