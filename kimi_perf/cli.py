@@ -267,14 +267,52 @@ def _given(*names: str) -> list[str]:
             if ctx.get_parameter_source(n) is click.core.ParameterSource.COMMANDLINE]
 
 
-def _no_trace_among(files: list[Path]) -> None:
+def _no_trace_among(files: list[Path], say_stored: bool = True) -> None:
     """Options that break traces down, given where every input is a stored breakdown, would
-    change nothing: say so rather than ignore them."""
-    if (given := _given(*TRACE_OPTIONS)) and all(runs_mod.is_stored(f) for f in files):
-        verb = "applies" if len(given) == 1 else "apply"
+    change nothing: say so rather than ignore them. Where some are (a stored baseline beside
+    a new trace), the options break the traces down alone: a note says which stored input was
+    broken down otherwise (``say_stored``; the gate says it of its own)."""
+    if not (given := _given(*TRACE_OPTIONS)):
+        return
+    stored = [f for f in files if runs_mod.is_stored(f)]
+    verb = "applies" if len(given) == 1 else "apply"
+    if len(stored) == len(files):
         what = "is a stored breakdown" if len(files) == 1 else "are stored breakdowns"
         raise TraceError(None, f"{', '.join(given)} {verb} to traces, and "
                                f"{', '.join(map(str, files))} {what}")
+    for file in stored if say_stored else []:
+        if otherwise := _stored_otherwise(file):
+            click.echo(printable(f"note: {', '.join(given)} {verb} to the traces alone: {file} "
+                                 f"is a stored breakdown, broken down with {otherwise}"),
+                       err=True)
+
+
+# each option that breaks a trace down, as a stored breakdown records it
+RECORDED_AS = {"layers": "layers", "step_regex": "steps", "phase": "phase", "rules": "rules"}
+
+
+def _stored_otherwise(file: Path) -> str | None:
+    """How a stored breakdown's options differ from those the command line gave (each as its
+    ``source.breakdown_options`` records it: the rules by ``rules_said``), said; None where
+    they agree."""
+    from kimi_perf.classify import load_rules, rules_said
+
+    ctx = click.get_current_context()
+    asked = {name: ctx.params[name] for name in RECORDED_AS if name in ctx.params
+             and ctx.get_parameter_source(name) is click.core.ParameterSource.COMMANDLINE}
+    if "rules" in asked:
+        asked["rules"] = rules_said(load_rules(asked["rules"]))
+    runs, _ = runs_mod.stored_breakdowns(file)
+    said = []
+    for name, value in asked.items():
+        held = {(b.source.get("breakdown_options") or {}).get(RECORDED_AS[name], "unrecorded")
+                for b in runs.values()}
+        if held != {value}:
+            option = "--steps" if name == "step_regex" else f"--{name}"
+            said.append(f"{option} " + " and ".join(
+                "(unrecorded)" if v == "unrecorded" else "(the default)" if v is None else repr(v)
+                for v in sorted(held, key=str)))
+    return ", ".join(said) or None
 
 
 def _layers_option(fn):
@@ -846,7 +884,7 @@ def gate_cmd(baseline: Path, run: Path, metrics: str | None, rel_tol: float, abs
         if spread_from and not update:
             raise TraceError(None, "--spread-from goes with --update: the spread of the runs "
                                    "is stored with the baseline")
-        _no_trace_among([baseline, run, *spread_from])
+        _no_trace_among([baseline, run, *spread_from], say_stored=False)
         _gate(baseline, run, tolerances, kept, fmt, show_all, path_name, layers, step_regex,
               phase, rules, update, spread_from, strict, output, junit)
 

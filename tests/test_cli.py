@@ -2510,9 +2510,24 @@ def test_options_that_would_change_nothing_are_refused(tmp_path):
     _one_line_error(run("report", VLLM, "--path", "standard", "-o", tmp_path / "r.html"),
                     f"--path picks a decode path of a kimi-perf run: {VLLM} is not one")
     assert list(tmp_path.iterdir()) == []
-    # with a trace among the inputs, the options apply to it
-    assert run("report", BASELINE, VLLM, "--phase", "all", "-o", tmp_path / "r.html",
-               "--plotly-js", "cdn").exit_code == 0
+    # with a trace among the inputs, the options apply to it, and a note says which stored
+    # input was broken down otherwise (as it recorded its options)
+    reported = run("report", BASELINE, VLLM, "--phase", "all", "-o", tmp_path / "r.html",
+                   "--plotly-js", "cdn")
+    assert reported.exit_code == 0
+    assert (f"note: --phase applies to the traces alone: {BASELINE} is a stored breakdown, "
+            "broken down with --phase 'auto'\n") in reported.stderr
+    rules = tmp_path / "rules.toml"
+    rules.write_text('[[rule]]\nclass = "kda"\npattern = "kda"\n')
+    compared = run("compare", BASELINE, VLLM, "--rules", rules, "--steps", "execute_.*",
+                   "--path", "standard", "--format", "json")
+    assert compared.exit_code == 0
+    assert compared.stderr == (f"note: --steps, --rules apply to the traces alone: {BASELINE} "
+                               "is a stored breakdown, broken down with --steps (the default), "
+                               "--rules 'default'\n")
+    json.loads(compared.stdout)   # (the note apart from the JSON)
+    # as it was broken down: no note; the gate says how sides were broken down its own way
+    assert run("compare", BASELINE, VLLM, "--phase", "auto", "--path", "standard").stderr == ""
 
 
 def test_trace_out_that_is_no_directory(tmp_path):
