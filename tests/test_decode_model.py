@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import math
@@ -28,7 +27,6 @@ from kimi_perf.decode.model import FP8, K3Model  # noqa: E402
 from kimi_perf.decode.reference import Observer, ReferenceModel  # noqa: E402
 from kimi_perf.decode.validate import rel_err, validate  # noqa: E402
 from kimi_perf.decode.weights import random_weights  # noqa: E402
-from tests.test_lifeline import has_pidfd  # noqa: E402
 
 TINY = preset("tiny")
 
@@ -285,71 +283,6 @@ def test_ranks_stop_with_the_process_that_started_them():
     finally:
         parent.kill()
         parent.wait()
-
-
-_KILLED_PARENT = """
-from kimi_perf.decode.tp import run_on_cpu_ranks
-from tests.test_decode_model import _sleeps
-
-print("started", flush=True)
-run_on_cpu_ranks(2, _sleeps, 600)
-"""
-
-
-def _ranks_of(parent: int) -> list[int]:
-    """The processes ``parent`` has spawned (its ranks; the resource tracker too)."""
-    from pathlib import Path
-
-    found = []
-    for task in Path(f"/proc/{parent}/task").iterdir():
-        with contextlib.suppress(OSError):   # (ended meanwhile)
-            found += [int(pid) for pid in (task / "children").read_text().split()]
-    return found
-
-
-def _running(pid: int) -> bool:
-    """Whether ``pid`` runs (not ended, nor a zombie no one has reaped yet)."""
-    from pathlib import Path
-
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
-@pytest.mark.skipif(not has_pidfd(), reason="no pidfd (Linux before 5.3): no rank keeps a watch")
-def test_ranks_stop_themselves_where_the_process_that_started_them_is_killed(tmp_path):
-    """SIGKILL to the parent (`kill -9`, the out-of-memory killer): it cannot stop its ranks
-    nor remove the directory they share (torch's SIGINT on the parent's death stops a rank
-    but leaves the directory); they stop themselves, and the first removes it."""
-    import time
-    from pathlib import Path
-
-    parent = subprocess.Popen([sys.executable, "-c", _KILLED_PARENT], text=True,
-                              cwd=Path(__file__).parent.parent, stdout=subprocess.PIPE,
-                              env={**os.environ, "TMPDIR": str(tmp_path)})
-    ranks: list[int] = []
-    try:
-        assert parent.stdout.readline() == "started\n"
-        deadline = time.monotonic() + 120
-        while len(ranks := [pid for pid in _ranks_of(parent.pid) if b"spawn_main" in Path(
-                f"/proc/{pid}/cmdline").read_bytes()]) < 2 and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert len(ranks) == 2
-        time.sleep(5)   # (the ranks running, or still starting: each stops alike)
-        parent.kill()
-        parent.wait()
-        deadline = time.monotonic() + 60
-        while any(map(_running, ranks)) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert not any(map(_running, ranks))
-        assert list(tmp_path.iterdir()) == []   # (the ranks' kimi-perf-tp-* directory)
-    finally:
-        parent.kill()
-        parent.wait()
-        for pid in ranks:
-            with contextlib.suppress(OSError):
-                os.kill(pid, signal.SIGKILL)
 
 
 def _rank_fails(rank: int, how: str) -> None:

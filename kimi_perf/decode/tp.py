@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -16,7 +15,6 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from kimi_perf.decode.lifeline import stop_when_gone
 from kimi_perf.errors import TraceError, is_out_of_memory
 
 if TYPE_CHECKING:   # (the model chooses Triton's interpreter: not where threads are counted)
@@ -55,12 +53,7 @@ def rank_threads(world: int) -> int:
 
 
 def _worker(rank: int, world: int, init_file: str, fn: Callable, args: tuple,
-            out_dir: str, threads: int, parent: int) -> None:
-    # a parent killed outright (SIGKILL) cannot stop its ranks: torch has the kernel send each
-    # SIGINT, which Python sees only once back from C++ (a collective, gloo's rendezvous for a
-    # rank never started: half an hour), and nothing removes the directory they share; the
-    # first to see the parent gone removes it and each stops at once
-    stop_when_gone(parent, lambda: shutil.rmtree(out_dir, ignore_errors=True))
+            out_dir: str, threads: int) -> None:
     # the ranks share this machine's cores: each one with all of them, they time each
     # other's contention (a TP 2 step four times as long on two cores)
     torch.set_num_threads(threads)
@@ -81,9 +74,7 @@ def run_on_cpu_ranks(world: int, fn: Callable, *args) -> list:
     ``fn`` must be importable (a module-level function) since the ranks are spawned; each
     rank gets an equal share of this process's threads (``torch.get_num_threads``). Where
     this process stops first (Ctrl-C, SIGTERM to it alone), the ranks are stopped with it:
-    left running, they would hold its exit until they had done all their work; killed
-    outright (SIGKILL), the ranks stop themselves and remove their temporary directory
-    (``lifeline.stop_when_gone``). A rank that
+    left running, they would hold its exit until they had done all their work. A rank that
     raises a ``TraceError`` or runs out of memory raises it here too, as if this process had
     (the CLI's one-line errors), and so does one killed (a ``TraceError`` saying by what);
     any other failure is torch's, with the rank's traceback.
@@ -91,8 +82,7 @@ def run_on_cpu_ranks(world: int, fn: Callable, *args) -> list:
     with tempfile.TemporaryDirectory(prefix="kimi-perf-tp-") as tmp:
         init_file = os.path.join(tmp, "init")
         threads = rank_threads(world)
-        ranks = mp.start_processes(_worker, args=(world, init_file, fn, args, tmp, threads,
-                                                  os.getpid()),
+        ranks = mp.start_processes(_worker, args=(world, init_file, fn, args, tmp, threads),
                                    nprocs=world, join=False)
         try:
             with _quiet_spawn_log():  # its warning that it stops the other ranks

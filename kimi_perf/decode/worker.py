@@ -5,11 +5,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import json
+import os
+import select
 import sys
-
-from kimi_perf.decode.lifeline import stop_when_gone
+import threading
 
 
 def nvtx_release() -> str:
@@ -17,6 +19,30 @@ def nvtx_release() -> str:
         return importlib.metadata.version("nvtx")
     except importlib.metadata.PackageNotFoundError:   # (imported from a folder of its own)
         return "unknown"
+
+
+def stop_when_gone(pid: int) -> None:
+    """Exit once process ``pid`` (the kimi-perf that asked for this run) has: nsys's launcher
+    puts this process in a session of its own, so that nothing else stops it where kimi-perf
+    is killed, or kills an nsys that would not stop (its steps could run for hours). Started
+    before torch is imported (seconds in which the pid could be another's); no watch where the
+    kernel has no pidfd (Linux before 5.3)."""
+    try:
+        gone = os.pidfd_open(pid)
+    except ProcessLookupError:
+        gone = None
+    except (OSError, AttributeError):
+        return
+
+    def watch() -> None:
+        if gone is not None:   # (readable once the process has exited, reaped or not)
+            select.select([gone], [], [])
+        with contextlib.suppress(OSError):   # (stderr a pipe no one reads now)
+            print(f"kimi-perf (process {pid}) that asked for this run has exited: stopping",
+                  file=sys.stderr, flush=True)
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True, name="stop-when-kimi-perf-is-gone").start()
 
 
 def main(argv: list[str]) -> int:

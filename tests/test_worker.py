@@ -1,7 +1,6 @@
-"""A process kimi-perf started (the one ``kimi-perf trace --backend nsys`` has nsys profile, a
-CPU TP rank) stops once kimi-perf has exited (``kimi_perf.decode.lifeline``). No torch needed:
-the nsys worker's watch starts before it imports torch (the TP ranks' test is in
-tests/test_decode_model.py)."""
+"""The process ``kimi-perf trace --backend nsys`` has nsys profile (``kimi_perf.decode.worker``):
+that it stops once the kimi-perf that asked for it has exited. No torch needed: the watch
+starts before the worker imports it."""
 
 from __future__ import annotations
 
@@ -13,7 +12,7 @@ from pathlib import Path
 import pytest
 
 
-def has_pidfd() -> bool:
+def _has_pidfd() -> bool:
     try:
         os.close(os.pidfd_open(os.getpid()))
     except (OSError, AttributeError):
@@ -23,14 +22,14 @@ def has_pidfd() -> bool:
 
 WATCHING_WORKER = """
 import sys, time
-from kimi_perf.decode.lifeline import stop_when_gone
+from kimi_perf.decode.worker import stop_when_gone
 stop_when_gone(int(sys.argv[1]))
 print("watching", flush=True)
 time.sleep(600)
 """
 
 
-@pytest.mark.skipif(not has_pidfd(), reason="no pidfd (Linux before 5.3): the worker keeps "
+@pytest.mark.skipif(not _has_pidfd(), reason="no pidfd (Linux before 5.3): the worker keeps "
                                               "no watch")
 @pytest.mark.parametrize("asker_end, stderr", [
     ("reaped", "read"), ("unreaped", "read"),
