@@ -746,9 +746,10 @@ def compare_cmd(a: Path, b: Path | None, path_name: str | None, fmt: str | None,
     fmt = _format_of(fmt, output, ("json",))
     pair = _split_labels(labels, ["A", "B"]) if labels is not None else None
     _not_an_input(output, a, b, rules)
+    layers, step_regex = _check_layers(layers), _check_steps(step_regex)   # (before a note)
     _no_trace_among([a] if b is None else [a, b])
-    c = compare_files(a, b, path_name, pair, fmt != "json", phase, layers=_check_layers(layers),
-                      rules=rules, step_regex=_check_steps(step_regex))
+    c = compare_files(a, b, path_name, pair, fmt != "json", phase, layers=layers, rules=rules,
+                      step_regex=step_regex)
     if fmt == "json":
         _emit(json_text(c.to_json(kernels)), output)
         return
@@ -877,8 +878,7 @@ def gate_cmd(baseline: Path, run: Path, metrics: str | None, rel_tol: float, abs
             tolerances = gate_mod.tolerances_over(baseline, given) if given else None
         except ValueError as exc:
             raise TraceError(None, f"--{exc}") from None
-        kept = {key: value for key, value in gate_mod.baseline_tolerances(baseline).items()
-                if key not in given} if given else {}
+        kept = gate_mod.baseline_tolerances(baseline)   # (said, those given over them too)
         if update and path_name is not None:
             raise TraceError(None, "--update stores the whole run: it takes no --path")
         if spread_from and not update:
@@ -933,8 +933,9 @@ def _gate(baseline: Path, run: Path, tolerances: gate_mod.Tolerances | None, kep
           step_regex: str | None, phase: str, rules: Path | None, update: bool,
           spread_from: tuple[Path, ...], strict: bool, output: Path | None,
           junit: Path | None) -> None:
-    """``kept``: the baseline's settings beside the options given (``tolerances``: both;
-    None, no option given: the baseline's, which ``gate_files`` reads itself)."""
+    """``kept``: the settings the baseline keeps, which the verdict says (``tolerances``: the
+    options given over them; None, no option given: the baseline's, which ``gate_files``
+    reads itself)."""
     # how a trace is broken down, as for `breakdown`
     options = {"layers": _check_layers(layers), "step_regex": _check_steps(step_regex),
                "rules": load_rules(rules)}
@@ -1076,9 +1077,10 @@ def report_cmd(inputs: tuple[Path, ...], path_name: str | None, labels: str | No
             twice = (f"{file} read twice" if str(file) == str(first)
                      else f"{file} is {first}")
             click.echo(printable(f"note: {twice}: drawn against itself"), err=True)
+    layers, step_regex = _check_layers(layers), _check_steps(step_regex)   # (before a note)
     _no_trace_among(list(inputs))
-    got = report_inputs(list(inputs), path_name, phase, layers=_check_layers(layers),
-                        rules=rules, step_regex=_check_steps(step_regex))
+    got = report_inputs(list(inputs), path_name, phase, layers=layers, rules=rules,
+                        step_regex=step_regex)
     if labels is not None:
         got = got.relabelled(_split_labels(labels, list(got.breakdowns)))
     run_info = got.run

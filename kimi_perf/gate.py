@@ -368,10 +368,10 @@ def gate_files(baseline: str | Path, run: str | Path,
     current, run_doc, run_file = loaded.get(run) or load_run(run, phase, **breakdown_options)
     base, base_doc, base_file = (loaded.get(baseline)
                                  or load_run(baseline, phase, **breakdown_options))
-    # the settings the baseline's policy gave (the verdict says which, as gate's does)
+    # the settings the baseline keeps (the verdict says them, and which were given over
+    # them); none where a Tolerances was given: it is used as it is
     stored = ({} if tolerances is not None and given is None else
-              {key: value for key, value in (base_doc.get("gate_tolerances") or {}).items()
-               if key not in (given or {})})
+              dict(base_doc.get("gate_tolerances") or {}))
     base_keys = set(base)
     if tolerances is None:
         tolerances = kept_tolerances(baseline, base_doc)
@@ -1285,7 +1285,8 @@ def _moved(base: Breakdown | None, cur: Breakdown | None,
         lost += names_b - names_c
         gained += names_c - names_b
     moved = {b for b, _ in changed} if lost and lost == gained else set()
-    if any(_digest(cur, t["type"]) is not None for t in cur.layer_types):
+    # (a run whose ranges cut its layers lost what it lacks: no pattern found it elsewhere)
+    if pattern_found(cur) and any(_digest(cur, t["type"]) is not None for t in cur.layer_types):
         per_step = layers_per_step(base)
         same_layers = per_step is not None and per_step == layers_per_step(cur)
         for b, c in pairs:
@@ -1371,17 +1372,21 @@ def _classes_behind(check: Check, base: Breakdown, cur: Breakdown, base_type: st
 def _kernels_changed(base: Breakdown, base_type: str, cur: Breakdown, cur_type: str
                      ) -> str | bool:
     """Whether a pair's typical layers ran other kernels: for types the pattern found, their
-    digests differ; for types ranges named, their kernel sequences do (another GEMM kernel
-    picked, the same count: a swap no count check sees). What changed (``_swapped``) where
-    both typical layers are stored; True where only the digests say so; False: the same."""
+    digests differ; for types ranges cut (named, or lettered), their kernel sequences do
+    (another GEMM kernel picked, the same count: a swap no count check sees; the same kernels
+    in another order). What changed (``_swapped``) where both typical layers are stored;
+    True where only the digests say so; False: the same."""
     digests = [_digest(base, base_type), _digest(cur, cur_type)]
     kb, kc = _typical(base, base_type), _typical(cur, cur_type)
+    # both sides' layers cut by ranges: the sequence as it ran, its order too (a digest is of
+    # a cycle; and one side's may predate digests of ranges' letters)
+    ranges = None not in (base, cur) and not (pattern_found(base) or pattern_found(cur))
     if patterns_differ(digests) and (kb is None or kc is None):
         return True
-    if patterns_differ(digests):   # (the same cycle where digests predate least rotations)
-        return _swapped(kb, aligned_typical({"base": {"kernels": kb}, "cur": {
+    if patterns_differ(digests) and not ranges:   # (the same cycle where digests predate
+        return _swapped(kb, aligned_typical({"base": {"kernels": kb}, "cur": {   # rotations)
             "kernels": kc}})[0]["cur"]["kernels"]) or False
-    if digests != [None, None] or kb is None or kc is None:
+    if (digests != [None, None] and not ranges) or kb is None or kc is None:
         return False
     return _swapped(kb, kc) or False
 
@@ -1493,8 +1498,9 @@ def _step_behind(check: Check, base: Breakdown, cur: Breakdown,
     kernels as B layers -216 and A layers +204). A part a side holds in some of its steps only
     says in how many (its median over the steps is no step's)."""
     metric = check.metric.removesuffix("_max").removesuffix("_mean")
-    if not all(_says_where(b) for b in (base, cur)):
-        return None
+    if not all(_says_where(b) for b in (base, cur)) or not (base.layer_types
+                                                             or cur.layer_types):
+        return None   # (no layers: the step is one part, the check itself)
     largest = check.metric.endswith("_max")
     average = np.mean if check.metric.endswith("_mean") else np.median
     sides, partial = [], {}
@@ -1606,8 +1612,8 @@ def _run_type_label(base_type: str | None, cur_type: str, base: Breakdown) -> st
 def _step_parts(b: Breakdown, metric: str, names: dict[str, str]) -> dict[str, np.ndarray]:
     """Each step's ``metric`` by part, in the order of ``b.steps``: its prologue and epilogue
     (where stored), the layers of each type (named as ``names`` maps the types: a pair's one
-    name), and the rest: the kernels between layers, the kernel µs outside them, the idle time
-    between them."""
+    name), and the rest: where the prologue and epilogue are stored, what lies between the
+    layers (kernels; of a span, idle time or other work), else all outside the layers."""
     parts: dict[str, np.ndarray] = {}
     for end in ("prologue", "epilogue"):   # (their kernel µs where stored: not always)
         values = [(s.get(end) or {}).get(metric) for s in b.steps]   # (in memory: none)
@@ -1622,8 +1628,8 @@ def _step_parts(b: Breakdown, metric: str, names: dict[str, str]) -> dict[str, n
     totals = np.array([s[metric] for s in b.steps], np.float64)
     # the rest: beside prologue and epilogue, what lies between the layers (their kernels, or
     # the idle time of a span); without them, all that lies outside the layers
-    rest = ("idle between" if metric == "span_us" else "between layers"
-            if "prologue" in parts else "outside the layers")
+    rest = (("between layers (idle, or other work)" if metric == "span_us" else
+             "between layers") if "prologue" in parts else "outside the layers")
     parts[rest] = totals - sum(parts.values())
     return parts
 

@@ -855,18 +855,20 @@ def _typical_layers(trace: Trace, ops: GpuOps, steps) -> dict[str, dict[str, Any
     For a type lettered by its kernel sequence (found by the repeating kernel pattern, or of
     ranges that name no type) also ``pattern``, a digest of that sequence: the letters (A, B,
     ...) follow the order of first appearance, so two traces' "A" are the same layer only when
-    their digests agree (``compare``, ``gate``). The digest is of the sequence's least
-    rotation: a pattern that cut the same cycle of kernels at another kernel (the layers start
-    at the attention in one trace, at a norm in the other) found the same layer."""
+    their digests agree (``compare``, ``gate``). The pattern's digest is of the sequence's
+    least rotation: a pattern that cut the same cycle of kernels at another kernel (the layers
+    start at the attention in one trace, at a norm in the other) found the same layer; ranges'
+    is of the sequence as it ran (its order a change of the layer's)."""
     sequences: dict[str, list[bytes]] = {}   # the name codes' bytes: 4-8 B per op
     layer_ops: dict[str, list[np.ndarray]] = {}
-    lettered = set()
+    lettered: dict[str, bool] = {}   # each lettered type: whether the pattern cut it
     for step in steps:
         for layer in step.layers:
             sequences.setdefault(layer.type, []).append(ops.name[layer.ops].tobytes())
             layer_ops.setdefault(layer.type, []).append(layer.ops)
             if layer.lettered:
-                lettered.add(layer.type)
+                lettered[layer.type] = (lettered.get(layer.type, False)
+                                        or step.layer_source == "repeat")
     out = {}
     for t, keys in sequences.items():
         typical, count = Counter(keys).most_common(1)[0]
@@ -885,7 +887,7 @@ def _typical_layers(trace: Trace, ops: GpuOps, steps) -> dict[str, dict[str, Any
                     kernel["spread_us"] = spread
         if t in lettered:
             cycle = [trace.strings[n] for n in names]
-            start = least_rotation(cycle)
+            start = least_rotation(cycle) if lettered[t] else 0   # (ranges: as it ran)
             out[t]["pattern"] = hashlib.sha1("\0".join(cycle[start:] + cycle[:start]).encode(),
                                              usedforsecurity=False).hexdigest()[:12]
     return out

@@ -768,7 +768,8 @@ def _match_forward(seq: np.ndarray, start: int, pattern: np.ndarray) -> int:
 
 
 # Classes that say nothing of an op's role in a layer: ``find_repeats`` matches these by name.
-# (Not "other": a CNN's convolutions are unclassed, and their names vary layer by layer.)
+# (Not "other" nor "conv": a CNN's convolutions, and many kernels no rule classes, are named
+# otherwise layer by layer.)
 GENERIC_CLASSES = ("elementwise", "memcpy")
 
 

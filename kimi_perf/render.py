@@ -43,6 +43,7 @@ from kimi_perf.gate import (
     Check,
     GatedRun,
     GateResult,
+    Tolerances,
     broken_down_differently,
     tolerance_settings,
 )
@@ -746,11 +747,13 @@ def gate_said(gated: GatedRun, show_all: bool = False) -> list[tuple[Table | str
                      f"{interpreted}, noisy and no speed figure: --metrics kernels gates the "
                      "launches alone", "yellow"))
     if result.stored_tolerances:
-        settings = tolerance_settings(result.tolerances)   # (as the gate read them)
+        kept = tolerances_kept(result)
+        settings = tolerance_settings(result.tolerances)   # (those in force)
         said.append((printable(
             "tolerances the baseline keeps (gate --update stored them): "
-            + ", ".join(f"{key} {settings[key]}" for key in result.stored_tolerances
-                        if key in settings)
+            + ", ".join(f"{key} {kept[key]}" + ("" if settings.get(key) == kept[key] else
+                                                f" ({settings.get(key, 'none')} given)")
+                        for key in result.stored_tolerances if key in kept)
             + " (--rel-tol, --abs-tol, --alpha, --metrics given override them)"), None))
     if result.spread_runs:
         within = sum(c.tested_over == "runs" and c.status == "noise" for c in result.checks)
@@ -792,6 +795,19 @@ def _xml_text(text: object) -> str:
                        "\n".join(map(printable, str(text).split("\n"))))
 
 
+def tolerances_kept(result: GateResult) -> dict:
+    """The settings the baseline keeps, each as the gate reads it (a metrics list
+    normalised)."""
+    return tolerance_settings(Tolerances(**result.stored_tolerances))
+
+
+def kept_in_force(result: GateResult) -> list[str]:
+    """The settings the baseline keeps that no option given overrode: those it set."""
+    kept, settings = tolerances_kept(result), tolerance_settings(result.tolerances)
+    return [key for key in result.stored_tolerances if key in kept
+            and settings.get(key) == kept[key]]
+
+
 def gate_junit(result: GateResult, files: tuple[str, str], verdict: str) -> str:
     """The verdict as JUnit XML, which CI servers (Jenkins, GitLab, GitHub's test reporters)
     show as tests: a test case per check, ``PATH.LAYER_TYPE`` its class and the metric its
@@ -812,8 +828,8 @@ def gate_junit(result: GateResult, files: tuple[str, str], verdict: str) -> str:
     said = {"baseline": files[0], "run": files[1], **asdict(tol),
             "metrics": ",".join(tol.checked) if tol.metrics is not None
             else "default (kernels alone where both sides are CPU runs)"}
-    if result.stored_tolerances:   # (those of the settings above the baseline kept)
-        said["kept_by_baseline"] = ",".join(result.stored_tolerances)
+    if kept := kept_in_force(result):   # (those of the settings above the baseline set)
+        said["kept_by_baseline"] = ",".join(kept)
     if result.spread_runs:
         said["spread_runs"] = result.spread_runs
     for name, value in said.items():
@@ -823,9 +839,11 @@ def gate_junit(result: GateResult, files: tuple[str, str], verdict: str) -> str:
         # (a dot splits a class name into packages: the path's and the type's are one each)
         where = ".".join(part.replace(".", "_") for part in (c.path, c.layer_type))
         # (a device's check named alike whichever device it shows: a server follows it)
-        # (a device lost its own case, named for it; the others one, whichever it shows)
+        # (a device lost its own case, named for it; the others one, whichever it shows; the
+        # layer that rose most alike, whichever layer it is tonight)
         name = (f"{c.metric.removesuffix('_device')} (each device)"
                 if c.metric in DEVICE_METRICS and c.status != "missing"
+                else "kernel_us (each layer)" if c.metric == "layer_kernel_us"
                 else result.metric_name(c) + (f" ({c.status})" if c.metric == "decode path"
                                               else ""))
         named[where, name] += 1
@@ -834,6 +852,7 @@ def gate_junit(result: GateResult, files: tuple[str, str], verdict: str) -> str:
         case = ET.SubElement(suite, "testcase", classname=_xml_text(where),
                              name=_xml_text(name), time="0")
         extras = [text for text in (
+            c.metric == "layer_kernel_us" and f"layer {c.layer_index}",
             c.change is not None and _change(c.change),
             # (as the table says it: what was tested, at which alpha)
             c.p_value is not None and f"p {c.p_value:.2g}" + (

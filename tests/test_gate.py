@@ -562,7 +562,12 @@ def test_a_baseline_keeps_the_tolerances_it_was_stored_with(tmp_path):
                                        "--format", "json"])
     doc = json.loads(strict.output)
     assert strict.exit_code == 1 and doc["tolerances"]["rel_tol"] == 0.05
-    assert doc["stored_tolerances"] == {"abs_tol_us": 1.0, "alpha": 0.01}   # those it used
+    assert doc["stored_tolerances"] == kept   # all it keeps, those given over them too
+    overridden = CliRunner().invoke(main, ["gate", str(stored), str(after), "--rel-tol", "0.05",
+                                           "--abs-tol", "2", "--alpha", "0.05"])
+    assert "tolerances the baseline keeps (gate --update stored them): rel_tol 0.2 (0.05 " \
+        "given), abs_tol_us 1.0 (2.0 given), alpha 0.01 (0.05 given)" in " ".join(
+            overridden.output.split())
     plain = json.loads(CliRunner().invoke(main, ["gate", str(stored), str(after), "--format",
                                                  "json"]).output)
     assert plain["stored_tolerances"] == kept and plain["tolerances"]["rel_tol"] == 0.2
@@ -2755,6 +2760,72 @@ def test_a_launch_between_layers_is_placed_there(tmp_path):
                                                    "the largest step: between layers +1 ops"]
 
 
+def test_layers_of_ranges_that_name_no_type_are_gated_as_they_ran():
+    """Ranges that name no type letter their layers by kernel sequence, each with the digest
+    of its sequence as it ran: the gate flags the same kernels in another order and another
+    GEMM picked (against a baseline stored before those layers kept digests too), and a
+    run whose ranges cut its layers lost a type the baseline's pattern found: missing, not
+    waived as the pattern's cut."""
+    from kimi_perf.gate import TRACE
+    from tests.test_breakdown import ATTENTION_LAYER, MOE_LAYER, _untyped_layers
+    from tests.test_layers import KDA, k3_like
+
+    def pattern_checks(base: Breakdown, run: Breakdown) -> list[tuple]:
+        return [(c.layer_type, c.status, c.detail) for c in gate({TRACE: base}, {TRACE: run}).checks
+                if c.metric == "pattern"]
+
+    base = _untyped_layers([ATTENTION_LAYER, MOE_LAYER] * 2)
+    rotated = _untyped_layers([ATTENTION_LAYER[1:] + ATTENTION_LAYER[:1], MOE_LAYER] * 2)
+    assert pattern_checks(base, rotated) == [("A", "changed",
+                                              "the same kernels in another order")]
+    swapped = _untyped_layers([["rms_norm", "qkv_gemm_v2", *ATTENTION_LAYER[2:]],
+                               MOE_LAYER] * 2)
+    old = Breakdown.from_json(json.loads(json.dumps(base.to_json())))
+    for t in old.layer_types:
+        del t["pattern"]   # (as stored before ranges' letters kept their sequences)
+    for stored in (base, old):
+        assert pattern_checks(stored, swapped) == [
+            ("A", "changed", "added qkv_gemm_v2; removed qkv_gemm")]
+    found_by_pattern = breakdown(_k3_without_ranges(k3_like(16)))
+    lost = gate({TRACE: found_by_pattern}, {TRACE: _untyped_layers([list(KDA)] * 16, steps=4)})
+    assert {(c.layer_type, c.status) for c in lost.failures} >= {("B", "missing")}
+
+
+def _k3_without_ranges(layers: list[list[str]], steps: int = 4):
+    """Steps of K3-like layers in no layer range: the repeating pattern finds them."""
+    b = TraceBuilder()
+    for s in range(steps):
+        start = b.clock
+        for kernels in layers:
+            b.sequence(kernels)
+        b.range(f"decode_step[{s}]", start - 20, b.clock)
+        b.clock += 5000
+    return b.build()
+
+
+def test_a_step_span_that_grew_is_placed_between_layers_or_not_at_all():
+    """A span's rest between layers is idle time or other work, not idle time alone; where
+    neither side found layers, the step is one part, and no part is named (it named the
+    kernels' own growth "idle between")."""
+    import copy
+
+    doc = json.loads(BASELINE.read_text())
+    for step in doc["paths"]["specialized"]["steps"]:
+        step["span_us"] *= 1.5
+    slower = Breakdown.from_json(doc["paths"]["specialized"])
+    base = load_run(BASELINE)[0]["specialized"]
+    timed = Tolerances(metrics="kernels,kernel_us,span_us")   # (a CPU run's µs too)
+    (span,) = [c for c in gate({"p": base}, {"p": slower}, timed).failures
+               if c.metric == "span_us" and c.layer_type == "step"]
+    assert span.detail.startswith("per step (medians): between layers (idle, or other work) +")
+    layerless = [copy.deepcopy(b) for b in (base, slower)]
+    for b in layerless:
+        b.layers, b.layer_types = [], []
+    (span,) = [c for c in gate({"p": layerless[0]}, {"p": layerless[1]}, timed).failures
+               if c.metric == "span_us"]
+    assert span.detail is None and span.status == "regression"
+
+
 def test_a_kernel_added_to_some_layers_is_named(tmp_path):
     """A kernel added to every other layer makes those layers a type of their own, which
     the baseline lacks: no type's count names the kernel. The new type says which of the
@@ -3012,6 +3083,17 @@ def test_a_baseline_keeps_the_spread_of_several_runs_and_passes_a_run_within_it(
     failed = {(c.layer_type, c.metric, c.layer_index): c for c in layer.failures}
     check = failed["kda", "layer_kernel_us", 0]
     assert (check.tested_over, check.change > 0.25) == ("runs", True)
+    # JUnit names the check alike whichever layer rose most (a server follows its history
+    # night to night), its message the layer
+    import xml.etree.ElementTree as ET
+
+    from kimi_perf.render import gate_junit
+
+    cases = ET.fromstring(gate_junit(layer, ("b", "r"), "v")).iter("testcase")
+    (case,) = [c for c in cases if c.get("name") == "kernel_us (each layer)"
+               and c.get("classname") == "trace.kda"]
+    assert case.find("failure").get("message").startswith("regression: ")
+    assert "(layer 0, +" in case.find("failure").get("message")
     assert ("kda", "kernel_us", None) not in failed   # (a type of 6 layers: +5%, noise)
     # a later --update without --spread-from keeps no spread (of other runs' code), and says so
     dropped = CliRunner().invoke(main, ["gate", "--update", str(spread), files["r2"]])

@@ -426,11 +426,11 @@ def test_gate_files_given_settings_keeps_the_baseline_s_others(tmp_path):
     assert gated.result.tolerances == over
     printed = _printed("gate", stored, BASELINE, "--rel-tol", "0.1")
     assert printed["tolerances"]["metrics"] == ["kernels", "kernel_us"]
-    # the verdict says which settings the baseline's policy gave, as gate's does
-    assert gated.result.stored_tolerances == {
-        key: value for key, value in printed["stored_tolerances"].items()}
-    assert "metrics" in gated.result.stored_tolerances
-    assert "rel_tol" not in gated.result.stored_tolerances
+    # the verdict says the settings the baseline keeps, as gate's does, and the one given over
+    # them is in force
+    assert gated.result.stored_tolerances == printed["stored_tolerances"] == {
+        "rel_tol": 0.05, "abs_tol_us": 1.0, "alpha": 0.01, "metrics": "kernels,kernel_us"}
+    assert gated.result.tolerances.rel_tol == 0.1
     # none given: the baseline's (as None), never the defaults over its policy
     assert gate_files(stored, BASELINE, {}).result.tolerances == gate_files(
         stored, BASELINE).result.tolerances == tolerances_over(stored, {})
