@@ -885,6 +885,9 @@ def gate_cmd(baseline: Path, run: Path, metrics: str | None, rel_tol: float, abs
             raise TraceError(None, "--spread-from goes with --update: the spread of the runs "
                                    "is stored with the baseline")
         _no_trace_among([baseline, run, *spread_from], say_stored=False)
+        for file in stale:   # (gone while it runs: a gate killed, SIGKILL too, leaves none)
+            with contextlib.suppress(FileNotFoundError):
+                _remove_verdict(file)
         _gate(baseline, run, tolerances, kept, fmt, show_all, path_name, layers, step_regex,
               phase, rules, update, spread_from, strict, output, junit)
 
@@ -896,11 +899,12 @@ def _same_file(a: Path, b: Path) -> bool:
 
 @contextlib.contextmanager
 def _no_earlier_verdict(*files: Path):
-    """A gate that cannot run removes the verdict files an earlier one left (``-o``,
-    ``--junit``), so that a job reading them does not take last night's pass for tonight's."""
+    """A gate that cannot run, or is stopped (Ctrl-C, SIGTERM), removes the verdict files an
+    earlier one left (``-o``, ``--junit``), so that a job reading them does not take last
+    night's pass for tonight's (nor the one written before the other for the pair)."""
     try:
         yield
-    except (TraceError, OSError) as exc:
+    except (Exception, KeyboardInterrupt, Terminated) as exc:
         if isinstance(exc, BrokenPipeError):   # (the verdict written, its reader gone)
             raise
         for file in files:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -10,6 +11,7 @@ import re
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -285,6 +287,69 @@ def test_ranks_stop_with_the_process_that_started_them():
         parent.wait()
 
 
+def _sleeps_saying_where(rank: int, said: str) -> None:
+    import time
+
+    # as a rank in C++ that holds the GIL would: deaf to the SIGINT torch asks for at its
+    # parent's death
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    Path(said, f"rank{rank}").write_text(str(os.getpid()))
+    time.sleep(600)
+
+
+_KILLED_PARENT = """
+import sys
+from kimi_perf.decode.tp import run_on_cpu_ranks
+from tests.test_decode_model import _sleeps_saying_where
+
+run_on_cpu_ranks(2, _sleeps_saying_where, sys.argv[1])
+"""
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] in "ZX"
+    except FileNotFoundError:
+        return True
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="a parent's death signal is Linux's")
+def test_a_sigkilled_parent_takes_its_ranks_and_their_directory_with_it(tmp_path):
+    """SIGKILL to the process that started the ranks (the out-of-memory killer, `kill -9` of
+    a CI job's group): it can stop nothing itself, yet no rank is left waiting (a rank in
+    gloo's rendezvous waits 30 minutes, and holds the GIL while it does) and the ranks'
+    temporary directory is removed."""
+    import time
+
+    said, temp = tmp_path / "said", tmp_path / "tmp"
+    said.mkdir()
+    temp.mkdir()
+    parent = subprocess.Popen([sys.executable, "-c", _KILLED_PARENT, str(said)],
+                              cwd=Path(__file__).parent.parent,
+                              env={**os.environ, "TMPDIR": str(temp)})
+    ranks = []
+    try:
+        deadline = time.monotonic() + 120
+        while len(list(said.iterdir())) < 2 and time.monotonic() < deadline:
+            assert parent.poll() is None
+            time.sleep(0.2)
+        ranks = [int(f.read_text()) for f in said.iterdir()]
+        assert len(ranks) == 2 and [d.name[:13] for d in temp.iterdir()] == ["kimi-perf-tp-"]
+        parent.kill()
+        parent.wait()
+        deadline = time.monotonic() + 30
+        while (not all(map(_gone, ranks)) or any(temp.iterdir())
+               ) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert all(map(_gone, ranks)) and not any(temp.iterdir())
+    finally:
+        parent.kill()
+        parent.wait()
+        for rank in ranks:   # (where the test failed: not left sleeping ten minutes)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(rank, signal.SIGKILL)
+
+
 def _rank_fails(rank: int, how: str) -> None:
     from kimi_perf.errors import TraceError
 
@@ -318,6 +383,36 @@ def test_a_rank_failure_is_raised_as_the_rank_raised_it():
     with pytest.raises(TraceError, match=r"^TP rank 1 exited: killed by SIGKILL \(the "
                                          r"out-of-memory killer sends it"):
         run_on_cpu_ranks(2, _rank_fails, "killed")
+
+
+def test_the_rank_that_failed_first_is_the_one_said(tmp_path):
+    """torch raises the failure of the rank it saw end first, which may have failed for
+    another's sake (its collective with a rank that had raised: "connection closed by peer").
+    What is said is a rank killed by a signal (not torch's SIGTERM of the others), else the
+    failure that came first."""
+    import torch.multiprocessing as mp
+
+    from kimi_perf.decode.tp import _raise_rank_failure
+    from kimi_perf.errors import TraceError
+
+    def failed(rank: int, when: float, kind: str, said: str, path: str | None = None):
+        torch.save((when, kind, path, said), tmp_path / f"rank{rank}.failure.pt")
+
+    failed(0, 2.0, "other", "RuntimeError: Connection closed by peer")
+    failed(1, 1.0, "TraceError", "no tensor named lm_head.weight", "model.safetensors")
+    with pytest.raises(TraceError, match=r"^model\.safetensors: no tensor named lm_head"):
+        _raise_rank_failure(tmp_path, 0, [1, 1], [100, 101])
+    failed(1, 1.0, "other", "ValueError: a bug of ours")
+    with pytest.raises(mp.ProcessRaisedException, match=r"Process 1 .*\nValueError: a bug"):
+        _raise_rank_failure(tmp_path, 0, [1, 1], [100, 101])
+    assert _raise_rank_failure(tmp_path, 1, [1, 1], [100, 101]) is None   # (torch's own)
+    # the one killed, whatever the others raised after it; torch's SIGTERM of the others not
+    with pytest.raises(TraceError, match=r"^TP rank 1 exited: killed by SIGKILL \(the out"):
+        _raise_rank_failure(tmp_path, 0, [1, -signal.SIGKILL], [100, 101])
+    assert _raise_rank_failure(tmp_path, 1, [-signal.SIGTERM, 1], [100, 101]) is None
+    # but the SIGTERM of the rank torch saw end first was another's (a user's `kill`)
+    with pytest.raises(TraceError, match=r"^TP rank 0 exited: killed by SIGTERM$"):
+        _raise_rank_failure(tmp_path, 0, [-signal.SIGTERM, 1], [100, 101])
 
 
 def _threads(rank: int) -> int:

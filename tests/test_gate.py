@@ -936,6 +936,41 @@ def test_a_gate_that_cannot_run_removes_a_verdict_only_where_it_would_write_one(
             shm.unlink(missing_ok=True)
 
 
+@pytest.mark.parametrize(("signum", "code"), [("SIGTERM", 143), ("SIGINT", 130)])
+def test_a_gate_stopped_or_killed_leaves_no_verdict(tmp_path, monkeypatch, signum, code):
+    """Last night's verdict is gone while the gate runs, so that one killed (SIGKILL, the
+    out-of-memory killer: nothing runs on the way out) leaves none; one stopped (a CI job's
+    timeout, Ctrl-C) removes what it had written too (the JUnit file is written first: it
+    would pass for tonight's beside last night's table)."""
+    import os
+    import signal
+
+    import kimi_perf.gate
+
+    output, junit = tmp_path / "gate.json", tmp_path / "gate.xml"
+    seen = []
+
+    def gate_files(*args, **kwargs):
+        seen.append((output.exists(), junit.exists()))
+        return real(*args, **kwargs)
+
+    real = kimi_perf.gate.gate_files
+    monkeypatch.setattr(kimi_perf.gate, "gate_files", gate_files)
+    args = ["gate", str(BASELINE), str(BASELINE), "-o", str(output), "--junit", str(junit)]
+    output.write_text("last night's")
+    junit.write_text("last night's")
+    assert CliRunner().invoke(main, args).exit_code == 0
+    assert seen == [(False, False)] and output.exists() and junit.exists()
+
+    def killed(*args, **kwargs):
+        junit.write_text("tonight's, alone")
+        os.kill(os.getpid(), getattr(signal, signum))
+
+    monkeypatch.setattr(kimi_perf.render, "gate_text", killed)
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == code and not output.exists() and not junit.exists()
+
+
 def test_a_verdict_to_dev_stdout_goes_into_the_log_a_shell_opened(tmp_path):
     """`gate ... -o /dev/stdout >> ci.log`: the verdict is written at the log's end (it
     replaced the log), and a gate that cannot run leaves the log alone (it deleted it); so
