@@ -75,6 +75,15 @@ def signal_handlers_left_as_found():
         warnings.warn(f"the test left {', '.join(unseen)}", stacklevel=1)
 
 
+@pytest.fixture
+def poisoned_empty(monkeypatch):
+    """Fresh buffers start poisoned within the test (``tests.poisoning``; torch is imported
+    only where a test asks for it)."""
+    from tests.poisoning import poison_fresh_buffers
+
+    poison_fresh_buffers(monkeypatch)
+
+
 def rank_copy(source: Path, target: Path, rank: int) -> Path:
     """A gzipped ``source`` trace as another rank's capture of the same work: a plain copy is
     the same capture (its bytes; --from refuses it), so it is gzipped again with another
