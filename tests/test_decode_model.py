@@ -76,7 +76,7 @@ def test_bf16_path_within_its_bounds_and_launch_counts():
     result = validate(paths=("standard",), dtype="bfloat16", steps=8, batch=4, seed=5)
     assert result["ok"], result["failures"]
     r = result["paths"]["standard"]
-    # bf16 rounding is there, and well within the bound (0.012 on this machine; 0.04)
+    # bf16 rounding is there, and well within the bound (0.012 on this machine; 0.075)
     assert 1e-3 < r["layer_types"]["kda"]["max_rel_err"] < 0.025
     assert r["layer_types"]["kda"]["launches"] == 18
     assert r["layer_types"]["mla"]["launches"] == 24
@@ -581,7 +581,7 @@ def test_validate_fails_outputs_that_are_not_numbers(monkeypatch):
     assert not result["ok"]
     kda_row = result["paths"]["standard"]["layer_types"]["kda"]
     assert math.isnan(kda_row["max_rel_err"]) and kda_row["max_at"].startswith("decode step 0")
-    assert any(f.startswith("standard kda layers: nan > 0.04 (at decode step 0, layer 1 ")
+    assert any(f.startswith("standard kda layers: nan > 0.075 (at decode step 0, layer 1 ")
                for f in result["failures"]), result["failures"]
     printed = CliRunner().invoke(main, ["validate", "--paths", "standard", "--steps", "2",
                                         "--format", "json"])

@@ -942,7 +942,6 @@ def test_a_gate_stopped_or_killed_leaves_no_verdict(tmp_path, monkeypatch, signu
     out-of-memory killer: nothing runs on the way out) leaves none; one stopped (a CI job's
     timeout, Ctrl-C) removes what it had written too (the JUnit file is written first: it
     would pass for tonight's beside last night's table)."""
-    import os
     import signal
 
     import kimi_perf.gate
@@ -964,7 +963,7 @@ def test_a_gate_stopped_or_killed_leaves_no_verdict(tmp_path, monkeypatch, signu
 
     def killed(*args, **kwargs):
         junit.write_text("tonight's, alone")
-        os.kill(os.getpid(), getattr(signal, signum))
+        signal.raise_signal(getattr(signal, signum))   # (this thread's: see test_cli's)
 
     monkeypatch.setattr(kimi_perf.render, "gate_text", killed)
     result = CliRunner().invoke(main, args)

@@ -23,7 +23,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 # Relative-error bounds per compute dtype (and for an fp8 latent cache), of each layer given
 # the path's own inputs (the reference goes on from the path's outputs): a layer's own rounding
-# and its state's over the steps, the same at any depth (measured at 8, 24, 40 and 93 layers).
+# and its state's over the steps, which does not grow with the depth (measured at 8, 24, 40 and
+# 93 layers; more layers sample more of one sequence's tail at batch 1: below).
 # float32 checks the math itself; an fp8 cache rounds the cached latents and the absorbed
 # query, which the MLA layers' outputs alone show (every other layer, the logits and the
 # routing are given the path's inputs: float32's bounds hold for them). Measured on the tiny preset
@@ -33,7 +34,12 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # and 1+7 tokens (seeds 0-5 at batch 1 and 4, seeds 0-3 at batch 2): bf16 0.023, 0.0071,
 # 0.0031; fp8 0.061, 0.0056, 0.0029. The kernel paths (standard_kernels, specialized; seeds 0-1,
 # batch 2, 8 steps): bf16 0.012, 0.0048, 0.0026; fp8 0.064, 0.0053, 0.0005; MXFP4 experts
-# bf16 0.011, 0.0041, 0 and float32 3e-6. The bounds leave 1.6x or more. routing_gap: how far
+# bf16 0.011, 0.0041, 0 and float32 3e-6. Another CPU's bf16 kernels round otherwise: on one
+# with AVX512-BF16 (oneDNN's bf16 GEMMs; 2026-12-07) the same runs' largest were 0.017, 0.0069,
+# 0.0025 (fp8 cache 0.076), and a KDA layer of 40 at batch 1 read 0.046 (seed 0; seeds 1-7
+# 0.037 or less, and 0.020 at seed 0 with oneDNN off): at batch 1 the batch's error is one
+# sequence's, whose long tail (below) the 34 KDA layers sample at every step. The bounds leave
+# 1.6x or more (the KDA and dense layers' bf16 bound that 0.046). routing_gap: how far
 # a path's top-k choice may fall below the reference's own k-th best biased score; a router
 # that drops its correction bias falls 0.02-0.04 below it, in float32 and in bf16 (a test
 # checks both are caught).
@@ -54,10 +60,10 @@ BOUNDS = {
                           "logits_sequence": 1e-4},
     ("float32", "fp8"): {"layer": 1e-4, "mla_layer": 0.12, "logits": 1e-4, "routing_gap": 1e-4,
                          "sequence": 1e-4, "mla_sequence": 0.2, "logits_sequence": 1e-4},
-    ("bfloat16", "bf16"): {"layer": 0.04, "mla_layer": 0.04, "logits": 0.012,
+    ("bfloat16", "bf16"): {"layer": 0.075, "mla_layer": 0.04, "logits": 0.012,
                            "routing_gap": 0.006, "sequence": 0.25, "mla_sequence": 0.05,
                            "logits_sequence": 0.02},
-    ("bfloat16", "fp8"): {"layer": 0.04, "mla_layer": 0.125, "logits": 0.012,
+    ("bfloat16", "fp8"): {"layer": 0.075, "mla_layer": 0.125, "logits": 0.012,
                           "routing_gap": 0.006, "sequence": 0.25, "mla_sequence": 0.2,
                           "logits_sequence": 0.02},
 }
