@@ -764,6 +764,20 @@ def cute_dsl_rows(failed: list[str]) -> list[dict]:
     return rows
 
 
+def sources_digest() -> str:
+    """A digest of what decides the table: the kernels and the decode paths that launch
+    them (their source files), so that a table read later is known to be of these."""
+    import hashlib
+
+    import kimi_perf.decode
+
+    digest = hashlib.sha256()
+    for package in (Path(__file__).parent, Path(kimi_perf.decode.__file__).parent):
+        for file in sorted(package.glob("*.py")):
+            digest.update(f"{package.name}/{file.name}\0".encode() + file.read_bytes())
+    return digest.hexdigest()
+
+
 def json_file_problem(text: str) -> str | None:
     """Why --json cannot be written (checked before the minutes of compiling), or None."""
     from kimi_perf.errors import TraceError
@@ -832,8 +846,9 @@ def main(argv: list[str] | None = None) -> int:
         from kimi_perf.trace import atomic_write_text
 
         atomic_write_text(args.json, json.dumps({"target": "sm_90a", "triton":
-                                                  triton.__version__, "kernels": rows},
-                                                 indent=1) + "\n")
+                                                  triton.__version__,
+                                                  "sources": sources_digest(),
+                                                  "kernels": rows}, indent=1) + "\n")
     warned = sum(bool(r["ptxas_warnings"]) for r in rows)
     print(f"{len(rows)} compiled, {len(failed)} failed, {len(spills)} spilling, "
           f"{len(unpipelined)} not pipelined, {warned} with a ptxas performance warning "

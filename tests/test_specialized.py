@@ -423,16 +423,20 @@ def test_the_interpreter_is_chosen_by_what_runs_the_model_alone():
 def test_every_kernel_compiles_for_sm90a_without_spills(tmp_path):
     """The CI compile check: Triton -> PTX -> ptxas for sm_90a, registers and spills. CI runs
     it before the tests and names its table in KIMI_PERF_AOT_JSON (minutes of compiling, not
-    done twice); elsewhere the test runs it."""
+    done twice), a table of these sources (a stale one fails); elsewhere the test runs it."""
+    import json
+
+    from kimi_perf_kernels.aot import sources_digest
+
     out = Path(os.environ.get("KIMI_PERF_AOT_JSON", tmp_path / "sm90a.json"))
     if "KIMI_PERF_AOT_JSON" not in os.environ:
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
         proc = subprocess.run([sys.executable, "-m", "kimi_perf_kernels.aot", "--json",
                                str(out)], capture_output=True, text=True, env=env, timeout=600)
         assert proc.returncode == 0, proc.stdout + proc.stderr
-    import json
-
     doc = json.loads(out.read_text())
+    assert doc.get("sources") == sources_digest(), (
+        f"KIMI_PERF_AOT_JSON={out}: the table of other kernel sources (unset it to compile)")
     names = {k["kernel"].split()[0] for k in doc["kernels"]}
     assert names >= {"attn_res", "skinny_linear", "kda_decode", "moe_route_fc1_situ",
                      "moe_fc2_combine", "mla_absorb_insert", "mla_attention", "mla_uv_gate"}
