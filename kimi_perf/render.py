@@ -15,8 +15,10 @@ from dataclasses import asdict
 from typing import Any
 
 from rich import box
+from rich.cells import cell_len
 from rich.console import Console, ConsoleOptions, RenderResult
 from rich.measure import Measurement
+from rich.segment import Segment
 from rich.table import Table as RichTable
 from rich.text import Text
 
@@ -176,11 +178,31 @@ class Table(RichTable):
             self.box, self.show_edge, self.padding, self.pad_edge = (box.SIMPLE_HEAD, False,
                                                                      (0, 0), False)
         try:
-            yield from super().__rich_console__(console, options)
+            yield from self._titled(console, options)
         finally:
             self.box, self.show_edge, self.padding, self.pad_edge = style
             for col, width in zip(self.columns, saved, strict=True):
                 col.width = width
+
+    def _titled(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        """The table under its title: centred over it where the title fits its width (as rich
+        lays it out); a title wider than the table is wrapped at the output's width instead,
+        from the left, at its spaces: rich folds it to the table's width, a trace's path in
+        it broken mid-name (``...nsys2022.2.1.s`` over ``qlite``)."""
+        title, self.title = self.title, None
+        try:
+            lines = list(Segment.split_lines(super().__rich_console__(console, options)))
+        finally:
+            self.title = title
+        if title is not None:
+            width = max((Segment.get_line_length(line) for line in lines), default=0)
+            fits = cell_len(str(title)) <= width
+            yield from console.render(
+                Text(str(title), style="table.title", justify="center" if fits else "default"),
+                options.update(width=width) if fits else options)
+        for line in lines:
+            yield from line
+            yield Segment.line()
 
     def _records(self, console: Console, options: ConsoleOptions) -> RenderResult:
         if self.title:

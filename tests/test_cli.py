@@ -116,6 +116,40 @@ def test_tables_keep_every_digit():
     assert "…" not in buf.getvalue()
 
 
+def test_a_title_wider_than_its_table_keeps_the_trace_s_path_whole():
+    """A table narrower than its title (one range's row under a trace's long path): the title
+    is wrapped at the output's width, at its spaces, and the path comes out whole on a line
+    (it was folded to the table's width: "...nsys2022.2.1.s" over "qlite"); a title that fits
+    is centred over its table, as before."""
+    import io
+
+    from rich.console import Console
+
+    from kimi_perf import render
+    from kimi_perf.attribution import RangeKernelRow
+
+    trace = "/runs/night-2026-12-07/hpcgroup-pipit__saxpy-mpi-cuda_perlmutter0__nsys2022.2.1.sqlite"
+    row = RangeKernelRow(range="saxpy", style=None, pid=1, tid=1, range_instances=5,
+                         kernel_instances=5, total_ns=88_573_480, avg_ns=17_714_696,
+                         max_ns=17_733_420, min_ns=17_700_000, stddev_ns=13_000.0,
+                         kernel="saxpy")
+    for width in (120, 200):
+        buf = io.StringIO()
+        render.print_tables([render.ranges_table([row], file=trace)], Console(file=buf,
+                                                                              width=width))
+        lines = buf.getvalue().splitlines()
+        table_width = max(len(line) for line in lines[1:])
+        assert table_width < len(trace) and any(trace in line for line in lines), lines
+        assert lines[0].startswith("Kernels by range: /runs/")   # (from the left)
+    buf = io.StringIO()
+    render.print_tables([render.ranges_table([row], file="t.sqlite")], Console(file=buf,
+                                                                               width=200))
+    title, top = buf.getvalue().splitlines()[:2]
+    assert title.strip().startswith("Kernels by range: t.sqlite")
+    assert len(title) - len(title.lstrip()) == pytest.approx(
+        (len(top.rstrip()) - len(title.strip())) / 2, abs=1)   # (centred)
+
+
 @pytest.mark.parametrize("trace", [
     VLLM, NSYS / "nsysai_fastvideo_wan2.1_t2v_inference_2xh100_1s.sqlite"], ids=["kineto", "nsys"])
 def test_no_width_breaks_a_number(trace):
