@@ -939,18 +939,20 @@ def has_work(runs: dict[str, Breakdown]) -> bool:
 
 def settings_unknown(base_doc: object, run_doc: object, traces: tuple[bool, bool]
                      ) -> list[str]:
-    """Where one side records how it was captured (a run's preset, batch, TP and GPU) and the
+    """Where one side records how it was captured (a capture's preset, batch and TP) and the
     other does not: what no gate could compare, a difference under --strict, as a nightly
     job given the wrong file is. A baseline that is a stored breakdown without them
-    (``traces``: which sides are traces given as they are) is kept so on purpose."""
-    said = [isinstance(d, dict) and isinstance(d.get("run"), dict) for d in (base_doc,
-                                                                            run_doc)]
+    (``traces``: which sides are traces given as they are) is kept so on purpose, and a run
+    of ``trace --from`` records none (its run information is the traces it read). The GPUs
+    are compared all the same, where both sides' traces name theirs (``gpu_differences``)."""
+    said = [isinstance(d, dict) and isinstance(d.get("run"), dict) and "preset" in d["run"]
+            for d in (base_doc, run_doc)]
     if said[0] == said[1] or (said[1] and not traces[0]):
         return []
     lacking = "run" if said[0] else "baseline"
     what = "a trace" if traces[1 if said[0] else 0] else "a breakdown"
-    return [f"the {lacking} records no capture settings ({what} of its own): preset, batch, "
-            "TP and GPU not compared"]
+    return [f"the {lacking} records no capture settings ({what} of its own): preset, batch "
+            "and TP not compared"]
 
 
 def request_differences(baseline: dict[str, Breakdown], current: dict[str, Breakdown]

@@ -1433,7 +1433,7 @@ def test_a_cpu_run_s_ops_against_gpu_kernels_times_nothing_and_counts_launches()
     assert gated.result.run_differences == [
         "specialized: a CPU run's ops vs GPU kernels",
         "the run records no capture settings (a trace of its own): preset, "
-        "batch, TP and GPU not compared"]
+        "batch and TP not compared"]
     assert {c.status for c in gated.result.checks if c.layer_type == "step"
             and c.metric.endswith("_us")} == {"changed"}
     assert gate_files(trace, trace).result.run_differences == []
@@ -2925,9 +2925,11 @@ def test_a_kernel_added_to_some_layers_is_named(tmp_path):
 
 def test_strict_fails_where_one_side_records_no_capture_settings_or_another_batch(tmp_path):
     """A run's baseline against a bare trace (a nightly job given the wrong file) cannot
-    compare preset, batch, TP or GPU: a difference, a failure under --strict. A trace in a
-    run directory was captured as its run.json says; vLLM's step annotation says its decode
-    requests a step (another batch: a difference)."""
+    compare preset, batch or TP: a difference, a failure under --strict. A trace in a run
+    directory was captured as its run.json says; vLLM's step annotation says its decode
+    requests a step (another batch: a difference). A baseline stored from a `trace --from`
+    run records no capture either (its run.json names the traces it read): the same trace
+    against it passes --strict."""
     import gzip
 
     from click.testing import CliRunner
@@ -2938,7 +2940,7 @@ def test_strict_fails_where_one_side_records_no_capture_settings_or_another_batc
     (base := tmp_path / "base.json").write_text(json.dumps(
         run_doc | {"paths": {"standard": load_run(trace)[0]["trace"].to_json()}}))
     unknown = ("the run records no capture settings (a trace of its own): "
-               "preset, batch, TP and GPU not compared")
+               "preset, batch and TP not compared")
     lax = gate_files(base, trace, path_name="standard").result
     assert lax.ok and lax.run_differences == [unknown]
     strict = gate_files(base, trace, path_name="standard", strict=True).result
@@ -2968,6 +2970,16 @@ def test_strict_fails_where_one_side_records_no_capture_settings_or_another_batc
     # (a stored breakdown given as the run, where the baseline records its settings, is not)
     assert gate_files(base, stored, path_name="standard").result.run_differences == [
         unknown.replace("a trace of its own", "a breakdown of its own")]
+    # a baseline stored from a `trace --from` run of the trace: the next night's trace passes
+    assert CliRunner().invoke(main, ["trace", "--from", str(trace), "--out",
+                                     str(tmp_path / "analysed")]).exit_code == 0
+    (analysed,) = (tmp_path / "analysed").iterdir()
+    from_run = tmp_path / "from_run.json"
+    out = CliRunner().invoke(main, ["gate", "--update", str(from_run), str(analysed)])
+    assert out.exit_code == 0, out.output
+    for baseline in (from_run, analysed):
+        out = CliRunner().invoke(main, ["gate", str(baseline), str(trace), "--strict"])
+        assert out.exit_code == 0 and "captured differently" not in out.output, out.output
     # a trace is one path: the other paths its run captured are no difference
     one_path = json.loads(base.read_text())
     one_path["run"]["request"]["paths"] = ["standard"]
