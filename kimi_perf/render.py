@@ -723,9 +723,11 @@ def gate_headline(result: GateResult) -> str:
                      f"{n} {status}" + ("s" if n > 1 and status == "regression" else "")
                      + (" on every step" if status == "fell back" else "")
                      for status, n in sorted(counts.items(), reverse=True))
-    return (f"gate: FAIL, {said}: {worst}"
-            + (f"; and {more} more (the table lists {'it' if more == 1 else 'them'})" if more > 0
-               else ""))
+    # (a layer type's name from a stored breakdown edited by hand may hold control
+    # characters: written out, as the table's cells are)
+    return printable(f"gate: FAIL, {said}: {worst}"
+                     + (f"; and {more} more (the table lists {'it' if more == 1 else 'them'})"
+                        if more > 0 else ""))
 
 
 def _device_lost(where: tuple[str, int | None], checks: list[Check]) -> str:

@@ -617,6 +617,23 @@ def test_a_baseline_keeps_the_tolerances_it_was_stored_with(tmp_path):
     assert properties["rel_tol"] == "0.1"
 
 
+def test_the_verdict_s_line_writes_a_layer_type_s_control_characters_out():
+    """A layer type named with an escape sequence (a stored breakdown edited by hand: the
+    readers write a trace's out as they read it) is written out in the FAIL line too, as in
+    the table's cells, not sent to the terminal or the CI log to act on."""
+    from kimi_perf.gate import GatedRun
+    from kimi_perf.render import gate_document, gate_headline, gate_text
+
+    odd = "k\x1b[2Jda\x01"
+    base = _run({odd: 9, "mla": 12}, {odd: KDA, "mla": MLA})
+    run = _run({odd: 10, "mla": 12}, {odd: KDA, "mla": MLA})
+    gated = GatedRun(gate(base, run), base, run, {}, None, (Path("b.json"), Path("r.json")))
+    headline = gate_headline(gated.result)
+    assert headline.startswith("gate: FAIL") and "k\\x1b[2Jda\\x01" in headline
+    for said in (headline, gate_text(gated), gate_document(gated)["headline"]):
+        assert "\x1b" not in said and "\x01" not in said
+
+
 def test_a_gpu_trace_that_lost_a_layer_type_says_it_once():
     """The README's line: a GPU trace's lost type fails its layers, both kernel counts and
     both times, one item of the verdict naming the five."""
