@@ -1676,32 +1676,50 @@ def _layers_check(path: str, label: str, base: Breakdown | None, base_type: str 
         # (an edge layer of a letter of its own on one side, of a commoner one on the other)
         return Check(path, label, "layers", b, c, _change(b, c), None, "changed",
                      "the pattern typed the steps' layers otherwise: as many a step")
+    # (the devices that changed, where others did not: the median over every device's steps
+    # of two, one of which lost a layer, is a half that no step holds)
+    changed, pairs = _device_layer_changes(base, base_type, cur, cur_type)
+    devices = (" (" + ", ".join(f"device {d}: {x:g} -> {y:g}" for _, d, x, y in changed) + ")"
+               if changed and len(changed) < pairs else "")
     return Check(path, label, "layers", b, c, _change(b, c), None, "differs",
-                 f"{b:g} layers a step in the baseline, {c:g} in the run")
+                 f"{b:g} layers a step in the baseline, {c:g} in the run{devices}")
 
 
 def _device_layers_check(path: str, label: str, base: Breakdown, base_type: str,
                          cur: Breakdown, cur_type: str, whole: float) -> Check | None:
     """A device of a job of several whose steps hold other numbers of layers (of the type)
-    than its pair's: ``differs``, the first such device (None where none does, or the pattern
-    typed the device's layers otherwise, as many a step)."""
+    than its pair's: ``differs``, the first such device (None where none does)."""
+    changed, _ = _device_layer_changes(base, base_type, cur, cur_type)
+    if not changed:
+        return None
+    base_device, cur_device, x, y = changed[0]
+    return Check(path, label, "layers", x, y, _change(x, y), None, "differs",
+                 f"device {cur_device}: {x:g} layers a step in the baseline, {y:g} in the run "
+                 f"(the median step of every device: {whole:g} in both)",
+                 device=cur_device, baseline_device=base_device)
+
+
+def _device_layer_changes(base: Breakdown, base_type: str, cur: Breakdown, cur_type: str
+                          ) -> tuple[list[tuple[int, int, float, float]], int]:
+    """Each device pair of a job whose steps hold other numbers of layers (of the type) on
+    the two sides, as (baseline's device, run's device, layers a step in each), but where the
+    pattern typed the device's layers otherwise, as many a step; and how many pairs there
+    are."""
     pairs = [(b, c) for b, c in device_pairs(base, cur) if None not in (b, c)]
     if not pairs:
-        return None
+        return [], 0
     ours, theirs = _device_layer_counts(base, base_type), _device_layer_counts(cur, cur_type)
     steps = ((_device_layer_counts(base, STEP), _device_layer_counts(cur, STEP))
              if base_type != STEP and (_digest(base, base_type) or _digest(cur, cur_type))
              else None)
+    changed = []
     for base_device, cur_device in pairs:
         x, y = ours.get(base_device), theirs.get(cur_device)
         if None in (x, y) or x == y or (steps and steps[0].get(base_device) == steps[1].get(
                 cur_device) is not None):
             continue
-        return Check(path, label, "layers", x, y, _change(x, y), None, "differs",
-                     f"device {cur_device}: {x:g} layers a step in the baseline, {y:g} in the "
-                     f"run (the median step of every device: {whole:g} in both)",
-                     device=cur_device, baseline_device=base_device)
-    return None
+        changed.append((base_device, cur_device, x, y))
+    return changed, len(pairs)
 
 
 def _device_layer_counts(b: Breakdown, layer_type: str) -> dict[int, float]:

@@ -3760,3 +3760,15 @@ def test_a_rank_that_lost_a_layer_a_step_is_other_work():
     assert device_step.change == pytest.approx(-1 / 3, abs=0.01)
     assert "other work" in device_step.detail
     assert not gate(base, _job_of_steps({d: steps for d in range(4)}, layers_a_step=3)).failures
+    # one of two: the median over every device's steps moves by a half that no step holds;
+    # the rank that lost it is said beside it
+    pair = _job_of_steps({d: steps for d in range(2)}, layers_a_step=3)
+    lost = _job_of_steps({d: steps for d in range(2)}, layers_a_step={0: 3, 1: 2})
+    layers = next(c for c in gate(pair, lost).checks if (c.layer_type, c.metric) == (
+        "kda", "layers"))
+    assert (layers.baseline, layers.current, layers.status) == (3, 2.5, "differs")
+    assert layers.detail == ("3 layers a step in the baseline, 2.5 in the run (device 1: 3 -> "
+                             "2)")
+    both = _job_of_steps({d: steps for d in range(2)}, layers_a_step=2)   # (each: the whole)
+    assert next(c for c in gate(pair, both).checks if (c.layer_type, c.metric) == (
+        "kda", "layers")).detail == "3 layers a step in the baseline, 2 in the run"
