@@ -723,6 +723,11 @@ def gate_headline(result: GateResult) -> str:
                      f"{n} {status}" + ("s" if n > 1 and status == "regression" else "")
                      + (" on every step" if status == "fell back" else "")
                      for status, n in sorted(counts.items(), reverse=True))
+    # sides captured or broken down differently fail nothing without --strict, yet explain
+    # what did fail (decode steps against mixed ones: "regressions"): said with the counts
+    unlike = [*(result.run_differences or []), *result.breakdown_differences]
+    if unlike and not {"captured differently", "broken down differently"} & set(counts):
+        said += f" (the sides differ: {_clipped('; '.join(unlike))})"
     # (a layer type's name from a stored breakdown edited by hand may hold control
     # characters: written out, as the table's cells are)
     return printable(f"gate: FAIL, {said}: {worst}"

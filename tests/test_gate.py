@@ -634,6 +634,25 @@ def test_the_verdict_s_line_writes_a_layer_type_s_control_characters_out():
         assert "\x1b" not in said and "\x01" not in said
 
 
+def test_the_fail_line_says_the_sides_differ_where_that_fails_nothing():
+    """Without --strict, decode steps gated against mixed ones fail as regressions, and how
+    the sides differ (which explains them) was a line above the table alone: the FAIL line,
+    all a CI log's reader may see, says it with its counts. Under --strict it is a failure
+    of its own, said first, not twice."""
+    decode = KINETO / "tracelens_vllm_gptoss20b_decode_fullgraph_mi300x.json.gz"
+    mixed = KINETO / "tracelens_vllm_gptoss20b_prefilldecode_piecewise_mi300x.json.gz"
+    lax = CliRunner().invoke(main, ["gate", str(decode), str(mixed)])
+    headline = lax.output.strip().splitlines()[-1]
+    assert lax.exit_code == 1 and re.match(
+        r"gate: FAIL, \d+ regressions \(the sides differ: steps decode vs mixed; decode "
+        r"requests a step 32 vs 37\): trace ", headline), headline
+    strict = CliRunner().invoke(main, ["gate", str(decode), str(mixed), "--strict"])
+    headline = strict.output.strip().splitlines()[-1]
+    assert headline.count("steps decode vs mixed") == 1 and "the sides differ" not in headline
+    assert CliRunner().invoke(main, ["gate", str(decode), str(decode)]).output.strip(
+        ).splitlines()[-1].startswith("gate: pass")
+
+
 def test_a_gpu_trace_that_lost_a_layer_type_says_it_once():
     """The README's line: a GPU trace's lost type fails its layers, both kernel counts and
     both times, one item of the verdict naming the five."""
