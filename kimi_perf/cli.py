@@ -1540,7 +1540,7 @@ def validate(preset_name: str, n_layers: int | None, paths: str, steps: int,
               "1 on a GPU)")
 @click.option("--context", type=Count(1), help="prompt tokens before decoding (default: 8 on "
               "a CPU, 512 on a GPU)")
-@click.option("--steps", "steps_arg", help="profiled decode steps (default: 3 on a CPU, 20 on "
+@click.option("--steps", "steps_arg", help="profiled decode steps (default: 3 on a CPU, 40 on "
               "a GPU); with --from, a regex for the step ranges")
 @click.option("--warmup", type=Count(0), help="decode steps before profiling (default: 1 on "
               "a CPU, 3 on a GPU)")

@@ -784,7 +784,8 @@ def gate_said(gated: GatedRun, show_all: bool = False) -> list[tuple[Table | str
                                                 f" ({settings.get(key, 'none')} given)")
                         for key in result.stored_tolerances if key in kept)
             + " (--rel-tol, --abs-tol, --alpha, --metrics given override them)"), None))
-    if result.spread_runs:
+    # (with no time checked, --metrics kernels, the spread is of nothing the gate checked)
+    if result.spread_runs and any("_us" in c.metric for c in result.checks):
         within = sum(c.tested_over == "runs" and c.status == "noise" for c in result.checks)
         said.append((f"the baseline keeps the spread of its {result.spread_runs} runs (gate "
                      "--update --spread-from): a time past the tolerances and its steps' test "

@@ -998,9 +998,11 @@ def _partials_said(path: Path) -> str:
 
 
 def _json_not_a_trace(path: Path) -> str | None:
-    """Why a JSON file (gzipped or not) is no trace, where it is neither a list (Chrome's
-    bare event list) nor an object whose head names a Kineto key: a profiler's directory
-    often holds other JSON (a config, a summary) beside its traces. An empty one is a trace
+    """Why a JSON file (gzipped or not) is no trace, where it is an object whose head names
+    no Kineto key: a profiler's directory often holds other JSON (a config, a summary) beside
+    its traces. A list is Chrome's bare event list; anything else under a JSON name is read,
+    by its content (an nsys export named .json), or said by the reader (a rank's trace
+    written over with garbage: an error, not a rank left out). An empty one is a trace
     cut short where its name says trace (gzipped, or ``*.trace.json``: a rank that crashed
     before writing, which the reader says), else left out as empty (a summary not written),
     unless ``trace_files`` finds it named as a trace beside it is."""
@@ -1014,10 +1016,10 @@ def _json_not_a_trace(path: Path) -> str | None:
     head = head.lstrip(b"\xef\xbb\xbf \t\r\n")
     if not head:
         return None if path.name.endswith((".gz", ".trace.json")) else "an empty file"
-    if head.startswith(b"[") or b'"traceEvents"' in head or b'"schemaVersion"' in head:
-        return None
     if head.startswith(ARROW_MAGIC):
         return "a .kptrace under a JSON name: name it *.kptrace"
+    if not head.startswith(b"{") or b'"traceEvents"' in head or b'"schemaVersion"' in head:
+        return None
     return "JSON that is not a trace"
 
 

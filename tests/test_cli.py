@@ -970,6 +970,21 @@ def _one_line_error(result, *fragments: str) -> None:
         assert fragment in lines[0]
 
 
+def test_trace_s_help_says_the_defaults_it_runs():
+    """`trace --help` says each default of the embedded run, on a CPU and on a GPU, as
+    ``capture.default_request`` makes it (the GPU's steps read 20 after they became 40)."""
+    from kimi_perf.capture import default_request
+
+    text = " ".join(run("trace", "--help").output.split())
+    cpu, gpu = default_request(False), default_request(True)
+    for option, field in (("--batch", "batch"), ("--context", "context"),
+                          ("--steps", "steps"), ("--warmup", "warmup")):
+        said = re.search(rf"{option}\b[^(]*\(default: (\d+) on a CPU, (\d+) on a GPU\)", text)
+        assert said and said.groups() == (str(getattr(cpu, field)), str(getattr(gpu, field))), (
+            option, said and said.group(0))
+    assert f"(default: {cpu.preset} on a CPU, {gpu.preset} on a GPU)" in text
+
+
 def test_every_command_s_help_line_is_whole():
     """`kimi-perf --help` lists each command with a line of its own that click has not cut
     off mid-sentence ("exit 1 on a..."), at 80 columns."""
@@ -3731,6 +3746,32 @@ def test_breakdown_csv_of_a_trace_without_layers_is_refused(tmp_path):
     assert run("breakdown", trace, "--format", "json").exit_code == 0
     rows = run("breakdown", VLLM, "--format", "csv").output.splitlines()
     assert len(rows) == 25 and rows[0].startswith("step,device,layer,type")
+
+
+def test_a_directory_s_json_named_files_are_told_by_their_content(tmp_path):
+    """In a directory of ranks, a file under a JSON name that is no JSON object was left out
+    as "JSON that is not a trace", exit 0, the job analysed without it: a rank's trace
+    written over with garbage is the error it is given alone, and an nsys export named .json
+    is read, as formats are told by content. A JSON object that names no Kineto key (a
+    summary) is still left out."""
+    import gzip
+
+    ranks = tmp_path / "ranks"
+    ranks.mkdir()
+    shutil.copy(VLLM, ranks / "rank0.trace.json.gz")
+    (ranks / "rank1.trace.json.gz").write_bytes(gzip.compress(b"garbage"))
+    (ranks / "summary.json").write_text('{"model": "x", "tokens": 3}')
+    result = run("trace", "--from", ranks, "--out", tmp_path / "runs")
+    assert result.exit_code == 2 and not (tmp_path / "runs").exists()
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"kimi-perf: error: {ranks / 'rank1.trace.json.gz'}: unknown format inside the gzip: "
+        "expected an nsys SQLite export or a Kineto JSON trace")
+    (ranks / "rank1.trace.json.gz").unlink()
+    shutil.copy(NSYS / "NVIDIA-Fuser__report1__nsys2025.1.1.sqlite", ranks / "rank1.json")
+    result = run("info", ranks)
+    assert result.exit_code == 0, result.output
+    assert f"{ranks / 'rank1.json'}: nsys-sqlite from NVIDIA Nsight Systems" in result.output
+    assert f"left out: {ranks / 'summary.json'} (JSON that is not a trace)" in result.output
 
 
 def test_an_empty_rank_in_a_directory_is_an_error_not_left_out(tmp_path):

@@ -3147,6 +3147,10 @@ def test_a_baseline_keeps_the_spread_of_several_runs_and_passes_a_run_within_it(
     assert "(runs)" in text and "the baseline keeps the spread of its 5 runs (gate --update " \
         "--spread-from): a time past the tolerances and its steps' test is tested against that " \
         "spread too, where it holds the figure (" in text
+    # (with no time checked, no spread is said: it was of nothing the gate checked)
+    kernels = CliRunner().invoke(main, ["gate", str(spread), files["night"], "--metrics",
+                                        "kernels"])
+    assert kernels.exit_code == 0 and "spread" not in kernels.output, kernels.output
     slow = CliRunner().invoke(main, ["gate", str(spread), files["slow"], "--format", "json",
                                      "--junit", str(tmp_path / "g.xml")])
     doc = json.loads(slow.stdout)
