@@ -95,9 +95,9 @@ def path_options(req: TraceRequest, path: str) -> dict:
 def default_request(on_gpu: bool) -> TraceRequest:
     """The embedded default: the tiny preset on a CPU, four k3-tp8 layers on a GPU (40
     steps: the gate's permutation test of the steps' mean span finds every fourth step 60%
-    slower in 40 a side, p under 0.001; in 20 a side it cannot go far below C(20,5) /
-    C(40,5) = 0.024, the share of splits that put the 5 slow steps on one side, and passed
-    12 times in 20 at alpha 0.01)."""
+    slower in 40 a side, p under 0.001; in 20 a side p is at most about C(20,5) / C(40,5) =
+    0.024, the share of splits that put the 5 slow steps on one side, under alpha 0.01 only
+    where the noise ranks this split high among those: it passed 12 times in 20)."""
     if on_gpu:
         return TraceRequest(preset="k3-tp8", n_layers=4, batch=1, context=512, steps=40,
                             warmup=3)

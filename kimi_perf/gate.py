@@ -950,9 +950,13 @@ def settings_unknown(base_doc: object, run_doc: object, traces: tuple[bool, bool
     if said[0] == said[1] or (said[1] and not traces[0]):
         return []
     lacking = "run" if said[0] else "baseline"
-    what = "a trace" if traces[1 if said[0] else 0] else "a breakdown"
-    return [f"the {lacking} records no capture settings ({what} of its own): preset, batch "
-            "and TP not compared"]
+    side = 1 if said[0] else 0
+    doc = (base_doc, run_doc)[side]
+    what = ("traces analysed with trace --from" if isinstance(doc, dict)
+            and isinstance(doc.get("run"), dict) else "a trace of its own" if traces[side]
+            else "a breakdown of its own")
+    return [f"the {lacking} records no capture settings ({what}): preset, batch and TP not "
+            "compared"]
 
 
 def request_differences(baseline: dict[str, Breakdown], current: dict[str, Breakdown]

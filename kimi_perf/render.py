@@ -658,6 +658,7 @@ GATE_HEADLINE_DETAIL = 100
 
 
 def _clipped(text: str) -> str:
+    text = printable(text)   # (as written: an escape is 4 characters of the 100)
     return text if len(text) <= GATE_HEADLINE_DETAIL else (
         text[:GATE_HEADLINE_DETAIL - 1].rstrip(" ,;") + "…")
 

@@ -1000,9 +1000,10 @@ def _partials_said(path: Path) -> str:
 def _json_not_a_trace(path: Path) -> str | None:
     """Why a JSON file (gzipped or not) is no trace, where it is an object whose head names
     no Kineto key: a profiler's directory often holds other JSON (a config, a summary) beside
-    its traces. A list is Chrome's bare event list; anything else under a JSON name is read,
-    by its content (an nsys export named .json), or said by the reader (a rank's trace
-    written over with garbage: an error, not a rank left out). An empty one is a trace
+    its traces, or a short JSON value (a status, a count). A list is Chrome's bare event
+    list; anything else under a JSON name is read, by its content (an nsys export named
+    .json), or said by the reader (a rank's trace written over with garbage: an error, not a
+    rank left out). An empty one is a trace
     cut short where its name says trace (gzipped, or ``*.trace.json``: a rank that crashed
     before writing, which the reader says), else left out as empty (a summary not written),
     unless ``trace_files`` finds it named as a trace beside it is."""
@@ -1013,12 +1014,20 @@ def _json_not_a_trace(path: Path) -> str | None:
             head = f.read(JSON_HEAD)
     except (OSError, EOFError, zlib.error):
         return None   # unreadable: the reader says why
+    whole = len(head) < JSON_HEAD
     head = head.lstrip(b"\xef\xbb\xbf \t\r\n")
     if not head:
         return None if path.name.endswith((".gz", ".trace.json")) else "an empty file"
     if head.startswith(ARROW_MAGIC):
         return "a .kptrace under a JSON name: name it *.kptrace"
-    if not head.startswith(b"{") or b'"traceEvents"' in head or b'"schemaVersion"' in head:
+    if head.startswith(b"{"):
+        return None if b'"traceEvents"' in head or b'"schemaVersion"' in head else (
+            "JSON that is not a trace")
+    if head.startswith(b"[") or not whole:
+        return None
+    try:   # (a short file: a status "done", a count)
+        json.loads(head)
+    except ValueError:   # (not UTF-8 either)
         return None
     return "JSON that is not a trace"
 

@@ -3753,7 +3753,7 @@ def test_a_directory_s_json_named_files_are_told_by_their_content(tmp_path):
     as "JSON that is not a trace", exit 0, the job analysed without it: a rank's trace
     written over with garbage is the error it is given alone, and an nsys export named .json
     is read, as formats are told by content. A JSON object that names no Kineto key (a
-    summary) is still left out."""
+    summary), or a short JSON value (a status), is still left out."""
     import gzip
 
     ranks = tmp_path / "ranks"
@@ -3772,6 +3772,10 @@ def test_a_directory_s_json_named_files_are_told_by_their_content(tmp_path):
     assert result.exit_code == 0, result.output
     assert f"{ranks / 'rank1.json'}: nsys-sqlite from NVIDIA Nsight Systems" in result.output
     assert f"left out: {ranks / 'summary.json'} (JSON that is not a trace)" in result.output
+    (ranks / "status.json").write_text('"done"\n')   # (JSON, no object: left out too)
+    result = run("info", ranks)
+    assert result.exit_code == 0 and (f"{ranks / 'status.json'} (JSON that is not a trace); "
+                                      f"{ranks / 'summary.json'}") in result.output
 
 
 def test_an_empty_rank_in_a_directory_is_an_error_not_left_out(tmp_path):

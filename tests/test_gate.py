@@ -3016,6 +3016,9 @@ def test_strict_fails_where_one_side_records_no_capture_settings_or_another_batc
     for baseline in (from_run, analysed):
         out = CliRunner().invoke(main, ["gate", str(baseline), str(trace), "--strict"])
         assert out.exit_code == 0 and "captured differently" not in out.output, out.output
+    # (and against a capture's baseline, it says what it is)
+    assert gate_files(base, analysed, path_name="standard").result.run_differences == [
+        unknown.replace("a trace of its own", "traces analysed with trace --from")]
     # a trace is one path: the other paths its run captured are no difference
     one_path = json.loads(base.read_text())
     one_path["run"]["request"]["paths"] = ["standard"]
