@@ -97,7 +97,7 @@ def default_request(on_gpu: bool) -> TraceRequest:
     steps: the gate's permutation test of the steps' mean span finds every fourth step 60%
     slower in 40 a side, p under 0.001; in 20 a side p is at most about C(20,5) / C(40,5) =
     0.024, the share of splits that put the 5 slow steps on one side, under alpha 0.01 only
-    where the noise ranks this split high among those: it passed 12 times in 20)."""
+    where the noise ranks this split high among those: found 7 to 11 times in 20)."""
     if on_gpu:
         return TraceRequest(preset="k3-tp8", n_layers=4, batch=1, context=512, steps=40,
                             warmup=3)

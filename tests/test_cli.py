@@ -2956,9 +2956,8 @@ def test_a_signal_mid_run_leaves_nothing_and_is_no_regression(tmp_path, monkeypa
 
     def killed(path, *args, **kwargs):
         path.write_text("half a report")
-        # To this thread, not os.kill(os.getpid()), which may land on another (pytest-xdist's
-        # workers have one, execnet's, unseen by threading): Python 3.11 runs the handler
-        # only once the main thread next takes the GIL, after the command, in a later test.
+        # To this thread alone, whatever other threads the process has (pytest-xdist's
+        # workers have one, execnet's, unseen by threading), rather than process-wide
         signal.raise_signal(signum)
 
     monkeypatch.setattr(kimi_perf.report, "write_report", killed)
