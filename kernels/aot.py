@@ -778,6 +778,15 @@ def sources_digest() -> str:
     return digest.hexdigest()
 
 
+def read_table(path: Path) -> dict:
+    """The table that ``--json`` wrote to path, known to be of these sources: one compiled
+    from other kernels or decode paths (a stale file named by hand) is a ValueError."""
+    doc = json.loads(Path(path).read_text())
+    if doc.get("sources") != sources_digest():
+        raise ValueError(f"{path}: a table of other kernel sources (compile it again)")
+    return doc
+
+
 def json_file_problem(text: str) -> str | None:
     """Why --json cannot be written (checked before the minutes of compiling), or None."""
     from kimi_perf.errors import TraceError
