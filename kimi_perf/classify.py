@@ -6,6 +6,7 @@ import hashlib
 import re
 import stat
 import tomllib
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
 from importlib import resources
@@ -123,16 +124,33 @@ def classify_name(name: str, rules: list[Rule]) -> str:
     return OTHER
 
 
-def classify(names: np.ndarray, strings: list[str], rules: list[Rule]) -> tuple[np.ndarray,
-                                                                               list[str]]:
+def layout_class_name(name: str, rules: list[Rule]) -> str:
+    """The class the layer finder reads for a kernel: the rules' class where it is one of the
+    shipped classes (a user's rule may say that a kernel no default rule knows attends), else
+    the default rules' class. A class of one's own (``kda``) relabels the figures alone: it
+    would otherwise move the layers' cuts, which look for attention, routers and copies."""
+    label = classify_name(name, rules)
+    if label in _shipped_classes():
+        return label
+    return classify_name(name, default_rules())
+
+
+@cache
+def _shipped_classes() -> frozenset[str]:
+    return frozenset({r.cls for r in _shipped_rules()} | {OTHER})
+
+
+def classify(names: np.ndarray, strings: list[str], rules: list[Rule],
+             class_name: Callable[[str, list[Rule]], str] = classify_name
+             ) -> tuple[np.ndarray, list[str]]:
     """Class code per name code, and the class labels the codes index (one regex pass per
-    distinct name, not per kernel)."""
+    distinct name, not per kernel), each name's class as ``class_name`` gives it."""
     labels: list[str] = []
     index: dict[str, int] = {}
     uniq, inverse = np.unique(names, return_inverse=True)
     codes = np.empty(len(uniq), np.int32)
     for i, code in enumerate(uniq.tolist()):
-        label = classify_name(strings[code], rules)
+        label = class_name(strings[code], rules)
         codes[i] = index.setdefault(label, len(labels))
         if codes[i] == len(labels):
             labels.append(label)

@@ -1002,9 +1002,10 @@ def breakdown_differences(baseline: dict[str, Breakdown], current: dict[str, Bre
     repeating kernel pattern``), or by another option (``--steps``, ``--layers nvtx:REGEX``,
     ``--phase``) that found other ranges (other step names, other layer types or counts a
     step, steps of other phases: a regex spelled otherwise that finds the same is no
-    difference), or, where the repeating kernel pattern cut the layers (it reads kernel
-    classes), other kernel-class rules. How steps and layers were found the sources always
-    say; the options, where both breakdowns record them (``source.breakdown_options``)."""
+    difference), or, where the repeating kernel pattern cut the layers (it reads the shipped
+    classes, which a rule naming one moves), other kernel-class rules. How steps and layers
+    were found the sources always say; the options, where both breakdowns record them
+    (``source.breakdown_options``)."""
     out = []
     for path, base, cur in _paired(baseline, current):
         found = []

@@ -510,7 +510,8 @@ def breakdown(trace: Trace, layers: str = "auto", rules: list[Rule] | str | Path
     ``layers``: how layers are found (``auto``: per-layer ranges when the trace has them,
     else the repeating kernel pattern; ``nvtx``, ``nvtx:REGEX``: ranges only; ``repeat``);
     ``rules``: kernel classes (``load_rules``' list, or a TOML file of rules to put before the
-    defaults); ``step_regex``: the ranges that are steps (default: the step names of
+    defaults; a class of one's own relabels the figures, not the layers: ``GpuOps``);
+    ``step_regex``: the ranges that are steps (default: the step names of
     ``kimi_perf.layers.STEP_PATTERNS``, else graph launches or forward passes); ``phase``:
     which steps count (``kimi_perf.layers.steps_of_phase``; by default the decode steps of a
     trace whose steps are decode and prefill or mixed). The steps left out are counted per

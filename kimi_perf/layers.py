@@ -19,7 +19,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from kimi_perf.classify import Rule, classify, load_rules
+from kimi_perf.classify import Rule, classify, default_rules, layout_class_name, load_rules
 from kimi_perf.errors import COMMAND_LINE, NoStepsMatched, argument
 from kimi_perf.graphs import GRAPH_LAUNCH, capture_launches, capture_memory_calls
 from kimi_perf.memory import release_free_memory
@@ -175,6 +175,10 @@ class GpuOps:
     scope_tid: np.ndarray
     kernel_class: np.ndarray     # codes into class_labels
     class_labels: list[str]
+    # The classes the layer finder reads (``layout_class_name``): a rule's class of one's own
+    # relabels the figures, not the layers' cuts.
+    layout_class: np.ndarray
+    layout_labels: list[str]
     kind: str = "gpu"
 
     @classmethod
@@ -193,6 +197,8 @@ class GpuOps:
         names = cat([k.name, m.name])
         api = cat([k.api, m.api])
         kernel_class, labels = classify(names, trace.strings, rules)
+        layout_class, layout_labels = _layout_classes(names, trace.strings, rules,
+                                                      kernel_class, labels)
         tid = cat([k.tid, m.tid])
         launch_start, launch_end = _call_spans(trace, api)
         captured = capture_launches(trace)
@@ -210,7 +216,8 @@ class GpuOps:
                    pid=cat([k.pid, m.pid]), tid=tid,
                    api=api, launch_start=launch_start, launch_end=launch_end,
                    scope_api=scope_api, scope_start=scope_start, scope_end=scope_end,
-                   scope_tid=scope_tid, kernel_class=kernel_class, class_labels=labels)
+                   scope_tid=scope_tid, kernel_class=kernel_class, class_labels=labels,
+                   layout_class=layout_class, layout_labels=layout_labels)
 
     @classmethod
     def _cpu_ops(cls, trace: Trace, rules: list[Rule]) -> GpuOps | None:
@@ -230,16 +237,27 @@ class GpuOps:
             bare_codes[i] = index[bare]
         stripped = bare_codes[of_row]
         kernel_class, labels = classify(stripped, trace.strings, rules)
+        layout_class, layout_labels = _layout_classes(stripped, trace.strings, rules,
+                                                      kernel_class, labels)
         return cls(name=stripped, start=r.start[rows], end=r.end[rows],
                    device=np.full(len(rows), -1, np.int32),
                    stream=np.full(len(rows), -1, np.int64), pid=r.pid[rows], tid=r.tid[rows],
                    api=rows.astype(np.int64), launch_start=r.start[rows],
                    launch_end=r.end[rows], scope_api=rows.astype(np.int64),
                    scope_start=r.start[rows], scope_end=r.end[rows], scope_tid=r.tid[rows],
-                   kernel_class=kernel_class, class_labels=labels, kind="cpu-ops")
+                   kernel_class=kernel_class, class_labels=labels, layout_class=layout_class,
+                   layout_labels=layout_labels, kind="cpu-ops")
 
     def __len__(self) -> int:
         return len(self.name)
+
+
+def _layout_classes(names: np.ndarray, strings: list[str], rules: list[Rule],
+                    kernel_class: np.ndarray, labels: list[str]) -> tuple[np.ndarray, list[str]]:
+    """``GpuOps.layout_class``: under the default rules, the kernel classes themselves."""
+    if rules == default_rules():
+        return kernel_class, labels
+    return classify(names, strings, rules, layout_class_name)
 
 
 def _call_spans(trace: Trace, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -794,9 +812,9 @@ def layers_from_repeats(ops: GpuOps, steps: list[Step]) -> bool:
     found = False
     for step in steps:
         rows = step.ops if step.borrowed is None else step.ops[~step.borrowed]
-        classes = ops.kernel_class[rows]
-        split = find_repeats(ops.name[rows], classes, attending(classes, ops.class_labels),
-                             generic=generic_ops(classes, ops.class_labels))
+        classes = ops.layout_class[rows]
+        split = find_repeats(ops.name[rows], classes, attending(classes, ops.layout_labels),
+                             generic=generic_ops(classes, ops.layout_labels))
         if split is None:
             continue
         found = True
@@ -841,9 +859,9 @@ def passes_from_layer_cycle(ops: GpuOps, step: Step) -> list[Step] | None:
     for (lo, hi), is_whole in zip(pairwise(cuts), whole_parts, strict=True):
         if not is_whole:             # the trace begins or ends within this pass
             continue
-        classes = ops.kernel_class[rows[lo:hi]]
-        split = find_repeats(names[lo:hi], classes, attending(classes, ops.class_labels),
-                             layers=period, generic=generic_ops(classes, ops.class_labels))
+        classes = ops.layout_class[rows[lo:hi]]
+        split = find_repeats(names[lo:hi], classes, attending(classes, ops.layout_labels),
+                             layers=period, generic=generic_ops(classes, ops.layout_labels))
         if split is None:
             return None
         whole.append((lo, hi, lo + split.starts, lo + split.ends))

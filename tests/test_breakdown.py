@@ -1949,6 +1949,45 @@ def test_rules_may_be_given_as_their_toml_file(tmp_path):
     assert "mine" in by_file.layer_types[0]["classes"]
 
 
+@pytest.mark.parametrize(("trace", "pattern"), [
+    ("examples/vllm_gptoss20b_decode_fullgraph_mi300x.json.gz", "attn|attention|fmha|flash"),
+    ("nsysai_fastvideo_wan2.1_train_2xh100_before.sqlite", "flash")])
+def test_a_class_of_ones_own_relabels_kernels_and_leaves_the_layers_alone(tmp_path, trace,
+                                                                         pattern):
+    """A rule naming a class of its own (README's ``kda``) moves the attention kernels out of
+    "attention": the repeating pattern's cuts, which look for attention, stay where the
+    shipped classes put them (they halved the example's 24 layers into 12, and cut the wan
+    training step's 157-kernel layer into fragments)."""
+    rules = tmp_path / "rules.toml"
+    rules.write_text(f'[[rule]]\nclass = "mine"\npattern = "{pattern}"\n')
+    source = REPO / "kimi_perf" / trace if trace.startswith("examples") else NSYS / trace
+    plain, own = (breakdown(read_trace(source), rules=r) for r in (None, rules))
+    shape = [(t["type"], t["layers"], t["kernels"], t["span_us"]) for t in plain.layer_types]
+    assert shape == [(t["type"], t["layers"], t["kernels"], t["span_us"])
+                     for t in own.layer_types]
+    assert all("attention" in t["classes"] for t in plain.layer_types)
+    for before, after in zip(plain.layer_types, own.layer_types, strict=True):
+        assert after["classes"]["mine"]["us"] > 0
+        assert after["classes"].get("attention", {}).get("kernels", 0) < before["classes"][
+            "attention"]["kernels"]
+
+
+def test_a_rule_naming_a_shipped_class_reaches_the_layer_finder(tmp_path):
+    """A kernel no default rule knows, said by a user's rule to attend, attends for the layer
+    finder too; one relabelled to a class of one's own keeps its shipped class there."""
+    from kimi_perf.classify import layout_class_name
+
+    rules = tmp_path / "rules.toml"
+    rules.write_text('[[rule]]\nclass = "attention"\npattern = "my_fused_op"\n'
+                     '[[rule]]\nclass = "kda"\npattern = "kda"\n')
+    loaded = load_rules(rules)
+    assert classify_name("my_fused_op_kernel", default_rules()) == "other"
+    assert layout_class_name("my_fused_op_kernel", loaded) == "attention"
+    assert classify_name("fused_recurrent_kda_fwd_kernel", loaded) == "kda"
+    assert layout_class_name("fused_recurrent_kda_fwd_kernel", loaded) == "attention"
+    assert layout_class_name("nccl_allreduce", loaded) == "communication"
+
+
 def test_json_text_is_json_dumps_text_and_escapes_what_json_escapes():
     """The JSON writer (msgspec under the hood) gives json.dumps(indent=1)'s text for what
     breakdowns hold, escapes names that are not ASCII as json does, and takes a str subclass
