@@ -157,6 +157,18 @@ def cast(x, dtype: tl.constexpr, EMULATE_RNE: tl.constexpr):
 
 
 @triton.jit
+def mma(a, b, acc, DOT_FP32: tl.constexpr):
+    """acc + a · b on the tensor cores, a and b in the dtype they take (bf16: products exact
+    in fp32; fp32 operands: tf32). Under the interpreter (``DOT_FP32``), whose bf16 dot is
+    wrong, the same operands' products in fp32: the callers round their operands (``cast``)
+    as on a GPU either way, so the tests check that rounding too; only tf32's is not."""
+    if DOT_FP32:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc)
+
+
+@triton.jit
 def stable_sigmoid(x):
     """1 / (1 + e^-x) from e^-|x|, which cannot overflow: a long-memory decay gate's argument
     runs to -100 and beyond, where e^-x is inf (the interpreter warns of it)."""

@@ -27,6 +27,7 @@ from kimi_perf_kernels.common import (
     cast,
     interpreter_tiles,
     launch_options,
+    mma,
 )
 from kimi_perf_kernels.mla_concat_insert import (
     check_cache,
@@ -59,10 +60,7 @@ def mla_absorb_insert_kernel(q_ptr, wuk_ptr, qhat_ptr, kv_ptr, kv_norm_ptr, cach
         q_rows = q_ptr + rows[:, None] * stride_q + h * (NOPE + ROPE)
         q_nope = tl.load(q_rows + n[None, :], mask=row_ok[:, None], other=0.0)
         w = tl.load(wuk_ptr + (h * NOPE + n[:, None]) * LORA + ls[None, :])
-        if DOT_FP32:
-            ql = tl.dot(q_nope.to(tl.float32), w.to(tl.float32), input_precision="ieee")
-        else:
-            ql = tl.dot(q_nope, w)      # bf16 products, summed in fp32
+        ql = mma(q_nope, w, None, DOT_FP32)      # bf16 products, summed in fp32
         qhat = qhat_ptr + (rows[:, None] * H + h) * (LORA + ROPE)
         ql = cast(ql, q_ptr.dtype.element_ty, RNE)
         tl.store(qhat + ls[None, :], quantised(ql, q_scale, qhat_ptr.dtype.element_ty, FP8, RNE),

@@ -37,6 +37,7 @@ from kimi_perf_kernels.common import (
     check_layout,
     interpreter_tiles,
     launch_options,
+    mma,
 )
 from kimi_perf_kernels.mla_concat_insert import check_cache
 
@@ -63,9 +64,6 @@ def mla_attention_kernel(qhat_ptr, cache_ptr, pos_ptr, out_ptr, lse_ptr, M, H, T
     if FP8:  # an fp8 q̂, exact in bf16 like the cache's rows
         q_lat = q_lat.to(tl.bfloat16)
         q_pe = q_pe.to(tl.bfloat16)
-    if DOT_FP32:
-        q_lat = q_lat.to(tl.float32)
-        q_pe = q_pe.to(tl.float32)
     # positions each row sees: its token's position + 1 (a padding row sees none)
     n_pos = tl.load(pos_ptr + b * T + rows // H, mask=row_ok, other=-1) + 1
     n_last = tl.max(n_pos, axis=0)
@@ -89,12 +87,7 @@ def mla_attention_kernel(qhat_ptr, cache_ptr, pos_ptr, out_ptr, lse_ptr, M, H, T
         if FP8:  # e4m3 is exact in bf16, for the tensor cores; the scale comes after
             kv = kv.to(tl.bfloat16)
             pe = pe.to(tl.bfloat16)
-        if DOT_FP32:
-            kv = kv.to(tl.float32)
-            scores = tl.dot(q_lat, tl.trans(kv), input_precision="ieee") + tl.dot(
-                q_pe, tl.trans(pe.to(tl.float32)), input_precision="ieee")
-        else:
-            scores = tl.dot(q_lat, tl.trans(kv)) + tl.dot(q_pe, tl.trans(pe))
+        scores = mma(q_pe, tl.trans(pe), mma(q_lat, tl.trans(kv), None, DOT_FP32), DOT_FP32)
         seen = s_ok[None, :] & (s[None, :] < n_pos[:, None])
         scores = tl.where(seen, scores * sm_scale, -float("inf"))
         new_max = tl.maximum(running_max, tl.max(scores, axis=1))
@@ -104,10 +97,8 @@ def mla_attention_kernel(qhat_ptr, cache_ptr, pos_ptr, out_ptr, lse_ptr, M, H, T
         rescale = tl.exp(running_max - shift)
         p = tl.exp(scores - shift[:, None])
         total = total * rescale + tl.sum(p, axis=1)
-        if DOT_FP32:
-            acc = acc * rescale[:, None] + tl.dot(p, kv, input_precision="ieee")
-        else:
-            acc = acc * rescale[:, None] + tl.dot(p.to(kv.dtype), kv)  # tf32 for fp32 caches
+        # P in the cache's dtype (bf16: rounded; an fp32 cache's, tf32)
+        acc = mma(cast(p, kv.dtype, RNE), kv, acc * rescale[:, None], DOT_FP32)
         running_max = new_max
     # a split a row does not reach (a short cache, an earlier token) contributes nothing:
     # output 0, lse -inf
@@ -156,8 +147,9 @@ def mla_combine_kernel(parts_ptr, lse_ptr, out_ptr, M, H, LORA: tl.constexpr,
 # 37 MB of cache at full bandwidth); one split per 256 positions of the cache's capacity at
 # most, so that a split's partial output (a head's 512 fp32 values, written and read back)
 # stays small next to what it reads once the cache is full. The count is fixed by shapes (a
-# CUDA graph keeps it), so a cache far from full leaves later splits empty: they read
-# nothing and write a zero partial and an lse of -inf.
+# CUDA graph keeps it); each split takes an equal share of the positions present, in whole
+# blocks of BLOCK_S, so positions fewer than SPLITS blocks leave later splits empty: they
+# read nothing and write a zero partial and an lse of -inf.
 MAX_SPLITS = 64
 MIN_SPLIT_POSITIONS = 256
 

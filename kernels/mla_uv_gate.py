@@ -28,6 +28,7 @@ from kimi_perf_kernels.common import (
     check_layout,
     interpreter_tiles,
     launch_options,
+    mma,
 )
 
 BLOCK_M = 16   # tokens a program takes: the tensor cores' smallest tile
@@ -64,10 +65,7 @@ def mla_uv_gate_kernel(olat_ptr, lse_ptr, wuv_ptr, g_ptr, out_ptr, M, H, stride_
         o = tl.load(olat_ptr + line[:, None] * LORA + ls[None, :], mask=pair_ok[:, None],
                     other=0.0)
         w = tl.load(wuv_ptr + (h * LORA + ls[:, None]) * V + v[None, :])
-        if DOT_FP32:
-            acc += tl.dot(o.to(tl.float32), w.to(tl.float32), input_precision="ieee")
-        else:
-            acc += tl.dot(o, w.to(o.dtype))   # bf16 o_lat, or fp32 partials (tf32)
+        acc = mma(o, w.to(o.dtype), acc, DOT_FP32)   # bf16 o_lat, or fp32 partials (tf32)
     if SPLITS > 1:
         # o · W_UV is linear in o: the partials' products, weighted by exp(lse_j - max lse)
         # and summed over the splits, are the merged o_lat's product.

@@ -43,6 +43,7 @@ from kimi_perf_kernels.common import (
     check_layout,
     interpreter_tiles,
     launch_options,
+    mma,
     prefetch_l2,
     weight_prefetch_bytes,
 )
@@ -112,18 +113,13 @@ def linear_tile(pid, x_ptr, w_ptr, norm_ptr, res_ptr, out_ptr, M, N_OUT, K, stri
             w_up = tl.load(w_ptr + (cols[:, None] + N_OUT) * stride_wn + kk[None, :],
                            mask=col_ok[:, None] & k_ok[None, :], other=0.0)
         if USE_DOT:
-            if DOT_FP32:
-                acc += tl.dot(x, tl.trans(w.to(tl.float32)), input_precision="ieee")
-                if SITU:
-                    acc_up += tl.dot(x, tl.trans(w_up.to(tl.float32)), input_precision="ieee")
-            else:
-                # the tensor cores take the weights' dtype: x · norm is rounded to it here,
-                # before 1/rms (applied to the sums): a rounding of the size the standard
-                # path's bf16 RMSNorm output has, not of the same values; the GEMV keeps fp32
-                xb = x.to(w.dtype)
-                acc += tl.dot(xb, tl.trans(w))
-                if SITU:
-                    acc_up += tl.dot(xb, tl.trans(w_up))
+            # the tensor cores take the weights' dtype: x · norm is rounded to it here,
+            # before 1/rms (applied to the sums): a rounding of the size the standard
+            # path's bf16 RMSNorm output has, not of the same values; the GEMV keeps fp32
+            xb = cast(x, w.dtype, RNE)
+            acc = mma(xb, tl.trans(w), acc, DOT_FP32)
+            if SITU:
+                acc_up = mma(xb, tl.trans(w_up), acc_up, DOT_FP32)
         else:
             acc3 += x[:, None, :] * w.to(tl.float32)[None, :, :]
             if SITU:

@@ -16,7 +16,8 @@ as ``kimi_perf_kernels``). Per KDA layer, at TP 1 (TP > 1 adds the all-reduces):
     S8  moe_fc2_combine_shared_down
                               routed experts' down + weighted sum over the k slots; in the
                               same grid, the shared experts' down-projection (S10)
-    S12 latent_up_proj        routed RMSNorm (prologue) + up-projection + shared add
+    S12 latent_up_proj        routed RMSNorm (in the GEMV's pass) + up-projection +
+                              shared add
 
 9 launches where the standard path makes 18. The shared experts need no stream of their own:
 their tiles share the routed experts' two grids and run beside them. With TP > 1 two
@@ -27,7 +28,7 @@ collective (symmetric memory) and is not done yet. Per gated-MLA layer (12 again
 
     S1  attn_res_pre
     M2  qkv_a_g_proj          one pass over x for [W_q_a; W_kv_a; W_g]
-    M3  q_b_proj              q_a RMSNorm in the GEMV prologue
+    M3  q_b_proj              q_a RMSNorm in the GEMV's pass (1/rms after the loop)
     M4  bmm_w_uk_cache_insert q_nope · W_UK per head; kv RMSNorm into the cache (an fp8
                               cache: the entry and q̂ both fp8)
     M5  mla_decode            all heads of a token over the latent cache, online softmax,
@@ -133,7 +134,7 @@ class SpecializedModel(KernelPathModel):
                                                    self.w[m + "routed_expert_down_proj.weight"]])
 
     def lm_head(self, out: torch.Tensor) -> torch.Tensor:
-        self.launch("lm_head")  # the final RMSNorm rides in the GEMV's prologue
+        self.launch("lm_head")  # the final RMSNorm rides in the GEMV's pass
         return skinny_linear(out, self.w["lm_head.weight"], norm=self.w["model.norm.weight"],
                              out_dtype=torch.float32, eps=self.c.rms_eps)
 

@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from kimi_perf_kernels.skinny_linear import skinny_linear, skinny_linear_reference
-from tests.kernels.util import assert_close_bf16, poison
+from kimi_perf_kernels.skinny_linear import GEMV_MAX_M, skinny_linear, skinny_linear_reference
+from tests.kernels.util import ROUNDED_OPERAND, assert_close_bf16, poison
 
 SITU = (4.0, 25.0)
 
@@ -31,8 +31,9 @@ def test_skinny_linear_matches_reference(m, n, k, fusion, tiles):
     expected = skinny_linear_reference(x, w, out_dtype=out_dtype, **kwargs)
     if out_dtype == torch.float32:
         torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
-    else:
-        assert_close_bf16(out, expected, ulps=2)
+    else:   # (the GEMM rounds x · norm to bf16 for its dot)
+        assert_close_bf16(out, expected, ulps=2, beyond_own_ulp=ROUNDED_OPERAND
+                          if fusion == "norm" and m > GEMV_MAX_M else 0.005)
 
 
 def test_the_weight_prefetch_before_a_pdl_wait_shares_its_budget_in_whole_lines():
