@@ -125,6 +125,11 @@ def test_compare_adds_whole_steps_and_no_mean_layer_of_other_cuts():
     assert ALL_LAYERS not in headline and WHOLE_STEP in headline
     same = {r.type: r for r in compare(a, a)}
     assert same[ALL_LAYERS].span_ratio == 1.0
+    # the median step, not the mean: one slow step of three moves the mean alone
+    slow = copy.deepcopy(a)
+    for s, span in zip(slow.steps, (100.0, 100.0, 400.0), strict=True):
+        s["span_us"] = span
+    assert {r.type: r for r in compare(slow, a)}[WHOLE_STEP].span_us_a == 100.0
     # every layer a range on both sides, 8 a step against 4: models of other depths, whose
     # steps ran other work (a run of 4 layers is no 2x leaner than one of 8)
     for step in b.steps:
@@ -237,6 +242,9 @@ def test_layers_of_one_name_running_other_kernels_have_no_spread():
     same[0].types["kda"], same[1].types["kda"] = (11, 4324.0), (9, 241485.8)
     assert counts_differ(same) == ["kda"] and spreads(same) == []
     assert "whose layers run other numbers of ops" in differing_note(same)
+    # 7 against 6: past the ratio, but one kernel: alike (an NCCL kernel more, say)
+    same[0].types["kda"], same[1].types["kda"] = (7, 4324.0), (6, 4330.0)
+    assert counts_differ(same) == [] and "kda" in {s.type for s in spreads(same)}
 
 
 def test_overview_of_several_traces_names_the_slowest():
@@ -1223,6 +1231,27 @@ def test_two_groups_count_each_layers_kernels_as_its_median_over_the_steps():
     assert two_groups(rows)["A"][0]["kernels"] == [1, 2]
 
 
+def test_no_two_groups_of_a_difference_small_against_the_layer():
+    """Attention at 1 and 2 µs by layer (twice over: past the ratio) in layers of 410 µs:
+    a microsecond is under 2% of the layer, nothing to say; at 10 and 20 µs, two groups."""
+    from types import SimpleNamespace
+
+    from kimi_perf.layer_breakdown import two_groups
+
+    n = 8
+    index = np.tile(np.arange(n), 2)
+
+    def rows(low: float) -> SimpleNamespace:
+        return SimpleNamespace(types=["A"], type_code=np.zeros(2 * n, np.int64),
+                               layer_index=index, span_us=np.full(2 * n, 410.0),
+                               labels=["attention"],
+                               class_us=np.where(index % 2, 2 * low, low)[:, None],
+                               class_kernels=np.ones((2 * n, 1), np.int64))
+    assert two_groups(rows(1.0)) == {"A": []}
+    (group,) = two_groups(rows(10.0))["A"]
+    assert (group["low_us"], group["high_us"]) == (10.0, 20.0)
+
+
 def test_two_groups_of_real_vllm_prefill_layers():
     mixed = KINETO / "tracelens_vllm_gptoss20b_prefilldecode_piecewise_mi300x.json.gz"
     (t,) = breakdown(read_trace(mixed)).layer_types
@@ -1707,9 +1736,12 @@ def test_a_kernel_whose_time_spreads_over_the_layers_shows_its_spread():
     from kimi_perf.render import typical_layer_table
     from kimi_perf.trace import json_text
 
-    ns = np.array([[1000, 130_000, 5000, 1000]] * 12 + [[1000, 300_000, 5000, 1400]] * 12)
-    assert kernel_spreads(ns) == [None, [130.0, 300.0], None, None]
-    assert kernel_spreads(ns[10:13]) == [None] * 4
+    # (the last kernel 1.6x as long in half the layers, but 0.6 µs longer: under a µs)
+    ns = np.array([[1000, 130_000, 5000, 1000, 1000]] * 12
+                  + [[1000, 300_000, 5000, 1400, 1600]] * 12)
+    assert kernel_spreads(ns) == [None, [130.0, 300.0], None, None, None]
+    assert kernel_spreads(ns[:, :4] * 2)[3] is None and kernel_spreads(ns * 2)[4] == [2.0, 3.2]
+    assert kernel_spreads(ns[10:13]) == [None] * 5
     b = breakdown(read_trace(KINETO / "tracelens_vllm_gptoss20b_prefilldecode_piecewise_mi300x"
                                       ".json.gz"))
     (t,) = b.layer_types
@@ -2498,3 +2530,22 @@ def test_passes_of_processes_sharing_a_device_are_numbered_apart():
     steps = breakdown(orphans.build()).steps
     assert [(s["name"], s["kernels"], s["layers"]) for s in steps] == [("device 0", 72, 8)]
     assert steps[0]["pid"] == orphans.kernels[2]["pid"] != -1   # (its process: not -1)
+
+
+def test_work_of_no_known_process_goes_with_one_process_of_a_device_they_share():
+    """Two processes on one device, and two kernels whose process the trace lacks: those go
+    with the process that ran the most, once: the steps hold the trace's 108 kernels (each
+    process's step counting them was 72 + 38)."""
+    llama = ["rmsnorm", "gemm_qkv", "rope", "flash_fwd", "gemm_o", "add_rmsnorm", "gemm_up",
+             "silu_mul", "gemm_down"]
+    b = TraceBuilder()
+    for names, pid in ((llama * 8, 1), (llama * 4, 2)):
+        for name in names:
+            t = b.clock
+            b.launch(name, t, t + 50, t + 200, t + 1200, pid=pid)
+            b.clock += 1100
+    for kernel in b.kernels[:2]:
+        kernel["pid"] = -1
+    steps = breakdown(b.build()).steps
+    assert [(s["name"], s["kernels"]) for s in steps] == [("device 0 pid 1", 72),
+                                                         ("device 0 pid 2", 36)]

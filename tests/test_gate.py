@@ -3798,3 +3798,33 @@ def test_a_rank_that_lost_a_layer_a_step_is_other_work():
     both = _job_of_steps({d: steps for d in range(2)}, layers_a_step=2)   # (each: the whole)
     assert next(c for c in gate(pair, both).checks if (c.layer_type, c.metric) == (
         "kda", "layers")).detail == "3 layers a step in the baseline, 2 in the run"
+
+
+def test_five_samples_a_side_are_enough_for_the_test():
+    """``min_samples`` (5) a side is where the U test starts: a median up 8% that the test
+    finds no more than noise (p about 0.3) is noise there, not a regression by the threshold
+    alone; with 4 a side the threshold decides."""
+    from kimi_perf.gate import _time_check
+
+    base = np.array([100.0, 101.0, 102.0, 103.0, 104.0])
+    cur = np.array([110.0, 99.0, 112.0, 100.0, 111.0])
+    check = _time_check("standard", "step", "span_us", base, cur, Tolerances(), base, cur)
+    assert check.status == "noise" and 0.2 < check.p_value < 0.5
+    fewer = _time_check("standard", "step", "span_us", base[:4], cur[:4], Tolerances(),
+                        base[:4], cur[:4])
+    assert fewer.p_value is None
+
+
+def test_among_devices_that_all_improved_the_most_improved_is_shown():
+    """A TP job whose every device improved (5%, 30%, 10%): the row names the device that
+    improved most, with its figure, not the least."""
+    from kimi_perf.gate import Check, _shown_device
+
+    group = []
+    for device, change in ((0, -0.05), (1, -0.30), (2, -0.10)):
+        check = Check("standard", "kda", "span_us_device", 100.0, 100 * (1 + change), change,
+                      0.001, "improvement")
+        check.device = check.baseline_device = device
+        group.append(check)
+    shown = _shown_device(group, [(0, 0), (1, 1), (2, 2)])
+    assert shown.device == 1 and shown.change == -0.30

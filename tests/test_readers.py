@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import gzip
 import json
@@ -64,11 +65,32 @@ def test_nsys_oldest_schema_drops_backtrace_duplicates():
         (calls,) = db.execute("SELECT count(*) FROM (SELECT DISTINCT globalTid, correlationId "
                               "FROM CUPTI_ACTIVITY_KIND_RUNTIME)").fetchone()
     assert len(key) == len(set(key)) == calls == 57
+    # each kernel's launch is the call itself, not its backtrace row (named without the
+    # version suffix, and of other times)
     launches = np.array(trace.strings, dtype=object)[trace.api.name[trace.kernels.api]]
-    assert all(n.startswith("cudaLaunchKernel") for n in launches)
+    assert set(launches) == {"cudaLaunchKernel_v7000"}
     # Domain-qualified range names as nsys prints them.
     names = set(np.array(trace.strings, dtype=object)[trace.ranges.name])
     assert "MPI:MPI_Send" in names and "saxpy" in names
+
+
+def test_an_nvtx_range_that_ends_on_another_thread_holds_no_thread(tmp_path):
+    """A start/end range that a second thread ended spans both threads' work, so it holds
+    neither's launches: its thread is -1; the ranges pushed and popped on one thread keep
+    theirs."""
+    path = tmp_path / "ended_elsewhere.sqlite"
+    shutil.copyfile(NSYS / "Athrun0109-CS336_assignment2__result__nsys2026.2.1.sqlite", path)
+    path.chmod(0o644)
+    with contextlib.closing(sqlite3.connect(path)) as db, db:
+        (row, start, thread), = db.execute(
+            "SELECT rowid, start, globalTid FROM NVTX_EVENTS WHERE eventType = 59 "
+            "ORDER BY start LIMIT 1").fetchall()
+        db.execute("UPDATE NVTX_EVENTS SET eventType = 60, endGlobalTid = ? WHERE rowid = ?",
+                   (thread + 1, row))
+    ranges = read_trace(path).ranges
+    moved = ranges.start == start
+    assert moved.sum() == 1 and ranges.tid[moved][0] == -1
+    assert (ranges.tid[~moved] >= 0).all() and len(set(ranges.tid[~moved].tolist())) == 1
 
 
 def test_nsys_without_cuda_or_nvtx_and_with_non_utf8_metadata():
@@ -1014,3 +1036,23 @@ def test_gpu_span_is_the_gpu_works_own():
     assert info["span_ns"] > 13e9
     assert read_trace(NSYS / "IhorAtlanov-assignment2-systems__result__nsys2025.6.1_NO_CUDA"
                                  ".sqlite").summary()["gpu_span_ns"] is None
+
+
+def test_a_kineto_kernel_without_a_correlation_has_no_launch(tmp_path):
+    """A kernel event lacking its correlation is linked to no API call, not to a call that
+    lacks one too (a synchronize): no launching thread, process or ranges of that call's."""
+    events = [{"ph": "X", "cat": "cuda_runtime", "name": "cudaDeviceSynchronize", "pid": 5,
+               "tid": 6, "ts": 10, "dur": 5, "args": {}},
+              {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "pid": 5,
+               "tid": 6, "ts": 20, "dur": 2, "args": {"correlation": 1}},
+              {"ph": "X", "cat": "kernel", "name": "k1", "pid": 0, "tid": 7, "ts": 30,
+               "dur": 3, "args": {"device": 0, "stream": 7, "correlation": 1}},
+              {"ph": "X", "cat": "kernel", "name": "k2", "pid": 0, "tid": 7, "ts": 40,
+               "dur": 3, "args": {"device": 0, "stream": 7}}]
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    trace = read_trace(path)
+    launch = [trace.strings[trace.api.name[a]] if a >= 0 else None
+              for a in trace.kernels.api.tolist()]
+    assert launch == ["cudaLaunchKernel", None]
+    assert trace.kernels.pid.tolist() == [5, -1]
