@@ -1068,6 +1068,19 @@ def test_the_verdict_files_are_named_for_what_they_hold(tmp_path):
     assert not list(tmp_path.glob("*.*"))
 
 
+def test_a_runs_run_json_given_as_a_trace_says_to_give_the_run(tmp_path):
+    """A run's run.json in place of the run (an easy slip: it is the file with the run in its
+    name) is named as what it is, not as a breakdown that lost its 'schema'."""
+    run_json = tmp_path / "run.json"
+    run_json.write_text(json.dumps(json.loads(BASELINE.read_text())["run"], indent=1))
+    for command in (["info"], ["breakdown"], ["report", "-o", str(tmp_path / "r.html")]):
+        result = CliRunner().invoke(main, [*command, str(run_json)])
+        assert result.exit_code == 2 and result.output == (
+            f"kimi-perf: error: {run_json}: a kimi-perf run's run.json, not a trace: give its "
+            "run directory\n"), command
+    assert not (tmp_path / "r.html").exists()
+
+
 def test_a_baseline_whose_keys_were_sorted_is_still_a_baseline(tmp_path):
     """A baseline edited and dumped with its keys sorted (`schema` no longer first) is read
     as a baseline, not as a trace ("not a Chrome/Kineto trace"); one whose `schema` was lost

@@ -217,6 +217,9 @@ def _no_trace_events(path: Path, doc: dict) -> TraceError:
     """No trace: said so, and where the object is a kimi-perf breakdown but for the
     ``schema`` it begins with (one edited by hand), said so too."""
     ours = next((key for key in ("paths", "layer_types") if key in doc), None)
+    if next(iter(doc), None) == "command" and "request" in doc:   # (runs.is_kimi_perf_run_json)
+        return TraceError(path, "a kimi-perf run's run.json, not a trace: give its run "
+                                "directory")
     if ours and "schema" in doc:   # (its keys moved: as runs.is_kimi_perf_json reads it)
         return TraceError(path, "a kimi-perf breakdown JSON, not a trace (breakdown, compare, "
                                 "gate and report read it)")
