@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kimi_perf.errors import TraceError, input_stat
+from kimi_perf.errors import TraceError, input_stat, printable
 
 OTHER = "other"
 
@@ -64,7 +64,8 @@ def _parse_rules(text: str, source: str | Path) -> list[Rule]:
         if pattern.search(""):   # (then it matches at the start of any name)
             raise TraceError(source, f"rule {i + 1}'s pattern {entry['pattern']!r} matches an "
                                      "empty name, so every kernel")
-        rules.append(Rule(entry["class"], pattern))
+        # (control characters written out, as a trace's names are: a class reaches the CSV)
+        rules.append(Rule(printable(entry["class"]), pattern))
     return rules
 
 

@@ -1272,8 +1272,9 @@ def _path_names(paths: str) -> tuple[str, ...]:
 
 def _split_labels(labels: str, of: list[str]) -> list[str]:
     """``--labels``: a distinct name for each of ``of``, comma-separated, spaces around each
-    dropped."""
-    names = [name.strip() for name in labels.split(",")]
+    dropped, control characters written out (as a trace's names are: labels reach every
+    table)."""
+    names = [printable(name.strip()) for name in labels.split(",")]
     if len(names) != len(of) or not all(names) or len(set(names)) != len(names):
         wanted = "1 name" if len(of) == 1 else f"{len(of)} distinct names"
         raise TraceError(None, f"--labels takes {wanted} (for {', '.join(of)}): not "

@@ -526,7 +526,9 @@ def overview_table(rows: list[OverviewRow], unit: str = "kernels", of: str | Non
 def print_tables(tables: list[Table | str], out: Console | None = None) -> None:
     out = out or console()
     for t in tables:
-        out.print(t)
+        # (a note's file names and labels with their control characters written out, as the
+        # tables' are; its own line breaks kept)
+        out.print("\n".join(map(printable, t.split("\n"))) if isinstance(t, str) else t)
 
 
 def tables_text(tables: list[Table | str]) -> str:

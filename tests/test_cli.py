@@ -3226,6 +3226,12 @@ def test_names_with_control_characters_are_written_out_in_errors_and_tables(tmp_
     assert shown.exit_code == 0, shown.output
     assert "\x1b" not in shown.output
     assert "esc\\x1b[31mred.json.gz" in shown.output and "x\\x1b[31m" in shown.output
+    # the CSV too (its classes column), and labels given with --labels in every table
+    csv_text = run("breakdown", trace, "--rules", rules, "--format", "csv")
+    assert "\x1b" not in csv_text.output and "x\\x1b[31m=" in csv_text.output
+    compared = run("compare", trace, VLLM, "--labels", "a\x1b[31mb,c")
+    assert compared.exit_code == 0, compared.output
+    assert "\x1b" not in compared.output and "a\\x1b[31mb vs c" in compared.output
 
 
 def test_odd_terminals_get_the_output_or_one_line_saying_why():
