@@ -1158,7 +1158,8 @@ def trace_files(paths: list[str | Path], keep_runs: bool = False,
                                    "capture that did not finish, or a file removed since)")
         entries = [f for f in path.iterdir() if f.name.endswith(TRACE_SUFFIXES)]
         unread = [(f, _not_a_file(f)) for f in entries if not f.is_file()]
-        stored = [(f, "a kimi-perf breakdown") for f in entries
+        # (a breakdown, or another command's JSON: validate's, floors'; all begin "schema")
+        stored = [(f, "kimi-perf's own JSON") for f in entries
                   if f.is_file() and is_kimi_perf_json(f)]
         named = sorted((f for f in entries if f.is_file() and not is_kimi_perf_json(f)),
                        key=natural)

@@ -2257,8 +2257,8 @@ def test_a_directory_of_traces_stands_for_its_traces(tmp_path):
     # every file of a trace's name that is not read is said, and why
     assert (f"left out: {ranks / 'gone.pt.trace.json.gz'} (a dangling symlink); "
             f"{ranks / 'live.json'} (not a regular file); {ranks / 'loop.json'} (a symlink "
-            f"loop); {ranks / 'meta.json'} (JSON that is not a trace); {ranks / 'old.json'} (a "
-            "kimi-perf breakdown)") in result.output
+            f"loop); {ranks / 'meta.json'} (JSON that is not a trace); {ranks / 'old.json'} "
+            "(kimi-perf's own JSON)") in result.output
     (run_dir,) = out.iterdir()
     info = json.loads((run_dir / "run.json").read_text())
     assert [Path(f).name for f in info["files"]] == [
