@@ -36,6 +36,26 @@ def test_skinny_linear_matches_reference(m, n, k, fusion, tiles):
                           if fusion == "norm" and m > GEMV_MAX_M else 0.005)
 
 
+@pytest.mark.parametrize("m", [1, 3, 8, 70])
+def test_the_latent_up_projection_as_the_path_launches_it(m, tiles):
+    """The MoE's latent tail (``latent_up_proj``): fp32 routed rows and fp32 shared rows, two
+    column slices of one buffer (FC2's, all-reduced as one), normed, up-projected and added
+    in one launch, out in bf16."""
+    gen = torch.Generator().manual_seed(m)
+    k, n = 96, 200
+    moe_out = torch.randn(m, k + n, generator=gen)
+    routed, shared = moe_out[:, :k], moe_out[:, k:]
+    w = (torch.randn(n, k, generator=gen) / k**0.5).bfloat16()
+    norm = 1 + 0.1 * torch.randn(k, generator=gen)
+    out = torch.empty(m, n, dtype=torch.bfloat16)
+    poison(out)
+    skinny_linear(routed, w, norm=norm, residual=shared, out=out)
+    expected = skinny_linear_reference(routed, w, norm=norm, residual=shared,
+                                       out_dtype=torch.bfloat16)
+    assert_close_bf16(out, expected, ulps=2,
+                      beyond_own_ulp=ROUNDED_OPERAND if m > GEMV_MAX_M else 0.005)
+
+
 def test_the_weight_prefetch_before_a_pdl_wait_shares_its_budget_in_whole_lines():
     """``PREFETCH_K``: the budget over the launch's rows of W (padded to whole column blocks;
     SiTU's gate and up rows both), in 128-byte lines, rounded down to a power of two of them,
