@@ -1074,6 +1074,7 @@ def report_cmd(inputs: tuple[Path, ...], path_name: str | None, labels: str | No
     found, left_out = _traces_in(list(inputs), keep_runs=True)
     inputs = tuple(found)
     _not_an_input(output, *inputs, rules)
+    _not_a_runs_own_report(output, inputs, path_name)
     seen: dict[str, Path] = {}
     for file in inputs:   # (drawn twice, its ratios are all 1: a slip, most likely)
         read = file / "breakdown.json" if file.is_dir() else file   # (a run: what is read)
@@ -1102,6 +1103,25 @@ def report_cmd(inputs: tuple[Path, ...], path_name: str | None, labels: str | No
     if str(output) != "-" and named_descriptor(output) is None:   # (the report went there)
         click.echo(printable(f"report: {output}"))
     _say_left_out(left_out)
+
+
+def _not_a_runs_own_report(output: Path, inputs: tuple[Path, ...], path_name: str | None
+                           ) -> None:
+    """Refuse to write over a run's own report (its run.json names it) a report of more than
+    that run (other inputs beside it, or one path of it): drawn again alone, it is the same
+    report, renewed."""
+    if str(output) == "-" or not output.exists():
+        return
+    for given in inputs:
+        run_dir = given if given.is_dir() else given.parent
+        if given.is_dir() or given.name == "breakdown.json":
+            with contextlib.suppress(OSError):
+                if os.path.samefile(output, run_dir / "report.html") and (
+                        len(inputs) > 1 or path_name is not None):
+                    drawn = (f"{len(inputs)} inputs" if len(inputs) > 1
+                             else f"its {path_name} path alone")
+                    raise TraceError(output, f"is the run {run_dir}'s own report: a report of "
+                                             f"{drawn} would replace it (name it otherwise)")
 
 
 @main.command(short_help="Save a trace as .kptrace: one Arrow file, fast to reload")

@@ -3213,6 +3213,29 @@ def test_a_cpu_run_s_report_says_whose_time_to_first_token_is_a_first_forward(tm
     assert said in text
 
 
+def test_report_keeps_a_runs_own_report_from_a_report_of_more(tmp_path):
+    """``report A B -o B/report.html`` would replace the report B's run.json names with one of
+    both runs (``compare`` refuses that name whatever it draws): refused, the file kept;
+    drawn again alone, the run's report is renewed."""
+    runs = []
+    for name in ("monday", "tuesday"):
+        (tmp_path / name).mkdir()
+        shutil.copy(BASELINE, tmp_path / name / "breakdown.json")
+        (tmp_path / name / "report.html").write_text("the run's own")
+        runs.append(tmp_path / name)
+    own = runs[1] / "report.html"
+    for args, drawn in (((runs[0], runs[1]), "2 inputs"),
+                        ((runs[1] / "breakdown.json", "--path", "specialized"),
+                         "its specialized path alone")):
+        _one_line_error(run("report", *args, "-o", own, "--plotly-js", "cdn"),
+                        f"{own}: is the run {runs[1]}'s own report: a report of {drawn} would "
+                        "replace it (name it otherwise)")
+        assert own.read_text() == "the run's own"
+    renewed = run("report", runs[1], "-o", own, "--plotly-js", "cdn")
+    assert renewed.exit_code == 0, renewed.output
+    assert own.read_text().startswith("<!DOCTYPE html>")
+
+
 def test_names_with_control_characters_are_written_out_in_errors_and_tables(tmp_path):
     """A file's name or a rule's class holding a newline or an escape sequence reaches the
     terminal written out: an error stays one line, a table's title and cells act on nothing."""
