@@ -685,3 +685,17 @@ def test_compare_of_a_tp_run_says_its_figures_are_rank_0_s(tmp_path):
     against = compare_files(BASELINE, tp_run, path_name="specialized").notes
     assert any(note.startswith("tp:specialized is rank 0's of TP 2") for note in against)
     assert not any("rank 0's" in note for note in compare_files(BASELINE).notes)
+
+
+def test_the_readmes_links_to_its_sections_name_sections_it_has():
+    """Every ``](#anchor)`` link in the README (its contents line) names a heading it has, by
+    GitHub's anchors (lower case, punctuation dropped, spaces as hyphens): a heading renamed
+    leaves no dead link."""
+    import re
+
+    readme = (REPO / "README.md").read_text()
+    prose = re.sub(r"^```.*?^```", "", readme, flags=re.S | re.M)
+    anchors = {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-")
+               for h in re.findall(r"^#{1,6} (.+)$", prose, flags=re.M)}
+    links = re.findall(r"\]\(#([^)]+)\)", prose)
+    assert len(links) >= 10 and set(links) <= anchors, set(links) - anchors
