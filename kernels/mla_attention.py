@@ -147,9 +147,10 @@ def mla_combine_kernel(parts_ptr, lse_ptr, out_ptr, M, H, LORA: tl.constexpr,
 # 37 MB of cache at full bandwidth); one split per 256 positions of the cache's capacity at
 # most, so that a split's partial output (a head's 512 fp32 values, written and read back)
 # stays small next to what it reads once the cache is full. The count is fixed by shapes (a
-# CUDA graph keeps it); each split takes an equal share of the positions present, in whole
-# blocks of BLOCK_S, so positions fewer than SPLITS blocks leave later splits empty: they
-# read nothing and write a zero partial and an lse of -inf.
+# CUDA graph keeps it); each split takes an equal share of the positions present, rounded up
+# to whole blocks of BLOCK_S, so the last splits may be left none (fewer positions than
+# SPLITS blocks; 161 in 5 splits of 2 blocks): they read nothing and write a zero partial
+# and an lse of -inf.
 MAX_SPLITS = 64
 MIN_SPLIT_POSITIONS = 256
 

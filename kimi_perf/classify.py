@@ -93,6 +93,17 @@ def rules_said(rules: list[Rule] | None) -> str:
     return (f"{len(extra)} extra" if own else "custom") + f" ({_digest(extra if own else rules)})"
 
 
+def layout_rules_said(rules: list[Rule] | None) -> str:
+    """``rules_said`` of the rules that may move the layers' cuts (``layout_class_name``): of
+    extra rules, those naming a shipped class ("default" where none does); a list of one's
+    own, whole."""
+    defaults = default_rules()
+    if rules is None or rules[len(rules) - len(defaults):] != defaults:
+        return rules_said(rules)
+    extra = rules[:len(rules) - len(defaults)]
+    return rules_said([r for r in extra if r.cls in _shipped_classes()] + defaults)
+
+
 def default_rules_said() -> str:
     """A digest of the shipped default rules: which version's defaults classed a trace."""
     return _digest(list(_shipped_rules()))
@@ -130,8 +141,8 @@ def layout_class_name(name: str, rules: list[Rule]) -> str:
     shipped classes (a user's rule may say that a kernel no default rule knows attends), else
     the default rules' class. A class of one's own (``kda``) relabels the figures alone: it
     would otherwise move the layers' cuts, which look for attention, routers and copies."""
-    label = classify_name(name, rules)
-    if label in _shipped_classes():
+    label = next((rule.cls for rule in rules if rule.pattern.search(name)), None)
+    if label in _shipped_classes():   # (no rule's: a list of one's own, which lacks them)
         return label
     return classify_name(name, default_rules())
 

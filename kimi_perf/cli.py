@@ -1107,21 +1107,27 @@ def report_cmd(inputs: tuple[Path, ...], path_name: str | None, labels: str | No
 
 def _not_a_runs_own_report(output: Path, inputs: tuple[Path, ...], path_name: str | None
                            ) -> None:
-    """Refuse to write over a run's own report (its run.json names it) a report of more than
-    that run (other inputs beside it, or one path of it): drawn again alone, it is the same
-    report, renewed."""
+    """Refuse to write over a run's own report (the file its run.json names) a report of
+    other than that run whole (other inputs beside it, one path of it, a trace in it): drawn
+    again alone, it is the same report, renewed."""
     if str(output) == "-" or not output.exists():
         return
     for given in inputs:
         run_dir = given if given.is_dir() else given.parent
-        if given.is_dir() or given.name == "breakdown.json":
-            with contextlib.suppress(OSError):
-                if os.path.samefile(output, run_dir / "report.html") and (
-                        len(inputs) > 1 or path_name is not None):
-                    drawn = (f"{len(inputs)} inputs" if len(inputs) > 1
-                             else f"its {path_name} path alone")
-                    raise TraceError(output, f"is the run {run_dir}'s own report: a report of "
-                                             f"{drawn} would replace it (name it otherwise)")
+        if not runs_mod.is_kimi_perf_run_json(run_dir / "run.json"):
+            continue
+        try:
+            named = json.loads((run_dir / "run.json").read_text()).get("report")
+            own = os.path.samefile(output, run_dir / (named if isinstance(named, str)
+                                                      else "report.html"))
+        except (OSError, ValueError, AttributeError):
+            continue   # (a run.json that cannot say: its run is refused where it is read)
+        whole = given.is_dir() or given.name == "breakdown.json"
+        if own and (len(inputs) > 1 or path_name is not None or not whole):
+            drawn = (f"{len(inputs)} inputs" if len(inputs) > 1 else
+                     f"its {path_name} path alone" if whole else f"{given.name} alone")
+            raise TraceError(output, f"is the run {run_dir}'s own report: a report of "
+                                     f"{drawn} would replace it (name it otherwise)")
 
 
 @main.command(short_help="Save a trace as .kptrace: one Arrow file, fast to reload")

@@ -1003,7 +1003,7 @@ def breakdown_differences(baseline: dict[str, Breakdown], current: dict[str, Bre
     ``--phase``) that found other ranges (other step names, other layer types or counts a
     step, steps of other phases: a regex spelled otherwise that finds the same is no
     difference), or, where the repeating kernel pattern cut the layers (it reads the shipped
-    classes, which a rule naming one moves), other kernel-class rules. How steps and layers
+    classes, which a rule naming one moves), other such rules. How steps and layers
     were found the sources always say; the options, where both breakdowns record them
     (``source.breakdown_options``)."""
     out = []
@@ -1023,7 +1023,10 @@ def breakdown_differences(baseline: dict[str, Breakdown], current: dict[str, Bre
         if all(options) and phase_differences({path: base}, {path: cur}):
             found += _asked("--phase", *(o.get("phase") for o in options))
         if all(options) and "repeat" in (*sources[0], *sources[1]):
-            found += _asked("kernel-class rules", *(o.get("rules") for o in options))
+            # (the rules that may move the pattern's cuts: those naming a shipped class;
+            # all of them, as a breakdown stored before it recorded those says them)
+            key = "layout_rules" if all("layout_rules" in o for o in options) else "rules"
+            found += _asked("kernel-class rules", *(o.get(key) for o in options))
             found += _asked("default kernel-class rules (another version's)",
                             *(o.get("default_rules") for o in options))
         if found:

@@ -19,7 +19,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from kimi_perf.classify import Rule, default_rules_said, load_rules, rules_said
+from kimi_perf.classify import (
+    Rule,
+    default_rules_said,
+    layout_rules_said,
+    load_rules,
+    rules_said,
+)
 from kimi_perf.errors import NoGpuWork, NoStepsMatched, TraceError
 from kimi_perf.graphs import capture_count, graph_replays
 from kimi_perf.layers import (
@@ -608,6 +614,7 @@ def breakdown(trace: Trace, layers: str = "auto", rules: list[Rule] | str | Path
                              "breakdown_options": {
                                  "layers": layers, "steps": step_regex, "phase": phase,
                                  "rules": rules_said(rules),
+                                 "layout_rules": layout_rules_said(rules),
                                  "default_rules": default_rules_said()}},
                      steps=step_rows,
                      layers=layer_rows, layer_types=layer_types, timeline=timeline)

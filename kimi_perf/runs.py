@@ -581,7 +581,8 @@ def _source_problem(source) -> str | None:
                              and outside.get("during_overlapping_steps", 0) <= outside["ops"]
                              and _partial_ok(outside.get("partial_passes"))
                              and _in_ranges_ok(outside.get("in_ranges") or []))),
-        ("breakdown_options", "{layers, steps, phase, rules, default_rules} as strings or null",
+        ("breakdown_options",
+         "{layers, steps, phase, rules, layout_rules, default_rules} as strings or null",
          source.get("breakdown_options") is None or (
              isinstance(source["breakdown_options"], dict)
              and all(v is None or isinstance(v, str)

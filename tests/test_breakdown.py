@@ -2018,6 +2018,21 @@ def test_a_rule_naming_a_shipped_class_reaches_the_layer_finder(tmp_path):
     assert classify_name("fused_recurrent_kda_fwd_kernel", loaded) == "kda"
     assert layout_class_name("fused_recurrent_kda_fwd_kernel", loaded) == "attention"
     assert layout_class_name("nccl_allreduce", loaded) == "communication"
+    # a list of one's own (the library's rules=[...]), without the defaults: a kernel none
+    # of it matches keeps its shipped class there, not "other"
+    from kimi_perf.classify import Rule, layout_rules_said, rules_said
+
+    custom = [Rule("mine", re.compile("gemm"))]
+    assert classify_name("flash_fwd_kernel", custom) == "other"
+    assert layout_class_name("flash_fwd_kernel", custom) == "attention"
+    assert layout_class_name("gemm_qkv", custom) == "gemm"
+    # what the gate compares: the extra rules that may move cuts (naming a shipped class)
+    rules.write_text('[[rule]]\nclass = "kda"\npattern = "kda"\n')
+    own = load_rules(rules)
+    assert layout_rules_said(own) == "default" != rules_said(own)
+    rules.write_text('[[rule]]\nclass = "attention"\npattern = "my_fused_op"\n')
+    assert layout_rules_said(loaded) == rules_said(load_rules(rules)) != "default"
+    assert layout_rules_said(custom) == rules_said(custom) != "default"
 
 
 def test_json_text_is_json_dumps_text_and_escapes_what_json_escapes():
@@ -2533,13 +2548,14 @@ def test_passes_of_processes_sharing_a_device_are_numbered_apart():
 
 
 def test_work_of_no_known_process_goes_with_one_process_of_a_device_they_share():
-    """Two processes on one device, and two kernels whose process the trace lacks: those go
-    with the process that ran the most, once: the steps hold the trace's 108 kernels (each
-    process's step counting them was 72 + 38)."""
+    """Two processes on one device, and two kernels whose process the trace lacks (the first
+    process's first two): those go with the process that ran the most, once: the steps hold
+    the trace's 108 kernels (each process's step counting them was 38 + 72; the first
+    process's, 36 + 72)."""
     llama = ["rmsnorm", "gemm_qkv", "rope", "flash_fwd", "gemm_o", "add_rmsnorm", "gemm_up",
              "silu_mul", "gemm_down"]
     b = TraceBuilder()
-    for names, pid in ((llama * 8, 1), (llama * 4, 2)):
+    for names, pid in ((llama * 4, 1), (llama * 8, 2)):
         for name in names:
             t = b.clock
             b.launch(name, t, t + 50, t + 200, t + 1200, pid=pid)
@@ -2547,5 +2563,5 @@ def test_work_of_no_known_process_goes_with_one_process_of_a_device_they_share()
     for kernel in b.kernels[:2]:
         kernel["pid"] = -1
     steps = breakdown(b.build()).steps
-    assert [(s["name"], s["kernels"]) for s in steps] == [("device 0 pid 1", 72),
-                                                         ("device 0 pid 2", 36)]
+    assert {s["name"]: s["kernels"] for s in steps} == {"device 0 pid 1": 34,
+                                                        "device 0 pid 2": 74}

@@ -3215,18 +3215,24 @@ def test_a_cpu_run_s_report_says_whose_time_to_first_token_is_a_first_forward(tm
 
 def test_report_keeps_a_runs_own_report_from_a_report_of_more(tmp_path):
     """``report A B -o B/report.html`` would replace the report B's run.json names with one of
-    both runs (``compare`` refuses that name whatever it draws): refused, the file kept;
-    drawn again alone, the run's report is renewed."""
+    both runs (``compare`` refuses that name whatever it draws): refused, the file kept, as
+    for one path of the run or a file in it; drawn again alone, the run's report is
+    renewed."""
     runs = []
     for name in ("monday", "tuesday"):
         (tmp_path / name).mkdir()
         shutil.copy(BASELINE, tmp_path / name / "breakdown.json")
-        (tmp_path / name / "report.html").write_text("the run's own")
+        run_info = json.loads(BASELINE.read_text())["run"]
+        (tmp_path / name / "run.json").write_text(json.dumps(run_info | {"report": "r.html"}))
+        (tmp_path / name / "r.html").write_text("the run's own")
         runs.append(tmp_path / name)
-    own = runs[1] / "report.html"
+    own = runs[1] / "r.html"
+    (runs[1] / "standard.json").write_text(json.dumps(json.loads(BASELINE.read_text())[
+        "paths"]["standard"]))
     for args, drawn in (((runs[0], runs[1]), "2 inputs"),
                         ((runs[1] / "breakdown.json", "--path", "specialized"),
-                         "its specialized path alone")):
+                         "its specialized path alone"),
+                        ((runs[1] / "standard.json",), "standard.json alone")):
         _one_line_error(run("report", *args, "-o", own, "--plotly-js", "cdn"),
                         f"{own}: is the run {runs[1]}'s own report: a report of {drawn} would "
                         "replace it (name it otherwise)")
