@@ -2565,3 +2565,37 @@ def test_work_of_no_known_process_goes_with_one_process_of_a_device_they_share()
     steps = breakdown(b.build()).steps
     assert {s["name"]: s["kernels"] for s in steps} == {"device 0 pid 1": 34,
                                                         "device 0 pid 2": 74}
+
+
+def test_a_stored_breakdowns_names_are_escaped_in_every_html_cell(tmp_path):
+    """A stored breakdown (edited, or of an untrusted trace) whose step range holds a
+    <script> and whose kernel holds a quote and an attribute: the report's steps table and the
+    typical layer's hover title hold them as text, never as markup."""
+    from kimi_perf.report import write_report
+
+    b = breakdown(nvtx_decode_trace("layer[{i}]({kind})", steps=2).build())
+    b.steps[0]["name"] = "decode_step<script>alert(1)</script>"
+    b.layer_types[0]["typical_layer"]["kernels"][0]["name"] = 'gemm" onmouseover="alert(2)'
+    html = write_report(tmp_path / "r.html", {"x": b}, "t", plotly_js="cdn").read_text()
+    assert "<script>alert(1)" not in html and "&lt;script&gt;alert(1)" in html
+    assert '" onmouseover="alert(2)' not in html and "&quot; onmouseover=&quot;alert(2)" in html
+
+
+def test_breakdown_csv_rows_are_the_layers_figures_in_the_headers_order():
+    """Each CSV row holds its layer's figures under their own headers (kernel µs before span
+    µs, as the header says), the classes as class=kernels/µs."""
+    import csv
+
+    from kimi_perf.render import breakdown_csv
+
+    b = breakdown(nvtx_decode_trace("layer[{i}]({kind})", steps=2).build())
+    rows = list(csv.DictReader(io.StringIO(breakdown_csv(b))))
+    assert len(rows) == len(b.layers)
+    for row, layer in zip(rows, b.layers, strict=True):
+        assert layer["kernel_us"] != layer["span_us"]
+        assert (int(row["step"]), int(row["layer"]), row["type"], int(row["kernels"]),
+                float(row["kernel_us"]), float(row["span_us"]), float(row["gap_us"])) == (
+            layer["step"], layer["index"], layer["type"], layer["kernels"],
+            layer["kernel_us"], layer["span_us"], layer["gap_us"])
+        assert row["classes"] == ";".join(f"{c}={v['kernels']}/{v['us']}"
+                                          for c, v in layer["classes"].items())

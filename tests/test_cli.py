@@ -985,6 +985,37 @@ def test_trace_s_help_says_the_defaults_it_runs():
     assert f"(default: {cpu.preset} on a CPU, {gpu.preset} on a GPU)" in text
 
 
+def test_decode_metrics_take_the_median_step_and_every_token():
+    """A path's decode metrics: the median step latency (one slow step of three moves the
+    mean alone), tokens/s over all the steps' time and tokens, with their min and max."""
+    from kimi_perf.capture import _metrics, default_request
+
+    metrics = _metrics(default_request(False), "cpu", 0.5, [0.1, 0.1, 0.4], [2, 2, 2], [],
+                       "K3Model")
+    assert metrics["step_latency_s"] == {"median": 0.1, "min": 0.1, "max": 0.4}
+    assert metrics["decode_tokens_per_s"] == pytest.approx(6 / 0.6)
+    assert metrics["time_to_first_token_s"] == 0.5
+
+
+def test_a_hard_address_space_limit_still_caps_a_run_below_it():
+    """Under a finite hard limit on the address space (ulimit -Hv, as some CI runners set),
+    far above what is free, a run is still capped at what it maps plus the memory free: not
+    at the hard limit, where the out-of-memory killer would end it first."""
+    pytest.importorskip("resource")
+    script = ("import os, resource\n"
+              "from kimi_perf.memory import THREAD_RESERVE, _mapped_bytes, "
+              "address_space_capped\n"
+              "hard = 1 << 40\n"
+              "resource.setrlimit(resource.RLIMIT_AS, (hard, hard))\n"
+              "with address_space_capped(1 << 30):\n"
+              "    soft = resource.getrlimit(resource.RLIMIT_AS)[0]\n"
+              "reserve = 2 * (os.cpu_count() or 1) * THREAD_RESERVE\n"
+              "assert soft <= _mapped_bytes() + (1 << 30) + reserve < hard, soft\n")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+
+
 def test_every_command_s_help_line_is_whole():
     """`kimi-perf --help` lists each command with a line of its own that click has not cut
     off mid-sentence ("exit 1 on a..."), at 80 columns."""

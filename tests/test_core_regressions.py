@@ -646,3 +646,15 @@ def test_name_masks_are_made_once_per_string_table():
     assert len(grown) == len(trace.strings) and grown[-1]
     trace.strings = list(trace.strings)
     assert trace.names_matching(pattern) is not grown
+
+
+def test_gpu_work_without_a_correlation_joins_no_api_call():
+    """A kernel or copy of no correlation (-1) is launched by no call, not by a call of no
+    correlation either (a synchronize's row); one of a correlation finds its call."""
+    from kimi_perf.launches import find_launches
+    from kimi_perf.trace import ApiCalls
+
+    api = ApiCalls(name=np.array([0, 1], np.int32), start=np.array([10, 20]),
+                   end=np.array([15, 25]), pid=np.array([7, 7]), tid=np.array([70, 70]),
+                   correlation=np.array([-1, 5]), kind=np.array([0, 0], np.int8))
+    assert find_launches(api, np.array([7, 7]), np.array([-1, 5])).tolist() == [-1, 1]

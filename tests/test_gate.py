@@ -3143,6 +3143,12 @@ def test_a_baseline_keeps_the_spread_of_several_runs_and_passes_a_run_within_it(
                                     "spread of 5 runs"
     kept = json.loads(spread.read_text())["run_spread"]
     assert kept["runs"] == [files[r] for r in ("r1", "r2", "r3", "r4", "r5")]
+    # a baseline stored from that one without --spread-from keeps no spread: those runs
+    # were of the code it held, not of this one's
+    again = tmp_path / "again.json"
+    assert CliRunner().invoke(main, ["gate", "--update", str(again), str(spread)]
+                              ).exit_code == 0
+    assert "run_spread" not in json.loads(again.read_text())
     figures = {(f["layer_type"], f["metric"], f.get("kernel_class"), f.get("layer_index")):
                f["values"] for f in kept["figures"]}
     # the stored run's figure first: the step's median span as the gate of r1 has it
@@ -3845,3 +3851,66 @@ def test_among_devices_that_all_improved_the_most_improved_is_shown():
         group.append(check)
     shown = _shown_device(group, [(0, 0), (1, 1), (2, 2)])
     assert shown.device == 1 and shown.change == -0.30
+
+
+def test_a_figure_against_a_spread_of_runs_takes_the_prediction_interval():
+    """A run's figure against the baseline's five runs is tested as a new draw of them (the
+    t statistic over sd·sqrt(1 + 1/n), not sd alone): 116 against 100, 104, 97, 106 and 99
+    is p 0.011, noise at alpha 0.01 (0.008 without the factor: a regression)."""
+    from kimi_perf.gate import _spread_p
+
+    p = _spread_p(np.array([100.0, 104.0, 97.0, 106.0, 99.0]), 116.0, True)
+    assert p == pytest.approx(0.0109, abs=2e-4)
+
+
+def test_stored_tolerances_may_be_zero_and_a_spread_holds_five_runs():
+    """A baseline stored with --rel-tol 0 --abs-tol 0 (settings the gate takes) is read back;
+    a stored spread of four runs is not a spread the gate keeps (five at least)."""
+    from kimi_perf.runs import stored_tolerances_problem
+
+    assert stored_tolerances_problem({"rel_tol": 0, "abs_tol_us": 0}) is None
+    assert stored_tolerances_problem({"rel_tol": -0.1}) is not None
+    figures = [{"path": "trace", "layer_type": "step", "metric": "span_us",
+                "values": [100.0, 104.0, 97.0, 106.0, 99.0]}]
+    five = {"runs": ["r1", "r2", "r3", "r4", "r5"], "figures": figures}
+    assert run_spread_problem(five) is None
+    four = {"runs": five["runs"][:4], "figures": [figures[0] | {"values": [100.0, 104.0, 97.0,
+                                                                           106.0]}]}
+    assert run_spread_problem(four) is not None
+
+
+def test_the_gate_headline_names_five_items_and_clips_a_long_detail():
+    """The FAIL line names the first five regressions and counts the rest; a detail is cut
+    at 100 characters (a list of new kernels runs to hundreds)."""
+    from kimi_perf.gate import Check, GateResult
+    from kimi_perf.render import gate_headline
+
+    checks = [Check("trace", f"t{i}", "kernel_us", 100.0, 150.0, 0.5, 0.001, "regression")
+              for i in range(8)]
+    headline = gate_headline(GateResult(checks, Tolerances()))
+    assert headline.count(" -> 150") == 5 and headline.endswith(
+        "and 3 more (the table lists them)")
+    detail = "kernels only the run has: " + ", ".join(f"fused_kernel_{i}" for i in range(10))
+    long = gate_headline(GateResult([Check("trace", "kda", "kernels", 20.0, 30.0, 0.5, None,
+                                           "regression", detail)], Tolerances()))
+    shown = long[long.index("(") + 1:long.rindex(")")]
+    assert len(detail) > 180 and shown.endswith("…") and len(shown) == 100
+    assert detail.startswith(shown[:-1])
+
+
+def test_another_phase_that_kept_other_steps_is_a_breakdown_difference():
+    """One side kept its decode steps (--phase decode), the other every step (--phase all),
+    a prefill among them: the gate says the sides were broken down otherwise."""
+    from kimi_perf.gate import breakdown_differences
+
+    decode = breakdown(nvtx_decode_trace("layer[{i}]({kind})", steps=4).build())
+    every = copy.deepcopy(decode)
+    decode.source["breakdown_options"]["phase"] = "decode"
+    every.source["breakdown_options"]["phase"] = "all"
+    for s in decode.steps:
+        s["phase"] = "decode"
+    for i, s in enumerate(every.steps):
+        s["phase"] = "prefill" if i == 0 else "decode"
+    assert breakdown_differences({"trace": decode}, {"trace": every}) == [
+        "--phase 'decode' vs 'all'"]
+    assert breakdown_differences({"trace": decode}, {"trace": decode}) == []

@@ -185,3 +185,27 @@ def test_threads_whose_ids_differ_above_the_key_s_bits_are_not_one(tmp_path, pid
     keys = thread_keys(np.array([1, 1, pid, pid]), np.array([5, 5, tid, tid]))
     assert keys[0] == keys[1] and keys[2] == keys[3] and keys[0] != keys[2]
     assert keys.min() >= 0 and keys.max() < 1 << 62   # (below the streams' keys)
+
+
+def test_gpu_ranges_of_one_stream_id_on_two_devices_are_two_lanes():
+    """Kineto's GPU-side annotations on stream 7 of devices 0 and 16 (two nodes of eight and
+    more GPUs in one trace) are two groups: one would nest the two devices' ranges together;
+    CPU ranges keep their threads' keys."""
+    from kimi_perf.trace import GPU_RANGE
+
+    n = 3
+    ranges = Ranges.from_columns({
+        "name": np.zeros(n), "domain": np.zeros(n), "start": np.array([0, 0, 0], np.int64),
+        "end": np.array([10, 10, 10], np.int64), "pid": np.ones(n),
+        "tid": np.array([-1, -1, 5], np.int64), "device": np.array([0, 16, -1]),
+        "stream": np.array([7, 7, -1]), "style": np.array([GPU_RANGE, GPU_RANGE, PUSHPOP])}, n)
+    keys = range_groups(ranges)
+    assert len(set(keys.tolist())) == 3 and (keys >= 0).all()
+    assert keys[2] == thread_keys(np.array([1]), np.array([5]))[0]
+
+
+def test_a_point_of_no_known_process_or_thread_is_in_no_thread():
+    """A kernel whose launching process the trace lacks (pid -1, a Kineto kernel of no
+    launch) is in no thread's ranges, whatever its tid says; so is one of no thread."""
+    keys = thread_keys(np.array([-1, 1, 1]), np.array([5, -1, 5]))
+    assert keys[:2].tolist() == [-2, -2] and keys[2] >= 0
