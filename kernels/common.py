@@ -115,6 +115,16 @@ def check_layout(what: str, whole: dict[str, torch.Tensor | None],
                              f"{' or '.join(map(str, kinds))}")
 
 
+def check_whole_tiles(what: str, **sizes: int) -> None:
+    """Sizes a kernel tiles with ``tl.arange(0, SIZE)``, unmasked, must be powers of two:
+    refused on the host, in one line, rather than failing Triton's compile (or, masked
+    nowhere, read past)."""
+    if not all(n > 0 and n & (n - 1) == 0 for n in sizes.values()):
+        said = " and ".join(f"{name} {n}" for name, n in sizes.items())
+        must = "must be powers of two" if len(sizes) > 1 else "must be a power of two"
+        raise ValueError(f"{what}: {said} {must} (whole tiles, unmasked)")
+
+
 @triton.jit
 def after_previous_kernel(PDL: tl.constexpr):
     """A PDL kernel's first statement: wait until the kernel before it has finished and its

@@ -25,6 +25,7 @@ from kimi_perf_kernels.common import (
     INTERPRETED,
     after_previous_kernel,
     cast,
+    check_whole_tiles,
     interpreter_tiles,
     launch_options,
     mma,
@@ -95,9 +96,7 @@ def mla_absorb_insert(q: torch.Tensor, w_uk: torch.Tensor, kv: torch.Tensor,
     M = q.shape[0]
     H, nope, lora = w_uk.shape
     rope = cache.shape[-1] - lora
-    if not all(n > 0 and n & (n - 1) == 0 for n in (nope, lora)):
-        raise ValueError(f"mla_absorb_insert: nope {nope} and kv_lora {lora} must be powers "
-                         "of two (whole tiles, unmasked)")
+    check_whole_tiles("mla_absorb_insert", nope=nope, kv_lora=lora)
     fp8 = cache.dtype == torch.float8_e4m3fn
     if qhat is None:
         qhat = torch.empty(M, H, lora + rope, dtype=cache.dtype if fp8 else q.dtype,

@@ -35,6 +35,7 @@ from kimi_perf_kernels.common import (
     after_previous_kernel,
     cast,
     check_layout,
+    check_whole_tiles,
     interpreter_tiles,
     launch_options,
     mma,
@@ -197,6 +198,7 @@ def mla_attention(qhat: torch.Tensor, cache: torch.Tensor, positions: torch.Tens
     if not 0 < kv_lora < width:
         raise ValueError(f"mla_attention: kv_lora {kv_lora} must be below q̂'s {width} "
                          "columns (kv_lora + rope)")
+    check_whole_tiles("mla_attention", kv_lora=kv_lora)
     check_cache("mla_attention", cache, positions, M, tokens_per_seq, width, {"qhat": qhat})
     if fp8 != (qhat.dtype == torch.float8_e4m3fn):
         raise ValueError(f"mla_attention: a {qhat.dtype} q̂ for a {cache.dtype} cache (an fp8 "
@@ -226,6 +228,7 @@ def mla_attention(qhat: torch.Tensor, cache: torch.Tensor, positions: torch.Tens
 def mla_combine(parts: torch.Tensor, lse: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Split partial outputs [splits, M, H, kv_lora] -> [M, H, kv_lora] in ``dtype``."""
     splits, M, H, lora = parts.shape
+    check_whole_tiles("mla_combine", kv_lora=lora)
     check_layout("mla_combine", {"parts": parts, "lse": lse}, {}, {"lse": (splits, M, H)},
                  {"parts": (torch.float32,), "lse": (torch.float32,)})
     out = torch.empty(M, H, lora, dtype=dtype, device=parts.device)

@@ -23,6 +23,7 @@ from kimi_perf_kernels.common import (
     after_previous_kernel,
     cast,
     check_layout,
+    check_whole_tiles,
     launch_options,
 )
 
@@ -114,6 +115,7 @@ def mla_concat_insert(ql: torch.Tensor, q: torch.Tensor, kv_c: torch.Tensor,
     if cache.shape[-1] != lora + rope or q.shape != (M, H * (nope + rope)):
         raise ValueError(f"mla_concat_insert: q̂ parts {tuple(ql.shape)}, q "
                          f"{tuple(q.shape)} and cache {tuple(cache.shape)} do not fit")
+    check_whole_tiles("mla_concat_insert", kv_lora=lora)
     check_cache("mla_concat_insert", cache, positions, M, tokens_per_seq, lora + rope, {},
                 {"ql": ql, "q": q, "kv_c": kv_c, "k_pe": k_pe},
                 {"kv_c": (M, lora), "k_pe": (M, rope)})

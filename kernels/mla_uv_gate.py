@@ -26,6 +26,7 @@ from kimi_perf_kernels.common import (
     after_previous_kernel,
     cast,
     check_layout,
+    check_whole_tiles,
     interpreter_tiles,
     launch_options,
     mma,
@@ -95,9 +96,7 @@ def mla_uv_gate(o_lat: torch.Tensor, w_uv: torch.Tensor, gate: torch.Tensor,
     splits = o_lat.shape[0] if lse is not None else 1
     M, H, lora = o_lat.shape[-3:]
     v = w_uv.shape[-1]
-    if not all(n > 0 and n & (n - 1) == 0 for n in (lora, v)):
-        raise ValueError(f"mla_uv_gate: kv_lora {lora} and v {v} must be powers of two "
-                         "(whole tiles, unmasked)")
+    check_whole_tiles("mla_uv_gate", kv_lora=lora, v=v)
     if tuple(w_uv.shape) != (H, lora, v) or tuple(gate.shape) != (M, H * v):
         raise ValueError(f"mla_uv_gate: w_uv {tuple(w_uv.shape)} and gate {tuple(gate.shape)} "
                          f"for o_lat of {M} rows, {H} heads, kv_lora {lora}")

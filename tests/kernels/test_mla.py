@@ -158,8 +158,9 @@ def test_positions_outside_the_cache_write_nothing_else(cache_dtype, positions, 
 
 
 def test_tiles_that_cannot_be_whole_are_refused():
-    """mla_absorb_insert's and mla_uv_gate's tiles are unmasked: a nope, kv_lora or v that is
-    no power of two (K3's 128, 512, 128 are) is refused, not read past."""
+    """The MLA kernels' tiles are unmasked: a nope, kv_lora or v that is no power of two
+    (K3's 128, 512, 128 are) is refused in one line, not read past nor left to Triton's
+    compiler."""
     q, kv = torch.zeros(1, 2 * (24 + 8)).bfloat16(), torch.zeros(1, 32 + 8).bfloat16()
     cache = torch.zeros(1, 4, 32 + 8).bfloat16()
     with pytest.raises(ValueError, match="nope 24 and kv_lora 32 must be powers of two"):
@@ -168,6 +169,17 @@ def test_tiles_that_cannot_be_whole_are_refused():
     with pytest.raises(ValueError, match="kv_lora 32 and v 40 must be powers of two"):
         mla_uv_gate(torch.zeros(1, 2, 32).bfloat16(), torch.zeros(2, 32, 40).bfloat16(),
                     torch.zeros(1, 80).bfloat16())
+    wide = torch.zeros(1, 4, 48 + 8).bfloat16()          # kv_lora 48, rope 8
+    with pytest.raises(ValueError, match=r"^mla_attention: kv_lora 48 must be a power of two "
+                                         r"\(whole tiles, unmasked\)$"):
+        mla_attention(torch.zeros(1, 2, 48 + 8).bfloat16(), wide, torch.tensor([0]), 1, 48,
+                      1.0, 0.1)
+    with pytest.raises(ValueError, match="mla_combine: kv_lora 48 must be a power of two"):
+        mla_combine(torch.zeros(2, 1, 2, 48), torch.zeros(2, 1, 2), torch.bfloat16)
+    with pytest.raises(ValueError, match="mla_concat_insert: kv_lora 48 must be a power"):
+        mla_concat_insert(torch.zeros(2, 1, 48).bfloat16(), torch.zeros(1, 2 * (16 + 8))
+                          .bfloat16(), torch.zeros(1, 48).bfloat16(),
+                          torch.zeros(1, 8).bfloat16(), wide, torch.tensor([0]), 1, 1.0, 16)
 
 
 @pytest.mark.parametrize("splits", [2, 5])
