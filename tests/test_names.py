@@ -46,6 +46,10 @@ def test_a_folded_list_keeps_the_operation_it_names():
         "at::native::reduce_kernel<512, 1, at::native::ReduceOp<…MeanOps> >"]
     assert short_names([mean, mean.replace("MeanOps", "MaxOps")], 60) == [
         "at::native::reduce_kernel<…MeanOps>", "at::native::reduce_kernel<…MaxOps>"]
+    # a reduction whose op is a lambda names none: not the ReduceOp that wraps every one
+    lam = mean.replace("at::native::MeanOps<float, float, float, float>",
+                       "at::native::func_wrapper_t<float, at::native::lambda_1>")
+    assert short_names([lam], 40) == ["at::native::reduce_kernel<…>"]
     assert short_names(["ck_tile::kentry<1, ck_tile::Rmsnorm2dFwd<ck_tile::Pipeline<float>>, "
                         "ck_tile::Rmsnorm2dFwd::Kargs>"], 40) == [
         "ck_tile::kentry<…Rmsnorm2dFwd>"]
