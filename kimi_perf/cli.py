@@ -1179,8 +1179,8 @@ def info(traces: tuple[Path, ...], fmt: str | None, output: Path | None) -> None
         try:
             if trace.is_dir() and (trace / "breakdown.json").is_file():
                 files += [(f, None) for f in _saved_traces(trace)] or _analysed_files(trace)
-            elif trace.is_dir():
-                found, left = _traces_in([trace])
+            elif trace.is_dir():   # (a folder of runs: given each, DIR/*/, info reads them)
+                found, left = _traces_in([trace], keep_runs=True)
                 files += [(f, None) for f in found]
                 left_out += left
             else:

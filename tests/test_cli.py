@@ -2316,6 +2316,8 @@ def test_a_directory_of_traces_stands_for_its_traces(tmp_path):
     _one_line_error(run("trace", "--from", out, "-o", tmp_path / "runs2"),
                     f"it holds 1 kimi-perf run directory: kimi-perf report {out / '*'}/ draws "
                     "it")
+    _one_line_error(run("info", out), f"it holds 1 kimi-perf run directory: give it "
+                                      f"({out / '*'}/)")   # (info reads runs)
     shutil.copy(ranks / "meta.json", empty)
     _one_line_error(run("trace", "--from", empty, "--out", out),
                     "holds no trace files (*.json.gz, *.pt.trace.json, *.trace.json, *.json, "
