@@ -297,28 +297,26 @@ class K3Model:
             a = layer_prefix(i) + "self_attn."
             p: dict[str, torch.Tensor] = {}
             if c.is_mla(i):
-                p["qkv_a"] = torch.cat([self.w[a + "q_a_proj.weight"],
-                                        self.w[a + "kv_a_proj_with_mqa.weight"]])
+                p["qkv_a"] = self.pack_rows([a + "q_a_proj.weight",
+                                             a + "kv_a_proj_with_mqa.weight"])
                 h = c.mla_heads_local
-                kv_b = self.w[a + "kv_b_proj.weight"].reshape(h, c.qk_nope + c.v_head, c.kv_lora)
+                kv_b = self.w.pop(a + "kv_b_proj.weight").reshape(   # (read as these two)
+                    h, c.qk_nope + c.v_head, c.kv_lora)
                 p["w_uk"] = kv_b[:, : c.qk_nope].contiguous()         # [H, nope, kv_lora]
                 p["w_uv"] = kv_b[:, c.qk_nope:].transpose(1, 2).contiguous()  # [H, kv_lora, v]
             else:
-                parts = [self.w[a + f"{n}_proj.weight"] for n in "qkvg"]
-                parts += [self.w[a + "f_a_proj.weight"], self.w[a + "b_proj.weight"]]
-                pad = c.in_proj_rows - sum(t.shape[0] for t in parts)
-                parts.append(parts[0].new_zeros(pad, c.hidden))
-                p["in_proj"] = torch.cat(parts)
-                p["conv"] = torch.cat([self.w[a + f"{n}_conv1d.weight"][:, 0, :]
+                p["in_proj"] = self.pack_rows([a + f"{n}_proj.weight" for n in
+                                               ("q", "k", "v", "g", "f_a", "b")],
+                                              rows=c.in_proj_rows)
+                p["conv"] = torch.cat([self.w.pop(a + f"{n}_conv1d.weight")[:, 0, :]
                                        for n in "qkv"]).float()
             m = layer_prefix(i) + "mlp."
             if i == 0:
-                p["gate_up"] = torch.cat([self.w[m + "gate_proj.weight"],
-                                          self.w[m + "up_proj.weight"]])
+                p["gate_up"] = self.pack_rows([m + "gate_proj.weight", m + "up_proj.weight"])
             else:
                 s = m + "shared_experts."
-                p["shared_gate_up"] = torch.cat([self.w[s + "gate_proj.weight"],
-                                                 self.w[s + "up_proj.weight"]])
+                p["shared_gate_up"] = self.pack_rows([s + "gate_proj.weight",
+                                                      s + "up_proj.weight"])
                 p["w13"] = torch.stack([torch.cat([self.w[m + f"experts.{e}.w1.weight"],
                                                    self.w[m + f"experts.{e}.w3.weight"]])
                                         for e in range(c.n_experts)])
@@ -328,6 +326,21 @@ class K3Model:
                     for n in ("w1", "w2", "w3"):
                         del self.w[m + f"experts.{e}.{n}.weight"]
             self.packed[i] = p
+
+    def pack_rows(self, names: list[str], rows: int | None = None) -> torch.Tensor:
+        """The weights ``names`` stacked by rows in one buffer (zero rows after them, up to
+        ``rows``) for the launch that reads them in one pass; each weight then a view of its
+        rows there, so that the ops that read one alone (the fallback's) hold no second copy.
+        """
+        parts = [self.w[n] for n in names]
+        total = sum(t.shape[0] for t in parts)
+        packed = parts[0].new_zeros(total if rows is None else rows, parts[0].shape[1])
+        at = 0
+        for name, part in zip(names, parts, strict=True):
+            packed[at: at + part.shape[0]] = part
+            self.w[name] = packed[at: at + part.shape[0]]
+            at += part.shape[0]
+        return packed
 
     # Whether the path streams MXFP4 experts as codes (the kernel paths); the PyTorch ops
     # compute on the stacks in the model's dtype, their values MXFP4's, and keep none.

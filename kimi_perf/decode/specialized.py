@@ -127,11 +127,14 @@ class SpecializedModel(KernelPathModel):
             packed = self.packed[i]
             if c.is_mla(i):
                 a = p + "self_attn."
-                packed["qkv_a_g"] = torch.cat([packed["qkv_a"], self.w[a + "g_proj.weight"]])
+                packed["qkv_a_g"] = self.pack_rows([a + "q_a_proj.weight",
+                                                    a + "kv_a_proj_with_mqa.weight",
+                                                    a + "g_proj.weight"])
+                packed["qkv_a"] = packed["qkv_a_g"][: len(packed["qkv_a"])]
             if i > 0:
                 m = p + "mlp."
-                packed["router_down"] = torch.cat([self.w[m + "gate.weight"],
-                                                   self.w[m + "routed_expert_down_proj.weight"]])
+                packed["router_down"] = self.pack_rows([m + "gate.weight",
+                                                        m + "routed_expert_down_proj.weight"])
 
     def lm_head(self, out: torch.Tensor) -> torch.Tensor:
         self.launch("lm_head")  # the final RMSNorm rides in the GEMV's pass
