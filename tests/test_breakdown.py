@@ -868,6 +868,11 @@ def test_vllm_decode_breakdown():
     ("void causal_conv1d_update_kernel<128, 4>", "attention"),
     ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3", "attention"),
     ("void cudnn::bn_fw_tr_1C11_kernel_NCHW<float, float, int, 512, true, 1>", "norm"),
+    # an LSTM's cell names cuDNN's RNN mode, not a convolution
+    ("void elemWiseRNNcell<float, float, float, (cudnnRNNMode_t)2, (cudnnRNNBiasMode_t)2>"
+     "(int, int, int, int, int, bool, float const*, float*)", "other"),
+    ("void LSTM_elementWise_fp<float, float, float>(int, int, int, int, float const*)",
+     "elementwise"),
     # LayerNorm's backward, pooling, nvFuser's pointwise and persistent kernels
     ("void at::native::GammaBetaBackwardCUDAKernel<float, float>(long, long)", "norm"),
     ("void at::native::max_pool_forward_nchw<float, float>(int, float const*)", "elementwise"),
