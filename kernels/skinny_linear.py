@@ -248,12 +248,18 @@ def tiles(m: int, n_out: int, block_m: int, block_n: int) -> int:
 def skinny_linear_reference(x: torch.Tensor, w: torch.Tensor, norm: torch.Tensor | None = None,
                             residual: torch.Tensor | None = None,
                             situ: tuple[float, float] | None = None,
-                            out_dtype: torch.dtype | None = None, eps: float = 1e-5
-                            ) -> torch.Tensor:
+                            out_dtype: torch.dtype | None = None, eps: float = 1e-5,
+                            dot_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``dot_dtype``: the dtype the tensor cores take x · norm in, as the GEMM (past
+    GEMV_MAX_M rows) does: rounded to w's before 1/rms, which it applies to the sums; None
+    keeps fp32 throughout, as the GEMV does."""
     xf = x.float()
+    rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) if norm is not None else 1.0
     if norm is not None:
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * norm.float()
-    y = xf @ w.float().T
+        xf = xf * norm.float()
+    if dot_dtype is not None:
+        xf = xf.to(dot_dtype).float()
+    y = (xf @ w.float().T) * rstd
     if situ is not None:
         beta, beta_linear = situ
         gate, up = y.chunk(2, dim=-1)

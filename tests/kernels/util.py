@@ -16,11 +16,12 @@ from collections.abc import Iterator
 import torch
 
 BF16_EPS = 2.0**-7  # spacing of bf16 just above 1.0 (8 significant bits)
-# A kernel that rounds an operand of its tensor-core dot to bf16, as a GPU takes it (x · norm
-# before a GEMM, the softmax's P before P · V: ``kimi_perf_kernels.common.mma``), is that much
-# off the fp32 reference: up to 14% of these tests' elements fall more than one ulp of their
-# own value off (none past 1.2 ulps of the row's scale); a kernel a percent off everywhere
-# would put nearly all of them there.
+# A kernel that rounds an operand of its tensor-core dot to bf16, as a GPU takes it
+# (``kimi_perf_kernels.common.mma``), where no reference can round alike (the softmax's P
+# before P · V, rounded after each block's running max: skinny_linear's x · norm has a
+# reference that rounds it, ``dot_dtype``), is that much off the fp32 reference: up to 14% of
+# these tests' elements fall more than one ulp of their own value off (none past 1.2 ulps of
+# the row's scale); a kernel a percent off everywhere would put nearly all of them there.
 ROUNDED_OPERAND = 0.25
 
 
