@@ -159,7 +159,9 @@ def kda_decode_kernel(z_ptr, wfb_ptr, f_ptr, dt_bias_ptr, a_log_ptr, conv_w_ptr,
                 # The v channels are this program's alone: their new conv state is written
                 # at once (after every thread has read the old), not held over the f_b GEMV
                 # in registers (64 rows a program at batch 64: 136 registers on sm_90a, at
-                # 8 warps one CTA an SM; the compile table has each build's).
+                # 8 warps one CTA an SM; the compile table has each build's). Capped at 128
+                # (maxnreg), two an SM, it compiles without spills, while the replay and
+                # verify builds spill 112-156 bytes: untried on a GPU.
                 tl.debug_barrier()
                 _store_window(conv_base, v_ch, vx1, vx2, vn.to(vx2.dtype))
         q = q / tl.sqrt(tl.sum(q * q, axis=0) + 1e-6) * (1.0 / tl.sqrt(D * 1.0))
