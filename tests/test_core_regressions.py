@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 from kimi_perf import breakdown, layer_breakdown, nesting, read_trace
 from kimi_perf.attribution import _summary_by_lexsort, kernel_launch_pairs, range_kernel_summary
 from kimi_perf.errors import TraceError
+from kimi_perf.launches import find_launches
 from kimi_perf.layer_breakdown import (
     SegmentFigures,
     _bincount_int,
@@ -38,7 +39,7 @@ from kimi_perf.nesting import (
 )
 from kimi_perf.readers.nsys import _decode_text, _first_per_key, _NsysReader
 from kimi_perf.strings import StringTable
-from kimi_perf.trace import GPU_RANGE, PUSHPOP, STARTEND, TABLES, Trace, compact_ints
+from kimi_perf.trace import GPU_RANGE, PUSHPOP, STARTEND, TABLES, ApiCalls, Trace, compact_ints
 from tests.conftest import kineto_fixtures, nsys_fixtures
 from tests.synth import TraceBuilder
 from tests.test_layers import nvtx_decode_trace
@@ -658,3 +659,60 @@ def test_gpu_work_without_a_correlation_joins_no_api_call():
                    end=np.array([15, 25]), pid=np.array([7, 7]), tid=np.array([70, 70]),
                    correlation=np.array([-1, 5]), kind=np.array([0, 0], np.int8))
     assert find_launches(api, np.array([7, 7]), np.array([-1, 5])).tolist() == [-1, 1]
+
+
+def _api_calls(pids: list[int], correlations) -> ApiCalls:
+    n = len(pids)
+    return ApiCalls(name=np.zeros(n, np.int32), start=np.arange(n) * 10,
+                    end=np.arange(n) * 10 + 5, pid=np.array(pids), tid=np.array(pids) * 10,
+                    correlation=np.array(correlations), kind=np.zeros(n, np.int8))
+
+
+def test_of_duplicate_correlations_the_first_call_launches():
+    """Every correlation twice (old nsys exports' backtrace rows), over enough rows that an
+    unstable sort would pick either: each kernel finds the first row of its correlation."""
+    api = _api_calls([7] * 1000, np.r_[np.arange(500), np.arange(500)])
+    assert find_launches(api, np.full(500, 7), np.arange(500)).tolist() == list(range(500))
+
+
+def test_gpu_work_of_a_process_without_calls_joins_no_other_process_call():
+    """Process 5's kernel (its API calls not recorded) never joins process 9's call of the
+    same correlation; process 9's does."""
+    api = _api_calls([9], [42])
+    assert find_launches(api, np.array([5, 9]), np.array([42, 42])).tolist() == [-1, 0]
+
+
+def test_correlation_ids_past_2_to_the_20_stay_apart():
+    """Long traces count correlations into the millions and past 2^32: ids that agree in their
+    low bits are still other calls."""
+    ids = [5, 5 + 2**20, 5 + 2**32]
+    found = find_launches(_api_calls([7, 7, 7], ids), np.array([7, 7, 7]), np.array(ids[::-1]))
+    assert found.tolist() == [2, 1, 0]
+
+
+def test_a_launch_call_that_outlasts_its_range_is_not_in_it():
+    """nsys's rule: a range holds a kernel whose launch call lies wholly inside it."""
+    b = TraceBuilder()
+    b.range("fwd", 0, 100)
+    b.launch("gemm", 95, 105, 1000, 1010)      # the call ends after the range does
+    b.launch("gemm", 20, 30, 2000, 2030)
+    rows = {(r.range, r.kernel): r.kernel_instances for r in range_kernel_summary(b.build())}
+    assert rows == {("fwd", "gemm"): 1, (None, "gemm"): 1}
+
+
+def test_range_kernel_rows_order_pid_0_as_nsys_orders_null():
+    """nsys sorts a pid (or tid) of 0 as NULL: a lone kernel of pid 0 and one of no launch
+    call tie there, and the one of more time comes first (``ranges`` keeps nsys's order)."""
+    b = TraceBuilder()
+    b.launch("long", 20, 30, 1000, 1900, pid=0, tid=0)
+    b.kernels.append(dict(name=b.strings.code("short"), start=2000, end=2010, device=0,
+                          stream=7, pid=3, correlation=999))    # no call of its correlation
+    assert [r.kernel for r in range_kernel_summary(b.build())] == ["long", "short"]
+
+
+def test_a_pid_and_tid_of_0_are_ids_not_none():
+    b = TraceBuilder()
+    b.range("fwd", 0, 100, pid=0, tid=0)
+    b.launch("gemm", 20, 30, 1000, 1010, pid=0, tid=0)
+    (row,) = range_kernel_summary(b.build())
+    assert (row.range, row.pid, row.tid) == ("fwd", 0, 0)

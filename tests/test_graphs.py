@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import random
 
 import numpy as np
 import pytest
@@ -11,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kimi_perf.errors import TraceError
-from kimi_perf.graphs import capture_launches, with_capture
+from kimi_perf.graphs import capture_launches, capture_memory_calls, with_capture
 from kimi_perf.readers import read_trace
 from tests.conftest import FIXTURES
 from tests.synth import TraceBuilder, segment
@@ -326,3 +327,139 @@ def test_the_replay_note_says_what_a_capture_would_change():
                       "other 6 have no capture in this trace or the captures joined to place "
                       "them in the ranges open then: they count where their graph launch ran "
                       "(layers found by the kernels' repeating pattern are still found)")
+
+
+# -- what a capture maps, whatever the trace's row order and threads ------------------------
+
+
+def _launch_of(trace) -> dict[int, int]:
+    """Each kernel's GPU start: the start of the launch call that captured it (-1: none)."""
+    found = capture_launches(trace)
+    return {int(trace.kernels.start[i]): (int(trace.api.start[c]) if c >= 0 else -1)
+            for i, c in enumerate(found.tolist())}
+
+
+def _copy_calls_of(trace) -> dict[int, int]:
+    """Each copy's GPU start: the start of the memory call that captured it (-1: none)."""
+    found = capture_memory_calls(trace, capture_launches(trace))
+    return {int(trace.memops.start[i]): (int(trace.api.start[c]) if c >= 0 else -1)
+            for i, c in enumerate(found.tolist())}
+
+
+def _shuffled(b: TraceBuilder, seed: int) -> TraceBuilder:
+    """The builder's rows in another order (they join by correlation, not by position)."""
+    rng = random.Random(seed)
+    for rows in (b.api, b.kernels, b.memops, b.ranges):
+        rng.shuffle(rows)
+    return b
+
+
+def test_graphs_launched_through_the_driver_api_map_to_their_capture():
+    b = TraceBuilder()
+    _capture_of_two_layers(b)
+    for j, name in enumerate("ABAB"):
+        b.launch(name, 2010, 2020, 2100 + 50 * j, 2140 + 50 * j, correlation=10_000,
+                 api_name="cuGraphLaunch")
+    assert _launch_of(b.build()) == {2100: 20, 2150: 30, 2200: 520, 2250: 530}
+
+
+def test_a_capture_still_running_captured_no_graph_launched_meanwhile():
+    """Thread 2 replays a graph of four kernels (captured before the profile) while thread 1
+    is still capturing four launches: that capture ends after the replay began, so it is not
+    the replay's."""
+    b = TraceBuilder()
+    _capture_of_two_layers(b)                     # launches at 20..535 on thread 1
+    for j, name in enumerate("ABAB"):
+        b.launch(name, 100, 110, 200 + 50 * j, 240 + 50 * j, tid=2, correlation=10_000,
+                 api_name="cudaGraphLaunch")
+    assert (capture_launches(b.build()) == -1).all()
+
+
+def test_parallel_graph_branches_map_by_start_not_end():
+    """A (captured first) starts first and ends after B: the order of starts pairs them."""
+    b = TraceBuilder()
+    _capture_of_two_layers(b)
+    for name, start, end in [("A", 2100, 2300), ("B", 2150, 2200), ("A", 2400, 2440),
+                             ("B", 2450, 2490)]:
+        b.launch(name, 2010, 2020, start, end, correlation=10_000, api_name="cudaGraphLaunch")
+    assert _launch_of(b.build()) == {2100: 20, 2150: 30, 2400: 520, 2450: 530}
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_replayed_kernels_map_whatever_the_row_order(seed):
+    """Readers keep rows in file order, and a joined trace puts the capture's rows after the
+    replay's: one trace's rows shuffled map the same."""
+    b = TraceBuilder()
+    _capture_of_two_layers(b)
+    _replays(b, ["A", "B", "A", "B"])
+    want = _launch_of(b.build())
+    assert -1 not in want.values()
+    assert _launch_of(_shuffled(b, seed).build()) == want
+
+
+@pytest.mark.parametrize("seed", range(8))
+@pytest.mark.parametrize(("copies_at", "begin_end"), [((540, 560), True), ((525,), False)])
+def test_replayed_copies_map_whatever_the_row_order(seed, copies_at, begin_end):
+    b = _captured_with_copies(copies_at, replayed=len(copies_at), begin_end=begin_end)
+    want = _copy_calls_of(b.build())
+    assert -1 not in want.values()
+    assert _copy_calls_of(_shuffled(b, seed).build()) == want
+
+
+def test_an_idle_launch_on_another_thread_does_not_lengthen_a_capture():
+    """A launch that ran nothing on thread 2 (its kernel before the profile began) sorts right
+    after thread 1's capture: the capture keeps its four launches, and every kernel maps."""
+    b = TraceBuilder()
+    _capture_of_two_layers(b)
+    _replays(b, ["A", "B", "A", "B"])
+    b.call("cudaLaunchKernel", 0, 3, tid=2)
+    assert -1 not in _launch_of(b.build()).values()
+
+
+def test_an_eager_copy_inside_a_capture_is_no_captured_one():
+    """A cudaMemcpyAsync that ran (its copy is in the trace: another stream, relaxed capture
+    mode) is no node of the graph: the captured call's replayed copies still map to it."""
+    b = _captured_with_copies((540,))
+    b.api.append(dict(name=b.strings.code("cudaMemcpyAsync"), start=600, end=605, pid=1,
+                      tid=1, correlation=77, kind=0))
+    b.memop("[CUDA memcpy Host-to-Device]", 610, 620, correlation=77)
+    trace = b.build()
+    found = capture_memory_calls(trace, capture_launches(trace))
+    replayed = trace.memops.start >= 2000
+    assert trace.api.start[found[replayed]].tolist() == [540, 540]
+
+
+def test_copies_map_only_where_captured_and_replayed_counts_agree():
+    """One copy replayed against two captured memory calls: which one it is, nothing says."""
+    trace = _captured_with_copies((540, 560), replayed=1).build()
+    assert (capture_memory_calls(trace, capture_launches(trace)) == -1).all()
+
+
+def test_a_call_at_the_same_ns_on_another_thread_is_no_same_profile():
+    """The capture file's call starts at the replay's graph launch's nanosecond, on another
+    thread: two profiles, joined (not refused as one given twice)."""
+    capture, replay = TraceBuilder(), TraceBuilder()
+    _capture_of_two_layers(capture)
+    _replays(replay, ["A", "B", "A", "B"])
+    capture.call("cudaStreamSynchronize", 2010, 2012, tid=9)
+    joined = with_capture(replay.build(), capture.build())
+    assert (capture_launches(joined) >= 0).sum() == 8
+
+
+def test_joined_twice_the_replay_rows_stay_the_replays():
+    """Two captures joined one after the other: ``replay_rows`` (what ``info`` counts as the
+    replay alone) stays the replay's, not the replay's and the first capture's."""
+    first, second, replay = TraceBuilder(), TraceBuilder(), TraceBuilder()
+    _capture_of_two_layers(first)
+    second.call("cudaStreamBeginCapture", 1005, 1006)
+    for t in (1020, 1030):
+        second.call("cudaLaunchKernel", t, t + 5)
+    second.call("cudaStreamEndCapture", 1450, 1460)
+    _replays(replay, ["A", "B", "A", "B"])
+    for j, name in enumerate(["C", "D"]):
+        replay.launch(name, 4010, 4020, 4100 + 50 * j, 4140 + 50 * j, correlation=10_002,
+                      api_name="cudaGraphLaunch")
+    alone = replay.build()
+    trace = with_capture(with_capture(alone, first.build()), second.build())
+    assert trace.meta["replay_rows"]["kernels"] == len(alone.kernels)
+    assert trace.meta["replay_rows"]["api"] == len(alone.api)
