@@ -15,7 +15,16 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kimi_perf import breakdown, compare, read_trace
-from kimi_perf.classify import classify, classify_name, default_rules, load_rules
+from kimi_perf.classify import (
+    Rule,
+    classify,
+    classify_name,
+    default_rules,
+    default_rules_said,
+    layout_class_name,
+    load_rules,
+    rules_said,
+)
 from kimi_perf.errors import NoGpuWork, TraceError
 from kimi_perf.layer_breakdown import (
     Breakdown,
@@ -2604,3 +2613,74 @@ def test_breakdown_csv_rows_are_the_layers_figures_in_the_headers_order():
             layer["kernel_us"], layer["span_us"], layer["gap_us"])
         assert row["classes"] == ";".join(f"{c}={v['kernels']}/{v['us']}"
                                           for c, v in layer["classes"].items())
+
+
+# -- what the rules' digests say, and how a user's rule reaches the layer finder -------------
+
+
+def _digest_of(said: str) -> str:
+    return said[said.index("(") + 1: -1]
+
+
+def test_rules_said_names_a_list_of_ones_own_custom_and_counts_the_extra_rules():
+    defaults = default_rules()
+    mine = [Rule("mine", re.compile("gemm", re.IGNORECASE))]
+    two = [Rule("mine", re.compile("gemm", re.IGNORECASE)),
+           Rule("kda", re.compile("kda", re.IGNORECASE))]
+    assert rules_said(mine).startswith("custom (sha256:")
+    assert rules_said([*two, *defaults]).startswith("2 extra (sha256:")
+    assert rules_said([*mine, *defaults]).startswith("1 extra (sha256:")
+
+
+def test_the_extra_rules_digest_is_of_the_extra_rules_alone():
+    """'N extra (sha256:…)' digests the rules put before the defaults: the same file gives
+    the same digest whatever the version's defaults (so equal to the digest of those rules
+    as a list of one's own)."""
+    extra = [Rule("mine", re.compile("gemm", re.IGNORECASE))]
+    assert _digest_of(rules_said([*extra, *default_rules()])) == _digest_of(rules_said(extra))
+
+
+@pytest.mark.parametrize("other", [
+    Rule("gemm", re.compile("my_op")),                    # case-sensitive, as a library list may be
+    Rule("norm", re.compile("my_op", re.IGNORECASE)),     # another class
+    Rule("gemm", re.compile("my_op2", re.IGNORECASE)),    # another pattern
+])
+def test_the_rules_digest_tells_class_pattern_and_flags_apart(other):
+    one = Rule("gemm", re.compile("my_op", re.IGNORECASE))
+    assert rules_said([one]) != rules_said([other])
+
+
+def test_the_default_rules_digest_covers_every_shipped_rule():
+    defaults = default_rules()
+    assert default_rules_said() != _digest_of(rules_said(defaults[1:]))
+    assert default_rules_said() != _digest_of(rules_said(defaults[:-1]))
+
+
+def test_a_users_rule_saying_other_reaches_the_layer_finder():
+    """'other' is a shipped class: a user's rule that says a kernel the defaults call
+    attention is other moves it for the layer finder too."""
+    rules = [Rule("other", re.compile("flash_fwd", re.IGNORECASE)), *default_rules()]
+    assert layout_class_name("flash_fwd_kernel", default_rules()) == "attention"
+    assert layout_class_name("flash_fwd_kernel", rules) == "other"
+
+
+def test_a_users_rule_reaches_the_layer_finder_anywhere_in_the_name():
+    """Rules search the name (as classify_name does), not match at its start."""
+    rules = [Rule("attention", re.compile("custom_mixer", re.IGNORECASE)), *default_rules()]
+    assert layout_class_name("zz_custom_mixer_op", default_rules()) != "attention"
+    assert layout_class_name("zz_custom_mixer_op", rules) == "attention"
+
+
+def test_an_empty_rule_list_in_a_file_is_an_error(tmp_path):
+    """'rule = []' adds nothing: a file that means to add rules and adds none is refused."""
+    path = tmp_path / "rules.toml"
+    path.write_text("rule = []\n")
+    with pytest.raises(TraceError, match=r"no \[\[rule\]\] entries"):
+        load_rules(path)
+
+
+def test_a_rules_class_has_its_control_characters_written_out(tmp_path):
+    path = tmp_path / "rules.toml"
+    path.write_text('[[rule]]\nclass = "a\\u001b[31mb"\npattern = "my_op"\n')
+    (rule, *_) = load_rules(path)
+    assert rule.cls == "a\\x1b[31mb"

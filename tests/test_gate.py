@@ -3554,7 +3554,7 @@ def test_the_u_test_reaches_alpha_where_its_approximation_cannot():
     assert check.p_value == pytest.approx(1 / 12_870) and check.status == "regression"
     few, many = np.array([1.0, 1.0, 2.0]), np.arange(300.0) + 10
     assert u_test(many, few, True) == u_test(few, many, False) == pytest.approx(
-        1 / 4_590_551)
+        1 / 4_590_551, rel=1e-9, abs=0)
     assert u_test(few, many, True) == pytest.approx(1.0)
     # three against 100,000, above all but one: 7 of the C(100003, 3) splits sum their ranks
     # as high (from the top: 2+3+4 at most 9), counting only the values ranked that high
@@ -3563,9 +3563,9 @@ def test_the_u_test_reaches_alpha_where_its_approximation_cannot():
     # past a float (1e311)
     tied = np.repeat([100.0, 101.0, 102.0], [16_000, 16_400, 16_400])
     assert u_test(np.linspace(89.0, 91.0, 100), tied, False) == pytest.approx(
-        1 / math.comb(48_900, 100), rel=1e-9)
+        1 / math.comb(48_900, 100), rel=1e-9, abs=0)   # (approx's own 1e-12 takes any p)
     assert u_test(np.array([99_998.5, 99_998.6, 99_998.7]), huge, True) == pytest.approx(
-        7 / math.comb(100_003, 3), rel=1e-9)
+        7 / math.comb(100_003, 3), rel=1e-9, abs=0)
     rng = np.random.default_rng(0)
     base, cur = rng.normal(100, 1, 150), rng.normal(100.3, 1, 150)
     assert u_test(cur, base, True) == mannwhitneyu(cur, base, alternative="greater",
@@ -3914,3 +3914,32 @@ def test_another_phase_that_kept_other_steps_is_a_breakdown_difference():
     assert breakdown_differences({"trace": decode}, {"trace": every}) == [
         "--phase 'decode' vs 'all'"]
     assert breakdown_differences({"trace": decode}, {"trace": decode}) == []
+
+
+def test_the_u_test_is_exact_at_sixty_steps_a_side():
+    """Sixty steps a side, no ties, a modest shift: the work (about 5e7) is within
+    EXACT_TEST_WORK, so its p is the exact one scipy counts, not the normal approximation
+    (which differs in the third digit here: a gate at α near p would decide otherwise).
+    Compared with abs=0: pytest.approx's default 1e-12 would pass any tiny p."""
+    from scipy.stats import mannwhitneyu
+
+    from kimi_perf.stats import u_test
+
+    rng = np.random.default_rng(3)
+    base = rng.permutation(np.arange(0.0, 120.0, 2.0))       # distinct values: no ties
+    cur = rng.permutation(np.arange(1.0, 121.0, 2.0)) + 8.5
+    assert len(np.unique(np.r_[cur, base])) == 120
+    for worse, side in ((True, "greater"), (False, "less")):
+        exact = mannwhitneyu(cur, base, alternative=side, method="exact").pvalue
+        approx = mannwhitneyu(cur, base, alternative=side, method="asymptotic").pvalue
+        assert exact != pytest.approx(approx, rel=1e-4, abs=0)   # (the two do differ)
+        assert u_test(cur, base, worse) == pytest.approx(exact, rel=1e-9, abs=0)
+
+
+def test_the_u_test_of_one_value_counts_its_own_rank():
+    """One step against four, above all of them: one split in five is as extreme, p 1/5
+    (the single value's rank equals the observed sum: it must be counted)."""
+    from kimi_perf.stats import u_test
+
+    assert u_test(np.array([5.0]), np.array([1.0, 2.0, 3.0, 4.0]), True) == pytest.approx(0.2)
+    assert u_test(np.array([0.0]), np.array([1.0, 2.0, 3.0, 4.0]), False) == pytest.approx(0.2)

@@ -1048,3 +1048,117 @@ def test_layer_types_by_sequence_as_pair_by_pair(steps, most):
     assign_types(Ops(), built, max_variation=most)
     got = [[layer.type for layer in step.layers] for step in built]
     assert got == _types_pair_by_pair(steps, most)
+
+
+# -- edges a mutation audit found unheld ----------------------------------------------------
+
+
+def test_layer_type_labels_stay_distinct_past_z():
+    """A model of more than 26 layer types (an eager MoE's per-expert variants) names the
+    27th and later T26, T27...: never a letter again, which would merge two types' figures."""
+    from kimi_perf.layers import _type_label
+
+    labels = [_type_label(i) for i in range(60)]
+    assert labels[:3] == ["A", "B", "C"] and labels[25] == "Z" and labels[26] == "T26"
+    assert len(set(labels)) == 60
+
+
+def test_graph_launches_make_the_steps_only_where_they_carry_nearly_all_the_work():
+    """Two graph launches of three kernels each, and four eager kernels besides: graphs carry
+    6 of 10 ops, far from nearly all, so the steps are not the graph launches (each would
+    leave the eager work out) but the device's work, one step."""
+    from kimi_perf.layers import GpuOps, find_steps
+
+    b = TraceBuilder()
+    t = 0
+    for g in range(2):
+        corr = 100 + g
+        for i in range(3):
+            b.launch(f"graph_k{i}", t, t + 50, t + 200 + 300 * i, t + 400 + 300 * i,
+                     correlation=corr, api_name="cudaGraphLaunch")
+        t += 2000
+    for i in range(4):
+        b.launch(f"eager_k{i}", t, t + 50, t + 200, t + 400)
+        t += 1000
+    trace = b.build()
+    ops = GpuOps.of(trace)
+    steps = find_steps(trace, ops)
+    assert [s.found_by for s in steps] == ["device"] and len(steps[0].ops) == 10
+
+
+def test_back_to_back_step_ranges_still_take_another_threads_launches():
+    """Step ranges of thread 1 that touch (one ends where the next begins) do not overlap:
+    a kernel that thread 2 launches within the first is that step's, borrowed."""
+    from kimi_perf.layers import GpuOps, find_steps
+
+    b = TraceBuilder()
+    b.range("decode_step[0]", 0, 10_000)
+    b.range("decode_step[1]", 10_000, 20_000)
+    b.launch("gemm_a", 100, 150, 300, 500, tid=1)
+    b.launch("gemm_b", 2_000, 2_050, 2_300, 2_500, tid=2)       # thread 2, in step 0
+    b.launch("gemm_a", 10_100, 10_150, 10_300, 10_500, tid=1)
+    trace = b.build()
+    ops = GpuOps.of(trace)
+    steps = find_steps(trace, ops)
+    assert [(s.name, len(s.ops), s.other_thread_ops) for s in steps] == [
+        ("decode_step[0]", 2, 1), ("decode_step[1]", 1, 0)]
+
+
+def test_another_threads_launch_on_a_step_ranges_edges_is_that_steps():
+    """A launch from thread 2 that begins exactly where a step range begins, or ends exactly
+    where one ends, lies within it (a range's ends are inclusive, as for the step's own
+    thread)."""
+    from kimi_perf.layers import GpuOps, find_steps
+
+    b = TraceBuilder()
+    b.range("decode_step[0]", 0, 10_000)
+    b.range("decode_step[1]", 12_000, 20_000)
+    b.launch("gemm_a", 100, 150, 300, 500, tid=1)
+    b.launch("gemm_b", 9_950, 10_000, 10_100, 10_300, tid=2)    # ends as step 0 ends
+    b.launch("gemm_a", 12_100, 12_150, 12_300, 12_500, tid=1)
+    b.launch("gemm_c", 12_000, 12_050, 12_600, 12_800, tid=2)    # begins as step 1 begins
+    trace = b.build()
+    ops = GpuOps.of(trace)
+    steps = find_steps(trace, ops)
+    assert [(s.name, len(s.ops), s.other_thread_ops) for s in steps] == [
+        ("decode_step[0]", 2, 1), ("decode_step[1]", 2, 1)]
+
+
+def test_layer_ranges_give_their_own_layer_numbers():
+    """A pipeline stage's layers 30 and 31, from ranges that number them: indices 30 and 31,
+    not their places 0 and 1 in the step."""
+    b = TraceBuilder()
+    b.range("decode_step[0]", 0, 10_000)
+    b.range("layers.30", 100, 4_000)
+    b.range("layers.31", 5_000, 9_000)
+    b.launch("gemm_a", 200, 250, 300, 500)
+    b.launch("gemm_b", 300, 350, 600, 800)
+    b.launch("gemm_a", 5_100, 5_150, 5_300, 5_500)
+    b.launch("gemm_b", 5_200, 5_250, 5_600, 5_800)
+    _, (step,) = segment(b.build())
+    assert step.layer_source == "nvtx" and [layer.index for layer in step.layers] == [30, 31]
+
+
+def test_a_step_range_ending_with_the_one_it_encloses_encloses_it():
+    """'Forward outer' holds 'Forward' whole, both ending at once: it encloses one step
+    range (and holds only its own op outside it)."""
+    from kimi_perf.layers import GpuOps, find_steps
+
+    b = TraceBuilder()
+    b.range("Forward outer", 0, 10_000)
+    b.range("Forward", 1_000, 10_000)
+    b.launch("gemm_a", 100, 150, 300, 500)
+    b.launch("gemm_b", 2_000, 2_050, 2_300, 2_500)
+    trace = b.build()
+    ops = GpuOps.of(trace)
+    steps = find_steps(trace, ops, "^Forward")
+    assert [(s.name, s.encloses) for s in steps] == [("Forward outer", 1), ("Forward", 0)]
+
+
+def test_step_numbers_fold_in_both_spellings():
+    """Where ops were launched is counted by range name with step numbers folded, both
+    ``[N]`` and ``#N``: ProfilerStep#3 and #4 are one place, not one each."""
+    from kimi_perf.layers import fold_numbers
+
+    assert fold_numbers("ProfilerStep#12") == fold_numbers("ProfilerStep#3") == "ProfilerStep#…"
+    assert fold_numbers("warmup_step[7]") == "warmup_step[…]"
