@@ -720,25 +720,31 @@ def _run_nsys(step: list[str]) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(step, nsys.returncode, out, err)
 
 
-def _capture_path_nsys(path: str, req: TraceRequest, device: str, run_dir: Path
-                       ) -> tuple[dict, Path]:
-    """The path in its own process under ``nsys profile`` (NVTX, and CUDA on a GPU), then
-    ``nsys export`` to SQLite, which the trace core reads."""
-    nsys = nsys_binary()
-    rep = run_dir / f"{path}.nsys-rep"
-    sqlite = run_dir / f"{path}.sqlite"
-    metrics_file = run_dir / f".{path}.metrics.json"
+def nsys_profile_command(req: TraceRequest, path: str, device: str, run_dir: Path
+                         ) -> list[str]:
+    """``nsys profile`` running one path in ``kimi_perf.decode.worker``, its report
+    ``run_dir/PATH.nsys-rep``; the worker writes its metrics to ``run_dir/.PATH.metrics.json``
+    and stops once this process has exited."""
     request = {"preset": req.preset, "n_layers": req.n_layers, "seed": req.seed,
                "batch": req.batch, "context": req.context, "steps": req.steps,
                "warmup": req.warmup, "kv_cache": req.kv_cache, "graphs": req.graphs,
                "spec_tokens": req.spec_tokens, "options": path_options(req, path)}
     traced = "nvtx,cuda" if device == "cuda" else "nvtx"
-    cmd = [nsys, "profile", f"--trace={traced}", "--sample=none", "--cpuctxsw=none",
-           "--force-overwrite=true", "-o", str(rep.with_suffix(""))]
-    if req.graphs:
-        cmd.append("--cuda-graph-trace=node")
-    cmd += [sys.executable, "-m", "kimi_perf.decode.worker", json.dumps(request), path,
-            str(metrics_file), str(os.getpid())]
+    return [nsys_binary(), "profile", f"--trace={traced}", "--sample=none", "--cpuctxsw=none",
+            "--force-overwrite=true", "-o", str(run_dir / path)] + (
+        ["--cuda-graph-trace=node"] if req.graphs else []) + [
+        sys.executable, "-m", "kimi_perf.decode.worker", json.dumps(request), path,
+        str(run_dir / f".{path}.metrics.json"), str(os.getpid())]
+
+
+def _capture_path_nsys(path: str, req: TraceRequest, device: str, run_dir: Path
+                       ) -> tuple[dict, Path]:
+    """The path in its own process under ``nsys profile`` (NVTX, and CUDA on a GPU), then
+    ``nsys export`` to SQLite, which the trace core reads."""
+    cmd = nsys_profile_command(req, path, device, run_dir)
+    nsys, rep = cmd[0], run_dir / f"{path}.nsys-rep"
+    sqlite = run_dir / f"{path}.sqlite"
+    metrics_file = run_dir / f".{path}.metrics.json"
     for step in (cmd, [nsys, "export", "--type", "sqlite", "--force-overwrite=true", "-o",
                        str(sqlite), str(rep)]):
         result = _run_nsys(step)

@@ -927,9 +927,9 @@ def test_nsys_reports_are_told_by_content_and_their_fresh_exports_read(tmp_path,
 
 def test_nsys_failures_say_why_in_a_line(tmp_path, monkeypatch):
     """What an nsys command that failed says: the program it profiled killed (nsys exits
-    128 + the signal), nsys's own complaint rather than its usage lines, what the profiled
-    Python program raised; an export that wrote nothing; a KIMI_PERF_NSYS that is no
-    command."""
+    128 + the signal), nsys's own complaint rather than its usage lines or the docs it points
+    at, what the profiled Python program raised; an export that wrote nothing; a
+    KIMI_PERF_NSYS that is no command."""
     from kimi_perf.readers.nsys import nsys_failure
 
     def failed(code: int, stderr: str = "") -> str:
@@ -947,6 +947,12 @@ def test_nsys_failures_say_why_in_a_line(tmp_path, monkeypatch):
                      "line 1\nRuntimeError: boom\n") == (
         "/opt/nsys profile exited 1: the profiled program raised RuntimeError: boom")
     assert failed(3) == "/opt/nsys profile exited 3"   # (stdout's progress is no reason)
+    lost = "Connection to Agent lost. This is most likely a bug. Internal reason: 'EOF'."
+    assert failed(1, f"{lost}\nPlease refer to the troubleshooting section of the docs:\n"
+                     "https://docs.nvidia.com/nsight-systems/UserGuide/index.html"
+                     "#troubleshooting\n") == f"/opt/nsys profile exited 1: {lost}"
+    assert failed(1, "Collecting data...\nPlease refer to the docs:\nhttps://x.org/y\n") == (
+        "/opt/nsys profile exited 1: Collecting data...")   # (a pointer is no reason)
     assert failed(1, "Traceback (most recent call last):\n  File \"w.py\", line 2\n    "
                      "raise ValueError('two\\nlines')\nValueError: two\nlines\n") == (
         "/opt/nsys profile exited 1: the profiled program raised ValueError: two")

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import re
 import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -930,6 +932,38 @@ def test_a_killed_nsys_capture_leaves_no_process(tmp_path):
     finally:
         trace.stderr.close()
         _kill(_processes_naming(str(out)))
+
+
+@pytest.mark.skipif(NSYS is None, reason="no Nsight Systems CLI (scripts/install-nsys.sh)")
+def test_nsys_s_sigint_ends_the_worker_whatever_it_is_doing(tmp_path, monkeypatch):
+    """What kimi-perf sends nsys to stop it, SIGINT, ends the worker nsys profiles and then
+    nsys (130: its program ended by SIGINT), while the worker imports torch, builds its model
+    or runs its steps. A worker that took it as Python's KeyboardInterrupt ended too slowly
+    for nsys, which mostly left before it (0), the worker still running."""
+    from kimi_perf.capture import default_request, nsys_profile_command
+
+    monkeypatch.setenv("KIMI_PERF_NSYS", NSYS)
+    request = dataclasses.replace(default_request(on_gpu=False), n_layers=2, steps=100000)
+    ended = {}
+    for after_s in (0.0, 0.5, 1.0, 2.0, 3.0, 5.0):   # (from the worker's start)
+        command = nsys_profile_command(request, "specialized", "cpu", tmp_path)
+        nsys = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                process_group=0)
+        try:   # (before, nsys is starting: SIGINT ends it, there being nothing to stop)
+            assert _wait_for(lambda: len(_processes_naming(
+                str(tmp_path), "kimi_perf.decode.worker")) == 2, 60)   # (nsys, worker)
+            time.sleep(after_s)
+            nsys.send_signal(signal.SIGINT)
+            code = nsys.wait(timeout=30)
+            ended[after_s] = (code, "worker on" if _processes_naming(
+                str(tmp_path), "kimi_perf.decode.worker") else "worker gone")
+        except subprocess.TimeoutExpired:
+            ended[after_s] = "nsys on"
+        finally:
+            nsys.kill()
+            nsys.wait()
+            _kill(_processes_naming(str(tmp_path)))
+    assert ended == dict.fromkeys(ended, (128 + signal.SIGINT, "worker gone"))
 
 
 def _nsys_capture_running(out: Path) -> subprocess.Popen:

@@ -10,6 +10,7 @@ import importlib.metadata
 import json
 import os
 import select
+import signal
 import sys
 import threading
 
@@ -47,6 +48,10 @@ def stop_when_gone(pid: int) -> None:
 
 def main(argv: list[str]) -> int:
     request, path, metrics_out = json.loads(argv[0]), argv[1], argv[2]
+    # nsys stops the process it profiles with SIGINT and waits for it a moment: taken as
+    # Python's KeyboardInterrupt, this process (torch imported) ended too slowly: nsys left
+    # first (exit 0) and it outlived nsys; the default action ends it at once
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
     stop_when_gone(int(argv[3]))
     import torch
 

@@ -140,7 +140,11 @@ def nsys_cli() -> str | None:
                            + ("" if os.sep in given else " (nor a command on PATH)"))
 
 
-ERROR_WORDS = re.compile(r"error|unrecogni[sz]ed|invalid|unknown|cannot|failed", re.IGNORECASE)
+ERROR_WORDS = re.compile(r"error|unrecogni[sz]ed|invalid|unknown|cannot|failed|lost",
+                         re.IGNORECASE)
+# lines that point at a reason elsewhere: nsys's "Please refer to the troubleshooting section
+# of the docs:" and the address under it
+POINTERS = re.compile(r"please refer to|https?://", re.IGNORECASE)
 
 
 def nsys_failure(result: subprocess.CompletedProcess) -> str:
@@ -170,7 +174,8 @@ def nsys_failure(result: subprocess.CompletedProcess) -> str:
         raised = [line for line in lines[tracebacks[-1] + 1:] if not line[0].isspace()]
         why = "the profiled program raised " + (raised[0] if raised else "an exception")
     else:
-        said = [line.strip() for line in lines if not line.startswith(("Try '", "usage:"))]
+        said = [line.strip() for line in lines
+                if not line.startswith(("Try '", "usage:")) and not POINTERS.match(line.strip())]
         errors = [line for line in said if ERROR_WORDS.search(line)]
         why = (errors or said or [""])[-1]
     return f"{command} exited {code}" + (f": {why}" if why else "")
