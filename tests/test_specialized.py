@@ -975,12 +975,14 @@ def _nsys_capture_running(out: Path) -> subprocess.Popen:
          "--steps", "100000", "--out", str(out)], cwd=Path(__file__).parent.parent,
         env={**os.environ, "KIMI_PERF_NSYS": NSYS}, stderr=subprocess.PIPE, text=True,
         process_group=0)   # (a group of its own, as a terminal's foreground job)
-    if not _wait_for(lambda: len(_processes_naming(str(out), "kimi_perf.decode.worker")) >= 2,
-                     300):
+    running = _wait_for(lambda: trace.poll() is not None or len(_processes_naming(
+        str(out), "kimi_perf.decode.worker")) >= 2, 300)
+    if not running or trace.poll() is not None:   # (not after 300 s, or kimi-perf exited)
+        why = f"kimi-perf exited {trace.returncode}" if running else "after 300 s"
         trace.kill()
         trace.wait()
         _kill(_processes_naming(str(out)))
-        pytest.fail(f"no nsys capture running after 300 s: {trace.stderr.read()[-2000:]}")
+        pytest.fail(f"no nsys capture running ({why}): {trace.stderr.read()[-2000:]}")
     return trace
 
 
