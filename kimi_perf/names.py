@@ -139,7 +139,7 @@ def _cut(name: str, width: int) -> str:
     return name[: width - 1 - tail] + "…" + name[len(name) - tail:]
 
 
-_CLONE = re.compile(r" \[clone [^\]]*\]$")
+_CLONE = re.compile(r"( \[clone [^\]]*\])+$")   # (GCC stacks them: .isra.0 then .cold)
 
 
 def _without_arguments(name: str) -> str:

@@ -2684,3 +2684,207 @@ def test_a_rules_class_has_its_control_characters_written_out(tmp_path):
     path.write_text('[[rule]]\nclass = "a\\u001b[31mb"\npattern = "my_op"\n')
     (rule, *_) = load_rules(path)
     assert rule.cls == "a\\x1b[31mb"
+
+
+def test_compare_ratios_are_a_over_b_and_a_cpu_run_keeps_only_its_counts():
+    """12 kernels in 60 µs against 8 in 30: each ratio is A's over B's (1.5 kernels, 2.0 µs);
+    against a CPU run's ops the µs ratios go (host time against GPU time), the count ratio
+    stays; the rows hold their µs to three decimals."""
+    from kimi_perf.comparison import ALL_LAYERS
+
+    a = _types(("A", "d1", 12, 60.0))
+    b = _types(("A", "d1", 8, 30.0))
+    (row, *_) = compare(a, b)
+    assert (row.kernel_ratio, row.span_ratio, row.kernel_us_ratio) == (1.5, 2.0, 2.0)
+    cpu = copy.deepcopy(b)
+    cpu.source["ops"] = "cpu-ops"
+    for row in compare(a, cpu):
+        assert (row.kernel_ratio, row.span_ratio, row.kernel_us_ratio) == (1.5, None, None)
+        assert row.to_json()["kernel_us_ratio"] is None
+    odd = compare(_types(("A", "d1", 3, 1234.5678)), b)
+    assert (odd[0].to_json()["a"]["span_us"], odd[0].to_json()["a"]["kernel_us"]) == (
+        1234.568, 1234.568)
+    mean = next(r for r in odd if r.type == ALL_LAYERS)   # the mean layer's too
+    assert (mean.span_us_a, mean.kernel_us_a) == (1234.568, 1234.568)
+
+
+def test_a_whole_step_whose_steps_do_not_say_their_layers_shows_no_layers_a_step():
+    """Steps stored without their layer count: the whole step's row shows 0 (no "0 a
+    step"); the other side's, "2 a step"."""
+    from kimi_perf.comparison import WHOLE_STEP
+
+    a = _types(("A", "d1", 12, 60.0))
+    unsaid = copy.deepcopy(a)
+    for step in unsaid.steps:
+        del step["layers"]
+    step = next(r for r in compare(unsaid, a) if r.type == WHOLE_STEP)
+    assert (step.layers_text("a"), step.layers_text("b")) == ("0", "2 a step")
+
+
+def test_types_only_b_has_follow_in_bs_order():
+    """Types by ranges that only B has come after A's, in B's order."""
+    from kimi_perf.comparison import pair_layer_types
+
+    one = _types(("mlp", None, 5, 10.0))
+    three = _types(("mlp", None, 5, 10.0), ("kda", None, 9, 20.0), ("dense", None, 4, 8.0))
+    assert pair_layer_types(one, three) == [("mlp", "mlp"), (None, "kda"), (None, "dense")]
+
+def test_the_legend_of_a_type_only_b_has_alone():
+    """A range type X of A's finds no range type in B, whose pattern type X pairs with
+    nothing: "- = X" is the only renamed row, and the legend says that alone (no "None = X")."""
+    from kimi_perf.comparison import pairing_note
+
+    a = _types(("X", None, 3, 5.0), ("W", "d8", 4, 7.0))
+    b = _types(("X", "d9", 3, 5.0), ("W", "d8", 4, 7.0))
+    rows = compare(a, b)
+    assert [r.label for r in rows[:3]] == ["X", "W", "- = X"]
+    assert pairing_note(rows, "x", "y") == (
+        "- = X: a type only y has, which it calls X (x's X is another)")
+
+
+def test_idle_note_at_its_threshold_and_past_its_most_rows():
+    """A span ratio exactly IDLE_APART from the kernel time's is said; three rows apart are
+    all said, with no "…" (a fourth would be); a row whose A kernels overlap past its span
+    (streams at once) is not idle time."""
+    from kimi_perf.comparison import ComparisonRow, idle_note
+
+    edge = ComparisonRow("E", 1, 10, 50.0, 105.0, 1, 10, 50.0, 100.0)
+    assert idle_note([edge]).endswith("E: 1.05, kernel µs 1")
+    rows = [ComparisonRow(t, 1, 10, 80.0, 100.0, 1, 10, 80.0, span_b)
+            for t, span_b in (("A", 120.0), ("B", 125.0), ("C", 130.0), ("D", 135.0))]
+    assert idle_note(rows[:3]).endswith("A: 0.833, kernel µs 1; B: 0.8, kernel µs 1; C: 0.769, "
+                                        "kernel µs 1")
+    assert idle_note(rows).endswith("C: 0.769, kernel µs 1; …")
+    overlapping = ComparisonRow("O", 1, 10, 150.0, 100.0, 1, 10, 80.0, 120.0)
+    assert idle_note([overlapping]) is None
+
+
+def test_two_tp_jobs_of_other_step_counts_are_said_per_device():
+    """Two jobs of two devices, 3 steps each against 2: "3 steps × 2 devices and 2 steps × 2
+    devices", not 6 and 4 steps."""
+    from kimi_perf.comparison import ratio_note
+
+    three, two = (breakdown(two_device_trace(slow_mla=1.0, steps=n)) for n in (3, 2))
+    assert ("the median step (of 3 steps × 2 devices and of 2 steps × 2 devices)"
+            in ratio_note(compare(three, two), "A", "B"))
+
+
+def test_sides_notes_say_nothing_of_what_a_side_does_not_say():
+    """One side whose GPUs are not recorded, or whose steps' phase is unknown, is no side of
+    another GPU or phase."""
+    from kimi_perf.comparison import sides_notes
+
+    plain = breakdown(nvtx_decode_trace("layer[{i}]({kind})").build())
+    a, b = copy.deepcopy(plain), copy.deepcopy(plain)
+    a.source["gpus_ran"] = [{"device": 0, "name": "NVIDIA A100", "sm_count": 108}]
+    b.source.pop("gpus_ran", None)
+    assert sides_notes(a, b, "A", "B") == []
+    for step in b.steps:
+        step["phase"] = "unknown"
+    assert sides_notes(plain, b, "A", "B") == []
+
+
+def test_the_first_of_equally_slowest_traces_is_named():
+    """Two of three traces equally slowest: the first of them is named (Spread's rule)."""
+    from kimi_perf.comparison import OverviewRow, spreads
+
+    rows = [OverviewRow(f"rank{i}", 3, span, {}, {}, layers=4.0)
+            for i, span in enumerate((100.0, 150.0, 150.0))]
+    assert [(s.type, s.slowest_label, s.ratio) for s in spreads(rows)] == [(None, "rank1", 1.5)]
+
+
+def test_a_trace_of_two_devices_among_two_traces_is_labelled_with_its_name():
+    """Two traces, one of two devices: its rows are "job device N" (not "device N", which
+    names one trace's devices); three traces get no table of each one's devices (their
+    overview has a row per device already)."""
+    from kimi_perf.comparison import device_overviews, overview
+
+    plain = breakdown(nvtx_decode_trace("layer[{i}]({kind})").build())
+    job = breakdown(two_device_trace(slow_mla=1.0))
+    assert [r.label for r in overview({"one": plain, "job": job})] == [
+        "one", "job device 0", "job device 1"]
+    assert device_overviews({"one": plain, "job": job, "two": plain}) == {}
+    assert list(device_overviews({"one": plain, "job": job})) == ["job"]
+
+
+def test_a_step_that_found_no_layer_leaves_the_others_ranges():
+    """One step of three found no layer (``none``): the breakdown's layers are still ranges,
+    and its 8 layers a step against 4 ranges' are still other work (models of other depths:
+    no whole-step ratio); every step none: ``none``."""
+    from kimi_perf.comparison import layer_sources, steps_of_other_work
+
+    a = breakdown(nvtx_decode_trace("layer[{i}]({kind})", steps=3).build())
+    b = copy.deepcopy(a)
+    for step in b.steps:
+        step["layers"] = 4
+    a.steps[0]["layer_source"] = "none"
+    assert layer_sources(a) == ["nvtx"] and steps_of_other_work([a, b])
+    for step in a.steps:
+        step["layer_source"] = "none"
+    assert layer_sources(a) == ["none"]
+
+
+def test_two_types_whose_sequences_share_a_column_do_not_both_join_it():
+    """The second trace's type joined the first's by its mix of kernels; a third trace holds
+    both kernel sequences, as two types: one column cannot take both (the one would hide the
+    other), so each is paired anew: its own sequence's type takes the column, the other one
+    a column of its own."""
+    from kimi_perf.comparison import aligned_types
+
+    one = _types(("X", "d1", 10, 100.0, {"gemm": 10}))
+    two = _types(("Y", "d2", 10, 100.0, {"gemm": 9, "norm": 1}))
+    three = _types(("P", "d1", 10, 100.0, {"gemm": 10}),
+                   ("Q", "d2", 10, 100.0, {"gemm": 9, "norm": 1}))
+    assert aligned_types({"one": one, "two": two, "three": three}) == [
+        {"one": "X", "two": "Y", "three": "P"}, {"three": "Q"}]
+    # a fourth trace of that sequence joins the column that took it first
+    four = _types(("R", "d2", 10, 100.0, {"gemm": 9, "norm": 1}))
+    assert aligned_types({"one": one, "two": two, "three": three, "four": four}) == [
+        {"one": "X", "two": "Y", "three": "P", "four": "R"}, {"three": "Q"}]
+
+
+def test_renamed_columns_end_in_an_ellipsis_only_past_their_most():
+    """Two columns renamed and room for two: both said, no "…"; room for one: "…"."""
+    from kimi_perf.comparison import OverviewRow, renamed_columns
+
+    rows = [OverviewRow(label, 3, 100.0, {"A": (1, 1.0), "B": (1, 1.0)}, {"A": None, "B": None},
+                        names=names)
+            for label, names in (("t1", {"A": "A", "B": "B"}), ("t2", {"A": "C", "B": "D"}))]
+    assert renamed_columns(rows, most=2) == (
+        "columns name a type as the first trace that has it does: A is C in t2; B is D in t2")
+    assert renamed_columns(rows, most=1).endswith("A is C in t2; …")
+
+
+def test_class_distance_runs_from_the_same_mix_to_no_class_in_common():
+    """0 for the same mix, 1 for no class in common, half of that for half the kernels moved;
+    the same mix at twice the size a tenth of log 2 apart."""
+    from kimi_perf.comparison import class_distance
+
+    def mix(kernels: int, classes: dict) -> dict:
+        return _types(("A", "d", kernels, 1.0, classes)).layer_types[0]
+
+    gemm, norm = mix(10, {"gemm": 10}), mix(10, {"norm": 10})
+    half, twice = mix(10, {"gemm": 5, "norm": 5}), mix(20, {"gemm": 10, "norm": 10})
+    assert (class_distance(gemm, gemm), class_distance(gemm, norm),
+            class_distance(gemm, half)) == (0.0, 1.0, 0.5)
+    assert class_distance(half, twice) == pytest.approx(0.1 * np.log(2))
+
+
+def test_layers_of_one_name_differ_past_the_ratio_not_at_it():
+    """20 kernels against 23 (exactly ``OTHER_WORK_KERNELS`` times as many, three more) are
+    alike; against 24, other work under one name."""
+    from kimi_perf.comparison import OverviewRow, counts_differ
+
+    def rows(*counts) -> list[OverviewRow]:
+        return [OverviewRow(f"rank{i}", 3, 100.0, {"kda": (n, 10.0)}, {"kda": None})
+                for i, n in enumerate(counts)]
+
+    assert counts_differ(rows(20, 23)) == [] and counts_differ(rows(20, 24)) == ["kda"]
+
+
+def test_overview_json_holds_step_spans_to_three_decimals():
+    """A median step of 1234.56789 µs (a median of two steps: a half ns) reads 1234.568."""
+    from kimi_perf.comparison import OverviewRow, overview_json
+
+    rows = [OverviewRow(f"rank{i}", 2, 1234.56789 + i, {}, {}) for i in (0, 1)]
+    assert [r["step_us"] for r in overview_json(rows)["rows"]] == [1234.568, 1235.568]

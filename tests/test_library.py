@@ -699,3 +699,33 @@ def test_the_readmes_links_to_its_sections_name_sections_it_has():
                for h in re.findall(r"^#{1,6} (.+)$", prose, flags=re.M)}
     links = re.findall(r"\]\(#([^)]+)\)", prose)
     assert len(links) >= 10 and set(links) <= anchors, set(links) - anchors
+
+
+def test_compare_of_a_run_of_many_paths_names_those_it_left_out(tmp_path):
+    """A run of five paths: compare names the three it left out, all of them; of six, the
+    first three and "…"."""
+    doc = json.loads(BASELINE.read_text())
+    for name in ("p3", "p4", "p5"):
+        doc["paths"][name] = doc["paths"]["standard"]
+    five = tmp_path / "five.json"
+    five.write_text(json.dumps(doc))
+    assert (f"{five} holds 5 paths: compared are its first two, p3, p4, p5 left out (its "
+            "report sets") in " ".join(compare_files(five).notes)
+    doc["paths"]["p6"] = doc["paths"]["standard"]
+    six = tmp_path / "six.json"
+    six.write_text(json.dumps(doc))
+    assert (f"{six} holds 6 paths: compared are its first two, p3, p4, p5, … left out"
+            in " ".join(compare_files(six).notes))
+
+
+def test_a_file_compared_with_itself_gets_two_labels():
+    """One file as both sides, or one run's path twice: B's label is primed, so the table's
+    two columns are told apart."""
+    from tests.conftest import KINETO
+
+    trace = KINETO / "hta_a100_triton_example.json.gz"
+    itself = compare_files(trace, trace)
+    assert (itself.label_a, itself.label_b) == ("kineto/hta_a100_triton_example",
+                                                "kineto/hta_a100_triton_example'")
+    path = compare_files(BASELINE, BASELINE, path_name="specialized")
+    assert (path.label_a, path.label_b) == ("tiny-cpu:specialized", "tiny-cpu:specialized'")

@@ -89,6 +89,7 @@ def test_different_names_never_read_the_same():
     ("Memcpy HtoD (Pinned -> Device)", "Memcpy HtoD (Pinned -> Device)"),  # words, no list
     ("Memset (Device)", "Memset (Device)"),
     ("foo(int) [clone .part.0]", "foo"),
+    ("foo(int) [clone .isra.0] [clone .cold]", "foo"),   # (GCC stacks its clone suffixes)
     ("_Znot_really_mangled", "_Znot_really_mangled"),
     ("", ""),
 ])
@@ -152,3 +153,38 @@ def test_a_deeply_nested_name_folds():
     statement above would rewrite the name 200,000 times), and nothing recurses that deep."""
     deep = "f" + "<a" * 200_000 + ">" * 200_000 + "(int)"
     assert short_names([deep], 20) == ["f<a<a<a<a<a<…>>>>>>"]
+
+
+def test_a_fold_keeps_the_last_operation_and_every_kind_it_names():
+    """A list of several operations keeps its last (the functor a BinaryFunctor wraps), and
+    each kind the pattern knows is kept: a lower-case functor (sum_functor), a backward pass
+    (Bwd), a singular op, a lambda's ``_cuda`` kernel; a word that merely holds ``_kernel``
+    (not a kernel function a lambda is scoped in) is no operation."""
+    mul = ("void at::native::vectorized_elementwise_kernel<4, at::native::BinaryFunctor<float, "
+           "float, float, at::native::MulFunctor<float> >, at::detail::Array<char*, 3> >(int)")
+    assert short_names([mul], 70) == ["at::native::vectorized_elementwise_kernel<…MulFunctor>"]
+    total = ("void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float, "
+             "at::native::func_wrapper_t<float, at::native::sum_functor<float, float, float>::"
+             "operator()(at::TensorIterator&)::{lambda(float, float)#1}>, unsigned int, float, "
+             "4> >(int)")
+    assert short_names([total], 40) == ["at::native::reduce_kernel<…sum_functor>"]
+    assert names._folded("<ck_tile::Layernorm2dBwd<float>, Kargs>") == "<…Layernorm2dBwd>"
+    assert names._folded("<float, ns::SoftmaxOp<float>>") == "<…SoftmaxOp>"
+    assert names._folded("<at::native::(anonymous namespace)::gelu_kernel_cuda("
+                         "at::TensorIteratorBase&)::{lambda(float)#1}, Array<char*, 2>>"
+                         ) == "<…gelu_kernel_cuda>"
+    assert names._folded("<4, at::native::AbsFunctor<float>, policies::unroll_kernel_base>"
+                         ) == "<…AbsFunctor>"
+
+
+def test_a_name_exactly_as_wide_as_the_width_is_not_cut():
+    """A name of exactly ``width`` characters fits: shown whole, its templates unfolded; one
+    more is cut to the width, or folded. Without a width, a table's 80."""
+    assert short_names(["x" * 20, "y" * 21], 20) == ["x" * 20, "yyyyyyyyyyyy…yyyyyyy"]
+    (whole,) = short_names([FILL], 200)
+    assert short_names([FILL], len(whole)) == [whole]
+    assert short_names([FILL], len(whole) - 1) == [
+        "at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<…>, "
+        "at::detail::Array<…> >"]
+    assert [len(s) for s in short_names(["z" * 80, "z" * 81])] == [80, 80]
+    assert short_names(["z" * 81]) == ["z" * 48 + "…" + "z" * 31]
