@@ -2888,3 +2888,263 @@ def test_overview_json_holds_step_spans_to_three_decimals():
 
     rows = [OverviewRow(f"rank{i}", 2, 1234.56789 + i, {}, {}) for i in (0, 1)]
     assert [r["step_us"] for r in overview_json(rows)["rows"]] == [1234.568, 1235.568]
+
+
+def _decode_with_two_kernel_edges(steps: int = 2) -> Trace:
+    """Decode steps of 4 annotated layers whose prologue and epilogue are two kernels each,
+    1000 ns apiece with 100 ns between them: an edge's kernel µs (2.0) is not its span (2.1)."""
+    b = TraceBuilder()
+    for s in range(steps):
+        step_start = b.clock
+        b.sequence(["embedding", "embedding_scale"])
+        for i, kernels in enumerate(k3_like(4)):
+            kind = "mla" if "mla_decode" in kernels else "kda"
+            start, end = b.sequence(kernels)
+            b.range(f"layer[{i}]({kind})", start - 10, end)
+        b.sequence(["final_rmsnorm", "gemm_lm_head"])
+        b.range(f"decode_step[{s}]", step_start - 20, b.clock)
+        b.clock += 5000
+    return b.build()
+
+
+def test_a_steps_prologue_and_epilogue_count_their_kernels_time_not_their_span():
+    """A step's ``prologue`` and ``epilogue`` hold their kernels, their kernels' summed µs
+    and their span, each its own figure: two 1 µs kernels 0.1 µs apart are 2.0 kernel µs
+    over a 2.1 µs span."""
+    b = breakdown(_decode_with_two_kernel_edges())
+    for step in b.steps:
+        for part in ("prologue", "epilogue"):
+            assert step[part] == {"kernels": 2, "kernel_us": 2.0, "span_us": 2.1}, part
+
+
+def test_steps_and_layers_list_their_kernel_classes_in_label_order():
+    """Each step's and each layer's ``classes`` are keyed in label order (as the JSON writes
+    them and the tables read them), whatever order the classes were first met in the trace
+    (here: elementwise, norm, gemm, attention, ...)."""
+    b = breakdown(nvtx_decode_trace("layer[{i}]({kind})", steps=2, n_layers=8).build())
+    for row in [*b.steps, *b.layers]:
+        assert list(row["classes"]) == sorted(row["classes"]) and len(row["classes"]) > 2
+    doc = json.loads(json.dumps(b.to_json()))
+    assert [list(s["classes"]) for s in doc["steps"]] == [sorted(s["classes"])
+                                                           for s in b.steps]
+
+
+def test_layer_rows_compare_unequal_to_a_list_of_another_length():
+    """A breakdown's layers (columns read as rows) equal a list of the same dicts, and are
+    unequal, not an error, to one row short or one row more."""
+    layers = breakdown(nvtx_decode_trace("layer[{i}]({kind})", steps=1).build()).layers
+    rows = list(layers)
+    assert layers == rows
+    assert (layers == rows[:-1]) is False and layers != rows[:-1]
+    assert layers != [*rows, rows[0]]
+
+
+def test_a_kernel_class_column_of_a_type_no_layer_has_is_empty():
+    """``class_column`` of a layer type the breakdown lacks is empty, of its layers as held
+    and as read back from JSON alike, not the µs of another type's layers; a class a type
+    never ran is 0.0 in each of its layers."""
+    from kimi_perf.layer_breakdown import class_column
+
+    b = breakdown(nvtx_decode_trace("layer[{i}]({kind})", steps=2, n_layers=8).build())
+    read = Breakdown.from_json(json.loads(json.dumps(b.to_json())))
+    for layers in (b.layers, read.layers):
+        assert class_column(layers, "attention", "no such type").tolist() == []
+        assert class_column(layers, "attention", "mla").tolist() == [1.0] * 4
+        assert class_column(layers, "no such class", "kda").tolist() == [0.0] * 12
+
+
+def test_two_groups_name_a_period_only_of_three_evenly_spaced_slower_layers_or_more():
+    """Two slower layers are evenly spaced whatever they are: the note names their layers
+    and no period ("every 4th") that two cannot show; three or more evenly spaced name it,
+    and three unevenly spaced do not."""
+    from kimi_perf.layer_breakdown import two_groups_note
+
+    group = {"figure": "attention", "low_us": 100.0, "high_us": 200.0, "low_layers": 6,
+             "high_layers": [3, 7], "median_between": False, "kernels": [1, 1]}
+    assert "(layers 3, 7);" in two_groups_note("A", group)
+    assert "(layers 3, 7, 11: every 4th);" in two_groups_note(
+        "A", {**group, "high_layers": [3, 7, 11]})
+    assert "(layers 3, 7, 12);" in two_groups_note("A", {**group, "high_layers": [3, 7, 12]})
+
+
+def test_the_word_for_what_several_breakdowns_count_is_one_spelling_whatever_their_order():
+    """Breakdowns of GPU kernels and of a CPU run's ops, in either order, are said to count
+    "kernels or ops", one spelling (the words sorted, not as a set happens to hold them);
+    none at all count kernels."""
+    from kimi_perf.layer_breakdown import units_word
+
+    assert units_word(["ops", "kernels", "ops"]) == units_word(["kernels", "ops"]) == \
+        "kernels or ops"
+    assert units_word(["ops"]) == "ops" and units_word([]) == "kernels"
+    words = ["zeta", "ops", "alpha", "kernels", "mu", "beta"]
+    assert units_word(words) == " or ".join(sorted(words))
+
+
+def test_repeating_ranges_rank_by_kernels_then_name_from_a_quarter_of_the_kernels_up():
+    """The ranges ``--steps`` could take: those of two instances or more holding a quarter of
+    the trace's 24 kernels or more (6: exactly a quarter counts), the most kernels first,
+    ties by name (alpha's 3 instances do not put it after beta's 2), the first three; a
+    single range ('once', 12 kernels) and the profiler's operator ranges are none."""
+    from kimi_perf.layer_breakdown import repeating_ranges
+
+    b = TraceBuilder()
+    for _ in range(2):
+        start = b.clock
+        first_three = b.sequence(["gemm_a", "gemm_b", "add"])
+        b.sequence(["gemm_c", "gemm_d", "add"])
+        b.range("forward", start - 20, b.clock + 20)
+        b.range("cpu_op: aten::linear", start - 10, b.clock + 10)
+        b.range("delta", start - 5, first_three[1] - 1)
+        b.clock += 1000
+    start = b.clock
+    for _ in range(3):
+        first, last = b.sequence(["rmsnorm", "add"])
+        b.range("alpha", first - 5, last - 1)
+    for _ in range(2):
+        first, last = b.sequence(["gemm_e", "silu", "add"])
+        b.range("beta", first - 5, last - 1)
+    b.range("once", start - 30, b.clock + 30)
+    trace = b.build()
+    assert len(trace.kernels) == 24
+    assert repeating_ranges(trace) == [{"range": "forward", "instances": 2, "kernels": 12},
+                                       {"range": "alpha", "instances": 3, "kernels": 6},
+                                       {"range": "beta", "instances": 2, "kernels": 6}]
+    assert [r["range"] for r in repeating_ranges(trace, most=10)] == [
+        "forward", "alpha", "beta", "delta"]
+
+
+def test_a_range_nested_in_one_of_its_name_sharing_its_start_or_end_is_no_instance():
+    """A wrapper's 'forward' around the model's, the two opened or closed at the same time
+    (clocks of a µs make that common): one instance each time, not two, whichever edge
+    they share."""
+    from kimi_perf.layer_breakdown import repeating_ranges
+
+    b = TraceBuilder()
+    start = b.clock
+    b.sequence(["gemm", "add"])
+    b.range("forward", start - 10, b.clock)
+    b.range("forward", start - 5, b.clock)          # inside, the same end
+    b.clock += 1000
+    start = b.clock
+    b.sequence(["gemm", "add"])
+    b.range("forward", start - 10, b.clock)
+    b.range("forward", start - 10, b.clock - 500)   # inside, the same start
+    (row,) = repeating_ranges(b.build())
+    assert row == {"range": "forward", "instances": 2, "kernels": 4}
+
+
+def test_a_kernel_spread_counts_from_its_bounds_inclusive():
+    """A spread is shown from SPREAD_MIN_LAYERS layers on (4, not 5), from a 90th percentile
+    of exactly 1.5 times the 10th, and from a difference of exactly a µs: each bound counts
+    in; a hair under the ratio does not."""
+    from kimi_perf.layer_breakdown import SPREAD, SPREAD_MIN_LAYERS, kernel_spreads
+
+    assert (SPREAD, SPREAD_MIN_LAYERS) == (1.5, 4)
+    # 4 layers: the 10th percentile is the lower pair's, the 90th the upper pair's
+    ns = np.array([[2000, 2000, 1000]] * 2 + [[3000, 2999, 1000]] * 2)
+    assert kernel_spreads(ns) == [[2.0, 3.0], None, None]
+    assert kernel_spreads(ns[1:]) == [None] * 3          # 3 layers: too few
+
+
+def _attention_slower_in(slow: set[int], layers: int = 4, slow_us: int = 300,
+                         router_in: frozenset[int] = frozenset(),
+                         slow_router_us: int = 50, name: str = "layer[{i}]") -> Trace:
+    """Two steps of ``layers`` layer ranges (``name``) of one kernel sequence whose attention
+    takes ``slow_us`` in the layers ``slow`` and 100 µs in the others; the layers ``router_in``
+    also run a router kernel of 50 µs (``slow_router_us`` in the layers ``slow``)."""
+    b = TraceBuilder()
+    for step in range(2):
+        step_start = b.clock
+        for i in range(layers):
+            start = b.clock
+            b.sequence(["rmsnorm"], duration=10_000)
+            b.sequence(["flash_attention"], duration=(slow_us if i in slow else 100) * 1000)
+            if i in router_in:
+                b.sequence(["topk_softmax"],
+                           duration=(slow_router_us if i in slow else 50) * 1000)
+            b.sequence(["gemm_o_proj", "fused_moe_kernel"], duration=200_000)
+            b.range(name.format(i=i), start - 5, b.clock)
+        b.range(f"decode_step[{step}]", step_start - 10, b.clock)
+        b.clock += 5000
+    return b.build()
+
+
+def test_one_odd_layer_of_four_is_no_group_of_its_own():
+    """Four layers, the last one's attention three times the others': each group must hold
+    two layers at least, so one odd layer makes no two groups (it is an outlier, not layers
+    of another kind); two of the four do."""
+    (t,) = breakdown(_attention_slower_in({3})).layer_types
+    assert t["layers"] == 8 and "two_groups" not in t
+    (t,) = breakdown(_attention_slower_in({1, 3})).layer_types
+    assert [(g["figure"], g["low_layers"], g["high_layers"]) for g in t["two_groups"]] == [
+        ("attention", 2, [1, 3])]
+
+
+def test_two_groups_from_exactly_the_ratio_and_a_median_at_a_groups_edge_is_of_it():
+    """Attention of 150 µs in half the layers and 100 in the others is exactly 1.5 times:
+    two groups. Three slower layers of eight put the type's median (100 µs) at the lower
+    group's largest: of that group, not between the groups. A class only some layers of one
+    named type run (0 µs in the others) makes no group of zeros."""
+    (t,) = breakdown(_attention_slower_in({1, 3, 5, 7}, layers=8, slow_us=150)).layer_types
+    assert [(g["figure"], g["low_us"], g["high_us"]) for g in t["two_groups"]] == [
+        ("attention", 100.0, 150.0)]
+    (t,) = breakdown(_attention_slower_in({1, 3, 5}, layers=8, slow_us=200)).layer_types
+    (group,) = t["two_groups"]
+    assert t["classes"]["attention"]["us"] == group["low_us"] == 100.0
+    assert group["high_layers"] == [1, 3, 5] and group["median_between"] is False
+    (t,) = breakdown(_attention_slower_in(set(), layers=8, router_in=frozenset({1, 3, 5, 7}),
+                                          name="layer[{i}](kda)")).layer_types
+    assert t["classes"]["router"]["kernels"] == 0.5 and "two_groups" not in t
+
+
+def test_two_groups_of_several_classes_list_the_widest_apart_first():
+    """The slower layers' attention 200 µs above the others' and their router 100 µs above:
+    both classes fall in two groups, the attention's (the wider apart) first."""
+    trace = _attention_slower_in({1, 3, 5, 7}, layers=8, router_in=frozenset(range(8)),
+                                 slow_router_us=150)
+    (t,) = breakdown(trace).layer_types
+    assert [(g["figure"], g["low_us"], g["high_us"]) for g in t["two_groups"]] == [
+        ("attention", 100.0, 300.0), ("router", 50.0, 150.0)]
+
+
+def test_work_in_no_step_names_the_range_of_the_traces_first_launch():
+    """A warm-up kernel before the first step, launched by the trace's first API call (row
+    0 of its calls), in a 'warmup' range: counted in no step and said to have been launched
+    in 'warmup', as any other launch is."""
+    from kimi_perf.layer_breakdown import step_notes
+
+    b = TraceBuilder()
+    start = b.clock
+    b.sequence(["warmup_gemm"])
+    b.range("warmup", start - 5, b.clock)
+    b.clock += 5000
+    for step in range(2):
+        step_start = b.clock
+        b.sequence(["embedding"])
+        for i, kernels in enumerate(k3_like(4)):
+            first, last = b.sequence(kernels)
+            b.range(f"layer[{i}]", first - 10, last)
+        b.range(f"decode_step[{step}]", step_start - 20, b.clock)
+        b.clock += 5000
+    result = breakdown(b.build())
+    assert result.source["outside_steps"] == {"ops": 1, "kernel_us": 1.0, "unlaunched": 0,
+                                              "in_ranges": [{"range": "warmup", "ops": 1}]}
+    assert "1 more GPU op (1.0 µs) ran in no step: launched outside every step's range (in " \
+           "'warmup' 1)" in step_notes(result)
+
+
+def test_a_layer_ranges_pattern_digest_is_of_its_kernels_as_they_ran():
+    """Layer ranges that name no type are lettered by their kernel sequence, and their
+    ``pattern`` digests it as it ran (rmsnorm first: a reordering is a change of the layer),
+    not its least rotation, which the repeating pattern's types take (it starts at
+    flash_attention)."""
+    import hashlib
+
+    (t,) = breakdown(_attention_slower_in(set())).layer_types
+    ran = ["rmsnorm", "flash_attention", "gemm_o_proj", "fused_moe_kernel"]
+    assert [k["name"] for k in t["typical_layer"]["kernels"]] == ran
+
+    def digest(names: list[str]) -> str:
+        return hashlib.sha1("\0".join(names).encode(), usedforsecurity=False).hexdigest()[:12]
+
+    assert t["pattern"] == digest(ran) != digest([*ran[1:], ran[0]])

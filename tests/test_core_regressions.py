@@ -185,6 +185,18 @@ def test_union_length_with_negative_times():
     assert _union_length(np.array([-5]), np.array([-2])) == 3
 
 
+def test_union_length_of_intervals_in_any_order():
+    """Intervals given out of start order (ops of several streams) union as in order: a
+    later one that starts first still covers what it covers."""
+    rng = np.random.default_rng(3)
+    start = np.array([40, 20, 0, 21, 5])
+    end = np.array([41, 30, 10, 25, 8])
+    assert _union_length(start, end) == 10 + 10 + 1
+    for _ in range(20):
+        order = rng.permutation(len(start))
+        assert _union_length(start[order], end[order]) == 21
+
+
 def _segment_stats_reference(start, end, rows, classes, labels):
     """The per-segment implementation ``breakdown`` used before it was vectorized."""
     if len(rows) == 0:

@@ -329,6 +329,18 @@ def test_the_replay_note_says_what_a_capture_would_change():
                       "(layers found by the kernels' repeating pattern are still found)")
 
 
+def test_the_replay_note_says_all_are_placed_only_when_every_one_is():
+    """Every replayed op placed at its capture: said in one sentence; one op short of all:
+    said as the part it is, the one left counting where its graph launch ran."""
+    from kimi_perf.layer_breakdown import replay_note
+
+    assert replay_note({"ops": 10, "placed_at_capture": 10}, ["cap.json"]) == (
+        "10 GPU ops replayed from CUDA/HIP graphs are placed in the ranges open where their "
+        "capture launched them (joined from cap.json)")
+    short = replay_note({"ops": 10, "placed_at_capture": 9}, ["cap.json"])
+    assert short.startswith("9 of 10 GPU ops replayed") and "the other 1 have no capture" in short
+
+
 # -- what a capture maps, whatever the trace's row order and threads ------------------------
 
 

@@ -1162,3 +1162,17 @@ def test_step_numbers_fold_in_both_spellings():
 
     assert fold_numbers("ProfilerStep#12") == fold_numbers("ProfilerStep#3") == "ProfilerStep#…"
     assert fold_numbers("warmup_step[7]") == "warmup_step[…]"
+
+
+def test_launches_on_the_edges_of_overlapping_step_ranges_were_during_them():
+    """Overlapping step ranges, and two more launches of another thread: one that begins
+    exactly as the first step range opens, one that returns exactly as the last closes.
+    Both ran while a step range was open (the ranges' edges count in), and are said so with
+    the others."""
+    b = _steps_with_a_second_thread(overlap=True)
+    steps = [r for r in b.ranges if b.strings.values[r["name"]].startswith("decode_step")]
+    opened, closed = min(r["start"] for r in steps), max(r["end"] for r in steps)
+    b.launch("side_c", opened, opened + 5, opened + 40, opened + 45, tid=2)
+    b.launch("side_d", closed - 5, closed, closed + 40, closed + 45, tid=2)
+    outside = breakdown(b.build()).source["outside_steps"]
+    assert outside["ops"] == outside["during_overlapping_steps"] == 6
