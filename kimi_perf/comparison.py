@@ -574,6 +574,15 @@ def gpu_kinds(gpus: list[dict]) -> Counter:
                    for g in gpus)
 
 
+def gpus_differ(a: list[dict], b: list[dict]) -> bool:
+    """Whether two traces' GPUs (``gpus_ran``) are known to differ in kind or number: compared
+    by what both traces describe of every GPU (its name, its SM count), by their number alone
+    where they share neither. What a trace does not describe is no difference."""
+    said = [f for f in ("name", "sm_count") if all(g.get(f) for g in (*a, *b))]
+    return (Counter(tuple(g.get(f) for f in said) for g in a)
+            != Counter(tuple(g.get(f) for f in said) for g in b))
+
+
 def gpus_text(gpus: list[dict], tool: str | None = None) -> str:
     """The GPUs that ran a trace's kernels in a few words: "8 × NVIDIA A100 (108 SMs)"
     (CUs for a ROCm trace: ``tool``)."""
@@ -583,7 +592,8 @@ def gpus_text(gpus: list[dict], tool: str | None = None) -> str:
 
 def sides_notes(a: Breakdown, b: Breakdown, label_a: str, label_b: str) -> list[str]:
     """What a comparison's two sides are, where it changes how to read its µs: GPUs of
-    another kind (from the kernels each trace ran), steps of other phases (decode against
+    another kind (from the kernels each trace ran; or not known to be alike, where a trace
+    does not describe its GPUs), steps of other phases (decode against
     prefill or mixed steps), a CPU run's ops, or a side's layers on several devices."""
     notes = []
     ran = [(x.source or {}).get("gpus_ran") or [] for x in (a, b)]
@@ -591,7 +601,8 @@ def sides_notes(a: Breakdown, b: Breakdown, label_a: str, label_b: str) -> list[
         said = [gpus_text(g, (x.source or {}).get("tool")) for g, x in zip(ran, (a, b),
                                                                            strict=True)]
         notes.append(f"{label_a} ran on {said[0]}, {label_b} on {said[1]}: "
-                     "their µs differ for that alone")
+                     + ("their µs differ for that alone" if gpus_differ(*ran) else
+                        "whether their GPUs are alike is not known"))
     phases = [sorted({s.get("phase") for s in x.steps} - {None, "unknown"}) for x in (a, b)]
     if all(phases) and phases[0] != phases[1]:
         notes.append(f"{label_a}'s steps are {'/'.join(phases[0])}, {label_b}'s "

@@ -83,7 +83,7 @@ import numpy as np
 
 from kimi_perf.comparison import (
     aligned_typical,
-    gpu_kinds,
+    gpus_differ,
     gpus_text,
     layer_devices,
     layer_sources,
@@ -1086,11 +1086,12 @@ def gpu_differences(baseline: dict[str, Breakdown], current: dict[str, Breakdown
                     ) -> list[str]:
     """Where a decode path's kernels ran on GPUs of another kind on the two sides, from the
     traces themselves (``source.gpus_ran``): a trace has no run information to say it, and
-    its µs differ for that alone."""
+    its µs differ for that alone. A GPU a trace does not describe is no difference
+    (``gpus_differ``)."""
     out = []
     for path, base, cur in _paired(baseline, current):
         ran = [b.source.get("gpus_ran") for b in (base, cur)]
-        if all(ran) and gpu_kinds(ran[0]) != gpu_kinds(ran[1]):
+        if all(ran) and gpus_differ(*ran):
             said = [gpus_text(g, b.source.get("tool")) for g, b in zip(ran, (base, cur),
                                                                        strict=True)]
             out.append(("" if path == TRACE else f"{path}: ") + f"ran on {said[0]} vs {said[1]}")

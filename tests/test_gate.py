@@ -1300,6 +1300,40 @@ def test_traces_of_other_gpus_are_said_to_be_captured_differently(tmp_path):
                     for p in ("standard", "specialized")]
 
 
+def test_a_gpu_one_trace_does_not_describe_is_no_difference_of_the_runs(tmp_path):
+    """A trace naming its GPU against one whose GPU the trace does not describe (no name, no
+    SM count): the gate finds no difference (``--strict`` would fail on a guess), and compare
+    says the GPUs are not known to be alike rather than that their µs differ for it. What both
+    describe still tells GPUs apart: SM counts where one is unnamed, their number where
+    neither is described."""
+    from kimi_perf.comparison import gpus_differ, sides_notes
+
+    a100, h100 = {"name": "NVIDIA A100", "sm_count": 108}, {"name": "NVIDIA H100"}
+    bare, unnamed = {}, {"sm_count": 304}
+    assert not gpus_differ([a100], [bare]) and not gpus_differ([bare], [bare])
+    assert not gpus_differ([{**h100, "sm_count": 132}], [h100])
+    assert gpus_differ([a100], [h100]) and gpus_differ([unnamed], [a100])
+    assert gpus_differ([bare], [bare, bare]) and gpus_differ([a100], [a100, a100])
+    docs = []
+    for name, gpu in (("named", a100), ("bare", bare)):
+        doc = json.loads(BASELINE.read_text())
+        doc["run"]["environment"].pop("gpus", None)
+        for b in doc["paths"].values():
+            b["source"]["gpus_ran"] = [{"device": 0, **gpu}]
+        docs.append(tmp_path / f"{name}.json")
+        docs[-1].write_text(json.dumps(doc))
+    assert gate_files(docs[0], docs[1], Tolerances(metrics="kernels")).result \
+        .run_differences == []
+    named, described_not = (Breakdown.from_json(json.loads(d.read_text())["paths"]["standard"])
+                            for d in docs)
+    assert sides_notes(named, described_not, "A", "B")[0] == (
+        "A ran on 1 × NVIDIA A100 (108 SMs), B on 1 × GPU not described in the trace: whether "
+        "their GPUs are alike is not known")
+    other = copy.deepcopy(named)
+    other.source["gpus_ran"] = [{"device": 0, **unnamed}]
+    assert sides_notes(named, other, "A", "B")[0].endswith("their µs differ for that alone")
+
+
 def test_cpu_runs_with_other_thread_counts_are_said_to_be_captured_differently(tmp_path):
     """A CPU run's times depend on the threads torch ran with (a TP rank's share of them):
     two CPU runs that differ in them are said to; GPU runs are not (their kernels do not
