@@ -33,6 +33,13 @@ else:
                        for name in _TERMINAL})
 
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)
+# A run started in the background of a script (`pytest ... &`) inherits SIGINT ignored, and
+# Python then leaves it so: the tests of what Ctrl-C and SIGTERM do would see a command that
+# ignores them. They run with the handlers an interactive run has.
+for _number, _handler in ((signal.SIGINT, signal.default_int_handler),
+                          (signal.SIGTERM, signal.SIG_DFL)):
+    if signal.getsignal(_number) is signal.SIG_IGN:
+        signal.signal(_number, _handler)
 _HANDLERS = {number: signal.getsignal(number) for number in _SIGNALS}
 
 
