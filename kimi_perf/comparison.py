@@ -519,7 +519,7 @@ def rotation(a: list[str], b: list[str]) -> int | None:
     n = len(a)
     if n != len(b) or Counter(a) != Counter(b):
         return None
-    return next((r for r in range(n) if a[r] == b[0] and a[r:] == b[: n - r]
+    return 0 if not n else next((r for r in range(n) if a[r] == b[0] and a[r:] == b[: n - r]
                  and a[:r] == b[n - r:]), None)
 
 
@@ -686,14 +686,14 @@ def differing_patterns(rows: list[OverviewRow]) -> list[str]:
             or paired_by_letter(held) or t in counts_differ(rows)]
 
 
-# How many times the kernels of one type's median layer in another trace, and two more at
-# least, make other work: ranks of one run differ by a kernel at most (a median between two
+# More than how many times the kernels of one type's median layer in another trace, and two
+# more at least, make other work: ranks of one run differ by a kernel at most (a median between two
 # counts, a copy); two decode paths' dense layers by 11 against 9
 OTHER_WORK_KERNELS = 1.15
 
 
 def counts_differ(rows: list[OverviewRow]) -> list[str]:
-    """Types named by ranges (no kernel pattern kept) whose median layers run
+    """Types named by ranges (no kernel pattern kept) whose median layers run more than
     ``OTHER_WORK_KERNELS`` times as many kernels in one trace as in another, and two more at
     least: other work under one name (two decode paths' ``kda``), where a TP run's ranks run
     about as many."""

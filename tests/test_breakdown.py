@@ -1885,6 +1885,14 @@ def test_rotations_against_brute_force(cycle, shift):
     assert shifts == ({"B": found} if found else {}) and shown["A"] is typical["A"]
 
 
+def test_two_empty_sequences_are_the_same_not_rotations_of_nothing():
+    """Two empty kernel sequences are the same sequence (0), as its docstring says; an empty
+    one against one kernel is no rotation."""
+    from kimi_perf.comparison import rotation
+
+    assert rotation([], []) == 0 and rotation([], ["a"]) is None and rotation(["a"], []) is None
+
+
 def test_a_cycle_cut_elsewhere_is_the_same_layer_type():
     """The two windows of a real before/after pair cut the same DiT block 8 kernels apart
     (its >1 ms attention kernel is #8 of the block before, #157 of 157 after): one digest, and
