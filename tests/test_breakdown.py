@@ -3156,3 +3156,72 @@ def test_a_layer_ranges_pattern_digest_is_of_its_kernels_as_they_ran():
         return hashlib.sha1("\0".join(names).encode(), usedforsecurity=False).hexdigest()[:12]
 
     assert t["pattern"] == digest(ran) != digest([*ran[1:], ran[0]])
+
+
+def test_the_classes_layers_ran_leave_out_a_class_of_no_kernels_in_rows_read_as_dicts():
+    """Layer rows read back as dicts (a stored breakdown's) that give a class with no kernels
+    (0 kernels, 0 µs): the layers did not run it, and the classes they ran are those of the
+    rows as held."""
+    from kimi_perf.layer_breakdown import layer_classes
+
+    b = breakdown(nvtx_decode_trace("layer[{i}]({kind})", steps=2, n_layers=4).build())
+    kind = b.layer_types[0]["type"]
+    rows = copy.deepcopy(list(b.layers))
+    rows[0]["classes"]["never_ran"] = {"kernels": 0, "us": 0.0}
+    assert "never_ran" not in layer_classes(rows, kind)
+    assert layer_classes(rows, kind) == layer_classes(b.layers, kind) != []
+
+
+def test_a_range_name_the_strings_hold_twice_repeats_only_as_one_name_would():
+    """A trace whose string table holds 'Forward' twice (a hand-built trace's), one range of
+    each spelling on its own thread: as one name, it ran once per thread, no repeating range
+    (as two ranges of one code on two threads are not)."""
+    from kimi_perf.layer_breakdown import repeating_ranges
+
+    b = TraceBuilder()
+    for tid in (1, 2):
+        start, end = b.sequence(["gemm", "norm"] * 4, tid=tid)
+        b.range("Forward", start, end, tid=tid)
+    trace = b.build()
+    assert repeating_ranges(trace) == []
+    trace.strings = [*trace.strings, "Forward"]
+    trace.ranges.name[np.flatnonzero(trace.ranges.tid == 2)] = len(trace.strings) - 1
+    assert repeating_ranges(trace) == []
+
+
+def test_a_kernel_spread_is_its_10th_to_90th_percentile_over_the_layers():
+    """11 layers whose kernel takes 10, 20, ... 110 µs: its spread is the 10th percentile (20)
+    to the 90th (100), as SPREAD_NOTE says, not the quartiles (35 to 85)."""
+    from kimi_perf.layer_breakdown import SPREAD_NOTE, kernel_spreads
+
+    assert "the 10th to 90th percentile" in SPREAD_NOTE
+    assert kernel_spreads(np.arange(1, 12)[:, None] * 10_000) == [[20.0, 100.0]]
+
+
+def test_a_step_without_layers_draws_exactly_its_first_timeline_ops(monkeypatch):
+    """A step of 12 kernels in no layer, drawn by stream with TIMELINE_OPS at 5: its first 5
+    ops are drawn (all 5, not one fewer), and the 7 more are said to be left out."""
+    from kimi_perf import layer_breakdown
+
+    b = TraceBuilder()
+    start, end = b.sequence([f"kernel_{i}" for i in range(12)])
+    b.range("decode_step[0]", start - 10, end)
+    monkeypatch.setattr(layer_breakdown, "TIMELINE_OPS", 5)
+    timeline = breakdown(b.build()).timeline
+    assert timeline["by_stream"] and timeline["ops_left_out"] == 7
+    (segment,) = timeline["segments"]
+    assert [timeline["names"][op[0]] for op in segment["ops"]] == [
+        f"kernel_{i}" for i in range(5)]
+
+
+def test_a_breakdown_stored_before_steps_said_how_they_found_layers_may_be_the_patterns():
+    """Layer ranges that name no type are no kernel pattern's, so its note of outsized types
+    is not said of them; the same breakdown with its steps' layer_source dropped (stored
+    before steps said it) may have been found by the pattern, and the note is said."""
+    from kimi_perf.layer_breakdown import outsized_types_note, pattern_found
+
+    b = _untyped_layers([ATTENTION_LAYER] * 3 + [MOE_LAYER * 10])
+    assert not pattern_found(b) and outsized_types_note(b) is None
+    for step in b.steps:
+        del step["layer_source"]
+    assert pattern_found(b) and outsized_types_note(b) is not None

@@ -728,3 +728,16 @@ def test_a_pid_and_tid_of_0_are_ids_not_none():
     b.launch("gemm", 20, 30, 1000, 1010, pid=0, tid=0)
     (row,) = range_kernel_summary(b.build())
     assert (row.range, row.pid, row.tid) == ("fwd", 0, 0)
+
+
+def test_segment_figures_of_huge_spans_together_past_int64_fall_back():
+    """Two segments each spanning most of int64, and a small one: their bands together pass
+    what int64 holds, so each segment's busy time is taken alone, as the reference's."""
+    start = np.array([-(2 ** 62), 0, 2 ** 61, -(2 ** 62), 2 ** 61, 5])
+    end = np.array([-(2 ** 62) + 10, 10, 2 ** 61 + 3, -(2 ** 62) + 7, 2 ** 61 + 9, 8])
+    labels = ["a"]
+    classes = np.zeros(6, np.int32)
+    segments = [np.arange(3), np.arange(3, 5), np.array([1, 5])]
+    got = SegmentFigures.of(_ops(start, end, classes, labels), segments, classes,
+                            labels).busy_ns.tolist()
+    assert got == [_union_reference(start[s], end[s]) for s in segments] == [23, 16, 10]

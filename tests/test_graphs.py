@@ -475,3 +475,15 @@ def test_joined_twice_the_replay_rows_stay_the_replays():
     trace = with_capture(with_capture(alone, first.build()), second.build())
     assert trace.meta["replay_rows"]["kernels"] == len(alone.kernels)
     assert trace.meta["replay_rows"]["api"] == len(alone.api)
+
+
+def test_a_trace_that_captures_a_graph_and_replays_it_is_no_profile_of_captures_alone():
+    """A capture and the decode steps that replay it, in one trace: the replays are placed
+    by the capture, and nothing says the trace records captures and replays none."""
+    from kimi_perf import breakdown
+    from kimi_perf.layer_breakdown import step_notes
+
+    b = breakdown(_captured_decode().build())
+    assert b.source["graph_replays"] == {"ops": 8, "placed_at_capture": 8}
+    assert "graph_captures" not in b.source
+    assert not any("replays none" in n for n in step_notes(b))

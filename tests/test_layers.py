@@ -1176,3 +1176,45 @@ def test_launches_on_the_edges_of_overlapping_step_ranges_were_during_them():
     b.launch("side_d", closed - 5, closed, closed + 40, closed + 45, tid=2)
     outside = breakdown(b.build()).source["outside_steps"]
     assert outside["ops"] == outside["during_overlapping_steps"] == 6
+
+
+def test_a_step_range_around_one_whole_pass_and_parts_of_two_holds_no_several_passes():
+    """A step range that begins and ends within a forward pass (three passes of 8 layers,
+    the first and last 40 kernels outside it): it holds one whole pass between two parts,
+    so nothing says it holds several passes."""
+    seq = (["embedding"] + LLAMA * 8 + LM_HEAD) * 3
+    b = TraceBuilder()
+    start, end = b.sequence(seq[40: len(seq) - 40])
+    b.range("loop", start, end)
+    result = breakdown(b.build(), step_regex="^loop$")
+    assert [(s["name"], s["layers"]) for s in result.steps] == [("loop", 16)]
+    assert "steps_holding_passes" not in result.source
+
+
+def test_work_of_cut_passes_alone_is_said_to_be_in_them_only():
+    """Five passes the trace begins and ends within (the first 17 and last 32 kernels not
+    recorded): the 105 ops in no step are all in the cut passes, and the note says only
+    that, not that some were launched outside every step's range."""
+    from kimi_perf.layer_breakdown import step_notes
+
+    seq = (["embedding"] + LLAMA * 8 + LM_HEAD) * 5
+    b = TraceBuilder()
+    b.sequence(seq[17: len(seq) - 32])
+    result = breakdown(b.build())
+    assert result.source["outside_steps"]["partial_passes"] == {"parts": 2, "ops": 105}
+    assert "105 more GPU ops (105.0 µs) ran in no step: 105 in the parts of 2 forward passes " \
+           "the trace begins or ends within" in step_notes(result)
+
+
+def test_a_launch_after_a_nested_step_range_closes_within_the_one_around_it_was_during_it():
+    """Step range 0 runs on past step range 1, which it holds; another thread launches a
+    kernel in step 1's range, and one after step 1's range closes while step 0's is still
+    open: both were launched while a step range was open."""
+    b = nvtx_decode_trace("layer[{i}]({kind})", steps=2, n_layers=4)
+    ranges = {b.strings.values[r["name"]]: r for r in b.ranges}
+    outer, inner = ranges["decode_step[0]"], ranges["decode_step[1]"]
+    outer["end"] = inner["end"] + 10_000
+    for t in (inner["start"] + 30, inner["end"] + 100):
+        b.launch("side", t, t + 5, t + 40, t + 45, tid=2)
+    outside = breakdown(b.build()).source["outside_steps"]
+    assert outside["ops"] == outside["during_overlapping_steps"] == 2
