@@ -411,8 +411,12 @@ def decode_memory_problem(need: int, weights: int, device: str, sizes: str,
 
 
 def _size(n: int) -> str:
-    return (f"{n / 1e12:,.1f} TB" if n >= 1e12 else f"{n / 1e9:.1f} GB" if n >= 1e9
-            else f"{n / 1e6:.1f} MB")
+    """``n`` bytes in decimal units to a decimal, in the unit whose figure stays under 1000 once
+    rounded (999,999,999 bytes is 1.0 GB, not 1000.0 MB); TB past that."""
+    for unit, scale in (("MB", 1e6), ("GB", 1e9)):
+        if round(n / scale, 1) < 1000:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n / 1e12:,.1f} TB"
 
 
 def available_memory(device: str) -> int | None:

@@ -3972,3 +3972,171 @@ def test_a_folder_of_ranks_missing_one_says_which(tmp_path):
         "ranks missing among the traces: specialized.rank{0} (of 0 to the highest given)")
     assert ranks_missing(["rank0", "rank1"]) is None and ranks_missing(["a", "rank1"]) is None
     assert ranks_missing(["frank1", "rank0"]) is None   # (a word holding "rank": no rank)
+
+
+def test_the_prefill_estimate_counts_scores_then_activations():
+    """The prefill's estimate for the tiny preset (gated-MLA layers of 4 heads, a latent cache
+    of 40): for each prompt token, fp32 scores over every prompt token of each head three
+    times over and 2 more, and the cache's fp32 copy (4 × 40); its activations on top (4 bytes
+    of 24 hidden widths and 4 dense intermediates a token), a verify step's where its tokens
+    are more; the prompts 8192 tokens a chunk (prefill_rows), or all at once where whole."""
+    from kimi_perf.capture import prefill_bytes
+    from kimi_perf.decode.config import preset
+
+    tiny = preset("tiny")
+    scores = 2 * 8 * (8 * (3 * 4 * 4 + 2) + 4 * 40)
+    assert prefill_bytes(tiny, 2, 8, activations=False) == scores == 8960
+    assert prefill_bytes(tiny, 2, 8) == scores + 4 * 16 * (24 * 256 + 4 * 512)
+    # two prompts of 2 tokens: a verify step's 2 × 4 tokens hold more activations
+    assert prefill_bytes(tiny, 2, 2, 4) == 2 * 2 * (2 * 50 + 160) + 4 * 8 * (24 * 256 + 4 * 512)
+    # prompts of 4096 tokens: two a chunk, or the three at once
+    assert prefill_bytes(tiny, 3, 4096, activations=False) == 2 * 4096 * (4096 * 50 + 160)
+    assert prefill_bytes(tiny, 3, 4096, activations=False, whole=True) == (
+        3 * 4096 * (4096 * 50 + 160))
+
+
+def test_a_capture_s_caches_are_counted_for_every_step_and_rank():
+    """What a capture holds beside its weights: over each TP rank, one rank's caches for the
+    prompt and 1+k tokens of every step, warm-up steps included (an fp8 latent cache a byte
+    an element, a verify step's records for 1+k tokens), and its prefill at a verify step's
+    1+k tokens a sequence; without activations, the prefill's attention alone."""
+    from kimi_perf import capture
+    from kimi_perf.decode.config import preset
+    from kimi_perf.decode.model import DecodeState
+
+    tiny = preset("tiny")
+    req = capture.TraceRequest("tiny", None, batch=2, context=2, steps=3, warmup=2, tp=2,
+                               kv_cache="fp8", spec_tokens=3)
+    rank = tiny.shard(2)
+    state = DecodeState.bytes_of(rank, 2, 2 + (2 + 3) * 4, 1, 2, 4)
+    prefill = capture.prefill_bytes(rank, 2, 2, 4)
+    assert capture.decode_bytes(req, tiny) == 2 * (state + prefill)
+    assert capture.decode_bytes(req, tiny, activations=False) == 2 * (
+        state + capture.prefill_bytes(rank, 2, 2, 4, activations=False))
+
+
+def test_a_model_or_cache_that_just_fits_is_not_refused(monkeypatch):
+    """The memory checks refuse only what passes the memory free: as much free as a run
+    holds is enough (for the model, for the two layers advised, and for the caches beside the
+    weights), one byte less is not; the caches are counted with the weights, not alone."""
+    from kimi_perf import capture
+    from kimi_perf.decode.config import preset
+    from kimi_perf.decode.weights import weight_bytes
+
+    four = preset("tiny", n_layers=4)
+    need, two = 2 * weight_bytes(four), 2 * weight_bytes(preset("tiny", n_layers=2))
+    monkeypatch.setattr(capture, "available_memory", lambda device: need)
+    assert capture.memory_problem(four, "tiny", "cpu") is None
+    monkeypatch.setattr(capture, "available_memory", lambda device: need - 1)
+    assert capture.memory_problem(four, "tiny", "cpu").startswith("tiny with 4 layers: ")
+    monkeypatch.setattr(capture, "available_memory", lambda device: two)
+    assert capture.memory_problem(four, "tiny", "cpu").endswith(
+        f"take fewer n_layers (2 need about {two / 1e6:.1f} MB)")
+    monkeypatch.setattr(capture, "available_memory", lambda device: two - 1)
+    assert capture.memory_problem(four, "tiny", "cpu").endswith(
+        "take one rank's shapes (preset k3-tp8 or k3-tp16)")
+    monkeypatch.setattr(capture, "available_memory", lambda device: 10**9)
+    assert capture.decode_memory_problem(4 * 10**8, 6 * 10**8, "cpu", "batch 2") is None
+    assert capture.decode_memory_problem(4 * 10**8 + 1, 6 * 10**8, "cpu", "batch 2") == (
+        "out of memory for batch 2: the KV caches and the prompt's activations take about "
+        "400.0 MB beside about 600.0 MB for the weights, and this machine has 1.0 GB free: "
+        "take a smaller batch, context or step count")
+
+
+def test_sizes_are_said_in_decimal_units():
+    """Sizes in messages: MB below 10^9 bytes, GB below 10^12, then TB (thousands grouped),
+    one decimal each; a size that would round to 1000.0 of one unit is 1.0 of the next."""
+    from kimi_perf.capture import _size
+
+    assert [_size(n) for n in (2_500_000, 999_000_000, 10**9, 2_500_000_000, 10**12,
+                               1_234_500_000_000_000)] == [
+        "2.5 MB", "999.0 MB", "1.0 GB", "2.5 GB", "1.0 TB", "1,234.5 TB"]
+    assert [_size(n) for n in (999_949_999, 999_999_999, 999_949_999_999, 999_999_999_999)] \
+        == ["999.9 MB", "1.0 GB", "999.9 GB", "1.0 TB"]
+
+
+def test_memory_free_is_memavailable_or_what_the_cgroup_leaves(tmp_path, monkeypatch):
+    """The machine's memory free: /proc/meminfo's MemAvailable (in KiB), or less where the
+    container's cgroup v2 limit leaves less (limit minus current); "max" is no limit."""
+    import io
+
+    from kimi_perf import capture
+
+    meminfo = "MemTotal:       8000 kB\nMemAvailable:   2000 kB\n"
+    group = tmp_path / "cgroup"
+    group.mkdir()
+    monkeypatch.setattr(capture, "open", lambda name: io.StringIO(meminfo), raising=False)
+    monkeypatch.setattr(capture, "Path", lambda name: group if name == "/sys/fs/cgroup"
+                        else Path(name))
+    (group / "memory.max").write_text("max\n")
+    assert capture.available_memory("cpu") == 2000 * 1024
+    (group / "memory.max").write_text("4000000\n")
+    (group / "memory.current").write_text("1000000\n")
+    assert capture.available_memory("cpu") == 2000 * 1024   # (the cgroup leaves more)
+    (group / "memory.current").write_text("3000000\n")
+    assert capture.available_memory("cpu") == 1000000
+
+
+def test_an_out_name_too_long_says_mkdir_s_reason(tmp_path):
+    """--out whose last folder's name is too long for the file system: mkdir's reason, said of
+    --out (not of the folder above it, made and removed again: no part of it is at fault), and
+    nothing left behind."""
+    from kimi_perf import capture
+
+    out = tmp_path / "new" / ("x" * 300)
+    with pytest.raises(TraceError) as said, capture.run_directory(out, "from"):
+        pass
+    assert str(said.value) == f"{out}: out_dir: cannot create it (File name too long)"
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_symlink_that_takes_a_run_s_name_is_said_to_be_other_hands(tmp_path):
+    """A symlink to nothing put at a run's name while it runs is other hands' too: the run
+    is kept in its partial, said as such, and the link left as it is."""
+    from kimi_perf import capture
+
+    taken = capture.run_directory(tmp_path, "from")
+    partial, final = taken.__enter__()
+    (partial / "run.json").write_text("{}")
+    final.symlink_to(tmp_path / "nowhere")
+    with pytest.raises(TraceError) as said:
+        taken.__exit__(None, None, None)
+    assert str(said.value) == (f"{final}: made by other hands during the run: the run is kept "
+                               f"in {partial}")
+    assert (partial / "run.json").exists() and final.is_symlink()
+
+
+def test_a_path_s_metrics_leave_its_warm_up_steps_out(monkeypatch, tmp_path):
+    """The decode metrics of a profiled path are of its decode steps alone, the warm-up
+    steps' times and tokens left out: of the profiled run, or on a GPU of the run again
+    without the profiler (the profiled steps' median kept beside; its logits finite where
+    both runs' are); the ops a CPU's annotated launches."""
+    torch = pytest.importorskip("torch")
+    from kimi_perf import capture
+    from kimi_perf.decode import harness
+
+    def runs():   # (the profiled run, then the run again)
+        tokens = torch.zeros(2, 4, dtype=torch.long)   # (2 sequences: 1 warm-up, 3 steps)
+        made = iter([harness.DecodeRun(tokens, 0.5, [9.0, 1.0, 2.0, 3.0], logits_finite=True),
+                     harness.DecodeRun(tokens, 0.25, [8.0, 4.0, 4.0, 6.0],
+                                       logits_finite=False)])
+
+        def run_decode(*args, after_step=None, **kwargs):
+            for _ in range(1 + 1 + 3):   # (the prefill and each step: the profiler's steps)
+                if after_step:
+                    after_step()
+            return next(made)
+        return run_decode
+    model = type("M", (), {"c": type("C", (), {"vocab": 8})()})()
+    req = capture.TraceRequest("tiny", None, batch=2, context=2, steps=3, warmup=1)
+    monkeypatch.setattr(harness, "run_decode", runs())
+    metrics = capture._profile(model, req, "cpu", tmp_path / "t.json.gz")
+    assert metrics["step_latency_s"] == {"median": 2.0, "min": 1.0, "max": 3.0}
+    assert metrics["decode_tokens_per_s"] == 6 / 6 and metrics["time_to_first_token_s"] == 0.5
+    assert metrics["logits_finite"] is True and metrics["ops"] == "cpu: annotated launches"
+    monkeypatch.setattr(harness, "run_decode", runs())
+    monkeypatch.setattr(capture, "times_unprofiled", lambda device: True)
+    again = capture._profile(model, req, "cpu", tmp_path / "t.json.gz")
+    assert again["step_latency_s"] == {"median": 4.0, "min": 4.0, "max": 6.0}
+    assert again["profiled_step_latency_s"] == 2.0 and again["time_to_first_token_s"] == 0.25
+    assert again["decode_tokens_per_s"] == 6 / 14 and again["logits_finite"] is False

@@ -1333,3 +1333,17 @@ def test_accept_takes_counts_from_the_host_for_a_state_on_any_device():
         state.accept(counts)
     assert moved == [(state.pending.device,)]
     assert state.pending.tolist() == [1, 3] and state.lengths.tolist() == [1, 3]
+
+
+def test_the_tokens_of_profiled_steps_leave_the_warm_up_out():
+    """Tokens each profiled step produced over the batch: one a sequence for each step after
+    the warm-up, or with speculative decoding the tokens the sequences accepted."""
+    from types import SimpleNamespace
+
+    from kimi_perf.capture import decode_tokens
+
+    plain = SimpleNamespace(tokens=torch.zeros(3, 6, dtype=torch.long), accepted_counts=False)
+    assert decode_tokens(plain, 2) == [3, 3, 3, 3]
+    accepted = torch.tensor([[1, 2, 3, 1], [4, 1, 2, 2]])
+    spec = SimpleNamespace(tokens=accepted, accepted_counts=True)
+    assert decode_tokens(spec, 1) == [3, 5, 3]

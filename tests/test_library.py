@@ -729,3 +729,23 @@ def test_a_file_compared_with_itself_gets_two_labels():
                                                 "kineto/hta_a100_triton_example'")
     path = compare_files(BASELINE, BASELINE, path_name="specialized")
     assert (path.label_a, path.label_b) == ("tiny-cpu:specialized", "tiny-cpu:specialized'")
+
+
+def test_trace_from_records_its_command_and_each_trace_once(tmp_path):
+    """A --from run's command names each trace and every option not left at its default, the
+    report's plotly.js too, so that it makes the same run again; a trace given again through a
+    symlink is the same trace, said with the name it was first given by."""
+    import shlex
+
+    from kimi_perf.capture import analyse
+
+    _, _, run_info = analyse([BEFORE, AFTER], tmp_path / "runs", plotly_js="cdn")
+    assert run_info["command"] == shlex.join(
+        ["kimi-perf", "trace", "--from", str(BEFORE), "--from", str(AFTER), "--out",
+         str(tmp_path / "runs"), "--plotly-js", "cdn"])
+    link = tmp_path / "link.sqlite"
+    link.symlink_to(BEFORE)
+    with pytest.raises(TraceError) as said:
+        analyse([BEFORE, link], tmp_path / "none")
+    assert str(said.value) == f"{link}: given twice (also as {BEFORE}): each trace once"
+    assert not (tmp_path / "none").exists()

@@ -1271,3 +1271,85 @@ def test_trace_fails_a_path_whose_logits_are_not_finite(tmp_path, monkeypatch):
     assert {p: m["logits_finite"] for p, m in run["paths"].items()} == {
         "standard": True, "specialized": False}
     assert "logits of specialized are not all finite" in (run_dir / "report.html").read_text()
+
+
+def test_each_path_is_built_with_its_own_options():
+    """build_model's options for a path: the experts' storage for both, and the specialized
+    path's three opt-ins, each as requested, for it alone."""
+    from kimi_perf.capture import TraceRequest, path_options
+
+    req = TraceRequest("tiny", None, batch=2, context=8, steps=3, warmup=1, experts="mxfp4",
+                       l2_prefetch=False, group_experts_from=16, pdl=True)
+    assert path_options(req, "standard") == {"experts": "mxfp4"}
+    assert path_options(req, "specialized") == {"experts": "mxfp4", "l2_prefetch": False,
+                                                "group_experts_from": 16, "pdl": True}
+
+
+def test_nsys_profiles_each_path_with_its_request(tmp_path, monkeypatch):
+    """The nsys command for a path: CUDA traced beside NVTX on a GPU alone, graphs traced
+    node by node when the run uses them, and the worker given the request's every size, the
+    path's own options, its metrics file and this process to outlive."""
+    import json
+
+    from kimi_perf.capture import TraceRequest, nsys_profile_command
+
+    nsys = shutil.which("true")
+    monkeypatch.setenv("KIMI_PERF_NSYS", nsys)
+    req = TraceRequest("k3-tp8", 4, batch=3, context=64, steps=5, warmup=2, graphs=True,
+                       backend="nsys", kv_cache="fp8", spec_tokens=2, seed=7, pdl=True)
+    command = nsys_profile_command(req, "specialized", "cuda", tmp_path)
+    assert command[:9] == [nsys, "profile", "--trace=nvtx,cuda", "--sample=none",
+                           "--cpuctxsw=none", "--force-overwrite=true", "-o",
+                           str(tmp_path / "specialized"), "--cuda-graph-trace=node"]
+    assert command[9:12] == [sys.executable, "-m", "kimi_perf.decode.worker"]
+    assert json.loads(command[12]) == {
+        "preset": "k3-tp8", "n_layers": 4, "seed": 7, "batch": 3, "context": 64, "steps": 5,
+        "warmup": 2, "kv_cache": "fp8", "graphs": True, "spec_tokens": 2,
+        "options": {"experts": "bf16", "l2_prefetch": False, "group_experts_from": None,
+                    "pdl": True}}
+    assert command[13:] == ["specialized", str(tmp_path / ".specialized.metrics.json"),
+                            str(os.getpid())]
+    eager = nsys_profile_command(dataclasses.replace(req, graphs=False), "standard", "cpu",
+                                 tmp_path)
+    assert eager[2] == "--trace=nvtx" and "--cuda-graph-trace=node" not in eager
+    assert json.loads(eager[-4])["options"] == {"experts": "bf16"}
+
+
+def test_an_nvtx_release_that_nsys_did_not_hear_is_named():
+    """Why nsys heard no NVTX range, by the nvtx release the worker names: from 0.2.12 the
+    package switches itself off under nsys; another than 0.2.11 is untested; 0.2.11, or
+    torch's binding (a GPU's), has nothing to add."""
+    from kimi_perf.capture import _nvtx_hint
+
+    assert _nvtx_hint("0.2.13") == (
+        " (nvtx 0.2.13 is installed: from 0.2.12 the nvtx package switches itself off under "
+        "nsys 2023.4, docs/nsys-on-a-cpu.md; pip install nvtx==0.2.11)")
+    assert _nvtx_hint("0.2.10") == " (nvtx 0.2.10 is installed; kimi-perf is tested with 0.2.11)"
+    assert _nvtx_hint("0.2.11") == _nvtx_hint("torch.cuda.nvtx") == ""
+
+
+def test_a_capture_reports_each_unit_of_its_work(tmp_path):
+    """capture's progress: a path's prefill and each warm-up and decode step one unit,
+    work_units in all, each said with what the path runs (a verify step with speculative
+    decoding)."""
+    from kimi_perf.capture import TraceRequest, capture, step_kind, work_units
+
+    req = TraceRequest("tiny", 2, batch=2, context=3, steps=2, warmup=1, paths=("standard",),
+                       out_dir=tmp_path)
+    said = []
+    capture(req, lambda description, units: said.append((description, units)))
+    assert sum(units for _, units in said) == work_units(req) == 1 + 1 + 2
+    assert {d for d, _ in said} == {"standard: prefill, 1 warm-up and 2 decode steps"}
+    assert work_units(dataclasses.replace(req, paths=("standard", "specialized"))) == 8
+    assert step_kind(dataclasses.replace(req, spec_tokens=3)) == "verify (1+3 tokens)"
+
+
+def test_a_run_records_the_threads_each_rank_ran_with(monkeypatch):
+    """run.json's environment on a CPU: the threads torch ran with in each profiled process,
+    an equal share of this process's for each TP rank, and no GPU, CUDA or driver."""
+    from kimi_perf.capture import environment
+
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 8)
+    env = environment("cpu", 4)
+    assert env["cpu_threads"] == 2 and environment("cpu")["cpu_threads"] == 8
+    assert (env["device"], env["gpus"], env["cuda"], env["driver"]) == ("cpu", [], None, None)
