@@ -548,6 +548,46 @@ def test_validate_catches_a_router_without_its_correction_bias(monkeypatch, dtyp
     assert result["failures"][0].endswith(f"(at {at})")
 
 
+def test_validate_names_the_sequence_whose_routing_went_wrong(monkeypatch):
+    """A router wrong for the batch's last sequence alone (every slot its best expert) at
+    batch 2, no verify steps (one reference for the batch): the choices counted are that
+    sequence's, and the first is said to be in sequence 1, not 0. A router whose choices fall
+    below the reference's k-th best in sequence 1 alone has its worst gap there."""
+    from kimi_perf.decode.model import K3Model
+
+    moe, topk = K3Model._moe, torch.topk
+
+    def last_sequence(wrong):
+        def routed(self, i, h):
+            first = (h.shape[0] - 1) * h.shape[1]   # (rows are sequence-major)
+
+            def chosen(input, k, dim=-1, **kwargs):
+                values, indices = topk(input, k, dim=dim, **kwargs)
+                indices = indices.clone()
+                indices[first:] = wrong(input[first:], indices[first:])
+                return torch.return_types.topk((values, indices))
+
+            monkeypatch.setattr(torch, "topk", chosen)
+            try:
+                return moe(self, i, h)
+            finally:
+                monkeypatch.setattr(torch, "topk", topk)
+        return routed
+
+    monkeypatch.setattr(K3Model, "_moe", last_sequence(lambda _, ids: ids[:, :1].expand_as(ids)))
+    r = validate(paths=("standard",), dtype="float32", steps=2, batch=2)["paths"]["standard"]
+    assert r["routing_invalid"] == 7 * 6       # 7 MoE layers, 4 prompt positions, 2 steps
+    assert r["routing_invalid_at"] == "prompt position 0, layer 1, sequence 1"
+
+    def worst_experts(scores, ids):   # the k experts of least scores: far below the k-th
+        return topk(-scores, ids.shape[-1], dim=-1).indices
+
+    monkeypatch.setattr(K3Model, "_moe", last_sequence(worst_experts))
+    r = validate(paths=("standard",), dtype="float32", steps=2, batch=2)["paths"]["standard"]
+    assert r["routing_invalid"] == 0 and r["routing_max_gap"] > 0.01
+    assert r["routing_max_gap_at"].endswith(", sequence 1")
+
+
 def test_validate_verify_catches_a_wrong_rollback(monkeypatch):
     """The check can fail: a rollback to the last verified token, not the last accepted one,
     leaves the KDA state ahead of the reference's."""
@@ -1347,3 +1387,121 @@ def test_the_tokens_of_profiled_steps_leave_the_warm_up_out():
     accepted = torch.tensor([[1, 2, 3, 1], [4, 1, 2, 2]])
     spec = SimpleNamespace(tokens=accepted, accepted_counts=True)
     assert decode_tokens(spec, 1) == [3, 5, 3]
+
+
+def _checked(err: float, sequence: float) -> dict:
+    return {"max_rel_err": err, "max_at": "here", "sequence_max_rel_err": sequence,
+            "sequence_max_at": "there", "drift_max_rel_err": 1.0, "launches": 1}
+
+
+def test_validate_holds_each_figure_to_its_own_bound(monkeypatch):
+    """The paths' figures against bf16's bounds (paths stubbed): each layer type's batch
+    error to its layer bound (the dense layer's is the KDA layers', 0.075, not the gated-MLA
+    layers' 0.04) and each sequence's to its sequence bound, the logits' to theirs (0.012 and
+    0.02), the routing gap to 0.006; an error at its bound passes; a path whose every step
+    fell back fails, saying why."""
+    from kimi_perf.decode import validate as v
+
+    def stub(path, run):
+        if path == "specialized":
+            return {"layer_types": {"kda": _checked(0.0, 0.0)}, **{
+                f"logits_{k}": x for k, x in _checked(0.0, 0.0).items()},
+                "routing_max_gap": 0.0, "routing_max_gap_at": None, "routing_invalid": 0,
+                "routing_invalid_at": None, "every_step_fell_back": True,
+                "fallbacks": ["decode step 0: a verify of 9 tokens"]}
+        return {"layer_types": {"dense": _checked(0.05, 0.2), "kda": _checked(0.075, 0.25),
+                                "mla": _checked(0.045, 0.045)},
+                **{f"logits_{k}": x for k, x in _checked(0.015, 0.015).items()},
+                "routing_max_gap": 0.008, "routing_max_gap_at": "step 1",
+                "routing_invalid": 0, "routing_invalid_at": None}
+
+    monkeypatch.setattr(v, "validate_path", stub)
+    result = validate(paths=("standard", "specialized"), steps=1)
+    assert result["failures"] == [
+        "standard mla layers: 0.045 > 0.04 (at here)",
+        "standard logits: 0.015 > 0.012 (at here)",
+        "standard routing gap: 0.008 > 0.006 (at step 1)",
+        "specialized: every decode step fell back to the standard path's PyTorch ops (a "
+        "verify of 9 tokens): none of its kernels was checked"]
+    rows = result["paths"]["standard"]["layer_types"]
+    assert {kind: (r["bound"], r["sequence_bound"]) for kind, r in rows.items()} == {
+        "dense": (0.075, 0.25), "kda": (0.075, 0.25), "mla": (0.04, 0.05)}
+    # float32 checks the math itself: an error of 2e-4 in a layer fails it
+    monkeypatch.setattr(v, "validate_path", lambda path, run: {
+        **stub("standard", run), "layer_types": {"kda": _checked(2e-4, 2e-4)},
+        **{f"logits_{k}": x for k, x in _checked(0.0, 0.0).items()}, "routing_max_gap": 0.0})
+    assert validate(paths=("standard",), dtype="float32", steps=1)["failures"] == [
+        "standard kda layers: 0.0002 > 0.0001 (at here)",
+        "standard kda layers, one sequence: 0.0002 > 0.0001 (at there)"]
+
+
+def test_validate_checks_the_prompt_s_first_position(monkeypatch):
+    """The prompt's first position (one token in the state: where bf16's tail is longest)
+    is checked as the others: the prefill's gated-MLA output 1.23% off there alone fails
+    that sequence's bound at position 0; 0.45% off at the decode step, the batch's; each
+    said to 6 decimals; no routing gap or invalid choice is said where none was."""
+    mla = K3Model._mla
+
+    def first_position_off(self, i, x, state, positions):
+        out = mla(self, i, x, state, positions)
+        if self.call_name == "prefill":
+            out = out.clone()
+            out[:, 0] *= 1.0123
+        return 1.0045 * out if self.call_name.startswith("decode") else out
+
+    monkeypatch.setattr(K3Model, "_mla", first_position_off)
+    result = validate(paths=("standard",), dtype="float32", steps=1, batch=1, prompt=2)
+    batch, sequence = result["failures"]
+    assert re.fullmatch(r"standard mla layers: 0\.0045 > 0\.0001 \(at decode step 0, layer "
+                        r"[37] attention\)", batch), batch
+    assert re.fullmatch(r"standard mla layers, one sequence: 0\.0123 > 0\.0001 \(at prompt "
+                        r"position 0, layer [37] attention, sequence 0\)", sequence), sequence
+    r = result["paths"]["standard"]
+    assert r["layer_types"]["mla"]["sequence_max_rel_err"] == pytest.approx(0.0123, abs=2e-6)
+    assert r["layer_types"]["mla"]["max_rel_err"] == pytest.approx(0.0045, abs=2e-6)
+    assert (r["routing_max_gap"], r["routing_max_gap_at"]) == (0.0, None)
+    assert (r["routing_invalid"], r["routing_invalid_at"]) == (0, None)
+
+
+def test_the_worst_error_keeps_where_it_was_first_seen_and_a_bound_holds_at_itself():
+    from kimi_perf.decode.validate import Worst, within
+
+    worst = Worst()
+    worst.see([0.1, 0.1], "step 0")
+    worst.see([0.1], "step 1", per_sequence=False)
+    assert (worst.value, worst.at) == (0.1, "step 0, sequence 0")
+    assert within(0.075, 0.075) and not within(0.0751, 0.075) and not within(math.nan, 1.0)
+    with pytest.raises(ValueError, match="spec_tokens takes 0 or more draft tokens, not -1"):
+        validate(paths=("standard",), spec_tokens=-1)
+
+
+def test_validate_s_memory_estimates_count_each_copy():
+    """What validate holds, by hand for tiny at two layers (layer 0: KDA attention and the
+    dense MLP; layer 1: gated MLA), batch 1, a prompt of 2 and one decode step: the path's
+    KDA state (4 heads of 32×32, fp32), conv state (3 of 4·32 channels, 3 taps, bf16) and
+    latent cache (40 per position, bf16 or fp8); each of the two float64 references' (every
+    value 8 bytes, and the gated-MLA keys and values decompressed over the cache, 4 heads of
+    16 + 16); the path's layer outputs over the prompt (2 per layer, 256 wide, fp32) and the
+    token ids (int64); beside the prefill's peak. A verify of 1+1 tokens adds two of its
+    records (key, decay, correction of 32, fp32, per head) and conv inputs (bf16) per
+    position. The weights: drawn in bf16, the path's model and its packed copy in the paths'
+    dtype, the float64 reference's."""
+    from kimi_perf.capture import prefill_bytes
+    from kimi_perf.decode.validate import decode_need, memory_need
+    from kimi_perf.decode.weights import weight_bytes
+
+    c = preset("tiny", n_layers=2)
+
+    def need(tokens: int, cache: int, verify: int) -> int:
+        path = 4 * 32 * 32 * 4 + 3 * 4 * 32 * 3 * 2 + tokens * 40 * cache
+        path += 2 * verify * (4 * 3 * 32 * 4 + 3 * 4 * 32 * 2)
+        reference = (4 * 32 * 32 + 3 * 4 * 32 * 3 + tokens * 40 + tokens * 4 * 32) * 8
+        return path + 2 * reference + 2 * 2 * 2 * 256 * 4 + tokens * 8
+
+    for kv_cache, cache in (("bf16", 2), ("fp8", 1)):
+        assert decode_need(c, 1, 2, 1, "bfloat16", kv_cache) == need(3, cache, 0) + \
+            prefill_bytes(c, 1, 2, 1, whole=True)
+    assert decode_need(c, 1, 2, 1, "bfloat16", "bf16", spec_tokens=1) == need(4, 2, 2) + \
+        prefill_bytes(c, 1, 2, 2, whole=True)
+    assert memory_need("float32")(c) - memory_need("bfloat16")(c) == 2 * (
+        weight_bytes(c, torch.float32) - weight_bytes(c))

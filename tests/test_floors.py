@@ -182,3 +182,61 @@ def test_floors_refuse_mxfp4_experts_a_rank_cannot_store():
         [sys.executable, "-c", "import sys, kimi_perf.decode.floors; "
          "print('torch' in sys.modules)"], capture_output=True, text=True, check=True)
     assert imported.stdout == "False\n"
+
+
+def test_fp8_weights_leave_w_uk_w_uv_and_the_router_in_bf16():
+    """K3 TP8, batch 1, context 4096, fp8 non-expert weights and bf16 experts and cache:
+    every launch's bytes, elements × dtype size. The non-expert weights (and the shared
+    experts) read 1 byte each; W_UK, W_UV and the router stay 2, as does the bf16 cache; the
+    KDA states are fp32 (read and written), the conv states bf16. Layer 0 (``dense``) is a
+    KDA attention and the dense MLP: no MoE launches."""
+    fp8 = Storage(weights="fp8")
+    kda_attention = {
+        "in_proj": 6288 * 7168,
+        "fused_kda_decode": 12 * 128 * 128 + 2 * (12 * 128 * 128 * 4 + 3 * 1536 * 3 * 2),
+        "o_proj": 7168 * 1536}
+    moe = {"router_latent_down": 896 * 7168 * 2 + 3584 * 7168,
+           "moe_fc1_situ_shared_gate_up": 16 * 2 * 384 * 3584 * 2 + 2 * 768 * 7168,
+           "moe_fc2_combine_shared_down": 16 * 3584 * 384 * 2 + 7168 * 768,
+           "latent_up_proj": 7168 * 3584}
+    mla = {"qkv_a_g_proj": (1536 + 576 + 12 * 128) * 7168,
+           "q_b_proj": 12 * (128 + 64) * 1536,
+           "bmm_w_uk_cache_insert": 12 * 128 * 512 * 2,
+           "mla_decode": 4096 * 576 * 2,
+           "bmm_w_uv_gate": 12 * 512 * 128 * 2,
+           "o_proj": 7168 * 12 * 128}
+    dense = {**kda_attention, "dense_gate_up_situ": 2 * 4224 * 7168, "dense_down": 4224 * 7168}
+    for layer_type, want in (("kda", {**kda_attention, **moe}), ("mla", {**mla, **moe}),
+                             ("dense", dense)):
+        got = launch_bytes(TP8, layer_type, 1, 4096, fp8)
+        assert list(got) == list(want)
+        assert got == pytest.approx(want, rel=1e-12), layer_type
+    doc = floors(TP8, 1, 4096, fp8)
+    assert doc["layer_types"]["dense"]["bytes"] == sum(dense.values())
+    assert (doc["context"], doc["storage"]) == (4096, {"weights": "fp8", "experts": "bf16",
+                                                       "kv_cache": "bf16"})
+
+
+def test_floors_round_bytes_to_whole_and_microseconds_to_3_decimals():
+    """At batch 3 the expected distinct experts, 896 - 880³/896², make FC1 read
+    281570742 6/7 bytes: whole, 281570743 (rounded, not cut). At 1 TB/s a launch's floor is
+    its bytes over 1e6 µs, to 3 decimals (in_proj, 90144768 bytes: 90.145 µs), and so is
+    the layer's."""
+    from fractions import Fraction
+
+    experts = 896 * (1 - Fraction(880, 896) ** 3)
+    fc1 = experts * 2 * 384 * 3584 * 2 + 2 * 768 * 7168 * 2
+    assert fc1 == 281570742 + Fraction(6, 7)
+    doc = floors(TP8, 3, 0, bandwidth=1e12)
+    kda = doc["layer_types"]["kda"]
+    assert kda["launches"]["moe_fc1_situ_shared_gate_up"]["bytes"] == 281570743
+    assert kda["launches"]["in_proj"] == {"bytes": 90144768, "floor_us": 90.145}
+    assert kda["floor_us"] == round(kda["bytes"] / 1e6, 3) != round(kda["bytes"] / 1e6, 2)
+
+
+def test_a_step_of_no_tokens_and_an_unknown_expert_storage_are_refused():
+    """A step holds at least one token per sequence; experts are stored bf16, fp8 or MXFP4."""
+    with pytest.raises(ValueError, match="at least one token per sequence, not 0"):
+        floors(TP8, 1, 0, tokens=0)
+    with pytest.raises(ValueError, match="experts must be one of bf16, fp8, mxfp4, not 'fp4'"):
+        Storage(experts="fp4")

@@ -204,3 +204,21 @@ def test_report_pairs_layer_types_for_its_ledgers_as_compare_does(tmp_path):
     ledgers = re.findall(r"<h3>(\w): each (\S+) launch against the \S+ launches it replaces"
                          r"</h3>.*?<th>(\d+) launches</th>", report.read_text())
     assert sorted((t, int(n)) for t, _, n in ledgers) == [("A", 7), ("B", 9), ("C", 12)]
+
+
+def test_no_ratio_for_new_work_or_a_launch_of_no_time():
+    """A launch that replaces nothing (the L2 prefetch: new work) has no ratio, nor does one
+    whose median is 0 µs (no division by it); otherwise it is what it replaced over it."""
+    assert LedgerRow("l2_prefetch", 3.0, [], 0.0).ratio is None
+    assert LedgerRow("o_proj", 0.0, ["o_proj"], 1.0).ratio is None
+    assert LedgerRow("o_proj", 4.0, ["o_proj"], 1.0).ratio == 0.25
+
+
+def test_no_ledger_when_any_launch_is_named_by_its_kernel():
+    """One kernel name among either path's launch names (a trace part annotated) is not a
+    ledger: every launch of both must be a launch name of its path."""
+    standard = [{"name": "o_proj", "us": 2.0}]
+    specialized = [{"name": "o_proj", "us": 1.0}, {"name": "_skinny_linear_kernel", "us": 1.0}]
+    assert fusion_ledger(standard, specialized) is None
+    assert fusion_ledger([*standard, {"name": "sm90_xmma_gemm_bf16", "us": 1.0}],
+                         specialized[:1]) is None

@@ -46,12 +46,12 @@ class Observer:
     attn_out: dict[int, torch.Tensor] = field(default_factory=dict)
     mlp_out: dict[int, torch.Tensor] = field(default_factory=dict)
     experts: dict[int, torch.Tensor] = field(default_factory=dict)
-    # Reference only, when it follows a path's routing: how far below its own k-th best
-    # biased score the path's choice fell (0 where they agree), and how many sequences'
-    # choices were no top-k at all (an expert twice, or one that does not exist: the
-    # reference routes those its own way).
-    routing_gap: dict[int, float] = field(default_factory=dict)
-    routing_invalid: dict[int, int] = field(default_factory=dict)
+    # Reference only, when it follows a path's routing, per sequence of its batch: how far
+    # below its own k-th best biased score the path's choice fell (0 where they agree), and
+    # whether the choice was no top-k at all (1: an expert twice, or one that does not exist;
+    # the reference routes those its own way).
+    routing_gap: dict[int, list[float]] = field(default_factory=dict)
+    routing_invalid: dict[int, list[int]] = field(default_factory=dict)
 
     def record(self, layer: int, attn_out: torch.Tensor, mlp_out: torch.Tensor,
                experts: torch.Tensor | None, batch: int, tokens: int) -> None:
@@ -202,33 +202,33 @@ class ReferenceModel:
 
     # -- MLPs -----------------------------------------------------------------------------
 
-    def _dense(self, h: torch.Tensor) -> tuple[torch.Tensor, None, float, int]:
+    def _dense(self, h: torch.Tensor) -> tuple[torch.Tensor, None, list[float], list[int]]:
         m = layer_prefix(0) + "mlp."
         c = self.c
         act = situ(h @ self.W(m + "gate_proj.weight").T, h @ self.W(m + "up_proj.weight").T,
                    c.situ_beta, c.situ_beta_linear)
-        return act @ self.W(m + "down_proj.weight").T, None, 0.0, 0
+        return act @ self.W(m + "down_proj.weight").T, None, [], []
 
     def _moe(self, i: int, h: torch.Tensor, forced: torch.Tensor | None
-             ) -> tuple[torch.Tensor, torch.Tensor, float, int]:
-        """The MoE's output, the experts it used, the gap of a forced choice and how many
-        sequences' forced choices were no top-k (``Observer.routing_invalid``)."""
+             ) -> tuple[torch.Tensor, torch.Tensor, list[float], list[int]]:
+        """The MoE's output, the experts it used, and per sequence the gap of a forced choice
+        and whether it was no top-k (``Observer.routing_gap``, ``routing_invalid``)."""
         c = self.c
         m = layer_prefix(i) + "mlp."
         scores = torch.sigmoid(h @ self.W(m + "gate.weight").T)            # [B, E]
         biased = scores + self.W(m + "gate.e_score_correction_bias")
         chosen = torch.topk(biased, c.top_k, dim=-1).indices
-        gap, invalid = 0.0, 0
+        gap, invalid = [0.0] * self.batch, [0] * self.batch
         if forced is not None:
             # k distinct experts that exist, each within the gap of the reference's k-th best
             # score, are its top-k up to near ties; one expert k times passed the gap alone
             forced = forced.long()
             valid = (((forced >= 0) & (forced < c.n_experts)).all(-1)
                      & (forced.sort(-1).values.diff(dim=-1) != 0).all(-1))
-            invalid = int((~valid).sum())
+            invalid = (~valid).long().tolist()
             forced = torch.where(valid[:, None], forced, chosen)
             kth = biased.gather(-1, chosen).min(-1).values
-            gap = float((kth - biased.gather(-1, forced).min(-1).values).max())
+            gap = (kth - biased.gather(-1, forced).min(-1).values).clamp(min=0).tolist()
             chosen = forced
         weights = scores.gather(-1, chosen)
         weights = weights / weights.sum(-1, keepdim=True) * c.routed_scale
@@ -247,4 +247,4 @@ class ReferenceModel:
         s = m + "shared_experts."
         shared = situ(h @ self.W(s + "gate_proj.weight").T, h @ self.W(s + "up_proj.weight").T,
                       c.situ_beta, c.situ_beta_linear) @ self.W(s + "down_proj.weight").T
-        return up + shared, chosen, max(gap, 0.0), invalid
+        return up + shared, chosen, gap, invalid

@@ -221,14 +221,17 @@ def validate_path(path: str, run: ValidationRun) -> dict:
                     see(how, c.layer_type(i), outs[:, t], torch.cat(refs_out),
                         f"{where}, layer {i} {part}", decode)
             see(how, "logits", logits[:, t], want, where, decode)
-            if how == "layer":   # (expected: a reference per sequence; by layer, each)
-                for b, e in enumerate(expected):
-                    for i, g in e.routing_gap.items():
-                        gap.see([g], f"{where}, layer {i}, sequence {b}", per_sequence=False)
-                    for i, n in e.routing_invalid.items():
-                        if n and not invalid_at:
-                            invalid_at.append(f"{where}, layer {i}, sequence {b}")
-                        invalid += n
+            if how == "layer":   # (per reference, by layer, each sequence of its rows)
+                for r, e in zip(rows, expected, strict=True):
+                    for i, gaps in e.routing_gap.items():
+                        for b, g in zip(r, gaps, strict=True):
+                            gap.see([g], f"{where}, layer {i}, sequence {b}",
+                                    per_sequence=False)
+                    for i, counts in e.routing_invalid.items():
+                        for b, n in zip(r, counts, strict=True):
+                            if n and not invalid_at:
+                                invalid_at.append(f"{where}, layer {i}, sequence {b}")
+                            invalid += n
 
     # The prompt through the path (the standard path always), checked position by position
     # as the decode steps are: a wrong prefill is a wrong cache for every step after it.
