@@ -628,9 +628,11 @@ def _no_gpu_work_problem(trace: Trace) -> str:
     held = [f"{counted(untimed, 'GPU op')} without a time"] if untimed else []
     held += [counted(n, what) for n, what in ((len(trace.ranges), "range"),
                                                (len(trace.api), "API call")) if n]
+    nsys = "Nsight" in str(trace.meta.get("tool") or "")
     return ("no GPU work in this trace: no kernel or memcpy/memset, and no op: ranges of a "
             "decode run on a CPU; nothing to break down (it holds "
-            + (", ".join(held) or "no events") + ")")
+            + (", ".join(held) or "no range or API call either"
+               + (": profiled without -t cuda,nvtx?" if nsys else "")) + ")")
 
 
 def _outside_steps(trace: Trace, ops: GpuOps, steps: list[Step]) -> dict[str, Any]:

@@ -783,9 +783,15 @@ def test_gzipped_json_that_is_not_kineto(tmp_path):
                  ["compare", VLLM, p], ["report", p, "-o", tmp_path / "r.html"],
                  ["trace", "--from", p, "--out", out]):
         _one_line_error(run(*args), no_work)
-        assert "(it holds no events)" in run(*args).output
+        assert "(it holds no range or API call either)" in run(*args).output
     assert not out.exists() and not (tmp_path / "r.html").exists()
     assert run("info", p).exit_code == 0   # info describes it: 0 kernels
+    # an nsys capture of CPU threads alone (scheduling and OS runtime events, no CUDA or NVTX)
+    no_cuda = NSYS / "IhorAtlanov-assignment2-systems__result__nsys2025.6.1_NO_CUDA.sqlite"
+    _one_line_error(run("breakdown", no_cuda),
+                    f"{no_cuda}: no GPU work in this trace: no kernel or memcpy/memset, and no "
+                    "op: ranges of a decode run on a CPU; nothing to break down (it holds no "
+                    "range or API call either: profiled without -t cuda,nvtx?)")
 
 
 def test_nsys_rep_without_nsys_says_how_to_get_it(tmp_path, monkeypatch):
