@@ -67,6 +67,16 @@ def test_an_interruption_while_the_cli_is_imported_is_said_as_one(monkeypatch, c
     assert modules.stdout == "load_paths Trace\n"
 
 
+def test_the_readme_s_breakdown_sample_is_what_breakdown_prints():
+    """The README's sample of `kimi-perf breakdown` (the embedded example's tables per layer
+    type): each of its lines is a line the command prints."""
+    readme = (REPO / "README.md").read_text()
+    sample = readme.split("`kimi-perf breakdown` prints its step", 1)[1]
+    sample = sample.split("```\n", 2)[1].splitlines()
+    printed = {line.strip() for line in run("breakdown").output.splitlines()}
+    assert len(sample) > 10 and [line for line in sample if line.strip() not in printed] == []
+
+
 def test_breakdown_formats(tmp_path):
     result = run("breakdown", VLLM, "--format", "json")
     assert result.exit_code == 0, result.output
