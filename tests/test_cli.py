@@ -3996,6 +3996,7 @@ def test_the_prefill_estimate_counts_scores_then_activations():
     times over and 2 more, and the cache's fp32 copy (4 × 40); its activations on top (4 bytes
     of 24 hidden widths and 4 dense intermediates a token), a verify step's where its tokens
     are more; the prompts 8192 tokens a chunk (prefill_rows), or all at once where whole."""
+    pytest.importorskip("torch")
     from kimi_perf.capture import prefill_bytes
     from kimi_perf.decode.config import preset
 
@@ -4016,6 +4017,7 @@ def test_a_capture_s_caches_are_counted_for_every_step_and_rank():
     prompt and 1+k tokens of every step, warm-up steps included (an fp8 latent cache a byte
     an element, a verify step's records for 1+k tokens), and its prefill at a verify step's
     1+k tokens a sequence; without activations, the prefill's attention alone."""
+    pytest.importorskip("torch")
     from kimi_perf import capture
     from kimi_perf.decode.config import preset
     from kimi_perf.decode.model import DecodeState
@@ -4035,6 +4037,7 @@ def test_a_model_or_cache_that_just_fits_is_not_refused(monkeypatch):
     """The memory checks refuse only what passes the memory free: as much free as a run
     holds is enough (for the model, for the two layers advised, and for the caches beside the
     weights), one byte less is not; the caches are counted with the weights, not alone."""
+    pytest.importorskip("torch")
     from kimi_perf import capture
     from kimi_perf.decode.config import preset
     from kimi_perf.decode.weights import weight_bytes
