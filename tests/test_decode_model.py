@@ -1505,3 +1505,11 @@ def test_validate_s_memory_estimates_count_each_copy():
         prefill_bytes(c, 1, 2, 2, whole=True)
     assert memory_need("float32")(c) - memory_need("bfloat16")(c) == 2 * (
         weight_bytes(c, torch.float32) - weight_bytes(c))
+    # the references' copy: every value the path draws, float64, vectors (fp32 there) too
+    from kimi_perf.decode.weights import random_weights, weight_values
+
+    drawn = random_weights(c)
+    assert weight_values(c) == sum(w.numel() for w in drawn.values())
+    as64 = sum(w.to(torch.float64).nbytes for w in drawn.values())
+    assert memory_need("bfloat16")(c) == 3 * weight_bytes(c) + as64 > 3 * weight_bytes(c) + \
+        weight_bytes(c, torch.float64)

@@ -13,7 +13,7 @@ from kimi_perf.decode.config import K3Config, preset
 from kimi_perf.decode.fallbacks import every_decode_step_fell_back, summarise
 from kimi_perf.decode.model import FP8, DecodeState, K3Model
 from kimi_perf.decode.reference import Observer, ReferenceModel
-from kimi_perf.decode.weights import random_weights, weight_bytes
+from kimi_perf.decode.weights import random_weights, weight_bytes, weight_values
 from kimi_perf.errors import argument
 
 # standard_kernels: the standard path's steps as one kernel each, as it runs on a GPU
@@ -303,10 +303,11 @@ def cache_bytes(dtype: str, kv_cache: str) -> int:
 
 def memory_need(dtype: str):
     """The bytes a validation holds for a config, at most: the weights drawn (bf16), a path's
-    model of them in ``dtype`` and its packed copy, and the reference's float64 copy."""
+    model of them in ``dtype`` and its packed copy, and the references' float64 copy (of every
+    value: vectors too, which the others keep in fp32)."""
     def need(c: K3Config) -> int:
         return (weight_bytes(c) + 2 * weight_bytes(c, DTYPES[dtype])
-                + weight_bytes(c, torch.float64))
+                + 8 * weight_values(c))
     return need
 
 

@@ -201,6 +201,13 @@ def weight_bytes(c: K3Config, dtype: torch.dtype = torch.bfloat16) -> int:
                for shape in shapes.values())
 
 
+def weight_values(c: K3Config) -> int:
+    """How many values ``random_weights(c)`` holds, whatever their dtype (a float64 copy of
+    them all, the reference's, is 8 bytes each)."""
+    shapes = weight_shapes(c) if c.tp == 1 else local_weight_shapes(c)
+    return sum(math.prod(shape) for shape in shapes.values())
+
+
 def _storage_dtype(shape: tuple[int, ...], dtype: torch.dtype) -> torch.dtype:
     """Matrices in the model dtype; vectors (norms, biases, gates) and conv taps in fp32."""
     return dtype if len(shape) == 2 else torch.float32
