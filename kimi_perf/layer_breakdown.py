@@ -1,7 +1,7 @@
 """Per-step and per-layer kernel counts and times, per kernel class; medians per layer type.
 
-The JSON form (``Breakdown.to_json``) is versioned (``"schema": 1``) and documented in the
-README; new keys may be added within a schema version, existing ones keep their meaning.
+The JSON form (``Breakdown.to_json``) is versioned (``"schema": 1``) and documented in
+docs/reference.md; new keys may be added within a schema version, existing ones keep their meaning.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ _BATCH_ROWS = 1 << 16
 
 @dataclass(repr=False)
 class Breakdown:
-    """One trace's steps, layers and layer types (``breakdown()``; the README's ``breakdown``
+    """One trace's steps, layers and layer types (``breakdown()``; the reference's ``breakdown``
     section documents every key). ``steps``: a dict per step (kernels, µs, per kernel class);
     ``layers``: a dict per layer (``layer_column`` gives one figure of every layer as a numpy
     column); ``layer_types``: per type its median layer and typical layer; ``source``: what
@@ -511,7 +511,7 @@ def _said_untimed_ranges(trace: Trace) -> Iterator[None]:
 
 def breakdown(trace: Trace, layers: str = "auto", rules: list[Rule] | str | Path | None = None,
               step_regex: str | None = None, phase: str = "auto") -> Breakdown:
-    """Steps, layers and layer types of ``trace`` (``breakdown`` in the README).
+    """Steps, layers and layer types of ``trace`` (``breakdown`` in docs/reference.md).
 
     ``layers``: how layers are found (``auto``: per-layer ranges when the trace has them,
     else the repeating kernel pattern; ``nvtx``, ``nvtx:REGEX``: ranges only; ``repeat``);

@@ -2008,7 +2008,7 @@ def test_rules_may_be_given_as_their_toml_file(tmp_path):
     ("nsysai_fastvideo_wan2.1_train_2xh100_before.sqlite", "flash")])
 def test_a_class_of_ones_own_relabels_kernels_and_leaves_the_layers_alone(tmp_path, trace,
                                                                          pattern):
-    """A rule naming a class of its own (README's ``kda``) moves the attention kernels out of
+    """A rule naming a class of its own (the reference's ``kda``) moves the attention kernels out of
     "attention": the repeating pattern's cuts, which look for attention, stay where the
     shipped classes put them (they halved the example's 24 layers into 12, and cut the wan
     training step's 157-kernel layer into fragments)."""

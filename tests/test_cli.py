@@ -77,6 +77,29 @@ def test_the_readme_s_breakdown_sample_is_what_breakdown_prints():
     assert len(sample) > 10 and [line for line in sample if line.strip() not in printed] == []
 
 
+def test_the_readme_s_trace_table_is_what_compare_prints_of_the_baseline():
+    """The README's sample of `kimi-perf trace`'s table, the run stored as the CPU baseline:
+    each of its lines is a line `kimi-perf compare traces/baselines/tiny-cpu.json` prints,
+    120 columns wide (a baseline stored anew, with other µs, fails here until the README
+    shows it)."""
+    readme = (REPO / "README.md").read_text()
+    sample = readme.split("traces/baselines/tiny-cpu.json` prints it again", 1)[1]
+    sample = sample.split("```\n", 2)[1].splitlines()
+    printed = CliRunner(env={"COLUMNS": "120"}).invoke(
+        main, ["compare", str(REPO / "traces" / "baselines" / "tiny-cpu.json")])
+    assert printed.exit_code == 0, printed.output
+    lines = {line.rstrip() for line in printed.output.splitlines()}
+    assert len(sample) > 10 and [line for line in sample if line.rstrip() not in lines] == []
+
+
+def test_the_readme_s_floors_line_is_what_floors_prints():
+    """The README's last line of `kimi-perf floors` (K3 TP8, batch 1) is the command's."""
+    readme = (REPO / "README.md").read_text()
+    said = readme.split("4.3 TB/s it ends with:", 1)[1].split("```\n", 2)[1].strip()
+    assert said.startswith("floor per layer: kda ")
+    assert said in run("floors", "--batch", "1").output.splitlines()
+
+
 def test_breakdown_formats(tmp_path):
     result = run("breakdown", VLLM, "--format", "json")
     assert result.exit_code == 0, result.output
@@ -2174,7 +2197,7 @@ def test_report_command_bad_stored_runs(tmp_path, change, message):
         (line,) = result.output.strip().splitlines()
         assert line.startswith(f"kimi-perf: error: {bad}: {message}")
         assert not out.exists()
-    # a file of that name from before stays as it was (the README says so: a nightly job
+    # a file of that name from before stays as it was (the reference says so: a nightly job
     # checks the exit status); gate's verdicts are removed instead
     out.write_text("last night's report")
     assert run("report", BASELINE, bad, "-o", out).exit_code != 0

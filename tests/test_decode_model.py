@@ -1285,13 +1285,13 @@ def test_a_prefill_in_chunks_says_why_it_fell_back_of_the_whole_prompt(monkeypat
 
 
 def test_the_readmes_validate_json_is_what_validate_prints():
-    """The README's sample of `validate --paths standard --format json`: every key and value
+    """The reference's sample of `validate --paths standard --format json`: every key and value
     as printed, the bounds exactly, the errors within a factor of 2 or 0.002 (another CPU's
     bf16 kernels round otherwise: on one machine of this project an end-to-end gated-MLA
     error read 0.040 against a sample's 0.044, and a routing gap 0.0086 against 0.0063)."""
     from pathlib import Path
 
-    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    readme = (Path(__file__).parents[1] / "docs" / "reference.md").read_text()
     said = "(`kimi-perf validate --paths standard --format json`"
     block = readme[readme.index(said):].split("```json\n", 1)[1].split("```", 1)[0]
     sample = json.loads(block)

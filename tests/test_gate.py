@@ -654,7 +654,7 @@ def test_the_fail_line_says_the_sides_differ_where_that_fails_nothing():
 
 
 def test_a_gpu_trace_that_lost_a_layer_type_says_it_once():
-    """The README's line: a GPU trace's lost type fails its layers, both kernel counts and
+    """The reference's line: a GPU trace's lost type fails its layers, both kernel counts and
     both times, one item of the verdict naming the five."""
     from kimi_perf.layer_breakdown import Breakdown
     from kimi_perf.readers import read_trace

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -133,19 +134,22 @@ def test_update_baseline_creates_gates_then_stores(tmp_path):
     assert copy.read_bytes() == BEFORE.read_bytes()   # refused before anything was written
 
 
-def test_the_readmes_library_sample_names_what_exists():
-    """Every name the README's Library sample imports exists where it says, and every
-    attribute it reads of the package is there: a renamed or moved function fails here."""
+@pytest.mark.parametrize(("document", "next_section", "least"),
+                         [("README.md", "## Development", 4),
+                          ("docs/reference.md", "## Tests", 10)])
+def test_the_library_samples_name_what_exists(document, next_section, least):
+    """Every name the Library sample of the README and of the reference imports exists where
+    it says, and every keyword it passes is taken: a renamed or moved function fails here."""
     import ast
     import importlib
 
-    readme = (REPO / "README.md").read_text()
-    section = readme[readme.index("## Library"):readme.index("## Development")]
+    text = (REPO / document).read_text()
+    section = text[text.index("## Library"):text.index(next_section)]
     code = section[section.index("```python") + len("```python"):]
     tree = ast.parse(code[:code.index("```")])
     imported = [(node.module, alias.name) for node in ast.walk(tree)
                 if isinstance(node, ast.ImportFrom) for alias in node.names]
-    assert len(imported) >= 10
+    assert len(imported) >= least
     functions = {}
     for module, name in imported:   # where it is defined (or the package exports it), not
         found = importlib.import_module(module)   # a name a module happens to import
@@ -687,18 +691,30 @@ def test_compare_of_a_tp_run_says_its_figures_are_rank_0_s(tmp_path):
     assert not any("rank 0's" in note for note in compare_files(BASELINE).notes)
 
 
-def test_the_readmes_links_to_its_sections_name_sections_it_has():
-    """Every ``](#anchor)`` link in the README (its contents line) names a heading it has, by
-    GitHub's anchors (lower case, punctuation dropped, spaces as hyphens): a heading renamed
-    leaves no dead link."""
+def test_the_documents_links_name_files_and_sections_they_have():
+    """Every link of the README and the reference names a file of the repository and, after
+    its ``#``, a heading that file has, by GitHub's anchors (lower case, punctuation dropped,
+    spaces as hyphens): a heading renamed or a file moved leaves no dead link."""
     import re
 
-    readme = (REPO / "README.md").read_text()
-    prose = re.sub(r"^```.*?^```", "", readme, flags=re.S | re.M)
-    anchors = {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-")
-               for h in re.findall(r"^#{1,6} (.+)$", prose, flags=re.M)}
-    links = re.findall(r"\]\(#([^)]+)\)", prose)
-    assert len(links) >= 10 and set(links) <= anchors, set(links) - anchors
+    def prose(path: Path) -> str:   # without code blocks
+        return re.sub(r"^```.*?^```", "", path.read_text(), flags=re.S | re.M)
+
+    def anchors(path: Path) -> set[str]:
+        return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-")
+                for h in re.findall(r"^#{1,6} (.+)$", prose(path), flags=re.M)}
+
+    dead, checked = [], 0
+    for document in (REPO / "README.md", REPO / "docs" / "reference.md"):
+        links = re.sub(r"`[^`]*`", "", prose(document))   # not in code: `layer[0](dense)`
+        for target, anchor in re.findall(r"\]\(([^)#\s]*)(?:#([^)\s]+))?\)", links):
+            if "://" in target or not (target or anchor):
+                continue
+            linked = (document.parent / target).resolve() if target else document
+            checked += 1
+            if not linked.is_file() or (anchor and anchor not in anchors(linked)):
+                dead.append(f"{document.name}: {target}#{anchor}")
+    assert checked >= 25 and dead == []
 
 
 def test_compare_of_a_run_of_many_paths_names_those_it_left_out(tmp_path):

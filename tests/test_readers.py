@@ -328,7 +328,7 @@ def test_kineto_reader_paths_agree(name, monkeypatch):
 
 
 def test_epoch_timestamps_with_fractional_ns_are_held_as_a_float64_holds_them():
-    """1712195495519689.047 µs has 0.25 µs steps as a float64 (the README says so): each
+    """1712195495519689.047 µs has 0.25 µs steps as a float64 (the reference says so): each
     start is within half a step of its text, each duration exact to the ns."""
     from decimal import Decimal
 

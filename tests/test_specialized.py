@@ -282,7 +282,7 @@ def test_validate_every_path_in_bf16(kv_cache):
     assert result["ok"], result["failures"]
     assert result["paths"]["standard_kernels"]["layer_types"]["mla"]["launches"] == 24
     fast = result["paths"]["specialized"]
-    # the ceiling is 13 and 15; the README states what the path launches
+    # the ceiling is 13 and 15; the reference states what the path launches
     assert fast["layer_types"]["kda"]["launches"] == 9
     assert fast["layer_types"]["mla"]["launches"] == 12
     assert result["paths"]["standard"]["layer_types"]["kda"]["launches"] == 18
@@ -685,7 +685,7 @@ def test_report_escapes_names_and_is_written_whole(tmp_path):
                           plotly_js=str(js))
     assert '<script charset="utf-8" src="../js/plotly.min.js">' in shared.read_text()
     as_path = write_report(tmp_path / "reports" / "path.html", {"a": breakdown(trace)}, "t",
-                           plotly_js=js)   # (a Path, as the README has it)
+                           plotly_js=js)   # (a Path, as the reference has it)
     assert '<script charset="utf-8" src="../js/plotly.min.js">' in as_path.read_text()
     with pytest.raises(ValueError, match=r"plotly_js: inline, cdn or a path ending in \.js, not "
                                          "'cdn'"):   # (a Path is a file's: not the mode)
