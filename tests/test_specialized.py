@@ -273,6 +273,31 @@ def test_specialized_tp2_in_bf16_sends_what_the_standard_path_sends(weights):
     assert (grouped - slow).norm() / slow.norm() < 0.03
 
 
+def readme_launches() -> dict[str, dict[str, int]]:
+    """The README's table of launches per layer: per layer type, per column (``standard, TP
+    1``, ...), the count it states."""
+    from tests.conftest import REPO
+
+    table = (REPO / "README.md").read_text().split("\n| layer | standard, TP 1 |", 1)[1]
+    rows = [line.strip("|").split("|") for line in ("| layer | standard, TP 1 |" + table)
+            .split("\n\n", 1)[0].splitlines()]
+    header = [cell.strip() for cell in rows[0]]
+    return {row[0].split("`")[1]: {h: int(cell) for h, cell in zip(header[1:], row[1:],
+                                                                      strict=True)}
+            for row in rows[2:]}
+
+
+def test_the_readme_s_launch_table_is_read_whole():
+    """(What the two tests below hold the README's table to.)"""
+    assert readme_launches() == {
+        "kda": {"standard, TP 1": 18, "specialized, TP 1": 9,
+                "standard, TP > 1": 21, "specialized, TP > 1": 11},
+        "mla": {"standard, TP 1": 24, "specialized, TP 1": 12,
+                "standard, TP > 1": 27, "specialized, TP > 1": 14},
+        "dense": {"standard, TP 1": 9, "specialized, TP 1": 7,
+                  "standard, TP > 1": 11, "specialized, TP > 1": 9}}
+
+
 @pytest.mark.parametrize("kv_cache", ["bf16", "fp8"])
 def test_validate_every_path_in_bf16(kv_cache):
     """Against the float64 reference within bf16's bounds: both paths, and the standard one
@@ -287,6 +312,11 @@ def test_validate_every_path_in_bf16(kv_cache):
     assert fast["layer_types"]["mla"]["launches"] == 12
     assert result["paths"]["standard"]["layer_types"]["kda"]["launches"] == 18
     assert fast["fallbacks"] == ["prefill: a prompt of 4 tokens"]
+    # the README's table says what each path launches at TP 1
+    assert {kind: {f"{path}, TP 1": result["paths"][path]["layer_types"][kind]["launches"]
+                   for path in ("standard", "specialized")} for kind in ("kda", "mla", "dense")
+            } == {kind: {column: n for column, n in said.items() if column.endswith("TP 1")}
+                  for kind, said in readme_launches().items()}
 
 
 def test_mxfp4_experts_stream_as_mxfp4_and_compute_the_same_math(monkeypatch):
@@ -1013,10 +1043,12 @@ def test_trace_with_two_tp_ranks(tmp_path):
             for r in (0, 1)} <= names
     assert doc["run"]["tp"] == 2 and len(doc["run"]["paths"]["standard"]["ranks"]) == 2
     assert doc["run"]["environment"]["cpu_threads"] == max(1, torch.get_num_threads() // 2)
-    for path, launches, collectives in (("standard", {"kda": 21, "mla": 27}, 3),
-                                        ("specialized", {"kda": 11, "mla": 14}, 2)):
+    said = readme_launches()   # the README's table, TP > 1
+    for path, launches, collectives in (("standard", {"kda": 21, "mla": 27, "dense": 11}, 3),
+                                        ("specialized", {"kda": 11, "mla": 14, "dense": 9}, 2)):
         types = {t["type"]: t for t in doc["paths"][path]["layer_types"]}
         assert {k: types[k]["kernels"] for k in launches} == launches
+        assert {k: said[k][f"{path}, TP > 1"] for k in launches} == launches
         assert types["kda"]["classes"]["communication"]["kernels"] == collectives
 
 
