@@ -1007,6 +1007,45 @@ def test_nsys_failures_say_why_in_a_line(tmp_path, monkeypatch):
                     "command on PATH)")
 
 
+def test_nsys_failures_name_the_last_reason_and_exit_128_is_no_signal():
+    """Of several complaints nsys prints, the last is its reason (the earlier ones lead to
+    it); of chained Python exceptions, the last raised; exit 128 is an error code, not a
+    signal (nsys exits 128 + N for signal N >= 1)."""
+    from kimi_perf.readers.nsys import nsys_failure
+
+    def failed(code: int, stderr: str) -> str:
+        return nsys_failure(subprocess.CompletedProcess(["/opt/nsys", "export"], code, "",
+                                                        stderr))
+
+    assert failed(1, "Error: cannot open file a.qdstrm\nError: export failed\n") == (
+        "/opt/nsys export exited 1: Error: export failed")
+    assert failed(1, "Traceback (most recent call last):\n  File \"w.py\", line 2\n"
+                     "KeyError: 'x'\n\nDuring handling of the above exception, another "
+                     "exception occurred:\n\nTraceback (most recent call last):\n  File "
+                     "\"w.py\", line 4\nRuntimeError: no x\n") == (
+        "/opt/nsys export exited 1: the profiled program raised RuntimeError: no x")
+    assert failed(128, "Error: invalid argument\n") == (
+        "/opt/nsys export exited 128: Error: invalid argument")
+
+
+def test_whether_an_export_holds_nvtx_ranges(tmp_path):
+    """An export with a push/pop range holds ranges; one without an NVTX table, or with only
+    marks (no range), does not; a file SQLite cannot read is not for this check to refuse
+    (its reader says what it is): True."""
+    from kimi_perf.readers.nsys import has_nvtx_ranges
+
+    assert has_nvtx_ranges(NSYS / "Athrun0109-CS336_assignment2__result__nsys2026.2.1.sqlite")
+    assert not has_nvtx_ranges(NSYS / "hpcgroup-pipit__perlmutter-cloverleaf-cuda__nsys2024"
+                                      ".5.1.sqlite")
+    marks = tmp_path / "marks.sqlite"
+    with sqlite3.connect(marks) as db:
+        db.execute("CREATE TABLE NVTX_EVENTS (start INTEGER, end INTEGER, eventType INTEGER)")
+        db.execute("INSERT INTO NVTX_EVENTS VALUES (5, NULL, 34), (6, NULL, 75)")
+    assert not has_nvtx_ranges(marks)
+    (junk := tmp_path / "junk.sqlite").write_bytes(b"not a database at all" * 100)
+    assert has_nvtx_ranges(junk)
+
+
 def _one_line_error(result, *fragments: str) -> None:
     assert result.exit_code == 2, result.output
     lines = result.output.strip().splitlines()

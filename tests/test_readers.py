@@ -1056,3 +1056,776 @@ def test_a_kineto_kernel_without_a_correlation_has_no_launch(tmp_path):
               for a in trace.kernels.api.tolist()]
     assert launch == ["cudaLaunchKernel", None]
     assert trace.kernels.pid.tolist() == [5, -1]
+
+
+@pytest.mark.parametrize(("change", "untimed"), [
+    ("UPDATE CUPTI_ACTIVITY_KIND_KERNEL SET start = 0 WHERE rowid = 3", 0),
+    ("UPDATE CUPTI_ACTIVITY_KIND_KERNEL SET end = start WHERE rowid = 3", 0),
+    ("UPDATE CUPTI_ACTIVITY_KIND_KERNEL SET end = (1 << 62) - 1 WHERE rowid = 3", 0),
+    ("UPDATE CUPTI_ACTIVITY_KIND_KERNEL SET end = 1 << 62 WHERE rowid = 3", 1)])
+def test_nsys_kernels_at_the_edges_of_a_time(tmp_path, change, untimed):
+    """What is no time is exactly what the rule says: a kernel starting at 0 with an end
+    after it, or of no duration (start = end), is timed and kept as it is; an end at 2^62 ns
+    is past any clock (left out), one ns before it is not."""
+    with sqlite3.connect(path := _fuser_with(tmp_path, change)) as db:
+        (start, end), = db.execute("SELECT start, end FROM CUPTI_ACTIVITY_KIND_KERNEL "
+                                   "WHERE rowid = 3").fetchall()
+    trace = read_trace(path)
+    assert len(trace.kernels) == 18 - untimed
+    assert trace.meta.get("untimed") == ({"kernels": 1, "memops": 0} if untimed else None)
+    if not untimed:
+        at = np.flatnonzero(trace.kernels.correlation == 230)
+        assert len(at) == 1
+        assert (trace.kernels.start[at[0]], trace.kernels.end[at[0]]) == (start, end)
+
+
+def test_nsys_size_in_the_header_is_read_as_sqlite_states_it(tmp_path):
+    """The size an SQLite header states (page size x page count) holds only where its
+    version-valid-for number equals its change counter; a page size of 65536 is stored
+    as 1. A stale count is not a truncation; a file cut short of 64 KiB pages is."""
+    from kimi_perf.errors import TraceError
+
+    stale = bytearray(FUSER.read_bytes())
+    stale[28:32] = (10 ** 6).to_bytes(4, "big")                # a page count far too large
+    stale[92:96] = (int.from_bytes(stale[24:28], "big") + 1).to_bytes(4, "big")
+    (path := tmp_path / "stale.sqlite").write_bytes(bytes(stale))
+    assert len(read_trace(path).kernels) == 18
+    big = tmp_path / "big.sqlite"
+    big.write_bytes(FUSER.read_bytes())
+    with contextlib.closing(sqlite3.connect(big)) as db:
+        db.execute("PRAGMA page_size = 65536")
+        db.execute("VACUUM")
+    data = big.read_bytes()
+    assert data[16:18] == b"\x00\x01" and len(data) % 65536 == 0
+    (cut := tmp_path / "cut.sqlite").write_bytes(data[:-1000])
+    with pytest.raises(TraceError, match=f"its header says {len(data)} bytes, the file holds "
+                                         f"{len(data) - 1000}$"):
+        read_trace(cut)
+
+
+TRIMMED = NSYS / "nsysai_fastvideo_wan2.1_train_2xh100_after.sqlite"
+
+
+def test_nsys_columns_an_export_lacks_read_as_unknown():
+    """A column an older export lacks (graphId before 2026) reads as -1, unknown, as a NULL
+    does: never 0, a graph id like any other."""
+    with sqlite3.connect(FUSER) as db:
+        cols = {r[1] for r in db.execute("PRAGMA table_info('CUPTI_ACTIVITY_KIND_KERNEL')")}
+    assert "graphId" not in cols and "graphNodeId" in cols
+    kernels = read_trace(FUSER).kernels
+    assert len(kernels) == 18 and (kernels.graph_id == -1).all()
+
+
+def test_nsys_nulls_read_as_unknown_also_where_the_rows_are_read_one_by_one(tmp_path):
+    """A value the joined text cannot carry exactly (INT64_MAX, where numpy saturates) sends
+    a table through the row-by-row reader; a NULL there is unknown (-1) as it is in the
+    joined reading: a kernel whose start is NULL has no time and is left out, not placed at
+    0."""
+    path = _fuser_with(tmp_path, "UPDATE CUPTI_ACTIVITY_KIND_KERNEL SET start = NULL "
+                                 "WHERE rowid = 3")
+    with sqlite3.connect(path) as db:
+        db.execute("UPDATE CUPTI_ACTIVITY_KIND_KERNEL SET graphNodeId = 9223372036854775807 "
+                   "WHERE rowid = 4")
+    trace = read_trace(path)
+    assert len(trace.kernels) == 17 and trace.meta["untimed"] == {"kernels": 1, "memops": 0}
+    assert 230 not in trace.kernels.correlation.tolist()
+    assert trace.kernels.graph_node_id.tolist().count(9223372036854775807) == 1
+
+
+def test_nsys_negative_string_ids_are_an_error(tmp_path):
+    """StringIds ids count from 0: a negative one is a corrupt table, said, not an index
+    from the end of the lookup table (which would name a kernel after another string)."""
+    from kimi_perf.errors import TraceError
+
+    copy = tmp_path / "negative.sqlite"
+    copy.write_bytes(FUSER.read_bytes())
+    with sqlite3.connect(copy) as db:
+        db.execute("INSERT INTO StringIds (id, value) VALUES (-2, 'negative')")
+    with pytest.raises(TraceError, match=r"negative\.sqlite: StringIds holds negative ids$"):
+        read_trace(copy)
+
+
+@pytest.mark.parametrize("source", [FUSER, TRIMMED], ids=["indexed", "searched"])
+def test_nsys_a_string_id_given_twice_reads_as_its_last_row(tmp_path, source):
+    """An id that StringIds (rebuilt without its key) gives twice is its last row's text,
+    whether ids are looked up in a table indexed by id (ids from 0) or searched (an export
+    trimmed to its strings, ids in the millions): the two agree."""
+    copy = tmp_path / "twice.sqlite"
+    copy.write_bytes(source.read_bytes())
+    with sqlite3.connect(copy) as db:
+        (name_id,) = db.execute("SELECT demangledName FROM CUPTI_ACTIVITY_KIND_KERNEL "
+                                "ORDER BY start LIMIT 1").fetchone()
+        (count,) = db.execute("SELECT count(*) FROM CUPTI_ACTIVITY_KIND_KERNEL "
+                              "WHERE demangledName = ?", (name_id,)).fetchone()
+        db.execute("CREATE TABLE s AS SELECT * FROM StringIds ORDER BY id")
+        db.execute("DROP TABLE StringIds")
+        db.execute("ALTER TABLE s RENAME TO StringIds")
+        db.execute("INSERT INTO StringIds VALUES (?, 'the last text')", (name_id,))
+    trace = read_trace(copy)
+    names = [trace.strings[n] for n in trace.kernels.name.tolist()]
+    assert names.count("the last text") == count > 0
+
+
+def test_nsys_a_string_id_past_the_last_one_reads_as_unknown(tmp_path):
+    """A kernel name id one past the largest StringIds id (of a table indexed by id) is an
+    id StringIds lacks: '<unknown>', not an error."""
+    copy = tmp_path / "past.sqlite"
+    copy.write_bytes(FUSER.read_bytes())
+    with sqlite3.connect(copy) as db:
+        (top,) = db.execute("SELECT max(id) FROM StringIds").fetchone()
+        db.execute("UPDATE CUPTI_ACTIVITY_KIND_KERNEL SET demangledName = ? WHERE rowid = 3",
+                   (top + 1,))
+    trace = read_trace(copy)
+    names = [trace.strings[n] for n in trace.kernels.name.tolist()]
+    assert names.count("<unknown>") == 1 and len(names) == 18
+    assert names[int(np.flatnonzero(trace.kernels.correlation == 230)[0])] == "<unknown>"
+
+
+def test_nsys_kernel_names_of_text_and_ids_in_one_column(tmp_path):
+    """A kernel name column that holds plain text (some exports) is read row by row: a
+    text is the name, an integer still a StringIds id (id 0 as well: nsys counts from 0)."""
+    path = _fuser_with(tmp_path, "UPDATE CUPTI_ACTIVITY_KIND_KERNEL SET demangledName = "
+                                 "'a kernel named in text' WHERE rowid = 1")
+    with sqlite3.connect(path) as db:
+        db.execute("UPDATE CUPTI_ACTIVITY_KIND_KERNEL SET demangledName = 0 WHERE rowid = 3")
+        (zero,) = db.execute("SELECT value FROM StringIds WHERE id = 0").fetchone()
+        (second,) = db.execute("SELECT value FROM StringIds WHERE id = (SELECT demangledName "
+                               "FROM CUPTI_ACTIVITY_KIND_KERNEL WHERE rowid = 2)").fetchone()
+    trace = read_trace(path)
+    names = dict(zip(trace.kernels.correlation.tolist(),
+                     (trace.strings[n] for n in trace.kernels.name.tolist()), strict=True))
+    assert names[167] == "a kernel named in text"
+    assert names[195] == second and names[230] == zero
+
+
+@pytest.mark.parametrize("version", ["4.0.0", "1.9.9"])
+def test_nsys_schemas_next_to_the_ones_read_are_refused(tmp_path, version):
+    """Schemas 2.x and 3.x are read; the majors beside them (a 4.x whose tables may have
+    changed, a 1.x before them) are said, not read as if they were."""
+    from kimi_perf.errors import TraceError
+
+    copy = tmp_path / "schema.sqlite"
+    copy.write_bytes(FUSER.read_bytes())
+    with sqlite3.connect(copy) as db:
+        db.execute("UPDATE META_DATA_EXPORT SET value = ? WHERE name = "
+                   "'EXPORT_SCHEMA_VERSION'", (version,))
+    with pytest.raises(TraceError, match=rf"schema\.sqlite: nsys export schema {version} is "
+                                         r"not supported \(kimi-perf reads schemas 2\.x and "
+                                         r"3\.x\)$"):
+        read_trace(copy)
+
+
+def test_nsys_export_without_its_metadata_is_told_by_its_cupti_tables(tmp_path):
+    """Without its metadata table an export is still one where it holds CUPTI tables (read,
+    schema unknown); an SQLite file with neither (only a StringIds) is not an export."""
+    from kimi_perf.errors import TraceError
+
+    bare = tmp_path / "bare.sqlite"
+    bare.write_bytes(FUSER.read_bytes())
+    with sqlite3.connect(bare) as db:
+        db.execute("DROP TABLE META_DATA_EXPORT")
+    trace = read_trace(bare)
+    assert len(trace.kernels) == 18 and trace.meta["schema"] is None
+    assert trace.meta["tool"] == "NVIDIA Nsight Systems unknown"
+    other = tmp_path / "other.sqlite"
+    with sqlite3.connect(other) as db:
+        db.execute("CREATE TABLE StringIds (id INTEGER PRIMARY KEY, value TEXT)")
+    with pytest.raises(TraceError, match=r"other\.sqlite: not an Nsight Systems export \(no "
+                                         r"export metadata and no CUPTI tables\)$"):
+        read_trace(other)
+
+
+def test_nsys_gpus_of_both_target_tables(tmp_path):
+    """GPUs from TARGET_INFO_GPU (name, SMs) completed by TARGET_INFO_CUDA_DEVICE: its SM
+    count only where the first has none, a CUDA device it alone lists added without a name;
+    listed by device id whatever the rows' order."""
+    assert read_trace(ATHRUN).meta["gpus"] == [
+        {"device": 0, "name": "NVIDIA RTX 5000 Ada Generation Laptop GPU", "sm_count": 76},
+        {"device": 1, "name": "Intel(R) Iris(R) Xe Graphics", "sm_count": 0},
+        {"device": 2, "name": "Microsoft Basic Render Driver", "sm_count": 0}]
+    copy = tmp_path / "gpus.sqlite"
+    copy.write_bytes(ATHRUN.read_bytes())
+    with sqlite3.connect(copy) as db:
+        db.execute("UPDATE TARGET_INFO_GPU SET smCount = NULL WHERE id = 1")
+        db.execute("UPDATE TARGET_INFO_CUDA_DEVICE SET numMultiprocessors = 99")
+        db.execute("INSERT INTO TARGET_INFO_CUDA_DEVICE (cudaId, pid, numMultiprocessors) "
+                   "VALUES (1, 7, 20), (5, 7, 10), (4, 7, NULL)")
+        db.execute("CREATE TABLE g AS SELECT * FROM TARGET_INFO_GPU ORDER BY id DESC")
+        db.execute("DROP TABLE TARGET_INFO_GPU")
+        db.execute("ALTER TABLE g RENAME TO TARGET_INFO_GPU")
+    assert read_trace(copy).meta["gpus"] == [
+        {"device": 0, "name": "NVIDIA RTX 5000 Ada Generation Laptop GPU", "sm_count": 76},
+        {"device": 1, "name": "Intel(R) Iris(R) Xe Graphics", "sm_count": 20},
+        {"device": 2, "name": "Microsoft Basic Render Driver", "sm_count": 0},
+        {"device": 4, "name": "", "sm_count": None},
+        {"device": 5, "name": "", "sm_count": 10}]
+
+
+def test_nsys_processes_are_listed_by_pid(tmp_path):
+    """The processes an export lists, by pid whatever its rows' order, a NULL name read
+    as none; a PROCESSES table without a name column lists none."""
+    processes = read_trace(FUSER).meta["processes"]
+    assert len(processes) == 111
+    assert processes[:3] == [{"pid": 1, "name": "nvidia_entrypoi"}, {"pid": 237, "name": "bash"},
+                             {"pid": 292, "name": "bash"}]
+    assert [p["pid"] for p in processes] == sorted(p["pid"] for p in processes)
+    copy = tmp_path / "processes.sqlite"
+    copy.write_bytes(FUSER.read_bytes())
+    with sqlite3.connect(copy) as db:
+        db.execute("UPDATE PROCESSES SET name = NULL WHERE pid = 237")
+    assert read_trace(copy).meta["processes"][1] == {"pid": 237, "name": ""}
+    with sqlite3.connect(copy) as db:
+        db.execute("ALTER TABLE PROCESSES DROP COLUMN name")
+    assert read_trace(copy).meta["processes"] == []
+
+
+SAXPY = NSYS / "hpcgroup-pipit__saxpy-mpi-cuda_nsys_perlmutter0__nsys2022.2.1.sqlite"
+
+
+def test_nsys_api_calls_keep_the_exports_order_when_backtrace_rows_are_dropped():
+    """Dropping the backtrace rows keeps the other calls in the export's own order (by
+    time), not in the (process, correlation) order the de-duplication sorts by."""
+    trace = read_trace(SAXPY)
+    with sqlite3.connect(SAXPY) as db:
+        want = db.execute("SELECT start, correlationId FROM CUPTI_ACTIVITY_KIND_RUNTIME "
+                          "WHERE eventClass != 67 ORDER BY rowid").fetchall()
+    assert len(want) == 57
+    assert list(zip(trace.api.start.tolist(), trace.api.correlation.tolist(),
+                    strict=True)) == want
+
+
+def test_nsys_backtrace_rows_are_dropped_per_process():
+    """Correlation ids count per process: two processes reuse them. Where a backtrace row
+    makes the reader de-duplicate, one call is kept per (process, correlation), the real
+    call before its backtrace row, in the rows' order; a call of one process never drops
+    another's with the same id (here process 1's last id is process 2's first: they sort
+    side by side)."""
+    from kimi_perf.readers.nsys import _first_per_key
+
+    pid = np.array([1, 1, 1, 2, 2, 1])
+    corr = np.array([3, 7, 7, 7, 9, 5])
+    real = np.array([True, False, True, True, True, True])
+    assert _first_per_key(pid, corr, real).tolist() == [0, 2, 3, 4, 5]
+    assert _first_per_key(pid, corr, np.ones(6, bool)).tolist() == [0, 1, 3, 4, 5]
+
+
+def test_nsys_api_kinds_by_name():
+    """CUDA and HIP runtime calls, driver calls (cu*), and anything else (NCCL, cuBLAS
+    markers) are told apart by name."""
+    from kimi_perf.readers.nsys import _api_kind
+    from kimi_perf.trace import DRIVER, OTHER_API, RUNTIME
+
+    assert [_api_kind(n) for n in ("cudaLaunchKernel", "hipMemcpyAsync", "cuLaunchKernel",
+                                   "cuModuleLoad", "ncclAllReduce", "")] == [
+        RUNTIME, RUNTIME, DRIVER, DRIVER, OTHER_API, OTHER_API]
+
+
+def test_nsys_memory_operations_named_by_their_kind(tmp_path):
+    """Copies are named by their copyKind as nsys names them ("[CUDA memcpy Host-to-Device]",
+    a kind it does not know as Unknown), sets as "[CUDA memset]"; sizes, devices and streams
+    as the export holds them, and each linked to its launch's thread."""
+    copy = tmp_path / "memops.sqlite"
+    copy.write_bytes(FUSER.read_bytes())
+    with sqlite3.connect(copy) as db:
+        db.execute("UPDATE CUPTI_ACTIVITY_KIND_MEMCPY SET copyKind = 2 WHERE correlationId = 1885")
+        db.execute("INSERT INTO CUPTI_ACTIVITY_KIND_MEMCPY (start, end, deviceId, contextId, "
+                   "streamId, correlationId, globalPid, bytes, copyKind, srcKind, dstKind, "
+                   "srcDeviceId, dstDeviceId) SELECT start + 1, end + 1, deviceId, contextId, "
+                   "streamId, 999999, globalPid, 5, 42, srcKind, dstKind, srcDeviceId, "
+                   "dstDeviceId FROM CUPTI_ACTIVITY_KIND_MEMCPY WHERE correlationId = 213")
+    trace = read_trace(copy)
+    got = sorted(zip(trace.memops.start.tolist(), (trace.strings[n] for n in
+                                                    trace.memops.name.tolist()),
+                     trace.memops.bytes.tolist(), trace.memops.correlation.tolist(),
+                     trace.memops.device.tolist(), trace.memops.stream.tolist(), strict=True))
+    assert got == [
+        (7476932404, "[CUDA memcpy Host-to-Device]", 394002432, 213, 0, 7),
+        (7476932405, "[CUDA memcpy Unknown]", 5, 999999, 0, 7),
+        (8168978473, "[CUDA memset]", 4, 1472, 0, 7),
+        (8745862005, "[CUDA memcpy Device-to-Host]", 2, 1885, 0, 7),
+        (8746253265, "[CUDA memcpy Device-to-Device]", 62914560, 1904, 0, 7),
+        (9030581732, "[CUDA memset]", 4, 2177, 0, 7),
+        (9032768812, "[CUDA memset]", 4, 2199, 0, 7)]
+    linked = trace.memops.api >= 0
+    assert linked.sum() == 6 and (trace.memops.tid[linked] ==
+                                  trace.api.tid[trace.memops.api[linked]]).all()
+
+
+def test_nsys_nvtx_ranges_of_every_kind_and_the_end_of_an_open_one(tmp_path):
+    """NVTX and NVTXT push/pop ranges are push/pop, their start/end ranges start/end; a
+    range at time 0 that ends at 0 is ended. A range never ended runs to the last NVTX
+    timestamp, a start or an end, whichever is later: here a range started after every
+    other ended, itself open."""
+    from kimi_perf.trace import PUSHPOP, STARTEND
+
+    copy = tmp_path / "kinds.sqlite"
+    copy.write_bytes(ATHRUN.read_bytes())
+    with sqlite3.connect(copy) as db:
+        (last_end,) = db.execute("SELECT max(end) FROM NVTX_EVENTS").fetchone()
+        db.execute("UPDATE NVTX_EVENTS SET eventType = 70 WHERE rowid = 1")
+        db.execute("UPDATE NVTX_EVENTS SET eventType = 71 WHERE rowid = 2")
+        db.execute("UPDATE NVTX_EVENTS SET eventType = 60 WHERE rowid = 3")
+        db.execute("UPDATE NVTX_EVENTS SET start = 0, end = 0 WHERE rowid = 4")
+        db.execute("UPDATE NVTX_EVENTS SET end = NULL WHERE rowid = 5")
+        db.execute("UPDATE NVTX_EVENTS SET start = ?, end = NULL WHERE rowid = 6",
+                   (last_end + 100,))
+        rows = db.execute("SELECT start, end FROM NVTX_EVENTS WHERE rowid <= 6 ORDER BY "
+                          "rowid").fetchall()
+    ranges = read_trace(copy).ranges
+    assert len(ranges) == 180
+    got = {start: (end, style) for start, end, style in zip(
+        ranges.start.tolist(), ranges.end.tolist(), ranges.style.tolist(), strict=True)}
+    (s1, e1), (s2, e2), (s3, e3), _, (s5, _), _ = rows
+    assert got[s1] == (e1, PUSHPOP) and got[s2] == (e2, STARTEND) and got[s3] == (e3, STARTEND)
+    assert got[0] == (0, PUSHPOP)
+    assert got[s5] == (last_end + 100, PUSHPOP) and got[last_end + 100] == (last_end + 100,
+                                                                            PUSHPOP)
+
+
+def test_nsys_nvtx_domains_are_their_own_processes(tmp_path):
+    """A domain id names a domain in the process that created it: another process's ranges
+    with that id are in no domain unless that process created one (its name then a registered
+    string, textId, as well as a text); a range of a domain with no text of its own is named
+    after the domain alone ("MPI:")."""
+    copy = tmp_path / "domains.sqlite"
+    copy.write_bytes(SAXPY.read_bytes())
+    with sqlite3.connect(copy) as db:
+        ((gtid, start),) = db.execute("SELECT globalTid, start FROM NVTX_EVENTS WHERE "
+                                      "rowid = 4").fetchall()
+        rows = [(gtid + (1 << 24), 59, 1, None, 85, 10, 20),       # another process
+                (gtid + (2 << 24), 75, 1, None, 68, 1, None),      # a third, its own domain
+                (gtid + (2 << 24), 59, 1, None, 85, 30, 40),
+                (gtid, 59, 1, None, None, 50, 60)]                  # MPI, no text
+        db.executemany("INSERT INTO NVTX_EVENTS (globalTid, eventType, domainId, text, "
+                       "textId, start, end) VALUES (?, ?, ?, ?, ?, ?, ?)", rows)
+    trace = read_trace(copy)
+    ranges = trace.ranges
+    named = {s: (trace.strings[n], trace.strings[d]) for s, n, d in zip(
+        ranges.start.tolist(), ranges.name.tolist(), ranges.domain.tolist(), strict=True)}
+    assert len(ranges) == 22 + 3
+    assert named[start] == ("MPI:MPI_Send", "MPI")
+    assert named[10] == ("MPI_Send", "")
+    assert named[30] == ("MPI_Recv:MPI_Send", "MPI_Recv")
+    assert named[50] == ("MPI:", "MPI")
+
+
+def test_nsys_nvtx_ranges_without_a_text_column(tmp_path):
+    """An export whose NVTX table lacks the text column: ranges named by a registered string
+    keep their names (with no domain: the MPI domain was named by a text), the others are
+    nameless (""), none of them dropped."""
+    copy = tmp_path / "notext.sqlite"
+    copy.write_bytes(SAXPY.read_bytes())
+    with sqlite3.connect(copy) as db:
+        db.execute("ALTER TABLE NVTX_EVENTS DROP COLUMN text")
+    trace = read_trace(copy)
+    names = Counter(trace.strings[n] for n in trace.ranges.name.tolist())
+    plain = read_trace(SAXPY)
+    before = Counter(plain.strings[n] for n in plain.ranges.name.tolist())
+    assert before["saxpy"] == 5 and names[""] == 5 and "saxpy" not in names
+    assert names == Counter({"" if n == "saxpy" else n.removeprefix("MPI:"): k
+                             for n, k in before.items()})
+
+
+def _athrun_range_names(tmp_path, *changes) -> dict[int, str]:
+    """ATHRUN's NVTX ranges with ``changes`` made: range name by the row's rowid (its ranges
+    all start apart)."""
+    copy = tmp_path / "names.sqlite"
+    copy.write_bytes(ATHRUN.read_bytes())
+    with sqlite3.connect(copy) as db:
+        for change in changes:
+            db.execute(*change)
+        starts = dict(db.execute("SELECT start, rowid FROM NVTX_EVENTS"))
+    trace = read_trace(copy)
+    assert len(trace.ranges) == len(starts) == 180
+    return {starts[s]: trace.strings[n] for s, n in zip(
+        trace.ranges.start.tolist(), trace.ranges.name.tolist(), strict=True)}
+
+
+def test_nsys_nvtx_names_of_text_and_registered_strings(tmp_path):
+    """A range's name is its registered string (textId, id 0 included) where it has one,
+    else its text; each row keeps its own, whether the texts are read all at once or row by
+    row (where a textId is not an integer)."""
+    plain = _athrun_range_names(tmp_path)
+    assert plain[1] == plain[4] == "computing attention scores" and plain[3] == (
+        "computing final matmul")
+    registered = _athrun_range_names(
+        tmp_path, ("UPDATE NVTX_EVENTS SET textId = 2 WHERE rowid = 2",))
+    assert registered == {**plain, 2: "[Max depth]"}
+    by_rows = _athrun_range_names(
+        tmp_path, ("UPDATE NVTX_EVENTS SET textId = 0 WHERE rowid = 2",),
+        ("UPDATE NVTX_EVENTS SET textId = 'x' WHERE rowid = 5",))
+    assert by_rows == {**plain, 2: "[Unknown]"}
+
+
+@pytest.mark.parametrize("text", [
+    b"1,-,3", b"1,2-3,4", b"1,--2,3", b"1,5-,3", b"1,2.5,3", b"1, 2,3", b"1,,3", b"1,2,",
+    b"1,2", b"1,2,3,4", b"1,99999999999999999999,3", b"1,-99999999999999999999,3",
+    b"1,9223372036854775807,3", b"1,-9223372036854775808,3"])
+def test_nsys_joined_integers_are_parsed_only_where_exact(text):
+    """A column's values joined as text are parsed only where that is certainly what they
+    hold: numpy reads a lone "-" or a blank as 0 and saturates numbers beyond int64, so any
+    such text (and a count other than the rows') is left to the row-by-row reader."""
+    from kimi_perf.readers.nsys import _parse_int_list
+
+    assert _parse_int_list(text, 3) is None
+    assert _parse_int_list(b"-7,0,9223372036854775806", 3).tolist() == [
+        -7, 0, 9223372036854775806]
+
+
+def test_nsys_global_thread_ids_split_as_nsys_stats_prints_them():
+    """globalTid packs the pid in bits 24-47 and the tid in bits 0-23 (above them, the
+    hardware and VM ids): pids and tids past 16 bits (1230493 here) come out whole, as nsys
+    stats and the PROCESSES table give them; 0 is pid 0, a NULL (read as -1) none."""
+    from kimi_perf.readers.nsys import _split_global_tid
+
+    trace = read_trace(SAXPY)
+    assert set(trace.kernels.pid.tolist()) == set(trace.api.pid.tolist()) == {1230493}
+    assert set(trace.api.tid.tolist()) == set(trace.ranges.tid.tolist()) == {1230493}
+    assert {"pid": 1230493, "name": "./saxpy-mpi-cuda"} in trace.meta["processes"]
+    pid, tid = _split_global_tid(np.array([302119224788637, 0, -1, (5 << 24) | 7]))
+    assert pid.tolist() == [1230493, 0, -1, 5] and tid.tolist() == [1230493, 0, -1, 7]
+
+
+def test_nsys_a_non_integer_number_where_an_id_belongs_is_an_error(tmp_path):
+    """A correlation id of 230.9 names no launch: it is refused as a text there is ("holds
+    non-integer values where integers are expected"), not cut to 230, which would link the
+    kernel to launch 230 (the Kineto reader refuses such an id too)."""
+    from kimi_perf.errors import TraceError
+
+    path = _fuser_with(tmp_path, "UPDATE CUPTI_ACTIVITY_KIND_KERNEL SET correlationId = 230.9 "
+                                 "WHERE rowid = 3")
+    with pytest.raises(TraceError, match="holds non-integer values where integers are "
+                                         "expected"):
+        read_trace(path)
+
+
+def test_nsys_an_unknown_kernel_name_id_reads_alike_in_a_text_column(tmp_path):
+    """A kernel name id StringIds lacks is '<unknown>' whether or not another row of the
+    column holds a plain-text name."""
+    path = _fuser_with(tmp_path, "UPDATE CUPTI_ACTIVITY_KIND_KERNEL SET demangledName = "
+                                 "'a kernel named in text' WHERE rowid = 1")
+    with sqlite3.connect(path) as db:
+        db.execute("UPDATE CUPTI_ACTIVITY_KIND_KERNEL SET demangledName = 99999 WHERE rowid = 3")
+    trace = read_trace(path)
+    at = int(np.flatnonzero(trace.kernels.correlation == 230)[0])
+    assert trace.strings[trace.kernels.name[at]] == "<unknown>"
+
+
+def test_nsys_reader_takes_only_the_whole_sqlite_magic(tmp_path):
+    """The nsys reader, also called on the export beside a report, takes a file whose first
+    16 bytes are SQLite's ("SQLite format 3" and a NUL) and no other, named so."""
+    from kimi_perf.errors import TraceError
+    from kimi_perf.readers.nsys import read_nsys_sqlite
+
+    (near := tmp_path / "near.sqlite").write_bytes(b"SQLite format 3!" + bytes(4096))
+    with pytest.raises(TraceError, match=r"near\.sqlite: not an SQLite file$"):
+        read_nsys_sqlite(near)
+
+
+def test_kineto_fractional_ns_round_to_the_nearest_ns(tmp_path, monkeypatch):
+    """µs with fractions of a ns become the nearest ns, not the ns below (2.0006 µs is
+    2001 ns, not 2000), starts and durations alike, by every read path."""
+
+    events = [
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "pid": 5, "tid": 6,
+         "ts": 1.0007, "dur": 0.0016, "args": {"correlation": 3}},
+        {"ph": "X", "cat": "kernel", "name": "k", "pid": 0, "tid": 7, "ts": 2.0006,
+         "dur": 1.0004, "args": {"device": 0, "stream": 7, "correlation": 3}}]
+    path = tmp_path / "ns.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    traces = _kineto_paths(path, monkeypatch)
+    for label, trace in traces.items():
+        _assert_same_trace(traces["blocks"], trace, label)
+    trace = traces["blocks"]
+    assert (trace.api.start.tolist(), trace.api.end.tolist()) == ([1001], [1003])
+    assert (trace.kernels.start.tolist(), trace.kernels.end.tolist()) == ([2001], [3001])
+
+
+def test_kineto_work_differing_only_in_name_is_no_repeat(tmp_path, monkeypatch):
+    """Two kernels alike in every field but their names (two kernels of one graph replay,
+    one correlation, timed alike in whole µs) are two kernels, not a repeat: both kept by
+    every read path, no duplicates said; likewise a copy and a set alike but for theirs."""
+
+    gpu = {"pid": 0, "tid": 7, "ts": 30, "dur": 3,
+           "args": {"device": 0, "stream": 7, "correlation": 1, "bytes": 8}}
+    events = [{"ph": "X", "cat": "cuda_runtime", "name": "cudaGraphLaunch", "pid": 5,
+               "tid": 6, "ts": 20, "dur": 2, "args": {"correlation": 1}},
+              {"ph": "X", "cat": "kernel", "name": "k1", **gpu},
+              {"ph": "X", "cat": "kernel", "name": "k2", **gpu},
+              {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy DtoD", **gpu},
+              {"ph": "X", "cat": "gpu_memset", "name": "Memset", **gpu}]
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    for label, trace in _kineto_paths(path, monkeypatch).items():
+        assert sorted(trace.strings[n] for n in trace.kernels.name.tolist()) == ["k1", "k2"], \
+            label
+        assert sorted(trace.strings[n] for n in trace.memops.name.tolist()) == [
+            "Memcpy DtoD", "Memset"], label
+        assert "duplicates" not in trace.meta, label
+
+
+def test_kineto_copies_of_zero_bytes_read_as_unknown_by_every_path(tmp_path, monkeypatch):
+    """Kineto writes ``bytes: 0`` for a copy or set whose size it did not record: unknown
+    (-1) by the vectorized pass and the event-by-event replay alike; a size stays as given."""
+
+    events = [{"ph": "X", "cat": cat, "name": name, "pid": 0, "tid": 7, "ts": ts, "dur": 1,
+               "args": {"device": 0, "stream": 7, "correlation": 1, "bytes": size}}
+              for cat, name, ts, size in (("gpu_memcpy", "Memcpy HtoD", 10, 0),
+                                          ("gpu_memset", "Memset", 20, 0),
+                                          ("gpu_memcpy", "Memcpy DtoH", 30, 4096))]
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    for label, trace in _kineto_paths(path, monkeypatch).items():
+        assert trace.memops.bytes.tolist() == [-1, -1, 4096], label
+
+
+def test_a_kineto_json_after_many_blank_lines_reads(tmp_path):
+    """JSON may begin with any amount of blanks: a Kineto trace after 100 of them reads as it
+    does gzipped (where blanks past the bytes looked at are taken for JSON) and as the Kineto
+    reader reads it, not as a file of unknown format."""
+    import gzip
+
+    text = b" \n" * 50 + json.dumps(_one_kernel_doc()).encode()
+    (packed := tmp_path / "t.json.gz").write_bytes(gzip.compress(text))
+    assert len(read_trace(packed).kernels) == 2
+    (path := tmp_path / "t.json").write_bytes(text)
+    assert len(read_trace(path).kernels) == 2
+
+
+def test_kineto_gpu_lanes_where_args_hold_no_device_or_stream(tmp_path, monkeypatch):
+    """An older Kineto writes a kernel's GPU and stream only in its lane: the device is the
+    event's pid, the stream its tid, "stream 7" read as stream 7 (a tid of another text,
+    "stream 7 (graph)", is a label: a synthetic id); by every read path."""
+
+    def kernel(ts, pid, tid):
+        return {"ph": "X", "cat": "kernel", "name": "k", "pid": pid, "tid": tid, "ts": ts,
+                "dur": 1, "args": {"correlation": 1}}
+
+    plain = tmp_path / "plain.json"
+    plain.write_text(json.dumps({"traceEvents": [kernel(10, 2, 9), kernel(20, 3, 11)]}))
+    for label, trace in _kineto_paths(plain, monkeypatch).items():
+        assert trace.kernels.device.tolist() == [2, 3], label
+        assert trace.kernels.stream.tolist() == [9, 11], label
+    lanes = tmp_path / "lanes.json"
+    lanes.write_text(json.dumps({"traceEvents": [kernel(10, 1, " stream 7 "),
+                                                 kernel(20, 1, "stream 7 (graph)")]}))
+    traces = _kineto_paths(lanes, monkeypatch)
+    for label, trace in traces.items():
+        _assert_same_trace(traces["blocks"], trace, label)
+    assert traces["blocks"].kernels.stream.tolist() == [7, 1 << 29]
+    assert traces["blocks"].kernels.device.tolist() == [1, 1]
+
+
+def test_kineto_processes_and_gpus_said_of_themselves(tmp_path):
+    """The processes named are those that called the runtime or annotated (a process with
+    ranges only, a data loader's, included; the GPU lanes Kineto names after the process
+    left out), by the first name said that is one (an empty name is none); a GPU of 0 SMs
+    says 0, one of a negative count says none."""
+    events = [
+        {"ph": "M", "name": "process_name", "pid": 5, "args": {"name": ""}},
+        {"ph": "M", "name": "process_name", "pid": 5, "args": {"name": "trainer"}},
+        {"ph": "M", "name": "process_name", "pid": 8, "args": {"name": 8}},
+        {"ph": "M", "name": "process_name", "pid": 8, "args": {"name": "loader"}},
+        {"ph": "M", "name": "process_name", "pid": 0, "args": {"name": "trainer"}},
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "pid": 5, "tid": 6,
+         "ts": 10, "dur": 2, "args": {"correlation": 1}},
+        {"ph": "X", "cat": "user_annotation", "name": "load", "pid": 8, "tid": 9, "ts": 1,
+         "dur": 5},
+        {"ph": "X", "cat": "gpu_user_annotation", "name": "step", "pid": 0, "tid": 7,
+         "ts": 12, "dur": 5, "args": {"device": 0}},
+        {"ph": "X", "cat": "kernel", "name": "k", "pid": 0, "tid": 7, "ts": 13, "dur": 3,
+         "args": {"device": 0, "stream": 7, "correlation": 1}}]
+    doc = {"traceEvents": events, "deviceProperties": [
+        {"id": 0, "name": "G", "numSms": 0}, {"id": 1, "name": "H", "numSms": -4}]}
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(doc))
+    meta = read_trace(path).meta
+    assert meta["processes"] == [{"pid": 5, "name": "trainer"}, {"pid": 8, "name": "loader"}]
+    assert meta["gpus"] == [{"device": 0, "name": "G", "sm_count": 0},
+                            {"device": 1, "name": "H", "sm_count": None}]
+
+
+@pytest.mark.parametrize(("ts", "dur"), [(2.5e15, 1), (10, 2.5e15), (-2.5e15, 1)])
+def test_kineto_times_past_any_clock_are_an_error(tmp_path, ts, dur):
+    """A time past 2^61 ns (about 73 years of µs) is corrupt: said, rather than read into
+    ns that sums and differences of them would carry past int64."""
+    from kimi_perf.errors import TraceError
+
+    doc = {"traceEvents": [{"ph": "X", "cat": "kernel", "name": "k", "pid": 0, "tid": 7,
+                            "ts": ts, "dur": dur,
+                            "args": {"device": 0, "stream": 7, "correlation": 1}}]}
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(doc))
+    with pytest.raises(TraceError, match=r"t\.json: 'ts' or 'dur' out of range$"):
+        read_trace(path)
+
+
+def test_kineto_trace_events_key_of_a_nested_object_is_not_the_trace(tmp_path, monkeypatch):
+    """Only the top-level object's "traceEvents" is the trace: an object holding its own
+    "traceEvents" list (a tool's saved settings) is skipped, before the trace's list as
+    where there is no other; then the file is no trace, by every read path."""
+    from kimi_perf.errors import TraceError
+
+    def kernel(name, ts):
+        return {"ph": "X", "cat": "kernel", "name": name, "pid": 0, "tid": 7, "ts": ts,
+                "dur": 1, "args": {"device": 0, "stream": 7, "correlation": 1}}
+
+    nested = '{"settings": {"traceEvents": [' + json.dumps(kernel("nested", 1)) + ']}'
+    path = tmp_path / "t.json"
+    path.write_text(nested + ', "traceEvents": [' + json.dumps(kernel("real", 5)) + ", "
+                    + json.dumps(kernel("real", 9)) + "]}")
+    traces = _kineto_paths(path, monkeypatch)
+    for label, trace in traces.items():
+        _assert_same_trace(traces["one shot"], trace, label)
+    trace = traces["blocks"]
+    assert [trace.strings[n] for n in trace.kernels.name.tolist()] == ["real", "real"]
+    alone = tmp_path / "alone.json"
+    alone.write_text(nested + "}")
+    with pytest.raises(TraceError, match=r"alone\.json: JSON without a 'traceEvents' list"):
+        read_trace(alone)
+
+
+def test_kineto_invalid_utf8_in_a_field_not_read_is_an_error(tmp_path, monkeypatch):
+    """The whole file must be UTF-8, the fields the reader skips too: a stray byte there is
+    said by the one-shot path as by the block reader, also where a block ends inside a
+    character (its lead byte) and the next block begins with ASCII."""
+    from kimi_perf.errors import TraceError
+    from kimi_perf.readers import kineto
+
+    events = json.dumps(_one_kernel_doc()["traceEvents"]).encode()
+    stray = b'{"traceName": "a\xffb", "traceEvents": ' + events + b"}"
+    (path := tmp_path / "stray.json").write_bytes(stray)
+    for reader in (kineto.read_kineto_json, kineto._read_whole):
+        with pytest.raises(TraceError, match=r"stray\.json: invalid or truncated JSON \(not "
+                                             r"valid UTF-8\)$"):
+            reader(path)
+    head = b'{"traceName": "'
+    cut = head + b"x" * (63 - len(head)) + b'\xc3a", "traceEvents": ' + events + b"}"
+    assert cut[63:65] == b"\xc3a"
+    (path := tmp_path / "cut.json").write_bytes(cut)
+    monkeypatch.setattr(kineto, "_BLOCK", 64)
+    with pytest.raises(TraceError, match=r"cut\.json: invalid or truncated JSON \(not "
+                                         r"valid UTF-8\)$"):
+        kineto.read_kineto_json(path)
+
+
+def test_kineto_a_wide_id_after_pieces_of_narrow_ones_stays_whole(tmp_path, monkeypatch):
+    """Columns grow piece by piece as int32 while every id fits; a later piece with an id
+    beyond int32 widens the column, the ids before and that one kept exactly (read in
+    blocks of 997 bytes, hundreds of pieces)."""
+    from kimi_perf.readers import kineto
+
+    wide = 2**40 + 3
+    events = [{"ph": "X", "cat": "kernel", "name": "k", "pid": 0, "tid": 7, "ts": 10 * i,
+               "dur": 1, "args": {"device": 0, "stream": 7, "correlation": i}}
+              for i in range(300)]
+    events[-1]["args"]["correlation"] = wide
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    monkeypatch.setattr(kineto, "_BLOCK", 997)
+    trace = kineto.read_kineto_json(path)
+    assert trace.kernels.correlation.tolist() == [*range(299), wide]
+
+
+def test_kineto_an_event_list_of_objects_and_other_values(tmp_path):
+    """An event list holding no object at all is no trace; one holding objects beside other
+    values (a stray number) is read for its objects."""
+    from kimi_perf.errors import TraceError
+
+    (numbers := tmp_path / "numbers.json").write_text("[1, 2, 3]")
+    with pytest.raises(TraceError, match=r"numbers\.json: not a Chrome/Kineto trace: its "
+                                         r"event list holds no event objects$"):
+        read_trace(numbers)
+    (mixed := tmp_path / "mixed.json").write_text(json.dumps(
+        {"traceEvents": [7, *_one_kernel_doc()["traceEvents"], "x"]}))
+    assert len(read_trace(mixed).kernels) == 2
+
+
+def test_kineto_copies_alone_without_a_time_are_counted(tmp_path, monkeypatch):
+    """A copy without a duration (and no kernel without one) is left out and counted as
+    untimed all the same, by every read path."""
+
+    doc = _one_kernel_doc()
+    doc["traceEvents"].append({"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy HtoD",
+                               "pid": 0, "tid": 7, "ts": 20,
+                               "args": {"device": 0, "stream": 7, "bytes": 8}})
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(doc))
+    for label, trace in _kineto_paths(path, monkeypatch).items():
+        assert len(trace.memops) == 0 and len(trace.kernels) == 2, label
+        assert trace.meta["untimed"] == {"kernels": 0, "memops": 1}, label
+
+
+def test_kineto_a_kernel_links_to_the_first_call_of_its_correlation(tmp_path, monkeypatch):
+    """Where two API calls share a correlation id (a runtime call and the driver call it
+    made), a kernel of that id is launched by the first of them in the trace, by every read
+    path."""
+
+    events = [{"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "pid": 5,
+               "tid": 6, "ts": 10, "dur": 5, "args": {"correlation": 1}},
+              {"ph": "X", "cat": "cuda_driver", "name": "cuLaunchKernel", "pid": 5,
+               "tid": 8, "ts": 11, "dur": 2, "args": {"correlation": 1}},
+              {"ph": "X", "cat": "kernel", "name": "k", "pid": 0, "tid": 7, "ts": 20,
+               "dur": 3, "args": {"device": 0, "stream": 7, "correlation": 1}}]
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    for label, trace in _kineto_paths(path, monkeypatch).items():
+        (row,) = trace.kernels.api.tolist()
+        assert trace.strings[trace.api.name[row]] == "cudaLaunchKernel", label
+        assert trace.kernels.tid.tolist() == [6], label
+
+
+def test_kineto_rank_and_world_size_only_as_integers(tmp_path):
+    """distributedInfo's rank and world size are said where they are integers, else left
+    unsaid (None), never carried as another type."""
+    doc = _one_kernel_doc()
+    doc["distributedInfo"] = {"rank": 1, "world_size": "2", "backend": "nccl"}
+    (path := tmp_path / "t.json").write_text(json.dumps(doc))
+    meta = read_trace(path).meta
+    assert (meta["rank"], meta["world_size"]) == (1, None)
+
+
+@pytest.mark.parametrize(("version", "said"), [(1, "1"), ("1.0.2", "1.0.2"), (1.5, None),
+                                               ([1], None), (True, None), (None, None)])
+def test_kineto_schema_version_said_only_as_kineto_writes_it(tmp_path, version, said):
+    """Kineto writes its schemaVersion as an integer (some tools as text): said as text;
+    any other type is left unsaid, not shown as Python prints it."""
+    doc = {**_one_kernel_doc(), "schemaVersion": version}
+    (path := tmp_path / "t.json").write_text(json.dumps(doc))
+    assert read_trace(path).meta["schema"] == said
+
+
+def test_kineto_gzip_of_several_members_and_padding_is_read_in_blocks(tmp_path, monkeypatch):
+    """A gzip of several members (files compressed apart, then joined) with zero padding
+    after them is inflated block by block like a plain one, never sent whole through the
+    one-shot path (which holds the whole inflated file in memory at once), and reads as the
+    text it holds."""
+    from kimi_perf.readers import kineto
+
+    text = json.dumps(_one_kernel_doc()).encode()
+    cut = len(text) // 2
+    path = tmp_path / "t.json.gz"
+    path.write_bytes(gzip.compress(text[:cut]) + bytes(512) + gzip.compress(text[cut:])
+                     + bytes(512))
+    monkeypatch.setattr(kineto, "_read_whole", lambda p: _raise(AssertionError("one shot")))
+    trace = kineto.read_kineto_json(path)
+    assert trace.kernels.start.tolist() == [4000, 10000] and len(trace.api) == 1
+
+
+@pytest.mark.parametrize(("table", "change", "said"), [
+    ("TARGET_INFO_GPU", "smCount = 'many'",
+     "gpus is not a list of {device: int, name: str, sm_count: int or null}"),
+    ("PROCESSES", "pid = 'init'", "processes is not a list of {pid: int, name}")])
+def test_nsys_metadata_of_another_type_is_said(tmp_path, table, change, said):
+    """An export whose GPU or process rows hold another type than nsys writes (an SM count
+    in words, a pid that is a name) is said in a line when read, not carried into the
+    trace to trip an analysis far away."""
+    from kimi_perf.errors import TraceError
+
+    copy = tmp_path / "meta.sqlite"
+    copy.write_bytes(FUSER.read_bytes())
+    with sqlite3.connect(copy) as db:
+        db.execute(f"UPDATE {table} SET {change}")
+    with pytest.raises(TraceError, match=re.escape(f"meta.sqlite: malformed trace metadata: "
+                                                   f"{said}")):
+        read_trace(copy)

@@ -77,8 +77,10 @@ def read_trace(path: str | Path, capture: str | Path | None = None) -> Trace:
         reader = read_kineto_json
     elif path.suffix in NSYS_REPORTS or head.startswith(NSYS_REPORT_MAGIC):   # nsys reads it
         reader = read_nsys_rep
-    elif head.isspace() and _only_blanks(path):
-        raise TraceError(path, "holds only blanks (spaces and line breaks)")
+    elif head.isspace() and (first := _first_non_blank(path)) in (b"", b"{", b"["):
+        if not first:
+            raise TraceError(path, "holds only blanks (spaces and line breaks)")
+        reader = read_kineto_json   # JSON after more blanks than the head holds
     else:
         raise TraceError(path, "unknown format: expected an nsys SQLite export, an .nsys-rep, "
                                "a Kineto JSON trace (.json/.json.gz) or a .kptrace")
@@ -114,13 +116,14 @@ def _json_start(head: bytes) -> bytes:
     return head.removeprefix(UTF8_BOM).lstrip()[:1]
 
 
-def _only_blanks(path: Path) -> bool:
-    """Whether the whole file is whitespace, read a MB at a time."""
+def _first_non_blank(path: Path) -> bytes:
+    """The file's first byte that is not whitespace (b"" where it is all whitespace), read a
+    MB at a time."""
     with open(path, "rb") as f:
         while chunk := f.read(1 << 20):
-            if not chunk.isspace():
-                return False
-    return True
+            if rest := chunk.lstrip():
+                return rest[:1]
+    return b""
 
 
 def _gzipped_reader(path: Path):

@@ -355,6 +355,13 @@ class _NsysReader:
         return {name: columns[name] for name in exprs}
 
     def _int_columns_by_rows(self, table: str, exprs: dict[str, str], where: str) -> dict:
+        # numpy cuts a REAL to an integer (230.9 to 230, another row's id): refused as text is
+        fractional = " OR ".join(f"(typeof({e}) = 'real' AND {e} <> CAST({e} AS INTEGER))"
+                                 for e in exprs.values())
+        if self.conn.execute(f"SELECT 1 FROM {table} {where} "
+                             f"{'AND' if where else 'WHERE'} ({fractional}) LIMIT 1").fetchone():
+            raise TraceError(self.path, f"table {table} holds non-integer values where "
+                                        "integers are expected")
         select = ", ".join(f"coalesce({e}, -1)" for e in exprs.values())
         cursor = self.conn.execute(f"SELECT {select} FROM {table} {where}")
         blocks = []
@@ -419,13 +426,16 @@ class _NsysReader:
         return codes
 
     def _text_or_id_column(self, table: str, column: str) -> np.ndarray:
-        """A name column that holds either StringIds ids or plain text, row by row."""
+        """A name column that holds either StringIds ids or plain text, row by row (an id
+        missing from StringIds, or none, reads as '<unknown>', as in a column of ids)."""
+        unknown = self.strings.code("<unknown>")
         codes = []
         for (value,) in self.conn.execute(f"SELECT {column} FROM {table}"):
             if isinstance(value, int):
-                codes.append(self._code_of(value))
+                code = self._code_of(value)
+                codes.append(unknown if code < 0 else code)
             elif value is None:
-                codes.append(-1)
+                codes.append(unknown)
             else:
                 codes.append(self.strings.code(str(value)))
         return np.array(codes, dtype=np.int32)
