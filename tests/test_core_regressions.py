@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import platform
+import re
 import sqlite3
 from collections import Counter
 from pathlib import Path
@@ -461,6 +462,102 @@ def test_compact_ints_narrows_only_what_fits():
     for wide in (np.array([0, 2**31], np.int64), np.array([-(2**31) - 1, 0], np.int64)):
         assert compact_ints(wide) is wide
     assert compact_ints(np.empty(0, np.int64)).dtype == np.int32
+
+
+def test_index_dtype_is_int32_up_to_the_rows_int32_indexes():
+    """Row indices (and -1) into a table of up to 2^31 - 1 rows are int32, past it int64:
+    the boundary ``index_dtype`` states (every index of such a table, 2^31 - 2 at most, fits)."""
+    from kimi_perf.trace import index_dtype
+
+    assert index_dtype(0) is np.int32 and index_dtype(2**31 - 1) is np.int32
+    assert index_dtype(2**31) is np.int64
+
+
+def test_columns_refuse_integers_their_dtype_cannot_hold():
+    """A column built from values its dtype cannot hold is refused by name, never wrapped or
+    cut by the cast: an unsigned 2^63 (numpy's type of a list holding it alone) is no int64,
+    nor is 2^63 as a float (the float next below it, 2^63 - 1024, is), nor 2.5 (not cut to
+    2); an int64 below int32's least (-2^31 - 1) is no GPU id. int64's own least value,
+    beside a whole float (a JSON reader's list of mixed numbers), is kept exactly. Columns
+    not given are -1, int32 where ``keep_int32`` asks for compact ones."""
+    from kimi_perf.trace import Kernels
+
+    for columns, said in (({"stream": [2**63]}, "Kernels.stream holds 9223372036854775808, "
+                                                 "beyond int64"),
+                          ({"stream": np.array([2**63], np.uint64)},
+                           "Kernels.stream holds 9223372036854775808, beyond int64"),
+                          ({"stream": [1, float(2**63)]},   # (a JSON 2^63 as a float)
+                           "Kernels.stream holds 9.22337e+18, beyond int64"),
+                          ({"stream": [1, 2.5]}, "Kernels.stream holds 2.5, not an integer"),
+                          ({"device": np.array([0, -(2**31) - 1], np.int64)},
+                           "Kernels.device holds -2147483649, beyond int32")):
+        n = len(next(iter(columns.values())))
+        with pytest.raises(ValueError, match=f"^{re.escape(said)}$"):
+            Kernels.from_columns(columns, n)
+    kept = Kernels.from_columns({"stream": [-(2**63), 2.0]}, 2)
+    assert kept.stream.dtype == np.int64 and kept.stream.tolist() == [-(2**63), 2]
+    below = Kernels.from_columns({"stream": [1, float(2**63 - 1024)]}, 2)
+    assert below.stream.tolist() == [1, 2**63 - 1024]
+    # columns not given are -1, int32 where compact may narrow them and keep_int32 asks it
+    for keep, width in ((True, np.int32), (False, np.int64)):
+        missing = Kernels.from_columns({"start": np.array([5, 6])}, 2, keep_int32=keep)
+        assert missing.tid.dtype == width and missing.tid.tolist() == [-1, -1]
+        assert missing.start.dtype == np.int64 and missing.device.dtype == np.int32
+
+
+def test_joined_renumbers_rows_and_adds_up_metadata():
+    """``Trace.joined``: the other trace's launch rows after this one's 3 API calls (its row 0
+    too, no unknown), its parent rows after this one's 2 ranges, -1 kept; its GPU and process
+    not listed twice where both describe them, a new one added; untimed work, exact repeats
+    and untimed ranges added up from both."""
+    from tests.synth import TraceBuilder
+
+    first, second = TraceBuilder(), TraceBuilder()
+    first.range("outer", 0, 1000)
+    first.range("inner", 10, 500)
+    first.call("cudaStreamSynchronize", 1, 2)
+    first.call("cudaStreamSynchronize", 3, 4)
+    first.launch("a", 20, 30, 100, 200)
+    second.launch("b", 10_020, 10_030, 10_100, 10_200)
+    second.call("cudaStreamSynchronize", 10_040, 10_050)
+    second.range("outer", 10_000, 11_000)
+    second.range("inner", 10_010, 10_500)
+    mine, theirs = first.build(), second.build()
+    mine.meta |= {"gpus": [{"device": 0, "name": "G", "sm_count": 1}],
+                  "processes": [{"pid": 1, "name": "python"}],
+                  "untimed": {"kernels": 1, "memops": 0}, "untimed_ranges": 2}
+    theirs.meta |= {"gpus": [{"device": 0, "name": "G", "sm_count": 1},
+                             {"device": 1, "name": "G", "sm_count": 1}],
+                    "processes": [{"pid": 1, "name": "python"}],
+                    "untimed": {"kernels": 2, "memops": 3}, "duplicates": {"kernels": 4,
+                                                                           "memops": 0},
+                    "untimed_ranges": 5}
+    joined = mine.joined(theirs)
+    assert joined.kernels.api.tolist() == [2, 3]
+    assert joined.ranges.parent.tolist() == [-1, 0, -1, 2]
+    assert [joined.strings[n] for n in joined.kernels.name.tolist()] == ["a", "b"]
+    assert [g["device"] for g in joined.meta["gpus"]] == [0, 1]
+    assert joined.meta["processes"] == [{"pid": 1, "name": "python"}]
+    assert joined.meta["untimed"] == {"kernels": 3, "memops": 3}
+    assert joined.meta["duplicates"] == {"kernels": 4, "memops": 0}
+    assert joined.meta["untimed_ranges"] == 7
+
+
+def test_file_identity_reads_the_whole_last_64_kib(tmp_path):
+    """A trace file's identity digests its first and last 64 KiB: two files of 200 KiB that
+    differ only in the first byte of the last 64 KiB are told apart (and by nothing else)."""
+    from kimi_perf.trace import IDENTITY_BYTES, file_identity
+
+    size = 200 << 10
+    one, other = bytearray(size), bytearray(size)
+    other[size - IDENTITY_BYTES] = 1
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    (tmp_path / "a" / "t.json").write_bytes(bytes(one))
+    (tmp_path / "b" / "t.json").write_bytes(bytes(other))
+    a, b = (file_identity(tmp_path / d / "t.json") for d in "ab")
+    assert a["name"] == b["name"] and a["size"] == b["size"] == size
+    assert a["digest"] != b["digest"]
 
 
 def _widened(trace: Trace) -> Trace:

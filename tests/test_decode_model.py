@@ -59,6 +59,39 @@ def test_presets_have_k3_structure():
     assert tiny_mla == [3, 7]
 
 
+def test_configs_that_cannot_be_built_or_sharded_say_why():
+    """Each dimension a config cannot take is said by name: gated MLA at every layer (layer 0
+    is KDA); a TP that splits any sharded dimension unevenly, the dense MLP's intermediate
+    too; MXFP4 experts whose latent (the input of W1 and W3) is not whole groups of 32, as
+    for the intermediate per rank (W2's input). A TP given to a preset is checked before the
+    preset is looked at: TP 0 of a sharded preset is said to be no TP. Layer types come in
+    the order they first appear; a config's fingerprint differs with any field, its TP too."""
+    from kimi_perf.decode.config import K3Config, mxfp4_problem
+
+    with pytest.raises(ValueError, match=r"^full_attn_every: 2 or more .* not 1$"):
+        K3Config(full_attn_every=1)
+    assert K3Config(full_attn_every=2).is_mla(1)
+    odd = dataclasses.replace(TINY, dense_intermediate=513)
+    with pytest.raises(ValueError, match=r"^TP 2 does not divide the model: "
+                                         r"dense_intermediate=513 does not split over 2 ranks$"):
+        odd.shard(2)
+    assert mxfp4_problem(dataclasses.replace(TINY, latent=112)) == (
+        "MXFP4 experts need their inputs in groups of 32: the latent is 112")
+    assert mxfp4_problem(TINY) is None and mxfp4_problem(TINY.shard(2)) is None
+    assert mxfp4_problem(TINY.shard(4)) == (
+        "MXFP4 experts need their inputs in groups of 32: the routed experts' intermediate "
+        "per rank is 16 (at TP 4)")
+    with pytest.raises(ValueError, match=r"^tp: 1 or more ranks, not 0$"):
+        preset("k3-tp8", tp=0)
+    # layer types in order of first appearance: MLA at every 2nd layer comes before KDA
+    assert dataclasses.replace(TINY, full_attn_every=2, n_layers=4).layer_types() == [
+        "dense", "mla", "kda"]
+    # the fingerprint tells every field apart, the TP (one rank's shapes) too
+    prints = {c.fingerprint() for c in (TINY, TINY.shard(2), TINY.shard(4),
+                                        dataclasses.replace(TINY, vocab=1024))}
+    assert len(prints) == 4 and TINY.fingerprint() == preset("tiny").fingerprint()
+
+
 @pytest.mark.parametrize("batch", [1, 3])
 def test_every_layer_matches_float64_reference_in_float32(batch):
     """In float32 the standard path (packed projections, absorbed MLA, fused KDA) and the
@@ -263,6 +296,40 @@ signal.signal(signal.SIGTERM, stop)
 print("started", flush=True)
 run_on_cpu_ranks(2, _sleeps, 600)
 """
+
+
+def test_shard_cuts_each_tensor_as_vllm_lays_out_a_rank():
+    """``shard``'s layout, tensor by tensor, on tiny at TP 2 (KDA, gated MLA, dense and MoE
+    layers): rank r holds the r-th half of the rows of the column-parallel projections (the
+    heads' q, k, v, g, their conv taps, f_b, b, A_log and dt_bias; MLA's q_b and kv_b; the MLP
+    gate and up projections, experts' w1 and w3), the r-th half of the columns of the
+    row-parallel ones (o_proj, down_proj, w2), every other tensor whole (norms, f_a, MLA's
+    down projections, the router, the latent projections, embeddings); each contiguous, as
+    the kernels read them; weight_values and weight_bytes of the rank's config count what it
+    holds. TP 1 is the whole checkpoint, in a dict of its own."""
+    from kimi_perf.decode.weights import shard, weight_bytes, weight_values
+
+    c = preset("tiny", n_layers=4)
+    full = random_weights(c, seed=0)
+    rows = re.compile(r"\.(?:[qkvg]_proj|[qkv]_conv1d|f_b_proj|b_proj|A_log|dt_bias|q_b_proj"
+                      r"|kv_b_proj|gate_proj|up_proj|w1|w3)(?:\.weight)?$")
+    cols = re.compile(r"\.(?:o_proj|down_proj|w2)\.weight$")
+    tp2 = c.shard(2)
+    for rank in (0, 1):
+        local = shard(full, tp2, rank)
+        assert local.keys() == full.keys()
+        for name, t in full.items():
+            if not (rows.search(name) or cols.search(name)):
+                expected = t
+            else:
+                expected = t.chunk(2, dim=0 if rows.search(name) else 1)[rank]
+            assert torch.equal(local[name], expected), name
+            assert local[name].is_contiguous(), name
+        # what one rank holds is what weight_values and weight_bytes count for its config
+        assert weight_values(tp2) == sum(t.numel() for t in local.values())
+        assert weight_bytes(tp2) == sum(t.nbytes for t in local.values())
+    whole = shard(full, c, 0)
+    assert whole is not full and whole == full
 
 
 def test_ranks_stop_with_the_process_that_started_them():
@@ -1167,6 +1234,50 @@ def test_spec_decode_harness(weights):
     assert len(verify) == 3 and {tuple(t.shape) for t, _ in verify} == {(3, 4)}
 
 
+def test_a_checkpoint_loads_in_the_dtypes_random_weights_draws(tmp_path):
+    """A checkpoint stored in fp16 (matrices) and fp32 (vectors, conv taps) loads as
+    random_weights draws: matrices in the model dtype, vectors and conv taps in fp32, each
+    value the stored one cast (fp16 is a float tensor the loader reads). A matrix stored in
+    another shape (transposed) is refused by name, not handed on. A tensor that two files
+    hold is read from the first of them in name order (the files are read in that order, the
+    first one's kept). An MXFP4 expert whose
+    ``weight_scale`` the checkpoint lacks is said to lack it, not a KeyError."""
+    from safetensors.torch import save_file
+
+    from kimi_perf.decode.weights import load_safetensors, quantize_mxfp4
+    from kimi_perf.errors import TraceError
+
+    two = dataclasses.replace(TINY, n_layers=2)
+    drawn = random_weights(two, seed=1)
+    stored = {n: (t.half() if t.dim() == 2 else t).contiguous() for n, t in drawn.items()}
+    save_file(stored, str(tmp_path / "model.safetensors"))
+    loaded = load_safetensors(tmp_path, two)
+    for name, t in drawn.items():
+        assert loaded[name].dtype == t.dtype, name
+        assert torch.equal(loaded[name], stored[name].to(t.dtype)), name
+    o_proj = "model.layers.0.self_attn.o_proj.weight"    # [256, 128] stored transposed
+    save_file({**stored, o_proj: stored[o_proj].t().contiguous()},
+              str(tmp_path / "model.safetensors"))
+    with pytest.raises(TraceError, match=f"^{re.escape(str(tmp_path))}: {re.escape(o_proj)} "
+                                         r"has shape \(128, 256\), expected \(256, 128\)$"):
+        load_safetensors(tmp_path, two)
+    # a tensor two files hold (under either of its names) is read from the first by name
+    norm = "model.norm.weight"
+    save_file(stored, str(tmp_path / "model.safetensors"))
+    save_file({"language_model." + norm: stored[norm] + 1}, str(tmp_path / "z.safetensors"))
+    save_file({norm: stored[norm] + 2}, str(tmp_path / "a.safetensors"))
+    assert torch.equal(load_safetensors(tmp_path, two)[norm], stored[norm] + 2)
+    (tmp_path / "a.safetensors").unlink()
+    assert torch.equal(load_safetensors(tmp_path, two)[norm], stored[norm])
+    (tmp_path / "z.safetensors").unlink()
+    expert = "model.layers.1.mlp.experts.3.w1"
+    packed, _ = quantize_mxfp4(stored.pop(expert + ".weight"))
+    save_file({**stored, expert + ".weight_packed": packed}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(TraceError, match=f"^{re.escape(str(tmp_path))}: checkpoint lacks "
+                                         f"{re.escape(expert)}.weight_scale$"):
+        load_safetensors(tmp_path, two)
+
+
 @pytest.mark.parametrize(("stored", "ours"), [
     ("language_model.model.layers.3.block_sparse_moe.experts.7.w1.weight_packed",
      "model.layers.3.mlp.experts.7.w1.weight_packed"),
@@ -1342,6 +1453,33 @@ def test_the_seed_draws_the_weights_and_the_drafts(weights):
     first, other_first = runs[0].first_logits, runs[2].first_logits
     torch.testing.assert_close(first[:, 0], other_first[:, 0], rtol=1e-5, atol=1e-5)
     assert (first[:, 1:] - other_first[:, 1:]).abs().amax() > 0.1
+
+
+def test_random_weights_are_drawn_as_their_docstrings_say():
+    """What random_weights draws, by kind of tensor: matrices in the model dtype, vectors and
+    conv taps in fp32 (the state's decay and the conv's accumulation read them at full
+    precision); the decay gate's A = exp(A_log) in [1, 16] as KDA initialises it, and
+    dt = softplus(dt_bias) in [1e-3, 10]; sub-layer outputs into the residual stream (o_proj,
+    down_proj, routed w2, the routed up projection) at half the 1/sqrt(fan_in) scale, the
+    shared experts' at the full scale. Held over three seeds (a bound on 72 draws)."""
+    kinds = {(t.dim(), t.dtype) for t in random_weights(TINY, seed=0).values()}
+    assert kinds == {(1, torch.float32), (2, torch.bfloat16), (3, torch.float32)}
+    for seed in range(3):
+        w = random_weights(TINY, seed=seed)
+        a = torch.cat([w[n].exp() for n in w if n.endswith("A_log")])
+        assert a.min() >= 1.0 and a.max() <= 16.0
+        dt = torch.cat([torch.nn.functional.softplus(w[n]) for n in w if n.endswith("dt_bias")])
+        assert dt.min() >= 1e-3 * 0.999 and dt.max() <= 10.0 * 1.001
+    w = random_weights(TINY, seed=0)
+    for name, scale in (("model.layers.1.mlp.shared_experts.up_proj.weight", 1.0),
+                        ("model.layers.1.mlp.shared_experts.down_proj.weight", 1.0),
+                        ("model.layers.1.self_attn.q_proj.weight", 1.0),
+                        ("model.layers.1.mlp.routed_expert_up_proj.weight", 0.5),
+                        ("model.layers.1.mlp.experts.0.w2.weight", 0.5),
+                        ("model.layers.1.self_attn.o_proj.weight", 0.5),
+                        ("model.layers.0.mlp.down_proj.weight", 0.5)):
+        t = w[name].float()
+        assert t.std().item() * math.sqrt(t.shape[-1]) == pytest.approx(scale, rel=0.05), name
 
 
 def test_accept_takes_counts_from_the_host_for_a_state_on_any_device():

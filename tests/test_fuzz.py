@@ -9,6 +9,7 @@ import contextlib
 import gzip
 import json
 import math
+import re
 import shutil
 import sqlite3
 
@@ -363,6 +364,202 @@ def test_kptrace_header_is_checked_and_checksummed(tmp_path):
             table = table.set_column(table.column_names.index(name), name, lists)
         return table
     assert (read_trace(_kptrace_with(tmp_path, before_0)).kernels.start < 0).all()
+
+
+def test_kptrace_that_is_no_kimi_perf_trace_and_gpu_work_of_no_time(tmp_path):
+    """What save writes and what load refuses or reads, by what the header holds: save writes
+    only a file named .kptrace (a directory is searched for that name), in format version 2
+    with both checksums (a version-1 header may lack them); a file that is no Arrow at all is
+    unreadable, not "truncated" (which is of a file that begins as Arrow does); an Arrow file
+    without kimi-perf's header is no trace (not an empty one); a header whose ``meta`` is no
+    object is refused; the metadata's keys in another order still match their checksum (it
+    is of the keys sorted). A kernel that ends as it starts (0 ns) is read; a memcpy that
+    ends before it starts is corrupt, as such a kernel is."""
+    import pyarrow as pa
+    import pytest
+
+    from kimi_perf.trace import Trace
+
+    good = tmp_path / "good.kptrace"
+    read_trace(KINETO_SMALL).save(good)
+    with pytest.raises(ValueError, match=r"good\.arrow: a \.kptrace file \(Arrow\) is named so"):
+        read_trace(KINETO_SMALL).save(tmp_path / "good.arrow")
+    assert not (tmp_path / "good.arrow").exists()
+    with pa.memory_map(str(good)) as source:
+        table = pa.ipc.open_file(source).read_all()
+    header = json.loads(table.schema.metadata[b"kimi_perf"])
+    assert header["version"] == 2 and {"crc32", "meta_crc32"} <= header.keys()
+
+    def written(name, table, metadata):
+        path = tmp_path / name
+        table = table.replace_schema_metadata(metadata)
+        with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
+            writer.write_table(table)
+        return path
+
+    plain = written("plain.kptrace", table, None)
+    noise = tmp_path / "noise.kptrace"
+    noise.write_bytes(b"not arrow at all, " * 100)
+    reordered = dict(header, meta=dict(reversed(list(header["meta"].items()))))
+    for path, said in (
+            (noise, "not a readable kimi-perf trace"),
+            (plain, "Arrow file without kimi-perf metadata$"),
+            (_kptrace_with(tmp_path, lambda t, h: h.update(meta=[])),
+             "kimi-perf trace without its metadata$")):
+        with pytest.raises(TraceError, match=f"^{re.escape(str(path))}: {said}"):
+            Trace.load(path)
+    again = read_trace(written("reordered.kptrace", table, {"kimi_perf": json.dumps(reordered)}))
+    assert len(again.kernels) == 14 and again.meta["gpus"] == read_trace(good).meta["gpus"]
+
+    def ending(table_name, shift):
+        def change(table, header):
+            name = f"{table_name}.end"
+            start = table.column(f"{table_name}.start").chunk(0).values.to_numpy()
+            end = table.column(name).chunk(0).values.to_numpy().copy()
+            end[0] = start[0] + shift
+            lists = pa.LargeListArray.from_arrays(pa.array([0, len(end)], pa.int64()),
+                                                  pa.array(end))
+            return table.set_column(table.column_names.index(name), name, lists)
+        return change
+    instant = read_trace(_kptrace_with(tmp_path, ending("kernels", 0)))
+    assert instant.kernels.end[0] == instant.kernels.start[0]
+    with pytest.raises(TraceError, match=r"corrupt: 1 memop with an end before the start$"):
+        read_trace(_kptrace_with(tmp_path, ending("memops", -1)))
+
+
+def test_kptrace_metadata_and_references_out_of_bounds_are_corrupt(tmp_path):
+    """A forged header (its checksums made to match) whose metadata has the wrong type or a
+    count below 0, or whose columns point past the trace, is refused, each by what is wrong:
+    a bool is no pid and 2^63 no int64; a replay's rows may be all of a table's, not one
+    more; a name or domain is a string's code (0 to len - 1), a launch or a parent range a
+    row or -1, nothing below -1 or at the table's length. An id column may come as int32 (as
+    ``compact`` narrows it), a time column may not."""
+    import pyarrow as pa
+    import pytest
+
+    def meta(key, value):
+        return lambda table, header: header["meta"].update({key: value})
+
+    def column(name, at, value):
+        def change(table, header):
+            values = table.column(name).chunk(0).values.to_numpy().copy()
+            values[at] = value(len(values))
+            lists = pa.LargeListArray.from_arrays(pa.array([0, len(values)], pa.int64()),
+                                                  pa.array(values))
+            return table.set_column(table.column_names.index(name), name, lists)
+        return change
+
+    # the small Kineto trace: 65 strings, 14 kernels, 2 memops, 75 ranges, 21 API calls
+    every = {"kernels": 14, "memops": 2, "ranges": 75, "api": 21}
+    for change, said in (
+            (meta("untimed_ranges", -1), "corrupt metadata: untimed_ranges is not a count"),
+            (meta("untimed", {"kernels": -1, "memops": 0}),
+             "corrupt metadata: untimed is not {kernels: count, memops: count}"),
+            (meta("replay_rows", {"kernels": -1, "memops": 0, "ranges": 0, "api": 0}),
+             "corrupt metadata: replay_rows is not {kernels: count"),
+            (meta("gpus", [{"device": 0, "name": "G", "sm_count": "104"}]),
+             "corrupt metadata: gpus is not a list of {device: int, name: str, sm_count"),
+            (meta("processes", [{"pid": True, "name": "python3"}]),
+             r"corrupt metadata: processes is not a list of {pid: int, name}"),
+            (meta("captures", [1]), "corrupt metadata: captures is not a list of file names"),
+            (meta("converted_from", 5), "corrupt metadata: converted_from is not a string"),
+            (meta("exported_by_nsys", "yes"),
+             "corrupt metadata: exported_by_nsys is not true or false"),
+            (meta("schema", 1.5), "corrupt metadata: schema is not a string or an integer"),
+            (meta("rank", 2**63), "corrupt metadata: rank is not an integer"),
+            (meta("replay_rows", {"kernels": 15, "memops": 0, "ranges": 0, "api": 0}),
+             "corrupt: replay_rows: 15 kernels, of 14"),
+            (column("kernels.name", 0, lambda n: 65), r"corrupt: kernels.name refers outside "
+                                                      r"\[0, 65\)"),
+            (column("ranges.domain", 0, lambda n: 65), r"corrupt: ranges.domain refers outside "
+                                                       r"\[0, 65\)"),
+            (column("kernels.api", 0, lambda n: -2), r"corrupt: kernels.api refers outside "
+                                                     r"\[-1, 21\)"),
+            (column("ranges.parent", 1, lambda n: n), r"corrupt: ranges.parent refers outside "
+                                                      r"\[-1, 75\)")):
+        bad = _kptrace_with(tmp_path, change)
+        with pytest.raises(TraceError, match=f"^{re.escape(str(bad))}: {said}"):
+            read_trace(bad)
+    assert read_trace(_kptrace_with(tmp_path, meta("replay_rows", every))).summary()[
+        "replay"]["kernels"] == 14
+
+    def int32(name):
+        def change(table, header):
+            values = table.column(name).chunk(0).values.cast(pa.int32(), safe=False)
+            lists = pa.LargeListArray.from_arrays(pa.array([0, len(values)], pa.int64()), values)
+            return table.set_column(table.column_names.index(name), name, lists)
+        return change
+    # an id column may be int32 (compacted), a time may not: it is int64 or corrupt
+    assert read_trace(_kptrace_with(tmp_path, int32("kernels.pid"))).kernels.pid.dtype == "int32"
+    bad = _kptrace_with(tmp_path, int32("kernels.start"))
+    with pytest.raises(TraceError, match=f"^{re.escape(str(bad))}: corrupt: column "
+                                         r"kernels\.start holds int32 with 0 nulls$"):
+        read_trace(bad)
+
+
+def test_kptrace_strings_whose_offsets_run_backwards_are_unreadable(tmp_path):
+    """Every offset of a saved trace is checked before a value is read: a string table whose
+    first string's end is set to the last's (the second then running backwards), its
+    checksum made to match, is an unreadable trace, not a string of negative length handed
+    to Python (a SystemError) or bytes read past the column."""
+    import numpy as np
+    import pyarrow as pa
+    import pytest
+
+    from kimi_perf.trace import Trace
+
+    def change(table, header):
+        values = table.column("strings").chunk(0).values
+        buffers = values.buffers()
+        offsets = np.frombuffer(buffers[1], np.int64)[
+            values.offset: values.offset + len(values) + 1].copy()
+        offsets[1] = offsets[-1]
+        bad = pa.Array.from_buffers(pa.large_string(), len(values),
+                                    [None, pa.py_buffer(offsets.tobytes()), buffers[2]])
+        lists = pa.LargeListArray.from_arrays(pa.array([0, len(bad)], pa.int64()), bad)
+        return table.set_column(table.column_names.index("strings"), "strings", lists)
+    bad = _kptrace_with(tmp_path, change)
+    with pytest.raises(TraceError, match=f"^{re.escape(str(bad))}: not a readable kimi-perf "
+                                         r"trace \(.*non-monotonic offset"):
+        Trace.load(bad)
+
+
+def test_kptrace_checksum_covers_the_strings_and_load_tidies_them(tmp_path):
+    """The columns' checksum covers the string table's bytes and where each string ends: a
+    name changed in place (same length), or two names' boundary moved (the same bytes), with
+    the checksum left as saved, is corrupt. A trace saved with strings no table names (what
+    an nsys export holds of the environment) and a name holding an escape sequence loads with
+    the first left out and the second made printable (a file saved before readers tidied)."""
+    import pyarrow as pa
+    import pytest
+
+    from kimi_perf.trace import Trace
+
+    good = tmp_path / "good.kptrace"
+    read_trace(KINETO_SMALL).save(good)
+    with pa.memory_map(str(good)) as source:
+        table = pa.ipc.open_file(source).read_all()
+    strings = table.column("strings").chunk(0).values.to_pylist()
+    first, second = strings[0], strings[1]
+    assert first and len(second) > 1
+    for changed in ([chr(ord(first[0]) ^ 1) + first[1:], second],
+                    [first + second[0], second[1:]]):
+        values = pa.array(changed + strings[2:], pa.large_string())
+        lists = pa.LargeListArray.from_arrays(pa.array([0, len(values)], pa.int64()), values)
+        forged = table.set_column(table.column_names.index("strings"), "strings", lists)
+        bad = tmp_path / "bad.kptrace"
+        with pa.OSFile(str(bad), "wb") as sink, pa.ipc.new_file(sink, forged.schema) as writer:
+            writer.write_table(forged)
+        with pytest.raises(TraceError, match="corrupt: its contents do not match their checksum"):
+            read_trace(bad)
+    trace = read_trace(KINETO_SMALL)
+    code = int(trace.kernels.name[0])
+    trace.strings = [*trace.strings[:code], "k\x1b[31m", *trace.strings[code + 1:],
+                     "TOKEN=secret"]
+    trace.save(tmp_path / "untidy.kptrace")
+    loaded = Trace.load(tmp_path / "untidy.kptrace")
+    assert "TOKEN=secret" not in loaded.strings and len(loaded.strings) == len(trace.strings) - 1
+    assert loaded.strings[loaded.kernels.name[0]] == "k\\x1b[31m"
 
 
 def _kptrace_with(tmp_path, change) -> object:

@@ -1006,6 +1006,56 @@ def test_summary_accounts_for_every_kernel(fixture_file):
         assert info["gpu_span_ns"] is None or len(trace.memops)
 
 
+def test_summary_of_a_small_trace_by_hand():
+    """Trace.summary's every count worked by hand on a trace built for it: process 0 (a pid
+    like any other) and process 5 share device 1's stream 7, two streams; two kernels no call
+    launched (no process) on that stream and on stream 9, which only the second adds; a graph
+    launch whose two kernels are its graph kernels (the unlaunched ones none of them); a memcpy
+    ending last, so the GPU span (100 to 1900) runs to it and the span (-50, a range's start)
+    too; device 0 described and idle, device 1 undescribed; ``op:`` ranges on a thread
+    annotated ops, not one on the GPU nor a name that holds ``op:`` later; untimed memops 0
+    where the metadata gives kernels only. A trace of nothing has no span."""
+    from kimi_perf.trace import GPU_RANGE, Kernels
+    from tests.synth import TraceBuilder
+
+    b = TraceBuilder()
+    b.launch("a", 0, 50, 100, 300, pid=0, tid=3, device=1)
+    b.launch("b", 400, 450, 500, 700, pid=5, tid=8, device=1)
+    for name, start in (("g1", 900), ("g2", 1000)):
+        b.launch(name, 800, 850, start, start + 100, pid=5, tid=8, device=1,
+                 api_name="cudaGraphLaunch", correlation=40)
+    for name, start, stream in (("lost", 1200, 7), ("lost2", 1300, 9)):
+        b.kernels.append(dict(name=b.strings.code(name), start=start, end=start + 100,
+                              device=1, stream=stream, pid=-1, correlation=90 + stream))
+    b.memop("[CUDA memcpy Host-to-Device]", 1500, 1900, correlation=40, pid=5, device=1)
+    b.range("step", -50, 1000, pid=5, tid=8)
+    b.range("op:in_proj", 400, 450, pid=5, tid=8)
+    b.range("layer:op:q", 800, 850, pid=5, tid=8)
+    b.ranges.append(dict(name=b.strings.code("op:gpu"), domain=b.strings.code(""), start=500,
+                         end=700, pid=5, tid=-1, device=1, stream=7, style=GPU_RANGE))
+    trace = b.build()
+    trace.meta |= {"gpus": [{"device": 0, "name": "H100", "sm_count": 132}],
+                   "processes": [{"pid": 5, "name": "python"}], "untimed": {"kernels": 2}}
+    info = trace.summary()
+    assert {k: info[k] for k in (
+        "kernels", "memops", "ranges", "api_calls", "annotated_ops", "untimed", "duplicates",
+        "span_ns", "gpu_span_ns", "kernel_ns", "streams", "graph_launches", "graph_kernels",
+        "kernels_without_process", "unlaunched_kernels")} == {
+        "kernels": 6, "memops": 1, "ranges": 4, "api_calls": 3, "annotated_ops": 1,
+        "untimed": {"kernels": 2, "memops": 0}, "duplicates": {"kernels": 0, "memops": 0},
+        "span_ns": 1950, "gpu_span_ns": 1800, "kernel_ns": 800, "streams": 3,
+        "graph_launches": 1, "graph_kernels": 2, "kernels_without_process": 2,
+        "unlaunched_kernels": 2}
+    assert info["processes"] == [{"pid": 5, "name": "python", "kernels": 3, "api_calls": 2},
+                                 {"pid": 0, "name": None, "kernels": 1, "api_calls": 1}]
+    assert info["gpus"] == [
+        {"device": 0, "name": "H100", "described": True, "sm_count": 132, "kernels": 0},
+        {"device": 1, "name": None, "described": False, "sm_count": None, "kernels": 6}]
+    nothing = Trace(strings=[], kernels=Kernels.empty()).summary()
+    assert (nothing["span_ns"], nothing["gpu_span_ns"], nothing["streams"],
+            nothing["processes"], nothing["gpus"]) == (None, None, 0, [], [])
+
+
 def test_summary_of_two_processes_on_two_gpus():
     info = read_trace(NSYS / "nsysai_fastvideo_wan2.1_train_2xh100_before.sqlite").summary()
     assert [g["device"] for g in info["gpus"] if g["kernels"]] == [0, 1]
