@@ -452,6 +452,29 @@ def test_a_rank_failure_is_raised_as_the_rank_raised_it():
         run_on_cpu_ranks(2, _rank_fails, "killed")
 
 
+
+def _rank_exits(rank: int) -> None:
+    import time
+
+    if rank == 1:
+        os._exit(3)    # (a C library's exit(): nothing raised, nothing saved)
+    time.sleep(300)
+
+
+def test_a_rank_that_exits_without_raising_is_said_in_a_line():
+    """A rank that ends with an exit code of its own, having raised nothing (a C library
+    calling exit()): a one-line TraceError that names the rank and its code, not torch's
+    ProcessExitedException, and the other rank is not waited for (five minutes' sleep)."""
+    import time
+
+    from kimi_perf.decode.tp import run_on_cpu_ranks
+    from kimi_perf.errors import TraceError
+
+    start = time.monotonic()
+    with pytest.raises(TraceError, match=r"^TP rank 1 exited: exit code 3$"):
+        run_on_cpu_ranks(2, _rank_exits)
+    assert time.monotonic() - start < 120
+
 def test_the_rank_that_failed_first_is_the_one_said(tmp_path):
     """torch raises the failure of the rank it saw end first, which may have failed for
     another's sake (its collective with a rank that had raised: "connection closed by peer").
@@ -482,9 +505,35 @@ def test_the_rank_that_failed_first_is_the_one_said(tmp_path):
         _raise_rank_failure(tmp_path, 0, [-signal.SIGTERM, 1], [100, 101])
 
 
+
+def test_a_rank_that_ended_cleanly_is_not_said_to_be_killed(tmp_path):
+    """A rank whose exit code is 0 (it had done its work when another failed) was killed by
+    nothing: what is said is the failed rank's own error, not "killed by signal 0"."""
+    from kimi_perf.decode.tp import _raise_rank_failure
+    from kimi_perf.errors import TraceError
+
+    torch.save((1.0, "TraceError", "model.safetensors", "no tensor named lm_head.weight"),
+               tmp_path / "rank1.failure.pt")
+    with pytest.raises(TraceError, match=r"^model\.safetensors: no tensor named lm_head"):
+        _raise_rank_failure(tmp_path, 1, [0, 1], [100, 101])
+
 def _threads(rank: int) -> int:
     return torch.get_num_threads()
 
+
+
+def _rank_and_world(rank: int) -> tuple[int, int]:
+    import torch.distributed as dist
+
+    return rank, dist.get_world_size()
+
+
+def test_each_rank_s_result_comes_back_in_rank_order():
+    """``run_on_cpu_ranks`` returns what each rank's function returned, rank 0's first, from
+    ranks that each know their place in the group (not one rank's result for all)."""
+    from kimi_perf.decode.tp import run_on_cpu_ranks
+
+    assert run_on_cpu_ranks(2, _rank_and_world) == [(0, 2), (1, 2)]
 
 def test_cpu_ranks_share_the_threads_of_the_process_that_starts_them():
     """Each rank a share of the cores, not all of them: two ranks with every core each timed
@@ -1651,3 +1700,146 @@ def test_validate_s_memory_estimates_count_each_copy():
     as64 = sum(w.to(torch.float64).nbytes for w in drawn.values())
     assert memory_need("bfloat16")(c) == 3 * weight_bytes(c) + as64 > 3 * weight_bytes(c) + \
         weight_bytes(c, torch.float64)
+
+
+def test_the_reference_measures_a_forced_routing_against_its_own_top_k():
+    """``routing`` forces a path's expert choice on the reference, which says per sequence how
+    far it fell below its own k-th best biased score and whether it was no top-k at all. An
+    expert one past the last (id n_experts: none such) is no top-k: routed the reference's
+    own way (its logits as unforced, not an index error); its own experts in another order
+    are its top-k, a gap of exactly 0 and its output to rounding; one of them swapped for
+    expert 0, ranked below the k-th, a gap of that difference and another output. The
+    snapshot taken before the first step restores its state, as often as asked (a step
+    after it leaves it as it was): the step again, as the first."""
+    two = dataclasses.replace(TINY, n_layers=2)
+    ref = ReferenceModel(two, random_weights(two, seed=3), 3)
+    tokens = torch.tensor([1, 2, 3])
+    saved, own = ref.snapshot(), Observer()
+    want = ref.step(tokens, own)
+    assert own.experts[1].tolist() == [[8, 3, 11, 6], [8, 1, 14, 11], [7, 8, 14, 6]]
+    assert own.routing_gap == {1: [0.0, 0.0, 0.0]} and own.routing_invalid == {1: [0, 0, 0]}
+    ref.restore(saved)
+    forced = torch.tensor([[8, 3, 11, two.n_experts], [1, 8, 11, 14], [7, 8, 14, 0]])
+    seen = Observer()
+    got = ref.step(tokens, seen, routing={1: forced})
+    assert seen.routing_invalid == {1: [1, 0, 0]}
+    assert seen.experts[1].tolist() == [[8, 3, 11, 6], [1, 8, 11, 14], [7, 8, 14, 0]]
+    gap = seen.routing_gap[1]
+    assert gap[:2] == [0.0, 0.0] and gap[2] == pytest.approx(0.6257950921009463, rel=1e-9)
+    assert torch.equal(got[0], want[0])
+    torch.testing.assert_close(got[1], want[1], rtol=1e-12, atol=1e-12)
+    assert (got[2] - want[2]).abs().max() > 0.1
+    ref.restore(saved)
+    assert torch.equal(ref.step(tokens), want)
+
+
+def test_the_stand_in_acceptance_keeps_from_one_token_to_all_of_them():
+    """A speculative run's synthetic acceptance keeps 1..1+k of each step's verified tokens
+    per sequence, every count drawn: over this seeded run each count from the verified token
+    alone to all four turns up, and none outside; the widest verify the kernels take
+    (MAX_SPEC_TOKENS = 7, 1+7 tokens) is a run too, not refused."""
+    from kimi_perf.decode.harness import MAX_SPEC_TOKENS, run_decode
+
+    two = dataclasses.replace(TINY, n_layers=2)
+    model = K3Model(two, random_weights(two, seed=3), dtype=torch.float32)
+    prompt = torch.tensor([[1, 2], [3, 4], [5, 6], [7, 8]])
+    run = run_decode(model, prompt, steps=2, spec_tokens=3, seed=0)
+    assert set(run.tokens.flatten().tolist()) == {1, 2, 3, 4}
+    assert MAX_SPEC_TOKENS == 7
+    widest = run_decode(model, prompt[:1], steps=1, spec_tokens=7)
+    assert widest.accepted_counts and 1 <= int(widest.tokens) <= 8
+
+
+def test_a_run_s_logits_are_finite_only_where_every_one_is():
+    """``logits_finite`` holds for every logit of the last step: one vocabulary entry's NaN
+    (its lm_head row) makes it False (argmax picks the NaN, a token like any); a run of no
+    decode steps has no step's logits to say it of (None, not its prefill's). The harness
+    leaves no call name on the model (a later forward's fallback would be said of its
+    last step)."""
+    from kimi_perf.decode.harness import run_decode
+
+    two = dataclasses.replace(TINY, n_layers=2)
+    weights = random_weights(two, seed=3)
+    head = weights["lm_head.weight"].clone()
+    head[5] = float("nan")
+    model = K3Model(two, {**weights, "lm_head.weight": head}, dtype=torch.float32)
+    prompt = torch.tensor([[1, 2], [3, 4]])
+    run = run_decode(model, prompt, steps=2)
+    assert run.logits_finite is False and run.tokens.eq(5).all()
+    assert model.call_name is None
+    none = run_decode(K3Model(two, weights, dtype=torch.float32), prompt, steps=0)
+    assert none.logits_finite is None and none.tokens.shape == (2, 0) and none.step_s == []
+
+
+def test_a_prompt_of_no_tokens_is_refused_as_the_model_refuses_it():
+    """A prompt [B, 0]: the harness's prefill chunks take whole sequences however short (no
+    division by the prompt's length), and the model says what is wrong with it."""
+    from kimi_perf.decode.harness import prefill_rows, run_decode
+
+    assert prefill_rows(3, 0) == 3
+    two = dataclasses.replace(TINY, n_layers=2)
+    model = K3Model(two, random_weights(two, seed=3), dtype=torch.float32)
+    with pytest.raises(ValueError, match=r"forward: no tokens \(tokens \[B, T\] of shape "
+                                         r"\(2, 0\)\)"):
+        run_decode(model, torch.zeros(2, 0, dtype=torch.long), steps=1)
+
+
+def test_a_prefill_says_only_its_own_fallbacks_once_each(monkeypatch):
+    """A kernel path's prefill entry speaks of its own calls alone: an entry already there
+    (an earlier call's) stays as it was; a prefill none of whose calls fell back (a one-token
+    prompt of one sequence) adds none; of chunks of 65, 65 and 1 sequences two fell back,
+    for one reason, said once."""
+    from kimi_perf.decode import harness
+    from kimi_perf.decode.specialized import build_model
+
+    c = preset("tiny", n_layers=2)
+    model = build_model(c, random_weights(c, seed=0), "latency_specialized")
+    model.fallbacks.append("earlier: kept")
+    harness.run_decode(model, torch.zeros(1, 1, dtype=torch.long), steps=0)
+    assert model.fallbacks == ["earlier: kept"]
+    monkeypatch.setattr(harness, "PREFILL_CHUNK_TOKENS", 65)
+    harness.run_decode(model, torch.zeros(131, 1, dtype=torch.long), steps=0)
+    assert model.fallbacks == [
+        "earlier: kept", "prefill: 2 of its 3 calls (65 sequences each): batch 65 > 64"]
+
+
+def test_a_run_s_times_are_the_seconds_of_its_prefill_and_of_each_step():
+    """``prefill_s`` and ``step_s`` are durations, one per step, warm-up first: each
+    positive, and together within the run's own wall-clock time (not clock readings)."""
+    import time
+
+    from kimi_perf.decode.harness import run_decode
+
+    two = dataclasses.replace(TINY, n_layers=2)
+    model = K3Model(two, random_weights(two, seed=3), dtype=torch.float32)
+    start = time.perf_counter()
+    run = run_decode(model, torch.tensor([[1, 2, 3], [4, 5, 6]]), steps=2, warmup=1)
+    wall = time.perf_counter() - start
+    assert len(run.step_s) == 3 and min(run.prefill_s, *run.step_s) > 0
+    assert run.prefill_s + sum(run.step_s) < wall
+
+
+def test_the_harness_s_calls_of_the_model():
+    """What run_decode asks of the model: a prefill of the prompt for its last position's
+    logits alone (a K3 prompt's for every position take B·T·655 kB), then per step one
+    verify of the last token and k drafts, drawn from the whole vocabulary, for every
+    position's logits."""
+    from kimi_perf.decode.harness import run_decode
+
+    two = dataclasses.replace(TINY, n_layers=2)
+    model = K3Model(two, random_weights(two, seed=3), dtype=torch.float32)
+    calls, forward = [], model.forward
+
+    def recording(tokens, state, *args, **kwargs):
+        calls.append((tokens.clone(), kwargs.get("last_logits", False),
+                      kwargs.get("verify", False)))
+        return forward(tokens, state, *args, **kwargs)
+
+    model.forward = recording
+    prompt = torch.tensor([[1, 2, 3], [4, 5, 6]])
+    run_decode(model, prompt, steps=3, spec_tokens=3, seed=0)
+    assert [(last, verify) for _, last, verify in calls] == [(True, False)] + [(False, True)] * 3
+    assert torch.equal(calls[0][0], prompt)
+    drafts = torch.cat([tokens[:, 1:] for tokens, _, _ in calls[1:]]).flatten()
+    assert drafts.shape == (3 * 2 * 3,) and 0 <= int(drafts.min()) <= int(drafts.max()) < two.vocab
+    assert len(set(drafts.tolist())) > 9 and int(drafts.max()) > two.vocab // 2

@@ -192,3 +192,77 @@ def test_a_graphed_profile_holds_the_capture(weights, monkeypatch, tmp_path):
     assert names.count("layer[0](dense)") == 1 and "decode_step[1]" in names
     assert "prefill" not in names
 
+
+
+def test_replays_tell_the_state_that_a_verify_step_awaits_accept():
+    """A replayed verify step runs no Python of the model's: the replayer itself sets the
+    state's verify and pending token counts to the captured step's (1+k), which ``accept``
+    then checks the counts against and folds."""
+    from kimi_perf.decode.harness import GraphedDecodeStep
+
+    step = GraphedDecodeStep.__new__(GraphedDecodeStep)   # (its capture needs a GPU)
+    step.capacity, step.furthest, step.tokens_per_step = None, 3, 4
+    step.tokens = torch.zeros(2, 4, dtype=torch.long)
+    step.graph = type("Graph", (), {"replay": lambda self: None})()
+    step.state = type("State", (), {"verify_tokens": 0, "pending_tokens": 0})()
+    step.verify_tokens, step.logits = 4, "logits"
+    assert step(torch.ones(2, 4, dtype=torch.long)) == "logits"
+    assert (step.state.verify_tokens, step.state.pending_tokens) == (4, 4)
+    assert torch.equal(step.tokens, torch.ones(2, 4, dtype=torch.long)) and step.furthest == 7
+
+
+def test_a_graphed_run_s_cache_holds_the_eager_warm_up_runs():
+    """With CUDA graphs the cache holds GRAPH_WARMUP_RUNS steps more, each 1+k tokens a
+    sequence: the eager warm-up runs before the capture write it (and the capture's memory
+    check sizes it so)."""
+    from kimi_perf.decode.harness import GRAPH_WARMUP_RUNS, cache_tokens
+
+    assert GRAPH_WARMUP_RUNS == 2
+    assert cache_tokens(10, 3, 0, False) == 13 and cache_tokens(10, 3, 0, True) == 15
+    assert cache_tokens(10, 3, 2, False) == 19 and cache_tokens(10, 3, 2, True) == 25
+
+
+
+def test_state_tensors_are_every_tensor_of_the_state(weights):
+    """``state_tensors`` lists every tensor a step updates in place, once each (a graphed
+    step's warm-up runs are undone through it before the capture, and the graph-safe checks
+    compare states through it): each tensor of the state, the lengths, and a verify step's
+    pending counts and the half of its records too."""
+    import dataclasses
+
+    _, state = _prefilled("standard", weights)
+    listed = state_tensors(state)
+    held = [t for f in dataclasses.fields(state) for v in [getattr(state, f.name)]
+            for t in (v.values() if isinstance(v, dict) else [v]) if isinstance(t, torch.Tensor)]
+    # (3 KDA layers' states, conv windows, records and inputs; a gated-MLA layer's cache;
+    # the lengths; the pending counts and the half)
+    assert len({id(t) for t in listed}) == len(listed) == len(held) == 4 * 3 + 1 + 1 + 2
+    assert {id(t) for t in listed} == {id(t) for t in held}
+
+
+def test_a_graphed_run_keeps_a_copy_of_its_first_logits(weights, monkeypatch):
+    """A graph's logits are one output buffer that each replay writes again: the first
+    step's logits a run keeps are a copy, those of the first step, not the last step's. A CPU
+    stand-in for the graph returns one buffer, as a replay does."""
+    from kimi_perf.decode import harness
+
+    class OneOutputBuffer:
+        def __init__(self, model, state, batch, layer_hook=None, tokens_per_step=1):
+            self.model, self.state, self.logits = model, state, None
+
+        def __call__(self, tokens):
+            logits = self.model.forward(tokens, self.state)
+            if self.logits is None:
+                self.logits = logits
+            else:
+                self.logits.copy_(logits)
+            return self.logits
+
+    prompt = torch.tensor([[1, 2, 3], [4, 5, 6]])
+    eager = run_decode(make_path("standard", SMALL, weights, torch.float32), prompt, steps=2,
+                       keep_first_logits=True)
+    monkeypatch.setattr(harness, "GraphedDecodeStep", OneOutputBuffer)
+    graphed = run_decode(make_path("standard", SMALL, weights, torch.float32), prompt,
+                         steps=2, keep_first_logits=True, cuda_graphs=True)
+    assert torch.equal(graphed.tokens, eager.tokens)
+    assert torch.equal(graphed.first_logits, eager.first_logits)
