@@ -1385,3 +1385,241 @@ def test_a_run_records_the_threads_each_rank_ran_with(monkeypatch):
     env = environment("cpu", 4)
     assert env["cpu_threads"] == 2 and environment("cpu")["cpu_threads"] == 8
     assert (env["device"], env["gpus"], env["cuda"], env["driver"]) == ("cpu", [], None, None)
+
+
+# Two layers (KDA with the dense MLP, then gated MLA with the MoE): every kind of launch, at
+# half the interpreter time of SMALL's four.
+TWO = preset("tiny", n_layers=2)
+
+
+@pytest.fixture(scope="module")
+def two_weights():
+    return random_weights(TWO, seed=7)
+
+
+def test_the_kernels_take_steps_up_to_their_limits_and_no_further(weights):
+    """The limits are inclusive: a decode step of batch 64 and a verify step of 8 tokens a
+    sequence are the kernels' (64 and 8 are what the kernels are built for; one less would
+    send those steps to the PyTorch ops unsaid); a step of 2 tokens that is no verify step is
+    a prompt, said by its length; the batch is said before the tokens."""
+    fast = SpecializedModel(SMALL, weights, dtype=torch.float32)
+
+    def ids(b: int, t: int) -> torch.Tensor:
+        return torch.zeros(b, t, dtype=torch.long)
+
+    assert fast.unsupported(ids(64, 1), False) is None
+    assert fast.unsupported(ids(64, 8), True) is None
+    assert fast.unsupported(ids(1, 2), True) is None
+    assert fast.unsupported(ids(1, 2), False) == "a prompt of 2 tokens"
+    assert fast.unsupported(ids(65, 1), True) == "batch 65 > 64"
+    assert fast.unsupported(ids(65, 9), True) == "batch 65 > 64"
+    assert fast.unsupported(ids(64, 9), True) == "verify of 9 tokens > 8"
+
+
+def test_a_fallback_is_named_by_its_call_s_number_counting_the_kernels_steps(two_weights):
+    """Without the harness's range names, a fallback says which call of the model it was:
+    calls are counted whichever path took them (call 1, a decode step, ran the kernels), so
+    the second prompt is call 2, not another call 0 or 1."""
+    fast = SpecializedModel(TWO, two_weights, dtype=torch.float32)
+    state = fast.new_state(1, 8)
+    tokens = torch.tensor([[3, 1, 4, 1, 5]])
+    fast.forward(tokens[:, :2], state)
+    fast.forward(tokens[:, 2:3], state)
+    fast.forward(tokens[:, 3:5], state)
+    assert fast.fallbacks == ["call 0: a prompt of 2 tokens", "call 2: a prompt of 2 tokens"]
+    assert fast.calls == 3 and state.lengths.tolist() == [5]
+
+
+@pytest.mark.parametrize("path", KERNEL_PATHS)
+def test_a_verify_step_past_what_its_state_was_made_for_is_refused(two_weights, path):
+    """A verify step within the kernels' 8 tokens but longer than the state's ``max_verify``
+    is refused by the kernel path as by the standard one, before any work: the state records
+    only ``max_verify`` positions a layer, and the rollback would read past them."""
+    model = make_path(path, TWO, two_weights, torch.float32)
+    state = model.new_state(1, 12, max_verify=2)
+    model.forward(torch.tensor([[1, 2]]), state)
+    with pytest.raises(ValueError, match=r"a verify step of 3 tokens .* takes 2$"):
+        model.forward(torch.tensor([[3, 4, 5]]), state, verify=True)
+    assert state.lengths.tolist() == [2] and model.fallbacks == ["call 0: a prompt of 2 tokens"]
+
+
+@pytest.mark.parametrize("path", KERNEL_PATHS)
+def test_the_mla_splits_are_asked_for_the_step_s_sequences_and_tokens(two_weights, path,
+                                                                        monkeypatch):
+    """With no ``attention_splits`` set, the split count comes from ``mla_splits`` (a GPU's
+    SMs against the programs: one per sequence per block of its tokens' heads), asked for
+    the step's batch and tokens a sequence (not its B·T rows) and the cache's capacity; a
+    CPU's answer is 1 whatever it is asked, so only the asking shows it."""
+    import kimi_perf.decode.kernel_path as kernel_path
+
+    asked = []
+    monkeypatch.setattr(kernel_path, "mla_splits", lambda *args: asked.append(args) or 1)
+    model = make_path(path, TWO, two_weights, torch.float32)
+    state = model.new_state(2, 10, max_verify=3)
+    model.forward(torch.tensor([[1, 2], [3, 4]]), state)
+    model.forward(torch.tensor([[5, 6, 7], [8, 9, 10]]), state, verify=True)
+    assert asked == [(2, 3, TWO.mla_heads_local, 10, model.device)]
+
+
+@pytest.mark.parametrize("path", KERNEL_PATHS)
+def test_mla_splits_that_each_hold_positions_merge_to_the_standard_output(two_weights, path):
+    """The split attention's merge itself: past 64 positions (the interpreter's block of
+    positions: each split takes whole blocks) both of 2 splits hold some, so the partials must
+    be merged by their log-sum-exps; at the other tests' lengths every position falls in split
+    0 and the others are empty, which a path that read split 0 alone would pass."""
+    std = K3Model(TWO, two_weights, dtype=torch.float32)
+    fast = make_path(path, TWO, two_weights, torch.float32)
+    fast.attention_splits = 2
+    tokens = torch.randint(0, TWO.vocab, (1, 101), generator=torch.Generator().manual_seed(3))
+    states = [m.new_state(1, 101) for m in (std, fast)]
+    for m, st in zip((std, fast), states, strict=True):
+        m.forward(tokens[:, :100], st, last_logits=True)
+    want, got = (m.forward(tokens[:, 100:], st) for m, st in zip((std, fast), states,
+                                                                 strict=True))
+    assert rel_err(got, want.double()) < 1e-4
+    assert fast.fallbacks == ["call 0: a prompt of 100 tokens"]
+
+
+def test_pdl_and_its_prefetch_bytes_reach_every_kernel_step(two_weights, monkeypatch):
+    """``SpecializedModel(pdl=True, pdl_prefetch_bytes=n)``: each step the kernels take runs
+    inside ``programmatic_launch(True, n)`` (what flags every launch and has the skinny
+    linears read n bytes of their weights into L2 first; the interpreter reads none, so only
+    the call shows it); a step that falls back, none."""
+    import kimi_perf.decode.kernel_path as kernel_path
+
+    entered = []
+    real = kernel_path.programmatic_launch
+    monkeypatch.setattr(kernel_path, "programmatic_launch",
+                        lambda *args: entered.append(args) or real(*args))
+    fast = SpecializedModel(TWO, two_weights, dtype=torch.float32, pdl=True,
+                            pdl_prefetch_bytes=4096)
+    state = fast.new_state(1, 8)
+    fast.forward(torch.tensor([[1, 2]]), state)
+    assert entered == []
+    fast.forward(torch.tensor([[3]]), state)
+    assert entered == [(True, 4096)]
+
+
+def test_experts_grouped_from_1_on_are_the_specialized_path_s_alone(weights):
+    """``group_experts_from`` is refused by the standard path whatever count it names, 0
+    included (a count the specialized path refuses too, but here the option itself is the
+    error: it is not the standard path's); the specialized path takes 1, the smallest count
+    (every step grouped), as it is given."""
+    for given in (0, 1):
+        with pytest.raises(ValueError, match=r"^group_experts_from: the latency-specialized "):
+            build_model(SMALL, weights, group_experts_from=given)
+    assert build_model(SMALL, weights, "latency_specialized",
+                       group_experts_from=1).group_experts_from == 1
+
+
+def test_each_kernel_path_launches_its_steps_in_order(two_weights):
+    """A decode step's launches under TP (an identity all-reduce), in order and by name, per
+    layer and after the last: the specialized path's as its plan lists them (S1-S12, M2-M7),
+    the one-kernel-per-step standard path's as the standard path's ops annotate them (the
+    same names: the CPU table and the GPU's rows line up by them)."""
+    expected = {
+        0: ["attn_res_pre", "in_proj", "fused_kda_decode", "o_proj", "all_reduce",
+            "attn_res_post", "dense_gate_up_situ", "dense_down", "all_reduce"],
+        1: ["attn_res_pre", "qkv_a_g_proj", "q_b_proj", "bmm_w_uk_cache_insert", "mla_decode",
+            "bmm_w_uv_gate", "o_proj", "all_reduce", "attn_res_post", "router_latent_down",
+            "moe_fc1_situ_shared_gate_up", "moe_fc2_combine_shared_down", "moe_all_reduce",
+            "latent_up_proj"],
+        2: ["attn_res_final", "lm_head"]}
+    launched = {}
+    for path in ("standard", "standard_kernels", "specialized"):
+        model = make_path(path, TWO, two_weights, torch.float32)
+        model.all_reduce = lambda x: x
+        state = model.new_state(1, 4)
+        model.forward(torch.tensor([[1, 2]]), state)
+        model.launches = []
+        model.forward(torch.tensor([[3]]), state)
+        launched[path] = {i: [n for at, n in model.launches if at == i] for i in range(3)}
+    assert launched["specialized"] == expected
+    assert launched["standard_kernels"] == launched["standard"]
+    assert launched["standard"][1][-6:] == ["shared_down", "latent_all_reduce", "latent_rmsnorm",
+                                            "latent_up_proj", "shared_all_reduce", "moe_add"]
+    assert launched["standard"][2] == ["attn_res_final", "final_norm", "lm_head"]
+
+
+@pytest.mark.parametrize("path", KERNEL_PATHS)
+def test_only_the_standard_kernels_hand_the_kda_kernel_their_f_b_projection(two_weights, path,
+                                                                          monkeypatch):
+    """The one-kernel-per-step standard path runs f_b_proj as a GEMM of its own (vLLM's) and
+    hands its output to the KDA kernel; the specialized path lets the kernel project f itself
+    (its S3 fusion). Either way the result is the same, so only the call shows a standard
+    path that computed f twice and measured the fusion as its own."""
+    import kimi_perf.decode.kernel_path as kernel_path
+
+    given = []
+    real = kernel_path.kda_decode
+    monkeypatch.setattr(kernel_path, "kda_decode", lambda *args, f=None, **kwargs: (
+        given.append(None if f is None else tuple(f.shape)) or real(*args, f=f, **kwargs)))
+    model = make_path(path, TWO, two_weights, torch.float32)
+    state = model.new_state(2, 4)
+    model.forward(torch.tensor([[1, 2], [3, 4]]), state)
+    model.forward(torch.tensor([[5], [6]]), state)
+    proj = TWO.kda_heads_local * TWO.kda_head_dim
+    assert given == [(2, 1, proj) if path == "standard_kernels" else None]
+
+
+def test_the_l2_prefetch_forks_before_the_attention_and_joins_after_o_proj(two_weights,
+                                                                          monkeypatch):
+    """On a GPU the prefetch of o_proj's weights runs on a second stream: forked from the
+    path's stream after the launch before the attention (in_proj, M4), joined after o_proj,
+    so that neither the attention nor o_proj waits for it. Streams stand in for a GPU's
+    here; each fork and join is noted among the launches, and so is each plain projection's
+    run ("ran": the join must come after o_proj's kernel, not only its annotation)."""
+    fast = SpecializedModel(TWO, two_weights, dtype=torch.float32, l2_prefetch=True)
+    plain_linear = fast.plain_linear
+    fast.plain_linear = lambda x, w: (plain_linear(x, w), fast.launches.append(
+        (fast.layer, "ran")))[0]
+
+    class Stream:
+        def wait_stream(self, other):
+            fast.launches.append((fast.layer, "join" if self is main else "fork"))
+
+    main = Stream()
+    fast.side_stream = Stream()
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: main)
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    state = fast.new_state(1, 4)
+    fast.forward(torch.tensor([[1, 2]]), state)
+    fast.launches = []
+    fast.forward(torch.tensor([[3]]), state)
+    layers = [[n for at, n in fast.launches if at == i] for i in range(2)]
+    assert layers[0][:10] == ["attn_res_pre", "in_proj", "ran", "l2_prefetch", "fork",
+                              "fused_kda_decode", "o_proj", "ran", "join", "attn_res_post"]
+    assert layers[1][:13] == ["attn_res_pre", "qkv_a_g_proj", "ran", "q_b_proj",
+                              "bmm_w_uk_cache_insert", "l2_prefetch", "fork", "mla_decode",
+                              "bmm_w_uv_gate", "o_proj", "ran", "join", "attn_res_post"]
+
+
+@pytest.mark.parametrize("path", KERNEL_PATHS)
+def test_an_fp8_cache_s_q_scale_is_taken_where_q_hat_is_made_and_read(two_weights, path):
+    """An fp8 latent cache whose q̂ has a scale of its own (``q_scale``, a checkpoint's; 1 in
+    the other tests, where leaving it out anywhere changes nothing): the kernel that writes q̂
+    stores its values / q_scale and the attention multiplies them back, as the standard path's
+    ops do, so the logits match the standard path's on the same fp8 state."""
+    std = K3Model(TWO, two_weights, dtype=torch.float32)
+    fast = make_path(path, TWO, two_weights, torch.float32)
+    states = [m.new_state(2, 4, kv_dtype=torch.float8_e4m3fn, kv_scale=0.5, q_scale=4.0)
+              for m in (std, fast)]
+    tokens = torch.tensor([[1, 2, 3], [4, 5, 6]])
+    for m, st in zip((std, fast), states, strict=True):
+        m.forward(tokens[:, :2], st)
+    want, got = (m.forward(tokens[:, 2:], st) for m, st in zip((std, fast), states,
+                                                               strict=True))
+    assert rel_err(got, want.double()) < 1e-3
+
+
+@pytest.mark.parametrize("path", KERNEL_PATHS)
+def test_a_bf16_model_s_kernel_steps_give_float32_logits(two_weights, path):
+    """The LM head writes fp32 logits whatever the model's dtype, as the standard path's
+    ops do (bf16 logits keep 8 bits of a logit: the sampling and the checks against the
+    reference would read rounded values); the prefill, which falls back, alike."""
+    model = make_path(path, TWO, two_weights, torch.bfloat16)
+    state = model.new_state(1, 4)
+    prefill = model.forward(torch.tensor([[1, 2]]), state)
+    step = model.forward(torch.tensor([[3]]), state)
+    assert (prefill.dtype, step.dtype, step.shape) == (torch.float32, torch.float32,
+                                                       (1, 1, TWO.vocab))
