@@ -259,7 +259,13 @@ def test_layers_of_one_name_running_other_kernels_have_no_spread():
 def test_overview_of_several_traces_names_the_slowest():
     """A TP run's ranks in one table: per layer type the median span of each, and the
     slowest over the fastest (here rank 1's MLA layers take 1.5 times as long)."""
-    from kimi_perf.comparison import differing_patterns, overview, spreads, stragglers
+    from kimi_perf.comparison import (
+        differing_patterns,
+        overview,
+        overview_notes,
+        spreads,
+        stragglers,
+    )
 
     ranks = {}
     for rank, mla_scale in ((0, 1.0), (1, 1.5), (2, 1.0)):
@@ -282,6 +288,12 @@ def test_overview_of_several_traces_names_the_slowest():
     assert spread["kda"].ratio == 1.0 and spread["kda"].slowest_label is None  # all equal
     assert spread[None].slowest_label == "rank2"
     assert stragglers(list(spread.values())) == {"rank2": ["step"], "rank1": ["mla"]}
+    # the line under the table gives each the p of its test, or says none could be made
+    assert spread["mla"].tested_over == "layers" and spread[None].p_value is None
+    p = f"{spread['mla'].p_value:.2g}"
+    assert overview_notes(rows, list(spread.values()))[:2] == [
+        "slowest: rank2 (step by the ratio alone: too few spans to test)",
+        f"slowest: rank1 (mla p {p} over layers)"]
     assert differing_patterns(rows) == []
     for rank, digest in ((0, "a1"), (1, "b2"), (2, "a1")):  # as if found by the pattern
         ranks[f"rank{rank}"].layer_types[0]["pattern"] = digest
@@ -346,6 +358,11 @@ def test_overview_columns_say_what_each_trace_calls_their_types(tmp_path):
         plotly_js="cdn").read_text()
     assert "<p>Columns name a type as the first trace that has it does: B is C in " in report
     assert "B&#x27; is B in t2v_inference_2xh100_1s.</p>" in report
+
+
+# what the table of two_device_trace's devices says under it (three steps a side: too few
+# to test)
+DEVICE_1_SLOWEST = "slowest: device 1 (step, mla by the ratio alone: too few spans to test)"
 
 
 def two_device_trace(slow_mla: float = 2.0, layers: tuple[int, int] = (4, 4),
@@ -457,7 +474,7 @@ def test_a_trace_of_two_devices_is_a_row_per_device():
     assert device_figures(breakdown(nvtx_decode_trace("layer[{i}]({kind})").build())) == {}
     text = " ".join(tables_text(breakdown_tables(b)).split())
     assert "Every device (medians; µs = span, layer kernels in brackets)" in text
-    assert "slowest: device 1 (step, mla)" in text
+    assert DEVICE_1_SLOWEST in text
     json_rows = overview_json(rows)["rows"]
     assert [(r["label"], r["trace"], r["device"]) for r in json_rows] == [
         ("device 0", "job", 0), ("device 1", "job", 1)]
@@ -517,7 +534,8 @@ def test_a_slowest_within_noise_is_not_named(tmp_path):
             "0.07 "
             "over layers), mla 1.02× (p 0.2 over layers)")
     text = " ".join(tables_text([overview_table(rows)]).split())
-    assert "slowest: device 1 (step)" in text and said in text
+    assert "slowest: device 1 (step by the ratio alone: too few spans to test)" in text
+    assert said in text
     assert [(s["type"], s["slowest"], s["alpha"], s["tested_over"])
             for s in overview_json(rows)["spreads"]] == [
         (None, "device 1", None, None), ("kda", None, 0.005, "layers"),
@@ -594,7 +612,7 @@ def test_a_trace_of_two_devices_gets_its_device_table_in_the_report_and_the_run(
     run_dir, results, run_info = analyse([trace_file], tmp_path / "runs", plotly_js="cdn")
     html = (run_dir / run_info["report"]).read_text()
     assert "<h2>Every device (medians; µs = span, layer kernels in brackets)</h2>" in html
-    assert "<tr><th>device</th>" in html and "<p>Slowest: device 1 (step, mla).</p>" in html
+    assert "<tr><th>device</th>" in html and f"<p>S{DEVICE_1_SLOWEST[1:]}.</p>" in html
     doc = run_document(run_dir, results, run_info)
     assert [r["label"] for r in doc["devices"]["job"]["rows"]] == ["device 0", "device 1"]
     assert "overview" not in doc
@@ -602,7 +620,7 @@ def test_a_trace_of_two_devices_gets_its_device_table_in_the_report_and_the_run(
     out = CliRunner().invoke(main, ["trace", "--from", str(trace_file), "-o",
                                     str(tmp_path / "cli")])
     assert out.exit_code == 0, out.output
-    assert "slowest: device 1 (step, mla)" in " ".join(out.output.split())
+    assert DEVICE_1_SLOWEST in " ".join(out.output.split())
 
 
 def test_two_traces_of_two_devices_each_get_the_table_of_every_device(tmp_path):
@@ -624,7 +642,7 @@ def test_two_traces_of_two_devices_each_get_the_table_of_every_device(tmp_path):
     text = " ".join(out.output.split())
     assert (text.index("Per layer type: before vs after") < text.index("Every device of before")
             < text.index("Every device of after") and "Every trace" not in text)
-    assert text.count("slowest: ") == 1 and "slowest: device 1 (step, mla)" in text
+    assert text.count("slowest: ") == 1 and DEVICE_1_SLOWEST in text
     assert "before's layers ran on 2 devices: its figures are medians over all of them" in text
     (run_dir,) = (tmp_path / "runs").iterdir()
     page = (run_dir / "report.html").read_text()
@@ -643,7 +661,7 @@ def test_two_traces_of_two_devices_each_get_the_table_of_every_device(tmp_path):
             "device's: its table of every device)") in said
     # compare shows each job's devices too, after the pair's table, as trace --from does
     assert (said.index("Per layer type: before vs after") < said.index("Every device of before")
-            < said.index("Every device of after") and "slowest: device 1 (step, mla)" in said)
+            < said.index("Every device of after") and DEVICE_1_SLOWEST in said)
     from kimi_perf.comparison import compare_files, overview_json
 
     c = compare_files(before, after)
