@@ -243,6 +243,25 @@ def test_accept_keeps_exactly_the_accepted_tokens():
         state.accept(torch.tensor([1, 1]))       # nothing left to accept
 
 
+def _summed(rank: int, dtype_name: str) -> torch.Tensor:
+    from kimi_perf.decode.tp import all_reduce_sum
+
+    x = torch.tensor([1.0 + 2.0 ** -40, 3.0], dtype=torch.float64) * (rank + 1)
+    return all_reduce_sum(x.to(getattr(torch, dtype_name)))
+
+
+def test_a_tp_sum_keeps_the_precision_of_its_dtype():
+    """The ranks' sum on gloo: a float64 sums as float64 (an fp32 copy would drop its 2^-40),
+    a bf16 as bf16, in place either way."""
+    from kimi_perf.decode.tp import run_on_cpu_ranks
+
+    for got in run_on_cpu_ranks(2, _summed, "float64"):
+        assert got.dtype == torch.float64
+        assert got.tolist() == [3 * (1.0 + 2.0 ** -40), 9.0]
+    for got in run_on_cpu_ranks(2, _summed, "bfloat16"):
+        assert got.dtype == torch.bfloat16 and got.tolist() == [3.0, 9.0]
+
+
 def _tp_logits(rank: int, weights, dtype_name: str):
     from kimi_perf.decode.tp import rank_model
 

@@ -31,9 +31,10 @@ if TYPE_CHECKING:   # (the model chooses Triton's interpreter: not where threads
 
 
 def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
-    """Sum over the ranks, in place (one collective launch, no copy); gloo lacks bf16
-    reductions, so there it reduces an fp32 copy."""
-    if dist.get_backend() == "gloo" and x.dtype != torch.float32:
+    """Sum over the ranks, in place (one collective launch, no copy); on gloo, whose
+    builds do not all reduce bf16 or fp16, those through an fp32 copy (a float64 keeps its
+    own precision)."""
+    if dist.get_backend() == "gloo" and x.dtype in (torch.bfloat16, torch.float16):
         y = x.float()
         dist.all_reduce(y)
         return x.copy_(y)
