@@ -4221,3 +4221,150 @@ def test_a_path_s_metrics_leave_its_warm_up_steps_out(monkeypatch, tmp_path):
     assert again["step_latency_s"] == {"median": 4.0, "min": 4.0, "max": 6.0}
     assert again["profiled_step_latency_s"] == 2.0 and again["time_to_first_token_s"] == 0.25
     assert again["decode_tokens_per_s"] == 6 / 14 and again["logits_finite"] is False
+
+
+def test_an_os_error_no_reader_named_is_still_one_line_and_exit_2(capsys):
+    """An OSError that reaches a command unconverted (a file it was pointed at, not a bug of
+    ours) ends as every bad input does: one line naming the file, and exit 2, never 1, which
+    ``gate`` gives a regression."""
+    @cli._fail_cleanly
+    def command():
+        raise FileNotFoundError(2, "No such file or directory", "/nowhere/t.json")
+
+    with pytest.raises(SystemExit) as ended:
+        command()
+    assert ended.value.code == 2
+    assert capsys.readouterr().err == ("kimi-perf: error: /nowhere/t.json: No such file or "
+                                       "directory\n")
+
+
+def test_a_run_directory_given_stands_for_its_run_json_as_an_input(tmp_path):
+    """A run directory given as an input is read with its run.json (the run information the
+    gate and the report read): -o naming that run.json is refused, as one naming its
+    breakdown.json is, and the run is left as it was."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    shutil.copy(BASELINE, run_dir / "breakdown.json")
+    info = '{"command": "kimi-perf trace", "paths": ["standard", "specialized"]}\n'
+    (run_dir / "run.json").write_text(info)
+    for args in (["compare", run_dir, "--format", "json"],
+                 ["breakdown", run_dir, "--path", "standard", "--format", "json"]):
+        for output in (run_dir / "run.json", run_dir / "breakdown.json"):
+            _one_line_error(run(*args, "-o", output), "is an input of this command")
+    assert (run_dir / "run.json").read_text() == info
+    assert (run_dir / "breakdown.json").read_bytes() == BASELINE.read_bytes()
+
+
+def test_ranges_match_finds_its_regex_anywhere_in_a_name():
+    """--match is Python's re.search, as its help says: a regex found inside a range's name
+    (emit_nvtx's ', seq = ' after each op's name) keeps the range, not only one found at the
+    name's start."""
+    trainer = NSYS / "nsysai_fastvideo_wan2.1_train_2xh100_before.sqlite"
+    doc = json.loads(run("ranges", trainer, "--format", "json").output)
+    inside = json.loads(run("ranges", trainer, "--format", "json", "--match",
+                            "Func, seq = ").output)
+    assert inside["rows"] == [r for r in doc["rows"] if "Func, seq = " in (r["range"] or "")]
+    assert len(inside["rows"]) == 66
+
+
+def test_a_run_breakdown_s_schema_is_the_integer_1(tmp_path):
+    """A run's schema is the integer 1: ``true`` or ``1.0`` equal 1 in Python but are no
+    schema kimi-perf writes (a file edited, or written by another tool), refused as any other
+    schema is, before anything is drawn."""
+    doc = json.loads(BASELINE.read_text())
+    out = tmp_path / "r.html"
+    for schema in (True, 1.0):
+        doc["schema"] = schema
+        odd = tmp_path / "odd.json"
+        odd.write_text(json.dumps(doc))
+        for args in (["report", odd, "-o", out], ["compare", odd]):
+            _one_line_error(run(*args), f"{odd}: not a kimi-perf run breakdown of schema 1")
+        assert not out.exists()
+
+
+def test_a_run_breakdown_of_no_paths_is_no_run(tmp_path):
+    """A run document whose paths are empty holds no breakdown to read: one line naming the
+    file and exit 2 for every command (not a traceback from a report with nothing to draw, nor
+    a choice among no paths)."""
+    doc = json.loads(BASELINE.read_text())
+    doc["paths"] = {}
+    empty = tmp_path / "empty.json"
+    empty.write_text(json.dumps(doc))
+    for args in (["report", empty, "-o", tmp_path / "r.html"], ["compare", empty],
+                 ["breakdown", empty], ["gate", empty, BASELINE]):
+        _one_line_error(run(*args), f"{empty}: neither a kimi-perf run breakdown nor a "
+                                    "breakdown JSON")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty.json"]
+
+
+def test_json_s_true_is_no_stored_number(tmp_path):
+    """JSON's ``true`` is no number, though Python's bool is an int: a baseline's tolerance
+    (a rel_tol of true would gate at 100%) or a run's decode metric stored as true is refused
+    in one line, as any figure of another kind is."""
+    for change, message in (
+            (lambda d: d.update(gate_tolerances={"rel_tol": True}),
+             "gate_tolerances.rel_tol is not a finite number >= 0"),
+            (lambda d: d["run"]["paths"]["standard"].update(decode_tokens_per_s=True),
+             "run.paths.standard: its decode metrics are not numbers"),
+            # (each of the step latency's median, min and max: the report shows them)
+            (lambda d: d["run"]["paths"]["standard"]["step_latency_s"].update(max=True),
+             "run.paths.standard: its decode metrics are not numbers")):
+        doc = json.loads(BASELINE.read_text())
+        change(doc)
+        odd = tmp_path / "odd.json"
+        odd.write_text(json.dumps(doc))
+        _one_line_error(run("gate", odd, BASELINE), f"{odd}: {message}")
+
+
+def test_a_log_reader_that_left_keeps_the_verdict_files_written(tmp_path):
+    """`gate --update ... 2>&1 | head`: the verdict files are written, and the stored line
+    then finds stderr's reader gone: the command ends as a reader gone ends it (141), and what
+    it wrote stays, the baseline stored and the verdict files whole; only a gate that could
+    not run removes them."""
+    copy = tmp_path / "base.json"
+    older = json.loads(BASELINE.read_text())
+    older["run"]["date"] = "an older run"
+    copy.write_text(json.dumps(older))
+    verdict, junit = tmp_path / "verdict.txt", tmp_path / "verdict.xml"
+    read, write = os.pipe()
+    os.close(read)                   # every write to stderr: EPIPE
+    try:
+        code = subprocess.run([sys.executable, "-m", "kimi_perf", "gate", "--update", str(copy),
+                               str(BASELINE), "-o", str(verdict), "--junit", str(junit)],
+                              stdout=subprocess.DEVNULL, stderr=write, timeout=300).returncode
+    finally:
+        os.close(write)
+    assert code == 141
+    assert json.loads(copy.read_text()) == json.loads(BASELINE.read_text())   # stored
+    assert verdict.read_text().endswith("\ngate: pass (24 checks)\n")
+    assert "<testsuite" in junit.read_text()
+
+
+def test_a_report_to_stdout_s_dash_is_the_page_alone():
+    """`report -o - > r.html`: stdout holds the page and nothing after it (no "report: -"
+    line, which would end the HTML with text of the terminal's)."""
+    page = run("report", BASELINE, "-o", "-", "--plotly-js", "cdn")
+    assert page.exit_code == 0
+    assert page.stdout.startswith("<!DOCTYPE html>") and page.stdout.endswith("</body></html>")
+    assert not Path("-").exists()
+
+
+def test_a_count_of_hundreds_of_digits_is_quoted_back_cut_short():
+    """A usage error quotes a number of hundreds of digits given for a count by its first six
+    and its length: the line stays one a terminal shows whole."""
+    result = run("floors", "--batch", "9" * 200)
+    assert result.exit_code == 2 and result.output.count("\n") == 1
+    assert result.output.startswith(
+        "kimi-perf: error: Invalid value for '--batch': 999999…(200 digits) is not in the range "
+        "1<=x<=65536. (see ")
+
+
+def test_an_allocation_that_failed_is_said_in_decimal_units():
+    """torch's CPU allocator says the bytes it tried to allocate after its source line: the
+    one line says them in decimal GB, as every size kimi-perf says, and what to make
+    smaller."""
+    with pytest.raises(TraceError) as said, cli._memory_said("batch 4"):
+        raise RuntimeError("[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: "
+                           "can't allocate memory: you tried to allocate 2500000000 bytes.")
+    assert said.value.problem == ("out of memory for batch 4 (an allocation of 2.5 GB "
+                                  "failed): take a smaller batch, context or step count")

@@ -3977,3 +3977,407 @@ def test_the_u_test_of_one_value_counts_its_own_rank():
 
     assert u_test(np.array([5.0]), np.array([1.0, 2.0, 3.0, 4.0]), True) == pytest.approx(0.2)
     assert u_test(np.array([0.0]), np.array([1.0, 2.0, 3.0, 4.0]), False) == pytest.approx(0.2)
+
+
+def _cut(found_by: str | None, layer_source: str | None, options: dict | None,
+         phase: str = "decode", name: str = "decode_step[{i}]") -> Breakdown:
+    """A job of one device, six steps of one kda layer, as a breakdown says it found them:
+    ``found_by`` its steps (``source.steps_found_by``), ``layer_source`` its layers (each
+    step's), ``options`` its ``source.breakdown_options``; None: not said (an older one)."""
+    b = _job_of_steps({0: [100.0, 101.0, 102.0, 103.0, 104.0, 105.0]})["trace"]
+    for i, s in enumerate(b.steps):
+        s.update(name=name.format(i=i), phase=phase)
+        if layer_source is not None:
+            s["layer_source"] = layer_source
+    if found_by is not None:
+        b.source["steps_found_by"] = found_by
+    if options is not None:
+        b.source["breakdown_options"] = options
+    return b
+
+
+def test_how_each_side_was_broken_down_is_a_difference_only_where_it_found_other_cuts(
+        tmp_path):
+    """What ``breakdown_differences`` and ``phase_differences`` hold to: a side that does not
+    say how it found its steps or layers (stored before it did), or whose steps name no phase
+    ("unknown" included), is no difference; --steps given where the steps were not ranges
+    (graph launches found them on both sides), and --phase that kept the same phases, found
+    no other cuts; a baseline stored before it recorded its pattern's own rules
+    (``layout_rules``) compares by all its rules; another version's default rules under the
+    pattern are a difference. And without --strict a difference is said, failing nothing."""
+    from kimi_perf.gate import breakdown_differences, phase_differences
+
+    def differ(base: Breakdown, run: Breakdown) -> list[str]:
+        return breakdown_differences({"trace": base}, {"trace": run})
+
+    opts = {"layers": "auto", "steps": None, "phase": "auto", "rules": "default",
+            "layout_rules": "default", "default_rules": "sha256:aaaa"}
+    ranges = _cut("range", "nvtx", opts)
+    assert differ(ranges, ranges) == []
+    # (a side that does not say how it found its steps, or its layers)
+    assert differ(_cut(None, "nvtx", opts), ranges) == []
+    assert differ(_cut("range", None, opts), ranges) == []
+    # (--steps where graph launches found the steps on both sides: no other ranges)
+    graphs = _cut("graph", "nvtx", opts | {"steps": "^iteration$"}, name="graph[{i}]")
+    assert differ(_cut("graph", "nvtx", opts), graphs) == []
+    # (--phase decode that kept what auto kept)
+    assert differ(ranges, _cut("range", "nvtx", opts | {"phase": "decode"})) == []
+    # (steps whose phase is unknown name none: no difference of phases, either way)
+    unknown = _cut("range", "nvtx", opts, phase="unknown")
+    assert phase_differences({"trace": unknown}, {"trace": ranges}) == []
+    assert differ(unknown, ranges) == []
+    # under the pattern: an older side without layout_rules compares by its rules
+    pattern = _cut("range", "repeat", opts)
+    older = _cut("range", "repeat", {k: v for k, v in opts.items() if k != "layout_rules"})
+    assert differ(older, pattern) == []
+    assert differ(pattern, _cut("range", "repeat", opts | {"default_rules": "sha256:bbbb"})) == [
+        "default kernel-class rules (another version's) 'sha256:aaaa' vs 'sha256:bbbb'"]
+    # other means of finding the steps: said, failing only under --strict
+    files = [tmp_path / "base.json", tmp_path / "run.json"]
+    loaded = {files[0]: ({"trace": ranges}, {}, None),
+              files[1]: ({"trace": _cut("graph", "nvtx", opts)}, {}, None)}
+    lax = gate_files(*files, loaded=loaded).result
+    assert lax.breakdown_differences == ["steps found by step ranges vs graph launches"]
+    assert lax.ok and "broken down differently" not in {c.status for c in lax.checks}
+    strict = gate_files(*files, loaded=loaded, strict=True).result
+    assert [c.status for c in strict.failures] == ["broken down differently"]
+
+
+def test_windows_of_unequal_layers_make_every_step_check_changed():
+    """Each device one step, the profiler's window (a TP job of six, no step range found):
+    windows of 3 layers against windows of 2 ran other work, so every whole-step check is
+    ``changed``, the layer count too (no ``differs`` that fails), and a span that moved
+    within noise as well (the window's span is the window's, whatever ran); the gate
+    passes."""
+    base = _job_of_steps({d: [100.0 + d] for d in range(6)}, layers_a_step=3)["trace"]
+    run = _job_of_steps({d: [100.0 + d] for d in range(6)}, layers_a_step=2)["trace"]
+    # (the run's windows' spans: +8% at the median, yet interleaved with the baseline's
+    # 300 to 315: noise, were they compared)
+    for step, span in zip(run.steps, (290.0, 295.0, 330.0, 335.0, 340.0, 345.0), strict=True):
+        step["span_us"] = span
+    for b in (base, run):
+        b.source["steps_found_by"] = "device"
+    result = gate({"trace": base}, {"trace": run})
+    steps = {c.metric: c for c in result.checks if c.layer_type == "step"
+             and c.metric not in ("kernel_us_device", "span_us_device")}
+    assert {m: c.status for m, c in steps.items()} == {
+        m: "changed" for m in ("layers", "kernels", "kernels_max", "kernel_us", "span_us")}
+    assert (steps["layers"].baseline, steps["layers"].current) == (3, 2)
+    assert steps["span_us"].detail == ("each device is one step, the profiler's window: 3 "
+                                       "layers a step in the baseline, 2 in the run")
+    assert result.ok
+
+
+def test_devices_take_their_layers_only_where_the_whole_takes_its_layers():
+    """Four devices of five steps each, three layers a step: the whole's test takes its
+    five steps a side (1/252 reaches alpha 0.01), so each device's test takes its steps too,
+    and five cannot reach alpha / 4: no device checks (said), though each device's fifteen
+    layers a side could: layers a step share its noise, and their p would be optimistic."""
+    steady = [100.0, 101.0, 102.0, 103.0, 104.0]
+    slower = [120.0, 121.0, 123.0, 124.0, 125.0]
+    result = gate(_job_of_steps({d: steady for d in range(4)}, layers_a_step=3),
+                  _job_of_steps({d: slower if d == 1 else steady for d in range(4)},
+                                layers_a_step=3))
+    assert not [c for c in result.checks if c.metric in ("span_us_device", "kernel_us_device")]
+    assert result.devices_untimed == {"trace kda": 4, "trace step": 4}
+
+
+def test_a_path_the_run_lacks_stays_missing_where_the_run_s_model_lacks_its_type(tmp_path):
+    """A run of a model of 2 layers (no KDA layer) that lost the specialized path: a layer
+    type the shallower model lacks is ``changed`` only on a path both sides hold; the lost
+    path's kda checks stay missing, and fail."""
+    doc = json.loads(BASELINE.read_text())
+    del doc["paths"]["specialized"]
+    doc["run"]["paths"].pop("specialized", None)
+    doc["run"]["n_layers"] = 2
+    alone = tmp_path / "two_standard_only.json"
+    alone.write_text(json.dumps(doc))
+    result = gate_files(BASELINE, alone, Tolerances(metrics="kernels")).result
+    lost = [c for c in result.checks if c.path == "specialized" and c.layer_type == "kda"]
+    assert lost and {c.status for c in lost} == {"missing"} and not result.ok
+
+
+def _typed_job(types_of: dict[int, str], devices: int = 4, steps: int = 6) -> Breakdown:
+    """A job of ``devices`` devices, ``steps`` steps each, whose steps hold the layers
+    ``types_of`` types on device 1 and ``AAB`` on the others, types A and B found by the
+    kernel pattern (their digests)."""
+    layers, rows = [], []
+    for d in range(devices):
+        kinds = types_of.get(d, "AAB")
+        for s in range(steps):
+            layers += [{"type": t, "step": s, "device": d, "index": i, "kernels": 9,
+                        "kernel_us": 100.0 + s, "span_us": 101.0 + s}
+                       for i, t in enumerate(kinds)]
+            rows.append({"index": s, "device": d, "layers": len(kinds), "kernels": 9 * len(kinds),
+                         "kernel_us": 300.0 + s, "span_us": 303.0 + s})
+    return Breakdown(source={}, steps=rows, layers=layers,
+                     layer_types=[{"type": "A", "pattern": "a"}, {"type": "B", "pattern": "b"}])
+
+
+def test_a_device_whose_layers_the_pattern_typed_otherwise_is_no_other_work():
+    """One rank of four whose steps the kernel pattern typed ABB where the baseline's were
+    AAB: as many layers a step on that device, typed otherwise, is no layer count that
+    differs (each type's median over every device's steps is unchanged)."""
+    result = gate({"trace": _typed_job({})}, {"trace": _typed_job({1: "ABB"})})
+    layers = {c.layer_type: c for c in result.checks if c.metric == "layers"}
+    assert {t: c.status for t, c in layers.items()} == {"A": "ok", "B": "ok", "step": "ok"}
+    assert layers["A"].device is None and result.ok
+
+
+def test_a_device_s_layers_a_step_are_its_median_step_s():
+    """A device's layers a step are its median step's: one of its six steps that ended
+    with the profiler's window holding 2 of 3 is no layer lost; two of three rows of that
+    step less leave every median as it was, and the gate passes."""
+    base = _job_of_steps({d: [100.0 + s for s in range(6)] for d in range(2)}, layers_a_step=3)
+    run = copy.deepcopy(base)
+    cut = run["trace"]
+    cut.layers = [r for r in cut.layers if (r["device"], r["step"], r["index"]) != (1, 5, 2)]
+    next(s for s in cut.steps if (s["device"], s["index"]) == (1, 5))["layers"] = 2
+    result = gate(base, run)
+    layers = {c.layer_type: c for c in result.checks if c.metric == "layers"}
+    assert {t: (c.baseline, c.current, c.status) for t, c in layers.items()} == {
+        "kda": (3, 3, "ok"), "step": (3, 3, "ok")}
+    assert result.ok
+
+
+def test_no_layer_count_where_the_steps_do_not_say_theirs():
+    """Steps that do not say how many layers they hold (a breakdown of an older kimi-perf):
+    a layer type the run lacks has its kernels and times missing, and no count a step of
+    its own, missing or new, made up of steps that say nothing."""
+    base = _job_of_steps({d: [100.0 + s for s in range(6)] for d in range(2)})
+    run = copy.deepcopy(base)
+    for r in run["trace"].layers:
+        r["type"] = "mla"
+    run["trace"].layer_types = [{"type": "mla"}]
+    for b in (base, run):
+        for s in b["trace"].steps:
+            del s["layers"]
+    result = gate(base, run)
+    assert "layers" not in {c.metric for c in result.checks}
+    assert {c.metric for c in result.checks if c.layer_type == "kda"} >= {"kernels", "kernel_us"}
+    assert {c.status for c in result.checks if c.layer_type == "kda"} == {"missing"}
+
+
+def test_classes_of_another_version_s_default_rules_are_changed_and_one_class_has_alpha():
+    """Kernel classes from another version's default rules (``default_rules``, the same
+    --rules on both sides) hold other kernels too: a class's checks are changed, not a
+    regression. A type of one class tests it at --alpha itself: no α of its own (JSON
+    ``alpha`` null, as for every check tested at --alpha)."""
+    base, run = _with_classes(20.0, 60.0), _with_classes(40.0, 40.0)
+    for b, defaults in ((base, "sha256:aaaa"), (run, "sha256:bbbb")):
+        b["specialized"].source["breakdown_options"] = {"rules": "default",
+                                                        "default_rules": defaults}
+    attention = next(c for c in gate(base, run).checks if c.kernel_class == "attention")
+    assert attention.status == "changed" and "other kernel-class rules" in attention.detail
+    one = [_with_classes(us, 0.0) for us in (20.0, 40.0)]
+    for b in one:
+        for r in b["specialized"].layers:
+            r["classes"] = {"attention": r["classes"]["attention"]}
+    (alone,) = [c for c in gate(*one).checks if c.metric == "class_us"]
+    assert alone.kernel_class == "attention" and alone.alpha is None
+
+
+def test_no_layer_check_where_one_layer_s_steps_are_too_few():
+    """Layers by index of 12 a step over 10 steps, but layer 11 held in 3 steps alone, and
+    twice as slow there: the layer that rose most has too few steps for the test at alpha
+    over the layers, so there is no such check (the largest of many noisy ratios, decided
+    by the thresholds alone, would pass for a regression), and the gate passes."""
+    base, run = _layers_noisy(0), _layers_noisy(1, slow={11: 2.0})
+    for b in (base, run):
+        kept = b["specialized"].layers = [r for r in b["specialized"].layers
+                                          if r["index"] != 11 or r["step"] < 3]
+        for row in b["specialized"].steps:   # (each step its layers', as kept)
+            row["kernel_us"] = sum(r["kernel_us"] for r in kept if r["step"] == row["index"])
+            row["span_us"] = row["kernel_us"] + 12
+    result = gate(base, run)
+    assert not [c for c in result.checks if c.metric == "layer_kernel_us"]
+    assert result.ok
+
+
+def test_devices_pair_by_rank_where_as_many_else_by_id():
+    """Four devices against four on GPUs 2 to 5 (some of them the baseline's): as many on
+    both sides, paired by rank (their order), none lost; three of four, device 1's layers
+    lost: paired by id, device 1 missing (not device 3, which the order would leave
+    over)."""
+    steps = [100.0, 101.0, 102.0, 103.0, 104.0, 105.0]
+    base = _job_of_steps({d: steps for d in range(4)})
+    moved = gate(base, _job_of_steps({d: steps for d in range(2, 6)}))
+    shown = [c for c in moved.checks if (c.layer_type, c.metric) == ("kda", "span_us_device")]
+    assert [c.status for c in shown] == ["ok"]
+    assert sorted((o.baseline_device, o.device) for c in shown for o in (c, *c.others)) == [
+        (0, 2), (1, 3), (2, 4), (3, 5)]
+    assert moved.ok
+    lost = gate(base, _job_of_steps({d: steps for d in (0, 2, 3)}))
+    devices = [(c.status, c.baseline_device, c.device) for c in lost.checks
+               if (c.layer_type, c.metric) == ("kda", "span_us_device")]
+    assert devices[0] == ("missing", 1, None) and len(devices) == 2
+    assert sorted((o.baseline_device, o.device) for c in lost.checks
+                  if (c.layer_type, c.metric) == ("kda", "span_us_device") and c.status != "missing"
+                  for o in (c, *c.others)) == [(0, 0), (2, 2), (3, 3)]
+
+
+def test_no_device_times_where_one_device_s_steps_are_too_few():
+    """Two devices, the second in three of the six steps alone, 15% slower there: device 0's
+    six steps a side could be tested at alpha / 2, device 1's three cannot, so neither
+    device's times are checked (said), as a ratio no test decides would pass for a
+    regression; the pooled figures, within the tolerance, pass."""
+    steady = [100.0, 101.0, 102.0, 103.0, 104.0, 105.0]
+    result = gate(_job_of_steps({0: steady, 1: steady[:3]}),
+                  _job_of_steps({0: steady, 1: [115.0, 116.0, 117.0]}))
+    assert not [c for c in result.checks if c.metric in ("span_us_device", "kernel_us_device")
+                and c.status != "missing"]
+    assert result.devices_untimed == {"trace kda": 2, "trace step": 2}
+    assert result.ok
+
+
+def test_a_device_that_regressed_is_shown_before_a_new_one_and_a_new_one_before_a_faster():
+    """A job of two devices against one of three (a device new): the type's device checks
+    show the one that regressed, not the new one, so that the gate fails on it (the others
+    stand behind it, and pass nothing of their own); where the device that moved improved,
+    the new device is shown, said new."""
+    steady = [100.0, 101.0, 102.0, 103.0, 104.0, 105.0]
+    base = _job_of_steps({0: steady, 1: steady})
+    for factor, status in ((1.2, "regression"), (0.8, "new")):
+        run = _job_of_steps({0: steady, 1: [v * factor for v in steady], 2: steady})
+        result = gate(base, run)
+        (shown,) = [c for c in result.checks if (c.layer_type, c.metric) == ("kda",
+                                                                             "span_us_device")]
+        assert shown.status == status and shown.device == (1 if status == "regression" else 2)
+        assert sorted(o.status for o in shown.others) == (
+            ["new", "ok"] if status == "regression" else ["improvement", "ok"])
+        assert result.ok == (status != "regression")
+
+
+def test_a_device_that_rose_from_nothing_is_shown_as_the_largest_rise():
+    """Two devices that regressed, one from 0 µs (a ratio of no number: its change None)
+    and one by 20%: the row shows the one that rose from nothing, as the largest rise."""
+    from kimi_perf.gate import Check, _shown_device
+
+    group = []
+    for device, (before, after) in enumerate(((100.0, 120.0), (0.0, 30.0))):
+        check = Check("standard", "kda", "span_us_device", before, after,
+                      after / before - 1 if before else None, 0.001, "regression")
+        check.device = check.baseline_device = device
+        group.append(check)
+    shown = _shown_device(group, [(0, 0), (1, 1)])
+    assert shown.device == 1 and shown.change is None
+    assert [o.device for o in shown.others] == [0]
+
+
+def test_a_test_takes_two_samples_a_side_at_least():
+    """``min_samples`` below 2 would test one value against another: refused, named."""
+    for few in (1, 0):
+        with pytest.raises(ValueError, match=r"min_samples: an integer ≥ 2"):
+            Tolerances(min_samples=few)
+    assert Tolerances(min_samples=2).min_samples == 2
+
+
+def test_a_rise_of_exactly_the_tolerance_passes_and_a_p_of_exactly_alpha_is_noise():
+    """A time fails where it rose by *more* than --rel-tol and --abs-tol and the test gives
+    p *under* --alpha: a median (or the steps' mean) up by exactly 1 µs (--abs-tol), or by
+    exactly 5% (--rel-tol), passes as ok, untested; five steps a side of which one of the
+    baseline's is above one of the run's give an exact p of 2/252, which at alpha 2/252 is
+    noise, for the medians' U test as for the means' permutation test."""
+    from kimi_perf.gate import _mean_check, _time_check
+
+    for before, after in ((10.0, 11.0), (100.0, 105.0)):
+        base, cur = np.full(10, before), np.full(10, after)
+        check = _time_check("standard", "step", "span_us", base, cur, Tolerances(), base, cur)
+        assert (check.status, check.p_value) == ("ok", None)
+        mean = _mean_check("standard", "step", base, cur, Tolerances())
+        assert (mean.status, mean.p_value) == ("ok", None)
+    base, cur = np.array([1.0, 2.0, 3.0, 4.0, 6.0]), np.array([5.0, 7.0, 8.0, 9.0, 10.0])
+    tol = Tolerances(alpha=2 / 252)
+    check = _time_check("standard", "step", "span_us", base, cur, tol, base, cur)
+    assert (check.status, check.p_value) == ("noise", 2 / 252)
+    mean = _mean_check("standard", "step", base + 10, cur + 10, tol)
+    assert (mean.status, mean.p_value) == ("noise", 2 / 252)
+
+
+def test_too_few_samples_on_either_side_leave_the_thresholds_alone():
+    """Four steps in the baseline against forty in the run: the test needs ``min_samples``
+    (5) on each side, so the thresholds decide alone (no p, nothing tested over), however
+    many steps the run has; a step's rows (a device each) stand in for too few steps as
+    steps, not layers."""
+    from kimi_perf.gate import _time_check
+
+    rng = np.random.default_rng(3)
+    base, cur = 100 + rng.normal(0, 3, 4), 108 + rng.normal(0, 3, 40)
+    check = _time_check("standard", "kda", "span_us", base, cur, Tolerances(), base, cur)
+    assert (check.status, check.p_value, check.tested_over) == ("regression", None, None)
+    # (a TP job's three steps a side: too few as steps; its twelve rows a side are tested)
+    rows = [100 + rng.normal(0, 1, 12), 120 + rng.normal(0, 1, 12)]
+    step = _time_check("standard", "step", "span_us", *rows, Tolerances(), rows[0][:3],
+                       rows[1][:3])
+    assert (step.status, step.tested_over) == ("regression", "steps") and step.p_value < 0.01
+
+
+def test_a_pattern_type_s_other_count_where_the_steps_hold_other_counts_differs():
+    """Types the kernel pattern found are waived (``changed``) where their counts a step
+    differ while the steps hold as many layers (typed otherwise); where a step holds a layer
+    more as well, the type's count differs, and fails."""
+    result = gate({"trace": _typed_job({}, devices=1)},
+                  {"trace": _typed_job({0: "AAAB"}, devices=1)})
+    layers = {c.layer_type: c for c in result.checks if c.metric == "layers"}
+    assert {t: (c.baseline, c.current, c.status) for t, c in layers.items()} == {
+        "A": (2, 3, "differs"), "B": (1, 1, "ok"), "step": (3, 4, "differs")}
+
+
+def test_a_plain_trace_against_a_run_s_path_is_compared_as_that_path():
+    """A plain trace (keyed ``trace``) against a run of one path: the two are paired for the
+    differences the gate says, as for its checks (steps of another phase, another unit)."""
+    from kimi_perf.gate import phase_differences, unit_differences
+
+    decode = _job_of_steps({0: [100.0 + s for s in range(6)]})["trace"]
+    mixed = copy.deepcopy(decode)
+    for b, phase in ((decode, "decode"), (mixed, "mixed")):
+        for s in b.steps:
+            s["phase"] = phase
+    assert phase_differences({"trace": decode}, {"standard": mixed}) == ["steps decode vs mixed"]
+    ops = copy.deepcopy(decode)
+    ops.source["ops"] = "cpu-ops"
+    assert unit_differences({"standard": ops}, {"trace": decode}) == [
+        "standard: a CPU run's ops vs GPU kernels"]
+
+
+def test_a_class_the_baseline_never_ran_has_no_ratio():
+    """A kernel class at 0 µs in every baseline layer and 40 µs in the run's: its change is
+    no number (JSON null, the table's ``-``), not 0%, and it regressed."""
+    attention = next(c for c in gate(_with_classes(0.0, 60.0), _with_classes(40.0, 60.0)).checks
+                     if c.kernel_class == "attention")
+    assert (attention.baseline, attention.status, attention.change) == (0.0, "regression", None)
+
+
+def test_a_type_whose_kernels_moved_to_another_letter_has_its_count_changed_too():
+    """The kernel pattern cut the run's layers elsewhere (k3 moved from B's typical layer to
+    A's: what A gained, B lost) and typed a step's layers AAAB where the baseline's were
+    AAB: A's count a step is other work of the pattern's, ``changed`` like its other checks,
+    not a count that ``differs``; the step, a layer more, still differs."""
+    def typed(kinds: str, sequences: dict[str, list[str]], digests: dict[str, str]) -> dict:
+        b = _typed_job({0: kinds}, devices=1)
+        for t in b.layer_types:
+            t.update(pattern=digests[t["type"]], layers=sum(
+                r["type"] == t["type"] for r in b.layers), typical_layer={"layers": 1, "kernels": [
+                    {"name": n, "class": "gemm", "us": 1.0} for n in sequences[t["type"]]]})
+        return {"trace": b}
+
+    base = typed("AAB", {"A": ["k0", "k1", "k2"], "B": ["k3", "k4", "k5"]}, {"A": "a", "B": "b"})
+    run = typed("AAAB", {"A": ["k0", "k1", "k2", "k3"], "B": ["k4", "k5"]}, {"A": "c", "B": "d"})
+    layers = {c.layer_type: c for c in gate(base, run).checks if c.metric == "layers"}
+    assert {t: (c.baseline, c.current, c.status) for t, c in layers.items()} == {
+        "A": (2, 3, "changed"), "B": (1, 1, "ok"), "step": (3, 4, "differs")}
+
+
+def test_a_read_only_baseline_is_refused_before_the_run_is_read(tmp_path):
+    """``gate --update`` refuses a read-only baseline before it reads the run (a trace's
+    breakdown takes minutes, and then nowhere to store it): the error names the baseline,
+    though the run given is no JSON at all."""
+    kept = tmp_path / "kept.json"
+    shutil.copy(BASELINE, kept)
+    kept.chmod(0o444)
+    broken = tmp_path / "broken.json"
+    broken.write_text("{")
+    result = CliRunner().invoke(main, ["gate", "--update", str(kept), str(broken)])
+    assert result.exit_code == 2 and result.output == (
+        f"kimi-perf: error: {kept}: cannot write: it is read-only (mode 444)\n")
+    assert kept.read_text() == BASELINE.read_text()

@@ -765,3 +765,147 @@ def test_trace_from_records_its_command_and_each_trace_once(tmp_path):
         analyse([BEFORE, link], tmp_path / "none")
     assert str(said.value) == f"{link}: given twice (also as {BEFORE}): each trace once"
     assert not (tmp_path / "none").exists()
+
+
+def test_a_baseline_is_stored_whole_and_never_into_a_run(tmp_path):
+    """store_baseline writes as every -o does, a temporary file renamed over the old one: a
+    gate that opened the old baseline meanwhile reads it whole and unchanged, and nothing else
+    is left beside it. A run directory's breakdown.json (or the directory) is refused: its
+    run.json and traces would no longer describe it."""
+    from kimi_perf.runs import store_baseline
+
+    doc = json.loads(BASELINE.read_text())
+    stored = tmp_path / "b.json"
+    stored.write_text("last night's baseline")
+    with open(stored) as reading:
+        store_baseline(stored, doc)
+        assert reading.read() == "last night's baseline"
+    assert json.loads(stored.read_text()) == doc
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["b.json"]
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    shutil.copy(BASELINE, run_dir / "breakdown.json")
+    (run_dir / "run.json").write_text('{"command": "kimi-perf trace"}\n')
+    for target in (run_dir, run_dir / "breakdown.json"):
+        with pytest.raises(TraceError, match=r"is a kimi-perf run directory's: its run\.json"):
+            store_baseline(target, doc)
+    assert (run_dir / "breakdown.json").read_bytes() == BASELINE.read_bytes()
+
+
+def test_a_trace_in_a_run_directory_is_a_path_s_only_where_its_name_says_one(tmp_path):
+    """``captured_path``: a file in a ``kimi-perf trace`` run directory is a decode path's
+    trace where its name, up to its first dot, is a path the run captured (run.json's
+    request.paths); any other file there (a note, a trace copied in) is none, and brings no
+    run information (``captured_run``); nor does a path's trace beside no run.json."""
+    from kimi_perf.runs import captured_path, captured_run
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    info = {"command": "kimi-perf trace", "request": {"paths": ["standard", "specialized"]}}
+    (run_dir / "run.json").write_text(json.dumps(info))
+    names = ("standard.kptrace", "specialized.rank1.trace.json.gz", "extra.kptrace",
+             "notes.json", "standardized.kptrace")
+    for name in names:
+        (run_dir / name).write_text("x")
+    assert [captured_path(run_dir / n) for n in names] == [
+        "standard", "specialized", None, None, None]
+    assert captured_run(run_dir / "standard.kptrace") == {"run": info}
+    assert captured_run(run_dir / "extra.kptrace") is None
+    (tmp_path / "standard.kptrace").write_text("x")
+    assert captured_path(tmp_path / "standard.kptrace") is None
+    # a run.json the gate could not read (a count as text) brings no run information
+    (run_dir / "run.json").write_text(json.dumps({**info, "batch": "two"}))
+    assert captured_path(run_dir / "standard.kptrace") == "standard"
+    assert captured_run(run_dir / "standard.kptrace") is None
+
+
+def test_runs_of_the_same_paths_in_another_order_were_captured_alike():
+    """``run_differences(..., paths=True)``: the decode paths two runs captured are paired by
+    name, so the same paths listed in another order (``--paths specialized,standard``) are
+    no difference of capture; a path one run lacks is."""
+    import copy
+
+    from kimi_perf.runs import run_differences
+
+    doc = json.loads(BASELINE.read_text())
+    assert doc["run"]["request"]["paths"] == ["standard", "specialized"]
+    turned = copy.deepcopy(doc)
+    turned["run"]["request"]["paths"] = ["specialized", "standard"]
+    assert run_differences(doc, turned, paths=True) == []
+    fewer = copy.deepcopy(doc)
+    fewer["run"]["request"]["paths"] = ["standard"]
+    assert run_differences(doc, fewer, paths=True) == [
+        "decode paths standard, specialized vs standard"]
+    assert run_differences(doc, fewer) == []
+
+
+def test_an_empty_file_named_as_a_trace_is_read_not_left_out(tmp_path):
+    """``trace_files``: an empty ``*.trace.json`` in a directory is a trace cut short (a
+    worker that crashed before writing: the reader says so), kept among the traces; an empty
+    JSON of another name (a summary not written) is left out, said to be empty."""
+    from kimi_perf.runs import trace_files
+
+    (tmp_path / "worker.trace.json").write_text("")
+    (tmp_path / "summary.json").write_text("")
+    (tmp_path / "main.json").write_text('{"traceEvents": []}')
+    left_out: list = []
+    assert trace_files([tmp_path], left_out=left_out) == [tmp_path / "main.json",
+                                                          tmp_path / "worker.trace.json"]
+    assert left_out == [(tmp_path / "summary.json", "an empty file")]
+
+
+def test_kimi_perf_s_own_json_in_a_directory_of_traces_is_left_out_once(tmp_path):
+    """``trace_files``: a breakdown JSON saved beside a profiler's traces is kimi-perf's own
+    JSON, left out and said once as that (not again as JSON that is no trace)."""
+    from kimi_perf.runs import trace_files
+
+    (tmp_path / "rank0.json").write_text('{"traceEvents": []}')
+    shutil.copy(BASELINE, tmp_path / "breakdown-rank0.json")
+    left_out: list = []
+    assert trace_files([tmp_path], left_out=left_out) == [tmp_path / "rank0.json"]
+    assert left_out == [(tmp_path / "breakdown-rank0.json", "kimi-perf's own JSON")]
+
+
+def test_a_breakdown_json_is_one_breakdown_under_the_label_given(tmp_path):
+    """``load_paths`` and ``stored_breakdowns``: a breakdown JSON (one trace's) is one
+    breakdown, named by the label given, with no run document; a decode path asked of it is
+    said to be a run's to pick (it is no run)."""
+    from kimi_perf import runs as runs_mod
+
+    one = tmp_path / "one.json"
+    one.write_text(json.dumps(json.loads(BASELINE.read_text())["paths"]["standard"]))
+    breakdowns, run_doc = load_paths(one, label="before")
+    assert list(breakdowns) == ["before"] and run_doc is None
+    assert breakdowns["before"].layer_types == load_breakdown(one).layer_types
+    assert runs_mod.stored_breakdowns(one)[1] is None
+    with pytest.raises(TraceError, match=r"picks a decode path of a kimi-perf run: .* is not one"):
+        load_breakdown(one, path_name="standard")
+
+
+def test_rank_numbers_past_any_job_s_say_no_missing_rank():
+    """``missing_ranks``: ranks skipped from 0 to the highest given are said, but a number of
+    4096 or more names no rank of a job (a port, a pid), and says none missing."""
+    from kimi_perf.runs import missing_ranks, ranks_missing
+
+    assert ranks_missing(["job.rank0.json", "job.rank3.json"]) == (
+        "ranks missing among the traces: job.rank{1, 2}.json (of 0 to the highest given)")
+    assert missing_ranks(["rank0", "rank4095"]) == {("rank", ""): list(range(1, 4095))}
+    assert missing_ranks(["rank0", "rank4096"]) == {}
+
+
+def test_a_report_and_an_export_older_than_it_are_two_captures(tmp_path):
+    """``same_capture``, for traces given one by one: an .nsys-rep and the SQLite export nsys
+    left beside it are one capture (the one given later is said to be the other's); an export
+    older than its report is an earlier capture's (``nsys profile -f true`` again), no twin."""
+    import os
+
+    from kimi_perf.runs import same_capture
+
+    report, export = tmp_path / "x.nsys-rep", tmp_path / "x.sqlite"
+    report.write_bytes(b"a report")
+    export.write_bytes(b"its export")
+    assert same_capture([report, export]) == (export, "the export of x.nsys-rep")
+    assert same_capture([export, report]) == (report, "the report exported as x.sqlite")
+    os.utime(export, (1_000_000, 1_000_000))    # (1970: long before the report)
+    assert same_capture([report, export]) is None
+    assert same_capture([export, report]) is None
