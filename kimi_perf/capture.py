@@ -45,7 +45,7 @@ from kimi_perf.errors import TraceError, argument, path_argument, path_list, sta
 from kimi_perf.layer_breakdown import Breakdown, breakdown, breakdown_of_file
 from kimi_perf.memory import address_space_capped
 from kimi_perf.readers import read_trace
-from kimi_perf.readers.nsys import has_nvtx_ranges, nsys_cli, nsys_failure
+from kimi_perf.readers.nsys import has_nvtx_ranges, nsys_cli, nsys_failure, nsys_reason
 from kimi_perf.runs import missing_rank_labels, same_capture, trace_files, trace_labels
 from kimi_perf.text import also_as
 from kimi_perf.trace import (
@@ -700,6 +700,35 @@ def nsys_binary() -> str:
 NSYS_STOP_S = 60
 
 
+NSYS_LOCK = Path(tempfile.gettempdir()) / "kimi-perf-nsys.lock"
+
+
+@contextlib.contextmanager
+def one_nsys_profile_at_a_time(lock: Path = NSYS_LOCK):
+    """Held while ``nsys profile`` runs, so that a second on this machine waits: two at once
+    share nsys's session manager, and now and then one fails to import its own capture
+    (it leaves a ``.qdstrm`` and no report). Unlocked where the lock file cannot be opened
+    (another user's, a read-only temporary directory)."""
+    import fcntl
+
+    try:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o666)
+    except OSError:
+        fd = None
+    try:
+        if fd is not None:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                print(f"kimi-perf: waiting for another nsys profile on this machine to end "
+                      f"(it holds {lock})", file=sys.stderr)
+                fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        if fd is not None:
+            os.close(fd)
+
+
 def _run_nsys(step: list[str]) -> subprocess.CompletedProcess:
     """An nsys command to its end. Where this process stops first (Ctrl-C, SIGTERM to it
     alone), nsys is sent SIGINT, which stops the process it profiles and writes its report:
@@ -751,15 +780,22 @@ def _capture_path_nsys(path: str, req: TraceRequest, device: str, run_dir: Path
     metrics_file = run_dir / f".{path}.metrics.json"
     for step in (cmd, [nsys, "export", "--type", "sqlite", "--force-overwrite=true", "-o",
                        str(sqlite), str(rep)]):
-        result = _run_nsys(step)
+        with one_nsys_profile_at_a_time() if step is cmd else contextlib.nullcontext():
+            result = _run_nsys(step)
         if result.returncode != 0:
             if "Traceback (most recent call last)" in (result.stderr or ""):
                 # a bug, not bad input: what the profiled program printed, then the line
                 print(result.stderr.rstrip(), file=sys.stderr)
             raise TraceError(None, f"the {path} path: {nsys_failure(result)}")
-        if step is cmd and not metrics_file.exists():   # (nsys exited 0 all the same)
+        if step is not cmd:
+            continue
+        if not metrics_file.exists():   # (nsys exited 0 all the same)
             raise TraceError(None, f"nsys profile ended before the {path} path had run its "
                                    "steps (the profiled process was stopped, or never started)")
+        if not rep.exists():
+            why = nsys_reason(result)
+            raise TraceError(None, f"the {path} path: {nsys} profile exited 0 but wrote no "
+                                   f"report" + (f" ({why})" if why else ""))
     if not sqlite.exists():
         raise TraceError(None, f"the {path} path: {nsys} export exited 0 but wrote no SQLite "
                                "export")

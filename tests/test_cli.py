@@ -986,6 +986,12 @@ def test_nsys_failures_say_why_in_a_line(tmp_path, monkeypatch):
                      "line 1\nRuntimeError: boom\n") == (
         "/opt/nsys profile exited 1: the profiled program raised RuntimeError: boom")
     assert failed(3) == "/opt/nsys profile exited 3"   # (stdout's progress is no reason)
+    # an import that failed: what nsys was doing, not the exception dump under it
+    assert failed(1, "Importer error status: Importation failed.\nImport Failed with "
+                     "unexpected exception: main.cpp(34): Throw\nError {\n  Type: RuntimeError"
+                     "\n  SubError {\n    Type: InvalidArgument\n    Value: \"N5boost10wrap"
+                     "exceptIN11QuadDCommon24InvalidArgumentExceptionEEE\"\n") == (
+        "/opt/nsys profile exited 1: Importer error status: Importation failed.")
     lost = "Connection to Agent lost. This is most likely a bug. Internal reason: 'EOF'."
     assert failed(1, f"{lost}\nPlease refer to the troubleshooting section of the docs:\n"
                      "https://docs.nvidia.com/nsight-systems/UserGuide/index.html"

@@ -793,6 +793,20 @@ def _processes_naming(*texts: str) -> list[int]:
     return found
 
 
+def _python_running_the_worker(run_dir: Path) -> bool:
+    """Whether the worker of a run in ``run_dir`` is Python now: nsys's process names the
+    worker too, and so does its child until it has exec'd Python (signals sent then reach
+    no worker)."""
+    for pid in _processes_naming(str(run_dir), "kimi_perf.decode.worker"):
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+        except OSError:   # (ended meanwhile)
+            continue
+        if argv[0] == sys.executable and argv[1:3] == ["-m", "kimi_perf.decode.worker"]:
+            return True
+    return False
+
+
 def _wait_for(condition, seconds: float) -> bool:
     import time
 
@@ -875,14 +889,21 @@ def test_an_nsys_that_ran_no_steps_is_a_one_line_error(tmp_path, monkeypatch):
 
 # An nsys whose profiled program ran (its metrics written as the worker writes them, with
 # the nvtx release it names) and whose export holds no NVTX range, or is no database; or
-# whose program was killed (nsys exits 128 + 9), as the out-of-memory killer would.
+# whose program was killed (nsys exits 128 + 9), as the out-of-memory killer would; or that
+# could not import its capture and exited 0 all the same, as nsys 2023.4 did beside another.
 FAILING_NSYS = """#!{python}
 import json, sqlite3, sys
 args = sys.argv[1:]
 if "{how}" == "killed" and args[0] == "profile":
     sys.exit(137)
 if args[0] == "profile":
-    open(args[args.index("-o") + 1] + ".nsys-rep", "w").write("report")
+    if "{how}" == "unimported":
+        sys.stderr.write("Importer error status: Importation failed.\\nImport Failed with "
+                         "unexpected exception: main.cpp(34)\\nError {{\\n  Type: "
+                         "RuntimeError\\n  SubError {{\\n    Type: InvalidArgument\\n")
+        open(args[args.index("-o") + 1] + ".qdstrm", "w").write("capture")
+    else:
+        open(args[args.index("-o") + 1] + ".nsys-rep", "w").write("report")
     json.dump({{"prefill_s": 0.1, "step_s": [0.1], "tokens": [2], "fallbacks": [],
                "model": "K3Model", "logits_finite": True, "nvtx": "0.2.12"}},
               open(args[-2], "w"))
@@ -900,12 +921,14 @@ else:
     ("killed", "the standard path: {nsys} profile exited 137: the profiled program was killed "
                "by SIGKILL (the out-of-memory killer sends it where memory runs out)"),
     ("garbage", "the standard path's standard.sqlite (removed with the unfinished run): unknown "
-                "format: ")])
+                "format: "),
+    ("unimported", "the standard path: {nsys} profile exited 0 but wrote no report (Importer "
+                   "error status: Importation failed.)")])
 def test_a_failed_nsys_capture_says_why_and_leaves_nothing(tmp_path, monkeypatch, how, said):
     """A capture whose process was killed, whose NVTX ranges nsys did not hear (an nvtx
-    release that switches itself off), or whose export is unreadable (named as the path's:
-    the file goes with the run): one line that says so, and no run directory, nor the
-    folders made for --out."""
+    release that switches itself off), that nsys wrote no report of, or whose export is
+    unreadable (named as the path's: the file goes with the run): one line that says so, and
+    no run directory, nor the folders made for --out."""
     from click.testing import CliRunner
 
     from kimi_perf.cli import main
@@ -921,6 +944,41 @@ def test_a_failed_nsys_capture_says_why_and_leaves_nothing(tmp_path, monkeypatch
     (line,) = result.output.strip().splitlines()
     assert line.startswith("kimi-perf: error: " + said.format(nsys=fake)), line
     assert sorted(tmp_path.iterdir()) == [fake]
+
+
+def test_a_second_nsys_profile_waits_for_the_first_and_says_so(tmp_path, capfd):
+    """Two nsys profiles at once share nsys's session manager, and one of them now and then
+    fails to import its capture: a second capture waits for the lock the first holds, and
+    says why it waits; it runs at once when the first is done, and unlocked where the lock
+    file cannot be made."""
+    import fcntl
+    import threading
+
+    from kimi_perf.capture import one_nsys_profile_at_a_time
+
+    lock = tmp_path / "nsys.lock"
+    entered = threading.Event()
+
+    def second() -> None:
+        with one_nsys_profile_at_a_time(lock):
+            entered.set()
+
+    with one_nsys_profile_at_a_time(lock):
+        waiting = threading.Thread(target=second)
+        waiting.start()
+        assert not entered.wait(0.5)   # (held: the second waits)
+        assert capfd.readouterr().err == (
+            f"kimi-perf: waiting for another nsys profile on this machine to end (it holds "
+            f"{lock})\n")
+    assert entered.wait(10)
+    waiting.join()
+    with open(lock) as f:   # (released by both: free to take)
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    with one_nsys_profile_at_a_time(lock):   # (free: no wait, nothing said)
+        pass
+    with one_nsys_profile_at_a_time(tmp_path / "no-such-folder" / "nsys.lock"):
+        pass
+    assert capfd.readouterr().err == ""
 
 
 @pytest.mark.skipif(NSYS is None, reason="no Nsight Systems CLI (scripts/install-nsys.sh)")
@@ -980,8 +1038,7 @@ def test_nsys_s_sigint_ends_the_worker_whatever_it_is_doing(tmp_path, monkeypatc
         nsys = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                 process_group=0)
         try:   # (before, nsys is starting: SIGINT ends it, there being nothing to stop)
-            assert _wait_for(lambda: len(_processes_naming(
-                str(tmp_path), "kimi_perf.decode.worker")) == 2, 60)   # (nsys, worker)
+            assert _wait_for(lambda: _python_running_the_worker(tmp_path), 60)
             time.sleep(after_s)
             nsys.send_signal(signal.SIGINT)
             code = nsys.wait(timeout=30)

@@ -145,14 +145,22 @@ ERROR_WORDS = re.compile(r"error|unrecogni[sz]ed|invalid|unknown|cannot|failed|l
 # lines that point at a reason elsewhere: nsys's "Please refer to the troubleshooting section
 # of the docs:" and the address under it
 POINTERS = re.compile(r"please refer to|https?://", re.IGNORECASE)
+UNEXPECTED = re.compile(r"unexpected exception", re.IGNORECASE)
 
 
 def nsys_failure(result: subprocess.CompletedProcess) -> str:
-    """Why an nsys command failed, in a line: the profiled program killed by a signal (nsys
+    """Why an nsys command failed, in a line: the command that ran, its exit code and
+    ``nsys_reason``."""
+    why = nsys_reason(result)
+    return f"{result.args[0]} {result.args[1]} exited {result.returncode}" + (
+        f": {why}" if why else "")
+
+
+def nsys_reason(result: subprocess.CompletedProcess) -> str:
+    """What an nsys command said went wrong: the profiled program killed by a signal (nsys
     exits 128 + its number), the exception the profiled Python program raised, or nsys's
-    own complaint (an option this release lacks; its usage lines left out); always the
-    command that ran and its exit code."""
-    command = f"{result.args[0]} {result.args[1]}"
+    own last complaint (an option this release lacks, its usage lines left out; an import
+    that failed, not the exception dump under it); '' where it said nothing."""
     code = result.returncode
     lines = [line.rstrip() for line in (result.stderr or "").splitlines() if line.strip()]
     if not lines:   # (some releases print their errors with the progress, on stdout)
@@ -176,9 +184,13 @@ def nsys_failure(result: subprocess.CompletedProcess) -> str:
     else:
         said = [line.strip() for line in lines
                 if not line.startswith(("Try '", "usage:")) and not POINTERS.match(line.strip())]
+        # nsys's dump of an exception it did not expect (C++ types, source paths) follows
+        # what it was doing when it failed: that is the reason
+        dump = next((i for i, line in enumerate(said) if UNEXPECTED.search(line)), None)
+        said = said[:dump] if dump else said
         errors = [line for line in said if ERROR_WORDS.search(line)]
         why = (errors or said or [""])[-1]
-    return f"{command} exited {code}" + (f": {why}" if why else "")
+    return why
 
 
 def export_nsys_rep(path: str | Path, out_dir: str | Path) -> Path:
