@@ -704,13 +704,14 @@ NSYS_LOCK = Path(tempfile.gettempdir()) / "kimi-perf-nsys.lock"
 
 
 @contextlib.contextmanager
-def one_nsys_profile_at_a_time(lock: Path = NSYS_LOCK):
-    """Held while ``nsys profile`` runs, so that a second on this machine waits: two at once
-    share nsys's session manager, and now and then one fails to import its own capture
-    (it leaves a ``.qdstrm`` and no report). Unlocked where the lock file cannot be opened
-    (another user's, a read-only temporary directory)."""
+def one_nsys_capture_at_a_time(lock: Path | None = None):
+    """Held while ``nsys profile`` or its export runs, so that a second capture on this
+    machine waits: two profiles at once share nsys's session manager, and now and then one
+    fails to import its own capture (it leaves a ``.qdstrm`` and no report). Unlocked where
+    the lock file cannot be opened (another user's, a read-only temporary directory)."""
     import fcntl
 
+    lock = lock or NSYS_LOCK
     try:
         fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o666)
     except OSError:
@@ -720,7 +721,7 @@ def one_nsys_profile_at_a_time(lock: Path = NSYS_LOCK):
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                print(f"kimi-perf: waiting for another nsys profile on this machine to end "
+                print(f"kimi-perf: waiting for another nsys capture on this machine to end "
                       f"(it holds {lock})", file=sys.stderr)
                 fcntl.flock(fd, fcntl.LOCK_EX)
         yield
@@ -780,7 +781,7 @@ def _capture_path_nsys(path: str, req: TraceRequest, device: str, run_dir: Path
     metrics_file = run_dir / f".{path}.metrics.json"
     for step in (cmd, [nsys, "export", "--type", "sqlite", "--force-overwrite=true", "-o",
                        str(sqlite), str(rep)]):
-        with one_nsys_profile_at_a_time() if step is cmd else contextlib.nullcontext():
+        with one_nsys_capture_at_a_time():
             result = _run_nsys(step)
         if result.returncode != 0:
             if "Traceback (most recent call last)" in (result.stderr or ""):

@@ -645,18 +645,15 @@ def test_layerwise_markers_through_a_real_nsys_capture(tmp_path, monkeypatch):
     kernels)."""
     script = tmp_path / "forward.py"
     script.write_text(_MARKED_FORWARD)
-    from kimi_perf.capture import one_nsys_profile_at_a_time
+    from kimi_perf.capture import one_nsys_capture_at_a_time
 
     rep, db = tmp_path / "forward.nsys-rep", tmp_path / "forward.sqlite"
-    with one_nsys_profile_at_a_time():   # (as kimi-perf's own captures, in other workers)
-        profiled = subprocess.run(
-            [NSYS_CLI, "profile", "--trace=nvtx", "--sample=none", "--cpuctxsw=none",
-             "--force-overwrite=true", "-o", str(rep), sys.executable, str(script)],
-            capture_output=True, text=True, timeout=300)
-    exported = subprocess.run([NSYS_CLI, "export", "--type", "sqlite", "--force-overwrite=true",
-                               "-o", str(db), str(rep)], capture_output=True, text=True,
-                              timeout=300)
-    for ran in (profiled, exported):
+    for cmd in ([NSYS_CLI, "profile", "--trace=nvtx", "--sample=none", "--cpuctxsw=none",
+                 "--force-overwrite=true", "-o", str(rep), sys.executable, str(script)],
+                [NSYS_CLI, "export", "--type", "sqlite", "--force-overwrite=true", "-o",
+                 str(db), str(rep)]):
+        with one_nsys_capture_at_a_time():   # (as kimi-perf's own captures, in other workers)
+            ran = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         assert ran.returncode == 0, ran.stderr
     b = breakdown(read_trace(db))
     assert [s["name"] for s in b.steps] == [

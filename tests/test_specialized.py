@@ -761,7 +761,7 @@ def test_trace_with_the_nsys_backend(tmp_path):
                                        "--steps", "2", "--warmup", "1", "--context", "3",
                                        "--out", str(tmp_path), "--format", "json"])
     assert result.exit_code == 0, result.output
-    doc = json.loads(result.output)
+    doc = json.loads(result.stdout)   # (stderr may say it waited for another nsys capture)
     run_dir = tmp_path / doc["run_dir"].split("/")[-1]
     names = {p.name for p in run_dir.iterdir()}
     assert {"standard.nsys-rep", "standard.sqlite", "specialized.nsys-rep",
@@ -870,6 +870,15 @@ def test_nsys_stopped_with_kimi_perf_stops_the_process_it_profiles(tmp_path):
             _kill([int(pid_file.read_text())])
 
 
+@pytest.fixture
+def own_nsys_lock(tmp_path_factory, monkeypatch) -> None:
+    """A fake nsys's capture waits for no real one that another test worker runs (nor says
+    it waits, in the one line its test expects)."""
+    monkeypatch.setattr("kimi_perf.capture.NSYS_LOCK",
+                        tmp_path_factory.mktemp("lock") / "nsys.lock")
+
+
+@pytest.mark.usefixtures("own_nsys_lock")
 def test_an_nsys_that_ran_no_steps_is_a_one_line_error(tmp_path, monkeypatch):
     """nsys exiting 0 without the path having run (its process stopped by a signal nsys
     passed on, or an nsys that ran nothing): said so, not a missing temporary file."""
@@ -924,6 +933,7 @@ else:
                 "format: "),
     ("unimported", "the standard path: {nsys} profile exited 0 but wrote no report (Importer "
                    "error status: Importation failed.)")])
+@pytest.mark.usefixtures("own_nsys_lock")
 def test_a_failed_nsys_capture_says_why_and_leaves_nothing(tmp_path, monkeypatch, how, said):
     """A capture whose process was killed, whose NVTX ranges nsys did not hear (an nvtx
     release that switches itself off), that nsys wrote no report of, or whose export is
@@ -954,29 +964,29 @@ def test_a_second_nsys_profile_waits_for_the_first_and_says_so(tmp_path, capfd):
     import fcntl
     import threading
 
-    from kimi_perf.capture import one_nsys_profile_at_a_time
+    from kimi_perf.capture import one_nsys_capture_at_a_time
 
     lock = tmp_path / "nsys.lock"
     entered = threading.Event()
 
     def second() -> None:
-        with one_nsys_profile_at_a_time(lock):
+        with one_nsys_capture_at_a_time(lock):
             entered.set()
 
-    with one_nsys_profile_at_a_time(lock):
+    with one_nsys_capture_at_a_time(lock):
         waiting = threading.Thread(target=second)
         waiting.start()
         assert not entered.wait(0.5)   # (held: the second waits)
         assert capfd.readouterr().err == (
-            f"kimi-perf: waiting for another nsys profile on this machine to end (it holds "
+            f"kimi-perf: waiting for another nsys capture on this machine to end (it holds "
             f"{lock})\n")
     assert entered.wait(10)
     waiting.join()
     with open(lock) as f:   # (released by both: free to take)
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    with one_nsys_profile_at_a_time(lock):   # (free: no wait, nothing said)
+    with one_nsys_capture_at_a_time(lock):   # (free: no wait, nothing said)
         pass
-    with one_nsys_profile_at_a_time(tmp_path / "no-such-folder" / "nsys.lock"):
+    with one_nsys_capture_at_a_time(tmp_path / "no-such-folder" / "nsys.lock"):
         pass
     assert capfd.readouterr().err == ""
 
