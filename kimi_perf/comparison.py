@@ -1001,8 +1001,8 @@ def overview_notes(rows: list[OverviewRow], spread: list[Spread],
     named = named or {}
     notes = (["no spread or slowest trace: these include the decode paths of runs, compared "
               "pair by pair below"] if of_paths else
-             [f"slowest: {named.get(label, label)} ({_what_and_why(what)})"
-              for label, what in stragglers(spread, tested=True).items()])
+             [f"slowest: {named.get(label, label)} ({why})"
+              for label, why in straggler_evidence(spread).items()])
     if not of_paths and (noisy := noise_note(spread)):
         notes.append(noisy)
     if said := differing_note(rows):
@@ -1019,27 +1019,33 @@ def overview_notes(rows: list[OverviewRow], spread: list[Spread],
     return notes
 
 
-def stragglers(spread: list[Spread], tested: bool = False) -> dict[str, list[str]]:
-    """Each slowest trace and what it was slowest in ("step", layer types); ``tested``: each
-    with the p of its test against the fastest where it was tested (``mla p 0.003 over
-    steps``)."""
+def stragglers(spread: list[Spread]) -> dict[str, list[str]]:
+    """Each slowest trace and what it was slowest in ("step", layer types)."""
     out: dict[str, list[str]] = {}
     for s in spread:
         if s.slowest_label is not None:
-            what = "step" if s.type is None else s.type
-            if tested and s.p_value is not None:
-                what += f" p {s.p_value:.2g} over {s.tested_over}"
-            out.setdefault(s.slowest_label, []).append(what)
+            out.setdefault(s.slowest_label, []).append("step" if s.type is None else s.type)
     return out
 
 
-def _what_and_why(what: list[str]) -> str:
-    """A straggler's columns as its line says them: those tested with their p, then those
-    too few spans could test, named by the ratio alone."""
-    tested = [w for w in what if " p " in w]
-    untested = [w for w in what if " p " not in w]
-    return "; ".join([*tested, *([f"{', '.join(untested)} by the ratio alone: too few spans "
-                                  "to test"] if untested else [])])
+def straggler_evidence(spread: list[Spread]) -> dict[str, str]:
+    """Each slowest trace and what it was slowest in, as its line says it: the columns
+    tested with the p of their test against the fastest (``mla p 0.003 over steps``), then
+    those too few spans could test, named by the ratio alone."""
+    tested: dict[str, list[str]] = {}
+    untested: dict[str, list[str]] = {}
+    for s in spread:
+        if s.slowest_label is not None:
+            what = "step" if s.type is None else s.type
+            if s.p_value is not None:
+                tested.setdefault(s.slowest_label, []).append(
+                    f"{what} p {s.p_value:.2g} over {s.tested_over}")
+            else:
+                untested.setdefault(s.slowest_label, []).append(what)
+    return {label: "; ".join([*tested.get(label, []), *(
+        [f"{', '.join(untested[label])} by the ratio alone: too few spans to test"]
+        if label in untested else [])])
+        for label in stragglers(spread)}
 
 
 def count_text(count: float | None) -> str:

@@ -1017,6 +1017,8 @@ def _json_not_a_trace(path: Path) -> str | None:
         return None   # unreadable: the reader says why
     whole = len(head) < JSON_HEAD
     head = head.lstrip(b"\xef\xbb\xbf \t\r\n")
+    if not head and not whole:   # (more blanks than the head holds: the reader looks on)
+        return None
     if not head:
         return None if path.name.endswith((".gz", ".trace.json")) else "an empty file"
     if head.startswith(ARROW_MAGIC):

@@ -3243,3 +3243,21 @@ def test_a_breakdown_stored_before_steps_said_how_they_found_layers_may_be_the_p
     for step in b.steps:
         del step["layer_source"]
     assert pattern_found(b) and outsized_types_note(b) is not None
+
+
+def test_a_straggler_s_line_gives_tested_columns_first_then_those_untested():
+    """Under a table of traces, each slowest trace in the order its first column names it:
+    the columns tested against the fastest with their p, then those too few spans could
+    test, together, by the ratio alone; a trace slowest in nothing is not named."""
+    from kimi_perf.comparison import Spread, straggler_evidence
+
+    spread = [Spread(None, 10.0, 12.0, "rank3"),
+              Spread("kda", 5.0, 9.0, "rank1", p_value=0.0012, alpha=0.05, tested_over="steps"),
+              Spread("mla", 4.0, 6.0, "rank3", p_value=0.031, alpha=0.05, tested_over="layers"),
+              Spread("moe", 3.0, 3.3, "rank3"),
+              Spread("dense", 2.0, 2.0, None)]
+    assert straggler_evidence(spread) == {
+        "rank3": "mla p 0.031 over layers; step, moe by the ratio alone: too few spans to test",
+        "rank1": "kda p 0.0012 over steps"}
+    assert list(straggler_evidence(spread)) == ["rank3", "rank1"]
+    assert straggler_evidence(spread[-1:]) == {}

@@ -852,6 +852,13 @@ def test_an_empty_file_named_as_a_trace_is_read_not_left_out(tmp_path):
     assert trace_files([tmp_path], left_out=left_out) == [tmp_path / "main.json",
                                                           tmp_path / "worker.trace.json"]
     assert left_out == [(tmp_path / "summary.json", "an empty file")]
+    # a trace after more blanks than the head read holds is no empty file: read, as read_trace
+    # reads it
+    (tmp_path / "summary.json").write_text(" " * (1 << 16) + '{"traceEvents": []}')
+    left_out.clear()
+    assert trace_files([tmp_path], left_out=left_out) == [
+        tmp_path / "main.json", tmp_path / "summary.json", tmp_path / "worker.trace.json"]
+    assert left_out == []
 
 
 def test_kimi_perf_s_own_json_in_a_directory_of_traces_is_left_out_once(tmp_path):
