@@ -707,13 +707,14 @@ NSYS_LOCK = Path(tempfile.gettempdir()) / "kimi-perf-nsys.lock"
 def one_nsys_capture_at_a_time(lock: Path | None = None):
     """Held while ``nsys profile`` or its export runs, so that a second capture on this
     machine waits: two profiles at once share nsys's session manager, and now and then one
-    fails to import its own capture (it leaves a ``.qdstrm`` and no report). Unlocked where
-    the lock file cannot be opened (another user's, a read-only temporary directory)."""
+    fails to import its own capture (it leaves a ``.qdstrm`` and no report). Other users'
+    captures take turns too (the file is opened to read); unlocked where it can be neither
+    made nor read."""
     import fcntl
 
     lock = lock or NSYS_LOCK
     try:
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o666)
+        fd = os.open(lock, os.O_RDONLY | os.O_CREAT, 0o666)   # (flock needs no write)
     except OSError:
         fd = None
     try:
