@@ -594,6 +594,7 @@ class KimiPerfGroup(click.Group):
             click.echo("kimi-perf: terminated", err=True)
             sys.exit(143)
         finally:
+            _signalled.clear()   # (a later command in this process, a notebook's, got none)
             COMMAND_LINE.reset(on_command_line)
             for number, handler in previous.items():
                 if handler is not None:   # None: a handler not set from Python

@@ -3261,3 +3261,108 @@ def test_a_straggler_s_line_gives_tested_columns_first_then_those_untested():
         "rank1": "kda p 0.0012 over steps"}
     assert list(straggler_evidence(spread)) == ["rank3", "rank1"]
     assert straggler_evidence(spread[-1:]) == {}
+
+
+def test_comparison_headline_says_one_kernel_and_names_b_s_unit_only_where_it_differs():
+    """The headline's count reads "1 kernel", not "1 kernels"; B's count carries its unit only
+    where B counts another thing (a CPU run's ops), not where it was given as A's own."""
+    from kimi_perf.comparison import ComparisonRow
+    from kimi_perf.render import comparison_headline
+
+    rows = [ComparisonRow(type="lm_head", layers_a=1, kernels_a=1, kernel_us_a=2.0,
+                          span_us_a=2.5, layers_b=1, kernels_b=1, kernel_us_b=1.0,
+                          span_us_b=1.25),
+            ComparisonRow(type="mla", layers_a=4, kernels_a=12, kernel_us_a=20.0,
+                          span_us_a=25.0, layers_b=4, kernels_b=9, kernel_us_b=10.0,
+                          span_us_b=12.5)]
+    alike = ("lm_head: 1 kernel / 2.5 µs (A) vs 1 / 1.2 µs (B)\n"
+             "mla: 12 kernels / 25.0 µs (A) vs 9 / 12.5 µs (B)")
+    assert comparison_headline(rows, "A", "B") == alike
+    assert comparison_headline(rows, "A", "B", "kernels", "kernels") == alike
+    assert comparison_headline(rows, "A", "B", "kernels", "ops") == (
+        "lm_head: 1 kernel / 2.5 µs (A) vs 1 ops / 1.2 µs (B)\n"
+        "mla: 12 kernels / 25.0 µs (A) vs 9 ops / 12.5 µs (B)")
+
+
+def test_a_typical_layer_table_counts_its_kernels_and_says_which_side_has_no_such_layer():
+    """Under a typical layer's table: how many kernels it runs and their medians summed, how
+    many of the type's layers ran exactly that sequence; side by side, each side named, and
+    a side without the type says so."""
+    from kimi_perf.render import typical_layer_table
+
+    b = breakdown(nvtx_decode_trace("layer[{i}]({kind})", steps=2, n_layers=8).build())
+    mla = next(t for t in b.layer_types if t["type"] == "mla")
+    assert len(mla["typical_layer"]["kernels"]) == len(MLA) == 16
+    assert typical_layer_table("mla", {"": mla}).caption == (
+        "16 kernels, 16.0 µs, their medians summed; 4 of 4 mla layers ran exactly this "
+        "sequence")
+    table = typical_layer_table("mla", {"a": mla, "b": None})
+    assert table.caption == ("a: 16 kernels, 16.0 µs, their medians summed; 4 of 4 mla layers "
+                             "ran exactly this sequence\nb: no mla layer")
+    assert table.row_count == 16
+
+
+def test_every_name_a_report_takes_from_a_trace_is_escaped_wherever_it_is_shown(tmp_path):
+    """Kernel, range and trace names holding <, >, & and quotes are escaped in the page's
+    tables (a quote too inside the title attribute a typical layer's kernel shows on hover),
+    and for plotly, which reads HTML tags in its text: the hover text of a kernel's bar, the
+    timeline's axis titles and the class chart's categories; none is written raw."""
+    from kimi_perf.report import write_report
+
+    b = TraceBuilder()
+    for s in range(3):
+        start = b.clock
+        b.sequence(["embedding"])
+        for i in range(2):
+            first, last = b.sequence(["gemm<a&b>", 'void k<"q">(int)'], duration=1000 + 100 * s)
+            b.range(f"layer[{i}](kda)", first - 10, last)
+        b.range(f"decode_step<{s}>", start - 20, b.clock)
+        b.clock += 5000
+    result = breakdown(b.build(), step_regex=r"decode_step<\d+>")
+    text = write_report(tmp_path / "r.html", {"a<b>": result, "c&d": result}, "t",
+                        plotly_js="cdn").read_text()
+    for raw in ("gemm<a", 'k<"q">', "decode_step<", "a<b>", "c&d"):
+        assert raw not in text, raw
+    assert "<h3>a&lt;b&gt;</h3>" in text and "<h3>c&amp;d</h3>" in text
+    assert text.count("<td class=name>decode_step&lt;0&gt;</td>") == 2
+    assert '<td class=name title="gemm&lt;a&amp;b&gt;">gemm&lt;a&amp;b&gt;</td>' in text
+    assert ('<td class=name title="void k&lt;&quot;q&quot;&gt;(int)">k&lt;&quot;q&quot;&gt;'
+            "</td>") in text   # (the short name in the cell, the whole one on hover)
+    timelines, classes = _report_figures(text)
+    gemm = next(t for t in timelines["data"] if t["name"] == "gemm")
+    assert gemm["hovertext"][0] == "gemm&lt;a&amp;b&gt;<br>gemm, 1.10 µs at 1.10 µs"
+    assert timelines["layout"]["yaxis"]["title"]["text"] == "a&lt;b&gt;"
+    assert timelines["layout"]["xaxis"]["title"]["text"] == ("µs into decode_step&lt;1&gt; "
+                                                             "(median-span step)")
+    assert classes["data"][0]["x"] == ["kda<br>a&lt;b&gt;", "kda<br>c&amp;d"]
+
+
+def test_timelines_exactly_shared_axis_spans_apart_still_share_an_axis():
+    """Sizes SHARED_AXIS_SPANS apart exactly are alike (within the factor, not past it); one
+    past the factor of the group's smallest starts a group of its own."""
+    from kimi_perf.report import SHARED_AXIS_SPANS, alike_groups
+
+    assert SHARED_AXIS_SPANS == 10.0
+    assert alike_groups({"a": 1.0, "b": 10.0, "c": 10.5}) == [["a", "b"], ["c"]]
+    assert alike_groups({"b": 10.0, "a": 1.0, "c": 0.5}) == [["b", "a"], ["c"]]
+
+
+def test_a_layer_type_named_with_markup_is_escaped_in_every_table_of_the_report(tmp_path):
+    """A stored breakdown edited by hand may name a layer type with <, > and &: it is escaped
+    in one trace's table of its types, in the comparison of two, in the typical layer's
+    heading, in the overview of three and in the class chart's categories."""
+    from kimi_perf.report import write_report
+
+    doc = breakdown(nvtx_decode_trace("layer[{i}]({kind})", steps=2, n_layers=8).build()).to_json()
+    b = Breakdown.from_json(json.loads(json.dumps(doc).replace('"mla"', '"mla<&>"')))
+    assert [t["type"] for t in b.layer_types] == ["kda", "mla<&>"]
+    pages = [write_report(tmp_path / f"{n}.html", {label: b for label in "xyz"[:n]}, "t",
+                          plotly_js="cdn").read_text() for n in (1, 2, 3)]
+    for page in pages:
+        assert "mla<" not in page
+    one, two, three = pages
+    assert "<tr><td>mla&lt;&amp;&gt;</td>" in one and "<tr><td>mla&lt;&amp;&gt;</td>" in two
+    assert "<h3>Typical mla&lt;&amp;&gt; layer: kernels in order, median µs</h3>" in two
+    assert "<th>mla&lt;&amp;&gt; µs</th>" in three
+    assert _report_figures(two)[1]["data"][0]["x"] == ["kda<br>x", "mla&lt;&amp;&gt;<br>x",
+                                                      "kda<br>y", "mla&lt;&amp;&gt;<br>y"]

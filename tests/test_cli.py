@@ -4374,3 +4374,113 @@ def test_an_allocation_that_failed_is_said_in_decimal_units():
                            "can't allocate memory: you tried to allocate 2500000000 bytes.")
     assert said.value.problem == ("out of memory for batch 4 (an allocation of 2.5 GB "
                                   "failed): take a smaller batch, context or step count")
+
+
+def test_ranges_table_lists_the_rows_of_most_kernel_time_in_microseconds(monkeypatch):
+    """The ranges table keeps the --top N rows of the most kernel time, largest first, its
+    nanoseconds in µs (the total to a tenth, the average and the longest kernel to a
+    hundredth); it says how many rows it left out only where it left some out; the JSON
+    counts as unlaunched only the kernels of rows with neither a range nor a pid (a row of
+    no range on a known thread is work outside every range)."""
+    from kimi_perf import render
+    from kimi_perf.attribution import RangeKernelRow
+
+    def row(name, total, pid=1):
+        return RangeKernelRow(range=name, style=None, pid=pid, tid=None if pid is None else 7,
+                              range_instances=2, kernel_instances=4, total_ns=total,
+                              avg_ns=total / 4, min_ns=total // 8, max_ns=total // 2,
+                              stddev_ns=0.0, kernel="gemm")
+
+    rows = [row("small", 1_000), row("big", 12_345_678), row("mid", 50_000),
+            row(None, 7_000), row(None, 3_000, pid=None)]
+    monkeypatch.delenv("COLUMNS", raising=False)   # (as piped: each table boxed, whole)
+
+    def cells(table):
+        text = render.tables_text([table])
+        return ([[c.strip() for c in line.split("│")[1:-1]] for line in text.splitlines()
+                 if line.startswith("│")], " ".join(text.split()))
+
+    top, said = cells(render.ranges_table(rows, limit=2))
+    assert top == [["big", "1", "7", "2", "4", "12345.7", "3086.42", "6172.84", "gemm"],
+                   ["mid", "1", "7", "2", "4", "50.0", "12.50", "25.00", "gemm"]]
+    assert ("the 2 of 5 rows with the most kernel time (--top N); --format csv or json "
+            "for all") in said
+    assert said.count("4 kernels whose launch call the trace does not hold") == 1
+    every, said = cells(render.ranges_table(rows[:3]))
+    assert [r[0] for r in every] == ["big", "mid", "small"] and "rows with the most" not in said
+    assert json.loads(render.ranges_json(rows))["unlaunched_kernels"] == 4
+
+
+def test_a_table_printed_as_records_keeps_its_notes_under_them():
+    """Where no layout fits the width and each row is printed as a record (a line per
+    column, its header first), the notes under the table are printed under the records,
+    as under a table."""
+    import io
+
+    from rich.console import Console
+
+    from kimi_perf import render
+
+    table = render._table("Kernels", ["kernel", "total µs", "avg µs"], left=("kernel",))
+    table.add_row("gemm", "10717.7", "2775.0")
+    table.add_row("norm", "12.5", "1.25")
+    table.caption = "the note"
+    buf = io.StringIO()
+    render.print_tables([table], Console(file=buf, width=16))
+    assert [line.rstrip() for line in buf.getvalue().splitlines()] == [
+        "    Kernels", "kernel   gemm", "total µs 10717.7", "avg µs   2775.0", "",
+        "kernel   norm", "total µs 12.5", "avg µs   1.25", "the note"]
+
+
+def test_how_a_capture_was_made_is_said_on_one_line_with_its_defaults():
+    """capture_said: the request and the machine on one line, the seed and the versions left
+    out; CUDA graphs on or off as asked, experts bf16 where the request names none, TP with
+    the shapes of the TP it stands for where they differ, and the specialized path's opt-ins
+    only where that path ran."""
+    from kimi_perf.report import capture_said
+
+    run_doc = {"preset": "tiny", "n_layers": 4, "config_hash": "abc", "batch": 2, "tp": 2,
+               "context": 128, "decode_steps": 4, "warmup_steps": 2,
+               "request": {"seed": 0, "graphs": True, "backend": "torch", "kv_cache": "bf16",
+                           "pdl": True},
+               "environment": {"gpus": ["NVIDIA H100"], "driver": "550", "cuda": "12.4"}}
+    assert capture_said(run_doc) == (
+        "preset tiny, 4 layers (config abc); batch 2; TP 2; context 128 tokens; decode steps "
+        "4 profiled after 2 warm-up; CUDA graphs on; profiler torch; KV cache bf16; experts "
+        "bf16; specialized path's opt-ins programmatic dependent launch; device NVIDIA H100")
+    standard = {**run_doc, "tp": 1, "rank_shapes_tp": 8, "paths_drawn": ["standard"],
+                "request": {"graphs": False, "experts": "fp8"}}
+    assert capture_said(standard) == (
+        "preset tiny, 4 layers (config abc); batch 2; TP 1 (one rank of TP 8's shapes); "
+        "context 128 tokens; decode steps 4 profiled after 2 warm-up; CUDA graphs off; "
+        "experts fp8; device NVIDIA H100")
+
+
+def test_a_report_of_two_runs_gives_each_path_s_decode_metrics_in_milliseconds(tmp_path):
+    """Two runs drawn together: each run's paths with their decode tokens/s, their time to
+    first token and median step in ms (run.json keeps seconds), how they were timed and
+    what fell back; one run's own table has the steps' fastest and slowest too, and the
+    fusion tables' footers count the launches on each side."""
+    from kimi_perf.report import report_inputs
+
+    shutil.copy(BASELINE, tmp_path / "later.json")
+    page = report_inputs([BASELINE, tmp_path / "later.json"]).write(
+        tmp_path / "r.html", "t", plotly_js="cdn").read_text()
+    metrics = page[page.index("<h3>Decode metrics</h3>"):page.index("<h2>Every trace")]
+    rows = re.findall(r"<tr><td>([^<]*)</td><td>([^<]*)</td><td>([^<]*)</td><td>([^<]*)</td>"
+                      r"<td>([^<]*)</td>", metrics)
+    assert rows == [("tiny-cpu", "standard", "71.7", "44.5", "27.73"),
+                    ("tiny-cpu", "specialized", "0.2", "41.3", "9406.34"),
+                    ("later", "standard", "71.7", "44.5", "27.73"),
+                    ("later", "specialized", "0.2", "41.3", "9406.34")]
+    assert "<td>prefill: a prompt of 8 tokens</td></tr>" in metrics
+    one = report_inputs([BASELINE]).write(tmp_path / "one.html", "t",
+                                          plotly_js="cdn").read_text()
+    # (one run: its own metrics, the median step's extremes beside it, each path's timing)
+    assert ("<tr><td>standard</td><td>K3Model</td><td>71.7</td><td>44.5</td><td>27.73</td>"
+            "<td>27.60 / 28.31</td><td>-</td></tr>") in one
+    assert ("<p>Timed standard: under the profiler (torch); on a CPU: not a speed figure; "
+            "specialized: under the profiler (torch)") in one
+    fusions = one[one.index("Fusions, launch by launch"):]
+    assert re.findall(r"<tr><th>(\d+) launches</th><th>[\d.]+</th><th>(\d+) launches</th>",
+                      fusions) == [("7", "9"), ("9", "18"), ("12", "24")]

@@ -1862,3 +1862,84 @@ def test_the_harness_s_calls_of_the_model():
     drafts = torch.cat([tokens[:, 1:] for tokens, _, _ in calls[1:]]).flatten()
     assert drafts.shape == (3 * 2 * 3,) and 0 <= int(drafts.min()) <= int(drafts.max()) < two.vocab
     assert len(set(drafts.tolist())) > 9 and int(drafts.max()) > two.vocab // 2
+
+
+def test_an_fp8_cache_holds_each_entry_over_its_scale_saturated_at_448(weights):
+    """An fp8 cache stores e4m3(entry / kv_scale), saturated at ±448 (finite, never NaN),
+    whatever a device's plain cast would do: the first gated-MLA layer's entries against
+    the float64 reference's
+    [RMSNorm(kv_c) | k_pe] divided by the scale. Within one e4m3 step (2^-3 relative, 2^-9
+    among the subnormals): a float32 input next to a rounding boundary may round the other
+    way. A scale of 1/512 saturates some entries: those hold ±448 exactly."""
+    four = dataclasses.replace(TINY, n_layers=4)          # layer 3 is the first gated MLA
+    four_weights = random_weights(four, seed=3)
+    model = K3Model(four, four_weights, dtype=torch.float32)
+    tokens = torch.randint(0, four.vocab, (2, 3), generator=torch.Generator().manual_seed(5))
+    ref = ReferenceModel(four, four_weights, 2)
+    for t in range(3):
+        ref.step(tokens[:, t])
+    for kv_scale in (0.25, 1 / 512):
+        state = model.new_state(2, 4, kv_dtype=FP8, kv_scale=kv_scale)
+        model.forward(tokens, state)
+        got = state.kv[3][:, :3].double()
+        want = (ref.kv_cache[3] / kv_scale).clamp(-448, 448)
+        assert got.isfinite().all()
+        assert ((got - want).abs() <= 2 ** -3 * want.abs() + 2 ** -9).all()
+        saturated = want.abs() == 448
+        assert saturated.any() == (kv_scale < 0.01)
+        assert torch.equal(got[saturated], want[saturated])
+
+
+def test_fp8_scales_of_powers_of_two_leave_the_attention_as_it_was(weights):
+    """e4m3 is a float format: values / 2^n keep their mantissas in its normal range, so an
+    fp8 cache and fp8 query with power-of-two scales (kv 1/4, q 1/2: entries of a few units
+    stay far from 448) give the logits of scales 1, once the attention multiplies the
+    scales back in (both of them: q̂·K and the values). Only values in the subnormal range
+    (|x| < 2^-6) round differently: 2e-3 of the largest logit bounds that (4e-4 measured);
+    a scale left out moves them by far more."""
+    four = dataclasses.replace(TINY, n_layers=4)
+    model = K3Model(four, random_weights(four, seed=3), dtype=torch.float32)
+    tokens = torch.randint(0, four.vocab, (2, 4), generator=torch.Generator().manual_seed(5))
+    logits = []
+    for kv_scale, q_scale in ((1.0, 1.0), (0.25, 0.5)):
+        state = model.new_state(2, 6, kv_dtype=FP8, kv_scale=kv_scale, q_scale=q_scale)
+        prompt = model.forward(tokens[:, :3], state)
+        logits.append(torch.cat([prompt, model.forward(tokens[:, 3:], state)], dim=1))
+    plain, scaled = logits
+    torch.testing.assert_close(scaled, plain, rtol=0, atol=2e-3 * float(plain.abs().max()))
+
+
+def test_the_router_ranks_experts_by_fp32_logits_of_bf16_inputs():
+    """The router GEMM's logits are fp32 (vLLM's "fp32 out"): two experts whose logits differ
+    by 2^-9 at 1.0, below bf16's step there (2^-7), are told apart. Token 0 favours expert 0,
+    token 1 expert 1 (weights and inputs exact in bf16); three experts that a bias of 10
+    always picks fill the other slots of the top 4. Logits rounded to bf16 would tie the
+    two, and a tie picks the same expert for both tokens."""
+    three = dataclasses.replace(TINY, n_layers=3)
+    model = K3Model(three, random_weights(three, seed=3), dtype=torch.bfloat16)
+    m = "model.layers.1.mlp."
+    gate = model.w[m + "gate.weight"]
+    gate.zero_()
+    gate[0, :2] = 1.0        # expert 0: h[0] + h[1]
+    gate[1, 0] = gate[1, 2] = 1.0      # expert 1: h[0] + h[2]
+    bias = model.w[m + "gate.e_score_correction_bias"]
+    bias.zero_()
+    bias[2:5] = 10.0
+    h = torch.zeros(2, 1, three.hidden, dtype=torch.bfloat16)
+    h[:, 0, 0] = 1.0
+    h[0, 0, 1] = h[1, 0, 2] = 2 ** -9
+    _, chosen = model._moe(1, h)
+    assert [sorted(experts) for experts in chosen[:, 0].tolist()] == [[0, 2, 3, 4],
+                                                                      [1, 2, 3, 4]]
+
+
+def test_a_bf16_model_keeps_its_kda_state_in_fp32(weights):
+    """The KDA recurrent state is fp32 whatever the activations' dtype (the design's "fp32
+    SSM state": its decays compound over every token); the conv state holds the model's
+    dtype, as its raw inputs come."""
+    two = dataclasses.replace(TINY, n_layers=2)
+    model = K3Model(two, random_weights(two, seed=3), dtype=torch.bfloat16)
+    state = model.new_state(1, 4)
+    model.forward(torch.tensor([[1, 2]]), state)
+    assert state.kda[0].dtype == torch.float32 and state.kda[0].abs().sum() > 0
+    assert state.conv[0].dtype == torch.bfloat16

@@ -222,3 +222,31 @@ def test_no_ledger_when_any_launch_is_named_by_its_kernel():
     assert fusion_ledger(standard, specialized) is None
     assert fusion_ledger([*standard, {"name": "sm90_xmma_gemm_bf16", "us": 1.0}],
                          specialized[:1]) is None
+
+
+def test_the_fusion_table_names_new_work_and_says_which_way_its_ratios_go(monkeypatch):
+    """A specialized launch that replaces no standard launch reads "(new work)", with no
+    ratio; the caption counts the launches on each side and the µs of each; where the
+    comparison above has the specialized path as A, it says its ratios go the other way
+    round, and of a CPU run that they are no speed figure."""
+    from kimi_perf.render import fusion_table, tables_text
+
+    rows = [LedgerRow("dense_gate_up_situ", 7.0, ["dense_gate_up", "dense_situ_and_mul"], 9.0),
+            LedgerRow("extra_launch", 2.0, [], 0.0),
+            LedgerRow("attn_res", 2.0, ["attn_res_pre", "attn_res_post"], 3.0)]
+    table = fusion_table("dense", "standard", "specialized", rows, ["dense_down"])
+    monkeypatch.delenv("COLUMNS", raising=False)   # (as piped: the table boxed, whole)
+    cells = [[c.strip() for c in line.split("│")[1:-1]]
+             for line in tables_text([table]).splitlines() if line.startswith("│")]
+    assert cells == [["dense_gate_up_situ", "7.0", "dense_gate_up + dense_situ_and_mul", "9.0",
+                      "1.29"], ["extra_launch", "2.0", "(new work)", "0.0", "-"],
+                     ["attn_res", "2.0", "attn_res_pre + attn_res_post", "3.0", "1.50"]]
+    assert table.caption == ("3 launches for 4: 11.0 µs for 12.0 µs; ratio: their µs over its, "
+                             "above 1: the fusion is faster\n"
+                             "standard launches no specialized launch took: dense_down")
+    cpu = fusion_table("dense", "standard", "specialized", rows, [], on_cpu=True,
+                       specialized_first=True).caption
+    assert cpu.startswith("3 launches for 4: 11.0 µs for 12.0 µs; ratio: their µs over its, "
+                          "standard over specialized (the other way round from the ratios "
+                          "above), above 1 where the launch takes less (a CPU run: ")
+    assert "\n" not in cpu and "the fusion is faster" not in cpu

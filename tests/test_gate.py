@@ -4381,3 +4381,49 @@ def test_a_read_only_baseline_is_refused_before_the_run_is_read(tmp_path):
     assert result.exit_code == 2 and result.output == (
         f"kimi-perf: error: {kept}: cannot write: it is read-only (mode 444)\n")
     assert kept.read_text() == BASELINE.read_text()
+
+
+def test_a_check_s_figures_and_changes_are_written_as_the_table_shows_them():
+    """A figure of a thousand or more is whole, with thousands separated (1,000, not 1000 nor
+    1e+03), a smaller one to four significant digits; a change to a tenth of a percent, a
+    smaller one that is not nothing to two digits, and one below 0.001% as such, with its
+    sign."""
+    from kimi_perf.render import _change, _value
+
+    assert [_value(v) for v in (None, 1000.0, 999.94, 12345.6, 0.000123456)] == [
+        "-", "1,000", "999.9", "12,346", "0.0001235"]
+    assert [_change(v) for v in (None, 0.0, 3e-6, -3e-6, 0.00025, -0.00025, 0.0005, -0.5)] == [
+        "-", "+0.0%", "+<0.001%", "-<0.001%", "+0.025%", "-0.025%", "+0.1%", "-50.0%"]
+
+
+def test_the_gate_table_says_what_each_p_was_tested_over_and_at_which_alpha(
+        monkeypatch):
+    """A check's p says what was tested where it was not the steps: "(runs)" against the
+    baseline's spread of runs, "(layers)" where too few steps; a family's alpha after it; a
+    note for each under the table; a plain ok check is left out but with show_all."""
+    from kimi_perf.gate import Check, GateResult
+    from kimi_perf.render import gate_table, tables_text
+
+    checks = [Check("trace", "kda", "span_us", 100.0, 130.0, 0.3, 0.004, "regression",
+                    detail="gemm +30.0 µs", tested_over="runs"),
+              Check("trace", "mla", "span_us", 200.0, 230.0, 0.15, 0.02, "regression",
+                    tested_over="layers", alpha=0.025),
+              Check("trace", "step", "kernels", 10.0, 10.0, 0.0, None, "ok")]
+    result = GateResult(checks, Tolerances(), spread_runs=3)
+    monkeypatch.delenv("COLUMNS", raising=False)   # (as piped: the table boxed, whole)
+
+    def rows(table):
+        return [[c.strip() for c in line.split("│")[1:-1]]
+                for line in tables_text([table]).splitlines() if line.startswith("│")]
+
+    assert rows(gate_table(result)) == [
+        ["trace", "kda", "span_us", "100", "130", "+30.0%", "0.004 (runs)", "regression",
+         "gemm +30.0 µs"],
+        ["trace", "mla", "span_us", "200", "230", "+15.0%", "0.02 (layers) (α 0.025)",
+         "regression", ""]]
+    assert gate_table(result).caption == (
+        "(layers): too few steps for the test, the layers tested: an optimistic p (the layers "
+        "of a step share its noise)\n(runs): the run's figure tested against the spread of "
+        "the baseline's 3 runs (a t prediction interval for one run more)")
+    assert rows(gate_table(result, show_all=True))[2][:8] == [
+        "trace", "step", "kernels", "10", "10", "+0.0%", "-", "ok"]

@@ -916,3 +916,12 @@ def test_a_report_and_an_export_older_than_it_are_two_captures(tmp_path):
     os.utime(export, (1_000_000, 1_000_000))    # (1970: long before the report)
     assert same_capture([report, export]) is None
     assert same_capture([export, report]) is None
+
+
+def test_one_run_given_three_times_is_drawn_three_times_each_label_primed_once_more():
+    """report_inputs of one stored run given three times keeps every path of each: the
+    second's labels primed once, the third's twice, none drawn over another."""
+    got = report_inputs([BASELINE] * 3)
+    assert list(got.breakdowns) == [
+        "tiny-cpu:standard", "tiny-cpu:specialized", "tiny-cpu:standard'",
+        "tiny-cpu:specialized'", "tiny-cpu:standard''", "tiny-cpu:specialized''"]

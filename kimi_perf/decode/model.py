@@ -743,5 +743,6 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
 
 
 def _to_fp8(x: torch.Tensor, scale: float) -> torch.Tensor:
-    """e4m3 of x / scale, saturated at ±448 (a plain cast would give NaN beyond it)."""
+    """e4m3 of x / scale, saturated at ±448 (a plain cast saturates on some devices and
+    torch releases, and gives NaN beyond it on others)."""
     return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
